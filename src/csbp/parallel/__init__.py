@@ -1,0 +1,1 @@
+"""Process groups, counted collectives and the local multi-process launcher."""
