@@ -1,0 +1,1 @@
+"""Attention: row metadata, kernels, online-softmax merge, per-rank layouts and distributed transports."""

@@ -1,0 +1,320 @@
+"""Which logical rows of the BD3 ``[x_t ; x_0]`` sequence each rank holds (csbp.md §5, §8, §11).
+
+A layout answers, for one rank: which noisy positions (query rows whose logits it scores), which
+clean positions (its share of the clean stream) and, as ``Rows``, the interval metadata every
+kernel evaluates. The packed order is always ``[noisy rows, grouped by block in block order ;
+clean rows sorted by position]``.
+
+Mask bounds in token units (csbp.md §3.3), for a row at position ``p`` in block ``b`` (``s = b*B``):
+
+======  ======================  ==================================
+row     full attention          sliding window ``W`` (counts self)
+======  ======================  ==================================
+noisy   clean ``[0, s)``        clean ``[max(0, s-(W-1)), s)``
+clean   clean ``[0, (b+1)*B)``  clean ``[max(0, p+1-W), p+1)``
+======  ======================  ==================================
+
+plus, for a noisy row, the noisy rows of its own block (``Rows.block``).
+
+Layouts: ``reference_layout`` (everything on one rank), ``cp_zigzag_layout`` (CP-only over ``2L``),
+``bp_only_layout`` (clean-prefix replication), ``csbp_layout`` (fused CP x BP), and
+``rank_layout`` to pick one from a ``Topology``. ``window_exchange_plan`` is the static plan of the
+variable-split all-to-all that moves only the clean rows a sliding-window layer needs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from csbp.attention.rows import Rows
+from csbp.schedules import SchedulePolicy, block_schedule, zigzag_positions
+from csbp.topology import Topology
+
+
+def bd3_rows(
+    noisy_positions: Tensor, clean_positions: Tensor, *, block_size: int, window: int | None = None
+) -> Rows:
+    """Rows ``[noisy ; clean]`` (each in the given order) of the BD3 mask, optionally windowed."""
+    _check_window(window)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    noisy_pos = noisy_positions.to(torch.long)  # [A]
+    clean_pos = clean_positions.to(torch.long)  # [C]
+    noisy_block = noisy_pos // block_size
+    clean_block = clean_pos // block_size
+    noisy_stop = noisy_block * block_size  # the noisy block's first position
+    if window is None:
+        noisy_start = torch.zeros_like(noisy_pos)
+        clean_start = torch.zeros_like(clean_pos)
+        clean_stop = (clean_block + 1) * block_size
+    else:
+        noisy_start = (noisy_stop - (window - 1)).clamp(min=0)
+        clean_start = (clean_pos + 1 - window).clamp(min=0)
+        clean_stop = clean_pos + 1
+    num_rows = noisy_pos.shape[0] + clean_pos.shape[0]
+    return Rows(
+        pos=torch.cat([noisy_pos, clean_pos]),
+        clean=torch.cat(
+            [torch.zeros_like(noisy_pos, dtype=torch.bool), torch.ones_like(clean_pos, dtype=torch.bool)]
+        ),
+        block=torch.cat([noisy_block, clean_block]),
+        ctx_start=torch.cat([noisy_start, clean_start]),
+        ctx_stop=torch.cat([noisy_stop, clean_stop]),
+        live=torch.ones(num_rows, dtype=torch.bool, device=noisy_pos.device),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class RankLayout:
+    """The rows one rank holds.
+
+    Attributes:
+        rows: packed metadata, ``num_noisy`` noisy rows then the clean rows.
+        num_noisy: number of noisy (loss-bearing) rows at the front of ``rows``.
+        noisy_positions: int64 ``[num_noisy]``, grouped by block in block order.
+        clean_positions: int64 ``[len(rows) - num_noisy]``, sorted.
+        owned_blocks: sorted blocks whose noisy rows this rank holds.
+    """
+
+    rows: Rows
+    num_noisy: int
+    noisy_positions: Tensor
+    clean_positions: Tensor
+    owned_blocks: tuple[int, ...]
+
+    @property
+    def num_clean(self) -> int:
+        return int(self.clean_positions.shape[0])
+
+
+def reference_layout(seq_len: int, block_size: int, window: int | None = None) -> RankLayout:
+    """All ``2L`` rows on one rank: noisy ``0 .. L-1`` then clean ``0 .. L-1``."""
+    Topology().validate_sequence(seq_len, block_size)
+    positions = torch.arange(seq_len)
+    return _layout(positions, positions, block_size, window)
+
+
+def cp_zigzag_layout(
+    seq_len: int, block_size: int, cp: int, cp_rank: int, window: int | None = None
+) -> RankLayout:
+    """CP-only (csbp.md §5.1): ``[0, 2L)`` cut into ``2*cp`` chunks of ``L/cp`` rows; rank ``r`` holds
+    chunk ``r`` (noisy ``[r*L/cp, (r+1)*L/cp)``) and chunk ``2cp-1-r`` (clean
+    ``[(cp-1-r)*L/cp, (cp-r)*L/cp)``)."""
+    Topology(cp=cp).validate_sequence(seq_len, block_size)
+    logical = zigzag_positions(2 * seq_len, cp, cp_rank)  # sorted logical indices in [0, 2L)
+    is_clean = logical >= seq_len
+    return _layout(logical[~is_clean], logical[is_clean] - seq_len, block_size, window)
+
+
+def bp_only_layout(
+    seq_len: int,
+    block_size: int,
+    bp: int,
+    bp_rank: int,
+    schedule: SchedulePolicy = "dual_end",
+    window: int | None = None,
+) -> RankLayout:
+    """BP-only (csbp.md §5.3): the noisy rows of ``bp_rank``'s blocks and the replicated clean prefix
+    ``[0, b_max*B)``, ``b_max`` being its highest owned block.
+
+    With a window the full prefix is still kept: a windowed clean row needs the ``W-1`` clean rows
+    before it *at the previous layer*, which need theirs one layer below, so an ``n``-layer model
+    reaches ``n*(W-1)`` rows back. A layout does not know the depth, and recomputing the prefix from
+    position 0 is what makes every kept clean row exact at every layer.
+    """
+    Topology(bp=bp, replicate_clean_prefix=bp > 1).validate_sequence(seq_len, block_size)
+    blocks = _owned_blocks(seq_len, block_size, bp, bp_rank, schedule)
+    noisy_positions = _block_positions(blocks, block_size)
+    return _layout(noisy_positions, torch.arange(max(blocks) * block_size), block_size, window, blocks)
+
+
+def csbp_layout(
+    seq_len: int,
+    block_size: int,
+    cp: int,
+    bp: int,
+    local_rank: int,
+    schedule: SchedulePolicy = "dual_end",
+    window: int | None = None,
+) -> RankLayout:
+    """Fused CP x BP (csbp.md §5.4-§5.5): the noisy rows of the blocks BP worker ``local_rank`` owns
+    and the zigzag clean shard of ``cp_rank = local_rank % cp``. With ``bp > cp`` every ring
+    (``local_rank // cp``) holds a complete CP-sharded copy of the clean stream."""
+    topology = Topology(cp=cp, bp=bp)
+    if topology.layout != "csbp":
+        raise ValueError(
+            f"csbp_layout needs cp > 1 and bp a multiple of cp, got cp={cp}, bp={bp}: "
+            "use cp_zigzag_layout (bp=1) or bp_only_layout (cp=1)"
+        )
+    topology.validate_sequence(seq_len, block_size)
+    blocks = _owned_blocks(seq_len, block_size, bp, local_rank, schedule)
+    clean_positions = zigzag_positions(seq_len, cp, local_rank % cp)
+    return _layout(_block_positions(blocks, block_size), clean_positions, block_size, window, blocks)
+
+
+def rank_layout(
+    topology: Topology,
+    local_rank: int,
+    seq_len: int,
+    block_size: int,
+    *,
+    schedule: SchedulePolicy = "dual_end",
+    window: int | None = None,
+) -> RankLayout:
+    """The layout of local rank ``local_rank`` under ``topology`` (any of its four layouts)."""
+    if not 0 <= local_rank < topology.local:
+        raise ValueError(f"local_rank must be in [0, {topology.local}), got {local_rank}")
+    if topology.layout == "data":
+        return reference_layout(seq_len, block_size, window)
+    if topology.layout == "cp":
+        return cp_zigzag_layout(seq_len, block_size, topology.cp, local_rank, window)
+    if topology.layout == "bp":
+        return bp_only_layout(seq_len, block_size, topology.bp, local_rank, schedule, window)
+    return csbp_layout(seq_len, block_size, topology.cp, topology.bp, local_rank, schedule, window)
+
+
+def ring_clean_positions(seq_len: int, cp: int) -> list[Tensor]:
+    """Zigzag clean positions owned by each CSBP ring member ``0 .. cp-1`` (to tag gathered rows)."""
+    return [zigzag_positions(seq_len, cp, c) for c in range(cp)]
+
+
+@dataclass(frozen=True, eq=False)
+class WindowPlan:
+    """Static plan of the sliding-window clean-row exchange inside one ring (csbp.md §11).
+
+    ``send[s][d]`` are the sorted clean positions ring member ``s`` sends to member ``d``: those
+    ``d``'s query rows may attend to and ``s`` owns (empty for ``s == d``). The forward is one
+    ``all_to_all_single`` with ``input_split_sizes = send_counts(s)`` on a buffer gathered by
+    ``send_index(s)`` from ``s``'s clean shard, and ``output_split_sizes = recv_counts(d)``; the
+    received rows are ``recv_positions(d)`` (source-major). The backward is the reverse exchange,
+    the owner adding the returned gradients at ``send_index``. All tensors are CPU int64; treat them
+    as read-only: the plan is cached and shared.
+    """
+
+    seq_len: int
+    block_size: int
+    cp: int
+    bp: int
+    ring_index: int
+    window: int
+    owned_positions: tuple[Tensor, ...]  # [cp] sorted clean positions of each ring member
+    send: tuple[tuple[Tensor, ...], ...]  # [cp][cp] sorted positions, source-major
+
+    def send_counts(self, source: int) -> list[int]:
+        """Rows ``source`` sends to each ring member (``input_split_sizes``)."""
+        return [int(t.shape[0]) for t in self.send[source]]
+
+    def recv_counts(self, dest: int) -> list[int]:
+        """Rows ``dest`` receives from each ring member (``output_split_sizes``)."""
+        return [int(self.send[s][dest].shape[0]) for s in range(self.cp)]
+
+    def send_index(self, source: int) -> Tensor:
+        """Row indices into ``source``'s clean shard of its send buffer (destination-major)."""
+        positions = torch.cat(list(self.send[source]))
+        return torch.searchsorted(self.owned_positions[source], positions)
+
+    def recv_positions(self, dest: int) -> Tensor:
+        """Clean positions of the rows ``dest`` receives, in receive-buffer order (source-major)."""
+        return torch.cat([self.send[s][dest] for s in range(self.cp)])
+
+
+@functools.lru_cache(maxsize=64)
+def window_exchange_plan(
+    seq_len: int,
+    block_size: int,
+    cp: int,
+    bp: int,
+    ring_index: int,
+    window: int,
+    schedule: SchedulePolicy = "dual_end",
+) -> WindowPlan:
+    """The exchange plan of ring ``ring_index`` for a layer with window ``window``.
+
+    ``need(d)`` is the union of ``d``'s query-row clean intervals, i.e. csbp.md §11's
+    ``∪_p [max(0, p+1-W), p+1) ∪ ∪_b [max(0, b*B-(W-1)), b*B)`` over ``d``'s clean rows ``p`` and
+    owned blocks ``b``; ``send[s][d] = need(d) ∩ owned(s)``. ``bp == 1`` plans the CP-only zigzag
+    layout, ``bp > 1`` the fused one (ring members are local ranks ``ring_index*cp + d``).
+    """
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1 for window_exchange_plan, got {window!r}")
+    if cp < 2:
+        raise ValueError(f"window_exchange_plan needs cp > 1 (a ring to exchange in), got cp={cp}")
+    topology = Topology(cp=cp, bp=bp)
+    if not 0 <= ring_index < topology.num_rings:
+        raise ValueError(f"ring_index must be in [0, {topology.num_rings}), got {ring_index}")
+    members = [
+        rank_layout(topology, ring_index * cp + d, seq_len, block_size, schedule=schedule, window=window)
+        for d in range(cp)
+    ]
+    owned = tuple(m.clean_positions for m in members)
+    owner_of_position = torch.empty(seq_len, dtype=torch.long)  # [L] ring member owning each position
+    for source, positions in enumerate(owned):
+        owner_of_position[positions] = source
+    send: list[list[Tensor]] = [[torch.zeros(0, dtype=torch.long)] * cp for _ in range(cp)]
+    for dest, member in enumerate(members):
+        needed = torch.nonzero(_interval_cover(member.rows, seq_len)).flatten()  # sorted
+        needed_owner = owner_of_position[needed]
+        for source in range(cp):
+            if source != dest:
+                send[source][dest] = needed[needed_owner == source]
+    return WindowPlan(
+        seq_len=seq_len,
+        block_size=block_size,
+        cp=cp,
+        bp=bp,
+        ring_index=ring_index,
+        window=window,
+        owned_positions=owned,
+        send=tuple(tuple(row) for row in send),
+    )
+
+
+def _interval_cover(rows: Rows, length: int) -> Tensor:
+    """Bool ``[length]``: positions inside at least one row's ``[ctx_start, ctx_stop)``."""
+    start = rows.ctx_start.clamp(0, length)
+    stop = rows.ctx_stop.clamp(0, length)
+    nonempty = stop > start
+    delta = torch.zeros(length + 1, dtype=torch.long)  # +1 at each start, -1 at each stop
+    delta.index_add_(0, start[nonempty], torch.ones_like(start[nonempty]))
+    delta.index_add_(0, stop[nonempty], -torch.ones_like(stop[nonempty]))
+    return torch.cumsum(delta, 0)[:length] > 0
+
+
+def _owned_blocks(
+    seq_len: int, block_size: int, num_workers: int, worker: int, schedule: SchedulePolicy
+) -> tuple[int, ...]:
+    if not 0 <= worker < num_workers:
+        raise ValueError(f"BP rank must be in [0, {num_workers}), got {worker}")
+    return block_schedule(seq_len // block_size, num_workers, schedule).blocks(worker)
+
+
+def _block_positions(blocks: tuple[int, ...], block_size: int) -> Tensor:
+    offsets = torch.arange(block_size)
+    return torch.cat([b * block_size + offsets for b in blocks])
+
+
+def _layout(
+    noisy_positions: Tensor,
+    clean_positions: Tensor,
+    block_size: int,
+    window: int | None,
+    owned_blocks: tuple[int, ...] | None = None,
+) -> RankLayout:
+    if owned_blocks is None:
+        owned_blocks = tuple(int(b) for b in torch.unique(noisy_positions // block_size))
+    return RankLayout(
+        rows=bd3_rows(noisy_positions, clean_positions, block_size=block_size, window=window),
+        num_noisy=int(noisy_positions.shape[0]),
+        noisy_positions=noisy_positions,
+        clean_positions=clean_positions,
+        owned_blocks=owned_blocks,
+    )
+
+
+def _check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None (full attention) or an int >= 1, got {window!r}")
