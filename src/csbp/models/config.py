@@ -1,0 +1,114 @@
+"""Shape and numerics configuration of the Qwen3/Llama-family decoder (``csbp.models.decoder``).
+
+One frozen dataclass, validated on construction, shared by the decoder, the HF importer/exporter
+and anything that needs to size a model (memory estimates, optimizer groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+SUPPORTED_ARCHS: tuple[str, ...] = ("qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Decoder hyper-parameters.
+
+    Attributes:
+        vocab_size: number of token ids (rows of the embedding and of the LM head).
+        hidden_size: residual stream width ``D``.
+        intermediate_size: SwiGLU inner width of the MLP.
+        num_layers: number of decoder layers.
+        num_heads: query heads ``Hq``.
+        num_kv_heads: key/value heads ``Hkv`` (grouped-query attention; ``Hq % Hkv == 0``).
+        head_dim: per-head width ``d`` (need not equal ``hidden_size // num_heads``).
+        rope_theta: RoPE base wavelength.
+        rms_norm_eps: epsilon of every RMSNorm.
+        qk_norm: per-head RMSNorm of queries and keys before RoPE (Qwen3); False for Llama.
+        tie_embeddings: the LM head reuses the token embedding matrix.
+        arch: Hugging Face family used on export (``qwen3`` needs ``qk_norm=True`` and
+            ``mlp_bias=False``; ``llama`` needs ``qk_norm=False``).
+        attention_bias: biases on the q/k/v/o projections.
+        mlp_bias: biases on the gate/up/down projections.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    qk_norm: bool = True
+    tie_embeddings: bool = False
+    arch: Literal["qwen3", "llama"] = "qwen3"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecoderConfig.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"DecoderConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"DecoderConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"DecoderConfig.{name} must be a number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        if not self.rope_theta > 0.0:
+            raise ValueError(f"DecoderConfig.rope_theta must be positive, got {self.rope_theta!r}")
+        if not self.rms_norm_eps > 0.0:
+            raise ValueError(f"DecoderConfig.rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"DecoderConfig.arch must be one of {SUPPORTED_ARCHS}, got {self.arch!r}")
+        for name in ("qk_norm", "tie_embeddings", "attention_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DecoderConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_parameters(self, *, include_embeddings: bool = True) -> int:
+        """Exact number of trainable parameters of ``Decoder(self)``.
+
+        With ``include_embeddings=False`` the token embedding (and an untied LM head) are left out,
+        which is the count that usually enters FLOP estimates.
+        """
+        d_model, d_head = self.hidden_size, self.head_dim
+        q_width, kv_width = self.num_heads * d_head, self.num_kv_heads * d_head
+        attention = d_model * q_width + 2 * d_model * kv_width + q_width * d_model
+        if self.attention_bias:
+            attention += q_width + 2 * kv_width + d_model
+        if self.qk_norm:
+            attention += 2 * d_head
+        mlp = 3 * d_model * self.intermediate_size
+        if self.mlp_bias:
+            mlp += 2 * self.intermediate_size + d_model
+        layer = attention + mlp + 2 * d_model  # two RMSNorm weights
+        total = self.num_layers * layer + d_model  # final norm
+        if include_embeddings:
+            total += self.vocab_size * d_model
+            if not self.tie_embeddings:
+                total += self.vocab_size * d_model
+        return total

@@ -1,0 +1,391 @@
+"""Hugging Face import/export (``csbp.models.hf_io``): logits parity with transformers' Qwen3 and
+Llama in both directions, config mapping, and clear errors for bad checkpoints.
+
+Everything is offline and tiny (hidden 32, vocab 64); HF models use eager attention.
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_hf_io.py -q``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import csbp.models.hf_io as hf_io  # noqa: E402
+from csbp.models import (  # noqa: E402
+    CausalAttention,
+    Decoder,
+    DecoderConfig,
+    decoder_config_from_hf,
+    export_hf_checkpoint,
+    hf_passthrough_config,
+    load_hf_checkpoint,
+)
+
+VOCAB = 64
+ATOL = 1e-5  # float32 logits of O(1) magnitude
+
+
+@pytest.fixture(scope="module")
+def transformers() -> ModuleType:
+    module = pytest.importorskip("transformers")
+    module.logging.set_verbosity_error()
+    module.utils.logging.disable_progress_bar()
+    return module
+
+
+def perturb_(model: torch.nn.Module, seed: int) -> None:
+    """O(1) activations and non-unit norm weights, so a wrong mapping cannot hide below the tolerance."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator).to(param.dtype)
+            param.copy_(1.0 + 0.2 * noise if "norm" in name else 0.15 * noise)
+
+
+def make_hf_model(
+    transformers: ModuleType, arch: str, *, tie: bool, num_layers: int, bias: bool, rope_theta: float = 5000.0
+) -> Any:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=rope_theta,
+        tie_word_embeddings=tie,
+        attention_bias=bias,
+        attn_implementation="eager",
+    )
+    if arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(mlp_bias=bias, **common))
+    perturb_(model, seed=num_layers)
+    return model.eval()
+
+
+def hf_logits(model: Any, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids, position_ids=position_ids).logits
+
+
+def csbp_logits(model: Decoder, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.logits(model(ids, positions, CausalAttention()))
+
+
+def random_ids(num_samples: int = 2, num_rows: int = 11) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (num_samples, num_rows), generator=torch.Generator().manual_seed(0))
+
+
+def tiny_config(**overrides: Any) -> DecoderConfig:
+    fields: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=2500.0,
+    )
+    fields.update(overrides)
+    return DecoderConfig(**fields)
+
+
+# ----------------------------------------------------------------------------- HF -> csbp
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize(
+    ("tie", "num_layers", "bias"), [(False, 2, False), (True, 3, False), (False, 4, True)]
+)
+def test_loaded_checkpoint_matches_hf_logits(
+    transformers: ModuleType, tmp_path: Path, arch: str, tie: bool, num_layers: int, bias: bool
+) -> None:
+    hf_model = make_hf_model(transformers, arch, tie=tie, num_layers=num_layers, bias=bias)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    model, config = load_hf_checkpoint(tmp_path)
+    assert (config.arch, config.tie_embeddings, config.num_layers, config.rope_theta) == (
+        arch,
+        tie,
+        num_layers,
+        5000.0,
+    )
+    assert config.qk_norm == (arch == "qwen3") and config.attention_bias == bias
+    assert config.head_dim == (16 if arch == "qwen3" else 8)
+    assert model.embed_tokens.weight.dtype == torch.float32
+    ids = random_ids()
+    reference = hf_logits(hf_model, ids)
+    assert reference.abs().max() > 0.5  # the comparison is not between near-zero logits
+    torch.testing.assert_close(csbp_logits(model, ids, torch.arange(11)), reference, rtol=0, atol=ATOL)
+    # explicit, shifted positions follow HF's position_ids
+    shifted = torch.arange(11) + 7
+    torch.testing.assert_close(
+        csbp_logits(model, ids, shifted),
+        hf_logits(hf_model, ids, shifted[None].repeat(2, 1)),
+        rtol=0,
+        atol=ATOL,
+    )
+
+
+def test_sharded_checkpoint_loads(transformers: ModuleType, tmp_path: Path) -> None:
+    hf_model = make_hf_model(transformers, "qwen3", tie=False, num_layers=2, bias=False)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="10KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    model, _ = load_hf_checkpoint(tmp_path)
+    ids = random_ids()
+    torch.testing.assert_close(
+        csbp_logits(model, ids, torch.arange(11)), hf_logits(hf_model, ids), rtol=0, atol=ATOL
+    )
+
+
+def test_layer_outputs_match_hf_hidden_states(transformers: ModuleType, tmp_path: Path) -> None:
+    hf_model = make_hf_model(transformers, "qwen3", tie=False, num_layers=4, bias=False)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    model, _ = load_hf_checkpoint(tmp_path)
+    ids = random_ids()
+    with torch.no_grad():
+        hidden_states = hf_model(input_ids=ids, output_hidden_states=True).hidden_states
+        features = model.layer_outputs(ids, torch.arange(11), CausalAttention(), [2, 0])
+    expected = torch.cat([hidden_states[3], hidden_states[1]], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=0, atol=ATOL)
+
+
+# ----------------------------------------------------------------------------- csbp -> HF
+
+
+@pytest.mark.parametrize(
+    ("arch", "tie", "bias"),
+    [("qwen3", False, False), ("qwen3", True, True), ("llama", False, True), ("llama", True, False)],
+)
+def test_exported_checkpoint_loads_in_transformers(
+    transformers: ModuleType, tmp_path: Path, arch: str, tie: bool, bias: bool
+) -> None:
+    config = tiny_config(
+        arch=arch,
+        qk_norm=arch == "qwen3",
+        tie_embeddings=tie,
+        attention_bias=bias,
+        mlp_bias=bias and arch == "llama",
+        head_dim=12,
+    )
+    model = Decoder(config, seed=1)
+    perturb_(model, seed=1)
+    out = export_hf_checkpoint(model, config, tmp_path / "export", extra_config={"eos_token_id": 3})
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_theta"] == 2500.0 and written["eos_token_id"] == 3
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        out, attn_implementation="eager", dtype=torch.float32, local_files_only=True
+    )
+    assert type(hf_model).__name__ == hf_io.HF_CLASS_BY_ARCH[arch]
+    ids = random_ids()
+    torch.testing.assert_close(
+        hf_logits(hf_model.eval(), ids), csbp_logits(model, ids, torch.arange(11)), rtol=0, atol=ATOL
+    )
+
+
+def test_export_then_load_round_trips_exactly(tmp_path: Path) -> None:
+    config = tiny_config(attention_bias=True)
+    model = Decoder(config, seed=2)
+    perturb_(model, seed=2)
+    token_fields = {"eos_token_id": [5, 6], "bos_token_id": 4, "max_position_embeddings": 4096}
+    export_hf_checkpoint(model, config, tmp_path / "ckpt", extra_config=token_fields)
+    loaded, loaded_config = load_hf_checkpoint(tmp_path / "ckpt")
+    assert loaded_config == config
+    for (name, expected), actual in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(actual, expected), name
+    assert hf_passthrough_config(tmp_path / "ckpt") == {**token_fields, "pad_token_id": None}
+    export_hf_checkpoint(
+        loaded, loaded_config, tmp_path / "again", extra_config=hf_passthrough_config(tmp_path / "ckpt")
+    )
+    assert (tmp_path / "again" / "config.json").read_text() == (tmp_path / "ckpt" / "config.json").read_text()
+
+
+def test_export_in_bfloat16_stores_bfloat16(tmp_path: Path) -> None:
+    config = tiny_config()
+    model = Decoder(config)
+    export_hf_checkpoint(model, config, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert {t.dtype for t in load_file(str(tmp_path / "bf16" / "model.safetensors")).values()} == {
+        torch.bfloat16
+    }
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    loaded, _ = load_hf_checkpoint(tmp_path / "bf16")
+    assert loaded.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(loaded.embed_tokens.weight, model.embed_tokens.weight.bfloat16())
+
+
+def test_export_is_atomic_and_refuses_to_clobber(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tiny_config()
+    model = Decoder(config)
+    target = tmp_path / "ckpt"
+
+    def crash(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf_io, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        export_hf_checkpoint(model, config, target)
+    assert list(tmp_path.iterdir()) == []  # neither the target nor a staging directory is left
+    monkeypatch.undo()
+
+    export_hf_checkpoint(model, config, target)
+    with pytest.raises(ValueError, match="overwrite=True"):
+        export_hf_checkpoint(model, config, target)
+    other = Decoder(config, seed=9)
+    export_hf_checkpoint(other, config, target, overwrite=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+    loaded, _ = load_hf_checkpoint(target)
+    assert torch.equal(loaded.norm.weight, other.norm.weight)
+    assert torch.equal(loaded.embed_tokens.weight, other.embed_tokens.weight)
+
+
+def test_export_copies_tokenizer_files(tmp_path: Path) -> None:
+    tokenizer_dir = tmp_path / "tok"
+    tokenizer_dir.mkdir()
+    (tokenizer_dir / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tokenizer_dir / "tokenizer_config.json").write_text("{}")
+    (tokenizer_dir / "unrelated.txt").write_text("x")
+    config = tiny_config()
+    out = export_hf_checkpoint(Decoder(config), config, tmp_path / "ckpt", tokenizer_dir=tokenizer_dir)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    (tmp_path / "no_tokenizer").mkdir()
+    with pytest.raises(ValueError, match="tokenizer_dir"):
+        export_hf_checkpoint(
+            Decoder(config), config, tmp_path / "ckpt2", tokenizer_dir=tmp_path / "no_tokenizer"
+        )
+    assert not (tmp_path / "ckpt2").exists()
+
+
+def test_export_rejects_inconsistent_requests(tmp_path: Path) -> None:
+    config = tiny_config()
+    model = Decoder(config)
+    with pytest.raises(ValueError, match=r"extra_config must not override.*hidden_size"):
+        export_hf_checkpoint(model, config, tmp_path / "a", extra_config={"hidden_size": 64})
+    with pytest.raises(ValueError, match="config differs"):
+        export_hf_checkpoint(model, tiny_config(rope_theta=1.0), tmp_path / "b")
+    llama_with_norm = tiny_config(arch="llama", qk_norm=True)
+    with pytest.raises(ValueError, match="qk_norm=False"):
+        export_hf_checkpoint(Decoder(llama_with_norm), llama_with_norm, tmp_path / "c")
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- config mapping and errors
+
+
+def hf_config_dict(**overrides: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+    }
+    fields.update(overrides)
+    return fields
+
+
+def test_config_mapping_defaults_and_rope_locations() -> None:
+    llama = decoder_config_from_hf(hf_config_dict())
+    assert (llama.head_dim, llama.num_kv_heads, llama.rope_theta, llama.tie_embeddings) == (
+        8,
+        4,
+        10000.0,
+        False,
+    )
+    assert decoder_config_from_hf(hf_config_dict(rope_theta=500000.0)).rope_theta == 500000.0
+    nested = hf_config_dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_theta=None)
+    assert decoder_config_from_hf(nested).rope_theta == 1e6
+    legacy = hf_config_dict(rope_scaling={"type": "default", "rope_theta": 3e5})
+    assert decoder_config_from_hf(legacy).rope_theta == 3e5
+    qwen = decoder_config_from_hf(
+        hf_config_dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True)
+    )
+    assert (qwen.arch, qwen.qk_norm, qwen.head_dim, qwen.tie_embeddings) == ("qwen3", True, 128, True)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"architectures": ["MistralForCausalLM"]}, "unsupported architectures"),
+        ({"architectures": None}, "unsupported architectures"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type='yarn'"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
+        ({"num_hidden_layers": None}, "num_hidden_layers"),
+        ({"num_key_value_heads": 3}, "num_kv_heads"),
+    ],
+)
+def test_config_mapping_rejects_unsupported(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        decoder_config_from_hf(hf_config_dict(**overrides))
+
+
+@pytest.fixture
+def exported(tmp_path: Path) -> Path:
+    config = tiny_config()
+    return export_hf_checkpoint(Decoder(config), config, tmp_path / "ckpt")
+
+
+def rewrite_tensors(directory: Path, edit: Any) -> None:
+    tensors = load_file(str(directory / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+def test_missing_tensor_is_named(exported: Path) -> None:
+    rewrite_tensors(exported, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_norm\.weight'"):
+        load_hf_checkpoint(exported)
+
+
+def test_wrong_shape_is_named(exported: Path) -> None:
+    rewrite_tensors(exported, lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(40, 32)}))
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(40, 32\)"):
+        load_hf_checkpoint(exported)
+
+
+def test_unexpected_tensor_is_rejected_but_inv_freq_ignored(exported: Path) -> None:
+    rewrite_tensors(
+        exported, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)})
+    )
+    load_hf_checkpoint(exported)
+    rewrite_tensors(exported, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.ones(32)}))
+    with pytest.raises(
+        ValueError, match=r"does not explain, e\.g\. 'model\.layers\.0\.self_attn\.q_proj\.bias'"
+    ):
+        load_hf_checkpoint(exported)
+
+
+def test_unknown_architecture_and_missing_files(exported: Path, tmp_path: Path) -> None:
+    config_file = exported / "config.json"
+    hf_config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**hf_config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architectures"):
+        load_hf_checkpoint(exported)
+    config_file.write_text(json.dumps(hf_config))
+    (exported / "model.safetensors").rename(exported / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="never loaded"):
+        load_hf_checkpoint(exported)
+    with pytest.raises(ValueError, match="config.json not found"):
+        load_hf_checkpoint(tmp_path / "nowhere")
