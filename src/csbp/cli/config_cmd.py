@@ -1,0 +1,100 @@
+"""``csbp config validate CONFIG [--set KEY=VALUE ...] [--print]``: check a run config offline.
+
+``CONFIG`` is a YAML file or a packaged recipe name. Validation needs no GPU and no data: it
+checks the schema, the topology and the cross-section rules, prints a short summary, and notes
+paths that do not exist yet (not an error: the data may be prepared later). ``--print`` writes
+the validated config (every default explicit) as it would be saved to ``<run_dir>/config.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from csbp.config import RunConfig, dump_config
+from csbp.recipes import load_run_config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("config", help="validate and print run configs")
+    actions = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    validate = actions.add_parser("validate", help="validate a config file or recipe (no GPU needed)")
+    validate.add_argument("config", metavar="CONFIG", help="YAML config file, or a packaged recipe name")
+    add_override_argument(validate)
+    validate.add_argument(
+        "--print", action="store_true", dest="print_config", help="print the validated config"
+    )
+    validate.set_defaults(func=run_validate)
+
+
+def add_override_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE`` (repeatable), shared by every command that loads a config."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable; YAML values)",
+    )
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    cfg = load_run_config(args.config, args.overrides)
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return 0
+    print(f"config ok: {args.config}")
+    for key, value in summary_rows(cfg):
+        print(f"  {key:<10} {value}")
+    for note in missing_path_notes(cfg):
+        print(f"  note: {note}")
+    return 0
+
+
+def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
+    """Short human-readable ``(topic, text)`` rows describing a validated config."""
+    model, obj, topo = cfg.model, cfg.objective, cfg.topology
+    if model.init_from is not None:
+        model_text = f"{model.arch} from {model.init_from}"
+    else:
+        model_text = (
+            f"{model.arch}, {model.num_layers} layers, hidden {model.hidden_size}, "
+            f"heads {model.num_heads}/{model.num_kv_heads} x {model.head_dim}, {model.dtype}"
+        )
+    if obj.block_size is not None and obj.name != "ar":
+        blocks = f", block_size {obj.block_size} ({cfg.data.seq_len // obj.block_size} blocks per sequence)"
+    else:
+        blocks = ""
+    layout = topo.to_topology().layout
+    launched = f", {cfg.num_local_processes} local processes" if cfg.train.nproc is not None else ""
+    global_batch = topo.dp * cfg.train.micro_batch_size * cfg.train.grad_accum
+    return [
+        ("run", f"{cfg.run.name} (seed {cfg.run.seed})"),
+        ("model", model_text),
+        ("objective", f"{obj.name}{blocks}"),
+        ("data", f"seq_len {cfg.data.seq_len}, train {cfg.data.train}"),
+        (
+            "topology",
+            f"{layout} layout: dp={topo.dp} cp={topo.cp} bp={topo.bp}, world size {cfg.world_size}{launched}",
+        ),
+        ("train", f"{cfg.train.max_steps} steps, {global_batch} sequences per step, {cfg.train.precision}"),
+        ("optim", f"lr {cfg.optim.lr:g} ({cfg.optim.schedule}, {cfg.optim.warmup_steps} warm-up steps)"),
+    ]
+
+
+def missing_path_notes(cfg: RunConfig) -> list[str]:
+    """Notes for configured input paths that do not exist (yet)."""
+    inputs = {
+        "data.train": cfg.data.train,
+        "data.val": cfg.data.val,
+        "data.tokenizer": cfg.data.tokenizer,
+        "model.init_from": cfg.model.init_from,
+        "objective.dflash.target": cfg.objective.dflash.target if cfg.objective.dflash else None,
+    }
+    notes = []
+    for field, value in inputs.items():
+        if value is not None and not Path(value).exists():
+            hint = " (prepare it with `csbp data prepare`)" if field.startswith("data.") else ""
+            notes.append(f"{field} does not exist yet: {value}{hint}")
+    return notes

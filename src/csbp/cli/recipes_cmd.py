@@ -1,0 +1,44 @@
+"""``csbp recipes list | show NAME | copy NAME DEST [--force]``: the packaged run recipes."""
+
+from __future__ import annotations
+
+import argparse
+
+from csbp.recipes import copy_recipe, list_recipes, recipe_path, recipe_summary
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("recipes", help="list, show and copy packaged run recipes")
+    actions = parser.add_subparsers(dest="recipes_command", metavar="ACTION", required=True)
+
+    list_parser = actions.add_parser("list", help="list the packaged recipes")
+    list_parser.set_defaults(func=run_list)
+
+    show = actions.add_parser("show", help="print a recipe's YAML")
+    show.add_argument("name", metavar="NAME")
+    show.set_defaults(func=run_show)
+
+    copy = actions.add_parser("copy", help="copy a recipe to a file or directory to edit it")
+    copy.add_argument("name", metavar="NAME")
+    copy.add_argument("dest", metavar="DEST", help="destination directory or .yaml file")
+    copy.add_argument("--force", action="store_true", help="replace an existing file")
+    copy.set_defaults(func=run_copy)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    names = list_recipes()
+    width = max(len(name) for name in names)
+    for name in names:
+        print(f"{name:<{width}}  {recipe_summary(name)}")
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    print(recipe_path(args.name).read_text(encoding="utf-8"), end="")
+    return 0
+
+
+def run_copy(args: argparse.Namespace) -> int:
+    target = copy_recipe(args.name, args.dest, overwrite=args.force)
+    print(f"wrote {target}")
+    return 0

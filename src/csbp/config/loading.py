@@ -1,0 +1,331 @@
+"""Read, override, validate and write run configs.
+
+``load_config("run.yaml", ["optim.lr=3e-4", "topology.cp=2"])`` reads the YAML with
+``yaml.safe_load``, applies ``--set`` overrides (values parsed as YAML scalars: ints, floats, bools,
+``null``, flow lists ``[1, 2]``), resolves relative paths (against the config file's directory for
+values from the file, against the working directory for values from ``--set``) and validates the
+result as a :class:`~csbp.config.schema.RunConfig`.
+
+Every problem becomes one line ``<source>: <dotted.field>: <message> (fix: <what to do>)`` in a
+:class:`ConfigError`, where ``<source>`` is the config file, or ``--set`` when the offending key
+came from an override.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Union, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
+from csbp.config.rules import ConfigRuleError
+from csbp.config.schema import PATH_FIELD_KEY, RunConfig
+
+_KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+Override = tuple[tuple[str, ...], Any]
+"""A parsed ``--set`` item: the key path and its YAML-parsed value."""
+
+
+class ConfigError(ValueError):
+    """An invalid config; ``lines`` holds one self-contained line per problem."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.lines = lines
+        super().__init__("\n".join(lines))
+
+
+def load_config(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    relative_to: str | Path | None = None,
+    source: str | None = None,
+) -> RunConfig:
+    """Load and validate the YAML config at ``path`` with ``--set`` style ``overrides``.
+
+    ``relative_to`` is the directory relative paths in the file are resolved against (default: the
+    file's own directory); ``source`` names the file in error lines (default: ``path``). Raises
+    ``FileNotFoundError`` for a missing file and :class:`ConfigError` for anything invalid.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    source = source if source is not None else str(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{source}: invalid YAML: {_yaml_problem(exc)}"]) from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{source}: the top level must be a mapping of sections (run:, model:, ...)"])
+    base_dir = Path(relative_to) if relative_to is not None else path.parent
+    data = _resolve_paths(data, RunConfig, base_dir.absolute())
+    parsed = parse_overrides(overrides)
+    resolved = [(keys, _resolve_override_path(keys, value)) for keys, value in parsed]
+    data = apply_overrides(data, resolved)
+    return config_from_dict(data, source=source, override_keys=[keys for keys, _ in parsed])
+
+
+def parse_overrides(overrides: Sequence[str]) -> list[Override]:
+    """Parse ``["a.b=1", "c.d=[1, 2]"]`` into key paths and YAML-scalar values."""
+    parsed: list[Override] = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not _KEY_PATTERN.match(key):
+            raise ConfigError(
+                [f"--set {item!r}: expected KEY=VALUE with a dotted key (fix: e.g. --set optim.lr=3e-4)"]
+            )
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                [f"--set {key}: value {text!r} is not valid YAML: {_yaml_problem(exc)} (fix: quote it)"]
+            ) from exc
+        parsed.append((tuple(key.split(".")), value))
+    return parsed
+
+
+def apply_overrides(data: dict[str, Any], overrides: Sequence[Override]) -> dict[str, Any]:
+    """A copy of ``data`` with each ``(keys, value)`` set; missing or null sections are created."""
+    result = _deep_copy_mappings(data)
+    for keys, value in overrides:
+        node = result
+        for depth, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                dotted = ".".join(keys[: depth + 1])
+                raise ConfigError(
+                    [f"--set {'.'.join(keys)}: {dotted} is a value, not a section (fix: set {dotted}=...)"]
+                )
+            node = child
+        node[keys[-1]] = value
+    return result
+
+
+def config_from_dict(
+    data: dict[str, Any], *, source: str = "config", override_keys: Sequence[tuple[str, ...]] = ()
+) -> RunConfig:
+    """Validate an already-loaded mapping; errors become a :class:`ConfigError` naming ``source``."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        lines: list[str] = []
+        for error in exc.errors(include_url=False):
+            for field, message, fix in _describe_error(error):
+                origin = _error_origin(field, tuple(error["loc"]), error["type"], source, override_keys)
+                line = f"{origin}: {field}: {message}" if field else f"{origin}: {message}"
+                line += f" (fix: {fix})" if fix else ""
+                if line not in lines:
+                    lines.append(line)
+        raise ConfigError(lines) from exc
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The config as YAML text (every field explicit) that :func:`load_config` reads back equal."""
+    sections = [
+        yaml.dump({name: values}, Dumper=_FlowListDumper, sort_keys=False, default_flow_style=False)
+        for name, values in cfg.model_dump(mode="json").items()
+    ]
+    return "# csbp run config (validated; every default written out)\n" + "\n".join(sections)
+
+
+def write_config(cfg: RunConfig, run_dir: str | Path) -> Path:
+    """Write ``<run_dir>/config.yaml`` and return its path."""
+    path = Path(run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dump_config(cfg), encoding="utf-8")
+    return path
+
+
+class _FlowListDumper(yaml.SafeDumper):
+    """Block-style sections with lists written inline (``betas: [0.9, 0.95]``)."""
+
+
+_FlowListDumper.add_representer(
+    list, lambda dumper, data: dumper.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=True)
+)
+
+
+def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """``(dotted field, message, fix)`` for one pydantic error (several for a rule error)."""
+    loc = tuple(error["loc"])
+    dotted = _dotted(loc)
+    kind, value = error["type"], error.get("input")
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, ConfigRuleError):
+        prefix = ".".join(str(part) for part in loc)
+        return [
+            (".".join(p for p in (prefix, field) if p), message, fix)
+            for field, message, fix in cause.violations
+        ]
+    if kind == "value_error":
+        return [(dotted, str(cause) if cause is not None else error["msg"], "")]
+    info = _field_info(loc)
+    if kind == "extra_forbidden":
+        return [(dotted, "unknown key", _unknown_key_fix(loc))]
+    if kind == "missing" and loc and isinstance(loc[-1], int):
+        expected = _type_text(info.annotation) if info is not None else "more items"
+        return [(_dotted(loc[:-1]), f"item [{loc[-1]}] is missing", f"set it to {expected}")]
+    if kind == "missing":
+        what = f": {info.description}" if info is not None and info.description else ""
+        return [(dotted, "required key is missing", f"add {dotted}{what}")]
+    if kind == "literal_error":
+        expected = error.get("ctx", {}).get("expected", "")
+        return [(dotted, f"got {_short_repr(value)}", f"use {expected}")]
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return [
+            (
+                dotted,
+                f"expected a section of `key: value` lines, got {_short_repr(value)}",
+                "indent its keys under it",
+            )
+        ]
+    fix = f"set it to {_type_text(info.annotation)}" if info is not None else ""
+    if info is not None and info.description:
+        fix += f": {info.description.rstrip('.')}"
+    return [(dotted, f"{error['msg']}, got {_short_repr(value)}", fix)]
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _error_origin(
+    field: str, loc: tuple[Any, ...], kind: str, source: str, override_keys: Sequence[tuple[str, ...]]
+) -> str:
+    """Where an error comes from: ``--set`` for an overridden field; for a rule spanning several
+    fields, the file plus the overrides inside the section that raised it; else the file."""
+    overridden = [".".join(keys) for keys in override_keys]
+    for dotted in overridden:
+        if (
+            field == dotted
+            or field.startswith((dotted + ".", dotted + "["))
+            or dotted.startswith(field + ".")
+        ):
+            return "--set"
+    if kind == "value_error":
+        prefix = ".".join(str(part) for part in loc)
+        inside = [dotted for dotted in overridden if not prefix or dotted.startswith(prefix + ".")]
+        if inside:
+            return f"{source} with --set {', '.join(inside)}"
+    return source
+
+
+def _unknown_key_fix(loc: tuple[Any, ...]) -> str:
+    parent = _section_model_at(loc[:-1])
+    if parent is None:
+        return "remove it"
+    valid = list(parent.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(valid)}"
+    return f"remove it; {hint}"
+
+
+def _section_model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The section model at ``loc`` (``()`` is :class:`RunConfig`)."""
+    model: type[BaseModel] | None = RunConfig
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        model = _nested_model(model.model_fields[part].annotation)
+    return model
+
+
+def _field_info(loc: tuple[Any, ...]) -> FieldInfo | None:
+    """The field a pydantic error location points to (list indices stop at their list field)."""
+    model: type[BaseModel] | None = RunConfig
+    info: FieldInfo | None = None
+    for part in loc:
+        if isinstance(part, int):
+            break
+        if model is None or part not in model.model_fields:
+            return None
+        info = model.model_fields[part]
+        model = _nested_model(info.annotation)
+    return info
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model inside ``Section`` or ``Section | None``, else ``None``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation) if get_origin(annotation) is not None else ():
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            return arg
+    return None
+
+
+def _type_text(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    origin = get_origin(annotation)
+    args = get_args(annotation)
+    if origin is Union or type(annotation).__name__ == "UnionType":
+        return " or ".join("null" if arg is type(None) else _type_text(arg) for arg in args)
+    if str(origin).endswith("Literal"):
+        return "one of " + ", ".join(repr(arg) for arg in args)
+    return str(annotation).replace("typing.", "")
+
+
+def _is_path_field(info: FieldInfo) -> bool:
+    extra = info.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get(PATH_FIELD_KEY))
+
+
+def _resolve(value: str, base_dir: Path) -> str:
+    path = Path(value).expanduser()
+    return os.path.normpath(path if path.is_absolute() else base_dir / path)
+
+
+def _resolve_paths(data: dict[str, Any], model: type[BaseModel], base_dir: Path) -> dict[str, Any]:
+    """A copy of ``data`` with relative values of path fields made absolute against ``base_dir``."""
+    result = dict(data)
+    for key, value in data.items():
+        info = model.model_fields.get(key) if isinstance(key, str) else None
+        if info is None:
+            continue  # unknown keys are reported by validation
+        nested = _nested_model(info.annotation)
+        if _is_path_field(info) and isinstance(value, str):
+            result[key] = _resolve(value, base_dir)
+        elif nested is not None and isinstance(value, dict):
+            result[key] = _resolve_paths(value, nested, base_dir)
+    return result
+
+
+def _resolve_override_path(keys: tuple[str, ...], value: Any) -> Any:
+    """Relative ``--set`` values of path fields are resolved against the working directory."""
+    info = _field_info(keys)
+    if info is not None and _is_path_field(info) and isinstance(value, str):
+        return _resolve(value, Path.cwd())
+    return value
+
+
+def _deep_copy_mappings(data: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key: _deep_copy_mappings(value) if isinstance(value, dict) else value for key, value in data.items()
+    }
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"line {mark.line + 1}: {problem}" if mark is not None else problem

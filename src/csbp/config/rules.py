@@ -1,0 +1,142 @@
+"""Cross-section rules of a run config, and the error type every config rule raises.
+
+Each rule function takes a :class:`~csbp.config.schema.RunConfig` whose sections are already
+valid on their own and returns violations ``(dotted field, message, fix)``; an empty list means
+the rule holds. :class:`~csbp.config.schema.RunConfig` raises them together, so the loader can
+print one line per problem.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from csbp.config.schema import RunConfig
+
+Violation = tuple[str, str, str]
+"""``(field, message, fix)``: a dotted field path, what is wrong, and what to do (may be empty)."""
+
+_SINGLE_STREAM_OBJECTIVES = ("mdlm", "ar")
+
+
+class ConfigRuleError(ValueError):
+    """One or more violated config rules, each ``(field, message, fix)``.
+
+    ``field`` is a dotted path relative to the model that raised (``""`` for the model itself);
+    ``fix`` may be empty when the message already says what to do.
+    """
+
+    def __init__(self, violations: list[Violation]) -> None:
+        self.violations = violations
+        super().__init__("; ".join(_format_violation(f, m, x) for f, m, x in violations))
+
+
+def _format_violation(field: str, message: str, fix: str) -> str:
+    prefix = f"{field}: " if field else ""
+    return f"{prefix}{message}" + (f" (fix: {fix})" if fix else "")
+
+
+def cross_section_violations(cfg: RunConfig) -> list[Violation]:
+    """Every violated cross-section rule of ``cfg``."""
+    return _sequence_rules(cfg) + _objective_layout_rules(cfg) + _training_rules(cfg)
+
+
+def _sequence_rules(cfg: RunConfig) -> list[Violation]:
+    """Sequence length versus block size versus the parallel layout."""
+    obj, seq_len, topo = cfg.objective, cfg.data.seq_len, cfg.topology
+    block = obj.block_size
+    if obj.name in ("bd3", "fast_dllm_v2", "dflash") and block is not None and block >= seq_len:
+        return [
+            (
+                "objective.block_size",
+                f"block_size={block} must be below data.seq_len={seq_len} for {obj.name}",
+                "use mdlm for one block per sequence, or a smaller block_size",
+            )
+        ]
+    if obj.name in ("bd3", "fast_dllm_v2") and block is not None:
+        try:
+            topo.to_topology().validate_sequence(seq_len, block)
+        except ValueError as exc:
+            return [("data.seq_len", str(exc), "")]
+        return []
+    if topo.cp > 1 and seq_len % (2 * topo.cp):
+        unit = 2 * topo.cp
+        return [
+            (
+                "data.seq_len",
+                f"seq_len={seq_len} must split into 2*cp={unit} equal zigzag chunks",
+                f"use a multiple of {unit}, e.g. {-(-seq_len // unit) * unit}",
+            )
+        ]
+    return []
+
+
+def _objective_layout_rules(cfg: RunConfig) -> list[Violation]:
+    """Which objectives accept which parallel layouts, and objective-versus-model consistency."""
+    obj, topo = cfg.objective, cfg.topology
+    violations = []
+    if obj.name == "mdlm" and obj.block_size != cfg.data.seq_len:
+        violations.append(
+            (
+                "objective.block_size",
+                f"mdlm is one block per sequence, got block_size={obj.block_size} != seq_len={cfg.data.seq_len}",
+                "remove objective.block_size or use bd3",
+            )
+        )
+    if obj.name in _SINGLE_STREAM_OBJECTIVES and topo.bp != 1:
+        violations.append(
+            (
+                "topology.bp",
+                f"{obj.name} has no blocks to distribute, got bp={topo.bp}",
+                "set bp: 1 (use cp or dp)",
+            )
+        )
+    if obj.name == "dflash" and obj.dflash is not None and obj.dflash.max_anchors < topo.bp:
+        violations.append(
+            (
+                "objective.dflash.max_anchors",
+                f"max_anchors={obj.dflash.max_anchors} is below bp={topo.bp}: some BP ranks would own no anchor",
+                f"set max_anchors >= {topo.bp}",
+            )
+        )
+    vocab = cfg.model.vocab_size
+    if obj.mask_token_id is not None and vocab is not None and obj.mask_token_id >= vocab:
+        violations.append(
+            (
+                "objective.mask_token_id",
+                f"mask_token_id={obj.mask_token_id} is outside the vocabulary (vocab_size={vocab})",
+                "use an id below model.vocab_size",
+            )
+        )
+    return violations
+
+
+def _training_rules(cfg: RunConfig) -> list[Violation]:
+    """Precision, process count and schedule length."""
+    violations = []
+    if (cfg.train.precision == "fp64") != (cfg.model.dtype == "float64"):
+        violations.append(
+            (
+                "train.precision",
+                f"precision={cfg.train.precision} does not match model.dtype={cfg.model.dtype}",
+                "use precision fp64 exactly with dtype float64",
+            )
+        )
+    nproc, world = cfg.train.nproc, cfg.world_size
+    if nproc is not None and world % nproc:
+        violations.append(
+            (
+                "train.nproc",
+                f"nproc={nproc} does not divide the world size dp*max(cp, bp)={world}",
+                f"remove train.nproc or use a divisor of {world}",
+            )
+        )
+    if cfg.optim.warmup_steps > cfg.train.max_steps:
+        violations.append(
+            (
+                "optim.warmup_steps",
+                f"warmup_steps={cfg.optim.warmup_steps} exceeds train.max_steps={cfg.train.max_steps}",
+                "lower warmup_steps",
+            )
+        )
+    return violations

@@ -1,0 +1,373 @@
+"""The typed run configuration: one frozen pydantic model per YAML section.
+
+A run config has seven sections (``run``, ``model``, ``data``, ``objective``, ``topology``,
+``optim``, ``train``). Every model forbids unknown keys and is immutable. Validation is fail
+closed: rules that only involve one section live on that section, rules that combine sections
+(sequence length versus block size versus topology, objective versus parallel layout, ...) live in
+:mod:`csbp.config.rules` and run in :meth:`RunConfig._cross_section_rules`. Rule violations are
+raised as :class:`~csbp.config.rules.ConfigRuleError`, which carries ``(field, message, fix)``
+triples so :mod:`csbp.config.loading` can print one line per problem.
+
+Fields marked with :func:`path_field` hold filesystem paths; the loader resolves relative values
+against the config file's directory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from csbp.config.rules import ConfigRuleError, cross_section_violations
+
+if TYPE_CHECKING:
+    from csbp.topology import Topology
+
+PATH_FIELD_KEY = "csbp_path"
+"""``json_schema_extra`` key marking a field whose value is a filesystem path."""
+
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "qk_norm": True, "tie_embeddings": False},
+    "llama": {"rope_theta": 500_000.0, "rms_norm_eps": 1e-5, "qk_norm": False, "tie_embeddings": False},
+}
+_SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def path_field(default: Any = ..., *, description: str) -> Any:
+    """A ``Field`` whose value is a filesystem path (resolved against the config file's directory)."""
+    return Field(default, description=description, json_schema_extra={PATH_FIELD_KEY: True})
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunSection(_Section):
+    """Identity of the run: its name, the global seed and where its outputs go."""
+
+    name: str = Field(description="Run name, used for the default run directory and in logs.")
+    seed: int = Field(0, ge=0, description="Global seed of initialisation, data order and corruption.")
+    run_dir: str | None = path_field(
+        None, description="Directory for checkpoints, logs and config.yaml (default: runs/<name>)."
+    )
+
+
+class ModelSection(_Section):
+    """The decoder. Either built from the shape fields, or loaded from a local HF checkpoint
+    (``init_from``), in which case every field left unset is read from that checkpoint and the
+    model loader checks the fields given against it."""
+
+    arch: Literal["qwen3", "llama"] = Field("qwen3", description="Decoder family: qwen3 (QK-norm) or llama.")
+    init_from: str | None = path_field(
+        None, description="Local Hugging Face checkpoint directory to initialise from (no downloads)."
+    )
+    vocab_size: int | None = Field(
+        None, gt=0, description="Embedding rows; unset: the data artifact's vocabulary (or init_from)."
+    )
+    hidden_size: int | None = Field(None, gt=0, description="Residual stream width.")
+    intermediate_size: int | None = Field(None, gt=0, description="SwiGLU MLP inner width.")
+    num_layers: int | None = Field(None, gt=0, description="Number of decoder layers.")
+    num_heads: int | None = Field(None, gt=0, description="Query heads per layer.")
+    num_kv_heads: int | None = Field(None, gt=0, description="Key/value heads per layer (GQA).")
+    head_dim: int | None = Field(None, gt=0, description="Width of one attention head (even, for RoPE).")
+    rope_theta: float | None = Field(
+        None, gt=0, description="RoPE base; unset: 1e6 for qwen3, 5e5 for llama (or init_from)."
+    )
+    rms_norm_eps: float | None = Field(
+        None, gt=0, description="RMSNorm epsilon; unset: 1e-6 for qwen3, 1e-5 for llama (or init_from)."
+    )
+    qk_norm: bool | None = Field(
+        None, description="RMSNorm on queries and keys per head; unset: true for qwen3, false for llama."
+    )
+    tie_embeddings: bool | None = Field(
+        None, description="Share the input embedding with the LM head; unset: false (or init_from)."
+    )
+    dtype: Literal["float32", "bfloat16", "float64"] = Field(
+        "float32", description="Parameter storage dtype."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_arch_defaults(cls, data: Any) -> Any:
+        """From-scratch models take the arch's defaults for unset rope/norm/tying fields."""
+        if not isinstance(data, dict) or data.get("init_from") is not None:
+            return data
+        defaults = _ARCH_DEFAULTS.get(data.get("arch", "qwen3"))
+        if defaults is None:
+            return data  # the Literal check reports the bad arch
+        filled = dict(data)
+        for key, value in defaults.items():
+            if filled.get(key) is None:
+                filled[key] = value
+        return filled
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelSection:
+        violations = []
+        if self.init_from is None:
+            for name in _SHAPE_FIELDS:
+                if getattr(self, name) is None:
+                    violations.append(
+                        (
+                            name,
+                            "required when model.init_from is unset",
+                            f"set model.{name} or model.init_from",
+                        )
+                    )
+        if (
+            self.num_heads is not None
+            and self.num_kv_heads is not None
+            and self.num_heads % self.num_kv_heads
+        ):
+            violations.append(
+                (
+                    "num_kv_heads",
+                    f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}",
+                    "choose num_kv_heads dividing num_heads",
+                )
+            )
+        if self.head_dim is not None and self.head_dim % 2:
+            violations.append(("head_dim", f"head_dim={self.head_dim} is odd", "use an even head_dim (RoPE)"))
+        if violations:
+            raise ConfigRuleError(violations)
+        return self
+
+
+class DataSection(_Section):
+    """Training data: prepared artifacts (``csbp data prepare``) and the sequence length."""
+
+    train: str = path_field(description="Prepared artifact directory (from `csbp data prepare`).")
+    val: str | None = path_field(
+        None, description="Artifact directory whose val split is evaluated; unset: data.train's val split."
+    )
+    seq_len: int = Field(gt=1, description="Tokens per training sequence L.")
+    tokenizer: str | None = path_field(
+        None, description="tokenizer.json file or directory for decoding; unset: the artifact's tokenizer."
+    )
+
+
+class DFlashSection(_Section):
+    """DFlash drafter training against a frozen target model (objectives.md §5)."""
+
+    target: str = path_field(description="Local HF checkpoint directory of the frozen target model.")
+    target_layer_ids: list[int] | None = Field(
+        None, description="Target layers whose outputs are fused (0-based); unset: the DFlash default."
+    )
+    num_draft_layers: int = Field(1, gt=0, description="Decoder layers of the drafter.")
+    max_anchors: int = Field(512, gt=0, description="Anchor blocks sampled per sequence.")
+    anchor_sampling: Literal["uniform", "locality"] = Field(
+        "uniform", description="uniform: random distinct anchors; locality: random start plus a stride."
+    )
+    gamma: float | None = Field(
+        None, gt=0, description="Loss decay exp(-(k-1)/gamma) over block slots; unset: no decay."
+    )
+    loss: Literal["ce", "kl"] = Field("ce", description="ce: against data tokens; kl: against the target.")
+    context: Literal["strict", "inclusive"] = Field(
+        "strict",
+        description="Context visible to an anchor block: strictly before the anchor, or including it.",
+    )
+
+
+ObjectiveName = Literal["bd3", "fast_dllm_v2", "mdlm", "ar", "dflash"]
+_BLOCKED_OBJECTIVES = ("bd3", "fast_dllm_v2", "dflash")
+
+
+class ObjectiveSection(_Section):
+    """The training objective and its noise, weighting and normalisation (objectives.md)."""
+
+    name: ObjectiveName = Field(description="bd3, fast_dllm_v2, mdlm, ar or dflash.")
+    block_size: int | None = Field(
+        None, gt=0, description="Diffusion block size B; mdlm: unset or seq_len; ar: unset."
+    )
+    mask_token_id: int | None = Field(
+        None, ge=0, description="Vocabulary id of [MASK]; unset: from the data artifact's manifest."
+    )
+    t_min: float = Field(1e-3, ge=0.0, le=1.0, description="Lower clip of the noise level t.")
+    t_max: float = Field(1.0, ge=0.0, le=1.0, description="Upper clip of the noise level t.")
+    noise: Literal["rotated", "stratified"] = Field(
+        "rotated", description="Noise levels per (sample, block): rotated lattice or jittered strata."
+    )
+    loss_weight: Literal["inv_t", "unit"] = Field(
+        "inv_t", description="Per-token loss weight 1/t or 1; unset: inv_t for bd3/mdlm, unit otherwise."
+    )
+    eps: float = Field(1e-3, ge=0.0, lt=1.0, description="Fast-dLLM v2 floor: p = (1 - eps) t + eps.")
+    denominator: Literal["supervised_tokens", "all_tokens"] = Field(
+        "supervised_tokens", description="Global loss normaliser: supervised tokens or all tokens."
+    )
+    ce_chunk_rows: int = Field(1024, gt=0, description="Rows per chunk of the LM-head cross-entropy.")
+    dflash: DFlashSection | None = Field(None, description="DFlash settings; required when name is dflash.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_loss_weight(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("loss_weight") is None and isinstance(data.get("name"), str):
+            return {**data, "loss_weight": "inv_t" if data["name"] in ("bd3", "mdlm") else "unit"}
+        return data
+
+    @model_validator(mode="after")
+    def _check_objective(self) -> ObjectiveSection:
+        violations = []
+        if self.t_min >= self.t_max:
+            violations.append(
+                ("t_min", f"t_min={self.t_min} must be below t_max={self.t_max}", "lower t_min")
+            )
+        if self.name in ("ar", "dflash") and self.loss_weight == "inv_t":
+            violations.append(("loss_weight", f"{self.name} has no noise level to weight by", "use unit"))
+        if self.name == "dflash" and self.dflash is None:
+            violations.append(
+                ("dflash", "required when objective.name is dflash", "add objective.dflash.target")
+            )
+        if self.name != "dflash" and self.dflash is not None:
+            violations.append(
+                ("dflash", f"has no effect for objective {self.name}", "remove objective.dflash")
+            )
+        if self.name in _BLOCKED_OBJECTIVES and self.block_size is None:
+            violations.append(
+                ("block_size", f"required for objective {self.name}", "set objective.block_size")
+            )
+        if self.name == "ar" and self.block_size is not None:
+            violations.append(("block_size", "ar has no diffusion blocks", "remove objective.block_size"))
+        if violations:
+            raise ConfigRuleError(violations)
+        return self
+
+
+class TopologySection(_Section):
+    """Parallel layout of one run: data-, context- and block-parallel degrees (csbp.md §5-§6)."""
+
+    dp: int = Field(1, ge=1, description="Data-parallel replicas.")
+    cp: int = Field(1, ge=1, description="Context-parallel degree: shards of the clean stream per ring.")
+    bp: int = Field(1, ge=1, description="Block-parallel degree: ranks owning noisy blocks of one sample.")
+    replicate_clean_prefix: bool = Field(
+        False, description="Opt-in for BP-only (cp=1, bp>1): each rank recomputes its clean prefix."
+    )
+    transport: Literal["collective", "streaming"] = Field(
+        "collective", description="Clean K/V exchange: all-gather/reduce-scatter or ring P2P (cp > 1)."
+    )
+    window: int | None = Field(
+        None, gt=0, description="Sliding attention window in tokens (csbp.md §11); unset: full attention."
+    )
+    schedule: Literal["dual_end", "contiguous"] = Field(
+        "dual_end", description="Block schedule over BP ranks: dual-end pairs or contiguous (ablation)."
+    )
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> TopologySection:
+        try:
+            self.to_topology()
+        except ValueError as exc:
+            field = "bp" if self.cp > 1 and self.bp > 1 else "replicate_clean_prefix"
+            raise ConfigRuleError(
+                [
+                    (
+                        field,
+                        str(exc),
+                        "accepted layouts: data (cp=bp=1), CP-only (bp=1), BP-only (cp=1, bp>1, "
+                        "replicate_clean_prefix: true), fused (bp >= cp, bp % cp == 0)",
+                    )
+                ]
+            ) from exc
+        if self.transport == "streaming" and self.cp == 1:
+            raise ConfigRuleError(
+                [("transport", "streaming needs a CP ring (cp > 1)", "set cp > 1 or transport: collective")]
+            )
+        return self
+
+    def to_topology(self) -> Topology:
+        """The validated :class:`csbp.topology.Topology` of this section."""
+        from csbp.topology import Topology  # lazy: keeps config import light
+
+        return Topology(
+            dp=self.dp, cp=self.cp, bp=self.bp, replicate_clean_prefix=self.replicate_clean_prefix
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the whole run, ``dp * max(cp, bp)``."""
+        return self.dp * max(self.cp, self.bp)
+
+
+class OptimSection(_Section):
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = Field(gt=0.0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of lr (cosine).")
+    weight_decay: float = Field(0.01, ge=0.0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    schedule: Literal["cosine", "constant"] = Field("cosine", description="Decay after warm-up.")
+    grad_clip: float | None = Field(1.0, gt=0.0, description="Global gradient-norm clip; null disables.")
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> OptimSection:
+        if not all(0.0 <= beta < 1.0 for beta in self.betas):
+            raise ConfigRuleError(
+                [("betas", f"betas={list(self.betas)} must lie in [0, 1)", "e.g. [0.9, 0.95]")]
+            )
+        return self
+
+
+class TrainSection(_Section):
+    """Training loop: steps, batch, precision, logging, evaluation and checkpoints."""
+
+    max_steps: int = Field(gt=0, description="Optimizer steps.")
+    micro_batch_size: int = Field(1, gt=0, description="Sequences per data-parallel replica per micro-step.")
+    grad_accum: int = Field(1, gt=0, description="Micro-steps accumulated per optimizer step.")
+    precision: Literal["fp32", "bf16", "fp64"] = Field("fp32", description="Compute precision.")
+    log_every: int = Field(10, gt=0, description="Steps between log lines.")
+    eval_every: int = Field(0, ge=0, description="Steps between validation passes; 0 disables.")
+    eval_batches: int = Field(8, gt=0, description="Micro-batches per validation pass.")
+    save_every: int = Field(0, ge=0, description="Steps between checkpoints; 0: only at the end.")
+    keep_checkpoints: int = Field(2, gt=0, description="Most recent checkpoints kept on disk.")
+    fsdp: bool = Field(False, description="Shard parameters and optimizer state (FSDP2).")
+    collective_timeout_s: float = Field(300.0, gt=0.0, description="torch.distributed timeout in seconds.")
+    nproc: int | None = Field(
+        None, gt=0, description="Local processes `csbp train` launches; unset: the topology's world size."
+    )
+    generate_after: bool = Field(False, description="Print a sample generation when training ends.")
+
+
+class RunConfig(_Section):
+    """A complete, validated run: what `csbp train` consumes and writes to ``<run_dir>/config.yaml``."""
+
+    run: RunSection = Field(description="Run identity.")
+    model: ModelSection = Field(description="The decoder.")
+    data: DataSection = Field(description="Training data.")
+    objective: ObjectiveSection = Field(description="Training objective.")
+    topology: TopologySection = Field(default_factory=TopologySection, description="Parallel layout.")
+    optim: OptimSection = Field(description="Optimizer.")
+    train: TrainSection = Field(description="Training loop.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mdlm_block_is_sequence(cls, data: Any) -> Any:
+        """MDLM is the ``B = L`` case of BD3: an unset block size becomes ``data.seq_len``."""
+        if not isinstance(data, dict):
+            return data
+        objective, section = data.get("objective"), data.get("data")
+        if (
+            isinstance(objective, dict)
+            and isinstance(section, dict)
+            and objective.get("name") == "mdlm"
+            and objective.get("block_size") is None
+            and isinstance(section.get("seq_len"), int)
+        ):
+            return {**data, "objective": {**objective, "block_size": section["seq_len"]}}
+        return data
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def num_local_processes(self) -> int:
+        """Processes `csbp train` starts on this machine."""
+        return self.train.nproc if self.train.nproc is not None else self.world_size
+
+    @model_validator(mode="after")
+    def _cross_section_rules(self) -> RunConfig:
+        violations = cross_section_violations(self)
+        if violations:
+            raise ConfigRuleError(violations)
+        return self

@@ -1,0 +1,168 @@
+"""The ``csbp`` root command: exit codes, one-line user errors, config/recipes/doctor subcommands."""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import yaml
+
+from csbp import __version__
+from csbp.cli.doctor_cmd import collect_environment
+from csbp.cli.main import SUBCOMMAND_MODULES, USER_ERROR_EXIT_CODE, main
+from csbp.config import ConfigError, load_config
+from csbp.recipes import list_recipes, recipe_path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "--version")
+    assert (code, out.strip()) == (0, f"csbp {__version__}")
+
+
+def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys)
+    assert code == USER_ERROR_EXIT_CODE and "usage: csbp" in err
+
+
+def test_every_registered_module_exposes_register() -> None:
+    for name in SUBCOMMAND_MODULES:
+        assert callable(importlib.import_module(name).register), name
+
+
+def test_argparse_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "recipes", "frobnicate")
+    assert code == 2 and "invalid choice" in err
+
+
+# ----------------------------------------------------------------------------- config validate
+
+
+def test_config_validate_recipe_prints_a_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "config", "validate", "demo", "--set", "train.max_steps=70")
+    assert (code, err) == (0, "")
+    assert out.startswith("config ok: demo\n")
+    assert "csbp layout: dp=1 cp=2 bp=4, world size 4" in out
+    assert "70 steps, 8 sequences per step" in out
+    assert "block_size 16 (16 blocks per sequence)" in out
+
+
+def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(recipe_path("demo").read_text(encoding="utf-8"), encoding="utf-8")
+    code, out, _ = run(capsys, "config", "validate", str(config))
+    assert code == 0
+    assert f"note: data.train does not exist yet: {tmp_path / 'artifacts' / 'demo'}" in out
+    (tmp_path / "artifacts" / "demo").mkdir(parents=True)
+    code, out, _ = run(capsys, "config", "validate", str(config))
+    assert code == 0 and "note:" not in out
+
+
+def test_config_validate_print_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "config", "validate", "mdlm-demo", "--set", "optim.lr=1e-3", "--print")
+    assert code == 0
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(out, encoding="utf-8")
+    cfg = load_config(dumped)
+    assert cfg.optim.lr == 1e-3 and cfg.objective.block_size == 256
+    assert yaml.safe_load(out)["objective"]["name"] == "mdlm"
+
+
+def test_invalid_config_exits_2_with_one_stderr_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, "config", "validate", "demo", "--set", "topology.cp=3")
+    assert (code, out) == (USER_ERROR_EXIT_CODE, "")
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(
+        "csbp: error: recipe demo with --set topology.cp: topology.bp: Topology(cp=3, bp=4)"
+    )
+    assert "Traceback" not in err
+
+
+def test_several_problems_give_one_line_each(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(
+        capsys, "config", "validate", "demo", "--set", "optim.lrr=1", "--set", "model.arch=gpt"
+    )
+    assert code == USER_ERROR_EXIT_CODE
+    assert err.splitlines() == [
+        "csbp: error: --set: model.arch: got 'gpt' (fix: use 'qwen3' or 'llama')",
+        "csbp: error: --set: optim.lrr: unknown key (fix: remove it; did you mean lr?)",
+    ]
+
+
+def test_missing_config_file(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "config", "validate", "nowhere.yaml")
+    assert code == USER_ERROR_EXIT_CODE
+    assert (
+        err.startswith("csbp: error: no config file or recipe named 'nowhere.yaml'") and err.count("\n") == 1
+    )
+
+
+def test_debug_flag_reraises(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError):
+        main(["--debug", "config", "validate", "demo", "--set", "topology.cp=3"])
+
+
+# ----------------------------------------------------------------------------- recipes
+
+
+def test_recipes_list(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "recipes", "list")
+    assert code == 0
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines] == list_recipes()
+    summary_columns = {len(line) - len(line[len(line.split()[0]) :].lstrip()) for line in lines}
+    assert len(summary_columns) == 1, "summaries must start in one aligned column"
+    assert any("BD3-LM" in line for line in lines)
+
+
+def test_recipes_show(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "recipes", "show", "demo")
+    assert code == 0 and out == recipe_path("demo").read_text(encoding="utf-8")
+    code, _, err = run(capsys, "recipes", "show", "dmo")
+    assert code == USER_ERROR_EXIT_CODE
+    assert err == "csbp: error: unknown recipe 'dmo' (fix: did you mean demo?)\n"
+
+
+def test_recipes_copy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path))
+    target = tmp_path / "fast-dllm-v2-demo.yaml"
+    assert (code, out) == (0, f"wrote {target}\n")
+    assert target.read_text(encoding="utf-8") == recipe_path("fast-dllm-v2-demo").read_text(encoding="utf-8")
+    code, _, err = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path))
+    assert code == USER_ERROR_EXIT_CODE and "already exists (fix: pass --force" in err
+    target.write_text("edited\n", encoding="utf-8")
+    code, _, _ = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path), "--force")
+    assert code == 0 and target.read_text(encoding="utf-8").startswith("# Fast-dLLM v2")
+
+
+# ----------------------------------------------------------------------------- doctor
+
+
+def test_doctor_prints_an_aligned_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "doctor")
+    assert (code, err) == (0, "")
+    rows = collect_environment()
+    lines = out.splitlines()
+    assert len(lines) == len(rows)
+    value_column = max(len(r[0]) for r in rows) + 2 + max(len(r[1]) for r in rows) + 2
+    for line, (_, item, value) in zip(lines, rows):
+        assert line[value_column:] == value, "values must start in one aligned column"
+        assert line[:value_column].split()[-1] == item
+    items = {item: value for _, item, value in rows}
+    assert items["gloo"] == "yes"  # CPU multi-process runs need it
+    assert {"nccl", "mpi", "threads", "count", "runtime"} <= set(items)
+    for package in ("transformers", "tokenizers", "safetensors", "tensorboard"):
+        assert items[package].split()[0] == metadata.version(package)
+    assert rows[0] == ("python", "version", f"{platform.python_version()} ({sys.executable})")
