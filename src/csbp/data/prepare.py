@@ -1,0 +1,264 @@
+"""``csbp data prepare``: read sources, tokenize once, pack into a memory-mapped artifact.
+
+Tokenization happens here only, never in the training loop. The steps:
+
+1. parse every input (``sources.py``) and count documents; empty ones are skipped and counted;
+2. split documents (not rows) into train/val: ``round(val_fraction * N)`` documents, at least one
+   when ``val_fraction > 0`` and ``N >= 2``, chosen by a permutation seeded with ``seed``;
+3. load the tokenizer, or train a byte-level BPE on the train documents;
+4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``.
+
+Writes are atomic: everything is built in a hidden temporary directory next to ``out_dir`` and
+moved into place with ``os.replace`` at the end; on any failure the temporary directory is
+removed and no (partial) artifact exists.
+
+Usage::
+
+    prepare_artifact(PrepareConfig(inputs=(Path("data.jsonl"),), out_dir=Path("art"), seq_len=512,
+                                   train_tokenizer=True, vocab_size=4096, val_fraction=0.01))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import csbp
+from csbp.data.artifact import (
+    ARRAY_DTYPES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    SPLITS,
+    TOKENIZER_FILE,
+    array_file_name,
+    content_fingerprint,
+)
+from csbp.data.packing import PackedSplitWriter, SplitCounts, encode_documents
+from csbp.data.sources import Document, TxtMode, expand_inputs, iter_documents
+from csbp.data.tokenizer import CsbpTokenizer, SpecialTokens, load_tokenizer, train_bpe_tokenizer
+
+ENCODE_CHUNK_DOCUMENTS = 256
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """Options of ``csbp data prepare``.
+
+    Attributes:
+        inputs: files or directories (``.jsonl``, ``.txt``, ``.parquet``).
+        out_dir: the artifact directory to create.
+        seq_len: tokens per packed row.
+        tokenizer_path: a local tokenizer directory or ``tokenizer.json`` (exclusive with training).
+        train_tokenizer: train a byte-level BPE of ``vocab_size`` on the train documents.
+        vocab_size: size of the trained tokenizer.
+        val_fraction: share of documents held out for the ``val`` split, in ``[0, 1)``.
+        seed: seeds the train/val document split.
+        txt_mode: ``file`` (one document per .txt) or ``paragraphs`` (split on blank lines).
+        special: special token names.
+        overwrite: replace an existing ``out_dir``.
+    """
+
+    inputs: tuple[Path, ...]
+    out_dir: Path
+    seq_len: int
+    tokenizer_path: Path | None = None
+    train_tokenizer: bool = False
+    vocab_size: int | None = None
+    val_fraction: float = 0.0
+    seed: int = 0
+    txt_mode: TxtMode = "file"
+    special: SpecialTokens = field(default_factory=SpecialTokens)
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len is {self.seq_len}; use at least 2")
+        if self.train_tokenizer == (self.tokenizer_path is not None):
+            raise ValueError("give exactly one of --tokenizer DIR or --train-tokenizer --vocab-size N")
+        if self.train_tokenizer and self.vocab_size is None:
+            raise ValueError("--train-tokenizer needs --vocab-size N")
+        if self.vocab_size is not None and not self.train_tokenizer:
+            raise ValueError(
+                "--vocab-size only applies with --train-tokenizer; drop it when using --tokenizer"
+            )
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction is {self.val_fraction}; use a value in [0, 1)")
+        if self.txt_mode not in ("file", "paragraphs"):
+            raise ValueError(f"txt_mode is {self.txt_mode!r}; use 'file' or 'paragraphs'")
+
+
+def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Build the artifact described by ``config``; returns its manifest."""
+    say = log or (lambda message: None)
+    out_dir = Path(config.out_dir)
+    if out_dir.exists() and not config.overwrite:
+        raise ValueError(f"output {out_dir} already exists; choose another --out or pass --overwrite")
+    files = expand_inputs(config.inputs)
+
+    num_documents, num_empty = _count_documents(files, config.txt_mode)
+    if num_documents == 0:
+        raise ValueError(f"the inputs hold no non-empty documents ({num_empty} empty ones skipped)")
+    val_ordinals = _choose_val_documents(num_documents, config.val_fraction, config.seed)
+    say(f"{num_documents} documents ({len(val_ordinals)} val), {num_empty} empty skipped")
+
+    tokenizer = _get_tokenizer(config, files, val_ordinals, say)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    build_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        counts = _write_splits(build_dir, files, config, tokenizer, val_ordinals)
+        tokenizer.save(build_dir)
+        manifest = _manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
+        write_manifest(build_dir, manifest)
+        _move_into_place(build_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(build_dir, ignore_errors=True)
+        raise
+    say(f"wrote {out_dir}: " + ", ".join(f"{s} {counts[s].rows} rows" for s in SPLITS))
+    return manifest
+
+
+def _non_empty_documents(files: list[Path], txt_mode: TxtMode) -> Iterator[Document]:
+    return (doc for doc in iter_documents(files, txt_mode=txt_mode) if not doc.is_empty)
+
+
+def _count_documents(files: list[Path], txt_mode: TxtMode) -> tuple[int, int]:
+    num_documents = num_empty = 0
+    for doc in iter_documents(files, txt_mode=txt_mode):
+        if doc.is_empty:
+            num_empty += 1
+        else:
+            num_documents += 1
+    return num_documents, num_empty
+
+
+def _choose_val_documents(num_documents: int, val_fraction: float, seed: int) -> frozenset[int]:
+    if val_fraction == 0.0 or num_documents < 2:
+        return frozenset()
+    num_val = min(max(1, round(val_fraction * num_documents)), num_documents - 1)
+    order = np.random.default_rng(seed).permutation(num_documents)
+    return frozenset(int(i) for i in order[:num_val])
+
+
+def _get_tokenizer(
+    config: PrepareConfig, files: list[Path], val_ordinals: frozenset[int], say: Callable[[str], None]
+) -> CsbpTokenizer:
+    if config.tokenizer_path is not None:
+        return load_tokenizer(config.tokenizer_path, special=config.special)
+    assert config.vocab_size is not None  # checked in PrepareConfig
+    say(f"training a byte-level BPE tokenizer, vocab_size {config.vocab_size}")
+    train_texts = (
+        text
+        for ordinal, doc in enumerate(_non_empty_documents(files, config.txt_mode))
+        if ordinal not in val_ordinals
+        for text in doc.texts()
+    )
+    return train_bpe_tokenizer(train_texts, vocab_size=config.vocab_size, special=config.special)
+
+
+def _write_splits(
+    build_dir: Path,
+    files: list[Path],
+    config: PrepareConfig,
+    tokenizer: CsbpTokenizer,
+    val_ordinals: frozenset[int],
+) -> dict[str, SplitCounts]:
+    writers = {
+        split: PackedSplitWriter(build_dir, split, seq_len=config.seq_len, pad_id=tokenizer.pad_id)
+        for split in SPLITS
+    }
+    try:
+        chunk: list[tuple[str, Document]] = []
+        for ordinal, doc in enumerate(_non_empty_documents(files, config.txt_mode)):
+            chunk.append(("val" if ordinal in val_ordinals else "train", doc))
+            if len(chunk) == ENCODE_CHUNK_DOCUMENTS:
+                _write_chunk(chunk, tokenizer, writers)
+                chunk = []
+        _write_chunk(chunk, tokenizer, writers)
+        return {split: writer.finish() for split, writer in writers.items()}
+    finally:
+        for writer in writers.values():
+            writer.close()
+
+
+def _write_chunk(
+    chunk: list[tuple[str, Document]], tokenizer: CsbpTokenizer, writers: dict[str, PackedSplitWriter]
+) -> None:
+    encoded = encode_documents([doc for _, doc in chunk], tokenizer)
+    for (split, _), (token_ids, loss_mask) in zip(chunk, encoded):
+        writers[split].add_document(token_ids, loss_mask)
+
+
+def _manifest(
+    config: PrepareConfig,
+    files: list[Path],
+    tokenizer: CsbpTokenizer,
+    counts: dict[str, SplitCounts],
+    num_documents: int,
+    num_empty: int,
+    build_dir: Path,
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "created_by": f"csbp {csbp.__version__}",
+        "seq_len": config.seq_len,
+        "tokenizer": {
+            "fingerprint": tokenizer.fingerprint,
+            "source": "trained"
+            if config.train_tokenizer
+            else str(Path(config.tokenizer_path or "").resolve()),
+            "file": TOKENIZER_FILE,
+            "vocab_size": tokenizer.vocab_size,
+            "special_names": tokenizer.special_names,
+        },
+        "special_ids": tokenizer.special_ids(),
+        "dtypes": {name: dtype.str for name, dtype in ARRAY_DTYPES.items()},
+        "counts": {
+            "documents": num_documents,
+            "skipped_empty": num_empty,
+            "tokens": sum(c.tokens for c in counts.values()),
+        },
+        "splits": {
+            split: {
+                **asdict(counts[split]),
+                "files": {name: array_file_name(split, name) for name in ARRAY_DTYPES},
+            }
+            for split in SPLITS
+        },
+        "content_fingerprint": content_fingerprint(build_dir),
+        "sources": [
+            {"name": path.name, "path": str(path.resolve()), "bytes": path.stat().st_size} for path in files
+        ],
+        "options": {"val_fraction": config.val_fraction, "seed": config.seed, "txt_mode": config.txt_mode},
+    }
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest.json`` (sorted keys, trailing newline)."""
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    (Path(directory) / MANIFEST_NAME).write_text(text, encoding="utf-8")
+
+
+def _move_into_place(build_dir: Path, out_dir: Path) -> None:
+    """``os.replace`` the finished build onto ``out_dir`` (an old one is removed after the swap)."""
+    if not out_dir.exists():
+        os.replace(build_dir, out_dir)
+        return
+    old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+    os.replace(out_dir, old_dir / "artifact")
+    try:
+        os.replace(build_dir, out_dir)
+    except BaseException:
+        os.replace(old_dir / "artifact", out_dir)
+        raise
+    finally:
+        shutil.rmtree(old_dir, ignore_errors=True)

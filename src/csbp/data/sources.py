@@ -1,0 +1,193 @@
+"""Readers that turn raw training files into ``Document`` objects for ``csbp data prepare``.
+
+Supported inputs (chosen by file suffix; a directory expands to its supported files, sorted):
+
+* ``.jsonl`` and ``.parquet`` records, in this order of precedence when several apply:
+  ``messages`` (a chat: list of ``{"role": system|user|assistant, "content": str}``; only
+  assistant content is supervised), ``prompt`` + ``completion`` (only the completion is
+  supervised), ``text`` (everything is supervised);
+* ``.txt`` files: one document per file, or (``txt_mode="paragraphs"``) one document per
+  blank-line-separated paragraph. Project Gutenberg header/footer boilerplate is removed when
+  its markers are present.
+
+A ``Document`` is a list of segments: plain text to tokenize, or a chat role marker that the
+tokenizer maps to one special token id (``<|user|>`` ...). Tokenization happens later, in
+``prepare.py``; this module only parses and validates. Problems in the data raise ``ValueError``
+naming the file and the 1-based line (JSONL) or row (Parquet).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from csbp.data.corpus import strip_gutenberg_boilerplate
+
+TxtMode = Literal["file", "paragraphs"]
+
+SUPPORTED_SUFFIXES = (".jsonl", ".txt", ".parquet")
+CHAT_ROLES = ("system", "user", "assistant")
+ACCEPTED_FIELDS = "'messages' (list of {role, content}), 'prompt' + 'completion', or 'text' (all strings)"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a document: ``text`` to tokenize, or (when ``role`` is set) the single special
+    token marking the start of a chat message of that role (``text`` is then empty).
+
+    ``supervised`` says whether the tokens of this piece carry loss (loss mask 1).
+    """
+
+    text: str
+    supervised: bool
+    role: str | None = None
+
+
+@dataclass(frozen=True)
+class Document:
+    """A parsed document. The EOS token appended after it is supervised iff ``eos_supervised``
+    (plain text, completions and chats ending with an assistant turn teach the model to stop).
+    ``where`` is ``file:line`` / ``file:row`` / ``file`` for error messages."""
+
+    segments: tuple[Segment, ...]
+    eos_supervised: bool
+    where: str
+
+    @property
+    def is_empty(self) -> bool:
+        """True when no text segment has non-whitespace content (such documents are skipped)."""
+        return not any(s.text.strip() for s in self.segments)
+
+    def texts(self) -> list[str]:
+        """The plain-text pieces (what a tokenizer is trained on)."""
+        return [s.text for s in self.segments if s.role is None]
+
+
+def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
+    """Resolve files and directories into the ordered list of input files."""
+    files: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUPPORTED_SUFFIXES)
+            if not found:
+                raise ValueError(f"input directory {path} holds no {'/'.join(SUPPORTED_SUFFIXES)} files")
+            files.extend(found)
+        elif path.is_file():
+            if path.suffix not in SUPPORTED_SUFFIXES:
+                raise ValueError(
+                    f"input {path}: unsupported suffix {path.suffix!r}; use one of {SUPPORTED_SUFFIXES}"
+                )
+            files.append(path)
+        else:
+            raise ValueError(f"input {path} does not exist")
+    if not files:
+        raise ValueError("no input files given")
+    return files
+
+
+def iter_documents(files: Sequence[Path], *, txt_mode: TxtMode = "file") -> Iterator[Document]:
+    """Yield every document of ``files`` in order, empty ones included (check ``is_empty``)."""
+    for path in files:
+        try:
+            yield from _read_file(path, txt_mode)
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not UTF-8 text ({exc.reason}); re-encode it as UTF-8") from None
+
+
+def _read_file(path: Path, txt_mode: TxtMode) -> Iterator[Document]:
+    if path.suffix == ".jsonl":
+        yield from _read_jsonl(path)
+    elif path.suffix == ".parquet":
+        yield from _read_parquet(path)
+    elif path.suffix == ".txt":
+        yield from _read_txt(path, txt_mode)
+    else:
+        raise ValueError(f"input {path}: unsupported suffix {path.suffix!r}; use one of {SUPPORTED_SUFFIXES}")
+
+
+def record_to_document(record: Any, where: str) -> Document:
+    """Parse one JSONL/Parquet record (see the module docstring for the accepted fields)."""
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{where}: expected a JSON object with {ACCEPTED_FIELDS}, got {type(record).__name__}"
+        )
+    if record.get("messages") is not None:
+        return _chat_document(record["messages"], where)
+    if record.get("prompt") is not None or record.get("completion") is not None:
+        prompt, completion = record.get("prompt"), record.get("completion")
+        if not isinstance(prompt, str) or not isinstance(completion, str):
+            raise ValueError(
+                f"{where}: 'prompt' and 'completion' must both be strings; accepted: {ACCEPTED_FIELDS}"
+            )
+        segments = (Segment(prompt, supervised=False), Segment(completion, supervised=True))
+        return Document(segments, eos_supervised=True, where=where)
+    if record.get("text") is not None:
+        text = record["text"]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: 'text' must be a string, got {type(text).__name__}")
+        return Document((Segment(text, supervised=True),), eos_supervised=True, where=where)
+    present = sorted(key for key, value in record.items() if value is not None)
+    raise ValueError(
+        f"{where}: no usable field among the non-null fields {present}; accepted: {ACCEPTED_FIELDS}"
+    )
+
+
+def _chat_document(messages: Any, where: str) -> Document:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    segments: list[Segment] = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"{where}: messages[{index}] must be an object with 'role' and 'content'")
+        role, content = message["role"], message["content"]
+        if role not in CHAT_ROLES:
+            raise ValueError(f"{where}: messages[{index}].role is {role!r}; use one of {CHAT_ROLES}")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}: messages[{index}].content must be a string")
+        segments.append(Segment("", supervised=False, role=role))
+        segments.append(Segment(content, supervised=role == "assistant"))
+    ends_with_assistant = messages[-1]["role"] == "assistant"
+    return Document(tuple(segments), eos_supervised=ends_with_assistant, where=where)
+
+
+def _read_jsonl(path: Path) -> Iterator[Document]:
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+            yield record_to_document(record, where)
+
+
+def _read_parquet(path: Path) -> Iterator[Document]:
+    import pyarrow.parquet as pq  # heavy import, only when Parquet input is used
+
+    row_number = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            row_number += 1
+            yield record_to_document(record, f"{path}:row {row_number}")
+
+
+_BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+def _read_txt(path: Path, txt_mode: TxtMode) -> Iterator[Document]:
+    text = strip_gutenberg_boilerplate(path.read_text(encoding="utf-8"))
+    if txt_mode == "file":
+        yield Document((Segment(text, supervised=True),), eos_supervised=True, where=str(path))
+    elif txt_mode == "paragraphs":
+        for index, paragraph in enumerate(_BLANK_LINES.split(text.replace("\r\n", "\n")), start=1):
+            segment = Segment(paragraph.strip(), supervised=True)
+            yield Document((segment,), eos_supervised=True, where=f"{path}:paragraph {index}")
+    else:
+        raise ValueError(f"txt_mode is {txt_mode!r}; use 'file' or 'paragraphs'")

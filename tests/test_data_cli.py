@@ -1,0 +1,141 @@
+"""``csbp data prepare/inspect/stats`` through ``register`` on a fresh argparse parser."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from csbp.cli.data_cmd import register
+from csbp.data.artifact import open_artifact
+from csbp.data.report import format_row
+
+
+def run(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="csbp")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+@pytest.fixture
+def artifact_dir(tmp_path: Path) -> Path:
+    data = tmp_path / "chat.jsonl"
+    records = [
+        {"messages": [{"role": "user", "content": "say hello"}, {"role": "assistant", "content": "hello"}]},
+        {"text": "a plain document about the quick brown fox"},
+        {"text": ""},
+        {"prompt": "2+2=", "completion": "4"},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    out = tmp_path / "art"
+    code = run(
+        [
+            "data",
+            "prepare",
+            str(data),
+            "--out",
+            str(out),
+            "--seq-len",
+            "16",
+            "--train-tokenizer",
+            "--vocab-size",
+            "300",
+            "--seed",
+            "2",
+        ]
+    )
+    assert code == 0
+    return out
+
+
+def test_prepare_writes_a_valid_artifact(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "notes.txt"
+    data.write_text("first paragraph\n\nsecond paragraph\n\n\n", encoding="utf-8")
+    assert (
+        run(
+            [
+                "data",
+                "prepare",
+                str(data),
+                "--out",
+                str(tmp_path / "art"),
+                "--seq-len",
+                "8",
+                "--train-tokenizer",
+                "--vocab-size",
+                "280",
+                "--txt-mode",
+                "paragraphs",
+                "--val-fraction",
+                "0.5",
+            ]
+        )
+        == 0
+    )
+    assert "2 documents (1 val), 1 empty skipped" in capsys.readouterr().out
+    artifact = open_artifact(tmp_path / "art", verify=True)
+    assert artifact.manifest["counts"] == {
+        "documents": 2,
+        "skipped_empty": 1,
+        "tokens": artifact.manifest["counts"]["tokens"],
+    }
+    assert artifact.split("train").num_rows >= 1 and artifact.split("val").num_rows >= 1
+
+
+def test_inspect_marks_supervised_spans(artifact_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert run(["data", "inspect", str(artifact_dir), "--rows", "1", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "seq_len       16" in out and "3 (1 empty skipped)" in out
+    assert "--- row 0 (documents [0, 1])" in out
+    assert "<|user|>say hello<|assistant|>[[hello<|endoftext|>a plain document" in out
+
+
+def test_format_row_collapses_padding(artifact_dir: Path) -> None:
+    artifact = open_artifact(artifact_dir)
+    train = artifact.split("train")
+    last = train.num_rows - 1
+    text = format_row(
+        train.tokens[last], train.loss_mask[last], train.doc_ids[last], artifact.load_tokenizer()
+    )
+    padding = artifact.manifest["splits"]["train"]["padding_tokens"]
+    assert padding > 0 and text.endswith(f"<|pad|>x{padding}")
+
+
+def test_stats_report(artifact_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    artifact = open_artifact(artifact_dir)
+    split = artifact.manifest["splits"]["train"]
+    capsys.readouterr()
+    assert run(["data", "stats", str(artifact_dir)]) == 0
+    out = capsys.readouterr().out
+    fraction = 100 * split["supervised_tokens"] / split["tokens"]
+    assert f"supervised          {split['supervised_tokens']} ({fraction:.2f}% of tokens)" in out
+    assert f"tokens              {split['tokens']} (+{split['padding_tokens']} padding)" in out
+    assert "documents           3" in out and "document length histogram" in out
+    assert "[val]" in out and "(no documents)" in out
+
+
+def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(["data"]) == 2  # no subcommand: help on stderr
+    assert "prepare" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a tokenizer source is required
+        run(["data", "prepare", "x.jsonl", "--out", str(tmp_path / "o"), "--seq-len", "8"])
+    with pytest.raises(ValueError, match="no inputs"):
+        run(
+            [
+                "data",
+                "prepare",
+                "--out",
+                str(tmp_path / "o"),
+                "--seq-len",
+                "8",
+                "--train-tokenizer",
+                "--vocab-size",
+                "300",
+            ]
+        )
+    with pytest.raises(ValueError, match="is not a csbp data artifact"):
+        run(["data", "stats", str(tmp_path)])

@@ -1,0 +1,311 @@
+"""``prepare_artifact``: supervision masks, packing, manifest, atomicity, fingerprints, vocab checks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from csbp.data import prepare as prepare_module
+from csbp.data.artifact import Artifact, content_fingerprint, open_artifact
+from csbp.data.packing import PackedSplitWriter
+from csbp.data.prepare import PrepareConfig, prepare_artifact
+from csbp.data.tokenizer import CsbpTokenizer, load_tokenizer, train_bpe_tokenizer
+
+TINY_TEXTS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world, hello tokens",
+    "to be or not to be, that is the question",
+] * 10
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    train_bpe_tokenizer(TINY_TEXTS, vocab_size=300).save(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> CsbpTokenizer:
+    return load_tokenizer(tokenizer_dir)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def prepare(inputs: list[Path], out_dir: Path, tokenizer_dir: Path, *, seq_len: int, **options) -> Artifact:
+    config = PrepareConfig(
+        inputs=tuple(inputs), out_dir=out_dir, seq_len=seq_len, tokenizer_path=tokenizer_dir, **options
+    )
+    prepare_artifact(config)
+    return open_artifact(out_dir, verify=True)
+
+
+def stream(split) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flattened (tokens, loss_mask, doc_ids) of a split."""
+    return (
+        np.asarray(split.tokens).reshape(-1).astype(np.int64),
+        np.asarray(split.loss_mask).reshape(-1),
+        np.asarray(split.doc_ids).reshape(-1),
+    )
+
+
+def test_chat_supervision_marks_exactly_the_assistant_tokens(tmp_path, tokenizer_dir, tokenizer) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello world"},
+        {"role": "assistant", "content": "the lazy dog"},
+        {"role": "user", "content": "to be"},
+        {"role": "assistant", "content": "or not"},
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=64)
+    ids, mask = [], []
+    for message in messages:
+        content = tokenizer.encode(message["content"])
+        ids += [tokenizer.role_ids[message["role"]], *content]
+        mask += [0] + [int(message["role"] == "assistant")] * len(content)
+    ids, mask = ids + [tokenizer.eos_id], mask + [1]  # the final EOS teaches the model to stop
+    tokens, loss_mask, doc_ids = stream(art.split("train"))
+    n = len(ids)
+    assert tokens[:n].tolist() == ids and loss_mask[:n].tolist() == mask
+    assert (tokens[n:] == tokenizer.pad_id).all() and (loss_mask[n:] == 0).all()
+    assert (doc_ids[:n] == 0).all() and (doc_ids[n:] == -1).all()
+
+
+def test_prompt_completion_and_unanswered_chat_supervision(tmp_path, tokenizer_dir, tokenizer) -> None:
+    path = write_jsonl(
+        tmp_path / "pc.jsonl",
+        [
+            {"prompt": "to be or", "completion": " not to be"},
+            {"messages": [{"role": "user", "content": "hello"}]},
+        ],
+    )
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=64)
+    prompt, completion = tokenizer.encode("to be or"), tokenizer.encode(" not to be")
+    user = [tokenizer.role_ids["user"], *tokenizer.encode("hello"), tokenizer.eos_id]
+    expected_ids = prompt + completion + [tokenizer.eos_id] + user
+    expected_mask = [0] * len(prompt) + [1] * (len(completion) + 1) + [0] * len(user)
+    tokens, loss_mask, doc_ids = stream(art.split("train"))
+    n = len(expected_ids)
+    assert tokens[:n].tolist() == expected_ids and loss_mask[:n].tolist() == expected_mask
+    assert doc_ids[:n].tolist() == [0] * (len(prompt) + len(completion) + 1) + [1] * len(user)
+
+
+def test_packing_reproduces_the_token_stream(tmp_path, tokenizer_dir, tokenizer) -> None:
+    texts = [f"{TINY_TEXTS[i % 3]} number {i}" for i in range(9)]
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=7)
+    expected, expected_docs = [], []
+    for ordinal, text in enumerate(texts):
+        ids = tokenizer.encode(text) + [tokenizer.eos_id]
+        expected += ids
+        expected_docs += [ordinal] * len(ids)
+    train = art.split("train")
+    assert train.num_rows == -(-len(expected) // 7) and train.tokens.shape == (train.num_rows, 7)
+    tokens, loss_mask, doc_ids = stream(train)
+    n, padding = len(expected), train.num_rows * 7 - len(expected)
+    assert tokens[:n].tolist() == expected and doc_ids[:n].tolist() == expected_docs
+    assert loss_mask[:n].all() and not loss_mask[n:].any()
+    assert tokens[n:].tolist() == [tokenizer.pad_id] * padding and (doc_ids[n:] == -1).all()
+    assert art.split("val").num_rows == 0 and art.split("val").tokens.shape == (0, 7)
+
+
+def test_manifest_contents(tmp_path, tokenizer_dir, tokenizer) -> None:
+    path = write_jsonl(
+        tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:8]] + [{"text": ""}, {"text": " "}]
+    )
+    notes = tmp_path / "notes.txt"
+    notes.write_text("hello world\n", encoding="utf-8")
+    art = prepare([path, notes], tmp_path / "art", tokenizer_dir, seq_len=16, val_fraction=0.25, seed=3)
+    m = art.manifest
+    doc_tokens = [len(tokenizer.encode(t)) + 1 for t in TINY_TEXTS[:8] + ["hello world\n"]]
+    assert m["format"] == "csbp-packed-tokens" and m["format_version"] == 1 and m["seq_len"] == 16
+    assert m["counts"] == {"documents": 9, "skipped_empty": 2, "tokens": sum(doc_tokens)}
+    assert m["splits"]["val"]["documents"] == 2 and m["splits"]["train"]["documents"] == 7  # round(0.25*9)
+    for split in ("train", "val"):
+        s = m["splits"][split]
+        assert s["rows"] * 16 == s["tokens"] + s["padding_tokens"] and 0 <= s["padding_tokens"] < 16
+        assert s["supervised_tokens"] == s["tokens"]  # plain text: everything, EOS included
+        assert s["files"]["tokens"] == f"{split}.tokens.bin"
+    assert m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"] == sum(doc_tokens)
+    tokenizer_bytes = (tokenizer_dir / "tokenizer.json").read_bytes()
+    assert (
+        m["tokenizer"]["fingerprint"] == hashlib.sha256(tokenizer_bytes).hexdigest() == tokenizer.fingerprint
+    )
+    assert (tmp_path / "art" / "tokenizer.json").read_bytes() == tokenizer_bytes
+    assert m["tokenizer"]["vocab_size"] == 300 == art.vocab_size
+    assert m["special_ids"] == {"eos": 0, "mask": 1, "pad": 2, "system": 3, "user": 4, "assistant": 5}
+    assert art.mask_token_id == 1
+    assert m["content_fingerprint"] == content_fingerprint(tmp_path / "art")
+    assert [s["name"] for s in m["sources"]] == ["docs.jsonl", "notes.txt"]
+    assert m["options"] == {"seed": 3, "txt_mode": "file", "val_fraction": 0.25}
+
+
+def test_trained_tokenizer_is_deterministic(tmp_path) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS])
+    manifests = []
+    for name in ("one", "two"):
+        config = PrepareConfig(
+            inputs=(path,),
+            out_dir=tmp_path / name,
+            seq_len=8,
+            train_tokenizer=True,
+            vocab_size=290,
+            val_fraction=0.1,
+            seed=1,
+        )
+        manifests.append(prepare_artifact(config))
+    assert manifests[0]["tokenizer"]["fingerprint"] == manifests[1]["tokenizer"]["fingerprint"]
+    assert manifests[0]["content_fingerprint"] == manifests[1]["content_fingerprint"]
+    assert manifests[0]["tokenizer"]["vocab_size"] == 290
+    tokenizer = open_artifact(tmp_path / "one").load_tokenizer()
+    assert tokenizer.fingerprint == manifests[0]["tokenizer"]["fingerprint"]
+    assert tokenizer.decode(tokenizer.encode("hello <|mask|> world")) == "hello <|mask|> world"
+
+
+def _assert_no_leftovers(parent: Path, keep: set[str]) -> None:
+    assert {p.name for p in parent.iterdir()} == keep
+
+
+def test_failure_mid_prepare_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS])
+    out_parent = tmp_path / "out"
+    out_parent.mkdir()
+    calls = {"n": 0}
+    original = PackedSplitWriter.add_document
+
+    def failing_add(self, token_ids, loss_mask):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise RuntimeError("disk full")
+        original(self, token_ids, loss_mask)
+
+    monkeypatch.setattr(PackedSplitWriter, "add_document", failing_add)
+    with pytest.raises(RuntimeError, match="disk full"):
+        prepare([path], out_parent / "art", tokenizer_dir, seq_len=8)
+    _assert_no_leftovers(out_parent, set())
+    monkeypatch.undo()
+
+    def failing_manifest(directory, manifest):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_module, "write_manifest", failing_manifest)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([path], out_parent / "art", tokenizer_dir, seq_len=8)
+    _assert_no_leftovers(out_parent, set())
+
+
+def test_existing_output_needs_overwrite(tmp_path, tokenizer_dir) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "hello world"}])
+    prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)
+    with pytest.raises(ValueError, match="already exists; choose another --out or pass --overwrite"):
+        prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8, overwrite=True)
+    assert art.seq_len == 8
+    _assert_no_leftovers(tmp_path, {"docs.jsonl", "art"})
+
+
+def test_tokenizer_fingerprint_mismatch(tmp_path, tokenizer_dir, tokenizer) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "hello world"}])
+    prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)
+    other = train_bpe_tokenizer(["something else entirely"] * 5, vocab_size=280)
+    with pytest.raises(ValueError) as info:
+        open_artifact(tmp_path / "art", tokenizer=other)
+    message = str(info.value)
+    assert "\n" not in message and other.fingerprint in message and tokenizer.fingerprint in message
+    open_artifact(tmp_path / "art", tokenizer=tokenizer)  # the right one passes
+
+
+class _OutOfVocabTokenizer(CsbpTokenizer):
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [[1, self.vocab_size] for _ in texts]
+
+
+def test_out_of_vocab_ids_are_rejected(tmp_path, tokenizer_dir, tokenizer, monkeypatch) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "hello"}, {"text": "world"}])
+    broken = _OutOfVocabTokenizer(
+        tokenizer.backend, tokenizer.json_bytes, special=tokenizer.special, source="broken"
+    )
+    monkeypatch.setattr(prepare_module, "load_tokenizer", lambda *args, **kwargs: broken)
+    with pytest.raises(
+        ValueError, match=r"docs\.jsonl:1: token id 300 is outside the tokenizer vocabulary \[0, 300\)"
+    ):
+        prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)
+    assert not (tmp_path / "art").exists()
+
+
+def test_model_vocab_check(tmp_path, tokenizer_dir) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "hello world"}])
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)
+    art.require_vocab_size(300)
+    with pytest.raises(ValueError, match="vocab_size 300 but the model embeds only 299 ids"):
+        art.require_vocab_size(299)
+
+
+def test_open_artifact_detects_damage(tmp_path, tokenizer_dir) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:4]])
+    art_dir = tmp_path / "art"
+    prepare([path], art_dir, tokenizer_dir, seq_len=4)
+    tokens_file = art_dir / "train.tokens.bin"
+    data = bytearray(tokens_file.read_bytes())
+    data[0] ^= 1
+    tokens_file.write_bytes(bytes(data))
+    open_artifact(art_dir)  # sizes still match: only verify notices
+    with pytest.raises(ValueError, match="content fingerprint .* does not match manifest"):
+        open_artifact(art_dir, verify=True)
+    tokens_file.write_bytes(bytes(data[:-4]))
+    with pytest.raises(ValueError, match="train.tokens.bin: .* bytes, manifest implies"):
+        open_artifact(art_dir)
+    with pytest.raises(ValueError, match="is not a csbp data artifact"):
+        open_artifact(tmp_path)
+
+
+def test_chat_needs_role_markers_in_the_tokenizer(tmp_path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(
+        models.WordLevel({"hi": 0, "<|endoftext|>": 1, "<|mask|>": 2, "[UNK]": 3}, unk_token="[UNK]")
+    )
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok_dir = tmp_path / "wordlevel"
+    tok_dir.mkdir()
+    backend.save(str(tok_dir / "tokenizer.json"))
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"text": "hi hi"}])
+    art = prepare([plain], tmp_path / "plain_art", tok_dir, seq_len=4)
+    assert art.special_ids == {"eos": 1, "mask": 2, "pad": 1}  # pad falls back to EOS
+    assert stream(art.split("train"))[0].tolist() == [0, 0, 1, 1]
+    chat = write_jsonl(
+        tmp_path / "chat.jsonl", [{"text": "hi"}, {"messages": [{"role": "user", "content": "hi"}]}]
+    )
+    with pytest.raises(ValueError, match=r"chat\.jsonl:2: chat data needs the role marker '<\|user\|>'"):
+        prepare([chat], tmp_path / "chat_art", tok_dir, seq_len=4)
+    assert not (tmp_path / "chat_art").exists()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"seq_len": 1}, "seq_len is 1"),
+        ({"val_fraction": 1.0}, "val_fraction is 1.0"),
+        ({"train_tokenizer": True}, "give exactly one of --tokenizer DIR or --train-tokenizer"),
+        ({"tokenizer_path": None, "train_tokenizer": True}, "--train-tokenizer needs --vocab-size"),
+        ({"vocab_size": 400}, "--vocab-size only applies with --train-tokenizer"),
+    ],
+)
+def test_invalid_config(tmp_path, tokenizer_dir, options, message) -> None:
+    base = {"inputs": (tmp_path,), "out_dir": tmp_path / "art", "seq_len": 4, "tokenizer_path": tokenizer_dir}
+    with pytest.raises(ValueError, match=message):
+        PrepareConfig(**{**base, **options})
+
+
+def test_all_empty_inputs_are_an_error(tmp_path, tokenizer_dir) -> None:
+    path = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": "\n"}])
+    with pytest.raises(ValueError, match=r"no non-empty documents \(2 empty ones skipped\)"):
+        prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)

@@ -1,0 +1,99 @@
+"""Tokenizers: trained byte-level BPE, fingerprints, local loading (tokenizers and transformers)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from csbp.data.tokenizer import SpecialTokens, load_tokenizer, train_bpe_tokenizer
+
+TEXTS = ["hello world, the quick brown fox jumps over the lazy dog", "héllo wörld ✓"] * 10
+
+
+def test_trained_tokenizer_special_ids_and_round_trip() -> None:
+    tok = train_bpe_tokenizer(TEXTS, vocab_size=300)
+    assert tok.vocab_size == 300
+    assert (tok.eos_id, tok.mask_token_id, tok.pad_id) == (0, 1, 2)
+    assert tok.role_ids == {"system": 3, "user": 4, "assistant": 5}
+    text = "unseen bytes: ∑ 日本 <|mask|> end"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text and ids.count(tok.mask_token_id) == 1
+    assert tok.encode_batch([text, "hello"]) == [ids, tok.encode("hello")]
+    assert tok.fingerprint == hashlib.sha256(tok.json_bytes).hexdigest()
+
+
+def test_training_is_deterministic_and_data_dependent() -> None:
+    first = train_bpe_tokenizer(TEXTS, vocab_size=290)
+    again = train_bpe_tokenizer(TEXTS, vocab_size=290)
+    other = train_bpe_tokenizer(TEXTS[::-1] + ["different data"], vocab_size=290)
+    assert first.json_bytes == again.json_bytes and first.fingerprint == again.fingerprint
+    assert other.fingerprint != first.fingerprint
+
+
+def test_save_and_load_keep_the_fingerprint(tmp_path: Path) -> None:
+    tok = train_bpe_tokenizer(TEXTS, vocab_size=300)
+    path = tok.save(tmp_path)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == tok.fingerprint
+    for source in (tmp_path, path):
+        loaded = load_tokenizer(source)
+        assert loaded.fingerprint == tok.fingerprint and loaded.special_ids() == tok.special_ids()
+        assert loaded.encode("the lazy fox") == tok.encode("the lazy fox")
+
+
+def test_vocab_size_too_small() -> None:
+    with pytest.raises(ValueError, match="vocab_size is 261; a byte-level BPE needs at least 262"):
+        train_bpe_tokenizer(TEXTS, vocab_size=261)
+
+
+def _wordlevel_dir(tmp_path: Path, vocab: dict[str, int]) -> Path:
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(tmp_path / "tokenizer.json"))
+    return tmp_path
+
+
+def test_special_names_fall_back_to_hf_config(tmp_path: Path) -> None:
+    directory = _wordlevel_dir(tmp_path, {"[UNK]": 0, "</s>": 1, "[MASK]": 2, "[PAD]": 3, "word": 4})
+    with pytest.raises(ValueError, match="has no eos token '<\\|endoftext\\|>'"):
+        load_tokenizer(directory)
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "</s>", "pad_token": {"content": "[PAD]"}, "mask_token": "[MASK]"})
+    )
+    tok = load_tokenizer(directory)
+    assert tok.special_ids() == {"eos": 1, "mask": 2, "pad": 3}
+    assert tok.special_names == {"eos": "</s>", "mask": "[MASK]", "pad": "[PAD]"}
+    explicit = load_tokenizer(directory, special=SpecialTokens(mask="word"))
+    assert explicit.mask_token_id == 4
+
+
+def test_missing_mask_token_is_an_error(tmp_path: Path) -> None:
+    directory = _wordlevel_dir(tmp_path, {"[UNK]": 0, "<|endoftext|>": 1})
+    with pytest.raises(ValueError, match="has no mask token '<\\|mask\\|>'.*--mask-token"):
+        load_tokenizer(directory)
+
+
+def test_transformers_directory_without_tokenizer_json(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    trained = train_bpe_tokenizer(TEXTS, vocab_size=300)
+    trained.backend.model.save(str(tmp_path))  # vocab.json + merges.txt, a GPT-2 style directory
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GPT2Tokenizer",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|pad|>",
+                "mask_token": "<|mask|>",
+            }
+        )
+    )
+    tok = load_tokenizer(tmp_path)
+    assert tok.special_ids() == trained.special_ids()
+    assert tok.encode("hello lazy fox") == trained.encode("hello lazy fox")
+    assert tok.fingerprint == hashlib.sha256(tok.json_bytes).hexdigest()
+    assert load_tokenizer(tmp_path).fingerprint == tok.fingerprint  # reproducible
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing")
