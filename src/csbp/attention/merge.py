@@ -1,0 +1,91 @@
+"""Online-softmax merge of attention partials ``(out, lse)`` over disjoint key subsets (csbp.md §9.2).
+
+A partial over key subset ``s`` is the normalised output ``out_s [..., N, d]`` and the natural-log
+log-sum-exp ``lse_s [..., N]`` of the scaled scores of the allowed keys of ``s``; a row that sees
+no key of ``s`` has ``out_s = 0`` and ``lse_s = -inf``. Merging uses the stable form::
+
+    lse = logaddexp(lse_1, lse_2)
+    out = exp(lse_1 - lse) * out_1 + exp(lse_2 - lse) * out_2
+
+so empty partials contribute nothing and rows that are empty in every partial stay ``out = 0``,
+``lse = -inf`` without NaN (also in autograd through the merge). Everything is computed in the
+accumulation dtype: float64 when any input is float64, float32 otherwise (bf16 partials would lose
+accuracy with every merge).
+
+``partial_grads_from_merged`` is the matching chain rule: the gradient that reaches one partial
+from the gradient of the merged output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def accumulation_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 when any tensor is float64, float32 otherwise (also for bf16/fp16 inputs)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def merge_partials(out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge two partials ``(out [..., N, d], lse [..., N])`` into the partial over the union of keys.
+
+    Returns ``(out, lse)`` in the accumulation dtype of the inputs.
+    """
+    if out1.shape != out2.shape or lse1.shape != lse2.shape or out1.shape[:-1] != lse1.shape:
+        raise ValueError(
+            f"merge_partials: shapes out1 {tuple(out1.shape)}, lse1 {tuple(lse1.shape)}, out2 "
+            f"{tuple(out2.shape)}, lse2 {tuple(lse2.shape)} must be out [..., N, d] and lse [..., N] alike"
+        )
+    dtype = accumulation_dtype(out1, lse1, out2, lse2)
+    lse1, lse2 = lse1.to(dtype), lse2.to(dtype)
+    lse = _logaddexp(lse1, lse2)
+    weight1, weight2 = _merge_weights(lse1, lse), _merge_weights(lse2, lse)
+    out = weight1.unsqueeze(-1) * out1.to(dtype) + weight2.unsqueeze(-1) * out2.to(dtype)
+    return out, lse
+
+
+def merge_many(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """Merge any number (at least one) of partials ``(out, lse)`` over disjoint key subsets."""
+    if len(partials) == 0:
+        raise ValueError("merge_many needs at least one partial (out, lse)")
+    out, lse = partials[0]
+    dtype = accumulation_dtype(out, lse)
+    out, lse = out.to(dtype), lse.to(dtype)
+    for out_next, lse_next in partials[1:]:
+        out, lse = merge_partials(out, lse, out_next, lse_next)
+    return out, lse
+
+
+def partial_grads_from_merged(
+    out_part: Tensor, lse_part: Tensor, out: Tensor, lse: Tensor, dout: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Gradients reaching one partial ``(out_part, lse_part)`` from ``dout`` of the merged ``(out, lse)``.
+
+    With ``w = exp(lse_part - lse)`` (0 for rows empty in the partial): ``dout_part = w * dout`` and
+    ``dlse_part = w * <dout, out_part - out>`` (csbp.md §9.2). The merged lse is treated as having no
+    gradient of its own (attention outputs only ``out``).
+    """
+    dtype = accumulation_dtype(out_part, lse_part, out, lse, dout)
+    weight = _merge_weights(lse_part.to(dtype), lse.to(dtype))
+    dout = dout.to(dtype)
+    dout_part = weight.unsqueeze(-1) * dout
+    dlse_part = weight * (dout * (out_part.to(dtype) - out.to(dtype))).sum(-1)
+    return dout_part, dlse_part
+
+
+def _logaddexp(lse1: Tensor, lse2: Tensor) -> Tensor:
+    """``log(exp(lse1) + exp(lse2))`` whose autograd stays NaN-free when both are ``-inf``."""
+    shift = torch.maximum(lse1, lse2).detach()  # lse does not depend on the shift: no gradient needed
+    shift = shift.masked_fill(shift == float("-inf"), 0.0)
+    total = (lse1 - shift).exp() + (lse2 - shift).exp()
+    empty = total == 0
+    return (shift + total.masked_fill(empty, 1.0).log()).masked_fill(empty, float("-inf"))
+
+
+def _merge_weights(lse_part: Tensor, lse: Tensor) -> Tensor:
+    """``exp(lse_part - lse)``; 0 where the merged row is empty (``lse = -inf``), never NaN."""
+    lse_finite = lse.masked_fill(lse == float("-inf"), 0.0)
+    return (lse_part - lse_finite).exp()

@@ -1,0 +1,241 @@
+"""Local attention: every key row is on this process, so there is no communication (csbp.md §5.3,
+§9.1). Used by the single-process reference and by BP-only ranks (clean-prefix replication).
+
+Queries and keys are the same packed rows ``[noisy rows ; clean rows]``. When the noisy rows are
+whole blocks (each block once, all live, ``B`` rows each, increasing positions inside a block if
+``causal_in_block``), attention is computed as two partials merged online:
+
+* noisy rows x noisy keys: ``block_diagonal_forward`` (batched dense ``[B, B]`` blocks);
+* all rows x clean keys: ``interval_attention_forward`` with a tile plan built once.
+
+Otherwise (or when separate ``key_rows`` are given) one interval partial over all keys is used.
+Backward computes both parts from the final merged ``(out, lse)``.
+
+Usage::
+
+    attn = LocalAttentionFn(rows, num_noisy=A)     # once per step (rows are the same in every layer)
+    out = attn(q, k, v, layer_index)               # q [S, Hq, N, d], k/v [S, Hkv, N, d] -> [S, Hq, N, d]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from csbp.attention.kernel import (
+    DEFAULT_TILE_ROWS,
+    TilePlan,
+    block_diagonal_backward,
+    block_diagonal_forward,
+    build_tile_plan,
+    interval_attention_backward,
+    interval_attention_forward,
+)
+from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.rows import Rows
+
+
+@dataclass(frozen=True, eq=False)
+class LocalAttentionPlan:
+    """Everything local attention needs besides q/k/v; build with ``build_local_attention_plan``.
+
+    Attributes:
+        query_rows: the query rows (``[noisy ; clean]``).
+        key_rows: the key rows (the query rows unless given separately).
+        num_noisy: leading noisy query rows.
+        block_size: ``B`` when the block-diagonal fast path is used, else None.
+        causal_in_block: lower-triangular block-diagonal part.
+        scale: softmax scale (None: ``1/sqrt(d)``).
+        interval_plan: tile plan of the interval partial: queries x clean keys on the fast path,
+            queries x all keys otherwise.
+    """
+
+    query_rows: Rows
+    key_rows: Rows
+    num_noisy: int
+    block_size: int | None
+    causal_in_block: bool
+    scale: float | None
+    interval_plan: TilePlan
+
+    @property
+    def interval_key_rows(self) -> Rows:
+        """Key rows of the interval partial."""
+        if self.block_size is None:
+            return self.key_rows
+        return self.key_rows.select(slice(self.num_noisy, None))
+
+
+def build_local_attention_plan(
+    rows: Rows,
+    *,
+    num_noisy: int,
+    key_rows: Rows | None = None,
+    causal_in_block: bool = False,
+    scale: float | None = None,
+    tile_rows: int = DEFAULT_TILE_ROWS,
+) -> LocalAttentionPlan:
+    """Plan attention of ``rows`` (``num_noisy`` noisy rows, then clean rows) over ``key_rows``
+    (default: the same rows, which enables the block-diagonal fast path)."""
+    if not 0 <= num_noisy <= len(rows):
+        raise ValueError(f"num_noisy={num_noisy} must be in [0, {len(rows)}] (the number of rows)")
+    if bool(rows.clean[:num_noisy].any()) or not bool(rows.clean[num_noisy:].all()):
+        raise ValueError(
+            f"rows must be packed [noisy ; clean]: rows[:num_noisy={num_noisy}] noisy (clean=False) and the "
+            "rest clean; fix num_noisy or the row order"
+        )
+    block_size = None
+    if key_rows is None:
+        key_rows = rows
+        block_size = _whole_block_size(rows.select(slice(0, num_noisy)), causal_in_block)
+    interval_keys = key_rows if block_size is None else key_rows.select(slice(num_noisy, None))
+    return LocalAttentionPlan(
+        query_rows=rows,
+        key_rows=key_rows,
+        num_noisy=num_noisy,
+        block_size=block_size,
+        causal_in_block=causal_in_block,
+        scale=scale,
+        interval_plan=build_tile_plan(rows, interval_keys, tile_rows=tile_rows),
+    )
+
+
+def local_attention_forward(
+    q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan
+) -> tuple[Tensor, Tensor]:
+    """``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype."""
+    options = {"scale": plan.scale, "causal_in_block": plan.causal_in_block}
+    if plan.block_size is None:
+        return interval_attention_forward(
+            q, k, v, plan.query_rows, plan.key_rows, plan=plan.interval_plan, **options
+        )
+    num_noisy = plan.num_noisy
+    out, lse = interval_attention_forward(
+        q,
+        k[:, :, num_noisy:],
+        v[:, :, num_noisy:],
+        plan.query_rows,
+        plan.interval_key_rows,
+        plan=plan.interval_plan,
+        **options,
+    )
+    if num_noisy == 0:
+        return out, lse
+    noisy = slice(0, num_noisy)
+    out_block, lse_block = block_diagonal_forward(
+        q[:, :, noisy],
+        k[:, :, noisy],
+        v[:, :, noisy],
+        block_size=plan.block_size,
+        scale=plan.scale,
+        causal=plan.causal_in_block,
+    )
+    out_noisy, lse_noisy = merge_partials(out_block, lse_block, out[:, :, noisy], lse[:, :, noisy])
+    out[:, :, noisy], lse[:, :, noisy] = out_noisy, lse_noisy
+    return out, lse
+
+
+def local_attention_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: LocalAttentionPlan
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` in the accumulation dtype from the final ``out``/``lse`` and ``dout``."""
+    dtype = accumulation_dtype(q, k, v)
+    delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # [S, Hq, N]
+    options = {"scale": plan.scale, "causal_in_block": plan.causal_in_block, "delta": delta}
+    if plan.block_size is None:
+        return interval_attention_backward(
+            q, k, v, plan.query_rows, plan.key_rows, out, lse, dout, plan=plan.interval_plan, **options
+        )
+    num_noisy = plan.num_noisy
+    dq, dk_clean, dv_clean = interval_attention_backward(
+        q,
+        k[:, :, num_noisy:],
+        v[:, :, num_noisy:],
+        plan.query_rows,
+        plan.interval_key_rows,
+        out,
+        lse,
+        dout,
+        plan=plan.interval_plan,
+        **options,
+    )
+    if num_noisy == 0:
+        return dq, dk_clean, dv_clean
+    noisy = slice(0, num_noisy)
+    dq_block, dk_block, dv_block = block_diagonal_backward(
+        q[:, :, noisy],
+        k[:, :, noisy],
+        v[:, :, noisy],
+        out[:, :, noisy],
+        lse[:, :, noisy],
+        dout[:, :, noisy],
+        block_size=plan.block_size,
+        scale=plan.scale,
+        causal=plan.causal_in_block,
+        delta=delta[:, :, noisy],
+    )
+    dq[:, :, noisy] += dq_block
+    return dq, torch.cat([dk_block, dk_clean], dim=2), torch.cat([dv_block, dv_clean], dim=2)
+
+
+class LocalAttention(torch.autograd.Function):
+    """``LocalAttention.apply(q, k, v, plan) -> out`` in the dtype of ``q``, with explicit backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -> Tensor:
+        out, lse = local_attention_forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+class LocalAttentionFn:
+    """Attention callable for a fixed row set (the decoder's ``AttentionFn``): ``attn(q, k, v) -> out``.
+
+    Build once per step; every layer reuses the plan. Arguments as in ``build_local_attention_plan``.
+    """
+
+    def __init__(
+        self,
+        rows: Rows,
+        *,
+        num_noisy: int,
+        key_rows: Rows | None = None,
+        causal_in_block: bool = False,
+        scale: float | None = None,
+        tile_rows: int = DEFAULT_TILE_ROWS,
+    ) -> None:
+        self.plan = build_local_attention_plan(
+            rows,
+            num_noisy=num_noisy,
+            key_rows=key_rows,
+            causal_in_block=causal_in_block,
+            scale=scale,
+            tile_rows=tile_rows,
+        )
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
+        return LocalAttention.apply(q, k, v, self.plan)
+
+
+def _whole_block_size(noisy: Rows, causal_in_block: bool) -> int | None:
+    """``B`` when the noisy rows are whole blocks of ``B`` rows (each block once, all live, and
+    increasing positions inside a block when causal), else None."""
+    if len(noisy) == 0 or not bool(noisy.live.all()):
+        return None
+    blocks, counts = torch.unique_consecutive(noisy.block, return_counts=True)
+    block_size = int(counts[0])
+    if not bool((counts == block_size).all()) or torch.unique(blocks).shape[0] != blocks.shape[0]:
+        return None
+    if causal_in_block and not bool((noisy.pos.view(-1, block_size).diff(dim=1) > 0).all()):
+        return None
+    return block_size

@@ -1,0 +1,113 @@
+"""Online-softmax merge (csbp.md §9.2, §18.3): merging partials over any key partition equals one
+softmax over the union; empty rows give 0 / -inf without NaN; the shard chain rule matches
+autograd. Tolerances: float64 ``atol = rtol = 1e-10``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from csbp.attention.merge import accumulation_dtype, merge_many, merge_partials, partial_grads_from_merged
+
+TOL64 = {"atol": 1e-10, "rtol": 1e-10}
+
+
+def softmax_partial(scores: Tensor, values: Tensor, allow: Tensor) -> tuple[Tensor, Tensor]:
+    """Partial ``(out [R, d], lse [R])`` of ``scores [R, K]`` over the allowed keys (tests' own oracle)."""
+    has_key = allow.any(-1)
+    masked = scores.masked_fill(~allow, float("-inf")).masked_fill(~has_key[:, None], 0.0)
+    out = torch.softmax(masked, -1) @ values * has_key[:, None]
+    return out, torch.logsumexp(masked, -1).masked_fill(~has_key, float("-inf"))
+
+
+def random_problem(rows: int = 6, keys: int = 10, dim: int = 4, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    scores = 3 * torch.randn(rows, keys, generator=gen, dtype=torch.float64)
+    values = torch.randn(keys, dim, generator=gen, dtype=torch.float64)
+    allow = torch.rand(rows, keys, generator=gen) < 0.6
+    allow[0] = False  # a row that sees nothing at all
+    allow[1, :] = False
+    allow[1, 7] = True  # a row that sees exactly one key (in the last subset only)
+    return scores, values, allow
+
+
+def split(keys: int, num_parts: int, seed: int) -> list[Tensor]:
+    owner = torch.randint(0, num_parts, (keys,), generator=torch.Generator().manual_seed(seed))
+    owner[7] = num_parts - 1
+    return [owner == part for part in range(num_parts)]
+
+
+@pytest.mark.parametrize("num_parts", [2, 3, 5])
+def test_merge_over_arbitrary_partition_equals_union(num_parts: int) -> None:
+    scores, values, allow = random_problem()
+    out_ref, lse_ref = softmax_partial(scores, values, allow)
+    partials = [softmax_partial(scores, values, allow & part[None, :]) for part in split(10, num_parts, 3)]
+    out, lse = merge_many(partials)
+    torch.testing.assert_close(out, out_ref, **TOL64)
+    torch.testing.assert_close(lse, lse_ref, **TOL64)
+    assert bool((out[0] == 0).all()) and float(lse[0]) == float("-inf")
+    assert not out.isnan().any()
+    out_reversed, lse_reversed = merge_many(partials[::-1])
+    torch.testing.assert_close(out_reversed, out_ref, **TOL64)
+    torch.testing.assert_close(lse_reversed, lse_ref, **TOL64)
+
+
+def test_merge_with_empty_partials_is_identity() -> None:
+    scores, values, allow = random_problem(seed=1)
+    out_ref, lse_ref = softmax_partial(scores, values, allow)
+    empty = (torch.zeros_like(out_ref), torch.full_like(lse_ref, float("-inf")))
+    out, lse = merge_partials(*empty, out_ref, lse_ref)
+    torch.testing.assert_close(out, out_ref, **TOL64)
+    torch.testing.assert_close(lse, lse_ref, **TOL64)
+    out, lse = merge_partials(*empty, *empty)
+    assert bool((out == 0).all()) and bool((lse == float("-inf")).all())
+
+
+def test_merge_is_stable_for_large_scores() -> None:
+    scores, values, allow = random_problem(seed=2)
+    scores = scores + 1e4  # exp would overflow without the log-sum-exp form
+    out_ref, lse_ref = softmax_partial(scores, values, allow)
+    out, lse = merge_many(
+        [softmax_partial(scores, values, allow & part[None, :]) for part in split(10, 2, 4)]
+    )
+    torch.testing.assert_close(out, out_ref, **TOL64)
+    torch.testing.assert_close(lse, lse_ref, atol=1e-10, rtol=1e-14)
+
+
+def test_partial_grads_from_merged_match_autograd() -> None:
+    scores, values, allow = random_problem(seed=5)
+    parts = split(10, 3, 6)
+    partials = [softmax_partial(scores, values, allow & part[None, :]) for part in parts]
+    leaves = [(out.clone().requires_grad_(True), lse.clone().requires_grad_(True)) for out, lse in partials]
+    out, lse = merge_many(leaves)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    (out * dout).sum().backward()
+    for (out_part, lse_part), (leaf_out, leaf_lse) in zip(partials, leaves):
+        dout_part, dlse_part = partial_grads_from_merged(out_part, lse_part, out.detach(), lse.detach(), dout)
+        has_key = torch.isfinite(lse.detach())  # autograd through an all-empty row is 0 as well
+        torch.testing.assert_close(dout_part[has_key], leaf_out.grad[has_key], **TOL64)
+        torch.testing.assert_close(dlse_part[has_key], leaf_lse.grad[has_key], **TOL64)
+        assert not dout_part.isnan().any() and not dlse_part.isnan().any()
+        assert not leaf_out.grad.isnan().any() and not leaf_lse.grad.isnan().any()
+        assert bool((dout_part[~has_key] == 0).all()) and bool((dlse_part[~has_key] == 0).all())
+
+
+def test_accumulation_dtype_and_low_precision_inputs() -> None:
+    scores, values, allow = random_problem(seed=8)
+    (out1, lse1), (out2, lse2) = (
+        softmax_partial(scores, values, allow & p[None, :]) for p in split(10, 2, 9)
+    )
+    out, _ = merge_partials(out1.float(), lse1.float(), out2, lse2)
+    assert out.dtype == torch.float64
+    out_bf, lse_bf = merge_partials(out1.bfloat16(), lse1.float(), out2.bfloat16(), lse2.float())
+    assert out_bf.dtype == torch.float32 and lse_bf.dtype == torch.float32
+    assert accumulation_dtype(out1.half()) == torch.float32
+
+
+def test_invalid_merges_raise() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        merge_many([])
+    out, lse = torch.zeros(3, 4), torch.zeros(3)
+    with pytest.raises(ValueError, match="out"):
+        merge_partials(out, lse, torch.zeros(3, 5), lse)
