@@ -10,4 +10,9 @@ step, never as a long positional argument list.
 
 * ``local``: every key is local (single-process reference, BP-only with clean-prefix replication);
   no communication.
+* ``collective``: async all-gather of exchanged rows, local partial overlapped, reduce-scatter of
+  dK/dV to owners. Exchanging all rows is the CP-only baseline; exchanging clean rows is CSBP.
+* ``streaming``: CSBP over ``CP-1`` ring steps with bounded memory and query-row skipping.
+* ``window``: CSBP sliding-window layers, one variable-split all-to-all of the needed clean rows.
+* ``factory``: ``build_attention`` picks the transport of a topology.
 """

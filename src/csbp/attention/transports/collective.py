@@ -1,0 +1,199 @@
+"""All-gather / reduce-scatter attention transport (csbp.md §9), for CSBP and the CP-only baseline.
+
+One generic transport, parametrised by *which* packed rows the ring exchanges
+(``exchange.ExchangeSpec``):
+
+* **CSBP** (``csbp_exchange_spec``): only the clean rows. Noisy K/V never leave the rank.
+* **CP-only baseline** (``cp_exchange_spec``): every row, noisy and clean, as generic context
+  parallelism does over ``[x_t ; x_0]``. It runs the same kernels with the same overlap; remote
+  noisy keys no local query can see are still transferred but skipped by the tile plan.
+
+Forward (per layer)::
+
+    pack my exchanged K/V (padded to the ring's largest shard); start an async all-gather
+    local partial: all my queries x my own rows (block-diagonal fast path for whole noisy blocks)
+    wait; pick the other members' live rows (owner-major -> canonical order, index built once)
+    remote partial: all my queries x remote rows (tiled interval kernel); online-softmax merge
+
+Backward: the remote partial's backward runs first from the final ``(out, lse)``; its dK/dV is
+scattered into the gathered layout (zeros at own and padding rows) and an async reduce-scatter
+returns every owner its summed gradient while the local backward runs; the owner adds it to its
+exchanged rows.
+
+Traffic per rank and layer (``n`` exchanged rows of the largest shard, element size ``e``): forward
+``(P-1)·2·S·Hkv·n·d·e`` bytes, backward the same in the accumulation dtype. The gathered remote
+K/V (``(P-1)·n`` rows) is kept for the backward; use the streaming transport to bound memory.
+
+Usage::
+
+    attn = CollectiveAttention(layout, csbp_exchange_spec(layout, ...), Comm(ring_group, counter))
+    out = attn(q, k, v, layer_index)   # q [S, Hq, N, d], k/v [S, Hkv, N, d] over layout.rows
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from csbp.attention.kernel import (
+    DEFAULT_TILE_ROWS,
+    TilePlan,
+    build_tile_plan,
+    interval_attention_backward,
+    interval_attention_forward,
+)
+from csbp.attention.layouts import RankLayout
+from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.rows import Rows
+from csbp.attention.transports.exchange import (
+    ExchangeSpec,
+    PlanCache,
+    RemoteKeys,
+    check_packed_inputs,
+    check_ring_comm,
+    check_spec_matches_layout,
+    pack_shard,
+    remote_keys,
+    scatter_remote,
+    select_remote,
+)
+from csbp.attention.transports.local import (
+    LocalAttentionPlan,
+    build_local_attention_plan,
+    local_attention_backward,
+    local_attention_forward,
+)
+from csbp.parallel.comm import Comm
+
+
+@dataclass(frozen=True, eq=False)
+class CollectivePlan:
+    """Everything one call needs besides q/k/v (built once per device, shared by every layer).
+
+    Attributes:
+        spec: which rows each ring member exchanges.
+        comm: counted collectives over the ring.
+        local: queries x own rows.
+        query_rows: this rank's packed rows (the queries of the remote partial).
+        remote: the other members' live rows in a gathered buffer, canonical order.
+        remote_plan: tile plan of ``query_rows`` x ``remote.rows``; None when there is no remote row.
+        causal_in_block: lower-triangular block-diagonal part.
+    """
+
+    spec: ExchangeSpec
+    comm: Comm
+    local: LocalAttentionPlan
+    query_rows: Rows
+    remote: RemoteKeys
+    remote_plan: TilePlan | None
+    causal_in_block: bool
+
+
+def collective_forward(q: Tensor, k: Tensor, v: Tensor, plan: CollectivePlan) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out [S, Hq, N, d], lse [S, Hq, N], remote_kv [2, S, Hkv, R, d])``; out/lse in accumulation dtype."""
+    spec = plan.spec
+    shard = pack_shard(k, v, spec.exchange_start, spec.shard_rows)  # [2, S, Hkv, n, d]
+    _, pending = plan.comm.all_gather(shard, async_op=True)
+    out, lse = local_attention_forward(q, k, v, plan.local)  # overlaps the all-gather
+    gathered = pending.wait()  # [P*2, S, Hkv, n, d], owner-major
+    remote_kv = select_remote(gathered, plan.remote)  # [2, S, Hkv, R, d]
+    del gathered, pending  # keep only the remote rows, not the padded gathered buffer
+    if plan.remote_plan is not None:
+        out_remote, lse_remote = interval_attention_forward(
+            q, remote_kv[0], remote_kv[1], plan.query_rows, plan.remote.rows,
+            plan=plan.remote_plan, causal_in_block=plan.causal_in_block,
+        )
+        out, lse = merge_partials(out, lse, out_remote, lse_remote)
+    return out, lse, remote_kv
+
+
+def collective_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, remote_kv: Tensor, dout: Tensor,
+    plan: CollectivePlan,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` over the packed rows (accumulation dtype), dK/dV of exchanged rows summed over
+    every ring member's queries."""
+    spec = plan.spec
+    dtype = accumulation_dtype(q, k, v)
+    delta = (dout.to(dtype) * out).sum(-1)  # [S, Hq, N]
+    dq_remote = None
+    if plan.remote_plan is not None:
+        dq_remote, dk_remote, dv_remote = interval_attention_backward(
+            q, remote_kv[0], remote_kv[1], plan.query_rows, plan.remote.rows, out, lse, dout,
+            plan=plan.remote_plan, causal_in_block=plan.causal_in_block, delta=delta,
+        )
+        grad_gathered = scatter_remote(
+            torch.stack([dk_remote, dv_remote]), plan.remote, spec.ring_size, spec.shard_rows
+        )  # [P*2, S, Hkv, n, d]
+    else:
+        grad_gathered = k.new_zeros(spec.ring_size * 2, *k.shape[:2], spec.shard_rows, k.shape[-1], dtype=dtype)
+    _, pending = plan.comm.reduce_scatter(grad_gathered, async_op=True)
+    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local)  # overlaps the reduce-scatter
+    grad_own = pending.wait()  # [2, S, Hkv, n, d]: my exchanged rows' dK/dV from the other members
+    if dq_remote is not None:
+        dq += dq_remote
+    rows = slice(spec.exchange_start, None)
+    dk[:, :, rows] += grad_own[0, :, :, : spec.num_exchanged]
+    dv[:, :, rows] += grad_own[1, :, :, : spec.num_exchanged]
+    return dq, dk, dv
+
+
+class _CollectiveFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: CollectivePlan) -> Tensor:
+        out, lse, remote_kv = collective_forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse, remote_kv)
+        ctx.plan = plan
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, remote_kv = ctx.saved_tensors
+        dq, dk, dv = collective_backward(q, k, v, out, lse, remote_kv, dout, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+class CollectiveAttention:
+    """All-gather / reduce-scatter attention over ``layout.rows`` (the decoder's ``AttentionFn``).
+
+    Args:
+        layout: this rank's rows (packed ``[noisy ; clean]``).
+        spec: which rows each ring member exchanges (``csbp_exchange_spec`` / ``cp_exchange_spec``).
+        comm: ``Comm`` over the ring group (size ``spec.ring_size``, this rank at ``spec.ring_rank``).
+        causal_in_block: lower-triangular attention inside a noisy block.
+        tile_rows: query rows per kernel tile.
+    """
+
+    def __init__(
+        self,
+        layout: RankLayout,
+        spec: ExchangeSpec,
+        comm: Comm,
+        *,
+        causal_in_block: bool = False,
+        tile_rows: int = DEFAULT_TILE_ROWS,
+    ) -> None:
+        check_spec_matches_layout(layout, spec, "CollectiveAttention")
+        self.comm = check_ring_comm(comm, spec.ring_size, spec.ring_rank, "CollectiveAttention")
+        self.layout, self.spec = layout, spec
+        self.causal_in_block, self.tile_rows = causal_in_block, tile_rows
+        self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
+
+    def _build_plan(self, device: torch.device) -> CollectivePlan:
+        rows = self.layout.rows.to(device)
+        spec = self.spec.to(device)
+        remote = remote_keys(spec)
+        remote_plan = None
+        if len(remote) > 0:
+            remote_plan = build_tile_plan(rows, remote.rows, tile_rows=self.tile_rows)
+        local = build_local_attention_plan(
+            rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows
+        )
+        return CollectivePlan(spec, self.comm, local, rows, remote, remote_plan, self.causal_in_block)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
+        check_packed_inputs(q, k, v, len(self.layout.rows), "CollectiveAttention")
+        return _CollectiveFunction.apply(q, k, v, self._plans.get(q.device))

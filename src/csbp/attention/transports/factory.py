@@ -1,0 +1,106 @@
+"""Choose and build the attention transport of one rank from its topology and layout.
+
+=========  =======================================================================================
+layout     transport
+=========  =======================================================================================
+``data``   ``LocalAttentionFn``: every row is local (single process or plain data parallelism)
+``bp``     ``LocalAttentionFn``: BP-only, the clean prefix is replicated, no attention traffic
+``cp``     the CP-only baseline: every row (noisy and clean) is exchanged, like generic context
+           parallelism; ``collective`` (all-gather / reduce-scatter) or ``streaming`` (ring)
+``csbp``   only clean rows move: ``WindowAttention`` when ``window`` is set (the halo all-to-all),
+           else ``CollectiveAttention`` or ``StreamingAttention`` over the clean shards
+=========  =======================================================================================
+
+A windowed CP-only layer still exchanges every row (what generic context parallelism does); its
+layout carries the window, so the result is exact. ``transport`` is ignored for a windowed CSBP
+layer: the all-to-all moves only the halo, less than either full-attention transport.
+
+Usage::
+
+    layout = rank_layout(topology, local_rank, seq_len, block_size, window=window)
+    attention = build_attention(topology, local_rank, layout, Comm(groups.ring, counter),
+                                block_size=block_size, transport="collective", window=window)
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from csbp.attention.layouts import RankLayout, window_exchange_plan
+from csbp.attention.transports.collective import CollectiveAttention
+from csbp.attention.transports.exchange import cp_exchange_spec, csbp_exchange_spec
+from csbp.attention.transports.local import LocalAttentionFn
+from csbp.attention.transports.streaming import StreamingAttention
+from csbp.attention.transports.window import WindowAttention
+from csbp.models.decoder import AttentionFn
+from csbp.parallel.comm import Comm
+from csbp.schedules import SchedulePolicy
+from csbp.topology import Topology
+
+TransportName = Literal["collective", "streaming"]
+TRANSPORTS: tuple[str, ...] = get_args(TransportName)
+
+
+def build_attention(
+    topology: Topology,
+    local_rank: int,
+    layout: RankLayout,
+    comm: Comm | None,
+    *,
+    block_size: int,
+    transport: TransportName = "collective",
+    window: int | None = None,
+    causal_in_block: bool = False,
+    schedule: SchedulePolicy = "dual_end",
+) -> AttentionFn:
+    """The ``AttentionFn`` of local rank ``local_rank`` over ``layout.rows``.
+
+    Args:
+        topology: the run's degrees; ``topology.layout`` picks the transport family.
+        local_rank: this rank's index among the ranks sharing a sample (``RankCoords.local_rank``).
+        layout: this rank's rows, from ``rank_layout(topology, local_rank, ...)`` with the same
+            ``window`` and ``schedule``.
+        comm: ``Comm`` over this rank's ring group (``ProcessGroups.ring``); unused (may be None) for
+            the ``data`` and ``bp`` layouts.
+        block_size: ``B``.
+        transport: ``"collective"`` (throughput) or ``"streaming"`` (bounded memory).
+        window: sliding window of this layer (None: full attention).
+        causal_in_block: lower-triangular attention inside a noisy block.
+        schedule: block schedule the layout was built with (the window plan needs it).
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got transport={transport!r}")
+    if not 0 <= local_rank < topology.local:
+        raise ValueError(f"local_rank must be in [0, {topology.local}) for {topology}, got {local_rank}")
+    kind = topology.layout
+    if kind in ("data", "bp"):
+        return LocalAttentionFn(layout.rows, num_noisy=layout.num_noisy, causal_in_block=causal_in_block)
+    cp, cp_rank = topology.cp, local_rank % topology.cp
+    seq_len = _sequence_length(topology, layout)
+    topology.validate_sequence(seq_len, block_size)
+    options = {"causal_in_block": causal_in_block}
+    if kind == "cp":
+        spec = cp_exchange_spec(layout, seq_len=seq_len, block_size=block_size, cp=cp, cp_rank=cp_rank)
+    else:
+        spec = csbp_exchange_spec(layout, seq_len=seq_len, block_size=block_size, cp=cp, cp_rank=cp_rank)
+        if window is not None:
+            plan = window_exchange_plan(
+                seq_len, block_size, cp, topology.bp, local_rank // cp, window, schedule
+            )
+            return WindowAttention(layout, plan, cp_rank, comm, **options)
+    if transport == "streaming":
+        return StreamingAttention(layout, spec, comm, **options)
+    return CollectiveAttention(layout, spec, comm, **options)
+
+
+def _sequence_length(topology: Topology, layout: RankLayout) -> int:
+    """``L`` implied by the layout's size: CP-only ranks hold ``2L/cp`` rows, CSBP ranks ``L/cp`` clean."""
+    if topology.layout == "cp":
+        doubled = topology.cp * len(layout.rows)
+        if doubled % 2 != 0 or layout.num_noisy * 2 != len(layout.rows):
+            raise ValueError(
+                f"layout with {layout.num_noisy} noisy and {layout.num_clean} clean rows is not a CP-only "
+                f"zigzag layout (equal noisy and clean halves) for topology {topology}; use cp_zigzag_layout"
+            )
+        return doubled // 2
+    return topology.cp * layout.num_clean

@@ -1,0 +1,228 @@
+"""Streaming ring attention transport: bounded memory (csbp.md §10).
+
+Same exchanged rows as the collective transport (``exchange.ExchangeSpec``: clean rows for CSBP,
+every row for the CP-only baseline), but the shards travel around the ring one hop at a time
+instead of being gathered, so a rank holds at most two remote shards at once.
+
+Forward on ring rank ``c`` of ``P``::
+
+    post ring_shift_async(my shard)                 # to c-1, from c+1
+    step 0: all my queries x my own rows (local partial, block-diagonal fast path)
+    for s in 1 .. P-1:                              # shard of owner (c+s) mod P
+        wait; if s < P-1: post the next shift of the received shard (overlaps this step)
+        only the query rows whose clean interval (or noisy block) meets that owner's rows,
+        precomputed once per owner, attend to it; merge into the running (out, lse) by index
+
+Backward visits the owners in the same order. The clean K/V are **re-circulated** (posted one hop
+ahead, overlapping compute) and a dK/dV accumulator travels with them: at step ``s`` rank ``c``
+adds its contribution to owner ``(c+s) mod P``'s accumulator (received from ``c+1``, which added
+its own one step earlier) and sends it to ``c-1``; the hop after step ``P-1`` lands every
+accumulator at its owner, complete. dQ stays local.
+
+Memory / traffic trade-off: a rank holds at most two K/V shards (the one in use and the one
+arriving) and, in the backward, three dK/dV shard buffers (the one being computed, the one
+arriving and the one leaving), whatever ``P``; the collective transport holds all ``P-1`` remote
+shards from forward to backward. This is paid for by re-sending the K/V in the backward: ``P-1``
+extra shard hops per layer, counted in their own category (``<comm.category>_recompute``) so the
+forward K/V bytes and the backward dK/dV bytes in ``comm.category`` stay equal to the collective
+transport's all-gather and reduce-scatter bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from csbp.attention.kernel import (
+    DEFAULT_TILE_ROWS,
+    TilePlan,
+    build_tile_plan,
+    interval_attention_backward,
+    interval_attention_forward,
+)
+from csbp.attention.layouts import RankLayout
+from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.rows import Rows
+from csbp.attention.transports.exchange import (
+    ExchangeSpec,
+    PlanCache,
+    check_packed_inputs,
+    check_ring_comm,
+    check_spec_matches_layout,
+    pack_shard,
+    padded_rows,
+    queries_touching,
+    recompute_category,
+)
+from csbp.attention.transports.local import (
+    LocalAttentionPlan,
+    build_local_attention_plan,
+    local_attention_backward,
+    local_attention_forward,
+)
+from csbp.parallel.comm import Comm
+
+
+@dataclass(frozen=True, eq=False)
+class RingStep:
+    """One remote step: the owner visited and the query rows that can see its rows.
+
+    Attributes:
+        owner: ring rank whose shard is in hand.
+        query_index: int64 ``[Ns]``, packed query rows attending to this owner (may be empty).
+        query_rows: metadata of those rows.
+        key_rows: the owner's wire-shard rows (padding rows dead).
+        tile_plan: ``query_rows`` x ``key_rows``; None when no query row sees the owner.
+    """
+
+    owner: int
+    query_index: Tensor
+    query_rows: Rows
+    key_rows: Rows
+    tile_plan: TilePlan | None
+
+
+@dataclass(frozen=True, eq=False)
+class StreamingPlan:
+    """Everything one call needs besides q/k/v (built once per device, shared by every layer)."""
+
+    spec: ExchangeSpec
+    comm: Comm
+    local: LocalAttentionPlan
+    steps: tuple[RingStep, ...]  # steps 1 .. P-1 in visiting order
+    causal_in_block: bool
+
+
+def streaming_forward(q: Tensor, k: Tensor, v: Tensor, plan: StreamingPlan) -> tuple[Tensor, Tensor]:
+    """``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype."""
+    spec, comm = plan.spec, plan.comm
+    pending = None
+    if plan.steps:
+        pending = comm.ring_shift_async(pack_shard(k, v, spec.exchange_start, spec.shard_rows))
+    out, lse = local_attention_forward(q, k, v, plan.local)  # step 0, overlaps the first hop
+    for index, step in enumerate(plan.steps):
+        kv = pending.wait()  # [2, S, Hkv, n, d] of step.owner
+        if index + 1 < len(plan.steps):
+            pending = comm.ring_shift_async(kv)
+        if step.tile_plan is None:
+            continue
+        rows = step.query_index
+        out_step, lse_step = interval_attention_forward(
+            q.index_select(2, rows), kv[0], kv[1], step.query_rows, step.key_rows,
+            plan=step.tile_plan, causal_in_block=plan.causal_in_block,
+        )
+        out_rows, lse_rows = merge_partials(out.index_select(2, rows), lse.index_select(2, rows), out_step, lse_step)
+        out.index_copy_(2, rows, out_rows)
+        lse.index_copy_(2, rows, lse_rows)
+    return out, lse
+
+
+def streaming_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: StreamingPlan
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` over the packed rows (accumulation dtype), dK/dV of exchanged rows summed over
+    every ring member's queries."""
+    spec, comm = plan.spec, plan.comm
+    dtype = accumulation_dtype(q, k, v)
+    kv_pending = None
+    if plan.steps:
+        kv_pending = comm.ring_shift_async(
+            pack_shard(k, v, spec.exchange_start, spec.shard_rows), category=recompute_category(comm)
+        )
+    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local)  # overlaps the first hop
+    if not plan.steps:
+        return dq, dk, dv
+    delta = (dout.to(dtype) * out).sum(-1)  # [S, Hq, N]
+    grad_pending = None
+    for index, step in enumerate(plan.steps):
+        kv = kv_pending.wait()  # [2, S, Hkv, n, d] of step.owner
+        if index + 1 < len(plan.steps):
+            kv_pending = comm.ring_shift_async(kv, category=recompute_category(comm))
+        grad_kv = _step_backward(q, kv, out, lse, dout, delta, dq, step, plan.causal_in_block, dtype)
+        if grad_pending is not None:
+            grad_kv += grad_pending.wait()  # the owner's accumulator, from ring rank c+1
+        grad_pending = comm.ring_shift_async(grad_kv)  # to c-1; the last hop reaches the owner
+    grad_own = grad_pending.wait()  # [2, S, Hkv, n, d]: my rows' dK/dV from every other member
+    rows = slice(spec.exchange_start, None)
+    dk[:, :, rows] += grad_own[0, :, :, : spec.num_exchanged]
+    dv[:, :, rows] += grad_own[1, :, :, : spec.num_exchanged]
+    return dq, dk, dv
+
+
+def _step_backward(
+    q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, dout: Tensor, delta: Tensor, dq: Tensor,
+    step: RingStep, causal_in_block: bool, dtype: torch.dtype,
+) -> Tensor:
+    """This rank's dK/dV ``[2, S, Hkv, n, d]`` for the owner's shard ``kv``; adds its dQ into ``dq``."""
+    if step.tile_plan is None:
+        return kv.new_zeros(kv.shape, dtype=dtype)
+    rows = step.query_index
+    dq_rows, dk_shard, dv_shard = interval_attention_backward(
+        q.index_select(2, rows), kv[0], kv[1], step.query_rows, step.key_rows,
+        out.index_select(2, rows), lse.index_select(2, rows), dout.index_select(2, rows),
+        plan=step.tile_plan, causal_in_block=causal_in_block, delta=delta.index_select(2, rows),
+    )
+    dq.index_add_(2, rows, dq_rows)
+    return torch.stack([dk_shard, dv_shard])
+
+
+class _StreamingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: StreamingPlan) -> Tensor:
+        out, lse = streaming_forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = streaming_backward(q, k, v, out, lse, dout, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+class StreamingAttention:
+    """Ring-streaming attention over ``layout.rows`` (the decoder's ``AttentionFn``).
+
+    Arguments as in ``CollectiveAttention``; ``comm`` must be the ring (P2P shifts to neighbours).
+    """
+
+    def __init__(
+        self,
+        layout: RankLayout,
+        spec: ExchangeSpec,
+        comm: Comm,
+        *,
+        causal_in_block: bool = False,
+        tile_rows: int = DEFAULT_TILE_ROWS,
+    ) -> None:
+        check_spec_matches_layout(layout, spec, "StreamingAttention")
+        self.comm = check_ring_comm(comm, spec.ring_size, spec.ring_rank, "StreamingAttention")
+        self.layout, self.spec = layout, spec
+        self.causal_in_block, self.tile_rows = causal_in_block, tile_rows
+        self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
+
+    def _build_plan(self, device: torch.device) -> StreamingPlan:
+        rows = self.layout.rows.to(device)
+        spec = self.spec.to(device)
+        steps = []
+        for offset in range(1, spec.ring_size):
+            owner = (spec.ring_rank + offset) % spec.ring_size
+            key_rows = padded_rows(spec.member_rows[owner], spec.shard_rows)
+            query_index = queries_touching(rows, key_rows)
+            query_rows = rows.select(query_index)
+            tile_plan = None
+            if query_index.numel() > 0:
+                tile_plan = build_tile_plan(query_rows, key_rows, tile_rows=self.tile_rows)
+            steps.append(RingStep(owner, query_index, query_rows, key_rows, tile_plan))
+        local = build_local_attention_plan(
+            rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows
+        )
+        return StreamingPlan(spec, self.comm, local, tuple(steps), self.causal_in_block)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
+        check_packed_inputs(q, k, v, len(self.layout.rows), "StreamingAttention")
+        return _StreamingFunction.apply(q, k, v, self._plans.get(q.device))

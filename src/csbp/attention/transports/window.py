@@ -1,0 +1,220 @@
+"""Sliding-window CSBP attention transport: one variable-split all-to-all (csbp.md §11).
+
+With a window ``W`` a rank's queries need only a narrow halo of clean rows from the other ring
+members. ``layouts.window_exchange_plan`` fixes, per ring, which clean rows each member sends to
+each other member; this transport executes it:
+
+* forward: gather the rows I send (destination-major, index built once) from my clean K/V, one
+  ``all_to_all`` of K and V together, sort the received rows by clean position (permutation built
+  once), local partial (queries x own rows) and halo partial (queries x received rows), merge;
+* backward: halo-partial backward from the final ``(out, lse)``, un-sort, the reverse all-to-all
+  returns each received row's dK/dV to its owner, which adds them at the sent rows
+  (``index_add_``: a row sent to several members gets every contribution), then the local
+  backward.
+
+The all-to-all of ``Comm`` is blocking, so there is no compute to overlap it with. Traffic is the
+halo only: strictly below the collective transport's full shard whenever ``W`` is smaller than
+the shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from csbp.attention.kernel import (
+    DEFAULT_TILE_ROWS,
+    TilePlan,
+    build_tile_plan,
+    interval_attention_backward,
+    interval_attention_forward,
+)
+from csbp.attention.layouts import RankLayout, WindowPlan, bd3_rows
+from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.rows import Rows
+from csbp.attention.transports.exchange import PlanCache, check_packed_inputs, check_ring_comm
+from csbp.attention.transports.local import (
+    LocalAttentionPlan,
+    build_local_attention_plan,
+    local_attention_backward,
+    local_attention_forward,
+)
+from csbp.parallel.comm import Comm
+
+
+@dataclass(frozen=True, eq=False)
+class WindowExchange:
+    """The exchange of one ring member, built once per device from a ``WindowPlan``.
+
+    Attributes:
+        send_index: int64 ``[n_send]``, packed rows of my clean K/V to send, destination-major.
+        send_counts / recv_counts: split sizes of the all-to-all (rows per ring member).
+        recv_order: int64 ``[n_recv]``, received (source-major) row of each sorted halo row.
+        recv_inverse: the inverse permutation (sorted halo row of each received row).
+        halo_rows: clean key metadata of the received rows, sorted by position.
+    """
+
+    send_index: Tensor
+    send_counts: list[int]
+    recv_counts: list[int]
+    recv_order: Tensor
+    recv_inverse: Tensor
+    halo_rows: Rows
+
+
+@dataclass(frozen=True, eq=False)
+class WindowAttentionPlan:
+    """Everything one call needs besides q/k/v (shared by every layer of the same window)."""
+
+    exchange: WindowExchange
+    comm: Comm
+    local: LocalAttentionPlan
+    query_rows: Rows
+    halo_plan: TilePlan | None  # query_rows x exchange.halo_rows; None when nothing is received
+    causal_in_block: bool
+
+
+def window_forward(q: Tensor, k: Tensor, v: Tensor, plan: WindowAttentionPlan) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out [S, Hq, N, d], lse [S, Hq, N], halo_kv [2, S, Hkv, n_recv, d])``."""
+    exchange = plan.exchange
+    send = torch.stack([k.index_select(2, exchange.send_index), v.index_select(2, exchange.send_index)])
+    received = plan.comm.all_to_all(
+        send.movedim(3, 0), exchange.send_counts, exchange.recv_counts
+    )  # [n_recv, 2, S, Hkv, d], source-major
+    halo_kv = received.index_select(0, exchange.recv_order).movedim(0, 3).contiguous()  # [2, S, Hkv, n_recv, d]
+    out, lse = local_attention_forward(q, k, v, plan.local)
+    if plan.halo_plan is not None:
+        out_halo, lse_halo = interval_attention_forward(
+            q, halo_kv[0], halo_kv[1], plan.query_rows, exchange.halo_rows,
+            plan=plan.halo_plan, causal_in_block=plan.causal_in_block,
+        )
+        out, lse = merge_partials(out, lse, out_halo, lse_halo)
+    return out, lse, halo_kv
+
+
+def window_backward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, halo_kv: Tensor, dout: Tensor,
+    plan: WindowAttentionPlan,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` over the packed rows (accumulation dtype), clean dK/dV summed over the ring."""
+    exchange = plan.exchange
+    dtype = accumulation_dtype(q, k, v)
+    dq_halo = None
+    if plan.halo_plan is not None:
+        delta = (dout.to(dtype) * out).sum(-1)  # [S, Hq, N]
+        dq_halo, dk_halo, dv_halo = interval_attention_backward(
+            q, halo_kv[0], halo_kv[1], plan.query_rows, exchange.halo_rows, out, lse, dout,
+            plan=plan.halo_plan, causal_in_block=plan.causal_in_block, delta=delta,
+        )
+        grad_halo = torch.stack([dk_halo, dv_halo])  # [2, S, Hkv, n_recv, d], sorted
+    else:
+        grad_halo = halo_kv.new_zeros(halo_kv.shape, dtype=dtype)
+    grad_received = grad_halo.index_select(3, exchange.recv_inverse).movedim(3, 0)  # [n_recv, 2, S, Hkv, d]
+    grad_sent = plan.comm.all_to_all(grad_received, exchange.recv_counts, exchange.send_counts)  # [n_send, ...]
+    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local)
+    if dq_halo is not None:
+        dq += dq_halo
+    grad_sent = grad_sent.movedim(0, 3)  # [2, S, Hkv, n_send, d]
+    dk.index_add_(2, exchange.send_index, grad_sent[0])
+    dv.index_add_(2, exchange.send_index, grad_sent[1])
+    return dq, dk, dv
+
+
+class _WindowFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: WindowAttentionPlan) -> Tensor:
+        out, lse, halo_kv = window_forward(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse, halo_kv)
+        ctx.plan = plan
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, halo_kv = ctx.saved_tensors
+        dq, dk, dv = window_backward(q, k, v, out, lse, halo_kv, dout, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+class WindowAttention:
+    """Sliding-window CSBP attention over ``layout.rows`` (the decoder's ``AttentionFn``).
+
+    Args:
+        layout: this rank's rows, built with the same window (``csbp_layout(..., window=W)``).
+        plan: ``window_exchange_plan(...)`` of this rank's ring, same window and schedule.
+        ring_rank: this rank's index in the ring (``local_rank % cp``).
+        comm: ``Comm`` over the ring group.
+        causal_in_block, tile_rows: as in ``CollectiveAttention``.
+    """
+
+    def __init__(
+        self,
+        layout: RankLayout,
+        plan: WindowPlan,
+        ring_rank: int,
+        comm: Comm,
+        *,
+        causal_in_block: bool = False,
+        tile_rows: int = DEFAULT_TILE_ROWS,
+    ) -> None:
+        if not 0 <= ring_rank < plan.cp:
+            raise ValueError(f"ring_rank must be in [0, {plan.cp}) for this window plan, got {ring_rank}")
+        _check_plan_serves_layout(layout, plan, ring_rank)
+        self.comm = check_ring_comm(comm, plan.cp, ring_rank, "WindowAttention")
+        self.layout, self.window_plan, self.ring_rank = layout, plan, ring_rank
+        self.causal_in_block, self.tile_rows = causal_in_block, tile_rows
+        self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
+
+    def _build_plan(self, device: torch.device) -> WindowAttentionPlan:
+        plan, me = self.window_plan, self.ring_rank
+        recv_positions = plan.recv_positions(me)  # source-major
+        recv_order = torch.argsort(recv_positions)
+        halo_rows = bd3_rows(
+            torch.zeros(0, dtype=torch.long), recv_positions[recv_order], block_size=plan.block_size
+        )
+        exchange = WindowExchange(
+            send_index=(plan.send_index(me) + self.layout.num_noisy).to(device),
+            send_counts=plan.send_counts(me),
+            recv_counts=plan.recv_counts(me),
+            recv_order=recv_order.to(device),
+            recv_inverse=torch.argsort(recv_order).to(device),
+            halo_rows=halo_rows.to(device),
+        )
+        rows = self.layout.rows.to(device)
+        halo_plan = None
+        if len(halo_rows) > 0:
+            halo_plan = build_tile_plan(rows, exchange.halo_rows, tile_rows=self.tile_rows)
+        local = build_local_attention_plan(
+            rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows
+        )
+        return WindowAttentionPlan(exchange, self.comm, local, rows, halo_plan, self.causal_in_block)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
+        check_packed_inputs(q, k, v, len(self.layout.rows), "WindowAttention")
+        return _WindowFunction.apply(q, k, v, self._plans.get(q.device))
+
+
+def _check_plan_serves_layout(layout: RankLayout, plan: WindowPlan, ring_rank: int) -> None:
+    """The layout's clean rows are the plan's shard for ``ring_rank``, and every clean position its
+    query rows may see is either its own or received."""
+    own = plan.owned_positions[ring_rank]
+    if not torch.equal(layout.clean_positions.cpu(), own):
+        raise ValueError(
+            f"layout's clean rows are not the clean shard the window plan assigns to ring rank {ring_rank}: "
+            "build layout and plan for the same topology, local rank and schedule"
+        )
+    available = torch.zeros(plan.seq_len + 1, dtype=torch.long)  # [L+1] 1 where a clean row is at hand
+    available[own] = 1
+    available[plan.recv_positions(ring_rank)] = 1
+    prefix = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(available[:-1], 0)])  # [L+1]
+    rows = layout.rows.to("cpu")
+    start = rows.ctx_start.clamp(0, plan.seq_len)
+    stop = torch.maximum(rows.ctx_stop.clamp(0, plan.seq_len), start)
+    covered = (prefix[stop] - prefix[start]) == (stop - start)
+    if not bool(covered[rows.live].all()):
+        raise ValueError(
+            f"the window plan (window={plan.window}) does not deliver every clean row this layout's queries "
+            "may attend to: build the layout with the same window and the plan with the same schedule"
+        )

@@ -1,0 +1,80 @@
+"""``csbp verify``: a self-test that every parallel layout equals one process, on this machine.
+
+Examples::
+
+    csbp verify --nproc 4 --cp 2 --bp 2                # one layout
+    csbp verify --nproc 4                              # every valid layout on 4 processes
+    csbp verify --nproc 4 --cp 2 --bp 4 --transport streaming --window 8 --dtype float32
+
+Processes are launched here on the CPU (gloo), one thread each. Exit status 1 if any layout is
+outside its tolerance (1e-9 relative for float64, 1e-4 for float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from csbp.engine.verify import VerifyCase, layouts_for, verify
+from csbp.topology import Topology
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("verify", help="check that parallel layouts equal one process")
+    parser.add_argument("--nproc", type=int, default=4, help="processes to launch (default 4)")
+    parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (default nproc / local)")
+    parser.add_argument("--cp", type=int, default=None, help="context-parallel degree")
+    parser.add_argument("--bp", type=int, default=None, help="block-parallel degree")
+    parser.add_argument("--transport", choices=("collective", "streaming"), default="collective")
+    parser.add_argument("--window", type=int, default=None, help="sliding window W (tokens, incl. the query)")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=2, help="samples per data-parallel replica")
+    parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=run_verify)
+
+
+def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
+    if args.nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
+    if args.cp is None and args.bp is None and args.dp is None:
+        return layouts_for(args.nproc)
+    cp, bp = args.cp or 1, args.bp or 1
+    local = max(cp, bp)
+    dp = args.dp if args.dp is not None else args.nproc // local
+    topology = Topology(dp=dp, cp=cp, bp=bp, replicate_clean_prefix=(cp == 1 and bp > 1))
+    topology.check_world_size(args.nproc)
+    return [topology]
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    cases = [
+        VerifyCase(
+            topology=t,
+            seq_len=args.seq_len,
+            block_size=args.block_size,
+            transport=args.transport,
+            window=args.window,
+            dtype=args.dtype,
+            samples=args.samples,
+            seed=args.seed,
+        )
+        for t in _requested_topologies(args)
+    ]
+    for case in cases:  # fail closed before launching anything
+        case.topology.validate_sequence(case.seq_len, case.block_size)
+    print(f"csbp verify: L={args.seq_len} B={args.block_size} dtype={args.dtype} nproc={args.nproc}")
+    header = f"{'layout':<8} {'topology':<12} {'detail':<12} {'loss rel err':>13} {'grad rel err':>13}  status"
+    print(header)
+    print("-" * len(header))
+    failed = 0
+    for case in cases:
+        result = verify(case)
+        status = "ok" if result.ok else f"FAIL (tol {result.tolerance:g}, worst {result.worst_param})"
+        failed += not result.ok
+        print(f"{case.label:<34} {result.loss_rel_err:>13.2e} {result.grad_rel_err:>13.2e}  {status}", flush=True)
+    if failed:
+        print(f"{failed} of {len(cases)} layouts exceed the tolerance")
+        return 1
+    print(f"all {len(cases)} layouts equal one process within tolerance")
+    return 0
