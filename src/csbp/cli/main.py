@@ -30,6 +30,9 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "csbp.cli.recipes_cmd",
     "csbp.cli.doctor_cmd",
     "csbp.cli.data_cmd",
+    "csbp.cli.verify_cmd",
+    "csbp.cli.generate_cmd",
+    "csbp.cli.bench_cmd",
 )
 """Modules registering subcommands, in ``csbp --help`` order. A missing module is an ImportError."""
 

@@ -1,0 +1,1 @@
+"""Benchmarks that anyone can rerun with one command: attention layouts, training steps, drafters."""

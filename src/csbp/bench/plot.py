@@ -1,0 +1,81 @@
+"""Speedup plots of the layout benchmarks: CSBP and BP-only step time relative to CP-only.
+
+``plot_speedups`` reads benchmark records as dicts (the ``--json`` rows of ``csbp bench train`` or
+``csbp bench attention``) with at least ``layout``, ``seq_len`` and ``step_time_s``, and draws one
+panel per value of ``group_by`` (e.g. per objective): speedup ``t_cp / t_layout`` against context
+length (log2 axis), one line per non-CP layout, with the break-even line at 1. Rendering uses the
+non-interactive Agg backend, so it works on machines without a display.
+
+Usage::
+
+    plot_speedups(records_as_dicts(records), Path("train.png"), group_by="objective")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+LAYOUT_LABELS = {"csbp": "CSBP", "bp": "BP-only"}
+LAYOUT_STYLES = {"csbp": {"color": "tab:blue", "marker": "o"}, "bp": {"color": "tab:orange", "marker": "s"}}
+
+
+def speedup_series(
+    records: Sequence[Mapping[str, object]], layout: str, group: object, group_by: str | None
+) -> tuple[list[int], list[float]]:
+    """``(seq_lens, t_cp / t_layout)`` of one layout in one group, sorted by length; lengths without
+    a CP-only baseline are skipped."""
+    in_group = [r for r in records if group_by is None or r.get(group_by) == group]
+    baseline = {int(r["seq_len"]): float(r["step_time_s"]) for r in in_group if r["layout"] == "cp"}  # type: ignore[arg-type]
+    points = sorted(
+        (int(r["seq_len"]), baseline[int(r["seq_len"])] / float(r["step_time_s"]))  # type: ignore[arg-type]
+        for r in in_group
+        if r["layout"] == layout and int(r["seq_len"]) in baseline and float(r["step_time_s"]) > 0  # type: ignore[arg-type]
+    )
+    return [n for n, _ in points], [s for _, s in points]
+
+
+def plot_speedups(
+    records: Sequence[Mapping[str, object]],
+    path: Path,
+    *,
+    group_by: str | None = None,
+    title: str = "speedup over CP-only",
+) -> Path:
+    """Write the speedup figure to ``path`` (format from the suffix, PNG by default); return ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not any(r["layout"] == "cp" for r in records):
+        raise ValueError("speedups are relative to CP-only: the records contain no 'cp' layout")
+    groups: list[object] = [None]
+    if group_by is not None:
+        groups = list(dict.fromkeys(r.get(group_by) for r in records))
+    seq_lens_all = sorted({int(r["seq_len"]) for r in records})  # type: ignore[arg-type]
+    figure, axes = plt.subplots(1, len(groups), figsize=(5.0 * len(groups), 4.0), squeeze=False)
+    for axis, group in zip(axes[0], groups, strict=True):
+        for layout, label in LAYOUT_LABELS.items():
+            seq_lens, speedups = speedup_series(records, layout, group, group_by)
+            if seq_lens:
+                axis.plot(seq_lens, speedups, label=label, **LAYOUT_STYLES[layout])  # type: ignore[arg-type]
+        axis.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="CP-only")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(seq_lens_all, [str(n) for n in seq_lens_all])
+        axis.minorticks_off()
+        axis.set_xlabel("context length (tokens)")
+        axis.set_ylabel("speedup vs CP-only (t_cp / t)")
+        axis.set_title(str(group) if group is not None else title)
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    if group_by is not None:
+        figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.tmp")  # never leave a half-written figure at `path`
+    figure.savefig(partial, dpi=120, format=path.suffix.lstrip(".") or "png")
+    plt.close(figure)
+    os.replace(partial, path)
+    return path

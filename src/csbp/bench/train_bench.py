@@ -1,0 +1,360 @@
+"""``csbp bench train``: full training steps of CP-only, BP-only and CSBP side by side.
+
+For every objective (``bd3``, ``fast_dllm_v2``) and sequence length, each layout runs complete
+training steps of a small decoder on ``nproc`` gloo processes of one thread: forward over the
+rows the rank holds, the chunked LM-head loss, backward, gradient averaging over all ranks and an
+AdamW step. Per layout it records the median step time over ``repeats`` steps after ``warmup``
+(the slowest rank bounds a step), clean tokens per second, the peak memory growth per rank and
+the attention bytes each rank sends per step (from the counted collectives layer).
+
+The data is random tokens (ids ``0 .. V-2``; ``V-1`` is the mask token), the same on every rank
+and fresh each step; corruption is drawn before the timer starts, as a data loader would. Step
+time does not depend on the token values, so random data measures exactly what real data would.
+Fast-dLLM v2 doubles the batch (two complementary views of each sample); ``tokens_per_s`` counts
+the clean tokens of the samples, ``samples * seq_len`` per step, for both objectives.
+
+All layouts of one (objective, length) cell run in the same ``nproc`` processes, their steps
+interleaved round-robin on the same batches. Peak memory is the growth of each rank's resident set
+over a step (``csbp.bench.measure.PeakMemory``), measured with a fixed glibc mmap threshold so that
+freed activations return to the OS between steps.
+
+The step-0 loss is recorded too: every layout starts from the same weights and batch, so it must
+agree across layouts (a cheap sanity check that the timed steps compute the same thing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from csbp.bench.attention import layout_topologies
+from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
+from csbp.engine.block_diffusion import build_rank_plan, rank_loss
+from csbp.engine.context import build_parallel_context
+from csbp.engine.grads import average_gradients
+from csbp.models.config import DecoderConfig
+from csbp.models.decoder import Decoder
+from csbp.objectives import CorruptedBatch, build_objective, corruption_generator
+from csbp.parallel.launch import run_local
+from csbp.topology import Topology
+
+TRAIN_BENCH_OBJECTIVES: tuple[str, ...] = ("bd3", "fast_dllm_v2")
+LAYOUTS: tuple[str, ...] = ("cp", "bp", "csbp")
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TrainBenchConfig:
+    """Model and problem shared by every layout of one (objective, sequence length) cell."""
+
+    objective: str
+    seq_len: int
+    block_size: int = 16
+    samples: int = 1
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32
+    dtype: str = "float32"
+    transport: str = "collective"
+    lr: float = 1e-4
+    warmup: int = 1
+    repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.objective not in TRAIN_BENCH_OBJECTIVES:
+            raise ValueError(f"objective {self.objective!r} is not one of {TRAIN_BENCH_OBJECTIVES}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(_DTYPES)}")
+        for name in ("samples", "repeats", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+
+    def model_config(self) -> DecoderConfig:
+        return DecoderConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+
+
+@dataclass(frozen=True)
+class TrainRecord:
+    """One row of the benchmark table (and of the ``--json`` output)."""
+
+    objective: str
+    layout: str
+    cp: int
+    bp: int
+    seq_len: int
+    block_size: int
+    nproc: int
+    samples: int
+    step_time_s: float
+    tokens_per_s: float
+    peak_mem_bytes: int
+    attention_bytes_per_rank: int
+    gradient_bytes_per_rank: int
+    loss_step0: float
+
+
+def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
+    return sum(entry["bytes"] for name, entry in counter_snapshot.items() if name.startswith("attention"))
+
+
+class _LayoutRunner:
+    """One layout's model, optimizer, rows and process groups on this rank."""
+
+    def __init__(self, topology: Topology, cfg: TrainBenchConfig) -> None:
+        self.ctx = build_parallel_context(topology)
+        self.plan = build_rank_plan(self.ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport)  # type: ignore[arg-type]
+        self.model = Decoder(cfg.model_config(), dtype=_DTYPES[cfg.dtype], seed=cfg.seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        self.times: list[float] = []
+        self.peak = self.attention_bytes = self.gradient_bytes = 0
+        self.loss_step0 = float("nan")
+
+    def step(self, corrupted: CorruptedBatch, *, measured: bool, first: bool) -> None:
+        """One timed training step; the slowest rank's time is the step time."""
+        ctx = self.ctx
+        ctx.counter.reset()
+        dist.barrier()
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, ce_sum = rank_loss(
+                self.model,
+                corrupted,
+                self.plan,
+                global_denominator=corrupted.denominator(),
+                world_size=ctx.world_size,
+            )
+            loss.backward()
+            average_gradients(self.model.parameters(), ctx.world_comm("gradients"))
+            self.optimizer.step()
+            elapsed = time.perf_counter() - start
+        slowest = torch.tensor([elapsed], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if first:
+            total = ce_sum.detach().to(torch.float64).reshape(1)
+            dist.all_reduce(total)
+            self.loss_step0 = float(total[0]) / corrupted.denominator()
+        if measured:
+            self.times.append(float(slowest[0]))
+            self.peak = max(self.peak, memory.bytes)
+            self.attention_bytes = _attention_bytes(ctx.counter.snapshot())
+            self.gradient_bytes = ctx.counter.bytes("gradients")
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "step_time_s": statistics.median(self.times),
+            "peak": float(self.peak),
+            "attention_bytes": float(self.attention_bytes),
+            "gradient_bytes": float(self.gradient_bytes),
+            "loss_step0": self.loss_step0,
+        }
+
+
+def _worker(
+    rank: int, world: int, topologies: list[Topology], cfg: TrainBenchConfig
+) -> list[dict[str, float]]:
+    """All layouts of one cell in the same processes, steps interleaved round-robin (layout A step
+    i, layout B step i, ...) on the same batch, so slow drifts of the machine hit every layout alike."""
+    runners = [_LayoutRunner(topology, cfg) for topology in topologies]
+    mask_token_id = cfg.vocab_size - 1
+    objective = build_objective(cfg.objective, mask_token_id=mask_token_id, block_size=cfg.block_size)
+    data_generator = torch.Generator().manual_seed(cfg.seed + 1)
+    for step in range(cfg.warmup + cfg.repeats):
+        ids_SL = torch.randint(0, mask_token_id, (cfg.samples, cfg.seq_len), generator=data_generator)
+        corrupted = objective.corrupt({"input_ids": ids_SL}, corruption_generator(cfg.seed, step, 0))
+        for runner in runners:
+            runner.step(corrupted, measured=step >= cfg.warmup, first=step == 0)
+    return [runner.summary() for runner in runners]
+
+
+def run_train_bench(
+    seq_lens: list[int],
+    *,
+    objectives: list[str],
+    layouts: list[str],
+    nproc: int,
+    csbp_cp: int | None = None,
+    timeout_s: float = 1800.0,
+    progress: bool = False,
+    **cfg_kwargs: object,
+) -> list[TrainRecord]:
+    """Run every (objective, sequence length) cell, all ``layouts`` side by side in one launch of
+    ``nproc`` processes per cell, and return the records in run order."""
+    if nproc < 2:
+        raise ValueError(f"nproc must be >= 2 to compare parallel layouts, got {nproc}")
+    topologies = layout_topologies(nproc, csbp_cp)
+    unknown = [name for name in layouts if name not in topologies]
+    if unknown or not layouts:
+        raise ValueError(f"unknown or no layout(s) {unknown}: choose from {sorted(topologies)}")
+    configs = [
+        TrainBenchConfig(objective=name, seq_len=n, **cfg_kwargs)  # type: ignore[arg-type]
+        for name in objectives
+        for n in seq_lens
+    ]
+    for cfg in configs:  # fail closed before any process starts
+        for name in layouts:
+            topologies[name].validate_sequence(cfg.seq_len, cfg.block_size)
+    records: list[TrainRecord] = []
+    for cfg in configs:
+        cell = [topologies[name] for name in layouts]
+        with fixed_mmap_threshold():
+            per_rank = run_local(_worker, nproc, (cell, cfg), timeout_s=timeout_s)
+        for index, (name, topology) in enumerate(zip(layouts, cell, strict=True)):
+            results = [rank_results[index] for rank_results in per_rank]
+            step = results[0]["step_time_s"]
+            records.append(
+                TrainRecord(
+                    objective=cfg.objective,
+                    layout=name,
+                    cp=topology.cp,
+                    bp=topology.bp,
+                    seq_len=cfg.seq_len,
+                    block_size=cfg.block_size,
+                    nproc=nproc,
+                    samples=cfg.samples,
+                    step_time_s=step,
+                    tokens_per_s=cfg.samples * cfg.seq_len / step,
+                    peak_mem_bytes=int(max(r["peak"] for r in results)),
+                    attention_bytes_per_rank=int(max(r["attention_bytes"] for r in results)),
+                    gradient_bytes_per_rank=int(max(r["gradient_bytes"] for r in results)),
+                    loss_step0=results[0]["loss_step0"],
+                )
+            )
+            if progress:
+                print(f"  {cfg.objective} L={cfg.seq_len} {name}: {step:.3f} s/step", flush=True)
+    return records
+
+
+def format_table(records: list[TrainRecord]) -> str:
+    """A text table with each metric and its ratio to CP-only at the same objective and length."""
+    base = {(r.objective, r.seq_len): r for r in records if r.layout == "cp"}
+    header = (
+        f"{'objective':<13} {'seq_len':>7} {'layout':<6} {'step s':>8} {'x cp':>6} {'tok/s':>9} "
+        f"{'x cp':>6} {'peak MiB':>9} {'x cp':>6} {'attn MiB/rank':>13} {'x cp':>6} {'loss0':>8}"
+    )
+    lines = [header, "-" * len(header)]
+
+    def ratio(value: float, ref: float | None) -> str:
+        return f"{value / ref:6.2f}" if ref else "     -"
+
+    for r in records:
+        b = base.get((r.objective, r.seq_len))
+        lines.append(
+            f"{r.objective:<13} {r.seq_len:>7} {r.layout:<6} {r.step_time_s:>8.3f} "
+            f"{ratio(r.step_time_s, b and b.step_time_s)} {r.tokens_per_s:>9.0f} "
+            f"{ratio(r.tokens_per_s, b and b.tokens_per_s)} {r.peak_mem_bytes / 2**20:>9.1f} "
+            f"{ratio(r.peak_mem_bytes, b and b.peak_mem_bytes)} {r.attention_bytes_per_rank / 2**20:>13.2f} "
+            f"{ratio(r.attention_bytes_per_rank, b and b.attention_bytes_per_rank)} {r.loss_step0:>8.4f}"
+        )
+    return "\n".join(lines)
+
+
+def records_as_dicts(records: list[TrainRecord]) -> list[dict[str, object]]:
+    return [asdict(r) for r in records]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def register_train_bench(kinds: argparse._SubParsersAction) -> None:
+    """Add ``csbp bench train`` to the ``csbp bench`` sub-subcommands."""
+    train = kinds.add_parser(
+        "train", help="CP-only vs BP-only vs CSBP full training steps (bd3, fast_dllm_v2)"
+    )
+    train.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    train.add_argument(
+        "--objectives", nargs="+", default=list(TRAIN_BENCH_OBJECTIVES), choices=TRAIN_BENCH_OBJECTIVES
+    )
+    train.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    train.add_argument("--block-size", type=int, default=16)
+    train.add_argument("--nproc", type=int, default=4)
+    train.add_argument(
+        "--csbp-cp", type=int, default=None, help="CP degree of the CSBP layout (default nproc)"
+    )
+    train.add_argument("--transport", choices=("collective", "streaming"), default="collective")
+    train.add_argument("--samples", type=int, default=1, help="samples per step")
+    train.add_argument("--vocab-size", type=int, default=512)
+    train.add_argument("--hidden-size", type=int, default=128)
+    train.add_argument("--intermediate-size", type=int, default=256)
+    train.add_argument("--num-layers", type=int, default=2)
+    train.add_argument("--num-heads", type=int, default=4)
+    train.add_argument("--num-kv-heads", type=int, default=2)
+    train.add_argument("--head-dim", type=int, default=32)
+    train.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
+    train.add_argument("--repeats", type=int, default=3)
+    train.add_argument("--warmup", type=int, default=1)
+    train.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
+    train.add_argument(
+        "--png", type=Path, default=None, help="speedup plot (default: next to --json, with suffix .png)"
+    )
+    train.set_defaults(func=run_train_bench_command)
+
+
+def run_train_bench_command(args: argparse.Namespace) -> int:
+    from csbp.bench.plot import plot_speedups
+    from csbp.cli.bench_cmd import write_json_atomic
+
+    print(
+        f"csbp bench train: objectives={','.join(args.objectives)} nproc={args.nproc} block={args.block_size} "
+        f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
+        f"vocab={args.vocab_size} {args.dtype} (random tokens, 1 thread per process, median of {args.repeats})",
+        flush=True,
+    )
+    records = run_train_bench(
+        args.seq_lens,
+        objectives=args.objectives,
+        layouts=args.layouts,
+        nproc=args.nproc,
+        csbp_cp=args.csbp_cp,
+        progress=True,
+        block_size=args.block_size,
+        transport=args.transport,
+        samples=args.samples,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        warmup=args.warmup,
+        repeats=args.repeats,
+    )
+    print(format_table(records))
+    if args.json is not None:
+        write_json_atomic(args.json, records_as_dicts(records))
+        print(f"wrote {args.json}")
+    png = (
+        args.png
+        if args.png is not None
+        else (args.json.with_suffix(".png") if args.json is not None else None)
+    )
+    if png is not None:
+        if "cp" in args.layouts:
+            plot_speedups(records_as_dicts(records), png, group_by="objective", title="csbp bench train")
+            print(f"wrote {png}")
+        else:
+            print("no plot: speedups are relative to CP-only, add 'cp' to --layouts")
+    return 0

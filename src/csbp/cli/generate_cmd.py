@@ -1,0 +1,157 @@
+"""``csbp generate``: block-diffusion sampling from a trained model.
+
+Examples::
+
+    csbp generate --model runs/demo/final --prompt "To be, or not to be"
+    csbp generate --model ckpt/ --tokenizer tok/ --prompt "Once" --block-size 16 --steps-per-block 8 \\
+        --temperature 0.8 --top-k 50 --seed 1 --max-new-tokens 64
+    csbp generate --model ckpt/ --prompt "Hi" --objective fast_dllm_v2 --block-size 32 --threshold 0.9
+
+``--model`` is a Hugging Face checkpoint directory (a run's ``final/`` export or any local
+Qwen3/Llama checkpoint ``csbp.models.hf_io.load_hf_checkpoint`` reads); its tokenizer is read
+from the same directory unless ``--tokenizer`` names another one. The tokenizer must define a mask
+token (``--mask-token``).
+
+The sampler must use the block size and label alignment the model was trained with. For a run's
+``final/`` export they default to ``objective.name``/``block_size``/``mask_token_id`` of the run's
+``config.yaml`` (one directory up); otherwise to ``bd3`` with ``B = 16`` and the tokenizer's mask
+token. ``fast_dllm_v2`` decodes with token shift (position ``i`` predicted from row ``i-1``); an
+``mdlm`` model is one block of ``B = seq_len``. See ``csbp.generation.sampler`` for how the prompt
+is aligned to the block grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+TOKEN_SHIFT_OBJECTIVES = {"bd3": False, "mdlm": False, "fast_dllm_v2": True}
+DEFAULT_OBJECTIVE, DEFAULT_BLOCK_SIZE = "bd3", 16
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``generate``."""
+    parser = subparsers.add_parser(
+        "generate",
+        help="sample a completion from a block-diffusion model",
+        description="Block-diffusion sampling with a clean-prefix KV cache and confidence-based unmasking.",
+    )
+    parser.add_argument("--model", type=Path, required=True, help="HF checkpoint directory (e.g. RUN/final)")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: --model)")
+    parser.add_argument("--mask-token", default="<|mask|>", help="name of the mask token in the tokenizer")
+    parser.add_argument("--eos-token", default="<|endoftext|>", help="name of the EOS token in the tokenizer")
+    parser.add_argument(
+        "--objective",
+        choices=tuple(TOKEN_SHIFT_OBJECTIVES),
+        default=None,
+        help="objective the model was trained with (default: the run's, else bd3)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="training block size (default: the run's, else 16)"
+    )
+    parser.add_argument(
+        "--steps-per-block", type=int, default=None, help="denoising steps per block (default B)"
+    )
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument(
+        "--threshold", type=float, default=None, help="also unmask every proposal at least this confident"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--no-cache", action="store_true", help="recompute the clean prefix every step")
+    parser.set_defaults(func=run_generate)
+
+
+def run_objective_settings(model_dir: Path) -> dict[str, Any]:
+    """``{"objective", "block_size", "mask_token_id"}`` (those set) from ``RUN/config.yaml`` when
+    ``model_dir`` is ``RUN/final``; empty for any other checkpoint directory."""
+    config_file = model_dir.parent / "config.yaml"
+    if model_dir.name != "final" or not config_file.is_file():
+        return {}
+    loaded = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+    objective = loaded.get("objective") if isinstance(loaded, dict) else None
+    if not isinstance(objective, dict) or "name" not in objective:
+        return {}
+    name = str(objective["name"])
+    if name not in TOKEN_SHIFT_OBJECTIVES:
+        raise ValueError(
+            f"{config_file} trained objective {name!r}; csbp generate samples block-diffusion models "
+            f"({', '.join(TOKEN_SHIFT_OBJECTIVES)})"
+        )
+    settings: dict[str, Any] = {"objective": name}
+    for field in ("block_size", "mask_token_id"):
+        if objective.get(field) is not None:
+            settings[field] = int(objective[field])
+    return settings
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from csbp.data.tokenizer import SpecialTokens, load_tokenizer
+    from csbp.generation.sampler import GenerationConfig, generate
+    from csbp.models.hf_io import load_hf_checkpoint
+
+    if args.block_size is not None and args.block_size <= 0:
+        raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
+    model_dir: Path = args.model
+    if not model_dir.is_dir():
+        raise ValueError(
+            f"--model {model_dir} is not a directory; pass a HF checkpoint directory (e.g. RUN/final)"
+        )
+    run_settings = run_objective_settings(model_dir)
+    objective = args.objective or run_settings.get("objective", DEFAULT_OBJECTIVE)
+    block_size = args.block_size or run_settings.get("block_size", DEFAULT_BLOCK_SIZE)
+    tokenizer_dir: Path = args.tokenizer if args.tokenizer is not None else model_dir
+    if not tokenizer_dir.exists():
+        raise ValueError(f"--tokenizer {tokenizer_dir} does not exist")
+    try:
+        tokenizer = load_tokenizer(
+            tokenizer_dir, special=SpecialTokens(mask=args.mask_token, eos=args.eos_token)
+        )
+    except ValueError as error:
+        hint = "" if args.tokenizer is not None else " (pass --tokenizer DIR if the model directory has none)"
+        raise ValueError(f"{error}{hint}") from None
+    mask_token_id = run_settings.get("mask_token_id", tokenizer.mask_token_id)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        block_size=block_size,
+        steps_per_block=args.steps_per_block if args.steps_per_block is not None else block_size,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        threshold=args.threshold,
+        seed=args.seed,
+        token_shift=TOKEN_SHIFT_OBJECTIVES[objective],
+        use_cache=not args.no_cache,
+    )
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
+    model, model_config = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
+    model.eval()
+    if mask_token_id >= model_config.vocab_size:
+        raise ValueError(
+            f"mask token id {mask_token_id} is outside the model vocabulary ({model_config.vocab_size}); "
+            "is --tokenizer the tokenizer this model was trained with?"
+        )
+    prompt_ids = tokenizer.encode(args.prompt)
+    started = time.perf_counter()
+    result = generate(model, prompt_ids, mask_token_id=mask_token_id, eos_id=tokenizer.eos_id, config=config)
+    elapsed = time.perf_counter() - started
+    print(f"prompt: {args.prompt}")
+    print(f"completion: {tokenizer.decode(result.token_ids)}")
+    stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
+    print(
+        f"[{objective}, {len(result.token_ids)} tokens, {len(result.block_starts)} blocks of {block_size}, "
+        f"{len(result.unmask_steps)} denoising steps, stopped at {stop}, {elapsed:.2f} s on {device}]"
+    )
+    return 0

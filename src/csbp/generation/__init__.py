@@ -1,0 +1,27 @@
+"""Block-diffusion sampling from a trained csbp model (``csbp generate``).
+
+* :mod:`~csbp.generation.sampler`: the block-by-block loop (:func:`generate`);
+* :mod:`~csbp.generation.token_choice`: proposals (greedy / temperature, top-k, top-p; mask logit
+  excluded) and confidence-based unmasking;
+* :mod:`~csbp.generation.forward`: the model calls, with the clean-prefix KV cache or by
+  recomputing the prefix (the reference);
+* :mod:`~csbp.generation.kv_cache`: the cache, attached to the decoder as an ``AttentionFn``.
+"""
+
+from csbp.generation.forward import CachedBlockForward, RecomputeBlockForward
+from csbp.generation.kv_cache import CachedPrefixAttention, PrefixKVCache
+from csbp.generation.sampler import GenerationConfig, GenerationResult, generate
+from csbp.generation.token_choice import choose_unmasked, propose_tokens, unmask_count
+
+__all__ = [
+    "CachedBlockForward",
+    "CachedPrefixAttention",
+    "GenerationConfig",
+    "GenerationResult",
+    "PrefixKVCache",
+    "RecomputeBlockForward",
+    "choose_unmasked",
+    "generate",
+    "propose_tokens",
+    "unmask_count",
+]

@@ -1,0 +1,143 @@
+"""The two ways block-diffusion sampling runs the model: with the clean-prefix KV cache, or by
+recomputing the whole ``[noisy block ; clean prefix]`` layout every step (the reference).
+
+Both expose the same three calls, used by :func:`csbp.generation.sampler.generate`:
+
+* ``prefill(ids [1, P])``: the prompt's whole blocks become the clean prefix (``P % B == 0``);
+* ``denoise(block_ids [1, B], start)``: final hidden states of the noisy block at positions
+  ``start .. start+B-1`` (bidirectional inside the block, seeing the whole clean prefix), plus the
+  clean hidden state of position ``start - 1`` (what a token-shift model predicts the block's
+  first token from), or None at ``start == 0``;
+* ``commit(block_ids [1, B], start)``: the finished block joins the clean prefix.
+
+:class:`CachedBlockForward` runs only the current rows: ``prefill``/``commit`` run the rows once
+as clean blocks (block-causal over the cache) and append their K/V to the cache; ``denoise`` runs
+the ``B`` noisy rows against the cache. The prefix is never recomputed. :class:`RecomputeBlockForward`
+keeps the clean tokens and rebuilds the full BD3 inference layout (``csbp.attention.layouts.bd3_rows``
+with a dense mask from ``csbp.attention.rows.allow_matrix``) at every step; it is the oracle the cache
+must equal.
+
+Shape legend: ``P`` prompt tokens, ``B`` block size, ``C`` clean prefix length, ``D`` hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from csbp.attention.layouts import bd3_rows
+from csbp.attention.rows import allow_matrix
+from csbp.generation.kv_cache import CachedPrefixAttention, PrefixKVCache
+from csbp.models.attention_fns import DenseMaskAttention
+from csbp.models.decoder import Decoder
+
+
+class BlockForward(Protocol):
+    """Model calls of the sampling loop (see the module docstring)."""
+
+    rows_processed: int
+
+    def prefill(self, ids_1P: Tensor) -> None: ...
+
+    def denoise(self, block_ids_1B: Tensor, start: int) -> tuple[Tensor, Tensor | None]: ...
+
+    def commit(self, block_ids_1B: Tensor, start: int) -> None: ...
+
+
+def _check_ids(ids: Tensor, name: str) -> None:
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.dtype != torch.long:
+        raise ValueError(f"{name} must be a [1, N] int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+
+
+class CachedBlockForward:
+    """Sampling forward passes over the clean-prefix KV cache.
+
+    Attributes:
+        cache: per-layer clean K/V of every committed position ``0 .. C-1``.
+        rows_processed: total rows fed to the model so far (the cost counter tests read).
+    """
+
+    def __init__(self, model: Decoder, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.model = model
+        self.block_size = block_size
+        self.cache = PrefixKVCache(model.config.num_layers)
+        self.rows_processed = 0
+        self._last_clean_hidden_1D: Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def _run(self, ids_1N: Tensor, start: int, *, append: bool) -> Tensor:
+        if start != self.cache.length:
+            raise RuntimeError(f"rows start at position {start} but the cache holds {self.cache.length}")
+        positions_N = torch.arange(start, start + ids_1N.shape[1], device=self.device)
+        attention = CachedPrefixAttention(self.cache, positions_N // self.block_size, append=append)
+        self.rows_processed += ids_1N.shape[1]
+        return self.model(ids_1N.to(self.device), positions_N, attention)
+
+    def prefill(self, ids_1P: Tensor) -> None:
+        _check_ids(ids_1P, "prefill ids")
+        if ids_1P.shape[1] % self.block_size:
+            raise ValueError(f"prefill needs whole blocks of {self.block_size}, got {ids_1P.shape[1]} tokens")
+        if ids_1P.shape[1] == 0:
+            return
+        hidden_1PD = self._run(ids_1P, 0, append=True)
+        self._last_clean_hidden_1D = hidden_1PD[:, -1]
+
+    def denoise(self, block_ids_1B: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
+        _check_ids(block_ids_1B, "block ids")
+        return self._run(block_ids_1B, start, append=False), self._last_clean_hidden_1D
+
+    def commit(self, block_ids_1B: Tensor, start: int) -> None:
+        _check_ids(block_ids_1B, "block ids")
+        hidden_1BD = self._run(block_ids_1B, start, append=True)
+        self._last_clean_hidden_1D = hidden_1BD[:, -1]
+
+
+class RecomputeBlockForward:
+    """Sampling forward passes that rebuild ``[noisy block ; clean prefix]`` every step (no cache)."""
+
+    def __init__(self, model: Decoder, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.model = model
+        self.block_size = block_size
+        self.rows_processed = 0
+        self._clean_ids_1C = torch.zeros(1, 0, dtype=torch.long)
+
+    def prefill(self, ids_1P: Tensor) -> None:
+        _check_ids(ids_1P, "prefill ids")
+        if ids_1P.shape[1] % self.block_size:
+            raise ValueError(f"prefill needs whole blocks of {self.block_size}, got {ids_1P.shape[1]} tokens")
+        self._clean_ids_1C = ids_1P.cpu()
+
+    def denoise(self, block_ids_1B: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
+        _check_ids(block_ids_1B, "block ids")
+        num_clean, num_noisy = self._clean_ids_1C.shape[1], block_ids_1B.shape[1]
+        if start != num_clean:
+            raise RuntimeError(
+                f"block starts at position {start} but the clean prefix has {num_clean} tokens"
+            )
+        rows = bd3_rows(
+            torch.arange(start, start + num_noisy), torch.arange(num_clean), block_size=self.block_size
+        )
+        device = self.model.embed_tokens.weight.device
+        input_ids_1R = torch.cat((block_ids_1B.cpu(), self._clean_ids_1C), dim=1).to(device)
+        attention = DenseMaskAttention(allow_matrix(rows, rows).to(device))
+        self.rows_processed += input_ids_1R.shape[1]
+        hidden_1RD = self.model(input_ids_1R, rows.pos.to(device), attention)
+        before_1D = hidden_1RD[:, num_noisy + num_clean - 1] if num_clean else None
+        return hidden_1RD[:, :num_noisy], before_1D
+
+    def commit(self, block_ids_1B: Tensor, start: int) -> None:
+        _check_ids(block_ids_1B, "block ids")
+        if start != self._clean_ids_1C.shape[1]:
+            raise RuntimeError(
+                f"block starts at {start} but the clean prefix has {self._clean_ids_1C.shape[1]}"
+            )
+        self._clean_ids_1C = torch.cat((self._clean_ids_1C, block_ids_1B.cpu()), dim=1)

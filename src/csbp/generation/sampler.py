@@ -1,0 +1,213 @@
+"""Block-diffusion sampling: fill the continuation of a prompt block by block, most confident first.
+
+Block grid. Blocks are aligned to absolute positions exactly as in training (block ``b`` covers
+positions ``b*B .. b*B+B-1``). The prompt's whole blocks are prefilled as clean blocks. A partial
+last prompt block is *not* padded: its prompt tokens sit, already unmasked, at the front of the
+first generated block and the rest of that block starts as mask tokens (in training, unmasked
+tokens of a noisy block are exactly such clean tokens). No pad token is ever shown to the model.
+
+Per block at positions ``p .. p+B-1`` (``p`` a multiple of ``B``): the block starts as ``[M]`` on
+every position still to generate. Each of ``steps_per_block`` denoising steps runs the block's rows,
+bidirectional inside the block and seeing the whole clean prefix (through the KV cache, or by
+recomputation), proposes a token for every still-masked position
+(:func:`~csbp.generation.token_choice.propose_tokens`, mask logit excluded) and unmasks the most
+confident ones (:func:`~csbp.generation.token_choice.choose_unmasked`). A finished block is run once
+more as a clean block and joins the cache. Generation stops after the block holding the first EOS
+(the completion is cut before it) or after ``max_new_tokens`` tokens; in the last block only the
+positions inside the budget are filled.
+
+Label alignment. ``token_shift=False`` (BD3-LM, MDLM): row ``i`` predicts position ``i``.
+``token_shift=True`` (Fast-dLLM v2): position ``i`` is predicted from row ``i-1``; the first position
+of a block is predicted from the clean row just before it (the completed previous block), so a
+shifted model needs a non-empty prompt.
+
+Usage::
+
+    result = generate(model, prompt_ids, mask_token_id=tok.mask_token_id, eos_id=tok.eos_id,
+                      config=GenerationConfig(max_new_tokens=64, block_size=16, steps_per_block=8))
+    print(tok.decode(result.token_ids))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from csbp.generation.forward import BlockForward, CachedBlockForward, RecomputeBlockForward
+from csbp.generation.token_choice import check_sampling_options, choose_unmasked, propose_tokens
+from csbp.models.decoder import Decoder
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Sampling options.
+
+    Attributes:
+        max_new_tokens: most tokens to generate after the prompt.
+        block_size: diffusion block size ``B`` (the one the model was trained with).
+        steps_per_block: denoising steps per block (at most; a threshold may finish a block early).
+        temperature: 0 for greedy, else the softmax temperature of the sampled proposals.
+        top_k: keep only the ``k`` most likely tokens when sampling (None: all).
+        top_p: nucleus mass kept when sampling (1: all).
+        threshold: also unmask every proposal at least this confident (None: schedule only).
+        seed: seed of the CPU generator that draws sampled tokens.
+        token_shift: position ``i`` is predicted from row ``i-1`` (Fast-dLLM v2 models).
+        use_cache: use the clean-prefix KV cache (False recomputes the prefix every step).
+    """
+
+    max_new_tokens: int = 128
+    block_size: int = 16
+    steps_per_block: int = 16
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    threshold: float | None = None
+    seed: int = 0
+    token_shift: bool = False
+    use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "block_size", "steps_per_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        check_sampling_options(self.temperature, self.top_k, self.top_p, self.threshold)
+
+
+@dataclass
+class GenerationResult:
+    """What ``generate`` produced.
+
+    Attributes:
+        prompt_ids: the prompt tokens.
+        token_ids: the completion (after the prompt; cut before the first EOS).
+        stopped_at_eos: whether an EOS ended the completion.
+        block_starts: absolute start position of every generated block (multiples of ``B``).
+        unmask_steps: per denoising step, the ``(position, token)`` pairs unmasked in that step.
+        num_model_rows: rows fed to the model in total (prefill + denoising + commits).
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    stopped_at_eos: bool = False
+    block_starts: list[int] = field(default_factory=list)
+    unmask_steps: list[list[tuple[int, int]]] = field(default_factory=list)
+    num_model_rows: int = 0
+
+
+def _forward_for(model: Decoder, config: GenerationConfig) -> BlockForward:
+    if config.use_cache:
+        return CachedBlockForward(model, config.block_size)
+    return RecomputeBlockForward(model, config.block_size)
+
+
+@torch.no_grad()
+def generate(
+    model: Decoder,
+    prompt_ids: Sequence[int],
+    *,
+    mask_token_id: int,
+    eos_id: int | None,
+    config: GenerationConfig,
+) -> GenerationResult:
+    """Block-diffusion sampling of a continuation of ``prompt_ids`` (see the module docstring)."""
+    vocab_size = model.config.vocab_size
+    if not 0 <= mask_token_id < vocab_size:
+        raise ValueError(f"mask_token_id {mask_token_id} is outside the model vocabulary [0, {vocab_size})")
+    prompt = [int(t) for t in prompt_ids]
+    bad = [t for t in prompt if not 0 <= t < vocab_size or t == mask_token_id]
+    if bad:
+        raise ValueError(
+            f"prompt token {bad[0]} is the mask token or outside the vocabulary [0, {vocab_size})"
+        )
+    if config.token_shift and not prompt:
+        raise ValueError(
+            "token_shift=True predicts each token from the one before it: give a non-empty prompt"
+        )
+    block_size = config.block_size
+    forward = _forward_for(model, config)
+    generator = torch.Generator(device="cpu").manual_seed(config.seed)
+    result = GenerationResult(prompt_ids=prompt, token_ids=[])
+
+    start = len(prompt) // block_size * block_size
+    forward.prefill(torch.tensor([prompt[:start]], dtype=torch.long).reshape(1, -1))
+    carried = prompt[start:]  # prompt tokens inside the first generated block, already unmasked
+    budget = config.max_new_tokens
+    while budget > 0:
+        block_ids_1B = torch.full((1, block_size), mask_token_id, dtype=torch.long)
+        block_ids_1B[0, : len(carried)] = torch.tensor(carried, dtype=torch.long)
+        num_fill = min(budget, block_size - len(carried))
+        to_fill_B = torch.zeros(block_size, dtype=torch.bool)
+        to_fill_B[len(carried) : len(carried) + num_fill] = True
+        result.block_starts.append(start)
+        _denoise_block(
+            model, forward, block_ids_1B, to_fill_B, start, mask_token_id, config, generator, result
+        )
+
+        new_tokens = block_ids_1B[0, len(carried) : len(carried) + num_fill].tolist()
+        if eos_id is not None and eos_id in new_tokens:
+            result.token_ids.extend(new_tokens[: new_tokens.index(eos_id)])
+            result.stopped_at_eos = True
+            break
+        result.token_ids.extend(new_tokens)
+        budget -= num_fill
+        if budget > 0:
+            forward.commit(block_ids_1B, start)
+            start += block_size
+            carried = []
+    result.num_model_rows = forward.rows_processed
+    return result
+
+
+def _denoise_block(
+    model: Decoder,
+    forward: BlockForward,
+    block_ids_1B: Tensor,
+    to_fill_B: Tensor,
+    start: int,
+    mask_token_id: int,
+    config: GenerationConfig,
+    generator: torch.Generator,
+    result: GenerationResult,
+) -> None:
+    """Unmask every ``to_fill`` position of ``block_ids`` in at most ``steps_per_block`` steps (in place)."""
+    for step in range(config.steps_per_block):
+        masked_R = torch.nonzero(to_fill_B).squeeze(-1)  # block offsets still masked
+        if masked_R.numel() == 0:
+            return
+        hidden_1BD, before_1D = forward.denoise(block_ids_1B, start)
+        if config.token_shift:
+            # Position j is predicted from row j-1: row "-1" is the clean row before the block.
+            assert before_1D is not None or int(masked_R[0]) > 0, "token shift without a row before the block"
+            prev_1D = before_1D if before_1D is not None else hidden_1BD[:, 0]  # unused when masked_R[0] > 0
+            source_1BD = torch.cat((prev_1D[:, None], hidden_1BD[:, :-1]), dim=1)
+        else:
+            source_1BD = hidden_1BD
+        logits_RV = model.logits(source_1BD[0, masked_R.to(source_1BD.device)])
+        tokens_R, confidence_R = propose_tokens(
+            logits_RV,
+            mask_token_id=mask_token_id,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=config.top_p,
+            generator=generator,
+        )
+        chosen = choose_unmasked(
+            confidence_R, remaining_steps=config.steps_per_block - step, threshold=config.threshold
+        )
+        offsets = masked_R[chosen]
+        block_ids_1B[0, offsets] = tokens_R[chosen]
+        to_fill_B[offsets] = False
+        result.unmask_steps.append(
+            [
+                (start + int(o), int(t))
+                for o, t in zip(offsets.tolist(), tokens_R[chosen].tolist(), strict=True)
+            ]
+        )
+    if bool(to_fill_B.any()):
+        raise RuntimeError("block still has masked positions after steps_per_block steps")

@@ -1,0 +1,99 @@
+"""Per-step token choice of block-diffusion sampling: candidate tokens, confidences, which to unmask.
+
+``propose_tokens`` turns the logits of the still-masked rows into one candidate token and one
+confidence per row:
+
+* the mask-token logit is set to ``-inf`` first (SUBS), so ``[M]`` is never proposed;
+* ``temperature == 0``: greedy, the arg-max token; its softmax probability is the confidence;
+* ``temperature > 0``: logits are divided by the temperature, cut to the ``top_k`` largest and to
+  the smallest set whose probability reaches ``top_p`` (nucleus), renormalised, and one token is
+  drawn per row with the given CPU generator; the confidence is the drawn token's probability
+  under that distribution.
+
+``choose_unmasked`` picks which candidates are committed in this step: the ``k`` most confident
+with ``k = ceil(remaining / remaining_steps)`` (so a block always finishes within its step budget),
+or, with a ``threshold``, every candidate whose confidence reaches it if those are more than ``k``.
+
+Shape legend: ``R`` masked rows being decided, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def check_sampling_options(
+    temperature: float, top_k: int | None, top_p: float, threshold: float | None
+) -> None:
+    """``ValueError`` naming the bad option."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1 (or unset), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if threshold is not None and not 0.0 <= threshold <= 1.0:
+        raise ValueError(f"threshold must lie in [0, 1] (a probability), got {threshold}")
+
+
+def propose_tokens(
+    logits_RV: Tensor,
+    *,
+    mask_token_id: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(tokens [R] int64, confidence [R])`` on the CPU (see the module docstring)."""
+    compute_dtype = torch.float64 if logits_RV.dtype == torch.float64 else torch.float32
+    logits_RV = logits_RV.detach().to(device="cpu", dtype=compute_dtype).clone()
+    if not 0 <= mask_token_id < logits_RV.shape[-1]:
+        raise ValueError(
+            f"mask_token_id {mask_token_id} is outside the model vocabulary of {logits_RV.shape[-1]}"
+        )
+    logits_RV[:, mask_token_id] = float("-inf")
+    if temperature == 0.0:
+        probs_RV = torch.softmax(logits_RV, dim=-1)
+        confidence_R, tokens_R = probs_RV.max(dim=-1)
+        return tokens_R, confidence_R
+    scaled_RV = logits_RV / temperature
+    if top_k is not None and top_k < scaled_RV.shape[-1]:
+        kth_largest_R1 = torch.topk(scaled_RV, top_k, dim=-1).values[:, -1:]
+        scaled_RV = scaled_RV.masked_fill(scaled_RV < kth_largest_R1, float("-inf"))
+    if top_p < 1.0:
+        scaled_RV = _nucleus(scaled_RV, top_p)
+    probs_RV = torch.softmax(scaled_RV, dim=-1)
+    tokens_R = torch.multinomial(probs_RV, 1, generator=generator).squeeze(-1)
+    confidence_R = probs_RV.gather(-1, tokens_R[:, None]).squeeze(-1)
+    return tokens_R, confidence_R
+
+
+def _nucleus(scaled_RV: Tensor, top_p: float) -> Tensor:
+    """Keep the most probable tokens whose cumulative probability first reaches ``top_p``."""
+    sorted_RV, order_RV = torch.sort(scaled_RV, dim=-1, descending=True)
+    probs_RV = torch.softmax(sorted_RV, dim=-1)
+    mass_before_RV = probs_RV.cumsum(dim=-1) - probs_RV  # probability of strictly better tokens
+    drop_sorted_RV = mass_before_RV >= top_p  # never drops the best token (mass_before = 0)
+    drop_RV = torch.zeros_like(drop_sorted_RV).scatter(-1, order_RV, drop_sorted_RV)
+    return scaled_RV.masked_fill(drop_RV, float("-inf"))
+
+
+def unmask_count(remaining: int, remaining_steps: int) -> int:
+    """``ceil(remaining / remaining_steps)``: the schedule that finishes exactly on the last step."""
+    if remaining_steps < 1:
+        raise ValueError(f"remaining_steps must be >= 1, got {remaining_steps}")
+    return -(-remaining // remaining_steps)
+
+
+def choose_unmasked(confidence_R: Tensor, *, remaining_steps: int, threshold: float | None = None) -> Tensor:
+    """Indices (into the ``R`` candidates) to unmask now, most confident first."""
+    remaining = int(confidence_R.shape[0])
+    count = unmask_count(remaining, remaining_steps)
+    if threshold is not None:
+        count = max(count, int((confidence_R >= threshold).sum()))
+    order_R = torch.argsort(confidence_R, descending=True, stable=True)
+    return order_R[: min(count, remaining)]

@@ -1,0 +1,134 @@
+"""``csbp bench train``: a smoke run of full training steps in every layout, plus the table and plot.
+
+The smoke run (seq len 64, block 16, 2 gloo processes, bd3, one warmup and one measured step) goes
+through the command itself, so the JSON and PNG outputs are checked as a user gets them. Beyond
+"it runs", it checks properties the layouts must have: the same step-0 loss in every layout (same
+weights and batch; float32, 1e-5 relative), no attention traffic in BP-only (the clean prefix is
+replicated), and less attention traffic in CSBP than in CP-only (only clean rows move).
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_bench_train.py -q``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from csbp.bench.plot import plot_speedups, speedup_series
+from csbp.bench.train_bench import TrainRecord, format_table, register_train_bench, run_train_bench
+
+RECORD_KEYS = {
+    "objective",
+    "layout",
+    "cp",
+    "bp",
+    "seq_len",
+    "block_size",
+    "nproc",
+    "samples",
+    "step_time_s",
+    "tokens_per_s",
+    "peak_mem_bytes",
+    "attention_bytes_per_rank",
+    "gradient_bytes_per_rank",
+    "loss_step0",
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="csbp bench")
+    register_train_bench(parser.add_subparsers(dest="bench_command"))
+    return parser.parse_args(argv)
+
+
+@pytest.mark.multiprocess
+def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench" / "train.json"
+    args = parse(
+        [
+            "train",
+            "--seq-lens",
+            "64",
+            "--nproc",
+            "2",
+            "--repeats",
+            "1",
+            "--warmup",
+            "1",
+            "--objectives",
+            "bd3",
+            "--layouts",
+            "cp",
+            "csbp",
+            "bp",
+            "--json",
+            str(out),
+        ]
+    )
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "x cp" in printed and f"wrote {out}" in printed
+
+    records = json.loads(out.read_text())
+    assert [r["layout"] for r in records] == ["cp", "csbp", "bp"]
+    for record in records:
+        assert set(record) == RECORD_KEYS
+        assert record["objective"] == "bd3" and record["seq_len"] == 64 and record["nproc"] == 2
+        assert record["step_time_s"] > 0
+        assert record["tokens_per_s"] == pytest.approx(64 / record["step_time_s"])
+        assert record["peak_mem_bytes"] >= 0 and record["gradient_bytes_per_rank"] > 0
+    by_layout = {r["layout"]: r for r in records}
+    assert (by_layout["cp"]["cp"], by_layout["cp"]["bp"]) == (2, 1)
+    assert (by_layout["csbp"]["cp"], by_layout["csbp"]["bp"]) == (2, 2)
+    assert (by_layout["bp"]["cp"], by_layout["bp"]["bp"]) == (1, 2)
+    losses = [r["loss_step0"] for r in records]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
+    assert by_layout["bp"]["attention_bytes_per_rank"] == 0
+    assert 0 < by_layout["csbp"]["attention_bytes_per_rank"] < by_layout["cp"]["attention_bytes_per_rank"]
+
+    png = out.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def record(objective: str, layout: str, seq_len: int, step: float) -> TrainRecord:
+    return TrainRecord(
+        objective, layout, 4, 4, seq_len, 16, 4, 1, step, seq_len / step, 1 << 20, 1 << 10, 1 << 10, 3.0
+    )
+
+
+def test_table_and_speedups_relative_to_cp(tmp_path: Path) -> None:
+    records = [
+        record("bd3", "cp", 512, 2.0),
+        record("bd3", "csbp", 512, 1.0),
+        record("bd3", "bp", 512, 4.0),
+        record("bd3", "cp", 1024, 3.0),
+        record("bd3", "csbp", 1024, 1.0),
+        record("fast_dllm_v2", "cp", 512, 1.0),
+        record("fast_dllm_v2", "csbp", 512, 0.5),
+    ]
+    rows_of_table = [line.split() for line in format_table(records).splitlines()[2:]]
+    # bd3 csbp at 512: half the CP-only step time, twice its tokens per second
+    assert rows_of_table[1][:3] == ["bd3", "512", "csbp"] and rows_of_table[1][4] == "0.50"
+    assert rows_of_table[1][6] == "2.00"
+    assert rows_of_table[2][4] == "2.00" and rows_of_table[2][6] == "0.50"  # bp: twice as slow
+    rows = [r.__dict__ for r in records]
+    assert speedup_series(rows, "csbp", "bd3", "objective") == ([512, 1024], [2.0, 3.0])
+    assert speedup_series(rows, "bp", "bd3", "objective") == ([512], [0.5])
+    assert speedup_series(rows, "csbp", "fast_dllm_v2", "objective") == ([512], [2.0])
+    path = plot_speedups(rows, tmp_path / "speedup.png", group_by="objective")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="CP-only"):
+        plot_speedups([r for r in rows if r["layout"] != "cp"], tmp_path / "none.png")
+
+
+def test_invalid_requests_fail_before_launching() -> None:
+    with pytest.raises(ValueError, match="seq_len"):
+        run_train_bench([72], objectives=["bd3"], layouts=["cp", "csbp"], nproc=2)
+    with pytest.raises(ValueError, match="objective"):
+        run_train_bench([64], objectives=["mdlm"], layouts=["cp"], nproc=2)
+    with pytest.raises(ValueError, match="layout"):
+        run_train_bench([64], objectives=["bd3"], layouts=["tp"], nproc=2)
+    with pytest.raises(ValueError, match="nproc"):
+        run_train_bench([64], objectives=["bd3"], layouts=["cp"], nproc=1)

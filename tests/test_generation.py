@@ -1,0 +1,304 @@
+"""Block-diffusion sampling (``csbp.generation``) and ``csbp generate``.
+
+A tiny random decoder (hidden 32, 4/2 heads, vocab 64, float64, weights std 0.3 so proposals have
+clear confidence gaps) samples with the clean-prefix KV cache and without it (the whole
+``[noisy block ; clean prefix]`` layout rebuilt with the BD3 inference mask every step); the two
+must agree token for token. The cached denoising rows must also equal the noisy rows of the BD3
+*training* layout ``[x_t ; x_0]`` (1e-12), which ties sampling to what the model was trained on.
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_generation.py -q``
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+
+from csbp.attention.layouts import bd3_rows
+from csbp.attention.rows import allow_matrix
+from csbp.cli import generate_cmd
+from csbp.data.tokenizer import train_bpe_tokenizer
+from csbp.generation import (
+    CachedBlockForward,
+    GenerationConfig,
+    choose_unmasked,
+    generate,
+    propose_tokens,
+    unmask_count,
+)
+from csbp.models.attention_fns import DenseMaskAttention
+from csbp.models.config import DecoderConfig
+from csbp.models.decoder import Decoder
+from csbp.models.hf_io import export_hf_checkpoint
+
+VOCAB = 64
+MASK = 63
+BLOCK = 4
+
+
+def tiny_model(vocab_size: int = VOCAB, seed: int = 0) -> Decoder:
+    config = DecoderConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
+    model = Decoder(config, dtype=torch.float64, seed=seed)
+    model.init_weights(torch.Generator().manual_seed(seed + 1), std=0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    return tiny_model()
+
+
+def run(model: Decoder, prompt: list[int], eos_id: int | None = None, **options: object):
+    config = GenerationConfig(**{"block_size": BLOCK, "steps_per_block": 3, "max_new_tokens": 21, **options})
+    return generate(model, prompt, mask_token_id=MASK, eos_id=eos_id, config=config)
+
+
+# ----------------------------------------------------------------------------- cache exactness
+
+
+@pytest.mark.parametrize(
+    ("token_shift", "prompt_len"),
+    [
+        (False, 0),
+        (False, 3),
+        (False, 8),
+        (False, 11),
+        (True, 3),
+        (True, 8),
+        (True, 11),
+    ],  # shift needs a prompt
+)
+def test_cache_equals_recomputation_token_for_token(
+    model: Decoder, token_shift: bool, prompt_len: int
+) -> None:
+    prompt = [(7 * i + 5) % MASK for i in range(prompt_len)]
+    for options in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 20, "seed": 3}):
+        cached = run(model, prompt, token_shift=token_shift, use_cache=True, **options)
+        recomputed = run(model, prompt, token_shift=token_shift, use_cache=False, **options)
+        assert cached.token_ids == recomputed.token_ids
+        assert cached.unmask_steps == recomputed.unmask_steps
+        assert len(cached.token_ids) == 21
+
+
+def test_cached_denoise_equals_training_layout_rows(model: Decoder) -> None:
+    """Row ``i`` of block ``b`` in the ``[x_t ; x_0]`` training forward equals the cached denoising
+    forward of block ``b`` over the clean prefix ``x_0[: b*B]`` (objectives.md §3.4 test oracle)."""
+    seq_len, block = 16, 2
+    generator = torch.Generator().manual_seed(5)
+    clean_1L = torch.randint(0, MASK, (1, seq_len), generator=generator)
+    noisy_1L = torch.where(torch.rand(1, seq_len, generator=generator) < 0.5, MASK, clean_1L)
+    rows = bd3_rows(torch.arange(seq_len), torch.arange(seq_len), block_size=BLOCK)
+    with torch.no_grad():
+        training_1RD = model(
+            torch.cat((noisy_1L, clean_1L), dim=1), rows.pos, DenseMaskAttention(allow_matrix(rows, rows))
+        )
+        forward = CachedBlockForward(model, BLOCK)
+        forward.prefill(clean_1L[:, : block * BLOCK])
+        span = slice(block * BLOCK, (block + 1) * BLOCK)
+        denoised_1BD, before_1D = forward.denoise(noisy_1L[:, span], block * BLOCK)
+    torch.testing.assert_close(denoised_1BD, training_1RD[:, span], rtol=0, atol=1e-12)
+    # the clean row before the block (token-shift source) is the training clean row at b*B - 1
+    assert before_1D is not None
+    torch.testing.assert_close(before_1D, training_1RD[:, seq_len + block * BLOCK - 1], rtol=0, atol=1e-12)
+
+
+def test_cache_never_recomputes_the_prefix(model: Decoder) -> None:
+    prompt = list(range(1, 10))  # 2 whole blocks prefilled, 1 prompt token carried into block 2
+    result = run(model, prompt, steps_per_block=2, max_new_tokens=11)
+    num_blocks = len(result.block_starts)
+    denoise_rows = BLOCK * len(result.unmask_steps)
+    commit_rows = BLOCK * (num_blocks - 1)  # the last block is never committed
+    assert result.num_model_rows == 8 + denoise_rows + commit_rows
+    assert run(model, prompt, steps_per_block=2, max_new_tokens=11, use_cache=False).num_model_rows > 2 * (
+        result.num_model_rows
+    )
+
+
+# ----------------------------------------------------------------------------- loop semantics
+
+
+@pytest.mark.parametrize("prompt_len", [0, 3, 8, 11])
+def test_block_structure_and_positions(model: Decoder, prompt_len: int) -> None:
+    prompt = [(3 * i + 1) % MASK for i in range(prompt_len)]
+    steps, max_new = 3, 18
+    result = run(model, prompt, steps_per_block=steps, max_new_tokens=max_new)
+    first = prompt_len // BLOCK * BLOCK
+    assert result.block_starts == list(range(first, first + BLOCK * len(result.block_starts), BLOCK))
+    unmasked = [pair for step in result.unmask_steps for pair in step]
+    positions = sorted(pos for pos, _ in unmasked)
+    # every generated position exactly once, the carried prompt tokens never
+    assert positions == list(range(prompt_len, prompt_len + max_new))
+    by_position = dict(unmasked)
+    assert result.token_ids == [by_position[p] for p in positions]
+    # each step only touches its own block; blocks take at most `steps` steps
+    step_blocks = [{pos // BLOCK for pos, _ in step} for step in result.unmask_steps]
+    assert all(len(blocks) == 1 for blocks in step_blocks)
+    per_block = [
+        sum(1 for blocks in step_blocks if blocks == {start // BLOCK}) for start in result.block_starts
+    ]
+    assert max(per_block) <= steps
+    # k = ceil(remaining / remaining_steps): a full block of 4 in 3 steps unmasks 2, 1, 1
+    full = [len(step) for step in result.unmask_steps[-steps:]]
+    if (prompt_len + max_new) % BLOCK == 0:
+        assert full == [2, 1, 1]
+
+
+def test_mask_token_is_never_generated(model: Decoder) -> None:
+    boosted = tiny_model()
+    plain_logits = boosted.logits
+    bonus = torch.zeros(VOCAB, dtype=torch.float64)
+    bonus[MASK] = 50.0  # the mask would win every proposal if it were not excluded
+    boosted.logits = lambda hidden: plain_logits(hidden) + bonus  # type: ignore[method-assign]
+    for options in ({"temperature": 0.0}, {"temperature": 2.0, "seed": 1}):
+        result = run(boosted, [1, 2, 3], max_new_tokens=40, **options)
+        assert MASK not in result.token_ids and len(result.token_ids) == 40
+
+
+def test_eos_stops_generation_after_its_block(model: Decoder) -> None:
+    free = run(model, [4, 5], max_new_tokens=24)
+    eos = free.token_ids[9]
+    cut = free.token_ids.index(eos)
+    stopped = run(model, [4, 5], eos_id=eos, max_new_tokens=24)
+    assert stopped.stopped_at_eos and stopped.token_ids == free.token_ids[:cut]
+    eos_block = (2 + cut) // BLOCK
+    assert len(stopped.block_starts) == eos_block + 1
+
+
+def test_seeded_sampling_is_deterministic(model: Decoder) -> None:
+    options = {"temperature": 1.0, "top_k": 16, "top_p": 0.9}
+    first = run(model, [1, 2, 3], seed=11, **options)
+    again = run(model, [1, 2, 3], seed=11, **options)
+    other = run(model, [1, 2, 3], seed=12, **options)
+    assert first.token_ids == again.token_ids
+    assert first.token_ids != other.token_ids
+
+
+def test_threshold_zero_unmasks_a_block_in_one_step(model: Decoder) -> None:
+    result = run(model, [1, 2, 3, 4], steps_per_block=4, max_new_tokens=12, threshold=0.0)
+    assert [len(step) for step in result.unmask_steps] == [BLOCK, BLOCK, BLOCK]
+
+
+def test_invalid_options_are_rejected(model: Decoder) -> None:
+    for options, field in (
+        ({"block_size": 0}, "block_size"),
+        ({"steps_per_block": 0}, "steps_per_block"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            GenerationConfig(**options)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty prompt"):
+        run(model, [], token_shift=True)
+    with pytest.raises(ValueError, match="mask token"):
+        run(model, [1, MASK])
+
+
+# ----------------------------------------------------------------------------- token choice
+
+
+def test_proposals_respect_top_k_top_p_and_exclude_the_mask() -> None:
+    logits_RV = torch.tensor([[0.0, 3.0, 2.0, 1.0, 9.0]]).repeat(400, 1)  # id 4 plays the mask
+    generator = torch.Generator().manual_seed(0)
+    tokens, _ = propose_tokens(logits_RV, mask_token_id=4, temperature=1.0, top_k=2, generator=generator)
+    assert set(tokens.tolist()) == {1, 2}
+    # p(1) = 0.644, p(2) = 0.237: the nucleus of mass 0.7 is {1, 2}; of mass 0.5 only {1}
+    tokens, confidence = propose_tokens(
+        logits_RV, mask_token_id=4, temperature=1.0, top_p=0.5, generator=generator
+    )
+    assert set(tokens.tolist()) == {1} and torch.allclose(confidence, torch.ones(400))
+    tokens, _ = propose_tokens(logits_RV, mask_token_id=4, temperature=1.0, top_p=0.7, generator=generator)
+    assert set(tokens.tolist()) == {1, 2}
+    tokens, confidence = propose_tokens(logits_RV[:1], mask_token_id=4)
+    expected = torch.softmax(torch.tensor([0.0, 3.0, 2.0, 1.0]), dim=0)[1]
+    assert tokens.tolist() == [1] and abs(float(confidence[0]) - float(expected)) < 1e-6
+
+
+def test_unmask_schedule() -> None:
+    assert [unmask_count(r, s) for r, s in ((16, 16), (16, 3), (5, 2), (1, 4))] == [1, 6, 3, 1]
+    confidence = torch.tensor([0.1, 0.9, 0.5, 0.95, 0.2])
+    assert choose_unmasked(confidence, remaining_steps=3).tolist() == [3, 1]
+    assert choose_unmasked(confidence, remaining_steps=5, threshold=0.4).tolist() == [3, 1, 2]
+    assert choose_unmasked(confidence, remaining_steps=1).tolist() == [3, 1, 2, 4, 0]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="csbp")
+    generate_cmd.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def export_tiny_run(run_dir: Path) -> Path:
+    """A tiny model and BPE tokenizer exported as ``run_dir/final`` (what ``csbp train`` writes)."""
+    texts = ["the quick brown fox jumps over the lazy dog", "block diffusion samples blocks"] * 4
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=300)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(run_dir)
+    model = tiny_model(vocab_size=tokenizer.vocab_size)
+    return export_hf_checkpoint(
+        model, model.config, run_dir / "final", tokenizer_dir=run_dir, dtype=torch.float32
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_tiny_run(tmp_path_factory.mktemp("run"))
+
+
+def test_cli_prints_prompt_and_completion(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", str(checkpoint), "--prompt", "the quick", "--device", "cpu"]
+    argv += "--max-new-tokens 10 --block-size 4 --steps-per-block 2".split()
+    assert parse(argv).func(parse(argv)) == 0
+    first = capsys.readouterr().out
+    assert "prompt: the quick" in first and "completion: " in first and "<|mask|>" not in first
+    assert "[bd3, 10 tokens" in first and "blocks of 4" in first
+    args = parse([*argv, *"--temperature 0.8 --top-k 5 --seed 2 --objective fast_dllm_v2".split()])
+    assert args.func(args) == 0
+    assert "[fast_dllm_v2, 10 tokens" in capsys.readouterr().out
+
+
+def test_cli_takes_objective_and_block_size_from_the_run_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    final = export_tiny_run(tmp_path / "run")
+    (tmp_path / "run" / "config.yaml").write_text("objective:\n  name: fast_dllm_v2\n  block_size: 8\n")
+    args = parse(
+        ["generate", "--model", str(final), "--prompt", "the", "--max-new-tokens", "12", "--device", "cpu"]
+    )
+    assert args.func(args) == 0
+    assert "[fast_dllm_v2, 12 tokens, 2 blocks of 8" in capsys.readouterr().out
+    (tmp_path / "run" / "config.yaml").write_text("objective:\n  name: ar\n")
+    with pytest.raises(ValueError, match="objective 'ar'"):
+        args.func(args)
+
+
+def test_cli_errors(checkpoint: Path, tmp_path: Path) -> None:
+    base = ["--prompt", "hi", "--device", "cpu"]
+    with pytest.raises(ValueError, match="not a directory"):
+        args = parse(["generate", "--model", str(tmp_path / "missing"), *base])
+        args.func(args)
+    with pytest.raises(ValueError, match="block-size"):
+        args = parse(["generate", "--model", str(checkpoint), "--block-size", "0", *base])
+        args.func(args)
+    no_mask_dir = tmp_path / "no_mask"
+    no_mask_dir.mkdir()
+    Tokenizer(models.WordLevel({"<|endoftext|>": 0, "hi": 1}, unk_token="<|endoftext|>")).save(
+        str(no_mask_dir / "tokenizer.json")
+    )
+    with pytest.raises(ValueError, match="mask token"):
+        args = parse(["generate", "--model", str(checkpoint), "--tokenizer", str(no_mask_dir), *base])
+        args.func(args)
