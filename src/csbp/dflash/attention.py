@@ -1,0 +1,249 @@
+"""Draft-layer attention for DFlash: queries are the anchor-block rows, keys are ``[context ;
+block rows]`` (objectives.md §5.5, csbp.md §14).
+
+Every callable has the signature of ``DraftAttentionFn``: ``q [S, Hq, N, d]`` of the block rows,
+``k_ctx, v_ctx [S, Hkv, M, d]`` of the context rows this process holds (already projected by the
+layer's own ``k_proj``/``k_norm``/RoPE and ``v_proj``), ``k_blk, v_blk [S, Hkv, N, d]`` of the
+block rows, and the layer index; it returns ``[S, Hq, N, d]`` in the dtype of ``q``.
+
+* ``UnmaskedDraftAttention``: every query sees every key (inference on one block with a context
+  strictly before its anchor, objectives.md §7).
+* ``DenseDraftAttention``: a dense boolean mask per layer (references and tests).
+* ``ShardedDraftAttention``: the training transport over ``Rows`` metadata. Block rows are whole
+  anchor blocks (``B`` consecutive rows; dead anchors ``live = False``); context rows are clean
+  keys at their positions. Per layer::
+
+      start an async all-gather of my context K/V shard over the CP ring (no-op without a ring)
+      block partial: block_diagonal_forward over my block rows (dead rows: out 0, lse -inf)
+      wait; context partial: interval kernel of my queries x the gathered context rows
+      merge online (csbp.md §9.2)
+
+  Backward: the context partial's dK/dV (gathered layout) is reduce-scattered back to the shard
+  owners while the block-diagonal backward runs. Only context K/V cross the wire.
+
+Shape legend: ``S`` samples, ``Hq``/``Hkv`` heads, ``N`` block rows, ``M`` local context rows,
+``P`` ring size, ``d`` head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from csbp.attention.kernel import (
+    DEFAULT_TILE_ROWS,
+    TilePlan,
+    block_diagonal_backward,
+    block_diagonal_forward,
+    build_tile_plan,
+    interval_attention_backward,
+    interval_attention_forward,
+)
+from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.rows import Rows, allow_matrix
+from csbp.models.attention_fns import masked_attention
+from csbp.parallel.comm import Comm
+
+
+class DraftAttentionFn(Protocol):
+    """Attention of block queries over ``[context ; block]`` keys (see the module docstring)."""
+
+    def __call__(
+        self, q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, layer_index: int
+    ) -> Tensor: ...
+
+
+class UnmaskedDraftAttention:
+    """Every block row sees every context row and every block row (inference, no mask)."""
+
+    def __call__(
+        self, q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, layer_index: int
+    ) -> Tensor:
+        k, v = torch.cat((k_ctx, k_blk), dim=2), torch.cat((v_ctx, v_blk), dim=2)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class DenseDraftAttention:
+    """Attention under one dense boolean mask ``[N, M + N]`` per layer (``True`` = may attend);
+    rows without a visible key give 0."""
+
+    def __init__(self, masks: Sequence[Tensor]) -> None:
+        self.masks = list(masks)
+
+    def __call__(
+        self, q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, layer_index: int
+    ) -> Tensor:
+        k, v = torch.cat((k_ctx, k_blk), dim=2), torch.cat((v_ctx, v_blk), dim=2)
+        return masked_attention(q, k, v, self.masks[layer_index])
+
+
+def dense_draft_masks(
+    query_rows: Sequence[Rows], causal_in_block: Sequence[bool], context_rows: Rows
+) -> list[Tensor]:
+    """Per-layer ``[N, M + N]`` masks of the ``Rows`` predicate: keys are ``[context ; block rows]``
+    (the block rows are keys too, identified by their block id)."""
+    masks = []
+    for rows, causal in zip(query_rows, causal_in_block):
+        keys = Rows.cat([context_rows, rows])
+        masks.append(allow_matrix(rows, keys, causal_in_block=causal))
+    return masks
+
+
+@dataclass(frozen=True, eq=False)
+class DraftMaskVariant:
+    """The block rows of one layer kind (full or sliding attention) and their context tile plan."""
+
+    query_rows: Rows
+    causal_in_block: bool
+    context_plan: TilePlan
+
+
+@dataclass(frozen=True, eq=False)
+class DraftAttentionPlan:
+    """Everything ``ShardedDraftAttention`` needs besides q/k/v; build with ``build_draft_attention_plan``.
+
+    Attributes:
+        block_size: rows per anchor block.
+        live: ``[N]`` bool, False for the rows of dead (padding) anchors.
+        context_rows: the gathered context rows, ring members' shards in ring order.
+        variants: one per layer kind; ``layer_variant[i]`` indexes the variant of layer ``i``.
+        comm: the CP ring (None or size 1: all context rows are local).
+    """
+
+    block_size: int
+    live: Tensor
+    context_rows: Rows
+    variants: tuple[DraftMaskVariant, ...]
+    layer_variant: tuple[int, ...]
+    comm: Comm | None
+
+
+def build_draft_attention_plan(
+    query_rows: Sequence[Rows],
+    causal_in_block: Sequence[bool],
+    layer_variant: Sequence[int],
+    context_rows: Rows,
+    *,
+    block_size: int,
+    comm: Comm | None,
+    tile_rows: int = DEFAULT_TILE_ROWS,
+) -> DraftAttentionPlan:
+    """Plan the attention of one anchor packet; every layer reuses it in forward and backward."""
+    if not query_rows or len(query_rows) != len(causal_in_block):
+        raise ValueError("build_draft_attention_plan needs one causal flag per query-row variant")
+    live = query_rows[0].live
+    if len(live) % block_size != 0:
+        raise ValueError(f"block rows ({len(live)}) must be whole blocks of block_size={block_size}")
+    if any(v not in range(len(query_rows)) for v in layer_variant):
+        raise ValueError(f"layer_variant {list(layer_variant)} must index the {len(query_rows)} variants")
+    variants = tuple(
+        DraftMaskVariant(rows, causal, build_tile_plan(rows, context_rows, tile_rows=tile_rows))
+        for rows, causal in zip(query_rows, causal_in_block)
+    )
+    return DraftAttentionPlan(block_size, live, context_rows, variants, tuple(layer_variant), comm)
+
+
+class ShardedDraftAttention:
+    """The training transport (see the module docstring)."""
+
+    def __init__(self, plan: DraftAttentionPlan) -> None:
+        self.plan = plan
+
+    def __call__(
+        self, q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, layer_index: int
+    ) -> Tensor:
+        return _ShardedDraftAttention.apply(q, k_ctx, v_ctx, k_blk, v_blk, self.plan, layer_index)
+
+
+def _ring(plan: DraftAttentionPlan) -> Comm | None:
+    return plan.comm if plan.comm is not None and plan.comm.size > 1 else None
+
+
+class _ShardedDraftAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k_ctx: Tensor,
+        v_ctx: Tensor,
+        k_blk: Tensor,
+        v_blk: Tensor,
+        plan: DraftAttentionPlan,
+        layer_index: int,
+    ) -> Tensor:
+        variant = plan.variants[plan.layer_variant[layer_index]]
+        ring = _ring(plan)
+        shard = torch.stack((k_ctx, v_ctx)).permute(3, 0, 1, 2, 4).contiguous()  # [M, 2, S, Hkv, d]
+        pending = None
+        gathered = shard
+        if ring is not None:
+            gathered, pending = ring.all_gather(shard, async_op=True)
+        out_blk, lse_blk = block_diagonal_forward(
+            q, k_blk, v_blk, block_size=plan.block_size, causal=variant.causal_in_block
+        )
+        live = plan.live.to(q.device)
+        out_blk = torch.where(live[:, None], out_blk, 0.0)
+        lse_blk = torch.where(live, lse_blk, float("-inf"))
+        if pending is not None:
+            gathered = pending.wait()
+        kv_all = gathered.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, P*M, d]
+        out_ctx, lse_ctx = interval_attention_forward(
+            q, kv_all[0], kv_all[1], variant.query_rows, plan.context_rows, plan=variant.context_plan
+        )
+        out, lse = merge_partials(out_blk, lse_blk, out_ctx, lse_ctx)
+        ctx.save_for_backward(q, k_blk, v_blk, kv_all, out, lse)
+        ctx.plan, ctx.variant = plan, variant
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k_blk, v_blk, kv_all, out, lse = ctx.saved_tensors
+        plan, variant = ctx.plan, ctx.variant
+        dtype = accumulation_dtype(q, k_blk, v_blk)
+        delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+        dq, dk_all, dv_all = interval_attention_backward(
+            q,
+            kv_all[0],
+            kv_all[1],
+            variant.query_rows,
+            plan.context_rows,
+            out,
+            lse,
+            dout,
+            plan=variant.context_plan,
+            delta=delta,
+        )
+        dkv_all = torch.stack((dk_all, dv_all)).permute(3, 0, 1, 2, 4).contiguous()  # [P*M, 2, S, Hkv, d]
+        ring = _ring(plan)
+        pending = None
+        dkv_local = dkv_all
+        if ring is not None:
+            dkv_local, pending = ring.reduce_scatter(dkv_all, async_op=True)
+        dq_blk, dk_blk, dv_blk = block_diagonal_backward(
+            q,
+            k_blk,
+            v_blk,
+            out,
+            lse,
+            dout,
+            block_size=plan.block_size,
+            causal=variant.causal_in_block,
+            delta=delta,
+        )
+        if pending is not None:
+            dkv_local = pending.wait()
+        dkv_local = dkv_local.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, M, d]
+        return (
+            (dq + dq_blk).to(q.dtype),
+            dkv_local[0].to(k_blk.dtype),
+            dkv_local[1].to(v_blk.dtype),
+            dk_blk.to(k_blk.dtype),
+            dv_blk.to(v_blk.dtype),
+            None,
+            None,
+        )

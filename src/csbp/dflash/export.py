@@ -1,0 +1,194 @@
+"""Export and load drafters in the public DFlash checkpoint format (objectives.md §8).
+
+``config.json``: ``architectures: ["DFlashDraftModel"]`` (``"DFlash2DraftModel"`` when a DFlash2
+module is enabled), ``model_type: "qwen3"``, ``block_size``, top-level ``num_target_layers``,
+``dflash_config: {target_layer_ids, mask_token_id}``, the Qwen3 shape fields, ``rope_theta`` both
+top-level and in ``rope_parameters``, ``layer_types``/``sliding_window``,
+``tie_word_embeddings: false`` and the target's ``vocab_size``. DFlash2 adds
+``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` (Turbo-dLLM
+names; released DFlash2 key names are unverified).
+
+``model.safetensors`` holds the drafter's own weights with **no** ``model.`` prefix (``fc.weight``,
+``hidden_norm.weight``, ``norm.weight``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
+``layers.{i}.self_attn.{q,k}_norm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``, the two
+layer norms; DFlash2: ``layers.{i}.{attn,mlp}_conv.*`` and ``selector.*``) and never the shared
+``embed_tokens`` / ``lm_head``. The directory is written atomically.
+
+Usage::
+
+    export_dflash(drafter, "/out/drafter")
+    drafter = load_dflash("/out/drafter", target)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from csbp.dflash.atomic import write_directory_atomically
+from csbp.dflash.config import DFlashConfig, validate_drafter_target
+from csbp.dflash.drafter import DFlashDrafter
+from csbp.models.decoder import Decoder
+
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+_DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` dict of a drafter (module docstring)."""
+    sliding = "sliding_attention" in (config.layer_types or ())
+    hf: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[1] if config.is_dflash2 else ARCHITECTURES[0]],
+        "model_type": "qwen3",
+        "block_size": config.block_size,
+        "num_target_layers": config.num_target_layers,
+        "dflash_config": {
+            "target_layer_ids": list(config.target_layer_ids or ()),
+            "mask_token_id": config.mask_token_id,
+            "sliding_window_causal": config.sliding_window_causal,
+        },
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "layer_types": list(config.layer_types or ()),
+        "use_sliding_window": sliding,
+        "sliding_window": config.sliding_window if sliding else None,
+        "max_window_layers": config.num_layers,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": _DTYPE_NAMES[dtype],
+        "dtype": _DTYPE_NAMES[dtype],
+    }
+    if config.is_dflash2:
+        hf.update(
+            conv_kernel_size=config.conv_kernel_size,
+            conv_group_size=config.conv_group_size,
+            selector_rank=config.selector_rank,
+            selector_top_k=config.selector_top_k,
+        )
+    return hf
+
+
+def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
+    """Parse a drafter ``config.json`` (one-line ``ValueError`` for anything missing or foreign)."""
+    architectures = hf.get("architectures") or []
+    if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
+        raise ValueError(f"config.json architectures {architectures!r} is not one of {list(ARCHITECTURES)}")
+    for key in (
+        "block_size",
+        "num_target_layers",
+        "dflash_config",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ):
+        if hf.get(key) is None:
+            raise ValueError(f"drafter config.json is missing required field '{key}'")
+    dflash = hf["dflash_config"]
+    if dflash.get("mask_token_id") is None:
+        raise ValueError("drafter config.json dflash_config has no mask_token_id; set the [M] token id")
+    rope = hf.get("rope_parameters") or {}
+    num_heads = int(hf["num_attention_heads"])
+    layer_types = hf.get("layer_types")
+    return DFlashConfig(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
+        num_target_layers=int(hf["num_target_layers"]),
+        mask_token_id=int(dflash["mask_token_id"]),
+        block_size=int(hf["block_size"]),
+        target_layer_ids=tuple(dflash["target_layer_ids"]) if dflash.get("target_layer_ids") else None,
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        layer_types=tuple(layer_types) if layer_types else None,
+        sliding_window=hf.get("sliding_window"),
+        sliding_window_causal=bool(dflash.get("sliding_window_causal", True)),
+        conv_kernel_size=int(hf.get("conv_kernel_size", 0)),
+        conv_group_size=int(hf.get("conv_group_size", 16)),
+        selector_rank=int(hf.get("selector_rank", 0)),
+        selector_top_k=int(hf.get("selector_top_k", 16)),
+    )
+
+
+def export_dflash(
+    drafter: DFlashDrafter,
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring)."""
+    store_dtype = dtype if dtype is not None else drafter.fc.weight.dtype
+    if store_dtype not in _DTYPE_NAMES:
+        raise ValueError(f"export dtype must be float64, float32 or bfloat16, got {store_dtype}")
+    config = dflash_hf_config(drafter.config, dtype=store_dtype)
+    tensors = {
+        name: t.detach().to(device="cpu", dtype=store_dtype).contiguous().clone()
+        for name, t in drafter.state_dict().items()
+    }
+
+    def fill(staging: Path) -> None:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    return write_directory_atomically(path, fill, overwrite=overwrite)
+
+
+def load_dflash(
+    path: str | os.PathLike[str],
+    target: Decoder,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> DFlashDrafter:
+    """Load an exported drafter and attach ``target`` (validated against the drafter)."""
+    directory = Path(path)
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{directory} is not a DFlash drafter directory: config.json not found")
+    config = dflash_config_from_hf(json.loads(config_file.read_text()))
+    validate_drafter_target(config, target.config)
+    weights_file = directory / "model.safetensors"
+    if not weights_file.is_file():
+        raise ValueError(f"{directory} has no model.safetensors")
+    tensors = load_file(str(weights_file))
+    drafter = DFlashDrafter(config, device="meta")
+    expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"drafter checkpoint {directory} does not match its config: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"drafter tensor '{name}' has shape {tuple(tensors[name].shape)}, config implies {shape}"
+            )
+    load_dtype = dtype if dtype is not None else tensors["fc.weight"].dtype
+    drafter.load_state_dict(
+        {n: t.to(device=device, dtype=load_dtype) for n, t in tensors.items()}, assign=True
+    )
+    drafter.attach_target(target)
+    return drafter

@@ -1,0 +1,337 @@
+"""One DFlash training step on one rank: the library entry point the trainer calls (csbp.md §14).
+
+``build_dflash_rank_plan(ctx, objective)`` decides, once, what this rank holds (its zigzag context
+shard and, under CSBP, its share of the anchors; ``csbp.dflash.layouts``) and which communicators
+it uses. ``DFlashStep(drafter, objective, plan)`` then turns a micro-batch of token ids, loss mask
+and document ids into the rank's loss::
+
+    anchors    = sample_batch_anchors(batch, ...)        # identical on every rank of a sample
+    features   = target features (online: frozen target on the full rows; or offline rows)
+    per sample:  my packet of anchors, Rows for full/sliding layers, context rows in ring order
+                 hidden = drafter(embed([x_a, M, …]), a + j, F[my context rows], ..., sharded attention)
+    loss       = loss_scale · (my rows' share of L) + 0 · Σ hidden
+
+Call ``loss.backward()`` and then average gradients over all ``dp · local`` ranks
+(``csbp.engine.grads.average_gradients``): the result equals the single-process gradient of ``L``
+(``reference_dflash_loss``) for every layout. Every rank must run the same code path (same
+samples, layers and options), so its attention collectives and their backward mirrors line up.
+
+Usage::
+
+    plan = build_dflash_rank_plan(ctx, objective)
+    step = DFlashStep(drafter, objective, plan)
+    out = step(batch, corruption_generator(seed, step_index, dp_rank), selector_scale=step.selector_scale(p))
+    out.loss.backward(); average_gradients(drafter.parameters(), ctx.world_comm("gradients"))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from csbp.attention.rows import Rows
+from csbp.dflash.anchors import sample_anchors, segment_starts
+from csbp.dflash.attention import ShardedDraftAttention, build_draft_attention_plan
+from csbp.dflash.config import DFlashObjectiveConfig
+from csbp.dflash.dflash2 import selector_loss_scale
+from csbp.dflash.drafter import DFlashDrafter
+from csbp.dflash.features import TargetFeatures, capture_target_features
+from csbp.dflash.layouts import (
+    AnchorPacket,
+    DFlashLayout,
+    block_query_rows,
+    context_positions,
+    context_rows,
+    dflash_layout,
+    full_packet,
+    owned_packet,
+    ring_context_positions,
+)
+from csbp.dflash.loss import (
+    METRIC_NAMES,
+    BlockTargets,
+    Reduce,
+    block_targets,
+    rank_dflash_loss,
+    supervised_slot_counts,
+)
+from csbp.engine.context import ParallelContext
+from csbp.parallel.comm import Comm
+
+
+@dataclass(frozen=True)
+class DFlashBatch:
+    """A micro-batch: ``input_ids`` int64, ``loss_mask`` bool and ``doc_ids`` int64 (``-1`` padding),
+    each ``[S, L]`` and identical on every rank of a sample."""
+
+    input_ids: Tensor
+    loss_mask: Tensor
+    doc_ids: Tensor
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.input_ids.shape)
+        if len(shape) != 2:
+            raise ValueError(f"DFlashBatch.input_ids must be [S, L], got {shape}")
+        for name in ("loss_mask", "doc_ids"):
+            if tuple(getattr(self, name).shape) != shape:
+                raise ValueError(
+                    f"DFlashBatch.{name} has shape {tuple(getattr(self, name).shape)}, expected {shape}"
+                )
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def sample_batch_anchors(
+    batch: DFlashBatch, objective: DFlashObjectiveConfig, block_size: int, generator: torch.Generator
+) -> list[Tensor]:
+    """Sorted anchors of every sample, drawn in sample order from one generator."""
+    return [
+        sample_anchors(
+            batch.loss_mask[s],
+            batch.doc_ids[s],
+            max_anchors=objective.max_anchors,
+            method=objective.anchor_sampling,
+            block_size=block_size,
+            generator=generator,
+        )
+        for s in range(batch.num_samples)
+    ]
+
+
+@dataclass(frozen=True, eq=False)
+class DFlashRankPlan:
+    """This rank's layout and communicators.
+
+    Attributes:
+        layout: context shard, anchor share and loss scale.
+        ring_comm: the CP ring for context K/V (None when ``cp == 1``).
+        owner_comm: sums over the ranks that split a sample's anchors (None when one rank holds
+            all anchors); used without gradient for global denominators and metrics.
+    """
+
+    layout: DFlashLayout
+    ring_comm: Comm | None
+    owner_comm: Comm | None
+
+    def reduce_sum(self, values: Tensor) -> Tensor:
+        """Sum a small stats tensor over the anchor owners (identity for one owner)."""
+        if self.owner_comm is None or self.owner_comm.size == 1:
+            return values
+        return self.owner_comm.all_reduce(values.clone().contiguous())
+
+
+def build_dflash_rank_plan(ctx: ParallelContext, objective: DFlashObjectiveConfig) -> DFlashRankPlan:
+    """Plan this rank's share of every sample (call once after building the parallel context)."""
+    layout = dflash_layout(ctx.topology, ctx.coords.local_rank)
+    if objective.max_anchors < layout.num_owners:
+        raise ValueError(
+            f"objective max_anchors={objective.max_anchors} is below bp={layout.num_owners}: "
+            "every BP rank needs an "
+            f"anchor; raise max_anchors to at least {layout.num_owners}"
+        )
+    ring = ctx.ring_comm() if layout.cp > 1 else None
+    owner = None
+    if layout.num_owners > 1 and ctx.groups is not None:
+        owner = Comm(ctx.groups.model_input, ctx.counter, "dflash.stats")
+    return DFlashRankPlan(layout, ring, owner)
+
+
+@dataclass(frozen=True)
+class DFlashStepOutput:
+    """``loss`` to back-propagate (this rank, scaled); the rest is detached, for logging, and global
+    over the ranks of the sample group: ``loss_value = main + selector_scale·selector``."""
+
+    loss: Tensor
+    loss_value: float
+    main_value: float
+    selector_value: float
+    metrics: dict[str, float]
+
+
+class DFlashStep:
+    """Computes one rank's DFlash loss for a micro-batch (module docstring)."""
+
+    def __init__(
+        self, drafter: DFlashDrafter, objective: DFlashObjectiveConfig, plan: DFlashRankPlan
+    ) -> None:
+        self.drafter = drafter
+        self.objective = objective
+        self.plan = plan
+
+    def selector_scale(self, progress: float) -> float:
+        """The selector loss weight at training ``progress`` in ``[0, 1]`` (warm-up and ramp)."""
+        o = self.objective
+        return selector_loss_scale(
+            progress,
+            alpha=o.selector_alpha,
+            warmup_ratio=o.selector_warmup_ratio,
+            ramp_ratio=o.selector_ramp_ratio,
+        )
+
+    def __call__(
+        self,
+        batch: DFlashBatch,
+        generator: torch.Generator,
+        *,
+        features: TargetFeatures | None = None,
+        selector_scale: float = 0.0,
+    ) -> DFlashStepOutput:
+        drafter, objective, layout = self.drafter, self.objective, self.plan.layout
+        cfg = drafter.config
+        seq_len, block = batch.seq_len, cfg.block_size
+        anchors = sample_batch_anchors(batch, objective, block, generator)
+        if features is None:
+            features = capture_target_features(
+                drafter.target,
+                batch.input_ids,
+                cfg.target_layer_ids or (),
+                doc_ids_SL=batch.doc_ids,
+                with_last_hidden=objective.loss == "kl",
+            )
+        self._check_features(features, batch)
+        my_context = context_positions(seq_len, layout.cp, layout.cp_rank)
+        gathered_rows = context_rows(ring_context_positions(seq_len, layout.cp))
+        min_bucket = objective.anchor_bucket_minimum(layout.num_owners)
+        device = drafter.fc.weight.device
+
+        hidden_parts, target_parts, all_parts = [], [], []
+        for s in range(batch.num_samples):
+            doc_start = segment_starts(batch.doc_ids[s].cpu())[anchors[s]]
+            all_parts.append(self._targets(batch, s, full_packet(anchors[s], doc_start), None))
+            packet = owned_packet(
+                anchors[s], doc_start, layout, context=objective.context, min_bucket=min_bucket
+            )
+            features_1MF = features.features[s : s + 1, my_context.to(features.features.device)]
+            hidden_parts.append(
+                forward_packet(
+                    drafter,
+                    batch.input_ids[s],
+                    packet,
+                    features_1MF,
+                    my_context,
+                    gathered_rows,
+                    context=objective.context,
+                    comm=self.plan.ring_comm,
+                )[0]
+            )
+            last = None if features.last_hidden is None else features.last_hidden[s]
+            target_parts.append(self._targets(batch, s, packet, last))
+        hidden_RD = torch.cat(hidden_parts)
+        out = rank_dflash_loss(
+            hidden_RD,
+            drafter.lm_head_weight,
+            BlockTargets.cat(target_parts),
+            objective,
+            block_size=block,
+            sample_counts=supervised_slot_counts(all_parts, batch.num_samples),
+            reduce=self._reduce(device),
+            selector=drafter.selector,
+            selector_scale=selector_scale,
+        )
+        loss = layout.loss_scale * out.loss + 0.0 * hidden_RD.sum()
+        stats = torch.stack(
+            [out.main.double().cpu(), out.selector.double().cpu()]
+            + [out.metrics[name] for name in METRIC_NAMES]
+        )
+        stats = self._reduce(device)(stats)
+        main, selector = float(stats[0]), float(stats[1])
+        sums = dict(zip(METRIC_NAMES, (float(v) for v in stats[2:])))
+        metrics = {
+            "token_accuracy": sums["correct"] / max(sums["supervised"], 1.0),
+            "tau_mean": sums["tau_sum"] / max(sums["live_blocks"], 1.0),
+            "supervised_slots": sums["supervised"],
+            "live_blocks": sums["live_blocks"],
+        }
+        if drafter.selector is not None:
+            metrics["candidate_recall"] = sums["covered"] / max(sums["supervised"], 1.0)
+        return DFlashStepOutput(loss, main + selector_scale * selector, main, selector, metrics)
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _reduce(self, device: torch.device) -> Reduce:
+        def reduce(values: Tensor) -> Tensor:
+            if self.plan.owner_comm is None:
+                return values
+            return self.plan.reduce_sum(values.to(device)).to(values.device)
+
+        return reduce
+
+    def _check_features(self, features: TargetFeatures, batch: DFlashBatch) -> None:
+        cfg = self.drafter.config
+        expected = (batch.num_samples, batch.seq_len, cfg.feature_width)
+        expected_ids = tuple(cfg.target_layer_ids or ())
+        if tuple(features.features.shape) != expected or tuple(features.layer_ids) != expected_ids:
+            raise ValueError(
+                f"target features {tuple(features.features.shape)} of layers {list(features.layer_ids)} "
+                f"do not match the batch and drafter: expected {expected} of layers {list(expected_ids)}"
+            )
+        if self.objective.loss == "kl" and features.last_hidden is None:
+            raise ValueError(
+                "objective loss='kl' needs the target's last hidden state: capture with_last_hidden=True"
+            )
+
+    def _targets(
+        self, batch: DFlashBatch, s: int, packet: AnchorPacket, last_hidden: Tensor | None
+    ) -> BlockTargets:
+        return block_targets(
+            batch.input_ids[s],
+            batch.loss_mask[s],
+            batch.doc_ids[s],
+            packet,
+            self.drafter.config.block_size,
+            sample=s,
+            last_hidden_LD=last_hidden,
+        )
+
+
+def forward_packet(
+    drafter: DFlashDrafter,
+    tokens_L: Tensor,
+    packet: AnchorPacket,
+    features_1MF: Tensor,
+    context_positions_M: Tensor,
+    gathered_context_rows: Rows,
+    *,
+    context: str = "strict",
+    comm: Comm | None = None,
+) -> Tensor:
+    """Hidden states ``[1, n·B, D]`` of a packet's blocks ``[x_a, M, …]`` (dead blocks: zeros).
+
+    ``features_1MF`` are the context rows this rank holds at ``context_positions_M``;
+    ``gathered_context_rows`` describe every ring member's rows in ring order (this rank's alone
+    when ``comm`` is None). Full-attention and sliding layers get their own ``Rows``.
+    """
+    cfg = drafter.config
+    device = drafter.fc.weight.device
+    variants = [block_query_rows(packet, cfg.block_size, context=context)]
+    causal = [False]
+    layer_variant = [0] * cfg.num_layers
+    if "sliding_attention" in (cfg.layer_types or ()):
+        variants.append(block_query_rows(packet, cfg.block_size, context=context, window=cfg.sliding_window))
+        causal.append(cfg.sliding_window_causal)
+        layer_variant = [1 if t == "sliding_attention" else 0 for t in cfg.layer_types or ()]
+    plan = build_draft_attention_plan(
+        [v.to(device) for v in variants],
+        causal,
+        layer_variant,
+        gathered_context_rows.to(device),
+        block_size=cfg.block_size,
+        comm=comm,
+    )
+    ids = drafter.block_input_ids(tokens_L.cpu()[packet.anchors], packet.keep).to(device)
+    return drafter(
+        drafter.embed(ids[None]),
+        variants[0].pos,
+        features_1MF.to(device),
+        context_positions_M,
+        ShardedDraftAttention(plan),
+        live_rows_N=variants[0].live,
+    )

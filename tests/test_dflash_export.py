@@ -1,0 +1,144 @@
+"""Public DFlash checkpoint format (objectives.md §8): the exact safetensors key set (no ``model.``
+prefix, no embedding or LM head), the ``config.json`` contract, DFlash2 fields, round trips that
+reproduce the drafter exactly, and the validation errors of ``load_dflash``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from csbp.dflash.export import export_dflash, load_dflash
+from csbp.dflash.features import capture_target_features
+from csbp.dflash.layouts import AnchorPacket, context_rows
+from csbp.dflash.step import forward_packet
+from csbp.dflash.verify import TARGET_CONFIG, DFlashVerifyCase, build_models, make_batch
+from csbp.models.config import DecoderConfig
+from csbp.models.decoder import Decoder
+
+LAYER_KEYS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+
+
+def _hidden(drafter, target) -> torch.Tensor:  # noqa: ANN001
+    batch = make_batch(1, 16)
+    features = capture_target_features(target, batch.input_ids, (0, 2)).features
+    packet = AnchorPacket(
+        torch.arange(2),
+        torch.tensor([3, 9]),
+        torch.zeros(2, dtype=torch.long),
+        torch.ones(2, dtype=torch.bool),
+    )
+    positions = torch.arange(16)
+    return forward_packet(drafter, batch.input_ids[0], packet, features, positions, context_rows(positions))
+
+
+def test_dflash_export_key_set_and_config(tmp_path: Path) -> None:
+    target, drafter = build_models(DFlashVerifyCase())
+    out = export_dflash(drafter, tmp_path / "drafter")
+    keys = set(load_file(str(out / "model.safetensors")))
+    expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    expected |= {f"layers.{i}.{name}" for i in range(2) for name in LAYER_KEYS}
+    assert keys == expected
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert (
+        config["dflash_config"]["target_layer_ids"] == [0, 2]
+        and config["dflash_config"]["mask_token_id"] == 63
+    )
+    expected_fields = {
+        "block_size": 4,
+        "num_target_layers": 4,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "vocab_size": 64,
+        "layer_types": ["full_attention", "full_attention"],
+        "sliding_window": None,
+    }
+    assert {k: config[k] for k in expected_fields} == expected_fields
+    assert config["rope_parameters"]["rope_theta"] == 10000.0
+    loaded = load_dflash(out, target)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in drafter.state_dict().items())
+    assert torch.equal(_hidden(loaded, target), _hidden(drafter, target))
+    with pytest.raises(ValueError, match="already exists"):
+        export_dflash(drafter, out)
+    export_dflash(drafter, out, overwrite=True, dtype=torch.bfloat16)
+    assert load_file(str(out / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+
+
+def test_dflash2_export_round_trip(tmp_path: Path) -> None:
+    options = {
+        "conv_kernel_size": 2,
+        "conv_group_size": 8,
+        "selector_rank": 4,
+        "selector_top_k": 8,
+        "layer_types": ("sliding_attention", "full_attention"),
+        "sliding_window": 5,
+    }
+    target, drafter = build_models(DFlashVerifyCase(drafter_options=options, perturb_extras=True))
+    out = export_dflash(drafter, tmp_path / "d2")
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert (
+        config["conv_kernel_size"],
+        config["conv_group_size"],
+        config["selector_rank"],
+        config["selector_top_k"],
+    ) == (2, 8, 4, 8)
+    assert config["sliding_window"] == 5 and config["use_sliding_window"] is True
+    keys = set(load_file(str(out / "model.safetensors")))
+    assert {"layers.0.attn_conv.base", "layers.1.mlp_conv.kernel_proj.weight", "selector.cand_embed"} <= keys
+    assert not any(k.startswith("model.") or "embed_tokens" in k or "lm_head" in k for k in keys)
+    loaded = load_dflash(out, target)
+    assert loaded.config == drafter.config
+    assert torch.equal(_hidden(loaded, target), _hidden(drafter, target))
+
+
+def test_load_validation_errors(tmp_path: Path) -> None:
+    target, drafter = build_models(DFlashVerifyCase())
+    out = export_dflash(drafter, tmp_path / "d")
+    wide = Decoder(DecoderConfig(**{**TARGET_CONFIG.__dict__, "hidden_size": 48}))
+    with pytest.raises(ValueError, match="hidden_size"):
+        load_dflash(out, wide)
+    small_vocab = Decoder(DecoderConfig(**{**TARGET_CONFIG.__dict__, "vocab_size": 60}))
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_dflash(out, small_vocab)
+    config = json.loads((out / "config.json").read_text())
+    for edit, match in (
+        (lambda c: c["dflash_config"].update(target_layer_ids=[0, 7]), "target_layer_ids"),
+        (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
+        (lambda c: c.update(architectures=["Qwen3ForCausalLM"]), "architectures"),
+        (lambda c: c.pop("num_target_layers"), "num_target_layers"),
+    ):
+        broken = json.loads(json.dumps(config))
+        edit(broken)
+        (out / "config.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=match):
+            load_dflash(out, target)
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["model.fc.weight"] = tensors.pop("fc.weight")
+    save_file(tensors, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing"):
+        load_dflash(out, target)
