@@ -8,8 +8,15 @@ gradients must equal one process to 1e-9 relative (per parameter: max abs diff /
 from __future__ import annotations
 
 import pytest
+import torch
 
-from csbp.engine.verify import VerifyCase, verify
+from csbp.attention.layouts import rank_layout
+from csbp.engine.block_diffusion import build_rank_plan, rank_loss
+from csbp.engine.context import build_parallel_context
+from csbp.engine.grads import average_gradients
+from csbp.engine.verify import VerifyCase, corrupted_batch, reference, tiny_model_config, verify
+from csbp.models.decoder import Decoder
+from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
 CASES = [
@@ -56,3 +63,34 @@ def test_block_size_not_splitting_into_zigzag_chunks_is_rejected() -> None:
 def test_fewer_blocks_than_bp_workers_is_rejected() -> None:
     with pytest.raises(ValueError):
         verify(VerifyCase(Topology(bp=4, replicate_clean_prefix=True), seq_len=12, block_size=4))
+
+
+def _local_denominator_worker(rank: int, world: int, case: VerifyCase) -> dict[str, torch.Tensor] | None:
+    """The engine step, but dividing by the rank's own supervised-token count (the classic bug)."""
+    ctx = build_parallel_context(case.topology)
+    model = Decoder(tiny_model_config(), dtype=torch.float64, seed=case.seed)
+    corrupted = corrupted_batch(case)
+    plan = build_rank_plan(ctx, case.seq_len, case.block_size)
+    owned = corrupted.labels[:, plan.noisy_positions] != -100
+    local_denominator = float(owned.sum()) * ctx.world_size  # what a local mean would use
+    loss, _ = rank_loss(model, corrupted, plan, global_denominator=local_denominator, world_size=ctx.world_size)
+    loss.backward()
+    average_gradients(model.parameters(), ctx.world_comm("gradients"))
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()} if rank == 0 else None
+
+
+@pytest.mark.multiprocess
+def test_rank_local_denominator_is_not_exact() -> None:
+    """csbp.md §18 item 8: ranks own different numbers of supervised tokens, so a rank-local
+    denominator changes the gradient; the global one (above) does not."""
+    case = VerifyCase(Topology(cp=2, bp=2))
+    corrupted = corrupted_batch(case)
+    counts = []
+    for local_rank in range(2):
+        layout_positions = rank_layout(case.topology, local_rank, case.seq_len, case.block_size).noisy_positions
+        counts.append(int((corrupted.labels[:, layout_positions] != -100).sum()))
+    assert counts[0] != counts[1], "the batch must give ranks different supervised counts"
+    _, grads_ref = reference(case)
+    grads = run_local(_local_denominator_worker, 2, (case,), timeout_s=240)[0]
+    worst = max((grads[n] - g).abs().max().item() / g.abs().max().item() for n, g in grads_ref.items())
+    assert worst > 1e-3

@@ -125,9 +125,9 @@ def _forward_backward(
     model = Decoder(tiny_model_config(), dtype=_dtype(case.dtype), seed=case.seed)
     full = corrupted_batch(case, num_replicas)
     denominator = full.denominator()  # global: every replica's rows
-    rows = slice(ctx.coords.dp_rank * case.samples * (num_replicas // ctx.topology.dp),
-                 (ctx.coords.dp_rank + 1) * case.samples * (num_replicas // ctx.topology.dp))
-    corrupted = slice_rows(full, rows)
+    per_rank = case.samples * num_replicas // ctx.topology.dp
+    dp_rank = ctx.coords.dp_rank
+    corrupted = slice_rows(full, slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
     plan = build_rank_plan(ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window)
     loss, ce_sum = rank_loss(model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size)
     loss.backward()
