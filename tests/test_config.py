@@ -187,18 +187,23 @@ def test_streaming_transport_needs_a_ring() -> None:
         ({"objective.block_size": 256}, "objective.block_size", "must be below data.seq_len=256"),
         ({"objective.name": "fast_dllm_v2", "objective.block_size": 512}, "objective.block_size", "below"),
         (
-            {"objective.name": "mdlm", "objective.block_size": 16, "topology.bp": 1},
+            {"objective.name": "mdlm", "objective.block_size": 16, "topology.bp": 1, "topology.cp": 1},
             "objective.block_size",
             "one block per sequence",
         ),
-        ({"objective.name": "mdlm", "objective.block_size": ...}, "topology.bp", "mdlm has no blocks"),
+        ({"objective.name": "mdlm", "objective.block_size": ...}, "topology", "mdlm is a single stream"),
         (
-            {"objective.name": "ar", "objective.block_size": ..., "objective.loss_weight": ...},
-            "topology.bp",
-            "ar has no blocks",
+            {"objective.name": "mdlm", "objective.block_size": ..., "topology.bp": 1},
+            "topology",
+            "got cp=2, bp=1",
         ),
         (
-            {"objective.name": "ar", "objective.loss_weight": "unit", "topology.bp": 1},
+            {"objective.name": "ar", "objective.block_size": ..., "objective.loss_weight": ...},
+            "topology",
+            "ar is a single stream",
+        ),
+        (
+            {"objective.name": "ar", "objective.loss_weight": "unit", "topology.bp": 1, "topology.cp": 1},
             "objective.block_size",
             "ar has no diffusion blocks",
         ),
@@ -227,20 +232,18 @@ def test_cross_section_rules(changes: dict[str, Any], field: str, fragment: str)
     assert fragment in line
 
 
-def test_mdlm_and_ar_run_with_context_parallelism() -> None:
+def test_mdlm_and_ar_run_data_parallel() -> None:
     mdlm = config_from_dict(
-        with_changes({"objective.name": "mdlm", "objective.block_size": ..., "topology.bp": 1})
+        with_changes({"objective.name": "mdlm", "objective.block_size": ..., "topology.bp": 1, "topology.cp": 1,
+                      "topology.dp": 4})
     )
-    assert (mdlm.objective.block_size, mdlm.topology.cp) == (256, 2)
+    assert (mdlm.objective.block_size, mdlm.topology.dp) == (256, 4)
     ar = with_changes(
-        {"objective.name": "ar", "objective.block_size": ..., "objective.loss_weight": ..., "topology.bp": 1}
+        {"objective.name": "ar", "objective.block_size": ..., "objective.loss_weight": ..., "topology.bp": 1,
+         "topology.cp": 1}
     )
     cfg = config_from_dict(ar)
     assert (cfg.objective.block_size, cfg.objective.loss_weight) == (None, "unit")
-    (line,) = error_lines(with_changes({"data.seq_len": 250}, ar))
-    assert line.startswith(
-        "config.yaml: data.seq_len: seq_len=250 must split into 2*cp=4 equal zigzag chunks"
-    )
 
 
 def test_dflash_section() -> None:

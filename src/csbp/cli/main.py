@@ -30,6 +30,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "csbp.cli.recipes_cmd",
     "csbp.cli.doctor_cmd",
     "csbp.cli.data_cmd",
+    "csbp.cli.train_cmd",
     "csbp.cli.verify_cmd",
     "csbp.cli.generate_cmd",
     "csbp.cli.bench_cmd",

@@ -83,12 +83,13 @@ def _objective_layout_rules(cfg: RunConfig) -> list[Violation]:
                 "remove objective.block_size or use bd3",
             )
         )
-    if obj.name in _SINGLE_STREAM_OBJECTIVES and topo.bp != 1:
+    if obj.name in _SINGLE_STREAM_OBJECTIVES and (topo.bp != 1 or topo.cp != 1):
         violations.append(
             (
-                "topology.bp",
-                f"{obj.name} has no blocks to distribute, got bp={topo.bp}",
-                "set bp: 1 (use cp or dp)",
+                "topology",
+                f"{obj.name} is a single stream with no clean context to shard or blocks to own, "
+                f"got cp={topo.cp}, bp={topo.bp}",
+                "set cp: 1 and bp: 1 and scale with dp",
             )
         )
     if obj.name == "dflash" and obj.dflash is not None and obj.dflash.max_anchors < topo.bp:

@@ -107,11 +107,13 @@ def _single_stream_rows(seq_len: int) -> Rows:
 
 def rank_inputs(corrupted: CorruptedBatch, plan: RankPlan) -> tuple[Tensor, Tensor]:
     """``(input_ids [S', rows], positions [rows])`` of this rank: its noisy rows then its clean rows."""
-    noisy = corrupted.noisy_ids[:, plan.noisy_positions.to(corrupted.noisy_ids.device)]
+    device = corrupted.noisy_ids.device
+    noisy = corrupted.noisy_ids[:, plan.noisy_positions.to(device)]
+    positions = plan.rows.pos.to(device)
     if plan.clean_positions.numel() == 0:
-        return noisy, plan.rows.pos
-    clean = corrupted.clean_ids[:, plan.clean_positions.to(corrupted.clean_ids.device)]
-    return torch.cat([noisy, clean], dim=1), plan.rows.pos
+        return noisy, positions
+    clean = corrupted.clean_ids[:, plan.clean_positions.to(device)]
+    return torch.cat([noisy, clean], dim=1), positions
 
 
 def rank_loss(

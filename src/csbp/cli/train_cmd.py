@@ -1,0 +1,93 @@
+"""``csbp train CONFIG``: validate a run config, start the processes its topology needs, train.
+
+Usage::
+
+    csbp train demo                                  # a packaged recipe, runs/demo, 4 local processes
+    csbp train run.yaml --set optim.lr=1e-3 --max-steps 50
+    csbp train run.yaml --resume                     # continue runs/<run.name> from its latest checkpoint
+    torchrun --nproc-per-node 4 -m csbp.cli.main train run.yaml     # each rank joins the launch
+    csbp train run.yaml --nproc 8 --nnodes 2 --rdzv-endpoint node0:29500 --rdzv-id job1   # per node
+
+``--max-steps N`` stops after global step N (the learning-rate schedule still spans
+``train.max_steps``), so ``--max-steps N`` followed by ``--resume`` reproduces one uninterrupted run.
+Everything is validated before any process starts; errors are one line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from csbp.cli.config_cmd import add_override_argument
+from csbp.recipes import load_run_config
+from csbp.training.launcher import (
+    LaunchOptions,
+    TrainingFailed,
+    inside_torchrun,
+    launch_training,
+    skip_teardown_at_exit,
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train a model from a run config",
+        description="Train from a YAML run config (or packaged recipe); see `csbp config validate`.",
+    )
+    parser.add_argument("config", metavar="CONFIG", help="YAML config file, or a packaged recipe name")
+    add_override_argument(parser)
+    parser.add_argument(
+        "--run-dir", default=None, help="output directory (default: run.run_dir or runs/<run.name>)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the run directory's latest checkpoint"
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop after global step N (schedule unchanged)",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes on this node (default: the world size)",
+    )
+    parser.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes (default: 1)")
+    parser.add_argument(
+        "--node-rank", type=int, default=None, metavar="R", help="this node's rank (static rendezvous)"
+    )
+    parser.add_argument(
+        "--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous endpoint (multi-node)"
+    )
+    parser.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all nodes")
+    parser.set_defaults(func=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    cfg = load_run_config(args.config, args.overrides)
+    options = LaunchOptions(
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+    )
+    try:
+        summary = launch_training(
+            cfg, run_dir=args.run_dir, resume=args.resume, max_steps=args.max_steps, options=options
+        )
+    except TrainingFailed as exc:
+        if exc.details:
+            print(exc.details.rstrip(), file=sys.stderr)
+        print(f"csbp: error: {exc}", file=sys.stderr)
+        return 1
+    if summary is not None:
+        print(summary.format())
+    if inside_torchrun():
+        skip_teardown_at_exit()  # this rank succeeded: a gloo teardown abort must not fail the launch
+    return 0

@@ -1,0 +1,19 @@
+"""Training: the trainer loop, AdamW and its schedule, exact-resume checkpoints, metrics, launching.
+
+Modules: ``preflight`` (every check before work starts), ``model_factory`` (the decoder of a run),
+``optim`` / ``lr_schedule`` (AdamW groups, clipping, warm-up + cosine), ``step`` (one step and one
+validation pass through the engine), ``parallelize`` (FSDP2 and gradient averaging),
+``checkpoint`` (atomic DCP checkpoints), ``metrics`` (JSONL, TensorBoard, tqdm, loss plot),
+``trainer`` (the loop), ``launcher`` (single process, torchrun, or local workers).
+
+Usage::
+
+    from csbp.training import launch_training
+    summary = launch_training(cfg, run_dir="runs/demo", max_steps=20)   # what `csbp train` does
+    print(summary.format())
+"""
+
+from csbp.training.launcher import LaunchOptions, TrainingFailed, launch_training
+from csbp.training.trainer import TrainSummary, default_run_dir, train
+
+__all__ = ["LaunchOptions", "TrainSummary", "TrainingFailed", "default_run_dir", "launch_training", "train"]

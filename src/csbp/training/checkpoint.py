@@ -1,0 +1,314 @@
+"""Atomic, topology-independent training checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Layout of ``<run_dir>/checkpoints/``::
+
+    step_0000100/            one checkpoint: DCP files (.metadata, __<rank>_0.distcp) holding the
+                             model and optimizer, plus trainer_state.json
+    step_0000200/
+    latest                   text file naming the newest complete checkpoint ("step_0000200")
+
+``trainer_state.json`` (plain JSON, never pickled) holds the step, the lr-scheduler state, the data
+loader's global cursor, the global RNG states, the data fingerprint, every parameter's shape, the
+topology it was written under and the run config (YAML text).
+
+Model and optimizer are saved as *full* (unsharded) state dicts keyed by parameter name
+(``get_state_dict(..., full_state_dict=True)``), so a checkpoint written under one topology (CP2 x
+BP2, FSDP, ...) loads under any other one, or in a single process.
+
+Atomicity: DCP writes into ``step_XXXXXXX.tmp/``; after a barrier rank 0 adds
+``trainer_state.json``, renames the directory to ``step_XXXXXXX/`` and then replaces ``latest``
+(write a temporary file, ``os.replace``). A crash at any point leaves ``latest`` naming the previous
+complete checkpoint; stale ``.tmp`` directories are ignored and removed by the next save. Only the
+newest ``keep`` checkpoints are kept.
+
+Trust: DCP's ``.metadata`` file is a pickle. Checkpoints are trusted local artifacts written by
+csbp itself: :func:`load_checkpoint` only reads ``<run_dir>/checkpoints/<latest>`` (the pointer must
+name a ``step_XXXXXXX`` directory there); never point a run directory at files from elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from csbp.data.loader import PackedLoader
+
+CHECKPOINT_DIR = "checkpoints"
+LATEST_FILE = "latest"
+STATE_FILE = "trainer_state.json"
+FORMAT_VERSION = 1
+_NAME_PATTERN = re.compile(r"^step_(\d{7,})$")
+_FULL = StateDictOptions(full_state_dict=True)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def checkpoints_root(run_dir: Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def find_latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint ``latest`` names, or None when there is none (``ValueError`` if it is broken)."""
+    root = checkpoints_root(run_dir)
+    pointer = root / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text(encoding="utf-8").strip()
+    if not _NAME_PATTERN.match(name):
+        raise ValueError(
+            f"{pointer}: {name!r} is not a checkpoint name (fix: restore the file or remove {root})"
+        )
+    path = root / name
+    if not (path / STATE_FILE).is_file():
+        raise ValueError(
+            f"{pointer} names {name}, which is missing or incomplete (fix: restore it or remove {root})"
+        )
+    return path
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step recorded in checkpoint directory ``path``."""
+    return int(json.loads((path / STATE_FILE).read_text(encoding="utf-8"))["step"])
+
+
+@dataclass(frozen=True)
+class TrainingState:
+    """The non-tensor part of a checkpoint (``trainer_state.json``)."""
+
+    step: int
+    scheduler: dict[str, Any]
+    loader: dict[str, Any]
+    rng: dict[str, Any]
+    data_fingerprint: str
+    param_shapes: dict[str, list[int]]
+    topology: dict[str, Any]
+    config_yaml: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format_version": FORMAT_VERSION, **self.__dict__}
+
+    @staticmethod
+    def from_json(data: dict[str, Any], source: Path) -> TrainingState:
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{source}: checkpoint format {data.get('format_version')!r} is not {FORMAT_VERSION}"
+            )
+        fields = {key: data[key] for key in TrainingState.__dataclass_fields__ if key in data}
+        missing = sorted(set(TrainingState.__dataclass_fields__) - set(fields))
+        if missing:
+            raise ValueError(f"{source}: missing fields {missing}; the checkpoint is corrupt")
+        return TrainingState(**fields)
+
+
+def param_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """Full (unsharded) shape of every parameter by name."""
+    return {name: list(param.shape) for name, param in model.named_parameters()}
+
+
+def rng_state() -> dict[str, Any]:
+    """Global RNG states as JSON: torch CPU (and CUDA), numpy, Python ``random``."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": _jsonable(random.getstate()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _jsonable(value: Any) -> Any:
+    return [_jsonable(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save_checkpoint(
+    run_dir: Path,
+    *,
+    model: nn.Module,
+    optimizer: Optimizer,
+    state: TrainingState,
+    keep: int,
+) -> Path:
+    """Write checkpoint ``state.step`` atomically (call on every rank); return its directory."""
+    root = checkpoints_root(run_dir)
+    name = checkpoint_name(state.step)
+    staging, final = root / f"{name}.tmp", root / name
+    if _is_rank0():
+        shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
+        staging.mkdir(parents=True)
+    _barrier()
+    model_state, optim_state = get_state_dict(model, optimizer, options=_FULL)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(
+            {"model": model_state, "optim": optim_state},
+            checkpoint_id=staging,
+            no_dist=not dist.is_initialized(),
+        )
+    _barrier()
+    if _is_rank0():
+        _write_json_durably(staging / STATE_FILE, state.to_json())
+        _publish(staging, final)
+        _write_text_durably(root / LATEST_FILE, name + "\n")
+        prune_checkpoints(root, keep=keep, protect=name)
+    _barrier()
+    return final
+
+
+def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
+    _write_text_durably(path, json.dumps(data, indent=1) + "\n")
+
+
+def _write_text_durably(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary sibling, fsync it, ``os.replace`` it onto ``path``."""
+    tmp = path.with_name(path.name + ".writing")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Rename the finished staging directory onto its final name.
+
+    A directory already at ``final`` is never the one ``latest`` names (``latest`` only moves
+    forward and training resumes from it), so it is a leftover of a crash and is replaced.
+    """
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    _fsync_directory(final.parent)
+
+
+def prune_checkpoints(root: Path, *, keep: int, protect: str) -> None:
+    """Delete all but the newest ``keep`` ``step_*`` directories of ``root``, never ``protect``
+    (staging ``.tmp`` directories are left to the next save of their step)."""
+    steps = sorted(
+        (int(match.group(1)), entry)
+        for entry in root.iterdir()
+        if entry.is_dir() and (match := _NAME_PATTERN.match(entry.name))
+    )
+    for _, entry in steps[:-keep] if keep > 0 else steps:
+        if entry.name != protect:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def load_checkpoint(
+    run_dir: Path,
+    *,
+    model: nn.Module,
+    optimizer: Optimizer,
+    scheduler: LRScheduler,
+    loader: PackedLoader,
+    data_fingerprint: str,
+    restore_rng: bool = True,
+) -> TrainingState:
+    """Restore the latest checkpoint of ``run_dir`` into model, optimizer, scheduler and loader.
+
+    Checks first (before reading any tensor) that the checkpoint was written for the same model
+    shape and the same data; raises ``ValueError`` naming the first difference.
+    """
+    path = find_latest_checkpoint(run_dir)
+    if path is None:
+        raise ValueError(f"--resume: {run_dir} has no checkpoint (fix: drop --resume)")
+    state = read_training_state(path)
+    check_compatible(state, path, shapes=param_shapes(model), data_fingerprint=data_fingerprint)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_FULL)
+    loaded = {"model": model_state, "optim": optim_state}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(loaded, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=_FULL
+    )
+    scheduler.load_state_dict(state.scheduler)
+    loader.load_state_dict(state.loader)
+    if restore_rng:
+        restore_rng_state(state.rng)
+    return state
+
+
+def read_training_state(path: Path) -> TrainingState:
+    """The ``trainer_state.json`` of checkpoint directory ``path``."""
+    state_file = path / STATE_FILE
+    return TrainingState.from_json(json.loads(state_file.read_text(encoding="utf-8")), state_file)
+
+
+def check_compatible(
+    state: TrainingState, source: Path, *, shapes: dict[str, list[int]], data_fingerprint: str
+) -> None:
+    """``ValueError`` unless checkpoint ``state`` was written for this model shape and this data."""
+    check_model_shapes(state.param_shapes, shapes, source)
+    if state.data_fingerprint != data_fingerprint:
+        raise ValueError(
+            f"data.train: checkpoint {source} was trained on data with fingerprint "
+            f"{state.data_fingerprint[:12]}..., the configured artifact has {data_fingerprint[:12]}... "
+            "(fix: resume with the original artifact, or start a new run)"
+        )
+
+
+def check_model_shapes(saved: dict[str, list[int]], current: dict[str, list[int]], source: Path) -> None:
+    """``ValueError`` naming the first parameter whose presence or shape differs."""
+    for name in list(current) + [n for n in saved if n not in current]:
+        if name not in saved:
+            problem = f"parameter '{name}' is missing from the checkpoint"
+        elif name not in current:
+            problem = f"the checkpoint has parameter '{name}' that this model lacks"
+        elif list(saved[name]) != list(current[name]):
+            problem = (
+                f"parameter '{name}' has shape {list(saved[name])} in the checkpoint, {current[name]} here"
+            )
+        else:
+            continue
+        raise ValueError(
+            f"model: checkpoint {source} was written for another model shape: {problem} "
+            "(fix: resume with the model settings of that run, or start a new run directory)"
+        )

@@ -1,0 +1,275 @@
+"""Start a training run: in this process, inside an existing torchrun launch, or on N local processes
+through torchrun's own machinery (``torch.distributed.launcher.api.elastic_launch``).
+
+:func:`launch_training` validates the config against its data and the run directory *before* any
+process starts, then:
+
+* inside a torchrun launch (``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK`` set): initialises the process
+  group (NCCL on CUDA, gloo on CPU; timeout ``train.collective_timeout_s``) and trains this rank;
+* world size 1: trains in this process, no process group;
+* otherwise: starts ``--nproc`` workers per node with ``elastic_launch`` (no restarts). Single node:
+  a private c10d rendezvous on a free local port. Multi-node: ``--rdzv-endpoint HOST:PORT`` and
+  ``--rdzv-id`` are passed through (c10d rendezvous; with ``--node-rank`` the static one, whose
+  endpoint is the master address). On CPU each worker gets one thread (``OMP_NUM_THREADS=1``).
+
+Failures: a worker that raises is reported by torch elastic, which stops the other workers (no
+hang); :class:`TrainingFailed` carries the failing rank's message and traceback. Ranks blocked in a
+collective with a dead peer give up after ``collective_timeout_s`` at the latest. The run
+directory must be on a filesystem every node sees (checkpoints are written by all ranks).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from csbp.config.schema import RunConfig
+from csbp.training.preflight import check_run
+from csbp.training.trainer import TrainSummary, default_run_dir, stop_step_of, train
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class TrainingFailed(RuntimeError):
+    """A training process failed; ``str()`` is the failing rank's message, ``details`` its traceback."""
+
+    def __init__(self, message: str, details: str = "") -> None:
+        super().__init__(message)
+        self.details = details
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Process layout of ``csbp train`` (torchrun's flags).
+
+    Attributes:
+        nproc: processes on this node (default ``train.nproc``, else the topology's world size).
+        nnodes: number of nodes.
+        node_rank: this node's rank (selects the static rendezvous); None: assigned by c10d.
+        rdzv_endpoint: ``HOST:PORT`` of the rendezvous (required for several nodes).
+        rdzv_id: job id shared by all nodes (default ``csbp-<run.name>``).
+    """
+
+    nproc: int | None = None
+    nnodes: int = 1
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+
+
+def inside_torchrun() -> bool:
+    """True when this process was started by torchrun (or another launcher setting its variables)."""
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+def launch_training(
+    cfg: RunConfig,
+    *,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    max_steps: int | None = None,
+    options: LaunchOptions | None = None,
+) -> TrainSummary | None:
+    """Validate, then train (see the module docstring). Returns global rank 0's summary when it ran
+    in this process or on this node, else None."""
+    options = options or LaunchOptions()
+    run_dir = Path(run_dir if run_dir is not None else default_run_dir(cfg)).absolute()
+    stop_step = stop_step_of(cfg, max_steps)
+    check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
+    if inside_torchrun():
+        return train_in_process_group(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
+    nproc = options.nproc if options.nproc is not None else cfg.num_local_processes
+    check_process_count(cfg, nproc, options)
+    if cfg.world_size == 1:
+        return train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
+    return _launch_workers(
+        cfg, run_dir=run_dir, resume=resume, max_steps=max_steps, nproc=nproc, options=options
+    )
+
+
+def check_process_count(cfg: RunConfig, nproc: int, options: LaunchOptions) -> None:
+    """``ValueError`` unless ``nproc * nnodes`` is the topology's world size and the rendezvous
+    flags are complete."""
+    if nproc < 1 or options.nnodes < 1:
+        raise ValueError(f"--nproc {nproc} / --nnodes {options.nnodes}: both must be >= 1")
+    topo = cfg.topology
+    if nproc * options.nnodes != cfg.world_size:
+        raise ValueError(
+            f"--nproc {nproc} x --nnodes {options.nnodes} = {nproc * options.nnodes} processes, but the topology "
+            f"dp={topo.dp} cp={topo.cp} bp={topo.bp} needs dp*max(cp, bp) = {cfg.world_size} "
+            f"(fix: launch {cfg.world_size} processes in all, or change the topology)"
+        )
+    if options.nnodes > 1 and not options.rdzv_endpoint:
+        raise ValueError(
+            "--rdzv-endpoint: required with --nnodes > 1 (fix: pass HOST:PORT of the first node)"
+        )
+    if options.node_rank is not None and not 0 <= options.node_rank < options.nnodes:
+        raise ValueError(f"--node-rank {options.node_rank}: must lie in [0, --nnodes {options.nnodes})")
+
+
+def train_in_process_group(
+    cfg: RunConfig, *, run_dir: Path, resume: bool, max_steps: int | None
+) -> TrainSummary | None:
+    """Initialise ``torch.distributed`` from the launcher's environment, train, tear down.
+
+    Returns the summary on global rank 0, None elsewhere.
+    """
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+    dist.init_process_group(backend, timeout=timeout)
+    rank = dist.get_rank()
+    try:
+        summary = train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
+    except (dist.DistError, RuntimeError) as exc:
+        if not is_collective_failure(exc):
+            raise
+        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise TrainingFailed(
+            f"rank {rank}: a collective failed or timed out (limit train.collective_timeout_s="
+            f"{cfg.train.collective_timeout_s:g} s); another rank probably died, see its error: {first_line}"
+        ) from exc
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return summary if rank == 0 else None
+
+
+_COLLECTIVE_FAILURE_MARKERS = (
+    "gloo",
+    "nccl",
+    "connection closed",
+    "connection reset",
+    "timed out",
+    "timeout",
+)
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """True for errors of the communication backend: a peer that died or a collective timeout.
+
+    NCCL and the c10d store raise ``torch.distributed.DistError`` subclasses; gloo raises a plain
+    ``RuntimeError`` ("[...gloo/transport/tcp/pair.cc] Connection closed by peer", "Timed out
+    waiting ... for recv").
+    """
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
+
+
+def _elastic_worker(cfg: RunConfig, run_dir: str, resume: bool, max_steps: int | None) -> TrainSummary | None:
+    """Entry point of one worker started by ``elastic_launch`` (module level: it is pickled by name)."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    summary = train_in_process_group(cfg, run_dir=Path(run_dir), resume=resume, max_steps=max_steps)
+    skip_teardown_at_exit()
+    return summary
+
+
+def skip_teardown_at_exit() -> None:
+    """End this process with exit code 0 as soon as the interpreter starts to exit.
+
+    A known PyTorch bug aborts a fraction of gloo processes during interpreter teardown after a
+    clean ``destroy_process_group`` (see ``csbp.parallel.launch``); torch elastic or torchrun would
+    report that abort as a failed worker. Call it only after a successful run, in a process whose
+    exit code must be 0 (an elastic worker whose result the agent has read, or ``csbp train`` under
+    torchrun): the atexit hook flushes the standard streams and calls ``os._exit(0)``.
+    """
+
+    def leave() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    atexit.register(leave)
+
+
+def _launch_workers(
+    cfg: RunConfig, *, run_dir: Path, resume: bool, max_steps: int | None, nproc: int, options: LaunchOptions
+) -> TrainSummary | None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if options.nnodes == 1 and options.rdzv_endpoint is None:
+        backend, endpoint, rdzv_configs = "c10d", "localhost:0", {}
+    elif options.node_rank is not None:
+        backend, endpoint, rdzv_configs = "static", str(options.rdzv_endpoint), {"rank": options.node_rank}
+    else:
+        backend, endpoint, rdzv_configs = "c10d", str(options.rdzv_endpoint), {}
+    config = LaunchConfig(
+        min_nodes=options.nnodes,
+        max_nodes=options.nnodes,
+        nproc_per_node=nproc,
+        run_id=options.rdzv_id or f"csbp-{cfg.run.name}",
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs=rdzv_configs,
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    thread_env = {} if torch.cuda.is_available() else {"OMP_NUM_THREADS": "1"}
+    with _environment(thread_env), _quiet_elastic_logs():
+        try:
+            results: dict[int, Any] = elastic_launch(config, _elastic_worker)(
+                cfg, str(run_dir), resume, max_steps
+            )
+        except ChildFailedError as exc:
+            raise _failure(exc) from None
+    return results.get(0)
+
+
+def _failure(exc: Any) -> TrainingFailed:
+    """The first failing rank's message (and traceback) from torch elastic's error report."""
+    rank, failure = exc.get_first_failure()
+    message: Any = failure.message
+    details = ""
+    if isinstance(message, dict):
+        details = str(message.get("extraInfo", {}).get("py_callstack", ""))
+        message = message.get("message", "")
+    text = str(message).strip()
+    if not text or text.startswith("To enable traceback"):
+        text = f"exited with code {failure.exitcode} (killed or crashed without a Python error)"
+    return TrainingFailed(f"training failed on rank {rank}: {text}", details)
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    """torch elastic logs every worker failure at length; csbp reports it once, as TrainingFailed."""
+    loggers = [
+        logging.getLogger(name)
+        for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -1,0 +1,157 @@
+"""Training metrics: per-step JSONL, TensorBoard scalars, a tqdm bar and the loss-curve PNG.
+
+Only rank 0 creates a :class:`MetricsWriter` with ``enabled=True``; on other ranks every method is
+a no-op, so no other rank writes files.
+
+``<run_dir>/metrics.jsonl`` holds one JSON object per optimizer step: ``step``, ``loss`` (global
+train loss of the step), ``lr`` (the rate the step used), ``grad_norm`` (before clipping),
+``tokens_per_s`` (all ranks' tokens over the step's wall time), ``peak_mem_bytes``,
+``elapsed_s`` (since this invocation started), and ``val_loss`` on steps that ran validation.
+When a run resumes, records after the resumed step (written before a crash) are dropped, so the
+file always describes one trajectory.
+
+Usage::
+
+    writer = MetricsWriter(run_dir, enabled=rank == 0, start_step=0, total_steps=100)
+    writer.log({"step": 1, "loss": 4.2, ...})
+    writer.close()                     # flushes and draws <run_dir>/loss.png
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+TENSORBOARD_DIR = "tb"
+_SCALARS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "train/tokens_per_s",
+    "peak_mem_bytes": "system/peak_mem_bytes",
+    "val_loss": "val/loss",
+}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: peak allocated bytes on ``device``; CPU: this process's peak resident set size."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Records of a ``metrics.jsonl`` (an unfinished last line from a crash is skipped)."""
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def truncate_metrics(path: Path, *, after_step: int) -> None:
+    """Drop records with ``step > after_step`` (rewritten atomically)."""
+    if not path.is_file():
+        return
+    kept = [r for r in read_metrics(path) if int(r.get("step", 0)) <= after_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class MetricsWriter:
+    """JSONL + TensorBoard + tqdm on rank 0 (see the module docstring)."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, start_step: int, total_steps: int) -> None:
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self.records: list[dict[str, Any]] = []
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm.auto import tqdm
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path = self.run_dir / METRICS_FILE
+        truncate_metrics(metrics_path, after_step=start_step)
+        self._jsonl = open(metrics_path, "a", encoding="utf-8")
+        self._tensorboard = SummaryWriter(
+            log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step + 1
+        )
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append one step's record everywhere (rank 0 only)."""
+        if not self.enabled:
+            return
+        self.records.append(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        step = int(record["step"])
+        for key, tag in _SCALARS.items():
+            if record.get(key) is not None:
+                self._tensorboard.add_scalar(tag, float(record[key]), step)
+        postfix = {
+            "loss": f"{record['loss']:.4f}",
+            "lr": f"{record['lr']:.2e}",
+            "tok/s": f"{record['tokens_per_s']:.0f}",
+        }
+        if record.get("val_loss") is not None:
+            postfix["val"] = f"{record['val_loss']:.4f}"
+        self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(1)
+
+    def message(self, text: str) -> None:
+        """A log line that does not break the progress bar (rank 0 only)."""
+        if self.enabled:
+            self._bar.write(text)
+
+    def close(self) -> None:
+        """Flush everything and draw ``loss.png`` from the whole ``metrics.jsonl``."""
+        if not self.enabled:
+            return
+        self._bar.close()
+        self._jsonl.close()
+        self._tensorboard.close()
+        plot_loss_curve(self.run_dir / METRICS_FILE, self.run_dir / PLOT_FILE)
+
+
+def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path:
+    """Train loss (line) and validation loss (markers) against the step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    figure, axis = plt.subplots(figsize=(7, 4), dpi=100)
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if train:
+        axis.plot(*zip(*train), label="train loss", linewidth=1.2)
+    if val:
+        axis.plot(*zip(*val), "o-", label="val loss", markersize=4)
+    axis.set_xlabel("step")
+    axis.set_ylabel("loss")
+    axis.grid(alpha=0.3)
+    if train or val:
+        axis.legend()
+    figure.tight_layout()
+    tmp = out_path.with_name(out_path.name + ".tmp.png")
+    figure.savefig(tmp)
+    plt.close(figure)
+    os.replace(tmp, out_path)
+    return out_path

@@ -1,0 +1,125 @@
+"""Build the decoder a run trains, from ``cfg.model`` and the data artifact's vocabulary.
+
+Two ways in:
+
+* from scratch: the shape fields of ``cfg.model`` (``vocab_size`` unset: the artifact's tokenizer
+  vocabulary), weights drawn by ``Decoder(..., seed=run.seed)``;
+* ``model.init_from``: a local Hugging Face Qwen3/Llama checkpoint directory (safetensors only).
+  Shape fields left unset come from its ``config.json``; fields that are set must agree with it.
+  The architecture always comes from the checkpoint.
+
+Either way every token id of the data must be an embedding row: an artifact whose tokenizer has
+more ids than the model embeds is rejected before any weight is loaded.
+
+Dtypes: training keeps float32 master weights (float64 for ``precision: fp64``); bf16 compute
+happens under autocast. ``model.dtype`` is the dtype the ``final/`` HF export is written in.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from csbp.config.schema import ModelSection, RunConfig
+from csbp.data.artifact import Artifact
+from csbp.models.config import DecoderConfig
+from csbp.models.decoder import Decoder
+from csbp.models.hf_io import decoder_config_from_hf, load_hf_checkpoint
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_CHECKED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rope_theta",
+    "rms_norm_eps",
+    "qk_norm",
+    "tie_embeddings",
+)
+
+
+def master_dtype(cfg: RunConfig) -> torch.dtype:
+    """Dtype of the trained parameters: float64 for fp64, float32 otherwise (bf16 autocasts)."""
+    return torch.float64 if cfg.train.precision == "fp64" else torch.float32
+
+
+def export_dtype(cfg: RunConfig) -> torch.dtype:
+    """Dtype of the exported HF checkpoint (``model.dtype``)."""
+    return _DTYPES[cfg.model.dtype]
+
+
+def decoder_config_for_run(cfg: RunConfig, artifact: Artifact) -> DecoderConfig:
+    """The decoder shape of this run, checked against the artifact's vocabulary (``ValueError``)."""
+    model = cfg.model
+    if model.init_from is not None:
+        config = _config_from_checkpoint(model)
+    else:
+        config = DecoderConfig(
+            vocab_size=model.vocab_size if model.vocab_size is not None else artifact.vocab_size,
+            hidden_size=_required(model, "hidden_size"),
+            intermediate_size=_required(model, "intermediate_size"),
+            num_layers=_required(model, "num_layers"),
+            num_heads=_required(model, "num_heads"),
+            num_kv_heads=_required(model, "num_kv_heads"),
+            head_dim=_required(model, "head_dim"),
+            rope_theta=float(model.rope_theta if model.rope_theta is not None else 10000.0),
+            rms_norm_eps=float(model.rms_norm_eps if model.rms_norm_eps is not None else 1e-6),
+            qk_norm=bool(model.qk_norm),
+            tie_embeddings=bool(model.tie_embeddings),
+            arch=model.arch,
+        )
+    if artifact.vocab_size > config.vocab_size:
+        source = f"model.init_from {model.init_from}" if model.init_from else "model.vocab_size"
+        raise ValueError(
+            f"model vocabulary: the data artifact {artifact.directory} has token ids up to "
+            f"{artifact.vocab_size - 1} but {source} embeds only {config.vocab_size} ids "
+            f"(fix: use a model with vocab_size >= {artifact.vocab_size}, or leave model.vocab_size unset)"
+        )
+    return config
+
+
+def _required(model: ModelSection, name: str) -> int:
+    value = getattr(model, name)
+    if value is None:  # the schema already requires it; keep the type checker and the error honest
+        raise ValueError(f"model.{name}: required when model.init_from is unset (fix: set model.{name})")
+    return int(value)
+
+
+def _config_from_checkpoint(model: ModelSection) -> DecoderConfig:
+    directory = Path(str(model.init_from))
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(
+            f"model.init_from: {directory} is not a HF checkpoint directory (no config.json) "
+            "(fix: point it at a local directory with config.json and model.safetensors)"
+        )
+    config = decoder_config_from_hf(json.loads(config_file.read_text(encoding="utf-8")))
+    for name in _CHECKED_FIELDS:
+        wanted = getattr(model, name)
+        found = getattr(config, name)
+        if wanted is not None and wanted != found:
+            raise ValueError(
+                f"model.{name}: the config sets {wanted!r} but the checkpoint {directory} has {found!r} "
+                f"(fix: remove model.{name} to use the checkpoint's value)"
+            )
+    return config
+
+
+def build_model(cfg: RunConfig, config: DecoderConfig, *, device: torch.device) -> Decoder:
+    """The decoder in its master dtype on ``device``: seeded random init, or the ``init_from`` weights."""
+    dtype = master_dtype(cfg)
+    if cfg.model.init_from is None:
+        return Decoder(config, dtype=dtype, device=device, seed=cfg.run.seed)
+    model, loaded = load_hf_checkpoint(cfg.model.init_from, dtype=dtype, device=device)
+    if loaded != config:
+        raise ValueError(
+            f"model.init_from: {cfg.model.init_from} changed while the run was starting "
+            "(fix: do not modify the checkpoint during training)"
+        )
+    return model

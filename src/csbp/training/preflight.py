@@ -1,0 +1,247 @@
+"""Everything ``csbp train`` checks before any process starts or any weight is built.
+
+:func:`check_run` opens the data artifacts (manifests and file sizes only), resolves the decoder
+shape and the objective, and checks what the config schema cannot see on its own:
+
+* the artifact's ``seq_len`` equals ``data.seq_len``; a configured tokenizer has the artifact's
+  fingerprint; a validation artifact matches the training one;
+* every token id of the data is an embedding row; the mask token is a vocabulary id;
+* the objective runs on the topology (``mdlm``/``ar`` are single-stream: ``cp = bp = 1``;
+  ``dflash`` is not trained by ``csbp train``) and its options map onto the objective;
+* there are enough rows for one global batch, and validation rows when ``eval_every > 0``;
+* FSDP has a data-parallel group to shard over;
+* the run directory: ``--resume`` needs a checkpoint there, written for the same model shape and
+  data; a fresh run must not overwrite one.
+
+Every problem is a ``ValueError`` with one line ``field: message (fix: ...)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from csbp.config.schema import RunConfig
+from csbp.data.artifact import Artifact, ArtifactSplit, open_artifact
+from csbp.data.tokenizer import load_tokenizer, special_tokens_from_names
+from csbp.models.config import DecoderConfig
+from csbp.models.decoder import Decoder
+from csbp.objectives import build_objective
+from csbp.objectives.base import Objective
+from csbp.training.checkpoint import (
+    check_compatible,
+    checkpoint_step,
+    find_latest_checkpoint,
+    param_shapes,
+    read_training_state,
+)
+from csbp.training.model_factory import decoder_config_for_run
+
+NOISE_SCHEMES = {"rotated": "rotated_lattice", "stratified": "stratified"}
+TRAINABLE_OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "ar")
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What a validated run resolves to.
+
+    Attributes:
+        artifact: the training artifact (memory-maps open lazily).
+        val_split: rows used for validation, or None when there are none.
+        decoder_config: the model shape.
+        mask_token_id: the ``[MASK]`` id (config, else the artifact's manifest); None for ``ar``.
+        objective_name, objective_options: ``build_objective(name, **options)`` arguments.
+        tokenizer_dir: directory whose tokenizer files are copied into the HF export.
+    """
+
+    artifact: Artifact
+    val_split: ArtifactSplit | None
+    decoder_config: DecoderConfig
+    mask_token_id: int | None
+    objective_name: str
+    objective_options: dict[str, Any]
+    tokenizer_dir: Path
+
+    def build_objective(self) -> Objective:
+        return build_objective(self.objective_name, **self.objective_options)
+
+
+def check_run(
+    cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, stop_step: int | None = None
+) -> RunInputs:
+    """Validate ``cfg`` against its data (and ``run_dir`` when given: ``resume`` and the step this
+    invocation stops after, default ``train.max_steps``); see the module docstring."""
+    _check_objective_layout(cfg)
+    artifact = _open_checked(cfg.data.train, "data.train", cfg.data.seq_len)
+    tokenizer_dir = artifact.directory
+    if cfg.data.tokenizer is not None:
+        tokenizer = load_tokenizer(
+            cfg.data.tokenizer,
+            special=special_tokens_from_names(artifact.manifest["tokenizer"]["special_names"]),
+        )
+        if tokenizer.fingerprint != artifact.tokenizer_fingerprint:
+            raise ValueError(
+                f"data.tokenizer: {cfg.data.tokenizer} is not the tokenizer {artifact.directory} was prepared "
+                "with (fingerprints differ) (fix: remove data.tokenizer or re-run csbp data prepare with it)"
+            )
+        tokenizer_path = Path(cfg.data.tokenizer)
+        tokenizer_dir = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
+    decoder_config = decoder_config_for_run(cfg, artifact)
+    mask_token_id = _mask_token_id(cfg, artifact, decoder_config)
+    options = _objective_options(cfg, mask_token_id)
+    inputs = RunInputs(
+        artifact=artifact,
+        val_split=_val_split(cfg, artifact),
+        decoder_config=decoder_config,
+        mask_token_id=mask_token_id,
+        objective_name=cfg.objective.name,
+        objective_options=options,
+        tokenizer_dir=tokenizer_dir,
+    )
+    inputs.build_objective()  # the objective's own option checks
+    _check_batches(cfg, inputs)
+    if cfg.train.fsdp and cfg.topology.dp < 2:
+        raise ValueError(
+            "train.fsdp: FSDP shards over the data-parallel group, which has 1 rank here "
+            "(fix: set topology.dp >= 2 or train.fsdp: false)"
+        )
+    if run_dir is not None:
+        check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps)
+        latest = find_latest_checkpoint(run_dir)
+        if resume and latest is not None:
+            shapes = param_shapes(Decoder(decoder_config, device="meta"))
+            check_compatible(
+                read_training_state(latest), latest, shapes=shapes, data_fingerprint=artifact.fingerprint
+            )
+    return inputs
+
+
+def check_run_dir(run_dir: Path, *, resume: bool, stop_step: int) -> None:
+    """``--resume`` needs a checkpoint in ``run_dir`` before ``stop_step``; a fresh run must not
+    clobber one. (Model shape and data are checked by :func:`check_run`.)"""
+    latest = find_latest_checkpoint(run_dir)
+    if resume and latest is None:
+        raise ValueError(
+            f"--resume: {run_dir} has no checkpoint to resume from (fix: drop --resume, or pass the run "
+            "directory of an earlier run with --run-dir)"
+        )
+    if not resume and latest is not None:
+        raise ValueError(
+            f"run directory {run_dir} already holds checkpoint {latest.name} (fix: pass --resume to continue "
+            "it, or choose another --run-dir / run.name)"
+        )
+    if resume and latest is not None and checkpoint_step(latest) >= stop_step:
+        raise ValueError(
+            f"--resume: {latest} is at step {checkpoint_step(latest)}, nothing is left to do before step "
+            f"{stop_step} (fix: raise --max-steps or train.max_steps)"
+        )
+
+
+def _check_objective_layout(cfg: RunConfig) -> None:
+    obj, topo = cfg.objective, cfg.topology
+    if obj.name not in TRAINABLE_OBJECTIVES:
+        raise ValueError(
+            f"objective.name: {obj.name} is not trained by csbp train (fix: use one of "
+            f"{', '.join(TRAINABLE_OBJECTIVES)})"
+        )
+    if obj.name in ("mdlm", "ar") and (topo.cp > 1 or topo.bp > 1):
+        raise ValueError(
+            f"topology: {obj.name} is a single-stream objective with no clean stream to shard, got "
+            f"cp={topo.cp} bp={topo.bp} (fix: set cp: 1 and bp: 1 and scale with dp)"
+        )
+
+
+def _open_checked(directory: str, field: str, seq_len: int) -> Artifact:
+    path = Path(directory)
+    if not (path / "manifest.json").is_file():
+        raise ValueError(
+            f"{field}: {path} is not a prepared data artifact (fix: run `csbp data prepare ... --out {path}`)"
+        )
+    artifact = open_artifact(path)
+    if artifact.seq_len != seq_len:
+        raise ValueError(
+            f"data.seq_len: {seq_len} but {field} {path} was packed with seq_len={artifact.seq_len} "
+            f"(fix: set data.seq_len: {artifact.seq_len}, or re-run csbp data prepare --seq-len {seq_len})"
+        )
+    return artifact
+
+
+def _val_split(cfg: RunConfig, artifact: Artifact) -> ArtifactSplit | None:
+    """``data.val``'s val split (its train split when the val split is empty), else the train
+    artifact's val split; None when there are no rows."""
+    if cfg.data.val is None:
+        split = artifact.split("val")
+    else:
+        val_artifact = _open_checked(cfg.data.val, "data.val", cfg.data.seq_len)
+        if val_artifact.tokenizer_fingerprint != artifact.tokenizer_fingerprint:
+            raise ValueError(
+                f"data.val: {cfg.data.val} was prepared with another tokenizer than data.train "
+                "(fix: prepare both with the same tokenizer)"
+            )
+        split = val_artifact.split("val")
+        if split.num_rows == 0:
+            split = val_artifact.split("train")
+    return split if split.num_rows > 0 else None
+
+
+def _mask_token_id(cfg: RunConfig, artifact: Artifact, decoder_config: DecoderConfig) -> int | None:
+    if cfg.objective.name == "ar":
+        return None
+    mask_id = cfg.objective.mask_token_id
+    source = "objective.mask_token_id"
+    if mask_id is None:
+        mask_id, source = artifact.mask_token_id, f"the mask token of {artifact.directory}"
+    if mask_id >= decoder_config.vocab_size:
+        raise ValueError(
+            f"objective.mask_token_id: {source} is {mask_id}, outside the model vocabulary "
+            f"(vocab_size={decoder_config.vocab_size}) (fix: use an id below {decoder_config.vocab_size})"
+        )
+    return int(mask_id)
+
+
+def _objective_options(cfg: RunConfig, mask_token_id: int | None) -> dict[str, Any]:
+    """``build_objective`` keywords for ``cfg.objective`` (fail closed on options it cannot honour)."""
+    obj = cfg.objective
+    if obj.name == "ar":
+        _reject_unless(obj.denominator == "supervised_tokens", "denominator", "ar normalises by its targets")
+        return {}
+    if obj.name == "fast_dllm_v2":
+        _reject_unless(obj.loss_weight == "unit", "loss_weight", "fast_dllm_v2 uses unit weights")
+        _reject_unless(
+            obj.denominator == "supervised_tokens",
+            "denominator",
+            "fast_dllm_v2 normalises by its labelled rows",
+        )
+        return {"mask_token_id": mask_token_id, "block_size": obj.block_size, "eps": obj.eps}
+    common = {
+        "mask_token_id": mask_token_id,
+        "noise_scheme": NOISE_SCHEMES[obj.noise],
+        "loss_weight": obj.loss_weight,
+        "denominator": obj.denominator,
+    }
+    if obj.name == "mdlm":
+        _reject_unless(obj.t_max == 1.0, "t_max", "mdlm draws t in [t_min, 1]")
+        return {**common, "eps": obj.t_min}
+    return {**common, "block_size": obj.block_size, "t_min": obj.t_min, "t_max": obj.t_max}
+
+
+def _reject_unless(ok: bool, field: str, reason: str) -> None:
+    if not ok:
+        raise ValueError(f"objective.{field}: not supported here, {reason} (fix: remove objective.{field})")
+
+
+def _check_batches(cfg: RunConfig, inputs: RunInputs) -> None:
+    global_batch = cfg.train.micro_batch_size * cfg.topology.dp
+    rows = inputs.artifact.split("train").num_rows
+    if rows < global_batch:
+        raise ValueError(
+            f"train.micro_batch_size: {cfg.train.micro_batch_size} x topology.dp {cfg.topology.dp} = "
+            f"{global_batch} sequences per micro-step, but {cfg.data.train} has only {rows} training rows "
+            "(fix: lower micro_batch_size or dp, or prepare more data)"
+        )
+    if cfg.train.eval_every > 0 and inputs.val_split is None:
+        raise ValueError(
+            f"train.eval_every: {cfg.train.eval_every} but there are no validation rows "
+            "(fix: prepare the data with --val-fraction, set data.val, or set train.eval_every: 0)"
+        )

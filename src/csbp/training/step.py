@@ -1,0 +1,146 @@
+"""One training step and one validation pass on this rank, through the engine's block-diffusion path.
+
+A step with ``grad_accum = K`` micro-batches (csbp.md §13):
+
+1. corrupt micro-batch ``k`` with ``corruption_generator(seed, step, dp_rank, micro_step=k)``; every
+   rank of one model replica loads the same batch and draws the same corruption;
+2. the global denominator ``D`` is the sum of the ``K`` micro-batch denominators, all-reduced over
+   the data-parallel group: the normaliser of the whole step, never a rank-local count (a step
+   supervising nothing at all uses ``D = 1`` and contributes zero loss);
+3. forward/backward each micro-batch with :func:`csbp.engine.block_diffusion.rank_loss` against ``D``
+   (gradients of the micro-steps sum in ``.grad``);
+4. the logged loss is the sum over all ranks of their weighted CE sums, divided by ``D``.
+
+Precision: ``fp32``/``fp64`` run in the master dtype; ``bf16`` runs the forward under
+``torch.autocast(dtype=torch.bfloat16)`` on float32 master weights (the backward follows autocast's
+casts; the optimizer updates float32 weights and state).
+
+Validation uses ``eval_batches`` fixed micro-batches: a fresh, unshuffled loader over the
+validation rows and corruption seeded by ``(seed, batch index, dp_rank, EVAL_MICRO_STEP)``, so
+every evaluation of a run scores the same corrupted batches and val losses are comparable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+
+from csbp.data.artifact import ArtifactSplit
+from csbp.data.loader import PackedLoader
+from csbp.engine.block_diffusion import RankPlan, rank_loss
+from csbp.engine.context import ParallelContext
+from csbp.objectives.base import CorruptedBatch, Objective, corruption_generator
+
+EVAL_MICRO_STEP = 2**31 - 1
+"""Micro-step slot of validation corruption; training never reaches it (``grad_accum`` is small)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Global numbers of one step (identical on every rank)."""
+
+    loss: float
+    denominator: float
+
+
+def corrupted_on(batch: CorruptedBatch, device: torch.device) -> CorruptedBatch:
+    """``batch`` with its tensors on ``device``."""
+    if device.type == "cpu":
+        return batch
+    moved = {
+        name: getattr(batch, name).to(device)
+        for name in ("noisy_ids", "clean_ids", "labels", "weights", "doc_ids")
+    }
+    return replace(batch, **moved)
+
+
+class StepRunner:
+    """Runs training micro-batches and validation passes of one rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        objective: Objective,
+        plan: RankPlan,
+        ctx: ParallelContext,
+        *,
+        device: torch.device,
+        precision: str,
+        seed: int,
+        ce_chunk_rows: int,
+    ) -> None:
+        self.model = model
+        self.objective = objective
+        self.plan = plan
+        self.ctx = ctx
+        self.device = device
+        self.precision = precision
+        self.seed = seed
+        self.ce_chunk_rows = ce_chunk_rows
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _corrupt(self, batch: dict[str, Tensor], step: int, micro_step: int) -> CorruptedBatch:
+        generator = corruption_generator(self.seed, step, self.ctx.coords.dp_rank, micro_step=micro_step)
+        return corrupted_on(self.objective.corrupt(batch, generator), self.device)
+
+    def _sum_over(self, value: float, comm_kind: str) -> float:
+        """``value`` summed over the dp group (``"dp"``) or every rank (``"world"``), in float64."""
+        comm = self.ctx.dp_comm("loss") if comm_kind == "dp" else self.ctx.world_comm("loss")
+        if comm is None:
+            return value
+        total = torch.tensor([value], dtype=torch.float64)
+        return float(comm.all_reduce(total).item())
+
+    def _weighted_ce(self, corrupted: CorruptedBatch, denominator: float) -> tuple[Tensor, Tensor]:
+        with self._autocast():
+            return rank_loss(
+                self.model,  # type: ignore[arg-type]
+                corrupted,
+                self.plan,
+                global_denominator=denominator,
+                world_size=self.ctx.world_size,
+                ce_chunk_rows=self.ce_chunk_rows,
+            )
+
+    def train_step(self, batches: list[dict[str, Tensor]], step: int) -> StepResult:
+        """Forward and backward every micro-batch of optimizer step ``step`` (gradients are left in
+        ``.grad``, not yet averaged over ranks)."""
+        corrupted = [self._corrupt(batch, step, micro) for micro, batch in enumerate(batches)]
+        denominator = max(self._sum_over(sum(c.denominator() for c in corrupted), "dp"), 1.0)
+        ce_total = 0.0
+        for batch in corrupted:
+            loss, ce_sum = self._weighted_ce(batch, denominator)
+            loss.backward()
+            ce_total += float(ce_sum.double().item())
+        return StepResult(loss=self._sum_over(ce_total, "world") / denominator, denominator=denominator)
+
+    @torch.no_grad()
+    def evaluate(self, split: ArtifactSplit, *, micro_batch_size: int, num_batches: int) -> float:
+        """Global validation loss over ``num_batches`` fixed micro-batches per data-parallel replica."""
+        loader = PackedLoader(
+            split,
+            batch_size=micro_batch_size,
+            seed=self.seed,
+            dp_rank=self.ctx.coords.dp_rank,
+            dp_size=self.ctx.topology.dp,
+            drop_last=False,
+            shuffle=False,
+        )
+        was_training = self.model.training
+        self.model.eval()
+        ce_total, local_denominator = 0.0, 0.0
+        for index in range(num_batches):
+            corrupted = self._corrupt(next(loader), index, EVAL_MICRO_STEP)
+            local_denominator += corrupted.denominator()
+            _, ce_sum = self._weighted_ce(corrupted, 1.0)
+            ce_total += float(ce_sum.double().item())
+        self.model.train(was_training)
+        denominator = max(self._sum_over(local_denominator, "dp"), 1.0)
+        return self._sum_over(ce_total, "world") / denominator

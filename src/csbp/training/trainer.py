@@ -1,0 +1,345 @@
+"""The training loop: ``train(cfg, run_dir=..., resume=..., max_steps=...) -> TrainSummary``.
+
+Call it on every rank of an initialised process group whose world size is the topology's
+``dp * max(cp, bp)`` (or in a plain single process for a world of one); :mod:`csbp.training.launcher`
+does that for ``csbp train``. Order of work:
+
+1. validate the config against its data and the run directory (:func:`~csbp.training.preflight.check_run`);
+2. build the parallel context, the model (FSDP-sharded when ``train.fsdp``), AdamW, the lr
+   schedule, and the train loader keyed by ``dp_rank`` (every rank of one replica loads the same
+   batch);
+3. with ``resume``, restore the latest checkpoint (model, optimizer, scheduler, loader cursor, RNG);
+4. run steps ``start + 1 .. stop`` (:mod:`csbp.training.step`), then average gradients over all
+   ranks, clip, step the optimizer and the scheduler; log, evaluate and checkpoint on schedule;
+5. at the end: validate (when validation is on), checkpoint, export ``final/`` as a Hugging Face
+   checkpoint with the tokenizer, print a sample (``train.generate_after``), draw ``loss.png``.
+
+``max_steps`` stops the run after that global step (default ``train.max_steps``) without changing
+the learning-rate schedule, so ``--max-steps k`` then ``--resume`` reproduces an uninterrupted run.
+Only rank 0 writes ``config.yaml``, metrics, plots and the export; all ranks write their DCP shards.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.optim.lr_scheduler import LRScheduler
+
+from csbp.config.loading import dump_config, write_config
+from csbp.config.schema import RunConfig
+from csbp.data.loader import PackedLoader
+from csbp.engine.block_diffusion import RankPlan, build_rank_plan
+from csbp.engine.context import ParallelContext, build_parallel_context
+from csbp.models.hf_io import export_hf_checkpoint, hf_passthrough_config
+from csbp.training.checkpoint import (
+    TrainingState,
+    load_checkpoint,
+    param_shapes,
+    rng_state,
+    save_checkpoint,
+)
+from csbp.training.lr_schedule import build_lr_scheduler
+from csbp.training.metrics import MetricsWriter, peak_memory_bytes
+from csbp.training.model_factory import build_model, export_dtype
+from csbp.training.optim import build_optimizer, clip_gradients
+from csbp.training.parallelize import (
+    apply_fsdp,
+    full_model_state,
+    gradient_shard_comm,
+    synchronize_gradients,
+    unwrapped_copy,
+)
+from csbp.training.preflight import RunInputs, check_run
+from csbp.training.sample import sample_after_training
+from csbp.training.step import StepRunner
+
+FINAL_DIR = "final"
+
+
+@dataclass(frozen=True)
+class TrainSummary:
+    """What one ``train`` invocation did (identical on every rank)."""
+
+    run_dir: Path
+    start_step: int
+    end_step: int
+    total_steps: int
+    elapsed_s: float
+    losses: list[float] = field(repr=False)
+    val_losses: list[tuple[int, float]]
+    checkpoint: Path | None
+    final_dir: Path | None
+    sample: str | None = None
+
+    @property
+    def first_loss(self) -> float | None:
+        return self.losses[0] if self.losses else None
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    def format(self) -> str:
+        """The human-readable end-of-run summary ``csbp train`` prints."""
+
+        def number(value: float | None) -> str:
+            return "-" if value is None else f"{value:.4f}"
+
+        val_first = self.val_losses[0][1] if self.val_losses else None
+        val_last = self.val_losses[-1][1] if self.val_losses else None
+        lines = [
+            f"run dir     {self.run_dir}",
+            f"steps       {self.start_step} -> {self.end_step} of {self.total_steps} "
+            f"in {self.elapsed_s:.1f} s",
+            f"train loss  first {number(self.first_loss)}  last {number(self.last_loss)}",
+            f"val loss    first {number(val_first)}  last {number(val_last)}",
+        ]
+        if self.checkpoint is not None:
+            lines.append(f"checkpoint  {self.checkpoint}")
+        if self.final_dir is not None:
+            lines.append(f"export      {self.final_dir}")
+        if self.sample is not None:
+            lines.append(f"sample      {self.sample}")
+        return "\n".join(lines)
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    """``run.run_dir``, else ``runs/<run.name>`` under the working directory."""
+    return Path(cfg.run.run_dir) if cfg.run.run_dir is not None else Path("runs") / cfg.run.name
+
+
+def stop_step_of(cfg: RunConfig, max_steps: int | None) -> int:
+    """The global step this invocation stops after."""
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"--max-steps: {max_steps} must be >= 1")
+    return cfg.train.max_steps if max_steps is None else min(max_steps, cfg.train.max_steps)
+
+
+def training_device() -> torch.device:
+    """``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan:
+    """This rank's rows and attention for the run's objective and topology."""
+    obj, topo, seq_len = cfg.objective, cfg.topology, cfg.data.seq_len
+    single_stream = obj.name in ("mdlm", "ar")
+    block_size = seq_len if obj.name == "mdlm" else 1 if obj.name == "ar" else int(obj.block_size or 0)
+    return build_rank_plan(
+        ctx,
+        seq_len,
+        block_size,
+        uses_clean_stream=not single_stream,
+        causal=obj.name == "ar",
+        transport=topo.transport,
+        window=topo.window,
+        schedule=topo.schedule,
+    )
+
+
+def train(
+    cfg: RunConfig,
+    *,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    max_steps: int | None = None,
+) -> TrainSummary:
+    """Train ``cfg`` on this rank (see the module docstring)."""
+    run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
+    stop_step = stop_step_of(cfg, max_steps)
+    inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
+    started = time.perf_counter()
+    ctx = build_parallel_context(cfg.topology.to_topology())
+    device = training_device()
+    is_rank0 = ctx.coords.rank == 0
+    torch.manual_seed(cfg.run.seed)
+
+    model = build_model(cfg, inputs.decoder_config, device=device)
+    if cfg.train.fsdp:
+        apply_fsdp(model, ctx, device)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_lr_scheduler(optimizer, cfg.optim, max_steps=cfg.train.max_steps)
+    loader = PackedLoader(
+        inputs.artifact.split("train"),
+        batch_size=cfg.train.micro_batch_size,
+        seed=cfg.run.seed,
+        dp_rank=ctx.coords.dp_rank,
+        dp_size=cfg.topology.dp,
+    )
+    start_step = 0
+    if resume:
+        state = load_checkpoint(
+            run_dir,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            loader=loader,
+            data_fingerprint=inputs.artifact.fingerprint,
+        )
+        start_step = state.step
+    if is_rank0:
+        write_config(cfg, run_dir)
+    runner = StepRunner(
+        model,
+        inputs.build_objective(),
+        rank_plan_for(cfg, ctx),
+        ctx,
+        device=device,
+        precision=cfg.train.precision,
+        seed=cfg.run.seed,
+        ce_chunk_rows=cfg.objective.ce_chunk_rows,
+    )
+    writer = MetricsWriter(run_dir, enabled=is_rank0, start_step=start_step, total_steps=cfg.train.max_steps)
+    loop = _Loop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device)
+    try:
+        last_checkpoint = loop.run(start_step, stop_step, started)
+        final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
+    finally:
+        writer.close()
+    return TrainSummary(
+        run_dir=run_dir,
+        start_step=start_step,
+        end_step=stop_step,
+        total_steps=cfg.train.max_steps,
+        elapsed_s=time.perf_counter() - started,
+        losses=loop.losses,
+        val_losses=loop.val_losses,
+        checkpoint=last_checkpoint,
+        final_dir=final_dir,
+        sample=sample,
+    )
+
+
+@dataclass
+class _Loop:
+    """The step loop of :func:`train` with its bookkeeping (losses, schedule of evals and saves)."""
+
+    cfg: RunConfig
+    inputs: RunInputs
+    ctx: ParallelContext
+    runner: StepRunner
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    loader: PackedLoader
+    writer: MetricsWriter
+    run_dir: Path
+    device: torch.device
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+
+    def run(self, start_step: int, stop_step: int, started: float) -> Path | None:
+        train_cfg = self.cfg.train
+        tokens_per_step = (
+            self.cfg.topology.dp * train_cfg.micro_batch_size * train_cfg.grad_accum * self.cfg.data.seq_len
+        )
+        evaluating = train_cfg.eval_every > 0 and self.inputs.val_split is not None
+        checkpoint: Path | None = None
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for step in range(start_step + 1, stop_step + 1):
+            step_started = time.perf_counter()
+            batches = [next(self.loader) for _ in range(train_cfg.grad_accum)]
+            result = self.runner.train_step(batches, step)
+            synchronize_gradients(self.model, self.ctx, fsdp=train_cfg.fsdp)
+            grad_norm = clip_gradients(
+                params,
+                self.cfg.optim.grad_clip,
+                shard_comm=gradient_shard_comm(self.ctx, fsdp=train_cfg.fsdp),
+            )
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            step_seconds = time.perf_counter() - step_started
+            self.losses.append(result.loss)
+            record = {
+                "step": step,
+                "loss": result.loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_step / max(step_seconds, 1e-9),
+                "peak_mem_bytes": peak_memory_bytes(self.device),
+                "elapsed_s": time.perf_counter() - started,
+            }
+            if evaluating and (step % train_cfg.eval_every == 0 or step == stop_step):
+                record["val_loss"] = self._evaluate(step)
+            self.writer.log(record)
+            if step % train_cfg.log_every == 0:
+                val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
+                self.writer.message(
+                    f"step {step}: loss {result.loss:.4f} lr {lr:.3e} grad_norm {grad_norm:.3f}{val}"
+                )
+            if (train_cfg.save_every > 0 and step % train_cfg.save_every == 0) or step == stop_step:
+                checkpoint = self._save(step)
+        return checkpoint
+
+    def _evaluate(self, step: int) -> float:
+        assert self.inputs.val_split is not None
+        val_loss = self.runner.evaluate(
+            self.inputs.val_split,
+            micro_batch_size=self.cfg.train.micro_batch_size,
+            num_batches=self.cfg.train.eval_batches,
+        )
+        self.val_losses.append((step, val_loss))
+        return val_loss
+
+    def _save(self, step: int) -> Path:
+        state = TrainingState(
+            step=step,
+            scheduler=self.scheduler.state_dict(),
+            loader=self.loader.state_dict(),
+            rng=rng_state(),
+            data_fingerprint=self.inputs.artifact.fingerprint,
+            param_shapes=param_shapes(self.model),
+            topology=self.cfg.topology.model_dump(mode="json"),
+            config_yaml=dump_config(self.cfg),
+        )
+        return save_checkpoint(
+            self.run_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            state=state,
+            keep=self.cfg.train.keep_checkpoints,
+        )
+
+
+def finish_on_rank0(
+    cfg: RunConfig, inputs: RunInputs, model: torch.nn.Module, run_dir: Path, *, is_rank0: bool
+) -> tuple[Path | None, str | None]:
+    """Export ``<run_dir>/final/`` (HF config, safetensors, tokenizer) and, with
+    ``train.generate_after``, draw a sample; both on rank 0. Call on every rank (FSDP gathers)."""
+    state = full_model_state(model)
+    path: Path | None = None
+    sample: str | None = None
+    if is_rank0:
+        extra = hf_passthrough_config(cfg.model.init_from) if cfg.model.init_from is not None else {}
+        special = inputs.artifact.special_ids
+        extra.update(eos_token_id=special["eos"], pad_token_id=special["pad"])
+        if inputs.mask_token_id is not None:
+            extra["mask_token_id"] = inputs.mask_token_id
+        cpu_model = unwrapped_copy(state, inputs.decoder_config)
+        path = export_hf_checkpoint(
+            cpu_model,
+            inputs.decoder_config,
+            run_dir / FINAL_DIR,
+            dtype=export_dtype(cfg),
+            extra_config=extra,
+            tokenizer_dir=inputs.tokenizer_dir,
+            overwrite=True,
+        )
+        if cfg.train.generate_after:
+            sample = sample_after_training(cfg, inputs, cpu_model)
+    if dist.is_initialized():
+        dist.barrier()
+    return path, sample

@@ -1,0 +1,117 @@
+"""Multi-process training on gloo: exact resume with 2 BP-only ranks, resuming onto another
+topology, FSDP2 through the ``csbp train`` launcher (torch elastic), and a failing rank.
+
+To keep process start-up (importing torch per process) off the critical path, one pair of gloo
+processes runs several trainings in a row (``run_local``); the launcher is exercised by two
+``launch_training`` calls (FSDP, failure).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+
+from csbp.data import PackedLoader, open_artifact
+from csbp.parallel.launch import run_local
+from csbp.training import TrainingFailed, launch_training, train
+from test_training_run import make_artifact, tiny_config, trajectory
+
+pytestmark = pytest.mark.multiprocess
+
+BP_ONLY = {"topology.bp": 2, "topology.replicate_clean_prefix": True}
+DATA_PARALLEL = {"topology.dp": 2, "train.micro_batch_size": 1, "train.eval_every": 0, "train.save_every": 0}
+
+
+def _two_rank_runs(rank: int, world: int, artifact: Path, root: Path) -> dict[str, Any] | None:
+    """On 2 gloo ranks: BP-only uninterrupted, BP-only to step 2 (kept as a copy), its resume, and a
+    3-step dp=2 run (the FSDP reference)."""
+    train(tiny_config(artifact, **BP_ONLY), run_dir=root / "bp_full")
+    train(tiny_config(artifact, **BP_ONLY), run_dir=root / "bp_half", max_steps=2)
+    if rank == 0:
+        shutil.copytree(root / "bp_half", root / "bp_step2")
+    dist.barrier()
+    resumed = train(tiny_config(artifact, **BP_ONLY), run_dir=root / "bp_half", resume=True)
+    data_parallel = train(tiny_config(artifact, **DATA_PARALLEL), run_dir=root / "dp", max_steps=3)
+    if rank != 0:
+        return None
+    return {"resumed_start": resumed.start_step, "dp_losses": data_parallel.losses}
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("data") / "art")
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("mp")
+    result = run_local(_two_rank_runs, 2, (artifact, root), timeout_s=240)[0]
+    return root, result
+
+
+def test_two_rank_resume_is_bit_identical(two_rank_runs: tuple[Path, dict[str, Any]]) -> None:
+    root, result = two_rank_runs
+    assert result["resumed_start"] == 2
+    full = trajectory(root / "bp_full")
+    assert [row[0] for row in full] == [1, 2, 3, 4]
+    assert trajectory(root / "bp_half") == full  # float32 CPU, 2 processes: exact equality
+
+
+def test_bp_only_matches_one_process_and_resumes_onto_it(
+    two_rank_runs: tuple[Path, dict[str, Any]], artifact: Path, tmp_path: Path
+) -> None:
+    root, _ = two_rank_runs
+    bp_losses = [row[1] for row in trajectory(root / "bp_full")]
+    single = train(tiny_config(artifact), run_dir=tmp_path / "single")
+    assert single.losses == pytest.approx(bp_losses, rel=1e-5)
+    # A checkpoint written by 2 BP ranks resumes on one process (another topology).
+    resumed = train(tiny_config(artifact), run_dir=root / "bp_step2", resume=True)
+    assert resumed.losses == pytest.approx(bp_losses[2:], rel=1e-5)
+
+
+def test_fsdp_through_the_launcher_matches_plain_data_parallel(
+    two_rank_runs: tuple[Path, dict[str, Any]], artifact: Path, tmp_path: Path
+) -> None:
+    _, result = two_rank_runs
+    cfg = tiny_config(artifact, **DATA_PARALLEL, **{"train.fsdp": True})
+    summary = launch_training(cfg, run_dir=tmp_path / "fsdp", max_steps=3)
+    assert summary is not None and summary.end_step == 3
+    assert summary.losses == pytest.approx(result["dp_losses"], rel=1e-5)
+    assert (tmp_path / "fsdp" / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "fsdp" / "checkpoints" / "latest").read_text().strip() == "step_0000003"
+
+
+def poison_rank1_row(artifact: Path, target: Path) -> Path:
+    """A copy of ``artifact`` whose row read first by dp rank 1 (of 2) holds a supervised mask token,
+    which MDLM rejects: rank 1 raises while rank 0 waits in the step's first collective."""
+    shutil.copytree(artifact, target)
+    opened = open_artifact(target)
+    split = opened.split("train")
+    row = int(next(PackedLoader(split, batch_size=1, seed=0, dp_rank=1, dp_size=2))["row_ids"][0])
+    shape = (split.num_rows, opened.seq_len)
+    tokens = np.memmap(target / "train.tokens.bin", dtype="<u4", mode="r+", shape=shape)
+    loss_mask = np.memmap(target / "train.loss_mask.bin", dtype="u1", mode="r+", shape=shape)
+    tokens[row, 3], loss_mask[row, 3] = opened.mask_token_id, 1
+    tokens.flush()
+    loss_mask.flush()
+    return target
+
+
+def test_a_failing_rank_ends_the_launch_with_its_message(artifact: Path, tmp_path: Path) -> None:
+    poisoned = poison_rank1_row(artifact, tmp_path / "poisoned")
+    cfg = tiny_config(
+        poisoned,
+        **DATA_PARALLEL,
+        **{"objective.name": "mdlm", "objective.block_size": None, "train.grad_accum": 1},
+    )
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed, match=r"training failed on rank 1: ValueError: .*mask token") as info:
+        launch_training(cfg, run_dir=tmp_path / "run")
+    assert "check_no_mask_token_supervised" in info.value.details  # the failing rank's traceback
+    assert time.monotonic() - started < 120, "the surviving rank must be stopped, not left hanging"

@@ -1,0 +1,316 @@
+"""Single-process training runs: outputs of a run, exact resume, atomic checkpoints, resume checks,
+precisions and objectives, and validation that fails before any work starts.
+
+Everything trains a tiny decoder (hidden 32, 2 layers) on a tiny artifact (seq_len 32, a trained
+byte-level BPE of ~300 ids) on the CPU in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from csbp.cli import train_cmd
+from csbp.config import ConfigError, config_from_dict, load_config
+from csbp.config.schema import RunConfig
+from csbp.data.prepare import PrepareConfig, prepare_artifact
+from csbp.models.hf_io import load_hf_checkpoint
+from csbp.training import LaunchOptions, TrainSummary, launch_training, train
+from csbp.training import checkpoint as checkpoint_module
+from csbp.training.metrics import read_metrics
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven bright stars shine above calm water".split()
+REQUIRED_KEYS = {"step", "loss", "lr", "tokens_per_s", "grad_norm", "peak_mem_bytes", "elapsed_s"}
+
+
+def make_artifact(out_dir: Path, *, seq_len: int = 32, seed: int = 0, num_docs: int = 60) -> Path:
+    """A prepared artifact of random word sequences with a trained 300-id BPE tokenizer."""
+    generator = torch.Generator().manual_seed(seed)
+    source = out_dir.parent / f"{out_dir.name}.jsonl"
+    lines = []
+    for _ in range(num_docs):
+        length = int(torch.randint(8, 30, (1,), generator=generator))
+        picks = torch.randint(0, len(WORDS), (length,), generator=generator).tolist()
+        lines.append(json.dumps({"text": " ".join(WORDS[i] for i in picks)}))
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    prepare_artifact(
+        PrepareConfig(
+            inputs=(source,),
+            out_dir=out_dir,
+            seq_len=seq_len,
+            train_tokenizer=True,
+            vocab_size=300,
+            val_fraction=0.1,
+        )
+    )
+    return out_dir
+
+
+def config_dict(artifact: Path, **changes: Any) -> dict[str, Any]:
+    """A tiny BD3 run; ``changes`` maps dotted keys to values (``None`` removes a key)."""
+    data: dict[str, Any] = {
+        "run": {"name": "tiny", "seed": 0},
+        "model": {
+            "arch": "qwen3",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_layers": 2,
+            "num_heads": 4,
+            "num_kv_heads": 2,
+            "head_dim": 8,
+        },
+        "data": {"train": str(artifact), "seq_len": 32},
+        "objective": {"name": "bd3", "block_size": 4},
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {
+            "max_steps": 4,
+            "micro_batch_size": 2,
+            "grad_accum": 2,
+            "eval_every": 2,
+            "eval_batches": 2,
+            "save_every": 2,
+            "log_every": 100,
+        },
+    }
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = data
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return data
+
+
+def tiny_config(artifact: Path, **changes: Any) -> RunConfig:
+    return config_from_dict(config_dict(artifact, **changes))
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def trajectory(run_dir: Path) -> list[tuple[Any, ...]]:
+    """Per step: every number that must repeat bit for bit on an exact resume."""
+    return [(r["step"], r["loss"], r["lr"], r["grad_norm"], r.get("val_loss")) for r in metric_rows(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("data") / "art")
+
+
+@pytest.fixture(scope="module")
+def full_run(artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """4 uninterrupted steps through the ``csbp train`` subcommand; returns (run dir, stdout)."""
+    root = tmp_path_factory.mktemp("full")
+    config_path = root / "run.yaml"
+    data = config_dict(artifact, **{"train.generate_after": True})
+    config_path.write_text(json.dumps(data), encoding="utf-8")  # JSON is YAML
+    parser = argparse.ArgumentParser()
+    train_cmd.register(parser.add_subparsers())
+    args = parser.parse_args(["train", str(config_path), "--run-dir", str(root / "run")])
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert args.func(args) == 0
+    return root / "run", printed.getvalue()
+
+
+@pytest.fixture(scope="module")
+def run_at_step2(artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run stopped after step 2 (``--max-steps 2``): a checkpoint to resume from."""
+    run_dir = tmp_path_factory.mktemp("half") / "run"
+    train(tiny_config(artifact), run_dir=run_dir, max_steps=2)
+    return run_dir
+
+
+def copy_run(run_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+# ----------------------------------------------------------------------------- outputs of a run
+
+
+def test_run_writes_metrics_plot_checkpoints_export_and_summary(
+    full_run: tuple[Path, str], artifact: Path
+) -> None:
+    run_dir, printed = full_run
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert REQUIRED_KEYS <= set(row), sorted(REQUIRED_KEYS - set(row))
+        assert row["tokens_per_s"] > 0 and row["peak_mem_bytes"] > 0 and row["grad_norm"] > 0
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
+    assert rows[0]["lr"] == pytest.approx(3e-3) and rows[-1]["lr"] < rows[1]["lr"]  # warm-up, then cosine
+    assert all(
+        torch.isfinite(torch.tensor([r["loss"], r["val_loss"] if "val_loss" in r else 0.0])).all()
+        for r in rows
+    )
+
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tb").iterdir())
+    assert load_config(run_dir / "config.yaml") == tiny_config(artifact, **{"train.generate_after": True})
+
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_0000004"
+    assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == ["step_0000002", "step_0000004"]
+    state = json.loads((checkpoints / "step_0000004" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["loader"]["cursor"] > 0
+
+    model, config = load_hf_checkpoint(run_dir / "final")
+    assert (config.hidden_size, config.num_layers) == (32, 2)
+    assert (run_dir / "final" / "tokenizer.json").read_bytes() == (artifact / "tokenizer.json").read_bytes()
+    hf_config = json.loads((run_dir / "final" / "config.json").read_text())
+    assert hf_config["mask_token_id"] == 1 and hf_config["eos_token_id"] == 0
+
+    assert "train loss  first" in printed and "steps       0 -> 4 of 4" in printed
+    assert "sample      '" in printed and " => " in printed
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(
+    full_run: tuple[Path, str], run_at_step2: Path, artifact: Path, tmp_path: Path
+) -> None:
+    run_dir = copy_run(run_at_step2, tmp_path)
+    summary = train(tiny_config(artifact), run_dir=run_dir, resume=True)
+    assert (summary.start_step, summary.end_step) == (2, 4)
+    assert trajectory(run_dir) == trajectory(full_run[0])  # float32 CPU: exact equality
+
+
+def test_crash_while_saving_keeps_the_previous_checkpoint(
+    full_run: tuple[Path, str],
+    run_at_step2: Path,
+    artifact: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    run_dir = copy_run(run_at_step2, tmp_path)
+
+    def crash(staging: Path, final: Path) -> None:
+        raise RuntimeError("simulated crash after DCP wrote the staging directory")
+
+    monkeypatch.setattr(checkpoint_module, "_publish", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_config(artifact), run_dir=run_dir, resume=True)
+    checkpoints = run_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_0000002"
+    assert (checkpoints / "step_0000004.tmp" / ".metadata").is_file()
+    assert not (checkpoints / "step_0000004").exists()
+
+    monkeypatch.undo()
+    train(tiny_config(artifact), run_dir=run_dir, resume=True)
+    assert trajectory(run_dir) == trajectory(full_run[0])
+    assert not (checkpoints / "step_0000004.tmp").exists()
+
+
+def test_resume_rejects_another_model_shape(run_at_step2: Path, artifact: Path, tmp_path: Path) -> None:
+    run_dir = copy_run(run_at_step2, tmp_path)
+    cfg = tiny_config(artifact, **{"model.num_kv_heads": 4})
+    with pytest.raises(
+        ValueError, match=r"another model shape: parameter 'layers\.0\.self_attn\.k_proj\.weight'"
+    ):
+        launch_training(cfg, run_dir=run_dir, resume=True)
+
+
+def test_resume_rejects_changed_data(run_at_step2: Path, artifact: Path, tmp_path: Path) -> None:
+    run_dir = copy_run(run_at_step2, tmp_path)
+    changed = tmp_path / "changed"
+    shutil.copytree(artifact, changed)
+    manifest = json.loads((changed / "manifest.json").read_text())
+    manifest["content_fingerprint"] = "0" * 64  # as if the files had been re-prepared
+    (changed / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="fingerprint"):
+        launch_training(tiny_config(artifact, **{"data.train": str(changed)}), run_dir=run_dir, resume=True)
+
+
+def test_run_dir_rules(run_at_step2: Path, artifact: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="already holds checkpoint step_0000002"):
+        launch_training(tiny_config(artifact), run_dir=run_at_step2)
+    with pytest.raises(ValueError, match="no checkpoint to resume"):
+        launch_training(tiny_config(artifact), run_dir=tmp_path / "empty", resume=True)
+    with pytest.raises(ValueError, match="nothing is left to do before step 2"):
+        launch_training(tiny_config(artifact), run_dir=run_at_step2, resume=True, max_steps=2)
+
+
+# ----------------------------------------------------------------------------- precisions, objectives
+
+
+def first_step_loss(cfg: RunConfig, run_dir: Path) -> TrainSummary:
+    return train(cfg, run_dir=run_dir, max_steps=1)
+
+
+def test_fp64_and_bf16_first_step_agree_with_fp32(
+    full_run: tuple[Path, str], artifact: Path, tmp_path: Path
+) -> None:
+    fp32_loss = metric_rows(full_run[0])[0]["loss"]
+    fp64 = first_step_loss(
+        tiny_config(artifact, **{"train.precision": "fp64", "model.dtype": "float64"}), tmp_path / "fp64"
+    )
+    bf16 = first_step_loss(tiny_config(artifact, **{"train.precision": "bf16"}), tmp_path / "bf16")
+    assert fp64.first_loss == pytest.approx(fp32_loss, rel=1e-5)
+    assert bf16.first_loss != fp32_loss, "bf16 must run under autocast"
+    assert bf16.first_loss == pytest.approx(fp32_loss, rel=1e-2)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"objective.name": "mdlm", "objective.block_size": None},
+        {"objective.name": "ar", "objective.block_size": None, "objective.loss_weight": "unit"},
+        {"objective.name": "fast_dllm_v2", "objective.loss_weight": "unit"},
+    ],
+    ids=["mdlm", "ar", "fast_dllm_v2"],
+)
+def test_other_objectives_train(changes: dict[str, Any], artifact: Path, tmp_path: Path) -> None:
+    cfg = tiny_config(
+        artifact, **{"train.eval_every": 0, "train.grad_accum": 1, "train.generate_after": True, **changes}
+    )
+    summary = train(cfg, run_dir=tmp_path / "run", max_steps=2)
+    assert len(summary.losses) == 2 and all(0.0 < loss < 20.0 for loss in summary.losses)
+    assert summary.sample is not None
+    assert ("no sample" in summary.sample) == (cfg.objective.name == "ar")
+
+
+# ----------------------------------------------------------------------------- validation before work
+
+
+def test_config_errors_are_raised_before_any_process_starts(artifact: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "never"
+    with pytest.raises(ConfigError, match="bp must be a multiple of cp"):
+        config_from_dict(config_dict(artifact, **{"topology.cp": 3, "topology.bp": 4}))
+    cases = [
+        (
+            {"objective.name": "mdlm", "objective.block_size": None, "topology.cp": 2},
+            "single-stream objective",
+        ),
+        ({"data.seq_len": 64, "objective.block_size": 4}, "packed with seq_len=32"),
+        ({"model.vocab_size": 100}, "embeds only 100 ids"),
+        ({"objective.mask_token_id": 400}, "outside the model vocabulary"),
+        ({"train.fsdp": True}, "train.fsdp: FSDP shards over the data-parallel group"),
+        ({"train.micro_batch_size": 500}, "training rows"),
+        (
+            {"objective.name": "fast_dllm_v2", "objective.loss_weight": "inv_t"},
+            "fast_dllm_v2 uses unit weights",
+        ),
+    ]
+    for changes, message in cases:
+        with pytest.raises(ValueError, match=message):
+            launch_training(tiny_config(artifact, **changes), run_dir=run_dir)
+    with pytest.raises(ValueError, match="needs dp\\*max\\(cp, bp\\) = 2"):
+        cfg = tiny_config(artifact, **{"topology.bp": 2, "topology.replicate_clean_prefix": True})
+        launch_training(cfg, run_dir=run_dir, options=LaunchOptions(nproc=3))
+    assert not run_dir.exists(), "validation must fail before anything is written"

@@ -1,0 +1,264 @@
+"""Training building blocks: lr schedule, AdamW groups, gradient clipping, checkpoint bookkeeping,
+metrics files, the model factory (``init_from``) and objective/launch option checks."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from csbp.config.schema import OptimSection, RunConfig
+from csbp.data import open_artifact, train_bpe_tokenizer
+from csbp.models.config import DecoderConfig
+from csbp.models.decoder import Decoder
+from csbp.models.hf_io import export_hf_checkpoint
+from csbp.training.checkpoint import check_model_shapes, find_latest_checkpoint, prune_checkpoints
+from csbp.training.launcher import LaunchOptions, check_process_count, is_collective_failure
+from csbp.training.lr_schedule import build_lr_scheduler, lr_multiplier
+from csbp.training.metrics import plot_loss_curve, read_metrics, truncate_metrics
+from csbp.training.model_factory import build_model, decoder_config_for_run
+from csbp.training.optim import build_optimizer, clip_gradients, parameter_groups
+from csbp.training.preflight import check_run
+from test_training_run import make_artifact, tiny_config
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("data") / "art")
+
+
+def tiny_decoder(*, tie: bool = False, vocab_size: int = 64) -> Decoder:
+    config = DecoderConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        tie_embeddings=tie,
+    )
+    return Decoder(config, dtype=torch.float64, seed=3)
+
+
+# ----------------------------------------------------------------------------- schedule and optimizer
+
+
+def test_lr_multiplier_warmup_cosine_and_constant() -> None:
+    kwargs = {"warmup_steps": 4, "max_steps": 14, "min_lr_ratio": 0.1}
+    warm = [lr_multiplier(k, schedule="cosine", **kwargs) for k in range(4)]
+    assert warm == [0.25, 0.5, 0.75, 1.0]
+    assert lr_multiplier(4, schedule="cosine", **kwargs) == 1.0
+    assert lr_multiplier(9, schedule="cosine", **kwargs) == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-12)
+    assert lr_multiplier(14, schedule="cosine", **kwargs) == pytest.approx(0.1, abs=1e-12)
+    assert lr_multiplier(100, schedule="cosine", **kwargs) == pytest.approx(0.1, abs=1e-12)
+    assert lr_multiplier(9, schedule="constant", **kwargs) == 1.0
+    cosine = [lr_multiplier(k, schedule="cosine", **kwargs) for k in range(4, 15)]
+    assert all(a > b for a, b in zip(cosine, cosine[1:]))
+
+
+def test_scheduler_drives_the_optimizer_and_round_trips_through_json() -> None:
+    model = tiny_decoder()
+    optim = OptimSection(lr=1e-2, warmup_steps=2, min_lr_ratio=0.0)
+    optimizer = build_optimizer(model, optim)
+    scheduler = build_lr_scheduler(optimizer, optim, max_steps=6)
+    seen = []
+    for _ in range(4):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([5e-3, 1e-2, 1e-2, 1e-2 * 0.5 * (1 + math.cos(math.pi * 0.25))], abs=1e-15)
+    state = json.loads(json.dumps(scheduler.state_dict()))
+    restored = build_lr_scheduler(build_optimizer(model, optim), optim, max_steps=6)
+    restored.load_state_dict(state)
+    assert restored.last_epoch == 4 and restored.get_last_lr() == scheduler.get_last_lr()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_weight_decay_skips_norms_biases_and_embeddings(tie: bool) -> None:
+    model = tiny_decoder(tie=tie)
+    decayed, plain = parameter_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed_names = {names[id(p)] for p in decayed["params"]}
+    plain_names = {names[id(p)] for p in plain["params"]}
+    assert (decayed["weight_decay"], plain["weight_decay"]) == (0.1, 0.0)
+    assert decayed_names.isdisjoint(plain_names) and decayed_names | plain_names == set(names.values())
+    assert "embed_tokens.weight" in plain_names and "norm.weight" in plain_names
+    assert "layers.0.self_attn.q_norm.weight" in plain_names
+    assert (
+        "layers.0.mlp.up_proj.weight" in decayed_names and "layers.0.self_attn.o_proj.weight" in decayed_names
+    )
+    assert ("lm_head.weight" in decayed_names) == (not tie)
+
+
+def test_clip_gradients_matches_torch_and_reports_the_unclipped_norm() -> None:
+    model, reference = tiny_decoder(), tiny_decoder()
+    generator = torch.Generator().manual_seed(0)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+        q.grad = p.grad.clone()
+    params = list(model.parameters())
+    expected = float(torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_norm=0.5))
+    norm = clip_gradients(params, 0.5)
+    assert norm == pytest.approx(expected, rel=1e-12)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0.0)
+    before = [p.grad.clone() for p in params]
+    assert clip_gradients(params, None) == pytest.approx(0.5, rel=1e-5)  # measure only
+    assert clip_gradients(params, 10.0) == pytest.approx(0.5, rel=1e-5)  # below the limit
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, params))
+
+
+# ----------------------------------------------------------------------------- checkpoints and metrics
+
+
+def test_latest_pointer_must_name_a_complete_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    assert find_latest_checkpoint(tmp_path) is None
+    (root / "latest").write_text("../../etc\n")
+    with pytest.raises(ValueError, match="is not a checkpoint name"):
+        find_latest_checkpoint(tmp_path)
+    (root / "latest").write_text("step_0000005\n")
+    with pytest.raises(ValueError, match="missing or incomplete"):
+        find_latest_checkpoint(tmp_path)
+    (root / "step_0000005").mkdir()
+    (root / "step_0000005" / "trainer_state.json").write_text("{}")
+    assert find_latest_checkpoint(tmp_path) == root / "step_0000005"
+
+
+def test_prune_keeps_the_newest_and_the_protected_checkpoint(tmp_path: Path) -> None:
+    for step in (1, 2, 3, 10):
+        (tmp_path / f"step_{step:07d}").mkdir()
+    (tmp_path / "step_0000011.tmp").mkdir()
+    prune_checkpoints(tmp_path, keep=2, protect="step_0000001")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_0000001",
+        "step_0000003",
+        "step_0000010",
+        "step_0000011.tmp",
+    ]
+
+
+def test_model_shape_check_names_the_first_difference(tmp_path: Path) -> None:
+    current = {"a.weight": [4, 2], "b.weight": [3]}
+    check_model_shapes(dict(current), current, tmp_path)
+    with pytest.raises(
+        ValueError, match=r"parameter 'a\.weight' has shape \[4, 3\] in the checkpoint, \[4, 2\]"
+    ):
+        check_model_shapes({"a.weight": [4, 3], "b.weight": [3]}, current, tmp_path)
+    with pytest.raises(ValueError, match=r"parameter 'b\.weight' is missing from the checkpoint"):
+        check_model_shapes({"a.weight": [4, 2]}, current, tmp_path)
+    with pytest.raises(ValueError, match=r"the checkpoint has parameter 'c' that this model lacks"):
+        check_model_shapes({**current, "c": [1]}, current, tmp_path)
+
+
+def test_metrics_truncation_and_plot(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": 5.0 - s, **({"val_loss": 4.0} if s == 2 else {})} for s in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')  # torn last line
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    truncate_metrics(path, after_step=2)
+    assert read_metrics(path) == rows[:2]
+    plot = plot_loss_curve(path, tmp_path / "loss.png")
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+# ----------------------------------------------------------------------------- model factory, options
+
+
+def test_init_from_loads_the_checkpoint_and_checks_fields(artifact: Path, tmp_path: Path) -> None:
+    vocab = open_artifact(artifact).vocab_size
+    source = Decoder(tiny_decoder(vocab_size=vocab).config, dtype=torch.float32, seed=11)
+    export_hf_checkpoint(source, source.config, tmp_path / "hf")
+    shape_free = {f"model.{k}": None for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads")}
+    shape_free.update(
+        {"model.num_kv_heads": None, "model.head_dim": None, "model.init_from": str(tmp_path / "hf")}
+    )
+    cfg = tiny_config(artifact, **shape_free)
+    config = decoder_config_for_run(cfg, open_artifact(artifact))
+    assert config == source.config
+    loaded = build_model(cfg, config, device=torch.device("cpu"))
+    for (name, p), q in zip(loaded.named_parameters(), source.parameters()):
+        assert torch.equal(p, q), name
+    with pytest.raises(ValueError, match="model.hidden_size: the config sets 32 but the checkpoint"):
+        decoder_config_for_run(
+            tiny_config(artifact, **{**shape_free, "model.hidden_size": 32}), open_artifact(artifact)
+        )
+
+
+def test_small_model_vocabulary_is_rejected(artifact: Path, tmp_path: Path) -> None:
+    small = Decoder(tiny_decoder(vocab_size=64).config, dtype=torch.float32, seed=0)
+    export_hf_checkpoint(small, small.config, tmp_path / "hf")
+    cfg = tiny_config(
+        artifact,
+        **{f"model.{k}": None for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads")},
+        **{"model.num_kv_heads": None, "model.head_dim": None, "model.init_from": str(tmp_path / "hf")},
+    )
+    with pytest.raises(ValueError, match="embeds only 64 ids"):
+        check_run(cfg)
+
+
+def test_objective_options_map_onto_the_objectives(artifact: Path) -> None:
+    bd3 = check_run(tiny_config(artifact, **{"objective.noise": "stratified", "objective.t_min": 0.05}))
+    assert bd3.objective_options["noise_scheme"] == "stratified" and bd3.objective_options["t_min"] == 0.05
+    assert bd3.mask_token_id == open_artifact(artifact).mask_token_id
+    mdlm = check_run(tiny_config(artifact, **{"objective.name": "mdlm", "objective.block_size": None}))
+    assert mdlm.objective_options["eps"] == 1e-3 and mdlm.build_objective().name == "mdlm"
+    with pytest.raises(ValueError, match="objective.t_max: not supported here"):
+        check_run(
+            tiny_config(
+                artifact, **{"objective.name": "mdlm", "objective.block_size": None, "objective.t_max": 0.9}
+            )
+        )
+
+
+def test_launch_option_checks() -> None:
+    with pytest.raises(ValueError, match="--rdzv-endpoint: required"):
+        check_process_count(_world2(), 1, LaunchOptions(nnodes=2))
+    with pytest.raises(ValueError, match="--node-rank 2: must lie in"):
+        check_process_count(_world2(), 1, LaunchOptions(nnodes=2, node_rank=2, rdzv_endpoint="h:1"))
+    with pytest.raises(ValueError, match=r"--nproc 1 x --nnodes 1 = 1 processes"):
+        check_process_count(_world2(), 1, LaunchOptions())
+    check_process_count(_world2(), 1, LaunchOptions(nnodes=2, node_rank=1, rdzv_endpoint="h:1"))
+
+
+def _world2() -> RunConfig:
+    """A config needing 2 processes (the process-count check reads no data)."""
+    return tiny_config(Path("/nonexistent"), **{"topology.dp": 2})
+
+
+def test_a_different_tokenizer_is_rejected(artifact: Path, tmp_path: Path) -> None:
+    other = train_bpe_tokenizer(["completely different words", "for another tokenizer"] * 20, vocab_size=270)
+    other.save(tmp_path)
+    with pytest.raises(ValueError, match="data.tokenizer: .* is not the tokenizer"):
+        check_run(tiny_config(artifact, **{"data.tokenizer": str(tmp_path / "tokenizer.json")}))
+    same = check_run(tiny_config(artifact, **{"data.tokenizer": str(artifact / "tokenizer.json")}))
+    assert same.tokenizer_dir == artifact
+
+
+def test_collective_failures_are_told_apart_from_other_errors() -> None:
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:9381")
+    assert is_collective_failure(gloo)
+    assert is_collective_failure(RuntimeError("Timed out waiting 300000ms for recv operation to complete"))
+    assert is_collective_failure(torch.distributed.DistBackendError("NCCL communicator was aborted"))
+    assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not is_collective_failure(ValueError("gloo"))
+
+
+def test_validation_rows_come_from_data_val_when_set(artifact: Path, tmp_path: Path) -> None:
+    default = check_run(tiny_config(artifact))
+    assert (
+        default.val_split is not None
+        and default.val_split.num_rows == open_artifact(artifact).split("val").num_rows
+    )
+    other = make_artifact(tmp_path / "other", seed=5, num_docs=20)
+    with pytest.raises(ValueError, match="data.val: .* another tokenizer"):
+        check_run(tiny_config(artifact, **{"data.val": str(other)}))
+    with pytest.raises(ValueError, match="train.eval_every: 2 but there are no validation rows"):
+        check_run(
+            tiny_config(make_artifact(tmp_path / "no_val", num_docs=1), **{"train.micro_batch_size": 1})
+        )
