@@ -37,9 +37,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     attn.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
     attn.set_defaults(func=run_attention)
 
-    from csbp.bench.train_bench import register_train_bench  # lazy: it imports this module
+    # lazy: these modules import write_json_atomic from this one
+    from csbp.bench.dflash_bench import register_dflash_bench
+    from csbp.bench.train_bench import register_train_bench
 
     register_train_bench(kinds)
+    register_dflash_bench(kinds)
 
 
 def write_json_atomic(path: Path, payload: object) -> None:

@@ -33,6 +33,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "csbp.cli.train_cmd",
     "csbp.cli.verify_cmd",
     "csbp.cli.generate_cmd",
+    "csbp.cli.dflash_cmd",
     "csbp.cli.bench_cmd",
 )
 """Modules registering subcommands, in ``csbp --help`` order. A missing module is an ImportError."""

@@ -1,0 +1,432 @@
+"""``csbp dflash prepare-features|export|eval``: DFlash drafter data, export and evaluation.
+
+Examples::
+
+    csbp dflash prepare-features --target ckpt/Qwen3-0.6B --data art/ --out feats/ --layer-ids 1 9 17
+    csbp dflash export --run-dir runs/drafter --target ckpt/Qwen3-0.6B --out drafter/
+    csbp dflash export --drafter other/drafter --target ckpt/Qwen3-0.6B --out drafter/ --dtype bfloat16
+    csbp dflash eval --target ckpt/Qwen3-0.6B --drafter drafter/ --data art/ --num-prompts 8 --prompt-len 64
+    csbp dflash eval --target ckpt/Qwen3-0.6B --drafter drafter/ --prompts prompts.jsonl --max-new-tokens 128
+
+``export`` reads one of: ``--drafter DIR`` (a drafter in the public format, re-exported after
+validation against the target), ``--run-dir RUN`` (``RUN/final`` when it holds a drafter, else the
+checkpoint ``RUN/checkpoints/latest`` names) or ``--checkpoint RUN/checkpoints/step_N`` (a
+``torch.distributed.checkpoint`` directory whose ``model`` entry is the drafter's state dict; the
+shapes come from the checkpoint, ``block_size``/``mask_token_id``/``target_layer_ids`` from the run
+config in ``trainer_state.json`` or from ``--block-size``/``--mask-token-id``/``--layer-ids``).
+Checkpoints are trusted local artifacts written by csbp (DCP's ``.metadata`` is a pickle).
+
+``eval`` runs lossless speculative decoding (``csbp.dflash.speculative``) over held-out prompts and,
+unless ``--no-check-lossless``, plain greedy decoding too: a prompt whose outputs differ makes the
+command exit 1. Its last output line is ``acceptance_length: <value>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+
+if TYPE_CHECKING:
+    from csbp.dflash.config import DFlashConfig
+    from csbp.dflash.drafter import DFlashDrafter
+    from csbp.models.config import DecoderConfig
+    from csbp.models.decoder import Decoder
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``dflash`` and its commands."""
+    parser = subparsers.add_parser("dflash", help="DFlash drafters: target features, export, evaluation")
+    commands = parser.add_subparsers(dest="dflash_command", metavar="COMMAND", required=True)
+
+    prep = commands.add_parser("prepare-features", help="capture target features of an artifact split")
+    prep.add_argument("--target", type=Path, required=True, help="HF checkpoint directory of the target")
+    prep.add_argument("--data", type=Path, required=True, help="prepared artifact (csbp data prepare)")
+    prep.add_argument("--out", type=Path, required=True, help="feature directory to create")
+    prep.add_argument("--layer-ids", type=int, nargs="+", default=None, help="0-based target layers to fuse")
+    prep.add_argument(
+        "--drafter", type=Path, default=None, help="take --layer-ids from this drafter's config"
+    )
+    prep.add_argument("--num-draft-layers", type=int, default=1, help="for the default layer ids")
+    prep.add_argument("--with-last-hidden", action="store_true", help="also store the final hidden (KL loss)")
+    prep.add_argument("--split", choices=("train", "val"), default="train")
+    prep.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    prep.add_argument("--rows-per-batch", type=int, default=1)
+    prep.add_argument("--overwrite", action="store_true")
+    _device_args(prep)
+    prep.set_defaults(func=run_prepare_features)
+
+    export = commands.add_parser("export", help="export a trained drafter in the public DFlash format")
+    source = export.add_mutually_exclusive_group(required=True)
+    source.add_argument("--drafter", type=Path, help="drafter directory (config.json + model.safetensors)")
+    source.add_argument("--run-dir", type=Path, help="training run directory (final/ or latest checkpoint)")
+    source.add_argument("--checkpoint", type=Path, help="checkpoint directory RUN/checkpoints/step_N")
+    export.add_argument("--target", type=Path, required=True, help="HF checkpoint directory of the target")
+    export.add_argument("--out", type=Path, required=True, help="directory to write")
+    export.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
+    export.add_argument("--block-size", type=int, default=None, help="checkpoints: override the run's")
+    export.add_argument("--mask-token-id", type=int, default=None, help="checkpoints: override the run's")
+    export.add_argument(
+        "--layer-ids", type=int, nargs="+", default=None, help="checkpoints: override the run's"
+    )
+    export.add_argument("--overwrite", action="store_true")
+    export.set_defaults(func=run_export)
+
+    ev = commands.add_parser("eval", help="acceptance length and lossless check of speculative decoding")
+    ev.add_argument("--target", type=Path, required=True, help="HF checkpoint directory of the target")
+    ev.add_argument("--drafter", type=Path, required=True, help="drafter directory (csbp dflash export)")
+    prompts = ev.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--data", type=Path, help="artifact whose split rows give the prompts")
+    prompts.add_argument("--prompts", type=Path, help='JSONL file of {"prompt": ..., "group": ...} lines')
+    ev.add_argument("--split", choices=("train", "val"), default="val", help="artifact split (default val)")
+    ev.add_argument("--tokenizer", type=Path, default=None, help="for --prompts (default: --target)")
+    ev.add_argument("--num-prompts", type=int, default=8)
+    ev.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (JSONL: keep the last P)")
+    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--eos-id", type=int, default=None, help="default: the tokenizer's / artifact's EOS")
+    ev.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    ev.add_argument(
+        "--check-lossless",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run plain greedy and require identical outputs (exit 1 otherwise)",
+    )
+    _device_args(ev)
+    ev.set_defaults(func=run_eval)
+
+
+def _device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+
+
+def _load_target(path: Path, args: argparse.Namespace, *, device: str | None = None) -> Decoder:
+    from csbp.models.hf_io import load_hf_checkpoint
+
+    if not path.is_dir():
+        raise ValueError(f"--target {path} is not a directory; pass a HF checkpoint directory")
+    dtype = None if getattr(args, "model_dtype", "auto") == "auto" else DTYPES[args.model_dtype]
+    device = device or getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    target, _ = load_hf_checkpoint(path, dtype=dtype, device=device)
+    return target.eval()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return loaded
+
+
+# ----------------------------------------------------------------------------- prepare-features
+
+
+def run_prepare_features(args: argparse.Namespace) -> int:
+    from csbp.data.artifact import open_artifact
+    from csbp.dflash.config import default_target_layer_ids
+    from csbp.dflash.export import dflash_config_from_hf
+    from csbp.dflash.features import prepare_features
+
+    if args.layer_ids is not None and args.drafter is not None:
+        raise ValueError("give --layer-ids or --drafter, not both")
+    target = _load_target(args.target, args)
+    artifact = open_artifact(args.data)
+    artifact.require_vocab_size(target.config.vocab_size)
+    if args.drafter is not None:
+        layer_ids = dflash_config_from_hf(_read_json(args.drafter / "config.json")).target_layer_ids
+    elif args.layer_ids is not None:
+        layer_ids = tuple(args.layer_ids)
+    else:
+        layer_ids = default_target_layer_ids(target.config.num_layers, args.num_draft_layers)
+    bad = [i for i in layer_ids or () if not 0 <= i < target.config.num_layers]
+    if bad:
+        raise ValueError(f"--layer-ids {bad} are outside the target's layers [0, {target.config.num_layers})")
+    split = artifact.split(args.split)
+    print(
+        f"capturing layers {list(layer_ids or ())} of {args.target} for {split.num_rows} {args.split} rows",
+        flush=True,
+    )
+    out = prepare_features(
+        target,
+        split,
+        args.out,
+        layer_ids=layer_ids or (),
+        with_last_hidden=args.with_last_hidden,
+        dtype=args.dtype,
+        rows_per_batch=args.rows_per_batch,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from csbp.dflash.export import export_dflash, load_dflash
+
+    target = _load_target(args.target, args, device="cpu")  # only validates shapes and ids
+    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
+    drafter_dir = args.drafter
+    checkpoint = args.checkpoint
+    if args.run_dir is not None:
+        drafter_dir, checkpoint = _run_dir_source(args.run_dir)
+    if drafter_dir is not None:
+        if not (drafter_dir / "config.json").is_file():
+            raise ValueError(f"{drafter_dir} is not a DFlash drafter directory: config.json not found")
+        drafter = load_dflash(drafter_dir, target)
+        source = str(drafter_dir)
+    else:
+        drafter = drafter_from_checkpoint(checkpoint, target, args)
+        source = f"checkpoint {checkpoint}"
+    out = export_dflash(drafter, args.out, dtype=dtype, overwrite=args.overwrite)
+    reloaded = load_dflash(out, target)  # validate what was written
+    cfg = reloaded.config
+    count = sum(p.numel() for p in reloaded.parameters())
+    print(
+        f"exported {source} -> {out}: {'DFlash2' if cfg.is_dflash2 else 'DFlash'} drafter, {cfg.num_layers} "
+        f"layers, block_size {cfg.block_size}, target_layer_ids {list(cfg.target_layer_ids or ())}, "
+        f"mask_token_id {cfg.mask_token_id}, {count} parameters"
+    )
+    return 0
+
+
+def _run_dir_source(run_dir: Path) -> tuple[Path | None, Path | None]:
+    """``(drafter_dir, None)`` for ``RUN/final`` holding a drafter, else ``(None, latest checkpoint)``."""
+    from csbp.dflash.export import ARCHITECTURES
+    from csbp.training.checkpoint import find_latest_checkpoint
+
+    if not run_dir.is_dir():
+        raise ValueError(f"--run-dir {run_dir} is not a directory")
+    final_config = run_dir / "final" / "config.json"
+    if final_config.is_file():
+        architectures = _read_json(final_config).get("architectures") or []
+        if architectures and architectures[0] in ARCHITECTURES:
+            return run_dir / "final", None
+        raise ValueError(f"{final_config} is not a DFlash drafter ({architectures}); was this a dflash run?")
+    latest = find_latest_checkpoint(run_dir)
+    if latest is None:
+        raise ValueError(
+            f"--run-dir {run_dir} has neither final/ nor a checkpoint; pass --drafter or --checkpoint"
+        )
+    return None, latest
+
+
+def _run_config(checkpoint: Path) -> dict[str, Any]:
+    """The run config recorded in the checkpoint's ``trainer_state.json`` (empty if none)."""
+    state_file = checkpoint / "trainer_state.json"
+    if not state_file.is_file():
+        return {}
+    text = _read_json(state_file).get("config_yaml") or ""
+    loaded = yaml.safe_load(text) if text else None
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def drafter_from_checkpoint(checkpoint: Path, target: Decoder, args: argparse.Namespace) -> DFlashDrafter:
+    """A ``DFlashDrafter`` from a DCP checkpoint: shapes from its metadata, the rest from the run config."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from csbp.dflash.drafter import DFlashDrafter
+
+    if not (checkpoint / ".metadata").is_file():
+        raise ValueError(
+            f"{checkpoint} is not a torch.distributed.checkpoint directory (.metadata not found)"
+        )
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    anchors = [key for key in metadata if key.startswith("model.") and key.endswith("fc.weight")]
+    if len(anchors) != 1:
+        raise ValueError(
+            f"{checkpoint}: no single drafter 'fc.weight' under 'model' (found {anchors}); not a dflash run?"
+        )
+    prefix = anchors[0][: -len("fc.weight")]
+    shapes = {
+        key[len(prefix) :]: (tuple(meta.size), meta.properties.dtype)  # type: ignore[union-attr]
+        for key, meta in metadata.items()
+        if key.startswith(prefix) and hasattr(meta, "size")
+    }
+    config = _checkpoint_drafter_config(
+        {k: s for k, (s, _) in shapes.items()}, target.config, _run_config(checkpoint), args
+    )
+    drafter = DFlashDrafter(config, device="meta")
+    expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+    found = {name: shape for name, (shape, _) in shapes.items()}
+    if expected != found:
+        diff = sorted(set(expected.items()) ^ set(found.items()))[:3]
+        raise ValueError(f"{checkpoint}: drafter tensors do not match the inferred config, e.g. {diff}")
+    template = {
+        prefix[:-1]: {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.load(template, checkpoint_id=str(checkpoint), no_dist=True)
+    drafter.load_state_dict(template[prefix[:-1]], assign=True)
+    drafter.attach_target(target)
+    return drafter
+
+
+def _checkpoint_drafter_config(
+    shapes: dict[str, tuple[int, ...]],
+    target_config: DecoderConfig,
+    run: dict[str, Any],
+    args: argparse.Namespace,
+) -> DFlashConfig:
+    """Shapes (layers, widths, heads, DFlash2 modules) from the tensors; the rest from the run config
+    (``objective.block_size``, ``objective.mask_token_id`` or the data artifact's, ``objective.dflash``)
+    unless overridden on the command line."""
+    from csbp.dflash.config import DFlashConfig, default_target_layer_ids
+
+    objective = run.get("objective") if isinstance(run.get("objective"), dict) else {}
+    dflash = objective.get("dflash") if isinstance(objective.get("dflash"), dict) else {}
+    hidden = target_config.hidden_size
+    num_layers = len({key.split(".")[1] for key in shapes if key.startswith("layers.")})
+    required = (
+        "layers.0.self_attn.q_norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.mlp.gate_proj.weight",
+    )
+    if num_layers == 0 or shapes["fc.weight"][0] != hidden or any(k not in shapes for k in required):
+        raise ValueError(
+            f"the checkpoint's drafter (fc {shapes['fc.weight']}, {num_layers} layers) does not fit a "
+            f"target of "
+            f"hidden size {hidden}; pass the target it was trained against"
+        )
+    head_dim = shapes["layers.0.self_attn.q_norm.weight"][0]
+    block_size = args.block_size if args.block_size is not None else objective.get("block_size")
+    mask_token_id = args.mask_token_id if args.mask_token_id is not None else objective.get("mask_token_id")
+    if mask_token_id is None:
+        mask_token_id = _artifact_mask_token(run)
+    if block_size is None or mask_token_id is None:
+        raise ValueError(
+            "the checkpoint's run config records no block_size or mask_token_id; "
+            "pass --block-size and --mask-token-id"
+        )
+    layer_ids = args.layer_ids or dflash.get("target_layer_ids")
+    if layer_ids is None:
+        layer_ids = default_target_layer_ids(target_config.num_layers, num_layers)
+    if len(layer_ids) * hidden != shapes["fc.weight"][1]:
+        raise ValueError(
+            f"target_layer_ids {list(layer_ids)} do not match the drafter's fc width "
+            f"{shapes['fc.weight'][1]}; "
+            "pass --layer-ids"
+        )
+    options: dict[str, Any] = {}
+    if "layers.0.attn_conv.base" in shapes:
+        taps = shapes["layers.0.attn_conv.base"][1]
+        groups = shapes["layers.0.attn_conv.kernel_proj.weight"][0] // (2 * taps)
+        options.update(conv_kernel_size=taps, conv_group_size=hidden // groups)
+    if "selector.pred_embed" in shapes:
+        options.update(
+            selector_rank=shapes["selector.pred_embed"][1],
+            selector_top_k=int(dflash.get("selector_top_k", 16)),
+        )
+    for key in ("layer_types", "sliding_window", "sliding_window_causal"):
+        if dflash.get(key) is not None:
+            options[key] = tuple(dflash[key]) if key == "layer_types" else dflash[key]
+    return DFlashConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=shapes["layers.0.mlp.gate_proj.weight"][0],
+        num_layers=num_layers,
+        num_heads=shapes["layers.0.self_attn.q_proj.weight"][0] // head_dim,
+        num_kv_heads=shapes["layers.0.self_attn.k_proj.weight"][0] // head_dim,
+        head_dim=head_dim,
+        num_target_layers=target_config.num_layers,
+        mask_token_id=int(mask_token_id),
+        block_size=int(block_size),
+        target_layer_ids=tuple(int(i) for i in layer_ids),
+        rope_theta=target_config.rope_theta,
+        rms_norm_eps=target_config.rms_norm_eps,
+        **options,
+    )
+
+
+def _artifact_mask_token(run: dict[str, Any]) -> int | None:
+    data = run.get("data") if isinstance(run.get("data"), dict) else {}
+    manifest = Path(str(data.get("train", ""))) / "manifest.json"
+    if not data.get("train") or not manifest.is_file():
+        return None
+    mask = (_read_json(manifest).get("special_ids") or {}).get("mask")
+    return None if mask is None else int(mask)
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from csbp.data.artifact import open_artifact
+    from csbp.data.tokenizer import load_tokenizer
+    from csbp.dflash.evaluate import artifact_prompts, evaluate_drafter, format_report, jsonl_prompts
+    from csbp.dflash.export import load_dflash
+
+    if args.max_new_tokens < 1 or args.num_prompts < 1 or args.prompt_len < 1:
+        raise ValueError("--max-new-tokens, --num-prompts and --prompt-len must be >= 1")
+    target = _load_target(args.target, args)
+    if not args.drafter.is_dir():
+        raise ValueError(f"--drafter {args.drafter} is not a directory; pass a csbp dflash export directory")
+    drafter = load_dflash(
+        args.drafter, target, dtype=target.embed_tokens.weight.dtype, device=target.embed_tokens.weight.device
+    )
+    drafter.eval()
+    eos_id = args.eos_id
+    if args.data is not None:
+        artifact = open_artifact(args.data)
+        artifact.require_vocab_size(target.config.vocab_size)
+        split = artifact.split(args.split)
+        prompts = artifact_prompts(
+            split.tokens,
+            split.doc_ids,
+            num_prompts=args.num_prompts,
+            prompt_len=args.prompt_len,
+            group=args.split,
+        )
+        eos_id = artifact.special_ids["eos"] if eos_id is None else eos_id
+    else:
+        tokenizer = load_tokenizer(args.tokenizer if args.tokenizer is not None else args.target)
+        prompts = jsonl_prompts(
+            args.prompts, tokenizer.encode, num_prompts=args.num_prompts, prompt_len=args.prompt_len
+        )
+        eos_id = tokenizer.eos_id if eos_id is None else eos_id
+        too_big = [p.name for p in prompts if max(p.token_ids) >= target.config.vocab_size]
+        if too_big:
+            raise ValueError(
+                f"{args.prompts} {too_big[0]}: token ids exceed the target vocabulary; "
+                "is --tokenizer the target's?"
+            )
+    if args.ignore_eos:
+        eos_id = None
+    cfg = drafter.config
+    print(
+        f"csbp dflash eval: {len(prompts)} prompts, max {args.max_new_tokens} new tokens, "
+        f"block_size {cfg.block_size}, target layers {list(cfg.target_layer_ids or ())}, eos {eos_id}, "
+        f"lossless check {'on' if args.check_lossless else 'off'}",
+        flush=True,
+    )
+    summary = evaluate_drafter(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        eos_id=eos_id,
+        check_lossless=args.check_lossless,
+    )
+    for mismatch in summary.mismatches:
+        print(
+            f"csbp: error: lossless check failed for {mismatch.prompt.name}: speculative output differs "
+            f"from plain greedy at new token {mismatch.first_mismatch()}",
+            file=sys.stderr,
+        )
+    print(format_report(summary))
+    return 1 if summary.mismatches else 0

@@ -1,0 +1,285 @@
+"""Drafter evaluation: acceptance length, its histogram, target-forward savings and a lossless check
+over a set of prompts (objectives.md §7, the metric of the DFlash paper and of z-lab's benchmark).
+
+Per prompt :func:`evaluate_drafter` runs :func:`csbp.dflash.speculative.speculative_generate` and,
+with ``check_lossless``, the target's plain greedy decoding, and compares them token for token.
+
+* **acceptance length**: the mean over prompts of each prompt's mean ``τ_r`` (prompts without a
+  verify round, e.g. EOS straight after the prefill, are left out);
+* **histogram**: how many rounds accepted ``τ = 1 … B`` tokens;
+* **target forwards**: speculative ``1 + rounds`` per prompt versus plain greedy's one per new token
+  (the same tokens, so the same count as the kept output); ``reduction`` is their ratio;
+* wall-clock seconds of both loops (informational: on a CPU with tiny models drafting costs as
+  much as verifying).
+
+Prompts come from a prepared artifact (:func:`artifact_prompts`: the first ``P`` tokens of rows of
+a split) or a JSONL file of ``{"prompt": text, "group": name}`` lines (:func:`jsonl_prompts`; the
+group is optional and only groups the printed tables).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from csbp.dflash.drafter import DFlashDrafter
+from csbp.dflash.speculative import greedy_generate, speculative_generate
+from csbp.models.decoder import Decoder
+
+
+@dataclass(frozen=True)
+class EvalPrompt:
+    """One prompt: a display ``name``, its ``group`` and its token ids."""
+
+    name: str
+    group: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PromptEval:
+    """Results of one prompt (``greedy_tokens`` is None without the lossless check)."""
+
+    prompt: EvalPrompt
+    tokens: list[int]
+    acceptance_lengths: list[int]
+    target_forwards: int
+    spec_seconds: float
+    greedy_tokens: list[int] | None
+    greedy_seconds: float | None
+
+    @property
+    def rounds(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def greedy_forwards(self) -> int:
+        """Plain greedy runs one target forward per new token."""
+        return len(self.tokens)
+
+    @property
+    def lossless(self) -> bool | None:
+        return None if self.greedy_tokens is None else self.greedy_tokens == self.tokens
+
+    def first_mismatch(self) -> int | None:
+        """Index of the first differing token (or the shorter length), None when equal/unchecked."""
+        if self.greedy_tokens is None or self.greedy_tokens == self.tokens:
+            return None
+        for index, (a, b) in enumerate(zip(self.tokens, self.greedy_tokens)):
+            if a != b:
+                return index
+        return min(len(self.tokens), len(self.greedy_tokens))
+
+
+@dataclass(frozen=True)
+class EvalSummary:
+    """All prompts of one evaluation and the aggregate metrics (module docstring)."""
+
+    block_size: int
+    prompts: list[PromptEval]
+
+    @property
+    def acceptance_length(self) -> float:
+        means = [p.mean_acceptance_length for p in self.prompts if p.rounds]
+        return sum(means) / len(means) if means else float("nan")
+
+    @property
+    def histogram(self) -> list[int]:
+        """Rounds with ``τ = 1 … B`` (index ``τ − 1``)."""
+        counts = [0] * self.block_size
+        for prompt in self.prompts:
+            for tau in prompt.acceptance_lengths:
+                counts[tau - 1] += 1
+        return counts
+
+    @property
+    def target_forwards(self) -> int:
+        return sum(p.target_forwards for p in self.prompts)
+
+    @property
+    def greedy_forwards(self) -> int:
+        return sum(p.greedy_forwards for p in self.prompts)
+
+    @property
+    def reduction(self) -> float:
+        """Plain-greedy target forwards divided by speculative ones."""
+        return self.greedy_forwards / self.target_forwards if self.target_forwards else float("nan")
+
+    @property
+    def mismatches(self) -> list[PromptEval]:
+        return [p for p in self.prompts if p.lossless is False]
+
+
+def evaluate_drafter(
+    target: Decoder,
+    drafter: DFlashDrafter,
+    prompts: Sequence[EvalPrompt],
+    *,
+    max_new_tokens: int,
+    eos_id: int | None = None,
+    check_lossless: bool = True,
+    progress: Callable[[PromptEval], None] | None = None,
+) -> EvalSummary:
+    """Speculative decoding (and plain greedy with ``check_lossless``) of every prompt."""
+    if not prompts:
+        raise ValueError("no prompts to evaluate: pass at least one prompt")
+    results = []
+    for prompt in prompts:
+        started = time.perf_counter()
+        spec = speculative_generate(
+            target, drafter, prompt.token_ids, max_new_tokens=max_new_tokens, eos_id=eos_id
+        )
+        spec_seconds = time.perf_counter() - started
+        greedy_tokens, greedy_seconds = None, None
+        if check_lossless:
+            started = time.perf_counter()
+            greedy_tokens = greedy_generate(
+                target, prompt.token_ids, max_new_tokens=max_new_tokens, eos_id=eos_id
+            ).tokens
+            greedy_seconds = time.perf_counter() - started
+        result = PromptEval(
+            prompt,
+            spec.tokens,
+            spec.acceptance_lengths,
+            spec.target_forwards,
+            spec_seconds,
+            greedy_tokens,
+            greedy_seconds,
+        )
+        results.append(result)
+        if progress is not None:
+            progress(result)
+    return EvalSummary(drafter.config.block_size, results)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def artifact_prompts(
+    tokens_RL: np.ndarray, doc_ids_RL: np.ndarray, *, num_prompts: int, prompt_len: int, group: str = "val"
+) -> list[EvalPrompt]:
+    """The first ``prompt_len`` tokens of the first ``num_prompts`` rows whose prefix holds no padding."""
+    if num_prompts < 1 or prompt_len < 1:
+        raise ValueError(f"num_prompts ({num_prompts}) and prompt_len ({prompt_len}) must be >= 1")
+    num_rows, seq_len = tokens_RL.shape
+    if num_rows == 0:
+        raise ValueError(f"the artifact's {group} split has no rows; pick another --split")
+    if prompt_len > seq_len:
+        raise ValueError(f"--prompt-len {prompt_len} exceeds the artifact's seq_len {seq_len}; lower it")
+    prompts = []
+    for row in range(num_rows):
+        if (np.asarray(doc_ids_RL[row, :prompt_len]) < 0).any():
+            continue
+        ids = tuple(int(t) for t in np.asarray(tokens_RL[row, :prompt_len]))
+        prompts.append(EvalPrompt(f"row {row}", group, ids))
+        if len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"no row of the split has {prompt_len} unpadded tokens; lower --prompt-len")
+    return prompts
+
+
+def jsonl_prompts(
+    path: Path,
+    encode: Callable[[str], list[int]],
+    *,
+    num_prompts: int | None = None,
+    prompt_len: int | None = None,
+) -> list[EvalPrompt]:
+    """Prompts of a JSONL file (``{"prompt": text}`` per line, optional ``"group"``), tokenized with
+    ``encode``; ``prompt_len`` keeps the last tokens of longer prompts."""
+    if not path.is_file():
+        raise ValueError(f'--prompts {path} is not a file; pass a JSONL file of {{"prompt": ...}} lines')
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: malformed JSON ({exc.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{path}:{number}: expected an object with a string field "prompt"')
+        ids = encode(record["prompt"])
+        if not ids:
+            raise ValueError(f"{path}:{number}: the prompt encodes to no tokens")
+        if prompt_len is not None:
+            ids = ids[-prompt_len:]
+        prompts.append(EvalPrompt(f"line {number}", str(record.get("group", "prompts")), tuple(ids)))
+        if num_prompts is not None and len(prompts) == num_prompts:
+            break
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _fmt(value: float) -> str:
+    return "nan" if math.isnan(value) else f"{value:.3f}"
+
+
+def format_prompt_tables(summary: EvalSummary) -> str:
+    """One table per prompt group: a row per prompt and the group's mean acceptance length."""
+    lines = []
+    header = (
+        f"{'prompt':<12} {'P':>5} {'new':>5} {'rounds':>6} {'tau':>6} {'fwd spec':>8} {'fwd greedy':>10} "
+        f"{'lossless':>8}"
+    )
+    groups = list(dict.fromkeys(p.prompt.group for p in summary.prompts))
+    for group in groups:
+        members = [p for p in summary.prompts if p.prompt.group == group]
+        lines += [f"[{group}]", header, "-" * len(header)]
+        for p in members:
+            lossless = "-" if p.lossless is None else ("yes" if p.lossless else "NO")
+            lines.append(
+                f"{p.prompt.name:<12} {len(p.prompt.token_ids):>5} {len(p.tokens):>5} {p.rounds:>6} "
+                f"{_fmt(p.mean_acceptance_length):>6} {p.target_forwards:>8} {p.greedy_forwards:>10} "
+                f"{lossless:>8}"
+            )
+        means = [p.mean_acceptance_length for p in members if p.rounds]
+        group_mean = sum(means) / len(means) if means else float("nan")
+        lines.append(f"group {group}: {len(members)} prompts, acceptance length {_fmt(group_mean)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def format_report(summary: EvalSummary) -> str:
+    """Tables, histogram, forward counts and timing; the last line is ``acceptance_length: <value>``."""
+    lines = [format_prompt_tables(summary)]
+    histogram = summary.histogram
+    total = sum(histogram) or 1
+    lines.append(f"acceptance histogram over {sum(histogram)} verify rounds (tau = accepted drafts + 1):")
+    for tau, count in enumerate(histogram, start=1):
+        lines.append(
+            f"  tau={tau:<3} {count:>6}  {100.0 * count / total:5.1f}%  {'#' * round(40 * count / total)}"
+        )
+    lines.append(
+        f"target forwards: speculative {summary.target_forwards} vs plain greedy {summary.greedy_forwards} "
+        f"(reduction {summary.reduction:.2f}x)"
+    )
+    spec_s = sum(p.spec_seconds for p in summary.prompts)
+    greedy = [p.greedy_seconds for p in summary.prompts if p.greedy_seconds is not None]
+    if len(greedy) == len(summary.prompts):
+        lines.append(
+            f"wall time: speculative {spec_s:.2f} s vs plain greedy {sum(greedy):.2f} s "
+            "(informational; tiny CPU models spend as long drafting as verifying)"
+        )
+        verdict = "FAILED" if summary.mismatches else "passed"
+        identical = len(summary.prompts) - len(summary.mismatches)
+        lines.append(f"lossless check {verdict}: {identical}/{len(summary.prompts)} identical")
+    else:
+        lines.append(f"wall time: speculative {spec_s:.2f} s (lossless check skipped)")
+    lines.append(f"acceptance_length: {_fmt(summary.acceptance_length)}")
+    return "\n".join(lines)

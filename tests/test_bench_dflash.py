@@ -1,0 +1,149 @@
+"""``csbp bench dflash``: a smoke run through the command (seq len 64, 2 gloo processes, one warmup
+and one measured step, all three layouts), the FLOP accounting and the layout choices.
+
+Beyond "it runs" the smoke run checks what the layouts must satisfy: the same step-0 loss in every
+layout (same weights, batch and anchors; float32, 1e-5 relative), no attention traffic in BP-only
+(context replicated), and fewer drafter FLOPs per rank in CSBP than in CP-only (CP-only ranks
+process every anchor).
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_bench_dflash.py -q``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from csbp.bench.dflash_bench import (
+    DFlashBenchConfig,
+    DFlashRecord,
+    dflash_topologies,
+    drafter_step_flops,
+    format_table,
+    register_dflash_bench,
+    run_dflash_bench,
+)
+from csbp.dflash.layouts import AnchorPacket, DFlashLayout, full_packet, owned_packet
+
+RECORD_KEYS = {
+    "layout",
+    "cp",
+    "bp",
+    "dp",
+    "seq_len",
+    "anchors",
+    "block_size",
+    "nproc",
+    "samples",
+    "step_time_s",
+    "drafter_flops_per_rank",
+    "attention_bytes_per_rank",
+    "peak_mem_bytes",
+    "loss_step0",
+}
+TINY = ["--block-size", "4", "--vocab-size", "64", "--hidden-size", "32", "--intermediate-size", "64"]
+TINY += ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="csbp bench")
+    register_dflash_bench(parser.add_subparsers(dest="bench_command"))
+    return parser.parse_args(argv)
+
+
+@pytest.mark.multiprocess
+def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench" / "dflash.json"
+    argv = ["dflash", "--seq-lens", "64", "--anchors", "8", "--nproc", "2", "--repeats", "1", "--warmup", "1"]
+    args = parse([*argv, *TINY, "--layouts", "cp", "csbp", "bp", "--json", str(out)])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "x cp" in printed and f"wrote {out}" in printed
+
+    records = json.loads(out.read_text())
+    assert [r["layout"] for r in records] == ["cp", "csbp", "bp"]
+    for record in records:
+        assert set(record) == RECORD_KEYS
+        assert (record["seq_len"], record["anchors"], record["nproc"], record["samples"]) == (64, 8, 2, 1)
+        assert (
+            record["step_time_s"] > 0
+            and record["peak_mem_bytes"] >= 0
+            and record["drafter_flops_per_rank"] > 0
+        )
+    by_layout = {r["layout"]: r for r in records}
+    assert [(by_layout[n]["cp"], by_layout[n]["bp"], by_layout[n]["dp"]) for n in ("cp", "csbp", "bp")] == [
+        (2, 1, 1),
+        (2, 2, 1),
+        (1, 2, 1),
+    ]
+    losses = [r["loss_step0"] for r in records]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
+    assert by_layout["bp"]["attention_bytes_per_rank"] == 0
+    assert (
+        by_layout["cp"]["attention_bytes_per_rank"] > 0 and by_layout["csbp"]["attention_bytes_per_rank"] > 0
+    )
+    assert by_layout["csbp"]["drafter_flops_per_rank"] < by_layout["cp"]["drafter_flops_per_rank"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _config(**options: object) -> DFlashBenchConfig:
+    base = {"block_size": 4, "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "head_dim": 8}
+    return DFlashBenchConfig(seq_len=64, anchors=8, **{**base, **options})  # type: ignore[arg-type]
+
+
+def test_flops_of_one_anchor_by_hand() -> None:
+    """Hidden 32, 4/2 heads x 8, MLP 64, vocab 64, B = 4, one layer fusing one target layer;
+    one anchor at 10 in a 64-token sequence, 6 context rows."""
+    config = _config(num_target_layers=2).drafter_config()
+    packet = AnchorPacket(torch.tensor([0]), torch.tensor([10]), torch.tensor([0]), torch.tensor([True]))
+    block_row = 2 * 32 * (32 + 16 + 16 + 32) + 3 * 2 * 32 * 64  # q, k, v, o + gate, up, down
+    context_row = 2 * 32 * (16 + 16)  # the layer's k, v of a context row
+    expected = 3 * (4 * block_row + 6 * context_row)  # trainable, input needs grad: fwd + 2 bwd
+    expected += 2 * 6 * 2 * 32 * 32  # fc (32 -> 32): forward + weight gradient
+    expected += 2 * 3 * 2 * 32 * 64  # frozen head on slots 1..3: forward + input gradient
+    expected += 4 * (4 + 10) * 4 * (14 * 8)  # 4 rows x 14 keys, 4 heads, 4d fwd + 10d bwd per pair
+    assert drafter_step_flops(config, packet, 6, 64) == expected
+
+
+def test_cp_only_ranks_replicate_the_anchor_work() -> None:
+    config = _config().drafter_config()
+    anchors, doc_start = torch.tensor([3, 9, 20, 31, 40, 47, 55, 60]), torch.zeros(8, dtype=torch.long)
+    full = drafter_step_flops(config, full_packet(anchors, doc_start), 0, 64)
+    shares = [
+        drafter_step_flops(
+            config,
+            owned_packet(anchors, doc_start, DFlashLayout(2, r, 2, r, 2.0), context="strict", min_bucket=1),
+            0,
+            64,
+        )
+        for r in range(2)
+    ]
+    assert sum(shares) == full and max(shares) < full  # BP splits the anchors; CP-only ranks do all
+
+
+def test_layouts_and_validation() -> None:
+    topologies = dflash_topologies(4, 2, 2)
+    assert (topologies["csbp"].dp, topologies["csbp"].cp, topologies["csbp"].bp) == (2, 2, 2)
+    assert (topologies["cp"].cp, topologies["bp"].bp) == (4, 4)
+    with pytest.raises(ValueError, match="does not divide nproc=4"):
+        dflash_topologies(4, 3, 3)
+    with pytest.raises(ValueError, match="multiple of every layout's dp"):
+        run_dflash_bench([64], [8], layouts=["cp", "csbp"], nproc=4, csbp_cp=2, csbp_bp=2, samples=3)
+    with pytest.raises(ValueError, match="multiple of 2\\*cp=8"):
+        run_dflash_bench([36], [8], layouts=["cp"], nproc=4)
+    with pytest.raises(ValueError, match="anchors=2 must be >= bp=4"):
+        run_dflash_bench([64], [2], layouts=["csbp"], nproc=4)
+
+
+def test_table_ratios_relative_to_cp() -> None:
+    def record(layout: str, step: float, flops: int) -> DFlashRecord:
+        return DFlashRecord(layout, 2, 2, 1, 1024, 16, 16, 2, 1, step, flops, 1 << 20, 1 << 20, 3.0)
+
+    rows = [
+        line.split()
+        for line in format_table([record("cp", 2.0, 4000), record("csbp", 1.0, 1000)]).splitlines()[2:]
+    ]
+    assert rows[1][:3] == ["16", "1024", "csbp"] and rows[1][7] == "0.50" and rows[1][9] == "0.25"

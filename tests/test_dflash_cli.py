@@ -1,0 +1,330 @@
+"""``csbp dflash prepare-features|export|eval`` end to end through ``csbp.cli.main.main``.
+
+Fixtures: a byte-level BPE tokenizer trained on a tiny corpus and an artifact prepared with it
+(seq_len 32, a val split), a tiny random target exported with ``export_hf_checkpoint`` (with the
+tokenizer) and an untrained drafter exported with ``export_dflash`` (``B = 4``, target layers 0, 2).
+The commands must: write validated features equal to the online capture; re-export a drafter
+directory, a run's ``final/`` and a ``torch.distributed.checkpoint`` checkpoint to identical tensors;
+evaluate with a passing lossless check and ``acceptance_length: <value>`` as the last line; exit 1
+when speculative and greedy outputs differ; and reject mismatched target/drafter pairs with one
+``csbp: error:`` line (exit 2).
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_dflash_cli.py -q``
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from safetensors.torch import load_file
+
+import csbp.cli.main as cli_main
+from csbp.data.artifact import open_artifact
+from csbp.data.prepare import PrepareConfig, prepare_artifact
+from csbp.dflash.config import DFlashConfig
+from csbp.dflash.drafter import DFlashDrafter
+from csbp.dflash.export import export_dflash
+from csbp.dflash.features import capture_target_features, open_features
+from csbp.dflash.speculative import GreedyResult
+from csbp.models.config import DecoderConfig
+from csbp.models.decoder import Decoder
+from csbp.models.hf_io import export_hf_checkpoint
+
+WORDS = "the cat sat on a mat while the dog ran to the park and back again".split()
+
+
+def run_cli(argv: list[str]) -> int:
+    return cli_main.main(argv)
+
+
+def _target_config(vocab_size: int, hidden_size: int = 32) -> DecoderConfig:
+    return DecoderConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
+
+
+def _drafter(config: DecoderConfig, mask_token_id: int) -> DFlashDrafter:
+    drafter_config = DFlashConfig.from_target(
+        config, num_layers=1, block_size=4, mask_token_id=mask_token_id, target_layer_ids=(0, 2)
+    )
+    return DFlashDrafter(drafter_config, seed=3)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dflash_cli")
+    corpus = root / "corpus.jsonl"
+    generator = torch.Generator().manual_seed(0)
+    with corpus.open("w") as handle:
+        for _ in range(24):
+            words = [WORDS[int(i)] for i in torch.randint(0, len(WORDS), (30,), generator=generator)]
+            handle.write(json.dumps({"text": " ".join(words)}) + "\n")
+    artifact_dir = root / "artifact"
+    prepare_artifact(
+        PrepareConfig(
+            inputs=(corpus,),
+            out_dir=artifact_dir,
+            seq_len=32,
+            train_tokenizer=True,
+            vocab_size=300,
+            val_fraction=0.25,
+        )
+    )
+    artifact = open_artifact(artifact_dir)
+    tokenizer = artifact.load_tokenizer()
+    config = _target_config(tokenizer.vocab_size)
+    target = Decoder(config, seed=1)
+    target_dir = export_hf_checkpoint(target, config, root / "target", tokenizer_dir=artifact_dir)
+    drafter_dir = export_dflash(_drafter(config, tokenizer.mask_token_id), root / "drafter")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "the cat sat on", "group": "animals"})
+        + "\n"
+        + json.dumps({"prompt": "the park and back"})
+        + "\n"
+    )
+    return {
+        "root": root,
+        "artifact": artifact_dir,
+        "target": target_dir,
+        "drafter": drafter_dir,
+        "prompts": prompts,
+    }
+
+
+def _eval_argv(ws: dict[str, Path], *extra: str) -> list[str]:
+    return ["dflash", "eval", "--target", str(ws["target"]), "--drafter", str(ws["drafter"]), *extra]
+
+
+def test_eval_on_artifact_and_jsonl_prompts(
+    workspace: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = _eval_argv(
+        workspace, "--data", str(workspace["artifact"]), "--num-prompts", "2", "--prompt-len", "8"
+    )
+    assert run_cli([*argv, "--max-new-tokens", "10", "--ignore-eos"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert re.fullmatch(r"acceptance_length: \d+\.\d{3}", out[-1]), out[-1]
+    assert 1.0 <= float(out[-1].split()[1]) <= 4.0
+    assert "lossless check passed: 2/2 identical" in out and "[val]" in out
+    assert any(line.startswith("target forwards: speculative") for line in out)
+
+    argv = _eval_argv(workspace, "--prompts", str(workspace["prompts"]), "--max-new-tokens", "6")
+    assert run_cli(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "[animals]" in out and "[prompts]" in out
+    assert out[-1].startswith("acceptance_length: ")
+
+
+def test_eval_exits_1_when_outputs_differ(
+    workspace: dict[str, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def wrong_greedy(target, prompt_ids, *, max_new_tokens, eos_id=None):  # noqa: ANN001, ANN202
+        return GreedyResult([0] * max_new_tokens, max_new_tokens, False)
+
+    monkeypatch.setattr("csbp.dflash.evaluate.greedy_generate", wrong_greedy)
+    argv = _eval_argv(
+        workspace, "--prompts", str(workspace["prompts"]), "--max-new-tokens", "5", "--ignore-eos"
+    )
+    assert run_cli(argv) == 1
+    captured = capsys.readouterr()
+    assert "csbp: error: lossless check failed for line 1" in captured.err
+    assert "lossless check FAILED" in captured.out
+    assert captured.out.strip().splitlines()[-1].startswith("acceptance_length: ")
+    # without the check the same run passes
+    assert run_cli([*argv, "--no-check-lossless"]) == 0
+    assert "lossless check skipped" in capsys.readouterr().out
+
+
+def _edit_config(source: Path, dest: Path, edit) -> Path:  # noqa: ANN001
+    dest.mkdir()
+    (dest / "model.safetensors").write_bytes((source / "model.safetensors").read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    edit(config)
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+def test_mismatched_target_and_drafter_are_one_line_errors(
+    workspace: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, vocab = workspace["root"], open_artifact(workspace["artifact"]).vocab_size
+    wide = export_dflash(_drafter(_target_config(vocab, hidden_size=48), 1), root / "wide_drafter")
+    other_vocab = export_dflash(_drafter(_target_config(vocab + 8), 1), root / "vocab_drafter")
+    no_mask = _edit_config(
+        workspace["drafter"], root / "no_mask", lambda c: c["dflash_config"].pop("mask_token_id")
+    )
+    bad_ids = _edit_config(
+        workspace["drafter"], root / "bad_ids", lambda c: c["dflash_config"].update(target_layer_ids=[0, 4])
+    )
+    cases = {
+        wide: "drafter hidden_size=48 differs from the target's 32",
+        other_vocab: f"drafter vocab_size={vocab + 8} differs from the target's {vocab}",
+        no_mask: "no mask_token_id",
+        bad_ids: r"target_layer_ids=\[0, 4\]",
+    }
+    for drafter_dir, message in cases.items():
+        argv = ["dflash", "eval", "--target", str(workspace["target"]), "--drafter", str(drafter_dir)]
+        assert run_cli([*argv, "--prompts", str(workspace["prompts"])]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("csbp: error: ") and re.search(message, err[0]), err
+
+
+def test_prepare_features_matches_online_capture(
+    workspace: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = workspace["root"] / "features"
+    argv = [
+        "dflash",
+        "prepare-features",
+        "--target",
+        str(workspace["target"]),
+        "--data",
+        str(workspace["artifact"]),
+    ]
+    argv += [
+        "--out",
+        str(out),
+        "--drafter",
+        str(workspace["drafter"]),
+        "--split",
+        "val",
+        "--dtype",
+        "float32",
+    ]
+    assert run_cli(argv) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    artifact = open_artifact(workspace["artifact"])
+    split = artifact.split("val")
+    target_config = _target_config(artifact.vocab_size)
+    store = open_features(out, target_config=target_config, split=split, layer_ids=(0, 2))
+    target = Decoder(target_config, seed=1)
+    ids = torch.from_numpy(split.tokens[:1].astype("int64"))
+    docs = torch.from_numpy(split.doc_ids[:1].astype("int64"))
+    expected = capture_target_features(target, ids, (0, 2), doc_ids_SL=docs).features
+    torch.testing.assert_close(store.rows([0]).features, expected, rtol=0, atol=1e-6)
+
+    bad = [
+        "dflash",
+        "prepare-features",
+        "--target",
+        str(workspace["target"]),
+        "--data",
+        str(workspace["artifact"]),
+    ]
+    assert run_cli([*bad, "--out", str(out) + "2", "--layer-ids", "0", "9"]) == 2
+    assert "--layer-ids [9] are outside the target's layers [0, 4)" in capsys.readouterr().err
+
+
+def _same_tensors(a: Path, b: Path) -> None:
+    left, right = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert left.keys() == right.keys()
+    for name in left:
+        assert torch.equal(left[name], right[name]), name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_export_from_drafter_run_final_and_checkpoint(
+    workspace: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, target = workspace["root"], str(workspace["target"])
+    again = root / "exported"
+    assert (
+        run_cli(
+            [
+                "dflash",
+                "export",
+                "--drafter",
+                str(workspace["drafter"]),
+                "--target",
+                target,
+                "--out",
+                str(again),
+            ],
+        )
+        == 0
+    )
+    assert "DFlash drafter, 1 layers, block_size 4, target_layer_ids [0, 2]" in capsys.readouterr().out
+    _same_tensors(workspace["drafter"], again)
+    assert json.loads((again / "config.json").read_text()) == json.loads(
+        (workspace["drafter"] / "config.json").read_text()
+    )
+
+    run = root / "run"
+    export_dflash(_drafter(_target_config(open_artifact(workspace["artifact"]).vocab_size), 7), run / "final")
+    assert (
+        run_cli(
+            ["dflash", "export", "--run-dir", str(run), "--target", target, "--out", str(root / "from_run")],
+        )
+        == 0
+    )
+    _same_tensors(run / "final", root / "from_run")
+
+    # a torch.distributed.checkpoint checkpoint as the trainer writes it: {"model": ..., "optim": ...}
+    vocab = open_artifact(workspace["artifact"]).vocab_size
+    drafter = _drafter(_target_config(vocab), 11)
+    step_dir = root / "ckpt_run" / "checkpoints" / "step_0000010"
+    dcp.save({"model": drafter.state_dict(), "optim": {}}, checkpoint_id=str(step_dir), no_dist=True)
+    run_config = {
+        "objective": {
+            "name": "dflash",
+            "block_size": 4,
+            "mask_token_id": 1,
+            "dflash": {"target_layer_ids": [0, 2]},
+        }
+    }
+    (step_dir / "trainer_state.json").write_text(
+        json.dumps({"step": 10, "config_yaml": yaml.safe_dump(run_config)})
+    )
+    (step_dir.parent / "latest").write_text("step_0000010\n")
+    out = root / "from_checkpoint"
+    assert (
+        run_cli(
+            [
+                "dflash",
+                "export",
+                "--run-dir",
+                str(root / "ckpt_run"),
+                "--target",
+                target,
+                "--out",
+                str(out),
+                "--dtype",
+                "bfloat16",
+            ],
+        )
+        == 0
+    )
+    stored = load_file(str(out / "model.safetensors"))
+    assert stored.keys() == drafter.state_dict().keys()
+    for name, tensor in drafter.state_dict().items():
+        assert stored[name].dtype == torch.bfloat16 and torch.equal(
+            stored[name], tensor.to(torch.bfloat16)
+        ), name
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"] == {
+        "mask_token_id": 1,
+        "target_layer_ids": [0, 2],
+        "sliding_window_causal": True,
+    }
+
+    (step_dir / "trainer_state.json").write_text(json.dumps({"step": 10, "config_yaml": "run: {name: x}\n"}))
+    argv = ["dflash", "export", "--checkpoint", str(step_dir), "--target", target, "--out", str(root / "x")]
+    assert run_cli(argv) == 2
+    assert "pass --block-size and --mask-token-id" in capsys.readouterr().err
+    assert run_cli([*argv, "--block-size", "4", "--mask-token-id", "1"]) == 2
+    assert "do not match the drafter's fc width 64; pass --layer-ids" in capsys.readouterr().err
+    assert run_cli([*argv, "--block-size", "4", "--mask-token-id", "1", "--layer-ids", "0", "2"]) == 0
+    stored = load_file(str(root / "x" / "model.safetensors"))
+    assert all(torch.equal(stored[name], tensor) for name, tensor in drafter.state_dict().items())
