@@ -25,8 +25,28 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 
-demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/csbp bench attention --seq-lens 1024 2048 --nproc 4
+CSBP     := OMP_NUM_THREADS=1 $(VENV)/bin/csbp
+ARTIFACT := artifacts/demo
+
+# The embedded corpus, tokenized once (a BPE tokenizer is trained on it here).
+$(ARTIFACT)/manifest.json: $(STAMP)
+	$(CSBP) data prepare --demo-corpus --out $(ARTIFACT) --seq-len 256 --train-tokenizer \
+		--vocab-size 2048 --val-fraction 0.05 --overwrite
+
+# The main job: BD3 with CSBP (cp=2, bp=4) on 4 CPU processes; ends with a sample and
+# `val_loss: <first> -> <last>`.
+demo: $(ARTIFACT)/manifest.json
+	$(CSBP) train demo --run-dir runs/demo
+
+# A DFlash drafter: train a small AR target, then the drafter with CSBP (cp=2, bp=2), then
+# measure lossless speculative decoding; ends with `acceptance_length: <value>`.
+dflash-demo: $(ARTIFACT)/manifest.json
+	$(CSBP) train dflash-target --run-dir runs/dflash-target
+	$(CSBP) train dflash-demo --run-dir runs/dflash-demo
+	$(CSBP) dflash eval --target runs/dflash-target/final --drafter runs/dflash-demo/final --data $(ARTIFACT)
+
+bench: $(STAMP)
+	$(CSBP) bench attention --json docs/bench/attention.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -18,6 +18,11 @@ MDLM_PROMPT_TOKENS = 8
 MAX_STEPS_PER_BLOCK = 16
 
 
+SAMPLE_TEMPERATURE = 0.8
+"""Greedy decoding of a small, briefly trained model repeats its most frequent token; sample."""
+SAMPLE_TOP_K = 40
+
+
 def sample_after_training(cfg: RunConfig, inputs: RunInputs, model: Decoder) -> str:
     """``"<prompt> => <completion>"`` decoded with the artifact's tokenizer (or why there is none)."""
     name = cfg.objective.name
@@ -35,7 +40,8 @@ def sample_after_training(cfg: RunConfig, inputs: RunInputs, model: Decoder) -> 
         max_new_tokens=max(1, new_tokens),
         block_size=block_size,
         steps_per_block=min(block_size, MAX_STEPS_PER_BLOCK),
-        temperature=0.0,
+        temperature=SAMPLE_TEMPERATURE,
+        top_k=SAMPLE_TOP_K,
         seed=cfg.run.seed,
         token_shift=name == "fast_dllm_v2",
     )

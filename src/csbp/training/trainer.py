@@ -14,6 +14,10 @@ does that for ``csbp train``. Order of work:
 5. at the end: validate (when validation is on), checkpoint, export ``final/`` as a Hugging Face
    checkpoint with the tokenizer, print a sample (``train.generate_after``), draw ``loss.png``.
 
+``objective.name: dflash`` trains a DFlash drafter against a frozen target instead
+(:mod:`csbp.training.drafter`, :mod:`csbp.training.dflash_step`): the model that is optimised,
+averaged, checkpointed and resumed is the drafter; ``final/`` is the public DFlash drafter format.
+
 ``max_steps`` stops the run after that global step (default ``train.max_steps``) without changing
 the learning-rate schedule, so ``--max-steps k`` then ``--resume`` reproduces an uninterrupted run.
 Only rank 0 writes ``config.yaml``, metrics, plots and the export; all ranks write their DCP shards.
@@ -33,6 +37,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from csbp.config.loading import dump_config, write_config
 from csbp.config.schema import RunConfig
 from csbp.data.loader import PackedLoader
+from csbp.dflash.drafter import DFlashDrafter
 from csbp.engine.block_diffusion import RankPlan, build_rank_plan
 from csbp.engine.context import ParallelContext, build_parallel_context
 from csbp.models.hf_io import export_hf_checkpoint, hf_passthrough_config
@@ -43,6 +48,8 @@ from csbp.training.checkpoint import (
     rng_state,
     save_checkpoint,
 )
+from csbp.training.dflash_step import DFlashStepRunner
+from csbp.training.drafter import build_drafter, export_drafter
 from csbp.training.lr_schedule import build_lr_scheduler
 from csbp.training.metrics import MetricsWriter, peak_memory_bytes
 from csbp.training.model_factory import build_model, export_dtype
@@ -56,7 +63,7 @@ from csbp.training.parallelize import (
 )
 from csbp.training.preflight import RunInputs, check_run
 from csbp.training.sample import sample_after_training
-from csbp.training.step import StepRunner
+from csbp.training.step import EvalResult, StepRunner
 
 FINAL_DIR = "final"
 
@@ -105,6 +112,8 @@ class TrainSummary:
             lines.append(f"export      {self.final_dir}")
         if self.sample is not None:
             lines.append(f"sample      {self.sample}")
+        if val_first is not None:  # the demo's contract: this is the last line
+            lines.append(f"val_loss: {number(val_first)} -> {number(val_last)}")
         return "\n".join(lines)
 
 
@@ -163,9 +172,13 @@ def train(
     is_rank0 = ctx.coords.rank == 0
     torch.manual_seed(cfg.run.seed)
 
-    model = build_model(cfg, inputs.decoder_config, device=device)
-    if cfg.train.fsdp:
-        apply_fsdp(model, ctx, device)
+    model: torch.nn.Module
+    if inputs.dflash is not None:
+        model = build_drafter(cfg, inputs.dflash, device=device)
+    else:
+        model = build_model(cfg, inputs.decoder_config, device=device)
+        if cfg.train.fsdp:
+            apply_fsdp(model, ctx, device)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, max_steps=cfg.train.max_steps)
     loader = PackedLoader(
@@ -188,17 +201,14 @@ def train(
         start_step = state.step
     if is_rank0:
         write_config(cfg, run_dir)
-    runner = StepRunner(
-        model,
-        inputs.build_objective(),
-        rank_plan_for(cfg, ctx),
-        ctx,
-        device=device,
-        precision=cfg.train.precision,
-        seed=cfg.run.seed,
-        ce_chunk_rows=cfg.objective.ce_chunk_rows,
-    )
+    runner = step_runner_for(cfg, inputs, ctx, model, device)
     writer = MetricsWriter(run_dir, enabled=is_rank0, start_step=start_step, total_steps=cfg.train.max_steps)
+    if inputs.dflash is not None and cfg.train.generate_after:
+        writer.message(
+            "note: train.generate_after does not apply to a dflash drafter; measure it with "
+            f"`csbp dflash eval --target {inputs.dflash.target_dir} --drafter {run_dir / FINAL_DIR} "
+            f"--data {cfg.data.train}`"
+        )
     loop = _Loop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device)
     try:
         last_checkpoint = loop.run(start_step, stop_step, started)
@@ -219,6 +229,34 @@ def train(
     )
 
 
+def step_runner_for(
+    cfg: RunConfig, inputs: RunInputs, ctx: ParallelContext, model: torch.nn.Module, device: torch.device
+) -> StepRunner | DFlashStepRunner:
+    """The per-rank step/validation runner of the run's objective."""
+    if inputs.dflash is not None:
+        assert isinstance(model, DFlashDrafter)
+        return DFlashStepRunner(
+            model,
+            inputs.dflash.objective,
+            ctx,
+            device=device,
+            precision=cfg.train.precision,
+            seed=cfg.run.seed,
+            total_steps=cfg.train.max_steps,
+            features=inputs.dflash.feature_store(inputs.artifact.split("train")),
+        )
+    return StepRunner(
+        model,
+        inputs.build_objective(),
+        rank_plan_for(cfg, ctx),
+        ctx,
+        device=device,
+        precision=cfg.train.precision,
+        seed=cfg.run.seed,
+        ce_chunk_rows=cfg.objective.ce_chunk_rows,
+    )
+
+
 @dataclass
 class _Loop:
     """The step loop of :func:`train` with its bookkeeping (losses, schedule of evals and saves)."""
@@ -226,7 +264,7 @@ class _Loop:
     cfg: RunConfig
     inputs: RunInputs
     ctx: ParallelContext
-    runner: StepRunner
+    runner: StepRunner | DFlashStepRunner
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: LRScheduler
@@ -245,6 +283,9 @@ class _Loop:
         evaluating = train_cfg.eval_every > 0 and self.inputs.val_split is not None
         checkpoint: Path | None = None
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if evaluating and start_step == 0:  # the untrained baseline, so "first -> last" means something
+            initial = self._evaluate(0)
+            self.writer.message(f"step 0: val {initial.loss:.4f}")
         for step in range(start_step + 1, stop_step + 1):
             step_started = time.perf_counter()
             batches = [next(self.loader) for _ in range(train_cfg.grad_accum)]
@@ -271,28 +312,35 @@ class _Loop:
                 "tokens_per_s": tokens_per_step / max(step_seconds, 1e-9),
                 "peak_mem_bytes": peak_memory_bytes(self.device),
                 "elapsed_s": time.perf_counter() - started,
+                **result.metrics,
             }
             if evaluating and (step % train_cfg.eval_every == 0 or step == stop_step):
-                record["val_loss"] = self._evaluate(step)
+                evaluation = self._evaluate(step)
+                record["val_loss"] = evaluation.loss
+                record.update({f"val_{name}": value for name, value in evaluation.metrics.items()})
             self.writer.log(record)
             if step % train_cfg.log_every == 0:
-                val = f" val {record['val_loss']:.4f}" if "val_loss" in record else ""
+                extra = "".join(
+                    f" {name} {record[name]:.4f}"
+                    for name in ("tau_mean", "val_loss", "val_tau_mean")
+                    if name in record
+                )
                 self.writer.message(
-                    f"step {step}: loss {result.loss:.4f} lr {lr:.3e} grad_norm {grad_norm:.3f}{val}"
+                    f"step {step}: loss {result.loss:.4f} lr {lr:.3e} grad_norm {grad_norm:.3f}{extra}"
                 )
             if (train_cfg.save_every > 0 and step % train_cfg.save_every == 0) or step == stop_step:
                 checkpoint = self._save(step)
         return checkpoint
 
-    def _evaluate(self, step: int) -> float:
+    def _evaluate(self, step: int) -> EvalResult:
         assert self.inputs.val_split is not None
-        val_loss = self.runner.evaluate(
+        evaluation = self.runner.evaluate(
             self.inputs.val_split,
             micro_batch_size=self.cfg.train.micro_batch_size,
             num_batches=self.cfg.train.eval_batches,
         )
-        self.val_losses.append((step, val_loss))
-        return val_loss
+        self.val_losses.append((step, evaluation.loss))
+        return evaluation
 
     def _save(self, step: int) -> Path:
         state = TrainingState(
@@ -317,11 +365,19 @@ class _Loop:
 def finish_on_rank0(
     cfg: RunConfig, inputs: RunInputs, model: torch.nn.Module, run_dir: Path, *, is_rank0: bool
 ) -> tuple[Path | None, str | None]:
-    """Export ``<run_dir>/final/`` (HF config, safetensors, tokenizer) and, with
-    ``train.generate_after``, draw a sample; both on rank 0. Call on every rank (FSDP gathers)."""
-    state = full_model_state(model)
+    """Export ``<run_dir>/final/`` (HF config, safetensors, tokenizer; dflash: the public drafter
+    format) and, with ``train.generate_after``, draw a sample; both on rank 0. Call on every rank
+    (FSDP gathers)."""
     path: Path | None = None
     sample: str | None = None
+    if inputs.dflash is not None:
+        assert isinstance(model, DFlashDrafter)
+        if is_rank0:
+            path = export_drafter(cfg, inputs.dflash, model, run_dir / FINAL_DIR)
+        if dist.is_initialized():
+            dist.barrier()
+        return path, None
+    state = full_model_state(model)
     if is_rank0:
         extra = hf_passthrough_config(cfg.model.init_from) if cfg.model.init_from is not None else {}
         special = inputs.artifact.special_ids
