@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from csbp.bench.common import layout_topologies
 from csbp.bench.dflash_bench import (
     DFlashBenchConfig,
     DFlashRecord,
-    dflash_topologies,
     drafter_step_flops,
     format_table,
     register_dflash_bench,
@@ -125,11 +125,11 @@ def test_cp_only_ranks_replicate_the_anchor_work() -> None:
 
 
 def test_layouts_and_validation() -> None:
-    topologies = dflash_topologies(4, 2, 2)
+    topologies = layout_topologies(4, 2, 2)
     assert (topologies["csbp"].dp, topologies["csbp"].cp, topologies["csbp"].bp) == (2, 2, 2)
     assert (topologies["cp"].cp, topologies["bp"].bp) == (4, 4)
     with pytest.raises(ValueError, match="does not divide nproc=4"):
-        dflash_topologies(4, 3, 3)
+        layout_topologies(4, 3, 3)
     with pytest.raises(ValueError, match="multiple of every layout's dp"):
         run_dflash_bench([64], [8], layouts=["cp", "csbp"], nproc=4, csbp_cp=2, csbp_bp=2, samples=3)
     with pytest.raises(ValueError, match="multiple of 2\\*cp=8"):

@@ -13,19 +13,30 @@ to CP-only are measured side by side on the same machine state.
 
 from __future__ import annotations
 
-import statistics
-import time
-from dataclasses import asdict, dataclass
+import argparse
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from csbp.bench.measure import PeakMemory, allowed_pairs, attention_flops, fixed_mmap_threshold
+from csbp.bench.common import (
+    Column,
+    StepSeries,
+    add_head_options,
+    add_layout_options,
+    add_output_options,
+    add_transport_option,
+    format_ratio_table,
+    launch_cell,
+    max_over_ranks,
+    measured_step,
+    select_topologies,
+    write_outputs,
+)
+from csbp.bench.measure import allowed_pairs, attention_flops
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import build_parallel_context
 from csbp.models.decoder import AttentionFn, RMSNorm
-from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
 
@@ -92,7 +103,7 @@ class AttentionStack(nn.Module):
         return x_SND
 
 
-def _worker(rank: int, world: int, topology: Topology, cfg: AttentionBenchConfig) -> dict[str, float]:
+def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, float]:
     ctx = build_parallel_context(topology)
     plan = build_rank_plan(
         ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window  # type: ignore[arg-type]
@@ -104,43 +115,30 @@ def _worker(rank: int, world: int, topology: Topology, cfg: AttentionBenchConfig
     full = torch.randn(2 * cfg.seq_len, width, generator=torch.Generator().manual_seed(cfg.seed + 1))
     logical = plan.rows.pos + plan.rows.clean.long() * cfg.seq_len
     x = full[logical].unsqueeze(0)
-    times: list[float] = []
+    series = StepSeries()
     bytes_per_step = 0
-    peak = 0
     for it in range(cfg.warmup + cfg.repeats):
-        ctx.counter.reset()
         xi = x.clone().requires_grad_(True)
-        dist.barrier()
-        with PeakMemory() as mem:
-            start = time.perf_counter()
+        with measured_step(ctx.counter) as step:
             out = stack(xi, plan.attention)
             out.sum().backward()
-            elapsed = time.perf_counter() - start
-        # the slowest rank bounds the step
-        t = torch.tensor([elapsed], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
         if it >= cfg.warmup:
-            times.append(float(t.item()))
+            series.add(step)
             bytes_per_step = ctx.counter.bytes("attention") + ctx.counter.bytes("attention_recompute")
-            peak = max(peak, mem.bytes)
     pairs = allowed_pairs(plan.rows, block_size=cfg.block_size)
     flops = attention_flops(pairs, num_heads=cfg.num_heads, head_dim=cfg.head_dim) * cfg.num_layers
     return {
-        "step_time_s": statistics.median(times),
+        "step_time_s": series.median_s(),
         "kv_bytes": float(bytes_per_step),
         "flops": float(flops),
-        "peak": float(peak),
+        "peak": float(series.peak_bytes),
     }
 
 
-def layout_topologies(nproc: int, csbp_cp: int | None = None) -> dict[str, Topology]:
-    """The three layouts compared at ``nproc`` processes (CSBP defaults to cp = bp = nproc)."""
-    cp = csbp_cp or nproc
-    return {
-        "cp": Topology(cp=nproc),
-        "bp": Topology(bp=nproc, replicate_clean_prefix=True),
-        "csbp": Topology(cp=cp, bp=nproc),
-    }
+def _worker(
+    rank: int, world: int, topologies: list[Topology], cfg: AttentionBenchConfig
+) -> list[dict[str, float]]:
+    return [_measure_layout(topology, cfg) for topology in topologies]
 
 
 def run_attention_bench(
@@ -152,22 +150,17 @@ def run_attention_bench(
     timeout_s: float = 1800.0,
     **cfg_kwargs: object,
 ) -> list[AttentionRecord]:
-    """Run every (sequence length, layout) pair and return the records in run order."""
-    topologies = layout_topologies(nproc, csbp_cp)
-    unknown = [name for name in layouts if name not in topologies]
-    if unknown:
-        raise ValueError(f"unknown layout(s) {unknown}: choose from {sorted(topologies)}")
+    """Run every (sequence length, layout) pair, one launch each, and return the records in run order."""
+    cell = select_topologies(layouts, nproc, csbp_cp)
     configs = [AttentionBenchConfig(seq_len=n, **cfg_kwargs) for n in seq_lens]  # type: ignore[arg-type]
     for cfg in configs:  # fail closed before any process starts
-        for name in layouts:
-            topologies[name].validate_sequence(cfg.seq_len, cfg.block_size)
+        for topology in cell:
+            topology.validate_sequence(cfg.seq_len, cfg.block_size)
     records: list[AttentionRecord] = []
     for cfg in configs:
-        for name in layouts:
-            topology = topologies[name]
-            with fixed_mmap_threshold():
-                results = run_local(_worker, nproc, (topology, cfg), timeout_s=timeout_s)
-            flops = max(r["flops"] for r in results)
+        for name, topology in zip(layouts, cell, strict=True):
+            (results,) = launch_cell(_worker, nproc, [topology], cfg, timeout_s=timeout_s)
+            flops = max_over_ranks(results, "flops")
             step = results[0]["step_time_s"]
             records.append(
                 AttentionRecord(
@@ -180,38 +173,71 @@ def run_attention_bench(
                     window=cfg.window,
                     transport=cfg.transport if name == "csbp" else "collective",
                     step_time_s=step,
-                    kv_bytes_per_rank=int(max(r["kv_bytes"] for r in results)),
-                    attn_flops_per_rank=int(flops),
-                    peak_mem_bytes=int(max(r["peak"] for r in results)),
+                    kv_bytes_per_rank=max_over_ranks(results, "kv_bytes"),
+                    attn_flops_per_rank=flops,
+                    peak_mem_bytes=max_over_ranks(results, "peak"),
                     time_per_gflop_s=step / (flops / 1e9) if flops else float("nan"),
                 )
             )
     return records
 
 
+TABLE_COLUMNS = [
+    Column("seq_len", "seq_len", ">8"),
+    Column("layout", "layout", "<6"),
+    Column("step s", "step_time_s", ">9.3f", vs_cp=True),
+    Column("KV MiB/rank", "kv_bytes_per_rank", ">12.2f", vs_cp=True, shown=lambda v: v / 2**20),
+    Column("GFLOP/rank", "attn_flops_per_rank", ">11.3f", vs_cp=True, shown=lambda v: v / 1e9),
+    Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
+    Column("s/TFLOP", "time_per_gflop_s", ">8.2f", vs_cp=True, shown=lambda v: v * 1e3),
+]
+
+
 def format_table(records: list[AttentionRecord]) -> str:
     """A text table with each metric and its ratio to CP-only at the same sequence length."""
-    base = {r.seq_len: r for r in records if r.layout == "cp"}
-    header = (
-        f"{'seq_len':>8} {'layout':<6} {'step s':>9} {'x cp':>6} {'KV MiB/rank':>12} {'x cp':>6} "
-        f"{'GFLOP/rank':>11} {'x cp':>6} {'peak MiB':>9} {'x cp':>6} {'s/TFLOP':>8} {'x cp':>6}"
+    return format_ratio_table(records, ("seq_len",), TABLE_COLUMNS)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
+    """Add ``csbp bench attention`` to the ``csbp bench`` sub-subcommands."""
+    attn = kinds.add_parser("attention", help="CP-only vs BP-only vs CSBP attention (fwd+bwd)")
+    add_layout_options(
+        attn,
+        seq_lens=[1024, 2048, 4096, 8192, 16384],
+        csbp_cp_help="CP degree of the CSBP layout (default nproc)",
     )
-    lines = [header, "-" * len(header)]
-
-    def ratio(value: float, ref: float | None) -> str:
-        return f"{value / ref:6.2f}" if ref else "     -"
-
-    for r in records:
-        b = base.get(r.seq_len)
-        lines.append(
-            f"{r.seq_len:>8} {r.layout:<6} {r.step_time_s:>9.3f} {ratio(r.step_time_s, b and b.step_time_s)} "
-            f"{r.kv_bytes_per_rank / 2**20:>12.2f} {ratio(r.kv_bytes_per_rank, b and b.kv_bytes_per_rank)} "
-            f"{r.attn_flops_per_rank / 1e9:>11.3f} {ratio(r.attn_flops_per_rank, b and b.attn_flops_per_rank)} "
-            f"{r.peak_mem_bytes / 2**20:>9.1f} {ratio(r.peak_mem_bytes, b and b.peak_mem_bytes)} "
-            f"{r.time_per_gflop_s * 1e3:>8.2f} {ratio(r.time_per_gflop_s, b and b.time_per_gflop_s)}"
-        )
-    return "\n".join(lines)
+    add_transport_option(attn)
+    attn.add_argument("--window", type=int, default=None, help="sliding window W (tokens)")
+    add_head_options(attn)
+    attn.add_argument("--num-layers", type=int, default=1)
+    add_output_options(attn)
+    attn.set_defaults(func=run_attention_bench_command)
 
 
-def records_as_dicts(records: list[AttentionRecord]) -> list[dict[str, object]]:
-    return [asdict(r) for r in records]
+def run_attention_bench_command(args: argparse.Namespace) -> int:
+    print(
+        f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"
+        f"{args.num_kv_heads}x{args.head_dim} layers={args.num_layers} window={args.window} "
+        f"transport={args.transport} (1 thread per process, median of {args.repeats})",
+        flush=True,
+    )
+    records = run_attention_bench(
+        args.seq_lens,
+        nproc=args.nproc,
+        layouts=args.layouts,
+        csbp_cp=args.csbp_cp,
+        block_size=args.block_size,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        num_layers=args.num_layers,
+        window=args.window,
+        transport=args.transport,
+        warmup=args.warmup,
+        repeats=args.repeats,
+    )
+    write_outputs(format_table(records), records, args)
+    return 0

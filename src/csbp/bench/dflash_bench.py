@@ -30,14 +30,29 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from csbp.bench.measure import PeakMemory, attention_flops, fixed_mmap_threshold
+from csbp.bench.common import (
+    BENCH_DTYPES,
+    Column,
+    StepSeries,
+    add_head_options,
+    add_layout_options,
+    add_model_width_options,
+    add_output_options,
+    check_run_options,
+    format_ratio_table,
+    launch_cell,
+    max_over_ranks,
+    measured_step,
+    require_parallel,
+    select_topologies,
+    write_outputs,
+)
+from csbp.bench.measure import attention_flops
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, default_target_layer_ids
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import TargetFeatures, capture_target_features
@@ -47,11 +62,7 @@ from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
-from csbp.parallel.launch import run_local
 from csbp.topology import Topology
-
-LAYOUTS: tuple[str, ...] = ("cp", "bp", "csbp")
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -76,13 +87,7 @@ class DFlashBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(_DTYPES)}")
-        for name in ("samples", "repeats", "anchors", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        check_run_options(self, at_least_one=("samples", "repeats", "anchors", "block_size"))
         if self.anchors > self.seq_len - 1:
             raise ValueError(
                 f"anchors={self.anchors} exceeds the {self.seq_len - 1} valid anchors of "
@@ -171,7 +176,7 @@ class _LayoutRunner:
         self.objective = cfg.objective()
         self.plan = build_dflash_rank_plan(self.ctx, self.objective)
         self.drafter = DFlashDrafter(
-            cfg.drafter_config(), target=target, dtype=_DTYPES[cfg.dtype], seed=cfg.seed
+            cfg.drafter_config(), target=target, dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed
         )
         self.step_fn = DFlashStep(self.drafter, self.objective, self.plan)
         per_replica = cfg.samples // topology.dp
@@ -179,9 +184,9 @@ class _LayoutRunner:
         self.samples = range(first, first + per_replica)
         layout = self.plan.layout
         self.context_rows = int(context_positions(cfg.seq_len, layout.cp, layout.cp_rank).numel())
-        self.times: list[float] = []
+        self.series = StepSeries()
         self.flops: list[int] = []
-        self.peak = self.attention_bytes = 0
+        self.attention_bytes = 0
         self.loss_step0 = float("nan")
 
     def _flops(self, batch: DFlashBatch, generator: torch.Generator) -> int:
@@ -196,10 +201,7 @@ class _LayoutRunner:
     def step(self, ids_GL: torch.Tensor, features_GLF: torch.Tensor, index: int, *, measured: bool) -> None:
         """One timed step over this replica's samples; the slowest rank's time is the step time."""
         layer_ids = tuple(self.drafter.config.target_layer_ids or ())
-        self.ctx.counter.reset()
-        dist.barrier()
-        with PeakMemory() as memory:
-            start = time.perf_counter()
+        with measured_step(self.ctx.counter) as timed:
             self.drafter.zero_grad(set_to_none=True)
             total, values = torch.zeros(()), []
             for sample in self.samples:
@@ -211,29 +213,25 @@ class _LayoutRunner:
                 values.append(out.loss_value)
             total.backward()
             average_gradients(self.drafter.parameters(), self.ctx.world_comm("gradients"))
-            elapsed = time.perf_counter() - start
-        slowest = torch.tensor([elapsed], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if index == 0:  # every rank of a replica holds its replica's loss; average over replicas
             loss = torch.tensor([sum(values) / len(values)], dtype=torch.float64)
             dist.all_reduce(loss)
             self.loss_step0 = float(loss[0]) / dist.get_world_size()
         if measured:
-            self.times.append(float(slowest[0]))
+            self.series.add(timed)
             self.flops.append(
                 sum(
                     self._flops(_batch(ids_GL, g), anchor_generator(self.cfg.seed, index, g))
                     for g in self.samples
                 )
             )
-            self.peak = max(self.peak, memory.bytes)
             self.attention_bytes = self.ctx.counter.bytes("attention")
 
     def summary(self) -> dict[str, float]:
         return {
-            "step_time_s": statistics.median(self.times),
+            "step_time_s": self.series.median_s(),
             "flops": float(statistics.mean(self.flops)),
-            "peak": float(self.peak),
+            "peak": float(self.series.peak_bytes),
             "attention_bytes": float(self.attention_bytes),
             "loss_step0": self.loss_step0,
         }
@@ -243,7 +241,7 @@ def _worker(
     rank: int, world: int, topologies: list[Topology], cfg: DFlashBenchConfig
 ) -> list[dict[str, float]]:
     """All layouts of one cell in the same processes, steps interleaved round-robin on the same batch."""
-    target = Decoder(cfg.target_config(), dtype=_DTYPES[cfg.dtype], seed=cfg.seed + 1)
+    target = Decoder(cfg.target_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed + 1)
     runners = [_LayoutRunner(topology, cfg, target) for topology in topologies]
     layer_ids = cfg.drafter_config().target_layer_ids or ()
     data_generator = torch.Generator().manual_seed(cfg.seed + 2)
@@ -253,24 +251,6 @@ def _worker(
         for runner in runners:
             runner.step(ids_GL, features_GLF, index, measured=index >= cfg.warmup)
     return [runner.summary() for runner in runners]
-
-
-def dflash_topologies(
-    nproc: int, csbp_cp: int | None = None, csbp_bp: int | None = None
-) -> dict[str, Topology]:
-    """CP-only (cp = nproc), BP-only (bp = nproc) and CSBP (cp x bp, default nproc x nproc; the
-    remaining factor of ``nproc`` becomes data parallelism, e.g. cp = bp = 2 on 4 ranks is dp = 2)."""
-    cp, bp = csbp_cp or nproc, csbp_bp or nproc
-    local = max(cp, bp)
-    if nproc % local != 0:
-        raise ValueError(
-            f"CSBP cp={cp}, bp={bp} uses {local} ranks per sample, which does not divide nproc={nproc}"
-        )
-    return {
-        "cp": Topology(cp=nproc),
-        "bp": Topology(bp=nproc, replicate_clean_prefix=True),
-        "csbp": Topology(dp=nproc // local, cp=cp, bp=bp),
-    }
 
 
 def run_dflash_bench(
@@ -287,13 +267,8 @@ def run_dflash_bench(
     **cfg_kwargs: object,
 ) -> list[DFlashRecord]:
     """Run every (anchors, seq_len) cell, all ``layouts`` side by side in one launch per cell."""
-    if nproc < 2:
-        raise ValueError(f"nproc must be >= 2 to compare parallel layouts, got {nproc}")
-    topologies = dflash_topologies(nproc, csbp_cp, csbp_bp)
-    unknown = [name for name in layouts if name not in topologies]
-    if unknown or not layouts:
-        raise ValueError(f"unknown or no layout(s) {unknown}: choose from {sorted(topologies)}")
-    cell = [topologies[name] for name in layouts]
+    require_parallel(nproc)
+    cell = select_topologies(layouts, nproc, csbp_cp, csbp_bp)
     samples = samples or max(t.dp for t in cell)
     if any(samples % t.dp for t in cell):
         raise ValueError(f"samples={samples} must be a multiple of every layout's dp {[t.dp for t in cell]}")
@@ -314,10 +289,8 @@ def run_dflash_bench(
                 )
     records: list[DFlashRecord] = []
     for cfg in configs:
-        with fixed_mmap_threshold():
-            per_rank = run_local(_worker, nproc, (cell, cfg), timeout_s=timeout_s)
-        for index, (name, topology) in enumerate(zip(layouts, cell, strict=True)):
-            results = [rank_results[index] for rank_results in per_rank]
+        per_layout = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s)
+        for name, topology, results in zip(layouts, cell, per_layout, strict=True):
             step = results[0]["step_time_s"]
             records.append(
                 DFlashRecord(
@@ -331,9 +304,9 @@ def run_dflash_bench(
                     nproc=nproc,
                     samples=cfg.samples,
                     step_time_s=step,
-                    drafter_flops_per_rank=int(max(r["flops"] for r in results)),
-                    attention_bytes_per_rank=int(max(r["attention_bytes"] for r in results)),
-                    peak_mem_bytes=int(max(r["peak"] for r in results)),
+                    drafter_flops_per_rank=max_over_ranks(results, "flops"),
+                    attention_bytes_per_rank=max_over_ranks(results, "attention_bytes"),
+                    peak_mem_bytes=max_over_ranks(results, "peak"),
                     loss_step0=results[0]["loss_step0"],
                 )
             )
@@ -342,36 +315,24 @@ def run_dflash_bench(
     return records
 
 
+TABLE_COLUMNS = [
+    Column("anchors", "anchors", ">7"),
+    Column("seq_len", "seq_len", ">7"),
+    Column("layout", "layout", "<6"),
+    Column("cp", "cp", ">3"),
+    Column("bp", "bp", ">3"),
+    Column("dp", "dp", ">3"),
+    Column("step s", "step_time_s", ">8.3f", vs_cp=True),
+    Column("GFLOP/rank", "drafter_flops_per_rank", ">10.3f", vs_cp=True, shown=lambda v: v / 1e9),
+    Column("attn MiB/rank", "attention_bytes_per_rank", ">13.2f", vs_cp=True, shown=lambda v: v / 2**20),
+    Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
+    Column("loss0", "loss_step0", ">8.4f"),
+]
+
+
 def format_table(records: list[DFlashRecord]) -> str:
     """A text table with each metric and its ratio to CP-only at the same anchors and length."""
-    base = {(r.anchors, r.seq_len): r for r in records if r.layout == "cp"}
-    header = (
-        f"{'anchors':>7} {'seq_len':>7} {'layout':<6} {'cp':>3} {'bp':>3} {'dp':>3} {'step s':>8} "
-        f"{'x cp':>6} {'GFLOP/rank':>10} {'x cp':>6} {'attn MiB/rank':>13} {'x cp':>6} {'peak MiB':>9} "
-        f"{'x cp':>6} {'loss0':>8}"
-    )
-    lines = [header, "-" * len(header)]
-
-    def ratio(value: float, ref: float | None) -> str:
-        return f"{value / ref:6.2f}" if ref else "     -"
-
-    for r in records:
-        b = base.get((r.anchors, r.seq_len))
-        lines.append(
-            f"{r.anchors:>7} {r.seq_len:>7} {r.layout:<6} {r.cp:>3} {r.bp:>3} {r.dp:>3} "
-            f"{r.step_time_s:>8.3f} "
-            f"{ratio(r.step_time_s, b and b.step_time_s)} {r.drafter_flops_per_rank / 1e9:>10.3f} "
-            f"{ratio(r.drafter_flops_per_rank, b and b.drafter_flops_per_rank)} "
-            f"{r.attention_bytes_per_rank / 2**20:>13.2f} "
-            f"{ratio(r.attention_bytes_per_rank, b and b.attention_bytes_per_rank)} "
-            f"{r.peak_mem_bytes / 2**20:>9.1f} {ratio(r.peak_mem_bytes, b and b.peak_mem_bytes)} "
-            f"{r.loss_step0:>8.4f}"
-        )
-    return "\n".join(lines)
-
-
-def records_as_dicts(records: list[DFlashRecord]) -> list[dict[str, object]]:
-    return [asdict(r) for r in records]
+    return format_ratio_table(records, ("anchors", "seq_len"), TABLE_COLUMNS)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -380,36 +341,22 @@ def records_as_dicts(records: list[DFlashRecord]) -> list[dict[str, object]]:
 def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
     """Add ``csbp bench dflash`` to the ``csbp bench`` sub-subcommands."""
     bench = kinds.add_parser("dflash", help="CP-only vs BP-only vs CSBP DFlash drafter training steps")
-    bench.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    add_layout_options(
+        bench, seq_lens=[1024, 2048, 4096, 8192], csbp_cp_help="CP degree of CSBP (default nproc)"
+    )
     bench.add_argument("--anchors", type=int, nargs="+", default=[16, 64], help="anchor blocks per sample")
-    bench.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
-    bench.add_argument("--nproc", type=int, default=4)
-    bench.add_argument("--csbp-cp", type=int, default=None, help="CP degree of CSBP (default nproc)")
     bench.add_argument("--csbp-bp", type=int, default=None, help="BP degree of CSBP (default nproc)")
     bench.add_argument("--samples", type=int, default=None, help="samples per step (default: the largest dp)")
-    bench.add_argument("--block-size", type=int, default=16)
-    bench.add_argument("--vocab-size", type=int, default=1024)
-    bench.add_argument("--hidden-size", type=int, default=128)
-    bench.add_argument("--intermediate-size", type=int, default=384)
+    add_model_width_options(bench, vocab_size=1024, intermediate_size=384)
     bench.add_argument("--num-target-layers", type=int, default=2)
     bench.add_argument("--num-draft-layers", type=int, default=1)
-    bench.add_argument("--num-heads", type=int, default=4)
-    bench.add_argument("--num-kv-heads", type=int, default=2)
-    bench.add_argument("--head-dim", type=int, default=32)
-    bench.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--warmup", type=int, default=1)
-    bench.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
-    bench.add_argument(
-        "--png", type=Path, default=None, help="speedup plot (default: --json with suffix .png)"
-    )
+    add_head_options(bench)
+    bench.add_argument("--dtype", choices=tuple(BENCH_DTYPES), default="float32")
+    add_output_options(bench, png_help="speedup plot (default: --json with suffix .png)")
     bench.set_defaults(func=run_dflash_bench_command)
 
 
 def run_dflash_bench_command(args: argparse.Namespace) -> int:
-    from csbp.bench.plot import plot_speedups
-    from csbp.cli.bench_cmd import write_json_atomic
-
     print(
         f"csbp bench dflash: nproc={args.nproc} block={args.block_size} drafter={args.num_draft_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
@@ -439,19 +386,7 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         repeats=args.repeats,
     )
-    print(format_table(records))
-    if args.json is not None:
-        write_json_atomic(args.json, records_as_dicts(records))
-        print(f"wrote {args.json}")
-    png = (
-        args.png
-        if args.png is not None
-        else (args.json.with_suffix(".png") if args.json is not None else None)
+    write_outputs(
+        format_table(records), records, args, plot_group_by="anchors", plot_title="csbp bench dflash"
     )
-    if png is not None:
-        if "cp" in args.layouts:
-            plot_speedups(records_as_dicts(records), png, group_by="anchors", title="csbp bench dflash")
-            print(f"wrote {png}")
-        else:
-            print("no plot: speedups are relative to CP-only, add 'cp' to --layouts")
     return 0

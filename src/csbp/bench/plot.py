@@ -8,6 +8,8 @@ non-interactive Agg backend, so it works on machines without a display.
 
 Usage::
 
+    from csbp.bench.common import records_as_dicts
+
     plot_speedups(records_as_dicts(records), Path("train.png"), group_by="objective")
 """
 

@@ -25,28 +25,38 @@ agree across layouts (a cheap sanity check that the timed steps compute the same
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from csbp.bench.attention import layout_topologies
-from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
+from csbp.bench.common import (
+    BENCH_DTYPES,
+    Column,
+    StepSeries,
+    add_head_options,
+    add_layout_options,
+    add_model_width_options,
+    add_output_options,
+    add_transport_option,
+    check_run_options,
+    format_ratio_table,
+    launch_cell,
+    max_over_ranks,
+    measured_step,
+    require_parallel,
+    select_topologies,
+    write_outputs,
+)
 from csbp.engine.block_diffusion import build_rank_plan, rank_loss
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.objectives import CorruptedBatch, build_objective, corruption_generator
-from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
 TRAIN_BENCH_OBJECTIVES: tuple[str, ...] = ("bd3", "fast_dllm_v2")
-LAYOUTS: tuple[str, ...] = ("cp", "bp", "csbp")
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -74,13 +84,7 @@ class TrainBenchConfig:
     def __post_init__(self) -> None:
         if self.objective not in TRAIN_BENCH_OBJECTIVES:
             raise ValueError(f"objective {self.objective!r} is not one of {TRAIN_BENCH_OBJECTIVES}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(_DTYPES)}")
-        for name in ("samples", "repeats", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        check_run_options(self, at_least_one=("samples", "repeats", "vocab_size"))
 
     def model_config(self) -> DecoderConfig:
         return DecoderConfig(
@@ -124,19 +128,16 @@ class _LayoutRunner:
     def __init__(self, topology: Topology, cfg: TrainBenchConfig) -> None:
         self.ctx = build_parallel_context(topology)
         self.plan = build_rank_plan(self.ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport)  # type: ignore[arg-type]
-        self.model = Decoder(cfg.model_config(), dtype=_DTYPES[cfg.dtype], seed=cfg.seed)
+        self.model = Decoder(cfg.model_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        self.times: list[float] = []
-        self.peak = self.attention_bytes = self.gradient_bytes = 0
+        self.series = StepSeries()
+        self.attention_bytes = self.gradient_bytes = 0
         self.loss_step0 = float("nan")
 
     def step(self, corrupted: CorruptedBatch, *, measured: bool, first: bool) -> None:
         """One timed training step; the slowest rank's time is the step time."""
         ctx = self.ctx
-        ctx.counter.reset()
-        dist.barrier()
-        with PeakMemory() as memory:
-            start = time.perf_counter()
+        with measured_step(ctx.counter) as timed:
             self.optimizer.zero_grad(set_to_none=True)
             loss, ce_sum = rank_loss(
                 self.model,
@@ -148,23 +149,19 @@ class _LayoutRunner:
             loss.backward()
             average_gradients(self.model.parameters(), ctx.world_comm("gradients"))
             self.optimizer.step()
-            elapsed = time.perf_counter() - start
-        slowest = torch.tensor([elapsed], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         if first:
             total = ce_sum.detach().to(torch.float64).reshape(1)
             dist.all_reduce(total)
             self.loss_step0 = float(total[0]) / corrupted.denominator()
         if measured:
-            self.times.append(float(slowest[0]))
-            self.peak = max(self.peak, memory.bytes)
+            self.series.add(timed)
             self.attention_bytes = _attention_bytes(ctx.counter.snapshot())
             self.gradient_bytes = ctx.counter.bytes("gradients")
 
     def summary(self) -> dict[str, float]:
         return {
-            "step_time_s": statistics.median(self.times),
-            "peak": float(self.peak),
+            "step_time_s": self.series.median_s(),
+            "peak": float(self.series.peak_bytes),
             "attention_bytes": float(self.attention_bytes),
             "gradient_bytes": float(self.gradient_bytes),
             "loss_step0": self.loss_step0,
@@ -201,27 +198,20 @@ def run_train_bench(
 ) -> list[TrainRecord]:
     """Run every (objective, sequence length) cell, all ``layouts`` side by side in one launch of
     ``nproc`` processes per cell, and return the records in run order."""
-    if nproc < 2:
-        raise ValueError(f"nproc must be >= 2 to compare parallel layouts, got {nproc}")
-    topologies = layout_topologies(nproc, csbp_cp)
-    unknown = [name for name in layouts if name not in topologies]
-    if unknown or not layouts:
-        raise ValueError(f"unknown or no layout(s) {unknown}: choose from {sorted(topologies)}")
+    require_parallel(nproc)
+    cell = select_topologies(layouts, nproc, csbp_cp)
     configs = [
         TrainBenchConfig(objective=name, seq_len=n, **cfg_kwargs)  # type: ignore[arg-type]
         for name in objectives
         for n in seq_lens
     ]
     for cfg in configs:  # fail closed before any process starts
-        for name in layouts:
-            topologies[name].validate_sequence(cfg.seq_len, cfg.block_size)
+        for topology in cell:
+            topology.validate_sequence(cfg.seq_len, cfg.block_size)
     records: list[TrainRecord] = []
     for cfg in configs:
-        cell = [topologies[name] for name in layouts]
-        with fixed_mmap_threshold():
-            per_rank = run_local(_worker, nproc, (cell, cfg), timeout_s=timeout_s)
-        for index, (name, topology) in enumerate(zip(layouts, cell, strict=True)):
-            results = [rank_results[index] for rank_results in per_rank]
+        per_layout = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s)
+        for name, topology, results in zip(layouts, cell, per_layout, strict=True):
             step = results[0]["step_time_s"]
             records.append(
                 TrainRecord(
@@ -235,9 +225,9 @@ def run_train_bench(
                     samples=cfg.samples,
                     step_time_s=step,
                     tokens_per_s=cfg.samples * cfg.seq_len / step,
-                    peak_mem_bytes=int(max(r["peak"] for r in results)),
-                    attention_bytes_per_rank=int(max(r["attention_bytes"] for r in results)),
-                    gradient_bytes_per_rank=int(max(r["gradient_bytes"] for r in results)),
+                    peak_mem_bytes=max_over_ranks(results, "peak"),
+                    attention_bytes_per_rank=max_over_ranks(results, "attention_bytes"),
+                    gradient_bytes_per_rank=max_over_ranks(results, "gradient_bytes"),
                     loss_step0=results[0]["loss_step0"],
                 )
             )
@@ -246,32 +236,21 @@ def run_train_bench(
     return records
 
 
+TABLE_COLUMNS = [
+    Column("objective", "objective", "<13"),
+    Column("seq_len", "seq_len", ">7"),
+    Column("layout", "layout", "<6"),
+    Column("step s", "step_time_s", ">8.3f", vs_cp=True),
+    Column("tok/s", "tokens_per_s", ">9.0f", vs_cp=True),
+    Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
+    Column("attn MiB/rank", "attention_bytes_per_rank", ">13.2f", vs_cp=True, shown=lambda v: v / 2**20),
+    Column("loss0", "loss_step0", ">8.4f"),
+]
+
+
 def format_table(records: list[TrainRecord]) -> str:
     """A text table with each metric and its ratio to CP-only at the same objective and length."""
-    base = {(r.objective, r.seq_len): r for r in records if r.layout == "cp"}
-    header = (
-        f"{'objective':<13} {'seq_len':>7} {'layout':<6} {'step s':>8} {'x cp':>6} {'tok/s':>9} "
-        f"{'x cp':>6} {'peak MiB':>9} {'x cp':>6} {'attn MiB/rank':>13} {'x cp':>6} {'loss0':>8}"
-    )
-    lines = [header, "-" * len(header)]
-
-    def ratio(value: float, ref: float | None) -> str:
-        return f"{value / ref:6.2f}" if ref else "     -"
-
-    for r in records:
-        b = base.get((r.objective, r.seq_len))
-        lines.append(
-            f"{r.objective:<13} {r.seq_len:>7} {r.layout:<6} {r.step_time_s:>8.3f} "
-            f"{ratio(r.step_time_s, b and b.step_time_s)} {r.tokens_per_s:>9.0f} "
-            f"{ratio(r.tokens_per_s, b and b.tokens_per_s)} {r.peak_mem_bytes / 2**20:>9.1f} "
-            f"{ratio(r.peak_mem_bytes, b and b.peak_mem_bytes)} {r.attention_bytes_per_rank / 2**20:>13.2f} "
-            f"{ratio(r.attention_bytes_per_rank, b and b.attention_bytes_per_rank)} {r.loss_step0:>8.4f}"
-        )
-    return "\n".join(lines)
-
-
-def records_as_dicts(records: list[TrainRecord]) -> list[dict[str, object]]:
-    return [asdict(r) for r in records]
+    return format_ratio_table(records, ("objective", "seq_len"), TABLE_COLUMNS)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -282,39 +261,23 @@ def register_train_bench(kinds: argparse._SubParsersAction) -> None:
     train = kinds.add_parser(
         "train", help="CP-only vs BP-only vs CSBP full training steps (bd3, fast_dllm_v2)"
     )
-    train.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    add_layout_options(
+        train, seq_lens=[512, 1024, 2048, 4096], csbp_cp_help="CP degree of the CSBP layout (default nproc)"
+    )
     train.add_argument(
         "--objectives", nargs="+", default=list(TRAIN_BENCH_OBJECTIVES), choices=TRAIN_BENCH_OBJECTIVES
     )
-    train.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
-    train.add_argument("--block-size", type=int, default=16)
-    train.add_argument("--nproc", type=int, default=4)
-    train.add_argument(
-        "--csbp-cp", type=int, default=None, help="CP degree of the CSBP layout (default nproc)"
-    )
-    train.add_argument("--transport", choices=("collective", "streaming"), default="collective")
+    add_transport_option(train)
     train.add_argument("--samples", type=int, default=1, help="samples per step")
-    train.add_argument("--vocab-size", type=int, default=512)
-    train.add_argument("--hidden-size", type=int, default=128)
-    train.add_argument("--intermediate-size", type=int, default=256)
+    add_model_width_options(train, vocab_size=512, intermediate_size=256)
     train.add_argument("--num-layers", type=int, default=2)
-    train.add_argument("--num-heads", type=int, default=4)
-    train.add_argument("--num-kv-heads", type=int, default=2)
-    train.add_argument("--head-dim", type=int, default=32)
-    train.add_argument("--dtype", choices=tuple(_DTYPES), default="float32")
-    train.add_argument("--repeats", type=int, default=3)
-    train.add_argument("--warmup", type=int, default=1)
-    train.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
-    train.add_argument(
-        "--png", type=Path, default=None, help="speedup plot (default: next to --json, with suffix .png)"
-    )
+    add_head_options(train)
+    train.add_argument("--dtype", choices=tuple(BENCH_DTYPES), default="float32")
+    add_output_options(train, png_help="speedup plot (default: next to --json, with suffix .png)")
     train.set_defaults(func=run_train_bench_command)
 
 
 def run_train_bench_command(args: argparse.Namespace) -> int:
-    from csbp.bench.plot import plot_speedups
-    from csbp.cli.bench_cmd import write_json_atomic
-
     print(
         f"csbp bench train: objectives={','.join(args.objectives)} nproc={args.nproc} block={args.block_size} "
         f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
@@ -342,19 +305,7 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         repeats=args.repeats,
     )
-    print(format_table(records))
-    if args.json is not None:
-        write_json_atomic(args.json, records_as_dicts(records))
-        print(f"wrote {args.json}")
-    png = (
-        args.png
-        if args.png is not None
-        else (args.json.with_suffix(".png") if args.json is not None else None)
+    write_outputs(
+        format_table(records), records, args, plot_group_by="objective", plot_title="csbp bench train"
     )
-    if png is not None:
-        if "cp" in args.layouts:
-            plot_speedups(records_as_dicts(records), png, group_by="objective", title="csbp bench train")
-            print(f"wrote {png}")
-        else:
-            print("no plot: speedups are relative to CP-only, add 'cp' to --layouts")
     return 0

@@ -1,0 +1,281 @@
+"""What the three layout benchmarks (``csbp bench attention|train|dflash``) share.
+
+* the checks of the run options every benchmark config has (``check_run_options``);
+* the layouts compared (``layout_topologies``, ``select_topologies``) and one launch of a cell of
+  layouts on ``nproc`` gloo processes with a fixed glibc mmap threshold (``launch_cell``);
+* one timed step on a rank (``measured_step``: the slowest rank's time and the peak memory growth)
+  and the series of measured steps of one layout (``StepSeries``: median time, peak memory);
+* the text table with each metric's ratio to CP-only in the same cell (``Column``,
+  ``format_ratio_table``);
+* the command-line option groups of the three subcommands and their outputs (the table, ``--json``
+  through an atomic write, the ``--png`` speedup plot).
+
+Worker protocol of ``launch_cell``: ``worker(rank, world, topologies, cfg)`` is a module-level
+function that returns one ``dict[str, float]`` of results per topology, in order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
+from csbp.parallel.launch import run_local
+from csbp.topology import Topology
+
+LAYOUTS: tuple[str, ...] = ("cp", "bp", "csbp")
+BENCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+# ----------------------------------------------------------------------------- layouts and launches
+
+
+def check_run_options(cfg: Any, *, at_least_one: tuple[str, ...]) -> None:
+    """Fail unless ``cfg.dtype`` is in ``BENCH_DTYPES``, each field of ``at_least_one`` is >= 1 and
+    ``cfg.warmup`` >= 0."""
+    if cfg.dtype not in BENCH_DTYPES:
+        raise ValueError(f"dtype {cfg.dtype!r} is not one of {tuple(BENCH_DTYPES)}")
+    for name in at_least_one:
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
+    if cfg.warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {cfg.warmup}")
+
+
+def layout_topologies(
+    nproc: int, csbp_cp: int | None = None, csbp_bp: int | None = None
+) -> dict[str, Topology]:
+    """CP-only (cp = nproc), BP-only (bp = nproc) and CSBP (cp x bp, default nproc x nproc; the
+    remaining factor of ``nproc`` becomes data parallelism, e.g. cp = bp = 2 on 4 ranks is dp = 2)."""
+    cp, bp = csbp_cp or nproc, csbp_bp or nproc
+    local = max(cp, bp)
+    if nproc % local != 0:
+        raise ValueError(
+            f"CSBP cp={cp}, bp={bp} uses {local} ranks per sample, which does not divide nproc={nproc}"
+        )
+    return {
+        "cp": Topology(cp=nproc),
+        "bp": Topology(bp=nproc, replicate_clean_prefix=True),
+        "csbp": Topology(dp=nproc // local, cp=cp, bp=bp),
+    }
+
+
+def require_parallel(nproc: int) -> None:
+    """Fail when ``nproc`` cannot hold a parallel layout."""
+    if nproc < 2:
+        raise ValueError(f"nproc must be >= 2 to compare parallel layouts, got {nproc}")
+
+
+def select_topologies(
+    layouts: Sequence[str], nproc: int, csbp_cp: int | None = None, csbp_bp: int | None = None
+) -> list[Topology]:
+    """The topologies of ``layouts`` (names from ``LAYOUTS``), in order."""
+    topologies = layout_topologies(nproc, csbp_cp, csbp_bp)
+    unknown = [name for name in layouts if name not in topologies]
+    if unknown or not layouts:
+        raise ValueError(f"unknown or no layout(s) {unknown}: choose from {sorted(topologies)}")
+    return [topologies[name] for name in layouts]
+
+
+def launch_cell(
+    worker: Callable[..., list[dict[str, float]]],
+    nproc: int,
+    cell: list[Topology],
+    cfg: object,
+    *,
+    timeout_s: float,
+) -> list[list[dict[str, float]]]:
+    """Run ``worker`` over ``cell`` on ``nproc`` processes; ``results[layout][rank]``."""
+    with fixed_mmap_threshold():
+        per_rank = run_local(worker, nproc, (cell, cfg), timeout_s=timeout_s)
+    return [[rank_results[index] for rank_results in per_rank] for index in range(len(cell))]
+
+
+def max_over_ranks(results: list[dict[str, float]], key: str) -> int:
+    """The largest ``key`` over the ranks' results, as an integer (bytes, FLOPs)."""
+    return int(max(r[key] for r in results))
+
+
+# ----------------------------------------------------------------------------- steps on one rank
+
+
+@dataclass
+class StepMeasurement:
+    """One step: ``seconds`` of the slowest rank and this rank's peak memory growth."""
+
+    seconds: float = 0.0
+    peak_bytes: int = 0
+
+
+@contextmanager
+def measured_step(counter: Any = None) -> Iterator[StepMeasurement]:
+    """``with measured_step(ctx.counter) as step: ...`` times the body on every rank (after a barrier;
+    ``counter``, if given, is reset first) and fills ``step`` with the slowest rank's time."""
+    if counter is not None:
+        counter.reset()
+    dist.barrier()
+    step = StepMeasurement()
+    with PeakMemory() as memory:
+        start = time.perf_counter()
+        yield step
+        elapsed = time.perf_counter() - start
+    step.peak_bytes = memory.bytes
+    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    step.seconds = float(slowest[0])
+
+
+@dataclass
+class StepSeries:
+    """The measured steps of one layout on one rank."""
+
+    times_s: list[float] = field(default_factory=list)
+    peak_bytes: int = 0
+
+    def add(self, step: StepMeasurement) -> None:
+        self.times_s.append(step.seconds)
+        self.peak_bytes = max(self.peak_bytes, step.peak_bytes)
+
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: record attribute ``name`` printed with format ``spec`` (whose alignment and
+    width also place ``header``), after ``shown`` (e.g. a unit change); ``vs_cp`` adds an ``x cp``
+    column with the raw value's ratio to the CP-only record of the same cell."""
+
+    header: str
+    name: str
+    spec: str
+    vs_cp: bool = False
+    shown: Callable[[Any], Any] | None = None
+
+
+def _ratio(value: float, reference: float | None) -> str:
+    return f"{value / reference:6.2f}" if reference else "     -"
+
+
+def format_ratio_table(records: Sequence[Any], cell_fields: tuple[str, ...], columns: list[Column]) -> str:
+    """A text table of ``records`` (one row each); a cell is the records with equal ``cell_fields``."""
+
+    def cell(record: Any) -> tuple[object, ...]:
+        return tuple(getattr(record, name) for name in cell_fields)
+
+    base = {cell(r): r for r in records if r.layout == "cp"}
+    header_parts = []
+    for column in columns:
+        header_parts.append(format(column.header, re.match(r"[<>^]?\d*", column.spec).group()))  # type: ignore[union-attr]
+        if column.vs_cp:
+            header_parts.append(f"{'x cp':>6}")
+    header = " ".join(header_parts)
+    lines = [header, "-" * len(header)]
+    for r in records:
+        b = base.get(cell(r))
+        parts = []
+        for column in columns:
+            value = getattr(r, column.name)
+            parts.append(format(column.shown(value) if column.shown else value, column.spec))
+            if column.vs_cp:
+                parts.append(_ratio(value, b and getattr(b, column.name)))
+        lines.append(" ".join(parts))
+    return "\n".join(lines)
+
+
+def records_as_dicts(records: Sequence[Any]) -> list[dict[str, object]]:
+    """The records (dataclasses) as the dicts of the ``--json`` output."""
+    return [asdict(r) for r in records]
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_layout_options(
+    parser: argparse.ArgumentParser, *, seq_lens: list[int], csbp_cp_help: str
+) -> None:
+    """``--seq-lens``, ``--layouts``, ``--nproc``, ``--csbp-cp`` and ``--block-size``."""
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=seq_lens)
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--csbp-cp", type=int, default=None, help=csbp_cp_help)
+    parser.add_argument("--block-size", type=int, default=16)
+
+
+def add_transport_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--transport", choices=("collective", "streaming"), default="collective")
+
+
+def add_head_options(parser: argparse.ArgumentParser) -> None:
+    """``--num-heads``, ``--num-kv-heads`` and ``--head-dim``."""
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=32)
+
+
+def add_model_width_options(
+    parser: argparse.ArgumentParser, *, vocab_size: int, intermediate_size: int
+) -> None:
+    """``--vocab-size``, ``--hidden-size`` (default 128) and ``--intermediate-size``."""
+    parser.add_argument("--vocab-size", type=int, default=vocab_size)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--intermediate-size", type=int, default=intermediate_size)
+
+
+def add_output_options(parser: argparse.ArgumentParser, *, png_help: str | None = None) -> None:
+    """``--repeats``, ``--warmup``, ``--json`` and, when ``png_help`` is given, ``--png``."""
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
+    if png_help is not None:
+        parser.add_argument("--png", type=Path, default=None, help=png_help)
+
+
+def write_json_atomic(path: Path, payload: object) -> None:
+    """Write JSON through a temporary file and ``os.replace`` (never a half-written artifact)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def write_outputs(
+    table: str,
+    records: Sequence[Any],
+    args: argparse.Namespace,
+    *,
+    plot_group_by: str | None = None,
+    plot_title: str | None = None,
+) -> None:
+    """Print ``table``, write ``--json``, and with ``plot_title`` the speedup plot to ``--png`` (default:
+    ``--json`` with suffix ``.png``) when the layouts include CP-only."""
+    print(table)
+    if args.json is not None:
+        write_json_atomic(args.json, records_as_dicts(records))
+        print(f"wrote {args.json}")
+    if plot_title is None:
+        return
+    png = args.png if args.png is not None else (args.json.with_suffix(".png") if args.json is not None else None)
+    if png is None:
+        return
+    if "cp" in args.layouts:
+        from csbp.bench.plot import plot_speedups
+
+        plot_speedups(records_as_dicts(records), png, group_by=plot_group_by, title=plot_title)
+        print(f"wrote {png}")
+    else:
+        print("no plot: speedups are relative to CP-only, add 'cp' to --layouts")
