@@ -34,13 +34,15 @@ $(ARTIFACT)/manifest.json: $(STAMP)
 		--vocab-size 2048 --val-fraction 0.05 --overwrite
 
 # The main job: BD3 with CSBP (cp=2, bp=4) on 4 CPU processes; ends with a sample and
-# `val_loss: <first> -> <last>`.
+# `val_loss: <first> -> <last>`. Each `make demo` starts runs/demo afresh.
 demo: $(ARTIFACT)/manifest.json
+	rm -rf runs/demo
 	$(CSBP) train demo --run-dir runs/demo
 
 # A DFlash drafter: train a small AR target, then the drafter with CSBP (cp=2, bp=2), then
 # measure lossless speculative decoding; ends with `acceptance_length: <value>`.
 dflash-demo: $(ARTIFACT)/manifest.json
+	rm -rf runs/dflash-target runs/dflash-demo
 	$(CSBP) train dflash-target --run-dir runs/dflash-target
 	$(CSBP) train dflash-demo --run-dir runs/dflash-demo
 	$(CSBP) dflash eval --target runs/dflash-target/final --drafter runs/dflash-demo/final --data $(ARTIFACT)

@@ -246,14 +246,55 @@ def test_mdlm_and_ar_run_data_parallel() -> None:
     assert (cfg.objective.block_size, cfg.objective.loss_weight) == (None, "unit")
 
 
+def dflash_changes() -> dict[str, Any]:
+    """Changes turning the demo recipe into a dflash run (a fresh dict each call)."""
+    return {
+        "objective.name": "dflash",
+        "objective.loss_weight": ...,
+        "objective.dflash.target": "/models/t",
+        "model": {"dtype": "float32"},  # the drafter's shape comes from the target
+    }
+
+
 def test_dflash_section() -> None:
-    base = {"objective.name": "dflash", "objective.loss_weight": ..., "objective.dflash.target": "/models/t"}
+    base = dflash_changes()
     cfg = config_from_dict(with_changes(base | {"objective.dflash.target_layer_ids": [1, 9]}))
     assert cfg.objective.dflash is not None
     assert (cfg.objective.dflash.target_layer_ids, cfg.objective.dflash.max_anchors) == ([1, 9], 512)
     assert cfg.objective.loss_weight == "unit"
+    assert cfg.model.hidden_size is None and cfg.model.rope_theta is None  # no decoder defaults filled
     (line,) = error_lines(with_changes(base | {"objective.dflash.max_anchors": 2}))
     assert line.startswith("config.yaml: objective.dflash.max_anchors: max_anchors=2 is below bp=4")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "fragment"),
+    [
+        ({"model.hidden_size": 64, "model.rope_theta": 1e4}, "model", "hidden_size do not apply"),
+        ({"model.rope_theta": 1e4}, "model", "rope_theta do not apply"),
+        ({"model.arch": "llama"}, "model.arch", "Qwen3-style"),
+        ({"objective.dflash.loss": "kl", "objective.dflash.lk_loss_type": "tv"}, "objective.dflash.lk_loss_type",
+         "mixes with the hard CE only"),
+        ({"objective.dflash.num_draft_layers": 2, "objective.dflash.layer_types": ["full_attention"]},
+         "objective.dflash.layer_types", "lists 1 layers"),
+        ({"objective.dflash.layer_types": ["sliding_attention"]}, "objective.dflash.sliding_window", "required"),
+        ({"objective.dflash.target_layer_ids": [1, 1]}, "objective.dflash.target_layer_ids", "distinct"),
+        ({"objective.denominator": "all_tokens"}, "objective.denominator", "supervised slots"),
+        ({"train.fsdp": True, "topology.dp": 2}, "train.fsdp", "holds whole"),
+        ({"data.seq_len": 250, "objective.block_size": 4}, "data.seq_len", "2*cp=4 equal zigzag chunks"),
+    ],
+)
+def test_dflash_rules(changes: dict[str, Any], field: str, fragment: str) -> None:
+    (line,) = error_lines(with_changes(dflash_changes() | changes))
+    assert line.startswith(f"config.yaml: {field}: "), line
+    assert fragment in line
+
+
+def test_dflash_sequence_needs_only_whole_zigzag_chunks() -> None:
+    """dflash has no clean stream of blocks: seq_len % block_size and the BD3 block counts do not
+    apply, only seq_len % (2*cp) (here cp=2)."""
+    cfg = config_from_dict(with_changes(dflash_changes() | {"data.seq_len": 20, "objective.block_size": 8}))
+    assert (cfg.data.seq_len, cfg.objective.block_size) == (20, 8)
 
 
 def test_model_shapes_are_required_unless_init_from() -> None:
@@ -316,7 +357,8 @@ def test_overrides_use_yaml_scalar_semantics(tmp_path: Path) -> None:
 
 def test_nested_override_creates_the_section(tmp_path: Path) -> None:
     path = write_yaml(
-        tmp_path / "run.yaml", with_changes({"objective.name": "dflash", "objective.loss_weight": ...})
+        tmp_path / "run.yaml",
+        with_changes({"objective.name": "dflash", "objective.loss_weight": ..., "model": {"dtype": "float32"}}),
     )
     cfg = load_config(path, ["objective.dflash.target=targets/qwen", "objective.dflash.max_anchors=64"])
     assert cfg.objective.dflash is not None

@@ -295,7 +295,7 @@ def test_config_errors_are_raised_before_any_process_starts(artifact: Path, tmp_
     cases = [
         (
             {"objective.name": "mdlm", "objective.block_size": None, "topology.cp": 2},
-            "single-stream objective",
+            "is a single.stream",  # the config rule (or, past it, the preflight check)
         ),
         ({"data.seq_len": 64, "objective.block_size": 4}, "packed with seq_len=32"),
         ({"model.vocab_size": 100}, "embeds only 100 ids"),

@@ -17,6 +17,9 @@ Violation = tuple[str, str, str]
 """``(field, message, fix)``: a dotted field path, what is wrong, and what to do (may be empty)."""
 
 _SINGLE_STREAM_OBJECTIVES = ("mdlm", "ar")
+SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+"""Decoder shape fields of ``model`` (required unless ``init_from``; forbidden for dflash)."""
+_DECODER_FIELDS = ("rope_theta", "rms_norm_eps", "qk_norm", "tie_embeddings")
 
 
 class ConfigRuleError(ValueError):
@@ -38,7 +41,39 @@ def _format_violation(field: str, message: str, fix: str) -> str:
 
 def cross_section_violations(cfg: RunConfig) -> list[Violation]:
     """Every violated cross-section rule of ``cfg``."""
-    return _sequence_rules(cfg) + _objective_layout_rules(cfg) + _training_rules(cfg)
+    return _model_rules(cfg) + _sequence_rules(cfg) + _objective_layout_rules(cfg) + _training_rules(cfg)
+
+
+def _model_rules(cfg: RunConfig) -> list[Violation]:
+    """The decoder's shape is required unless ``init_from``; a dflash run's drafter takes it from the
+    target and ``objective.dflash``, so there only ``model.dtype`` may be set."""
+    model = cfg.model
+    if cfg.objective.name != "dflash":
+        if model.init_from is not None:
+            return []
+        return [
+            (f"model.{name}", "required when model.init_from is unset", f"set model.{name} or model.init_from")
+            for name in SHAPE_FIELDS
+            if getattr(model, name) is None
+        ]
+    shaped = [name for name in ("init_from", "vocab_size", *SHAPE_FIELDS) if getattr(model, name) is not None]
+    if not shaped:  # otherwise these were filled with the arch defaults, not set
+        shaped = [name for name in _DECODER_FIELDS if getattr(model, name) is not None]
+    violations = []
+    if shaped:
+        violations.append(
+            (
+                "model",
+                f"{', '.join(shaped)} do not apply to a dflash drafter, which is shaped by "
+                "objective.dflash.target and objective.dflash",
+                "remove them; for dflash only model.dtype (the exported drafter's dtype) applies",
+            )
+        )
+    if model.arch != "qwen3":
+        violations.append(
+            ("model.arch", "the DFlash drafter is Qwen3-style whatever the target is", "remove model.arch")
+        )
+    return violations
 
 
 def _sequence_rules(cfg: RunConfig) -> list[Violation]:
@@ -113,8 +148,16 @@ def _objective_layout_rules(cfg: RunConfig) -> list[Violation]:
 
 
 def _training_rules(cfg: RunConfig) -> list[Violation]:
-    """Precision, process count and schedule length."""
+    """Precision, process count, schedule length and sharding."""
     violations = []
+    if cfg.train.fsdp and cfg.objective.name == "dflash":
+        violations.append(
+            (
+                "train.fsdp",
+                "dflash trains a small drafter that every rank holds whole",
+                "set train.fsdp: false",
+            )
+        )
     if (cfg.train.precision == "fp64") != (cfg.model.dtype == "float64"):
         violations.append(
             (

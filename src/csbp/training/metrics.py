@@ -7,6 +7,8 @@ a no-op, so no other rank writes files.
 train loss of the step), ``lr`` (the rate the step used), ``grad_norm`` (before clipping),
 ``tokens_per_s`` (all ranks' tokens over the step's wall time), ``peak_mem_bytes``,
 ``elapsed_s`` (since this invocation started), and ``val_loss`` on steps that ran validation.
+Objectives may add metrics: dflash logs ``token_accuracy`` and ``tau_mean`` (and ``val_`` versions;
+with a DFlash2 selector also ``selector_loss`` and ``candidate_recall``).
 When a run resumes, records after the resumed step (written before a crash) are dropped, so the
 file always describes one trajectory.
 
@@ -38,6 +40,12 @@ _SCALARS = {
     "tokens_per_s": "train/tokens_per_s",
     "peak_mem_bytes": "system/peak_mem_bytes",
     "val_loss": "val/loss",
+    "token_accuracy": "train/token_accuracy",
+    "tau_mean": "train/tau_mean",
+    "selector_loss": "train/selector_loss",
+    "candidate_recall": "train/candidate_recall",
+    "val_token_accuracy": "val/token_accuracy",
+    "val_tau_mean": "val/tau_mean",
 }
 
 

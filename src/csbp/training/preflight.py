@@ -6,8 +6,9 @@ shape and the objective, and checks what the config schema cannot see on its own
 * the artifact's ``seq_len`` equals ``data.seq_len``; a configured tokenizer has the artifact's
   fingerprint; a validation artifact matches the training one;
 * every token id of the data is an embedding row; the mask token is a vocabulary id;
-* the objective runs on the topology (``mdlm``/``ar`` are single-stream: ``cp = bp = 1``;
-  ``dflash`` is not trained by ``csbp train``) and its options map onto the objective;
+* the objective runs on the topology (``mdlm``/``ar`` are single-stream: ``cp = bp = 1``) and its
+  options map onto the objective; ``dflash`` runs are checked against their target and data by
+  :mod:`csbp.training.dflash_inputs`;
 * there are enough rows for one global batch, and validation rows when ``eval_every > 0``;
 * FSDP has a data-parallel group to shard over;
 * the run directory: ``--resume`` needs a checkpoint there, written for the same model shape and
@@ -36,10 +37,11 @@ from csbp.training.checkpoint import (
     param_shapes,
     read_training_state,
 )
+from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
 from csbp.training.model_factory import decoder_config_for_run
 
 NOISE_SCHEMES = {"rotated": "rotated_lattice", "stratified": "stratified"}
-TRAINABLE_OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "ar")
+TRAINABLE_OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "ar", "dflash")
 
 
 @dataclass(frozen=True)
@@ -49,10 +51,12 @@ class RunInputs:
     Attributes:
         artifact: the training artifact (memory-maps open lazily).
         val_split: rows used for validation, or None when there are none.
-        decoder_config: the model shape.
+        decoder_config: the model shape (dflash: the frozen target's).
         mask_token_id: the ``[MASK]`` id (config, else the artifact's manifest); None for ``ar``.
-        objective_name, objective_options: ``build_objective(name, **options)`` arguments.
-        tokenizer_dir: directory whose tokenizer files are copied into the HF export.
+        objective_name, objective_options: ``build_objective(name, **options)`` arguments (empty
+            for dflash, whose objective is ``dflash.objective``).
+        tokenizer_dir: directory whose tokenizer files are copied into the export.
+        dflash: target, drafter and loss of a dflash run; None otherwise.
     """
 
     artifact: Artifact
@@ -62,9 +66,16 @@ class RunInputs:
     objective_name: str
     objective_options: dict[str, Any]
     tokenizer_dir: Path
+    dflash: DFlashInputs | None = None
 
     def build_objective(self) -> Objective:
         return build_objective(self.objective_name, **self.objective_options)
+
+    def param_shapes(self) -> dict[str, list[int]]:
+        """Shape of every trained parameter by name (the drafter's for dflash)."""
+        if self.dflash is not None:
+            return self.dflash.param_shapes()
+        return param_shapes(Decoder(self.decoder_config, device="meta"))
 
 
 def check_run(
@@ -87,19 +98,32 @@ def check_run(
             )
         tokenizer_path = Path(cfg.data.tokenizer)
         tokenizer_dir = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
-    decoder_config = decoder_config_for_run(cfg, artifact)
-    mask_token_id = _mask_token_id(cfg, artifact, decoder_config)
-    options = _objective_options(cfg, mask_token_id)
-    inputs = RunInputs(
-        artifact=artifact,
-        val_split=_val_split(cfg, artifact),
-        decoder_config=decoder_config,
-        mask_token_id=mask_token_id,
-        objective_name=cfg.objective.name,
-        objective_options=options,
-        tokenizer_dir=tokenizer_dir,
-    )
-    inputs.build_objective()  # the objective's own option checks
+    val_split = _val_split(cfg, artifact)
+    if cfg.objective.name == "dflash":
+        dflash = check_dflash_inputs(cfg, artifact, val_split, data_tokenizer_dir=tokenizer_dir)
+        inputs = RunInputs(
+            artifact=artifact,
+            val_split=val_split,
+            decoder_config=dflash.target_config,
+            mask_token_id=dflash.drafter_config.mask_token_id,
+            objective_name="dflash",
+            objective_options={},
+            tokenizer_dir=dflash.tokenizer_dir,
+            dflash=dflash,
+        )
+    else:
+        decoder_config = decoder_config_for_run(cfg, artifact)
+        mask_token_id = _mask_token_id(cfg, artifact, decoder_config)
+        inputs = RunInputs(
+            artifact=artifact,
+            val_split=val_split,
+            decoder_config=decoder_config,
+            mask_token_id=mask_token_id,
+            objective_name=cfg.objective.name,
+            objective_options=_objective_options(cfg, mask_token_id),
+            tokenizer_dir=tokenizer_dir,
+        )
+        inputs.build_objective()  # the objective's own option checks
     _check_batches(cfg, inputs)
     if cfg.train.fsdp and cfg.topology.dp < 2:
         raise ValueError(
@@ -110,9 +134,11 @@ def check_run(
         check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps)
         latest = find_latest_checkpoint(run_dir)
         if resume and latest is not None:
-            shapes = param_shapes(Decoder(decoder_config, device="meta"))
             check_compatible(
-                read_training_state(latest), latest, shapes=shapes, data_fingerprint=artifact.fingerprint
+                read_training_state(latest),
+                latest,
+                shapes=inputs.param_shapes(),
+                data_fingerprint=artifact.fingerprint,
             )
     return inputs
 

@@ -23,7 +23,7 @@ every evaluation of a run scores the same corrupted batches and val losses are c
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
@@ -40,10 +40,27 @@ EVAL_MICRO_STEP = 2**31 - 1
 
 @dataclass(frozen=True)
 class StepResult:
-    """Global numbers of one step (identical on every rank)."""
+    """Global numbers of one step (identical on every rank); ``metrics``: objective-specific extras
+    logged next to the loss (dflash: ``token_accuracy``, ``tau_mean``, ...)."""
 
     loss: float
     denominator: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Global numbers of one validation pass; ``metrics`` are logged as ``val_<name>``."""
+
+    loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def autocast_for(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` to bfloat16 for ``bf16``, else nothing (fp32/fp64 run in the master dtype)."""
+    if precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def corrupted_on(batch: CorruptedBatch, device: torch.device) -> CorruptedBatch:
@@ -81,11 +98,6 @@ class StepRunner:
         self.seed = seed
         self.ce_chunk_rows = ce_chunk_rows
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.precision == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _corrupt(self, batch: dict[str, Tensor], step: int, micro_step: int) -> CorruptedBatch:
         generator = corruption_generator(self.seed, step, self.ctx.coords.dp_rank, micro_step=micro_step)
         return corrupted_on(self.objective.corrupt(batch, generator), self.device)
@@ -99,7 +111,7 @@ class StepRunner:
         return float(comm.all_reduce(total).item())
 
     def _weighted_ce(self, corrupted: CorruptedBatch, denominator: float) -> tuple[Tensor, Tensor]:
-        with self._autocast():
+        with autocast_for(self.precision, self.device):
             return rank_loss(
                 self.model,  # type: ignore[arg-type]
                 corrupted,
@@ -122,7 +134,7 @@ class StepRunner:
         return StepResult(loss=self._sum_over(ce_total, "world") / denominator, denominator=denominator)
 
     @torch.no_grad()
-    def evaluate(self, split: ArtifactSplit, *, micro_batch_size: int, num_batches: int) -> float:
+    def evaluate(self, split: ArtifactSplit, *, micro_batch_size: int, num_batches: int) -> EvalResult:
         """Global validation loss over ``num_batches`` fixed micro-batches per data-parallel replica."""
         loader = PackedLoader(
             split,
@@ -143,4 +155,4 @@ class StepRunner:
             ce_total += float(ce_sum.double().item())
         self.model.train(was_training)
         denominator = max(self._sum_over(local_denominator, "dp"), 1.0)
-        return self._sum_over(ce_total, "world") / denominator
+        return EvalResult(self._sum_over(ce_total, "world") / denominator)

@@ -49,7 +49,7 @@ from csbp.training.checkpoint import (
     save_checkpoint,
 )
 from csbp.training.dflash_step import DFlashStepRunner
-from csbp.training.drafter import build_drafter, export_drafter
+from csbp.training.drafter import build_drafter, dflash_eval_hint, export_drafter
 from csbp.training.lr_schedule import build_lr_scheduler
 from csbp.training.metrics import MetricsWriter, peak_memory_bytes
 from csbp.training.model_factory import build_model, export_dtype
@@ -204,11 +204,7 @@ def train(
     runner = step_runner_for(cfg, inputs, ctx, model, device)
     writer = MetricsWriter(run_dir, enabled=is_rank0, start_step=start_step, total_steps=cfg.train.max_steps)
     if inputs.dflash is not None and cfg.train.generate_after:
-        writer.message(
-            "note: train.generate_after does not apply to a dflash drafter; measure it with "
-            f"`csbp dflash eval --target {inputs.dflash.target_dir} --drafter {run_dir / FINAL_DIR} "
-            f"--data {cfg.data.train}`"
-        )
+        writer.message(f"note: train.generate_after does not apply to dflash; {dflash_eval_hint(cfg, run_dir)}")
     loop = _Loop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device)
     try:
         last_checkpoint = loop.run(start_step, stop_step, started)

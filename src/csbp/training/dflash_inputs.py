@@ -1,0 +1,221 @@
+"""What ``csbp train`` checks and resolves for ``objective.name: dflash`` before any weight is built.
+
+A dflash run trains a drafter (``csbp.dflash``) against a frozen target, a local Hugging Face
+checkpoint directory (``objective.dflash.target``; never a hub). :func:`check_dflash_inputs` reads the
+target's ``config.json`` only (no weights) and checks, with one-line ``ValueError``s:
+
+* the target directory exists and is a checkpoint; its vocabulary embeds every token id of the
+  data; when it ships a ``tokenizer.json``, that is the tokenizer the data was prepared with;
+* the ``[M]`` id (``objective.mask_token_id``, else the artifact's mask token) is a target row;
+* the drafter (``DFlashConfig.from_target``: ``objective.block_size``, ``objective.dflash``) and the
+  target agree (``validate_drafter_target``), and the loss options form a ``DFlashObjectiveConfig``;
+* every row of the training (and validation) split has a valid anchor (``validate_anchor_coverage``);
+* an offline feature store (``objective.dflash.features``) belongs to this target, these layers and
+  the training split (``open_features``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+
+from csbp.config.schema import DFlashSection, RunConfig
+from csbp.data.artifact import Artifact, ArtifactSplit
+from csbp.data.tokenizer import fingerprint_bytes
+from csbp.dflash.anchors import validate_anchor_coverage
+from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, validate_drafter_target
+from csbp.dflash.drafter import DFlashDrafter
+from csbp.dflash.features import FeatureStore, open_features
+from csbp.models.config import DecoderConfig
+from csbp.models.hf_io import TOKENIZER_FILES, decoder_config_from_hf
+
+T = TypeVar("T")
+_TARGET_FIX = (
+    "train the target first (e.g. `csbp train dflash-target`) and point objective.dflash.target at its "
+    "final/ directory"
+)
+
+
+@dataclass(frozen=True)
+class DFlashInputs:
+    """What a validated dflash run resolves to.
+
+    Attributes:
+        target_dir: the frozen target's checkpoint directory.
+        target_config: the target's shape (from its ``config.json``).
+        drafter_config: the drafter's architecture.
+        objective: the DFlash loss options.
+        features_dir: the offline feature store of the training split, or None (online capture).
+        tokenizer_dir: tokenizer files copied into the export (the target's when it has any).
+    """
+
+    target_dir: Path
+    target_config: DecoderConfig
+    drafter_config: DFlashConfig
+    objective: DFlashObjectiveConfig
+    features_dir: Path | None
+    tokenizer_dir: Path
+
+    def feature_store(self, train_split: ArtifactSplit) -> FeatureStore | None:
+        """The opened, validated feature store of ``train_split`` (None without one)."""
+        if self.features_dir is None:
+            return None
+        return _field(
+            "objective.dflash.features",
+            lambda: open_features(
+                self.features_dir,  # type: ignore[arg-type]
+                target_config=self.target_config,
+                split=train_split,
+                layer_ids=self.drafter_config.target_layer_ids or (),
+                need_last_hidden=self.objective.loss == "kl",
+            ),
+            "re-run `csbp dflash prepare-features` for this target, data and drafter, or remove it",
+        )
+
+    def param_shapes(self) -> dict[str, list[int]]:
+        """Shape of every trained (drafter) parameter by name."""
+        drafter = DFlashDrafter(self.drafter_config, device="meta")
+        return {name: list(param.shape) for name, param in drafter.named_parameters()}
+
+
+def check_dflash_inputs(
+    cfg: RunConfig,
+    artifact: Artifact,
+    val_split: ArtifactSplit | None,
+    *,
+    data_tokenizer_dir: Path,
+) -> DFlashInputs:
+    """Validate a dflash run against its target and data (see the module docstring)."""
+    section = cfg.objective.dflash
+    if section is None or cfg.objective.block_size is None:  # the schema requires both for dflash
+        raise ValueError("objective.dflash: required for objective dflash (fix: add objective.dflash.target)")
+    target_dir = Path(section.target)
+    target_config = read_target_config(target_dir)
+    if artifact.vocab_size > target_config.vocab_size:
+        raise ValueError(
+            f"objective.dflash.target: {target_dir} embeds {target_config.vocab_size} ids but the data "
+            f"{artifact.directory} has token ids up to {artifact.vocab_size - 1} (fix: train the target on "
+            "this data's tokenizer)"
+        )
+    tokenizer_file = target_dir / "tokenizer.json"
+    if tokenizer_file.is_file() and fingerprint_bytes(tokenizer_file.read_bytes()) != artifact.tokenizer_fingerprint:
+        raise ValueError(
+            f"objective.dflash.target: the tokenizer of {target_dir} is not the one {artifact.directory} was "
+            "prepared with (fingerprints differ) (fix: prepare the data with the target's tokenizer)"
+        )
+    mask_token_id = cfg.objective.mask_token_id
+    source = "objective.mask_token_id"
+    if mask_token_id is None:
+        mask_token_id, source = artifact.mask_token_id, f"the mask token of {artifact.directory}"
+    if mask_token_id >= target_config.vocab_size:
+        raise ValueError(
+            f"objective.mask_token_id: {source} is {mask_token_id}, outside the target vocabulary "
+            f"({target_config.vocab_size}) (fix: use an unused embedding row of the target)"
+        )
+    drafter_config = _field(
+        "objective.dflash",
+        lambda: drafter_config_for(section, target_config, cfg.objective.block_size or 0, mask_token_id),
+        "change objective.dflash (num_draft_layers, target_layer_ids, layer_types, conv_group_size, ...)",
+    )
+    _field(
+        "objective.dflash.target",
+        lambda: validate_drafter_target(drafter_config, target_config),
+        "train the drafter against the target it was configured for",
+    )
+    objective = _field(
+        "objective.dflash",
+        lambda: objective_config_for(section, cfg.objective.ce_chunk_rows),
+        "change the objective.dflash loss options",
+    )
+    splits = [("data.train", artifact.split("train")), ("data.val", val_split)]
+    for field, split in splits:
+        if split is not None and split.num_rows > 0:
+            _field(
+                field,
+                lambda split=split: validate_anchor_coverage(np.array(split.loss_mask), np.array(split.doc_ids)),
+                "re-prepare the data so that every row supervises two consecutive tokens of one document",
+            )
+    has_tokenizer = any((target_dir / name).is_file() for name in TOKENIZER_FILES)
+    inputs = DFlashInputs(
+        target_dir=target_dir,
+        target_config=target_config,
+        drafter_config=drafter_config,
+        objective=objective,
+        features_dir=Path(section.features) if section.features is not None else None,
+        tokenizer_dir=target_dir if has_tokenizer else data_tokenizer_dir,
+    )
+    inputs.feature_store(artifact.split("train"))
+    return inputs
+
+
+def read_target_config(target_dir: Path) -> DecoderConfig:
+    """The target's ``DecoderConfig`` from its ``config.json`` (``ValueError`` naming the field)."""
+    config_file = target_dir / "config.json"
+    if not target_dir.is_dir():
+        raise ValueError(f"objective.dflash.target: {target_dir} does not exist (fix: {_TARGET_FIX})")
+    if not config_file.is_file():
+        raise ValueError(
+            f"objective.dflash.target: {target_dir} is not a HF checkpoint directory (no config.json) "
+            f"(fix: {_TARGET_FIX})"
+        )
+    return _field(
+        "objective.dflash.target",
+        lambda: decoder_config_from_hf(json.loads(config_file.read_text(encoding="utf-8"))),
+        "use a Qwen3 or Llama checkpoint directory",
+    )
+
+
+def drafter_config_for(
+    section: DFlashSection, target: DecoderConfig, block_size: int, mask_token_id: int
+) -> DFlashConfig:
+    """``DFlashConfig.from_target`` with the config's drafter fields."""
+    return DFlashConfig.from_target(
+        target,
+        num_layers=section.num_draft_layers,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        intermediate_size=section.intermediate_size,
+        target_layer_ids=tuple(section.target_layer_ids) if section.target_layer_ids is not None else None,
+        layer_types=tuple(section.layer_types) if section.layer_types is not None else None,
+        sliding_window=section.sliding_window,
+        sliding_window_causal=section.sliding_window_causal,
+        conv_kernel_size=section.conv_kernel_size,
+        conv_group_size=section.conv_group_size,
+        selector_rank=section.selector_rank,
+        selector_top_k=section.selector_top_k,
+    )
+
+
+def objective_config_for(section: DFlashSection, ce_chunk_rows: int) -> DFlashObjectiveConfig:
+    """The ``DFlashObjectiveConfig`` of the config's loss fields."""
+    return DFlashObjectiveConfig(
+        max_anchors=section.max_anchors,
+        anchor_sampling=section.anchor_sampling,
+        context=section.context,
+        gamma=section.gamma,
+        loss=section.loss,
+        weighting=section.weighting,
+        dpace_alpha=section.dpace_alpha,
+        lk_loss_type=section.lk_loss_type,
+        kl_scale=section.kl_scale,
+        kl_decay=section.kl_decay,
+        selector_alpha=section.selector_alpha,
+        selector_warmup_ratio=section.selector_warmup_ratio,
+        selector_ramp_ratio=section.selector_ramp_ratio,
+        selector_stop_gradient=section.selector_stop_gradient,
+        ce_chunk_rows=ce_chunk_rows,
+    )
+
+
+def _field(field: str, action: Callable[[], T], fix: str) -> T:
+    """Run ``action``; a ``ValueError`` becomes one line ``field: message (fix: fix)``."""
+    try:
+        return action()
+    except ValueError as exc:
+        message = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ValueError(f"{field}: {message} (fix: {fix})") from None

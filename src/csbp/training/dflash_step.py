@@ -1,0 +1,154 @@
+"""One dflash training step and one validation pass on this rank, through ``csbp.dflash.DFlashStep``.
+
+A step with ``grad_accum = K`` micro-batches:
+
+1. micro-batch ``k`` draws its anchors from ``corruption_generator(seed, step, dp_rank, micro_step=k)``;
+   every rank of one model replica loads the same batch (the loader is keyed by ``dp_rank``) and so
+   draws the same anchors, whatever its CP/BP coordinates;
+2. target features come from the offline store (rows by ``row_ids``) when configured, else the
+   frozen target computes them inside the step;
+3. ``DFlashStep`` returns this rank's scaled share of the replica's loss ``L_k`` (a mean over the
+   micro-batch's samples, denominators global over the sample group); ``L_k / K`` is
+   back-propagated, so after gradient averaging over all ``dp * local`` ranks the gradient is that of
+   ``mean over replicas and micro-batches of L_k``, the loss that is logged;
+4. the DFlash2 selector loss weight follows training progress ``(step - 1) / max_steps``
+   (``selector_warmup_ratio``, ``selector_ramp_ratio``).
+
+Metrics are global sums turned into ratios: ``token_accuracy`` (argmax hits over supervised draft
+slots), ``tau_mean`` (the teacher-forced acceptance-length estimate per anchor block, objectives.md §7),
+with a selector also ``selector_loss`` and ``candidate_recall``.
+
+Validation scores ``eval_batches`` fixed micro-batches of the validation split (unshuffled loader,
+anchors from ``corruption_generator(seed, batch index, dp_rank, EVAL_MICRO_STEP)``, online target
+features, the selector at its full weight), so every evaluation of a run is comparable.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from csbp.data.artifact import ArtifactSplit
+from csbp.data.loader import PackedLoader
+from csbp.dflash.config import DFlashObjectiveConfig
+from csbp.dflash.drafter import DFlashDrafter
+from csbp.dflash.features import FeatureStore
+from csbp.dflash.step import DFlashBatch, DFlashStep, DFlashStepOutput, build_dflash_rank_plan
+from csbp.engine.context import ParallelContext
+from csbp.objectives.base import corruption_generator
+from csbp.training.step import EVAL_MICRO_STEP, EvalResult, StepResult, autocast_for
+
+_SUMS = ("loss", "selector", "correct", "supervised", "tau_sum", "live_blocks", "covered")
+"""Per-micro-batch numbers summed over micro-batches and data-parallel replicas."""
+
+
+def dflash_batch(batch: dict[str, Tensor]) -> DFlashBatch:
+    """The loader's ``input_ids`` / ``loss_mask`` / ``doc_ids`` as a ``DFlashBatch`` (CPU)."""
+    return DFlashBatch(batch["input_ids"], batch["loss_mask"].bool(), batch["doc_ids"])
+
+
+def output_sums(out: DFlashStepOutput) -> list[float]:
+    """``_SUMS`` of one step output (its metrics are ratios of global sums of the sample group)."""
+    metrics = out.metrics
+    supervised, live_blocks = metrics["supervised_slots"], metrics["live_blocks"]
+    return [
+        out.loss_value,
+        out.selector_value,
+        metrics["token_accuracy"] * supervised,
+        supervised,
+        metrics["tau_mean"] * live_blocks,
+        live_blocks,
+        metrics.get("candidate_recall", 0.0) * supervised,
+    ]
+
+
+class DFlashStepRunner:
+    """Runs dflash training micro-batches and validation passes of one rank (module docstring)."""
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        objective: DFlashObjectiveConfig,
+        ctx: ParallelContext,
+        *,
+        device: torch.device,
+        precision: str,
+        seed: int,
+        total_steps: int,
+        features: FeatureStore | None = None,
+    ) -> None:
+        self.drafter = drafter
+        self.step_fn = DFlashStep(drafter, objective, build_dflash_rank_plan(ctx, objective))
+        self.ctx = ctx
+        self.device = device
+        self.precision = precision
+        self.seed = seed
+        self.total_steps = total_steps
+        self.features = features
+        self.feature_dtype = drafter.fc.weight.dtype
+
+    def _run(
+        self, batch: dict[str, Tensor], generator: torch.Generator, *, selector_scale: float, online: bool
+    ) -> DFlashStepOutput:
+        features = None
+        if self.features is not None and not online:
+            features = self.features.rows(batch["row_ids"].tolist(), dtype=self.feature_dtype)
+        with autocast_for(self.precision, self.device):
+            return self.step_fn(dflash_batch(batch), generator, features=features, selector_scale=selector_scale)
+
+    def _global(self, sums_K: list[list[float]]) -> dict[str, float]:
+        """``_SUMS`` summed over micro-batches and data-parallel replicas (float64)."""
+        totals = torch.tensor(sums_K, dtype=torch.float64).sum(dim=0)
+        comm = self.ctx.dp_comm("loss")
+        if comm is not None and comm.size > 1:
+            totals = comm.all_reduce(totals)
+        return dict(zip(_SUMS, totals.tolist()))
+
+    def _metrics(self, totals: dict[str, float], count: int) -> tuple[float, dict[str, float]]:
+        """The mean loss over ``count`` replica micro-batches and the ratio metrics."""
+        metrics = {
+            "token_accuracy": totals["correct"] / max(totals["supervised"], 1.0),
+            "tau_mean": totals["tau_sum"] / max(totals["live_blocks"], 1.0),
+        }
+        if self.drafter.selector is not None:
+            metrics["selector_loss"] = totals["selector"] / count
+            metrics["candidate_recall"] = totals["covered"] / max(totals["supervised"], 1.0)
+        return totals["loss"] / count, metrics
+
+    def train_step(self, batches: list[dict[str, Tensor]], step: int) -> StepResult:
+        """Forward and backward every micro-batch of optimizer step ``step`` (gradients are left in
+        ``.grad``, not yet averaged over ranks)."""
+        selector_scale = self.step_fn.selector_scale((step - 1) / self.total_steps)
+        dp_rank = self.ctx.coords.dp_rank
+        sums = []
+        for micro, batch in enumerate(batches):
+            generator = corruption_generator(self.seed, step, dp_rank, micro_step=micro)
+            out = self._run(batch, generator, selector_scale=selector_scale, online=False)
+            (out.loss / len(batches)).backward()
+            sums.append(output_sums(out))
+        totals = self._global(sums)
+        loss, metrics = self._metrics(totals, len(batches) * self.ctx.topology.dp)
+        return StepResult(loss=loss, denominator=totals["supervised"], metrics=metrics)
+
+    @torch.no_grad()
+    def evaluate(self, split: ArtifactSplit, *, micro_batch_size: int, num_batches: int) -> EvalResult:
+        """Global validation loss and metrics over ``num_batches`` fixed micro-batches per replica."""
+        loader = PackedLoader(
+            split,
+            batch_size=micro_batch_size,
+            seed=self.seed,
+            dp_rank=self.ctx.coords.dp_rank,
+            dp_size=self.ctx.topology.dp,
+            drop_last=False,
+            shuffle=False,
+        )
+        was_training = self.drafter.training
+        self.drafter.eval()
+        selector_scale = self.step_fn.selector_scale(1.0)
+        sums = []
+        for index in range(num_batches):
+            generator = corruption_generator(self.seed, index, self.ctx.coords.dp_rank, micro_step=EVAL_MICRO_STEP)
+            sums.append(output_sums(self._run(next(loader), generator, selector_scale=selector_scale, online=True)))
+        self.drafter.train(was_training)
+        loss, metrics = self._metrics(self._global(sums), num_batches * self.ctx.topology.dp)
+        return EvalResult(loss, metrics)

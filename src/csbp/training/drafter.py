@@ -1,0 +1,57 @@
+"""The model a dflash run trains: a DFlash drafter on its frozen target, and its ``final/`` export.
+
+The target is loaded from its local checkpoint directory (``load_hf_checkpoint``; safetensors only)
+in the run's master dtype and frozen; the drafter holds it by reference, so the drafter's
+``parameters()`` (what AdamW, gradient averaging and the checkpoints see) are the drafter's own.
+The drafter's weights are drawn by ``DFlashDrafter(..., seed=run.seed)``.
+
+``final/`` is the public DFlash drafter format (``export_dflash``: ``config.json`` with
+``architectures: ["DFlashDraftModel"]``, ``model.safetensors`` without the shared embedding and
+LM head) plus the tokenizer files of the target (or of the data when the target has none).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from csbp.config.schema import RunConfig
+from csbp.dflash.drafter import DFlashDrafter
+from csbp.dflash.export import export_dflash
+from csbp.models.hf_io import TOKENIZER_FILES, load_hf_checkpoint
+from csbp.training.dflash_inputs import DFlashInputs
+from csbp.training.model_factory import export_dtype, master_dtype
+
+
+def build_drafter(cfg: RunConfig, inputs: DFlashInputs, *, device: torch.device) -> DFlashDrafter:
+    """The seeded drafter in its master dtype on ``device``, attached to the frozen target."""
+    dtype = master_dtype(cfg)
+    target, loaded = load_hf_checkpoint(inputs.target_dir, dtype=dtype, device=device)
+    if loaded != inputs.target_config:
+        raise ValueError(
+            f"objective.dflash.target: {inputs.target_dir} changed while the run was starting "
+            "(fix: do not modify the target during training)"
+        )
+    target.eval()
+    return DFlashDrafter(inputs.drafter_config, target=target, dtype=dtype, device=device, seed=cfg.run.seed)
+
+
+def export_drafter(cfg: RunConfig, inputs: DFlashInputs, drafter: DFlashDrafter, path: Path) -> Path:
+    """Write ``path`` in the public DFlash format (``model.dtype``) with the tokenizer files."""
+    exported = export_dflash(drafter, path, dtype=export_dtype(cfg), overwrite=True)
+    for name in TOKENIZER_FILES:
+        source = inputs.tokenizer_dir / name
+        if source.is_file():
+            shutil.copy2(source, exported / name)
+    return exported
+
+
+def dflash_eval_hint(cfg: RunConfig, run_dir: Path) -> str:
+    """How to measure the exported drafter's acceptance length (printed instead of a sample)."""
+    target = cfg.objective.dflash.target if cfg.objective.dflash is not None else "TARGET"
+    return (
+        f"measure the drafter with `csbp dflash eval --target {target} --drafter {run_dir / 'final'} "
+        f"--data {cfg.data.train}`"
+    )

@@ -1,0 +1,300 @@
+"""DFlash drafter training through the trainer (``objective.name: dflash``).
+
+A tiny artifact (seq_len 32, a trained 300-id BPE) and a random, never-trained 4-layer target
+(hidden 32, 4/2 heads, head dim 8) exported with the artifact's tokenizer; a 2-layer drafter fusing
+target layers (0, 2) with ``B = 4``, float32 on the CPU. Checked: the outputs of a single-process
+run (metrics keys, ``final/`` in the public DFlash format, drafter-only checkpoints); that a run
+interrupted and resumed equals the uninterrupted one step for step; that CSBP on 4 gloo processes
+(dp=2 x cp=2 x bp=2, and cp=2 x bp=4 with sampled anchors) gives the single-process first step;
+and the one-line errors for bad configs, targets and data.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from csbp.config import ConfigError, config_from_dict
+from csbp.config.schema import RunConfig
+from csbp.data import PackedLoader, open_artifact
+from csbp.dflash.export import load_dflash
+from csbp.dflash.features import prepare_features
+from csbp.models.config import DecoderConfig
+from csbp.models.decoder import Decoder
+from csbp.models.hf_io import export_hf_checkpoint, load_hf_checkpoint
+from csbp.parallel.launch import run_local
+from csbp.training import train
+from csbp.training.checkpoint import find_latest_checkpoint, read_training_state
+from csbp.training.preflight import check_run
+from test_training_run import REQUIRED_KEYS, make_artifact, metric_rows
+
+DFLASH_KEYS = REQUIRED_KEYS | {"token_accuracy", "tau_mean"}
+VAL_KEYS = {"val_loss", "val_token_accuracy", "val_tau_mean"}
+DRAFTER_LAYERS = 2
+
+
+def export_target(directory: Path, vocab_size: int, *, tokenizer_dir: Path, hidden_size: int = 32) -> Path:
+    """A random 4-layer target (never trained) as a HF checkpoint with ``tokenizer_dir``'s tokenizer."""
+    config = DecoderConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=64,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+    )
+    return export_hf_checkpoint(Decoder(config, seed=11), config, directory, tokenizer_dir=tokenizer_dir)
+
+
+def dflash_dict(artifact: Path, target: Path, **changes: Any) -> dict[str, Any]:
+    """A tiny dflash run; ``changes`` maps dotted keys to values (``None`` removes a key)."""
+    data: dict[str, Any] = {
+        "run": {"name": "tiny-dflash", "seed": 0},
+        "model": {"dtype": "float32"},
+        "data": {"train": str(artifact), "seq_len": 32},
+        "objective": {
+            "name": "dflash",
+            "block_size": 4,
+            "dflash": {
+                "target": str(target),
+                "num_draft_layers": DRAFTER_LAYERS,
+                "target_layer_ids": [0, 2],
+                "max_anchors": 6,
+                "gamma": 4.0,
+            },
+        },
+        "optim": {"lr": 3e-3, "warmup_steps": 1},
+        "train": {
+            "max_steps": 4,
+            "micro_batch_size": 2,
+            "grad_accum": 2,
+            "eval_every": 2,
+            "eval_batches": 2,
+            "save_every": 2,
+            "log_every": 100,
+        },
+    }
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = data
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+    return data
+
+
+def dflash_config(artifact: Path, target: Path, **changes: Any) -> RunConfig:
+    return config_from_dict(dflash_dict(artifact, target, **changes))
+
+
+def trajectory(run_dir: Path) -> list[tuple[Any, ...]]:
+    """Per step: every number that must repeat bit for bit on an exact resume."""
+    keys = ("step", "loss", "lr", "grad_norm", "token_accuracy", "tau_mean", "val_loss", "val_tau_mean")
+    return [tuple(record.get(key) for key in keys) for record in metric_rows(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(artifact, target directory)."""
+    root = tmp_path_factory.mktemp("dflash")
+    artifact = make_artifact(root / "art")
+    target = export_target(root / "target", open_artifact(artifact).vocab_size, tokenizer_dir=artifact)
+    return artifact, target
+
+
+@pytest.fixture(scope="module")
+def full_run(inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """4 uninterrupted steps (grad_accum 2, validation and checkpoints every 2 steps)."""
+    run_dir = tmp_path_factory.mktemp("full") / "run"
+    summary = train(dflash_config(*inputs), run_dir=run_dir)
+    assert (summary.start_step, summary.end_step, len(summary.losses)) == (0, 4, 4)
+    return run_dir
+
+
+# ----------------------------------------------------------------------------- one process
+
+
+def test_run_writes_metrics_drafter_checkpoints_and_the_public_format(
+    inputs: tuple[Path, Path], full_run: Path
+) -> None:
+    artifact, target = inputs
+    records = metric_rows(full_run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert DFLASH_KEYS <= set(record), sorted(DFLASH_KEYS - set(record))
+        assert (VAL_KEYS <= set(record)) == (record["step"] % 2 == 0)
+        assert 0.0 <= record["token_accuracy"] <= 1.0
+        assert 1.0 <= record["tau_mean"] <= 4.0  # one accepted anchor token up to the whole block
+        assert np.isfinite(record["loss"]) and record["loss"] > 0.0
+    final = full_run / "final"
+    config = json.loads((final / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert (config["block_size"], config["num_hidden_layers"], config["num_target_layers"]) == (4, 2, 4)
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2]
+    assert config["dflash_config"]["mask_token_id"] == open_artifact(artifact).mask_token_id
+    tensors = load_file(str(final / "model.safetensors"))
+    assert "fc.weight" in tensors and "layers.1.mlp.down_proj.weight" in tensors
+    assert not [name for name in tensors if "embed" in name or "lm_head" in name or name.startswith("model.")]
+    assert (final / "tokenizer.json").read_bytes() == (target / "tokenizer.json").read_bytes()
+    target_model, _ = load_hf_checkpoint(target)
+    drafter = load_dflash(final, target_model)
+    assert torch.equal(drafter.fc.weight, tensors["fc.weight"])
+    # checkpoints hold the drafter only (the target is frozen and shared by reference)
+    state = read_training_state(find_latest_checkpoint(full_run))  # type: ignore[arg-type]
+    assert state.step == 4
+    assert set(state.param_shapes) == {name for name, _ in drafter.named_parameters()}
+
+
+def test_interrupted_and_resumed_equals_uninterrupted(
+    inputs: tuple[Path, Path], full_run: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    train(dflash_config(*inputs), run_dir=run_dir, max_steps=2)
+    assert [row[0] for row in trajectory(run_dir)] == [1, 2]
+    resumed = train(dflash_config(*inputs), run_dir=run_dir, resume=True)
+    assert resumed.start_step == 2
+    assert trajectory(run_dir) == trajectory(full_run)  # float32, one process: bit for bit
+    exported = (run_dir / "final" / "model.safetensors").read_bytes()
+    assert exported == (full_run / "final" / "model.safetensors").read_bytes()
+
+
+def test_offline_features_train_like_online_capture(
+    inputs: tuple[Path, Path], full_run: Path, tmp_path: Path
+) -> None:
+    artifact, target = inputs
+    target_model, _ = load_hf_checkpoint(target)
+    split = open_artifact(artifact).split("train")
+    store = prepare_features(target_model, split, tmp_path / "features", layer_ids=(0, 2), dtype="float32")
+    run_dir = tmp_path / "run"
+    train(dflash_config(artifact, target, **{"objective.dflash.features": str(store)}), run_dir=run_dir)
+    offline, online = trajectory(run_dir), trajectory(full_run)
+    assert [row[0] for row in offline] == [1, 2, 3, 4]
+    for got, want in zip(offline, online):  # same features up to float32 storage: same numbers
+        assert got[1:4] == pytest.approx(want[1:4], rel=1e-6)
+    wrong_layers = dflash_config(artifact, target, **{"objective.dflash.features": str(store),
+                                                      "objective.dflash.target_layer_ids": [1, 2]})
+    message = one_line_error(lambda: check_run(wrong_layers))
+    assert message.startswith("objective.dflash.features: ") and "layer_ids=[0, 2] but expected [1, 2]" in message
+
+
+# ----------------------------------------------------------------------------- 4 processes
+
+ALL_ANCHORS = {"objective.dflash.max_anchors": 32}  # >= every valid anchor: no layout-dependent draw
+ONE_STEP = {"train.max_steps": 1, "train.grad_accum": 1, "train.eval_every": 0}
+LAYOUTS: dict[str, dict[str, Any]] = {
+    # dp=2: each replica takes one of the two rows of the single-process batch
+    "dp2_cp2_bp2": {"topology.dp": 2, "topology.cp": 2, "topology.bp": 2, "train.micro_batch_size": 1,
+                    **ALL_ANCHORS},
+    # dp=1: the single-process batch, 6 sampled anchors (every rank must draw the same ones)
+    "cp2_bp4": {"topology.cp": 2, "topology.bp": 4},
+}
+SINGLE: dict[str, dict[str, Any]] = {"dp2_cp2_bp2": ALL_ANCHORS, "cp2_bp4": {}}
+
+
+def _csbp_runs(rank: int, world: int, artifact: Path, target: Path, root: Path) -> dict[str, Any] | None:
+    results = {}
+    for name, layout in LAYOUTS.items():
+        summary = train(dflash_config(artifact, target, **ONE_STEP, **layout), run_dir=root / name)
+        results[name] = summary.first_loss
+    return results if rank == 0 else None
+
+
+def test_csbp_on_four_processes_matches_one_process(inputs: tuple[Path, Path], tmp_path: Path) -> None:
+    artifact, target = inputs
+    assert config_from_dict(dflash_dict(artifact, target, **LAYOUTS["cp2_bp4"])).world_size == 4
+    losses = run_local(_csbp_runs, 4, (artifact, target, tmp_path), timeout_s=240)[0]
+    for name in LAYOUTS:
+        single = train(dflash_config(artifact, target, **ONE_STEP, **SINGLE[name]), run_dir=tmp_path / f"1_{name}")
+        (parallel,) = metric_rows(tmp_path / name)
+        (reference,) = metric_rows(tmp_path / f"1_{name}")
+        assert losses[name] == pytest.approx(single.first_loss, abs=1e-5), name
+        assert parallel["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4), name
+        assert parallel["tau_mean"] == pytest.approx(reference["tau_mean"], abs=1e-9), name
+        assert parallel["token_accuracy"] == pytest.approx(reference["token_accuracy"], abs=1e-9), name
+        assert (tmp_path / name / "final" / "model.safetensors").is_file()
+
+
+# ----------------------------------------------------------------------------- errors, one line each
+
+
+def one_line_error(action: Any) -> str:
+    with pytest.raises(ValueError) as info:
+        action()
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_config_rules(inputs: tuple[Path, Path]) -> None:
+    artifact, target = inputs
+    fused = {"topology.cp": 2, "topology.bp": 2}
+    message = one_line_error(lambda: dflash_config(artifact, target, **fused, **{"objective.dflash.max_anchors": 1}))
+    assert message == (
+        "config: objective.dflash.max_anchors: max_anchors=1 is below bp=2: some BP ranks would own no anchor "
+        "(fix: set max_anchors >= 2)"
+    )
+    with pytest.raises(ConfigError) as info:
+        dflash_config(artifact, target, **fused, **{"data.seq_len": 34})
+    assert info.value.lines == [
+        "config: data.seq_len: seq_len=34 must split into 2*cp=4 equal zigzag chunks (fix: use a multiple of 4, "
+        "e.g. 36)"
+    ]
+
+
+def test_missing_target_directory(inputs: tuple[Path, Path], tmp_path: Path) -> None:
+    artifact, _ = inputs
+    cfg = dflash_config(artifact, tmp_path / "no-target")
+    message = one_line_error(lambda: check_run(cfg))
+    assert message.startswith(f"objective.dflash.target: {tmp_path / 'no-target'} does not exist (fix: ")
+    (tmp_path / "empty").mkdir()
+    message = one_line_error(lambda: check_run(dflash_config(artifact, tmp_path / "empty")))
+    assert "is not a HF checkpoint directory (no config.json)" in message
+
+
+def test_target_and_drafter_must_agree(inputs: tuple[Path, Path], tmp_path: Path, full_run: Path) -> None:
+    artifact, target = inputs
+    beyond = dflash_config(artifact, target, **{"objective.dflash.target_layer_ids": [0, 4]})
+    message = one_line_error(lambda: check_run(beyond))
+    assert message.startswith("objective.dflash: DFlashConfig.target_layer_ids=[0, 4] must be distinct ids in ")
+    small = export_target(tmp_path / "small", 64, tokenizer_dir=artifact)
+    message = one_line_error(lambda: check_run(dflash_config(artifact, small)))
+    assert "embeds 64 ids but the data" in message
+    other_tokenizer = tmp_path / "other"
+    shutil.copytree(target, other_tokenizer)
+    with open(other_tokenizer / "tokenizer.json", "a", encoding="utf-8") as handle:
+        handle.write(" ")
+    message = one_line_error(lambda: check_run(dflash_config(artifact, other_tokenizer)))
+    assert "is not the one" in message and "fingerprints differ" in message
+    # resuming a run against another target (another hidden size) is refused before any weight loads
+    wider = export_target(tmp_path / "wider", open_artifact(artifact).vocab_size, tokenizer_dir=artifact,
+                          hidden_size=48)
+    run_dir = tmp_path / "run"
+    shutil.copytree(full_run, run_dir)
+    message = one_line_error(
+        lambda: check_run(dflash_config(artifact, wider, **{"train.max_steps": 6}), run_dir=run_dir, resume=True)
+    )
+    assert "was written for another model shape: parameter 'fc.weight' has shape [32, 64]" in message
+
+
+def test_rows_without_an_anchor_are_rejected(inputs: tuple[Path, Path], tmp_path: Path) -> None:
+    artifact, target = inputs
+    copy = tmp_path / "art"
+    shutil.copytree(artifact, copy)
+    split = open_artifact(copy).split("train")
+    row = int(next(PackedLoader(split, batch_size=1, seed=0))["row_ids"][0])
+    loss_mask = np.memmap(copy / "train.loss_mask.bin", dtype="u1", mode="r+", shape=split.loss_mask.shape)
+    loss_mask[row, 1::2] = 0  # no two consecutive supervised tokens
+    loss_mask.flush()
+    message = one_line_error(lambda: check_run(dflash_config(copy, target)))
+    assert message.startswith(f"data.train: row {row} has no valid DFlash anchor")
