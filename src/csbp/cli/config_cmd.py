@@ -55,14 +55,21 @@ def run_validate(args: argparse.Namespace) -> int:
 def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
     """Short human-readable ``(topic, text)`` rows describing a validated config."""
     model, obj, topo = cfg.model, cfg.objective, cfg.topology
-    if model.init_from is not None:
+    if obj.name == "dflash" and obj.dflash is not None:
+        model_text = (
+            f"DFlash drafter, {obj.dflash.num_draft_layers} draft layers, shape from target "
+            f"{obj.dflash.target}, {model.dtype}"
+        )
+    elif model.init_from is not None:
         model_text = f"{model.arch} from {model.init_from}"
     else:
         model_text = (
             f"{model.arch}, {model.num_layers} layers, hidden {model.hidden_size}, "
             f"heads {model.num_heads}/{model.num_kv_heads} x {model.head_dim}, {model.dtype}"
         )
-    if obj.block_size is not None and obj.name != "ar":
+    if obj.name == "dflash" and obj.dflash is not None and obj.block_size is not None:
+        blocks = f", block_size {obj.block_size}, up to {obj.dflash.max_anchors} anchor blocks per sequence"
+    elif obj.block_size is not None and obj.name != "ar":
         blocks = f", block_size {obj.block_size} ({cfg.data.seq_len // obj.block_size} blocks per sequence)"
     else:
         blocks = ""
