@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from csbp.dflash.atomic import write_directory_atomically
+from csbp.atomic import write_directory_atomically
 from csbp.dflash.config import DFlashConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.models.decoder import Decoder

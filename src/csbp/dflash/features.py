@@ -37,10 +37,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from csbp.atomic import write_directory_atomically
 from csbp.attention.rows import Rows
 from csbp.attention.transports.local import LocalAttentionFn
 from csbp.dflash.anchors import segment_starts
-from csbp.dflash.atomic import write_directory_atomically
 from csbp.models.attention_fns import CausalAttention
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import AttentionFn, Decoder

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from csbp.atomic import write_directory_atomically
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 
@@ -308,9 +308,6 @@ def export_hf_checkpoint(
         raise ValueError(
             "export_hf_checkpoint: config differs from model.config; pass the model's own config"
         )
-    target = Path(path)
-    if target.exists() and not (overwrite and target.is_dir()):
-        raise ValueError(f"export path {target} already exists; pass overwrite=True to replace a directory")
     store_dtype = dtype if dtype is not None else model.embed_tokens.weight.dtype
     if store_dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype must be float64, float32 or bfloat16, got {store_dtype}")
@@ -321,19 +318,14 @@ def export_hf_checkpoint(
         for name, t in model.state_dict().items()
     }
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp creates 0o700; the checkpoint should be readable like any directory
+
+    def fill(staging: Path) -> None:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         for file in tokenizer_files:
             shutil.copy2(file, staging / file.name)
-        _replace_directory(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return target
+
+    return write_directory_atomically(path, fill, overwrite=overwrite)
 
 
 def _tokenizer_files(tokenizer_dir: Path) -> list[Path]:
@@ -343,14 +335,3 @@ def _tokenizer_files(tokenizer_dir: Path) -> list[Path]:
             f"tokenizer_dir {tokenizer_dir} has none of the tokenizer files {list(TOKENIZER_FILES)}"
         )
     return files
-
-
-def _replace_directory(staging: Path, target: Path) -> None:
-    """Move ``staging`` to ``target``; an old ``target`` is first renamed aside, then deleted."""
-    if not target.exists():
-        os.replace(staging, target)
-        return
-    retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.replace(target, retired / "previous")
-    os.replace(staging, target)
-    shutil.rmtree(retired, ignore_errors=True)

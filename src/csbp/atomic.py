@@ -1,4 +1,4 @@
-"""Atomic directory writes for DFlash exports and feature stores.
+"""Atomic directory writes: Hugging Face exports, DFlash exports and feature stores.
 
 The directory is filled in a temporary sibling and moved into place with ``os.replace``, so a
 reader never sees a half-written directory; an existing target is replaced only on request.
