@@ -29,14 +29,13 @@ import torch
 from torch import Tensor
 
 from csbp.data.artifact import ArtifactSplit
-from csbp.data.loader import PackedLoader
 from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import FeatureStore
 from csbp.dflash.step import DFlashBatch, DFlashStep, DFlashStepOutput, build_dflash_rank_plan
 from csbp.engine.context import ParallelContext
 from csbp.objectives.base import corruption_generator
-from csbp.training.step import EVAL_MICRO_STEP, EvalResult, StepResult, autocast_for
+from csbp.training.step import EVAL_MICRO_STEP, EvalResult, StepResult, autocast_for, validation_loader
 
 _SUMS = ("loss", "selector", "correct", "supervised", "tau_sum", "live_blocks", "covered")
 """Per-micro-batch numbers summed over micro-batches and data-parallel replicas."""
@@ -133,15 +132,7 @@ class DFlashStepRunner:
     @torch.no_grad()
     def evaluate(self, split: ArtifactSplit, *, micro_batch_size: int, num_batches: int) -> EvalResult:
         """Global validation loss and metrics over ``num_batches`` fixed micro-batches per replica."""
-        loader = PackedLoader(
-            split,
-            batch_size=micro_batch_size,
-            seed=self.seed,
-            dp_rank=self.ctx.coords.dp_rank,
-            dp_size=self.ctx.topology.dp,
-            drop_last=False,
-            shuffle=False,
-        )
+        loader = validation_loader(split, micro_batch_size=micro_batch_size, seed=self.seed, ctx=self.ctx)
         was_training = self.drafter.training
         self.drafter.eval()
         selector_scale = self.step_fn.selector_scale(1.0)

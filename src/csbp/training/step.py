@@ -38,6 +38,21 @@ EVAL_MICRO_STEP = 2**31 - 1
 """Micro-step slot of validation corruption; training never reaches it (``grad_accum`` is small)."""
 
 
+def validation_loader(
+    split: ArtifactSplit, *, micro_batch_size: int, seed: int, ctx: ParallelContext
+) -> PackedLoader:
+    """The fixed, unshuffled validation batches of this data-parallel replica (same every eval)."""
+    return PackedLoader(
+        split,
+        batch_size=micro_batch_size,
+        seed=seed,
+        dp_rank=ctx.coords.dp_rank,
+        dp_size=ctx.topology.dp,
+        drop_last=False,
+        shuffle=False,
+    )
+
+
 @dataclass(frozen=True)
 class StepResult:
     """Global numbers of one step (identical on every rank); ``metrics``: objective-specific extras
@@ -136,15 +151,7 @@ class StepRunner:
     @torch.no_grad()
     def evaluate(self, split: ArtifactSplit, *, micro_batch_size: int, num_batches: int) -> EvalResult:
         """Global validation loss over ``num_batches`` fixed micro-batches per data-parallel replica."""
-        loader = PackedLoader(
-            split,
-            batch_size=micro_batch_size,
-            seed=self.seed,
-            dp_rank=self.ctx.coords.dp_rank,
-            dp_size=self.ctx.topology.dp,
-            drop_last=False,
-            shuffle=False,
-        )
+        loader = validation_loader(split, micro_batch_size=micro_batch_size, seed=self.seed, ctx=self.ctx)
         was_training = self.model.training
         self.model.eval()
         ce_total, local_denominator = 0.0, 0.0
