@@ -10,9 +10,9 @@ import torch
 
 from csbp.attention.rows import Rows, allow_matrix
 from csbp.attention.transports.local import (
-    LocalAttention,
     LocalAttentionFn,
     build_local_attention_plan,
+    local_attention,
     local_attention_forward,
 )
 from test_kernel import TOL32, TOL64, bd3_rows, random_qkv, reference_grads, with_dead
@@ -91,7 +91,7 @@ def test_gradcheck_tiny_case() -> None:
         t.requires_grad_(True)
         for t in random_qkv(len(rows), len(rows), heads=2, kv_heads=1, dim=2, samples=1, seed=4)
     )
-    assert torch.autograd.gradcheck(lambda q, k, v: LocalAttention.apply(q, k, v, plan), (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: local_attention(q, k, v, plan), (q, k, v))
 
 
 def test_float32_and_bfloat16_agree_with_float64() -> None:

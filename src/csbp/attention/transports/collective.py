@@ -33,7 +33,6 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,6 +59,7 @@ from csbp.attention.transports.exchange import (
     scatter_remote,
     select_remote,
 )
+from csbp.attention.transports.function import TransportFunction
 from csbp.attention.transports.local import (
     LocalAttentionPlan,
     build_local_attention_plan,
@@ -141,21 +141,6 @@ def collective_backward(
     return dq, dk, dv
 
 
-class _CollectiveFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: CollectivePlan) -> Tensor:
-        out, lse, remote_kv = collective_forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse, remote_kv)
-        ctx.plan = plan
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, remote_kv = ctx.saved_tensors
-        dq, dk, dv = collective_backward(q, k, v, out, lse, remote_kv, dout, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
 class CollectiveAttention:
     """All-gather / reduce-scatter attention over ``layout.rows`` (the decoder's ``AttentionFn``).
 
@@ -196,4 +181,4 @@ class CollectiveAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
         check_packed_inputs(q, k, v, len(self.layout.rows), "CollectiveAttention")
-        return _CollectiveFunction.apply(q, k, v, self._plans.get(q.device))
+        return TransportFunction.apply(q, k, v, self._plans.get(q.device), collective_forward, collective_backward)

@@ -20,7 +20,6 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,6 +35,7 @@ from csbp.attention.kernel import (
 )
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
+from csbp.attention.transports.function import TransportFunction
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,21 +181,9 @@ def local_attention_backward(
     return dq, torch.cat([dk_block, dk_clean], dim=2), torch.cat([dv_block, dv_clean], dim=2)
 
 
-class LocalAttention(torch.autograd.Function):
-    """``LocalAttention.apply(q, k, v, plan) -> out`` in the dtype of ``q``, with explicit backward."""
-
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -> Tensor:
-        out, lse = local_attention_forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+def local_attention(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -> Tensor:
+    """``out`` in the dtype of ``q``, with the explicit backward of ``local_attention_backward``."""
+    return TransportFunction.apply(q, k, v, plan, local_attention_forward, local_attention_backward)
 
 
 class LocalAttentionFn:
@@ -224,7 +212,7 @@ class LocalAttentionFn:
         )
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
-        return LocalAttention.apply(q, k, v, self.plan)
+        return local_attention(q, k, v, self.plan)
 
 
 def _whole_block_size(noisy: Rows, causal_in_block: bool) -> int | None:

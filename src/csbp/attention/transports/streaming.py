@@ -31,7 +31,6 @@ transport's all-gather and reduce-scatter bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -57,6 +56,7 @@ from csbp.attention.transports.exchange import (
     queries_touching,
     recompute_category,
 )
+from csbp.attention.transports.function import TransportFunction
 from csbp.attention.transports.local import (
     LocalAttentionPlan,
     build_local_attention_plan,
@@ -169,21 +169,6 @@ def _step_backward(
     return torch.stack([dk_shard, dv_shard])
 
 
-class _StreamingFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: StreamingPlan) -> Tensor:
-        out, lse = streaming_forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = plan
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = streaming_backward(q, k, v, out, lse, dout, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
 class StreamingAttention:
     """Ring-streaming attention over ``layout.rows`` (the decoder's ``AttentionFn``).
 
@@ -225,4 +210,4 @@ class StreamingAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
         check_packed_inputs(q, k, v, len(self.layout.rows), "StreamingAttention")
-        return _StreamingFunction.apply(q, k, v, self._plans.get(q.device))
+        return TransportFunction.apply(q, k, v, self._plans.get(q.device), streaming_forward, streaming_backward)

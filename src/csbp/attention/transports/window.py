@@ -20,7 +20,6 @@ the shard.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,6 +35,7 @@ from csbp.attention.layouts import RankLayout, WindowPlan, bd3_rows
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import PlanCache, check_packed_inputs, check_ring_comm
+from csbp.attention.transports.function import TransportFunction
 from csbp.attention.transports.local import (
     LocalAttentionPlan,
     build_local_attention_plan,
@@ -123,21 +123,6 @@ def window_backward(
     return dq, dk, dv
 
 
-class _WindowFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: WindowAttentionPlan) -> Tensor:
-        out, lse, halo_kv = window_forward(q, k, v, plan)
-        ctx.save_for_backward(q, k, v, out, lse, halo_kv)
-        ctx.plan = plan
-        return out.to(q.dtype)
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, out, lse, halo_kv = ctx.saved_tensors
-        dq, dk, dv = window_backward(q, k, v, out, lse, halo_kv, dout, ctx.plan)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
-
-
 class WindowAttention:
     """Sliding-window CSBP attention over ``layout.rows`` (the decoder's ``AttentionFn``).
 
@@ -193,7 +178,7 @@ class WindowAttention:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
         check_packed_inputs(q, k, v, len(self.layout.rows), "WindowAttention")
-        return _WindowFunction.apply(q, k, v, self._plans.get(q.device))
+        return TransportFunction.apply(q, k, v, self._plans.get(q.device), window_forward, window_backward)
 
 
 def _check_plan_serves_layout(layout: RankLayout, plan: WindowPlan, ring_rank: int) -> None:

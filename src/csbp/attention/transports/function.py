@@ -1,0 +1,47 @@
+"""The one autograd Function every attention transport runs through.
+
+A transport is a pair of plain functions over a prebuilt plan::
+
+    forward(q, k, v, plan) -> (out, lse, *saved)              # saved: e.g. the received K/V
+    backward(q, k, v, out, lse, *saved, dout, plan) -> (dq, dk, dv)
+
+``TransportFunction`` saves ``q, k, v, out, lse`` and the extras, calls the backward with the
+final merged ``(out, lse)`` (csbp.md §9.2) and casts results back to the input dtypes; the
+backward runs the transport's mirror collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+TransportForward = Callable[..., tuple[Tensor, ...]]
+TransportBackward = Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+class TransportFunction(torch.autograd.Function):
+    """``TransportFunction.apply(q, k, v, plan, forward_fn, backward_fn) -> out``."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        plan: object,
+        forward_fn: TransportForward,
+        backward_fn: TransportBackward,
+    ) -> Tensor:
+        out, lse, *saved = forward_fn(q, k, v, plan)
+        ctx.save_for_backward(q, k, v, out, lse, *saved)
+        ctx.plan, ctx.backward_fn = plan, backward_fn
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        dq, dk, dv = ctx.backward_fn(q, k, v, out, lse, *saved, dout, ctx.plan)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
