@@ -5,6 +5,7 @@ Examples::
     csbp verify --nproc 4 --cp 2 --bp 2                # one layout
     csbp verify --nproc 4                              # every valid layout on 4 processes
     csbp verify --nproc 4 --cp 2 --bp 4 --transport streaming --window 8 --dtype float32
+    csbp verify --nproc 4 --objective dflash               # DFlash drafter training, every layout
 
 Processes are launched here on the CPU (gloo), one thread each. Exit status 1 if any layout is
 outside its tolerance (1e-9 relative for float64, 1e-4 for float32).
@@ -31,6 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--samples", type=int, default=2, help="samples per data-parallel replica")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--objective",
+        choices=("bd3", "dflash"),
+        default="bd3",
+        help="bd3: a decoder on a BD3 batch (default); dflash: a DFlash drafter against a frozen target",
+    )
     parser.set_defaults(func=run_verify)
 
 
@@ -48,6 +55,8 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    if args.objective == "dflash":
+        return run_verify_dflash(args)
     cases = [
         VerifyCase(
             topology=t,
@@ -77,4 +86,40 @@ def run_verify(args: argparse.Namespace) -> int:
         print(f"{failed} of {len(cases)} layouts exceed the tolerance")
         return 1
     print(f"all {len(cases)} layouts equal one process within tolerance")
+    return 0
+
+
+def run_verify_dflash(args: argparse.Namespace) -> int:
+    """The same self-test for DFlash drafter training (float64, the drafter's parameters)."""
+    from csbp.dflash.config import DFlashObjectiveConfig
+    from csbp.dflash.verify import DFlashVerifyCase, verify_dflash
+
+    if args.window is not None or args.transport != "collective" or args.dtype != "float64":
+        raise ValueError(
+            "--objective dflash verifies full attention with the collective transport in float64: "
+            "drop --window/--transport/--dtype"
+        )
+    topologies = _requested_topologies(args)
+    for t in topologies:  # fail closed before launching anything
+        if t.cp > 1 and args.seq_len % (2 * t.cp):
+            raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2*cp={2 * t.cp} for DFlash context shards")
+    print(f"csbp verify (dflash): L={args.seq_len} dtype=float64 nproc={args.nproc}")
+    header = f"{'layout':<8} {'topology':<12} {'loss rel err':>13} {'grad rel err':>13}  status"
+    print(header)
+    print("-" * len(header))
+    failed = 0
+    for t in topologies:
+        objective = DFlashObjectiveConfig(max_anchors=max(6, t.bp), gamma=7.0)
+        case = DFlashVerifyCase(topology=t, objective=objective, seq_len=args.seq_len,
+                                samples=args.samples, seed=args.seed)
+        result = verify_dflash(case)
+        status = "ok" if result.ok else f"FAIL (tol {result.tolerance:g}, worst {result.worst_param})"
+        failed += not result.ok
+        name = {"data": "data", "cp": "cp-only", "bp": "bp-only", "csbp": "csbp"}[t.layout]
+        shape = f"dp{t.dp}xcp{t.cp}xbp{t.bp}"
+        print(f"{name:<8} {shape:<12} {result.loss_rel_err:>13.2e} {result.grad_rel_err:>13.2e}  {status}", flush=True)
+    if failed:
+        print(f"{failed} of {len(topologies)} layouts exceed the tolerance")
+        return 1
+    print(f"all {len(topologies)} layouts equal one process within tolerance")
     return 0

@@ -1,0 +1,41 @@
+"""``csbp verify`` end to end: table rows, exit codes, and fail-closed arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+from csbp.cli.main import main
+
+
+@pytest.mark.multiprocess
+def test_verify_one_csbp_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--nproc", "2", "--cp", "2", "--bp", "2", "--transport", "streaming"]) == 0
+    out = capsys.readouterr().out
+    assert "csbp     dp1xcp2xbp2  streaming" in out
+    assert out.strip().endswith("all 1 layouts equal one process within tolerance")
+
+
+@pytest.mark.multiprocess
+def test_verify_dflash_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", "--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash"]) == 0
+    out = capsys.readouterr().out
+    assert "csbp     dp1xcp2xbp2" in out and "ok" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nproc", "4", "--cp", "3", "--bp", "4"], "bp must be a multiple of cp"),
+        (["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "30"], "not a multiple of block_size=4"),
+        (["--nproc", "4", "--bp", "4", "--seq-len", "12"], "bp"),
+        (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--window", "4"], "drop --window"),
+        (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--seq-len", "30"], "2*cp=4"),
+    ],
+)
+def test_verify_rejects_bad_input_before_launching(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("csbp: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1
