@@ -38,28 +38,22 @@ import torch
 from torch import Tensor
 
 from csbp.attention.kernel import (
-    DEFAULT_TILE_ROWS,
     TilePlan,
     build_tile_plan,
     interval_attention_backward,
     interval_attention_forward,
 )
-from csbp.attention.layouts import RankLayout
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import (
     ExchangeSpec,
-    PlanCache,
     RemoteKeys,
-    check_packed_inputs,
-    check_ring_comm,
-    check_spec_matches_layout,
+    RingTransport,
     pack_shard,
     remote_keys,
     scatter_remote,
     select_remote,
 )
-from csbp.attention.transports.function import TransportFunction
 from csbp.attention.transports.local import (
     LocalAttentionPlan,
     build_local_attention_plan,
@@ -141,31 +135,13 @@ def collective_backward(
     return dq, dk, dv
 
 
-class CollectiveAttention:
-    """All-gather / reduce-scatter attention over ``layout.rows`` (the decoder's ``AttentionFn``).
+class CollectiveAttention(RingTransport[CollectivePlan]):
+    """All-gather / reduce-scatter attention over ``layout.rows`` (the decoder's ``AttentionFn``);
+    arguments as in :class:`~csbp.attention.transports.exchange.RingTransport`."""
 
-    Args:
-        layout: this rank's rows (packed ``[noisy ; clean]``).
-        spec: which rows each ring member exchanges (``csbp_exchange_spec`` / ``cp_exchange_spec``).
-        comm: ``Comm`` over the ring group (size ``spec.ring_size``, this rank at ``spec.ring_rank``).
-        causal_in_block: lower-triangular attention inside a noisy block.
-        tile_rows: query rows per kernel tile.
-    """
-
-    def __init__(
-        self,
-        layout: RankLayout,
-        spec: ExchangeSpec,
-        comm: Comm,
-        *,
-        causal_in_block: bool = False,
-        tile_rows: int = DEFAULT_TILE_ROWS,
-    ) -> None:
-        check_spec_matches_layout(layout, spec, "CollectiveAttention")
-        self.comm = check_ring_comm(comm, spec.ring_size, spec.ring_rank, "CollectiveAttention")
-        self.layout, self.spec = layout, spec
-        self.causal_in_block, self.tile_rows = causal_in_block, tile_rows
-        self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
+    name = "CollectiveAttention"
+    forward_fn = staticmethod(collective_forward)
+    backward_fn = staticmethod(collective_backward)
 
     def _build_plan(self, device: torch.device) -> CollectivePlan:
         rows = self.layout.rows.to(device)
@@ -178,7 +154,3 @@ class CollectiveAttention:
             rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows
         )
         return CollectivePlan(spec, self.comm, local, rows, remote, remote_plan, self.causal_in_block)
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
-        check_packed_inputs(q, k, v, len(self.layout.rows), "CollectiveAttention")
-        return TransportFunction.apply(q, k, v, self._plans.get(q.device), collective_forward, collective_backward)

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 from torch import Tensor
 
+from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import RankLayout, bd3_rows, cp_zigzag_layout, ring_clean_positions
 from csbp.attention.rows import Rows
+from csbp.attention.transports.function import TransportBackward, TransportForward, TransportFunction
 from csbp.parallel.comm import Comm
 
 RECOMPUTE_SUFFIX = "_recompute"
@@ -245,3 +247,45 @@ class PlanCache(Generic[PlanT]):
         if plan is None:
             plan = self._plans[device] = self._build(device)
         return plan
+
+
+class RingTransport(Generic[PlanT]):
+    """The shell shared by the ring transports (collective, streaming): argument checks, per-device
+    plans, and the ``AttentionFn`` call through :class:`TransportFunction`.
+
+    Subclasses set ``name``, ``forward_fn`` and ``backward_fn`` and implement ``_build_plan``.
+
+    Args:
+        layout: this rank's rows (packed ``[noisy ; clean]``).
+        spec: which rows each ring member exchanges (``csbp_exchange_spec`` / ``cp_exchange_spec``).
+        comm: ``Comm`` over the ring group (size ``spec.ring_size``, this rank at ``spec.ring_rank``).
+        causal_in_block: lower-triangular attention inside a noisy block.
+        tile_rows: query rows per kernel tile.
+    """
+
+    name: ClassVar[str]
+    forward_fn: ClassVar[TransportForward]
+    backward_fn: ClassVar[TransportBackward]
+
+    def __init__(
+        self,
+        layout: RankLayout,
+        spec: ExchangeSpec,
+        comm: Comm,
+        *,
+        causal_in_block: bool = False,
+        tile_rows: int = DEFAULT_TILE_ROWS,
+    ) -> None:
+        check_spec_matches_layout(layout, spec, self.name)
+        self.comm = check_ring_comm(comm, spec.ring_size, spec.ring_rank, self.name)
+        self.layout, self.spec = layout, spec
+        self.causal_in_block, self.tile_rows = causal_in_block, tile_rows
+        self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
+
+    def _build_plan(self, device: torch.device) -> PlanT:
+        raise NotImplementedError
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
+        check_packed_inputs(q, k, v, len(self.layout.rows), self.name)
+        plan = self._plans.get(q.device)
+        return TransportFunction.apply(q, k, v, plan, type(self).forward_fn, type(self).backward_fn)

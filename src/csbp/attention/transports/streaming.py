@@ -36,27 +36,21 @@ import torch
 from torch import Tensor
 
 from csbp.attention.kernel import (
-    DEFAULT_TILE_ROWS,
     TilePlan,
     build_tile_plan,
     interval_attention_backward,
     interval_attention_forward,
 )
-from csbp.attention.layouts import RankLayout
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import (
     ExchangeSpec,
-    PlanCache,
-    check_packed_inputs,
-    check_ring_comm,
-    check_spec_matches_layout,
+    RingTransport,
     pack_shard,
     padded_rows,
     queries_touching,
     recompute_category,
 )
-from csbp.attention.transports.function import TransportFunction
 from csbp.attention.transports.local import (
     LocalAttentionPlan,
     build_local_attention_plan,
@@ -169,26 +163,15 @@ def _step_backward(
     return torch.stack([dk_shard, dv_shard])
 
 
-class StreamingAttention:
+class StreamingAttention(RingTransport[StreamingPlan]):
     """Ring-streaming attention over ``layout.rows`` (the decoder's ``AttentionFn``).
 
     Arguments as in ``CollectiveAttention``; ``comm`` must be the ring (P2P shifts to neighbours).
     """
 
-    def __init__(
-        self,
-        layout: RankLayout,
-        spec: ExchangeSpec,
-        comm: Comm,
-        *,
-        causal_in_block: bool = False,
-        tile_rows: int = DEFAULT_TILE_ROWS,
-    ) -> None:
-        check_spec_matches_layout(layout, spec, "StreamingAttention")
-        self.comm = check_ring_comm(comm, spec.ring_size, spec.ring_rank, "StreamingAttention")
-        self.layout, self.spec = layout, spec
-        self.causal_in_block, self.tile_rows = causal_in_block, tile_rows
-        self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
+    name = "StreamingAttention"
+    forward_fn = staticmethod(streaming_forward)
+    backward_fn = staticmethod(streaming_backward)
 
     def _build_plan(self, device: torch.device) -> StreamingPlan:
         rows = self.layout.rows.to(device)
@@ -207,7 +190,3 @@ class StreamingAttention:
             rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows
         )
         return StreamingPlan(spec, self.comm, local, tuple(steps), self.causal_in_block)
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
-        check_packed_inputs(q, k, v, len(self.layout.rows), "StreamingAttention")
-        return TransportFunction.apply(q, k, v, self._plans.get(q.device), streaming_forward, streaming_backward)
