@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.rows import Rows
+from csbp.devices import tensors_to
 from csbp.dflash.anchors import sample_anchors, segment_starts
 from csbp.dflash.attention import ShardedDraftAttention, build_draft_attention_plan
 from csbp.dflash.config import DFlashObjectiveConfig
@@ -140,7 +141,7 @@ def build_dflash_rank_plan(ctx: ParallelContext, objective: DFlashObjectiveConfi
     ring = ctx.ring_comm() if layout.cp > 1 else None
     owner = None
     if layout.num_owners > 1 and ctx.groups is not None:
-        owner = Comm(ctx.groups.model_input, ctx.counter, "dflash.stats")
+        owner = ctx.model_input_comm("dflash.stats")
     return DFlashRankPlan(layout, ring, owner)
 
 
@@ -318,11 +319,11 @@ def forward_packet(
         variants.append(block_query_rows(packet, cfg.block_size, context=context, window=cfg.sliding_window))
         causal.append(cfg.sliding_window_causal)
         layer_variant = [1 if t == "sliding_attention" else 0 for t in cfg.layer_types or ()]
-    plan = build_draft_attention_plan(
-        [v.to(device) for v in variants],
+    plan = build_draft_attention_plan(  # planned on the CPU, moved to the device once per packet
+        variants,
         causal,
         layer_variant,
-        gathered_context_rows.to(device),
+        gathered_context_rows.to("cpu"),
         block_size=cfg.block_size,
         comm=comm,
     )
@@ -332,6 +333,6 @@ def forward_packet(
         variants[0].pos,
         features_1MF.to(device),
         context_positions_M,
-        ShardedDraftAttention(plan),
+        ShardedDraftAttention(tensors_to(plan, device)),
         live_rows_N=variants[0].live,
     )

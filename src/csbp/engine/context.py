@@ -2,14 +2,20 @@
 
 One code path serves one process and N processes: without ``torch.distributed`` the context is a
 single ``data`` rank and every collective is a no-op.
+
+The context also fixes the compute ``device``: every ``Comm`` it hands out checks that the tensors
+given to its collectives live there (``csbp.parallel.comm``), and ``build_parallel_context``
+selects that device (``torch.cuda.set_device``) *before* creating the process groups.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
+from csbp.devices import backend_device, select_device
 from csbp.parallel.comm import Comm, TrafficCounter
 from csbp.parallel.groups import ProcessGroups, build_process_groups
 from csbp.topology import RankCoords, Topology
@@ -24,12 +30,14 @@ class ParallelContext:
         coords: this rank's coordinates (dp rank, local rank, cp/bp rank, ring index).
         groups: the process groups, or None when running as a single process.
         counter: bytes this rank sends, by category ("attention", "gradients", ...).
+        device: the compute device; tensors given to this context's collectives must live there.
     """
 
     topology: Topology
     coords: RankCoords
     groups: ProcessGroups | None
     counter: TrafficCounter
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
     def world_size(self) -> int:
@@ -41,29 +49,39 @@ class ParallelContext:
 
     def ring_comm(self) -> Comm | None:
         """Counted collectives over the attention ring (None when single-process)."""
-        return None if self.groups is None else Comm(self.groups.ring, self.counter, "attention")
+        return None if self.groups is None else Comm(self.groups.ring, self.counter, "attention", self.device)
 
     def world_comm(self, category: str) -> Comm | None:
-        return None if self.groups is None else Comm(self.groups.world, self.counter, category)
+        return None if self.groups is None else Comm(self.groups.world, self.counter, category, self.device)
 
     def dp_comm(self, category: str) -> Comm | None:
-        return None if self.groups is None else Comm(self.groups.dp, self.counter, category)
+        return None if self.groups is None else Comm(self.groups.dp, self.counter, category, self.device)
+
+    def model_input_comm(self, category: str) -> Comm | None:
+        """Counted collectives over the ranks of one sample (None when single-process)."""
+        return None if self.groups is None else Comm(self.groups.model_input, self.counter, category, self.device)
 
 
-def single_process_context() -> ParallelContext:
+def single_process_context(device: torch.device | str = "cpu") -> ParallelContext:
     """The context of a plain one-process run (the reference every layout must equal)."""
     topology = Topology()
-    return ParallelContext(topology, topology.coords(0), None, TrafficCounter())
+    return ParallelContext(topology, topology.coords(0), None, TrafficCounter(), torch.device(device))
 
 
-def build_parallel_context(topology: Topology) -> ParallelContext:
-    """Create the process groups of ``topology``; call on every rank after ``init_process_group``."""
+def build_parallel_context(topology: Topology, device: torch.device | str | None = None) -> ParallelContext:
+    """Create the process groups of ``topology``; call on every rank after ``init_process_group``.
+
+    ``device`` is this rank's compute device (default: the device the world group's backend
+    serves, see ``csbp.devices.backend_device``); it is selected before any group is created.
+    """
+    device = backend_device() if device is None else torch.device(device)
+    select_device(device)
     if not dist.is_initialized():
         if topology.world_size != 1:
             raise ValueError(
                 f"topology needs {topology.world_size} processes but torch.distributed is not initialised; "
                 "launch with `csbp train --nproc N` or torchrun"
             )
-        return single_process_context()
+        return single_process_context(device)
     groups = build_process_groups(topology)
-    return ParallelContext(topology, groups.coords, groups, TrafficCounter())
+    return ParallelContext(topology, groups.coords, groups, TrafficCounter(), device)

@@ -18,7 +18,13 @@ broadcast            ``(P-1)·n`` on the source rank, 0 elsewhere
 ===================  =====================================================================
 
 A group of size 1 (including ``group=None`` with no initialised process group) short-circuits:
-no collective is issued and nothing is counted. Bytes are counted when an operation is issued,
+no collective is issued and nothing is counted.
+
+Device rule: every tensor handed to a collective must live on the communicator's ``device`` (the
+compute device of the ``ParallelContext``; by default the device the group's backend serves: the
+current GPU for NCCL, the CPU for gloo). It is checked on every call, also in groups of size 1,
+so a CPU tensor meant for NCCL fails on a one-GPU run with one line, not on the first multi-GPU
+run. Bytes are counted when an operation is issued,
 also for asynchronous ones; ``Pending.wait()`` returns the result.
 
 The collectives are data movement only (no autograd); transports wrap them in their own
@@ -42,6 +48,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from csbp.devices import backend_device, same_device
 
 # ``all_gather_single`` / ``reduce_scatter_single`` are the 2.13 names (the ``*_into_tensor`` /
 # ``*_tensor`` spellings still work but warn); keep the old ones for older torch builds.
@@ -128,6 +136,9 @@ class Comm:
             ``torch.distributed`` is not initialised).
         counter: where bytes are recorded; a fresh ``TrafficCounter`` when None.
         category: the default counter category; every method accepts ``category=`` to override it.
+        device: where every tensor passed in must live (see the module docstring); None: the device
+            the group's backend serves (the current GPU for NCCL, else the CPU), or no check for a
+            single process without ``torch.distributed``.
 
     Ranks in arguments and results are *group* ranks; peers are converted to global ranks
     internally. Input tensors need the same shape on every rank unless stated otherwise.
@@ -138,10 +149,12 @@ class Comm:
         group: dist.ProcessGroup | None = None,
         counter: TrafficCounter | None = None,
         category: str = "attention",
+        device: torch.device | str | None = None,
     ) -> None:
         self.group = group
         self.counter = counter if counter is not None else TrafficCounter()
         self.category = category
+        self.device = None if device is None else torch.device(device)
         if group is None and not dist.is_initialized():
             self.size, self.rank, self.global_ranks = 1, 0, [0]
             return
@@ -149,6 +162,8 @@ class Comm:
         self.rank = dist.get_rank(group)
         if self.rank < 0:
             raise ValueError("this process is not in the group passed to Comm; build Comm on members only")
+        if self.device is None:
+            self.device = backend_device(group)
         if group is None:
             self.global_ranks = list(range(self.size))
         else:
@@ -158,6 +173,13 @@ class Comm:
 
     def _count(self, category: str | None, nbytes: int) -> None:
         self.counter.add(self.category if category is None else category, nbytes)
+
+    def _check_device(self, operation: str, t: Tensor) -> None:
+        if self.device is not None and not same_device(t.device, self.device):
+            raise ValueError(
+                f"Comm.{operation}: a tensor on {t.device} was given to a collective whose device is "
+                f"{self.device}; create it on the context's device (device=ctx.device)"
+            )
 
     def _peer(self, offset: int) -> int:
         """Global rank of the group member ``offset`` places away in group order."""
@@ -173,6 +195,7 @@ class Comm:
         Returns ``(out [P*n, ...], pending)``; ``pending`` is None unless ``async_op``, and ``out``
         is only valid after ``pending.wait()``. For ``P == 1`` ``out`` is ``shard`` itself.
         """
+        self._check_device("all_gather", shard)
         if self.size == 1:
             return shard, (Pending([], shard) if async_op else None)
         shard = shard.contiguous()
@@ -188,6 +211,7 @@ class Comm:
 
         Returns ``(out [n, ...], pending)`` like ``all_gather``. For ``P == 1`` ``out`` is ``full``.
         """
+        self._check_device("reduce_scatter", full)
         if full.dim() == 0 or full.shape[0] % self.size != 0:
             raise ValueError(
                 f"reduce_scatter input dim 0 must be a multiple of the group size {self.size}, "
@@ -215,6 +239,7 @@ class Comm:
         ``[sum(recv_splits), ...]`` holds the rows from rank 0, then rank 1, ... ``recv_splits[s]``
         must equal what rank ``s`` sends here. Zero splits are allowed; trailing shapes must agree.
         """
+        self._check_device("all_to_all", send)
         if len(send_splits) != self.size or len(recv_splits) != self.size:
             raise ValueError(
                 f"all_to_all needs one split per group rank ({self.size}), got "
@@ -244,6 +269,7 @@ class Comm:
         Even ranks post the send first, odd ranks the receive first (safe ordering for backends
         that execute P2P ops in posting order). For ``P == 1`` the tensor is returned unchanged.
         """
+        self._check_device("ring_shift", send)
         if self.size == 1:
             return Pending([], send)
         send = send.contiguous()
@@ -266,6 +292,7 @@ class Comm:
         self, t: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, *, category: str | None = None
     ) -> Tensor:
         """Reduce ``t`` over the group **in place** and return it (counted at the ring cost)."""
+        self._check_device("all_reduce", t)
         if self.size == 1:
             return t
         if not t.is_contiguous():
@@ -278,6 +305,7 @@ class Comm:
         """Overwrite ``t`` **in place** with group rank ``src_group_rank``'s tensor and return it."""
         if not 0 <= src_group_rank < self.size:
             raise ValueError(f"src_group_rank must be in [0, {self.size}), got {src_group_rank}")
+        self._check_device("broadcast", t)
         if self.size == 1:
             return t
         if not t.is_contiguous():

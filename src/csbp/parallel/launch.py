@@ -1,13 +1,17 @@
 """Run a function on N local processes joined in one ``torch.distributed`` group.
 
-Used by ``csbp verify``, the benchmarks and the multi-process tests (gloo on CPU). Each worker
-gets one intra-op thread, runs ``fn(rank, world_size, *args)``, returns a picklable result, and
+Used by ``csbp verify``, the benchmarks and the multi-process tests. On the CPU (the default) the
+processes join a gloo group; with ``device="cuda"`` rank ``r`` selects ``cuda:r`` and joins an
+NCCL group bound to it (``csbp.devices``), so ``build_parallel_context`` inside ``fn`` computes on
+that GPU. Each worker gets ``threads`` intra-op threads, runs ``fn(rank, world_size, *args)``,
+returns a picklable result, and
 leaves through ``os._exit`` right after ``destroy_process_group()``: a known PyTorch bug aborts
 20-50% of gloo exits after a clean shutdown, which must not make tests or commands flaky.
 
 Usage::
 
-    results = run_local(my_fn, nproc=4, args=(cfg,))   # list indexed by rank
+    results = run_local(my_fn, nproc=4, args=(cfg,))                 # gloo, list indexed by rank
+    results = run_local(my_fn, nproc=2, args=(cfg,), device="cuda")  # NCCL, one GPU per rank
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from csbp.devices import device_for_rank, process_group_options, resolve_device, select_device
 
 
 class WorkerError(RuntimeError):
@@ -46,6 +52,7 @@ def _worker(
     out_dir: str,
     timeout_s: float,
     threads: int,
+    device_kind: str = "cpu",
 ) -> None:
     torch.set_num_threads(threads)
     os.environ.update(
@@ -58,8 +65,11 @@ def _worker(
     )
     code = 0
     try:
+        device = device_for_rank(device_kind, rank)
+        select_device(device)  # before the process group: NCCL binds to the current GPU
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+            **process_group_options(device), rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
         )
         result: Any = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
@@ -85,21 +95,25 @@ def run_local(
     *,
     timeout_s: float = 300.0,
     threads: int = 1,
+    device: str = "cpu",
 ) -> list[Any]:
-    """Run ``fn(rank, nproc, *args)`` on ``nproc`` gloo processes; return results by rank.
+    """Run ``fn(rank, nproc, *args)`` on ``nproc`` processes (gloo on the CPU, NCCL with one GPU per
+    rank for ``device="cuda"``); return results by rank.
 
     ``fn`` must be importable (a module-level function). Raises ``WorkerError`` with the first
-    failing rank's traceback if any worker raised or died.
+    failing rank's traceback if any worker raised or died, ``ValueError`` (before starting anything)
+    when ``device="cuda"`` and fewer than ``nproc`` GPUs are visible.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
+    kind = resolve_device(device, nproc=nproc).type
     with tempfile.TemporaryDirectory(prefix="csbp-run-") as out_dir:
         ctx = mp.get_context("spawn")
         port = free_port()
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, nproc, port, fn, args, out_dir, timeout_s, threads),
+                args=(r, nproc, port, fn, args, out_dir, timeout_s, threads, kind),
                 daemon=False,
             )
             for r in range(nproc)

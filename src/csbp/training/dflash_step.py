@@ -97,9 +97,9 @@ class DFlashStepRunner:
 
     def _global(self, sums_K: list[list[float]]) -> dict[str, float]:
         """``_SUMS`` summed over micro-batches and data-parallel replicas (float64)."""
-        totals = torch.tensor(sums_K, dtype=torch.float64).sum(dim=0)
+        totals = torch.tensor(sums_K, dtype=torch.float64, device=self.ctx.device).sum(dim=0)
         comm = self.ctx.dp_comm("loss")
-        if comm is not None and comm.size > 1:
+        if comm is not None:
             totals = comm.all_reduce(totals)
         return dict(zip(_SUMS, totals.tolist()))
 

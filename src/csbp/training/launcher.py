@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from csbp.config.schema import RunConfig
+from csbp.devices import process_group_options
 from csbp.training.preflight import check_run
-from csbp.training.trainer import TrainSummary, default_run_dir, stop_step_of, train
+from csbp.training.trainer import TrainSummary, default_run_dir, stop_step_of, train, training_device
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -125,9 +126,9 @@ def train_in_process_group(
 
     Returns the summary on global rank 0, None elsewhere.
     """
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = training_device()  # the rank's GPU is current before NCCL creates any communicator
     timeout = timedelta(seconds=cfg.train.collective_timeout_s)
-    dist.init_process_group(backend, timeout=timeout)
+    dist.init_process_group(**process_group_options(device), timeout=timeout)
     rank = dist.get_rank()
     try:
         summary = train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)

@@ -45,10 +45,8 @@ def synchronize_gradients(model: nn.Module, ctx: ParallelContext, *, fsdp: bool)
         average_gradients(model.parameters(), ctx.world_comm("gradients"))
         return
     params = fill_missing_gradients(model.parameters())
-    if ctx.groups is None:
-        return
-    comm = Comm(ctx.groups.model_input, ctx.counter, "gradients")
-    if comm.size == 1:
+    comm = ctx.model_input_comm("gradients")
+    if comm is None or comm.size == 1:
         return
     with torch.no_grad():
         shards = [param.grad.to_local() for param in params]

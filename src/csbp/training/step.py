@@ -122,7 +122,7 @@ class StepRunner:
         comm = self.ctx.dp_comm("loss") if comm_kind == "dp" else self.ctx.world_comm("loss")
         if comm is None:
             return value
-        total = torch.tensor([value], dtype=torch.float64)
+        total = torch.tensor([value], dtype=torch.float64, device=self.ctx.device)
         return float(comm.all_reduce(total).item())
 
     def _weighted_ce(self, corrupted: CorruptedBatch, denominator: float) -> tuple[Tensor, Tensor]:

@@ -37,6 +37,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from csbp.config.loading import dump_config, write_config
 from csbp.config.schema import RunConfig
 from csbp.data.loader import PackedLoader
+from csbp.devices import device_for_rank, select_device
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.engine.block_diffusion import RankPlan, build_rank_plan
 from csbp.engine.context import ParallelContext, build_parallel_context
@@ -130,12 +131,11 @@ def stop_step_of(cfg: RunConfig, max_steps: int | None) -> int:
 
 
 def training_device() -> torch.device:
-    """``cuda:<LOCAL_RANK>`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")
+    """``cuda:<LOCAL_RANK>`` (made the current device) when CUDA is available, else the CPU."""
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device_for_rank(kind, int(os.environ.get("LOCAL_RANK", "0")))
+    select_device(device)
+    return device
 
 
 def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan:
@@ -167,8 +167,8 @@ def train(
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
     started = time.perf_counter()
-    ctx = build_parallel_context(cfg.topology.to_topology())
-    device = training_device()
+    device = training_device()  # selected before any process group is created
+    ctx = build_parallel_context(cfg.topology.to_topology(), device)
     is_rank0 = ctx.coords.rank == 0
     torch.manual_seed(cfg.run.seed)
 
