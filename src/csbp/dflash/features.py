@@ -65,7 +65,7 @@ class TargetFeatures:
 
 def document_causal_attention(doc_ids_L: Tensor | None, seq_len: int) -> AttentionFn:
     """Causal attention inside each document segment (plain causal when there is one segment);
-    the row metadata lives on the device of ``doc_ids_L``."""
+    the row metadata and plan are built on the CPU and moved once to the device of the call."""
     if doc_ids_L is None:
         return CausalAttention()
     starts = segment_starts(doc_ids_L.cpu())
@@ -81,7 +81,7 @@ def document_causal_attention(doc_ids_L: Tensor | None, seq_len: int) -> Attenti
         zeros,
         torch.ones(seq_len, dtype=torch.bool),
     )
-    return LocalAttentionFn(rows.to(doc_ids_L.device), num_noisy=seq_len, causal_in_block=True)
+    return LocalAttentionFn(rows, num_noisy=seq_len, causal_in_block=True)
 
 
 @torch.no_grad()

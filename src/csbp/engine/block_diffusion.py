@@ -15,9 +15,9 @@ and runs every attention collective, even when it owns no supervised row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -52,6 +52,24 @@ class RankPlan:
     noisy_positions: Tensor
     clean_positions: Tensor
     attention: AttentionFn
+    _indices: dict[torch.device, RowIndex] = field(default_factory=dict, init=False, repr=False)
+
+    def indices(self, device: torch.device) -> RowIndex:
+        """The row indices on ``device``, moved there once and cached (not per step or layer)."""
+        index = self._indices.get(device)
+        if index is None:
+            index = self._indices[device] = RowIndex(
+                *(t.to(device) for t in (self.noisy_positions, self.clean_positions, self.rows.pos))
+            )
+        return index
+
+
+class RowIndex(NamedTuple):
+    """A ``RankPlan``'s position indices on one device."""
+
+    noisy_positions: Tensor
+    clean_positions: Tensor
+    positions: Tensor
 
 
 def build_rank_plan(
@@ -107,13 +125,12 @@ def _single_stream_rows(seq_len: int) -> Rows:
 
 def rank_inputs(corrupted: CorruptedBatch, plan: RankPlan) -> tuple[Tensor, Tensor]:
     """``(input_ids [S', rows], positions [rows])`` of this rank: its noisy rows then its clean rows."""
-    device = corrupted.noisy_ids.device
-    noisy = corrupted.noisy_ids[:, plan.noisy_positions.to(device)]
-    positions = plan.rows.pos.to(device)
+    index = plan.indices(corrupted.noisy_ids.device)
+    noisy = corrupted.noisy_ids[:, index.noisy_positions]
     if plan.clean_positions.numel() == 0:
-        return noisy, positions
-    clean = corrupted.clean_ids[:, plan.clean_positions.to(device)]
-    return torch.cat([noisy, clean], dim=1), positions
+        return noisy, index.positions
+    clean = corrupted.clean_ids[:, index.clean_positions]
+    return torch.cat([noisy, clean], dim=1), index.positions
 
 
 def rank_loss(
@@ -136,7 +153,7 @@ def rank_loss(
     input_ids, positions = rank_inputs(corrupted, plan)
     hidden_SRD = model(input_ids, positions, plan.attention)
     noisy_SAD = hidden_SRD[:, : plan.num_noisy]
-    index = plan.noisy_positions.to(corrupted.labels.device)
+    index = plan.indices(corrupted.labels.device).noisy_positions
     labels = corrupted.labels[:, index].reshape(-1)
     weights = corrupted.weights[:, index].reshape(-1)
     ce_sum = chunked_weighted_ce(

@@ -13,8 +13,11 @@ Backward computes both parts from the final merged ``(out, lse)``.
 
 Usage::
 
-    attn = LocalAttentionFn(rows, num_noisy=A)     # once per step (rows are the same in every layer)
+    attn = LocalAttentionFn(rows, num_noisy=A)     # once per shape (rows are the same in every layer)
     out = attn(q, k, v, layer_index)               # q [S, Hq, N, d], k/v [S, Hkv, N, d] -> [S, Hq, N, d]
+
+The plan is built once on the rows' device (build it from CPU rows) and moved once to the device of
+the first call from each device (``exchange.PlanCache``).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from csbp.attention.kernel import (
 )
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
+from csbp.attention.transports.exchange import PlanCache
 from csbp.attention.transports.function import TransportFunction
 
 
@@ -189,7 +193,8 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -
 class LocalAttentionFn:
     """Attention callable for a fixed row set (the decoder's ``AttentionFn``): ``attn(q, k, v) -> out``.
 
-    Build once per step; every layer reuses the plan. Arguments as in ``build_local_attention_plan``.
+    Build once per shape; every layer and step reuses the plan, moved once to each device it is
+    called on. Arguments as in ``build_local_attention_plan``.
     """
 
     def __init__(
@@ -210,9 +215,10 @@ class LocalAttentionFn:
             scale=scale,
             tile_rows=tile_rows,
         )
+        self._plans = PlanCache(lambda _: self.plan, rows.pos.device)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
-        return local_attention(q, k, v, self.plan)
+        return local_attention(q, k, v, self._plans.get(q.device))
 
 
 def _whole_block_size(noisy: Rows, causal_in_block: bool) -> int | None:

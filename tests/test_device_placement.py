@@ -1,0 +1,202 @@
+"""Device correctness on CPU (issue 7, defects 0, 1 and 6's refusals).
+
+A GPU is not needed to show where a tensor lives: the ``meta`` device stands in for "a device that
+is not the CPU". Plans built from CPU rows must serve calls on another device (moved once, cached,
+every tensor there), every collective must get tensors on the context's device (checked by
+``Comm``, also in a world of size 1), and the device is selected before any process group exists.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from csbp.attention.layouts import cp_zigzag_layout, csbp_layout
+from csbp.attention.transports.factory import build_attention
+from csbp.attention.transports.local import LocalAttentionFn
+from csbp.devices import iter_tensors, process_group_options, resolve_device, tensors_to
+from csbp.engine.block_diffusion import build_rank_plan
+from csbp.engine.context import ParallelContext, build_parallel_context, single_process_context
+from csbp.parallel.comm import Comm
+from csbp.parallel.launch import run_local
+from csbp.topology import Topology
+from csbp.training.dflash_step import DFlashStepRunner
+from csbp.training.step import StepRunner
+from test_kernel import bd3_rows, random_qkv
+
+META = torch.device("meta")
+
+
+def _on(obj: object, device: torch.device) -> bool:
+    tensors = list(iter_tensors(obj))
+    return bool(tensors) and all(t.device == device for t in tensors)
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of one rank in this process (the conftest destroys it afterwards)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+
+
+# ----------------------------------------------------------------------------- defect 0: plans
+
+
+def test_local_attention_serves_another_device_from_cpu_rows() -> None:
+    noisy = [4, 5, 6, 7, 12, 13, 14, 15]
+    attn = LocalAttentionFn(bd3_rows(noisy, list(range(16)), 4), num_noisy=len(noisy), tile_rows=4)
+    q, k, v = (t.to(META) for t in random_qkv(24, 24))
+    out = attn(q, k, v, 0)  # before the fix: "rows are on cpu but q on meta"
+    assert out.device == META and out.shape == q.shape
+    plan = attn._plans.get(META)
+    assert plan is attn._plans.get(META)  # moved once, then cached for every layer and step
+    assert _on(plan, META)
+    assert _on(attn._plans.get(torch.device("cpu")), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("transport", ["collective", "streaming", "window"])
+def test_ring_transport_plans_live_on_the_call_device(transport: str) -> None:
+    window = 3 if transport == "window" else None
+    layout = csbp_layout(32, 2, 2, 4, 1, window=window)
+    ring = SimpleNamespace(size=2, rank=1)  # only size and rank are read when planning
+    attn = build_attention(
+        Topology(cp=2, bp=4), 1, layout, ring, block_size=2,  # type: ignore[arg-type]
+        transport="streaming" if transport == "streaming" else "collective", window=window,
+    )
+    plan = attn._plans.get(META)
+    assert plan is attn._plans.get(META)
+    assert _on(plan, META)
+
+
+def test_cp_only_plan_and_rank_indices_are_cached_per_device() -> None:
+    layout = cp_zigzag_layout(16, 2, 2, 0)
+    attn = build_attention(Topology(cp=2), 0, layout, SimpleNamespace(size=2, rank=0), block_size=2)  # type: ignore[arg-type]
+    assert _on(attn._plans.get(META), META)
+    plan = build_rank_plan(single_process_context(), 16, 4)
+    index = plan.indices(META)
+    assert index is plan.indices(META) and _on(index, META)
+    assert torch.equal(plan.indices(torch.device("cpu")).positions, plan.rows.pos)
+
+
+def test_tensors_to_moves_nested_plans_and_keeps_the_rest() -> None:
+    rows = bd3_rows([0, 1], [0, 1], 2)
+    marker = object()
+    moved = tensors_to({"rows": rows, "pair": (rows.pos, 3), "other": marker}, META)
+    assert _on(moved, META) and moved["other"] is marker and moved["pair"][1] == 3
+    assert tensors_to((1, "a"), META) == (1, "a")
+
+
+# ----------------------------------------------------------------------------- defect 1: collectives
+
+
+def test_comm_rejects_tensors_off_its_device_even_in_a_world_of_one(world_of_one) -> None:  # noqa: ANN001
+    comm = Comm(None, device=META)
+    with pytest.raises(ValueError, match="on cpu was given to a collective whose device is meta"):
+        comm.all_reduce(torch.zeros(2))
+    with pytest.raises(ValueError, match="Comm.all_gather"):
+        comm.all_gather(torch.zeros(2))
+    assert comm.all_reduce(torch.zeros(2, device=META)).device == META
+    gloo = Comm(None)  # default: the device the backend serves
+    assert gloo.device == torch.device("cpu")
+    with pytest.raises(ValueError, match="Comm.broadcast"):
+        gloo.broadcast(torch.zeros(2, device=META), 0)
+    assert Comm(None).all_reduce(torch.ones(1)).item() == 1.0
+
+
+def test_context_comms_carry_the_context_device(world_of_one) -> None:  # noqa: ANN001
+    ctx = build_parallel_context(Topology(), META)
+    assert ctx.device == META and ctx.is_distributed
+    for comm in (ctx.ring_comm(), ctx.dp_comm("x"), ctx.world_comm("x"), ctx.model_input_comm("x")):
+        assert comm is not None and comm.device == META
+
+
+class _RecordingComm:
+    """Stands in for a context's comm: records where reduced tensors live, returns ``value``."""
+
+    size = 2
+
+    def __init__(self, value: list[float]) -> None:
+        self.value, self.devices = value, []
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        self.devices.append(t.device)
+        return torch.tensor(self.value, dtype=t.dtype)
+
+
+def test_step_runners_reduce_on_the_context_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = single_process_context(META)
+    comm = _RecordingComm([5.0])
+    monkeypatch.setattr(ParallelContext, "dp_comm", lambda self, category: comm)
+    monkeypatch.setattr(ParallelContext, "world_comm", lambda self, category: comm)
+    runner = StepRunner.__new__(StepRunner)
+    runner.ctx = ctx
+    assert runner._sum_over(2.0, "dp") == 5.0 and runner._sum_over(2.0, "world") == 5.0
+    sums = _RecordingComm([float(i) for i in range(7)])
+    monkeypatch.setattr(ParallelContext, "dp_comm", lambda self, category: sums)
+    totals = DFlashStepRunner._global(SimpleNamespace(ctx=ctx), [[1.0] * 7, [2.0] * 7])  # type: ignore[arg-type]
+    assert totals["loss"] == 0.0 and totals["covered"] == 6.0
+    assert comm.devices == [META, META] and sums.devices == [META]
+
+
+# ----------------------------------------------------------------------------- process groups
+
+
+def test_device_is_selected_before_any_process_group(world_of_one, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: events.append(f"set_device {device}"))
+    new_group = dist.new_group
+    monkeypatch.setattr(dist, "new_group", lambda *a, **kw: (events.append("new_group"), new_group(*a, **kw))[1])
+    ctx = build_parallel_context(Topology(), torch.device("cuda", 0))
+    assert events[0] == "set_device cuda:0" and "new_group" in events[1:]
+    assert ctx.device == torch.device("cuda", 0)
+    assert process_group_options(torch.device("cuda", 3)) == {"backend": "nccl", "device_id": torch.device("cuda", 3)}
+    assert process_group_options(torch.device("cpu")) == {"backend": "gloo"}
+    with pytest.raises(ValueError, match="indexed CUDA device"):
+        process_group_options(torch.device("cuda"))
+
+
+def test_cuda_requests_are_refused_with_one_line_when_gpus_are_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_device("cpu", nproc=8) == torch.device("cpu")
+    with pytest.raises(ValueError, match="choose one of"):
+        resolve_device("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda", nproc=2) == torch.device("cuda")
+    with pytest.raises(ValueError) as error:
+        resolve_device("cuda", nproc=4)
+    assert str(error.value) == (
+        "--nproc 4 with --device cuda needs one GPU per process but 2 GPU(s) are visible (fix: --nproc 2 or less)"
+    )
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        run_local(print, 2, device="cuda")  # refused before any process starts
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["verify", "--device", "cuda", "--nproc", "2"],
+        ["verify", "--device", "cuda", "--nproc", "2", "--objective", "dflash"],
+        ["bench", "attention", "--device", "cuda", "--nproc", "2"],
+        ["bench", "train", "--device", "cuda", "--nproc", "2"],
+        ["bench", "dflash", "--device", "cuda", "--nproc", "2"],
+    ],
+    ids=["verify", "verify-dflash", "bench-attention", "bench-train", "bench-dflash"],
+)
+def test_cli_refuses_more_processes_than_gpus_with_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from csbp.cli.main import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "csbp: error: --nproc 2 with --device cuda needs one GPU per process but 1 GPU(s) are visible "
+        "(fix: --nproc 1 or less)\n"
+    )
