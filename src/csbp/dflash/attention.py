@@ -46,6 +46,7 @@ from csbp.attention.kernel import (
 )
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows, allow_matrix
+from csbp.attention.transports.function import exact_attention_precision
 from csbp.models.attention_fns import masked_attention
 from csbp.parallel.comm import Comm
 
@@ -165,8 +166,30 @@ def _ring(plan: DraftAttentionPlan) -> Comm | None:
 
 
 class _ShardedDraftAttention(torch.autograd.Function):
+    """Forward and backward run with autocast off, so both compute in the accumulation dtype (fp32
+    for bf16 inputs), as ``csbp.attention.transports.function.TransportFunction`` does."""
+
     @staticmethod
     def forward(
+        ctx: Any,
+        q: Tensor,
+        k_ctx: Tensor,
+        v_ctx: Tensor,
+        k_blk: Tensor,
+        v_blk: Tensor,
+        plan: DraftAttentionPlan,
+        layer_index: int,
+    ) -> Tensor:
+        with exact_attention_precision(q.device):
+            return _ShardedDraftAttention._forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, plan, layer_index)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        with exact_attention_precision(dout.device):
+            return _ShardedDraftAttention._backward(ctx, dout)
+
+    @staticmethod
+    def _forward(
         ctx: Any,
         q: Tensor,
         k_ctx: Tensor,
@@ -201,7 +224,7 @@ class _ShardedDraftAttention(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+    def _backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k_blk, v_blk, kv_all, out, lse = ctx.saved_tensors
         plan, variant = ctx.plan, ctx.variant
         dtype = accumulation_dtype(q, k_blk, v_blk)

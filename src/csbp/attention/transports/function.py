@@ -8,10 +8,17 @@ A transport is a pair of plain functions over a prebuilt plan::
 ``TransportFunction`` saves ``q, k, v, out, lse`` and the extras, calls the backward with the
 final merged ``(out, lse)`` (csbp.md §9.2) and casts results back to the input dtypes; the
 backward runs the transport's mirror collective.
+
+Precision: forward and backward run with autocast *disabled* (``exact_attention_precision``), so
+the kernels compute scores, softmax statistics and gradients in their accumulation dtype (fp32
+for bf16 inputs) whether or not the caller trains under ``torch.autocast``. Otherwise autocast
+would run the forward's matmuls in bf16 while the backward (outside autocast) recomputes the
+scores in fp32: a lower-precision forward that disagrees with its own backward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +27,14 @@ from torch import Tensor
 
 TransportForward = Callable[..., tuple[Tensor, ...]]
 TransportBackward = Callable[..., tuple[Tensor, Tensor, Tensor]]
+
+
+def exact_attention_precision(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device`` (the kernels choose their own accumulation dtype), a no-op on
+    device types without autocast (``meta``)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class TransportFunction(torch.autograd.Function):
@@ -35,7 +50,8 @@ class TransportFunction(torch.autograd.Function):
         forward_fn: TransportForward,
         backward_fn: TransportBackward,
     ) -> Tensor:
-        out, lse, *saved = forward_fn(q, k, v, plan)
+        with exact_attention_precision(q.device):
+            out, lse, *saved = forward_fn(q, k, v, plan)
         ctx.save_for_backward(q, k, v, out, lse, *saved)
         ctx.plan, ctx.backward_fn = plan, backward_fn
         return out.to(q.dtype)
@@ -43,5 +59,6 @@ class TransportFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, *saved = ctx.saved_tensors
-        dq, dk, dv = ctx.backward_fn(q, k, v, out, lse, *saved, dout, ctx.plan)
+        with exact_attention_precision(q.device):
+            dq, dk, dv = ctx.backward_fn(q, k, v, out, lse, *saved, dout, ctx.plan)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
