@@ -26,6 +26,7 @@ from csbp.bench.common import (
     add_layout_options,
     add_output_options,
     add_transport_option,
+    check_device_option,
     format_ratio_table,
     launch_cell,
     max_over_ranks,
@@ -110,11 +111,11 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
     )
     width = cfg.num_heads * cfg.head_dim
     torch.manual_seed(cfg.seed)
-    stack = AttentionStack(cfg, width)
+    stack = AttentionStack(cfg, width).to(ctx.device)
     # Every rank draws the full 2L inputs with the same seed and keeps its own rows.
     full = torch.randn(2 * cfg.seq_len, width, generator=torch.Generator().manual_seed(cfg.seed + 1))
     logical = plan.rows.pos + plan.rows.clean.long() * cfg.seq_len
-    x = full[logical].unsqueeze(0)
+    x = full[logical].unsqueeze(0).to(ctx.device)
     series = StepSeries()
     bytes_per_step = 0
     for it in range(cfg.warmup + cfg.repeats):
@@ -148,6 +149,7 @@ def run_attention_bench(
     layouts: list[str],
     csbp_cp: int | None = None,
     timeout_s: float = 1800.0,
+    device: str = "cpu",
     **cfg_kwargs: object,
 ) -> list[AttentionRecord]:
     """Run every (sequence length, layout) pair, one launch each, and return the records in run order."""
@@ -159,7 +161,7 @@ def run_attention_bench(
     records: list[AttentionRecord] = []
     for cfg in configs:
         for name, topology in zip(layouts, cell, strict=True):
-            (results,) = launch_cell(_worker, nproc, [topology], cfg, timeout_s=timeout_s)
+            (results,) = launch_cell(_worker, nproc, [topology], cfg, timeout_s=timeout_s, device=device)
             flops = max_over_ranks(results, "flops")
             step = results[0]["step_time_s"]
             records.append(
@@ -218,6 +220,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_attention_bench_command(args: argparse.Namespace) -> int:
+    check_device_option(args)
     print(
         f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"
         f"{args.num_kv_heads}x{args.head_dim} layers={args.num_layers} window={args.window} "
@@ -227,6 +230,7 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
     records = run_attention_bench(
         args.seq_lens,
         nproc=args.nproc,
+        device=args.device,
         layouts=args.layouts,
         csbp_cp=args.csbp_cp,
         block_size=args.block_size,

@@ -2,7 +2,9 @@
 
 * the checks of the run options every benchmark config has (``check_run_options``);
 * the layouts compared (``layout_topologies``, ``select_topologies``) and one launch of a cell of
-  layouts on ``nproc`` gloo processes with a fixed glibc mmap threshold (``launch_cell``);
+  layouts on ``nproc`` processes with a fixed glibc mmap threshold (``launch_cell``): gloo on the
+  CPU, or with ``--device cuda`` one process per GPU over NCCL (workers compute on
+  ``ctx.device``);
 * one timed step on a rank (``measured_step``: the slowest rank's time and the peak memory growth)
   and the series of measured steps of one layout (``StepSeries``: median time, peak memory);
 * the text table with each metric's ratio to CP-only in the same cell (``Column``,
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
+from csbp.devices import DEVICE_KINDS, backend_device, resolve_device
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
@@ -95,10 +98,12 @@ def launch_cell(
     cfg: object,
     *,
     timeout_s: float,
+    device: str = "cpu",
 ) -> list[list[dict[str, float]]]:
-    """Run ``worker`` over ``cell`` on ``nproc`` processes; ``results[layout][rank]``."""
+    """Run ``worker`` over ``cell`` on ``nproc`` processes (one GPU each for ``device="cuda"``);
+    ``results[layout][rank]``."""
     with fixed_mmap_threshold():
-        per_rank = run_local(worker, nproc, (cell, cfg), timeout_s=timeout_s)
+        per_rank = run_local(worker, nproc, (cell, cfg), timeout_s=timeout_s, device=device)
     return [[rank_results[index] for rank_results in per_rank] for index in range(len(cell))]
 
 
@@ -121,17 +126,21 @@ class StepMeasurement:
 @contextmanager
 def measured_step(counter: Any = None) -> Iterator[StepMeasurement]:
     """``with measured_step(ctx.counter) as step: ...`` times the body on every rank (after a barrier;
-    ``counter``, if given, is reset first) and fills ``step`` with the slowest rank's time."""
+    ``counter``, if given, is reset first) and fills ``step`` with the slowest rank's time. On a GPU
+    the device is synchronised before the clock stops."""
     if counter is not None:
         counter.reset()
+    device = backend_device()
     dist.barrier()
     step = StepMeasurement()
-    with PeakMemory() as memory:
+    with PeakMemory(device) as memory:
         start = time.perf_counter()
         yield step
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
     step.peak_bytes = memory.bytes
-    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    slowest = torch.tensor([elapsed], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     step.seconds = float(slowest[0])
 
@@ -208,12 +217,21 @@ def records_as_dicts(records: Sequence[Any]) -> list[dict[str, object]]:
 def add_layout_options(
     parser: argparse.ArgumentParser, *, seq_lens: list[int], csbp_cp_help: str
 ) -> None:
-    """``--seq-lens``, ``--layouts``, ``--nproc``, ``--csbp-cp`` and ``--block-size``."""
+    """``--seq-lens``, ``--layouts``, ``--nproc``, ``--device``, ``--csbp-cp`` and ``--block-size``."""
     parser.add_argument("--seq-lens", type=int, nargs="+", default=seq_lens)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument(
+        "--device", choices=DEVICE_KINDS, default="cpu",
+        help="cpu: gloo processes (default); cuda: one process per GPU over NCCL",
+    )
     parser.add_argument("--csbp-cp", type=int, default=None, help=csbp_cp_help)
     parser.add_argument("--block-size", type=int, default=16)
+
+
+def check_device_option(args: argparse.Namespace) -> None:
+    """Refuse ``--device cuda`` with more processes than visible GPUs, before anything starts."""
+    resolve_device(args.device, nproc=args.nproc)
 
 
 def add_transport_option(parser: argparse.ArgumentParser) -> None:

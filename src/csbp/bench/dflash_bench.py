@@ -43,6 +43,7 @@ from csbp.bench.common import (
     add_layout_options,
     add_model_width_options,
     add_output_options,
+    check_device_option,
     check_run_options,
     format_ratio_table,
     launch_cell,
@@ -53,6 +54,7 @@ from csbp.bench.common import (
     write_outputs,
 )
 from csbp.bench.measure import attention_flops
+from csbp.devices import backend_device
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, default_target_layer_ids
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import TargetFeatures, capture_target_features
@@ -176,7 +178,8 @@ class _LayoutRunner:
         self.objective = cfg.objective()
         self.plan = build_dflash_rank_plan(self.ctx, self.objective)
         self.drafter = DFlashDrafter(
-            cfg.drafter_config(), target=target, dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed
+            cfg.drafter_config(), target=target, dtype=BENCH_DTYPES[cfg.dtype], device=self.ctx.device,
+            seed=cfg.seed,
         )
         self.step_fn = DFlashStep(self.drafter, self.objective, self.plan)
         per_replica = cfg.samples // topology.dp
@@ -203,7 +206,7 @@ class _LayoutRunner:
         layer_ids = tuple(self.drafter.config.target_layer_ids or ())
         with measured_step(self.ctx.counter) as timed:
             self.drafter.zero_grad(set_to_none=True)
-            total, values = torch.zeros(()), []
+            total, values = torch.zeros((), device=self.ctx.device), []
             for sample in self.samples:
                 features = TargetFeatures(features_GLF[sample : sample + 1], None, layer_ids)
                 out = self.step_fn(
@@ -214,7 +217,7 @@ class _LayoutRunner:
             total.backward()
             average_gradients(self.drafter.parameters(), self.ctx.world_comm("gradients"))
         if index == 0:  # every rank of a replica holds its replica's loss; average over replicas
-            loss = torch.tensor([sum(values) / len(values)], dtype=torch.float64)
+            loss = torch.tensor([sum(values) / len(values)], dtype=torch.float64, device=self.ctx.device)
             dist.all_reduce(loss)
             self.loss_step0 = float(loss[0]) / dist.get_world_size()
         if measured:
@@ -241,7 +244,7 @@ def _worker(
     rank: int, world: int, topologies: list[Topology], cfg: DFlashBenchConfig
 ) -> list[dict[str, float]]:
     """All layouts of one cell in the same processes, steps interleaved round-robin on the same batch."""
-    target = Decoder(cfg.target_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed + 1)
+    target = Decoder(cfg.target_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed + 1, device=backend_device())
     runners = [_LayoutRunner(topology, cfg, target) for topology in topologies]
     layer_ids = cfg.drafter_config().target_layer_ids or ()
     data_generator = torch.Generator().manual_seed(cfg.seed + 2)
@@ -264,6 +267,7 @@ def run_dflash_bench(
     samples: int | None = None,
     timeout_s: float = 1800.0,
     progress: bool = False,
+    device: str = "cpu",
     **cfg_kwargs: object,
 ) -> list[DFlashRecord]:
     """Run every (anchors, seq_len) cell, all ``layouts`` side by side in one launch per cell."""
@@ -289,7 +293,7 @@ def run_dflash_bench(
                 )
     records: list[DFlashRecord] = []
     for cfg in configs:
-        per_layout = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s)
+        per_layout = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s, device=device)
         for name, topology, results in zip(layouts, cell, per_layout, strict=True):
             step = results[0]["step_time_s"]
             records.append(
@@ -357,6 +361,7 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_dflash_bench_command(args: argparse.Namespace) -> int:
+    check_device_option(args)
     print(
         f"csbp bench dflash: nproc={args.nproc} block={args.block_size} drafter={args.num_draft_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
@@ -373,6 +378,7 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
         csbp_bp=args.csbp_bp,
         samples=args.samples,
         progress=True,
+        device=args.device,
         block_size=args.block_size,
         vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,

@@ -39,6 +39,7 @@ from csbp.bench.common import (
     add_model_width_options,
     add_output_options,
     add_transport_option,
+    check_device_option,
     check_run_options,
     format_ratio_table,
     launch_cell,
@@ -48,6 +49,7 @@ from csbp.bench.common import (
     select_topologies,
     write_outputs,
 )
+from csbp.devices import backend_device, tensors_to
 from csbp.engine.block_diffusion import build_rank_plan, rank_loss
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
@@ -128,7 +130,7 @@ class _LayoutRunner:
     def __init__(self, topology: Topology, cfg: TrainBenchConfig) -> None:
         self.ctx = build_parallel_context(topology)
         self.plan = build_rank_plan(self.ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport)  # type: ignore[arg-type]
-        self.model = Decoder(cfg.model_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed)
+        self.model = Decoder(cfg.model_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed, device=self.ctx.device)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.series = StepSeries()
         self.attention_bytes = self.gradient_bytes = 0
@@ -180,6 +182,7 @@ def _worker(
     for step in range(cfg.warmup + cfg.repeats):
         ids_SL = torch.randint(0, mask_token_id, (cfg.samples, cfg.seq_len), generator=data_generator)
         corrupted = objective.corrupt({"input_ids": ids_SL}, corruption_generator(cfg.seed, step, 0))
+        corrupted = tensors_to(corrupted, backend_device())
         for runner in runners:
             runner.step(corrupted, measured=step >= cfg.warmup, first=step == 0)
     return [runner.summary() for runner in runners]
@@ -194,6 +197,7 @@ def run_train_bench(
     csbp_cp: int | None = None,
     timeout_s: float = 1800.0,
     progress: bool = False,
+    device: str = "cpu",
     **cfg_kwargs: object,
 ) -> list[TrainRecord]:
     """Run every (objective, sequence length) cell, all ``layouts`` side by side in one launch of
@@ -210,7 +214,7 @@ def run_train_bench(
             topology.validate_sequence(cfg.seq_len, cfg.block_size)
     records: list[TrainRecord] = []
     for cfg in configs:
-        per_layout = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s)
+        per_layout = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s, device=device)
         for name, topology, results in zip(layouts, cell, per_layout, strict=True):
             step = results[0]["step_time_s"]
             records.append(
@@ -278,6 +282,7 @@ def register_train_bench(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_train_bench_command(args: argparse.Namespace) -> int:
+    check_device_option(args)
     print(
         f"csbp bench train: objectives={','.join(args.objectives)} nproc={args.nproc} block={args.block_size} "
         f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
@@ -291,6 +296,7 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
         nproc=args.nproc,
         csbp_cp=args.csbp_cp,
         progress=True,
+        device=args.device,
         block_size=args.block_size,
         transport=args.transport,
         samples=args.samples,

@@ -1,5 +1,9 @@
 """``csbp doctor``: what this machine offers csbp (versions, backends, devices, threads, packages).
 
+For GPUs it reports every visible device, the NCCL version torch was built with, bf16 support
+(CUDA and CPU autocast) and FlexAttention (``torch.nn.attention.flex_attention``, whose fast
+kernels are compiled with Triton on CUDA).
+
 Prints an aligned ``section  item  value`` table. Exits 1 when something csbp cannot run without
 is missing (``torch.distributed`` with the gloo backend, used for every CPU multi-process run),
 0 otherwise. Optional packages are looked up by distribution metadata, not imported, and torch is
@@ -61,6 +65,7 @@ def collect_environment() -> list[Row]:
     ]
     rows += [("backend", name, _yes_no(available)) for name, available in _distributed_backends()]
     rows += _device_rows()
+    rows += _precision_rows()
     rows += [("package", name, _package_text(name, purpose)) for name, purpose in OPTIONAL_PACKAGES]
     return rows
 
@@ -104,6 +109,30 @@ def _device_rows() -> list[Row]:
         rows.append(("cuda", "runtime", f"not available ({built})"))
     mps = getattr(torch.backends, "mps", None)
     rows.append(("mps", "available", _yes_no(bool(mps is not None and mps.is_available()))))
+    return rows
+
+
+def _precision_rows() -> list[Row]:
+    """NCCL version, bf16 and FlexAttention support."""
+    import importlib.util
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    rows: list[Row] = []
+    if cuda and torch.distributed.is_available() and torch.distributed.is_nccl_available():
+        version = ".".join(str(part) for part in torch.cuda.nccl.version())
+        rows.append(("nccl", "version", version))
+    else:
+        rows.append(("nccl", "version", "not available (needs CUDA and a torch build with NCCL)"))
+    cuda_bf16 = "n/a (no CUDA device)" if not cuda else _yes_no(torch.cuda.is_bf16_supported())
+    rows.append(("bf16", "cuda", cuda_bf16))
+    rows.append(("bf16", "cpu autocast", _yes_no(torch.amp.is_autocast_available("cpu"))))
+    flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    triton = importlib.util.find_spec("triton") is not None
+    rows.append(("flex attention", "module", _yes_no(flex) + " (torch.nn.attention.flex_attention)"))
+    compiled = "yes" if flex and triton and cuda else "no (needs CUDA and triton)"
+    rows.append(("flex attention", "compiled kernels", compiled))
     return rows
 
 

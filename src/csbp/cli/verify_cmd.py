@@ -6,15 +6,19 @@ Examples::
     csbp verify --nproc 4                              # every valid layout on 4 processes
     csbp verify --nproc 4 --cp 2 --bp 4 --transport streaming --window 8 --dtype float32
     csbp verify --nproc 4 --objective dflash               # DFlash drafter training, every layout
+    csbp verify --device cuda --nproc 2                # NCCL, one process per GPU
 
-Processes are launched here on the CPU (gloo), one thread each. Exit status 1 if any layout is
-outside its tolerance (1e-9 relative for float64, 1e-4 for float32).
+Processes are launched here: on the CPU (gloo, one thread each) by default, or with
+``--device cuda`` one per GPU over NCCL (``--nproc`` larger than the visible GPUs is refused before
+anything starts). The single-process reference always runs on the CPU. Exit status 1 if any layout
+is outside its tolerance (1e-9 relative for float64, 1e-4 for float32).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from csbp.devices import DEVICE_KINDS, resolve_device
 from csbp.engine.verify import VerifyCase, layouts_for, verify
 from csbp.topology import Topology
 
@@ -32,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--samples", type=int, default=2, help="samples per data-parallel replica")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--device", choices=DEVICE_KINDS, default="cpu",
+        help="cpu: gloo processes (default); cuda: one process per GPU over NCCL",
+    )
     parser.add_argument(
         "--objective",
         choices=("bd3", "dflash"),
@@ -55,6 +63,7 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    resolve_device(args.device, nproc=args.nproc)  # fail closed: --nproc GPUs must be visible
     if args.objective == "dflash":
         return run_verify_dflash(args)
     cases = [
@@ -67,12 +76,16 @@ def run_verify(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             samples=args.samples,
             seed=args.seed,
+            device=args.device,
         )
         for t in _requested_topologies(args)
     ]
     for case in cases:  # fail closed before launching anything
         case.topology.validate_sequence(case.seq_len, case.block_size)
-    print(f"csbp verify: L={args.seq_len} B={args.block_size} dtype={args.dtype} nproc={args.nproc}")
+    print(
+        f"csbp verify: L={args.seq_len} B={args.block_size} dtype={args.dtype} nproc={args.nproc}"
+        + (f" device={args.device}" if args.device != "cpu" else "")
+    )
     header = f"{'layout':<8} {'topology':<12} {'detail':<12} {'loss rel err':>13} {'grad rel err':>13}  status"
     print(header)
     print("-" * len(header))
@@ -111,7 +124,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     for t in topologies:
         objective = DFlashObjectiveConfig(max_anchors=max(6, t.bp), gamma=7.0)
         case = DFlashVerifyCase(topology=t, objective=objective, seq_len=args.seq_len,
-                                samples=args.samples, seed=args.seed)
+                                samples=args.samples, seed=args.seed, device=args.device)
         result = verify_dflash(case)
         status = "ok" if result.ok else f"FAIL (tol {result.tolerance:g}, worst {result.worst_param})"
         failed += not result.ok

@@ -64,6 +64,7 @@ class DFlashVerifyCase:
     seq_len: int = 32
     samples: int = 2
     seed: int = 0
+    device: str = "cpu"  # where the layouts run (the reference always runs on the CPU)
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,11 @@ class DFlashVerifyResult:
         return self.loss_rel_err <= self.tolerance and self.grad_rel_err <= self.tolerance
 
 
-def build_models(case: DFlashVerifyCase, dtype: torch.dtype = torch.float64) -> tuple[Decoder, DFlashDrafter]:
-    """The frozen target and the drafter of ``case`` (deterministic)."""
-    target = Decoder(TARGET_CONFIG, dtype=dtype, seed=case.seed + 1)
+def build_models(
+    case: DFlashVerifyCase, dtype: torch.dtype = torch.float64, device: torch.device | str | None = None
+) -> tuple[Decoder, DFlashDrafter]:
+    """The frozen target and the drafter of ``case`` (deterministic, the same on every device)."""
+    target = Decoder(TARGET_CONFIG, dtype=dtype, seed=case.seed + 1, device=device)
     config = DFlashConfig.from_target(
         TARGET_CONFIG,
         num_layers=2,
@@ -93,7 +96,7 @@ def build_models(case: DFlashVerifyCase, dtype: torch.dtype = torch.float64) -> 
         target_layer_ids=(0, 2),
         **case.drafter_options,
     )
-    drafter = DFlashDrafter(config, target=target, dtype=dtype, seed=case.seed + 2)
+    drafter = DFlashDrafter(config, target=target, dtype=dtype, device=device, seed=case.seed + 2)
     if case.perturb_extras:
         generator = torch.Generator().manual_seed(case.seed + 9)
         with torch.no_grad():
@@ -130,18 +133,18 @@ def _worker(
     rank: int, world: int, case: DFlashVerifyCase
 ) -> tuple[float, dict[str, torch.Tensor] | None, int]:
     ctx = build_parallel_context(case.topology)
-    _, drafter = build_models(case)
+    _, drafter = build_models(case, device=ctx.device)
     full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed)
     batch = replica_batch(full, ctx.coords.dp_rank, case.samples)
     step = DFlashStep(drafter, case.objective, build_dflash_rank_plan(ctx, case.objective))
     out = step(batch, anchor_generator(case, ctx.coords.dp_rank), selector_scale=case.selector_scale)
     out.loss.backward()
     average_gradients(drafter.parameters(), ctx.world_comm("gradients"))
-    loss = torch.tensor([out.loss_value], dtype=torch.float64)
+    loss = torch.tensor([out.loss_value], dtype=torch.float64, device=ctx.device)
     loss = ctx.world_comm("logging").all_reduce(loss) / world  # replicas' group losses, averaged over dp
     attention_bytes = ctx.counter.bytes("attention")
     dist.barrier()
-    grads = {name: p.grad.detach().clone() for name, p in drafter.named_parameters()} if rank == 0 else None
+    grads = {name: p.grad.detach().cpu() for name, p in drafter.named_parameters()} if rank == 0 else None
     return float(loss[0]), grads, attention_bytes
 
 
@@ -173,7 +176,7 @@ def reference(case: DFlashVerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
 def verify_dflash(case: DFlashVerifyCase, *, timeout_s: float = 300.0) -> DFlashVerifyResult:
     """Run ``case`` on ``topology.world_size`` processes and compare with the reference."""
     loss_ref, grads_ref = reference(case)
-    results = run_local(_worker, case.topology.world_size, (case,), timeout_s=timeout_s)
+    results = run_local(_worker, case.topology.world_size, (case,), timeout_s=timeout_s, device=case.device)
     loss, grads, _ = results[0]
     assert grads is not None
     worst_name, worst = "", 0.0

@@ -1,9 +1,9 @@
 """``csbp verify``: prove on this machine that a parallel layout equals one process.
 
-For each requested layout, N gloo processes run one forward/backward of a small decoder on one
-fixed corrupted BD3 batch, average gradients with the engine's rules, and rank 0 returns the
+For each requested layout, N processes (gloo on the CPU, or NCCL with one GPU each for
+``device="cuda"``) run one forward/backward of a small decoder on one fixed corrupted BD3 batch, average gradients with the engine's rules, and rank 0 returns the
 global loss and every parameter gradient. The same model, batch and objective run on a single
-process (the reference). The report gives, per layout, the relative error of the loss and the
+process on the CPU (the reference). The report gives, per layout, the relative error of the loss and the
 largest relative error over all parameter gradients (``max|g - g_ref| / max|g_ref|`` per
 parameter), against a dtype-dependent tolerance.
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
+from csbp.devices import tensors_to
 from csbp.engine.block_diffusion import TransportName, build_rank_plan, rank_loss
 from csbp.engine.context import ParallelContext, build_parallel_context, single_process_context
 from csbp.engine.grads import average_gradients
@@ -42,6 +43,7 @@ class VerifyCase:
     dtype: str = "float64"
     samples: int = 2
     seed: int = 0
+    device: str = "cpu"
 
     @property
     def label(self) -> str:
@@ -122,8 +124,8 @@ def _forward_backward(
     """One step on this rank. The batch holds ``samples * num_replicas`` rows corrupted at once;
     data-parallel replica ``d`` takes rows ``[d*samples, (d+1)*samples)``, so the single-process
     reference (one replica holding every row) sees exactly the same corruption."""
-    model = Decoder(tiny_model_config(), dtype=_dtype(case.dtype), seed=case.seed)
-    full = corrupted_batch(case, num_replicas)
+    model = Decoder(tiny_model_config(), dtype=_dtype(case.dtype), seed=case.seed, device=ctx.device)
+    full = tensors_to(corrupted_batch(case, num_replicas), ctx.device)
     denominator = full.denominator()  # global: every replica's rows
     per_rank = case.samples * num_replicas // ctx.topology.dp
     dp_rank = ctx.coords.dp_rank
@@ -135,7 +137,7 @@ def _forward_backward(
     total = ce_sum.clone().reshape(1)
     if ctx.is_distributed:
         total = ctx.world_comm("logging").all_reduce(total)
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
     return float(total[0] / denominator), grads
 
 
@@ -151,7 +153,7 @@ def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients for ``case``'s model and batch."""
     ref_case = VerifyCase(
         Topology(), case.seq_len, case.block_size, case.transport, case.window, case.dtype, case.samples, case.seed
-    )
+    )  # always on the CPU
     return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp)
 
 
@@ -165,7 +167,7 @@ def verify(case: VerifyCase, *, timeout_s: float = 300.0) -> VerifyResult:
     """Run ``case`` on ``topology.world_size`` processes and compare with one process."""
     case.topology.validate_sequence(case.seq_len, case.block_size)
     loss_ref, grads_ref = reference(case)
-    results = run_local(_worker, case.topology.world_size, (case,), timeout_s=timeout_s)
+    results = run_local(_worker, case.topology.world_size, (case,), timeout_s=timeout_s, device=case.device)
     loss, grads, _ = results[0]
     assert grads is not None
     worst_name, worst = "", 0.0
