@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint demo dflash-demo bench clean
+.PHONY: install test lint demo dflash-demo bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ dflash-demo: $(ARTIFACT)/manifest.json
 
 bench: $(STAMP)
 	$(CSBP) bench attention --json docs/bench/attention.json
+
+# The device check (README "GPUs"): CUDA tests, NCCL verify on >= 2 GPUs and the single-GPU
+# training table, within 8 minutes on one H200; writes gpu-check.json. Without CUDA it says so, exits 0.
+gpu-check: $(STAMP)
+	$(PY) -m csbp.gpu.check --json gpu-check.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,12 +1,24 @@
-"""Shared test hygiene: one thread per process, float64 default off, no leftover process groups."""
+"""Shared test hygiene: one thread per process, float64 default off, no leftover process groups;
+tests marked ``cuda`` are skipped (with the reason) where torch sees no CUDA device."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available() or os.environ.get("CSBP_CUDA_TESTS_DEVICE") == "cpu":
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False); run `make gpu-check`")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

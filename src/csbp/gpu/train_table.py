@@ -1,0 +1,306 @@
+"""The single-GPU training table of the device check: a Qwen3-0.6B-shaped decoder (random weights,
+the real dimensions) trained with BD3 in bf16 with activation checkpointing at 8K-64K tokens, and a
+DFlash drafter step at 64K tokens with 512 anchors.
+
+Each row builds the model on the device, runs ``warmup`` untimed steps and ``repeats`` timed steps
+(forward, backward, AdamW; CUDA synchronised around the timer) and reports the median step time,
+clean tokens per second (``L`` per sample; BD3 processes ``2L`` rows), achieved TFLOP/s and model
+FLOP utilisation against the GPU's dense bf16 peak (``csbp.gpu.flops``), and the peak memory
+(``torch.cuda.max_memory_allocated``; on the CPU, the growth of the resident set).
+
+Rows run shortest first inside a time budget: a row whose predicted time (the previous row's,
+scaled by the square of the length ratio) exceeds what is left is reported as skipped, never
+silently dropped. Activation checkpointing comes from ``csbp.training.activation_checkpointing``;
+a build without it reports ``unavailable`` and runs without.
+
+The same code runs on the CPU at tiny sizes (the test suite's dry run); the numbers only mean
+something on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from csbp.bench.measure import PeakMemory
+from csbp.devices import tensors_to
+from csbp.dflash.anchors import segment_starts
+from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, default_target_layer_ids
+from csbp.dflash.drafter import DFlashDrafter
+from csbp.dflash.features import capture_target_features
+from csbp.dflash.layouts import full_packet
+from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
+from csbp.engine.block_diffusion import build_rank_plan, rank_loss
+from csbp.engine.context import single_process_context
+from csbp.gpu.flops import QWEN3_0_6B, bd3_step_flops, model_flop_utilisation
+from csbp.models.config import DecoderConfig
+from csbp.models.decoder import Decoder
+from csbp.objectives import build_objective, corruption_generator
+from csbp.training.step import autocast_for
+
+StepFn = Callable[[int], float]  # step index -> loss
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """What the table trains (defaults: the device check's rows)."""
+
+    seq_lens: tuple[int, ...] = (8192, 16384, 32768, 65536)
+    block_size: int = 16
+    model: DecoderConfig = QWEN3_0_6B
+    precision: str = "bf16"
+    activation_checkpointing: str = "full"
+    dflash_seq_len: int | None = 65536
+    dflash_anchors: int = 512
+    dflash_draft_layers: int = 5
+    warmup: int = 1
+    repeats: int = 2
+    long_step_s: float = 20.0
+    budget_s: float = 300.0
+    peak_tflops: float | None = None
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One row; the measured fields are None unless ``status == "ok"``."""
+
+    kind: str
+    seq_len: int
+    status: str
+    checkpointing: str
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_mem_bytes: int | None = None
+    loss: float | None = None
+
+
+def apply_activation_checkpointing(layers: torch.nn.ModuleList, mode: str) -> str:
+    """Checkpoint ``layers`` with the trainer's ``train.activation_checkpointing`` implementation;
+    returns the mode applied, or ``unavailable`` in a build that does not have it."""
+    if mode == "none":
+        return "none"
+    try:
+        module = importlib.import_module("csbp.training.activation_checkpointing")
+    except ModuleNotFoundError:
+        return "unavailable"
+    module.checkpoint_layers(layers, mode)
+    return mode
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _PeakBytes:
+    """Absolute peak allocated bytes on CUDA, resident-set growth on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.bytes = device, 0
+        self._cpu = PeakMemory("cpu")
+
+    def __enter__(self) -> _PeakBytes:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._cpu.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            self.bytes = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._cpu.__exit__(*exc)
+            self.bytes = self._cpu.bytes
+
+
+def _measure(step: StepFn, cfg: TableConfig, device: torch.device) -> tuple[float, int, float, int]:
+    """``(median step time, peak bytes, last loss, steps timed)`` of ``warmup`` + ``repeats`` steps;
+    a step longer than ``long_step_s`` is timed and ends the row (its one-time costs are small
+    against its length, and the budget is better spent on the next row)."""
+    times, peak, loss = [], 0, float("nan")
+    for index in range(cfg.warmup + cfg.repeats):
+        _synchronize(device)
+        with _PeakBytes(device) as memory:
+            start = time.perf_counter()
+            loss = step(index)
+            _synchronize(device)
+            elapsed = time.perf_counter() - start
+        if index >= cfg.warmup or elapsed > cfg.long_step_s:
+            times.append(elapsed)
+            peak = max(peak, memory.bytes)
+        if elapsed > cfg.long_step_s:
+            break
+    return statistics.median(times), peak, loss, len(times)
+
+
+def _optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0, fused=device.type == "cuda")
+
+
+def bd3_step_fn(cfg: TableConfig, seq_len: int, device: torch.device) -> tuple[StepFn, str]:
+    """A BD3 training step of the table's model at ``seq_len`` and the checkpointing applied."""
+    model = Decoder(cfg.model, dtype=torch.float32, device=device, seed=cfg.seed)
+    checkpointing = apply_activation_checkpointing(model.layers, cfg.activation_checkpointing)
+    plan = build_rank_plan(single_process_context(device), seq_len, cfg.block_size)
+    mask_token_id = cfg.model.vocab_size - 1
+    objective = build_objective("bd3", mask_token_id=mask_token_id, block_size=cfg.block_size)
+    optimizer = _optimizer(model, device)
+    data = torch.Generator().manual_seed(cfg.seed + 1)
+
+    def step(index: int) -> float:
+        ids = torch.randint(0, mask_token_id, (1, seq_len), generator=data)
+        batch = objective.corrupt({"input_ids": ids}, corruption_generator(cfg.seed, index, 0))
+        batch = tensors_to(batch, device)
+        with autocast_for(cfg.precision, device):
+            loss, ce_sum = rank_loss(model, batch, plan, global_denominator=batch.denominator(), world_size=1)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(ce_sum) / batch.denominator()
+
+    return step, checkpointing
+
+
+def dflash_step_fn(cfg: TableConfig, device: torch.device) -> tuple[StepFn, str, int]:
+    """A DFlash drafter step against a frozen target of the table's shape (features captured
+    before the timer, as from an offline store), the checkpointing applied and its model FLOPs."""
+    from csbp.bench.dflash_bench import drafter_step_flops
+
+    seq_len, model_cfg = int(cfg.dflash_seq_len or 0), cfg.model
+    target = Decoder(model_cfg, dtype=torch.float32, device=device, seed=cfg.seed + 1).eval()
+    target.requires_grad_(False)
+    layer_ids = default_target_layer_ids(model_cfg.num_layers, cfg.dflash_draft_layers)
+    drafter_cfg = DFlashConfig.from_target(
+        model_cfg, num_layers=cfg.dflash_draft_layers, block_size=cfg.block_size,
+        mask_token_id=model_cfg.vocab_size - 1, target_layer_ids=layer_ids,
+    )
+    drafter = DFlashDrafter(drafter_cfg, target=target, dtype=torch.float32, device=device, seed=cfg.seed + 2)
+    checkpointing = apply_activation_checkpointing(drafter.layers, cfg.activation_checkpointing)
+    objective = DFlashObjectiveConfig(max_anchors=cfg.dflash_anchors)
+    ctx = single_process_context(device)
+    dflash_step = DFlashStep(drafter, objective, build_dflash_rank_plan(ctx, objective))
+    optimizer = _optimizer(drafter, device)
+    ids = torch.randint(0, model_cfg.vocab_size - 1, (1, seq_len), generator=torch.Generator().manual_seed(cfg.seed))
+    batch = DFlashBatch(ids, torch.ones_like(ids, dtype=torch.bool), torch.zeros_like(ids))
+    with torch.no_grad(), autocast_for(cfg.precision, device):
+        features = capture_target_features(target, ids, layer_ids)
+    anchors = sample_batch_anchors(batch, objective, cfg.block_size, corruption_generator(cfg.seed, 0, 0))[0]
+    packet = full_packet(anchors, segment_starts(batch.doc_ids[0])[anchors])
+    flops = drafter_step_flops(drafter_cfg, packet, seq_len, seq_len)
+
+    def step(index: int) -> float:
+        with autocast_for(cfg.precision, device):
+            out = dflash_step(batch, corruption_generator(cfg.seed, 0, 0), features=features)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return out.loss_value
+
+    return step, checkpointing, flops
+
+
+def _ok_row(kind: str, seq_len: int, checkpointing: str, measured: tuple[float, int, float, int], flops: int,
+            peak_tflops: float | None) -> TableRow:
+    step_time, peak, loss, steps = measured
+    return TableRow(
+        kind=kind, seq_len=seq_len, status=f"ok ({steps} timed)", checkpointing=checkpointing, step_time_s=step_time,
+        tokens_per_s=seq_len / step_time, tflops=flops / step_time / 1e12,
+        mfu=model_flop_utilisation(flops, step_time_s=step_time, peak_tflops=peak_tflops),
+        peak_mem_bytes=peak, loss=loss,
+    )
+
+
+def _run_row(kind: str, seq_len: int, build: Callable[[], TableRow], device: torch.device) -> TableRow:
+    """``build()``, reporting out-of-memory and errors as the row's status instead of ending the table."""
+    try:
+        return build()
+    except torch.OutOfMemoryError:
+        return TableRow(kind=kind, seq_len=seq_len, status="out of memory", checkpointing="-")
+    except Exception as exc:  # noqa: BLE001 - one broken row must not hide the others
+        first_line = (str(exc).splitlines() or [""])[0]
+        return TableRow(kind=kind, seq_len=seq_len, status=f"error: {type(exc).__name__}: {first_line}",
+                        checkpointing="-")
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_train_table(
+    cfg: TableConfig, device: torch.device, *, progress: Callable[[TableRow], None] | None = None
+) -> list[TableRow]:
+    """Every BD3 row (shortest first) and the DFlash row, inside ``cfg.budget_s`` (module docstring)."""
+    started, rows = time.perf_counter(), []
+    previous: tuple[int, float] | None = None  # (seq_len, seconds the row took)
+
+    def run(kind: str, seq_len: int, build: Callable[[], TableRow]) -> None:
+        nonlocal previous
+        left = cfg.budget_s - (time.perf_counter() - started)
+        predicted = 0.0 if previous is None else previous[1] * (seq_len / previous[0]) ** 2
+        if left <= 0 or predicted > left:
+            row = TableRow(kind=kind, seq_len=seq_len, checkpointing="-",
+                           status=f"skipped: predicted {predicted:.0f} s > {max(left, 0):.0f} s left of the budget")
+        else:
+            row_start = time.perf_counter()
+            row = _run_row(kind, seq_len, build, device)
+            previous = (seq_len, time.perf_counter() - row_start)
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+
+    for seq_len in sorted(cfg.seq_lens):
+        def bd3(seq_len: int = seq_len) -> TableRow:
+            step, checkpointing = bd3_step_fn(cfg, seq_len, device)
+            flops = bd3_step_flops(cfg.model, seq_len=seq_len, block_size=cfg.block_size)
+            return _ok_row("bd3", seq_len, checkpointing, _measure(step, cfg, device), flops, cfg.peak_tflops)
+
+        run("bd3", seq_len, bd3)
+    if cfg.dflash_seq_len:
+        def dflash() -> TableRow:
+            step, checkpointing, flops = dflash_step_fn(cfg, device)
+            measured = _measure(step, cfg, device)
+            return _ok_row(f"dflash a={cfg.dflash_anchors}", int(cfg.dflash_seq_len or 0), checkpointing,
+                           measured, flops, cfg.peak_tflops)
+
+        previous = None  # a different model: no prediction from the BD3 rows
+        run(f"dflash a={cfg.dflash_anchors}", cfg.dflash_seq_len, dflash)
+    return rows
+
+
+def rows_as_dicts(rows: list[TableRow]) -> list[dict[str, object]]:
+    return [dataclasses.asdict(row) for row in rows]
+
+
+def _cell(value: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def format_train_table(rows: list[TableRow]) -> str:
+    """The table as text: one line per row, skipped and failed rows with their reason."""
+    header = (
+        f"{'model':<14} {'tokens':>7} {'ckpt':<5} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} "
+        f"{'MFU':>6} {'peak GiB':>9}  status"
+    )
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        tokens = f"{row.seq_len // 1024}K" if row.seq_len % 1024 == 0 else str(row.seq_len)
+        lines.append(
+            f"{row.kind:<14} {tokens:>7} {row.checkpointing:<5} {_cell(row.step_time_s, '8.3f')} "
+            f"{_cell(row.tokens_per_s, '9.0f')} {_cell(row.tflops, '8.1f')} {_percent(row.mfu):>6} "
+            f"{_cell(row.peak_mem_bytes, '9.2f', 2.0**-30)}  {row.status}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,187 @@
+"""The device check's CPU-testable parts: the no-CUDA line, stage selection and the stage runner,
+the summary table and ``gpu-check.json``, the FLOP / MFU arithmetic, a dry run of the training
+table at tiny sizes, and what ``csbp doctor`` reports for GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from csbp.attention.layouts import reference_layout
+from csbp.bench.measure import allowed_pairs
+from csbp.cli.doctor_cmd import collect_environment
+from csbp.gpu import check
+from csbp.gpu.check import CheckEnv, Stage, StageResult, command_stage, format_summary, select_stages
+from csbp.gpu.flops import (
+    QWEN3_0_6B,
+    bd3_attention_pairs,
+    bd3_step_flops,
+    gpu_bf16_peak_tflops,
+    layer_matmul_params,
+    model_flop_utilisation,
+)
+from csbp.gpu.train_table import TableConfig, TableRow, format_train_table, run_train_table
+from csbp.models.config import DecoderConfig
+
+
+def _env(tmp_path: Path, seconds: float = 60.0) -> CheckEnv:
+    return CheckEnv(gpus=1, device_name="NVIDIA H200", peak_tflops=989.0, repo=tmp_path,
+                    args=argparse.Namespace(), deadline=time.perf_counter() + seconds)
+
+
+def test_without_cuda_it_prints_one_line_and_exits_0(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert check.main(["--json", str(tmp_path / "gpu-check.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("gpu-check: no CUDA device is visible")
+    assert not (tmp_path / "gpu-check.json").exists()
+
+
+def test_stage_selection_and_listing(capsys: pytest.CaptureFixture[str]) -> None:
+    names = [stage.name for stage in check.STAGES]
+    assert names[-1] == "train-table" and {"cuda-tests", "verify"} <= set(names)
+    assert [s.name for s in select_stages(["train-table", "cuda-tests"])] == ["cuda-tests", "train-table"]
+    assert select_stages(None) == check.STAGES
+    with pytest.raises(ValueError, match=r"unknown or no stage\(s\) \['kernel'\]"):
+        select_stages(["kernel"])
+    assert check.main(["--stages", "nope"]) == 2
+    assert "unknown or no stage" in capsys.readouterr().err
+    assert check.main(["--list"]) == 0
+    assert "train-table" in capsys.readouterr().out
+
+
+def test_command_stages_report_status_summary_and_skips(tmp_path: Path) -> None:
+    ok = command_stage("ok", "", lambda env: [sys.executable, "-c", "print('first'); print('all good')"], timeout_s=60)
+    bad = command_stage("bad", "", lambda env: [sys.executable, "-c", "import sys; sys.exit(3)"], timeout_s=60)
+    slow = command_stage("slow", "", lambda env: [sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=2)
+    skip = command_stage("skip", "", lambda env: "needs at least 2 GPUs, 1 visible", timeout_s=60)
+    env = _env(tmp_path)
+    assert (ok.run(env).status, ok.run(env).summary) == ("ok", "all good")
+    failed = bad.run(env)
+    assert failed.status == "failed" and failed.details["returncode"] == 3
+    timed_out = slow.run(env)
+    assert timed_out.status == "failed" and timed_out.summary == "timed out after 2 s"
+    assert skip.run(env) == StageResult("skip", "skipped", 0.0, "needs at least 2 GPUs, 1 visible")
+    assert ok.run(_env(tmp_path, seconds=0.5)).summary == "no time left in the budget"
+    verify = next(s for s in check.STAGES if s.name == "verify")
+    assert verify.run(env).summary == "needs at least 2 GPUs, 1 visible"
+    assert next(s for s in check.STAGES if s.name == "cuda-tests").run(env).status == "skipped"  # no tests/ here
+
+
+def test_main_runs_the_stages_writes_json_and_prints_the_table(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    rows = [TableRow("bd3", 8192, "ok (2 timed)", "full", 1.0, 8192.0, 100.0, 0.1, 2**30, 11.0)]
+    stages = [
+        Stage("a", "first", lambda env: StageResult("a", "ok", 1.0, "fine")),
+        Stage("b", "second", lambda env: StageResult("b", "failed", 2.0, "broke", {"table": format_train_table(rows)})),
+        Stage("c", "raises", lambda env: 1 / 0),
+    ]
+    monkeypatch.setattr(check, "STAGES", stages)
+    monkeypatch.setattr(check, "no_cuda_message", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    path = tmp_path / "out" / "gpu-check.json"
+    assert check.main(["--json", str(path), "--stages", "a", "b", "c"]) == 1  # a stage failed
+    out = capsys.readouterr().out
+    assert "bf16 peak 989.0 TFLOP/s" in out and "broke" in out and "10.0%" in out
+    payload = json.loads(path.read_text())
+    assert payload["ok"] is False and payload["device"]["name"] == "NVIDIA H200"
+    assert [s["name"] for s in payload["stages"]] == ["a", "b", "c"] and payload["stages"][1]["summary"] == "broke"
+    assert payload["stages"][2]["summary"] == "ZeroDivisionError: division by zero"
+
+
+def test_summary_table_lines() -> None:
+    table = format_summary([StageResult("cuda-tests", "ok", 12.34, "40 passed"), StageResult("v", "skipped", 0, "x")])
+    lines = table.splitlines()
+    assert lines[0].split() == ["stage", "status", "seconds", "summary"]
+    assert lines[2].split() == ["cuda-tests", "ok", "12.3", "40", "passed"]
+
+
+def test_flop_arithmetic() -> None:
+    # the closed form equals the pairs the BD3 predicate allows
+    for seq_len, block in ((32, 4), (64, 16), (48, 1)):
+        rows = reference_layout(seq_len, block).rows
+        assert bd3_attention_pairs(seq_len, block) == allowed_pairs(rows, block_size=block)
+    # Qwen3-0.6B: 28 layers of 1024*(2*2048 + 2*1024) + 3*1024*3072 weights = 440M matmul parameters
+    assert layer_matmul_params(QWEN3_0_6B) * QWEN3_0_6B.num_layers == 28 * (1024 * 6144 + 3 * 1024 * 3072)
+    tiny = DecoderConfig(vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=2, num_heads=2,
+                         num_kv_heads=1, head_dim=2)
+    dense = 6 * (4 * (2 * 4 + 2 * 2) + 3 * 4 * 8) * 2 * 16  # 6 * params * layers * 2L rows
+    head = 6 * 10 * 4 * 8
+    attention = 12 * 2 * 2 * (8 * 2 + 64) * 2  # 12 d heads pairs layers
+    assert bd3_step_flops(tiny, seq_len=8, block_size=2) == dense + head + attention
+    assert bd3_step_flops(tiny, seq_len=8, block_size=2, samples=3) == 3 * (dense + head + attention)
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        bd3_attention_pairs(10, 4)
+    assert gpu_bf16_peak_tflops("NVIDIA H200") == 989.0
+    assert gpu_bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert gpu_bf16_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_bf16_peak_tflops("Some Future GPU") is None
+    assert model_flop_utilisation(989e12, step_time_s=2.0, peak_tflops=989.0) == pytest.approx(0.5)
+    assert model_flop_utilisation(1, step_time_s=1.0, peak_tflops=None) is None
+
+
+def test_training_table_dry_run_on_cpu_at_tiny_sizes() -> None:
+    tiny = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    cfg = TableConfig(seq_lens=(64, 32), block_size=4, model=tiny, activation_checkpointing="full",
+                      dflash_seq_len=64, dflash_anchors=4, dflash_draft_layers=1, warmup=1, repeats=1,
+                      peak_tflops=1.0)
+    seen: list[TableRow] = []
+    rows = run_train_table(cfg, torch.device("cpu"), progress=seen.append)
+    assert rows == seen and [(r.kind, r.seq_len) for r in rows] == [("bd3", 32), ("bd3", 64), ("dflash a=4", 64)]
+    for row in rows:
+        assert row.status == "ok (1 timed)" and row.checkpointing in ("full", "unavailable")
+        assert row.step_time_s > 0 and row.tokens_per_s == pytest.approx(row.seq_len / row.step_time_s)
+        assert 0 < row.mfu < 1 and row.loss > 0
+    text = format_train_table(rows)
+    assert len(text.splitlines()) == 5 and "dflash a=4" in text
+
+
+def test_long_steps_end_a_row_after_one_timed_step() -> None:
+    from csbp.gpu.train_table import _measure
+
+    calls: list[int] = []
+
+    def step(index: int) -> float:
+        calls.append(index)
+        time.sleep(0.02)
+        return 1.0
+
+    cfg = TableConfig(warmup=1, repeats=3, long_step_s=0.01)
+    step_time, _, loss, steps = _measure(step, cfg, torch.device("cpu"))
+    assert calls == [0] and steps == 1 and step_time >= 0.02 and loss == 1.0
+    assert _measure(step, TableConfig(warmup=1, repeats=2, long_step_s=10.0), torch.device("cpu"))[3] == 2
+
+
+def test_training_table_skips_rows_beyond_the_budget() -> None:
+    tiny = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    cfg = TableConfig(seq_lens=(32, 4096), block_size=4, model=tiny, activation_checkpointing="none",
+                      dflash_seq_len=None, warmup=0, repeats=1, budget_s=0.0)
+    rows = run_train_table(cfg, torch.device("cpu"))
+    assert [r.status.split(":")[0] for r in rows] == ["skipped", "skipped"]
+    assert "s left of the budget" in rows[0].status
+    assert "-" in format_train_table(rows).splitlines()[2]
+    broken = TableConfig(seq_lens=(30,), block_size=4, model=tiny, dflash_seq_len=None, warmup=0, repeats=1)
+    (row,) = run_train_table(broken, torch.device("cpu"))  # 30 tokens are not whole blocks of 4
+    assert row.status.startswith("error: ValueError: ") and row.step_time_s is None
+
+
+def test_doctor_reports_nccl_bf16_and_flex_attention() -> None:
+    rows = {(section, item): value for section, item, value in collect_environment()}
+    assert ("nccl", "version") in rows and ("bf16", "cuda") in rows
+    assert rows[("bf16", "cpu autocast")] == "yes"
+    assert rows[("flex attention", "module")].startswith(("yes", "no"))
+    if not torch.cuda.is_available():
+        assert rows[("nccl", "version")].startswith("not available")
+        assert rows[("flex attention", "compiled kernels")].startswith("no")
