@@ -127,12 +127,12 @@ def _precision_rows() -> list[Row]:
         rows.append(("nccl", "version", "not available (needs CUDA and a torch build with NCCL)"))
     cuda_bf16 = "n/a (no CUDA device)" if not cuda else _yes_no(torch.cuda.is_bf16_supported())
     rows.append(("bf16", "cuda", cuda_bf16))
-    rows.append(("bf16", "cpu autocast", _yes_no(torch.amp.is_autocast_available("cpu"))))
+    rows.append(("bf16", "cpu-autocast", _yes_no(torch.amp.is_autocast_available("cpu"))))
     flex = importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
     triton = importlib.util.find_spec("triton") is not None
-    rows.append(("flex attention", "module", _yes_no(flex) + " (torch.nn.attention.flex_attention)"))
+    rows.append(("flexattention", "module", _yes_no(flex) + " (torch.nn.attention.flex_attention)"))
     compiled = "yes" if flex and triton and cuda else "no (needs CUDA and triton)"
-    rows.append(("flex attention", "compiled kernels", compiled))
+    rows.append(("flexattention", "compiled", compiled))
     return rows
 
 
