@@ -185,3 +185,31 @@ def test_doctor_reports_nccl_bf16_and_flex_attention() -> None:
     if not torch.cuda.is_available():
         assert rows[("nccl", "version")].startswith("not available")
         assert rows[("flexattention", "compiled")].startswith("no")
+
+
+def test_train_table_stage_passes_the_options_and_the_remaining_budget(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: dict[str, object] = {}
+
+    def fake_table(cfg: TableConfig, device: torch.device, *, progress) -> list[TableRow]:  # noqa: ANN001
+        seen.update(cfg=cfg, device=device)
+        rows = [TableRow("bd3", 8192, "ok (2 timed)", "full", 1.0, 8192.0, 1.0, 0.1, 1, 1.0),
+                TableRow("bd3", 16384, "out of memory", "-")]
+        for row in rows:
+            progress(row)
+        return rows
+
+    monkeypatch.setattr(check, "run_train_table", fake_table)
+    args = check.build_parser().parse_args(["--train-seq-lens", "8192", "16384", "--dflash-seq-len", "0"])
+    env = CheckEnv(gpus=1, device_name="x", peak_tflops=989.0, repo=tmp_path, args=args,
+                   deadline=time.perf_counter() + 100.0)
+    result = check._train_table(env)
+    cfg = seen["cfg"]
+    assert isinstance(cfg, TableConfig) and cfg.seq_lens == (8192, 16384) and cfg.dflash_seq_len is None
+    assert cfg.activation_checkpointing == "full" and cfg.peak_tflops == 989.0
+    assert 80.0 < cfg.budget_s <= 100.0 - check.TRAIN_TABLE_RESERVE_S
+    assert (result.status, result.summary) == ("failed", "1 of 2 rows measured")  # an OOM row fails the stage
+    assert "out of memory" in capsys.readouterr().out
+    late = CheckEnv(gpus=1, device_name="x", peak_tflops=None, repo=tmp_path, args=args, deadline=time.perf_counter())
+    assert check._train_table(late).status == "skipped"

@@ -37,7 +37,7 @@ import torch
 
 from csbp.bench.common import write_json_atomic
 from csbp.gpu.flops import gpu_bf16_peak_tflops
-from csbp.gpu.train_table import TableConfig, format_train_table, rows_as_dicts, run_train_table
+from csbp.gpu.train_table import TableConfig, TableRow, format_train_table, rows_as_dicts, run_train_table
 
 TRAIN_TABLE_RESERVE_S = 15.0
 """Seconds of the total budget kept back from the training table for writing the outputs."""
@@ -146,7 +146,10 @@ def _train_table(env: CheckEnv) -> StageResult:
         peak_tflops=env.peak_tflops,
     )
     start = time.perf_counter()
-    rows = run_train_table(cfg, torch.device("cuda", 0), progress=lambda row: print(f"  {row}", flush=True))
+    def progress(row: TableRow) -> None:
+        print("   " + format_train_table([row]).splitlines()[-1], flush=True)
+
+    rows = run_train_table(cfg, torch.device("cuda", 0), progress=progress)
     measured = sum(row.status.startswith("ok") for row in rows)
     failed = any(row.status.startswith(("out of memory", "error")) for row in rows)
     return StageResult(
