@@ -5,8 +5,9 @@ The model code knows nothing about parallelism; this module applies it from outs
 Gradient reduction (csbp.md §13 rule 3): every one of the ``dp * local`` ranks computes a gradient
 of its own scaled loss, and the gradients are averaged over all of them.
 
-* Without FSDP: one flat all-reduce over the world group (:func:`csbp.engine.grads.average_gradients`);
-  afterwards every rank holds the same full gradient.
+* Without FSDP: bucketed asynchronous all-reduces over the world group, launched from gradient
+  hooks during the last backward of a step (:class:`csbp.engine.grad_buckets.OverlappedGradientSync`,
+  :func:`gradient_sync_for`); afterwards every rank holds the same full gradient.
 * With FSDP (``train.fsdp``): each decoder layer and the root are ``fully_shard``-ed over the
   data-parallel group (ranks with the same ``local_rank``). FSDP's reduce-scatter averages over
   ``dp`` and leaves each rank the shard its dp index owns; the ranks of one sample (the model-input
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from csbp.engine.context import ParallelContext
+from csbp.engine.grad_buckets import OverlappedGradientSync
 from csbp.engine.grads import average_gradients, fill_missing_gradients
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
@@ -37,6 +39,14 @@ def apply_fsdp(model: Decoder, ctx: ParallelContext, device: torch.device) -> No
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def gradient_sync_for(model: nn.Module, ctx: ParallelContext, *, fsdp: bool) -> OverlappedGradientSync | None:
+    """Without FSDP: bucketed all-reduce over the world group, overlapped with the last backward of
+    each step; with FSDP None (FSDP reduce-scatters in its own backward hooks)."""
+    if fsdp:
+        return None
+    return OverlappedGradientSync(model.parameters(), ctx.world_comm("gradients"))
 
 
 def synchronize_gradients(model: nn.Module, ctx: ParallelContext, *, fsdp: bool) -> None:
