@@ -5,10 +5,13 @@
   the recompute repeats exactly the forward's attention collectives, counted under
   ``recompute.attention`` while ``attention`` is unchanged.
 * In one process the peak resident-memory growth of a step drops (the drop is printed).
-* The config key reaches the trainer: a checkpointed run logs the plain run's losses.
+* The config key reaches the trainer: a checkpointed run logs the plain run's losses and validation
+  losses bit for bit (float32, one process).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +28,9 @@ from csbp.models.decoder import Decoder
 from csbp.objectives import build_objective, corruption_generator
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
+from csbp.training import train
 from csbp.training.activation_checkpointing import checkpoint_layers
+from test_training_run import make_artifact, tiny_config
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -131,6 +136,14 @@ def test_checkpointing_cuts_the_peak_memory_of_a_step() -> None:
         f"checkpointed {ckpt[0] / 2**20:.1f} MiB ({ratio:.2f}x less)"
     )
     assert ratio > 1.5, (plain[0], ckpt[0])
+
+
+def test_a_checkpointed_run_logs_the_plain_runs_losses(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "art")
+    plain = train(tiny_config(artifact), run_dir=tmp_path / "plain")
+    checkpointed = train(tiny_config(artifact, **{"train.activation_checkpointing": "full"}), run_dir=tmp_path / "ac")
+    assert checkpointed.losses == plain.losses and len(plain.losses) == 4
+    assert checkpointed.val_losses == plain.val_losses
 
 
 def test_unknown_mode_is_rejected() -> None:
