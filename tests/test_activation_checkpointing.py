@@ -109,7 +109,7 @@ def _memory_step(mode: str) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]
     model = Decoder(config, dtype=torch.float64, seed=0)
     checkpoint_layers(model.layers, mode)  # type: ignore[arg-type]
     ctx = single_process_context()
-    seq_len, block_size = 1024, 16
+    seq_len, block_size = 512, 16
     plan = build_rank_plan(ctx, seq_len, block_size)
     objective = build_objective("bd3", mask_token_id=255, block_size=block_size)
     ids = torch.randint(0, 255, (2, seq_len), generator=torch.Generator().manual_seed(1))
