@@ -17,7 +17,6 @@ on machines without a GPU; not part of the suite).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from pathlib import Path
@@ -31,10 +30,10 @@ from csbp.devices import iter_tensors, tensors_to
 from csbp.engine.block_diffusion import build_rank_plan, rank_loss
 from csbp.engine.context import build_parallel_context, single_process_context
 from csbp.engine.verify import VerifyCase, corrupted_batch, reference, tiny_model_config
-from csbp.gpu.train_table import apply_activation_checkpointing
 from csbp.models.decoder import Decoder
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
+from csbp.training.activation_checkpointing import checkpoint_layers
 from test_kernel import bd3_rows, random_qkv, reference_grads
 
 DEVICE = os.environ.get("CSBP_CUDA_TESTS_DEVICE", "cuda")
@@ -95,7 +94,7 @@ def _rank_steps(rank: int, world: int, modes: tuple[str, ...]) -> dict[str, tupl
     results = {}
     for mode in modes:
         model = Decoder(tiny_model_config(), dtype=torch.float64, seed=0, device=ctx.device)
-        assert apply_activation_checkpointing(model.layers, mode) == mode
+        checkpoint_layers(model.layers, mode)
         batch = tensors_to(corrupted_batch(CASE), ctx.device)
         plan = build_rank_plan(ctx, CASE.seq_len, CASE.block_size)
         loss, ce_sum = rank_loss(model, batch, plan, global_denominator=batch.denominator(), world_size=1)
@@ -107,16 +106,12 @@ def _rank_steps(rank: int, world: int, modes: tuple[str, ...]) -> dict[str, tupl
 
 
 def test_bd3_step_in_an_nccl_world_of_one_matches_the_cpu_reference_with_and_without_checkpointing() -> None:
-    checkpointing = importlib.util.find_spec("csbp.training.activation_checkpointing") is not None
-    modes = ("none", "full") if checkpointing else ("none",)
-    (results,) = run_local(_rank_steps, 1, (modes,), device=DEVICE)
+    (results,) = run_local(_rank_steps, 1, (("none", "full"),), device=DEVICE)
     loss_ref, grads_ref = reference(CASE)
     loss, grads = results["none"]
     assert loss == pytest.approx(loss_ref, rel=1e-9)
     for name, ref in grads_ref.items():
         assert _rel(grads[name], ref) <= 1e-9, name
-    if not checkpointing:
-        pytest.skip("this build has no train.activation_checkpointing: the checkpointed step was not run")
     loss_ckpt, grads_ckpt = results["full"]
     assert loss_ckpt == loss  # the recompute repeats the same computation: bit-identical
     for name, grad in grads.items():

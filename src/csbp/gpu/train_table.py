@@ -10,8 +10,8 @@ FLOP utilisation against the GPU's dense bf16 peak (``csbp.gpu.flops``), and the
 
 Rows run shortest first inside a time budget: a row whose predicted time (the previous row's,
 scaled by the square of the length ratio) exceeds what is left is reported as skipped, never
-silently dropped. Activation checkpointing comes from ``csbp.training.activation_checkpointing``;
-a build without it reports ``unavailable`` and runs without.
+silently dropped. Activation checkpointing is the trainer's ``train.activation_checkpointing``
+(``csbp.training.activation_checkpointing``).
 
 The same code runs on the CPU at tiny sizes (the test suite's dry run); the numbers only mean
 something on a GPU.
@@ -20,7 +20,6 @@ something on a GPU.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import statistics
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from csbp.gpu.flops import QWEN3_0_6B, bd3_step_flops, model_flop_utilisation
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.objectives import build_objective, corruption_generator
+from csbp.training.activation_checkpointing import checkpoint_layers
 from csbp.training.step import autocast_for
 
 StepFn = Callable[[int], float]  # step index -> loss
@@ -81,19 +81,6 @@ class TableRow:
     mfu: float | None = None
     peak_mem_bytes: int | None = None
     loss: float | None = None
-
-
-def apply_activation_checkpointing(layers: torch.nn.ModuleList, mode: str) -> str:
-    """Checkpoint ``layers`` with the trainer's ``train.activation_checkpointing`` implementation;
-    returns the mode applied, or ``unavailable`` in a build that does not have it."""
-    if mode == "none":
-        return "none"
-    try:
-        module = importlib.import_module("csbp.training.activation_checkpointing")
-    except ModuleNotFoundError:
-        return "unavailable"
-    module.checkpoint_layers(layers, mode)
-    return mode
 
 
 def _synchronize(device: torch.device) -> None:
@@ -151,7 +138,7 @@ def _optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Opti
 def bd3_step_fn(cfg: TableConfig, seq_len: int, device: torch.device) -> tuple[StepFn, str]:
     """A BD3 training step of the table's model at ``seq_len`` and the checkpointing applied."""
     model = Decoder(cfg.model, dtype=torch.float32, device=device, seed=cfg.seed)
-    checkpointing = apply_activation_checkpointing(model.layers, cfg.activation_checkpointing)
+    checkpoint_layers(model.layers, cfg.activation_checkpointing)  # type: ignore[arg-type]
     plan = build_rank_plan(single_process_context(device), seq_len, cfg.block_size)
     mask_token_id = cfg.model.vocab_size - 1
     objective = build_objective("bd3", mask_token_id=mask_token_id, block_size=cfg.block_size)
@@ -169,7 +156,7 @@ def bd3_step_fn(cfg: TableConfig, seq_len: int, device: torch.device) -> tuple[S
         optimizer.zero_grad(set_to_none=True)
         return float(ce_sum) / batch.denominator()
 
-    return step, checkpointing
+    return step, cfg.activation_checkpointing
 
 
 def dflash_step_fn(cfg: TableConfig, device: torch.device) -> tuple[StepFn, str, int]:
@@ -186,7 +173,7 @@ def dflash_step_fn(cfg: TableConfig, device: torch.device) -> tuple[StepFn, str,
         mask_token_id=model_cfg.vocab_size - 1, target_layer_ids=layer_ids,
     )
     drafter = DFlashDrafter(drafter_cfg, target=target, dtype=torch.float32, device=device, seed=cfg.seed + 2)
-    checkpointing = apply_activation_checkpointing(drafter.layers, cfg.activation_checkpointing)
+    checkpoint_layers(drafter.layers, cfg.activation_checkpointing)  # type: ignore[arg-type]
     objective = DFlashObjectiveConfig(max_anchors=cfg.dflash_anchors)
     ctx = single_process_context(device)
     dflash_step = DFlashStep(drafter, objective, build_dflash_rank_plan(ctx, objective))
@@ -207,7 +194,7 @@ def dflash_step_fn(cfg: TableConfig, device: torch.device) -> tuple[StepFn, str,
         optimizer.zero_grad(set_to_none=True)
         return out.loss_value
 
-    return step, checkpointing, flops
+    return step, cfg.activation_checkpointing, flops
 
 
 def _ok_row(kind: str, seq_len: int, checkpointing: str, measured: tuple[float, int, float, int], flops: int,
