@@ -168,7 +168,7 @@ def test_cuda_requests_are_refused_with_one_line_when_gpus_are_missing(monkeypat
     with pytest.raises(ValueError) as error:
         resolve_device("cuda", nproc=4)
     assert str(error.value) == (
-        "--nproc 4 with --device cuda needs one GPU per process but 2 GPU(s) are visible (fix: --nproc 2 or less)"
+        "--nproc 4 on CUDA needs one GPU per process but 2 GPU(s) are visible (fix: --nproc 2 or less)"
     )
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ValueError, match="no CUDA device is visible"):
@@ -197,6 +197,17 @@ def test_cli_refuses_more_processes_than_gpus_with_one_line(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (
-        "csbp: error: --nproc 2 with --device cuda needs one GPU per process but 1 GPU(s) are visible "
+        "csbp: error: --nproc 2 on CUDA needs one GPU per process but 1 GPU(s) are visible "
         "(fix: --nproc 1 or less)\n"
     )
+
+
+def test_csbp_train_refuses_more_local_processes_than_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from csbp.training.launcher import LaunchOptions, check_process_count
+
+    cfg = SimpleNamespace(world_size=2, topology=SimpleNamespace(dp=2, cp=1, bp=1))
+    check_process_count(cfg, 2, LaunchOptions())  # type: ignore[arg-type]  # CPU: any count
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"^--nproc 2 on CUDA needs one GPU per process"):
+        check_process_count(cfg, 2, LaunchOptions())  # type: ignore[arg-type]

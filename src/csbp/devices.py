@@ -46,7 +46,7 @@ def resolve_device(kind: str, *, nproc: int = 1) -> torch.device:
         raise ValueError("--device cuda: no CUDA device is visible to torch here (fix: use --device cpu)")
     if nproc > visible:
         raise ValueError(
-            f"--nproc {nproc} with --device cuda needs one GPU per process but {visible} GPU(s) are visible "
+            f"--nproc {nproc} on CUDA needs one GPU per process but {visible} GPU(s) are visible "
             f"(fix: --nproc {visible} or less)"
         )
     return torch.device("cuda")

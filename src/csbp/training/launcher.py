@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from csbp.config.schema import RunConfig
-from csbp.devices import process_group_options
+from csbp.devices import process_group_options, resolve_device
 from csbp.training.preflight import check_run
 from csbp.training.trainer import TrainSummary, default_run_dir, stop_step_of, train, training_device
 
@@ -117,6 +117,8 @@ def check_process_count(cfg: RunConfig, nproc: int, options: LaunchOptions) -> N
         )
     if options.node_rank is not None and not 0 <= options.node_rank < options.nnodes:
         raise ValueError(f"--node-rank {options.node_rank}: must lie in [0, --nnodes {options.nnodes})")
+    if torch.cuda.is_available():  # one GPU per local process (cuda:<LOCAL_RANK>)
+        resolve_device("cuda", nproc=nproc)
 
 
 def train_in_process_group(
