@@ -211,3 +211,25 @@ def test_csbp_train_refuses_more_local_processes_than_gpus(monkeypatch: pytest.M
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"^--nproc 2 on CUDA needs one GPU per process"):
         check_process_count(cfg, 2, LaunchOptions())  # type: ignore[arg-type]
+
+
+def test_csbp_train_selects_the_gpu_then_binds_nccl_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from csbp.training import launcher
+
+    events: list[tuple[str, object]] = []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: events.append(("set_device", device)))
+
+    def init_process_group(**kwargs: object) -> None:
+        events.append(("init_process_group", kwargs))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    cfg = SimpleNamespace(train=SimpleNamespace(collective_timeout_s=5.0))
+    with pytest.raises(RuntimeError, match="stop here"):
+        launcher.train_in_process_group(cfg, run_dir=None, resume=False, max_steps=None)  # type: ignore[arg-type]
+    assert events[0] == ("set_device", torch.device("cuda", 1))
+    name, kwargs = events[1]
+    assert name == "init_process_group" and kwargs["backend"] == "nccl"  # type: ignore[index]
+    assert kwargs["device_id"] == torch.device("cuda", 1)  # type: ignore[index]
