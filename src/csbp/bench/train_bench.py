@@ -116,6 +116,16 @@ class TrainRecord:
     attention_bytes_per_rank: int
     gradient_bytes_per_rank: int
     loss_step0: float
+    # the model's shape, so `csbp plan calibrate` can fit its cost model to these records
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    vocab_size: int = 0
+    dtype: str = "float32"
+    transport: str = "collective"
 
 
 def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
@@ -229,6 +239,15 @@ def run_train_bench(
                     attention_bytes_per_rank=max_over_ranks(results, "attention_bytes"),
                     gradient_bytes_per_rank=max_over_ranks(results, "gradient_bytes"),
                     loss_step0=results[0]["loss_step0"],
+                    hidden_size=cfg.hidden_size,
+                    intermediate_size=cfg.intermediate_size,
+                    num_layers=cfg.num_layers,
+                    num_heads=cfg.num_heads,
+                    num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim,
+                    vocab_size=cfg.vocab_size,
+                    dtype=cfg.dtype,
+                    transport=cfg.transport,
                 )
             )
             if progress:
