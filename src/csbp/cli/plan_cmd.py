@@ -111,6 +111,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fit on the packaged published CSBP runs (fit: true points) instead",
     )
     calibrate.add_argument("--out", type=Path, required=True, help="calibration JSON to write")
+    calibrate.add_argument(
+        "--fit-max-len",
+        type=int,
+        default=None,
+        metavar="L",
+        help="fit only records with seq_len <= L; longer ones are predicted (held out)",
+    )
     calibrate.set_defaults(func=run_calibrate)
 
 
@@ -187,9 +194,11 @@ def _given_layouts(args: argparse.Namespace, ckpts: tuple[str, ...]) -> list[Lay
     return layouts
 
 
-def _row(index: str, p: Prediction) -> str:
+def _row(index: str, p: Prediction, drafter: bool) -> str:
     lay = p.layout
     exchange = {"cp": "all rows", "csbp": "clean", "bp": "-", "data": "-"}[lay.kind]
+    if drafter and lay.cp > 1:
+        exchange = "context"
     return (
         f"{index:>3} {lay.name:<16} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<8} "
         f"{lay.checkpointing:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
@@ -209,7 +218,7 @@ def format_plan(
         f"{'#':>3} {'layout':<16} {'transport':<10} {'exchange':<8} {'ckpt':<5} {'mb':>2} {'step s':>9} "
         f"{'tokens/s':>11} {'mem GiB/cap':>14} {'K/V GiB':>8} {'exposed':>8}",
     ]
-    lines += [_row(str(i + 1), p) for i, p in enumerate(plan.feasible[:top])]
+    lines += [_row(str(i + 1), p, obj.is_drafter) for i, p in enumerate(plan.feasible[:top])]
     if len(plan.feasible) > top:
         lines.append(f"    ... {len(plan.feasible) - top} more feasible layouts (--top, --json)")
     if plan.infeasible:
@@ -271,11 +280,21 @@ def run_calibrate(args: argparse.Namespace) -> int:
         cal = fit_published()
     else:
         observations = bench_observations(args.bench)
-        cal = fit_bench(observations, source=f"fitted on {', '.join(str(p) for p in args.bench)}")
+        limit = args.fit_max_len
+        fitted = [o for o in observations if limit is None or o.seq_len <= limit]
+        if not fitted:
+            raise ValueError(f"--fit-max-len {limit} leaves no benchmark record to fit on")
+        cal = fit_bench(
+            fitted,
+            source=f"fitted on {', '.join(str(p) for p in args.bench)}"
+            + (f" (seq_len <= {limit})" if limit is not None else ""),
+        )
         for obs in observations:
             value = obs.predicted(cal)
+            tag = "fit " if limit is None or obs.seq_len <= limit else "held"
             print(
-                f"  {obs.label:<48} measured {obs.value:>10.4g}  model {value:>10.4g}  ({value / obs.value - 1:+.0%})"
+                f"  {tag} {obs.label:<40} measured {obs.value:>10.4g}  model {value:>10.4g}  "
+                f"({value / obs.value - 1:+.0%})"
             )
     save_calibration(cal, args.out)
     print(json.dumps({k: round(v, 4) for k, v in cal.to_json().items() if isinstance(v, float)}))

@@ -7,9 +7,10 @@ Per rank and optimizer step (``csbp.dflash.layouts`` decides who holds what):
   drafter layers (``6·params`` per row, forward and backward), the frozen vocabulary head
   (``4·V·d``: forward and the input gradient) and attention over the block plus the sliding window
   of context (``4·hd·H`` per pair, x3.5 for forward and backward).
-* **Context work**: the fusion and k/v projections of the target features over the rows the anchors'
-  windows cover on this rank (anchors sit in one contiguous span, so the union sits in one zigzag
-  chunk), and their K/V gathered around the CP ring.
+* **Context work**: the fusion and k/v projections of the target features over the context rows
+  the rank holds (``L/cp``: what csbp does), or, for the published reference runs
+  (``Objective.context_rows == "windows"``), over the rows its anchors' windows cover (anchors sit
+  in one span, so the union sits in one zigzag chunk); their K/V gathered around the CP ring.
 * **Gradient all-reduce** of the trainable parameters over all ranks.
 * tokens/s = ``dp·anchors·(B-1)/step`` (supervised draft tokens).
 
@@ -38,8 +39,11 @@ def predict_drafter(
     cal: Calibration,
     *,
     global_batch: int | None = None,
+    step_memory_only: bool = False,
 ) -> Prediction:
-    """Predict one layout of DFlash drafter training (one sample per replica per micro-step)."""
+    """Predict one layout of DFlash drafter training (one sample per replica per micro-step).
+    ``step_memory_only`` keeps only what a step allocates (gradients, activations; not the weights,
+    optimizer state or the features loaded before it), what ``csbp bench dflash`` measures."""
     model, obj, p = workload.model, workload.objective, workload.dtype_bytes
     per_micro = layout.dp * layout.micro_batch
     batch = per_micro if global_batch is None else global_batch
@@ -51,13 +55,22 @@ def predict_drafter(
     mb = layout.micro_batch
     dealt = layout.bp if layout.bp > 1 else 1  # CP-only and data layouts repeat every anchor
     draft_rows = mb * obj.anchors * obj.block / dealt
-    span = obj.anchors * obj.block + obj.window
-    context_rows = mb * (min(seq_len // (2 * layout.cp), span) if layout.cp > 1 else min(seq_len, span))
+    held = seq_len // layout.cp if layout.cp > 1 else seq_len
+    if obj.context_rows == "windows":  # anchors in one span: its windows sit in one zigzag chunk
+        span = obj.anchors * obj.block + obj.window
+        context_rows = mb * min(held // 2 if layout.cp > 1 else held, span)
+    else:
+        context_rows = mb * held
     kv_proj = sum(g.count * model.d_model * 2 * g.n_kv_heads * g.head_dim for g in model.groups)
     rate = hw.peak_tflops * 1e12 * cal.drafter_eff
     dense = draft_rows * (6 * model.body_params + 4 * model.vocab * model.d_model)
     attn = draft_rows * sum(
-        g.count * (min(g.window or seq_len, seq_len) + obj.block) * 4 * g.head_dim * g.n_heads * 3.5
+        g.count
+        * ((min(g.window, seq_len) if g.window else seq_len / 2) + obj.block)
+        * 4
+        * g.head_dim
+        * g.n_heads
+        * 3.5
         for g in model.groups
     )
     context = context_rows * 2 * (obj.feature_width * model.d_model + kv_proj) * 3
@@ -84,14 +97,17 @@ def predict_drafter(
         g.count * p * (6 * model.d_model + 2 * (g.n_heads + 2 * g.n_kv_heads) * g.head_dim + 4 * model.ffn)
         for g in model.groups
     )
-    feature_rows = mb * (seq_len // layout.cp if layout.cp > 1 else seq_len)
-    terms = {
-        "weights+grads+optimizer": 12.0 * trainable,
-        "frozen vocab": p * model.embedding_params,
-        "draft activations": cal.drafter_act_factor * draft_rows * act_row,
-        "target features": feature_rows * obj.feature_width * p,
-        "fixed": DRAFTER_FIXED_GIB * GIB,
-    }
+    feature_rows = mb * held
+    if step_memory_only:
+        terms = {"grads": p * trainable}
+    else:
+        terms = {
+            "weights+grads+optimizer": 12.0 * trainable,
+            "frozen vocab": p * model.embedding_params,
+            "target features": feature_rows * obj.feature_width * p,
+            "fixed": DRAFTER_FIXED_GIB * GIB,
+        }
+    terms["draft activations"] = cal.drafter_act_factor * draft_rows * act_row
     return Prediction(
         layout=layout,
         step_s=step,

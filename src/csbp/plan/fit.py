@@ -3,8 +3,8 @@ JSON output of ``csbp bench attention|train|dflash`` on the user's machine.
 
 A measurement is an ``Observation`` (workload, layout, length, metric, value). ``fit_factors``
 minimises the sum of squared log errors of the predictions over the named factors with a
-deterministic Nelder-Mead search (factors in log space, overlaps in logit space); the model's
-structure is untouched.
+deterministic Nelder-Mead search (fractions of peak and overlaps in logit space, so they stay in
+``(0, 1)``; the others in log space); the model's structure is untouched.
 
 Split of the published runs (honest by construction): only points marked ``fit: true`` in
 ``published-csbp-runs.json`` are fitted (the 256K table's tok/s and memory, the 14B 256K
@@ -29,7 +29,10 @@ from csbp.plan.layout import Layout, parse_topology
 from csbp.plan.model import GIB, Prediction, predict
 from csbp.plan.workload import LayerGroup, ModelShape, Objective, Workload, preset_workload, published_runs
 
-LOGIT_FACTORS = frozenset({"overlap_cp", "overlap_csbp", "overlap_stream", "grad_overlap"})
+# fractions of a nominal peak or of a step: fitted in logit space, so they stay in (0, 1)
+LOGIT_FACTORS = frozenset(
+    {"gemm_eff", "attn_eff", "drafter_eff", "overlap_cp", "overlap_csbp", "overlap_stream", "grad_overlap"}
+)
 
 
 @dataclass(frozen=True)
@@ -225,12 +228,13 @@ def _record_observations(record: dict, where: str) -> list[Observation]:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a benchmark record is a JSON object")
     kind = record.get("bench", "train" if "objective" in record else "attention")
-    if kind not in ("train", "attention"):
+    if kind not in ("train", "attention", "dflash"):
         raise ValueError(
-            f"{where}: csbp plan calibrate reads `csbp bench train|attention` records, not {kind!r}"
+            f"{where}: csbp plan calibrate reads `csbp bench train|attention|dflash` records, not {kind!r}"
         )
     needed = (*_BENCH_SHAPE, "seq_len", "block_size", "nproc", "cp", "bp", "step_time_s", "peak_mem_bytes")
-    needed += ("vocab_size", "intermediate_size") if kind == "train" else ()
+    needed += ("vocab_size", "intermediate_size") if kind != "attention" else ()
+    needed += ("anchors", "feature_width") if kind == "dflash" else ()
     missing = [k for k in needed if k not in record or (k in _BENCH_SHAPE and not record[k])]
     if missing:
         raise ValueError(
@@ -247,6 +251,22 @@ def _record_observations(record: dict, where: str) -> list[Observation]:
     if kind == "attention":
         model = ModelShape("attention-stack", record["hidden_size"], 0, 0, (group,))
         objective = Objective("bd3", block=record["block_size"], kv_grad_bytes=p)
+    elif kind == "dflash":
+        d = record["hidden_size"]
+        model = ModelShape(
+            "bench-drafter",
+            d,
+            record["vocab_size"],
+            record["intermediate_size"],
+            (group,),
+            extra_params=record["feature_width"] * d,  # the fusion fc
+        )
+        objective = Objective(
+            "dflash",
+            block=record["block_size"],
+            anchors=record["anchors"],
+            feature_width=record["feature_width"],
+        )
     else:
         model = ModelShape(
             "bench-decoder",
@@ -300,14 +320,25 @@ def _record_observations(record: dict, where: str) -> list[Observation]:
 def fit_bench(observations: Sequence[Observation], *, source: str) -> Calibration:
     """A calibration for ``--gpu cpu`` (or any machine the benchmarks ran on): compute, attention,
     link and per-step overhead from step times, activation and constant memory from peaks. The
-    interval-kernel factors stay 1: csbp runs the same kernel in every layout."""
+    interval-kernel factors stay 1: csbp runs the same kernel in every layout. ``csbp bench dflash``
+    records fit the drafter's compute and activation factors."""
     base = Calibration(
         interval_fwd=1.0, interval_bwd=1.0, overlap_cp=0.0, overlap_csbp=0.0, step_overhead_s=0.01
     )
-    times = [o for o in observations if o.metric == "step_s"]
-    memory = [o for o in observations if o.metric == "mem_gib"]
-    cal = fit_factors(times, base, ["gemm_eff", "attn_eff", "intra_eff", "step_overhead_s"], source=source)
-    return fit_factors(memory, cal, ["act_factor", "mem_fixed_gib"], source=source)
+    cal = base
+    decoder = [o for o in observations if not o.workload.objective.is_drafter]
+    drafter = [o for o in observations if o.workload.objective.is_drafter]
+    if decoder:
+        times = [o for o in decoder if o.metric == "step_s"]
+        memory = [o for o in decoder if o.metric == "mem_gib"]
+        cal = fit_factors(times, cal, ["gemm_eff", "attn_eff", "intra_eff", "step_overhead_s"], source=source)
+        cal = fit_factors(memory, cal, ["act_factor", "mem_fixed_gib"], source=source)
+    if drafter:
+        times = [o for o in drafter if o.metric == "step_s"]
+        memory = [o for o in drafter if o.metric == "mem_gib"]
+        cal = fit_factors(times, cal, ["drafter_eff"], source=source)
+        cal = fit_factors(memory, cal, ["drafter_act_factor"], source=source)
+    return cal
 
 
 def cpu_preset() -> Hardware:

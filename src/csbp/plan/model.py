@@ -181,7 +181,9 @@ def predict(
     if workload.objective.is_drafter:
         from csbp.plan.drafter import predict_drafter
 
-        return predict_drafter(workload, layout, seq_len, hw, cal, global_batch=global_batch)
+        return predict_drafter(
+            workload, layout, seq_len, hw, cal, global_batch=global_batch, step_memory_only=step_memory_only
+        )
     model, obj, p = workload.model, workload.objective, workload.dtype_bytes
     per_micro = layout.dp * layout.micro_batch
     batch = per_micro if global_batch is None else global_batch

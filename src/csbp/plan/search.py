@@ -102,7 +102,11 @@ def rank(
     preds = [predict(workload, lay, seq_len, hw, cal, global_batch=global_batch) for lay in layouts]
     feasible = sorted((p for p in preds if p.fits), key=lambda p: (-p.tokens_per_s, p.mem_bytes))
     infeasible = sorted((p for p in preds if not p.fits), key=lambda p: p.mem_bytes)
-    return Plan(tuple(feasible), tuple(infeasible), explain(feasible, infeasible, cal))
+    return Plan(
+        tuple(feasible),
+        tuple(infeasible),
+        explain(feasible, infeasible, cal, drafter=workload.objective.is_drafter),
+    )
 
 
 def describe(layout: Layout) -> str:
@@ -115,7 +119,11 @@ def describe(layout: Layout) -> str:
 
 
 def explain(
-    feasible: Sequence[Prediction], infeasible: Sequence[Prediction], cal: Calibration | None = None
+    feasible: Sequence[Prediction],
+    infeasible: Sequence[Prediction],
+    cal: Calibration | None = None,
+    *,
+    drafter: bool = False,
 ) -> str:
     """One sentence on why the best layout wins, against the fastest layout of another family
     (CP-only when the best is not CP-only) or, failing that, the runner-up."""
@@ -132,31 +140,38 @@ def explain(
         return f"{describe(best.layout)} is the only layout that fits."
     rival = rivals[0]
     ratio = best.tokens_per_s / rival.tokens_per_s
-    compute_gain = (rival.step_s - rival.exposed_comm_s) - (best.step_s - best.exposed_comm_s)
-    comm_gain = rival.exposed_comm_s - best.exposed_comm_s
+    b, r = best.layout, rival.layout
     reasons = []
-    if compute_gain > 0.02 * rival.step_s:
+    if b.dp != r.dp:
+        more = [p for p in infeasible if p.layout.kind == r.kind and p.layout.dp > r.dp]
+        fit_note = f" (more {_family_name(r.kind)} replicas do not fit: {more[0].layout.name} {more[0].oom_reason()})"
+        reasons.append(
+            f"it runs {b.dp} data-parallel replicas instead of {r.dp}" + (fit_note if more else "")
+        )
+    compute_b, compute_r = best.step_s - best.exposed_comm_s, rival.step_s - rival.exposed_comm_s
+    if b.dp == r.dp and compute_r - compute_b > 0.02 * rival.step_s:
         why = ""
-        if cal is not None and rival.layout.kind == "cp" and best.layout.kind != "cp":
+        if drafter and r.kind == "cp" and b.bp > 1:
+            why = " (anchors are dealt over the BP ranks instead of repeated on every CP rank)"
+        elif cal is not None and r.kind == "cp" and b.kind != "cp":
             why = (
-                f" (it runs one interval attention kernel, calibrated at {cal.interval_fwd:.2f}x/"
-                f"{cal.interval_bwd:.2f}x the CP-only kernel's forward/backward speed)"
+                f" (one interval attention kernel, calibrated at {cal.interval_fwd:.2f}x/{cal.interval_bwd:.2f}x "
+                "the CP-only kernel's forward/backward speed)"
             )
-        reasons.append(f"its slowest rank computes {compute_gain:.2f} s less per step{why}")
+        reasons.append(f"its slowest rank computes {compute_r - compute_b:.2f} s less per step{why}")
+    elif b.dp != r.dp:
+        reasons.append(f"a step takes {best.step_s:.2f} s instead of {rival.step_s:.2f} s")
     if abs(best.kv_bytes - rival.kv_bytes) > 0.1 * max(best.kv_bytes, rival.kv_bytes, 1.0):
+        comm_gain = rival.exposed_comm_s - best.exposed_comm_s
         reasons.append(
             f"it sends {best.kv_bytes / GIB:.1f} GiB of K/V per GPU per step instead of {rival.kv_bytes / GIB:.1f}"
-            + (f" ({comm_gain:.2f} s less exposed communication)" if comm_gain > 0 else "")
+            + (f" ({comm_gain:.2f} s less exposed communication)" if comm_gain >= 0.01 else "")
         )
     if not reasons:
         reasons.append("it is the fastest layout that fits")
-    lost = [
-        p for p in infeasible if p.layout.kind == rival.layout.kind and p.tokens_per_s > best.tokens_per_s
-    ]
-    tail = f"; faster {lost[0].layout.name} variants do not fit ({lost[0].oom_reason()})" if lost else ""
     return (
-        f"{describe(best.layout)} wins at {ratio:.2f}x the best {_family_name(rival.layout.kind)} layout "
-        f"({describe(rival.layout)}): {' and '.join(reasons)}{tail}."
+        f"{describe(b)} wins at {ratio:.2f}x the best {_family_name(r.kind)} layout "
+        f"({describe(r)}): {'; '.join(reasons)}."
     )
 
 

@@ -83,6 +83,9 @@ class Objective:
         kv_grad_bytes: bytes per element of the dK/dV reduce-scatter.
         anchors / feature_width / window / selector_rank: DFlash drafter terms (anchors per
             sample, width of the target features, sliding window, selector rank).
+        context_rows: which target-feature rows a drafter rank projects: ``"all"`` it holds (what
+            csbp's ``DFlashStep`` does) or only the ``"windows"`` its anchors see (the reference
+            implementation of the published runs, whose throughput does not grow with ``L``).
     """
 
     name: str
@@ -93,6 +96,7 @@ class Objective:
     feature_width: int = 0
     window: int = 0
     selector_rank: int = 0
+    context_rows: str = "all"
 
     @property
     def is_drafter(self) -> bool:
@@ -192,6 +196,7 @@ def preset_workload(name: str) -> Workload:
             feature_width=o["feature_width"],
             window=o["window"],
             selector_rank=o.get("selector_rank", 0),
+            context_rows="windows",
         )
     else:
         objective = Objective(
