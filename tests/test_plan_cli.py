@@ -142,3 +142,28 @@ def test_topology_auto_resolves_to_a_valid_layout_for_nproc(capsys) -> None:
     assert cfg.world_size == 4
     with pytest.raises(ValueError, match="--nproc N"):
         resolve_auto_topology("demo", overrides, nproc=None)
+
+
+def test_calibrate_reads_what_each_benchmark_writes(tmp_path: Path) -> None:
+    """Every `csbp bench` record type carries the shape `csbp plan calibrate` needs."""
+    from dataclasses import asdict
+
+    from csbp.bench.attention import AttentionRecord
+    from csbp.bench.dflash_bench import DFlashRecord
+    from csbp.bench.train_bench import TrainRecord
+    from csbp.plan.fit import bench_observations
+
+    shape = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+    records = [
+        TrainRecord("bd3", "csbp", 2, 2, 512, 16, 2, 1, 0.3, 1700.0, 1 << 20, 1 << 20, 0, 6.0,
+                    hidden_size=128, intermediate_size=256, vocab_size=512, **shape),
+        AttentionRecord("cp", 2, 1, 512, 16, 2, None, "collective", 0.1, 1 << 20, 10**8, 1 << 20, 1.0,
+                        hidden_size=128, **shape),
+        DFlashRecord("csbp", 2, 2, 1, 1024, 16, 16, 2, 1, 0.2, 10**8, 1 << 20, 1 << 20, 3.0,
+                     hidden_size=128, intermediate_size=384, vocab_size=1024, feature_width=128, **shape),
+    ]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([asdict(r) for r in records]))
+    observations = bench_observations([path])
+    assert [o.metric for o in observations] == ["step_s", "mem_gib"] * 3
+    assert observations[-1].workload.objective.is_drafter

@@ -116,7 +116,9 @@ class TrainRecord:
     attention_bytes_per_rank: int
     gradient_bytes_per_rank: int
     loss_step0: float
-    # the model's shape, so `csbp plan calibrate` can fit its cost model to these records
+    # the fastest repeat (least disturbed by other load) and the model's shape, so `csbp plan
+    # calibrate` can fit its cost model to these records
+    step_time_min_s: float = 0.0
     hidden_size: int = 0
     intermediate_size: int = 0
     num_layers: int = 0
@@ -171,6 +173,7 @@ class _LayoutRunner:
     def summary(self) -> dict[str, float]:
         return {
             "step_time_s": self.series.median_s(),
+            "step_time_min_s": min(self.series.times_s),
             "peak": float(self.series.peak_bytes),
             "attention_bytes": float(self.attention_bytes),
             "gradient_bytes": float(self.gradient_bytes),
@@ -239,6 +242,7 @@ def run_train_bench(
                     attention_bytes_per_rank=max_over_ranks(results, "attention_bytes"),
                     gradient_bytes_per_rank=max_over_ranks(results, "gradient_bytes"),
                     loss_step0=results[0]["loss_step0"],
+                    step_time_min_s=results[0]["step_time_min_s"],
                     hidden_size=cfg.hidden_size,
                     intermediate_size=cfg.intermediate_size,
                     num_layers=cfg.num_layers,

@@ -279,7 +279,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.published:
         cal = fit_published()
     else:
-        observations = bench_observations(args.bench)
+        observations = bench_observations(args.bench, fastest=args.timing == "fastest")
         limit = args.fit_max_len
         fitted = [o for o in observations if limit is None or o.seq_len <= limit]
         if not fitted:

@@ -207,8 +207,10 @@ def fit_published() -> Calibration:
 _BENCH_SHAPE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
-def bench_observations(paths: Sequence[Path]) -> list[Observation]:
-    """Observations (step time and peak memory growth per layout) from ``csbp bench`` JSON files."""
+def bench_observations(paths: Sequence[Path], *, fastest: bool = True) -> list[Observation]:
+    """Observations (step time and peak memory growth per layout) from ``csbp bench`` JSON files.
+    ``fastest``: time a layout by its fastest repeat where the record has it (``step_time_min_s``,
+    the repeat least disturbed by other load on a shared machine), else by the median."""
     out = []
     for path in paths:
         if not path.is_file():
@@ -220,11 +222,11 @@ def bench_observations(paths: Sequence[Path]) -> list[Observation]:
         if not isinstance(records, list) or not records:
             raise ValueError(f"{path}: expected the list of records `csbp bench ... --json` writes")
         for index, record in enumerate(records):
-            out.extend(_record_observations(record, f"{path}[{index}]"))
+            out.extend(_record_observations(record, f"{path}[{index}]", fastest))
     return out
 
 
-def _record_observations(record: dict, where: str) -> list[Observation]:
+def _record_observations(record: dict, where: str, fastest: bool) -> list[Observation]:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a benchmark record is a JSON object")
     kind = record.get("bench", "train" if "objective" in record else "attention")
@@ -300,7 +302,9 @@ def _record_observations(record: dict, where: str) -> list[Observation]:
         record["seq_len"],
         hw,
         "step_s",
-        float(record["step_time_s"]),
+        float(record.get("step_time_min_s") or record["step_time_s"])
+        if fastest
+        else float(record["step_time_s"]),
         True,
     )
     memory = Observation(
