@@ -118,6 +118,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="L",
         help="fit only records with seq_len <= L; longer ones are predicted (held out)",
     )
+    calibrate.add_argument(
+        "--timing",
+        choices=("fastest", "median"),
+        default="fastest",
+        help="a layout's step time: its fastest repeat (default; robust to other load) or the median",
+    )
     calibrate.set_defaults(func=run_calibrate)
 
 

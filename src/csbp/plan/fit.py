@@ -327,7 +327,12 @@ def fit_bench(observations: Sequence[Observation], *, source: str) -> Calibratio
     interval-kernel factors stay 1: csbp runs the same kernel in every layout. ``csbp bench dflash``
     records fit the drafter's compute and activation factors."""
     base = Calibration(
-        interval_fwd=1.0, interval_bwd=1.0, overlap_cp=0.0, overlap_csbp=0.0, step_overhead_s=0.01
+        interval_fwd=1.0,
+        interval_bwd=1.0,
+        overlap_cp=0.0,
+        overlap_csbp=0.0,
+        grad_overlap=0.0,  # csbp bench averages gradients after the backward
+        step_overhead_s=0.01,
     )
     cal = base
     decoder = [o for o in observations if not o.workload.objective.is_drafter]

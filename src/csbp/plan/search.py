@@ -144,10 +144,11 @@ def explain(
     reasons = []
     if b.dp != r.dp:
         more = [p for p in infeasible if p.layout.kind == r.kind and p.layout.dp > r.dp]
-        fit_note = f" (more {_family_name(r.kind)} replicas do not fit: {more[0].layout.name} {more[0].oom_reason()})"
-        reasons.append(
-            f"it runs {b.dp} data-parallel replicas instead of {r.dp}" + (fit_note if more else "")
-        )
+        fit_note = ""
+        if more:
+            name, reason = more[0].layout.name, more[0].oom_reason()
+            fit_note = f" (more {_family_name(r.kind)} replicas do not fit: {name} {reason})"
+        reasons.append(f"it runs {b.dp} data-parallel replicas instead of {r.dp}{fit_note}")
     compute_b, compute_r = best.step_s - best.exposed_comm_s, rival.step_s - rival.exposed_comm_s
     if b.dp == r.dp and compute_r - compute_b > 0.02 * rival.step_s:
         why = ""
@@ -164,7 +165,7 @@ def explain(
     if abs(best.kv_bytes - rival.kv_bytes) > 0.1 * max(best.kv_bytes, rival.kv_bytes, 1.0):
         comm_gain = rival.exposed_comm_s - best.exposed_comm_s
         reasons.append(
-            f"it sends {best.kv_bytes / GIB:.1f} GiB of K/V per GPU per step instead of {rival.kv_bytes / GIB:.1f}"
+            f"it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"
             + (f" ({comm_gain:.2f} s less exposed communication)" if comm_gain >= 0.01 else "")
         )
     if not reasons:
@@ -173,6 +174,10 @@ def explain(
         f"{describe(b)} wins at {ratio:.2f}x the best {_family_name(r.kind)} layout "
         f"({describe(r)}): {'; '.join(reasons)}."
     )
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _family_name(kind: str) -> str:
