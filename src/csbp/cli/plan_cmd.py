@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from csbp.atomic import write_json_atomic
@@ -23,7 +24,7 @@ from csbp.plan.calibration import Calibration, load_calibration, packaged_calibr
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
 from csbp.plan.model import GIB, Prediction
-from csbp.plan.search import Plan, candidate_layouts, describe, rank
+from csbp.plan.search import Plan, candidate_layouts, describe, rank, transports_for
 from csbp.plan.workload import (
     OBJECTIVES,
     Workload,
@@ -158,7 +159,7 @@ def run_plan(args: argparse.Namespace) -> int:
     cal = load_calibration(args.calibration) if args.calibration else packaged_calibration(args.gpu)
     ckpts = ("full", "none") if args.checkpointing == "both" else (args.checkpointing,)
     if args.topology:
-        layouts = _given_layouts(args, ckpts)
+        layouts = _given_layouts(args, workload, ckpts)
     else:
         layouts = candidate_layouts(
             workload,
@@ -177,36 +178,39 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _given_layouts(args: argparse.Namespace, ckpts: tuple[str, ...]) -> list[Layout]:
+def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[str, ...]) -> list[Layout]:
     layouts = []
     for text in args.topology:
         dp, cp, bp = parse_topology(text)
         if dp * max(cp, bp) != args.gpus:
             raise ValueError(f"--topology {text} uses {dp * max(cp, bp)} GPUs, not --gpus {args.gpus}")
-        transports = ("collective", "streaming") if cp > 1 else ("collective",)
-        for transport in transports:
+        base = Layout(dp, cp, bp, placement=args.placement, sharding=args.sharding)
+        if workload.objective.is_drafter:
+            ckpts = ("none",)
+        for transport in transports_for(workload, base):
             for ckpt in ckpts:
-                layouts.append(
-                    Layout(
-                        dp,
-                        cp,
-                        bp,
-                        transport=transport,
-                        checkpointing=ckpt,  # type: ignore[arg-type]
-                        placement=args.placement,
-                        sharding=args.sharding,
-                    )
-                )
+                layouts.append(replace(base, transport=transport, checkpointing=ckpt))  # type: ignore[arg-type]
     return layouts
 
 
-def _row(index: str, p: Prediction, drafter: bool) -> str:
+def exchange_label(workload: Workload, layout: Layout) -> str:
+    """Which K/V rows a ring exchanges: every row (CP-only), the clean rows (CSBP, full attention),
+    only the window halo (CSBP window layers), the target context (drafters), or none."""
+    if layout.cp == 1:
+        return "-"
+    if workload.objective.is_drafter:
+        return "context"
+    if layout.kind == "cp":
+        return "all rows"
+    windows = {g.window > 0 for g in workload.model.groups}
+    return {frozenset({True}): "halo", frozenset({False}): "clean"}.get(frozenset(windows), "clean+halo")
+
+
+def _row(index: str, p: Prediction, workload: Workload) -> str:
     lay = p.layout
-    exchange = {"cp": "all rows", "csbp": "clean", "bp": "-", "data": "-"}[lay.kind]
-    if drafter and lay.cp > 1:
-        exchange = "context"
+    exchange = exchange_label(workload, lay)
     return (
-        f"{index:>3} {lay.name:<16} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<8} "
+        f"{index:>3} {lay.name:<16} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
         f"{lay.checkpointing:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
         f"{p.mem_bytes / GIB:>7.1f}/{p.capacity_bytes / GIB:<6.1f} {p.kv_bytes / GIB:>8.2f} {p.exposed_comm_s:>8.3f}"
     )
@@ -221,10 +225,10 @@ def format_plan(
         f"block {obj.block}) at L={seq_len:,} on {gpus}x{hw.name} ({hw.gpus_per_node}/node)",
         f"calibration: {cal.source}",
         "",
-        f"{'#':>3} {'layout':<16} {'transport':<10} {'exchange':<8} {'ckpt':<5} {'mb':>2} {'step s':>9} "
+        f"{'#':>3} {'layout':<16} {'transport':<10} {'exchange':<10} {'ckpt':<5} {'mb':>2} {'step s':>9} "
         f"{'tokens/s':>11} {'mem GiB/cap':>14} {'K/V GiB':>8} {'exposed':>8}",
     ]
-    lines += [_row(str(i + 1), p, obj.is_drafter) for i, p in enumerate(plan.feasible[:top])]
+    lines += [_row(str(i + 1), p, workload) for i, p in enumerate(plan.feasible[:top])]
     if len(plan.feasible) > top:
         lines.append(f"    ... {len(plan.feasible) - top} more feasible layouts (--top, --json)")
     if plan.infeasible:
@@ -236,10 +240,11 @@ def format_plan(
     return "\n".join(lines)
 
 
-def _prediction_json(p: Prediction) -> dict[str, object]:
+def _prediction_json(p: Prediction, workload: Workload) -> dict[str, object]:
     lay = p.layout
     return {
         "layout": lay.name,
+        "exchange": exchange_label(workload, lay),
         "dp": lay.dp,
         "cp": lay.cp,
         "bp": lay.bp,
@@ -272,8 +277,8 @@ def plan_json(
         "hardware": hw.name,
         "calibration": cal.to_json(),
         "why": plan.why,
-        "feasible": [_prediction_json(p) for p in plan.feasible],
-        "infeasible": [{**_prediction_json(p), "reason": p.oom_reason()} for p in plan.infeasible],
+        "feasible": [_prediction_json(p, workload) for p in plan.feasible],
+        "infeasible": [{**_prediction_json(p, workload), "reason": p.oom_reason()} for p in plan.infeasible],
     }
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from csbp.plan.calibration import Calibration
 from csbp.plan.hardware import Hardware
-from csbp.plan.layout import Checkpointing, Layout, Placement, Sharding
+from csbp.plan.layout import Checkpointing, Layout, Placement, Sharding, Transport
 from csbp.plan.model import GIB, Prediction, predict
 from csbp.plan.workload import Workload
 
@@ -63,7 +63,7 @@ def candidate_layouts(
             base = Layout(dp, cp, bp, placement=placement, sharding=sharding)
             if not _accepts(workload, base, seq_len):
                 continue
-            transports = ("collective", "streaming") if cp > 1 and not obj.is_drafter else ("collective",)
+            transports = transports_for(workload, base)
             ckpts = ("none",) if obj.is_drafter else tuple(checkpointing)
             for mb in micro_batches:
                 if global_batch is None and mb != micro_batches[0]:
@@ -74,6 +74,15 @@ def candidate_layouts(
                     for ckpt in ckpts:
                         out.append(replace(base, transport=transport, checkpointing=ckpt, micro_batch=mb))
     return out
+
+
+def transports_for(workload: Workload, layout: Layout) -> tuple[Transport, ...]:
+    """The K/V transports that differ for this layout: none without a ring, none for drafters (their
+    context all-gather) or for CSBP when every layer is windowed (the halo all-to-all ignores it)."""
+    all_windowed = all(g.window for g in workload.model.groups)
+    if layout.cp == 1 or workload.objective.is_drafter or (layout.kind == "csbp" and all_windowed):
+        return ("collective",)
+    return ("collective", "streaming")
 
 
 def _accepts(workload: Workload, layout: Layout, seq_len: int) -> bool:
