@@ -27,8 +27,20 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 def test_plan_prints_a_ranked_table_oom_apart_and_why(tmp_path: Path, capsys) -> None:
     out_json = tmp_path / "plan.json"
     code, out, err = run(
-        capsys, "plan", "--model", "nemotron-3b", "--seq-len", "64K", "--gpus", "16", "--gpu", "h200",
-        "--top", "3", "--json", str(out_json),
+        capsys,
+        "plan",
+        "--model",
+        "nemotron-3b",
+        "--seq-len",
+        "64K",
+        "--gpus",
+        "16",
+        "--gpu",
+        "h200",
+        "--top",
+        "3",
+        "--json",
+        str(out_json),
     )
     assert (code, err) == (0, "")
     lines = out.splitlines()
@@ -43,9 +55,25 @@ def test_plan_prints_a_ranked_table_oom_apart_and_why(tmp_path: Path, capsys) ->
 
 def test_plan_evaluates_given_topologies(capsys) -> None:
     code, out, _ = run(
-        capsys, "plan", "--model", "nemotron-14b", "--seq-len", "256K", "--gpus", "16", "--gpu", "h200",
-        "--topology", "dp2/cp8", "dp2/cp8/bp8", "--checkpointing", "full", "--placement", "striped",
-        "--sharding", "zero2",
+        capsys,
+        "plan",
+        "--model",
+        "nemotron-14b",
+        "--seq-len",
+        "256K",
+        "--gpus",
+        "16",
+        "--gpu",
+        "h200",
+        "--topology",
+        "dp2/cp8",
+        "dp2/cp8/bp8",
+        "--checkpointing",
+        "full",
+        "--placement",
+        "striped",
+        "--sharding",
+        "zero2",
     )
     assert code == 0
     table = [line for line in out.splitlines() if line[:3].strip().isdigit()]
@@ -56,10 +84,21 @@ def test_plan_evaluates_given_topologies(capsys) -> None:
     ("argv", "message"),
     [
         (["--model", "nemotron-14b", "--gpus", "16"], "needs --seq-len"),
+        (["--model", "nemotron-14b", "--seq-len", "4K"], "needs --model and --gpus"),
+        (["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--set", "a.b=1"], "run configs only"),
         (["--model", "nope", "--seq-len", "4K", "--gpus", "4"], "no config file or recipe named 'nope'"),
-        (["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--topology", "dp2/cp4"], "uses 8 GPUs"),
-        (["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--topology", "cp4/bp2"], "multiple of cp"),
-        (["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--objective", "dflash"], "drop --objective"),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--topology", "dp2/cp4"],
+            "uses 8 GPUs",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--topology", "cp4/bp2"],
+            "multiple of cp",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--objective", "dflash"],
+            "drop --objective",
+        ),
     ],
 )
 def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:
@@ -70,41 +109,95 @@ def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:
 def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:
     hf = tmp_path / "model"
     hf.mkdir()
-    (hf / "config.json").write_text(json.dumps({
-        "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-        "intermediate_size": 512, "vocab_size": 1000,
-    }))
-    code, out, _ = run(capsys, "plan", "--model", str(hf), "--seq-len", "1024", "--gpus", "4", "--gpu", "cpu",
-                       "--block-size", "16", "--top", "2")
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 256,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "intermediate_size": 512,
+                "vocab_size": 1000,
+            }
+        )
+    )
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        str(hf),
+        "--seq-len",
+        "1024",
+        "--gpus",
+        "4",
+        "--gpu",
+        "cpu",
+        "--block-size",
+        "16",
+        "--top",
+        "2",
+    )
     assert code == 0 and "block 16" in out
     (hf / "config.json").write_text(json.dumps({"hidden_size": 256, "num_local_experts": 8}))
     code, _, err = run(capsys, "plan", "--model", str(hf), "--seq-len", "1024", "--gpus", "4")
     assert code == USER_ERROR_EXIT_CODE and "mixture-of-experts" in err
+    code, out, err = run(
+        capsys, "plan", "--model", "demo", "--set", "model.vocab_size=512", "--gpus", "4", "--gpu", "cpu"
+    )
+    assert (code, err) == (0, "") and "at L=256 on 4x" in out
 
 
 def _bench_records(path: Path, cal: Calibration) -> list[dict]:
     """Records in the `csbp bench train --json` format whose numbers come from ``cal``."""
     group = LayerGroup(2, 4, 2, 32)
-    workload = Workload(ModelShape("bench-decoder", 128, 512, 256, (group,)), Objective("bd3", 16, kv_grad_bytes=4), 4)
+    workload = Workload(
+        ModelShape("bench-decoder", 128, 512, 256, (group,)), Objective("bd3", 16, kv_grad_bytes=4), 4
+    )
     hw = hardware("cpu", gpus=2)
     records = []
     for seq_len in (512, 1024, 2048):
         for name, cp, bp in (("cp", 2, 1), ("bp", 1, 2), ("csbp", 2, 2)):
             layout = Layout(1, cp, bp, checkpointing="none", sharding="ddp")
             pred = predict(workload, layout, seq_len, hw, cal, step_memory_only=True)
-            records.append({
-                "objective": "bd3", "layout": name, "cp": cp, "bp": bp, "seq_len": seq_len, "block_size": 16,
-                "nproc": 2, "samples": 1, "step_time_s": pred.step_s, "peak_mem_bytes": int(pred.mem_bytes),
-                "hidden_size": 128, "intermediate_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                "head_dim": 32, "vocab_size": 512, "dtype": "float32", "transport": "collective",
-            })
+            records.append(
+                {
+                    "objective": "bd3",
+                    "layout": name,
+                    "cp": cp,
+                    "bp": bp,
+                    "seq_len": seq_len,
+                    "block_size": 16,
+                    "nproc": 2,
+                    "samples": 1,
+                    "step_time_s": pred.step_s,
+                    "peak_mem_bytes": int(pred.mem_bytes),
+                    "hidden_size": 128,
+                    "intermediate_size": 256,
+                    "num_layers": 2,
+                    "num_heads": 4,
+                    "num_kv_heads": 2,
+                    "head_dim": 32,
+                    "vocab_size": 512,
+                    "dtype": "float32",
+                    "transport": "collective",
+                }
+            )
     path.write_text(json.dumps(records))
     return records
 
 
 def test_calibrate_recovers_the_machine_it_measured(tmp_path: Path, capsys) -> None:
-    truth = replace(Calibration(), gemm_eff=0.2, attn_eff=0.05, intra_eff=0.3, step_overhead_s=0.02,
-                    act_factor=1.7, mem_fixed_gib=0.01, overlap_cp=0.0, overlap_csbp=0.0)
+    truth = replace(
+        Calibration(),
+        gemm_eff=0.2,
+        attn_eff=0.05,
+        intra_eff=0.3,
+        step_overhead_s=0.02,
+        act_factor=1.7,
+        mem_fixed_gib=0.01,
+        overlap_cp=0.0,
+        overlap_csbp=0.0,
+    )
     bench = tmp_path / "bench.json"
     _bench_records(bench, truth)
     code, out, err = run(
@@ -122,7 +215,9 @@ def test_calibrate_fails_closed_on_records_without_the_model_shape(tmp_path: Pat
     bench = tmp_path / "old.json"
     bench.write_text(json.dumps([{"objective": "bd3", "layout": "cp", "cp": 2, "bp": 1, "seq_len": 512}]))
     code, _, err = run(capsys, "plan", "calibrate", str(bench), "--out", str(tmp_path / "cal.json"))
-    assert code == USER_ERROR_EXIT_CODE and "rerun the benchmark" in err and not (tmp_path / "cal.json").exists()
+    assert (
+        code == USER_ERROR_EXIT_CODE and "rerun the benchmark" in err and not (tmp_path / "cal.json").exists()
+    )
     code, _, err = run(capsys, "plan", "calibrate", "--out", str(tmp_path / "cal.json"))
     assert code == USER_ERROR_EXIT_CODE and "BENCH.json files or --published" in err
 
@@ -155,12 +250,64 @@ def test_calibrate_reads_what_each_benchmark_writes(tmp_path: Path) -> None:
 
     shape = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
     records = [
-        TrainRecord("bd3", "csbp", 2, 2, 512, 16, 2, 1, 0.3, 1700.0, 1 << 20, 1 << 20, 0, 6.0,
-                    hidden_size=128, intermediate_size=256, vocab_size=512, **shape),
-        AttentionRecord("cp", 2, 1, 512, 16, 2, None, "collective", 0.1, 1 << 20, 10**8, 1 << 20, 1.0,
-                        hidden_size=128, **shape),
-        DFlashRecord("csbp", 2, 2, 1, 1024, 16, 16, 2, 1, 0.2, 10**8, 1 << 20, 1 << 20, 3.0,
-                     hidden_size=128, intermediate_size=384, vocab_size=1024, feature_width=128, **shape),
+        TrainRecord(
+            "bd3",
+            "csbp",
+            2,
+            2,
+            512,
+            16,
+            2,
+            1,
+            0.3,
+            1700.0,
+            1 << 20,
+            1 << 20,
+            0,
+            6.0,
+            hidden_size=128,
+            intermediate_size=256,
+            vocab_size=512,
+            **shape,
+        ),
+        AttentionRecord(
+            "cp",
+            2,
+            1,
+            512,
+            16,
+            2,
+            None,
+            "collective",
+            0.1,
+            1 << 20,
+            10**8,
+            1 << 20,
+            1.0,
+            hidden_size=128,
+            **shape,
+        ),
+        DFlashRecord(
+            "csbp",
+            2,
+            2,
+            1,
+            1024,
+            16,
+            16,
+            2,
+            1,
+            0.2,
+            10**8,
+            1 << 20,
+            1 << 20,
+            3.0,
+            hidden_size=128,
+            intermediate_size=384,
+            vocab_size=1024,
+            feature_width=128,
+            **shape,
+        ),
     ]
     path = tmp_path / "bench.json"
     path.write_text(json.dumps([asdict(r) for r in records]))

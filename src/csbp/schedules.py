@@ -13,6 +13,7 @@ without communicating. The module imports no torch (the cost model of ``csbp.pla
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -122,8 +123,10 @@ def contiguous_schedule(num_blocks: int, num_workers: int) -> BlockSchedule:
     return BlockSchedule(tuple(assignment), num_blocks, "contiguous")
 
 
+@functools.lru_cache(maxsize=64)
 def block_schedule(num_blocks: int, num_workers: int, policy: SchedulePolicy = "dual_end") -> BlockSchedule:
-    """The schedule named by ``policy`` (``"dual_end"`` or ``"contiguous"``)."""
+    """The schedule named by ``policy`` (``"dual_end"`` or ``"contiguous"``); cached (immutable), since
+    every rank's layout asks for the same one."""
     if policy == "dual_end":
         return dual_end_schedule(num_blocks, num_workers)
     if policy == "contiguous":

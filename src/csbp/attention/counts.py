@@ -103,6 +103,13 @@ def rank_pairs(
 ) -> tuple[int, int]:
     """``(noisy-query pairs, clean-query pairs)`` the mask allows for local rank ``local_rank``'s rows."""
     noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule)
+    return position_pairs(noisy, clean, block_size=block_size, window=window)
+
+
+def position_pairs(
+    noisy: np.ndarray, clean: np.ndarray, *, block_size: int, window: int | None = None
+) -> tuple[int, int]:
+    """``(noisy-query pairs, clean-query pairs)`` the BD3 mask allows for rows at these positions."""
     n_start, n_stop, c_start, c_stop = bd3_bounds(noisy, clean, block_size=block_size, window=window)
     no, yes = np.zeros(len(noisy), dtype=bool), np.ones(len(clean), dtype=bool)
     noisy_pairs = allowed_pairs(noisy, no, n_start, n_stop, ~no, block_size=block_size)

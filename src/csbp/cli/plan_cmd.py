@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from csbp.atomic import write_json_atomic
+from csbp.cli.config_cmd import add_override_argument
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
@@ -56,7 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--model", help=f"run config, HF config.json (or folder), or preset: {', '.join(preset_names())}"
     )
-    parser.add_argument("--seq-len", type=parse_length, help="tokens per sample, e.g. 4096, 256K, 1M")
+    parser.add_argument(
+        "--seq-len",
+        type=parse_length,
+        help="tokens per sample, e.g. 4096, 256K, 1M (default: a run config's)",
+    )
     parser.add_argument("--gpus", type=int, help="devices of the job")
     parser.add_argument(
         "--gpus-per-node", type=int, default=None, help="devices per node (default: the preset's)"
@@ -96,6 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--top", type=int, default=10, help="feasible layouts shown (default 10)")
     parser.add_argument("--json", type=Path, default=None, help="write the full ranking to this JSON file")
+    add_override_argument(parser)
     parser.set_defaults(func=run_plan)
     sub = parser.add_subparsers(dest="plan_command", metavar="calibrate")
     calibrate = sub.add_parser("calibrate", help="fit the cost model's efficiency factors to benchmark JSON")
@@ -128,33 +134,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     calibrate.set_defaults(func=run_calibrate)
 
 
-def resolve_workload(spec: str) -> Workload:
-    """A preset name, a HF ``config.json`` (or folder), or a run config / packaged recipe."""
+def resolve_workload(spec: str, overrides: list[str] | None = None) -> tuple[Workload, int | None]:
+    """A preset name, a HF ``config.json`` (or folder), or a run config / packaged recipe (with
+    ``--set`` overrides), and the sequence length a run config trains at (else None)."""
     if spec in preset_names():
-        return preset_workload(spec)
-    path = Path(spec)
-    if path.is_dir() or path.suffix == ".json":
-        return hf_workload(path)
-    from csbp.recipes import load_run_config
+        workload, seq_len = preset_workload(spec), None
+    elif Path(spec).is_dir() or Path(spec).suffix == ".json":
+        workload, seq_len = hf_workload(Path(spec)), None
+    else:
+        from csbp.recipes import load_run_config
 
-    return run_config_workload(load_run_config(spec))
+        cfg = load_run_config(spec, overrides or [])
+        return run_config_workload(cfg), cfg.data.seq_len
+    if overrides:
+        raise ValueError("--set applies to run configs only: --model here is a preset or a HF config.json")
+    return workload, seq_len
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    missing = [
-        flag
-        for flag, value in (("--model", args.model), ("--seq-len", args.seq_len), ("--gpus", args.gpus))
-        if value is None
-    ]
-    if missing:
+    if args.model is None or args.gpus is None:
         raise ValueError(
-            f"csbp plan needs {', '.join(missing)} (e.g. --model nemotron-14b --seq-len 256K --gpus 16)"
+            "csbp plan needs --model and --gpus (e.g. --model nemotron-14b --seq-len 256K --gpus 16)"
         )
     if args.gpus < 1 or args.top < 1:
         raise ValueError("--gpus and --top must be >= 1")
-    workload = resolve_workload(args.model).with_options(
+    workload, config_seq_len = resolve_workload(args.model, args.overrides)
+    workload = workload.with_options(
         objective=args.objective, block_size=args.block_size, window=args.window, anchors=args.anchors
     )
+    args.seq_len = args.seq_len or config_seq_len
+    if args.seq_len is None:
+        raise ValueError("csbp plan needs --seq-len for a preset or HF model (e.g. --seq-len 256K)")
     hw = hardware(args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
     cal = load_calibration(args.calibration) if args.calibration else packaged_calibration(args.gpu)
     ckpts = ("full", "none") if args.checkpointing == "both" else (args.checkpointing,)

@@ -3,7 +3,7 @@
 Everything that decides a layout is counted with csbp's own torch-free arithmetic
 (``csbp.attention.counts``): per local rank, the noisy and clean rows it holds
 (``layout_positions``), the (query, key) pairs the BD3 mask allows over them, window or full
-(``rank_pairs``), and the clean rows a sliding-window layer's halo exchange receives
+(``position_pairs``), and the clean rows a sliding-window layer's halo exchange receives
 (``window_halo_rows``). The slowest rank of a sample bounds the step. The calibration
 (``csbp.plan.calibration``) turns FLOPs, bytes and rows into seconds and GiB:
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from csbp.attention.counts import layout_positions, rank_pairs, window_halo_rows
+from csbp.attention.counts import layout_positions, position_pairs, window_halo_rows
 from csbp.plan.calibration import Calibration
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Layout
@@ -105,15 +105,7 @@ def rank_counts(
     out = []
     for rank in range(max(cp, bp)):
         noisy, clean, _ = layout_positions(seq_len, block, cp, bp, rank, schedule)  # type: ignore[arg-type]
-        noisy_pairs, clean_pairs = rank_pairs(
-            seq_len,
-            block,
-            cp,
-            bp,
-            rank,
-            window=window or None,
-            schedule=schedule,  # type: ignore[arg-type]
-        )
+        noisy_pairs, clean_pairs = position_pairs(noisy, clean, block_size=block, window=window or None)
         out.append(RankCounts(len(noisy), len(clean), noisy_pairs + clean_pairs))
     return tuple(out)
 
