@@ -288,13 +288,14 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
         cp,
         bp,
         transport=record.get("transport", "collective"),
-        checkpointing="none",
+        checkpointing="full" if record.get("activation_checkpointing") == "full" else "none",
         micro_batch=record.get("samples", 1),
         sharding="ddp",
     )
     hw = hardware("cpu", gpus=nproc)
     workload = Workload(model, objective, p)
     label = f"bench {kind} {record.get('objective', '')} L={record['seq_len']} {record.get('layout', layout.name)}"
+    label += " ac=full" if layout.checkpointing == "full" else ""
     seconds = Observation(
         label + " step_s",
         workload,
@@ -341,7 +342,10 @@ def fit_bench(observations: Sequence[Observation], *, source: str) -> Calibratio
         times = [o for o in decoder if o.metric == "step_s"]
         memory = [o for o in decoder if o.metric == "mem_gib"]
         cal = fit_factors(times, cal, ["gemm_eff", "attn_eff", "intra_eff", "step_overhead_s"], source=source)
-        cal = fit_factors(memory, cal, ["act_factor", "mem_fixed_gib"], source=source)
+        factors = ["act_factor", "mem_fixed_gib"]
+        if any(o.layout.checkpointing == "full" for o in memory):
+            factors.append("ws_factor")
+        cal = fit_factors(memory, cal, factors, source=source)
     if drafter:
         times = [o for o in drafter if o.metric == "step_s"]
         memory = [o for o in drafter if o.metric == "mem_gib"]
