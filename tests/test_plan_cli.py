@@ -314,3 +314,18 @@ def test_calibrate_reads_what_each_benchmark_writes(tmp_path: Path) -> None:
     observations = bench_observations([path])
     assert [o.metric for o in observations] == ["step_s", "mem_gib"] * 3
     assert observations[-1].workload.objective.is_drafter
+
+
+def test_topology_auto_in_the_config_file(tmp_path: Path, capsys) -> None:
+    import yaml
+
+    from csbp.recipes import copy_recipe
+
+    path = copy_recipe("demo", tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["topology"] = "auto"
+    path.write_text(yaml.safe_dump(data))
+    assert wants_auto(str(path), [])
+    resolved = resolve_auto_topology(str(path), ["model.vocab_size=512"], nproc=2)
+    assert "topology: auto -> " in capsys.readouterr().out
+    assert load_run_config(str(path), resolved).world_size == 2
