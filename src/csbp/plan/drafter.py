@@ -16,8 +16,8 @@ Per rank and optimizer step (``csbp.dflash.layouts`` decides who holds what):
 
 Memory: ``12 B`` per trainable parameter (weights, gradients, fused AdamW), the frozen vocabulary
 (embedding and head, bf16), the draft activations (no checkpointing; ``drafter_act_factor`` per
-row-layer activation bytes), the target features of the rank's context rows (``L/cp`` rows,
-all ``L`` for BP-only and data layouts) and 1 GiB of runtime.
+row-layer activation bytes), the fused context rows and their K/V, the target features of the
+rank's context rows (``L/cp`` rows, all ``L`` for BP-only and data layouts) and 1 GiB of runtime.
 """
 
 from __future__ import annotations
@@ -108,6 +108,9 @@ def predict_drafter(
             "fixed": DRAFTER_FIXED_GIB * GIB,
         }
     terms["draft activations"] = cal.drafter_act_factor * draft_rows * act_row
+    # fused context rows (fc output, its norm) and every layer's context K/V, kept for backward
+    kv_width = sum(g.count * 2 * g.n_kv_heads * g.head_dim for g in model.groups)
+    terms["context activations"] = context_rows * (2 * model.d_model + kv_width) * p
     return Prediction(
         layout=layout,
         step_s=step,
