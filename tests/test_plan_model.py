@@ -144,6 +144,11 @@ def test_drafter_at_1m_needs_csbp_to_fit_two_ranks_per_sample():
     assert plan.best.layout.name == "dp4/cp2/bp2"
     dp4_cp2 = [p for p in plan.infeasible if p.layout.name == "dp4/cp2"]
     assert dp4_cp2 and "target features" in dp4_cp2[0].mem_terms
+    # csbp's DFlashStep projects every context row it holds: more memory, the published pick no longer fits
+    csbp_step = workload.with_options(drafter_context="all")
+    plan = rank(csbp_step, candidate_layouts(csbp_step, 8, seq_len), seq_len, hw, CAL)
+    assert "dp4/cp2/bp2" in {p.layout.name for p in plan.infeasible}
+    assert plan.best.tokens_per_s < 0.5 * 147_000
 
 
 def test_invalid_layouts_are_never_proposed_and_bad_notation_fails_closed():

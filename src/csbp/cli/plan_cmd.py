@@ -76,6 +76,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--window", type=int, default=None, help="sliding attention window of every layer")
     parser.add_argument("--anchors", type=int, default=None, help="DFlash anchors per sample")
     parser.add_argument(
+        "--drafter-context",
+        choices=("all", "windows"),
+        default=None,
+        help="target-feature rows a drafter rank projects: all it holds (csbp) or its anchors' windows "
+        "(the published reference; the presets' default)",
+    )
+    parser.add_argument(
         "--global-batch", type=int, default=None, help="samples per optimizer step (default dp)"
     )
     parser.add_argument("--checkpointing", choices=("full", "none", "both"), default="both")
@@ -160,7 +167,11 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--gpus and --top must be >= 1")
     workload, config_seq_len = resolve_workload(args.model, args.overrides)
     workload = workload.with_options(
-        objective=args.objective, block_size=args.block_size, window=args.window, anchors=args.anchors
+        objective=args.objective,
+        block_size=args.block_size,
+        window=args.window,
+        anchors=args.anchors,
+        drafter_context=args.drafter_context,
     )
     args.seq_len = args.seq_len or config_seq_len
     if args.seq_len is None:

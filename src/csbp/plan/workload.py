@@ -124,9 +124,14 @@ class Workload:
         block_size: int | None = None,
         window: int | None = None,
         anchors: int | None = None,
+        drafter_context: str | None = None,
     ) -> Workload:
-        """A copy with the CLI's ``--objective/--block-size/--window/--anchors`` applied."""
+        """A copy with the CLI's ``--objective/--block-size/--window/--anchors/--drafter-context``."""
         obj, model = self.objective, self.model
+        if drafter_context is not None:
+            if not obj.is_drafter or drafter_context not in ("all", "windows"):
+                raise ValueError("--drafter-context all|windows needs a DFlash drafter workload")
+            obj = replace(obj, context_rows=drafter_context)
         if objective is not None:
             if objective not in OBJECTIVES:
                 raise ValueError(f"--objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
