@@ -145,6 +145,23 @@ def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:
         capsys, "plan", "--model", "demo", "--set", "model.vocab_size=512", "--gpus", "4", "--gpu", "cpu"
     )
     assert (code, err) == (0, "") and "at L=256 on 4x" in out
+    target = f"objective.dflash.target={hf}"  # a DFlash run config is shaped by its target
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 4,
+                "intermediate_size": 384,
+                "vocab_size": 2048,
+            }
+        )
+    )
+    code, out, err = run(
+        capsys, "plan", "--model", "dflash-demo", "--set", target, "--gpus", "4", "--gpu", "cpu"
+    )
+    assert (code, err) == (0, "") and "DFlash(" in out and "dflash, block 4" in out
 
 
 def _bench_records(path: Path, cal: Calibration) -> list[dict]:

@@ -17,7 +17,8 @@ Per rank and optimizer step (``csbp.dflash.layouts`` decides who holds what):
 Memory: ``12 B`` per trainable parameter (weights, gradients, fused AdamW), the frozen vocabulary
 (embedding and head, bf16), the draft activations (no checkpointing; ``drafter_act_factor`` per
 row-layer activation bytes), the fused context rows and their K/V, the target features of the
-rank's context rows (``L/cp`` rows, all ``L`` for BP-only and data layouts) and 1 GiB of runtime.
+rank's context rows (``L/cp`` rows, all ``L`` for BP-only and data layouts) and 1 GiB of runtime
+(the calibration's constant where that is smaller, e.g. on CPU).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def predict_drafter(
             "weights+grads+optimizer": 12.0 * trainable,
             "frozen vocab": p * model.embedding_params,
             "target features": feature_rows * obj.feature_width * p,
-            "fixed": DRAFTER_FIXED_GIB * GIB,
+            "fixed": min(DRAFTER_FIXED_GIB, cal.mem_fixed_gib) * GIB,
         }
     terms["draft activations"] = cal.drafter_act_factor * draft_rows * act_row
     # fused context rows (fc output, its norm) and every layer's context K/V, kept for backward

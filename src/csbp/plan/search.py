@@ -169,9 +169,10 @@ def explain(
                 "the CP-only kernel's forward/backward speed)"
             )
         reasons.append(f"its slowest rank computes {compute_r - compute_b:.2f} s less per step{why}")
-    elif b.dp != r.dp:
+    elif b.dp != r.dp and abs(best.step_s - rival.step_s) > 0.02 * rival.step_s:
         reasons.append(f"a step takes {best.step_s:.2f} s instead of {rival.step_s:.2f} s")
-    if abs(best.kv_bytes - rival.kv_bytes) > 0.1 * max(best.kv_bytes, rival.kv_bytes, 1.0):
+    most = max(best.kv_bytes, rival.kv_bytes)
+    if most >= 2**24 and abs(best.kv_bytes - rival.kv_bytes) > 0.1 * most:
         comm_gain = rival.exposed_comm_s - best.exposed_comm_s
         reasons.append(
             f"it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"

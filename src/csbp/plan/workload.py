@@ -254,10 +254,7 @@ def run_config_workload(cfg: Any) -> Workload:
     if obj.name not in OBJECTIVES and obj.name != "ar":
         raise ValueError(f"objective.name {obj.name!r} is not in the cost model ({', '.join(OBJECTIVES)})")
     if obj.name == "dflash":
-        raise ValueError(
-            "run configs of DFlash drafters are planned from the target's config.json: "
-            "csbp plan --model TARGET_DIR --objective dflash is not supported yet; use a dflash2-* preset"
-        )
+        return _dflash_workload(cfg)
     block = obj.block_size or cfg.data.seq_len
     if m.init_from is not None:
         base = hf_workload(Path(m.init_from), objective=obj.name, block_size=block)
@@ -301,3 +298,41 @@ def _artifact_vocab(directory: Path) -> int:
             "data first (csbp data prepare)"
         )
     return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
+
+
+def _dflash_workload(cfg: Any) -> Workload:
+    """The drafter of a DFlash run config: shaped by its target's ``config.json`` and
+    ``objective.dflash`` (layers, widths, windows, anchors, fused target layers); csbp's step
+    projects every context row a rank holds."""
+    from csbp.dflash.config import default_target_layer_ids
+
+    section = cfg.objective.dflash
+    target = hf_workload(Path(section.target))
+    t, group = target.model, target.model.groups[0]
+    types = section.layer_types or ["full_attention"] * section.num_draft_layers
+    sliding = sum(kind == "sliding_attention" for kind in types)
+    groups = tuple(
+        LayerGroup(count, group.n_heads, group.n_kv_heads, group.head_dim, window)
+        for count, window in ((len(types) - sliding, 0), (sliding, section.sliding_window or 0))
+        if count
+    )
+    ids = section.target_layer_ids or default_target_layer_ids(group.count, section.num_draft_layers)
+    feature_width = t.d_model * len(ids)
+    model = ModelShape(
+        name=f"DFlash({t.name})",
+        d_model=t.d_model,
+        vocab=t.vocab,
+        ffn=section.intermediate_size or t.ffn,
+        groups=groups,
+        tied_embeddings=t.tied_embeddings,
+        extra_params=feature_width * t.d_model,  # the fusion fc
+    )
+    objective = Objective(
+        "dflash",
+        block=cfg.objective.block_size,
+        anchors=section.max_anchors,
+        feature_width=feature_width,
+        window=section.sliding_window or 0,
+        selector_rank=section.selector_rank,
+    )
+    return Workload(model, objective, {"fp32": 4, "bf16": 2, "fp64": 8}[cfg.train.precision])
