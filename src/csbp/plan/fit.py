@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from csbp.plan.calibration import Calibration
-from csbp.plan.hardware import PRESETS, Hardware, hardware
+from csbp.plan.hardware import Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
 from csbp.plan.model import GIB, Prediction, predict
 from csbp.plan.workload import LayerGroup, ModelShape, Objective, Workload, preset_workload, published_runs
@@ -352,7 +352,3 @@ def fit_bench(observations: Sequence[Observation], *, source: str) -> Calibratio
         cal = fit_factors(times, cal, ["drafter_eff"], source=source)
         cal = fit_factors(memory, cal, ["drafter_act_factor"], source=source)
     return cal
-
-
-def cpu_preset() -> Hardware:
-    return PRESETS["cpu"]
