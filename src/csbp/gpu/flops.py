@@ -23,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 from csbp.models.config import DecoderConfig
+from csbp.plan.hardware import PRESETS
 
 QWEN3_0_6B = DecoderConfig(
     vocab_size=151936,
@@ -41,19 +42,21 @@ QWEN3_0_6B = DecoderConfig(
 weights in the device check, so no download is needed."""
 
 BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
-    ("GH200", 989.0),
-    ("H200", 989.0),
+    ("GH200", PRESETS["h200"].peak_tflops),
+    ("H200", PRESETS["h200"].peak_tflops),
     ("H100 PCIe", 756.0),
-    ("H100", 989.0),
-    ("H800", 989.0),
+    ("H100", PRESETS["h100"].peak_tflops),
+    ("H800", PRESETS["h100"].peak_tflops),
     ("B200", 2250.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
+    ("A100", PRESETS["a100"].peak_tflops),
+    ("A800", PRESETS["a100"].peak_tflops),
     ("L40S", 362.0),
     ("L4", 121.0),
     ("A10", 125.0),
 )
-"""(substring of ``torch.cuda.get_device_name()``, dense bf16 TFLOP/s), first match wins."""
+"""(substring of ``torch.cuda.get_device_name()``, dense bf16 TFLOP/s), first match wins; the
+H100/H200/A100 values are ``csbp plan``'s presets (``csbp.plan.hardware``), the others the vendors'
+data sheets."""
 
 
 def gpu_bf16_peak_tflops(device_name: str) -> float | None:
