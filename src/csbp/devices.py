@@ -8,9 +8,8 @@ One rule for every entry point (``csbp train``, ``csbp verify``, ``csbp bench``,
   created, and ``init_process_group`` gets ``device_id`` so NCCL binds its communicators to that
   GPU eagerly instead of guessing one per collective.
 
-``tensors_to`` moves a prebuilt plan (frozen dataclasses of index tensors and row metadata) to the
-compute device once; plans are built on the CPU, where their small integer work and host-side
-decisions cost nothing, then cached per device by their owners.
+``tensors_to`` moves a nested structure of tensors (a corrupted batch, row indices, a plan made of
+frozen dataclasses) to the compute device in one call.
 
 Usage::
 

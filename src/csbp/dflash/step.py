@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from csbp.attention.rows import Rows
-from csbp.devices import tensors_to
 from csbp.dflash.anchors import sample_anchors, segment_starts
 from csbp.dflash.attention import ShardedDraftAttention, build_draft_attention_plan
 from csbp.dflash.config import DFlashObjectiveConfig
@@ -319,11 +318,11 @@ def forward_packet(
         variants.append(block_query_rows(packet, cfg.block_size, context=context, window=cfg.sliding_window))
         causal.append(cfg.sliding_window_causal)
         layer_variant = [1 if t == "sliding_attention" else 0 for t in cfg.layer_types or ()]
-    plan = build_draft_attention_plan(  # planned on the CPU, moved to the device once per packet
-        variants,
+    plan = build_draft_attention_plan(
+        [v.to(device) for v in variants],
         causal,
         layer_variant,
-        gathered_context_rows.to("cpu"),
+        gathered_context_rows.to(device),
         block_size=cfg.block_size,
         comm=comm,
     )
@@ -333,6 +332,6 @@ def forward_packet(
         variants[0].pos,
         features_1MF.to(device),
         context_positions_M,
-        ShardedDraftAttention(tensors_to(plan, device)),
+        ShardedDraftAttention(plan),
         live_rows_N=variants[0].live,
     )

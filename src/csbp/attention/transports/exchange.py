@@ -27,7 +27,6 @@ from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import RankLayout, bd3_rows, cp_zigzag_layout, ring_clean_positions
 from csbp.attention.rows import Rows
 from csbp.attention.transports.function import TransportBackward, TransportForward, TransportFunction
-from csbp.devices import tensors_to
 from csbp.parallel.comm import Comm
 
 RECOMPUTE_SUFFIX = "_recompute"
@@ -236,19 +235,17 @@ def check_spec_matches_layout(layout: RankLayout, spec: ExchangeSpec, what: str)
 
 
 class PlanCache(Generic[PlanT]):
-    """Per-device plans: built once on the layout's device (normally the CPU, where planning's
-    small integer work and host-side decisions are cheap), then moved once to every other device
-    a call comes from (``csbp.devices.tensors_to``) and kept: no layer or step rebuilds a plan."""
+    """Per-device plans: built once on the layout's device, rebuilt once per other device seen."""
 
     def __init__(self, build: Callable[[torch.device], PlanT], device: torch.device | str) -> None:
         self._build = build
-        self._home = torch.device(device)
-        self._plans: dict[torch.device, PlanT] = {self._home: build(self._home)}
+        self._plans: dict[torch.device, PlanT] = {}
+        self.get(torch.device(device))
 
     def get(self, device: torch.device) -> PlanT:
         plan = self._plans.get(device)
         if plan is None:
-            plan = self._plans[device] = tensors_to(self._plans[self._home], device)
+            plan = self._plans[device] = self._build(device)
         return plan
 
 

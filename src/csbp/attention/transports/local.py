@@ -16,8 +16,8 @@ Usage::
     attn = LocalAttentionFn(rows, num_noisy=A)     # once per shape (rows are the same in every layer)
     out = attn(q, k, v, layer_index)               # q [S, Hq, N, d], k/v [S, Hkv, N, d] -> [S, Hq, N, d]
 
-The plan is built once on the rows' device (build it from CPU rows) and moved once to the device of
-the first call from each device (``exchange.PlanCache``).
+The plan is built once per device the inputs arrive on (``exchange.PlanCache``): rows given on the
+CPU serve calls on a GPU, with every index and row tensor of the plan on that GPU.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -
 class LocalAttentionFn:
     """Attention callable for a fixed row set (the decoder's ``AttentionFn``): ``attn(q, k, v) -> out``.
 
-    Build once per shape; every layer and step reuses the plan, moved once to each device it is
+    Build once per shape; every layer and step reuses the plan, built once for each device it is
     called on. Arguments as in ``build_local_attention_plan``.
     """
 
@@ -207,15 +207,18 @@ class LocalAttentionFn:
         scale: float | None = None,
         tile_rows: int = DEFAULT_TILE_ROWS,
     ) -> None:
-        self.plan = build_local_attention_plan(
-            rows,
-            num_noisy=num_noisy,
-            key_rows=key_rows,
-            causal_in_block=causal_in_block,
-            scale=scale,
-            tile_rows=tile_rows,
-        )
-        self._plans = PlanCache(lambda _: self.plan, rows.pos.device)
+        def build(device: torch.device) -> LocalAttentionPlan:
+            return build_local_attention_plan(
+                rows.to(device),
+                num_noisy=num_noisy,
+                key_rows=None if key_rows is None else key_rows.to(device),
+                causal_in_block=causal_in_block,
+                scale=scale,
+                tile_rows=tile_rows,
+            )
+
+        self._plans = PlanCache(build, rows.pos.device)
+        self.plan = self._plans.get(rows.pos.device)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
         return local_attention(q, k, v, self._plans.get(q.device))
