@@ -54,14 +54,21 @@ class PeakMemory:
 
 def allowed_pairs(rows: Rows, *, block_size: int, causal_in_block: bool = False) -> int:
     """(query, key) pairs the BD3 predicate allows for these query rows over the whole logical
-    sequence: ``B`` noisy keys of the own block (or ``j+1`` when causal) plus the clean interval."""
+    sequence: the noisy keys of the own segment (its whole block, or the part of it inside the row's
+    packed document; ``j+1`` of them when causal) plus the clean interval. A rank holds whole
+    segments of noisy rows, so segment sizes are counted among ``rows``."""
     live = rows.live
     ctx = (rows.ctx_stop - rows.ctx_start).clamp(min=0)
-    if causal_in_block:
-        diag = rows.pos % block_size + 1
-    else:
-        diag = torch.full_like(rows.pos, block_size)
-    diag = torch.where(rows.clean, torch.zeros_like(diag), diag)
+    noisy = live & ~rows.clean
+    diag = torch.zeros_like(rows.pos)
+    if bool(noisy.any()):
+        segments, inverse, counts = torch.unique(rows.block[noisy], return_inverse=True, return_counts=True)
+        if causal_in_block:
+            first = torch.full_like(segments, torch.iinfo(torch.int64).max)
+            first = first.scatter_reduce(0, inverse, rows.pos[noisy], reduce="amin")
+            diag[noisy] = rows.pos[noisy] - first[inverse] + 1
+        else:
+            diag[noisy] = counts[inverse]
     return int(((ctx + diag) * live).sum())
 
 
