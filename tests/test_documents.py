@@ -174,3 +174,35 @@ def test_reset_positions_restart_rope_at_documents():
     plan = build_rank_plan(single_process_context(), 8, 4, documents=documents, reset_positions=True)
     assert plan.rope_positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4] * 2
     assert plan.rows.pos.tolist() == list(range(8)) * 2
+
+
+def test_document_mask_config_defaults_rules_and_explanation():
+    from csbp.cli.config_cmd import summary_rows
+    from csbp.config.loading import ConfigError
+    from csbp.recipes import load_run_config
+
+    assert load_run_config("demo").document_mask is False
+    assert load_run_config("fast-dllm-v2-demo").document_mask is True
+    assert load_run_config("mdlm-demo").document_mask is False  # unset: the mdlm default
+    assert load_run_config("dflash-demo").document_mask is True
+    explained = dict(summary_rows(load_run_config("mdlm-demo")))["documents"]
+    assert "not masked" in explained and "default for mdlm" in explained
+    on = dict(summary_rows(load_run_config("demo", ["data.document_mask=true", "data.reset_positions=true"])))
+    assert on["documents"].startswith("masked") and "restart" in on["documents"]
+    with pytest.raises(ConfigError, match="data.reset_positions"):
+        load_run_config("demo", ["data.reset_positions=true"])
+    with pytest.raises(ConfigError, match="data.document_mask"):
+        load_run_config("dflash-demo", ["data.document_mask=false"])
+
+
+def test_data_stats_document_pieces_and_mask_share():
+    import numpy as np
+
+    from csbp.data.report import _piece_lengths, format_length_summary
+
+    doc_ids = np.array([[0, 0, 0, 1], [1, 1, -1, -1]])  # document 1 is cut into two rows; padding skipped
+    pieces = _piece_lengths(doc_ids)
+    assert sorted(pieces.tolist()) == [1, 2, 3]
+    lines = format_length_summary(pieces, seq_len=4, num_rows=2)
+    assert "mean 2.0, median 2, p90 3, max 3" in lines[0]
+    assert "43.75%" in lines[1]  # (9 + 1 + 4) / (2 * 16)

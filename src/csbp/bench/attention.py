@@ -73,12 +73,12 @@ class AttentionRecord:
     nproc: int
     window: int | None
     transport: str
-    doc_length: int | None
     step_time_s: float
     kv_bytes_per_rank: int
     attn_flops_per_rank: int
     peak_mem_bytes: int
     time_per_gflop_s: float
+    doc_length: int | None = None  # mean packed-document length (None: one document per sample)
 
 
 class AttentionStack(nn.Module):

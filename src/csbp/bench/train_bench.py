@@ -116,13 +116,13 @@ class TrainRecord:
     block_size: int
     nproc: int
     samples: int
-    doc_length: int | None
     step_time_s: float
     tokens_per_s: float
     peak_mem_bytes: int
     attention_bytes_per_rank: int
     gradient_bytes_per_rank: int
     loss_step0: float
+    doc_length: int | None = None  # mean packed-document length (None: one document per sample)
 
 
 def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
