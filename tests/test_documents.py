@@ -206,3 +206,16 @@ def test_data_stats_document_pieces_and_mask_share():
     lines = format_length_summary(pieces, seq_len=4, num_rows=2)
     assert "mean 2.0, median 2, p90 3, max 3" in lines[0]
     assert "43.75%" in lines[1]  # (9 + 1 + 4) / (2 * 16)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["mdlm", "ar"])
+def test_single_stream_plans_follow_documents(causal):
+    from csbp.engine.block_diffusion import build_rank_plan
+    from csbp.engine.context import single_process_context
+
+    documents = Documents.from_lengths([3, 1, 4])
+    plan = build_rank_plan(single_process_context(), 8, 8 if not causal else 1, uses_clean_stream=False,
+                           causal=causal, documents=documents)
+    doc_ids = packed_doc_ids(documents)
+    expected = dense_mask((ar_mask if causal else mdlm_mask)(8, doc_ids), 8, 8)
+    assert torch.equal(allow_matrix(plan.rows, plan.rows, causal_in_block=causal), expected)

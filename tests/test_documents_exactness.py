@@ -27,3 +27,30 @@ CASES = [
 def test_documents_equal_single_process(case: VerifyCase) -> None:
     result = verify(case, timeout_s=240)
     assert result.ok, (result.loss_rel_err, result.grad_rel_err, result.worst_param)
+
+
+@pytest.mark.multiprocess
+def test_document_traffic_is_counted_exactly() -> None:
+    """CSBP with documents sends exactly its halo plan's rows (K and V of the rows it sends forward,
+    dK and dV of the rows it received backward, every layer and sample), and less than its whole
+    clean shard."""
+    import torch
+
+    from csbp.attention.documents import Documents
+    from csbp.attention.layouts import halo_exchange_plan
+    from csbp.engine.verify import corrupted_batch, tiny_model_config
+
+    case = VerifyCase(Topology(cp=2, bp=2), seq_len=32, doc_length=4)
+    result = verify(case, timeout_s=240)
+    assert result.ok
+    model = tiny_model_config()
+    row_bytes = 2 * model.num_kv_heads * model.head_dim * torch.float64.itemsize  # K and V of one row
+    doc_ids = corrupted_batch(case).doc_ids
+    for rank, sent in enumerate(result.attention_bytes_per_rank):
+        forward = backward = 0
+        for sample in range(doc_ids.shape[0]):
+            plan = halo_exchange_plan(32, 4, 2, 2, 0, documents=Documents.from_doc_ids(doc_ids[sample]))
+            forward += sum(plan.send_counts(rank))
+            backward += sum(plan.recv_counts(rank))
+        assert sent == (forward + backward) * row_bytes * model.num_layers
+        assert forward < doc_ids.shape[0] * 16  # below the whole 16-row shard per sample
