@@ -16,6 +16,8 @@ CASES = [
     pytest.param(VerifyCase(Topology(cp=2), seq_len=16, transport="halo"), id="cp2-aware-one-document"),
     pytest.param(VerifyCase(Topology(bp=2, replicate_clean_prefix=True), seq_len=16, doc_length=3), id="bp2"),
     pytest.param(VerifyCase(Topology(cp=2, bp=2), seq_len=16, doc_length=3), id="csbp-cp2bp2"),
+    pytest.param(VerifyCase(Topology(cp=2, bp=2), seq_len=16, doc_length=3, transport="streaming"),
+                 id="csbp-cp2bp2-streaming"),
     pytest.param(VerifyCase(Topology(cp=2, bp=2), seq_len=16, doc_length=1), id="csbp-one-token-documents"),
     pytest.param(VerifyCase(Topology(cp=2, bp=2), seq_len=16, doc_length=1000), id="csbp-document-longer-than-L"),
     pytest.param(VerifyCase(Topology(cp=2, bp=4), doc_length=5, window=5), id="csbp-cp2bp4-window5"),

@@ -60,7 +60,7 @@ class VerifyCase:
         detail = self.transport if t.layout == "csbp" else "-"
         if self.window is not None:
             detail = f"window={self.window}"
-        if t.layout == "csbp" and self.doc_length is not None and self.window is None:
+        if t.layout == "csbp" and self.doc_length is not None and self.window is None and self.transport != "streaming":
             detail = "halo"  # CSBP exchanges only the clean rows of the receivers' documents
         if self.transport == "halo" and t.layout == "cp":
             name, detail = "cp-aware", "halo"

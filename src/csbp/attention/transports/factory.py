@@ -10,8 +10,9 @@ layout     transport
            ``halo`` is the mask-aware CP baseline (``cp-aware``): same zigzag rows, one all-to-all
            of only the clean rows some remote query may see (no remote query reads a noisy key)
 ``csbp``   only clean rows move: ``WindowAttention`` (the halo all-to-all) when ``window`` is set,
-           with packed ``documents`` or with ``transport="halo"``, else ``CollectiveAttention`` or
-           ``StreamingAttention`` over the clean shards
+           with packed ``documents`` (unless ``transport="streaming"``: the bounded-memory ring) or
+           with ``transport="halo"``, else ``CollectiveAttention`` or ``StreamingAttention`` over
+           the clean shards
 =========  =======================================================================================
 
 A windowed CP-only layer still exchanges every row (what generic context parallelism does); its
@@ -85,7 +86,10 @@ def build_attention(
     seq_len = _sequence_length(topology, layout)
     topology.validate_sequence(seq_len, block_size)
     options = {"causal_in_block": causal_in_block}
-    halo = transport == "halo" or (kind == "csbp" and (window is not None or documents is not None))
+    # CSBP moves only the clean rows a receiver may see whenever the mask is sparse (a window or
+    # documents); with documents an explicit "streaming" keeps the bounded-memory ring instead.
+    sparse = window is not None or (documents is not None and transport != "streaming")
+    halo = transport == "halo" or (kind == "csbp" and sparse)
     if halo:
         ring_index = local_rank // cp
         if documents is None and window is not None:
