@@ -219,3 +219,17 @@ def test_single_stream_plans_follow_documents(causal):
     doc_ids = packed_doc_ids(documents)
     expected = dense_mask((ar_mask if causal else mdlm_mask)(8, doc_ids), 8, 8)
     assert torch.equal(allow_matrix(plan.rows, plan.rows, causal_in_block=causal), expected)
+
+
+def test_verify_doc_length_fails_closed():
+    import argparse
+
+    from csbp.cli import verify_cmd
+
+    parser = argparse.ArgumentParser()
+    verify_cmd.register(parser.add_subparsers())
+    for argv, match in ((["--doc-length", "0"], "--doc-length must be >= 1"),
+                        (["--doc-length", "4", "--objective", "dflash"], "drop --window")):
+        args = parser.parse_args(["verify", "--nproc", "2", *argv])
+        with pytest.raises(ValueError, match=match):
+            args.func(args)
