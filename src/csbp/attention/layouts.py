@@ -36,9 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from csbp.attention.counts import bd3_bounds, interval_cover, layout_positions
 from csbp.attention.documents import Documents
 from csbp.attention.rows import Rows
-from csbp.schedules import SchedulePolicy, block_schedule, zigzag_positions
+from csbp.schedules import SchedulePolicy, zigzag_positions
 from csbp.topology import Topology
 
 
@@ -57,17 +58,10 @@ def bd3_rows(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     noisy_pos = noisy_positions.to(torch.long)  # [A]
     clean_pos = clean_positions.to(torch.long)  # [C]
-    noisy_block = noisy_pos // block_size
-    clean_block = clean_pos // block_size
-    noisy_stop = noisy_block * block_size  # the noisy block's first position
-    if window is None:
-        noisy_start = torch.zeros_like(noisy_pos)
-        clean_start = torch.zeros_like(clean_pos)
-        clean_stop = (clean_block + 1) * block_size
-    else:
-        noisy_start = (noisy_stop - (window - 1)).clamp(min=0)
-        clean_start = (clean_pos + 1 - window).clamp(min=0)
-        clean_stop = clean_pos + 1
+    noisy_start, noisy_stop, clean_start, clean_stop = bd3_bounds(
+        noisy_pos, clean_pos, block_size=block_size, window=window
+    )
+    noisy_block, clean_block = noisy_pos // block_size, clean_pos // block_size
     if documents is not None:
         start, stop, segment = documents.start, documents.stop, documents.segment_ids(block_size)
         noisy_start = torch.maximum(noisy_start, start[noisy_pos])
@@ -115,8 +109,7 @@ def reference_layout(
 ) -> RankLayout:
     """All ``2L`` rows on one rank: noisy ``0 .. L-1`` then clean ``0 .. L-1``."""
     Topology().validate_sequence(seq_len, block_size)
-    positions = torch.arange(seq_len)
-    return _layout(positions, positions, block_size, window, documents=documents)
+    return _positions_layout(seq_len, block_size, 1, 1, 0, "dual_end", window, documents)
 
 
 def cp_zigzag_layout(
@@ -131,9 +124,7 @@ def cp_zigzag_layout(
     chunk ``r`` (noisy ``[r*L/cp, (r+1)*L/cp)``) and chunk ``2cp-1-r`` (clean
     ``[(cp-1-r)*L/cp, (cp-r)*L/cp)``)."""
     Topology(cp=cp).validate_sequence(seq_len, block_size)
-    logical = zigzag_positions(2 * seq_len, cp, cp_rank)  # sorted logical indices in [0, 2L)
-    is_clean = logical >= seq_len
-    return _layout(logical[~is_clean], logical[is_clean] - seq_len, block_size, window, documents=documents)
+    return _positions_layout(seq_len, block_size, cp, 1, cp_rank, "dual_end", window, documents)
 
 
 def bp_only_layout(
@@ -156,14 +147,8 @@ def bp_only_layout(
     position 0 is what makes every kept clean row exact at every layer.
     """
     Topology(bp=bp, replicate_clean_prefix=bp > 1).validate_sequence(seq_len, block_size)
-    blocks = _owned_blocks(seq_len, block_size, bp, bp_rank, schedule)
-    noisy_positions = _block_positions(blocks, block_size)
-    if documents is None:
-        clean_positions = torch.arange(max(blocks) * block_size)
-    else:
-        prefix = bd3_rows(noisy_positions, noisy_positions[:0], block_size=block_size, documents=documents)
-        clean_positions = torch.nonzero(_interval_cover(prefix, seq_len)).flatten()
-    return _layout(noisy_positions, clean_positions, block_size, window, blocks, documents)
+    _check_worker(bp, bp_rank)
+    return _positions_layout(seq_len, block_size, 1, bp, bp_rank, schedule, window, documents)
 
 
 def csbp_layout(
@@ -186,9 +171,8 @@ def csbp_layout(
             "use cp_zigzag_layout (bp=1) or bp_only_layout (cp=1)"
         )
     topology.validate_sequence(seq_len, block_size)
-    blocks = _owned_blocks(seq_len, block_size, bp, local_rank, schedule)
-    clean_positions = zigzag_positions(seq_len, cp, local_rank % cp)
-    return _layout(_block_positions(blocks, block_size), clean_positions, block_size, window, blocks, documents)
+    _check_worker(bp, local_rank)
+    return _positions_layout(seq_len, block_size, cp, bp, local_rank, schedule, window, documents)
 
 
 def rank_layout(
@@ -318,7 +302,8 @@ def halo_exchange_plan(
         owner_of_position[positions] = source
     send: list[list[Tensor]] = [[torch.zeros(0, dtype=torch.long)] * cp for _ in range(cp)]
     for dest, member in enumerate(members):
-        needed = torch.nonzero(_interval_cover(member.rows, seq_len)).flatten()  # sorted
+        cover = interval_cover(member.rows.ctx_start.numpy(), member.rows.ctx_stop.numpy(), seq_len)
+        needed = torch.from_numpy(cover).nonzero().flatten()  # sorted
         needed_owner = owner_of_position[needed]
         for source in range(cp):
             if source != dest:
@@ -335,46 +320,35 @@ def halo_exchange_plan(
     )
 
 
-def _interval_cover(rows: Rows, length: int) -> Tensor:
-    """Bool ``[length]``: positions inside at least one row's ``[ctx_start, ctx_stop)``."""
-    start = rows.ctx_start.clamp(0, length)
-    stop = rows.ctx_stop.clamp(0, length)
-    nonempty = stop > start
-    delta = torch.zeros(length + 1, dtype=torch.long)  # +1 at each start, -1 at each stop
-    delta.index_add_(0, start[nonempty], torch.ones_like(start[nonempty]))
-    delta.index_add_(0, stop[nonempty], -torch.ones_like(stop[nonempty]))
-    return torch.cumsum(delta, 0)[:length] > 0
-
-
-def _owned_blocks(
-    seq_len: int, block_size: int, num_workers: int, worker: int, schedule: SchedulePolicy
-) -> tuple[int, ...]:
+def _check_worker(num_workers: int, worker: int) -> None:
     if not 0 <= worker < num_workers:
         raise ValueError(f"BP rank must be in [0, {num_workers}), got {worker}")
-    return block_schedule(seq_len // block_size, num_workers, schedule).blocks(worker)
 
 
-def _block_positions(blocks: tuple[int, ...], block_size: int) -> Tensor:
-    offsets = torch.arange(block_size)
-    return torch.cat([b * block_size + offsets for b in blocks])
-
-
-def _layout(
-    noisy_positions: Tensor,
-    clean_positions: Tensor,
+def _positions_layout(
+    seq_len: int,
     block_size: int,
+    cp: int,
+    bp: int,
+    local_rank: int,
+    schedule: SchedulePolicy,
     window: int | None,
-    owned_blocks: tuple[int, ...] | None = None,
     documents: Documents | None = None,
 ) -> RankLayout:
-    if owned_blocks is None:
-        owned_blocks = tuple(int(b) for b in torch.unique(noisy_positions // block_size))
+    """The layout of ``counts.layout_positions`` (the positions the cost model counts too). With
+    ``documents`` BP-only (``cp == 1 < bp``) keeps only each owned block's document prefix."""
+    noisy, clean, blocks = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule)
+    noisy_positions, clean_positions = torch.from_numpy(noisy), torch.from_numpy(clean)
+    if documents is not None and cp == 1 and bp > 1:
+        prefix = bd3_rows(noisy_positions, noisy_positions[:0], block_size=block_size, documents=documents)
+        cover = interval_cover(prefix.ctx_start.numpy(), prefix.ctx_stop.numpy(), seq_len)
+        clean_positions = torch.from_numpy(cover.nonzero()[0].astype("int64"))
     return RankLayout(
         rows=bd3_rows(noisy_positions, clean_positions, block_size=block_size, window=window, documents=documents),
         num_noisy=int(noisy_positions.shape[0]),
         noisy_positions=noisy_positions,
         clean_positions=clean_positions,
-        owned_blocks=owned_blocks,
+        owned_blocks=tuple(int(b) for b in blocks),
     )
 
 
