@@ -56,3 +56,19 @@ def test_document_traffic_is_counted_exactly() -> None:
             backward += sum(plan.recv_counts(rank))
         assert sent == (forward + backward) * row_bytes * model.num_layers
         assert forward < doc_ids.shape[0] * 16  # below the whole 16-row shard per sample
+
+
+@pytest.mark.multiprocess
+def test_attention_bench_documents_side_by_side() -> None:
+    """``csbp bench attention --doc-length``: cp-aware moves less than generic CP for the same FLOPs;
+    CSBP moves less than both; FLOPs fall below the unmasked run."""
+    from csbp.bench.attention import run_attention_bench
+
+    common = {"nproc": 2, "block_size": 8, "repeats": 1, "warmup": 0}
+    masked = {r.layout: r for r in run_attention_bench([128], layouts=["cp", "cp-aware", "csbp"], doc_length=16,
+                                                       **common)}
+    (unmasked,) = run_attention_bench([128], layouts=["csbp"], **common)
+    assert masked["cp-aware"].attn_flops_per_rank == masked["cp"].attn_flops_per_rank
+    assert masked["csbp"].kv_bytes_per_rank < masked["cp-aware"].kv_bytes_per_rank < masked["cp"].kv_bytes_per_rank
+    assert masked["csbp"].transport == "halo" and masked["cp-aware"].transport == "halo"
+    assert masked["csbp"].attn_flops_per_rank < 0.5 * unmasked.attn_flops_per_rank
