@@ -16,7 +16,8 @@ The sampler must use the block size and label alignment the model was trained wi
 ``final/`` export they default to ``objective.name``/``block_size``/``mask_token_id`` of the run's
 ``config.yaml`` (one directory up); otherwise to ``bd3`` with ``B = 16`` and the tokenizer's mask
 token. ``fast_dllm_v2`` decodes with token shift (position ``i`` predicted from row ``i-1``); an
-``mdlm`` model is one block of ``B = seq_len``. See ``csbp.generation.sampler`` for how the prompt
+``mdlm`` model is one block of ``B = seq_len``. A model trained with a sliding window
+(``topology.window``) is sampled with the same windowed mask (``--window`` for other checkpoints). See ``csbp.generation.sampler`` for how the prompt
 is aligned to the block grid.
 """
 
@@ -60,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--steps-per-block", type=int, default=None, help="denoising steps per block (default B)"
     )
+    parser.add_argument(
+        "--window", type=int, default=None, help="sliding attention window (default: the run's topology.window)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -74,8 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_objective_settings(model_dir: Path) -> dict[str, Any]:
-    """``{"objective", "block_size", "mask_token_id"}`` (those set) from ``RUN/config.yaml`` when
-    ``model_dir`` is ``RUN/final``; empty for any other checkpoint directory."""
+    """``{"objective", "block_size", "mask_token_id", "window"}`` (those set) from ``RUN/config.yaml``
+    when ``model_dir`` is ``RUN/final``; empty for any other checkpoint directory."""
     config_file = model_dir.parent / "config.yaml"
     if model_dir.name != "final" or not config_file.is_file():
         return {}
@@ -93,6 +97,9 @@ def run_objective_settings(model_dir: Path) -> dict[str, Any]:
     for field in ("block_size", "mask_token_id"):
         if objective.get(field) is not None:
             settings[field] = int(objective[field])
+    topology = loaded.get("topology")
+    if isinstance(topology, dict) and topology.get("window") is not None:
+        settings["window"] = int(topology["window"])
     return settings
 
 
@@ -103,6 +110,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
+    if args.window is not None and args.window <= 0:
+        raise ValueError(f"--window must be a positive integer, got {args.window}")
     model_dir: Path = args.model
     if not model_dir.is_dir():
         raise ValueError(
@@ -133,6 +142,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         token_shift=TOKEN_SHIFT_OBJECTIVES[objective],
         use_cache=not args.no_cache,
+        window=args.window if args.window is not None else run_settings.get("window"),
     )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
@@ -152,6 +162,8 @@ def run_generate(args: argparse.Namespace) -> int:
     stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
     print(
         f"[{objective}, {len(result.token_ids)} tokens, {len(result.block_starts)} blocks of {block_size}, "
-        f"{len(result.unmask_steps)} denoising steps, stopped at {stop}, {elapsed:.2f} s on {device}]"
+        f"{len(result.unmask_steps)} denoising steps, "
+        f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
+        f"{elapsed:.2f} s on {device}]"
     )
     return 0

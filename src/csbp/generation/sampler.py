@@ -56,6 +56,7 @@ class GenerationConfig:
         seed: seed of the CPU generator that draws sampled tokens.
         token_shift: position ``i`` is predicted from row ``i-1`` (Fast-dLLM v2 models).
         use_cache: use the clean-prefix KV cache (False recomputes the prefix every step).
+        window: the sliding window the model was trained with (``topology.window``), None: full.
     """
 
     max_new_tokens: int = 128
@@ -68,8 +69,11 @@ class GenerationConfig:
     seed: int = 0
     token_shift: bool = False
     use_cache: bool = True
+    window: int | None = None
 
     def __post_init__(self) -> None:
+        if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
+            raise ValueError(f"window must be None or a positive integer, got {self.window!r}")
         for name in ("max_new_tokens", "block_size", "steps_per_block"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -102,8 +106,8 @@ class GenerationResult:
 
 def _forward_for(model: Decoder, config: GenerationConfig) -> BlockForward:
     if config.use_cache:
-        return CachedBlockForward(model, config.block_size)
-    return RecomputeBlockForward(model, config.block_size)
+        return CachedBlockForward(model, config.block_size, config.window)
+    return RecomputeBlockForward(model, config.block_size, config.window)
 
 
 @torch.no_grad()
