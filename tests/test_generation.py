@@ -113,6 +113,42 @@ def test_cached_denoise_equals_training_layout_rows(model: Decoder) -> None:
     torch.testing.assert_close(before_1D, training_1RD[:, seq_len + block * BLOCK - 1], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("window", [3, 6])
+def test_windowed_sampling_uses_the_training_window(model: Decoder, window: int) -> None:
+    """A model trained with ``topology.window`` is sampled with the windowed BD3 mask: every cached
+    denoising and commit row equals the windowed *training* layout's row, the cache equals
+    recomputation token for token, and the window changes the samples."""
+    seq_len = 16
+    generator = torch.Generator().manual_seed(7)
+    clean_1L = torch.randint(0, MASK, (1, seq_len), generator=generator)
+    noisy_1L = torch.where(torch.rand(1, seq_len, generator=generator) < 0.5, MASK, clean_1L)
+    rows = bd3_rows(torch.arange(seq_len), torch.arange(seq_len), block_size=BLOCK, window=window)
+    with torch.no_grad():
+        training_1RD = model(
+            torch.cat((noisy_1L, clean_1L), dim=1), rows.pos, DenseMaskAttention(allow_matrix(rows, rows))
+        )
+        forward = CachedBlockForward(model, BLOCK, window)
+        forward.prefill(clean_1L[:, : 2 * BLOCK])  # two clean blocks at once: token-causal in the window
+        for block in (2, 3):
+            span = slice(block * BLOCK, (block + 1) * BLOCK)
+            denoised_1BD, before_1D = forward.denoise(noisy_1L[:, span], block * BLOCK)
+            torch.testing.assert_close(denoised_1BD, training_1RD[:, span], rtol=0, atol=1e-12)
+            assert before_1D is not None
+            torch.testing.assert_close(
+                before_1D, training_1RD[:, seq_len + block * BLOCK - 1], rtol=0, atol=1e-12
+            )
+            forward.commit(clean_1L[:, span], block * BLOCK)
+    prompt = [(5 * i + 2) % MASK for i in range(9)]
+    for options in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 20, "seed": 3}):
+        cached = run(model, prompt, window=window, use_cache=True, **options)
+        recomputed = run(model, prompt, window=window, use_cache=False, **options)
+        assert cached.token_ids == recomputed.token_ids
+    unwindowed = run(model, prompt, max_new_tokens=40, temperature=0.0)
+    assert run(model, prompt, max_new_tokens=40, temperature=0.0, window=window).token_ids != unwindowed.token_ids
+    with pytest.raises(ValueError, match="window"):
+        GenerationConfig(window=0)
+
+
 def test_cache_never_recomputes_the_prefix(model: Decoder) -> None:
     prompt = list(range(1, 10))  # 2 whole blocks prefilled, 1 prompt token carried into block 2
     result = run(model, prompt, steps_per_block=2, max_new_tokens=11)
@@ -281,6 +317,11 @@ def test_cli_takes_objective_and_block_size_from_the_run_config(
     )
     assert args.func(args) == 0
     assert "[fast_dllm_v2, 12 tokens, 2 blocks of 8" in capsys.readouterr().out
+    (tmp_path / "run" / "config.yaml").write_text(
+        "objective:\n  name: bd3\n  block_size: 4\ntopology:\n  window: 6\n"
+    )
+    assert args.func(args) == 0
+    assert "[bd3, 12 tokens, 4 blocks of 4, 12 denoising steps, window 6," in capsys.readouterr().out
     (tmp_path / "run" / "config.yaml").write_text("objective:\n  name: ar\n")
     with pytest.raises(ValueError, match="objective 'ar'"):
         args.func(args)

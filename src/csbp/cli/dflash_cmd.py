@@ -91,7 +91,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--tokenizer", type=Path, default=None, help="for --prompts (default: --target)")
     ev.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS)
     ev.add_argument(
-        "--prompt-len", type=int, default=DEFAULT_PROMPT_LEN, help="tokens per prompt (JSONL: keep the last P)"
+        "--prompt-len",
+        type=int,
+        default=None,
+        help=f"tokens per prompt (default {DEFAULT_PROMPT_LEN}, at most the artifact's seq_len - 1; "
+        "JSONL: keep the last P)",
     )
     ev.add_argument(
         "--context-lengths",
@@ -383,7 +387,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.dflash.evaluate import artifact_prompts, evaluate_drafter, format_report, jsonl_prompts
     from csbp.dflash.export import load_dflash
 
-    if args.max_new_tokens < 1 or args.num_prompts < 1 or args.prompt_len < 1:
+    if args.max_new_tokens < 1 or args.num_prompts < 1 or (args.prompt_len is not None and args.prompt_len < 1):
         raise ValueError("--max-new-tokens, --num-prompts and --prompt-len must be >= 1")
     if args.context_lengths is not None and (args.data is None or min(args.context_lengths) < 1):
         raise ValueError("--context-lengths: needs --data and lengths >= 1 (e.g. --context-lengths 32 128 255)")
@@ -399,7 +403,8 @@ def run_eval(args: argparse.Namespace) -> int:
         artifact = open_artifact(args.data)
         artifact.require_vocab_size(target.config.vocab_size)
         split = artifact.split(args.split)
-        lengths = args.context_lengths or [args.prompt_len]
+        default_len = min(DEFAULT_PROMPT_LEN, artifact.seq_len - 1)  # what training validation uses
+        lengths = args.context_lengths or [args.prompt_len if args.prompt_len is not None else default_len]
         prompts = [
             prompt
             for length in lengths
@@ -415,7 +420,10 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         tokenizer = load_tokenizer(args.tokenizer if args.tokenizer is not None else args.target)
         prompts = jsonl_prompts(
-            args.prompts, tokenizer.encode, num_prompts=args.num_prompts, prompt_len=args.prompt_len
+            args.prompts,
+            tokenizer.encode,
+            num_prompts=args.num_prompts,
+            prompt_len=args.prompt_len if args.prompt_len is not None else DEFAULT_PROMPT_LEN,
         )
         eos_id = tokenizer.eos_id if eos_id is None else eos_id
         too_big = [p.name for p in prompts if max(p.token_ids) >= target.config.vocab_size]
