@@ -11,6 +11,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_generation.py -q`
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer, models
 from csbp.attention.layouts import bd3_rows
 from csbp.attention.rows import allow_matrix
 from csbp.cli import generate_cmd
+from csbp.data.corpus import known_word_fraction
 from csbp.data.tokenizer import train_bpe_tokenizer
 from csbp.generation import (
     CachedBlockForward,
@@ -302,6 +304,12 @@ def test_cli_prints_prompt_and_completion(checkpoint: Path, capsys: pytest.Captu
     first = capsys.readouterr().out
     assert "prompt: the quick" in first and "completion: " in first and "<|mask|>" not in first
     assert "[bd3, 10 tokens" in first and "blocks of 4" in first
+    (checkpoint.parent / "known.txt").write_text("the quick brown fox", encoding="utf-8")
+    args = parse([*argv, "--known-words", str(checkpoint.parent / "known.txt")])
+    assert args.func(args) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(rf"words found in {re.escape(str(checkpoint.parent / 'known.txt'))}: \d+/\d+ \(\d+\.\d%\)", line)
+    assert known_word_fraction("the fox,  jumps\nthe", {"the", "fox"}) == (2, 4)  # "fox," is not "fox"
     args = parse([*argv, *"--temperature 0.8 --top-k 5 --seed 2 --objective fast_dllm_v2".split()])
     assert args.func(args) == 0
     assert "[fast_dllm_v2, 10 tokens" in capsys.readouterr().out

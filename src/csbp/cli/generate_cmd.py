@@ -74,6 +74,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--no-cache", action="store_true", help="recompute the clean prefix every step")
+    parser.add_argument(
+        "--known-words",
+        default=None,
+        metavar="TEXT|demo-corpus",
+        help="also print how many words of the completion occur in this text file (or the demo corpus)",
+    )
     parser.set_defaults(func=run_generate)
 
 
@@ -166,4 +172,20 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
         f"{elapsed:.2f} s on {device}]"
     )
+    if args.known_words is not None:
+        print(known_words_line(tokenizer.decode(result.token_ids), args.known_words))
     return 0
+
+
+def known_words_line(completion: str, source: str) -> str:
+    """``words found in <source>: k/n (p%)`` for the completion's whitespace-separated words."""
+    from csbp.data.corpus import corpus_words, demo_corpus_files, known_word_fraction
+
+    if source == "demo-corpus":
+        files = demo_corpus_files()
+    elif Path(source).is_file():
+        files = [Path(source)]
+    else:
+        raise ValueError(f"--known-words {source}: not a text file (or pass demo-corpus)")
+    known, total = known_word_fraction(completion, corpus_words(files))
+    return f"words found in {source}: {known}/{total} ({100.0 * known / max(total, 1):.1f}%)"
