@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint demo dflash-demo bench clean
+.PHONY: install test lint demo dflash-demo compare bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,16 @@ dflash-demo: $(ARTIFACT)/manifest.json
 	$(CSBP) train dflash-target --run-dir runs/dflash-target
 	$(CSBP) train dflash-demo --run-dir runs/dflash-demo
 	$(CSBP) dflash eval --target runs/dflash-target/final --drafter runs/dflash-demo/final --data $(ARTIFACT)
+
+# Quality at equal wall-clock: the dflash-demo drafter trained with CP-only (dp2 x cp2) and with
+# CSBP (dp2 x cp2 x bp2) for the same training seconds on the same 4 processes, one after the
+# other; acceptance length (lossless speculative decoding) at 4 equal time points. Trains the
+# dflash-demo target first when runs/dflash-target/final is missing.
+COMPARE_BUDGET_S ?= 120
+compare: $(ARTIFACT)/manifest.json
+	test -f runs/dflash-target/final/config.json || $(CSBP) train dflash-target --run-dir runs/dflash-target
+	rm -rf runs/compare-dflash
+	$(CSBP) compare dflash-demo --layouts cp,csbp --budget-s $(COMPARE_BUDGET_S) --points 4 --out runs/compare-dflash
 
 bench: $(STAMP)
 	$(CSBP) bench attention --json docs/bench/attention.json
