@@ -55,8 +55,12 @@ def test_impossible_layouts_fail_with_one_line(artifact: Path) -> None:
     with pytest.raises(ValueError, match="local >= 2 ranks per sample"):
         layout_config(cfg, "cp", 1)
     mdlm = _bd3(artifact, **{"objective.name": "mdlm", "objective.block_size": None})
-    with pytest.raises(ConfigError, match="layout 'cp'"):
+    with pytest.raises(ValueError, match="objective mdlm is data parallel only .* --layouts data"):
         layout_config(mdlm, "cp", 2)
+    assert layout_config(mdlm, "data", 2).topology.dp == 2
+    long_blocks = _bd3(artifact, **{"objective.block_size": 16})  # 2 blocks: too few for bp=4
+    with pytest.raises(ConfigError, match="layout 'bp': data.seq_len: .* fewer than bp=4"):
+        layout_config(long_blocks, "bp", 4)
 
 
 def test_budget_hook_evaluates_at_equal_time_points(tmp_path: Path) -> None:

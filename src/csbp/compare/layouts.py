@@ -25,6 +25,8 @@ from csbp.config.loading import config_from_dict
 from csbp.config.schema import RunConfig
 
 LAYOUT_NAMES: tuple[str, ...] = ("data", "cp", "bp", "csbp")
+SINGLE_STREAM = ("mdlm", "ar")
+"""Objectives without a clean stream or blocks: data parallel only."""
 
 
 def layout_topology(cfg: RunConfig, name: str, nproc: int) -> dict[str, Any]:
@@ -34,6 +36,11 @@ def layout_topology(cfg: RunConfig, name: str, nproc: int) -> dict[str, Any]:
         raise ValueError(f"--layouts: unknown layout {name!r}; choose from {', '.join(LAYOUT_NAMES)}")
     if name == "data":
         return {"dp": nproc, "cp": 1, "bp": 1, "replicate_clean_prefix": False}
+    if cfg.objective.name in SINGLE_STREAM:
+        raise ValueError(
+            f"--layouts: objective {cfg.objective.name} is data parallel only, so layout {name!r} does not "
+            "apply (fix: --layouts data, or compare a bd3 / fast_dllm_v2 / dflash run)"
+        )
     if nproc % topo.dp != 0 or nproc // topo.dp < 2:
         raise ValueError(
             f"--nproc {nproc}: layout {name!r} needs nproc = dp x local with local >= 2 ranks per sample "
