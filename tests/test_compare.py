@@ -55,7 +55,7 @@ def test_impossible_layouts_fail_with_one_line(artifact: Path) -> None:
     with pytest.raises(ValueError, match="local >= 2 ranks per sample"):
         layout_config(cfg, "cp", 1)
     mdlm = _bd3(artifact, **{"objective.name": "mdlm", "objective.block_size": None})
-    with pytest.raises(ValueError, match="objective mdlm is data parallel only .* --layouts data"):
+    with pytest.raises(ValueError, match="objective mdlm is data parallel only, .*fix: --layouts data"):
         layout_config(mdlm, "cp", 2)
     assert layout_config(mdlm, "data", 2).topology.dp == 2
     long_blocks = _bd3(artifact, **{"objective.block_size": 16})  # 2 blocks: too few for bp=4
