@@ -34,13 +34,14 @@ $(ARTIFACT)/manifest.json: $(STAMP)
 	$(CSBP) data prepare --demo-corpus --out $(ARTIFACT) --seq-len 256 --train-tokenizer \
 		--vocab-size 2048 --val-fraction 0.05 --overwrite
 
-# The main job: BD3 with CSBP (cp=2, bp=4) on 4 CPU processes; ends with a sample and
-# `val_loss: <first> -> <last>`. Each `make demo` starts runs/demo afresh.
+# The main job: BD3 (blocks of 4) with CSBP (cp=2, bp=2) on 2 CPU processes; ends with a sample,
+# the share of its words found in the corpus, and `val_loss: <first> -> <last>`. Each `make demo`
+# starts runs/demo afresh.
 demo: $(ARTIFACT)/manifest.json
 	rm -rf runs/demo && mkdir -p runs
 	set -o pipefail; $(CSBP) train demo --run-dir runs/demo --set train.generate_after=false | tee runs/demo.log
 	$(CSBP) generate --model runs/demo/final --prompt "ROMEO. " --max-new-tokens 48 \
-		--temperature 0.8 --top-k 40 --seed 0
+		--temperature 0.8 --top-k 40 --seed 0 --known-words demo-corpus
 	@grep '^val_loss:' runs/demo.log
 
 # A DFlash drafter: train a small AR target, then the drafter with CSBP (cp=2, bp=2), then
