@@ -63,6 +63,14 @@ def test_impossible_layouts_fail_with_one_line(artifact: Path) -> None:
         layout_config(long_blocks, "bp", 4)
 
 
+def test_drafter_comparison_needs_the_served_validation(artifact: Path, tmp_path: Path) -> None:
+    target = export_target(tmp_path / "target", open_artifact(artifact).vocab_size, tokenizer_dir=artifact)
+    cfg = config_from_dict(dflash_dict(artifact, target, **{"objective.dflash.eval_prompts": 0}))
+    options = CompareOptions(layouts=("cp", "csbp"), budget_s=1.0, nproc=2, out_dir=tmp_path / "cmp")
+    with pytest.raises(ValueError, match="objective.dflash.eval_prompts: 0 turns off"):
+        run_compare(cfg, options)
+
+
 def test_budget_hook_evaluates_at_equal_time_points(tmp_path: Path) -> None:
     """Point k is taken at the first step whose clock reaches k S / K; the run stops at point K."""
 

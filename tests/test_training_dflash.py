@@ -78,6 +78,8 @@ def dflash_dict(artifact: Path, target: Path, **changes: Any) -> dict[str, Any]:
                 "target_layer_ids": [0, 2],
                 "max_anchors": 6,
                 "gamma": 4.0,
+                "eval_prompts": 2,  # speculative-decoding validation: 2 prompts of 8 new tokens
+                "eval_new_tokens": 8,
             },
         },
         "optim": {"lr": 3e-3, "warmup_steps": 1},
@@ -176,7 +178,8 @@ def test_validation_reports_the_acceptance_length_eval_measures(
     assert rates == sorted(rates, reverse=True) and all(0.0 <= r <= 1.0 for r in rates)
     assert 1.0 <= last["val_acceptance_length"] <= 4.0
     assert main(["dflash", "eval", "--target", str(target), "--drafter", str(full_run / "final"),
-                 "--data", str(artifact), "--no-check-lossless"]) == 0  # fmt: skip
+                 "--data", str(artifact), "--no-check-lossless", "--num-prompts", "2",
+                 "--max-new-tokens", "8"]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert printed.strip().splitlines()[-1] == f"acceptance_length: {last['val_acceptance_length']:.3f}"
     assert "per-position acceptance [" + " ".join(f"{r:.3f}" for r in rates) + "]" in printed

@@ -58,6 +58,11 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
         raise ValueError(
             f"--out {options.out_dir} is not empty (fix: --resume to continue that comparison, or another --out)"
         )
+    if cfg.objective.dflash is not None and cfg.objective.dflash.eval_prompts < 1:
+        raise ValueError(
+            "objective.dflash.eval_prompts: 0 turns off the speculative-decoding validation csbp compare "
+            "measures drafters with (fix: set it >= 1, e.g. 8)"
+        )
     plan = []
     for name in options.layouts:
         layout_cfg = layout_config(cfg, name, options.nproc)

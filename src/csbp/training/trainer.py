@@ -262,6 +262,8 @@ def step_runner_for(
             total_steps=cfg.train.max_steps,
             features=inputs.dflash.feature_store(inputs.artifact.split("train")),
             eos_id=inputs.artifact.special_ids["eos"],
+            served_prompts=cfg.objective.dflash.eval_prompts if cfg.objective.dflash is not None else 0,
+            served_new_tokens=cfg.objective.dflash.eval_new_tokens if cfg.objective.dflash is not None else 64,
         )
     return StepRunner(
         model,
