@@ -133,6 +133,8 @@ def test_interrupted_comparison_resumes(artifact: Path, tmp_path: Path, monkeypa
     assert result["clock_s"] >= 0.6 and result["points"][-1]["metric"] < result["points"][0]["metric"]
     again = run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True}))  # all done: read back
     assert again == [json.loads(json.dumps(result))]
+    (tmp_path / "cmp" / "data" / "result.json").unlink()  # interrupted after its last point
+    assert run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True})) == again  # no extra step
     text = format_table(again + again, metric="val_loss", higher_is_better=False)
     assert "at the budget: data" in text and "point" in text
     assert plot_compare(again, tmp_path / "c.png", metric="val_loss", title="t").stat().st_size > 0

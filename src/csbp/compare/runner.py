@@ -108,11 +108,12 @@ def _train_layout(name: str, cfg: RunConfig, options: CompareOptions, rank: int)
         run_dir=run_dir,
         state=state,
     )
-    summary = train(cfg, run_dir=run_dir, resume=state is not None, hook=hook)
+    if not hook.finished:  # a layout interrupted after its last point only lacks result.json
+        train(cfg, run_dir=run_dir, resume=state is not None, hook=hook)
     result = {
         "layout": name,
         "topology": {key: cfg.topology.model_dump()[key] for key in ("dp", "cp", "bp", "replicate_clean_prefix")},
-        "steps": summary.end_step,
+        "steps": hook.state.step,
         "clock_s": hook.state.clock_s,
         "points": [asdict(point) for point in hook.state.points],
     }
