@@ -61,8 +61,8 @@ def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.Cap
     config.write_text(recipe_path("demo").read_text(encoding="utf-8"), encoding="utf-8")
     code, out, _ = run(capsys, "config", "validate", str(config))
     assert code == 0
-    assert f"note: data.train does not exist yet: {tmp_path / 'artifacts' / 'demo'}" in out
-    (tmp_path / "artifacts" / "demo").mkdir(parents=True)
+    assert f"note: data.train does not exist yet: {tmp_path / 'artifacts' / 'demo-4k'}" in out
+    (tmp_path / "artifacts" / "demo-4k").mkdir(parents=True)
     code, out, _ = run(capsys, "config", "validate", str(config))
     assert code == 0 and "note:" not in out
 

@@ -151,6 +151,19 @@ def test_windowed_sampling_uses_the_training_window(model: Decoder, window: int)
         GenerationConfig(window=0)
 
 
+def test_left_to_right_order_fills_each_block_from_the_left(model: Decoder) -> None:
+    prompt = [(3 * i + 1) % MASK for i in range(6)]
+    result = run(model, prompt, steps_per_block=2, unmask_order="left_to_right", temperature=0.0)
+    filled = [position for step in result.unmask_steps for position, _ in step]
+    assert filled == sorted(filled) and filled == list(range(6, 6 + 21))  # leftmost first, in order
+    assert run(model, prompt, steps_per_block=2, unmask_order="left_to_right", use_cache=False).token_ids == (
+        result.token_ids
+    )
+    assert result.token_ids != run(model, prompt, steps_per_block=2, temperature=0.0).token_ids
+    with pytest.raises(ValueError, match="unmask_order"):
+        GenerationConfig(unmask_order="random")
+
+
 def test_cache_never_recomputes_the_prefix(model: Decoder) -> None:
     prompt = list(range(1, 10))  # 2 whole blocks prefilled, 1 prompt token carried into block 2
     result = run(model, prompt, steps_per_block=2, max_new_tokens=11)

@@ -70,6 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--threshold", type=float, default=None, help="also unmask every proposal at least this confident"
     )
+    parser.add_argument(
+        "--unmask-order",
+        choices=("confidence", "left_to_right"),
+        default="confidence",
+        help="which masked positions of a block to fill first (default: the most confident)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -149,6 +155,7 @@ def run_generate(args: argparse.Namespace) -> int:
         token_shift=TOKEN_SHIFT_OBJECTIVES[objective],
         use_cache=not args.no_cache,
         window=args.window if args.window is not None else run_settings.get("window"),
+        unmask_order=args.unmask_order,
     )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
