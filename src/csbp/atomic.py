@@ -49,6 +49,11 @@ def check_replaceable(target: str | os.PathLike[str], owned: Ownership | None, *
             f"{flag} {target}: is the working directory or one of its parents, which csbp never replaces "
             "(fix: pass a new subdirectory)"
         )
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{flag} {target}: {ancestor} is a file, not a directory (fix: choose another path)")
     if not path.exists():
         return path
     if not path.is_dir():

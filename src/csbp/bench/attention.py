@@ -26,6 +26,7 @@ from csbp.bench.common import (
     add_layout_options,
     add_output_options,
     add_transport_option,
+    check_head_options,
     format_ratio_table,
     launch_cell,
     max_over_ranks,
@@ -218,6 +219,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_attention_bench_command(args: argparse.Namespace) -> int:
+    check_head_options(args)  # before anything is printed or launched
     print(
         f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"
         f"{args.num_kv_heads}x{args.head_dim} layers={args.num_layers} window={args.window} "

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
+from csbp.cli.options import device_option
+
 if TYPE_CHECKING:
     from csbp.dflash.config import DFlashConfig
     from csbp.dflash.drafter import DFlashDrafter
@@ -105,7 +107,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
 
 
 def _load_target(path: Path, args: argparse.Namespace, *, device: str | None = None) -> Decoder:

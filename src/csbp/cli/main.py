@@ -24,6 +24,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from csbp import __version__
 from csbp.interrupts import Interrupted, sigterm_raises
@@ -44,9 +45,17 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 USER_ERROR_EXIT_CODE = 2
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (``csbp train: error: ... (see ... --help)``);
+    sub-parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USER_ERROR_EXIT_CODE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The root parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="csbp",
         description="Context-sharded block parallelism: train block-diffusion language models.",
     )
@@ -91,12 +100,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
 
 
+_OS_ERROR_FIXES: dict[type[OSError], str] = {
+    FileExistsError: "a file is in the way: choose another path or move it",
+    NotADirectoryError: "a file is where a directory is expected: choose another path",
+    IsADirectoryError: "a directory is where a file is expected: choose another path",
+    PermissionError: "choose a path you may write, or change its permissions",
+}
+
+
 def describe_os_error(exc: OSError) -> str:
-    """One line naming the file(s) of an ``OSError`` and what went wrong."""
+    """One line naming the file(s) of an ``OSError``, what went wrong and what to do."""
     reason = exc.strerror or str(exc) or type(exc).__name__
     names = [str(name) for name in (exc.filename, exc.filename2) if name is not None]
     where = " -> ".join(names)
-    return f"{where}: {reason} ({type(exc).__name__})" if where else f"{reason} ({type(exc).__name__})"
+    fix = next((text for kind, text in _OS_ERROR_FIXES.items() if isinstance(exc, kind)), "check the path")
+    line = f"{reason} ({type(exc).__name__}) (fix: {fix})"
+    return f"{where}: {line}" if where else line
 
 
 if __name__ == "__main__":

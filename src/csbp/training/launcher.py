@@ -40,13 +40,14 @@ import torch.distributed as dist
 from csbp.config.schema import RunConfig
 from csbp.interrupts import Interrupted
 from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher, report_stall
-from csbp.training.preflight import check_run, verify_data_fingerprints
+from csbp.training.preflight import check_run, verify_data
 from csbp.training.trainer import STARTUP_TIMEOUT_S, TrainSummary, default_run_dir, stop_step_of, train
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 STALL_MARKER = "stopped responding"
 LOOPBACK = "127.0.0.1"
-"""Single-node launches keep their rendezvous store on the loopback interface."""
+LOOPBACK_INTERFACE = "lo"
+"""Single-node launches rendezvous at 127.0.0.1 and keep gloo's worker connections on loopback."""
 
 
 class TrainingFailed(RuntimeError):
@@ -96,8 +97,8 @@ def launch_training(
     options = options or LaunchOptions()
     run_dir = Path(run_dir if run_dir is not None else default_run_dir(cfg)).absolute()
     stop_step = stop_step_of(cfg, max_steps)
-    check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step, warn=_warn)
-    verify_data_fingerprints(cfg)  # under torchrun every rank checks, so none waits for a failed one
+    inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step, warn=_warn)
+    verify_data(cfg, inputs)  # under torchrun every rank checks, so none waits for a failed one
     if inside_torchrun():
         return train_in_process_group(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
     nproc = options.nproc if options.nproc is not None else cfg.num_local_processes
@@ -273,6 +274,8 @@ def _launch_workers(
     )
     env = {} if torch.cuda.is_available() else {"OMP_NUM_THREADS": "1"}
     env[REPORT_DIR_ENV] = str(log_dir)
+    if options.nnodes == 1 and options.rdzv_endpoint is None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = LOOPBACK_INTERFACE  # one node: worker traffic stays on loopback
     # multiprocessing's resource tracker (started with this interpreter's -W options) cleans up after
     # workers that were stopped by a signal, and would print a "leaked semaphore" warning about it.
     if _TRACKER_QUIET not in sys.warnoptions:

@@ -6,7 +6,7 @@ shape and the objective, and checks what the config schema cannot see on its own
 * the artifact's ``seq_len`` equals ``data.seq_len``; a configured tokenizer has the artifact's
   fingerprint; a validation artifact matches the training one;
 * every token id of the data is an embedding row (the largest id the manifest records, vouched for
-  by the content fingerprint that :func:`verify_data_fingerprints` recomputes before a launch); the
+  by the content fingerprint that :func:`verify_data` recomputes before a launch); the
   mask token is a vocabulary id;
 * the objective runs on the topology (``mdlm``/``ar`` are single-stream: ``cp = bp = 1``) and its
   options map onto the objective; ``dflash`` runs are checked against their target and data by
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from csbp.config.schema import RunConfig
-from csbp.data.artifact import Artifact, ArtifactSplit, open_artifact
+from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit, max_token_id, open_artifact
 from csbp.data.tokenizer import load_tokenizer, special_tokens_from_names
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
@@ -310,12 +310,22 @@ def _check_token_ids(cfg: RunConfig, inputs: RunInputs) -> None:
             )
 
 
-def verify_data_fingerprints(cfg: RunConfig) -> None:
-    """Hash the data files and compare with each manifest's ``content_fingerprint`` (reads all data
-    once; ``csbp train`` does it before launching, not on every rank)."""
-    for directory in (cfg.data.train, cfg.data.val):
-        if directory is not None:
-            open_artifact(Path(directory)).verify_fingerprint()
+def verify_data(cfg: RunConfig, inputs: RunInputs) -> None:
+    """Read every data file once: each manifest's ``content_fingerprint`` must match the files, and
+    the largest token id actually stored must be an embedding row (``csbp train`` does this before
+    launching; :func:`check_run` on each rank only reads the recorded largest id)."""
+    vocab = inputs.decoder_config.vocab_size
+    for field, directory in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
+        if directory is None:
+            continue
+        artifact = open_artifact(Path(directory))
+        artifact.verify_fingerprint()
+        largest = max(max_token_id(artifact.directory, split) for split in SPLITS)
+        if largest >= vocab:
+            raise ValueError(
+                f"{field}: {artifact.directory} holds token id {largest}, outside the model vocabulary "
+                f"[0, {vocab}) (fix: re-run csbp data prepare with the model's tokenizer)"
+            )
 
 
 def _check_batches(cfg: RunConfig, inputs: RunInputs) -> None:
