@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
@@ -122,15 +123,21 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def safe_dcp_load(state_dict: dict[str, Any], checkpoint: Path, *, no_dist: bool) -> None:
-    """``dcp.load`` into ``state_dict`` through the safe reader and planner."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(
-            state_dict,
-            storage_reader=SafeFileSystemReader(str(checkpoint)),
-            planner=SafeLoadPlanner(),
-            no_dist=no_dist,
-        )
+    """``dcp.load`` into ``state_dict`` through the safe reader and planner; a failure on any rank
+    is a ``ValueError`` naming the checkpoint and the first rank's error."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(
+                state_dict,
+                storage_reader=SafeFileSystemReader(str(checkpoint)),
+                planner=SafeLoadPlanner(),
+                no_dist=no_dist,
+            )
+    except CheckpointException as exc:
+        failures = sorted(exc.failures.items(), key=lambda item: item[0])
+        first = f"rank {failures[0][0]}: {failures[0][1][0]}" if failures else str(exc)
+        raise ValueError(f"checkpoint {checkpoint} could not be loaded: {first.splitlines()[0]}") from None
 
 
 def checkpoint_problem(checkpoint: Path, *, state_file: str | None = "trainer_state.json") -> str | None:

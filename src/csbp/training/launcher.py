@@ -282,7 +282,7 @@ def _launch_workers(
         sys.warnoptions.append(_TRACKER_QUIET)
     watcher = StallWatcher(log_dir)
     try:
-        with _environment(env), _quiet_elastic_logs(), watcher:
+        with _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher:
             results: dict[int, Any] = elastic_launch(config, _elastic_worker)(
                 cfg, str(run_dir), resume, max_steps
             )
@@ -365,6 +365,18 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _private_tempdir(directory: Path) -> Iterator[None]:
+    """Temporary files this process creates for the launch (torch's per-worker error files, which a
+    killed worker never removes) go to ``directory``, which the launcher deletes afterwards."""
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(directory)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
 
 
 @contextlib.contextmanager
