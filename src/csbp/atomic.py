@@ -83,7 +83,7 @@ def write_directory_atomically(
     """
     target = Path(path)
     if target.exists() and not overwrite:
-        raise ValueError(f"{flag} {target}: already exists (fix: choose another path, or pass --overwrite)")
+        raise ValueError(f"{flag} {target}: already exists (fix: choose another path, or pass --overwrite / overwrite=True)")
     absolute = check_replaceable(target, owned, flag=flag)
     absolute.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{absolute.name}.tmp-", dir=absolute.parent))
