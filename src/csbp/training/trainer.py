@@ -204,12 +204,12 @@ def train(
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
     started = time.perf_counter()
+    device = training_device()
     if dist.is_initialized():
         dist.barrier()  # every rank is past its pre-flight: group creation below is quick everywhere
     ctx = build_parallel_context(
         cfg.topology.to_topology(), timeout=timedelta(seconds=cfg.train.collective_timeout_s)
     )
-    device = training_device()
     is_rank0 = ctx.coords.rank == 0
     torch.manual_seed(cfg.run.seed)
 
