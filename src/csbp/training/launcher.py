@@ -157,10 +157,13 @@ def train_in_process_group(
     except (dist.DistError, RuntimeError) as exc:
         if not is_collective_failure(exc):
             raise
-        # Tearing the groups down (here or at interpreter exit) can block on the lost peer: once the
-        # error is on record, this process ends without that teardown.
-        peers_lost = True
-        atexit.register(_leave_now, 1)
+        if is_timeout(exc):
+            # Tearing the groups down (here or at interpreter exit) would block on the stalled peer:
+            # once the error is on record, this process ends without that teardown. (A peer that
+            # died closed its connections: the normal teardown is quick and gives that peer's own
+            # error time to be recorded first.)
+            peers_lost = True
+            atexit.register(_leave_now, 1)
         raise TrainingFailed(collective_failure_message(cfg, rank, exc, heartbeat)) from exc
     finally:
         heartbeat.stop()
@@ -174,7 +177,7 @@ def collective_failure_message(cfg: RunConfig, rank: int, exc: BaseException, he
     host are ended, so the launcher need not wait for them)."""
     first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
     limit = f"train.collective_timeout_s={cfg.train.collective_timeout_s:g} s"
-    silent = heartbeat.silent_ranks()
+    silent = heartbeat.silent_ranks() if is_timeout(exc) else []  # a dead peer closes its connections
     if silent:
         names = ", ".join(peer.describe() for peer in silent)
         message = (
@@ -198,6 +201,11 @@ _COLLECTIVE_FAILURE_MARKERS = (
     "timed out",
     "timeout",
 )
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """True when a collective gave up waiting (rather than finding its peer gone)."""
+    return any(marker in str(exc).lower() for marker in ("timed out", "timeout"))
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -288,7 +296,8 @@ def _launch_workers(
             )
     except ChildFailedError as exc:
         failure = _failure(exc)
-        if watcher.message:  # a rank named a stalled peer: that is the story, whatever died first
+        if watcher.message and not _is_root_cause(str(failure)):
+            # a rank named a stalled peer and no rank raised an error of its own: that is the story
             failure = TrainingFailed(f"training failed: {watcher.message}", expected=True)
         raise failure from None
     except SignalException as exc:
@@ -318,13 +327,17 @@ def remove_staging_leftovers(run_dir: Path) -> None:
 def _failure(exc: Any) -> TrainingFailed:
     """The first failing rank's message (and traceback) from torch elastic's error report.
 
-    A rank that names a stalled peer is preferred, then any rank that raised a Python error, over
-    ranks that were killed (a stalled rank ended by a peer, or a worker torch elastic stopped)."""
+    Preferred, earliest first: a rank's own error (the root cause), then a rank naming a stalled
+    peer, then any collective failure, over ranks that were killed (a stalled rank ended by the
+    launcher, or a worker torch elastic stopped), whose report says nothing."""
     rank, failure = exc.get_first_failure()
     texts = {r: _failure_text(f) for r, f in exc.failures.items()}
-    if os.environ.get("CSBP_DEBUG_FAILURES"):
-        print({r: (f.timestamp, f.exitcode, texts[r][:300]) for r, f in exc.failures.items()}, file=sys.stderr)
-    for wanted in (lambda text: STALL_MARKER in text, lambda text: bool(text) and not text.startswith("Signal ")):
+    preferences = (
+        lambda text: bool(text) and not text.startswith(("TrainingFailed: ", "Signal ")),  # a rank's own error
+        lambda text: STALL_MARKER in text,
+        lambda text: bool(text) and not text.startswith("Signal "),
+    )
+    for wanted in preferences:
         chosen = sorted((f.timestamp, r) for r, f in exc.failures.items() if wanted(texts[r]))
         if chosen:
             rank = chosen[0][1]
@@ -343,6 +356,12 @@ def _failure(exc: Any) -> TrainingFailed:
 
 
 _EXPECTED_ERRORS = ("TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ")
+
+
+def _is_root_cause(message: str) -> bool:
+    """True for a rank's own error (not a collective that failed because of another rank, not a kill)."""
+    text = message.split(": ", 1)[-1]
+    return bool(text) and not text.startswith(("TrainingFailed: ", "Signal ", "exited with code"))
 
 
 def _failure_text(failure: Any) -> str:
