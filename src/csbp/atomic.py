@@ -9,6 +9,7 @@ directory and its parents included, is refused with one line, before any work st
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -114,3 +115,10 @@ def replace_directory(built: Path, target: Path) -> None:
     finally:
         shutil.rmtree(retired, ignore_errors=True)
 
+
+def write_json_atomic(path: Path, payload: object) -> None:
+    """Write JSON through a temporary file and ``os.replace`` (never a half-written artifact)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)

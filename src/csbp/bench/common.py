@@ -17,8 +17,6 @@ function that returns one ``dict[str, float]`` of results per topology, in order
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
 import time
@@ -31,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from csbp.atomic import write_json_atomic
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
 from csbp.cli.options import positive_int
 from csbp.parallel.launch import run_local
@@ -97,10 +96,11 @@ def launch_cell(
     *,
     timeout_s: float,
 ) -> list[list[dict[str, float]]]:
-    """Run ``worker`` over ``cell`` on ``nproc`` processes; ``results[layout][rank]``."""
+    """Run ``worker`` over ``cell`` on ``nproc`` processes; ``results[entry][rank]`` for each entry the
+    worker returns (one per layout, or per layout and variant)."""
     with fixed_mmap_threshold():
         per_rank = run_local(worker, nproc, (cell, cfg), timeout_s=timeout_s)
-    return [[rank_results[index] for rank_results in per_rank] for index in range(len(cell))]
+    return [[rank_results[index] for rank_results in per_rank] for index in range(len(per_rank[0]))]
 
 
 def max_over_ranks(results: list[dict[str, float]], key: str) -> int:
@@ -255,14 +255,6 @@ def add_output_options(parser: argparse.ArgumentParser, *, png_help: str | None 
         parser.add_argument("--png", type=Path, default=None, help=png_help)
 
 
-def write_json_atomic(path: Path, payload: object) -> None:
-    """Write JSON through a temporary file and ``os.replace`` (never a half-written artifact)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 def write_outputs(
     table: str,
     records: Sequence[Any],
@@ -270,9 +262,11 @@ def write_outputs(
     *,
     plot_group_by: str | None = None,
     plot_title: str | None = None,
+    plot_records: Sequence[Any] | None = None,
 ) -> None:
     """Print ``table``, write ``--json``, and with ``plot_title`` the speedup plot to ``--png`` (default:
-    ``--json`` with suffix ``.png``) when the layouts include CP-only."""
+    ``--json`` with suffix ``.png``) when the layouts include CP-only; ``plot_records`` (default: all)
+    are the records plotted."""
     print(table)
     if args.json is not None:
         write_json_atomic(args.json, records_as_dicts(records))
@@ -285,7 +279,8 @@ def write_outputs(
     if "cp" in args.layouts:
         from csbp.bench.plot import plot_speedups
 
-        plot_speedups(records_as_dicts(records), png, group_by=plot_group_by, title=plot_title)
+        plotted = records if plot_records is None else plot_records
+        plot_speedups(records_as_dicts(plotted), png, group_by=plot_group_by, title=plot_title)
         print(f"wrote {png}")
     else:
         print("no plot: speedups are relative to CP-only, add 'cp' to --layouts")

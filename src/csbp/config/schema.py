@@ -340,6 +340,17 @@ class TopologySection(_Section):
         "dual_end", description="Block schedule over BP ranks: dual-end pairs or contiguous (ablation)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_is_resolved_at_launch(cls, data: Any) -> Any:
+        """``topology: auto`` is replaced by the planner's layout in ``csbp train`` (csbp.plan.auto)."""
+        if data == "auto":
+            raise ConfigRuleError(
+                [("", "'auto' is chosen by the planner when the run launches",
+                  "run `csbp train CONFIG --nproc N` (it plans for N processes), or set dp, cp and bp")]
+            )
+        return data
+
     @model_validator(mode="after")
     def _check_layout(self) -> TopologySection:
         try:
@@ -410,6 +421,11 @@ class TrainSection(_Section):
     save_every: int = Field(0, ge=0, description="Steps between checkpoints; 0: only at the end.")
     keep_checkpoints: int = Field(2, gt=0, description="Most recent checkpoints kept on disk.")
     fsdp: bool = Field(False, description="Shard parameters and optimizer state (FSDP2).")
+    activation_checkpointing: Literal["none", "full"] = Field(
+        "none",
+        description="full: keep only each decoder (or drafter) layer's input and recompute the layer "
+        "in backward (exact; the recompute repeats the layer's attention collectives).",
+    )
     collective_timeout_s: float = Field(
         300.0,
         gt=0.0,
