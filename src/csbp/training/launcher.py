@@ -151,24 +151,20 @@ def train_in_process_group(
     dist.init_process_group(backend, timeout=timeout)
     rank = dist.get_rank()
     heartbeat = Heartbeat(rank, dist.get_world_size())
-    peers_lost = False
     try:
         summary = train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
-    except (dist.DistError, RuntimeError) as exc:
-        if not is_collective_failure(exc):
-            raise
-        if is_timeout(exc):
-            # Tearing the groups down (here or at interpreter exit) would block on the stalled peer:
-            # once the error is on record, this process ends without that teardown. (A peer that
-            # died closed its connections: the normal teardown is quick and gives that peer's own
-            # error time to be recorded first.)
-            peers_lost = True
-            atexit.register(_leave_now, 1)
-        raise TrainingFailed(collective_failure_message(cfg, rank, exc, heartbeat)) from exc
+    except BaseException as exc:
+        # No teardown on failure: this process ends as soon as its error is on record (atexit runs
+        # after torch elastic's error file is written). Tearing the groups down first would close
+        # the connections, so the peers would report "connection closed" before this rank reported
+        # the cause, and with a stalled peer the teardown itself would block.
+        atexit.register(_leave_now, 1)
+        if isinstance(exc, (dist.DistError, RuntimeError)) and is_collective_failure(exc):
+            raise TrainingFailed(collective_failure_message(cfg, rank, exc, heartbeat)) from exc
+        raise
     finally:
         heartbeat.stop()
-        if dist.is_initialized() and not peers_lost:
-            dist.destroy_process_group()
+    dist.destroy_process_group()
     return summary if rank == 0 else None
 
 

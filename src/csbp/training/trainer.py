@@ -349,10 +349,7 @@ class _Loop:
                 continue
             self._skipped_in_a_row = 0
             self.optimizer.step()
-            if self.runner.grad_sync is not None:
-                self.runner.grad_sync.zero_grad()  # .grad stays a view of its bucket
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             self.scheduler.step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -386,10 +383,16 @@ class _Loop:
                 checkpoint = self._save(step)
         return checkpoint
 
+    def _zero_grad(self) -> None:
+        if self.runner.grad_sync is not None:
+            self.runner.grad_sync.zero_grad()  # .grad stays a view of its bucket
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
     def _non_finite(self, step: int, loss: float, grad_norm: float, checkpoint: Path | None) -> None:
         """Apply ``train.nan_policy`` to a step whose loss or gradient norm is not finite (the same
         decision on every rank: both numbers are global). The update is never applied."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grad()
         what = f"step {step}: loss {loss} and grad_norm {grad_norm}: not finite"
         if self.cfg.train.nan_policy == "skip" and self._skipped_in_a_row < MAX_SKIPPED_STEPS:
             self._skipped_in_a_row += 1
