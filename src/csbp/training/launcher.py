@@ -13,8 +13,13 @@ process starts, then:
   endpoint is the master address). On CPU each worker gets one thread (``OMP_NUM_THREADS=1``).
 
 Failures: a worker that raises is reported by torch elastic, which stops the other workers (no
-hang); :class:`TrainingFailed` carries the failing rank's message and traceback. Ranks blocked in a
-collective with a dead peer give up after ``collective_timeout_s`` at the latest. The run
+hang); :class:`TrainingFailed` carries the failing rank's message and traceback (the cause is
+preferred over the connection errors it causes in its peers). Every process group is bounded by
+``collective_timeout_s`` during the step loop; a rank whose collective times out names the peers whose
+heartbeat stopped (:mod:`csbp.training.liveness`) and the launching process ends them. Ctrl-C and
+``SIGTERM`` raise :class:`~csbp.interrupts.Interrupted` after the workers are stopped. torch elastic's
+temporary files live in a private directory removed after the launch, as are half-written
+``checkpoints/step_N.tmp``. A single-node launch rendezvouses on 127.0.0.1 and keeps gloo on ``lo``. The run
 directory must be on a filesystem every node sees (checkpoints are written by all ranks).
 """
 
