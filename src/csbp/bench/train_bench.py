@@ -48,6 +48,7 @@ from csbp.bench.common import (
     add_transport_option,
     bench_documents,
     check_device_option,
+    check_head_options,
     check_run_options,
     format_ratio_table,
     launch_cell,
@@ -397,6 +398,7 @@ def register_train_bench(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_train_bench_command(args: argparse.Namespace) -> int:
+    check_head_options(args)  # before anything is printed or launched
     check_device_option(args)
     print(
         f"csbp bench train: objectives={','.join(args.objectives)} nproc={args.nproc} block={args.block_size} "

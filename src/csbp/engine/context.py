@@ -11,6 +11,7 @@ selects that device (``torch.cuda.set_device``) *before* creating the process gr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -68,11 +69,14 @@ def single_process_context(device: torch.device | str = "cpu") -> ParallelContex
     return ParallelContext(topology, topology.coords(0), None, TrafficCounter(), torch.device(device))
 
 
-def build_parallel_context(topology: Topology, device: torch.device | str | None = None) -> ParallelContext:
+def build_parallel_context(
+    topology: Topology, device: torch.device | str | None = None, *, timeout: timedelta | None = None
+) -> ParallelContext:
     """Create the process groups of ``topology``; call on every rank after ``init_process_group``.
 
     ``device`` is this rank's compute device (default: the device the world group's backend
     serves, see ``csbp.devices.backend_device``); it is selected before any group is created.
+    ``timeout`` bounds every collective of every group (None: torch's default).
     """
     device = backend_device() if device is None else torch.device(device)
     select_device(device)
@@ -83,5 +87,5 @@ def build_parallel_context(topology: Topology, device: torch.device | str | None
                 "launch with `csbp train --nproc N` or torchrun"
             )
         return single_process_context(device)
-    groups = build_process_groups(topology)
+    groups = build_process_groups(topology, timeout=timeout)
     return ParallelContext(topology, groups.coords, groups, TrafficCounter(), device)
