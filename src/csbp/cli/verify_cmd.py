@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from csbp.attention.backends import check_backend_trains_on
 from csbp.engine.verify import VerifyCase, layouts_for, verify
 from csbp.topology import Topology
 
@@ -32,6 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--samples", type=int, default=2, help="samples per data-parallel replica")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--backend", choices=("auto", "tiles", "flex"), default="auto",
+        help="attention backend (auto: flex on CUDA, tiles on CPU); verify runs on CPU processes",
+    )
     parser.add_argument(
         "--objective",
         choices=("bd3", "dflash"),
@@ -67,6 +72,7 @@ def run_verify(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             samples=args.samples,
             seed=args.seed,
+            backend=check_backend_trains_on(args.backend, "cpu", where="--backend"),
         )
         for t in _requested_topologies(args)
     ]

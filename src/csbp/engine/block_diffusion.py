@@ -64,11 +64,13 @@ def build_rank_plan(
     transport: TransportName = "collective",
     window: int | None = None,
     schedule: SchedulePolicy = "dual_end",
+    backend: str = "tiles",
 ) -> RankPlan:
-    """Plan this rank's rows and attention (build once per shape; every layer and step reuses it)."""
+    """Plan this rank's rows and attention (build once per shape; every layer and step reuses it).
+    ``backend``: attention backend of every partial (auto, tiles, flex; csbp.attention.backends)."""
     topology = ctx.topology
     if not uses_clean_stream:
-        return _single_stream_plan(ctx, seq_len, block_size, causal=causal)
+        return _single_stream_plan(ctx, seq_len, block_size, causal=causal, backend=backend)
     topology.validate_sequence(seq_len, block_size)
     layout: RankLayout = rank_layout(
         topology, ctx.coords.local_rank, seq_len, block_size, schedule=schedule, window=window
@@ -82,11 +84,14 @@ def build_rank_plan(
         transport=transport,
         window=window,
         schedule=schedule,
+        backend=backend,
     )
     return RankPlan(layout.rows, layout.num_noisy, layout.noisy_positions, layout.clean_positions, attention)
 
 
-def _single_stream_plan(ctx: ParallelContext, seq_len: int, block_size: int, *, causal: bool) -> RankPlan:
+def _single_stream_plan(
+    ctx: ParallelContext, seq_len: int, block_size: int, *, causal: bool, backend: str
+) -> RankPlan:
     """MDLM (one bidirectional block over the whole sequence) and AR (causal): data parallel only."""
     if ctx.topology.local != 1:
         raise ValueError(
@@ -94,7 +99,7 @@ def _single_stream_plan(ctx: ParallelContext, seq_len: int, block_size: int, *, 
             f"(got cp={ctx.topology.cp}, bp={ctx.topology.bp}); scale them with dp"
         )
     rows = _single_stream_rows(seq_len)
-    attention = LocalAttentionFn(rows, num_noisy=seq_len, causal_in_block=causal)
+    attention = LocalAttentionFn(rows, num_noisy=seq_len, causal_in_block=causal, backend=backend)
     return RankPlan(rows, seq_len, rows.pos, torch.zeros(0, dtype=torch.long), attention)
 
 

@@ -42,6 +42,7 @@ class VerifyCase:
     dtype: str = "float64"
     samples: int = 2
     seed: int = 0
+    backend: str = "tiles"
 
     @property
     def label(self) -> str:
@@ -128,7 +129,9 @@ def _forward_backward(
     per_rank = case.samples * num_replicas // ctx.topology.dp
     dp_rank = ctx.coords.dp_rank
     corrupted = slice_rows(full, slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-    plan = build_rank_plan(ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window)
+    plan = build_rank_plan(
+        ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window, backend=case.backend
+    )
     loss, ce_sum = rank_loss(model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size)
     loss.backward()
     average_gradients(model.parameters(), ctx.world_comm("gradients"))

@@ -10,7 +10,7 @@ Usage::
 """
 
 from csbp.masks.builders import dense_mask, flex_block_mask
-from csbp.masks.predicates import MaskMod, bd3_mask, dflash_mask, fast_dllm_v2_mask, mdlm_mask
+from csbp.masks.predicates import MaskMod, bd3_mask, dflash_mask, fast_dllm_v2_mask, mdlm_mask, rows_mask
 
 __all__ = [
     "MaskMod",
@@ -20,4 +20,5 @@ __all__ = [
     "fast_dllm_v2_mask",
     "flex_block_mask",
     "mdlm_mask",
+    "rows_mask",
 ]

@@ -75,9 +75,10 @@ class DFlashStepRunner:
         seed: int,
         total_steps: int,
         features: FeatureStore | None = None,
+        backend: str = "tiles",
     ) -> None:
         self.drafter = drafter
-        self.step_fn = DFlashStep(drafter, objective, build_dflash_rank_plan(ctx, objective))
+        self.step_fn = DFlashStep(drafter, objective, build_dflash_rank_plan(ctx, objective, backend=backend))
         self.ctx = ctx
         self.device = device
         self.precision = precision

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
+from csbp.attention.backends import check_backend_trains_on
 from csbp.config.loading import dump_config, write_config
 from csbp.config.schema import RunConfig
 from csbp.data.loader import PackedLoader
@@ -152,6 +153,7 @@ def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan:
         transport=topo.transport,
         window=topo.window,
         schedule=topo.schedule,
+        backend=cfg.attention.backend,
     )
 
 
@@ -169,6 +171,7 @@ def train(
     started = time.perf_counter()
     ctx = build_parallel_context(cfg.topology.to_topology())
     device = training_device()
+    check_backend_trains_on(cfg.attention.backend, device)
     is_rank0 = ctx.coords.rank == 0
     torch.manual_seed(cfg.run.seed)
 
@@ -240,6 +243,7 @@ def step_runner_for(
             seed=cfg.run.seed,
             total_steps=cfg.train.max_steps,
             features=inputs.dflash.feature_store(inputs.artifact.split("train")),
+            backend=cfg.attention.backend,
         )
     return StepRunner(
         model,
