@@ -31,11 +31,22 @@ from csbp.attention.backends import (
     resolve_backend,
 )
 from csbp.attention.flex import FlexPartial, rows_block_mask
-from csbp.attention.layouts import bp_only_layout, cp_zigzag_layout, csbp_layout, reference_layout
+from csbp.attention.layouts import (
+    bp_only_layout,
+    cp_zigzag_layout,
+    csbp_layout,
+    rank_layout,
+    reference_layout,
+)
 from csbp.attention.merge import merge_partials
 from csbp.attention.rows import Rows, allow_matrix
+from csbp.attention.transports.factory import build_attention
 from csbp.attention.transports.local import LocalAttentionFn
 from csbp.dflash.layouts import block_query_rows, context_rows, full_packet
+from csbp.parallel.comm import Comm, TrafficCounter
+from csbp.parallel.groups import build_process_groups
+from csbp.parallel.launch import run_local
+from csbp.topology import Topology
 from test_kernel import TOL64, dense_attention_reference, mixed_rows, random_qkv
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
@@ -221,3 +232,41 @@ def test_compiled_cpu_flex_kernel_runs_the_interval_block_mask() -> None:
         want, _ = plan_partial(rows, rows, backend="tiles").forward(q, k, v)
         torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+# ----------------------------------------------------------------------------- ring transports
+
+
+RING_SETUPS = (  # (topology, transport, window): CP-only, CSBP collective / streaming, windowed CSBP
+    (Topology(cp=2), "collective", None),
+    (Topology(cp=2, bp=2), "collective", None),
+    (Topology(cp=2, bp=2), "streaming", None),
+    (Topology(cp=2, bp=2), "collective", 5),
+)
+
+
+def _ring_forwards(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Worker: every ring setup's forward on this rank with the flex and the tiles backend."""
+    results = []
+    for topology, transport, window in RING_SETUPS:
+        groups = build_process_groups(topology)
+        layout = rank_layout(topology, groups.coords.local_rank, L, B, window=window)
+        q, k, v = random_qkv(len(layout.rows), len(layout.rows), dim=16, seed=11 + rank)
+        outs = []
+        for backend in ("flex", "tiles"):
+            attention = build_attention(
+                topology, groups.coords.local_rank, layout, Comm(groups.ring, TrafficCounter()),
+                block_size=B, transport=transport, window=window, backend=backend,
+            )
+            with torch.no_grad():
+                outs.append(attention(q, k, v, 0))
+        results.append((outs[0], outs[1]))
+    return results
+
+
+@pytest.mark.multiprocess
+def test_ring_transports_forward_on_flex_equal_tiles() -> None:
+    """CP-only, CSBP collective, streaming and windowed transports: every partial through flex."""
+    for rank_results in run_local(_ring_forwards, 2, timeout_s=240.0):
+        for (flex_out, tiles_out), setup in zip(rank_results, RING_SETUPS):
+            torch.testing.assert_close(flex_out, tiles_out, **TOL64, msg=lambda m, s=setup: f"{s}: {m}")
