@@ -82,12 +82,12 @@ def interval_attention_forward(
     k_used, v_used = _canonical_keys(k, plan, dtype), _canonical_keys(v, plan, dtype)  # [S, Hkv, n, d]
     out_g = q_scaled.new_zeros(*q_scaled.shape[:-1], v.shape[-1])  # [S, Hkv, Nq, G, d]
     lse_g = q_scaled.new_full(q_scaled.shape[:-1], float("-inf"))  # [S, Hkv, Nq, G]
-    for tile in plan.tiles:
+    for tile, strips in zip(plan.tiles, plan.tile_strips(causal_in_block)):
         rows = slice(tile.q_lo, tile.q_hi)
         num_rows = tile.q_hi - tile.q_lo
         q_tile = q_scaled[:, :, rows].reshape(num_samples, num_kv_heads, num_rows * group, -1)
         scores = q_tile @ gather_tile_keys(k_used, tile).transpose(-1, -2)  # [S, Hkv, T*G, C]
-        mask_tile_scores(scores, plan, tile, group, causal_in_block)
+        mask_tile_scores(scores, strips, group)
         out_tile, lse_tile = _softmax_forward(scores, gather_tile_keys(v_used, tile))
         out_g[:, :, rows] = out_tile.view(num_samples, num_kv_heads, num_rows, group, -1)
         lse_g[:, :, rows] = lse_tile.view(num_samples, num_kv_heads, num_rows, group)
@@ -130,14 +130,14 @@ def interval_attention_backward(
     k_used, v_used = _canonical_keys(k, plan, dtype), _canonical_keys(v, plan, dtype)  # [S, Hkv, n, d]
     dq_g = torch.zeros_like(q_scaled)
     dk_used, dv_used = torch.zeros_like(k_used), torch.zeros_like(v_used)
-    for tile in plan.tiles:
+    for tile, strips in zip(plan.tiles, plan.tile_strips(causal_in_block)):
         rows = slice(tile.q_lo, tile.q_hi)
         num_rows = tile.q_hi - tile.q_lo
         flat = (num_samples, num_kv_heads, num_rows * group)
         q_tile = q_scaled[:, :, rows].reshape(*flat, -1)
         k_tile, v_tile = gather_tile_keys(k_used, tile), gather_tile_keys(v_used, tile)
         scores = q_tile @ k_tile.transpose(-1, -2)  # [S, Hkv, T*G, C]
-        mask_tile_scores(scores, plan, tile, group, causal_in_block)
+        mask_tile_scores(scores, strips, group)
         dq_tile, dk_tile, dv_tile = _softmax_backward(
             scores,
             lse_g[:, :, rows].reshape(flat),

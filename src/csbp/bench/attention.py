@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from csbp.attention.backends import check_backend_trains_on
 from csbp.bench.common import (
     Column,
     StepSeries,
@@ -52,6 +53,7 @@ class AttentionBenchConfig:
     num_layers: int = 1
     window: int | None = None
     transport: str = "collective"
+    backend: str = "tiles"
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
@@ -106,7 +108,8 @@ class AttentionStack(nn.Module):
 def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, float]:
     ctx = build_parallel_context(topology)
     plan = build_rank_plan(
-        ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window  # type: ignore[arg-type]
+        ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window,  # type: ignore[arg-type]
+        backend=cfg.backend,
     )
     width = cfg.num_heads * cfg.head_dim
     torch.manual_seed(cfg.seed)
@@ -213,6 +216,10 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
     attn.add_argument("--window", type=int, default=None, help="sliding window W (tokens)")
     add_head_options(attn)
     attn.add_argument("--num-layers", type=int, default=1)
+    attn.add_argument(
+        "--backend", choices=("auto", "tiles", "flex"), default="auto",
+        help="attention backend (auto: tiles here, the processes run on CPU)",
+    )
     add_output_options(attn)
     attn.set_defaults(func=run_attention_bench_command)
 
@@ -236,6 +243,7 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
         num_layers=args.num_layers,
         window=args.window,
         transport=args.transport,
+        backend=check_backend_trains_on(args.backend, "cpu", where="--backend"),
         warmup=args.warmup,
         repeats=args.repeats,
     )

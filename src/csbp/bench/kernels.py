@@ -89,16 +89,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
+def _median_time(
+    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int, clock: str = "wall"
+) -> float:
+    """Median seconds of ``fn()``; ``clock="cpu"`` counts this process's CPU time (one thread, on a
+    shared machine: what other processes do does not count)."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         _sync(device)
-        start = time.perf_counter()
+        start = now()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(now() - start)
     return statistics.median(times)
 
 
@@ -131,12 +136,15 @@ def run_kernel_bench(
     warmup: int = 1,
     repeats: int = 3,
     count_ops: bool = True,
+    clock: str = "wall",
 ) -> list[KernelRecord]:
     """Measure every (length, block size): dense SDPA, then each backend's mixed and decomposed forms."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
     if "flex" in concrete and dev.type != "cuda":
         raise ValueError("--backends flex needs --device cuda (FlexAttention has no CPU backward)")
+    if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("--clock cpu measures one CPU thread: use --device cpu with OMP_NUM_THREADS=1")
     for seq_len in seq_lens:  # fail closed before measuring anything
         for block in block_sizes:
             if seq_len % block:
@@ -149,7 +157,7 @@ def run_kernel_bench(
         q = torch.randn(1, num_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen)
         k, v = (torch.randn(1, num_kv_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen) for _ in "kv")
         dout = torch.randn_like(q)
-        dense_time = _dense_sdpa_time(q, k, v, dout, dev, warmup, repeats)
+        dense_time = _dense_sdpa_time(q, k, v, dout, dev, warmup, repeats, clock)
         dense_flops = attention_flops(n * n, num_heads=num_heads, head_dim=head_dim)
         dense_rate = dense_flops / dense_time / 1e12
         for block in block_sizes:
@@ -169,7 +177,7 @@ def run_kernel_bench(
                 times = {}
                 for form, plan in forms.items():
                     step = _local_step(q, k, v, dout, plan)
-                    times[form] = _median_time(step, dev, warmup, repeats)
+                    times[form] = _median_time(step, dev, warmup, repeats, clock)
                     ops = count_aten_ops(step) if count_ops and dev.type == "cpu" else 0
                     rate = flops / times[form] / 1e12
                     speedup = times["mixed"] / times[form] if form == "decomposed" else float("nan")
@@ -190,7 +198,7 @@ def _local_step(q, k, v, dout, plan: LocalAttentionPlan) -> Callable[[], None]:
     return step
 
 
-def _dense_sdpa_time(q, k, v, dout, device: torch.device, warmup: int, repeats: int) -> float:
+def _dense_sdpa_time(q, k, v, dout, device: torch.device, warmup: int, repeats: int, clock: str) -> float:
     """Forward + backward of unmasked SDPA over all pairs (GQA without repeating K/V)."""
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
 
@@ -198,7 +206,7 @@ def _dense_sdpa_time(q, k, v, dout, device: torch.device, warmup: int, repeats: 
         out = F.scaled_dot_product_attention(*leaves, enable_gqa=q.shape[1] != k.shape[1])
         out.backward(dout)
 
-    return _median_time(step, device, warmup, repeats)
+    return _median_time(step, device, warmup, repeats, clock)
 
 
 def format_table(records: list[KernelRecord]) -> str:
@@ -258,6 +266,10 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--no-op-count", action="store_true", help="skip counting aten ops (CPU)")
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="wall time, or this process's CPU time (one thread; steadier on a shared machine)",
+    )
     add_head_options(parser)
     parser.set_defaults(head_dim=64)
     add_output_options(parser, png_help="write a TFLOP/s plot here (default: --json with suffix .png)")
@@ -272,7 +284,7 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
     print(
         f"csbp bench kernels: device={device}{threads} dtype={dtype} heads={args.num_heads}/{args.num_kv_heads}x"
-        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats}",
+        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} ({args.clock} clock)",
         flush=True,
     )
     records = run_kernel_bench(
@@ -287,6 +299,7 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         repeats=args.repeats,
         count_ops=not args.no_op_count,
+        clock=args.clock,
     )
     print(format_table(records))
     if args.json is not None:
