@@ -269,11 +269,18 @@ def _block_lists(selected: Tensor) -> tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------------------- the kernel call
 
 
+FLEX_RECOMPILE_LIMIT = 64
+"""Graphs dynamo may keep for the flex call: one per shape bucket (the partials of one run have a
+handful of shapes: local, remote, per ring step, per DFlash packet bucket). Past the default of 8
+dynamo would silently run the unfused eager path."""
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_flex() -> Any:
     """``torch.compile(flex_attention)``: dynamo keeps one graph per shape bucket (dynamic=False)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
     return torch.compile(flex_attention, dynamic=False)
 
 
