@@ -264,6 +264,7 @@ def _ring_forwards(rank: int, world_size: int) -> list[tuple[torch.Tensor, torch
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_ring_transports_forward_on_flex_equal_tiles() -> None:
     """CP-only, CSBP collective, streaming and windowed transports: every partial through flex."""

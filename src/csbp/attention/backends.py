@@ -150,7 +150,9 @@ def plan_partial(
     resolved on the rows' device). Build once per step; every layer reuses it."""
     if resolve_backend(backend, q_rows.pos.device) == "flex":
         return build_flex_partial(q_rows, k_rows, causal_in_block=causal_in_block)
-    return TilesPartial(q_rows, k_rows, build_tile_plan(q_rows, k_rows, tile_rows=tile_rows), causal_in_block)
+    tile_plan = build_tile_plan(q_rows, k_rows, tile_rows=tile_rows)
+    tile_plan.tile_strips(causal_in_block)  # the masks every layer reuses, built now (part of the step's plan cost)
+    return TilesPartial(q_rows, k_rows, tile_plan, causal_in_block)
 
 
 def plan_block_diagonal(
