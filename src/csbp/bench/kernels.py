@@ -12,7 +12,8 @@ and dense SDPA over all ``(2L)^2`` pairs of the same shapes as the baseline (Fla
 CUDA). Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs
 only (``csbp.bench.measure.attention_flops``; dense SDPA on all pairs), the ratio of that rate to
 dense SDPA's, the decomposed form's speedup over the mixed form (``t_mixed / t_decomposed``), the
-time to build the per-step plans (tile plans or BlockMasks, built once and reused by every layer)
+time to build one form's per-step plans (tile plans with their mask strips, or BlockMasks; built
+once per step and reused by every layer)
 and, on CPU, the number of aten ops one forward + backward issues.
 
 Everything of one invocation runs side by side in one process, so the ratios compare kernels on
@@ -169,11 +170,12 @@ def run_kernel_bench(
                              float("nan"), 0.0, 0)
             )
             for backend in dict.fromkeys(concrete):
+                now = time.process_time if clock == "cpu" else time.perf_counter
                 _sync(dev)
-                start = time.perf_counter()
+                start = now()
                 forms = build_forms(rows, seq_len, block, backend)
                 _sync(dev)
-                build_s = (time.perf_counter() - start) / len(forms)
+                build_s = (now() - start) / len(forms)
                 times = {}
                 for form, plan in forms.items():
                     step = _local_step(q, k, v, dout, plan)
