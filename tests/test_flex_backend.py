@@ -216,6 +216,15 @@ def test_backend_resolution_and_fail_closed() -> None:
         partial.backward(q, k, v, out, lse, torch.ones_like(out))
 
 
+def test_cli_refuses_flex_on_cpu_before_launching(capsys: pytest.CaptureFixture[str]) -> None:
+    from csbp.cli.main import main
+
+    assert main(["verify", "--nproc", "1", "--backend", "flex"]) == 2
+    assert "--backend=flex cannot train on cpu" in capsys.readouterr().err
+    assert main(["bench", "attention", "--nproc", "1", "--backend", "flex"]) == 2
+    assert "--backend=flex cannot train on cpu" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_compiled_cpu_flex_kernel_runs_the_interval_block_mask() -> None:
     """The real block-sparse kernel (inductor, CPU: inference only, no lse) with our BlockMask."""
