@@ -34,6 +34,8 @@ RECORD_KEYS = {
     "attention_bytes_per_rank",
     "gradient_bytes_per_rank",
     "loss_step0",
+    "activation_checkpointing",
+    "recompute_bytes_per_rank",
 }
 
 
@@ -63,6 +65,9 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
             "cp",
             "csbp",
             "bp",
+            "--activation-checkpointing",
+            "none",
+            "full",
             "--json",
             str(out),
         ]
@@ -70,9 +75,19 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "x cp" in printed and f"wrote {out}" in printed
+    assert "activation checkpointing: peak memory per rank" in printed
 
-    records = json.loads(out.read_text())
-    assert [r["layout"] for r in records] == ["cp", "csbp", "bp"]
+    everything = json.loads(out.read_text())
+    assert [(r["layout"], r["activation_checkpointing"]) for r in everything] == [
+        (layout, mode) for layout in ("cp", "csbp", "bp") for mode in ("none", "full")
+    ]
+    records = [r for r in everything if r["activation_checkpointing"] == "none"]
+    for plain, checkpointed in zip(records, everything[1::2], strict=True):
+        # same step, same first-pass traffic; the recompute repeats the forward's attention collectives
+        assert checkpointed["loss_step0"] == plain["loss_step0"]
+        assert checkpointed["attention_bytes_per_rank"] == plain["attention_bytes_per_rank"]
+        assert plain["recompute_bytes_per_rank"] == 0
+        assert (checkpointed["recompute_bytes_per_rank"] > 0) == (plain["attention_bytes_per_rank"] > 0)
     for record in records:
         assert set(record) == RECORD_KEYS
         assert record["objective"] == "bd3" and record["seq_len"] == 64 and record["nproc"] == 2

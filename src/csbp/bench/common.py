@@ -96,10 +96,11 @@ def launch_cell(
     *,
     timeout_s: float,
 ) -> list[list[dict[str, float]]]:
-    """Run ``worker`` over ``cell`` on ``nproc`` processes; ``results[layout][rank]``."""
+    """Run ``worker`` over ``cell`` on ``nproc`` processes; ``results[entry][rank]`` for each entry the
+    worker returns (one per layout, or per layout and variant)."""
     with fixed_mmap_threshold():
         per_rank = run_local(worker, nproc, (cell, cfg), timeout_s=timeout_s)
-    return [[rank_results[index] for rank_results in per_rank] for index in range(len(cell))]
+    return [[rank_results[index] for rank_results in per_rank] for index in range(len(per_rank[0]))]
 
 
 def max_over_ranks(results: list[dict[str, float]], key: str) -> int:
@@ -260,9 +261,11 @@ def write_outputs(
     *,
     plot_group_by: str | None = None,
     plot_title: str | None = None,
+    plot_records: Sequence[Any] | None = None,
 ) -> None:
     """Print ``table``, write ``--json``, and with ``plot_title`` the speedup plot to ``--png`` (default:
-    ``--json`` with suffix ``.png``) when the layouts include CP-only."""
+    ``--json`` with suffix ``.png``) when the layouts include CP-only; ``plot_records`` (default: all)
+    are the records plotted."""
     print(table)
     if args.json is not None:
         write_json_atomic(args.json, records_as_dicts(records))
@@ -275,7 +278,8 @@ def write_outputs(
     if "cp" in args.layouts:
         from csbp.bench.plot import plot_speedups
 
-        plot_speedups(records_as_dicts(records), png, group_by=plot_group_by, title=plot_title)
+        plotted = records if plot_records is None else plot_records
+        plot_speedups(records_as_dicts(plotted), png, group_by=plot_group_by, title=plot_title)
         print(f"wrote {png}")
     else:
         print("no plot: speedups are relative to CP-only, add 'cp' to --layouts")

@@ -20,6 +20,11 @@ freed activations return to the OS between steps.
 
 The step-0 loss is recorded too: every layout starts from the same weights and batch, so it must
 agree across layouts (a cheap sanity check that the timed steps compute the same thing).
+
+``--activation-checkpointing none full`` runs every layout twice in the same processes, plain and
+with every decoder layer checkpointed (:mod:`csbp.training.activation_checkpointing`), and adds a
+table of the peak memory per rank with and without it (the cut) and the step-time cost; the bytes
+the recompute sends again are reported as ``recompute MiB/rank``.
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ from csbp.engine.grads import average_gradients
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.objectives import CorruptedBatch, build_objective, corruption_generator
+from csbp.parallel.comm import RECOMPUTE_PREFIX
 from csbp.topology import Topology
+from csbp.training.activation_checkpointing import ACTIVATION_CHECKPOINTING_MODES, checkpoint_layers
 
 TRAIN_BENCH_OBJECTIVES: tuple[str, ...] = ("bd3", "fast_dllm_v2")
 
@@ -76,6 +83,7 @@ class TrainBenchConfig:
     head_dim: int = 32
     dtype: str = "float32"
     transport: str = "collective"
+    activation_checkpointing: tuple[str, ...] = ("none",)
     lr: float = 1e-4
     warmup: int = 1
     repeats: int = 3
@@ -85,6 +93,14 @@ class TrainBenchConfig:
         if self.objective not in TRAIN_BENCH_OBJECTIVES:
             raise ValueError(f"objective {self.objective!r} is not one of {TRAIN_BENCH_OBJECTIVES}")
         check_run_options(self, at_least_one=("samples", "repeats", "vocab_size"))
+        bad = [m for m in self.activation_checkpointing if m not in ACTIVATION_CHECKPOINTING_MODES]
+        if bad or not self.activation_checkpointing or len(set(self.activation_checkpointing)) != len(
+            self.activation_checkpointing
+        ):
+            raise ValueError(
+                f"--activation-checkpointing {list(self.activation_checkpointing)}: give distinct modes "
+                f"from {ACTIVATION_CHECKPOINTING_MODES}"
+            )
 
     def model_config(self) -> DecoderConfig:
         return DecoderConfig(
@@ -116,6 +132,8 @@ class TrainRecord:
     attention_bytes_per_rank: int
     gradient_bytes_per_rank: int
     loss_step0: float
+    activation_checkpointing: str = "none"
+    recompute_bytes_per_rank: int = 0
 
 
 def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
@@ -125,13 +143,14 @@ def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
 class _LayoutRunner:
     """One layout's model, optimizer, rows and process groups on this rank."""
 
-    def __init__(self, topology: Topology, cfg: TrainBenchConfig) -> None:
+    def __init__(self, topology: Topology, cfg: TrainBenchConfig, activation_checkpointing: str) -> None:
         self.ctx = build_parallel_context(topology)
         self.plan = build_rank_plan(self.ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport)  # type: ignore[arg-type]
         self.model = Decoder(cfg.model_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed)
+        checkpoint_layers(self.model.layers, activation_checkpointing, self.ctx.counter)  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.series = StepSeries()
-        self.attention_bytes = self.gradient_bytes = 0
+        self.attention_bytes = self.gradient_bytes = self.recompute_bytes = 0
         self.loss_step0 = float("nan")
 
     def step(self, corrupted: CorruptedBatch, *, measured: bool, first: bool) -> None:
@@ -157,6 +176,10 @@ class _LayoutRunner:
             self.series.add(timed)
             self.attention_bytes = _attention_bytes(ctx.counter.snapshot())
             self.gradient_bytes = ctx.counter.bytes("gradients")
+            self.recompute_bytes = _attention_bytes(
+                {name[len(RECOMPUTE_PREFIX) :]: entry for name, entry in ctx.counter.snapshot().items()
+                 if name.startswith(RECOMPUTE_PREFIX)}
+            )
 
     def summary(self) -> dict[str, float]:
         return {
@@ -164,6 +187,7 @@ class _LayoutRunner:
             "peak": float(self.series.peak_bytes),
             "attention_bytes": float(self.attention_bytes),
             "gradient_bytes": float(self.gradient_bytes),
+            "recompute_bytes": float(self.recompute_bytes),
             "loss_step0": self.loss_step0,
         }
 
@@ -172,8 +196,11 @@ def _worker(
     rank: int, world: int, topologies: list[Topology], cfg: TrainBenchConfig
 ) -> list[dict[str, float]]:
     """All layouts of one cell in the same processes, steps interleaved round-robin (layout A step
-    i, layout B step i, ...) on the same batch, so slow drifts of the machine hit every layout alike."""
-    runners = [_LayoutRunner(topology, cfg) for topology in topologies]
+    i, layout B step i, ...) on the same batch, so slow drifts of the machine hit every layout alike;
+    runners are ordered layout-major, then activation-checkpointing mode."""
+    runners = [
+        _LayoutRunner(topology, cfg, mode) for topology in topologies for mode in cfg.activation_checkpointing
+    ]
     mask_token_id = cfg.vocab_size - 1
     objective = build_objective(cfg.objective, mask_token_id=mask_token_id, block_size=cfg.block_size)
     data_generator = torch.Generator().manual_seed(cfg.seed + 1)
@@ -210,8 +237,10 @@ def run_train_bench(
             topology.validate_sequence(cfg.seq_len, cfg.block_size)
     records: list[TrainRecord] = []
     for cfg in configs:
-        per_layout = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s)
-        for name, topology, results in zip(layouts, cell, per_layout, strict=True):
+        modes = cfg.activation_checkpointing
+        per_runner = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s)
+        runs = [(name, topology, mode) for name, topology in zip(layouts, cell, strict=True) for mode in modes]
+        for (name, topology, mode), results in zip(runs, per_runner, strict=True):
             step = results[0]["step_time_s"]
             records.append(
                 TrainRecord(
@@ -229,10 +258,12 @@ def run_train_bench(
                     attention_bytes_per_rank=max_over_ranks(results, "attention_bytes"),
                     gradient_bytes_per_rank=max_over_ranks(results, "gradient_bytes"),
                     loss_step0=results[0]["loss_step0"],
+                    activation_checkpointing=mode,
+                    recompute_bytes_per_rank=max_over_ranks(results, "recompute_bytes"),
                 )
             )
             if progress:
-                print(f"  {cfg.objective} L={cfg.seq_len} {name}: {step:.3f} s/step", flush=True)
+                print(f"  {cfg.objective} L={cfg.seq_len} {name} ac={mode}: {step:.3f} s/step", flush=True)
     return records
 
 
@@ -245,12 +276,42 @@ TABLE_COLUMNS = [
     Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
     Column("attn MiB/rank", "attention_bytes_per_rank", ">13.2f", vs_cp=True, shown=lambda v: v / 2**20),
     Column("loss0", "loss_step0", ">8.4f"),
+    Column("ac", "activation_checkpointing", "<4"),
 ]
 
 
 def format_table(records: list[TrainRecord]) -> str:
-    """A text table with each metric and its ratio to CP-only at the same objective and length."""
-    return format_ratio_table(records, ("objective", "seq_len"), TABLE_COLUMNS)
+    """A text table with each metric and its ratio to CP-only at the same objective, length and
+    activation-checkpointing mode; with both modes measured, followed by the checkpointing table."""
+    table = format_ratio_table(records, ("objective", "seq_len", "activation_checkpointing"), TABLE_COLUMNS)
+    checkpointing = format_checkpointing_table(records)
+    return table if not checkpointing else f"{table}\n\n{checkpointing}"
+
+
+def format_checkpointing_table(records: list[TrainRecord]) -> str:
+    """Peak memory per rank and step time without and with activation checkpointing, per layout
+    (empty when the records do not hold both modes)."""
+    by_key = {(r.objective, r.seq_len, r.layout, r.activation_checkpointing): r for r in records}
+    header = (
+        f"{'objective':<13} {'seq_len':>7} {'layout':<6} {'peak MiB none':>13} {'peak MiB full':>13} "
+        f"{'mem cut':>7} {'step s none':>11} {'step s full':>11} {'time x':>6} {'recompute MiB/rank':>18}"
+    )
+    lines = []
+    for (objective, seq_len, layout, mode), plain in by_key.items():
+        full = by_key.get((objective, seq_len, layout, "full"))
+        if mode != "none" or full is None:
+            continue
+        cut = plain.peak_mem_bytes / full.peak_mem_bytes if full.peak_mem_bytes else float("nan")
+        lines.append(
+            f"{objective:<13} {seq_len:>7} {layout:<6} {plain.peak_mem_bytes / 2**20:>13.1f} "
+            f"{full.peak_mem_bytes / 2**20:>13.1f} {cut:>6.2f}x {plain.step_time_s:>11.3f} "
+            f"{full.step_time_s:>11.3f} {full.step_time_s / plain.step_time_s:>6.2f} "
+            f"{full.recompute_bytes_per_rank / 2**20:>18.2f}"
+        )
+    if not lines:
+        return ""
+    title = "activation checkpointing: peak memory per rank and step time, none vs full"
+    return "\n".join([title, header, "-" * len(header), *lines])
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -273,6 +334,13 @@ def register_train_bench(kinds: argparse._SubParsersAction) -> None:
     train.add_argument("--num-layers", type=int, default=2)
     add_head_options(train)
     train.add_argument("--dtype", choices=tuple(BENCH_DTYPES), default="float32")
+    train.add_argument(
+        "--activation-checkpointing",
+        nargs="+",
+        choices=ACTIVATION_CHECKPOINTING_MODES,
+        default=["none"],
+        help="modes to run every layout in; `none full` reports the peak-memory cut per rank",
+    )
     add_output_options(train, png_help="speedup plot (default: next to --json, with suffix .png)")
     train.set_defaults(func=run_train_bench_command)
 
@@ -302,10 +370,17 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
         num_kv_heads=args.num_kv_heads,
         head_dim=args.head_dim,
         dtype=args.dtype,
+        activation_checkpointing=tuple(args.activation_checkpointing),
         warmup=args.warmup,
         repeats=args.repeats,
     )
+    first_mode = args.activation_checkpointing[0]
     write_outputs(
-        format_table(records), records, args, plot_group_by="objective", plot_title="csbp bench train"
+        format_table(records),
+        records,
+        args,
+        plot_group_by="objective",
+        plot_title="csbp bench train",
+        plot_records=[r for r in records if r.activation_checkpointing == first_mode],
     )
     return 0

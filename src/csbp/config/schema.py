@@ -402,6 +402,11 @@ class TrainSection(_Section):
     save_every: int = Field(0, ge=0, description="Steps between checkpoints; 0: only at the end.")
     keep_checkpoints: int = Field(2, gt=0, description="Most recent checkpoints kept on disk.")
     fsdp: bool = Field(False, description="Shard parameters and optimizer state (FSDP2).")
+    activation_checkpointing: Literal["none", "full"] = Field(
+        "none",
+        description="full: keep only each decoder (or drafter) layer's input and recompute the layer "
+        "in backward (exact; the recompute repeats the layer's attention collectives).",
+    )
     collective_timeout_s: float = Field(300.0, gt=0.0, description="torch.distributed timeout in seconds.")
     nproc: int | None = Field(
         None, gt=0, description="Local processes `csbp train` launches; unset: the topology's world size."

@@ -22,7 +22,7 @@ Usage::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -258,13 +258,19 @@ class Decoder(nn.Module):
     def init_weights(self, generator: torch.Generator, *, std: float = 0.02) -> None:
         """Re-draw all weights deterministically: matrices and biases ``normal(0, std)`` (no zero
         initialisation anywhere), norm weights 1. Draws on the CPU in float32, in parameter order."""
+        params = dict(self.named_parameters())
+        for name, value in self.initial_weights(generator, std=std):
+            params[name].copy_(value)
+
+    def initial_weights(self, generator: torch.Generator, *, std: float = 0.02) -> Iterator[tuple[str, Tensor]]:
+        """``(name, full float32 CPU tensor)`` of every parameter as ``init_weights`` draws it, one at a
+        time (a model built on the ``meta`` device and sharded is filled from these)."""
         norm_weights = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
-        for param in self.parameters():
+        for name, param in self.named_parameters():
             if id(param) in norm_weights:
-                param.fill_(1.0)
+                yield name, torch.ones(param.shape, dtype=torch.float32)
             else:
-                draw = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-                param.copy_(draw)
+                yield name, torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
 
     @property
     def lm_head_weight(self) -> Tensor:

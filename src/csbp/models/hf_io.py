@@ -209,14 +209,31 @@ def load_hf_checkpoint(
         dtype: parameter dtype; None keeps the dtype of the stored embedding matrix.
         device: where the parameters end up.
     """
+    model = Decoder(read_hf_config(path), device="meta")
+    state = read_hf_weights(path, model, dtype=dtype)
+    state = {name: tensor.to(device=device) for name, tensor in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model, model.config
+
+
+def read_hf_config(path: str | os.PathLike[str]) -> DecoderConfig:
+    """The ``DecoderConfig`` of a local HF checkpoint directory (``ValueError`` without config.json)."""
     directory = Path(path)
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{directory} is not a HF checkpoint directory: config.json not found")
-    config = decoder_config_from_hf(json.loads(config_file.read_text()))
-    tensors = _read_safetensors(directory)
+    return decoder_config_from_hf(json.loads(config_file.read_text()))
 
-    model = Decoder(config, device="meta")
+
+def read_hf_weights(
+    path: str | os.PathLike[str], model: Decoder, *, dtype: torch.dtype | None = None
+) -> dict[str, Tensor]:
+    """The checkpoint's tensors on the CPU keyed by ``model``'s parameter names, checked against its
+    shapes (``model`` may live on the ``meta`` device or be sharded: only names and shapes are read);
+    ``dtype`` None keeps the stored embedding's dtype."""
+    directory = Path(path)
+    config = model.config
+    tensors = _read_safetensors(directory)
     expected = {_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
     for key, shape in expected.items():
         if key not in tensors:
@@ -240,11 +257,7 @@ def load_hf_checkpoint(
         raise ValueError(
             f"checkpoint dtype {target_dtype} is not supported; pass dtype=torch.bfloat16 or float32"
         )
-    state = {
-        name: tensors[_hf_name(name)].to(device=device, dtype=target_dtype) for name in model.state_dict()
-    }
-    model.load_state_dict(state, strict=True, assign=True)
-    return model, config
+    return {name: tensors[_hf_name(name)].to(dtype=target_dtype) for name in model.state_dict()}
 
 
 def _read_safetensors(directory: Path) -> dict[str, Tensor]:

@@ -17,6 +17,10 @@ all-reduce           ``2·(P-1)·n // P`` for ``n`` bytes: the ring cost (reduce
 broadcast            ``(P-1)·n`` on the source rank, 0 elsewhere
 ===================  =====================================================================
 
+Collectives issued while a layer is recomputed in backward (activation checkpointing) are counted
+under ``recompute.<category>`` (``TrafficCounter.recomputing``), so ``attention`` stays the traffic
+of one forward and backward and the recompute cost is reported on its own.
+
 A group of size 1 (including ``group=None`` with no initialised process group) short-circuits:
 no collective is issued and nothing is counted. Bytes are counted when an operation is issued,
 also for asynchronous ones; ``Pending.wait()`` returns the result.
@@ -37,7 +41,8 @@ Usage::
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -48,6 +53,9 @@ from torch import Tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+RECOMPUTE_PREFIX = "recompute."
+"""Counter categories of collectives re-issued by activation-checkpointing recomputation."""
+
 
 class TrafficCounter:
     """Per-category byte and call counts of what this rank sends to other ranks."""
@@ -55,13 +63,28 @@ class TrafficCounter:
     def __init__(self) -> None:
         self._bytes: dict[str, int] = defaultdict(int)
         self._calls: dict[str, int] = defaultdict(int)
+        self._recompute_depth = 0
 
     def add(self, category: str, nbytes: int) -> None:
-        """Record one call in ``category`` that sent ``nbytes`` bytes to other ranks."""
+        """Record one call in ``category`` that sent ``nbytes`` bytes to other ranks (inside
+        :meth:`recomputing`: in ``recompute.<category>``)."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if self._recompute_depth:
+            category = f"{RECOMPUTE_PREFIX}{category}"
         self._bytes[category] += int(nbytes)
         self._calls[category] += 1
+
+    @contextmanager
+    def recomputing(self) -> Iterator[None]:
+        """Attribute the collectives issued inside to ``recompute.<category>``: activation
+        checkpointing re-runs a layer's forward (and its collectives) during backward, and that
+        traffic is real but must not blur the per-step identities of the first forward."""
+        self._recompute_depth += 1
+        try:
+            yield
+        finally:
+            self._recompute_depth -= 1
 
     def bytes(self, category: str | None = None) -> int:
         """Bytes sent in ``category``, or in all categories when None."""
@@ -273,6 +296,19 @@ class Comm:
         dist.all_reduce(t, op=op, group=self.group)
         self._count(category, 2 * (self.size - 1) * _nbytes(t) // self.size)
         return t
+
+    def all_reduce_async(
+        self, t: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, *, category: str | None = None
+    ) -> Pending:
+        """Start an in-place ``all_reduce`` of ``t``; ``wait()`` returns ``t`` reduced (counted like
+        ``all_reduce`` when issued)."""
+        if self.size == 1:
+            return Pending([], t)
+        if not t.is_contiguous():
+            raise ValueError("all_reduce works in place and needs a contiguous tensor; pass t.contiguous()")
+        work = dist.all_reduce(t, op=op, group=self.group, async_op=True)
+        self._count(category, 2 * (self.size - 1) * _nbytes(t) // self.size)
+        return Pending([work], t)
 
     def broadcast(self, t: Tensor, src_group_rank: int, *, category: str | None = None) -> Tensor:
         """Overwrite ``t`` **in place** with group rank ``src_group_rank``'s tensor and return it."""

@@ -11,9 +11,13 @@ Layout of ``<run_dir>/checkpoints/``::
 loader's global cursor, the global RNG states, the data fingerprint, every parameter's shape, the
 topology it was written under and the run config (YAML text).
 
-Model and optimizer are saved as *full* (unsharded) state dicts keyed by parameter name
-(``get_state_dict(..., full_state_dict=True)``), so a checkpoint written under one topology (CP2 x
-BP2, FSDP, ...) loads under any other one, or in a single process.
+Model and optimizer are saved as *sharded* DCP state dicts keyed by parameter name
+(:func:`sharded_state_dicts`): an FSDP-sharded parameter is written by each rank as its own shard
+(``__<rank>_0.distcp`` holds that rank's part; nothing is gathered), and a parameter replicated on
+every rank is written once (DCP's planner de-duplicates replicas). DCP records every piece's offset
+in the global tensor, so a checkpoint written under one topology (CP2 x BP2, FSDP over dp=2, ...)
+loads under any other one, or in a single process: each rank reads just the pieces of its own
+shards (:func:`restore_sharded_state_dicts`).
 
 Atomicity: DCP writes into ``step_XXXXXXX.tmp/``; after a barrier rank 0 adds
 ``trainer_state.json``, renames the directory to ``step_XXXXXXX/`` and then replaces ``latest``
@@ -54,7 +58,7 @@ LATEST_FILE = "latest"
 STATE_FILE = "trainer_state.json"
 FORMAT_VERSION = 1
 _NAME_PATTERN = re.compile(r"^step_(\d{7,})$")
-_FULL = StateDictOptions(full_state_dict=True)
+_SHARDED = StateDictOptions(full_state_dict=False)
 
 
 def checkpoint_name(step: int) -> str:
@@ -175,14 +179,7 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
         staging.mkdir(parents=True)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer, options=_FULL)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(
-            {"model": model_state, "optim": optim_state},
-            checkpoint_id=staging,
-            no_dist=not dist.is_initialized(),
-        )
+    save_sharded_state(model, optimizer, staging)
     _barrier()
     if _is_rank0():
         _write_json_durably(staging / STATE_FILE, state.to_json())
@@ -191,6 +188,30 @@ def save_checkpoint(
         prune_checkpoints(root, keep=keep, protect=name)
     _barrier()
     return final
+
+
+# ----------------------------------------------------------------------------- sharded state (saving)
+
+
+def sharded_state_dicts(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` as this rank holds them: FSDP parameters and their optimizer
+    state as ``DTensor`` shards, unsharded ones as plain tensors (never gathered)."""
+    model_state, optim_state = get_state_dict(model, optimizer, options=_SHARDED)
+    return {"model": model_state, "optim": optim_state}
+
+
+def save_sharded_state(model: nn.Module, optimizer: Optimizer, directory: Path) -> None:
+    """Write this rank's shards of model and optimizer into DCP ``directory`` (call on every rank)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(sharded_state_dicts(model, optimizer), checkpoint_id=directory, no_dist=not dist.is_initialized())
+
+
+def restore_sharded_state_dicts(model: nn.Module, optimizer: Optimizer, loaded: dict[str, Any]) -> None:
+    """Put DCP-loaded ``{"model", "optim"}`` (from :func:`sharded_state_dicts`) into model and optimizer."""
+    set_state_dict(
+        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=_SHARDED
+    )
 
 
 def _write_json_durably(path: Path, data: dict[str, Any]) -> None:
@@ -261,14 +282,11 @@ def load_checkpoint(
         raise ValueError(f"--resume: {run_dir} has no checkpoint (fix: drop --resume)")
     state = read_training_state(path)
     check_compatible(state, path, shapes=param_shapes(model), data_fingerprint=data_fingerprint)
-    model_state, optim_state = get_state_dict(model, optimizer, options=_FULL)
-    loaded = {"model": model_state, "optim": optim_state}
+    loaded = sharded_state_dicts(model, optimizer)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         dcp.load(loaded, checkpoint_id=path, no_dist=not dist.is_initialized())
-    set_state_dict(
-        model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"], options=_FULL
-    )
+    restore_sharded_state_dicts(model, optimizer, loaded)
     scheduler.load_state_dict(state.scheduler)
     loader.load_state_dict(state.loader)
     if restore_rng:

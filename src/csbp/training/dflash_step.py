@@ -34,6 +34,7 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import FeatureStore
 from csbp.dflash.step import DFlashBatch, DFlashStep, DFlashStepOutput, build_dflash_rank_plan
 from csbp.engine.context import ParallelContext
+from csbp.engine.grad_buckets import OverlappedGradientSync
 from csbp.objectives.base import corruption_generator
 from csbp.training.step import EVAL_MICRO_STEP, EvalResult, StepResult, autocast_for, validation_loader
 
@@ -86,6 +87,8 @@ class DFlashStepRunner:
         self.total_steps = total_steps
         self.features = features
         self.feature_dtype = drafter.fc.weight.dtype
+        self.grad_sync: OverlappedGradientSync | None = None
+        """Set by the trainer: armed before each step's last backward (gradients averaged in it)."""
 
     def _run(
         self, batch: dict[str, Tensor], generator: torch.Generator, *, selector_scale: float, online: bool
@@ -123,6 +126,8 @@ class DFlashStepRunner:
         sums = []
         for micro, batch in enumerate(batches):
             generator = corruption_generator(self.seed, step, dp_rank, micro_step=micro)
+            if self.grad_sync is not None and micro == len(batches) - 1:
+                self.grad_sync.arm()  # the last backward overlaps the gradient all-reduce
             out = self._run(batch, generator, selector_scale=selector_scale, online=False)
             (out.loss / len(batches)).backward()
             sums.append(output_sums(out))

@@ -11,6 +11,11 @@ Two ways in:
 Either way every token id of the data must be an embedding row: an artifact whose tokenizer has
 more ids than the model embeds is rejected before any weight is loaded.
 
+Memory: the decoder is built on the ``meta`` device and sharded (FSDP2) before it is materialised,
+so no rank ever holds the whole model on its device when ``train.fsdp`` is on; the weights (seeded
+draws or the checkpoint's tensors) are then copied in one parameter at a time, each rank keeping
+only its shard.
+
 Dtypes: training keeps float32 master weights (float64 for ``precision: fp64``); bf16 compute
 happens under autocast. ``model.dtype`` is the dtype the ``final/`` HF export is written in.
 """
@@ -18,15 +23,19 @@ happens under autocast. ``model.dtype`` is the dtype the ``final/`` HF export is
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
+from torch import Tensor, nn
 
 from csbp.config.schema import ModelSection, RunConfig
 from csbp.data.artifact import Artifact
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
-from csbp.models.hf_io import decoder_config_from_hf, load_hf_checkpoint
+from csbp.models.hf_io import decoder_config_from_hf, read_hf_config, read_hf_weights
+from csbp.parallel.comm import TrafficCounter
+from csbp.training.activation_checkpointing import checkpoint_layers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _CHECKED_FIELDS = (
@@ -111,15 +120,58 @@ def _config_from_checkpoint(model: ModelSection) -> DecoderConfig:
     return config
 
 
-def build_model(cfg: RunConfig, config: DecoderConfig, *, device: torch.device) -> Decoder:
-    """The decoder in its master dtype on ``device``: seeded random init, or the ``init_from`` weights."""
+def build_model(
+    cfg: RunConfig,
+    config: DecoderConfig,
+    *,
+    device: torch.device,
+    shard: Callable[[Decoder], None] | None = None,
+    counter: TrafficCounter | None = None,
+) -> Decoder:
+    """The decoder in its master dtype on ``device``: seeded random init, or the ``init_from`` weights.
+
+    The module is built on the ``meta`` device (no memory), given activation checkpointing
+    (``train.activation_checkpointing``; recomputed collectives are counted in ``counter``) and passed to ``shard`` (FSDP2's ``fully_shard``) while
+    still on meta; only then is it materialised on ``device``, and each rank fills only its own
+    shards (:func:`load_full_weights`). The values equal an unsharded ``Decoder(config, seed=...)``
+    or ``load_hf_checkpoint`` exactly.
+    """
     dtype = master_dtype(cfg)
+    model = Decoder(config, dtype=dtype, device="meta")
+    checkpoint_layers(model.layers, cfg.train.activation_checkpointing, counter)
+    if shard is not None:
+        shard(model)
+    model.to_empty(device=device)
     if cfg.model.init_from is None:
-        return Decoder(config, dtype=dtype, device=device, seed=cfg.run.seed)
-    model, loaded = load_hf_checkpoint(cfg.model.init_from, dtype=dtype, device=device)
-    if loaded != config:
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(cfg.run.seed)
+        load_full_weights(model, model.initial_weights(generator))
+        return model
+    if read_hf_config(cfg.model.init_from) != config:
         raise ValueError(
             f"model.init_from: {cfg.model.init_from} changed while the run was starting "
             "(fix: do not modify the checkpoint during training)"
         )
+    load_full_weights(model, read_hf_weights(cfg.model.init_from, model, dtype=dtype).items())
     return model
+
+
+@torch.no_grad()
+def load_full_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]]) -> None:
+    """Copy full (unsharded) tensors into ``model``'s parameters, one at a time: a parameter sharded
+    by FSDP2 (a ``DTensor``) receives only this rank's shard of it. Every parameter must be given."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    params = dict(model.named_parameters())
+    missing = set(params)
+    for name, full in weights:
+        param = params[name]
+        if isinstance(param, DTensor):
+            value = full.to(device=param.device, dtype=param.dtype)
+            shard = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(shard.to_local())
+        else:
+            param.copy_(full)
+        missing.discard(name)
+    if missing:
+        raise ValueError(f"no initial value for parameters {sorted(missing)[:3]}")

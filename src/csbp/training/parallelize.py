@@ -5,63 +5,85 @@ The model code knows nothing about parallelism; this module applies it from outs
 Gradient reduction (csbp.md §13 rule 3): every one of the ``dp * local`` ranks computes a gradient
 of its own scaled loss, and the gradients are averaged over all of them.
 
-* Without FSDP: one flat all-reduce over the world group (:func:`csbp.engine.grads.average_gradients`);
-  afterwards every rank holds the same full gradient.
+* Without FSDP: bucketed asynchronous all-reduces over the world group, launched from gradient
+  hooks during the last backward of a step (:class:`csbp.engine.grad_buckets.OverlappedGradientSync`,
+  :func:`gradient_sync_for`); afterwards every rank holds the same full gradient.
 * With FSDP (``train.fsdp``): each decoder layer and the root are ``fully_shard``-ed over the
-  data-parallel group (ranks with the same ``local_rank``). FSDP's reduce-scatter averages over
-  ``dp`` and leaves each rank the shard its dp index owns; the ranks of one sample (the model-input
-  group: same ``dp_rank``) own the same shard index, so an all-reduce of the local shards over that
-  group divided by ``local`` completes the world average.
+  data-parallel group (ranks with the same ``local_rank``); when ``local > 1`` the mesh is 2-D
+  (replicate over the model-input group, i.e. the ranks of one sample, shard over dp), so FSDP2's
+  own post-backward hooks reduce-scatter over ``dp`` and all-reduce over the ``local`` ranks of a
+  sample layer by layer while backward continues: each rank ends with its dp shard of the world
+  average, and nothing is left to do after backward.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from csbp.engine.context import ParallelContext
+from csbp.engine.grad_buckets import OverlappedGradientSync
 from csbp.engine.grads import average_gradients, fill_missing_gradients
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.parallel.comm import Comm
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 def apply_fsdp(model: Decoder, ctx: ParallelContext, device: torch.device) -> None:
-    """Shard every decoder layer, then the root (embedding, final norm, LM head), over the dp group."""
-    from torch.distributed.device_mesh import DeviceMesh
+    """Shard every decoder layer, then the root (embedding, final norm, LM head), over the dp group;
+    with ``local > 1`` on a 2-D mesh that also all-reduces over the model-input group (HSDP).
+
+    Call on a model still on the ``meta`` device (:func:`csbp.training.model_factory.build_model`)."""
     from torch.distributed.fsdp import fully_shard
 
     if ctx.groups is None:
         raise ValueError("train.fsdp needs torch.distributed (fix: launch with dp >= 2 processes)")
-    mesh = DeviceMesh.from_group(ctx.groups.dp, device_type=device.type)
+    mesh = fsdp_mesh(ctx, device)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
+def fsdp_mesh(ctx: ParallelContext, device: torch.device) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 1-D over the dp group when ``local == 1``; else 2-D
+    ``(replicate = model-input group, shard = dp group)``, so FSDP2 runs HSDP: its reduce-scatter over
+    dp and its all-reduce over the ranks of one sample both run inside backward, per layer."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert ctx.groups is not None
+    topology = ctx.topology
+    if topology.local == 1:
+        return DeviceMesh.from_group(ctx.groups.dp, device_type=device.type)
+    ranks = torch.arange(topology.world_size).reshape(topology.dp, topology.local).T  # rank = dp_rank*local + l
+    return DeviceMesh.from_group(
+        [ctx.groups.model_input, ctx.groups.dp],
+        device_type=device.type,
+        mesh=ranks,
+        mesh_dim_names=("replicate", "shard"),
+    )
+
+
+def gradient_sync_for(model: nn.Module, ctx: ParallelContext, *, fsdp: bool) -> OverlappedGradientSync | None:
+    """Without FSDP: bucketed all-reduce over the world group, overlapped with the last backward of
+    each step; with FSDP None (FSDP reduce-scatters in its own backward hooks)."""
+    if fsdp:
+        return None
+    return OverlappedGradientSync(model.parameters(), ctx.world_comm("gradients"))
+
+
 def synchronize_gradients(model: nn.Module, ctx: ParallelContext, *, fsdp: bool) -> None:
-    """Average this step's gradients over every rank (see the module docstring)."""
+    """Finish this step's gradient average where no :class:`OverlappedGradientSync` ran: without FSDP
+    one flat all-reduce over every rank; with FSDP (HSDP) the average already happened in backward,
+    and parameters that got no gradient receive zeros."""
     if not fsdp:
         average_gradients(model.parameters(), ctx.world_comm("gradients"))
         return
-    params = fill_missing_gradients(model.parameters())
-    if ctx.groups is None:
-        return
-    comm = Comm(ctx.groups.model_input, ctx.counter, "gradients")
-    if comm.size == 1:
-        return
-    with torch.no_grad():
-        shards = [param.grad.to_local() for param in params]
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for shard in shards:
-            by_dtype.setdefault(shard.dtype, []).append(shard)
-        for group in by_dtype.values():
-            flat = torch.cat([shard.reshape(-1) for shard in group])
-            comm.all_reduce(flat).div_(comm.size)
-            offset = 0
-            for shard in group:
-                shard.copy_(flat[offset : offset + shard.numel()].view_as(shard))
-                offset += shard.numel()
+    fill_missing_gradients(model.parameters())
 
 
 def gradient_shard_comm(ctx: ParallelContext, *, fsdp: bool) -> Comm | None:

@@ -9,7 +9,10 @@ A step with ``grad_accum = K`` micro-batches (csbp.md §13):
    supervising nothing at all uses ``D = 1`` and contributes zero loss);
 3. forward/backward each micro-batch with :func:`csbp.engine.block_diffusion.rank_loss` against ``D``
    (gradients of the micro-steps sum in ``.grad``);
-4. the logged loss is the sum over all ranks of their weighted CE sums, divided by ``D``.
+4. the logged loss is the sum over all ranks of their weighted CE sums, divided by ``D``; the sums
+   stay on the device until one all-reduce per step (no host sync per micro-step);
+5. with ``grad_sync`` set (the trainer's :class:`~csbp.engine.grad_buckets.OverlappedGradientSync`),
+   the last micro-step's backward launches the gradient all-reduce bucket by bucket as it goes.
 
 Precision: ``fp32``/``fp64`` run in the master dtype; ``bf16`` runs the forward under
 ``torch.autocast(dtype=torch.bfloat16)`` on float32 master weights (the backward follows autocast's
@@ -32,6 +35,7 @@ from csbp.data.artifact import ArtifactSplit
 from csbp.data.loader import PackedLoader
 from csbp.engine.block_diffusion import RankPlan, rank_loss
 from csbp.engine.context import ParallelContext
+from csbp.engine.grad_buckets import OverlappedGradientSync
 from csbp.objectives.base import CorruptedBatch, Objective, corruption_generator
 
 EVAL_MICRO_STEP = 2**31 - 1
@@ -112,17 +116,23 @@ class StepRunner:
         self.precision = precision
         self.seed = seed
         self.ce_chunk_rows = ce_chunk_rows
+        self.grad_sync: OverlappedGradientSync | None = None
+        """Set by the trainer: armed before each step's last backward (gradients averaged in it)."""
 
     def _corrupt(self, batch: dict[str, Tensor], step: int, micro_step: int) -> CorruptedBatch:
         generator = corruption_generator(self.seed, step, self.ctx.coords.dp_rank, micro_step=micro_step)
         return corrupted_on(self.objective.corrupt(batch, generator), self.device)
 
-    def _sum_over(self, value: float, comm_kind: str) -> float:
-        """``value`` summed over the dp group (``"dp"``) or every rank (``"world"``), in float64."""
+    def _sum_over(self, value: float | Tensor, comm_kind: str) -> float:
+        """``value`` summed over the dp group (``"dp"``) or every rank (``"world"``), in float64
+        (a tensor ``value`` is read on the host once, after the reduction)."""
         comm = self.ctx.dp_comm("loss") if comm_kind == "dp" else self.ctx.world_comm("loss")
         if comm is None:
-            return value
-        total = torch.tensor([value], dtype=torch.float64)
+            return float(value)
+        if isinstance(value, Tensor):
+            total = value.detach().to(torch.float64).reshape(1).clone()
+        else:
+            total = torch.tensor([value], dtype=torch.float64)
         return float(comm.all_reduce(total).item())
 
     def _weighted_ce(self, corrupted: CorruptedBatch, denominator: float) -> tuple[Tensor, Tensor]:
@@ -141,11 +151,13 @@ class StepRunner:
         ``.grad``, not yet averaged over ranks)."""
         corrupted = [self._corrupt(batch, step, micro) for micro, batch in enumerate(batches)]
         denominator = max(self._sum_over(sum(c.denominator() for c in corrupted), "dp"), 1.0)
-        ce_total = 0.0
-        for batch in corrupted:
+        ce_total = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per micro-step
+        for micro, batch in enumerate(corrupted):
+            if self.grad_sync is not None and micro == len(corrupted) - 1:
+                self.grad_sync.arm()  # the last backward overlaps the gradient all-reduce
             loss, ce_sum = self._weighted_ce(batch, denominator)
             loss.backward()
-            ce_total += float(ce_sum.double().item())
+            ce_total = ce_total + ce_sum.detach().to(torch.float64)
         return StepResult(loss=self._sum_over(ce_total, "world") / denominator, denominator=denominator)
 
     @torch.no_grad()
@@ -154,12 +166,13 @@ class StepRunner:
         loader = validation_loader(split, micro_batch_size=micro_batch_size, seed=self.seed, ctx=self.ctx)
         was_training = self.model.training
         self.model.eval()
-        ce_total, local_denominator = 0.0, 0.0
+        ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        local_denominator = 0.0
         for index in range(num_batches):
             corrupted = self._corrupt(next(loader), index, EVAL_MICRO_STEP)
             local_denominator += corrupted.denominator()
             _, ce_sum = self._weighted_ce(corrupted, 1.0)
-            ce_total += float(ce_sum.double().item())
+            ce_total = ce_total + ce_sum.to(torch.float64)
         self.model.train(was_training)
         denominator = max(self._sum_over(local_denominator, "dp"), 1.0)
         return EvalResult(self._sum_over(ce_total, "world") / denominator)

@@ -9,8 +9,10 @@ does that for ``csbp train``. Order of work:
    schedule, and the train loader keyed by ``dp_rank`` (every rank of one replica loads the same
    batch);
 3. with ``resume``, restore the latest checkpoint (model, optimizer, scheduler, loader cursor, RNG);
-4. run steps ``start + 1 .. stop`` (:mod:`csbp.training.step`), then average gradients over all
-   ranks, clip, step the optimizer and the scheduler; log, evaluate and checkpoint on schedule;
+4. run steps ``start + 1 .. stop`` (:mod:`csbp.training.step`); gradients are averaged over all
+   ranks while the last backward of the step runs (:mod:`csbp.engine.grad_buckets`; FSDP: its own
+   reduce-scatter hooks), then clip, step the optimizer and the scheduler; log, evaluate and
+   checkpoint on schedule;
 5. at the end: validate (when validation is on), checkpoint, export ``final/`` as a Hugging Face
    checkpoint with the tokenizer, print a sample (``train.generate_after``), draw ``loss.png``.
 
@@ -42,6 +44,7 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.engine.block_diffusion import RankPlan, build_rank_plan
 from csbp.engine.context import ParallelContext, build_parallel_context
 from csbp.models.hf_io import export_hf_checkpoint, hf_passthrough_config
+from csbp.training.activation_checkpointing import checkpoint_layers
 from csbp.training.checkpoint import (
     TrainingState,
     load_checkpoint,
@@ -59,6 +62,7 @@ from csbp.training.parallelize import (
     apply_fsdp,
     full_model_state,
     gradient_shard_comm,
+    gradient_sync_for,
     synchronize_gradients,
     unwrapped_copy,
 )
@@ -178,10 +182,10 @@ def train(
     model: torch.nn.Module
     if inputs.dflash is not None:
         model = build_drafter(cfg, inputs.dflash, device=device)
+        checkpoint_layers(model.layers, cfg.train.activation_checkpointing, ctx.counter)
     else:
-        model = build_model(cfg, inputs.decoder_config, device=device)
-        if cfg.train.fsdp:
-            apply_fsdp(model, ctx, device)
+        shard = (lambda decoder: apply_fsdp(decoder, ctx, device)) if cfg.train.fsdp else None
+        model = build_model(cfg, inputs.decoder_config, device=device, shard=shard, counter=ctx.counter)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, max_steps=cfg.train.max_steps)
     loader = PackedLoader(
@@ -205,6 +209,7 @@ def train(
     if is_rank0:
         write_config(cfg, run_dir)
     runner = step_runner_for(cfg, inputs, ctx, model, device)
+    runner.grad_sync = gradient_sync_for(model, ctx, fsdp=cfg.train.fsdp)
     writer = MetricsWriter(run_dir, enabled=is_rank0, start_step=start_step, total_steps=cfg.train.max_steps)
     if inputs.dflash is not None and cfg.train.generate_after:
         writer.message(f"note: train.generate_after does not apply to dflash; {dflash_eval_hint(cfg, run_dir)}")
@@ -290,7 +295,10 @@ class _Loop:
             step_started = time.perf_counter()
             batches = [next(self.loader) for _ in range(train_cfg.grad_accum)]
             result = self.runner.train_step(batches, step)
-            synchronize_gradients(self.model, self.ctx, fsdp=train_cfg.fsdp)
+            if self.runner.grad_sync is not None:
+                self.runner.grad_sync.finish()  # overlapped with the last backward; wait and average
+            else:
+                synchronize_gradients(self.model, self.ctx, fsdp=train_cfg.fsdp)
             grad_norm = clip_gradients(
                 params,
                 self.cfg.optim.grad_clip,
@@ -298,7 +306,10 @@ class _Loop:
             )
             lr = float(self.optimizer.param_groups[0]["lr"])
             self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.runner.grad_sync is not None:
+                self.runner.grad_sync.zero_grad()  # .grad stays a view of its bucket
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
