@@ -47,7 +47,7 @@ from csbp.parallel.comm import Comm, TrafficCounter
 from csbp.parallel.groups import build_process_groups
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
-from test_kernel import TOL64, dense_attention_reference, mixed_rows, random_qkv
+from test_kernel import TOL64, dense_attention_reference, mixed_rows, random_qkv, reference_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
 
@@ -280,3 +280,38 @@ def test_ring_transports_forward_on_flex_equal_tiles() -> None:
     for rank_results in run_local(_ring_forwards, 2, timeout_s=240.0):
         for (flex_out, tiles_out), setup in zip(rank_results, RING_SETUPS):
             torch.testing.assert_close(flex_out, tiles_out, **TOL64, msg=lambda m, s=setup: f"{s}: {m}")
+
+
+def test_flex_backward_through_the_merge_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward's chain rule through the merge, with the flex kernel replaced by a dense autograd
+    softmax over the same ``rows_mask`` (FlexAttention itself has no CPU backward): two partials
+    (noisy keys, clean keys) merged, each differentiated from the merged statistics, summed, equal
+    the float64 reference gradients."""
+    import csbp.attention.flex as flex_module
+    from csbp.masks import dense_mask
+
+    def dense_flex_call(q, k, v, block_mask, scale):
+        allow = dense_mask(block_mask.mask_mod, q.shape[2], k.shape[2])
+        return dense_attention_reference(q, k, v, allow, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+
+    monkeypatch.setattr(flex_module, "_flex_call", dense_flex_call)
+    monkeypatch.setattr(flex_module, "_has_flex_backward", lambda device: True)
+    rows = reference_layout(L, B, window=9).rows
+    split = int((~rows.clean).sum())
+    q, k, v = random_qkv(len(rows), len(rows), dim=16, seed=12)
+    dout = torch.randn_like(q)
+    parts = [
+        (plan_partial(rows, rows.select(slice(0, split)), backend="flex"), slice(0, split)),
+        (plan_partial(rows, rows.select(slice(split, None)), backend="flex"), slice(split, None)),
+    ]
+    outs = [p.forward(q, k[:, :, keys], v[:, :, keys]) for p, keys in parts]
+    out, lse = merge_partials(*outs[0], *outs[1])
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for partial, keys in parts:
+        dq_p, dk_p, dv_p = partial.backward(q, k[:, :, keys], v[:, :, keys], out, lse, dout)
+        dq += dq_p
+        dk[:, :, keys] += dk_p
+        dv[:, :, keys] += dv_p
+    _, _, grads_ref = reference_grads(q, k, v, allow_matrix(rows, rows), 1 / math.sqrt(q.shape[-1]), dout)
+    for got, want in zip((dq, dk, dv), grads_ref):
+        torch.testing.assert_close(got, want, **TOL64)

@@ -90,7 +90,7 @@ class FlexPartial:
         dtype = accumulation_dtype(q, k, v)
         if self.block_mask is None:
             return q.new_zeros(q.shape, dtype=dtype), k.new_zeros(k.shape, dtype=dtype), v.new_zeros(v.shape, dtype=dtype)
-        if q.device.type == "cpu":
+        if not _has_flex_backward(q.device):
             raise NotImplementedError(
                 "attention.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
                 "use attention.backend: tiles (or auto) on CPU"
@@ -98,7 +98,7 @@ class FlexPartial:
         with torch.enable_grad():
             inputs = [x.detach().requires_grad_() for x in (q, k, v)]
             out_part, lse_part = _flex_call(*inputs, self.block_mask, scale)
-            dout_part, dlse_part = partial_grads_from_merged(out_part, lse_part, out, lse, dout)
+            dout_part, dlse_part = partial_grads_from_merged(out_part.detach(), lse_part.detach(), out, lse, dout)
             grads = torch.autograd.grad(
                 (out_part, lse_part), inputs, (dout_part.to(out_part.dtype), dlse_part.to(lse_part.dtype))
             )
@@ -299,6 +299,11 @@ def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float | 
         return_aux=AuxRequest(lse=True),
     )
     return out, aux.lse
+
+
+def _has_flex_backward(device: torch.device) -> bool:
+    """FlexAttention differentiates on CUDA only (no CPU backward in torch 2.13)."""
+    return device.type == "cuda"
 
 
 def _empty_partial(q: Tensor, v: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
