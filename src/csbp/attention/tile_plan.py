@@ -30,9 +30,19 @@ from torch import Tensor
 from csbp.attention.rows import Rows
 from csbp.masks import rows_mask
 
-TileStrips = tuple[tuple[int, int, Tensor], ...]
-"""Per tile: ``(first, stop, blocked [T, 1, stop-first])`` column ranges of its candidate keys that
-hold a disallowed pair (``blocked`` True where disallowed)."""
+
+@dataclass(frozen=True)
+class TileMask:
+    """The mask of one tile's candidate keys, evaluated once per plan and causal flag.
+
+    Attributes:
+        strips: ``(first, stop, blocked [T, 1, stop-first])`` column ranges that hold a disallowed
+            pair (``blocked`` True where disallowed); every other candidate column is allowed.
+        empty: ``[T]`` bool, rows that see no candidate key; None when every row sees one.
+    """
+
+    strips: tuple[tuple[int, int, Tensor], ...]
+    empty: Tensor | None
 
 DEFAULT_TILE_ROWS = 128
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -86,10 +96,10 @@ class TilePlan:
     num_noisy_keys: int
     query_rows: Rows
     key_rows: Rows
-    _strips: dict[bool, tuple[TileStrips, ...]] = field(default_factory=dict, repr=False)
+    _strips: dict[bool, tuple[TileMask, ...]] = field(default_factory=dict, repr=False)
 
-    def tile_strips(self, causal_in_block: bool) -> tuple[TileStrips, ...]:
-        """The masked column strips of every tile, evaluated once per causal flag and then reused."""
+    def tile_strips(self, causal_in_block: bool) -> tuple[TileMask, ...]:
+        """The mask of every tile, evaluated once per causal flag and then reused."""
         strips = self._strips.get(causal_in_block)
         if strips is None:
             strips = self._strips[causal_in_block] = tuple(
@@ -181,20 +191,20 @@ def build_tile_plan(q_rows: Rows, k_rows: Rows, *, tile_rows: int = DEFAULT_TILE
     )
 
 
-def mask_tile_scores(scores: Tensor, strips: TileStrips, group: int) -> None:
+def mask_tile_scores(scores: Tensor, tile_mask: TileMask, group: int) -> None:
     """Set the scores ``[S, Hkv, T*G, C]`` of a tile's disallowed (query, key) pairs to -inf, in place.
 
-    ``strips`` is the tile's entry of ``TilePlan.tile_strips(causal_in_block)``; columns are the
+    ``tile_mask`` is the tile's entry of ``TilePlan.tile_strips(causal_in_block)``; columns are the
     tile's noisy candidates then its clean candidates (``gather_tile_keys``).
     """
-    if not strips:
+    if not tile_mask.strips:
         return
     scores_view = scores.view(*scores.shape[:2], -1, group, scores.shape[-1])  # [S, Hkv, T, G, C]
-    for first, stop, blocked in strips:
+    for first, stop, blocked in tile_mask.strips:
         scores_view[..., first:stop].masked_fill_(blocked, float("-inf"))
 
 
-def _tile_strips(plan: TilePlan, tile: TileRange, causal: bool) -> TileStrips:
+def _tile_strips(plan: TilePlan, tile: TileRange, causal: bool) -> TileMask:
     """Evaluate the predicate on the tile's candidate columns outside ``[full_lo, full_hi)``."""
     predicate = rows_mask(plan.query_rows, plan.key_rows, causal_in_block=causal)
     device = plan.query_rows.pos.device
@@ -206,12 +216,14 @@ def _tile_strips(plan: TilePlan, tile: TileRange, causal: bool) -> TileStrips:
         for lo, hi in ((tile.clean_lo, tile.full_lo), (tile.full_hi, tile.clean_hi))
     ]
     strips = []
+    sees_key = torch.full((tile.q_hi - tile.q_lo,), tile.full_hi > tile.full_lo, device=device)
     for lo, hi, first in spans:
         if hi > lo:
             blocked = ~predicate(zero, zero, rows, torch.arange(lo, hi, device=device)[None, :])
+            sees_key |= ~blocked.all(-1)
             if bool(blocked.any()):
                 strips.append((first, first + hi - lo, blocked[:, None, :]))
-    return tuple(strips)
+    return TileMask(tuple(strips), None if bool(sees_key.all()) else ~sees_key)
 
 
 def gather_tile_keys(x: Tensor, tile: TileRange) -> Tensor:
