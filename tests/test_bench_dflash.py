@@ -43,6 +43,17 @@ RECORD_KEYS = {
     "attention_bytes_per_rank",
     "peak_mem_bytes",
     "loss_step0",
+    # the drafter's shape, for `csbp plan calibrate`
+    "bench",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "feature_width",
+    "dtype",
 }
 TINY = ["--block-size", "4", "--vocab-size", "64", "--hidden-size", "32", "--intermediate-size", "64"]
 TINY += ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"]

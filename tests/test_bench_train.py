@@ -36,6 +36,17 @@ RECORD_KEYS = {
     "loss_step0",
     "activation_checkpointing",
     "recompute_bytes_per_rank",
+    # fastest repeat and model shape, for `csbp plan calibrate`
+    "step_time_min_s",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "dtype",
+    "transport",
 }
 
 
@@ -91,7 +102,7 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
     for record in records:
         assert set(record) == RECORD_KEYS
         assert record["objective"] == "bd3" and record["seq_len"] == 64 and record["nproc"] == 2
-        assert record["step_time_s"] > 0
+        assert record["step_time_s"] >= record["step_time_min_s"] > 0
         assert record["tokens_per_s"] == pytest.approx(64 / record["step_time_s"])
         assert record["peak_mem_bytes"] >= 0 and record["gradient_bytes_per_rank"] > 0
     by_layout = {r["layout"]: r for r in records}

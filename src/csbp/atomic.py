@@ -6,6 +6,7 @@ reader never sees a half-written directory; an existing target is replaced only 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -36,3 +37,11 @@ def write_directory_atomically(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def write_json_atomic(path: Path, payload: object) -> None:
+    """Write JSON through a temporary file and ``os.replace`` (never a half-written artifact)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    os.replace(tmp, path)

@@ -6,17 +6,21 @@
 * ``zigzag_positions`` (csbp.md §8): CP rank ``c`` owns chunks ``c`` and ``2*cp-1-c`` of a
   sequence cut into ``2*cp`` equal chunks.
 
-Everything here is pure Python / CPU tensors and deterministic, so every rank computes the same
-plan without communicating.
+Everything here is pure Python / NumPy and deterministic, so every rank computes the same plan
+without communicating. The module imports no torch (the cost model of ``csbp.plan`` uses it);
+``zigzag_positions`` imports torch when called.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-from torch import Tensor
+import numpy as np
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 SchedulePolicy = Literal["dual_end", "contiguous"]
 
@@ -119,8 +123,10 @@ def contiguous_schedule(num_blocks: int, num_workers: int) -> BlockSchedule:
     return BlockSchedule(tuple(assignment), num_blocks, "contiguous")
 
 
+@functools.lru_cache(maxsize=64)
 def block_schedule(num_blocks: int, num_workers: int, policy: SchedulePolicy = "dual_end") -> BlockSchedule:
-    """The schedule named by ``policy`` (``"dual_end"`` or ``"contiguous"``)."""
+    """The schedule named by ``policy`` (``"dual_end"`` or ``"contiguous"``); cached (immutable), since
+    every rank's layout asks for the same one."""
     if policy == "dual_end":
         return dual_end_schedule(num_blocks, num_workers)
     if policy == "contiguous":
@@ -135,7 +141,7 @@ def zigzag_chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
     return cp_rank, 2 * cp - 1 - cp_rank
 
 
-def zigzag_positions(length: int, cp: int, cp_rank: int) -> Tensor:
+def zigzag_array(length: int, cp: int, cp_rank: int) -> np.ndarray:
     """Sorted positions (int64 ``[length / cp]``) of zigzag chunks ``c`` and ``2*cp-1-c`` of
     ``[0, length)`` cut into ``2*cp`` equal chunks."""
     if length % (2 * cp) != 0:
@@ -145,9 +151,16 @@ def zigzag_positions(length: int, cp: int, cp_rank: int) -> Tensor:
         )
     chunk = length // (2 * cp)
     low, high = zigzag_chunk_ids(cp_rank, cp)
-    return torch.cat(
-        [torch.arange(low * chunk, (low + 1) * chunk), torch.arange(high * chunk, (high + 1) * chunk)]
-    )
+    return np.concatenate(
+        [np.arange(low * chunk, (low + 1) * chunk), np.arange(high * chunk, (high + 1) * chunk)]
+    ).astype(np.int64)
+
+
+def zigzag_positions(length: int, cp: int, cp_rank: int) -> Tensor:
+    """``zigzag_array`` as an int64 tensor."""
+    import torch  # here, not at module level: the planner imports this module without torch
+
+    return torch.from_numpy(zigzag_array(length, cp, cp_rank))
 
 
 def _check_counts(num_blocks: int, num_workers: int) -> None:

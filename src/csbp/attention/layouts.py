@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from csbp.attention.counts import bd3_bounds, interval_cover, layout_positions
 from csbp.attention.rows import Rows
-from csbp.schedules import SchedulePolicy, block_schedule, zigzag_positions
+from csbp.schedules import SchedulePolicy, zigzag_positions
 from csbp.topology import Topology
 
 
@@ -44,24 +45,16 @@ def bd3_rows(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     noisy_pos = noisy_positions.to(torch.long)  # [A]
     clean_pos = clean_positions.to(torch.long)  # [C]
-    noisy_block = noisy_pos // block_size
-    clean_block = clean_pos // block_size
-    noisy_stop = noisy_block * block_size  # the noisy block's first position
-    if window is None:
-        noisy_start = torch.zeros_like(noisy_pos)
-        clean_start = torch.zeros_like(clean_pos)
-        clean_stop = (clean_block + 1) * block_size
-    else:
-        noisy_start = (noisy_stop - (window - 1)).clamp(min=0)
-        clean_start = (clean_pos + 1 - window).clamp(min=0)
-        clean_stop = clean_pos + 1
+    noisy_start, noisy_stop, clean_start, clean_stop = bd3_bounds(
+        noisy_pos, clean_pos, block_size=block_size, window=window
+    )
     num_rows = noisy_pos.shape[0] + clean_pos.shape[0]
     return Rows(
         pos=torch.cat([noisy_pos, clean_pos]),
         clean=torch.cat(
             [torch.zeros_like(noisy_pos, dtype=torch.bool), torch.ones_like(clean_pos, dtype=torch.bool)]
         ),
-        block=torch.cat([noisy_block, clean_block]),
+        block=torch.cat([noisy_pos // block_size, clean_pos // block_size]),
         ctx_start=torch.cat([noisy_start, clean_start]),
         ctx_stop=torch.cat([noisy_stop, clean_stop]),
         live=torch.ones(num_rows, dtype=torch.bool, device=noisy_pos.device),
@@ -94,8 +87,7 @@ class RankLayout:
 def reference_layout(seq_len: int, block_size: int, window: int | None = None) -> RankLayout:
     """All ``2L`` rows on one rank: noisy ``0 .. L-1`` then clean ``0 .. L-1``."""
     Topology().validate_sequence(seq_len, block_size)
-    positions = torch.arange(seq_len)
-    return _layout(positions, positions, block_size, window)
+    return _positions_layout(seq_len, block_size, 1, 1, 0, "dual_end", window)
 
 
 def cp_zigzag_layout(
@@ -105,9 +97,7 @@ def cp_zigzag_layout(
     chunk ``r`` (noisy ``[r*L/cp, (r+1)*L/cp)``) and chunk ``2cp-1-r`` (clean
     ``[(cp-1-r)*L/cp, (cp-r)*L/cp)``)."""
     Topology(cp=cp).validate_sequence(seq_len, block_size)
-    logical = zigzag_positions(2 * seq_len, cp, cp_rank)  # sorted logical indices in [0, 2L)
-    is_clean = logical >= seq_len
-    return _layout(logical[~is_clean], logical[is_clean] - seq_len, block_size, window)
+    return _positions_layout(seq_len, block_size, cp, 1, cp_rank, "dual_end", window)
 
 
 def bp_only_layout(
@@ -127,9 +117,8 @@ def bp_only_layout(
     position 0 is what makes every kept clean row exact at every layer.
     """
     Topology(bp=bp, replicate_clean_prefix=bp > 1).validate_sequence(seq_len, block_size)
-    blocks = _owned_blocks(seq_len, block_size, bp, bp_rank, schedule)
-    noisy_positions = _block_positions(blocks, block_size)
-    return _layout(noisy_positions, torch.arange(max(blocks) * block_size), block_size, window, blocks)
+    _check_worker(bp, bp_rank)
+    return _positions_layout(seq_len, block_size, 1, bp, bp_rank, schedule, window)
 
 
 def csbp_layout(
@@ -151,9 +140,8 @@ def csbp_layout(
             "use cp_zigzag_layout (bp=1) or bp_only_layout (cp=1)"
         )
     topology.validate_sequence(seq_len, block_size)
-    blocks = _owned_blocks(seq_len, block_size, bp, local_rank, schedule)
-    clean_positions = zigzag_positions(seq_len, cp, local_rank % cp)
-    return _layout(_block_positions(blocks, block_size), clean_positions, block_size, window, blocks)
+    _check_worker(bp, local_rank)
+    return _positions_layout(seq_len, block_size, cp, bp, local_rank, schedule, window)
 
 
 def rank_layout(
@@ -256,7 +244,8 @@ def window_exchange_plan(
         owner_of_position[positions] = source
     send: list[list[Tensor]] = [[torch.zeros(0, dtype=torch.long)] * cp for _ in range(cp)]
     for dest, member in enumerate(members):
-        needed = torch.nonzero(_interval_cover(member.rows, seq_len)).flatten()  # sorted
+        cover = interval_cover(member.rows.ctx_start.numpy(), member.rows.ctx_stop.numpy(), seq_len)
+        needed = torch.from_numpy(cover).nonzero().flatten()  # sorted
         needed_owner = owner_of_position[needed]
         for source in range(cp):
             if source != dest:
@@ -273,45 +262,29 @@ def window_exchange_plan(
     )
 
 
-def _interval_cover(rows: Rows, length: int) -> Tensor:
-    """Bool ``[length]``: positions inside at least one row's ``[ctx_start, ctx_stop)``."""
-    start = rows.ctx_start.clamp(0, length)
-    stop = rows.ctx_stop.clamp(0, length)
-    nonempty = stop > start
-    delta = torch.zeros(length + 1, dtype=torch.long)  # +1 at each start, -1 at each stop
-    delta.index_add_(0, start[nonempty], torch.ones_like(start[nonempty]))
-    delta.index_add_(0, stop[nonempty], -torch.ones_like(stop[nonempty]))
-    return torch.cumsum(delta, 0)[:length] > 0
-
-
-def _owned_blocks(
-    seq_len: int, block_size: int, num_workers: int, worker: int, schedule: SchedulePolicy
-) -> tuple[int, ...]:
+def _check_worker(num_workers: int, worker: int) -> None:
     if not 0 <= worker < num_workers:
         raise ValueError(f"BP rank must be in [0, {num_workers}), got {worker}")
-    return block_schedule(seq_len // block_size, num_workers, schedule).blocks(worker)
 
 
-def _block_positions(blocks: tuple[int, ...], block_size: int) -> Tensor:
-    offsets = torch.arange(block_size)
-    return torch.cat([b * block_size + offsets for b in blocks])
-
-
-def _layout(
-    noisy_positions: Tensor,
-    clean_positions: Tensor,
+def _positions_layout(
+    seq_len: int,
     block_size: int,
+    cp: int,
+    bp: int,
+    local_rank: int,
+    schedule: SchedulePolicy,
     window: int | None,
-    owned_blocks: tuple[int, ...] | None = None,
 ) -> RankLayout:
-    if owned_blocks is None:
-        owned_blocks = tuple(int(b) for b in torch.unique(noisy_positions // block_size))
+    """The layout of ``counts.layout_positions`` (the positions the cost model counts too)."""
+    noisy, clean, blocks = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule)
+    noisy_positions, clean_positions = torch.from_numpy(noisy), torch.from_numpy(clean)
     return RankLayout(
         rows=bd3_rows(noisy_positions, clean_positions, block_size=block_size, window=window),
         num_noisy=int(noisy_positions.shape[0]),
         noisy_positions=noisy_positions,
         clean_positions=clean_positions,
-        owned_blocks=owned_blocks,
+        owned_blocks=tuple(int(b) for b in blocks),
     )
 
 

@@ -76,6 +76,13 @@ class AttentionRecord:
     attn_flops_per_rank: int
     peak_mem_bytes: int
     time_per_gflop_s: float
+    # the stack's shape, so `csbp plan calibrate` can fit its cost model to these records
+    bench: str = "attention"
+    hidden_size: int = 0
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
 
 
 class AttentionStack(nn.Module):
@@ -180,6 +187,11 @@ def run_attention_bench(
                     attn_flops_per_rank=flops,
                     peak_mem_bytes=max_over_ranks(results, "peak"),
                     time_per_gflop_s=step / (flops / 1e9) if flops else float("nan"),
+                    hidden_size=cfg.num_heads * cfg.head_dim,
+                    num_layers=cfg.num_layers,
+                    num_heads=cfg.num_heads,
+                    num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim,
                 )
             )
     return records

@@ -17,8 +17,6 @@ function that returns one ``dict[str, float]`` of results per topology, in order
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
 import time
@@ -31,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from csbp.atomic import write_json_atomic
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
@@ -244,14 +243,6 @@ def add_output_options(parser: argparse.ArgumentParser, *, png_help: str | None 
     parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
     if png_help is not None:
         parser.add_argument("--png", type=Path, default=None, help=png_help)
-
-
-def write_json_atomic(path: Path, payload: object) -> None:
-    """Write JSON through a temporary file and ``os.replace`` (never a half-written artifact)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def write_outputs(

@@ -136,6 +136,17 @@ class DFlashRecord:
     attention_bytes_per_rank: int
     peak_mem_bytes: int
     loss_step0: float
+    # the drafter's shape, so `csbp plan calibrate` can fit its cost model to these records
+    bench: str = "dflash"
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    vocab_size: int = 0
+    feature_width: int = 0
+    dtype: str = "float32"
 
 
 def drafter_step_flops(
@@ -308,6 +319,15 @@ def run_dflash_bench(
                     attention_bytes_per_rank=max_over_ranks(results, "attention_bytes"),
                     peak_mem_bytes=max_over_ranks(results, "peak"),
                     loss_step0=results[0]["loss_step0"],
+                    hidden_size=cfg.hidden_size,
+                    intermediate_size=cfg.intermediate_size,
+                    num_layers=cfg.num_draft_layers,
+                    num_heads=cfg.num_heads,
+                    num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim,
+                    vocab_size=cfg.vocab_size,
+                    feature_width=cfg.drafter_config().feature_width,
+                    dtype=cfg.dtype,
                 )
             )
             if progress:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from csbp.attention.counts import allowed_pairs as count_allowed_pairs
 from csbp.attention.rows import Rows
 
 _STATUS = Path("/proc/self/status")
@@ -54,15 +55,12 @@ class PeakMemory:
 
 def allowed_pairs(rows: Rows, *, block_size: int, causal_in_block: bool = False) -> int:
     """(query, key) pairs the BD3 predicate allows for these query rows over the whole logical
-    sequence: ``B`` noisy keys of the own block (or ``j+1`` when causal) plus the clean interval."""
-    live = rows.live
-    ctx = (rows.ctx_stop - rows.ctx_start).clamp(min=0)
-    if causal_in_block:
-        diag = rows.pos % block_size + 1
-    else:
-        diag = torch.full_like(rows.pos, block_size)
-    diag = torch.where(rows.clean, torch.zeros_like(diag), diag)
-    return int(((ctx + diag) * live).sum())
+    sequence: ``B`` noisy keys of the own block (or ``j+1`` when causal) plus the clean interval
+    (``csbp.attention.counts.allowed_pairs``, the count the cost model uses)."""
+    return count_allowed_pairs(
+        rows.pos, rows.clean, rows.ctx_start, rows.ctx_stop, rows.live,
+        block_size=block_size, causal_in_block=causal_in_block,
+    )
 
 
 def attention_flops(pairs: int, *, num_heads: int, head_dim: int, backward: bool = True) -> int:

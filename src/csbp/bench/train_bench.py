@@ -134,6 +134,18 @@ class TrainRecord:
     loss_step0: float
     activation_checkpointing: str = "none"
     recompute_bytes_per_rank: int = 0
+    # the fastest repeat (least disturbed by other load) and the model's shape, so `csbp plan
+    # calibrate` can fit its cost model to these records
+    step_time_min_s: float = 0.0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    vocab_size: int = 0
+    dtype: str = "float32"
+    transport: str = "collective"
 
 
 def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
@@ -184,6 +196,7 @@ class _LayoutRunner:
     def summary(self) -> dict[str, float]:
         return {
             "step_time_s": self.series.median_s(),
+            "step_time_min_s": min(self.series.times_s),
             "peak": float(self.series.peak_bytes),
             "attention_bytes": float(self.attention_bytes),
             "gradient_bytes": float(self.gradient_bytes),
@@ -260,6 +273,16 @@ def run_train_bench(
                     loss_step0=results[0]["loss_step0"],
                     activation_checkpointing=mode,
                     recompute_bytes_per_rank=max_over_ranks(results, "recompute_bytes"),
+                    step_time_min_s=results[0]["step_time_min_s"],
+                    hidden_size=cfg.hidden_size,
+                    intermediate_size=cfg.intermediate_size,
+                    num_layers=cfg.num_layers,
+                    num_heads=cfg.num_heads,
+                    num_kv_heads=cfg.num_kv_heads,
+                    head_dim=cfg.head_dim,
+                    vocab_size=cfg.vocab_size,
+                    dtype=cfg.dtype,
+                    transport=cfg.transport,
                 )
             )
             if progress:

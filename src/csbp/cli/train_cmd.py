@@ -8,6 +8,9 @@ Usage::
     torchrun --nproc-per-node 4 -m csbp.cli.main train run.yaml     # each rank joins the launch
     csbp train run.yaml --nproc 8 --nnodes 2 --rdzv-endpoint node0:29500 --rdzv-id job1   # per node
 
+``topology: auto`` in the config (or ``--set topology=auto``) asks ``csbp plan`` for the layout of
+``--nproc`` processes and prints it with its prediction before launching (``csbp.plan.auto``).
+
 ``--max-steps N`` stops after global step N (the learning-rate schedule still spans
 ``train.max_steps``), so ``--max-steps N`` followed by ``--resume`` reproduces one uninterrupted run.
 Everything is validated before any process starts; errors are one line each.
@@ -16,9 +19,11 @@ Everything is validated before any process starts; errors are one line each.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from csbp.cli.config_cmd import add_override_argument
+from csbp.plan.auto import resolve_auto_topology
 from csbp.recipes import load_run_config
 from csbp.training.launcher import (
     LaunchOptions,
@@ -69,7 +74,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    cfg = load_run_config(args.config, args.overrides)
+    overrides = resolve_auto_topology(
+        args.config, args.overrides, nproc=args.nproc, nnodes=args.nnodes, echo=os.environ.get("RANK", "0") == "0"
+    )
+    cfg = load_run_config(args.config, overrides)
     options = LaunchOptions(
         nproc=args.nproc,
         nnodes=args.nnodes,

@@ -323,6 +323,17 @@ class TopologySection(_Section):
         "dual_end", description="Block schedule over BP ranks: dual-end pairs or contiguous (ablation)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_is_resolved_at_launch(cls, data: Any) -> Any:
+        """``topology: auto`` is replaced by the planner's layout in ``csbp train`` (csbp.plan.auto)."""
+        if data == "auto":
+            raise ConfigRuleError(
+                [("", "'auto' is chosen by the planner when the run launches",
+                  "run `csbp train CONFIG --nproc N` (it plans for N processes), or set dp, cp and bp")]
+            )
+        return data
+
     @model_validator(mode="after")
     def _check_layout(self) -> TopologySection:
         try:

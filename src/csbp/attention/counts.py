@@ -1,0 +1,136 @@
+"""Torch-free arithmetic of the BD3 layouts: which positions a rank holds, the interval bounds of
+its rows, how many (query, key) pairs the mask allows and which clean rows a window layer needs.
+
+This module imports NumPy only, so the cost model (``csbp.plan``) counts rows, pairs and exchanged
+rows with exactly the functions the layouts, kernels' benchmarks and transports use
+(``csbp.attention.layouts`` builds its tensors from ``layout_positions`` and ``bd3_bounds``,
+``csbp.bench.measure.allowed_pairs`` is ``allowed_pairs`` below, ``window_exchange_plan`` covers
+intervals with ``interval_cover``): the model and the code cannot drift.
+
+``bd3_bounds`` and ``allowed_pairs`` are written with operators NumPy arrays and torch tensors
+share (``//``, ``*``, ``.clip``, ``~``), so they take either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from csbp.schedules import SchedulePolicy, block_schedule, zigzag_array
+
+Array = Any  # a 1-D integer/bool NumPy array or torch tensor
+
+
+def layout_positions(
+    seq_len: int,
+    block_size: int,
+    cp: int,
+    bp: int,
+    local_rank: int,
+    schedule: SchedulePolicy = "dual_end",
+) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    """``(noisy_positions, clean_positions, owned_blocks)`` of local rank ``local_rank`` (int64, the
+    packed order of ``csbp.attention.layouts``) for the layout the degrees name: ``data``
+    (``cp == bp == 1``), CP-only zigzag over ``2L`` (``bp == 1``), BP-only clean-prefix replication
+    (``cp == 1``) or fused CSBP. Validation of the degrees and ``seq_len`` is the caller's
+    (``csbp.topology.Topology``)."""
+    if cp == 1 and bp == 1:
+        positions = np.arange(seq_len, dtype=np.int64)
+        return positions, positions, tuple(range(seq_len // block_size))
+    if bp == 1:
+        logical = zigzag_array(2 * seq_len, cp, local_rank)  # sorted indices into [x_t ; x_0]
+        noisy = logical[logical < seq_len]
+        return noisy, logical[logical >= seq_len] - seq_len, tuple(np.unique(noisy // block_size).tolist())
+    blocks = block_schedule(seq_len // block_size, bp, schedule).blocks(local_rank)
+    noisy = (np.asarray(blocks, dtype=np.int64)[:, None] * block_size + np.arange(block_size)).reshape(-1)
+    if cp == 1:
+        clean = np.arange(max(blocks) * block_size, dtype=np.int64)
+    else:
+        clean = zigzag_array(seq_len, cp, local_rank % cp)
+    return noisy, clean, blocks
+
+
+def bd3_bounds(
+    noisy_pos: Array, clean_pos: Array, *, block_size: int, window: int | None
+) -> tuple[Array, Array, Array, Array]:
+    """``(noisy_start, noisy_stop, clean_start, clean_stop)``: the clean interval (token units) each
+    noisy and each clean row of the BD3 mask may see (csbp.md §3.3); see ``layouts`` for the table."""
+    noisy_stop = (noisy_pos // block_size) * block_size  # the noisy block's first position
+    if window is None:
+        return noisy_pos * 0, noisy_stop, clean_pos * 0, (clean_pos // block_size + 1) * block_size
+    noisy_start = (noisy_stop - (window - 1)).clip(min=0)
+    return noisy_start, noisy_stop, (clean_pos + 1 - window).clip(min=0), clean_pos + 1
+
+
+def allowed_pairs(
+    pos: Array,
+    clean: Array,
+    ctx_start: Array,
+    ctx_stop: Array,
+    live: Array,
+    *,
+    block_size: int,
+    causal_in_block: bool = False,
+) -> int:
+    """(query, key) pairs the BD3 predicate allows for these query rows over the whole logical
+    sequence: ``B`` noisy keys of the own block (``j+1`` when causal) plus the clean interval."""
+    ctx = (ctx_stop - ctx_start).clip(min=0)
+    diag = pos % block_size + 1 if causal_in_block else pos * 0 + block_size
+    return int(((ctx + diag * ~clean) * live).sum())
+
+
+def interval_cover(ctx_start: np.ndarray, ctx_stop: np.ndarray, length: int) -> np.ndarray:
+    """Bool ``[length]``: positions inside at least one row's ``[ctx_start, ctx_stop)``."""
+    start = np.clip(ctx_start, 0, length)
+    stop = np.clip(ctx_stop, 0, length)
+    nonempty = stop > start
+    delta = np.zeros(length + 1, dtype=np.int64)  # +1 at each start, -1 at each stop
+    np.add.at(delta, start[nonempty], 1)
+    np.add.at(delta, stop[nonempty], -1)
+    return np.cumsum(delta)[:length] > 0
+
+
+def rank_pairs(
+    seq_len: int,
+    block_size: int,
+    cp: int,
+    bp: int,
+    local_rank: int,
+    *,
+    window: int | None = None,
+    schedule: SchedulePolicy = "dual_end",
+) -> tuple[int, int]:
+    """``(noisy-query pairs, clean-query pairs)`` the mask allows for local rank ``local_rank``'s rows."""
+    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule)
+    return position_pairs(noisy, clean, block_size=block_size, window=window)
+
+
+def position_pairs(
+    noisy: np.ndarray, clean: np.ndarray, *, block_size: int, window: int | None = None
+) -> tuple[int, int]:
+    """``(noisy-query pairs, clean-query pairs)`` the BD3 mask allows for rows at these positions."""
+    n_start, n_stop, c_start, c_stop = bd3_bounds(noisy, clean, block_size=block_size, window=window)
+    no, yes = np.zeros(len(noisy), dtype=bool), np.ones(len(clean), dtype=bool)
+    noisy_pairs = allowed_pairs(noisy, no, n_start, n_stop, ~no, block_size=block_size)
+    clean_pairs = allowed_pairs(clean, yes, c_start, c_stop, yes, block_size=block_size)
+    return noisy_pairs, clean_pairs
+
+
+def window_halo_rows(
+    seq_len: int,
+    block_size: int,
+    cp: int,
+    bp: int,
+    local_rank: int,
+    window: int,
+    schedule: SchedulePolicy = "dual_end",
+) -> int:
+    """Clean rows local rank ``local_rank`` of a fused CSBP ring receives in a window layer: the
+    positions its rows' intervals cover that its own zigzag shard does not hold (what
+    ``window_exchange_plan``'s ``recv_counts`` sum to)."""
+    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule)
+    n_start, n_stop, c_start, c_stop = bd3_bounds(noisy, clean, block_size=block_size, window=window)
+    need = interval_cover(np.concatenate([n_start, c_start]), np.concatenate([n_stop, c_stop]), seq_len)
+    need[clean] = False
+    return int(need.sum())

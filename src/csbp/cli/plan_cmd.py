@@ -1,0 +1,334 @@
+"""``csbp plan``: the best layout for a model, a context length and a cluster, from a calibrated
+cost model (``csbp.plan``); ``csbp plan calibrate``: fit the model to your own benchmarks.
+
+Usage::
+
+    csbp plan --model nemotron-14b --seq-len 256K --gpus 16 --gpu h200
+    csbp plan --model dflash2-qwen3.8 --seq-len 1M --gpus 8 --gpu h100 --top 5 --json plan.json
+    csbp plan --model run.yaml --seq-len 4096 --gpus 4 --gpu cpu --topology dp1/cp4 dp1/cp4/bp4
+    csbp bench train --seq-lens 512 1024 2048 --json bench.json
+    csbp plan calibrate bench.json --out cal.json && csbp plan ... --gpu cpu --calibration cal.json
+    csbp plan calibrate --published --out published.json    # refit the packaged GPU calibration
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+from csbp.atomic import write_json_atomic
+from csbp.cli.config_cmd import add_override_argument
+from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
+from csbp.plan.hardware import PRESETS, Hardware, hardware
+from csbp.plan.layout import Layout, parse_topology
+from csbp.plan.model import GIB, Prediction
+from csbp.plan.search import Plan, candidate_layouts, describe, rank, transports_for
+from csbp.plan.workload import (
+    OBJECTIVES,
+    Workload,
+    hf_workload,
+    preset_names,
+    preset_workload,
+    run_config_workload,
+)
+
+_LENGTH = re.compile(r"^(\d+)([kKmM]?)$")
+
+
+def parse_length(text: str) -> int:
+    """``4096``, ``256K`` (x1024) or ``1M`` (x2^20)."""
+    match = _LENGTH.match(text.strip())
+    if match is None or int(match.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length: use e.g. 4096, 256K or 1M")
+    scale = {"": 1, "k": 1024, "m": 1 << 20}[match.group(2).lower()]
+    return int(match.group(1)) * scale
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="rank the layouts of a model, context length and cluster by predicted speed and memory",
+        description="Predict step time, tokens/s, K/V traffic and peak memory of every layout csbp can run "
+        "and rank them (the cost model of csbp.plan); `csbp plan calibrate` fits it to your benchmarks.",
+    )
+    parser.add_argument(
+        "--model", help=f"run config, HF config.json (or folder), or preset: {', '.join(preset_names())}"
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=parse_length,
+        help="tokens per sample, e.g. 4096, 256K, 1M (default: a run config's)",
+    )
+    parser.add_argument("--gpus", type=int, help="devices of the job")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, help="devices per node (default: the preset's)"
+    )
+    parser.add_argument(
+        "--gpu", choices=tuple(PRESETS), default="h100", help="hardware preset (default h100)"
+    )
+    parser.add_argument(
+        "--objective", choices=OBJECTIVES, default=None, help="override the model's objective"
+    )
+    parser.add_argument("--block-size", type=int, default=None, help="diffusion block size B")
+    parser.add_argument("--window", type=int, default=None, help="sliding attention window of every layer")
+    parser.add_argument("--anchors", type=int, default=None, help="DFlash anchors per sample")
+    parser.add_argument(
+        "--drafter-context",
+        choices=("all", "windows"),
+        default=None,
+        help="target-feature rows a drafter rank projects: all it holds (csbp) or its anchors' windows "
+        "(the published reference; the presets' default)",
+    )
+    parser.add_argument(
+        "--global-batch", type=int, default=None, help="samples per optimizer step (default dp)"
+    )
+    parser.add_argument("--checkpointing", choices=("full", "none", "both"), default="both")
+    parser.add_argument(
+        "--placement",
+        choices=("packed", "striped"),
+        default="packed",
+        help="CP rings inside a node when they fit (csbp's rank order) or striped across nodes",
+    )
+    parser.add_argument("--sharding", choices=("fsdp2", "zero2", "ddp"), default="fsdp2")
+    parser.add_argument(
+        "--topology",
+        nargs="+",
+        default=None,
+        metavar="dpA/cpB/bpC",
+        help="evaluate these layouts instead of searching",
+    )
+    parser.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="calibration JSON (default: packaged, fitted on published runs; cpu: fitted here)",
+    )
+    parser.add_argument("--top", type=int, default=10, help="feasible layouts shown (default 10)")
+    parser.add_argument("--json", type=Path, default=None, help="write the full ranking to this JSON file")
+    add_override_argument(parser)
+    parser.set_defaults(func=run_plan)
+    sub = parser.add_subparsers(dest="plan_command", metavar="calibrate")
+    calibrate = sub.add_parser("calibrate", help="fit the cost model's efficiency factors to benchmark JSON")
+    calibrate.add_argument(
+        "bench",
+        nargs="*",
+        type=Path,
+        metavar="BENCH.json",
+        help="`csbp bench attention|train|dflash --json` output files",
+    )
+    calibrate.add_argument(
+        "--published",
+        action="store_true",
+        help="fit on the packaged published CSBP runs (fit: true points) instead",
+    )
+    calibrate.add_argument("--out", type=Path, required=True, help="calibration JSON to write")
+    calibrate.add_argument(
+        "--fit-max-len",
+        type=int,
+        default=None,
+        metavar="L",
+        help="fit only records with seq_len <= L; longer ones are predicted (held out)",
+    )
+    calibrate.add_argument(
+        "--timing",
+        choices=("fastest", "median"),
+        default="fastest",
+        help="a layout's step time: its fastest repeat (default; robust to other load) or the median",
+    )
+    calibrate.set_defaults(func=run_calibrate)
+
+
+def resolve_workload(spec: str, overrides: list[str] | None = None) -> tuple[Workload, int | None]:
+    """A preset name, a HF ``config.json`` (or folder), or a run config / packaged recipe (with
+    ``--set`` overrides), and the sequence length a run config trains at (else None)."""
+    if spec in preset_names():
+        workload, seq_len = preset_workload(spec), None
+    elif Path(spec).is_dir() or Path(spec).suffix == ".json":
+        workload, seq_len = hf_workload(Path(spec)), None
+    else:
+        from csbp.recipes import load_run_config
+
+        cfg = load_run_config(spec, overrides or [])
+        return run_config_workload(cfg), cfg.data.seq_len
+    if overrides:
+        raise ValueError("--set applies to run configs only: --model here is a preset or a HF config.json")
+    return workload, seq_len
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    if args.model is None or args.gpus is None:
+        raise ValueError(
+            "csbp plan needs --model and --gpus (e.g. --model nemotron-14b --seq-len 256K --gpus 16)"
+        )
+    if args.gpus < 1 or args.top < 1:
+        raise ValueError("--gpus and --top must be >= 1")
+    workload, config_seq_len = resolve_workload(args.model, args.overrides)
+    workload = workload.with_options(
+        objective=args.objective,
+        block_size=args.block_size,
+        window=args.window,
+        anchors=args.anchors,
+        drafter_context=args.drafter_context,
+    )
+    args.seq_len = args.seq_len or config_seq_len
+    if args.seq_len is None:
+        raise ValueError("csbp plan needs --seq-len for a preset or HF model (e.g. --seq-len 256K)")
+    hw = hardware(args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
+    cal = load_calibration(args.calibration) if args.calibration else packaged_calibration(args.gpu)
+    ckpts = ("full", "none") if args.checkpointing == "both" else (args.checkpointing,)
+    if args.topology:
+        layouts = _given_layouts(args, workload, ckpts)
+    else:
+        layouts = candidate_layouts(
+            workload,
+            args.gpus,
+            args.seq_len,
+            global_batch=args.global_batch,
+            checkpointing=ckpts,
+            placement=args.placement,
+            sharding=args.sharding,
+        )
+    plan = rank(workload, layouts, args.seq_len, hw, cal, global_batch=args.global_batch)
+    print(format_plan(plan, workload, args.seq_len, args.gpus, hw, cal, top=args.top))
+    if args.json is not None:
+        write_json_atomic(args.json, plan_json(plan, workload, args.seq_len, args.gpus, hw, cal))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[str, ...]) -> list[Layout]:
+    layouts = []
+    for text in args.topology:
+        dp, cp, bp = parse_topology(text)
+        if dp * max(cp, bp) != args.gpus:
+            raise ValueError(f"--topology {text} uses {dp * max(cp, bp)} GPUs, not --gpus {args.gpus}")
+        base = Layout(dp, cp, bp, placement=args.placement, sharding=args.sharding)
+        if workload.objective.is_drafter:
+            ckpts = ("none",)
+        for transport in transports_for(workload, base):
+            for ckpt in ckpts:
+                layouts.append(replace(base, transport=transport, checkpointing=ckpt))  # type: ignore[arg-type]
+    return layouts
+
+
+def exchange_label(workload: Workload, layout: Layout) -> str:
+    """Which K/V rows a ring exchanges: every row (CP-only), the clean rows (CSBP, full attention),
+    only the window halo (CSBP window layers), the target context (drafters), or none."""
+    if layout.cp == 1:
+        return "-"
+    if workload.objective.is_drafter:
+        return "context"
+    if layout.kind == "cp":
+        return "all rows"
+    windows = {g.window > 0 for g in workload.model.groups}
+    return {frozenset({True}): "halo", frozenset({False}): "clean"}.get(frozenset(windows), "clean+halo")
+
+
+def _row(index: str, p: Prediction, workload: Workload) -> str:
+    lay = p.layout
+    exchange = exchange_label(workload, lay)
+    return (
+        f"{index:>3} {lay.name:<16} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
+        f"{lay.checkpointing:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
+        f"{p.mem_bytes / GIB:>7.1f}/{p.capacity_bytes / GIB:<6.1f} {p.kv_bytes / GIB:>8.2f} {p.exposed_comm_s:>8.3f}"
+    )
+
+
+def format_plan(
+    plan: Plan, workload: Workload, seq_len: int, gpus: int, hw: Hardware, cal: Calibration, *, top: int
+) -> str:
+    obj = workload.objective
+    lines = [
+        f"csbp plan: {workload.model.name} ({workload.model.total_params / 1e9:.2f}B params, {obj.name}, "
+        f"block {obj.block}) at L={seq_len:,} on {gpus}x{hw.name} ({hw.gpus_per_node}/node)",
+        f"calibration: {cal.source}",
+        "",
+        f"{'#':>3} {'layout':<16} {'transport':<10} {'exchange':<10} {'ckpt':<5} {'mb':>2} {'step s':>9} "
+        f"{'tokens/s':>11} {'mem GiB/cap':>14} {'K/V GiB':>8} {'exposed':>8}",
+    ]
+    lines += [_row(str(i + 1), p, workload) for i, p in enumerate(plan.feasible[:top])]
+    if len(plan.feasible) > top:
+        lines.append(f"    ... {len(plan.feasible) - top} more feasible layouts (--top, --json)")
+    if plan.infeasible:
+        lines += ["", "out of memory:"]
+        lines += [f"    {describe(p.layout)}: {p.oom_reason()}" for p in plan.infeasible[:top]]
+        if len(plan.infeasible) > top:
+            lines.append(f"    ... {len(plan.infeasible) - top} more")
+    lines += ["", f"why: {plan.why}"]
+    return "\n".join(lines)
+
+
+def _prediction_json(p: Prediction, workload: Workload) -> dict[str, object]:
+    lay = p.layout
+    return {
+        "layout": lay.name,
+        "exchange": exchange_label(workload, lay),
+        "dp": lay.dp,
+        "cp": lay.cp,
+        "bp": lay.bp,
+        "transport": lay.transport,
+        "activation_checkpointing": lay.checkpointing,
+        "micro_batch": lay.micro_batch,
+        "placement": lay.placement,
+        "sharding": lay.sharding,
+        "step_s": p.step_s,
+        "tokens_per_s": p.tokens_per_s,
+        "fwd_s": p.fwd_s,
+        "bwd_s": p.bwd_s,
+        "exposed_comm_s": p.exposed_comm_s,
+        "kv_bytes_per_gpu": p.kv_bytes,
+        "mem_gib": p.mem_bytes / GIB,
+        "capacity_gib": p.capacity_bytes / GIB,
+        "fits": p.fits,
+        "mem_terms_gib": {k: v / GIB for k, v in p.mem_terms.items()},
+    }
+
+
+def plan_json(
+    plan: Plan, workload: Workload, seq_len: int, gpus: int, hw: Hardware, cal: Calibration
+) -> dict[str, object]:
+    return {
+        "model": workload.model.name,
+        "objective": workload.objective.name,
+        "seq_len": seq_len,
+        "gpus": gpus,
+        "hardware": hw.name,
+        "calibration": cal.to_json(),
+        "why": plan.why,
+        "feasible": [_prediction_json(p, workload) for p in plan.feasible],
+        "infeasible": [{**_prediction_json(p, workload), "reason": p.oom_reason()} for p in plan.infeasible],
+    }
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from csbp.plan.fit import bench_observations, fit_bench, fit_published
+
+    if args.published == bool(args.bench):
+        raise ValueError("csbp plan calibrate takes BENCH.json files or --published (one of the two)")
+    if args.published:
+        cal = fit_published()
+    else:
+        observations = bench_observations(args.bench, fastest=args.timing == "fastest")
+        limit = args.fit_max_len
+        fitted = [o for o in observations if limit is None or o.seq_len <= limit]
+        if not fitted:
+            raise ValueError(f"--fit-max-len {limit} leaves no benchmark record to fit on")
+        cal = fit_bench(
+            fitted,
+            source=f"fitted on {', '.join(str(p) for p in args.bench)}"
+            + (f" (seq_len <= {limit})" if limit is not None else ""),
+        )
+        for obs in observations:
+            value = obs.predicted(cal)
+            tag = "fit " if limit is None or obs.seq_len <= limit else "held"
+            print(
+                f"  {tag} {obs.label:<40} measured {obs.value:>10.4g}  model {value:>10.4g}  "
+                f"({value / obs.value - 1:+.0%})"
+            )
+    save_calibration(cal, args.out)
+    print(json.dumps({k: round(v, 4) for k, v in cal.to_json().items() if isinstance(v, float)}))
+    print(f"wrote {args.out}")
+    return 0

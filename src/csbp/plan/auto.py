@@ -1,0 +1,116 @@
+"""``topology: auto``: let the planner choose the layout of a run for the processes it launches.
+
+``csbp train run.yaml --nproc 8`` with ``topology: auto`` in the file (or ``--set topology=auto``)
+plans the run's model at its ``data.seq_len`` on ``nproc x nnodes`` devices of this machine's
+kind (the CUDA device name picks the GPU preset; no CUDA: ``cpu``), prints the chosen layout with
+its prediction, and hands the launcher ``--set topology.dp=... topology.cp=... topology.bp=...``
+overrides: the run then validates and trains like any explicit layout. The search keeps the
+config's micro-batch, gradient accumulation and FSDP setting, and proposes activation
+checkpointing only when the config schema has ``train.activation_checkpointing``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+
+from csbp.plan.calibration import packaged_calibration
+from csbp.plan.hardware import hardware
+from csbp.plan.model import GIB
+from csbp.plan.search import candidate_layouts, describe, rank
+from csbp.plan.workload import run_config_workload
+
+AUTO = "auto"
+
+
+def wants_auto(config: str, overrides: Sequence[str]) -> bool:
+    """True when ``--set topology=auto`` is given or the config file/recipe says ``topology: auto``."""
+    if any(item.replace(" ", "") == "topology=auto" for item in overrides):
+        return True
+    if any(item.split("=", 1)[0].strip().startswith("topology") for item in overrides):
+        return False  # an explicit --set topology.* wins over the file
+    path = Path(config)
+    if not path.is_file():
+        from csbp.recipes import list_recipes, recipe_path
+
+        if config not in list_recipes():
+            return False
+        path = recipe_path(config)
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return isinstance(data, dict) and data.get("topology") == AUTO
+
+
+def gpu_preset() -> str:
+    """This machine's hardware preset: the CUDA device's name, or ``cpu``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).upper()
+    for preset in ("H200", "H100", "A100"):
+        if preset in name:
+            return preset.lower()
+    raise ValueError(
+        f"topology: auto has no hardware preset for {torch.cuda.get_device_name(0)!r}: "
+        "set topology.dp/cp/bp (or pick one with `csbp plan --gpu h100|h200|a100`)"
+    )
+
+
+def resolve_auto_topology(
+    config: str, overrides: Sequence[str], *, nproc: int | None, nnodes: int = 1, echo: bool = True
+) -> list[str]:
+    """``overrides`` with ``topology=auto`` replaced by the planner's layout (unchanged when the run
+    does not ask for ``auto``)."""
+    if not wants_auto(config, overrides):
+        return list(overrides)
+    if nproc is None:
+        raise ValueError("topology: auto needs the process count: pass --nproc N (per node) to csbp train")
+    from csbp.config.schema import TrainSection
+    from csbp.recipes import load_run_config
+
+    kept = [item for item in overrides if item.replace(" ", "") != "topology=auto"]
+    cfg = load_run_config(config, [*kept, "topology={}"])
+    workload = run_config_workload(cfg)
+    gpus = nproc * nnodes
+    preset = gpu_preset()
+    hw = hardware(preset, gpus=gpus, gpus_per_node=nproc)
+    has_ckpt = "activation_checkpointing" in TrainSection.model_fields
+    mb, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
+    layouts = [
+        lay
+        for lay in candidate_layouts(
+            workload,
+            gpus,
+            cfg.data.seq_len,
+            checkpointing=("full", "none") if has_ckpt else ("none",),
+            sharding="fsdp2" if cfg.train.fsdp else "ddp",
+            micro_batches=(mb,),
+        )
+        if lay.micro_batch == mb
+    ]
+    plan = rank(workload, layouts, cfg.data.seq_len, hw, packaged_calibration(preset))
+    best = plan.best
+    if best is None:
+        raise ValueError(f"topology: auto found no layout for {gpus} processes: {plan.why}")
+    lay = best.layout
+    chosen = [
+        "topology={}",
+        f"topology.dp={lay.dp}",
+        f"topology.cp={lay.cp}",
+        f"topology.bp={lay.bp}",
+        f"topology.replicate_clean_prefix={'true' if lay.kind == 'bp' else 'false'}",
+        f"topology.transport={lay.transport}",
+    ]
+    if has_ckpt:
+        chosen.append(f"train.activation_checkpointing={lay.checkpointing}")
+    if echo:
+        step = best.step_s * accum
+        print(
+            f"topology: auto -> {describe(lay)} for {gpus} processes at L={cfg.data.seq_len}: predicted "
+            f"{step:.3f} s/step, {best.mem_bytes / GIB:.2f} of {best.capacity_bytes / GIB:.1f} GiB per process "
+            f"({hw.name}; {plan.why})",
+            flush=True,
+        )
+    return [*kept, *chosen]

@@ -1,0 +1,126 @@
+"""Cost terms of DFlash / DFlash2 drafter training against a frozen target (csbp.md §14).
+
+Per rank and optimizer step (``csbp.dflash.layouts`` decides who holds what):
+
+* **Block-local work** over the draft rows a rank holds, ``anchors·B`` divided by ``bp`` (CSBP and
+  BP-only deal anchors to ranks) or *repeated on every CP rank* (CP-only and data layouts): the
+  drafter layers (``6·params`` per row, forward and backward), the frozen vocabulary head
+  (``4·V·d``: forward and the input gradient) and attention over the block plus the sliding window
+  of context (``4·hd·H`` per pair, x3.5 for forward and backward).
+* **Context work**: the fusion and k/v projections of the target features over the context rows
+  the rank holds (``L/cp``: what csbp does), or, for the published reference runs
+  (``Objective.context_rows == "windows"``), over the rows its anchors' windows cover (anchors sit
+  in one span, so the union sits in one zigzag chunk); their K/V gathered around the CP ring.
+* **Gradient all-reduce** of the trainable parameters over all ranks.
+* tokens/s = ``dp·anchors·(B-1)/step`` (supervised draft tokens).
+
+Memory: ``12 B`` per trainable parameter (weights, gradients, fused AdamW), the frozen vocabulary
+(embedding and head, bf16), the draft activations (no checkpointing; ``drafter_act_factor`` per
+row-layer activation bytes), the fused context rows and their K/V, the target features of the
+rank's context rows (``L/cp`` rows, all ``L`` for BP-only and data layouts) and 1 GiB of runtime
+(the calibration's constant where that is smaller, e.g. on CPU).
+"""
+
+from __future__ import annotations
+
+from csbp.plan.calibration import Calibration
+from csbp.plan.hardware import Hardware
+from csbp.plan.layout import Layout
+from csbp.plan.model import GIB, Prediction, kv_row_bytes, ring_bandwidth
+from csbp.plan.workload import Workload
+
+DRAFTER_FIXED_GIB = 1.0
+
+
+def predict_drafter(
+    workload: Workload,
+    layout: Layout,
+    seq_len: int,
+    hw: Hardware,
+    cal: Calibration,
+    *,
+    global_batch: int | None = None,
+    step_memory_only: bool = False,
+) -> Prediction:
+    """Predict one layout of DFlash drafter training (one sample per replica per micro-step).
+    ``step_memory_only`` keeps only what a step allocates (gradients, activations; not the weights,
+    optimizer state or the features loaded before it), what ``csbp bench dflash`` measures."""
+    model, obj, p = workload.model, workload.objective, workload.dtype_bytes
+    per_micro = layout.dp * layout.micro_batch
+    batch = per_micro if global_batch is None else global_batch
+    if batch % per_micro:
+        raise ValueError(
+            f"global batch {batch} is not a multiple of dp*micro_batch={per_micro} for {layout.name}"
+        )
+    accum = batch // per_micro
+    mb = layout.micro_batch
+    dealt = layout.bp if layout.bp > 1 else 1  # CP-only and data layouts repeat every anchor
+    draft_rows = mb * obj.anchors * obj.block / dealt
+    held = seq_len // layout.cp if layout.cp > 1 else seq_len
+    if obj.context_rows == "windows":  # anchors in one span: its windows sit in one zigzag chunk
+        span = obj.anchors * obj.block + obj.window
+        context_rows = mb * min(held // 2 if layout.cp > 1 else held, span)
+    else:
+        context_rows = mb * held
+    kv_proj = sum(g.count * model.d_model * 2 * g.n_kv_heads * g.head_dim for g in model.groups)
+    rate = hw.peak_tflops * 1e12 * cal.drafter_eff
+    dense = draft_rows * (6 * model.body_params + 4 * model.vocab * model.d_model)
+    attn = draft_rows * sum(
+        g.count
+        * ((min(g.window, seq_len) if g.window else seq_len / 2) + obj.block)
+        * 4
+        * g.head_dim
+        * g.n_heads
+        * 3.5
+        for g in model.groups
+    )
+    context = context_rows * 2 * (obj.feature_width * model.d_model + kv_proj) * 3
+    compute = (dense + attn + context) / rate
+    fwd_s = compute / 3
+    bwd_s = compute - fwd_s
+
+    kv_bytes = 0.0
+    exposed_kv = 0.0
+    if layout.cp > 1:
+        per_layer = sum(g.count * kv_row_bytes(g, p) for g in model.groups)
+        kv_bytes = accum * (layout.cp - 1) * context_rows * per_layer * 2.0  # gather + dK/dV
+        exposed_kv = kv_bytes / ring_bandwidth(layout, hw, cal)
+    trainable = model.body_params + model.extra_params
+    world = layout.world
+    grad_bw = (
+        hw.inter_gbps * cal.net_eff if world > hw.gpus_per_node else hw.intra_gbps * cal.intra_eff
+    ) * 1e9
+    t_grad = 2.0 * p * trainable * (world - 1) / world / grad_bw if world > 1 else 0.0
+    t_opt = 32.0 * trainable / (hw.hbm_tbps * 1e12)
+    step = accum * compute + exposed_kv + t_grad + t_opt
+
+    act_row = sum(
+        g.count * p * (6 * model.d_model + 2 * (g.n_heads + 2 * g.n_kv_heads) * g.head_dim + 4 * model.ffn)
+        for g in model.groups
+    )
+    feature_rows = mb * held
+    if step_memory_only:
+        terms = {"grads": p * trainable}
+    else:
+        terms = {
+            "weights+grads+optimizer": 12.0 * trainable,
+            "frozen vocab": p * model.embedding_params,
+            "target features": feature_rows * obj.feature_width * p,
+            "fixed": min(DRAFTER_FIXED_GIB, cal.mem_fixed_gib) * GIB,
+        }
+    terms["draft activations"] = cal.drafter_act_factor * draft_rows * act_row
+    # fused context rows (fc output, its norm) and every layer's context K/V, kept for backward
+    kv_width = sum(g.count * 2 * g.n_kv_heads * g.head_dim for g in model.groups)
+    terms["context activations"] = context_rows * (2 * model.d_model + kv_width) * p
+    return Prediction(
+        layout=layout,
+        step_s=step,
+        tokens_per_s=batch * obj.anchors * (obj.block - 1) / step,
+        fwd_s=fwd_s,
+        bwd_s=bwd_s,
+        exposed_comm_s=exposed_kv + t_grad,
+        exposed_kv_s=exposed_kv,
+        kv_bytes=kv_bytes,
+        mem_terms=terms,
+        capacity_bytes=hw.mem_gib * GIB,
+    )

@@ -1,0 +1,96 @@
+"""A candidate layout of the planner: the csbp topology plus the knobs that change cost and memory
+(transport, activation checkpointing, micro-batch, ring placement, state sharding, block schedule).
+
+``parse_topology("dp2/cp8/bp8")`` reads the notation of ``csbp plan --topology`` and of the
+published runs (absent axes are 1).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from csbp.topology import Topology
+
+Transport = Literal["collective", "streaming"]
+Checkpointing = Literal["full", "none"]
+Placement = Literal["packed", "striped"]
+Sharding = Literal["fsdp2", "zero2", "ddp"]
+
+_AXIS = re.compile(r"^(dp|cp|bp)(\d+)$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search.
+
+    Attributes:
+        dp, cp, bp: the csbp degrees (``csbp.topology.Topology``).
+        transport: clean K/V transport of CP rings (``collective`` or ``streaming``).
+        checkpointing: ``full`` (recompute every layer in backward) or ``none``.
+        micro_batch: samples per data-parallel replica per micro-step.
+        placement: ``packed`` rings (csbp's rank order: a sample's ranks are consecutive, so a ring
+            stays inside a node when it fits) or ``striped`` across nodes (the published recipe).
+        sharding: optimizer/gradient/weight sharding: ``fsdp2`` (csbp ``train.fsdp``), ``zero2`` (the
+            published recipe) or ``ddp`` (everything replicated).
+        schedule: block schedule over BP ranks.
+    """
+
+    dp: int
+    cp: int = 1
+    bp: int = 1
+    transport: Transport = "collective"
+    checkpointing: Checkpointing = "full"
+    micro_batch: int = 1
+    placement: Placement = "packed"
+    sharding: Sharding = "fsdp2"
+    schedule: Literal["dual_end", "contiguous"] = "dual_end"
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(
+            dp=self.dp, cp=self.cp, bp=self.bp, replicate_clean_prefix=self.cp == 1 and self.bp > 1
+        )
+
+    @property
+    def kind(self) -> str:
+        return self.topology.layout
+
+    @property
+    def local(self) -> int:
+        return max(self.cp, self.bp)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.local
+
+    @property
+    def name(self) -> str:
+        parts = [f"dp{self.dp}"]
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.bp > 1:
+            parts.append(f"bp{self.bp}")
+        return "/".join(parts)
+
+
+def parse_topology(text: str) -> tuple[int, int, int]:
+    """``"dp2/cp8/bp8"`` -> ``(2, 8, 8)``; axes in any order, each at most once, absent axes 1."""
+    degrees = {"dp": 1, "cp": 1, "bp": 1}
+    seen = set()
+    for part in text.lower().split("/"):
+        match = _AXIS.match(part.strip())
+        if match is None or match.group(1) in seen or int(match.group(2)) < 1:
+            raise ValueError(
+                f"topology {text!r} is not of the form dpA/cpB/bpC (e.g. dp2/cp8/bp8; absent axes are 1)"
+            )
+        seen.add(match.group(1))
+        degrees[match.group(1)] = int(match.group(2))
+    Topology(
+        dp=degrees["dp"],
+        cp=degrees["cp"],
+        bp=degrees["bp"],
+        replicate_clean_prefix=degrees["cp"] == 1 and degrees["bp"] > 1,
+    )  # fail closed on an invalid fused layout
+    return degrees["dp"], degrees["cp"], degrees["bp"]

@@ -1,0 +1,307 @@
+"""The cost model: step time, throughput, K/V traffic and peak memory per GPU of one layout.
+
+Everything that decides a layout is counted with csbp's own torch-free arithmetic
+(``csbp.attention.counts``): per local rank, the noisy and clean rows it holds
+(``layout_positions``), the (query, key) pairs the BD3 mask allows over them, window or full
+(``position_pairs``), and the clean rows a sliding-window layer's halo exchange receives
+(``window_halo_rows``). The slowest rank of a sample bounds the step. The calibration
+(``csbp.plan.calibration``) turns FLOPs, bytes and rows into seconds and GiB:
+
+* compute: dense ``2·params·rows`` per pass plus the LM head on loss rows; attention ``4·hd·H``
+  per allowed pair; backward = 2x dense, 2.5x attention; full checkpointing adds one forward.
+  CP-only attention runs at ``attn_eff``, the interval kernel of CSBP/BP/data layouts at
+  ``attn_eff·interval_fwd|bwd``.
+* K/V bytes per GPU (sent, what csbp's traffic counter records): per pass and layer
+  ``(P-1)·shard·2·Hkv·hd·bytes`` with shard = ``2L/cp`` rows (CP-only: noisy and clean) or
+  ``L/cp`` (CSBP: clean only); a CSBP window layer moves only its halo. Passes: forward,
+  recompute (checkpointing), dK/dV, plus the K/V re-circulation of the streaming backward.
+* bandwidth: intra-node when the ring sits inside a node (``placement``), else the network.
+  Exposure: ``(1-overlap)`` of collective traffic; streaming hides up to ``overlap_stream`` of the
+  ring's attention time.
+* step = micro-steps x (compute + exposed K/V) + exposed gradient sync + optimizer + overhead.
+* memory: model states (by sharding), activations (checkpoints plus one layer's working set, or all
+  layers' activations), gathered K/V (+ fp32 dK/dV), one logits chunk, a fitted constant.
+
+DFlash drafters have their own terms (``csbp.plan.drafter``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from csbp.attention.counts import layout_positions, position_pairs, window_halo_rows
+from csbp.plan.calibration import Calibration
+from csbp.plan.hardware import Hardware
+from csbp.plan.layout import Layout
+from csbp.plan.workload import LayerGroup, Workload
+
+GIB = 2**30
+CE_CHUNK_ROWS = 1024  # objective.ce_chunk_rows default: rows of one LM-head logits chunk
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the model predicts for one layout (per GPU, per optimizer step).
+
+    Attributes:
+        layout: the layout.
+        step_s / tokens_per_s: step time and training tokens per second of the whole job.
+        fwd_s / bwd_s: forward and backward span of one micro-step on the slowest rank (with exposed
+            K/V traffic).
+        exposed_comm_s: communication not hidden behind compute, per step.
+        exposed_kv_s: the attention K/V part of it.
+        kv_bytes: attention K/V bytes each GPU sends per step.
+        mem_terms: peak memory per GPU by term, bytes.
+        capacity_bytes: what the device may hold.
+    """
+
+    layout: Layout
+    step_s: float
+    tokens_per_s: float
+    fwd_s: float
+    bwd_s: float
+    exposed_comm_s: float
+    exposed_kv_s: float
+    kv_bytes: float
+    mem_terms: dict[str, float]
+    capacity_bytes: float
+
+    @property
+    def mem_bytes(self) -> float:
+        return sum(self.mem_terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.mem_bytes <= self.capacity_bytes
+
+    @property
+    def largest_term(self) -> str:
+        return max(self.mem_terms, key=lambda k: self.mem_terms[k])
+
+    def oom_reason(self) -> str:
+        """Why it does not fit: the total against capacity and the term that dominates."""
+        term = self.largest_term
+        return (
+            f"needs {self.mem_bytes / GIB:.1f} GiB > {self.capacity_bytes / GIB:.1f} GiB; "
+            f"largest term {term} {self.mem_terms[term] / GIB:.1f} GiB"
+        )
+
+
+@dataclass(frozen=True)
+class RankCounts:
+    """One local rank's rows and allowed pairs for one sample (one view) and one window."""
+
+    noisy: int
+    clean: int
+    pairs: int
+
+
+@lru_cache(maxsize=512)
+def rank_counts(
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int
+) -> tuple[RankCounts, ...]:
+    """Per local rank of a sample, its rows and allowed pairs (``window`` 0: full attention)."""
+    out = []
+    for rank in range(max(cp, bp)):
+        noisy, clean, _ = layout_positions(seq_len, block, cp, bp, rank, schedule)  # type: ignore[arg-type]
+        noisy_pairs, clean_pairs = position_pairs(noisy, clean, block_size=block, window=window or None)
+        out.append(RankCounts(len(noisy), len(clean), noisy_pairs + clean_pairs))
+    return tuple(out)
+
+
+@lru_cache(maxsize=512)
+def halo_rows(seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int) -> int:
+    """Largest number of clean rows a CSBP ring member receives in a window layer."""
+    return max(
+        window_halo_rows(seq_len, block, cp, bp, rank, window, schedule)  # type: ignore[arg-type]
+        for rank in range(cp)
+    )
+
+
+def kv_row_bytes(group: LayerGroup, dtype_bytes: int) -> int:
+    """Bytes of one row's K and V in one layer."""
+    return 2 * group.n_kv_heads * group.head_dim * dtype_bytes
+
+
+def kv_passes(layout: Layout, kv_grad_ratio: float) -> tuple[float, float]:
+    """``(forward passes, backward passes)`` of K/V-sized traffic per layer."""
+    backward = kv_grad_ratio + (1.0 if layout.checkpointing == "full" else 0.0)
+    if layout.transport == "streaming" and layout.kind in ("cp", "csbp"):
+        backward += 1.0  # the streaming backward re-circulates K/V around the ring
+    return 1.0, backward
+
+
+def ring_bandwidth(layout: Layout, hw: Hardware, cal: Calibration) -> float:
+    """Bytes/s of a CP ring: intra-node when the ring sits inside a node, else the network."""
+    across = layout.local > hw.gpus_per_node or (
+        layout.placement == "striped" and layout.world > hw.gpus_per_node
+    )
+    return (hw.inter_gbps * cal.net_eff if across else hw.intra_gbps * cal.intra_eff) * 1e9
+
+
+def _kv_per_pass(workload: Workload, layout: Layout, seq_len: int, group: LayerGroup) -> tuple[float, float]:
+    """``(bytes sent per pass, gathered rows held)`` of one layer of ``group`` for one sample view."""
+    row = kv_row_bytes(group, workload.dtype_bytes)
+    cp, kind = layout.cp, layout.kind
+    if kind == "cp":
+        shard = 2 * seq_len // cp
+    elif kind == "csbp":
+        if group.window:
+            halo = halo_rows(seq_len, workload.objective.block, cp, layout.bp, layout.schedule, group.window)
+            return float(halo * row), float(seq_len // cp + halo)
+        shard = seq_len // cp
+    else:
+        return 0.0, 0.0
+    held = 3 * shard if layout.transport == "streaming" else cp * shard
+    return float((cp - 1) * shard * row), float(held)
+
+
+def predict(
+    workload: Workload,
+    layout: Layout,
+    seq_len: int,
+    hw: Hardware,
+    cal: Calibration,
+    *,
+    global_batch: int | None = None,
+    step_memory_only: bool = False,
+) -> Prediction:
+    """Predict one decoder layout (BD3, Fast-dLLM v2, MDLM). ``global_batch`` samples per optimizer
+    step (default ``dp·micro_batch``); ``step_memory_only`` leaves out the memory that exists before
+    a step (weights and optimizer state), which is what ``csbp bench`` measures."""
+    if workload.objective.is_drafter:
+        from csbp.plan.drafter import predict_drafter
+
+        return predict_drafter(
+            workload, layout, seq_len, hw, cal, global_batch=global_batch, step_memory_only=step_memory_only
+        )
+    model, obj, p = workload.model, workload.objective, workload.dtype_bytes
+    per_micro = layout.dp * layout.micro_batch
+    batch = per_micro if global_batch is None else global_batch
+    if batch % per_micro:
+        raise ValueError(
+            f"global batch {batch} is not a multiple of dp*micro_batch={per_micro} for {layout.name}"
+        )
+    accum = batch // per_micro
+    samples = obj.views * layout.micro_batch  # sample views one rank holds per micro-step
+    peak = hw.peak_tflops * 1e12
+    ckpt = layout.checkpointing == "full"
+    attn_fwd_rate = peak * cal.attn_eff * (1.0 if layout.kind == "cp" else cal.interval_fwd)
+    attn_bwd_rate = peak * cal.attn_eff * (1.0 if layout.kind == "cp" else cal.interval_bwd)
+    gemm_rate = peak * cal.gemm_eff
+
+    # --- compute of the slowest rank (rows and pairs from csbp's own layouts)
+    windows = sorted({g.window for g in model.groups})
+    counts = {w: _counts(workload, layout, seq_len, w) for w in windows}
+    local = len(counts[windows[0]])
+    best = (-1.0, 0.0, 0.0, 0.0)
+    for r in range(local):
+        rows = counts[windows[0]][r].noisy + counts[windows[0]][r].clean
+        loss_rows = counts[windows[0]][r].noisy
+        dense = 2 * model.body_params * rows + 2 * model.vocab * model.d_model * loss_rows
+        attn = sum(g.count * counts[g.window][r].pairs * 4 * g.head_dim * g.n_heads for g in model.groups)
+        fwd = samples * (dense / gemm_rate + attn / attn_fwd_rate)
+        attn_s = samples * (attn / attn_fwd_rate + 2.5 * attn / attn_bwd_rate)
+        bwd = samples * (2 * dense / gemm_rate + 2.5 * attn / attn_bwd_rate) + (fwd if ckpt else 0.0)
+        if fwd + bwd > best[0] + best[1]:
+            best = (fwd, bwd, attn_s, float(rows))
+    fwd_c, bwd_c, attn_s, max_rows = best
+
+    # --- K/V traffic and its exposure
+    passes_f, passes_b = kv_passes(layout, obj.kv_grad_bytes / p)
+    bandwidth = ring_bandwidth(layout, hw, cal)
+    per_pass = 0.0
+    held_rows = 0.0
+    kv_row_max = 0
+    for g in model.groups:
+        sent, held = _kv_per_pass(workload, layout, seq_len, g)
+        per_pass += g.count * sent
+        held_rows = max(held_rows, held)
+        kv_row_max = max(kv_row_max, kv_row_bytes(g, p))
+    kv_micro = samples * per_pass * (passes_f + passes_b)
+    t_kv = kv_micro / bandwidth if kv_micro else 0.0
+    if layout.transport == "streaming" and layout.cp > 1:
+        exposed_kv = max(0.0, t_kv - cal.overlap_stream * attn_s)
+    else:
+        overlap = cal.overlap_cp if layout.kind == "cp" else cal.overlap_csbp
+        exposed_kv = (1.0 - overlap) * t_kv
+    share_f = passes_f / (passes_f + passes_b)
+    fwd_s = fwd_c + share_f * exposed_kv
+    bwd_s = bwd_c + (1 - share_f) * exposed_kv
+
+    # --- gradient synchronisation, optimizer, overhead (once per optimizer step)
+    n = model.total_params
+    world = layout.world
+    grad_bytes = {"zero2": 4.0, "fsdp2": 3.0 * p, "ddp": 2.0 * p}[layout.sharding]
+    grad_bw = (
+        hw.inter_gbps * cal.net_eff if world > hw.gpus_per_node else hw.intra_gbps * cal.intra_eff
+    ) * 1e9
+    t_grad = grad_bytes * n * (world - 1) / world / grad_bw if world > 1 else 0.0
+    exposed_grad = (1.0 - cal.grad_overlap) * t_grad
+    shard = world if layout.sharding != "ddp" else 1
+    t_opt = 32.0 * n / shard / (hw.hbm_tbps * 1e12)
+    step = accum * (fwd_s + bwd_s) + exposed_grad + t_opt + cal.step_overhead_s
+
+    # --- memory per GPU
+    act_row = (
+        sum(
+            g.count
+            * p
+            * (6 * model.d_model + 2 * (g.n_heads + 2 * g.n_kv_heads) * g.head_dim + 4 * model.ffn)
+            for g in model.groups
+        )
+        / model.num_layers
+    )
+    rows = samples * max_rows
+    kv_held = samples * held_rows * kv_row_max
+    terms: dict[str, float] = {}
+    if not step_memory_only:
+        if layout.sharding == "zero2":
+            terms["weights"] = 2.0 * n
+            terms["grads+optimizer"] = 16.0 * n / world
+        elif layout.sharding == "fsdp2":
+            terms["weights"] = p * n / world + 2 * p * model.max_layer_params
+            terms["grads+optimizer"] = 3.0 * p * n / world
+        else:
+            terms["weights"] = p * n
+            terms["grads+optimizer"] = 3.0 * p * n
+    else:
+        terms["grads"] = p * n / (world if layout.sharding != "ddp" else 1)
+    if ckpt:
+        terms["checkpoints"] = model.num_layers * rows * model.d_model * p
+        working = cal.ws_factor * rows * act_row
+        gathered = kv_held * (1 + 4 / p)
+        terms["layer working set" if working >= gathered else "gathered K/V"] = max(working, gathered)
+    else:
+        terms["activations"] = cal.act_factor * model.num_layers * rows * act_row
+        if kv_held:
+            kept = model.num_layers if layout.transport == "collective" else 1
+            terms["gathered K/V"] = kv_held * (kept + 4 / p)
+    terms["logits chunk"] = 2.0 * min(CE_CHUNK_ROWS, rows) * model.vocab * 4
+    terms["fixed"] = cal.mem_fixed_gib * GIB
+    return Prediction(
+        layout=layout,
+        step_s=step,
+        tokens_per_s=batch * seq_len / step,
+        fwd_s=fwd_s,
+        bwd_s=bwd_s,
+        exposed_comm_s=accum * exposed_kv + exposed_grad,
+        exposed_kv_s=accum * exposed_kv,
+        kv_bytes=accum * kv_micro,
+        mem_terms=terms,
+        capacity_bytes=hw.mem_gib * GIB,
+    )
+
+
+def _counts(workload: Workload, layout: Layout, seq_len: int, window: int) -> tuple[RankCounts, ...]:
+    """Rows and pairs per local rank; single-stream MDLM (bidirectional) and AR (causal) by formula."""
+    obj = workload.objective
+    if obj.single_stream:
+        if obj.name == "ar":  # causal: position p sees min(p + 1, window) keys
+            span = min(window, seq_len) if window else seq_len
+            pairs = span * (span + 1) // 2 + (seq_len - span) * span
+        else:
+            pairs = seq_len * (min(window, seq_len) if window else seq_len)
+        return (RankCounts(seq_len, 0, pairs),)
+    return rank_counts(seq_len, obj.block, layout.cp, layout.bp, layout.schedule, window)

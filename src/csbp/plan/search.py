@@ -1,0 +1,194 @@
+"""Enumerate the layouts csbp can run for a job, predict each, rank them, and say why the best wins.
+
+The search covers every ``dp x local`` split of the GPUs and, per local size, the data layout,
+CP-only, BP-only and every fused CSBP ``cp | bp``; per layout the transports (rings only),
+activation checkpointing and micro-batches that divide the global batch. Layouts csbp would reject
+for the sequence (``Topology.validate_sequence``) are never proposed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+from csbp.plan.calibration import Calibration
+from csbp.plan.hardware import Hardware
+from csbp.plan.layout import Checkpointing, Layout, Placement, Sharding, Transport
+from csbp.plan.model import GIB, Prediction, predict
+from csbp.plan.workload import Workload
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Ranked predictions: ``feasible`` fastest first, ``infeasible`` (out of memory) apart."""
+
+    feasible: tuple[Prediction, ...]
+    infeasible: tuple[Prediction, ...]
+    why: str
+
+    @property
+    def best(self) -> Prediction | None:
+        return self.feasible[0] if self.feasible else None
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(
+    workload: Workload,
+    gpus: int,
+    seq_len: int,
+    *,
+    global_batch: int | None = None,
+    checkpointing: Sequence[Checkpointing] = ("full", "none"),
+    placement: Placement = "packed",
+    sharding: Sharding = "fsdp2",
+    micro_batches: Sequence[int] = (1, 2, 4),
+) -> list[Layout]:
+    """Every layout csbp accepts for ``gpus`` devices and this workload (see module docstring).
+    Without ``global_batch`` (one optimizer step = ``dp`` micro-batches) only the first of
+    ``micro_batches`` is used."""
+    obj = workload.objective
+    out: list[Layout] = []
+    for local in divisors(gpus):
+        dp = gpus // local
+        degrees: list[tuple[int, int]] = [(1, 1)] if local == 1 else [(local, 1), (1, local)]
+        degrees += [(cp, local) for cp in divisors(local) if 1 < cp < local]
+        if local > 1:
+            degrees.append((local, local))
+        for cp, bp in degrees:
+            if obj.single_stream and local > 1:
+                continue
+            base = Layout(dp, cp, bp, placement=placement, sharding=sharding)
+            if not _accepts(workload, base, seq_len):
+                continue
+            transports = transports_for(workload, base)
+            ckpts = ("none",) if obj.is_drafter else tuple(checkpointing)
+            for mb in micro_batches:
+                if global_batch is None and mb != micro_batches[0]:
+                    continue
+                if global_batch is not None and global_batch % (dp * mb):
+                    continue
+                for transport in transports:
+                    for ckpt in ckpts:
+                        out.append(replace(base, transport=transport, checkpointing=ckpt, micro_batch=mb))
+    return out
+
+
+def transports_for(workload: Workload, layout: Layout) -> tuple[Transport, ...]:
+    """The K/V transports that differ for this layout: none without a ring, none for drafters (their
+    context all-gather) or for CSBP when every layer is windowed (the halo all-to-all ignores it)."""
+    all_windowed = all(g.window for g in workload.model.groups)
+    if layout.cp == 1 or workload.objective.is_drafter or (layout.kind == "csbp" and all_windowed):
+        return ("collective",)
+    return ("collective", "streaming")
+
+
+def _accepts(workload: Workload, layout: Layout, seq_len: int) -> bool:
+    obj = workload.objective
+    try:
+        if obj.is_drafter:
+            if seq_len % (2 * layout.cp) or obj.anchors < layout.bp:
+                return False
+        else:
+            layout.topology.validate_sequence(seq_len, obj.block)
+    except ValueError:
+        return False
+    return True
+
+
+def rank(
+    workload: Workload,
+    layouts: Iterable[Layout],
+    seq_len: int,
+    hw: Hardware,
+    cal: Calibration,
+    *,
+    global_batch: int | None = None,
+) -> Plan:
+    """Predict every layout and rank them; the first feasible one is the plan's pick."""
+    preds = [predict(workload, lay, seq_len, hw, cal, global_batch=global_batch) for lay in layouts]
+    feasible = sorted((p for p in preds if p.fits), key=lambda p: (-p.tokens_per_s, p.mem_bytes))
+    infeasible = sorted((p for p in preds if not p.fits), key=lambda p: p.mem_bytes)
+    return Plan(
+        tuple(feasible),
+        tuple(infeasible),
+        explain(feasible, infeasible, cal, drafter=workload.objective.is_drafter),
+    )
+
+
+def describe(layout: Layout) -> str:
+    """``dp4/cp4/bp4 collective, full checkpointing`` (+ micro-batch when > 1)."""
+    text = layout.name
+    if layout.cp > 1:
+        text += f" {layout.transport}"
+    text += f", {'full' if layout.checkpointing == 'full' else 'no'} checkpointing"
+    return text + (f", micro-batch {layout.micro_batch}" if layout.micro_batch > 1 else "")
+
+
+def explain(
+    feasible: Sequence[Prediction],
+    infeasible: Sequence[Prediction],
+    cal: Calibration | None = None,
+    *,
+    drafter: bool = False,
+) -> str:
+    """One sentence on why the best layout wins, against the fastest layout of another family
+    (CP-only when the best is not CP-only) or, failing that, the runner-up."""
+    if not feasible:
+        if not infeasible:
+            return "no layout csbp accepts for this sequence length and GPU count."
+        smallest = infeasible[0]
+        return f"nothing fits: the smallest layout, {describe(smallest.layout)}, {smallest.oom_reason()}."
+    best = feasible[0]
+    family = best.layout.kind
+    rivals = [p for p in feasible if p.layout.kind == "cp"] if family != "cp" else []
+    rivals = rivals or [p for p in feasible if p.layout.kind != family] or list(feasible[1:])
+    if not rivals:
+        return f"{describe(best.layout)} is the only layout that fits."
+    rival = rivals[0]
+    ratio = best.tokens_per_s / rival.tokens_per_s
+    b, r = best.layout, rival.layout
+    reasons = []
+    if b.dp != r.dp:
+        more = [p for p in infeasible if p.layout.kind == r.kind and p.layout.dp > r.dp]
+        fit_note = ""
+        if more:
+            name, reason = more[0].layout.name, more[0].oom_reason()
+            fit_note = f" (more {_family_name(r.kind)} replicas do not fit: {name} {reason})"
+        reasons.append(f"it runs {b.dp} data-parallel replicas instead of {r.dp}{fit_note}")
+    compute_b, compute_r = best.step_s - best.exposed_comm_s, rival.step_s - rival.exposed_comm_s
+    if b.dp == r.dp and compute_r - compute_b > 0.02 * rival.step_s:
+        why = ""
+        if drafter and r.kind == "cp" and b.bp > 1:
+            why = " (anchors are dealt over the BP ranks instead of repeated on every CP rank)"
+        elif cal is not None and r.kind == "cp" and b.kind != "cp":
+            why = (
+                f" (one interval attention kernel, calibrated at {cal.interval_fwd:.2f}x/{cal.interval_bwd:.2f}x "
+                "the CP-only kernel's forward/backward speed)"
+            )
+        reasons.append(f"its slowest rank computes {compute_r - compute_b:.2f} s less per step{why}")
+    elif b.dp != r.dp and abs(best.step_s - rival.step_s) > 0.02 * rival.step_s:
+        reasons.append(f"a step takes {best.step_s:.2f} s instead of {rival.step_s:.2f} s")
+    most = max(best.kv_bytes, rival.kv_bytes)
+    if most >= 2**24 and abs(best.kv_bytes - rival.kv_bytes) > 0.1 * most:
+        comm_gain = rival.exposed_comm_s - best.exposed_comm_s
+        reasons.append(
+            f"it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"
+            + (f" ({comm_gain:.2f} s less exposed communication)" if comm_gain >= 0.01 else "")
+        )
+    if not reasons:
+        reasons.append("it is the fastest layout that fits")
+    return (
+        f"{describe(b)} wins at {ratio:.2f}x the best {_family_name(r.kind)} layout "
+        f"({describe(r)}): {'; '.join(reasons)}."
+    )
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _family_name(kind: str) -> str:
+    return {"cp": "CP-only", "bp": "BP-only", "csbp": "CSBP", "data": "data-parallel"}[kind]

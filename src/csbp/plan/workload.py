@@ -1,0 +1,338 @@
+"""What is trained: the model's shape and the objective, from a preset, a Hugging Face
+``config.json`` or a csbp run config.
+
+Presets are the workload keys of the published CSBP runs (``nemotron-3b``, ``nemotron-8b``,
+``nemotron-14b``, ``dflash2-qwen3.8``, ``dflash2-muse``), packaged in
+``csbp/plan/data/published-csbp-runs.json``. Every reader fails closed with one line naming the
+file and the missing field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "dflash")
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """``count`` consecutive decoder layers of one attention kind (``window`` 0: full attention)."""
+
+    count: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    window: int = 0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Decoder shape. ``extra_params*`` count parameters outside attention/MLP/embeddings (drafter
+    fusion, selector, ...)."""
+
+    name: str
+    d_model: int
+    vocab: int
+    ffn: int
+    groups: tuple[LayerGroup, ...]
+    tied_embeddings: bool = False
+    extra_params_per_layer: float = 0.0
+    extra_params: float = 0.0
+
+    @property
+    def num_layers(self) -> int:
+        return sum(g.count for g in self.groups)
+
+    def layer_params(self, group: LayerGroup) -> float:
+        """Parameters of one layer: q/k/v/o projections, SwiGLU MLP, two norms, extras."""
+        attn = self.d_model * (group.n_heads + 2 * group.n_kv_heads) * group.head_dim
+        attn += group.n_heads * group.head_dim * self.d_model
+        return attn + 3 * self.d_model * self.ffn + 2 * self.d_model + self.extra_params_per_layer
+
+    @property
+    def body_params(self) -> float:
+        """Parameters of all layers (what runs once per row)."""
+        return sum(g.count * self.layer_params(g) for g in self.groups)
+
+    @property
+    def embedding_params(self) -> float:
+        return self.vocab * self.d_model * (1 if self.tied_embeddings else 2)
+
+    @property
+    def total_params(self) -> float:
+        return self.body_params + self.embedding_params + self.extra_params
+
+    @property
+    def max_layer_params(self) -> float:
+        return max(self.layer_params(g) for g in self.groups)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The training objective's shape.
+
+    Attributes:
+        name: ``bd3``, ``fast_dllm_v2``, ``mdlm`` or ``dflash``.
+        block: block size ``B``.
+        views: corrupted views per sample (Fast-dLLM v2 trains two complementary views).
+        kv_grad_bytes: bytes per element of the dK/dV reduce-scatter.
+        anchors / feature_width / window / selector_rank: DFlash drafter terms (anchors per
+            sample, width of the target features, sliding window, selector rank).
+        context_rows: which target-feature rows a drafter rank projects: ``"all"`` it holds (what
+            csbp's ``DFlashStep`` does) or only the ``"windows"`` its anchors see (the reference
+            implementation of the published runs, whose throughput does not grow with ``L``).
+    """
+
+    name: str
+    block: int
+    views: int = 1
+    kv_grad_bytes: int = 2
+    anchors: int = 0
+    feature_width: int = 0
+    window: int = 0
+    selector_rank: int = 0
+    context_rows: str = "all"
+
+    @property
+    def is_drafter(self) -> bool:
+        return self.name == "dflash"
+
+    @property
+    def single_stream(self) -> bool:
+        """MDLM (and AR) run one stream of ``L`` rows: csbp trains them data-parallel only."""
+        return self.name in ("mdlm", "ar")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Model, objective and element size (2: bf16, 4: fp32) of one training run."""
+
+    model: ModelShape
+    objective: Objective
+    dtype_bytes: int = 2
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def with_options(
+        self,
+        *,
+        objective: str | None = None,
+        block_size: int | None = None,
+        window: int | None = None,
+        anchors: int | None = None,
+        drafter_context: str | None = None,
+    ) -> Workload:
+        """A copy with the CLI's ``--objective/--block-size/--window/--anchors/--drafter-context``."""
+        obj, model = self.objective, self.model
+        if drafter_context is not None:
+            if not obj.is_drafter or drafter_context not in ("all", "windows"):
+                raise ValueError("--drafter-context all|windows needs a DFlash drafter workload")
+            obj = replace(obj, context_rows=drafter_context)
+        if objective is not None:
+            if objective not in OBJECTIVES:
+                raise ValueError(f"--objective {objective!r} is not one of {', '.join(OBJECTIVES)}")
+            if (objective == "dflash") != obj.is_drafter:
+                raise ValueError(
+                    f"--objective {objective} does not fit the model {model.name} "
+                    f"({'a DFlash drafter' if obj.is_drafter else 'a decoder'}): drop --objective"
+                )
+            obj = replace(obj, name=objective, views=2 if objective == "fast_dllm_v2" else 1)
+        if block_size is not None:
+            if block_size < 1:
+                raise ValueError(f"--block-size must be >= 1, got {block_size}")
+            obj = replace(obj, block=block_size)
+        if anchors is not None:
+            if not obj.is_drafter or anchors < 1:
+                raise ValueError("--anchors needs a DFlash drafter workload and a value >= 1")
+            obj = replace(obj, anchors=anchors)
+        if window is not None:
+            if window < 1:
+                raise ValueError(f"--window must be >= 1, got {window}")
+            model = replace(model, groups=tuple(replace(g, window=window) for g in model.groups))
+            if obj.is_drafter:
+                obj = replace(obj, window=window)
+        return Workload(model, obj, self.dtype_bytes, self.notes)
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+@cache
+def published_runs() -> dict[str, Any]:
+    """The packaged published-runs file (workloads, hardware and points)."""
+    text = resources.files("csbp.plan").joinpath("data/published-csbp-runs.json").read_text()
+    return json.loads(text)
+
+
+def preset_names() -> tuple[str, ...]:
+    return tuple(published_runs()["workloads"])
+
+
+def preset_workload(name: str) -> Workload:
+    """The published workload ``name`` (bf16)."""
+    workloads = published_runs()["workloads"]
+    if name not in workloads:
+        raise ValueError(f"unknown model preset {name!r}: choose from {', '.join(workloads)}")
+    spec = workloads[name]
+    m, o = spec["model"], spec["objective"]
+    groups = tuple(
+        LayerGroup(g["count"], g["n_heads"], g["n_kv_heads"], g["head_dim"], g.get("window", 0) or 0)
+        for g in m["groups"]
+    )
+    model = ModelShape(
+        name=m["name"],
+        d_model=m["d_model"],
+        vocab=m["vocab"],
+        ffn=m["ffn"],
+        groups=groups,
+        tied_embeddings=bool(m["tied_embeddings"]),
+        extra_params_per_layer=float(m.get("extra_params_per_layer", 0.0)),
+        extra_params=float(m.get("extra_params", 0.0)),
+    )
+    if spec["family"] == "drafter":
+        objective = Objective(
+            "dflash",
+            block=o["block"],
+            anchors=o["anchors"],
+            feature_width=o["feature_width"],
+            window=o["window"],
+            selector_rank=o.get("selector_rank", 0),
+            context_rows="windows",
+        )
+    else:
+        objective = Objective(
+            "bd3" if o["name"] == "bd3" else o["name"],
+            block=o["block"],
+            views=o.get("views", 1),
+            kv_grad_bytes=o.get("kv_grad_bytes", 2),
+        )
+    return Workload(model, objective, 2)
+
+
+def hf_workload(path: Path, *, objective: str = "bd3", block_size: int = 32) -> Workload:
+    """A decoder from a Hugging Face ``config.json`` (or a folder holding one), bf16."""
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no Hugging Face config.json here (--model takes a file or folder)")
+    cfg = json.loads(file.read_text())
+    if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
+        raise ValueError(f"{file}: mixture-of-experts models are not in the cost model (dense decoders only)")
+
+    def need(key: str, *alternatives: str) -> int:
+        for k in (key, *alternatives):
+            if cfg.get(k) is not None:
+                return int(cfg[k])
+        raise ValueError(f"{file}: missing field {key!r} (a decoder config.json has it)")
+
+    d, heads = need("hidden_size"), need("num_attention_heads")
+    head_dim = int(cfg.get("head_dim") or d // heads)
+    window = int(cfg.get("sliding_window") or 0) if cfg.get("use_sliding_window") else 0
+    group = LayerGroup(
+        need("num_hidden_layers"), heads, int(cfg.get("num_key_value_heads") or heads), head_dim, window
+    )
+    model = ModelShape(
+        name=str(cfg.get("_name_or_path") or cfg.get("model_type") or file.parent.name),
+        d_model=d,
+        vocab=need("vocab_size"),
+        ffn=need("intermediate_size"),
+        groups=(group,),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+    return Workload(
+        model, Objective(objective, block=block_size, views=2 if objective == "fast_dllm_v2" else 1)
+    )
+
+
+def run_config_workload(cfg: Any) -> Workload:
+    """A decoder from a validated ``RunConfig`` (shape fields set; ``init_from`` models are read
+    through their ``config.json``). Element size follows ``model.dtype``."""
+    m, obj = cfg.model, cfg.objective
+    if obj.name not in OBJECTIVES and obj.name != "ar":
+        raise ValueError(f"objective.name {obj.name!r} is not in the cost model ({', '.join(OBJECTIVES)})")
+    if obj.name == "dflash":
+        return _dflash_workload(cfg)
+    block = obj.block_size or cfg.data.seq_len
+    if m.init_from is not None:
+        base = hf_workload(Path(m.init_from), objective=obj.name, block_size=block)
+    else:
+        missing = [
+            k
+            for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads")
+            if getattr(m, k) is None
+        ]
+        if missing:
+            raise ValueError(
+                f"model.{missing[0]} is unset: the planner needs the model's shape in the run config "
+                "(or model.init_from)"
+            )
+        vocab = m.vocab_size if m.vocab_size is not None else _artifact_vocab(Path(cfg.data.train))
+        heads = m.num_heads
+        group = LayerGroup(
+            m.num_layers, heads, m.num_kv_heads or heads, m.head_dim or m.hidden_size // heads, 0
+        )
+        model = ModelShape(
+            name=cfg.run.name,
+            d_model=m.hidden_size,
+            vocab=vocab,
+            ffn=m.intermediate_size,
+            groups=(group,),
+            tied_embeddings=bool(m.tie_embeddings),
+        )
+        base = Workload(model, Objective(obj.name, block=block, views=2 if obj.name == "fast_dllm_v2" else 1))
+    window = cfg.topology.window
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float64": 8}[m.dtype]
+    workload = Workload(base.model, base.objective, dtype_bytes)
+    return workload.with_options(window=window) if window else workload
+
+
+def _artifact_vocab(directory: Path) -> int:
+    """The vocabulary of a prepared data artifact (its ``manifest.json``), for ``vocab_size: null``."""
+    manifest = directory / "manifest.json"
+    if not manifest.is_file():
+        raise ValueError(
+            f"model.vocab_size is unset and {manifest} does not exist: set model.vocab_size, or prepare the "
+            "data first (csbp data prepare)"
+        )
+    return int(json.loads(manifest.read_text())["tokenizer"]["vocab_size"])
+
+
+def _dflash_workload(cfg: Any) -> Workload:
+    """The drafter of a DFlash run config: shaped by its target's ``config.json`` and
+    ``objective.dflash`` (layers, widths, windows, anchors, fused target layers); csbp's step
+    projects every context row a rank holds."""
+    from csbp.dflash.config import default_target_layer_ids
+
+    section = cfg.objective.dflash
+    target = hf_workload(Path(section.target))
+    t, group = target.model, target.model.groups[0]
+    types = section.layer_types or ["full_attention"] * section.num_draft_layers
+    sliding = sum(kind == "sliding_attention" for kind in types)
+    groups = tuple(
+        LayerGroup(count, group.n_heads, group.n_kv_heads, group.head_dim, window)
+        for count, window in ((len(types) - sliding, 0), (sliding, section.sliding_window or 0))
+        if count
+    )
+    ids = section.target_layer_ids or default_target_layer_ids(group.count, section.num_draft_layers)
+    feature_width = t.d_model * len(ids)
+    model = ModelShape(
+        name=f"DFlash({t.name})",
+        d_model=t.d_model,
+        vocab=t.vocab,
+        ffn=section.intermediate_size or t.ffn,
+        groups=groups,
+        tied_embeddings=t.tied_embeddings,
+        extra_params=feature_width * t.d_model,  # the fusion fc
+    )
+    objective = Objective(
+        "dflash",
+        block=cfg.objective.block_size,
+        anchors=section.max_anchors,
+        feature_width=feature_width,
+        window=section.sliding_window or 0,
+        selector_rank=section.selector_rank,
+    )
+    return Workload(model, objective, {"fp32": 4, "bf16": 2, "fp64": 8}[cfg.train.precision])

@@ -1,0 +1,348 @@
+"""``csbp plan``, ``csbp plan calibrate`` and ``topology: auto``: tables, JSON, fail-closed errors."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from csbp.cli.main import USER_ERROR_EXIT_CODE, main
+from csbp.plan.auto import resolve_auto_topology, wants_auto
+from csbp.plan.calibration import Calibration, load_calibration
+from csbp.plan.hardware import hardware
+from csbp.plan.layout import Layout
+from csbp.plan.model import predict
+from csbp.plan.workload import LayerGroup, ModelShape, Objective, Workload
+from csbp.recipes import load_run_config
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_prints_a_ranked_table_oom_apart_and_why(tmp_path: Path, capsys) -> None:
+    out_json = tmp_path / "plan.json"
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--model",
+        "nemotron-3b",
+        "--seq-len",
+        "64K",
+        "--gpus",
+        "16",
+        "--gpu",
+        "h200",
+        "--top",
+        "3",
+        "--json",
+        str(out_json),
+    )
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].startswith("csbp plan: NemotronDiffusion-3B") and "16xH200" in lines[0]
+    assert "  1 dp" in out and "out of memory:" in out and "largest term" in out
+    assert [line for line in lines if line.startswith("why: ")]
+    payload = json.loads(out_json.read_text())
+    assert payload["feasible"][0]["tokens_per_s"] >= payload["feasible"][1]["tokens_per_s"]
+    assert all(not p["fits"] and p["reason"] for p in payload["infeasible"])
+    assert payload["calibration"]["source"].startswith("fitted on the fit:true points")
+
+
+def test_plan_evaluates_given_topologies(capsys) -> None:
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "nemotron-14b",
+        "--seq-len",
+        "256K",
+        "--gpus",
+        "16",
+        "--gpu",
+        "h200",
+        "--topology",
+        "dp2/cp8",
+        "dp2/cp8/bp8",
+        "--checkpointing",
+        "full",
+        "--placement",
+        "striped",
+        "--sharding",
+        "zero2",
+    )
+    assert code == 0
+    table = [line for line in out.splitlines() if line[:3].strip().isdigit()]
+    assert len(table) == 4 and {line.split()[1] for line in table} == {"dp2/cp8", "dp2/cp8/bp8"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "nemotron-14b", "--gpus", "16"], "needs --seq-len"),
+        (["--model", "nemotron-14b", "--seq-len", "4K"], "needs --model and --gpus"),
+        (["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--set", "a.b=1"], "run configs only"),
+        (["--model", "nope", "--seq-len", "4K", "--gpus", "4"], "no config file or recipe named 'nope'"),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--topology", "dp2/cp4"],
+            "uses 8 GPUs",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--topology", "cp4/bp2"],
+            "multiple of cp",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--objective", "dflash"],
+            "drop --objective",
+        ),
+    ],
+)
+def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:
+    code, _, err = run(capsys, "plan", *argv)
+    assert code == USER_ERROR_EXIT_CODE and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:
+    hf = tmp_path / "model"
+    hf.mkdir()
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 256,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "intermediate_size": 512,
+                "vocab_size": 1000,
+            }
+        )
+    )
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        str(hf),
+        "--seq-len",
+        "1024",
+        "--gpus",
+        "4",
+        "--gpu",
+        "cpu",
+        "--block-size",
+        "16",
+        "--top",
+        "2",
+    )
+    assert code == 0 and "block 16" in out
+    (hf / "config.json").write_text(json.dumps({"hidden_size": 256, "num_local_experts": 8}))
+    code, _, err = run(capsys, "plan", "--model", str(hf), "--seq-len", "1024", "--gpus", "4")
+    assert code == USER_ERROR_EXIT_CODE and "mixture-of-experts" in err
+    code, out, err = run(
+        capsys, "plan", "--model", "demo", "--set", "model.vocab_size=512", "--gpus", "4", "--gpu", "cpu"
+    )
+    assert (code, err) == (0, "") and "at L=256 on 4x" in out
+    target = f"objective.dflash.target={hf}"  # a DFlash run config is shaped by its target
+    (hf / "config.json").write_text(
+        json.dumps(
+            {
+                "hidden_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 4,
+                "intermediate_size": 384,
+                "vocab_size": 2048,
+            }
+        )
+    )
+    code, out, err = run(
+        capsys, "plan", "--model", "dflash-demo", "--set", target, "--gpus", "4", "--gpu", "cpu"
+    )
+    assert (code, err) == (0, "") and "DFlash(" in out and "dflash, block 4" in out
+
+
+def _bench_records(path: Path, cal: Calibration) -> list[dict]:
+    """Records in the `csbp bench train --json` format whose numbers come from ``cal``."""
+    group = LayerGroup(2, 4, 2, 32)
+    workload = Workload(
+        ModelShape("bench-decoder", 128, 512, 256, (group,)), Objective("bd3", 16, kv_grad_bytes=4), 4
+    )
+    hw = hardware("cpu", gpus=2)
+    records = []
+    for seq_len in (512, 1024, 2048):
+        for name, cp, bp in (("cp", 2, 1), ("bp", 1, 2), ("csbp", 2, 2)):
+            layout = Layout(1, cp, bp, checkpointing="none", sharding="ddp")
+            pred = predict(workload, layout, seq_len, hw, cal, step_memory_only=True)
+            records.append(
+                {
+                    "objective": "bd3",
+                    "layout": name,
+                    "cp": cp,
+                    "bp": bp,
+                    "seq_len": seq_len,
+                    "block_size": 16,
+                    "nproc": 2,
+                    "samples": 1,
+                    "step_time_s": pred.step_s,
+                    "peak_mem_bytes": int(pred.mem_bytes),
+                    "hidden_size": 128,
+                    "intermediate_size": 256,
+                    "num_layers": 2,
+                    "num_heads": 4,
+                    "num_kv_heads": 2,
+                    "head_dim": 32,
+                    "vocab_size": 512,
+                    "dtype": "float32",
+                    "transport": "collective",
+                }
+            )
+    path.write_text(json.dumps(records))
+    return records
+
+
+def test_calibrate_recovers_the_machine_it_measured(tmp_path: Path, capsys) -> None:
+    truth = replace(
+        Calibration(),
+        gemm_eff=0.2,
+        attn_eff=0.05,
+        intra_eff=0.3,
+        step_overhead_s=0.02,
+        act_factor=1.7,
+        mem_fixed_gib=0.01,
+        overlap_cp=0.0,
+        overlap_csbp=0.0,
+    )
+    bench = tmp_path / "bench.json"
+    _bench_records(bench, truth)
+    code, out, err = run(
+        capsys, "plan", "calibrate", str(bench), "--out", str(tmp_path / "cal.json"), "--fit-max-len", "1024"
+    )
+    assert (code, err) == (0, "") and out.count(" held ") == 6
+    cal = load_calibration(tmp_path / "cal.json")
+    assert "gemm_eff" in cal.fit and str(bench) in cal.source
+    for line in out.splitlines():
+        if "measured" in line:
+            assert abs(float(line.rsplit("(", 1)[1].rstrip("%)"))) <= 3, line
+
+
+def test_calibrate_fails_closed_on_records_without_the_model_shape(tmp_path: Path, capsys) -> None:
+    bench = tmp_path / "old.json"
+    bench.write_text(json.dumps([{"objective": "bd3", "layout": "cp", "cp": 2, "bp": 1, "seq_len": 512}]))
+    code, _, err = run(capsys, "plan", "calibrate", str(bench), "--out", str(tmp_path / "cal.json"))
+    assert (
+        code == USER_ERROR_EXIT_CODE and "rerun the benchmark" in err and not (tmp_path / "cal.json").exists()
+    )
+    code, _, err = run(capsys, "plan", "calibrate", "--out", str(tmp_path / "cal.json"))
+    assert code == USER_ERROR_EXIT_CODE and "BENCH.json files or --published" in err
+
+
+def test_topology_auto_in_config_validate_fails_with_the_fix(capsys) -> None:
+    code, _, err = run(capsys, "config", "validate", "demo", "--set", "topology=auto")
+    assert code == USER_ERROR_EXIT_CODE and "chosen by the planner" in err and "--nproc N" in err
+
+
+def test_topology_auto_resolves_to_a_valid_layout_for_nproc(capsys) -> None:
+    overrides = ["topology=auto", "model.vocab_size=512"]
+    assert wants_auto("demo", overrides) and not wants_auto("demo", ["model.vocab_size=512"])
+    resolved = resolve_auto_topology("demo", overrides, nproc=4)
+    out = capsys.readouterr().out
+    assert out.startswith("topology: auto -> ") and "predicted" in out and "GiB per process" in out
+    cfg = load_run_config("demo", resolved)
+    assert cfg.world_size == 4
+    with pytest.raises(ValueError, match="--nproc N"):
+        resolve_auto_topology("demo", overrides, nproc=None)
+
+
+def test_calibrate_reads_what_each_benchmark_writes(tmp_path: Path) -> None:
+    """Every `csbp bench` record type carries the shape `csbp plan calibrate` needs."""
+    from dataclasses import asdict
+
+    from csbp.bench.attention import AttentionRecord
+    from csbp.bench.dflash_bench import DFlashRecord
+    from csbp.bench.train_bench import TrainRecord
+    from csbp.plan.fit import bench_observations
+
+    shape = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32}
+    records = [
+        TrainRecord(
+            "bd3",
+            "csbp",
+            2,
+            2,
+            512,
+            16,
+            2,
+            1,
+            0.3,
+            1700.0,
+            1 << 20,
+            1 << 20,
+            0,
+            6.0,
+            hidden_size=128,
+            intermediate_size=256,
+            vocab_size=512,
+            **shape,
+        ),
+        AttentionRecord(
+            "cp",
+            2,
+            1,
+            512,
+            16,
+            2,
+            None,
+            "collective",
+            0.1,
+            1 << 20,
+            10**8,
+            1 << 20,
+            1.0,
+            hidden_size=128,
+            **shape,
+        ),
+        DFlashRecord(
+            "csbp",
+            2,
+            2,
+            1,
+            1024,
+            16,
+            16,
+            2,
+            1,
+            0.2,
+            10**8,
+            1 << 20,
+            1 << 20,
+            3.0,
+            hidden_size=128,
+            intermediate_size=384,
+            vocab_size=1024,
+            feature_width=128,
+            **shape,
+        ),
+    ]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([asdict(r) for r in records]))
+    observations = bench_observations([path])
+    assert [o.metric for o in observations] == ["step_s", "mem_gib"] * 3
+    assert observations[-1].workload.objective.is_drafter
+
+
+def test_topology_auto_in_the_config_file(tmp_path: Path, capsys) -> None:
+    import yaml
+
+    from csbp.recipes import copy_recipe
+
+    path = copy_recipe("demo", tmp_path)
+    data = yaml.safe_load(path.read_text())
+    data["topology"] = "auto"
+    path.write_text(yaml.safe_dump(data))
+    assert wants_auto(str(path), [])
+    resolved = resolve_auto_topology(str(path), ["model.vocab_size=512"], nproc=2)
+    assert "topology: auto -> " in capsys.readouterr().out
+    assert load_run_config(str(path), resolved).world_size == 2
