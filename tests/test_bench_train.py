@@ -47,6 +47,7 @@ RECORD_KEYS = {
     "vocab_size",
     "dtype",
     "transport",
+    "doc_length",
 }
 
 
@@ -116,6 +117,24 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
 
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.multiprocess
+def test_documents_run_every_layout_with_equal_loss_and_less_traffic() -> None:
+    """``--doc-length``: the same step-0 loss in cp, cp-aware, csbp and bp on packed documents; the
+    mask-aware layouts send less than generic CP."""
+    records = run_train_bench(
+        [64], objectives=["bd3"], layouts=["cp", "cp-aware", "csbp", "bp"], nproc=2, doc_length=8,
+        repeats=1, warmup=0,
+    )
+    by_layout = {r.layout: r for r in records}
+    losses = [r.loss_step0 for r in records]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
+    assert all(r.doc_length == 8 for r in records)
+    cp_bytes = by_layout["cp"].attention_bytes_per_rank
+    assert 0 < by_layout["cp-aware"].attention_bytes_per_rank < cp_bytes
+    assert 0 < by_layout["csbp"].attention_bytes_per_rank < by_layout["cp-aware"].attention_bytes_per_rank
+    assert by_layout["bp"].attention_bytes_per_rank == 0
 
 
 def record(objective: str, layout: str, seq_len: int, step: float) -> TrainRecord:

@@ -272,8 +272,9 @@ def test_fp64_and_bf16_first_step_agree_with_fp32(
         {"objective.name": "mdlm", "objective.block_size": None},
         {"objective.name": "ar", "objective.block_size": None, "objective.loss_weight": "unit"},
         {"objective.name": "fast_dllm_v2", "objective.loss_weight": "unit"},
+        {"data.document_mask": True, "data.reset_positions": True},
     ],
-    ids=["mdlm", "ar", "fast_dllm_v2"],
+    ids=["mdlm", "ar", "fast_dllm_v2", "bd3-documents"],
 )
 def test_other_objectives_train(changes: dict[str, Any], artifact: Path, tmp_path: Path) -> None:
     cfg = tiny_config(

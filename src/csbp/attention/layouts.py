@@ -16,10 +16,16 @@ clean   clean ``[0, (b+1)*B)``  clean ``[max(0, p+1-W), p+1)``
 
 plus, for a noisy row, the noisy rows of its own block (``Rows.block``).
 
+With packed ``documents`` (docs/document-masking.md) every bound is also clipped to the row's
+document ``[d_start, d_stop)``: ``ctx_start >= d_start``, a clean row's ``ctx_stop <= d_stop``, and
+``Rows.block`` is the row's *segment* (its block cut by document starts), so a noisy row sees only
+the noisy rows of its block and document. Keys need nothing new: their position says it all.
+
 Layouts: ``reference_layout`` (everything on one rank), ``cp_zigzag_layout`` (CP-only over ``2L``),
 ``bp_only_layout`` (clean-prefix replication), ``csbp_layout`` (fused CP x BP), and
-``rank_layout`` to pick one from a ``Topology``. ``window_exchange_plan`` is the static plan of the
-variable-split all-to-all that moves only the clean rows a sliding-window layer needs.
+``rank_layout`` to pick one from a ``Topology``. ``window_exchange_plan`` / ``halo_exchange_plan``
+are the static plans of the variable-split all-to-all that moves only the clean rows some query
+of the receiver may see (sliding windows, packed documents, the ``cp-aware`` baseline).
 """
 
 from __future__ import annotations
@@ -31,15 +37,22 @@ import torch
 from torch import Tensor
 
 from csbp.attention.counts import bd3_bounds, interval_cover, layout_positions
+from csbp.attention.documents import Documents
 from csbp.attention.rows import Rows
 from csbp.schedules import SchedulePolicy, zigzag_positions
 from csbp.topology import Topology
 
 
 def bd3_rows(
-    noisy_positions: Tensor, clean_positions: Tensor, *, block_size: int, window: int | None = None
+    noisy_positions: Tensor,
+    clean_positions: Tensor,
+    *,
+    block_size: int,
+    window: int | None = None,
+    documents: Documents | None = None,
 ) -> Rows:
-    """Rows ``[noisy ; clean]`` (each in the given order) of the BD3 mask, optionally windowed."""
+    """Rows ``[noisy ; clean]`` (each in the given order) of the BD3 mask, optionally windowed and
+    restricted to packed ``documents``."""
     _check_window(window)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -48,13 +61,20 @@ def bd3_rows(
     noisy_start, noisy_stop, clean_start, clean_stop = bd3_bounds(
         noisy_pos, clean_pos, block_size=block_size, window=window
     )
+    noisy_block, clean_block = noisy_pos // block_size, clean_pos // block_size
+    if documents is not None:
+        start, stop, segment = documents.start, documents.stop, documents.segment_ids(block_size)
+        noisy_start = torch.maximum(noisy_start, start[noisy_pos])
+        clean_start = torch.maximum(clean_start, start[clean_pos])
+        clean_stop = torch.minimum(clean_stop, stop[clean_pos])
+        noisy_block, clean_block = segment[noisy_pos], segment[clean_pos]
     num_rows = noisy_pos.shape[0] + clean_pos.shape[0]
     return Rows(
         pos=torch.cat([noisy_pos, clean_pos]),
         clean=torch.cat(
             [torch.zeros_like(noisy_pos, dtype=torch.bool), torch.ones_like(clean_pos, dtype=torch.bool)]
         ),
-        block=torch.cat([noisy_pos // block_size, clean_pos // block_size]),
+        block=torch.cat([noisy_block, clean_block]),
         ctx_start=torch.cat([noisy_start, clean_start]),
         ctx_stop=torch.cat([noisy_stop, clean_stop]),
         live=torch.ones(num_rows, dtype=torch.bool, device=noisy_pos.device),
@@ -84,20 +104,27 @@ class RankLayout:
         return int(self.clean_positions.shape[0])
 
 
-def reference_layout(seq_len: int, block_size: int, window: int | None = None) -> RankLayout:
+def reference_layout(
+    seq_len: int, block_size: int, window: int | None = None, documents: Documents | None = None
+) -> RankLayout:
     """All ``2L`` rows on one rank: noisy ``0 .. L-1`` then clean ``0 .. L-1``."""
     Topology().validate_sequence(seq_len, block_size)
-    return _positions_layout(seq_len, block_size, 1, 1, 0, "dual_end", window)
+    return _positions_layout(seq_len, block_size, 1, 1, 0, "dual_end", window, documents)
 
 
 def cp_zigzag_layout(
-    seq_len: int, block_size: int, cp: int, cp_rank: int, window: int | None = None
+    seq_len: int,
+    block_size: int,
+    cp: int,
+    cp_rank: int,
+    window: int | None = None,
+    documents: Documents | None = None,
 ) -> RankLayout:
     """CP-only (csbp.md §5.1): ``[0, 2L)`` cut into ``2*cp`` chunks of ``L/cp`` rows; rank ``r`` holds
     chunk ``r`` (noisy ``[r*L/cp, (r+1)*L/cp)``) and chunk ``2cp-1-r`` (clean
     ``[(cp-1-r)*L/cp, (cp-r)*L/cp)``)."""
     Topology(cp=cp).validate_sequence(seq_len, block_size)
-    return _positions_layout(seq_len, block_size, cp, 1, cp_rank, "dual_end", window)
+    return _positions_layout(seq_len, block_size, cp, 1, cp_rank, "dual_end", window, documents)
 
 
 def bp_only_layout(
@@ -107,9 +134,12 @@ def bp_only_layout(
     bp_rank: int,
     schedule: SchedulePolicy = "dual_end",
     window: int | None = None,
+    documents: Documents | None = None,
 ) -> RankLayout:
     """BP-only (csbp.md §5.3): the noisy rows of ``bp_rank``'s blocks and the replicated clean prefix
-    ``[0, b_max*B)``, ``b_max`` being its highest owned block.
+    ``[0, b_max*B)``, ``b_max`` being its highest owned block. With ``documents`` only the prefix of
+    each owned block's documents is kept (``∪ [d_start, b*B)``): a clean row depends only on earlier
+    rows of its own document, so that set is closed under every layer's dependencies.
 
     With a window the full prefix is still kept: a windowed clean row needs the ``W-1`` clean rows
     before it *at the previous layer*, which need theirs one layer below, so an ``n``-layer model
@@ -118,7 +148,7 @@ def bp_only_layout(
     """
     Topology(bp=bp, replicate_clean_prefix=bp > 1).validate_sequence(seq_len, block_size)
     _check_worker(bp, bp_rank)
-    return _positions_layout(seq_len, block_size, 1, bp, bp_rank, schedule, window)
+    return _positions_layout(seq_len, block_size, 1, bp, bp_rank, schedule, window, documents)
 
 
 def csbp_layout(
@@ -129,6 +159,7 @@ def csbp_layout(
     local_rank: int,
     schedule: SchedulePolicy = "dual_end",
     window: int | None = None,
+    documents: Documents | None = None,
 ) -> RankLayout:
     """Fused CP x BP (csbp.md §5.4-§5.5): the noisy rows of the blocks BP worker ``local_rank`` owns
     and the zigzag clean shard of ``cp_rank = local_rank % cp``. With ``bp > cp`` every ring
@@ -141,7 +172,7 @@ def csbp_layout(
         )
     topology.validate_sequence(seq_len, block_size)
     _check_worker(bp, local_rank)
-    return _positions_layout(seq_len, block_size, cp, bp, local_rank, schedule, window)
+    return _positions_layout(seq_len, block_size, cp, bp, local_rank, schedule, window, documents)
 
 
 def rank_layout(
@@ -152,17 +183,20 @@ def rank_layout(
     *,
     schedule: SchedulePolicy = "dual_end",
     window: int | None = None,
+    documents: Documents | None = None,
 ) -> RankLayout:
     """The layout of local rank ``local_rank`` under ``topology`` (any of its four layouts)."""
     if not 0 <= local_rank < topology.local:
         raise ValueError(f"local_rank must be in [0, {topology.local}), got {local_rank}")
+    if documents is not None and documents.seq_len != seq_len:
+        raise ValueError(f"documents cover {documents.seq_len} positions but seq_len={seq_len}")
     if topology.layout == "data":
-        return reference_layout(seq_len, block_size, window)
+        return reference_layout(seq_len, block_size, window, documents)
     if topology.layout == "cp":
-        return cp_zigzag_layout(seq_len, block_size, topology.cp, local_rank, window)
+        return cp_zigzag_layout(seq_len, block_size, topology.cp, local_rank, window, documents)
     if topology.layout == "bp":
-        return bp_only_layout(seq_len, block_size, topology.bp, local_rank, schedule, window)
-    return csbp_layout(seq_len, block_size, topology.cp, topology.bp, local_rank, schedule, window)
+        return bp_only_layout(seq_len, block_size, topology.bp, local_rank, schedule, window, documents)
+    return csbp_layout(seq_len, block_size, topology.cp, topology.bp, local_rank, schedule, window, documents)
 
 
 def ring_clean_positions(seq_len: int, cp: int) -> list[Tensor]:
@@ -172,7 +206,8 @@ def ring_clean_positions(seq_len: int, cp: int) -> list[Tensor]:
 
 @dataclass(frozen=True, eq=False)
 class WindowPlan:
-    """Static plan of the sliding-window clean-row exchange inside one ring (csbp.md §11).
+    """Static plan of the clean-row (halo) exchange inside one ring (csbp.md §11): for a sliding
+    window, packed documents, or the mask-aware CP baseline (``halo_exchange_plan``).
 
     ``send[s][d]`` are the sorted clean positions ring member ``s`` sends to member ``d``: those
     ``d``'s query rows may attend to and ``s`` owns (empty for ``s == d``). The forward is one
@@ -188,7 +223,7 @@ class WindowPlan:
     cp: int
     bp: int
     ring_index: int
-    window: int
+    window: int | None
     owned_positions: tuple[Tensor, ...]  # [cp] sorted clean positions of each ring member
     send: tuple[tuple[Tensor, ...], ...]  # [cp][cp] sorted positions, source-major
 
@@ -220,7 +255,7 @@ def window_exchange_plan(
     window: int,
     schedule: SchedulePolicy = "dual_end",
 ) -> WindowPlan:
-    """The exchange plan of ring ``ring_index`` for a layer with window ``window``.
+    """The exchange plan of ring ``ring_index`` for a layer with window ``window`` (cached).
 
     ``need(d)`` is the union of ``d``'s query-row clean intervals, i.e. csbp.md §11's
     ``∪_p [max(0, p+1-W), p+1) ∪ ∪_b [max(0, b*B-(W-1)), b*B)`` over ``d``'s clean rows ``p`` and
@@ -229,13 +264,36 @@ def window_exchange_plan(
     """
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1 for window_exchange_plan, got {window!r}")
+    return halo_exchange_plan(seq_len, block_size, cp, bp, ring_index, window=window, schedule=schedule)
+
+
+def halo_exchange_plan(
+    seq_len: int,
+    block_size: int,
+    cp: int,
+    bp: int,
+    ring_index: int,
+    *,
+    window: int | None = None,
+    schedule: SchedulePolicy = "dual_end",
+    documents: Documents | None = None,
+) -> WindowPlan:
+    """The plan that sends each ring member exactly the clean rows some query of its may see.
+
+    A window and a document start are both lower bounds of a query's clean interval (and a document
+    end an upper bound), so one rule serves both: ``send[s][d] = need(d) ∩ owned(s)`` with ``need(d)``
+    the union of ``d``'s rows' ``[ctx_start, ctx_stop)``. With neither, this is the mask-aware
+    full-attention exchange (the ``cp-aware`` baseline for ``bp == 1``).
+    """
     if cp < 2:
-        raise ValueError(f"window_exchange_plan needs cp > 1 (a ring to exchange in), got cp={cp}")
+        raise ValueError(f"an exchange plan needs cp > 1 (a ring to exchange in), got cp={cp}")
     topology = Topology(cp=cp, bp=bp)
     if not 0 <= ring_index < topology.num_rings:
         raise ValueError(f"ring_index must be in [0, {topology.num_rings}), got {ring_index}")
     members = [
-        rank_layout(topology, ring_index * cp + d, seq_len, block_size, schedule=schedule, window=window)
+        rank_layout(
+            topology, ring_index * cp + d, seq_len, block_size, schedule=schedule, window=window, documents=documents
+        )
         for d in range(cp)
     ]
     owned = tuple(m.clean_positions for m in members)
@@ -275,12 +333,18 @@ def _positions_layout(
     local_rank: int,
     schedule: SchedulePolicy,
     window: int | None,
+    documents: Documents | None = None,
 ) -> RankLayout:
-    """The layout of ``counts.layout_positions`` (the positions the cost model counts too)."""
+    """The layout of ``counts.layout_positions`` (the positions the cost model counts too). With
+    ``documents`` BP-only (``cp == 1 < bp``) keeps only each owned block's document prefix."""
     noisy, clean, blocks = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule)
     noisy_positions, clean_positions = torch.from_numpy(noisy), torch.from_numpy(clean)
+    if documents is not None and cp == 1 and bp > 1:
+        prefix = bd3_rows(noisy_positions, noisy_positions[:0], block_size=block_size, documents=documents)
+        cover = interval_cover(prefix.ctx_start.numpy(), prefix.ctx_stop.numpy(), seq_len)
+        clean_positions = torch.from_numpy(cover.nonzero()[0].astype("int64"))
     return RankLayout(
-        rows=bd3_rows(noisy_positions, clean_positions, block_size=block_size, window=window),
+        rows=bd3_rows(noisy_positions, clean_positions, block_size=block_size, window=window, documents=documents),
         num_noisy=int(noisy_positions.shape[0]),
         noisy_positions=noisy_positions,
         clean_positions=clean_positions,

@@ -1,4 +1,5 @@
-"""``csbp bench attention``: CP-only, BP-only and CSBP attention side by side on the same inputs.
+"""``csbp bench attention``: CP-only (generic and mask-aware), BP-only and CSBP attention side by
+side on the same inputs, optionally over packed documents (``--doc-length N``).
 
 For every sequence length, each layout runs a stack of attention layers (RMSNorm, q/k/v
 projection, the layout's attention transport over the ``[x_t ; x_0]`` rows the rank holds,
@@ -14,7 +15,7 @@ to CP-only are measured side by side on the same machine state.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -27,8 +28,10 @@ from csbp.bench.common import (
     add_layout_options,
     add_output_options,
     add_transport_option,
+    bench_documents,
     format_ratio_table,
     launch_cell,
+    layout_transport,
     max_over_ranks,
     measured_step,
     select_topologies,
@@ -54,6 +57,7 @@ class AttentionBenchConfig:
     window: int | None = None
     transport: str = "collective"
     backend: str = "tiles"
+    doc_length: int | None = None
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
@@ -83,6 +87,7 @@ class AttentionRecord:
     num_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
+    doc_length: int | None = None  # mean packed-document length (None: one document per sample)
 
 
 class AttentionStack(nn.Module):
@@ -117,6 +122,7 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
     plan = build_rank_plan(
         ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window,  # type: ignore[arg-type]
         backend=cfg.backend,
+        documents=bench_documents(cfg.seq_len, cfg.doc_length, cfg.seed),
     )
     width = cfg.num_heads * cfg.head_dim
     torch.manual_seed(cfg.seed)
@@ -169,7 +175,8 @@ def run_attention_bench(
     records: list[AttentionRecord] = []
     for cfg in configs:
         for name, topology in zip(layouts, cell, strict=True):
-            (results,) = launch_cell(_worker, nproc, [topology], cfg, timeout_s=timeout_s)
+            layout_cfg = replace(cfg, transport=layout_transport(name, cfg.transport))
+            (results,) = launch_cell(_worker, nproc, [topology], layout_cfg, timeout_s=timeout_s)
             flops = max_over_ranks(results, "flops")
             step = results[0]["step_time_s"]
             records.append(
@@ -181,7 +188,8 @@ def run_attention_bench(
                     block_size=cfg.block_size,
                     nproc=nproc,
                     window=cfg.window,
-                    transport=cfg.transport if name == "csbp" else "collective",
+                    transport=_transport_used(name, topology, layout_cfg),
+                    doc_length=cfg.doc_length,
                     step_time_s=step,
                     kv_bytes_per_rank=max_over_ranks(results, "kv_bytes"),
                     attn_flops_per_rank=flops,
@@ -197,9 +205,18 @@ def run_attention_bench(
     return records
 
 
+def _transport_used(name: str, topology: Topology, cfg: AttentionBenchConfig) -> str:
+    """What actually moved K/V: CSBP switches to the halo all-to-all with a window or documents."""
+    if topology.layout == "bp":
+        return "-"
+    if topology.layout == "csbp" and (cfg.window is not None or cfg.doc_length is not None):
+        return "halo"
+    return cfg.transport
+
+
 TABLE_COLUMNS = [
     Column("seq_len", "seq_len", ">8"),
-    Column("layout", "layout", "<6"),
+    Column("layout", "layout", "<8"),
     Column("step s", "step_time_s", ">9.3f", vs_cp=True),
     Column("KV MiB/rank", "kv_bytes_per_rank", ">12.2f", vs_cp=True, shown=lambda v: v / 2**20),
     Column("GFLOP/rank", "attn_flops_per_rank", ">11.3f", vs_cp=True, shown=lambda v: v / 1e9),
@@ -240,7 +257,7 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
     print(
         f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"
         f"{args.num_kv_heads}x{args.head_dim} layers={args.num_layers} window={args.window} "
-        f"transport={args.transport} (1 thread per process, median of {args.repeats})",
+        f"transport={args.transport} doc_length={args.doc_length} (1 thread per process, median of {args.repeats})",
         flush=True,
     )
     records = run_attention_bench(
@@ -256,6 +273,7 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
         window=args.window,
         transport=args.transport,
         backend=check_backend_trains_on(args.backend, "cpu", where="--backend"),
+        doc_length=args.doc_length,
         warmup=args.warmup,
         repeats=args.repeats,
     )

@@ -30,11 +30,15 @@ import torch
 import torch.distributed as dist
 
 from csbp.atomic import write_json_atomic
+from csbp.attention.documents import Documents, random_documents
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
-LAYOUTS: tuple[str, ...] = ("cp", "bp", "csbp")
+LAYOUTS: tuple[str, ...] = ("cp", "cp-aware", "bp", "csbp")
+LAYOUT_TRANSPORTS = {"cp-aware": "halo"}
+"""Layouts that differ from another only by their transport: ``cp-aware`` is CP-only's topology with
+the halo all-to-all (only the clean rows some remote query may see), the strongest CP baseline."""
 BENCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 # ----------------------------------------------------------------------------- layouts and launches
@@ -55,8 +59,9 @@ def check_run_options(cfg: Any, *, at_least_one: tuple[str, ...]) -> None:
 def layout_topologies(
     nproc: int, csbp_cp: int | None = None, csbp_bp: int | None = None
 ) -> dict[str, Topology]:
-    """CP-only (cp = nproc), BP-only (bp = nproc) and CSBP (cp x bp, default nproc x nproc; the
-    remaining factor of ``nproc`` becomes data parallelism, e.g. cp = bp = 2 on 4 ranks is dp = 2)."""
+    """CP-only (cp = nproc; generic ``cp`` and mask-aware ``cp-aware``), BP-only (bp = nproc) and
+    CSBP (cp x bp, default nproc x nproc; the remaining factor of ``nproc`` becomes data parallelism,
+    e.g. cp = bp = 2 on 4 ranks is dp = 2)."""
     cp, bp = csbp_cp or nproc, csbp_bp or nproc
     local = max(cp, bp)
     if nproc % local != 0:
@@ -65,6 +70,7 @@ def layout_topologies(
         )
     return {
         "cp": Topology(cp=nproc),
+        "cp-aware": Topology(cp=nproc),
         "bp": Topology(bp=nproc, replicate_clean_prefix=True),
         "csbp": Topology(dp=nproc // local, cp=cp, bp=bp),
     }
@@ -206,18 +212,41 @@ def records_as_dicts(records: Sequence[Any]) -> list[dict[str, object]]:
 
 
 def add_layout_options(
-    parser: argparse.ArgumentParser, *, seq_lens: list[int], csbp_cp_help: str
+    parser: argparse.ArgumentParser,
+    *,
+    seq_lens: list[int],
+    csbp_cp_help: str,
+    layouts: tuple[str, ...] = LAYOUTS,
 ) -> None:
-    """``--seq-lens``, ``--layouts``, ``--nproc``, ``--csbp-cp`` and ``--block-size``."""
+    """``--seq-lens``, ``--layouts`` (from ``layouts``), ``--nproc``, ``--csbp-cp`` and ``--block-size``."""
     parser.add_argument("--seq-lens", type=int, nargs="+", default=seq_lens)
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--layouts", nargs="+", default=list(layouts), choices=layouts)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--csbp-cp", type=int, default=None, help=csbp_cp_help)
     parser.add_argument("--block-size", type=int, default=16)
 
 
 def add_transport_option(parser: argparse.ArgumentParser) -> None:
+    """``--transport`` of the generic CP and CSBP layouts, and ``--doc-length``."""
     parser.add_argument("--transport", choices=("collective", "streaming"), default="collective")
+    parser.add_argument(
+        "--doc-length",
+        type=int,
+        default=None,
+        help="pack random documents of this mean length and mask across them (default: one document)",
+    )
+
+
+def layout_transport(name: str, transport: str) -> str:
+    """The transport layout ``name`` runs with when the benchmark's ``--transport`` is ``transport``."""
+    return LAYOUT_TRANSPORTS.get(name, transport)
+
+
+def bench_documents(seq_len: int, doc_length: int | None, seed: int, sample: int = 0) -> Documents | None:
+    """The packed documents of one benchmark sample (the same on every rank), or None."""
+    if doc_length is None:
+        return None
+    return random_documents(seq_len, doc_length, torch.Generator().manual_seed(seed * 1009 + sample))
 
 
 def add_head_options(parser: argparse.ArgumentParser) -> None:

@@ -362,7 +362,8 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
     """Add ``csbp bench dflash`` to the ``csbp bench`` sub-subcommands."""
     bench = kinds.add_parser("dflash", help="CP-only vs BP-only vs CSBP DFlash drafter training steps")
     add_layout_options(
-        bench, seq_lens=[1024, 2048, 4096, 8192], csbp_cp_help="CP degree of CSBP (default nproc)"
+        bench, seq_lens=[1024, 2048, 4096, 8192], csbp_cp_help="CP degree of CSBP (default nproc)",
+        layouts=("cp", "bp", "csbp"),  # DFlash has no noisy stream for a mask-aware CP to leave out
     )
     bench.add_argument("--anchors", type=int, nargs="+", default=[16, 64], help="anchor blocks per sample")
     bench.add_argument("--csbp-bp", type=int, default=None, help="BP degree of CSBP (default nproc)")

@@ -56,11 +56,25 @@ class PeakMemory:
 def allowed_pairs(rows: Rows, *, block_size: int, causal_in_block: bool = False) -> int:
     """(query, key) pairs the BD3 predicate allows for these query rows over the whole logical
     sequence: ``B`` noisy keys of the own block (or ``j+1`` when causal) plus the clean interval
-    (``csbp.attention.counts.allowed_pairs``, the count the cost model uses)."""
-    return count_allowed_pairs(
-        rows.pos, rows.clean, rows.ctx_start, rows.ctx_stop, rows.live,
-        block_size=block_size, causal_in_block=causal_in_block,
-    )
+    (``csbp.attention.counts.allowed_pairs``, the count the cost model uses). With packed documents a
+    noisy row sees the keys of its *segment* (the part of its block inside its document); a rank holds
+    whole segments, so their sizes are counted among ``rows``."""
+    noisy = rows.live & ~rows.clean
+    if torch.equal(rows.block[noisy], rows.pos[noisy] // block_size):
+        return count_allowed_pairs(
+            rows.pos, rows.clean, rows.ctx_start, rows.ctx_stop, rows.live,
+            block_size=block_size, causal_in_block=causal_in_block,
+        )
+    ctx = (rows.ctx_stop - rows.ctx_start).clamp(min=0)
+    diag = torch.zeros_like(rows.pos)
+    segments, inverse, counts = torch.unique(rows.block[noisy], return_inverse=True, return_counts=True)
+    if causal_in_block:
+        first = torch.full_like(segments, torch.iinfo(torch.int64).max)
+        first = first.scatter_reduce(0, inverse, rows.pos[noisy], reduce="amin")
+        diag[noisy] = rows.pos[noisy] - first[inverse] + 1
+    else:
+        diag[noisy] = counts[inverse]
+    return int(((ctx + diag) * rows.live).sum())
 
 
 def attention_flops(pairs: int, *, num_heads: int, head_dim: int, backward: bool = True) -> int:

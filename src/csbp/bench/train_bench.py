@@ -1,4 +1,5 @@
-"""``csbp bench train``: full training steps of CP-only, BP-only and CSBP side by side.
+"""``csbp bench train``: full training steps of CP-only (generic and mask-aware ``cp-aware``),
+BP-only and CSBP side by side, optionally over packed documents (``--doc-length N``).
 
 For every objective (``bd3``, ``fast_dllm_v2``) and sequence length, each layout runs complete
 training steps of a small decoder on ``nproc`` gloo processes of one thread: forward over the
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from csbp.attention.documents import packed_doc_ids
 from csbp.bench.common import (
     BENCH_DTYPES,
     Column,
@@ -44,16 +46,18 @@ from csbp.bench.common import (
     add_model_width_options,
     add_output_options,
     add_transport_option,
+    bench_documents,
     check_run_options,
     format_ratio_table,
     launch_cell,
+    layout_transport,
     max_over_ranks,
     measured_step,
     require_parallel,
     select_topologies,
     write_outputs,
 )
-from csbp.engine.block_diffusion import build_rank_plan, rank_loss
+from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan, rank_loss
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
 from csbp.models.config import DecoderConfig
@@ -83,6 +87,8 @@ class TrainBenchConfig:
     head_dim: int = 32
     dtype: str = "float32"
     transport: str = "collective"
+    doc_length: int | None = None
+    layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
     activation_checkpointing: tuple[str, ...] = ("none",)
     lr: float = 1e-4
     warmup: int = 1
@@ -146,6 +152,7 @@ class TrainRecord:
     vocab_size: int = 0
     dtype: str = "float32"
     transport: str = "collective"
+    doc_length: int | None = None  # mean packed-document length (None: one document per sample)
 
 
 def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
@@ -155,9 +162,15 @@ def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
 class _LayoutRunner:
     """One layout's model, optimizer, rows and process groups on this rank."""
 
-    def __init__(self, topology: Topology, cfg: TrainBenchConfig, activation_checkpointing: str) -> None:
+    def __init__(
+        self, topology: Topology, cfg: TrainBenchConfig, transport: str, activation_checkpointing: str
+    ) -> None:
         self.ctx = build_parallel_context(topology)
-        self.plan = build_rank_plan(self.ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport)  # type: ignore[arg-type]
+        self.plan: RankPlan | DocumentPlanner
+        if cfg.doc_length is None:
+            self.plan = build_rank_plan(self.ctx, cfg.seq_len, cfg.block_size, transport=transport)  # type: ignore[arg-type]
+        else:
+            self.plan = DocumentPlanner(self.ctx, cfg.seq_len, cfg.block_size, transport=transport)  # type: ignore[arg-type]
         self.model = Decoder(cfg.model_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed)
         checkpoint_layers(self.model.layers, activation_checkpointing, self.ctx.counter)  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -211,15 +224,24 @@ def _worker(
     """All layouts of one cell in the same processes, steps interleaved round-robin (layout A step
     i, layout B step i, ...) on the same batch, so slow drifts of the machine hit every layout alike;
     runners are ordered layout-major, then activation-checkpointing mode."""
+    transports = cfg.layout_transports or (cfg.transport,) * len(topologies)
     runners = [
-        _LayoutRunner(topology, cfg, mode) for topology in topologies for mode in cfg.activation_checkpointing
+        _LayoutRunner(topology, cfg, transport, mode)
+        for topology, transport in zip(topologies, transports, strict=True)
+        for mode in cfg.activation_checkpointing
     ]
     mask_token_id = cfg.vocab_size - 1
     objective = build_objective(cfg.objective, mask_token_id=mask_token_id, block_size=cfg.block_size)
     data_generator = torch.Generator().manual_seed(cfg.seed + 1)
     for step in range(cfg.warmup + cfg.repeats):
         ids_SL = torch.randint(0, mask_token_id, (cfg.samples, cfg.seq_len), generator=data_generator)
-        corrupted = objective.corrupt({"input_ids": ids_SL}, corruption_generator(cfg.seed, step, 0))
+        batch = {"input_ids": ids_SL}
+        if cfg.doc_length is not None:
+            batch["doc_ids"] = torch.stack([
+                packed_doc_ids(bench_documents(cfg.seq_len, cfg.doc_length, cfg.seed * 7919 + step, sample))
+                for sample in range(cfg.samples)
+            ])
+        corrupted = objective.corrupt(batch, corruption_generator(cfg.seed, step, 0))
         for runner in runners:
             runner.step(corrupted, measured=step >= cfg.warmup, first=step == 0)
     return [runner.summary() for runner in runners]
@@ -240,8 +262,9 @@ def run_train_bench(
     ``nproc`` processes per cell, and return the records in run order."""
     require_parallel(nproc)
     cell = select_topologies(layouts, nproc, csbp_cp)
+    transports = tuple(layout_transport(name, str(cfg_kwargs.get("transport", "collective"))) for name in layouts)
     configs = [
-        TrainBenchConfig(objective=name, seq_len=n, **cfg_kwargs)  # type: ignore[arg-type]
+        TrainBenchConfig(objective=name, seq_len=n, layout_transports=transports, **cfg_kwargs)  # type: ignore[arg-type]
         for name in objectives
         for n in seq_lens
     ]
@@ -265,6 +288,7 @@ def run_train_bench(
                     block_size=cfg.block_size,
                     nproc=nproc,
                     samples=cfg.samples,
+                    doc_length=cfg.doc_length,
                     step_time_s=step,
                     tokens_per_s=cfg.samples * cfg.seq_len / step,
                     peak_mem_bytes=max_over_ranks(results, "peak"),
@@ -282,7 +306,7 @@ def run_train_bench(
                     head_dim=cfg.head_dim,
                     vocab_size=cfg.vocab_size,
                     dtype=cfg.dtype,
-                    transport=cfg.transport,
+                    transport=layout_transport(name, cfg.transport),
                 )
             )
             if progress:
@@ -293,7 +317,7 @@ def run_train_bench(
 TABLE_COLUMNS = [
     Column("objective", "objective", "<13"),
     Column("seq_len", "seq_len", ">7"),
-    Column("layout", "layout", "<6"),
+    Column("layout", "layout", "<8"),
     Column("step s", "step_time_s", ">8.3f", vs_cp=True),
     Column("tok/s", "tokens_per_s", ">9.0f", vs_cp=True),
     Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
@@ -372,7 +396,8 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
     print(
         f"csbp bench train: objectives={','.join(args.objectives)} nproc={args.nproc} block={args.block_size} "
         f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
-        f"vocab={args.vocab_size} {args.dtype} (random tokens, 1 thread per process, median of {args.repeats})",
+        f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per process, "
+        f"median of {args.repeats})",
         flush=True,
     )
     records = run_train_bench(
@@ -384,6 +409,7 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
         progress=True,
         block_size=args.block_size,
         transport=args.transport,
+        doc_length=args.doc_length,
         samples=args.samples,
         vocab_size=args.vocab_size,
         hidden_size=args.hidden_size,

@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from csbp.config import RunConfig, dump_config
+from csbp.config.schema import DOCUMENT_MASK_DEFAULTS
 from csbp.recipes import load_run_config
 
 
@@ -81,6 +82,7 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
         ("model", model_text),
         ("objective", f"{obj.name}{blocks}"),
         ("data", f"seq_len {cfg.data.seq_len}, train {cfg.data.train}"),
+        ("documents", document_mask_text(cfg)),
         (
             "topology",
             f"{layout} layout: dp={topo.dp} cp={topo.cp} bp={topo.bp}, world size {cfg.world_size}{launched}",
@@ -88,6 +90,21 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
         ("train", f"{cfg.train.max_steps} steps, {global_batch} sequences per step, {cfg.train.precision}"),
         ("optim", f"lr {cfg.optim.lr:g} ({cfg.optim.schedule}, {cfg.optim.warmup_steps} warm-up steps)"),
     ]
+
+
+def document_mask_text(cfg: RunConfig) -> str:
+    """What ``data.document_mask`` does in this run, and why when it is the objective's default."""
+    on = cfg.document_mask
+    what = (
+        "masked: packed documents never attend to each other; traffic and FLOPs follow the mask"
+        if on else "not masked: a token attends to the documents packed before it in its row"
+    )
+    if cfg.data.document_mask is None:
+        reason = DOCUMENT_MASK_DEFAULTS[cfg.objective.name][1]
+        what += f" (default for {cfg.objective.name}: {reason}; set data.document_mask to change it)"
+    if on and cfg.data.reset_positions:
+        what += "; RoPE positions restart at every document"
+    return what
 
 
 def missing_path_notes(cfg: RunConfig) -> list[str]:

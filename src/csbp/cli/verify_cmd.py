@@ -6,6 +6,7 @@ Examples::
     csbp verify --nproc 4                              # every valid layout on 4 processes
     csbp verify --nproc 4 --cp 2 --bp 4 --transport streaming --window 8 --dtype float32
     csbp verify --nproc 4 --objective dflash               # DFlash drafter training, every layout
+    csbp verify --nproc 4 --doc-length 6                   # packed documents (mean 6 tokens), every layout
 
 Processes are launched here on the CPU (gloo), one thread each. Exit status 1 if any layout is
 outside its tolerance (1e-9 relative for float64, 1e-4 for float32).
@@ -26,7 +27,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (default nproc / local)")
     parser.add_argument("--cp", type=int, default=None, help="context-parallel degree")
     parser.add_argument("--bp", type=int, default=None, help="block-parallel degree")
-    parser.add_argument("--transport", choices=("collective", "streaming"), default="collective")
+    parser.add_argument(
+        "--transport",
+        choices=("collective", "streaming", "halo"),
+        default="collective",
+        help="ring transport; halo: all-to-all of only the clean rows a remote query may see (cp-aware for cp-only)",
+    )
+    parser.add_argument(
+        "--doc-length",
+        type=int,
+        default=None,
+        help="pack random documents of this mean length (document masking on); every layout adds cp-aware",
+    )
     parser.add_argument("--window", type=int, default=None, help="sliding window W (tokens, incl. the query)")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=4)
@@ -62,23 +74,33 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
 def run_verify(args: argparse.Namespace) -> int:
     if args.objective == "dflash":
         return run_verify_dflash(args)
-    cases = [
-        VerifyCase(
-            topology=t,
-            seq_len=args.seq_len,
-            block_size=args.block_size,
-            transport=args.transport,
-            window=args.window,
-            dtype=args.dtype,
-            samples=args.samples,
-            seed=args.seed,
-            backend=check_backend_trains_on(args.backend, "cpu", where="--backend"),
-        )
-        for t in _requested_topologies(args)
-    ]
+    if args.doc_length is not None and args.doc_length < 1:
+        raise ValueError(f"--doc-length must be >= 1 (mean tokens per packed document), got {args.doc_length}")
+    backend = check_backend_trains_on(args.backend, "cpu", where="--backend")
+    cases = []
+    for t in _requested_topologies(args):
+        transports = [args.transport]
+        if args.doc_length is not None and t.layout == "cp" and args.transport != "halo":
+            transports.append("halo")  # the mask-aware CP baseline next to the generic one
+        for transport in transports:
+            cases.append(
+                VerifyCase(
+                    topology=t,
+                    seq_len=args.seq_len,
+                    block_size=args.block_size,
+                    transport=transport,
+                    window=args.window,
+                    dtype=args.dtype,
+                    samples=args.samples,
+                    seed=args.seed,
+                    doc_length=args.doc_length,
+                    backend=backend,
+                )
+            )
     for case in cases:  # fail closed before launching anything
         case.topology.validate_sequence(case.seq_len, case.block_size)
-    print(f"csbp verify: L={args.seq_len} B={args.block_size} dtype={args.dtype} nproc={args.nproc}")
+    documents = "" if args.doc_length is None else f" doc_length={args.doc_length} (document mask)"
+    print(f"csbp verify: L={args.seq_len} B={args.block_size} dtype={args.dtype} nproc={args.nproc}{documents}")
     header = f"{'layout':<8} {'topology':<12} {'detail':<12} {'loss rel err':>13} {'grad rel err':>13}  status"
     print(header)
     print("-" * len(header))
@@ -100,10 +122,10 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     from csbp.dflash.config import DFlashObjectiveConfig
     from csbp.dflash.verify import DFlashVerifyCase, verify_dflash
 
-    if args.window is not None or args.transport != "collective" or args.dtype != "float64":
+    if args.window is not None or args.transport != "collective" or args.dtype != "float64" or args.doc_length:
         raise ValueError(
-            "--objective dflash verifies full attention with the collective transport in float64: "
-            "drop --window/--transport/--dtype"
+            "--objective dflash verifies full attention with the collective transport in float64 (its "
+            "contexts always stop at the anchor's document start): drop --window/--transport/--dtype/--doc-length"
         )
     topologies = _requested_topologies(args)
     for t in topologies:  # fail closed before launching anything

@@ -41,7 +41,30 @@ def _format_violation(field: str, message: str, fix: str) -> str:
 
 def cross_section_violations(cfg: RunConfig) -> list[Violation]:
     """Every violated cross-section rule of ``cfg``."""
-    return _model_rules(cfg) + _sequence_rules(cfg) + _objective_layout_rules(cfg) + _training_rules(cfg)
+    return (
+        _model_rules(cfg) + _sequence_rules(cfg) + _objective_layout_rules(cfg) + _training_rules(cfg)
+        + _document_rules(cfg)
+    )
+
+
+def _document_rules(cfg: RunConfig) -> list[Violation]:
+    """``data.reset_positions`` needs documents to restart at; DFlash contexts are always per document."""
+    violations = []
+    if cfg.data.reset_positions and not cfg.document_mask:
+        violations.append(
+            ("data.reset_positions", "restarting positions at documents needs document masking",
+             "set data.document_mask: true or data.reset_positions: false")
+        )
+    if cfg.data.reset_positions and cfg.objective.name == "dflash":
+        violations.append(
+            ("data.reset_positions", "DFlash positions come from the frozen target", "remove data.reset_positions")
+        )
+    if cfg.objective.name == "dflash" and cfg.data.document_mask is False:
+        violations.append(
+            ("data.document_mask", "a DFlash context always stops at the anchor's document start",
+             "remove data.document_mask (or set it to true)")
+        )
+    return violations
 
 
 def _model_rules(cfg: RunConfig) -> list[Violation]:

@@ -140,6 +140,25 @@ class DataSection(_Section):
     tokenizer: str | None = path_field(
         None, description="tokenizer.json file or directory for decoding; unset: the artifact's tokenizer."
     )
+    document_mask: bool | None = Field(
+        None,
+        description="Packed documents never attend to each other (docs/document-masking.md); unset: "
+        "the objective's default (DOCUMENT_MASK_DEFAULTS).",
+    )
+    reset_positions: bool = Field(
+        False, description="Restart RoPE positions at every packed document (needs document_mask)."
+    )
+
+
+DOCUMENT_MASK_DEFAULTS: dict[str, tuple[bool, str]] = {
+    "bd3": (False, "BD3-LM pretrains on concatenated documents, as its reference setup does"),
+    "mdlm": (False, "MDLM pretrains on concatenated documents, as its reference setup does"),
+    "fast_dllm_v2": (True, "Fast-dLLM v2 adapts models on packed SFT data, where attending across "
+                     "unrelated documents is a known source of instability"),
+    "ar": (True, "AR targets of DFlash drafters are served one document at a time"),
+    "dflash": (True, "a DFlash context always stops at the anchor's document start"),
+}
+"""``data.document_mask`` when unset, per objective, with the reason shown by `csbp config validate`."""
 
 
 class DFlashSection(_Section):
@@ -313,8 +332,10 @@ class TopologySection(_Section):
     replicate_clean_prefix: bool = Field(
         False, description="Opt-in for BP-only (cp=1, bp>1): each rank recomputes its clean prefix."
     )
-    transport: Literal["collective", "streaming"] = Field(
-        "collective", description="Clean K/V exchange: all-gather/reduce-scatter or ring P2P (cp > 1)."
+    transport: Literal["collective", "streaming", "halo"] = Field(
+        "collective",
+        description="Clean K/V exchange (cp > 1): all-gather/reduce-scatter, ring P2P, or halo (one "
+        "all-to-all of only the clean rows some remote query may see; CSBP uses it with windows and documents).",
     )
     window: int | None = Field(
         None, gt=0, description="Sliding attention window in tokens (csbp.md §11); unset: full attention."
@@ -457,6 +478,13 @@ class RunConfig(_Section):
     @property
     def world_size(self) -> int:
         return self.topology.world_size
+
+    @property
+    def document_mask(self) -> bool:
+        """``data.document_mask``, or the objective's default when unset."""
+        if self.data.document_mask is not None:
+            return self.data.document_mask
+        return DOCUMENT_MASK_DEFAULTS[self.objective.name][0]
 
     @property
     def num_local_processes(self) -> int:

@@ -94,6 +94,7 @@ class SplitStats:
     padding_tokens: int
     documents_per_row: tuple[float, int, int]  # mean, min, max
     document_lengths: np.ndarray  # int64 [documents]
+    piece_lengths: np.ndarray  # int64 [pieces]: documents as cut into rows (what a document mask sees)
 
     @property
     def supervised_fraction(self) -> float:
@@ -104,6 +105,7 @@ def split_stats(rows: ArtifactSplit) -> SplitStats:
     """Scan a split in chunks of rows (bounded memory) and measure it."""
     lengths = np.zeros(0, dtype=np.int64)
     per_row: list[np.ndarray] = []
+    pieces: list[np.ndarray] = []
     supervised = padding = 0
     for first in range(0, rows.num_rows, _ROWS_PER_CHUNK):
         doc_ids = np.asarray(rows.doc_ids[first : first + _ROWS_PER_CHUNK], dtype=np.int64)  # [R, L]
@@ -112,6 +114,7 @@ def split_stats(rows: ArtifactSplit) -> SplitStats:
         supervised += int(np.count_nonzero(rows.loss_mask[first : first + _ROWS_PER_CHUNK]))
         boundaries = (doc_ids[:, 1:] != doc_ids[:, :-1]) & valid[:, 1:]  # a new document starts
         per_row.append(valid[:, 0].astype(np.int64) + boundaries.sum(axis=1))
+        pieces.append(_piece_lengths(doc_ids))
         counts = np.bincount(doc_ids[valid], minlength=lengths.shape[0])
         counts[: lengths.shape[0]] += lengths
         lengths = counts
@@ -122,7 +125,32 @@ def split_stats(rows: ArtifactSplit) -> SplitStats:
         else (0.0, 0, 0)
     )
     total = rows.num_rows * rows.seq_len - padding
-    return SplitStats(rows.num_rows, total, supervised, padding, summary, lengths)
+    piece_lengths = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+    return SplitStats(rows.num_rows, total, supervised, padding, summary, lengths, piece_lengths)
+
+
+def _piece_lengths(doc_ids: np.ndarray) -> np.ndarray:
+    """Lengths of the maximal runs of one non-padding id in each row of ``doc_ids [R, L]``."""
+    if doc_ids.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    starts = np.ones(doc_ids.shape, dtype=bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    run = np.cumsum(starts.ravel()) - 1
+    lengths = np.bincount(run)
+    return lengths[doc_ids.ravel()[starts.ravel()] >= 0]
+
+
+def format_length_summary(lengths: np.ndarray, *, seq_len: int, num_rows: int) -> list[str]:
+    """Mean and quantiles of document lengths, and the share of a row's ``L^2`` (query, key) pairs a
+    document mask keeps (``sum len^2 / (rows L^2)`` over the in-row pieces)."""
+    if lengths.size == 0:
+        return []
+    q50, q90 = np.percentile(lengths, [50, 90])
+    kept = float((lengths.astype(np.float64) ** 2).sum()) / max(num_rows * seq_len**2, 1)
+    return [
+        f"  in-row doc length   mean {lengths.mean():.1f}, median {q50:.0f}, p90 {q90:.0f}, max {lengths.max()}",
+        f"  document mask keeps {100 * kept:.2f}% of each row's attention pairs (data.document_mask)",
+    ]
 
 
 def format_length_histogram(lengths: np.ndarray, *, width: int = 40) -> list[str]:
@@ -155,6 +183,7 @@ def format_stats(artifact: Artifact) -> str:
             f"({100 * stats.supervised_fraction:.2f}% of tokens)",
             f"  documents           {stats.document_lengths.shape[0]}",
             f"  documents per row   mean {mean:.2f}, min {low}, max {high}",
+            *format_length_summary(stats.piece_lengths, seq_len=artifact.seq_len, num_rows=stats.rows),
             "  document length histogram (tokens incl. EOS):",
             *format_length_histogram(stats.document_lengths),
         ]

@@ -11,17 +11,23 @@ are then averaged over all ``world_size`` ranks (:mod:`csbp.engine.grads`), whic
 objective's denominators over every data-parallel replica (and accumulation micro-step), never a
 rank-local count. ``0 · Σ hidden`` is added so every rank back-propagates through its whole graph
 and runs every attention collective, even when it owns no supervised row.
+
+Packed documents (``data.document_mask``, docs/document-masking.md): every sample of a micro-batch
+has its own document boundaries, hence its own rows and exchange plan. ``DocumentPlanner`` builds
+one ``RankPlan`` per distinct ``doc_ids`` row and ``rank_loss`` runs the model once per sample (every
+rank of a sample processes the samples in the same order, so the collectives pair up).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from csbp.attention.documents import Documents
 from csbp.attention.layouts import RankLayout, rank_layout
 from csbp.attention.rows import Rows
 from csbp.attention.transports.factory import build_attention
@@ -32,7 +38,7 @@ from csbp.objectives.base import CorruptedBatch
 from csbp.objectives.chunked_ce import chunked_weighted_ce
 from csbp.schedules import SchedulePolicy
 
-TransportName = Literal["collective", "streaming"]
+TransportName = Literal["collective", "streaming", "halo"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,6 +51,8 @@ class RankPlan:
         noisy_positions: token positions of the noisy rows.
         clean_positions: token positions of the clean rows (empty for single-stream objectives).
         attention: the ``AttentionFn`` every layer calls.
+        rope_positions: RoPE position of every row when it differs from ``rows.pos`` (positions
+            restarting at each packed document), else None.
     """
 
     rows: Rows
@@ -52,6 +60,7 @@ class RankPlan:
     noisy_positions: Tensor
     clean_positions: Tensor
     attention: AttentionFn
+    rope_positions: Tensor | None = None
 
 
 def build_rank_plan(
@@ -64,16 +73,36 @@ def build_rank_plan(
     transport: TransportName = "collective",
     window: int | None = None,
     schedule: SchedulePolicy = "dual_end",
+    documents: Documents | None = None,
+    reset_positions: bool = False,
     backend: str = "tiles",
 ) -> RankPlan:
-    """Plan this rank's rows and attention (build once per shape; every layer and step reuses it).
+    """Plan this rank's rows and attention (build once per shape, or once per sample's ``documents``;
+    every layer reuses it). ``reset_positions`` restarts RoPE positions at each document.
     ``backend``: attention backend of every partial (auto, tiles, flex; csbp.attention.backends)."""
-    topology = ctx.topology
     if not uses_clean_stream:
-        return _single_stream_plan(ctx, seq_len, block_size, causal=causal, backend=backend)
+        plan = _single_stream_plan(ctx, seq_len, block_size, causal=causal, documents=documents, backend=backend)
+    else:
+        plan = _two_stream_plan(ctx, seq_len, block_size, transport, window, schedule, documents, backend)
+    if reset_positions and documents is not None:
+        plan = replace(plan, rope_positions=plan.rows.pos - documents.start[plan.rows.pos])
+    return plan
+
+
+def _two_stream_plan(
+    ctx: ParallelContext,
+    seq_len: int,
+    block_size: int,
+    transport: TransportName,
+    window: int | None,
+    schedule: SchedulePolicy,
+    documents: Documents | None,
+    backend: str = "tiles",
+) -> RankPlan:
+    topology = ctx.topology
     topology.validate_sequence(seq_len, block_size)
     layout: RankLayout = rank_layout(
-        topology, ctx.coords.local_rank, seq_len, block_size, schedule=schedule, window=window
+        topology, ctx.coords.local_rank, seq_len, block_size, schedule=schedule, window=window, documents=documents
     )
     attention = build_attention(
         topology,
@@ -84,13 +113,53 @@ def build_rank_plan(
         transport=transport,
         window=window,
         schedule=schedule,
+        documents=documents,
         backend=backend,
     )
     return RankPlan(layout.rows, layout.num_noisy, layout.noisy_positions, layout.clean_positions, attention)
 
 
+@dataclass(frozen=True, eq=False)
+class DocumentPlanner:
+    """Builds the ``RankPlan`` of every sample from its packed documents (``build_rank_plan``'s
+    arguments besides ``documents``); pass it to ``rank_loss`` in place of a plan."""
+
+    ctx: ParallelContext
+    seq_len: int
+    block_size: int
+    uses_clean_stream: bool = True
+    causal: bool = False
+    transport: TransportName = "collective"
+    window: int | None = None
+    schedule: SchedulePolicy = "dual_end"
+    reset_positions: bool = False
+    backend: str = "tiles"
+
+    def plans_for(self, doc_ids: Tensor) -> list[RankPlan]:
+        """One plan per row of ``doc_ids [S', L]`` (rows with equal ids share a plan)."""
+        plans: dict[bytes, RankPlan] = {}
+        out = []
+        for row in doc_ids.detach().cpu():
+            key = row.numpy().tobytes()
+            if key not in plans:
+                plans[key] = build_rank_plan(
+                    self.ctx, self.seq_len, self.block_size, uses_clean_stream=self.uses_clean_stream,
+                    causal=self.causal, transport=self.transport, window=self.window, schedule=self.schedule,
+                    documents=Documents.from_doc_ids(row), reset_positions=self.reset_positions,
+                    backend=self.backend,
+                )
+            out.append(plans[key])
+        return out
+
+
 def _single_stream_plan(
-    ctx: ParallelContext, seq_len: int, block_size: int, *, causal: bool, backend: str
+    ctx: ParallelContext,
+    seq_len: int,
+    block_size: int,
+    *,
+    causal: bool,
+    documents: Documents | None = None,
+    backend: str = "tiles",
 ) -> RankPlan:
     """MDLM (one bidirectional block over the whole sequence) and AR (causal): data parallel only."""
     if ctx.topology.local != 1:
@@ -99,6 +168,8 @@ def _single_stream_plan(
             f"(got cp={ctx.topology.cp}, bp={ctx.topology.bp}); scale them with dp"
         )
     rows = _single_stream_rows(seq_len)
+    if documents is not None:  # one bidirectional (MDLM) or causal (AR) block per document
+        rows = replace(rows, block=documents.start.clone())
     attention = LocalAttentionFn(rows, num_noisy=seq_len, causal_in_block=causal, backend=backend)
     return RankPlan(rows, seq_len, rows.pos, torch.zeros(0, dtype=torch.long), attention)
 
@@ -114,17 +185,28 @@ def rank_inputs(corrupted: CorruptedBatch, plan: RankPlan) -> tuple[Tensor, Tens
     """``(input_ids [S', rows], positions [rows])`` of this rank: its noisy rows then its clean rows."""
     device = corrupted.noisy_ids.device
     noisy = corrupted.noisy_ids[:, plan.noisy_positions.to(device)]
-    positions = plan.rows.pos.to(device)
+    positions = (plan.rows.pos if plan.rope_positions is None else plan.rope_positions).to(device)
     if plan.clean_positions.numel() == 0:
         return noisy, positions
     clean = corrupted.clean_ids[:, plan.clean_positions.to(device)]
     return torch.cat([noisy, clean], dim=1), positions
 
 
+def sample_rows(batch: CorruptedBatch, rows: slice) -> CorruptedBatch:
+    """The rows ``rows`` of a corrupted batch, keeping its (global) normaliser."""
+    tensors = {
+        name: getattr(batch, name)[rows]
+        for name in ("noisy_ids", "clean_ids", "labels", "weights", "doc_ids")
+    }
+    if batch.noise_levels is not None:
+        tensors["noise_levels"] = batch.noise_levels[rows]
+    return replace(batch, **tensors)
+
+
 def rank_loss(
     model: Decoder,
     corrupted: CorruptedBatch,
-    plan: RankPlan,
+    plan: RankPlan | DocumentPlanner,
     *,
     global_denominator: float,
     world_size: int,
@@ -134,10 +216,30 @@ def rank_loss(
 
     ``loss_for_backward`` is scaled so that averaging gradients over ``world_size`` ranks gives
     the single-process gradient; ``weighted_ce_sum`` (detached) is this rank's share of the
-    numerator, for logging (sum it over ranks and divide by ``global_denominator``).
+    numerator, for logging (sum it over ranks and divide by ``global_denominator``). With a
+    ``DocumentPlanner`` every sample runs with its own documents' plan.
     """
     if global_denominator <= 0:
         raise ValueError(f"global loss denominator must be positive, got {global_denominator}")
+    if isinstance(plan, RankPlan):
+        return _plan_loss(model, corrupted, plan, global_denominator, world_size, ce_chunk_rows)
+    losses, ce_sums = [], []
+    for index, sample_plan in enumerate(plan.plans_for(corrupted.doc_ids)):
+        one = sample_rows(corrupted, slice(index, index + 1))
+        loss, ce_sum = _plan_loss(model, one, sample_plan, global_denominator, world_size, ce_chunk_rows)
+        losses.append(loss)
+        ce_sums.append(ce_sum)
+    return torch.stack(losses).sum(), torch.stack(ce_sums).sum()
+
+
+def _plan_loss(
+    model: Decoder,
+    corrupted: CorruptedBatch,
+    plan: RankPlan,
+    global_denominator: float,
+    world_size: int,
+    ce_chunk_rows: int,
+) -> tuple[Tensor, Tensor]:
     input_ids, positions = rank_inputs(corrupted, plan)
     hidden_SRD = model(input_ids, positions, plan.attention)
     noisy_SAD = hidden_SRD[:, : plan.num_noisy]

@@ -15,7 +15,15 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.distributed as dist
 
-from csbp.engine.block_diffusion import TransportName, build_rank_plan, rank_loss
+from csbp.attention.documents import packed_doc_ids, random_documents
+from csbp.engine.block_diffusion import (
+    DocumentPlanner,
+    RankPlan,
+    TransportName,
+    build_rank_plan,
+    rank_loss,
+    sample_rows,
+)
 from csbp.engine.context import ParallelContext, build_parallel_context, single_process_context
 from csbp.engine.grads import average_gradients
 from csbp.models.config import DecoderConfig
@@ -43,6 +51,7 @@ class VerifyCase:
     samples: int = 2
     seed: int = 0
     backend: str = "tiles"
+    doc_length: int | None = None  # mean length of random packed documents (document masking on)
 
     @property
     def label(self) -> str:
@@ -52,6 +61,10 @@ class VerifyCase:
         detail = self.transport if t.layout == "csbp" else "-"
         if self.window is not None:
             detail = f"window={self.window}"
+        if t.layout == "csbp" and self.doc_length is not None and self.window is None and self.transport != "streaming":
+            detail = "halo"  # CSBP exchanges only the clean rows of the receivers' documents
+        if self.transport == "halo" and t.layout == "cp":
+            name, detail = "cp-aware", "halo"
         return f"{name:<8} {'x'.join(parts):<12} {detail}"
 
 
@@ -98,23 +111,17 @@ def _batch(case: VerifyCase, num_replicas: int) -> dict[str, torch.Tensor]:
     # would then fail, csbp.md §18 item 8).
     loss_mask = torch.rand(shape, generator=g) < 0.8
     loss_mask[:, : case.block_size] = False
-    return {"input_ids": ids, "loss_mask": loss_mask}
+    batch = {"input_ids": ids, "loss_mask": loss_mask}
+    if case.doc_length is not None:
+        batch["doc_ids"] = torch.stack(
+            [packed_doc_ids(random_documents(case.seq_len, case.doc_length, g)) for _ in range(shape[0])]
+        )
+    return batch
 
 
 def corrupted_batch(case: VerifyCase, num_replicas: int = 1) -> CorruptedBatch:
     objective = Bd3Objective(mask_token_id=MASK_TOKEN_ID, block_size=case.block_size)
     return objective.corrupt(_batch(case, num_replicas), corruption_generator(case.seed, 0, 0))
-
-
-def slice_rows(batch: CorruptedBatch, rows: slice) -> CorruptedBatch:
-    """The rows ``rows`` of a corrupted batch, keeping its (global) normaliser."""
-    tensors = {
-        name: getattr(batch, name)[rows]
-        for name in ("noisy_ids", "clean_ids", "labels", "weights", "doc_ids")
-    }
-    if batch.noise_levels is not None:
-        tensors["noise_levels"] = batch.noise_levels[rows]
-    return replace(batch, **tensors)
 
 
 def _forward_backward(
@@ -128,10 +135,18 @@ def _forward_backward(
     denominator = full.denominator()  # global: every replica's rows
     per_rank = case.samples * num_replicas // ctx.topology.dp
     dp_rank = ctx.coords.dp_rank
-    corrupted = slice_rows(full, slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-    plan = build_rank_plan(
-        ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window, backend=case.backend
-    )
+    corrupted = sample_rows(full, slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+    plan: RankPlan | DocumentPlanner
+    if case.doc_length is None:
+        plan = build_rank_plan(
+            ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
+            backend=case.backend,
+        )
+    else:
+        plan = DocumentPlanner(
+            ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
+            backend=case.backend,
+        )
     loss, ce_sum = rank_loss(model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size)
     loss.backward()
     average_gradients(model.parameters(), ctx.world_comm("gradients"))
@@ -152,9 +167,7 @@ def _worker(rank: int, world: int, case: VerifyCase) -> tuple[float, dict[str, t
 
 def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients for ``case``'s model and batch."""
-    ref_case = VerifyCase(
-        Topology(), case.seq_len, case.block_size, case.transport, case.window, case.dtype, case.samples, case.seed
-    )
+    ref_case = replace(case, topology=Topology())
     return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp)
 
 

@@ -10,9 +10,18 @@ Usage::
 """
 
 from csbp.masks.builders import dense_mask, flex_block_mask
-from csbp.masks.predicates import MaskMod, bd3_mask, dflash_mask, fast_dllm_v2_mask, mdlm_mask, rows_mask
+from csbp.masks.predicates import (
+    MaskMod,
+    ar_mask,
+    bd3_mask,
+    dflash_mask,
+    fast_dllm_v2_mask,
+    mdlm_mask,
+    rows_mask,
+)
 
 __all__ = [
+    "ar_mask",
     "MaskMod",
     "bd3_mask",
     "dense_mask",

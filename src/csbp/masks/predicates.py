@@ -16,7 +16,10 @@ Layouts:
 
 * ``bd3_mask`` / ``fast_dllm_v2_mask``: the ``[x_t ; x_0]`` sequence of ``2L`` rows, first ``L``
   noisy, last ``L`` clean, both halves using positions ``0 … L-1``.
-* ``mdlm_mask``: one sequence of ``L`` rows.
+* ``mdlm_mask`` / ``ar_mask``: one sequence of ``L`` rows.
+
+Packed documents (``doc_ids``) restrict every mask to pairs inside one document (a document is a
+maximal run of equal ids); see docs/document-masking.md.
 * ``dflash_mask``: queries ``[0, N·B)`` are the anchor blocks, keys ``[0, S + N·B)`` are
   ``[context (S) ; blocks (N·B)]``.
 * ``rows_mask``: any query/key row sets in the interval form of ``csbp.attention.rows`` (per-row
@@ -50,7 +53,23 @@ def _check_window(window: int | None) -> None:
         raise ValueError(f"window must be None (full attention) or >= 1 (it counts the query), got {window}")
 
 
-def bd3_mask(seq_len: int, block_size: int, window: int | None = None) -> MaskMod:
+def _document_runs(doc_ids: Tensor | None, seq_len: int) -> Tensor | None:
+    """Run index of every position (maximal runs of equal ``doc_ids``: a reused id after another
+    document is a new document), or None without documents."""
+    if doc_ids is None:
+        return None
+    if doc_ids.dim() != 1 or doc_ids.shape[0] != seq_len:
+        raise ValueError(f"doc_ids must have shape ({seq_len},), got {tuple(doc_ids.shape)}")
+    if doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool:
+        raise ValueError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
+    new_run = torch.ones_like(doc_ids, dtype=torch.long)
+    new_run[1:] = (doc_ids[1:] != doc_ids[:-1]).long()
+    return torch.cumsum(new_run, 0)
+
+
+def bd3_mask(
+    seq_len: int, block_size: int, window: int | None = None, doc_ids: Tensor | None = None
+) -> MaskMod:
     """The BD3-LM training mask over the ``2L`` layout ``[x_t ; x_0]`` (csbp.md §3.1).
 
     ``allow = M_BD | M_OBC | M_BC`` with
@@ -63,6 +82,11 @@ def bd3_mask(seq_len: int, block_size: int, window: int | None = None) -> MaskMo
     to token-unit intervals: a clean query at ``p`` sees clean ``[max(0, p+1-W), p+1)``; a noisy
     query in the block starting at ``s`` sees clean ``[max(0, s-(W-1)), s)``, and still its whole
     own noisy block.
+
+    With ``doc_ids`` (``[L]``, packed documents; docs/document-masking.md) every part also needs
+    the query and the key in the same document: a noisy row sees the noisy rows of its block *and*
+    document and the clean rows of its document before its block; clean rows are block-causal within
+    their document, so a block straddling a document boundary is split by it.
     """
     _check_positive("seq_len", seq_len)
     _check_positive("block_size", block_size)
@@ -70,6 +94,7 @@ def bd3_mask(seq_len: int, block_size: int, window: int | None = None) -> MaskMo
     if seq_len % block_size != 0:
         raise ValueError(f"seq_len ({seq_len}) must be a multiple of block_size ({block_size})")
     num_rows = 2 * seq_len
+    runs = _document_runs(doc_ids, seq_len)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         in_range = (q_idx < num_rows) & (kv_idx < num_rows)
@@ -87,7 +112,10 @@ def bd3_mask(seq_len: int, block_size: int, window: int | None = None) -> MaskMo
             q_block_start = q_block * block_size
             m_obc = m_obc & (kv_pos >= q_block_start - (window - 1))
             m_bc = m_bc & (kv_pos <= q_pos) & (kv_pos >= q_pos + 1 - window)
-        return (m_bd | m_obc | m_bc) & in_range
+        allow = (m_bd | m_obc | m_bc) & in_range
+        if runs is not None:
+            allow = allow & (runs[q_pos.clamp(max=seq_len - 1)] == runs[kv_pos.clamp(max=seq_len - 1)])
+        return allow
 
     return mask_mod
 
@@ -102,21 +130,31 @@ def mdlm_mask(seq_len: int, doc_ids: Tensor | None = None) -> MaskMod:
     Args:
         seq_len: number of rows ``L``.
         doc_ids: optional ``[L]`` integer document id per row (packed documents); rows attend only to
-            rows with the same id. Must live on the device the mask is evaluated on.
+            rows of the same document (a maximal run of equal ids). Must live on the device the mask is evaluated on.
     """
     _check_positive("seq_len", seq_len)
-    if doc_ids is not None and (doc_ids.dim() != 1 or doc_ids.shape[0] != seq_len):
-        raise ValueError(f"doc_ids must have shape ({seq_len},), got {tuple(doc_ids.shape)}")
-    if doc_ids is not None and (doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool):
-        raise ValueError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
+    runs = _document_runs(doc_ids, seq_len)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         in_range = (q_idx < seq_len) & (kv_idx < seq_len)
-        if doc_ids is None:
+        if runs is None:
             return in_range
-        q_doc = doc_ids[q_idx.clamp(max=seq_len - 1)]
-        kv_doc = doc_ids[kv_idx.clamp(max=seq_len - 1)]
-        return (q_doc == kv_doc) & in_range
+        return (runs[q_idx.clamp(max=seq_len - 1)] == runs[kv_idx.clamp(max=seq_len - 1)]) & in_range
+
+    return mask_mod
+
+
+def ar_mask(seq_len: int, doc_ids: Tensor | None = None) -> MaskMod:
+    """AR: causal attention over ``L`` rows (``kv <= q``), within the query's document when
+    ``doc_ids`` (``[L]``, packed documents) is given."""
+    _check_positive("seq_len", seq_len)
+    runs = _document_runs(doc_ids, seq_len)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        allow = (kv_idx <= q_idx) & (q_idx < seq_len)
+        if runs is None:
+            return allow
+        return allow & (runs[q_idx.clamp(max=seq_len - 1)] == runs[kv_idx.clamp(max=seq_len - 1)])
 
     return mask_mod
 

@@ -229,6 +229,8 @@ def bench_observations(paths: Sequence[Path], *, fastest: bool = True) -> list[O
 def _record_observations(record: dict, where: str, fastest: bool) -> list[Observation]:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a benchmark record is a JSON object")
+    if record.get("doc_length") is not None or record.get("layout") == "cp-aware":
+        return []  # document-masked runs and the mask-aware CP baseline are not layouts the model costs
     kind = record.get("bench", "train" if "objective" in record else "attention")
     if kind not in ("train", "attention", "dflash"):
         raise ValueError(

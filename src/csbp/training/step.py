@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from csbp.data.artifact import ArtifactSplit
 from csbp.data.loader import PackedLoader
-from csbp.engine.block_diffusion import RankPlan, rank_loss
+from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, rank_loss
 from csbp.engine.context import ParallelContext
 from csbp.engine.grad_buckets import OverlappedGradientSync
 from csbp.objectives.base import CorruptedBatch, Objective, corruption_generator
@@ -100,7 +100,7 @@ class StepRunner:
         self,
         model: nn.Module,
         objective: Objective,
-        plan: RankPlan,
+        plan: RankPlan | DocumentPlanner,
         ctx: ParallelContext,
         *,
         device: torch.device,

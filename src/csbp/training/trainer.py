@@ -41,7 +41,7 @@ from csbp.config.loading import dump_config, write_config
 from csbp.config.schema import RunConfig
 from csbp.data.loader import PackedLoader
 from csbp.dflash.drafter import DFlashDrafter
-from csbp.engine.block_diffusion import RankPlan, build_rank_plan
+from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan
 from csbp.engine.context import ParallelContext, build_parallel_context
 from csbp.models.hf_io import export_hf_checkpoint, hf_passthrough_config
 from csbp.training.activation_checkpointing import checkpoint_layers
@@ -143,11 +143,18 @@ def training_device() -> torch.device:
     return torch.device("cpu")
 
 
-def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan:
-    """This rank's rows and attention for the run's objective and topology."""
+def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan | DocumentPlanner:
+    """This rank's rows and attention for the run's objective and topology (per sample's documents
+    when ``data.document_mask`` is on)."""
     obj, topo, seq_len = cfg.objective, cfg.topology, cfg.data.seq_len
     single_stream = obj.name in ("mdlm", "ar")
     block_size = seq_len if obj.name == "mdlm" else 1 if obj.name == "ar" else int(obj.block_size or 0)
+    if cfg.document_mask:
+        return DocumentPlanner(
+            ctx, seq_len, block_size, uses_clean_stream=not single_stream, causal=obj.name == "ar",
+            transport=topo.transport, window=topo.window, schedule=topo.schedule,
+            reset_positions=cfg.data.reset_positions, backend=cfg.attention.backend,
+        )
     return build_rank_plan(
         ctx,
         seq_len,

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.backends import check_backend
+from csbp.attention.documents import Documents
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import RankLayout, bd3_rows, cp_zigzag_layout, ring_clean_positions
 from csbp.attention.rows import Rows
@@ -79,9 +80,18 @@ def csbp_exchange_spec(layout: RankLayout, *, seq_len: int, block_size: int, cp:
     return ExchangeSpec(ring_rank=cp_rank, exchange_start=layout.num_noisy, member_rows=members)
 
 
-def cp_exchange_spec(layout: RankLayout, *, seq_len: int, block_size: int, cp: int, cp_rank: int) -> ExchangeSpec:
-    """CP-only zigzag over ``2L``: every packed row (noisy and clean) is exchanged."""
-    members = tuple(cp_zigzag_layout(seq_len, block_size, cp, c) for c in range(cp))
+def cp_exchange_spec(
+    layout: RankLayout,
+    *,
+    seq_len: int,
+    block_size: int,
+    cp: int,
+    cp_rank: int,
+    documents: Documents | None = None,
+) -> ExchangeSpec:
+    """CP-only zigzag over ``2L``: every packed row (noisy and clean) is exchanged (with packed
+    ``documents`` the noisy keys carry their segment ids)."""
+    members = tuple(cp_zigzag_layout(seq_len, block_size, cp, c, documents=documents) for c in range(cp))
     mine = members[cp_rank]
     if not (
         torch.equal(layout.noisy_positions.cpu(), mine.noisy_positions)

@@ -6,9 +6,13 @@ layout     transport
 ``data``   ``LocalAttentionFn``: every row is local (single process or plain data parallelism)
 ``bp``     ``LocalAttentionFn``: BP-only, the clean prefix is replicated, no attention traffic
 ``cp``     the CP-only baseline: every row (noisy and clean) is exchanged, like generic context
-           parallelism; ``collective`` (all-gather / reduce-scatter) or ``streaming`` (ring)
-``csbp``   only clean rows move: ``WindowAttention`` when ``window`` is set (the halo all-to-all),
-           else ``CollectiveAttention`` or ``StreamingAttention`` over the clean shards
+           parallelism; ``collective`` (all-gather / reduce-scatter) or ``streaming`` (ring).
+           ``halo`` is the mask-aware CP baseline (``cp-aware``): same zigzag rows, one all-to-all
+           of only the clean rows some remote query may see (no remote query reads a noisy key)
+``csbp``   only clean rows move: ``WindowAttention`` (the halo all-to-all) when ``window`` is set,
+           with packed ``documents`` (unless ``transport="streaming"``: the bounded-memory ring) or
+           with ``transport="halo"``, else ``CollectiveAttention`` or ``StreamingAttention`` over
+           the clean shards
 =========  =======================================================================================
 
 A windowed CP-only layer still exchanges every row (what generic context parallelism does); its
@@ -27,7 +31,8 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 from csbp.attention.backends import check_backend
-from csbp.attention.layouts import RankLayout, window_exchange_plan
+from csbp.attention.documents import Documents
+from csbp.attention.layouts import RankLayout, halo_exchange_plan, window_exchange_plan
 from csbp.attention.transports.collective import CollectiveAttention
 from csbp.attention.transports.exchange import cp_exchange_spec, csbp_exchange_spec
 from csbp.attention.transports.local import LocalAttentionFn
@@ -38,7 +43,7 @@ from csbp.parallel.comm import Comm
 from csbp.schedules import SchedulePolicy
 from csbp.topology import Topology
 
-TransportName = Literal["collective", "streaming"]
+TransportName = Literal["collective", "streaming", "halo"]
 TRANSPORTS: tuple[str, ...] = get_args(TransportName)
 
 
@@ -54,6 +59,7 @@ def build_attention(
     causal_in_block: bool = False,
     schedule: SchedulePolicy = "dual_end",
     backend: str = "tiles",
+    documents: Documents | None = None,
 ) -> AttentionFn:
     """The ``AttentionFn`` of local rank ``local_rank`` over ``layout.rows``.
 
@@ -71,6 +77,7 @@ def build_attention(
         schedule: block schedule the layout was built with (the window plan needs it).
         backend: attention backend of every partial: ``auto`` (flex on CUDA, tiles otherwise),
             ``tiles`` or ``flex`` (``csbp.attention.backends``).
+        documents: packed documents the layout was built with (None: one document).
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got transport={transport!r}")
@@ -86,15 +93,26 @@ def build_attention(
     seq_len = _sequence_length(topology, layout)
     topology.validate_sequence(seq_len, block_size)
     options = {"causal_in_block": causal_in_block, "backend": backend}
+    # CSBP moves only the clean rows a receiver may see whenever the mask is sparse (a window or
+    # documents); with documents an explicit "streaming" keeps the bounded-memory ring instead.
+    sparse = window is not None or (documents is not None and transport != "streaming")
+    halo = transport == "halo" or (kind == "csbp" and sparse)
+    if halo:
+        ring_index = local_rank // cp
+        if documents is None and window is not None:
+            plan = window_exchange_plan(seq_len, block_size, cp, topology.bp, ring_index, window, schedule)
+        else:
+            plan = halo_exchange_plan(
+                seq_len, block_size, cp, topology.bp, ring_index, window=window, schedule=schedule,
+                documents=documents,
+            )
+        return WindowAttention(layout, plan, cp_rank, comm, **options)
     if kind == "cp":
-        spec = cp_exchange_spec(layout, seq_len=seq_len, block_size=block_size, cp=cp, cp_rank=cp_rank)
+        spec = cp_exchange_spec(
+            layout, seq_len=seq_len, block_size=block_size, cp=cp, cp_rank=cp_rank, documents=documents
+        )
     else:
         spec = csbp_exchange_spec(layout, seq_len=seq_len, block_size=block_size, cp=cp, cp_rank=cp_rank)
-        if window is not None:
-            plan = window_exchange_plan(
-                seq_len, block_size, cp, topology.bp, local_rank // cp, window, schedule
-            )
-            return WindowAttention(layout, plan, cp_rank, comm, **options)
     if transport == "streaming":
         return StreamingAttention(layout, spec, comm, **options)
     return CollectiveAttention(layout, spec, comm, **options)
