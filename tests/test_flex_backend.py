@@ -30,6 +30,7 @@ from csbp.attention.backends import (
     plan_partial,
     resolve_backend,
 )
+from csbp.attention.documents import Documents
 from csbp.attention.flex import FlexPartial, rows_block_mask
 from csbp.attention.layouts import (
     bp_only_layout,
@@ -66,6 +67,13 @@ def _layout_cases() -> dict[str, tuple[Rows, Rows, bool]]:
     fused = csbp_layout(L, B, 2, 4, 3).rows
     cases["csbp_remote_clean"] = (fused, csbp_layout(L, B, 2, 4, 0).rows.select(slice(8, None)), False)
     cases["causal_in_block"] = (reference_layout(L, B).rows,) * 2 + (True,)
+    documents = Documents.from_doc_ids(torch.tensor([0] * 7 + [1] * 13 + [2] * 12))  # starts mid-block
+    cases["documents"] = (reference_layout(L, B, documents=documents).rows,) * 2 + (False,)
+    cases["cp_documents_remote"] = (
+        cp_zigzag_layout(L, B, 2, 1, documents=documents).rows,
+        cp_zigzag_layout(L, B, 2, 0, documents=documents).rows,
+        False,
+    )
     queries, keys = mixed_rows()
     cases["mixed_dead_padding"] = (queries, keys, False)
     anchors = torch.tensor([3, 9, 17, 26])
