@@ -120,6 +120,13 @@ def test_eval_on_artifact_and_jsonl_prompts(
     assert "lossless check passed: 2/2 identical" in out and "[val]" in out
     assert any(line.startswith("target forwards: speculative") for line in out)
 
+    argv = _eval_argv(workspace, "--data", str(workspace["artifact"]), "--num-prompts", "2")
+    assert run_cli([*argv, "--context-lengths", "4", "12", "--max-new-tokens", "6", "--no-check-lossless"]) == 0
+    out = capsys.readouterr().out
+    assert "[val ctx 4]" in out and "[val ctx 12]" in out and "per-position acceptance [" in out
+    assert run_cli([*argv, "--context-lengths", "0"]) == 2
+    assert "csbp: error: --context-lengths" in capsys.readouterr().err
+
     argv = _eval_argv(workspace, "--prompts", str(workspace["prompts"]), "--max-new-tokens", "6")
     assert run_cli(argv) == 0
     out = capsys.readouterr().out.strip().splitlines()

@@ -21,8 +21,11 @@ from csbp.dflash.attention import UnmaskedDraftAttention
 from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.drafter import DFlashDrafter, DraftContextCache
 from csbp.dflash.evaluate import EvalPrompt, evaluate_drafter, format_report
+from csbp.dflash.export import export_dflash, load_dflash
 from csbp.dflash.features import capture_target_features
 from csbp.dflash.layouts import AnchorPacket, context_rows
+from csbp.dflash.reference import EPS as REFERENCE_EPS
+from csbp.dflash.reference import reference_dflash_loss
 from csbp.dflash.speculative import (
     draft_block,
     greedy_generate,
@@ -150,6 +153,44 @@ def test_sliding_window_draft_equals_training_path() -> None:
     assert [first, second] == expected.tolist() and len(cache) == 9
 
 
+def test_sliding_window_training_loss_equals_the_served_draft_logits(tmp_path) -> None:  # noqa: ANN001
+    """Served as trained: the training objective of one block (the reference loss every training
+    layout equals) is the cross-entropy of the draft logits ``csbp dflash eval`` computes for the same
+    context, through an export and reload (the exported config carries the window)."""
+    case = DFlashVerifyCase(
+        drafter_options={"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3}
+    )
+    target, drafter = build_models(case)
+    served = load_dflash(export_dflash(drafter, tmp_path / "drafter"), target)
+    assert served.config.sliding_window == 3 and served.config.layer_types == drafter.config.layer_types
+    tokens = torch.randint(0, 63, (16,), generator=torch.Generator().manual_seed(4))
+    features = capture_target_features(target, tokens[None], (0, 2))
+    objective = DFlashObjectiveConfig(max_anchors=8)  # CE, no position decay: a plain mean over slots
+    for anchor in (5, 9):
+        trained = reference_dflash_loss(
+            drafter,
+            tokens[None],
+            torch.ones(1, 16, dtype=torch.bool),
+            torch.zeros(1, 16, dtype=torch.long),
+            [torch.tensor([anchor])],
+            features,
+            objective,
+        ).main
+        ids = served.block_input_ids(tokens[anchor].view(1))[None]
+        positions = anchor + torch.arange(BLOCK_SIZE)
+        context = features.features[:, :anchor]
+        hidden = served(
+            served.embed(ids), positions, context, torch.arange(anchor), inference_draft_attention(served, anchor)
+        )[0]
+        labels = tokens[anchor + 1 : anchor + BLOCK_SIZE]
+        served_ce = F.cross_entropy(served.logits(hidden[1:]), labels).detach()
+        slots = BLOCK_SIZE - 1
+        assert float(trained) == pytest.approx(float(served_ce) * slots / (slots + REFERENCE_EPS), rel=1e-12)
+        unwindowed = served(served.embed(ids), positions, context, torch.arange(anchor), UnmaskedDraftAttention())[0]
+        unwindowed_ce = F.cross_entropy(served.logits(unwindowed[1:]), labels).detach()
+        assert abs(float(unwindowed_ce) - float(served_ce)) > 1e-6
+
+
 def _cycle_batch(cycle: torch.Tensor, generator: torch.Generator, samples: int, length: int) -> torch.Tensor:
     offsets = torch.randint(0, cycle.numel(), (samples, 1), generator=generator)
     return cycle[(offsets + torch.arange(length)) % cycle.numel()]
@@ -214,6 +255,14 @@ def test_evaluation_summary_and_report(trained_pair) -> None:  # noqa: ANN001
         1 + p.rounds for p in summary.prompts
     )
     assert summary.reduction == pytest.approx(60 / summary.target_forwards) and summary.reduction > 1.5
+    rates = summary.position_acceptance
+    rounds = sum(summary.histogram)
+    assert rates == [sum(summary.histogram[k:]) / rounds for k in range(1, BLOCK_SIZE)]
+    assert rates == sorted(rates, reverse=True) and rates[0] > 0.5
+    taus = [tau for p in summary.prompts for tau in p.acceptance_lengths]
+    assert 1 + sum(rates) == pytest.approx(sum(taus) / len(taus), rel=1e-12)  # round-weighted mean tau
+    assert summary.metrics()["accept_rate_2"] == rates[1]
     report = format_report(summary)
+    assert "acceptance rate per draft position" in report and f"k=1: {rates[0]:.3f}" in report
     assert "[cycle]" in report and "[random]" in report and "lossless check passed: 3/3" in report
     assert report.splitlines()[-1] == f"acceptance_length: {summary.acceptance_length:.3f}"

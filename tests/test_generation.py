@@ -11,6 +11,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_generation.py -q`
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer, models
 from csbp.attention.layouts import bd3_rows
 from csbp.attention.rows import allow_matrix
 from csbp.cli import generate_cmd
+from csbp.data.corpus import known_word_fraction
 from csbp.data.tokenizer import train_bpe_tokenizer
 from csbp.generation import (
     CachedBlockForward,
@@ -111,6 +113,55 @@ def test_cached_denoise_equals_training_layout_rows(model: Decoder) -> None:
     # the clean row before the block (token-shift source) is the training clean row at b*B - 1
     assert before_1D is not None
     torch.testing.assert_close(before_1D, training_1RD[:, seq_len + block * BLOCK - 1], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [3, 6])
+def test_windowed_sampling_uses_the_training_window(model: Decoder, window: int) -> None:
+    """A model trained with ``topology.window`` is sampled with the windowed BD3 mask: every cached
+    denoising and commit row equals the windowed *training* layout's row, the cache equals
+    recomputation token for token, and the window changes the samples."""
+    seq_len = 16
+    generator = torch.Generator().manual_seed(7)
+    clean_1L = torch.randint(0, MASK, (1, seq_len), generator=generator)
+    noisy_1L = torch.where(torch.rand(1, seq_len, generator=generator) < 0.5, MASK, clean_1L)
+    rows = bd3_rows(torch.arange(seq_len), torch.arange(seq_len), block_size=BLOCK, window=window)
+    with torch.no_grad():
+        training_1RD = model(
+            torch.cat((noisy_1L, clean_1L), dim=1), rows.pos, DenseMaskAttention(allow_matrix(rows, rows))
+        )
+        forward = CachedBlockForward(model, BLOCK, window)
+        forward.prefill(clean_1L[:, : 2 * BLOCK])  # two clean blocks at once: token-causal in the window
+        for block in (2, 3):
+            span = slice(block * BLOCK, (block + 1) * BLOCK)
+            denoised_1BD, before_1D = forward.denoise(noisy_1L[:, span], block * BLOCK)
+            torch.testing.assert_close(denoised_1BD, training_1RD[:, span], rtol=0, atol=1e-12)
+            assert before_1D is not None
+            torch.testing.assert_close(
+                before_1D, training_1RD[:, seq_len + block * BLOCK - 1], rtol=0, atol=1e-12
+            )
+            forward.commit(clean_1L[:, span], block * BLOCK)
+    prompt = [(5 * i + 2) % MASK for i in range(9)]
+    for options in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 20, "seed": 3}):
+        cached = run(model, prompt, window=window, use_cache=True, **options)
+        recomputed = run(model, prompt, window=window, use_cache=False, **options)
+        assert cached.token_ids == recomputed.token_ids
+    unwindowed = run(model, prompt, max_new_tokens=40, temperature=0.0)
+    assert run(model, prompt, max_new_tokens=40, temperature=0.0, window=window).token_ids != unwindowed.token_ids
+    with pytest.raises(ValueError, match="window"):
+        GenerationConfig(window=0)
+
+
+def test_left_to_right_order_fills_each_block_from_the_left(model: Decoder) -> None:
+    prompt = [(3 * i + 1) % MASK for i in range(6)]
+    result = run(model, prompt, steps_per_block=2, unmask_order="left_to_right", temperature=0.0)
+    filled = [position for step in result.unmask_steps for position, _ in step]
+    assert filled == sorted(filled) and filled == list(range(6, 6 + 21))  # leftmost first, in order
+    assert run(model, prompt, steps_per_block=2, unmask_order="left_to_right", use_cache=False).token_ids == (
+        result.token_ids
+    )
+    assert result.token_ids != run(model, prompt, steps_per_block=2, temperature=0.0).token_ids
+    with pytest.raises(ValueError, match="unmask_order"):
+        GenerationConfig(unmask_order="random")
 
 
 def test_cache_never_recomputes_the_prefix(model: Decoder) -> None:
@@ -266,6 +317,12 @@ def test_cli_prints_prompt_and_completion(checkpoint: Path, capsys: pytest.Captu
     first = capsys.readouterr().out
     assert "prompt: the quick" in first and "completion: " in first and "<|mask|>" not in first
     assert "[bd3, 10 tokens" in first and "blocks of 4" in first
+    (checkpoint.parent / "known.txt").write_text("the quick brown fox", encoding="utf-8")
+    args = parse([*argv, "--known-words", str(checkpoint.parent / "known.txt")])
+    assert args.func(args) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(rf"words found in {re.escape(str(checkpoint.parent / 'known.txt'))}: \d+/\d+ \(\d+\.\d%\)", line)
+    assert known_word_fraction("the fox,  jumps\nthe", {"the", "fox"}) == (2, 4)  # "fox," is not "fox"
     args = parse([*argv, *"--temperature 0.8 --top-k 5 --seed 2 --objective fast_dllm_v2".split()])
     assert args.func(args) == 0
     assert "[fast_dllm_v2, 10 tokens" in capsys.readouterr().out
@@ -281,6 +338,11 @@ def test_cli_takes_objective_and_block_size_from_the_run_config(
     )
     assert args.func(args) == 0
     assert "[fast_dllm_v2, 12 tokens, 2 blocks of 8" in capsys.readouterr().out
+    (tmp_path / "run" / "config.yaml").write_text(
+        "objective:\n  name: bd3\n  block_size: 4\ntopology:\n  window: 6\n"
+    )
+    assert args.func(args) == 0
+    assert "[bd3, 12 tokens, 4 blocks of 4, 12 denoising steps, window 6," in capsys.readouterr().out
     (tmp_path / "run" / "config.yaml").write_text("objective:\n  name: ar\n")
     with pytest.raises(ValueError, match="objective 'ar'"):
         args.func(args)

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from csbp.cli.main import main
 from csbp.config import ConfigError, config_from_dict
 from csbp.config.schema import RunConfig
 from csbp.data import PackedLoader, open_artifact
@@ -36,7 +37,15 @@ from csbp.training.preflight import check_run
 from test_training_run import REQUIRED_KEYS, make_artifact, metric_rows
 
 DFLASH_KEYS = REQUIRED_KEYS | {"token_accuracy", "tau_mean"}
-VAL_KEYS = {"val_loss", "val_token_accuracy", "val_tau_mean"}
+VAL_KEYS = {
+    "val_loss",
+    "val_token_accuracy",
+    "val_tau_mean",
+    "val_acceptance_length",
+    "val_accept_rate_1",
+    "val_accept_rate_2",
+    "val_accept_rate_3",
+}
 DRAFTER_LAYERS = 2
 
 
@@ -69,6 +78,8 @@ def dflash_dict(artifact: Path, target: Path, **changes: Any) -> dict[str, Any]:
                 "target_layer_ids": [0, 2],
                 "max_anchors": 6,
                 "gamma": 4.0,
+                "eval_prompts": 2,  # speculative-decoding validation: 2 prompts of 8 new tokens
+                "eval_new_tokens": 8,
             },
         },
         "optim": {"lr": 3e-3, "warmup_steps": 1},
@@ -154,6 +165,24 @@ def test_run_writes_metrics_drafter_checkpoints_and_the_public_format(
     state = read_training_state(find_latest_checkpoint(full_run))  # type: ignore[arg-type]
     assert state.step == 4
     assert set(state.param_shapes) == {name for name, _ in drafter.named_parameters()}
+
+
+def test_validation_reports_the_acceptance_length_eval_measures(
+    inputs: tuple[Path, Path], full_run: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last ``val_acceptance_length`` of a run is what ``csbp dflash eval --data`` prints for its
+    export (same prompts, same lossless speculative decoding), and the per-position rates add up."""
+    artifact, target = inputs
+    last = metric_rows(full_run)[-1]
+    rates = [last[f"val_accept_rate_{k}"] for k in (1, 2, 3)]
+    assert rates == sorted(rates, reverse=True) and all(0.0 <= r <= 1.0 for r in rates)
+    assert 1.0 <= last["val_acceptance_length"] <= 4.0
+    assert main(["dflash", "eval", "--target", str(target), "--drafter", str(full_run / "final"),
+                 "--data", str(artifact), "--no-check-lossless", "--num-prompts", "2",
+                 "--max-new-tokens", "8"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert printed.strip().splitlines()[-1] == f"acceptance_length: {last['val_acceptance_length']:.3f}"
+    assert "per-position acceptance [" + " ".join(f"{r:.3f}" for r in rates) + "]" in printed
 
 
 def test_interrupted_and_resumed_equals_uninterrupted(

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from csbp.models.config import DecoderConfig
     from csbp.models.decoder import Decoder
 
+from csbp.dflash.evaluate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DEFAULT_PROMPT_LEN
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -87,9 +89,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prompts.add_argument("--prompts", type=Path, help='JSONL file of {"prompt": ..., "group": ...} lines')
     ev.add_argument("--split", choices=("train", "val"), default="val", help="artifact split (default val)")
     ev.add_argument("--tokenizer", type=Path, default=None, help="for --prompts (default: --target)")
-    ev.add_argument("--num-prompts", type=int, default=8)
-    ev.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt (JSONL: keep the last P)")
-    ev.add_argument("--max-new-tokens", type=int, default=64)
+    ev.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS)
+    ev.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        help=f"tokens per prompt (default {DEFAULT_PROMPT_LEN}, at most the artifact's seq_len - 1; "
+        "JSONL: keep the last P)",
+    )
+    ev.add_argument(
+        "--context-lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="P",
+        help="--data: one prompt group per context length P (acceptance by context length); replaces --prompt-len",
+    )
+    ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     ev.add_argument("--eos-id", type=int, default=None, help="default: the tokenizer's / artifact's EOS")
     ev.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ev.add_argument(
@@ -371,8 +387,10 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.dflash.evaluate import artifact_prompts, evaluate_drafter, format_report, jsonl_prompts
     from csbp.dflash.export import load_dflash
 
-    if args.max_new_tokens < 1 or args.num_prompts < 1 or args.prompt_len < 1:
+    if args.max_new_tokens < 1 or args.num_prompts < 1 or (args.prompt_len is not None and args.prompt_len < 1):
         raise ValueError("--max-new-tokens, --num-prompts and --prompt-len must be >= 1")
+    if args.context_lengths is not None and (args.data is None or min(args.context_lengths) < 1):
+        raise ValueError("--context-lengths: needs --data and lengths >= 1 (e.g. --context-lengths 32 128 255)")
     target = _load_target(args.target, args)
     if not args.drafter.is_dir():
         raise ValueError(f"--drafter {args.drafter} is not a directory; pass a csbp dflash export directory")
@@ -385,18 +403,27 @@ def run_eval(args: argparse.Namespace) -> int:
         artifact = open_artifact(args.data)
         artifact.require_vocab_size(target.config.vocab_size)
         split = artifact.split(args.split)
-        prompts = artifact_prompts(
-            split.tokens,
-            split.doc_ids,
-            num_prompts=args.num_prompts,
-            prompt_len=args.prompt_len,
-            group=args.split,
-        )
+        default_len = min(DEFAULT_PROMPT_LEN, artifact.seq_len - 1)  # what training validation uses
+        lengths = args.context_lengths or [args.prompt_len if args.prompt_len is not None else default_len]
+        prompts = [
+            prompt
+            for length in lengths
+            for prompt in artifact_prompts(
+                split.tokens,
+                split.doc_ids,
+                num_prompts=args.num_prompts,
+                prompt_len=length,
+                group=args.split if args.context_lengths is None else f"{args.split} ctx {length}",
+            )
+        ]
         eos_id = artifact.special_ids["eos"] if eos_id is None else eos_id
     else:
         tokenizer = load_tokenizer(args.tokenizer if args.tokenizer is not None else args.target)
         prompts = jsonl_prompts(
-            args.prompts, tokenizer.encode, num_prompts=args.num_prompts, prompt_len=args.prompt_len
+            args.prompts,
+            tokenizer.encode,
+            num_prompts=args.num_prompts,
+            prompt_len=args.prompt_len if args.prompt_len is not None else DEFAULT_PROMPT_LEN,
         )
         eos_id = tokenizer.eos_id if eos_id is None else eos_id
         too_big = [p.name for p in prompts if max(p.token_ids) >= target.config.vocab_size]

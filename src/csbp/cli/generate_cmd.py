@@ -16,7 +16,8 @@ The sampler must use the block size and label alignment the model was trained wi
 ``final/`` export they default to ``objective.name``/``block_size``/``mask_token_id`` of the run's
 ``config.yaml`` (one directory up); otherwise to ``bd3`` with ``B = 16`` and the tokenizer's mask
 token. ``fast_dllm_v2`` decodes with token shift (position ``i`` predicted from row ``i-1``); an
-``mdlm`` model is one block of ``B = seq_len``. See ``csbp.generation.sampler`` for how the prompt
+``mdlm`` model is one block of ``B = seq_len``. A model trained with a sliding window
+(``topology.window``) is sampled with the same windowed mask (``--window`` for other checkpoints). See ``csbp.generation.sampler`` for how the prompt
 is aligned to the block grid.
 """
 
@@ -60,22 +61,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--steps-per-block", type=int, default=None, help="denoising steps per block (default B)"
     )
+    parser.add_argument(
+        "--window", type=int, default=None, help="sliding attention window (default: the run's topology.window)"
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument(
         "--threshold", type=float, default=None, help="also unmask every proposal at least this confident"
     )
+    parser.add_argument(
+        "--unmask-order",
+        choices=("confidence", "left_to_right"),
+        default="confidence",
+        help="which masked positions of a block to fill first (default: the most confident)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--no-cache", action="store_true", help="recompute the clean prefix every step")
+    parser.add_argument(
+        "--known-words",
+        default=None,
+        metavar="TEXT|demo-corpus",
+        help="also print how many words of the completion occur in this text file (or the demo corpus)",
+    )
     parser.set_defaults(func=run_generate)
 
 
 def run_objective_settings(model_dir: Path) -> dict[str, Any]:
-    """``{"objective", "block_size", "mask_token_id"}`` (those set) from ``RUN/config.yaml`` when
-    ``model_dir`` is ``RUN/final``; empty for any other checkpoint directory."""
+    """``{"objective", "block_size", "mask_token_id", "window"}`` (those set) from ``RUN/config.yaml``
+    when ``model_dir`` is ``RUN/final``; empty for any other checkpoint directory."""
     config_file = model_dir.parent / "config.yaml"
     if model_dir.name != "final" or not config_file.is_file():
         return {}
@@ -93,6 +109,9 @@ def run_objective_settings(model_dir: Path) -> dict[str, Any]:
     for field in ("block_size", "mask_token_id"):
         if objective.get(field) is not None:
             settings[field] = int(objective[field])
+    topology = loaded.get("topology")
+    if isinstance(topology, dict) and topology.get("window") is not None:
+        settings["window"] = int(topology["window"])
     return settings
 
 
@@ -103,6 +122,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
+    if args.window is not None and args.window <= 0:
+        raise ValueError(f"--window must be a positive integer, got {args.window}")
     model_dir: Path = args.model
     if not model_dir.is_dir():
         raise ValueError(
@@ -133,6 +154,8 @@ def run_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         token_shift=TOKEN_SHIFT_OBJECTIVES[objective],
         use_cache=not args.no_cache,
+        window=args.window if args.window is not None else run_settings.get("window"),
+        unmask_order=args.unmask_order,
     )
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
@@ -152,6 +175,24 @@ def run_generate(args: argparse.Namespace) -> int:
     stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
     print(
         f"[{objective}, {len(result.token_ids)} tokens, {len(result.block_starts)} blocks of {block_size}, "
-        f"{len(result.unmask_steps)} denoising steps, stopped at {stop}, {elapsed:.2f} s on {device}]"
+        f"{len(result.unmask_steps)} denoising steps, "
+        f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
+        f"{elapsed:.2f} s on {device}]"
     )
+    if args.known_words is not None:
+        print(known_words_line(tokenizer.decode(result.token_ids), args.known_words))
     return 0
+
+
+def known_words_line(completion: str, source: str) -> str:
+    """``words found in <source>: k/n (p%)`` for the completion's whitespace-separated words."""
+    from csbp.data.corpus import corpus_words, demo_corpus_files, known_word_fraction
+
+    if source == "demo-corpus":
+        files = demo_corpus_files()
+    elif Path(source).is_file():
+        files = [Path(source)]
+    else:
+        raise ValueError(f"--known-words {source}: not a text file (or pass demo-corpus)")
+    known, total = known_word_fraction(completion, corpus_words(files))
+    return f"words found in {source}: {known}/{total} ({100.0 * known / max(total, 1):.1f}%)"

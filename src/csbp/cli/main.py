@@ -35,6 +35,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "csbp.cli.generate_cmd",
     "csbp.cli.dflash_cmd",
     "csbp.cli.bench_cmd",
+    "csbp.cli.compare_cmd",
     "csbp.cli.plan_cmd",
 )
 """Modules registering subcommands, in ``csbp --help`` order. A missing module is an ImportError."""

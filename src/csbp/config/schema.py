@@ -226,6 +226,13 @@ class DFlashSection(_Section):
     selector_stop_gradient: bool = Field(
         False, description="Detach the backbone hidden state and unary logits inside the selector."
     )
+    eval_prompts: int = Field(
+        8,
+        ge=0,
+        description="Validation also runs lossless speculative decoding (csbp dflash eval) on this many "
+        "validation prompts and logs val_acceptance_length; 0 turns it off.",
+    )
+    eval_new_tokens: int = Field(64, gt=0, description="New tokens per speculative-decoding validation prompt.")
 
     @model_validator(mode="after")
     def _check_dflash(self) -> DFlashSection:

@@ -8,6 +8,7 @@ spelling, plays only). The demo uses one variant per work, the modern ``*_gut.tx
 Usage::
 
     files = demo_corpus_files()            # list of 42 Paths
+    known_word_fraction(sample, corpus_words(files))   # how much of a sample is corpus words
     csbp data prepare --demo-corpus --out artifacts/shakespeare --seq-len 256 --train-tokenizer ...
 """
 
@@ -66,3 +67,17 @@ def demo_corpus_files() -> list[Path]:
     if not files:
         raise ValueError(f"no *_gut.txt files under {demo_corpus_dir()}; reinstall with: {INSTALL_HINT}")
     return files
+
+
+def corpus_words(files: list[Path]) -> set[str]:
+    """Every whitespace-separated word of ``files`` (Gutenberg boilerplate removed), as written."""
+    words: set[str] = set()
+    for path in files:
+        words.update(strip_gutenberg_boilerplate(path.read_text(encoding="utf-8", errors="replace")).split())
+    return words
+
+
+def known_word_fraction(text: str, words: set[str]) -> tuple[int, int]:
+    """``(known, total)``: how many whitespace-separated words of ``text`` occur in ``words``."""
+    sample = text.split()
+    return sum(word in words for word in sample), len(sample)

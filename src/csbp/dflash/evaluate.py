@@ -7,13 +7,22 @@ with ``check_lossless``, the target's plain greedy decoding, and compares them t
 * **acceptance length**: the mean over prompts of each prompt's mean ``τ_r`` (prompts without a
   verify round, e.g. EOS straight after the prefill, are left out);
 * **histogram**: how many rounds accepted ``τ = 1 … B`` tokens;
+* **per-position acceptance** ``α_k`` (``k = 1 … B−1``): the fraction of verify rounds whose
+  ``k``-th draft was accepted (``τ_r >= k + 1``). ``1 + Σ_k α_k`` is the round-weighted mean ``τ``;
+  the conditional rate ``α_k / α_{k−1}`` is how often draft ``k`` survives once ``k − 1`` did;
 * **target forwards**: speculative ``1 + rounds`` per prompt versus plain greedy's one per new token
   (the same tokens, so the same count as the kept output); ``reduction`` is their ratio;
 * wall-clock seconds of both loops (informational: on a CPU with tiny models drafting costs as
   much as verifying).
 
+The same numbers are what training validation reports for a DFlash run (``val_acceptance_length``,
+``val_accept_rate_k``) and what ``csbp compare`` plots: :func:`split_acceptance` runs this
+evaluation on the first rows of a split with the defaults of ``csbp dflash eval``
+(:data:`DEFAULT_NUM_PROMPTS` prompts of :data:`DEFAULT_PROMPT_LEN` tokens, :data:`DEFAULT_MAX_NEW_TOKENS`
+new tokens, the artifact's EOS), so a run's last validation equals ``csbp dflash eval`` of its export.
+
 Prompts come from a prepared artifact (:func:`artifact_prompts`: the first ``P`` tokens of rows of
-a split) or a JSONL file of ``{"prompt": text, "group": name}`` lines (:func:`jsonl_prompts`; the
+a split; one group per context length with ``csbp dflash eval --context-lengths``) or a JSONL file of ``{"prompt": text, "group": name}`` lines (:func:`jsonl_prompts`; the
 group is optional and only groups the printed tables).
 """
 
@@ -28,9 +37,14 @@ from pathlib import Path
 
 import numpy as np
 
+from csbp.data.artifact import ArtifactSplit
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.speculative import greedy_generate, speculative_generate
 from csbp.models.decoder import Decoder
+
+DEFAULT_NUM_PROMPTS = 8
+DEFAULT_PROMPT_LEN = 64
+DEFAULT_MAX_NEW_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -103,6 +117,21 @@ class EvalSummary:
         return counts
 
     @property
+    def position_acceptance(self) -> list[float]:
+        """``α_k`` for ``k = 1 … B−1``: the fraction of verify rounds that accepted draft ``k``."""
+        histogram = self.histogram
+        rounds = sum(histogram)
+        if not rounds:
+            return [float("nan")] * (self.block_size - 1)
+        return [sum(histogram[k:]) / rounds for k in range(1, self.block_size)]
+
+    def metrics(self) -> dict[str, float]:
+        """``acceptance_length`` and ``accept_rate_<k>`` (the names training validation logs)."""
+        out = {"acceptance_length": self.acceptance_length}
+        out.update({f"accept_rate_{k}": rate for k, rate in enumerate(self.position_acceptance, start=1)})
+        return out
+
+    @property
     def target_forwards(self) -> int:
         return sum(p.target_forwards for p in self.prompts)
 
@@ -160,6 +189,36 @@ def evaluate_drafter(
         if progress is not None:
             progress(result)
     return EvalSummary(drafter.config.block_size, results)
+
+
+def split_acceptance(
+    target: Decoder,
+    drafter: DFlashDrafter,
+    split: ArtifactSplit,
+    *,
+    eos_id: int | None,
+    num_prompts: int = DEFAULT_NUM_PROMPTS,
+    prompt_len: int = DEFAULT_PROMPT_LEN,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    check_lossless: bool = False,
+) -> EvalSummary:
+    """:func:`evaluate_drafter` on the first rows of ``split`` (``csbp dflash eval --data`` defaults);
+    the drafter is put in eval mode for the call and restored after."""
+    prompts = artifact_prompts(
+        split.tokens,
+        split.doc_ids,
+        num_prompts=num_prompts,
+        prompt_len=min(prompt_len, int(split.tokens.shape[1]) - 1),
+        group=split.name,
+    )
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        return evaluate_drafter(
+            target, drafter, prompts, max_new_tokens=max_new_tokens, eos_id=eos_id, check_lossless=check_lossless
+        )
+    finally:
+        drafter.train(was_training)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -248,9 +307,12 @@ def format_prompt_tables(summary: EvalSummary) -> str:
                 f"{_fmt(p.mean_acceptance_length):>6} {p.target_forwards:>8} {p.greedy_forwards:>10} "
                 f"{lossless:>8}"
             )
-        means = [p.mean_acceptance_length for p in members if p.rounds]
-        group_mean = sum(means) / len(means) if means else float("nan")
-        lines.append(f"group {group}: {len(members)} prompts, acceptance length {_fmt(group_mean)}")
+        group_summary = EvalSummary(summary.block_size, members)
+        rates = " ".join(_fmt(rate) for rate in group_summary.position_acceptance)
+        lines.append(
+            f"group {group}: {len(members)} prompts, acceptance length {_fmt(group_summary.acceptance_length)}, "
+            f"per-position acceptance [{rates}]"
+        )
         lines.append("")
     return "\n".join(lines)
 
@@ -265,6 +327,9 @@ def format_report(summary: EvalSummary) -> str:
         lines.append(
             f"  tau={tau:<3} {count:>6}  {100.0 * count / total:5.1f}%  {'#' * round(40 * count / total)}"
         )
+    rates = summary.position_acceptance
+    lines.append("acceptance rate per draft position (fraction of rounds accepting draft k):")
+    lines.append("  " + "  ".join(f"k={k}: {_fmt(rate)}" for k, rate in enumerate(rates, start=1)))
     lines.append(
         f"target forwards: speculative {summary.target_forwards} vs plain greedy {summary.greedy_forwards} "
         f"(reduction {summary.reduction:.2f}x)"

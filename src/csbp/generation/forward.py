@@ -1,7 +1,8 @@
 """The two ways block-diffusion sampling runs the model: with the clean-prefix KV cache, or by
 recomputing the whole ``[noisy block ; clean prefix]`` layout every step (the reference).
 
-Both expose the same three calls, used by :func:`csbp.generation.sampler.generate`:
+Both take the sliding ``window`` the model was trained with (``topology.window``; None: full
+attention) and apply the windowed BD3 mask. Both expose the same three calls, used by :func:`csbp.generation.sampler.generate`:
 
 * ``prefill(ids [1, P])``: the prompt's whole blocks become the clean prefix (``P % B == 0``);
 * ``denoise(block_ids [1, B], start)``: final hidden states of the noisy block at positions
@@ -59,11 +60,12 @@ class CachedBlockForward:
         rows_processed: total rows fed to the model so far (the cost counter tests read).
     """
 
-    def __init__(self, model: Decoder, block_size: int) -> None:
+    def __init__(self, model: Decoder, block_size: int, window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.model = model
         self.block_size = block_size
+        self.window = window
         self.cache = PrefixKVCache(model.config.num_layers)
         self.rows_processed = 0
         self._last_clean_hidden_1D: Tensor | None = None
@@ -76,7 +78,14 @@ class CachedBlockForward:
         if start != self.cache.length:
             raise RuntimeError(f"rows start at position {start} but the cache holds {self.cache.length}")
         positions_N = torch.arange(start, start + ids_1N.shape[1], device=self.device)
-        attention = CachedPrefixAttention(self.cache, positions_N // self.block_size, append=append)
+        attention = CachedPrefixAttention(
+            self.cache,
+            positions_N // self.block_size,
+            append=append,
+            window=self.window,
+            positions=positions_N,
+            block_size=self.block_size,
+        )
         self.rows_processed += ids_1N.shape[1]
         return self.model(ids_1N.to(self.device), positions_N, attention)
 
@@ -102,11 +111,12 @@ class CachedBlockForward:
 class RecomputeBlockForward:
     """Sampling forward passes that rebuild ``[noisy block ; clean prefix]`` every step (no cache)."""
 
-    def __init__(self, model: Decoder, block_size: int) -> None:
+    def __init__(self, model: Decoder, block_size: int, window: int | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.model = model
         self.block_size = block_size
+        self.window = window
         self.rows_processed = 0
         self._clean_ids_1C = torch.zeros(1, 0, dtype=torch.long)
 
@@ -124,7 +134,10 @@ class RecomputeBlockForward:
                 f"block starts at position {start} but the clean prefix has {num_clean} tokens"
             )
         rows = bd3_rows(
-            torch.arange(start, start + num_noisy), torch.arange(num_clean), block_size=self.block_size
+            torch.arange(start, start + num_noisy),
+            torch.arange(num_clean),
+            block_size=self.block_size,
+            window=self.window,
         )
         device = self.model.embed_tokens.weight.device
         input_ids_1R = torch.cat((block_ids_1B.cpu(), self._clean_ids_1C), dim=1).to(device)

@@ -13,6 +13,11 @@ block (``block(k) <= block(q)``). For one noisy block that is "the whole clean p
 block, bidirectionally"; for a finished block re-run as clean rows it is the clean block-causal mask
 ``M_BC``; for a prompt of several clean blocks prefilled at once it is block-causal over them.
 
+With a sliding ``window`` W (a model trained with ``topology.window``) the mask is the windowed
+training predicate (``csbp.masks.predicates.bd3_mask``): a noisy row of the block starting at ``s``
+sees cached rows ``>= s − (W−1)`` and its whole block; a clean row at ``p`` sees rows
+``[p+1−W, p]`` (token-causal inside the window).
+
 Shape legend: ``S`` samples, ``Hq``/``Hkv`` heads, ``N`` current rows, ``C`` cached rows, ``d`` head dim.
 """
 
@@ -77,16 +82,40 @@ class CachedPrefixAttention:
             ``<=`` its own, and every cached row.
         append: store the current rows' K/V in the cache after attending (a finished block being
             committed, or the prompt being prefilled). Denoising steps pass False.
+        window: sliding window ``W`` (module docstring), or None for full attention.
+        positions: ``[N]`` absolute positions of the current rows (required with a window).
+        block_size: the block size (required with a window).
     """
 
-    def __init__(self, cache: PrefixKVCache, row_blocks: Tensor, *, append: bool) -> None:
+    def __init__(
+        self,
+        cache: PrefixKVCache,
+        row_blocks: Tensor,
+        *,
+        append: bool,
+        window: int | None = None,
+        positions: Tensor | None = None,
+        block_size: int | None = None,
+    ) -> None:
         if row_blocks.dim() != 1 or row_blocks.is_floating_point():
             raise ValueError(
                 f"row_blocks must be a 1-D integer tensor, got {row_blocks.dtype} {tuple(row_blocks.shape)}"
             )
+        if window is not None and (window < 1 or positions is None or block_size is None):
+            raise ValueError("a sliding window needs window >= 1, the rows' positions and the block size")
         self.cache = cache
         self.append = append
         self.current_allow_NN = row_blocks[None, :] <= row_blocks[:, None]
+        self.first_visible_N: Tensor | None = None  # lowest key position each row sees (window only)
+        if window is not None:
+            assert positions is not None and block_size is not None
+            if append:  # clean rows: token-causal inside the window
+                self.first_visible_N = positions + 1 - window
+                self.current_allow_NN = positions[None, :] <= positions[:, None]
+            else:  # noisy rows: the window ends at the block start; the whole own block
+                self.first_visible_N = row_blocks * block_size - (window - 1)
+                self.current_allow_NN = row_blocks[None, :] == row_blocks[:, None]
+            self.current_allow_NN = self.current_allow_NN & (positions[None, :] >= self.first_visible_N[:, None])
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int) -> Tensor:
         num_rows = q.shape[2]
@@ -101,6 +130,9 @@ class CachedPrefixAttention:
             k_all = torch.cat((cached[0], k), dim=2)  # [S, Hkv, C + N, d]
             v_all = torch.cat((cached[1], v), dim=2)
             sees_cache_NC = torch.ones(num_rows, cached[0].shape[2], dtype=torch.bool, device=q.device)
+            if self.first_visible_N is not None:
+                cached_C = torch.arange(cached[0].shape[2], device=q.device)
+                sees_cache_NC = cached_C[None, :] >= self.first_visible_N.to(q.device)[:, None]
             allow = torch.cat((sees_cache_NC, allow), dim=1)  # [N, C + N]
         out_SHNd = masked_attention(q, k_all, v_all, allow)
         if self.append:

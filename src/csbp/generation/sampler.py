@@ -11,7 +11,8 @@ every position still to generate. Each of ``steps_per_block`` denoising steps ru
 bidirectional inside the block and seeing the whole clean prefix (through the KV cache, or by
 recomputation), proposes a token for every still-masked position
 (:func:`~csbp.generation.token_choice.propose_tokens`, mask logit excluded) and unmasks the most
-confident ones (:func:`~csbp.generation.token_choice.choose_unmasked`). A finished block is run once
+confident ones, or the leftmost with ``unmask_order="left_to_right"``
+(:func:`~csbp.generation.token_choice.choose_unmasked`). A finished block is run once
 more as a clean block and joins the cache. Generation stops after the block holding the first EOS
 (the completion is cut before it) or after ``max_new_tokens`` tokens; in the last block only the
 positions inside the budget are filled.
@@ -37,7 +38,12 @@ import torch
 from torch import Tensor
 
 from csbp.generation.forward import BlockForward, CachedBlockForward, RecomputeBlockForward
-from csbp.generation.token_choice import check_sampling_options, choose_unmasked, propose_tokens
+from csbp.generation.token_choice import (
+    UNMASK_ORDERS,
+    check_sampling_options,
+    choose_unmasked,
+    propose_tokens,
+)
 from csbp.models.decoder import Decoder
 
 
@@ -56,6 +62,8 @@ class GenerationConfig:
         seed: seed of the CPU generator that draws sampled tokens.
         token_shift: position ``i`` is predicted from row ``i-1`` (Fast-dLLM v2 models).
         use_cache: use the clean-prefix KV cache (False recomputes the prefix every step).
+        window: the sliding window the model was trained with (``topology.window``), None: full.
+        unmask_order: ``confidence`` (most confident positions first) or ``left_to_right``.
     """
 
     max_new_tokens: int = 128
@@ -68,8 +76,14 @@ class GenerationConfig:
     seed: int = 0
     token_shift: bool = False
     use_cache: bool = True
+    window: int | None = None
+    unmask_order: str = "confidence"
 
     def __post_init__(self) -> None:
+        if self.unmask_order not in UNMASK_ORDERS:
+            raise ValueError(f"unmask_order must be one of {UNMASK_ORDERS}, got {self.unmask_order!r}")
+        if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
+            raise ValueError(f"window must be None or a positive integer, got {self.window!r}")
         for name in ("max_new_tokens", "block_size", "steps_per_block"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -102,8 +116,8 @@ class GenerationResult:
 
 def _forward_for(model: Decoder, config: GenerationConfig) -> BlockForward:
     if config.use_cache:
-        return CachedBlockForward(model, config.block_size)
-    return RecomputeBlockForward(model, config.block_size)
+        return CachedBlockForward(model, config.block_size, config.window)
+    return RecomputeBlockForward(model, config.block_size, config.window)
 
 
 @torch.no_grad()
@@ -198,7 +212,10 @@ def _denoise_block(
             generator=generator,
         )
         chosen = choose_unmasked(
-            confidence_R, remaining_steps=config.steps_per_block - step, threshold=config.threshold
+            confidence_R,
+            remaining_steps=config.steps_per_block - step,
+            threshold=config.threshold,
+            order=config.unmask_order,
         )
         offsets = masked_R[chosen]
         block_ids_1B[0, offsets] = tokens_R[chosen]

@@ -89,11 +89,27 @@ def unmask_count(remaining: int, remaining_steps: int) -> int:
     return -(-remaining // remaining_steps)
 
 
-def choose_unmasked(confidence_R: Tensor, *, remaining_steps: int, threshold: float | None = None) -> Tensor:
-    """Indices (into the ``R`` candidates) to unmask now, most confident first."""
+UNMASK_ORDERS = ("confidence", "left_to_right")
+
+
+def choose_unmasked(
+    confidence_R: Tensor,
+    *,
+    remaining_steps: int,
+    threshold: float | None = None,
+    order: str = "confidence",
+) -> Tensor:
+    """Indices (into the ``R`` candidates, in position order) to unmask now: the most confident
+    first (``order="confidence"``), or the leftmost (``"left_to_right"``: each token then sees every
+    token before it, which keeps a briefly trained model from joining word pieces chosen in
+    parallel)."""
     remaining = int(confidence_R.shape[0])
     count = unmask_count(remaining, remaining_steps)
     if threshold is not None:
         count = max(count, int((confidence_R >= threshold).sum()))
+    if order == "left_to_right":
+        return torch.arange(min(count, remaining), device=confidence_R.device)
+    if order != "confidence":
+        raise ValueError(f"unmask order {order!r} is not one of {UNMASK_ORDERS}")
     order_R = torch.argsort(confidence_R, descending=True, stable=True)
     return order_R[: min(count, remaining)]

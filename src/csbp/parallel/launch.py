@@ -85,9 +85,12 @@ def run_local(
     *,
     timeout_s: float = 300.0,
     threads: int = 1,
+    join_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, nproc, *args)`` on ``nproc`` gloo processes; return results by rank.
 
+    ``timeout_s`` bounds each collective; the workers are waited for ``join_timeout_s`` seconds
+    (default ``timeout_s + 60``) and killed after that.
     ``fn`` must be importable (a module-level function). Raises ``WorkerError`` with the first
     failing rank's traceback if any worker raised or died.
     """
@@ -107,7 +110,7 @@ def run_local(
         for p in procs:
             p.start()
         for p in procs:
-            p.join(timeout_s + 60)
+            p.join(join_timeout_s if join_timeout_s is not None else timeout_s + 60)
         results: list[Any] = []
         errors: list[str] = []
         for r, p in enumerate(procs):

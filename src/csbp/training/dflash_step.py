@@ -21,16 +21,29 @@ with a selector also ``selector_loss`` and ``candidate_recall``.
 Validation scores ``eval_batches`` fixed micro-batches of the validation split (unshuffled loader,
 anchors from ``corruption_generator(seed, batch index, dp_rank, EVAL_MICRO_STEP)``, online target
 features, the selector at its full weight), so every evaluation of a run is comparable.
+
+``tau_mean`` is a *teacher-forced* estimate: drafts are compared with the data's next tokens, with
+the data as context. Serving accepts a draft when it equals the *target's* greedy token, with the
+target's own output as context, which a drafter trained to imitate the target matches far more
+often (on the demo pair 1.17 teacher-forced against 1.99 served). So validation also runs the
+lossless speculative decoding of ``csbp dflash eval`` itself on rank 0
+(:func:`csbp.dflash.evaluate.split_acceptance`: ``objective.dflash.eval_prompts`` prompts of the
+validation split, ``eval_new_tokens`` new tokens; by default ``csbp dflash eval``'s 8 and 64) and
+logs its ``acceptance_length`` and per-position ``accept_rate_<k>``: the run's last
+``val_acceptance_length`` is the number ``csbp dflash eval --data`` prints for the export with the
+same ``--num-prompts`` and ``--max-new-tokens``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from csbp.data.artifact import ArtifactSplit
 from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.drafter import DFlashDrafter
+from csbp.dflash.evaluate import split_acceptance
 from csbp.dflash.features import FeatureStore
 from csbp.dflash.step import DFlashBatch, DFlashStep, DFlashStepOutput, build_dflash_rank_plan
 from csbp.engine.context import ParallelContext
@@ -77,6 +90,9 @@ class DFlashStepRunner:
         total_steps: int,
         features: FeatureStore | None = None,
         backend: str = "tiles",
+        eos_id: int | None = None,
+        served_prompts: int = 0,
+        served_new_tokens: int = 64,
     ) -> None:
         self.drafter = drafter
         self.step_fn = DFlashStep(drafter, objective, build_dflash_rank_plan(ctx, objective, backend=backend))
@@ -86,6 +102,9 @@ class DFlashStepRunner:
         self.seed = seed
         self.total_steps = total_steps
         self.features = features
+        self.eos_id = eos_id
+        self.served_prompts = served_prompts
+        self.served_new_tokens = served_new_tokens
         self.feature_dtype = drafter.fc.weight.dtype
         self.grad_sync: OverlappedGradientSync | None = None
         """Set by the trainer: armed before each step's last backward (gradients averaged in it)."""
@@ -148,4 +167,25 @@ class DFlashStepRunner:
             sums.append(output_sums(self._run(next(loader), generator, selector_scale=selector_scale, online=True)))
         self.drafter.train(was_training)
         loss, metrics = self._metrics(self._global(sums), num_batches * self.ctx.topology.dp)
+        if self.served_prompts > 0:
+            metrics.update(self.served_acceptance(split))
         return EvalResult(loss, metrics)
+
+    def served_acceptance(self, split: ArtifactSplit) -> dict[str, float]:
+        """``acceptance_length`` and ``accept_rate_<k>`` of lossless speculative decoding on rank 0's
+        drafter (module docstring), the same on every rank (broadcast)."""
+        names = ["acceptance_length", *(f"accept_rate_{k}" for k in range(1, self.drafter.config.block_size))]
+        values = torch.zeros(len(names), dtype=torch.float64)
+        if self.ctx.coords.rank == 0:
+            summary = split_acceptance(
+                self.drafter.target,
+                self.drafter,
+                split,
+                eos_id=self.eos_id,
+                num_prompts=self.served_prompts,
+                max_new_tokens=self.served_new_tokens,
+            )
+            values = torch.tensor([summary.metrics()[name] for name in names], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(values, src=0)
+        return dict(zip(names, values.tolist()))

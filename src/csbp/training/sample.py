@@ -44,6 +44,7 @@ def sample_after_training(cfg: RunConfig, inputs: RunInputs, model: Decoder) -> 
         top_k=SAMPLE_TOP_K,
         seed=cfg.run.seed,
         token_shift=name == "fast_dllm_v2",
+        window=cfg.topology.window,
     )
     result = generate(
         model.eval(), prompt, mask_token_id=inputs.mask_token_id, eos_id=tokenizer.eos_id, config=config

@@ -31,6 +31,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -168,14 +169,28 @@ def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan | DocumentPl
     )
 
 
+class StepHook(Protocol):
+    """Called by the step loop (``csbp compare`` uses one to train for a wall-clock budget).
+
+    ``on_start`` runs once before the first step of this invocation; ``after_step`` after every
+    optimizer step with the step's seconds on this rank and returns True to stop the run after that
+    step (a checkpoint is then written). Both must return the same decision on every rank.
+    """
+
+    def on_start(self, loop: _Loop, start_step: int) -> None: ...
+
+    def after_step(self, loop: _Loop, step: int, step_seconds: float) -> bool: ...
+
+
 def train(
     cfg: RunConfig,
     *,
     run_dir: str | Path | None = None,
     resume: bool = False,
     max_steps: int | None = None,
+    hook: StepHook | None = None,
 ) -> TrainSummary:
-    """Train ``cfg`` on this rank (see the module docstring)."""
+    """Train ``cfg`` on this rank (see the module docstring); ``hook`` may stop the run early."""
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
@@ -220,9 +235,10 @@ def train(
     writer = MetricsWriter(run_dir, enabled=is_rank0, start_step=start_step, total_steps=cfg.train.max_steps)
     if inputs.dflash is not None and cfg.train.generate_after:
         writer.message(f"note: train.generate_after does not apply to dflash; {dflash_eval_hint(cfg, run_dir)}")
-    loop = _Loop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device)
+    loop = _Loop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook)
     try:
         last_checkpoint = loop.run(start_step, stop_step, started)
+        stop_step = loop.last_step
         final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
     finally:
         writer.close()
@@ -256,6 +272,9 @@ def step_runner_for(
             total_steps=cfg.train.max_steps,
             features=inputs.dflash.feature_store(inputs.artifact.split("train")),
             backend=cfg.attention.backend,
+            eos_id=inputs.artifact.special_ids["eos"],
+            served_prompts=cfg.objective.dflash.eval_prompts if cfg.objective.dflash is not None else 0,
+            served_new_tokens=cfg.objective.dflash.eval_new_tokens if cfg.objective.dflash is not None else 64,
         )
     return StepRunner(
         model,
@@ -284,8 +303,10 @@ class _Loop:
     writer: MetricsWriter
     run_dir: Path
     device: torch.device
+    hook: StepHook | None = None
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
+    last_step: int = 0
 
     def run(self, start_step: int, stop_step: int, started: float) -> Path | None:
         train_cfg = self.cfg.train
@@ -295,9 +316,12 @@ class _Loop:
         evaluating = train_cfg.eval_every > 0 and self.inputs.val_split is not None
         checkpoint: Path | None = None
         params = [p for p in self.model.parameters() if p.requires_grad]
+        self.last_step = start_step
         if evaluating and start_step == 0:  # the untrained baseline, so "first -> last" means something
             initial = self._evaluate(0)
             self.writer.message(f"step 0: val {initial.loss:.4f}")
+        if self.hook is not None:
+            self.hook.on_start(self, start_step)
         for step in range(start_step + 1, stop_step + 1):
             step_started = time.perf_counter()
             batches = [next(self.loader) for _ in range(train_cfg.grad_accum)]
@@ -340,14 +364,18 @@ class _Loop:
             if step % train_cfg.log_every == 0:
                 extra = "".join(
                     f" {name} {record[name]:.4f}"
-                    for name in ("tau_mean", "val_loss", "val_tau_mean")
+                    for name in ("tau_mean", "val_loss", "val_tau_mean", "val_acceptance_length")
                     if name in record
                 )
                 self.writer.message(
                     f"step {step}: loss {result.loss:.4f} lr {lr:.3e} grad_norm {grad_norm:.3f}{extra}"
                 )
-            if (train_cfg.save_every > 0 and step % train_cfg.save_every == 0) or step == stop_step:
+            self.last_step = step
+            stop = self.hook is not None and self.hook.after_step(self, step, step_seconds)
+            if (train_cfg.save_every > 0 and step % train_cfg.save_every == 0) or step == stop_step or stop:
                 checkpoint = self._save(step)
+            if stop:
+                break
         return checkpoint
 
     def _evaluate(self, step: int) -> EvalResult:

@@ -1,0 +1,82 @@
+"""What ``csbp compare`` prints and writes: a table of the metric at each time point per layout,
+``compare.json`` (every point of every layout, with steps, exact clock and all validation
+metrics) and a plot of the metric against the training clock, one line per layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+LAYOUT_LABELS = {"data": "data parallel", "cp": "CP-only", "bp": "BP-only", "csbp": "CSBP"}
+
+
+def _topology_text(topology: dict[str, Any]) -> str:
+    return f"dp{topology['dp']}xcp{topology['cp']}xbp{topology['bp']}"
+
+
+def format_table(results: list[dict[str, Any]], *, metric: str, higher_is_better: bool) -> str:
+    """One row per time point: target time, then ``metric (step)`` of each layout; the last lines
+    compare every layout with the first at the last point."""
+    header = f"{'point':>5} {'t (s)':>8}" + "".join(
+        f"  {r['layout'] + ' ' + _topology_text(r['topology']):>26}" for r in results
+    )
+    lines = [f"metric: {metric} ({'higher' if higher_is_better else 'lower'} is better)", header, "-" * len(header)]
+    count = max(len(r["points"]) for r in results)
+    for index in range(count):
+        target = next(r["points"][index]["target_s"] for r in results if index < len(r["points"]))
+        cells = []
+        for r in results:
+            if index < len(r["points"]):
+                point = r["points"][index]
+                cells.append(f"{point['metric']:.4f} (step {point['step']})")
+            else:
+                cells.append("-")
+        lines.append(f"{index:>5} {target:>8.1f}" + "".join(f"  {cell:>26}" for cell in cells))
+    steps = "  ".join(f"{r['layout']} {r['steps']} steps in {r['clock_s']:.1f} s" for r in results)
+    lines.append(f"trained: {steps}")
+    base = results[0]
+    for other in results[1:]:
+        a, b = base["points"][-1]["metric"], other["points"][-1]["metric"]
+        better = (b > a) if higher_is_better else (b < a)
+        lines.append(
+            f"at the budget: {other['layout']} {b:.4f} vs {base['layout']} {a:.4f} "
+            f"({other['layout']} {'better' if better else 'not better'}; "
+            f"{other['steps'] / max(base['steps'], 1):.2f}x the steps)"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    """``payload`` as JSON through a temporary file and ``os.replace``."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def plot_compare(results: list[dict[str, Any]], path: Path, *, metric: str, title: str) -> Path:
+    """The metric against the training clock, one line per layout (PNG, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4), dpi=100)
+    for result in results:
+        points = result["points"]
+        label = f"{LAYOUT_LABELS.get(result['layout'], result['layout'])} ({_topology_text(result['topology'])})"
+        axis.plot([p["clock_s"] for p in points], [p["metric"] for p in points], "o-", label=label, markersize=4)
+    axis.set_xlabel("training wall-clock (s)")
+    axis.set_ylabel(metric)
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    tmp = path.with_name(path.name + ".tmp.png")
+    figure.savefig(tmp)
+    plt.close(figure)
+    os.replace(tmp, path)
+    return path

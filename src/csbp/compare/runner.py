@@ -1,0 +1,155 @@
+"""Train the layouts of ``csbp compare`` one after the other on the same processes, resumably.
+
+:func:`run_compare` validates every layout's config against its data and output directory before
+any process starts, then runs :func:`_compare_worker` on ``nproc`` gloo processes (in this process
+when ``nproc == 1``). The worker trains each layout in turn with :func:`csbp.training.trainer.train`
+and a :class:`csbp.compare.budget.BudgetHook`, in ``OUT/<layout>/`` (a normal run directory:
+``metrics.jsonl``, checkpoints, ``final/``). A finished layout leaves ``OUT/<layout>/result.json``.
+
+Interrupt (Ctrl-C, a killed process) and rerun with ``--resume``: finished layouts are read back,
+the interrupted one continues from its last time-point checkpoint with its clock, and the rest run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from csbp.compare.budget import BudgetHook, load_budget_state
+from csbp.compare.layouts import LAYOUT_NAMES, layout_config
+from csbp.config.schema import RunConfig
+from csbp.parallel.launch import run_local
+from csbp.training.preflight import check_run
+from csbp.training.trainer import train
+
+RESULT_FILE = "result.json"
+
+
+@dataclass(frozen=True)
+class CompareOptions:
+    """What ``csbp compare`` runs: ``layouts`` for ``budget_s`` training seconds each on ``nproc``
+    processes, evaluated at ``points`` equal intervals, in ``out_dir``."""
+
+    layouts: tuple[str, ...]
+    budget_s: float
+    nproc: int
+    out_dir: Path
+    points: int = 5
+    resume: bool = False
+
+
+def metric_of(cfg: RunConfig) -> tuple[str, bool]:
+    """The compared metric and whether higher is better."""
+    return ("acceptance_length", True) if cfg.objective.name == "dflash" else ("val_loss", False)
+
+
+def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, RunConfig]]:
+    """Every layout's config, checked against the data and ``OUT/<layout>`` (raises ValueError)."""
+    if not options.layouts or len(set(options.layouts)) != len(options.layouts):
+        raise ValueError(f"--layouts: give distinct layouts from {', '.join(LAYOUT_NAMES)}, e.g. cp,csbp")
+    if options.budget_s <= 0 or options.points < 1 or options.nproc < 1:
+        raise ValueError("--budget-s must be > 0, --points >= 1 and --nproc >= 1")
+    if options.out_dir.exists() and any(options.out_dir.iterdir()) and not options.resume:
+        raise ValueError(
+            f"--out {options.out_dir} is not empty (fix: --resume to continue that comparison, or another --out)"
+        )
+    if cfg.objective.dflash is not None and cfg.objective.dflash.eval_prompts < 1:
+        raise ValueError(
+            "objective.dflash.eval_prompts: 0 turns off the speculative-decoding validation csbp compare "
+            "measures drafters with (fix: set it >= 1, e.g. 8)"
+        )
+    plan = []
+    for name in options.layouts:
+        layout_cfg = layout_config(cfg, name, options.nproc)
+        if layout_cfg.world_size != options.nproc:
+            raise ValueError(
+                f"layout {name!r} needs {layout_cfg.world_size} processes, not --nproc {options.nproc}"
+            )
+        run_dir = options.out_dir / name
+        resumable = options.resume and load_budget_state(run_dir) is not None
+        done = options.resume and (run_dir / RESULT_FILE).is_file()
+        if not done:
+            if not resumable:
+                shutil.rmtree(run_dir, ignore_errors=True)  # interrupted before its first time point
+            inputs = check_run(
+                layout_cfg, run_dir=run_dir, resume=resumable, stop_step=layout_cfg.train.max_steps
+            )
+            if inputs.val_split is None:
+                raise ValueError(
+                    "data.val: csbp compare evaluates on validation data, and the run has none "
+                    "(fix: prepare the data with --val-fraction, or set data.val)"
+                )
+        plan.append((name, layout_cfg))
+    return plan
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _train_layout(name: str, cfg: RunConfig, options: CompareOptions, rank: int) -> dict[str, Any]:
+    run_dir = options.out_dir / name
+    state = load_budget_state(run_dir) if options.resume else None
+    if state is None and rank == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing resumable: start this layout afresh
+    _barrier()
+    metric, _ = metric_of(cfg)
+    hook = BudgetHook(
+        budget_s=options.budget_s,
+        num_points=options.points,
+        metric=metric,
+        max_steps=cfg.train.max_steps,
+        run_dir=run_dir,
+        state=state,
+    )
+    if not hook.finished:  # a layout interrupted after its last point only lacks result.json
+        train(cfg, run_dir=run_dir, resume=state is not None, hook=hook)
+    result = {
+        "layout": name,
+        "topology": {key: cfg.topology.model_dump()[key] for key in ("dp", "cp", "bp", "replicate_clean_prefix")},
+        "steps": hook.state.step,
+        "clock_s": hook.state.clock_s,
+        "points": [asdict(point) for point in hook.state.points],
+    }
+    if rank == 0:
+        tmp = run_dir / (RESULT_FILE + ".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        tmp.replace(run_dir / RESULT_FILE)
+    _barrier()
+    return result
+
+
+def _compare_worker(
+    rank: int, world_size: int, plan: list[tuple[str, RunConfig]], options: CompareOptions
+) -> list[dict[str, Any]]:
+    results = []
+    for name, cfg in plan:
+        result_file = options.out_dir / name / RESULT_FILE
+        if options.resume and result_file.is_file():
+            results.append(json.loads(result_file.read_text(encoding="utf-8")))
+            continue
+        results.append(_train_layout(name, cfg, options, rank))
+    return results
+
+
+def run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]:
+    """Train every layout (module docstring); the per-layout results in ``options.layouts`` order."""
+    plan = plan_layouts(cfg, options)
+    options.out_dir.mkdir(parents=True, exist_ok=True)
+    if options.nproc == 1:
+        return _compare_worker(0, 1, plan, options)
+    generous = len(plan) * (3 * options.budget_s + 1800)  # evaluations, exports and a loaded machine
+    per_rank = run_local(
+        _compare_worker,
+        options.nproc,
+        (plan, options),
+        timeout_s=cfg.train.collective_timeout_s,
+        join_timeout_s=generous,
+    )
+    return per_rank[0]

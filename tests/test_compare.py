@@ -1,0 +1,168 @@
+"""``csbp compare``: the layout configs (same seed, data order and global batch; only the topology
+changes), one-line errors for impossible layouts, the equal-time-point clock, a BD3 comparison on
+one process that is interrupted and resumed, and CP-only vs CSBP comparisons on 2 gloo processes
+for BD3 and for a DFlash drafter (acceptance length from lossless speculative decoding).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from csbp.compare import CompareOptions, layout_config, run_compare
+from csbp.compare import budget as budget_module
+from csbp.compare.report import format_table, plot_compare
+from csbp.config import ConfigError, config_from_dict
+from csbp.data import open_artifact
+from test_training_dflash import dflash_dict, export_target
+from test_training_run import config_dict, make_artifact
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("data") / "art")
+
+
+def _bd3(artifact: Path, **changes: Any):
+    base = {"train.max_steps": 100000, "train.grad_accum": 1, "train.eval_every": 0, "train.save_every": 0}
+    return config_from_dict(config_dict(artifact, **{**base, **changes}))
+
+
+def test_layout_configs_change_only_the_topology(artifact: Path) -> None:
+    cfg = _bd3(artifact, **{"topology.cp": 2, "topology.bp": 4, "train.micro_batch_size": 4})
+    cp, csbp, bp = (layout_config(cfg, name, 4) for name in ("cp", "csbp", "bp"))
+    data = layout_config(cfg, "data", 4)
+    assert (cp.topology.dp, cp.topology.cp, cp.topology.bp) == (1, 4, 1)
+    assert (csbp.topology.cp, csbp.topology.bp) == (2, 4)  # the run's own CSBP topology
+    assert bp.topology.bp == 4 and bp.topology.replicate_clean_prefix
+    assert data.topology.dp == 4 and data.train.micro_batch_size == 1  # same global batch of 4
+    for layout in (cp, csbp, bp, data):
+        assert layout.model == cfg.model and layout.optim == cfg.optim and layout.run == cfg.run
+        assert layout.objective == cfg.objective and layout.data == cfg.data
+        assert not layout.train.generate_after and layout.train.eval_every == 0
+    assert (layout_config(cfg, "csbp", 2).topology.cp, layout_config(cfg, "csbp", 2).topology.bp) == (2, 2)
+
+
+def test_impossible_layouts_fail_with_one_line(artifact: Path) -> None:
+    cfg = _bd3(artifact, **{"train.micro_batch_size": 2})
+    with pytest.raises(ValueError, match="global batch .* does not split over dp=4"):
+        layout_config(cfg, "data", 4)
+    with pytest.raises(ValueError, match="unknown layout 'ring'"):
+        layout_config(cfg, "ring", 4)
+    with pytest.raises(ValueError, match="local >= 2 ranks per sample"):
+        layout_config(cfg, "cp", 1)
+    mdlm = _bd3(artifact, **{"objective.name": "mdlm", "objective.block_size": None})
+    with pytest.raises(ValueError, match="objective mdlm is data parallel only, .*fix: --layouts data"):
+        layout_config(mdlm, "cp", 2)
+    assert layout_config(mdlm, "data", 2).topology.dp == 2
+    long_blocks = _bd3(artifact, **{"objective.block_size": 16})  # 2 blocks: too few for bp=4
+    with pytest.raises(ConfigError, match="layout 'bp': data.seq_len: .* fewer than bp=4"):
+        layout_config(long_blocks, "bp", 4)
+
+
+def test_drafter_comparison_needs_the_served_validation(artifact: Path, tmp_path: Path) -> None:
+    target = export_target(tmp_path / "target", open_artifact(artifact).vocab_size, tokenizer_dir=artifact)
+    cfg = config_from_dict(dflash_dict(artifact, target, **{"objective.dflash.eval_prompts": 0}))
+    options = CompareOptions(layouts=("cp", "csbp"), budget_s=1.0, nproc=2, out_dir=tmp_path / "cmp")
+    with pytest.raises(ValueError, match="objective.dflash.eval_prompts: 0 turns off"):
+        run_compare(cfg, options)
+
+
+def test_budget_hook_evaluates_at_equal_time_points(tmp_path: Path) -> None:
+    """Point k is taken at the first step whose clock reaches k S / K; the run stops at point K."""
+
+    class FakeLoop:
+        class writer:  # noqa: N801 - a stand-in namespace
+            @staticmethod
+            def message(text: str) -> None:
+                pass
+
+        class ctx:  # noqa: N801
+            class coords:  # noqa: N801
+                rank = 0
+
+        def __init__(self) -> None:
+            self.saved: list[int] = []
+
+        def _evaluate(self, step: int) -> Any:
+            return type("E", (), {"loss": 10.0 - step, "metrics": {}})()
+
+        def _save(self, step: int) -> None:
+            self.saved.append(step)
+
+    hook = budget_module.BudgetHook(
+        budget_s=1.0, num_points=2, metric="val_loss", max_steps=100, run_dir=tmp_path
+    )
+    loop = FakeLoop()
+    hook.on_start(loop, 0)
+    stops = [hook.after_step(loop, step, 0.3) for step in range(1, 5)]
+    assert stops == [False, False, False, True]
+    points = hook.state.points
+    assert [p.index for p in points] == [0, 1, 2]
+    assert [p.step for p in points] == [0, 2, 4]  # clock 0.6 >= 0.5 at step 2, 1.2 >= 1.0 at step 4
+    assert [p.target_s for p in points] == [0.0, 0.5, 1.0]
+    assert loop.saved == [2]  # the last point's checkpoint is the loop's own
+
+
+def test_interrupted_comparison_resumes(artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = _bd3(artifact)
+    options = CompareOptions(layouts=("data",), budget_s=0.6, nproc=1, out_dir=tmp_path / "cmp", points=3)
+    original = budget_module.BudgetHook.after_step
+
+    def interrupt_after_point_1(self: Any, loop: Any, step: int, seconds: float) -> bool:
+        stop = original(self, loop, step, seconds)
+        if len(self.state.points) == 2:
+            raise KeyboardInterrupt
+        return stop
+
+    monkeypatch.setattr(budget_module.BudgetHook, "after_step", interrupt_after_point_1)
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(cfg, options)
+    monkeypatch.setattr(budget_module.BudgetHook, "after_step", original)
+    saved = budget_module.load_budget_state(tmp_path / "cmp" / "data")
+    assert saved is not None and len(saved.points) == 2
+    with pytest.raises(ValueError, match="is not empty .*--resume"):
+        run_compare(cfg, options)
+    [result] = run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True}))
+    assert [p["index"] for p in result["points"]] == [0, 1, 2, 3]
+    assert [p["step"] for p in result["points"][:2]] == [p.step for p in saved.points]
+    assert result["points"][1]["metric"] == saved.points[1].metric
+    assert result["clock_s"] >= 0.6 and result["points"][-1]["metric"] < result["points"][0]["metric"]
+    again = run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True}))  # all done: read back
+    assert again == [json.loads(json.dumps(result))]
+    (tmp_path / "cmp" / "data" / "result.json").unlink()  # interrupted after its last point
+    assert run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True})) == again  # no extra step
+    text = format_table(again + again, metric="val_loss", higher_is_better=False)
+    assert "at the budget: data" in text and "point" in text
+    assert plot_compare(again, tmp_path / "c.png", metric="val_loss", title="t").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bd3_cp_vs_csbp_on_two_processes(artifact: Path, tmp_path: Path) -> None:
+    cfg = _bd3(artifact)
+    options = CompareOptions(layouts=("cp", "csbp"), budget_s=1.0, nproc=2, out_dir=tmp_path / "cmp", points=2)
+    cp, csbp = run_compare(cfg, options)
+    assert cp["topology"]["cp"] == 2 and cp["topology"]["bp"] == 1
+    assert csbp["topology"]["cp"] == 2 and csbp["topology"]["bp"] == 2
+    for result in (cp, csbp):
+        assert [p["index"] for p in result["points"]] == [0, 1, 2] and result["clock_s"] >= 1.0
+    # Same model, seed and data: the untrained model scores the same in both layouts.
+    assert cp["points"][0]["metric"] == pytest.approx(csbp["points"][0]["metric"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_dflash_compare_reports_acceptance_length(artifact: Path, tmp_path: Path) -> None:
+    target = export_target(tmp_path / "target", open_artifact(artifact).vocab_size, tokenizer_dir=artifact)
+    data = dflash_dict(artifact, target, **{"train.max_steps": 100000, "train.grad_accum": 1})
+    cfg = config_from_dict(data)
+    options = CompareOptions(layouts=("cp", "csbp"), budget_s=1.0, nproc=2, out_dir=tmp_path / "cmp", points=1)
+    cp, csbp = run_compare(cfg, options)
+    for result in (cp, csbp):
+        first, last = result["points"][0], result["points"][-1]
+        assert first["metric"] == first["metrics"]["acceptance_length"] >= 1.0
+        assert {"accept_rate_1", "accept_rate_3"} <= set(last["metrics"])
+        assert (Path(options.out_dir) / result["layout"] / "final" / "config.json").is_file()
+    assert cp["points"][0]["metric"] == csbp["points"][0]["metric"]  # same untrained drafter
