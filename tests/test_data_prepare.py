@@ -258,7 +258,7 @@ def test_open_artifact_detects_damage(tmp_path, tokenizer_dir) -> None:
     data[0] ^= 1
     tokens_file.write_bytes(bytes(data))
     open_artifact(art_dir)  # sizes still match: only verify notices
-    with pytest.raises(ValueError, match="content fingerprint .* does not match manifest"):
+    with pytest.raises(ValueError, match="content_fingerprint .* does not match the files"):
         open_artifact(art_dir, verify=True)
     tokens_file.write_bytes(bytes(data[:-4]))
     with pytest.raises(ValueError, match="train.tokens.bin: .* bytes, manifest implies"):

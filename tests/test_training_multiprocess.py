@@ -8,6 +8,7 @@ processes runs several trainings in a row (``run_local``); the launcher is exerc
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ import pytest
 import torch.distributed as dist
 
 from csbp.data import PackedLoader, open_artifact
+from csbp.data.artifact import content_fingerprint
+from csbp.data.prepare import write_manifest
 from csbp.parallel.launch import run_local
 from csbp.training import TrainingFailed, launch_training, train
 from test_training_run import make_artifact, tiny_config, trajectory
@@ -100,6 +103,9 @@ def poison_rank1_row(artifact: Path, target: Path) -> Path:
     tokens[row, 3], loss_mask[row, 3] = opened.mask_token_id, 1
     tokens.flush()
     loss_mask.flush()
+    manifest = json.loads((target / "manifest.json").read_text())
+    manifest["content_fingerprint"] = content_fingerprint(target)  # vouch for the edit
+    write_manifest(target, manifest)
     return target
 
 

@@ -1,7 +1,10 @@
 """Atomic directory writes: Hugging Face exports, DFlash exports and feature stores.
 
 The directory is filled in a temporary sibling and moved into place with ``os.replace``, so a
-reader never sees a half-written directory; an existing target is replaced only on request.
+reader never sees a half-written directory. An existing target is replaced only on request, and
+only when csbp recognises it as its own output (:class:`Ownership`): an empty directory, or one
+holding the kind's marker file and no file csbp would not have written. Anything else, the working
+directory and its parents included, is refused with one line, before any work starts.
 """
 
 from __future__ import annotations
@@ -11,32 +14,106 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 
+@dataclass(frozen=True)
+class Ownership:
+    """How csbp recognises a directory it wrote: ``marker`` is present and every entry's name is in
+    ``names`` (or ends with one of ``suffixes``); ``what`` names the kind in messages."""
+
+    what: str
+    marker: str
+    names: frozenset[str]
+    suffixes: tuple[str, ...] = ()
+
+    def foreign_entry(self, directory: Path) -> str | None:
+        """None when ``directory`` is recognisably ours (or empty), else a file that is not."""
+        entries = sorted(entry.name for entry in directory.iterdir())
+        if not entries:
+            return None
+        if self.marker not in entries:
+            return f"no {self.marker}"
+        for name in entries:
+            if name not in self.names and not name.endswith(self.suffixes):
+                return f"'{name}'"
+        return None
+
+
+def check_replaceable(target: str | os.PathLike[str], owned: Ownership | None, *, flag: str = "--out") -> Path:
+    """``ValueError`` unless ``target`` may be replaced by an ``--overwrite`` write; returns its absolute path."""
+    path = Path(os.path.abspath(target))
+    cwd = Path.cwd().absolute()
+    if path == cwd or path in cwd.parents:
+        raise ValueError(
+            f"{flag} {target}: is the working directory or one of its parents, which csbp never replaces "
+            "(fix: pass a new subdirectory)"
+        )
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{flag} {target}: {ancestor} is a file, not a directory (fix: choose another path)")
+    if not path.exists():
+        return path
+    if not path.is_dir():
+        raise ValueError(f"{flag} {target}: exists and is not a directory (fix: choose another path)")
+    foreign = owned.foreign_entry(path) if owned is not None else ("an existing file" if any(path.iterdir()) else None)
+    if foreign is not None:
+        what = owned.what if owned is not None else "output"
+        raise ValueError(
+            f"{flag} {target}: --overwrite replaces only a {what} csbp wrote, and this directory has {foreign} "
+            "(fix: choose another path, or remove it yourself)"
+        )
+    return path
+
+
 def write_directory_atomically(
-    path: str | os.PathLike[str], fill: Callable[[Path], None], *, overwrite: bool
+    path: str | os.PathLike[str],
+    fill: Callable[[Path], None],
+    *,
+    overwrite: bool,
+    owned: Ownership | None = None,
+    flag: str = "--out",
 ) -> Path:
-    """Call ``fill(staging_dir)`` and move the result to ``path``; returns ``path``."""
+    """Call ``fill(staging_dir)`` and move the result to ``path``; returns ``path``.
+
+    With ``overwrite`` an existing ``path`` is replaced when ``owned`` recognises it (see
+    :func:`check_replaceable`); without it an existing ``path`` is an error.
+    """
     target = Path(path)
-    if target.exists() and not (overwrite and target.is_dir()):
-        raise ValueError(f"output path {target} already exists; pass overwrite=True to replace a directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    if target.exists() and not overwrite:
+        raise ValueError(f"{flag} {target}: already exists (fix: choose another path, or pass --overwrite / overwrite=True)")
+    absolute = check_replaceable(target, owned, flag=flag)
+    absolute.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{absolute.name}.tmp-", dir=absolute.parent))
     try:
         staging.chmod(0o755)
         fill(staging)
-        if target.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, retired / "previous")
-            os.replace(staging, target)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, target)
+        replace_directory(staging, absolute)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def replace_directory(built: Path, target: Path) -> None:
+    """``os.replace`` the finished directory ``built`` onto ``target``; an old ``target`` is moved
+    aside first and removed after the swap (restored if the swap fails)."""
+    if not target.exists():
+        os.replace(built, target)
+        return
+    retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    try:
+        os.replace(target, retired / "previous")
+        try:
+            os.replace(built, target)
+        except BaseException:
+            os.replace(retired / "previous", target)
+            raise
+    finally:
+        shutil.rmtree(retired, ignore_errors=True)
 
 
 def write_json_atomic(path: Path, payload: object) -> None:

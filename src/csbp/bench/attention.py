@@ -29,6 +29,7 @@ from csbp.bench.common import (
     add_output_options,
     add_transport_option,
     bench_documents,
+    check_head_options,
     format_ratio_table,
     launch_cell,
     layout_transport,
@@ -254,6 +255,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_attention_bench_command(args: argparse.Namespace) -> int:
+    check_head_options(args)  # before anything is printed or launched
     print(
         f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"
         f"{args.num_kv_heads}x{args.head_dim} layers={args.num_layers} window={args.window} "

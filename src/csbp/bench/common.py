@@ -32,6 +32,7 @@ import torch.distributed as dist
 from csbp.atomic import write_json_atomic
 from csbp.attention.documents import Documents, random_documents
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
+from csbp.cli.options import positive_int
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
@@ -251,9 +252,18 @@ def bench_documents(seq_len: int, doc_length: int | None, seed: int, sample: int
 
 def add_head_options(parser: argparse.ArgumentParser) -> None:
     """``--num-heads``, ``--num-kv-heads`` and ``--head-dim``."""
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--num-heads", type=positive_int, default=4)
+    parser.add_argument("--num-kv-heads", type=positive_int, default=2)
+    parser.add_argument("--head-dim", type=positive_int, default=32)
+
+
+def check_head_options(args: argparse.Namespace) -> None:
+    """``--num-heads`` must be a multiple of ``--num-kv-heads`` (grouped-query attention)."""
+    if args.num_heads % args.num_kv_heads != 0:
+        raise ValueError(
+            f"--num-kv-heads {args.num_kv_heads}: --num-heads {args.num_heads} must be a multiple of it "
+            "(grouped-query attention)"
+        )
 
 
 def add_model_width_options(
@@ -267,7 +277,7 @@ def add_model_width_options(
 
 def add_output_options(parser: argparse.ArgumentParser, *, png_help: str | None = None) -> None:
     """``--repeats``, ``--warmup``, ``--json`` and, when ``png_help`` is given, ``--png``."""
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
     if png_help is not None:

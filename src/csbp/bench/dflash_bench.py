@@ -43,6 +43,7 @@ from csbp.bench.common import (
     add_layout_options,
     add_model_width_options,
     add_output_options,
+    check_head_options,
     check_run_options,
     format_ratio_table,
     launch_cell,
@@ -378,6 +379,7 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_dflash_bench_command(args: argparse.Namespace) -> int:
+    check_head_options(args)  # before anything is printed or launched
     print(
         f"csbp bench dflash: nproc={args.nproc} block={args.block_size} drafter={args.num_draft_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "

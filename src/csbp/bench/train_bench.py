@@ -47,6 +47,7 @@ from csbp.bench.common import (
     add_output_options,
     add_transport_option,
     bench_documents,
+    check_head_options,
     check_run_options,
     format_ratio_table,
     launch_cell,
@@ -393,6 +394,7 @@ def register_train_bench(kinds: argparse._SubParsersAction) -> None:
 
 
 def run_train_bench_command(args: argparse.Namespace) -> int:
+    check_head_options(args)  # before anything is printed or launched
     print(
         f"csbp bench train: objectives={','.join(args.objectives)} nproc={args.nproc} block={args.block_size} "
         f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "

@@ -14,7 +14,8 @@ checkpoint ``RUN/checkpoints/latest`` names) or ``--checkpoint RUN/checkpoints/s
 ``torch.distributed.checkpoint`` directory whose ``model`` entry is the drafter's state dict; the
 shapes come from the checkpoint, ``block_size``/``mask_token_id``/``target_layer_ids`` from the run
 config in ``trainer_state.json`` or from ``--block-size``/``--mask-token-id``/``--layer-ids``).
-Checkpoints are trusted local artifacts written by csbp (DCP's ``.metadata`` is a pickle).
+DCP's ``.metadata`` is a pickle: it is read with a restricted unpickler that admits only the DCP
+metadata classes, so a crafted checkpoint is refused instead of running code.
 
 ``eval`` runs lossless speculative decoding (``csbp.dflash.speculative``) over held-out prompts and,
 unless ``--no-check-lossless``, plain greedy decoding too: a prompt whose outputs differ makes the
@@ -31,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
+
+from csbp.cli.options import device_option
 
 if TYPE_CHECKING:
     from csbp.dflash.config import DFlashConfig
@@ -120,7 +123,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _device_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
 
 
 def _load_target(path: Path, args: argparse.Namespace, *, device: str | None = None) -> Decoder:
@@ -139,6 +144,8 @@ def _read_json(path: Path) -> dict[str, Any]:
         loaded = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text; expected a JSON object") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return loaded
@@ -221,7 +228,7 @@ def run_export(args: argparse.Namespace) -> int:
 def _run_dir_source(run_dir: Path) -> tuple[Path | None, Path | None]:
     """``(drafter_dir, None)`` for ``RUN/final`` holding a drafter, else ``(None, latest checkpoint)``."""
     from csbp.dflash.export import ARCHITECTURES
-    from csbp.training.checkpoint import find_latest_checkpoint
+    from csbp.training.checkpoint_integrity import find_resume_checkpoint
 
     if not run_dir.is_dir():
         raise ValueError(f"--run-dir {run_dir} is not a directory")
@@ -231,7 +238,7 @@ def _run_dir_source(run_dir: Path) -> tuple[Path | None, Path | None]:
         if architectures and architectures[0] in ARCHITECTURES:
             return run_dir / "final", None
         raise ValueError(f"{final_config} is not a DFlash drafter ({architectures}); was this a dflash run?")
-    latest = find_latest_checkpoint(run_dir)
+    latest = find_resume_checkpoint(run_dir, warn=lambda line: print(line, file=sys.stderr))
     if latest is None:
         raise ValueError(
             f"--run-dir {run_dir} has neither final/ nor a checkpoint; pass --drafter or --checkpoint"
@@ -245,23 +252,26 @@ def _run_config(checkpoint: Path) -> dict[str, Any]:
     if not state_file.is_file():
         return {}
     text = _read_json(state_file).get("config_yaml") or ""
-    loaded = yaml.safe_load(text) if text else None
+    try:
+        loaded = yaml.safe_load(text) if isinstance(text, str) and text else None
+    except yaml.YAMLError:
+        raise ValueError(f"{state_file}: config_yaml is not valid YAML; the checkpoint is damaged") from None
     return loaded if isinstance(loaded, dict) else {}
 
 
 def drafter_from_checkpoint(checkpoint: Path, target: Decoder, args: argparse.Namespace) -> DFlashDrafter:
     """A ``DFlashDrafter`` from a DCP checkpoint: shapes from its metadata, the rest from the run config."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
     from csbp.dflash.drafter import DFlashDrafter
+    from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata, safe_dcp_load
 
     if not (checkpoint / ".metadata").is_file():
         raise ValueError(
-            f"{checkpoint} is not a torch.distributed.checkpoint directory (.metadata not found)"
+            f"--checkpoint {checkpoint} is not a torch.distributed.checkpoint directory (.metadata not found)"
         )
-    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    metadata = read_metadata(checkpoint).state_dict_metadata  # restricted unpickler: no code runs
+    problem = checkpoint_problem(checkpoint, state_file=None)
+    if problem is not None:
+        raise ValueError(f"--checkpoint {checkpoint}: {problem}")
     anchors = [key for key in metadata if key.startswith("model.") and key.endswith("fc.weight")]
     if len(anchors) != 1:
         raise ValueError(
@@ -285,9 +295,7 @@ def drafter_from_checkpoint(checkpoint: Path, target: Decoder, args: argparse.Na
     template = {
         prefix[:-1]: {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
     }
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(template, checkpoint_id=str(checkpoint), no_dist=True)
+    safe_dcp_load(template, checkpoint, no_dist=True)
     drafter.load_state_dict(template[prefix[:-1]], assign=True)
     drafter.attach_target(target)
     return drafter

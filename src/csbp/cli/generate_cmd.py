@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import yaml
 
+from csbp.cli.options import device_option, positive_int
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 TOKEN_SHIFT_OBJECTIVES = {"bd3": False, "mdlm": False, "fast_dllm_v2": True}
 DEFAULT_OBJECTIVE, DEFAULT_BLOCK_SIZE = "bd3", 16
@@ -54,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="objective the model was trained with (default: the run's, else bd3)",
     )
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument(
         "--block-size", type=int, default=None, help="training block size (default: the run's, else 16)"
     )
@@ -78,7 +80,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
     parser.add_argument("--no-cache", action="store_true", help="recompute the clean prefix every step")
     parser.add_argument(
         "--known-words",

@@ -4,9 +4,11 @@ Every module in :data:`SUBCOMMAND_MODULES` exposes ``register(subparsers) -> Non
 parser(s) and sets ``func`` (``(args: argparse.Namespace) -> int``, the exit code) through
 ``set_defaults``. Subcommands stay thin: they parse arguments and call library functions.
 
-User errors (``ValueError``, including :class:`csbp.config.ConfigError`, and
-``FileNotFoundError``) print one ``csbp: error: <message>`` line per problem to stderr and exit
-with code 2, without a traceback; ``csbp --debug ...`` re-raises them to show the traceback.
+User errors (``ValueError``, including :class:`csbp.config.ConfigError`, ``FileNotFoundError``
+and other ``OSError``s such as a ``--out`` path inside a file) print one ``csbp: error: <message>``
+line per problem to stderr and exit with code 2, without a traceback; ``csbp --debug ...``
+re-raises them to show the traceback. Ctrl-C and ``SIGTERM`` print ``csbp: interrupted`` and exit
+with 130 and 143.
 
 Usage::
 
@@ -22,8 +24,10 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from csbp import __version__
+from csbp.interrupts import Interrupted, sigterm_raises
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "csbp.cli.config_cmd",
@@ -43,9 +47,17 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 USER_ERROR_EXIT_CODE = 2
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line (``csbp train: error: ... (see ... --help)``);
+    sub-parsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USER_ERROR_EXIT_CODE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The root parser with every subcommand registered."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="csbp",
         description="Context-sharded block parallelism: train block-diffusion language models.",
     )
@@ -69,16 +81,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return USER_ERROR_EXIT_CODE
     try:
-        return int(func(args))
+        with sigterm_raises():
+            return int(func(args))
     except (ValueError, FileNotFoundError) as exc:
         if args.debug:
             raise
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"csbp: error: {line}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
+    except OSError as exc:  # NotADirectoryError, PermissionError, FileExistsError, disk full, ...
+        if args.debug:
+            raise
+        print(f"csbp: error: {describe_os_error(exc)}", file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:
         print("csbp: interrupted", file=sys.stderr)
         return 130
+    except Interrupted as exc:
+        print("csbp: interrupted", file=sys.stderr)
+        return exc.exit_code
+
+
+_OS_ERROR_FIXES: dict[type[OSError], str] = {
+    FileExistsError: "a file is in the way: choose another path or move it",
+    NotADirectoryError: "a file is where a directory is expected: choose another path",
+    IsADirectoryError: "a directory is where a file is expected: choose another path",
+    PermissionError: "choose a path you may write, or change its permissions",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line naming the file(s) of an ``OSError``, what went wrong and what to do."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    names = [str(name) for name in (exc.filename, exc.filename2) if name is not None]
+    where = " -> ".join(names)
+    fix = next((text for kind, text in _OS_ERROR_FIXES.items() if isinstance(exc, kind)), "check the path")
+    line = f"{reason} ({type(exc).__name__}) (fix: {fix})"
+    return f"{where}: {line}" if where else line
 
 
 if __name__ == "__main__":

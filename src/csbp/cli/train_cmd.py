@@ -90,7 +90,7 @@ def run_train(args: argparse.Namespace) -> int:
             cfg, run_dir=args.run_dir, resume=args.resume, max_steps=args.max_steps, options=options
         )
     except TrainingFailed as exc:
-        if exc.details:
+        if exc.details and (not exc.expected or args.debug):
             print(exc.details.rstrip(), file=sys.stderr)
         print(f"csbp: error: {exc}", file=sys.stderr)
         return 1

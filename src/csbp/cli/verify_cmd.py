@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 
 from csbp.attention.backends import check_backend_trains_on
+from csbp.cli.options import positive_int
 from csbp.engine.verify import VerifyCase, layouts_for, verify
 from csbp.topology import Topology
 
@@ -40,9 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="pack random documents of this mean length (document masking on); every layout adds cp-aware",
     )
     parser.add_argument("--window", type=int, default=None, help="sliding window W (tokens, incl. the query)")
-    parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=2, help="samples per data-parallel replica")
+    parser.add_argument("--seq-len", type=positive_int, default=32)
+    parser.add_argument("--block-size", type=positive_int, default=4)
+    parser.add_argument("--samples", type=positive_int, default=2, help="samples per data-parallel replica")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from csbp.config.rules import SHAPE_FIELDS, ConfigRuleError, cross_section_violations
 
@@ -38,17 +38,34 @@ def path_field(default: Any = ..., *, description: str) -> Any:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `optim.lr: inf` or `collective_timeout_s: .nan` is an error, not a NaN run.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RunSection(_Section):
     """Identity of the run: its name, the global seed and where its outputs go."""
 
-    name: str = Field(description="Run name, used for the default run directory and in logs.")
+    name: str = Field(
+        min_length=1,
+        max_length=128,
+        description="Run name, used for the default run directory (runs/<name>) and in logs: one path "
+        "component (no '/' or '\\', not starting with '.').",
+    )
     seed: int = Field(0, ge=0, description="Global seed of initialisation, data order and corruption.")
     run_dir: str | None = path_field(
         None, description="Directory for checkpoints, logs and config.yaml (default: runs/<name>)."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _one_path_component(cls, name: str) -> str:
+        """``runs/<name>`` must stay inside ``runs/``: no separators, no ``..``, nothing hidden."""
+        if any(bad in name for bad in ("/", "\\", "\x00")) or name.startswith(".") or name != name.strip():
+            raise ValueError(
+                f"{name!r} is not a plain directory name: use letters, digits, '-', '_' or '.', without '/' or "
+                "'\\', not starting with '.'"
+            )
+        return name
 
 
 class ModelSection(_Section):
@@ -446,11 +463,22 @@ class TrainSection(_Section):
         description="full: keep only each decoder (or drafter) layer's input and recompute the layer "
         "in backward (exact; the recompute repeats the layer's attention collectives).",
     )
-    collective_timeout_s: float = Field(300.0, gt=0.0, description="torch.distributed timeout in seconds.")
+    collective_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        le=604800.0,
+        description="torch.distributed timeout in seconds, for every process group: a stalled or dead rank "
+        "ends the run after about this long (at most a week).",
+    )
     nproc: int | None = Field(
         None, gt=0, description="Local processes `csbp train` launches; unset: the topology's world size."
     )
     generate_after: bool = Field(False, description="Print a sample generation when training ends.")
+    nan_policy: Literal["stop", "skip"] = Field(
+        "stop",
+        description="A step whose loss or gradient norm is not finite: stop the run (keeping the last good "
+        "checkpoint) or skip the update (at most 10 skips in a row, then stop).",
+    )
 
 
 class RunConfig(_Section):

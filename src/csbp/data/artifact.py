@@ -62,6 +62,14 @@ def content_fingerprint(directory: Path) -> str:
     return hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
 
 
+def max_token_id(directory: Path, split: str) -> int:
+    """The largest token id in ``{split}.tokens.bin`` of ``directory`` (-1 when it is empty)."""
+    path = Path(directory) / array_file_name(split, "tokens")
+    if path.stat().st_size == 0:
+        return -1
+    return int(np.memmap(path, dtype=ARRAY_DTYPES["tokens"], mode="r").max())
+
+
 @dataclass(frozen=True)
 class ArtifactSplit:
     """Row access to one split. Arrays are read-only memmaps of shape ``[num_rows, seq_len]``
@@ -145,6 +153,25 @@ class Artifact:
                 f"(manifest: {self.tokenizer_fingerprint}); re-run csbp data prepare with this tokenizer"
             )
 
+    def max_token_id(self) -> int:
+        """The largest token id of both splits: the manifest's record (``splits.<s>.max_token_id``,
+        vouched for by the content fingerprint), else read from the token files."""
+        found = -1
+        for split in SPLITS:
+            recorded = self.manifest["splits"][split].get("max_token_id")
+            value = recorded if isinstance(recorded, int) else max_token_id(self.directory, split)
+            found = max(found, int(value))
+        return found
+
+    def verify_fingerprint(self) -> None:
+        """``ValueError`` unless the array files hash to the manifest's ``content_fingerprint``."""
+        actual = content_fingerprint(self.directory)
+        if actual != self.fingerprint:
+            raise ValueError(
+                f"{self.directory / MANIFEST_NAME}: content_fingerprint {self.fingerprint[:12]}... does not match "
+                f"the files ({actual[:12]}...): the artifact was modified (fix: re-run csbp data prepare)"
+            )
+
     def require_vocab_size(self, model_vocab_size: int) -> None:
         """``ValueError`` if token ids of this artifact may exceed a model's vocabulary."""
         if self.vocab_size > model_vocab_size:
@@ -225,12 +252,7 @@ def _require_manifest_keys(manifest: dict[str, Any], manifest_path: Path) -> Non
 
 
 def _verify_contents(artifact: Artifact) -> None:
-    actual = content_fingerprint(artifact.directory)
-    if actual != artifact.fingerprint:
-        raise ValueError(
-            f"artifact {artifact.directory}: content fingerprint {actual} does not match manifest "
-            f"{artifact.fingerprint}; the files were modified, re-run csbp data prepare"
-        )
+    artifact.verify_fingerprint()
     for split in SPLITS:
         tokens = artifact.split(split).tokens
         if tokens.size and int(tokens.max()) >= artifact.vocab_size:

@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ from typing import Any
 import numpy as np
 
 import csbp
+from csbp.atomic import Ownership, check_replaceable, replace_directory
 from csbp.data.artifact import (
     ARRAY_DTYPES,
     FORMAT_NAME,
@@ -41,12 +41,21 @@ from csbp.data.artifact import (
     TOKENIZER_FILE,
     array_file_name,
     content_fingerprint,
+    max_token_id,
 )
 from csbp.data.packing import PackedSplitWriter, SplitCounts, encode_documents
 from csbp.data.sources import Document, TxtMode, expand_inputs, iter_documents
 from csbp.data.tokenizer import CsbpTokenizer, SpecialTokens, load_tokenizer, train_bpe_tokenizer
 
 ENCODE_CHUNK_DOCUMENTS = 256
+ARTIFACT_OWNERSHIP = Ownership(
+    what="data artifact (manifest.json, tokenizer.json, *.bin)",
+    marker=MANIFEST_NAME,
+    names=frozenset(
+        {MANIFEST_NAME, TOKENIZER_FILE, *(array_file_name(s, f) for s in SPLITS for f in ARRAY_DTYPES)}
+    ),
+)
+"""What ``--overwrite`` may replace: a directory holding only the files of an artifact."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     out_dir = Path(config.out_dir)
     if out_dir.exists() and not config.overwrite:
         raise ValueError(f"output {out_dir} already exists; choose another --out or pass --overwrite")
+    out_dir = check_replaceable(out_dir, ARTIFACT_OWNERSHIP)
     files = expand_inputs(config.inputs)
 
     num_documents, num_empty = _count_documents(files, config.txt_mode)
@@ -118,11 +128,11 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         tokenizer.save(build_dir)
         manifest = _manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
         write_manifest(build_dir, manifest)
-        _move_into_place(build_dir, out_dir)
+        replace_directory(build_dir, out_dir)
     except BaseException:
         shutil.rmtree(build_dir, ignore_errors=True)
         raise
-    say(f"wrote {out_dir}: " + ", ".join(f"{s} {counts[s].rows} rows" for s in SPLITS))
+    say(f"wrote {config.out_dir}: " + ", ".join(f"{s} {counts[s].rows} rows" for s in SPLITS))
     return manifest
 
 
@@ -231,6 +241,7 @@ def _manifest(
             split: {
                 **asdict(counts[split]),
                 "files": {name: array_file_name(split, name) for name in ARRAY_DTYPES},
+                "max_token_id": max_token_id(build_dir, split),
             }
             for split in SPLITS
         },
@@ -248,17 +259,3 @@ def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     (Path(directory) / MANIFEST_NAME).write_text(text, encoding="utf-8")
 
 
-def _move_into_place(build_dir: Path, out_dir: Path) -> None:
-    """``os.replace`` the finished build onto ``out_dir`` (an old one is removed after the swap)."""
-    if not out_dir.exists():
-        os.replace(build_dir, out_dir)
-        return
-    old_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-    os.replace(out_dir, old_dir / "artifact")
-    try:
-        os.replace(build_dir, out_dir)
-    except BaseException:
-        os.replace(old_dir / "artifact", out_dir)
-        raise
-    finally:
-        shutil.rmtree(old_dir, ignore_errors=True)

@@ -112,6 +112,19 @@ def _read_file(path: Path, txt_mode: TxtMode) -> Iterator[Document]:
 
 def record_to_document(record: Any, where: str) -> Document:
     """Parse one JSONL/Parquet record (see the module docstring for the accepted fields)."""
+    document = _record_to_document(record, where)
+    for text in (segment.text for segment in document.segments):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{where}: text holds {exc.object[exc.start:exc.end]!r}, which is not valid Unicode (a lone "
+                "surrogate escape?) (fix: repair or drop the record)"
+            ) from None
+    return document
+
+
+def _record_to_document(record: Any, where: str) -> Document:
     if not isinstance(record, dict):
         raise ValueError(
             f"{where}: expected a JSON object with {ACCEPTED_FIELDS}, got {type(record).__name__}"
@@ -169,10 +182,15 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
 
 
 def _read_parquet(path: Path) -> Iterator[Document]:
+    import pyarrow as pa
     import pyarrow.parquet as pq  # heavy import, only when Parquet input is used
 
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"input {path}: not a readable Parquet file ({exc}) (fix: check the file)") from None
     row_number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+    for batch in parquet.iter_batches(batch_size=1024):
         for record in batch.to_pylist():
             row_number += 1
             yield record_to_document(record, f"{path}:row {row_number}")

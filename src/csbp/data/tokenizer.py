@@ -154,7 +154,13 @@ def load_tokenizer(path: str | Path, *, special: SpecialTokens | None = None) ->
     special = special or SpecialTokens()
     json_file = path if path.is_file() else path / "tokenizer.json"
     if json_file.is_file():
-        backend = Tokenizer.from_file(str(json_file))
+        try:
+            backend = Tokenizer.from_file(str(json_file))
+        except Exception as exc:  # the tokenizers library raises a bare Exception for a malformed file
+            raise ValueError(
+                f"{json_file}: not a tokenizer file the tokenizers library can read ({exc}) (fix: pass a "
+                "directory holding a valid tokenizer.json)"
+            ) from None
         fallback = _config_special_names(json_file.parent)
         return CsbpTokenizer(
             backend, json_file.read_bytes(), special=special, source=str(path), fallback_names=fallback

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from csbp.atomic import write_directory_atomically
 from csbp.dflash.config import DFlashConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.models.decoder import Decoder
+from csbp.models.hf_io import EXPORT_OWNERSHIP, read_json_object, read_safetensors_file
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 _DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -151,7 +152,7 @@ def export_dflash(
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
-    return write_directory_atomically(path, fill, overwrite=overwrite)
+    return write_directory_atomically(path, fill, overwrite=overwrite, owned=EXPORT_OWNERSHIP)
 
 
 def load_dflash(
@@ -166,12 +167,12 @@ def load_dflash(
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{directory} is not a DFlash drafter directory: config.json not found")
-    config = dflash_config_from_hf(json.loads(config_file.read_text()))
+    config = dflash_config_from_hf(read_json_object(config_file))
     validate_drafter_target(config, target.config)
     weights_file = directory / "model.safetensors"
     if not weights_file.is_file():
         raise ValueError(f"{directory} has no model.safetensors")
-    tensors = load_file(str(weights_file))
+    tensors = read_safetensors_file(weights_file)
     drafter = DFlashDrafter(config, device="meta")
     expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
     missing = sorted(set(expected) - set(tensors))

@@ -37,13 +37,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from csbp.atomic import write_directory_atomically
+from csbp.atomic import Ownership, write_directory_atomically
 from csbp.attention.rows import Rows
 from csbp.attention.transports.local import LocalAttentionFn
 from csbp.dflash.anchors import segment_starts
 from csbp.models.attention_fns import CausalAttention
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import AttentionFn, Decoder
+
+FEATURE_OWNERSHIP = Ownership(
+    what="feature store (manifest.json, features.npy, last_hidden.npy)",
+    marker="manifest.json",
+    names=frozenset({"manifest.json", "features.npy", "last_hidden.npy"}),
+)
 
 FEATURES_FORMAT = "csbp-dflash-features"
 FEATURES_VERSION = 1
@@ -227,7 +233,7 @@ def prepare_features(
             last.flush()
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
-    return write_directory_atomically(out_dir, fill, overwrite=overwrite)
+    return write_directory_atomically(out_dir, fill, overwrite=overwrite, owned=FEATURE_OWNERSHIP)
 
 
 @dataclass(frozen=True)

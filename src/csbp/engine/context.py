@@ -7,6 +7,7 @@ single ``data`` rank and every collective is a no-op.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -56,8 +57,10 @@ def single_process_context() -> ParallelContext:
     return ParallelContext(topology, topology.coords(0), None, TrafficCounter())
 
 
-def build_parallel_context(topology: Topology) -> ParallelContext:
-    """Create the process groups of ``topology``; call on every rank after ``init_process_group``."""
+def build_parallel_context(topology: Topology, *, timeout: timedelta | None = None) -> ParallelContext:
+    """Create the process groups of ``topology``; call on every rank after ``init_process_group``.
+
+    ``timeout`` bounds every collective of every group (None: torch's default)."""
     if not dist.is_initialized():
         if topology.world_size != 1:
             raise ValueError(
@@ -65,5 +68,5 @@ def build_parallel_context(topology: Topology) -> ParallelContext:
                 "launch with `csbp train --nproc N` or torchrun"
             )
         return single_process_context()
-    groups = build_process_groups(topology)
+    groups = build_process_groups(topology, timeout=timeout)
     return ParallelContext(topology, groups.coords, groups, TrafficCounter())

@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from csbp.atomic import write_directory_atomically
+from csbp.atomic import Ownership, write_directory_atomically
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 
@@ -53,6 +54,12 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+EXPORT_OWNERSHIP = Ownership(
+    what="model export (config.json, model.safetensors, tokenizer files)",
+    marker="config.json",
+    names=frozenset({"config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES}),
+)
+"""What ``--overwrite`` may replace: a directory holding only files an HF or DFlash export writes."""
 
 
 # ----------------------------------------------------------------------------- config mapping
@@ -192,7 +199,7 @@ def hf_config_from_decoder(
 def hf_passthrough_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``config.json`` fields of a checkpoint that ``DecoderConfig`` does not carry but an export
     should keep (special token ids, ``max_position_embeddings``); pass them as ``extra_config``."""
-    hf_config = json.loads((Path(path) / "config.json").read_text())
+    hf_config = read_json_object(Path(path) / "config.json")
     return {key: hf_config[key] for key in PASSTHROUGH_FIELDS if key in hf_config}
 
 
@@ -222,7 +229,7 @@ def read_hf_config(path: str | os.PathLike[str]) -> DecoderConfig:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{directory} is not a HF checkpoint directory: config.json not found")
-    return decoder_config_from_hf(json.loads(config_file.read_text()))
+    return decoder_config_from_hf(read_json_object(config_file))
 
 
 def read_hf_weights(
@@ -264,15 +271,21 @@ def _read_safetensors(directory: Path) -> dict[str, Tensor]:
     """All tensors of a single-file or sharded safetensors checkpoint (CPU)."""
     index_file = directory / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map: dict[str, str] = json.loads(index_file.read_text()).get("weight_map") or {}
-        if not weight_map:
+        index = read_json_object(index_file)
+        weight_map = index.get("weight_map") or {}
+        if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index_file} has no weight_map")
         tensors: dict[str, Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
+        for shard in sorted({str(name) for name in weight_map.values()}):
+            if Path(shard).name != shard or shard in ("", ".", "..") or not shard.endswith(".safetensors"):
+                raise ValueError(
+                    f"{index_file}: shard name '{shard}' is not a .safetensors file inside {directory} "
+                    "(shards must be plain file names in the checkpoint directory)"
+                )
             shard_file = directory / shard
             if not shard_file.is_file():
                 raise ValueError(f"shard '{shard}' listed in {index_file.name} is missing from {directory}")
-            tensors.update(load_file(str(shard_file)))
+            tensors.update(read_safetensors_file(shard_file))
         listed_not_found = sorted(set(weight_map) - set(tensors))
         if listed_not_found:
             raise ValueError(
@@ -285,7 +298,28 @@ def _read_safetensors(directory: Path) -> dict[str, Tensor]:
             f"{directory} needs model.safetensors or model.safetensors.index.json; found {len(files)} "
             "*.safetensors files and no index (pickled *.bin weights are never loaded)"
         )
-    return load_file(str(files[0]))
+    return read_safetensors_file(files[0])
+
+
+def read_safetensors_file(path: Path) -> dict[str, Tensor]:
+    """The tensors of one safetensors file; a truncated or malformed file is a ``ValueError`` naming it."""
+    try:
+        return load_file(str(path))
+    except SafetensorError as exc:
+        raise ValueError(f"{path}: not a readable safetensors file ({exc}) (fix: re-export or re-download it)") from None
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """``path`` parsed as a JSON object; ``ValueError`` naming the file otherwise."""
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno}) (fix: restore the file)") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text; expected a JSON object (fix: restore the file)") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(loaded).__name__} (fix: restore the file)")
+    return loaded
 
 
 def _hf_name(name: str) -> str:
@@ -338,7 +372,7 @@ def export_hf_checkpoint(
         for file in tokenizer_files:
             shutil.copy2(file, staging / file.name)
 
-    return write_directory_atomically(path, fill, overwrite=overwrite)
+    return write_directory_atomically(path, fill, overwrite=overwrite, owned=EXPORT_OWNERSHIP)
 
 
 def _tokenizer_files(tokenizer_dir: Path) -> list[Path]:

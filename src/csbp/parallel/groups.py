@@ -26,6 +26,7 @@ provides; one explicit plan keeps a single, testable source of truth instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -85,10 +86,13 @@ class ProcessGroups:
         return self.ring_ranks.index(self.coords.rank)
 
 
-def build_process_groups(topology: Topology) -> ProcessGroups:
+def build_process_groups(topology: Topology, *, timeout: timedelta | None = None) -> ProcessGroups:
     """Create every group of ``topology`` and return this rank's.
 
     Call on every rank after ``init_process_group``, in the same program order on all ranks.
+    ``timeout`` bounds every collective of every group (``train.collective_timeout_s``); without it
+    torch gives sub-groups its 30-minute default whatever the world group's timeout, so a stalled
+    peer would hang the job that long.
     """
     if not dist.is_initialized():
         raise ValueError("build_process_groups needs torch.distributed: call init_process_group first")
@@ -97,7 +101,7 @@ def build_process_groups(topology: Topology) -> ProcessGroups:
     mine: dict[str, tuple[ProcessGroup, tuple[int, ...]]] = {}
     for name, member_lists in plan_group_ranks(topology).items():
         for members in member_lists:
-            group = dist.new_group(members)  # collective: every rank creates every group
+            group = dist.new_group(members, timeout=timeout)  # collective: every rank creates every group
             if rank in members:
                 mine[name] = (group, tuple(members))
     return ProcessGroups(

@@ -25,9 +25,10 @@ Atomicity: DCP writes into ``step_XXXXXXX.tmp/``; after a barrier rank 0 adds
 complete checkpoint; stale ``.tmp`` directories are ignored and removed by the next save. Only the
 newest ``keep`` checkpoints are kept.
 
-Trust: DCP's ``.metadata`` file is a pickle. Checkpoints are trusted local artifacts written by
-csbp itself: :func:`load_checkpoint` only reads ``<run_dir>/checkpoints/<latest>`` (the pointer must
-name a ``step_XXXXXXX`` directory there); never point a run directory at files from elsewhere.
+Trust: DCP's ``.metadata`` file is a pickle, and DCP stores non-tensor values as pickles too.
+:func:`load_checkpoint` reads them only through :mod:`csbp.training.checkpoint_integrity` (a
+restricted unpickler and ``weights_only`` loads), so a planted checkpoint cannot run code. It resumes
+from the checkpoint ``latest`` names when that one is intact, else from the newest intact one.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from csbp.data.loader import PackedLoader
+from csbp.training.checkpoint_integrity import find_resume_checkpoint, safe_dcp_load
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -277,15 +279,13 @@ def load_checkpoint(
     Checks first (before reading any tensor) that the checkpoint was written for the same model
     shape and the same data; raises ``ValueError`` naming the first difference.
     """
-    path = find_latest_checkpoint(run_dir)
+    path = find_resume_checkpoint(run_dir)
     if path is None:
         raise ValueError(f"--resume: {run_dir} has no checkpoint (fix: drop --resume)")
     state = read_training_state(path)
     check_compatible(state, path, shapes=param_shapes(model), data_fingerprint=data_fingerprint)
     loaded = sharded_state_dicts(model, optimizer)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.load(loaded, checkpoint_id=path, no_dist=not dist.is_initialized())
+    safe_dcp_load(loaded, path, no_dist=not dist.is_initialized())
     restore_sharded_state_dicts(model, optimizer, loaded)
     scheduler.load_state_dict(state.scheduler)
     loader.load_state_dict(state.loader)
@@ -297,7 +297,13 @@ def load_checkpoint(
 def read_training_state(path: Path) -> TrainingState:
     """The ``trainer_state.json`` of checkpoint directory ``path``."""
     state_file = path / STATE_FILE
-    return TrainingState.from_json(json.loads(state_file.read_text(encoding="utf-8")), state_file)
+    try:
+        data = json.loads(state_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{state_file}: not valid JSON ({exc}); the checkpoint is damaged") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{state_file}: expected a JSON object; the checkpoint is damaged")
+    return TrainingState.from_json(data, state_file)
 
 
 def check_compatible(

@@ -13,8 +13,13 @@ process starts, then:
   endpoint is the master address). On CPU each worker gets one thread (``OMP_NUM_THREADS=1``).
 
 Failures: a worker that raises is reported by torch elastic, which stops the other workers (no
-hang); :class:`TrainingFailed` carries the failing rank's message and traceback. Ranks blocked in a
-collective with a dead peer give up after ``collective_timeout_s`` at the latest. The run
+hang); :class:`TrainingFailed` carries the failing rank's message and traceback (the cause is
+preferred over the connection errors it causes in its peers). Every process group is bounded by
+``collective_timeout_s`` during the step loop; a rank whose collective times out names the peers whose
+heartbeat stopped (:mod:`csbp.training.liveness`) and the launching process ends them. Ctrl-C and
+``SIGTERM`` raise :class:`~csbp.interrupts.Interrupted` after the workers are stopped. torch elastic's
+temporary files live in a private directory removed after the launch, as are half-written
+``checkpoints/step_N.tmp``. A single-node launch rendezvouses on 127.0.0.1 and keeps gloo on ``lo``. The run
 directory must be on a filesystem every node sees (checkpoints are written by all ranks).
 """
 
@@ -24,7 +29,10 @@ import atexit
 import contextlib
 import logging
 import os
+import shutil
+import signal
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -35,18 +43,26 @@ import torch
 import torch.distributed as dist
 
 from csbp.config.schema import RunConfig
-from csbp.training.preflight import check_run
-from csbp.training.trainer import TrainSummary, default_run_dir, stop_step_of, train
+from csbp.interrupts import Interrupted
+from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher, report_stall
+from csbp.training.preflight import check_run, verify_data
+from csbp.training.trainer import STARTUP_TIMEOUT_S, TrainSummary, default_run_dir, stop_step_of, train
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+STALL_MARKER = "stopped responding"
+LOOPBACK = "127.0.0.1"
+LOOPBACK_INTERFACE = "lo"
+"""Single-node launches rendezvous at 127.0.0.1 and keep gloo's worker connections on loopback."""
 
 
 class TrainingFailed(RuntimeError):
-    """A training process failed; ``str()`` is the failing rank's message, ``details`` its traceback."""
+    """A training process failed; ``str()`` is the failing rank's message, ``details`` its traceback,
+    ``expected`` whether it is a checked condition (a one-line error, no traceback) rather than a bug."""
 
-    def __init__(self, message: str, details: str = "") -> None:
+    def __init__(self, message: str, details: str = "", *, expected: bool = False) -> None:
         super().__init__(message)
         self.details = details
+        self.expected = expected
 
 
 @dataclass(frozen=True)
@@ -86,16 +102,24 @@ def launch_training(
     options = options or LaunchOptions()
     run_dir = Path(run_dir if run_dir is not None else default_run_dir(cfg)).absolute()
     stop_step = stop_step_of(cfg, max_steps)
-    check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
+    inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step, warn=_warn)
+    verify_data(cfg, inputs)  # under torchrun every rank checks, so none waits for a failed one
     if inside_torchrun():
         return train_in_process_group(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
     nproc = options.nproc if options.nproc is not None else cfg.num_local_processes
     check_process_count(cfg, nproc, options)
     if cfg.world_size == 1:
-        return train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
+        try:
+            return train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
+        finally:
+            remove_staging_leftovers(run_dir)
     return _launch_workers(
         cfg, run_dir=run_dir, resume=resume, max_steps=max_steps, nproc=nproc, options=options
     )
+
+
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def check_process_count(cfg: RunConfig, nproc: int, options: LaunchOptions) -> None:
@@ -126,23 +150,48 @@ def train_in_process_group(
     Returns the summary on global rank 0, None elsewhere.
     """
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = timedelta(seconds=cfg.train.collective_timeout_s)
+    # Start-up (imports, pre-flight on every rank) may take longer than a collective may; the trainer
+    # bounds every group, the world's included, by train.collective_timeout_s once all ranks are up.
+    timeout = timedelta(seconds=max(cfg.train.collective_timeout_s, STARTUP_TIMEOUT_S))
     dist.init_process_group(backend, timeout=timeout)
     rank = dist.get_rank()
+    heartbeat = Heartbeat(rank, dist.get_world_size())
     try:
         summary = train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
-    except (dist.DistError, RuntimeError) as exc:
-        if not is_collective_failure(exc):
-            raise
-        first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise TrainingFailed(
-            f"rank {rank}: a collective failed or timed out (limit train.collective_timeout_s="
-            f"{cfg.train.collective_timeout_s:g} s); another rank probably died, see its error: {first_line}"
-        ) from exc
+    except BaseException as exc:
+        # No teardown on failure: this process ends as soon as its error is on record (atexit runs
+        # after torch elastic's error file is written). Tearing the groups down first would close
+        # the connections, so the peers would report "connection closed" before this rank reported
+        # the cause, and with a stalled peer the teardown itself would block.
+        atexit.register(_leave_now, 1)
+        if isinstance(exc, (dist.DistError, RuntimeError)) and is_collective_failure(exc):
+            raise TrainingFailed(collective_failure_message(cfg, rank, exc, heartbeat)) from exc
+        raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        heartbeat.stop()
+    dist.destroy_process_group()
     return summary if rank == 0 else None
+
+
+def collective_failure_message(cfg: RunConfig, rank: int, exc: BaseException, heartbeat: Heartbeat) -> str:
+    """One line: which collective limit was hit and which peers stopped answering (those on this
+    host are ended, so the launcher need not wait for them)."""
+    first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
+    limit = f"train.collective_timeout_s={cfg.train.collective_timeout_s:g} s"
+    silent = heartbeat.silent_ranks() if is_timeout(exc) else []  # a dead peer closes its connections
+    if silent:
+        names = ", ".join(peer.describe() for peer in silent)
+        message = (
+            f"rank {rank}: a collective failed or timed out ({limit}): {names} {STALL_MARKER}, "
+            f"so the run was stopped (fix: find out why that rank stalled, then resume with --resume) "
+            f"[{first_line}]"
+        )
+        report_stall(message, silent)
+        return message
+    return (
+        f"rank {rank}: a collective failed or timed out ({limit}); another rank probably died, see its "
+        f"error: {first_line}"
+    )
 
 
 _COLLECTIVE_FAILURE_MARKERS = (
@@ -153,6 +202,11 @@ _COLLECTIVE_FAILURE_MARKERS = (
     "timed out",
     "timeout",
 )
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """True when a collective gave up waiting (rather than finding its peer gone)."""
+    return any(marker in str(exc).lower() for marker in ("timed out", "timeout"))
 
 
 def is_collective_failure(exc: BaseException) -> bool:
@@ -172,9 +226,19 @@ def _elastic_worker(cfg: RunConfig, run_dir: str, resume: bool, max_steps: int |
     """Entry point of one worker started by ``elastic_launch`` (module level: it is pickled by name)."""
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
+    # Ctrl-C reaches every worker as well as the launching process, which reports it once and stops
+    # the workers: a worker just ends (no KeyboardInterrupt that a library might catch and go on).
+    # Checkpoints are written atomically, and the launcher removes a half-written one.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     summary = train_in_process_group(cfg, run_dir=Path(run_dir), resume=resume, max_steps=max_steps)
     skip_teardown_at_exit()
     return summary
+
+
+def _leave_now(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def skip_teardown_at_exit() -> None:
@@ -187,22 +251,19 @@ def skip_teardown_at_exit() -> None:
     torchrun): the atexit hook flushes the standard streams and calls ``os._exit(0)``.
     """
 
-    def leave() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-    atexit.register(leave)
+    atexit.register(_leave_now, 0)
 
 
 def _launch_workers(
     cfg: RunConfig, *, run_dir: Path, resume: bool, max_steps: int | None, nproc: int, options: LaunchOptions
 ) -> TrainSummary | None:
+    log_dir = Path(tempfile.mkdtemp(prefix="csbp-launch-"))  # torch elastic's per-run files; removed below
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if options.nnodes == 1 and options.rdzv_endpoint is None:
-        backend, endpoint, rdzv_configs = "c10d", "localhost:0", {}
+        backend, endpoint, rdzv_configs = "c10d", f"{LOOPBACK}:0", {}
     elif options.node_rank is not None:
         backend, endpoint, rdzv_configs = "static", str(options.rdzv_endpoint), {"rank": options.node_rank}
     else:
@@ -218,30 +279,98 @@ def _launch_workers(
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
     )
-    thread_env = {} if torch.cuda.is_available() else {"OMP_NUM_THREADS": "1"}
-    with _environment(thread_env), _quiet_elastic_logs():
-        try:
+    env = {} if torch.cuda.is_available() else {"OMP_NUM_THREADS": "1"}
+    env[REPORT_DIR_ENV] = str(log_dir)
+    if options.nnodes == 1 and options.rdzv_endpoint is None and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = LOOPBACK_INTERFACE  # one node: worker traffic stays on loopback
+    # multiprocessing's resource tracker (started with this interpreter's -W options) cleans up after
+    # workers that were stopped by a signal, and would print a "leaked semaphore" warning about it.
+    if _TRACKER_QUIET not in sys.warnoptions:
+        sys.warnoptions.append(_TRACKER_QUIET)
+    watcher = StallWatcher(log_dir)
+    try:
+        with _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher:
             results: dict[int, Any] = elastic_launch(config, _elastic_worker)(
                 cfg, str(run_dir), resume, max_steps
             )
-        except ChildFailedError as exc:
-            raise _failure(exc) from None
+    except ChildFailedError as exc:
+        failure = _failure(exc)
+        if watcher.message and not _is_root_cause(str(failure)):
+            # a rank named a stalled peer and no rank raised an error of its own: that is the story
+            failure = TrainingFailed(f"training failed: {watcher.message}", expected=True)
+        raise failure from None
+    except SignalException as exc:
+        raise Interrupted(int(exc.sigval)) from None
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        remove_staging_leftovers(run_dir)
     return results.get(0)
 
 
+_TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
+def remove_staging_leftovers(run_dir: Path) -> None:
+    """Delete half-written checkpoints (``checkpoints/step_*.tmp``, ``*.writing``) a failed or
+    interrupted run left behind; ``latest`` never names one, so no complete checkpoint is touched."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if entry.name.startswith("step_") and entry.name.endswith(".tmp") and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.name.endswith(".writing") and entry.is_file():
+            entry.unlink(missing_ok=True)
+
+
 def _failure(exc: Any) -> TrainingFailed:
-    """The first failing rank's message (and traceback) from torch elastic's error report."""
+    """The first failing rank's message (and traceback) from torch elastic's error report.
+
+    Preferred, earliest first: a rank's own error (the root cause), then a rank naming a stalled
+    peer, then any collective failure, over ranks that were killed (a stalled rank ended by the
+    launcher, or a worker torch elastic stopped), whose report says nothing."""
     rank, failure = exc.get_first_failure()
+    texts = {r: _failure_text(f) for r, f in exc.failures.items()}
+    preferences = (
+        lambda text: bool(text) and not text.startswith(("TrainingFailed: ", "Signal ")),  # a rank's own error
+        lambda text: STALL_MARKER in text,
+        lambda text: bool(text) and not text.startswith("Signal "),
+    )
+    for wanted in preferences:
+        chosen = sorted((f.timestamp, r) for r, f in exc.failures.items() if wanted(texts[r]))
+        if chosen:
+            rank = chosen[0][1]
+            failure = exc.failures[rank]
+            break
     message: Any = failure.message
     details = ""
     if isinstance(message, dict):
         details = str(message.get("extraInfo", {}).get("py_callstack", ""))
+    text = _failure_text(failure)
+    if not text:
+        text = f"exited with code {failure.exitcode} (killed or crashed without a Python error)"
+    # A checked condition with its own one-line message is not a bug: csbp train shows no traceback.
+    expected = text.startswith(_EXPECTED_ERRORS)
+    return TrainingFailed(f"training failed on rank {rank}: {text}", details, expected=expected)
+
+
+_EXPECTED_ERRORS = ("TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ")
+
+
+def _is_root_cause(message: str) -> bool:
+    """True for a rank's own error (not a collective that failed because of another rank, not a kill)."""
+    text = message.split(": ", 1)[-1]
+    return bool(text) and not text.startswith(("TrainingFailed: ", "Signal ", "exited with code"))
+
+
+def _failure_text(failure: Any) -> str:
+    message: Any = failure.message
+    if isinstance(message, dict):
         message = message.get("message", "")
     text = str(message).strip()
-    if not text or text.startswith("To enable traceback"):
-        text = f"exited with code {failure.exitcode} (killed or crashed without a Python error)"
-    return TrainingFailed(f"training failed on rank {rank}: {text}", details)
+    return "" if text.startswith("To enable traceback") else text
 
 
 @contextlib.contextmanager
@@ -259,12 +388,25 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _private_tempdir(directory: Path) -> Iterator[None]:
+    """Temporary files this process creates for the launch (torch's per-worker error files, which a
+    killed worker never removes) go to ``directory``, which the launcher deletes afterwards."""
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(directory)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+
+
+@contextlib.contextmanager
 def _quiet_elastic_logs() -> Iterator[None]:
     """torch elastic logs every worker failure at length; csbp reports it once, as TrainingFailed."""
-    loggers = [
-        logging.getLogger(name)
-        for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
-    ]
+    prefixes = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+    names = set(prefixes) | {
+        name for name in logging.root.manager.loggerDict if name.startswith(prefixes)
+    }  # torch elastic gives its module loggers their own levels: quiet each one
+    loggers = [logging.getLogger(name) for name in sorted(names)]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)

@@ -5,26 +5,31 @@ shape and the objective, and checks what the config schema cannot see on its own
 
 * the artifact's ``seq_len`` equals ``data.seq_len``; a configured tokenizer has the artifact's
   fingerprint; a validation artifact matches the training one;
-* every token id of the data is an embedding row; the mask token is a vocabulary id;
+* every token id of the data is an embedding row (the largest id the manifest records, vouched for
+  by the content fingerprint that :func:`verify_data` recomputes before a launch); the
+  mask token is a vocabulary id;
 * the objective runs on the topology (``mdlm``/``ar`` are single-stream: ``cp = bp = 1``) and its
   options map onto the objective; ``dflash`` runs are checked against their target and data by
   :mod:`csbp.training.dflash_inputs`;
 * there are enough rows for one global batch, and validation rows when ``eval_every > 0``;
 * FSDP has a data-parallel group to shard over;
-* the run directory: ``--resume`` needs a checkpoint there, written for the same model shape and
-  data; a fresh run must not overwrite one.
+* the run directory: it can be created and written; ``--resume`` needs an intact checkpoint there
+  (damaged newer ones are skipped with a warning), written for the same model shape and data; a
+  fresh run must not overwrite one. Nothing is written into it here.
 
 Every problem is a ``ValueError`` with one line ``field: message (fix: ...)``.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from csbp.config.schema import RunConfig
-from csbp.data.artifact import Artifact, ArtifactSplit, open_artifact
+from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit, max_token_id, open_artifact
 from csbp.data.tokenizer import load_tokenizer, special_tokens_from_names
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
@@ -32,11 +37,10 @@ from csbp.objectives import build_objective
 from csbp.objectives.base import Objective
 from csbp.training.checkpoint import (
     check_compatible,
-    checkpoint_step,
-    find_latest_checkpoint,
     param_shapes,
     read_training_state,
 )
+from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_checkpoints, step_directories
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
 from csbp.training.model_factory import decoder_config_for_run
 
@@ -79,10 +83,16 @@ class RunInputs:
 
 
 def check_run(
-    cfg: RunConfig, *, run_dir: Path | None = None, resume: bool = False, stop_step: int | None = None
+    cfg: RunConfig,
+    *,
+    run_dir: Path | None = None,
+    resume: bool = False,
+    stop_step: int | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> RunInputs:
     """Validate ``cfg`` against its data (and ``run_dir`` when given: ``resume`` and the step this
-    invocation stops after, default ``train.max_steps``); see the module docstring."""
+    invocation stops after, default ``train.max_steps``); see the module docstring. ``warn``
+    receives non-fatal findings (a damaged newest checkpoint that a resume skips)."""
     _check_objective_layout(cfg)
     artifact = _open_checked(cfg.data.train, "data.train", cfg.data.seq_len)
     tokenizer_dir = artifact.directory
@@ -124,6 +134,7 @@ def check_run(
             tokenizer_dir=tokenizer_dir,
         )
         inputs.build_objective()  # the objective's own option checks
+    _check_token_ids(cfg, inputs)
     _check_batches(cfg, inputs)
     if cfg.train.fsdp and cfg.topology.dp < 2:
         raise ValueError(
@@ -131,8 +142,7 @@ def check_run(
             "(fix: set topology.dp >= 2 or train.fsdp: false)"
         )
     if run_dir is not None:
-        check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps)
-        latest = find_latest_checkpoint(run_dir)
+        latest = check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps, warn=warn)
         if resume and latest is not None:
             check_compatible(
                 read_training_state(latest),
@@ -143,25 +153,53 @@ def check_run(
     return inputs
 
 
-def check_run_dir(run_dir: Path, *, resume: bool, stop_step: int) -> None:
-    """``--resume`` needs a checkpoint in ``run_dir`` before ``stop_step``; a fresh run must not
-    clobber one. (Model shape and data are checked by :func:`check_run`.)"""
-    latest = find_latest_checkpoint(run_dir)
-    if resume and latest is None:
+def check_run_dir(
+    run_dir: Path, *, resume: bool, stop_step: int, warn: Callable[[str], None] | None = None
+) -> Path | None:
+    """``--resume`` needs an intact checkpoint in ``run_dir`` before ``stop_step``; a fresh run must
+    not clobber one; the directory must be creatable and writable. Returns the checkpoint a resume
+    starts from (damaged newer ones are reported through ``warn``). (Model shape and data are checked
+    by :func:`check_run`.)"""
+    check_writable_directory(run_dir, "--run-dir")
+    if not resume:
+        existing = step_directories(Path(run_dir) / "checkpoints")
+        if existing or has_checkpoints(run_dir):
+            name = existing[0].name if existing else "checkpoints/latest"
+            raise ValueError(
+                f"run directory {run_dir} already holds checkpoint {name} (fix: pass --resume to continue it, "
+                "or choose another --run-dir / run.name)"
+            )
+        return None
+    latest = find_resume_checkpoint(run_dir, warn=warn)
+    if latest is None:
         raise ValueError(
             f"--resume: {run_dir} has no checkpoint to resume from (fix: drop --resume, or pass the run "
             "directory of an earlier run with --run-dir)"
         )
-    if not resume and latest is not None:
+    step = read_training_state(latest).step
+    if step >= stop_step:
         raise ValueError(
-            f"run directory {run_dir} already holds checkpoint {latest.name} (fix: pass --resume to continue "
-            "it, or choose another --run-dir / run.name)"
-        )
-    if resume and latest is not None and checkpoint_step(latest) >= stop_step:
-        raise ValueError(
-            f"--resume: {latest} is at step {checkpoint_step(latest)}, nothing is left to do before step "
+            f"--resume: {latest} is at step {step}, nothing is left to do before step "
             f"{stop_step} (fix: raise --max-steps or train.max_steps)"
         )
+    return latest
+
+
+def check_writable_directory(path: Path, flag: str) -> None:
+    """``ValueError`` unless ``path`` is a directory, or can be created as one, that this user may
+    write (nothing is created here)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a directory (fix: choose another path)")
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {path}: {existing} is not a directory (fix: choose another path)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: {existing} is not writable (fix: choose a directory you can write)")
 
 
 def _check_objective_layout(cfg: RunConfig) -> None:
@@ -255,6 +293,39 @@ def _objective_options(cfg: RunConfig, mask_token_id: int | None) -> dict[str, A
 def _reject_unless(ok: bool, field: str, reason: str) -> None:
     if not ok:
         raise ValueError(f"objective.{field}: not supported here, {reason} (fix: remove objective.{field})")
+
+
+def _check_token_ids(cfg: RunConfig, inputs: RunInputs) -> None:
+    """Every token id of the data (train and validation) is an embedding row of the model."""
+    vocab = inputs.decoder_config.vocab_size
+    artifacts = [("data.train", inputs.artifact)]
+    if cfg.data.val is not None:
+        artifacts.append(("data.val", open_artifact(Path(cfg.data.val))))
+    for field, artifact in artifacts:
+        largest = artifact.max_token_id()
+        if largest >= vocab:
+            raise ValueError(
+                f"{field}: {artifact.directory} holds token id {largest}, outside the model vocabulary "
+                f"[0, {vocab}) (fix: re-run csbp data prepare with the model's tokenizer, or raise model.vocab_size)"
+            )
+
+
+def verify_data(cfg: RunConfig, inputs: RunInputs) -> None:
+    """Read every data file once: each manifest's ``content_fingerprint`` must match the files, and
+    the largest token id actually stored must be an embedding row (``csbp train`` does this before
+    launching; :func:`check_run` on each rank only reads the recorded largest id)."""
+    vocab = inputs.decoder_config.vocab_size
+    for field, directory in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
+        if directory is None:
+            continue
+        artifact = open_artifact(Path(directory))
+        artifact.verify_fingerprint()
+        largest = max(max_token_id(artifact.directory, split) for split in SPLITS)
+        if largest >= vocab:
+            raise ValueError(
+                f"{field}: {artifact.directory} holds token id {largest}, outside the model vocabulary "
+                f"[0, {vocab}) (fix: re-run csbp data prepare with the model's tokenizer)"
+            )
 
 
 def _check_batches(cfg: RunConfig, inputs: RunInputs) -> None:

@@ -27,9 +27,13 @@ Only rank 0 writes ``config.yaml``, metrics, plots and the export; all ranks wri
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
@@ -72,6 +76,20 @@ from csbp.training.sample import sample_after_training
 from csbp.training.step import EvalResult, StepRunner
 
 FINAL_DIR = "final"
+STARTUP_TIMEOUT_S = 300.0
+"""World-group limit outside the step loop (start-up, resume, the final export); see ``collective_timeout``."""
+MAX_SKIPPED_STEPS = 10
+"""``train.nan_policy: skip`` stops the run after this many non-finite steps in a row."""
+
+
+class NonFiniteTraining(ValueError):
+    """The loss or gradient norm of a step is not finite and ``train.nan_policy`` says stop."""
+
+
+def latest_checkpoint_name(run_dir: Path) -> str | None:
+    """The name ``checkpoints/latest`` holds, if any."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    return pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -126,6 +144,25 @@ class TrainSummary:
 def default_run_dir(cfg: RunConfig) -> Path:
     """``run.run_dir``, else ``runs/<run.name>`` under the working directory."""
     return Path(cfg.run.run_dir) if cfg.run.run_dir is not None else Path("runs") / cfg.run.name
+
+
+@contextlib.contextmanager
+def collective_timeout(seconds: float) -> Iterator[None]:
+    """Bound the world group's collectives (barriers, DCP) by ``seconds`` during the step loop.
+
+    Before it (start-up, resume) and after it (rank 0 alone writes ``final/`` while the others wait)
+    the launch's longer start-up limit applies; the sub-groups carry ``seconds`` from creation. All
+    ranks enter together (a barrier), so rank-0-only set-up such as opening TensorBoard is not
+    mistaken for a stalled rank."""
+    if not dist.is_initialized():
+        yield
+        return
+    dist.barrier()
+    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=max(seconds, STARTUP_TIMEOUT_S)))
 
 
 def stop_step_of(cfg: RunConfig, max_steps: int | None) -> int:
@@ -195,9 +232,13 @@ def train(
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
     started = time.perf_counter()
-    ctx = build_parallel_context(cfg.topology.to_topology())
     device = training_device()
     check_backend_trains_on(cfg.attention.backend, device)
+    if dist.is_initialized():
+        dist.barrier()  # every rank is past its pre-flight: group creation below is quick everywhere
+    ctx = build_parallel_context(
+        cfg.topology.to_topology(), timeout=timedelta(seconds=cfg.train.collective_timeout_s)
+    )
     is_rank0 = ctx.coords.rank == 0
     torch.manual_seed(cfg.run.seed)
 
@@ -237,7 +278,8 @@ def train(
         writer.message(f"note: train.generate_after does not apply to dflash; {dflash_eval_hint(cfg, run_dir)}")
     loop = _Loop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook)
     try:
-        last_checkpoint = loop.run(start_step, stop_step, started)
+        with collective_timeout(cfg.train.collective_timeout_s):
+            last_checkpoint = loop.run(start_step, stop_step, started)
         stop_step = loop.last_step
         final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
     finally:
@@ -307,6 +349,7 @@ class _Loop:
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     last_step: int = 0
+    _skipped_in_a_row: int = 0
 
     def run(self, start_step: int, stop_step: int, started: float) -> Path | None:
         train_cfg = self.cfg.train
@@ -336,11 +379,13 @@ class _Loop:
                 shard_comm=gradient_shard_comm(self.ctx, fsdp=train_cfg.fsdp),
             )
             lr = float(self.optimizer.param_groups[0]["lr"])
+            if not (math.isfinite(result.loss) and math.isfinite(grad_norm)):
+                self._non_finite(step, result.loss, grad_norm, checkpoint)  # raises unless skipping
+                self.last_step = step
+                continue
+            self._skipped_in_a_row = 0
             self.optimizer.step()
-            if self.runner.grad_sync is not None:
-                self.runner.grad_sync.zero_grad()  # .grad stays a view of its bucket
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             self.scheduler.step()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -377,6 +422,29 @@ class _Loop:
             if stop:
                 break
         return checkpoint
+
+    def _zero_grad(self) -> None:
+        if self.runner.grad_sync is not None:
+            self.runner.grad_sync.zero_grad()  # .grad stays a view of its bucket
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _non_finite(self, step: int, loss: float, grad_norm: float, checkpoint: Path | None) -> None:
+        """Apply ``train.nan_policy`` to a step whose loss or gradient norm is not finite (the same
+        decision on every rank: both numbers are global). The update is never applied."""
+        self._zero_grad()
+        what = f"step {step}: loss {loss} and grad_norm {grad_norm}: not finite"
+        if self.cfg.train.nan_policy == "skip" and self._skipped_in_a_row < MAX_SKIPPED_STEPS:
+            self._skipped_in_a_row += 1
+            self.scheduler.step()
+            self.writer.message(f"warning: {what}, update skipped (train.nan_policy: skip)")
+            return
+        kept = checkpoint or latest_checkpoint_name(self.run_dir)
+        raise NonFiniteTraining(
+            f"{what}; the run stopped without writing a checkpoint or final/ (last good checkpoint: "
+            f"{kept or 'none'}) (fix: lower optim.lr or set optim.grad_clip, check the data, then --resume; "
+            "or set train.nan_policy: skip)"
+        )
 
     def _evaluate(self, step: int) -> EvalResult:
         assert self.inputs.val_split is not None

@@ -1,0 +1,36 @@
+"""Argument types shared by several subcommands; a bad value is one argparse error line naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def device_option(text: str) -> str:
+    """``--device``: a torch device string this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``)."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: CUDA is not available here (use --device cpu)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text}: MPS is not available here (use --device cpu)")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{text}: csbp runs on cpu, cuda or mps")
+    return text
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value

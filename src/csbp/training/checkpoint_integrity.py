@@ -1,0 +1,244 @@
+"""Reading training checkpoints safely: no code from checkpoint files, damage found before launch.
+
+A ``torch.distributed.checkpoint`` (DCP) directory holds ``.metadata`` (a pickle) and
+``__<rank>_0.distcp`` files (tensors, plus ``torch.save`` pickles for non-tensor values such as
+optimizer hyper-parameters). Stock DCP unpickles both with the full :mod:`pickle` machinery, so a
+crafted checkpoint runs code on load. Here:
+
+* :func:`read_metadata` reads ``.metadata`` with :class:`MetadataUnpickler`, which admits only the
+  DCP metadata dataclasses, ``torch.Size``, dtypes/layouts and plain containers; anything else is a
+  ``ValueError`` naming the file and the refused global;
+* :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` make ``dcp.load`` use that reader and
+  load non-tensor items with ``torch.load(weights_only=True)``; :func:`safe_dcp_load` is the call;
+* :func:`checkpoint_problem` checks a checkpoint without reading a tensor: ``trainer_state.json``
+  parses, ``.metadata`` reads safely, every file it names exists and is long enough;
+* :func:`resume_checkpoint` picks the checkpoint ``--resume`` uses: the one ``latest`` names when it
+  is intact, else the newest intact ``step_*`` directory (the damaged ones are reported), else a
+  one-line ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+METADATA_FILE = ".metadata"
+_STEP_DIR = re.compile(r"^step_(\d{7,})$")
+
+_ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
+    "torch.distributed.checkpoint.planner": frozenset({"WriteItemType", "LoadItemType"}),
+    "torch": frozenset({"Size"} | {name for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)})
+    | frozenset({"strided", "sparse_coo", "sparse_csr"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "tuple", "list", "dict", "slice", "complex"}),
+    "copyreg": frozenset({"_reconstructor"}),
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """An unpickler for DCP ``.metadata`` that refuses every global outside ``_ALLOWED_GLOBALS``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+
+def read_metadata(checkpoint: Path) -> Metadata:
+    """The DCP metadata of ``checkpoint``, read without running code (``ValueError`` naming the file)."""
+    path = Path(checkpoint) / METADATA_FILE
+    if not path.is_file():
+        raise ValueError(f"{path}: missing (the checkpoint is incomplete)")
+    try:
+        with open(path, "rb") as handle:
+            metadata = MetadataUnpickler(handle).load()
+    except pickle.UnpicklingError as exc:
+        raise ValueError(
+            f"{path}: not a checkpoint metadata file csbp accepts ({exc}); it was not loaded"
+        ) from None
+    except (EOFError, OSError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise ValueError(f"{path}: unreadable ({type(exc).__name__}: {exc}); the file is damaged") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ValueError(f"{path}: does not hold DCP checkpoint metadata")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``.metadata`` goes through :class:`MetadataUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise ValueError("per-rank DCP metadata files are not supported")
+        metadata = read_metadata(Path(self.path))
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that loads non-tensor items with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise ValueError(
+                f"checkpoint item {read_item.dest_index.fqn!r} holds a pickle csbp does not load ({exc})"
+            ) from None
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def safe_dcp_load(state_dict: dict[str, Any], checkpoint: Path, *, no_dist: bool) -> None:
+    """``dcp.load`` into ``state_dict`` through the safe reader and planner; a failure on any rank
+    is a ``ValueError`` naming the checkpoint and the first rank's error."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(
+                state_dict,
+                storage_reader=SafeFileSystemReader(str(checkpoint)),
+                planner=SafeLoadPlanner(),
+                no_dist=no_dist,
+            )
+    except CheckpointException as exc:
+        failures = sorted(exc.failures.items(), key=lambda item: item[0])
+        first = f"rank {failures[0][0]}: {failures[0][1][0]}" if failures else str(exc)
+        raise ValueError(f"checkpoint {checkpoint} could not be loaded: {first.splitlines()[0]}") from None
+
+
+def checkpoint_problem(checkpoint: Path, *, state_file: str | None = "trainer_state.json") -> str | None:
+    """None when ``checkpoint`` looks intact, else one line naming the damaged file.
+
+    Reads ``state_file`` (skipped when None) and ``.metadata`` (safely) and compares every data
+    file's size with the byte ranges the metadata records; no tensor is read.
+    """
+    checkpoint = Path(checkpoint)
+    if state_file is not None:
+        problem = _state_file_problem(checkpoint / state_file)
+        if problem is not None:
+            return problem
+    try:
+        metadata = read_metadata(checkpoint)
+    except ValueError as exc:
+        return str(exc)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = str(getattr(info, "relative_path", ""))
+        if not name or Path(name).name != name or name.startswith("."):
+            return f"{checkpoint / METADATA_FILE} names a data file {name!r} outside the checkpoint"
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        needed[name] = max(needed.get(name, 0), end)
+    for name, end in sorted(needed.items()):
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size < end:
+            return f"{path} is truncated ({size} bytes, the metadata needs {end})"
+    return None
+
+
+def _state_file_problem(state_path: Path) -> str | None:
+    if not state_path.is_file():
+        return f"{state_path} is missing"
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"{state_path} is unreadable ({exc})"
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        return f"{state_path} has no integer 'step'"
+    return None
+
+
+def step_directories(root: Path) -> list[Path]:
+    """The ``step_*`` checkpoint directories of ``root``, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def resume_checkpoint(
+    root: Path, named: Path | None, *, warn: Callable[[str], None] | None = None
+) -> Path | None:
+    """The checkpoint to resume from in checkpoints directory ``root``.
+
+    ``named`` is what the ``latest`` pointer names (None when there is no usable pointer). Returns
+    ``named`` when it is intact, else the newest intact ``step_*`` directory, reporting every damaged
+    one it passes through ``warn``; None when ``root`` holds no checkpoint at all. ``ValueError``
+    (one line) when checkpoints exist but none is intact.
+    """
+    candidates = step_directories(root)
+    if named is not None:
+        candidates = [named] + [path for path in candidates if path != named]
+    damaged: list[str] = []
+    for path in candidates:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            if damaged and warn is not None:
+                warn(
+                    f"warning: skipping damaged checkpoint(s): {'; '.join(damaged)}; resuming from {path.name}"
+                )
+            return path
+        damaged.append(problem)
+    if damaged:
+        raise ValueError(
+            f"--resume: no intact checkpoint in {root}: {damaged[0]} (fix: restore the files, or start a new "
+            "run directory)"
+        )
+    return None
+
+
+def find_resume_checkpoint(run_dir: Path, *, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The checkpoint ``--resume`` restores in ``run_dir`` (see :func:`resume_checkpoint`); a broken
+    ``latest`` pointer is reported through ``warn`` and the newest intact checkpoint is used."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    named: Path | None = None
+    if pointer.is_file():
+        name = pointer.read_bytes()[:256].decode("utf-8", errors="replace").strip()
+        if _STEP_DIR.match(name) and (root / name).is_dir():
+            named = root / name
+        elif warn is not None:
+            warn(f"warning: {pointer} names {name!r}, which is not a checkpoint directory here")
+    return resume_checkpoint(root, named, warn=warn)
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    """True when ``run_dir`` holds a ``latest`` pointer or any ``step_*`` checkpoint directory."""
+    root = Path(run_dir) / "checkpoints"
+    return (root / "latest").exists() or bool(step_directories(root))
