@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint demo dflash-demo compare bench clean
+.PHONY: install test lint demo dflash-demo compare bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,18 @@ compare: $(ARTIFACT)/manifest.json
 
 bench: $(STAMP)
 	$(CSBP) bench attention --json docs/bench/attention.json
+
+# Device checks (CUDA; without a CUDA device it says so and exits 0): the `cuda`-marked tests
+# (FlexAttention forward/backward against the CPU float64 reference, bf16) and one layer's
+# attention kernels at 8K..128K tokens, bf16, 16/4 heads of 128 (csbp bench kernels).
+GPU_KERNELS := --device cuda --backends flex --dtype bfloat16 --num-heads 16 --num-kv-heads 4 \
+	--head-dim 128 --block-sizes 16 128 --seq-lens 8192 16384 32768 65536 131072 --repeats 2
+
+gpu-check: $(STAMP)
+	@if $(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PY) -m pytest -m cuda -q -p no:cacheprovider tests && \
+		$(VENV)/bin/csbp bench kernels $(GPU_KERNELS) --json gpu-kernels.json; \
+	else echo "gpu-check: no CUDA device visible, nothing to check"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache
