@@ -72,8 +72,9 @@ compare: $(ARTIFACT)/manifest.json
 bench: $(STAMP)
 	$(CSBP) bench attention --json docs/bench/attention.json
 
-# The device check (README "GPUs"): CUDA tests, NCCL verify on >= 2 GPUs and the single-GPU
-# training table, within 8 minutes on one H200; writes gpu-check.json. Without CUDA it says so, exits 0.
+# The device check (README "GPUs"): CUDA tests, NCCL verify on >= 2 GPUs, csbp bench kernels on CUDA
+# and the single-GPU training table, within 8 minutes on one H200; writes gpu-check.json (and
+# gpu-kernels.json). Without CUDA it says so and exits 0.
 gpu-check: $(STAMP)
 	$(PY) -m csbp.gpu.check --json gpu-check.json
 

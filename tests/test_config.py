@@ -444,7 +444,8 @@ def test_dump_config_writes_every_default(tmp_path: Path) -> None:
     text = dump_config(cfg)
     assert text.startswith("# csbp run config")
     dumped = yaml.safe_load(text)
-    assert set(dumped) == {"run", "model", "data", "objective", "topology", "optim", "train"}
+    assert set(dumped) == {"run", "model", "data", "objective", "topology", "attention", "optim", "train"}
+    assert dumped["attention"]["backend"] == "auto"
     assert dumped["optim"]["betas"] == [0.9, 0.95]
     assert dumped["train"]["collective_timeout_s"] == 300.0
     assert "betas: [0.9, 0.95]" in text  # short lists stay on one line
@@ -474,3 +475,9 @@ def test_a_plain_value_error_in_a_rule_still_gives_one_line(monkeypatch) -> None
 
     monkeypatch.setattr("csbp.config.schema.cross_section_violations", broken_rule)
     assert error_lines(demo_dict()) == ["config.yaml: rule crashed on purpose"]
+
+
+def test_attention_backend_is_validated() -> None:
+    assert load_run_config("demo").attention.backend == "auto"
+    lines = error_lines(with_changes({"attention.backend": "triton"}))
+    assert len(lines) == 1 and lines[0].startswith("config.yaml: attention.backend:")

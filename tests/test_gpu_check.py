@@ -47,7 +47,10 @@ def test_without_cuda_it_prints_one_line_and_exits_0(
 
 def test_stage_selection_and_listing(capsys: pytest.CaptureFixture[str]) -> None:
     names = [stage.name for stage in check.STAGES]
-    assert names[-1] == "train-table" and {"cuda-tests", "verify"} <= set(names)
+    assert names[-1] == "train-table" and {"cuda-tests", "verify", "kernels"} <= set(names)
+    kernels = next(s for s in check.STAGES if s.name == "kernels")
+    assert kernels.run(_env(Path("."), seconds=0.5)).summary == "no time left in the budget"
+    assert check._kernels(_env(Path(".")))[2:5] == ["csbp", "bench", "kernels"]
     assert [s.name for s in select_stages(["train-table", "cuda-tests"])] == ["cuda-tests", "train-table"]
     assert select_stages(None) == check.STAGES
     with pytest.raises(ValueError, match=r"unknown or no stage\(s\) \['kernel'\]"):

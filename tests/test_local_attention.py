@@ -49,7 +49,7 @@ def test_block_diagonal_fast_path_matches_dense_reference(causal: bool, window: 
     rows, num_noisy = bp_only_rows(window=window)
     attn = LocalAttentionFn(rows, num_noisy=num_noisy, causal_in_block=causal, tile_rows=4)
     assert attn.plan.block_size == BLOCK
-    assert attn.plan.interval_plan.num_keys == len(rows) - num_noisy  # clean keys only
+    assert attn.plan.interval_plan.tile_plan.num_keys == len(rows) - num_noisy  # clean keys only
     check_against_reference(attn, rows, rows, causal, seed=1)
 
 

@@ -16,7 +16,12 @@ rank that owns those rows. Hence the API:
 
 **Tiling.** The interval kernels loop over the tiles of a ``TilePlan`` (``csbp.attention.tile_plan``,
 re-exported here): ``build_tile_plan(q_rows, k_rows)`` once per step, passed to every layer's
-forward and backward, so the work is proportional to the mask, not to ``Nq * Nk``.
+forward and backward, so the work is proportional to the mask, not to ``Nq * Nk``. Each tile's
+mask comes from the plan (evaluated once per step from ``csbp.masks.rows_mask``). On CPU a tile
+runs through ATen's fused flash-attention kernel with that mask as an additive bias: its forward
+returns the lse, and its backward takes ``out``/``lse`` as inputs, so it is given the *final*
+merged statistics, which is exactly the explicit backward below. Elsewhere the tile runs as
+matmuls and an explicit softmax.
 
 **Dtypes.** Scores, statistics and results are in the accumulation dtype (``merge.accumulation_dtype``:
 float64 for float64 inputs, float32 otherwise, including bf16/fp16): ``out``, ``lse``, ``dq``,
@@ -40,6 +45,7 @@ from csbp.attention.merge import accumulation_dtype
 from csbp.attention.rows import Rows
 from csbp.attention.tile_plan import (
     DEFAULT_TILE_ROWS,
+    TileMask,
     TilePlan,
     add_tile_keys,
     build_tile_plan,
@@ -82,13 +88,18 @@ def interval_attention_forward(
     k_used, v_used = _canonical_keys(k, plan, dtype), _canonical_keys(v, plan, dtype)  # [S, Hkv, n, d]
     out_g = q_scaled.new_zeros(*q_scaled.shape[:-1], v.shape[-1])  # [S, Hkv, Nq, G, d]
     lse_g = q_scaled.new_full(q_scaled.shape[:-1], float("-inf"))  # [S, Hkv, Nq, G]
-    for tile in plan.tiles:
+    fused = _fused_cpu(q)
+    for tile, strips in zip(plan.tiles, plan.tile_strips(causal_in_block)):
         rows = slice(tile.q_lo, tile.q_hi)
         num_rows = tile.q_hi - tile.q_lo
         q_tile = q_scaled[:, :, rows].reshape(num_samples, num_kv_heads, num_rows * group, -1)
-        scores = q_tile @ gather_tile_keys(k_used, tile).transpose(-1, -2)  # [S, Hkv, T*G, C]
-        mask_tile_scores(scores, plan, tile, group, causal_in_block)
-        out_tile, lse_tile = _softmax_forward(scores, gather_tile_keys(v_used, tile))
+        k_tile, v_tile = gather_tile_keys(k_used, tile), gather_tile_keys(v_used, tile)
+        if fused:
+            out_tile, lse_tile = _fused_tile_forward(q_tile, k_tile, v_tile, strips, num_rows, group)
+        else:
+            scores = q_tile @ k_tile.transpose(-1, -2)  # [S, Hkv, T*G, C]
+            mask_tile_scores(scores, strips, group)
+            out_tile, lse_tile = _softmax_forward(scores, v_tile)
         out_g[:, :, rows] = out_tile.view(num_samples, num_kv_heads, num_rows, group, -1)
         lse_g[:, :, rows] = lse_tile.view(num_samples, num_kv_heads, num_rows, group)
     inverse = plan.query_inverse
@@ -130,14 +141,35 @@ def interval_attention_backward(
     k_used, v_used = _canonical_keys(k, plan, dtype), _canonical_keys(v, plan, dtype)  # [S, Hkv, n, d]
     dq_g = torch.zeros_like(q_scaled)
     dk_used, dv_used = torch.zeros_like(k_used), torch.zeros_like(v_used)
-    for tile in plan.tiles:
+    fused = _fused_cpu(q)
+    if fused:
+        out_g = _grouped_rows(out, num_kv_heads, plan.query_index, dtype)  # [S, Hkv, Nq, G, d]
+        lse_g = lse_g.masked_fill(lse_g == float("-inf"), float("inf"))  # rows that see nothing: P = 0
+    for tile, strips in zip(plan.tiles, plan.tile_strips(causal_in_block)):
         rows = slice(tile.q_lo, tile.q_hi)
         num_rows = tile.q_hi - tile.q_lo
         flat = (num_samples, num_kv_heads, num_rows * group)
         q_tile = q_scaled[:, :, rows].reshape(*flat, -1)
         k_tile, v_tile = gather_tile_keys(k_used, tile), gather_tile_keys(v_used, tile)
+        if fused:
+            dq_tile, dk_tile, dv_tile = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout_g[:, :, rows].reshape(*flat, -1),
+                q_tile,
+                k_tile,
+                v_tile,
+                out_g[:, :, rows].reshape(*flat, -1),
+                lse_g[:, :, rows].reshape(flat),
+                0.0,
+                False,
+                attn_mask=_additive_mask(strips, num_rows, group, k_tile.shape[2], q_tile),
+                scale=1.0,
+            )
+            dq_g[:, :, rows] = dq_tile.mul_(scale).view(num_samples, num_kv_heads, num_rows, group, -1)
+            add_tile_keys(dk_used, dk_tile, tile)
+            add_tile_keys(dv_used, dv_tile, tile)
+            continue
         scores = q_tile @ k_tile.transpose(-1, -2)  # [S, Hkv, T*G, C]
-        mask_tile_scores(scores, plan, tile, group, causal_in_block)
+        mask_tile_scores(scores, strips, group)
         dq_tile, dk_tile, dv_tile = _softmax_backward(
             scores,
             lse_g[:, :, rows].reshape(flat),
@@ -206,6 +238,38 @@ def block_diagonal_backward(
 
 
 # ----------------------------------------------------------------------------- softmax core
+
+
+def _fused_cpu(q: Tensor) -> bool:
+    """On CPU a tile runs through ATen's fused flash-attention kernel (forward with lse, and the
+    backward from given ``out``/``lse``: exactly the explicit backward from merged statistics)."""
+    return q.device.type == "cpu"
+
+
+def _additive_mask(tile_mask: TileMask, num_rows: int, group: int, num_keys: int, like: Tensor) -> Tensor | None:
+    """``[T*G, C]`` additive mask (0 allowed, -inf disallowed) of a tile's strips; None when unmasked."""
+    if not tile_mask.strips:
+        return None
+    mask = like.new_zeros(num_rows, 1, num_keys)
+    for first, stop, blocked in tile_mask.strips:
+        mask[..., first:stop].masked_fill_(blocked, float("-inf"))
+    return mask.expand(num_rows, group, num_keys).reshape(num_rows * group, num_keys)
+
+
+def _fused_tile_forward(
+    q_tile: Tensor, k_tile: Tensor, v_tile: Tensor, tile_mask: TileMask, num_rows: int, group: int
+) -> tuple[Tensor, Tensor]:
+    """``(out [S, Hkv, T*G, d], lse [S, Hkv, T*G])`` of one tile (``q_tile`` already scaled); rows that
+    see no key get ``out = 0``, ``lse = -inf``."""
+    mask = _additive_mask(tile_mask, num_rows, group, k_tile.shape[2], q_tile)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_tile, k_tile, v_tile, 0.0, False, attn_mask=mask, scale=1.0
+    )
+    if tile_mask.empty is not None:
+        empty = tile_mask.empty[:, None].expand(num_rows, group).reshape(-1)  # [T*G]
+        out = out.masked_fill(empty[:, None], 0.0)
+        lse = lse.masked_fill(empty, float("-inf"))
+    return out, lse
 
 
 def _softmax_forward(scores: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from csbp.masks import dense_mask, rows_mask
+
 
 @dataclass(frozen=True)
 class Rows:
@@ -86,9 +88,6 @@ _FIELDS = ("pos", "clean", "block", "ctx_start", "ctx_stop", "live")
 
 
 def allow_matrix(q: Rows, k: Rows, *, causal_in_block: bool = False) -> Tensor:
-    """Dense ``[len(q), len(k)]`` boolean mask of the interval predicate (reference and tests)."""
-    diag = (~q.clean[:, None]) & (~k.clean[None, :]) & (q.block[:, None] == k.block[None, :])
-    if causal_in_block:
-        diag = diag & (k.pos[None, :] <= q.pos[:, None])
-    ctx = k.clean[None, :] & (q.ctx_start[:, None] <= k.pos[None, :]) & (k.pos[None, :] < q.ctx_stop[:, None])
-    return (diag | ctx) & q.live[:, None] & k.live[None, :]
+    """Dense ``[len(q), len(k)]`` boolean mask of the interval predicate (reference and tests): the
+    one definition, ``csbp.masks.rows_mask``, evaluated at every pair."""
+    return dense_mask(rows_mask(q, k, causal_in_block=causal_in_block), len(q), len(k), device=q.pos.device)

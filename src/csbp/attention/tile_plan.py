@@ -11,18 +11,38 @@ inside the union of the tile's ``[ctx_start, ctx_stop)``. Kernels touch only tho
 the exact predicate inside the tile (``mask_tile_scores``); tiles without a candidate key are not
 in the plan. Padding keys (``live = False``) are never candidates.
 
+The predicate is ``csbp.masks.rows_mask`` (the one definition the FlexAttention backend and the
+dense reference use too), evaluated once per plan and causal flag on the columns of each tile that
+are not entirely allowed; every layer's forward and backward then applies those stored strips
+with one ``masked_fill_`` each instead of rebuilding the mask from the row metadata.
+
 Shape legend: ``S`` samples, ``Hkv`` KV heads, ``G`` query heads per KV head, ``T`` rows of a tile,
 ``C`` candidate keys of a tile, ``n`` used (live) keys, ``d`` head dim.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from csbp.attention.rows import Rows
+from csbp.masks import rows_mask
+
+
+@dataclass(frozen=True)
+class TileMask:
+    """The mask of one tile's candidate keys, evaluated once per plan and causal flag.
+
+    Attributes:
+        strips: ``(first, stop, blocked [T, 1, stop-first])`` column ranges that hold a disallowed
+            pair (``blocked`` True where disallowed); every other candidate column is allowed.
+        empty: ``[T]`` bool, rows that see no candidate key; None when every row sees one.
+    """
+
+    strips: tuple[tuple[int, int, Tensor], ...]
+    empty: Tensor | None
 
 DEFAULT_TILE_ROWS = 128
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -76,6 +96,16 @@ class TilePlan:
     num_noisy_keys: int
     query_rows: Rows
     key_rows: Rows
+    _strips: dict[bool, tuple[TileMask, ...]] = field(default_factory=dict, repr=False)
+
+    def tile_strips(self, causal_in_block: bool) -> tuple[TileMask, ...]:
+        """The mask of every tile, evaluated once per causal flag and then reused."""
+        strips = self._strips.get(causal_in_block)
+        if strips is None:
+            strips = self._strips[causal_in_block] = tuple(
+                _tile_strips(self, tile, causal_in_block) for tile in self.tiles
+            )
+        return strips
 
     @property
     def num_used_keys(self) -> int:
@@ -161,31 +191,39 @@ def build_tile_plan(q_rows: Rows, k_rows: Rows, *, tile_rows: int = DEFAULT_TILE
     )
 
 
-def mask_tile_scores(scores: Tensor, plan: TilePlan, tile: TileRange, group: int, causal: bool) -> None:
-    """Set the scores ``[S, Hkv, T*G, C]`` of disallowed (query, key) pairs of a tile to -inf, in place.
+def mask_tile_scores(scores: Tensor, tile_mask: TileMask, group: int) -> None:
+    """Set the scores ``[S, Hkv, T*G, C]`` of a tile's disallowed (query, key) pairs to -inf, in place.
 
-    Columns are the tile's noisy candidates then its clean candidates (``gather_tile_keys``); the
-    clean keys every row sees (``[full_lo, full_hi)``) are left untouched.
+    ``tile_mask`` is the tile's entry of ``TilePlan.tile_strips(causal_in_block)``; columns are the
+    tile's noisy candidates then its clean candidates (``gather_tile_keys``).
     """
-    queries, keys = plan.query_rows, plan.key_rows
-    rows = slice(tile.q_lo, tile.q_hi)
-    q_live = queries.live[rows, None]
-    scores_view = scores.view(*scores.shape[:2], tile.q_hi - tile.q_lo, group, -1)  # [S, Hkv, T, G, C]
+    if not tile_mask.strips:
+        return
+    scores_view = scores.view(*scores.shape[:2], -1, group, scores.shape[-1])  # [S, Hkv, T, G, C]
+    for first, stop, blocked in tile_mask.strips:
+        scores_view[..., first:stop].masked_fill_(blocked, float("-inf"))
+
+
+def _tile_strips(plan: TilePlan, tile: TileRange, causal: bool) -> TileMask:
+    """Evaluate the predicate on the tile's candidate columns outside ``[full_lo, full_hi)``."""
+    predicate = rows_mask(plan.query_rows, plan.key_rows, causal_in_block=causal)
+    device = plan.query_rows.pos.device
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    rows = torch.arange(tile.q_lo, tile.q_hi, device=device)[:, None]
     num_noisy = tile.noisy_hi - tile.noisy_lo
-    if num_noisy > 0:
-        span = slice(tile.noisy_lo, tile.noisy_hi)
-        allow = q_live & ~queries.clean[rows, None] & (queries.block[rows, None] == keys.block[None, span])
-        if causal:
-            allow &= keys.pos[None, span] <= queries.pos[rows, None]
-        scores_view[..., :num_noisy].masked_fill_(~allow[:, None, :], float("-inf"))
-    for lo, hi in ((tile.clean_lo, tile.full_lo), (tile.full_hi, tile.clean_hi)):
+    spans = [(tile.noisy_lo, tile.noisy_hi, 0)] + [
+        (lo, hi, num_noisy + lo - tile.clean_lo)
+        for lo, hi in ((tile.clean_lo, tile.full_lo), (tile.full_hi, tile.clean_hi))
+    ]
+    strips = []
+    sees_key = torch.full((tile.q_hi - tile.q_lo,), tile.full_hi > tile.full_lo, device=device)
+    for lo, hi, first in spans:
         if hi > lo:
-            key_pos = keys.pos[None, lo:hi]
-            allow = (
-                q_live & (queries.ctx_start[rows, None] <= key_pos) & (key_pos < queries.ctx_stop[rows, None])
-            )
-            first = num_noisy + lo - tile.clean_lo
-            scores_view[..., first : first + hi - lo].masked_fill_(~allow[:, None, :], float("-inf"))
+            blocked = ~predicate(zero, zero, rows, torch.arange(lo, hi, device=device)[None, :])
+            sees_key |= ~blocked.all(-1)
+            if bool(blocked.any()):
+                strips.append((first, first + hi - lo, blocked[:, None, :]))
+    return TileMask(tuple(strips), None if bool(sees_key.all()) else ~sees_key)
 
 
 def gather_tile_keys(x: Tensor, tile: TileRange) -> Tensor:

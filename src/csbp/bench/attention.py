@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from csbp.attention.backends import check_backend_trains_on
 from csbp.bench.common import (
     Column,
     StepSeries,
@@ -57,6 +58,7 @@ class AttentionBenchConfig:
     num_layers: int = 1
     window: int | None = None
     transport: str = "collective"
+    backend: str = "tiles"
     doc_length: int | None = None
     warmup: int = 1
     repeats: int = 3
@@ -121,6 +123,7 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
     ctx = build_parallel_context(topology)
     plan = build_rank_plan(
         ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window,  # type: ignore[arg-type]
+        backend=cfg.backend,
         documents=bench_documents(cfg.seq_len, cfg.doc_length, cfg.seed),
     )
     width = cfg.num_heads * cfg.head_dim
@@ -245,6 +248,10 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
     attn.add_argument("--window", type=int, default=None, help="sliding window W (tokens)")
     add_head_options(attn)
     attn.add_argument("--num-layers", type=int, default=1)
+    attn.add_argument(
+        "--backend", choices=("auto", "tiles", "flex"), default="auto",
+        help="attention backend (auto: tiles here, the processes run on CPU)",
+    )
     add_output_options(attn)
     attn.set_defaults(func=run_attention_bench_command)
 
@@ -271,6 +278,7 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
         num_layers=args.num_layers,
         window=args.window,
         transport=args.transport,
+        backend=check_backend_trains_on(args.backend, "cpu", where="--backend"),
         doc_length=args.doc_length,
         warmup=args.warmup,
         repeats=args.repeats,

@@ -1,9 +1,10 @@
-"""``csbp bench attention|train|dflash``: side-by-side layout benchmarks, one command each.
+"""``csbp bench attention|train|dflash|kernels``: side-by-side benchmarks, one command each.
 
 Examples::
 
     csbp bench attention                                   # 1K..16K, block 16, 4 processes
     csbp bench attention --seq-lens 2048 8192 --window 256 --json attn.json
+    csbp bench kernels --device cuda --seq-lens 8192 131072    # one layer's kernels per backend
 
 Each benchmark runs every layout in the same invocation and prints ratios to CP-only, so the
 numbers compare layouts on one machine state rather than across runs. The subcommands live next
@@ -17,6 +18,7 @@ import argparse
 
 from csbp.bench.attention import register_attention_bench
 from csbp.bench.dflash_bench import register_dflash_bench
+from csbp.bench.kernels import register_kernel_bench
 from csbp.bench.train_bench import register_train_bench
 
 
@@ -26,3 +28,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     register_attention_bench(kinds)
     register_train_bench(kinds)
     register_dflash_bench(kinds)
+    register_kernel_bench(kinds)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 
+from csbp.attention.backends import check_backend_trains_on
 from csbp.cli.options import positive_int
 from csbp.devices import DEVICE_KINDS, resolve_device
 from csbp.engine.verify import VerifyCase, layouts_for, verify
@@ -54,6 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="cpu: gloo processes (default); cuda: one process per GPU over NCCL",
     )
     parser.add_argument(
+        "--backend", choices=("auto", "tiles", "flex"), default="auto",
+        help="attention backend of the layouts (auto: flex on CUDA, tiles on CPU); the reference uses tiles",
+    )
+    parser.add_argument(
         "--objective",
         choices=("bd3", "dflash"),
         default="bd3",
@@ -81,6 +86,7 @@ def run_verify(args: argparse.Namespace) -> int:
         return run_verify_dflash(args)
     if args.doc_length is not None and args.doc_length < 1:
         raise ValueError(f"--doc-length must be >= 1 (mean tokens per packed document), got {args.doc_length}")
+    backend = check_backend_trains_on(args.backend, args.device, where="--backend")
     cases = []
     for t in _requested_topologies(args):
         transports = [args.transport]
@@ -99,6 +105,7 @@ def run_verify(args: argparse.Namespace) -> int:
                     seed=args.seed,
                     doc_length=args.doc_length,
                     device=args.device,
+                    backend=backend,
                 )
             )
     for case in cases:  # fail closed before launching anything

@@ -415,6 +415,15 @@ class TopologySection(_Section):
         return self.dp * max(self.cp, self.bp)
 
 
+class AttentionSection(_Section):
+    """How attention partials are computed (csbp.attention.backends)."""
+
+    backend: Literal["auto", "tiles", "flex"] = Field(
+        "auto",
+        description="auto: FlexAttention on CUDA, tiled PyTorch kernels on CPU; tiles; flex (CUDA to train).",
+    )
+
+
 class OptimSection(_Section):
     """AdamW and the learning-rate schedule."""
 
@@ -480,6 +489,7 @@ class RunConfig(_Section):
     data: DataSection = Field(description="Training data.")
     objective: ObjectiveSection = Field(description="Training objective.")
     topology: TopologySection = Field(default_factory=TopologySection, description="Parallel layout.")
+    attention: AttentionSection = Field(default_factory=AttentionSection, description="Attention kernels.")
     optim: OptimSection = Field(description="Optimizer.")
     train: TrainSection = Field(description="Training loop.")
 

@@ -14,8 +14,8 @@ block rows, and the layer index; it returns ``[S, Hq, N, d]`` in the dtype of ``
   keys at their positions. Per layer::
 
       start an async all-gather of my context K/V shard over the CP ring (no-op without a ring)
-      block partial: block_diagonal_forward over my block rows (dead rows: out 0, lse -inf)
-      wait; context partial: interval kernel of my queries x the gathered context rows
+      block partial: my block rows over themselves (batched blocks / FlexAttention) (dead rows: out 0, lse -inf)
+      wait; context partial: my queries x the gathered context rows (tiles / FlexAttention)
       merge online (csbp.md §9.2)
 
   Backward: the context partial's dK/dV (gathered layout) is reduce-scattered back to the shard
@@ -35,15 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from csbp.attention.kernel import (
-    DEFAULT_TILE_ROWS,
-    TilePlan,
-    block_diagonal_backward,
-    block_diagonal_forward,
-    build_tile_plan,
-    interval_attention_backward,
-    interval_attention_forward,
-)
+from csbp.attention.backends import PartialPlan, plan_block_diagonal, plan_partial
+from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows, allow_matrix
 from csbp.attention.transports.function import exact_attention_precision
@@ -97,11 +90,13 @@ def dense_draft_masks(
 
 @dataclass(frozen=True, eq=False)
 class DraftMaskVariant:
-    """The block rows of one layer kind (full or sliding attention) and their context tile plan."""
+    """The block rows of one layer kind (full or sliding attention) and their two partials (block
+    rows over themselves, block rows over the gathered context) on the run's attention backend."""
 
     query_rows: Rows
     causal_in_block: bool
-    context_plan: TilePlan
+    context_plan: PartialPlan
+    block_plan: PartialPlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,8 +128,10 @@ def build_draft_attention_plan(
     block_size: int,
     comm: Comm | None,
     tile_rows: int = DEFAULT_TILE_ROWS,
+    backend: str = "tiles",
 ) -> DraftAttentionPlan:
-    """Plan the attention of one anchor packet; every layer reuses it in forward and backward."""
+    """Plan the attention of one anchor packet; every layer reuses it in forward and backward.
+    ``backend`` (``csbp.attention.backends``) is resolved on the rows' device."""
     if not query_rows or len(query_rows) != len(causal_in_block):
         raise ValueError("build_draft_attention_plan needs one causal flag per query-row variant")
     live = query_rows[0].live
@@ -143,7 +140,12 @@ def build_draft_attention_plan(
     if any(v not in range(len(query_rows)) for v in layer_variant):
         raise ValueError(f"layer_variant {list(layer_variant)} must index the {len(query_rows)} variants")
     variants = tuple(
-        DraftMaskVariant(rows, causal, build_tile_plan(rows, context_rows, tile_rows=tile_rows))
+        DraftMaskVariant(
+            rows,
+            causal,
+            plan_partial(rows, context_rows, backend=backend, tile_rows=tile_rows),
+            plan_block_diagonal(rows, block_size=block_size, backend=backend, causal_in_block=causal),
+        )
         for rows, causal in zip(query_rows, causal_in_block)
     )
     return DraftAttentionPlan(block_size, live, context_rows, variants, tuple(layer_variant), comm)
@@ -206,18 +208,14 @@ class _ShardedDraftAttention(torch.autograd.Function):
         gathered = shard
         if ring is not None:
             gathered, pending = ring.all_gather(shard, async_op=True)
-        out_blk, lse_blk = block_diagonal_forward(
-            q, k_blk, v_blk, block_size=plan.block_size, causal=variant.causal_in_block
-        )
+        out_blk, lse_blk = variant.block_plan.forward(q, k_blk, v_blk)
         live = plan.live.to(q.device)
         out_blk = torch.where(live[:, None], out_blk, 0.0)
         lse_blk = torch.where(live, lse_blk, float("-inf"))
         if pending is not None:
             gathered = pending.wait()
         kv_all = gathered.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, P*M, d]
-        out_ctx, lse_ctx = interval_attention_forward(
-            q, kv_all[0], kv_all[1], variant.query_rows, plan.context_rows, plan=variant.context_plan
-        )
+        out_ctx, lse_ctx = variant.context_plan.forward(q, kv_all[0], kv_all[1])
         out, lse = merge_partials(out_blk, lse_blk, out_ctx, lse_ctx)
         ctx.save_for_backward(q, k_blk, v_blk, kv_all, out, lse)
         ctx.plan, ctx.variant = plan, variant
@@ -229,35 +227,14 @@ class _ShardedDraftAttention(torch.autograd.Function):
         plan, variant = ctx.plan, ctx.variant
         dtype = accumulation_dtype(q, k_blk, v_blk)
         delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
-        dq, dk_all, dv_all = interval_attention_backward(
-            q,
-            kv_all[0],
-            kv_all[1],
-            variant.query_rows,
-            plan.context_rows,
-            out,
-            lse,
-            dout,
-            plan=variant.context_plan,
-            delta=delta,
-        )
+        dq, dk_all, dv_all = variant.context_plan.backward(q, kv_all[0], kv_all[1], out, lse, dout, delta=delta)
         dkv_all = torch.stack((dk_all, dv_all)).permute(3, 0, 1, 2, 4).contiguous()  # [P*M, 2, S, Hkv, d]
         ring = _ring(plan)
         pending = None
         dkv_local = dkv_all
         if ring is not None:
             dkv_local, pending = ring.reduce_scatter(dkv_all, async_op=True)
-        dq_blk, dk_blk, dv_blk = block_diagonal_backward(
-            q,
-            k_blk,
-            v_blk,
-            out,
-            lse,
-            dout,
-            block_size=plan.block_size,
-            causal=variant.causal_in_block,
-            delta=delta,
-        )
+        dq_blk, dk_blk, dv_blk = variant.block_plan.backward(q, k_blk, v_blk, out, lse, dout, delta=delta)
         if pending is not None:
             dkv_local = pending.wait()
         dkv_local = dkv_local.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, M, d]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from csbp.attention.backends import check_backend
 from csbp.attention.rows import Rows
 from csbp.dflash.anchors import sample_anchors, segment_starts
 from csbp.dflash.attention import ShardedDraftAttention, build_draft_attention_plan
@@ -115,11 +116,13 @@ class DFlashRankPlan:
         ring_comm: the CP ring for context K/V (None when ``cp == 1``).
         owner_comm: sums over the ranks that split a sample's anchors (None when one rank holds
             all anchors); used without gradient for global denominators and metrics.
+        backend: attention backend of the draft layers (``csbp.attention.backends``).
     """
 
     layout: DFlashLayout
     ring_comm: Comm | None
     owner_comm: Comm | None
+    backend: str = "tiles"
 
     def reduce_sum(self, values: Tensor) -> Tensor:
         """Sum a small stats tensor over the anchor owners (identity for one owner)."""
@@ -128,8 +131,11 @@ class DFlashRankPlan:
         return self.owner_comm.all_reduce(values.clone().contiguous())
 
 
-def build_dflash_rank_plan(ctx: ParallelContext, objective: DFlashObjectiveConfig) -> DFlashRankPlan:
-    """Plan this rank's share of every sample (call once after building the parallel context)."""
+def build_dflash_rank_plan(
+    ctx: ParallelContext, objective: DFlashObjectiveConfig, *, backend: str = "tiles"
+) -> DFlashRankPlan:
+    """Plan this rank's share of every sample (call once after building the parallel context);
+    ``backend``: the attention backend of the draft layers (auto, tiles, flex)."""
     layout = dflash_layout(ctx.topology, ctx.coords.local_rank)
     if objective.max_anchors < layout.num_owners:
         raise ValueError(
@@ -141,7 +147,7 @@ def build_dflash_rank_plan(ctx: ParallelContext, objective: DFlashObjectiveConfi
     owner = None
     if layout.num_owners > 1 and ctx.groups is not None:
         owner = ctx.model_input_comm("dflash.stats")
-    return DFlashRankPlan(layout, ring, owner)
+    return DFlashRankPlan(layout, ring, owner, check_backend(backend))
 
 
 @dataclass(frozen=True)
@@ -220,6 +226,7 @@ class DFlashStep:
                     gathered_rows,
                     context=objective.context,
                     comm=self.plan.ring_comm,
+                    backend=self.plan.backend,
                 )[0]
             )
             last = None if features.last_hidden is None else features.last_hidden[s]
@@ -302,6 +309,7 @@ def forward_packet(
     *,
     context: str = "strict",
     comm: Comm | None = None,
+    backend: str = "tiles",
 ) -> Tensor:
     """Hidden states ``[1, n·B, D]`` of a packet's blocks ``[x_a, M, …]`` (dead blocks: zeros).
 
@@ -325,6 +333,7 @@ def forward_packet(
         gathered_context_rows.to(device),
         block_size=cfg.block_size,
         comm=comm,
+        backend=backend,
     )
     ids = drafter.block_input_ids(tokens_L.cpu()[packet.anchors], packet.keep).to(device)
     return drafter(

@@ -95,13 +95,15 @@ def build_rank_plan(
     schedule: SchedulePolicy = "dual_end",
     documents: Documents | None = None,
     reset_positions: bool = False,
+    backend: str = "tiles",
 ) -> RankPlan:
     """Plan this rank's rows and attention (build once per shape, or once per sample's ``documents``;
-    every layer reuses it). ``reset_positions`` restarts RoPE positions at each document."""
+    every layer reuses it). ``reset_positions`` restarts RoPE positions at each document.
+    ``backend``: attention backend of every partial (auto, tiles, flex; csbp.attention.backends)."""
     if not uses_clean_stream:
-        plan = _single_stream_plan(ctx, seq_len, block_size, causal=causal, documents=documents)
+        plan = _single_stream_plan(ctx, seq_len, block_size, causal=causal, documents=documents, backend=backend)
     else:
-        plan = _two_stream_plan(ctx, seq_len, block_size, transport, window, schedule, documents)
+        plan = _two_stream_plan(ctx, seq_len, block_size, transport, window, schedule, documents, backend)
     if reset_positions and documents is not None:
         plan = replace(plan, rope_positions=plan.rows.pos - documents.start[plan.rows.pos])
     return plan
@@ -115,6 +117,7 @@ def _two_stream_plan(
     window: int | None,
     schedule: SchedulePolicy,
     documents: Documents | None,
+    backend: str = "tiles",
 ) -> RankPlan:
     topology = ctx.topology
     topology.validate_sequence(seq_len, block_size)
@@ -131,6 +134,7 @@ def _two_stream_plan(
         window=window,
         schedule=schedule,
         documents=documents,
+        backend=backend,
     )
     return RankPlan(layout.rows, layout.num_noisy, layout.noisy_positions, layout.clean_positions, attention)
 
@@ -149,6 +153,7 @@ class DocumentPlanner:
     window: int | None = None
     schedule: SchedulePolicy = "dual_end"
     reset_positions: bool = False
+    backend: str = "tiles"
 
     def plans_for(self, doc_ids: Tensor) -> list[RankPlan]:
         """One plan per row of ``doc_ids [S', L]`` (rows with equal ids share a plan)."""
@@ -161,13 +166,20 @@ class DocumentPlanner:
                     self.ctx, self.seq_len, self.block_size, uses_clean_stream=self.uses_clean_stream,
                     causal=self.causal, transport=self.transport, window=self.window, schedule=self.schedule,
                     documents=Documents.from_doc_ids(row), reset_positions=self.reset_positions,
+                    backend=self.backend,
                 )
             out.append(plans[key])
         return out
 
 
 def _single_stream_plan(
-    ctx: ParallelContext, seq_len: int, block_size: int, *, causal: bool, documents: Documents | None = None
+    ctx: ParallelContext,
+    seq_len: int,
+    block_size: int,
+    *,
+    causal: bool,
+    documents: Documents | None = None,
+    backend: str = "tiles",
 ) -> RankPlan:
     """MDLM (one bidirectional block over the whole sequence) and AR (causal): data parallel only."""
     if ctx.topology.local != 1:
@@ -178,7 +190,7 @@ def _single_stream_plan(
     rows = _single_stream_rows(seq_len)
     if documents is not None:  # one bidirectional (MDLM) or causal (AR) block per document
         rows = replace(rows, block=documents.start.clone())
-    attention = LocalAttentionFn(rows, num_noisy=seq_len, causal_in_block=causal)
+    attention = LocalAttentionFn(rows, num_noisy=seq_len, causal_in_block=causal, backend=backend)
     return RankPlan(rows, seq_len, rows.pos, torch.zeros(0, dtype=torch.long), attention)
 
 

@@ -51,6 +51,7 @@ class VerifyCase:
     dtype: str = "float64"
     samples: int = 2
     seed: int = 0
+    backend: str = "tiles"
     doc_length: int | None = None  # mean length of random packed documents (document masking on)
     device: str = "cpu"
 
@@ -139,9 +140,15 @@ def _forward_backward(
     corrupted = sample_rows(full, slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
     plan: RankPlan | DocumentPlanner
     if case.doc_length is None:
-        plan = build_rank_plan(ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window)
+        plan = build_rank_plan(
+            ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
+            backend=case.backend,
+        )
     else:
-        plan = DocumentPlanner(ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window)
+        plan = DocumentPlanner(
+            ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
+            backend=case.backend,
+        )
     loss, ce_sum = rank_loss(model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size)
     loss.backward()
     average_gradients(model.parameters(), ctx.world_comm("gradients"))
@@ -162,7 +169,7 @@ def _worker(rank: int, world: int, case: VerifyCase) -> tuple[float, dict[str, t
 
 def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients for ``case``'s model and batch."""
-    ref_case = replace(case, topology=Topology(), device="cpu")
+    ref_case = replace(case, topology=Topology(), device="cpu", backend="tiles")  # the CPU reference
     return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp)
 
 

@@ -11,6 +11,8 @@ stage               what it runs
                     GPU over NCCL (world size 1), activation checkpointing, a DFlash drafter step
 ``verify``          ``csbp verify --device cuda --nproc <min(GPUs, 4)>`` (skipped with < 2 GPUs)
 ``verify-dflash``   the same for DFlash drafter training
+``kernels``         ``csbp bench kernels`` on CUDA: one layer's attention (flex backend, bf16, 16/4
+                    heads of 128, B = 16 and 128) at 8K-128K tokens; writes ``gpu-kernels.json``
 ``train-table``     the single-GPU training table (``csbp.gpu.train_table``): Qwen3-0.6B shape,
                     BD3, bf16, activation checkpointing, 8K-64K tokens; DFlash at 64K, 512 anchors
 ==================  =========================================================================
@@ -131,6 +133,18 @@ def _verify(objective: str) -> Callable[[CheckEnv], list[str] | str]:
     return argv
 
 
+KERNEL_BENCH_ARGS: tuple[str, ...] = (
+    "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
+    "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "8192", "16384", "32768", "65536", "131072",
+    "--repeats", "2", "--json", "gpu-kernels.json",
+)
+"""``csbp bench kernels`` options of the ``kernels`` stage."""
+
+
+def _kernels(env: CheckEnv) -> list[str]:
+    return [sys.executable, "-m", "csbp", "bench", "kernels", *KERNEL_BENCH_ARGS]
+
+
 def _train_table(env: CheckEnv) -> StageResult:
     args = env.args
     budget = env.seconds_left() - TRAIN_TABLE_RESERVE_S
@@ -163,6 +177,7 @@ STAGES: list[Stage] = [
     command_stage("cuda-tests", "pytest -m cuda: exactness and training steps on CUDA", _cuda_tests, timeout_s=240),
     command_stage("verify", "csbp verify --device cuda over every GPU (NCCL)", _verify("bd3"), timeout_s=150),
     command_stage("verify-dflash", "csbp verify --objective dflash --device cuda", _verify("dflash"), timeout_s=150),
+    command_stage("kernels", "csbp bench kernels on CUDA (flex, bf16, 8K-128K)", _kernels, timeout_s=150),
     Stage("train-table", "single-GPU BD3 / DFlash training table (Qwen3-0.6B shape, bf16)", _train_table),
 ]
 """The stages in run order; ``train-table`` last, it takes the time that is left."""

@@ -10,7 +10,15 @@ Usage::
 """
 
 from csbp.masks.builders import dense_mask, flex_block_mask
-from csbp.masks.predicates import MaskMod, ar_mask, bd3_mask, dflash_mask, fast_dllm_v2_mask, mdlm_mask
+from csbp.masks.predicates import (
+    MaskMod,
+    ar_mask,
+    bd3_mask,
+    dflash_mask,
+    fast_dllm_v2_mask,
+    mdlm_mask,
+    rows_mask,
+)
 
 __all__ = [
     "ar_mask",
@@ -21,4 +29,5 @@ __all__ = [
     "fast_dllm_v2_mask",
     "flex_block_mask",
     "mdlm_mask",
+    "rows_mask",
 ]

@@ -22,14 +22,22 @@ Packed documents (``doc_ids``) restrict every mask to pairs inside one document 
 maximal run of equal ids); see docs/document-masking.md.
 * ``dflash_mask``: queries ``[0, N·B)`` are the anchor blocks, keys ``[0, S + N·B)`` are
   ``[context (S) ; blocks (N·B)]``.
+* ``rows_mask``: any query/key row sets in the interval form of ``csbp.attention.rows`` (per-row
+  block id, clean-context interval, liveness). This is the predicate the runtime uses: the tiled
+  kernels, the FlexAttention backend and the dense reference all evaluate it, and the closed forms
+  above are tested to equal it on every layout's rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from csbp.attention.rows import Rows
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 """``mask_mod(b, h, q_idx, kv_idx) -> BoolTensor`` (True = the query may attend to the key)."""
@@ -216,5 +224,37 @@ def dflash_mask(
         if causal_in_block:
             own_block = own_block & (kv_draft % block_size <= q_offset)
         return keep[q_block] & (context | own_block) & in_range
+
+    return mask_mod
+
+
+def rows_mask(q_rows: Rows, k_rows: Rows, *, causal_in_block: bool = False) -> MaskMod:
+    """The interval predicate over row indices ``q_idx < len(q_rows)``, ``kv_idx < len(k_rows)``::
+
+        allow(q, k) = q.live and k.live and (
+              (not q.clean and not k.clean and q.block == k.block
+                   and (not causal_in_block or k.pos <= q.pos))        # block-diagonal part
+           or (k.clean and q.ctx_start <= k.pos < q.ctx_stop) )       # clean-context part
+
+    Any per-row key interval (block-causal, sliding window, DFlash "before the anchor", document
+    starts) is just a ``ctx_start``/``ctx_stop`` value, so every layout flows through unchanged. The
+    row tensors are captured (FlexAttention lifts them as buffers) and must live on the device the
+    mask is evaluated on; indices outside the row sets are never allowed.
+    """
+    num_queries, num_keys = len(q_rows), len(k_rows)
+    q_live, q_clean, q_block, q_pos = q_rows.live, q_rows.clean, q_rows.block, q_rows.pos
+    q_start, q_stop = q_rows.ctx_start, q_rows.ctx_stop
+    k_live, k_clean, k_block, k_pos = k_rows.live, k_rows.clean, k_rows.block, k_rows.pos
+    last_query, last_key = max(num_queries - 1, 0), max(num_keys - 1, 0)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        in_range = (q_idx < num_queries) & (kv_idx < num_keys)
+        qi, ki = q_idx.clamp(max=last_query), kv_idx.clamp(max=last_key)
+        key_pos = k_pos[ki]
+        diagonal = ~q_clean[qi] & ~k_clean[ki] & (q_block[qi] == k_block[ki])
+        if causal_in_block:
+            diagonal = diagonal & (key_pos <= q_pos[qi])
+        context = k_clean[ki] & (q_start[qi] <= key_pos) & (key_pos < q_stop[qi])
+        return (diagonal | context) & q_live[qi] & k_live[ki] & in_range
 
     return mask_mod

@@ -89,12 +89,13 @@ class DFlashStepRunner:
         seed: int,
         total_steps: int,
         features: FeatureStore | None = None,
+        backend: str = "tiles",
         eos_id: int | None = None,
         served_prompts: int = 0,
         served_new_tokens: int = 64,
     ) -> None:
         self.drafter = drafter
-        self.step_fn = DFlashStep(drafter, objective, build_dflash_rank_plan(ctx, objective))
+        self.step_fn = DFlashStep(drafter, objective, build_dflash_rank_plan(ctx, objective, backend=backend))
         self.ctx = ctx
         self.device = device
         self.precision = precision

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
+from csbp.attention.backends import check_backend_trains_on
 from csbp.config.loading import dump_config, write_config
 from csbp.config.schema import RunConfig
 from csbp.data.loader import PackedLoader
@@ -190,7 +191,7 @@ def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan | DocumentPl
         return DocumentPlanner(
             ctx, seq_len, block_size, uses_clean_stream=not single_stream, causal=obj.name == "ar",
             transport=topo.transport, window=topo.window, schedule=topo.schedule,
-            reset_positions=cfg.data.reset_positions,
+            reset_positions=cfg.data.reset_positions, backend=cfg.attention.backend,
         )
     return build_rank_plan(
         ctx,
@@ -201,6 +202,7 @@ def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan | DocumentPl
         transport=topo.transport,
         window=topo.window,
         schedule=topo.schedule,
+        backend=cfg.attention.backend,
     )
 
 
@@ -231,6 +233,7 @@ def train(
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
     started = time.perf_counter()
     device = training_device()  # selected before any process group is created
+    check_backend_trains_on(cfg.attention.backend, device)
     if dist.is_initialized():
         dist.barrier()  # every rank is past its pre-flight: group creation below is quick everywhere
     ctx = build_parallel_context(
@@ -310,6 +313,7 @@ def step_runner_for(
             seed=cfg.run.seed,
             total_steps=cfg.train.max_steps,
             features=inputs.dflash.feature_store(inputs.artifact.split("train")),
+            backend=cfg.attention.backend,
             eos_id=inputs.artifact.special_ids["eos"],
             served_prompts=cfg.objective.dflash.eval_prompts if cfg.objective.dflash is not None else 0,
             served_new_tokens=cfg.objective.dflash.eval_new_tokens if cfg.objective.dflash is not None else 64,

@@ -37,12 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from csbp.attention.kernel import (
-    TilePlan,
-    build_tile_plan,
-    interval_attention_backward,
-    interval_attention_forward,
-)
+from csbp.attention.backends import PartialPlan, plan_partial
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import (
@@ -73,7 +68,8 @@ class CollectivePlan:
         local: queries x own rows.
         query_rows: this rank's packed rows (the queries of the remote partial).
         remote: the other members' live rows in a gathered buffer, canonical order.
-        remote_plan: tile plan of ``query_rows`` x ``remote.rows``; None when there is no remote row.
+        remote_plan: the partial of ``query_rows`` x ``remote.rows`` on the run's backend; None when
+            there is no remote row.
         causal_in_block: lower-triangular block-diagonal part.
     """
 
@@ -82,7 +78,7 @@ class CollectivePlan:
     local: LocalAttentionPlan
     query_rows: Rows
     remote: RemoteKeys
-    remote_plan: TilePlan | None
+    remote_plan: PartialPlan | None
     causal_in_block: bool
 
 
@@ -96,10 +92,7 @@ def collective_forward(q: Tensor, k: Tensor, v: Tensor, plan: CollectivePlan) ->
     remote_kv = select_remote(gathered, plan.remote)  # [2, S, Hkv, R, d]
     del gathered, pending  # keep only the remote rows, not the padded gathered buffer
     if plan.remote_plan is not None:
-        out_remote, lse_remote = interval_attention_forward(
-            q, remote_kv[0], remote_kv[1], plan.query_rows, plan.remote.rows,
-            plan=plan.remote_plan, causal_in_block=plan.causal_in_block,
-        )
+        out_remote, lse_remote = plan.remote_plan.forward(q, remote_kv[0], remote_kv[1])
         out, lse = merge_partials(out, lse, out_remote, lse_remote)
     return out, lse, remote_kv
 
@@ -115,9 +108,8 @@ def collective_backward(
     delta = (dout.to(dtype) * out).sum(-1)  # [S, Hq, N]
     dq_remote = None
     if plan.remote_plan is not None:
-        dq_remote, dk_remote, dv_remote = interval_attention_backward(
-            q, remote_kv[0], remote_kv[1], plan.query_rows, plan.remote.rows, out, lse, dout,
-            plan=plan.remote_plan, causal_in_block=plan.causal_in_block, delta=delta,
+        dq_remote, dk_remote, dv_remote = plan.remote_plan.backward(
+            q, remote_kv[0], remote_kv[1], out, lse, dout, delta=delta
         )
         grad_gathered = scatter_remote(
             torch.stack([dk_remote, dv_remote]), plan.remote, spec.ring_size, spec.shard_rows
@@ -149,8 +141,11 @@ class CollectiveAttention(RingTransport[CollectivePlan]):
         remote = remote_keys(spec)
         remote_plan = None
         if len(remote) > 0:
-            remote_plan = build_tile_plan(rows, remote.rows, tile_rows=self.tile_rows)
+            remote_plan = plan_partial(
+                rows, remote.rows, backend=self.backend, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows
+            )
         local = build_local_attention_plan(
-            rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows
+            rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
+            backend=self.backend,
         )
         return CollectivePlan(spec, self.comm, local, rows, remote, remote_plan, self.causal_in_block)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+from csbp.attention.backends import check_backend
 from csbp.attention.documents import Documents
 from csbp.attention.layouts import RankLayout, halo_exchange_plan, window_exchange_plan
 from csbp.attention.transports.collective import CollectiveAttention
@@ -57,6 +58,7 @@ def build_attention(
     window: int | None = None,
     causal_in_block: bool = False,
     schedule: SchedulePolicy = "dual_end",
+    backend: str = "tiles",
     documents: Documents | None = None,
 ) -> AttentionFn:
     """The ``AttentionFn`` of local rank ``local_rank`` over ``layout.rows``.
@@ -73,19 +75,24 @@ def build_attention(
         window: sliding window of this layer (None: full attention).
         causal_in_block: lower-triangular attention inside a noisy block.
         schedule: block schedule the layout was built with (the window plan needs it).
+        backend: attention backend of every partial: ``auto`` (flex on CUDA, tiles otherwise),
+            ``tiles`` or ``flex`` (``csbp.attention.backends``).
         documents: packed documents the layout was built with (None: one document).
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got transport={transport!r}")
     if not 0 <= local_rank < topology.local:
         raise ValueError(f"local_rank must be in [0, {topology.local}) for {topology}, got {local_rank}")
+    check_backend(backend)
     kind = topology.layout
     if kind in ("data", "bp"):
-        return LocalAttentionFn(layout.rows, num_noisy=layout.num_noisy, causal_in_block=causal_in_block)
+        return LocalAttentionFn(
+            layout.rows, num_noisy=layout.num_noisy, causal_in_block=causal_in_block, backend=backend
+        )
     cp, cp_rank = topology.cp, local_rank % topology.cp
     seq_len = _sequence_length(topology, layout)
     topology.validate_sequence(seq_len, block_size)
-    options = {"causal_in_block": causal_in_block}
+    options = {"causal_in_block": causal_in_block, "backend": backend}
     # CSBP moves only the clean rows a receiver may see whenever the mask is sparse (a window or
     # documents); with documents an explicit "streaming" keeps the bounded-memory ring instead.
     sparse = window is not None or (documents is not None and transport != "streaming")

@@ -8,8 +8,10 @@ whole blocks (each block once, all live, ``B`` rows each, increasing positions i
 * noisy rows x noisy keys: ``block_diagonal_forward`` (batched dense ``[B, B]`` blocks);
 * all rows x clean keys: ``interval_attention_forward`` with a tile plan built once.
 
-Otherwise (or when separate ``key_rows`` are given) one interval partial over all keys is used.
-Backward computes both parts from the final merged ``(out, lse)``.
+Otherwise (or when separate ``key_rows`` are given, or on the ``flex`` backend, whose BlockMask
+skips the empty blocks itself) one partial over all keys is used. Backward computes both parts
+from the final merged ``(out, lse)``. Partials run on the chosen backend
+(``csbp.attention.backends``).
 
 Usage::
 
@@ -27,15 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from csbp.attention.kernel import (
-    DEFAULT_TILE_ROWS,
-    TilePlan,
-    block_diagonal_backward,
-    block_diagonal_forward,
-    build_tile_plan,
-    interval_attention_backward,
-    interval_attention_forward,
-)
+from csbp.attention.backends import PartialPlan, plan_block_diagonal, plan_partial, resolve_backend
+from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import PlanCache
@@ -53,8 +48,9 @@ class LocalAttentionPlan:
         block_size: ``B`` when the block-diagonal fast path is used, else None.
         causal_in_block: lower-triangular block-diagonal part.
         scale: softmax scale (None: ``1/sqrt(d)``).
-        interval_plan: tile plan of the interval partial: queries x clean keys on the fast path,
-            queries x all keys otherwise.
+        interval_plan: the interval partial: queries x clean keys on the fast path, queries x all
+            keys otherwise.
+        block_plan: the block-diagonal partial of the noisy rows (fast path only).
     """
 
     query_rows: Rows
@@ -63,7 +59,8 @@ class LocalAttentionPlan:
     block_size: int | None
     causal_in_block: bool
     scale: float | None
-    interval_plan: TilePlan
+    interval_plan: PartialPlan
+    block_plan: PartialPlan | None = None
 
     @property
     def interval_key_rows(self) -> Rows:
@@ -81,9 +78,10 @@ def build_local_attention_plan(
     causal_in_block: bool = False,
     scale: float | None = None,
     tile_rows: int = DEFAULT_TILE_ROWS,
+    backend: str = "tiles",
 ) -> LocalAttentionPlan:
     """Plan attention of ``rows`` (``num_noisy`` noisy rows, then clean rows) over ``key_rows``
-    (default: the same rows, which enables the block-diagonal fast path)."""
+    (default: the same rows, which enables the block-diagonal fast path of the tiles backend)."""
     if not 0 <= num_noisy <= len(rows):
         raise ValueError(f"num_noisy={num_noisy} must be in [0, {len(rows)}] (the number of rows)")
     if bool(rows.clean[:num_noisy].any()) or not bool(rows.clean[num_noisy:].all()):
@@ -92,10 +90,17 @@ def build_local_attention_plan(
             "rest clean; fix num_noisy or the row order"
         )
     block_size = None
+    backend = resolve_backend(backend, rows.pos.device)
     if key_rows is None:
         key_rows = rows
-        block_size = _whole_block_size(rows.select(slice(0, num_noisy)), causal_in_block)
+        if backend == "tiles":
+            block_size = _whole_block_size(rows.select(slice(0, num_noisy)), causal_in_block)
     interval_keys = key_rows if block_size is None else key_rows.select(slice(num_noisy, None))
+    block_plan = None
+    if block_size is not None and num_noisy > 0:
+        block_plan = plan_block_diagonal(
+            rows.select(slice(0, num_noisy)), block_size=block_size, backend=backend, causal_in_block=causal_in_block
+        )
     return LocalAttentionPlan(
         query_rows=rows,
         key_rows=key_rows,
@@ -103,7 +108,10 @@ def build_local_attention_plan(
         block_size=block_size,
         causal_in_block=causal_in_block,
         scale=scale,
-        interval_plan=build_tile_plan(rows, interval_keys, tile_rows=tile_rows),
+        interval_plan=plan_partial(
+            rows, interval_keys, backend=backend, causal_in_block=causal_in_block, tile_rows=tile_rows
+        ),
+        block_plan=block_plan,
     )
 
 
@@ -111,32 +119,14 @@ def local_attention_forward(
     q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan
 ) -> tuple[Tensor, Tensor]:
     """``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype."""
-    options = {"scale": plan.scale, "causal_in_block": plan.causal_in_block}
     if plan.block_size is None:
-        return interval_attention_forward(
-            q, k, v, plan.query_rows, plan.key_rows, plan=plan.interval_plan, **options
-        )
+        return plan.interval_plan.forward(q, k, v, scale=plan.scale)
     num_noisy = plan.num_noisy
-    out, lse = interval_attention_forward(
-        q,
-        k[:, :, num_noisy:],
-        v[:, :, num_noisy:],
-        plan.query_rows,
-        plan.interval_key_rows,
-        plan=plan.interval_plan,
-        **options,
-    )
-    if num_noisy == 0:
+    out, lse = plan.interval_plan.forward(q, k[:, :, num_noisy:], v[:, :, num_noisy:], scale=plan.scale)
+    if plan.block_plan is None:
         return out, lse
     noisy = slice(0, num_noisy)
-    out_block, lse_block = block_diagonal_forward(
-        q[:, :, noisy],
-        k[:, :, noisy],
-        v[:, :, noisy],
-        block_size=plan.block_size,
-        scale=plan.scale,
-        causal=plan.causal_in_block,
-    )
+    out_block, lse_block = plan.block_plan.forward(q[:, :, noisy], k[:, :, noisy], v[:, :, noisy], scale=plan.scale)
     out_noisy, lse_noisy = merge_partials(out_block, lse_block, out[:, :, noisy], lse[:, :, noisy])
     out[:, :, noisy], lse[:, :, noisy] = out_noisy, lse_noisy
     return out, lse
@@ -148,37 +138,23 @@ def local_attention_backward(
     """``(dq, dk, dv)`` in the accumulation dtype from the final ``out``/``lse`` and ``dout``."""
     dtype = accumulation_dtype(q, k, v)
     delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # [S, Hq, N]
-    options = {"scale": plan.scale, "causal_in_block": plan.causal_in_block, "delta": delta}
     if plan.block_size is None:
-        return interval_attention_backward(
-            q, k, v, plan.query_rows, plan.key_rows, out, lse, dout, plan=plan.interval_plan, **options
-        )
+        return plan.interval_plan.backward(q, k, v, out, lse, dout, scale=plan.scale, delta=delta)
     num_noisy = plan.num_noisy
-    dq, dk_clean, dv_clean = interval_attention_backward(
-        q,
-        k[:, :, num_noisy:],
-        v[:, :, num_noisy:],
-        plan.query_rows,
-        plan.interval_key_rows,
-        out,
-        lse,
-        dout,
-        plan=plan.interval_plan,
-        **options,
+    dq, dk_clean, dv_clean = plan.interval_plan.backward(
+        q, k[:, :, num_noisy:], v[:, :, num_noisy:], out, lse, dout, scale=plan.scale, delta=delta
     )
-    if num_noisy == 0:
+    if plan.block_plan is None:
         return dq, dk_clean, dv_clean
     noisy = slice(0, num_noisy)
-    dq_block, dk_block, dv_block = block_diagonal_backward(
+    dq_block, dk_block, dv_block = plan.block_plan.backward(
         q[:, :, noisy],
         k[:, :, noisy],
         v[:, :, noisy],
         out[:, :, noisy],
         lse[:, :, noisy],
         dout[:, :, noisy],
-        block_size=plan.block_size,
         scale=plan.scale,
-        causal=plan.causal_in_block,
         delta=delta[:, :, noisy],
     )
     dq[:, :, noisy] += dq_block
@@ -193,8 +169,8 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -
 class LocalAttentionFn:
     """Attention callable for a fixed row set (the decoder's ``AttentionFn``): ``attn(q, k, v) -> out``.
 
-    Build once per shape; every layer and step reuses the plan, built once for each device it is
-    called on. Arguments as in ``build_local_attention_plan``.
+    Build once per step; every layer reuses the plan (one per device the inputs arrive on, so
+    ``backend="auto"`` resolves on the compute device). Arguments as in ``build_local_attention_plan``.
     """
 
     def __init__(
@@ -206,6 +182,7 @@ class LocalAttentionFn:
         causal_in_block: bool = False,
         scale: float | None = None,
         tile_rows: int = DEFAULT_TILE_ROWS,
+        backend: str = "tiles",
     ) -> None:
         def build(device: torch.device) -> LocalAttentionPlan:
             return build_local_attention_plan(
@@ -215,6 +192,7 @@ class LocalAttentionFn:
                 causal_in_block=causal_in_block,
                 scale=scale,
                 tile_rows=tile_rows,
+                backend=backend,
             )
 
         self._plans = PlanCache(build, rows.pos.device)

@@ -35,12 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from csbp.attention.kernel import (
-    TilePlan,
-    build_tile_plan,
-    interval_attention_backward,
-    interval_attention_forward,
-)
+from csbp.attention.backends import PartialPlan, plan_partial
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import (
@@ -69,14 +64,15 @@ class RingStep:
         query_index: int64 ``[Ns]``, packed query rows attending to this owner (may be empty).
         query_rows: metadata of those rows.
         key_rows: the owner's wire-shard rows (padding rows dead).
-        tile_plan: ``query_rows`` x ``key_rows``; None when no query row sees the owner.
+        tile_plan: the partial of ``query_rows`` x ``key_rows`` on the run's backend; None when no
+            query row sees the owner.
     """
 
     owner: int
     query_index: Tensor
     query_rows: Rows
     key_rows: Rows
-    tile_plan: TilePlan | None
+    tile_plan: PartialPlan | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,10 +100,7 @@ def streaming_forward(q: Tensor, k: Tensor, v: Tensor, plan: StreamingPlan) -> t
         if step.tile_plan is None:
             continue
         rows = step.query_index
-        out_step, lse_step = interval_attention_forward(
-            q.index_select(2, rows), kv[0], kv[1], step.query_rows, step.key_rows,
-            plan=step.tile_plan, causal_in_block=plan.causal_in_block,
-        )
+        out_step, lse_step = step.tile_plan.forward(q.index_select(2, rows), kv[0], kv[1])
         out_rows, lse_rows = merge_partials(out.index_select(2, rows), lse.index_select(2, rows), out_step, lse_step)
         out.index_copy_(2, rows, out_rows)
         lse.index_copy_(2, rows, lse_rows)
@@ -154,10 +147,10 @@ def _step_backward(
     if step.tile_plan is None:
         return kv.new_zeros(kv.shape, dtype=dtype)
     rows = step.query_index
-    dq_rows, dk_shard, dv_shard = interval_attention_backward(
-        q.index_select(2, rows), kv[0], kv[1], step.query_rows, step.key_rows,
+    dq_rows, dk_shard, dv_shard = step.tile_plan.backward(
+        q.index_select(2, rows), kv[0], kv[1],
         out.index_select(2, rows), lse.index_select(2, rows), dout.index_select(2, rows),
-        plan=step.tile_plan, causal_in_block=causal_in_block, delta=delta.index_select(2, rows),
+        delta=delta.index_select(2, rows),
     )
     dq.index_add_(2, rows, dq_rows)
     return torch.stack([dk_shard, dv_shard])
@@ -184,9 +177,13 @@ class StreamingAttention(RingTransport[StreamingPlan]):
             query_rows = rows.select(query_index)
             tile_plan = None
             if query_index.numel() > 0:
-                tile_plan = build_tile_plan(query_rows, key_rows, tile_rows=self.tile_rows)
+                tile_plan = plan_partial(
+                    query_rows, key_rows, backend=self.backend, causal_in_block=self.causal_in_block,
+                    tile_rows=self.tile_rows,
+                )
             steps.append(RingStep(owner, query_index, query_rows, key_rows, tile_plan))
         local = build_local_attention_plan(
-            rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows
+            rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
+            backend=self.backend,
         )
         return StreamingPlan(spec, self.comm, local, tuple(steps), self.causal_in_block)

@@ -24,13 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from csbp.attention.kernel import (
-    DEFAULT_TILE_ROWS,
-    TilePlan,
-    build_tile_plan,
-    interval_attention_backward,
-    interval_attention_forward,
-)
+from csbp.attention.backends import PartialPlan, check_backend, plan_partial
+from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import RankLayout, WindowPlan, bd3_rows
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
@@ -73,7 +68,7 @@ class WindowAttentionPlan:
     comm: Comm
     local: LocalAttentionPlan
     query_rows: Rows
-    halo_plan: TilePlan | None  # query_rows x exchange.halo_rows; None when nothing is received
+    halo_plan: PartialPlan | None  # query_rows x exchange.halo_rows; None when nothing is received
     causal_in_block: bool
 
 
@@ -87,10 +82,7 @@ def window_forward(q: Tensor, k: Tensor, v: Tensor, plan: WindowAttentionPlan) -
     halo_kv = received.index_select(0, exchange.recv_order).movedim(0, 3).contiguous()  # [2, S, Hkv, n_recv, d]
     out, lse = local_attention_forward(q, k, v, plan.local)
     if plan.halo_plan is not None:
-        out_halo, lse_halo = interval_attention_forward(
-            q, halo_kv[0], halo_kv[1], plan.query_rows, exchange.halo_rows,
-            plan=plan.halo_plan, causal_in_block=plan.causal_in_block,
-        )
+        out_halo, lse_halo = plan.halo_plan.forward(q, halo_kv[0], halo_kv[1])
         out, lse = merge_partials(out, lse, out_halo, lse_halo)
     return out, lse, halo_kv
 
@@ -105,9 +97,8 @@ def window_backward(
     dq_halo = None
     if plan.halo_plan is not None:
         delta = (dout.to(dtype) * out).sum(-1)  # [S, Hq, N]
-        dq_halo, dk_halo, dv_halo = interval_attention_backward(
-            q, halo_kv[0], halo_kv[1], plan.query_rows, exchange.halo_rows, out, lse, dout,
-            plan=plan.halo_plan, causal_in_block=plan.causal_in_block, delta=delta,
+        dq_halo, dk_halo, dv_halo = plan.halo_plan.backward(
+            q, halo_kv[0], halo_kv[1], out, lse, dout, delta=delta
         )
         grad_halo = torch.stack([dk_halo, dv_halo])  # [2, S, Hkv, n_recv, d], sorted
     else:
@@ -131,7 +122,7 @@ class WindowAttention:
         plan: ``window_exchange_plan(...)`` of this rank's ring, same window and schedule.
         ring_rank: this rank's index in the ring (``local_rank % cp``).
         comm: ``Comm`` over the ring group.
-        causal_in_block, tile_rows: as in ``CollectiveAttention``.
+        causal_in_block, tile_rows, backend: as in ``CollectiveAttention``.
     """
 
     def __init__(
@@ -143,6 +134,7 @@ class WindowAttention:
         *,
         causal_in_block: bool = False,
         tile_rows: int = DEFAULT_TILE_ROWS,
+        backend: str = "tiles",
     ) -> None:
         if not 0 <= ring_rank < plan.cp:
             raise ValueError(f"ring_rank must be in [0, {plan.cp}) for this window plan, got {ring_rank}")
@@ -150,6 +142,7 @@ class WindowAttention:
         self.comm = check_ring_comm(comm, plan.cp, ring_rank, "WindowAttention")
         self.layout, self.window_plan, self.ring_rank = layout, plan, ring_rank
         self.causal_in_block, self.tile_rows = causal_in_block, tile_rows
+        self.backend = check_backend(backend)
         self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
 
     def _build_plan(self, device: torch.device) -> WindowAttentionPlan:
@@ -170,9 +163,13 @@ class WindowAttention:
         rows = self.layout.rows.to(device)
         halo_plan = None
         if len(halo_rows) > 0:
-            halo_plan = build_tile_plan(rows, exchange.halo_rows, tile_rows=self.tile_rows)
+            halo_plan = plan_partial(
+                rows, exchange.halo_rows, backend=self.backend, causal_in_block=self.causal_in_block,
+                tile_rows=self.tile_rows,
+            )
         local = build_local_attention_plan(
-            rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows
+            rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
+            backend=self.backend,
         )
         return WindowAttentionPlan(exchange, self.comm, local, rows, halo_plan, self.causal_in_block)
 

@@ -1,0 +1,166 @@
+"""Attention backends: how one key set's partial ``(out, lse)`` is computed (csbp.md §9.1, §9.2).
+
+Every transport (local/BP-only, CP-only and CSBP collective or streaming, windowed, DFlash) splits
+attention into partials over key subsets, merges them online in fp32 (``csbp.attention.merge``)
+and runs each partial's backward from the final merged ``(out, lse)``. A partial is planned once
+per step from the row metadata and reused by every layer, forward and backward::
+
+    partial = plan_partial(q_rows, k_rows, backend="flex", causal_in_block=False)
+    out, lse = partial.forward(q, k, v)                           # accumulation dtype
+    dq, dk, dv = partial.backward(q, k, v, out_final, lse_final, dout)
+
+Backends (``attention.backend`` in the run config, ``--backend`` on ``verify``/``bench``):
+
+* ``tiles``: the pure-PyTorch block-sparse tile kernels of ``csbp.attention.kernel`` (CPU and
+  GPU; the noisy block-diagonal part as batched dense ``[B, B]`` matmuls);
+* ``flex``: FlexAttention over a ``BlockMask`` built from the same rows (``csbp.attention.flex``);
+  compiled on CUDA; forward-only (eager) on CPU;
+* ``auto``: ``flex`` on CUDA, ``tiles`` otherwise.
+
+Both evaluate one predicate, ``csbp.masks.rows_mask``, so they agree with the dense reference by
+construction (and the tests check it on every layout's rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, get_args
+
+import torch
+from torch import Tensor
+
+from csbp.attention.flex import build_flex_partial
+from csbp.attention.kernel import (
+    DEFAULT_TILE_ROWS,
+    TilePlan,
+    block_diagonal_backward,
+    block_diagonal_forward,
+    build_tile_plan,
+    interval_attention_backward,
+    interval_attention_forward,
+)
+from csbp.attention.rows import Rows
+
+BackendName = Literal["auto", "tiles", "flex"]
+BACKENDS: tuple[str, ...] = get_args(BackendName)
+
+
+class PartialPlan(Protocol):
+    """One key set's attention partial, planned for fixed query and key rows."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype."""
+        ...
+
+    def backward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dout: Tensor,
+        *,
+        scale: float | None = None,
+        delta: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``."""
+        ...
+
+
+def check_backend(name: str) -> str:
+    """``name`` if it is a backend name, else one clear ``ValueError``."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {name!r}")
+    return name
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """The concrete backend (``tiles`` or ``flex``) of ``name`` on ``device`` (``auto``: flex on CUDA)."""
+    check_backend(name)
+    if name != "auto":
+        return name
+    return "flex" if torch.device(device).type == "cuda" else "tiles"
+
+
+def check_backend_trains_on(name: str, device: torch.device | str, *, where: str = "attention.backend") -> str:
+    """The concrete backend of ``name`` on ``device``; one clear ``ValueError`` when it cannot run a
+    backward there (``flex`` off CUDA: FlexAttention has no CPU backward)."""
+    backend = resolve_backend(name, device)
+    if backend == "flex" and torch.device(device).type != "cuda":
+        raise ValueError(
+            f"{where}=flex cannot train on {torch.device(device).type} (FlexAttention has no CPU backward); "
+            f"set {where} to auto or tiles"
+        )
+    return backend
+
+
+@dataclass(frozen=True, eq=False)
+class TilesPartial:
+    """The tiled interval kernel over a prebuilt ``TilePlan``."""
+
+    q_rows: Rows
+    k_rows: Rows
+    tile_plan: TilePlan
+    causal_in_block: bool
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        return interval_attention_forward(
+            q, k, v, self.q_rows, self.k_rows, scale=scale, causal_in_block=self.causal_in_block, plan=self.tile_plan
+        )
+
+    def backward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
+        scale: float | None = None, delta: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return interval_attention_backward(
+            q, k, v, self.q_rows, self.k_rows, out, lse, dout,
+            scale=scale, causal_in_block=self.causal_in_block, plan=self.tile_plan, delta=delta,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class BlockDiagonalPartial:
+    """Whole blocks of ``block_size`` rows attending to their own block: batched dense matmuls."""
+
+    block_size: int
+    causal_in_block: bool
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        return block_diagonal_forward(q, k, v, block_size=self.block_size, scale=scale, causal=self.causal_in_block)
+
+    def backward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
+        scale: float | None = None, delta: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return block_diagonal_backward(
+            q, k, v, out, lse, dout, block_size=self.block_size, scale=scale, causal=self.causal_in_block, delta=delta
+        )
+
+
+def plan_partial(
+    q_rows: Rows,
+    k_rows: Rows,
+    *,
+    backend: str = "tiles",
+    causal_in_block: bool = False,
+    tile_rows: int = DEFAULT_TILE_ROWS,
+) -> PartialPlan:
+    """The partial of ``q_rows`` x ``k_rows`` under the interval predicate on ``backend`` (``auto`` is
+    resolved on the rows' device). Build once per step; every layer reuses it."""
+    if resolve_backend(backend, q_rows.pos.device) == "flex":
+        return build_flex_partial(q_rows, k_rows, causal_in_block=causal_in_block)
+    tile_plan = build_tile_plan(q_rows, k_rows, tile_rows=tile_rows)
+    tile_plan.tile_strips(causal_in_block)  # the masks every layer reuses, built now (part of the step's plan cost)
+    return TilesPartial(q_rows, k_rows, tile_plan, causal_in_block)
+
+
+def plan_block_diagonal(
+    rows: Rows, *, block_size: int, backend: str = "tiles", causal_in_block: bool = False
+) -> PartialPlan:
+    """The partial of whole noisy blocks ``rows`` (``block_size`` rows each) over themselves: batched
+    dense blocks on ``tiles``, a FlexAttention BlockMask of the same rows on ``flex``. Dead rows see
+    nothing on ``flex``; on ``tiles`` the caller masks them (``block_diagonal_forward`` sees blocks only)."""
+    if resolve_backend(backend, rows.pos.device) == "flex":
+        return build_flex_partial(rows, rows, causal_in_block=causal_in_block)
+    return BlockDiagonalPartial(block_size, causal_in_block)

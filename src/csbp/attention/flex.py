@@ -1,0 +1,325 @@
+"""FlexAttention partials over interval row metadata: the accelerator backend (csbp.md §9.1, §9.2).
+
+The mask is ``csbp.masks.rows_mask(q_rows, k_rows)``, the same predicate the tiled kernels and
+the dense reference evaluate. Its ``BlockMask`` is built *from the row intervals*, never from a
+dense mask: per block of ``Q_BLOCK`` query rows and ``KV_BLOCK`` key rows a few summaries (range
+of noisy block ids, union and intersection of the clean-context intervals, range of clean key
+positions, liveness) decide whether the block pair is empty, full (every pair allowed, no
+``mask_mod`` evaluated) or partial. The work is ``O((Nq/Q_BLOCK) * (Nk/KV_BLOCK))`` small integer
+ops, so a 256K x 256K BlockMask costs milliseconds instead of a 64 GiB boolean matrix. A
+"partial" verdict is always safe (the kernel then applies ``mask_mod``); "full" only when proven.
+
+``FlexPartial`` is one key set's partial ``(out, lse)``:
+
+* forward: ``flex_attention(..., enable_gqa=True, return_aux=AuxRequest(lse=True))``; K/V are
+  never repeated for GQA. On CUDA the call is ``torch.compile``-d once per shape (dynamo caches one
+  graph per shape bucket; the row tensors are lifted as buffers, so new rows of the same shapes do
+  not recompile). On CPU the compiled kernel is inference-only and has no ``lse``, so the eager
+  (dense, unfused) FlexAttention runs: correct, for tests and debugging, not fast.
+* backward (CUDA only: FlexAttention has no CPU backward): the partial is recomputed with autograd
+  and differentiated with the chain rule through the merge (``merge.partial_grads_from_merged``:
+  ``dout_p = w·dout``, ``dlse_p = w·<dout, out_p - out>``, ``w = exp(lse_p - lse)``), which equals
+  the explicit backward from the merged statistics; the kernel's own lse gradient carries it.
+
+Outputs are in the accumulation dtype (float32 for bf16 inputs), like the tiled kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from csbp.attention.merge import accumulation_dtype, partial_grads_from_merged
+from csbp.attention.rows import Rows
+from csbp.masks import rows_mask
+
+DEFAULT_FLEX_BLOCK = 128
+"""Sparse block edge (query and key rows): FlexAttention's kernel tile on Ampere/Hopper GPUs."""
+
+_BIG = torch.iinfo(torch.int64).max
+_SMALL = torch.iinfo(torch.int64).min
+
+
+@dataclass(frozen=True, eq=False)
+class FlexPartial:
+    """Attention of ``q_rows`` over ``k_rows`` with FlexAttention; build with ``build_flex_partial``.
+
+    Attributes:
+        q_rows, k_rows: the row metadata (on the compute device).
+        causal_in_block: lower-triangular block-diagonal part.
+        block_mask: the ``BlockMask`` (None when no pair is allowed: the partial is empty).
+        build_seconds: wall time spent building ``block_mask`` (reported by ``csbp bench kernels``).
+    """
+
+    q_rows: Rows
+    k_rows: Rows
+    causal_in_block: bool
+    block_mask: Any
+    build_seconds: float
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype."""
+        _check_shapes(q, k, v, self)
+        dtype = accumulation_dtype(q, k, v)
+        if self.block_mask is None:
+            return _empty_partial(q, v, dtype)
+        with torch.no_grad():
+            out, lse = _flex_call(q, k, v, self.block_mask, scale)
+        return out.to(dtype), lse.to(dtype)
+
+    def backward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dout: Tensor,
+        *,
+        scale: float | None = None,
+        delta: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` of this key set's share, from the final merged ``out``/``lse`` and ``dout``
+        (``delta`` is accepted for interface parity and recomputed inside the kernel)."""
+        _check_shapes(q, k, v, self)
+        dtype = accumulation_dtype(q, k, v)
+        if self.block_mask is None:
+            return q.new_zeros(q.shape, dtype=dtype), k.new_zeros(k.shape, dtype=dtype), v.new_zeros(v.shape, dtype=dtype)
+        if not _has_flex_backward(q.device):
+            raise NotImplementedError(
+                "attention.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
+                "use attention.backend: tiles (or auto) on CPU"
+            )
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+            out_part, lse_part = _flex_call(*inputs, self.block_mask, scale)
+            dout_part, dlse_part = partial_grads_from_merged(out_part.detach(), lse_part.detach(), out, lse, dout)
+            grads = torch.autograd.grad(
+                (out_part, lse_part), inputs, (dout_part.to(out_part.dtype), dlse_part.to(lse_part.dtype))
+            )
+        return tuple(g.to(dtype) for g in grads)  # type: ignore[return-value]
+
+
+def build_flex_partial(
+    q_rows: Rows,
+    k_rows: Rows,
+    *,
+    causal_in_block: bool = False,
+    block: int = DEFAULT_FLEX_BLOCK,
+) -> FlexPartial:
+    """The FlexAttention partial of ``q_rows`` x ``k_rows``; build once per step, reuse in every layer."""
+    start = time.perf_counter()
+    block_mask = rows_block_mask(q_rows, k_rows, causal_in_block=causal_in_block, block=block)
+    if q_rows.pos.device.type == "cuda":
+        torch.cuda.synchronize(q_rows.pos.device)
+    return FlexPartial(q_rows, k_rows, causal_in_block, block_mask, time.perf_counter() - start)
+
+
+def rows_block_mask(q_rows: Rows, k_rows: Rows, *, causal_in_block: bool = False, block: int = DEFAULT_FLEX_BLOCK):
+    """FlexAttention ``BlockMask`` of ``rows_mask(q_rows, k_rows)`` from per-block interval summaries
+    (no dense mask); None when no block pair can hold an allowed pair."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if block < 1:
+        raise ValueError(f"flex block must be >= 1, got {block}")
+    if k_rows.pos.device != q_rows.pos.device:
+        raise ValueError(f"q_rows are on {q_rows.pos.device} but k_rows on {k_rows.pos.device}; use Rows.to")
+    num_queries, num_keys = len(q_rows), len(k_rows)
+    if num_queries == 0 or num_keys == 0:
+        return None
+    qs, ks = _QuerySummary.of(q_rows, block), _KeySummary.of(k_rows, block)
+    noisy = (
+        (ks.block_lo[None, :] <= qs.block_hi[:, None])
+        & (ks.block_hi[None, :] >= qs.block_lo[:, None])
+        & qs.has_noisy[:, None]
+        & ks.has_noisy[None, :]
+    )
+    context = (
+        (ks.pos_lo[None, :] < qs.ctx_hi[:, None])
+        & (ks.pos_hi[None, :] >= qs.ctx_lo[:, None])
+        & qs.has_context[:, None]
+        & ks.has_clean[None, :]
+    )
+    full = (  # every key clean and inside every row's interval
+        qs.complete_live[:, None]
+        & ks.complete_clean[None, :]
+        & (ks.pos_lo[None, :] >= qs.shared_lo[:, None])
+        & (ks.pos_hi[None, :] < qs.shared_hi[:, None])
+    )
+    if not causal_in_block:  # one noisy block on both sides, bidirectional
+        full |= (
+            qs.complete_one_block[:, None]
+            & ks.complete_one_block[None, :]
+            & (qs.block_lo[:, None] == ks.block_lo[None, :])
+        )
+    partial = (noisy | context) & ~full
+    if not bool((partial | full).any()):
+        return None
+    kv_num, kv_index = _block_lists(partial)
+    full_num, full_index = _block_lists(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_index,
+        full_num,
+        full_index,
+        BLOCK_SIZE=(block, block),
+        mask_mod=rows_mask(q_rows, k_rows, causal_in_block=causal_in_block),
+        seq_lengths=(num_queries, num_keys),
+    )
+
+
+# ----------------------------------------------------------------------------- block summaries
+
+
+@dataclass(frozen=True)
+class _QuerySummary:
+    """Per query block (``[nqb]``): noisy block-id range, clean-context union and intersection."""
+
+    has_noisy: Tensor
+    block_lo: Tensor
+    block_hi: Tensor
+    has_context: Tensor
+    ctx_lo: Tensor
+    ctx_hi: Tensor
+    complete_live: Tensor  # a whole block of live rows (the intersection below is meaningful)
+    shared_lo: Tensor
+    shared_hi: Tensor
+    complete_one_block: Tensor  # a whole block of live noisy rows of one block id
+
+    @staticmethod
+    def of(rows: Rows, block: int) -> _QuerySummary:
+        noisy = rows.live & ~rows.clean
+        context = rows.live & (rows.ctx_start < rows.ctx_stop)
+        every = torch.ones_like(rows.live)
+        block_lo = _reduce(rows.block, noisy, block, _BIG, "amin")
+        block_hi = _reduce(rows.block, noisy, block, _SMALL, "amax")
+        ctx_lo = _reduce(rows.ctx_start, context, block, _BIG, "amin")
+        ctx_hi = _reduce(rows.ctx_stop, context, block, _SMALL, "amax")
+        complete_live = _reduce(rows.live.long(), every, block, 0, "amin") == 1
+        all_noisy = _reduce(noisy.long(), every, block, 0, "amin") == 1
+        return _QuerySummary(
+            has_noisy=block_lo <= block_hi,
+            block_lo=block_lo,
+            block_hi=block_hi,
+            has_context=ctx_lo < ctx_hi,
+            ctx_lo=ctx_lo,
+            ctx_hi=ctx_hi,
+            complete_live=complete_live,
+            shared_lo=_reduce(rows.ctx_start, every, block, _BIG, "amax"),
+            shared_hi=_reduce(rows.ctx_stop, every, block, _SMALL, "amin"),
+            complete_one_block=all_noisy & (block_lo == block_hi),
+        )
+
+
+@dataclass(frozen=True)
+class _KeySummary:
+    """Per key block (``[nkb]``): live noisy block-id range and live clean position range."""
+
+    has_noisy: Tensor
+    block_lo: Tensor
+    block_hi: Tensor
+    has_clean: Tensor
+    pos_lo: Tensor
+    pos_hi: Tensor
+    complete_clean: Tensor  # a whole block of live clean keys
+    complete_one_block: Tensor  # a whole block of live noisy keys of one block id
+
+    @staticmethod
+    def of(rows: Rows, block: int) -> _KeySummary:
+        noisy = rows.live & ~rows.clean
+        clean = rows.live & rows.clean
+        every = torch.ones_like(rows.live)
+        block_lo = _reduce(rows.block, noisy, block, _BIG, "amin")
+        block_hi = _reduce(rows.block, noisy, block, _SMALL, "amax")
+        pos_lo = _reduce(rows.pos, clean, block, _BIG, "amin")
+        all_noisy = _reduce(noisy.long(), every, block, 0, "amin") == 1
+        return _KeySummary(
+            has_noisy=block_lo <= block_hi,
+            block_lo=block_lo,
+            block_hi=block_hi,
+            has_clean=pos_lo < _BIG,
+            pos_lo=pos_lo,
+            pos_hi=_reduce(rows.pos, clean, block, _SMALL, "amax"),
+            complete_clean=_reduce(clean.long(), every, block, 0, "amin") == 1,
+            complete_one_block=all_noisy & (block_lo == block_hi),
+        )
+
+
+def _reduce(values: Tensor, valid: Tensor, block: int, fill: int, how: str) -> Tensor:
+    """Per block of ``block`` rows: ``how`` ("amin"/"amax") of ``values`` where ``valid``; ``fill`` for
+    invalid rows and the padded tail (so a partial last block is never "complete")."""
+    num_blocks = -(-values.shape[0] // block)
+    padded = values.new_full((num_blocks * block,), fill)
+    padded[: values.shape[0]] = torch.where(valid, values, fill)
+    return getattr(padded.view(num_blocks, block), how)(1)
+
+
+def _block_lists(selected: Tensor) -> tuple[Tensor, Tensor]:
+    """``[nqb, nkb]`` bool -> ``(num [1, 1, nqb], indices [1, 1, nqb, nkb])`` int32, selected first."""
+    num = selected.sum(1, dtype=torch.int32)
+    order = torch.argsort((~selected).to(torch.int8), dim=1, stable=True).to(torch.int32)
+    return num[None, None], order[None, None]
+
+
+# ----------------------------------------------------------------------------- the kernel call
+
+
+FLEX_RECOMPILE_LIMIT = 64
+"""Graphs dynamo may keep for the flex call: one per shape bucket (the partials of one run have a
+handful of shapes: local, remote, per ring step, per DFlash packet bucket). Past the default of 8
+dynamo would silently run the unfused eager path."""
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex() -> Any:
+    """``torch.compile(flex_attention)``: dynamo keeps one graph per shape bucket (dynamic=False)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float | None) -> tuple[Tensor, Tensor]:
+    """``(out [S, Hq, Nq, d] in q's dtype, lse [S, Hq, Nq] float32, natural log)``."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
+    out, aux = fn(
+        q,
+        k,
+        v,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        return_aux=AuxRequest(lse=True),
+    )
+    return out, aux.lse
+
+
+def _has_flex_backward(device: torch.device) -> bool:
+    """FlexAttention differentiates on CUDA only (no CPU backward in torch 2.13)."""
+    return device.type == "cuda"
+
+
+def _empty_partial(q: Tensor, v: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=dtype)
+    return out, q.new_full(q.shape[:-1], float("-inf"), dtype=dtype)
+
+
+def _check_shapes(q: Tensor, k: Tensor, v: Tensor, partial: FlexPartial) -> None:
+    if q.dim() != 4 or k.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(
+            f"attention expects q [S, Hq, Nq, d] and k, v [S, Hkv, Nk, d] with Hq % Hkv == 0, got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if (q.shape[2], k.shape[2]) != (len(partial.q_rows), len(partial.k_rows)):
+        raise ValueError(
+            f"flex partial was built for {len(partial.q_rows)} queries x {len(partial.k_rows)} keys, got "
+            f"{q.shape[2]} x {k.shape[2]}; rebuild it for these rows"
+        )
+

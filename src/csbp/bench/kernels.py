@@ -1,0 +1,314 @@
+"""``csbp bench kernels``: one layer's attention kernels, forward and backward, on one device.
+
+For every context length ``L`` and block size ``B`` it runs the BD3 mask over the ``[x_t ; x_0]``
+rows (``2L`` queries and keys) in two forms per backend, through the same transport code the
+training uses (``csbp.attention.transports.local``):
+
+* ``mixed``: CP-only's view, one partial over all ``2L`` keys under the irregular mask;
+* ``decomposed``: CSBP's view, the noisy block-diagonal partial (noisy x noisy, whole blocks) plus
+  the clean-interval partial (all rows x clean keys, block-causal), merged online in fp32;
+
+and dense SDPA over all ``(2L)^2`` pairs of the same shapes as the baseline (FlashAttention on
+CUDA). Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs
+only (``csbp.bench.measure.attention_flops``; dense SDPA on all pairs), the ratio of that rate to
+dense SDPA's, the decomposed form's speedup over the mixed form (``t_mixed / t_decomposed``), the
+time to build one form's per-step plans (tile plans with their mask strips, or BlockMasks; built
+once per step and reused by every layer)
+and, on CPU, the number of aten ops one forward + backward issues.
+
+Everything of one invocation runs side by side in one process, so the ratios compare kernels on
+one machine state. Usage::
+
+    csbp bench kernels                                           # CPU: tiles vs dense SDPA
+    csbp bench kernels --device cuda --dtype bfloat16 --seq-lens 8192 32768 131072 \\
+        --num-heads 16 --num-kv-heads 4 --head-dim 128 --block-sizes 16 128 --json k.json --png k.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from csbp.attention.backends import check_backend, plan_block_diagonal, plan_partial, resolve_backend
+from csbp.attention.layouts import reference_layout
+from csbp.attention.transports.local import (
+    LocalAttentionPlan,
+    local_attention_backward,
+    local_attention_forward,
+)
+from csbp.bench.common import add_head_options, add_output_options, records_as_dicts, write_json_atomic
+from csbp.bench.measure import allowed_pairs, attention_flops
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KernelRecord:
+    """One row of the table (and of the ``--json`` output)."""
+
+    device: str
+    dtype: str
+    seq_len: int
+    block_size: int
+    backend: str  # tiles, flex, or sdpa (the dense baseline)
+    form: str  # mixed, decomposed, or dense
+    time_s: float
+    useful_pairs: int
+    tflops: float
+    vs_dense: float
+    decomposed_speedup: float  # t_mixed / t_decomposed (decomposed rows only, else nan)
+    mask_build_s: float
+    aten_ops: int  # ops of one forward + backward (CPU only, else 0)
+
+
+def build_forms(rows, num_noisy: int, block_size: int, backend: str) -> dict[str, LocalAttentionPlan]:
+    """The ``mixed`` and ``decomposed`` local plans of the packed ``[noisy ; clean]`` rows."""
+    mixed = LocalAttentionPlan(rows, rows, num_noisy, None, False, None, plan_partial(rows, rows, backend=backend))
+    clean = rows.select(slice(num_noisy, None))
+    decomposed = LocalAttentionPlan(
+        rows,
+        rows,
+        num_noisy,
+        block_size,
+        False,
+        None,
+        plan_partial(rows, clean, backend=backend),
+        plan_block_diagonal(rows.select(slice(0, num_noisy)), block_size=block_size, backend=backend),
+    )
+    return {"mixed": mixed, "decomposed": decomposed}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_time(
+    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int, clock: str = "wall"
+) -> float:
+    """Median seconds of ``fn()``; ``clock="cpu"`` counts this process's CPU time (one thread, on a
+    shared machine: what other processes do does not count)."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = now()
+        fn()
+        _sync(device)
+        times.append(now() - start)
+    return statistics.median(times)
+
+
+def count_aten_ops(fn: Callable[[], object]) -> int:
+    """aten ops dispatched by ``fn()`` (each one a kernel launch on an accelerator)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Counter(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            _Counter.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Counter():
+        fn()
+    return _Counter.calls
+
+
+def run_kernel_bench(
+    seq_lens: list[int],
+    block_sizes: list[int],
+    backends: list[str],
+    *,
+    device: str = "cpu",
+    dtype: str = "float32",
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    warmup: int = 1,
+    repeats: int = 3,
+    count_ops: bool = True,
+    clock: str = "wall",
+) -> list[KernelRecord]:
+    """Measure every (length, block size): dense SDPA, then each backend's mixed and decomposed forms."""
+    dev = torch.device(device)
+    concrete = [resolve_backend(check_backend(b), dev) for b in backends]
+    if "flex" in concrete and dev.type != "cuda":
+        raise ValueError("--backends flex needs --device cuda (FlexAttention has no CPU backward)")
+    if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
+        raise ValueError("--clock cpu measures one CPU thread: use --device cpu with OMP_NUM_THREADS=1")
+    for seq_len in seq_lens:  # fail closed before measuring anything
+        for block in block_sizes:
+            if seq_len % block:
+                raise ValueError(f"--seq-lens {seq_len} must be a multiple of every --block-sizes value ({block})")
+    torch_dtype = DTYPES[dtype]
+    records: list[KernelRecord] = []
+    for seq_len in seq_lens:
+        gen = torch.Generator(device=dev).manual_seed(seq_len)
+        n = 2 * seq_len
+        q = torch.randn(1, num_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen)
+        k, v = (torch.randn(1, num_kv_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen) for _ in "kv")
+        dout = torch.randn_like(q)
+        dense_time = _dense_sdpa_time(q, k, v, dout, dev, warmup, repeats, clock)
+        dense_flops = attention_flops(n * n, num_heads=num_heads, head_dim=head_dim)
+        dense_rate = dense_flops / dense_time / 1e12
+        for block in block_sizes:
+            rows = reference_layout(seq_len, block).rows.to(dev)
+            pairs = allowed_pairs(rows, block_size=block)
+            flops = attention_flops(pairs, num_heads=num_heads, head_dim=head_dim)
+            records.append(
+                KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", dense_time, n * n, dense_rate, 1.0,
+                             float("nan"), 0.0, 0)
+            )
+            for backend in dict.fromkeys(concrete):
+                now = time.process_time if clock == "cpu" else time.perf_counter
+                _sync(dev)
+                start = now()
+                forms = build_forms(rows, seq_len, block, backend)
+                _sync(dev)
+                build_s = (now() - start) / len(forms)
+                times = {}
+                for form, plan in forms.items():
+                    step = _local_step(q, k, v, dout, plan)
+                    times[form] = _median_time(step, dev, warmup, repeats, clock)
+                    ops = count_aten_ops(step) if count_ops and dev.type == "cpu" else 0
+                    rate = flops / times[form] / 1e12
+                    speedup = times["mixed"] / times[form] if form == "decomposed" else float("nan")
+                    records.append(
+                        KernelRecord(device, dtype, seq_len, block, backend, form, times[form], pairs, rate,
+                                     rate / dense_rate, speedup, build_s, ops)
+                    )
+    return records
+
+
+def _local_step(q, k, v, dout, plan: LocalAttentionPlan) -> Callable[[], None]:
+    """One forward + explicit backward of the local transport over ``plan``."""
+
+    def step() -> None:
+        out, lse = local_attention_forward(q, k, v, plan)
+        local_attention_backward(q, k, v, out, lse, dout, plan)
+
+    return step
+
+
+def _dense_sdpa_time(q, k, v, dout, device: torch.device, warmup: int, repeats: int, clock: str) -> float:
+    """Forward + backward of unmasked SDPA over all pairs (GQA without repeating K/V)."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+    def step() -> None:
+        out = F.scaled_dot_product_attention(*leaves, enable_gqa=q.shape[1] != k.shape[1])
+        out.backward(dout)
+
+    return _median_time(step, device, warmup, repeats, clock)
+
+
+def format_table(records: list[KernelRecord]) -> str:
+    header = (
+        f"{'L':>7} {'B':>4} {'backend':<6} {'form':<10} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x dense':>8} "
+        f"{'decomp x':>9} {'mask ms':>8} {'aten ops':>9}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in records:
+        speedup = "-" if r.form != "decomposed" else f"{r.decomposed_speedup:.2f}"
+        lines.append(
+            f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.time_s * 1e3:>11.2f} "
+            f"{r.tflops:>8.3f} {r.vs_dense:>8.2f} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
+            f"{r.aten_ops if r.aten_ops else '-':>9}"
+        )
+    return "\n".join(lines)
+
+
+def plot_rates(records: list[KernelRecord], path: Path) -> None:
+    """TFLOP/s on useful pairs against L, one panel per block size, one line per backend and form."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = sorted({r.block_size for r in records})
+    figure, axes = plt.subplots(1, len(blocks), figsize=(5.0 * len(blocks), 4.0), squeeze=False)
+    for axis, block in zip(axes[0], blocks, strict=True):
+        series = sorted({(r.backend, r.form) for r in records if r.block_size == block})
+        for backend, form in series:
+            points = sorted((r.seq_len, r.tflops) for r in records
+                            if (r.block_size, r.backend, r.form) == (block, backend, form))
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{backend} {form}")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("L (tokens; 2L rows)")
+        axis.set_ylabel("TFLOP/s on allowed pairs")
+        axis.set_title(f"B = {block} ({records[0].device}, {records[0].dtype})")
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.tmp")
+    figure.savefig(partial, dpi=120, format=path.suffix.lstrip(".") or "png")
+    plt.close(figure)
+    partial.replace(path)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
+    """Add ``csbp bench kernels`` to the ``csbp bench`` sub-subcommands."""
+    parser = kinds.add_parser("kernels", help="one layer's attention kernels, mixed vs decomposed, per backend")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--backends", nargs="+", default=["auto"], help="auto, tiles, flex (default: auto)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument("--no-op-count", action="store_true", help="skip counting aten ops (CPU)")
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="wall time, or this process's CPU time (one thread; steadier on a shared machine)",
+    )
+    add_head_options(parser)
+    parser.set_defaults(head_dim=64)
+    add_output_options(parser, png_help="write a TFLOP/s plot here (default: --json with suffix .png)")
+    parser.set_defaults(func=run_kernel_bench_command)
+
+
+def run_kernel_bench_command(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to this process")
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    print(
+        f"csbp bench kernels: device={device}{threads} dtype={dtype} heads={args.num_heads}/{args.num_kv_heads}x"
+        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} ({args.clock} clock)",
+        flush=True,
+    )
+    records = run_kernel_bench(
+        args.seq_lens,
+        args.block_sizes,
+        args.backends,
+        device=str(device),
+        dtype=dtype,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        count_ops=not args.no_op_count,
+        clock=args.clock,
+    )
+    print(format_table(records))
+    if args.json is not None:
+        write_json_atomic(args.json, records_as_dicts(records))
+        print(f"wrote {args.json}")
+    png = args.png if args.png is not None else (args.json.with_suffix(".png") if args.json is not None else None)
+    if png is not None:
+        plot_rates(records, png)
+        print(f"wrote {png}")
+    return 0
