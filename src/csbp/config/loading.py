@@ -25,7 +25,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from csbp.config.rules import ConfigRuleError
-from csbp.config.schema import PATH_FIELD_KEY, RunConfig
+from csbp.config.schema import RunConfig
+from csbp.config.section_base import PATH_FIELD_KEY
 
 _KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 

@@ -1,0 +1,112 @@
+"""The ``objective.dflash`` section of a run config: the frozen target, the drafter's shape and the
+DFlash / DFlash2 loss options (objectives.md §5-§6)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from csbp.config.rules import ConfigRuleError
+from csbp.config.section_base import _Section, path_field
+
+
+class DFlashSection(_Section):
+    """DFlash / DFlash2 drafter training against a frozen target model (objectives.md §5-§6).
+
+    The drafter's width, heads, RoPE and vocabulary come from the target (``DFlashConfig.from_target``);
+    its block size is ``objective.block_size`` and its ``[M]`` token ``objective.mask_token_id`` (unset:
+    the data artifact's mask token).
+    """
+
+    target: str = path_field(description="Local HF checkpoint directory of the frozen target model.")
+    features: str | None = path_field(
+        None,
+        description="Offline target-feature store of data.train (`csbp dflash prepare-features`); "
+        "unset: capture the target's features online in every step.",
+    )
+    num_draft_layers: int = Field(1, gt=0, description="Decoder layers of the drafter.")
+    intermediate_size: int | None = Field(
+        None, gt=0, description="SwiGLU inner width of the draft layers; unset: the target's."
+    )
+    target_layer_ids: list[int] | None = Field(
+        None,
+        min_length=1,
+        description="Target layers whose outputs are fused (0-based); unset: the DFlash default.",
+    )
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = Field(
+        None, description="Per draft layer full or sliding attention; unset: all full_attention."
+    )
+    sliding_window: int | None = Field(
+        None, gt=0, description="Window W of the sliding draft layers (counts the query itself)."
+    )
+    sliding_window_causal: bool = Field(True, description="Sliding layers are causal inside the block.")
+    max_anchors: int = Field(512, gt=0, description="Anchor blocks sampled per sequence.")
+    anchor_sampling: Literal["uniform", "locality"] = Field(
+        "uniform", description="uniform: random distinct anchors; locality: random start plus a stride."
+    )
+    context: Literal["strict", "inclusive"] = Field(
+        "strict",
+        description="Context visible to an anchor block: strictly before the anchor, or including it.",
+    )
+    gamma: float | None = Field(
+        None, gt=0, description="Loss decay exp(-(k-1)/gamma) over block slots; unset: no decay."
+    )
+    loss: Literal["ce", "kl"] = Field("ce", description="ce: against data tokens; kl: against the target.")
+    weighting: Literal[
+        "decay", "dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only"
+    ] = Field("decay", description="Slot weights: fixed decay (gamma) or detached D-PACE confidence weights.")
+    dpace_alpha: float = Field(0.5, ge=0.0, le=1.0, description="D-PACE s_j = alpha + (1 - alpha) p_draft.")
+    lk_loss_type: Literal["ce", "tv", "lambda"] = Field(
+        "ce", description="Per-token loss with loss: ce: ce, tv (1 - p) or lambda (CE/TV mix)."
+    )
+    kl_scale: float = Field(1.0, gt=0.0, le=1.0, description="lambda mix: c = kl_scale exp(-kl_decay acc).")
+    kl_decay: float = Field(1.0, ge=0.0, description="lambda mix decay over the acceptance estimate.")
+    conv_kernel_size: int = Field(0, ge=0, description="DFlash2 block convolution taps; 0 disables it.")
+    conv_group_size: int = Field(16, gt=0, description="Channels per DFlash2 convolution group.")
+    selector_rank: int = Field(0, ge=0, description="DFlash2 candidate-selector rank; 0 disables it.")
+    selector_top_k: int = Field(16, gt=0, description="Candidates per slot of the DFlash2 selector.")
+    selector_alpha: float = Field(1.0, ge=0.0, description="Weight of the selector loss after warm-up.")
+    selector_warmup_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Fraction of training with the selector loss off."
+    )
+    selector_ramp_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Fraction of training over which the selector loss ramps up."
+    )
+    selector_stop_gradient: bool = Field(
+        False, description="Detach the backbone hidden state and unary logits inside the selector."
+    )
+    eval_prompts: int = Field(
+        8,
+        ge=0,
+        description="Validation also runs lossless speculative decoding (csbp dflash eval) on this many "
+        "validation prompts and logs val_acceptance_length; 0 turns it off.",
+    )
+    eval_new_tokens: int = Field(64, gt=0, description="New tokens per speculative-decoding validation prompt.")
+
+    @model_validator(mode="after")
+    def _check_dflash(self) -> DFlashSection:
+        violations = []
+        if self.loss == "kl" and self.lk_loss_type != "ce":
+            violations.append(
+                ("lk_loss_type", f"{self.lk_loss_type} mixes with the hard CE only", "use ce with loss: kl")
+            )
+        if self.layer_types is not None and len(self.layer_types) != self.num_draft_layers:
+            violations.append(
+                (
+                    "layer_types",
+                    f"lists {len(self.layer_types)} layers, num_draft_layers={self.num_draft_layers}",
+                    "give one entry per draft layer",
+                )
+            )
+        if self.layer_types is not None and "sliding_attention" in self.layer_types and not self.sliding_window:
+            violations.append(
+                ("sliding_window", "required by sliding_attention layers", "set objective.dflash.sliding_window")
+            )
+        if self.target_layer_ids is not None and len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            violations.append(("target_layer_ids", "ids must be distinct", "remove the repeated ids"))
+        if self.target_layer_ids is not None and any(i < 0 for i in self.target_layer_ids):
+            violations.append(("target_layer_ids", "ids are 0-based layer indices", "use ids >= 0"))
+        if violations:
+            raise ConfigRuleError(violations)
+        return self
