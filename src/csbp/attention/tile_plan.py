@@ -45,6 +45,7 @@ class TileMask:
     empty: Tensor | None
 
 DEFAULT_TILE_ROWS = 128
+MASK_CACHE_BYTES = 64 << 20  # additive tile masks kept per plan (CPU kernels) up to this size
 _INT64_MAX = torch.iinfo(torch.int64).max
 _INT64_MIN = torch.iinfo(torch.int64).min
 
@@ -97,6 +98,9 @@ class TilePlan:
     query_rows: Rows
     key_rows: Rows
     _strips: dict[bool, tuple[TileMask, ...]] = field(default_factory=dict, repr=False)
+    _additive: dict[tuple[bool, torch.dtype], tuple[Tensor | None, ...] | None] = field(
+        default_factory=dict, repr=False
+    )
 
     def tile_strips(self, causal_in_block: bool) -> tuple[TileMask, ...]:
         """The mask of every tile, evaluated once per causal flag and then reused."""
@@ -106,6 +110,20 @@ class TilePlan:
                 _tile_strips(self, tile, causal_in_block) for tile in self.tiles
             )
         return strips
+
+    def additive_masks(self, causal_in_block: bool, dtype: torch.dtype) -> tuple[Tensor | None, ...] | None:
+        """Every tile's ``[T, C]`` additive mask (0 allowed, -inf disallowed; None for a tile without
+        a disallowed pair) in ``dtype``, built once per causal flag and dtype and then reused; None
+        when they would take more than ``MASK_CACHE_BYTES`` (callers then build one tile's at a time)."""
+        key = (causal_in_block, dtype)
+        if key not in self._additive:
+            masks = self.tile_strips(causal_in_block)
+            size = sum((t.q_hi - t.q_lo) * t.num_keys for t, m in zip(self.tiles, masks) if m.strips)
+            fits = size * torch.empty((), dtype=dtype).element_size() <= MASK_CACHE_BYTES
+            self._additive[key] = (
+                tuple(additive_mask(m, t, dtype) for t, m in zip(self.tiles, masks)) if fits else None
+            )
+        return self._additive[key]
 
     @property
     def num_used_keys(self) -> int:
@@ -204,6 +222,17 @@ def mask_tile_scores(scores: Tensor, tile_mask: TileMask, group: int) -> None:
         scores_view[..., first:stop].masked_fill_(blocked, float("-inf"))
 
 
+def additive_mask(tile_mask: TileMask, tile: TileRange, dtype: torch.dtype) -> Tensor | None:
+    """``[T, C]`` additive mask (0 allowed, -inf disallowed) of a tile's strips; None when unmasked."""
+    if not tile_mask.strips:
+        return None
+    device = tile_mask.strips[0][2].device
+    mask = torch.zeros(tile.q_hi - tile.q_lo, tile.num_keys, dtype=dtype, device=device)
+    for first, stop, blocked in tile_mask.strips:
+        mask[:, first:stop].masked_fill_(blocked[:, 0], float("-inf"))
+    return mask
+
+
 def _tile_strips(plan: TilePlan, tile: TileRange, causal: bool) -> TileMask:
     """Evaluate the predicate on the tile's candidate columns outside ``[full_lo, full_hi)``."""
     predicate = rows_mask(plan.query_rows, plan.key_rows, causal_in_block=causal)
@@ -239,8 +268,10 @@ def gather_tile_keys(x: Tensor, tile: TileRange) -> Tensor:
 def add_tile_keys(total: Tensor, grad: Tensor, tile: TileRange) -> None:
     """Add a tile's candidate-key gradient ``[S, Hkv, C, d]`` into canonical ``total [S, Hkv, n, d]``."""
     num_noisy = tile.noisy_hi - tile.noisy_lo
-    total[:, :, tile.noisy_lo : tile.noisy_hi] += grad[:, :, :num_noisy]
-    total[:, :, tile.clean_lo : tile.clean_hi] += grad[:, :, num_noisy:]
+    if num_noisy:
+        total[:, :, tile.noisy_lo : tile.noisy_hi].add_(grad[:, :, :num_noisy])
+    if tile.clean_hi > tile.clean_lo:
+        total[:, :, tile.clean_lo : tile.clean_hi].add_(grad[:, :, num_noisy:])
 
 
 def _stable_lexsort(primary: Tensor, secondary: Tensor) -> Tensor:
