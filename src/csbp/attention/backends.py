@@ -152,8 +152,6 @@ def plan_partial(
         return build_flex_partial(q_rows, k_rows, causal_in_block=causal_in_block)
     tile_plan = build_tile_plan(q_rows, k_rows, tile_rows=tile_rows)
     tile_plan.tile_strips(causal_in_block)  # the masks every layer reuses, built now (part of the step's plan cost)
-    if q_rows.pos.device.type == "cpu":  # and the CPU kernels' additive form of them (float32 accumulation)
-        tile_plan.additive_masks(causal_in_block, torch.float32)
     return TilesPartial(q_rows, k_rows, tile_plan, causal_in_block)
 
 

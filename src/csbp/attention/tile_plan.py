@@ -45,7 +45,7 @@ class TileMask:
     empty: Tensor | None
 
 DEFAULT_TILE_ROWS = 128
-MASK_CACHE_BYTES = 64 << 20  # additive tile masks kept per plan (CPU kernels) up to this size
+MASK_CACHE_BYTES = 256 << 20  # additive tile masks kept per plan (CPU kernels) up to this size
 _INT64_MAX = torch.iinfo(torch.int64).max
 _INT64_MIN = torch.iinfo(torch.int64).min
 
@@ -98,7 +98,7 @@ class TilePlan:
     query_rows: Rows
     key_rows: Rows
     _strips: dict[bool, tuple[TileMask, ...]] = field(default_factory=dict, repr=False)
-    _additive: dict[tuple[bool, torch.dtype], tuple[Tensor | None, ...] | None] = field(
+    _additive: dict[tuple[bool, torch.dtype, int], tuple[Tensor | None, ...] | None] = field(
         default_factory=dict, repr=False
     )
 
@@ -111,17 +111,19 @@ class TilePlan:
             )
         return strips
 
-    def additive_masks(self, causal_in_block: bool, dtype: torch.dtype) -> tuple[Tensor | None, ...] | None:
-        """Every tile's ``[T, C]`` additive mask (0 allowed, -inf disallowed; None for a tile without
-        a disallowed pair) in ``dtype``, built once per causal flag and dtype and then reused; None
-        when they would take more than ``MASK_CACHE_BYTES`` (callers then build one tile's at a time)."""
-        key = (causal_in_block, dtype)
+    def additive_masks(
+        self, causal_in_block: bool, dtype: torch.dtype, group: int = 1
+    ) -> tuple[Tensor | None, ...] | None:
+        """Every tile's ``[T*group, C]`` additive mask (``additive_mask``; None for a tile without a
+        disallowed pair) in ``dtype``, built once per causal flag, dtype and group and then reused;
+        None when they would take more than ``MASK_CACHE_BYTES`` (callers then build one at a time)."""
+        key = (causal_in_block, dtype, group)
         if key not in self._additive:
             masks = self.tile_strips(causal_in_block)
-            size = sum((t.q_hi - t.q_lo) * t.num_keys for t, m in zip(self.tiles, masks) if m.strips)
+            size = group * sum((t.q_hi - t.q_lo) * t.num_keys for t, m in zip(self.tiles, masks) if m.strips)
             fits = size * torch.empty((), dtype=dtype).element_size() <= MASK_CACHE_BYTES
             self._additive[key] = (
-                tuple(additive_mask(m, t, dtype) for t, m in zip(self.tiles, masks)) if fits else None
+                tuple(additive_mask(m, t, dtype, group) for t, m in zip(self.tiles, masks)) if fits else None
             )
         return self._additive[key]
 
@@ -222,15 +224,16 @@ def mask_tile_scores(scores: Tensor, tile_mask: TileMask, group: int) -> None:
         scores_view[..., first:stop].masked_fill_(blocked, float("-inf"))
 
 
-def additive_mask(tile_mask: TileMask, tile: TileRange, dtype: torch.dtype) -> Tensor | None:
-    """``[T, C]`` additive mask (0 allowed, -inf disallowed) of a tile's strips; None when unmasked."""
+def additive_mask(tile_mask: TileMask, tile: TileRange, dtype: torch.dtype, group: int = 1) -> Tensor | None:
+    """``[T*group, C]`` additive mask (0 allowed, -inf disallowed) of a tile's strips, row ``t*group + g``
+    for query row ``t`` (the grouped layout of the CPU kernels); None when the tile is unmasked."""
     if not tile_mask.strips:
         return None
     device = tile_mask.strips[0][2].device
     mask = torch.zeros(tile.q_hi - tile.q_lo, tile.num_keys, dtype=dtype, device=device)
     for first, stop, blocked in tile_mask.strips:
         mask[:, first:stop].masked_fill_(blocked[:, 0], float("-inf"))
-    return mask
+    return mask if group == 1 else mask.repeat_interleave(group, dim=0)
 
 
 def _tile_strips(plan: TilePlan, tile: TileRange, causal: bool) -> TileMask:
