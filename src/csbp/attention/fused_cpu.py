@@ -58,7 +58,7 @@ def fused_interval_forward(
             lse = lse.masked_fill(empty, float("-inf"))
         outs.append(out)
         lses.append(lse)
-    return _ungrouped(_joined(outs), group), _ungrouped(_joined(lses), group)
+    return _ungrouped_join(outs, group), _ungrouped_join(lses, group)
 
 
 def fused_interval_backward(
@@ -102,7 +102,7 @@ def fused_interval_backward(
         dqs.append(dq)
         add_tile_keys(dk_used, dk, tile)
         add_tile_keys(dv_used, dv, tile)
-    return _ungrouped(_joined(dqs), group), dk_used, dv_used
+    return _ungrouped_join(dqs, group), dk_used, dv_used
 
 
 def _grouped(x: Tensor, num_kv_heads: int) -> Tensor:
@@ -112,12 +112,20 @@ def _grouped(x: Tensor, num_kv_heads: int) -> Tensor:
     return x.flatten(2, 3) if x.shape[3] == 1 else x.contiguous().flatten(2, 3)
 
 
-def _ungrouped(x: Tensor, group: int) -> Tensor:
-    """Inverse of ``_grouped``: ``[S, Hkv, N*G, ...]`` -> ``[S, Hq, N, ...]``."""
+def _ungrouped_join(pieces: list[Tensor], group: int) -> Tensor:
+    """The grouped row pieces ``[S, Hkv, T_i*G, ...]`` (consecutive rows) as one ``[S, Hq, N, ...]``:
+    one copy per piece straight into the result (not a ``cat`` and then a transposing copy)."""
     if group == 1:
-        return x
-    x = x.unflatten(2, (-1, group)).transpose(2, 3)  # [S, Hkv, G, N, ...]
-    return x.contiguous().flatten(1, 2)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+    first = pieces[0]
+    num_rows = sum(piece.shape[2] for piece in pieces) // group
+    result = first.new_empty(first.shape[0], first.shape[1], group, num_rows, *first.shape[3:])
+    start = 0
+    for piece in pieces:
+        stop = start + piece.shape[2] // group
+        result[:, :, :, start:stop] = piece.unflatten(2, (-1, group)).transpose(2, 3)
+        start = stop
+    return result.flatten(1, 2)
 
 
 def _segments(plan: TilePlan) -> list[tuple[int, int, int | None]]:
@@ -132,8 +140,3 @@ def _segments(plan: TilePlan) -> list[tuple[int, int, int | None]]:
     if plan.num_queries > stop or not segments:
         segments.append((stop, plan.num_queries, None))
     return segments
-
-
-def _joined(pieces: list[Tensor]) -> Tensor:
-    """The row pieces ``[S, H, T_i, ...]`` joined along rows (dim 2)."""
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
