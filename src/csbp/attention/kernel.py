@@ -18,10 +18,10 @@ rank that owns those rows. Hence the API:
 re-exported here): ``build_tile_plan(q_rows, k_rows)`` once per step, passed to every layer's
 forward and backward, so the work is proportional to the mask, not to ``Nq * Nk``. Each tile's
 mask comes from the plan (evaluated once per step from ``csbp.masks.rows_mask``). On CPU a tile
-runs through ATen's fused flash-attention kernel with that mask as an additive bias: its forward
-returns the lse, and its backward takes ``out``/``lse`` as inputs, so it is given the *final*
-merged statistics, which is exactly the explicit backward below. Elsewhere the tile runs as
-matmuls and an explicit softmax.
+runs through ATen's fused flash-attention kernel with that mask as an additive bias
+(``csbp.attention.fused_cpu``): its forward returns the lse, and its backward takes ``out``/``lse``
+as inputs, so it is given the *final* merged statistics, which is exactly the explicit backward
+below. Elsewhere the tile runs as matmuls and an explicit softmax (the code below).
 
 **Dtypes.** Scores, statistics and results are in the accumulation dtype (``merge.accumulation_dtype``:
 float64 for float64 inputs, float32 otherwise, including bf16/fp16): ``out``, ``lse``, ``dq``,

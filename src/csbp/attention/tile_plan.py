@@ -14,7 +14,9 @@ in the plan. Padding keys (``live = False``) are never candidates.
 The predicate is ``csbp.masks.rows_mask`` (the one definition the FlexAttention backend and the
 dense reference use too), evaluated once per plan and causal flag on the columns of each tile that
 are not entirely allowed; every layer's forward and backward then applies those stored strips
-with one ``masked_fill_`` each instead of rebuilding the mask from the row metadata.
+with one ``masked_fill_`` each instead of rebuilding the mask from the row metadata, or (the CPU
+kernels) passes the tile's additive ``[T*G, C]`` form of them, built once per plan within
+``MASK_CACHE_BYTES`` (``TilePlan.additive_masks``).
 
 Shape legend: ``S`` samples, ``Hkv`` KV heads, ``G`` query heads per KV head, ``T`` rows of a tile,
 ``C`` candidate keys of a tile, ``n`` used (live) keys, ``d`` head dim.
