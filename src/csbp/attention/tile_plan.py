@@ -232,10 +232,10 @@ def additive_mask(tile_mask: TileMask, tile: TileRange, dtype: torch.dtype, grou
     if not tile_mask.strips:
         return None
     device = tile_mask.strips[0][2].device
-    mask = torch.zeros(tile.q_hi - tile.q_lo, tile.num_keys, dtype=dtype, device=device)
+    mask = torch.zeros(tile.q_hi - tile.q_lo, group, tile.num_keys, dtype=dtype, device=device)
     for first, stop, blocked in tile_mask.strips:
-        mask[:, first:stop].masked_fill_(blocked[:, 0], float("-inf"))
-    return mask if group == 1 else mask.repeat_interleave(group, dim=0)
+        mask[..., first:stop].masked_fill_(blocked, float("-inf"))  # blocked [T, 1, w]: every head alike
+    return mask.view(-1, tile.num_keys)
 
 
 def _tile_strips(plan: TilePlan, tile: TileRange, causal: bool) -> TileMask:
