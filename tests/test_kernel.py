@@ -294,6 +294,10 @@ def test_additive_masks_are_the_predicate_and_cached_within_budget(
         tile_allow = allow[tile.q_lo : tile.q_hi][:, keys]
         expected = torch.zeros(tile_allow.shape).masked_fill(~tile_allow, float("-inf"))
         torch.testing.assert_close(torch.zeros(tile_allow.shape) if mask is None else mask, expected)
+    # over the clean keys every tile (noisy or clean rows) ends in the same block-causal corner: one buffer
+    shared = build_tile_plan(rows, rows.select(slice(32, None)), tile_rows=8).additive_masks(causal, torch.float32)
+    assert shared is not None and len(shared) == 8
+    assert len({m.untyped_storage().data_ptr() for m in shared if m is not None}) == 1
     monkeypatch.setattr(tile_plan, "MASK_CACHE_BYTES", 1)  # over budget: callers build one tile's at a time
     assert build_tile_plan(rows, rows, tile_rows=8).additive_masks(causal, torch.float32) is None
 

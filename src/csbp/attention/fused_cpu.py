@@ -12,7 +12,8 @@ one key subset. A tile is one call on row slices (views) of the inputs:
   over 128 rows (and the same at L = 1024, where the copies weigh more);
 * **masks built once per plan.** Only tiles holding a disallowed pair get an additive mask
   (``TilePlan.additive_masks``, ``[T*G, C]``, built at the first call and reused by every layer's
-  forward and backward while they fit ``tile_plan.MASK_CACHE_BYTES``; one tile's at a time beyond);
+  forward and backward, tiles ending in the same pattern sharing one buffer, while they fit
+  ``tile_plan.MASK_CACHE_BYTES``; one tile's at a time beyond);
 * the scale goes to the kernel (no scaled copy of Q), and the per-tile results are joined with one
   ``cat`` per output instead of a copy into a preallocated buffer each.
 

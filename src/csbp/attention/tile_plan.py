@@ -118,15 +118,16 @@ class TilePlan:
     ) -> tuple[Tensor | None, ...] | None:
         """Every tile's ``[T*group, C]`` additive mask (``additive_mask``; None for a tile without a
         disallowed pair) in ``dtype``, built once per causal flag, dtype and group and then reused;
-        None when they would take more than ``MASK_CACHE_BYTES`` (callers then build one at a time)."""
+        None when they would take more than ``MASK_CACHE_BYTES`` (callers then build one at a time).
+
+        Tiles whose masks end in the same pattern (the columns from the first one holding a
+        disallowed pair to the last, e.g. the block-causal corner every clean tile of the BD3 mask
+        has) share one ``[T*group, W]`` buffer, zeros before the pattern: a tile's mask is a view of
+        its last ``C`` columns (the kernel reads masks through their row stride), so the memory is
+        per pattern and the widest tile, not per tile."""
         key = (causal_in_block, dtype, group)
         if key not in self._additive:
-            masks = self.tile_strips(causal_in_block)
-            size = group * sum((t.q_hi - t.q_lo) * t.num_keys for t, m in zip(self.tiles, masks) if m.strips)
-            fits = size * torch.empty((), dtype=dtype).element_size() <= MASK_CACHE_BYTES
-            self._additive[key] = (
-                tuple(additive_mask(m, t, dtype, group) for t, m in zip(self.tiles, masks)) if fits else None
-            )
+            self._additive[key] = _shared_additive_masks(self, self.tile_strips(causal_in_block), dtype, group)
         return self._additive[key]
 
     @property
@@ -236,6 +237,38 @@ def additive_mask(tile_mask: TileMask, tile: TileRange, dtype: torch.dtype, grou
     for first, stop, blocked in tile_mask.strips:
         mask[..., first:stop].masked_fill_(blocked, float("-inf"))  # blocked [T, 1, w]: every head alike
     return mask.view(-1, tile.num_keys)
+
+
+def _shared_additive_masks(
+    plan: TilePlan, masks: tuple[TileMask, ...], dtype: torch.dtype, group: int
+) -> tuple[Tensor | None, ...] | None:
+    """``TilePlan.additive_masks``: one buffer per distinct ending pattern; None over the budget."""
+    tails: dict[tuple[int, int, bytes], Tensor] = {}
+    users: dict[tuple[int, int, bytes], list[int]] = {}
+    for index, (tile, tile_mask) in enumerate(zip(plan.tiles, masks)):
+        if not tile_mask.strips:
+            continue
+        start = min(first for first, _, _ in tile_mask.strips)
+        tail = torch.zeros(tile.q_hi - tile.q_lo, 1, tile.num_keys - start, dtype=torch.bool)
+        for first, stop, blocked in tile_mask.strips:
+            tail[..., first - start : stop - start] = blocked.cpu()
+        key = (tail.shape[0], tail.shape[2], tail.numpy().tobytes())
+        tails.setdefault(key, tail)
+        users.setdefault(key, []).append(index)
+    widest = {key: max(plan.tiles[i].num_keys for i in indices) for key, indices in users.items()}
+    size = group * sum(key[0] * width for key, width in widest.items())
+    if size * torch.empty((), dtype=dtype).element_size() > MASK_CACHE_BYTES:
+        return None
+    shared: list[Tensor | None] = [None] * len(plan.tiles)
+    device = plan.query_rows.pos.device
+    for key, indices in users.items():
+        num_rows, tail_width, width = key[0], key[1], widest[key]
+        buffer = torch.zeros(num_rows, group, width, dtype=dtype, device=device)
+        buffer[..., width - tail_width :].masked_fill_(tails[key].to(device), float("-inf"))
+        buffer = buffer.view(num_rows * group, width)
+        for index in indices:
+            shared[index] = buffer[:, width - plan.tiles[index].num_keys :]
+    return tuple(shared)
 
 
 def _tile_strips(plan: TilePlan, tile: TileRange, causal: bool) -> TileMask:
