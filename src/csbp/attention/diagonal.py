@@ -1,0 +1,52 @@
+"""Which kernel runs the noisy block-diagonal partial (``backends.plan_block_diagonal``).
+
+The block-diagonal part of the BD3 mask (noisy rows x their own block) has three kernels:
+
+* ``matmul``: batched dense ``[B, B]`` matmuls and an explicit softmax (``csbp.attention.kernel``);
+* ``sdpa``: one batched fused SDPA call over ``[S*nb, H, B, d]`` (``csbp.attention.block_diagonal_sdpa``:
+  ATen's CPU flash kernel, FlashAttention-2 on CUDA);
+* ``flex``: FlexAttention over a ``BlockMask`` of the same rows (the ``flex`` backend only).
+
+``auto`` picks per backend: ``sdpa`` on ``tiles`` (measured on CPU with ``csbp bench kernels
+--diagonals matmul sdpa``: faster at B >= 16 and within a few per cent at B = 4, see the README)
+and ``flex`` on ``flex`` (FlexAttention's block-sparse kernel; the CUDA default is chosen from the
+``kernels`` stage of ``make gpu-check``, which measures ``flex`` and ``sdpa`` side by side). On the
+``flex`` backend a diagonal other than ``flex`` also makes the local transport split its rows into
+this partial plus the clean-interval partial (CSBP's decomposed form) instead of one Flex call
+over the mixed mask.
+
+The environment variable ``CSBP_DIAGONAL`` (one of ``DIAGONALS``) overrides ``auto`` everywhere
+(training, ``verify``, benchmarks), e.g. ``CSBP_DIAGONAL=sdpa csbp train ...`` on a GPU; an
+unknown value fails when the first plan is built.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal, get_args
+
+DiagonalName = Literal["auto", "matmul", "sdpa", "flex"]
+DIAGONALS: tuple[str, ...] = get_args(DiagonalName)
+DIAGONAL_ENV = "CSBP_DIAGONAL"
+AUTO_DIAGONAL = {"tiles": "sdpa", "flex": "flex"}
+"""The kernel ``auto`` picks on each concrete backend (see the module doc for why)."""
+
+
+def check_diagonal(name: str, *, where: str = "diagonal") -> str:
+    """``name`` if it is a diagonal kernel name, else one clear ``ValueError``."""
+    if name not in DIAGONALS:
+        raise ValueError(f"{where} must be one of {DIAGONALS}, got {name!r}")
+    return name
+
+
+def resolve_diagonal(name: str, backend: str) -> str:
+    """The concrete kernel (``matmul``, ``sdpa`` or ``flex``) of ``name`` on the concrete ``backend``
+    (``tiles`` or ``flex``); ``auto`` reads ``CSBP_DIAGONAL`` first."""
+    check_diagonal(name)
+    if name == "auto":
+        name = check_diagonal(os.environ.get(DIAGONAL_ENV) or "auto", where=f"${DIAGONAL_ENV}")
+    if name == "auto":
+        name = AUTO_DIAGONAL[backend]
+    if name == "flex" and backend != "flex":
+        raise ValueError(f"diagonal=flex needs attention.backend=flex (got {backend}); use matmul or sdpa")
+    return name
