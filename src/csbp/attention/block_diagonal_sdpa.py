@@ -13,7 +13,8 @@ Kernels (``SdpaBlockDiagonalPartial.kernel(q)`` names the one a call uses):
 * ``flash`` (CUDA, fp16/bf16, head dim a multiple of 8 up to 256, sm80+):
   ``_scaled_dot_product_flash_attention`` and ``_backward`` (FlashAttention-2). GQA is native in
   the kernel (K/V are not repeated in memory; its backward sums dK/dV over the group itself).
-  Dropout is 0, so the backward ignores the philox seed/offset (empty tensors are passed);
+  Dropout is 0, so the backward ignores the philox seed/offset (empty tensors are passed). The
+  kernel's grid holds at most 65535 batch entries, so longer inputs run in chunks of blocks;
 * ``matmul``: anything else (CUDA fp32/fp64, other head dims): the batched-matmul kernels of
   ``csbp.attention.kernel`` (``block_diagonal_forward``/``_backward``), the tiles' path. The
   efficient (cutlass) kernel is not used for fp32: it has no GQA, so K/V would be repeated.
@@ -45,6 +46,8 @@ from csbp.attention.merge import accumulation_dtype
 from csbp.attention.rows import Rows
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MAX_BATCH = 65535
+"""Blocks per FlashAttention call: its grid puts the batch on CUDA's y dimension (at most 65535)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,9 +88,13 @@ class SdpaBlockDiagonalPartial:
         else:
             inputs = [self._blocked(t.to(q.dtype if kernel == "flash" else dtype)) for t in (q, k, v)]
             if kernel == "flash":
-                out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention(
-                    *inputs, 0.0, self.causal_in_block, False, scale=scale
-                )[:2]
+                parts = [
+                    torch.ops.aten._scaled_dot_product_flash_attention(
+                        *chunk, 0.0, self.causal_in_block, False, scale=scale
+                    )[:2]
+                    for chunk in _batch_chunks(*inputs)
+                ]
+                out_b, lse_b = (torch.cat(part) for part in zip(*parts))
             else:
                 out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     *inputs, 0.0, self.causal_in_block, scale=scale
@@ -128,10 +135,14 @@ class SdpaBlockDiagonalPartial:
             q_b, k_b, v_b, out_b, dout_b = (self._blocked(t.to(q.dtype)) for t in (q, k, v, out, dout))
             lse_b = self._blocked(lse.float().unsqueeze(-1)).squeeze(-1).contiguous()
             unused = torch.empty(0, dtype=torch.int64, device=q.device)
-            dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dout_b, q_b, k_b, v_b, out_b, lse_b, None, None, self.block_size, self.block_size,
-                0.0, self.causal_in_block, unused, unused, scale=scale,
-            )
+            parts = [
+                torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                    *chunk, None, None, self.block_size, self.block_size,
+                    0.0, self.causal_in_block, unused, unused, scale=scale,
+                )
+                for chunk in _batch_chunks(dout_b, q_b, k_b, v_b, out_b, lse_b)
+            ]
+            dq_b, dk_b, dv_b = (torch.cat(part) for part in zip(*parts))
         else:
             q_b, k_b, v_b, out_b, dout_b = (self._blocked(t.to(dtype)) for t in (q, k, v, out, dout))
             lse_b = self._blocked(lse.to(dtype).unsqueeze(-1)).squeeze(-1)
@@ -208,6 +219,14 @@ def _flash_supported(q: Tensor) -> bool:
         and dim <= 256
         and torch.cuda.get_device_capability(q.device) >= (8, 0)
     )
+
+
+def _batch_chunks(*tensors: Tensor) -> list[tuple[Tensor, ...]]:
+    """``tensors`` split along the batch dim into runs of at most ``FLASH_MAX_BATCH`` blocks."""
+    size = tensors[0].shape[0]
+    if size <= FLASH_MAX_BATCH:
+        return [tensors]
+    return [tuple(t[start : start + FLASH_MAX_BATCH] for t in tensors) for start in range(0, size, FLASH_MAX_BATCH)]
 
 
 def _resolve_scale(scale: float | None, q: Tensor) -> float:
