@@ -1,8 +1,9 @@
 """The fused-SDPA block diagonal on CUDA (``make gpu-check``'s ``cuda-tests`` stage runs ``pytest -m
 cuda``): FlashAttention-2 for bf16 (the ``flash`` kernel), the batched matmuls for fp32, forward and
-backward through the merge with the backend's context partial (FlexAttention on CUDA) against the
-CPU float64 reference; the local transport decomposed with ``CSBP_DIAGONAL=sdpa`` on ``auto``
-(flex clean interval + SDPA noisy blocks); DFlash's draft attention with either diagonal.
+backward through the merge with a tiles context partial against the CPU float64 reference; the
+local transport decomposed with ``CSBP_DIAGONAL=sdpa`` on ``auto`` (FlexAttention's clean interval
++ SDPA noisy blocks, bf16); DFlash's draft attention (dead anchors) with either diagonal. Flex is
+compiled per shape, so only the transport test uses it (the stage has a time budget).
 
 ``CSBP_CUDA_TESTS_DEVICE=cpu`` runs the same bodies on the CPU (the ``cpu-flash`` kernel and the
 tiles backend): a dry run of the test code where no GPU is lent; not part of the suite.
@@ -58,7 +59,7 @@ def test_sdpa_block_diagonal_through_the_merge_matches_the_cpu_float64_reference
     blocks_d, context_d = blocks.to(dev), context.to(dev)
     block_plan = plan_block_diagonal(blocks_d, block_size=B, backend="auto", causal_in_block=causal, diagonal="sdpa")
     assert isinstance(block_plan, SdpaBlockDiagonalPartial)
-    context_plan = plan_partial(blocks_d, context_d, backend="auto")
+    context_plan = plan_partial(blocks_d, context_d, backend="tiles")  # no Flex compile: the block partial is tested
     qd, kd, vd, doutd = (t.to(dev, dtype) for t in (q, k, v, dout))
     assert block_plan.kernel(qd) == _expected_kernel(dtype)
     kv_blk, kv_ctx = (kd[:, :, :n_blk], vd[:, :, :n_blk]), (kd[:, :, n_blk:], vd[:, :, n_blk:])
@@ -77,11 +78,11 @@ def test_sdpa_block_diagonal_through_the_merge_matches_the_cpu_float64_reference
         torch.testing.assert_close(got.cpu().double(), want, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("layout", ["reference", "bp_only", "causal_in_block"])
+@pytest.mark.parametrize("layout", ["reference", "causal_in_block"])
 def test_local_transport_decomposed_with_the_sdpa_diagonal_matches_the_reference(
-    layout: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+    layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    dtype = torch.bfloat16
     monkeypatch.setenv(DIAGONAL_ENV, "sdpa")
     rows, _, causal = CASES[layout]
     num_noisy = int((~rows.clean).sum())
@@ -113,7 +114,7 @@ def test_dflash_draft_attention_with_the_sdpa_diagonal_matches_the_matmul_diagon
     for diagonal in ("sdpa", "matmul"):
         monkeypatch.setenv(DIAGONAL_ENV, diagonal)
         plan = build_draft_attention_plan(
-            [block_rows.to(dev)], [True], [0], ctx_rows.to(dev), block_size=B, comm=None, backend="auto"
+            [block_rows.to(dev)], [True], [0], ctx_rows.to(dev), block_size=B, comm=None, backend="tiles"
         )
         leaves = [t.to(dev, torch.bfloat16).requires_grad_(True) for t in (q, k_ctx, v_ctx, k_blk, v_blk)]
         out = ShardedDraftAttention(plan)(*leaves, 0)

@@ -155,9 +155,11 @@ def run_kernel_bench(
     count_ops: bool = True,
     clock: str = "wall",
     diagonals: tuple[str, ...] = ("auto",),
+    progress: Callable[[KernelRecord], None] | None = None,
 ) -> list[KernelRecord]:
-    """Measure every (length, block size): dense SDPA, then each backend's mixed form and its
-    decomposed form once per block-diagonal kernel of ``diagonals``."""
+    """Measure every (length, block size): dense SDPA, then each backend's mixed form, its decomposed
+    form and its block-diagonal partial alone (``diagonal``) once per kernel of ``diagonals``;
+    ``progress`` sees each record as soon as it is measured."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
     kernels = {  # fails closed (unknown name, flex diagonal off the flex backend) before measuring
@@ -174,6 +176,12 @@ def run_kernel_bench(
                 raise ValueError(f"--seq-lens {seq_len} must be a multiple of every --block-sizes value ({block})")
     torch_dtype = DTYPES[dtype]
     records: list[KernelRecord] = []
+
+    def add(record: KernelRecord) -> None:
+        records.append(record)
+        if progress is not None:
+            progress(record)
+
     for seq_len in seq_lens:
         gen = torch.Generator(device=dev).manual_seed(seq_len)
         n = 2 * seq_len
@@ -186,7 +194,7 @@ def run_kernel_bench(
         for block in block_sizes:
             rows = reference_layout(seq_len, block).rows.to(dev)
             pairs = allowed_pairs(rows, block_size=block)
-            records.append(
+            add(
                 KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", dense_time, n * n, dense_rate,
                              1.0, float("nan"), 0.0, 0)
             )
@@ -206,7 +214,7 @@ def run_kernel_bench(
                     rate = attention_flops(useful, num_heads=num_heads, head_dim=head_dim) / time_s / 1e12
                     mixed_time = time_s if form == "mixed" else mixed_time
                     speedup = mixed_time / time_s if form == "decomposed" else float("nan")
-                    records.append(
+                    add(
                         KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, time_s, useful, rate,
                                      rate / dense_rate, speedup, build_s, ops)
                     )
@@ -250,20 +258,25 @@ def _dense_sdpa_time(q, k, v, dout, device: torch.device, warmup: int, repeats: 
     return _median_time(step, device, warmup, repeats, clock)
 
 
-def format_table(records: list[KernelRecord]) -> str:
+def format_header() -> str:
     header = (
         f"{'L':>7} {'B':>4} {'backend':<6} {'form':<10} {'diagonal':<8} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x dense':>8} "
         f"{'decomp x':>9} {'mask ms':>8} {'aten ops':>9}"
     )
-    lines = [header, "-" * len(header)]
-    for r in records:
-        speedup = "-" if r.form != "decomposed" else f"{r.decomposed_speedup:.2f}"
-        lines.append(
-            f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.diagonal:<8} {r.time_s * 1e3:>11.2f} "
-            f"{r.tflops:>8.3f} {r.vs_dense:>8.2f} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
-            f"{r.aten_ops if r.aten_ops else '-':>9}"
-        )
-    return "\n".join(lines)
+    return f"{header}\n{'-' * len(header)}"
+
+
+def format_row(r: KernelRecord) -> str:
+    speedup = "-" if r.form != "decomposed" else f"{r.decomposed_speedup:.2f}"
+    return (
+        f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.diagonal:<8} {r.time_s * 1e3:>11.2f} "
+        f"{r.tflops:>8.3f} {r.vs_dense:>8.2f} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
+        f"{r.aten_ops if r.aten_ops else '-':>9}"
+    )
+
+
+def format_table(records: list[KernelRecord]) -> str:
+    return "\n".join([format_header()] + [format_row(r) for r in records])
 
 
 def plot_rates(records: list[KernelRecord], path: Path) -> None:
@@ -334,6 +347,17 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} ({args.clock} clock)",
         flush=True,
     )
+    print(format_header(), flush=True)
+    measured: list[KernelRecord] = []
+
+    def progress(record: KernelRecord) -> None:
+        """Print each row as it is measured and keep --json current: a run cut short by a time limit
+        (``make gpu-check``'s kernels stage) still leaves every finished row."""
+        print(format_row(record), flush=True)
+        measured.append(record)
+        if args.json is not None:
+            write_json_atomic(args.json, records_as_dicts(measured))
+
     records = run_kernel_bench(
         args.seq_lens,
         args.block_sizes,
@@ -348,10 +372,9 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         count_ops=not args.no_op_count,
         clock=args.clock,
         diagonals=tuple(args.diagonals),
+        progress=progress,
     )
-    print(format_table(records))
     if args.json is not None:
-        write_json_atomic(args.json, records_as_dicts(records))
         print(f"wrote {args.json}")
     png = args.png if args.png is not None else (args.json.with_suffix(".png") if args.json is not None else None)
     if png is not None:
