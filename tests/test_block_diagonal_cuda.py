@@ -45,9 +45,12 @@ def _expected_kernel(dtype: torch.dtype) -> str:
     return "flash" if dtype == torch.bfloat16 else "matmul"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(("dtype", "diagonal"), [(torch.bfloat16, "sdpa"), (torch.bfloat16, "sdpa_fold"),
+                                               (torch.float32, "sdpa")], ids=["bf16", "bf16_fold", "fp32"])
 @pytest.mark.parametrize("case", ["bd3", "bd3_causal", "dflash_dead_blocks"])
-def test_sdpa_block_diagonal_through_the_merge_matches_the_cpu_float64_reference(case: str, dtype: torch.dtype) -> None:
+def test_sdpa_block_diagonal_through_the_merge_matches_the_cpu_float64_reference(
+    case: str, dtype: torch.dtype, diagonal: str
+) -> None:
     dev = _device()
     blocks, context, causal = _blocks_and_context(case)
     n_blk = len(blocks)
@@ -57,7 +60,7 @@ def test_sdpa_block_diagonal_through_the_merge_matches_the_cpu_float64_reference
     out_ref, lse_ref, grads_ref = reference_grads(q, k, v, allow, 1 / math.sqrt(q.shape[-1]), dout)
 
     blocks_d, context_d = blocks.to(dev), context.to(dev)
-    block_plan = plan_block_diagonal(blocks_d, block_size=B, backend="auto", causal_in_block=causal, diagonal="sdpa")
+    block_plan = plan_block_diagonal(blocks_d, block_size=B, backend="auto", causal_in_block=causal, diagonal=diagonal)
     assert isinstance(block_plan, SdpaBlockDiagonalPartial)
     context_plan = plan_partial(blocks_d, context_d, backend="tiles")  # no Flex compile: the block partial is tested
     qd, kd, vd, doutd = (t.to(dev, dtype) for t in (q, k, v, dout))

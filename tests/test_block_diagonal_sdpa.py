@@ -33,7 +33,9 @@ def _blocks_and_context(case: str) -> tuple[Rows, Rows, bool]:
     return rows.select(~rows.clean), rows.select(rows.clean), case == "bd3_causal"
 
 
-def merged_reference_check(case: str, dtype: torch.dtype, heads: tuple[int, int], samples: int) -> None:
+def merged_reference_check(
+    case: str, dtype: torch.dtype, heads: tuple[int, int], samples: int, diagonal: str = "sdpa"
+) -> None:
     """SDPA block partial merged with a tiles context partial == dense reference, forward and backward."""
     blocks, context, causal = _blocks_and_context(case)
     n_blk, n_ctx = len(blocks), len(context)
@@ -45,8 +47,8 @@ def merged_reference_check(case: str, dtype: torch.dtype, heads: tuple[int, int]
     scale = 1 / math.sqrt(q.shape[-1])
     out_ref, lse_ref, grads_ref = reference_grads(q, k, v, allow, scale, dout)
 
-    block_plan = plan_block_diagonal(blocks, block_size=B, backend="tiles", causal_in_block=causal, diagonal="sdpa")
-    assert isinstance(block_plan, SdpaBlockDiagonalPartial)
+    block_plan = plan_block_diagonal(blocks, block_size=B, backend="tiles", causal_in_block=causal, diagonal=diagonal)
+    assert isinstance(block_plan, SdpaBlockDiagonalPartial) and block_plan.fold_groups == (diagonal == "sdpa_fold")
     context_plan = plan_partial(blocks, context, backend="tiles")
     qx, kx, vx, doutx = (t.to(dtype) for t in (q, k, v, dout))
     k_blk, v_blk, k_ctx, v_ctx = kx[:, :, :n_blk], vx[:, :, :n_blk], kx[:, :, n_blk:], vx[:, :, n_blk:]
@@ -69,18 +71,20 @@ def merged_reference_check(case: str, dtype: torch.dtype, heads: tuple[int, int]
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("case", ["bd3", "bd3_causal", "dflash_dead_blocks"])
 @pytest.mark.parametrize(("heads", "samples"), [((4, 2), 1), ((2, 2), 2), ((4, 1), 2)], ids=["gqa_s1", "mha_s2", "mqa_s2"])
+@pytest.mark.parametrize("diagonal", ["sdpa", "sdpa_fold"])
 def test_sdpa_block_diagonal_through_the_merge_matches_dense_reference(
-    dtype: torch.dtype, case: str, heads: tuple[int, int], samples: int
+    dtype: torch.dtype, case: str, heads: tuple[int, int], samples: int, diagonal: str
 ) -> None:
-    merged_reference_check(case, dtype, heads, samples)
+    merged_reference_check(case, dtype, heads, samples, diagonal)
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sdpa_equals_batched_matmul_partial_forward_and_backward(causal: bool) -> None:
+def test_sdpa_equals_batched_matmul_partial_forward_and_backward(causal: bool, fold: bool) -> None:
     rows = reference_layout(64, 8).rows.select(slice(0, 64))
     q, k, v = random_qkv(64, 64, heads=6, kv_heads=2, dim=8, seed=5)
     dout = torch.randn_like(q)
-    sdpa = build_sdpa_block_diagonal(rows, block_size=8, causal_in_block=causal)
+    sdpa = build_sdpa_block_diagonal(rows, block_size=8, causal_in_block=causal, fold_groups=fold)
     matmul = BlockDiagonalPartial(8, causal)
     out, lse = matmul.forward(q, k, v, scale=0.3)
     for got, want in zip(sdpa.forward(q, k, v, scale=0.3), (out, lse)):
@@ -194,8 +198,8 @@ def test_flash_calls_match_the_cuda_kernels_signatures_on_fake_tensors(monkeypat
         monkeypatch.setattr(torch.Tensor, "contiguous", lambda self, memory_format=torch.contiguous_format: (
             self if self.is_contiguous() else self.clone(memory_format=memory_format)))
     rows = reference_layout(64, 16).rows.select(slice(0, 64))
-    for causal in (False, True):
-        partial = build_sdpa_block_diagonal(rows, block_size=16, causal_in_block=causal)
+    for causal, fold in ((False, False), (True, False), (False, True)):
+        partial = build_sdpa_block_diagonal(rows, block_size=16, causal_in_block=causal, fold_groups=fold)
         with FakeTensorMode(allow_non_fake_inputs=True):
             q = torch.empty(1, 8, 64, 128, dtype=torch.bfloat16, device="cuda")
             k, v = (torch.empty(1, 2, 64, 128, dtype=torch.bfloat16, device="cuda") for _ in "kv")

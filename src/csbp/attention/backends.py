@@ -167,12 +167,14 @@ def plan_block_diagonal(
 ) -> PartialPlan:
     """The partial of whole noisy blocks ``rows`` (``block_size`` rows each) over themselves, run by the
     ``diagonal`` kernel (``csbp.attention.diagonal``; ``auto``: ``sdpa`` on tiles, ``flex`` on flex):
-    ``matmul`` batched dense blocks, ``sdpa`` one batched fused SDPA call, ``flex`` a FlexAttention
+    ``matmul`` batched dense blocks, ``sdpa`` (``sdpa_fold``) one batched fused SDPA call, ``flex`` a FlexAttention
     BlockMask of the same rows. Dead rows see nothing on ``flex`` and ``sdpa`` (whole dead blocks); on
     ``matmul`` the caller masks them (``block_diagonal_forward`` sees blocks only)."""
     kernel = resolve_diagonal(diagonal, resolve_backend(backend, rows.pos.device))
     if kernel == "flex":
         return build_flex_partial(rows, rows, causal_in_block=causal_in_block)
-    if kernel == "sdpa":
-        return build_sdpa_block_diagonal(rows, block_size=block_size, causal_in_block=causal_in_block)
+    if kernel in ("sdpa", "sdpa_fold"):
+        return build_sdpa_block_diagonal(
+            rows, block_size=block_size, causal_in_block=causal_in_block, fold_groups=kernel == "sdpa_fold"
+        )
     return BlockDiagonalPartial(block_size, causal_in_block)

@@ -5,8 +5,15 @@ mask is a batch of small *dense* attentions: ``q [S, Hq, nb*B, d]`` is viewed as
 ``[S*nb, Hq, B, d]`` (a view when ``S == 1``, the usual long-context case; one copy otherwise)
 and one fused flash-attention call computes every block, with ``is_causal`` for the
 lower-triangular ``causal_in_block`` variant. No mask is built or applied.
+``SdpaBlockDiagonalPartial.kernel(q)`` names the kernel a call uses.
 
-Kernels (``SdpaBlockDiagonalPartial.kernel(q)`` names the one a call uses):
+``fold_groups`` (the ``sdpa_fold`` diagonal) instead folds the ``G`` query heads of a KV head into the
+rows of bidirectional blocks, ``q [S*nb, Hkv, G*B, d]`` against ``k [S*nb, Hkv, B, d]``: GPU kernels
+tile 64-128 query rows, so ``B = 16`` alone fills an eighth of a tile and ``G*B = 64`` half of it.
+On CPU it is slower (0.6-0.9x, the copies; CPU flash runs GQA natively), so it is no default: the
+``kernels`` stage of ``make gpu-check`` measures it on CUDA.
+
+Kernels:
 
 * ``cpu-flash``: ATen's ``_scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, in
   the accumulation dtype (fp32 for bf16 inputs, fp64 for fp64), GQA native (K/V never repeated);
@@ -60,12 +67,16 @@ class SdpaBlockDiagonalPartial:
         num_rows: rows the partial was built for (``nb * B``).
         causal_in_block: lower-triangular blocks (``is_causal``).
         dead_rows: ``[num_rows]`` bool, rows of dead blocks; None when every block is live.
+        fold_groups: bidirectional blocks only: the ``G`` query heads of a KV head become ``G*B`` rows
+            of one ``[S*nb, Hkv, G*B, d]`` call (fewer, fuller kernel tiles for small ``B``; costs a
+            copy of q, out and dout). Causal blocks keep ``[B, B]`` (``is_causal``) and native GQA.
     """
 
     block_size: int
     num_rows: int
     causal_in_block: bool
     dead_rows: Tensor | None
+    fold_groups: bool = False
 
     def kernel(self, q: Tensor) -> str:
         """``cpu-flash``, ``flash`` or ``matmul``: the kernel a call on ``q`` runs (see the module doc)."""
@@ -86,7 +97,9 @@ class SdpaBlockDiagonalPartial:
                 q, k, v, block_size=self.block_size, scale=scale, causal=self.causal_in_block
             )
         else:
-            inputs = [self._blocked(t.to(q.dtype if kernel == "flash" else dtype)) for t in (q, k, v)]
+            group = self._fold(q, k)
+            cast = q.dtype if kernel == "flash" else dtype
+            inputs = [self._blocked(q.to(cast), group), self._blocked(k.to(cast)), self._blocked(v.to(cast))]
             if kernel == "flash":
                 parts = [
                     torch.ops.aten._scaled_dot_product_flash_attention(
@@ -99,8 +112,8 @@ class SdpaBlockDiagonalPartial:
                 out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     *inputs, 0.0, self.causal_in_block, scale=scale
                 )
-            out = self._unblocked(out_b, q.shape[0]).to(dtype)
-            lse = self._unblocked(lse_b.unsqueeze(-1), q.shape[0]).squeeze(-1).to(dtype)
+            out = self._unblocked(out_b, q.shape[0], group).to(dtype)
+            lse = self._unblocked(lse_b.unsqueeze(-1), q.shape[0], group).squeeze(-1).to(dtype)
         if self.dead_rows is not None:
             out = out.masked_fill(self.dead_rows[:, None], 0.0)
             lse = lse.masked_fill(self.dead_rows, float("-inf"))
@@ -130,39 +143,49 @@ class SdpaBlockDiagonalPartial:
                 causal=self.causal_in_block, delta=delta,
             )
         lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows that see nothing: P = 0
-        num_samples = q.shape[0]
-        if kernel == "flash":  # the kernel wants q's dtype for out/dout and float32 lse
-            q_b, k_b, v_b, out_b, dout_b = (self._blocked(t.to(q.dtype)) for t in (q, k, v, out, dout))
-            lse_b = self._blocked(lse.float().unsqueeze(-1)).squeeze(-1).contiguous()
+        num_samples, group = q.shape[0], self._fold(q, k)
+        cast = q.dtype if kernel == "flash" else dtype  # flash wants q's dtype for out/dout, float32 lse
+        q_b, out_b, dout_b = (self._blocked(t.to(cast), group) for t in (q, out, dout))
+        k_b, v_b = self._blocked(k.to(cast)), self._blocked(v.to(cast))
+        lse_b = self._blocked(lse.to(torch.float32 if kernel == "flash" else dtype).unsqueeze(-1), group).squeeze(-1)
+        if kernel == "flash":
+            lse_b = lse_b.contiguous()
             unused = torch.empty(0, dtype=torch.int64, device=q.device)
             parts = [
                 torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                    *chunk, None, None, self.block_size, self.block_size,
+                    *chunk, None, None, q_b.shape[2], k_b.shape[2],
                     0.0, self.causal_in_block, unused, unused, scale=scale,
                 )
                 for chunk in _batch_chunks(dout_b, q_b, k_b, v_b, out_b, lse_b)
             ]
             dq_b, dk_b, dv_b = (torch.cat(part) for part in zip(*parts))
         else:
-            q_b, k_b, v_b, out_b, dout_b = (self._blocked(t.to(dtype)) for t in (q, k, v, out, dout))
-            lse_b = self._blocked(lse.to(dtype).unsqueeze(-1)).squeeze(-1)
             dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 dout_b, q_b, k_b, v_b, out_b, lse_b, 0.0, self.causal_in_block, scale=scale
             )
-        return tuple(self._unblocked(g, num_samples).to(dtype) for g in (dq_b, dk_b, dv_b))  # type: ignore[return-value]
+        dq = self._unblocked(dq_b, num_samples, group).to(dtype)
+        return dq, self._unblocked(dk_b, num_samples).to(dtype), self._unblocked(dv_b, num_samples).to(dtype)
 
     # ------------------------------------------------------------------------- layouts
 
-    def _blocked(self, x: Tensor) -> Tensor:
-        """``[S, H, nb*B, d]`` -> ``[S*nb, H, B, d]`` (a view when ``S == 1``)."""
-        num_samples, heads, _, dim = x.shape
-        blocks = x.unflatten(2, (-1, self.block_size)).transpose(1, 2)  # [S, nb, H, B, d]
-        return blocks.reshape(num_samples * blocks.shape[1], heads, self.block_size, dim)
+    def _fold(self, q: Tensor, k: Tensor) -> int:
+        """Query heads per KV head folded into the rows of one call (``G`` with ``fold_groups`` on
+        bidirectional blocks, else 1: the kernels run GQA natively)."""
+        return q.shape[1] // k.shape[1] if self.fold_groups and not self.causal_in_block else 1
 
-    def _unblocked(self, x_b: Tensor, num_samples: int) -> Tensor:
-        """``[S*nb, H, B, d]`` -> ``[S, H, nb*B, d]``."""
-        blocks = x_b.unflatten(0, (num_samples, -1)).transpose(1, 2)  # [S, H, nb, B, d]
-        return blocks.flatten(2, 3)
+    def _blocked(self, x: Tensor, group: int = 1) -> Tensor:
+        """``[S, H, nb*B, d]`` -> ``[S*nb, H/group, group*B, d]``: query head ``j*group + g`` becomes rows
+        ``[g*B, (g+1)*B)`` of head ``j`` (a view when ``S == 1`` and ``group == 1``)."""
+        num_samples, heads, _, dim = x.shape
+        x = x.unflatten(1, (heads // group, group)).unflatten(3, (-1, self.block_size))  # [S, H/g, g, nb, B, d]
+        x = x.permute(0, 3, 1, 2, 4, 5)  # [S, nb, H/g, g, B, d]
+        return x.reshape(num_samples * x.shape[1], heads // group, group * self.block_size, dim)
+
+    def _unblocked(self, x_b: Tensor, num_samples: int, group: int = 1) -> Tensor:
+        """``[S*nb, H/group, group*B, d]`` -> ``[S, H, nb*B, d]``."""
+        x = x_b.unflatten(0, (num_samples, -1)).unflatten(3, (group, self.block_size))  # [S, nb, H/g, g, B, d]
+        x = x.permute(0, 2, 3, 1, 4, 5)  # [S, H/g, g, nb, B, d]
+        return x.reshape(num_samples, x.shape[1] * group, -1, x.shape[-1])
 
     def _check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         if q.dim() != 4 or k.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[1] % k.shape[1] != 0:
@@ -182,7 +205,7 @@ class SdpaBlockDiagonalPartial:
 
 
 def build_sdpa_block_diagonal(
-    rows: Rows, *, block_size: int, causal_in_block: bool = False
+    rows: Rows, *, block_size: int, causal_in_block: bool = False, fold_groups: bool = False
 ) -> SdpaBlockDiagonalPartial:
     """The fused-SDPA block-diagonal partial of ``rows`` (whole noisy blocks of ``block_size`` rows);
     one clear ``ValueError`` when the rows are not whole blocks (see the module doc)."""
@@ -193,7 +216,7 @@ def build_sdpa_block_diagonal(
             f"{num_rows} rows (a partial last block needs the flex or tiles partial)"
         )
     if num_rows == 0:
-        return SdpaBlockDiagonalPartial(block_size, 0, causal_in_block, None)
+        return SdpaBlockDiagonalPartial(block_size, 0, causal_in_block, None, fold_groups)
     if bool(rows.clean.any()):
         raise ValueError("the sdpa block diagonal takes noisy rows only (clean=False); pass rows[:num_noisy]")
     block = rows.block.view(-1, block_size)
@@ -207,7 +230,7 @@ def build_sdpa_block_diagonal(
     if not bool((live == live[:, :1]).all()):
         raise ValueError("the sdpa block diagonal needs uniform liveness per block (whole dead blocks only)")
     dead = None if bool(rows.live.all()) else ~rows.live
-    return SdpaBlockDiagonalPartial(block_size, num_rows, causal_in_block, dead)
+    return SdpaBlockDiagonalPartial(block_size, num_rows, causal_in_block, dead, fold_groups)
 
 
 def _flash_supported(q: Tensor) -> bool:

@@ -4,7 +4,9 @@ The block-diagonal part of the BD3 mask (noisy rows x their own block) has three
 
 * ``matmul``: batched dense ``[B, B]`` matmuls and an explicit softmax (``csbp.attention.kernel``);
 * ``sdpa``: one batched fused SDPA call over ``[S*nb, H, B, d]`` (``csbp.attention.block_diagonal_sdpa``:
-  ATen's CPU flash kernel, FlashAttention-2 on CUDA);
+  ATen's CPU flash kernel, FlashAttention-2 on CUDA), GQA native;
+* ``sdpa_fold``: the same call with the query heads of a KV head folded into the rows of
+  bidirectional blocks (``[S*nb, Hkv, G*B, d]``: fuller GPU tiles at small ``B``);
 * ``flex``: FlexAttention over a ``BlockMask`` of the same rows (the ``flex`` backend only).
 
 ``auto`` picks per backend: ``sdpa`` on ``tiles`` (measured on CPU with ``csbp bench kernels
@@ -25,7 +27,7 @@ from __future__ import annotations
 import os
 from typing import Literal, get_args
 
-DiagonalName = Literal["auto", "matmul", "sdpa", "flex"]
+DiagonalName = Literal["auto", "matmul", "sdpa", "sdpa_fold", "flex"]
 DIAGONALS: tuple[str, ...] = get_args(DiagonalName)
 DIAGONAL_ENV = "CSBP_DIAGONAL"
 AUTO_DIAGONAL = {"tiles": "sdpa", "flex": "flex"}
@@ -40,7 +42,7 @@ def check_diagonal(name: str, *, where: str = "diagonal") -> str:
 
 
 def resolve_diagonal(name: str, backend: str) -> str:
-    """The concrete kernel (``matmul``, ``sdpa`` or ``flex``) of ``name`` on the concrete ``backend``
+    """The concrete kernel (``matmul``, ``sdpa``, ``sdpa_fold`` or ``flex``) of ``name`` on the concrete ``backend``
     (``tiles`` or ``flex``); ``auto`` reads ``CSBP_DIAGONAL`` first."""
     check_diagonal(name)
     if name == "auto":

@@ -320,7 +320,7 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--backends", nargs="+", default=["auto"], help="auto, tiles, flex (default: auto)")
     parser.add_argument(
         "--diagonals", nargs="+", default=["auto"],
-        help="block-diagonal kernels of the decomposed form: auto, matmul, sdpa, flex (flex backend only); "
+        help="block-diagonal kernels of the decomposed form: auto, matmul, sdpa, sdpa_fold, flex (flex backend only); "
         "default auto ($CSBP_DIAGONAL, else sdpa on tiles, flex on flex)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
