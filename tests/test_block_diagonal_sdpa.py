@@ -109,14 +109,16 @@ def test_bfloat16_inputs_accumulate_in_float32() -> None:
     torch.testing.assert_close(lse.double(), lse_ref, atol=3e-2, rtol=3e-2)
 
 
-def test_local_transport_runs_the_sdpa_diagonal_by_default_on_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    rows = reference_layout(L, B).rows
-    q, k, v = random_qkv(2 * L, 2 * L, dim=16, seed=7)
+def test_local_transport_on_tiles_runs_the_sdpa_diagonal_by_default_from_b16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DIAGONAL_ENV, raising=False)
-    default = LocalAttentionFn(rows, num_noisy=L, backend="tiles")
+    small = LocalAttentionFn(reference_layout(L, B).rows, num_noisy=L, backend="tiles")
+    assert isinstance(small.plan.block_plan, BlockDiagonalPartial)  # B = 4: the batched matmuls
+    rows = reference_layout(64, 16).rows
+    q, k, v = random_qkv(128, 128, dim=16, seed=7)
+    default = LocalAttentionFn(rows, num_noisy=64, backend="tiles")
     assert isinstance(default.plan.block_plan, SdpaBlockDiagonalPartial)
     monkeypatch.setenv(DIAGONAL_ENV, "matmul")
-    matmul = LocalAttentionFn(rows, num_noisy=L, backend="tiles")
+    matmul = LocalAttentionFn(rows, num_noisy=64, backend="tiles")
     assert isinstance(matmul.plan.block_plan, BlockDiagonalPartial)
     leaves = [[t.clone().requires_grad_(True) for t in (q, k, v)] for _ in range(2)]
     outs = [attn(*xs, 0) for attn, xs in zip((default, matmul), leaves)]
@@ -143,14 +145,15 @@ def test_flex_backend_decomposes_with_the_sdpa_diagonal(monkeypatch: pytest.Monk
 
 def test_diagonal_choice_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(DIAGONAL_ENV, raising=False)
-    assert resolve_diagonal("auto", "tiles") == "sdpa" and resolve_diagonal("auto", "flex") == "flex"
+    assert resolve_diagonal("auto", "tiles", 16) == "sdpa" and resolve_diagonal("auto", "tiles", 8) == "matmul"
+    assert resolve_diagonal("auto", "flex", 4) == "flex" and resolve_diagonal("auto", "flex") == "flex"
     assert resolve_diagonal("matmul", "flex") == "matmul"
     with pytest.raises(ValueError, match="diagonal=flex needs attention.backend=flex"):
         resolve_diagonal("flex", "tiles")
     with pytest.raises(ValueError, match="diagonal must be one of"):
         resolve_diagonal("dense", "tiles")
     monkeypatch.setenv(DIAGONAL_ENV, "matmul")
-    assert resolve_diagonal("auto", "flex") == "matmul" and resolve_diagonal("sdpa", "tiles") == "sdpa"
+    assert resolve_diagonal("auto", "flex") == "matmul" and resolve_diagonal("sdpa", "tiles", 4) == "sdpa"
     monkeypatch.setenv(DIAGONAL_ENV, "fast")
     with pytest.raises(ValueError, match=r"\$CSBP_DIAGONAL must be one of"):
         plan_block_diagonal(reference_layout(L, B).rows.select(slice(0, L)), block_size=B)

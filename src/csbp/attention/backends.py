@@ -12,7 +12,7 @@ per step from the row metadata and reused by every layer, forward and backward::
 Backends (``attention.backend`` in the run config, ``--backend`` on ``verify``/``bench``):
 
 * ``tiles``: the pure-PyTorch block-sparse tile kernels of ``csbp.attention.kernel`` (CPU and
-  GPU; the noisy block-diagonal part as batched dense ``[B, B]`` matmuls);
+  GPU; the noisy block-diagonal part as one batched fused SDPA call, ``csbp.attention.diagonal``);
 * ``flex``: FlexAttention over a ``BlockMask`` built from the same rows (``csbp.attention.flex``);
   compiled on CUDA; forward-only (eager) on CPU;
 * ``auto``: ``flex`` on CUDA, ``tiles`` otherwise.
@@ -166,11 +166,12 @@ def plan_block_diagonal(
     diagonal: str = "auto",
 ) -> PartialPlan:
     """The partial of whole noisy blocks ``rows`` (``block_size`` rows each) over themselves, run by the
-    ``diagonal`` kernel (``csbp.attention.diagonal``; ``auto``: ``sdpa`` on tiles, ``flex`` on flex):
+    ``diagonal`` kernel (``csbp.attention.diagonal``; ``auto``: ``sdpa`` on tiles for B >= 16, else
+    ``matmul``; ``flex`` on flex):
     ``matmul`` batched dense blocks, ``sdpa`` (``sdpa_fold``) one batched fused SDPA call, ``flex`` a FlexAttention
     BlockMask of the same rows. Dead rows see nothing on ``flex`` and ``sdpa`` (whole dead blocks); on
     ``matmul`` the caller masks them (``block_diagonal_forward`` sees blocks only)."""
-    kernel = resolve_diagonal(diagonal, resolve_backend(backend, rows.pos.device))
+    kernel = resolve_diagonal(diagonal, resolve_backend(backend, rows.pos.device), block_size)
     if kernel == "flex":
         return build_flex_partial(rows, rows, causal_in_block=causal_in_block)
     if kernel in ("sdpa", "sdpa_fold"):

@@ -1,14 +1,15 @@
 """The noisy block-diagonal partial as ONE batched fused SDPA call (csbp.md §9.1, §9.2).
 
 BD3's noisy rows attend only to their own block of ``B`` rows, so the block-diagonal part of the
-mask is a batch of small *dense* attentions: ``q [S, Hq, nb*B, d]`` is viewed as
-``[S*nb, Hq, B, d]`` (a view when ``S == 1``, the usual long-context case; one copy otherwise)
-and one fused flash-attention call computes every block, with ``is_causal`` for the
+mask is a batch of small *dense* attentions: ``q [S, Hq, nb*B, d]`` is viewed (no copy) as
+``[nb, S*Hq, B, d]``, the blocks as the batch and samples x heads as the heads (GQA stays native:
+query head ``s*Hq + h`` meets KV head ``(s*Hq + h) // G``), and one fused flash-attention call
+computes every block, with ``is_causal`` for the
 lower-triangular ``causal_in_block`` variant. No mask is built or applied.
 ``SdpaBlockDiagonalPartial.kernel(q)`` names the kernel a call uses.
 
 ``fold_groups`` (the ``sdpa_fold`` diagonal) instead folds the ``G`` query heads of a KV head into the
-rows of bidirectional blocks, ``q [S*nb, Hkv, G*B, d]`` against ``k [S*nb, Hkv, B, d]``: GPU kernels
+rows of bidirectional blocks, ``q [nb, S*Hkv, G*B, d]`` against ``k [nb, S*Hkv, B, d]``: GPU kernels
 tile 64-128 query rows, so ``B = 16`` alone fills an eighth of a tile and ``G*B = 64`` half of it.
 On CPU it is slower (0.6-0.9x, the copies; CPU flash runs GQA natively), so it is no default: the
 ``kernels`` stage of ``make gpu-check`` measures it on CUDA.
@@ -68,7 +69,7 @@ class SdpaBlockDiagonalPartial:
         causal_in_block: lower-triangular blocks (``is_causal``).
         dead_rows: ``[num_rows]`` bool, rows of dead blocks; None when every block is live.
         fold_groups: bidirectional blocks only: the ``G`` query heads of a KV head become ``G*B`` rows
-            of one ``[S*nb, Hkv, G*B, d]`` call (fewer, fuller kernel tiles for small ``B``; costs a
+            of one ``[nb, S*Hkv, G*B, d]`` call (fewer, fuller kernel tiles for small ``B``; costs a
             copy of q, out and dout). Causal blocks keep ``[B, B]`` (``is_causal``) and native GQA.
     """
 
@@ -174,18 +175,18 @@ class SdpaBlockDiagonalPartial:
         return q.shape[1] // k.shape[1] if self.fold_groups and not self.causal_in_block else 1
 
     def _blocked(self, x: Tensor, group: int = 1) -> Tensor:
-        """``[S, H, nb*B, d]`` -> ``[S*nb, H/group, group*B, d]``: query head ``j*group + g`` becomes rows
-        ``[g*B, (g+1)*B)`` of head ``j`` (a view when ``S == 1`` and ``group == 1``)."""
-        num_samples, heads, _, dim = x.shape
-        x = x.unflatten(1, (heads // group, group)).unflatten(3, (-1, self.block_size))  # [S, H/g, g, nb, B, d]
-        x = x.permute(0, 3, 1, 2, 4, 5)  # [S, nb, H/g, g, B, d]
-        return x.reshape(num_samples * x.shape[1], heads // group, group * self.block_size, dim)
+        """``[S, H, nb*B, d]`` -> ``[nb, S*H/group, group*B, d]``: blocks are the batch, samples x heads the
+        heads (GQA stays native: query head ``s*H + h`` meets KV head ``(s*H + h) // G``); with ``group``,
+        query head ``j*group + g`` becomes rows ``[g*B, (g+1)*B)`` of head ``j``. A view when ``group == 1``."""
+        num_samples, heads, rows, dim = x.shape
+        x = x.reshape(num_samples * heads // group, group, rows // self.block_size, self.block_size, dim)
+        x = x.permute(2, 0, 1, 3, 4)  # [nb, S*H/g, g, B, d]
+        return x.reshape(x.shape[0], x.shape[1], group * self.block_size, dim)
 
     def _unblocked(self, x_b: Tensor, num_samples: int, group: int = 1) -> Tensor:
-        """``[S*nb, H/group, group*B, d]`` -> ``[S, H, nb*B, d]``."""
-        x = x_b.unflatten(0, (num_samples, -1)).unflatten(3, (group, self.block_size))  # [S, nb, H/g, g, B, d]
-        x = x.permute(0, 2, 3, 1, 4, 5)  # [S, H/g, g, nb, B, d]
-        return x.reshape(num_samples, x.shape[1] * group, -1, x.shape[-1])
+        """``[nb, S*H/group, group*B, d]`` -> ``[S, H, nb*B, d]``."""
+        x = x_b.unflatten(2, (group, self.block_size)).permute(1, 2, 0, 3, 4)  # [S*H/g, g, nb, B, d]
+        return x.reshape(num_samples, -1, x.shape[2] * self.block_size, x.shape[-1])
 
     def _check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
         if q.dim() != 4 or k.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[1] % k.shape[1] != 0:

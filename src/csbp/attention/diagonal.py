@@ -9,9 +9,10 @@ The block-diagonal part of the BD3 mask (noisy rows x their own block) has three
   bidirectional blocks (``[S*nb, Hkv, G*B, d]``: fuller GPU tiles at small ``B``);
 * ``flex``: FlexAttention over a ``BlockMask`` of the same rows (the ``flex`` backend only).
 
-``auto`` picks per backend: ``sdpa`` on ``tiles`` (measured on CPU with ``csbp bench kernels
---diagonals matmul sdpa``: faster at B >= 16 and within a few per cent at B = 4, see the README)
-and ``flex`` on ``flex`` (FlexAttention's block-sparse kernel; the CUDA default is chosen from the
+``auto`` picks per backend: on ``tiles`` ``sdpa`` for blocks of ``B >= 16`` rows and ``matmul``
+below (measured on CPU, one thread, the block-diagonal partial alone: sdpa 1.0-2.0x the matmuls at
+B = 16..64, 0.7-1.3x at B = 4..8, where the fused call's fixed cost shows; see the README), and
+``flex`` on ``flex`` (FlexAttention's block-sparse kernel; the CUDA default is chosen from the
 ``kernels`` stage of ``make gpu-check``, which measures ``flex`` and ``sdpa`` side by side). On the
 ``flex`` backend a diagonal other than ``flex`` also makes the local transport split its rows into
 this partial plus the clean-interval partial (CSBP's decomposed form) instead of one Flex call
@@ -30,8 +31,8 @@ from typing import Literal, get_args
 DiagonalName = Literal["auto", "matmul", "sdpa", "sdpa_fold", "flex"]
 DIAGONALS: tuple[str, ...] = get_args(DiagonalName)
 DIAGONAL_ENV = "CSBP_DIAGONAL"
-AUTO_DIAGONAL = {"tiles": "sdpa", "flex": "flex"}
-"""The kernel ``auto`` picks on each concrete backend (see the module doc for why)."""
+SDPA_MIN_BLOCK = 16
+"""Smallest block size for which ``auto`` runs the ``sdpa`` kernel on ``tiles`` (module doc)."""
 
 
 def check_diagonal(name: str, *, where: str = "diagonal") -> str:
@@ -41,14 +42,17 @@ def check_diagonal(name: str, *, where: str = "diagonal") -> str:
     return name
 
 
-def resolve_diagonal(name: str, backend: str) -> str:
-    """The concrete kernel (``matmul``, ``sdpa``, ``sdpa_fold`` or ``flex``) of ``name`` on the concrete ``backend``
-    (``tiles`` or ``flex``); ``auto`` reads ``CSBP_DIAGONAL`` first."""
+def resolve_diagonal(name: str, backend: str, block_size: int | None = None) -> str:
+    """The concrete kernel (``matmul``, ``sdpa``, ``sdpa_fold`` or ``flex``) of ``name`` on the concrete
+    ``backend`` (``tiles`` or ``flex``) for blocks of ``block_size`` rows; ``auto`` reads
+    ``CSBP_DIAGONAL`` first (without ``block_size``, ``auto`` on tiles names ``sdpa``)."""
     check_diagonal(name)
     if name == "auto":
         name = check_diagonal(os.environ.get(DIAGONAL_ENV) or "auto", where=f"${DIAGONAL_ENV}")
-    if name == "auto":
-        name = AUTO_DIAGONAL[backend]
+    if name == "auto" and backend == "flex":
+        name = "flex"
+    elif name == "auto":
+        name = "sdpa" if block_size is None or block_size >= SDPA_MIN_BLOCK else "matmul"
     if name == "flex" and backend != "flex":
         raise ValueError(f"diagonal=flex needs attention.backend=flex (got {backend}); use matmul or sdpa")
     return name

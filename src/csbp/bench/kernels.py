@@ -162,10 +162,12 @@ def run_kernel_bench(
     ``progress`` sees each record as soon as it is measured."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
-    kernels = {  # fails closed (unknown name, flex diagonal off the flex backend) before measuring
-        b: list(dict.fromkeys(resolve_diagonal(check_diagonal(d, where="--diagonals"), b) for d in diagonals))
-        for b in concrete
-    }
+    def kernels(backend: str, block: int) -> list[str]:
+        return list(dict.fromkeys(resolve_diagonal(d, backend, block) for d in diagonals))
+
+    for backend in concrete:  # fails closed (unknown name, flex diagonal off the flex backend) before measuring
+        for name in diagonals:
+            resolve_diagonal(check_diagonal(name, where="--diagonals"), backend)
     if "flex" in concrete and dev.type != "cuda":
         raise ValueError("--backends flex needs --device cuda (FlexAttention has no CPU backward)")
     if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
@@ -200,7 +202,9 @@ def run_kernel_bench(
             )
             now = time.process_time if clock == "cpu" else time.perf_counter
             for backend in dict.fromkeys(concrete):
-                variants = [("mixed", "-")] + [(f, kernel) for f in ("decomposed", "diagonal") for kernel in kernels[backend]]
+                variants = [("mixed", "-")] + [
+                    (form, kernel) for form in ("decomposed", "diagonal") for kernel in kernels(backend, block)
+                ]
                 mixed_time = float("nan")
                 for form, diagonal in variants:
                     _sync(dev)
@@ -321,7 +325,7 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--diagonals", nargs="+", default=["auto"],
         help="block-diagonal kernels of the decomposed form: auto, matmul, sdpa, sdpa_fold, flex (flex backend only); "
-        "default auto ($CSBP_DIAGONAL, else sdpa on tiles, flex on flex)",
+        "default auto ($CSBP_DIAGONAL, else on tiles sdpa for B >= 16 and matmul below, flex on flex)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
