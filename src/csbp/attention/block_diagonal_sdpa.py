@@ -4,8 +4,8 @@ BD3's noisy rows attend only to their own block of ``B`` rows, so the block-diag
 mask is a batch of small *dense* attentions: ``q [S, Hq, nb*B, d]`` is viewed (no copy) as
 ``[nb, S*Hq, B, d]``, the blocks as the batch and samples x heads as the heads (GQA stays native:
 query head ``s*Hq + h`` meets KV head ``(s*Hq + h) // G``), and one fused flash-attention call
-computes every block, with ``is_causal`` for the
-lower-triangular ``causal_in_block`` variant. No mask is built or applied.
+computes every block, with ``is_causal`` for the lower-triangular ``causal_in_block`` variant.
+No mask is built or applied.
 ``SdpaBlockDiagonalPartial.kernel(q)`` names the kernel a call uses.
 
 ``fold_groups`` (the ``sdpa_fold`` diagonal) instead folds the ``G`` query heads of a KV head into the

@@ -1,19 +1,19 @@
 """Which kernel runs the noisy block-diagonal partial (``backends.plan_block_diagonal``).
 
-The block-diagonal part of the BD3 mask (noisy rows x their own block) has three kernels:
+The block-diagonal part of the BD3 mask (noisy rows x their own block) has four kernels:
 
 * ``matmul``: batched dense ``[B, B]`` matmuls and an explicit softmax (``csbp.attention.kernel``);
-* ``sdpa``: one batched fused SDPA call over ``[S*nb, H, B, d]`` (``csbp.attention.block_diagonal_sdpa``:
+* ``sdpa``: one batched fused SDPA call over ``[nb, S*H, B, d]`` (``csbp.attention.block_diagonal_sdpa``:
   ATen's CPU flash kernel, FlashAttention-2 on CUDA), GQA native;
 * ``sdpa_fold``: the same call with the query heads of a KV head folded into the rows of
-  bidirectional blocks (``[S*nb, Hkv, G*B, d]``: fuller GPU tiles at small ``B``);
+  bidirectional blocks (``[nb, S*Hkv, G*B, d]``: fuller GPU tiles at small ``B``);
 * ``flex``: FlexAttention over a ``BlockMask`` of the same rows (the ``flex`` backend only).
 
 ``auto`` picks per backend: on ``tiles`` ``sdpa`` for blocks of ``B >= 16`` rows and ``matmul``
-below (measured on CPU, one thread, the block-diagonal partial alone: sdpa 1.0-2.0x the matmuls at
+below (measured on CPU, one thread, the block-diagonal partial alone: sdpa 1.0-2.2x the matmuls at
 B = 16..64, 0.7-1.3x at B = 4..8, where the fused call's fixed cost shows; see the README), and
 ``flex`` on ``flex`` (FlexAttention's block-sparse kernel; the CUDA default is chosen from the
-``kernels`` stage of ``make gpu-check``, which measures ``flex`` and ``sdpa`` side by side). On the
+``kernels`` stage of ``make gpu-check``, which measures ``flex``, ``sdpa`` and ``sdpa_fold`` side by side). On the
 ``flex`` backend a diagonal other than ``flex`` also makes the local transport split its rows into
 this partial plus the clean-interval partial (CSBP's decomposed form) instead of one Flex call
 over the mixed mask.
