@@ -81,11 +81,8 @@ def test_sdpa_block_diagonal_through_the_merge_matches_the_cpu_float64_reference
         torch.testing.assert_close(got.cpu().double(), want, **TOL[dtype])
 
 
-@pytest.mark.parametrize("layout", ["reference", "causal_in_block"])
-def test_local_transport_decomposed_with_the_sdpa_diagonal_matches_the_reference(
-    layout: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    dtype = torch.bfloat16
+def test_local_transport_decomposed_with_the_sdpa_diagonal_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    dtype, layout = torch.bfloat16, "reference"  # one layout: every new shape compiles Flex (causal: above)
     monkeypatch.setenv(DIAGONAL_ENV, "sdpa")
     rows, _, causal = CASES[layout]
     num_noisy = int((~rows.clean).sum())

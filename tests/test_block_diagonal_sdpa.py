@@ -18,6 +18,7 @@ from csbp.attention.layouts import reference_layout
 from csbp.attention.merge import merge_partials
 from csbp.attention.rows import Rows, allow_matrix
 from csbp.attention.transports.local import LocalAttentionFn
+from csbp.cli.main import main
 from test_flex_backend import CASES
 from test_kernel import TOL32, TOL64, random_qkv, reference_grads
 
@@ -143,7 +144,7 @@ def test_flex_backend_decomposes_with_the_sdpa_diagonal(monkeypatch: pytest.Monk
         torch.testing.assert_close(decomposed(q, k, v), mixed(q, k, v), **TOL64)
 
 
-def test_diagonal_choice_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_diagonal_choice_and_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.delenv(DIAGONAL_ENV, raising=False)
     assert resolve_diagonal("auto", "tiles", 16) == "sdpa" and resolve_diagonal("auto", "tiles", 8) == "matmul"
     assert resolve_diagonal("auto", "flex", 4) == "flex" and resolve_diagonal("auto", "flex") == "flex"
@@ -157,6 +158,8 @@ def test_diagonal_choice_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DIAGONAL_ENV, "fast")
     with pytest.raises(ValueError, match=r"\$CSBP_DIAGONAL must be one of"):
         plan_block_diagonal(reference_layout(L, B).rows.select(slice(0, L)), block_size=B)
+    assert main(["recipes", "list"]) == 2  # the csbp command refuses it before any work
+    assert capsys.readouterr().err.startswith("csbp: error: $CSBP_DIAGONAL must be one of")
 
 
 def _edit(rows: Rows, **fields: torch.Tensor) -> Rows:

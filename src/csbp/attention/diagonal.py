@@ -19,8 +19,8 @@ this partial plus the clean-interval partial (CSBP's decomposed form) instead of
 over the mixed mask.
 
 The environment variable ``CSBP_DIAGONAL`` (one of ``DIAGONALS``) overrides ``auto`` everywhere
-(training, ``verify``, benchmarks), e.g. ``CSBP_DIAGONAL=sdpa csbp train ...`` on a GPU; an
-unknown value fails when the first plan is built.
+(training, ``verify``, benchmarks), e.g. ``CSBP_DIAGONAL=sdpa csbp train ...`` on a GPU; the
+``csbp`` command refuses an unknown value before any work starts (and every plan checks it too).
 """
 
 from __future__ import annotations
@@ -42,13 +42,20 @@ def check_diagonal(name: str, *, where: str = "diagonal") -> str:
     return name
 
 
+def check_diagonal_env() -> None:
+    """One clear ``ValueError`` when ``$CSBP_DIAGONAL`` is set to an unknown name (the ``csbp`` command
+    calls it before any work starts)."""
+    check_diagonal(os.environ.get(DIAGONAL_ENV) or "auto", where=f"${DIAGONAL_ENV}")
+
+
 def resolve_diagonal(name: str, backend: str, block_size: int | None = None) -> str:
     """The concrete kernel (``matmul``, ``sdpa``, ``sdpa_fold`` or ``flex``) of ``name`` on the concrete
     ``backend`` (``tiles`` or ``flex``) for blocks of ``block_size`` rows; ``auto`` reads
     ``CSBP_DIAGONAL`` first (without ``block_size``, ``auto`` on tiles names ``sdpa``)."""
     check_diagonal(name)
     if name == "auto":
-        name = check_diagonal(os.environ.get(DIAGONAL_ENV) or "auto", where=f"${DIAGONAL_ENV}")
+        check_diagonal_env()
+        name = os.environ.get(DIAGONAL_ENV) or "auto"
     if name == "auto" and backend == "flex":
         name = "flex"
     elif name == "auto":

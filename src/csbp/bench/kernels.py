@@ -162,7 +162,9 @@ def run_kernel_bench(
     ``progress`` sees each record as soon as it is measured."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
+
     def kernels(backend: str, block: int) -> list[str]:
+        """The distinct concrete block-diagonal kernels ``diagonals`` name for ``backend`` at ``block``."""
         return list(dict.fromkeys(resolve_diagonal(d, backend, block) for d in diagonals))
 
     for backend in concrete:  # fails closed (unknown name, flex diagonal off the flex backend) before measuring
