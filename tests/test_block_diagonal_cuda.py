@@ -23,7 +23,7 @@ from csbp.attention.diagonal import DIAGONAL_ENV
 from csbp.attention.merge import merge_partials
 from csbp.attention.rows import allow_matrix
 from csbp.attention.transports.local import LocalAttentionFn
-from test_block_diagonal_sdpa import _blocks_and_context
+from test_block_diagonal_sdpa import blocks_and_context
 from test_flex_backend import CASES, B
 from test_kernel import random_qkv, reference_grads
 
@@ -52,7 +52,7 @@ def test_sdpa_block_diagonal_through_the_merge_matches_the_cpu_float64_reference
     case: str, dtype: torch.dtype, diagonal: str
 ) -> None:
     dev = _device()
-    blocks, context, causal = _blocks_and_context(case)
+    blocks, context, causal = blocks_and_context(case)
     n_blk = len(blocks)
     q, k, v = random_qkv(n_blk, n_blk + len(context), heads=4, kv_heads=2, dim=64, samples=1, seed=11)
     dout = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(12))

@@ -25,7 +25,7 @@ from test_kernel import TOL32, TOL64, random_qkv, reference_grads
 L, B = 32, 4
 
 
-def _blocks_and_context(case: str) -> tuple[Rows, Rows, bool]:
+def blocks_and_context(case: str) -> tuple[Rows, Rows, bool]:
     """(noisy block rows, clean context key rows, causal_in_block) of a layout."""
     if case == "dflash_dead_blocks":  # anchor 1 is a padding anchor: a whole dead block
         blocks, _, causal = CASES["dflash_blocks_causal"]
@@ -38,7 +38,7 @@ def merged_reference_check(
     case: str, dtype: torch.dtype, heads: tuple[int, int], samples: int, diagonal: str = "sdpa"
 ) -> None:
     """SDPA block partial merged with a tiles context partial == dense reference, forward and backward."""
-    blocks, context, causal = _blocks_and_context(case)
+    blocks, context, causal = blocks_and_context(case)
     n_blk, n_ctx = len(blocks), len(context)
     q, k, v = random_qkv(n_blk, n_blk + n_ctx, heads=heads[0], kv_heads=heads[1], dim=16, samples=samples, seed=3)
     dout = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(4))
