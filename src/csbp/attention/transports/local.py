@@ -6,7 +6,7 @@ whole blocks (each block once, all live, ``B`` rows each, increasing positions i
 ``causal_in_block``), attention is computed as two partials merged online:
 
 * noisy rows x noisy keys: ``backends.plan_block_diagonal`` (the ``csbp.attention.diagonal`` kernel:
-  one batched fused SDPA call by default on ``tiles``);
+  on ``tiles`` one batched fused SDPA call by default for B >= 16, batched matmuls below);
 * all rows x clean keys: ``interval_attention_forward`` with a tile plan built once.
 
 Otherwise (or when separate ``key_rows`` are given, or on the ``flex`` backend with the ``flex``
