@@ -35,7 +35,8 @@ def blocks_and_context(case: str) -> tuple[Rows, Rows, bool]:
 
 
 def merged_reference_check(
-    case: str, dtype: torch.dtype, heads: tuple[int, int], samples: int, diagonal: str = "sdpa"
+    case: str, dtype: torch.dtype, heads: tuple[int, int], samples: int, diagonal: str = "sdpa",
+    tol: dict[str, float] | None = None,
 ) -> None:
     """SDPA block partial merged with a tiles context partial == dense reference, forward and backward."""
     blocks, context, causal = blocks_and_context(case)
@@ -58,7 +59,7 @@ def merged_reference_check(
     out, lse = merge_partials(out_blk, lse_blk, *context_plan.forward(qx, k_ctx, v_ctx))
     dq_blk, dk_blk, dv_blk = block_plan.backward(qx, k_blk, v_blk, out, lse, doutx)
     dq_ctx, dk_ctx, dv_ctx = context_plan.backward(qx, k_ctx, v_ctx, out, lse, doutx)
-    tol = TOL64 if dtype == torch.float64 else TOL32
+    tol = tol or (TOL64 if dtype == torch.float64 else TOL32)
     torch.testing.assert_close(out.double(), out_ref, **tol)
     finite = torch.isfinite(lse_ref)
     torch.testing.assert_close(lse.double()[finite], lse_ref[finite], **tol)
@@ -215,6 +216,43 @@ def test_flash_calls_match_the_cuda_kernels_signatures_on_fake_tensors(monkeypat
         assert (out.shape, lse.shape, out.dtype, lse.dtype) == (q.shape, q.shape[:3], torch.float32, torch.float32)
         assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
         assert all(g.dtype == torch.float32 and g.device.type == "cuda" for g in grads)
+
+
+def test_cuda_flash_path_with_a_cpu_stand_in_kernel_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA ``flash`` path's own code (casts, layouts, GQA folding, -inf rows, chunks of at most
+    ``FLASH_MAX_BATCH`` blocks, the merged out/lse handed to the backward) run on the CPU with a
+    stand-in for FlashAttention-2 that keeps its conventions (q's dtype in and out, float32 lse,
+    ``None`` varlen arguments): bf16 through the merge against the float64 reference."""
+    import csbp.attention.block_diagonal_sdpa as sdpa
+
+    calls: list[int] = []
+
+    def forward(q, k, v, dropout, causal, debug_mask, *, scale):  # noqa: ANN001, ANN202
+        assert q.dtype == k.dtype == v.dtype == torch.bfloat16 and dropout == 0.0 and not debug_mask
+        calls.append(q.shape[0])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), k.float(), v.float(), 0.0, causal, scale=scale
+        )
+        empty = torch.empty(0)
+        return out.to(q.dtype), lse.float(), None, None, q.shape[2], k.shape[2], empty, empty, empty
+
+    def backward(dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout, causal, seed, offset, *, scale):  # noqa: ANN001, ANN202, E501
+        assert q.dtype == out.dtype == dout.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        assert lse.is_contiguous() and cum_q is None and cum_k is None and (max_q, max_k) == (q.shape[2], k.shape[2])
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.float(), q.float(), k.float(), v.float(), out.float(), lse, 0.0, causal, scale=scale
+        )
+        return tuple(g.to(q.dtype) for g in grads)
+
+    monkeypatch.setattr(SdpaBlockDiagonalPartial, "kernel", lambda self, q: "flash")
+    monkeypatch.setattr(sdpa, "_FLASH_FORWARD", forward)
+    monkeypatch.setattr(sdpa, "_FLASH_BACKWARD", backward)
+    monkeypatch.setattr(sdpa, "FLASH_MAX_BATCH", 3)  # 8 (bd3) or 4 (dflash) blocks: calls of <= 3
+    bf16 = {"atol": 3e-2, "rtol": 3e-2}
+    for case, diagonal in (("bd3", "sdpa"), ("bd3", "sdpa_fold"), ("bd3_causal", "sdpa"), ("dflash_dead_blocks", "sdpa")):
+        calls.clear()
+        merged_reference_check(case, torch.bfloat16, (4, 2), 1, diagonal, tol=bf16)
+        assert calls and max(calls) <= 3 and len(calls) > 1
 
 
 def test_flash_batches_beyond_the_grid_limit_run_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:

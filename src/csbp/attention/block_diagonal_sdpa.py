@@ -54,6 +54,8 @@ from csbp.attention.merge import accumulation_dtype
 from csbp.attention.rows import Rows
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward
 FLASH_MAX_BATCH = 65535
 """Blocks per FlashAttention call: its grid puts the batch on CUDA's y dimension (at most 65535)."""
 
@@ -103,7 +105,7 @@ class SdpaBlockDiagonalPartial:
             inputs = [self._blocked(q.to(cast), group), self._blocked(k.to(cast)), self._blocked(v.to(cast))]
             if kernel == "flash":
                 parts = [
-                    torch.ops.aten._scaled_dot_product_flash_attention(
+                    _FLASH_FORWARD(
                         *chunk, 0.0, self.causal_in_block, False, scale=scale
                     )[:2]
                     for chunk in _batch_chunks(*inputs)
@@ -153,7 +155,7 @@ class SdpaBlockDiagonalPartial:
             lse_b = lse_b.contiguous()
             unused = torch.empty(0, dtype=torch.int64, device=q.device)
             parts = [
-                torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                _FLASH_BACKWARD(
                     *chunk, None, None, q_b.shape[2], k_b.shape[2],
                     0.0, self.causal_in_block, unused, unused, scale=scale,
                 )
