@@ -2,14 +2,16 @@
 
 For every context length ``L`` and block size ``B`` it runs the BD3 mask over the ``[x_t ; x_0]``
 rows (``2L`` queries and keys) in two forms per backend, through the same transport code the
-training uses (``csbp.attention.transports.local``):
+training uses (``csbp.attention.transports.local``), plus the block-diagonal partial alone:
 
 * ``mixed``: CP-only's view, one partial over all ``2L`` keys under the irregular mask;
 * ``decomposed``: CSBP's view, the noisy block-diagonal partial (noisy x noisy, whole blocks) plus
   the clean-interval partial (all rows x clean keys, block-causal), merged online in fp32; once
-  per block-diagonal kernel of ``--diagonals`` (``csbp.attention.diagonal``: ``matmul``, ``sdpa``
-  or ``flex``; the ``diagonal`` column), so e.g. ``--diagonals flex sdpa`` on CUDA measures
-  FlexAttention's BlockMask against one batched FlashAttention call for the noisy blocks;
+  per block-diagonal kernel of ``--diagonals`` (``csbp.attention.diagonal``: ``matmul``, ``sdpa``,
+  ``sdpa_fold`` or ``flex``; the ``diagonal`` column), so e.g. ``--diagonals flex sdpa`` on CUDA
+  measures FlexAttention's BlockMask against one batched FlashAttention call for the noisy blocks;
+* ``diagonal``: that block-diagonal partial alone on the ``L`` noisy rows (its ``L*B`` pairs), per
+  kernel: the kernel's own time, which the decomposed step's noise can hide;
 
 and dense SDPA over all ``(2L)^2`` pairs of the same shapes as the baseline (FlashAttention on
 CUDA). Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs
