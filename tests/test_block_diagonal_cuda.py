@@ -1,7 +1,7 @@
 """The fused-SDPA block diagonal on CUDA (``make gpu-check``'s ``cuda-tests`` stage runs ``pytest -m
 cuda``): FlashAttention-2 for bf16 (the ``flash`` kernel), the batched matmuls for fp32, forward and
 backward through the merge with a tiles context partial against the CPU float64 reference; the
-local transport decomposed with ``CSBP_DIAGONAL=sdpa`` on ``auto`` (FlexAttention's clean interval
+local transport decomposed with ``diagonal="sdpa"`` on ``auto`` (FlexAttention's clean interval
 + SDPA noisy blocks, bf16); DFlash's draft attention (dead anchors) with either diagonal. Flex is
 compiled per shape, so only the transport test uses it (the stage has a time budget).
 
@@ -19,7 +19,6 @@ import torch
 
 from csbp.attention.backends import plan_block_diagonal, plan_partial
 from csbp.attention.block_diagonal_sdpa import SdpaBlockDiagonalPartial
-from csbp.attention.diagonal import DIAGONAL_ENV
 from csbp.attention.merge import merge_partials
 from csbp.attention.rows import allow_matrix
 from csbp.attention.transports.local import LocalAttentionFn
@@ -81,9 +80,8 @@ def test_sdpa_block_diagonal_through_the_merge_matches_the_cpu_float64_reference
         torch.testing.assert_close(got.cpu().double(), want, **TOL[dtype])
 
 
-def test_local_transport_decomposed_with_the_sdpa_diagonal_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_transport_decomposed_with_the_sdpa_diagonal_matches_the_reference() -> None:
     dtype, layout = torch.bfloat16, "reference"  # one layout: every new shape compiles Flex (causal: above)
-    monkeypatch.setenv(DIAGONAL_ENV, "sdpa")
     rows, _, causal = CASES[layout]
     num_noisy = int((~rows.clean).sum())
     q, k, v = random_qkv(len(rows), len(rows), dim=64, samples=1, seed=13)
@@ -91,7 +89,9 @@ def test_local_transport_decomposed_with_the_sdpa_diagonal_matches_the_reference
     out_ref, _, grads_ref = reference_grads(
         q, k, v, allow_matrix(rows, rows, causal_in_block=causal), 1 / math.sqrt(q.shape[-1]), dout
     )
-    attention = LocalAttentionFn(rows.to(_device()), num_noisy=num_noisy, causal_in_block=causal, backend="auto")
+    attention = LocalAttentionFn(
+        rows.to(_device()), num_noisy=num_noisy, causal_in_block=causal, backend="auto", diagonal="sdpa"
+    )
     assert attention.plan.block_size == B and isinstance(attention.plan.block_plan, SdpaBlockDiagonalPartial)
     leaves = [t.to(_device(), dtype).requires_grad_(True) for t in (q, k, v)]
     out = attention(*leaves, 0)
@@ -101,9 +101,7 @@ def test_local_transport_decomposed_with_the_sdpa_diagonal_matches_the_reference
         torch.testing.assert_close(leaf.grad.cpu().double(), want, **TOL[dtype])
 
 
-def test_dflash_draft_attention_with_the_sdpa_diagonal_matches_the_matmul_diagonal(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_dflash_draft_attention_with_the_sdpa_diagonal_matches_the_matmul_diagonal() -> None:
     from csbp.dflash.attention import ShardedDraftAttention, build_draft_attention_plan
 
     dev = _device()
@@ -112,9 +110,9 @@ def test_dflash_draft_attention_with_the_sdpa_diagonal_matches_the_matmul_diagon
     _, k_ctx, v_ctx = random_qkv(len(block_rows), len(ctx_rows), dim=64, samples=1, seed=15)
     results = []
     for diagonal in ("sdpa", "matmul"):
-        monkeypatch.setenv(DIAGONAL_ENV, diagonal)
         plan = build_draft_attention_plan(
-            [block_rows.to(dev)], [True], [0], ctx_rows.to(dev), block_size=B, comm=None, backend="tiles"
+            [block_rows.to(dev)], [True], [0], ctx_rows.to(dev), block_size=B, comm=None, backend="tiles",
+            diagonal=diagonal,
         )
         leaves = [t.to(dev, torch.bfloat16).requires_grad_(True) for t in (q, k_ctx, v_ctx, k_blk, v_blk)]
         out = ShardedDraftAttention(plan)(*leaves, 0)

@@ -2,7 +2,8 @@
 on CPU, against the dense float64 reference and the batched-matmul partial: forward, lse and the
 backward from the *merged* statistics (merged with a clean-context partial), in float64 and float32,
 with GQA, ``causal_in_block``, one and several samples, whole dead blocks; the kernel choice
-(``csbp.attention.diagonal``, ``$CSBP_DIAGONAL``) and its one-line errors."""
+(``csbp.attention.diagonal``: the run config's ``attention.diagonal``, threaded to the transports) and
+its one-line errors."""
 
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ import torch
 
 from csbp.attention.backends import BlockDiagonalPartial, plan_block_diagonal, plan_partial
 from csbp.attention.block_diagonal_sdpa import SdpaBlockDiagonalPartial, build_sdpa_block_diagonal
-from csbp.attention.diagonal import DIAGONAL_ENV, resolve_diagonal
+from csbp.attention.diagonal import check_diagonal_backend, resolve_diagonal
 from csbp.attention.layouts import reference_layout
 from csbp.attention.merge import merge_partials
 from csbp.attention.rows import Rows, allow_matrix
 from csbp.attention.transports.local import LocalAttentionFn
-from csbp.cli.main import main
 from test_flex_backend import CASES
 from test_kernel import TOL32, TOL64, random_qkv, reference_grads
 
@@ -111,16 +111,14 @@ def test_bfloat16_inputs_accumulate_in_float32() -> None:
     torch.testing.assert_close(lse.double(), lse_ref, atol=3e-2, rtol=3e-2)
 
 
-def test_local_transport_on_tiles_runs_the_sdpa_diagonal_by_default_from_b16(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(DIAGONAL_ENV, raising=False)
+def test_local_transport_on_tiles_runs_the_sdpa_diagonal_by_default_from_b16() -> None:
     small = LocalAttentionFn(reference_layout(L, B).rows, num_noisy=L, backend="tiles")
     assert isinstance(small.plan.block_plan, BlockDiagonalPartial)  # B = 4: the batched matmuls
     rows = reference_layout(64, 16).rows
     q, k, v = random_qkv(128, 128, dim=16, seed=7)
     default = LocalAttentionFn(rows, num_noisy=64, backend="tiles")
     assert isinstance(default.plan.block_plan, SdpaBlockDiagonalPartial)
-    monkeypatch.setenv(DIAGONAL_ENV, "matmul")
-    matmul = LocalAttentionFn(rows, num_noisy=64, backend="tiles")
+    matmul = LocalAttentionFn(rows, num_noisy=64, backend="tiles", diagonal="matmul")
     assert isinstance(matmul.plan.block_plan, BlockDiagonalPartial)
     leaves = [[t.clone().requires_grad_(True) for t in (q, k, v)] for _ in range(2)]
     outs = [attn(*xs, 0) for attn, xs in zip((default, matmul), leaves)]
@@ -132,21 +130,18 @@ def test_local_transport_on_tiles_runs_the_sdpa_diagonal_by_default_from_b16(mon
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
-def test_flex_backend_decomposes_with_the_sdpa_diagonal(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flex_backend_decomposes_with_the_sdpa_diagonal() -> None:
     rows = reference_layout(L, B).rows
     q, k, v = random_qkv(2 * L, 2 * L, dim=16, seed=8)
-    monkeypatch.delenv(DIAGONAL_ENV, raising=False)
     mixed = LocalAttentionFn(rows, num_noisy=L, backend="flex")
     assert mixed.plan.block_size is None  # flex diagonal: one Flex call over the mixed mask
-    monkeypatch.setenv(DIAGONAL_ENV, "sdpa")
-    decomposed = LocalAttentionFn(rows, num_noisy=L, backend="flex")
+    decomposed = LocalAttentionFn(rows, num_noisy=L, backend="flex", diagonal="sdpa")
     assert decomposed.plan.block_size == B and isinstance(decomposed.plan.block_plan, SdpaBlockDiagonalPartial)
     with torch.no_grad():  # FlexAttention has no CPU backward: forward only here (CUDA: test_flex_cuda.py)
         torch.testing.assert_close(decomposed(q, k, v), mixed(q, k, v), **TOL64)
 
 
-def test_diagonal_choice_and_errors(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.delenv(DIAGONAL_ENV, raising=False)
+def test_diagonal_choice_and_errors() -> None:
     assert resolve_diagonal("auto", "tiles", 16) == "sdpa" and resolve_diagonal("auto", "tiles", 8) == "matmul"
     assert resolve_diagonal("auto", "flex", 4) == "flex" and resolve_diagonal("auto", "flex") == "flex"
     assert resolve_diagonal("matmul", "flex") == "matmul"
@@ -154,13 +149,14 @@ def test_diagonal_choice_and_errors(monkeypatch: pytest.MonkeyPatch, capsys: pyt
         resolve_diagonal("flex", "tiles")
     with pytest.raises(ValueError, match="diagonal must be one of"):
         resolve_diagonal("dense", "tiles")
-    monkeypatch.setenv(DIAGONAL_ENV, "matmul")
-    assert resolve_diagonal("auto", "flex") == "matmul" and resolve_diagonal("sdpa", "tiles", 4) == "sdpa"
-    monkeypatch.setenv(DIAGONAL_ENV, "fast")
-    with pytest.raises(ValueError, match=r"\$CSBP_DIAGONAL must be one of"):
-        plan_block_diagonal(reference_layout(L, B).rows.select(slice(0, L)), block_size=B)
-    assert main(["recipes", "list"]) == 2  # the csbp command refuses it before any work
-    assert capsys.readouterr().err.startswith("csbp: error: $CSBP_DIAGONAL must be one of")
+    assert resolve_diagonal("sdpa", "tiles", 4) == "sdpa"  # an explicit choice holds at any B
+    with pytest.raises(ValueError, match="diagonal must be one of"):
+        plan_block_diagonal(reference_layout(L, B).rows.select(slice(0, L)), block_size=B, diagonal="fast")
+    assert check_diagonal_backend("flex", "auto") == "flex"  # flex on CUDA; planning on CPU refuses it
+    with pytest.raises(ValueError, match=r"^--diagonal=flex needs attention.backend flex .*got tiles"):
+        check_diagonal_backend("flex", "tiles", where="--diagonal")
+    with pytest.raises(ValueError, match="diagonal=flex needs attention.backend=flex"):
+        LocalAttentionFn(reference_layout(L, B).rows, num_noisy=L, backend="auto", diagonal="flex")  # CPU: tiles
 
 
 def _edit(rows: Rows, **fields: torch.Tensor) -> Rows:
@@ -264,3 +260,19 @@ def test_flash_batches_beyond_the_grid_limit_run_in_chunks(monkeypatch: pytest.M
     assert [len(c[0]) for c in chunks] == [3, 3, 1]
     assert torch.equal(torch.cat([c[1] for c in chunks]), y)
     assert len(sdpa._batch_chunks(x[:3], y[:3])) == 1  # within the limit: one call, no slicing
+
+
+def test_rank_plans_thread_the_diagonal_to_the_local_partial() -> None:
+    from csbp.engine.block_diffusion import DocumentPlanner, build_rank_plan
+    from csbp.engine.context import single_process_context
+
+    ctx = single_process_context()
+    default = build_rank_plan(ctx, 64, 16, backend="tiles")
+    assert isinstance(default.attention.plan.block_plan, SdpaBlockDiagonalPartial)  # auto at B = 16
+    matmul = build_rank_plan(ctx, 64, 16, backend="tiles", diagonal="matmul")
+    assert isinstance(matmul.attention.plan.block_plan, BlockDiagonalPartial)
+    planner = DocumentPlanner(ctx, 64, 16, backend="tiles", diagonal="matmul")
+    (plan,) = planner.plans_for(torch.zeros(1, 64, dtype=torch.long))
+    assert isinstance(plan.attention.plan.block_plan, BlockDiagonalPartial)
+    with pytest.raises(ValueError, match="diagonal=flex needs attention.backend flex"):
+        build_rank_plan(ctx, 64, 16, backend="tiles", diagonal="flex")

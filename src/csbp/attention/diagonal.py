@@ -18,19 +18,18 @@ B = 16..64, 0.7-1.3x at B = 4..8, where the fused call's fixed cost shows; see t
 this partial plus the clean-interval partial (CSBP's decomposed form) instead of one Flex call
 over the mixed mask.
 
-The environment variable ``CSBP_DIAGONAL`` (one of ``DIAGONALS``) overrides ``auto`` everywhere
-(training, ``verify``, benchmarks), e.g. ``CSBP_DIAGONAL=sdpa csbp train ...`` on a GPU; the
-``csbp`` command refuses an unknown value before any work starts (and every plan checks it too).
+The choice is the run config's ``attention.diagonal`` (next to ``attention.backend``), threaded
+like the backend to every transport; ``csbp verify`` and ``csbp bench attention`` / ``train`` take
+``--diagonal`` and ``csbp bench kernels`` ``--diagonals``. ``check_diagonal_backend`` refuses the
+combinations no device can run (``flex`` with ``tiles``) when the config is read.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Literal, get_args
 
 DiagonalName = Literal["auto", "matmul", "sdpa", "sdpa_fold", "flex"]
 DIAGONALS: tuple[str, ...] = get_args(DiagonalName)
-DIAGONAL_ENV = "CSBP_DIAGONAL"
 SDPA_MIN_BLOCK = 16
 """Smallest block size for which ``auto`` runs the ``sdpa`` kernel on ``tiles`` (module doc)."""
 
@@ -42,20 +41,24 @@ def check_diagonal(name: str, *, where: str = "diagonal") -> str:
     return name
 
 
-def check_diagonal_env() -> None:
-    """One clear ``ValueError`` when ``$CSBP_DIAGONAL`` is set to an unknown name (the ``csbp`` command
-    calls it before any work starts)."""
-    check_diagonal(os.environ.get(DIAGONAL_ENV) or "auto", where=f"${DIAGONAL_ENV}")
+def check_diagonal_backend(diagonal: str, backend: str, *, where: str = "attention.diagonal") -> str:
+    """``diagonal`` if some device can run it with ``backend`` (``auto``, ``tiles`` or ``flex``), else one
+    clear ``ValueError``: the ``flex`` diagonal is a FlexAttention call, so it needs the ``flex`` backend
+    (or ``auto``, which is ``flex`` on CUDA; on CPU ``resolve_diagonal`` refuses it when planning)."""
+    check_diagonal(diagonal, where=where)
+    if diagonal == "flex" and backend == "tiles":
+        raise ValueError(
+            f"{where}=flex needs attention.backend flex (or auto on CUDA), got tiles; "
+            "use diagonal auto, matmul, sdpa or sdpa_fold with tiles"
+        )
+    return diagonal
 
 
 def resolve_diagonal(name: str, backend: str, block_size: int | None = None) -> str:
     """The concrete kernel (``matmul``, ``sdpa``, ``sdpa_fold`` or ``flex``) of ``name`` on the concrete
-    ``backend`` (``tiles`` or ``flex``) for blocks of ``block_size`` rows; ``auto`` reads
-    ``CSBP_DIAGONAL`` first (without ``block_size``, ``auto`` on tiles names ``sdpa``)."""
+    ``backend`` (``tiles`` or ``flex``) for blocks of ``block_size`` rows (without ``block_size``,
+    ``auto`` on tiles names ``sdpa``)."""
     check_diagonal(name)
-    if name == "auto":
-        check_diagonal_env()
-        name = os.environ.get(DIAGONAL_ENV) or "auto"
     if name == "auto" and backend == "flex":
         name = "flex"
     elif name == "auto":

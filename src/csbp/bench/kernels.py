@@ -329,7 +329,7 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--diagonals", nargs="+", default=["auto"],
         help="block-diagonal kernels of the decomposed form: auto, matmul, sdpa, sdpa_fold, flex (flex backend only); "
-        "default auto ($CSBP_DIAGONAL, else on tiles sdpa for B >= 16 and matmul below, flex on flex)",
+        "default auto (on tiles sdpa for B >= 16 and matmul below, flex on flex; attention.diagonal of a run)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from csbp import __version__
-from csbp.attention.diagonal import check_diagonal_env
 from csbp.interrupts import Interrupted, sigterm_raises
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
@@ -83,7 +82,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return USER_ERROR_EXIT_CODE
     try:
         with sigterm_raises():
-            check_diagonal_env()  # $CSBP_DIAGONAL (csbp.attention.diagonal) fails before any work
             return int(func(args))
     except (ValueError, FileNotFoundError) as exc:
         if args.debug:

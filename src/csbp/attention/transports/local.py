@@ -82,9 +82,11 @@ def build_local_attention_plan(
     scale: float | None = None,
     tile_rows: int = DEFAULT_TILE_ROWS,
     backend: str = "tiles",
+    diagonal: str = "auto",
 ) -> LocalAttentionPlan:
     """Plan attention of ``rows`` (``num_noisy`` noisy rows, then clean rows) over ``key_rows``
-    (default: the same rows, which enables the block-diagonal fast path of the tiles backend)."""
+    (default: the same rows, which enables the block-diagonal fast path of the tiles backend, and on
+    ``flex`` the decomposed form when ``diagonal`` is not ``flex``; ``csbp.attention.diagonal``)."""
     if not 0 <= num_noisy <= len(rows):
         raise ValueError(f"num_noisy={num_noisy} must be in [0, {len(rows)}] (the number of rows)")
     if bool(rows.clean[:num_noisy].any()) or not bool(rows.clean[num_noisy:].all()):
@@ -96,13 +98,14 @@ def build_local_attention_plan(
     backend = resolve_backend(backend, rows.pos.device)
     if key_rows is None:
         key_rows = rows
-        if backend == "tiles" or resolve_diagonal("auto", backend) != "flex":
+        if backend == "tiles" or resolve_diagonal(diagonal, backend) != "flex":
             block_size = _whole_block_size(rows.select(slice(0, num_noisy)), causal_in_block)
     interval_keys = key_rows if block_size is None else key_rows.select(slice(num_noisy, None))
     block_plan = None
     if block_size is not None and num_noisy > 0:
         block_plan = plan_block_diagonal(
-            rows.select(slice(0, num_noisy)), block_size=block_size, backend=backend, causal_in_block=causal_in_block
+            rows.select(slice(0, num_noisy)), block_size=block_size, backend=backend, causal_in_block=causal_in_block,
+            diagonal=diagonal,
         )
     return LocalAttentionPlan(
         query_rows=rows,
@@ -186,6 +189,7 @@ class LocalAttentionFn:
         scale: float | None = None,
         tile_rows: int = DEFAULT_TILE_ROWS,
         backend: str = "tiles",
+        diagonal: str = "auto",
     ) -> None:
         def build(device: torch.device) -> LocalAttentionPlan:
             return build_local_attention_plan(
@@ -196,6 +200,7 @@ class LocalAttentionFn:
                 scale=scale,
                 tile_rows=tile_rows,
                 backend=backend,
+                diagonal=diagonal,
             )
 
         self._plans = PlanCache(build, rows.pos.device)
