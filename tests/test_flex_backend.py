@@ -231,6 +231,8 @@ def test_cli_refuses_flex_on_cpu_before_launching(capsys: pytest.CaptureFixture[
     assert "--backend=flex cannot train on cpu" in capsys.readouterr().err
     assert main(["bench", "attention", "--nproc", "1", "--backend", "flex"]) == 2
     assert "--backend=flex cannot train on cpu" in capsys.readouterr().err
+    assert main(["bench", "attention", "--nproc", "1", "--backend", "tiles", "--diagonal", "flex"]) == 2
+    assert "--diagonal=flex needs attention.backend flex" in capsys.readouterr().err
 
 
 @pytest.mark.slow

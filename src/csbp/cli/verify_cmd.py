@@ -144,8 +144,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
             "--objective dflash verifies full attention with the collective transport in float64 (its "
             "contexts always stop at the anchor's document start): drop --window/--transport/--dtype/--doc-length"
         )
-    if args.diagonal != "auto":
-        raise ValueError("--objective dflash verifies the default block diagonal: drop --diagonal")
+    check_diagonal_backend(args.diagonal, "tiles", where="--diagonal")  # the drafter layouts run on tiles
     topologies = _requested_topologies(args)
     for t in topologies:  # fail closed before launching anything
         if t.cp > 1 and args.seq_len % (2 * t.cp):
@@ -158,7 +157,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     for t in topologies:
         objective = DFlashObjectiveConfig(max_anchors=max(6, t.bp), gamma=7.0)
         case = DFlashVerifyCase(topology=t, objective=objective, seq_len=args.seq_len,
-                                samples=args.samples, seed=args.seed, device=args.device)
+                                samples=args.samples, seed=args.seed, device=args.device, diagonal=args.diagonal)
         result = verify_dflash(case)
         status = "ok" if result.ok else f"FAIL (tol {result.tolerance:g}, worst {result.worst_param})"
         failed += not result.ok
