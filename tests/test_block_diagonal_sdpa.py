@@ -276,3 +276,22 @@ def test_rank_plans_thread_the_diagonal_to_the_local_partial() -> None:
     assert isinstance(plan.attention.plan.block_plan, BlockDiagonalPartial)
     with pytest.raises(ValueError, match="diagonal=flex needs attention.backend flex"):
         build_rank_plan(ctx, 64, 16, backend="tiles", diagonal="flex")
+
+
+def test_the_run_config_chooses_the_trainers_diagonal() -> None:
+    """``attention.diagonal`` of a run config reaches the trainer's rank plan (``rank_plan_for``)."""
+    from csbp.config import config_from_dict
+    from csbp.engine.context import single_process_context
+    from csbp.training.trainer import rank_plan_for
+    from test_config import with_changes
+
+    data_parallel = {"topology.cp": 1, "topology.bp": 1, "topology.replicate_clean_prefix": False}
+    kinds = {}
+    for diagonal in ("auto", "matmul", "sdpa"):
+        cfg = config_from_dict(with_changes(data_parallel | {"attention.diagonal": diagonal}))
+        assert cfg.objective.block_size == 16 and cfg.attention.backend == "auto"
+        kinds[diagonal] = type(rank_plan_for(cfg, single_process_context()).attention.plan.block_plan)
+    assert kinds == {"auto": SdpaBlockDiagonalPartial, "matmul": BlockDiagonalPartial, "sdpa": SdpaBlockDiagonalPartial}
+    flex_on_auto = config_from_dict(with_changes(data_parallel | {"attention.diagonal": "flex"}))  # valid: CUDA
+    with pytest.raises(ValueError, match="diagonal=flex needs attention.backend=flex"):  # the CPU resolves tiles
+        rank_plan_for(flex_on_auto, single_process_context())
