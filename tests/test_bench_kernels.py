@@ -15,18 +15,22 @@ from csbp.cli.main import main
 def test_kernel_bench_command_writes_table_json_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "kernels.json"
     code = main(["bench", "kernels", "--seq-lens", "64", "--block-sizes", "8", "32", "--repeats", "1",
-                 "--warmup", "0", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "16", "--json", str(out)])
+                 "--warmup", "0", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "16", "--json", str(out),
+                 "--diagonals", "matmul", "sdpa"])
     assert code == 0
     records = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert {(r["block_size"], r["backend"], r["form"]) for r in records} == {
-        (b, backend, form) for b in (8, 32) for backend, form in
-        (("sdpa", "dense"), ("tiles", "mixed"), ("tiles", "decomposed"))
+    assert {(r["block_size"], r["backend"], r["form"], r["diagonal"]) for r in records} == {
+        (b, backend, form, diagonal) for b in (8, 32) for backend, form, diagonal in
+        (("sdpa", "dense", "-"), ("tiles", "mixed", "-"), ("tiles", "decomposed", "matmul"),
+         ("tiles", "decomposed", "sdpa"), ("tiles", "diagonal", "matmul"), ("tiles", "diagonal", "sdpa"))
     }
     for r in records:
         assert r["time_s"] > 0 and r["tflops"] > 0
         if r["backend"] == "tiles":
             assert r["useful_pairs"] < 128 * 128 and r["aten_ops"] > 0 and r["mask_build_s"] > 0
+        if r["form"] == "diagonal":
+            assert r["useful_pairs"] == 64 * r["block_size"]
     decomposed = [r for r in records if r["form"] == "decomposed"]
     mixed = {r["block_size"]: r["time_s"] for r in records if r["form"] == "mixed"}
     assert all(r["decomposed_speedup"] == pytest.approx(mixed[r["block_size"]] / r["time_s"]) for r in decomposed)
@@ -49,5 +53,9 @@ def test_mixed_and_decomposed_forms_compute_the_same_attention() -> None:
 def test_kernel_bench_fails_closed(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "kernels", "--backends", "flex"]) == 2
     assert "--backends flex needs --device cuda" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--diagonals", "flex"]) == 2
+    assert "diagonal=flex needs attention.backend=flex" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--diagonals", "dense"]) == 2
+    assert "--diagonals must be one of" in capsys.readouterr().err
     with pytest.raises(ValueError, match="multiple of every --block-sizes"):
         run_kernel_bench([100], [16], ["tiles"])

@@ -48,6 +48,8 @@ RECORD_KEYS = {
     "dtype",
     "transport",
     "doc_length",
+    "backend",
+    "diagonal",
 }
 
 
@@ -177,3 +179,34 @@ def test_invalid_requests_fail_before_launching() -> None:
         run_train_bench([64], objectives=["bd3"], layouts=["tp"], nproc=2)
     with pytest.raises(ValueError, match="nproc"):
         run_train_bench([64], objectives=["bd3"], layouts=["cp"], nproc=1)
+
+
+def test_backend_and_diagonal_options_parse_and_fail_closed() -> None:
+    args = parse(["train"])
+    assert (args.backend, args.diagonal) == ("auto", "auto")
+    args = parse(["train", "--backend", "flex", "--diagonal", "sdpa_fold"])
+    assert (args.backend, args.diagonal) == ("flex", "sdpa_fold")
+    for bad in (["--backend", "triton"], ["--diagonal", "fast"]):
+        with pytest.raises(SystemExit):
+            parse(["train", *bad])
+    for argv, message in [(["--backend", "flex"], "--backend=flex cannot train on cpu"),
+                          (["--backend", "tiles", "--diagonal", "flex"], "--diagonal=flex needs attention.backend flex")]:
+        args = parse(["train", *argv])
+        with pytest.raises(ValueError, match=message):  # before anything is printed or launched
+            args.func(args)
+    with pytest.raises(ValueError, match="--diagonal=flex needs"):  # the API refuses it before launching too
+        run_train_bench([64], objectives=["bd3"], layouts=["cp"], nproc=2, backend="tiles", diagonal="flex")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_tiles_backend_with_the_sdpa_diagonal_runs_every_layout_alike() -> None:
+    """``--backend tiles --diagonal sdpa`` (B = 16): one tiny launch; the choice is recorded and every
+    layout starts from the same step-0 loss (float32)."""
+    records = run_train_bench(
+        [64], objectives=["bd3"], layouts=["cp", "csbp"], nproc=2, block_size=16, backend="tiles",
+        diagonal="sdpa", num_layers=1, warmup=0, repeats=1,
+    )
+    assert [(r.layout, r.backend, r.diagonal) for r in records] == [("cp", "tiles", "sdpa"), ("csbp", "tiles", "sdpa")]
+    assert records[0].loss_step0 == pytest.approx(records[1].loss_step0, rel=1e-5)
+    assert all(r.step_time_s > 0 for r in records)

@@ -17,14 +17,25 @@ def test_verify_one_csbp_layout(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.multiprocess
 def test_verify_dflash_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["verify", "--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash"]) == 0
+    assert main(["verify", "--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--diagonal", "sdpa"]) == 0
     out = capsys.readouterr().out
     assert "csbp     dp1xcp2xbp2" in out and "ok" in out
+
+
+@pytest.mark.multiprocess
+def test_verify_with_the_sdpa_diagonal_against_the_matmul_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--diagonal sdpa`` reaches every rank's local partial (the reference runs the matmul diagonal)."""
+    argv = ["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "64", "--block-size", "16", "--diagonal", "sdpa"]
+    assert main(["verify", *argv]) == 0
+    assert capsys.readouterr().out.strip().endswith("all 1 layouts equal one process within tolerance")
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["--nproc", "2", "--diagonal", "flex"], "--diagonal=flex needs attention.backend flex"),
+        (["--nproc", "2", "--diagonal", "flex", "--backend", "tiles"], "--diagonal=flex needs"),
+        (["--nproc", "2", "--objective", "dflash", "--diagonal", "flex"], "--diagonal=flex needs"),
         (["--nproc", "4", "--cp", "3", "--bp", "4"], "bp must be a multiple of cp"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "30"], "not a multiple of block_size=4"),
         (["--nproc", "4", "--bp", "4", "--seq-len", "12"], "bp"),

@@ -481,3 +481,18 @@ def test_attention_backend_is_validated() -> None:
     assert load_run_config("demo").attention.backend == "auto"
     lines = error_lines(with_changes({"attention.backend": "triton"}))
     assert len(lines) == 1 and lines[0].startswith("config.yaml: attention.backend:")
+
+
+def test_attention_diagonal_is_validated_with_its_backend() -> None:
+    assert load_run_config("demo").attention.diagonal == "auto"
+    for diagonal, backend in [("sdpa", "tiles"), ("sdpa_fold", "flex"), ("matmul", "auto"), ("flex", "flex"),
+                              ("flex", "auto")]:  # flex with auto: flex on CUDA; training on CPU refuses it
+        cfg = config_from_dict(with_changes({"attention.diagonal": diagonal, "attention.backend": backend}))
+        assert (cfg.attention.diagonal, cfg.attention.backend) == (diagonal, backend)
+    lines = error_lines(with_changes({"attention.diagonal": "fast"}))
+    assert len(lines) == 1 and lines[0].startswith("config.yaml: attention.diagonal:")
+    lines = error_lines(with_changes({"attention.diagonal": "flex", "attention.backend": "tiles"}))
+    assert lines == [
+        "config.yaml: attention.diagonal: diagonal=flex needs attention.backend flex (or auto on CUDA), got tiles; "
+        "use diagonal auto, matmul, sdpa or sdpa_fold with tiles"
+    ]

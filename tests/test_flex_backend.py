@@ -175,7 +175,7 @@ def test_flex_block_diagonal_equals_batched_blocks(causal: bool) -> None:
     rows = reference_layout(L, B).rows.select(slice(0, L))  # noisy rows: whole blocks
     q, k, v = random_qkv(L, L, dim=16, seed=2)
     flex = plan_block_diagonal(rows, block_size=B, backend="flex", causal_in_block=causal)
-    tiles = plan_block_diagonal(rows, block_size=B, backend="tiles", causal_in_block=causal)
+    tiles = plan_block_diagonal(rows, block_size=B, backend="tiles", causal_in_block=causal, diagonal="matmul")
     assert isinstance(tiles, BlockDiagonalPartial)
     for got, want in zip(flex.forward(q, k, v), tiles.forward(q, k, v)):
         torch.testing.assert_close(got, want, **TOL64)
@@ -231,6 +231,8 @@ def test_cli_refuses_flex_on_cpu_before_launching(capsys: pytest.CaptureFixture[
     assert "--backend=flex cannot train on cpu" in capsys.readouterr().err
     assert main(["bench", "attention", "--nproc", "1", "--backend", "flex"]) == 2
     assert "--backend=flex cannot train on cpu" in capsys.readouterr().err
+    assert main(["bench", "attention", "--nproc", "1", "--backend", "tiles", "--diagonal", "flex"]) == 2
+    assert "--diagonal=flex needs attention.backend flex" in capsys.readouterr().err
 
 
 @pytest.mark.slow

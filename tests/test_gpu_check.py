@@ -61,6 +61,15 @@ def test_stage_selection_and_listing(capsys: pytest.CaptureFixture[str]) -> None
     assert "train-table" in capsys.readouterr().out
 
 
+def test_kernels_stage_options_parse_and_compare_both_block_diagonal_kernels() -> None:
+    from csbp.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "kernels", *check.KERNEL_BENCH_ARGS])
+    assert (args.device, args.backends, args.dtype) == ("cuda", ["flex"], "bfloat16")
+    assert args.diagonals == ["flex", "sdpa", "sdpa_fold"] and args.block_sizes == [16, 128]
+    assert args.seq_lens == [8192, 16384, 32768, 65536, 131072] and str(args.json) == "gpu-kernels.json"
+
+
 def test_command_stages_report_status_summary_and_skips(tmp_path: Path) -> None:
     ok = command_stage("ok", "", lambda env: [sys.executable, "-c", "print('first'); print('all good')"], timeout_s=60)
     bad = command_stage("bad", "", lambda env: [sys.executable, "-c", "import sys; sys.exit(3)"], timeout_s=60)

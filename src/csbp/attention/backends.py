@@ -12,7 +12,7 @@ per step from the row metadata and reused by every layer, forward and backward::
 Backends (``attention.backend`` in the run config, ``--backend`` on ``verify``/``bench``):
 
 * ``tiles``: the pure-PyTorch block-sparse tile kernels of ``csbp.attention.kernel`` (CPU and
-  GPU; the noisy block-diagonal part as batched dense ``[B, B]`` matmuls);
+  GPU; the noisy block-diagonal part as one batched fused SDPA call, ``csbp.attention.diagonal``);
 * ``flex``: FlexAttention over a ``BlockMask`` built from the same rows (``csbp.attention.flex``);
   compiled on CUDA; forward-only (eager) on CPU;
 * ``auto``: ``flex`` on CUDA, ``tiles`` otherwise.
@@ -29,6 +29,8 @@ from typing import Literal, Protocol, get_args
 import torch
 from torch import Tensor
 
+from csbp.attention.block_diagonal_sdpa import build_sdpa_block_diagonal
+from csbp.attention.diagonal import resolve_diagonal
 from csbp.attention.flex import build_flex_partial
 from csbp.attention.kernel import (
     DEFAULT_TILE_ROWS,
@@ -156,11 +158,24 @@ def plan_partial(
 
 
 def plan_block_diagonal(
-    rows: Rows, *, block_size: int, backend: str = "tiles", causal_in_block: bool = False
+    rows: Rows,
+    *,
+    block_size: int,
+    backend: str = "tiles",
+    causal_in_block: bool = False,
+    diagonal: str = "auto",
 ) -> PartialPlan:
-    """The partial of whole noisy blocks ``rows`` (``block_size`` rows each) over themselves: batched
-    dense blocks on ``tiles``, a FlexAttention BlockMask of the same rows on ``flex``. Dead rows see
-    nothing on ``flex``; on ``tiles`` the caller masks them (``block_diagonal_forward`` sees blocks only)."""
-    if resolve_backend(backend, rows.pos.device) == "flex":
+    """The partial of whole noisy blocks ``rows`` (``block_size`` rows each) over themselves, run by the
+    ``diagonal`` kernel (``csbp.attention.diagonal``; ``auto``: ``sdpa`` on tiles for B >= 16, else
+    ``matmul``; ``flex`` on flex):
+    ``matmul`` batched dense blocks, ``sdpa`` (``sdpa_fold``) one batched fused SDPA call, ``flex`` a FlexAttention
+    BlockMask of the same rows. Dead rows see nothing on ``flex`` and ``sdpa`` (whole dead blocks); on
+    ``matmul`` the caller masks them (``block_diagonal_forward`` sees blocks only)."""
+    kernel = resolve_diagonal(diagonal, resolve_backend(backend, rows.pos.device), block_size)
+    if kernel == "flex":
         return build_flex_partial(rows, rows, causal_in_block=causal_in_block)
+    if kernel in ("sdpa", "sdpa_fold"):
+        return build_sdpa_block_diagonal(
+            rows, block_size=block_size, causal_in_block=causal_in_block, fold_groups=kernel == "sdpa_fold"
+        )
     return BlockDiagonalPartial(block_size, causal_in_block)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from csbp.attention.backends import check_backend_trains_on
+from csbp.attention.diagonal import check_diagonal_backend
 from csbp.bench.common import (
     Column,
     StepSeries,
@@ -40,6 +41,7 @@ from csbp.bench.common import (
     write_outputs,
 )
 from csbp.bench.measure import allowed_pairs, attention_flops
+from csbp.cli.options import add_diagonal_option
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import build_parallel_context
 from csbp.models.decoder import AttentionFn, RMSNorm
@@ -59,6 +61,7 @@ class AttentionBenchConfig:
     window: int | None = None
     transport: str = "collective"
     backend: str = "tiles"
+    diagonal: str = "auto"  # kernel of the noisy block diagonal (csbp.attention.diagonal)
     doc_length: int | None = None
     warmup: int = 1
     repeats: int = 3
@@ -123,7 +126,7 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
     ctx = build_parallel_context(topology)
     plan = build_rank_plan(
         ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window,  # type: ignore[arg-type]
-        backend=cfg.backend,
+        backend=cfg.backend, diagonal=cfg.diagonal,
         documents=bench_documents(cfg.seq_len, cfg.doc_length, cfg.seed),
     )
     width = cfg.num_heads * cfg.head_dim
@@ -252,6 +255,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
         "--backend", choices=("auto", "tiles", "flex"), default="auto",
         help="attention backend (auto: tiles here, the processes run on CPU)",
     )
+    add_diagonal_option(attn)
     add_output_options(attn)
     attn.set_defaults(func=run_attention_bench_command)
 
@@ -259,6 +263,8 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
 def run_attention_bench_command(args: argparse.Namespace) -> int:
     check_head_options(args)  # before anything is printed or launched
     check_device_option(args)
+    backend = check_backend_trains_on(args.backend, "cpu", where="--backend")
+    check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     print(
         f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"
         f"{args.num_kv_heads}x{args.head_dim} layers={args.num_layers} window={args.window} "
@@ -278,7 +284,8 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
         num_layers=args.num_layers,
         window=args.window,
         transport=args.transport,
-        backend=check_backend_trains_on(args.backend, "cpu", where="--backend"),
+        backend=backend,
+        diagonal=args.diagonal,
         doc_length=args.doc_length,
         warmup=args.warmup,
         repeats=args.repeats,

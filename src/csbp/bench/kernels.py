@@ -2,11 +2,16 @@
 
 For every context length ``L`` and block size ``B`` it runs the BD3 mask over the ``[x_t ; x_0]``
 rows (``2L`` queries and keys) in two forms per backend, through the same transport code the
-training uses (``csbp.attention.transports.local``):
+training uses (``csbp.attention.transports.local``), plus the block-diagonal partial alone:
 
 * ``mixed``: CP-only's view, one partial over all ``2L`` keys under the irregular mask;
 * ``decomposed``: CSBP's view, the noisy block-diagonal partial (noisy x noisy, whole blocks) plus
-  the clean-interval partial (all rows x clean keys, block-causal), merged online in fp32;
+  the clean-interval partial (all rows x clean keys, block-causal), merged online in fp32; once
+  per block-diagonal kernel of ``--diagonals`` (``csbp.attention.diagonal``: ``matmul``, ``sdpa``,
+  ``sdpa_fold`` or ``flex``; the ``diagonal`` column), so e.g. ``--diagonals flex sdpa`` on CUDA
+  measures FlexAttention's BlockMask against one batched FlashAttention call for the noisy blocks;
+* ``diagonal``: that block-diagonal partial alone on the ``L`` noisy rows (its ``L*B`` pairs), per
+  kernel: the kernel's own time, which the decomposed step's noise can hide;
 
 and dense SDPA over all ``(2L)^2`` pairs of the same shapes as the baseline (FlashAttention on
 CUDA). Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs
@@ -20,7 +25,8 @@ Everything of one invocation runs side by side in one process, so the ratios com
 one machine state. Usage::
 
     csbp bench kernels                                           # CPU: tiles vs dense SDPA
-    csbp bench kernels --device cuda --dtype bfloat16 --seq-lens 8192 32768 131072 \\
+    csbp bench kernels --diagonals matmul sdpa                   # CPU: both block-diagonal kernels
+    csbp bench kernels --device cuda --dtype bfloat16 --seq-lens 8192 32768 131072 --diagonals flex sdpa \\
         --num-heads 16 --num-kv-heads 4 --head-dim 128 --block-sizes 16 128 --json k.json --png k.png
 """
 
@@ -37,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from csbp.attention.backends import check_backend, plan_block_diagonal, plan_partial, resolve_backend
+from csbp.attention.diagonal import check_diagonal, resolve_diagonal
 from csbp.attention.layouts import reference_layout
 from csbp.attention.transports.local import (
     LocalAttentionPlan,
@@ -59,6 +66,7 @@ class KernelRecord:
     block_size: int
     backend: str  # tiles, flex, or sdpa (the dense baseline)
     form: str  # mixed, decomposed, or dense
+    diagonal: str  # the decomposed form's block-diagonal kernel (matmul, sdpa, flex); "-" otherwise
     time_s: float
     useful_pairs: int
     tflops: float
@@ -68,11 +76,15 @@ class KernelRecord:
     aten_ops: int  # ops of one forward + backward (CPU only, else 0)
 
 
-def build_forms(rows, num_noisy: int, block_size: int, backend: str) -> dict[str, LocalAttentionPlan]:
-    """The ``mixed`` and ``decomposed`` local plans of the packed ``[noisy ; clean]`` rows."""
-    mixed = LocalAttentionPlan(rows, rows, num_noisy, None, False, None, plan_partial(rows, rows, backend=backend))
+def build_form(
+    rows, num_noisy: int, block_size: int, backend: str, form: str, diagonal: str = "auto"
+) -> LocalAttentionPlan:
+    """The ``mixed`` or ``decomposed`` local plan of the packed ``[noisy ; clean]`` rows (the
+    decomposed one with the ``diagonal`` block-diagonal kernel)."""
+    if form == "mixed":
+        return LocalAttentionPlan(rows, rows, num_noisy, None, False, None, plan_partial(rows, rows, backend=backend))
     clean = rows.select(slice(num_noisy, None))
-    decomposed = LocalAttentionPlan(
+    return LocalAttentionPlan(
         rows,
         rows,
         num_noisy,
@@ -80,9 +92,15 @@ def build_forms(rows, num_noisy: int, block_size: int, backend: str) -> dict[str
         False,
         None,
         plan_partial(rows, clean, backend=backend),
-        plan_block_diagonal(rows.select(slice(0, num_noisy)), block_size=block_size, backend=backend),
+        plan_block_diagonal(
+            rows.select(slice(0, num_noisy)), block_size=block_size, backend=backend, diagonal=diagonal
+        ),
     )
-    return {"mixed": mixed, "decomposed": decomposed}
+
+
+def build_forms(rows, num_noisy: int, block_size: int, backend: str) -> dict[str, LocalAttentionPlan]:
+    """The ``mixed`` and ``decomposed`` (``auto`` diagonal) local plans of the packed rows."""
+    return {form: build_form(rows, num_noisy, block_size, backend, form) for form in ("mixed", "decomposed")}
 
 
 def _sync(device: torch.device) -> None:
@@ -138,10 +156,22 @@ def run_kernel_bench(
     repeats: int = 3,
     count_ops: bool = True,
     clock: str = "wall",
+    diagonals: tuple[str, ...] = ("auto",),
+    progress: Callable[[KernelRecord], None] | None = None,
 ) -> list[KernelRecord]:
-    """Measure every (length, block size): dense SDPA, then each backend's mixed and decomposed forms."""
+    """Measure every (length, block size): dense SDPA, then each backend's mixed form, its decomposed
+    form and its block-diagonal partial alone (``diagonal``) once per kernel of ``diagonals``;
+    ``progress`` sees each record as soon as it is measured."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
+
+    def kernels(backend: str, block: int) -> list[str]:
+        """The distinct concrete block-diagonal kernels ``diagonals`` name for ``backend`` at ``block``."""
+        return list(dict.fromkeys(resolve_diagonal(d, backend, block) for d in diagonals))
+
+    for backend in concrete:  # fails closed (unknown name, flex diagonal off the flex backend) before measuring
+        for name in diagonals:
+            resolve_diagonal(check_diagonal(name, where="--diagonals"), backend)
     if "flex" in concrete and dev.type != "cuda":
         raise ValueError("--backends flex needs --device cuda (FlexAttention has no CPU backward)")
     if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
@@ -152,6 +182,12 @@ def run_kernel_bench(
                 raise ValueError(f"--seq-lens {seq_len} must be a multiple of every --block-sizes value ({block})")
     torch_dtype = DTYPES[dtype]
     records: list[KernelRecord] = []
+
+    def add(record: KernelRecord) -> None:
+        records.append(record)
+        if progress is not None:
+            progress(record)
+
     for seq_len in seq_lens:
         gen = torch.Generator(device=dev).manual_seed(seq_len)
         n = 2 * seq_len
@@ -164,30 +200,49 @@ def run_kernel_bench(
         for block in block_sizes:
             rows = reference_layout(seq_len, block).rows.to(dev)
             pairs = allowed_pairs(rows, block_size=block)
-            flops = attention_flops(pairs, num_heads=num_heads, head_dim=head_dim)
-            records.append(
-                KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", dense_time, n * n, dense_rate, 1.0,
-                             float("nan"), 0.0, 0)
+            add(
+                KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", dense_time, n * n, dense_rate,
+                             1.0, float("nan"), 0.0, 0)
             )
+            now = time.process_time if clock == "cpu" else time.perf_counter
             for backend in dict.fromkeys(concrete):
-                now = time.process_time if clock == "cpu" else time.perf_counter
-                _sync(dev)
-                start = now()
-                forms = build_forms(rows, seq_len, block, backend)
-                _sync(dev)
-                build_s = (now() - start) / len(forms)
-                times = {}
-                for form, plan in forms.items():
-                    step = _local_step(q, k, v, dout, plan)
-                    times[form] = _median_time(step, dev, warmup, repeats, clock)
+                variants = [("mixed", "-")] + [
+                    (form, kernel) for form in ("decomposed", "diagonal") for kernel in kernels(backend, block)
+                ]
+                mixed_time = float("nan")
+                for form, diagonal in variants:
+                    _sync(dev)
+                    start = now()
+                    step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal)
+                    _sync(dev)
+                    build_s = now() - start
+                    time_s = _median_time(step, dev, warmup, repeats, clock)
                     ops = count_aten_ops(step) if count_ops and dev.type == "cpu" else 0
-                    rate = flops / times[form] / 1e12
-                    speedup = times["mixed"] / times[form] if form == "decomposed" else float("nan")
-                    records.append(
-                        KernelRecord(device, dtype, seq_len, block, backend, form, times[form], pairs, rate,
+                    useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
+                    rate = attention_flops(useful, num_heads=num_heads, head_dim=head_dim) / time_s / 1e12
+                    mixed_time = time_s if form == "mixed" else mixed_time
+                    speedup = mixed_time / time_s if form == "decomposed" else float("nan")
+                    add(
+                        KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, time_s, useful, rate,
                                      rate / dense_rate, speedup, build_s, ops)
                     )
     return records
+
+
+def _form_step(q, k, v, dout, rows, num_noisy: int, block: int, backend: str, form: str, diagonal: str):
+    """Plan ``form`` (``mixed``, ``decomposed`` or ``diagonal``: the block-diagonal partial alone, on
+    the noisy rows) and return its forward + backward step."""
+    if form != "diagonal":
+        plan = build_form(rows, num_noisy, block, backend, form, diagonal if form == "decomposed" else "auto")
+        return _local_step(q, k, v, dout, plan)
+    partial = plan_block_diagonal(rows.select(slice(0, num_noisy)), block_size=block, backend=backend, diagonal=diagonal)
+    noisy = [t[:, :, :num_noisy] for t in (q, k, v, dout)]
+
+    def step() -> None:
+        out, lse = partial.forward(*noisy[:3])
+        partial.backward(*noisy[:3], out, lse, noisy[3])
+
+    return step
 
 
 def _local_step(q, k, v, dout, plan: LocalAttentionPlan) -> Callable[[], None]:
@@ -211,20 +266,25 @@ def _dense_sdpa_time(q, k, v, dout, device: torch.device, warmup: int, repeats: 
     return _median_time(step, device, warmup, repeats, clock)
 
 
-def format_table(records: list[KernelRecord]) -> str:
+def format_header() -> str:
     header = (
-        f"{'L':>7} {'B':>4} {'backend':<6} {'form':<10} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x dense':>8} "
+        f"{'L':>7} {'B':>4} {'backend':<6} {'form':<10} {'diagonal':<8} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x dense':>8} "
         f"{'decomp x':>9} {'mask ms':>8} {'aten ops':>9}"
     )
-    lines = [header, "-" * len(header)]
-    for r in records:
-        speedup = "-" if r.form != "decomposed" else f"{r.decomposed_speedup:.2f}"
-        lines.append(
-            f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.time_s * 1e3:>11.2f} "
-            f"{r.tflops:>8.3f} {r.vs_dense:>8.2f} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
-            f"{r.aten_ops if r.aten_ops else '-':>9}"
-        )
-    return "\n".join(lines)
+    return f"{header}\n{'-' * len(header)}"
+
+
+def format_row(r: KernelRecord) -> str:
+    speedup = "-" if r.form != "decomposed" else f"{r.decomposed_speedup:.2f}"
+    return (
+        f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.diagonal:<8} {r.time_s * 1e3:>11.2f} "
+        f"{r.tflops:>8.3f} {r.vs_dense:>8.2f} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
+        f"{r.aten_ops if r.aten_ops else '-':>9}"
+    )
+
+
+def format_table(records: list[KernelRecord]) -> str:
+    return "\n".join([format_header()] + [format_row(r) for r in records])
 
 
 def plot_rates(records: list[KernelRecord], path: Path) -> None:
@@ -237,11 +297,12 @@ def plot_rates(records: list[KernelRecord], path: Path) -> None:
     blocks = sorted({r.block_size for r in records})
     figure, axes = plt.subplots(1, len(blocks), figsize=(5.0 * len(blocks), 4.0), squeeze=False)
     for axis, block in zip(axes[0], blocks, strict=True):
-        series = sorted({(r.backend, r.form) for r in records if r.block_size == block})
-        for backend, form in series:
+        series = sorted({(r.backend, r.form, r.diagonal) for r in records if r.block_size == block})
+        for backend, form, diagonal in series:
             points = sorted((r.seq_len, r.tflops) for r in records
-                            if (r.block_size, r.backend, r.form) == (block, backend, form))
-            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{backend} {form}")
+                            if (r.block_size, r.backend, r.form, r.diagonal) == (block, backend, form, diagonal))
+            label = f"{backend} {form}" + (f" ({diagonal} diagonal)" if diagonal != "-" else "")
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
         axis.set_xscale("log", base=2)
         axis.set_xlabel("L (tokens; 2L rows)")
         axis.set_ylabel("TFLOP/s on allowed pairs")
@@ -265,6 +326,11 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--backends", nargs="+", default=["auto"], help="auto, tiles, flex (default: auto)")
+    parser.add_argument(
+        "--diagonals", nargs="+", default=["auto"],
+        help="block-diagonal kernels of the decomposed form: auto, matmul, sdpa, sdpa_fold, flex (flex backend only); "
+        "default auto (on tiles sdpa for B >= 16 and matmul below, flex on flex; attention.diagonal of a run)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--no-op-count", action="store_true", help="skip counting aten ops (CPU)")
@@ -289,6 +355,17 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} ({args.clock} clock)",
         flush=True,
     )
+    print(format_header(), flush=True)
+    measured: list[KernelRecord] = []
+
+    def progress(record: KernelRecord) -> None:
+        """Print each row as it is measured and keep --json current: a run cut short by a time limit
+        (``make gpu-check``'s kernels stage) still leaves every finished row."""
+        print(format_row(record), flush=True)
+        measured.append(record)
+        if args.json is not None:
+            write_json_atomic(args.json, records_as_dicts(measured))
+
     records = run_kernel_bench(
         args.seq_lens,
         args.block_sizes,
@@ -302,10 +379,10 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         count_ops=not args.no_op_count,
         clock=args.clock,
+        diagonals=tuple(args.diagonals),
+        progress=progress,
     )
-    print(format_table(records))
     if args.json is not None:
-        write_json_atomic(args.json, records_as_dicts(records))
         print(f"wrote {args.json}")
     png = args.png if args.png is not None else (args.json.with_suffix(".png") if args.json is not None else None)
     if png is not None:

@@ -26,6 +26,10 @@ agree across layouts (a cheap sanity check that the timed steps compute the same
 with every decoder layer checkpointed (:mod:`csbp.training.activation_checkpointing`), and adds a
 table of the peak memory per rank with and without it (the cut) and the step-time cost; the bytes
 the recompute sends again are reported as ``recompute MiB/rank``.
+
+``--backend`` (auto, tiles, flex) and ``--diagonal`` (``csbp.attention.diagonal``) are the run
+config's ``attention`` section, so on a GPU ``--backend tiles`` and ``--backend flex --diagonal sdpa``
+compare the training step per attention backend; both are recorded in ``--json``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from csbp.attention.backends import check_backend, check_backend_trains_on
+from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.documents import packed_doc_ids
 from csbp.bench.common import (
     BENCH_DTYPES,
@@ -59,6 +65,7 @@ from csbp.bench.common import (
     select_topologies,
     write_outputs,
 )
+from csbp.cli.options import add_diagonal_option
 from csbp.devices import backend_device, tensors_to
 from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan, rank_loss
 from csbp.engine.context import build_parallel_context
@@ -90,6 +97,8 @@ class TrainBenchConfig:
     head_dim: int = 32
     dtype: str = "float32"
     transport: str = "collective"
+    backend: str = "auto"  # attention.backend of the run config (csbp.attention.backends)
+    diagonal: str = "auto"  # attention.diagonal (csbp.attention.diagonal)
     doc_length: int | None = None
     layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
     activation_checkpointing: tuple[str, ...] = ("none",)
@@ -102,6 +111,7 @@ class TrainBenchConfig:
         if self.objective not in TRAIN_BENCH_OBJECTIVES:
             raise ValueError(f"objective {self.objective!r} is not one of {TRAIN_BENCH_OBJECTIVES}")
         check_run_options(self, at_least_one=("samples", "repeats", "vocab_size"))
+        check_diagonal_backend(self.diagonal, check_backend(self.backend), where="--diagonal")
         bad = [m for m in self.activation_checkpointing if m not in ACTIVATION_CHECKPOINTING_MODES]
         if bad or not self.activation_checkpointing or len(set(self.activation_checkpointing)) != len(
             self.activation_checkpointing
@@ -156,6 +166,8 @@ class TrainRecord:
     dtype: str = "float32"
     transport: str = "collective"
     doc_length: int | None = None  # mean packed-document length (None: one document per sample)
+    backend: str = "auto"
+    diagonal: str = "auto"
 
 
 def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
@@ -170,10 +182,11 @@ class _LayoutRunner:
     ) -> None:
         self.ctx = build_parallel_context(topology)
         self.plan: RankPlan | DocumentPlanner
+        attention = {"backend": cfg.backend, "diagonal": cfg.diagonal}
         if cfg.doc_length is None:
-            self.plan = build_rank_plan(self.ctx, cfg.seq_len, cfg.block_size, transport=transport)  # type: ignore[arg-type]
+            self.plan = build_rank_plan(self.ctx, cfg.seq_len, cfg.block_size, transport=transport, **attention)  # type: ignore[arg-type]
         else:
-            self.plan = DocumentPlanner(self.ctx, cfg.seq_len, cfg.block_size, transport=transport)  # type: ignore[arg-type]
+            self.plan = DocumentPlanner(self.ctx, cfg.seq_len, cfg.block_size, transport=transport, **attention)  # type: ignore[arg-type]
         self.model = Decoder(cfg.model_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed, device=self.ctx.device)
         checkpoint_layers(self.model.layers, activation_checkpointing, self.ctx.counter)  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -312,6 +325,8 @@ def run_train_bench(
                     vocab_size=cfg.vocab_size,
                     dtype=cfg.dtype,
                     transport=layout_transport(name, cfg.transport),
+                    backend=cfg.backend,
+                    diagonal=cfg.diagonal,
                 )
             )
             if progress:
@@ -381,6 +396,11 @@ def register_train_bench(kinds: argparse._SubParsersAction) -> None:
         "--objectives", nargs="+", default=list(TRAIN_BENCH_OBJECTIVES), choices=TRAIN_BENCH_OBJECTIVES
     )
     add_transport_option(train)
+    train.add_argument(
+        "--backend", choices=("auto", "tiles", "flex"), default="auto",
+        help="attention backend, the run config's attention.backend (auto: flex on CUDA, tiles on CPU)",
+    )
+    add_diagonal_option(train)
     train.add_argument("--samples", type=int, default=1, help="samples per step")
     add_model_width_options(train, vocab_size=512, intermediate_size=256)
     train.add_argument("--num-layers", type=int, default=2)
@@ -400,8 +420,12 @@ def register_train_bench(kinds: argparse._SubParsersAction) -> None:
 def run_train_bench_command(args: argparse.Namespace) -> int:
     check_head_options(args)  # before anything is printed or launched
     check_device_option(args)
+    check_diagonal_backend(
+        args.diagonal, check_backend_trains_on(args.backend, args.device, where="--backend"), where="--diagonal"
+    )
     print(
         f"csbp bench train: objectives={','.join(args.objectives)} nproc={args.nproc} block={args.block_size} "
+        f"backend={args.backend} diagonal={args.diagonal} "
         f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
         f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per process, "
         f"median of {args.repeats})",
@@ -417,6 +441,8 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
         device=args.device,
         block_size=args.block_size,
         transport=args.transport,
+        backend=args.backend,
+        diagonal=args.diagonal,
         doc_length=args.doc_length,
         samples=args.samples,
         vocab_size=args.vocab_size,

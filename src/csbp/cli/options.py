@@ -34,3 +34,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
+
+
+def add_diagonal_option(parser: argparse.ArgumentParser, *, reference: bool = False) -> None:
+    """``--diagonal``: the kernel of the noisy block diagonal (``csbp.attention.diagonal``; the run
+    config's ``attention.diagonal``); ``flex`` needs the flex backend, refused before any work."""
+    from csbp.attention.diagonal import DIAGONALS
+
+    note = "; the reference uses matmul" if reference else ""
+    parser.add_argument(
+        "--diagonal", choices=DIAGONALS, default="auto",
+        help="block-diagonal kernel (auto: sdpa on tiles for B >= 16, matmul below, flex on flex; "
+        f"sdpa_fold folds GQA heads into the rows; flex needs --backend flex){note}",
+    )

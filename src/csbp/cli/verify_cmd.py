@@ -8,6 +8,7 @@ Examples::
     csbp verify --nproc 4 --objective dflash               # DFlash drafter training, every layout
     csbp verify --device cuda --nproc 2                # NCCL, one process per GPU
     csbp verify --nproc 4 --doc-length 6                   # packed documents (mean 6 tokens), every layout
+    csbp verify --nproc 4 --block-size 16 --diagonal sdpa  # the fused-SDPA block diagonal, every layout
 
 Processes are launched here: on the CPU (gloo, one thread each) by default, or with
 ``--device cuda`` one per GPU over NCCL (``--nproc`` larger than the visible GPUs is refused before
@@ -20,7 +21,8 @@ from __future__ import annotations
 import argparse
 
 from csbp.attention.backends import check_backend_trains_on
-from csbp.cli.options import positive_int
+from csbp.attention.diagonal import check_diagonal_backend
+from csbp.cli.options import add_diagonal_option, positive_int
 from csbp.devices import DEVICE_KINDS, resolve_device
 from csbp.engine.verify import VerifyCase, layouts_for, verify
 from csbp.topology import Topology
@@ -58,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--backend", choices=("auto", "tiles", "flex"), default="auto",
         help="attention backend of the layouts (auto: flex on CUDA, tiles on CPU); the reference uses tiles",
     )
+    add_diagonal_option(parser, reference=True)
     parser.add_argument(
         "--objective",
         choices=("bd3", "dflash"),
@@ -87,6 +90,7 @@ def run_verify(args: argparse.Namespace) -> int:
     if args.doc_length is not None and args.doc_length < 1:
         raise ValueError(f"--doc-length must be >= 1 (mean tokens per packed document), got {args.doc_length}")
     backend = check_backend_trains_on(args.backend, args.device, where="--backend")
+    check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     cases = []
     for t in _requested_topologies(args):
         transports = [args.transport]
@@ -106,6 +110,7 @@ def run_verify(args: argparse.Namespace) -> int:
                     doc_length=args.doc_length,
                     device=args.device,
                     backend=backend,
+                    diagonal=args.diagonal,
                 )
             )
     for case in cases:  # fail closed before launching anything
@@ -139,6 +144,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
             "--objective dflash verifies full attention with the collective transport in float64 (its "
             "contexts always stop at the anchor's document start): drop --window/--transport/--dtype/--doc-length"
         )
+    check_diagonal_backend(args.diagonal, "tiles", where="--diagonal")  # the drafter layouts run on tiles
     topologies = _requested_topologies(args)
     for t in topologies:  # fail closed before launching anything
         if t.cp > 1 and args.seq_len % (2 * t.cp):
@@ -151,7 +157,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     for t in topologies:
         objective = DFlashObjectiveConfig(max_anchors=max(6, t.bp), gamma=7.0)
         case = DFlashVerifyCase(topology=t, objective=objective, seq_len=args.seq_len,
-                                samples=args.samples, seed=args.seed, device=args.device)
+                                samples=args.samples, seed=args.seed, device=args.device, diagonal=args.diagonal)
         result = verify_dflash(case)
         status = "ok" if result.ok else f"FAIL (tol {result.tolerance:g}, worst {result.worst_param})"
         failed += not result.ok

@@ -310,6 +310,25 @@ class AttentionSection(_Section):
         "auto",
         description="auto: FlexAttention on CUDA, tiled PyTorch kernels on CPU; tiles; flex (CUDA to train).",
     )
+    diagonal: Literal["auto", "matmul", "sdpa", "sdpa_fold", "flex"] = Field(
+        "auto",
+        description=(
+            "Kernel of the noisy block-diagonal partial (csbp.attention.diagonal): auto (tiles: sdpa for "
+            "block_size >= 16, matmul below; flex: flex); matmul (batched dense blocks); sdpa (one fused SDPA "
+            "call, FlashAttention-2 on CUDA); sdpa_fold (GQA heads folded into the rows); flex (flex backend "
+            "only). On flex a non-flex diagonal runs the decomposed form."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _check_diagonal(self) -> AttentionSection:
+        from csbp.attention.diagonal import check_diagonal_backend  # no torch: keeps config import light
+
+        try:
+            check_diagonal_backend(self.diagonal, self.backend, where="diagonal")
+        except ValueError as exc:
+            raise ConfigRuleError([("diagonal", str(exc), "")]) from exc
+        return self
 
 
 class OptimSection(_Section):

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.backends import check_backend
+from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.rows import Rows
 from csbp.dflash.anchors import sample_anchors, segment_starts
 from csbp.dflash.attention import ShardedDraftAttention, build_draft_attention_plan
@@ -117,12 +118,14 @@ class DFlashRankPlan:
         owner_comm: sums over the ranks that split a sample's anchors (None when one rank holds
             all anchors); used without gradient for global denominators and metrics.
         backend: attention backend of the draft layers (``csbp.attention.backends``).
+        diagonal: kernel of the draft blocks' block diagonal (``csbp.attention.diagonal``).
     """
 
     layout: DFlashLayout
     ring_comm: Comm | None
     owner_comm: Comm | None
     backend: str = "tiles"
+    diagonal: str = "auto"
 
     def reduce_sum(self, values: Tensor) -> Tensor:
         """Sum a small stats tensor over the anchor owners (identity for one owner)."""
@@ -132,10 +135,11 @@ class DFlashRankPlan:
 
 
 def build_dflash_rank_plan(
-    ctx: ParallelContext, objective: DFlashObjectiveConfig, *, backend: str = "tiles"
+    ctx: ParallelContext, objective: DFlashObjectiveConfig, *, backend: str = "tiles", diagonal: str = "auto"
 ) -> DFlashRankPlan:
     """Plan this rank's share of every sample (call once after building the parallel context);
-    ``backend``: the attention backend of the draft layers (auto, tiles, flex)."""
+    ``backend``: the attention backend of the draft layers (auto, tiles, flex); ``diagonal``: the
+    kernel of their block diagonal (auto, matmul, sdpa, sdpa_fold, flex)."""
     layout = dflash_layout(ctx.topology, ctx.coords.local_rank)
     if objective.max_anchors < layout.num_owners:
         raise ValueError(
@@ -147,7 +151,9 @@ def build_dflash_rank_plan(
     owner = None
     if layout.num_owners > 1 and ctx.groups is not None:
         owner = ctx.model_input_comm("dflash.stats")
-    return DFlashRankPlan(layout, ring, owner, check_backend(backend))
+    return DFlashRankPlan(
+        layout, ring, owner, check_backend(backend), check_diagonal_backend(diagonal, backend, where="diagonal")
+    )
 
 
 @dataclass(frozen=True)
@@ -227,6 +233,7 @@ class DFlashStep:
                     context=objective.context,
                     comm=self.plan.ring_comm,
                     backend=self.plan.backend,
+                    diagonal=self.plan.diagonal,
                 )[0]
             )
             last = None if features.last_hidden is None else features.last_hidden[s]
@@ -310,6 +317,7 @@ def forward_packet(
     context: str = "strict",
     comm: Comm | None = None,
     backend: str = "tiles",
+    diagonal: str = "auto",
 ) -> Tensor:
     """Hidden states ``[1, n·B, D]`` of a packet's blocks ``[x_a, M, …]`` (dead blocks: zeros).
 
@@ -334,6 +342,7 @@ def forward_packet(
         block_size=cfg.block_size,
         comm=comm,
         backend=backend,
+        diagonal=diagonal,
     )
     ids = drafter.block_input_ids(tokens_L.cpu()[packet.anchors], packet.keep).to(device)
     return drafter(

@@ -96,14 +96,18 @@ def build_rank_plan(
     documents: Documents | None = None,
     reset_positions: bool = False,
     backend: str = "tiles",
+    diagonal: str = "auto",
 ) -> RankPlan:
     """Plan this rank's rows and attention (build once per shape, or once per sample's ``documents``;
     every layer reuses it). ``reset_positions`` restarts RoPE positions at each document.
-    ``backend``: attention backend of every partial (auto, tiles, flex; csbp.attention.backends)."""
+    ``backend``: attention backend of every partial (auto, tiles, flex; csbp.attention.backends);
+    ``diagonal``: kernel of the noisy block diagonal (csbp.attention.diagonal)."""
     if not uses_clean_stream:
-        plan = _single_stream_plan(ctx, seq_len, block_size, causal=causal, documents=documents, backend=backend)
+        plan = _single_stream_plan(
+            ctx, seq_len, block_size, causal=causal, documents=documents, backend=backend, diagonal=diagonal
+        )
     else:
-        plan = _two_stream_plan(ctx, seq_len, block_size, transport, window, schedule, documents, backend)
+        plan = _two_stream_plan(ctx, seq_len, block_size, transport, window, schedule, documents, backend, diagonal)
     if reset_positions and documents is not None:
         plan = replace(plan, rope_positions=plan.rows.pos - documents.start[plan.rows.pos])
     return plan
@@ -118,6 +122,7 @@ def _two_stream_plan(
     schedule: SchedulePolicy,
     documents: Documents | None,
     backend: str = "tiles",
+    diagonal: str = "auto",
 ) -> RankPlan:
     topology = ctx.topology
     topology.validate_sequence(seq_len, block_size)
@@ -135,6 +140,7 @@ def _two_stream_plan(
         schedule=schedule,
         documents=documents,
         backend=backend,
+        diagonal=diagonal,
     )
     return RankPlan(layout.rows, layout.num_noisy, layout.noisy_positions, layout.clean_positions, attention)
 
@@ -154,6 +160,7 @@ class DocumentPlanner:
     schedule: SchedulePolicy = "dual_end"
     reset_positions: bool = False
     backend: str = "tiles"
+    diagonal: str = "auto"
 
     def plans_for(self, doc_ids: Tensor) -> list[RankPlan]:
         """One plan per row of ``doc_ids [S', L]`` (rows with equal ids share a plan)."""
@@ -166,7 +173,7 @@ class DocumentPlanner:
                     self.ctx, self.seq_len, self.block_size, uses_clean_stream=self.uses_clean_stream,
                     causal=self.causal, transport=self.transport, window=self.window, schedule=self.schedule,
                     documents=Documents.from_doc_ids(row), reset_positions=self.reset_positions,
-                    backend=self.backend,
+                    backend=self.backend, diagonal=self.diagonal,
                 )
             out.append(plans[key])
         return out
@@ -180,6 +187,7 @@ def _single_stream_plan(
     causal: bool,
     documents: Documents | None = None,
     backend: str = "tiles",
+    diagonal: str = "auto",
 ) -> RankPlan:
     """MDLM (one bidirectional block over the whole sequence) and AR (causal): data parallel only."""
     if ctx.topology.local != 1:
@@ -190,7 +198,7 @@ def _single_stream_plan(
     rows = _single_stream_rows(seq_len)
     if documents is not None:  # one bidirectional (MDLM) or causal (AR) block per document
         rows = replace(rows, block=documents.start.clone())
-    attention = LocalAttentionFn(rows, num_noisy=seq_len, causal_in_block=causal, backend=backend)
+    attention = LocalAttentionFn(rows, num_noisy=seq_len, causal_in_block=causal, backend=backend, diagonal=diagonal)
     return RankPlan(rows, seq_len, rows.pos, torch.zeros(0, dtype=torch.long), attention)
 
 

@@ -52,6 +52,7 @@ class VerifyCase:
     samples: int = 2
     seed: int = 0
     backend: str = "tiles"
+    diagonal: str = "auto"  # kernel of the noisy block diagonal (csbp.attention.diagonal)
     doc_length: int | None = None  # mean length of random packed documents (document masking on)
     device: str = "cpu"
 
@@ -142,12 +143,12 @@ def _forward_backward(
     if case.doc_length is None:
         plan = build_rank_plan(
             ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
-            backend=case.backend,
+            backend=case.backend, diagonal=case.diagonal,
         )
     else:
         plan = DocumentPlanner(
             ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
-            backend=case.backend,
+            backend=case.backend, diagonal=case.diagonal,
         )
     loss, ce_sum = rank_loss(model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size)
     loss.backward()
@@ -169,7 +170,8 @@ def _worker(rank: int, world: int, case: VerifyCase) -> tuple[float, dict[str, t
 
 def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients for ``case``'s model and batch."""
-    ref_case = replace(case, topology=Topology(), device="cpu", backend="tiles")  # the CPU reference
+    # the CPU reference: tiles with the batched-matmul block diagonal, whatever kernels the case runs
+    ref_case = replace(case, topology=Topology(), device="cpu", backend="tiles", diagonal="matmul")
     return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp)
 
 

@@ -90,12 +90,15 @@ class DFlashStepRunner:
         total_steps: int,
         features: FeatureStore | None = None,
         backend: str = "tiles",
+        diagonal: str = "auto",
         eos_id: int | None = None,
         served_prompts: int = 0,
         served_new_tokens: int = 64,
     ) -> None:
         self.drafter = drafter
-        self.step_fn = DFlashStep(drafter, objective, build_dflash_rank_plan(ctx, objective, backend=backend))
+        self.step_fn = DFlashStep(
+            drafter, objective, build_dflash_rank_plan(ctx, objective, backend=backend, diagonal=diagonal)
+        )
         self.ctx = ctx
         self.device = device
         self.precision = precision

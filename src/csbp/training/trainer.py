@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LRScheduler
 
 from csbp.attention.backends import check_backend_trains_on
+from csbp.attention.diagonal import check_diagonal_backend
 from csbp.config.loading import dump_config, write_config
 from csbp.config.schema import RunConfig
 from csbp.data.loader import PackedLoader
@@ -144,6 +145,7 @@ def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan | DocumentPl
             ctx, seq_len, block_size, uses_clean_stream=not single_stream, causal=obj.name == "ar",
             transport=topo.transport, window=topo.window, schedule=topo.schedule,
             reset_positions=cfg.data.reset_positions, backend=cfg.attention.backend,
+            diagonal=cfg.attention.diagonal,
         )
     return build_rank_plan(
         ctx,
@@ -155,6 +157,7 @@ def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan | DocumentPl
         window=topo.window,
         schedule=topo.schedule,
         backend=cfg.attention.backend,
+        diagonal=cfg.attention.diagonal,
     )
 
 
@@ -185,7 +188,8 @@ def train(
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
     started = time.perf_counter()
     device = training_device()  # selected before any process group is created
-    check_backend_trains_on(cfg.attention.backend, device)
+    backend = check_backend_trains_on(cfg.attention.backend, device)
+    check_diagonal_backend(cfg.attention.diagonal, backend, where="attention.diagonal")  # auto resolved here
     if dist.is_initialized():
         dist.barrier()  # every rank is past its pre-flight: group creation below is quick everywhere
     ctx = build_parallel_context(
@@ -266,6 +270,7 @@ def step_runner_for(
             total_steps=cfg.train.max_steps,
             features=inputs.dflash.feature_store(inputs.artifact.split("train")),
             backend=cfg.attention.backend,
+            diagonal=cfg.attention.diagonal,
             eos_id=inputs.artifact.special_ids["eos"],
             served_prompts=cfg.objective.dflash.eval_prompts if cfg.objective.dflash is not None else 0,
             served_new_tokens=cfg.objective.dflash.eval_new_tokens if cfg.objective.dflash is not None else 64,

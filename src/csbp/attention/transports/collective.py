@@ -146,6 +146,6 @@ class CollectiveAttention(RingTransport[CollectivePlan]):
             )
         local = build_local_attention_plan(
             rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
-            backend=self.backend,
+            backend=self.backend, diagonal=self.diagonal,
         )
         return CollectivePlan(spec, self.comm, local, rows, remote, remote_plan, self.causal_in_block)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.backends import check_backend
+from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.documents import Documents
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import RankLayout, bd3_rows, cp_zigzag_layout, ring_clean_positions
@@ -273,6 +274,7 @@ class RingTransport(Generic[PlanT]):
         causal_in_block: lower-triangular attention inside a noisy block.
         tile_rows: query rows per kernel tile.
         backend: attention backend of the partials (``csbp.attention.backends``: auto, tiles, flex).
+        diagonal: kernel of the local noisy block diagonal (``csbp.attention.diagonal``).
     """
 
     name: ClassVar[str]
@@ -288,9 +290,11 @@ class RingTransport(Generic[PlanT]):
         causal_in_block: bool = False,
         tile_rows: int = DEFAULT_TILE_ROWS,
         backend: str = "tiles",
+        diagonal: str = "auto",
     ) -> None:
         check_spec_matches_layout(layout, spec, self.name)
         self.backend = check_backend(backend)
+        self.diagonal = check_diagonal_backend(diagonal, backend, where="diagonal")
         self.comm = check_ring_comm(comm, spec.ring_size, spec.ring_rank, self.name)
         self.layout, self.spec = layout, spec
         self.causal_in_block, self.tile_rows = causal_in_block, tile_rows

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 from csbp.attention.backends import check_backend
+from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.documents import Documents
 from csbp.attention.layouts import RankLayout, halo_exchange_plan, window_exchange_plan
 from csbp.attention.transports.collective import CollectiveAttention
@@ -60,6 +61,7 @@ def build_attention(
     schedule: SchedulePolicy = "dual_end",
     backend: str = "tiles",
     documents: Documents | None = None,
+    diagonal: str = "auto",
 ) -> AttentionFn:
     """The ``AttentionFn`` of local rank ``local_rank`` over ``layout.rows``.
 
@@ -78,21 +80,25 @@ def build_attention(
         backend: attention backend of every partial: ``auto`` (flex on CUDA, tiles otherwise),
             ``tiles`` or ``flex`` (``csbp.attention.backends``).
         documents: packed documents the layout was built with (None: one document).
+        diagonal: kernel of the noisy block diagonal (``csbp.attention.diagonal``: auto, matmul,
+            sdpa, sdpa_fold, flex).
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got transport={transport!r}")
     if not 0 <= local_rank < topology.local:
         raise ValueError(f"local_rank must be in [0, {topology.local}) for {topology}, got {local_rank}")
     check_backend(backend)
+    check_diagonal_backend(diagonal, backend, where="diagonal")
     kind = topology.layout
     if kind in ("data", "bp"):
         return LocalAttentionFn(
-            layout.rows, num_noisy=layout.num_noisy, causal_in_block=causal_in_block, backend=backend
+            layout.rows, num_noisy=layout.num_noisy, causal_in_block=causal_in_block, backend=backend,
+            diagonal=diagonal,
         )
     cp, cp_rank = topology.cp, local_rank % topology.cp
     seq_len = _sequence_length(topology, layout)
     topology.validate_sequence(seq_len, block_size)
-    options = {"causal_in_block": causal_in_block, "backend": backend}
+    options = {"causal_in_block": causal_in_block, "backend": backend, "diagonal": diagonal}
     # CSBP moves only the clean rows a receiver may see whenever the mask is sparse (a window or
     # documents); with documents an explicit "streaming" keeps the bounded-memory ring instead.
     sparse = window is not None or (documents is not None and transport != "streaming")

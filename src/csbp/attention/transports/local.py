@@ -5,11 +5,13 @@ Queries and keys are the same packed rows ``[noisy rows ; clean rows]``. When th
 whole blocks (each block once, all live, ``B`` rows each, increasing positions inside a block if
 ``causal_in_block``), attention is computed as two partials merged online:
 
-* noisy rows x noisy keys: ``block_diagonal_forward`` (batched dense ``[B, B]`` blocks);
+* noisy rows x noisy keys: ``backends.plan_block_diagonal`` (the ``csbp.attention.diagonal`` kernel:
+  on ``tiles`` one batched fused SDPA call by default for B >= 16, batched matmuls below);
 * all rows x clean keys: ``interval_attention_forward`` with a tile plan built once.
 
-Otherwise (or when separate ``key_rows`` are given, or on the ``flex`` backend, whose BlockMask
-skips the empty blocks itself) one partial over all keys is used. Backward computes both parts
+Otherwise (or when separate ``key_rows`` are given, or on the ``flex`` backend with the ``flex``
+diagonal, whose one BlockMask over the mixed mask skips the empty blocks itself) one partial over
+all keys is used. Backward computes both parts
 from the final merged ``(out, lse)``. Partials run on the chosen backend
 (``csbp.attention.backends``).
 
@@ -30,6 +32,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.backends import PartialPlan, plan_block_diagonal, plan_partial, resolve_backend
+from csbp.attention.diagonal import resolve_diagonal
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
@@ -79,9 +82,11 @@ def build_local_attention_plan(
     scale: float | None = None,
     tile_rows: int = DEFAULT_TILE_ROWS,
     backend: str = "tiles",
+    diagonal: str = "auto",
 ) -> LocalAttentionPlan:
     """Plan attention of ``rows`` (``num_noisy`` noisy rows, then clean rows) over ``key_rows``
-    (default: the same rows, which enables the block-diagonal fast path of the tiles backend)."""
+    (default: the same rows, which enables the block-diagonal fast path of the tiles backend, and on
+    ``flex`` the decomposed form when ``diagonal`` is not ``flex``; ``csbp.attention.diagonal``)."""
     if not 0 <= num_noisy <= len(rows):
         raise ValueError(f"num_noisy={num_noisy} must be in [0, {len(rows)}] (the number of rows)")
     if bool(rows.clean[:num_noisy].any()) or not bool(rows.clean[num_noisy:].all()):
@@ -93,13 +98,14 @@ def build_local_attention_plan(
     backend = resolve_backend(backend, rows.pos.device)
     if key_rows is None:
         key_rows = rows
-        if backend == "tiles":
+        if backend == "tiles" or resolve_diagonal(diagonal, backend) != "flex":
             block_size = _whole_block_size(rows.select(slice(0, num_noisy)), causal_in_block)
     interval_keys = key_rows if block_size is None else key_rows.select(slice(num_noisy, None))
     block_plan = None
     if block_size is not None and num_noisy > 0:
         block_plan = plan_block_diagonal(
-            rows.select(slice(0, num_noisy)), block_size=block_size, backend=backend, causal_in_block=causal_in_block
+            rows.select(slice(0, num_noisy)), block_size=block_size, backend=backend, causal_in_block=causal_in_block,
+            diagonal=diagonal,
         )
     return LocalAttentionPlan(
         query_rows=rows,
@@ -183,6 +189,7 @@ class LocalAttentionFn:
         scale: float | None = None,
         tile_rows: int = DEFAULT_TILE_ROWS,
         backend: str = "tiles",
+        diagonal: str = "auto",
     ) -> None:
         def build(device: torch.device) -> LocalAttentionPlan:
             return build_local_attention_plan(
@@ -193,6 +200,7 @@ class LocalAttentionFn:
                 scale=scale,
                 tile_rows=tile_rows,
                 backend=backend,
+                diagonal=diagonal,
             )
 
         self._plans = PlanCache(build, rows.pos.device)

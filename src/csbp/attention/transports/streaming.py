@@ -184,6 +184,6 @@ class StreamingAttention(RingTransport[StreamingPlan]):
             steps.append(RingStep(owner, query_index, query_rows, key_rows, tile_plan))
         local = build_local_attention_plan(
             rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
-            backend=self.backend,
+            backend=self.backend, diagonal=self.diagonal,
         )
         return StreamingPlan(spec, self.comm, local, tuple(steps), self.causal_in_block)

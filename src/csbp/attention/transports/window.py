@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.backends import PartialPlan, check_backend, plan_partial
+from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import RankLayout, WindowPlan, bd3_rows
 from csbp.attention.merge import accumulation_dtype, merge_partials
@@ -122,7 +123,7 @@ class WindowAttention:
         plan: ``window_exchange_plan(...)`` of this rank's ring, same window and schedule.
         ring_rank: this rank's index in the ring (``local_rank % cp``).
         comm: ``Comm`` over the ring group.
-        causal_in_block, tile_rows, backend: as in ``CollectiveAttention``.
+        causal_in_block, tile_rows, backend, diagonal: as in ``CollectiveAttention``.
     """
 
     def __init__(
@@ -135,6 +136,7 @@ class WindowAttention:
         causal_in_block: bool = False,
         tile_rows: int = DEFAULT_TILE_ROWS,
         backend: str = "tiles",
+        diagonal: str = "auto",
     ) -> None:
         if not 0 <= ring_rank < plan.cp:
             raise ValueError(f"ring_rank must be in [0, {plan.cp}) for this window plan, got {ring_rank}")
@@ -143,6 +145,7 @@ class WindowAttention:
         self.layout, self.window_plan, self.ring_rank = layout, plan, ring_rank
         self.causal_in_block, self.tile_rows = causal_in_block, tile_rows
         self.backend = check_backend(backend)
+        self.diagonal = check_diagonal_backend(diagonal, backend, where="diagonal")
         self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
 
     def _build_plan(self, device: torch.device) -> WindowAttentionPlan:
@@ -169,7 +172,7 @@ class WindowAttention:
             )
         local = build_local_attention_plan(
             rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
-            backend=self.backend,
+            backend=self.backend, diagonal=self.diagonal,
         )
         return WindowAttentionPlan(exchange, self.comm, local, rows, halo_plan, self.causal_in_block)
 

@@ -1,0 +1,259 @@
+"""The noisy block-diagonal partial as ONE batched fused SDPA call (csbp.md §9.1, §9.2).
+
+BD3's noisy rows attend only to their own block of ``B`` rows, so the block-diagonal part of the
+mask is a batch of small *dense* attentions: ``q [S, Hq, nb*B, d]`` is viewed (no copy) as
+``[nb, S*Hq, B, d]``, the blocks as the batch and samples x heads as the heads (GQA stays native:
+query head ``s*Hq + h`` meets KV head ``(s*Hq + h) // G``), and one fused flash-attention call
+computes every block, with ``is_causal`` for the lower-triangular ``causal_in_block`` variant.
+No mask is built or applied.
+``SdpaBlockDiagonalPartial.kernel(q)`` names the kernel a call uses.
+
+``fold_groups`` (the ``sdpa_fold`` diagonal) instead folds the ``G`` query heads of a KV head into the
+rows of bidirectional blocks, ``q [nb, S*Hkv, G*B, d]`` against ``k [nb, S*Hkv, B, d]``: GPU kernels
+tile 64-128 query rows, so ``B = 16`` alone fills an eighth of a tile and ``G*B = 64`` half of it.
+On CPU it is slower (0.6-0.9x, the copies; CPU flash runs GQA natively), so it is no default: the
+``kernels`` stage of ``make gpu-check`` measures it on CUDA.
+
+Kernels:
+
+* ``cpu-flash``: ATen's ``_scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, in
+  the accumulation dtype (fp32 for bf16 inputs, fp64 for fp64), GQA native (K/V never repeated);
+* ``flash`` (CUDA, fp16/bf16, head dim a multiple of 8 up to 256, sm80+):
+  ``_scaled_dot_product_flash_attention`` and ``_backward`` (FlashAttention-2). GQA is native in
+  the kernel (K/V are not repeated in memory; its backward sums dK/dV over the group itself).
+  Dropout is 0, so the backward ignores the philox seed/offset (empty tensors are passed). The
+  kernel's grid holds at most 65535 batch entries, so longer inputs run in chunks of blocks;
+* ``matmul``: anything else (CUDA fp32/fp64, other head dims): the batched-matmul kernels of
+  ``csbp.attention.kernel`` (``block_diagonal_forward``/``_backward``), the tiles' path. The
+  efficient (cutlass) kernel is not used for fp32: it has no GQA, so K/V would be repeated.
+
+**Backward from the merged statistics.** Both fused backwards take ``out`` and ``lse`` as inputs
+and compute ``P = exp(scale*QK^T - lse)``, ``D = rowsum(dout*out)``: handed the *final* merged
+``(out, lse)`` they return exactly this partial's share of the gradients (the explicit backward of
+``csbp.attention.kernel``; ``delta`` is recomputed inside the kernel). Rows whose merged ``lse`` is
+``-inf`` (they see nothing) get ``lse = +inf`` so that ``P = 0``: zero gradients, never NaN.
+
+**Rows.** ``build_sdpa_block_diagonal`` checks once per step that the rows are whole blocks:
+``len(rows)`` a multiple of ``B`` (a partial last block fails, as ``block_diagonal_forward``
+does), each group of ``B`` consecutive rows noisy with one block id that no other group has, and
+positions increasing inside a block when ``causal_in_block``. Liveness must be uniform per block
+(DFlash's padding anchors are whole dead blocks): dead blocks give ``out = 0``, ``lse = -inf``
+and zero gradients, as the flex partial's predicate does. Results are in the accumulation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from csbp.attention.kernel import block_diagonal_backward, block_diagonal_forward
+from csbp.attention.merge import accumulation_dtype
+from csbp.attention.rows import Rows
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward
+FLASH_MAX_BATCH = 65535
+"""Blocks per FlashAttention call: its grid puts the batch on CUDA's y dimension (at most 65535)."""
+
+
+@dataclass(frozen=True, eq=False)
+class SdpaBlockDiagonalPartial:
+    """Whole noisy blocks attending to themselves, one fused SDPA call; build with
+    ``build_sdpa_block_diagonal``.
+
+    Attributes:
+        block_size: rows per block ``B``.
+        num_rows: rows the partial was built for (``nb * B``).
+        causal_in_block: lower-triangular blocks (``is_causal``).
+        dead_rows: ``[num_rows]`` bool, rows of dead blocks; None when every block is live.
+        fold_groups: bidirectional blocks only: the ``G`` query heads of a KV head become ``G*B`` rows
+            of one ``[nb, S*Hkv, G*B, d]`` call (fewer, fuller kernel tiles for small ``B``; costs a
+            copy of q, out and dout). Causal blocks keep ``[B, B]`` (``is_causal``) and native GQA.
+    """
+
+    block_size: int
+    num_rows: int
+    causal_in_block: bool
+    dead_rows: Tensor | None
+    fold_groups: bool = False
+
+    def kernel(self, q: Tensor) -> str:
+        """``cpu-flash``, ``flash`` or ``matmul``: the kernel a call on ``q`` runs (see the module doc)."""
+        if q.device.type == "cpu":
+            return "cpu-flash"
+        if q.device.type == "cuda" and _flash_supported(q):
+            return "flash"
+        return "matmul"
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        """``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype."""
+        self._check(q, k, v)
+        dtype = accumulation_dtype(q, k, v)
+        scale = _resolve_scale(scale, q)
+        kernel = self.kernel(q)
+        if kernel == "matmul":
+            out, lse = block_diagonal_forward(
+                q, k, v, block_size=self.block_size, scale=scale, causal=self.causal_in_block
+            )
+        else:
+            group = self._fold(q, k)
+            cast = q.dtype if kernel == "flash" else dtype
+            inputs = [self._blocked(q.to(cast), group), self._blocked(k.to(cast)), self._blocked(v.to(cast))]
+            if kernel == "flash":
+                parts = [
+                    _FLASH_FORWARD(
+                        *chunk, 0.0, self.causal_in_block, False, scale=scale
+                    )[:2]
+                    for chunk in _batch_chunks(*inputs)
+                ]
+                out_b, lse_b = (torch.cat(part) for part in zip(*parts))
+            else:
+                out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    *inputs, 0.0, self.causal_in_block, scale=scale
+                )
+            out = self._unblocked(out_b, q.shape[0], group).to(dtype)
+            lse = self._unblocked(lse_b.unsqueeze(-1), q.shape[0], group).squeeze(-1).to(dtype)
+        if self.dead_rows is not None:
+            out = out.masked_fill(self.dead_rows[:, None], 0.0)
+            lse = lse.masked_fill(self.dead_rows, float("-inf"))
+        return out, lse
+
+    def backward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        dout: Tensor,
+        *,
+        scale: float | None = None,
+        delta: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``
+        (accumulation dtype); ``delta`` is used by the ``matmul`` kernel, recomputed by the fused ones."""
+        self._check(q, k, v)
+        dtype = accumulation_dtype(q, k, v)
+        scale = _resolve_scale(scale, q)
+        kernel = self.kernel(q)
+        if kernel == "matmul":
+            return block_diagonal_backward(
+                q, k, v, out, lse, dout, block_size=self.block_size, scale=scale,
+                causal=self.causal_in_block, delta=delta,
+            )
+        lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows that see nothing: P = 0
+        num_samples, group = q.shape[0], self._fold(q, k)
+        cast = q.dtype if kernel == "flash" else dtype  # flash wants q's dtype for out/dout, float32 lse
+        q_b, out_b, dout_b = (self._blocked(t.to(cast), group) for t in (q, out, dout))
+        k_b, v_b = self._blocked(k.to(cast)), self._blocked(v.to(cast))
+        lse_b = self._blocked(lse.to(torch.float32 if kernel == "flash" else dtype).unsqueeze(-1), group).squeeze(-1)
+        if kernel == "flash":
+            lse_b = lse_b.contiguous()
+            unused = torch.empty(0, dtype=torch.int64, device=q.device)
+            parts = [
+                _FLASH_BACKWARD(
+                    *chunk, None, None, q_b.shape[2], k_b.shape[2],
+                    0.0, self.causal_in_block, unused, unused, scale=scale,
+                )
+                for chunk in _batch_chunks(dout_b, q_b, k_b, v_b, out_b, lse_b)
+            ]
+            dq_b, dk_b, dv_b = (torch.cat(part) for part in zip(*parts))
+        else:
+            dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout_b, q_b, k_b, v_b, out_b, lse_b, 0.0, self.causal_in_block, scale=scale
+            )
+        dq = self._unblocked(dq_b, num_samples, group).to(dtype)
+        return dq, self._unblocked(dk_b, num_samples).to(dtype), self._unblocked(dv_b, num_samples).to(dtype)
+
+    # ------------------------------------------------------------------------- layouts
+
+    def _fold(self, q: Tensor, k: Tensor) -> int:
+        """Query heads per KV head folded into the rows of one call (``G`` with ``fold_groups`` on
+        bidirectional blocks, else 1: the kernels run GQA natively)."""
+        return q.shape[1] // k.shape[1] if self.fold_groups and not self.causal_in_block else 1
+
+    def _blocked(self, x: Tensor, group: int = 1) -> Tensor:
+        """``[S, H, nb*B, d]`` -> ``[nb, S*H/group, group*B, d]``: blocks are the batch, samples x heads the
+        heads (GQA stays native: query head ``s*H + h`` meets KV head ``(s*H + h) // G``); with ``group``,
+        query head ``j*group + g`` becomes rows ``[g*B, (g+1)*B)`` of head ``j``. A view when ``group == 1``."""
+        num_samples, heads, rows, dim = x.shape
+        x = x.reshape(num_samples * heads // group, group, rows // self.block_size, self.block_size, dim)
+        x = x.permute(2, 0, 1, 3, 4)  # [nb, S*H/g, g, B, d]
+        return x.reshape(x.shape[0], x.shape[1], group * self.block_size, dim)
+
+    def _unblocked(self, x_b: Tensor, num_samples: int, group: int = 1) -> Tensor:
+        """``[nb, S*H/group, group*B, d]`` -> ``[S, H, nb*B, d]``."""
+        x = x_b.unflatten(2, (group, self.block_size)).permute(1, 2, 0, 3, 4)  # [S*H/g, g, nb, B, d]
+        return x.reshape(num_samples, -1, x.shape[2] * self.block_size, x.shape[-1])
+
+    def _check(self, q: Tensor, k: Tensor, v: Tensor) -> None:
+        if q.dim() != 4 or k.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[1] % k.shape[1] != 0:
+            raise ValueError(
+                f"attention expects q [S, Hq, N, d] and k, v [S, Hkv, N, d] with Hq % Hkv == 0, got q "
+                f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            )
+        if q.shape[2] != self.num_rows or k.shape[2] != self.num_rows or (q.shape[0], q.shape[3]) != (
+            k.shape[0], k.shape[3]
+        ):
+            raise ValueError(
+                f"the block-diagonal partial was built for {self.num_rows} rows (S and d shared by q and k), "
+                f"got q {tuple(q.shape)}, k {tuple(k.shape)}; rebuild it for these rows"
+            )
+        if self.dead_rows is not None and self.dead_rows.device != q.device:
+            raise ValueError(f"rows are on {self.dead_rows.device} but q on {q.device}; use Rows.to(q.device)")
+
+
+def build_sdpa_block_diagonal(
+    rows: Rows, *, block_size: int, causal_in_block: bool = False, fold_groups: bool = False
+) -> SdpaBlockDiagonalPartial:
+    """The fused-SDPA block-diagonal partial of ``rows`` (whole noisy blocks of ``block_size`` rows);
+    one clear ``ValueError`` when the rows are not whole blocks (see the module doc)."""
+    num_rows = len(rows)
+    if block_size < 1 or num_rows % block_size != 0:
+        raise ValueError(
+            f"the sdpa block diagonal needs whole blocks: block_size={block_size} must be >= 1 and divide the "
+            f"{num_rows} rows (a partial last block needs the flex or tiles partial)"
+        )
+    if num_rows == 0:
+        return SdpaBlockDiagonalPartial(block_size, 0, causal_in_block, None, fold_groups)
+    if bool(rows.clean.any()):
+        raise ValueError("the sdpa block diagonal takes noisy rows only (clean=False); pass rows[:num_noisy]")
+    block = rows.block.view(-1, block_size)
+    if not bool((block == block[:, :1]).all()):
+        raise ValueError(f"every {block_size} consecutive rows must share one block id (whole blocks in order)")
+    if torch.unique(block[:, 0]).shape[0] != block.shape[0]:
+        raise ValueError("each block id must occur in one group of rows only (every block once)")
+    if causal_in_block and not bool((rows.pos.view(-1, block_size).diff(dim=1) > 0).all()):
+        raise ValueError("causal_in_block needs increasing positions inside every block (row order = pos order)")
+    live = rows.live.view(-1, block_size)
+    if not bool((live == live[:, :1]).all()):
+        raise ValueError("the sdpa block diagonal needs uniform liveness per block (whole dead blocks only)")
+    dead = None if bool(rows.live.all()) else ~rows.live
+    return SdpaBlockDiagonalPartial(block_size, num_rows, causal_in_block, dead, fold_groups)
+
+
+def _flash_supported(q: Tensor) -> bool:
+    """FlashAttention-2 (the CUDA ``flash`` kernel): fp16/bf16, head dim % 8 == 0 and <= 256, sm80+."""
+    dim = q.shape[-1]
+    return (
+        q.dtype in _FLASH_DTYPES
+        and dim % 8 == 0
+        and dim <= 256
+        and torch.cuda.get_device_capability(q.device) >= (8, 0)
+    )
+
+
+def _batch_chunks(*tensors: Tensor) -> list[tuple[Tensor, ...]]:
+    """``tensors`` split along the batch dim into runs of at most ``FLASH_MAX_BATCH`` blocks."""
+    size = tensors[0].shape[0]
+    if size <= FLASH_MAX_BATCH:
+        return [tensors]
+    return [tuple(t[start : start + FLASH_MAX_BATCH] for t in tensors) for start in range(0, size, FLASH_MAX_BATCH)]
+
+
+def _resolve_scale(scale: float | None, q: Tensor) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
