@@ -14,8 +14,8 @@ one key subset. A tile is one call on row slices (views) of the inputs:
   (``TilePlan.additive_masks``, ``[T*G, C]``, built at the first call and reused by every layer's
   forward and backward, tiles ending in the same pattern sharing one buffer, while they fit
   ``tile_plan.MASK_CACHE_BYTES``; one tile's at a time beyond);
-* the scale goes to the kernel (no scaled copy of Q), and the per-tile results are joined with one
-  ``cat`` per output instead of a copy into a preallocated buffer each.
+* the scale goes to the kernel (no scaled copy of Q), and each tile's result is copied once,
+  ungrouped, into the output (no preallocated grouped buffer, no transposing copy afterwards).
 
 Shape legend: ``S`` samples, ``Hq``/``Hkv`` query/KV heads, ``Nq`` query rows, ``n`` used (live)
 keys in canonical order, ``d`` head dim, ``T`` rows of a tile, ``C`` candidate keys of a tile.
