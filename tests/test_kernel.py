@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from csbp.attention import kernel, tile_plan
 from csbp.attention.kernel import (
     block_diagonal_backward,
     block_diagonal_forward,
@@ -137,11 +138,22 @@ def key_rows_for(case: str, q_rows: Rows, padded: Rows) -> Rows:
 # ----------------------------------------------------------------------------- tests
 
 
+@pytest.fixture(params=["fused", "fused_masks_per_call", "matmul"])
+def kernel_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which tile kernel runs: ATen's fused CPU kernel with the plan's cached masks, the same with
+    masks built per call (over the cache budget), or the matmul path other devices run."""
+    if request.param == "fused_masks_per_call":
+        monkeypatch.setattr(tile_plan, "MASK_CACHE_BYTES", 0)
+    if request.param == "matmul":
+        monkeypatch.setattr(kernel, "_fused_cpu", lambda q: False)
+    return request.param
+
+
 @pytest.mark.parametrize("shuffle_queries", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", KEY_SETS)
 def test_interval_forward_and_backward_match_dense_reference(
-    case: str, causal: bool, shuffle_queries: bool
+    case: str, causal: bool, shuffle_queries: bool, kernel_path: str
 ) -> None:
     q_rows, padded = mixed_rows()
     k_rows = key_rows_for(case, q_rows, padded)
@@ -263,6 +275,31 @@ def test_tile_plan_is_sparse_and_covers_the_mask_for_bd3_layout(shuffle_keys: bo
     # block 3, nothing of the later blocks
     first = plan.tiles[0]
     assert (first.q_hi - first.q_lo, first.num_keys) == (16, 16 + 12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_additive_masks_are_the_predicate_and_cached_within_budget(
+    causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = bd3_rows(list(range(32)), list(range(32)), 4)
+    plan = build_tile_plan(rows, rows, tile_rows=8)
+    allow = allow_matrix(rows, rows, causal_in_block=causal)
+    masks = plan.additive_masks(causal, torch.float32)
+    assert masks is not None and plan.additive_masks(causal, torch.float32) is masks  # built once
+    assert all(m is not None for m in masks)  # two blocks per tile: every tile holds a disallowed pair
+    one_block_tiles = build_tile_plan(rows, rows, tile_rows=4).additive_masks(causal, torch.float32)
+    assert one_block_tiles is not None and any(m is None for m in one_block_tiles)  # no mask where none is needed
+    for tile, mask in zip(plan.tiles, masks):
+        keys = torch.cat([torch.arange(tile.noisy_lo, tile.noisy_hi), torch.arange(tile.clean_lo, tile.clean_hi)])
+        tile_allow = allow[tile.q_lo : tile.q_hi][:, keys]
+        expected = torch.zeros(tile_allow.shape).masked_fill(~tile_allow, float("-inf"))
+        torch.testing.assert_close(torch.zeros(tile_allow.shape) if mask is None else mask, expected)
+    # over the clean keys every tile (noisy or clean rows) ends in the same block-causal corner: one buffer
+    shared = build_tile_plan(rows, rows.select(slice(32, None)), tile_rows=8).additive_masks(causal, torch.float32)
+    assert shared is not None and len(shared) == 8
+    assert len({m.untyped_storage().data_ptr() for m in shared if m is not None}) == 1
+    monkeypatch.setattr(tile_plan, "MASK_CACHE_BYTES", 1)  # over budget: callers build one tile's at a time
+    assert build_tile_plan(rows, rows, tile_rows=8).additive_masks(causal, torch.float32) is None
 
 
 def test_skipped_tiles_and_empty_inputs() -> None:

@@ -18,10 +18,10 @@ rank that owns those rows. Hence the API:
 re-exported here): ``build_tile_plan(q_rows, k_rows)`` once per step, passed to every layer's
 forward and backward, so the work is proportional to the mask, not to ``Nq * Nk``. Each tile's
 mask comes from the plan (evaluated once per step from ``csbp.masks.rows_mask``). On CPU a tile
-runs through ATen's fused flash-attention kernel with that mask as an additive bias: its forward
-returns the lse, and its backward takes ``out``/``lse`` as inputs, so it is given the *final*
-merged statistics, which is exactly the explicit backward below. Elsewhere the tile runs as
-matmuls and an explicit softmax.
+runs through ATen's fused flash-attention kernel with that mask as an additive bias
+(``csbp.attention.fused_cpu``): its forward returns the lse, and its backward takes ``out``/``lse``
+as inputs, so it is given the *final* merged statistics, which is exactly the explicit backward
+below. Elsewhere the tile runs as matmuls and an explicit softmax (the code below).
 
 **Dtypes.** Scores, statistics and results are in the accumulation dtype (``merge.accumulation_dtype``:
 float64 for float64 inputs, float32 otherwise, including bf16/fp16): ``out``, ``lse``, ``dq``,
@@ -41,11 +41,11 @@ import math
 import torch
 from torch import Tensor
 
+from csbp.attention.fused_cpu import fused_interval_backward, fused_interval_forward
 from csbp.attention.merge import accumulation_dtype
 from csbp.attention.rows import Rows
 from csbp.attention.tile_plan import (
     DEFAULT_TILE_ROWS,
-    TileMask,
     TilePlan,
     add_tile_keys,
     build_tile_plan,
@@ -83,23 +83,24 @@ def interval_attention_forward(
     plan = _checked_plan(q, k, v, q_rows, k_rows, plan)
     dtype = accumulation_dtype(q, k, v)
     scale = _resolve_scale(scale, q)
+    k_used, v_used = _canonical_keys(k, plan, dtype), _canonical_keys(v, plan, dtype)  # [S, Hkv, n, d]
+    if _fused_cpu(q):
+        out, lse = fused_interval_forward(
+            _canonical_rows(q, plan, dtype), k_used, v_used, plan, causal_in_block, scale
+        )
+        return _original_rows(out, plan), _original_rows(lse, plan)
     num_samples, num_kv_heads, group = q.shape[0], k.shape[1], q.shape[1] // k.shape[1]
     q_scaled = _grouped_rows(q, num_kv_heads, plan.query_index, dtype) * scale  # [S, Hkv, Nq, G, d]
-    k_used, v_used = _canonical_keys(k, plan, dtype), _canonical_keys(v, plan, dtype)  # [S, Hkv, n, d]
     out_g = q_scaled.new_zeros(*q_scaled.shape[:-1], v.shape[-1])  # [S, Hkv, Nq, G, d]
     lse_g = q_scaled.new_full(q_scaled.shape[:-1], float("-inf"))  # [S, Hkv, Nq, G]
-    fused = _fused_cpu(q)
     for tile, strips in zip(plan.tiles, plan.tile_strips(causal_in_block)):
         rows = slice(tile.q_lo, tile.q_hi)
         num_rows = tile.q_hi - tile.q_lo
         q_tile = q_scaled[:, :, rows].reshape(num_samples, num_kv_heads, num_rows * group, -1)
         k_tile, v_tile = gather_tile_keys(k_used, tile), gather_tile_keys(v_used, tile)
-        if fused:
-            out_tile, lse_tile = _fused_tile_forward(q_tile, k_tile, v_tile, strips, num_rows, group)
-        else:
-            scores = q_tile @ k_tile.transpose(-1, -2)  # [S, Hkv, T*G, C]
-            mask_tile_scores(scores, strips, group)
-            out_tile, lse_tile = _softmax_forward(scores, v_tile)
+        scores = q_tile @ k_tile.transpose(-1, -2)  # [S, Hkv, T*G, C]
+        mask_tile_scores(scores, strips, group)
+        out_tile, lse_tile = _softmax_forward(scores, v_tile)
         out_g[:, :, rows] = out_tile.view(num_samples, num_kv_heads, num_rows, group, -1)
         lse_g[:, :, rows] = lse_tile.view(num_samples, num_kv_heads, num_rows, group)
     inverse = plan.query_inverse
@@ -131,6 +132,20 @@ def interval_attention_backward(
     plan = _checked_plan(q, k, v, q_rows, k_rows, plan)
     dtype = accumulation_dtype(q, k, v)
     scale = _resolve_scale(scale, q)
+    k_used, v_used = _canonical_keys(k, plan, dtype), _canonical_keys(v, plan, dtype)  # [S, Hkv, n, d]
+    if _fused_cpu(q):  # the fused backward computes delta = rowsum(dout * out) itself
+        dq, dk_used, dv_used = fused_interval_backward(
+            _canonical_rows(q, plan, dtype),
+            k_used,
+            v_used,
+            _canonical_rows(out, plan, dtype),
+            _canonical_rows(lse, plan, dtype),
+            _canonical_rows(dout, plan, dtype),
+            plan,
+            causal_in_block,
+            scale,
+        )
+        return _original_rows(dq, plan), _original_keys(dk_used, plan), _original_keys(dv_used, plan)
     num_samples, num_kv_heads, group = q.shape[0], k.shape[1], q.shape[1] // k.shape[1]
     if delta is None:
         delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
@@ -138,43 +153,20 @@ def interval_attention_backward(
     dout_g = _grouped_rows(dout, num_kv_heads, plan.query_index, dtype)  # [S, Hkv, Nq, G, d]
     lse_g = _grouped_lse(lse, num_kv_heads, plan.query_index, dtype)  # [S, Hkv, Nq, G]
     delta_g = _grouped_lse(delta, num_kv_heads, plan.query_index, dtype)  # [S, Hkv, Nq, G]
-    k_used, v_used = _canonical_keys(k, plan, dtype), _canonical_keys(v, plan, dtype)  # [S, Hkv, n, d]
     dq_g = torch.zeros_like(q_scaled)
     dk_used, dv_used = torch.zeros_like(k_used), torch.zeros_like(v_used)
-    fused = _fused_cpu(q)
-    if fused:
-        out_g = _grouped_rows(out, num_kv_heads, plan.query_index, dtype)  # [S, Hkv, Nq, G, d]
-        lse_g = lse_g.masked_fill(lse_g == float("-inf"), float("inf"))  # rows that see nothing: P = 0
     for tile, strips in zip(plan.tiles, plan.tile_strips(causal_in_block)):
         rows = slice(tile.q_lo, tile.q_hi)
         num_rows = tile.q_hi - tile.q_lo
         flat = (num_samples, num_kv_heads, num_rows * group)
-        q_tile = q_scaled[:, :, rows].reshape(*flat, -1)
         k_tile, v_tile = gather_tile_keys(k_used, tile), gather_tile_keys(v_used, tile)
-        if fused:
-            dq_tile, dk_tile, dv_tile = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout_g[:, :, rows].reshape(*flat, -1),
-                q_tile,
-                k_tile,
-                v_tile,
-                out_g[:, :, rows].reshape(*flat, -1),
-                lse_g[:, :, rows].reshape(flat),
-                0.0,
-                False,
-                attn_mask=_additive_mask(strips, num_rows, group, k_tile.shape[2], q_tile),
-                scale=1.0,
-            )
-            dq_g[:, :, rows] = dq_tile.mul_(scale).view(num_samples, num_kv_heads, num_rows, group, -1)
-            add_tile_keys(dk_used, dk_tile, tile)
-            add_tile_keys(dv_used, dv_tile, tile)
-            continue
-        scores = q_tile @ k_tile.transpose(-1, -2)  # [S, Hkv, T*G, C]
+        scores = q_scaled[:, :, rows].reshape(*flat, -1) @ k_tile.transpose(-1, -2)  # [S, Hkv, T*G, C]
         mask_tile_scores(scores, strips, group)
         dq_tile, dk_tile, dv_tile = _softmax_backward(
             scores,
             lse_g[:, :, rows].reshape(flat),
             delta_g[:, :, rows].reshape(flat),
-            q_tile,
+            q_scaled[:, :, rows].reshape(*flat, -1),
             k_tile,
             v_tile,
             dout_g[:, :, rows].reshape(*flat, -1),
@@ -246,32 +238,6 @@ def _fused_cpu(q: Tensor) -> bool:
     return q.device.type == "cpu"
 
 
-def _additive_mask(tile_mask: TileMask, num_rows: int, group: int, num_keys: int, like: Tensor) -> Tensor | None:
-    """``[T*G, C]`` additive mask (0 allowed, -inf disallowed) of a tile's strips; None when unmasked."""
-    if not tile_mask.strips:
-        return None
-    mask = like.new_zeros(num_rows, 1, num_keys)
-    for first, stop, blocked in tile_mask.strips:
-        mask[..., first:stop].masked_fill_(blocked, float("-inf"))
-    return mask.expand(num_rows, group, num_keys).reshape(num_rows * group, num_keys)
-
-
-def _fused_tile_forward(
-    q_tile: Tensor, k_tile: Tensor, v_tile: Tensor, tile_mask: TileMask, num_rows: int, group: int
-) -> tuple[Tensor, Tensor]:
-    """``(out [S, Hkv, T*G, d], lse [S, Hkv, T*G])`` of one tile (``q_tile`` already scaled); rows that
-    see no key get ``out = 0``, ``lse = -inf``."""
-    mask = _additive_mask(tile_mask, num_rows, group, k_tile.shape[2], q_tile)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q_tile, k_tile, v_tile, 0.0, False, attn_mask=mask, scale=1.0
-    )
-    if tile_mask.empty is not None:
-        empty = tile_mask.empty[:, None].expand(num_rows, group).reshape(-1)  # [T*G]
-        out = out.masked_fill(empty[:, None], 0.0)
-        lse = lse.masked_fill(empty, float("-inf"))
-    return out, lse
-
-
 def _softmax_forward(scores: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """``scores [..., R, C]`` (scaled, masked with -inf; consumed), ``v [..., C, d]`` ->
     ``(out [..., R, d], lse [..., R])`` with empty rows ``0`` / ``-inf``."""
@@ -328,6 +294,17 @@ def _ungrouped_rows(x_g: Tensor, inverse: Tensor | None) -> Tensor:
 
 def _ungrouped_lse(lse_g: Tensor, inverse: Tensor | None) -> Tensor:
     return _ungrouped_rows(lse_g.unsqueeze(-1), inverse).squeeze(-1)
+
+
+def _canonical_rows(x: Tensor, plan: TilePlan, dtype: torch.dtype) -> Tensor:
+    """``[S, H, Nq, ...]`` -> canonical query order (``plan.query_index``) in ``dtype``."""
+    x = x if plan.query_index is None else x.index_select(2, plan.query_index)
+    return x.to(dtype)
+
+
+def _original_rows(x: Tensor, plan: TilePlan) -> Tensor:
+    """``[S, H, Nq, ...]`` in canonical query order -> original order."""
+    return x if plan.query_inverse is None else x.index_select(2, plan.query_inverse)
 
 
 def _canonical_keys(x: Tensor, plan: TilePlan, dtype: torch.dtype) -> Tensor:

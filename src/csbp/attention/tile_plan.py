@@ -14,7 +14,9 @@ in the plan. Padding keys (``live = False``) are never candidates.
 The predicate is ``csbp.masks.rows_mask`` (the one definition the FlexAttention backend and the
 dense reference use too), evaluated once per plan and causal flag on the columns of each tile that
 are not entirely allowed; every layer's forward and backward then applies those stored strips
-with one ``masked_fill_`` each instead of rebuilding the mask from the row metadata.
+with one ``masked_fill_`` each instead of rebuilding the mask from the row metadata, or (the CPU
+kernels) passes the tile's additive ``[T*G, C]`` form of them, built once per plan within
+``MASK_CACHE_BYTES`` (``TilePlan.additive_masks``).
 
 Shape legend: ``S`` samples, ``Hkv`` KV heads, ``G`` query heads per KV head, ``T`` rows of a tile,
 ``C`` candidate keys of a tile, ``n`` used (live) keys, ``d`` head dim.
@@ -45,6 +47,7 @@ class TileMask:
     empty: Tensor | None
 
 DEFAULT_TILE_ROWS = 128
+MASK_CACHE_BYTES = 256 << 20  # additive tile masks kept per plan (CPU kernels) up to this size
 _INT64_MAX = torch.iinfo(torch.int64).max
 _INT64_MIN = torch.iinfo(torch.int64).min
 
@@ -97,6 +100,9 @@ class TilePlan:
     query_rows: Rows
     key_rows: Rows
     _strips: dict[bool, tuple[TileMask, ...]] = field(default_factory=dict, repr=False)
+    _additive: dict[tuple[bool, torch.dtype, int], tuple[Tensor | None, ...] | None] = field(
+        default_factory=dict, repr=False
+    )
 
     def tile_strips(self, causal_in_block: bool) -> tuple[TileMask, ...]:
         """The mask of every tile, evaluated once per causal flag and then reused."""
@@ -106,6 +112,23 @@ class TilePlan:
                 _tile_strips(self, tile, causal_in_block) for tile in self.tiles
             )
         return strips
+
+    def additive_masks(
+        self, causal_in_block: bool, dtype: torch.dtype, group: int = 1
+    ) -> tuple[Tensor | None, ...] | None:
+        """Every tile's ``[T*group, C]`` additive mask (``additive_mask``; None for a tile without a
+        disallowed pair) in ``dtype``, built once per causal flag, dtype and group and then reused;
+        None when they would take more than ``MASK_CACHE_BYTES`` (callers then build one at a time).
+
+        Tiles whose masks end in the same pattern (the columns from the first one holding a
+        disallowed pair to the last, e.g. the block-causal corner every clean tile of the BD3 mask
+        has) share one ``[T*group, W]`` buffer, zeros before the pattern: a tile's mask is a view of
+        its last ``C`` columns (the kernel reads masks through their row stride), so the memory is
+        per pattern and the widest tile, not per tile."""
+        key = (causal_in_block, dtype, group)
+        if key not in self._additive:
+            self._additive[key] = _shared_additive_masks(self, self.tile_strips(causal_in_block), dtype, group)
+        return self._additive[key]
 
     @property
     def num_used_keys(self) -> int:
@@ -204,6 +227,50 @@ def mask_tile_scores(scores: Tensor, tile_mask: TileMask, group: int) -> None:
         scores_view[..., first:stop].masked_fill_(blocked, float("-inf"))
 
 
+def additive_mask(tile_mask: TileMask, tile: TileRange, dtype: torch.dtype, group: int = 1) -> Tensor | None:
+    """``[T*group, C]`` additive mask (0 allowed, -inf disallowed) of a tile's strips, row ``t*group + g``
+    for query row ``t`` (the grouped layout of the CPU kernels); None when the tile is unmasked."""
+    if not tile_mask.strips:
+        return None
+    device = tile_mask.strips[0][2].device
+    mask = torch.zeros(tile.q_hi - tile.q_lo, group, tile.num_keys, dtype=dtype, device=device)
+    for first, stop, blocked in tile_mask.strips:
+        mask[..., first:stop].masked_fill_(blocked, float("-inf"))  # blocked [T, 1, w]: every head alike
+    return mask.view(-1, tile.num_keys)
+
+
+def _shared_additive_masks(
+    plan: TilePlan, masks: tuple[TileMask, ...], dtype: torch.dtype, group: int
+) -> tuple[Tensor | None, ...] | None:
+    """``TilePlan.additive_masks``: one buffer per distinct ending pattern; None over the budget."""
+    tails: dict[tuple[int, int, bytes], Tensor] = {}
+    users: dict[tuple[int, int, bytes], list[int]] = {}
+    for index, (tile, tile_mask) in enumerate(zip(plan.tiles, masks)):
+        if not tile_mask.strips:
+            continue
+        start = min(first for first, _, _ in tile_mask.strips)
+        tail = torch.zeros(tile.q_hi - tile.q_lo, 1, tile.num_keys - start, dtype=torch.bool)
+        for first, stop, blocked in tile_mask.strips:
+            tail[..., first - start : stop - start] = blocked.cpu()
+        key = (tail.shape[0], tail.shape[2], tail.numpy().tobytes())
+        tails.setdefault(key, tail)
+        users.setdefault(key, []).append(index)
+    widest = {key: max(plan.tiles[i].num_keys for i in indices) for key, indices in users.items()}
+    size = group * sum(key[0] * width for key, width in widest.items())
+    if size * torch.empty((), dtype=dtype).element_size() > MASK_CACHE_BYTES:
+        return None
+    shared: list[Tensor | None] = [None] * len(plan.tiles)
+    device = plan.query_rows.pos.device
+    for key, indices in users.items():
+        num_rows, tail_width, width = key[0], key[1], widest[key]
+        buffer = torch.zeros(num_rows, group, width, dtype=dtype, device=device)
+        buffer[..., width - tail_width :].masked_fill_(tails[key].to(device), float("-inf"))
+        buffer = buffer.view(num_rows * group, width)
+        for index in indices:
+            shared[index] = buffer[:, width - plan.tiles[index].num_keys :]
+    return tuple(shared)
+
+
 def _tile_strips(plan: TilePlan, tile: TileRange, causal: bool) -> TileMask:
     """Evaluate the predicate on the tile's candidate columns outside ``[full_lo, full_hi)``."""
     predicate = rows_mask(plan.query_rows, plan.key_rows, causal_in_block=causal)
@@ -239,8 +306,10 @@ def gather_tile_keys(x: Tensor, tile: TileRange) -> Tensor:
 def add_tile_keys(total: Tensor, grad: Tensor, tile: TileRange) -> None:
     """Add a tile's candidate-key gradient ``[S, Hkv, C, d]`` into canonical ``total [S, Hkv, n, d]``."""
     num_noisy = tile.noisy_hi - tile.noisy_lo
-    total[:, :, tile.noisy_lo : tile.noisy_hi] += grad[:, :, :num_noisy]
-    total[:, :, tile.clean_lo : tile.clean_hi] += grad[:, :, num_noisy:]
+    if num_noisy:
+        total[:, :, tile.noisy_lo : tile.noisy_hi].add_(grad[:, :, :num_noisy])
+    if tile.clean_hi > tile.clean_lo:
+        total[:, :, tile.clean_lo : tile.clean_hi].add_(grad[:, :, num_noisy:])
 
 
 def _stable_lexsort(primary: Tensor, secondary: Tensor) -> Tensor:
