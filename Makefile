@@ -28,26 +28,28 @@ lint: $(STAMP)
 
 CSBP     := OMP_NUM_THREADS=1 $(VENV)/bin/csbp
 ARTIFACT := artifacts/demo
-DEMO_ARTIFACT := artifacts/demo-4k
+DEMO_ARTIFACT := artifacts/demo-4k-64
 
 # The embedded corpus, tokenized once (a BPE tokenizer is trained on it here): 2048 ids for the
-# DFlash demo and the fast-dllm-v2 / mdlm recipes, 4096 for `make demo` (common words are one token,
-# so a briefly trained sampler writes whole words).
+# DFlash demo and the fast-dllm-v2 / mdlm recipes, 4096 and 64-token rows for `make demo` (common
+# words are one token, so a briefly trained sampler writes whole words).
 $(ARTIFACT)/manifest.json: $(STAMP)
 	$(CSBP) data prepare --demo-corpus --out $(ARTIFACT) --seq-len 256 --train-tokenizer \
 		--vocab-size 2048 --val-fraction 0.05 --overwrite
 
 $(DEMO_ARTIFACT)/manifest.json: $(STAMP)
-	$(CSBP) data prepare --demo-corpus --out $(DEMO_ARTIFACT) --seq-len 256 --train-tokenizer \
+	$(CSBP) data prepare --demo-corpus --out $(DEMO_ARTIFACT) --seq-len 64 --train-tokenizer \
 		--vocab-size 4096 --val-fraction 0.05 --overwrite
 
 # The main job: BD3 (blocks of 4) with CSBP (cp=2, bp=2) on 2 CPU processes; ends with a sample,
-# the share of its words found in the corpus, and `val_loss: <first> -> <last>`. Each `make demo`
-# starts runs/demo afresh.
+# the share of its words found in the corpus, and `val_loss: <first> -> <last>`. The prompt is a
+# speaker line as the plays write it (name, full stop, newline) and the first words of a speech,
+# with no trailing space (the corpus attaches spaces to the next word). Each `make demo` starts
+# runs/demo afresh.
 demo: $(DEMO_ARTIFACT)/manifest.json
 	rm -rf runs/demo && mkdir -p runs
 	set -o pipefail; $(CSBP) train demo --run-dir runs/demo --set train.generate_after=false | tee runs/demo.log
-	$(CSBP) generate --model runs/demo/final --prompt "ROMEO. " --max-new-tokens 48 \
+	$(CSBP) generate --model runs/demo/final --prompt "$$(printf 'KING.\nMy lord,')" --max-new-tokens 48 \
 		--temperature 1.0 --top-k 10 --unmask-order left_to_right --seed 0 --known-words demo-corpus
 	@grep '^val_loss:' runs/demo.log
 

@@ -52,8 +52,8 @@ def test_config_validate_recipe_prints_a_summary(capsys: pytest.CaptureFixture[s
     assert (code, err) == (0, "")
     assert out.startswith("config ok: demo\n")
     assert "csbp layout: dp=1 cp=2 bp=2, world size 2" in out
-    assert "70 steps, 8 sequences per step" in out
-    assert "block_size 4 (64 blocks per sequence)" in out
+    assert "70 steps, 32 sequences per step" in out
+    assert "block_size 4 (16 blocks per sequence)" in out
 
 
 def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -61,8 +61,8 @@ def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.Cap
     config.write_text(recipe_path("demo").read_text(encoding="utf-8"), encoding="utf-8")
     code, out, _ = run(capsys, "config", "validate", str(config))
     assert code == 0
-    assert f"note: data.train does not exist yet: {tmp_path / 'artifacts' / 'demo-4k'}" in out
-    (tmp_path / "artifacts" / "demo-4k").mkdir(parents=True)
+    assert f"note: data.train does not exist yet: {tmp_path / 'artifacts' / 'demo-4k-64'}" in out
+    (tmp_path / "artifacts" / "demo-4k-64").mkdir(parents=True)
     code, out, _ = run(capsys, "config", "validate", str(config))
     assert code == 0 and "note:" not in out
 

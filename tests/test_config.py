@@ -23,10 +23,12 @@ from csbp.recipes import copy_recipe, list_recipes, load_run_config, recipe_path
 
 
 def demo_dict() -> dict[str, Any]:
-    """The demo recipe on the cp=2 x bp=4, block-16 layout and ``artifacts/demo`` data the rule tests
-    below are written for (the recipe itself runs cp=2 x bp=2 with blocks of 4 on ``artifacts/demo-4k``)."""
+    """The demo recipe on the cp=2 x bp=4, block-16, 256-token layout and ``artifacts/demo`` data the rule
+    tests below are written for (the recipe itself runs cp=2 x bp=2, blocks of 4, 64-token rows on
+    ``artifacts/demo-4k-64``)."""
     data = yaml.safe_load(recipe_path("demo").read_text(encoding="utf-8"))
     data["data"]["train"] = "artifacts/demo"
+    data["data"]["seq_len"] = 256
     data["topology"]["bp"] = 4
     data["objective"]["block_size"] = 16
     return data
@@ -71,7 +73,7 @@ def test_every_packaged_recipe_loads_and_round_trips(name: str, tmp_path: Path) 
     cfg = load_run_config(name)
     assert isinstance(cfg, RunConfig)
     assert cfg.world_size == (2 if name == "demo" else 4), "the demo recipes run on 2 or 4 CPU processes"
-    artifact = "demo-4k" if name == "demo" else "demo"
+    artifact = "demo-4k-64" if name == "demo" else "demo"
     assert cfg.data.train == str(Path.cwd() / "artifacts" / artifact)  # by name: relative to cwd
     reloaded = load_config(write_config(cfg, tmp_path / "run"))
     assert reloaded == cfg
@@ -79,7 +81,7 @@ def test_every_packaged_recipe_loads_and_round_trips(name: str, tmp_path: Path) 
 
 def test_demo_recipe_layout() -> None:
     cfg = load_run_config("demo")
-    assert (cfg.objective.name, cfg.objective.block_size, cfg.data.seq_len) == ("bd3", 4, 256)
+    assert (cfg.objective.name, cfg.objective.block_size, cfg.data.seq_len) == ("bd3", 4, 64)
     assert (cfg.topology.dp, cfg.topology.cp, cfg.topology.bp) == (1, 2, 2)
     assert cfg.topology.to_topology().layout == "csbp"
     assert cfg.model.rope_theta == 1e6 and cfg.model.qk_norm is True  # qwen3 defaults filled in
@@ -98,7 +100,7 @@ def test_recipe_variants_fill_objective_defaults() -> None:
 def test_copied_recipe_resolves_paths_next_to_itself(tmp_path: Path) -> None:
     target = copy_recipe("demo", tmp_path)
     assert target == tmp_path / "demo.yaml"
-    assert load_config(target).data.train == str(tmp_path / "artifacts" / "demo-4k")
+    assert load_config(target).data.train == str(tmp_path / "artifacts" / "demo-4k-64")
     with pytest.raises(ValueError, match="already exists"):
         copy_recipe("demo", tmp_path)
     assert copy_recipe("demo", tmp_path / "sub" / "mine.yaml").name == "mine.yaml"
