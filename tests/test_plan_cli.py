@@ -144,7 +144,7 @@ def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:
     code, out, err = run(
         capsys, "plan", "--model", "demo", "--set", "model.vocab_size=512", "--gpus", "4", "--gpu", "cpu"
     )
-    assert (code, err) == (0, "") and "at L=256 on 4x" in out
+    assert (code, err) == (0, "") and "at L=64 on 4x" in out  # the demo recipe's data.seq_len
     target = f"objective.dflash.target={hf}"  # a DFlash run config is shaped by its target
     (hf / "config.json").write_text(
         json.dumps(
