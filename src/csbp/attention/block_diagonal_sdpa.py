@@ -43,13 +43,12 @@ and zero gradients, as the flex partial's predicate does. Results are in the acc
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from csbp.attention.kernel import block_diagonal_backward, block_diagonal_forward
+from csbp.attention.kernel import block_diagonal_backward, block_diagonal_forward, resolve_scale
 from csbp.attention.merge import accumulation_dtype
 from csbp.attention.rows import Rows
 
@@ -93,7 +92,7 @@ class SdpaBlockDiagonalPartial:
         """``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype."""
         self._check(q, k, v)
         dtype = accumulation_dtype(q, k, v)
-        scale = _resolve_scale(scale, q)
+        scale = resolve_scale(scale, q)
         kernel = self.kernel(q)
         if kernel == "matmul":
             out, lse = block_diagonal_forward(
@@ -138,7 +137,7 @@ class SdpaBlockDiagonalPartial:
         (accumulation dtype); ``delta`` is used by the ``matmul`` kernel, recomputed by the fused ones."""
         self._check(q, k, v)
         dtype = accumulation_dtype(q, k, v)
-        scale = _resolve_scale(scale, q)
+        scale = resolve_scale(scale, q)
         kernel = self.kernel(q)
         if kernel == "matmul":
             return block_diagonal_backward(
@@ -254,6 +253,3 @@ def _batch_chunks(*tensors: Tensor) -> list[tuple[Tensor, ...]]:
         return [tensors]
     return [tuple(t[start : start + FLASH_MAX_BATCH] for t in tensors) for start in range(0, size, FLASH_MAX_BATCH)]
 
-
-def _resolve_scale(scale: float | None, q: Tensor) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)

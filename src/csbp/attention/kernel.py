@@ -82,7 +82,7 @@ def interval_attention_forward(
     """
     plan = _checked_plan(q, k, v, q_rows, k_rows, plan)
     dtype = accumulation_dtype(q, k, v)
-    scale = _resolve_scale(scale, q)
+    scale = resolve_scale(scale, q)
     k_used, v_used = _canonical_keys(k, plan, dtype), _canonical_keys(v, plan, dtype)  # [S, Hkv, n, d]
     if _fused_cpu(q):
         out, lse = fused_interval_forward(
@@ -131,7 +131,7 @@ def interval_attention_backward(
     """
     plan = _checked_plan(q, k, v, q_rows, k_rows, plan)
     dtype = accumulation_dtype(q, k, v)
-    scale = _resolve_scale(scale, q)
+    scale = resolve_scale(scale, q)
     k_used, v_used = _canonical_keys(k, plan, dtype), _canonical_keys(v, plan, dtype)  # [S, Hkv, n, d]
     if _fused_cpu(q):  # the fused backward computes delta = rowsum(dout * out) itself
         dq, dk_used, dv_used = fused_interval_backward(
@@ -187,7 +187,7 @@ def block_diagonal_forward(
     same rows. Returns ``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype."""
     _check_block_inputs(q, k, v, block_size)
     dtype = accumulation_dtype(q, k, v)
-    scale = _resolve_scale(scale, q)
+    scale = resolve_scale(scale, q)
     q_scaled = _blocked_queries(q, k.shape[1], block_size, dtype) * scale  # [S, Hkv, nb, G*B, d]
     scores = q_scaled @ _blocked_keys(k, block_size, dtype).transpose(-1, -2)  # [S, Hkv, nb, G*B, B]
     if causal:
@@ -213,7 +213,7 @@ def block_diagonal_backward(
     ``out``/``lse`` and ``dout`` (see ``interval_attention_backward``); accumulation dtype."""
     _check_block_inputs(q, k, v, block_size)
     dtype = accumulation_dtype(q, k, v)
-    scale = _resolve_scale(scale, q)
+    scale = resolve_scale(scale, q)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if delta is None:
         delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
@@ -352,7 +352,8 @@ def _mask_causal_blocks(scores: Tensor, group: int, block_size: int) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
-def _resolve_scale(scale: float | None, q: Tensor) -> float:
+def resolve_scale(scale: float | None, q: Tensor) -> float:
+    """The softmax scale: ``scale``, or ``1/sqrt(d)`` when it is None."""
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
