@@ -162,7 +162,7 @@ def plan_partial(
     With ``flash_pieces``, a clean-context partial is cut into fused flash-attention pieces of
     ``>= min_rows`` rows (default ``FLASH_PIECE_MIN_ROWS`` of the device) plus a residual on
     ``backend`` (``csbp.attention.flash_pieces``); other partials are one ``backend`` partial. It is
-    off by default: on CPU it measured 0.77-0.94x the tiles (``csbp bench kernels --clean-kernels``;
+    off by default: on CPU it measured 0.71-0.96x the speed of the tiles (``csbp bench kernels --clean-kernels``;
     the tiles already run ATen's flash kernel per tile), and on CUDA it awaits ``make gpu-check``."""
     concrete = resolve_backend(backend, q_rows.pos.device)
 
