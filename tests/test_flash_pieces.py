@@ -158,3 +158,19 @@ def test_flash_ops_checks_and_dtypes() -> None:
     assert out.dtype == lse.dtype == torch.float32
     dq, dk, dv = flash_backward(q, k, v, out, lse, torch.ones_like(out), causal=False, scale=0.3)
     assert (dq.dtype, dk.shape, dv.shape) == (torch.float32, k.shape, v.shape)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_ops_cuda_calls_fit_the_kernels_meta_registrations(monkeypatch: pytest.MonkeyPatch, causal: bool) -> None:
+    """FlashAttention-2's argument order, GQA shapes and lse layout, checked on meta tensors (no GPU):
+    a key slice of a larger K/V, 16 query heads over 4 KV heads, bf16 in, fp32 out."""
+    from csbp.attention import flash_ops
+
+    monkeypatch.setattr(flash_ops, "flash_kernel", lambda q: "flash")
+    q = torch.empty(1, 16, 256, 128, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(1, 4, 1024, 128, dtype=torch.bfloat16, device="meta")
+    keys = slice(100, 356) if causal else slice(0, 1024)
+    out, lse = flash_ops.flash_forward(q, kv[:, :, keys], kv[:, :, keys], causal=causal, scale=0.1)
+    assert (out.shape, lse.shape, out.dtype, lse.dtype) == ((1, 16, 256, 128), (1, 16, 256), torch.float32, torch.float32)
+    dq, dk, dv = flash_ops.flash_backward(q, kv[:, :, keys], kv[:, :, keys], out, lse, out, causal=causal, scale=0.1)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv[:, :, keys].shape, kv[:, :, keys].shape)
