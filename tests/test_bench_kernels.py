@@ -20,10 +20,11 @@ def test_kernel_bench_command_writes_table_json_and_png(tmp_path: Path, capsys: 
     assert code == 0
     records = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
-    assert {(r["block_size"], r["backend"], r["form"], r["diagonal"]) for r in records} == {
-        (b, backend, form, diagonal) for b in (8, 32) for backend, form, diagonal in
-        (("sdpa", "dense", "-"), ("tiles", "mixed", "-"), ("tiles", "decomposed", "matmul"),
-         ("tiles", "decomposed", "sdpa"), ("tiles", "diagonal", "matmul"), ("tiles", "diagonal", "sdpa"))
+    assert {(r["block_size"], r["backend"], r["form"], r["diagonal"], r["clean"]) for r in records} == {
+        (b, backend, form, diagonal, clean) for b in (8, 32) for backend, form, diagonal, clean in
+        (("sdpa", "dense", "-", "-"), ("tiles", "mixed", "-", "-"), ("tiles", "diagonal", "matmul", "-"),
+         ("tiles", "diagonal", "sdpa", "-"))
+        + tuple(("tiles", "decomposed", d, c) for d in ("matmul", "sdpa") for c in ("pieces", "generic"))
     }
     for r in records:
         assert r["time_s"] > 0 and r["tflops"] > 0

@@ -10,11 +10,15 @@ training uses (``csbp.attention.transports.local``), plus the block-diagonal par
   per block-diagonal kernel of ``--diagonals`` (``csbp.attention.diagonal``: ``matmul``, ``sdpa``,
   ``sdpa_fold`` or ``flex``; the ``diagonal`` column), so e.g. ``--diagonals flex sdpa`` on CUDA
   measures FlexAttention's BlockMask against one batched FlashAttention call for the noisy blocks;
+  and once per clean-context kernel of ``--clean-kernels`` (the ``clean`` column): ``pieces``, the
+  dense and causal pieces as fused flash calls plus a small residual on the backend
+  (``csbp.attention.flash_pieces``, what training runs), or ``generic``, one backend partial;
 * ``diagonal``: that block-diagonal partial alone on the ``L`` noisy rows (its ``L*B`` pairs), per
   kernel: the kernel's own time, which the decomposed step's noise can hide;
 
-and dense SDPA over all ``(2L)^2`` pairs of the same shapes as the baseline (FlashAttention on
-CUDA). Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs
+and dense SDPA over all ``(2L)^2`` pairs of the same shapes as the baseline (on CUDA whatever kernel
+SDPA picks), plus on CUDA the ``flash2`` row: FlashAttention-2 over the same pairs through the call
+the flash pieces make (``csbp.attention.flash_ops``). Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs
 only (``csbp.bench.measure.attention_flops``; dense SDPA on all pairs), the ratio of that rate to
 dense SDPA's, the decomposed form's speedup over the mixed form (``t_mixed / t_decomposed``), the
 time to build one form's per-step plans (tile plans with their mask strips, or BlockMasks; built
@@ -44,6 +48,7 @@ import torch.nn.functional as F
 
 from csbp.attention.backends import check_backend, plan_block_diagonal, plan_partial, resolve_backend
 from csbp.attention.diagonal import check_diagonal, resolve_diagonal
+from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
 from csbp.attention.layouts import reference_layout
 from csbp.attention.transports.local import (
     LocalAttentionPlan,
@@ -54,6 +59,10 @@ from csbp.bench.common import add_head_options, add_output_options, records_as_d
 from csbp.bench.measure import allowed_pairs, attention_flops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+CLEAN_KERNELS = ("pieces", "generic")
+"""Clean-context kernels of the decomposed form (``csbp.attention.flash_pieces``)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,7 @@ class KernelRecord:
     backend: str  # tiles, flex, or sdpa (the dense baseline)
     form: str  # mixed, decomposed, or dense
     diagonal: str  # the decomposed form's block-diagonal kernel (matmul, sdpa, flex); "-" otherwise
+    clean: str  # the decomposed form's clean-context kernel: pieces (flash pieces + residual) or generic; "-"
     time_s: float
     useful_pairs: int
     tflops: float
@@ -77,13 +87,14 @@ class KernelRecord:
 
 
 def build_form(
-    rows, num_noisy: int, block_size: int, backend: str, form: str, diagonal: str = "auto"
+    rows, num_noisy: int, block_size: int, backend: str, form: str, diagonal: str = "auto", clean: str = "pieces"
 ) -> LocalAttentionPlan:
     """The ``mixed`` or ``decomposed`` local plan of the packed ``[noisy ; clean]`` rows (the
-    decomposed one with the ``diagonal`` block-diagonal kernel)."""
+    decomposed one with the ``diagonal`` block-diagonal kernel and its clean context as flash
+    pieces plus a residual, ``clean="pieces"``, or as one ``backend`` partial, ``"generic"``)."""
     if form == "mixed":
         return LocalAttentionPlan(rows, rows, num_noisy, None, False, None, plan_partial(rows, rows, backend=backend))
-    clean = rows.select(slice(num_noisy, None))
+    clean_rows = rows.select(slice(num_noisy, None))
     return LocalAttentionPlan(
         rows,
         rows,
@@ -91,7 +102,7 @@ def build_form(
         block_size,
         False,
         None,
-        plan_partial(rows, clean, backend=backend),
+        plan_partial(rows, clean_rows, backend=backend, flash_pieces=clean == "pieces"),
         plan_block_diagonal(
             rows.select(slice(0, num_noisy)), block_size=block_size, backend=backend, diagonal=diagonal
         ),
@@ -157,10 +168,12 @@ def run_kernel_bench(
     count_ops: bool = True,
     clock: str = "wall",
     diagonals: tuple[str, ...] = ("auto",),
+    clean_kernels: tuple[str, ...] = CLEAN_KERNELS,
     progress: Callable[[KernelRecord], None] | None = None,
 ) -> list[KernelRecord]:
     """Measure every (length, block size): dense SDPA, then each backend's mixed form, its decomposed
-    form and its block-diagonal partial alone (``diagonal``) once per kernel of ``diagonals``;
+    form once per kernel of ``diagonals`` and of ``clean_kernels``, and its block-diagonal partial alone
+    (``diagonal``) once per kernel of ``diagonals``;
     ``progress`` sees each record as soon as it is measured."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
@@ -172,6 +185,9 @@ def run_kernel_bench(
     for backend in concrete:  # fails closed (unknown name, flex diagonal off the flex backend) before measuring
         for name in diagonals:
             resolve_diagonal(check_diagonal(name, where="--diagonals"), backend)
+    for name in clean_kernels:
+        if name not in CLEAN_KERNELS:
+            raise ValueError(f"--clean-kernels must be among {CLEAN_KERNELS}, got {name!r}")
     if "flex" in concrete and dev.type != "cuda":
         raise ValueError("--backends flex needs --device cuda (FlexAttention has no CPU backward)")
     if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
@@ -197,23 +213,29 @@ def run_kernel_bench(
         dense_time = _dense_sdpa_time(q, k, v, dout, dev, warmup, repeats, clock)
         dense_flops = attention_flops(n * n, num_heads=num_heads, head_dim=head_dim)
         dense_rate = dense_flops / dense_time / 1e12
+        # The fused call flash pieces make (FlashAttention-2 on CUDA), over all pairs: is it as fast as SDPA's pick?
+        flash_time = _dense_flash_time(q, k, v, dout, dev, warmup, repeats, clock) if flash_kernel(q) == "flash" else None
         for block in block_sizes:
             rows = reference_layout(seq_len, block).rows.to(dev)
             pairs = allowed_pairs(rows, block_size=block)
             add(
-                KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", dense_time, n * n, dense_rate,
+                KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", "-", dense_time, n * n, dense_rate,
                              1.0, float("nan"), 0.0, 0)
             )
+            if flash_time is not None:
+                rate = dense_flops / flash_time / 1e12
+                add(KernelRecord(device, dtype, seq_len, block, "flash2", "dense", "-", "-", flash_time, n * n, rate,
+                                 rate / dense_rate, float("nan"), 0.0, 0))
             now = time.process_time if clock == "cpu" else time.perf_counter
             for backend in dict.fromkeys(concrete):
-                variants = [("mixed", "-")] + [
-                    (form, kernel) for form in ("decomposed", "diagonal") for kernel in kernels(backend, block)
-                ]
+                variants = [("mixed", "-", "-")]
+                variants += [("decomposed", kernel, clean) for kernel in kernels(backend, block) for clean in clean_kernels]
+                variants += [("diagonal", kernel, "-") for kernel in kernels(backend, block)]
                 mixed_time = float("nan")
-                for form, diagonal in variants:
+                for form, diagonal, clean in variants:
                     _sync(dev)
                     start = now()
-                    step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal)
+                    step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
                     _sync(dev)
                     build_s = now() - start
                     time_s = _median_time(step, dev, warmup, repeats, clock)
@@ -223,17 +245,20 @@ def run_kernel_bench(
                     mixed_time = time_s if form == "mixed" else mixed_time
                     speedup = mixed_time / time_s if form == "decomposed" else float("nan")
                     add(
-                        KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, time_s, useful, rate,
+                        KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
                                      rate / dense_rate, speedup, build_s, ops)
                     )
     return records
 
 
-def _form_step(q, k, v, dout, rows, num_noisy: int, block: int, backend: str, form: str, diagonal: str):
+def _form_step(q, k, v, dout, rows, num_noisy: int, block: int, backend: str, form: str, diagonal: str, clean: str):
     """Plan ``form`` (``mixed``, ``decomposed`` or ``diagonal``: the block-diagonal partial alone, on
     the noisy rows) and return its forward + backward step."""
     if form != "diagonal":
-        plan = build_form(rows, num_noisy, block, backend, form, diagonal if form == "decomposed" else "auto")
+        plan = (
+            build_form(rows, num_noisy, block, backend, form, diagonal, clean)
+            if form == "decomposed" else build_form(rows, num_noisy, block, backend, form)
+        )
         return _local_step(q, k, v, dout, plan)
     partial = plan_block_diagonal(rows.select(slice(0, num_noisy)), block_size=block, backend=backend, diagonal=diagonal)
     noisy = [t[:, :, :num_noisy] for t in (q, k, v, dout)]
@@ -266,9 +291,20 @@ def _dense_sdpa_time(q, k, v, dout, device: torch.device, warmup: int, repeats: 
     return _median_time(step, device, warmup, repeats, clock)
 
 
+def _dense_flash_time(q, k, v, dout, device: torch.device, warmup: int, repeats: int, clock: str) -> float:
+    """Forward + backward of ``csbp.attention.flash_ops`` over all pairs (the flash pieces' kernel)."""
+    scale = q.shape[-1] ** -0.5
+
+    def step() -> None:
+        out, lse = flash_forward(q, k, v, causal=False, scale=scale)
+        flash_backward(q, k, v, out, lse, dout, causal=False, scale=scale)
+
+    return _median_time(step, device, warmup, repeats, clock)
+
+
 def format_header() -> str:
     header = (
-        f"{'L':>7} {'B':>4} {'backend':<6} {'form':<10} {'diagonal':<8} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x dense':>8} "
+        f"{'L':>7} {'B':>4} {'backend':<6} {'form':<10} {'diagonal':<8} {'clean':<7} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x dense':>8} "
         f"{'decomp x':>9} {'mask ms':>8} {'aten ops':>9}"
     )
     return f"{header}\n{'-' * len(header)}"
@@ -277,7 +313,8 @@ def format_header() -> str:
 def format_row(r: KernelRecord) -> str:
     speedup = "-" if r.form != "decomposed" else f"{r.decomposed_speedup:.2f}"
     return (
-        f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.diagonal:<8} {r.time_s * 1e3:>11.2f} "
+        f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.diagonal:<8} {r.clean:<7} "
+        f"{r.time_s * 1e3:>11.2f} "
         f"{r.tflops:>8.3f} {r.vs_dense:>8.2f} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
         f"{r.aten_ops if r.aten_ops else '-':>9}"
     )
@@ -297,11 +334,12 @@ def plot_rates(records: list[KernelRecord], path: Path) -> None:
     blocks = sorted({r.block_size for r in records})
     figure, axes = plt.subplots(1, len(blocks), figsize=(5.0 * len(blocks), 4.0), squeeze=False)
     for axis, block in zip(axes[0], blocks, strict=True):
-        series = sorted({(r.backend, r.form, r.diagonal) for r in records if r.block_size == block})
-        for backend, form, diagonal in series:
+        series = sorted({(r.backend, r.form, r.diagonal, r.clean) for r in records if r.block_size == block})
+        for backend, form, diagonal, clean in series:
             points = sorted((r.seq_len, r.tflops) for r in records
-                            if (r.block_size, r.backend, r.form, r.diagonal) == (block, backend, form, diagonal))
-            label = f"{backend} {form}" + (f" ({diagonal} diagonal)" if diagonal != "-" else "")
+                            if (r.block_size, r.backend, r.form, r.diagonal, r.clean)
+                            == (block, backend, form, diagonal, clean))
+            label = f"{backend} {form}" + (f" ({diagonal} diagonal, {clean} clean)" if diagonal != "-" else "")
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
         axis.set_xscale("log", base=2)
         axis.set_xlabel("L (tokens; 2L rows)")
@@ -330,6 +368,11 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
         "--diagonals", nargs="+", default=["auto"],
         help="block-diagonal kernels of the decomposed form: auto, matmul, sdpa, sdpa_fold, flex (flex backend only); "
         "default auto (on tiles sdpa for B >= 16 and matmul below, flex on flex; attention.diagonal of a run)",
+    )
+    parser.add_argument(
+        "--clean-kernels", nargs="+", choices=CLEAN_KERNELS, default=list(CLEAN_KERNELS),
+        help="clean-context kernels of the decomposed form: pieces (fused flash pieces + a residual on the backend, "
+        "what training runs) and generic (one backend partial); default both",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
@@ -380,6 +423,7 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         count_ops=not args.no_op_count,
         clock=args.clock,
         diagonals=tuple(args.diagonals),
+        clean_kernels=tuple(args.clean_kernels),
         progress=progress,
     )
     if args.json is not None:

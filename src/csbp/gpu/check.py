@@ -16,9 +16,10 @@ stage               what it runs (limit)
 ``verify-dflash``   the same for DFlash drafter training
 ``kernels``         ``csbp bench kernels`` on CUDA (120 s): one layer's attention (flex backend, bf16,
                     16/4 heads of 128, B = 16 and 128) at 8K-128K tokens, the decomposed form with
-                    the flex, sdpa and sdpa_fold (FlashAttention) block diagonals; writes
-                    ``gpu-kernels.json`` next to ``gpu-check.json`` row by row, and the stage copies
-                    the rows measured (all of them, or those before its limit) into the report
+                    the flex, sdpa and sdpa_fold (FlashAttention) block diagonals, the clean context as
+                    one Flex partial or as FlashAttention pieces; writes ``gpu-kernels.json`` next to
+                    ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
+                    them, or those before its limit) into the report
 ``train-table``     the single-GPU training table (``csbp.gpu.train_table``, the time left):
                     Qwen3-0.6B shape, BD3, bf16, activation checkpointing, ``--backend`` (default
                     auto: flex on CUDA), 8K-64K tokens; DFlash at 64K, 512 anchors; each row is in

@@ -1,0 +1,313 @@
+"""Clean-context partials split into fused flash-attention pieces plus a small residual (csbp.md §9.1).
+
+A partial whose keys are clean rows (the clean stream, a remote clean shard, a DFlash context) has,
+for every query row, one contiguous range of visible keys per run of keys sorted by position. In
+BD3 these ranges form *staircases*: a clean row of block ``b`` sees the clean keys ``[0, (b+1)B)``,
+a noisy row ``[0, bB)``. A staircase is a causal triangle (each row one key further than the row
+before) plus a band narrower than ``B`` above the diagonal; rows that see the same range form a
+dense rectangle. Dense rectangles and causal triangles are exactly what fused flash kernels run at
+full speed (``csbp.attention.flash_ops``: FlashAttention-2 on CUDA, ATen's flash kernel on CPU),
+while a generic block-sparse kernel (FlexAttention over a ``BlockMask``, or the tiles) pays for
+every mask it evaluates. So ``plan_flash_pieces`` cuts the partial into
+
+* **dense pieces**: ``>= 2 * min_rows`` consecutive query rows with one visible key range (DFlash
+  anchors under a whole remote shard, the rows of a shard entirely after a key shard);
+* **causal pieces**: in a *segment* (consecutive query rows at consecutive positions with one range
+  start; a segment whose rows all see one range is a dense piece), a maximal run of ``>= min_rows`` rows along which the *causal envelope*
+  ``c[r] = r + min_{r' >= r} (hi[r'] - r')`` grows by one per row. Row ``r`` of the run sees keys
+  ``[lo, c[r])``, run as one dense call over ``[lo, c[a] - 1)`` and one square causal call over the
+  next ``b - a`` keys;
+* **the residual**: what the pieces leave (the in-block band ``[c[r], hi[r])``, short runs, anything
+  irregular), as the same generic partial over rows whose ``ctx_start`` is raised past what the
+  pieces cover. Its mask touches only blocks next to the diagonal.
+
+Pieces are found per *key run* (a maximal run of keys, all live and clean, with increasing
+positions; a remote partial holds one or two runs per peer), and each key run with pieces gets its
+own residual. A partial with live noisy keys, or without any piece worth a call, is planned as one
+generic partial exactly as before. The split changes no result: every allowed pair is computed
+once, the partials merge in fp32 (``csbp.attention.merge``) and every piece's backward runs from the
+final merged ``(out, lse)``. When a call's dtype has no fused kernel (CUDA fp32/fp64) the plan runs
+the whole partial generically instead, built on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
+from csbp.attention.kernel import resolve_scale
+from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.rows import Rows
+
+
+@dataclass(frozen=True)
+class FlashPiece:
+    """One fused call: query rows ``[q_start, q_stop)`` over keys ``[k_start, k_stop)`` (indices into the
+    partial's q and k), bidirectional or causal (square)."""
+
+    q_start: int
+    q_stop: int
+    k_start: int
+    k_stop: int
+    causal: bool
+
+    @property
+    def pairs(self) -> int:
+        """Allowed (query, key) pairs of this piece."""
+        rows, keys = self.q_stop - self.q_start, self.k_stop - self.k_start
+        return rows * (rows + 1) // 2 if self.causal else rows * keys
+
+
+@dataclass(frozen=True)
+class KeyRunPlan:
+    """The pieces and the residual partial of one key run ``[k_start, k_stop)``."""
+
+    k_start: int
+    k_stop: int
+    pieces: tuple[FlashPiece, ...]
+    residual: object | None  # a PartialPlan over (rows with raised ctx_start, this run's keys), or None
+
+
+@dataclass(eq=False)
+class FlashPiecesPartial:
+    """A clean-context partial run as fused flash pieces plus per-run residuals (see the module doc).
+
+    Attributes:
+        runs: per key run, its pieces and residual.
+        generic: builds the plain generic partial of the whole ``(q_rows, k_rows)``: used instead when a
+            call's device/dtype has no fused kernel (built on first use, then kept).
+    """
+
+    runs: tuple[KeyRunPlan, ...]
+    num_queries: int
+    num_keys: int
+    generic: Callable[[], object]
+    _generic_plan: object | None = field(default=None, repr=False)
+
+    @property
+    def pieces(self) -> list[FlashPiece]:
+        return [piece for run in self.runs for piece in run.pieces]
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
+        """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype."""
+        self._check(q, k)
+        if flash_kernel(q) is None:
+            return self._fallback().forward(q, k, v, scale=scale)
+        scale = resolve_scale(scale, q)
+        dtype = accumulation_dtype(q, k, v)
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=dtype)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=dtype)
+        for run in self.runs:
+            for p in run.pieces:
+                rows, keys = slice(p.q_start, p.q_stop), slice(p.k_start, p.k_stop)
+                part = flash_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=p.causal, scale=scale)
+                out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], *part)
+            if run.residual is not None:
+                keys = slice(run.k_start, run.k_stop)
+                part = run.residual.forward(q, k[:, :, keys], v[:, :, keys], scale=scale)
+                out, lse = merge_partials(out, lse, *part)
+        return out, lse
+
+    def backward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
+        scale: float | None = None, delta: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``."""
+        self._check(q, k)
+        if flash_kernel(q) is None:
+            return self._fallback().backward(q, k, v, out, lse, dout, scale=scale, delta=delta)
+        scale = resolve_scale(scale, q)
+        dtype = accumulation_dtype(q, k, v)
+        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+        dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        for run in self.runs:
+            for p in run.pieces:
+                rows, keys = slice(p.q_start, p.q_stop), slice(p.k_start, p.k_stop)
+                dq_p, dk_p, dv_p = flash_backward(
+                    q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows],
+                    dout[:, :, rows], causal=p.causal, scale=scale,
+                )
+                dq[:, :, rows] += dq_p
+                dk[:, :, keys] += dk_p
+                dv[:, :, keys] += dv_p
+            if run.residual is not None:
+                keys = slice(run.k_start, run.k_stop)
+                dq_r, dk_r, dv_r = run.residual.backward(
+                    q, k[:, :, keys], v[:, :, keys], out, lse, dout, scale=scale, delta=delta
+                )
+                dq += dq_r
+                dk[:, :, keys] += dk_r
+                dv[:, :, keys] += dv_r
+        return dq, dk, dv
+
+    def _fallback(self) -> object:
+        if self._generic_plan is None:
+            self._generic_plan = self.generic()
+        return self._generic_plan
+
+    def _check(self, q: Tensor, k: Tensor) -> None:
+        if (q.dim(), k.dim()) != (4, 4) or (q.shape[2], k.shape[2]) != (self.num_queries, self.num_keys):
+            raise ValueError(
+                f"the flash-pieces partial was built for {self.num_queries} queries x {self.num_keys} keys "
+                f"([S, H, N, d] tensors), got q {tuple(q.shape)}, k {tuple(k.shape)}; rebuild it for these rows"
+            )
+
+
+def plan_flash_pieces(
+    q_rows: Rows, k_rows: Rows, *, min_rows: int, generic: Callable[[Rows, Rows], object]
+) -> FlashPiecesPartial | None:
+    """The flash-pieces plan of ``q_rows`` x ``k_rows`` (``generic(q_rows, k_rows)`` plans a plain partial,
+    also for the residuals), or None when no piece of ``>= min_rows`` rows exists or a live key is
+    noisy (the caller then plans one generic partial)."""
+    if min_rows < 1:
+        raise ValueError(f"min_rows must be >= 1, got {min_rows}")
+    q_cpu, k_cpu = q_rows.to("cpu"), k_rows.to("cpu")
+    if len(k_cpu) == 0 or len(q_cpu) == 0 or bool((k_cpu.live & ~k_cpu.clean).any()):
+        return None
+    found = []
+    for k_start, k_stop in _key_runs(k_cpu):
+        lo, hi = _visible_ranges(q_cpu, k_cpu.pos[k_start:k_stop], k_start)
+        pieces, covered_to = _find_pieces(q_cpu, lo, hi, min_rows)
+        found.append((k_start, k_stop, pieces, lo, hi, covered_to))
+    if not any(pieces for _, _, pieces, *_ in found):
+        return None
+    runs = []
+    for k_start, k_stop, pieces, lo, hi, covered_to in found:
+        run_keys = k_rows.select(slice(k_start, k_stop))
+        if not pieces:
+            runs.append(KeyRunPlan(k_start, k_stop, (), generic(q_rows, run_keys)))
+            continue
+        residual = None
+        if bool((covered_to < hi).any()):
+            # Raise ctx_start to the first key not covered (a covered row: past its ctx_stop).
+            key_pos = torch.cat([k_cpu.pos[k_start:k_stop], k_cpu.pos.new_tensor([torch.iinfo(torch.long).max])])
+            first_left = torch.where(covered_to < hi, key_pos[(covered_to - k_start).clamp(min=0)], q_cpu.ctx_stop)
+            ctx_start = torch.where(covered_to > lo, first_left, q_cpu.ctx_start).to(q_rows.ctx_start.device)
+            residual_rows = Rows(
+                q_rows.pos, q_rows.clean, q_rows.block, ctx_start, q_rows.ctx_stop, q_rows.live
+            )
+            residual = generic(residual_rows, run_keys)
+        runs.append(KeyRunPlan(k_start, k_stop, tuple(pieces), residual))
+    return FlashPiecesPartial(tuple(runs), len(q_rows), len(k_rows), lambda: generic(q_rows, k_rows))
+
+
+# ----------------------------------------------------------------------------- the search
+
+
+def _key_runs(k_rows: Rows) -> list[tuple[int, int]]:
+    """Maximal ``[start, stop)`` runs of live clean keys with strictly increasing positions."""
+    usable = (k_rows.live & k_rows.clean).tolist()
+    pos = k_rows.pos.tolist()
+    runs, start = [], None
+    for i, ok in enumerate(usable):
+        if start is not None and (not ok or pos[i] <= pos[i - 1]):
+            runs.append((start, i))
+            start = None
+        if ok and start is None:
+            start = i
+    if start is not None:
+        runs.append((start, len(usable)))
+    return runs
+
+
+def _visible_ranges(q_rows: Rows, run_pos: Tensor, k_start: int) -> tuple[Tensor, Tensor]:
+    """Per query row, the key indices ``[lo, hi)`` of the run it sees (``lo == hi`` when none)."""
+    lo = torch.searchsorted(run_pos, q_rows.ctx_start) + k_start
+    hi = torch.searchsorted(run_pos, q_rows.ctx_stop) + k_start
+    hi = torch.where(q_rows.live & (hi > lo), hi, lo)
+    return lo, hi
+
+
+def _find_pieces(q_rows: Rows, lo: Tensor, hi: Tensor, min_rows: int) -> tuple[list[FlashPiece], Tensor]:
+    """The pieces of one key run and, per row, the key index up to which pieces cover ``[lo, hi)``
+    (``lo`` for rows no piece covers)."""
+    covered_to = lo.clone()
+    pieces: list[FlashPiece] = []
+    sees = hi > lo
+    segments = _segments(q_rows, lo, sees)
+    starts, stops = {s0 for s0, _ in segments}, {s1 for _, s1 in segments}
+
+    def dense(a: int, b: int) -> None:
+        pieces.append(FlashPiece(a, b, int(lo[a]), int(hi[b - 1]), False))
+        covered_to[a:b] = hi[a:b]
+
+    # Dense pieces over whole segments: rows of several segments (DFlash anchors, noisy blocks of a
+    # rank) that all see one range. A run inside one segment is a staircase step: left to the envelope.
+    for a, b in _equal_runs(sees, lo, hi):
+        if b - a >= 2 * min_rows and a in starts and b in stops:
+            dense(a, b)
+    # Causal pieces, per remaining segment (after its long flat tail, which is one dense rectangle).
+    for s0, s1 in segments:
+        if covered_to[s0] != lo[s0]:
+            continue
+        flat = s1
+        while flat > s0 and hi[flat - 1] == hi[s1 - 1]:
+            flat -= 1
+        if s1 - flat >= (min_rows if flat == s0 else 2 * min_rows):  # one flat segment: a rectangle
+            dense(flat, s1)
+            s1 = flat
+        for a, b in _envelope_runs(lo, hi, s0, s1, min_rows):
+            envelope = _envelope(hi, s0, s1)[a - s0 : b - s0]
+            first = int(envelope[0]) - 1
+            if first > int(lo[a]):
+                pieces.append(FlashPiece(a, b, int(lo[a]), first, False))
+            pieces.append(FlashPiece(a, b, first, first + (b - a), True))
+            covered_to[a:b] = envelope
+    # Dense pieces over what is left: long runs of untouched rows that see one range.
+    for a, b in _equal_runs(sees & (covered_to == lo), lo, hi):
+        if b - a >= 2 * min_rows:
+            dense(a, b)
+    return pieces, covered_to
+
+
+def _segments(q_rows: Rows, lo: Tensor, sees: Tensor) -> list[tuple[int, int]]:
+    """Maximal runs of rows that see keys, at consecutive positions, with one ``lo`` and one stream."""
+    joins = (
+        sees[1:] & sees[:-1] & (q_rows.pos[1:] == q_rows.pos[:-1] + 1)
+        & (lo[1:] == lo[:-1]) & (q_rows.clean[1:] == q_rows.clean[:-1])
+    )
+    return _runs(sees, joins)
+
+
+def _equal_runs(selected: Tensor, lo: Tensor, hi: Tensor) -> list[tuple[int, int]]:
+    """Maximal runs of selected rows with equal ``(lo, hi)``."""
+    joins = selected[1:] & selected[:-1] & (lo[1:] == lo[:-1]) & (hi[1:] == hi[:-1])
+    return _runs(selected, joins)
+
+
+def _runs(selected: Tensor, joins: Tensor) -> list[tuple[int, int]]:
+    """``[start, stop)`` runs of ``selected`` rows where row ``i`` and ``i + 1`` are joined by ``joins[i]``."""
+    if selected.numel() == 0:
+        return []
+    starts = selected.clone()
+    starts[1:] &= ~joins
+    start_idx = torch.nonzero(starts).flatten().tolist()
+    stops = selected.clone()
+    stops[:-1] &= ~joins
+    stop_idx = (torch.nonzero(stops).flatten() + 1).tolist()
+    return list(zip(start_idx, stop_idx))
+
+
+def _envelope(hi: Tensor, s0: int, s1: int) -> Tensor:
+    """``c[r] = r + min_{r' in [r, s1)} (hi[r'] - r')`` for ``r`` in ``[s0, s1)``: the last key + 1 of the
+    steepest causal diagonal under the staircase ``hi`` (it grows by at least one per row)."""
+    index = torch.arange(s0, s1)
+    shifted = hi[s0:s1] - index
+    suffix_min = torch.flip(torch.cummin(torch.flip(shifted, [0]), 0).values, [0])
+    return index + suffix_min
+
+
+def _envelope_runs(lo: Tensor, hi: Tensor, s0: int, s1: int, min_rows: int) -> list[tuple[int, int]]:
+    """Runs of ``>= min_rows`` rows of ``[s0, s1)`` whose envelope grows by exactly one per row and whose
+    first row sees at least one key on the diagonal (``c[a] - 1 >= lo``)."""
+    if s1 - s0 < min_rows:
+        return []
+    envelope = _envelope(hi, s0, s1)
+    ok = envelope - 1 >= lo[s0:s1]
+    joins = ok[1:] & ok[:-1] & (envelope[1:] == envelope[:-1] + 1)
+    return [(s0 + a, s0 + b) for a, b in _runs(ok, joins) if b - a >= min_rows]

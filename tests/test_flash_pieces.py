@@ -1,0 +1,176 @@
+"""Clean-context partials as fused flash pieces plus a residual (``csbp.attention.flash_pieces``).
+
+Checked on every layout's clean-key partials, in float64 against the dense reference (out, lse and
+the explicit backward from the merged statistics, GQA), and structurally: the pieces and the
+residuals together cover every allowed (query, key) pair exactly once and nothing else.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from csbp.attention import flash_pieces
+from csbp.attention.backends import TilesPartial, plan_partial
+from csbp.attention.documents import Documents
+from csbp.attention.flash_ops import flash_backward, flash_forward
+from csbp.attention.flash_pieces import FlashPiecesPartial
+from csbp.attention.layouts import bp_only_layout, cp_zigzag_layout, csbp_layout, reference_layout
+from csbp.attention.rows import Rows, allow_matrix
+from csbp.dflash.layouts import block_query_rows, context_rows, full_packet
+from test_kernel import TOL64, dense_attention_reference, random_qkv, reference_grads
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
+
+L, B = 64, 4
+
+
+def _clean(rows: Rows) -> Rows:
+    return rows.select(torch.nonzero(rows.clean).flatten())
+
+
+def _cases() -> dict[str, tuple[Rows, Rows]]:
+    """(query rows, clean key rows) of every layout's clean-context partials."""
+    cases = {}
+    reference = reference_layout(L, B).rows
+    cases["reference"] = (reference, _clean(reference))
+    cases["reference_window"] = (reference_layout(L, B, window=9).rows, _clean(reference_layout(L, B, window=9).rows))
+    documents = Documents.from_doc_ids(torch.tensor([0] * 7 + [1] * 29 + [2] * 28))  # starts mid-block
+    doc_rows = reference_layout(L, B, documents=documents).rows
+    cases["documents"] = (doc_rows, _clean(doc_rows))
+    for me, peer in ((1, 0), (0, 1)):
+        cases[f"cp_zigzag_{me}_over_{peer}"] = (
+            cp_zigzag_layout(L, B, 2, me).rows,
+            _clean(cp_zigzag_layout(L, B, 2, peer).rows),
+        )
+    cases["bp_only"] = (bp_only_layout(L, B, 2, 1).rows, _clean(bp_only_layout(L, B, 2, 1).rows))
+    for me, peer in ((3, 0), (0, 3), (2, 2)):
+        cases[f"csbp_{me}_over_{peer}"] = (csbp_layout(L, B, 2, 4, me).rows, _clean(csbp_layout(L, B, 2, 4, peer).rows))
+    ring = torch.cat([_clean(csbp_layout(L, B, 2, 4, r).rows).pos for r in (1, 0)])  # two peers' keys, out of order
+    cases["csbp_two_peers"] = (csbp_layout(L, B, 2, 4, 3).rows, context_rows(ring))
+    anchors = torch.tensor([40, 44, 48, 52, 56, 60, 3, 9])  # six anchors under the same context, then two
+    packet = full_packet(anchors, torch.zeros(8, dtype=torch.long))
+    cases["dflash_context"] = (block_query_rows(packet, B, context="strict"), context_rows(torch.arange(32)))
+    return cases
+
+
+CASES = _cases()
+
+
+def _coverage(plan: FlashPiecesPartial, q_rows: Rows, k_rows: Rows) -> torch.Tensor:
+    """How many times the plan computes each (query, key) pair."""
+    count = torch.zeros(len(q_rows), len(k_rows), dtype=torch.long)
+    for run in plan.runs:
+        for p in run.pieces:
+            block = torch.ones(p.q_stop - p.q_start, p.k_stop - p.k_start, dtype=torch.long)
+            count[p.q_start : p.q_stop, p.k_start : p.k_stop] += block.tril() if p.causal else block
+        if run.residual is not None:
+            count[:, run.k_start : run.k_stop] += allow_matrix(run.residual.q_rows, run.residual.k_rows).long()
+    return count
+
+
+@pytest.mark.parametrize("min_rows", [2, 4, 8])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pieces_cover_every_allowed_pair_once(case: str, min_rows: int) -> None:
+    q_rows, k_rows = CASES[case]
+    plan = plan_partial(q_rows, k_rows, backend="tiles", flash_pieces=True, min_rows=min_rows)
+    allow = allow_matrix(q_rows, k_rows)
+    if isinstance(plan, FlashPiecesPartial):
+        assert torch.equal(_coverage(plan, q_rows, k_rows), allow.long())
+    else:
+        assert isinstance(plan, TilesPartial)
+
+
+@pytest.mark.parametrize("min_rows", [2, 8])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pieces_forward_and_backward_match_reference(case: str, min_rows: int) -> None:
+    q_rows, k_rows = CASES[case]
+    plan = plan_partial(q_rows, k_rows, backend="tiles", flash_pieces=True, min_rows=min_rows)
+    q, k, v = random_qkv(len(q_rows), len(k_rows))
+    allow, scale = allow_matrix(q_rows, k_rows), 8**-0.5
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(1), dtype=q.dtype)
+    ref_out, ref_lse, ref_grads = reference_grads(q, k, v, allow, scale, dout)
+    out, lse = plan.forward(q, k, v, scale=scale)
+    torch.testing.assert_close(out, ref_out, **TOL64)
+    torch.testing.assert_close(lse, ref_lse, **TOL64)
+    grads = plan.backward(q, k, v, ref_out, ref_lse, dout, scale=scale)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, **TOL64)
+
+
+def test_bd3_clean_context_runs_almost_all_in_pieces() -> None:
+    """One device, L = 512, B = 16 (CPU default min_rows): the noisy and clean rows' clean context is
+    two causal pieces; the residual keeps only the in-block band (< B / L of the pairs)."""
+    rows = reference_layout(512, 16).rows
+    keys = _clean(rows)
+    plan = plan_partial(rows, keys, backend="tiles", flash_pieces=True)
+    assert isinstance(plan, FlashPiecesPartial)
+    in_pieces = sum(p.pairs for p in plan.pieces)
+    total = int(allow_matrix(rows, keys).sum())
+    assert [p.causal for p in plan.pieces] == [True, True]
+    assert in_pieces / total > 0.95
+
+
+def test_anchors_under_one_context_are_one_dense_piece() -> None:
+    q_rows, k_rows = CASES["dflash_context"]
+    plan = plan_partial(q_rows, k_rows, backend="tiles", flash_pieces=True, min_rows=4)
+    dense = [p for p in plan.pieces if not p.causal]
+    assert [(p.q_start, p.q_stop, p.k_start, p.k_stop) for p in dense] == [(0, 24, 0, 32), (24, 28, 0, 3), (28, 32, 0, 9)]
+    assert not [p for p in plan.pieces if p.causal]
+
+
+def test_noisy_keys_and_no_pieces_plan_one_generic_partial() -> None:
+    rows = reference_layout(L, B).rows
+    assert isinstance(plan_partial(rows, rows, backend="tiles", flash_pieces=True, min_rows=2), TilesPartial)  # noisy keys
+    assert isinstance(plan_partial(rows, _clean(rows), backend="tiles", flash_pieces=True, min_rows=10_000), TilesPartial)
+    assert isinstance(plan_partial(rows, _clean(rows), backend="tiles", flash_pieces=False), TilesPartial)
+    assert isinstance(plan_partial(rows, _clean(rows), backend="tiles"), TilesPartial)  # off by default
+
+
+def test_without_a_fused_kernel_the_whole_partial_runs_generically(monkeypatch: pytest.MonkeyPatch) -> None:
+    q_rows, k_rows = CASES["reference"]
+    plan = plan_partial(q_rows, k_rows, backend="tiles", flash_pieces=True, min_rows=4)
+    assert isinstance(plan, FlashPiecesPartial)
+    monkeypatch.setattr(flash_pieces, "flash_kernel", lambda q: None)
+    q, k, v = random_qkv(len(q_rows), len(k_rows))
+    out, lse = plan.forward(q, k, v)
+    ref_out, ref_lse = dense_attention_reference(q, k, v, allow_matrix(q_rows, k_rows), 8**-0.5)
+    torch.testing.assert_close(out, ref_out, **TOL64)
+    assert isinstance(plan._generic_plan, TilesPartial)
+
+
+def test_flex_residual_forward_matches_reference() -> None:
+    q_rows, k_rows = CASES["csbp_two_peers"]
+    plan = plan_partial(q_rows, k_rows, backend="flex", flash_pieces=True, min_rows=2)
+    assert isinstance(plan, FlashPiecesPartial)
+    q, k, v = random_qkv(len(q_rows), len(k_rows), dtype=torch.float32)
+    out, lse = plan.forward(q, k, v)
+    ref_out, ref_lse = dense_attention_reference(q.double(), k.double(), v.double(), allow_matrix(q_rows, k_rows), 8**-0.5)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+
+
+def test_flash_ops_checks_and_dtypes() -> None:
+    q, k, v = random_qkv(8, 6, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="causal flash call must be square"):
+        flash_forward(q, k, v, causal=True, scale=0.3)
+    out, lse = flash_forward(q, k, v, causal=False, scale=0.3)
+    assert out.dtype == lse.dtype == torch.float32
+    dq, dk, dv = flash_backward(q, k, v, out, lse, torch.ones_like(out), causal=False, scale=0.3)
+    assert (dq.dtype, dk.shape, dv.shape) == (torch.float32, k.shape, v.shape)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_ops_cuda_calls_fit_the_kernels_meta_registrations(monkeypatch: pytest.MonkeyPatch, causal: bool) -> None:
+    """FlashAttention-2's argument order, GQA shapes and lse layout, checked on meta tensors (no GPU):
+    a key slice of a larger K/V, 16 query heads over 4 KV heads, bf16 in, fp32 out."""
+    from csbp.attention import flash_ops
+
+    monkeypatch.setattr(flash_ops, "flash_kernel", lambda q: "flash")
+    q = torch.empty(1, 16, 256, 128, dtype=torch.bfloat16, device="meta")
+    kv = torch.empty(1, 4, 1024, 128, dtype=torch.bfloat16, device="meta")
+    keys = slice(100, 356) if causal else slice(0, 1024)
+    out, lse = flash_ops.flash_forward(q, kv[:, :, keys], kv[:, :, keys], causal=causal, scale=0.1)
+    assert (out.shape, lse.shape, out.dtype, lse.dtype) == ((1, 16, 256, 128), (1, 16, 256), torch.float32, torch.float32)
+    dq, dk, dv = flash_ops.flash_backward(q, kv[:, :, keys], kv[:, :, keys], out, lse, out, causal=causal, scale=0.1)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv[:, :, keys].shape, kv[:, :, keys].shape)

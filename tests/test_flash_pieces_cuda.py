@@ -1,0 +1,63 @@
+"""Flash pieces on CUDA (``make gpu-check``'s ``cuda-tests`` stage runs ``pytest -m cuda``): every
+layout's clean-context partial cut into FlashAttention-2 pieces (bf16) with a tiles or FlexAttention
+residual, forward and backward from the merged statistics against the CPU float64 reference; in
+fp32 (no fused kernel) the same plan runs the whole partial generically.
+
+``CSBP_CUDA_TESTS_DEVICE=cpu`` runs the same bodies on the CPU (the ``cpu-flash`` kernel, tiles
+residual): a dry run of the test code where no GPU is lent; not part of the suite.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from csbp.attention.backends import plan_partial
+from csbp.attention.flash_ops import flash_kernel
+from csbp.attention.flash_pieces import FlashPiecesPartial
+from csbp.attention.rows import allow_matrix
+from test_flash_pieces import CASES
+from test_kernel import random_qkv, reference_grads
+
+DEVICE = os.environ.get("CSBP_CUDA_TESTS_DEVICE", "cuda")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*"),
+]
+TOL = {torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}, torch.float32: {"atol": 2e-3, "rtol": 2e-3}}
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("case", ["reference", "documents", "csbp_two_peers", "dflash_context"])
+def test_flash_pieces_match_the_cpu_float64_reference(case: str, dtype: torch.dtype) -> None:
+    dev = _device()
+    q_rows, k_rows = CASES[case]
+    backend = "flex" if dev.type == "cuda" and case == "reference" else "tiles"  # one Flex residual compile
+    plan = plan_partial(q_rows.to(dev), k_rows.to(dev), backend=backend, flash_pieces=True, min_rows=4)
+    assert isinstance(plan, FlashPiecesPartial) and plan.pieces
+    q, k, v = random_qkv(len(q_rows), len(k_rows), heads=4, kv_heads=2, dim=64, samples=1, seed=21)
+    dout = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(22))
+    allow = allow_matrix(q_rows, k_rows)
+    out_ref, lse_ref, grads_ref = reference_grads(q, k, v, allow, 1 / math.sqrt(q.shape[-1]), dout)
+    qd, kd, vd, doutd = (t.to(dev, dtype) for t in (q, k, v, dout))
+    expected = "cpu-flash" if dev.type == "cpu" else ("flash" if dtype == torch.bfloat16 else None)
+    assert flash_kernel(qd) == expected
+    out, lse = plan.forward(qd, kd, vd)
+    assert out.dtype == lse.dtype == torch.float32 and out.device == dev
+    torch.testing.assert_close(out.cpu().double(), out_ref, **TOL[dtype])
+    finite = torch.isfinite(lse_ref)
+    torch.testing.assert_close(lse.cpu().double()[finite], lse_ref[finite], **TOL[dtype])
+    assert bool(torch.isneginf(lse.cpu()[~finite]).all())
+    if dev.type == "cpu" and backend == "flex":
+        return
+    grads = plan.backward(qd, kd, vd, out, lse, doutd)
+    for got, want in zip(grads, grads_ref):
+        assert got.dtype == torch.float32 and bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got.cpu().double(), want, **TOL[dtype])
