@@ -86,21 +86,22 @@ GPU_PYTHON     ?= python3
 GPU_SITE       ?= /tmp/csbp-site
 GPU_WHEEL_DIR  ?= .whl
 GPU_PY_VERSION ?= 3.12
-# csbp's dependencies the H200 image lacks (/work/.library/device/KINDS.md), at the versions `make install` pins
+# csbp's dependencies the H200 device image lacks (pydantic and its companions), at the versions `make install` pins
 GPU_WHEELS     := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
                   typing-extensions==4.16.0
 
 gpu-check:
 	@if [ -x $(PY) ]; then \
-	  echo "$(PY) -m csbp.gpu.check --json $(GPU_JSON) $(GPU_CHECK_ARGS)"; \
+	  echo "$(strip $(PY) -m csbp.gpu.check --json $(GPU_JSON) $(GPU_CHECK_ARGS))"; \
 	  $(PY) -m csbp.gpu.check --json $(GPU_JSON) $(GPU_CHECK_ARGS); \
 	else \
 	  if ls $(GPU_WHEEL_DIR)/*.whl >/dev/null 2>&1; then \
 	    $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --upgrade --target $(GPU_SITE) \
 	      $(GPU_WHEEL_DIR)/*.whl || exit 1; \
 	  fi; \
-	  echo "PYTHONPATH=src:$(GPU_SITE) $(GPU_PYTHON) -m csbp.gpu.check --json $(GPU_JSON) $(GPU_CHECK_ARGS)"; \
-	  PYTHONPATH=src:$(GPU_SITE) PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m csbp.gpu.check --json $(GPU_JSON) $(GPU_CHECK_ARGS); \
+	  echo "$(strip PYTHONPATH=$(CURDIR)/src:$(GPU_SITE) $(GPU_PYTHON) -m csbp.gpu.check --json $(GPU_JSON) $(GPU_CHECK_ARGS))"; \
+	  PYTHONPATH=$(CURDIR)/src:$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+	    $(GPU_PYTHON) -m csbp.gpu.check --json $(GPU_JSON) $(GPU_CHECK_ARGS); \
 	fi
 
 # The wheels a device machine lacks, for its Python (GPU_PY_VERSION, x86-64 Linux), into .whl/ (git-ignored).

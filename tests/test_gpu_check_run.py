@@ -198,5 +198,5 @@ def test_make_gpu_check_without_a_venv_runs_the_image_python_from_src_with_the_c
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (site / "csbp_probe.py").exists()
-    assert f"PYTHONPATH=src:{site} {sys.executable} -m csbp.gpu.check" in done.stdout
+    assert f"PYTHONPATH={REPO / 'src'}:{site} {sys.executable} -m csbp.gpu.check" in done.stdout
     assert "train-table" in done.stdout  # --list ran from src/

@@ -46,6 +46,13 @@ import time
 
 STARTED = time.perf_counter()  # the budget counts from here, before torch's import
 
+import sys  # noqa: E402
+
+from csbp.gpu.preflight import report_missing  # noqa: E402 - standard library only
+
+if __name__ == "__main__" and (_status := report_missing()) is not None:
+    sys.exit(_status)  # before importing torch: a missing torch gets the same one line
+
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -53,7 +60,6 @@ import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -61,7 +67,6 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from csbp.gpu.flops import gpu_bf16_peak_tflops  # noqa: E402
-from csbp.gpu.preflight import missing_message, missing_packages  # noqa: E402
 from csbp.gpu.profile import CPU_DRY_RUN, CUDA, CheckProfile  # noqa: E402
 from csbp.gpu.report import CheckReport, StageResult, kill_process_group, start_watchdog  # noqa: E402
 
@@ -362,10 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for stage in STAGES:
             print(f"{stage.name:<16} {stage.help}")
         return 0
-    missing = missing_packages()
-    if missing:
-        print(missing_message(missing), file=sys.stderr)
-        return 2
+    status = report_missing()
+    if status is not None:
+        return status
     profile = CPU_DRY_RUN if args.dry_run_cpu else CUDA
     message = None if args.dry_run_cpu else no_cuda_message()
     if message is not None:

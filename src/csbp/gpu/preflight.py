@@ -10,6 +10,7 @@ Standard library only, so it runs whatever is missing.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 RUNTIME_MODULES: dict[str, str] = {
     "torch": "torch",
@@ -42,3 +43,12 @@ def missing_message(missing: list[str]) -> str:
         "`make gpu-wheels` where pip works, carry .whl and run `make gpu-check` there (README, The device check); "
         "elsewhere run `make install`"
     )
+
+
+def report_missing() -> int | None:
+    """Print ``missing_message`` to stderr and return exit status 2 when a dependency is missing."""
+    missing = missing_packages()
+    if not missing:
+        return None
+    print(missing_message(missing), file=sys.stderr)
+    return 2
