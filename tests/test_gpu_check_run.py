@@ -58,6 +58,7 @@ def test_the_report_is_on_disk_from_the_start_and_after_every_stage(
     seen: list[dict] = []
 
     def first(env: CheckEnv) -> StageResult:
+        assert env.seconds_left() > check.DEFAULT_BUDGET_S - 60  # counted from this call, not from the import
         seen.append(json.loads(path.read_text()))  # the device and this stage, running
         env.progress(rows=[{"seq_len": 8}])
         seen.append(json.loads(path.read_text()))
@@ -68,6 +69,7 @@ def test_the_report_is_on_disk_from_the_start_and_after_every_stage(
         raise RuntimeError("boom")
 
     monkeypatch.setattr(check, "STAGES", [Stage("first", "", first), Stage("second", "", second)])
+    monkeypatch.setattr(check, "STARTED", time.perf_counter() - 10 * check.DEFAULT_BUDGET_S)  # a long test session
     assert check.main(["--dry-run-cpu", "--json", str(path)]) == 1
     assert [s["status"] for s in seen[0]["stages"]] == ["running"] and seen[0]["complete"] is False
     assert seen[1]["stages"][0]["details"] == {"rows": [{"seq_len": 8}]}
@@ -139,17 +141,18 @@ def test_kernel_rows_summary_and_a_stage_cut_short_keeps_its_rows(tmp_path: Path
     nan = float("nan")
     rows = [
         {"form": "dense", "vs_dense": 1.0, "decomposed_speedup": nan},
+        {"form": "mixed", "vs_dense": nan, "decomposed_speedup": nan},
         {"form": "mixed", "vs_dense": 0.61, "decomposed_speedup": nan},
         {"form": "decomposed", "vs_dense": 0.74, "decomposed_speedup": 1.21},
         {"form": "decomposed", "vs_dense": 0.5, "decomposed_speedup": 0.82},
     ]
-    assert summarize_kernel_rows(rows) == "4 rows, best 0.74x dense SDPA's rate, decomposed/mixed 0.82-1.21x"
+    assert summarize_kernel_rows(rows) == "5 rows, best 0.74x dense SDPA's rate, decomposed/mixed 0.82-1.21x"
     assert summarize_kernel_rows([]) == "0 rows"
     (tmp_path / "gpu-kernels.json").write_text(json.dumps(rows))
     env = CheckEnv(gpus=1, device_name="x", peak_tflops=None, repo=tmp_path, args=None,  # type: ignore[arg-type]
                    deadline=time.perf_counter() + 60, out_dir=tmp_path)
     cut = check._kernels_report(env, StageResult("kernels", "failed", 120.0, "timed out after 120 s"), "")
-    assert cut.summary.startswith("timed out after 120 s; 4 rows, best 0.74x") and len(cut.details["rows"]) == 4
+    assert cut.summary.startswith("timed out after 120 s; 5 rows, best 0.74x") and len(cut.details["rows"]) == 5
 
 
 def test_preflight_names_missing_dependencies_before_anything_starts(
