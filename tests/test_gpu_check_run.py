@@ -203,3 +203,26 @@ def test_make_gpu_check_without_a_venv_runs_the_image_python_from_src_with_the_c
     assert (site / "csbp_probe.py").exists()
     assert f"PYTHONPATH={REPO / 'src'}:{site} {sys.executable} -m csbp.gpu.check" in done.stdout
     assert "train-table" in done.stdout  # --list ran from src/
+
+
+def test_a_check_past_its_budget_ends_with_the_report_on_disk(tmp_path: Path) -> None:
+    """The watchdog's real exit: an in-process stage that would run for a minute is cut at the budget."""
+    path = tmp_path / "gpu-check.json"
+    script = (
+        "import sys, time\n"
+        "from csbp.gpu import check\n"
+        "check.WATCHDOG_GRACE_S = 0.5\n"
+        "def stuck(env):\n"
+        "    env.progress(rows=[{'seq_len': 8192}])\n"
+        "    time.sleep(60)\n"
+        "check.STAGES[:] = [check.Stage('train-table', 'stuck', stuck)]\n"
+        f"sys.exit(check.main(['--dry-run-cpu', '--budget-s', '2', '--json', {str(path)!r}]))\n"
+    )
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and time.perf_counter() - start < 30, done.stdout + done.stderr
+    assert "cut at the end of the 2 s budget" in done.stdout
+    payload = json.loads(path.read_text())
+    assert payload["complete"] is False and payload["ok"] is False
+    (stage,) = payload["stages"]
+    assert (stage["status"], stage["details"]) == ("failed", {"rows": [{"seq_len": 8192}]})
