@@ -139,7 +139,8 @@ def _verify(objective: str) -> Callable[[CheckEnv], list[str] | str]:
 KERNEL_BENCH_ARGS: tuple[str, ...] = (
     "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
     "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "8192", "16384", "32768", "65536", "131072",
-    "--diagonals", "flex", "sdpa", "sdpa_fold", "--clean-kernels", "generic", "pieces", "--repeats", "2",
+    "--diagonals", "flex", "sdpa", "sdpa_fold", "--clean-kernels", "generic", "pieces", "pieces-cudnn",
+    "--repeats", "2",
     "--json", "gpu-kernels.json",
 )
 """``csbp bench kernels`` options of the ``kernels`` stage."""
