@@ -183,3 +183,24 @@ def test_flash_ops_cuda_calls_fit_the_kernels_meta_registrations(
         q, kv[:, :, keys], kv[:, :, keys], out, lse, out, causal=causal, scale=0.1, cuda_kernel=kernel
     )
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv[:, :, keys].shape, kv[:, :, keys].shape)
+
+
+def test_run_config_attention_clean_is_typed() -> None:
+    from csbp.config import ConfigError, config_from_dict
+    from test_config import with_changes
+
+    assert config_from_dict(with_changes({})).attention.clean == "generic"
+    assert config_from_dict(with_changes({"attention.clean": "pieces-cudnn"})).attention.clean == "pieces-cudnn"
+    with pytest.raises(ConfigError, match="attention.clean"):
+        config_from_dict(with_changes({"attention.clean": "flash"}))
+
+
+def test_local_transport_runs_its_clean_partial_as_pieces() -> None:
+    from csbp.attention.transports.local import LocalAttentionFn
+
+    rows = reference_layout(64, 4).rows
+    attn = LocalAttentionFn(rows, num_noisy=64, clean="pieces")
+    assert isinstance(attn.plan.interval_plan, FlashPiecesPartial) and attn.plan.interval_plan.pieces
+    q, k, v = random_qkv(128, 128)
+    ref_out, _ = dense_attention_reference(q, k, v, allow_matrix(rows, rows), 8**-0.5)
+    torch.testing.assert_close(attn(q, k, v), ref_out.to(q.dtype), **TOL64)

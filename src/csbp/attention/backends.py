@@ -147,6 +147,13 @@ CLEAN_KERNELS: tuple[str, ...] = get_args(CleanKernel)
 pieces plus a residual, ``csbp.attention.flash_pieces``; FlashAttention-2 on CUDA) or ``pieces-cudnn``
 (the same with cuDNN's fused attention on CUDA)."""
 
+def check_clean(name: str, *, where: str = "clean") -> str:
+    """``name`` if it is a clean-context kernel (``CLEAN_KERNELS``), else one clear ``ValueError``."""
+    if name not in CLEAN_KERNELS:
+        raise ValueError(f"{where} must be one of {CLEAN_KERNELS}, got {name!r}")
+    return name
+
+
 FLASH_PIECE_MIN_ROWS = {"cpu": 16, "cuda": 128}
 """Default ``min_rows`` of a flash piece per device type (``csbp.attention.flash_pieces``): on CUDA a
 FlashAttention query tile (128 rows), so a piece never runs a mostly empty tile."""
@@ -179,9 +186,7 @@ def plan_partial(
         tile_plan.tile_strips(causal_in_block)  # the masks every layer reuses, built now (part of the plan cost)
         return TilesPartial(q, k, tile_plan, causal_in_block)
 
-    if clean not in CLEAN_KERNELS:
-        raise ValueError(f"clean-context kernel must be one of {CLEAN_KERNELS}, got {clean!r}")
-    if clean != "generic":
+    if check_clean(clean, where="clean-context kernel") != "generic":
         if min_rows is None:
             min_rows = FLASH_PIECE_MIN_ROWS.get(q_rows.pos.device.type, FLASH_PIECE_MIN_ROWS["cuda"])
         cuda_kernel = "cudnn" if clean == "pieces-cudnn" else "flash"
