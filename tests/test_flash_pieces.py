@@ -204,3 +204,32 @@ def test_local_transport_runs_its_clean_partial_as_pieces() -> None:
     q, k, v = random_qkv(128, 128)
     ref_out, _ = dense_attention_reference(q, k, v, allow_matrix(rows, rows), 8**-0.5)
     torch.testing.assert_close(attn(q, k, v), ref_out.to(q.dtype), **TOL64)
+
+
+def test_cuda_flash_pieces_path_with_a_cpu_stand_in_kernel_matches_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pieces' CUDA ``flash`` branch (bf16 casts, key slices, the merged out/lse handed to each
+    piece's backward, chunks of the batch) run on the CPU with a stand-in for FlashAttention-2's ops."""
+    from csbp.attention import flash_ops
+    from test_block_diagonal_sdpa import flash2_stand_in
+
+    calls: list[int] = []
+    forward, backward = flash2_stand_in(calls)
+    monkeypatch.setattr(flash_ops, "flash_kernel", lambda q, cuda_kernel="flash": cuda_kernel)
+    monkeypatch.setattr(flash_ops, "_FLASH_FORWARD", forward)
+    monkeypatch.setattr(flash_ops, "_FLASH_BACKWARD", backward)
+    monkeypatch.setattr(flash_ops, "FLASH_MAX_BATCH", 1)  # two samples: calls of one
+    q_rows, k_rows = CASES["csbp_two_peers"]
+    plan = plan_partial(q_rows, k_rows, backend="tiles", clean="pieces", min_rows=4)
+    q, k, v = random_qkv(len(q_rows), len(k_rows), dim=16)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
+    ref_out, ref_lse, ref_grads = reference_grads(q, k, v, allow_matrix(q_rows, k_rows), 16**-0.5, dout)
+    bf16 = {"atol": 3e-2, "rtol": 3e-2}
+    qb, kb, vb, doutb = (t.to(torch.bfloat16) for t in (q, k, v, dout))
+    out, lse = plan.forward(qb, kb, vb)
+    assert calls and set(calls) == {1} and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, **bf16)
+    grads = plan.backward(qb, kb, vb, out, lse, doutb)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, **bf16)
