@@ -206,18 +206,8 @@ def plan_flash_pieces(
 
 def _key_runs(k_rows: Rows) -> list[tuple[int, int]]:
     """Maximal ``[start, stop)`` runs of live clean keys with strictly increasing positions."""
-    usable = (k_rows.live & k_rows.clean).tolist()
-    pos = k_rows.pos.tolist()
-    runs, start = [], None
-    for i, ok in enumerate(usable):
-        if start is not None and (not ok or pos[i] <= pos[i - 1]):
-            runs.append((start, i))
-            start = None
-        if ok and start is None:
-            start = i
-    if start is not None:
-        runs.append((start, len(usable)))
-    return runs
+    usable = k_rows.live & k_rows.clean
+    return _runs(usable, usable[1:] & usable[:-1] & (k_rows.pos[1:] > k_rows.pos[:-1]))
 
 
 def _visible_ranges(q_rows: Rows, run_pos: Tensor, k_start: int) -> tuple[Tensor, Tensor]:
@@ -250,9 +240,7 @@ def _find_pieces(q_rows: Rows, lo: Tensor, hi: Tensor, min_rows: int) -> tuple[l
     for s0, s1 in segments:
         if covered_to[s0] != lo[s0]:
             continue
-        flat = s1
-        while flat > s0 and hi[flat - 1] == hi[s1 - 1]:
-            flat -= 1
+        flat = s1 - int(torch.flip(hi[s0:s1] == hi[s1 - 1], [0]).cumprod(0).sum())  # start of the flat tail
         if s1 - flat >= (min_rows if flat == s0 else 2 * min_rows):  # one flat segment: a rectangle
             dense(flat, s1)
             s1 = flat
