@@ -66,6 +66,7 @@ class DFlashVerifyCase:
     seed: int = 0
     device: str = "cpu"  # where the layouts run (the reference always runs on the CPU)
     diagonal: str = "auto"  # block-diagonal kernel of the layouts' draft blocks (csbp.attention.diagonal)
+    clean: str = "generic"  # kernel of the draft blocks over the context (csbp.attention.backends.CLEAN_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ def _worker(
     _, drafter = build_models(case, device=ctx.device)
     full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed)
     batch = replica_batch(full, ctx.coords.dp_rank, case.samples)
-    step = DFlashStep(drafter, case.objective, build_dflash_rank_plan(ctx, case.objective, diagonal=case.diagonal))
+    plan = build_dflash_rank_plan(ctx, case.objective, diagonal=case.diagonal, clean=case.clean)
+    step = DFlashStep(drafter, case.objective, plan)
     out = step(batch, anchor_generator(case, ctx.coords.dp_rank), selector_scale=case.selector_scale)
     out.loss.backward()
     average_gradients(drafter.parameters(), ctx.world_comm("gradients"))

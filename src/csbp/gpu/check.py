@@ -13,8 +13,8 @@ stage               what it runs
 ``verify-dflash``   the same for DFlash drafter training
 ``kernels``         ``csbp bench kernels`` on CUDA: one layer's attention (flex backend, bf16, 16/4
                     heads of 128, B = 16 and 128) at 8K-128K tokens, the decomposed form with the
-                    flex, sdpa and sdpa_fold (FlashAttention) block diagonals, the clean context as one
-                    Flex partial or as FlashAttention pieces; writes ``gpu-kernels.json``
+                    flex and sdpa (FlashAttention) block diagonals, the clean context as one Flex
+                    partial or as cuDNN / FlashAttention-2 pieces; writes ``gpu-kernels.json``
                     row by row (a stage cut short keeps the rows it measured)
 ``train-table``     the single-GPU training table (``csbp.gpu.train_table``): Qwen3-0.6B shape,
                     BD3, bf16, activation checkpointing, 8K-64K tokens; DFlash at 64K, 512 anchors
@@ -139,7 +139,7 @@ def _verify(objective: str) -> Callable[[CheckEnv], list[str] | str]:
 KERNEL_BENCH_ARGS: tuple[str, ...] = (
     "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
     "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "8192", "16384", "32768", "65536", "131072",
-    "--diagonals", "flex", "sdpa", "sdpa_fold", "--clean-kernels", "generic", "pieces", "--repeats", "2",
+    "--diagonals", "flex", "sdpa", "--clean-kernels", "generic", "pieces-cudnn", "pieces", "--repeats", "2",
     "--json", "gpu-kernels.json",
 )
 """``csbp bench kernels`` options of the ``kernels`` stage."""
