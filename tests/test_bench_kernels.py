@@ -58,5 +58,7 @@ def test_kernel_bench_fails_closed(capsys: pytest.CaptureFixture[str]) -> None:
     assert "diagonal=flex needs attention.backend=flex" in capsys.readouterr().err
     assert main(["bench", "kernels", "--diagonals", "dense"]) == 2
     assert "--diagonals must be one of" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--clean-kernels", "pieces-cudnn"]) == 2
+    assert "--clean-kernels pieces-cudnn needs --device cuda" in capsys.readouterr().err
     with pytest.raises(ValueError, match="multiple of every --block-sizes"):
         run_kernel_bench([100], [16], ["tiles"])

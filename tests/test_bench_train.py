@@ -50,6 +50,7 @@ RECORD_KEYS = {
     "doc_length",
     "backend",
     "diagonal",
+    "clean",
 }
 
 

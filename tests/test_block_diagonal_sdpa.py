@@ -194,9 +194,9 @@ def test_flash_calls_match_the_cuda_kernels_signatures_on_fake_tensors(monkeypat
     copy fake CUDA tensors, so ``contiguous`` is a clone here."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import csbp.attention.block_diagonal_sdpa as sdpa
+    import csbp.attention.flash_ops as flash_ops
 
-    monkeypatch.setattr(sdpa, "_flash_supported", lambda q: q.dtype == torch.bfloat16)
+    monkeypatch.setattr(flash_ops, "flash_supported", lambda q: q.dtype == torch.bfloat16)
     if not torch.cuda.is_available():
         monkeypatch.setattr(torch.Tensor, "contiguous", lambda self, memory_format=torch.contiguous_format: (
             self if self.is_contiguous() else self.clone(memory_format=memory_format)))
@@ -214,14 +214,10 @@ def test_flash_calls_match_the_cuda_kernels_signatures_on_fake_tensors(monkeypat
         assert all(g.dtype == torch.float32 and g.device.type == "cuda" for g in grads)
 
 
-def test_cuda_flash_path_with_a_cpu_stand_in_kernel_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CUDA ``flash`` path's own code (casts, layouts, GQA folding, -inf rows, chunks of at most
-    ``FLASH_MAX_BATCH`` blocks, the merged out/lse handed to the backward) run on the CPU with a
-    stand-in for FlashAttention-2 that keeps its conventions (q's dtype in and out, float32 lse,
-    ``None`` varlen arguments): bf16 through the merge against the float64 reference."""
-    import csbp.attention.block_diagonal_sdpa as sdpa
-
-    calls: list[int] = []
+def flash2_stand_in(calls: list[int]):  # noqa: ANN201
+    """``(forward, backward)`` standing in for FlashAttention-2's aten ops on the CPU, with their
+    conventions asserted (q's dtype in and out, float32 lse, ``None`` varlen arguments); ``calls``
+    collects each forward's batch size."""
 
     def forward(q, k, v, dropout, causal, debug_mask, *, scale):  # noqa: ANN001, ANN202
         assert q.dtype == k.dtype == v.dtype == torch.bfloat16 and dropout == 0.0 and not debug_mask
@@ -240,10 +236,24 @@ def test_cuda_flash_path_with_a_cpu_stand_in_kernel_matches_the_reference(monkey
         )
         return tuple(g.to(q.dtype) for g in grads)
 
+    return forward, backward
+
+
+def test_cuda_flash_path_with_a_cpu_stand_in_kernel_matches_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA ``flash`` path's own code (casts, layouts, GQA folding, -inf rows, chunks of at most
+    ``FLASH_MAX_BATCH`` blocks, the merged out/lse handed to the backward) run on the CPU with a
+    stand-in for FlashAttention-2 that keeps its conventions (q's dtype in and out, float32 lse,
+    ``None`` varlen arguments): bf16 through the merge against the float64 reference."""
+    import csbp.attention.flash_ops as flash_ops
+
+    calls: list[int] = []
+    forward, backward = flash2_stand_in(calls)
+
     monkeypatch.setattr(SdpaBlockDiagonalPartial, "kernel", lambda self, q: "flash")
-    monkeypatch.setattr(sdpa, "_FLASH_FORWARD", forward)
-    monkeypatch.setattr(sdpa, "_FLASH_BACKWARD", backward)
-    monkeypatch.setattr(sdpa, "FLASH_MAX_BATCH", 3)  # 8 (bd3) or 4 (dflash) blocks: calls of <= 3
+    monkeypatch.setattr(flash_ops, "flash_kernel", lambda q, cuda_kernel="flash": cuda_kernel)
+    monkeypatch.setattr(flash_ops, "_FLASH_FORWARD", forward)
+    monkeypatch.setattr(flash_ops, "_FLASH_BACKWARD", backward)
+    monkeypatch.setattr(flash_ops, "FLASH_MAX_BATCH", 3)  # 8 (bd3) or 4 (dflash) blocks: calls of <= 3
     bf16 = {"atol": 3e-2, "rtol": 3e-2}
     for case, diagonal in (("bd3", "sdpa"), ("bd3", "sdpa_fold"), ("bd3_causal", "sdpa"), ("dflash_dead_blocks", "sdpa")):
         calls.clear()
@@ -252,14 +262,14 @@ def test_cuda_flash_path_with_a_cpu_stand_in_kernel_matches_the_reference(monkey
 
 
 def test_flash_batches_beyond_the_grid_limit_run_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import csbp.attention.block_diagonal_sdpa as sdpa
+    import csbp.attention.flash_ops as flash_ops
 
-    monkeypatch.setattr(sdpa, "FLASH_MAX_BATCH", 3)
+    monkeypatch.setattr(flash_ops, "FLASH_MAX_BATCH", 3)
     x, y = torch.arange(7), torch.arange(7) * 2
-    chunks = sdpa._batch_chunks(x, y)
+    chunks = flash_ops.batch_chunks(x, y)
     assert [len(c[0]) for c in chunks] == [3, 3, 1]
     assert torch.equal(torch.cat([c[1] for c in chunks]), y)
-    assert len(sdpa._batch_chunks(x[:3], y[:3])) == 1  # within the limit: one call, no slicing
+    assert len(flash_ops.batch_chunks(x[:3], y[:3])) == 1  # within the limit: one call, no slicing
 
 
 def test_rank_plans_thread_the_diagonal_to_the_local_partial() -> None:

@@ -30,6 +30,15 @@ def test_verify_with_the_sdpa_diagonal_against_the_matmul_reference(capsys: pyte
     assert capsys.readouterr().out.strip().endswith("all 1 layouts equal one process within tolerance")
 
 
+@pytest.mark.multiprocess
+def test_verify_with_flash_pieces_against_the_generic_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--clean pieces`` reaches every rank's local and remote clean-context partials (the reference
+    runs one generic partial); cp=2 x bp=2 at L = 64 has runs of >= 16 rows, the CPU's minimum piece."""
+    argv = ["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "64", "--block-size", "4", "--clean", "pieces"]
+    assert main(["verify", *argv]) == 0
+    assert capsys.readouterr().out.strip().endswith("all 1 layouts equal one process within tolerance")
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

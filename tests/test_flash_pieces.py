@@ -13,7 +13,7 @@ import torch
 from csbp.attention import flash_pieces
 from csbp.attention.backends import TilesPartial, plan_partial
 from csbp.attention.documents import Documents
-from csbp.attention.flash_ops import flash_backward, flash_forward
+from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
 from csbp.attention.flash_pieces import FlashPiecesPartial
 from csbp.attention.layouts import bp_only_layout, cp_zigzag_layout, csbp_layout, reference_layout
 from csbp.attention.rows import Rows, allow_matrix
@@ -73,7 +73,7 @@ def _coverage(plan: FlashPiecesPartial, q_rows: Rows, k_rows: Rows) -> torch.Ten
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pieces_cover_every_allowed_pair_once(case: str, min_rows: int) -> None:
     q_rows, k_rows = CASES[case]
-    plan = plan_partial(q_rows, k_rows, backend="tiles", flash_pieces=True, min_rows=min_rows)
+    plan = plan_partial(q_rows, k_rows, backend="tiles", clean="pieces", min_rows=min_rows)
     allow = allow_matrix(q_rows, k_rows)
     if isinstance(plan, FlashPiecesPartial):
         assert torch.equal(_coverage(plan, q_rows, k_rows), allow.long())
@@ -85,7 +85,7 @@ def test_pieces_cover_every_allowed_pair_once(case: str, min_rows: int) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pieces_forward_and_backward_match_reference(case: str, min_rows: int) -> None:
     q_rows, k_rows = CASES[case]
-    plan = plan_partial(q_rows, k_rows, backend="tiles", flash_pieces=True, min_rows=min_rows)
+    plan = plan_partial(q_rows, k_rows, backend="tiles", clean="pieces", min_rows=min_rows)
     q, k, v = random_qkv(len(q_rows), len(k_rows))
     allow, scale = allow_matrix(q_rows, k_rows), 8**-0.5
     dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(1), dtype=q.dtype)
@@ -103,7 +103,7 @@ def test_bd3_clean_context_runs_almost_all_in_pieces() -> None:
     two causal pieces; the residual keeps only the in-block band (< B / L of the pairs)."""
     rows = reference_layout(512, 16).rows
     keys = _clean(rows)
-    plan = plan_partial(rows, keys, backend="tiles", flash_pieces=True)
+    plan = plan_partial(rows, keys, backend="tiles", clean="pieces")
     assert isinstance(plan, FlashPiecesPartial)
     in_pieces = sum(p.pairs for p in plan.pieces)
     total = int(allow_matrix(rows, keys).sum())
@@ -113,7 +113,7 @@ def test_bd3_clean_context_runs_almost_all_in_pieces() -> None:
 
 def test_anchors_under_one_context_are_one_dense_piece() -> None:
     q_rows, k_rows = CASES["dflash_context"]
-    plan = plan_partial(q_rows, k_rows, backend="tiles", flash_pieces=True, min_rows=4)
+    plan = plan_partial(q_rows, k_rows, backend="tiles", clean="pieces", min_rows=4)
     dense = [p for p in plan.pieces if not p.causal]
     assert [(p.q_start, p.q_stop, p.k_start, p.k_stop) for p in dense] == [(0, 24, 0, 32), (24, 28, 0, 3), (28, 32, 0, 9)]
     assert not [p for p in plan.pieces if p.causal]
@@ -121,17 +121,21 @@ def test_anchors_under_one_context_are_one_dense_piece() -> None:
 
 def test_noisy_keys_and_no_pieces_plan_one_generic_partial() -> None:
     rows = reference_layout(L, B).rows
-    assert isinstance(plan_partial(rows, rows, backend="tiles", flash_pieces=True, min_rows=2), TilesPartial)  # noisy keys
-    assert isinstance(plan_partial(rows, _clean(rows), backend="tiles", flash_pieces=True, min_rows=10_000), TilesPartial)
-    assert isinstance(plan_partial(rows, _clean(rows), backend="tiles", flash_pieces=False), TilesPartial)
+    assert isinstance(plan_partial(rows, rows, backend="tiles", clean="pieces", min_rows=2), TilesPartial)  # noisy keys
+    assert isinstance(plan_partial(rows, _clean(rows), backend="tiles", clean="pieces", min_rows=10_000), TilesPartial)
+    assert isinstance(plan_partial(rows, _clean(rows), backend="tiles", clean="generic"), TilesPartial)
     assert isinstance(plan_partial(rows, _clean(rows), backend="tiles"), TilesPartial)  # off by default
+    with pytest.raises(ValueError, match="clean-context kernel must be one of"):
+        plan_partial(rows, _clean(rows), clean="flash")
+    with pytest.raises(ValueError, match="cuda_kernel must be one of"):
+        flash_kernel(torch.zeros(1, 1, 1, 8), "fa3")
 
 
 def test_without_a_fused_kernel_the_whole_partial_runs_generically(monkeypatch: pytest.MonkeyPatch) -> None:
     q_rows, k_rows = CASES["reference"]
-    plan = plan_partial(q_rows, k_rows, backend="tiles", flash_pieces=True, min_rows=4)
+    plan = plan_partial(q_rows, k_rows, backend="tiles", clean="pieces", min_rows=4)
     assert isinstance(plan, FlashPiecesPartial)
-    monkeypatch.setattr(flash_pieces, "flash_kernel", lambda q: None)
+    monkeypatch.setattr(flash_pieces, "flash_kernel", lambda q, cuda_kernel: None)
     q, k, v = random_qkv(len(q_rows), len(k_rows))
     out, lse = plan.forward(q, k, v)
     ref_out, ref_lse = dense_attention_reference(q, k, v, allow_matrix(q_rows, k_rows), 8**-0.5)
@@ -141,7 +145,7 @@ def test_without_a_fused_kernel_the_whole_partial_runs_generically(monkeypatch: 
 
 def test_flex_residual_forward_matches_reference() -> None:
     q_rows, k_rows = CASES["csbp_two_peers"]
-    plan = plan_partial(q_rows, k_rows, backend="flex", flash_pieces=True, min_rows=2)
+    plan = plan_partial(q_rows, k_rows, backend="flex", clean="pieces", min_rows=2)
     assert isinstance(plan, FlashPiecesPartial)
     q, k, v = random_qkv(len(q_rows), len(k_rows), dtype=torch.float32)
     out, lse = plan.forward(q, k, v)
@@ -160,17 +164,72 @@ def test_flash_ops_checks_and_dtypes() -> None:
     assert (dq.dtype, dk.shape, dv.shape) == (torch.float32, k.shape, v.shape)
 
 
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_ops_cuda_calls_fit_the_kernels_meta_registrations(monkeypatch: pytest.MonkeyPatch, causal: bool) -> None:
-    """FlashAttention-2's argument order, GQA shapes and lse layout, checked on meta tensors (no GPU):
-    a key slice of a larger K/V, 16 query heads over 4 KV heads, bf16 in, fp32 out."""
+def test_flash_ops_cuda_calls_fit_the_kernels_meta_registrations(
+    monkeypatch: pytest.MonkeyPatch, causal: bool, kernel: str
+) -> None:
+    """FlashAttention-2's and cuDNN's argument order, GQA shapes and lse layout, checked on meta tensors
+    (no GPU): a key slice of a larger K/V, 16 query heads over 4 KV heads, bf16 in, fp32 out."""
     from csbp.attention import flash_ops
 
-    monkeypatch.setattr(flash_ops, "flash_kernel", lambda q: "flash")
+    monkeypatch.setattr(flash_ops, "flash_kernel", lambda q, cuda_kernel: cuda_kernel)
     q = torch.empty(1, 16, 256, 128, dtype=torch.bfloat16, device="meta")
     kv = torch.empty(1, 4, 1024, 128, dtype=torch.bfloat16, device="meta")
     keys = slice(100, 356) if causal else slice(0, 1024)
-    out, lse = flash_ops.flash_forward(q, kv[:, :, keys], kv[:, :, keys], causal=causal, scale=0.1)
+    out, lse = flash_ops.flash_forward(q, kv[:, :, keys], kv[:, :, keys], causal=causal, scale=0.1, cuda_kernel=kernel)
     assert (out.shape, lse.shape, out.dtype, lse.dtype) == ((1, 16, 256, 128), (1, 16, 256), torch.float32, torch.float32)
-    dq, dk, dv = flash_ops.flash_backward(q, kv[:, :, keys], kv[:, :, keys], out, lse, out, causal=causal, scale=0.1)
+    dq, dk, dv = flash_ops.flash_backward(
+        q, kv[:, :, keys], kv[:, :, keys], out, lse, out, causal=causal, scale=0.1, cuda_kernel=kernel
+    )
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv[:, :, keys].shape, kv[:, :, keys].shape)
+
+
+def test_run_config_attention_clean_is_typed() -> None:
+    from csbp.config import ConfigError, config_from_dict
+    from test_config import with_changes
+
+    assert config_from_dict(with_changes({})).attention.clean == "generic"
+    assert config_from_dict(with_changes({"attention.clean": "pieces-cudnn"})).attention.clean == "pieces-cudnn"
+    with pytest.raises(ConfigError, match="attention.clean"):
+        config_from_dict(with_changes({"attention.clean": "flash"}))
+
+
+def test_local_transport_runs_its_clean_partial_as_pieces() -> None:
+    from csbp.attention.transports.local import LocalAttentionFn
+
+    rows = reference_layout(64, 4).rows
+    attn = LocalAttentionFn(rows, num_noisy=64, clean="pieces")
+    assert isinstance(attn.plan.interval_plan, FlashPiecesPartial) and attn.plan.interval_plan.pieces
+    q, k, v = random_qkv(128, 128)
+    ref_out, _ = dense_attention_reference(q, k, v, allow_matrix(rows, rows), 8**-0.5)
+    torch.testing.assert_close(attn(q, k, v), ref_out.to(q.dtype), **TOL64)
+
+
+def test_cuda_flash_pieces_path_with_a_cpu_stand_in_kernel_matches_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pieces' CUDA ``flash`` branch (bf16 casts, key slices, the merged out/lse handed to each
+    piece's backward, chunks of the batch) run on the CPU with a stand-in for FlashAttention-2's ops."""
+    from csbp.attention import flash_ops
+    from test_block_diagonal_sdpa import flash2_stand_in
+
+    calls: list[int] = []
+    forward, backward = flash2_stand_in(calls)
+    monkeypatch.setattr(flash_ops, "flash_kernel", lambda q, cuda_kernel="flash": cuda_kernel)
+    monkeypatch.setattr(flash_ops, "_FLASH_FORWARD", forward)
+    monkeypatch.setattr(flash_ops, "_FLASH_BACKWARD", backward)
+    monkeypatch.setattr(flash_ops, "FLASH_MAX_BATCH", 1)  # two samples: calls of one
+    q_rows, k_rows = CASES["csbp_two_peers"]
+    plan = plan_partial(q_rows, k_rows, backend="tiles", clean="pieces", min_rows=4)
+    q, k, v = random_qkv(len(q_rows), len(k_rows), dim=16)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
+    ref_out, ref_lse, ref_grads = reference_grads(q, k, v, allow_matrix(q_rows, k_rows), 16**-0.5, dout)
+    bf16 = {"atol": 3e-2, "rtol": 3e-2}
+    qb, kb, vb, doutb = (t.to(torch.bfloat16) for t in (q, k, v, dout))
+    out, lse = plan.forward(qb, kb, vb)
+    assert calls and set(calls) == {1} and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, **bf16)
+    grads = plan.backward(qb, kb, vb, out, lse, doutb)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want, **bf16)

@@ -1,5 +1,5 @@
 """Flash pieces on CUDA (``make gpu-check``'s ``cuda-tests`` stage runs ``pytest -m cuda``): every
-layout's clean-context partial cut into FlashAttention-2 pieces (bf16) with a tiles or FlexAttention
+layout's clean-context partial cut into FlashAttention-2 or cuDNN pieces (bf16) with a tiles or FlexAttention
 residual, forward and backward from the merged statistics against the CPU float64 reference; in
 fp32 (no fused kernel) the same plan runs the whole partial generically.
 
@@ -34,21 +34,23 @@ def _device() -> torch.device:
     return torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
 
 
+@pytest.mark.parametrize("clean", ["pieces", "pieces-cudnn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", ["reference", "documents", "csbp_two_peers", "dflash_context"])
-def test_flash_pieces_match_the_cpu_float64_reference(case: str, dtype: torch.dtype) -> None:
+def test_flash_pieces_match_the_cpu_float64_reference(case: str, dtype: torch.dtype, clean: str) -> None:
     dev = _device()
     q_rows, k_rows = CASES[case]
     backend = "flex" if dev.type == "cuda" and case == "reference" else "tiles"  # one Flex residual compile
-    plan = plan_partial(q_rows.to(dev), k_rows.to(dev), backend=backend, flash_pieces=True, min_rows=4)
+    plan = plan_partial(q_rows.to(dev), k_rows.to(dev), backend=backend, clean=clean, min_rows=4)
     assert isinstance(plan, FlashPiecesPartial) and plan.pieces
     q, k, v = random_qkv(len(q_rows), len(k_rows), heads=4, kv_heads=2, dim=64, samples=1, seed=21)
     dout = torch.randn(q.shape, dtype=q.dtype, generator=torch.Generator().manual_seed(22))
     allow = allow_matrix(q_rows, k_rows)
     out_ref, lse_ref, grads_ref = reference_grads(q, k, v, allow, 1 / math.sqrt(q.shape[-1]), dout)
     qd, kd, vd, doutd = (t.to(dev, dtype) for t in (q, k, v, dout))
-    expected = "cpu-flash" if dev.type == "cpu" else ("flash" if dtype == torch.bfloat16 else None)
-    assert flash_kernel(qd) == expected
+    cuda_kernel = "cudnn" if clean == "pieces-cudnn" else "flash"
+    expected = "cpu-flash" if dev.type == "cpu" else (cuda_kernel if dtype == torch.bfloat16 else None)
+    assert plan.cuda_kernel == cuda_kernel and flash_kernel(qd, cuda_kernel) == expected
     out, lse = plan.forward(qd, kd, vd)
     assert out.dtype == lse.dtype == torch.float32 and out.device == dev
     torch.testing.assert_close(out.cpu().double(), out_ref, **TOL[dtype])

@@ -141,6 +141,19 @@ class BlockDiagonalPartial:
         )
 
 
+CleanKernel = Literal["generic", "pieces", "pieces-cudnn"]
+CLEAN_KERNELS: tuple[str, ...] = get_args(CleanKernel)
+"""How a clean-context partial runs: ``generic`` (one ``backend`` partial), ``pieces`` (fused flash
+pieces plus a residual, ``csbp.attention.flash_pieces``; FlashAttention-2 on CUDA) or ``pieces-cudnn``
+(the same with cuDNN's fused attention on CUDA)."""
+
+def check_clean(name: str, *, where: str = "clean") -> str:
+    """``name`` if it is a clean-context kernel (``CLEAN_KERNELS``), else one clear ``ValueError``."""
+    if name not in CLEAN_KERNELS:
+        raise ValueError(f"{where} must be one of {CLEAN_KERNELS}, got {name!r}")
+    return name
+
+
 FLASH_PIECE_MIN_ROWS = {"cpu": 16, "cuda": 128}
 """Default ``min_rows`` of a flash piece per device type (``csbp.attention.flash_pieces``): on CUDA a
 FlashAttention query tile (128 rows), so a piece never runs a mostly empty tile."""
@@ -153,16 +166,16 @@ def plan_partial(
     backend: str = "tiles",
     causal_in_block: bool = False,
     tile_rows: int = DEFAULT_TILE_ROWS,
-    flash_pieces: bool = False,
+    clean: str = "generic",
     min_rows: int | None = None,
 ) -> PartialPlan:
     """The partial of ``q_rows`` x ``k_rows`` under the interval predicate on ``backend`` (``auto`` is
     resolved on the rows' device). Build once per step; every layer reuses it.
 
-    With ``flash_pieces``, a clean-context partial is cut into fused flash-attention pieces of
-    ``>= min_rows`` rows (default ``FLASH_PIECE_MIN_ROWS`` of the device) plus a residual on
-    ``backend`` (``csbp.attention.flash_pieces``); other partials are one ``backend`` partial. It is
-    off by default: on CPU it measured 0.71-0.96x the speed of the tiles (``csbp bench kernels --clean-kernels``;
+    With ``clean`` ``pieces`` or ``pieces-cudnn`` (``CLEAN_KERNELS``), a clean-context partial is cut
+    into fused flash-attention pieces of ``>= min_rows`` rows (default ``FLASH_PIECE_MIN_ROWS`` of the
+    device) plus a residual on ``backend`` (``csbp.attention.flash_pieces``); other partials are one
+    ``backend`` partial. Pieces are off by default: on CPU it measured 0.71-0.96x the speed of the tiles (``csbp bench kernels --clean-kernels``;
     the tiles already run ATen's flash kernel per tile), and on CUDA it awaits ``make gpu-check``."""
     concrete = resolve_backend(backend, q_rows.pos.device)
 
@@ -173,10 +186,11 @@ def plan_partial(
         tile_plan.tile_strips(causal_in_block)  # the masks every layer reuses, built now (part of the plan cost)
         return TilesPartial(q, k, tile_plan, causal_in_block)
 
-    if flash_pieces:
+    if check_clean(clean, where="clean-context kernel") != "generic":
         if min_rows is None:
             min_rows = FLASH_PIECE_MIN_ROWS.get(q_rows.pos.device.type, FLASH_PIECE_MIN_ROWS["cuda"])
-        pieces = plan_flash_pieces(q_rows, k_rows, min_rows=min_rows, generic=generic)
+        cuda_kernel = "cudnn" if clean == "pieces-cudnn" else "flash"
+        pieces = plan_flash_pieces(q_rows, k_rows, min_rows=min_rows, generic=generic, cuda_kernel=cuda_kernel)
         if pieces is not None:
             return pieces
     return generic(q_rows, k_rows)

@@ -14,15 +14,13 @@ tile 64-128 query rows, so ``B = 16`` alone fills an eighth of a tile and ``G*B 
 On CPU it is slower (0.6-0.9x, the copies; CPU flash runs GQA natively), so it is no default: the
 ``kernels`` stage of ``make gpu-check`` measures it on CUDA.
 
-Kernels:
+Kernels (the fused calls live in ``csbp.attention.flash_ops``):
 
-* ``cpu-flash``: ATen's ``_scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``, in
-  the accumulation dtype (fp32 for bf16 inputs, fp64 for fp64), GQA native (K/V never repeated);
-* ``flash`` (CUDA, fp16/bf16, head dim a multiple of 8 up to 256, sm80+):
-  ``_scaled_dot_product_flash_attention`` and ``_backward`` (FlashAttention-2). GQA is native in
-  the kernel (K/V are not repeated in memory; its backward sums dK/dV over the group itself).
-  Dropout is 0, so the backward ignores the philox seed/offset (empty tensors are passed). The
-  kernel's grid holds at most 65535 batch entries, so longer inputs run in chunks of blocks;
+* ``cpu-flash``: ATen's CPU flash-attention kernel in the accumulation dtype (fp32 for bf16
+  inputs, fp64 for fp64), GQA native (K/V never repeated);
+* ``flash`` (CUDA, fp16/bf16, head dim a multiple of 8 up to 256, sm80+): FlashAttention-2, GQA
+  native (its backward sums dK/dV over the group itself); batches beyond CUDA's 65535 grid rows
+  run in chunks of blocks;
 * ``matmul``: anything else (CUDA fp32/fp64, other head dims): the batched-matmul kernels of
   ``csbp.attention.kernel`` (``block_diagonal_forward``/``_backward``), the tiles' path. The
   efficient (cutlass) kernel is not used for fp32: it has no GQA, so K/V would be repeated.
@@ -48,15 +46,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
 from csbp.attention.kernel import block_diagonal_backward, block_diagonal_forward, resolve_scale
-from csbp.attention.merge import accumulation_dtype
 from csbp.attention.rows import Rows
-
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_FLASH_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward
-FLASH_MAX_BATCH = 65535
-"""Blocks per FlashAttention call: its grid puts the batch on CUDA's y dimension (at most 65535)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,40 +74,23 @@ class SdpaBlockDiagonalPartial:
 
     def kernel(self, q: Tensor) -> str:
         """``cpu-flash``, ``flash`` or ``matmul``: the kernel a call on ``q`` runs (see the module doc)."""
-        if q.device.type == "cpu":
-            return "cpu-flash"
-        if q.device.type == "cuda" and _flash_supported(q):
-            return "flash"
-        return "matmul"
+        return flash_kernel(q) or "matmul"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
         """``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype."""
         self._check(q, k, v)
-        dtype = accumulation_dtype(q, k, v)
         scale = resolve_scale(scale, q)
-        kernel = self.kernel(q)
-        if kernel == "matmul":
+        if self.kernel(q) == "matmul":
             out, lse = block_diagonal_forward(
                 q, k, v, block_size=self.block_size, scale=scale, causal=self.causal_in_block
             )
         else:
             group = self._fold(q, k)
-            cast = q.dtype if kernel == "flash" else dtype
-            inputs = [self._blocked(q.to(cast), group), self._blocked(k.to(cast)), self._blocked(v.to(cast))]
-            if kernel == "flash":
-                parts = [
-                    _FLASH_FORWARD(
-                        *chunk, 0.0, self.causal_in_block, False, scale=scale
-                    )[:2]
-                    for chunk in _batch_chunks(*inputs)
-                ]
-                out_b, lse_b = (torch.cat(part) for part in zip(*parts))
-            else:
-                out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    *inputs, 0.0, self.causal_in_block, scale=scale
-                )
-            out = self._unblocked(out_b, q.shape[0], group).to(dtype)
-            lse = self._unblocked(lse_b.unsqueeze(-1), q.shape[0], group).squeeze(-1).to(dtype)
+            out_b, lse_b = flash_forward(
+                self._blocked(q, group), self._blocked(k), self._blocked(v), causal=self.causal_in_block, scale=scale
+            )
+            out = self._unblocked(out_b, q.shape[0], group)
+            lse = self._unblocked(lse_b.unsqueeze(-1), q.shape[0], group).squeeze(-1)
         if self.dead_rows is not None:
             out = out.masked_fill(self.dead_rows[:, None], 0.0)
             lse = lse.masked_fill(self.dead_rows, float("-inf"))
@@ -136,37 +111,20 @@ class SdpaBlockDiagonalPartial:
         """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``
         (accumulation dtype); ``delta`` is used by the ``matmul`` kernel, recomputed by the fused ones."""
         self._check(q, k, v)
-        dtype = accumulation_dtype(q, k, v)
         scale = resolve_scale(scale, q)
-        kernel = self.kernel(q)
-        if kernel == "matmul":
+        if self.kernel(q) == "matmul":
             return block_diagonal_backward(
                 q, k, v, out, lse, dout, block_size=self.block_size, scale=scale,
                 causal=self.causal_in_block, delta=delta,
             )
-        lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows that see nothing: P = 0
         num_samples, group = q.shape[0], self._fold(q, k)
-        cast = q.dtype if kernel == "flash" else dtype  # flash wants q's dtype for out/dout, float32 lse
-        q_b, out_b, dout_b = (self._blocked(t.to(cast), group) for t in (q, out, dout))
-        k_b, v_b = self._blocked(k.to(cast)), self._blocked(v.to(cast))
-        lse_b = self._blocked(lse.to(torch.float32 if kernel == "flash" else dtype).unsqueeze(-1), group).squeeze(-1)
-        if kernel == "flash":
-            lse_b = lse_b.contiguous()
-            unused = torch.empty(0, dtype=torch.int64, device=q.device)
-            parts = [
-                _FLASH_BACKWARD(
-                    *chunk, None, None, q_b.shape[2], k_b.shape[2],
-                    0.0, self.causal_in_block, unused, unused, scale=scale,
-                )
-                for chunk in _batch_chunks(dout_b, q_b, k_b, v_b, out_b, lse_b)
-            ]
-            dq_b, dk_b, dv_b = (torch.cat(part) for part in zip(*parts))
-        else:
-            dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout_b, q_b, k_b, v_b, out_b, lse_b, 0.0, self.causal_in_block, scale=scale
-            )
-        dq = self._unblocked(dq_b, num_samples, group).to(dtype)
-        return dq, self._unblocked(dk_b, num_samples).to(dtype), self._unblocked(dv_b, num_samples).to(dtype)
+        q_b, out_b, dout_b = (self._blocked(t, group) for t in (q, out, dout))
+        lse_b = self._blocked(lse.unsqueeze(-1), group).squeeze(-1)
+        dq_b, dk_b, dv_b = flash_backward(
+            q_b, self._blocked(k), self._blocked(v), out_b, lse_b, dout_b, causal=self.causal_in_block, scale=scale
+        )
+        dq = self._unblocked(dq_b, num_samples, group)
+        return dq, self._unblocked(dk_b, num_samples), self._unblocked(dv_b, num_samples)
 
     # ------------------------------------------------------------------------- layouts
 
@@ -233,23 +191,3 @@ def build_sdpa_block_diagonal(
         raise ValueError("the sdpa block diagonal needs uniform liveness per block (whole dead blocks only)")
     dead = None if bool(rows.live.all()) else ~rows.live
     return SdpaBlockDiagonalPartial(block_size, num_rows, causal_in_block, dead, fold_groups)
-
-
-def _flash_supported(q: Tensor) -> bool:
-    """FlashAttention-2 (the CUDA ``flash`` kernel): fp16/bf16, head dim % 8 == 0 and <= 256, sm80+."""
-    dim = q.shape[-1]
-    return (
-        q.dtype in _FLASH_DTYPES
-        and dim % 8 == 0
-        and dim <= 256
-        and torch.cuda.get_device_capability(q.device) >= (8, 0)
-    )
-
-
-def _batch_chunks(*tensors: Tensor) -> list[tuple[Tensor, ...]]:
-    """``tensors`` split along the batch dim into runs of at most ``FLASH_MAX_BATCH`` blocks."""
-    size = tensors[0].shape[0]
-    if size <= FLASH_MAX_BATCH:
-        return [tensors]
-    return [tuple(t[start : start + FLASH_MAX_BATCH] for t in tensors) for start in range(0, size, FLASH_MAX_BATCH)]
-

@@ -11,6 +11,10 @@ kernels instead of tiles or FlexAttention. This module is the one place that cal
   ``_scaled_dot_product_flash_attention`` and ``_backward``; GQA native. Dropout is 0, so the
   backward ignores the philox seed/offset (empty tensors are passed). Its grid holds at most
   65535 batch entries, so larger batches run in chunks;
+* ``cudnn`` (CUDA, fp16/bf16, head dim a multiple of 8 up to 128, sm80+; chosen with
+  ``cuda_kernel="cudnn"``): cuDNN's fused attention through ``_scaled_dot_product_cudnn_attention``
+  (with its lse) and ``_backward``, the kernel SDPA itself may pick on Hopper; GQA passed natively;
+  its lse is ``[Z, H, Nq, 1]``, squeezed here and restored for the backward;
 * anything else (CUDA fp32/fp64, other head dims): no fused kernel; ``flash_kernel`` returns None and
   callers use their matmul or tiled path.
 
@@ -34,18 +38,27 @@ from csbp.attention.merge import accumulation_dtype
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward
+_CUDNN_FORWARD = torch.ops.aten._scaled_dot_product_cudnn_attention
+_CUDNN_BACKWARD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward
 _CPU_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 FLASH_MAX_BATCH = 65535
 """Batch entries per FlashAttention call: its grid puts the batch on CUDA's y dimension."""
 
 
-def flash_kernel(q: Tensor) -> str | None:
-    """``cpu-flash``, ``flash`` or None (no fused kernel for ``q``'s device, dtype and head dim)."""
+CUDA_KERNELS = ("flash", "cudnn")
+"""Fused CUDA kernels a caller may ask for (``cuda_kernel``)."""
+
+
+def flash_kernel(q: Tensor, cuda_kernel: str = "flash") -> str | None:
+    """``cpu-flash``, ``flash``, ``cudnn`` or None (no fused kernel for ``q``'s device, dtype and head
+    dim); ``cuda_kernel`` is the one wanted on CUDA."""
+    if cuda_kernel not in CUDA_KERNELS:
+        raise ValueError(f"cuda_kernel must be one of {CUDA_KERNELS}, got {cuda_kernel!r}")
     if q.device.type == "cpu":
         return "cpu-flash"
-    if q.device.type == "cuda" and flash_supported(q):
-        return "flash"
+    if q.device.type == "cuda" and flash_supported(q) and (cuda_kernel == "flash" or q.shape[-1] <= 128):
+        return cuda_kernel
     return None
 
 
@@ -60,12 +73,17 @@ def flash_supported(q: Tensor) -> bool:
     )
 
 
-def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def flash_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, cuda_kernel: str = "flash"
+) -> tuple[Tensor, Tensor]:
     """``q [Z, Hq, Nq, d]`` over ``k, v [Z, Hkv, Nk, d]`` -> ``(out [Z, Hq, Nq, d], lse [Z, Hq, Nq])`` in
     the accumulation dtype. ``causal`` needs ``Nq == Nk``."""
-    kernel = _require_kernel(q, k, causal)
+    kernel = _require_kernel(q, k, causal, cuda_kernel)
     dtype = accumulation_dtype(q, k, v)
-    if kernel == "flash":
+    if kernel == "cudnn":
+        out, lse = _CUDNN_FORWARD(q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        lse = lse.squeeze(-1)
+    elif kernel == "flash":
         parts = [_FLASH_FORWARD(*chunk, 0.0, causal, False, scale=scale)[:2] for chunk in batch_chunks(q, k, v)]
         out, lse = (torch.cat(part) for part in zip(*parts))
     else:
@@ -74,14 +92,22 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
 
 
 def flash_backward(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *, causal: bool, scale: float,
+    cuda_kernel: str = "flash",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` (accumulation dtype) of one ``flash_forward`` call's key set, from the final merged
     ``out [Z, Hq, Nq, d]`` / ``lse [Z, Hq, Nq]`` of its query rows and ``dout``."""
-    kernel = _require_kernel(q, k, causal)
+    kernel = _require_kernel(q, k, causal, cuda_kernel)
     dtype = accumulation_dtype(q, k, v)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows that see nothing: P = 0
-    if kernel == "flash":
+    if kernel == "cudnn":
+        unused = torch.empty(0, dtype=torch.int64, device=q.device)
+        dq, dk, dv = _CUDNN_BACKWARD(
+            dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(),
+            lse.to(torch.float32).unsqueeze(-1).contiguous(), unused, unused, None, None, None,
+            q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        )
+    elif kernel == "flash":
         cast = q.dtype  # flash wants q's dtype for out/dout and a float32 lse
         out, dout, lse = out.to(cast), dout.to(cast), lse.to(torch.float32).contiguous()
         unused = torch.empty(0, dtype=torch.int64, device=q.device)
@@ -109,8 +135,8 @@ def batch_chunks(*tensors: Tensor) -> list[tuple[Tensor, ...]]:
     return [tuple(t[start : start + FLASH_MAX_BATCH] for t in tensors) for start in range(0, size, FLASH_MAX_BATCH)]
 
 
-def _require_kernel(q: Tensor, k: Tensor, causal: bool) -> str:
-    kernel = flash_kernel(q)
+def _require_kernel(q: Tensor, k: Tensor, causal: bool, cuda_kernel: str) -> str:
+    kernel = flash_kernel(q, cuda_kernel)
     if kernel is None:
         raise ValueError(
             f"no fused flash kernel for q on {q.device} in {q.dtype} with head dim {q.shape[-1]}; "

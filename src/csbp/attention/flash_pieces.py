@@ -80,12 +80,14 @@ class FlashPiecesPartial:
         runs: per key run, its pieces and residual.
         generic: builds the plain generic partial of the whole ``(q_rows, k_rows)``: used instead when a
             call's device/dtype has no fused kernel (built on first use, then kept).
+        cuda_kernel: the pieces' fused kernel on CUDA, ``flash`` (FlashAttention-2) or ``cudnn``.
     """
 
     runs: tuple[KeyRunPlan, ...]
     num_queries: int
     num_keys: int
     generic: Callable[[], object]
+    cuda_kernel: str = "flash"  # the pieces' fused kernel on CUDA (csbp.attention.flash_ops): flash or cudnn
     _generic_plan: object | None = field(default=None, repr=False)
 
     @property
@@ -95,7 +97,7 @@ class FlashPiecesPartial:
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
         """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype."""
         self._check(q, k)
-        if flash_kernel(q) is None:
+        if flash_kernel(q, self.cuda_kernel) is None:
             return self._fallback().forward(q, k, v, scale=scale)
         scale = resolve_scale(scale, q)
         dtype = accumulation_dtype(q, k, v)
@@ -104,7 +106,10 @@ class FlashPiecesPartial:
         for run in self.runs:
             for p in run.pieces:
                 rows, keys = slice(p.q_start, p.q_stop), slice(p.k_start, p.k_stop)
-                part = flash_forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=p.causal, scale=scale)
+                part = flash_forward(
+                    q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=p.causal, scale=scale,
+                    cuda_kernel=self.cuda_kernel,
+                )
                 out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], *part)
             if run.residual is not None:
                 keys = slice(run.k_start, run.k_stop)
@@ -118,7 +123,7 @@ class FlashPiecesPartial:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``."""
         self._check(q, k)
-        if flash_kernel(q) is None:
+        if flash_kernel(q, self.cuda_kernel) is None:
             return self._fallback().backward(q, k, v, out, lse, dout, scale=scale, delta=delta)
         scale = resolve_scale(scale, q)
         dtype = accumulation_dtype(q, k, v)
@@ -130,7 +135,7 @@ class FlashPiecesPartial:
                 rows, keys = slice(p.q_start, p.q_stop), slice(p.k_start, p.k_stop)
                 dq_p, dk_p, dv_p = flash_backward(
                     q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows],
-                    dout[:, :, rows], causal=p.causal, scale=scale,
+                    dout[:, :, rows], causal=p.causal, scale=scale, cuda_kernel=self.cuda_kernel,
                 )
                 dq[:, :, rows] += dq_p
                 dk[:, :, keys] += dk_p
@@ -159,10 +164,10 @@ class FlashPiecesPartial:
 
 
 def plan_flash_pieces(
-    q_rows: Rows, k_rows: Rows, *, min_rows: int, generic: Callable[[Rows, Rows], object]
+    q_rows: Rows, k_rows: Rows, *, min_rows: int, generic: Callable[[Rows, Rows], object], cuda_kernel: str = "flash"
 ) -> FlashPiecesPartial | None:
     """The flash-pieces plan of ``q_rows`` x ``k_rows`` (``generic(q_rows, k_rows)`` plans a plain partial,
-    also for the residuals), or None when no piece of ``>= min_rows`` rows exists or a live key is
+    also for the residuals; ``cuda_kernel`` runs the pieces on CUDA), or None when no piece of ``>= min_rows`` rows exists or a live key is
     noisy (the caller then plans one generic partial)."""
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
@@ -193,7 +198,7 @@ def plan_flash_pieces(
             )
             residual = generic(residual_rows, run_keys)
         runs.append(KeyRunPlan(k_start, k_stop, tuple(pieces), residual))
-    return FlashPiecesPartial(tuple(runs), len(q_rows), len(k_rows), lambda: generic(q_rows, k_rows))
+    return FlashPiecesPartial(tuple(runs), len(q_rows), len(k_rows), lambda: generic(q_rows, k_rows), cuda_kernel)
 
 
 # ----------------------------------------------------------------------------- the search
@@ -201,18 +206,8 @@ def plan_flash_pieces(
 
 def _key_runs(k_rows: Rows) -> list[tuple[int, int]]:
     """Maximal ``[start, stop)`` runs of live clean keys with strictly increasing positions."""
-    usable = (k_rows.live & k_rows.clean).tolist()
-    pos = k_rows.pos.tolist()
-    runs, start = [], None
-    for i, ok in enumerate(usable):
-        if start is not None and (not ok or pos[i] <= pos[i - 1]):
-            runs.append((start, i))
-            start = None
-        if ok and start is None:
-            start = i
-    if start is not None:
-        runs.append((start, len(usable)))
-    return runs
+    usable = k_rows.live & k_rows.clean
+    return _runs(usable, usable[1:] & usable[:-1] & (k_rows.pos[1:] > k_rows.pos[:-1]))
 
 
 def _visible_ranges(q_rows: Rows, run_pos: Tensor, k_start: int) -> tuple[Tensor, Tensor]:
@@ -245,9 +240,7 @@ def _find_pieces(q_rows: Rows, lo: Tensor, hi: Tensor, min_rows: int) -> tuple[l
     for s0, s1 in segments:
         if covered_to[s0] != lo[s0]:
             continue
-        flat = s1
-        while flat > s0 and hi[flat - 1] == hi[s1 - 1]:
-            flat -= 1
+        flat = s1 - int(torch.flip(hi[s0:s1] == hi[s1 - 1], [0]).cumprod(0).sum())  # start of the flat tail
         if s1 - flat >= (min_rows if flat == s0 else 2 * min_rows):  # one flat segment: a rectangle
             dense(flat, s1)
             s1 = flat

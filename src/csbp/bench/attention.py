@@ -41,7 +41,7 @@ from csbp.bench.common import (
     write_outputs,
 )
 from csbp.bench.measure import allowed_pairs, attention_flops
-from csbp.cli.options import add_diagonal_option
+from csbp.cli.options import add_clean_option, add_diagonal_option
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import build_parallel_context
 from csbp.models.decoder import AttentionFn, RMSNorm
@@ -62,6 +62,7 @@ class AttentionBenchConfig:
     transport: str = "collective"
     backend: str = "tiles"
     diagonal: str = "auto"  # kernel of the noisy block diagonal (csbp.attention.diagonal)
+    clean: str = "generic"  # kernel of the clean-context partials (csbp.attention.backends.CLEAN_KERNELS)
     doc_length: int | None = None
     warmup: int = 1
     repeats: int = 3
@@ -126,7 +127,7 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
     ctx = build_parallel_context(topology)
     plan = build_rank_plan(
         ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window,  # type: ignore[arg-type]
-        backend=cfg.backend, diagonal=cfg.diagonal,
+        backend=cfg.backend, diagonal=cfg.diagonal, clean=cfg.clean,
         documents=bench_documents(cfg.seq_len, cfg.doc_length, cfg.seed),
     )
     width = cfg.num_heads * cfg.head_dim
@@ -256,6 +257,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
         help="attention backend (auto: tiles here, the processes run on CPU)",
     )
     add_diagonal_option(attn)
+    add_clean_option(attn)
     add_output_options(attn)
     attn.set_defaults(func=run_attention_bench_command)
 
@@ -286,6 +288,7 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
         transport=args.transport,
         backend=backend,
         diagonal=args.diagonal,
+        clean=args.clean,
         doc_length=args.doc_length,
         warmup=args.warmup,
         repeats=args.repeats,

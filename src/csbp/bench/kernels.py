@@ -17,8 +17,8 @@ training uses (``csbp.attention.transports.local``), plus the block-diagonal par
   kernel: the kernel's own time, which the decomposed step's noise can hide;
 
 and dense SDPA over all ``(2L)^2`` pairs of the same shapes as the baseline (on CUDA whatever kernel
-SDPA picks), plus on CUDA the ``flash2`` row: FlashAttention-2 over the same pairs through the call
-the flash pieces make (``csbp.attention.flash_ops``). Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs
+SDPA picks), plus on CUDA the ``flash2`` and ``cudnn`` rows: FlashAttention-2 and cuDNN over the same pairs
+through the calls the flash pieces make (``csbp.attention.flash_ops``). Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs
 only (``csbp.bench.measure.attention_flops``; dense SDPA on all pairs), the ratio of that rate to
 dense SDPA's, the decomposed form's speedup over the mixed form (``t_mixed / t_decomposed``), the
 time to build one form's per-step plans (tile plans with their mask strips, or BlockMasks; built
@@ -46,7 +46,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from csbp.attention.backends import check_backend, plan_block_diagonal, plan_partial, resolve_backend
+from csbp.attention.backends import (
+    CLEAN_KERNELS,
+    check_backend,
+    plan_block_diagonal,
+    plan_partial,
+    resolve_backend,
+)
 from csbp.attention.diagonal import check_diagonal, resolve_diagonal
 from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
 from csbp.attention.layouts import reference_layout
@@ -58,11 +64,10 @@ from csbp.attention.transports.local import (
 from csbp.bench.common import add_head_options, add_output_options, records_as_dicts, write_json_atomic
 from csbp.bench.measure import allowed_pairs, attention_flops
 
+FUSED_ROWS = {"flash": "flash2", "cudnn": "cudnn"}
+"""``backend`` column of the dense rows timing ``csbp.attention.flash_ops``' CUDA kernels over all pairs."""
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-CLEAN_KERNELS = ("pieces", "generic")
-"""Clean-context kernels of the decomposed form (``csbp.attention.flash_pieces``)."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +92,11 @@ class KernelRecord:
 
 
 def build_form(
-    rows, num_noisy: int, block_size: int, backend: str, form: str, diagonal: str = "auto", clean: str = "pieces"
+    rows, num_noisy: int, block_size: int, backend: str, form: str, diagonal: str = "auto", clean: str = "generic"
 ) -> LocalAttentionPlan:
     """The ``mixed`` or ``decomposed`` local plan of the packed ``[noisy ; clean]`` rows (the
-    decomposed one with the ``diagonal`` block-diagonal kernel and its clean context as flash
-    pieces plus a residual, ``clean="pieces"``, or as one ``backend`` partial, ``"generic"``)."""
+    decomposed one with the ``diagonal`` block-diagonal kernel and the ``clean`` clean-context kernel,
+    ``csbp.attention.backends.CLEAN_KERNELS``: one ``backend`` partial, or flash pieces plus a residual)."""
     if form == "mixed":
         return LocalAttentionPlan(rows, rows, num_noisy, None, False, None, plan_partial(rows, rows, backend=backend))
     clean_rows = rows.select(slice(num_noisy, None))
@@ -102,7 +107,7 @@ def build_form(
         block_size,
         False,
         None,
-        plan_partial(rows, clean_rows, backend=backend, flash_pieces=clean == "pieces"),
+        plan_partial(rows, clean_rows, backend=backend, clean=clean),
         plan_block_diagonal(
             rows.select(slice(0, num_noisy)), block_size=block_size, backend=backend, diagonal=diagonal
         ),
@@ -168,7 +173,7 @@ def run_kernel_bench(
     count_ops: bool = True,
     clock: str = "wall",
     diagonals: tuple[str, ...] = ("auto",),
-    clean_kernels: tuple[str, ...] = CLEAN_KERNELS,
+    clean_kernels: tuple[str, ...] = ("generic", "pieces"),
     progress: Callable[[KernelRecord], None] | None = None,
 ) -> list[KernelRecord]:
     """Measure every (length, block size): dense SDPA, then each backend's mixed form, its decomposed
@@ -188,6 +193,8 @@ def run_kernel_bench(
     for name in clean_kernels:
         if name not in CLEAN_KERNELS:
             raise ValueError(f"--clean-kernels must be among {CLEAN_KERNELS}, got {name!r}")
+        if name == "pieces-cudnn" and dev.type != "cuda":
+            raise ValueError("--clean-kernels pieces-cudnn needs --device cuda (on CPU it is the same kernel as pieces)")
     if "flex" in concrete and dev.type != "cuda":
         raise ValueError("--backends flex needs --device cuda (FlexAttention has no CPU backward)")
     if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
@@ -214,7 +221,10 @@ def run_kernel_bench(
         dense_flops = attention_flops(n * n, num_heads=num_heads, head_dim=head_dim)
         dense_rate = dense_flops / dense_time / 1e12
         # The fused call flash pieces make (FlashAttention-2 on CUDA), over all pairs: is it as fast as SDPA's pick?
-        flash_time = _dense_flash_time(q, k, v, dout, dev, warmup, repeats, clock) if flash_kernel(q) == "flash" else None
+        fused = {
+            name: _dense_flash_time(q, k, v, dout, dev, warmup, repeats, clock, name)
+            for name in ("flash", "cudnn") if flash_kernel(q, name) == name
+        }
         for block in block_sizes:
             rows = reference_layout(seq_len, block).rows.to(dev)
             pairs = allowed_pairs(rows, block_size=block)
@@ -222,10 +232,10 @@ def run_kernel_bench(
                 KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", "-", dense_time, n * n, dense_rate,
                              1.0, float("nan"), 0.0, 0)
             )
-            if flash_time is not None:
-                rate = dense_flops / flash_time / 1e12
-                add(KernelRecord(device, dtype, seq_len, block, "flash2", "dense", "-", "-", flash_time, n * n, rate,
-                                 rate / dense_rate, float("nan"), 0.0, 0))
+            for name, fused_time in fused.items():
+                rate = dense_flops / fused_time / 1e12
+                add(KernelRecord(device, dtype, seq_len, block, FUSED_ROWS[name], "dense", "-", "-", fused_time, n * n,
+                                 rate, rate / dense_rate, float("nan"), 0.0, 0))
             now = time.process_time if clock == "cpu" else time.perf_counter
             for backend in dict.fromkeys(concrete):
                 variants = [("mixed", "-", "-")]
@@ -235,10 +245,20 @@ def run_kernel_bench(
                 for form, diagonal, clean in variants:
                     _sync(dev)
                     start = now()
-                    step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
-                    _sync(dev)
-                    build_s = now() - start
-                    time_s = _median_time(step, dev, warmup, repeats, clock)
+                    try:
+                        step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
+                        _sync(dev)
+                        build_s = now() - start
+                        time_s = _median_time(step, dev, warmup, repeats, clock)
+                    except RuntimeError as error:
+                        if dev.type != "cuda":
+                            raise
+                        # On an accelerator one variant may fail (a kernel this build lacks, out of memory):
+                        # say so in one line, keep a nan row, measure the rest.
+                        print(f"csbp bench kernels: L={seq_len} B={block} {backend} {form} {diagonal} {clean} failed: "
+                              f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                        torch.cuda.empty_cache()
+                        step, build_s, time_s = None, float("nan"), float("nan")
                     ops = count_aten_ops(step) if count_ops and dev.type == "cpu" else 0
                     useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
                     rate = attention_flops(useful, num_heads=num_heads, head_dim=head_dim) / time_s / 1e12
@@ -291,15 +311,22 @@ def _dense_sdpa_time(q, k, v, dout, device: torch.device, warmup: int, repeats: 
     return _median_time(step, device, warmup, repeats, clock)
 
 
-def _dense_flash_time(q, k, v, dout, device: torch.device, warmup: int, repeats: int, clock: str) -> float:
-    """Forward + backward of ``csbp.attention.flash_ops`` over all pairs (the flash pieces' kernel)."""
+def _dense_flash_time(
+    q, k, v, dout, device: torch.device, warmup: int, repeats: int, clock: str, kernel: str
+) -> float:
+    """Forward + backward of ``csbp.attention.flash_ops``' ``kernel`` over all pairs (a flash piece's
+    call); nan when the kernel fails on this machine (the rest of the benchmark still runs)."""
     scale = q.shape[-1] ** -0.5
 
     def step() -> None:
-        out, lse = flash_forward(q, k, v, causal=False, scale=scale)
-        flash_backward(q, k, v, out, lse, dout, causal=False, scale=scale)
+        out, lse = flash_forward(q, k, v, causal=False, scale=scale, cuda_kernel=kernel)
+        flash_backward(q, k, v, out, lse, dout, causal=False, scale=scale, cuda_kernel=kernel)
 
-    return _median_time(step, device, warmup, repeats, clock)
+    try:
+        return _median_time(step, device, warmup, repeats, clock)
+    except RuntimeError as error:  # e.g. a cuDNN build without this configuration
+        print(f"csbp bench kernels: the {kernel} kernel failed on this machine: {str(error).splitlines()[0]}")
+        return float("nan")
 
 
 def format_header() -> str:
@@ -370,9 +397,10 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
         "default auto (on tiles sdpa for B >= 16 and matmul below, flex on flex; attention.diagonal of a run)",
     )
     parser.add_argument(
-        "--clean-kernels", nargs="+", choices=CLEAN_KERNELS, default=list(CLEAN_KERNELS),
-        help="clean-context kernels of the decomposed form: pieces (fused flash pieces + a residual on the backend, "
-        "what training runs) and generic (one backend partial); default both",
+        "--clean-kernels", nargs="+", choices=CLEAN_KERNELS, default=["generic", "pieces"],
+        help="clean-context kernels of the decomposed form: generic (one backend partial, what training runs), "
+        "pieces (fused flash pieces + a residual on the backend; FlashAttention-2 on CUDA) and pieces-cudnn "
+        "(cuDNN pieces, CUDA only); default generic pieces",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")

@@ -27,9 +27,10 @@ with every decoder layer checkpointed (:mod:`csbp.training.activation_checkpoint
 table of the peak memory per rank with and without it (the cut) and the step-time cost; the bytes
 the recompute sends again are reported as ``recompute MiB/rank``.
 
-``--backend`` (auto, tiles, flex) and ``--diagonal`` (``csbp.attention.diagonal``) are the run
-config's ``attention`` section, so on a GPU ``--backend tiles`` and ``--backend flex --diagonal sdpa``
-compare the training step per attention backend; both are recorded in ``--json``.
+``--backend`` (auto, tiles, flex), ``--diagonal`` (``csbp.attention.diagonal``) and ``--clean``
+(``csbp.attention.flash_pieces``) are the run config's ``attention`` section, so on a GPU ``--backend
+tiles``, ``--backend flex --diagonal sdpa`` and ``--backend flex --clean pieces-cudnn`` compare the
+training step per attention kernel; all are recorded in ``--json``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from csbp.attention.backends import check_backend, check_backend_trains_on
+from csbp.attention.backends import check_backend, check_backend_trains_on, check_clean
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.documents import packed_doc_ids
 from csbp.bench.common import (
@@ -65,7 +66,7 @@ from csbp.bench.common import (
     select_topologies,
     write_outputs,
 )
-from csbp.cli.options import add_diagonal_option
+from csbp.cli.options import add_clean_option, add_diagonal_option
 from csbp.devices import backend_device, tensors_to
 from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan, rank_loss
 from csbp.engine.context import build_parallel_context
@@ -99,6 +100,7 @@ class TrainBenchConfig:
     transport: str = "collective"
     backend: str = "auto"  # attention.backend of the run config (csbp.attention.backends)
     diagonal: str = "auto"  # attention.diagonal (csbp.attention.diagonal)
+    clean: str = "generic"  # attention.clean (csbp.attention.backends.CLEAN_KERNELS)
     doc_length: int | None = None
     layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
     activation_checkpointing: tuple[str, ...] = ("none",)
@@ -112,6 +114,7 @@ class TrainBenchConfig:
             raise ValueError(f"objective {self.objective!r} is not one of {TRAIN_BENCH_OBJECTIVES}")
         check_run_options(self, at_least_one=("samples", "repeats", "vocab_size"))
         check_diagonal_backend(self.diagonal, check_backend(self.backend), where="--diagonal")
+        check_clean(self.clean, where="--clean")
         bad = [m for m in self.activation_checkpointing if m not in ACTIVATION_CHECKPOINTING_MODES]
         if bad or not self.activation_checkpointing or len(set(self.activation_checkpointing)) != len(
             self.activation_checkpointing
@@ -168,6 +171,7 @@ class TrainRecord:
     doc_length: int | None = None  # mean packed-document length (None: one document per sample)
     backend: str = "auto"
     diagonal: str = "auto"
+    clean: str = "generic"
 
 
 def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
@@ -182,7 +186,7 @@ class _LayoutRunner:
     ) -> None:
         self.ctx = build_parallel_context(topology)
         self.plan: RankPlan | DocumentPlanner
-        attention = {"backend": cfg.backend, "diagonal": cfg.diagonal}
+        attention = {"backend": cfg.backend, "diagonal": cfg.diagonal, "clean": cfg.clean}
         if cfg.doc_length is None:
             self.plan = build_rank_plan(self.ctx, cfg.seq_len, cfg.block_size, transport=transport, **attention)  # type: ignore[arg-type]
         else:
@@ -327,6 +331,7 @@ def run_train_bench(
                     transport=layout_transport(name, cfg.transport),
                     backend=cfg.backend,
                     diagonal=cfg.diagonal,
+                    clean=cfg.clean,
                 )
             )
             if progress:
@@ -401,6 +406,7 @@ def register_train_bench(kinds: argparse._SubParsersAction) -> None:
         help="attention backend, the run config's attention.backend (auto: flex on CUDA, tiles on CPU)",
     )
     add_diagonal_option(train)
+    add_clean_option(train)
     train.add_argument("--samples", type=int, default=1, help="samples per step")
     add_model_width_options(train, vocab_size=512, intermediate_size=256)
     train.add_argument("--num-layers", type=int, default=2)
@@ -425,7 +431,7 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
     )
     print(
         f"csbp bench train: objectives={','.join(args.objectives)} nproc={args.nproc} block={args.block_size} "
-        f"backend={args.backend} diagonal={args.diagonal} "
+        f"backend={args.backend} diagonal={args.diagonal} clean={args.clean} "
         f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
         f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per process, "
         f"median of {args.repeats})",
@@ -443,6 +449,7 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
         transport=args.transport,
         backend=args.backend,
         diagonal=args.diagonal,
+        clean=args.clean,
         doc_length=args.doc_length,
         samples=args.samples,
         vocab_size=args.vocab_size,

@@ -47,3 +47,17 @@ def add_diagonal_option(parser: argparse.ArgumentParser, *, reference: bool = Fa
         help="block-diagonal kernel (auto: sdpa on tiles for B >= 16, matmul below, flex on flex; "
         f"sdpa_fold folds GQA heads into the rows; flex needs --backend flex){note}",
     )
+
+
+
+def add_clean_option(parser: argparse.ArgumentParser, *, reference: bool = False) -> None:
+    """``--clean``: the kernel of the clean-context partials (``csbp.attention.flash_pieces``; the run
+    config's ``attention.clean``)."""
+    from csbp.attention.backends import CLEAN_KERNELS
+
+    note = "; the reference uses generic" if reference else ""
+    parser.add_argument(
+        "--clean", choices=CLEAN_KERNELS, default="generic",
+        help="clean-context kernel (generic: one backend partial; pieces: dense and causal pieces as fused flash "
+        f"calls plus a residual, FlashAttention-2 on CUDA; pieces-cudnn: cuDNN pieces on CUDA){note}",
+    )

@@ -9,6 +9,7 @@ Examples::
     csbp verify --device cuda --nproc 2                # NCCL, one process per GPU
     csbp verify --nproc 4 --doc-length 6                   # packed documents (mean 6 tokens), every layout
     csbp verify --nproc 4 --block-size 16 --diagonal sdpa  # the fused-SDPA block diagonal, every layout
+    csbp verify --nproc 4 --clean pieces               # clean context as flash pieces, every layout
 
 Processes are launched here: on the CPU (gloo, one thread each) by default, or with
 ``--device cuda`` one per GPU over NCCL (``--nproc`` larger than the visible GPUs is refused before
@@ -22,7 +23,7 @@ import argparse
 
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
-from csbp.cli.options import add_diagonal_option, positive_int
+from csbp.cli.options import add_clean_option, add_diagonal_option, positive_int
 from csbp.devices import DEVICE_KINDS, resolve_device
 from csbp.engine.verify import VerifyCase, layouts_for, verify
 from csbp.topology import Topology
@@ -61,6 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="attention backend of the layouts (auto: flex on CUDA, tiles on CPU); the reference uses tiles",
     )
     add_diagonal_option(parser, reference=True)
+    add_clean_option(parser, reference=True)
     parser.add_argument(
         "--objective",
         choices=("bd3", "dflash"),
@@ -111,6 +113,7 @@ def run_verify(args: argparse.Namespace) -> int:
                     device=args.device,
                     backend=backend,
                     diagonal=args.diagonal,
+                    clean=args.clean,
                 )
             )
     for case in cases:  # fail closed before launching anything
@@ -161,7 +164,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
         objective = DFlashObjectiveConfig(max_anchors=max(6, t.bp), gamma=7.0)
         case = DFlashVerifyCase(topology=t, objective=objective, seq_len=args.seq_len,
                                 samples=args.samples, seed=args.seed, device=args.device, backend=backend,
-                                diagonal=args.diagonal)
+                                diagonal=args.diagonal, clean=args.clean)
         result = verify_dflash(case)
         status = "ok" if result.ok else f"FAIL (tol {result.tolerance:g}, worst {result.worst_param})"
         failed += not result.ok

@@ -319,6 +319,15 @@ class AttentionSection(_Section):
             "only). On flex a non-flex diagonal runs the decomposed form."
         ),
     )
+    clean: Literal["generic", "pieces", "pieces-cudnn"] = Field(
+        "generic",
+        description=(
+            "Kernel of the clean-context partials (csbp.attention.flash_pieces): generic (one backend partial); "
+            "pieces (their dense and causal pieces as fused flash calls, FlashAttention-2 on CUDA, plus a residual "
+            "on the backend); pieces-cudnn (the same with cuDNN's fused attention on CUDA). Exact either way; on "
+            "CPU pieces measured slower than the tiles."
+        ),
+    )
 
     @model_validator(mode="after")
     def _check_diagonal(self) -> AttentionSection:

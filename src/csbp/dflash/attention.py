@@ -130,10 +130,12 @@ def build_draft_attention_plan(
     tile_rows: int = DEFAULT_TILE_ROWS,
     backend: str = "tiles",
     diagonal: str = "auto",
+    clean: str = "generic",
 ) -> DraftAttentionPlan:
     """Plan the attention of one anchor packet; every layer reuses it in forward and backward.
     ``backend`` (``csbp.attention.backends``) is resolved on the rows' device; ``diagonal`` runs the
-    blocks over themselves (``csbp.attention.diagonal``)."""
+    blocks over themselves (``csbp.attention.diagonal``); ``clean`` runs the blocks over the context
+    (``csbp.attention.backends.CLEAN_KERNELS``: anchors under one whole context shard are one dense piece)."""
     if not query_rows or len(query_rows) != len(causal_in_block):
         raise ValueError("build_draft_attention_plan needs one causal flag per query-row variant")
     live = query_rows[0].live
@@ -145,7 +147,7 @@ def build_draft_attention_plan(
         DraftMaskVariant(
             rows,
             causal,
-            plan_partial(rows, context_rows, backend=backend, tile_rows=tile_rows),
+            plan_partial(rows, context_rows, backend=backend, tile_rows=tile_rows, clean=clean),
             plan_block_diagonal(rows, block_size=block_size, backend=backend, causal_in_block=causal, diagonal=diagonal),
         )
         for rows, causal in zip(query_rows, causal_in_block)

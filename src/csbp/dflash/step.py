@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from csbp.attention.backends import check_backend
+from csbp.attention.backends import check_backend, check_clean
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.rows import Rows
 from csbp.dflash.anchors import sample_anchors, segment_starts
@@ -119,6 +119,7 @@ class DFlashRankPlan:
             all anchors); used without gradient for global denominators and metrics.
         backend: attention backend of the draft layers (``csbp.attention.backends``).
         diagonal: kernel of the draft blocks' block diagonal (``csbp.attention.diagonal``).
+        clean: kernel of the draft blocks over the context (``csbp.attention.backends.CLEAN_KERNELS``).
     """
 
     layout: DFlashLayout
@@ -126,6 +127,7 @@ class DFlashRankPlan:
     owner_comm: Comm | None
     backend: str = "tiles"
     diagonal: str = "auto"
+    clean: str = "generic"
 
     def reduce_sum(self, values: Tensor) -> Tensor:
         """Sum a small stats tensor over the anchor owners (identity for one owner)."""
@@ -135,11 +137,17 @@ class DFlashRankPlan:
 
 
 def build_dflash_rank_plan(
-    ctx: ParallelContext, objective: DFlashObjectiveConfig, *, backend: str = "tiles", diagonal: str = "auto"
+    ctx: ParallelContext,
+    objective: DFlashObjectiveConfig,
+    *,
+    backend: str = "tiles",
+    diagonal: str = "auto",
+    clean: str = "generic",
 ) -> DFlashRankPlan:
     """Plan this rank's share of every sample (call once after building the parallel context);
     ``backend``: the attention backend of the draft layers (auto, tiles, flex); ``diagonal``: the
-    kernel of their block diagonal (auto, matmul, sdpa, sdpa_fold, flex)."""
+    kernel of their block diagonal (auto, matmul, sdpa, sdpa_fold, flex); ``clean``: the kernel of
+    their context partials (generic, pieces, pieces-cudnn)."""
     layout = dflash_layout(ctx.topology, ctx.coords.local_rank)
     if objective.max_anchors < layout.num_owners:
         raise ValueError(
@@ -152,7 +160,8 @@ def build_dflash_rank_plan(
     if layout.num_owners > 1 and ctx.groups is not None:
         owner = ctx.model_input_comm("dflash.stats")
     return DFlashRankPlan(
-        layout, ring, owner, check_backend(backend), check_diagonal_backend(diagonal, backend, where="diagonal")
+        layout, ring, owner, check_backend(backend), check_diagonal_backend(diagonal, backend, where="diagonal"),
+        check_clean(clean),
     )
 
 
@@ -234,6 +243,7 @@ class DFlashStep:
                     comm=self.plan.ring_comm,
                     backend=self.plan.backend,
                     diagonal=self.plan.diagonal,
+                    clean=self.plan.clean,
                 )[0]
             )
             last = None if features.last_hidden is None else features.last_hidden[s]
@@ -318,6 +328,7 @@ def forward_packet(
     comm: Comm | None = None,
     backend: str = "tiles",
     diagonal: str = "auto",
+    clean: str = "generic",
 ) -> Tensor:
     """Hidden states ``[1, n·B, D]`` of a packet's blocks ``[x_a, M, …]`` (dead blocks: zeros).
 
@@ -343,6 +354,7 @@ def forward_packet(
         comm=comm,
         backend=backend,
         diagonal=diagonal,
+        clean=clean,
     )
     ids = drafter.block_input_ids(tokens_L.cpu()[packet.anchors], packet.keep).to(device)
     return drafter(

@@ -67,6 +67,7 @@ class DFlashVerifyCase:
     device: str = "cpu"  # where the layouts run (the reference always runs on the CPU)
     backend: str = "tiles"  # attention backend of the layouts' draft layers (csbp.attention.backends)
     diagonal: str = "auto"  # block-diagonal kernel of the layouts' draft blocks (csbp.attention.diagonal)
+    clean: str = "generic"  # kernel of the draft blocks over the context (csbp.attention.backends.CLEAN_KERNELS)
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,11 @@ def _worker(
     _, drafter = build_models(case, device=ctx.device)
     full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed)
     batch = replica_batch(full, ctx.coords.dp_rank, case.samples)
-    plan = build_dflash_rank_plan(ctx, case.objective, backend=case.backend, diagonal=case.diagonal)
-    out = DFlashStep(drafter, case.objective, plan)(
-        batch, anchor_generator(case, ctx.coords.dp_rank), selector_scale=case.selector_scale
+    plan = build_dflash_rank_plan(
+        ctx, case.objective, backend=case.backend, diagonal=case.diagonal, clean=case.clean
     )
+    step = DFlashStep(drafter, case.objective, plan)
+    out = step(batch, anchor_generator(case, ctx.coords.dp_rank), selector_scale=case.selector_scale)
     out.loss.backward()
     average_gradients(drafter.parameters(), ctx.world_comm("gradients"))
     loss = torch.tensor([out.loss_value], dtype=torch.float64, device=ctx.device)

@@ -97,17 +97,21 @@ def build_rank_plan(
     reset_positions: bool = False,
     backend: str = "tiles",
     diagonal: str = "auto",
+    clean: str = "generic",
 ) -> RankPlan:
     """Plan this rank's rows and attention (build once per shape, or once per sample's ``documents``;
     every layer reuses it). ``reset_positions`` restarts RoPE positions at each document.
     ``backend``: attention backend of every partial (auto, tiles, flex; csbp.attention.backends);
-    ``diagonal``: kernel of the noisy block diagonal (csbp.attention.diagonal)."""
+    ``diagonal``: kernel of the noisy block diagonal (csbp.attention.diagonal); ``clean``: kernel of
+    the clean-context partials (generic, pieces, pieces-cudnn; csbp.attention.flash_pieces)."""
     if not uses_clean_stream:
         plan = _single_stream_plan(
             ctx, seq_len, block_size, causal=causal, documents=documents, backend=backend, diagonal=diagonal
         )
     else:
-        plan = _two_stream_plan(ctx, seq_len, block_size, transport, window, schedule, documents, backend, diagonal)
+        plan = _two_stream_plan(
+            ctx, seq_len, block_size, transport, window, schedule, documents, backend, diagonal, clean
+        )
     if reset_positions and documents is not None:
         plan = replace(plan, rope_positions=plan.rows.pos - documents.start[plan.rows.pos])
     return plan
@@ -123,6 +127,7 @@ def _two_stream_plan(
     documents: Documents | None,
     backend: str = "tiles",
     diagonal: str = "auto",
+    clean: str = "generic",
 ) -> RankPlan:
     topology = ctx.topology
     topology.validate_sequence(seq_len, block_size)
@@ -141,6 +146,7 @@ def _two_stream_plan(
         documents=documents,
         backend=backend,
         diagonal=diagonal,
+        clean=clean,
     )
     return RankPlan(layout.rows, layout.num_noisy, layout.noisy_positions, layout.clean_positions, attention)
 
@@ -161,6 +167,7 @@ class DocumentPlanner:
     reset_positions: bool = False
     backend: str = "tiles"
     diagonal: str = "auto"
+    clean: str = "generic"
 
     def plans_for(self, doc_ids: Tensor) -> list[RankPlan]:
         """One plan per row of ``doc_ids [S', L]`` (rows with equal ids share a plan)."""
@@ -173,7 +180,7 @@ class DocumentPlanner:
                     self.ctx, self.seq_len, self.block_size, uses_clean_stream=self.uses_clean_stream,
                     causal=self.causal, transport=self.transport, window=self.window, schedule=self.schedule,
                     documents=Documents.from_doc_ids(row), reset_positions=self.reset_positions,
-                    backend=self.backend, diagonal=self.diagonal,
+                    backend=self.backend, diagonal=self.diagonal, clean=self.clean,
                 )
             out.append(plans[key])
         return out

@@ -53,6 +53,7 @@ class VerifyCase:
     seed: int = 0
     backend: str = "tiles"
     diagonal: str = "auto"  # kernel of the noisy block diagonal (csbp.attention.diagonal)
+    clean: str = "generic"  # kernel of the clean-context partials (csbp.attention.backends.CLEAN_KERNELS)
     doc_length: int | None = None  # mean length of random packed documents (document masking on)
     device: str = "cpu"
 
@@ -143,12 +144,12 @@ def _forward_backward(
     if case.doc_length is None:
         plan = build_rank_plan(
             ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
-            backend=case.backend, diagonal=case.diagonal,
+            backend=case.backend, diagonal=case.diagonal, clean=case.clean,
         )
     else:
         plan = DocumentPlanner(
             ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
-            backend=case.backend, diagonal=case.diagonal,
+            backend=case.backend, diagonal=case.diagonal, clean=case.clean,
         )
     loss, ce_sum = rank_loss(model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size)
     loss.backward()
@@ -171,7 +172,7 @@ def _worker(rank: int, world: int, case: VerifyCase) -> tuple[float, dict[str, t
 def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients for ``case``'s model and batch."""
     # the CPU reference: tiles with the batched-matmul block diagonal, whatever kernels the case runs
-    ref_case = replace(case, topology=Topology(), device="cpu", backend="tiles", diagonal="matmul")
+    ref_case = replace(case, topology=Topology(), device="cpu", backend="tiles", diagonal="matmul", clean="generic")
     return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp)
 
 

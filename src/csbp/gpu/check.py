@@ -8,17 +8,17 @@ summary table and keeps ``gpu-check.json`` current while it runs (``csbp.gpu.rep
 ==================  =========================================================================
 stage               what it runs (limit)
 ==================  =========================================================================
-``cuda-tests``      ``pytest -m cuda tests`` (200 s): kernels and transports on CUDA against the
+``cuda-tests``      ``pytest -m cuda tests`` (180 s): kernels and transports on CUDA against the
                     CPU float64 reference, bf16 tolerances, a training step of every objective on
                     one GPU over NCCL (world size 1), activation checkpointing, a DFlash drafter
                     step; pass/fail/skip counts and the slowest tests, also when cut short
 ``verify``          ``csbp verify --device cuda --nproc <min(GPUs, 4)>`` (skipped with < 2 GPUs)
 ``verify-dflash``   the same for DFlash drafter training
-``kernels``         ``csbp bench kernels`` on CUDA (120 s): one layer's attention (flex backend, bf16,
+``kernels``         ``csbp bench kernels`` on CUDA (150 s): one layer's attention (flex backend, bf16,
                     16/4 heads of 128, B = 16 and 128) at 8K-128K tokens, the decomposed form with
-                    the flex, sdpa and sdpa_fold (FlashAttention) block diagonals, the clean context as
-                    one Flex partial or as FlashAttention pieces; writes ``gpu-kernels.json`` next to
-                    ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
+                    the flex and sdpa (FlashAttention) block diagonals, the clean context as one Flex
+                    partial or as cuDNN / FlashAttention-2 pieces; writes ``gpu-kernels.json`` next
+                    to ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
                     them, or those before its limit) into the report
 ``train-table``     the single-GPU training table (``csbp.gpu.train_table``, the time left):
                     Qwen3-0.6B shape, BD3, bf16, activation checkpointing, ``--backend`` (default
@@ -280,11 +280,11 @@ def _train_table(env: CheckEnv) -> StageResult:
 
 
 STAGES: list[Stage] = [
-    command_stage("cuda-tests", "pytest -m cuda: exactness and training steps on CUDA", _cuda_tests, timeout_s=200,
+    command_stage("cuda-tests", "pytest -m cuda: exactness and training steps on CUDA", _cuda_tests, timeout_s=180,
                   report=_cuda_tests_report),
     command_stage("verify", "csbp verify --device cuda over every GPU (NCCL)", _verify("bd3"), timeout_s=150),
     command_stage("verify-dflash", "csbp verify --objective dflash --device cuda", _verify("dflash"), timeout_s=150),
-    command_stage("kernels", "csbp bench kernels on CUDA (flex, bf16, 8K-128K)", _kernels, timeout_s=120,
+    command_stage("kernels", "csbp bench kernels on CUDA (flex, bf16, 8K-128K)", _kernels, timeout_s=150,
                   report=_kernels_report),
     Stage("train-table", "single-GPU BD3 / DFlash training table (Qwen3-0.6B shape, bf16)", _train_table),
 ]

@@ -22,7 +22,7 @@ from csbp.models.config import DecoderConfig
 KERNEL_BENCH_ARGS: tuple[str, ...] = (
     "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
     "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "8192", "16384", "32768", "65536", "131072",
-    "--diagonals", "flex", "sdpa", "sdpa_fold", "--clean-kernels", "generic", "pieces", "--repeats", "2",
+    "--diagonals", "flex", "sdpa", "--clean-kernels", "generic", "pieces-cudnn", "pieces", "--repeats", "2",
 )
 """``csbp bench kernels`` options of the ``kernels`` stage on CUDA (``--json`` is added: next to
 ``gpu-check.json``)."""

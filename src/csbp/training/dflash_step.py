@@ -91,13 +91,14 @@ class DFlashStepRunner:
         features: FeatureStore | None = None,
         backend: str = "tiles",
         diagonal: str = "auto",
+        clean: str = "generic",
         eos_id: int | None = None,
         served_prompts: int = 0,
         served_new_tokens: int = 64,
     ) -> None:
         self.drafter = drafter
         self.step_fn = DFlashStep(
-            drafter, objective, build_dflash_rank_plan(ctx, objective, backend=backend, diagonal=diagonal)
+            drafter, objective, build_dflash_rank_plan(ctx, objective, backend=backend, diagonal=diagonal, clean=clean)
         )
         self.ctx = ctx
         self.device = device

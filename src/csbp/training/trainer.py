@@ -145,7 +145,7 @@ def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan | DocumentPl
             ctx, seq_len, block_size, uses_clean_stream=not single_stream, causal=obj.name == "ar",
             transport=topo.transport, window=topo.window, schedule=topo.schedule,
             reset_positions=cfg.data.reset_positions, backend=cfg.attention.backend,
-            diagonal=cfg.attention.diagonal,
+            diagonal=cfg.attention.diagonal, clean=cfg.attention.clean,
         )
     return build_rank_plan(
         ctx,
@@ -158,6 +158,7 @@ def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan | DocumentPl
         schedule=topo.schedule,
         backend=cfg.attention.backend,
         diagonal=cfg.attention.diagonal,
+        clean=cfg.attention.clean,
     )
 
 
@@ -271,6 +272,7 @@ def step_runner_for(
             features=inputs.dflash.feature_store(inputs.artifact.split("train")),
             backend=cfg.attention.backend,
             diagonal=cfg.attention.diagonal,
+            clean=cfg.attention.clean,
             eos_id=inputs.artifact.special_ids["eos"],
             served_prompts=cfg.objective.dflash.eval_prompts if cfg.objective.dflash is not None else 0,
             served_new_tokens=cfg.objective.dflash.eval_new_tokens if cfg.objective.dflash is not None else 64,

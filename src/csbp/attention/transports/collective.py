@@ -142,10 +142,11 @@ class CollectiveAttention(RingTransport[CollectivePlan]):
         remote_plan = None
         if len(remote) > 0:
             remote_plan = plan_partial(
-                rows, remote.rows, backend=self.backend, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows
+                rows, remote.rows, backend=self.backend, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
+                clean=self.clean,
             )
         local = build_local_attention_plan(
             rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
-            backend=self.backend, diagonal=self.diagonal,
+            backend=self.backend, diagonal=self.diagonal, clean=self.clean,
         )
         return CollectivePlan(spec, self.comm, local, rows, remote, remote_plan, self.causal_in_block)

@@ -23,7 +23,7 @@ from typing import ClassVar, Generic, TypeVar
 import torch
 from torch import Tensor
 
-from csbp.attention.backends import check_backend
+from csbp.attention.backends import check_backend, check_clean
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.documents import Documents
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
@@ -275,6 +275,7 @@ class RingTransport(Generic[PlanT]):
         tile_rows: query rows per kernel tile.
         backend: attention backend of the partials (``csbp.attention.backends``: auto, tiles, flex).
         diagonal: kernel of the local noisy block diagonal (``csbp.attention.diagonal``).
+        clean: kernel of the clean-context partials (``csbp.attention.backends.CLEAN_KERNELS``).
     """
 
     name: ClassVar[str]
@@ -291,10 +292,12 @@ class RingTransport(Generic[PlanT]):
         tile_rows: int = DEFAULT_TILE_ROWS,
         backend: str = "tiles",
         diagonal: str = "auto",
+        clean: str = "generic",
     ) -> None:
         check_spec_matches_layout(layout, spec, self.name)
         self.backend = check_backend(backend)
         self.diagonal = check_diagonal_backend(diagonal, backend, where="diagonal")
+        self.clean = check_clean(clean)
         self.comm = check_ring_comm(comm, spec.ring_size, spec.ring_rank, self.name)
         self.layout, self.spec = layout, spec
         self.causal_in_block, self.tile_rows = causal_in_block, tile_rows

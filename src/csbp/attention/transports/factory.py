@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from csbp.attention.backends import check_backend
+from csbp.attention.backends import check_backend, check_clean
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.documents import Documents
 from csbp.attention.layouts import RankLayout, halo_exchange_plan, window_exchange_plan
@@ -62,6 +62,7 @@ def build_attention(
     backend: str = "tiles",
     documents: Documents | None = None,
     diagonal: str = "auto",
+    clean: str = "generic",
 ) -> AttentionFn:
     """The ``AttentionFn`` of local rank ``local_rank`` over ``layout.rows``.
 
@@ -82,6 +83,8 @@ def build_attention(
         documents: packed documents the layout was built with (None: one document).
         diagonal: kernel of the noisy block diagonal (``csbp.attention.diagonal``: auto, matmul,
             sdpa, sdpa_fold, flex).
+        clean: kernel of the clean-context partials (``csbp.attention.backends.CLEAN_KERNELS``:
+            generic, pieces, pieces-cudnn).
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got transport={transport!r}")
@@ -89,16 +92,17 @@ def build_attention(
         raise ValueError(f"local_rank must be in [0, {topology.local}) for {topology}, got {local_rank}")
     check_backend(backend)
     check_diagonal_backend(diagonal, backend, where="diagonal")
+    check_clean(clean)
     kind = topology.layout
     if kind in ("data", "bp"):
         return LocalAttentionFn(
             layout.rows, num_noisy=layout.num_noisy, causal_in_block=causal_in_block, backend=backend,
-            diagonal=diagonal,
+            diagonal=diagonal, clean=clean,
         )
     cp, cp_rank = topology.cp, local_rank % topology.cp
     seq_len = _sequence_length(topology, layout)
     topology.validate_sequence(seq_len, block_size)
-    options = {"causal_in_block": causal_in_block, "backend": backend, "diagonal": diagonal}
+    options = {"causal_in_block": causal_in_block, "backend": backend, "diagonal": diagonal, "clean": clean}
     # CSBP moves only the clean rows a receiver may see whenever the mask is sparse (a window or
     # documents); with documents an explicit "streaming" keeps the bounded-memory ring instead.
     sparse = window is not None or (documents is not None and transport != "streaming")

@@ -83,10 +83,12 @@ def build_local_attention_plan(
     tile_rows: int = DEFAULT_TILE_ROWS,
     backend: str = "tiles",
     diagonal: str = "auto",
+    clean: str = "generic",
 ) -> LocalAttentionPlan:
     """Plan attention of ``rows`` (``num_noisy`` noisy rows, then clean rows) over ``key_rows``
     (default: the same rows, which enables the block-diagonal fast path of the tiles backend, and on
-    ``flex`` the decomposed form when ``diagonal`` is not ``flex``; ``csbp.attention.diagonal``)."""
+    ``flex`` the decomposed form when ``diagonal`` is not ``flex``; ``csbp.attention.diagonal``). ``clean``
+    runs the clean-key partial (``csbp.attention.backends.CLEAN_KERNELS``; with whole noisy blocks)."""
     if not 0 <= num_noisy <= len(rows):
         raise ValueError(f"num_noisy={num_noisy} must be in [0, {len(rows)}] (the number of rows)")
     if bool(rows.clean[:num_noisy].any()) or not bool(rows.clean[num_noisy:].all()):
@@ -115,7 +117,7 @@ def build_local_attention_plan(
         causal_in_block=causal_in_block,
         scale=scale,
         interval_plan=plan_partial(
-            rows, interval_keys, backend=backend, causal_in_block=causal_in_block, tile_rows=tile_rows
+            rows, interval_keys, backend=backend, causal_in_block=causal_in_block, tile_rows=tile_rows, clean=clean
         ),
         block_plan=block_plan,
     )
@@ -190,6 +192,7 @@ class LocalAttentionFn:
         tile_rows: int = DEFAULT_TILE_ROWS,
         backend: str = "tiles",
         diagonal: str = "auto",
+        clean: str = "generic",
     ) -> None:
         def build(device: torch.device) -> LocalAttentionPlan:
             return build_local_attention_plan(
@@ -201,6 +204,7 @@ class LocalAttentionFn:
                 tile_rows=tile_rows,
                 backend=backend,
                 diagonal=diagonal,
+                clean=clean,
             )
 
         self._plans = PlanCache(build, rows.pos.device)

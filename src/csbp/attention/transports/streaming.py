@@ -179,11 +179,11 @@ class StreamingAttention(RingTransport[StreamingPlan]):
             if query_index.numel() > 0:
                 tile_plan = plan_partial(
                     query_rows, key_rows, backend=self.backend, causal_in_block=self.causal_in_block,
-                    tile_rows=self.tile_rows,
+                    tile_rows=self.tile_rows, clean=self.clean,
                 )
             steps.append(RingStep(owner, query_index, query_rows, key_rows, tile_plan))
         local = build_local_attention_plan(
             rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
-            backend=self.backend, diagonal=self.diagonal,
+            backend=self.backend, diagonal=self.diagonal, clean=self.clean,
         )
         return StreamingPlan(spec, self.comm, local, tuple(steps), self.causal_in_block)

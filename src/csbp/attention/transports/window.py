@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from csbp.attention.backends import PartialPlan, check_backend, plan_partial
+from csbp.attention.backends import PartialPlan, check_backend, check_clean, plan_partial
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import RankLayout, WindowPlan, bd3_rows
@@ -123,7 +123,7 @@ class WindowAttention:
         plan: ``window_exchange_plan(...)`` of this rank's ring, same window and schedule.
         ring_rank: this rank's index in the ring (``local_rank % cp``).
         comm: ``Comm`` over the ring group.
-        causal_in_block, tile_rows, backend, diagonal: as in ``CollectiveAttention``.
+        causal_in_block, tile_rows, backend, diagonal, clean: as in ``CollectiveAttention``.
     """
 
     def __init__(
@@ -137,6 +137,7 @@ class WindowAttention:
         tile_rows: int = DEFAULT_TILE_ROWS,
         backend: str = "tiles",
         diagonal: str = "auto",
+        clean: str = "generic",
     ) -> None:
         if not 0 <= ring_rank < plan.cp:
             raise ValueError(f"ring_rank must be in [0, {plan.cp}) for this window plan, got {ring_rank}")
@@ -146,6 +147,7 @@ class WindowAttention:
         self.causal_in_block, self.tile_rows = causal_in_block, tile_rows
         self.backend = check_backend(backend)
         self.diagonal = check_diagonal_backend(diagonal, backend, where="diagonal")
+        self.clean = check_clean(clean)
         self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
 
     def _build_plan(self, device: torch.device) -> WindowAttentionPlan:
@@ -168,11 +170,11 @@ class WindowAttention:
         if len(halo_rows) > 0:
             halo_plan = plan_partial(
                 rows, exchange.halo_rows, backend=self.backend, causal_in_block=self.causal_in_block,
-                tile_rows=self.tile_rows,
+                tile_rows=self.tile_rows, clean=self.clean,
             )
         local = build_local_attention_plan(
             rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
-            backend=self.backend, diagonal=self.diagonal,
+            backend=self.backend, diagonal=self.diagonal, clean=self.clean,
         )
         return WindowAttentionPlan(exchange, self.comm, local, rows, halo_plan, self.causal_in_block)
 
