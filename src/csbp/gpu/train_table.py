@@ -12,10 +12,11 @@ Rows run shortest first inside a time budget: a row whose predicted time exceeds
 reported as skipped, never silently dropped. The prediction (``predict_row_seconds``) keeps the
 previous row's one-time costs (model build, the warmup step's compilation of a new shape) as they
 were and scales its step time by the square of the length ratio, so a first row dominated by
-compilation does not crowd out the next ones. Activation checkpointing is the trainer's ``train.activation_checkpointing``
-(``csbp.training.activation_checkpointing``); ``backend`` and ``diagonal`` are its ``attention.backend``
-and ``attention.diagonal`` (default ``auto``: flex on CUDA, tiles on the CPU, as ``csbp train`` runs),
-checked before the first row (``flex`` cannot train on the CPU).
+compilation does not crowd out the next ones. Activation checkpointing is the trainer's
+``train.activation_checkpointing`` (``csbp.training.activation_checkpointing``); ``backend`` and
+``diagonal`` are its ``attention.backend`` and ``attention.diagonal`` (default ``auto``: flex on
+CUDA, tiles on the CPU, as ``csbp train`` runs), checked before the first row (``flex`` cannot
+train on the CPU).
 
 The same code runs on the CPU at tiny sizes (the test suite's dry run); the numbers only mean
 something on a GPU.
