@@ -45,6 +45,9 @@ def test_verify_with_flash_pieces_against_the_generic_reference(capsys: pytest.C
         (["--nproc", "2", "--diagonal", "flex"], "--diagonal=flex needs attention.backend flex"),
         (["--nproc", "2", "--diagonal", "flex", "--backend", "tiles"], "--diagonal=flex needs"),
         (["--nproc", "2", "--objective", "dflash", "--diagonal", "flex"], "--diagonal=flex needs"),
+        (["--nproc", "2", "--backend", "flex"], "--backend=flex cannot train on cpu"),
+        (["--nproc", "2", "--objective", "dflash", "--backend", "flex"], "--backend=flex cannot train on cpu"),
+        (["--nproc", "2", "--objective", "dflash", "--backend", "tiles", "--diagonal", "flex"], "--diagonal=flex needs"),
         (["--nproc", "4", "--cp", "3", "--bp", "4"], "bp must be a multiple of cp"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "30"], "not a multiple of block_size=4"),
         (["--nproc", "4", "--bp", "4", "--seq-len", "12"], "bp"),
@@ -59,3 +62,42 @@ def test_verify_rejects_bad_input_before_launching(
     err = capsys.readouterr().err
     assert err.startswith("csbp: error: ") and message in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("argv", "backend", "diagonal"), [
+    ([], "tiles", "auto"),  # auto is tiles on the CPU
+    (["--backend", "tiles", "--diagonal", "sdpa_fold"], "tiles", "sdpa_fold"),
+])
+def test_verify_dflash_passes_backend_and_diagonal_to_every_case(
+    argv: list[str], backend: str, diagonal: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import csbp.dflash.verify as dflash_verify
+
+    seen = []
+
+    def fake_verify(case: dflash_verify.DFlashVerifyCase) -> dflash_verify.DFlashVerifyResult:
+        seen.append(case)
+        return dflash_verify.DFlashVerifyResult(case, 1.0, 1.0, 0.0, 0.0, "-", [0])
+
+    monkeypatch.setattr(dflash_verify, "verify_dflash", fake_verify)
+    assert main(["verify", "--nproc", "2", "--objective", "dflash", *argv]) == 0
+    assert len(seen) == 4 and all((c.backend, c.diagonal) == (backend, diagonal) for c in seen)  # every layout
+    assert f"backend={backend}" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_dflash_verify_worker_builds_its_plan_on_the_case_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layouts' draft attention runs on ``case.backend`` (one process, the worker itself)."""
+    import csbp.dflash.verify as dflash_verify
+    from csbp.dflash.step import build_dflash_rank_plan
+
+    plans = []
+
+    def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        plans.append(build_dflash_rank_plan(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(dflash_verify, "build_dflash_rank_plan", spy)
+    case = dflash_verify.DFlashVerifyCase(backend="flex", diagonal="flex", samples=1)
+    with pytest.raises(NotImplementedError, match="FlexAttention"):  # FlexAttention has no CPU backward
+        dflash_verify._worker(0, 1, case)
+    assert (plans[0].backend, plans[0].diagonal) == ("flex", "flex")

@@ -5,6 +5,7 @@ table at tiny sizes, and what ``csbp doctor`` reports for GPUs."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -26,13 +27,14 @@ from csbp.gpu.flops import (
     layer_matmul_params,
     model_flop_utilisation,
 )
+from csbp.gpu.profile import CPU_DRY_RUN, KERNEL_BENCH_ARGS
 from csbp.gpu.train_table import TableConfig, TableRow, format_train_table, run_train_table
 from csbp.models.config import DecoderConfig
 
 
 def _env(tmp_path: Path, seconds: float = 60.0) -> CheckEnv:
     return CheckEnv(gpus=1, device_name="NVIDIA H200", peak_tflops=989.0, repo=tmp_path,
-                    args=argparse.Namespace(), deadline=time.perf_counter() + seconds)
+                    args=argparse.Namespace(), deadline=time.perf_counter() + seconds, out_dir=tmp_path)
 
 
 def test_without_cuda_it_prints_one_line_and_exits_0(
@@ -45,12 +47,13 @@ def test_without_cuda_it_prints_one_line_and_exits_0(
     assert not (tmp_path / "gpu-check.json").exists()
 
 
-def test_stage_selection_and_listing(capsys: pytest.CaptureFixture[str]) -> None:
+def test_stage_selection_and_listing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     names = [stage.name for stage in check.STAGES]
     assert names[-1] == "train-table" and {"cuda-tests", "verify", "kernels"} <= set(names)
     kernels = next(s for s in check.STAGES if s.name == "kernels")
-    assert kernels.run(_env(Path("."), seconds=0.5)).summary == "no time left in the budget"
-    assert check._kernels(_env(Path(".")))[2:5] == ["csbp", "bench", "kernels"]
+    assert kernels.run(_env(tmp_path, seconds=0.5)).summary == "no time left in the budget"
+    argv = check._kernels(_env(tmp_path))
+    assert argv[2:5] == ["csbp", "bench", "kernels"] and argv[-2:] == ["--json", str(tmp_path / "gpu-kernels.json")]
     assert [s.name for s in select_stages(["train-table", "cuda-tests"])] == ["cuda-tests", "train-table"]
     assert select_stages(None) == check.STAGES
     with pytest.raises(ValueError, match=r"unknown or no stage\(s\) \['kernel'\]"):
@@ -64,11 +67,13 @@ def test_stage_selection_and_listing(capsys: pytest.CaptureFixture[str]) -> None
 def test_kernels_stage_options_parse_and_compare_both_block_diagonal_kernels() -> None:
     from csbp.cli.main import build_parser
 
-    args = build_parser().parse_args(["bench", "kernels", *check.KERNEL_BENCH_ARGS])
+    args = build_parser().parse_args(["bench", "kernels", *KERNEL_BENCH_ARGS])
     assert (args.device, args.backends, args.dtype) == ("cuda", ["flex"], "bfloat16")
     assert args.diagonals == ["flex", "sdpa"] and args.block_sizes == [16, 128]
     assert args.clean_kernels == ["generic", "pieces-cudnn", "pieces"]
-    assert args.seq_lens == [8192, 16384, 32768, 65536, 131072] and str(args.json) == "gpu-kernels.json"
+    assert args.seq_lens == [8192, 16384, 32768, 65536, 131072] and args.json is None  # the stage adds it
+    dry = build_parser().parse_args(["bench", "kernels", *CPU_DRY_RUN.kernels])
+    assert (dry.device, dry.backends) == ("cpu", ["tiles"])
 
 
 def test_command_stages_report_status_summary_and_skips(tmp_path: Path) -> None:
@@ -107,7 +112,7 @@ def test_main_runs_the_stages_writes_json_and_prints_the_table(
     out = capsys.readouterr().out
     assert "bf16 peak 989.0 TFLOP/s" in out and "broke" in out and "10.0%" in out
     payload = json.loads(path.read_text())
-    assert payload["ok"] is False and payload["device"]["name"] == "NVIDIA H200"
+    assert payload["ok"] is False and payload["complete"] is True and payload["device"]["name"] == "NVIDIA H200"
     assert [s["name"] for s in payload["stages"]] == ["a", "b", "c"] and payload["stages"][1]["summary"] == "broke"
     assert payload["stages"][2]["summary"] == "ZeroDivisionError: division by zero"
 
@@ -203,6 +208,8 @@ def test_doctor_reports_nccl_bf16_and_flex_attention() -> None:
 def test_train_table_stage_passes_the_options_and_the_remaining_budget(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from csbp.gpu import train_table
+
     seen: dict[str, object] = {}
 
     def fake_table(cfg: TableConfig, device: torch.device, *, progress) -> list[TableRow]:  # noqa: ANN001
@@ -213,7 +220,7 @@ def test_train_table_stage_passes_the_options_and_the_remaining_budget(
             progress(row)
         return rows
 
-    monkeypatch.setattr(check, "run_train_table", fake_table)
+    monkeypatch.setattr(train_table, "run_train_table", fake_table)
     args = check.build_parser().parse_args(["--train-seq-lens", "8192", "16384", "--dflash-seq-len", "0"])
     env = CheckEnv(gpus=1, device_name="x", peak_tflops=989.0, repo=tmp_path, args=args,
                    deadline=time.perf_counter() + 100.0)
@@ -222,7 +229,43 @@ def test_train_table_stage_passes_the_options_and_the_remaining_budget(
     assert isinstance(cfg, TableConfig) and cfg.seq_lens == (8192, 16384) and cfg.dflash_seq_len is None
     assert cfg.activation_checkpointing == "full" and cfg.peak_tflops == 989.0
     assert 80.0 < cfg.budget_s <= 100.0 - check.TRAIN_TABLE_RESERVE_S
-    assert (result.status, result.summary) == ("failed", "1 of 2 rows measured")  # an OOM row fails the stage
+    assert (result.status, result.summary) == ("failed", "1 of 2 rows measured (flex backend)")  # OOM fails it
+    assert (cfg.backend, cfg.diagonal) == ("auto", "auto")
     assert "out of memory" in capsys.readouterr().out
     late = CheckEnv(gpus=1, device_name="x", peak_tflops=None, repo=tmp_path, args=args, deadline=time.perf_counter())
     assert check._train_table(late).status == "skipped"
+
+
+def test_training_table_runs_on_the_configured_backend_and_diagonal(monkeypatch: pytest.MonkeyPatch) -> None:
+    from csbp.gpu import train_table
+
+    tiny = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    seen: list[tuple[str, str]] = []
+    for name in ("build_rank_plan", "build_dflash_rank_plan"):
+        real = getattr(train_table, name)
+
+        def spy(*args, _real=real, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            seen.append((kwargs["backend"], kwargs["diagonal"]))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(train_table, name, spy)
+    cfg = TableConfig(seq_lens=(32,), block_size=4, model=tiny, activation_checkpointing="none", backend="tiles",
+                      diagonal="sdpa", dflash_seq_len=32, dflash_anchors=2, dflash_draft_layers=1, warmup=0, repeats=1)
+    rows = run_train_table(cfg, torch.device("cpu"))
+    assert [row.status for row in rows] == ["ok (1 timed)"] * 2
+    assert seen == [("tiles", "sdpa"), ("tiles", "sdpa")]
+    with pytest.raises(ValueError, match="backend=flex cannot train on cpu"):
+        run_train_table(dataclasses.replace(cfg, backend="flex"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="diagonal=flex needs attention.backend flex"):
+        run_train_table(dataclasses.replace(cfg, backend="auto", diagonal="flex"), torch.device("cpu"))
+
+
+def test_row_prediction_keeps_one_time_costs_and_scales_the_steps() -> None:
+    from csbp.gpu.train_table import predict_row_seconds
+
+    cfg = TableConfig(warmup=1, repeats=2, long_step_s=20.0)
+    # 8K: 40 s in all, 0.5 s steps (so ~39 s of model build and compilation) -> 16K: 39 + 3 * 2 s
+    assert predict_row_seconds(8192, 40.0, 0.5, 16384, cfg) == pytest.approx(39.0 + 3 * 2.0)
+    assert predict_row_seconds(8192, 40.0, 6.0, 16384, cfg) == pytest.approx(28.0 + 24.0)  # a long step ends the row
+    assert predict_row_seconds(8192, 10.0, None, 16384, cfg) == pytest.approx(40.0)  # nothing measured: all scales

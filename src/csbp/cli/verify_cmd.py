@@ -120,7 +120,8 @@ def run_verify(args: argparse.Namespace) -> int:
         case.topology.validate_sequence(case.seq_len, case.block_size)
     documents = "" if args.doc_length is None else f" doc_length={args.doc_length} (document mask)"
     device = "" if args.device == "cpu" else f" device={args.device}"
-    print(f"csbp verify: L={args.seq_len} B={args.block_size} dtype={args.dtype} nproc={args.nproc}{documents}{device}")
+    print(f"csbp verify: L={args.seq_len} B={args.block_size} dtype={args.dtype} nproc={args.nproc} backend={backend}"
+          f"{documents}{device}")
     header = f"{'layout':<8} {'topology':<12} {'detail':<12} {'loss rel err':>13} {'grad rel err':>13}  status"
     print(header)
     print("-" * len(header))
@@ -147,12 +148,14 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
             "--objective dflash verifies full attention with the collective transport in float64 (its "
             "contexts always stop at the anchor's document start): drop --window/--transport/--dtype/--doc-length"
         )
-    check_diagonal_backend(args.diagonal, "tiles", where="--diagonal")  # the drafter layouts run on tiles
+    backend = check_backend_trains_on(args.backend, args.device, where="--backend")  # as for bd3
+    check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     topologies = _requested_topologies(args)
     for t in topologies:  # fail closed before launching anything
         if t.cp > 1 and args.seq_len % (2 * t.cp):
             raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2*cp={2 * t.cp} for DFlash context shards")
-    print(f"csbp verify (dflash): L={args.seq_len} dtype=float64 nproc={args.nproc}")
+    device = "" if args.device == "cpu" else f" device={args.device}"
+    print(f"csbp verify (dflash): L={args.seq_len} dtype=float64 nproc={args.nproc} backend={backend}{device}")
     header = f"{'layout':<8} {'topology':<12} {'loss rel err':>13} {'grad rel err':>13}  status"
     print(header)
     print("-" * len(header))
@@ -160,8 +163,8 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     for t in topologies:
         objective = DFlashObjectiveConfig(max_anchors=max(6, t.bp), gamma=7.0)
         case = DFlashVerifyCase(topology=t, objective=objective, seq_len=args.seq_len,
-                                samples=args.samples, seed=args.seed, device=args.device, diagonal=args.diagonal,
-                                clean=args.clean)
+                                samples=args.samples, seed=args.seed, device=args.device, backend=backend,
+                                diagonal=args.diagonal, clean=args.clean)
         result = verify_dflash(case)
         status = "ok" if result.ok else f"FAIL (tol {result.tolerance:g}, worst {result.worst_param})"
         failed += not result.ok

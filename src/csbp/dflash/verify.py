@@ -65,6 +65,7 @@ class DFlashVerifyCase:
     samples: int = 2
     seed: int = 0
     device: str = "cpu"  # where the layouts run (the reference always runs on the CPU)
+    backend: str = "tiles"  # attention backend of the layouts' draft layers (csbp.attention.backends)
     diagonal: str = "auto"  # block-diagonal kernel of the layouts' draft blocks (csbp.attention.diagonal)
     clean: str = "generic"  # kernel of the draft blocks over the context (csbp.attention.backends.CLEAN_KERNELS)
 
@@ -138,7 +139,9 @@ def _worker(
     _, drafter = build_models(case, device=ctx.device)
     full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed)
     batch = replica_batch(full, ctx.coords.dp_rank, case.samples)
-    plan = build_dflash_rank_plan(ctx, case.objective, diagonal=case.diagonal, clean=case.clean)
+    plan = build_dflash_rank_plan(
+        ctx, case.objective, backend=case.backend, diagonal=case.diagonal, clean=case.clean
+    )
     step = DFlashStep(drafter, case.objective, plan)
     out = step(batch, anchor_generator(case, ctx.coords.dp_rank), selector_scale=case.selector_scale)
     out.loss.backward()

@@ -1,56 +1,85 @@
 """``make gpu-check`` (``python -m csbp.gpu.check``): the one-command device check.
 
-Runs a list of stages on the visible GPUs within a total time budget (default 450 s, under the
-8 minutes the issue allows on one H200), prints one summary table and writes ``gpu-check.json``:
+Runs a list of stages on the visible GPUs within a total time budget (default 440 s from the
+process's start; with the watchdog's 10 s grace the check ends within 7.5 minutes of wall time,
+which leaves a 15-minute device lease the machine's start and one rerun of a stage), prints one
+summary table and keeps ``gpu-check.json`` current while it runs (``csbp.gpu.report``):
 
 ==================  =========================================================================
-stage               what it runs
+stage               what it runs (limit)
 ==================  =========================================================================
-``cuda-tests``      ``pytest -m cuda tests``: kernels and transports on CUDA against the CPU
-                    float64 reference, bf16 tolerances, a training step of every objective on one
-                    GPU over NCCL (world size 1), activation checkpointing, a DFlash drafter step
+``cuda-tests``      ``pytest -m cuda tests`` (180 s): kernels and transports on CUDA against the
+                    CPU float64 reference, bf16 tolerances, a training step of every objective on
+                    one GPU over NCCL (world size 1), activation checkpointing, a DFlash drafter
+                    step; pass/fail/skip counts and the slowest tests, also when cut short
 ``verify``          ``csbp verify --device cuda --nproc <min(GPUs, 4)>`` (skipped with < 2 GPUs)
 ``verify-dflash``   the same for DFlash drafter training
-``kernels``         ``csbp bench kernels`` on CUDA: one layer's attention (flex backend, bf16, 16/4
-                    heads of 128, B = 16 and 128) at 8K-128K tokens, the decomposed form with the
-                    flex and sdpa (FlashAttention) block diagonals, the clean context as one Flex
-                    partial or as cuDNN / FlashAttention-2 pieces; writes ``gpu-kernels.json``
-                    row by row (a stage cut short keeps the rows it measured)
-``train-table``     the single-GPU training table (``csbp.gpu.train_table``): Qwen3-0.6B shape,
-                    BD3, bf16, activation checkpointing, 8K-64K tokens; DFlash at 64K, 512 anchors
+``kernels``         ``csbp bench kernels`` on CUDA (150 s): one layer's attention (flex backend, bf16,
+                    16/4 heads of 128, B = 16 and 128) at 8K-128K tokens, the decomposed form with
+                    the flex and sdpa (FlashAttention) block diagonals, the clean context as one Flex
+                    partial or as cuDNN / FlashAttention-2 pieces; writes ``gpu-kernels.json`` next
+                    to ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
+                    them, or those before its limit) into the report
+``train-table``     the single-GPU training table (``csbp.gpu.train_table``, the time left):
+                    Qwen3-0.6B shape, BD3, bf16, activation checkpointing, ``--backend`` (default
+                    auto: flex on CUDA), 8K-64K tokens; DFlash at 64K, 512 anchors; each row is in
+                    ``gpu-check.json`` as soon as it is measured
 ==================  =========================================================================
+
+``--dry-run-cpu`` runs every stage on the CPU at tiny sizes instead (``csbp.gpu.profile``: the
+CUDA test bodies with ``CSBP_CUDA_TESTS_DEVICE=cpu``, a stand-in of 2 GPUs for the verify stages,
+the kernel benchmark on tiles, a two-layer training table), in about half a minute: it tests the
+check's own code where no GPU is lent, and measures nothing.
 
 Extending it: append a ``Stage`` to ``STAGES`` (before ``train-table``, which takes the time that
 is left). A stage is a name, a one-line help and ``run(env) -> StageResult``; ``command_stage``
 builds one from a command line (e.g. ``csbp bench ...``), so a new benchmark is one entry.
 
-Without CUDA it prints one line saying so and exits 0. The exit status is 1 when a stage failed.
+Without CUDA it prints one line saying so and exits 0; with a dependency missing (a device
+image's Python without pydantic) one line saying how to bring it and exits 2
+(``csbp.gpu.preflight``). The exit status is 1 when a stage failed.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 
-import torch
+STARTED = time.perf_counter()  # the budget counts from here, before torch's import
 
-from csbp.bench.common import write_json_atomic
-from csbp.gpu.flops import gpu_bf16_peak_tflops
-from csbp.gpu.train_table import TableConfig, TableRow, format_train_table, rows_as_dicts, run_train_table
+import sys  # noqa: E402
 
+from csbp.gpu.preflight import report_missing  # noqa: E402 - standard library only
+
+if __name__ == "__main__" and (_status := report_missing()) is not None:
+    sys.exit(_status)  # before importing torch: a missing torch gets the same one line
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from csbp.gpu.flops import gpu_bf16_peak_tflops  # noqa: E402
+from csbp.gpu.profile import CPU_DRY_RUN, CUDA, CheckProfile  # noqa: E402
+from csbp.gpu.report import CheckReport, StageResult, kill_process_group, start_watchdog  # noqa: E402
+
+DEFAULT_BUDGET_S = 440.0
+WATCHDOG_GRACE_S = 10.0
+"""Seconds past the budget before the watchdog ends the process (command stages end by the budget)."""
 TRAIN_TABLE_RESERVE_S = 15.0
 """Seconds of the total budget kept back from the training table for writing the outputs."""
 
 
 @dataclass(frozen=True)
 class CheckEnv:
-    """What stages may use: the machine, the options and the time left."""
+    """What stages may use: the machine, the options, the time left, the profile and the report."""
 
     gpus: int
     device_name: str
@@ -58,20 +87,16 @@ class CheckEnv:
     repo: Path
     args: argparse.Namespace
     deadline: float  # time.perf_counter() value the whole check must end by
+    profile: CheckProfile = CUDA
+    out_dir: Path = Path(".")  # where gpu-check.json and gpu-kernels.json go
+    report: CheckReport | None = None
 
     def seconds_left(self) -> float:
         return self.deadline - time.perf_counter()
 
-
-@dataclass(frozen=True)
-class StageResult:
-    """The outcome of one stage: ``status`` is ``ok``, ``failed`` or ``skipped``; ``summary`` one line."""
-
-    name: str
-    status: str
-    seconds: float
-    summary: str
-    details: dict[str, object] = field(default_factory=dict)
+    def progress(self, **details: object) -> None:
+        if self.report is not None:
+            self.report.progress(**details)
 
 
 @dataclass(frozen=True)
@@ -85,15 +110,26 @@ def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
+def _last_line(text: str) -> str:
+    return next((line.strip() for line in reversed(text.strip().splitlines()) if line.strip()), "")
+
+
+Report = Callable[[CheckEnv, StageResult, str], StageResult]
+"""A command stage's post-processing: ``(env, result, full output) -> result`` with more details."""
+
+
 def command_stage(
     name: str,
     help: str,
     argv: Callable[[CheckEnv], list[str] | str],
     *,
     timeout_s: float,
+    report: Report | None = None,
 ) -> Stage:
     """A stage running the command ``argv(env)`` in the repository root (``ok`` when it exits 0);
-    ``argv`` returns a string instead to skip the stage with that reason."""
+    ``argv`` returns a string instead to skip the stage with that reason. The command runs in its
+    own process group with the profile's environment; at its limit the whole group is killed (a
+    launcher's workers too) and ``report`` still sees what it printed."""
 
     def run(env: CheckEnv) -> StageResult:
         command = argv(env)
@@ -103,18 +139,23 @@ def command_stage(
         if limit <= 1:
             return StageResult(name, "skipped", 0.0, "no time left in the budget")
         start = time.perf_counter()
+        child_env = {**os.environ, **env.profile.child_env, "PYTHONUNBUFFERED": "1"}
+        process = subprocess.Popen(command, cwd=env.repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=child_env, start_new_session=True)
+        children = env.report.children if env.report is not None else set()
+        children.add(process.pid)
         try:
-            done = subprocess.run(command, cwd=env.repo, capture_output=True, text=True, timeout=limit)
-        except subprocess.TimeoutExpired as expired:
-            output = (expired.stdout or "") + (expired.stderr or "")
-            output = output.decode() if isinstance(output, bytes) else output
-            return StageResult(name, "failed", time.perf_counter() - start, f"timed out after {limit:.0f} s",
-                               {"command": command, "output_tail": _tail(output)})
-        output = done.stdout + done.stderr
-        last = next((line for line in reversed(output.strip().splitlines()) if line.strip()), "")
-        status = "ok" if done.returncode == 0 else "failed"
-        return StageResult(name, status, time.perf_counter() - start, last.strip(),
-                           {"command": command, "returncode": done.returncode, "output_tail": _tail(output)})
+            output, _ = process.communicate(timeout=limit)
+            status, summary = ("ok" if process.returncode == 0 else "failed"), _last_line(output)
+        except subprocess.TimeoutExpired:
+            kill_process_group(process.pid)
+            output, _ = process.communicate()
+            status, summary = "failed", f"timed out after {limit:.0f} s"
+        finally:
+            children.discard(process.pid)
+        details = {"command": command, "returncode": process.returncode, "output_tail": _tail(output)}
+        result = StageResult(name, status, time.perf_counter() - start, summary, details)
+        return result if report is None else report(env, result, output)
 
     return Stage(name, help, run)
 
@@ -122,7 +163,36 @@ def command_stage(
 def _cuda_tests(env: CheckEnv) -> list[str] | str:
     if not (env.repo / "tests").is_dir():
         return f"no tests/ directory under {env.repo} (run from a csbp checkout)"
-    return [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests"]
+    # -vv with the project's addopts (-q): one line per test, so a run cut short still says what passed;
+    # a test module that does not import on the device image must not stop the CUDA tests of the others
+    return [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "-vv", "--durations=15",
+            "--continue-on-collection-errors", *env.profile.cuda_tests]
+
+
+_PYTEST_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+
+
+def pytest_counts(output: str) -> tuple[dict[str, int], list[str]]:
+    """Outcome counts of a verbose pytest run's per-test lines, and the failed or erroring tests."""
+    counts: dict[str, int] = {}
+    failed: list[str] = []
+    for line in output.splitlines():
+        match = _PYTEST_LINE.match(line)
+        if match:
+            test, outcome = match.groups()
+            counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
+            if outcome in ("FAILED", "ERROR"):
+                failed.append(test)
+    return counts, failed
+
+
+def _cuda_tests_report(env: CheckEnv, result: StageResult, output: str) -> StageResult:
+    counts, failed = pytest_counts(output)
+    summary = result.summary
+    if summary.startswith("timed out"):  # cut short: say how far it got
+        ran = ", ".join(f"{n} {outcome}" for outcome, n in counts.items()) or "no test finished"
+        summary = f"{summary}; {ran} before the limit"
+    return dataclasses.replace(result, summary=summary, details={**result.details, "counts": counts, "failed": failed})
 
 
 def _verify(objective: str) -> Callable[[CheckEnv], list[str] | str]:
@@ -130,26 +200,51 @@ def _verify(objective: str) -> Callable[[CheckEnv], list[str] | str]:
         if env.gpus < 2:
             return f"needs at least 2 GPUs, {env.gpus} visible"
         nproc = min(env.gpus, 4)  # every layout of up to 4 ranks; more GPUs add launches, not coverage
-        return [sys.executable, "-m", "csbp", "verify", "--device", "cuda", "--nproc", str(nproc),
-                "--objective", objective]
+        return [sys.executable, "-m", "csbp", "verify", "--device", env.profile.device, "--nproc", str(nproc),
+                "--objective", objective, *env.profile.verify]
 
     return argv
 
 
-KERNEL_BENCH_ARGS: tuple[str, ...] = (
-    "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
-    "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "8192", "16384", "32768", "65536", "131072",
-    "--diagonals", "flex", "sdpa", "--clean-kernels", "generic", "pieces-cudnn", "pieces", "--repeats", "2",
-    "--json", "gpu-kernels.json",
-)
-"""``csbp bench kernels`` options of the ``kernels`` stage."""
+def _kernels_json(env: CheckEnv) -> Path:
+    return env.out_dir / "gpu-kernels.json"
 
 
 def _kernels(env: CheckEnv) -> list[str]:
-    return [sys.executable, "-m", "csbp", "bench", "kernels", *KERNEL_BENCH_ARGS]
+    _kernels_json(env).unlink(missing_ok=True)  # rows of an earlier run must not pass for this one's
+    return [sys.executable, "-m", "csbp", "bench", "kernels", *env.profile.kernels, "--json", str(_kernels_json(env))]
+
+
+def summarize_kernel_rows(rows: list[dict[str, object]]) -> str:
+    """One line: rows measured, the best rate relative to dense SDPA, and the decomposed/mixed range."""
+    def values(key: str, forms: tuple[str, ...]) -> list[float]:
+        found = (float(r[key]) for r in rows if r.get("form") in forms)  # type: ignore[arg-type]
+        return [v for v in found if math.isfinite(v)]
+
+    vs_dense = values("vs_dense", ("mixed", "decomposed", "diagonal"))
+    speedups = values("decomposed_speedup", ("decomposed",))
+    parts = [f"{len(rows)} rows"]
+    if vs_dense:
+        parts.append(f"best {max(vs_dense):.2f}x dense SDPA's rate")
+    if speedups:
+        parts.append(f"decomposed/mixed {min(speedups):.2f}-{max(speedups):.2f}x")
+    return ", ".join(parts)
+
+
+def _kernels_report(env: CheckEnv, result: StageResult, output: str) -> StageResult:
+    path = _kernels_json(env)
+    rows = json.loads(path.read_text()) if path.exists() else []
+    summary = summarize_kernel_rows(rows)
+    if result.status != "ok":
+        summary = f"{result.summary}; {summary} before that"
+    return dataclasses.replace(result, summary=summary, details={**result.details, "json": str(path), "rows": rows})
 
 
 def _train_table(env: CheckEnv) -> StageResult:
+    # imported here, not at the top: the trainer needs pydantic, which the preflight checks first
+    from csbp.attention.backends import resolve_backend
+    from csbp.gpu.train_table import TableConfig, TableRow, format_train_table, rows_as_dicts, run_train_table
+
     args = env.args
     budget = env.seconds_left() - TRAIN_TABLE_RESERVE_S
     if budget <= 0:
@@ -157,31 +252,40 @@ def _train_table(env: CheckEnv) -> StageResult:
     cfg = TableConfig(
         seq_lens=tuple(args.train_seq_lens),
         activation_checkpointing=args.activation_checkpointing,
+        backend=args.backend,
+        diagonal=args.diagonal,
         dflash_seq_len=args.dflash_seq_len or None,
         dflash_anchors=args.dflash_anchors,
         repeats=args.repeats,
         budget_s=budget,
         peak_tflops=env.peak_tflops,
     )
-    start = time.perf_counter()
+    cfg = dataclasses.replace(cfg, **env.profile.table)  # type: ignore[arg-type]
+    device = torch.device("cuda", 0) if env.profile.device == "cuda" else torch.device(env.profile.device)
+    start, measured_rows = time.perf_counter(), []
+
     def progress(row: TableRow) -> None:
         print("   " + format_train_table([row]).splitlines()[-1], flush=True)
+        measured_rows.append(row)
+        env.progress(rows=rows_as_dicts(measured_rows), table=format_train_table(measured_rows))
 
-    rows = run_train_table(cfg, torch.device("cuda", 0), progress=progress)
+    rows = run_train_table(cfg, device, progress=progress)
     measured = sum(row.status.startswith("ok") for row in rows)
     failed = any(row.status.startswith(("out of memory", "error")) for row in rows)
     return StageResult(
         "train-table", "failed" if failed else "ok", time.perf_counter() - start,
-        f"{measured} of {len(rows)} rows measured",
+        f"{measured} of {len(rows)} rows measured ({resolve_backend(cfg.backend, device)} backend)",
         {"rows": rows_as_dicts(rows), "table": format_train_table(rows)},
     )
 
 
 STAGES: list[Stage] = [
-    command_stage("cuda-tests", "pytest -m cuda: exactness and training steps on CUDA", _cuda_tests, timeout_s=240),
+    command_stage("cuda-tests", "pytest -m cuda: exactness and training steps on CUDA", _cuda_tests, timeout_s=180,
+                  report=_cuda_tests_report),
     command_stage("verify", "csbp verify --device cuda over every GPU (NCCL)", _verify("bd3"), timeout_s=150),
     command_stage("verify-dflash", "csbp verify --objective dflash --device cuda", _verify("dflash"), timeout_s=150),
-    command_stage("kernels", "csbp bench kernels on CUDA (flex, bf16, 8K-128K)", _kernels, timeout_s=150),
+    command_stage("kernels", "csbp bench kernels on CUDA (flex, bf16, 8K-128K)", _kernels, timeout_s=150,
+                  report=_kernels_report),
     Stage("train-table", "single-GPU BD3 / DFlash training table (Qwen3-0.6B shape, bf16)", _train_table),
 ]
 """The stages in run order; ``train-table`` last, it takes the time that is left."""
@@ -209,15 +313,6 @@ def format_summary(results: Sequence[StageResult]) -> str:
     return "\n".join(lines)
 
 
-def report(env_info: dict[str, object], results: Sequence[StageResult]) -> dict[str, object]:
-    """The ``gpu-check.json`` payload."""
-    return {
-        "device": env_info,
-        "ok": all(r.status != "failed" for r in results),
-        "stages": [dataclasses.asdict(r) for r in results],
-    }
-
-
 def no_cuda_message() -> str | None:
     """The one line printed when there is nothing to check, else None."""
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
@@ -227,21 +322,44 @@ def no_cuda_message() -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from csbp.attention.backends import BACKENDS
+    from csbp.attention.diagonal import DIAGONALS
+
     parser = argparse.ArgumentParser(prog="python -m csbp.gpu.check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", nargs="+", default=None, help="run only these stages (default: all)")
     parser.add_argument("--list", action="store_true", help="list the stages and exit")
-    parser.add_argument("--json", type=Path, default=Path("gpu-check.json"))
-    parser.add_argument("--budget-s", type=float, default=450.0, help="total time budget (default 450 s)")
+    parser.add_argument("--json", type=Path, default=Path("gpu-check.json"),
+                        help="the report (gpu-kernels.json goes next to it)")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                        help=f"total time budget from the process's start (default {DEFAULT_BUDGET_S:.0f} s)")
     parser.add_argument("--train-seq-lens", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
     parser.add_argument("--dflash-seq-len", type=int, default=65536, help="0 to skip the DFlash row")
     parser.add_argument("--dflash-anchors", type=int, default=512)
     parser.add_argument("--activation-checkpointing", choices=("none", "full"), default="full")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="attention backend of the training table (auto: flex on CUDA)")
+    parser.add_argument("--diagonal", choices=DIAGONALS, default="auto",
+                        help="block-diagonal kernel of the training table (csbp.attention.diagonal)")
     parser.add_argument("--repeats", type=int, default=2, help="timed steps per training-table row")
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak (default: by GPU name)")
+    parser.add_argument("--dry-run-cpu", action="store_true",
+                        help="run every stage on the CPU at tiny sizes: tests the check's code, measures nothing")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _machine(args: argparse.Namespace, profile: CheckProfile) -> tuple[int, str, float | None]:
+    """``(GPUs the stages see, device name, bf16 peak)``."""
+    if profile.stand_in_gpus is not None:
+        return profile.stand_in_gpus, "cpu (dry run)", args.peak_tflops or 1.0  # 1.0: MFU gets formatted
+    name = torch.cuda.get_device_name(0)
+    peak = args.peak_tflops if args.peak_tflops is not None else gpu_bf16_peak_tflops(name)
+    return torch.cuda.device_count(), name, peak
+
+
+def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> int:
+    """The check; its budget counts from ``started`` (the process's start when run as a module, else
+    this call)."""
+    started = time.perf_counter() if started is None else started
     args = build_parser().parse_args(argv)
     try:
         stages = select_stages(args.stages)
@@ -252,41 +370,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         for stage in STAGES:
             print(f"{stage.name:<16} {stage.help}")
         return 0
-    message = no_cuda_message()
+    status = report_missing()
+    if status is not None:
+        return status
+    profile = CPU_DRY_RUN if args.dry_run_cpu else CUDA
+    message = None if args.dry_run_cpu else no_cuda_message()
     if message is not None:
         print(message)
         return 0
-    name = torch.cuda.get_device_name(0)
-    peak = args.peak_tflops if args.peak_tflops is not None else gpu_bf16_peak_tflops(name)
-    env = CheckEnv(
-        gpus=torch.cuda.device_count(), device_name=name, peak_tflops=peak, repo=Path.cwd(), args=args,
-        deadline=time.perf_counter() + args.budget_s,
-    )
-    print(f"gpu-check: {env.gpus} x {name} (bf16 peak {peak} TFLOP/s), budget {args.budget_s:.0f} s", flush=True)
-    results = []
+    gpus, name, peak = _machine(args, profile)
+    info = {"gpus": gpus, "name": name, "bf16_peak_tflops": peak, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "python": sys.version.split()[0], "dry_run": args.dry_run_cpu}
+    report = CheckReport(args.json, info, budget_s=args.budget_s, started=started)
+    env = CheckEnv(gpus=gpus, device_name=name, peak_tflops=peak, repo=Path.cwd(), args=args,
+                   deadline=started + args.budget_s, profile=profile, out_dir=args.json.parent, report=report)
+    print(f"gpu-check: {gpus} x {name} (bf16 peak {peak} TFLOP/s), torch {torch.__version__}, budget "
+          f"{args.budget_s:.0f} s ({env.seconds_left():.0f} s left){', CPU dry run' if args.dry_run_cpu else ''}",
+          flush=True)
+    report.write()  # the device alone: a crash in the first stage still leaves a report
+    watchdog = start_watchdog(env.seconds_left() + WATCHDOG_GRACE_S, report)
     for stage in stages:
         print(f"== {stage.name}: {stage.help}", flush=True)
-        started = time.perf_counter()
+        report.begin(stage.name)
+        stage_start = time.perf_counter()
         try:
             result = stage.run(env)
         except Exception as exc:  # noqa: BLE001 - report it and still write gpu-check.json
             first_line = (str(exc).splitlines() or [""])[0]
-            result = StageResult(stage.name, "failed", time.perf_counter() - started,
+            result = StageResult(stage.name, "failed", time.perf_counter() - stage_start,
                                  f"{type(exc).__name__}: {first_line}")
         print(f"   {result.status} in {result.seconds:.1f} s: {result.summary}", flush=True)
         if result.status == "failed" and result.details.get("output_tail"):
             print("   " + str(result.details["output_tail"]).replace("\n", "\n   "), flush=True)
-        results.append(result)
-    info = {"gpus": env.gpus, "name": name, "bf16_peak_tflops": peak, "torch": torch.__version__,
-            "cuda": torch.version.cuda}
-    write_json_atomic(args.json, report(info, results))
-    print(format_summary(results))
-    for result in results:
+        report.finish(result)
+    watchdog.cancel()
+    report.complete()
+    print(format_summary(report.results))
+    for result in report.results:
         if "table" in result.details:
             print(result.details["table"])
-    print(f"wrote {args.json}")
-    return 0 if all(r.status != "failed" for r in results) else 1
+    print(f"wrote {args.json}" + (f" and {env.out_dir / 'gpu-kernels.json'}" if any(
+        s.name == "kernels" for s in stages) else ""))
+    return 0 if all(r.status != "failed" for r in report.results) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(started=STARTED))

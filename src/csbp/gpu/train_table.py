@@ -8,10 +8,15 @@ clean tokens per second (``L`` per sample; BD3 processes ``2L`` rows), achieved 
 FLOP utilisation against the GPU's dense bf16 peak (``csbp.gpu.flops``), and the peak memory
 (``torch.cuda.max_memory_allocated``; on the CPU, the growth of the resident set).
 
-Rows run shortest first inside a time budget: a row whose predicted time (the previous row's,
-scaled by the square of the length ratio) exceeds what is left is reported as skipped, never
-silently dropped. Activation checkpointing is the trainer's ``train.activation_checkpointing``
-(``csbp.training.activation_checkpointing``).
+Rows run shortest first inside a time budget: a row whose predicted time exceeds what is left is
+reported as skipped, never silently dropped. The prediction (``predict_row_seconds``) keeps the
+previous row's one-time costs (model build, the warmup step's compilation of a new shape) as they
+were and scales its step time by the square of the length ratio, so a first row dominated by
+compilation does not crowd out the next ones. Activation checkpointing is the trainer's
+``train.activation_checkpointing`` (``csbp.training.activation_checkpointing``); ``backend`` and
+``diagonal`` are its ``attention.backend`` and ``attention.diagonal`` (default ``auto``: flex on
+CUDA, tiles on the CPU, as ``csbp train`` runs), checked before the first row (``flex`` cannot
+train on the CPU).
 
 The same code runs on the CPU at tiny sizes (the test suite's dry run); the numbers only mean
 something on a GPU.
@@ -27,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from csbp.attention.backends import check_backend_trains_on
+from csbp.attention.diagonal import check_diagonal_backend
 from csbp.bench.measure import PeakMemory
 from csbp.devices import tensors_to
 from csbp.dflash.anchors import segment_starts
@@ -56,6 +63,8 @@ class TableConfig:
     model: DecoderConfig = QWEN3_0_6B
     precision: str = "bf16"
     activation_checkpointing: str = "full"
+    backend: str = "auto"
+    diagonal: str = "auto"
     dflash_seq_len: int | None = 65536
     dflash_anchors: int = 512
     dflash_draft_layers: int = 5
@@ -139,7 +148,9 @@ def bd3_step_fn(cfg: TableConfig, seq_len: int, device: torch.device) -> tuple[S
     """A BD3 training step of the table's model at ``seq_len`` and the checkpointing applied."""
     model = Decoder(cfg.model, dtype=torch.float32, device=device, seed=cfg.seed)
     checkpoint_layers(model.layers, cfg.activation_checkpointing)  # type: ignore[arg-type]
-    plan = build_rank_plan(single_process_context(device), seq_len, cfg.block_size)
+    plan = build_rank_plan(
+        single_process_context(device), seq_len, cfg.block_size, backend=cfg.backend, diagonal=cfg.diagonal
+    )
     mask_token_id = cfg.model.vocab_size - 1
     objective = build_objective("bd3", mask_token_id=mask_token_id, block_size=cfg.block_size)
     optimizer = _optimizer(model, device)
@@ -176,7 +187,8 @@ def dflash_step_fn(cfg: TableConfig, device: torch.device) -> tuple[StepFn, str,
     checkpoint_layers(drafter.layers, cfg.activation_checkpointing)  # type: ignore[arg-type]
     objective = DFlashObjectiveConfig(max_anchors=cfg.dflash_anchors)
     ctx = single_process_context(device)
-    dflash_step = DFlashStep(drafter, objective, build_dflash_rank_plan(ctx, objective))
+    plan = build_dflash_rank_plan(ctx, objective, backend=cfg.backend, diagonal=cfg.diagonal)
+    dflash_step = DFlashStep(drafter, objective, plan)
     optimizer = _optimizer(drafter, device)
     ids = torch.randint(0, model_cfg.vocab_size - 1, (1, seq_len), generator=torch.Generator().manual_seed(cfg.seed))
     batch = DFlashBatch(ids, torch.ones_like(ids, dtype=torch.bool), torch.zeros_like(ids))
@@ -223,24 +235,43 @@ def _run_row(kind: str, seq_len: int, build: Callable[[], TableRow], device: tor
             torch.cuda.empty_cache()
 
 
+def predict_row_seconds(
+    prev_seq_len: int, prev_seconds: float, prev_step_s: float | None, seq_len: int, cfg: TableConfig
+) -> float:
+    """Predicted wall time of a row at ``seq_len`` from the previous row's (``prev_seconds`` in all, its
+    median step ``prev_step_s``; None when it measured nothing): its one-time costs plus the steps
+    scaled by the square of the length ratio (attention's share grows quadratically, the rest
+    linearly: an upper bound); one step when that step will exceed ``long_step_s`` (``_measure``)."""
+    growth = (seq_len / prev_seq_len) ** 2
+    if prev_step_s is None:
+        return prev_seconds * growth
+    one_time = max(0.0, prev_seconds - cfg.repeats * prev_step_s)
+    step = prev_step_s * growth
+    steps = 1 if step > cfg.long_step_s else cfg.warmup + cfg.repeats
+    return one_time + steps * step
+
+
 def run_train_table(
     cfg: TableConfig, device: torch.device, *, progress: Callable[[TableRow], None] | None = None
 ) -> list[TableRow]:
-    """Every BD3 row (shortest first) and the DFlash row, inside ``cfg.budget_s`` (module docstring)."""
+    """Every BD3 row (shortest first) and the DFlash row, inside ``cfg.budget_s`` (module docstring);
+    a backend or diagonal that cannot train on ``device`` fails before the first row."""
+    backend = check_backend_trains_on(cfg.backend, device, where="backend")
+    check_diagonal_backend(cfg.diagonal, backend, where="diagonal")
     started, rows = time.perf_counter(), []
-    previous: tuple[int, float] | None = None  # (seq_len, seconds the row took)
+    previous: tuple[int, float, float | None] | None = None  # (seq_len, seconds the row took, its step time)
 
     def run(kind: str, seq_len: int, build: Callable[[], TableRow]) -> None:
         nonlocal previous
         left = cfg.budget_s - (time.perf_counter() - started)
-        predicted = 0.0 if previous is None else previous[1] * (seq_len / previous[0]) ** 2
+        predicted = 0.0 if previous is None else predict_row_seconds(*previous, seq_len, cfg)
         if left <= 0 or predicted > left:
             row = TableRow(kind=kind, seq_len=seq_len, checkpointing="-",
                            status=f"skipped: predicted {predicted:.0f} s > {max(left, 0):.0f} s left of the budget")
         else:
             row_start = time.perf_counter()
             row = _run_row(kind, seq_len, build, device)
-            previous = (seq_len, time.perf_counter() - row_start)
+            previous = (seq_len, time.perf_counter() - row_start, row.step_time_s)
         rows.append(row)
         if progress is not None:
             progress(row)

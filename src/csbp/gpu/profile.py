@@ -1,0 +1,81 @@
+"""What ``make gpu-check`` runs where: the CUDA profile (the real check) and the CPU dry run.
+
+The real check measures on CUDA at the issue's sizes. ``python -m csbp.gpu.check --dry-run-cpu``
+walks the same code (every stage's command line, the pytest and kernel-row parsing, the training
+table, the summary table and the incremental ``gpu-check.json``) on the CPU at tiny sizes, in
+about half a minute, so that a mistake in the check's own code never costs a GPU session. Its
+numbers mean nothing; its JSON says ``"dry_run": true``.
+
+A profile only says *what* each stage runs; ``csbp.gpu.check`` builds and runs the commands::
+
+    profile = CPU_DRY_RUN if args.dry_run_cpu else CUDA
+    argv = [sys.executable, "-m", "csbp", "bench", "kernels", *profile.kernels, "--json", path]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from csbp.models.config import DecoderConfig
+
+KERNEL_BENCH_ARGS: tuple[str, ...] = (
+    "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
+    "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "8192", "16384", "32768", "65536", "131072",
+    "--diagonals", "flex", "sdpa", "--clean-kernels", "generic", "pieces-cudnn", "pieces", "--repeats", "2",
+)
+"""``csbp bench kernels`` options of the ``kernels`` stage on CUDA (``--json`` is added: next to
+``gpu-check.json``)."""
+
+
+@dataclass(frozen=True)
+class CheckProfile:
+    """The device and the sizes every stage runs at.
+
+    Attributes:
+        name: ``cuda`` or ``cpu-dry-run``.
+        device: the torch device type the stages use.
+        cuda_tests: ``pytest -m cuda`` arguments after the marker (selection and paths).
+        verify: extra ``csbp verify`` arguments (the dry run verifies one layout).
+        kernels: ``csbp bench kernels`` arguments, without ``--json``.
+        table: ``TableConfig`` fields that replace what the command line gives.
+        child_env: environment variables set for every command stage.
+        stand_in_gpus: the GPU count the stages see in the dry run (None: the visible GPUs).
+    """
+
+    name: str
+    device: str
+    cuda_tests: tuple[str, ...]
+    verify: tuple[str, ...]
+    kernels: tuple[str, ...]
+    table: Mapping[str, object] = field(default_factory=dict)
+    child_env: Mapping[str, str] = field(default_factory=dict)
+    stand_in_gpus: int | None = None
+
+
+CUDA = CheckProfile(name="cuda", device="cuda", cuda_tests=("tests",), verify=(), kernels=KERNEL_BENCH_ARGS)
+
+DRY_RUN_MODEL = DecoderConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
+)
+"""The training table's model in the dry run (the verify model's sizes)."""
+
+CPU_DRY_RUN = CheckProfile(
+    name="cpu-dry-run",
+    device="cpu",
+    # the CUDA test bodies on the CPU (CSBP_CUDA_TESTS_DEVICE=cpu): a few passing and one skipped case
+    cuda_tests=("-k", "bf16_autocast or long_block_mask or dflash_draft_attention_on_flex",
+                "tests/test_cuda.py", "tests/test_flex_cuda.py", "tests/test_block_diagonal_cuda.py"),
+    verify=("--cp", "2"),
+    kernels=(
+        "--device", "cpu", "--backends", "tiles", "--dtype", "float32", "--num-heads", "2", "--num-kv-heads", "1",
+        "--head-dim", "8", "--block-sizes", "4", "--seq-lens", "32", "--diagonals", "matmul", "sdpa",
+        "--repeats", "1", "--warmup", "0", "--no-op-count",
+    ),
+    table={
+        "seq_lens": (32, 64), "block_size": 4, "model": DRY_RUN_MODEL, "dflash_seq_len": 64, "dflash_anchors": 4,
+        "dflash_draft_layers": 1, "warmup": 1, "repeats": 1,
+    },
+    child_env={"CSBP_CUDA_TESTS_DEVICE": "cpu", "OMP_NUM_THREADS": "1"},
+    stand_in_gpus=2,
+)
