@@ -30,7 +30,8 @@ def _clean(rows: Rows) -> Rows:
 
 
 def _cases() -> dict[str, tuple[Rows, Rows]]:
-    """(query rows, clean key rows) of every layout's clean-context partials."""
+    """(query rows, key rows) of every layout's clean-context partials (and a CP-only ring step, whose
+    keys include the peer's noisy rows no query sees)."""
     cases = {}
     reference = reference_layout(L, B).rows
     cases["reference"] = (reference, _clean(reference))
@@ -43,6 +44,7 @@ def _cases() -> dict[str, tuple[Rows, Rows]]:
             cp_zigzag_layout(L, B, 2, me).rows,
             _clean(cp_zigzag_layout(L, B, 2, peer).rows),
         )
+    cases["cp_zigzag_noisy_keys_of_a_peer"] = (cp_zigzag_layout(L, B, 2, 1).rows, cp_zigzag_layout(L, B, 2, 0).rows)
     cases["bp_only"] = (bp_only_layout(L, B, 2, 1).rows, _clean(bp_only_layout(L, B, 2, 1).rows))
     for me, peer in ((3, 0), (0, 3), (2, 2)):
         cases[f"csbp_{me}_over_{peer}"] = (csbp_layout(L, B, 2, 4, me).rows, _clean(csbp_layout(L, B, 2, 4, peer).rows))
@@ -117,6 +119,16 @@ def test_anchors_under_one_context_are_one_dense_piece() -> None:
     dense = [p for p in plan.pieces if not p.causal]
     assert [(p.q_start, p.q_stop, p.k_start, p.k_stop) for p in dense] == [(0, 24, 0, 32), (24, 28, 0, 3), (28, 32, 0, 9)]
     assert not [p for p in plan.pieces if p.causal]
+
+
+def test_noisy_keys_no_query_sees_are_skipped_like_padding() -> None:
+    q_rows, k_rows = CASES["cp_zigzag_noisy_keys_of_a_peer"]
+    plan = plan_partial(q_rows, k_rows, backend="tiles", clean="pieces", min_rows=4)
+    assert isinstance(plan, FlashPiecesPartial)
+    in_runs = torch.zeros(len(k_rows), dtype=torch.bool)
+    for run in plan.runs:
+        in_runs[run.k_start : run.k_stop] = True
+    assert bool(k_rows.clean[in_runs].all()) and not bool(in_runs[~k_rows.clean].any())
 
 
 def test_noisy_keys_and_no_pieces_plan_one_generic_partial() -> None:

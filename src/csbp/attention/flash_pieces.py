@@ -23,8 +23,9 @@ every mask it evaluates. So ``plan_flash_pieces`` cuts the partial into
 
 Pieces are found per *key run* (a maximal run of keys, all live and clean, with increasing
 positions; a remote partial holds one or two runs per peer), and each key run with pieces gets its
-own residual. A partial with live noisy keys, or without any piece worth a call, is planned as one
-generic partial exactly as before. The split changes no result: every allowed pair is computed
+own residual. Noisy keys no query row can see (another rank's blocks in a CP-only ring step) are
+skipped like padding; a partial whose noisy keys some query sees (the block-diagonal part), or
+without any piece worth a call, is planned as one generic partial exactly as before. The split changes no result: every allowed pair is computed
 once, the partials merge in fp32 (``csbp.attention.merge``) and every piece's backward runs from the
 final merged ``(out, lse)``. When a call's dtype has no fused kernel (CUDA fp32/fp64) the plan runs
 the whole partial generically instead, built on first use.
@@ -167,12 +168,12 @@ def plan_flash_pieces(
     q_rows: Rows, k_rows: Rows, *, min_rows: int, generic: Callable[[Rows, Rows], object], cuda_kernel: str = "flash"
 ) -> FlashPiecesPartial | None:
     """The flash-pieces plan of ``q_rows`` x ``k_rows`` (``generic(q_rows, k_rows)`` plans a plain partial,
-    also for the residuals; ``cuda_kernel`` runs the pieces on CUDA), or None when no piece of ``>= min_rows`` rows exists or a live key is
-    noisy (the caller then plans one generic partial)."""
+    also for the residuals; ``cuda_kernel`` runs the pieces on CUDA), or None when no piece of
+    ``>= min_rows`` rows exists or a query sees a noisy key (the caller then plans one generic partial)."""
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     q_cpu, k_cpu = q_rows.to("cpu"), k_rows.to("cpu")
-    if len(k_cpu) == 0 or len(q_cpu) == 0 or bool((k_cpu.live & ~k_cpu.clean).any()):
+    if len(k_cpu) == 0 or len(q_cpu) == 0 or _sees_noisy_keys(q_cpu, k_cpu):
         return None
     found = []
     for k_start, k_stop in _key_runs(k_cpu):
@@ -202,6 +203,16 @@ def plan_flash_pieces(
 
 
 # ----------------------------------------------------------------------------- the search
+
+
+def _sees_noisy_keys(q_rows: Rows, k_rows: Rows) -> bool:
+    """Whether a live noisy query row shares its block with a live noisy key (the block-diagonal part).
+    Noisy keys no query can see (another rank's blocks in a CP-only ring step) are skipped like padding."""
+    noisy_blocks = k_rows.block[k_rows.live & ~k_rows.clean]
+    if noisy_blocks.numel() == 0:
+        return False
+    queries = q_rows.live & ~q_rows.clean
+    return bool((queries & torch.isin(q_rows.block, noisy_blocks)).any())
 
 
 def _key_runs(k_rows: Rows) -> list[tuple[int, int]]:
