@@ -15,7 +15,7 @@ stage               what it runs (limit)
 ``verify``          ``csbp verify --device cuda --nproc <min(GPUs, 4)>`` (skipped with < 2 GPUs)
 ``verify-dflash``   the same for DFlash drafter training
 ``kernels``         ``csbp bench kernels`` on CUDA (150 s): one layer's attention (flex backend, bf16,
-                    16/4 heads of 128, B = 16 and 128) at 8K-128K tokens, the decomposed form with
+                    16/4 heads of 128, B = 16 and 128) at 16K, 64K and 128K tokens, the decomposed form with
                     the flex and sdpa (FlashAttention) block diagonals, the clean context as one Flex
                     partial or as cuDNN / FlashAttention-2 pieces; writes ``gpu-kernels.json`` next
                     to ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
@@ -284,7 +284,7 @@ STAGES: list[Stage] = [
                   report=_cuda_tests_report),
     command_stage("verify", "csbp verify --device cuda over every GPU (NCCL)", _verify("bd3"), timeout_s=150),
     command_stage("verify-dflash", "csbp verify --objective dflash --device cuda", _verify("dflash"), timeout_s=150),
-    command_stage("kernels", "csbp bench kernels on CUDA (flex, bf16, 8K-128K)", _kernels, timeout_s=150,
+    command_stage("kernels", "csbp bench kernels on CUDA (flex, bf16, 16K-128K)", _kernels, timeout_s=150,
                   report=_kernels_report),
     Stage("train-table", "single-GPU BD3 / DFlash training table (Qwen3-0.6B shape, bf16)", _train_table),
 ]
