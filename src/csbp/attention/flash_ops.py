@@ -101,7 +101,7 @@ def flash_backward(
     dtype = accumulation_dtype(q, k, v)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows that see nothing: P = 0
     if kernel == "cudnn":
-        unused = torch.empty(0, dtype=torch.int64, device=q.device)
+        unused = torch.zeros((), dtype=torch.int64, device=q.device)  # the forward's 0-dim philox seed/offset
         dq, dk, dv = _CUDNN_BACKWARD(
             dout.to(q.dtype).contiguous(), q, k, v, out.to(q.dtype).contiguous(),
             lse.to(torch.float32).unsqueeze(-1).contiguous(), unused, unused, None, None, None,
