@@ -17,12 +17,13 @@ training uses (``csbp.attention.transports.local``), plus the block-diagonal par
   kernel: the kernel's own time, which the decomposed step's noise can hide;
 
 and dense SDPA over all ``(2L)^2`` pairs of the same shapes as the baseline (on CUDA whatever kernel
-SDPA picks), plus on CUDA the ``flash2`` and ``cudnn`` rows: FlashAttention-2 and cuDNN over the same pairs
-through the calls the flash pieces make (``csbp.attention.flash_ops``). Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs
-only (``csbp.bench.measure.attention_flops``; dense SDPA on all pairs), the ratio of that rate to
-dense SDPA's, the decomposed form's speedup over the mixed form (``t_mixed / t_decomposed``), the
-time to build one form's per-step plans (tile plans with their mask strips, or BlockMasks; built
-once per step and reused by every layer)
+SDPA picks), plus on CUDA the ``flash2`` and ``cudnn`` rows at the first length: FlashAttention-2
+and cuDNN over the same pairs through the calls the flash pieces make (``csbp.attention.flash_ops``).
+Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs only
+(``csbp.bench.measure.attention_flops``; dense SDPA on all pairs), the ratio of that rate to dense
+SDPA's, the decomposed form's speedup over the mixed form (``t_mixed / t_decomposed``), the time to
+build one form's per-step plans (tile plans with their mask strips, or BlockMasks; built once per
+step and reused by every layer)
 and, on CPU, the number of aten ops one forward + backward issues.
 
 Everything of one invocation runs side by side in one process, so the ratios compare kernels on
@@ -221,9 +222,10 @@ def run_kernel_bench(
         dense_flops = attention_flops(n * n, num_heads=num_heads, head_dim=head_dim)
         dense_rate = dense_flops / dense_time / 1e12
         # The fused call flash pieces make (FlashAttention-2 on CUDA), over all pairs: is it as fast as SDPA's pick?
+        # Their rates hardly depend on L: timed at the first length only (at 128K each costs ~10 s of a budget).
         fused = {
             name: _dense_flash_time(q, k, v, dout, dev, warmup, repeats, clock, name)
-            for name in ("flash", "cudnn") if flash_kernel(q, name) == name
+            for name in ("flash", "cudnn") if flash_kernel(q, name) == name and seq_len == seq_lens[0]
         }
         for block in block_sizes:
             rows = reference_layout(seq_len, block).rows.to(dev)
