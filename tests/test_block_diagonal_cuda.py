@@ -34,12 +34,13 @@ pytestmark = [
 TOL = {torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}, torch.float32: {"atol": 2e-3, "rtol": 2e-3}}
 
 
-def _device() -> torch.device:
+def device_under_test() -> torch.device:
+    """CUDA device 0, or the CPU for the dry run (``CSBP_CUDA_TESTS_DEVICE=cpu``)."""
     return torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
 
 
 def _expected_kernel(dtype: torch.dtype) -> str:
-    if _device().type == "cpu":
+    if device_under_test().type == "cpu":
         return "cpu-flash"
     return "flash" if dtype == torch.bfloat16 else "matmul"
 
@@ -50,7 +51,7 @@ def _expected_kernel(dtype: torch.dtype) -> str:
 def test_sdpa_block_diagonal_through_the_merge_matches_the_cpu_float64_reference(
     case: str, dtype: torch.dtype, diagonal: str
 ) -> None:
-    dev = _device()
+    dev = device_under_test()
     blocks, context, causal = blocks_and_context(case)
     n_blk = len(blocks)
     q, k, v = random_qkv(n_blk, n_blk + len(context), heads=4, kv_heads=2, dim=64, samples=1, seed=11)
@@ -90,12 +91,12 @@ def test_local_transport_decomposed_with_the_sdpa_diagonal_matches_the_reference
         q, k, v, allow_matrix(rows, rows, causal_in_block=causal), 1 / math.sqrt(q.shape[-1]), dout
     )
     attention = LocalAttentionFn(
-        rows.to(_device()), num_noisy=num_noisy, causal_in_block=causal, backend="auto", diagonal="sdpa"
+        rows.to(device_under_test()), num_noisy=num_noisy, causal_in_block=causal, backend="auto", diagonal="sdpa"
     )
     assert attention.plan.block_size == B and isinstance(attention.plan.block_plan, SdpaBlockDiagonalPartial)
-    leaves = [t.to(_device(), dtype).requires_grad_(True) for t in (q, k, v)]
+    leaves = [t.to(device_under_test(), dtype).requires_grad_(True) for t in (q, k, v)]
     out = attention(*leaves, 0)
-    out.backward(dout.to(_device(), dtype))
+    out.backward(dout.to(device_under_test(), dtype))
     torch.testing.assert_close(out.detach().cpu().double(), out_ref, **TOL[dtype])
     for leaf, want in zip(leaves, grads_ref):
         torch.testing.assert_close(leaf.grad.cpu().double(), want, **TOL[dtype])
@@ -104,7 +105,7 @@ def test_local_transport_decomposed_with_the_sdpa_diagonal_matches_the_reference
 def test_dflash_draft_attention_with_the_sdpa_diagonal_matches_the_matmul_diagonal() -> None:
     from csbp.dflash.attention import ShardedDraftAttention, build_draft_attention_plan
 
-    dev = _device()
+    dev = device_under_test()
     block_rows, ctx_rows, _ = CASES["dflash_context"]
     q, k_blk, v_blk = random_qkv(len(block_rows), len(block_rows), dim=64, samples=1, seed=14)
     _, k_ctx, v_ctx = random_qkv(len(block_rows), len(ctx_rows), dim=64, samples=1, seed=15)

@@ -10,7 +10,6 @@ residual): a dry run of the test code where no GPU is lent; not part of the suit
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -19,26 +18,21 @@ from csbp.attention.backends import plan_partial
 from csbp.attention.flash_ops import flash_kernel
 from csbp.attention.flash_pieces import FlashPiecesPartial
 from csbp.attention.rows import allow_matrix
+from test_block_diagonal_cuda import TOL, device_under_test
 from test_flash_pieces import CASES
 from test_kernel import random_qkv, reference_grads
 
-DEVICE = os.environ.get("CSBP_CUDA_TESTS_DEVICE", "cuda")
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*"),
 ]
-TOL = {torch.bfloat16: {"atol": 3e-2, "rtol": 3e-2}, torch.float32: {"atol": 2e-3, "rtol": 2e-3}}
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
 
 
 @pytest.mark.parametrize("clean", ["pieces", "pieces-cudnn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("case", ["reference", "documents", "csbp_two_peers", "dflash_context"])
 def test_flash_pieces_match_the_cpu_float64_reference(case: str, dtype: torch.dtype, clean: str) -> None:
-    dev = _device()
+    dev = device_under_test()
     q_rows, k_rows = CASES[case]
     backend = "flex" if dev.type == "cuda" and case == "reference" else "tiles"  # one Flex residual compile
     plan = plan_partial(q_rows.to(dev), k_rows.to(dev), backend=backend, clean=clean, min_rows=4)
