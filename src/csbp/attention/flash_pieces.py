@@ -34,7 +34,7 @@ the whole partial generically instead, built on first use.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -194,10 +194,7 @@ def plan_flash_pieces(
             key_pos = torch.cat([k_cpu.pos[k_start:k_stop], k_cpu.pos.new_tensor([torch.iinfo(torch.long).max])])
             first_left = torch.where(covered_to < hi, key_pos[(covered_to - k_start).clamp(min=0)], q_cpu.ctx_stop)
             ctx_start = torch.where(covered_to > lo, first_left, q_cpu.ctx_start).to(q_rows.ctx_start.device)
-            residual_rows = Rows(
-                q_rows.pos, q_rows.clean, q_rows.block, ctx_start, q_rows.ctx_stop, q_rows.live
-            )
-            residual = generic(residual_rows, run_keys)
+            residual = generic(replace(q_rows, ctx_start=ctx_start), run_keys)
         runs.append(KeyRunPlan(k_start, k_stop, tuple(pieces), residual))
     return FlashPiecesPartial(tuple(runs), len(q_rows), len(k_rows), lambda: generic(q_rows, k_rows), cuda_kernel)
 
