@@ -105,7 +105,7 @@ def test_verify_dflash_with_documents_adds_cp_aware(
     cp_only = [c.transport for c in seen if c.topology.layout == "cp"]
     assert cp_only == ["collective", "halo"]
     out = capsys.readouterr().out
-    assert "doc_length=6" in out.splitlines()[0] and "cp-aware dp1xcp2xbp1  halo" in out
+    assert "doc_length=6" in out.splitlines()[0] and "cp-aware dp1xcp2xbp1  exchange" in out
 
 
 def test_dflash_verify_worker_builds_its_plan_on_the_case_backend(monkeypatch: pytest.MonkeyPatch) -> None:

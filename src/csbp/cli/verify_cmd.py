@@ -144,6 +144,8 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     ``--doc-length`` every sample packs random documents and CP-only also runs as ``cp-aware``
     (``--transport halo``: the context exchange of only the rows an anchor may see)."""
     from csbp.dflash.config import DFlashObjectiveConfig
+    from csbp.dflash.exchange import context_exchange_wanted
+    from csbp.dflash.layouts import dflash_layout
     from csbp.dflash.verify import DFlashVerifyCase, verify_dflash
 
     if args.window is not None or args.dtype != "float64":
@@ -169,7 +171,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     documents = "" if args.doc_length is None else f" doc_length={args.doc_length}"
     device = "" if args.device == "cpu" else f" device={args.device}"
     print(f"csbp verify (dflash): L={args.seq_len} dtype=float64 nproc={args.nproc} backend={backend}{documents}{device}")
-    header = f"{'layout':<8} {'topology':<12} {'transport':<10} {'loss rel err':>13} {'grad rel err':>13}  status"
+    header = f"{'layout':<8} {'topology':<12} {'context':<10} {'loss rel err':>13} {'grad rel err':>13}  status"
     print(header)
     print("-" * len(header))
     failed = 0
@@ -186,7 +188,11 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
         if t.layout == "cp" and transport == "halo":
             name = "cp-aware"
         shape = f"dp{t.dp}xcp{t.cp}xbp{t.bp}"
-        print(f"{name:<8} {shape:<12} {transport:<10} {result.loss_rel_err:>13.2e} {result.grad_rel_err:>13.2e}  "
+        # how context K/V move for the samples with documents (the batch always packs some)
+        context = "-" if t.cp == 1 else "all-gather"
+        if t.cp > 1 and context_exchange_wanted(dflash_layout(t, 0), transport, packs_documents=True):
+            context = "exchange"
+        print(f"{name:<8} {shape:<12} {context:<10} {result.loss_rel_err:>13.2e} {result.grad_rel_err:>13.2e}  "
               f"{status}", flush=True)
     if failed:
         print(f"{failed} of {len(cases)} layouts exceed the tolerance")
