@@ -1,0 +1,176 @@
+"""Evaluate a trained block-diffusion model on a data split: NELBO (K noise draws) and exact LTR NLL.
+
+Every row of the split is scored once (``--max-batches`` caps it), in order, on one process:
+
+* **NELBO**: ``K`` independent corruptions of every batch under the unclipped-NELBO objective
+  (:mod:`csbp.evaluation.nelbo`), draw ``k`` of batch ``n`` seeded by
+  ``corruption_generator(seed, n, 0, micro_step=k)``. Draw ``k`` gives a whole-split estimate
+  ``NELBO_k = Σ_n CE_{n,k} / Σ_n Z_n``; the report gives their mean and its standard error
+  ``std_k(NELBO_k) / sqrt(K)`` (the estimator's noise-draw uncertainty for this data; ``K >= 2``);
+* **LTR NLL**: the exact ``−log p(x)`` of left-to-right sampling (:mod:`csbp.evaluation.left_to_right`),
+  ``B`` forwards per batch, per scored token.
+
+Both run through the training engine's ``rank_loss`` with a one-process plan of the model's layout
+(``[x_t ; x_0]`` for bd3/fast_dllm_v2, one bidirectional stream for mdlm, the run's window and
+document mask), so the numbers are those of the training objective's code path. All nats/token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from csbp.data.artifact import ArtifactSplit
+from csbp.data.loader import PackedLoader
+from csbp.devices import tensors_to
+from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan, rank_loss
+from csbp.engine.context import single_process_context
+from csbp.evaluation.left_to_right import left_to_right_batches
+from csbp.evaluation.nelbo import EVAL_T_MIN, nelbo_objective, perplexity_bound
+from csbp.evaluation.settings import EvalSettings
+from csbp.models.decoder import Decoder
+from csbp.objectives.base import CorruptedBatch, corruption_generator
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """What ``csbp eval`` prints and writes (nats per token)."""
+
+    objective: str
+    block_size: int
+    split: str
+    rows: int
+    batches: int
+    samples: int
+    t_min: float
+    nelbo: float
+    nelbo_stderr: float | None
+    ppl_bound: float
+    nelbo_tokens: int
+    ltr_nll: float | None
+    ltr_ppl: float | None
+    ltr_tokens: int
+    seconds: float
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+    def format(self) -> str:
+        stderr = "n/a (--samples 1)" if self.nelbo_stderr is None else f"{self.nelbo_stderr:.4f}"
+        lines = [
+            f"data        {self.split}: {self.rows} rows in {self.batches} batches, {self.objective} B={self.block_size}",
+            f"nelbo       {self.nelbo:.4f} nats/token  stderr {stderr}  over {self.samples} noise draws, "
+            f"t in [{self.t_min:g}, 1], {self.nelbo_tokens} tokens",
+            f"ppl bound   {self.ppl_bound:.2f}  (exp nelbo)",
+        ]
+        if self.ltr_nll is not None:
+            lines.append(
+                f"ltr nll     {self.ltr_nll:.4f} nats/token  (exact, left-to-right unmasking, {self.ltr_tokens} tokens)"
+            )
+            lines.append(f"ltr ppl     {self.ltr_ppl:.2f}")
+        lines.append(f"time        {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def eval_plan(settings: EvalSettings, seq_len: int, device: torch.device) -> RankPlan | DocumentPlanner:
+    """The one-process plan of the model's training layout."""
+    ctx = single_process_context(device)
+    common = {"uses_clean_stream": settings.uses_clean_stream, "window": settings.window}
+    if settings.document_mask:
+        return DocumentPlanner(ctx, seq_len, settings.block_size, reset_positions=settings.reset_positions, **common)
+    return build_rank_plan(ctx, seq_len, settings.block_size, **common)  # type: ignore[arg-type]
+
+
+def split_batches(split: ArtifactSplit, micro_batch_size: int, max_batches: int | None) -> list[dict[str, Tensor]]:
+    """Every row of ``split`` once, in order, in batches of ``micro_batch_size`` (the last may be short)."""
+    loader = PackedLoader(split, batch_size=micro_batch_size, seed=0, drop_last=False, shuffle=False)
+    count = -(-split.num_rows // micro_batch_size)
+    if max_batches is not None:
+        count = min(count, max_batches)
+    batches = []
+    for index in range(count):
+        batch = next(loader)
+        keep = min(micro_batch_size, split.num_rows - index * micro_batch_size)
+        batches.append({name: value[:keep] for name, value in batch.items()})
+    return batches
+
+
+def _ce_sum(model: Decoder, corrupted: CorruptedBatch, plan: RankPlan | DocumentPlanner, chunk: int) -> float:
+    _, ce_sum = rank_loss(model, corrupted, plan, global_denominator=1.0, world_size=1, ce_chunk_rows=chunk)
+    return float(ce_sum.to(torch.float64))
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: Decoder,
+    split: ArtifactSplit,
+    settings: EvalSettings,
+    *,
+    samples: int = 4,
+    micro_batch_size: int = 8,
+    max_batches: int | None = None,
+    seed: int = 0,
+    left_to_right: bool = True,
+    ce_chunk_rows: int = 1024,
+    progress: bool = True,
+) -> EvalReport:
+    """Score ``split`` (see the module docstring); the model is left in eval mode."""
+    from tqdm.auto import tqdm
+
+    if samples < 1:
+        raise ValueError(f"--samples must be >= 1, got {samples}")
+    device = model.embed_tokens.weight.device
+    started = time.perf_counter()
+    model.eval()
+    objective = nelbo_objective(settings.build_objective())
+    assert objective is not None
+    plan = eval_plan(settings, split.seq_len, device)
+    batches = split_batches(split, micro_batch_size, max_batches)
+    nelbo_sums, nelbo_tokens = [0.0] * samples, [0.0] * samples
+    ltr_sum, ltr_tokens = 0.0, 0.0
+    forwards = samples + (settings.block_size if left_to_right else 0)
+    bar = tqdm(total=len(batches) * forwards, desc="eval", unit="fwd", dynamic_ncols=True, disable=not progress)
+    for index, batch in enumerate(batches):
+        batch = {name: value.to(device) for name, value in batch.items()}
+        for draw in range(samples):
+            corrupted = tensors_to(objective.corrupt(batch, corruption_generator(seed, index, 0, micro_step=draw)), device)
+            nelbo_sums[draw] += _ce_sum(model, corrupted, plan, ce_chunk_rows)
+            nelbo_tokens[draw] += corrupted.denominator()
+            bar.update(1)
+        if left_to_right:
+            for corrupted in left_to_right_batches(
+                batch,
+                mask_token_id=settings.mask_token_id,
+                block_size=settings.block_size,
+                token_shift=settings.token_shift,
+                uses_clean_stream=settings.uses_clean_stream,
+            ):
+                ltr_sum += _ce_sum(model, corrupted, plan, ce_chunk_rows)
+                ltr_tokens += corrupted.denominator()
+                bar.update(1)
+    bar.close()
+    estimates = torch.tensor([s / max(z, 1.0) for s, z in zip(nelbo_sums, nelbo_tokens, strict=True)], dtype=torch.float64)
+    nelbo = float(estimates.mean())
+    stderr = float(estimates.std(unbiased=True)) / math.sqrt(samples) if samples > 1 else None
+    ltr_nll = ltr_sum / max(ltr_tokens, 1.0) if left_to_right else None
+    return EvalReport(
+        objective=settings.objective,
+        block_size=settings.block_size,
+        split=split.name,
+        rows=sum(int(b["input_ids"].shape[0]) for b in batches),
+        batches=len(batches),
+        samples=samples,
+        t_min=EVAL_T_MIN,
+        nelbo=nelbo,
+        nelbo_stderr=stderr,
+        ppl_bound=perplexity_bound(nelbo),
+        nelbo_tokens=int(nelbo_tokens[0]),
+        ltr_nll=ltr_nll,
+        ltr_ppl=None if ltr_nll is None else perplexity_bound(ltr_nll),
+        ltr_tokens=int(ltr_tokens),
+        seconds=time.perf_counter() - started,
+    )
