@@ -150,24 +150,25 @@ def test_ar_has_no_nelbo() -> None:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A 2-step tiny bd3 run (clipped noise, as the demo) and its artifact."""
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """A 2-step tiny bd3 run (clipped noise, as the demo), its artifact and its end-of-run summary."""
     root = tmp_path_factory.mktemp("eval")
     artifact = make_artifact(root / "art")
     cfg = tiny_config(artifact, **{"train.max_steps": 2, "objective.t_min": 0.3, "objective.t_max": 0.8})
-    train(cfg, run_dir=root / "run")
-    return root / "run", artifact
+    summary = train(cfg, run_dir=root / "run")
+    return root / "run", artifact, summary.format()
 
 
-def test_training_logs_val_nelbo(trained: tuple[Path, Path]) -> None:
-    run_dir, _ = trained
+def test_training_logs_val_nelbo(trained: tuple[Path, Path, str]) -> None:
+    run_dir, _, summary = trained
+    assert "val nelbo   first" in summary and summary.splitlines()[-1].startswith("val_loss: ")
     validated = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
     assert validated and all(math.isfinite(r["val_nelbo"]) for r in validated)
     assert all(r["val_ppl_bound"] == pytest.approx(math.exp(r["val_nelbo"])) for r in validated)
 
 
-def test_csbp_eval_end_to_end(trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run_dir, artifact = trained
+def test_csbp_eval_end_to_end(trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir, artifact, _ = trained
     out = tmp_path / "eval.json"
     args = ["eval", "--model", str(run_dir / "final"), "--data", str(artifact), "--samples", "3", "--micro-batch-size", "2"]
     assert main([*args, "--json", str(out), "--max-batches", "2"]) == 0
@@ -178,7 +179,7 @@ def test_csbp_eval_end_to_end(trained: tuple[Path, Path], tmp_path: Path, capsys
     assert report["nelbo_stderr"] > 0 and report["ppl_bound"] == pytest.approx(math.exp(report["nelbo"]))
     assert report["ltr_tokens"] == report["nelbo_tokens"] == 4 * 32
     assert math.isfinite(report["ltr_nll"])
-    # the same seed gives the same numbers; the whole split once without --max-batches
+    # the same seed gives the same numbers
     assert main([*args, "--json", str(out), "--max-batches", "2", "--no-ltr"]) == 0
     again = json.loads(out.read_text())
     assert again["nelbo"] == report["nelbo"] and again["ltr_nll"] is None
@@ -192,8 +193,8 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return lines[0]
 
 
-def test_csbp_eval_fails_closed(trained: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    run_dir, artifact = trained
+def test_csbp_eval_fails_closed(trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir, artifact, _ = trained
     model = str(run_dir / "final")
     assert "is not a directory" in _error(capsys, ["eval", "--model", str(tmp_path / "none"), "--data", str(artifact)])
     assert "not a csbp data artifact" in _error(capsys, ["eval", "--model", model, "--data", str(tmp_path)])

@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--block-size", type=positive_int, default=None, help="training block size (default: the run's)"
     )
-    parser.add_argument("--samples", type=positive_int, default=4, help="noise draws per batch for the NELBO")
+    parser.add_argument("--samples", type=positive_int, default=4, help="noise draws per batch for the NELBO (default 4)")
     parser.add_argument("--micro-batch-size", type=positive_int, default=8, help="rows per forward (default 8)")
     parser.add_argument("--max-batches", type=positive_int, default=None, help="score at most this many batches")
     parser.add_argument("--no-ltr", action="store_true", help="skip the left-to-right NLL (B forwards per batch)")
