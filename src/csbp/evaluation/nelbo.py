@@ -42,12 +42,11 @@ import torch
 from torch import Tensor
 
 from csbp.objectives.ar import ArObjective
-from csbp.objectives.base import CorruptedBatch, Objective, check_block_size, read_batch
+from csbp.objectives.base import CorruptedBatch, Objective, read_batch
 from csbp.objectives.bd3 import Bd3Objective
 from csbp.objectives.chunked_ce import IGNORE_INDEX
-from csbp.objectives.fast_dllm_v2 import FastDllmV2Objective, fast_dllm_v2_views, shifted_labels
+from csbp.objectives.fast_dllm_v2 import FastDllmV2Objective, draw_views, shifted_labels
 from csbp.objectives.mdlm import MdlmObjective
-from csbp.objectives.noise import clip_levels, uniform_levels
 
 EVAL_T_MIN = 1e-3
 """Lower end of the evaluation noise range (bd3lms evaluates with ``[1e-3, 1]``)."""
@@ -67,24 +66,14 @@ class FastDllmV2Nelbo:
             raise ValueError(f"fast_dllm_v2 NELBO t_min={self.t_min} must lie in (0, 0.5)")
 
     def corrupt(self, batch: Mapping[str, Tensor], generator: torch.Generator) -> CorruptedBatch:
-        input_ids, loss_mask, doc_ids = read_batch(batch)
-        num_samples, seq_len = input_ids.shape
-        num_blocks = check_block_size(seq_len, self.block_size)
-        tau_SN = uniform_levels(num_samples * num_blocks, generator).view(num_samples, num_blocks)
-        move_chance_SN = clip_levels(tau_SN, self.t_min, 1.0 - self.t_min)
-        uniforms_SL = torch.rand(num_samples, seq_len, generator=generator, dtype=torch.float64)
-        chance_SL = move_chance_SN.repeat_interleave(self.block_size, dim=1)
-        views = fast_dllm_v2_views(
-            input_ids,
-            loss_mask,
-            doc_ids,
-            uniforms_SL < chance_SL,
-            mask_token_id=self.mask_token_id,
-            block_size=self.block_size,
-            move_chance_SN=move_chance_SN,
+        views = draw_views(
+            batch, generator, mask_token_id=self.mask_token_id, block_size=self.block_size,
+            low=self.t_min, high=1.0 - self.t_min,
         )
+        input_ids, loss_mask, doc_ids = read_batch(batch)
+        assert views.noise_levels is not None  # [2S, N]: p for view 1, 1 - p for view 2
+        chance_RL = views.noise_levels.repeat_interleave(self.block_size, dim=1).to(input_ids.device)
         # Row i-1 carries target i: its weight is 1 / (probability that view masks token i).
-        chance_RL = torch.cat([chance_SL, 1.0 - chance_SL]).to(input_ids.device)
         inverse_RL = torch.zeros_like(chance_RL)
         inverse_RL[:, :-1] = 1.0 / chance_RL[:, 1:]
         labelled = views.labels != IGNORE_INDEX
