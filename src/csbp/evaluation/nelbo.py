@@ -25,7 +25,7 @@ Per objective:
 * ``fast_dllm_v2``: complementary views of one draw with move chance ``p ~ U[a, 1 − a]`` per
   (sample, block); view 1 masks with probability ``p`` (weight ``1/p``), view 2 with ``1 − p``
   (weight ``1/(1 − p)``); each view is an unbiased estimate of the block NELBO over ``[a, 1 − a]``
-  and the reported number is their mean, per targetable token (token shift: position 0 and document
+  and the reported number is their mean (weights ``1/(2p)`` and ``1/(2(1 − p))``), per targetable token (token shift: position 0 and document
   starts are never targets, so the bound is on ``log p(x_1.. | x_0)``); the mask-token logit is
   excluded, as the sampler does (training keeps it);
 * ``ar``: none (its ``val_loss`` is already the exact NLL).
@@ -73,15 +73,16 @@ class FastDllmV2Nelbo:
         input_ids, loss_mask, doc_ids = read_batch(batch)
         assert views.noise_levels is not None  # [2S, N]: p for view 1, 1 - p for view 2
         chance_RL = views.noise_levels.repeat_interleave(self.block_size, dim=1).to(input_ids.device)
-        # Row i-1 carries target i: its weight is 1 / (probability that view masks token i).
+        # Row i-1 carries target i: its weight is 1 / (probability that view masks token i), halved
+        # so that the two views' sum over the targetable-token count is their mean NELBO.
         inverse_RL = torch.zeros_like(chance_RL)
-        inverse_RL[:, :-1] = 1.0 / chance_RL[:, 1:]
+        inverse_RL[:, :-1] = 0.5 / chance_RL[:, 1:]
         labelled = views.labels != IGNORE_INDEX
         weights = torch.where(labelled, inverse_RL, torch.zeros_like(inverse_RL)).to(torch.float32)
         targetable = shifted_labels(input_ids, loss_mask, doc_ids) != IGNORE_INDEX
         # The mask-token logit is excluded, as the sampler does: a model of data never emits [M].
         return replace(
-            views, weights=weights, exclude_token=self.mask_token_id, loss_normaliser=2.0 * float(targetable.sum())
+            views, weights=weights, exclude_token=self.mask_token_id, loss_normaliser=float(targetable.sum())
         )
 
 
