@@ -133,6 +133,7 @@ CLIPPED = {"objective.t_min": 0.3, "objective.t_max": 0.8, "data.seq_len": 32}
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
 def test_validation_nelbo_is_the_same_under_a_csbp_layout(tmp_path: Path) -> None:
     artifact = make_artifact(tmp_path / "art")
     single = _validation_metrics(0, 1, artifact, CLIPPED)
