@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -85,18 +86,20 @@ def eval_plan(settings: EvalSettings, seq_len: int, device: torch.device) -> Ran
     return build_rank_plan(ctx, seq_len, settings.block_size, **common)  # type: ignore[arg-type]
 
 
-def split_batches(split: ArtifactSplit, micro_batch_size: int, max_batches: int | None) -> list[dict[str, Tensor]]:
-    """Every row of ``split`` once, in order, in batches of ``micro_batch_size`` (the last may be short)."""
-    loader = PackedLoader(split, batch_size=micro_batch_size, seed=0, drop_last=False, shuffle=False)
+def batch_count(split: ArtifactSplit, micro_batch_size: int, max_batches: int | None) -> int:
+    """How many batches :func:`split_batches` yields."""
     count = -(-split.num_rows // micro_batch_size)
-    if max_batches is not None:
-        count = min(count, max_batches)
-    batches = []
-    for index in range(count):
+    return count if max_batches is None else min(count, max_batches)
+
+
+def split_batches(split: ArtifactSplit, micro_batch_size: int, max_batches: int | None) -> Iterator[dict[str, Tensor]]:
+    """Every row of ``split`` once, in order, in batches of ``micro_batch_size`` (the last may be
+    short), read from the memory map one batch at a time."""
+    loader = PackedLoader(split, batch_size=micro_batch_size, seed=0, drop_last=False, shuffle=False)
+    for index in range(batch_count(split, micro_batch_size, max_batches)):
         batch = next(loader)
         keep = min(micro_batch_size, split.num_rows - index * micro_batch_size)
-        batches.append({name: value[:keep] for name, value in batch.items()})
-    return batches
+        yield {name: value[:keep] for name, value in batch.items()}
 
 
 def _ce_sum(model: Decoder, corrupted: CorruptedBatch, plan: RankPlan | DocumentPlanner, chunk: int) -> float:
@@ -129,13 +132,15 @@ def evaluate_model(
     objective = nelbo_objective(settings.build_objective())
     assert objective is not None
     plan = eval_plan(settings, split.seq_len, device)
-    batches = split_batches(split, micro_batch_size, max_batches)
+    num_batches = batch_count(split, micro_batch_size, max_batches)
+    rows = 0
     nelbo_sums, nelbo_tokens = [0.0] * samples, [0.0] * samples
     ltr_sum, ltr_tokens = 0.0, 0.0
     forwards = samples + (settings.block_size if left_to_right else 0)
-    bar = tqdm(total=len(batches) * forwards, desc="eval", unit="fwd", dynamic_ncols=True, disable=not progress)
-    for index, batch in enumerate(batches):
+    bar = tqdm(total=num_batches * forwards, desc="eval", unit="fwd", dynamic_ncols=True, disable=not progress)
+    for index, batch in enumerate(split_batches(split, micro_batch_size, max_batches)):
         batch = {name: value.to(device) for name, value in batch.items()}
+        rows += int(batch["input_ids"].shape[0])
         for draw in range(samples):
             corrupted = tensors_to(objective.corrupt(batch, corruption_generator(seed, index, 0, micro_step=draw)), device)
             nelbo_sums[draw] += _ce_sum(model, corrupted, plan, ce_chunk_rows)
@@ -161,8 +166,8 @@ def evaluate_model(
         objective=settings.objective,
         block_size=settings.block_size,
         split=split.name,
-        rows=sum(int(b["input_ids"].shape[0]) for b in batches),
-        batches=len(batches),
+        rows=rows,
+        batches=num_batches,
         samples=samples,
         t_min=EVAL_T_MIN,
         nelbo=nelbo,
