@@ -69,7 +69,7 @@ def _brute_force_nll(model: Decoder, batch: dict[str, torch.Tensor], block_size:
 def test_left_to_right_nll_equals_the_per_token_chain_rule(objective: str, block_size: int) -> None:
     model = Decoder(tiny_model_config(), dtype=torch.float64, seed=0).eval()
     settings = EvalSettings(objective=objective, block_size=block_size, mask_token_id=MASK_TOKEN_ID)
-    plan = eval_plan(settings, SEQ_LEN, torch.device("cpu"))
+    plan = eval_plan(settings, SEQ_LEN, single_process_context())
     batch = _batch()
     total, forwards = 0.0, 0
     with torch.no_grad():
@@ -96,7 +96,7 @@ def test_uniform_predictor_nelbo_is_log_v_minus_one(objective: str) -> None:
     settings = EvalSettings(objective=objective, block_size=block_size, mask_token_id=MASK_TOKEN_ID)
     nelbo = nelbo_objective(settings.build_objective())
     assert nelbo is not None
-    plan = eval_plan(settings, SEQ_LEN, torch.device("cpu"))
+    plan = eval_plan(settings, SEQ_LEN, single_process_context())
     log_v = math.log(VOCAB_SIZE - 1)
     batch = _batch(samples=4)
     estimates = []
@@ -187,6 +187,27 @@ def test_csbp_eval_end_to_end(trained: tuple[Path, Path, str], tmp_path: Path, c
     capsys.readouterr()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_csbp_eval_on_a_csbp_layout_equals_one_process(
+    trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir, artifact, _ = trained
+    args = ["eval", "--model", str(run_dir / "final"), "--data", str(artifact), "--samples", "2",
+            "--micro-batch-size", "2", "--max-batches", "3", "--dtype", "float64"]
+    reports = []
+    for layout in ([], ["--nproc", "2", "--cp", "2", "--bp", "2"], ["--nproc", "2"]):
+        out = tmp_path / f"eval{len(reports)}.json"
+        assert main([*args, *layout, "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    capsys.readouterr()
+    single = reports[0]
+    for report in reports[1:]:
+        assert (report["rows"], report["nelbo_tokens"], report["ltr_tokens"]) == (6, 6 * 32, 6 * 32)
+        for key in ("nelbo", "nelbo_stderr", "ltr_nll"):
+            assert report[key] == pytest.approx(single[key], rel=1e-10), key
+
+
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -199,6 +220,9 @@ def test_csbp_eval_fails_closed(trained: tuple[Path, Path, str], tmp_path: Path,
     model = str(run_dir / "final")
     assert "is not a directory" in _error(capsys, ["eval", "--model", str(tmp_path / "none"), "--data", str(artifact)])
     assert "not a csbp data artifact" in _error(capsys, ["eval", "--model", model, "--data", str(tmp_path)])
+    assert "not a multiple of max(--cp, --bp) = 2" in _error(
+        capsys, ["eval", "--model", model, "--data", str(artifact), "--nproc", "3", "--cp", "2"]
+    )
     assert "does not divide the sequence length 32" in _error(
         capsys, ["eval", "--model", model, "--data", str(artifact), "--block-size", "5"]
     )

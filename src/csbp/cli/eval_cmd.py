@@ -11,7 +11,8 @@ of ``--samples`` independent noise draws with its standard error) and the perple
 --unmask-order left_to_right`` assigns at temperature 1), ``B`` forwards per batch. See
 ``csbp.evaluation``. ``--model`` is a HF checkpoint directory (a run's ``final/`` export: objective,
 block size, noise scheme, mask token, window and document mask default to the run's
-``config.yaml`` one directory up). Runs on one process.
+``config.yaml`` one directory up). Runs on one process; ``--nproc N`` (with ``--cp``/``--bp``)
+scores on ``N`` local processes through the training engine's layouts, with the same numbers.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "eval",
         help="NELBO, perplexity bound and exact left-to-right NLL of a model on a data split",
         description=(
-            "Evaluate a block-diffusion checkpoint on a prepared data split, on one process: the unclipped "
+            "Evaluate a block-diffusion checkpoint on a prepared data split (one process by default): the unclipped "
             "NELBO per token (t in [1e-3, 1], mean and standard error over --samples noise draws), the "
-            "perplexity bound exp(NELBO), and the exact NLL of left-to-right unmasking. All in nats per token."
+            "perplexity bound exp(NELBO), and the exact NLL of left-to-right unmasking. All in nats per token. "
+            "--nproc/--cp/--bp run the same evaluation on several local processes (CSBP layouts)."
         ),
     )
     parser.add_argument("--model", type=Path, required=True, help="HF checkpoint directory (e.g. RUN/final)")
@@ -57,6 +59,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
     )
+    parser.add_argument(
+        "--nproc", type=positive_int, default=1,
+        help="local processes (default 1): data parallel over batches, times --cp/--bp per batch",
+    )
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ring size per batch (default 1)")
+    parser.add_argument("--bp", type=positive_int, default=1, help="block-parallel ranks per batch (default 1)")
     parser.add_argument("--json", type=Path, default=None, help="also write the report to this JSON file")
     parser.set_defaults(func=run_eval)
 
@@ -64,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_eval(args: argparse.Namespace) -> int:
     from csbp.atomic import write_json_atomic
     from csbp.data.artifact import open_artifact
-    from csbp.evaluation import evaluate_model, resolve_settings
+    from csbp.evaluation import EvalOptions, evaluate_model, resolve_settings
+    from csbp.evaluation.parallel import eval_topology, evaluate_parallel
     from csbp.models.hf_io import load_hf_checkpoint
 
     if args.seed < 0:
@@ -82,16 +91,21 @@ def run_eval(args: argparse.Namespace) -> int:
     settings = resolve_settings(
         model_dir, model_config, artifact, objective=args.objective, block_size=args.block_size
     )
-    report = evaluate_model(
-        model,
-        split,
-        settings,
+    options = EvalOptions(
         samples=args.samples,
         micro_batch_size=args.micro_batch_size,
         max_batches=args.max_batches,
         seed=args.seed,
         left_to_right=not args.no_ltr,
     )
+    topology = eval_topology(args.nproc, args.cp, args.bp, settings, artifact.seq_len)
+    if topology.world_size == 1:
+        report = evaluate_model(model, split, settings, options)
+    else:
+        del model  # every rank loads its own copy
+        report = evaluate_parallel(
+            model_dir, args.data, args.split, settings, options, topology, dtype=dtype, device=device
+        )
     print(report.format())
     if args.json is not None:
         write_json_atomic(args.json, {"model": str(model_dir), "data": str(args.data), **report.to_json()})

@@ -3,7 +3,7 @@ validation as ``val_nelbo`` and by ``csbp eval``) and the exact left-to-right NL
 
 Usage::
 
-    report = evaluate_model(model, artifact.split("val"), settings, samples=4)
+    report = evaluate_model(model, artifact.split("val"), settings, EvalOptions(samples=4))
     print(report.format())
 """
 
@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from csbp.evaluation.left_to_right import left_to_right_batches
 from csbp.evaluation.nelbo import EVAL_T_MIN, FastDllmV2Nelbo, nelbo_objective, perplexity_bound
-from csbp.evaluation.runner import EvalReport, evaluate_model
+from csbp.evaluation.runner import EvalOptions, EvalReport, evaluate_model
 from csbp.evaluation.settings import EvalSettings, resolve_settings
 
 __all__ = [
     "EVAL_T_MIN",
+    "EvalOptions",
     "EvalReport",
     "EvalSettings",
     "FastDllmV2Nelbo",

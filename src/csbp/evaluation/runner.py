@@ -29,7 +29,7 @@ from csbp.data.artifact import ArtifactSplit
 from csbp.data.loader import PackedLoader
 from csbp.devices import tensors_to
 from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan, rank_loss
-from csbp.engine.context import single_process_context
+from csbp.engine.context import ParallelContext, single_process_context
 from csbp.evaluation.left_to_right import left_to_right_batches
 from csbp.evaluation.nelbo import EVAL_T_MIN, nelbo_objective, perplexity_bound
 from csbp.evaluation.settings import EvalSettings
@@ -77,9 +77,8 @@ class EvalReport:
         return "\n".join(lines)
 
 
-def eval_plan(settings: EvalSettings, seq_len: int, device: torch.device) -> RankPlan | DocumentPlanner:
-    """The one-process plan of the model's training layout."""
-    ctx = single_process_context(device)
+def eval_plan(settings: EvalSettings, seq_len: int, ctx: ParallelContext) -> RankPlan | DocumentPlanner:
+    """This rank's plan of the model's training layout (one process: ``single_process_context()``)."""
     common = {"uses_clean_stream": settings.uses_clean_stream, "window": settings.window}
     if settings.document_mask:
         return DocumentPlanner(ctx, seq_len, settings.block_size, reset_positions=settings.reset_positions, **common)
@@ -107,46 +106,72 @@ def _ce_sum(model: Decoder, corrupted: CorruptedBatch, plan: RankPlan | Document
     return float(ce_sum.to(torch.float64))
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """How to score a split (``csbp eval``'s flags)."""
+
+    samples: int = 4
+    micro_batch_size: int = 8
+    max_batches: int | None = None
+    seed: int = 0
+    left_to_right: bool = True
+    ce_chunk_rows: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"--samples must be >= 1, got {self.samples}")
+
+
+@dataclass
+class EvalSums:
+    """One rank's shares: per-draw NELBO CE sums and token counts, the LTR CE sum and token count.
+    CE sums add over every rank; counts and rows over the ranks of one model replica, once."""
+
+    nelbo: list[float]
+    nelbo_tokens: list[float]
+    ltr: float = 0.0
+    ltr_tokens: float = 0.0
+    rows: int = 0
+
+
 @torch.no_grad()
-def evaluate_model(
+def score_split(
     model: Decoder,
     split: ArtifactSplit,
     settings: EvalSettings,
+    plan: RankPlan | DocumentPlanner,
+    options: EvalOptions,
     *,
-    samples: int = 4,
-    micro_batch_size: int = 8,
-    max_batches: int | None = None,
-    seed: int = 0,
-    left_to_right: bool = True,
-    ce_chunk_rows: int = 1024,
+    replica: int = 0,
+    replicas: int = 1,
     progress: bool = True,
-) -> EvalReport:
-    """Score ``split`` (see the module docstring); the model is left in eval mode."""
+) -> EvalSums:
+    """This rank's sums over the batches of data-parallel ``replica`` (batch ``n`` belongs to replica
+    ``n % replicas``); batch ``n`` is corrupted the same way whatever the layout."""
     from tqdm.auto import tqdm
 
-    if samples < 1:
-        raise ValueError(f"--samples must be >= 1, got {samples}")
     device = model.embed_tokens.weight.device
-    started = time.perf_counter()
     model.eval()
     objective = nelbo_objective(settings.build_objective())
     assert objective is not None
-    plan = eval_plan(settings, split.seq_len, device)
-    num_batches = batch_count(split, micro_batch_size, max_batches)
-    rows = 0
-    nelbo_sums, nelbo_tokens = [0.0] * samples, [0.0] * samples
-    ltr_sum, ltr_tokens = 0.0, 0.0
-    forwards = samples + (settings.block_size if left_to_right else 0)
-    bar = tqdm(total=num_batches * forwards, desc="eval", unit="fwd", dynamic_ncols=True, disable=not progress)
-    for index, batch in enumerate(split_batches(split, micro_batch_size, max_batches)):
+    samples = options.samples
+    sums = EvalSums([0.0] * samples, [0.0] * samples)
+    num_batches = batch_count(split, options.micro_batch_size, options.max_batches)
+    forwards = samples + (settings.block_size if options.left_to_right else 0)
+    mine = len(range(replica, num_batches, replicas))
+    bar = tqdm(total=mine * forwards, desc="eval", unit="fwd", dynamic_ncols=True, disable=not progress)
+    for index, batch in enumerate(split_batches(split, options.micro_batch_size, options.max_batches)):
+        if index % replicas != replica:
+            continue
         batch = {name: value.to(device) for name, value in batch.items()}
-        rows += int(batch["input_ids"].shape[0])
+        sums.rows += int(batch["input_ids"].shape[0])
         for draw in range(samples):
-            corrupted = tensors_to(objective.corrupt(batch, corruption_generator(seed, index, 0, micro_step=draw)), device)
-            nelbo_sums[draw] += _ce_sum(model, corrupted, plan, ce_chunk_rows)
-            nelbo_tokens[draw] += corrupted.denominator()
+            generator = corruption_generator(options.seed, index, 0, micro_step=draw)
+            corrupted = tensors_to(objective.corrupt(batch, generator), device)
+            sums.nelbo[draw] += _ce_sum(model, corrupted, plan, options.ce_chunk_rows)
+            sums.nelbo_tokens[draw] += corrupted.denominator()
             bar.update(1)
-        if left_to_right:
+        if options.left_to_right:
             for corrupted in left_to_right_batches(
                 batch,
                 mask_token_id=settings.mask_token_id,
@@ -154,20 +179,50 @@ def evaluate_model(
                 token_shift=settings.token_shift,
                 uses_clean_stream=settings.uses_clean_stream,
             ):
-                ltr_sum += _ce_sum(model, corrupted, plan, ce_chunk_rows)
-                ltr_tokens += corrupted.denominator()
+                sums.ltr += _ce_sum(model, corrupted, plan, options.ce_chunk_rows)
+                sums.ltr_tokens += corrupted.denominator()
                 bar.update(1)
     bar.close()
+    return sums
+
+
+def evaluate_model(
+    model: Decoder,
+    split: ArtifactSplit,
+    settings: EvalSettings,
+    options: EvalOptions | None = None,
+    *,
+    progress: bool = True,
+) -> EvalReport:
+    """Score ``split`` on this one process (see the module docstring)."""
+    options = options or EvalOptions()
+    started = time.perf_counter()
+    ctx = single_process_context(model.embed_tokens.weight.device)
+    sums = score_split(model, split, settings, eval_plan(settings, split.seq_len, ctx), options, progress=progress)
+    return build_report(sums, sums, split, settings, options, time.perf_counter() - started)
+
+
+def build_report(
+    ce: EvalSums,
+    counts: EvalSums,
+    split: ArtifactSplit,
+    settings: EvalSettings,
+    options: EvalOptions,
+    seconds: float,
+) -> EvalReport:
+    """The report from the CE sums (``ce``) and token/row counts (``counts``) of all ranks."""
+    samples = options.samples
+    nelbo_sums, nelbo_tokens = ce.nelbo, counts.nelbo_tokens
     estimates = torch.tensor([s / max(z, 1.0) for s, z in zip(nelbo_sums, nelbo_tokens, strict=True)], dtype=torch.float64)
     nelbo = float(estimates.mean())
     stderr = float(estimates.std(unbiased=True)) / math.sqrt(samples) if samples > 1 else None
-    ltr_nll = ltr_sum / max(ltr_tokens, 1.0) if left_to_right else None
+    ltr_nll = ce.ltr / max(counts.ltr_tokens, 1.0) if options.left_to_right else None
     return EvalReport(
         objective=settings.objective,
         block_size=settings.block_size,
         split=split.name,
-        rows=rows,
-        batches=num_batches,
+        rows=counts.rows,
+        batches=batch_count(split, options.micro_batch_size, options.max_batches),
         samples=samples,
         t_min=EVAL_T_MIN,
         nelbo=nelbo,
@@ -176,6 +231,6 @@ def evaluate_model(
         nelbo_tokens=int(nelbo_tokens[0]),
         ltr_nll=ltr_nll,
         ltr_ppl=None if ltr_nll is None else perplexity_bound(ltr_nll),
-        ltr_tokens=int(ltr_tokens),
-        seconds=time.perf_counter() - started,
+        ltr_tokens=int(counts.ltr_tokens),
+        seconds=seconds,
     )
