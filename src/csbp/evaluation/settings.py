@@ -113,6 +113,10 @@ def resolve_settings(
         )
     seq_len = artifact.seq_len
     if name == "mdlm":
+        if block_size not in (None, seq_len):
+            raise ValueError(
+                f"--block-size {block_size}: mdlm is one block of the whole row ({seq_len} tokens) (fix: drop --block-size)"
+            )
         size = seq_len
     else:
         size = block_size or (run.get("block_size") if name == run.get("objective") else None)
