@@ -274,6 +274,7 @@ def step_runner_for(
             backend=cfg.attention.backend,
             diagonal=cfg.attention.diagonal,
             clean=cfg.attention.clean,
+            transport=cfg.topology.transport,
             eos_id=inputs.artifact.special_ids["eos"],
             served_prompts=cfg.objective.dflash.eval_prompts if cfg.objective.dflash is not None else 0,
             served_new_tokens=cfg.objective.dflash.eval_new_tokens if cfg.objective.dflash is not None else 64,
