@@ -14,6 +14,11 @@ Per rank and optimizer step (``csbp.dflash.layouts`` decides who holds what):
 * **Gradient all-reduce** of the trainable parameters over all ranks.
 * tokens/s = ``dp·anchors·(B-1)/step`` (supervised draft tokens).
 
+With packed documents (``Workload.doc_length``, ``csbp.plan.documents``) the draft rows and
+context pairs are the slowest rank's under the document mask, and where ``csbp.dflash.exchange``
+replaces the all-gather by the context exchange (CSBP; CP-only only with ``transport: halo``, the
+``cp-aware`` baseline) the K/V traffic is the exchange's received rows.
+
 Memory: ``12 B`` per trainable parameter (weights, gradients, fused AdamW), the frozen vocabulary
 (embedding and head, bf16), the draft activations (no checkpointing; ``drafter_act_factor`` per
 row-layer activation bytes), the fused context rows and their K/V, the target features of the
@@ -24,6 +29,7 @@ rank's context rows (``L/cp`` rows, all ``L`` for BP-only and data layouts) and 
 from __future__ import annotations
 
 from csbp.plan.calibration import Calibration
+from csbp.plan.documents import draft_counts
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Layout
 from csbp.plan.model import GIB, Prediction, kv_row_bytes, ring_bandwidth
@@ -62,6 +68,19 @@ def predict_drafter(
         context_rows = mb * min(held // 2 if layout.cp > 1 else held, span)
     else:
         context_rows = mb * held
+    docs = None
+    if workload.doc_length is not None:
+        docs = draft_counts(
+            seq_len,
+            workload.doc_length,
+            block=obj.block,
+            anchors=obj.anchors,
+            cp=layout.cp,
+            bp=layout.bp,
+            transport=layout.transport,
+            windows=tuple(sorted({g.window for g in model.groups})),
+        )
+        draft_rows = mb * docs.anchors * obj.block
     kv_proj = sum(g.count * model.d_model * 2 * g.n_kv_heads * g.head_dim for g in model.groups)
     rate = hw.peak_tflops * 1e12 * cal.drafter_eff
     dense = draft_rows * (6 * model.body_params + 4 * model.vocab * model.d_model)
@@ -74,6 +93,11 @@ def predict_drafter(
         * 3.5
         for g in model.groups
     )
+    if docs is not None:  # the document mask's context pairs of the slowest rank's draft rows
+        attn = sum(
+            g.count * (mb * docs.pairs[g.window] + draft_rows * obj.block) * 4 * g.head_dim * g.n_heads * 3.5
+            for g in model.groups
+        )
     context = context_rows * 2 * (obj.feature_width * model.d_model + kv_proj) * 3
     compute = (dense + attn + context) / rate
     fwd_s = compute / 3
@@ -82,8 +106,12 @@ def predict_drafter(
     kv_bytes = 0.0
     exposed_kv = 0.0
     if layout.cp > 1:
-        per_layer = sum(g.count * kv_row_bytes(g, p) for g in model.groups)
-        kv_bytes = accum * (layout.cp - 1) * context_rows * per_layer * 2.0  # gather + dK/dV
+        per_row = 0.0  # rows moved x bytes per row, summed over layers
+        for g in model.groups:
+            exchange = docs is not None and docs.exchanged[g.window]
+            rows = mb * docs.recv_rows[g.window] if exchange else (layout.cp - 1) * context_rows  # type: ignore[union-attr]
+            per_row += g.count * kv_row_bytes(g, p) * rows
+        kv_bytes = accum * per_row * 2.0  # gather (or context exchange) + dK/dV
         exposed_kv = kv_bytes / ring_bandwidth(layout, hw, cal)
     trainable = model.body_params + model.extra_params
     world = layout.world
