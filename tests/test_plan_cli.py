@@ -80,6 +80,24 @@ def test_plan_evaluates_given_topologies(capsys) -> None:
     assert len(table) == 4 and {line.split()[1] for line in table} == {"dp2/cp8", "dp2/cp8/bp8"}
 
 
+def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys) -> None:
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "--model", "nemotron-3b", "--seq-len", "64K", "--gpus", "8", "--gpu", "h200",
+            "--topology", "dp1/cp8", "dp1/cp8/bp8", "--checkpointing", "full", "--json", str(out_json)]
+    code, out, _ = run(capsys, *argv, "--doc-length", "2048")
+    assert code == 0 and "packed documents of mean length 2,048 (document mask)" in out.splitlines()[0]
+    rows = {(r["layout"], r["transport"]): r for r in json.loads(out_json.read_text())["feasible"]}
+    assert set(rows) == {("dp1/cp8", t) for t in ("collective", "streaming", "halo")} | {
+        ("dp1/cp8/bp8", t) for t in ("collective", "streaming")
+    }
+    assert rows["dp1/cp8", "halo"]["exchange"] == rows["dp1/cp8/bp8", "collective"]["exchange"] == "halo"
+    assert rows["dp1/cp8", "collective"]["exchange"] == "all rows"
+    assert rows["dp1/cp8", "halo"]["kv_bytes_per_gpu"] < rows["dp1/cp8", "collective"]["kv_bytes_per_gpu"]
+    code, _, _ = run(capsys, *argv)
+    plain = {(r["layout"], r["transport"]) for r in json.loads(out_json.read_text())["feasible"]}
+    assert ("dp1/cp8", "halo") not in plain and ("dp1/cp8/bp8", "collective") in plain
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -99,6 +117,7 @@ def test_plan_evaluates_given_topologies(capsys) -> None:
             ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--objective", "dflash"],
             "drop --objective",
         ),
+        (["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--doc-length", "0"], "--doc-length must be >= 1"),
     ],
 )
 def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:

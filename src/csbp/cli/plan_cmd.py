@@ -231,7 +231,7 @@ def exchange_label(workload: Workload, layout: Layout, seq_len: int) -> str:
     if layout.cp == 1:
         return "-"
     if workload.objective.is_drafter:
-        if workload.doc_length is None:
+        if workload.doc_length is None or workload.objective.context_rows != "all":
             return "context"
         kinds = tuple(sorted({g.window for g in workload.model.groups}))
         counts = draft_counts(

@@ -17,7 +17,8 @@ Per rank and optimizer step (``csbp.dflash.layouts`` decides who holds what):
 With packed documents (``Workload.doc_length``, ``csbp.plan.documents``) the draft rows and
 context pairs are the slowest rank's under the document mask, and where ``csbp.dflash.exchange``
 replaces the all-gather by the context exchange (CSBP; CP-only only with ``transport: halo``, the
-``cp-aware`` baseline) the K/V traffic is the exchange's received rows.
+``cp-aware`` baseline) the K/V traffic is the exchange's received rows (csbp's step,
+``context_rows == "all"``; the published reference's ``windows`` gather is kept as it is).
 
 Memory: ``12 B`` per trainable parameter (weights, gradients, fused AdamW), the frozen vocabulary
 (embedding and head, bf16), the draft activations (no checkpointing; ``drafter_act_factor`` per
@@ -108,7 +109,7 @@ def predict_drafter(
     if layout.cp > 1:
         per_row = 0.0  # rows moved x bytes per row, summed over layers
         for g in model.groups:
-            exchange = docs is not None and docs.exchanged[g.window]
+            exchange = docs is not None and docs.exchanged[g.window] and obj.context_rows == "all"
             rows = mb * docs.recv_rows[g.window] if exchange else (layout.cp - 1) * context_rows  # type: ignore[union-attr]
             per_row += g.count * kv_row_bytes(g, p) * rows
         kv_bytes = accum * per_row * 2.0  # gather (or context exchange) + dK/dV
