@@ -183,17 +183,20 @@ def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:
     assert (code, err) == (0, "") and "DFlash(" in out and "dflash, block 4" in out
 
 
-def _bench_records(path: Path, cal: Calibration) -> list[dict]:
-    """Records in the `csbp bench train --json` format whose numbers come from ``cal``."""
+def _bench_records(path: Path, cal: Calibration, doc_length: int | None = None) -> list[dict]:
+    """Records in the `csbp bench train --json` format whose numbers come from ``cal`` (with
+    ``doc_length``: over packed documents, plus the cp-aware baseline)."""
     group = LayerGroup(2, 4, 2, 32)
     workload = Workload(
         ModelShape("bench-decoder", 128, 512, 256, (group,)), Objective("bd3", 16, kv_grad_bytes=4), 4
-    )
+    ).with_options(doc_length=doc_length)
     hw = hardware("cpu", gpus=2)
     records = []
+    layouts = (("cp", 2, 1), ("bp", 1, 2), ("csbp", 2, 2)) + ((("cp-aware", 2, 1),) if doc_length else ())
     for seq_len in (512, 1024, 2048):
-        for name, cp, bp in (("cp", 2, 1), ("bp", 1, 2), ("csbp", 2, 2)):
-            layout = Layout(1, cp, bp, checkpointing="none", sharding="ddp")
+        for name, cp, bp in layouts:
+            transport = "halo" if name == "cp-aware" else "collective"
+            layout = Layout(1, cp, bp, transport=transport, checkpointing="none", sharding="ddp")
             pred = predict(workload, layout, seq_len, hw, cal, step_memory_only=True)
             records.append(
                 {
@@ -216,6 +219,7 @@ def _bench_records(path: Path, cal: Calibration) -> list[dict]:
                     "vocab_size": 512,
                     "dtype": "float32",
                     "transport": "collective",
+                    **({"doc_length": doc_length} if doc_length else {}),
                 }
             )
     path.write_text(json.dumps(records))
@@ -244,6 +248,24 @@ def test_calibrate_recovers_the_machine_it_measured(tmp_path: Path, capsys) -> N
     assert "gemm_eff" in cal.fit and str(bench) in cal.source
     for line in out.splitlines():
         if "measured" in line:
+            assert abs(float(line.rsplit("(", 1)[1].rstrip("%)"))) <= 3, line
+
+
+def test_calibrate_predicts_document_records_and_fits_them_alone(tmp_path: Path, capsys) -> None:
+    """Document-masked and cp-aware records are read with their documents and transport (the model
+    that made them reproduces them); beside one-document records they are held out."""
+    truth = replace(Calibration(), gemm_eff=0.2, attn_eff=0.05, intra_eff=0.3, overlap_cp=0.0, overlap_csbp=0.0)
+    plain, docs = tmp_path / "plain.json", tmp_path / "docs.json"
+    _bench_records(plain, truth)
+    _bench_records(docs, truth, doc_length=128)
+    code, out, err = run(capsys, "plan", "calibrate", str(plain), str(docs), "--out", str(tmp_path / "cal.json"))
+    held = [line for line in out.splitlines() if line.lstrip().startswith("held")]
+    assert (code, err) == (0, "") and len(held) == 24 and all("doc=128" in line for line in held)
+    assert sum("cp-aware" in line for line in held) == 6
+    code, out, err = run(capsys, "plan", "calibrate", str(docs), "--out", str(tmp_path / "cal.json"))
+    assert (code, err) == (0, "") and " held " not in out
+    for line in out.splitlines():
+        if "step_s" in line:
             assert abs(float(line.rsplit("(", 1)[1].rstrip("%)"))) <= 3, line
 
 
