@@ -6,6 +6,7 @@ Usage::
     csbp plan --model nemotron-14b --seq-len 256K --gpus 16 --gpu h200
     csbp plan --model dflash2-qwen3.8 --seq-len 1M --gpus 8 --gpu h100 --top 5 --json plan.json
     csbp plan --model run.yaml --seq-len 4096 --gpus 4 --gpu cpu --topology dp1/cp4 dp1/cp4/bp4
+    csbp plan --model nemotron-8b --seq-len 1M --gpus 32 --gpu h200 --doc-length 8192  # packed documents
     csbp bench train --seq-lens 512 1024 2048 --json bench.json
     csbp plan calibrate bench.json --out cal.json && csbp plan ... --gpu cpu --calibration cal.json
     csbp plan calibrate --published --out published.json    # refit the packaged GPU calibration
