@@ -175,18 +175,22 @@ def explain(
         reasons.append(f"its slowest rank computes {compute_r - compute_b:.2f} s less per step{why}")
     elif b.dp != r.dp and abs(best.step_s - rival.step_s) > 0.02 * rival.step_s:
         reasons.append(f"a step takes {best.step_s:.2f} s instead of {rival.step_s:.2f} s")
+    despite = ""  # a winner that sends more K/V wins in spite of it
     most = max(best.kv_bytes, rival.kv_bytes)
     if most >= 2**24 and abs(best.kv_bytes - rival.kv_bytes) > 0.1 * most:
         comm_gain = rival.exposed_comm_s - best.exposed_comm_s
-        reasons.append(
-            f"it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"
-            + (f" ({comm_gain:.2f} s less exposed communication)" if comm_gain >= 0.01 else "")
-        )
+        if best.kv_bytes < rival.kv_bytes:
+            reasons.append(
+                f"it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"
+                + (f" ({comm_gain:.2f} s less exposed communication)" if comm_gain >= 0.01 else "")
+            )
+        else:
+            despite = f", although it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"
     if not reasons:
         reasons.append("it is the fastest layout that fits")
     return (
         f"{describe(b)} wins at {ratio:.2f}x the best {_family_name(r.kind)} layout "
-        f"({describe(r)}): {'; '.join(reasons)}."
+        f"({describe(r)}): {'; '.join(reasons)}{despite}."
     )
 
 
