@@ -4,7 +4,7 @@ Everything that decides a layout is counted with csbp's own torch-free arithmeti
 (``csbp.attention.counts``): per local rank, the noisy and clean rows it holds
 (``layout_positions``), the (query, key) pairs the BD3 mask allows over them, window or full
 (``position_pairs``), and the clean rows a sliding-window layer's halo exchange receives
-(``window_halo_rows``). The slowest rank of a sample bounds the step. The calibration
+(``halo_rows``). The slowest rank of a sample bounds the step. The calibration
 (``csbp.plan.calibration``) turns FLOPs, bytes and rows into seconds and GiB:
 
 * compute: dense ``2·params·rows`` per pass plus the LM head on loss rows; attention ``4·hd·H``
@@ -37,7 +37,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from csbp.attention.counts import layout_positions, position_pairs, window_halo_rows
+from csbp.attention.counts import halo_rows as rank_halo_rows
+from csbp.attention.counts import layout_positions, position_pairs
 from csbp.plan.calibration import Calibration
 from csbp.plan.documents import document_halo_rows, packed_documents
 from csbp.plan.hardware import Hardware
@@ -126,7 +127,7 @@ def rank_counts(
 def halo_rows(seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int) -> int:
     """Largest number of clean rows a CSBP ring member receives in a window layer."""
     return max(
-        window_halo_rows(seq_len, block, cp, bp, rank, window, schedule)  # type: ignore[arg-type]
+        rank_halo_rows(seq_len, block, cp, bp, rank, window=window or None, schedule=schedule)  # type: ignore[arg-type]
         for rank in range(cp)
     )
 
