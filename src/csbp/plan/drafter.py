@@ -22,7 +22,8 @@ replaces the all-gather by the context exchange (CSBP; CP-only only with ``trans
 
 Memory: ``12 B`` per trainable parameter (weights, gradients, fused AdamW), the frozen vocabulary
 (embedding and head, bf16), the draft activations (no checkpointing; ``drafter_act_factor`` per
-row-layer activation bytes), the fused context rows and their K/V, the target features of the
+row-layer activation bytes), the fused context rows and their K/V, the context K/V received from
+the ring (all-gathered or exchanged; every layer keeps it for its backward), the target features of the
 rank's context rows (``L/cp`` rows, all ``L`` for BP-only and data layouts) and 1 GiB of runtime
 (the calibration's constant where that is smaller, e.g. on CPU).
 """
@@ -104,15 +105,15 @@ def predict_drafter(
     fwd_s = compute / 3
     bwd_s = compute - fwd_s
 
+    received = 0.0  # context K/V bytes a rank receives per micro-step, summed over layers
+    for g in model.groups if layout.cp > 1 else ():
+        exchange = docs is not None and docs.exchanged[g.window] and obj.context_rows == "all"
+        rows = mb * docs.recv_rows[g.window] if exchange else (layout.cp - 1) * context_rows  # type: ignore[union-attr]
+        received += g.count * kv_row_bytes(g, p) * rows
     kv_bytes = 0.0
     exposed_kv = 0.0
     if layout.cp > 1:
-        per_row = 0.0  # rows moved x bytes per row, summed over layers
-        for g in model.groups:
-            exchange = docs is not None and docs.exchanged[g.window] and obj.context_rows == "all"
-            rows = mb * docs.recv_rows[g.window] if exchange else (layout.cp - 1) * context_rows  # type: ignore[union-attr]
-            per_row += g.count * kv_row_bytes(g, p) * rows
-        kv_bytes = accum * per_row * 2.0  # gather (or context exchange) + dK/dV
+        kv_bytes = accum * received * 2.0  # gather (or context exchange) + dK/dV
         exposed_kv = kv_bytes / ring_bandwidth(layout, hw, cal)
     trainable = model.body_params + model.extra_params
     world = layout.world
@@ -141,6 +142,8 @@ def predict_drafter(
     # fused context rows (fc output, its norm) and every layer's context K/V, kept for backward
     kv_width = sum(g.count * 2 * g.n_kv_heads * g.head_dim for g in model.groups)
     terms["context activations"] = context_rows * (2 * model.d_model + kv_width) * p
+    if received:  # every layer keeps the gathered (or exchanged) context K/V for its backward
+        terms["received context K/V"] = received
     return Prediction(
         layout=layout,
         step_s=step,
