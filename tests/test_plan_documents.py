@@ -201,3 +201,25 @@ def test_short_documents_make_the_all_gather_useless() -> None:
     without, with_docs = best(plain), best(docs)
     assert without.cp > 1 and without.transport != "halo"  # one document: the clean rows are all needed
     assert with_docs.cp == 1 or with_docs.transport == "halo" or (with_docs.kind == "csbp" and with_docs.transport == "collective")
+
+
+def test_drafter_traffic_and_received_memory_follow_the_context_exchange() -> None:
+    """csbp's drafter step (``--drafter-context all``): every layer keeps the context K/V it received;
+    an all-gather receives ``(cp-1)·L/cp`` rows, the context exchange its plan's rows."""
+    seq_len, hw, cal = 64 * 1024, hardware("h100", gpus=8), packaged_calibration("h100")
+    plain = preset_workload("dflash2-qwen3.8").with_options(drafter_context="all")
+    docs = plain.with_options(doc_length=2048)
+    model, p = plain.model, plain.dtype_bytes
+    layout = Layout(2, 4, 4)
+    gather = predict(plain, layout, seq_len, hw, cal)
+    row_bytes = sum(g.count * 2 * g.n_kv_heads * g.head_dim * p for g in model.groups)
+    assert gather.mem_terms["received context K/V"] == 3 * seq_len // 4 * row_bytes
+    assert gather.kv_bytes == 2 * gather.mem_terms["received context K/V"]  # gather + dK/dV
+    windows = tuple(sorted({g.window for g in model.groups}))
+    counts = draft_counts(seq_len, 2048, block=plain.objective.block, anchors=plain.objective.anchors, cp=4, bp=4,
+                          transport="collective", windows=windows)
+    exchanged = predict(docs, layout, seq_len, hw, cal)
+    expected = sum(g.count * 2 * g.n_kv_heads * g.head_dim * p * counts.recv_rows[g.window] for g in model.groups)
+    assert all(counts.exchanged.values())
+    assert exchanged.mem_terms["received context K/V"] == expected < gather.mem_terms["received context K/V"]
+    assert "received context K/V" not in predict(docs, Layout(2, 1, 4), seq_len, hw, cal).mem_terms  # no ring
