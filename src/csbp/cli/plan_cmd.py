@@ -261,7 +261,8 @@ def _documents_note(workload: Workload, seq_len: int) -> str:
     if workload.doc_length is None:
         return ""
     count = document_count(seq_len, workload.doc_length)
-    return f", {count:,} packed documents of mean length {workload.doc_length:,} (document mask)"
+    noun = "document" if count == 1 else "documents"
+    return f", {count:,} packed {noun} of mean length {workload.doc_length:,} (document mask)"
 
 
 def format_plan(
