@@ -223,3 +223,19 @@ def test_drafter_traffic_and_received_memory_follow_the_context_exchange() -> No
     assert all(counts.exchanged.values())
     assert exchanged.mem_terms["received context K/V"] == expected < gather.mem_terms["received context K/V"]
     assert "received context K/V" not in predict(docs, Layout(2, 1, 4), seq_len, hw, cal).mem_terms  # no ring
+
+
+@pytest.mark.parametrize("objective", ["mdlm", "ar"])
+def test_single_stream_pairs_are_the_document_mask(objective: str) -> None:
+    """MDLM (bidirectional) and AR (causal) rows over packed documents: the planner's pairs are the
+    predicate's (``csbp.masks``) over the same documents."""
+    from csbp.attention.documents import packed_doc_ids
+    from csbp.masks import ar_mask, dense_mask, mdlm_mask
+    from csbp.plan.model import _counts
+    from csbp.plan.workload import Objective, Workload
+
+    workload = Workload(preset_workload("nemotron-3b").model, Objective(objective, block=SEQ_LEN), 2, doc_length=DOC)
+    doc_ids = packed_doc_ids(random_documents(SEQ_LEN, DOC, torch.Generator().manual_seed(DOCUMENT_SEED)))
+    mask = (mdlm_mask if objective == "mdlm" else ar_mask)(SEQ_LEN, doc_ids)
+    (counts,) = _counts(workload, Layout(1), SEQ_LEN, 0)
+    assert counts.pairs == int(dense_mask(mask, SEQ_LEN, SEQ_LEN).sum())
