@@ -3,6 +3,11 @@
 * ``dual_end_schedule`` (csbp.md §7): pairs block ``i`` with block ``N-1-i`` so that every pair
   costs ``N-1`` under the BD3 cost proxy ``cost(worker) = sum of owned block indices``;
 * ``contiguous_schedule``: the even contiguous split, kept for ablations;
+* ``balanced_schedule``: packed documents (docs/document-masking.md) make a block's cost its
+  document prefix, not its index; this deals runs of blocks by their measured cost (pairing the
+  cheapest with the most expensive, then the heaviest pair to the lightest worker), so every rank's
+  attention work is close to the mean. ``csbp.attention.counts.document_schedule`` feeds it the
+  document-mask costs; without documents the ``balanced`` policy *is* ``dual_end``;
 * ``zigzag_positions`` (csbp.md §8): CP rank ``c`` owns chunks ``c`` and ``2*cp-1-c`` of a
   sequence cut into ``2*cp`` equal chunks.
 
@@ -14,6 +19,8 @@ without communicating. The module imports no torch (the cost model of ``csbp.pla
 from __future__ import annotations
 
 import functools
+import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -22,7 +29,8 @@ import numpy as np
 if TYPE_CHECKING:
     from torch import Tensor
 
-SchedulePolicy = Literal["dual_end", "contiguous"]
+SchedulePolicy = Literal["dual_end", "contiguous", "balanced"]
+SCHEDULES: tuple[str, ...] = ("dual_end", "contiguous", "balanced")
 
 
 @dataclass(frozen=True)
@@ -126,12 +134,96 @@ def contiguous_schedule(num_blocks: int, num_workers: int) -> BlockSchedule:
 @functools.lru_cache(maxsize=64)
 def block_schedule(num_blocks: int, num_workers: int, policy: SchedulePolicy = "dual_end") -> BlockSchedule:
     """The schedule named by ``policy`` (``"dual_end"`` or ``"contiguous"``); cached (immutable), since
-    every rank's layout asks for the same one."""
-    if policy == "dual_end":
+    every rank's layout asks for the same one. ``"balanced"`` without per-block costs (one document
+    per row) is ``dual_end``: a block's cost is then its index, which dual-end already balances."""
+    if policy in ("dual_end", "balanced"):
         return dual_end_schedule(num_blocks, num_workers)
     if policy == "contiguous":
         return contiguous_schedule(num_blocks, num_workers)
-    raise ValueError(f"schedule policy must be 'dual_end' or 'contiguous', got {policy!r}")
+    raise ValueError(f"schedule policy must be one of {SCHEDULES}, got {policy!r}")
+
+
+def block_runs(num_blocks: int, num_workers: int, run: int) -> list[tuple[int, ...]]:
+    """Blocks ``0 .. N-1`` cut into runs of ``run`` consecutive blocks (the last one shorter), with
+    ``run`` lowered so that there are at least ``2P`` runs (single blocks when ``N < 2P``)."""
+    _check_counts(num_blocks, num_workers)
+    if run < 1:
+        raise ValueError(f"run must be >= 1 block, got {run}")
+    run = max(1, min(run, num_blocks // (2 * num_workers)))
+    return [tuple(range(s, min(s + run, num_blocks))) for s in range(0, num_blocks, run)]
+
+
+def balanced_schedule(
+    units: Sequence[tuple[int, ...]],
+    unit_costs: Sequence[int],
+    num_workers: int,
+    *,
+    base_loads: Sequence[int] | None = None,
+) -> BlockSchedule:
+    """Deal ``units`` (``block_runs``) to ``num_workers`` workers by their cost (``unit_costs[u]``,
+    e.g. the allowed pairs of unit ``u``'s rows under the document mask), deterministically.
+
+    Runs rather than single blocks keep a worker's blocks in a few places (fewer documents to fetch
+    halo rows of). With at least ``2P`` units they are sorted by cost (stable) and paired, the
+    cheapest with the most expensive; the pairs, heaviest first, go to the worker with the lowest
+    load among those still short of their share (``floor`` or ``ceil`` of pairs / ``P``), ties to
+    the lowest index; an odd middle unit goes to the lightest of the workers with the fewest blocks.
+    With fewer than ``2P`` units (single blocks) each is dealt that way, every worker taking one or
+    two. A worker's load starts at ``base_loads[w]`` (the cost of rows the schedule cannot move,
+    e.g. its clean shard; default 0).
+    """
+    num_blocks = sum(len(unit) for unit in units)
+    _check_counts(num_blocks, num_workers)
+    if sorted(b for unit in units for b in unit) != list(range(num_blocks)) or len(unit_costs) != len(units):
+        raise ValueError(f"units must cover blocks 0..{num_blocks - 1} once each, with one cost per unit")
+    loads = [int(b) for b in base_loads] if base_loads is not None else [0] * num_workers
+    if len(loads) != num_workers:
+        raise ValueError(f"base_loads must have one entry per worker ({num_workers}), got {len(loads)}")
+    if len(units) < num_workers:
+        raise ValueError(f"{len(units)} units cannot give each of {num_workers} workers a block: use block_runs")
+    units = list(units)
+    unit_costs = [int(c) for c in unit_costs]
+    order = sorted(range(len(units)), key=unit_costs.__getitem__)  # stable: ties keep block order
+    count = len(order)
+    assignment: list[list[int]] = [[] for _ in range(num_workers)]
+    if count >= 2 * num_workers:
+        pairs = [(order[i], order[count - 1 - i]) for i in range(count // 2)]
+        base, extra = divmod(len(pairs), num_workers)
+        caps = [base + 1 if w < extra else base for w in range(num_workers)]
+        _deal(pairs, [unit_costs[a] + unit_costs[b] for a, b in pairs], caps, loads, assignment, units)
+        if count % 2 == 1:
+            middle = order[count // 2]
+            fewest = min(len(blocks) for blocks in assignment)
+            worker = min((w for w in range(num_workers) if len(assignment[w]) == fewest), key=lambda w: (loads[w], w))
+            assignment[worker].extend(units[middle])
+    else:  # short regime: single blocks, one or two per worker
+        caps = [2 if w < count - num_workers else 1 for w in range(num_workers)]
+        _deal([(u,) for u in range(count)], unit_costs, caps, loads, assignment, units)
+    return BlockSchedule(tuple(tuple(sorted(a)) for a in assignment), num_blocks, "balanced")
+
+
+def _deal(
+    groups: list[tuple[int, ...]],
+    group_costs: list[int],
+    caps: list[int],
+    loads: list[int],
+    assignment: list[list[int]],
+    units: Sequence[tuple[int, ...]],
+) -> None:
+    """Longest-processing-time dealing with a cap per worker: groups of units, heaviest first (ties
+    in order), each to the least-loaded worker (lowest index on ties) that has not reached its cap.
+    Updates ``loads`` and ``assignment`` in place."""
+    heap = [(loads[w], w) for w in range(len(caps)) if caps[w] > 0]
+    heapq.heapify(heap)
+    taken = [0] * len(caps)
+    for index in sorted(range(len(groups)), key=lambda g: -group_costs[g]):
+        load, worker = heapq.heappop(heap)
+        for unit in groups[index]:
+            assignment[worker].extend(units[unit])
+        loads[worker] = load + group_costs[index]
+        taken[worker] += 1
+        if taken[worker] < caps[worker]:
+            heapq.heappush(heap, (loads[worker], worker))
 
 
 def zigzag_chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:

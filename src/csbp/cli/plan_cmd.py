@@ -27,7 +27,7 @@ from csbp.plan.documents import document_count, draft_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
 from csbp.plan.model import GIB, Prediction, uses_halo
-from csbp.plan.search import Plan, candidate_layouts, describe, rank, transports_for
+from csbp.plan.search import Plan, candidate_layouts, describe, rank, schedules_for, transports_for
 from csbp.plan.workload import (
     OBJECTIVES,
     Workload,
@@ -221,7 +221,8 @@ def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[st
             ckpts = ("none",)
         for transport in transports_for(workload, base):
             for ckpt in ckpts:
-                layouts.append(replace(base, transport=transport, checkpointing=ckpt))  # type: ignore[arg-type]
+                for schedule in schedules_for(workload, base):
+                    layouts.append(replace(base, transport=transport, checkpointing=ckpt, schedule=schedule))  # type: ignore[arg-type]
     return layouts
 
 
