@@ -4,9 +4,8 @@
   costs ``N-1`` under the BD3 cost proxy ``cost(worker) = sum of owned block indices``;
 * ``contiguous_schedule``: the even contiguous split, kept for ablations;
 * ``balanced_schedule``: packed documents (docs/document-masking.md) make a block's cost its
-  document prefix, not its index; this deals runs of blocks by their measured cost (pairing the
-  cheapest with the most expensive, then the heaviest pair to the lightest worker), so every rank's
-  attention work is close to the mean. ``csbp.attention.counts.document_schedule`` feeds it the
+  document prefix, not its index; this starts from dual-end over runs of blocks and swaps runs
+  away from the heaviest rank while that lowers it, so every rank's attention work nears the mean. ``csbp.attention.counts.document_schedule`` feeds it the
   document-mask costs; without documents the ``balanced`` policy *is* ``dual_end``;
 * ``zigzag_positions`` (csbp.md §8): CP rank ``c`` owns chunks ``c`` and ``2*cp-1-c`` of a
   sequence cut into ``2*cp`` equal chunks.
@@ -19,7 +18,6 @@ without communicating. The module imports no torch (the cost model of ``csbp.pla
 from __future__ import annotations
 
 import functools
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -163,67 +161,47 @@ def balanced_schedule(
     """Deal ``units`` (``block_runs``) to ``num_workers`` workers by their cost (``unit_costs[u]``,
     e.g. the allowed pairs of unit ``u``'s rows under the document mask), deterministically.
 
-    Runs rather than single blocks keep a worker's blocks in a few places (fewer documents to fetch
-    halo rows of). With at least ``2P`` units they are sorted by cost (stable) and paired, the
-    cheapest with the most expensive; the pairs, heaviest first, go to the worker with the lowest
-    load among those still short of their share (``floor`` or ``ceil`` of pairs / ``P``), ties to
-    the lowest index; an odd middle unit goes to the lightest of the workers with the fewest blocks.
-    With fewer than ``2P`` units (single blocks) each is dealt that way, every worker taking one or
-    two. A worker's load starts at ``base_loads[w]`` (the cost of rows the schedule cannot move,
-    e.g. its clean shard; default 0).
+    Start from dual-end over the units (worker ``w`` of ``2P`` runs holds runs ``w`` and ``2P-1-w``:
+    with ``cp == bp`` exactly its own zigzag clean shard, so no halo rows beyond document prefixes),
+    then, while it helps, swap one unit of the heaviest worker (lowest index on ties) with a cheaper
+    unit of another worker: the swap that most lowers the heavier of the two, as long as that is
+    below the heaviest's load. Swapping keeps every worker's unit count (rows, hence MLP work and
+    memory, stay as dual-end's) and moves as few runs off their home as balancing needs (each moved
+    run's clean rows become halo rows). A worker's load starts at ``base_loads[w]`` (rows the
+    schedule cannot move, e.g. its clean shard; default 0).
     """
     num_blocks = sum(len(unit) for unit in units)
     _check_counts(num_blocks, num_workers)
     if sorted(b for unit in units for b in unit) != list(range(num_blocks)) or len(unit_costs) != len(units):
         raise ValueError(f"units must cover blocks 0..{num_blocks - 1} once each, with one cost per unit")
+    if len(units) < num_workers:
+        raise ValueError(f"{len(units)} units cannot give each of {num_workers} workers a block: use block_runs")
     loads = [int(b) for b in base_loads] if base_loads is not None else [0] * num_workers
     if len(loads) != num_workers:
         raise ValueError(f"base_loads must have one entry per worker ({num_workers}), got {len(loads)}")
-    if len(units) < num_workers:
-        raise ValueError(f"{len(units)} units cannot give each of {num_workers} workers a block: use block_runs")
-    units = list(units)
-    unit_costs = [int(c) for c in unit_costs]
-    order = sorted(range(len(units)), key=unit_costs.__getitem__)  # stable: ties keep block order
-    count = len(order)
-    assignment: list[list[int]] = [[] for _ in range(num_workers)]
-    if count >= 2 * num_workers:
-        pairs = [(order[i], order[count - 1 - i]) for i in range(count // 2)]
-        base, extra = divmod(len(pairs), num_workers)
-        caps = [base + 1 if w < extra else base for w in range(num_workers)]
-        _deal(pairs, [unit_costs[a] + unit_costs[b] for a, b in pairs], caps, loads, assignment, units)
-        if count % 2 == 1:
-            middle = order[count // 2]
-            fewest = min(len(blocks) for blocks in assignment)
-            worker = min((w for w in range(num_workers) if len(assignment[w]) == fewest), key=lambda w: (loads[w], w))
-            assignment[worker].extend(units[middle])
-    else:  # short regime: single blocks, one or two per worker
-        caps = [2 if w < count - num_workers else 1 for w in range(num_workers)]
-        _deal([(u,) for u in range(count)], unit_costs, caps, loads, assignment, units)
-    return BlockSchedule(tuple(tuple(sorted(a)) for a in assignment), num_blocks, "balanced")
-
-
-def _deal(
-    groups: list[tuple[int, ...]],
-    group_costs: list[int],
-    caps: list[int],
-    loads: list[int],
-    assignment: list[list[int]],
-    units: Sequence[tuple[int, ...]],
-) -> None:
-    """Longest-processing-time dealing with a cap per worker: groups of units, heaviest first (ties
-    in order), each to the least-loaded worker (lowest index on ties) that has not reached its cap.
-    Updates ``loads`` and ``assignment`` in place."""
-    heap = [(loads[w], w) for w in range(len(caps)) if caps[w] > 0]
-    heapq.heapify(heap)
-    taken = [0] * len(caps)
-    for index in sorted(range(len(groups)), key=lambda g: -group_costs[g]):
-        load, worker = heapq.heappop(heap)
-        for unit in groups[index]:
-            assignment[worker].extend(units[unit])
-        loads[worker] = load + group_costs[index]
-        taken[worker] += 1
-        if taken[worker] < caps[worker]:
-            heapq.heappush(heap, (loads[worker], worker))
+    costs = [int(c) for c in unit_costs]
+    owned = [sorted(home) for home in dual_end_schedule(len(units), num_workers).assignment]  # unit indices
+    for worker, mine in enumerate(owned):
+        loads[worker] += sum(costs[u] for u in mine)
+    for _ in range(len(units) * num_workers):  # each swap lowers the sorted loads; this bound is never reached
+        heavy = max(range(num_workers), key=lambda w: (loads[w], -w))
+        best: tuple[int, int, int, int] | None = None  # (new max of the two, other, unit out, unit in)
+        for other in range(num_workers):
+            for out in owned[heavy] if other != heavy else ():
+                for into in owned[other]:
+                    delta = costs[out] - costs[into]
+                    peak = max(loads[heavy] - delta, loads[other] + delta)
+                    if delta > 0 and peak < loads[heavy] and (best is None or peak < best[0]):
+                        best = (peak, other, out, into)
+        if best is None:
+            break
+        _, other, out, into = best
+        delta = costs[out] - costs[into]
+        owned[heavy] = sorted([u for u in owned[heavy] if u != out] + [into])
+        owned[other] = sorted([u for u in owned[other] if u != into] + [out])
+        loads[heavy], loads[other] = loads[heavy] - delta, loads[other] + delta
+    assignment = tuple(tuple(sorted(b for u in mine for b in units[u])) for mine in owned)
+    return BlockSchedule(assignment, num_blocks, "balanced")
 
 
 def zigzag_chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:

@@ -252,7 +252,7 @@ def _row(index: str, p: Prediction, workload: Workload, seq_len: int) -> str:
     lay = p.layout
     exchange = exchange_label(workload, lay, seq_len)
     return (
-        f"{index:>3} {lay.name:<16} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
+        f"{index:>3} {lay.name + (' bal' if lay.schedule == 'balanced' else ''):<16} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
         f"{lay.checkpointing:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
         f"{p.mem_bytes / GIB:>7.1f}/{p.capacity_bytes / GIB:<6.1f} {p.kv_bytes / GIB:>8.2f} {p.exposed_comm_s:>8.3f}"
     )
@@ -287,6 +287,8 @@ def format_plan(
         lines += [f"    {describe(p.layout)}: {p.oom_reason()}" for p in plan.infeasible[:top]]
         if len(plan.infeasible) > top:
             lines.append(f"    ... {len(plan.infeasible) - top} more")
+    if any(p.layout.schedule == "balanced" for p in plan.feasible[:top]):
+        lines.append("    bal: the balanced block schedule (topology.schedule: balanced, blocks dealt by document cost)")
     lines += ["", f"why: {plan.why}"]
     return "\n".join(lines)
 
@@ -295,6 +297,7 @@ def _prediction_json(p: Prediction, workload: Workload, seq_len: int) -> dict[st
     lay = p.layout
     return {
         "layout": lay.name,
+        "schedule": lay.schedule,
         "exchange": exchange_label(workload, lay, seq_len),
         "dp": lay.dp,
         "cp": lay.cp,
