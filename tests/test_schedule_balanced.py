@@ -147,14 +147,19 @@ def _differs(case) -> bool:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "topology",
-    [Topology(cp=2, bp=2), Topology(bp=2, replicate_clean_prefix=True), Topology(cp=2, bp=4)],
-    ids=["csbp-cp2bp2", "bp2", "csbp-cp2bp4"],
+    ("topology", "window", "transport"),
+    [
+        (Topology(cp=2, bp=2), None, "collective"),
+        (Topology(bp=2, replicate_clean_prefix=True), None, "collective"),
+        (Topology(cp=2, bp=4), 5, "collective"),
+        (Topology(cp=2, bp=2), None, "streaming"),
+    ],
+    ids=["csbp-cp2bp2-halo", "bp2", "csbp-cp2bp4-window5", "csbp-cp2bp2-streaming"],
 )
-def test_balanced_schedule_equals_single_process(topology: Topology) -> None:
+def test_balanced_schedule_equals_single_process(topology: Topology, window: int | None, transport: str) -> None:
     from csbp.engine.verify import VerifyCase, verify
 
-    case = VerifyCase(topology, seq_len=64, doc_length=12, schedule="balanced")
+    case = VerifyCase(topology, seq_len=64, doc_length=12, window=window, transport=transport, schedule="balanced")  # type: ignore[arg-type]
     assert _differs(case), "the documents must move blocks, or this test checks dual-end again"
     result = verify(case, timeout_s=240)
     assert result.ok, (result.loss_rel_err, result.grad_rel_err, result.worst_param)

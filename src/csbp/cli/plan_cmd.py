@@ -252,7 +252,7 @@ def _row(index: str, p: Prediction, workload: Workload, seq_len: int) -> str:
     lay = p.layout
     exchange = exchange_label(workload, lay, seq_len)
     return (
-        f"{index:>3} {lay.name + (' bal' if lay.schedule == 'balanced' else ''):<16} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
+        f"{index:>3} {lay.name + (' bal' if lay.schedule == 'balanced' else ''):<18} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
         f"{lay.checkpointing:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
         f"{p.mem_bytes / GIB:>7.1f}/{p.capacity_bytes / GIB:<6.1f} {p.kv_bytes / GIB:>8.2f} {p.exposed_comm_s:>8.3f}"
     )
@@ -276,19 +276,19 @@ def format_plan(
         + _documents_note(workload, seq_len),
         f"calibration: {cal.source}",
         "",
-        f"{'#':>3} {'layout':<16} {'transport':<10} {'exchange':<10} {'ckpt':<5} {'mb':>2} {'step s':>9} "
+        f"{'#':>3} {'layout':<18} {'transport':<10} {'exchange':<10} {'ckpt':<5} {'mb':>2} {'step s':>9} "
         f"{'tokens/s':>11} {'mem GiB/cap':>14} {'K/V GiB':>8} {'exposed':>8}",
     ]
     lines += [_row(str(i + 1), p, workload, seq_len) for i, p in enumerate(plan.feasible[:top])]
     if len(plan.feasible) > top:
         lines.append(f"    ... {len(plan.feasible) - top} more feasible layouts (--top, --json)")
+    if any(p.layout.schedule == "balanced" for p in plan.feasible[:top]):
+        lines.append("    bal: the balanced block schedule (topology.schedule: balanced, blocks dealt by document cost)")
     if plan.infeasible:
         lines += ["", "out of memory:"]
         lines += [f"    {describe(p.layout)}: {p.oom_reason()}" for p in plan.infeasible[:top]]
         if len(plan.infeasible) > top:
             lines.append(f"    ... {len(plan.infeasible) - top} more")
-    if any(p.layout.schedule == "balanced" for p in plan.feasible[:top]):
-        lines.append("    bal: the balanced block schedule (topology.schedule: balanced, blocks dealt by document cost)")
     lines += ["", f"why: {plan.why}"]
     return "\n".join(lines)
 
