@@ -163,3 +163,13 @@ def test_balanced_schedule_equals_single_process(topology: Topology, window: int
     assert _differs(case), "the documents must move blocks, or this test checks dual-end again"
     result = verify(case, timeout_s=240)
     assert result.ok, (result.loss_rel_err, result.grad_rel_err, result.worst_param)
+
+
+def test_config_accepts_the_balanced_schedule_and_refuses_unknown_ones() -> None:
+    from pydantic import ValidationError
+
+    from csbp.config.schema import TopologySection
+
+    assert TopologySection(cp=2, bp=2, schedule="balanced").schedule == "balanced"
+    with pytest.raises(ValidationError, match="schedule"):
+        TopologySection(cp=2, bp=2, schedule="by_document")  # type: ignore[arg-type]

@@ -354,7 +354,7 @@ def run_train_bench(
 TABLE_COLUMNS = [
     Column("objective", "objective", "<13"),
     Column("seq_len", "seq_len", ">7"),
-    Column("layout", "layout", "<8"),
+    Column("layout", "layout", "<13"),
     Column("step s", "step_time_s", ">8.3f", vs_cp=True),
     Column("tok/s", "tokens_per_s", ">9.0f", vs_cp=True),
     Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
