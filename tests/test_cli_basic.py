@@ -166,3 +166,23 @@ def test_doctor_prints_an_aligned_table(capsys: pytest.CaptureFixture[str]) -> N
     for package in ("transformers", "tokenizers", "safetensors", "tensorboard"):
         assert items[package].split()[0] == metadata.version(package)
     assert rows[0] == ("python", "version", f"{platform.python_version()} ({sys.executable})")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "attention", "--json", "{file}/x.json"],
+        ["bench", "train", "--png", "{file}/x.png"],
+        ["bench", "kernels", "--json", "{dir}"],
+        ["plan", "--model", "nemotron-3b", "--gpus", "8", "--json", "{file}/sub/plan.json"],
+        ["plan", "calibrate", "--published", "--out", "{dir}"],
+    ],
+)
+def test_unwritable_output_files_fail_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    (tmp_path / "f.txt").write_text("in the way")
+    args = [arg.format(file=tmp_path / "f.txt", dir=tmp_path) for arg in argv]
+    assert main(args) == USER_ERROR_EXIT_CODE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "(fix: " in err, err

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 import torch
 
@@ -34,6 +36,23 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
+
+
+def output_file(text: str) -> Path:
+    """An output file (``--json``, ``--png``, ``plan calibrate --out``) that can be written, checked
+    before any work: not a directory, and its nearest existing parent is a writable directory
+    (missing parents are created when it is written)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory (fix: name a file, e.g. {path / 'out.json'})")
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {ancestor} is a file, not a directory (fix: choose another path)")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {ancestor} is not writable (fix: choose another path)")
+    return path
 
 
 def add_diagonal_option(parser: argparse.ArgumentParser, *, reference: bool = False) -> None:

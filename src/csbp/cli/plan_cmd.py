@@ -21,6 +21,7 @@ from pathlib import Path
 
 from csbp.atomic import write_json_atomic
 from csbp.cli.config_cmd import add_override_argument
+from csbp.cli.options import output_file
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
@@ -107,7 +108,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="calibration JSON (default: packaged, fitted on published runs; cpu: fitted here)",
     )
     parser.add_argument("--top", type=int, default=10, help="feasible layouts shown (default 10)")
-    parser.add_argument("--json", type=Path, default=None, help="write the full ranking to this JSON file")
+    parser.add_argument("--json", type=output_file, default=None, help="write the full ranking to this JSON file")
     add_override_argument(parser)
     parser.set_defaults(func=run_plan)
     sub = parser.add_subparsers(dest="plan_command", metavar="calibrate")
@@ -124,7 +125,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="fit on the packaged published CSBP runs (fit: true points) instead",
     )
-    calibrate.add_argument("--out", type=Path, required=True, help="calibration JSON to write")
+    calibrate.add_argument("--out", type=output_file, required=True, help="calibration JSON to write")
     calibrate.add_argument(
         "--fit-max-len",
         type=int,
