@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
     if args.window is not None and args.window <= 0:
         raise ValueError(f"--window must be a positive integer, got {args.window}")
+    known_words = None if args.known_words is None else KnownWords.load(args.known_words)
     model_dir: Path = args.model
     if not model_dir.is_dir():
         raise ValueError(
@@ -183,20 +185,33 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
         f"{elapsed:.2f} s on {device}]"
     )
-    if args.known_words is not None:
-        print(known_words_line(tokenizer.decode(result.token_ids), args.known_words))
+    if known_words is not None:
+        print(known_words.line(tokenizer.decode(result.token_ids)))
     return 0
 
 
-def known_words_line(completion: str, source: str) -> str:
-    """``words found in <source>: k/n (p%)`` for the completion's whitespace-separated words."""
-    from csbp.data.corpus import corpus_words, demo_corpus_files, known_word_fraction
+@dataclass(frozen=True)
+class KnownWords:
+    """The words of ``--known-words`` (a text file or ``demo-corpus``), read before any sampling."""
 
-    if source == "demo-corpus":
-        files = demo_corpus_files()
-    elif Path(source).is_file():
-        files = [Path(source)]
-    else:
-        raise ValueError(f"--known-words {source}: not a text file (or pass demo-corpus)")
-    known, total = known_word_fraction(completion, corpus_words(files))
-    return f"words found in {source}: {known}/{total} ({100.0 * known / max(total, 1):.1f}%)"
+    source: str
+    words: set[str]
+
+    @classmethod
+    def load(cls, source: str) -> KnownWords:
+        from csbp.data.corpus import corpus_words, demo_corpus_files
+
+        if source == "demo-corpus":
+            files = demo_corpus_files()
+        elif Path(source).is_file():
+            files = [Path(source)]
+        else:
+            raise ValueError(f"--known-words {source}: not a text file (fix: pass a text file or demo-corpus)")
+        return cls(source, corpus_words(files))
+
+    def line(self, completion: str) -> str:
+        """``words found in <source>: k/n (p%)`` for the completion's whitespace-separated words."""
+        from csbp.data.corpus import known_word_fraction
+
+        known, total = known_word_fraction(completion, self.words)
+        return f"words found in {self.source}: {known}/{total} ({100.0 * known / max(total, 1):.1f}%)"
