@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import platform
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import yaml
 
 from csbp import __version__
 from csbp.cli.doctor_cmd import collect_environment
-from csbp.cli.main import SUBCOMMAND_MODULES, USER_ERROR_EXIT_CODE, main
+from csbp.cli.main import SUBCOMMAND_MODULES, USER_ERROR_EXIT_CODE, build_parser, main
 from csbp.config import ConfigError, load_config
 from csbp.recipes import list_recipes, recipe_path
 
@@ -186,3 +188,22 @@ def test_unwritable_output_files_fail_before_any_work(
     assert main(args) == USER_ERROR_EXIT_CODE
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "(fix: " in err, err
+
+
+def _all_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _all_parsers(child)
+
+
+def test_every_help_renders_and_shows_defaults() -> None:
+    helps = {parser.prog: parser.format_help() for parser in _all_parsers(build_parser())}
+    assert len(helps) > 20
+    for prog, text in helps.items():
+        assert "(default: None)" not in text and "(default: False)" not in text, prog
+    generate = " ".join(helps["csbp generate"].split())
+    assert "--max-new-tokens MAX_NEW_TOKENS (default: 128)" in generate
+    assert "0 = greedy (default: 0.0)" in generate
+    assert "(default: B)" not in generate and "(default: (default" not in generate
