@@ -308,6 +308,8 @@ def test_config_errors_are_raised_before_any_process_starts(artifact: Path, tmp_
             "fast_dllm_v2 uses unit weights",
         ),
     ]
+    if not torch.cuda.is_available():  # FlexAttention has no CPU backward
+        cases.append(({"attention.backend": "flex"}, "attention.backend=flex cannot train on cpu"))
     for changes, message in cases:
         with pytest.raises(ValueError, match=message):
             launch_training(tiny_config(artifact, **changes), run_dir=run_dir)

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from csbp.attention.backends import check_backend_trains_on
 from csbp.config.schema import RunConfig
 from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit, max_token_id, open_artifact
 from csbp.data.tokenizer import load_tokenizer, special_tokens_from_names
@@ -94,6 +97,7 @@ def check_run(
     invocation stops after, default ``train.max_steps``); see the module docstring. ``warn``
     receives non-fatal findings (a damaged newest checkpoint that a resume skips)."""
     _check_objective_layout(cfg)
+    check_backend_trains_on(cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu")
     artifact = _open_checked(cfg.data.train, "data.train", cfg.data.seq_len)
     tokenizer_dir = artifact.directory
     if cfg.data.tokenizer is not None:
