@@ -38,6 +38,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
+
+
 def output_file(text: str) -> Path:
     """An output file (``--json``, ``--png``, ``plan calibrate --out``) that can be written, checked
     before any work: not a directory, and its nearest existing parent is a writable directory
