@@ -64,6 +64,14 @@ def test_verify_rejects_bad_input_before_launching(
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("flag", ["--nproc", "--dp", "--cp", "--bp", "--window", "--doc-length"])
+def test_verify_rejects_non_positive_sizes_in_one_argparse_line(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", flag, "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"csbp verify: error: argument {flag}: 0 must be >= 1")
+    assert len(err.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(("argv", "backend", "diagonal"), [
     ([], "tiles", "auto"),  # auto is tiles on the CPU
     (["--backend", "tiles", "--diagonal", "sdpa_fold"], "tiles", "sdpa_fold"),

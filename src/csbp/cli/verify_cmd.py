@@ -30,11 +30,17 @@ from csbp.topology import Topology
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("verify", help="check that parallel layouts equal one process")
-    parser.add_argument("--nproc", type=int, default=4, help="processes to launch (default 4)")
-    parser.add_argument("--dp", type=int, default=None, help="data-parallel degree (default nproc / local)")
-    parser.add_argument("--cp", type=int, default=None, help="context-parallel degree")
-    parser.add_argument("--bp", type=int, default=None, help="block-parallel degree")
+    parser = subparsers.add_parser(
+        "verify",
+        help="check that parallel layouts equal one process",
+        description="Run one forward/backward of a small decoder (or DFlash drafter) in every valid layout of "
+        "--nproc gloo processes (or the one --dp/--cp/--bp give) and on one process; print the relative error "
+        "of the loss and of the worst parameter gradient, and exit 1 if any layout is outside the tolerance.",
+    )
+    parser.add_argument("--nproc", type=positive_int, default=4, help="processes to launch (default 4)")
+    parser.add_argument("--dp", type=positive_int, default=None, help="data-parallel degree (default nproc / local)")
+    parser.add_argument("--cp", type=positive_int, default=None, help="context-parallel degree")
+    parser.add_argument("--bp", type=positive_int, default=None, help="block-parallel degree")
     parser.add_argument(
         "--transport",
         choices=("collective", "streaming", "halo"),
@@ -43,11 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--doc-length",
-        type=int,
+        type=positive_int,
         default=None,
         help="pack random documents of this mean length (document masking on); every layout adds cp-aware",
     )
-    parser.add_argument("--window", type=int, default=None, help="sliding window W (tokens, incl. the query)")
+    parser.add_argument("--window", type=positive_int, default=None, help="sliding window W (tokens, incl. the query)")
     parser.add_argument("--seq-len", type=positive_int, default=32)
     parser.add_argument("--block-size", type=positive_int, default=4)
     parser.add_argument("--samples", type=positive_int, default=2, help="samples per data-parallel replica")
