@@ -238,12 +238,20 @@ def _row(index: str, p: Prediction, workload: Workload) -> str:
     )
 
 
+def _param_count(count: float) -> str:
+    """``13.51B``, ``2.36M``, ``850K``: billions as the published models are named, smaller units below."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.2f}{unit}"
+    return f"{count:.0f}"
+
+
 def format_plan(
     plan: Plan, workload: Workload, seq_len: int, gpus: int, hw: Hardware, cal: Calibration, *, top: int
 ) -> str:
     obj = workload.objective
     lines = [
-        f"csbp plan: {workload.model.name} ({workload.model.total_params / 1e9:.2f}B params, {obj.name}, "
+        f"csbp plan: {workload.model.name} ({_param_count(workload.model.total_params)} params, {obj.name}, "
         f"block {obj.block}) at L={seq_len:,} on {gpus}x{hw.name} ({hw.gpus_per_node}/node)",
         f"calibration: {cal.source}",
         "",
