@@ -64,9 +64,9 @@ def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.Cap
     code, out, _ = run(capsys, "config", "validate", str(config))
     assert code == 0
     assert f"note: data.train does not exist yet: {tmp_path / 'artifacts' / 'demo-4k-64'}" in out
-    (tmp_path / "artifacts" / "demo-4k-64").mkdir(parents=True)
-    code, out, _ = run(capsys, "config", "validate", str(config))
-    assert code == 0 and "note:" not in out
+    (tmp_path / "artifacts" / "demo-4k-64").mkdir(parents=True)  # exists, so it is checked like `csbp train` does
+    code, out, err = run(capsys, "config", "validate", str(config))
+    assert code == 2 and "note:" not in out and "demo-4k-64 is not a prepared data artifact" in err
 
 
 def test_config_validate_print_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,12 +92,15 @@ def check_run(
     resume: bool = False,
     stop_step: int | None = None,
     warn: Callable[[str], None] | None = None,
+    check_device: bool = True,
 ) -> RunInputs:
     """Validate ``cfg`` against its data (and ``run_dir`` when given: ``resume`` and the step this
     invocation stops after, default ``train.max_steps``); see the module docstring. ``warn``
-    receives non-fatal findings (a damaged newest checkpoint that a resume skips)."""
+    receives non-fatal findings (a damaged newest checkpoint that a resume skips). ``check_device``:
+    also refuse an attention backend that cannot train on this machine (off for offline validation)."""
     _check_objective_layout(cfg)
-    check_backend_trains_on(cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu")
+    if check_device:
+        check_backend_trains_on(cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu")
     artifact = _open_checked(cfg.data.train, "data.train", cfg.data.seq_len)
     tokenizer_dir = artifact.directory
     if cfg.data.tokenizer is not None:
