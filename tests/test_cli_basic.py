@@ -143,10 +143,12 @@ def test_recipes_copy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert (code, out) == (0, f"wrote {target}\n")
     assert target.read_text(encoding="utf-8") == recipe_path("fast-dllm-v2-demo").read_text(encoding="utf-8")
     code, _, err = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path))
-    assert code == USER_ERROR_EXIT_CODE and "already exists (fix: pass --force" in err
+    assert code == USER_ERROR_EXIT_CODE and "already exists (fix: pass --overwrite" in err
     target.write_text("edited\n", encoding="utf-8")
-    code, _, _ = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path), "--force")
+    code, _, _ = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path), "--overwrite")
     assert code == 0 and target.read_text(encoding="utf-8").startswith("# Fast-dLLM v2")
+    code, _, _ = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path), "--force")  # the old name
+    assert code == 0
 
 
 # ----------------------------------------------------------------------------- doctor
