@@ -162,6 +162,7 @@ class Case:
 
 
 W = Path  # readability alias for the work directory argument
+UNWRITABLE = "/proc/csbp-unwritable"  # Linux: no file can be created under /proc
 
 CASES: list[Case] = [
     # ------------------------------------------------------------------ config validate
@@ -250,6 +251,20 @@ CASES: list[Case] = [
     Case("bench-train-repeats-0", lambda fx, w: ["bench", "train", "--repeats", "0"], "--repeats"),
     Case("bench-dflash-repeats-0", lambda fx, w: ["bench", "dflash", "--repeats", "0"], "--repeats"),
     Case("bench-not-an-int", lambda fx, w: ["bench", "attention", "--repeats", "many"], "--repeats"),
+    # ------------------------------------------------------------------ outputs nobody can write (checked first;
+    # /proc refuses new files even to root, where os.access says yes)
+    Case("train-run-dir-unwritable", lambda fx, w: ["train", str(fx.config), "--run-dir", f"{UNWRITABLE}/run"], "--run-dir"),
+    Case("prepare-out-unwritable", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", "{oops\n")), "--out", f"{UNWRITABLE}/o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "--out"),
+    Case("recipes-copy-unwritable", lambda fx, w: ["recipes", "copy", "demo", f"{UNWRITABLE}/x.yaml"], "x.yaml"),
+    Case("bench-json-unwritable", lambda fx, w: ["bench", "attention", "--json", f"{UNWRITABLE}/b.json"], "--json"),
+    Case("plan-json-unwritable", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--json", f"{UNWRITABLE}/p.json"], "--json"),
+    # ------------------------------------------------------------------ checked before the work they would follow
+    Case("generate-known-words-missing", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--known-words", "nowords.txt"], "--known-words"),
+    Case("prepare-tokenizer-before-inputs", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", "{oops\n")), "--out", "o", "--seq-len", "8", "--tokenizer", "no-tok"], "no-tok"),
+    Case("prepare-vocab-too-small", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", "{oops\n")), "--out", "o", "--seq-len", "8", "--train-tokenizer", "--vocab-size", "10"], "--vocab-size 10"),
+    Case("config-seq-len-not-the-artifacts", lambda fx, w: ["config", "validate", str(fx.config), "--set", "data.seq_len=64"], "data.seq_len"),
+    Case("compare-budget-0", lambda fx, w: ["compare", str(fx.config), "--budget-s", "0"], "--budget-s"),
+    Case("verify-window-0", lambda fx, w: ["verify", "--nproc", "2", "--window", "0"], "--window"),
 ]
 
 
@@ -284,4 +299,4 @@ def test_bad_input_fails_closed(
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 60 and len({case.name for case in CASES}) == len(CASES)
+    assert len(CASES) >= 71 and len({case.name for case in CASES}) == len(CASES)

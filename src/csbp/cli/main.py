@@ -117,6 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         if args.debug:
             raise
+        if isinstance(exc, OSError) and exc.errno is not None:  # from the OS: name the file and the fix
+            print(f"csbp: error: {describe_os_error(exc)}", file=sys.stderr)
+            return USER_ERROR_EXIT_CODE
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"csbp: error: {line}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
+
+from csbp.atomic import unwritable_reason
 
 
 def device_option(text: str) -> str:
@@ -56,13 +57,9 @@ def output_file(text: str) -> Path:
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory (fix: name a file, e.g. {path / 'out.json'})")
-    ancestor = path.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise argparse.ArgumentTypeError(f"{text}: {ancestor} is a file, not a directory (fix: choose another path)")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text}: {ancestor} is not writable (fix: choose another path)")
+    problem = unwritable_reason(path.absolute().parent)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text}: {problem} (fix: choose another path)")
     return path
 
 

@@ -22,7 +22,6 @@ Every problem is a ``ValueError`` with one line ``field: message (fix: ...)``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from csbp.atomic import unwritable_reason
 from csbp.attention.backends import check_backend_trains_on
 from csbp.config.schema import RunConfig
 from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit, max_token_id, open_artifact
@@ -194,19 +194,13 @@ def check_run_dir(
 
 def check_writable_directory(path: Path, flag: str) -> None:
     """``ValueError`` unless ``path`` is a directory, or can be created as one, that this user may
-    write (nothing is created here)."""
+    write (nothing is left behind)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag} {path}: exists and is not a directory (fix: choose another path)")
-    existing = path
-    while not existing.exists():
-        if existing.parent == existing:
-            break
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"{flag} {path}: {existing} is not a directory (fix: choose another path)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {existing} is not writable (fix: choose a directory you can write)")
+    problem = unwritable_reason(path)
+    if problem is not None:
+        raise ValueError(f"{flag} {path}: {problem} (fix: choose a directory you can write)")
 
 
 def _check_objective_layout(cfg: RunConfig) -> None:
