@@ -223,6 +223,7 @@ CASES: list[Case] = [
     Case("train-timeout-inf", lambda fx, w: ["train", str(fx.config), "--set", "train.collective_timeout_s=.inf", "--run-dir", "r"], "collective_timeout_s"),
     Case("train-run-name-escape", lambda fx, w: ["train", str(fx.config), "--set", "run.name=../../x"], "run.name"),
     Case("train-max-steps-0", lambda fx, w: ["train", str(fx.config), "--run-dir", "r", "--max-steps", "0"], "--max-steps"),
+    Case("train-max-steps-past-schedule", lambda fx, w: ["train", str(fx.config), "--run-dir", "r", "--max-steps", "999"], "train.max_steps=999"),
     Case("train-nproc-mismatch", lambda fx, w: ["train", str(fx.config), "--run-dir", "r", "--nproc", "3"], "--nproc"),
     # ------------------------------------------------------------------ verify
     Case("verify-samples-0", lambda fx, w: ["verify", "--samples", "0"], "--samples"),
@@ -299,4 +300,4 @@ def test_bad_input_fails_closed(
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 71 and len({case.name for case in CASES}) == len(CASES)
+    assert len(CASES) >= 72 and len({case.name for case in CASES}) == len(CASES)
