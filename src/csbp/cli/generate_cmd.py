@@ -135,6 +135,14 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--model {model_dir} is not a directory; pass a HF checkpoint directory (e.g. RUN/final)"
         )
+    if not (model_dir / "config.json").is_file():
+        if (model_dir / "final" / "config.json").is_file():
+            what = f"is a run directory (fix: --model {model_dir / 'final'}, the model it exported)"
+        elif (model_dir / "trainer_state.json").is_file() or (model_dir / "latest").is_file():
+            what = "holds training checkpoints (fix: pass the run's final/ export, e.g. RUN/final)"
+        else:
+            what = "has no config.json, so it is not a HF checkpoint directory (fix: pass one, e.g. RUN/final)"
+        raise ValueError(f"--model {model_dir} {what}")
     run_settings = run_objective_settings(model_dir)
     objective = args.objective or run_settings.get("objective", DEFAULT_OBJECTIVE)
     block_size = args.block_size or run_settings.get("block_size", DEFAULT_BLOCK_SIZE)
