@@ -121,6 +121,9 @@ def _memory_step(mode: str) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]
 
 
 def _memory_worker(rank: int, world: int) -> list[tuple[int, torch.Tensor, dict[str, torch.Tensor]]]:
+    # A discarded first step takes the one-time allocations (thread pools, kernel caches), which
+    # would otherwise be charged to whichever mode runs first.
+    _memory_step("full")
     return [_memory_step(mode) for mode in ("none", "full")]
 
 
@@ -135,7 +138,7 @@ def test_checkpointing_cuts_the_peak_memory_of_a_step() -> None:
         f"peak memory growth of a float64 step: plain {plain[0] / 2**20:.1f} MiB, "
         f"checkpointed {ckpt[0] / 2**20:.1f} MiB ({ratio:.2f}x less)"
     )
-    assert ratio > 1.5, (plain[0], ckpt[0])
+    assert ratio > 2.5, (plain[0], ckpt[0])  # measured 4.2-4.3x with the warm-up step
 
 
 def test_a_checkpointed_run_logs_the_plain_runs_losses(tmp_path: Path) -> None:

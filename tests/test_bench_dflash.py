@@ -54,6 +54,7 @@ RECORD_KEYS = {
     "vocab_size",
     "feature_width",
     "dtype",
+    "doc_length",
 }
 TINY = ["--block-size", "4", "--vocab-size", "64", "--hidden-size", "32", "--intermediate-size", "64"]
 TINY += ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"]
@@ -98,6 +99,23 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
     )
     assert by_layout["csbp"]["drafter_flops_per_rank"] < by_layout["cp"]["drafter_flops_per_rank"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.multiprocess
+def test_documents_exchange_fewer_context_bytes(tmp_path: Path) -> None:
+    """With short packed documents CSBP and cp-aware exchange only the context rows an anchor may see:
+    fewer attention bytes than CP-only's all-gather, the same step-0 loss."""
+    out = tmp_path / "dflash.json"
+    argv = ["dflash", "--seq-lens", "64", "--anchors", "8", "--nproc", "2", "--repeats", "1", "--warmup", "0"]
+    args = parse([*argv, *TINY, "--layouts", "cp", "cp-aware", "csbp", "--doc-length", "8", "--json", str(out)])
+    assert args.func(args) == 0
+    records = {r["layout"]: r for r in json.loads(out.read_text())}
+    assert all(r["doc_length"] == 8 for r in records.values())
+    losses = [r["loss_step0"] for r in records.values()]
+    assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
+    cp_bytes = records["cp"]["attention_bytes_per_rank"]
+    assert 0 < records["cp-aware"]["attention_bytes_per_rank"] < cp_bytes
+    assert 0 < records["csbp"]["attention_bytes_per_rank"] < cp_bytes
 
 
 def _config(**options: object) -> DFlashBenchConfig:
@@ -147,6 +165,8 @@ def test_layouts_and_validation() -> None:
         run_dflash_bench([36], [8], layouts=["cp"], nproc=4)
     with pytest.raises(ValueError, match="anchors=2 must be >= bp=4"):
         run_dflash_bench([64], [2], layouts=["csbp"], nproc=4)
+    with pytest.raises(ValueError, match="use --doc-length >= 2"):
+        _config(doc_length=1)
 
 
 def test_table_ratios_relative_to_cp() -> None:

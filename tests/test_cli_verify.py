@@ -53,6 +53,8 @@ def test_verify_with_flash_pieces_against_the_generic_reference(capsys: pytest.C
         (["--nproc", "4", "--bp", "4", "--seq-len", "12"], "bp"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--window", "4"], "drop --window"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--seq-len", "30"], "2*cp=4"),
+        (["--nproc", "2", "--objective", "dflash", "--doc-length", "0"], "--doc-length must be >= 1"),
+        (["--nproc", "2", "--objective", "dflash", "--dtype", "float32"], "drop --window/--dtype"),
     ],
 )
 def test_verify_rejects_bad_input_before_launching(
@@ -72,13 +74,8 @@ def test_verify_rejects_non_positive_sizes_in_one_argparse_line(flag: str, capsy
     assert len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize(("argv", "backend", "diagonal"), [
-    ([], "tiles", "auto"),  # auto is tiles on the CPU
-    (["--backend", "tiles", "--diagonal", "sdpa_fold"], "tiles", "sdpa_fold"),
-])
-def test_verify_dflash_passes_backend_and_diagonal_to_every_case(
-    argv: list[str], backend: str, diagonal: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _record_dflash_cases(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Replace ``verify_dflash`` by a stub that records each case and passes; returns the record."""
     import csbp.dflash.verify as dflash_verify
 
     seen = []
@@ -88,9 +85,33 @@ def test_verify_dflash_passes_backend_and_diagonal_to_every_case(
         return dflash_verify.DFlashVerifyResult(case, 1.0, 1.0, 0.0, 0.0, "-", [0])
 
     monkeypatch.setattr(dflash_verify, "verify_dflash", fake_verify)
+    return seen
+
+
+@pytest.mark.parametrize(("argv", "backend", "diagonal"), [
+    ([], "tiles", "auto"),  # auto is tiles on the CPU
+    (["--backend", "tiles", "--diagonal", "sdpa_fold"], "tiles", "sdpa_fold"),
+])
+def test_verify_dflash_passes_backend_and_diagonal_to_every_case(
+    argv: list[str], backend: str, diagonal: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen = _record_dflash_cases(monkeypatch)
     assert main(["verify", "--nproc", "2", "--objective", "dflash", *argv]) == 0
     assert len(seen) == 4 and all((c.backend, c.diagonal) == (backend, diagonal) for c in seen)  # every layout
     assert f"backend={backend}" in capsys.readouterr().out.splitlines()[0]
+
+
+def test_verify_dflash_with_documents_adds_cp_aware(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--doc-length`` reaches every case, and CP-only also runs with the context exchange (``halo``)."""
+    seen = _record_dflash_cases(monkeypatch)
+    assert main(["verify", "--nproc", "2", "--objective", "dflash", "--doc-length", "6"]) == 0
+    assert all(c.doc_length == 6 for c in seen) and len(seen) == 5
+    cp_only = [c.transport for c in seen if c.topology.layout == "cp"]
+    assert cp_only == ["collective", "halo"]
+    out = capsys.readouterr().out
+    assert "doc_length=6" in out.splitlines()[0] and "cp-aware dp1xcp2xbp1  exchange" in out
 
 
 def test_dflash_verify_worker_builds_its_plan_on_the_case_backend(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -155,6 +155,8 @@ def test_interrupted_comparison_resumes(artifact: Path, tmp_path: Path, monkeypa
     assert run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True})) == again  # no extra step
     text = format_table(again + again, metric="val_loss", higher_is_better=False)
     assert "at the budget: data" in text and "point" in text
+    nelbo = again[0]["points"][-1]["metrics"]["nelbo"]  # the unclipped bound rides along
+    assert f"val_nelbo {nelbo:.4f} vs {nelbo:.4f}" in text
     assert plot_compare(again, tmp_path / "c.png", metric="val_loss", title="t").stat().st_size > 0
 
 

@@ -2,15 +2,29 @@
 on every rank, context K/V zigzag-sharded), CSBP (anchors dealt over BP ranks, packets padded with
 dead anchors) and BP-only, on 2, 4 and 8 gloo processes. Rank 0's sample-group loss and averaged
 drafter gradients must equal ``reference_dflash_loss`` (dense masks, full logits) to 1e-9
-relative in float64, also with DFlash2 modules, sliding layers, D-PACE, the lambda mix and KL.
-Only context K/V cross the wire: the attention bytes are checked exactly."""
+relative in float64, also with DFlash2 modules, sliding layers, D-PACE, the lambda mix and KL, and
+with random packed documents in every sample (``doc_length``), where CSBP and ``cp-aware`` (CP-only
+with ``transport: halo``) exchange only the context rows an anchor may see (``csbp.dflash.exchange``).
+Only context K/V cross the wire: the attention bytes are checked exactly, per rank, against the
+all-gather or the exchange plan of every sample and layer."""
 
 from __future__ import annotations
 
 import pytest
 
+from csbp.dflash.anchors import segment_starts
 from csbp.dflash.config import DFlashObjectiveConfig
-from csbp.dflash.verify import DFlashVerifyCase, verify_dflash
+from csbp.dflash.exchange import context_exchange_wanted, context_exchanges, packs_documents
+from csbp.dflash.layouts import dflash_layout, draft_query_rows, full_packet
+from csbp.dflash.step import sample_batch_anchors
+from csbp.dflash.verify import (
+    DFlashVerifyCase,
+    anchor_generator,
+    build_models,
+    make_batch,
+    replica_batch,
+    verify_dflash,
+)
 from csbp.topology import Topology
 
 DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 40}
@@ -56,15 +70,48 @@ CASES = [
         ),
         id="csbp-cp2bp2-kl-inclusive",
     ),
+    pytest.param(DFlashVerifyCase(Topology(cp=2, bp=4), doc_length=6), id="csbp-cp2bp4-docs"),
+    pytest.param(DFlashVerifyCase(Topology(cp=4), doc_length=6, transport="halo"), id="cp4-aware-docs"),
+    pytest.param(DFlashVerifyCase(Topology(bp=2, replicate_clean_prefix=True), doc_length=6), id="bp2-only-docs"),
 ]
 
 
-def _context_kv_bytes(case: DFlashVerifyCase) -> int:
-    """Per rank: every sample, layer and direction moves (P-1) shards of L/P rows of K and V."""
-    ring = case.topology.cp
-    rows = case.seq_len // ring
-    per_call = (ring - 1) * rows * 2 * 2 * 8 * 8  # K and V, 2 KV heads, head dim 8, float64
-    return case.samples * 2 * 2 * per_call  # samples x layers x (all-gather + reduce-scatter)
+def _context_kv_bytes(case: DFlashVerifyCase, rank: int) -> tuple[int, int]:
+    """``(expected, all-gather)`` attention bytes of ``rank``: per sample and layer, the all-gather and
+    the reduce-scatter move (P-1) shards of L/P rows of K and V each; the exchange moves the rows the
+    plan sends forward and the rows it received back."""
+    topology = case.topology
+    if topology.cp == 1:
+        return 0, 0
+    coords = topology.coords(rank)
+    layout = dflash_layout(topology, coords.local_rank)
+    config = build_models(case)[1].config
+    batch = replica_batch(
+        make_batch(case.samples * topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length),
+        coords.dp_rank, case.samples,
+    )
+    anchors = sample_batch_anchors(batch, case.objective, config.block_size, anchor_generator(case, coords.dp_rank))
+    row_bytes = 2 * config.num_kv_heads * config.head_dim * 8  # K and V, float64
+    gather_rows = 2 * (topology.cp - 1) * (case.seq_len // topology.cp)  # all-gather + reduce-scatter
+    expected = all_gather = 0
+    for sample, sample_anchors in enumerate(anchors):
+        starts = segment_starts(batch.doc_ids[sample])
+        layer_kinds = draft_query_rows(
+            config, full_packet(sample_anchors, starts[sample_anchors]), context=case.objective.context
+        )[2]
+        plans = [None, None]
+        if context_exchange_wanted(layout, case.transport, packs_documents=packs_documents(starts)):
+            plans = context_exchanges(
+                config, case.seq_len, layout, sample_anchors, starts[sample_anchors],
+                context=case.objective.context, min_bucket=case.objective.anchor_bucket_minimum(layout.num_owners),
+            )
+        for kind in layer_kinds:
+            plan = plans[kind]
+            me = layout.cp_rank
+            rows = gather_rows if plan is None else sum(plan.send_counts(me)) + sum(plan.recv_counts(me))
+            expected += rows * row_bytes
+            all_gather += gather_rows * row_bytes
+    return expected, all_gather
 
 
 @pytest.mark.multiprocess
@@ -73,4 +120,7 @@ def test_layout_equals_reference(case: DFlashVerifyCase) -> None:
     result = verify_dflash(case, timeout_s=240)
     assert result.loss_rel_err <= 1e-9, result
     assert result.grad_rel_err <= 1e-9, result
-    assert result.attention_bytes_per_rank == [_context_kv_bytes(case)] * case.topology.world_size
+    expected = [_context_kv_bytes(case, rank) for rank in range(case.topology.world_size)]
+    assert result.attention_bytes_per_rank == [moved for moved, _ in expected]
+    if case.doc_length is not None and case.topology.cp > 1:  # short documents: the exchange moves less
+        assert sum(moved for moved, _ in expected) < sum(gathered for _, gathered in expected) // 2

@@ -229,7 +229,7 @@ def test_verify_doc_length_fails_closed():
     parser = argparse.ArgumentParser()
     verify_cmd.register(parser.add_subparsers())
     for argv, match in ((["--doc-length", "0"], "--doc-length must be >= 1"),
-                        (["--doc-length", "4", "--objective", "dflash"], "drop --window")):
+                        (["--doc-length", "0", "--objective", "dflash"], "--doc-length must be >= 1")):
         args = parser.parse_args(["verify", "--nproc", "2", *argv])
         with pytest.raises(ValueError, match=match):
             args.func(args)

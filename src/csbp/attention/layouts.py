@@ -297,17 +297,6 @@ def halo_exchange_plan(
         for d in range(cp)
     ]
     owned = tuple(m.clean_positions for m in members)
-    owner_of_position = torch.empty(seq_len, dtype=torch.long)  # [L] ring member owning each position
-    for source, positions in enumerate(owned):
-        owner_of_position[positions] = source
-    send: list[list[Tensor]] = [[torch.zeros(0, dtype=torch.long)] * cp for _ in range(cp)]
-    for dest, member in enumerate(members):
-        cover = interval_cover(member.rows.ctx_start.numpy(), member.rows.ctx_stop.numpy(), seq_len)
-        needed = torch.from_numpy(cover).nonzero().flatten()  # sorted
-        needed_owner = owner_of_position[needed]
-        for source in range(cp):
-            if source != dest:
-                send[source][dest] = needed[needed_owner == source]
     return WindowPlan(
         seq_len=seq_len,
         block_size=block_size,
@@ -316,8 +305,35 @@ def halo_exchange_plan(
         ring_index=ring_index,
         window=window,
         owned_positions=owned,
-        send=tuple(tuple(row) for row in send),
+        send=halo_sends(owned, [needed_positions(m.rows, seq_len) for m in members], seq_len),
     )
+
+
+def needed_positions(rows: Rows, seq_len: int) -> Tensor:
+    """Sorted int64 positions in the union of the live rows' ``[ctx_start, ctx_stop)``: the clean
+    rows some query of ``rows`` may see."""
+    live = rows.select(rows.live)
+    cover = interval_cover(live.ctx_start.numpy(), live.ctx_stop.numpy(), seq_len)
+    return torch.from_numpy(cover).nonzero().flatten()
+
+
+def halo_sends(
+    owned: tuple[Tensor, ...], needed: list[Tensor], seq_len: int
+) -> tuple[tuple[Tensor, ...], ...]:
+    """``send[s][d] = needed[d] ∩ owned[s]`` for ``s != d`` (empty for ``s == d``): the sorted
+    positions ring member ``s`` sends member ``d`` (``WindowPlan.send``). ``owned`` are the ring
+    members' disjoint sorted positions, ``needed[d]`` the sorted positions member ``d`` may read."""
+    cp = len(owned)
+    owner_of_position = torch.full((seq_len,), -1, dtype=torch.long)  # [L] ring member owning each position
+    for source, positions in enumerate(owned):
+        owner_of_position[positions] = source
+    send: list[list[Tensor]] = [[torch.zeros(0, dtype=torch.long)] * cp for _ in range(cp)]
+    for dest, need in enumerate(needed):
+        needed_owner = owner_of_position[need]
+        for source in range(cp):
+            if source != dest:
+                send[source][dest] = need[needed_owner == source]
+    return tuple(tuple(row) for row in send)
 
 
 def _check_worker(num_workers: int, worker: int) -> None:

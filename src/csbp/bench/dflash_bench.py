@@ -1,13 +1,19 @@
 """``csbp bench dflash``: DFlash drafter training steps under CP-only, BP-only and CSBP side by side
-(csbp.md §14-§15).
+(csbp.md §14-§15), and with packed documents (``--doc-length``) the mask-aware ``cp-aware``.
 
 For every (anchor count, context length) cell each layout runs complete drafter training steps on
 ``nproc`` gloo processes of one thread: the drafter forward over the rank's anchor blocks and
 context shard (``DFlashStep``), the chunked LM-head loss, backward and gradient averaging over all
 ranks. The frozen target is tiny and random; its features are captured before the timer (as an
 offline feature store would provide them), the data is random tokens, fully supervised, one
-document per row. Anchors are drawn per sample from a generator seeded by (seed, step, sample), so
-every layout trains on identical blocks and the step-0 loss must agree across layouts.
+document per row, or with ``doc_length`` random documents of that mean length per row
+(``csbp.bench.common.bench_documents``). Anchors are drawn per sample from a generator seeded by
+(seed, step, sample), so every layout trains on identical blocks and the step-0 loss must agree
+across layouts.
+
+With documents CSBP moves only the context rows its anchors may see (``csbp.dflash.exchange``), and
+so does ``cp-aware`` (CP-only's topology with ``transport: halo``); ``cp`` all-gathers whole
+context shards, as generic context parallelism does.
 
 Per layout it records the median step time over ``repeats`` steps after ``warmup`` (the slowest
 rank), the attention bytes a rank sends per step (context K/V over the CP ring), the peak memory
@@ -35,19 +41,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from csbp.attention.documents import packed_doc_ids
 from csbp.bench.common import (
     BENCH_DTYPES,
+    LAYOUTS,
     Column,
     StepSeries,
     add_head_options,
     add_layout_options,
     add_model_width_options,
     add_output_options,
+    bench_documents,
     check_device_option,
     check_head_options,
     check_run_options,
     format_ratio_table,
     launch_cell,
+    layout_transport,
     max_over_ranks,
     measured_step,
     require_parallel,
@@ -56,6 +66,7 @@ from csbp.bench.common import (
 )
 from csbp.bench.measure import attention_flops
 from csbp.devices import backend_device
+from csbp.dflash.anchors import segment_starts
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, default_target_layer_ids
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import TargetFeatures, capture_target_features
@@ -88,9 +99,16 @@ class DFlashBenchConfig:
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
+    doc_length: int | None = None  # mean packed-document length (None: one document per row)
+    layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
 
     def __post_init__(self) -> None:
         check_run_options(self, at_least_one=("samples", "repeats", "anchors", "block_size"))
+        if self.doc_length is not None and self.doc_length < 2:
+            raise ValueError(
+                f"doc_length={self.doc_length} leaves no valid anchor (an anchor and its next token share a "
+                "document): use --doc-length >= 2"
+            )
         if self.anchors > self.seq_len - 1:
             raise ValueError(
                 f"anchors={self.anchors} exceeds the {self.seq_len - 1} valid anchors of "
@@ -150,6 +168,7 @@ class DFlashRecord:
     vocab_size: int = 0
     feature_width: int = 0
     dtype: str = "float32"
+    doc_length: int | None = None
 
 
 def drafter_step_flops(
@@ -175,20 +194,28 @@ def anchor_generator(seed: int, step: int, sample: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + sample)
 
 
-def _batch(ids_GL: torch.Tensor, sample: int) -> DFlashBatch:
-    """Sample ``sample`` as a one-row batch: fully supervised, one document."""
+def doc_ids(cfg: DFlashBenchConfig, sample: int, step: int) -> torch.Tensor:
+    """``[1, L]`` document ids of global sample ``sample`` at ``step`` (zeros: one document)."""
+    documents = bench_documents(cfg.seq_len, cfg.doc_length, cfg.seed + step, sample)
+    if documents is None:
+        return torch.zeros(1, cfg.seq_len, dtype=torch.long)
+    return packed_doc_ids(documents)[None]
+
+
+def _batch(ids_GL: torch.Tensor, doc_ids_GL: torch.Tensor, sample: int) -> DFlashBatch:
+    """Sample ``sample`` as a one-row batch, fully supervised."""
     ids = ids_GL[sample : sample + 1]
-    return DFlashBatch(ids, torch.ones_like(ids, dtype=torch.bool), torch.zeros_like(ids))
+    return DFlashBatch(ids, torch.ones_like(ids, dtype=torch.bool), doc_ids_GL[sample : sample + 1])
 
 
 class _LayoutRunner:
     """One layout's drafter, step and process groups on this rank."""
 
-    def __init__(self, topology: Topology, cfg: DFlashBenchConfig, target: Decoder) -> None:
+    def __init__(self, topology: Topology, cfg: DFlashBenchConfig, target: Decoder, transport: str) -> None:
         self.cfg = cfg
         self.ctx = build_parallel_context(topology)
         self.objective = cfg.objective()
-        self.plan = build_dflash_rank_plan(self.ctx, self.objective)
+        self.plan = build_dflash_rank_plan(self.ctx, self.objective, transport=transport)
         self.drafter = DFlashDrafter(
             cfg.drafter_config(), target=target, dtype=BENCH_DTYPES[cfg.dtype], device=self.ctx.device,
             seed=cfg.seed,
@@ -208,12 +235,13 @@ class _LayoutRunner:
         cfg, layout = self.cfg, self.plan.layout
         anchors = sample_batch_anchors(batch, self.objective, cfg.block_size, generator)[0]
         minimum = self.objective.anchor_bucket_minimum(layout.num_owners)
-        packet = owned_packet(
-            anchors, torch.zeros_like(anchors), layout, context="strict", min_bucket=minimum
-        )
+        doc_start = segment_starts(batch.doc_ids[0])[anchors]
+        packet = owned_packet(anchors, doc_start, layout, context="strict", min_bucket=minimum)
         return drafter_step_flops(self.drafter.config, packet, self.context_rows, cfg.seq_len)
 
-    def step(self, ids_GL: torch.Tensor, features_GLF: torch.Tensor, index: int, *, measured: bool) -> None:
+    def step(
+        self, ids_GL: torch.Tensor, doc_ids_GL: torch.Tensor, features_GLF: torch.Tensor, index: int, *, measured: bool
+    ) -> None:
         """One timed step over this replica's samples; the slowest rank's time is the step time."""
         layer_ids = tuple(self.drafter.config.target_layer_ids or ())
         with measured_step(self.ctx.counter) as timed:
@@ -222,7 +250,8 @@ class _LayoutRunner:
             for sample in self.samples:
                 features = TargetFeatures(features_GLF[sample : sample + 1], None, layer_ids)
                 out = self.step_fn(
-                    _batch(ids_GL, sample), anchor_generator(self.cfg.seed, index, sample), features=features
+                    _batch(ids_GL, doc_ids_GL, sample), anchor_generator(self.cfg.seed, index, sample),
+                    features=features,
                 )
                 total = total + out.loss / len(self.samples)
                 values.append(out.loss_value)
@@ -236,7 +265,7 @@ class _LayoutRunner:
             self.series.add(timed)
             self.flops.append(
                 sum(
-                    self._flops(_batch(ids_GL, g), anchor_generator(self.cfg.seed, index, g))
+                    self._flops(_batch(ids_GL, doc_ids_GL, g), anchor_generator(self.cfg.seed, index, g))
                     for g in self.samples
                 )
             )
@@ -257,14 +286,18 @@ def _worker(
 ) -> list[dict[str, float]]:
     """All layouts of one cell in the same processes, steps interleaved round-robin on the same batch."""
     target = Decoder(cfg.target_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed + 1, device=backend_device())
-    runners = [_LayoutRunner(topology, cfg, target) for topology in topologies]
+    transports = cfg.layout_transports or ("collective",) * len(topologies)
+    runners = [
+        _LayoutRunner(topology, cfg, target, transport) for topology, transport in zip(topologies, transports)
+    ]
     layer_ids = cfg.drafter_config().target_layer_ids or ()
     data_generator = torch.Generator().manual_seed(cfg.seed + 2)
     for index in range(cfg.warmup + cfg.repeats):
         ids_GL = torch.randint(0, cfg.vocab_size - 1, (cfg.samples, cfg.seq_len), generator=data_generator)
-        features_GLF = capture_target_features(target, ids_GL, layer_ids).features
+        doc_ids_GL = torch.cat([doc_ids(cfg, sample, index) for sample in range(cfg.samples)])
+        features_GLF = capture_target_features(target, ids_GL, layer_ids, doc_ids_SL=doc_ids_GL).features
         for runner in runners:
-            runner.step(ids_GL, features_GLF, index, measured=index >= cfg.warmup)
+            runner.step(ids_GL, doc_ids_GL, features_GLF, index, measured=index >= cfg.warmup)
     return [runner.summary() for runner in runners]
 
 
@@ -288,8 +321,9 @@ def run_dflash_bench(
     samples = samples or max(t.dp for t in cell)
     if any(samples % t.dp for t in cell):
         raise ValueError(f"samples={samples} must be a multiple of every layout's dp {[t.dp for t in cell]}")
+    transports = tuple(layout_transport(name, "collective") for name in layouts)
     configs = [
-        DFlashBenchConfig(seq_len=n, anchors=a, samples=samples, **cfg_kwargs)  # type: ignore[arg-type]
+        DFlashBenchConfig(seq_len=n, anchors=a, samples=samples, layout_transports=transports, **cfg_kwargs)  # type: ignore[arg-type]
         for a in anchor_counts
         for n in seq_lens
     ]
@@ -333,6 +367,7 @@ def run_dflash_bench(
                     vocab_size=cfg.vocab_size,
                     feature_width=cfg.drafter_config().feature_width,
                     dtype=cfg.dtype,
+                    doc_length=cfg.doc_length,
                 )
             )
             if progress:
@@ -343,7 +378,7 @@ def run_dflash_bench(
 TABLE_COLUMNS = [
     Column("anchors", "anchors", ">7"),
     Column("seq_len", "seq_len", ">7"),
-    Column("layout", "layout", "<6"),
+    Column("layout", "layout", "<8"),
     Column("cp", "cp", ">3"),
     Column("bp", "bp", ">3"),
     Column("dp", "dp", ">3"),
@@ -368,11 +403,17 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
     bench = kinds.add_parser("dflash", help="CP-only vs BP-only vs CSBP DFlash drafter training steps")
     add_layout_options(
         bench, seq_lens=[1024, 2048, 4096, 8192], csbp_cp_help="CP degree of CSBP (default nproc)",
-        layouts=("cp", "bp", "csbp"),  # DFlash has no noisy stream for a mask-aware CP to leave out
+        layouts=LAYOUTS,  # cp-aware: CP-only with the context exchange (differs from cp with --doc-length)
     )
+    bench.set_defaults(layouts=["cp", "bp", "csbp"])
     bench.add_argument("--anchors", type=int, nargs="+", default=[16, 64], help="anchor blocks per sample")
     bench.add_argument("--csbp-bp", type=int, default=None, help="BP degree of CSBP (default nproc)")
     bench.add_argument("--samples", type=int, default=None, help="samples per step (default: the largest dp)")
+    bench.add_argument(
+        "--doc-length", type=int, default=None,
+        help="pack random documents of this mean length (default: one document per row); CSBP and cp-aware "
+        "then exchange only the context rows an anchor may see",
+    )
     add_model_width_options(bench, vocab_size=1024, intermediate_size=384)
     bench.add_argument("--num-target-layers", type=int, default=2)
     bench.add_argument("--num-draft-layers", type=int, default=1)
@@ -388,8 +429,8 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
     print(
         f"csbp bench dflash: nproc={args.nproc} block={args.block_size} drafter={args.num_draft_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
-        f"vocab={args.vocab_size} {args.dtype} (random tokens, 1 thread per process, "
-        f"median of {args.repeats})",
+        f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per "
+        f"process, median of {args.repeats})",
         flush=True,
     )
     records = run_dflash_bench(
@@ -414,6 +455,7 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         warmup=args.warmup,
         repeats=args.repeats,
+        doc_length=args.doc_length,
     )
     write_outputs(
         format_table(records), records, args, plot_group_by="anchors", plot_title="csbp bench dflash"

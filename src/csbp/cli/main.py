@@ -38,6 +38,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "csbp.cli.train_cmd",
     "csbp.cli.verify_cmd",
     "csbp.cli.generate_cmd",
+    "csbp.cli.eval_cmd",
     "csbp.cli.dflash_cmd",
     "csbp.cli.bench_cmd",
     "csbp.cli.compare_cmd",

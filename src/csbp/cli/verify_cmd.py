@@ -6,6 +6,7 @@ Examples::
     csbp verify --nproc 4                              # every valid layout on 4 processes
     csbp verify --nproc 4 --cp 2 --bp 4 --transport streaming --window 8 --dtype float32
     csbp verify --nproc 4 --objective dflash               # DFlash drafter training, every layout
+    csbp verify --nproc 4 --objective dflash --doc-length 6  # DFlash with packed documents (+ cp-aware)
     csbp verify --device cuda --nproc 2                # NCCL, one process per GPU
     csbp verify --nproc 4 --doc-length 6                   # packed documents (mean 6 tokens), every layout
     csbp verify --nproc 4 --block-size 16 --diagonal sdpa  # the fused-SDPA block diagonal, every layout
@@ -145,40 +146,62 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_verify_dflash(args: argparse.Namespace) -> int:
-    """The same self-test for DFlash drafter training (float64, the drafter's parameters)."""
+    """The same self-test for DFlash drafter training (float64, the drafter's parameters); with
+    ``--doc-length`` every sample packs random documents and CP-only also runs as ``cp-aware``
+    (``--transport halo``: the context exchange of only the rows an anchor may see)."""
     from csbp.dflash.config import DFlashObjectiveConfig
+    from csbp.dflash.exchange import context_exchange_wanted
+    from csbp.dflash.layouts import dflash_layout
     from csbp.dflash.verify import DFlashVerifyCase, verify_dflash
 
-    if args.window is not None or args.transport != "collective" or args.dtype != "float64" or args.doc_length:
+    if args.window is not None or args.dtype != "float64":
         raise ValueError(
-            "--objective dflash verifies full attention with the collective transport in float64 (its "
-            "contexts always stop at the anchor's document start): drop --window/--transport/--dtype/--doc-length"
+            "--objective dflash verifies full attention in float64 (its contexts always stop at the anchor's "
+            "document start; a drafter's sliding layers are tested by tests/test_dflash_parallel.py): "
+            "drop --window/--dtype"
         )
+    if args.doc_length is not None and args.doc_length < 1:
+        raise ValueError(f"--doc-length must be >= 1 (mean tokens per packed document), got {args.doc_length}")
     backend = check_backend_trains_on(args.backend, args.device, where="--backend")  # as for bd3
     check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     topologies = _requested_topologies(args)
     for t in topologies:  # fail closed before launching anything
         if t.cp > 1 and args.seq_len % (2 * t.cp):
             raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2*cp={2 * t.cp} for DFlash context shards")
+    cases = []
+    for t in topologies:
+        transports = [args.transport]
+        if args.doc_length is not None and t.layout == "cp" and args.transport != "halo":
+            transports.append("halo")  # the mask-aware CP baseline next to the generic one, as for bd3
+        cases += [(t, transport) for transport in transports]
+    documents = "" if args.doc_length is None else f" doc_length={args.doc_length}"
     device = "" if args.device == "cpu" else f" device={args.device}"
-    print(f"csbp verify (dflash): L={args.seq_len} dtype=float64 nproc={args.nproc} backend={backend}{device}")
-    header = f"{'layout':<8} {'topology':<12} {'loss rel err':>13} {'grad rel err':>13}  status"
+    print(f"csbp verify (dflash): L={args.seq_len} dtype=float64 nproc={args.nproc} backend={backend}{documents}{device}")
+    header = f"{'layout':<8} {'topology':<12} {'context':<10} {'loss rel err':>13} {'grad rel err':>13}  status"
     print(header)
     print("-" * len(header))
     failed = 0
-    for t in topologies:
+    for t, transport in cases:
         objective = DFlashObjectiveConfig(max_anchors=max(6, t.bp), gamma=7.0)
         case = DFlashVerifyCase(topology=t, objective=objective, seq_len=args.seq_len,
                                 samples=args.samples, seed=args.seed, device=args.device, backend=backend,
-                                diagonal=args.diagonal, clean=args.clean)
+                                diagonal=args.diagonal, clean=args.clean, transport=transport,
+                                doc_length=args.doc_length)
         result = verify_dflash(case)
         status = "ok" if result.ok else f"FAIL (tol {result.tolerance:g}, worst {result.worst_param})"
         failed += not result.ok
         name = {"data": "data", "cp": "cp-only", "bp": "bp-only", "csbp": "csbp"}[t.layout]
+        if t.layout == "cp" and transport == "halo":
+            name = "cp-aware"
         shape = f"dp{t.dp}xcp{t.cp}xbp{t.bp}"
-        print(f"{name:<8} {shape:<12} {result.loss_rel_err:>13.2e} {result.grad_rel_err:>13.2e}  {status}", flush=True)
+        # how context K/V move for the samples with documents (the batch always packs some)
+        context = "-" if t.cp == 1 else "all-gather"
+        if t.cp > 1 and context_exchange_wanted(dflash_layout(t, 0), transport, packs_documents=True):
+            context = "exchange"
+        print(f"{name:<8} {shape:<12} {context:<10} {result.loss_rel_err:>13.2e} {result.grad_rel_err:>13.2e}  "
+              f"{status}", flush=True)
     if failed:
-        print(f"{failed} of {len(topologies)} layouts exceed the tolerance")
+        print(f"{failed} of {len(cases)} layouts exceed the tolerance")
         return 1
-    print(f"all {len(topologies)} layouts equal one process within tolerance")
+    print(f"all {len(cases)} layouts equal one process within tolerance")
     return 0

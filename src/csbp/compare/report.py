@@ -44,9 +44,18 @@ def format_table(results: list[dict[str, Any]], *, metric: str, higher_is_better
         lines.append(
             f"at the budget: {other['layout']} {b:.4f} vs {base['layout']} {a:.4f} "
             f"({other['layout']} {'better' if better else 'not better'}; "
-            f"{other['steps'] / max(base['steps'], 1):.2f}x the steps)"
+            f"{other['steps'] / max(base['steps'], 1):.2f}x the steps)" + _nelbo_text(base, other)
         )
     return "\n".join(lines)
+
+
+def _nelbo_text(base: dict[str, Any], other: dict[str, Any]) -> str:
+    """``; val_nelbo X vs Y`` (validation metric ``nelbo``) at the last point when both runs report it: the unclipped bound is
+    comparable across recipes, while ``val_loss`` is the (possibly clipped) training objective."""
+    last = [r["points"][-1].get("metrics", {}).get("nelbo") for r in (other, base)]
+    if None in last:
+        return ""
+    return f"; val_nelbo {last[0]:.4f} vs {last[1]:.4f}"
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:

@@ -9,6 +9,7 @@ Module map:
 * ``features``: online target-feature capture and the offline memory-mapped store.
 * ``anchors``: valid anchors, uniform and locality sampling.
 * ``layouts`` / ``attention``: who holds which anchors and context rows; draft attention transports.
+* ``exchange``: with packed documents, the context exchange plan (only the rows an anchor may see).
 * ``loss`` / ``chunked_kl``: labels, weights, normalisation, chunked CE/KL, metrics.
 * ``reference``: the dense single-process oracle used by the tests.
 * ``step``: ``DFlashStep`` and ``build_dflash_rank_plan``, the trainer's entry points.

@@ -21,6 +21,13 @@ block rows, and the layer index; it returns ``[S, Hq, N, d]`` in the dtype of ``
   Backward: the context partial's dK/dV (gathered layout) is reduce-scattered back to the shard
   owners while the block-diagonal backward runs. Only context K/V cross the wire.
 
+  With the *context exchange* (``csbp.dflash.exchange``: packed documents, a plan per layer kind
+  built once per sample and step) the all-gather is replaced by one variable-split all-to-all of
+  only the context rows some anchor of the receiver may see (``csbp.attention.transports.window``'s
+  ``send_halo``); the context partial runs over ``[my context rows ; received rows]``, and its
+  backward returns each received row's dK/dV to its owner, which adds it (``return_halo_grads``,
+  ``add_halo_grads``). The all-to-all is blocking, so nothing overlaps it.
+
 Shape legend: ``S`` samples, ``Hq``/``Hkv`` heads, ``N`` block rows, ``M`` local context rows,
 ``P`` ring size, ``d`` head dim.
 """
@@ -37,9 +44,19 @@ from torch import Tensor
 
 from csbp.attention.backends import PartialPlan, plan_block_diagonal, plan_partial
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
+from csbp.attention.layouts import WindowPlan
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows, allow_matrix
+from csbp.attention.transports.exchange import check_ring_comm
 from csbp.attention.transports.function import exact_attention_precision
+from csbp.attention.transports.window import (
+    WindowExchange,
+    add_halo_grads,
+    build_window_exchange,
+    return_halo_grads,
+    send_halo,
+)
+from csbp.dflash.layouts import context_rows as key_rows_at
 from csbp.models.attention_fns import masked_attention
 from csbp.parallel.comm import Comm
 
@@ -91,12 +108,14 @@ def dense_draft_masks(
 @dataclass(frozen=True, eq=False)
 class DraftMaskVariant:
     """The block rows of one layer kind (full or sliding attention) and their two partials (block
-    rows over themselves, block rows over the gathered context) on the run's attention backend."""
+    rows over themselves, block rows over the gathered context) on the run's attention backend.
+    With a context ``exchange`` the context partial's keys are ``[my context rows ; received rows]``."""
 
     query_rows: Rows
     causal_in_block: bool
     context_plan: PartialPlan
     block_plan: PartialPlan
+    exchange: WindowExchange | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,11 +150,14 @@ def build_draft_attention_plan(
     backend: str = "tiles",
     diagonal: str = "auto",
     clean: str = "generic",
+    exchanges: Sequence[WindowPlan | None] | None = None,
 ) -> DraftAttentionPlan:
     """Plan the attention of one anchor packet; every layer reuses it in forward and backward.
     ``backend`` (``csbp.attention.backends``) is resolved on the rows' device; ``diagonal`` runs the
     blocks over themselves (``csbp.attention.diagonal``); ``clean`` runs the blocks over the context
-    (``csbp.attention.backends.CLEAN_KERNELS``: anchors under one whole context shard are one dense piece)."""
+    (``csbp.attention.backends.CLEAN_KERNELS``: anchors under one whole context shard are one dense piece).
+    ``exchanges``: per variant, the context exchange plan of this rank's ring
+    (``csbp.dflash.exchange.context_exchange_plan``), or None for the all-gather."""
     if not query_rows or len(query_rows) != len(causal_in_block):
         raise ValueError("build_draft_attention_plan needs one causal flag per query-row variant")
     live = query_rows[0].live
@@ -143,16 +165,30 @@ def build_draft_attention_plan(
         raise ValueError(f"block rows ({len(live)}) must be whole blocks of block_size={block_size}")
     if any(v not in range(len(query_rows)) for v in layer_variant):
         raise ValueError(f"layer_variant {list(layer_variant)} must index the {len(query_rows)} variants")
-    variants = tuple(
-        DraftMaskVariant(
-            rows,
-            causal,
-            plan_partial(rows, context_rows, backend=backend, tile_rows=tile_rows, clean=clean),
-            plan_block_diagonal(rows, block_size=block_size, backend=backend, causal_in_block=causal, diagonal=diagonal),
+    exchanges = list(exchanges) if exchanges is not None else [None] * len(query_rows)
+    if len(exchanges) != len(query_rows):
+        raise ValueError(f"got {len(exchanges)} exchange plans for {len(query_rows)} query-row variants")
+    variants = []
+    for rows, causal, exchange_plan in zip(query_rows, causal_in_block, exchanges):
+        keys, exchange = context_rows, None
+        if exchange_plan is not None:
+            ring = check_ring_comm(comm, exchange_plan.cp, comm.rank if comm is not None else 0, "the context exchange")
+            device = rows.pos.device
+            exchange = build_window_exchange(exchange_plan, ring.rank, key_rows_at, device)
+            own = key_rows_at(exchange_plan.owned_positions[ring.rank]).to(device)
+            keys = Rows.cat([own, exchange.halo_rows])
+        variants.append(
+            DraftMaskVariant(
+                rows,
+                causal,
+                plan_partial(rows, keys, backend=backend, tile_rows=tile_rows, clean=clean),
+                plan_block_diagonal(
+                    rows, block_size=block_size, backend=backend, causal_in_block=causal, diagonal=diagonal
+                ),
+                exchange,
+            )
         )
-        for rows, causal in zip(query_rows, causal_in_block)
-    )
-    return DraftAttentionPlan(block_size, live, context_rows, variants, tuple(layer_variant), comm)
+    return DraftAttentionPlan(block_size, live, context_rows, tuple(variants), tuple(layer_variant), comm)
 
 
 class ShardedDraftAttention:
@@ -207,22 +243,26 @@ class _ShardedDraftAttention(torch.autograd.Function):
     ) -> Tensor:
         variant = plan.variants[plan.layer_variant[layer_index]]
         ring = _ring(plan)
-        shard = torch.stack((k_ctx, v_ctx)).permute(3, 0, 1, 2, 4).contiguous()  # [M, 2, S, Hkv, d]
         pending = None
-        gathered = shard
-        if ring is not None:
-            gathered, pending = ring.all_gather(shard, async_op=True)
+        if variant.exchange is not None:  # [2, S, Hkv, M + n_recv, d]: my rows, then the received ones
+            assert ring is not None
+            kv_all = torch.cat((torch.stack((k_ctx, v_ctx)), send_halo(k_ctx, v_ctx, variant.exchange, ring)), dim=3)
+        else:
+            gathered = torch.stack((k_ctx, v_ctx)).permute(3, 0, 1, 2, 4).contiguous()  # [M, 2, S, Hkv, d]
+            if ring is not None:
+                gathered, pending = ring.all_gather(gathered, async_op=True)
         out_blk, lse_blk = variant.block_plan.forward(q, k_blk, v_blk)
         live = plan.live.to(q.device)
         out_blk = torch.where(live[:, None], out_blk, 0.0)
         lse_blk = torch.where(live, lse_blk, float("-inf"))
-        if pending is not None:
-            gathered = pending.wait()
-        kv_all = gathered.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, P*M, d]
+        if variant.exchange is None:
+            if pending is not None:
+                gathered = pending.wait()
+            kv_all = gathered.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, P*M, d]
         out_ctx, lse_ctx = variant.context_plan.forward(q, kv_all[0], kv_all[1])
         out, lse = merge_partials(out_blk, lse_blk, out_ctx, lse_ctx)
         ctx.save_for_backward(q, k_blk, v_blk, kv_all, out, lse)
-        ctx.plan, ctx.variant = plan, variant
+        ctx.plan, ctx.variant, ctx.num_own = plan, variant, k_ctx.shape[2]
         return out.to(q.dtype)
 
     @staticmethod
@@ -232,20 +272,28 @@ class _ShardedDraftAttention(torch.autograd.Function):
         dtype = accumulation_dtype(q, k_blk, v_blk)
         delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
         dq, dk_all, dv_all = variant.context_plan.backward(q, kv_all[0], kv_all[1], out, lse, dout, delta=delta)
-        dkv_all = torch.stack((dk_all, dv_all)).permute(3, 0, 1, 2, 4).contiguous()  # [P*M, 2, S, Hkv, d]
         ring = _ring(plan)
         pending = None
-        dkv_local = dkv_all
-        if ring is not None:
-            dkv_local, pending = ring.reduce_scatter(dkv_all, async_op=True)
+        if variant.exchange is not None:
+            assert ring is not None
+            own = ctx.num_own
+            grad_halo = torch.stack((dk_all[:, :, own:], dv_all[:, :, own:]))  # [2, S, Hkv, n_recv, d]
+            grad_sent = return_halo_grads(grad_halo, variant.exchange, ring)
+            dk_ctx, dv_ctx = dk_all[:, :, :own], dv_all[:, :, :own]
+            add_halo_grads(dk_ctx, dv_ctx, grad_sent, variant.exchange)
+        else:
+            dkv_local = torch.stack((dk_all, dv_all)).permute(3, 0, 1, 2, 4).contiguous()  # [P*M, 2, S, Hkv, d]
+            if ring is not None:
+                dkv_local, pending = ring.reduce_scatter(dkv_local, async_op=True)
         dq_blk, dk_blk, dv_blk = variant.block_plan.backward(q, k_blk, v_blk, out, lse, dout, delta=delta)
-        if pending is not None:
-            dkv_local = pending.wait()
-        dkv_local = dkv_local.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, M, d]
+        if variant.exchange is None:
+            if pending is not None:
+                dkv_local = pending.wait()
+            dk_ctx, dv_ctx = dkv_local.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, M, d] -> K, V
         return (
             (dq + dq_blk).to(q.dtype),
-            dkv_local[0].to(k_blk.dtype),
-            dkv_local[1].to(v_blk.dtype),
+            dk_ctx.to(k_blk.dtype),
+            dv_ctx.to(v_blk.dtype),
             dk_blk.to(k_blk.dtype),
             dv_blk.to(v_blk.dtype),
             None,

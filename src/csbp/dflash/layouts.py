@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.rows import Rows
+from csbp.dflash.config import DFlashConfig
 from csbp.schedules import zigzag_positions
 from csbp.topology import Topology
 
@@ -205,3 +206,18 @@ def block_query_rows(
         ctx_stop=stop,
         live=packet.keep[block],
     )
+
+
+def draft_query_rows(
+    cfg: DFlashConfig, packet: AnchorPacket, *, context: str
+) -> tuple[list[Rows], list[bool], list[int]]:
+    """The packet's block rows per layer kind (full attention, then sliding if any layer slides), their
+    causal-in-block flags, and each layer's kind."""
+    variants = [block_query_rows(packet, cfg.block_size, context=context)]
+    causal = [False]
+    layer_variant = [0] * cfg.num_layers
+    if "sliding_attention" in (cfg.layer_types or ()):
+        variants.append(block_query_rows(packet, cfg.block_size, context=context, window=cfg.sliding_window))
+        causal.append(cfg.sliding_window_causal)
+        layer_variant = [1 if t == "sliding_attention" else 0 for t in cfg.layer_types or ()]
+    return variants, causal, layer_variant

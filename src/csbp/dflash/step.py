@@ -33,20 +33,27 @@ from torch import Tensor
 
 from csbp.attention.backends import check_backend, check_clean
 from csbp.attention.diagonal import check_diagonal_backend
+from csbp.attention.layouts import WindowPlan
 from csbp.attention.rows import Rows
 from csbp.dflash.anchors import sample_anchors, segment_starts
 from csbp.dflash.attention import ShardedDraftAttention, build_draft_attention_plan
 from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.dflash2 import selector_loss_scale
 from csbp.dflash.drafter import DFlashDrafter
+from csbp.dflash.exchange import (
+    DFLASH_TRANSPORTS,
+    context_exchange_wanted,
+    context_exchanges,
+    packs_documents,
+)
 from csbp.dflash.features import TargetFeatures, capture_target_features
 from csbp.dflash.layouts import (
     AnchorPacket,
     DFlashLayout,
-    block_query_rows,
     context_positions,
     context_rows,
     dflash_layout,
+    draft_query_rows,
     full_packet,
     owned_packet,
     ring_context_positions,
@@ -120,6 +127,8 @@ class DFlashRankPlan:
         backend: attention backend of the draft layers (``csbp.attention.backends``).
         diagonal: kernel of the draft blocks' block diagonal (``csbp.attention.diagonal``).
         clean: kernel of the draft blocks over the context (``csbp.attention.backends.CLEAN_KERNELS``).
+        transport: ``topology.transport``; decides with packed documents whether the context K/V
+            are all-gathered or exchanged (``csbp.dflash.exchange``).
     """
 
     layout: DFlashLayout
@@ -128,6 +137,7 @@ class DFlashRankPlan:
     backend: str = "tiles"
     diagonal: str = "auto"
     clean: str = "generic"
+    transport: str = "collective"
 
     def reduce_sum(self, values: Tensor) -> Tensor:
         """Sum a small stats tensor over the anchor owners (identity for one owner)."""
@@ -143,11 +153,16 @@ def build_dflash_rank_plan(
     backend: str = "tiles",
     diagonal: str = "auto",
     clean: str = "generic",
+    transport: str = "collective",
 ) -> DFlashRankPlan:
     """Plan this rank's share of every sample (call once after building the parallel context);
     ``backend``: the attention backend of the draft layers (auto, tiles, flex); ``diagonal``: the
     kernel of their block diagonal (auto, matmul, sdpa, sdpa_fold, flex); ``clean``: the kernel of
-    their context partials (generic, pieces, pieces-cudnn)."""
+    their context partials (generic, pieces, pieces-cudnn); ``transport``: ``topology.transport``
+    (with packed documents CSBP exchanges only the visible context rows, and so does CP-only with
+    ``halo``; ``csbp.dflash.exchange``)."""
+    if transport not in DFLASH_TRANSPORTS:
+        raise ValueError(f"transport must be one of {DFLASH_TRANSPORTS}, got {transport!r}")
     layout = dflash_layout(ctx.topology, ctx.coords.local_rank)
     if objective.max_anchors < layout.num_owners:
         raise ValueError(
@@ -161,7 +176,7 @@ def build_dflash_rank_plan(
         owner = ctx.model_input_comm("dflash.stats")
     return DFlashRankPlan(
         layout, ring, owner, check_backend(backend), check_diagonal_backend(diagonal, backend, where="diagonal"),
-        check_clean(clean),
+        check_clean(clean), transport,
     )
 
 
@@ -225,11 +240,17 @@ class DFlashStep:
 
         hidden_parts, target_parts, all_parts = [], [], []
         for s in range(batch.num_samples):
-            doc_start = segment_starts(batch.doc_ids[s].cpu())[anchors[s]]
+            starts_L = segment_starts(batch.doc_ids[s].cpu())
+            doc_start = starts_L[anchors[s]]
             all_parts.append(self._targets(batch, s, full_packet(anchors[s], doc_start), None))
             packet = owned_packet(
                 anchors[s], doc_start, layout, context=objective.context, min_bucket=min_bucket
             )
+            exchanges = None
+            if context_exchange_wanted(layout, self.plan.transport, packs_documents=packs_documents(starts_L)):
+                exchanges = context_exchanges(
+                    cfg, seq_len, layout, anchors[s], doc_start, context=objective.context, min_bucket=min_bucket
+                )
             features_1MF = features.features[s : s + 1, my_context.to(features.features.device)]
             hidden_parts.append(
                 forward_packet(
@@ -244,6 +265,7 @@ class DFlashStep:
                     backend=self.plan.backend,
                     diagonal=self.plan.diagonal,
                     clean=self.plan.clean,
+                    exchanges=exchanges,
                 )[0]
             )
             last = None if features.last_hidden is None else features.last_hidden[s]
@@ -329,22 +351,18 @@ def forward_packet(
     backend: str = "tiles",
     diagonal: str = "auto",
     clean: str = "generic",
+    exchanges: list[WindowPlan | None] | None = None,
 ) -> Tensor:
     """Hidden states ``[1, n·B, D]`` of a packet's blocks ``[x_a, M, …]`` (dead blocks: zeros).
 
     ``features_1MF`` are the context rows this rank holds at ``context_positions_M``;
     ``gathered_context_rows`` describe every ring member's rows in ring order (this rank's alone
-    when ``comm`` is None). Full-attention and sliding layers get their own ``Rows``.
+    when ``comm`` is None). Full-attention and sliding layers get their own ``Rows``;
+    ``exchanges`` (``context_exchanges``) replaces the all-gather of a layer kind by the context exchange.
     """
     cfg = drafter.config
     device = drafter.fc.weight.device
-    variants = [block_query_rows(packet, cfg.block_size, context=context)]
-    causal = [False]
-    layer_variant = [0] * cfg.num_layers
-    if "sliding_attention" in (cfg.layer_types or ()):
-        variants.append(block_query_rows(packet, cfg.block_size, context=context, window=cfg.sliding_window))
-        causal.append(cfg.sliding_window_causal)
-        layer_variant = [1 if t == "sliding_attention" else 0 for t in cfg.layer_types or ()]
+    variants, causal, layer_variant = draft_query_rows(cfg, packet, context=context)
     plan = build_draft_attention_plan(
         [v.to(device) for v in variants],
         causal,
@@ -355,6 +373,7 @@ def forward_packet(
         backend=backend,
         diagonal=diagonal,
         clean=clean,
+        exchanges=exchanges,
     )
     ids = drafter.block_input_ids(tokens_L.cpu()[packet.anchors], packet.keep).to(device)
     return drafter(
@@ -365,3 +384,4 @@ def forward_packet(
         ShardedDraftAttention(plan),
         live_rows_N=variants[0].live,
     )
+

@@ -2,12 +2,14 @@
 
 A tiny float64 problem (objectives.md §12 sizes: a 4-layer target with hidden 32, 4/2 heads, head
 dim 8, vocabulary 64; a 2-layer drafter fusing target layers (0, 2), ``B = 4``, ``[M] = 63``; two
-samples per replica, one packing two documents and ending in padding) runs one DFlash step on
+samples per replica, one packing two documents and ending in padding; with ``doc_length`` every
+sample packs random documents of that mean length, as ``csbp verify --doc-length`` does for bd3) runs one DFlash step on
 ``topology.world_size`` gloo processes: online target features, the rank's anchors and context
 shard, ``loss.backward()`` and gradient averaging over all ranks. Rank 0's sample-group loss and
 averaged gradients are compared with ``reference_dflash_loss`` (dense masks, full logits) on the
 same anchors: relative error of the loss and the largest per-parameter
-``max|g − g_ref| / max|g_ref|``.
+``max|g − g_ref| / max|g_ref|``. ``transport`` is ``topology.transport``: with documents CSBP
+exchanges only the visible context rows, CP-only too with ``halo`` (``csbp.dflash.exchange``).
 
 Usage::
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from csbp.attention.documents import packed_doc_ids, random_documents
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import capture_target_features
@@ -68,6 +71,8 @@ class DFlashVerifyCase:
     backend: str = "tiles"  # attention backend of the layouts' draft layers (csbp.attention.backends)
     diagonal: str = "auto"  # block-diagonal kernel of the layouts' draft blocks (csbp.attention.diagonal)
     clean: str = "generic"  # kernel of the draft blocks over the context (csbp.attention.backends.CLEAN_KERNELS)
+    transport: str = "collective"  # topology.transport: "halo" exchanges the visible context rows in CP-only too
+    doc_length: int | None = None  # mean length of random packed documents in every sample (None: make_batch's two)
 
 
 @dataclass(frozen=True)
@@ -111,13 +116,18 @@ def build_models(
     return target, drafter
 
 
-def make_batch(num_samples: int, seq_len: int, *, seed: int = 0) -> DFlashBatch:
-    """Random tokens, ~80% supervision; odd samples pack two documents and end in 4 padding tokens."""
+def make_batch(num_samples: int, seq_len: int, *, seed: int = 0, doc_length: int | None = None) -> DFlashBatch:
+    """Random tokens, ~80% supervision; odd samples pack two documents (with ``doc_length``: every
+    sample packs random documents of that mean length) and end in 4 padding tokens."""
     generator = torch.Generator().manual_seed(seed + 5)
     ids = torch.randint(0, MASK_TOKEN_ID, (num_samples, seq_len), generator=generator)
     loss_mask = torch.rand(num_samples, seq_len, generator=generator) < 0.8
     doc_ids = torch.zeros(num_samples, seq_len, dtype=torch.long)
     doc_ids[1::2, seq_len * 3 // 8 :] = 1
+    if doc_length is not None:
+        doc_ids = torch.stack(
+            [packed_doc_ids(random_documents(seq_len, doc_length, generator)) for _ in range(num_samples)]
+        )
     doc_ids[1::2, seq_len - 4 :] = -1
     loss_mask[1::2, seq_len - 4 :] = False
     return DFlashBatch(ids, loss_mask, doc_ids)
@@ -137,10 +147,11 @@ def _worker(
 ) -> tuple[float, dict[str, torch.Tensor] | None, int]:
     ctx = build_parallel_context(case.topology)
     _, drafter = build_models(case, device=ctx.device)
-    full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed)
+    full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length)
     batch = replica_batch(full, ctx.coords.dp_rank, case.samples)
     plan = build_dflash_rank_plan(
-        ctx, case.objective, backend=case.backend, diagonal=case.diagonal, clean=case.clean
+        ctx, case.objective, backend=case.backend, diagonal=case.diagonal, clean=case.clean,
+        transport=case.transport,
     )
     step = DFlashStep(drafter, case.objective, plan)
     out = step(batch, anchor_generator(case, ctx.coords.dp_rank), selector_scale=case.selector_scale)
@@ -157,7 +168,7 @@ def _worker(
 def reference(case: DFlashVerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients of ``case`` (all replicas' samples, same anchors)."""
     target, drafter = build_models(case)
-    full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed)
+    full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length)
     anchors = []
     for replica in range(case.topology.dp):
         part = replica_batch(full, replica, case.samples)

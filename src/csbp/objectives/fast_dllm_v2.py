@@ -105,19 +105,36 @@ class FastDllmV2Objective:
             raise ValueError(f"fast_dllm_v2 eps={self.eps} must lie in [0, 1]")
 
     def corrupt(self, batch: Mapping[str, Tensor], generator: torch.Generator) -> CorruptedBatch:
-        input_ids, loss_mask, doc_ids = read_batch(batch)
-        num_samples, seq_len = input_ids.shape
-        num_blocks = check_block_size(seq_len, self.block_size)
-        levels_SN = uniform_levels(num_samples * num_blocks, generator).view(num_samples, num_blocks)
-        move_chance_SN = (1.0 - self.eps) * levels_SN + self.eps
-        uniforms_SL = torch.rand(num_samples, seq_len, generator=generator, dtype=torch.float64)
-        bernoulli_SL = uniforms_SL < move_chance_SN.repeat_interleave(self.block_size, dim=1)
-        return fast_dllm_v2_views(
-            input_ids,
-            loss_mask,
-            doc_ids,
-            bernoulli_SL,
-            mask_token_id=self.mask_token_id,
-            block_size=self.block_size,
-            move_chance_SN=move_chance_SN,
+        return draw_views(
+            batch, generator, mask_token_id=self.mask_token_id, block_size=self.block_size, low=self.eps, high=1.0
         )
+
+
+def draw_views(
+    batch: Mapping[str, Tensor],
+    generator: torch.Generator,
+    *,
+    mask_token_id: int,
+    block_size: int,
+    low: float,
+    high: float,
+) -> CorruptedBatch:
+    """Draw the move chance ``p = low + (high − low)·t``, ``t ~ U(0, 1)`` per (sample, block), and
+    one Bernoulli ``[U_i < p]`` per token, then build the complementary views (training:
+    ``[eps, 1]``; the NELBO of ``csbp.evaluation.nelbo``: ``[a, 1 − a]``)."""
+    input_ids, loss_mask, doc_ids = read_batch(batch)
+    num_samples, seq_len = input_ids.shape
+    num_blocks = check_block_size(seq_len, block_size)
+    levels_SN = uniform_levels(num_samples * num_blocks, generator).view(num_samples, num_blocks)
+    move_chance_SN = low + (high - low) * levels_SN
+    uniforms_SL = torch.rand(num_samples, seq_len, generator=generator, dtype=torch.float64)
+    bernoulli_SL = uniforms_SL < move_chance_SN.repeat_interleave(block_size, dim=1)
+    return fast_dllm_v2_views(
+        input_ids,
+        loss_mask,
+        doc_ids,
+        bernoulli_SL,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        move_chance_SN=move_chance_SN,
+    )

@@ -92,13 +92,16 @@ class DFlashStepRunner:
         backend: str = "tiles",
         diagonal: str = "auto",
         clean: str = "generic",
+        transport: str = "collective",
         eos_id: int | None = None,
         served_prompts: int = 0,
         served_new_tokens: int = 64,
     ) -> None:
         self.drafter = drafter
         self.step_fn = DFlashStep(
-            drafter, objective, build_dflash_rank_plan(ctx, objective, backend=backend, diagonal=diagonal, clean=clean)
+            drafter, objective, build_dflash_rank_plan(
+                ctx, objective, backend=backend, diagonal=diagonal, clean=clean, transport=transport
+            )
         )
         self.ctx = ctx
         self.device = device

@@ -6,7 +6,11 @@ a no-op, so no other rank writes files.
 ``<run_dir>/metrics.jsonl`` holds one JSON object per optimizer step: ``step``, ``loss`` (global
 train loss of the step), ``lr`` (the rate the step used), ``grad_norm`` (before clipping),
 ``tokens_per_s`` (all ranks' tokens over the step's wall time), ``peak_mem_bytes``,
-``elapsed_s`` (since this invocation started), and ``val_loss`` on steps that ran validation.
+``elapsed_s`` (since this invocation started), and ``val_loss`` on steps that ran validation
+(the training objective on validation rows, clipped noise included). The diffusion objectives
+(bd3, mdlm, fast_dllm_v2) also log ``val_nelbo``, the unclipped NELBO per token in nats (a
+likelihood bound comparable across recipes, csbp.evaluation.nelbo), and ``val_ppl_bound`` =
+``exp(val_nelbo)``.
 Objectives may add metrics: dflash logs ``token_accuracy`` and ``tau_mean`` (and ``val_`` versions;
 with a DFlash2 selector also ``selector_loss`` and ``candidate_recall``).
 When a run resumes, records after the resumed step (written before a crash) are dropped, so the
@@ -40,6 +44,8 @@ _SCALARS = {
     "tokens_per_s": "train/tokens_per_s",
     "peak_mem_bytes": "system/peak_mem_bytes",
     "val_loss": "val/loss",
+    "val_nelbo": "val/nelbo",
+    "val_ppl_bound": "val/ppl_bound",
     "token_accuracy": "train/token_accuracy",
     "tau_mean": "train/tau_mean",
     "selector_loss": "train/selector_loss",

@@ -21,6 +21,12 @@ casts; the optimizer updates float32 weights and state).
 Validation uses ``eval_batches`` fixed micro-batches: a fresh, unshuffled loader over the
 validation rows and corruption seeded by ``(seed, batch index, dp_rank, EVAL_MICRO_STEP)``, so
 every evaluation of a run scores the same corrupted batches and val losses are comparable.
+For the diffusion objectives each validation batch is also scored under the *unclipped* NELBO
+(:mod:`csbp.evaluation.nelbo`: noise over ``[1e-3, 1]``, ``1/t`` weights, per supervised token) with
+its own fixed corruption (micro-step slot ``NELBO_MICRO_STEP``), through the same ``rank_loss``
+path and layout; it is reported as ``val_nelbo`` and ``val_ppl_bound = exp(val_nelbo)``. It costs
+one more forward per validation batch (validation's cost doubles; ``eval_batches`` forwards every
+``eval_every`` steps).
 """
 
 from __future__ import annotations
@@ -36,10 +42,13 @@ from csbp.data.loader import PackedLoader
 from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, rank_loss
 from csbp.engine.context import ParallelContext
 from csbp.engine.grad_buckets import OverlappedGradientSync
+from csbp.evaluation.nelbo import nelbo_objective, perplexity_bound
 from csbp.objectives.base import CorruptedBatch, Objective, corruption_generator
 
 EVAL_MICRO_STEP = 2**31 - 1
 """Micro-step slot of validation corruption; training never reaches it (``grad_accum`` is small)."""
+NELBO_MICRO_STEP = EVAL_MICRO_STEP - 1
+"""Micro-step slot of the unclipped-NELBO corruption of validation batches."""
 
 
 def validation_loader(
@@ -118,10 +127,14 @@ class StepRunner:
         self.ce_chunk_rows = ce_chunk_rows
         self.grad_sync: OverlappedGradientSync | None = None
         """Set by the trainer: armed before each step's last backward (gradients averaged in it)."""
+        self.nelbo_objective = nelbo_objective(objective)
+        """The unclipped-NELBO objective scored at validation (None for ``ar``)."""
 
-    def _corrupt(self, batch: dict[str, Tensor], step: int, micro_step: int) -> CorruptedBatch:
+    def _corrupt(
+        self, batch: dict[str, Tensor], step: int, micro_step: int, objective: Objective | None = None
+    ) -> CorruptedBatch:
         generator = corruption_generator(self.seed, step, self.ctx.coords.dp_rank, micro_step=micro_step)
-        return corrupted_on(self.objective.corrupt(batch, generator), self.device)
+        return corrupted_on((objective or self.objective).corrupt(batch, generator), self.device)
 
     def _sum_over(self, value: float | Tensor, comm_kind: str) -> float:
         """``value`` summed over the dp group (``"dp"``) or every rank (``"world"``), in float64
@@ -162,17 +175,29 @@ class StepRunner:
 
     @torch.no_grad()
     def evaluate(self, split: ArtifactSplit, *, micro_batch_size: int, num_batches: int) -> EvalResult:
-        """Global validation loss over ``num_batches`` fixed micro-batches per data-parallel replica."""
+        """Global validation loss over ``num_batches`` fixed micro-batches per data-parallel replica,
+        and the unclipped NELBO of the same batches (``metrics["nelbo"]``, ``metrics["ppl_bound"]``)."""
         loader = validation_loader(split, micro_batch_size=micro_batch_size, seed=self.seed, ctx=self.ctx)
         was_training = self.model.training
         self.model.eval()
-        ce_total = torch.zeros((), dtype=torch.float64, device=self.device)
-        local_denominator = 0.0
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        ce_total, nelbo_total = zero, zero
+        local_denominator, nelbo_denominator = 0.0, 0.0
         for index in range(num_batches):
-            corrupted = self._corrupt(next(loader), index, EVAL_MICRO_STEP)
+            batch = next(loader)
+            corrupted = self._corrupt(batch, index, EVAL_MICRO_STEP)
             local_denominator += corrupted.denominator()
             _, ce_sum = self._weighted_ce(corrupted, 1.0)
             ce_total = ce_total + ce_sum.to(torch.float64)
+            if self.nelbo_objective is not None:
+                unclipped = self._corrupt(batch, index, NELBO_MICRO_STEP, self.nelbo_objective)
+                nelbo_denominator += unclipped.denominator()
+                _, nelbo_sum = self._weighted_ce(unclipped, 1.0)
+                nelbo_total = nelbo_total + nelbo_sum.to(torch.float64)
         self.model.train(was_training)
         denominator = max(self._sum_over(local_denominator, "dp"), 1.0)
-        return EvalResult(self._sum_over(ce_total, "world") / denominator)
+        metrics: dict[str, float] = {}
+        if self.nelbo_objective is not None:
+            nelbo = self._sum_over(nelbo_total, "world") / max(self._sum_over(nelbo_denominator, "dp"), 1.0)
+            metrics = {"nelbo": nelbo, "ppl_bound": perplexity_bound(nelbo)}
+        return EvalResult(self._sum_over(ce_total, "world") / denominator, metrics)

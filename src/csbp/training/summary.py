@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from csbp.evaluation.nelbo import perplexity_bound
+
 
 @dataclass(frozen=True)
 class TrainSummary:
@@ -21,6 +23,8 @@ class TrainSummary:
     checkpoint: Path | None
     final_dir: Path | None
     sample: str | None = None
+    val_nelbos: list[tuple[int, float]] = field(default_factory=list)
+    """Unclipped NELBO per token at each validation (diffusion objectives; empty for ar/dflash)."""
 
     @property
     def first_loss(self) -> float | None:
@@ -45,6 +49,12 @@ class TrainSummary:
             f"train loss  first {number(self.first_loss)}  last {number(self.last_loss)}",
             f"val loss    first {number(val_first)}  last {number(val_last)}",
         ]
+        if self.val_nelbos:
+            nelbo_last = self.val_nelbos[-1][1]
+            lines.append(
+                f"val nelbo   first {number(self.val_nelbos[0][1])}  last {number(nelbo_last)}  "
+                f"(unclipped, nats/token; perplexity <= {perplexity_bound(nelbo_last):.2f})"
+            )
         if self.checkpoint is not None:
             lines.append(f"checkpoint  {self.checkpoint}")
         if self.final_dir is not None:

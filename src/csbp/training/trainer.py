@@ -257,6 +257,7 @@ def train(
         checkpoint=last_checkpoint,
         final_dir=final_dir,
         sample=sample,
+        val_nelbos=loop.val_nelbos,
     )
 
 
@@ -278,6 +279,7 @@ def step_runner_for(
             backend=cfg.attention.backend,
             diagonal=cfg.attention.diagonal,
             clean=cfg.attention.clean,
+            transport=cfg.topology.transport,
             eos_id=inputs.artifact.special_ids["eos"],
             served_prompts=cfg.objective.dflash.eval_prompts if cfg.objective.dflash is not None else 0,
             served_new_tokens=cfg.objective.dflash.eval_new_tokens if cfg.objective.dflash is not None else 64,
@@ -312,6 +314,7 @@ class _Loop:
     hook: StepHook | None = None
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
+    val_nelbos: list[tuple[int, float]] = field(default_factory=list)
     last_step: int = 0
     _skipped_in_a_row: int = 0
 
@@ -326,7 +329,8 @@ class _Loop:
         self.last_step = start_step
         if evaluating and start_step == 0:  # the untrained baseline, so "first -> last" means something
             initial = self._evaluate(0)
-            self.writer.message(f"step 0: val {initial.loss:.4f}")
+            nelbo = initial.metrics.get("nelbo")
+            self.writer.message(f"step 0: val {initial.loss:.4f}" + ("" if nelbo is None else f" nelbo {nelbo:.4f}"))
         if self.hook is not None:
             self.hook.on_start(self, start_step)
         for step in range(start_step + 1, stop_step + 1):
@@ -373,7 +377,7 @@ class _Loop:
             if step % train_cfg.log_every == 0:
                 extra = "".join(
                     f" {name} {record[name]:.4f}"
-                    for name in ("tau_mean", "val_loss", "val_tau_mean", "val_acceptance_length")
+                    for name in ("tau_mean", "val_loss", "val_nelbo", "val_tau_mean", "val_acceptance_length")
                     if name in record
                 )
                 self.writer.message(
@@ -418,6 +422,8 @@ class _Loop:
             num_batches=self.cfg.train.eval_batches,
         )
         self.val_losses.append((step, evaluation.loss))
+        if "nelbo" in evaluation.metrics:
+            self.val_nelbos.append((step, evaluation.metrics["nelbo"]))
         return evaluation
 
     def _save(self, step: int) -> Path:

@@ -19,6 +19,7 @@ the shard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,12 +76,7 @@ class WindowAttentionPlan:
 
 def window_forward(q: Tensor, k: Tensor, v: Tensor, plan: WindowAttentionPlan) -> tuple[Tensor, Tensor, Tensor]:
     """``(out [S, Hq, N, d], lse [S, Hq, N], halo_kv [2, S, Hkv, n_recv, d])``."""
-    exchange = plan.exchange
-    send = torch.stack([k.index_select(2, exchange.send_index), v.index_select(2, exchange.send_index)])
-    received = plan.comm.all_to_all(
-        send.movedim(3, 0), exchange.send_counts, exchange.recv_counts
-    )  # [n_recv, 2, S, Hkv, d], source-major
-    halo_kv = received.index_select(0, exchange.recv_order).movedim(0, 3).contiguous()  # [2, S, Hkv, n_recv, d]
+    halo_kv = send_halo(k, v, plan.exchange, plan.comm)
     out, lse = local_attention_forward(q, k, v, plan.local)
     if plan.halo_plan is not None:
         out_halo, lse_halo = plan.halo_plan.forward(q, halo_kv[0], halo_kv[1])
@@ -104,15 +100,60 @@ def window_backward(
         grad_halo = torch.stack([dk_halo, dv_halo])  # [2, S, Hkv, n_recv, d], sorted
     else:
         grad_halo = halo_kv.new_zeros(halo_kv.shape, dtype=dtype)
-    grad_received = grad_halo.index_select(3, exchange.recv_inverse).movedim(3, 0)  # [n_recv, 2, S, Hkv, d]
-    grad_sent = plan.comm.all_to_all(grad_received, exchange.recv_counts, exchange.send_counts)  # [n_send, ...]
+    grad_sent = return_halo_grads(grad_halo, exchange, plan.comm)
     dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local)
     if dq_halo is not None:
         dq += dq_halo
-    grad_sent = grad_sent.movedim(0, 3)  # [2, S, Hkv, n_send, d]
-    dk.index_add_(2, exchange.send_index, grad_sent[0])
-    dv.index_add_(2, exchange.send_index, grad_sent[1])
+    add_halo_grads(dk, dv, grad_sent, exchange)
     return dq, dk, dv
+
+
+def build_window_exchange(
+    plan: WindowPlan,
+    ring_rank: int,
+    key_rows: Callable[[Tensor], Rows],
+    device: torch.device,
+    *,
+    send_offset: int = 0,
+) -> WindowExchange:
+    """Ring member ``ring_rank``'s side of ``plan`` on ``device``. ``key_rows`` turns sorted
+    positions into key metadata (the received rows); ``send_offset`` is the index of the first
+    exchanged row in the rank's K/V (its noisy rows come first in a packed BD3 layout)."""
+    recv_positions = plan.recv_positions(ring_rank)  # source-major
+    recv_order = torch.argsort(recv_positions)
+    return WindowExchange(
+        send_index=(plan.send_index(ring_rank) + send_offset).to(device),
+        send_counts=plan.send_counts(ring_rank),
+        recv_counts=plan.recv_counts(ring_rank),
+        recv_order=recv_order.to(device),
+        recv_inverse=torch.argsort(recv_order).to(device),
+        halo_rows=key_rows(recv_positions[recv_order]).to(device),
+    )
+
+
+def send_halo(k: Tensor, v: Tensor, exchange: WindowExchange, comm: Comm) -> Tensor:
+    """The forward all-to-all: ``k, v [S, Hkv, n, d]`` -> the received rows ``[2, S, Hkv, n_recv, d]``
+    sorted by position (K then V)."""
+    send = torch.stack([k.index_select(2, exchange.send_index), v.index_select(2, exchange.send_index)])
+    received = comm.all_to_all(
+        send.movedim(3, 0), exchange.send_counts, exchange.recv_counts
+    )  # [n_recv, 2, S, Hkv, d], source-major
+    return received.index_select(0, exchange.recv_order).movedim(0, 3).contiguous()
+
+
+def return_halo_grads(grad_halo: Tensor, exchange: WindowExchange, comm: Comm) -> Tensor:
+    """The backward all-to-all: the received rows' dK/dV ``[2, S, Hkv, n_recv, d]`` (sorted) go back to
+    their owners; returns what came back for my sent rows, ``[2, S, Hkv, n_send, d]`` (destination-major)."""
+    grad_received = grad_halo.index_select(3, exchange.recv_inverse).movedim(3, 0)  # [n_recv, 2, S, Hkv, d]
+    grad_sent = comm.all_to_all(grad_received, exchange.recv_counts, exchange.send_counts)  # [n_send, ...]
+    return grad_sent.movedim(0, 3)
+
+
+def add_halo_grads(dk: Tensor, dv: Tensor, grad_sent: Tensor, exchange: WindowExchange) -> None:
+    """Add the returned dK/dV at the sent rows (``index_add_``: a row sent to several members gets
+    every contribution)."""
+    dk.index_add_(2, exchange.send_index, grad_sent[0].to(dk.dtype))
+    dv.index_add_(2, exchange.send_index, grad_sent[1].to(dv.dtype))
 
 
 class WindowAttention:
@@ -151,23 +192,17 @@ class WindowAttention:
         self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
 
     def _build_plan(self, device: torch.device) -> WindowAttentionPlan:
-        plan, me = self.window_plan, self.ring_rank
-        recv_positions = plan.recv_positions(me)  # source-major
-        recv_order = torch.argsort(recv_positions)
-        halo_rows = bd3_rows(
-            torch.zeros(0, dtype=torch.long), recv_positions[recv_order], block_size=plan.block_size
-        )
-        exchange = WindowExchange(
-            send_index=(plan.send_index(me) + self.layout.num_noisy).to(device),
-            send_counts=plan.send_counts(me),
-            recv_counts=plan.recv_counts(me),
-            recv_order=recv_order.to(device),
-            recv_inverse=torch.argsort(recv_order).to(device),
-            halo_rows=halo_rows.to(device),
+        plan = self.window_plan
+
+        def key_rows(positions: Tensor) -> Rows:
+            return bd3_rows(torch.zeros(0, dtype=torch.long), positions, block_size=plan.block_size)
+
+        exchange = build_window_exchange(
+            plan, self.ring_rank, key_rows, device, send_offset=self.layout.num_noisy
         )
         rows = self.layout.rows.to(device)
         halo_plan = None
-        if len(halo_rows) > 0:
+        if len(exchange.halo_rows) > 0:
             halo_plan = plan_partial(
                 rows, exchange.halo_rows, backend=self.backend, causal_in_block=self.causal_in_block,
                 tile_rows=self.tile_rows, clean=self.clean,

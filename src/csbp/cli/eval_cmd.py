@@ -1,0 +1,112 @@
+"""``csbp eval``: the likelihood of a trained block-diffusion model on a data split.
+
+Examples::
+
+    csbp eval --model runs/demo/final --data artifacts/demo-4k-64 --split val
+    csbp eval --model ckpt/ --data art/ --objective bd3 --block-size 16 --samples 8 --json eval.json
+
+Reports, in nats per token: the unclipped NELBO (noise over ``[1e-3, 1]``, ``1/t`` weights; mean
+of ``--samples`` independent noise draws with its standard error) and the perplexity bound
+``exp(NELBO)``; and the exact NLL of left-to-right unmasking (the likelihood ``csbp generate
+--unmask-order left_to_right`` assigns at temperature 1), ``B`` forwards per batch. See
+``csbp.evaluation``. ``--model`` is a HF checkpoint directory (a run's ``final/`` export: objective,
+block size, noise scheme, mask token, window and document mask default to the run's
+``config.yaml`` one directory up). Runs on one process; ``--nproc N`` (with ``--cp``/``--bp``)
+scores on ``N`` local processes through the training engine's layouts, with the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from csbp.cli.generate_cmd import DTYPES
+from csbp.cli.options import device_option, positive_int
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``eval``."""
+    parser = subparsers.add_parser(
+        "eval",
+        help="NELBO, perplexity bound and exact left-to-right NLL of a model on a data split",
+        description=(
+            "Evaluate a block-diffusion checkpoint on a prepared data split (one process by default): the unclipped "
+            "NELBO per token (t in [1e-3, 1], mean and standard error over --samples noise draws), the "
+            "perplexity bound exp(NELBO), and the exact NLL of left-to-right unmasking. All in nats per token. "
+            "--nproc/--cp/--bp run the same evaluation on several local processes (CSBP layouts)."
+        ),
+    )
+    parser.add_argument("--model", type=Path, required=True, help="HF checkpoint directory (e.g. RUN/final)")
+    parser.add_argument("--data", type=Path, required=True, help="prepared data artifact (csbp data prepare)")
+    parser.add_argument("--split", choices=("val", "train"), default="val", help="split to score (default val)")
+    parser.add_argument(
+        "--objective",
+        choices=("bd3", "mdlm", "fast_dllm_v2"),
+        default=None,
+        help="objective the model was trained with (default: the run's config.yaml)",
+    )
+    parser.add_argument(
+        "--block-size", type=positive_int, default=None, help="training block size (default: the run's)"
+    )
+    parser.add_argument("--samples", type=positive_int, default=4, help="noise draws per batch for the NELBO (default 4)")
+    parser.add_argument("--micro-batch-size", type=positive_int, default=8, help="rows per forward (default 8)")
+    parser.add_argument("--max-batches", type=positive_int, default=None, help="score at most this many batches")
+    parser.add_argument("--no-ltr", action="store_true", help="skip the left-to-right NLL (B forwards per batch)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the noise draws")
+    parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
+    parser.add_argument(
+        "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    parser.add_argument(
+        "--nproc", type=positive_int, default=1,
+        help="local processes (default 1): data parallel over batches, times --cp/--bp per batch",
+    )
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ring size per batch (default 1)")
+    parser.add_argument("--bp", type=positive_int, default=1, help="block-parallel ranks per batch (default 1)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the report to this JSON file")
+    parser.set_defaults(func=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from csbp.atomic import write_json_atomic
+    from csbp.data.artifact import open_artifact
+    from csbp.evaluation import EvalOptions, evaluate_model, resolve_settings
+    from csbp.evaluation.parallel import eval_topology, evaluate_parallel
+    from csbp.models.hf_io import load_hf_checkpoint
+
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    model_dir: Path = args.model
+    if not model_dir.is_dir():
+        raise ValueError(f"--model {model_dir} is not a directory; pass a HF checkpoint directory (e.g. RUN/final)")
+    artifact = open_artifact(args.data)
+    split = artifact.split(args.split)
+    if split.num_rows == 0:
+        raise ValueError(f"--split {args.split}: {args.data} has no {args.split} rows (fix: pick the other split)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
+    model, model_config = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
+    settings = resolve_settings(
+        model_dir, model_config, artifact, objective=args.objective, block_size=args.block_size
+    )
+    options = EvalOptions(
+        samples=args.samples,
+        micro_batch_size=args.micro_batch_size,
+        max_batches=args.max_batches,
+        seed=args.seed,
+        left_to_right=not args.no_ltr,
+    )
+    topology = eval_topology(args.nproc, args.cp, args.bp, settings, artifact.seq_len)
+    if topology.world_size == 1:
+        report = evaluate_model(model, split, settings, options)
+    else:
+        del model  # every rank loads its own copy
+        report = evaluate_parallel(
+            model_dir, args.data, args.split, settings, options, topology, dtype=dtype, device=device
+        )
+    print(report.format())
+    if args.json is not None:
+        write_json_atomic(args.json, {"model": str(model_dir), "data": str(args.data), **report.to_json()})
+    return 0

@@ -1,0 +1,145 @@
+"""Which context rows a DFlash ring member sends to which: the document-aware context exchange
+(csbp.md §11's halo exchange applied to DFlash, csbp.md §14).
+
+An anchor ``a`` sees only the context ``[doc_start(a), a)`` (``[doc_start(a), a]`` inclusive; with a
+sliding window also no earlier than ``a + j − (W − 1)``). With packed documents a ring member's
+anchors therefore read only a few documents' rows, while the all-gather of
+``csbp.dflash.attention`` moves every ring member's whole context shard to every other member.
+The *context exchange* moves exactly what is read instead: member ``s`` sends member ``d``
+``need(d) ∩ owned(s)``, with ``owned(s)`` the zigzag context shard of ``s`` and ``need(d)`` the
+union of the live block rows' context intervals of ``d``'s anchor packet
+(``csbp.attention.layouts.halo_sends``, the rule the BD3 halo exchange uses). The plan is a
+``csbp.attention.layouts.WindowPlan`` executed by the window transport's all-to-all helpers.
+
+**When it is used** (``context_exchange_wanted``), the BD3 factory's rule
+(``csbp.attention.transports.factory``) applied to DFlash:
+
+* CSBP (``cp > 1``, anchors dealt over ``bp`` ranks): for every sample that packs more than one
+  document, unless ``topology.transport`` is ``streaming`` (DFlash has no ring transport; it then
+  keeps the all-gather);
+* CP-only (``bp == 1``): only with ``topology.transport: halo`` (the mask-aware CP baseline,
+  ``cp-aware``); plain CP-only stays generic context parallelism and all-gathers;
+* ``transport: halo`` also plans samples with a single document (a ring member then receives
+  only the rows before its last anchor);
+* and in every case only when the plan moves strictly fewer rows over the ring than the
+  all-gather (``cp·(cp−1)·L/cp`` rows); otherwise the all-gather, which overlaps the block
+  partial, is kept. Every ring member evaluates the rule on the same data, so all of them pick
+  the same collective.
+
+A sample with one document under the default transport is unchanged: same collectives, same bytes.
+
+Shape legend: ``L`` sequence length, ``cp`` ring size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from torch import Tensor
+
+from csbp.attention.layouts import WindowPlan, halo_sends, needed_positions
+from csbp.attention.rows import Rows
+from csbp.dflash.config import DFlashConfig
+from csbp.dflash.layouts import DFlashLayout, context_positions, draft_query_rows, owned_packet
+
+DFLASH_TRANSPORTS = ("collective", "streaming", "halo")
+"""``topology.transport`` values a DFlash run accepts (``streaming`` runs the all-gather)."""
+
+
+def ring_member_layouts(layout: DFlashLayout) -> list[DFlashLayout]:
+    """The layouts of the members of this rank's CP ring, in ring order (member ``d`` holds context
+    shard ``d``; under CSBP the ring is local ranks ``ring·cp … ring·cp + cp − 1``)."""
+    if layout.num_owners == 1:
+        return [replace(layout, cp_rank=d) for d in range(layout.cp)]
+    first = layout.owner_rank - layout.cp_rank
+    return [replace(layout, cp_rank=d, owner_rank=first + d) for d in range(layout.cp)]
+
+
+def context_exchange_wanted(layout: DFlashLayout, transport: str, *, packs_documents: bool) -> bool:
+    """Whether a sample is planned for the context exchange (module docstring; the row count
+    decides afterwards)."""
+    if transport not in DFLASH_TRANSPORTS:
+        raise ValueError(f"transport must be one of {DFLASH_TRANSPORTS}, got {transport!r}")
+    if layout.cp < 2:
+        return False
+    if transport == "halo":
+        return True
+    return layout.num_owners > 1 and packs_documents and transport != "streaming"
+
+
+def packs_documents(segment_starts_L: Tensor) -> bool:
+    """True when a sample holds more than one document segment (``anchors.segment_starts``)."""
+    return bool(segment_starts_L.numel() > 0 and int(segment_starts_L[-1]) > 0)
+
+
+def context_exchange_plan(
+    seq_len: int,
+    layout: DFlashLayout,
+    member_rows: Sequence[Rows],
+    *,
+    block_size: int,
+    window: int | None = None,
+) -> WindowPlan:
+    """The exchange plan of this rank's ring for one layer kind: ``member_rows[d]`` are ring member
+    ``d``'s block query rows (``layouts.block_query_rows`` of its packet, CPU)."""
+    if layout.cp < 2:
+        raise ValueError(f"a context exchange needs a CP ring (cp > 1), got cp={layout.cp}")
+    if len(member_rows) != layout.cp:
+        raise ValueError(f"need the query rows of all {layout.cp} ring members, got {len(member_rows)}")
+    owned = tuple(context_positions(seq_len, layout.cp, d) for d in range(layout.cp))
+    needed = [needed_positions(rows, seq_len) for rows in member_rows]
+    return WindowPlan(
+        seq_len=seq_len,
+        block_size=block_size,
+        cp=layout.cp,
+        bp=layout.num_owners,
+        ring_index=layout.owner_rank // layout.cp if layout.num_owners > 1 else 0,
+        window=window,
+        owned_positions=owned,
+        send=halo_sends(owned, needed, seq_len),
+    )
+
+
+def exchanged_rows(plan: WindowPlan) -> int:
+    """Rows the exchange moves over the whole ring in one direction (forward K/V)."""
+    return sum(sum(plan.send_counts(source)) for source in range(plan.cp))
+
+
+def all_gather_rows(seq_len: int, cp: int) -> int:
+    """Rows the context all-gather moves over the whole ring in one direction."""
+    return (cp - 1) * seq_len
+
+
+def moves_fewer_rows(plan: WindowPlan) -> bool:
+    """The exchange moves strictly fewer rows than the all-gather."""
+    return exchanged_rows(plan) < all_gather_rows(plan.seq_len, plan.cp)
+
+
+def context_exchanges(
+    cfg: DFlashConfig,
+    seq_len: int,
+    layout: DFlashLayout,
+    anchors: Tensor,
+    doc_start: Tensor,
+    *,
+    context: str,
+    min_bucket: int,
+) -> list[WindowPlan | None]:
+    """Per layer kind (``layouts.draft_query_rows``), the context exchange plan of this rank's ring
+    for one sample's sorted ``anchors`` (every member's packet as ``layouts.owned_packet`` deals
+    it), or None where it would not move fewer rows than the all-gather."""
+    member_variants = [
+        draft_query_rows(cfg, owned_packet(anchors, doc_start, member, context=context, min_bucket=min_bucket),
+                         context=context)[0]
+        for member in ring_member_layouts(layout)
+    ]
+    windows = [None, cfg.sliding_window]
+    plans: list[WindowPlan | None] = []
+    for kind in range(len(member_variants[0])):
+        plan = context_exchange_plan(
+            seq_len, layout, [rows[kind] for rows in member_variants], block_size=cfg.block_size,
+            window=windows[kind],
+        )
+        plans.append(plan if moves_fewer_rows(plan) else None)
+    return plans

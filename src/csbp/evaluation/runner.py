@@ -1,0 +1,236 @@
+"""Evaluate a trained block-diffusion model on a data split: NELBO (K noise draws) and exact LTR NLL.
+
+Every row of the split is scored once (``--max-batches`` caps it), in order, on one process:
+
+* **NELBO**: ``K`` independent corruptions of every batch under the unclipped-NELBO objective
+  (:mod:`csbp.evaluation.nelbo`), draw ``k`` of batch ``n`` seeded by
+  ``corruption_generator(seed, n, 0, micro_step=k)``. Draw ``k`` gives a whole-split estimate
+  ``NELBO_k = Σ_n CE_{n,k} / Σ_n Z_n``; the report gives their mean and its standard error
+  ``std_k(NELBO_k) / sqrt(K)`` (the estimator's noise-draw uncertainty for this data; ``K >= 2``);
+* **LTR NLL**: the exact ``−log p(x)`` of left-to-right sampling (:mod:`csbp.evaluation.left_to_right`),
+  ``B`` forwards per batch, per scored token.
+
+Both run through the training engine's ``rank_loss`` with a one-process plan of the model's layout
+(``[x_t ; x_0]`` for bd3/fast_dllm_v2, one bidirectional stream for mdlm, the run's window and
+document mask), so the numbers are those of the training objective's code path. All nats/token.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import Tensor
+
+from csbp.data.artifact import ArtifactSplit
+from csbp.data.loader import PackedLoader
+from csbp.devices import tensors_to
+from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan, rank_loss
+from csbp.engine.context import ParallelContext, single_process_context
+from csbp.evaluation.left_to_right import left_to_right_batches
+from csbp.evaluation.nelbo import EVAL_T_MIN, nelbo_objective, perplexity_bound
+from csbp.evaluation.settings import EvalSettings
+from csbp.models.decoder import Decoder
+from csbp.objectives.base import CorruptedBatch, corruption_generator
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    """What ``csbp eval`` prints and writes (nats per token)."""
+
+    objective: str
+    block_size: int
+    split: str
+    rows: int
+    batches: int
+    samples: int
+    t_min: float
+    nelbo: float
+    nelbo_stderr: float | None
+    ppl_bound: float
+    nelbo_tokens: int
+    ltr_nll: float | None
+    ltr_ppl: float | None
+    ltr_tokens: int
+    seconds: float
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+    def format(self) -> str:
+        stderr = "n/a (--samples 1)" if self.nelbo_stderr is None else f"{self.nelbo_stderr:.4f}"
+        lines = [
+            f"data        {self.split}: {self.rows} rows in {self.batches} batches, {self.objective} B={self.block_size}",
+            f"nelbo       {self.nelbo:.4f} nats/token  stderr {stderr}  over {self.samples} noise draws, "
+            f"t in [{self.t_min:g}, 1], {self.nelbo_tokens} tokens",
+            f"ppl bound   {self.ppl_bound:.2f}  (exp nelbo)",
+        ]
+        if self.ltr_nll is not None:
+            lines.append(
+                f"ltr nll     {self.ltr_nll:.4f} nats/token  (exact, left-to-right unmasking, {self.ltr_tokens} tokens)"
+            )
+            lines.append(f"ltr ppl     {self.ltr_ppl:.2f}")
+        lines.append(f"time        {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def eval_plan(settings: EvalSettings, seq_len: int, ctx: ParallelContext) -> RankPlan | DocumentPlanner:
+    """This rank's plan of the model's training layout (one process: ``single_process_context()``)."""
+    common = {"uses_clean_stream": settings.uses_clean_stream, "window": settings.window}
+    if settings.document_mask:
+        return DocumentPlanner(ctx, seq_len, settings.block_size, reset_positions=settings.reset_positions, **common)
+    return build_rank_plan(ctx, seq_len, settings.block_size, **common)  # type: ignore[arg-type]
+
+
+def batch_count(split: ArtifactSplit, micro_batch_size: int, max_batches: int | None) -> int:
+    """How many batches :func:`split_batches` yields."""
+    count = -(-split.num_rows // micro_batch_size)
+    return count if max_batches is None else min(count, max_batches)
+
+
+def split_batches(split: ArtifactSplit, micro_batch_size: int, max_batches: int | None) -> Iterator[dict[str, Tensor]]:
+    """Every row of ``split`` once, in order, in batches of ``micro_batch_size`` (the last may be
+    short), read from the memory map one batch at a time."""
+    loader = PackedLoader(split, batch_size=micro_batch_size, seed=0, drop_last=False, shuffle=False)
+    for index in range(batch_count(split, micro_batch_size, max_batches)):
+        batch = next(loader)
+        keep = min(micro_batch_size, split.num_rows - index * micro_batch_size)
+        yield {name: value[:keep] for name, value in batch.items()}
+
+
+def _ce_sum(model: Decoder, corrupted: CorruptedBatch, plan: RankPlan | DocumentPlanner, chunk: int) -> float:
+    _, ce_sum = rank_loss(model, corrupted, plan, global_denominator=1.0, world_size=1, ce_chunk_rows=chunk)
+    return float(ce_sum.to(torch.float64))
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """How to score a split (``csbp eval``'s flags)."""
+
+    samples: int = 4
+    micro_batch_size: int = 8
+    max_batches: int | None = None
+    seed: int = 0
+    left_to_right: bool = True
+    ce_chunk_rows: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.samples < 1:
+            raise ValueError(f"--samples must be >= 1, got {self.samples}")
+
+
+@dataclass
+class EvalSums:
+    """One rank's shares: per-draw NELBO CE sums and token counts, the LTR CE sum and token count.
+    CE sums add over every rank; counts and rows over the ranks of one model replica, once."""
+
+    nelbo: list[float]
+    nelbo_tokens: list[float]
+    ltr: float = 0.0
+    ltr_tokens: float = 0.0
+    rows: int = 0
+
+
+@torch.no_grad()
+def score_split(
+    model: Decoder,
+    split: ArtifactSplit,
+    settings: EvalSettings,
+    plan: RankPlan | DocumentPlanner,
+    options: EvalOptions,
+    *,
+    replica: int = 0,
+    replicas: int = 1,
+    progress: bool = True,
+) -> EvalSums:
+    """This rank's sums over the batches of data-parallel ``replica`` (batch ``n`` belongs to replica
+    ``n % replicas``); batch ``n`` is corrupted the same way whatever the layout."""
+    from tqdm.auto import tqdm
+
+    device = model.embed_tokens.weight.device
+    model.eval()
+    objective = nelbo_objective(settings.build_objective())
+    assert objective is not None
+    samples = options.samples
+    sums = EvalSums([0.0] * samples, [0.0] * samples)
+    num_batches = batch_count(split, options.micro_batch_size, options.max_batches)
+    forwards = samples + (settings.block_size if options.left_to_right else 0)
+    mine = len(range(replica, num_batches, replicas))
+    bar = tqdm(total=mine * forwards, desc="eval", unit="fwd", dynamic_ncols=True, disable=not progress)
+    for index, batch in enumerate(split_batches(split, options.micro_batch_size, options.max_batches)):
+        if index % replicas != replica:
+            continue
+        batch = {name: value.to(device) for name, value in batch.items()}
+        sums.rows += int(batch["input_ids"].shape[0])
+        for draw in range(samples):
+            generator = corruption_generator(options.seed, index, 0, micro_step=draw)
+            corrupted = tensors_to(objective.corrupt(batch, generator), device)
+            sums.nelbo[draw] += _ce_sum(model, corrupted, plan, options.ce_chunk_rows)
+            sums.nelbo_tokens[draw] += corrupted.denominator()
+            bar.update(1)
+        if options.left_to_right:
+            for corrupted in left_to_right_batches(
+                batch,
+                mask_token_id=settings.mask_token_id,
+                block_size=settings.block_size,
+                token_shift=settings.token_shift,
+                uses_clean_stream=settings.uses_clean_stream,
+            ):
+                sums.ltr += _ce_sum(model, corrupted, plan, options.ce_chunk_rows)
+                sums.ltr_tokens += corrupted.denominator()
+                bar.update(1)
+    bar.close()
+    return sums
+
+
+def evaluate_model(
+    model: Decoder,
+    split: ArtifactSplit,
+    settings: EvalSettings,
+    options: EvalOptions | None = None,
+    *,
+    progress: bool = True,
+) -> EvalReport:
+    """Score ``split`` on this one process (see the module docstring)."""
+    options = options or EvalOptions()
+    started = time.perf_counter()
+    ctx = single_process_context(model.embed_tokens.weight.device)
+    sums = score_split(model, split, settings, eval_plan(settings, split.seq_len, ctx), options, progress=progress)
+    return build_report(sums, sums, split, settings, options, time.perf_counter() - started)
+
+
+def build_report(
+    ce: EvalSums,
+    counts: EvalSums,
+    split: ArtifactSplit,
+    settings: EvalSettings,
+    options: EvalOptions,
+    seconds: float,
+) -> EvalReport:
+    """The report from the CE sums (``ce``) and token/row counts (``counts``) of all ranks."""
+    samples = options.samples
+    nelbo_sums, nelbo_tokens = ce.nelbo, counts.nelbo_tokens
+    estimates = torch.tensor([s / max(z, 1.0) for s, z in zip(nelbo_sums, nelbo_tokens, strict=True)], dtype=torch.float64)
+    nelbo = float(estimates.mean())
+    stderr = float(estimates.std(unbiased=True)) / math.sqrt(samples) if samples > 1 else None
+    ltr_nll = ce.ltr / max(counts.ltr_tokens, 1.0) if options.left_to_right else None
+    return EvalReport(
+        objective=settings.objective,
+        block_size=settings.block_size,
+        split=split.name,
+        rows=counts.rows,
+        batches=batch_count(split, options.micro_batch_size, options.max_batches),
+        samples=samples,
+        t_min=EVAL_T_MIN,
+        nelbo=nelbo,
+        nelbo_stderr=stderr,
+        ppl_bound=perplexity_bound(nelbo),
+        nelbo_tokens=int(nelbo_tokens[0]),
+        ltr_nll=ltr_nll,
+        ltr_ppl=None if ltr_nll is None else perplexity_bound(ltr_nll),
+        ltr_tokens=int(counts.ltr_tokens),
+        seconds=seconds,
+    )

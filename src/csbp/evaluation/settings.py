@@ -1,0 +1,165 @@
+"""What ``csbp eval`` evaluates: the model's objective, block grid and mask token, checked against
+the data before any forward pass.
+
+Defaults come from the run that wrote the checkpoint: a run's ``final/`` export sits next to the
+run's ``config.yaml`` (the same file ``csbp generate`` reads, via
+:func:`csbp.cli.generate_cmd.run_objective_settings`), which gives ``objective.name``,
+``block_size``, ``noise``, ``mask_token_id``, ``topology.window`` and ``data.document_mask`` /
+``reset_positions``. Flags override them; a checkpoint without a run config needs ``--objective``
+and ``--block-size``. The mask token is the run's, else ``config.json``'s ``mask_token_id`` (a
+training export writes it), else the artifact's.
+
+Every check fails with one line naming the flag or file and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from csbp.data.artifact import Artifact
+from csbp.data.tokenizer import fingerprint_bytes
+from csbp.models.config import DecoderConfig
+from csbp.objectives import build_objective
+from csbp.objectives.base import Objective
+
+EVAL_OBJECTIVES = ("bd3", "mdlm", "fast_dllm_v2")
+NOISE_SCHEMES = {"rotated": "rotated_lattice", "stratified": "stratified"}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The objective and layout a model is evaluated with.
+
+    Attributes:
+        objective: ``bd3``, ``mdlm`` or ``fast_dllm_v2``.
+        block_size: diffusion block size ``B`` (``seq_len`` for mdlm).
+        mask_token_id: id of ``[M]``.
+        noise_scheme: the objective's noise scheme (``rotated_lattice`` or ``stratified``; fast_dllm_v2
+            always draws uniform levels).
+        window: sliding attention window the model was trained with, or None.
+        document_mask: attend within packed documents only (as in training).
+        reset_positions: restart RoPE positions at each document.
+    """
+
+    objective: str
+    block_size: int
+    mask_token_id: int
+    noise_scheme: str | None = None
+    window: int | None = None
+    document_mask: bool = False
+    reset_positions: bool = False
+
+    @property
+    def token_shift(self) -> bool:
+        return self.objective == "fast_dllm_v2"
+
+    @property
+    def uses_clean_stream(self) -> bool:
+        return self.objective != "mdlm"
+
+    def build_objective(self) -> Objective:
+        """The trained objective (its clip range is irrelevant: the NELBO replaces it)."""
+        options: dict[str, Any] = {"mask_token_id": self.mask_token_id}
+        if self.objective != "mdlm":
+            options["block_size"] = self.block_size
+        if self.noise_scheme is not None and self.objective != "fast_dllm_v2":
+            options["noise_scheme"] = self.noise_scheme
+        return build_objective(self.objective, **options)
+
+
+def run_config_settings(model_dir: Path) -> dict[str, Any]:
+    """The run's settings when ``model_dir`` is ``RUN/final`` (empty for any other directory)."""
+    from csbp.cli.generate_cmd import run_objective_settings
+
+    try:
+        settings = run_objective_settings(model_dir)
+    except ValueError as error:
+        raise ValueError(f"{error} (csbp eval evaluates those; an ar run's val_loss is already its exact NLL)") from None
+    if not settings:
+        return {}
+    loaded = yaml.safe_load((model_dir.parent / "config.yaml").read_text(encoding="utf-8"))
+    objective, data = loaded.get("objective") or {}, loaded.get("data") or {}
+    if objective.get("noise") in NOISE_SCHEMES:
+        settings["noise_scheme"] = NOISE_SCHEMES[objective["noise"]]
+    if data.get("document_mask") is not None:
+        settings["document_mask"] = bool(data["document_mask"])
+    elif settings["objective"] in EVAL_OBJECTIVES:
+        from csbp.config.schema import DOCUMENT_MASK_DEFAULTS
+
+        settings["document_mask"] = DOCUMENT_MASK_DEFAULTS[settings["objective"]][0]
+    settings["reset_positions"] = bool(data.get("reset_positions", False))
+    return settings
+
+
+def resolve_settings(
+    model_dir: Path,
+    model_config: DecoderConfig,
+    artifact: Artifact,
+    *,
+    objective: str | None = None,
+    block_size: int | None = None,
+) -> EvalSettings:
+    """Flags over the run's settings, checked against the model and the artifact (module docstring)."""
+    run = run_config_settings(model_dir)
+    name = objective or run.get("objective")
+    if name is None:
+        raise ValueError(
+            f"--model {model_dir}: no run config.yaml next to it to read the objective from "
+            f"(fix: pass --objective {{{','.join(EVAL_OBJECTIVES)}}} and --block-size)"
+        )
+    seq_len = artifact.seq_len
+    if name == "mdlm":
+        if block_size not in (None, seq_len):
+            raise ValueError(
+                f"--block-size {block_size}: mdlm is one block of the whole row ({seq_len} tokens) (fix: drop --block-size)"
+            )
+        size = seq_len
+    else:
+        size = block_size or (run.get("block_size") if name == run.get("objective") else None)
+        if size is None:
+            raise ValueError(f"--block-size: the {name} model's block size is unknown (fix: pass --block-size B)")
+    if size < 1 or seq_len % size:
+        raise ValueError(
+            f"--block-size {size} does not divide the sequence length {seq_len} of {artifact.directory} "
+            "(fix: pass the block size the model was trained with, on data of a multiple of it)"
+        )
+    mask_token_id = int(run.get("mask_token_id", _config_mask_token(model_dir, artifact)))
+    _check_vocabulary(model_dir, model_config, artifact, mask_token_id)
+    return EvalSettings(
+        objective=name,
+        block_size=size,
+        mask_token_id=mask_token_id,
+        noise_scheme=run.get("noise_scheme") if name == run.get("objective") else None,
+        window=run.get("window"),
+        document_mask=bool(run.get("document_mask", False)),
+        reset_positions=bool(run.get("reset_positions", False)),
+    )
+
+
+def _config_mask_token(model_dir: Path, artifact: Artifact) -> int:
+    from csbp.models.hf_io import read_json_object
+
+    value = read_json_object(model_dir / "config.json").get("mask_token_id")
+    return int(value) if isinstance(value, int) else artifact.mask_token_id
+
+
+def _check_vocabulary(model_dir: Path, config: DecoderConfig, artifact: Artifact, mask_token_id: int) -> None:
+    vocab = config.vocab_size
+    largest = artifact.max_token_id()
+    if largest >= vocab or artifact.vocab_size > vocab:
+        raise ValueError(
+            f"--data {artifact.directory}: its tokenizer has {artifact.vocab_size} ids (largest stored {largest}) "
+            f"but the model {model_dir} embeds {vocab} (fix: evaluate on data prepared with the model's tokenizer)"
+        )
+    if not 0 <= mask_token_id < vocab:
+        raise ValueError(f"mask token id {mask_token_id} is outside the model vocabulary [0, {vocab}) of {model_dir}")
+    tokenizer_file = model_dir / "tokenizer.json"
+    if tokenizer_file.is_file() and fingerprint_bytes(tokenizer_file.read_bytes()) != artifact.tokenizer_fingerprint:
+        raise ValueError(
+            f"--data {artifact.directory} was prepared with another tokenizer than {tokenizer_file} "
+            "(fingerprints differ) (fix: evaluate on data prepared with the model's tokenizer)"
+        )

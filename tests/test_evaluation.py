@@ -1,0 +1,236 @@
+"""Likelihood evaluation: the exact left-to-right NLL against a per-token brute force, the unclipped
+NELBO's closed form for a uniform predictor, ``val_nelbo`` across a CSBP layout, and ``csbp eval``
+end to end with its fail-closed messages."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from csbp.cli.main import main
+from csbp.engine.block_diffusion import rank_loss
+from csbp.engine.context import build_parallel_context, single_process_context
+from csbp.engine.verify import MASK_TOKEN_ID, VOCAB_SIZE, tiny_model_config
+from csbp.evaluation import EVAL_T_MIN, EvalSettings, left_to_right_batches, nelbo_objective
+from csbp.evaluation.runner import eval_plan
+from csbp.generation.forward import RecomputeBlockForward
+from csbp.models.decoder import Decoder
+from csbp.models.hf_io import export_hf_checkpoint
+from csbp.objectives import build_objective, corruption_generator
+from csbp.parallel.launch import run_local
+from csbp.training import train
+from csbp.training.metrics import read_metrics
+from csbp.training.preflight import check_run
+from csbp.training.step import StepRunner
+from csbp.training.trainer import rank_plan_for
+from test_training_run import make_artifact, tiny_config
+
+SEQ_LEN = 16
+
+
+def _batch(seed: int = 0, samples: int = 2) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, MASK_TOKEN_ID, (samples, SEQ_LEN), generator=generator)
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    loss_mask[1, 5] = False  # an unsupervised token conditions but is never scored
+    return {"input_ids": ids, "loss_mask": loss_mask}
+
+
+def _brute_force_nll(model: Decoder, batch: dict[str, torch.Tensor], block_size: int, token_shift: bool) -> float:
+    """``-log p(x)`` of left-to-right sampling, one sampler forward (``RecomputeBlockForward``) per token."""
+    total = 0.0
+    for ids, supervised in zip(batch["input_ids"], batch["loss_mask"], strict=True):
+        for position in range(SEQ_LEN):
+            if not supervised[position] or (token_shift and position == 0):
+                continue
+            block, offset = divmod(position, block_size)
+            start = block * block_size
+            forward = RecomputeBlockForward(model, block_size)
+            forward.prefill(ids[None, :start])
+            block_ids = ids[start : start + block_size].clone()
+            block_ids[offset:] = torch.where(supervised[start + offset : start + block_size], MASK_TOKEN_ID, block_ids[offset:])
+            hidden_1BD, before_1D = forward.denoise(block_ids[None], start)
+            if token_shift:
+                row_D = hidden_1BD[0, offset - 1] if offset > 0 else before_1D[0]
+            else:
+                row_D = hidden_1BD[0, offset]
+            logits_V = model.logits(row_D[None])[0].clone()
+            logits_V[MASK_TOKEN_ID] = float("-inf")
+            total -= float(torch.log_softmax(logits_V, dim=-1)[ids[position]])
+    return total
+
+
+@pytest.mark.parametrize(("objective", "block_size"), [("bd3", 4), ("fast_dllm_v2", 4), ("mdlm", SEQ_LEN)])
+def test_left_to_right_nll_equals_the_per_token_chain_rule(objective: str, block_size: int) -> None:
+    model = Decoder(tiny_model_config(), dtype=torch.float64, seed=0).eval()
+    settings = EvalSettings(objective=objective, block_size=block_size, mask_token_id=MASK_TOKEN_ID)
+    plan = eval_plan(settings, SEQ_LEN, single_process_context())
+    batch = _batch()
+    total, forwards = 0.0, 0
+    with torch.no_grad():
+        for corrupted in left_to_right_batches(
+            batch, mask_token_id=MASK_TOKEN_ID, block_size=block_size,
+            token_shift=settings.token_shift, uses_clean_stream=settings.uses_clean_stream,
+        ):
+            total += float(rank_loss(model, corrupted, plan, global_denominator=1.0, world_size=1)[1])
+            forwards += 1
+        reference = _brute_force_nll(model, batch, block_size, settings.token_shift)
+    assert forwards == block_size
+    assert total == pytest.approx(reference, rel=1e-10)
+
+
+@pytest.mark.parametrize("objective", ["bd3", "mdlm", "fast_dllm_v2"])
+def test_uniform_predictor_nelbo_is_log_v_minus_one(objective: str) -> None:
+    """A zero LM head is uniform over the ``V - 1`` non-mask ids, so every masked CE is ``log(V - 1)``
+    and one draw's NELBO is ``log(V - 1) · Σ w / Z``; since ``E[m/t] = 1`` for any ``t`` range, its
+    expectation is exactly ``log(V - 1)`` (checked over many draws within 4 standard errors)."""
+    model = Decoder(tiny_model_config(), dtype=torch.float64, seed=0).eval()
+    with torch.no_grad():
+        model.lm_head_weight.zero_()
+    block_size = SEQ_LEN if objective == "mdlm" else 4
+    settings = EvalSettings(objective=objective, block_size=block_size, mask_token_id=MASK_TOKEN_ID)
+    nelbo = nelbo_objective(settings.build_objective())
+    assert nelbo is not None
+    plan = eval_plan(settings, SEQ_LEN, single_process_context())
+    log_v = math.log(VOCAB_SIZE - 1)
+    batch = _batch(samples=4)
+    estimates = []
+    for draw in range(400):
+        corrupted = nelbo.corrupt(batch, corruption_generator(0, 0, 0, micro_step=draw))
+        ratio = float(corrupted.weights.double().sum()) / corrupted.denominator()
+        estimates.append(log_v * ratio)
+        if draw < 2:
+            with torch.no_grad():
+                ce_sum = rank_loss(model, corrupted, plan, global_denominator=1.0, world_size=1)[1]
+            assert float(ce_sum) / corrupted.denominator() == pytest.approx(log_v * ratio, rel=1e-12)
+            assert float(corrupted.noise_levels.min()) >= EVAL_T_MIN
+    values = torch.tensor(estimates, dtype=torch.float64)
+    stderr = float(values.std()) / math.sqrt(len(estimates))
+    assert abs(float(values.mean()) - log_v) < 4 * stderr
+
+
+def _validation_metrics(rank: int, world: int, artifact: Path, changes: dict[str, Any]) -> dict[str, float] | None:
+    """``StepRunner.evaluate`` of a float64 model on this rank of ``changes``' topology."""
+    cfg = tiny_config(artifact, **changes)
+    inputs = check_run(cfg)
+    ctx = build_parallel_context(cfg.topology.to_topology()) if world > 1 else single_process_context()
+    model = Decoder(inputs.decoder_config, dtype=torch.float64, seed=0)
+    runner = StepRunner(
+        model, inputs.build_objective(), rank_plan_for(cfg, ctx), ctx,
+        device=torch.device("cpu"), precision="fp64", seed=0, ce_chunk_rows=64,
+    )
+    assert inputs.val_split is not None
+    result = runner.evaluate(inputs.val_split, micro_batch_size=2, num_batches=2)
+    return {"loss": result.loss, **result.metrics} if rank == 0 else None
+
+
+CLIPPED = {"objective.t_min": 0.3, "objective.t_max": 0.8, "data.seq_len": 32}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_validation_nelbo_is_the_same_under_a_csbp_layout(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "art")
+    single = _validation_metrics(0, 1, artifact, CLIPPED)
+    csbp = run_local(_validation_metrics, 2, (artifact, {**CLIPPED, "topology.cp": 2, "topology.bp": 2}), timeout_s=240)[0]
+    assert single is not None and csbp is not None
+    assert set(single) == {"loss", "nelbo", "ppl_bound"}
+    assert csbp["nelbo"] == pytest.approx(single["nelbo"], rel=1e-10)
+    assert csbp["loss"] == pytest.approx(single["loss"], rel=1e-10)
+    assert single["ppl_bound"] == pytest.approx(math.exp(single["nelbo"]))
+    assert abs(single["nelbo"] - single["loss"]) > 1e-3  # the clipped loss is another number
+
+
+def test_ar_has_no_nelbo() -> None:
+    assert nelbo_objective(build_objective("ar")) is None
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, str]:
+    """A 2-step tiny bd3 run (clipped noise, as the demo), its artifact and its end-of-run summary."""
+    root = tmp_path_factory.mktemp("eval")
+    artifact = make_artifact(root / "art")
+    cfg = tiny_config(artifact, **{"train.max_steps": 2, "objective.t_min": 0.3, "objective.t_max": 0.8})
+    summary = train(cfg, run_dir=root / "run")
+    return root / "run", artifact, summary.format()
+
+
+def test_training_logs_val_nelbo(trained: tuple[Path, Path, str]) -> None:
+    run_dir, _, summary = trained
+    assert "val nelbo   first" in summary and summary.splitlines()[-1].startswith("val_loss: ")
+    validated = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val_loss" in r]
+    assert validated and all(math.isfinite(r["val_nelbo"]) for r in validated)
+    assert all(r["val_ppl_bound"] == pytest.approx(math.exp(r["val_nelbo"])) for r in validated)
+
+
+def test_csbp_eval_end_to_end(trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir, artifact, _ = trained
+    out = tmp_path / "eval.json"
+    args = ["eval", "--model", str(run_dir / "final"), "--data", str(artifact), "--samples", "3", "--micro-batch-size", "2"]
+    assert main([*args, "--json", str(out), "--max-batches", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "nelbo" in printed and "ltr nll" in printed
+    report = json.loads(out.read_text())
+    assert (report["objective"], report["block_size"], report["batches"], report["rows"]) == ("bd3", 4, 2, 4)
+    assert report["nelbo_stderr"] > 0 and report["ppl_bound"] == pytest.approx(math.exp(report["nelbo"]))
+    assert report["ltr_tokens"] == report["nelbo_tokens"] == 4 * 32
+    assert math.isfinite(report["ltr_nll"])
+    # the same seed gives the same numbers
+    assert main([*args, "--json", str(out), "--max-batches", "2", "--no-ltr"]) == 0
+    again = json.loads(out.read_text())
+    assert again["nelbo"] == report["nelbo"] and again["ltr_nll"] is None
+    capsys.readouterr()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_csbp_eval_on_a_csbp_layout_equals_one_process(
+    trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir, artifact, _ = trained
+    args = ["eval", "--model", str(run_dir / "final"), "--data", str(artifact), "--samples", "2",
+            "--micro-batch-size", "2", "--max-batches", "3", "--dtype", "float64"]
+    reports = []
+    for layout in ([], ["--nproc", "2", "--cp", "2", "--bp", "2"], ["--nproc", "2"]):
+        out = tmp_path / f"eval{len(reports)}.json"
+        assert main([*args, *layout, "--json", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    capsys.readouterr()
+    single = reports[0]
+    for report in reports[1:]:
+        assert (report["rows"], report["nelbo_tokens"], report["ltr_tokens"]) == (6, 6 * 32, 6 * 32)
+        for key in ("nelbo", "nelbo_stderr", "ltr_nll"):
+            assert report[key] == pytest.approx(single[key], rel=1e-10), key
+
+
+def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_csbp_eval_fails_closed(trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir, artifact, _ = trained
+    model = str(run_dir / "final")
+    assert "is not a directory" in _error(capsys, ["eval", "--model", str(tmp_path / "none"), "--data", str(artifact)])
+    assert "not a csbp data artifact" in _error(capsys, ["eval", "--model", model, "--data", str(tmp_path)])
+    assert "not a multiple of max(--cp, --bp) = 2" in _error(
+        capsys, ["eval", "--model", model, "--data", str(artifact), "--nproc", "3", "--cp", "2"]
+    )
+    assert "does not divide the sequence length 32" in _error(
+        capsys, ["eval", "--model", model, "--data", str(artifact), "--block-size", "5"]
+    )
+    bare = tmp_path / "bare"  # a checkpoint without a run config next to it
+    small = Decoder(tiny_model_config(), dtype=torch.float32, seed=0)
+    export_hf_checkpoint(small, tiny_model_config(), bare)
+    assert "pass --objective" in _error(capsys, ["eval", "--model", str(bare), "--data", str(artifact)])
+    message = _error(capsys, ["eval", "--model", str(bare), "--data", str(artifact), "--objective", "bd3", "--block-size", "4"])
+    assert "embeds 64" in message and "fix:" in message
+    other = make_artifact(tmp_path / "other", seed=5, num_docs=30)  # another trained tokenizer
+    assert "another tokenizer" in _error(capsys, ["eval", "--model", model, "--data", str(other)])
