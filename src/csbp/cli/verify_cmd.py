@@ -96,8 +96,6 @@ def run_verify(args: argparse.Namespace) -> int:
     resolve_device(args.device, nproc=args.nproc)  # fail closed: --nproc GPUs must be visible
     if args.objective == "dflash":
         return run_verify_dflash(args)
-    if args.doc_length is not None and args.doc_length < 1:
-        raise ValueError(f"--doc-length must be >= 1 (mean tokens per packed document), got {args.doc_length}")
     backend = check_backend_trains_on(args.backend, args.device, where="--backend")
     check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     cases = []
@@ -160,8 +158,6 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
             "document start; a drafter's sliding layers are tested by tests/test_dflash_parallel.py): "
             "drop --window/--dtype"
         )
-    if args.doc_length is not None and args.doc_length < 1:
-        raise ValueError(f"--doc-length must be >= 1 (mean tokens per packed document), got {args.doc_length}")
     backend = check_backend_trains_on(args.backend, args.device, where="--backend")  # as for bd3
     check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     topologies = _requested_topologies(args)
