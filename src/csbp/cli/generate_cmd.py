@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import yaml
 
-from csbp.cli.options import device_option, positive_int
+from csbp.cli.options import check_model_directory, device_option, positive_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 TOKEN_SHIFT_OBJECTIVES = {"bd3": False, "mdlm": False, "fast_dllm_v2": True}
@@ -130,19 +130,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.window is not None and args.window <= 0:
         raise ValueError(f"--window must be a positive integer, got {args.window}")
     known_words = None if args.known_words is None else KnownWords.load(args.known_words)
-    model_dir: Path = args.model
-    if not model_dir.is_dir():
-        raise ValueError(
-            f"--model {model_dir} is not a directory; pass a HF checkpoint directory (e.g. RUN/final)"
-        )
-    if not (model_dir / "config.json").is_file():
-        if (model_dir / "final" / "config.json").is_file():
-            what = f"is a run directory (fix: --model {model_dir / 'final'}, the model it exported)"
-        elif (model_dir / "trainer_state.json").is_file() or (model_dir / "latest").is_file():
-            what = "holds training checkpoints (fix: pass the run's final/ export, e.g. RUN/final)"
-        else:
-            what = "has no config.json, so it is not a HF checkpoint directory (fix: pass one, e.g. RUN/final)"
-        raise ValueError(f"--model {model_dir} {what}")
+    model_dir: Path = check_model_directory(args.model)
     run_settings = run_objective_settings(model_dir)
     objective = args.objective or run_settings.get("objective", DEFAULT_OBJECTIVE)
     block_size = args.block_size or run_settings.get("block_size", DEFAULT_BLOCK_SIZE)

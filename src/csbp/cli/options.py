@@ -39,6 +39,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def check_model_directory(model_dir: Path) -> Path:
+    """``--model``: a Hugging Face checkpoint directory (``config.json`` + safetensors), such as a run's
+    ``final/``; a ``ValueError`` naming the fix for a run directory, a checkpoint or anything else."""
+    if not model_dir.is_dir():
+        raise ValueError(f"--model {model_dir} is not a directory; pass a HF checkpoint directory (e.g. RUN/final)")
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    if (model_dir / "final" / "config.json").is_file():
+        what = f"is a run directory (fix: --model {model_dir / 'final'}, the model it exported)"
+    elif (model_dir / "trainer_state.json").is_file() or (model_dir / "latest").is_file():
+        what = "holds training checkpoints (fix: pass the run's final/ export, e.g. RUN/final)"
+    else:
+        what = "has no config.json, so it is not a HF checkpoint directory (fix: pass one, e.g. RUN/final)"
+    raise ValueError(f"--model {model_dir} {what}")
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0."""
     try:
