@@ -111,7 +111,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", type=output_file, default=None, help="write the full ranking to this JSON file")
     add_override_argument(parser)
     parser.set_defaults(func=run_plan)
-    sub = parser.add_subparsers(dest="plan_command", metavar="calibrate")
+    sub = parser.add_subparsers(dest="plan_command", metavar="[calibrate]", title="optional subcommand")
     calibrate = sub.add_parser("calibrate", help="fit the cost model's efficiency factors to benchmark JSON")
     calibrate.add_argument(
         "bench",
