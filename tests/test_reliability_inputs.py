@@ -244,6 +244,7 @@ CASES: list[Case] = [
     Case("dflash-export-missing-target", lambda fx, w: ["dflash", "export", "--drafter", "d", "--target", "nope", "--out", "o"], "--target"),
     Case("dflash-export-missing-run", lambda fx, w: ["dflash", "export", "--run-dir", "nope", "--target", str(fx.model), "--out", "o"], "--run-dir"),
     Case("dflash-eval-missing-drafter", lambda fx, w: ["dflash", "eval", "--target", str(fx.model), "--drafter", "nope", "--data", str(fx.artifact)], "--drafter"),
+    Case("dflash-eval-target-as-drafter", lambda fx, w: ["dflash", "eval", "--target", str(fx.model), "--drafter", str(fx.model), "--data", str(fx.artifact)], "model/config.json: architectures"),
     Case("dflash-eval-zero-prompts", lambda fx, w: ["dflash", "eval", "--target", str(fx.model), "--drafter", "d", "--data", str(fx.artifact), "--num-prompts", "0"], "--num-prompts"),
     Case("dflash-features-missing-data", lambda fx, w: ["dflash", "prepare-features", "--target", str(fx.model), "--data", "nope", "--out", "o"], "nope"),
     # ------------------------------------------------------------------ bench
@@ -304,4 +305,4 @@ def test_bad_input_fails_closed(
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 76 and len({case.name for case in CASES}) == len(CASES)
+    assert len(CASES) >= 77 and len({case.name for case in CASES}) == len(CASES)
