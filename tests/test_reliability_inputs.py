@@ -265,6 +265,7 @@ CASES: list[Case] = [
     Case("generate-checkpoint-dir", lambda fx, w: ["generate", "--model", str(sorted((real_run(fx, w / "r") / "checkpoints").glob("step_*"))[-1]), "--prompt", "a"], "training checkpoints"),
     Case("eval-run-dir-not-final", lambda fx, w: ["eval", "--model", str(real_run(fx, w / "r")), "--data", str(fx.artifact)], "r/final"),
     Case("eval-json-unwritable", lambda fx, w: ["eval", "--model", str(fx.model), "--data", str(fx.artifact), "--json", f"{UNWRITABLE}/e.json"], "--json"),
+    Case("train-config-copied-elsewhere", lambda fx, w: ["train", str(config_with(fx, w / "configs" / "run.yaml", **{"data.train": str(Path("artifacts") / fx.copy_artifact(w / "artifacts" / "a").name)})), "--run-dir", "r"], "fix: set data.train:"),
     Case("generate-known-words-missing", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--known-words", "nowords.txt"], "--known-words"),
     Case("prepare-tokenizer-before-inputs", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", "{oops\n")), "--out", "o", "--seq-len", "8", "--tokenizer", "no-tok"], "no-tok"),
     Case("prepare-vocab-too-small", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", "{oops\n")), "--out", "o", "--seq-len", "8", "--train-tokenizer", "--vocab-size", "10"], "--vocab-size 10"),
@@ -305,4 +306,4 @@ def test_bad_input_fails_closed(
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 77 and len({case.name for case in CASES}) == len(CASES)
+    assert len(CASES) >= 78 and len({case.name for case in CASES}) == len(CASES)
