@@ -259,6 +259,8 @@ CASES: list[Case] = [
     Case("prepare-out-unwritable", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", "{oops\n")), "--out", f"{UNWRITABLE}/o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "--out"),
     Case("recipes-copy-unwritable", lambda fx, w: ["recipes", "copy", "demo", f"{UNWRITABLE}/x.yaml"], "x.yaml"),
     Case("bench-json-unwritable", lambda fx, w: ["bench", "attention", "--json", f"{UNWRITABLE}/b.json"], "--json"),
+    Case("plan-global-batch-0", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--global-batch", "0"], "--global-batch"),
+    Case("plan-gpus-0", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "0"], "--gpus"),
     Case("plan-json-unwritable", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--json", f"{UNWRITABLE}/p.json"], "--json"),
     # ------------------------------------------------------------------ checked before the work they would follow
     Case("generate-run-dir-not-final", lambda fx, w: ["generate", "--model", str(real_run(fx, w / "r")), "--prompt", "a"], "r/final"),
@@ -306,4 +308,4 @@ def test_bad_input_fails_closed(
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 95 and len({case.name for case in CASES}) == len(CASES)
+    assert len(CASES) >= 97 and len({case.name for case in CASES}) == len(CASES)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from csbp.atomic import write_json_atomic
 from csbp.cli.config_cmd import add_override_argument
-from csbp.cli.options import output_file
+from csbp.cli.options import output_file, positive_int
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
@@ -63,7 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=parse_length,
         help="tokens per sample, e.g. 4096, 256K, 1M (default: a run config's)",
     )
-    parser.add_argument("--gpus", type=int, help="devices of the job")
+    parser.add_argument("--gpus", type=positive_int, help="devices of the job")
     parser.add_argument(
         "--gpus-per-node", type=int, default=None, help="devices per node (default: the preset's)"
     )
@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(the published reference; the presets' default)",
     )
     parser.add_argument(
-        "--global-batch", type=int, default=None, help="samples per optimizer step (default dp)"
+        "--global-batch", type=positive_int, default=None, help="samples per optimizer step (default dp)"
     )
     parser.add_argument("--checkpointing", choices=("full", "none", "both"), default="both")
     parser.add_argument(
@@ -107,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="calibration JSON (default: packaged, fitted on published runs; cpu: fitted here)",
     )
-    parser.add_argument("--top", type=int, default=10, help="feasible layouts shown (default 10)")
+    parser.add_argument("--top", type=positive_int, default=10, help="feasible layouts shown (default 10)")
     parser.add_argument("--json", type=output_file, default=None, help="write the full ranking to this JSON file")
     add_override_argument(parser)
     parser.set_defaults(func=run_plan)
@@ -164,8 +164,6 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(
             "csbp plan needs --model and --gpus (e.g. --model nemotron-14b --seq-len 256K --gpus 16)"
         )
-    if args.gpus < 1 or args.top < 1:
-        raise ValueError("--gpus and --top must be >= 1")
     workload, config_seq_len = resolve_workload(args.model, args.overrides)
     workload = workload.with_options(
         objective=args.objective,
