@@ -30,8 +30,11 @@ current GPU for NCCL, the CPU for gloo). It is checked on every call, also in gr
 so a CPU tensor meant for NCCL fails on a one-GPU run with one line, not on the first multi-GPU
 run.
 
-Bytes are counted when an operation is issued, also for asynchronous ones; ``Pending.wait()``
-returns the result.
+Asynchronous operations (``async_op=True`` of all-gather, reduce-scatter and all-to-all, the
+``*_async`` methods) return a ``Pending``; bytes are counted when an operation is issued, and
+``Pending.wait()`` returns the result. On CUDA the backend runs the transfer on its own stream:
+``wait()`` makes the *current* stream wait for it (no host sync), and the ``Pending`` keeps the
+buffers the backend reads alive until then (the caller must not modify them before ``wait()``).
 
 The collectives are data movement only (no autograd); transports wrap them in their own
 ``autograd.Function``s whose backward calls the mirror collective.
@@ -41,6 +44,9 @@ Usage::
     counter = TrafficCounter()
     comm = Comm(ring_group, counter, category="attention.kv")
     kv_all, _ = comm.all_gather(kv_shard)              # [P*n, ...] in group-rank order
+    rows, pending = comm.all_to_all(send, send_splits, recv_splits, async_op=True)
+    ...                                                # compute that does not need ``rows``
+    rows = pending.wait()
     handle = comm.ring_shift_async(kv_block)           # overlap compute, then
     kv_next = handle.wait()
     counter.bytes("attention.kv")
@@ -120,9 +126,10 @@ class TrafficCounter:
 class Pending:
     """An issued asynchronous operation: ``wait()`` blocks, finishes it and returns its tensor.
 
-    Wraps the backend ``Work`` handles plus the post-processing that must run after them, and
-    keeps the tensors the backend still reads (``keepalive``, e.g. a contiguous copy of the send
-    buffer) alive until then. Calling ``wait()`` again returns the same tensor.
+    Wraps the backend ``Work`` handles plus the post-processing that must run after them
+    (``finish``; ``then`` chains more), and keeps the tensors the backend still reads
+    (``keepalive``, e.g. a contiguous copy of the send buffer) alive until then. Calling
+    ``wait()`` again returns the same tensor.
     """
 
     def __init__(
@@ -138,13 +145,18 @@ class Pending:
         self._keepalive = keepalive
         self._done = False
 
+    def then(self, finish: Callable[[Tensor], Tensor]) -> Pending:
+        """A ``Pending`` whose ``wait()`` waits for this one and returns ``finish`` of its result
+        (post-processing, e.g. a reordering of received rows, that must run after the transfer)."""
+        return Pending([], self._result, lambda _: finish(self.wait()))
+
     def wait(self) -> Tensor:
         if not self._done:
             for work in self._works:
                 work.wait()
             if self._finish is not None:
                 self._result = self._finish(self._result)
-            self._keepalive = ()
+            self._works, self._finish, self._keepalive = [], None, ()  # free what only the transfer needed
             self._done = True
         return self._result
 
@@ -255,14 +267,19 @@ class Comm:
         send: Tensor,
         send_splits: list[int],
         recv_splits: list[int],
+        async_op: bool = False,
         *,
         category: str | None = None,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Pending | None]:
         """Exchange variable-size row ranges: rows ``send_splits[d]`` go to group rank ``d``.
 
         ``send [sum(send_splits), ...]`` holds the rows for rank 0, then rank 1, ...; the result
         ``[sum(recv_splits), ...]`` holds the rows from rank 0, then rank 1, ... ``recv_splits[s]``
         must equal what rank ``s`` sends here. Zero splits are allowed; trailing shapes must agree.
+
+        Returns ``(out, pending)`` like ``all_gather``: ``pending`` is None unless ``async_op``, and
+        ``out`` is only valid after ``pending.wait()`` (the send buffer is kept alive until then;
+        the caller must not modify ``send`` before it). For ``P == 1`` ``out`` is ``send``.
         """
         self._check_device("all_to_all", send)
         if len(send_splits) != self.size or len(recv_splits) != self.size:
@@ -278,14 +295,14 @@ class Comm:
         if self.size == 1:
             if recv_splits != send_splits:
                 raise ValueError(f"one rank receives what it sends: recv_splits {recv_splits} != send_splits")
-            return send
+            return send, (Pending([], send) if async_op else None)
         send = send.contiguous()
         recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=async_op)
         row_bytes = _row_numel(send) * send.element_size()
         rows_to_others = sum(s for d, s in enumerate(send_splits) if d != self.rank)
         self._count(category, rows_to_others * row_bytes)
-        return recv
+        return recv, (Pending([work], recv, keepalive=(send,)) if async_op else None)
 
     def ring_shift_async(self, send: Tensor, direction: int = -1, *, category: str | None = None) -> Pending:
         """Send ``send`` to group rank ``(rank + direction) % P`` and receive the same-shaped tensor
