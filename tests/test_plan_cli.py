@@ -80,6 +80,24 @@ def test_plan_evaluates_given_topologies(capsys) -> None:
     assert len(table) == 4 and {line.split()[1] for line in table} == {"dp2/cp8", "dp2/cp8/bp8"}
 
 
+def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys) -> None:
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "--model", "nemotron-3b", "--seq-len", "64K", "--gpus", "8", "--gpu", "h200",
+            "--topology", "dp1/cp8", "dp1/cp8/bp8", "--checkpointing", "full", "--json", str(out_json)]
+    code, out, _ = run(capsys, *argv, "--doc-length", "2048")
+    assert code == 0 and "packed documents of mean length 2,048 (document mask)" in out.splitlines()[0]
+    rows = {(r["layout"], r["transport"]): r for r in json.loads(out_json.read_text())["feasible"]}
+    assert set(rows) == {("dp1/cp8", t) for t in ("collective", "streaming", "halo")} | {
+        ("dp1/cp8/bp8", t) for t in ("collective", "streaming")
+    }
+    assert rows["dp1/cp8", "halo"]["exchange"] == rows["dp1/cp8/bp8", "collective"]["exchange"] == "halo"
+    assert rows["dp1/cp8", "collective"]["exchange"] == "all rows"
+    assert rows["dp1/cp8", "halo"]["kv_bytes_per_gpu"] < rows["dp1/cp8", "collective"]["kv_bytes_per_gpu"]
+    code, _, _ = run(capsys, *argv)
+    plain = {(r["layout"], r["transport"]) for r in json.loads(out_json.read_text())["feasible"]}
+    assert ("dp1/cp8", "halo") not in plain and ("dp1/cp8/bp8", "collective") in plain
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -99,6 +117,7 @@ def test_plan_evaluates_given_topologies(capsys) -> None:
             ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--objective", "dflash"],
             "drop --objective",
         ),
+        (["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--doc-length", "0"], "--doc-length must be >= 1"),
     ],
 )
 def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:
@@ -164,17 +183,20 @@ def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:
     assert (code, err) == (0, "") and "DFlash(" in out and "dflash, block 4" in out
 
 
-def _bench_records(path: Path, cal: Calibration) -> list[dict]:
-    """Records in the `csbp bench train --json` format whose numbers come from ``cal``."""
+def _bench_records(path: Path, cal: Calibration, doc_length: int | None = None) -> list[dict]:
+    """Records in the `csbp bench train --json` format whose numbers come from ``cal`` (with
+    ``doc_length``: over packed documents, plus the cp-aware baseline)."""
     group = LayerGroup(2, 4, 2, 32)
     workload = Workload(
         ModelShape("bench-decoder", 128, 512, 256, (group,)), Objective("bd3", 16, kv_grad_bytes=4), 4
-    )
+    ).with_options(doc_length=doc_length)
     hw = hardware("cpu", gpus=2)
     records = []
+    layouts = (("cp", 2, 1), ("bp", 1, 2), ("csbp", 2, 2)) + ((("cp-aware", 2, 1),) if doc_length else ())
     for seq_len in (512, 1024, 2048):
-        for name, cp, bp in (("cp", 2, 1), ("bp", 1, 2), ("csbp", 2, 2)):
-            layout = Layout(1, cp, bp, checkpointing="none", sharding="ddp")
+        for name, cp, bp in layouts:
+            transport = "halo" if name == "cp-aware" else "collective"
+            layout = Layout(1, cp, bp, transport=transport, checkpointing="none", sharding="ddp")
             pred = predict(workload, layout, seq_len, hw, cal, step_memory_only=True)
             records.append(
                 {
@@ -197,6 +219,7 @@ def _bench_records(path: Path, cal: Calibration) -> list[dict]:
                     "vocab_size": 512,
                     "dtype": "float32",
                     "transport": "collective",
+                    **({"doc_length": doc_length} if doc_length else {}),
                 }
             )
     path.write_text(json.dumps(records))
@@ -225,6 +248,24 @@ def test_calibrate_recovers_the_machine_it_measured(tmp_path: Path, capsys) -> N
     assert "gemm_eff" in cal.fit and str(bench) in cal.source
     for line in out.splitlines():
         if "measured" in line:
+            assert abs(float(line.rsplit("(", 1)[1].rstrip("%)"))) <= 3, line
+
+
+def test_calibrate_predicts_document_records_and_fits_them_alone(tmp_path: Path, capsys) -> None:
+    """Document-masked and cp-aware records are read with their documents and transport (the model
+    that made them reproduces them); beside one-document records they are held out."""
+    truth = replace(Calibration(), gemm_eff=0.2, attn_eff=0.05, intra_eff=0.3, overlap_cp=0.0, overlap_csbp=0.0)
+    plain, docs = tmp_path / "plain.json", tmp_path / "docs.json"
+    _bench_records(plain, truth)
+    _bench_records(docs, truth, doc_length=128)
+    code, out, err = run(capsys, "plan", "calibrate", str(plain), str(docs), "--out", str(tmp_path / "cal.json"))
+    held = [line for line in out.splitlines() if line.lstrip().startswith("held")]
+    assert (code, err) == (0, "") and len(held) == 24 and all("doc=128" in line for line in held)
+    assert sum("cp-aware" in line for line in held) == 6
+    code, out, err = run(capsys, "plan", "calibrate", str(docs), "--out", str(tmp_path / "cal.json"))
+    assert (code, err) == (0, "") and " held " not in out
+    for line in out.splitlines():
+        if "step_s" in line:
             assert abs(float(line.rsplit("(", 1)[1].rstrip("%)"))) <= 3, line
 
 

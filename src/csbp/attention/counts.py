@@ -9,6 +9,11 @@ intervals with ``interval_cover``): the model and the code cannot drift.
 
 ``bd3_bounds`` and ``allowed_pairs`` are written with operators NumPy arrays and torch tensors
 share (``//``, ``*``, ``.clip``, ``~``), so they take either.
+
+Packed documents (docs/document-masking.md) enter as ``DocBounds``: NumPy ``(start, stop)`` arrays
+``[L]``, the span of the document holding each position (``csbp.attention.documents.Documents``
+as arrays). They clip every row's interval to its document and cut a noisy row's block to its
+*segment*, exactly as ``csbp.attention.layouts.bd3_rows`` does.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 from csbp.schedules import SchedulePolicy, block_schedule, zigzag_array
 
 Array = Any  # a 1-D integer/bool NumPy array or torch tensor
+DocBounds = tuple[np.ndarray, np.ndarray]  # (start [L], stop [L]) of each position's document
 
 
 def layout_positions(
@@ -29,12 +35,14 @@ def layout_positions(
     bp: int,
     local_rank: int,
     schedule: SchedulePolicy = "dual_end",
+    documents: DocBounds | None = None,
 ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     """``(noisy_positions, clean_positions, owned_blocks)`` of local rank ``local_rank`` (int64, the
     packed order of ``csbp.attention.layouts``) for the layout the degrees name: ``data``
     (``cp == bp == 1``), CP-only zigzag over ``2L`` (``bp == 1``), BP-only clean-prefix replication
-    (``cp == 1``) or fused CSBP. Validation of the degrees and ``seq_len`` is the caller's
-    (``csbp.topology.Topology``)."""
+    (``cp == 1``) or fused CSBP. With ``documents`` BP-only keeps only each owned block's document
+    prefix ``∪ [d_start, b·B)`` (``layouts.bp_only_layout``). Validation of the degrees and
+    ``seq_len`` is the caller's (``csbp.topology.Topology``)."""
     if cp == 1 and bp == 1:
         positions = np.arange(seq_len, dtype=np.int64)
         return positions, positions, tuple(range(seq_len // block_size))
@@ -44,7 +52,10 @@ def layout_positions(
         return noisy, logical[logical >= seq_len] - seq_len, tuple(np.unique(noisy // block_size).tolist())
     blocks = block_schedule(seq_len // block_size, bp, schedule).blocks(local_rank)
     noisy = (np.asarray(blocks, dtype=np.int64)[:, None] * block_size + np.arange(block_size)).reshape(-1)
-    if cp == 1:
+    if cp == 1 and documents is not None:
+        noisy_start, noisy_stop, _, _ = document_bounds(noisy, noisy[:0], block_size, None, documents)
+        clean = np.flatnonzero(interval_cover(noisy_start, noisy_stop, seq_len)).astype(np.int64)
+    elif cp == 1:
         clean = np.arange(max(blocks) * block_size, dtype=np.int64)
     else:
         clean = zigzag_array(seq_len, cp, local_rank % cp)
@@ -61,6 +72,37 @@ def bd3_bounds(
         return noisy_pos * 0, noisy_stop, clean_pos * 0, (clean_pos // block_size + 1) * block_size
     noisy_start = (noisy_stop - (window - 1)).clip(min=0)
     return noisy_start, noisy_stop, (clean_pos + 1 - window).clip(min=0), clean_pos + 1
+
+
+def document_bounds(
+    noisy_pos: np.ndarray,
+    clean_pos: np.ndarray,
+    block_size: int,
+    window: int | None,
+    documents: DocBounds | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``bd3_bounds`` clipped to each row's document (``layouts.bd3_rows``): ``ctx_start >=
+    d_start`` for every row, ``ctx_stop <= d_stop`` for clean rows."""
+    n_start, n_stop, c_start, c_stop = bd3_bounds(noisy_pos, clean_pos, block_size=block_size, window=window)
+    if documents is None:
+        return n_start, n_stop, c_start, c_stop
+    start, stop = documents
+    return (
+        np.maximum(n_start, start[noisy_pos]),
+        n_stop,
+        np.maximum(c_start, start[clean_pos]),
+        np.minimum(c_stop, stop[clean_pos]),
+    )
+
+
+def segment_lengths(noisy_pos: np.ndarray, block_size: int, documents: DocBounds | None) -> np.ndarray:
+    """Noisy keys each noisy row sees: its block (``B``), or with documents its *segment*, the part
+    of its block inside its document (``Documents.segment_ids``)."""
+    first = (noisy_pos // block_size) * block_size
+    if documents is None:
+        return np.full(len(noisy_pos), block_size, dtype=np.int64)
+    start, stop = documents
+    return np.minimum(first + block_size, stop[noisy_pos]) - np.maximum(first, start[noisy_pos])
 
 
 def allowed_pairs(
@@ -100,21 +142,32 @@ def rank_pairs(
     *,
     window: int | None = None,
     schedule: SchedulePolicy = "dual_end",
+    documents: DocBounds | None = None,
 ) -> tuple[int, int]:
     """``(noisy-query pairs, clean-query pairs)`` the mask allows for local rank ``local_rank``'s rows."""
-    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule)
-    return position_pairs(noisy, clean, block_size=block_size, window=window)
+    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, documents)
+    return position_pairs(noisy, clean, block_size=block_size, window=window, documents=documents)
 
 
 def position_pairs(
-    noisy: np.ndarray, clean: np.ndarray, *, block_size: int, window: int | None = None
+    noisy: np.ndarray,
+    clean: np.ndarray,
+    *,
+    block_size: int,
+    window: int | None = None,
+    documents: DocBounds | None = None,
 ) -> tuple[int, int]:
-    """``(noisy-query pairs, clean-query pairs)`` the BD3 mask allows for rows at these positions."""
-    n_start, n_stop, c_start, c_stop = bd3_bounds(noisy, clean, block_size=block_size, window=window)
-    no, yes = np.zeros(len(noisy), dtype=bool), np.ones(len(clean), dtype=bool)
-    noisy_pairs = allowed_pairs(noisy, no, n_start, n_stop, ~no, block_size=block_size)
-    clean_pairs = allowed_pairs(clean, yes, c_start, c_stop, yes, block_size=block_size)
-    return noisy_pairs, clean_pairs
+    """``(noisy-query pairs, clean-query pairs)`` the BD3 mask allows for rows at these positions
+    (with ``documents``: the document mask's)."""
+    if documents is None:
+        n_start, n_stop, c_start, c_stop = bd3_bounds(noisy, clean, block_size=block_size, window=window)
+        no, yes = np.zeros(len(noisy), dtype=bool), np.ones(len(clean), dtype=bool)
+        noisy_pairs = allowed_pairs(noisy, no, n_start, n_stop, ~no, block_size=block_size)
+        clean_pairs = allowed_pairs(clean, yes, c_start, c_stop, yes, block_size=block_size)
+        return noisy_pairs, clean_pairs
+    n_start, n_stop, c_start, c_stop = document_bounds(noisy, clean, block_size, window, documents)
+    noisy_pairs = (n_stop - n_start).clip(min=0) + segment_lengths(noisy, block_size, documents)
+    return int(noisy_pairs.sum()), int((c_stop - c_start).clip(min=0).sum())
 
 
 def window_halo_rows(
@@ -129,8 +182,26 @@ def window_halo_rows(
     """Clean rows local rank ``local_rank`` of a fused CSBP ring receives in a window layer: the
     positions its rows' intervals cover that its own zigzag shard does not hold (what
     ``window_exchange_plan``'s ``recv_counts`` sum to)."""
-    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule)
-    n_start, n_stop, c_start, c_stop = bd3_bounds(noisy, clean, block_size=block_size, window=window)
+    return halo_rows(seq_len, block_size, cp, bp, local_rank, window=window, schedule=schedule)
+
+
+def halo_rows(
+    seq_len: int,
+    block_size: int,
+    cp: int,
+    bp: int,
+    local_rank: int,
+    *,
+    window: int | None = None,
+    schedule: SchedulePolicy = "dual_end",
+    documents: DocBounds | None = None,
+) -> int:
+    """Clean rows local rank ``local_rank`` of a ring (CSBP, or CP-only ``cp-aware`` when
+    ``bp == 1``) receives in the halo exchange of a layer (``window`` None: full attention): the
+    positions its rows' (document-clipped) intervals cover that its own clean shard does not hold,
+    what ``layouts.halo_exchange_plan``'s ``recv_counts`` sum to."""
+    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, documents)
+    n_start, n_stop, c_start, c_stop = document_bounds(noisy, clean, block_size, window, documents)
     need = interval_cover(np.concatenate([n_start, c_start]), np.concatenate([n_stop, c_stop]), seq_len)
     need[clean] = False
     return int(need.sum())

@@ -353,12 +353,9 @@ def _positions_layout(
 ) -> RankLayout:
     """The layout of ``counts.layout_positions`` (the positions the cost model counts too). With
     ``documents`` BP-only (``cp == 1 < bp``) keeps only each owned block's document prefix."""
-    noisy, clean, blocks = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule)
+    bounds = None if documents is None else (documents.start.numpy(), documents.stop.numpy())
+    noisy, clean, blocks = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, bounds)
     noisy_positions, clean_positions = torch.from_numpy(noisy), torch.from_numpy(clean)
-    if documents is not None and cp == 1 and bp > 1:
-        prefix = bd3_rows(noisy_positions, noisy_positions[:0], block_size=block_size, documents=documents)
-        cover = interval_cover(prefix.ctx_start.numpy(), prefix.ctx_stop.numpy(), seq_len)
-        clean_positions = torch.from_numpy(cover.nonzero()[0].astype("int64"))
     return RankLayout(
         rows=bd3_rows(noisy_positions, clean_positions, block_size=block_size, window=window, documents=documents),
         num_noisy=int(noisy_positions.shape[0]),

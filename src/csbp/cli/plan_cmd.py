@@ -6,6 +6,7 @@ Usage::
     csbp plan --model nemotron-14b --seq-len 256K --gpus 16 --gpu h200
     csbp plan --model dflash2-qwen3.8 --seq-len 1M --gpus 8 --gpu h100 --top 5 --json plan.json
     csbp plan --model run.yaml --seq-len 4096 --gpus 4 --gpu cpu --topology dp1/cp4 dp1/cp4/bp4
+    csbp plan --model nemotron-8b --seq-len 1M --gpus 32 --gpu h200 --doc-length 8192  # packed documents
     csbp bench train --seq-lens 512 1024 2048 --json bench.json
     csbp plan calibrate bench.json --out cal.json && csbp plan ... --gpu cpu --calibration cal.json
     csbp plan calibrate --published --out published.json    # refit the packaged GPU calibration
@@ -22,9 +23,10 @@ from pathlib import Path
 from csbp.atomic import write_json_atomic
 from csbp.cli.config_cmd import add_override_argument
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
+from csbp.plan.documents import document_count, draft_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
-from csbp.plan.model import GIB, Prediction
+from csbp.plan.model import GIB, Prediction, uses_halo
 from csbp.plan.search import Plan, candidate_layouts, describe, rank, transports_for
 from csbp.plan.workload import (
     OBJECTIVES,
@@ -81,6 +83,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="target-feature rows a drafter rank projects: all it holds (csbp) or its anchors' windows "
         "(the published reference; the presets' default)",
+    )
+    parser.add_argument(
+        "--doc-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rows pack documents of mean length N under the document mask (geometric lengths, the last "
+        "one cut at the row's end: what `csbp bench --doc-length N` packs); adds CP-only cp-aware",
     )
     parser.add_argument(
         "--global-batch", type=int, default=None, help="samples per optimizer step (default dp)"
@@ -172,6 +182,7 @@ def run_plan(args: argparse.Namespace) -> int:
         window=args.window,
         anchors=args.anchors,
         drafter_context=args.drafter_context,
+        doc_length=args.doc_length,
     )
     args.seq_len = args.seq_len or config_seq_len
     if args.seq_len is None:
@@ -214,27 +225,44 @@ def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[st
     return layouts
 
 
-def exchange_label(workload: Workload, layout: Layout) -> str:
+def exchange_label(workload: Workload, layout: Layout, seq_len: int) -> str:
     """Which K/V rows a ring exchanges: every row (CP-only), the clean rows (CSBP, full attention),
-    only the window halo (CSBP window layers), the target context (drafters), or none."""
+    only the halo (CSBP window layers, CSBP and cp-aware over packed documents), the target
+    context (drafters; with documents their context exchange), or none."""
     if layout.cp == 1:
         return "-"
     if workload.objective.is_drafter:
-        return "context"
-    if layout.kind == "cp":
+        if workload.doc_length is None or workload.objective.context_rows != "all":
+            return "context"
+        kinds = tuple(sorted({g.window for g in workload.model.groups}))
+        counts = draft_counts(
+            seq_len, workload.doc_length, block=workload.objective.block, anchors=workload.objective.anchors,
+            cp=layout.cp, bp=layout.bp, transport=layout.transport, windows=kinds,
+        )
+        used = set(counts.exchanged.values())
+        return {frozenset({True}): "exchange", frozenset({False}): "context"}.get(frozenset(used), "ctx+exch")
+    if layout.kind == "cp" and layout.transport != "halo":
         return "all rows"
-    windows = {g.window > 0 for g in workload.model.groups}
-    return {frozenset({True}): "halo", frozenset({False}): "clean"}.get(frozenset(windows), "clean+halo")
+    halo = {uses_halo(workload, layout, g) for g in workload.model.groups}
+    return {frozenset({True}): "halo", frozenset({False}): "clean"}.get(frozenset(halo), "clean+halo")
 
 
-def _row(index: str, p: Prediction, workload: Workload) -> str:
+def _row(index: str, p: Prediction, workload: Workload, seq_len: int) -> str:
     lay = p.layout
-    exchange = exchange_label(workload, lay)
+    exchange = exchange_label(workload, lay, seq_len)
     return (
         f"{index:>3} {lay.name:<16} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
         f"{lay.checkpointing:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
         f"{p.mem_bytes / GIB:>7.1f}/{p.capacity_bytes / GIB:<6.1f} {p.kv_bytes / GIB:>8.2f} {p.exposed_comm_s:>8.3f}"
     )
+
+
+def _documents_note(workload: Workload, seq_len: int) -> str:
+    if workload.doc_length is None:
+        return ""
+    count = document_count(seq_len, workload.doc_length)
+    noun = "document" if count == 1 else "documents"
+    return f", {count:,} packed {noun} of mean length {workload.doc_length:,} (document mask)"
 
 
 def format_plan(
@@ -243,13 +271,14 @@ def format_plan(
     obj = workload.objective
     lines = [
         f"csbp plan: {workload.model.name} ({workload.model.total_params / 1e9:.2f}B params, {obj.name}, "
-        f"block {obj.block}) at L={seq_len:,} on {gpus}x{hw.name} ({hw.gpus_per_node}/node)",
+        f"block {obj.block}) at L={seq_len:,} on {gpus}x{hw.name} ({hw.gpus_per_node}/node)"
+        + _documents_note(workload, seq_len),
         f"calibration: {cal.source}",
         "",
         f"{'#':>3} {'layout':<16} {'transport':<10} {'exchange':<10} {'ckpt':<5} {'mb':>2} {'step s':>9} "
         f"{'tokens/s':>11} {'mem GiB/cap':>14} {'K/V GiB':>8} {'exposed':>8}",
     ]
-    lines += [_row(str(i + 1), p, workload) for i, p in enumerate(plan.feasible[:top])]
+    lines += [_row(str(i + 1), p, workload, seq_len) for i, p in enumerate(plan.feasible[:top])]
     if len(plan.feasible) > top:
         lines.append(f"    ... {len(plan.feasible) - top} more feasible layouts (--top, --json)")
     if plan.infeasible:
@@ -261,11 +290,11 @@ def format_plan(
     return "\n".join(lines)
 
 
-def _prediction_json(p: Prediction, workload: Workload) -> dict[str, object]:
+def _prediction_json(p: Prediction, workload: Workload, seq_len: int) -> dict[str, object]:
     lay = p.layout
     return {
         "layout": lay.name,
-        "exchange": exchange_label(workload, lay),
+        "exchange": exchange_label(workload, lay, seq_len),
         "dp": lay.dp,
         "cp": lay.cp,
         "bp": lay.bp,
@@ -294,17 +323,18 @@ def plan_json(
         "model": workload.model.name,
         "objective": workload.objective.name,
         "seq_len": seq_len,
+        "doc_length": workload.doc_length,
         "gpus": gpus,
         "hardware": hw.name,
         "calibration": cal.to_json(),
         "why": plan.why,
-        "feasible": [_prediction_json(p, workload) for p in plan.feasible],
-        "infeasible": [{**_prediction_json(p, workload), "reason": p.oom_reason()} for p in plan.infeasible],
+        "feasible": [_prediction_json(p, workload, seq_len) for p in plan.feasible],
+        "infeasible": [{**_prediction_json(p, workload, seq_len), "reason": p.oom_reason()} for p in plan.infeasible],
     }
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
-    from csbp.plan.fit import bench_observations, fit_bench, fit_published
+    from csbp.plan.fit import Observation, bench_observations, fit_bench, fit_published
 
     if args.published == bool(args.bench):
         raise ValueError("csbp plan calibrate takes BENCH.json files or --published (one of the two)")
@@ -313,7 +343,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     else:
         observations = bench_observations(args.bench, fastest=args.timing == "fastest")
         limit = args.fit_max_len
-        fitted = [o for o in observations if limit is None or o.seq_len <= limit]
+        # Document-masked records are predicted, not fitted, when one-document records exist: the
+        # kernels' speed per allowed pair differs under the document mask (README, --doc-length).
+        one_document = any(o.workload.doc_length is None for o in observations)
+
+        def fits(obs: Observation) -> bool:
+            return (limit is None or obs.seq_len <= limit) and not (one_document and obs.workload.doc_length)
+
+        fitted = [o for o in observations if fits(o)]
         if not fitted:
             raise ValueError(f"--fit-max-len {limit} leaves no benchmark record to fit on")
         cal = fit_bench(
@@ -323,7 +360,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         )
         for obs in observations:
             value = obs.predicted(cal)
-            tag = "fit " if limit is None or obs.seq_len <= limit else "held"
+            tag = "fit " if fits(obs) else "held"
             print(
                 f"  {tag} {obs.label:<40} measured {obs.value:>10.4g}  model {value:>10.4g}  "
                 f"({value / obs.value - 1:+.0%})"

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from csbp.attention.draft_counts import deal_order
 from csbp.attention.rows import Rows
 from csbp.dflash.config import DFlashConfig
 from csbp.schedules import zigzag_positions
@@ -104,20 +105,7 @@ def context_rows(positions: Tensor) -> Rows:
 
 def deal_anchors(costs: Tensor, num_owners: int) -> list[Tensor]:
     """Indices of the anchors each owner gets (sorted ascending), dealt by cost (module docstring)."""
-    if num_owners < 1:
-        raise ValueError(f"num_owners must be >= 1, got {num_owners}")
-    order = torch.sort(costs, stable=True).indices.tolist()
-    count = len(order)
-    if count >= 2 * num_owners:
-        units = [[order[i], order[count - 1 - i]] for i in range(count // 2)]
-        if count % 2 == 1:
-            units.append([order[count // 2]])
-    else:
-        units = [[index] for index in order]
-    owned: list[list[int]] = [[] for _ in range(num_owners)]
-    for unit_index, unit in enumerate(units):
-        owned[unit_index % num_owners].extend(unit)
-    return [torch.tensor(sorted(indices), dtype=torch.long) for indices in owned]
+    return [torch.from_numpy(indices) for indices in deal_order(costs.detach().cpu().numpy(), num_owners)]
 
 
 def bucket_size(count: int, minimum: int) -> int:

@@ -14,9 +14,16 @@ Per rank and optimizer step (``csbp.dflash.layouts`` decides who holds what):
 * **Gradient all-reduce** of the trainable parameters over all ranks.
 * tokens/s = ``dp·anchors·(B-1)/step`` (supervised draft tokens).
 
+With packed documents (``Workload.doc_length``, ``csbp.plan.documents``) the draft rows and
+context pairs are the slowest rank's under the document mask, and where ``csbp.dflash.exchange``
+replaces the all-gather by the context exchange (CSBP; CP-only only with ``transport: halo``, the
+``cp-aware`` baseline) the K/V traffic is the exchange's received rows (csbp's step,
+``context_rows == "all"``; the published reference's ``windows`` gather is kept as it is).
+
 Memory: ``12 B`` per trainable parameter (weights, gradients, fused AdamW), the frozen vocabulary
 (embedding and head, bf16), the draft activations (no checkpointing; ``drafter_act_factor`` per
-row-layer activation bytes), the fused context rows and their K/V, the target features of the
+row-layer activation bytes), the fused context rows and their K/V, the context K/V received from
+the ring (all-gathered or exchanged; every layer keeps it for its backward), the target features of the
 rank's context rows (``L/cp`` rows, all ``L`` for BP-only and data layouts) and 1 GiB of runtime
 (the calibration's constant where that is smaller, e.g. on CPU).
 """
@@ -24,6 +31,7 @@ rank's context rows (``L/cp`` rows, all ``L`` for BP-only and data layouts) and 
 from __future__ import annotations
 
 from csbp.plan.calibration import Calibration
+from csbp.plan.documents import draft_counts
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Layout
 from csbp.plan.model import GIB, Prediction, kv_row_bytes, ring_bandwidth
@@ -62,6 +70,19 @@ def predict_drafter(
         context_rows = mb * min(held // 2 if layout.cp > 1 else held, span)
     else:
         context_rows = mb * held
+    docs = None
+    if workload.doc_length is not None:
+        docs = draft_counts(
+            seq_len,
+            workload.doc_length,
+            block=obj.block,
+            anchors=obj.anchors,
+            cp=layout.cp,
+            bp=layout.bp,
+            transport=layout.transport,
+            windows=tuple(sorted({g.window for g in model.groups})),
+        )
+        draft_rows = mb * docs.anchors * obj.block
     kv_proj = sum(g.count * model.d_model * 2 * g.n_kv_heads * g.head_dim for g in model.groups)
     rate = hw.peak_tflops * 1e12 * cal.drafter_eff
     dense = draft_rows * (6 * model.body_params + 4 * model.vocab * model.d_model)
@@ -74,16 +95,25 @@ def predict_drafter(
         * 3.5
         for g in model.groups
     )
+    if docs is not None:  # the document mask's context pairs of the slowest rank's draft rows
+        attn = sum(
+            g.count * (mb * docs.pairs[g.window] + draft_rows * obj.block) * 4 * g.head_dim * g.n_heads * 3.5
+            for g in model.groups
+        )
     context = context_rows * 2 * (obj.feature_width * model.d_model + kv_proj) * 3
     compute = (dense + attn + context) / rate
     fwd_s = compute / 3
     bwd_s = compute - fwd_s
 
+    received = 0.0  # context K/V bytes a rank receives per micro-step, summed over layers
+    for g in model.groups if layout.cp > 1 else ():
+        exchange = docs is not None and docs.exchanged[g.window] and obj.context_rows == "all"
+        rows = mb * docs.recv_rows[g.window] if exchange else (layout.cp - 1) * context_rows  # type: ignore[union-attr]
+        received += g.count * kv_row_bytes(g, p) * rows
     kv_bytes = 0.0
     exposed_kv = 0.0
     if layout.cp > 1:
-        per_layer = sum(g.count * kv_row_bytes(g, p) for g in model.groups)
-        kv_bytes = accum * (layout.cp - 1) * context_rows * per_layer * 2.0  # gather + dK/dV
+        kv_bytes = accum * received * 2.0  # gather (or context exchange) + dK/dV
         exposed_kv = kv_bytes / ring_bandwidth(layout, hw, cal)
     trainable = model.body_params + model.extra_params
     world = layout.world
@@ -112,6 +142,8 @@ def predict_drafter(
     # fused context rows (fc output, its norm) and every layer's context K/V, kept for backward
     kv_width = sum(g.count * 2 * g.n_kv_heads * g.head_dim for g in model.groups)
     terms["context activations"] = context_rows * (2 * model.d_model + kv_width) * p
+    if received:  # every layer keeps the gathered (or exchanged) context K/V for its backward
+        terms["received context K/V"] = received
     return Prediction(
         layout=layout,
         step_s=step,

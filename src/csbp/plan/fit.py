@@ -229,8 +229,6 @@ def bench_observations(paths: Sequence[Path], *, fastest: bool = True) -> list[O
 def _record_observations(record: dict, where: str, fastest: bool) -> list[Observation]:
     if not isinstance(record, dict):
         raise ValueError(f"{where}: a benchmark record is a JSON object")
-    if record.get("doc_length") is not None or record.get("layout") == "cp-aware":
-        return []  # document-masked runs and the mask-aware CP baseline are not layouts the model costs
     kind = record.get("bench", "train" if "objective" in record else "attention")
     if kind not in ("train", "attention", "dflash"):
         raise ValueError(
@@ -289,15 +287,16 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
         nproc // local,
         cp,
         bp,
-        transport=record.get("transport", "collective"),
+        transport="halo" if record.get("layout") == "cp-aware" else record.get("transport") or "collective",
         checkpointing="full" if record.get("activation_checkpointing") == "full" else "none",
         micro_batch=record.get("samples", 1),
         sharding="ddp",
     )
     hw = hardware("cpu", gpus=nproc)
-    workload = Workload(model, objective, p)
+    workload = Workload(model, objective, p).with_options(doc_length=record.get("doc_length"))
     label = f"bench {kind} {record.get('objective', '')} L={record['seq_len']} {record.get('layout', layout.name)}"
     label += " ac=full" if layout.checkpointing == "full" else ""
+    label += f" doc={record['doc_length']}" if record.get("doc_length") else ""
     seconds = Observation(
         label + " step_s",
         workload,

@@ -13,7 +13,7 @@ from typing import Literal
 
 from csbp.topology import Topology
 
-Transport = Literal["collective", "streaming"]
+Transport = Literal["collective", "streaming", "halo"]
 Checkpointing = Literal["full", "none"]
 Placement = Literal["packed", "striped"]
 Sharding = Literal["fsdp2", "zero2", "ddp"]
@@ -27,7 +27,8 @@ class Layout:
 
     Attributes:
         dp, cp, bp: the csbp degrees (``csbp.topology.Topology``).
-        transport: clean K/V transport of CP rings (``collective`` or ``streaming``).
+        transport: clean K/V transport of CP rings (``collective`` or ``streaming``; ``halo``: the
+            mask-aware CP-only baseline ``cp-aware``, considered with packed documents).
         checkpointing: ``full`` (recompute every layer in backward) or ``none``.
         micro_batch: samples per data-parallel replica per micro-step.
         placement: ``packed`` rings (csbp's rank order: a sample's ranks are consecutive, so a ring

@@ -4,7 +4,7 @@ Everything that decides a layout is counted with csbp's own torch-free arithmeti
 (``csbp.attention.counts``): per local rank, the noisy and clean rows it holds
 (``layout_positions``), the (query, key) pairs the BD3 mask allows over them, window or full
 (``position_pairs``), and the clean rows a sliding-window layer's halo exchange receives
-(``window_halo_rows``). The slowest rank of a sample bounds the step. The calibration
+(``halo_rows``). The slowest rank of a sample bounds the step. The calibration
 (``csbp.plan.calibration``) turns FLOPs, bytes and rows into seconds and GiB:
 
 * compute: dense ``2·params·rows`` per pass plus the LM head on loss rows; attention ``4·hd·H``
@@ -22,6 +22,11 @@ Everything that decides a layout is counted with csbp's own torch-free arithmeti
 * memory: model states (by sharding), activations (checkpoints plus one layer's working set, or all
   layers' activations), gathered K/V (+ fp32 dK/dV), one logits chunk, a fitted constant.
 
+With packed documents (``Workload.doc_length``, ``csbp.plan.documents``) the rows and pairs are
+the document mask's; CSBP full-attention layers (unless ``streaming``) and CP-only ``halo``
+(``cp-aware``: the interval kernel and the halo all-to-all, like CSBP) move only the halo rows the
+rank's documents need; plain CP-only still all-gathers ``2L/cp`` rows per member.
+
 DFlash drafters have their own terms (``csbp.plan.drafter``).
 """
 
@@ -30,8 +35,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from csbp.attention.counts import layout_positions, position_pairs, window_halo_rows
+import numpy as np
+
+from csbp.attention.counts import halo_rows as rank_halo_rows
+from csbp.attention.counts import layout_positions, position_pairs
 from csbp.plan.calibration import Calibration
+from csbp.plan.documents import document_halo_rows, packed_documents
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Layout
 from csbp.plan.workload import LayerGroup, Workload
@@ -99,13 +108,17 @@ class RankCounts:
 
 @lru_cache(maxsize=512)
 def rank_counts(
-    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: int | None = None
 ) -> tuple[RankCounts, ...]:
-    """Per local rank of a sample, its rows and allowed pairs (``window`` 0: full attention)."""
+    """Per local rank of a sample, its rows and allowed pairs (``window`` 0: full attention;
+    ``doc_length``: over the packed documents of ``csbp.plan.documents``)."""
+    docs = None if doc_length is None else packed_documents(seq_len, doc_length)
     out = []
     for rank in range(max(cp, bp)):
-        noisy, clean, _ = layout_positions(seq_len, block, cp, bp, rank, schedule)  # type: ignore[arg-type]
-        noisy_pairs, clean_pairs = position_pairs(noisy, clean, block_size=block, window=window or None)
+        noisy, clean, _ = layout_positions(seq_len, block, cp, bp, rank, schedule, docs)  # type: ignore[arg-type]
+        noisy_pairs, clean_pairs = position_pairs(
+            noisy, clean, block_size=block, window=window or None, documents=docs
+        )
         out.append(RankCounts(len(noisy), len(clean), noisy_pairs + clean_pairs))
     return tuple(out)
 
@@ -114,7 +127,7 @@ def rank_counts(
 def halo_rows(seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int) -> int:
     """Largest number of clean rows a CSBP ring member receives in a window layer."""
     return max(
-        window_halo_rows(seq_len, block, cp, bp, rank, window, schedule)  # type: ignore[arg-type]
+        rank_halo_rows(seq_len, block, cp, bp, rank, window=window or None, schedule=schedule)  # type: ignore[arg-type]
         for rank in range(cp)
     )
 
@@ -143,18 +156,33 @@ def ring_bandwidth(layout: Layout, hw: Hardware, cal: Calibration) -> float:
 def _kv_per_pass(workload: Workload, layout: Layout, seq_len: int, group: LayerGroup) -> tuple[float, float]:
     """``(bytes sent per pass, gathered rows held)`` of one layer of ``group`` for one sample view."""
     row = kv_row_bytes(group, workload.dtype_bytes)
-    cp, kind = layout.cp, layout.kind
+    cp, kind, docs = layout.cp, layout.kind, workload.doc_length
+    if uses_halo(workload, layout, group):
+        block = workload.objective.block
+        if docs is None:
+            halo = halo_rows(seq_len, block, cp, layout.bp, layout.schedule, group.window)
+        else:
+            halo = document_halo_rows(seq_len, block, cp, layout.bp, layout.schedule, group.window, docs)
+        own = seq_len // cp * (2 if kind == "cp" else 1)  # cp-aware holds its noisy and clean rows
+        return float(halo * row), float(own + halo)
     if kind == "cp":
         shard = 2 * seq_len // cp
     elif kind == "csbp":
-        if group.window:
-            halo = halo_rows(seq_len, workload.objective.block, cp, layout.bp, layout.schedule, group.window)
-            return float(halo * row), float(seq_len // cp + halo)
         shard = seq_len // cp
     else:
         return 0.0, 0.0
     held = 3 * shard if layout.transport == "streaming" else cp * shard
     return float((cp - 1) * shard * row), float(held)
+
+
+def uses_halo(workload: Workload, layout: Layout, group: LayerGroup) -> bool:
+    """Whether a layer of ``group`` moves only halo rows (``attention.transports.factory``): CP-only
+    with ``transport: halo`` (``cp-aware``), a CSBP window layer, or CSBP over packed documents
+    unless ``streaming``."""
+    if layout.kind == "cp":
+        return layout.transport == "halo"
+    sparse = bool(group.window) or (workload.doc_length is not None and layout.transport != "streaming")
+    return layout.kind == "csbp" and sparse
 
 
 def predict(
@@ -187,8 +215,9 @@ def predict(
     samples = obj.views * layout.micro_batch  # sample views one rank holds per micro-step
     peak = hw.peak_tflops * 1e12
     ckpt = layout.checkpointing == "full"
-    attn_fwd_rate = peak * cal.attn_eff * (1.0 if layout.kind == "cp" else cal.interval_fwd)
-    attn_bwd_rate = peak * cal.attn_eff * (1.0 if layout.kind == "cp" else cal.interval_bwd)
+    generic_cp = layout.kind == "cp" and layout.transport != "halo"  # cp-aware runs the interval kernel
+    attn_fwd_rate = peak * cal.attn_eff * (1.0 if generic_cp else cal.interval_fwd)
+    attn_bwd_rate = peak * cal.attn_eff * (1.0 if generic_cp else cal.interval_bwd)
     gemm_rate = peak * cal.gemm_eff
 
     # --- compute of the slowest rank (rows and pairs from csbp's own layouts)
@@ -224,7 +253,7 @@ def predict(
     if layout.transport == "streaming" and layout.cp > 1:
         exposed_kv = max(0.0, t_kv - cal.overlap_stream * attn_s)
     else:
-        overlap = cal.overlap_cp if layout.kind == "cp" else cal.overlap_csbp
+        overlap = cal.overlap_cp if generic_cp else cal.overlap_csbp
         exposed_kv = (1.0 - overlap) * t_kv
     share_f = passes_f / (passes_f + passes_b)
     fwd_s = fwd_c + share_f * exposed_kv
@@ -297,6 +326,16 @@ def predict(
 def _counts(workload: Workload, layout: Layout, seq_len: int, window: int) -> tuple[RankCounts, ...]:
     """Rows and pairs per local rank; single-stream MDLM (bidirectional) and AR (causal) by formula."""
     obj = workload.objective
+    if obj.single_stream and workload.doc_length is not None:
+        start, stop = packed_documents(seq_len, workload.doc_length)
+        positions = np.arange(seq_len)
+        if obj.name == "ar":  # causal inside the document: keys [max(d_start, p+1-W), p]
+            first = np.maximum(start, positions + 1 - window) if window else start
+            pairs = int((positions + 1 - first).sum())
+        else:  # bidirectional inside the document
+            span = stop - start
+            pairs = int((np.minimum(span, window) if window else span).sum())
+        return (RankCounts(seq_len, 0, pairs),)
     if obj.single_stream:
         if obj.name == "ar":  # causal: position p sees min(p + 1, window) keys
             span = min(window, seq_len) if window else seq_len
@@ -304,4 +343,4 @@ def _counts(workload: Workload, layout: Layout, seq_len: int, window: int) -> tu
         else:
             pairs = seq_len * (min(window, seq_len) if window else seq_len)
         return (RankCounts(seq_len, 0, pairs),)
-    return rank_counts(seq_len, obj.block, layout.cp, layout.bp, layout.schedule, window)
+    return rank_counts(seq_len, obj.block, layout.cp, layout.bp, layout.schedule, window, workload.doc_length)

@@ -78,11 +78,15 @@ def candidate_layouts(
 
 def transports_for(workload: Workload, layout: Layout) -> tuple[Transport, ...]:
     """The K/V transports that differ for this layout: none without a ring, none for drafters (their
-    context all-gather) or for CSBP when every layer is windowed (the halo all-to-all ignores it)."""
+    context all-gather) or for CSBP when every layer is windowed (the halo all-to-all ignores it).
+    With packed documents CP-only adds ``halo``, the mask-aware baseline ``cp-aware``."""
     all_windowed = all(g.window for g in workload.model.groups)
-    if layout.cp == 1 or workload.objective.is_drafter or (layout.kind == "csbp" and all_windowed):
+    aware: tuple[Transport, ...] = ("halo",) if workload.doc_length and layout.kind == "cp" else ()
+    if layout.cp == 1 or (layout.kind == "csbp" and all_windowed):
         return ("collective",)
-    return ("collective", "streaming")
+    if workload.objective.is_drafter:
+        return ("collective", *aware)
+    return ("collective", "streaming", *aware)
 
 
 def _accepts(workload: Workload, layout: Layout, seq_len: int) -> bool:
@@ -122,7 +126,7 @@ def describe(layout: Layout) -> str:
     """``dp4/cp4/bp4 collective, full checkpointing`` (+ micro-batch when > 1)."""
     text = layout.name
     if layout.cp > 1:
-        text += f" {layout.transport}"
+        text += " halo (cp-aware)" if layout.transport == "halo" and layout.kind == "cp" else f" {layout.transport}"
     text += f", {'full' if layout.checkpointing == 'full' else 'no'} checkpointing"
     return text + (f", micro-batch {layout.micro_batch}" if layout.micro_batch > 1 else "")
 
@@ -171,18 +175,22 @@ def explain(
         reasons.append(f"its slowest rank computes {compute_r - compute_b:.2f} s less per step{why}")
     elif b.dp != r.dp and abs(best.step_s - rival.step_s) > 0.02 * rival.step_s:
         reasons.append(f"a step takes {best.step_s:.2f} s instead of {rival.step_s:.2f} s")
+    despite = ""  # a winner that sends more K/V wins in spite of it
     most = max(best.kv_bytes, rival.kv_bytes)
     if most >= 2**24 and abs(best.kv_bytes - rival.kv_bytes) > 0.1 * most:
         comm_gain = rival.exposed_comm_s - best.exposed_comm_s
-        reasons.append(
-            f"it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"
-            + (f" ({comm_gain:.2f} s less exposed communication)" if comm_gain >= 0.01 else "")
-        )
+        if best.kv_bytes < rival.kv_bytes:
+            reasons.append(
+                f"it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"
+                + (f" ({comm_gain:.2f} s less exposed communication)" if comm_gain >= 0.01 else "")
+            )
+        else:
+            despite = f", although it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"
     if not reasons:
         reasons.append("it is the fastest layout that fits")
     return (
         f"{describe(b)} wins at {ratio:.2f}x the best {_family_name(r.kind)} layout "
-        f"({describe(r)}): {'; '.join(reasons)}."
+        f"({describe(r)}): {'; '.join(reasons)}{despite}."
     )
 
 

@@ -110,12 +110,15 @@ class Objective:
 
 @dataclass(frozen=True)
 class Workload:
-    """Model, objective and element size (2: bf16, 4: fp32) of one training run."""
+    """Model, objective and element size (2: bf16, 4: fp32) of one training run. ``doc_length``:
+    rows pack documents of that mean length under the document mask (``csbp.plan.documents``;
+    None: one document per row)."""
 
     model: ModelShape
     objective: Objective
     dtype_bytes: int = 2
     notes: tuple[str, ...] = field(default_factory=tuple)
+    doc_length: int | None = None
 
     def with_options(
         self,
@@ -125,9 +128,11 @@ class Workload:
         window: int | None = None,
         anchors: int | None = None,
         drafter_context: str | None = None,
+        doc_length: int | None = None,
     ) -> Workload:
-        """A copy with the CLI's ``--objective/--block-size/--window/--anchors/--drafter-context``."""
-        obj, model = self.objective, self.model
+        """A copy with the CLI's ``--objective/--block-size/--window/--anchors/--drafter-context/
+        --doc-length``."""
+        obj, model, docs = self.objective, self.model, self.doc_length
         if drafter_context is not None:
             if not obj.is_drafter or drafter_context not in ("all", "windows"):
                 raise ValueError("--drafter-context all|windows needs a DFlash drafter workload")
@@ -155,7 +160,16 @@ class Workload:
             model = replace(model, groups=tuple(replace(g, window=window) for g in model.groups))
             if obj.is_drafter:
                 obj = replace(obj, window=window)
-        return Workload(model, obj, self.dtype_bytes, self.notes)
+        if doc_length is not None:
+            least = 2 if obj.is_drafter else 1  # a drafter's anchor and its next token share a document
+            if doc_length < least:
+                raise ValueError(
+                    f"--doc-length must be >= {least} (mean tokens per packed document"
+                    + ("; a DFlash anchor and its next token share a document" if least == 2 else "")
+                    + f"), got {doc_length}"
+                )
+            docs = doc_length
+        return Workload(model, obj, self.dtype_bytes, self.notes, docs)
 
 
 # ----------------------------------------------------------------------------- readers
