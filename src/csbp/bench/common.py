@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ import torch.distributed as dist
 from csbp.atomic import write_json_atomic
 from csbp.attention.documents import Documents, random_documents
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
-from csbp.cli.options import positive_int
+from csbp.cli.options import output_file, positive_int
 from csbp.devices import DEVICE_KINDS, backend_device, resolve_device
 from csbp.parallel.comm import serialized_collectives
 from csbp.parallel.launch import run_local
@@ -337,9 +336,9 @@ def add_output_options(parser: argparse.ArgumentParser, *, png_help: str | None 
     """``--repeats``, ``--warmup``, ``--json`` and, when ``png_help`` is given, ``--png``."""
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
+    parser.add_argument("--json", type=output_file, default=None, help="write the records to this JSON file")
     if png_help is not None:
-        parser.add_argument("--png", type=Path, default=None, help=png_help)
+        parser.add_argument("--png", type=output_file, default=None, help=png_help)
 
 
 def write_outputs(
