@@ -55,6 +55,9 @@ RECORD_KEYS = {
     "feature_width",
     "dtype",
     "doc_length",
+    # --ablate-overlap (None without it)
+    "serialized_step_time_s",
+    "overlap_ratio",
 }
 TINY = ["--block-size", "4", "--vocab-size", "64", "--hidden-size", "32", "--intermediate-size", "64"]
 TINY += ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"]
@@ -79,6 +82,7 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
     assert [r["layout"] for r in records] == ["cp", "csbp", "bp"]
     for record in records:
         assert set(record) == RECORD_KEYS
+        assert record["serialized_step_time_s"] is None and record["overlap_ratio"] is None
         assert (record["seq_len"], record["anchors"], record["nproc"], record["samples"]) == (64, 8, 2, 1)
         assert (
             record["step_time_s"] > 0
@@ -104,12 +108,17 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
 @pytest.mark.multiprocess
 def test_documents_exchange_fewer_context_bytes(tmp_path: Path) -> None:
     """With short packed documents CSBP and cp-aware exchange only the context rows an anchor may see:
-    fewer attention bytes than CP-only's all-gather, the same step-0 loss."""
+    fewer attention bytes than CP-only's all-gather, the same step-0 loss. ``--ablate-overlap`` also
+    times each layout with serialized collectives."""
     out = tmp_path / "dflash.json"
     argv = ["dflash", "--seq-lens", "64", "--anchors", "8", "--nproc", "2", "--repeats", "1", "--warmup", "0"]
+    argv += ["--ablate-overlap"]
     args = parse([*argv, *TINY, "--layouts", "cp", "cp-aware", "csbp", "--doc-length", "8", "--json", str(out)])
     assert args.func(args) == 0
     records = {r["layout"]: r for r in json.loads(out.read_text())}
+    for r in records.values():
+        assert r["serialized_step_time_s"] > 0
+        assert r["overlap_ratio"] == pytest.approx(r["step_time_s"] / r["serialized_step_time_s"])
     assert all(r["doc_length"] == 8 for r in records.values())
     losses = [r["loss_step0"] for r in records.values()]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])

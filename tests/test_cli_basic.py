@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import platform
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import yaml
 
 from csbp import __version__
 from csbp.cli.doctor_cmd import collect_environment
-from csbp.cli.main import SUBCOMMAND_MODULES, USER_ERROR_EXIT_CODE, main
+from csbp.cli.main import SUBCOMMAND_MODULES, USER_ERROR_EXIT_CODE, build_parser, main
 from csbp.config import ConfigError, load_config
 from csbp.recipes import list_recipes, recipe_path
 
@@ -62,9 +64,9 @@ def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.Cap
     code, out, _ = run(capsys, "config", "validate", str(config))
     assert code == 0
     assert f"note: data.train does not exist yet: {tmp_path / 'artifacts' / 'demo-4k-64'}" in out
-    (tmp_path / "artifacts" / "demo-4k-64").mkdir(parents=True)
-    code, out, _ = run(capsys, "config", "validate", str(config))
-    assert code == 0 and "note:" not in out
+    (tmp_path / "artifacts" / "demo-4k-64").mkdir(parents=True)  # exists, so it is checked like `csbp train` does
+    code, out, err = run(capsys, "config", "validate", str(config))
+    assert code == 2 and "note:" not in out and "demo-4k-64 is not a prepared data artifact" in err
 
 
 def test_config_validate_print_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -141,10 +143,12 @@ def test_recipes_copy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert (code, out) == (0, f"wrote {target}\n")
     assert target.read_text(encoding="utf-8") == recipe_path("fast-dllm-v2-demo").read_text(encoding="utf-8")
     code, _, err = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path))
-    assert code == USER_ERROR_EXIT_CODE and "already exists (fix: pass --force" in err
+    assert code == USER_ERROR_EXIT_CODE and "already exists (fix: pass --overwrite" in err
     target.write_text("edited\n", encoding="utf-8")
-    code, _, _ = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path), "--force")
+    code, _, _ = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path), "--overwrite")
     assert code == 0 and target.read_text(encoding="utf-8").startswith("# Fast-dLLM v2")
+    code, _, _ = run(capsys, "recipes", "copy", "fast-dllm-v2-demo", str(tmp_path), "--force")  # the old name
+    assert code == 0
 
 
 # ----------------------------------------------------------------------------- doctor
@@ -166,3 +170,42 @@ def test_doctor_prints_an_aligned_table(capsys: pytest.CaptureFixture[str]) -> N
     for package in ("transformers", "tokenizers", "safetensors", "tensorboard"):
         assert items[package].split()[0] == metadata.version(package)
     assert rows[0] == ("python", "version", f"{platform.python_version()} ({sys.executable})")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "attention", "--json", "{file}/x.json"],
+        ["bench", "train", "--png", "{file}/x.png"],
+        ["bench", "kernels", "--json", "{dir}"],
+        ["plan", "--model", "nemotron-3b", "--gpus", "8", "--json", "{file}/sub/plan.json"],
+        ["plan", "calibrate", "--published", "--out", "{dir}"],
+    ],
+)
+def test_unwritable_output_files_fail_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    (tmp_path / "f.txt").write_text("in the way")
+    args = [arg.format(file=tmp_path / "f.txt", dir=tmp_path) for arg in argv]
+    assert main(args) == USER_ERROR_EXIT_CODE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "(fix: " in err, err
+
+
+def _all_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _all_parsers(child)
+
+
+def test_every_help_renders_and_shows_defaults() -> None:
+    helps = {parser.prog: parser.format_help() for parser in _all_parsers(build_parser())}
+    assert len(helps) > 20
+    for prog, text in helps.items():
+        assert "(default: None)" not in text and "(default: False)" not in text, prog
+    generate = " ".join(helps["csbp generate"].split())
+    assert "--max-new-tokens MAX_NEW_TOKENS (default: 128)" in generate
+    assert "0 = greedy (default: 0.0)" in generate
+    assert "(default: B)" not in generate and "(default: (default" not in generate

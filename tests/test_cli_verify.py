@@ -53,7 +53,6 @@ def test_verify_with_flash_pieces_against_the_generic_reference(capsys: pytest.C
         (["--nproc", "4", "--bp", "4", "--seq-len", "12"], "bp"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--window", "4"], "drop --window"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--seq-len", "30"], "2*cp=4"),
-        (["--nproc", "2", "--objective", "dflash", "--doc-length", "0"], "--doc-length must be >= 1"),
         (["--nproc", "2", "--objective", "dflash", "--dtype", "float32"], "drop --window/--dtype"),
     ],
 )
@@ -63,6 +62,14 @@ def test_verify_rejects_bad_input_before_launching(
     assert main(["verify", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("csbp: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flag", ["--nproc", "--dp", "--cp", "--bp", "--window", "--doc-length"])
+def test_verify_rejects_non_positive_sizes_in_one_argparse_line(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["verify", flag, "0"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"csbp verify: error: argument {flag}: 0 must be >= 1")
     assert len(err.strip().splitlines()) == 1
 
 

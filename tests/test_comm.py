@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from csbp.parallel.comm import Comm, Pending, TrafficCounter
+from csbp.parallel.comm import Comm, Pending, TrafficCounter, serialized_collectives
 from csbp.parallel.launch import run_local
 
 DTYPES = (torch.float64, torch.float32)
@@ -54,7 +54,19 @@ def _exercise(comm: Comm, dtype: torch.dtype) -> dict:
     send_splits = [_split(me, d) for d in range(size)]
     recv_splits = [_split(s, me) for s in range(size)]
     send = torch.cat([_a2a_rows(g, d, send_splits[d], dtype) for d in range(size)])
-    out["all_to_all"] = comm.all_to_all(send, send_splits, recv_splits, category="all_to_all")
+    out["all_to_all"], pending = comm.all_to_all(send, send_splits, recv_splits, category="all_to_all")
+    out["all_to_all_blocking_has_no_pending"] = pending is None
+    received, pending = comm.all_to_all(send, send_splits, recv_splits, async_op=True, category="all_to_all_async")
+    out["all_to_all_counted_at_issue"] = counter.bytes("all_to_all_async")
+    sorted_rows = pending.then(lambda rows: rows.flip(0))  # post-processing runs after the transfer
+    out["all_to_all_not_done_before_wait"] = not pending.done and not sorted_rows.done
+    out["all_to_all_async"] = pending.wait()
+    out["all_to_all_async_same_tensor"] = pending.wait() is received
+    out["all_to_all_then"] = sorted_rows.wait()
+    with serialized_collectives():  # the same transfer and bytes, waited for at issue
+        _, pending = comm.all_to_all(send, send_splits, recv_splits, async_op=True, category="all_to_all_serialized")
+    out["all_to_all_serialized_done_at_issue"] = pending.done
+    out["all_to_all_serialized"] = pending.wait()
     for direction in (-1, 1):
         out[f"ring_{direction}"] = comm.ring_shift(_shard(g, dtype), direction, category=f"ring_{direction}")
         handle = comm.ring_shift_async(_shard(g, dtype), direction, category=f"ring_async_{direction}")
@@ -121,6 +133,10 @@ def _check(report: dict) -> None:
         assert torch.equal(res["reduce_scatter_async"], reduced)
         received = torch.cat([_a2a_rows(members[s], me, _split(s, me), dtype) for s in range(size)])
         assert torch.equal(res["all_to_all"], received)
+        assert torch.equal(res["all_to_all_async"], received) and res["all_to_all_async_same_tensor"]
+        assert torch.equal(res["all_to_all_then"], received.flip(0))
+        assert res["all_to_all_blocking_has_no_pending"] and res["all_to_all_not_done_before_wait"]
+        assert torch.equal(res["all_to_all_serialized"], received) and res["all_to_all_serialized_done_at_issue"]
         for direction in (-1, 1):
             from_neighbour = _shard(members[(me - direction) % size], dtype)
             assert torch.equal(res[f"ring_{direction}"], from_neighbour)
@@ -139,6 +155,8 @@ def _check(report: dict) -> None:
             "reduce_scatter": (size - 1) * shard_bytes,
             "reduce_scatter_async": (size - 1) * shard_bytes,
             "all_to_all": rows_to_others * COLS * itemsize,
+            "all_to_all_async": rows_to_others * COLS * itemsize,
+            "all_to_all_serialized": rows_to_others * COLS * itemsize,
             "ring_-1": shard_bytes,
             "ring_1": shard_bytes,
             "ring_async_-1": shard_bytes,
@@ -149,6 +167,7 @@ def _check(report: dict) -> None:
         assert res["counter"] == {k: {"bytes": v, "calls": 1} for k, v in sorted(expected_bytes.items())}
         assert res["all_gather_counted_at_issue"] == (size - 1) * shard_bytes
         assert res["ring_async_-1_counted_at_issue"] == shard_bytes
+        assert res["all_to_all_counted_at_issue"] == rows_to_others * COLS * itemsize
 
 
 @pytest.mark.multiprocess
@@ -182,6 +201,8 @@ def test_single_process_comm_short_circuits():
     comm = Comm(None)
     shard = _shard(0, torch.float64)
     out, pending = comm.all_gather(shard, async_op=True)
+    assert out is shard and isinstance(pending, Pending) and pending.wait() is shard
+    out, pending = comm.all_to_all(shard, [ROWS], [ROWS], async_op=True)
     assert out is shard and isinstance(pending, Pending) and pending.wait() is shard
     assert comm.counter.calls() == 0 and comm.counter.bytes() == 0
 

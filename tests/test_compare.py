@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from csbp.cli.main import main
 from csbp.compare import CompareOptions, layout_config, run_compare
 from csbp.compare import budget as budget_module
 from csbp.compare.report import format_table, plot_compare
@@ -61,6 +62,23 @@ def test_impossible_layouts_fail_with_one_line(artifact: Path) -> None:
     long_blocks = _bd3(artifact, **{"objective.block_size": 16})  # 2 blocks: too few for bp=4
     with pytest.raises(ConfigError, match="layout 'bp': data.seq_len: .* fewer than bp=4"):
         layout_config(long_blocks, "bp", 4)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--budget-s", "0"], "argument --budget-s: 0 must be a finite number > 0"),
+        (["--budget-s", "nan"], "argument --budget-s: nan must be a finite number > 0"),
+        (["--budget-s", "5", "--points", "0"], "argument --points: 0 must be >= 1"),
+        (["--budget-s", "5", "--nproc", "0"], "argument --nproc: 0 must be >= 1"),
+    ],
+)
+def test_cli_budget_flags_are_checked_before_any_work(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["compare", "demo", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and message in err and len(err.splitlines()) == 1
 
 
 def test_drafter_comparison_needs_the_served_validation(artifact: Path, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ and the one-line error format."""
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,16 @@ def write_yaml(path: Path, data: dict[str, Any]) -> Path:
 def test_unknown_key_is_one_line_with_the_dotted_name_and_a_suggestion() -> None:
     lines = error_lines(with_changes({"model.hiden_size": 64}))
     assert lines == ["config.yaml: model.hiden_size: unknown key (fix: remove it; did you mean hidden_size?)"]
+
+
+def test_a_key_given_twice_is_refused(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "run.yaml", demo_dict())
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write("train:\n  max_steps: 5\n")  # a second train: would silently replace the first
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (line,) = info.value.lines
+    assert re.fullmatch(r".*run\.yaml: invalid YAML: line \d+: duplicate key 'train' \(first on line \d+; fix: merge the two\)", line)
 
 
 def test_unknown_section_is_rejected() -> None:

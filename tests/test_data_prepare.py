@@ -297,12 +297,21 @@ def test_chat_needs_role_markers_in_the_tokenizer(tmp_path) -> None:
         ({"train_tokenizer": True}, "give exactly one of --tokenizer DIR or --train-tokenizer"),
         ({"tokenizer_path": None, "train_tokenizer": True}, "--train-tokenizer needs --vocab-size"),
         ({"vocab_size": 400}, "--vocab-size only applies with --train-tokenizer"),
+        ({"tokenizer_path": None, "train_tokenizer": True, "vocab_size": 10}, "--vocab-size 10 is too small"),
     ],
 )
 def test_invalid_config(tmp_path, tokenizer_dir, options, message) -> None:
     base = {"inputs": (tmp_path,), "out_dir": tmp_path / "art", "seq_len": 4, "tokenizer_path": tokenizer_dir}
     with pytest.raises(ValueError, match=message):
         PrepareConfig(**{**base, **options})
+
+
+def test_tokenizer_is_checked_before_the_inputs_are_read(tmp_path) -> None:
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("not json\n")  # reading the inputs would fail on line 1
+    with pytest.raises(ValueError, match="tokenizer path .*missing does not exist"):
+        prepare([broken], tmp_path / "art", tmp_path / "missing", seq_len=4)
+    assert not (tmp_path / "art").exists()
 
 
 def test_all_empty_inputs_are_an_error(tmp_path, tokenizer_dir) -> None:

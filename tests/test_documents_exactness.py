@@ -61,13 +61,18 @@ def test_document_traffic_is_counted_exactly() -> None:
 @pytest.mark.multiprocess
 def test_attention_bench_documents_side_by_side() -> None:
     """``csbp bench attention --doc-length``: cp-aware moves less than generic CP for the same FLOPs;
-    CSBP moves less than both; FLOPs fall below the unmasked run."""
+    CSBP moves less than both; FLOPs fall below the unmasked run. ``ablate_overlap`` also times the
+    masked layouts with serialized collectives (the same bytes)."""
     from csbp.bench.attention import run_attention_bench
 
     common = {"nproc": 2, "block_size": 8, "repeats": 1, "warmup": 0}
     masked = {r.layout: r for r in run_attention_bench([128], layouts=["cp", "cp-aware", "csbp"], doc_length=16,
-                                                       **common)}
+                                                       ablate_overlap=True, **common)}
     (unmasked,) = run_attention_bench([128], layouts=["csbp"], **common)
+    assert unmasked.serialized_step_time_s is None and unmasked.overlap_ratio is None
+    for r in masked.values():
+        assert r.serialized_step_time_s is not None and r.serialized_step_time_s > 0
+        assert r.overlap_ratio == pytest.approx(r.step_time_s / r.serialized_step_time_s)
     assert masked["cp-aware"].attn_flops_per_rank == masked["cp"].attn_flops_per_rank
     assert masked["csbp"].kv_bytes_per_rank < masked["cp-aware"].kv_bytes_per_rank < masked["cp"].kv_bytes_per_rank
     assert masked["csbp"].transport == "halo" and masked["cp-aware"].transport == "halo"

@@ -348,8 +348,12 @@ def test_cli_takes_objective_and_block_size_from_the_run_config(
         args.func(args)
 
 
-def test_cli_errors(checkpoint: Path, tmp_path: Path) -> None:
+def test_cli_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--prompt", "hi", "--device", "cpu"]
+    with pytest.raises(ValueError, match="--known-words .*nowhere.txt: not a text file"):
+        args = parse(["generate", "--model", str(checkpoint), "--known-words", str(tmp_path / "nowhere.txt"), *base])
+        args.func(args)
+    assert capsys.readouterr().out == ""  # refused before sampling
     with pytest.raises(ValueError, match="not a directory"):
         args = parse(["generate", "--model", str(tmp_path / "missing"), *base])
         args.func(args)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -160,6 +161,7 @@ def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:
         "2",
     )
     assert code == 0 and "block 16" in out
+    assert re.search(r"\(\d+\.\d\dM params,", out), out.splitlines()[0]  # not "0.00B params"
     (hf / "config.json").write_text(json.dumps({"hidden_size": 256, "num_local_experts": 8}))
     code, _, err = run(capsys, "plan", "--model", str(hf), "--seq-len", "1024", "--gpus", "4")
     assert code == USER_ERROR_EXIT_CODE and "mixture-of-experts" in err

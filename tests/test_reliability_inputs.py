@@ -162,6 +162,7 @@ class Case:
 
 
 W = Path  # readability alias for the work directory argument
+UNWRITABLE = "/proc/csbp-unwritable"  # Linux: no file can be created under /proc
 
 CASES: list[Case] = [
     # ------------------------------------------------------------------ config validate
@@ -222,6 +223,7 @@ CASES: list[Case] = [
     Case("train-timeout-inf", lambda fx, w: ["train", str(fx.config), "--set", "train.collective_timeout_s=.inf", "--run-dir", "r"], "collective_timeout_s"),
     Case("train-run-name-escape", lambda fx, w: ["train", str(fx.config), "--set", "run.name=../../x"], "run.name"),
     Case("train-max-steps-0", lambda fx, w: ["train", str(fx.config), "--run-dir", "r", "--max-steps", "0"], "--max-steps"),
+    Case("train-max-steps-past-schedule", lambda fx, w: ["train", str(fx.config), "--run-dir", "r", "--max-steps", "999"], "train.max_steps=999"),
     Case("train-nproc-mismatch", lambda fx, w: ["train", str(fx.config), "--run-dir", "r", "--nproc", "3"], "--nproc"),
     # ------------------------------------------------------------------ verify
     Case("verify-samples-0", lambda fx, w: ["verify", "--samples", "0"], "--samples"),
@@ -242,6 +244,7 @@ CASES: list[Case] = [
     Case("dflash-export-missing-target", lambda fx, w: ["dflash", "export", "--drafter", "d", "--target", "nope", "--out", "o"], "--target"),
     Case("dflash-export-missing-run", lambda fx, w: ["dflash", "export", "--run-dir", "nope", "--target", str(fx.model), "--out", "o"], "--run-dir"),
     Case("dflash-eval-missing-drafter", lambda fx, w: ["dflash", "eval", "--target", str(fx.model), "--drafter", "nope", "--data", str(fx.artifact)], "--drafter"),
+    Case("dflash-eval-target-as-drafter", lambda fx, w: ["dflash", "eval", "--target", str(fx.model), "--drafter", str(fx.model), "--data", str(fx.artifact)], "model/config.json: architectures"),
     Case("dflash-eval-zero-prompts", lambda fx, w: ["dflash", "eval", "--target", str(fx.model), "--drafter", "d", "--data", str(fx.artifact), "--num-prompts", "0"], "--num-prompts"),
     Case("dflash-features-missing-data", lambda fx, w: ["dflash", "prepare-features", "--target", str(fx.model), "--data", "nope", "--out", "o"], "nope"),
     # ------------------------------------------------------------------ bench
@@ -250,6 +253,27 @@ CASES: list[Case] = [
     Case("bench-train-repeats-0", lambda fx, w: ["bench", "train", "--repeats", "0"], "--repeats"),
     Case("bench-dflash-repeats-0", lambda fx, w: ["bench", "dflash", "--repeats", "0"], "--repeats"),
     Case("bench-not-an-int", lambda fx, w: ["bench", "attention", "--repeats", "many"], "--repeats"),
+    # ------------------------------------------------------------------ outputs nobody can write (checked first;
+    # /proc refuses new files even to root, where os.access says yes)
+    Case("train-run-dir-unwritable", lambda fx, w: ["train", str(fx.config), "--run-dir", f"{UNWRITABLE}/run"], "--run-dir"),
+    Case("prepare-out-unwritable", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", "{oops\n")), "--out", f"{UNWRITABLE}/o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "--out"),
+    Case("recipes-copy-unwritable", lambda fx, w: ["recipes", "copy", "demo", f"{UNWRITABLE}/x.yaml"], "x.yaml"),
+    Case("bench-json-unwritable", lambda fx, w: ["bench", "attention", "--json", f"{UNWRITABLE}/b.json"], "--json"),
+    Case("plan-global-batch-0", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--global-batch", "0"], "--global-batch"),
+    Case("plan-gpus-0", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "0"], "--gpus"),
+    Case("plan-json-unwritable", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--json", f"{UNWRITABLE}/p.json"], "--json"),
+    # ------------------------------------------------------------------ checked before the work they would follow
+    Case("generate-run-dir-not-final", lambda fx, w: ["generate", "--model", str(real_run(fx, w / "r")), "--prompt", "a"], "r/final"),
+    Case("generate-checkpoint-dir", lambda fx, w: ["generate", "--model", str(sorted((real_run(fx, w / "r") / "checkpoints").glob("step_*"))[-1]), "--prompt", "a"], "training checkpoints"),
+    Case("eval-run-dir-not-final", lambda fx, w: ["eval", "--model", str(real_run(fx, w / "r")), "--data", str(fx.artifact)], "r/final"),
+    Case("eval-json-unwritable", lambda fx, w: ["eval", "--model", str(fx.model), "--data", str(fx.artifact), "--json", f"{UNWRITABLE}/e.json"], "--json"),
+    Case("train-config-copied-elsewhere", lambda fx, w: ["train", str(config_with(fx, w / "configs" / "run.yaml", **{"data.train": str(Path("artifacts") / fx.copy_artifact(w / "artifacts" / "a").name)})), "--run-dir", "r"], "fix: set data.train:"),
+    Case("generate-known-words-missing", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--known-words", "nowords.txt"], "--known-words"),
+    Case("prepare-tokenizer-before-inputs", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", "{oops\n")), "--out", "o", "--seq-len", "8", "--tokenizer", "no-tok"], "no-tok"),
+    Case("prepare-vocab-too-small", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", "{oops\n")), "--out", "o", "--seq-len", "8", "--train-tokenizer", "--vocab-size", "10"], "--vocab-size 10"),
+    Case("config-seq-len-not-the-artifacts", lambda fx, w: ["config", "validate", str(fx.config), "--set", "data.seq_len=64"], "data.seq_len"),
+    Case("compare-budget-0", lambda fx, w: ["compare", str(fx.config), "--budget-s", "0"], "--budget-s"),
+    Case("verify-window-0", lambda fx, w: ["verify", "--nproc", "2", "--window", "0"], "--window"),
 ]
 
 
@@ -284,4 +308,4 @@ def test_bad_input_fails_closed(
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 60 and len({case.name for case in CASES}) == len(CASES)
+    assert len(CASES) >= 97 and len({case.name for case in CASES}) == len(CASES)

@@ -289,6 +289,23 @@ def test_other_objectives_train(changes: dict[str, Any], artifact: Path, tmp_pat
 # ----------------------------------------------------------------------------- validation before work
 
 
+def test_config_validate_checks_existing_inputs_like_train(
+    artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from csbp.cli.main import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(config_dict(artifact)))  # JSON is YAML
+    assert main(["config", "validate", str(path)]) == 0
+    assert f"inputs     {artifact} fits" in capsys.readouterr().out
+    assert main(["config", "validate", str(path), "--set", "data.seq_len=64", "--set", "objective.block_size=4"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "packed with seq_len=32" in err and len(err.splitlines()) == 1
+    # attention.backend=flex is a GPU config: validated offline, refused only by `csbp train` off CUDA
+    assert main(["config", "validate", str(path), "--set", "attention.backend=flex"]) == 0
+    capsys.readouterr()
+
+
 def test_config_errors_are_raised_before_any_process_starts(artifact: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "never"
     with pytest.raises(ConfigError, match="bp must be a multiple of cp"):
@@ -308,6 +325,8 @@ def test_config_errors_are_raised_before_any_process_starts(artifact: Path, tmp_
             "fast_dllm_v2 uses unit weights",
         ),
     ]
+    if not torch.cuda.is_available():  # FlexAttention has no CPU backward
+        cases.append(({"attention.backend": "flex"}, "attention.backend=flex cannot train on cpu"))
     for changes, message in cases:
         with pytest.raises(ValueError, match=message):
             launch_training(tiny_config(artifact, **changes), run_dir=run_dir)

@@ -41,6 +41,26 @@ class Ownership:
         return None
 
 
+def unwritable_reason(directory: str | os.PathLike[str]) -> str | None:
+    """Why nothing can be created at or under ``directory`` (which may not exist yet), or None.
+
+    Its nearest existing ancestor must be a directory in which a file can be created; the check
+    creates and removes a temporary file there, so it also catches what ``os.access`` misses (root
+    on a read-only or virtual filesystem)."""
+    ancestor = Path(os.path.abspath(directory))
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return f"{ancestor} is a file, not a directory"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".csbp-write-probe-", dir=ancestor)
+    except OSError as exc:
+        return f"{ancestor} is not writable ({exc.strerror or type(exc).__name__})"
+    os.close(handle)
+    os.unlink(probe)
+    return None
+
+
 def check_replaceable(target: str | os.PathLike[str], owned: Ownership | None, *, flag: str = "--out") -> Path:
     """``ValueError`` unless ``target`` may be replaced by an ``--overwrite`` write; returns its absolute path."""
     path = Path(os.path.abspath(target))
@@ -50,11 +70,9 @@ def check_replaceable(target: str | os.PathLike[str], owned: Ownership | None, *
             f"{flag} {target}: is the working directory or one of its parents, which csbp never replaces "
             "(fix: pass a new subdirectory)"
         )
-    ancestor = path.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise ValueError(f"{flag} {target}: {ancestor} is a file, not a directory (fix: choose another path)")
+    problem = unwritable_reason(path.parent)
+    if problem is not None:
+        raise ValueError(f"{flag} {target}: {problem} (fix: choose another path)")
     if not path.exists():
         return path
     if not path.is_dir():

@@ -9,7 +9,9 @@ sends per step (from the counted collectives layer), the peak memory growth per 
 attention FLOPs per rank counted on allowed (unmasked) pairs only, and time per useful FLOP.
 
 All layouts of one sequence length run in the same invocation, one after the other, so ratios
-to CP-only are measured side by side on the same machine state.
+to CP-only are measured side by side on the same machine state. ``--ablate-overlap`` also times
+each layout with its collectives serialized (``csbp.parallel.comm.serialized_collectives``),
+alternating step by step with the overlapped steps in the same processes.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from torch import nn
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.bench.common import (
+    OVERLAP_COLUMNS,
     Column,
     StepSeries,
     add_head_options,
     add_layout_options,
     add_output_options,
+    add_overlap_ablation_option,
     add_transport_option,
     bench_documents,
     check_device_option,
@@ -37,7 +41,10 @@ from csbp.bench.common import (
     layout_transport,
     max_over_ranks,
     measured_step,
+    overlap_modes,
+    overlap_ratio,
     select_topologies,
+    serialized_if,
     write_outputs,
 )
 from csbp.bench.measure import allowed_pairs, attention_flops
@@ -67,6 +74,7 @@ class AttentionBenchConfig:
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
+    ablate_overlap: bool = False  # also time serialized collectives (``--ablate-overlap``)
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,8 @@ class AttentionRecord:
     num_kv_heads: int = 0
     head_dim: int = 0
     doc_length: int | None = None  # mean packed-document length (None: one document per sample)
+    serialized_step_time_s: float | None = None  # ``--ablate-overlap``: collectives waited for at issue
+    overlap_ratio: float | None = None  # step_time_s / serialized_step_time_s
 
 
 class AttentionStack(nn.Module):
@@ -137,16 +147,17 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
     full = torch.randn(2 * cfg.seq_len, width, generator=torch.Generator().manual_seed(cfg.seed + 1))
     logical = plan.rows.pos + plan.rows.clean.long() * cfg.seq_len
     x = full[logical].unsqueeze(0).to(ctx.device)
-    series = StepSeries()
+    series, serial = StepSeries(), StepSeries()
     bytes_per_step = 0
     for it in range(cfg.warmup + cfg.repeats):
-        xi = x.clone().requires_grad_(True)
-        with measured_step(ctx.counter) as step:
-            out = stack(xi, plan.attention)
-            out.sum().backward()
-        if it >= cfg.warmup:
-            series.add(step)
-            bytes_per_step = ctx.counter.bytes("attention") + ctx.counter.bytes("attention_recompute")
+        for serialized in overlap_modes(it, cfg.ablate_overlap):
+            xi = x.clone().requires_grad_(True)
+            with measured_step(ctx.counter) as step, serialized_if(serialized):
+                out = stack(xi, plan.attention)
+                out.sum().backward()
+            if it >= cfg.warmup:
+                (serial if serialized else series).add(step)
+                bytes_per_step = ctx.counter.bytes("attention") + ctx.counter.bytes("attention_recompute")
     pairs = allowed_pairs(plan.rows, block_size=cfg.block_size)
     flops = attention_flops(pairs, num_heads=cfg.num_heads, head_dim=cfg.head_dim) * cfg.num_layers
     return {
@@ -154,6 +165,7 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
         "kv_bytes": float(bytes_per_step),
         "flops": float(flops),
         "peak": float(series.peak_bytes),
+        "serial_step_time_s": serial.median_s() if serial.times_s else float("nan"),
     }
 
 
@@ -186,6 +198,7 @@ def run_attention_bench(
             (results,) = launch_cell(_worker, nproc, [topology], layout_cfg, timeout_s=timeout_s, device=device)
             flops = max_over_ranks(results, "flops")
             step = results[0]["step_time_s"]
+            serial = results[0]["serial_step_time_s"] if cfg.ablate_overlap else None
             records.append(
                 AttentionRecord(
                     layout=name,
@@ -207,6 +220,8 @@ def run_attention_bench(
                     num_heads=cfg.num_heads,
                     num_kv_heads=cfg.num_kv_heads,
                     head_dim=cfg.head_dim,
+                    serialized_step_time_s=serial,
+                    overlap_ratio=overlap_ratio(step, serial),
                 )
             )
     return records
@@ -234,7 +249,8 @@ TABLE_COLUMNS = [
 
 def format_table(records: list[AttentionRecord]) -> str:
     """A text table with each metric and its ratio to CP-only at the same sequence length."""
-    return format_ratio_table(records, ("seq_len",), TABLE_COLUMNS)
+    ablated = any(r.serialized_step_time_s is not None for r in records)
+    return format_ratio_table(records, ("seq_len",), TABLE_COLUMNS + (OVERLAP_COLUMNS if ablated else []))
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -258,6 +274,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
     )
     add_diagonal_option(attn)
     add_clean_option(attn)
+    add_overlap_ablation_option(attn)
     add_output_options(attn)
     attn.set_defaults(func=run_attention_bench_command)
 
@@ -292,6 +309,7 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
         doc_length=args.doc_length,
         warmup=args.warmup,
         repeats=args.repeats,
+        ablate_overlap=args.ablate_overlap,
     )
     write_outputs(format_table(records), records, args)
     return 0

@@ -10,7 +10,10 @@
 * the text table with each metric's ratio to CP-only in the same cell (``Column``,
   ``format_ratio_table``);
 * the command-line option groups of the three subcommands and their outputs (the table, ``--json``
-  through an atomic write, the ``--png`` speedup plot).
+  through an atomic write, the ``--png`` speedup plot);
+* the overlap ablation of ``csbp bench attention|dflash --ablate-overlap`` (``overlap_modes``,
+  ``serialized_if``, ``OVERLAP_COLUMNS``): every measured step also runs with the collectives
+  waited for at issue, alternating with the overlapped step in the same processes.
 
 Worker protocol of ``launch_cell``: ``worker(rank, world, topologies, cfg)`` is a module-level
 function that returns one ``dict[str, float]`` of results per topology, in order.
@@ -23,9 +26,8 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,8 +36,9 @@ import torch.distributed as dist
 from csbp.atomic import write_json_atomic
 from csbp.attention.documents import Documents, random_documents
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
-from csbp.cli.options import positive_int
+from csbp.cli.options import output_file, positive_int
 from csbp.devices import DEVICE_KINDS, backend_device, resolve_device
+from csbp.parallel.comm import serialized_collectives
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
@@ -306,13 +309,48 @@ def add_model_width_options(
     parser.add_argument("--intermediate-size", type=int, default=intermediate_size)
 
 
+def add_overlap_ablation_option(parser: argparse.ArgumentParser) -> None:
+    """``--ablate-overlap``: also time every layout with its collectives serialized."""
+    parser.add_argument(
+        "--ablate-overlap", action="store_true",
+        help="also time every layout with its attention collectives waited for at issue (no overlap), "
+        "alternating step by step with the overlapped steps in the same processes; adds the "
+        "`serial s` and `x serial` columns",
+    )
+
+
+def overlap_modes(step: int, ablate: bool) -> tuple[bool, ...]:
+    """The ``serialized`` flags of one measured step: overlapped only, or both in an order that
+    alternates with ``step`` (neither mode always runs first on a warm cache)."""
+    if not ablate:
+        return (False,)
+    return (False, True) if step % 2 == 0 else (True, False)
+
+
+def serialized_if(serialized: bool) -> AbstractContextManager[None]:
+    """``serialized_collectives()`` when ``serialized``, else nothing."""
+    return serialized_collectives() if serialized else nullcontext()
+
+
+OVERLAP_COLUMNS = [
+    Column("serial s", "serialized_step_time_s", ">8.3f", shown=lambda v: float("nan") if v is None else v),
+    Column("x serial", "overlap_ratio", ">8.3f", shown=lambda v: float("nan") if v is None else v),
+]
+"""Table columns of ``--ablate-overlap``: the serialized step time and overlapped / serialized."""
+
+
+def overlap_ratio(step_time_s: float, serialized_step_time_s: float | None) -> float | None:
+    """Overlapped over serialized step time (< 1: the overlap pays), None without the ablation."""
+    return None if serialized_step_time_s is None else step_time_s / serialized_step_time_s
+
+
 def add_output_options(parser: argparse.ArgumentParser, *, png_help: str | None = None) -> None:
     """``--repeats``, ``--warmup``, ``--json`` and, when ``png_help`` is given, ``--png``."""
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--json", type=Path, default=None, help="write the records to this JSON file")
+    parser.add_argument("--json", type=output_file, default=None, help="write the records to this JSON file")
     if png_help is not None:
-        parser.add_argument("--png", type=Path, default=None, help=png_help)
+        parser.add_argument("--png", type=output_file, default=None, help=png_help)
 
 
 def write_outputs(

@@ -16,7 +16,8 @@ so does ``cp-aware`` (CP-only's topology with ``transport: halo``); ``cp`` all-g
 context shards, as generic context parallelism does.
 
 Per layout it records the median step time over ``repeats`` steps after ``warmup`` (the slowest
-rank), the attention bytes a rank sends per step (context K/V over the CP ring), the peak memory
+rank; with ``--ablate-overlap`` also with the collectives serialized, the two alternating step by
+step in the same processes), the attention bytes a rank sends per step (context K/V over the CP ring), the peak memory
 growth per rank and ``drafter_flops_per_rank``, counted from the rank's actual packet:
 
 * per block row of the packet (dead padding rows included, they are computed) and draft layer:
@@ -45,12 +46,14 @@ from csbp.attention.documents import packed_doc_ids
 from csbp.bench.common import (
     BENCH_DTYPES,
     LAYOUTS,
+    OVERLAP_COLUMNS,
     Column,
     StepSeries,
     add_head_options,
     add_layout_options,
     add_model_width_options,
     add_output_options,
+    add_overlap_ablation_option,
     bench_documents,
     check_device_option,
     check_head_options,
@@ -60,8 +63,11 @@ from csbp.bench.common import (
     layout_transport,
     max_over_ranks,
     measured_step,
+    overlap_modes,
+    overlap_ratio,
     require_parallel,
     select_topologies,
+    serialized_if,
     write_outputs,
 )
 from csbp.bench.measure import attention_flops
@@ -101,6 +107,7 @@ class DFlashBenchConfig:
     seed: int = 0
     doc_length: int | None = None  # mean packed-document length (None: one document per row)
     layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
+    ablate_overlap: bool = False  # also time serialized collectives (``--ablate-overlap``)
 
     def __post_init__(self) -> None:
         check_run_options(self, at_least_one=("samples", "repeats", "anchors", "block_size"))
@@ -169,6 +176,8 @@ class DFlashRecord:
     feature_width: int = 0
     dtype: str = "float32"
     doc_length: int | None = None
+    serialized_step_time_s: float | None = None  # ``--ablate-overlap``: collectives waited for at issue
+    overlap_ratio: float | None = None  # step_time_s / serialized_step_time_s
 
 
 def drafter_step_flops(
@@ -226,7 +235,7 @@ class _LayoutRunner:
         self.samples = range(first, first + per_replica)
         layout = self.plan.layout
         self.context_rows = int(context_positions(cfg.seq_len, layout.cp, layout.cp_rank).numel())
-        self.series = StepSeries()
+        self.series, self.serial_series = StepSeries(), StepSeries()
         self.flops: list[int] = []
         self.attention_bytes = 0
         self.loss_step0 = float("nan")
@@ -240,11 +249,13 @@ class _LayoutRunner:
         return drafter_step_flops(self.drafter.config, packet, self.context_rows, cfg.seq_len)
 
     def step(
-        self, ids_GL: torch.Tensor, doc_ids_GL: torch.Tensor, features_GLF: torch.Tensor, index: int, *, measured: bool
+        self, ids_GL: torch.Tensor, doc_ids_GL: torch.Tensor, features_GLF: torch.Tensor, index: int, *,
+        measured: bool, serialized: bool = False,
     ) -> None:
-        """One timed step over this replica's samples; the slowest rank's time is the step time."""
+        """One timed step over this replica's samples; the slowest rank's time is the step time.
+        ``serialized``: collectives waited for at issue, timed into ``serial_series`` only."""
         layer_ids = tuple(self.drafter.config.target_layer_ids or ())
-        with measured_step(self.ctx.counter) as timed:
+        with measured_step(self.ctx.counter) as timed, serialized_if(serialized):
             self.drafter.zero_grad(set_to_none=True)
             total, values = torch.zeros((), device=self.ctx.device), []
             for sample in self.samples:
@@ -257,6 +268,10 @@ class _LayoutRunner:
                 values.append(out.loss_value)
             total.backward()
             average_gradients(self.drafter.parameters(), self.ctx.world_comm("gradients"))
+        if serialized:
+            if measured:
+                self.serial_series.add(timed)
+            return
         if index == 0:  # every rank of a replica holds its replica's loss; average over replicas
             loss = torch.tensor([sum(values) / len(values)], dtype=torch.float64, device=self.ctx.device)
             dist.all_reduce(loss)
@@ -278,6 +293,7 @@ class _LayoutRunner:
             "peak": float(self.series.peak_bytes),
             "attention_bytes": float(self.attention_bytes),
             "loss_step0": self.loss_step0,
+            "serial_step_time_s": self.serial_series.median_s() if self.serial_series.times_s else float("nan"),
         }
 
 
@@ -297,7 +313,8 @@ def _worker(
         doc_ids_GL = torch.cat([doc_ids(cfg, sample, index) for sample in range(cfg.samples)])
         features_GLF = capture_target_features(target, ids_GL, layer_ids, doc_ids_SL=doc_ids_GL).features
         for runner in runners:
-            runner.step(ids_GL, doc_ids_GL, features_GLF, index, measured=index >= cfg.warmup)
+            for serialized in overlap_modes(index, cfg.ablate_overlap):
+                runner.step(ids_GL, doc_ids_GL, features_GLF, index, measured=index >= cfg.warmup, serialized=serialized)
     return [runner.summary() for runner in runners]
 
 
@@ -342,6 +359,7 @@ def run_dflash_bench(
         per_layout = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s, device=device)
         for name, topology, results in zip(layouts, cell, per_layout, strict=True):
             step = results[0]["step_time_s"]
+            serial = results[0]["serial_step_time_s"] if cfg.ablate_overlap else None
             records.append(
                 DFlashRecord(
                     layout=name,
@@ -368,6 +386,8 @@ def run_dflash_bench(
                     feature_width=cfg.drafter_config().feature_width,
                     dtype=cfg.dtype,
                     doc_length=cfg.doc_length,
+                    serialized_step_time_s=serial,
+                    overlap_ratio=overlap_ratio(step, serial),
                 )
             )
             if progress:
@@ -392,7 +412,8 @@ TABLE_COLUMNS = [
 
 def format_table(records: list[DFlashRecord]) -> str:
     """A text table with each metric and its ratio to CP-only at the same anchors and length."""
-    return format_ratio_table(records, ("anchors", "seq_len"), TABLE_COLUMNS)
+    ablated = any(r.serialized_step_time_s is not None for r in records)
+    return format_ratio_table(records, ("anchors", "seq_len"), TABLE_COLUMNS + (OVERLAP_COLUMNS if ablated else []))
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -419,6 +440,7 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--num-draft-layers", type=int, default=1)
     add_head_options(bench)
     bench.add_argument("--dtype", choices=tuple(BENCH_DTYPES), default="float32")
+    add_overlap_ablation_option(bench)
     add_output_options(bench, png_help="speedup plot (default: --json with suffix .png)")
     bench.set_defaults(func=run_dflash_bench_command)
 
@@ -456,6 +478,7 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         repeats=args.repeats,
         doc_length=args.doc_length,
+        ablate_overlap=args.ablate_overlap,
     )
     write_outputs(
         format_table(records), records, args, plot_group_by="anchors", plot_title="csbp bench dflash"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     from csbp.cli.config_cmd import add_override_argument
+    from csbp.cli.options import positive_float, positive_int
 
     parser = subparsers.add_parser(
         "compare",
@@ -32,9 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--layouts", default="cp,csbp", help="comma-separated layouts from data, cp, bp, csbp (default cp,csbp)"
     )
-    parser.add_argument("--budget-s", type=float, required=True, help="training seconds per layout")
-    parser.add_argument("--points", type=int, default=5, help="equal time intervals to evaluate at (default 5)")
-    parser.add_argument("--nproc", type=int, default=None, help="processes (default: the run's world size)")
+    parser.add_argument("--budget-s", type=positive_float, required=True, help="training seconds per layout")
+    parser.add_argument("--points", type=positive_int, default=5, help="equal time intervals to evaluate at (default 5)")
+    parser.add_argument("--nproc", type=positive_int, default=None, help="processes (default: the run's world size)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default runs/compare-<run.name>)")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted comparison in --out")
     parser.set_defaults(func=run_compare_command)

@@ -2,7 +2,9 @@
 
 ``CONFIG`` is a YAML file or a packaged recipe name. Validation needs no GPU and no data: it
 checks the schema, the topology and the cross-section rules, prints a short summary, and notes
-paths that do not exist yet (not an error: the data may be prepared later). ``--print`` writes
+paths that do not exist yet (not an error: the data may be prepared later). When every input
+exists it also runs the checks ``csbp train`` runs against them (seq_len, vocabulary, mask token,
+rows per step; not the run directory or this machine's devices). ``--print`` writes
 the validated config (every default explicit) as it would be saved to ``<run_dir>/config.yaml``.
 """
 
@@ -45,11 +47,19 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0
+    notes = missing_path_notes(cfg)
+    checked = None
+    if not notes:  # the inputs exist: the data checks `csbp train` runs before starting any process
+        from csbp.training.preflight import check_run
+
+        checked = check_run(cfg, check_device=False).artifact.directory
     print(f"config ok: {args.config}")
     for key, value in summary_rows(cfg):
         print(f"  {key:<10} {value}")
-    for note in missing_path_notes(cfg):
+    for note in notes:
         print(f"  note: {note}")
+    if checked is not None:
+        print(f"  inputs     {checked} fits (seq_len, vocabulary, mask token, rows per step)")
     return 0
 
 
@@ -116,9 +126,15 @@ def missing_path_notes(cfg: RunConfig) -> list[str]:
         "model.init_from": cfg.model.init_from,
         "objective.dflash.target": cfg.objective.dflash.target if cfg.objective.dflash else None,
     }
+    from csbp.training.preflight import artifact_under_cwd
+
     notes = []
     for field, value in inputs.items():
         if value is not None and not Path(value).exists():
-            hint = " (prepare it with `csbp data prepare`)" if field.startswith("data.") else ""
+            nearby = artifact_under_cwd(Path(value)) if field.startswith("data.") else None
+            if nearby is not None:
+                hint = f" (but {nearby} is an artifact: relative paths resolve against the config file's directory)"
+            else:
+                hint = " (prepare it with `csbp data prepare`)" if field.startswith("data.") else ""
             notes.append(f"{field} does not exist yet: {value}{hint}")
     return notes

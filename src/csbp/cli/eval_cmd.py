@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from csbp.cli.generate_cmd import DTYPES
-from csbp.cli.options import device_option, positive_int
+from csbp.cli.options import check_model_directory, device_option, output_file, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ring size per batch (default 1)")
     parser.add_argument("--bp", type=positive_int, default=1, help="block-parallel ranks per batch (default 1)")
-    parser.add_argument("--json", type=Path, default=None, help="also write the report to this JSON file")
+    parser.add_argument("--json", type=output_file, default=None, help="also write the report to this JSON file")
     parser.set_defaults(func=run_eval)
 
 
@@ -78,9 +78,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
-    model_dir: Path = args.model
-    if not model_dir.is_dir():
-        raise ValueError(f"--model {model_dir} is not a directory; pass a HF checkpoint directory (e.g. RUN/final)")
+    model_dir: Path = check_model_directory(args.model)
     artifact = open_artifact(args.data)
     split = artifact.split(args.split)
     if split.num_rows == 0:

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from csbp.cli.options import device_option, positive_int
+from csbp.cli.options import check_model_directory, device_option, positive_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 TOKEN_SHIFT_OBJECTIVES = {"bd3": False, "mdlm": False, "fast_dllm_v2": True}
@@ -128,11 +129,8 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
     if args.window is not None and args.window <= 0:
         raise ValueError(f"--window must be a positive integer, got {args.window}")
-    model_dir: Path = args.model
-    if not model_dir.is_dir():
-        raise ValueError(
-            f"--model {model_dir} is not a directory; pass a HF checkpoint directory (e.g. RUN/final)"
-        )
+    known_words = None if args.known_words is None else KnownWords.load(args.known_words)
+    model_dir: Path = check_model_directory(args.model)
     run_settings = run_objective_settings(model_dir)
     objective = args.objective or run_settings.get("objective", DEFAULT_OBJECTIVE)
     block_size = args.block_size or run_settings.get("block_size", DEFAULT_BLOCK_SIZE)
@@ -183,20 +181,33 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
         f"{elapsed:.2f} s on {device}]"
     )
-    if args.known_words is not None:
-        print(known_words_line(tokenizer.decode(result.token_ids), args.known_words))
+    if known_words is not None:
+        print(known_words.line(tokenizer.decode(result.token_ids)))
     return 0
 
 
-def known_words_line(completion: str, source: str) -> str:
-    """``words found in <source>: k/n (p%)`` for the completion's whitespace-separated words."""
-    from csbp.data.corpus import corpus_words, demo_corpus_files, known_word_fraction
+@dataclass(frozen=True)
+class KnownWords:
+    """The words of ``--known-words`` (a text file or ``demo-corpus``), read before any sampling."""
 
-    if source == "demo-corpus":
-        files = demo_corpus_files()
-    elif Path(source).is_file():
-        files = [Path(source)]
-    else:
-        raise ValueError(f"--known-words {source}: not a text file (or pass demo-corpus)")
-    known, total = known_word_fraction(completion, corpus_words(files))
-    return f"words found in {source}: {known}/{total} ({100.0 * known / max(total, 1):.1f}%)"
+    source: str
+    words: set[str]
+
+    @classmethod
+    def load(cls, source: str) -> KnownWords:
+        from csbp.data.corpus import corpus_words, demo_corpus_files
+
+        if source == "demo-corpus":
+            files = demo_corpus_files()
+        elif Path(source).is_file():
+            files = [Path(source)]
+        else:
+            raise ValueError(f"--known-words {source}: not a text file (fix: pass a text file or demo-corpus)")
+        return cls(source, corpus_words(files))
+
+    def line(self, completion: str) -> str:
+        """``words found in <source>: k/n (p%)`` for the completion's whitespace-separated words."""
+        from csbp.data.corpus import known_word_fraction
+
+        known, total = known_word_fraction(completion, self.words)
+        return f"words found in {self.source}: {known}/{total} ({100.0 * known / max(total, 1):.1f}%)"

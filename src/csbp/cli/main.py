@@ -21,10 +21,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from csbp import __version__
 from csbp.interrupts import Interrupted, sigterm_raises
@@ -48,9 +49,39 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 USER_ERROR_EXIT_CODE = 2
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Help that shows each option's default, ``(default: X)``, unless its text already names one or
+    the default is unset (``None``, ``False``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            not action.option_strings
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or "default" in text
+        ):
+            return action.help
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
+        return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings:  # argparse prints no help line for these
+            action = copy.copy(action)
+            action.help = ""
+            action.help = self._get_help_string(action) or None
+        return super()._format_action(action)
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose usage errors are one line (``csbp train: error: ... (see ... --help)``);
-    sub-parsers inherit the class."""
+    """An ``ArgumentParser`` whose usage errors are one line (``csbp train: error: ... (see ... --help)``)
+    and whose help shows defaults (:class:`DefaultsHelpFormatter`); sub-parsers inherit the class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(USER_ERROR_EXIT_CODE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -87,6 +118,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         if args.debug:
             raise
+        if isinstance(exc, OSError) and exc.errno is not None:  # from the OS: name the file and the fix
+            print(f"csbp: error: {describe_os_error(exc)}", file=sys.stderr)
+            return USER_ERROR_EXIT_CODE
         for line in str(exc).splitlines() or [type(exc).__name__]:
             print(f"csbp: error: {line}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE

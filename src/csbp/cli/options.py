@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
+
+from csbp.atomic import unwritable_reason
 
 
 def device_option(text: str) -> str:
@@ -34,6 +37,46 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
+
+
+def check_model_directory(model_dir: Path) -> Path:
+    """``--model``: a Hugging Face checkpoint directory (``config.json`` + safetensors), such as a run's
+    ``final/``; a ``ValueError`` naming the fix for a run directory, a checkpoint or anything else."""
+    if not model_dir.is_dir():
+        raise ValueError(f"--model {model_dir} is not a directory; pass a HF checkpoint directory (e.g. RUN/final)")
+    if (model_dir / "config.json").is_file():
+        return model_dir
+    if (model_dir / "final" / "config.json").is_file():
+        what = f"is a run directory (fix: --model {model_dir / 'final'}, the model it exported)"
+    elif (model_dir / "trainer_state.json").is_file() or (model_dir / "latest").is_file():
+        what = "holds training checkpoints (fix: pass the run's final/ export, e.g. RUN/final)"
+    else:
+        what = "has no config.json, so it is not a HF checkpoint directory (fix: pass one, e.g. RUN/final)"
+    raise ValueError(f"--model {model_dir} {what}")
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
+
+
+def output_file(text: str) -> Path:
+    """An output file (``--json``, ``--png``, ``plan calibrate --out``) that can be written, checked
+    before any work: not a directory, and its nearest existing parent is a writable directory
+    (missing parents are created when it is written)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory (fix: name a file, e.g. {path / 'out.json'})")
+    problem = unwritable_reason(path.absolute().parent)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text}: {problem} (fix: choose another path)")
+    return path
 
 
 def add_diagonal_option(parser: argparse.ArgumentParser, *, reference: bool = False) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from csbp.atomic import write_json_atomic
 from csbp.cli.config_cmd import add_override_argument
+from csbp.cli.options import output_file, positive_int
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
 from csbp.plan.documents import document_count, draft_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
@@ -64,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=parse_length,
         help="tokens per sample, e.g. 4096, 256K, 1M (default: a run config's)",
     )
-    parser.add_argument("--gpus", type=int, help="devices of the job")
+    parser.add_argument("--gpus", type=positive_int, help="devices of the job")
     parser.add_argument(
         "--gpus-per-node", type=int, default=None, help="devices per node (default: the preset's)"
     )
@@ -93,7 +94,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "one cut at the row's end: what `csbp bench --doc-length N` packs); adds CP-only cp-aware",
     )
     parser.add_argument(
-        "--global-batch", type=int, default=None, help="samples per optimizer step (default dp)"
+        "--global-batch", type=positive_int, default=None, help="samples per optimizer step (default dp)"
     )
     parser.add_argument("--checkpointing", choices=("full", "none", "both"), default="both")
     parser.add_argument(
@@ -116,11 +117,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="calibration JSON (default: packaged, fitted on published runs; cpu: fitted here)",
     )
-    parser.add_argument("--top", type=int, default=10, help="feasible layouts shown (default 10)")
-    parser.add_argument("--json", type=Path, default=None, help="write the full ranking to this JSON file")
+    parser.add_argument("--top", type=positive_int, default=10, help="feasible layouts shown (default 10)")
+    parser.add_argument("--json", type=output_file, default=None, help="write the full ranking to this JSON file")
     add_override_argument(parser)
     parser.set_defaults(func=run_plan)
-    sub = parser.add_subparsers(dest="plan_command", metavar="calibrate")
+    sub = parser.add_subparsers(dest="plan_command", metavar="[calibrate]", title="optional subcommand")
     calibrate = sub.add_parser("calibrate", help="fit the cost model's efficiency factors to benchmark JSON")
     calibrate.add_argument(
         "bench",
@@ -134,7 +135,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="fit on the packaged published CSBP runs (fit: true points) instead",
     )
-    calibrate.add_argument("--out", type=Path, required=True, help="calibration JSON to write")
+    calibrate.add_argument("--out", type=output_file, required=True, help="calibration JSON to write")
     calibrate.add_argument(
         "--fit-max-len",
         type=int,
@@ -173,8 +174,6 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(
             "csbp plan needs --model and --gpus (e.g. --model nemotron-14b --seq-len 256K --gpus 16)"
         )
-    if args.gpus < 1 or args.top < 1:
-        raise ValueError("--gpus and --top must be >= 1")
     workload, config_seq_len = resolve_workload(args.model, args.overrides)
     workload = workload.with_options(
         objective=args.objective,
@@ -258,6 +257,14 @@ def _row(index: str, p: Prediction, workload: Workload, seq_len: int) -> str:
     )
 
 
+def _param_count(count: float) -> str:
+    """``13.51B``, ``2.36M``, ``850K``: billions as the published models are named, smaller units below."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= scale:
+            return f"{count / scale:.2f}{unit}"
+    return f"{count:.0f}"
+
+
 def _documents_note(workload: Workload, seq_len: int) -> str:
     if workload.doc_length is None:
         return ""
@@ -271,7 +278,7 @@ def format_plan(
 ) -> str:
     obj = workload.objective
     lines = [
-        f"csbp plan: {workload.model.name} ({workload.model.total_params / 1e9:.2f}B params, {obj.name}, "
+        f"csbp plan: {workload.model.name} ({_param_count(workload.model.total_params)} params, {obj.name}, "
         f"block {obj.block}) at L={seq_len:,} on {gpus}x{hw.name} ({hw.gpus_per_node}/node)"
         + _documents_note(workload, seq_len),
         f"calibration: {cal.source}",

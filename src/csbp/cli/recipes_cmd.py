@@ -1,4 +1,4 @@
-"""``csbp recipes list | show NAME | copy NAME DEST [--force]``: the packaged run recipes."""
+"""``csbp recipes list | show NAME | copy NAME DEST [--overwrite]``: the packaged run recipes."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     copy = actions.add_parser("copy", help="copy a recipe to a file or directory to edit it")
     copy.add_argument("name", metavar="NAME")
     copy.add_argument("dest", metavar="DEST", help="destination directory or .yaml file")
-    copy.add_argument("--force", action="store_true", help="replace an existing file")
+    copy.add_argument(
+        "--overwrite", "--force", action="store_true", dest="force",
+        help="replace an existing file (--force is the same flag)",
+    )
     copy.set_defaults(func=run_copy)
 
 

@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="stop after global step N (schedule unchanged)",
+        help="stop after global step N <= train.max_steps (the schedule still spans train.max_steps)",
     )
     parser.add_argument(
         "--nproc",

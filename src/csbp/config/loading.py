@@ -60,7 +60,7 @@ def load_config(
         raise FileNotFoundError(f"config file not found: {path}")
     source = source if source is not None else str(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
         raise ConfigError([f"{source}: invalid YAML: {_yaml_problem(exc)}"]) from exc
     if data is None:
@@ -324,6 +324,25 @@ def _deep_copy_mappings(data: dict[str, Any]) -> dict[str, Any]:
     return {
         key: _deep_copy_mappings(value) if isinstance(value, dict) else value for key, value in data.items()
     }
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last
+    silently: a second ``train:`` section would drop every field of the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[object, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {seen[key]}; fix: merge the two)",
+                    key_node.start_mark,
+                )
+            if isinstance(key, str):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

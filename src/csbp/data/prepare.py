@@ -45,7 +45,13 @@ from csbp.data.artifact import (
 )
 from csbp.data.packing import PackedSplitWriter, SplitCounts, encode_documents
 from csbp.data.sources import Document, TxtMode, expand_inputs, iter_documents
-from csbp.data.tokenizer import CsbpTokenizer, SpecialTokens, load_tokenizer, train_bpe_tokenizer
+from csbp.data.tokenizer import (
+    CsbpTokenizer,
+    SpecialTokens,
+    load_tokenizer,
+    min_trained_vocab_size,
+    train_bpe_tokenizer,
+)
 
 ENCODE_CHUNK_DOCUMENTS = 256
 ARTIFACT_OWNERSHIP = Ownership(
@@ -95,6 +101,11 @@ class PrepareConfig:
             raise ValueError("give exactly one of --tokenizer DIR or --train-tokenizer --vocab-size N")
         if self.train_tokenizer and self.vocab_size is None:
             raise ValueError("--train-tokenizer needs --vocab-size N")
+        if self.train_tokenizer and self.vocab_size is not None and self.vocab_size < min_trained_vocab_size(self.special):
+            raise ValueError(
+                f"--vocab-size {self.vocab_size} is too small: a byte-level BPE needs at least "
+                f"{min_trained_vocab_size(self.special)} (256 bytes + special tokens)"
+            )
         if self.vocab_size is not None and not self.train_tokenizer:
             raise ValueError(
                 "--vocab-size only applies with --train-tokenizer; drop it when using --tokenizer"
@@ -113,6 +124,8 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         raise ValueError(f"output {out_dir} already exists; choose another --out or pass --overwrite")
     out_dir = check_replaceable(out_dir, ARTIFACT_OWNERSHIP)
     files = expand_inputs(config.inputs)
+    # A given tokenizer (path, special tokens) is checked before the inputs are read.
+    given = load_tokenizer(config.tokenizer_path, special=config.special) if config.tokenizer_path is not None else None
 
     num_documents, num_empty = _count_documents(files, config.txt_mode)
     if num_documents == 0:
@@ -120,7 +133,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     val_ordinals = _choose_val_documents(num_documents, config.val_fraction, config.seed)
     say(f"{num_documents} documents ({len(val_ordinals)} val), {num_empty} empty skipped")
 
-    tokenizer = _get_tokenizer(config, files, val_ordinals, say)
+    tokenizer = given if given is not None else _train_tokenizer(config, files, val_ordinals, say)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     build_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -158,11 +171,9 @@ def _choose_val_documents(num_documents: int, val_fraction: float, seed: int) ->
     return frozenset(int(i) for i in order[:num_val])
 
 
-def _get_tokenizer(
+def _train_tokenizer(
     config: PrepareConfig, files: list[Path], val_ordinals: frozenset[int], say: Callable[[str], None]
 ) -> CsbpTokenizer:
-    if config.tokenizer_path is not None:
-        return load_tokenizer(config.tokenizer_path, special=config.special)
     assert config.vocab_size is not None  # checked in PrepareConfig
     say(f"training a byte-level BPE tokenizer, vocab_size {config.vocab_size}")
     train_texts = (

@@ -101,8 +101,8 @@ class CsbpTokenizer:
                     return int(token_id)
             if required:
                 raise ValueError(
-                    f"tokenizer {source} has no {field} token {getattr(special, field)!r}; add it to the "
-                    f"tokenizer or name an existing token (SpecialTokens.{field} / --{field}-token)"
+                    f"tokenizer {source} has no {field} token {getattr(special, field)!r} (fix: add it to the "
+                    f"tokenizer, or name an existing token with --{field}-token)"
                 )
             return None
 

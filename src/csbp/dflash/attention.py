@@ -24,9 +24,10 @@ block rows, and the layer index; it returns ``[S, Hq, N, d]`` in the dtype of ``
   With the *context exchange* (``csbp.dflash.exchange``: packed documents, a plan per layer kind
   built once per sample and step) the all-gather is replaced by one variable-split all-to-all of
   only the context rows some anchor of the receiver may see (``csbp.attention.transports.window``'s
-  ``send_halo``); the context partial runs over ``[my context rows ; received rows]``, and its
-  backward returns each received row's dK/dV to its owner, which adds it (``return_halo_grads``,
-  ``add_halo_grads``). The all-to-all is blocking, so nothing overlaps it.
+  ``send_halo``), started asynchronously and overlapped with the block partial as the all-gather
+  is; the context partial runs over ``[my context rows ; received rows]``, and its backward returns
+  each received row's dK/dV to its owner (``return_halo_grads``, overlapped with the
+  block-diagonal backward), which adds it (``add_halo_grads``).
 
 Shape legend: ``S`` samples, ``Hq``/``Hkv`` heads, ``N`` block rows, ``M`` local context rows,
 ``P`` ring size, ``d`` head dim.
@@ -244,18 +245,22 @@ class _ShardedDraftAttention(torch.autograd.Function):
         variant = plan.variants[plan.layer_variant[layer_index]]
         ring = _ring(plan)
         pending = None
-        if variant.exchange is not None:  # [2, S, Hkv, M + n_recv, d]: my rows, then the received ones
+        if variant.exchange is not None:
             assert ring is not None
-            kv_all = torch.cat((torch.stack((k_ctx, v_ctx)), send_halo(k_ctx, v_ctx, variant.exchange, ring)), dim=3)
+            pending = send_halo(k_ctx, v_ctx, variant.exchange, ring)
         else:
             gathered = torch.stack((k_ctx, v_ctx)).permute(3, 0, 1, 2, 4).contiguous()  # [M, 2, S, Hkv, d]
             if ring is not None:
                 gathered, pending = ring.all_gather(gathered, async_op=True)
-        out_blk, lse_blk = variant.block_plan.forward(q, k_blk, v_blk)
+        out_blk, lse_blk = variant.block_plan.forward(q, k_blk, v_blk)  # overlaps the collective
         live = plan.live.to(q.device)
         out_blk = torch.where(live[:, None], out_blk, 0.0)
         lse_blk = torch.where(live, lse_blk, float("-inf"))
-        if variant.exchange is None:
+        if variant.exchange is not None:  # [2, S, Hkv, M + n_recv, d]: my rows, then the received ones
+            assert pending is not None
+            kv_all = torch.cat((torch.stack((k_ctx, v_ctx)), pending.wait()), dim=3)
+            pending = None  # free the received rows: kv_all holds them
+        else:
             if pending is not None:
                 gathered = pending.wait()
             kv_all = gathered.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, P*M, d]
@@ -278,15 +283,17 @@ class _ShardedDraftAttention(torch.autograd.Function):
             assert ring is not None
             own = ctx.num_own
             grad_halo = torch.stack((dk_all[:, :, own:], dv_all[:, :, own:]))  # [2, S, Hkv, n_recv, d]
-            grad_sent = return_halo_grads(grad_halo, variant.exchange, ring)
-            dk_ctx, dv_ctx = dk_all[:, :, :own], dv_all[:, :, :own]
-            add_halo_grads(dk_ctx, dv_ctx, grad_sent, variant.exchange)
+            pending = return_halo_grads(grad_halo, variant.exchange, ring)
         else:
             dkv_local = torch.stack((dk_all, dv_all)).permute(3, 0, 1, 2, 4).contiguous()  # [P*M, 2, S, Hkv, d]
             if ring is not None:
                 dkv_local, pending = ring.reduce_scatter(dkv_local, async_op=True)
         dq_blk, dk_blk, dv_blk = variant.block_plan.backward(q, k_blk, v_blk, out, lse, dout, delta=delta)
-        if variant.exchange is None:
+        if variant.exchange is not None:
+            assert pending is not None
+            dk_ctx, dv_ctx = dk_all[:, :, : ctx.num_own], dv_all[:, :, : ctx.num_own]
+            add_halo_grads(dk_ctx, dv_ctx, pending.wait(), variant.exchange)
+        else:
             if pending is not None:
                 dkv_local = pending.wait()
             dk_ctx, dv_ctx = dkv_local.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, M, d] -> K, V

@@ -22,8 +22,8 @@ union of the live block rows' context intervals of ``d``'s anchor packet
 * ``transport: halo`` also plans samples with a single document (a ring member then receives
   only the rows before its last anchor);
 * and in every case only when the plan moves strictly fewer rows over the ring than the
-  all-gather (``cp·(cp−1)·L/cp`` rows); otherwise the all-gather, which overlaps the block
-  partial, is kept. Every ring member evaluates the rule on the same data, so all of them pick
+  all-gather (``cp·(cp−1)·L/cp`` rows); otherwise the all-gather is kept. Both collectives
+  overlap the block partial (forward) and the block-diagonal backward. Every ring member evaluates the rule on the same data, so all of them pick
   the same collective.
 
 A sample with one document under the default transport is unchanged: same collectives, same bytes.

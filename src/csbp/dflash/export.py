@@ -88,7 +88,7 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
     """Parse a drafter ``config.json`` (one-line ``ValueError`` for anything missing or foreign)."""
     architectures = hf.get("architectures") or []
     if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
-        raise ValueError(f"config.json architectures {architectures!r} is not one of {list(ARCHITECTURES)}")
+        raise ValueError(f"architectures {architectures!r} is not a DFlash drafter's (one of {list(ARCHITECTURES)})")
     for key in (
         "block_size",
         "num_target_layers",
@@ -167,7 +167,10 @@ def load_dflash(
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{directory} is not a DFlash drafter directory: config.json not found")
-    config = dflash_config_from_hf(read_json_object(config_file))
+    try:
+        config = dflash_config_from_hf(read_json_object(config_file))
+    except ValueError as exc:  # say which file; a target passed as --drafter is the usual cause
+        raise ValueError(f"{config_file}: {exc} (fix: pass a `csbp dflash export` directory)") from None
     validate_drafter_target(config, target.config)
     weights_file = directory / "model.safetensors"
     if not weights_file.is_file():

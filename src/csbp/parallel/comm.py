@@ -30,8 +30,14 @@ current GPU for NCCL, the CPU for gloo). It is checked on every call, also in gr
 so a CPU tensor meant for NCCL fails on a one-GPU run with one line, not on the first multi-GPU
 run.
 
-Bytes are counted when an operation is issued, also for asynchronous ones; ``Pending.wait()``
-returns the result.
+Asynchronous operations (``async_op=True`` of all-gather, reduce-scatter and all-to-all, the
+``*_async`` methods) return a ``Pending``; bytes are counted when an operation is issued, and
+``Pending.wait()`` returns the result. On CUDA the backend runs the transfer on its own stream:
+``wait()`` makes the *current* stream wait for it (no host sync), and the ``Pending`` keeps the
+buffers the backend reads alive until then (the caller must not modify them before ``wait()``).
+Inside ``serialized_collectives()`` every one of them is waited for when issued: the same
+transfers and bytes with no overlap, the ablation ``csbp bench attention|dflash --ablate-overlap``
+times against the overlapped run.
 
 The collectives are data movement only (no autograd); transports wrap them in their own
 ``autograd.Function``s whose backward calls the mirror collective.
@@ -41,6 +47,9 @@ Usage::
     counter = TrafficCounter()
     comm = Comm(ring_group, counter, category="attention.kv")
     kv_all, _ = comm.all_gather(kv_shard)              # [P*n, ...] in group-rank order
+    rows, pending = comm.all_to_all(send, send_splits, recv_splits, async_op=True)
+    ...                                                # compute that does not need ``rows``
+    rows = pending.wait()
     handle = comm.ring_shift_async(kv_block)           # overlap compute, then
     kv_next = handle.wait()
     counter.bytes("attention.kv")
@@ -62,6 +71,29 @@ from csbp.devices import backend_device, same_device
 # ``*_tensor`` spellings still work but warn); keep the old ones for older torch builds.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_serialized_depth = 0  # > 0 inside serialized_collectives()
+
+
+@contextmanager
+def serialized_collectives() -> Iterator[None]:
+    """Inside, every asynchronous ``Comm`` operation (``async_op=True``, ``*_async``) waits for its
+    transfer before returning its ``Pending``, so no compute overlaps it (an ablation: what the
+    transports' overlap buys). Values and counted bytes are unchanged."""
+    global _serialized_depth
+    _serialized_depth += 1
+    try:
+        yield
+    finally:
+        _serialized_depth -= 1
+
+
+def _issued(pending: Pending) -> Pending:
+    """``pending``, already waited for inside ``serialized_collectives()``."""
+    if _serialized_depth:
+        pending.wait()
+    return pending
+
 
 RECOMPUTE_PREFIX = "recompute."
 """Counter categories of collectives re-issued by activation-checkpointing recomputation."""
@@ -120,9 +152,10 @@ class TrafficCounter:
 class Pending:
     """An issued asynchronous operation: ``wait()`` blocks, finishes it and returns its tensor.
 
-    Wraps the backend ``Work`` handles plus the post-processing that must run after them, and
-    keeps the tensors the backend still reads (``keepalive``, e.g. a contiguous copy of the send
-    buffer) alive until then. Calling ``wait()`` again returns the same tensor.
+    Wraps the backend ``Work`` handles plus the post-processing that must run after them
+    (``finish``; ``then`` chains more), and keeps the tensors the backend still reads
+    (``keepalive``, e.g. a contiguous copy of the send buffer) alive until then. Calling
+    ``wait()`` again returns the same tensor.
     """
 
     def __init__(
@@ -138,13 +171,23 @@ class Pending:
         self._keepalive = keepalive
         self._done = False
 
+    @property
+    def done(self) -> bool:
+        """Whether ``wait()`` has run (inside ``serialized_collectives()``: at issue)."""
+        return self._done
+
+    def then(self, finish: Callable[[Tensor], Tensor]) -> Pending:
+        """A ``Pending`` whose ``wait()`` waits for this one and returns ``finish`` of its result
+        (post-processing, e.g. a reordering of received rows, that must run after the transfer)."""
+        return Pending([], self._result, lambda _: finish(self.wait()))
+
     def wait(self) -> Tensor:
         if not self._done:
             for work in self._works:
                 work.wait()
             if self._finish is not None:
                 self._result = self._finish(self._result)
-            self._keepalive = ()
+            self._works, self._finish, self._keepalive = [], None, ()  # free what only the transfer needed
             self._done = True
         return self._result
 
@@ -222,12 +265,12 @@ class Comm:
         """
         self._check_device("all_gather", shard)
         if self.size == 1:
-            return shard, (Pending([], shard) if async_op else None)
+            return shard, (_issued(Pending([], shard)) if async_op else None)
         shard = shard.contiguous()
         out = shard.new_empty((self.size * shard.shape[0], *shard.shape[1:]))
         work = _all_gather_single(out, shard, group=self.group, async_op=async_op)
         self._count(category, (self.size - 1) * _nbytes(shard))
-        return out, (Pending([work], out, keepalive=(shard,)) if async_op else None)
+        return out, (_issued(Pending([work], out, keepalive=(shard,))) if async_op else None)
 
     def reduce_scatter(
         self, full: Tensor, async_op: bool = False, *, category: str | None = None
@@ -243,26 +286,31 @@ class Comm:
                 f"got shape {tuple(full.shape)}"
             )
         if self.size == 1:
-            return full, (Pending([], full) if async_op else None)
+            return full, (_issued(Pending([], full)) if async_op else None)
         full = full.contiguous()
         out = full.new_empty((full.shape[0] // self.size, *full.shape[1:]))
         work = _reduce_scatter_single(out, full, group=self.group, async_op=async_op)
         self._count(category, (self.size - 1) * _nbytes(out))
-        return out, (Pending([work], out, keepalive=(full,)) if async_op else None)
+        return out, (_issued(Pending([work], out, keepalive=(full,))) if async_op else None)
 
     def all_to_all(
         self,
         send: Tensor,
         send_splits: list[int],
         recv_splits: list[int],
+        async_op: bool = False,
         *,
         category: str | None = None,
-    ) -> Tensor:
+    ) -> tuple[Tensor, Pending | None]:
         """Exchange variable-size row ranges: rows ``send_splits[d]`` go to group rank ``d``.
 
         ``send [sum(send_splits), ...]`` holds the rows for rank 0, then rank 1, ...; the result
         ``[sum(recv_splits), ...]`` holds the rows from rank 0, then rank 1, ... ``recv_splits[s]``
         must equal what rank ``s`` sends here. Zero splits are allowed; trailing shapes must agree.
+
+        Returns ``(out, pending)`` like ``all_gather``: ``pending`` is None unless ``async_op``, and
+        ``out`` is only valid after ``pending.wait()`` (the send buffer is kept alive until then;
+        the caller must not modify ``send`` before it). For ``P == 1`` ``out`` is ``send``.
         """
         self._check_device("all_to_all", send)
         if len(send_splits) != self.size or len(recv_splits) != self.size:
@@ -278,14 +326,14 @@ class Comm:
         if self.size == 1:
             if recv_splits != send_splits:
                 raise ValueError(f"one rank receives what it sends: recv_splits {recv_splits} != send_splits")
-            return send
+            return send, (_issued(Pending([], send)) if async_op else None)
         send = send.contiguous()
         recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=async_op)
         row_bytes = _row_numel(send) * send.element_size()
         rows_to_others = sum(s for d, s in enumerate(send_splits) if d != self.rank)
         self._count(category, rows_to_others * row_bytes)
-        return recv
+        return recv, (_issued(Pending([work], recv, keepalive=(send,))) if async_op else None)
 
     def ring_shift_async(self, send: Tensor, direction: int = -1, *, category: str | None = None) -> Pending:
         """Send ``send`` to group rank ``(rank + direction) % P`` and receive the same-shaped tensor
@@ -296,7 +344,7 @@ class Comm:
         """
         self._check_device("ring_shift", send)
         if self.size == 1:
-            return Pending([], send)
+            return _issued(Pending([], send))
         send = send.contiguous()
         recv = torch.empty_like(send)
         ops = [
@@ -307,7 +355,7 @@ class Comm:
             ops.reverse()
         works = dist.batch_isend_irecv(ops)
         self._count(category, _nbytes(send))
-        return Pending(works, recv, keepalive=(send,))
+        return _issued(Pending(works, recv, keepalive=(send,)))
 
     def ring_shift(self, send: Tensor, direction: int = -1, *, category: str | None = None) -> Tensor:
         """Synchronous ``ring_shift_async``: returns the tensor received from the opposite neighbour."""
@@ -332,12 +380,12 @@ class Comm:
         """Start an in-place ``all_reduce`` of ``t``; ``wait()`` returns ``t`` reduced (counted like
         ``all_reduce`` when issued)."""
         if self.size == 1:
-            return Pending([], t)
+            return _issued(Pending([], t))
         if not t.is_contiguous():
             raise ValueError("all_reduce works in place and needs a contiguous tensor; pass t.contiguous()")
         work = dist.all_reduce(t, op=op, group=self.group, async_op=True)
         self._count(category, 2 * (self.size - 1) * _nbytes(t) // self.size)
-        return Pending([work], t)
+        return _issued(Pending([work], t))
 
     def broadcast(self, t: Tensor, src_group_rank: int, *, category: str | None = None) -> Tensor:
         """Overwrite ``t`` **in place** with group rank ``src_group_rank``'s tensor and return it."""

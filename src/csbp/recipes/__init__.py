@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
+from csbp.atomic import unwritable_reason
 from csbp.config import RunConfig, load_config
 
 _SUFFIX = ".yaml"
@@ -56,7 +57,10 @@ def copy_recipe(name: str, dest: str | Path, *, overwrite: bool = False) -> Path
     dest = Path(dest)
     target = dest / (name + _SUFFIX) if dest.is_dir() or dest.suffix not in (".yaml", ".yml") else dest
     if target.exists() and not overwrite:
-        raise ValueError(f"{target} already exists (fix: pass --force, or choose another destination)")
+        raise ValueError(f"{target} already exists (fix: pass --overwrite, or choose another destination)")
+    problem = unwritable_reason(target.parent)
+    if problem is not None:
+        raise ValueError(f"{target}: {problem} (fix: choose another destination)")
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
     return target

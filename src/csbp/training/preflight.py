@@ -22,12 +22,15 @@ Every problem is a ``ValueError`` with one line ``field: message (fix: ...)``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from csbp.atomic import unwritable_reason
+from csbp.attention.backends import check_backend_trains_on
 from csbp.config.schema import RunConfig
 from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit, max_token_id, open_artifact
 from csbp.data.tokenizer import load_tokenizer, special_tokens_from_names
@@ -89,11 +92,15 @@ def check_run(
     resume: bool = False,
     stop_step: int | None = None,
     warn: Callable[[str], None] | None = None,
+    check_device: bool = True,
 ) -> RunInputs:
     """Validate ``cfg`` against its data (and ``run_dir`` when given: ``resume`` and the step this
     invocation stops after, default ``train.max_steps``); see the module docstring. ``warn``
-    receives non-fatal findings (a damaged newest checkpoint that a resume skips)."""
+    receives non-fatal findings (a damaged newest checkpoint that a resume skips). ``check_device``:
+    also refuse an attention backend that cannot train on this machine (off for offline validation)."""
     _check_objective_layout(cfg)
+    if check_device:
+        check_backend_trains_on(cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu")
     artifact = _open_checked(cfg.data.train, "data.train", cfg.data.seq_len)
     tokenizer_dir = artifact.directory
     if cfg.data.tokenizer is not None:
@@ -187,19 +194,13 @@ def check_run_dir(
 
 def check_writable_directory(path: Path, flag: str) -> None:
     """``ValueError`` unless ``path`` is a directory, or can be created as one, that this user may
-    write (nothing is created here)."""
+    write (nothing is left behind)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{flag} {path}: exists and is not a directory (fix: choose another path)")
-    existing = path
-    while not existing.exists():
-        if existing.parent == existing:
-            break
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"{flag} {path}: {existing} is not a directory (fix: choose another path)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: {existing} is not writable (fix: choose a directory you can write)")
+    problem = unwritable_reason(path)
+    if problem is not None:
+        raise ValueError(f"{flag} {path}: {problem} (fix: choose a directory you can write)")
 
 
 def _check_objective_layout(cfg: RunConfig) -> None:
@@ -219,6 +220,12 @@ def _check_objective_layout(cfg: RunConfig) -> None:
 def _open_checked(directory: str, field: str, seq_len: int) -> Artifact:
     path = Path(directory)
     if not (path / "manifest.json").is_file():
+        nearby = artifact_under_cwd(path)
+        if nearby is not None:
+            raise ValueError(
+                f"{field}: {path} is not a prepared data artifact, but {nearby} is (relative paths in a config "
+                f"file resolve against the file's directory) (fix: set {field}: {nearby})"
+            )
         raise ValueError(
             f"{field}: {path} is not a prepared data artifact (fix: run `csbp data prepare ... --out {path}`)"
         )
@@ -229,6 +236,17 @@ def _open_checked(directory: str, field: str, seq_len: int) -> Artifact:
             f"(fix: set data.seq_len: {artifact.seq_len}, or re-run csbp data prepare --seq-len {seq_len})"
         )
     return artifact
+
+
+def artifact_under_cwd(path: Path) -> Path | None:
+    """An artifact in the working directory at one of ``path``'s last few components (``artifacts/x``
+    for ``/elsewhere/configs/artifacts/x``), the usual result of a copied config in another directory."""
+    parts = path.parts
+    for count in range(1, min(len(parts) - 1, 4) + 1):
+        candidate = Path.cwd() / Path(*parts[-count:])
+        if candidate != path and (candidate / "manifest.json").is_file():
+            return candidate
+    return None
 
 
 def _val_split(cfg: RunConfig, artifact: Artifact) -> ArtifactSplit | None:

@@ -123,7 +123,12 @@ def stop_step_of(cfg: RunConfig, max_steps: int | None) -> int:
     """The global step this invocation stops after."""
     if max_steps is not None and max_steps < 1:
         raise ValueError(f"--max-steps: {max_steps} must be >= 1")
-    return cfg.train.max_steps if max_steps is None else min(max_steps, cfg.train.max_steps)
+    if max_steps is not None and max_steps > cfg.train.max_steps:
+        raise ValueError(
+            f"--max-steps: {max_steps} is past the schedule's end, train.max_steps={cfg.train.max_steps} "
+            f"(fix: --set train.max_steps={max_steps} to train longer, or --max-steps <= {cfg.train.max_steps})"
+        )
+    return cfg.train.max_steps if max_steps is None else max_steps
 
 
 def training_device() -> torch.device:

@@ -4,17 +4,18 @@ With a window ``W`` a rank's queries need only a narrow halo of clean rows from 
 members. ``layouts.window_exchange_plan`` fixes, per ring, which clean rows each member sends to
 each other member; this transport executes it:
 
-* forward: gather the rows I send (destination-major, index built once) from my clean K/V, one
-  ``all_to_all`` of K and V together, sort the received rows by clean position (permutation built
-  once), local partial (queries x own rows) and halo partial (queries x received rows), merge;
-* backward: halo-partial backward from the final ``(out, lse)``, un-sort, the reverse all-to-all
-  returns each received row's dK/dV to its owner, which adds them at the sent rows
-  (``index_add_``: a row sent to several members gets every contribution), then the local
-  backward.
+* forward: gather the rows I send (destination-major, index built once) from my clean K/V, start
+  one asynchronous ``all_to_all`` of K and V together, local partial (queries x own rows: it needs
+  no received row, so it overlaps the transfer), wait, sort the received rows by clean position
+  (permutation built once), halo partial (queries x received rows), merge;
+* backward: halo-partial backward from the final ``(out, lse)``, un-sort, start the reverse
+  all-to-all that returns each received row's dK/dV to its owner, local backward (overlapping
+  it), wait, add the returned dK/dV at the sent rows (``index_add_``: a row sent to several
+  members gets every contribution).
 
-The all-to-all of ``Comm`` is blocking, so there is no compute to overlap it with. Traffic is the
-halo only: strictly below the collective transport's full shard whenever ``W`` is smaller than
-the shard.
+This is the overlap of the collective transport (async all-gather / reduce-scatter around the
+local partial). Traffic is the halo only: strictly below the collective transport's full shard
+whenever ``W`` is smaller than the shard.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from csbp.attention.transports.local import (
     local_attention_backward,
     local_attention_forward,
 )
-from csbp.parallel.comm import Comm
+from csbp.parallel.comm import Comm, Pending
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,8 +77,9 @@ class WindowAttentionPlan:
 
 def window_forward(q: Tensor, k: Tensor, v: Tensor, plan: WindowAttentionPlan) -> tuple[Tensor, Tensor, Tensor]:
     """``(out [S, Hq, N, d], lse [S, Hq, N], halo_kv [2, S, Hkv, n_recv, d])``."""
-    halo_kv = send_halo(k, v, plan.exchange, plan.comm)
-    out, lse = local_attention_forward(q, k, v, plan.local)
+    pending = send_halo(k, v, plan.exchange, plan.comm)
+    out, lse = local_attention_forward(q, k, v, plan.local)  # overlaps the all-to-all
+    halo_kv = pending.wait()
     if plan.halo_plan is not None:
         out_halo, lse_halo = plan.halo_plan.forward(q, halo_kv[0], halo_kv[1])
         out, lse = merge_partials(out, lse, out_halo, lse_halo)
@@ -100,11 +102,11 @@ def window_backward(
         grad_halo = torch.stack([dk_halo, dv_halo])  # [2, S, Hkv, n_recv, d], sorted
     else:
         grad_halo = halo_kv.new_zeros(halo_kv.shape, dtype=dtype)
-    grad_sent = return_halo_grads(grad_halo, exchange, plan.comm)
-    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local)
+    pending = return_halo_grads(grad_halo, exchange, plan.comm)
+    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local)  # overlaps the all-to-all
     if dq_halo is not None:
         dq += dq_halo
-    add_halo_grads(dk, dv, grad_sent, exchange)
+    add_halo_grads(dk, dv, pending.wait(), exchange)
     return dq, dk, dv
 
 
@@ -131,22 +133,25 @@ def build_window_exchange(
     )
 
 
-def send_halo(k: Tensor, v: Tensor, exchange: WindowExchange, comm: Comm) -> Tensor:
-    """The forward all-to-all: ``k, v [S, Hkv, n, d]`` -> the received rows ``[2, S, Hkv, n_recv, d]``
-    sorted by position (K then V)."""
+def send_halo(k: Tensor, v: Tensor, exchange: WindowExchange, comm: Comm) -> Pending:
+    """Start the forward all-to-all of ``k, v [S, Hkv, n, d]``; ``wait()`` returns the received rows
+    ``[2, S, Hkv, n_recv, d]`` sorted by position (K then V)."""
     send = torch.stack([k.index_select(2, exchange.send_index), v.index_select(2, exchange.send_index)])
-    received = comm.all_to_all(
-        send.movedim(3, 0), exchange.send_counts, exchange.recv_counts
+    _, pending = comm.all_to_all(
+        send.movedim(3, 0), exchange.send_counts, exchange.recv_counts, async_op=True
     )  # [n_recv, 2, S, Hkv, d], source-major
-    return received.index_select(0, exchange.recv_order).movedim(0, 3).contiguous()
+    assert pending is not None
+    return pending.then(lambda received: received.index_select(0, exchange.recv_order).movedim(0, 3).contiguous())
 
 
-def return_halo_grads(grad_halo: Tensor, exchange: WindowExchange, comm: Comm) -> Tensor:
-    """The backward all-to-all: the received rows' dK/dV ``[2, S, Hkv, n_recv, d]`` (sorted) go back to
-    their owners; returns what came back for my sent rows, ``[2, S, Hkv, n_send, d]`` (destination-major)."""
+def return_halo_grads(grad_halo: Tensor, exchange: WindowExchange, comm: Comm) -> Pending:
+    """Start the backward all-to-all: the received rows' dK/dV ``[2, S, Hkv, n_recv, d]`` (sorted) go
+    back to their owners; ``wait()`` returns what came back for my sent rows,
+    ``[2, S, Hkv, n_send, d]`` (destination-major)."""
     grad_received = grad_halo.index_select(3, exchange.recv_inverse).movedim(3, 0)  # [n_recv, 2, S, Hkv, d]
-    grad_sent = comm.all_to_all(grad_received, exchange.recv_counts, exchange.send_counts)  # [n_send, ...]
-    return grad_sent.movedim(0, 3)
+    _, pending = comm.all_to_all(grad_received, exchange.recv_counts, exchange.send_counts, async_op=True)
+    assert pending is not None
+    return pending.then(lambda grad_sent: grad_sent.movedim(0, 3))  # [n_send, ...] -> [2, S, Hkv, n_send, d]
 
 
 def add_halo_grads(dk: Tensor, dv: Tensor, grad_sent: Tensor, exchange: WindowExchange) -> None:
