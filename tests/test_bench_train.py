@@ -124,10 +124,11 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
 
 @pytest.mark.multiprocess
 def test_documents_run_every_layout_with_equal_loss_and_less_traffic() -> None:
-    """``--doc-length``: the same step-0 loss in cp, cp-aware, csbp and bp on packed documents; the
-    mask-aware layouts send less than generic CP."""
+    """``--doc-length``: the same step-0 loss in cp, cp-aware, csbp and bp (and their balanced block
+    schedule) on packed documents; the mask-aware layouts send less than generic CP."""
     records = run_train_bench(
-        [64], objectives=["bd3"], layouts=["cp", "cp-aware", "csbp", "bp"], nproc=2, doc_length=8,
+        [64], objectives=["bd3"], layouts=["cp", "cp-aware", "csbp", "bp", "csbp-balanced", "bp-balanced"], nproc=2,
+        doc_length=8,
         repeats=1, warmup=0,
     )
     by_layout = {r.layout: r for r in records}

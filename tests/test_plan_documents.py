@@ -195,7 +195,12 @@ def test_short_documents_make_the_all_gather_useless() -> None:
         assert kv(plain, gather).kv_bytes == kv(docs, gather).kv_bytes
 
     def best(workload):
-        layouts = [lay for lay in candidate_layouts(workload, gpus, seq_len) if lay.checkpointing == "full"]
+        # the dual-end schedule: with the balanced one an intra-node streaming ring, whose traffic the
+        # model hides behind attention, can win by balance alone (tests/test_schedule_balanced.py)
+        layouts = [
+            lay for lay in candidate_layouts(workload, gpus, seq_len)
+            if lay.checkpointing == "full" and lay.schedule == "dual_end"
+        ]
         return rank_layouts(workload, layouts, seq_len, hw, cal).best.layout
 
     without, with_docs = best(plain), best(docs)

@@ -3,6 +3,10 @@
 * ``dual_end_schedule`` (csbp.md §7): pairs block ``i`` with block ``N-1-i`` so that every pair
   costs ``N-1`` under the BD3 cost proxy ``cost(worker) = sum of owned block indices``;
 * ``contiguous_schedule``: the even contiguous split, kept for ablations;
+* ``balanced_schedule``: packed documents (docs/document-masking.md) make a block's cost its
+  document prefix, not its index; this starts from dual-end over runs of blocks and swaps runs
+  away from the heaviest rank while that lowers it, so every rank's attention work nears the mean. ``csbp.attention.counts.document_schedule`` feeds it the
+  document-mask costs; without documents the ``balanced`` policy *is* ``dual_end``;
 * ``zigzag_positions`` (csbp.md §8): CP rank ``c`` owns chunks ``c`` and ``2*cp-1-c`` of a
   sequence cut into ``2*cp`` equal chunks.
 
@@ -14,6 +18,7 @@ without communicating. The module imports no torch (the cost model of ``csbp.pla
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -22,7 +27,8 @@ import numpy as np
 if TYPE_CHECKING:
     from torch import Tensor
 
-SchedulePolicy = Literal["dual_end", "contiguous"]
+SchedulePolicy = Literal["dual_end", "contiguous", "balanced"]
+SCHEDULES: tuple[str, ...] = ("dual_end", "contiguous", "balanced")
 
 
 @dataclass(frozen=True)
@@ -126,12 +132,76 @@ def contiguous_schedule(num_blocks: int, num_workers: int) -> BlockSchedule:
 @functools.lru_cache(maxsize=64)
 def block_schedule(num_blocks: int, num_workers: int, policy: SchedulePolicy = "dual_end") -> BlockSchedule:
     """The schedule named by ``policy`` (``"dual_end"`` or ``"contiguous"``); cached (immutable), since
-    every rank's layout asks for the same one."""
-    if policy == "dual_end":
+    every rank's layout asks for the same one. ``"balanced"`` without per-block costs (one document
+    per row) is ``dual_end``: a block's cost is then its index, which dual-end already balances."""
+    if policy in ("dual_end", "balanced"):
         return dual_end_schedule(num_blocks, num_workers)
     if policy == "contiguous":
         return contiguous_schedule(num_blocks, num_workers)
-    raise ValueError(f"schedule policy must be 'dual_end' or 'contiguous', got {policy!r}")
+    raise ValueError(f"schedule policy must be one of {SCHEDULES}, got {policy!r}")
+
+
+def block_runs(num_blocks: int, num_workers: int, run: int) -> list[tuple[int, ...]]:
+    """Blocks ``0 .. N-1`` cut into runs of ``run`` consecutive blocks (the last one shorter), with
+    ``run`` lowered so that there are at least ``2P`` runs (single blocks when ``N < 2P``)."""
+    _check_counts(num_blocks, num_workers)
+    if run < 1:
+        raise ValueError(f"run must be >= 1 block, got {run}")
+    run = max(1, min(run, num_blocks // (2 * num_workers)))
+    return [tuple(range(s, min(s + run, num_blocks))) for s in range(0, num_blocks, run)]
+
+
+def balanced_schedule(
+    units: Sequence[tuple[int, ...]],
+    unit_costs: Sequence[int],
+    num_workers: int,
+    *,
+    base_loads: Sequence[int] | None = None,
+) -> BlockSchedule:
+    """Deal ``units`` (``block_runs``) to ``num_workers`` workers by their cost (``unit_costs[u]``,
+    e.g. the allowed pairs of unit ``u``'s rows under the document mask), deterministically.
+
+    Start from dual-end over the units (worker ``w`` of ``2P`` runs holds runs ``w`` and ``2P-1-w``:
+    with ``cp == bp`` exactly its own zigzag clean shard, so no halo rows beyond document prefixes),
+    then, while it helps, swap one unit of the heaviest worker (lowest index on ties) with a cheaper
+    unit of another worker: the swap that most lowers the heavier of the two, as long as that is
+    below the heaviest's load. Swapping keeps every worker's unit count (rows, hence MLP work and
+    memory, stay as dual-end's) and moves as few runs off their home as balancing needs (each moved
+    run's clean rows become halo rows). A worker's load starts at ``base_loads[w]`` (rows the
+    schedule cannot move, e.g. its clean shard; default 0).
+    """
+    num_blocks = sum(len(unit) for unit in units)
+    _check_counts(num_blocks, num_workers)
+    if sorted(b for unit in units for b in unit) != list(range(num_blocks)) or len(unit_costs) != len(units):
+        raise ValueError(f"units must cover blocks 0..{num_blocks - 1} once each, with one cost per unit")
+    if len(units) < num_workers:
+        raise ValueError(f"{len(units)} units cannot give each of {num_workers} workers a block: use block_runs")
+    loads = [int(b) for b in base_loads] if base_loads is not None else [0] * num_workers
+    if len(loads) != num_workers:
+        raise ValueError(f"base_loads must have one entry per worker ({num_workers}), got {len(loads)}")
+    costs = [int(c) for c in unit_costs]
+    owned = [sorted(home) for home in dual_end_schedule(len(units), num_workers).assignment]  # unit indices
+    for worker, mine in enumerate(owned):
+        loads[worker] += sum(costs[u] for u in mine)
+    for _ in range(len(units) * num_workers):  # each swap lowers the sorted loads; this bound is never reached
+        heavy = max(range(num_workers), key=lambda w: (loads[w], -w))
+        best: tuple[int, int, int, int] | None = None  # (new max of the two, other, unit out, unit in)
+        for other in range(num_workers):
+            for out in owned[heavy] if other != heavy else ():
+                for into in owned[other]:
+                    delta = costs[out] - costs[into]
+                    peak = max(loads[heavy] - delta, loads[other] + delta)
+                    if delta > 0 and peak < loads[heavy] and (best is None or peak < best[0]):
+                        best = (peak, other, out, into)
+        if best is None:
+            break
+        _, other, out, into = best
+        delta = costs[out] - costs[into]
+        owned[heavy] = sorted([u for u in owned[heavy] if u != out] + [into])
+        owned[other] = sorted([u for u in owned[other] if u != into] + [out])
+        loads[heavy], loads[other] = loads[heavy] - delta, loads[other] + delta
+    assignment = tuple(tuple(sorted(b for u in mine for b in units[u])) for mine in owned)
+    return BlockSchedule(assignment, num_blocks, "balanced")
 
 
 def zigzag_chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:

@@ -18,11 +18,19 @@ as arrays). They clip every row's interval to its document and cut a noisy row's
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
-from csbp.schedules import SchedulePolicy, block_schedule, zigzag_array
+from csbp.schedules import (
+    BlockSchedule,
+    SchedulePolicy,
+    balanced_schedule,
+    block_runs,
+    block_schedule,
+    zigzag_array,
+)
 
 Array = Any  # a 1-D integer/bool NumPy array or torch tensor
 DocBounds = tuple[np.ndarray, np.ndarray]  # (start [L], stop [L]) of each position's document
@@ -50,7 +58,7 @@ def layout_positions(
         logical = zigzag_array(2 * seq_len, cp, local_rank)  # sorted indices into [x_t ; x_0]
         noisy = logical[logical < seq_len]
         return noisy, logical[logical >= seq_len] - seq_len, tuple(np.unique(noisy // block_size).tolist())
-    blocks = block_schedule(seq_len // block_size, bp, schedule).blocks(local_rank)
+    blocks = rank_schedule(seq_len, block_size, cp, bp, schedule, documents).blocks(local_rank)
     noisy = (np.asarray(blocks, dtype=np.int64)[:, None] * block_size + np.arange(block_size)).reshape(-1)
     if cp == 1 and documents is not None:
         noisy_start, noisy_stop, _, _ = document_bounds(noisy, noisy[:0], block_size, None, documents)
@@ -60,6 +68,65 @@ def layout_positions(
     else:
         clean = zigzag_array(seq_len, cp, local_rank % cp)
     return noisy, clean, blocks
+
+
+def rank_schedule(
+    seq_len: int,
+    block_size: int,
+    cp: int,
+    bp: int,
+    schedule: SchedulePolicy = "dual_end",
+    documents: DocBounds | None = None,
+) -> BlockSchedule:
+    """The block schedule over the ``bp`` BP ranks of one sample: ``block_schedule(N, bp, schedule)``,
+    or for ``"balanced"`` with packed ``documents`` the document-aware ``document_schedule`` (every
+    rank derives the same one from the sample's documents)."""
+    if schedule == "balanced" and documents is not None:
+        return document_schedule(seq_len, block_size, cp, bp, documents)
+    return block_schedule(seq_len // block_size, bp, schedule)
+
+
+def document_schedule(seq_len: int, block_size: int, cp: int, bp: int, documents: DocBounds) -> BlockSchedule:
+    """``schedules.balanced_schedule`` with the document mask's costs. The dealt units are the
+    ``2·bp`` runs of ``N / (2·bp)`` blocks dual-end pairs (finer runs balance little better and
+    scatter a rank's blocks over more documents, which costs halo rows). A unit costs the allowed
+    pairs of its noisy rows (full attention: per row its document prefix plus its segment); in
+    BP-only (``cp == 1``) also those of the clean prefix it makes its owner recompute. A CSBP worker
+    (``cp > 1``) starts loaded with its zigzag clean shard's pairs, which stay where they are.
+    Cached per distinct documents."""
+    start, _ = documents
+    starts = np.flatnonzero(start == np.arange(len(start))).astype(np.int64)
+    return _document_schedule(seq_len, block_size, cp, bp, starts.tobytes())
+
+
+@lru_cache(maxsize=64)
+def _document_schedule(seq_len: int, block_size: int, cp: int, bp: int, starts_bytes: bytes) -> BlockSchedule:
+    documents = _bounds_from_starts(np.frombuffer(starts_bytes, dtype=np.int64), seq_len)
+    num_blocks = seq_len // block_size
+    units = block_runs(num_blocks, bp, max(1, num_blocks // (2 * bp)))
+    positions = np.arange(seq_len, dtype=np.int64)
+    n_start, n_stop, _, c_stop = document_bounds(positions, positions, block_size, None, documents)
+    row_pairs = (n_stop - n_start).clip(min=0) + segment_lengths(positions, block_size, documents)
+    clean_pairs = (c_stop - n_start).clip(min=0)  # a clean row's interval starts where a noisy one's does
+    costs = []
+    for unit in units:
+        rows = slice(unit[0] * block_size, (unit[-1] + 1) * block_size)
+        cost = int(row_pairs[rows].sum())
+        if cp == 1:  # BP-only: the unit's clean prefix, recomputed by its owner
+            cost += int(clean_pairs[interval_cover(n_start[rows], n_stop[rows], seq_len)].sum())
+        costs.append(cost)
+    base_loads = None
+    if cp > 1:
+        shard = [int(clean_pairs[zigzag_array(seq_len, cp, c)].sum()) for c in range(cp)]
+        base_loads = [shard[w % cp] for w in range(bp)]
+    return balanced_schedule(units, costs, bp, base_loads=base_loads)
+
+
+def _bounds_from_starts(starts: np.ndarray, seq_len: int) -> DocBounds:
+    """``(start, stop)`` per position of the documents starting at ``starts`` (sorted, from 0)."""
+    index = np.searchsorted(starts, np.arange(seq_len), side="right") - 1
+    stops = np.append(starts[1:], seq_len)
+    return starts[index], stops[index]
 
 
 def bd3_bounds(

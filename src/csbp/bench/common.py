@@ -46,6 +46,9 @@ LAYOUTS: tuple[str, ...] = ("cp", "cp-aware", "bp", "csbp")
 LAYOUT_TRANSPORTS = {"cp-aware": "halo"}
 """Layouts that differ from another only by their transport: ``cp-aware`` is CP-only's topology with
 the halo all-to-all (only the clean rows some remote query may see), the strongest CP baseline."""
+BALANCED_LAYOUTS: tuple[str, ...] = ("bp-balanced", "csbp-balanced")
+"""``csbp bench train`` layouts that differ from ``bp`` / ``csbp`` only by their block schedule:
+``balanced`` deals each sample's blocks by their document cost (``counts.document_schedule``)."""
 BENCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 # ----------------------------------------------------------------------------- layouts and launches
@@ -230,11 +233,12 @@ def add_layout_options(
     seq_lens: list[int],
     csbp_cp_help: str,
     layouts: tuple[str, ...] = LAYOUTS,
+    extra_layouts: tuple[str, ...] = (),
 ) -> None:
-    """``--seq-lens``, ``--layouts`` (from ``layouts``), ``--nproc``, ``--device``, ``--csbp-cp`` and
-    ``--block-size``."""
+    """``--seq-lens``, ``--layouts`` (from ``layouts``, default; or ``extra_layouts`` on request),
+    ``--nproc``, ``--device``, ``--csbp-cp`` and ``--block-size``."""
     parser.add_argument("--seq-lens", type=int, nargs="+", default=seq_lens)
-    parser.add_argument("--layouts", nargs="+", default=list(layouts), choices=layouts)
+    parser.add_argument("--layouts", nargs="+", default=list(layouts), choices=(*layouts, *extra_layouts))
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument(
         "--device", choices=DEVICE_KINDS, default="cpu",
@@ -258,6 +262,14 @@ def add_transport_option(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="pack random documents of this mean length and mask across them (default: one document)",
     )
+
+
+def layout_schedule(name: str) -> tuple[str, str]:
+    """``(layout, block schedule)`` of a layout name: ``csbp-balanced`` is ``("csbp", "balanced")``,
+    any other name runs the default ``dual_end``."""
+    if name in BALANCED_LAYOUTS:
+        return name.removesuffix("-balanced"), "balanced"
+    return name, "dual_end"
 
 
 def layout_transport(name: str, transport: str) -> str:

@@ -45,6 +45,7 @@ from csbp.attention.backends import check_backend, check_backend_trains_on, chec
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.documents import packed_doc_ids
 from csbp.bench.common import (
+    BALANCED_LAYOUTS,
     BENCH_DTYPES,
     Column,
     StepSeries,
@@ -59,6 +60,7 @@ from csbp.bench.common import (
     check_run_options,
     format_ratio_table,
     launch_cell,
+    layout_schedule,
     layout_transport,
     max_over_ranks,
     measured_step,
@@ -103,6 +105,7 @@ class TrainBenchConfig:
     clean: str = "generic"  # attention.clean (csbp.attention.backends.CLEAN_KERNELS)
     doc_length: int | None = None
     layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
+    layout_schedules: tuple[str, ...] = ()  # per layout of the cell (``layout_schedule``)
     activation_checkpointing: tuple[str, ...] = ("none",)
     lr: float = 1e-4
     warmup: int = 1
@@ -182,11 +185,16 @@ class _LayoutRunner:
     """One layout's model, optimizer, rows and process groups on this rank."""
 
     def __init__(
-        self, topology: Topology, cfg: TrainBenchConfig, transport: str, activation_checkpointing: str
+        self,
+        topology: Topology,
+        cfg: TrainBenchConfig,
+        transport: str,
+        activation_checkpointing: str,
+        schedule: str = "dual_end",
     ) -> None:
         self.ctx = build_parallel_context(topology)
         self.plan: RankPlan | DocumentPlanner
-        attention = {"backend": cfg.backend, "diagonal": cfg.diagonal, "clean": cfg.clean}
+        attention = {"backend": cfg.backend, "diagonal": cfg.diagonal, "clean": cfg.clean, "schedule": schedule}
         if cfg.doc_length is None:
             self.plan = build_rank_plan(self.ctx, cfg.seq_len, cfg.block_size, transport=transport, **attention)  # type: ignore[arg-type]
         else:
@@ -245,9 +253,10 @@ def _worker(
     i, layout B step i, ...) on the same batch, so slow drifts of the machine hit every layout alike;
     runners are ordered layout-major, then activation-checkpointing mode."""
     transports = cfg.layout_transports or (cfg.transport,) * len(topologies)
+    schedules = cfg.layout_schedules or ("dual_end",) * len(topologies)
     runners = [
-        _LayoutRunner(topology, cfg, transport, mode)
-        for topology, transport in zip(topologies, transports, strict=True)
+        _LayoutRunner(topology, cfg, transport, mode, schedule)
+        for topology, transport, schedule in zip(topologies, transports, schedules, strict=True)
         for mode in cfg.activation_checkpointing
     ]
     mask_token_id = cfg.vocab_size - 1
@@ -283,10 +292,13 @@ def run_train_bench(
     """Run every (objective, sequence length) cell, all ``layouts`` side by side in one launch of
     ``nproc`` processes per cell, and return the records in run order."""
     require_parallel(nproc)
-    cell = select_topologies(layouts, nproc, csbp_cp)
+    bases, schedules = zip(*(layout_schedule(name) for name in layouts), strict=True) if layouts else ((), ())
+    cell = select_topologies(list(bases), nproc, csbp_cp)
     transports = tuple(layout_transport(name, str(cfg_kwargs.get("transport", "collective"))) for name in layouts)
     configs = [
-        TrainBenchConfig(objective=name, seq_len=n, layout_transports=transports, **cfg_kwargs)  # type: ignore[arg-type]
+        TrainBenchConfig(
+            objective=name, seq_len=n, layout_transports=transports, layout_schedules=tuple(schedules), **cfg_kwargs  # type: ignore[arg-type]
+        )
         for name in objectives
         for n in seq_lens
     ]
@@ -342,7 +354,7 @@ def run_train_bench(
 TABLE_COLUMNS = [
     Column("objective", "objective", "<13"),
     Column("seq_len", "seq_len", ">7"),
-    Column("layout", "layout", "<8"),
+    Column("layout", "layout", "<13"),
     Column("step s", "step_time_s", ">8.3f", vs_cp=True),
     Column("tok/s", "tokens_per_s", ">9.0f", vs_cp=True),
     Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
@@ -395,7 +407,8 @@ def register_train_bench(kinds: argparse._SubParsersAction) -> None:
         "train", help="CP-only vs BP-only vs CSBP full training steps (bd3, fast_dllm_v2)"
     )
     add_layout_options(
-        train, seq_lens=[512, 1024, 2048, 4096], csbp_cp_help="CP degree of the CSBP layout (default nproc)"
+        train, seq_lens=[512, 1024, 2048, 4096], csbp_cp_help="CP degree of the CSBP layout (default nproc)",
+        extra_layouts=BALANCED_LAYOUTS,
     )
     train.add_argument(
         "--objectives", nargs="+", default=list(TRAIN_BENCH_OBJECTIVES), choices=TRAIN_BENCH_OBJECTIVES

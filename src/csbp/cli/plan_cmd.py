@@ -28,7 +28,7 @@ from csbp.plan.documents import document_count, draft_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
 from csbp.plan.model import GIB, Prediction, uses_halo
-from csbp.plan.search import Plan, candidate_layouts, describe, rank, transports_for
+from csbp.plan.search import Plan, candidate_layouts, describe, rank, schedules_for, transports_for
 from csbp.plan.workload import (
     OBJECTIVES,
     Workload,
@@ -220,7 +220,8 @@ def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[st
             ckpts = ("none",)
         for transport in transports_for(workload, base):
             for ckpt in ckpts:
-                layouts.append(replace(base, transport=transport, checkpointing=ckpt))  # type: ignore[arg-type]
+                for schedule in schedules_for(workload, base):
+                    layouts.append(replace(base, transport=transport, checkpointing=ckpt, schedule=schedule))  # type: ignore[arg-type]
     return layouts
 
 
@@ -250,7 +251,7 @@ def _row(index: str, p: Prediction, workload: Workload, seq_len: int) -> str:
     lay = p.layout
     exchange = exchange_label(workload, lay, seq_len)
     return (
-        f"{index:>3} {lay.name:<16} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
+        f"{index:>3} {lay.name + (' bal' if lay.schedule == 'balanced' else ''):<18} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
         f"{lay.checkpointing:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
         f"{p.mem_bytes / GIB:>7.1f}/{p.capacity_bytes / GIB:<6.1f} {p.kv_bytes / GIB:>8.2f} {p.exposed_comm_s:>8.3f}"
     )
@@ -282,12 +283,14 @@ def format_plan(
         + _documents_note(workload, seq_len),
         f"calibration: {cal.source}",
         "",
-        f"{'#':>3} {'layout':<16} {'transport':<10} {'exchange':<10} {'ckpt':<5} {'mb':>2} {'step s':>9} "
+        f"{'#':>3} {'layout':<18} {'transport':<10} {'exchange':<10} {'ckpt':<5} {'mb':>2} {'step s':>9} "
         f"{'tokens/s':>11} {'mem GiB/cap':>14} {'K/V GiB':>8} {'exposed':>8}",
     ]
     lines += [_row(str(i + 1), p, workload, seq_len) for i, p in enumerate(plan.feasible[:top])]
     if len(plan.feasible) > top:
         lines.append(f"    ... {len(plan.feasible) - top} more feasible layouts (--top, --json)")
+    if any(p.layout.schedule == "balanced" for p in plan.feasible[:top]):
+        lines.append("    bal: the balanced block schedule (topology.schedule: balanced, blocks dealt by document cost)")
     if plan.infeasible:
         lines += ["", "out of memory:"]
         lines += [f"    {describe(p.layout)}: {p.oom_reason()}" for p in plan.infeasible[:top]]
@@ -301,6 +304,7 @@ def _prediction_json(p: Prediction, workload: Workload, seq_len: int) -> dict[st
     lay = p.layout
     return {
         "layout": lay.name,
+        "schedule": lay.schedule,
         "exchange": exchange_label(workload, lay, seq_len),
         "dp": lay.dp,
         "cp": lay.cp,

@@ -9,6 +9,7 @@ Examples::
     csbp verify --nproc 4 --objective dflash --doc-length 6  # DFlash with packed documents (+ cp-aware)
     csbp verify --device cuda --nproc 2                # NCCL, one process per GPU
     csbp verify --nproc 4 --doc-length 6                   # packed documents (mean 6 tokens), every layout
+    csbp verify --nproc 4 --seq-len 128 --doc-length 24 --schedule balanced  # blocks dealt by document cost
     csbp verify --nproc 4 --block-size 16 --diagonal sdpa  # the fused-SDPA block diagonal, every layout
     csbp verify --nproc 4 --clean pieces               # clean context as flash pieces, every layout
 
@@ -27,6 +28,7 @@ from csbp.attention.diagonal import check_diagonal_backend
 from csbp.cli.options import add_clean_option, add_diagonal_option, positive_int
 from csbp.devices import DEVICE_KINDS, resolve_device
 from csbp.engine.verify import VerifyCase, layouts_for, verify
+from csbp.schedules import SCHEDULES
 from csbp.topology import Topology
 
 
@@ -55,6 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="pack random documents of this mean length (document masking on); every layout adds cp-aware",
     )
     parser.add_argument("--window", type=positive_int, default=None, help="sliding window W (tokens, incl. the query)")
+    parser.add_argument(
+        "--schedule", choices=SCHEDULES, default="dual_end",
+        help="block schedule over BP ranks; balanced: dealt by document cost (with --doc-length, else dual_end)",
+    )
     parser.add_argument("--seq-len", type=positive_int, default=32)
     parser.add_argument("--block-size", type=positive_int, default=4)
     parser.add_argument("--samples", type=positive_int, default=2, help="samples per data-parallel replica")
@@ -119,6 +125,7 @@ def run_verify(args: argparse.Namespace) -> int:
                     backend=backend,
                     diagonal=args.diagonal,
                     clean=args.clean,
+                    schedule=args.schedule,
                 )
             )
     for case in cases:  # fail closed before launching anything

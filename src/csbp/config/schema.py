@@ -252,8 +252,10 @@ class TopologySection(_Section):
     window: int | None = Field(
         None, gt=0, description="Sliding attention window in tokens (csbp.md §11); unset: full attention."
     )
-    schedule: Literal["dual_end", "contiguous"] = Field(
-        "dual_end", description="Block schedule over BP ranks: dual-end pairs or contiguous (ablation)."
+    schedule: Literal["dual_end", "contiguous", "balanced"] = Field(
+        "dual_end",
+        description="Block schedule over BP ranks: dual-end pairs, contiguous (ablation), or balanced (with "
+        "data.document_mask: each sample's blocks dealt by their document cost; without documents it is dual_end).",
     )
 
     @model_validator(mode="before")

@@ -32,6 +32,7 @@ from csbp.models.decoder import Decoder
 from csbp.objectives.base import CorruptedBatch, corruption_generator
 from csbp.objectives.bd3 import Bd3Objective
 from csbp.parallel.launch import run_local
+from csbp.schedules import SchedulePolicy
 from csbp.topology import Topology
 
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -56,6 +57,7 @@ class VerifyCase:
     clean: str = "generic"  # kernel of the clean-context partials (csbp.attention.backends.CLEAN_KERNELS)
     doc_length: int | None = None  # mean length of random packed documents (document masking on)
     device: str = "cpu"
+    schedule: SchedulePolicy = "dual_end"  # block schedule over BP ranks (csbp.schedules)
 
     @property
     def label(self) -> str:
@@ -69,6 +71,8 @@ class VerifyCase:
             detail = "halo"  # CSBP exchanges only the clean rows of the receivers' documents
         if self.transport == "halo" and t.layout == "cp":
             name, detail = "cp-aware", "halo"
+        if self.schedule != "dual_end" and t.bp > 1:
+            detail += f" {self.schedule}"
         return f"{name:<8} {'x'.join(parts):<12} {detail}"
 
 
@@ -144,12 +148,12 @@ def _forward_backward(
     if case.doc_length is None:
         plan = build_rank_plan(
             ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
-            backend=case.backend, diagonal=case.diagonal, clean=case.clean,
+            backend=case.backend, diagonal=case.diagonal, clean=case.clean, schedule=case.schedule,
         )
     else:
         plan = DocumentPlanner(
             ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
-            backend=case.backend, diagonal=case.diagonal, clean=case.clean,
+            backend=case.backend, diagonal=case.diagonal, clean=case.clean, schedule=case.schedule,
         )
     loss, ce_sum = rank_loss(model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size)
     loss.backward()

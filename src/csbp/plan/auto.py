@@ -102,6 +102,7 @@ def resolve_auto_topology(
         f"topology.bp={lay.bp}",
         f"topology.replicate_clean_prefix={'true' if lay.kind == 'bp' else 'false'}",
         f"topology.transport={lay.transport}",
+        f"topology.schedule={lay.schedule}",
     ]
     if has_ckpt:
         chosen.append(f"train.activation_checkpointing={lay.checkpointing}")

@@ -291,6 +291,7 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
         checkpointing="full" if record.get("activation_checkpointing") == "full" else "none",
         micro_batch=record.get("samples", 1),
         sharding="ddp",
+        schedule="balanced" if str(record.get("layout", "")).endswith("-balanced") else "dual_end",
     )
     hw = hardware("cpu", gpus=nproc)
     workload = Workload(model, objective, p).with_options(doc_length=record.get("doc_length"))

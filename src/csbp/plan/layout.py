@@ -35,7 +35,8 @@ class Layout:
             stays inside a node when it fits) or ``striped`` across nodes (the published recipe).
         sharding: optimizer/gradient/weight sharding: ``fsdp2`` (csbp ``train.fsdp``), ``zero2`` (the
             published recipe) or ``ddp`` (everything replicated).
-        schedule: block schedule over BP ranks.
+        schedule: block schedule over BP ranks (``balanced``: dealt by document cost, considered
+            with packed documents).
     """
 
     dp: int
@@ -46,7 +47,7 @@ class Layout:
     micro_batch: int = 1
     placement: Placement = "packed"
     sharding: Sharding = "fsdp2"
-    schedule: Literal["dual_end", "contiguous"] = "dual_end"
+    schedule: Literal["dual_end", "contiguous", "balanced"] = "dual_end"
 
     @property
     def topology(self) -> Topology:

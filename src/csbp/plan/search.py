@@ -72,7 +72,12 @@ def candidate_layouts(
                     continue
                 for transport in transports:
                     for ckpt in ckpts:
-                        out.append(replace(base, transport=transport, checkpointing=ckpt, micro_batch=mb))
+                        for schedule in schedules_for(workload, base):
+                            out.append(
+                                replace(
+                                    base, transport=transport, checkpointing=ckpt, micro_batch=mb, schedule=schedule
+                                )
+                            )
     return out
 
 
@@ -87,6 +92,14 @@ def transports_for(workload: Workload, layout: Layout) -> tuple[Transport, ...]:
     if workload.objective.is_drafter:
         return ("collective", *aware)
     return ("collective", "streaming", *aware)
+
+
+def schedules_for(workload: Workload, layout: Layout) -> tuple[str, ...]:
+    """The block schedules that differ for this layout: with packed documents a BP layout (BD3
+    family) adds ``balanced``, which deals blocks by their document cost (``counts.document_schedule``)."""
+    if workload.doc_length and layout.bp > 1 and not workload.objective.is_drafter:
+        return ("dual_end", "balanced")
+    return ("dual_end",)
 
 
 def _accepts(workload: Workload, layout: Layout, seq_len: int) -> bool:
@@ -127,6 +140,8 @@ def describe(layout: Layout) -> str:
     text = layout.name
     if layout.cp > 1:
         text += " halo (cp-aware)" if layout.transport == "halo" and layout.kind == "cp" else f" {layout.transport}"
+    if layout.schedule != "dual_end":
+        text += f" {layout.schedule}"
     text += f", {'full' if layout.checkpointing == 'full' else 'no'} checkpointing"
     return text + (f", micro-batch {layout.micro_batch}" if layout.micro_batch > 1 else "")
 
