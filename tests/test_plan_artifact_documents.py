@@ -17,7 +17,7 @@ from csbp.attention.documents import Documents
 from csbp.cli.main import USER_ERROR_EXIT_CODE, main
 from csbp.data.artifact import ARRAY_DTYPES, FORMAT_NAME, FORMAT_VERSION, array_file_name
 from csbp.plan import auto
-from csbp.plan.artifact_documents import DocumentSample, artifact_documents
+from csbp.plan.artifact_documents import DocumentSample, artifact_documents, default_rows
 from csbp.plan.calibration import packaged_calibration
 from csbp.plan.documents import document_halo_rows
 from csbp.plan.hardware import hardware
@@ -98,6 +98,7 @@ def test_a_longer_plan_concatenates_rows_and_the_sample_is_spread(tmp_path: Path
     assert [r.starts for r in two.rows] == [
         tuple(np.cumsum([0, *row_lengths(i * SEQ_LEN, SEQ_LEN)])[:-1]) for i in (0, 3)
     ]  # first and last row
+    assert [default_rows(n) for n in (64, 1 << 18, 1 << 20, 1 << 23)] == [16, 16, 4, 1]  # within 4M tokens
 
 
 def test_plan_data_prints_and_records_the_documents_and_averages_the_rows(tmp_path: Path, capsys) -> None:

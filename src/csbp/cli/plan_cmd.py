@@ -24,7 +24,7 @@ from pathlib import Path
 from csbp.atomic import write_json_atomic
 from csbp.cli.config_cmd import add_override_argument
 from csbp.cli.options import output_file, positive_int
-from csbp.plan.artifact_documents import SAMPLE_ROWS, DocumentSample, artifact_documents
+from csbp.plan.artifact_documents import SAMPLE_ROWS, SAMPLE_TOKENS, DocumentSample, artifact_documents
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
 from csbp.plan.documents import document_count, draft_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
@@ -101,7 +101,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="ARTIFACT",
         help="plan the real documents of a `csbp data prepare` artifact under the document mask (rows of "
-        f"L consecutive tokens of its stream, {SAMPLE_ROWS} spread over the split, predictions averaged; "
+        f"L consecutive tokens of its stream, {SAMPLE_ROWS} (at most {SAMPLE_TOKENS >> 20}M tokens) spread over "
+        "the split, predictions averaged; "
         "default L: the artifact's seq_len); adds cp-aware and the balanced schedule",
     )
     parser.add_argument(
@@ -112,7 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=None,
         metavar="N",
-        help=f"rows of --data planned (default {SAMPLE_ROWS})",
+        help=f"rows of --data planned (default {SAMPLE_ROWS}, fewer past {SAMPLE_TOKENS >> 20}M tokens)",
     )
     parser.add_argument(
         "--global-batch", type=positive_int, default=None, help="samples per optimizer step (default dp)"
@@ -214,7 +215,7 @@ def run_plan(args: argparse.Namespace) -> int:
             from csbp.data.artifact import open_artifact
 
             args.seq_len = open_artifact(args.data).seq_len
-        sample = artifact_documents(args.data, args.seq_len, split=args.split, rows=args.data_rows or SAMPLE_ROWS)
+        sample = artifact_documents(args.data, args.seq_len, split=args.split, rows=args.data_rows)
         workload = replace(workload, doc_length=sample)
     if args.seq_len is None:
         raise ValueError("csbp plan needs --seq-len for a preset or HF model (e.g. --seq-len 256K)")

@@ -9,9 +9,11 @@ starting at a row start: ``L`` = the artifact's ``seq_len`` is one artifact row 
 a longer ``L`` concatenates the following rows in order (a document cut by a row boundary is
 whole again), a shorter one keeps a row's first ``L`` tokens.
 
-The planner costs ``rows`` such windows (default ``SAMPLE_ROWS``), spread evenly over the split
-(first and last included, deterministic), and averages their predictions (``search.rank``). The
-trailing pad of the split's last row is avoided whenever enough tokens precede it.
+The planner costs ``rows`` such windows, spread evenly over the split (first and last included,
+deterministic), and averages their predictions (``model.predict``). By default ``SAMPLE_ROWS``, but
+no more than ``SAMPLE_TOKENS`` tokens in all (at least one row): counting a 1M-token row takes
+seconds per layout family, so 1M plans 4 rows. The trailing pad of the split's last row is avoided
+whenever enough tokens precede it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,12 @@ import numpy as np
 from csbp.plan.documents import RowDocuments
 
 SAMPLE_ROWS = 16
+SAMPLE_TOKENS = 1 << 22
+
+
+def default_rows(seq_len: int) -> int:
+    """Rows planned without ``--data-rows``: ``SAMPLE_ROWS`` within ``SAMPLE_TOKENS`` (at least one)."""
+    return max(1, min(SAMPLE_ROWS, SAMPLE_TOKENS // seq_len))
 
 
 @dataclass(frozen=True)
@@ -73,12 +81,13 @@ def row_documents(doc_ids: np.ndarray) -> RowDocuments:
 
 
 def artifact_documents(
-    directory: str | Path, seq_len: int, *, split: str = "train", rows: int = SAMPLE_ROWS
+    directory: str | Path, seq_len: int, *, split: str = "train", rows: int | None = None
 ) -> DocumentSample:
     """``rows`` planning rows of ``seq_len`` tokens from ``split`` of the artifact at ``directory``
     (see the module docstring); ``ValueError`` in one line when the artifact cannot supply them."""
     from csbp.data.artifact import open_artifact
 
+    rows = default_rows(seq_len) if rows is None else rows
     if rows < 1:
         raise ValueError(f"--data-rows must be >= 1, got {rows}")
     artifact = open_artifact(directory)
