@@ -187,3 +187,11 @@ def test_table_ratios_relative_to_cp() -> None:
         for line in format_table([record("cp", 2.0, 4000), record("csbp", 1.0, 1000)]).splitlines()[2:]
     ]
     assert rows[1][:3] == ["16", "1024", "csbp"] and rows[1][7] == "0.50" and rows[1][9] == "0.25"
+
+
+def test_bad_input_prints_only_its_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from csbp.cli.main import main
+
+    assert main(["bench", "dflash", "--anchors", "1", "--nproc", "4"]) == 2
+    out, err = capsys.readouterr()  # the header waits until every input is checked
+    assert out == "" and err == "csbp: error: anchors=1 must be >= bp=4 (bp): every BP rank needs one\n"

@@ -60,5 +60,8 @@ def test_kernel_bench_fails_closed(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--diagonals must be one of" in capsys.readouterr().err
     assert main(["bench", "kernels", "--clean-kernels", "pieces-cudnn"]) == 2
     assert "--clean-kernels pieces-cudnn needs --device cuda" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--seq-lens", "100", "--block-sizes", "16"]) == 2
+    out, err = capsys.readouterr()  # no header before the one error line
+    assert out == "" and err == "csbp: error: --seq-lens 100 must be a multiple of every --block-sizes value (16)\n"
     with pytest.raises(ValueError, match="multiple of every --block-sizes"):
         run_kernel_bench([100], [16], ["tiles"])

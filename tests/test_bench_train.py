@@ -212,3 +212,13 @@ def test_tiles_backend_with_the_sdpa_diagonal_runs_every_layout_alike() -> None:
     assert [(r.layout, r.backend, r.diagonal) for r in records] == [("cp", "tiles", "sdpa"), ("csbp", "tiles", "sdpa")]
     assert records[0].loss_step0 == pytest.approx(records[1].loss_step0, rel=1e-5)
     assert all(r.step_time_s > 0 for r in records)
+
+
+@pytest.mark.parametrize("bench", ["attention", "train"])
+def test_bad_input_prints_only_its_error_line(bench: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from csbp.cli.main import main
+
+    assert main(["bench", bench, "--seq-lens", "1000", "--nproc", "4"]) == 2
+    out, err = capsys.readouterr()  # the header waits until every input is checked
+    assert out == ""
+    assert err == "csbp: error: seq_len=1000 is not a multiple of block_size=16: use seq_len=992 or 1008\n"

@@ -16,6 +16,7 @@ from csbp.cli.main import main
 from csbp.compare import CompareOptions, layout_config, run_compare
 from csbp.compare import budget as budget_module
 from csbp.compare.report import format_table, plot_compare
+from csbp.compare.runner import metric_of
 from csbp.config import ConfigError, config_from_dict
 from csbp.data import open_artifact
 from test_training_dflash import dflash_dict, export_target
@@ -81,12 +82,40 @@ def test_cli_budget_flags_are_checked_before_any_work(
     assert out == "" and message in err and len(err.splitlines()) == 1
 
 
+def test_metric_defaults_and_any_logged_validation_metric(artifact: Path, tmp_path: Path) -> None:
+    bd3 = _bd3(artifact)
+    assert metric_of(bd3) == ("val_loss", False)
+    assert metric_of(bd3, "nelbo") == metric_of(bd3, "val_nelbo") == ("nelbo", False)
+    assert metric_of(bd3, "ppl_bound") == ("ppl_bound", False)
+    ar = _bd3(artifact, **{"objective.name": "ar", "objective.block_size": None})
+    with pytest.raises(ValueError, match=r"^--metric nelbo: not a validation metric of objective ar \(fix: one of val_loss\)$"):
+        metric_of(ar, "nelbo")
+    target = export_target(tmp_path / "target", open_artifact(artifact).vocab_size, tokenizer_dir=artifact)
+    drafter = config_from_dict(dflash_dict(artifact, target))
+    assert metric_of(drafter) == ("acceptance_length", True)
+    assert metric_of(drafter, "val_tau_mean") == ("tau_mean", True)
+    assert metric_of(drafter, "accept_rate_1") == ("accept_rate_1", True)
+    with pytest.raises(ValueError, match="one of val_loss, token_accuracy, tau_mean, acceptance_length, accept_rate_1"):
+        metric_of(drafter, "nelbo")
+
+
+def test_cli_unknown_metric_fails_before_any_output(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", "demo", "--budget-s", "5", "--metric", "val_nelbos"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == [
+        "csbp: error: --metric val_nelbos: not a validation metric of objective bd3 "
+        "(fix: one of val_loss, nelbo, ppl_bound)"
+    ]
+
+
 def test_drafter_comparison_needs_the_served_validation(artifact: Path, tmp_path: Path) -> None:
     target = export_target(tmp_path / "target", open_artifact(artifact).vocab_size, tokenizer_dir=artifact)
     cfg = config_from_dict(dflash_dict(artifact, target, **{"objective.dflash.eval_prompts": 0}))
     options = CompareOptions(layouts=("cp", "csbp"), budget_s=1.0, nproc=2, out_dir=tmp_path / "cmp")
     with pytest.raises(ValueError, match="objective.dflash.eval_prompts: 0 turns off"):
         run_compare(cfg, options)
+    assert metric_of(cfg, "tau_mean") == ("tau_mean", True)  # the token metrics need no decoding
 
 
 def test_budget_hook_evaluates_at_equal_time_points(tmp_path: Path) -> None:
@@ -151,6 +180,8 @@ def test_interrupted_comparison_resumes(artifact: Path, tmp_path: Path, monkeypa
     assert result["clock_s"] >= 0.6 and result["points"][-1]["metric"] < result["points"][0]["metric"]
     again = run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True}))  # all done: read back
     assert again == [json.loads(json.dumps(result))]
+    [by_nelbo] = run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True, "metric": "val_nelbo"}))
+    assert [p["metric"] for p in by_nelbo["points"]] == [p["metrics"]["nelbo"] for p in result["points"]]
     (tmp_path / "cmp" / "data" / "result.json").unlink()  # interrupted after its last point
     assert run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True})) == again  # no extra step
     text = format_table(again + again, metric="val_loss", higher_is_better=False)

@@ -334,6 +334,25 @@ def test_nested_override_creates_the_section(tmp_path: Path) -> None:
     assert cfg.objective.dflash.target == str(Path.cwd() / "targets" / "qwen")  # --set paths: cwd
 
 
+def test_mapping_override_merges_into_the_section_like_dotted_keys(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path / "run.yaml", demo_dict())  # topology: cp=2, bp=4 among others
+    file_cfg = load_config(path)
+    merged = load_config(path, ["topology={dp: 2, bp: 4}"])
+    dotted = load_config(path, ["topology.dp=2", "topology.bp=4"])
+    assert merged.topology == dotted.topology
+    assert merged.topology.cp == file_cfg.topology.cp and merged.topology.dp == 2
+    assert merged.topology.model_dump(exclude={"dp"}) == file_cfg.topology.model_dump(exclude={"dp"})
+    nested = load_config(path, ["optim={lr: 0.001, betas: [0.8, 0.99]}"])
+    assert (nested.optim.lr, nested.optim.betas, nested.optim.weight_decay) == (
+        0.001, (0.8, 0.99), file_cfg.optim.weight_decay,
+    )
+    with pytest.raises(ConfigError) as info:  # an error inside the mapping is the override's
+        load_config(path, ["optim={lrr: 1}"])
+    assert info.value.lines == ["--set: optim.lrr: unknown key (fix: remove it; did you mean lr?)"]
+    with pytest.raises(ConfigError, match="not a field name"):
+        load_config(path, ["optim={1: 2}"])
+
+
 def test_override_of_an_unknown_key_is_attributed_to_set(tmp_path: Path) -> None:
     path = write_yaml(tmp_path / "run.yaml", demo_dict())  # bp=4
     with pytest.raises(ConfigError) as info:

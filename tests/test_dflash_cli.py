@@ -207,7 +207,7 @@ def test_prepare_features_matches_online_capture(
         str(workspace["drafter"]),
         "--split",
         "val",
-        "--dtype",
+        "--feature-dtype",
         "float32",
     ]
     assert run_cli(argv) == 0
@@ -335,3 +335,32 @@ def test_export_from_drafter_run_final_and_checkpoint(
     assert run_cli([*argv, "--block-size", "4", "--mask-token-id", "1", "--layer-ids", "0", "2"]) == 0
     stored = load_file(str(root / "x" / "model.safetensors"))
     assert all(torch.equal(stored[name], tensor) for name, tensor in drafter.state_dict().items())
+
+
+def test_dtype_flags_match_the_other_commands_and_old_spellings_still_parse(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Model weights: ``--dtype`` as in generate/eval/export (``--model-dtype`` where a second dtype
+    exists); the old spellings still parse, with one warning line naming the current flag."""
+    from csbp.cli.main import build_parser
+
+    parser = build_parser()
+    base = ["dflash", "eval", "--target", "t", "--drafter", "d", "--data", "a"]
+    assert parser.parse_args([*base, "--dtype", "float64"]).model_dtype == "float64"
+    assert parser.parse_args(base).model_dtype == "auto"
+    assert capsys.readouterr().err == ""
+    assert parser.parse_args([*base, "--model-dtype", "bfloat16"]).model_dtype == "bfloat16"
+    assert capsys.readouterr().err == "csbp: warning: --model-dtype is deprecated here; use --dtype\n"
+    prep = ["dflash", "prepare-features", "--target", "t", "--data", "a", "--out", "o"]
+    args = parser.parse_args([*prep, "--model-dtype", "float32", "--feature-dtype", "float16"])
+    assert (args.model_dtype, args.feature_dtype) == ("float32", "float16")
+    assert (parser.parse_args(prep).model_dtype, parser.parse_args(prep).feature_dtype) == ("auto", "bfloat16")
+    assert capsys.readouterr().err == ""
+    assert parser.parse_args([*prep, "--dtype", "float32"]).feature_dtype == "float32"
+    assert capsys.readouterr().err == "csbp: warning: --dtype is deprecated here; use --feature-dtype\n"
+    for command in (["generate", "--model", "m", "--prompt", "p"], ["eval", "--model", "m", "--data", "a"]):
+        assert parser.parse_args([*command, "--dtype", "float32"]).dtype == "float32"
+    help_text = parser._subparsers._group_actions[0].choices["dflash"]._subparsers._group_actions[0].choices[
+        "eval"
+    ].format_help()
+    assert "--dtype" in help_text and "--model-dtype" not in help_text

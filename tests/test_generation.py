@@ -343,9 +343,31 @@ def test_cli_takes_objective_and_block_size_from_the_run_config(
     )
     assert args.func(args) == 0
     assert "[bd3, 12 tokens, 4 blocks of 4, 12 denoising steps, window 6," in capsys.readouterr().out
+    config_file = tmp_path / "run" / "config.yaml"
+    other = parse([*sys_argv_of(args, final), "--block-size", "6"])
+    with pytest.raises(ValueError) as info:  # a silent override would sample off the trained grid
+        other.func(other)
+    assert str(info.value) == (
+        f"--block-size 6: the model was trained with block size 4 ({config_file}) "
+        "(fix: drop --block-size, or add --allow-block-size-change to sample with another block size)"
+    )
+    assert capsys.readouterr() == ("", "")  # refused before any work
+    same = parse([*sys_argv_of(args, final), "--block-size", "4"])
+    assert same.func(same) == 0 and capsys.readouterr().err == ""
+    allowed = parse([*sys_argv_of(args, final), "--block-size", "6", "--allow-block-size-change"])
+    assert allowed.func(allowed) == 0
+    out, err = capsys.readouterr()
+    assert "blocks of 6" in out
+    assert err.splitlines() == [
+        f"csbp generate: sampling with block size 6, not the trained 4 ({config_file}; --allow-block-size-change)"
+    ]
     (tmp_path / "run" / "config.yaml").write_text("objective:\n  name: ar\n")
     with pytest.raises(ValueError, match="objective 'ar'"):
         args.func(args)
+
+
+def sys_argv_of(args: argparse.Namespace, final: Path) -> list[str]:
+    return ["generate", "--model", str(final), "--prompt", args.prompt, "--max-new-tokens", "12", "--device", "cpu"]
 
 
 def test_cli_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -43,6 +43,7 @@ from csbp.bench.common import (
     measured_step,
     overlap_modes,
     overlap_ratio,
+    print_header,
     select_topologies,
     serialized_if,
     write_outputs,
@@ -183,14 +184,18 @@ def run_attention_bench(
     csbp_cp: int | None = None,
     timeout_s: float = 1800.0,
     device: str = "cpu",
+    header: str | None = None,
     **cfg_kwargs: object,
 ) -> list[AttentionRecord]:
-    """Run every (sequence length, layout) pair, one launch each, and return the records in run order."""
+    """Run every (sequence length, layout) pair, one launch each, and return the records in run order.
+    ``header`` is printed once every input is checked, before anything runs (a bad input prints
+    nothing but its error line)."""
     cell = select_topologies(layouts, nproc, csbp_cp)
     configs = [AttentionBenchConfig(seq_len=n, **cfg_kwargs) for n in seq_lens]  # type: ignore[arg-type]
     for cfg in configs:  # fail closed before any process starts
         for topology in cell:
             topology.validate_sequence(cfg.seq_len, cfg.block_size)
+    print_header(header)
     records: list[AttentionRecord] = []
     for cfg in configs:
         for name, topology in zip(layouts, cell, strict=True):
@@ -284,14 +289,14 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
     check_device_option(args)
     backend = check_backend_trains_on(args.backend, "cpu", where="--backend")
     check_diagonal_backend(args.diagonal, backend, where="--diagonal")
-    print(
+    header = (
         f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"
         f"{args.num_kv_heads}x{args.head_dim} layers={args.num_layers} window={args.window} "
-        f"transport={args.transport} doc_length={args.doc_length} (1 thread per process, median of {args.repeats})",
-        flush=True,
+        f"transport={args.transport} doc_length={args.doc_length} (1 thread per process, median of {args.repeats})"
     )
     records = run_attention_bench(
         args.seq_lens,
+        header=header,
         nproc=args.nproc,
         device=args.device,
         layouts=args.layouts,

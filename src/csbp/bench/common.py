@@ -54,6 +54,12 @@ BENCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": 
 # ----------------------------------------------------------------------------- layouts and launches
 
 
+def print_header(header: str | None) -> None:
+    """A benchmark's header, printed (flushed) once its inputs are checked and before it runs."""
+    if header is not None:
+        print(header, flush=True)
+
+
 def check_run_options(cfg: Any, *, at_least_one: tuple[str, ...]) -> None:
     """Fail unless ``cfg.dtype`` is in ``BENCH_DTYPES``, each field of ``at_least_one`` is >= 1 and
     ``cfg.warmup`` >= 0."""

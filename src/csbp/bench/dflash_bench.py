@@ -65,6 +65,7 @@ from csbp.bench.common import (
     measured_step,
     overlap_modes,
     overlap_ratio,
+    print_header,
     require_parallel,
     select_topologies,
     serialized_if,
@@ -330,9 +331,12 @@ def run_dflash_bench(
     timeout_s: float = 1800.0,
     progress: bool = False,
     device: str = "cpu",
+    header: str | None = None,
     **cfg_kwargs: object,
 ) -> list[DFlashRecord]:
-    """Run every (anchors, seq_len) cell, all ``layouts`` side by side in one launch per cell."""
+    """Run every (anchors, seq_len) cell, all ``layouts`` side by side in one launch per cell.
+    ``header`` is printed once every input is checked, before anything runs (a bad input prints
+    nothing but its error line)."""
     require_parallel(nproc)
     cell = select_topologies(layouts, nproc, csbp_cp, csbp_bp)
     samples = samples or max(t.dp for t in cell)
@@ -354,6 +358,7 @@ def run_dflash_bench(
                 raise ValueError(
                     f"anchors={cfg.anchors} must be >= bp={topology.bp} ({name}): every BP rank needs one"
                 )
+    print_header(header)
     records: list[DFlashRecord] = []
     for cfg in configs:
         per_layout = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s, device=device)
@@ -448,16 +453,16 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
 def run_dflash_bench_command(args: argparse.Namespace) -> int:
     check_head_options(args)  # before anything is printed or launched
     check_device_option(args)
-    print(
+    header = (
         f"csbp bench dflash: nproc={args.nproc} block={args.block_size} drafter={args.num_draft_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
         f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per "
-        f"process, median of {args.repeats})",
-        flush=True,
+        f"process, median of {args.repeats})"
     )
     records = run_dflash_bench(
         args.seq_lens,
         args.anchors,
+        header=header,
         layouts=args.layouts,
         nproc=args.nproc,
         csbp_cp=args.csbp_cp,

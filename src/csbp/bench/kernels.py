@@ -62,7 +62,13 @@ from csbp.attention.transports.local import (
     local_attention_backward,
     local_attention_forward,
 )
-from csbp.bench.common import add_head_options, add_output_options, records_as_dicts, write_json_atomic
+from csbp.bench.common import (
+    add_head_options,
+    add_output_options,
+    print_header,
+    records_as_dicts,
+    write_json_atomic,
+)
 from csbp.bench.measure import allowed_pairs, attention_flops
 
 FUSED_ROWS = {"flash": "flash2", "cudnn": "cudnn"}
@@ -176,11 +182,13 @@ def run_kernel_bench(
     diagonals: tuple[str, ...] = ("auto",),
     clean_kernels: tuple[str, ...] = ("generic", "pieces"),
     progress: Callable[[KernelRecord], None] | None = None,
+    header: str | None = None,
 ) -> list[KernelRecord]:
     """Measure every (length, block size): dense SDPA, then each backend's mixed form, its decomposed
     form once per kernel of ``diagonals`` and of ``clean_kernels``, and its block-diagonal partial alone
     (``diagonal``) once per kernel of ``diagonals``;
-    ``progress`` sees each record as soon as it is measured."""
+    ``progress`` sees each record as soon as it is measured; ``header`` is printed once every input is
+    checked, before anything is measured (a bad input prints nothing but its error line)."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
 
@@ -204,6 +212,7 @@ def run_kernel_bench(
         for block in block_sizes:
             if seq_len % block:
                 raise ValueError(f"--seq-lens {seq_len} must be a multiple of every --block-sizes value ({block})")
+    print_header(header)
     torch_dtype = DTYPES[dtype]
     records: list[KernelRecord] = []
 
@@ -423,12 +432,11 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda: no CUDA device is visible to this process")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
-    print(
+    header = (
         f"csbp bench kernels: device={device}{threads} dtype={dtype} heads={args.num_heads}/{args.num_kv_heads}x"
-        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} ({args.clock} clock)",
-        flush=True,
+        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} ({args.clock} clock)\n"
+        f"{format_header()}"
     )
-    print(format_header(), flush=True)
     measured: list[KernelRecord] = []
 
     def progress(record: KernelRecord) -> None:
@@ -455,6 +463,7 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         diagonals=tuple(args.diagonals),
         clean_kernels=tuple(args.clean_kernels),
         progress=progress,
+        header=header,
     )
     if args.json is not None:
         print(f"wrote {args.json}")

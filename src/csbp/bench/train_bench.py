@@ -64,6 +64,7 @@ from csbp.bench.common import (
     layout_transport,
     max_over_ranks,
     measured_step,
+    print_header,
     require_parallel,
     select_topologies,
     write_outputs,
@@ -287,10 +288,13 @@ def run_train_bench(
     timeout_s: float = 1800.0,
     progress: bool = False,
     device: str = "cpu",
+    header: str | None = None,
     **cfg_kwargs: object,
 ) -> list[TrainRecord]:
     """Run every (objective, sequence length) cell, all ``layouts`` side by side in one launch of
-    ``nproc`` processes per cell, and return the records in run order."""
+    ``nproc`` processes per cell, and return the records in run order.
+    ``header`` is printed once every input is checked, before anything runs (a bad input prints
+    nothing but its error line)."""
     require_parallel(nproc)
     bases, schedules = zip(*(layout_schedule(name) for name in layouts), strict=True) if layouts else ((), ())
     cell = select_topologies(list(bases), nproc, csbp_cp)
@@ -305,6 +309,7 @@ def run_train_bench(
     for cfg in configs:  # fail closed before any process starts
         for topology in cell:
             topology.validate_sequence(cfg.seq_len, cfg.block_size)
+    print_header(header)
     records: list[TrainRecord] = []
     for cfg in configs:
         modes = cfg.activation_checkpointing
@@ -442,16 +447,16 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
     check_diagonal_backend(
         args.diagonal, check_backend_trains_on(args.backend, args.device, where="--backend"), where="--diagonal"
     )
-    print(
+    header = (
         f"csbp bench train: objectives={','.join(args.objectives)} nproc={args.nproc} block={args.block_size} "
         f"backend={args.backend} diagonal={args.diagonal} clean={args.clean} "
         f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
         f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per process, "
-        f"median of {args.repeats})",
-        flush=True,
+        f"median of {args.repeats})"
     )
     records = run_train_bench(
         args.seq_lens,
+        header=header,
         objectives=args.objectives,
         layouts=args.layouts,
         nproc=args.nproc,

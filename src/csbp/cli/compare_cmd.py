@@ -8,8 +8,11 @@ Examples::
 
 Trains the run once per layout (same seed, data order, model, hyperparameters and global batch)
 for ``--budget-s`` seconds of training on the same processes, one layout after the other, and
-evaluates each at ``--points`` equal time points: validation loss for diffusion objectives, the
-acceptance length of lossless speculative decoding for DFlash drafters. Prints a table and writes
+evaluates each at ``--points`` equal time points: by default validation loss for diffusion and AR
+objectives, the acceptance length of lossless speculative decoding for DFlash drafters; ``--metric``
+picks any other validation metric the run logs (``nelbo``, the unclipped NELBO logged as
+``val_nelbo``, ``ppl_bound``, ``tau_mean``, ...; an unknown name fails before training with the
+valid ones). Prints a table and writes
 ``OUT/compare.json`` and ``OUT/compare.png``. Interrupted comparisons continue with ``--resume``.
 """
 
@@ -38,6 +41,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--nproc", type=positive_int, default=None, help="processes (default: the run's world size)")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default runs/compare-<run.name>)")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted comparison in --out")
+    parser.add_argument(
+        "--metric",
+        default=None,
+        help="validation metric to compare, e.g. nelbo (default: val_loss; acceptance_length for DFlash)",
+    )
     parser.set_defaults(func=run_compare_command)
 
 
@@ -55,8 +63,9 @@ def run_compare_command(args: argparse.Namespace) -> int:
         out_dir=args.out if args.out is not None else Path("runs") / f"compare-{cfg.run.name}",
         points=args.points,
         resume=args.resume,
+        metric=args.metric,
     )
-    metric, higher = metric_of(cfg)
+    metric, higher = metric_of(cfg, options.metric)
     print(
         f"csbp compare: {cfg.run.name} ({cfg.objective.name}), layouts {', '.join(options.layouts)}, "
         f"{options.budget_s:g} s each on {options.nproc} processes, {options.points} points, out {options.out_dir}",

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
-from csbp.cli.options import device_option
+from csbp.cli.options import add_deprecated_alias, device_option
 
 if TYPE_CHECKING:
     from csbp.dflash.config import DFlashConfig
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 from csbp.dflash.evaluate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DEFAULT_PROMPT_LEN
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+FEATURE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -62,10 +63,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prep.add_argument("--num-draft-layers", type=int, default=1, help="for the default layer ids")
     prep.add_argument("--with-last-hidden", action="store_true", help="also store the final hidden (KL loss)")
     prep.add_argument("--split", choices=("train", "val"), default="train")
-    prep.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    prep.add_argument(
+        "--feature-dtype", choices=FEATURE_DTYPES, default="bfloat16", help="dtype of the stored features"
+    )
+    add_deprecated_alias(prep, "--dtype", current="--feature-dtype", dest="feature_dtype", choices=FEATURE_DTYPES)
     prep.add_argument("--rows-per-batch", type=int, default=1)
     prep.add_argument("--overwrite", action="store_true")
-    _device_args(prep)
+    _device_args(prep, dtype_flag="--model-dtype")  # two dtypes here: both named
     prep.set_defaults(func=run_prepare_features)
 
     export = commands.add_parser("export", help="export a trained drafter in the public DFlash format")
@@ -121,8 +125,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ev.set_defaults(func=run_eval)
 
 
-def _device_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model-dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
+def _device_args(parser: argparse.ArgumentParser, *, dtype_flag: str = "--dtype") -> None:
+    """The model weights' dtype (``--dtype`` as in ``csbp generate``/``eval``/``dflash export``;
+    ``--model-dtype`` where the command has a second dtype, and as the old spelling) and device."""
+    choices = ("auto", *DTYPES)
+    parser.add_argument(
+        dtype_flag, dest="model_dtype", choices=choices, default="auto", help="model weights (auto: as stored)"
+    )
+    if dtype_flag != "--model-dtype":
+        add_deprecated_alias(parser, "--model-dtype", current=dtype_flag, dest="model_dtype", choices=choices)
     parser.add_argument(
         "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
     )
@@ -185,7 +196,7 @@ def run_prepare_features(args: argparse.Namespace) -> int:
         args.out,
         layer_ids=layer_ids or (),
         with_last_hidden=args.with_last_hidden,
-        dtype=args.dtype,
+        dtype=args.feature_dtype,
         rows_per_batch=args.rows_per_batch,
         overwrite=args.overwrite,
     )

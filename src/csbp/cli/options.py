@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -104,3 +105,25 @@ def add_clean_option(parser: argparse.ArgumentParser, *, reference: bool = False
         help="clean-context kernel (generic: one backend partial; pieces: dense and causal pieces as fused flash "
         f"calls plus a residual, FlashAttention-2 on CUDA; pieces-cudnn: cuDNN pieces on CUDA){note}",
     )
+
+
+class _DeprecatedAlias(argparse.Action):
+    """Stores like the option it stands for and notes the current spelling on stderr (old scripts
+    keep working; ``--help`` no longer lists it)."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, current: str, **kwargs: object) -> None:
+        self.current = current
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, option_string: str | None = None
+    ) -> None:
+        print(f"csbp: warning: {option_string} is deprecated here; use {self.current}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(
+    parser: argparse.ArgumentParser, old: str, *, current: str, dest: str, choices: tuple[str, ...]
+) -> None:
+    """``old`` as a hidden spelling of the option ``current`` (same ``dest`` and ``choices``)."""
+    parser.add_argument(old, dest=dest, choices=choices, action=_DeprecatedAlias, current=current)

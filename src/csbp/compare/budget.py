@@ -7,9 +7,10 @@ the time points are ``t_k = k S / K``: the untrained model is evaluated at ``t_0
 ``k`` at the end of the first step whose clock reaches ``t_k`` (the record keeps the exact clock
 and step). The run stops at point ``K`` (or at ``train.max_steps``, recorded as a last point).
 
-The metric is the validation loss for diffusion objectives and, for DFlash drafters, the
-acceptance length of lossless speculative decoding (``val_acceptance_length``, the number
-``csbp dflash eval`` measures); every record also holds the validation loss and metrics.
+The metric is ``csbp compare --metric``: by default the validation loss for diffusion objectives
+and, for DFlash drafters, the acceptance length of lossless speculative decoding
+(``val_acceptance_length``, the number ``csbp dflash eval`` measures); every record also holds the
+validation loss and metrics.
 
 Resume: at every point the loop writes a checkpoint and rank 0 then records the clock and the
 points so far under that step in ``budget_state.json`` (atomic). A resumed layout restores the

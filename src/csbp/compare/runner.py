@@ -41,11 +41,50 @@ class CompareOptions:
     out_dir: Path
     points: int = 5
     resume: bool = False
+    metric: str | None = None
 
 
-def metric_of(cfg: RunConfig) -> tuple[str, bool]:
-    """The compared metric and whether higher is better."""
-    return ("acceptance_length", True) if cfg.objective.name == "dflash" else ("val_loss", False)
+HIGHER_IS_BETTER = ("acceptance_length", "accept_rate_", "token_accuracy", "tau_mean", "candidate_recall")
+
+
+def validation_metrics(cfg: RunConfig) -> list[str]:
+    """The validation metrics ``cfg``'s run logs (``val_<name>`` in ``metrics.jsonl``): ``val_loss``,
+    the unclipped ``nelbo``/``ppl_bound`` of the diffusion objectives, a DFlash drafter's token
+    metrics and, with ``objective.dflash.eval_prompts`` >= 1, its speculative-decoding acceptance."""
+    names = ["val_loss"]
+    dflash = cfg.objective.dflash
+    if cfg.objective.name in ("bd3", "mdlm", "fast_dllm_v2"):
+        names += ["nelbo", "ppl_bound"]
+    elif cfg.objective.name == "dflash" and dflash is not None:
+        names += ["token_accuracy", "tau_mean"]
+        if dflash.selector_rank > 0:
+            names += ["selector_loss", "candidate_recall"]
+        if dflash.eval_prompts > 0:
+            names += ["acceptance_length", *(f"accept_rate_{k}" for k in range(1, cfg.objective.block_size or 1))]
+    return names
+
+
+def metric_of(cfg: RunConfig, name: str | None = None) -> tuple[str, bool]:
+    """The compared metric (``name``, else ``acceptance_length`` for DFlash and ``val_loss``
+    otherwise) and whether higher is better; ``val_nelbo`` names ``nelbo``. Raises ValueError with
+    the valid names for an unknown one."""
+    valid = validation_metrics(cfg)
+    if name is None:
+        name = "acceptance_length" if cfg.objective.name == "dflash" else "val_loss"
+    elif name not in valid and name.startswith("val_") and name[4:] in valid:
+        name = name[4:]
+    dflash = cfg.objective.dflash
+    if name not in valid and name.startswith("accept") and dflash is not None and dflash.eval_prompts < 1:
+        raise ValueError(
+            f"objective.dflash.eval_prompts: 0 turns off the speculative-decoding validation that measures "
+            f"{name} (fix: set it >= 1, e.g. 8, or compare --metric tau_mean)"
+        )
+    if name not in valid:
+        raise ValueError(
+            f"--metric {name}: not a validation metric of objective {cfg.objective.name} "
+            f"(fix: one of {', '.join(valid)})"
+        )
+    return name, name.startswith(HIGHER_IS_BETTER)
 
 
 def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, RunConfig]]:
@@ -54,14 +93,10 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
         raise ValueError(f"--layouts: give distinct layouts from {', '.join(LAYOUT_NAMES)}, e.g. cp,csbp")
     if options.budget_s <= 0 or options.points < 1 or options.nproc < 1:
         raise ValueError("--budget-s must be > 0, --points >= 1 and --nproc >= 1")
+    metric_of(cfg, options.metric)
     if options.out_dir.exists() and any(options.out_dir.iterdir()) and not options.resume:
         raise ValueError(
             f"--out {options.out_dir} is not empty (fix: --resume to continue that comparison, or another --out)"
-        )
-    if cfg.objective.dflash is not None and cfg.objective.dflash.eval_prompts < 1:
-        raise ValueError(
-            "objective.dflash.eval_prompts: 0 turns off the speculative-decoding validation csbp compare "
-            "measures drafters with (fix: set it >= 1, e.g. 8)"
         )
     plan = []
     for name in options.layouts:
@@ -99,7 +134,7 @@ def _train_layout(name: str, cfg: RunConfig, options: CompareOptions, rank: int)
     if state is None and rank == 0:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing resumable: start this layout afresh
     _barrier()
-    metric, _ = metric_of(cfg)
+    metric, _ = metric_of(cfg, options.metric)
     hook = BudgetHook(
         budget_s=options.budget_s,
         num_points=options.points,
@@ -139,11 +174,14 @@ def _compare_worker(
 
 
 def run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]:
-    """Train every layout (module docstring); the per-layout results in ``options.layouts`` order."""
+    """Train every layout (module docstring); the per-layout results in ``options.layouts`` order,
+    each point's ``metric`` the ``options.metric`` (also for points of a resumed comparison that
+    was started with another one: every point keeps ``val_loss`` and all validation metrics)."""
     plan = plan_layouts(cfg, options)
     options.out_dir.mkdir(parents=True, exist_ok=True)
+    metric, _ = metric_of(cfg, options.metric)
     if options.nproc == 1:
-        return _compare_worker(0, 1, plan, options)
+        return [_with_metric(result, metric) for result in _compare_worker(0, 1, plan, options)]
     generous = len(plan) * (3 * options.budget_s + 1800)  # evaluations, exports and a loaded machine
     per_rank = run_local(
         _compare_worker,
@@ -152,4 +190,12 @@ def run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]
         timeout_s=cfg.train.collective_timeout_s,
         join_timeout_s=generous,
     )
-    return per_rank[0]
+    return [_with_metric(result, metric) for result in per_rank[0]]
+
+
+def _with_metric(result: dict[str, Any], metric: str) -> dict[str, Any]:
+    points = [
+        {**point, "metric": point["val_loss"] if metric == "val_loss" else point["metrics"][metric]}
+        for point in result["points"]
+    ]
+    return {**result, "points": points}

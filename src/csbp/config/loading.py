@@ -2,7 +2,8 @@
 
 ``load_config("run.yaml", ["optim.lr=3e-4", "topology.cp=2"])`` reads the YAML with
 ``yaml.safe_load``, applies ``--set`` overrides (values parsed as YAML scalars: ints, floats, bools,
-``null``, flow lists ``[1, 2]``), resolves relative paths (against the config file's directory for
+``null``, flow lists ``[1, 2]``; a flow mapping ``topology={cp: 2, bp: 2}`` is deep-merged into the
+section exactly like ``topology.cp=2 topology.bp=2``, keeping its other fields), resolves relative paths (against the config file's directory for
 values from the file, against the working directory for values from ``--set``) and validates the
 result as a :class:`~csbp.config.schema.RunConfig`.
 
@@ -91,12 +92,28 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
             raise ConfigError(
                 [f"--set {key}: value {text!r} is not valid YAML: {_yaml_problem(exc)} (fix: quote it)"]
             ) from exc
-        parsed.append((tuple(key.split(".")), value))
+        parsed.extend(_leaf_overrides(tuple(key.split(".")), value))
     return parsed
 
 
+def _leaf_overrides(keys: tuple[str, ...], value: Any) -> list[Override]:
+    """A mapping value as one override per leaf (``a={b: 1}`` is ``a.b=1``): merged into the section
+    like dotted keys, not replacing it (plain YAML would silently drop the section's other fields)."""
+    if not isinstance(value, dict) or not value:
+        return [(keys, value)]
+    leaves: list[Override] = []
+    for key, item in value.items():
+        if not isinstance(key, str) or not _KEY_PATTERN.match(key) or "." in key:
+            raise ConfigError(
+                [f"--set {'.'.join(keys)}: key {key!r} of the mapping is not a field name (fix: e.g. --set optim.lr=3e-4)"]
+            )
+        leaves.extend(_leaf_overrides((*keys, key), item))
+    return leaves
+
+
 def apply_overrides(data: dict[str, Any], overrides: Sequence[Override]) -> dict[str, Any]:
-    """A copy of ``data`` with each ``(keys, value)`` set; missing or null sections are created."""
+    """A copy of ``data`` with each ``(keys, value)`` set; missing or null sections are created and a
+    mapping value is deep-merged into an existing section (as :func:`parse_overrides` flattens it)."""
     result = _deep_copy_mappings(data)
     for keys, value in overrides:
         node = result
@@ -110,7 +127,10 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[Override]) -> dict
                     [f"--set {'.'.join(keys)}: {dotted} is a value, not a section (fix: set {dotted}=...)"]
                 )
             node = child
-        node[keys[-1]] = value
+        if isinstance(value, dict) and isinstance(node.get(keys[-1]), dict):
+            node[keys[-1]] = apply_overrides(node[keys[-1]], [((key,), item) for key, item in value.items()])
+        else:
+            node[keys[-1]] = value
     return result
 
 
