@@ -7,6 +7,7 @@ Usage::
     csbp plan --model dflash2-qwen3.8 --seq-len 1M --gpus 8 --gpu h100 --top 5 --json plan.json
     csbp plan --model run.yaml --seq-len 4096 --gpus 4 --gpu cpu --topology dp1/cp4 dp1/cp4/bp4
     csbp plan --model nemotron-8b --seq-len 1M --gpus 32 --gpu h200 --doc-length 8192  # packed documents
+    csbp plan --model nemotron-8b --gpus 8 --gpu h200 --data artifacts/demo-4k-64  # its real documents
     csbp bench train --seq-lens 512 1024 2048 --json bench.json
     csbp plan calibrate bench.json --out cal.json && csbp plan ... --gpu cpu --calibration cal.json
     csbp plan calibrate --published --out published.json    # refit the packaged GPU calibration
@@ -23,6 +24,7 @@ from pathlib import Path
 from csbp.atomic import write_json_atomic
 from csbp.cli.config_cmd import add_override_argument
 from csbp.cli.options import output_file, positive_int
+from csbp.plan.artifact_documents import SAMPLE_ROWS, SAMPLE_TOKENS, DocumentSample, artifact_documents
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
 from csbp.plan.documents import document_count, draft_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
@@ -92,6 +94,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="rows pack documents of mean length N under the document mask (geometric lengths, the last "
         "one cut at the row's end: what `csbp bench --doc-length N` packs); adds CP-only cp-aware",
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        metavar="ARTIFACT",
+        help="plan the real documents of a `csbp data prepare` artifact under the document mask (rows of "
+        f"L consecutive tokens of its stream, {SAMPLE_ROWS} (at most {SAMPLE_TOKENS >> 20}M tokens) spread over "
+        "the split, predictions averaged; "
+        "default L: the artifact's seq_len); adds cp-aware and the balanced schedule",
+    )
+    parser.add_argument(
+        "--split", choices=("train", "val"), default="train", help="the --data split planned (default train)"
+    )
+    parser.add_argument(
+        "--data-rows",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help=f"rows of --data planned (default {SAMPLE_ROWS}, fewer past {SAMPLE_TOKENS >> 20}M tokens)",
     )
     parser.add_argument(
         "--global-batch", type=positive_int, default=None, help="samples per optimizer step (default dp)"
@@ -174,6 +196,10 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError(
             "csbp plan needs --model and --gpus (e.g. --model nemotron-14b --seq-len 256K --gpus 16)"
         )
+    if args.data is not None and args.doc_length is not None:
+        raise ValueError("--data and --doc-length both say what the rows pack: give one of the two")
+    if args.data is None and (args.data_rows is not None or args.split != "train"):
+        raise ValueError("--split and --data-rows choose the rows of --data ARTIFACT: add --data")
     workload, config_seq_len = resolve_workload(args.model, args.overrides)
     workload = workload.with_options(
         objective=args.objective,
@@ -184,6 +210,13 @@ def run_plan(args: argparse.Namespace) -> int:
         doc_length=args.doc_length,
     )
     args.seq_len = args.seq_len or config_seq_len
+    if args.data is not None:
+        if args.seq_len is None:
+            from csbp.data.artifact import open_artifact
+
+            args.seq_len = open_artifact(args.data).seq_len
+        sample = artifact_documents(args.data, args.seq_len, split=args.split, rows=args.data_rows)
+        workload = replace(workload, doc_length=sample)
     if args.seq_len is None:
         raise ValueError("csbp plan needs --seq-len for a preset or HF model (e.g. --seq-len 256K)")
     hw = hardware(args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
@@ -235,11 +268,14 @@ def exchange_label(workload: Workload, layout: Layout, seq_len: int) -> str:
         if workload.doc_length is None or workload.objective.context_rows != "all":
             return "context"
         kinds = tuple(sorted({g.window for g in workload.model.groups}))
-        counts = draft_counts(
-            seq_len, workload.doc_length, block=workload.objective.block, anchors=workload.objective.anchors,
-            cp=layout.cp, bp=layout.bp, transport=layout.transport, windows=kinds,
-        )
-        used = set(counts.exchanged.values())
+        docs = workload.doc_length
+        used = set()
+        for key in docs.rows if isinstance(docs, DocumentSample) else (docs,):
+            counts = draft_counts(
+                seq_len, key, block=workload.objective.block, anchors=workload.objective.anchors,
+                cp=layout.cp, bp=layout.bp, transport=layout.transport, windows=kinds,
+            )
+            used |= set(counts.exchanged.values())
         return {frozenset({True}): "exchange", frozenset({False}): "context"}.get(frozenset(used), "ctx+exch")
     if layout.kind == "cp" and layout.transport != "halo":
         return "all rows"
@@ -268,6 +304,8 @@ def _param_count(count: float) -> str:
 def _documents_note(workload: Workload, seq_len: int) -> str:
     if workload.doc_length is None:
         return ""
+    if isinstance(workload.doc_length, DocumentSample):
+        return f"\ndocuments (document mask; predictions averaged over the rows): {workload.doc_length.describe()}"
     count = document_count(seq_len, workload.doc_length)
     noun = "document" if count == 1 else "documents"
     return f", {count:,} packed {noun} of mean length {workload.doc_length:,} (document mask)"
@@ -334,7 +372,8 @@ def plan_json(
         "model": workload.model.name,
         "objective": workload.objective.name,
         "seq_len": seq_len,
-        "doc_length": workload.doc_length,
+        "doc_length": workload.doc_length if isinstance(workload.doc_length, int) else None,
+        "documents": workload.doc_length.summary() if isinstance(workload.doc_length, DocumentSample) else None,
         "gpus": gpus,
         "hardware": hw.name,
         "calibration": cal.to_json(),

@@ -7,15 +7,23 @@ its prediction, and hands the launcher ``--set topology.dp=... topology.cp=... t
 overrides: the run then validates and trains like any explicit layout. The search keeps the
 config's micro-batch, gradient accumulation and FSDP setting, and proposes activation
 checkpointing only when the config schema has ``train.activation_checkpointing``.
+
+With ``data.document_mask`` the plan is costed on the real documents of the run's training artifact
+(``data.train``; ``csbp.plan.artifact_documents``, what ``csbp plan --data`` uses), so it may pick
+CP-only ``cp-aware`` (``topology.transport: halo``) or ``topology.schedule: balanced``; the
+``topology: auto -> ...`` line names the rows it assumed. Without the document mask: one document
+per row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
+from csbp.plan.artifact_documents import artifact_documents
 from csbp.plan.calibration import packaged_calibration
 from csbp.plan.hardware import hardware
 from csbp.plan.model import GIB
@@ -73,6 +81,14 @@ def resolve_auto_topology(
     kept = [item for item in overrides if item.replace(" ", "") != "topology=auto"]
     cfg = load_run_config(config, [*kept, "topology={}"])
     workload = run_config_workload(cfg)
+    documents = ""
+    if cfg.document_mask:
+        try:
+            sample = artifact_documents(cfg.data.train, cfg.data.seq_len)
+        except ValueError as exc:
+            raise ValueError(f"topology: auto with data.document_mask plans data.train's documents: {exc}") from None
+        workload = replace(workload, doc_length=sample)
+        documents = f"; documents of {sample.describe()}"
     gpus = nproc * nnodes
     preset = gpu_preset()
     hw = hardware(preset, gpus=gpus, gpus_per_node=nproc)
@@ -111,7 +127,7 @@ def resolve_auto_topology(
         print(
             f"topology: auto -> {describe(lay)} for {gpus} processes at L={cfg.data.seq_len}: predicted "
             f"{step:.3f} s/step, {best.mem_bytes / GIB:.2f} of {best.capacity_bytes / GIB:.1f} GiB per process "
-            f"({hw.name}; {plan.why})",
+            f"({hw.name}{documents}; {plan.why})",
             flush=True,
         )
     return [*kept, *chosen]

@@ -15,6 +15,9 @@ Per local rank, with the document mask (csbp's torch-free counting, the rules th
   (``draft_counts.spread_anchors``, the stand-in for one random draw), dealt to the BP ranks by
   context cost, each rank's draft rows' context pairs and the context rows each ring member
   receives in the context exchange, which is used where ``csbp.dflash.exchange`` uses it.
+
+``csbp plan --data ARTIFACT`` plans real rows instead (``RowDocuments``, read by
+``csbp.plan.artifact_documents``): every function here takes either key.
 """
 
 from __future__ import annotations
@@ -36,9 +39,37 @@ from csbp.attention.draft_counts import (
 DOCUMENT_SEED = 0
 
 
-@lru_cache(maxsize=8)
-def packed_documents(seq_len: int, doc_length: int) -> DocBounds:
-    """``(start, stop)`` int64 ``[L]`` of the documents ``--doc-length doc_length`` packs (read-only)."""
+@dataclass(frozen=True)
+class RowDocuments:
+    """One row's real documents (``csbp plan --data``, ``csbp.plan.artifact_documents``): the first
+    position of every document in the row, ``starts[0] == 0``. Hashable, so the counting caches
+    below key on it exactly as on a ``--doc-length`` mean."""
+
+    seq_len: int
+    starts: tuple[int, ...]
+
+    def bounds(self) -> DocBounds:
+        """``(start, stop)`` int64 ``[L]``: each position's document span."""
+        edges = np.asarray(self.starts, dtype=np.int64)
+        lengths = np.diff(np.append(edges, self.seq_len))
+        start = np.repeat(edges, lengths)
+        return start, np.repeat(edges + lengths, lengths)
+
+
+DocumentKey = int | RowDocuments
+"""What one planned row packs: a ``--doc-length`` mean (geometric draw, seed 0) or a real row."""
+
+
+@lru_cache(maxsize=64)
+def packed_documents(seq_len: int, doc_length: DocumentKey) -> DocBounds:
+    """``(start, stop)`` int64 ``[L]`` of the documents ``--doc-length doc_length`` packs, or of a
+    real row (read-only)."""
+    if isinstance(doc_length, RowDocuments):
+        if doc_length.seq_len != seq_len:
+            raise ValueError(f"a {doc_length.seq_len}-token document row cannot be planned at L={seq_len}")
+        start, stop = doc_length.bounds()
+        start.flags.writeable = stop.flags.writeable = False
+        return start, stop
     import torch
 
     from csbp.attention.documents import random_documents
@@ -49,7 +80,7 @@ def packed_documents(seq_len: int, doc_length: int) -> DocBounds:
     return start, stop
 
 
-def document_count(seq_len: int, doc_length: int) -> int:
+def document_count(seq_len: int, doc_length: DocumentKey) -> int:
     """Documents packed into one row."""
     start, _ = packed_documents(seq_len, doc_length)
     return int((start == np.arange(seq_len)).sum())
@@ -57,7 +88,7 @@ def document_count(seq_len: int, doc_length: int) -> int:
 
 @lru_cache(maxsize=512)
 def document_halo_rows(
-    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: int
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey
 ) -> int:
     """Largest number of clean rows a ring member (any ring of the sample) receives in the halo
     exchange of a layer (``window`` 0: full attention) over packed documents."""
@@ -88,7 +119,7 @@ class DraftCounts:
 
 def draft_counts(
     seq_len: int,
-    doc_length: int,
+    doc_length: DocumentKey,
     *,
     block: int,
     anchors: int,
@@ -105,7 +136,7 @@ def draft_counts(
 @lru_cache(maxsize=256)
 def _draft_counts(
     seq_len: int,
-    doc_length: int,
+    doc_length: DocumentKey,
     block: int,
     anchors: int,
     cp: int,

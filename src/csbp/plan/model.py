@@ -32,15 +32,16 @@ DFlash drafters have their own terms (``csbp.plan.drafter``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
 
 from csbp.attention.counts import halo_rows as rank_halo_rows
 from csbp.attention.counts import layout_positions, position_pairs
+from csbp.plan.artifact_documents import DocumentSample
 from csbp.plan.calibration import Calibration
-from csbp.plan.documents import document_halo_rows, packed_documents
+from csbp.plan.documents import DocumentKey, document_halo_rows, packed_documents
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Layout
 from csbp.plan.workload import LayerGroup, Workload
@@ -108,10 +109,10 @@ class RankCounts:
 
 @lru_cache(maxsize=512)
 def rank_counts(
-    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: int | None = None
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey | None = None
 ) -> tuple[RankCounts, ...]:
     """Per local rank of a sample, its rows and allowed pairs (``window`` 0: full attention;
-    ``doc_length``: over the packed documents of ``csbp.plan.documents``)."""
+    ``doc_length``: over the packed documents of ``csbp.plan.documents``, a mean or a real row)."""
     docs = None if doc_length is None else packed_documents(seq_len, doc_length)
     out = []
     for rank in range(max(cp, bp)):
@@ -197,7 +198,18 @@ def predict(
 ) -> Prediction:
     """Predict one decoder layout (BD3, Fast-dLLM v2, MDLM). ``global_batch`` samples per optimizer
     step (default ``dp·micro_batch``); ``step_memory_only`` leaves out the memory that exists before
-    a step (weights and optimizer state), which is what ``csbp bench`` measures."""
+    a step (weights and optimizer state), which is what ``csbp bench`` measures. Over an artifact's
+    sample of real rows (``DocumentSample``): the mean of the rows' predictions (``mean_prediction``)."""
+    if isinstance(workload.doc_length, DocumentSample):
+        return mean_prediction(
+            [
+                predict(
+                    replace(workload, doc_length=row), layout, seq_len, hw, cal,
+                    global_batch=global_batch, step_memory_only=step_memory_only,
+                )
+                for row in workload.doc_length.rows
+            ]
+        )
     if workload.objective.is_drafter:
         from csbp.plan.drafter import predict_drafter
 
@@ -320,6 +332,26 @@ def predict(
         kv_bytes=accum * kv_micro,
         mem_terms=terms,
         capacity_bytes=hw.mem_gib * GIB,
+    )
+
+
+def mean_prediction(preds: list[Prediction]) -> Prediction:
+    """One layout over several rows: times, traffic and throughput of the mean step (each row's
+    step bounded by its own slowest rank), memory of the row that needs the most."""
+    first = preds[0]
+    step = float(np.mean([p.step_s for p in preds]))
+    peak = max(preds, key=lambda p: p.mem_bytes)
+    return Prediction(
+        layout=first.layout,
+        step_s=step,
+        tokens_per_s=first.tokens_per_s * first.step_s / step,  # the same tokens per step
+        fwd_s=float(np.mean([p.fwd_s for p in preds])),
+        bwd_s=float(np.mean([p.bwd_s for p in preds])),
+        exposed_comm_s=float(np.mean([p.exposed_comm_s for p in preds])),
+        exposed_kv_s=float(np.mean([p.exposed_kv_s for p in preds])),
+        kv_bytes=float(np.mean([p.kv_bytes for p in preds])),
+        mem_terms=peak.mem_terms,
+        capacity_bytes=first.capacity_bytes,
     )
 
 

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from csbp.plan.artifact_documents import DocumentSample
+    from csbp.plan.documents import RowDocuments
 
 OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "dflash")
 
@@ -112,13 +116,14 @@ class Objective:
 class Workload:
     """Model, objective and element size (2: bf16, 4: fp32) of one training run. ``doc_length``:
     rows pack documents of that mean length under the document mask (``csbp.plan.documents``;
-    None: one document per row)."""
+    None: one document per row), or real rows: one (``RowDocuments``) or an artifact's sample
+    (``DocumentSample``, ``csbp plan --data``; ``predict`` averages over its rows)."""
 
     model: ModelShape
     objective: Objective
     dtype_bytes: int = 2
     notes: tuple[str, ...] = field(default_factory=tuple)
-    doc_length: int | None = None
+    doc_length: int | RowDocuments | DocumentSample | None = None
 
     def with_options(
         self,
