@@ -224,7 +224,7 @@ def test_csbp_eval_fails_closed(trained: tuple[Path, Path, str], tmp_path: Path,
         capsys, ["eval", "--model", model, "--data", str(artifact), "--nproc", "3", "--cp", "2"]
     )
     assert "does not divide the sequence length 32" in _error(
-        capsys, ["eval", "--model", model, "--data", str(artifact), "--block-size", "5"]
+        capsys, ["eval", "--model", model, "--data", str(artifact), "--block-size", "5", "--allow-block-size-change"]
     )
     bare = tmp_path / "bare"  # a checkpoint without a run config next to it
     small = Decoder(tiny_model_config(), dtype=torch.float32, seed=0)
@@ -234,3 +234,32 @@ def test_csbp_eval_fails_closed(trained: tuple[Path, Path, str], tmp_path: Path,
     assert "embeds 64" in message and "fix:" in message
     other = make_artifact(tmp_path / "other", seed=5, num_docs=30)  # another trained tokenizer
     assert "another tokenizer" in _error(capsys, ["eval", "--model", model, "--data", str(other)])
+
+
+def test_csbp_eval_refuses_a_silent_objective_or_block_size_change(
+    trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir, artifact, _ = trained
+    out = tmp_path / "eval.json"
+    config_file = run_dir / "config.yaml"
+    args = ["eval", "--model", str(run_dir / "final"), "--data", str(artifact), "--samples", "1", "--no-ltr",
+            "--max-batches", "1", "--micro-batch-size", "2"]
+    assert _error(capsys, [*args, "--block-size", "8"]) == (
+        f"csbp: error: --block-size 8: the model was trained with block size 4 ({config_file}) "
+        "(fix: drop --block-size, or add --allow-block-size-change to evaluate with another block size)"
+    )
+    assert _error(capsys, [*args, "--objective", "mdlm"]) == (
+        f"csbp: error: --objective mdlm: the model was trained with objective bd3 ({config_file}) "
+        "(fix: drop --objective, or add --allow-objective-change to evaluate with another objective)"
+    )
+    assert main([*args, "--objective", "bd3", "--block-size", "4"]) == 0  # the trained values are fine
+    assert "csbp eval:" not in capsys.readouterr().err  # (stderr has the progress bar)
+    for flags, objective, block_size, note in (
+        (["--block-size", "8", "--allow-block-size-change"], "bd3", 8, "block size 8, not the trained 4"),
+        (["--objective", "mdlm", "--allow-objective-change"], "mdlm", 32, "objective mdlm, not the trained bd3"),
+    ):
+        assert main([*args, *flags, "--json", str(out)]) == 0
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("csbp eval:")]
+        assert notes == [f"csbp eval: evaluating with {note} ({config_file}; {flags[-1]})"]
+        report = json.loads(out.read_text())
+        assert (report["objective"], report["block_size"]) == (objective, block_size)

@@ -361,6 +361,21 @@ def test_cli_takes_objective_and_block_size_from_the_run_config(
     assert err.splitlines() == [
         f"csbp generate: sampling with block size 6, not the trained 4 ({config_file}; --allow-block-size-change)"
     ]
+    other = parse([*sys_argv_of(args, final), "--objective", "fast_dllm_v2"])
+    with pytest.raises(ValueError) as info:  # same block grid, other label alignment: never silently
+        other.func(other)
+    assert str(info.value) == (
+        f"--objective fast_dllm_v2: the model was trained with objective bd3 ({config_file}) "
+        "(fix: drop --objective, or add --allow-objective-change to sample with another objective)"
+    )
+    assert capsys.readouterr() == ("", "")
+    allowed = parse([*sys_argv_of(args, final), "--objective", "fast_dllm_v2", "--allow-objective-change"])
+    assert allowed.func(allowed) == 0
+    out, err = capsys.readouterr()
+    assert "[fast_dllm_v2, 12 tokens, 4 blocks of 4" in out
+    assert err.splitlines() == [
+        f"csbp generate: sampling with objective fast_dllm_v2, not the trained bd3 ({config_file}; --allow-objective-change)"
+    ]
     (tmp_path / "run" / "config.yaml").write_text("objective:\n  name: ar\n")
     with pytest.raises(ValueError, match="objective 'ar'"):
         args.func(args)

@@ -143,7 +143,7 @@ def test_plan_data_fails_closed(tmp_path: Path, capsys) -> None:
         assert code == USER_ERROR_EXIT_CODE and message in err and len(err.strip().splitlines()) == 1, (extra, err)
 
 
-def _run_config(tmp_path: Path, directory: Path, document_mask: bool) -> Path:
+def _run_config(tmp_path: Path, directory: Path, document_mask: bool, topology: object = "auto") -> Path:
     config = {
         "run": {"name": "auto", "seed": 0},
         "model": {"arch": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 4,
@@ -152,7 +152,7 @@ def _run_config(tmp_path: Path, directory: Path, document_mask: bool) -> Path:
         "objective": {"name": "bd3", "block_size": BLOCK},
         "optim": {"lr": 1e-3},
         "train": {"max_steps": 1, "micro_batch_size": 1},
-        "topology": "auto",
+        "topology": topology,
     }
     path = tmp_path / f"run-{document_mask}.yaml"
     path.write_text(json.dumps(config), encoding="utf-8")
@@ -190,3 +190,38 @@ def test_topology_auto_plans_with_the_artifact_documents(tmp_path: Path, capsys,
                        r"not a csbp data artifact"):
         auto.resolve_auto_topology(str(missing), [], nproc=4)
 
+
+
+def test_plan_of_a_document_masked_run_config_plans_its_train_documents(tmp_path: Path, capsys) -> None:
+    directory = write_artifact(tmp_path / "art")
+    config = str(_run_config(tmp_path, directory, True, topology={}))
+    base = ["plan", "--gpus", "4", "--gpu", "h200", "--top", "40"]
+
+    def plan(*extra: str) -> tuple[str, dict]:
+        out_json = tmp_path / "plan.json"
+        assert main([*base, *extra, "--json", str(out_json)]) == 0
+        return capsys.readouterr().out, json.loads(out_json.read_text(encoding="utf-8"))
+
+    out, record = plan("--model", config)
+    assert out.splitlines()[0] == (
+        f"documents: data.train of {config} (data.document_mask; --doc-length N or --data ARTIFACT overrides)"
+    )
+    sample = artifact_documents(directory, SEQ_LEN)
+    assert sample.describe() in out and record["documents"] == json.loads(json.dumps(sample.summary()))
+    # the same plan as naming the artifact (same rows, same code path)
+    _, explicit = plan("--model", config, "--data", str(directory))
+    assert explicit == record
+    out, record = plan("--model", config, "--doc-length", "8")  # an explicit override wins
+    assert "documents: data.train" not in out and (record["doc_length"], record["documents"]) == (8, None)
+    out, record = plan("--model", config, "--seq-len", "128")  # longer rows join the artifact's rows
+    assert record["documents"] == json.loads(json.dumps(artifact_documents(directory, 128).summary()))
+    out, record = plan("--model", str(_run_config(tmp_path, directory, False, topology={})))
+    assert "documents: data.train" not in out and (record["doc_length"], record["documents"]) == (None, None)
+    missing = str(_run_config(tmp_path, tmp_path / "missing", True, topology={}))
+    assert main([*base, "--model", missing]) == USER_ERROR_EXIT_CODE
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip().splitlines() == [
+        f"csbp: error: --model {missing} has data.document_mask, so csbp plan plans data.train's documents: "
+        f"{tmp_path / 'missing'} is not a csbp data artifact (no manifest.json); run csbp data prepare "
+        "(or pass --doc-length N / --data ARTIFACT)"
+    ]

@@ -182,9 +182,10 @@ def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:
             }
         )
     )
-    code, out, err = run(
-        capsys, "plan", "--model", "dflash-demo", "--set", target, "--gpus", "4", "--gpu", "cpu"
-    )
+    dflash = ("plan", "--model", "dflash-demo", "--set", target, "--set", f"data.train={tmp_path / 'none'}", "--gpus", "4")
+    code, out, err = run(capsys, *dflash, "--gpu", "cpu")  # dflash masks documents: data.train's are planned
+    assert code == USER_ERROR_EXIT_CODE and "data.document_mask" in err and "not a csbp data artifact" in err
+    code, out, err = run(capsys, *dflash, "--gpu", "cpu", "--doc-length", "64")
     assert (code, err) == (0, "") and "DFlash(" in out and "dflash, block 4" in out
 
 

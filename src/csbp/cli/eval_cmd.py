@@ -11,7 +11,10 @@ of ``--samples`` independent noise draws with its standard error) and the perple
 --unmask-order left_to_right`` assigns at temperature 1), ``B`` forwards per batch. See
 ``csbp.evaluation``. ``--model`` is a HF checkpoint directory (a run's ``final/`` export: objective,
 block size, noise scheme, mask token, window and document mask default to the run's
-``config.yaml`` one directory up). Runs on one process; ``--nproc N`` (with ``--cp``/``--bp``)
+``config.yaml`` one directory up; ``--objective`` / ``--block-size`` other than the run's are
+refused unless ``--allow-objective-change`` / ``--allow-block-size-change``, as in ``csbp
+generate``: scoring a bd3-trained model as mdlm is a legitimate experiment, a silent one is not).
+Runs on one process; ``--nproc N`` (with ``--cp``/``--bp``)
 scores on ``N`` local processes through the training engine's layouts, with the same numbers.
 """
 
@@ -24,6 +27,7 @@ import torch
 
 from csbp.cli.generate_cmd import DTYPES
 from csbp.cli.options import check_model_directory, device_option, output_file, positive_int
+from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--block-size", type=positive_int, default=None, help="training block size (default: the run's)"
     )
+    add_override_flags(parser, "eval")
     parser.add_argument("--samples", type=positive_int, default=4, help="noise draws per batch for the NELBO (default 4)")
     parser.add_argument("--micro-batch-size", type=positive_int, default=8, help="rows per forward (default 8)")
     parser.add_argument("--max-batches", type=positive_int, default=None, help="score at most this many batches")
@@ -74,11 +79,13 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.data.artifact import open_artifact
     from csbp.evaluation import EvalOptions, evaluate_model, resolve_settings
     from csbp.evaluation.parallel import eval_topology, evaluate_parallel
+    from csbp.evaluation.settings import run_config_settings
     from csbp.models.hf_io import load_hf_checkpoint
 
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     model_dir: Path = check_model_directory(args.model)
+    notes = check_trained_overrides("eval", args, model_dir, run_config_settings(model_dir))
     artifact = open_artifact(args.data)
     split = artifact.split(args.split)
     if split.num_rows == 0:
@@ -97,6 +104,7 @@ def run_eval(args: argparse.Namespace) -> int:
         left_to_right=not args.no_ltr,
     )
     topology = eval_topology(args.nproc, args.cp, args.bp, settings, artifact.seq_len)
+    print_notes(notes)
     if topology.world_size == 1:
         report = evaluate_model(model, split, settings, options)
     else:

@@ -15,8 +15,10 @@ token (``--mask-token``).
 The sampler must use the block size and label alignment the model was trained with. For a run's
 ``final/`` export they default to ``objective.name``/``block_size``/``mask_token_id`` of the run's
 ``config.yaml`` (one directory up); otherwise to ``bd3`` with ``B = 16`` and the tokenizer's mask
-token. ``--block-size`` other than the run's is refused unless ``--allow-block-size-change`` (an
-experiment: the model never saw that block grid), which then notes the change on stderr.
+token. ``--objective`` or ``--block-size`` other than the run's is refused unless
+``--allow-objective-change`` / ``--allow-block-size-change`` (an experiment: the model never saw
+that attention pattern or block grid), which then notes the change on stderr
+(``csbp.cli.trained_settings``, shared with ``csbp eval``).
 ``fast_dllm_v2`` decodes with token shift (position ``i`` predicted from row ``i-1``); an
 ``mdlm`` model is one block of ``B = seq_len``. A model trained with a sliding window
 (``topology.window``) is sampled with the same windowed mask (``--window`` for other checkpoints). See ``csbp.generation.sampler`` for how the prompt
@@ -26,7 +28,6 @@ is aligned to the block grid.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ import torch
 import yaml
 
 from csbp.cli.options import check_model_directory, device_option, positive_int
+from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 TOKEN_SHIFT_OBJECTIVES = {"bd3": False, "mdlm": False, "fast_dllm_v2": True}
@@ -64,11 +66,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--block-size", type=int, default=None, help="training block size (default: the run's, else 16)"
     )
-    parser.add_argument(
-        "--allow-block-size-change",
-        action="store_true",
-        help="sample with a --block-size other than the one the run trained with (an experiment)",
-    )
+    add_override_flags(parser, "generate")
     parser.add_argument(
         "--steps-per-block", type=int, default=None, help="denoising steps per block (default B)"
     )
@@ -140,9 +138,9 @@ def run_generate(args: argparse.Namespace) -> int:
     known_words = None if args.known_words is None else KnownWords.load(args.known_words)
     model_dir: Path = check_model_directory(args.model)
     run_settings = run_objective_settings(model_dir)
+    notes = check_trained_overrides("generate", args, model_dir, run_settings)
     objective = args.objective or run_settings.get("objective", DEFAULT_OBJECTIVE)
     block_size = args.block_size or run_settings.get("block_size", DEFAULT_BLOCK_SIZE)
-    _check_block_size(args, model_dir, run_settings.get("block_size"))
     tokenizer_dir: Path = args.tokenizer if args.tokenizer is not None else model_dir
     if not tokenizer_dir.exists():
         raise ValueError(f"--tokenizer {tokenizer_dir} does not exist")
@@ -178,6 +176,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "is --tokenizer the tokenizer this model was trained with?"
         )
     prompt_ids = tokenizer.encode(args.prompt)
+    print_notes(notes)
     started = time.perf_counter()
     result = generate(model, prompt_ids, mask_token_id=mask_token_id, eos_id=tokenizer.eos_id, config=config)
     elapsed = time.perf_counter() - started
@@ -193,23 +192,6 @@ def run_generate(args: argparse.Namespace) -> int:
     if known_words is not None:
         print(known_words.line(tokenizer.decode(result.token_ids)))
     return 0
-
-
-def _check_block_size(args: argparse.Namespace, model_dir: Path, trained: int | None) -> None:
-    """Refuse a ``--block-size`` other than the run's unless ``--allow-block-size-change``."""
-    if args.block_size is None or trained is None or args.block_size == trained:
-        return
-    config_file = model_dir.parent / "config.yaml"
-    if not args.allow_block_size_change:
-        raise ValueError(
-            f"--block-size {args.block_size}: the model was trained with block size {trained} ({config_file}) "
-            f"(fix: drop --block-size, or add --allow-block-size-change to sample with another block size)"
-        )
-    print(
-        f"csbp generate: sampling with block size {args.block_size}, not the trained {trained} "
-        f"({config_file}; --allow-block-size-change)",
-        file=sys.stderr,
-    )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ Usage::
     csbp plan --model run.yaml --seq-len 4096 --gpus 4 --gpu cpu --topology dp1/cp4 dp1/cp4/bp4
     csbp plan --model nemotron-8b --seq-len 1M --gpus 32 --gpu h200 --doc-length 8192  # packed documents
     csbp plan --model nemotron-8b --gpus 8 --gpu h200 --data artifacts/demo-4k-64  # its real documents
+    csbp plan --model run.yaml --gpus 8 --gpu h200  # with data.document_mask: data.train's documents
     csbp bench train --seq-lens 512 1024 2048 --json bench.json
     csbp plan calibrate bench.json --out cal.json && csbp plan ... --gpu cpu --calibration cal.json
     csbp plan calibrate --published --out published.json    # refit the packaged GPU calibration
@@ -20,11 +21,18 @@ import json
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from csbp.atomic import write_json_atomic
 from csbp.cli.config_cmd import add_override_argument
 from csbp.cli.options import output_file, positive_int
-from csbp.plan.artifact_documents import SAMPLE_ROWS, SAMPLE_TOKENS, DocumentSample, artifact_documents
+from csbp.plan.artifact_documents import (
+    SAMPLE_ROWS,
+    SAMPLE_TOKENS,
+    DocumentSample,
+    artifact_documents,
+    run_config_documents,
+)
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
 from csbp.plan.documents import document_count, draft_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
@@ -39,6 +47,9 @@ from csbp.plan.workload import (
     preset_workload,
     run_config_workload,
 )
+
+if TYPE_CHECKING:
+    from csbp.config.schema import RunConfig
 
 _LENGTH = re.compile(r"^(\d+)([kKmM]?)$")
 
@@ -174,21 +185,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     calibrate.set_defaults(func=run_calibrate)
 
 
-def resolve_workload(spec: str, overrides: list[str] | None = None) -> tuple[Workload, int | None]:
+def resolve_workload(spec: str, overrides: list[str] | None = None) -> tuple[Workload, RunConfig | None]:
     """A preset name, a HF ``config.json`` (or folder), or a run config / packaged recipe (with
-    ``--set`` overrides), and the sequence length a run config trains at (else None)."""
+    ``--set`` overrides), and that run config (else None)."""
     if spec in preset_names():
-        workload, seq_len = preset_workload(spec), None
+        workload = preset_workload(spec)
     elif Path(spec).is_dir() or Path(spec).suffix == ".json":
-        workload, seq_len = hf_workload(Path(spec)), None
+        workload = hf_workload(Path(spec))
     else:
         from csbp.recipes import load_run_config
 
         cfg = load_run_config(spec, overrides or [])
-        return run_config_workload(cfg), cfg.data.seq_len
+        return run_config_workload(cfg), cfg
     if overrides:
         raise ValueError("--set applies to run configs only: --model here is a preset or a HF config.json")
-    return workload, seq_len
+    return workload, None
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -200,7 +211,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--data and --doc-length both say what the rows pack: give one of the two")
     if args.data is None and (args.data_rows is not None or args.split != "train"):
         raise ValueError("--split and --data-rows choose the rows of --data ARTIFACT: add --data")
-    workload, config_seq_len = resolve_workload(args.model, args.overrides)
+    workload, run_config = resolve_workload(args.model, args.overrides)
     workload = workload.with_options(
         objective=args.objective,
         block_size=args.block_size,
@@ -209,7 +220,9 @@ def run_plan(args: argparse.Namespace) -> int:
         drafter_context=args.drafter_context,
         doc_length=args.doc_length,
     )
-    args.seq_len = args.seq_len or config_seq_len
+    args.seq_len = args.seq_len or (run_config.data.seq_len if run_config is not None else None)
+    if run_config is not None and args.data is None and args.doc_length is None:
+        workload = _run_documents(args, workload, run_config)
     if args.data is not None:
         if args.seq_len is None:
             from csbp.data.artifact import open_artifact
@@ -240,6 +253,21 @@ def run_plan(args: argparse.Namespace) -> int:
         write_json_atomic(args.json, plan_json(plan, workload, args.seq_len, args.gpus, hw, cal))
         print(f"wrote {args.json}")
     return 0
+
+
+def _run_documents(args: argparse.Namespace, workload: Workload, run_config: RunConfig) -> Workload:
+    """A run config with ``data.document_mask`` plans ``data.train``'s documents (as ``topology: auto``)."""
+    try:
+        sample = run_config_documents(run_config, args.seq_len)
+    except ValueError as exc:
+        raise ValueError(
+            f"--model {args.model} has data.document_mask, so csbp plan plans data.train's documents: {exc} "
+            "(or pass --doc-length N / --data ARTIFACT)"
+        ) from None
+    if sample is None:
+        return workload
+    print(f"documents: data.train of {args.model} (data.document_mask; --doc-length N or --data ARTIFACT overrides)")
+    return replace(workload, doc_length=sample)
 
 
 def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[str, ...]) -> list[Layout]:

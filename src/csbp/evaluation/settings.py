@@ -5,8 +5,10 @@ Defaults come from the run that wrote the checkpoint: a run's ``final/`` export 
 run's ``config.yaml`` (the same file ``csbp generate`` reads, via
 :func:`csbp.cli.generate_cmd.run_objective_settings`), which gives ``objective.name``,
 ``block_size``, ``noise``, ``mask_token_id``, ``topology.window`` and ``data.document_mask`` /
-``reset_positions``. Flags override them; a checkpoint without a run config needs ``--objective``
-and ``--block-size``. The mask token is the run's, else ``config.json``'s ``mask_token_id`` (a
+``reset_positions``. ``--objective`` / ``--block-size`` other than the run's are refused before this
+runs unless ``--allow-objective-change`` / ``--allow-block-size-change`` (``csbp.cli.trained_settings``,
+shared with ``csbp generate``); a checkpoint without a run config needs ``--objective`` and
+``--block-size``. The mask token is the run's, else ``config.json``'s ``mask_token_id`` (a
 training export writes it), else the artifact's.
 
 Every check fails with one line naming the flag or file and the fix.

@@ -1,5 +1,5 @@
-"""Real document layouts for the planner: ``csbp plan --data ARTIFACT`` and ``topology: auto`` with
-``data.document_mask``.
+"""Real document layouts for the planner: ``csbp plan --data ARTIFACT``, and a run config with
+``data.document_mask`` (``topology: auto``, ``csbp plan --model run.yaml``: its ``data.train``).
 
 An artifact (``csbp data prepare``, ``csbp.data.artifact``) is one token stream cut into rows of
 its ``seq_len``; ``{split}.doc_ids.bin`` gives every token's document ordinal (-1 = pad), so a
@@ -20,10 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from csbp.plan.documents import RowDocuments
+
+if TYPE_CHECKING:
+    from csbp.config.schema import RunConfig
 
 SAMPLE_ROWS = 16
 SAMPLE_TOKENS = 1 << 22
@@ -109,3 +113,12 @@ def artifact_documents(
     picked = np.unique(np.linspace(0, offsets.size - 1, min(rows, offsets.size)).round().astype(np.int64))
     sample = tuple(row_documents(stream[offsets[i] : offsets[i] + seq_len]) for i in picked)
     return DocumentSample(f"{directory} {split}", seq_len, sample, int(offsets.size))
+
+
+def run_config_documents(cfg: RunConfig, seq_len: int | None = None) -> DocumentSample | None:
+    """The rows a run config trains on when it masks documents: ``data.train``'s documents at
+    ``seq_len`` (default ``data.seq_len``); None without ``data.document_mask`` (one document a
+    row is then exact). ``ValueError`` in one line when the artifact cannot supply them."""
+    if not cfg.document_mask:
+        return None
+    return artifact_documents(cfg.data.train, seq_len or cfg.data.seq_len)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from csbp.plan.artifact_documents import artifact_documents
+from csbp.plan.artifact_documents import run_config_documents
 from csbp.plan.calibration import packaged_calibration
 from csbp.plan.hardware import hardware
 from csbp.plan.model import GIB
@@ -82,11 +82,11 @@ def resolve_auto_topology(
     cfg = load_run_config(config, [*kept, "topology={}"])
     workload = run_config_workload(cfg)
     documents = ""
-    if cfg.document_mask:
-        try:
-            sample = artifact_documents(cfg.data.train, cfg.data.seq_len)
-        except ValueError as exc:
-            raise ValueError(f"topology: auto with data.document_mask plans data.train's documents: {exc}") from None
+    try:
+        sample = run_config_documents(cfg)
+    except ValueError as exc:
+        raise ValueError(f"topology: auto with data.document_mask plans data.train's documents: {exc}") from None
+    if sample is not None:
         workload = replace(workload, doc_length=sample)
         documents = f"; documents of {sample.describe()}"
     gpus = nproc * nnodes
