@@ -18,7 +18,7 @@ from csbp.models.hf_io import export_hf_checkpoint
 from csbp.training.checkpoint import check_model_shapes, find_latest_checkpoint, prune_checkpoints
 from csbp.training.launcher import LaunchOptions, check_process_count, is_collective_failure
 from csbp.training.lr_schedule import build_lr_scheduler, lr_multiplier
-from csbp.training.metrics import plot_loss_curve, read_metrics, truncate_metrics
+from csbp.training.metrics import MetricsWriter, plot_loss_curve, read_metrics, truncate_metrics
 from csbp.training.model_factory import build_model, decoder_config_for_run
 from csbp.training.optim import build_optimizer, clip_gradients, parameter_groups
 from csbp.training.preflight import check_run
@@ -262,3 +262,15 @@ def test_validation_rows_come_from_data_val_when_set(artifact: Path, tmp_path: P
         check_run(
             tiny_config(make_artifact(tmp_path / "no_val", num_docs=1), **{"train.micro_batch_size": 1})
         )
+
+
+def test_no_progress_bar_redraws_when_stderr_is_not_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A batch job's log gets the step lines, not one carriage-return redraw of the bar per step."""
+    writer = MetricsWriter(tmp_path, enabled=True, start_step=0, total_steps=3)
+    for step in (1, 2, 3):
+        writer.log({"step": step, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 10.0})
+    writer.message("step 3: loss 1.0000")
+    writer.close()
+    out, err = capsys.readouterr()
+    assert "\r" not in err and "train" not in err
+    assert "step 3: loss 1.0000" in out and len(read_metrics(tmp_path / "metrics.jsonl")) == 3

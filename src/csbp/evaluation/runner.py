@@ -159,7 +159,7 @@ def score_split(
     num_batches = batch_count(split, options.micro_batch_size, options.max_batches)
     forwards = samples + (settings.block_size if options.left_to_right else 0)
     mine = len(range(replica, num_batches, replicas))
-    bar = tqdm(total=mine * forwards, desc="eval", unit="fwd", dynamic_ncols=True, disable=not progress)
+    bar = tqdm(total=mine * forwards, desc="eval", unit="fwd", dynamic_ncols=True, disable=None if progress else True)
     for index, batch in enumerate(split_batches(split, options.micro_batch_size, options.max_batches)):
         if index % replicas != replica:
             continue

@@ -105,7 +105,11 @@ class MetricsWriter:
         self._tensorboard = SummaryWriter(
             log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step + 1
         )
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        # disable=None: no bar when stderr is not a terminal (a batch job's log would get one
+        # carriage-return update per step); the step lines every train.log_every still go out.
+        self._bar = tqdm(
+            total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, disable=None
+        )
 
     def log(self, record: dict[str, Any]) -> None:
         """Append one step's record everywhere (rank 0 only)."""
