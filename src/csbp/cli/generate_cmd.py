@@ -31,16 +31,14 @@ import argparse
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-import yaml
 
 from csbp.cli.options import check_model_directory, device_option, positive_int
 from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
+from csbp.generation.run_settings import TOKEN_SHIFT_OBJECTIVES, run_objective_settings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-TOKEN_SHIFT_OBJECTIVES = {"bd3": False, "mdlm": False, "fast_dllm_v2": True}
 DEFAULT_OBJECTIVE, DEFAULT_BLOCK_SIZE = "bd3", 16
 
 
@@ -98,32 +96,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also print how many words of the completion occur in this text file (or the demo corpus)",
     )
     parser.set_defaults(func=run_generate)
-
-
-def run_objective_settings(model_dir: Path) -> dict[str, Any]:
-    """``{"objective", "block_size", "mask_token_id", "window"}`` (those set) from ``RUN/config.yaml``
-    when ``model_dir`` is ``RUN/final``; empty for any other checkpoint directory."""
-    config_file = model_dir.parent / "config.yaml"
-    if model_dir.name != "final" or not config_file.is_file():
-        return {}
-    loaded = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-    objective = loaded.get("objective") if isinstance(loaded, dict) else None
-    if not isinstance(objective, dict) or "name" not in objective:
-        return {}
-    name = str(objective["name"])
-    if name not in TOKEN_SHIFT_OBJECTIVES:
-        raise ValueError(
-            f"{config_file} trained objective {name!r}; csbp generate samples block-diffusion models "
-            f"({', '.join(TOKEN_SHIFT_OBJECTIVES)})"
-        )
-    settings: dict[str, Any] = {"objective": name}
-    for field in ("block_size", "mask_token_id"):
-        if objective.get(field) is not None:
-            settings[field] = int(objective[field])
-    topology = loaded.get("topology")
-    if isinstance(topology, dict) and topology.get("window") is not None:
-        settings["window"] = int(topology["window"])
-    return settings
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@ the data before any forward pass.
 
 Defaults come from the run that wrote the checkpoint: a run's ``final/`` export sits next to the
 run's ``config.yaml`` (the same file ``csbp generate`` reads, via
-:func:`csbp.cli.generate_cmd.run_objective_settings`), which gives ``objective.name``,
+:func:`csbp.generation.run_settings.run_objective_settings`), which gives ``objective.name``,
 ``block_size``, ``noise``, ``mask_token_id``, ``topology.window`` and ``data.document_mask`` /
 ``reset_positions``. ``--objective`` / ``--block-size`` other than the run's are refused before this
 runs unless ``--allow-objective-change`` / ``--allow-block-size-change`` (``csbp.cli.trained_settings``,
@@ -24,6 +24,7 @@ import yaml
 
 from csbp.data.artifact import Artifact
 from csbp.data.tokenizer import fingerprint_bytes
+from csbp.generation.run_settings import run_objective_settings
 from csbp.models.config import DecoderConfig
 from csbp.objectives import build_objective
 from csbp.objectives.base import Objective
@@ -75,8 +76,6 @@ class EvalSettings:
 
 def run_config_settings(model_dir: Path) -> dict[str, Any]:
     """The run's settings when ``model_dir`` is ``RUN/final`` (empty for any other directory)."""
-    from csbp.cli.generate_cmd import run_objective_settings
-
     try:
         settings = run_objective_settings(model_dir)
     except ValueError as error:
