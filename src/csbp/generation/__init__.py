@@ -6,6 +6,8 @@
 * :mod:`~csbp.generation.forward`: the model calls, with the clean-prefix KV cache or by
   recomputing the prefix (the reference);
 * :mod:`~csbp.generation.kv_cache`: the cache, attached to the decoder as an ``AttentionFn``.
+* :mod:`~csbp.generation.run_settings`: what a run trained with (objective, block size, mask token,
+  window), from its ``config.yaml``.
 """
 
 from csbp.generation.forward import CachedBlockForward, RecomputeBlockForward
