@@ -34,6 +34,7 @@ from typing import Any
 from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.verify import DFlashVerifyCase, verify_dflash
 from csbp.engine.verify import OBJECTIVES, VerifyCase, layouts_for, verify
+from csbp.interrupts import Interrupted
 from csbp.topology import Topology
 
 FuzzCase = VerifyCase | DFlashVerifyCase
@@ -221,6 +222,8 @@ def run_case(seed: int, case: FuzzCase, *, timeout_s: float = 120.0) -> FuzzResu
         result = verify_dflash(case, timeout_s=timeout_s) if isinstance(case, DFlashVerifyCase) else verify(
             case, timeout_s=timeout_s
         )
+    except Interrupted:
+        raise
     except Exception as exc:  # a crash is a finding, recorded with its last line
         return FuzzResult(seed, describe(case), "ERROR", seconds=time.perf_counter() - started, error=_last_line(exc))
     return _outcome(seed, case, result, time.perf_counter() - started)
@@ -295,6 +298,8 @@ def run_sweep(
                     refs.append(dflash_reference(case))
             outputs = run_local(_batch_worker, world, ([c for _, c in chunk],), timeout_s=timeout_s,
                                 join_timeout_s=timeout_s * len(chunk) + 60)
+        except Interrupted:
+            raise
         except Exception:  # a crash or hang of the launch: attribute it case by case
             for seed, case in chunk:
                 emit(run_case(seed, case, timeout_s=timeout_s))
