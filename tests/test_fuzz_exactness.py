@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 
 import pytest
@@ -19,8 +20,14 @@ import torch
 
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import single_process_context
-from csbp.engine.fuzz import INVALID_KINDS, check_fails_closed, describe, draw_case, draw_invalid, run_case
-from csbp.engine.verify import GRADIENT_FLOOR, VerifyCase, corrupted_batches, gradient_error, reference, verify
+from csbp.engine.fuzz import INVALID_KINDS, check_fails_closed, describe, draw_case, draw_invalid, run_cases
+from csbp.engine.verify import (
+    GRADIENT_FLOOR,
+    VerifyCase,
+    corrupted_batches,
+    gradient_error,
+    reference,
+)
 from csbp.topology import Topology
 
 
@@ -83,24 +90,20 @@ def test_micro_batches_split_the_global_rows_in_order() -> None:
     assert labelled[0][1] == 0 and labelled[1][1] <= 12  # no supervision; padding unsupervised
 
 
-SWEEP_SEEDS = (0, 12, 17, 32)
-"""Seeded cases run by the suite (chosen to span CSBP with documents, CP-only, BP-only, DFlash,
-FSDP and accumulation; see test_sweep_seeds_span_the_layouts)."""
+SWEEP_SEEDS = (0, 12, 17, 49)
+"""Seeded cases the suite runs, all on 4 processes so they share one launch: DFlash BP-only with
+documents, CSBP x dp2 with documents and accumulation, CP-only x dp2 with FSDP (fast_dllm_v2),
+BP-only with documents and activation checkpointing (see test_sweep_seeds_span_the_layouts)."""
 
 
 def test_sweep_seeds_span_the_layouts() -> None:
-    described = [describe(draw_case(seed, 4)) for seed in SWEEP_SEEDS]
-    assert {d["layout"] for d in described} >= {"cp", "bp", "csbp"}
+    cases = [draw_case(seed, 4) for seed in SWEEP_SEEDS]
+    described = [describe(c) for c in cases]
+    assert {c.topology.world_size for c in cases} == {4}
+    assert {d["layout"] for d in described} == {"cp", "bp", "csbp"}
     assert any(d["objective"] == "dflash" for d in described)
-    assert any(d["documents"] for d in described)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-@pytest.mark.parametrize("seed", SWEEP_SEEDS)
-def test_random_case_equals_one_process(seed: int) -> None:
-    result = run_case(seed, draw_case(seed, 4))
-    assert result.status == "ok", result
+    assert all(d["documents"] for d in described)
+    assert any(d.get("fsdp") for d in described) and any(d.get("ac") for d in described)
 
 
 ONE_KEY = VerifyCase(Topology(dp=2), 8, 1, window=1, objective="fast_dllm_v2", samples=2)
@@ -124,6 +127,67 @@ def test_a_mathematically_zero_gradient_is_measured_against_the_model_scale() ->
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_one_key_per_query_equals_one_process() -> None:
-    result = verify(ONE_KEY)
-    assert result.ok, result
+def test_seeded_random_cases_equal_one_process() -> None:
+    """The suite's randomized sweep: SWEEP_SEEDS and the one-key regression share one 4-rank launch."""
+    drawn = [(seed, draw_case(seed, 4)) for seed in SWEEP_SEEDS] + [(-1, replace(ONE_KEY, topology=Topology(dp=4)))]
+    results = run_cases(drawn)
+    assert [r.seed for r in results] == [seed for seed, _ in drawn]
+    assert all(r.status == "ok" for r in results), [r for r in results if r.status != "ok"]
+
+
+def _verify_argv(rng: random.Random) -> list[str]:
+    """Random ``csbp verify`` flags, most combinations invalid."""
+    argv = ["verify"]
+    for flag, values in (
+        ("--nproc", [1, 2, 3, 4, 6, 8]), ("--dp", [None, None, 1, 2, 3]), ("--cp", [None, 1, 2, 3, 4]),
+        ("--bp", [None, 1, 2, 3, 4, 6, 8]), ("--seq-len", [None, 4, 8, 12, 16, 24, 30, 32, 48]),
+        ("--block-size", [None, 1, 2, 3, 4, 5, 8, 16]), ("--window", [None, None, 1, 4, 40]),
+        ("--doc-length", [None, None, 1, 6]), ("--transport", [None, "streaming", "halo"]),
+        ("--schedule", [None, "contiguous", "balanced"]), ("--objective", [None, None, "dflash"]),
+        ("--dtype", [None, None, "float32"]), ("--diagonal", [None, None, "sdpa", "flex"]),
+        ("--backend", [None, None, "flex", "tiles"]),
+    ):
+        value = rng.choice(values)
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def test_random_verify_flags_run_a_valid_case_or_fail_closed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found the ``Topology.dp must be a positive integer, got 0`` line and dflash's ignored flags."""
+    import csbp.cli.verify_cmd as verify_cmd
+    import csbp.dflash.verify as dflash_verify
+    from csbp.cli.main import main
+    from csbp.engine.verify import check_case
+
+    launched: list[object] = []
+
+    class Launched(Exception):
+        pass
+
+    def stub(case: object, **_: object) -> None:
+        launched.append(case)
+        raise Launched
+
+    monkeypatch.setattr(verify_cmd, "verify", stub)
+    monkeypatch.setattr(dflash_verify, "verify_dflash", stub)
+    refused = 0
+    for seed in range(150):
+        argv = _verify_argv(random.Random(seed))
+        try:
+            code = main(argv)
+        except Launched:
+            case = launched[-1]
+            nproc = int(argv[argv.index("--nproc") + 1])
+            assert case.topology.world_size == nproc, argv  # type: ignore[attr-defined]
+            if isinstance(case, VerifyCase):
+                check_case(case)
+            else:
+                assert "--block-size" not in argv or argv[argv.index("--block-size") + 1] == "4", argv
+            continue
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "Traceback" not in err[0], (argv, err)
+        refused += 1
+    assert refused > 100 and len(launched) >= 3

@@ -259,12 +259,20 @@ def _batch_worker(rank: int, world: int, cases: list[FuzzCase]) -> list[tuple[st
 
 
 def run_sweep(
-    seeds: list[int], max_nproc: int, *, batch: int = 8, timeout_s: float = 120.0,
-    report: Any = None,
+    seeds: list[int], max_nproc: int, *, batch: int = 8, timeout_s: float = 120.0, report: Any = None,
 ) -> list[FuzzResult]:
-    """Draw and verify ``draw_case(seed, max_nproc)`` for every seed, ``batch`` cases of one world
-    size per launch; a case that errors (and every later case of its launch) is rerun alone, so each
-    error is its own. ``report(result)`` is called as results arrive (in launch order)."""
+    """Draw and verify ``draw_case(seed, max_nproc)`` for every seed (see :func:`run_cases`)."""
+    return run_cases([(seed, draw_case(seed, max_nproc)) for seed in seeds], batch=batch, timeout_s=timeout_s,
+                     report=report)
+
+
+def run_cases(
+    drawn: list[tuple[int, FuzzCase]], *, batch: int = 8, timeout_s: float = 120.0, report: Any = None,
+) -> list[FuzzResult]:
+    """Verify every ``(seed, case)``, ``batch`` cases of one world size per launch (a window of
+    ``4 * batch`` cases at a time, so results keep coming); a case that errors (and every later case
+    of its launch) is rerun alone, so each error is its own. ``report(result)`` is called as results
+    arrive (in launch order)."""
     from csbp.dflash.verify import compare_dflash
     from csbp.dflash.verify import reference as dflash_reference
     from csbp.engine.verify import check_case, compare, reference
@@ -278,14 +286,12 @@ def run_sweep(
             report(result)
 
     launches: list[tuple[int, list[tuple[int, FuzzCase]]]] = []
-    window = batch * (max_nproc - 1)  # seeds grouped by world size a window at a time: results keep coming
-    for start in range(0, len(seeds), window):
+    for start in range(0, len(drawn), 4 * batch):
         by_world: dict[int, list[tuple[int, FuzzCase]]] = {}
-        for seed in seeds[start : start + window]:
-            case = draw_case(seed, max_nproc)
+        for seed, case in drawn[start : start + 4 * batch]:
             by_world.setdefault(case.topology.world_size, []).append((seed, case))
-        launches += [(world, drawn[i : i + batch]) for world, drawn in sorted(by_world.items())
-                     for i in range(0, len(drawn), batch)]
+        launches += [(world, cases[i : i + batch]) for world, cases in sorted(by_world.items())
+                     for i in range(0, len(cases), batch)]
     for world, chunk in launches:
         started = time.perf_counter()
         try:
