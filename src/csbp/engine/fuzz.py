@@ -14,7 +14,8 @@ integer seed, a *valid* configuration of every knob the engine exposes:
   block or zigzag-chunk boundaries, one document spanning every shard, trailing padding, ids that do
   not start at 0; several samples per rank with different documents each;
 * gradient accumulation with uneven supervision per row and micro-batch (some rows supervise
-  nothing), RoPE positions restarting at documents, activation checkpointing and FSDP2.
+  nothing), RoPE positions restarting at documents, activation checkpointing, FSDP2, and the
+  trainer's bucketed gradient all-reduce overlapped with the last backward (small buckets).
 
 Each draw is reproducible alone: case ``i`` of ``csbp verify --random N --seed S`` is
 ``draw_case(S + i)``, so ``csbp verify --random 1 --seed S+i`` reruns it.
@@ -150,6 +151,7 @@ def draw_case(seed: int, max_nproc: int = 4, *, objectives: tuple[str, ...] | No
         reset_positions=documents and rng.random() < 0.3,
         activation_checkpointing=rng.random() < 0.15,
         fsdp=topology.dp > 1 and rng.random() < 0.2,
+        grad_buckets=rng.choice([None, 2048, 16384, 2**25]) if rng.random() < 0.5 else None,
     )
 
 
@@ -185,6 +187,7 @@ def describe(case: FuzzCase) -> dict[str, Any]:
             "window": case.window, "schedule": case.schedule, "clean": case.clean,
             "micro_batches": case.micro_batches, "supervision": case.supervision,
             "reset_positions": case.reset_positions, "ac": case.activation_checkpointing, "fsdp": case.fsdp,
+            "grad_buckets": case.grad_buckets,
         }
     doc_ids = case.doc_ids
     out["documents"] = None if doc_ids is None else [_run_lengths(row) for row in doc_ids]

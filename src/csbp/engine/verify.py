@@ -33,6 +33,7 @@ from csbp.engine.block_diffusion import (
     sample_rows,
 )
 from csbp.engine.context import ParallelContext, build_parallel_context, single_process_context
+from csbp.engine.grad_buckets import OverlappedGradientSync
 from csbp.engine.grads import average_gradients, fill_missing_gradients
 from csbp.evaluation.nelbo import nelbo_objective
 from csbp.models.config import DecoderConfig
@@ -82,6 +83,9 @@ class VerifyCase:
     reset_positions: bool = False  # RoPE positions restart at each document (data.reset_positions)
     activation_checkpointing: bool = False  # train.activation_checkpointing: full
     fsdp: bool = False  # train.fsdp: FSDP2 (HSDP when local > 1) over the dp group
+    # average gradients as the trainer does, in buckets of at most this many bytes all-reduced during the
+    # last micro-batch's backward (csbp.engine.grad_buckets); None: one flat all-reduce after backward
+    grad_buckets: int | None = None
 
     @property
     def documents(self) -> bool:
@@ -254,13 +258,21 @@ def _forward_backward(
             ctx, case.seq_len, case.block, reset_positions=case.reset_positions, **common  # type: ignore[arg-type]
         )
     total = torch.zeros(1, dtype=torch.float64, device=ctx.device)
-    for full in micro:
+    sync = None
+    if case.grad_buckets is not None and not case.fsdp:
+        sync = OverlappedGradientSync(model.parameters(), ctx.world_comm("gradients"), bucket_bytes=case.grad_buckets)
+        sync.zero_grad()
+    for k, full in enumerate(micro):
         corrupted = sample_rows(full, slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
         loss, ce_sum = rank_loss(model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size)
+        if sync is not None and k == len(micro) - 1:
+            sync.arm()  # the last backward launches the buckets, as in training
         loss.backward()
         total += ce_sum.to(torch.float64)
     if case.fsdp:  # FSDP2 averaged the gradients over every rank inside backward
         fill_missing_gradients(model.parameters())
+    elif sync is not None:
+        sync.finish()
     else:
         average_gradients(model.parameters(), ctx.world_comm("gradients"))
     if ctx.is_distributed:
@@ -290,7 +302,7 @@ def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     # the CPU reference: tiles with the batched-matmul block diagonal, whatever kernels the case runs
     ref_case = replace(
         case, topology=Topology(), device="cpu", backend="tiles", diagonal="matmul", clean="generic",
-        activation_checkpointing=False, fsdp=False,
+        activation_checkpointing=False, fsdp=False, grad_buckets=None,
     )
     return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp)
 
