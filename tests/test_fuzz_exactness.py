@@ -6,7 +6,8 @@
 * regressions: a sliding window on a single-stream objective (mdlm, ar) or on dflash was accepted and
   silently ignored in training (the mdlm sampler then applied it); ``window=1`` with ``block_size=1``
   (every query sees one key, so q/k gradients are mathematically zero) was reported as a failure of
-  order 1 by the per-parameter relative error.
+  order 1 by the per-parameter relative error (seed 1048 hit it with all 1-token documents); a batch
+  supervising nothing divided by a zero reference loss.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from csbp.engine.fuzz import INVALID_KINDS, check_fails_closed, describe, draw_c
 from csbp.engine.verify import (
     GRADIENT_FLOOR,
     VerifyCase,
+    compare,
     corrupted_batches,
     gradient_error,
     reference,
@@ -123,6 +125,15 @@ def test_a_mathematically_zero_gradient_is_measured_against_the_model_scale() ->
     assert float(grads[small].abs().max()) < 10 * GRADIENT_FLOOR * largest
     wrong = {**grads, small: grads[small] * 1.01}
     assert gradient_error(wrong, grads)[0] == small and gradient_error(wrong, grads)[1] > 1e-5
+
+
+def test_a_batch_supervising_nothing_compares_without_dividing_by_zero() -> None:
+    """Was: ZeroDivisionError in the loss's relative error (seed 1064 drew no supervised token)."""
+    case = VerifyCase(Topology(dp=2), 6, 3, samples=1, supervision=(0.0, 0.0))
+    loss, grads = reference(case)
+    assert loss == 0.0 and all(float(g.abs().max()) == 0.0 for g in grads.values())
+    result = compare(case, [(loss, grads, 0), (loss, None, 0)], loss, grads)
+    assert result.ok and result.loss_rel_err == 0.0 and result.grad_rel_err == 0.0
 
 
 @pytest.mark.multiprocess
