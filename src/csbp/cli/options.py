@@ -6,13 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 from csbp.atomic import unwritable_reason
 
 
 def device_option(text: str) -> str:
     """``--device``: a torch device string this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``)."""
+    import torch  # here: commands without --device (csbp plan) do not import torch
+
     try:
         device = torch.device(text)
     except RuntimeError:

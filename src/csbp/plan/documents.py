@@ -3,8 +3,12 @@
 The documents are the ones ``csbp bench train|attention|dflash --doc-length N`` and ``csbp verify
 --doc-length N`` pack (``csbp.attention.documents.random_documents``, seed 0): a document starts at
 every position with probability ``1/N`` (geometric lengths of mean ``N``), and the last one is cut
-at the end of the row (a shorter document of its own). Only this import needs torch; without
-``--doc-length`` the planner stays torch-free.
+at the end of the row (a shorter document of its own). They are drawn with NumPy
+(``csbp.attention.document_draw``, the same bits as ``torch.rand``), so the planner never imports
+torch.
+
+Rows, pairs and halo rows are counted over runs of positions (``csbp.attention.run_counts``) and
+cached per layout and documents, so a 1M-token plan counts each layout once.
 
 Per local rank, with the document mask (csbp's torch-free counting, the rules the runtime plans use):
 
@@ -27,7 +31,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from csbp.attention.counts import DocBounds, halo_rows
+from csbp.attention.counts import DocBounds
+from csbp.attention.document_draw import random_document_bounds
 from csbp.attention.draft_counts import (
     context_pairs,
     draft_intervals,
@@ -35,6 +40,7 @@ from csbp.attention.draft_counts import (
     owner_anchor_indices,
     spread_anchors,
 )
+from csbp.attention.run_counts import RankRuns, RankTotals, RowPairs, layout_runs, rank_totals, row_pairs
 
 DOCUMENT_SEED = 0
 
@@ -70,12 +76,7 @@ def packed_documents(seq_len: int, doc_length: DocumentKey) -> DocBounds:
         start, stop = doc_length.bounds()
         start.flags.writeable = stop.flags.writeable = False
         return start, stop
-    import torch
-
-    from csbp.attention.documents import random_documents
-
-    docs = random_documents(seq_len, doc_length, torch.Generator().manual_seed(DOCUMENT_SEED))
-    start, stop = docs.start.numpy().copy(), docs.stop.numpy().copy()
+    start, stop = random_document_bounds(seq_len, doc_length, DOCUMENT_SEED)
     start.flags.writeable = stop.flags.writeable = False
     return start, stop
 
@@ -86,17 +87,49 @@ def document_count(seq_len: int, doc_length: DocumentKey) -> int:
     return int((start == np.arange(seq_len)).sum())
 
 
-@lru_cache(maxsize=512)
 def document_halo_rows(
     seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey
 ) -> int:
     """Largest number of clean rows a ring member (any ring of the sample) receives in the halo
     exchange of a layer (``window`` 0: full attention) over packed documents."""
-    docs = packed_documents(seq_len, doc_length)
-    return max(
-        halo_rows(seq_len, block, cp, bp, rank, window=window or None, schedule=schedule, documents=docs)  # type: ignore[arg-type]
-        for rank in range(max(cp, bp))
+    return max(t.halo for t in layout_totals(seq_len, block, cp, bp, schedule, window, doc_length))
+
+
+@lru_cache(maxsize=1024)
+def layout_totals(
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey | None
+) -> tuple[RankTotals, ...]:
+    """Per local rank of layout ``cp x bp``: rows, allowed pairs and halo rows of a layer
+    (``window`` 0: full attention) over packed documents (``None``: one document per row), counted
+    over runs (``csbp.attention.run_counts``, equal to ``csbp.attention.counts`` row by row). The
+    row pairs and the ranks' runs are cached apart, shared by every layout and window that needs
+    them: planning at 1M tokens counts each once."""
+    docs = None if doc_length is None else packed_documents(seq_len, doc_length)
+    return rank_totals(
+        seq_len,
+        block,
+        cp,
+        bp,
+        schedule,  # type: ignore[arg-type]
+        window or None,
+        docs,
+        pairs=_row_pairs(seq_len, block, window, doc_length),
+        runs=_layout_runs(seq_len, block, cp, bp, schedule, doc_length),
     )
+
+
+@lru_cache(maxsize=32)  # two int64 [L+1] arrays each: 16 MiB at 1M tokens
+def _row_pairs(seq_len: int, block: int, window: int, doc_length: DocumentKey | None) -> RowPairs:
+    docs = None if doc_length is None else packed_documents(seq_len, doc_length)
+    return row_pairs(seq_len, block, window or None, docs)
+
+
+@lru_cache(maxsize=8)
+def _layout_runs(
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, doc_length: DocumentKey | None
+) -> tuple[RankRuns, ...]:
+    docs = None if doc_length is None else packed_documents(seq_len, doc_length)
+    return layout_runs(seq_len, block, cp, bp, schedule, docs)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -33,15 +33,12 @@ DFlash drafters have their own terms (``csbp.plan.drafter``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import numpy as np
 
-from csbp.attention.counts import halo_rows as rank_halo_rows
-from csbp.attention.counts import layout_positions, position_pairs
 from csbp.plan.artifact_documents import DocumentSample
 from csbp.plan.calibration import Calibration
-from csbp.plan.documents import DocumentKey, document_halo_rows, packed_documents
+from csbp.plan.documents import DocumentKey, document_halo_rows, layout_totals, packed_documents
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Layout
 from csbp.plan.workload import LayerGroup, Workload
@@ -107,30 +104,18 @@ class RankCounts:
     pairs: int
 
 
-@lru_cache(maxsize=512)
 def rank_counts(
     seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey | None = None
 ) -> tuple[RankCounts, ...]:
     """Per local rank of a sample, its rows and allowed pairs (``window`` 0: full attention;
     ``doc_length``: over the packed documents of ``csbp.plan.documents``, a mean or a real row)."""
-    docs = None if doc_length is None else packed_documents(seq_len, doc_length)
-    out = []
-    for rank in range(max(cp, bp)):
-        noisy, clean, _ = layout_positions(seq_len, block, cp, bp, rank, schedule, docs)  # type: ignore[arg-type]
-        noisy_pairs, clean_pairs = position_pairs(
-            noisy, clean, block_size=block, window=window or None, documents=docs
-        )
-        out.append(RankCounts(len(noisy), len(clean), noisy_pairs + clean_pairs))
-    return tuple(out)
+    totals = layout_totals(seq_len, block, cp, bp, schedule, window, doc_length)
+    return tuple(RankCounts(t.noisy, t.clean, t.pairs) for t in totals)
 
 
-@lru_cache(maxsize=512)
 def halo_rows(seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int) -> int:
     """Largest number of clean rows a CSBP ring member receives in a window layer."""
-    return max(
-        rank_halo_rows(seq_len, block, cp, bp, rank, window=window or None, schedule=schedule)  # type: ignore[arg-type]
-        for rank in range(cp)
-    )
+    return max(t.halo for t in layout_totals(seq_len, block, cp, bp, schedule, window, None)[:cp])
 
 
 def kv_row_bytes(group: LayerGroup, dtype_bytes: int) -> int:
