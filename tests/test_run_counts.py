@@ -95,3 +95,25 @@ def test_balanced_schedule_prices_units_as_every_row_does(mean: int) -> None:
     docs = _documents(mean, seed=mean)
     for cp, bp in [(1, 2), (1, 8), (2, 2), (2, 8), (4, 4), (8, 8)]:
         assert document_schedule(SEQ_LEN, BLOCK, cp, bp, docs).assignment == _balanced_by_rows(cp, bp, docs)
+
+
+@pytest.mark.parametrize(("cp", "bp"), [(2, 1), (4, 1), (2, 2), (2, 4), (4, 4), (4, 8)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_sent_and_received_rows_are_the_halo_exchange_plans(cp: int, bp: int, window: int | None) -> None:
+    """Each ring member's rows sent and received equal the runtime plan's ``send_counts`` and
+    ``recv_counts`` (the halo model prices the busier direction of the busiest member)."""
+    import torch
+
+    from csbp.attention.documents import Documents
+    from csbp.attention.layouts import halo_exchange_plan
+
+    seq_len, block = 512, 4
+    start, stop = random_document_bounds(seq_len, 20, seed=3)
+    docs = Documents(torch.from_numpy(start), torch.from_numpy(stop))
+    for schedule in ("dual_end", "balanced") if bp > 1 else ("dual_end",):
+        totals = rank_totals(seq_len, block, cp, bp, schedule, window, (start, stop))  # type: ignore[arg-type]
+        for ring in range(max(cp, bp) // cp):
+            plan = halo_exchange_plan(seq_len, block, cp, bp, ring, window=window, schedule=schedule, documents=docs)  # type: ignore[arg-type]
+            for member in range(cp):
+                rank = totals[ring * cp + member]
+                assert (rank.sent, rank.halo) == (sum(plan.send_counts(member)), sum(plan.recv_counts(member)))

@@ -46,12 +46,15 @@ class RankRuns:
 @dataclass(frozen=True)
 class RankTotals:
     """One local rank's rows, allowed pairs and halo rows (``counts.layout_positions`` lengths,
-    ``counts.position_pairs`` summed, ``counts.halo_rows``)."""
+    ``counts.position_pairs`` summed, ``counts.halo_rows``). ``sent``: clean rows of its shard it
+    sends its ring's other members in the halo exchange (what ``layouts.halo_exchange_plan``'s
+    ``send_counts`` sum to; 0 without a ring), ``halo`` being what it receives."""
 
     noisy: int
     clean: int
     pairs: int
     halo: int
+    sent: int = 0
 
 
 def layout_runs(
@@ -159,15 +162,38 @@ def rank_totals(
     ``row_pairs``/``layout_runs`` of these arguments, to share them across windows)."""
     pairs = pairs or row_pairs(seq_len, block_size, window, documents)
     runs = runs or layout_runs(seq_len, block_size, cp, bp, schedule, documents)
+    covers = [merge_runs(*covered_intervals(rank, seq_len, block_size, window, documents)) for rank in runs]
+    sent = [0] * len(runs)
+    if cp > 1:  # ring members are local ranks ring·cp + d (``halo_exchange_plan``)
+        for ring in range(len(runs) // cp):
+            members = range(ring * cp, (ring + 1) * cp)
+            for d in members:  # rows of d's shard each other member's cover holds
+                sent[d] = sum(_covered(covers[e], runs[d].clean) for e in members if e != d)
     out = []
-    for rank in runs:
-        cover = union_length(*covered_intervals(rank, seq_len, block_size, window, documents))
+    for rank, (begin, end), rank_sent in zip(runs, covers, sent, strict=True):
         out.append(
             RankTotals(
                 rank.noisy_rows,
                 rank.clean_rows,
                 pairs.over(rank.noisy, clean=False) + pairs.over(rank.clean, clean=True),
-                cover - rank.clean_rows,
+                int((end - begin).sum()) - rank.clean_rows,
+                rank_sent,
             )
         )
     return tuple(out)
+
+
+def _covered(cover: Runs, within: Runs) -> int:
+    """Positions of the disjoint runs ``within`` that the sorted disjoint runs ``cover`` hold."""
+    begin, end = cover
+    prefix = np.concatenate([[0], np.cumsum(end - begin)])
+
+    def upto(x: np.ndarray) -> np.ndarray:  # covered positions below x
+        i = np.searchsorted(begin, x, side="right")  # runs starting at or before x
+        last = np.maximum(i - 1, 0)
+        partial = np.where(i > 0, np.minimum(x, end[last]) - begin[last], 0)
+        return prefix[last] + partial.clip(min=0) * (i > 0)
+
+    if not len(begin):
+        return 0
+    return int((upto(within[1]) - upto(within[0])).sum())

@@ -36,7 +36,7 @@ from csbp.attention.document_draw import random_document_bounds
 from csbp.attention.draft_counts import (
     context_pairs,
     draft_intervals,
-    exchange_recv_rows,
+    exchange_rows,
     owner_anchor_indices,
     spread_anchors,
 )
@@ -88,11 +88,23 @@ def document_count(seq_len: int, doc_length: DocumentKey) -> int:
 
 
 def document_halo_rows(
-    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey | None
 ) -> int:
     """Largest number of clean rows a ring member (any ring of the sample) receives in the halo
-    exchange of a layer (``window`` 0: full attention) over packed documents."""
+    exchange of a layer (``window`` 0: full attention) over packed documents (``None``: one per row)."""
     return max(t.halo for t in layout_totals(seq_len, block, cp, bp, schedule, window, doc_length))
+
+
+def halo_traffic_rows(
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey | None
+) -> int:
+    """Rows of the busiest direction of the busiest ring member (any ring) in a layer's halo
+    all-to-all: ``max`` over members of ``max(sent, received)``. Links are full duplex, a member's
+    sends and receives run at once, and every member waits for the whole exchange before its halo
+    partial, so this member's larger direction is the exchange's time. A member can send more than
+    any member receives: a row of its shard that several members' documents need goes to each."""
+    totals = layout_totals(seq_len, block, cp, bp, schedule, window, doc_length)
+    return max(max(t.halo, t.sent) for t in totals)
 
 
 @lru_cache(maxsize=1024)
@@ -141,6 +153,9 @@ class DraftCounts:
         pairs: its draft rows' context pairs per layer window (``{0: full, W: sliding}``).
         recv_rows: per layer window, context rows the worst ring member receives: the context
             exchange's where it is used, else the all-gather's ``(cp-1)·L/cp``.
+        traffic_rows: per layer window, rows of the busiest direction of the busiest ring member
+            (``max(sent, received)``, what the exchange's time follows; the all-gather's rows where
+            it is kept).
         exchanged: per layer window, whether the context exchange replaces the all-gather.
     """
 
@@ -148,6 +163,7 @@ class DraftCounts:
     pairs: dict[int, int]
     recv_rows: dict[int, int]
     exchanged: dict[int, bool]
+    traffic_rows: dict[int, int]
 
 
 def draft_counts(
@@ -193,20 +209,21 @@ def _draft_counts(
     pairs = {w: context_pairs(*per_window[w][slowest]) for w in windows}
     gather = (cp - 1) * seq_len // cp if cp > 1 else 0
     wanted = cp > 1 and (transport == "halo" or (bp > 1 and transport != "streaming" and _packs(docs)))
-    recv_rows, exchanged = {}, {}
+    recv_rows, exchanged, traffic_rows = {}, {}, {}
     for w in windows:
-        worst, used = gather, False
+        worst, busiest, used = gather, gather, False
         if wanted:
             rings = range(len(owners) // cp) if bp > 1 else range(1)
-            worst = 0
+            worst = busiest = 0
             for ring in rings:
                 members = [per_window[w][ring * cp + d if bp > 1 else 0] for d in range(cp)]
-                recv = exchange_recv_rows(seq_len, cp, members)
+                recv, sent = exchange_rows(seq_len, cp, members)
                 fewer = sum(recv) < (cp - 1) * seq_len  # else the ring keeps the all-gather
                 used |= fewer
                 worst = max(worst, max(recv) if fewer else gather)
-        recv_rows[w], exchanged[w] = worst, used
-    return DraftCounts(len(owners[slowest]), pairs, recv_rows, exchanged)
+                busiest = max(busiest, max(*recv, *sent) if fewer else gather)
+        recv_rows[w], exchanged[w], traffic_rows[w] = worst, used, busiest
+    return DraftCounts(len(owners[slowest]), pairs, recv_rows, exchanged, traffic_rows)
 
 
 def _packs(docs: DocBounds) -> bool:
