@@ -99,7 +99,7 @@ def document_schedule(seq_len: int, block_size: int, cp: int, bp: int, documents
     return _document_schedule(seq_len, block_size, cp, bp, starts.tobytes())
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=512)  # per (cp, bp, row): a plan over --data prices 16 rows per layout
 def _document_schedule(seq_len: int, block_size: int, cp: int, bp: int, starts_bytes: bytes) -> BlockSchedule:
     noisy_prefix, clean_prefix, block_start = _document_row_costs(seq_len, block_size, starts_bytes)
     num_blocks = seq_len // block_size
@@ -122,7 +122,7 @@ def _document_schedule(seq_len: int, block_size: int, cp: int, bp: int, starts_b
     return balanced_schedule(units, costs, bp, base_loads=base_loads)
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=16)  # per row: two int64 [L+1] arrays (16 MiB at 1M tokens)
 def _document_row_costs(seq_len: int, block_size: int, starts_bytes: bytes) -> tuple[np.ndarray, ...]:
     """Prefix sums ``[L+1]`` of every row's full-attention pairs as a noisy row (its document prefix
     before its block plus its segment) and as a clean row, and each block's first row's document
