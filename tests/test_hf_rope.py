@@ -29,9 +29,15 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from csbp.dflash.config import DFlashConfig  # noqa: E402
+from csbp.dflash.drafter import DFlashDrafter  # noqa: E402
+from csbp.dflash.export import export_dflash, load_dflash  # noqa: E402
 from csbp.models import CausalAttention, Decoder, DecoderConfig, export_hf_checkpoint, load_hf_checkpoint  # noqa: E402
 from csbp.models.hf_config import decoder_config_from_hf, hf_config_from_decoder  # noqa: E402
 from csbp.models.rope import RopeScaling, rope_inverse_frequencies  # noqa: E402
+from test_generation import (  # noqa: E402
+    test_cached_denoise_equals_training_layout_rows as cached_denoise_matches_training_rows,
+)
 
 VOCAB = 64
 ATOL = 1e-10  # float64 logits of O(1) magnitude
@@ -295,3 +301,37 @@ def test_num_parameters_counts_qkv_biases() -> None:
     config = DecoderConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                            num_kv_heads=2, head_dim=12, arch="qwen2", qk_norm=False, qkv_bias=True)
     assert config.num_parameters() == sum(p.numel() for p in Decoder(config).parameters())
+
+
+# ----------------------------------------------------------------------------- the same tables everywhere
+
+
+def scaled_model(rope: dict[str, Any]) -> Decoder:
+    config = DecoderConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=8, rope_theta=500.0, rope_scaling=RopeScaling.from_dict(rope))
+    model = Decoder(config, dtype=torch.float64, seed=4)
+    model.init_weights(torch.Generator().manual_seed(5), std=0.3)
+    return model.eval()
+
+
+@pytest.mark.parametrize("rope", [{**YARN, "original_max_position_embeddings": 4}, {**LLAMA3, "factor": 2.0,
+                                  "original_max_position_embeddings": 8}])
+def test_kv_cache_decoding_uses_the_training_tables(rope: dict[str, Any]) -> None:
+    """The cached block forward of ``csbp generate`` equals the ``[x_t ; x_0]`` training forward
+    (tests/test_generation.py's oracle) under RoPE scaling that matters at these positions."""
+    model = scaled_model(rope)
+    assert model.rotary(torch.arange(16)).cos.ne(scaled_model({}).rotary(torch.arange(16)).cos).any()
+    cached_denoise_matches_training_rows(model)
+
+
+def test_dflash_drafter_follows_the_targets_rope(tmp_path: Path) -> None:
+    target = scaled_model(YARN)
+    config = DFlashConfig.from_target(target.config, num_layers=1, block_size=4, mask_token_id=3)
+    assert (config.rope_theta, config.rope_scaling) == (500.0, target.config.rope_scaling)
+    drafter = DFlashDrafter(config, target=target, dtype=torch.float64)
+    positions = torch.arange(100, 140)
+    assert torch.equal(drafter.rotary(positions).cos, target.rotary(positions).cos)
+    assert torch.equal(drafter.rotary(positions).sin, target.rotary(positions).sin)
+    out = export_dflash(drafter, tmp_path / "drafter")
+    assert json.loads((out / "config.json").read_text())["rope_scaling"] == YARN
+    assert load_dflash(out, target).config == config
