@@ -113,3 +113,13 @@ def test_training_run_records_the_rope_in_its_config_and_export(artifact: Path, 
     assert exported["max_position_embeddings"] == 128 and exported["bos_token_id"] == 1
     _, final_config = load_hf_checkpoint(run_dir / "final")  # what csbp generate / eval load
     assert final_config.rope_scaling == RopeScaling("yarn", 4.0, 32)
+
+
+def test_from_scratch_models_take_rope_scaling_and_the_qwen2_layout(artifact: Path) -> None:
+    vocab = open_artifact(artifact)
+    qwen2 = decoder_config_for_run(tiny_config(artifact, **{"model.arch": "qwen2", "model.rope_scaling": YARN}), vocab)
+    assert (qwen2.qkv_bias, qwen2.attention_bias, qwen2.qk_norm, qwen2.rope_theta) == (True, False, False, 1e6)
+    assert qwen2.rope_scaling == RopeScaling("yarn", 4.0, 32)
+    # a layout the final export could not write fails before training, not after it
+    with pytest.raises(ValueError, match=r"model.arch: arch='llama' export needs qk_norm=False"):
+        decoder_config_for_run(tiny_config(artifact, **{"model.arch": "llama", "model.qk_norm": True}), vocab)
