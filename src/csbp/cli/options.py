@@ -127,3 +127,15 @@ def add_deprecated_alias(
 ) -> None:
     """``old`` as a hidden spelling of the option ``current`` (same ``dest`` and ``choices``)."""
     parser.add_argument(old, dest=dest, choices=choices, action=_DeprecatedAlias, current=current)
+
+
+def add_override_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE`` (repeatable), shared by every command that loads a config."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable; YAML values)",
+    )

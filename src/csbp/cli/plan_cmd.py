@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from csbp.atomic import write_json_atomic
-from csbp.cli.config_cmd import add_override_argument
-from csbp.cli.options import output_file, positive_int
+from csbp.cli.options import add_override_argument, output_file, positive_int
 from csbp.plan.artifact_documents import (
     SAMPLE_ROWS,
     SAMPLE_TOKENS,
