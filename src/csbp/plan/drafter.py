@@ -19,9 +19,9 @@ context pairs are the slowest rank's under the document mask, and where ``csbp.d
 replaces the all-gather by the context exchange (CSBP; CP-only only with ``transport: halo``, the
 ``cp-aware`` baseline) the K/V traffic is the exchange's: the busiest ring member's larger
 direction, sent or received (csbp's step, ``context_rows == "all"``; the published reference's
-``windows`` gather is kept as it is). The gather and the exchange are exposed but for
-``model.collective_overlap`` (``overlap_csbp``, ~0: the drafter points were fitted without
-overlap).
+``windows`` gather is kept as it is). The gather and the exchange, both started asynchronously
+and overlapped with the block partial, are exposed but for ``overlap_csbp`` (~0), CP-only included:
+``overlap_cp`` describes the published BD3 baselines, and nothing measured the drafter rings'.
 
 Memory: ``12 B`` per trainable parameter (weights, gradients, fused AdamW), the frozen vocabulary
 (embedding and head, bf16), the draft activations (no checkpointing; ``drafter_act_factor`` per
@@ -37,7 +37,7 @@ from csbp.plan.calibration import Calibration
 from csbp.plan.documents import draft_counts
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Layout
-from csbp.plan.model import GIB, Prediction, collective_overlap, kv_row_bytes, ring_bandwidth
+from csbp.plan.model import GIB, Prediction, kv_row_bytes, ring_bandwidth
 from csbp.plan.workload import Workload
 
 DRAFTER_FIXED_GIB = 1.0
@@ -120,7 +120,8 @@ def predict_drafter(
     exposed_kv = 0.0
     if layout.cp > 1:
         kv_bytes = accum * moved * 2.0  # gather (or context exchange) + dK/dV
-        exposed_kv = (1.0 - collective_overlap(layout, cal)) * kv_bytes / ring_bandwidth(layout, hw, cal)
+        # overlap_csbp for every ring, CP-only too (overlap_cp was fitted on the BD3 baselines only)
+        exposed_kv = (1.0 - cal.overlap_csbp) * kv_bytes / ring_bandwidth(layout, hw, cal)
     trainable = model.body_params + model.extra_params
     world = layout.world
     grad_bw = (

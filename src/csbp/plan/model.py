@@ -66,7 +66,8 @@ class Prediction:
             K/V traffic).
         exposed_comm_s: communication not hidden behind compute, per step.
         exposed_kv_s: the attention K/V part of it.
-        kv_bytes: attention K/V bytes each GPU sends per step.
+        kv_bytes: attention K/V bytes per GPU per step in the busiest direction (an all-gather
+            member's sent = received bytes; a halo all-to-all's busiest member's larger direction).
         mem_terms: peak memory per GPU by term, bytes.
         capacity_bytes: what the device may hold.
     """
@@ -171,7 +172,8 @@ def collective_overlap(layout: Layout, cal: Calibration) -> float:
     reduce-scatter of ``collective``, the halo/window all-to-all of CSBP and cp-aware, DFlash's
     all-gather and context exchange; the all-to-all is modelled as the all-gather is, one share of
     its time. The generic CP-only all-gather takes ``overlap_cp`` (fitted on the published CP-only
-    runs), every other ``overlap_csbp`` (fitted on the published CSBP runs' all-gathers: ~0). How
+    runs), every other ``overlap_csbp`` (fitted on the published CSBP runs' all-gathers: ~0; DFlash
+    drafters take it for every ring, ``csbp.plan.drafter``). How
     much csbp's async collectives hide on a GPU is unmeasured, so no more is assumed (fail-safe:
     an overlap assumed and absent would rank layouts by traffic they still wait for)."""
     generic_cp = layout.kind == "cp" and layout.transport == "collective"
@@ -186,7 +188,7 @@ def overlap_note(cal: Calibration) -> str:
 
     return (
         f"overlap: CP-only all-gather hides {cal.overlap_cp:.0%} of its K/V time (overlap_cp, {origin('overlap_cp')}); "
-        f"CSBP all-gather, halo all-to-all, DFlash exchange {cal.overlap_csbp:.0%} (overlap_csbp, "
+        f"CSBP all-gather, halo all-to-all, DFlash rings {cal.overlap_csbp:.0%} (overlap_csbp, "
         f"{origin('overlap_csbp')});\n         streaming up to {cal.overlap_stream:.0%} of its ring attention "
         f"(overlap_stream, {origin('overlap_stream')}); csbp's async collectives are unmeasured on GPU"
     )
