@@ -1,0 +1,221 @@
+"""NCCL's rules for collectives, asserted on the CPU over gloo for the ring transports.
+
+gloo forgives what NCCL does not, so a layout that passes every CPU test can still fail, or hang,
+on its first multi-GPU run. Each worker of one 2-process gloo run wraps every ``torch.distributed``
+collective that ``csbp.parallel.comm.Comm`` issues (and any direct ``dist.all_reduce`` /
+``dist.broadcast``), runs one step of each ring layout below, and returns what it saw. The
+parent then asserts, for every call:
+
+* every tensor lives on the device the group's backend serves (``csbp.devices.backend_device``:
+  the CPU for gloo, the current GPU for NCCL) and is contiguous;
+* its dtype is one NCCL carries;
+* ``all_to_all`` split sizes are Python ``int`` (not tensors or NumPy integers), and what rank
+  ``s`` sends to rank ``d`` is what ``d`` expects from ``s``;
+* every member of a group issues the same collectives in the same order with the same dtype
+  and element count (a mismatch hangs NCCL);
+* every asynchronous work (``async_op=True``, ``batch_isend_irecv``) is waited for.
+
+The layouts: BD3 CSBP (cp=2, bp=2) with the collective, streaming and window transports, packed
+documents (the halo transport) with the dual-end and the document-aware ``balanced`` schedule,
+CP-only ``halo`` (cp=2); DFlash CSBP with the all-gather and with the document-aware context
+exchange (async all-to-all). Device placement itself is checked by ``Comm`` on every call;
+``tests/test_cuda.py`` runs the same code on CUDA.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from csbp.devices import backend_device
+from csbp.parallel.launch import run_local
+from csbp.topology import Topology
+
+NCCL_DTYPES = {
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int32,
+    torch.int64, torch.bool,
+}
+"""The dtypes ``ProcessGroupNCCL`` maps to an NCCL data type (float8 left out: csbp sends none)."""
+
+
+def _cases() -> list[tuple[str, str, Any]]:
+    from csbp.dflash.verify import DFlashVerifyCase
+    from csbp.engine.verify import VerifyCase
+
+    csbp = Topology(cp=2, bp=2)
+    return [
+        ("bd3-collective", "bd3", VerifyCase(csbp)),
+        ("bd3-streaming", "bd3", VerifyCase(csbp, transport="streaming")),
+        ("bd3-window", "bd3", VerifyCase(csbp, window=6)),
+        ("bd3-documents", "bd3", VerifyCase(csbp, seq_len=16, doc_length=3)),
+        ("bd3-documents-balanced", "bd3", VerifyCase(csbp, doc_length=3, schedule="balanced")),
+        ("bd3-cp-aware", "bd3", VerifyCase(Topology(cp=2), seq_len=16, doc_length=3, transport="halo")),
+        ("dflash-all-gather", "dflash", DFlashVerifyCase(csbp)),
+        ("dflash-context-exchange", "dflash", DFlashVerifyCase(csbp, doc_length=6)),
+    ]
+
+
+# ---------------------------------------------------------------- in each worker: the recorder
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.case = ""
+        self.calls: list[dict[str, Any]] = []
+
+    def record(self, op: str, group: dist.ProcessGroup | None, tensors: list[torch.Tensor], **extra: Any) -> dict:
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+        entry = {
+            "case": self.case,
+            "op": op,
+            "group": (getattr(group, "group_name", None), ranks),
+            "position": ranks.index(dist.get_rank()),
+            "expected_device": str(backend_device(group)),
+            "tensors": [(str(t.device), t.dtype, t.is_contiguous(), t.numel()) for t in tensors],
+            "waited": True,
+            "async": False,
+            **extra,
+        }
+        self.calls.append(entry)
+        return entry
+
+
+class _TrackedWork:
+    """A backend ``Work`` that notes in its log entry when it is waited for."""
+
+    def __init__(self, work: Any, entry: dict) -> None:
+        self._work, self._entry = work, entry
+        entry["waited"], entry["async"] = False, True
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._entry["waited"] = True
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _tracked(work: Any, entry: dict) -> Any:
+    return _TrackedWork(work, entry) if work is not None else None
+
+
+def _install(recorder: _Recorder) -> None:
+    """Wrap the collectives ``Comm`` calls (module attributes, looked up at call time)."""
+    from csbp.parallel import comm as comm_module
+
+    def single(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(out: torch.Tensor, inp: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+            entry = recorder.record(op, group, [inp, out])
+            return _tracked(fn(out, inp, group=group, async_op=async_op), entry) if async_op else fn(
+                out, inp, group=group, async_op=async_op)
+        return wrapped
+
+    all_to_all_single, all_reduce, broadcast, batch = (
+        dist.all_to_all_single, dist.all_reduce, dist.broadcast, dist.batch_isend_irecv)
+
+    def all_to_all(out: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any = None,
+                   input_split_sizes: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        entry = recorder.record("all_to_all", group, [inp, out], send_splits=input_split_sizes,
+                                recv_splits=output_split_sizes, row_numel=inp[:1].numel() if len(inp) else None)
+        work = all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        return _tracked(work, entry) if async_op else work
+
+    def reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+        entry = recorder.record("all_reduce", group, [tensor])
+        work = all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return _tracked(work, entry) if async_op else work
+
+    def bcast(tensor: torch.Tensor, src: Any = None, group: Any = None, async_op: bool = False, **kwargs: Any) -> Any:
+        entry = recorder.record("broadcast", group, [tensor])
+        work = broadcast(tensor, src=src, group=group, async_op=async_op, **kwargs)
+        return _tracked(work, entry) if async_op else work
+
+    def p2p(ops: list[dist.P2POp]) -> list[Any]:
+        entry = recorder.record("p2p", ops[0].group, [o.tensor for o in ops],
+                                kinds=sorted(o.op.__name__ for o in ops))
+        return [_tracked(w, entry) for w in batch(ops)]
+
+    comm_module._all_gather_single = single("all_gather", comm_module._all_gather_single)
+    comm_module._reduce_scatter_single = single("reduce_scatter", comm_module._reduce_scatter_single)
+    dist.all_to_all_single, dist.all_reduce, dist.broadcast, dist.batch_isend_irecv = all_to_all, reduce, bcast, p2p
+
+
+def _worker(rank: int, world: int) -> list[dict[str, Any]]:
+    from csbp.dflash import verify as dflash_verify
+    from csbp.engine import verify as bd3_verify
+
+    recorder = _Recorder()
+    _install(recorder)
+    for name, kind, case in _cases():
+        recorder.case = name
+        (bd3_verify._worker if kind == "bd3" else dflash_verify._worker)(rank, world, case)
+    return recorder.calls
+
+
+# ---------------------------------------------------------------- in the parent: the rules
+
+
+@pytest.fixture(scope="module")
+def calls_by_rank() -> list[list[dict[str, Any]]]:
+    return run_local(_worker, 2, timeout_s=240)
+
+
+def _signature(call: dict[str, Any]) -> tuple:
+    """What every member of the group must agree on (all-to-all splits are checked pairwise)."""
+    dtypes = tuple(t[1] for t in call["tensors"])
+    if call["op"] == "all_to_all":
+        return call["op"], dtypes, len(call["send_splits"])
+    return call["op"], dtypes, tuple(t[3] for t in call["tensors"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_every_collective_keeps_nccls_rules(calls_by_rank: list[list[dict[str, Any]]]) -> None:
+    calls = [call for rank_calls in calls_by_rank for call in rank_calls]
+    ops_by_case: dict[str, set[tuple[str, bool]]] = defaultdict(set)
+    for call in calls:
+        ops_by_case[call["case"]].add((call["op"], call["async"]))
+        where = f"{call['case']}: {call['op']} on group {call['group'][1]}"
+        for device, dtype, contiguous, _ in call["tensors"]:
+            assert device == call["expected_device"], f"{where}: a tensor on {device}"
+            assert contiguous, f"{where}: a non-contiguous tensor"
+            assert dtype in NCCL_DTYPES, f"{where}: dtype {dtype} has no NCCL type"
+        assert call["waited"], f"{where}: an asynchronous work was never waited for"
+        if call["op"] == "all_to_all":
+            for splits in (call["send_splits"], call["recv_splits"]):
+                assert all(type(s) is int for s in splits), f"{where}: split sizes {splits!r} are not Python ints"
+    # the layouts exercise what they are here for (the overlapped collectives asynchronously)
+    assert {("all_gather", True), ("reduce_scatter", True), ("all_reduce", False)} <= ops_by_case["bd3-collective"]
+    assert ("p2p", True) in ops_by_case["bd3-streaming"]
+    for case in ("bd3-window", "bd3-documents", "bd3-documents-balanced", "bd3-cp-aware", "dflash-context-exchange"):
+        assert ("all_to_all", True) in ops_by_case[case], case
+    assert ("all_gather", True) in ops_by_case["dflash-all-gather"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_group_members_issue_the_same_collectives_in_the_same_order(
+    calls_by_rank: list[list[dict[str, Any]]],
+) -> None:
+    sequences: dict[tuple, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for rank_calls in calls_by_rank:
+        for call in rank_calls:
+            sequences[call["case"], call["group"]][call["position"]].append(call)
+    assert sequences
+    for (case, (_, ranks)), by_position in sequences.items():
+        assert sorted(by_position) == list(range(len(ranks))), f"{case}: a member of {ranks} issued nothing"
+        members = [by_position[p] for p in range(len(ranks))]
+        signatures = [[_signature(c) for c in member] for member in members]
+        assert all(s == signatures[0] for s in signatures), f"{case}: group {ranks} members disagree: {signatures}"
+        for index, call in enumerate(members[0]):
+            if call["op"] != "all_to_all":
+                continue
+            for s, sender in enumerate(members):
+                for d, receiver in enumerate(members):
+                    sent, expected = sender[index]["send_splits"][d], receiver[index]["recv_splits"][s]
+                    assert sent == expected, f"{case}: call {index} of {ranks}: {s} sends {sent} rows to {d}, which expects {expected}"
