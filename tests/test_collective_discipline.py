@@ -13,7 +13,12 @@ parent then asserts, for every call:
   ``s`` sends to rank ``d`` is what ``d`` expects from ``s``;
 * every member of a group issues the same collectives in the same order with the same dtype
   and element count (a mismatch hangs NCCL);
-* every asynchronous work (``async_op=True``, ``batch_isend_irecv``) is waited for.
+* every asynchronous work (``async_op=True``, ``batch_isend_irecv``) is waited for;
+* a layer's attention (forward and backward of every transport's autograd Function, its plan
+  already built) issues no operation that synchronises a GPU with the host (``.item()``,
+  ``nonzero``, boolean indexing, ``unique``, ...: recorded as aten ops under a dispatch mode);
+  one per layer would stall every layer on CUDA. ``.tolist()`` and ``.cpu()`` of a CPU tensor
+  do not reach the dispatcher; ``tests/test_cuda_documents_eval.py`` catches those on a GPU.
 
 The layouts: BD3 CSBP (cp=2, bp=2) with the collective, streaming and window transports, packed
 documents (the halo transport) with the dual-end and the document-aware ``balanced`` schedule,
@@ -31,6 +36,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from csbp.devices import backend_device
 from csbp.parallel.launch import run_local
@@ -60,6 +66,40 @@ def _cases() -> list[tuple[str, str, Any]]:
     ]
 
 
+SYNCING_OPS = {
+    "_local_scalar_dense", "nonzero", "masked_select", "is_nonzero", "equal", "unique_consecutive", "_unique",
+    "_unique2", "unique_dim", "bincount", "histc",
+}
+"""aten ops that wait for a CUDA device's result on the host (``.item()``, ``bool(t)``, ``int(t)`` and
+``float(t)`` are ``_local_scalar_dense``); ``repeat_interleave`` without ``output_size`` and indexing
+with a boolean mask are added by ``_syncs``."""
+
+
+def _syncs(func: Any, args: tuple, kwargs: dict) -> bool:
+    name = func.overloadpacket.__name__
+    if name in SYNCING_OPS:
+        return True
+    if name == "repeat_interleave":
+        return isinstance(args[0], torch.Tensor) and args[0].dim() > 0 and kwargs.get("output_size") is None
+    if name in ("index", "index_put", "index_put_") and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+    return False
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Records the host-synchronising aten ops run inside it."""
+
+    def __init__(self, found: list[str]) -> None:
+        super().__init__()
+        self.found = found
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _syncs(func, args, kwargs):
+            self.found.append(str(func))
+        return func(*args, **kwargs)
+
+
 # ---------------------------------------------------------------- in each worker: the recorder
 
 
@@ -67,6 +107,17 @@ class _Recorder:
     def __init__(self) -> None:
         self.case = ""
         self.calls: list[dict[str, Any]] = []
+        self.layers: list[dict[str, Any]] = []  # one per attention forward or backward
+
+    def layer(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (an attention autograd Function's forward or backward), recording its host syncs."""
+        def wrapped(*args: Any) -> Any:
+            found: list[str] = []
+            with _HostSyncs(found):
+                result = fn(*args)
+            self.layers.append({"case": self.case, "kind": kind, "syncs": found})
+            return result
+        return staticmethod(wrapped)
 
     def record(self, op: str, group: dist.ProcessGroup | None, tensors: list[torch.Tensor], **extra: Any) -> dict:
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
@@ -145,24 +196,36 @@ def _install(recorder: _Recorder) -> None:
     dist.all_to_all_single, dist.all_reduce, dist.broadcast, dist.batch_isend_irecv = all_to_all, reduce, bcast, p2p
 
 
-def _worker(rank: int, world: int) -> list[dict[str, Any]]:
+def _worker(rank: int, world: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    from csbp.attention.transports.function import TransportFunction
     from csbp.dflash import verify as dflash_verify
+    from csbp.dflash.attention import _ShardedDraftAttention
     from csbp.engine import verify as bd3_verify
 
     recorder = _Recorder()
     _install(recorder)
+    TransportFunction.forward = recorder.layer("forward", TransportFunction.forward)
+    TransportFunction.backward = recorder.layer("backward", TransportFunction.backward)
+    _ShardedDraftAttention._forward = recorder.layer("forward", _ShardedDraftAttention._forward)
+    _ShardedDraftAttention._backward = recorder.layer("backward", _ShardedDraftAttention._backward)
     for name, kind, case in _cases():
         recorder.case = name
         (bd3_verify._worker if kind == "bd3" else dflash_verify._worker)(rank, world, case)
-    return recorder.calls
+    return recorder.calls, recorder.layers
 
 
 # ---------------------------------------------------------------- in the parent: the rules
 
 
 @pytest.fixture(scope="module")
-def calls_by_rank() -> list[list[dict[str, Any]]]:
+def recorded() -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    """Per rank: ``(collective calls, attention layers)``."""
     return run_local(_worker, 2, timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def calls_by_rank(recorded: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -> list[list[dict[str, Any]]]:
+    return [calls for calls, _ in recorded]
 
 
 def _signature(call: dict[str, Any]) -> tuple:
@@ -219,3 +282,15 @@ def test_group_members_issue_the_same_collectives_in_the_same_order(
                 for d, receiver in enumerate(members):
                     sent, expected = sender[index]["send_splits"][d], receiver[index]["recv_splits"][s]
                     assert sent == expected, f"{case}: call {index} of {ranks}: {s} sends {sent} rows to {d}, which expects {expected}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_layers_attention_never_waits_for_the_device(
+    recorded: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]],
+) -> None:
+    layers = [layer for _, rank_layers in recorded for layer in rank_layers]
+    assert {layer["case"] for layer in layers} == {name for name, _, _ in _cases()}
+    assert {layer["kind"] for layer in layers} == {"forward", "backward"}
+    syncing = [f"{layer['case']} {layer['kind']}: {layer['syncs']}" for layer in layers if layer["syncs"]]
+    assert not syncing, "host syncs inside a layer's attention:\n" + "\n".join(syncing)
