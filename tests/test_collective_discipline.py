@@ -12,7 +12,8 @@ parent then asserts, for every call:
 * ``all_to_all`` split sizes are Python ``int`` (not tensors or NumPy integers), and what rank
   ``s`` sends to rank ``d`` is what ``d`` expects from ``s``;
 * every member of a group issues the same collectives in the same order with the same dtype
-  and element count (a mismatch hangs NCCL);
+  and element count (a mismatch hangs NCCL), and two ranks interleave the groups they share the
+  same way (opposite orders on two communicators can deadlock);
 * every asynchronous work (``async_op=True``, ``batch_isend_irecv``) is waited for;
 * a layer's attention (forward and backward of every transport's autograd Function, its plan
   already built) issues no operation that synchronises a GPU with the host (``.item()``,
@@ -282,6 +283,22 @@ def test_group_members_issue_the_same_collectives_in_the_same_order(
                 for d, receiver in enumerate(members):
                     sent, expected = sender[index]["send_splits"][d], receiver[index]["recv_splits"][s]
                     assert sent == expected, f"{case}: call {index} of {ranks}: {s} sends {sent} rows to {d}, which expects {expected}"
+
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_ranks_interleave_their_shared_groups_in_the_same_order(calls_by_rank: list[list[dict[str, Any]]]) -> None:
+    """Two NCCL communicators whose collectives two ranks issue in opposite orders can deadlock: for
+    every pair of ranks, their calls on the groups they share interleave the same way."""
+    def shared(calls: list[dict[str, Any]], ranks: set[int]) -> list[tuple]:
+        return [(c["case"], c["group"], c["op"]) for c in calls if ranks <= set(c["group"][1])]
+
+    for a, calls_a in enumerate(calls_by_rank):
+        for b in range(a + 1, len(calls_by_rank)):
+            on_a, on_b = shared(calls_a, {a, b}), shared(calls_by_rank[b], {a, b})
+            assert on_a, f"ranks {a} and {b} share no collective"
+            assert on_a == on_b, f"ranks {a} and {b} interleave their groups differently"
 
 
 @pytest.mark.multiprocess
