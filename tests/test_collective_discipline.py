@@ -19,7 +19,7 @@ parent then asserts, for every call:
   already built) issues no operation that synchronises a GPU with the host (``.item()``,
   ``nonzero``, boolean indexing, ``unique``, ...: recorded as aten ops under a dispatch mode);
   one per layer would stall every layer on CUDA. ``.tolist()`` and ``.cpu()`` of a CPU tensor
-  do not reach the dispatcher; ``tests/test_cuda_documents_eval.py`` catches those on a GPU.
+  do not reach the dispatcher; ``tests/test_single_gpu_cuda.py`` catches those on a GPU.
 
 The layouts: BD3 CSBP (cp=2, bp=2) with the collective, streaming and window transports, packed
 documents (the halo transport) with the dual-end and the document-aware ``balanced`` schedule,

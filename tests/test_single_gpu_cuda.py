@@ -15,6 +15,9 @@
 The ring transports of these paths (context exchange, async all-to-all) need one GPU per ring
 member: the ``verify`` stages run them on 2+ GPUs, ``tests/test_collective_discipline.py`` checks
 NCCL's rules for them on the CPU. ``CSBP_CUDA_TESTS_DEVICE=cpu`` runs these bodies on the CPU.
+
+The file name sorts after the other CUDA test files on purpose: pytest runs files in name order,
+and a ``cuda-tests`` stage cut by its 180 s limit then loses these newer checks, not the older ones.
 """
 
 from __future__ import annotations
