@@ -5,8 +5,8 @@
   float64 model on CUDA equals the CPU report, with and without document masking (the document
   planner's masks and plans built on the GPU);
 * a BD3 step with packed documents under the document-aware ``balanced`` schedule, and a DFlash
-  drafter step with packed documents, on CUDA equal the CPU float64 reference (tiles and the
-  backend ``auto`` picks on CUDA: flex);
+  drafter step with packed documents, on CUDA equal the CPU reference (tiles in float64, and the
+  backend ``auto`` picks on CUDA, flex, in float32 and in float64, the dtype ``csbp verify`` runs);
 * the attention of one layer (BD3 local transport, DFlash drafter attention), once its plan is
   built, runs forward and backward without a host synchronisation (``torch.cuda.set_sync_debug_mode``
   raises on one): a ``.item()``/``.tolist()`` or a shape that depends on device values would stall
@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from csbp.engine.context import single_process_context
-from csbp.engine.verify import VerifyCase, _forward_backward, reference
+from csbp.engine.verify import TOLERANCES, VerifyCase, _forward_backward, reference
 from csbp.topology import Topology
 from test_kernel import bd3_rows, random_qkv
 
@@ -101,14 +101,20 @@ def test_csbp_eval_on_cuda_matches_the_cpu_report(artifact: Path, document_mask:
 # ----------------------------------------------------------------------------- packed documents
 
 
-@pytest.mark.parametrize("backend", ["tiles", "auto"])
-def test_bd3_step_with_documents_and_the_balanced_schedule_on_cuda_matches_the_cpu_reference(backend: str) -> None:
-    case = VerifyCase(Topology(), doc_length=3, schedule="balanced", backend=backend, device=DEVICE)
+@pytest.mark.parametrize(
+    ("backend", "dtype"), [("tiles", "float64"), ("auto", "float32"), ("auto", "float64")],
+    ids=["tiles-float64", "flex-float32", "flex-float64"],  # flex-float64: what `csbp verify --device cuda` runs
+)
+def test_bd3_step_with_documents_and_the_balanced_schedule_on_cuda_matches_the_cpu_reference(
+    backend: str, dtype: str
+) -> None:
+    case = VerifyCase(Topology(), doc_length=3, schedule="balanced", backend=backend, dtype=dtype, device=DEVICE)
+    tolerance = TOLERANCES[getattr(torch, dtype)]
     loss_ref, grads_ref = reference(case)
     loss, grads = _forward_backward(case, single_process_context(_device()), num_replicas=1)
-    assert loss == pytest.approx(loss_ref, rel=1e-9)
+    assert loss == pytest.approx(loss_ref, rel=tolerance)
     for name, ref in grads_ref.items():
-        assert _rel(grads[name], ref) <= 1e-9, name
+        assert _rel(grads[name], ref) <= tolerance, name
 
 
 def test_dflash_step_with_documents_on_cuda_matches_the_cpu_reference() -> None:
