@@ -19,7 +19,7 @@ from csbp.attention.counts import (
     segment_lengths,
 )
 from csbp.attention.document_draw import random_document_bounds
-from csbp.attention.run_counts import rank_totals, union_length
+from csbp.attention.run_counts import rank_totals
 from csbp.plan.documents import RowDocuments, layout_totals
 from csbp.schedules import balanced_schedule, block_runs, zigzag_array
 
@@ -59,13 +59,16 @@ def test_planner_totals_over_a_real_row_equal_the_per_row_counts() -> None:
     assert [(t.noisy, t.clean, t.pairs, t.halo) for t in totals] == _slow(4, 8, "balanced", None, row.bounds())
 
 
-def test_union_length_is_the_interval_cover() -> None:
+def test_merged_runs_are_the_interval_cover() -> None:
     rng = np.random.default_rng(0)
     for _ in range(50):
         start = rng.integers(0, 500, size=40)
         stop = start + rng.integers(-5, 60, size=40)  # empty and overlapping intervals too
-        assert union_length(start, stop) == int(interval_cover(start, stop, 600).sum())
         begin, end = merge_runs(start, stop)
+        cover = np.zeros(600, dtype=bool)
+        for b, e in zip(begin, end, strict=True):
+            cover[b:e] = True
+        assert np.array_equal(cover, interval_cover(start, stop, 600))
         assert np.all(begin[1:] > end[:-1])  # disjoint, sorted, not touching
 
 

@@ -9,7 +9,8 @@ of a run of clean rows contains its row and both ends grow with the row, so the 
 interval ``[ctx_start(first), ctx_stop(last))``; the noisy rows of a block that share a document
 share their interval and rows of later documents see nothing (their document starts after the
 block's first row), so each block (or part of one) covers one interval, its first row's. The halo
-is the union's length minus the rank's clean rows (which the union contains).
+is the union's length minus the rank's clean rows (which the union contains), and the rows a ring
+member sends are the parts of its clean runs the other members' unions hold.
 
 Every function equals its ``counts`` twin exactly (``tests/test_run_counts.py`` compares them on
 random documents); the runtime keeps using ``counts``. NumPy only.
@@ -94,12 +95,6 @@ def layout_runs(
             clean = (np.array([low * chunk, high * chunk]), np.array([(low + 1) * chunk, (high + 1) * chunk]))
         out.append(RankRuns(noisy, clean))
     return tuple(out)
-
-
-def union_length(start: np.ndarray, stop: np.ndarray) -> int:
-    """Positions inside at least one interval (``counts.interval_cover(...).sum()``)."""
-    begin, end = merge_runs(start, stop)
-    return int((end - begin).sum())
 
 
 @dataclass(frozen=True)
