@@ -100,13 +100,12 @@ def _sequence_length(rng: random.Random, topology: Topology, block_size: int, *,
     return rng.choice(choices[:4]) if rng.random() < 0.7 else rng.choice(choices)
 
 
-def draw_case(seed: int, max_nproc: int = 4, *, objectives: tuple[str, ...] | None = None) -> FuzzCase:
-    """A random valid case, a pure function of ``seed`` (see the module docstring)."""
+def draw_case(seed: int, max_nproc: int = 4) -> FuzzCase:
+    """A random valid case on at most ``max_nproc`` processes, a pure function of its arguments (see
+    the module docstring)."""
     rng = random.Random(seed)
-    names = objectives or (*OBJECTIVES, "dflash")
     objective = _pick(rng, {"bd3": 5, "fast_dllm_v2": 2, "mdlm": 1, "dflash": 2})
-    while objective not in names:
-        objective = _pick(rng, {name: 1.0 for name in names})
+    assert objective in (*OBJECTIVES, "dflash")
     topologies = _topologies(max_nproc)
     if objective == "mdlm":
         topologies = [t for t in topologies if t.layout == "data"]
