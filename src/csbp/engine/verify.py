@@ -12,7 +12,8 @@ Beyond the fixed problem of ``csbp verify``, a case can name explicit per-sample
 boundaries (``doc_ids``, padding included), the objective (``bd3``, ``fast_dllm_v2``, ``mdlm``,
 each optionally under its unclipped-NELBO validation form), several gradient-accumulation
 micro-batches with uneven supervision, RoPE positions restarting at documents, activation
-checkpointing and FSDP2: what :mod:`csbp.engine.fuzz` draws at random.
+checkpointing, FSDP2 and the trainer's bucketed gradient all-reduce: what :mod:`csbp.engine.fuzz`
+draws at random.
 """
 
 from __future__ import annotations
@@ -96,11 +97,6 @@ class VerifyCase:
     def block(self) -> int:
         """The engine's block size: ``seq_len`` for mdlm (one block), else ``block_size``."""
         return self.seq_len if self.objective == "mdlm" else self.block_size
-
-    @property
-    def rows(self) -> int:
-        """Rows of the global batch: every micro-batch of every data-parallel replica."""
-        return self.micro_batches * self.topology.dp * self.samples
 
     @property
     def label(self) -> str:
