@@ -7,7 +7,8 @@
   silently ignored in training (the mdlm sampler then applied it); ``window=1`` with ``block_size=1``
   (every query sees one key, so q/k gradients are mathematically zero) was reported as a failure of
   order 1 by the per-parameter relative error (seed 1048 hit it with all 1-token documents); a batch
-  supervising nothing divided by a zero reference loss.
+  supervising nothing divided by a zero reference loss; DFlash's ``lambda`` LK loss took its
+  acceptance over one data-parallel replica's samples instead of the whole batch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from csbp.dflash.config import DFlashObjectiveConfig
+from csbp.dflash.verify import DFlashVerifyCase
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import single_process_context
 from csbp.engine.fuzz import INVALID_KINDS, check_fails_closed, describe, draw_case, draw_invalid, run_cases
@@ -136,11 +139,19 @@ def test_a_batch_supervising_nothing_compares_without_dividing_by_zero() -> None
     assert result.ok and result.loss_rel_err == 0.0 and result.grad_rel_err == 0.0
 
 
+LAMBDA_DP = DFlashVerifyCase(
+    Topology(dp=2, cp=2), objective=DFlashObjectiveConfig(max_anchors=4, gamma=4.0, lk_loss_type="lambda"), seq_len=16,
+)
+"""DFlash's ``lambda`` LK loss under data parallelism (found by seed 50018): each replica computed the
+acceptance of its own samples, one process that of the whole batch (loss off by 1.8e-5 relative)."""
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_seeded_random_cases_equal_one_process() -> None:
-    """The suite's randomized sweep: SWEEP_SEEDS and the one-key regression share one 4-rank launch."""
-    drawn = [(seed, draw_case(seed, 4)) for seed in SWEEP_SEEDS] + [(-1, replace(ONE_KEY, topology=Topology(dp=4)))]
+    """The suite's randomized sweep: SWEEP_SEEDS and the regressions share one 4-rank launch."""
+    drawn = [(seed, draw_case(seed, 4)) for seed in SWEEP_SEEDS]
+    drawn += [(-1, replace(ONE_KEY, topology=Topology(dp=4))), (-2, LAMBDA_DP)]
     results = run_cases(drawn)
     assert [r.seed for r in results] == [seed for seed, _ in drawn]
     assert all(r.status == "ok" for r in results), [r for r in results if r.status != "ok"]

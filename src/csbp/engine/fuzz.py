@@ -7,7 +7,9 @@ integer seed, a *valid* configuration of every knob the engine exposes:
 * the topology (data, CP-only, BP-only, CSBP, each times ``dp``) on at most ``max_nproc`` processes;
 * block size and a sequence length that only just satisfies the zigzag rules (chunks of one block);
 * the objective (``bd3``, ``fast_dllm_v2``, ``mdlm``, ``dflash``), and for the first three, sometimes
-  their unclipped-NELBO validation form (``val_nelbo``);
+  their unclipped-NELBO validation form (``val_nelbo``); for DFlash the loss (CE or KL, LK
+  variants), weighting, anchor sampling, context rule, DFlash2 convolutions and selector, and a
+  sliding-window draft layer; the LM-head loss in chunks of a few rows;
 * transport (collective, streaming, halo), window (smaller than, equal to or larger than a block),
   block schedule (dual-end, contiguous, balanced), diagonal and clean-context kernels;
 * explicit, ragged document boundaries per sample: 1-token documents, documents ending exactly on
@@ -151,6 +153,7 @@ def draw_case(seed: int, max_nproc: int = 4) -> FuzzCase:
         activation_checkpointing=rng.random() < 0.15,
         fsdp=topology.dp > 1 and rng.random() < 0.2,
         grad_buckets=rng.choice([None, 2048, 16384, 2**25]) if rng.random() < 0.5 else None,
+        ce_chunk_rows=rng.choice([1024, 1024, 3, 7]),
     )
 
 
@@ -163,11 +166,23 @@ def _draw_dflash(rng: random.Random, seed: int, topology: Topology) -> DFlashVer
     if rng.random() < 0.6:
         doc_ids = tuple(draw_documents(rng, seq_len, 4, max(1, seq_len // (2 * topology.cp))) for _ in range(rows))
     transport = _pick(rng, {"collective": 2, "streaming": 1, "halo": 1}) if topology.cp > 1 else "collective"
-    objective = DFlashObjectiveConfig(max_anchors=max(rng.choice([2, 4, 6]), topology.bp), gamma=7.0)
+    loss = _pick(rng, {"ce": 3, "kl": 1})
+    objective = DFlashObjectiveConfig(
+        max_anchors=max(rng.choice([2, 4, 6, 9]), topology.bp), gamma=rng.choice([None, 4.0, 7.0]), loss=loss,
+        anchor_sampling=rng.choice(["uniform", "locality"]), context=rng.choice(["strict", "inclusive"]),
+        weighting=_pick(rng, {"decay": 3, "dpace": 1}),
+        lk_loss_type=_pick(rng, {"ce": 3, "tv": 1, "lambda": 1}) if loss == "ce" else "ce",
+        ce_chunk_rows=rng.choice([1024, 5]),  # 5: the chunked LM-head loss crosses chunk boundaries
+    )
+    options: dict[str, Any] = {}
+    if rng.random() < 0.3:  # DFlash2: block convolutions and the anchor selector
+        options |= {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 40}
+    if rng.random() < 0.3:  # a sliding-window draft layer
+        options |= {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": rng.randint(1, 9)}
     return DFlashVerifyCase(
         topology=topology, objective=objective, seq_len=seq_len, samples=samples, seed=seed,
-        transport=transport, doc_ids=doc_ids,
-        diagonal=rng.choice(["auto", "matmul", "sdpa"]),
+        transport=transport, doc_ids=doc_ids, diagonal=rng.choice(["auto", "matmul", "sdpa"]),
+        drafter_options=options, perturb_extras=bool(options), selector_scale=rng.choice([0.0, 0.5, 1.0]),
     )
 
 
@@ -179,14 +194,18 @@ def describe(case: FuzzCase) -> dict[str, Any]:
         "samples": case.samples, "transport": case.transport, "diagonal": case.diagonal,
     }
     if isinstance(case, DFlashVerifyCase):
-        out |= {"objective": "dflash", "max_anchors": case.objective.max_anchors}
+        o = case.objective
+        out |= {"objective": "dflash", "max_anchors": o.max_anchors, "gamma": o.gamma, "loss": o.loss,
+                "anchor_sampling": o.anchor_sampling, "context": o.context, "weighting": o.weighting,
+                "lk_loss_type": o.lk_loss_type, "ce_chunk_rows": o.ce_chunk_rows,
+                "drafter": sorted(case.drafter_options), "selector_scale": case.selector_scale}
     else:
         out |= {
             "objective": case.objective + ("+nelbo" if case.nelbo else ""), "B": case.block_size,
             "window": case.window, "schedule": case.schedule, "clean": case.clean,
             "micro_batches": case.micro_batches, "supervision": case.supervision,
             "reset_positions": case.reset_positions, "ac": case.activation_checkpointing, "fsdp": case.fsdp,
-            "grad_buckets": case.grad_buckets,
+            "grad_buckets": case.grad_buckets, "ce_chunk_rows": case.ce_chunk_rows,
         }
     doc_ids = case.doc_ids
     out["documents"] = None if doc_ids is None else [_run_lengths(row) for row in doc_ids]

@@ -87,6 +87,7 @@ class VerifyCase:
     # average gradients as the trainer does, in buckets of at most this many bytes all-reduced during the
     # last micro-batch's backward (csbp.engine.grad_buckets); None: one flat all-reduce after backward
     grad_buckets: int | None = None
+    ce_chunk_rows: int = 1024  # rows per chunk of the LM-head loss (csbp.objectives.chunked_ce)
 
     @property
     def documents(self) -> bool:
@@ -260,7 +261,10 @@ def _forward_backward(
         sync.zero_grad()
     for k, full in enumerate(micro):
         corrupted = sample_rows(full, slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
-        loss, ce_sum = rank_loss(model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size)
+        loss, ce_sum = rank_loss(
+            model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size,
+            ce_chunk_rows=case.ce_chunk_rows,
+        )
         if sync is not None and k == len(micro) - 1:
             sync.arm()  # the last backward launches the buckets, as in training
         loss.backward()
