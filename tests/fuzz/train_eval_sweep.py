@@ -12,7 +12,7 @@ user-facing paths instead, on tiny prepared artifacts (the test suite's ``make_a
   layouts up to 4 ranks, window, documents, ``reset_positions``, micro-batch size, LTR on/off)
   against ``evaluate_model`` on one process: NELBO, LTR NLL and token counts.
 
-One JSON line per case on stdout. Usage (from the repository root; at most 4 ranks at once)::
+One JSON line per case on stdout (among the trainer's own progress lines). Usage (from the repository root; at most 4 ranks at once)::
 
     OMP_NUM_THREADS=1 .venv/bin/python tests/fuzz/train_eval_sweep.py --train 40 --eval 16 --seed 0 --out /tmp/sweep
 """
@@ -154,7 +154,7 @@ def sweep_eval(root: Path, seeds: list[int]) -> None:
     for seed in seeds:
         settings_kw, options_kw, layout = draw_eval(seed)
         settings, options = EvalSettings(**settings_kw), EvalOptions(**options_kw)
-        topology = Topology(**layout, replicate_clean_prefix=layout.get("cp", 1) == 1 < layout.get("bp", 1))
+        topology = Topology(**{"replicate_clean_prefix": layout.get("cp", 1) == 1 < layout.get("bp", 1), **layout})
         model, _ = load_hf_checkpoint(model_dir, dtype=torch.float64)
         one = evaluate_model(model, open_artifact(root / "art48").split("train"), settings, options, progress=False)
         many = evaluate_parallel(model_dir, root / "art48", "train", settings, options, topology,
