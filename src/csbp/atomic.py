@@ -1,4 +1,4 @@
-"""Atomic directory writes: Hugging Face exports, DFlash exports and feature stores.
+"""Atomic writes: directories (Hugging Face exports, DFlash exports, feature stores) and single files.
 
 The directory is filled in a temporary sibling and moved into place with ``os.replace``, so a
 reader never sees a half-written directory. An existing target is replaced only on request, and
@@ -9,6 +9,7 @@ directory and its parents included, is refused with one line, before any work st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -136,7 +137,22 @@ def replace_directory(built: Path, target: Path) -> None:
 
 def write_json_atomic(path: Path, payload: object) -> None:
     """Write JSON through a temporary file and ``os.replace`` (never a half-written artifact)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to a new temporary file next to ``path`` and ``os.replace`` it onto
+    ``path``: a crash leaves the old file or the new one, never a mix (the temporary file is
+    removed on an error, or left as ``.NAME.tmp-*`` by a crash)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import yaml
-
+from csbp.config.loading import read_yaml_file
 from csbp.plan.artifact_documents import run_config_documents
 from csbp.plan.calibration import packaged_calibration
 from csbp.plan.hardware import hardware
@@ -46,7 +45,7 @@ def wants_auto(config: str, overrides: Sequence[str]) -> bool:
         if config not in list_recipes():
             return False
         path = recipe_path(config)
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    data = read_yaml_file(path)
     return isinstance(data, dict) and data.get("topology") == AUTO
 
 
