@@ -65,6 +65,11 @@ def unwritable_reason(directory: str | os.PathLike[str]) -> str | None:
 def check_replaceable(target: str | os.PathLike[str], owned: Ownership | None, *, flag: str = "--out") -> Path:
     """``ValueError`` unless ``target`` may be replaced by an ``--overwrite`` write; returns its absolute path."""
     path = Path(os.path.abspath(target))
+    if path.is_symlink():
+        raise ValueError(
+            f"{flag} {target}: is a symbolic link; --overwrite replaces only a real directory "
+            "(fix: pass the directory it points to, or remove the link)"
+        )
     cwd = Path.cwd().absolute()
     if path == cwd or path in cwd.parents:
         raise ValueError(

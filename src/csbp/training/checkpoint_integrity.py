@@ -7,7 +7,8 @@ crafted checkpoint runs code on load. Here:
 
 * :func:`read_metadata` reads ``.metadata`` with :class:`MetadataUnpickler`, which admits only the
   DCP metadata dataclasses, ``torch.Size``, dtypes/layouts and plain containers; anything else is a
-  ``ValueError`` naming the file and the refused global;
+  ``ValueError`` naming the file and the refused global, as is a data file named outside the
+  checkpoint directory (``../x``, ``/etc/passwd``);
 * :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` make ``dcp.load`` use that reader and
   load non-tensor items with ``torch.load(weights_only=True)``; :func:`safe_dcp_load` is the call;
 * :func:`checkpoint_problem` checks a checkpoint without reading a tensor: ``trainer_state.json``
@@ -89,6 +90,10 @@ def read_metadata(checkpoint: Path) -> Metadata:
         raise ValueError(f"{path}: unreadable ({type(exc).__name__}: {exc}); the file is damaged") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise ValueError(f"{path}: does not hold DCP checkpoint metadata")
+    for info in (metadata.storage_data or {}).values():  # every reader opens checkpoint / relative_path
+        name = str(getattr(info, "relative_path", ""))
+        if not name or Path(name).name != name or name.startswith("."):
+            raise ValueError(f"{path} names a data file {name!r} outside the checkpoint; it was not loaded")
     return metadata
 
 
@@ -157,9 +162,7 @@ def checkpoint_problem(checkpoint: Path, *, state_file: str | None = "trainer_st
         return str(exc)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        name = str(getattr(info, "relative_path", ""))
-        if not name or Path(name).name != name or name.startswith("."):
-            return f"{checkpoint / METADATA_FILE} names a data file {name!r} outside the checkpoint"
+        name = str(info.relative_path)  # a plain file name in the checkpoint (read_metadata checks)
         end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
         needed[name] = max(needed.get(name, 0), end)
     for name, end in sorted(needed.items()):
