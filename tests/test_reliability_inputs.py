@@ -323,6 +323,7 @@ CASES: list[Case] = [
     Case("train-run-dir-foreign", lambda fx, w: ["train", str(fx.config), "--run-dir", str(write(w / "mine" / "notes.txt", "x").parent)], "notes.txt"),
     Case("compare-resume-foreign-layout-dir", lambda fx, w: ["compare", str(fx.config), "--layouts", "data", "--nproc", "1", "--budget-s", "5", "--out", str(write(w / "o" / "data" / "notes.txt", "x").parent.parent), "--resume"], "notes.txt"),
     Case("prepare-overwrite-symlink", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", str(symlink(w / "link", fx.copy_artifact(w / "a"))), "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "symbolic link"),
+    Case("prepare-jsonl-nested-deep", lambda fx, w: ["data", "prepare", str(write(w / "deep.jsonl", "[" * 200_000 + "]" * 200_000 + "\n")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "deep.jsonl:1"),
     Case("prepare-overwrite-root", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "/", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "working directory"),
 ]
 
