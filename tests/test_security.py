@@ -8,6 +8,7 @@ import builtins
 import json
 import os
 import socket
+import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -266,3 +267,31 @@ def test_a_checkpoint_naming_a_file_outside_itself_is_refused(tmp_path: Path) ->
         with pytest.raises(ValueError, match="outside the checkpoint"):
             safe_dcp_load({"w": torch.zeros(4)}, checkpoint, no_dist=True)
         assert "outside the checkpoint" in str(checkpoint_problem(checkpoint, state_file=None))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="renameat2(RENAME_EXCHANGE) is Linux-only")
+def test_overwrite_swaps_in_one_step_so_a_crash_never_leaves_the_target_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import csbp.atomic
+
+    target, built = tmp_path / "export", tmp_path / ".export.tmp-1"
+    for directory, name in ((target, "old"), (built, "new")):
+        directory.mkdir()
+        (directory / name).write_text(name)
+    real_replace = os.replace
+
+    def replace(source: object, destination: object) -> None:
+        assert Path(str(source)) != target, "the old directory was moved away before the new one was in place"
+        real_replace(source, destination)
+
+    monkeypatch.setattr(os, "replace", replace)
+    csbp.atomic.replace_directory(built, target)
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+    assert [p.name for p in target.iterdir()] == ["new"]
+    monkeypatch.setattr(csbp.atomic, "_exchange", lambda first, second: False)  # elsewhere: two renames
+    monkeypatch.setattr(os, "replace", real_replace)
+    built.mkdir()
+    (built / "newer").write_text("newer")
+    csbp.atomic.replace_directory(built, target)
+    assert [p.name for p in tmp_path.iterdir()] == ["export"] and [p.name for p in target.iterdir()] == ["newer"]

@@ -10,9 +10,12 @@ directory and its parents included, is refused with one line, before any work st
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,10 +126,15 @@ def write_directory_atomically(
 
 
 def replace_directory(built: Path, target: Path) -> None:
-    """``os.replace`` the finished directory ``built`` onto ``target``; an old ``target`` is moved
-    aside first and removed after the swap (restored if the swap fails)."""
+    """Move the finished directory ``built`` onto ``target``. An old ``target`` is swapped with it in
+    one atomic step where the system can (Linux ``renameat2(RENAME_EXCHANGE)``), so a crash leaves
+    the old or the new directory at ``target``, then removed; elsewhere it is moved aside first and
+    removed after the swap (restored if the swap fails)."""
     if not target.exists():
         os.replace(built, target)
+        return
+    if _exchange(built, target):
+        shutil.rmtree(built, ignore_errors=True)  # ``built`` now holds the old directory
         return
     retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
     try:
@@ -138,6 +146,26 @@ def replace_directory(built: Path, target: Path) -> None:
             raise
     finally:
         shutil.rmtree(retired, ignore_errors=True)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two directory entries atomically; False where the system or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:  # a C library without the wrapper (glibc < 2.28)
+        return False
+    result = renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(first), None, str(second))
 
 
 def write_json_atomic(path: Path, payload: object) -> None:
