@@ -1,10 +1,12 @@
 """Atomic writes: directories (Hugging Face exports, DFlash exports, feature stores) and single files.
 
-The directory is filled in a temporary sibling and moved into place with ``os.replace``, so a
-reader never sees a half-written directory. An existing target is replaced only on request, and
-only when csbp recognises it as its own output (:class:`Ownership`): an empty directory, or one
-holding the kind's marker file and no file csbp would not have written. Anything else, the working
-directory and its parents included, is refused with one line, before any work starts.
+The directory is filled in a temporary sibling and moved into place with ``os.replace`` (swapped
+with an existing one in a single step on Linux), so a reader never sees a half-written directory
+and a crash never leaves the path empty. An existing target is replaced only on request, and only
+when csbp recognises it as its own output (:class:`Ownership`): an empty directory, or one holding
+the kind's marker file and no file csbp would not have written. Anything else, a symbolic link, the
+working directory and its parents included, is refused with one line, before any work starts.
+Single files go through a new temporary file and ``os.replace`` (:func:`write_text_atomic`).
 """
 
 from __future__ import annotations
