@@ -295,3 +295,28 @@ def test_overwrite_swaps_in_one_step_so_a_crash_never_leaves_the_target_missing(
     (built / "newer").write_text("newer")
     csbp.atomic.replace_directory(built, target)
     assert [p.name for p in tmp_path.iterdir()] == ["export"] and [p.name for p in target.iterdir()] == ["newer"]
+
+
+def test_a_checkpoint_declaring_more_than_it_stores_is_refused_before_allocation(tmp_path: Path) -> None:
+    import dataclasses
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata
+
+    checkpoint = tmp_path / "ck"
+    dcp.save({"w": torch.arange(4.0), "step": torch.tensor(3)}, checkpoint_id=checkpoint, no_dist=True)
+    assert checkpoint_problem(checkpoint, state_file=None) is None  # a genuine one, 0-dim tensors included
+    genuine = read_metadata(checkpoint)
+    item = genuine.state_dict_metadata["w"]
+    huge = torch.Size([10**6, 10**6])
+    forged = dataclasses.replace(
+        item, size=huge, chunks=[dataclasses.replace(chunk, sizes=huge) for chunk in item.chunks]
+    )
+    metadata = dataclasses.replace(genuine, state_dict_metadata={**genuine.state_dict_metadata, "w": forged})
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert "declares [1000000, 1000000] torch.float32 for 'w' but stores" in str(
+        checkpoint_problem(checkpoint, state_file=None)
+    )
