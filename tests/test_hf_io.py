@@ -327,9 +327,9 @@ def test_config_mapping_defaults_and_rope_locations() -> None:
     [
         ({"architectures": ["MistralForCausalLM"]}, "unsupported architectures"),
         ({"architectures": None}, "unsupported architectures"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}}, "rope_type='yarn'"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "rope_type='dynamic' is not supported"),
+        ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope_type='longrope' is not supported"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0, "low_freq_factor": 1.0}}, "does not apply"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
         ({"num_hidden_layers": None}, "num_hidden_layers"),

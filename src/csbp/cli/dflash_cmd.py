@@ -383,6 +383,7 @@ def _checkpoint_drafter_config(
         block_size=int(block_size),
         target_layer_ids=tuple(int(i) for i in layer_ids),
         rope_theta=target_config.rope_theta,
+        rope_scaling=target_config.rope_scaling,
         rms_norm_eps=target_config.rms_norm_eps,
         **options,
     )

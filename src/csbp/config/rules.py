@@ -20,6 +20,7 @@ _SINGLE_STREAM_OBJECTIVES = ("mdlm", "ar")
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 """Decoder shape fields of ``model`` (required unless ``init_from``; forbidden for dflash)."""
 _DECODER_FIELDS = ("rope_theta", "rms_norm_eps", "qk_norm", "tie_embeddings")
+_TARGET_FIELDS = ("init_from", "vocab_size", "rope_scaling")
 
 
 class ConfigRuleError(ValueError):
@@ -79,7 +80,7 @@ def _model_rules(cfg: RunConfig) -> list[Violation]:
             for name in SHAPE_FIELDS
             if getattr(model, name) is None
         ]
-    shaped = [name for name in ("init_from", "vocab_size", *SHAPE_FIELDS) if getattr(model, name) is not None]
+    shaped = [name for name in (*_TARGET_FIELDS, *SHAPE_FIELDS) if getattr(model, name) is not None]
     if not shaped:  # otherwise these were filled with the arch defaults, not set
         shaped = [name for name in _DECODER_FIELDS if getattr(model, name) is not None]
     violations = []

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from csbp.config.dflash_section import DFlashSection
+from csbp.config.rope_section import RopeScalingSection
 from csbp.config.rules import SHAPE_FIELDS, ConfigRuleError, cross_section_violations
 from csbp.config.section_base import _Section, path_field
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "qk_norm": True, "tie_embeddings": False},
     "llama": {"rope_theta": 500_000.0, "rms_norm_eps": 1e-5, "qk_norm": False, "tie_embeddings": False},
+    "qwen2": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "qk_norm": False, "tie_embeddings": False},
 }
 
 
@@ -60,11 +62,14 @@ class RunSection(_Section):
 class ModelSection(_Section):
     """The decoder. Either built from the shape fields, or loaded from a local HF checkpoint
     (``init_from``), in which case every field left unset is read from that checkpoint and the
-    model loader checks the fields given against it. For ``objective.name: dflash`` the trained
+    model loader checks the fields given against it, except ``rope_theta`` and ``rope_scaling``,
+    which replace the checkpoint's (extending RoPE is how a short-context model is trained long). For ``objective.name: dflash`` the trained
     model is the drafter, shaped by the target and ``objective.dflash``: only ``dtype`` (of the
     exported drafter) may be set."""
 
-    arch: Literal["qwen3", "llama"] = Field("qwen3", description="Decoder family: qwen3 (QK-norm) or llama.")
+    arch: Literal["qwen3", "llama", "qwen2"] = Field(
+        "qwen3", description="Decoder family: qwen3 (QK-norm), llama, or qwen2 (q/k/v biases)."
+    )
     init_from: str | None = path_field(
         None, description="Local Hugging Face checkpoint directory to initialise from (no downloads)."
     )
@@ -78,7 +83,12 @@ class ModelSection(_Section):
     num_kv_heads: int | None = Field(None, gt=0, description="Key/value heads per layer (GQA).")
     head_dim: int | None = Field(None, gt=0, description="Width of one attention head (even, for RoPE).")
     rope_theta: float | None = Field(
-        None, gt=0, description="RoPE base; unset: 1e6 for qwen3, 5e5 for llama (or init_from)."
+        None, gt=0, description="RoPE base; unset: 1e6 for qwen3/qwen2, 5e5 for llama (or init_from's; set: replaces it)."
+    )
+    rope_scaling: RopeScalingSection | None = Field(
+        None,
+        description="RoPE scaling, e.g. {type: yarn, factor: 4, original_max_position_embeddings: 32768}; "
+        "unset: none (or init_from's; set: replaces it).",
     )
     rms_norm_eps: float | None = Field(
         None, gt=0, description="RMSNorm epsilon; unset: 1e-6 for qwen3, 1e-5 for llama (or init_from)."

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from csbp.models.config import DecoderConfig
+from csbp.models.rope import RopeScaling
 
 LayerType = Literal["full_attention", "sliding_attention"]
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -63,6 +64,7 @@ class DFlashConfig:
         target_layer_ids: fused target layers (0-based; layer ``i`` is HF ``hidden_states[i+1]``);
             None: the default of ``default_target_layer_ids``.
         rope_theta / rms_norm_eps: as in the target family.
+        rope_scaling: the target's RoPE scaling (the drafter rotates at the target's positions).
         layer_types: per draft layer ``full_attention`` or ``sliding_attention``; None: all full.
         sliding_window: ``W`` of the sliding layers (counts the query itself).
         sliding_window_causal: sliding layers are causal inside the block (``j(k) <= j(q)``).
@@ -85,6 +87,7 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...] | None = None
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
+    rope_scaling: RopeScaling | None = None
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     sliding_window_causal: bool = True
@@ -177,6 +180,7 @@ class DFlashConfig:
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
             rms_norm_eps=self.rms_norm_eps,
             qk_norm=True,
         )
@@ -205,6 +209,7 @@ class DFlashConfig:
             mask_token_id=mask_token_id,
             block_size=block_size,
             rope_theta=target.rope_theta,
+            rope_scaling=target.rope_scaling,
             rms_norm_eps=target.rms_norm_eps,
             **options,  # type: ignore[arg-type]
         )

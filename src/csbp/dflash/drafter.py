@@ -228,6 +228,7 @@ class DFlashDrafter(nn.Module):
             head_dim=self.config.head_dim,
             theta=self.config.rope_theta,
             model_dtype=self.fc.weight.dtype,
+            scaling=self.config.rope_scaling,
         )
 
     def fuse_context(self, features_SMF: Tensor) -> Tensor:

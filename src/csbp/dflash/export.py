@@ -3,7 +3,7 @@
 ``config.json``: ``architectures: ["DFlashDraftModel"]`` (``"DFlash2DraftModel"`` when a DFlash2
 module is enabled), ``model_type: "qwen3"``, ``block_size``, top-level ``num_target_layers``,
 ``dflash_config: {target_layer_ids, mask_token_id}``, the Qwen3 shape fields, ``rope_theta`` both
-top-level and in ``rope_parameters``, ``layer_types``/``sliding_window``,
+top-level and in ``rope_parameters`` (with the target's RoPE scaling there and in ``rope_scaling``), ``layer_types``/``sliding_window``,
 ``tie_word_embeddings: false`` and the target's ``vocab_size``. DFlash2 adds
 ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` (Turbo-dLLM
 names; released DFlash2 key names are unverified).
@@ -36,6 +36,7 @@ from csbp.atomic import write_directory_atomically
 from csbp.dflash.config import DFlashConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.models.decoder import Decoder
+from csbp.models.hf_config import hf_rope_fields, rope_from_hf
 from csbp.models.hf_io import EXPORT_OWNERSHIP, read_json_object, read_safetensors_file
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
@@ -64,8 +65,7 @@ def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, A
         "head_dim": config.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        **hf_rope_fields(config.rope_theta, config.rope_scaling),
         "layer_types": list(config.layer_types or ()),
         "use_sliding_window": sliding,
         "sliding_window": config.sliding_window if sliding else None,
@@ -106,7 +106,7 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
     dflash = hf["dflash_config"]
     if dflash.get("mask_token_id") is None:
         raise ValueError("drafter config.json dflash_config has no mask_token_id; set the [M] token id")
-    rope = hf.get("rope_parameters") or {}
+    rope_theta, rope_scaling = rope_from_hf(hf)
     num_heads = int(hf["num_attention_heads"])
     layer_types = hf.get("layer_types")
     return DFlashConfig(
@@ -121,7 +121,8 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
         mask_token_id=int(dflash["mask_token_id"]),
         block_size=int(hf["block_size"]),
         target_layer_ids=tuple(dflash["target_layer_ids"]) if dflash.get("target_layer_ids") else None,
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         layer_types=tuple(layer_types) if layer_types else None,
         sliding_window=hf.get("sliding_window"),

@@ -14,7 +14,7 @@ from csbp.models.hf_io import (
     hf_passthrough_config,
     load_hf_checkpoint,
 )
-from csbp.models.rope import RotaryTables, rotary_tables
+from csbp.models.rope import RopeScaling, RotaryTables, rotary_tables
 
 __all__ = [
     "MLP",
@@ -26,6 +26,7 @@ __all__ = [
     "DecoderLayer",
     "DenseMaskAttention",
     "RMSNorm",
+    "RopeScaling",
     "RotaryTables",
     "decoder_config_from_hf",
     "export_hf_checkpoint",

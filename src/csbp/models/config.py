@@ -1,4 +1,4 @@
-"""Shape and numerics configuration of the Qwen3/Llama-family decoder (``csbp.models.decoder``).
+"""Shape and numerics configuration of the Qwen3/Qwen2/Llama-family decoder (``csbp.models.decoder``).
 
 One frozen dataclass, validated on construction, shared by the decoder, the HF importer/exporter
 and anything that needs to size a model (memory estimates, optimizer groups).
@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-SUPPORTED_ARCHS: tuple[str, ...] = ("qwen3", "llama")
+from csbp.models.rope import RopeScaling
+
+SUPPORTED_ARCHS: tuple[str, ...] = ("qwen3", "qwen2", "llama")
 
 
 @dataclass(frozen=True)
@@ -25,12 +27,16 @@ class DecoderConfig:
         num_kv_heads: key/value heads ``Hkv`` (grouped-query attention; ``Hq % Hkv == 0``).
         head_dim: per-head width ``d`` (need not equal ``hidden_size // num_heads``).
         rope_theta: RoPE base wavelength.
+        rope_scaling: RoPE scaling rule (``linear``, ``llama3``, ``yarn``); None: plain RoPE.
         rms_norm_eps: epsilon of every RMSNorm.
         qk_norm: per-head RMSNorm of queries and keys before RoPE (Qwen3); False for Llama.
         tie_embeddings: the LM head reuses the token embedding matrix.
         arch: Hugging Face family used on export (``qwen3`` needs ``qk_norm=True`` and
-            ``mlp_bias=False``; ``llama`` needs ``qk_norm=False``).
-        attention_bias: biases on the q/k/v/o projections.
+            ``mlp_bias=False``; ``llama`` needs ``qk_norm=False``; ``qwen2`` needs ``qkv_bias=True``
+            and no q/k norm, o bias or MLP bias).
+        attention_bias: biases on the q/k/v/o projections (HF Llama/Qwen3 ``attention_bias``).
+        qkv_bias: biases on the q/k/v projections only, none on o (Qwen2); exclusive with
+            ``attention_bias``.
         mlp_bias: biases on the gate/up/down projections.
     """
 
@@ -45,9 +51,11 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-6
     qk_norm: bool = True
     tie_embeddings: bool = False
-    arch: Literal["qwen3", "llama"] = "qwen3"
+    arch: Literal["qwen3", "qwen2", "llama"] = "qwen3"
     attention_bias: bool = False
     mlp_bias: bool = False
+    qkv_bias: bool = False
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -80,9 +88,22 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig.rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"DecoderConfig.arch must be one of {SUPPORTED_ARCHS}, got {self.arch!r}")
-        for name in ("qk_norm", "tie_embeddings", "attention_bias", "mlp_bias"):
+        for name in ("qk_norm", "tie_embeddings", "attention_bias", "mlp_bias", "qkv_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DecoderConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.attention_bias and self.qkv_bias:
+            raise ValueError(
+                "DecoderConfig: attention_bias (q/k/v/o biases) already includes qkv_bias; set only one"
+            )
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(
+                f"DecoderConfig.rope_scaling must be a RopeScaling or None, got {type(self.rope_scaling).__name__}"
+            )
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Biases on the q/k/v projections (``attention_bias`` or ``qkv_bias``)."""
+        return self.attention_bias or self.qkv_bias
 
     @property
     def num_kv_groups(self) -> int:
@@ -98,8 +119,10 @@ class DecoderConfig:
         d_model, d_head = self.hidden_size, self.head_dim
         q_width, kv_width = self.num_heads * d_head, self.num_kv_heads * d_head
         attention = d_model * q_width + 2 * d_model * kv_width + q_width * d_model
+        if self.has_qkv_bias:
+            attention += q_width + 2 * kv_width
         if self.attention_bias:
-            attention += q_width + 2 * kv_width + d_model
+            attention += d_model
         if self.qk_norm:
             attention += 2 * d_head
         mlp = 3 * d_model * self.intermediate_size

@@ -1,4 +1,4 @@
-"""Qwen3/Llama-family decoder whose attention is supplied from outside.
+"""Qwen3/Qwen2/Llama-family decoder whose attention is supplied from outside.
 
 The model holds the parameters and the row-local math only (embedding, RMSNorm, q/k/v/o
 projections, optional per-head q/k norm, RoPE from explicit positions, SwiGLU MLP, LM head). The
@@ -114,12 +114,13 @@ class Attention(nn.Module):
             config.num_kv_heads,
             config.head_dim,
         )
-        factory = {"dtype": dtype, "device": device, "bias": config.attention_bias}
+        factory = {"dtype": dtype, "device": device}
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_width, **factory)
-        self.k_proj = nn.Linear(config.hidden_size, kv_width, **factory)
-        self.v_proj = nn.Linear(config.hidden_size, kv_width, **factory)
-        self.o_proj = nn.Linear(q_width, config.hidden_size, **factory)
+        qkv_bias = config.has_qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=qkv_bias, **factory)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=qkv_bias, **factory)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=qkv_bias, **factory)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=config.attention_bias, **factory)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -288,6 +289,7 @@ class Decoder(nn.Module):
             head_dim=self.config.head_dim,
             theta=self.config.rope_theta,
             model_dtype=self.embed_tokens.weight.dtype,
+            scaling=self.config.rope_scaling,
         )
 
     def forward(

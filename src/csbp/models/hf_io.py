@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint import and export for the csbp decoder (Qwen3 and Llama families).
+"""Hugging Face checkpoint import and export for the csbp decoder (Qwen3, Qwen2 and Llama families).
 
 A HF checkpoint directory holds ``config.json`` and ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``). Tensors are read with ``safetensors`` only: pickled weights
@@ -11,8 +11,8 @@ Usage::
     export_hf_checkpoint(model, config, "/out/step_1000", tokenizer_dir="/ckpt/Qwen3-0.6B",
                          extra_config=hf_passthrough_config("/ckpt/Qwen3-0.6B"))
 
-Only the default RoPE is implemented; checkpoints with RoPE scaling (``llama3``, ``yarn``, ...),
-sliding-window layers or a non-SiLU activation are rejected with a ``ValueError``.
+The ``config.json`` translation (families, RoPE scaling ``linear``/``llama3``/``yarn``, what is
+rejected) lives in ``csbp.models.hf_config``; this module reads and writes the files.
 """
 
 from __future__ import annotations
@@ -31,18 +31,34 @@ from torch import Tensor
 from csbp.atomic import Ownership, write_directory_atomically
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
+from csbp.models.hf_config import (
+    ARCH_BY_HF_CLASS,
+    HF_CLASS_BY_ARCH,
+    PASSTHROUGH_FIELDS,
+    decoder_config_from_hf,
+    hf_config_from_decoder,
+)
+from csbp.models.hf_config import DTYPE_NAMES as _DTYPE_NAMES
 
-HF_CLASS_BY_ARCH: dict[str, str] = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-ARCH_BY_HF_CLASS: dict[str, str] = {cls: arch for arch, cls in HF_CLASS_BY_ARCH.items()}
+__all__ = [
+    "ARCH_BY_HF_CLASS",
+    "EXPORT_OWNERSHIP",
+    "HF_CLASS_BY_ARCH",
+    "PASSTHROUGH_FIELDS",
+    "TOKENIZER_FILES",
+    "decoder_config_from_hf",
+    "export_hf_checkpoint",
+    "hf_config_from_decoder",
+    "hf_passthrough_config",
+    "load_hf_checkpoint",
+    "read_hf_config",
+    "read_hf_weights",
+    "read_json_object",
+    "read_safetensors_file",
+]
 
-_DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.float64: "float64",
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-}
 # Stored tensors HF derives at load time; harmless to skip.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -62,138 +78,7 @@ EXPORT_OWNERSHIP = Ownership(
 """What ``--overwrite`` may replace: a directory holding only files an HF or DFlash export writes."""
 
 
-# ----------------------------------------------------------------------------- config mapping
-
-
-def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
-    """Map a HF ``config.json`` dict onto ``DecoderConfig``; unsupported features raise ``ValueError``."""
-    architectures = hf_config.get("architectures") or []
-    if len(architectures) != 1 or architectures[0] not in ARCH_BY_HF_CLASS:
-        raise ValueError(
-            f"unsupported architectures {architectures!r} in config.json; csbp loads "
-            f"{sorted(ARCH_BY_HF_CLASS)}"
-        )
-    arch = ARCH_BY_HF_CLASS[architectures[0]]
-    for field in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-    ):
-        if hf_config.get(field) is None:
-            raise ValueError(f"config.json is missing required field '{field}'")
-    hidden_act = hf_config.get("hidden_act", "silu")
-    if hidden_act != "silu":
-        raise ValueError(f"config.json hidden_act={hidden_act!r} is not supported; csbp implements 'silu'")
-    if arch == "qwen3":
-        if hf_config.get("use_sliding_window", False):
-            raise ValueError(
-                "config.json use_sliding_window=true is not supported; csbp has no sliding-window layers"
-            )
-        layer_types = hf_config.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(
-                f"config.json layer_types {sorted(set(layer_types))} are not supported; only 'full_attention'"
-            )
-    num_heads = int(hf_config["num_attention_heads"])
-    head_dim = hf_config.get("head_dim")
-    if head_dim is None:  # HF defaults: Qwen3Config.head_dim = 128, Llama derives it
-        head_dim = 128 if arch == "qwen3" else int(hf_config["hidden_size"]) // num_heads
-    return DecoderConfig(
-        vocab_size=int(hf_config["vocab_size"]),
-        hidden_size=int(hf_config["hidden_size"]),
-        intermediate_size=int(hf_config["intermediate_size"]),
-        num_layers=int(hf_config["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(hf_config.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
-        rope_theta=_rope_theta_from_hf(hf_config),
-        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
-        qk_norm=arch == "qwen3",
-        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-        arch=arch,  # type: ignore[arg-type]
-        attention_bias=bool(hf_config.get("attention_bias", False)),
-        mlp_bias=bool(hf_config.get("mlp_bias", False)) if arch == "llama" else False,
-    )
-
-
-def _rope_theta_from_hf(hf_config: dict[str, Any]) -> float:
-    """RoPE theta with HF's precedence: ``rope_parameters`` > ``rope_scaling`` > top-level ``rope_theta``."""
-    theta = hf_config.get("rope_theta")
-    for field in ("rope_scaling", "rope_parameters"):  # later fields take precedence
-        params = hf_config.get(field)
-        if params is None:
-            continue
-        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-            raise ValueError(
-                f"config.json {field} must be one flat dict; per-layer-type RoPE is not supported"
-            )
-        rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(
-                f"config.json {field} has rope_type={rope_type!r}; csbp implements only the default RoPE "
-                "(no scaling)"
-            )
-        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError(f"config.json {field}.partial_rotary_factor is not supported (must be 1.0)")
-        if params.get("rope_theta") is not None:
-            theta = params["rope_theta"]
-    if float(hf_config.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError("config.json partial_rotary_factor is not supported (must be 1.0)")
-    return float(theta) if theta is not None else 10000.0
-
-
-def hf_config_from_decoder(
-    config: DecoderConfig, *, dtype: torch.dtype, extra_config: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The ``config.json`` dict for ``config`` (readable by transformers 4.5x and 5.x)."""
-    if config.arch == "qwen3" and (not config.qk_norm or config.mlp_bias):
-        raise ValueError("arch='qwen3' export needs qk_norm=True and mlp_bias=False (HF Qwen3 layout)")
-    if config.arch == "llama" and config.qk_norm:
-        raise ValueError("arch='llama' export needs qk_norm=False (HF Llama has no q/k norm)")
-    dtype_name = _DTYPE_NAMES[dtype]
-    hf: dict[str, Any] = {
-        "architectures": [HF_CLASS_BY_ARCH[config.arch]],
-        "model_type": config.arch,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": config.attention_bias,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": dtype_name,
-        "dtype": dtype_name,
-    }
-    if config.arch == "qwen3":
-        hf.update(
-            use_sliding_window=False,
-            sliding_window=None,
-            max_window_layers=config.num_layers,
-            layer_types=["full_attention"] * config.num_layers,
-        )
-    else:
-        hf.update(mlp_bias=config.mlp_bias, pretraining_tp=1)
-    extra = dict(extra_config or {})
-    clashes = sorted(set(extra) & set(hf))
-    if clashes:
-        raise ValueError(
-            f"extra_config must not override model-defining fields {clashes}; change DecoderConfig"
-        )
-    # Defaults for fields DecoderConfig does not carry (HF Llama would otherwise assume bos=1, eos=2).
-    hf.update(max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    hf.update(extra)
-    return hf
+# ----------------------------------------------------------------------------- config fields
 
 
 def hf_passthrough_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -209,7 +94,7 @@ def hf_passthrough_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 def load_hf_checkpoint(
     path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> tuple[Decoder, DecoderConfig]:
-    """Load a local HF Qwen3/Llama checkpoint directory into a ``Decoder``.
+    """Load a local HF Qwen3/Qwen2/Llama checkpoint directory into a ``Decoder``.
 
     Args:
         path: directory with ``config.json`` and safetensors weights.

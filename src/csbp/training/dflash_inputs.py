@@ -166,7 +166,7 @@ def read_target_config(target_dir: Path) -> DecoderConfig:
     return _field(
         "objective.dflash.target",
         lambda: decoder_config_from_hf(json.loads(config_file.read_text(encoding="utf-8"))),
-        "use a Qwen3 or Llama checkpoint directory",
+        "use a Qwen3, Qwen2 or Llama checkpoint directory",
     )
 
 

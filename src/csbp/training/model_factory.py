@@ -4,8 +4,10 @@ Two ways in:
 
 * from scratch: the shape fields of ``cfg.model`` (``vocab_size`` unset: the artifact's tokenizer
   vocabulary), weights drawn by ``Decoder(..., seed=run.seed)``;
-* ``model.init_from``: a local Hugging Face Qwen3/Llama checkpoint directory (safetensors only).
-  Shape fields left unset come from its ``config.json``; fields that are set must agree with it.
+* ``model.init_from``: a local Hugging Face Qwen3/Qwen2/Llama checkpoint directory (safetensors
+  only). Shape fields left unset come from its ``config.json``; fields that are set must agree with
+  it, except ``model.rope_theta`` and ``model.rope_scaling``, which replace the checkpoint's RoPE
+  (how a short-context checkpoint is trained on longer sequences; the export records the new RoPE).
   The architecture always comes from the checkpoint.
 
 Either way every token id of the data must be an embedding row: an artifact whose tokenizer has
@@ -22,6 +24,7 @@ happens under autocast. ``model.dtype`` is the dtype the ``final/`` HF export is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,6 +36,7 @@ from csbp.config.schema import ModelSection, RunConfig
 from csbp.data.artifact import Artifact
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
+from csbp.models.hf_config import check_exportable
 from csbp.models.hf_io import decoder_config_from_hf, read_hf_config, read_hf_weights
 from csbp.parallel.comm import TrafficCounter
 from csbp.training.activation_checkpointing import checkpoint_layers
@@ -46,7 +50,6 @@ _CHECKED_FIELDS = (
     "num_heads",
     "num_kv_heads",
     "head_dim",
-    "rope_theta",
     "rms_norm_eps",
     "qk_norm",
     "tie_embeddings",
@@ -78,11 +81,17 @@ def decoder_config_for_run(cfg: RunConfig, artifact: Artifact) -> DecoderConfig:
             num_kv_heads=_required(model, "num_kv_heads"),
             head_dim=_required(model, "head_dim"),
             rope_theta=float(model.rope_theta if model.rope_theta is not None else 10000.0),
+            rope_scaling=model.rope_scaling.to_rope_scaling() if model.rope_scaling is not None else None,
             rms_norm_eps=float(model.rms_norm_eps if model.rms_norm_eps is not None else 1e-6),
             qk_norm=bool(model.qk_norm),
             tie_embeddings=bool(model.tie_embeddings),
             arch=model.arch,
+            qkv_bias=model.arch == "qwen2",
         )
+        try:
+            check_exportable(config)
+        except ValueError as exc:  # the final export would fail after training otherwise
+            raise ValueError(f"model.arch: {exc} (fix: change model.arch or model.qk_norm)") from None
     if artifact.vocab_size > config.vocab_size:
         source = f"model.init_from {model.init_from}" if model.init_from else "model.vocab_size"
         raise ValueError(
@@ -117,7 +126,18 @@ def _config_from_checkpoint(model: ModelSection) -> DecoderConfig:
                 f"model.{name}: the config sets {wanted!r} but the checkpoint {directory} has {found!r} "
                 f"(fix: remove model.{name} to use the checkpoint's value)"
             )
-    return config
+    return with_rope_overrides(config, model)
+
+
+def with_rope_overrides(config: DecoderConfig, model: ModelSection) -> DecoderConfig:
+    """``config`` with the RoPE the run sets (``model.rope_theta``/``model.rope_scaling``) in place
+    of the checkpoint's."""
+    changes: dict[str, object] = {}
+    if model.rope_theta is not None:
+        changes["rope_theta"] = float(model.rope_theta)
+    if model.rope_scaling is not None:
+        changes["rope_scaling"] = model.rope_scaling.to_rope_scaling()
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def build_model(
@@ -147,7 +167,7 @@ def build_model(
         generator.manual_seed(cfg.run.seed)
         load_full_weights(model, model.initial_weights(generator))
         return model
-    if read_hf_config(cfg.model.init_from) != config:
+    if with_rope_overrides(read_hf_config(cfg.model.init_from), cfg.model) != config:
         raise ValueError(
             f"model.init_from: {cfg.model.init_from} changed while the run was starting "
             "(fix: do not modify the checkpoint during training)"

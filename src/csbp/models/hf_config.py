@@ -1,0 +1,253 @@
+"""Translation between a Hugging Face ``config.json`` and ``DecoderConfig`` (Qwen3, Qwen2, Llama).
+
+Families and what each implies:
+
+========  ====================  ==========  ===================  ====================
+arch      HF class              q/k norm    attention biases     default ``head_dim``
+========  ====================  ==========  ===================  ====================
+qwen3     ``Qwen3ForCausalLM``  yes         q/k/v/o if           128
+                                            ``attention_bias``
+qwen2     ``Qwen2ForCausalLM``  no          q/k/v always, no o   hidden / heads
+llama     ``LlamaForCausalLM``  no          q/k/v/o if           hidden / heads
+                                            ``attention_bias``
+========  ====================  ==========  ===================  ====================
+
+RoPE is read as transformers reads it: the legacy ``rope_scaling`` dict wins over
+``rope_parameters`` (transformers 4 ignores the latter); ``rope_theta`` comes from that dict,
+else the top-level field, else 10000. When both dicts are present, a ``rope_parameters`` with a
+different ``rope_theta`` or a different scaling rule is a ``ValueError``: transformers 5 would
+silently drop its theta (a Qwen3 config saved by transformers 5 with Qwen's documented yarn
+``rope_scaling`` added by hand loads with theta 10000 there). For
+``llama3``/``yarn`` a missing ``original_max_position_embeddings`` is ``max_position_embeddings``
+(a top-level ``original_max_position_embeddings`` wins, as in HF); a yarn ``factor: null`` is
+``max_position_embeddings / original``. Export writes the rule both as ``rope_parameters``
+(transformers 5) and ``rope_scaling`` (transformers 4), and for yarn sets
+``max_position_embeddings = factor x original`` so readers that derive YaRN's factor from that
+ratio (older transformers releases, transformers#38224) agree and none warns.
+
+Sliding-window layers (``use_sliding_window: true`` or ``sliding_attention`` layer types),
+non-SiLU activations, partial rotary embeddings and per-layer-type RoPE are rejected with a
+``ValueError`` naming the field; Qwen2's ``sliding_window``/``max_window_layers`` are ignored
+when ``use_sliding_window`` is false, as HF ignores them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from csbp.models.config import DecoderConfig
+from csbp.models.rope import RopeScaling
+
+HF_CLASS_BY_ARCH: dict[str, str] = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+ARCH_BY_HF_CLASS: dict[str, str] = {cls: arch for arch, cls in HF_CLASS_BY_ARCH.items()}
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+}
+PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+_ROPE_KEYS_ELSEWHERE = ("rope_theta", "partial_rotary_factor")
+
+
+def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
+    """Map a HF ``config.json`` dict onto ``DecoderConfig``; unsupported features raise ``ValueError``."""
+    architectures = hf_config.get("architectures") or []
+    if len(architectures) != 1 or architectures[0] not in ARCH_BY_HF_CLASS:
+        raise ValueError(
+            f"unsupported architectures {architectures!r} in config.json; csbp loads "
+            f"{sorted(ARCH_BY_HF_CLASS)}"
+        )
+    arch = ARCH_BY_HF_CLASS[architectures[0]]
+    for field in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ):
+        if hf_config.get(field) is None:
+            raise ValueError(f"config.json is missing required field '{field}'")
+    hidden_act = hf_config.get("hidden_act", "silu")
+    if hidden_act != "silu":
+        raise ValueError(f"config.json hidden_act={hidden_act!r} is not supported; csbp implements 'silu'")
+    if arch in ("qwen3", "qwen2"):
+        _check_full_attention_layers(hf_config)
+    num_heads = int(hf_config["num_attention_heads"])
+    head_dim = hf_config.get("head_dim")
+    if head_dim is None:  # HF defaults: Qwen3Config.head_dim = 128, Llama/Qwen2 derive it
+        head_dim = 128 if arch == "qwen3" else int(hf_config["hidden_size"]) // num_heads
+    rope_theta, rope_scaling = rope_from_hf(hf_config)
+    return DecoderConfig(
+        vocab_size=int(hf_config["vocab_size"]),
+        hidden_size=int(hf_config["hidden_size"]),
+        intermediate_size=int(hf_config["intermediate_size"]),
+        num_layers=int(hf_config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf_config.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        qk_norm=arch == "qwen3",
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        arch=arch,  # type: ignore[arg-type]
+        attention_bias=bool(hf_config.get("attention_bias", False)) if arch != "qwen2" else False,
+        qkv_bias=arch == "qwen2",
+        mlp_bias=bool(hf_config.get("mlp_bias", False)) if arch == "llama" else False,
+    )
+
+
+def _check_full_attention_layers(hf_config: dict[str, Any]) -> None:
+    if hf_config.get("use_sliding_window", False):
+        raise ValueError(
+            "config.json use_sliding_window=true is not supported; csbp has no sliding-window layers"
+        )
+    layer_types = hf_config.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"config.json layer_types {sorted(set(layer_types))} are not supported; only 'full_attention'"
+        )
+
+
+def rope_from_hf(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` of a HF ``config.json`` with HF's precedence (module docstring)."""
+    if float(hf_config.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ValueError("config.json partial_rotary_factor is not supported (must be 1.0)")
+    given = {f: hf_config[f] for f in ("rope_scaling", "rope_parameters") if hf_config.get(f)}
+    for field, params in given.items():
+        if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+            raise ValueError(f"config.json {field} must be one flat dict; per-layer-type RoPE is not supported")
+        if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
+            raise ValueError(f"config.json {field}.partial_rotary_factor is not supported (must be 1.0)")
+    field = "rope_scaling" if "rope_scaling" in given else "rope_parameters"
+    params = given.get(field, {})
+    theta = params.get("rope_theta", hf_config.get("rope_theta"))
+    theta = float(theta) if theta is not None else 10000.0
+    scaling = _scaling_from(params, hf_config, field)
+    if len(given) == 2:  # both written (csbp exports do, and hand-edited configs): they must agree
+        other_theta = given["rope_parameters"].get("rope_theta")
+        if other_theta is not None and float(other_theta) != theta:
+            raise ValueError(
+                f"config.json rope_parameters.rope_theta={other_theta} differs from the rope_theta={theta} that "
+                "goes with rope_scaling (transformers uses the latter) (fix: set the top-level rope_theta)"
+            )
+        other = _scaling_from(given["rope_parameters"], hf_config, "rope_parameters")
+        if other is not None and other != scaling:
+            raise ValueError(
+                "config.json rope_scaling and rope_parameters describe different RoPE scaling "
+                "(fix: keep one of them)"
+            )
+    return theta, scaling
+
+
+def _scaling_from(params: dict[str, Any], hf_config: dict[str, Any], field: str) -> RopeScaling | None:
+    """The ``RopeScaling`` of one RoPE dict, with HF's fallbacks for the context lengths."""
+    params = {k: v for k, v in params.items() if k not in _ROPE_KEYS_ELSEWHERE}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("llama3", "yarn"):
+        _fill_original_length(params, hf_config, field)
+    if rope_type == "yarn" and "factor" in params and params["factor"] is None:  # DeepSeek-style
+        if not hf_config.get("max_position_embeddings"):
+            raise ValueError(f"config.json {field}.factor is null and max_position_embeddings is unset")
+        params["factor"] = hf_config["max_position_embeddings"] / params["original_max_position_embeddings"]
+    return RopeScaling.from_dict(params, where=f"config.json {field}")
+
+
+def _fill_original_length(params: dict[str, Any], hf_config: dict[str, Any], field: str) -> None:
+    """HF's ``original_max_position_embeddings``: top-level field, else the dict's, else ``max_position_embeddings``."""
+    if hf_config.get("original_max_position_embeddings") is not None:
+        params["original_max_position_embeddings"] = hf_config["original_max_position_embeddings"]
+    elif params.get("original_max_position_embeddings") is None:
+        if hf_config.get("max_position_embeddings") is None:
+            raise ValueError(
+                f"config.json {field} needs original_max_position_embeddings (or max_position_embeddings) "
+                "for rope_type llama3/yarn"
+            )
+        params["original_max_position_embeddings"] = hf_config["max_position_embeddings"]
+
+
+def hf_rope_fields(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
+    """``rope_theta``, ``rope_parameters`` and (with scaling) ``rope_scaling`` for a ``config.json``."""
+    rule = scaling.to_dict() if scaling is not None else {"rope_type": "default"}
+    fields: dict[str, Any] = {"rope_theta": theta, "rope_parameters": {**rule, "rope_theta": theta}}
+    if scaling is not None:
+        fields["rope_scaling"] = rule
+    return fields
+
+
+def hf_config_from_decoder(
+    config: DecoderConfig, *, dtype: torch.dtype, extra_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ``config.json`` dict for ``config`` (readable by transformers 4.5x and 5.x)."""
+    check_exportable(config)
+    dtype_name = DTYPE_NAMES[dtype]
+    hf: dict[str, Any] = {
+        "architectures": [HF_CLASS_BY_ARCH[config.arch]],
+        "model_type": config.arch,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        **hf_rope_fields(config.rope_theta, config.rope_scaling),
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype_name,
+        "dtype": dtype_name,
+    }
+    if config.arch in ("qwen3", "qwen2"):
+        hf.update(
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=config.num_layers,
+            layer_types=["full_attention"] * config.num_layers,
+        )
+    if config.arch != "qwen2":  # HF Qwen2 has q/k/v biases and no o bias whatever attention_bias says
+        hf["attention_bias"] = config.attention_bias
+    if config.arch == "llama":
+        hf.update(mlp_bias=config.mlp_bias, pretraining_tp=1)
+    extra = dict(extra_config or {})
+    clashes = sorted(set(extra) & set(hf))
+    if clashes:
+        raise ValueError(
+            f"extra_config must not override model-defining fields {clashes}; change DecoderConfig"
+        )
+    # Defaults for fields DecoderConfig does not carry (HF Llama would otherwise assume bos=1, eos=2).
+    hf.update(max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf.update(extra)
+    scaling = config.rope_scaling
+    if scaling is not None and scaling.rope_type == "yarn":
+        assert scaling.original_max_position_embeddings is not None
+        extended = scaling.factor * scaling.original_max_position_embeddings
+        if extended == int(extended):
+            hf["max_position_embeddings"] = int(extended)
+    return hf
+
+
+def check_exportable(config: DecoderConfig) -> None:
+    """Each family's fixed layout (the HF class would build different modules otherwise)."""
+    if config.arch == "qwen3" and (not config.qk_norm or config.mlp_bias or config.qkv_bias):
+        raise ValueError(
+            "arch='qwen3' export needs qk_norm=True, mlp_bias=False and qkv_bias=False (HF Qwen3 layout)"
+        )
+    if config.arch == "llama" and (config.qk_norm or config.qkv_bias):
+        raise ValueError("arch='llama' export needs qk_norm=False and qkv_bias=False (HF Llama layout)")
+    if config.arch == "qwen2" and (
+        config.qk_norm or config.mlp_bias or config.attention_bias or not config.qkv_bias
+    ):
+        raise ValueError(
+            "arch='qwen2' export needs qkv_bias=True, attention_bias=False, qk_norm=False and mlp_bias=False "
+            "(HF Qwen2 has q/k/v biases only)"
+        )
