@@ -19,7 +19,6 @@ import yaml
 from csbp.atomic import write_text_atomic
 from csbp.config.loading import MAX_YAML_VALUES, ConfigError, read_yaml_file, write_config
 from csbp.data.tokenizer import load_tokenizer
-from csbp.parallel.launch import run_local
 from csbp.parallel.loopback import loopback_store
 from csbp.training.preflight import foreign_run_entry
 from test_training_run import make_artifact, tiny_config
@@ -94,23 +93,6 @@ def test_a_loopback_store_listens_on_127_0_0_1_only_and_serves_clients() -> None
     assert server.get("key") == b"value"
     del client, server
     assert not [a for a in listening_addresses([os.getpid()]) if a.endswith(f":{mine[0].split(':')[1]}")]
-
-
-def _own_listeners(rank: int, world_size: int) -> list[str]:
-    import torch.distributed as dist
-
-    dist.barrier()  # every rank's sockets are up
-    addresses = listening_addresses([os.getpid()])
-    dist.barrier()
-    return addresses
-
-
-@pytest.mark.multiprocess
-@pytest.mark.slow
-def test_run_local_listens_on_loopback_only() -> None:
-    per_rank = run_local(_own_listeners, nproc=2)
-    assert per_rank[0], "rank 0 hosts the store: it must listen somewhere"
-    assert not_loopback([a for addresses in per_rank for a in addresses]) == []
 
 
 # ----------------------------------------------------------------------------- tokenizer code
