@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from csbp.atomic import write_text_atomic
 from csbp.compare.budget import BudgetHook, load_budget_state
 from csbp.compare.layouts import LAYOUT_NAMES, layout_config
 from csbp.config.schema import RunConfig
@@ -154,9 +155,7 @@ def _train_layout(name: str, cfg: RunConfig, options: CompareOptions, rank: int)
         "points": [asdict(point) for point in hook.state.points],
     }
     if rank == 0:
-        tmp = run_dir / (RESULT_FILE + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        tmp.replace(run_dir / RESULT_FILE)
+        write_text_atomic(run_dir / RESULT_FILE, json.dumps(result, indent=1) + "\n")
     _barrier()
     return result
 
