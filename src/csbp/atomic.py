@@ -165,7 +165,7 @@ def _exchange(first: Path, second: Path) -> bool:
     if result == 0:
         return True
     code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EXDEV):  # overlayfs may refuse
         return False
     raise OSError(code, os.strerror(code), str(first), None, str(second))
 
