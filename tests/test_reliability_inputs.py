@@ -311,6 +311,7 @@ CASES: list[Case] = [
     Case("compare-budget-0", lambda fx, w: ["compare", str(fx.config), "--budget-s", "0"], "--budget-s"),
     Case("verify-window-0", lambda fx, w: ["verify", "--nproc", "2", "--window", "0"], "--window"),
     # ------------------------------------------------------------------ security: forged inputs, bounded work
+    Case("train-yaml-syntax", lambda fx, w: ["train", str(write(w / "c.yaml", "run: [1,\n")), "--run-dir", "r"], "c.yaml"),
     Case("config-yaml-alias-bomb", lambda fx, w: ["config", "validate", str(write(w / "bomb.yaml", YAML_ALIAS_BOMB))], "anchors/aliases"),
     Case("inspect-manifest-rows-1e12", lambda fx, w: ["data", "inspect", str(forged_manifest(fx, w / "a", set_in(("splits", "train", "rows"), 10**12)))], "train.tokens.bin"),
     Case("inspect-manifest-vocab-1e15", lambda fx, w: ["data", "inspect", str(forged_manifest(fx, w / "a", set_in(("tokenizer", "vocab_size"), 10**15)))], "tokenizer.vocab_size"),
@@ -359,4 +360,4 @@ def test_bad_input_fails_closed(
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 111 and len({case.name for case in CASES}) == len(CASES)
+    assert len(CASES) >= 112 and len({case.name for case in CASES}) == len(CASES)

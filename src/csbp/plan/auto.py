@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from csbp.config.loading import read_yaml_file
+import yaml
+
 from csbp.plan.artifact_documents import run_config_documents
 from csbp.plan.calibration import packaged_calibration
 from csbp.plan.hardware import hardware
@@ -45,7 +46,10 @@ def wants_auto(config: str, overrides: Sequence[str]) -> bool:
         if config not in list_recipes():
             return False
         path = recipe_path(config)
-    data = read_yaml_file(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))  # one key is read: aliases never expand
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return False  # loading the config reports it in one line (it was a traceback)
     return isinstance(data, dict) and data.get("topology") == AUTO
 
 
