@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from csbp.config.loading import read_yaml_file
 from csbp.data.artifact import Artifact
 from csbp.data.tokenizer import fingerprint_bytes
 from csbp.generation.run_settings import run_objective_settings
@@ -82,7 +81,7 @@ def run_config_settings(model_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{error} (csbp eval evaluates those; an ar run's val_loss is already its exact NLL)") from None
     if not settings:
         return {}
-    loaded = yaml.safe_load((model_dir.parent / "config.yaml").read_text(encoding="utf-8"))
+    loaded = read_yaml_file(model_dir.parent / "config.yaml")
     objective, data = loaded.get("objective") or {}, loaded.get("data") or {}
     if objective.get("noise") in NOISE_SCHEMES:
         settings["noise_scheme"] = NOISE_SCHEMES[objective["noise"]]

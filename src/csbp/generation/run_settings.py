@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
+from csbp.config.loading import read_yaml_file
 
 #: the block-diffusion objectives a model can be sampled and scored as, and whether each predicts
 #: position ``i`` from row ``i - 1`` (token shift)
@@ -23,7 +23,7 @@ def run_objective_settings(model_dir: Path) -> dict[str, Any]:
     config_file = model_dir.parent / "config.yaml"
     if model_dir.name != "final" or not config_file.is_file():
         return {}
-    loaded = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+    loaded = read_yaml_file(config_file) or {}
     objective = loaded.get("objective") if isinstance(loaded, dict) else None
     if not isinstance(objective, dict) or "name" not in objective:
         return {}
