@@ -131,7 +131,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def safe_dcp_load(state_dict: dict[str, Any], checkpoint: Path, *, no_dist: bool) -> None:
     """``dcp.load`` into ``state_dict`` through the safe reader and planner; a failure on any rank
-    is a ``ValueError`` naming the checkpoint and the first rank's error."""
+    is a ``ValueError`` naming the checkpoint and the first rank's error.
+
+    The metadata is read (and its data-file paths checked) here first: torch releases before 2.13
+    swallow a reader's exception and report only "metadata is None"."""
+    read_metadata(checkpoint)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
