@@ -14,7 +14,8 @@ token (``--mask-token``).
 
 The sampler must use the block size and label alignment the model was trained with. For a run's
 ``final/`` export they default to ``objective.name``/``block_size``/``mask_token_id`` of the run's
-``config.yaml`` (one directory up); otherwise to ``bd3`` with ``B = 16`` and the tokenizer's mask
+``config.yaml`` (one directory up), for an export moved elsewhere to the same fields its
+``config.json`` records (``csbp_training``); otherwise to ``bd3`` with ``B = 16`` and the tokenizer's mask
 token. ``--objective`` or ``--block-size`` other than the run's is refused unless
 ``--allow-objective-change`` / ``--allow-block-size-change`` (an experiment: the model never saw
 that attention pattern or block grid), which then notes the change on stderr
