@@ -199,6 +199,11 @@ def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
         expected = _type_text(info.annotation) if info is not None else "more items"
         return [(_dotted(loc[:-1]), f"item [{loc[-1]}] is missing", f"set it to {expected}")]
     if kind == "missing":
+        section = _nested_model(info.annotation) if info is not None else None
+        if section is not None:  # a whole section: say which of its keys it needs
+            needed = [name for name, field in section.model_fields.items() if field.is_required()]
+            keys = f" with at least {', '.join(needed)}" if needed else ""
+            return [(dotted, "required section is missing", f"add the `{dotted}:` section{keys}")]
         what = f": {info.description}" if info is not None and info.description else ""
         return [(dotted, "required key is missing", f"add {dotted}{what}")]
     if kind == "literal_error":
