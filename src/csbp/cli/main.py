@@ -103,11 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``csbp`` with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
-    parser = build_parser()
     try:
+        parser = build_parser()  # imports torch: seconds on a loaded machine, so Ctrl-C often lands here
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and argparse usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        print("csbp: interrupted", file=sys.stderr)
+        return 130
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)
