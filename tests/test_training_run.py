@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from csbp.cli import train_cmd
+from csbp.cli.main import main
 from csbp.cli.trained_settings import check_trained_overrides
 from csbp.config import ConfigError, config_from_dict, load_config
 from csbp.config.schema import RunConfig
@@ -198,6 +199,29 @@ def test_an_export_moved_out_of_its_run_keeps_its_training_settings(
     args = argparse.Namespace(objective="mdlm", block_size=None, allow_objective_change=False, allow_block_size_change=False)
     with pytest.raises(ValueError, match=r"trained with objective bd3 \(.*my model/config\.json\)"):
         check_trained_overrides("generate", args, moved, run_objective_settings(moved))
+
+
+def test_csbp_export_writes_a_checkpoint_as_final_would(
+    full_run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``csbp export RUN/checkpoints/step_N`` (or ``RUN``: its latest checkpoint) gives the HF
+    directory ``final/`` holds at that step; ``--model`` on a checkpoint names that fix."""
+    run_dir = full_run[0]
+    out = tmp_path / "step 4"
+    assert main(["export", str(run_dir / "checkpoints" / "step_0000004"), "--out", str(out)]) == 0
+    assert "(run tiny, step 4, bd3) ->" in capsys.readouterr().out
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (out / name).read_bytes() == (run_dir / "final" / name).read_bytes(), name
+    assert json.loads((out / "config.json").read_text()) == json.loads((run_dir / "final" / "config.json").read_text())
+    assert main(["export", str(run_dir), "--out", str(out)]) == 2  # exists: --overwrite
+    assert "already exists" in capsys.readouterr().err
+    assert main(["export", str(run_dir), "--out", str(out), "--overwrite"]) == 0
+    step2 = tmp_path / "step2"
+    assert main(["export", str(run_dir / "checkpoints" / "step_0000002"), "--out", str(step2)]) == 0
+    assert (step2 / "model.safetensors").read_bytes() != (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(["eval", "--model", str(run_dir / "checkpoints" / "step_0000002"), "--data", str(tmp_path)]) == 2
+    assert "(fix: export one first, `csbp export" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- exact resume

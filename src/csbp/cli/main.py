@@ -39,6 +39,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "csbp.cli.verify_cmd",
     "csbp.cli.generate_cmd",
     "csbp.cli.eval_cmd",
+    "csbp.cli.export_cmd",
     "csbp.cli.dflash_cmd",
     "csbp.cli.bench_cmd",
     "csbp.cli.compare_cmd",
