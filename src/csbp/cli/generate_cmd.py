@@ -112,6 +112,12 @@ def run_generate(args: argparse.Namespace) -> int:
     model_dir: Path = check_model_directory(args.model)
     run_settings = run_objective_settings(model_dir)
     notes = check_trained_overrides("generate", args, model_dir, run_settings)
+    if not run_settings and (args.objective is None or args.block_size is None):
+        notes.append(  # a model csbp did not train (no run config, no csbp_training record)
+            f"csbp generate: {model_dir} records no training settings; sampling as "
+            f"{args.objective or DEFAULT_OBJECTIVE} with block size {args.block_size or DEFAULT_BLOCK_SIZE} "
+            "(pass --objective and --block-size to choose)"
+        )
     objective = args.objective or run_settings.get("objective", DEFAULT_OBJECTIVE)
     block_size = args.block_size or run_settings.get("block_size", DEFAULT_BLOCK_SIZE)
     tokenizer_dir: Path = args.tokenizer if args.tokenizer is not None else model_dir
@@ -157,7 +163,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"completion: {tokenizer.decode(result.token_ids)}")
     stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
     print(
-        f"[{objective}, {len(result.token_ids)} tokens, {len(result.block_starts)} blocks of {block_size}, "
+        f"[{objective}, {len(result.token_ids)} tokens, {len(result.block_starts)} block{'s' if len(result.block_starts) != 1 else ''} of {block_size}, "
         f"{len(result.unmask_steps)} denoising steps, "
         f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
         f"{elapsed:.2f} s on {device}]"
