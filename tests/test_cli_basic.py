@@ -47,7 +47,7 @@ def test_ctrl_c_while_the_command_starts_is_one_line(
     """Building the parser imports torch (seconds on a loaded machine): Ctrl-C there printed a
     traceback of the import machinery."""
 
-    def interrupted() -> None:
+    def interrupted(command: str | None = None) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(importlib.import_module("csbp.cli.main"), "build_parser", interrupted)

@@ -6,8 +6,8 @@ skipped without a CUDA device.
   inputs to 8 bits; measured ~0.7e-2), and bit-identical with and without bf16 autocast;
 * plans built once on the CPU serve CUDA calls with every tensor on the GPU;
 * ``csbp train`` of every objective (bd3 in fp32 and bf16, fast_dllm_v2, mdlm, ar, dflash) on one GPU
-  inside an NCCL process group of world size 1: any CPU tensor handed to a collective fails there,
-  as it would with more GPUs;
+  inside an NCCL process group of world size 1, validating every step (``val_nelbo`` too): any CPU
+  tensor handed to a collective fails there, as it would with more GPUs;
 * a DFlash drafter step on CUDA equals the CPU float64 reference;
 * activation checkpointing on CUDA gives the plain step's loss and gradients (float64).
 
@@ -155,6 +155,11 @@ def test_csbp_train_every_objective_on_one_gpu_with_nccl(artifact: Path, tmp_pat
     assert sorted(losses) == sorted(runs)
     for name, values in losses.items():
         assert len(values) == 2 and all(math.isfinite(v) and v > 0 for v in values), name
+    from csbp.training.metrics import read_metrics
+
+    for name in ("bd3", "bd3-bf16", "fast_dllm_v2", "mdlm"):  # validation's unclipped NELBO, computed on the GPU
+        validated = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "val_loss" in r]
+        assert validated and all(math.isfinite(r["val_nelbo"]) for r in validated), name
 
 
 def test_dflash_drafter_step_on_cuda_matches_the_cpu_float64_reference() -> None:

@@ -135,6 +135,38 @@ def test_step_runners_reduce_on_the_context_device(monkeypatch: pytest.MonkeyPat
     assert comm.devices == [META, META] and sums.devices == [META]
 
 
+class _Stop(Exception):
+    """Raised by a stand-in collective once it has recorded its tensor (a meta tensor has no values)."""
+
+
+def test_direct_collectives_outside_comm_use_the_compute_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DFlash's served-acceptance broadcast and csbp compare's budget maximum call torch.distributed
+    directly; under NCCL a CPU tensor there fails on the first multi-GPU run (a world of one never
+    reaches them)."""
+    from csbp.compare import budget
+
+    devices: list[torch.device] = []
+
+    def collective(tensor: torch.Tensor, *args: object, **kwargs: object) -> None:
+        devices.append(tensor.device)
+        raise _Stop
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "broadcast", collective)
+    monkeypatch.setattr(dist, "all_reduce", collective)
+    monkeypatch.setattr(budget, "backend_device", lambda group=None: META)
+    runner = SimpleNamespace(
+        ctx=SimpleNamespace(coords=SimpleNamespace(rank=1), device=META),
+        drafter=SimpleNamespace(config=SimpleNamespace(block_size=4)),
+    )
+    with pytest.raises(_Stop):
+        DFlashStepRunner.served_acceptance(runner, split=None)  # type: ignore[arg-type]
+    with pytest.raises(_Stop):
+        budget._max_over_ranks(1.5)
+    assert devices == [META, META]  # before: [cpu, cpu]
+
+
 # ----------------------------------------------------------------------------- process groups
 
 

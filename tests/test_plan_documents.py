@@ -17,6 +17,7 @@ from csbp.attention.draft_counts import (
     context_pairs,
     draft_intervals,
     exchange_recv_rows,
+    exchange_rows,
     owner_anchor_indices,
     spread_anchors,
 )
@@ -125,6 +126,7 @@ def test_draft_counts_equal_the_dflash_exchange(topology: Topology, transport: s
     owners = owner_anchor_indices(anchors_np, start[anchors_np], topology.bp if topology.bp > 1 else 1,
                                   context=context)
     load, recv_worst, used = [], {0: 0, window: 0}, {0: False, window: False}
+    busiest = {0: 0, window: 0}
     gather = (topology.cp - 1) * SEQ_LEN // topology.cp
     for ring in range(topology.local // topology.cp):
         layout = dflash_layout(topology, ring * topology.cp)
@@ -140,17 +142,20 @@ def test_draft_counts_equal_the_dflash_exchange(topology: Topology, transport: s
                 live = r.live
                 assert context_pairs(s, e) == int(((r.ctx_stop - r.ctx_start).clamp(min=0) * live).sum())
             recv = exchange_recv_rows(SEQ_LEN, topology.cp, mine)
+            sent = exchange_rows(SEQ_LEN, topology.cp, mine)[1]
             if real[kind] is not None:
                 assert recv == [sum(real[kind].recv_counts(d)) for d in range(topology.cp)]
+                assert sent == [sum(real[kind].send_counts(d)) for d in range(topology.cp)]
                 assert sum(recv) < all_gather_rows(SEQ_LEN, topology.cp)
                 used[w] = True
             recv_worst[w] = max(recv_worst[w], max(recv) if real[kind] is not None else gather)
+            busiest[w] = max(busiest[w], max(*recv, *sent) if real[kind] is not None else gather)
         for m, p in zip(members, packets):
             assert p.anchor_index[p.keep].tolist() == owners[m.owner_rank].tolist()  # the real dealing
     for o in owners:
         load.append(sum(context_pairs(*draft_intervals(anchors_np[o], start[anchors_np[o]], BLOCK, context=context,
                                                        window=w or None)) for w in (0, window)))
-    assert counts.recv_rows == recv_worst and counts.exchanged == used
+    assert counts.recv_rows == recv_worst and counts.exchanged == used and counts.traffic_rows == busiest
     assert counts.anchors == len(owners[int(np.argmax(load))])
 
 

@@ -99,27 +99,41 @@ def document_schedule(seq_len: int, block_size: int, cp: int, bp: int, documents
     return _document_schedule(seq_len, block_size, cp, bp, starts.tobytes())
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=512)  # per (cp, bp, row): a plan over --data prices 16 rows per layout
 def _document_schedule(seq_len: int, block_size: int, cp: int, bp: int, starts_bytes: bytes) -> BlockSchedule:
-    documents = _bounds_from_starts(np.frombuffer(starts_bytes, dtype=np.int64), seq_len)
+    noisy_prefix, clean_prefix, block_start = _document_row_costs(seq_len, block_size, starts_bytes)
     num_blocks = seq_len // block_size
     units = block_runs(num_blocks, bp, max(1, num_blocks // (2 * bp)))
-    positions = np.arange(seq_len, dtype=np.int64)
-    n_start, n_stop, _, c_stop = document_bounds(positions, positions, block_size, None, documents)
-    row_pairs = (n_stop - n_start).clip(min=0) + segment_lengths(positions, block_size, documents)
-    clean_pairs = (c_stop - n_start).clip(min=0)  # a clean row's interval starts where a noisy one's does
     costs = []
     for unit in units:
-        rows = slice(unit[0] * block_size, (unit[-1] + 1) * block_size)
-        cost = int(row_pairs[rows].sum())
-        if cp == 1:  # BP-only: the unit's clean prefix, recomputed by its owner
-            cost += int(clean_pairs[interval_cover(n_start[rows], n_stop[rows], seq_len)].sum())
+        cost = int(noisy_prefix[(unit[-1] + 1) * block_size] - noisy_prefix[unit[0] * block_size])
+        if cp == 1:  # BP-only: the unit's clean prefix (its blocks' [d_start, b·B)), recomputed by its owner
+            blocks = np.arange(unit[0], unit[-1] + 1, dtype=np.int64)
+            begin, end = merge_runs(block_start[blocks], blocks * block_size)
+            cost += int((clean_prefix[end] - clean_prefix[begin]).sum())
         costs.append(cost)
     base_loads = None
     if cp > 1:
-        shard = [int(clean_pairs[zigzag_array(seq_len, cp, c)].sum()) for c in range(cp)]
+        chunk = seq_len // (2 * cp)
+        ends = clean_prefix[np.arange(0, seq_len + 1, chunk)]
+        chunk_pairs = ends[1:] - ends[:-1]
+        shard = [int(chunk_pairs[c] + chunk_pairs[2 * cp - 1 - c]) for c in range(cp)]  # zigzag chunks
         base_loads = [shard[w % cp] for w in range(bp)]
     return balanced_schedule(units, costs, bp, base_loads=base_loads)
+
+
+@lru_cache(maxsize=16)  # per row: two int64 [L+1] arrays (16 MiB at 1M tokens)
+def _document_row_costs(seq_len: int, block_size: int, starts_bytes: bytes) -> tuple[np.ndarray, ...]:
+    """Prefix sums ``[L+1]`` of every row's full-attention pairs as a noisy row (its document prefix
+    before its block plus its segment) and as a clean row, and each block's first row's document
+    start: what every ``(cp, bp)`` of ``_document_schedule`` prices its units with."""
+    documents = _bounds_from_starts(np.frombuffer(starts_bytes, dtype=np.int64), seq_len)
+    positions = np.arange(seq_len, dtype=np.int64)
+    n_start, n_stop, _, c_stop = document_bounds(positions, positions, block_size, None, documents)
+    noisy = (n_stop - n_start).clip(min=0) + segment_lengths(positions, block_size, documents)
+    clean = (c_stop - n_start).clip(min=0)  # a clean row's interval starts where a noisy one's does
+    zero = np.zeros(1, dtype=np.int64)
+    return np.concatenate([zero, np.cumsum(noisy)]), np.concatenate([zero, np.cumsum(clean)]), n_start[::block_size]
 
 
 def _bounds_from_starts(starts: np.ndarray, seq_len: int) -> DocBounds:
@@ -198,6 +212,23 @@ def interval_cover(ctx_start: np.ndarray, ctx_stop: np.ndarray, length: int) -> 
     np.add.at(delta, start[nonempty], 1)
     np.add.at(delta, stop[nonempty], -1)
     return np.cumsum(delta)[:length] > 0
+
+
+def merge_runs(start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of half-open intervals as sorted disjoint runs ``(start, stop)`` int64 (empty
+    intervals dropped): ``interval_cover`` without the length-``L`` array."""
+    keep = stop > start
+    start, stop = start[keep], stop[keep]
+    if not len(start):
+        return start.astype(np.int64), stop.astype(np.int64)
+    order = np.argsort(start, kind="stable")
+    start, stop = start[order], stop[order]
+    reach = np.maximum.accumulate(stop)
+    new = np.ones(len(start), dtype=bool)
+    new[1:] = start[1:] > reach[:-1]  # a gap before this interval starts a new run
+    firsts = np.flatnonzero(new)
+    lasts = np.append(firsts[1:], len(start)) - 1
+    return start[firsts].astype(np.int64), reach[lasts].astype(np.int64)
 
 
 def rank_pairs(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from csbp.cli.options import add_override_argument
 from csbp.config import RunConfig, dump_config
 from csbp.config.schema import DOCUMENT_MASK_DEFAULTS
 from csbp.recipes import load_run_config
@@ -28,18 +29,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--print", action="store_true", dest="print_config", help="print the validated config"
     )
     validate.set_defaults(func=run_validate)
-
-
-def add_override_argument(parser: argparse.ArgumentParser) -> None:
-    """``--set KEY=VALUE`` (repeatable), shared by every command that loads a config."""
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        dest="overrides",
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable; YAML values)",
-    )
 
 
 def run_validate(args: argparse.Namespace) -> int:

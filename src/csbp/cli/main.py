@@ -88,8 +88,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(USER_ERROR_EXIT_CODE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The root parser with every subcommand registered."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The root parser with every subcommand registered, or only ``command``'s when a module
+    ``csbp.cli.<command>_cmd`` registers it (``main`` passes the command it is given, so e.g.
+    ``csbp plan`` does not import the training stack and torch; ``csbp --help`` lists all)."""
     parser = OneLineErrorParser(
         prog="csbp",
         description="Context-sharded block parallelism: train block-diffusion language models.",
@@ -97,15 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"csbp {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in SUBCOMMAND_MODULES:
+    only = f"csbp.cli.{command}_cmd"
+    for module_name in (only,) if only in SUBCOMMAND_MODULES else SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``csbp`` with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    words = sys.argv[1:] if argv is None else list(argv)
     try:
-        parser = build_parser()  # imports torch: seconds on a loaded machine, so Ctrl-C often lands here
+        # imports the command's modules (torch: seconds on a loaded machine), so Ctrl-C often lands here
+        parser = build_parser(next((w for w in words if not w.startswith("-")), None))
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and argparse usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -7,13 +7,13 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 from csbp.atomic import unwritable_reason
 
 
 def device_option(text: str) -> str:
     """``--device``: a torch device string this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``)."""
+    import torch  # here: commands without --device (csbp plan) do not import torch
+
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -131,3 +131,15 @@ def add_deprecated_alias(
 ) -> None:
     """``old`` as a hidden spelling of the option ``current`` (same ``dest`` and ``choices``)."""
     parser.add_argument(old, dest=dest, choices=choices, action=_DeprecatedAlias, current=current)
+
+
+def add_override_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE`` (repeatable), shared by every command that loads a config."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable; YAML values)",
+    )

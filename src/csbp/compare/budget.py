@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from csbp.devices import backend_device
 from csbp.training.checkpoint import checkpoint_step, find_latest_checkpoint
 
 STATE_FILE = "budget_state.json"
@@ -83,7 +84,7 @@ def _save_budget_state(run_dir: Path, state: BudgetState) -> None:
 def _max_over_ranks(value: float) -> float:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return value
-    tensor = torch.tensor([value], dtype=torch.float64)
+    tensor = torch.tensor([value], dtype=torch.float64, device=backend_device())  # NCCL rejects CPU tensors
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor.item())
 

@@ -11,7 +11,9 @@ stage               what it runs (limit)
 ``cuda-tests``      ``pytest -m cuda tests`` (180 s): kernels and transports on CUDA against the
                     CPU float64 reference, bf16 tolerances, a training step of every objective on
                     one GPU over NCCL (world size 1), activation checkpointing, a DFlash drafter
-                    step; pass/fail/skip counts and the slowest tests, also when cut short
+                    step, ``csbp eval`` and packed documents on CUDA, no host sync inside a
+                    layer's attention; pass/fail/skip counts and the slowest tests, also when cut
+                    short
 ``verify``          ``csbp verify --device cuda --nproc <min(GPUs, 4)>`` (skipped with < 2 GPUs)
 ``verify-dflash``   the same for DFlash drafter training
 ``kernels``         ``csbp bench kernels`` on CUDA (150 s): one layer's attention (flex backend, bf16,

@@ -379,6 +379,7 @@ class Comm:
     ) -> Pending:
         """Start an in-place ``all_reduce`` of ``t``; ``wait()`` returns ``t`` reduced (counted like
         ``all_reduce`` when issued)."""
+        self._check_device("all_reduce_async", t)
         if self.size == 1:
             return _issued(Pending([], t))
         if not t.is_contiguous():

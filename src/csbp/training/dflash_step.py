@@ -182,7 +182,7 @@ class DFlashStepRunner:
         """``acceptance_length`` and ``accept_rate_<k>`` of lossless speculative decoding on rank 0's
         drafter (module docstring), the same on every rank (broadcast)."""
         names = ["acceptance_length", *(f"accept_rate_{k}" for k in range(1, self.drafter.config.block_size))]
-        values = torch.zeros(len(names), dtype=torch.float64)
+        values = torch.zeros(len(names), dtype=torch.float64, device=self.ctx.device)  # NCCL: not the CPU
         if self.ctx.coords.rank == 0:
             summary = split_acceptance(
                 self.drafter.target,
@@ -192,7 +192,9 @@ class DFlashStepRunner:
                 num_prompts=self.served_prompts,
                 max_new_tokens=self.served_new_tokens,
             )
-            values = torch.tensor([summary.metrics()[name] for name in names], dtype=torch.float64)
+            values = torch.tensor(
+                [summary.metrics()[name] for name in names], dtype=torch.float64, device=self.ctx.device
+            )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(values, src=0)
         return dict(zip(names, values.tolist()))

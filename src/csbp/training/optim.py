@@ -87,7 +87,9 @@ def clip_gradients(
     float64 so the norm does not depend on the order of parameters at float32 precision.
     """
     grads = [_local_tensor(p.grad) for p in params if p.grad is not None]
-    squared = torch.zeros(1, dtype=torch.float64, device=grads[0].device if grads else "cpu")
+    # a rank holding no gradient still joins the all-reduce, on the group's device (NCCL: not the CPU)
+    device = grads[0].device if grads else (shard_comm.device if shard_comm is not None else None) or "cpu"
+    squared = torch.zeros(1, dtype=torch.float64, device=device)
     for grad in grads:
         squared += grad.detach().to(torch.float64).pow(2).sum()
     if shard_comm is not None and shard_comm.size > 1:
