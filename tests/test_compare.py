@@ -173,6 +173,12 @@ def test_interrupted_comparison_resumes(artifact: Path, tmp_path: Path, monkeypa
     assert saved is not None and len(saved.points) == 2
     with pytest.raises(ValueError, match="is not empty .*--resume"):
         run_compare(cfg, options)
+    for change, line in (  # the layouts so far were measured under the first budget, points and nproc
+        ({"budget_s": 2.0}, r"--budget-s 2: the comparison in .* was started with --budget-s 0\.6, .*\(fix: --budget-s 0\.6 "),
+        ({"points": 4}, r"--points 4: .* started with --points 3"),
+    ):
+        with pytest.raises(ValueError, match=line):
+            run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True, **change}))
     [result] = run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True}))
     assert [p["index"] for p in result["points"]] == [0, 1, 2, 3]
     assert [p["step"] for p in result["points"][:2]] == [p.step for p in saved.points]
