@@ -5,11 +5,12 @@ metrics) and a plot of the metric against the training clock, one line per layou
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Any
+
+from csbp.atomic import write_json_atomic
 
 LAYOUT_LABELS = {"data": "data parallel", "cp": "CP-only", "bp": "BP-only", "csbp": "CSBP"}
 
@@ -77,9 +78,7 @@ def _nelbo_text(base: dict[str, Any], other: dict[str, Any]) -> str:
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
     """``payload`` as JSON through a temporary file and ``os.replace``."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json_atomic(path, payload)
     return path
 
 

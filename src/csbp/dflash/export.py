@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +140,10 @@ def export_dflash(
     *,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    extra_files: Sequence[Path] = (),
 ) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring)."""
+    """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus copies
+    of ``extra_files`` (tokenizer files), all in one atomic directory write."""
     store_dtype = dtype if dtype is not None else drafter.fc.weight.dtype
     if store_dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype must be float64, float32 or bfloat16, got {store_dtype}")
@@ -152,6 +156,8 @@ def export_dflash(
     def fill(staging: Path) -> None:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for file in extra_files:
+            shutil.copy2(file, staging / Path(file).name)
 
     return write_directory_atomically(path, fill, overwrite=overwrite, owned=EXPORT_OWNERSHIP)
 

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
+from csbp.config.loading import read_yaml_file
 
 if TYPE_CHECKING:
     from csbp.config.schema import RunConfig
@@ -49,7 +49,7 @@ def training_record(model_dir: Path) -> tuple[dict[str, Any], Path] | None:
     it came from: ``RUN/config.yaml`` for ``RUN/final``, else ``config.json``'s ``csbp_training``."""
     config_file = model_dir.parent / "config.yaml"
     if model_dir.name == "final" and config_file.is_file():
-        loaded = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+        loaded = read_yaml_file(config_file) or {}
         return (loaded, config_file) if isinstance(loaded, dict) else None
     exported = model_dir / "config.json"
     try:

@@ -18,9 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 
 from csbp.config import ConfigError, config_from_dict
+from csbp.config.loading import read_yaml_text
 from csbp.config.schema import RunConfig
 from csbp.generation.run_settings import EXPORT_KEY, training_record_of
 from csbp.models.decoder import Decoder
@@ -63,8 +63,8 @@ def checkpoint_config(checkpoint: Path) -> RunConfig:
         raise ValueError(f"{checkpoint}: {problem} (the checkpoint is damaged)")
     text = read_training_state(checkpoint).config_yaml
     try:
-        loaded = yaml.safe_load(text) if text else None
-    except yaml.YAMLError:
+        loaded = read_yaml_text(text, source=str(state_file)) if text else None
+    except ConfigError:
         loaded = None
     if not isinstance(loaded, dict):
         raise ValueError(f"{state_file}: no run config recorded (config_yaml); the checkpoint is damaged")

@@ -25,8 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from csbp.config.loading import read_yaml_text
 from csbp.config.schema import DOCUMENT_MASK_DEFAULTS, RunConfig
 
 #: fields (dotted) or sections (ending in ".") that a resume may change freely
@@ -94,7 +93,7 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
 def resume_changes(saved_yaml: str, cfg: RunConfig, checkpoint: Path, step: int) -> list[str]:
     """The note lines for the applied changes between the checkpoint's config (``saved_yaml``) and
     ``cfg``; ``ValueError`` (one line) naming the first refused change."""
-    loaded = yaml.safe_load(saved_yaml) if saved_yaml else None
+    loaded = read_yaml_text(saved_yaml, source=f"{checkpoint}/trainer_state.json config_yaml") if saved_yaml else None
     if not isinstance(loaded, dict):
         return []  # nothing recorded to compare against
     before = _effective(flat_config(loaded))
