@@ -109,7 +109,8 @@ def resume_changes(saved_yaml: str, cfg: RunConfig, checkpoint: Path, step: int)
             raise ValueError(
                 f"{name}: checkpoint {checkpoint} (step {step}) was trained with {name}={_text(old)}, the config "
                 f"sets {_text(new)}; a resume continues the same training (fix: set {name}: {_text(old)} to "
-                "resume, or start a new run directory, e.g. with model.init_from the run's final/ export)"
+                "resume, or start a new run directory from an export of it: csbp export RUN --out DIR, then "
+                "model.init_from: DIR)"
             )
         if _matches(name, APPLIED):
             notes.append(f"resume: {name} {_text(old)} -> {_text(new)} from step {step} on")
