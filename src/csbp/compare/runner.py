@@ -29,6 +29,8 @@ from csbp.training.preflight import check_new_run_dir, check_run
 from csbp.training.trainer import train
 
 RESULT_FILE = "result.json"
+OPTIONS_FILE = "compare_options.json"
+"""``OUT/compare_options.json``: the budget, points and process count a comparison started with."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
         raise ValueError(
             f"--out {options.out_dir} is not empty (fix: --resume to continue that comparison, or another --out)"
         )
+    _check_resumed_options(options)
     plan = []
     for name in options.layouts:
         layout_cfg = layout_config(cfg, name, options.nproc)
@@ -123,6 +126,27 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
                 )
         plan.append((name, layout_cfg))
     return plan
+
+
+def _recorded_options(options: CompareOptions) -> dict[str, Any]:
+    return {"budget_s": options.budget_s, "points": options.points, "nproc": options.nproc}
+
+
+def _check_resumed_options(options: CompareOptions) -> None:
+    """A resumed comparison keeps the budget, points and process count it started with: the layouts
+    already trained were measured under them (one line naming the flag otherwise)."""
+    path = options.out_dir / OPTIONS_FILE
+    if not options.resume or not path.is_file():
+        return
+    started = json.loads(path.read_text(encoding="utf-8"))
+    for key, value in _recorded_options(options).items():
+        if key in started and started[key] != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"{flag} {value:g}: the comparison in {options.out_dir} was started with {flag} {started[key]:g}, "
+                f"and its layouts so far were measured under it (fix: {flag} {started[key]:g} to resume it, or "
+                "another --out)"
+            )
 
 
 def _barrier() -> None:
@@ -179,6 +203,7 @@ def run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]
     was started with another one: every point keeps ``val_loss`` and all validation metrics)."""
     plan = plan_layouts(cfg, options)
     options.out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(options.out_dir / OPTIONS_FILE, json.dumps(_recorded_options(options)) + "\n")
     metric, _ = metric_of(cfg, options.metric)
     if options.nproc == 1:
         return [_with_metric(result, metric) for result in _compare_worker(0, 1, plan, options)]

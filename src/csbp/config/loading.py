@@ -85,11 +85,18 @@ def read_yaml_file(path: str | Path, *, source: str | None = None) -> Any:
     ``source`` (default: ``path``) otherwise."""
     source = source if source is not None else str(path)
     try:
-        data = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{source}: invalid YAML: {_yaml_problem(exc)}"]) from exc
+        text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError([f"{source}: not UTF-8 text (fix: pass a YAML file)"]) from None
+    return read_yaml_text(text, source=source)
+
+
+def read_yaml_text(text: str, *, source: str) -> Any:
+    """:func:`read_yaml_file` for YAML held in a string (a run config recorded in a checkpoint)."""
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{source}: invalid YAML: {_yaml_problem(exc)}"]) from exc
     _check_expanded_size(data, source)
     return data
 
@@ -237,6 +244,11 @@ def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
         expected = _type_text(info.annotation) if info is not None else "more items"
         return [(_dotted(loc[:-1]), f"item [{loc[-1]}] is missing", f"set it to {expected}")]
     if kind == "missing":
+        section = _nested_model(info.annotation) if info is not None else None
+        if section is not None:  # a whole section: say which of its keys it needs
+            needed = [name for name, field in section.model_fields.items() if field.is_required()]
+            keys = f" with at least {', '.join(needed)}" if needed else ""
+            return [(dotted, "required section is missing", f"add the `{dotted}:` section{keys}")]
         what = f": {info.description}" if info is not None and info.description else ""
         return [(dotted, "required key is missing", f"add {dotted}{what}")]
     if kind == "literal_error":

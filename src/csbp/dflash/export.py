@@ -178,7 +178,13 @@ def load_dflash(
         config = dflash_config_from_hf(read_json_object(config_file))
     except ValueError as exc:  # say which file; a target passed as --drafter is the usual cause
         raise ValueError(f"{config_file}: {exc} (fix: pass a `csbp dflash export` directory)") from None
-    validate_drafter_target(config, target.config)
+    try:
+        validate_drafter_target(config, target.config)
+    except ValueError as exc:  # the drafter was trained for another target
+        raise ValueError(
+            f"drafter {directory}: {exc} (fix: pass the target it was trained against, the "
+            "objective.dflash.target of its run)"
+        ) from None
     weights_file = directory / "model.safetensors"
     if not weights_file.is_file():
         raise ValueError(f"{directory} has no model.safetensors")

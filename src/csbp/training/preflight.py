@@ -14,7 +14,8 @@ shape and the objective, and checks what the config schema cannot see on its own
 * there are enough rows for one global batch, and validation rows when ``eval_every > 0``;
 * FSDP has a data-parallel group to shard over;
 * the run directory: it can be created and written; ``--resume`` needs an intact checkpoint there
-  (damaged newer ones are skipped with a warning), written for the same model shape and data; a
+  (damaged newer ones are skipped with a warning), written for the same model shape and data, under
+  a config that differs only where a resume may differ (:mod:`csbp.training.resume_config`); a
   fresh run must not overwrite one, and starts only in an empty directory or one holding nothing but
   what a csbp run writes (never a data artifact, a model or the working directory with other files).
   Nothing is written into it here.
@@ -48,6 +49,7 @@ from csbp.training.checkpoint import (
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_checkpoints, step_directories
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
 from csbp.training.model_factory import decoder_config_for_run
+from csbp.training.resume_config import resume_changes
 
 NOISE_SCHEMES = {"rotated": "rotated_lattice", "stratified": "stratified"}
 TRAINABLE_OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "ar", "dflash")
@@ -153,8 +155,12 @@ def check_run(
     if run_dir is not None:
         latest = check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps, warn=warn)
         if resume and latest is not None:
+            state = read_training_state(latest)
+            for note in resume_changes(state.config_yaml, cfg, latest, state.step):
+                if warn is not None:
+                    warn(note)
             check_compatible(
-                read_training_state(latest),
+                state,
                 latest,
                 shapes=inputs.param_shapes(),
                 data_fingerprint=artifact.fingerprint,
