@@ -156,7 +156,7 @@ def check_run(
         latest = check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps, warn=warn)
         if resume and latest is not None:
             state = read_training_state(latest)
-            for note in resume_changes(state.config_yaml, cfg, latest, state.step):
+            for note in resume_changes(state.config_yaml, cfg, latest, state.step, state.input_fingerprints):
                 if warn is not None:
                     warn(note)
             check_compatible(
