@@ -62,6 +62,11 @@ APPLIED = (
     "topology.dp",
     "train.precision",
 )
+#: the fix's alternative to undoing a refused change, for ``csbp train --resume``
+TRAIN_RESTART = (
+    "start a new run directory from an export of it: csbp export RUN --out DIR, then model.init_from: DIR"
+)
+
 #: mappings compared (and named) as one value
 LEAF_MAPPINGS = ("rope_scaling",)
 #: free-section fields that change what the model computes
@@ -94,12 +99,18 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
 
 
 def resume_changes(
-    saved_yaml: str, cfg: RunConfig, checkpoint: Path, step: int, fingerprints: dict[str, str] | None = None
+    saved_yaml: str,
+    cfg: RunConfig,
+    checkpoint: Path,
+    step: int,
+    fingerprints: dict[str, str] | None = None,
+    restart: str = TRAIN_RESTART,
 ) -> list[str]:
     """The note lines for the applied changes between the checkpoint's config (``saved_yaml``) and
     ``cfg``; ``ValueError`` (one line) naming the first refused change. ``fingerprints`` are the
     checkpoint's recorded ``input_fingerprints``: a directory field naming a copy with the same
-    contents is no change."""
+    contents is no change. ``restart``: the fix's other way out, for the command resuming (a new
+    run directory for ``csbp train``, a new ``--out`` for ``csbp compare``)."""
     loaded = read_yaml_text(saved_yaml, source=f"{checkpoint}/trainer_state.json config_yaml") if saved_yaml else None
     if not isinstance(loaded, dict):
         return []  # nothing recorded to compare against
@@ -122,8 +133,7 @@ def resume_changes(
             raise ValueError(
                 f"{name}: checkpoint {checkpoint} (step {step}) was trained with {name}={_text(old)}, the config "
                 f"sets {_text(new)}{contents}; a resume continues the same training (fix: set {name}: {_text(old)} to "
-                "resume, or start a new run directory from an export of it: csbp export RUN --out DIR, then "
-                "model.init_from: DIR)"
+                f"resume, or {restart})"
             )
         if _matches(name, APPLIED):
             notes.append(f"resume: {name} {_text(old)} -> {_text(new)} from step {step} on")
