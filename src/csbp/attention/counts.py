@@ -44,13 +44,15 @@ def layout_positions(
     local_rank: int,
     schedule: SchedulePolicy = "dual_end",
     documents: DocBounds | None = None,
+    window: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     """``(noisy_positions, clean_positions, owned_blocks)`` of local rank ``local_rank`` (int64, the
     packed order of ``csbp.attention.layouts``) for the layout the degrees name: ``data``
     (``cp == bp == 1``), CP-only zigzag over ``2L`` (``bp == 1``), BP-only clean-prefix replication
     (``cp == 1``) or fused CSBP. With ``documents`` BP-only keeps only each owned block's document
-    prefix ``∪ [d_start, b·B)`` (``layouts.bp_only_layout``). Validation of the degrees and
-    ``seq_len`` is the caller's (``csbp.topology.Topology``)."""
+    prefix ``∪ [d_start, b·B)`` (``layouts.bp_only_layout``). ``window`` only enters the
+    ``balanced`` schedule's costs (``rank_schedule``). Validation of the degrees and ``seq_len`` is
+    the caller's (``csbp.topology.Topology``)."""
     if cp == 1 and bp == 1:
         positions = np.arange(seq_len, dtype=np.int64)
         return positions, positions, tuple(range(seq_len // block_size))
@@ -58,7 +60,7 @@ def layout_positions(
         logical = zigzag_array(2 * seq_len, cp, local_rank)  # sorted indices into [x_t ; x_0]
         noisy = logical[logical < seq_len]
         return noisy, logical[logical >= seq_len] - seq_len, tuple(np.unique(noisy // block_size).tolist())
-    blocks = rank_schedule(seq_len, block_size, cp, bp, schedule, documents).blocks(local_rank)
+    blocks = rank_schedule(seq_len, block_size, cp, bp, schedule, documents, window).blocks(local_rank)
     noisy = (np.asarray(blocks, dtype=np.int64)[:, None] * block_size + np.arange(block_size)).reshape(-1)
     if cp == 1 and documents is not None:
         noisy_start, noisy_stop, _, _ = document_bounds(noisy, noisy[:0], block_size, None, documents)
@@ -77,43 +79,65 @@ def rank_schedule(
     bp: int,
     schedule: SchedulePolicy = "dual_end",
     documents: DocBounds | None = None,
+    window: int | None = None,
 ) -> BlockSchedule:
     """The block schedule over the ``bp`` BP ranks of one sample: ``block_schedule(N, bp, schedule)``,
-    or for ``"balanced"`` with packed ``documents`` the document-aware ``document_schedule`` (every
-    rank derives the same one from the sample's documents)."""
-    if schedule == "balanced" and documents is not None:
-        return document_schedule(seq_len, block_size, cp, bp, documents)
+    or for ``"balanced"`` with packed ``documents`` or a sliding ``window`` shorter than the row the
+    cost-aware ``document_schedule`` (every rank derives the same one from the sample's documents
+    and the window; without either a block's cost is its index, which dual-end already balances)."""
+    if schedule == "balanced" and (documents is not None or (window is not None and window < seq_len)):
+        if documents is None:  # one document spanning the row: only the window shapes the costs
+            documents = _bounds_from_starts(np.zeros(1, dtype=np.int64), seq_len)
+        return document_schedule(seq_len, block_size, cp, bp, documents, window)
     return block_schedule(seq_len // block_size, bp, schedule)
 
 
-def document_schedule(seq_len: int, block_size: int, cp: int, bp: int, documents: DocBounds) -> BlockSchedule:
+def document_schedule(
+    seq_len: int, block_size: int, cp: int, bp: int, documents: DocBounds, window: int | None = None
+) -> BlockSchedule:
     """``schedules.balanced_schedule`` with the document mask's costs. The dealt units are the
     ``2·bp`` runs of ``N / (2·bp)`` blocks dual-end pairs (finer runs balance little better and
     scatter a rank's blocks over more documents, which costs halo rows). A unit costs the allowed
-    pairs of its noisy rows (full attention: per row its document prefix plus its segment); in
-    BP-only (``cp == 1``) also those of the clean prefix it makes its owner recompute. A CSBP worker
-    (``cp > 1``) starts loaded with its zigzag clean shard's pairs, which stay where they are.
-    Cached per distinct documents."""
+    pairs of its noisy rows (``block_costs``: per row its document prefix, at most ``window - 1``
+    keys of it, plus its segment); in BP-only (``cp == 1``) also those of the clean prefix it makes
+    its owner recompute. A CSBP worker (``cp > 1``) starts loaded with its zigzag clean shard's
+    pairs, which stay where they are. Cached per distinct documents and window."""
     start, _ = documents
     starts = np.flatnonzero(start == np.arange(len(start))).astype(np.int64)
-    return _document_schedule(seq_len, block_size, cp, bp, starts.tobytes())
+    return _document_schedule(seq_len, block_size, cp, bp, starts.tobytes(), window)
+
+
+def block_costs(
+    seq_len: int, block_size: int, documents: DocBounds, window: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(noisy pairs, clean pairs)`` int64 ``[L]``: the (query, key) pairs the mask allows the
+    noisy and the clean row of each position (``position_pairs`` per row): a noisy row sees its
+    in-document clean prefix, with a window only its last ``window - 1`` positions, plus its
+    segment; a clean row its in-document causal (block-causal without a window) prefix, with a
+    window at most ``window`` keys of it."""
+    positions = np.arange(seq_len, dtype=np.int64)
+    n_start, n_stop, c_start, c_stop = document_bounds(positions, positions, block_size, window, documents)
+    noisy = (n_stop - n_start).clip(min=0) + segment_lengths(positions, block_size, documents)
+    return noisy, (c_stop - c_start).clip(min=0)
 
 
 @lru_cache(maxsize=64)
-def _document_schedule(seq_len: int, block_size: int, cp: int, bp: int, starts_bytes: bytes) -> BlockSchedule:
+def _document_schedule(
+    seq_len: int, block_size: int, cp: int, bp: int, starts_bytes: bytes, window: int | None
+) -> BlockSchedule:
     documents = _bounds_from_starts(np.frombuffer(starts_bytes, dtype=np.int64), seq_len)
     num_blocks = seq_len // block_size
     units = block_runs(num_blocks, bp, max(1, num_blocks // (2 * bp)))
+    row_pairs, clean_pairs = block_costs(seq_len, block_size, documents, window)
     positions = np.arange(seq_len, dtype=np.int64)
-    n_start, n_stop, _, c_stop = document_bounds(positions, positions, block_size, None, documents)
-    row_pairs = (n_stop - n_start).clip(min=0) + segment_lengths(positions, block_size, documents)
-    clean_pairs = (c_stop - n_start).clip(min=0)  # a clean row's interval starts where a noisy one's does
+    # BP-only recomputes each owned block's whole document prefix (layout_positions), window or not
+    p_start, p_stop, _, _ = document_bounds(positions, positions[:0], block_size, None, documents)
     costs = []
     for unit in units:
         rows = slice(unit[0] * block_size, (unit[-1] + 1) * block_size)
         cost = int(row_pairs[rows].sum())
         if cp == 1:  # BP-only: the unit's clean prefix, recomputed by its owner
-            cost += int(clean_pairs[interval_cover(n_start[rows], n_stop[rows], seq_len)].sum())
+            cost += int(clean_pairs[interval_cover(p_start[rows], p_stop[rows], seq_len)].sum())
         costs.append(cost)
     base_loads = None
     if cp > 1:
@@ -212,7 +236,7 @@ def rank_pairs(
     documents: DocBounds | None = None,
 ) -> tuple[int, int]:
     """``(noisy-query pairs, clean-query pairs)`` the mask allows for local rank ``local_rank``'s rows."""
-    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, documents)
+    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, documents, window)
     return position_pairs(noisy, clean, block_size=block_size, window=window, documents=documents)
 
 
@@ -267,7 +291,7 @@ def halo_rows(
     ``bp == 1``) receives in the halo exchange of a layer (``window`` None: full attention): the
     positions its rows' (document-clipped) intervals cover that its own clean shard does not hold,
     what ``layouts.halo_exchange_plan``'s ``recv_counts`` sum to."""
-    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, documents)
+    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, documents, window)
     n_start, n_stop, c_start, c_stop = document_bounds(noisy, clean, block_size, window, documents)
     need = interval_cover(np.concatenate([n_start, c_start]), np.concatenate([n_stop, c_stop]), seq_len)
     need[clean] = False

@@ -354,7 +354,7 @@ def _positions_layout(
     """The layout of ``counts.layout_positions`` (the positions the cost model counts too). With
     ``documents`` BP-only (``cp == 1 < bp``) keeps only each owned block's document prefix."""
     bounds = None if documents is None else (documents.start.numpy(), documents.stop.numpy())
-    noisy, clean, blocks = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, bounds)
+    noisy, clean, blocks = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, bounds, window)
     noisy_positions, clean_positions = torch.from_numpy(noisy), torch.from_numpy(clean)
     return RankLayout(
         rows=bd3_rows(noisy_positions, clean_positions, block_size=block_size, window=window, documents=documents),

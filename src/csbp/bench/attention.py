@@ -1,5 +1,7 @@
 """``csbp bench attention``: CP-only (generic and mask-aware), BP-only and CSBP attention side by
-side on the same inputs, optionally over packed documents (``--doc-length N``).
+side on the same inputs, optionally over packed documents (``--doc-length N``). On request
+(``--layouts ... bp-balanced csbp-balanced``) also BP-only and CSBP with the ``balanced`` block
+schedule (blocks dealt by their cost under the document mask and the window, ``counts.rank_schedule``).
 
 For every sequence length, each layout runs a stack of attention layers (RMSNorm, q/k/v
 projection, the layout's attention transport over the ``[x_t ; x_0]`` rows the rank holds,
@@ -25,6 +27,7 @@ from torch import nn
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.bench.common import (
+    BALANCED_LAYOUTS,
     OVERLAP_COLUMNS,
     Column,
     StepSeries,
@@ -38,6 +41,7 @@ from csbp.bench.common import (
     check_head_options,
     format_ratio_table,
     launch_cell,
+    layout_schedule,
     layout_transport,
     max_over_ranks,
     measured_step,
@@ -72,6 +76,7 @@ class AttentionBenchConfig:
     diagonal: str = "auto"  # kernel of the noisy block diagonal (csbp.attention.diagonal)
     clean: str = "generic"  # kernel of the clean-context partials (csbp.attention.backends.CLEAN_KERNELS)
     doc_length: int | None = None
+    schedule: str = "dual_end"  # block schedule of the BP/CSBP layout (``*-balanced``: "balanced")
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
@@ -138,6 +143,7 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
     ctx = build_parallel_context(topology)
     plan = build_rank_plan(
         ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window,  # type: ignore[arg-type]
+        schedule=cfg.schedule,  # type: ignore[arg-type]
         backend=cfg.backend, diagonal=cfg.diagonal, clean=cfg.clean,
         documents=bench_documents(cfg.seq_len, cfg.doc_length, cfg.seed),
     )
@@ -190,7 +196,8 @@ def run_attention_bench(
     """Run every (sequence length, layout) pair, one launch each, and return the records in run order.
     ``header`` is printed once every input is checked, before anything runs (a bad input prints
     nothing but its error line)."""
-    cell = select_topologies(layouts, nproc, csbp_cp)
+    bases, schedules = zip(*(layout_schedule(name) for name in layouts), strict=True) if layouts else ((), ())
+    cell = select_topologies(list(bases), nproc, csbp_cp)
     configs = [AttentionBenchConfig(seq_len=n, **cfg_kwargs) for n in seq_lens]  # type: ignore[arg-type]
     for cfg in configs:  # fail closed before any process starts
         for topology in cell:
@@ -198,8 +205,8 @@ def run_attention_bench(
     print_header(header)
     records: list[AttentionRecord] = []
     for cfg in configs:
-        for name, topology in zip(layouts, cell, strict=True):
-            layout_cfg = replace(cfg, transport=layout_transport(name, cfg.transport))
+        for name, topology, schedule in zip(layouts, cell, schedules, strict=True):
+            layout_cfg = replace(cfg, transport=layout_transport(name, cfg.transport), schedule=schedule)
             (results,) = launch_cell(_worker, nproc, [topology], layout_cfg, timeout_s=timeout_s, device=device)
             flops = max_over_ranks(results, "flops")
             step = results[0]["step_time_s"]
@@ -243,7 +250,7 @@ def _transport_used(name: str, topology: Topology, cfg: AttentionBenchConfig) ->
 
 TABLE_COLUMNS = [
     Column("seq_len", "seq_len", ">8"),
-    Column("layout", "layout", "<8"),
+    Column("layout", "layout", "<13"),
     Column("step s", "step_time_s", ">9.3f", vs_cp=True),
     Column("KV MiB/rank", "kv_bytes_per_rank", ">12.2f", vs_cp=True, shown=lambda v: v / 2**20),
     Column("GFLOP/rank", "attn_flops_per_rank", ">11.3f", vs_cp=True, shown=lambda v: v / 1e9),
@@ -268,6 +275,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
         attn,
         seq_lens=[1024, 2048, 4096, 8192, 16384],
         csbp_cp_help="CP degree of the CSBP layout (default nproc)",
+        extra_layouts=BALANCED_LAYOUTS,
     )
     add_transport_option(attn)
     attn.add_argument("--window", type=int, default=None, help="sliding window W (tokens)")

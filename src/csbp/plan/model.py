@@ -116,7 +116,7 @@ def rank_counts(
     docs = None if doc_length is None else packed_documents(seq_len, doc_length)
     out = []
     for rank in range(max(cp, bp)):
-        noisy, clean, _ = layout_positions(seq_len, block, cp, bp, rank, schedule, docs)  # type: ignore[arg-type]
+        noisy, clean, _ = layout_positions(seq_len, block, cp, bp, rank, schedule, docs, window or None)  # type: ignore[arg-type]
         noisy_pairs, clean_pairs = position_pairs(
             noisy, clean, block_size=block, window=window or None, documents=docs
         )
