@@ -124,13 +124,14 @@ def test_an_exchange_that_saves_nothing_keeps_the_all_gather() -> None:
 
 def test_the_exchange_pays_only_with_a_margin() -> None:
     """The shared rule: the busiest member must receive at most 90% of the all-gather's rows."""
-    from csbp.attention.draft_counts import EXCHANGE_MAX_SHARE, exchange_pays
+    from csbp.attention.counts import EXCHANGE_MAX_SHARE, exchange_pays
+    from csbp.attention.draft_counts import context_exchange_pays
 
     gather = 3 * 64 // 4
-    assert EXCHANGE_MAX_SHARE == 0.9
-    assert exchange_pays([0, 0, 43, 0], 64, 4) and not exchange_pays([0, 0, 44, 0], 64, 4)  # 0.9 * 48 = 43.2
-    assert not exchange_pays([gather - 1] * 4, 64, 4)  # 2% fewer rows: a wash, keep the all-gather
-    assert not exchange_pays([0], 64, 1)
+    assert EXCHANGE_MAX_SHARE == 0.9 and exchange_pays([9, 0], 10) and not exchange_pays([0, 10], 10)
+    assert context_exchange_pays([0, 0, 43, 0], 64, 4) and not context_exchange_pays([0, 0, 44, 0], 64, 4)  # 43.2
+    assert not context_exchange_pays([gather - 1] * 4, 64, 4)  # 2% fewer rows: a wash, keep the all-gather
+    assert not context_exchange_pays([0], 64, 1)
 
 
 def test_one_plan_per_layer_kind_and_short_documents_move_little() -> None:

@@ -6,7 +6,8 @@ NumPy only, so the cost model (``csbp.plan``) counts with the rules the runtime 
 ``deal_order`` *is* ``csbp.dflash.layouts.deal_anchors``' dealing, the row intervals are those of
 ``csbp.dflash.layouts.block_query_rows`` and the received rows are what
 ``csbp.dflash.exchange.context_exchange_plan``'s ``recv_counts`` sum to (``interval_cover`` of the
-live rows minus the member's own zigzag shard, as ``csbp.attention.layouts.halo_sends`` deals it).
+live rows minus the member's own zigzag shard, as ``csbp.attention.layouts.halo_sends`` deals it),
+and whether the exchange replaces the all-gather is ``context_exchange_pays`` (``counts.exchange_pays``).
 
 Shape legend: ``L`` sequence length, ``N`` anchors, ``B`` block size, ``cp`` ring size.
 """
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from csbp.attention.counts import DocBounds, interval_cover
+from csbp.attention.counts import DocBounds, exchange_pays, interval_cover
 from csbp.schedules import zigzag_array
 
 
@@ -86,29 +87,11 @@ def context_pairs(start: np.ndarray, stop: np.ndarray) -> int:
     return int((stop - start).clip(min=0).sum())
 
 
-EXCHANGE_MAX_SHARE = 0.9
-"""The context exchange replaces the all-gather only when its busiest ring member receives at most
-this share of the all-gather's ``(cp-1)·L/cp`` rows (``exchange_pays``). Why not any saving: a
-collective takes as long as its busiest member's traffic, not the ring's total, and the exchange's
-variable-split all-to-all adds work the all-gather lacks, per moved row: the sender's
-``index_select`` into a packed buffer, the receiver's reordering ``index_select`` and a
-contiguous copy, and in the backward the ``index_add_`` of the returned dK/dV (about four extra
-passes over the moved bytes in memory, ~10% of the link time of those rows at H100/H200 NVLink's
-450 GB/s against 3.35-4.8 TB/s HBM once the copies overlap compute as they do here), plus NCCL's
-lower bus bandwidth for uneven all-to-all splits than for the ring all-gather. A 10% margin keeps
-the exchange wherever it clearly wins (short documents move a few percent of the all-gather) and
-the all-gather where the two are a wash. Timing it on this 2-core CPU machine (gloo, 2 ranks)
-gave 0.8-1.3x for the same rows, noise larger than the effect, so the margin is this cost
-argument's, not a measurement's."""
-
-
-def exchange_pays(recv_rows: Sequence[int], seq_len: int, cp: int) -> bool:
-    """Whether a ring whose members receive ``recv_rows`` context rows uses the context exchange
-    instead of the all-gather (``EXCHANGE_MAX_SHARE``). The one rule: ``csbp.dflash.exchange``
-    calls it per sample and layer kind, the planner (``csbp.plan.documents.draft_counts``) too."""
-    if cp < 2:
-        return False
-    return max(recv_rows, default=0) <= EXCHANGE_MAX_SHARE * ((cp - 1) * seq_len // cp)
+def context_exchange_pays(recv_rows: Sequence[int], seq_len: int, cp: int) -> bool:
+    """Whether a DFlash ring whose members would receive ``recv_rows`` context rows uses the context
+    exchange instead of the all-gather of ``(cp-1)·L/cp`` rows per member (``counts.exchange_pays``).
+    ``csbp.dflash.exchange`` calls it per sample and layer kind, the planner too."""
+    return cp > 1 and exchange_pays(recv_rows, (cp - 1) * seq_len // cp)
 
 
 def exchange_recv_rows(seq_len: int, cp: int, member_intervals: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[int]:

@@ -21,8 +21,8 @@ union of the live block rows' context intervals of ``d``'s anchor packet
   ``cp-aware``); plain CP-only stays generic context parallelism and all-gathers;
 * ``transport: halo`` also plans samples with a single document (a ring member then receives
   only the rows before its last anchor);
-* and in every case only when it pays (``csbp.attention.draft_counts.exchange_pays``, the rule the
-  planner prices too): the busiest ring member receives at most ``EXCHANGE_MAX_SHARE`` (90%) of
+* and in every case only when it pays (``csbp.attention.counts.exchange_pays``, the rule the
+  planner prices and BD3's halo exchange follows too): the busiest ring member receives at most ``EXCHANGE_MAX_SHARE`` (90%) of
   the all-gather's ``(cp−1)·L/cp`` rows; otherwise the all-gather is kept. Both collectives
   overlap the block partial (forward) and the block-diagonal backward. Every ring member evaluates the rule on the same data, so all of them pick
   the same collective.
@@ -39,7 +39,7 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from csbp.attention.draft_counts import exchange_pays
+from csbp.attention.draft_counts import context_exchange_pays
 from csbp.attention.layouts import WindowPlan, halo_sends, needed_positions
 from csbp.attention.rows import Rows
 from csbp.dflash.config import DFlashConfig
@@ -114,9 +114,9 @@ def all_gather_rows(seq_len: int, cp: int) -> int:
 
 
 def exchange_pays_off(plan: WindowPlan) -> bool:
-    """``draft_counts.exchange_pays`` of this plan: its busiest member receives at most
-    ``EXCHANGE_MAX_SHARE`` of the all-gather's rows."""
-    return exchange_pays([sum(plan.recv_counts(d)) for d in range(plan.cp)], plan.seq_len, plan.cp)
+    """``draft_counts.context_exchange_pays`` of this plan: its busiest member receives at most
+    ``counts.EXCHANGE_MAX_SHARE`` of the all-gather's rows."""
+    return context_exchange_pays([sum(plan.recv_counts(d)) for d in range(plan.cp)], plan.seq_len, plan.cp)
 
 
 def context_exchanges(

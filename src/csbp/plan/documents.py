@@ -29,9 +29,9 @@ import numpy as np
 
 from csbp.attention.counts import DocBounds, halo_rows
 from csbp.attention.draft_counts import (
+    context_exchange_pays,
     context_pairs,
     draft_intervals,
-    exchange_pays,
     exchange_recv_rows,
     owner_anchor_indices,
     spread_anchors,
@@ -170,7 +170,7 @@ def _draft_counts(
             for ring in rings:
                 members = [per_window[w][ring * cp + d if bp > 1 else 0] for d in range(cp)]
                 recv = exchange_recv_rows(seq_len, cp, members)
-                pays = exchange_pays(recv, seq_len, cp)  # else the ring keeps the all-gather
+                pays = context_exchange_pays(recv, seq_len, cp)  # else the ring keeps the all-gather
                 used |= pays
                 worst = max(worst, max(recv) if pays else gather)
         recv_rows[w], exchanged[w] = worst, used

@@ -37,8 +37,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from csbp.attention.counts import exchange_pays, layout_positions, position_pairs
 from csbp.attention.counts import halo_rows as rank_halo_rows
-from csbp.attention.counts import layout_positions, position_pairs
 from csbp.plan.artifact_documents import DocumentSample
 from csbp.plan.calibration import Calibration
 from csbp.plan.documents import DocumentKey, document_halo_rows, packed_documents
@@ -165,7 +165,8 @@ def _kv_per_pass(workload: Workload, layout: Layout, seq_len: int, group: LayerG
         else:
             halo = document_halo_rows(seq_len, block, cp, layout.bp, layout.schedule, group.window, docs)
         own = seq_len // cp * (2 if kind == "cp" else 1)  # cp-aware holds its noisy and clean rows
-        return float(halo * row), float(own + halo)
+        if exchange_pays([halo], (cp - 1) * own):  # the runtime's rule (transports.factory.halo_pays)
+            return float(halo * row), float(own + halo)
     if kind == "cp":
         shard = 2 * seq_len // cp
     elif kind == "csbp":
