@@ -26,6 +26,7 @@ from torch import nn
 
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
+from csbp.attention.transports.window import WindowAttention
 from csbp.bench.common import (
     BALANCED_LAYOUTS,
     OVERLAP_COLUMNS,
@@ -173,6 +174,7 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
         "flops": float(flops),
         "peak": float(series.peak_bytes),
         "serial_step_time_s": serial.median_s() if serial.times_s else float("nan"),
+        "halo": float(isinstance(plan.attention, WindowAttention)),  # else the ring's all-gather/ring
     }
 
 
@@ -220,7 +222,7 @@ def run_attention_bench(
                     block_size=cfg.block_size,
                     nproc=nproc,
                     window=cfg.window,
-                    transport=_transport_used(name, topology, layout_cfg),
+                    transport=_transport_used(topology, layout_cfg, halo=results[0]["halo"] > 0),
                     doc_length=cfg.doc_length,
                     step_time_s=step,
                     kv_bytes_per_rank=max_over_ranks(results, "kv_bytes"),
@@ -239,13 +241,13 @@ def run_attention_bench(
     return records
 
 
-def _transport_used(name: str, topology: Topology, cfg: AttentionBenchConfig) -> str:
-    """What actually moved K/V: CSBP switches to the halo all-to-all with a window or documents."""
+def _transport_used(topology: Topology, cfg: AttentionBenchConfig, *, halo: bool) -> str:
+    """What actually moved K/V: CSBP switches to the halo all-to-all with a window or documents
+    where it pays (``transports.factory.halo_pays``), cp-aware is the halo one; every rank of the
+    benchmark's one sample decides alike."""
     if topology.layout == "bp":
         return "-"
-    if topology.layout == "csbp" and (cfg.window is not None or cfg.doc_length is not None):
-        return "halo"
-    return cfg.transport
+    return "halo" if halo else ("collective" if cfg.transport == "halo" else cfg.transport)
 
 
 TABLE_COLUMNS = [
