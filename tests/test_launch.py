@@ -1,12 +1,15 @@
-"""The local launcher returns per-rank results and surfaces worker errors."""
+"""The local launcher returns per-rank results, surfaces worker errors and listens on loopback only."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from csbp.parallel.launch import WorkerError, run_local
+from test_security import listening_addresses, not_loopback
 
 
 def _sum_ranks(rank: int, world: int) -> float:
@@ -20,8 +23,16 @@ def _fail_on_one(rank: int, world: int) -> None:
         raise ValueError("boom")
 
 
-def test_run_local_all_reduce():
-    assert run_local(_sum_ranks, 3) == [3.0, 3.0, 3.0]
+def _sum_ranks_and_listeners(rank: int, world: int) -> tuple[float, list[str]]:
+    return _sum_ranks(rank, world), listening_addresses([os.getpid()])  # after the collective: all up
+
+
+def test_run_local_all_reduce_with_every_socket_on_loopback():
+    results = run_local(_sum_ranks_and_listeners, 3)
+    assert [total for total, _ in results] == [3.0, 3.0, 3.0]
+    addresses = [address for _, found in results for address in found]
+    assert results[0][1], "rank 0 hosts the key-value store"
+    assert not_loopback(addresses) == [], addresses  # the store and gloo listen on 127.0.0.1 only
 
 
 def test_run_local_reports_rank_error():

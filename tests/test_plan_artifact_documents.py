@@ -6,6 +6,8 @@ artifact's row boundaries, auto planning with the documents, and the fail-closed
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -225,3 +227,20 @@ def test_plan_of_a_document_masked_run_config_plans_its_train_documents(tmp_path
         f"{tmp_path / 'missing'} is not a csbp data artifact (no manifest.json); run csbp data prepare "
         "(or pass --doc-length N / --data ARTIFACT)"
     ]
+
+
+@pytest.mark.parametrize("documents", ["--doc-length", "--data"])
+def test_plan_with_documents_imports_no_torch(tmp_path: Path, documents: str) -> None:
+    """``csbp plan`` stays torch-free (the CLI registers only ``plan``, the ``--doc-length``
+    documents are drawn with NumPy, the artifact is read without the data loader)."""
+    source = str(write_artifact(tmp_path / "art")) if documents == "--data" else "64"
+    code = (
+        "import sys\n"
+        "from csbp.cli.main import main\n"
+        f"rc = main(['plan', '--model', 'nemotron-3b', '--block-size', '4', '--seq-len', '{SEQ_LEN}', '--gpus', '4',"
+        f" '--gpu', 'h100', '{documents}', {source!r}, '--top', '1'])\n"
+        "assert rc == 0, rc\n"
+        "assert 'torch' not in sys.modules, 'csbp plan imported torch'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout

@@ -122,29 +122,44 @@ def block_costs(
     return noisy, (c_stop - c_start).clip(min=0)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=512)  # per (cp, bp, row, window): a plan over --data prices 16 rows per layout
 def _document_schedule(
     seq_len: int, block_size: int, cp: int, bp: int, starts_bytes: bytes, window: int | None
 ) -> BlockSchedule:
-    documents = _bounds_from_starts(np.frombuffer(starts_bytes, dtype=np.int64), seq_len)
+    noisy_prefix, clean_prefix, block_start = _document_row_costs(seq_len, block_size, starts_bytes, window)
     num_blocks = seq_len // block_size
     units = block_runs(num_blocks, bp, max(1, num_blocks // (2 * bp)))
-    row_pairs, clean_pairs = block_costs(seq_len, block_size, documents, window)
-    positions = np.arange(seq_len, dtype=np.int64)
-    # BP-only recomputes each owned block's whole document prefix (layout_positions), window or not
-    p_start, p_stop, _, _ = document_bounds(positions, positions[:0], block_size, None, documents)
     costs = []
     for unit in units:
-        rows = slice(unit[0] * block_size, (unit[-1] + 1) * block_size)
-        cost = int(row_pairs[rows].sum())
-        if cp == 1:  # BP-only: the unit's clean prefix, recomputed by its owner
-            cost += int(clean_pairs[interval_cover(p_start[rows], p_stop[rows], seq_len)].sum())
+        cost = int(noisy_prefix[(unit[-1] + 1) * block_size] - noisy_prefix[unit[0] * block_size])
+        if cp == 1:  # BP-only: the unit's clean prefix (its blocks' [d_start, b·B)), recomputed by its owner
+            blocks = np.arange(unit[0], unit[-1] + 1, dtype=np.int64)
+            begin, end = merge_runs(block_start[blocks], blocks * block_size)
+            cost += int((clean_prefix[end] - clean_prefix[begin]).sum())
         costs.append(cost)
     base_loads = None
     if cp > 1:
-        shard = [int(clean_pairs[zigzag_array(seq_len, cp, c)].sum()) for c in range(cp)]
+        chunk = seq_len // (2 * cp)
+        ends = clean_prefix[np.arange(0, seq_len + 1, chunk)]
+        chunk_pairs = ends[1:] - ends[:-1]
+        shard = [int(chunk_pairs[c] + chunk_pairs[2 * cp - 1 - c]) for c in range(cp)]  # zigzag chunks
         base_loads = [shard[w % cp] for w in range(bp)]
     return balanced_schedule(units, costs, bp, base_loads=base_loads)
+
+
+@lru_cache(maxsize=16)  # per row: two int64 [L+1] arrays (16 MiB at 1M tokens)
+def _document_row_costs(
+    seq_len: int, block_size: int, starts_bytes: bytes, window: int | None
+) -> tuple[np.ndarray, ...]:
+    """Prefix sums ``[L+1]`` of every row's pairs as a noisy and as a clean row (``block_costs``),
+    and each block's first row's document start (BP-only recomputes ``[d_start, b·B)`` with or
+    without a window, ``layout_positions``): what every ``(cp, bp)`` of ``_document_schedule``
+    prices its units with."""
+    documents = _bounds_from_starts(np.frombuffer(starts_bytes, dtype=np.int64), seq_len)
+    noisy, clean = block_costs(seq_len, block_size, documents, window)
+    zero = np.zeros(1, dtype=np.int64)
+    block_start = documents[0][::block_size]
+    return np.concatenate([zero, np.cumsum(noisy)]), np.concatenate([zero, np.cumsum(clean)]), block_start
 
 
 def _bounds_from_starts(starts: np.ndarray, seq_len: int) -> DocBounds:
@@ -156,10 +171,13 @@ def _bounds_from_starts(starts: np.ndarray, seq_len: int) -> DocBounds:
 
 EXCHANGE_MAX_SHARE = 0.9
 """A halo exchange (BD3's ``WindowAttention``, DFlash's context exchange) replaces the all-gather
-only when its busiest ring member receives at most this share of the rows the all-gather would give
-it (``exchange_pays``). Why a margin and not any saving:
+only when its busiest ring member moves at most this share of the rows the all-gather moves per
+member and direction, in its busier direction (``max(sent, received)``; ``exchange_pays``). Why a
+margin and not any saving:
 
-* a collective takes as long as its busiest member's traffic, not the ring's total;
+* a collective takes as long as its busiest member's traffic, not the ring's total (links are full
+  duplex: a member's larger direction; a member can send more than any member receives, a row of
+  its shard that several members need goes to each);
 * the variable-split all-to-all adds work the all-gather lacks, per moved row: the sender's
   ``index_select`` into a packed buffer, the receiver's reordering ``index_select`` and contiguous
   copy, and in the backward the ``index_add_`` of the returned dK/dV. About four extra passes over
@@ -175,12 +193,13 @@ timing both on the 2-core CPU machine (gloo, 2 ranks, the same rows) gave 0.8-1.
 than the effect."""
 
 
-def exchange_pays(recv_rows: Sequence[int], gather_rows: int) -> bool:
-    """Whether a ring whose members would receive ``recv_rows`` rows in a halo exchange uses it
-    instead of an all-gather that gives every member ``gather_rows`` rows (``EXCHANGE_MAX_SHARE``).
-    The one rule: the runtime (``attention.transports.factory``, ``dflash.exchange``) and the
-    planner (``plan.model``, ``plan.documents``) call it with the same counts."""
-    return max(recv_rows, default=0) <= EXCHANGE_MAX_SHARE * gather_rows
+def exchange_pays(traffic_rows: Sequence[int], gather_rows: int) -> bool:
+    """Whether a ring whose members would move ``traffic_rows`` rows in a halo exchange (each
+    member's busier direction, ``max(sent, received)``) uses it instead of an all-gather that moves
+    ``gather_rows`` rows per member and direction (``EXCHANGE_MAX_SHARE``). The one rule: the
+    runtime (``attention.transports.factory``, ``dflash.exchange``) and the planner
+    (``plan.model``, ``plan.documents``) call it with the same counts."""
+    return max(traffic_rows, default=0) <= EXCHANGE_MAX_SHARE * gather_rows
 
 
 def bd3_bounds(
@@ -252,6 +271,23 @@ def interval_cover(ctx_start: np.ndarray, ctx_stop: np.ndarray, length: int) -> 
     np.add.at(delta, start[nonempty], 1)
     np.add.at(delta, stop[nonempty], -1)
     return np.cumsum(delta)[:length] > 0
+
+
+def merge_runs(start: np.ndarray, stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of half-open intervals as sorted disjoint runs ``(start, stop)`` int64 (empty
+    intervals dropped): ``interval_cover`` without the length-``L`` array."""
+    keep = stop > start
+    start, stop = start[keep], stop[keep]
+    if not len(start):
+        return start.astype(np.int64), stop.astype(np.int64)
+    order = np.argsort(start, kind="stable")
+    start, stop = start[order], stop[order]
+    reach = np.maximum.accumulate(stop)
+    new = np.ones(len(start), dtype=bool)
+    new[1:] = start[1:] > reach[:-1]  # a gap before this interval starts a new run
+    firsts = np.flatnonzero(new)
+    lasts = np.append(firsts[1:], len(start)) - 1
+    return start[firsts].astype(np.int64), reach[lasts].astype(np.int64)
 
 
 def rank_pairs(

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from csbp.attention.document_draw import random_document_bounds
+
 
 @dataclass(frozen=True, eq=False)
 class Documents:
@@ -85,6 +87,13 @@ def random_documents(seq_len: int, mean_length: int, generator: torch.Generator)
     starts = torch.rand(seq_len, generator=generator) < 1.0 / mean_length
     starts[0] = True
     return Documents.from_doc_ids(torch.cumsum(starts.long(), 0))
+
+
+def seeded_documents(seq_len: int, mean_length: int, seed: int) -> Documents:
+    """``random_documents`` of a fresh generator seeded with ``seed``, drawn with NumPy
+    (``csbp.attention.document_draw``, the draw ``csbp plan --doc-length`` prices)."""
+    start, stop = random_document_bounds(seq_len, mean_length, seed)
+    return Documents(start=torch.from_numpy(start), stop=torch.from_numpy(stop))
 
 
 def packed_doc_ids(documents: Documents) -> Tensor:

@@ -87,19 +87,33 @@ def context_pairs(start: np.ndarray, stop: np.ndarray) -> int:
     return int((stop - start).clip(min=0).sum())
 
 
-def context_exchange_pays(recv_rows: Sequence[int], seq_len: int, cp: int) -> bool:
-    """Whether a DFlash ring whose members would receive ``recv_rows`` context rows uses the context
-    exchange instead of the all-gather of ``(cp-1)·L/cp`` rows per member (``counts.exchange_pays``).
+def context_exchange_pays(traffic_rows: Sequence[int], seq_len: int, cp: int) -> bool:
+    """Whether a DFlash ring whose members' busier directions would move ``traffic_rows`` context
+    rows (``max(sent, received)`` per member, ``exchange_rows``) uses the context exchange instead
+    of the all-gather of ``(cp-1)·L/cp`` rows per member and direction (``counts.exchange_pays``).
     ``csbp.dflash.exchange`` calls it per sample and layer kind, the planner too."""
-    return cp > 1 and exchange_pays(recv_rows, (cp - 1) * seq_len // cp)
+    return cp > 1 and exchange_pays(traffic_rows, (cp - 1) * seq_len // cp)
 
 
 def exchange_recv_rows(seq_len: int, cp: int, member_intervals: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[int]:
     """Context rows each ring member ``d`` receives in the context exchange: the positions its live
     rows' intervals cover that its zigzag shard does not hold."""
-    out = []
+    return exchange_rows(seq_len, cp, member_intervals)[0]
+
+
+def exchange_rows(
+    seq_len: int, cp: int, member_intervals: Sequence[tuple[np.ndarray, np.ndarray]]
+) -> tuple[list[int], list[int]]:
+    """``(received, sent)`` context rows of each ring member in the context exchange: what
+    ``context_exchange_plan``'s ``recv_counts`` and ``send_counts`` sum to (a row of ``d``'s shard
+    that several members need is sent to each of them)."""
+    shards = [zigzag_array(seq_len, cp, member) for member in range(cp)]
+    received, sent = [], [0] * cp
     for member, (start, stop) in enumerate(member_intervals):
         need = interval_cover(start, stop, seq_len)
-        need[zigzag_array(seq_len, cp, member)] = False
-        out.append(int(need.sum()))
-    return out
+        need[shards[member]] = False
+        received.append(int(need.sum()))
+        for owner in range(cp):
+            if owner != member:
+                sent[owner] += int(need[shards[owner]].sum())
+    return received, sent

@@ -235,6 +235,11 @@ class WindowPlan:
         """Rows ``dest`` receives from each ring member (``output_split_sizes``)."""
         return [int(self.send[s][dest].shape[0]) for s in range(self.cp)]
 
+    def traffic_rows(self) -> list[int]:
+        """Per ring member, the rows of its busier direction: ``max(sent, received)`` (what
+        ``counts.exchange_pays`` weighs against the all-gather)."""
+        return [max(sum(self.send_counts(d)), sum(self.recv_counts(d))) for d in range(self.cp)]
+
     def send_index(self, source: int) -> Tensor:
         """Row indices into ``source``'s clean shard of its send buffer (destination-major)."""
         positions = torch.cat(list(self.send[source]))

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from csbp.atomic import write_json_atomic
-from csbp.attention.documents import Documents, random_documents
+from csbp.attention.documents import Documents, seeded_documents
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
 from csbp.cli.options import output_file, positive_int
 from csbp.devices import DEVICE_KINDS, backend_device, resolve_device
@@ -287,7 +287,7 @@ def bench_documents(seq_len: int, doc_length: int | None, seed: int, sample: int
     """The packed documents of one benchmark sample (the same on every rank), or None."""
     if doc_length is None:
         return None
-    return random_documents(seq_len, doc_length, torch.Generator().manual_seed(seed * 1009 + sample))
+    return seeded_documents(seq_len, doc_length, seed * 1009 + sample)
 
 
 def add_head_options(parser: argparse.ArgumentParser) -> None:

@@ -39,6 +39,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "csbp.cli.verify_cmd",
     "csbp.cli.generate_cmd",
     "csbp.cli.eval_cmd",
+    "csbp.cli.export_cmd",
     "csbp.cli.dflash_cmd",
     "csbp.cli.bench_cmd",
     "csbp.cli.compare_cmd",
@@ -87,8 +88,10 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(USER_ERROR_EXIT_CODE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The root parser with every subcommand registered."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The root parser with every subcommand registered, or only ``command``'s when a module
+    ``csbp.cli.<command>_cmd`` registers it (``main`` passes the command it is given, so e.g.
+    ``csbp plan`` does not import the training stack and torch; ``csbp --help`` lists all)."""
     parser = OneLineErrorParser(
         prog="csbp",
         description="Context-sharded block parallelism: train block-diffusion language models.",
@@ -96,18 +99,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"csbp {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in SUBCOMMAND_MODULES:
+    only = f"csbp.cli.{command}_cmd"
+    for module_name in (only,) if only in SUBCOMMAND_MODULES else SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``csbp`` with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else list(argv)
     try:
+        # imports the command's modules (torch: seconds on a loaded machine), so Ctrl-C often lands here
+        parser = build_parser(next((w for w in words if not w.startswith("-")), None))
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and argparse usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        print("csbp: interrupted", file=sys.stderr)
+        return 130
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
-
-import torch
 
 from csbp.atomic import unwritable_reason
 
 
 def device_option(text: str) -> str:
     """``--device``: a torch device string this machine has (``cpu``, ``cuda``, ``cuda:1``, ``mps``)."""
+    import torch  # here: commands without --device (csbp plan) do not import torch
+
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -50,7 +51,10 @@ def check_model_directory(model_dir: Path) -> Path:
     if (model_dir / "final" / "config.json").is_file():
         what = f"is a run directory (fix: --model {model_dir / 'final'}, the model it exported)"
     elif (model_dir / "trainer_state.json").is_file() or (model_dir / "latest").is_file():
-        what = "holds training checkpoints (fix: pass the run's final/ export, e.g. RUN/final)"
+        what = (
+            f"holds training checkpoints (fix: export one first, `csbp export {shlex.quote(str(model_dir))} --out DIR`, then "
+            "--model DIR; or pass the run's final/ export)"
+        )
     else:
         what = "has no config.json, so it is not a HF checkpoint directory (fix: pass one, e.g. RUN/final)"
     raise ValueError(f"--model {model_dir} {what}")
@@ -127,3 +131,15 @@ def add_deprecated_alias(
 ) -> None:
     """``old`` as a hidden spelling of the option ``current`` (same ``dest`` and ``choices``)."""
     parser.add_argument(old, dest=dest, choices=choices, action=_DeprecatedAlias, current=current)
+
+
+def add_override_argument(parser: argparse.ArgumentParser) -> None:
+    """``--set KEY=VALUE`` (repeatable), shared by every command that loads a config."""
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        dest="overrides",
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set optim.lr=3e-4 (repeatable; YAML values)",
+    )

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from csbp.atomic import write_json_atomic
-from csbp.cli.config_cmd import add_override_argument
-from csbp.cli.options import output_file, positive_int
+from csbp.cli.options import add_override_argument, output_file, positive_int
 from csbp.plan.artifact_documents import (
     SAMPLE_ROWS,
     SAMPLE_TOKENS,
@@ -37,7 +36,7 @@ from csbp.plan.calibration import Calibration, load_calibration, packaged_calibr
 from csbp.plan.documents import document_count, draft_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
-from csbp.plan.model import GIB, Prediction, uses_halo
+from csbp.plan.model import GIB, Prediction, overlap_note, uses_halo
 from csbp.plan.search import Plan, candidate_layouts, describe, rank, schedules_for, transports_for
 from csbp.plan.workload import (
     OBJECTIVES,
@@ -348,6 +347,7 @@ def format_plan(
         f"block {obj.block}) at L={seq_len:,} on {gpus}x{hw.name} ({hw.gpus_per_node}/node)"
         + _documents_note(workload, seq_len),
         f"calibration: {cal.source}",
+        overlap_note(cal),
         "",
         f"{'#':>3} {'layout':<18} {'transport':<10} {'exchange':<10} {'ckpt':<5} {'mb':>2} {'step s':>9} "
         f"{'tokens/s':>11} {'mem GiB/cap':>14} {'K/V GiB':>8} {'exposed':>8}",
@@ -405,6 +405,7 @@ def plan_json(
         "gpus": gpus,
         "hardware": hw.name,
         "calibration": cal.to_json(),
+        "overlap": overlap_note(cal),
         "why": plan.why,
         "feasible": [_prediction_json(p, workload, seq_len) for p in plan.feasible],
         "infeasible": [{**_prediction_json(p, workload, seq_len), "reason": p.oom_reason()} for p in plan.infeasible],

@@ -22,8 +22,9 @@ union of the live block rows' context intervals of ``d``'s anchor packet
 * ``transport: halo`` also plans samples with a single document (a ring member then receives
   only the rows before its last anchor);
 * and in every case only when it pays (``csbp.attention.counts.exchange_pays``, the rule the
-  planner prices and BD3's halo exchange follows too): the busiest ring member receives at most ``EXCHANGE_MAX_SHARE`` (90%) of
-  the all-gather's ``(cp−1)·L/cp`` rows; otherwise the all-gather is kept. Both collectives
+  planner prices and BD3's halo exchange follows too): the busiest ring member moves at most
+  ``EXCHANGE_MAX_SHARE`` (90%) of the all-gather's ``(cp−1)·L/cp`` rows in its busier direction
+  (sent or received); otherwise the all-gather is kept. Both collectives
   overlap the block partial (forward) and the block-diagonal backward. Every ring member evaluates the rule on the same data, so all of them pick
   the same collective.
 
@@ -114,9 +115,9 @@ def all_gather_rows(seq_len: int, cp: int) -> int:
 
 
 def exchange_pays_off(plan: WindowPlan) -> bool:
-    """``draft_counts.context_exchange_pays`` of this plan: its busiest member receives at most
-    ``counts.EXCHANGE_MAX_SHARE`` of the all-gather's rows."""
-    return context_exchange_pays([sum(plan.recv_counts(d)) for d in range(plan.cp)], plan.seq_len, plan.cp)
+    """``draft_counts.context_exchange_pays`` of this plan: its busiest member moves at most
+    ``counts.EXCHANGE_MAX_SHARE`` of the all-gather's rows in its busier direction."""
+    return context_exchange_pays(plan.traffic_rows(), plan.seq_len, plan.cp)
 
 
 def context_exchanges(

@@ -46,7 +46,10 @@ def wants_auto(config: str, overrides: Sequence[str]) -> bool:
         if config not in list_recipes():
             return False
         path = recipe_path(config)
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))  # one key is read: aliases never expand
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return False  # loading the config reports it in one line (it was a traceback)
     return isinstance(data, dict) and data.get("topology") == AUTO
 
 

@@ -3,8 +3,12 @@
 The documents are the ones ``csbp bench train|attention|dflash --doc-length N`` and ``csbp verify
 --doc-length N`` pack (``csbp.attention.documents.random_documents``, seed 0): a document starts at
 every position with probability ``1/N`` (geometric lengths of mean ``N``), and the last one is cut
-at the end of the row (a shorter document of its own). Only this import needs torch; without
-``--doc-length`` the planner stays torch-free.
+at the end of the row (a shorter document of its own). They are drawn with NumPy
+(``csbp.attention.document_draw``, the same bits as ``torch.rand``), so the planner never imports
+torch.
+
+Rows, pairs and halo rows are counted over runs of positions (``csbp.attention.run_counts``) and
+cached per layout and documents, so a 1M-token plan counts each layout once.
 
 Per local rank, with the document mask (csbp's torch-free counting, the rules the runtime plans use):
 
@@ -27,15 +31,17 @@ from functools import lru_cache
 
 import numpy as np
 
-from csbp.attention.counts import DocBounds, halo_rows
+from csbp.attention.counts import DocBounds
+from csbp.attention.document_draw import random_document_bounds
 from csbp.attention.draft_counts import (
     context_exchange_pays,
     context_pairs,
     draft_intervals,
-    exchange_recv_rows,
+    exchange_rows,
     owner_anchor_indices,
     spread_anchors,
 )
+from csbp.attention.run_counts import RankRuns, RankTotals, RowPairs, layout_runs, rank_totals, row_pairs
 
 DOCUMENT_SEED = 0
 
@@ -71,12 +77,7 @@ def packed_documents(seq_len: int, doc_length: DocumentKey) -> DocBounds:
         start, stop = doc_length.bounds()
         start.flags.writeable = stop.flags.writeable = False
         return start, stop
-    import torch
-
-    from csbp.attention.documents import random_documents
-
-    docs = random_documents(seq_len, doc_length, torch.Generator().manual_seed(DOCUMENT_SEED))
-    start, stop = docs.start.numpy().copy(), docs.stop.numpy().copy()
+    start, stop = random_document_bounds(seq_len, doc_length, DOCUMENT_SEED)
     start.flags.writeable = stop.flags.writeable = False
     return start, stop
 
@@ -87,17 +88,63 @@ def document_count(seq_len: int, doc_length: DocumentKey) -> int:
     return int((start == np.arange(seq_len)).sum())
 
 
-@lru_cache(maxsize=512)
 def document_halo_rows(
-    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey | None
 ) -> int:
     """Largest number of clean rows a ring member (any ring of the sample) receives in the halo
-    exchange of a layer (``window`` 0: full attention) over packed documents."""
-    docs = packed_documents(seq_len, doc_length)
-    return max(
-        halo_rows(seq_len, block, cp, bp, rank, window=window or None, schedule=schedule, documents=docs)  # type: ignore[arg-type]
-        for rank in range(max(cp, bp))
+    exchange of a layer (``window`` 0: full attention) over packed documents (``None``: one per row)."""
+    return max(t.halo for t in layout_totals(seq_len, block, cp, bp, schedule, window, doc_length))
+
+
+def halo_traffic_rows(
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey | None
+) -> int:
+    """Rows of the busiest direction of the busiest ring member (any ring) in a layer's halo
+    all-to-all: ``max`` over members of ``max(sent, received)``. Links are full duplex, a member's
+    sends and receives run at once, and every member waits for the whole exchange before its halo
+    partial, so this member's larger direction is the exchange's time. A member can send more than
+    any member receives: a row of its shard that several members' documents need goes to each."""
+    totals = layout_totals(seq_len, block, cp, bp, schedule, window, doc_length)
+    return max(max(t.halo, t.sent) for t in totals)
+
+
+@lru_cache(maxsize=1024)
+def layout_totals(
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey | None
+) -> tuple[RankTotals, ...]:
+    """Per local rank of layout ``cp x bp``: rows, allowed pairs and halo rows of a layer
+    (``window`` 0: full attention) over packed documents (``None``: one document per row), counted
+    over runs (``csbp.attention.run_counts``, equal to ``csbp.attention.counts`` row by row). The
+    row pairs and the ranks' runs are cached apart, shared by every layout and window that needs
+    them: planning at 1M tokens counts each once."""
+    docs = None if doc_length is None else packed_documents(seq_len, doc_length)
+    return rank_totals(
+        seq_len,
+        block,
+        cp,
+        bp,
+        schedule,  # type: ignore[arg-type]
+        window or None,
+        docs,
+        pairs=_row_pairs(seq_len, block, window, doc_length),
+        runs=_layout_runs(seq_len, block, cp, bp, schedule, doc_length, window if schedule == "balanced" else 0),
     )
+
+
+@lru_cache(maxsize=32)  # two int64 [L+1] arrays each: 16 MiB at 1M tokens
+def _row_pairs(seq_len: int, block: int, window: int, doc_length: DocumentKey | None) -> RowPairs:
+    docs = None if doc_length is None else packed_documents(seq_len, doc_length)
+    return row_pairs(seq_len, block, window or None, docs)
+
+
+@lru_cache(maxsize=8)
+def _layout_runs(
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, doc_length: DocumentKey | None, window: int = 0
+) -> tuple[RankRuns, ...]:
+    """``window`` (0: full attention) prices the ``balanced`` schedule (the caller passes 0 for the
+    others, so their runs stay shared across windows)."""
+    docs = None if doc_length is None else packed_documents(seq_len, doc_length)
+    return layout_runs(seq_len, block, cp, bp, schedule, docs, window or None)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -109,6 +156,9 @@ class DraftCounts:
         pairs: its draft rows' context pairs per layer window (``{0: full, W: sliding}``).
         recv_rows: per layer window, context rows the worst ring member receives: the context
             exchange's where it is used, else the all-gather's ``(cp-1)·L/cp``.
+        traffic_rows: per layer window, rows of the busiest direction of the busiest ring member
+            (``max(sent, received)``, what the exchange's time follows; the all-gather's rows where
+            it is kept).
         exchanged: per layer window, whether the context exchange replaces the all-gather.
     """
 
@@ -116,6 +166,7 @@ class DraftCounts:
     pairs: dict[int, int]
     recv_rows: dict[int, int]
     exchanged: dict[int, bool]
+    traffic_rows: dict[int, int]
 
 
 def draft_counts(
@@ -161,20 +212,22 @@ def _draft_counts(
     pairs = {w: context_pairs(*per_window[w][slowest]) for w in windows}
     gather = (cp - 1) * seq_len // cp if cp > 1 else 0
     wanted = cp > 1 and (transport == "halo" or (bp > 1 and transport != "streaming" and _packs(docs)))
-    recv_rows, exchanged = {}, {}
+    recv_rows, exchanged, traffic_rows = {}, {}, {}
     for w in windows:
-        worst, used = gather, False
+        worst, busiest, used = gather, gather, False
         if wanted:
             rings = range(len(owners) // cp) if bp > 1 else range(1)
-            worst = 0
+            worst = busiest = 0
             for ring in rings:
                 members = [per_window[w][ring * cp + d if bp > 1 else 0] for d in range(cp)]
-                recv = exchange_recv_rows(seq_len, cp, members)
-                pays = context_exchange_pays(recv, seq_len, cp)  # else the ring keeps the all-gather
+                recv, sent = exchange_rows(seq_len, cp, members)
+                traffic = [max(r, t) for r, t in zip(recv, sent, strict=True)]
+                pays = context_exchange_pays(traffic, seq_len, cp)  # else the ring keeps the all-gather
                 used |= pays
                 worst = max(worst, max(recv) if pays else gather)
-        recv_rows[w], exchanged[w] = worst, used
-    return DraftCounts(len(owners[slowest]), pairs, recv_rows, exchanged)
+                busiest = max(busiest, max(traffic) if pays else gather)
+        recv_rows[w], exchanged[w], traffic_rows[w] = worst, used, busiest
+    return DraftCounts(len(owners[slowest]), pairs, recv_rows, exchanged, traffic_rows)
 
 
 def _packs(docs: DocBounds) -> bool:

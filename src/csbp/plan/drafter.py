@@ -17,8 +17,11 @@ Per rank and optimizer step (``csbp.dflash.layouts`` decides who holds what):
 With packed documents (``Workload.doc_length``, ``csbp.plan.documents``) the draft rows and
 context pairs are the slowest rank's under the document mask, and where ``csbp.dflash.exchange``
 replaces the all-gather by the context exchange (CSBP; CP-only only with ``transport: halo``, the
-``cp-aware`` baseline) the K/V traffic is the exchange's received rows (csbp's step,
-``context_rows == "all"``; the published reference's ``windows`` gather is kept as it is).
+``cp-aware`` baseline) the K/V traffic is the exchange's: the busiest ring member's larger
+direction, sent or received (csbp's step, ``context_rows == "all"``; the published reference's
+``windows`` gather is kept as it is). The gather and the exchange, both started asynchronously
+and overlapped with the block partial, are exposed but for ``overlap_csbp`` (~0), CP-only included:
+``overlap_cp`` describes the published BD3 baselines, and nothing measured the drafter rings'.
 
 Memory: ``12 B`` per trainable parameter (weights, gradients, fused AdamW), the frozen vocabulary
 (embedding and head, bf16), the draft activations (no checkpointing; ``drafter_act_factor`` per
@@ -106,15 +109,19 @@ def predict_drafter(
     bwd_s = compute - fwd_s
 
     received = 0.0  # context K/V bytes a rank receives per micro-step, summed over layers
+    moved = 0.0  # ... and the busiest member's larger direction (the all-gather's: both the same)
     for g in model.groups if layout.cp > 1 else ():
         exchange = docs is not None and docs.exchanged[g.window] and obj.context_rows == "all"
         rows = mb * docs.recv_rows[g.window] if exchange else (layout.cp - 1) * context_rows  # type: ignore[union-attr]
+        busiest = mb * docs.traffic_rows[g.window] if exchange else rows  # type: ignore[union-attr]
         received += g.count * kv_row_bytes(g, p) * rows
+        moved += g.count * kv_row_bytes(g, p) * busiest
     kv_bytes = 0.0
     exposed_kv = 0.0
     if layout.cp > 1:
-        kv_bytes = accum * received * 2.0  # gather (or context exchange) + dK/dV
-        exposed_kv = kv_bytes / ring_bandwidth(layout, hw, cal)
+        kv_bytes = accum * moved * 2.0  # gather (or context exchange) + dK/dV
+        # overlap_csbp for every ring, CP-only too (overlap_cp was fitted on the BD3 baselines only)
+        exposed_kv = (1.0 - cal.overlap_csbp) * kv_bytes / ring_bandwidth(layout, hw, cal)
     trainable = model.body_params + model.extra_params
     world = layout.world
     grad_bw = (

@@ -15,9 +15,11 @@ Everything that decides a layout is counted with csbp's own torch-free arithmeti
   ``(P-1)·shard·2·Hkv·hd·bytes`` with shard = ``2L/cp`` rows (CP-only: noisy and clean) or
   ``L/cp`` (CSBP: clean only); a CSBP window layer moves only its halo. Passes: forward,
   recompute (checkpointing), dK/dV, plus the K/V re-circulation of the streaming backward.
-* bandwidth: intra-node when the ring sits inside a node (``placement``), else the network.
-  Exposure: ``(1-overlap)`` of collective traffic; streaming hides up to ``overlap_stream`` of the
-  ring's attention time.
+* bandwidth: intra-node when the ring sits inside a node (``placement``), else the network; a
+  halo all-to-all takes as long as its busiest member's larger direction (sent or received).
+  Exposure: ``(1-overlap)`` of collective traffic (``collective_overlap``: ``overlap_cp`` for the
+  generic CP-only all-gather, ``overlap_csbp`` for csbp's other async collectives, all-to-all
+  included); streaming hides up to ``overlap_stream`` of the ring's attention time.
 * step = micro-steps x (compute + exposed K/V) + exposed gradient sync + optimizer + overhead.
 * memory: model states (by sharding), activations (checkpoints plus one layer's working set, or all
   layers' activations), gathered K/V (+ fp32 dK/dV), one logits chunk, a fitted constant.
@@ -25,7 +27,7 @@ Everything that decides a layout is counted with csbp's own torch-free arithmeti
 With packed documents (``Workload.doc_length``, ``csbp.plan.documents``) the rows and pairs are
 the document mask's; CSBP full-attention layers (unless ``streaming``) and CP-only ``halo``
 (``cp-aware``: the interval kernel and the halo all-to-all, like CSBP) move only the halo rows the
-rank's documents need; plain CP-only still all-gathers ``2L/cp`` rows per member.
+ring's documents need; plain CP-only still all-gathers ``2L/cp`` rows per member.
 
 DFlash drafters have their own terms (``csbp.plan.drafter``).
 """
@@ -33,15 +35,19 @@ DFlash drafters have their own terms (``csbp.plan.drafter``).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import numpy as np
 
-from csbp.attention.counts import exchange_pays, layout_positions, position_pairs
-from csbp.attention.counts import halo_rows as rank_halo_rows
+from csbp.attention.counts import exchange_pays
 from csbp.plan.artifact_documents import DocumentSample
 from csbp.plan.calibration import Calibration
-from csbp.plan.documents import DocumentKey, document_halo_rows, packed_documents
+from csbp.plan.documents import (
+    DocumentKey,
+    document_halo_rows,
+    halo_traffic_rows,
+    layout_totals,
+    packed_documents,
+)
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Layout
 from csbp.plan.workload import LayerGroup, Workload
@@ -61,7 +67,8 @@ class Prediction:
             K/V traffic).
         exposed_comm_s: communication not hidden behind compute, per step.
         exposed_kv_s: the attention K/V part of it.
-        kv_bytes: attention K/V bytes each GPU sends per step.
+        kv_bytes: attention K/V bytes per GPU per step in the busiest direction (an all-gather
+            member's sent = received bytes; a halo all-to-all's busiest member's larger direction).
         mem_terms: peak memory per GPU by term, bytes.
         capacity_bytes: what the device may hold.
     """
@@ -107,30 +114,13 @@ class RankCounts:
     pairs: int
 
 
-@lru_cache(maxsize=512)
 def rank_counts(
     seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int, doc_length: DocumentKey | None = None
 ) -> tuple[RankCounts, ...]:
     """Per local rank of a sample, its rows and allowed pairs (``window`` 0: full attention;
     ``doc_length``: over the packed documents of ``csbp.plan.documents``, a mean or a real row)."""
-    docs = None if doc_length is None else packed_documents(seq_len, doc_length)
-    out = []
-    for rank in range(max(cp, bp)):
-        noisy, clean, _ = layout_positions(seq_len, block, cp, bp, rank, schedule, docs, window or None)  # type: ignore[arg-type]
-        noisy_pairs, clean_pairs = position_pairs(
-            noisy, clean, block_size=block, window=window or None, documents=docs
-        )
-        out.append(RankCounts(len(noisy), len(clean), noisy_pairs + clean_pairs))
-    return tuple(out)
-
-
-@lru_cache(maxsize=512)
-def halo_rows(seq_len: int, block: int, cp: int, bp: int, schedule: str, window: int) -> int:
-    """Largest number of clean rows a CSBP ring member receives in a window layer."""
-    return max(
-        rank_halo_rows(seq_len, block, cp, bp, rank, window=window or None, schedule=schedule)  # type: ignore[arg-type]
-        for rank in range(cp)
-    )
+    totals = layout_totals(seq_len, block, cp, bp, schedule, window, doc_length)
+    return tuple(RankCounts(t.noisy, t.clean, t.pairs) for t in totals)
 
 
 def kv_row_bytes(group: LayerGroup, dtype_bytes: int) -> int:
@@ -155,18 +145,19 @@ def ring_bandwidth(layout: Layout, hw: Hardware, cal: Calibration) -> float:
 
 
 def _kv_per_pass(workload: Workload, layout: Layout, seq_len: int, group: LayerGroup) -> tuple[float, float]:
-    """``(bytes sent per pass, gathered rows held)`` of one layer of ``group`` for one sample view."""
+    """``(bytes per pass, gathered rows held)`` of one layer of ``group`` for one sample view. The
+    bytes are the busiest GPU's in one direction (what the transfer's time follows): an all-gather
+    member sends and receives the same ``(cp-1)·shard`` rows; in the halo all-to-all the busiest
+    member's larger direction, sent or received (``documents.halo_traffic_rows``), while the rows it
+    holds are those it receives."""
     row = kv_row_bytes(group, workload.dtype_bytes)
     cp, kind, docs = layout.cp, layout.kind, workload.doc_length
     if uses_halo(workload, layout, group):
-        block = workload.objective.block
-        if docs is None:
-            halo = halo_rows(seq_len, block, cp, layout.bp, layout.schedule, group.window)
-        else:
-            halo = document_halo_rows(seq_len, block, cp, layout.bp, layout.schedule, group.window, docs)
+        args = (seq_len, workload.objective.block, cp, layout.bp, layout.schedule, group.window, docs)
         own = seq_len // cp * (2 if kind == "cp" else 1)  # cp-aware holds its noisy and clean rows
-        if exchange_pays([halo], (cp - 1) * own):  # the runtime's rule (transports.factory.halo_pays)
-            return float(halo * row), float(own + halo)
+        traffic = halo_traffic_rows(*args)  # type: ignore[arg-type]
+        if exchange_pays([traffic], (cp - 1) * own):  # the runtime's rule (transports.factory.halo_pays)
+            return float(traffic * row), float(own + document_halo_rows(*args))  # type: ignore[arg-type]
     if kind == "cp":
         shard = 2 * seq_len // cp
     elif kind == "csbp":
@@ -175,6 +166,35 @@ def _kv_per_pass(workload: Workload, layout: Layout, seq_len: int, group: LayerG
         return 0.0, 0.0
     held = 3 * shard if layout.transport == "streaming" else cp * shard
     return float((cp - 1) * shard * row), float(held)
+
+
+def collective_overlap(layout: Layout, cal: Calibration) -> float:
+    """Share of a ring's collective K/V traffic hidden behind compute (not ``streaming``, whose
+    hiding is bounded by its ring attention). csbp starts each of these collectives asynchronously
+    and runs the local partial meanwhile (``Comm.*(async_op=True)``): the all-gather and dK/dV
+    reduce-scatter of ``collective``, the halo/window all-to-all of CSBP and cp-aware, DFlash's
+    all-gather and context exchange; the all-to-all is modelled as the all-gather is, one share of
+    its time. The generic CP-only all-gather takes ``overlap_cp`` (fitted on the published CP-only
+    runs), every other ``overlap_csbp`` (fitted on the published CSBP runs' all-gathers: ~0; DFlash
+    drafters take it for every ring, ``csbp.plan.drafter``). How
+    much csbp's async collectives hide on a GPU is unmeasured, so no more is assumed (fail-safe:
+    an overlap assumed and absent would rank layouts by traffic they still wait for)."""
+    generic_cp = layout.kind == "cp" and layout.transport == "collective"
+    return cal.overlap_cp if generic_cp else cal.overlap_csbp
+
+
+def overlap_note(cal: Calibration) -> str:
+    """Two lines: the K/V overlap the predictions assume, and where each share comes from."""
+
+    def origin(name: str) -> str:
+        return "fitted" if name in cal.fit else "prior"
+
+    return (
+        f"overlap: CP-only all-gather hides {cal.overlap_cp:.0%} of its K/V time (overlap_cp, {origin('overlap_cp')}); "
+        f"CSBP all-gather, halo all-to-all, DFlash rings {cal.overlap_csbp:.0%} (overlap_csbp, "
+        f"{origin('overlap_csbp')});\n         streaming up to {cal.overlap_stream:.0%} of its ring attention "
+        f"(overlap_stream, {origin('overlap_stream')}); csbp's async collectives are unmeasured on GPU"
+    )
 
 
 def uses_halo(workload: Workload, layout: Layout, group: LayerGroup) -> bool:
@@ -266,8 +286,7 @@ def predict(
     if layout.transport == "streaming" and layout.cp > 1:
         exposed_kv = max(0.0, t_kv - cal.overlap_stream * attn_s)
     else:
-        overlap = cal.overlap_cp if generic_cp else cal.overlap_csbp
-        exposed_kv = (1.0 - overlap) * t_kv
+        exposed_kv = (1.0 - collective_overlap(layout, cal)) * t_kv
     share_f = passes_f / (passes_f + passes_b)
     fwd_s = fwd_c + share_f * exposed_kv
     bwd_s = bwd_c + (1 - share_f) * exposed_kv

@@ -20,9 +20,9 @@ layout carries the window, so the result is exact. ``transport`` is ignored for 
 layer: the all-to-all moves only the halo, less than either full-attention transport.
 
 Every halo (``cp-aware``, CSBP with a window or documents) is used only where it pays
-(``halo_pays``, ``counts.exchange_pays``): its busiest ring member must receive at most 90% of what
-the all-gather gives it. Otherwise (one long document, a window about as long as the row) the ring
-keeps ``CollectiveAttention`` (``StreamingAttention`` with ``transport="streaming"``), whose rows
+(``halo_pays``, ``counts.exchange_pays``): its busiest ring member must move at most 90% of what the
+all-gather moves per member, in its busier direction. Otherwise (one long document, a window about
+as long as the row) the ring keeps ``CollectiveAttention`` (``StreamingAttention`` with ``transport="streaming"``), whose rows
 carry the same mask, so the result is the same.
 
 Usage::
@@ -137,12 +137,12 @@ def build_attention(
 
 
 def halo_pays(plan: WindowPlan, kind: str) -> bool:
-    """``counts.exchange_pays`` of a halo plan: its busiest ring member receives at most
-    ``EXCHANGE_MAX_SHARE`` of the rows the all-gather gives it, ``(cp-1)·L/cp`` clean rows under CSBP,
-    ``(cp-1)·2L/cp`` noisy and clean rows in CP-only. The planner (``csbp.plan.model``) prices the
-    same rule."""
+    """``counts.exchange_pays`` of a halo plan: its busiest ring member moves at most
+    ``EXCHANGE_MAX_SHARE`` of the all-gather's rows per member and direction in its busier direction
+    (``max(sent, received)``): ``(cp-1)·L/cp`` clean rows under CSBP, ``(cp-1)·2L/cp`` noisy and
+    clean rows in CP-only. The planner (``csbp.plan.model``) prices the same rule."""
     gathered = (plan.cp - 1) * plan.seq_len * (2 if kind == "cp" else 1) // plan.cp
-    return exchange_pays([sum(plan.recv_counts(d)) for d in range(plan.cp)], gathered)
+    return exchange_pays(plan.traffic_rows(), gathered)
 
 
 def _sequence_length(topology: Topology, layout: RankLayout) -> int:
