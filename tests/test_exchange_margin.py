@@ -34,6 +34,7 @@ def test_bd3_halo_pays_for_short_documents_and_windows_only() -> None:
 def test_the_planner_prices_the_all_gather_where_the_halo_does_not_pay() -> None:
     """A window as long as the row: the runtime all-gathers, so the plan's K/V bytes are the
     all-gather's, not the halo's; a short window keeps the halo."""
+    from csbp.cli.plan_cmd import exchange_label
     from csbp.plan.layout import Layout
     from csbp.plan.model import _kv_per_pass
     from csbp.plan.workload import preset_workload
@@ -46,6 +47,7 @@ def test_the_planner_prices_the_all_gather_where_the_halo_does_not_pay() -> None
         row = 2 * group.n_kv_heads * group.head_dim * workload.dtype_bytes
         gather = (seq_len // 2) * row
         assert (sent < gather) == halo and (sent == gather) == (not halo)
+        assert exchange_label(workload, layout, seq_len) == ("halo" if halo else "clean")  # csbp plan's column
 
 
 @pytest.mark.multiprocess
