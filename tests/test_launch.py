@@ -41,6 +41,8 @@ def _hold_a_semaphore(rank: int, world: int) -> int:
     return rank
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_run_local_workers_release_their_semaphores():
     script = (
         "import sys; sys.path.insert(0, sys.argv[1]); from csbp.parallel.launch import run_local; "
