@@ -179,6 +179,9 @@ def test_interrupted_comparison_resumes(artifact: Path, tmp_path: Path, monkeypa
     ):
         with pytest.raises(ValueError, match=line):
             run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True, **change}))
+    with pytest.raises(ValueError, match=r"^run\.seed: .*\(fix: set run\.seed: 0 to resume, or compare the changed "
+                       r"config into a new --out instead of .*cmp\)$"):  # a new --out, not a run directory
+        run_compare(_bd3(artifact, **{"run.seed": 3}), CompareOptions(**{**options.__dict__, "resume": True}))
     [result] = run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True}))
     assert [p["index"] for p in result["points"]] == [0, 1, 2, 3]
     assert [p["step"] for p in result["points"][:2]] == [p.step for p in saved.points]

@@ -6,6 +6,7 @@ replaced by the checkpoint's); layout and bookkeeping changes leave the run bit-
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,15 @@ import pytest
 import torch
 
 from csbp.config.schema import OptimSection
+from csbp.data.artifact import open_artifact
+from csbp.models.decoder import Decoder
+from csbp.models.hf_io import export_hf_checkpoint
 from csbp.training import launch_training, train
+from csbp.training.input_identity import SAMPLE_BYTES, directory_fingerprint
 from csbp.training.lr_schedule import build_lr_scheduler, lr_multiplier
 from csbp.training.optim import apply_optim_config, build_optimizer
 from csbp.training.preflight import check_run
+from test_rope_config import _from, _qwen2_checkpoint
 from test_training_run import copy_run, make_artifact, metric_rows, tiny_config, trajectory
 
 
@@ -122,3 +128,39 @@ def test_bookkeeping_changes_keep_the_resume_exact(artifact: Path, run_at_step2:
     assert notes == []
     train(cfg, run_dir=run_dir, resume=True)
     assert trajectory(run_dir) == trajectory(full)
+
+
+def test_a_moved_init_from_resumes_and_a_different_one_is_refused(artifact: Path, tmp_path: Path) -> None:
+    """``model.init_from`` is identified by its contents (``input_fingerprints``), like data files:
+    a moved copy resumes, another checkpoint of the same shape does not."""
+    vocab = open_artifact(artifact).vocab_size
+    config = _qwen2_checkpoint(tmp_path / "hf", vocab).config
+    run_dir = tmp_path / "run"
+    train(tiny_config(artifact, **_from(tmp_path / "hf")), run_dir=run_dir, max_steps=1)
+    shutil.move(tmp_path / "hf", tmp_path / "moved")
+    check_run(tiny_config(artifact, **_from(tmp_path / "moved")), run_dir=run_dir, resume=True)
+    other = Decoder(config, dtype=torch.float32, seed=6)  # the same shape, other weights
+    export_hf_checkpoint(other, config, tmp_path / "other", extra_config={"max_position_embeddings": 32, "bos_token_id": 1})
+    with pytest.raises(ValueError, match=r"^model\.init_from: .* the config sets .*other \(its contents differ\); ") as caught:
+        check_run(tiny_config(artifact, **_from(tmp_path / "other")), run_dir=run_dir, resume=True)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_directory_fingerprint_reads_only_both_ends_of_each_file(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    weights = bytearray(3 * SAMPLE_BYTES)
+    (directory / "model.safetensors").write_bytes(weights)
+    first = directory_fingerprint(directory)
+    shutil.copytree(directory, tmp_path / "copy")
+    assert directory_fingerprint(tmp_path / "copy") == first
+    weights[SAMPLE_BYTES + 5] = 1  # the unread middle
+    (directory / "model.safetensors").write_bytes(weights)
+    assert directory_fingerprint(directory) == first
+    for position in (5, len(weights) - 5):  # either end
+        changed = bytearray(weights)
+        changed[position] = 1
+        (directory / "model.safetensors").write_bytes(changed)
+        assert directory_fingerprint(directory) != first
+    assert directory_fingerprint(tmp_path / "none") is None

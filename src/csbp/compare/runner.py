@@ -117,7 +117,8 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
                 check_new_run_dir(run_dir, "--out")  # only a layout run csbp wrote is removed
                 shutil.rmtree(run_dir, ignore_errors=True)  # interrupted before its first time point
             inputs = check_run(
-                layout_cfg, run_dir=run_dir, resume=resumable, stop_step=layout_cfg.train.max_steps
+                layout_cfg, run_dir=run_dir, resume=resumable, stop_step=layout_cfg.train.max_steps,
+                resume_restart=f"compare the changed config into a new --out instead of {options.out_dir}",
             )
             if inputs.val_split is None:
                 raise ValueError(

@@ -17,6 +17,7 @@ Usage::
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import pickle
 import socket
@@ -89,7 +90,20 @@ def _worker(
                 dist.barrier()
             dist.destroy_process_group()
     finally:
+        _release_multiprocessing_resources()
         os._exit(code)
+
+
+def _release_multiprocessing_resources() -> None:
+    """Run the exit finalizers that ``os._exit`` would skip: the ones multiprocessing's spawn
+    bootstrap runs after the target returns. They unlink the named semaphores the worker created
+    (tqdm's write lock, any ``multiprocessing`` lock) and unregister them from the parent's
+    resource tracker, which otherwise warns "There appear to be N leaked semaphore objects"
+    when the parent exits."""
+    try:
+        multiprocessing.util._exit_function()
+    except Exception:  # noqa: BLE001 - the worker's result is already written; exit regardless
+        traceback.print_exc()
 
 
 def run_local(

@@ -49,7 +49,7 @@ from csbp.training.checkpoint import (
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_checkpoints, step_directories
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
 from csbp.training.model_factory import decoder_config_for_run
-from csbp.training.resume_config import resume_changes
+from csbp.training.resume_config import TRAIN_RESTART, resume_changes
 
 NOISE_SCHEMES = {"rotated": "rotated_lattice", "stratified": "stratified"}
 TRAINABLE_OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "ar", "dflash")
@@ -97,11 +97,13 @@ def check_run(
     stop_step: int | None = None,
     warn: Callable[[str], None] | None = None,
     check_device: bool = True,
+    resume_restart: str = TRAIN_RESTART,
 ) -> RunInputs:
     """Validate ``cfg`` against its data (and ``run_dir`` when given: ``resume`` and the step this
     invocation stops after, default ``train.max_steps``); see the module docstring. ``warn``
     receives non-fatal findings (a damaged newest checkpoint that a resume skips). ``check_device``:
-    also refuse an attention backend that cannot train on this machine (off for offline validation)."""
+    also refuse an attention backend that cannot train on this machine (off for offline validation).
+    ``resume_restart``: the alternative a refused resume's fix offers (:func:`resume_changes`)."""
     _check_objective_layout(cfg)
     if check_device:
         check_backend_trains_on(cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu")
@@ -156,7 +158,9 @@ def check_run(
         latest = check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps, warn=warn)
         if resume and latest is not None:
             state = read_training_state(latest)
-            for note in resume_changes(state.config_yaml, cfg, latest, state.step):
+            for note in resume_changes(
+                state.config_yaml, cfg, latest, state.step, state.input_fingerprints, restart=resume_restart
+            ):
                 if warn is not None:
                     warn(note)
             check_compatible(

@@ -7,6 +7,8 @@ process starts (:func:`resume_changes`):
 * **layout and bookkeeping** (every ``topology`` field but ``window``, ``attention``, process
   counts, FSDP, activation checkpointing, logging/evaluation/checkpoint cadence, timeouts, the run's
   name and directory, where the data and tokenizer files live (their contents are fingerprinted),
+  where ``model.init_from`` and the DFlash target and feature store live when the moved directory
+  has the fingerprint the checkpoint recorded (:mod:`csbp.training.input_identity`),
   ``data.val``, ``model.dtype`` of the export): free. A layout change is exact (every layout
   computes the one-process loss and gradients);
 * **the optimisation from here on** (``optim``, ``train.max_steps``, the global batch
@@ -27,6 +29,7 @@ from typing import Any
 
 from csbp.config.loading import read_yaml_text
 from csbp.config.schema import DOCUMENT_MASK_DEFAULTS, RunConfig
+from csbp.training.input_identity import IDENTIFIED_BY_CONTENT, directory_fingerprint
 
 #: fields (dotted) or sections (ending in ".") that a resume may change freely
 FREE = (
@@ -59,6 +62,11 @@ APPLIED = (
     "topology.dp",
     "train.precision",
 )
+#: the fix's alternative to undoing a refused change, for ``csbp train --resume``
+TRAIN_RESTART = (
+    "start a new run directory from an export of it: csbp export RUN --out DIR, then model.init_from: DIR"
+)
+
 #: mappings compared (and named) as one value
 LEAF_MAPPINGS = ("rope_scaling",)
 #: free-section fields that change what the model computes
@@ -90,9 +98,19 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(name == p or (p.endswith(".") and name.startswith(p)) for p in patterns)
 
 
-def resume_changes(saved_yaml: str, cfg: RunConfig, checkpoint: Path, step: int) -> list[str]:
+def resume_changes(
+    saved_yaml: str,
+    cfg: RunConfig,
+    checkpoint: Path,
+    step: int,
+    fingerprints: dict[str, str] | None = None,
+    restart: str = TRAIN_RESTART,
+) -> list[str]:
     """The note lines for the applied changes between the checkpoint's config (``saved_yaml``) and
-    ``cfg``; ``ValueError`` (one line) naming the first refused change."""
+    ``cfg``; ``ValueError`` (one line) naming the first refused change. ``fingerprints`` are the
+    checkpoint's recorded ``input_fingerprints``: a directory field naming a copy with the same
+    contents is no change. ``restart``: the fix's other way out, for the command resuming (a new
+    run directory for ``csbp train``, a new ``--out`` for ``csbp compare``)."""
     loaded = read_yaml_text(saved_yaml, source=f"{checkpoint}/trainer_state.json config_yaml") if saved_yaml else None
     if not isinstance(loaded, dict):
         return []  # nothing recorded to compare against
@@ -105,12 +123,17 @@ def resume_changes(saved_yaml: str, cfg: RunConfig, checkpoint: Path, step: int)
         old, new = before.get(name), after.get(name)
         if old == new or (isinstance(old, list) and isinstance(new, (list, tuple)) and list(old) == list(new)):
             continue
+        recorded = (fingerprints or {}).get(name)
+        if recorded is not None and isinstance(new, str) and directory_fingerprint(Path(new)) == recorded:
+            continue  # the same directory, moved or copied
         if _refused(name, old, new):
+            contents = ""
+            if name in IDENTIFIED_BY_CONTENT and isinstance(new, str):
+                contents = " (its contents differ)" if recorded else " (no content fingerprint recorded)"
             raise ValueError(
                 f"{name}: checkpoint {checkpoint} (step {step}) was trained with {name}={_text(old)}, the config "
-                f"sets {_text(new)}; a resume continues the same training (fix: set {name}: {_text(old)} to "
-                "resume, or start a new run directory from an export of it: csbp export RUN --out DIR, then "
-                "model.init_from: DIR)"
+                f"sets {_text(new)}{contents}; a resume continues the same training (fix: set {name}: {_text(old)} to "
+                f"resume, or {restart})"
             )
         if _matches(name, APPLIED):
             notes.append(f"resume: {name} {_text(old)} -> {_text(new)} from step {step} on")

@@ -61,6 +61,7 @@ from csbp.training.checkpoint import (
 from csbp.training.dflash_step import DFlashStepRunner
 from csbp.training.drafter import build_drafter, dflash_eval_hint, export_drafter
 from csbp.training.export import export_decoder
+from csbp.training.input_identity import input_fingerprints
 from csbp.training.lr_schedule import build_lr_scheduler
 from csbp.training.metrics import MetricsWriter, peak_memory_bytes
 from csbp.training.model_factory import build_model
@@ -74,6 +75,7 @@ from csbp.training.parallelize import (
     unwrapped_copy,
 )
 from csbp.training.preflight import RunInputs, check_run
+from csbp.training.resume_config import flat_config
 from csbp.training.sample import sample_after_training
 from csbp.training.step import EvalResult, StepRunner
 from csbp.training.summary import TrainSummary
@@ -318,6 +320,10 @@ class _Loop:
     val_nelbos: list[tuple[int, float]] = field(default_factory=list)
     last_step: int = 0
     _skipped_in_a_row: int = 0
+    _input_fingerprints: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._input_fingerprints = input_fingerprints(flat_config(self.cfg.model_dump(mode="json")))
 
     def run(self, start_step: int, stop_step: int, started: float) -> Path | None:
         train_cfg = self.cfg.train
@@ -437,6 +443,7 @@ class _Loop:
             param_shapes=param_shapes(self.model),
             topology=self.cfg.topology.model_dump(mode="json"),
             config_yaml=dump_config(self.cfg),
+            input_fingerprints=self._input_fingerprints,
         )
         return save_checkpoint(
             self.run_dir,
