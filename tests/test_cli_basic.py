@@ -41,6 +41,20 @@ def test_every_registered_module_exposes_register() -> None:
         assert callable(importlib.import_module(name).register), name
 
 
+def test_ctrl_c_while_the_command_starts_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Building the parser imports torch (seconds on a loaded machine): Ctrl-C there printed a
+    traceback of the import machinery."""
+
+    def interrupted(command: str | None = None) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module("csbp.cli.main"), "build_parser", interrupted)
+    assert main(["recipes", "list"]) == 130
+    assert capsys.readouterr().err == "csbp: interrupted\n"
+
+
 def test_argparse_usage_errors_return_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "recipes", "frobnicate")
     assert code == 2 and "invalid choice" in err

@@ -15,7 +15,7 @@ import pytest
 from csbp.cli.main import main
 from csbp.compare import CompareOptions, layout_config, run_compare
 from csbp.compare import budget as budget_module
-from csbp.compare.report import format_table, plot_compare
+from csbp.compare.report import budget_notes, format_table, plot_compare
 from csbp.compare.runner import metric_of
 from csbp.config import ConfigError, config_from_dict
 from csbp.data import open_artifact
@@ -173,6 +173,15 @@ def test_interrupted_comparison_resumes(artifact: Path, tmp_path: Path, monkeypa
     assert saved is not None and len(saved.points) == 2
     with pytest.raises(ValueError, match="is not empty .*--resume"):
         run_compare(cfg, options)
+    for change, line in (  # the layouts so far were measured under the first budget, points and nproc
+        ({"budget_s": 2.0}, r"--budget-s 2: the comparison in .* was started with --budget-s 0\.6, .*\(fix: --budget-s 0\.6 "),
+        ({"points": 4}, r"--points 4: .* started with --points 3"),
+    ):
+        with pytest.raises(ValueError, match=line):
+            run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True, **change}))
+    with pytest.raises(ValueError, match=r"^run\.seed: .*\(fix: set run\.seed: 0 to resume, or compare the changed "
+                       r"config into a new --out instead of .*cmp\)$"):  # a new --out, not a run directory
+        run_compare(_bd3(artifact, **{"run.seed": 3}), CompareOptions(**{**options.__dict__, "resume": True}))
     [result] = run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True}))
     assert [p["index"] for p in result["points"]] == [0, 1, 2, 3]
     assert [p["step"] for p in result["points"][:2]] == [p.step for p in saved.points]
@@ -217,3 +226,17 @@ def test_dflash_compare_reports_acceptance_length(artifact: Path, tmp_path: Path
         assert {"accept_rate_1", "accept_rate_3"} <= set(last["metrics"])
         assert (Path(options.out_dir) / result["layout"] / "final" / "config.json").is_file()
     assert cp["points"][0]["metric"] == csbp["points"][0]["metric"]  # same untrained drafter
+
+
+def test_a_layout_stopped_by_max_steps_before_its_budget_is_noted() -> None:
+    """Both layouts of a short recipe stop at train.max_steps long before the budget: the table's
+    'at the budget' line would compare equal steps, so a note says so and how to fix it."""
+    results = [
+        {"layout": "cp", "steps": 6, "clock_s": 1.1, "points": []},
+        {"layout": "csbp", "steps": 4, "clock_s": 8.0, "points": []},
+    ]
+    assert budget_notes(results, budget_s=8.0, max_steps=6) == [
+        "note: cp reached train.max_steps=6 after 1.1 s of its 8 s budget, so its last point is not at the "
+        "budget (fix: raise it, e.g. --set train.max_steps=66)"
+    ]
+    assert budget_notes(results, budget_s=1.0, max_steps=6) == []

@@ -413,8 +413,12 @@ def test_file_level_errors(tmp_path: Path) -> None:
     empty.write_text("", encoding="utf-8")
     with pytest.raises(ConfigError) as info:
         load_config(empty)
+    assert any(  # a missing section names the keys it needs (it said "add run: Run identity.")
+        line.endswith("run: required section is missing (fix: add the `run:` section with at least name)")
+        for line in info.value.lines
+    )
     assert any(
-        line.endswith("run: required key is missing (fix: add run: Run identity.)")
+        line.endswith("optim: required section is missing (fix: add the `optim:` section with at least lr)")
         for line in info.value.lines
     )
 

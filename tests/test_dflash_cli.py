@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -364,3 +365,29 @@ def test_dtype_flags_match_the_other_commands_and_old_spellings_still_parse(
         "eval"
     ].format_help()
     assert "--dtype" in help_text and "--model-dtype" not in help_text
+
+
+def test_a_target_with_another_rope_is_refused_before_any_work(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same weights under another RoPE (here linear x2) are another target: prepare-features for
+    the drafter and dflash eval refuse them with one line instead of capturing / reporting."""
+    scaled = tmp_path / "scaled target"
+    shutil.copytree(workspace["target"], scaled)
+    config = json.loads((scaled / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    config.pop("rope_parameters", None)
+    (scaled / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "features"
+    argv = ["dflash", "prepare-features", "--target", str(scaled), "--data", str(workspace["artifact"]),
+            "--out", str(out), "--drafter", str(workspace["drafter"])]
+    assert run_cli(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"csbp: error: --drafter {workspace['drafter']}: drafter RoPE (theta=10000, no scaling) "
+                           "differs from the target's (theta=10000, linear: factor=2.0)")
+    assert not out.exists()
+    assert run_cli(["dflash", "eval", "--target", str(scaled), "--drafter", str(workspace["drafter"]),
+                    "--data", str(workspace["artifact"])]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "drafter RoPE" in line and line.endswith("(fix: pass the target it was trained against, the "
+                                                   "objective.dflash.target of its run)")

@@ -17,8 +17,8 @@ from csbp.dflash.exchange import (
     context_exchange_plan,
     context_exchange_wanted,
     context_exchanges,
+    exchange_pays_off,
     exchanged_rows,
-    moves_fewer_rows,
     packs_documents,
     ring_member_layouts,
 )
@@ -110,10 +110,28 @@ def test_an_exchange_that_saves_nothing_keeps_the_all_gather() -> None:
     zeros = torch.zeros(BLOCK, dtype=torch.long)
     sees_all = Rows(zeros, zeros.bool(), zeros, zeros, zeros + SEQ_LEN, torch.ones(BLOCK, dtype=torch.bool))
     plan = context_exchange_plan(SEQ_LEN, layout, [sees_all, sees_all], block_size=BLOCK)
-    assert exchanged_rows(plan) == all_gather_rows(SEQ_LEN, 2) and not moves_fewer_rows(plan)
+    assert exchanged_rows(plan) == all_gather_rows(SEQ_LEN, 2) and not exchange_pays_off(plan)
     dead = Rows(zeros, zeros.bool(), zeros, zeros, zeros + SEQ_LEN, torch.zeros(BLOCK, dtype=torch.bool))
     plan = context_exchange_plan(SEQ_LEN, layout, [dead, sees_all], block_size=BLOCK)
-    assert plan.recv_counts(0) == [0, 0] and moves_fewer_rows(plan)  # dead rows need nothing
+    assert plan.recv_counts(0) == [0, 0] and exchanged_rows(plan) == all_gather_rows(SEQ_LEN, 2) // 2
+    assert not exchange_pays_off(plan)  # half the ring's rows, but member 1 still receives all of member 0's
+    assert SEQ_LEN == 64  # member 1 reads [0, stop): of member 0's shard [0, 16) ∪ [48, 64), 16 + stop - 48 rows
+    for stop, pays in ((64, False), (61, False), (60, True)):  # 32, 29 and 28 of 32 rows: 90% is 28.8
+        reads = Rows(zeros, zeros.bool(), zeros, zeros, zeros + stop, torch.ones(BLOCK, dtype=torch.bool))
+        plan = context_exchange_plan(SEQ_LEN, layout, [dead, reads], block_size=BLOCK)
+        assert exchange_pays_off(plan) == pays, (stop, plan.recv_counts(1))
+
+
+def test_the_exchange_pays_only_with_a_margin() -> None:
+    """The shared rule: the busiest member must receive at most 90% of the all-gather's rows."""
+    from csbp.attention.counts import EXCHANGE_MAX_SHARE, exchange_pays
+    from csbp.attention.draft_counts import context_exchange_pays
+
+    gather = 3 * 64 // 4
+    assert EXCHANGE_MAX_SHARE == 0.9 and exchange_pays([9, 0], 10) and not exchange_pays([0, 10], 10)
+    assert context_exchange_pays([0, 0, 43, 0], 64, 4) and not context_exchange_pays([0, 0, 44, 0], 64, 4)  # 43.2
+    assert not context_exchange_pays([gather - 1] * 4, 64, 4)  # 2% fewer rows: a wash, keep the all-gather
+    assert not context_exchange_pays([0], 64, 1)
 
 
 def test_one_plan_per_layer_kind_and_short_documents_move_little() -> None:

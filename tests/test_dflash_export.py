@@ -142,3 +142,27 @@ def test_load_validation_errors(tmp_path: Path) -> None:
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match="missing"):
         load_dflash(out, target)
+
+
+def test_a_drafter_refuses_a_target_with_another_rope(tmp_path: Path) -> None:
+    """A drafter rotates at its target's positions with the target's RoPE: a target whose scaling
+    (or base) differs is refused with one line naming both, while an equivalent spelling loads."""
+    from csbp.models.rope import RopeScaling
+
+    yarn = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=16)
+    target_config = DecoderConfig(**{**TARGET_CONFIG.__dict__, "rope_scaling": yarn})
+    target = Decoder(target_config)
+    _, drafter = build_models(DFlashVerifyCase())
+    drafter_config = type(drafter.config)(**{**drafter.config.__dict__, "rope_scaling": yarn})
+    out = export_dflash(type(drafter)(drafter_config), tmp_path / "d")
+    for other, shown in (
+        (DecoderConfig(**{**TARGET_CONFIG.__dict__, "rope_scaling": None}), "no scaling"),
+        (DecoderConfig(**{**target_config.__dict__, "rope_theta": 5e5}), "theta=500000"),
+        (DecoderConfig(**{**TARGET_CONFIG.__dict__, "rope_scaling": RopeScaling(rope_type="linear", factor=4.0)}), "linear"),
+    ):
+        with pytest.raises(ValueError, match=rf"drafter {out}: drafter RoPE \(theta=.*yarn: factor=4\.0.*\) differs from the target's \(.*{shown}.*fix: pass the target it was trained against") as caught:
+            load_dflash(out, Decoder(other))
+        assert "\n" not in str(caught.value)
+    spelled = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0)
+    load_dflash(out, Decoder(DecoderConfig(**{**target_config.__dict__, "rope_scaling": spelled})))
+    load_dflash(out, target)

@@ -326,6 +326,13 @@ def test_cli_prints_prompt_and_completion(checkpoint: Path, capsys: pytest.Captu
     args = parse([*argv, *"--temperature 0.8 --top-k 5 --seed 2 --objective fast_dllm_v2".split()])
     assert args.func(args) == 0
     assert "[fast_dllm_v2, 10 tokens" in capsys.readouterr().out
+    # a model without a training record (no run config.yaml, no csbp_training) says what it assumes
+    argv = ["generate", "--model", str(checkpoint), "--prompt", "the", "--device", "cpu", "--max-new-tokens", "2"]
+    assert parse(argv).func(parse(argv)) == 0
+    assert capsys.readouterr().err == (
+        f"csbp generate: {checkpoint} records no training settings; sampling as bd3 with block size 16 "
+        "(pass --objective and --block-size to choose)\n"
+    )
 
 
 def test_cli_takes_objective_and_block_size_from_the_run_config(

@@ -1,12 +1,20 @@
-"""The local launcher returns per-rank results and surfaces worker errors."""
+"""The local launcher returns per-rank results, surfaces worker errors, listens on loopback only
+and leaves no multiprocessing semaphore behind."""
 
 from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from csbp.parallel.launch import WorkerError, run_local
+from test_security import listening_addresses, not_loopback
 
 
 def _sum_ranks(rank: int, world: int) -> float:
@@ -20,8 +28,40 @@ def _fail_on_one(rank: int, world: int) -> None:
         raise ValueError("boom")
 
 
-def test_run_local_all_reduce():
-    assert run_local(_sum_ranks, 3) == [3.0, 3.0, 3.0]
+def _sum_ranks_and_listeners(rank: int, world: int) -> tuple[float, list[str]]:
+    return _sum_ranks(rank, world), listening_addresses([os.getpid()])  # after the collective: all up
+
+
+_HELD: list[object] = []
+
+
+def _hold_a_semaphore(rank: int, world: int) -> int:
+    """Like tqdm's write lock: a named semaphore alive until the worker exits."""
+    _HELD.append(multiprocessing.get_context("spawn").Lock())
+    return rank
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_run_local_workers_release_their_semaphores():
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from csbp.parallel.launch import run_local; "
+        "from test_launch import _hold_a_semaphore; assert run_local(_hold_a_semaphore, 2) == [0, 1]"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(Path(__file__).parent)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr  # the parent's resource tracker at exit
+
+
+def test_run_local_all_reduce_with_every_socket_on_loopback():
+    results = run_local(_sum_ranks_and_listeners, 3)
+    assert [total for total, _ in results] == [3.0, 3.0, 3.0]
+    addresses = [address for _, found in results for address in found]
+    assert results[0][1], "rank 0 hosts the key-value store"
+    assert not_loopback(addresses) == [], addresses  # the store and gloo listen on 127.0.0.1 only
 
 
 def test_run_local_reports_rank_error():

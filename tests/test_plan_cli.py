@@ -297,6 +297,10 @@ def test_topology_auto_resolves_to_a_valid_layout_for_nproc(capsys) -> None:
     resolved = resolve_auto_topology("demo", overrides, nproc=4)
     out = capsys.readouterr().out
     assert out.startswith("topology: auto -> ") and "predicted" in out and "GiB per process" in out
+    assert "; overlap: no K/V ring; " in out  # data parallel: nothing to hide
+    resolve_auto_topology("demo", [*overrides, "data.seq_len=65536", "train.micro_batch_size=1"], nproc=4)
+    out = capsys.readouterr().out  # a ring: the share csbp plan's overlap: line spells out
+    assert "-> dp2/cp2/bp2 streaming" in out and "; overlap: 0% of K/V traffic hidden (overlap_csbp, streaming up to 80%" in out
     cfg = load_run_config("demo", resolved)
     assert cfg.world_size == 4
     with pytest.raises(ValueError, match="--nproc N"):

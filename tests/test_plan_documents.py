@@ -218,7 +218,7 @@ def test_drafter_traffic_and_received_memory_follow_the_context_exchange() -> No
     an all-gather receives ``(cp-1)·L/cp`` rows, the context exchange its plan's rows."""
     seq_len, hw, cal = 64 * 1024, hardware("h100", gpus=8), packaged_calibration("h100")
     plain = preset_workload("dflash2-qwen3.8").with_options(drafter_context="all")
-    docs = plain.with_options(doc_length=2048)
+    docs = plain.with_options(doc_length=512)
     model, p = plain.model, plain.dtype_bytes
     layout = Layout(2, 4, 4)
     gather = predict(plain, layout, seq_len, hw, cal)
@@ -226,13 +226,19 @@ def test_drafter_traffic_and_received_memory_follow_the_context_exchange() -> No
     assert gather.mem_terms["received context K/V"] == 3 * seq_len // 4 * row_bytes
     assert gather.kv_bytes == 2 * gather.mem_terms["received context K/V"]  # gather + dK/dV
     windows = tuple(sorted({g.window for g in model.groups}))
-    counts = draft_counts(seq_len, 2048, block=plain.objective.block, anchors=plain.objective.anchors, cp=4, bp=4,
+    counts = draft_counts(seq_len, 512, block=plain.objective.block, anchors=plain.objective.anchors, cp=4, bp=4,
                           transport="collective", windows=windows)
     exchanged = predict(docs, layout, seq_len, hw, cal)
     expected = sum(g.count * 2 * g.n_kv_heads * g.head_dim * p * counts.recv_rows[g.window] for g in model.groups)
     assert all(counts.exchanged.values())
     assert exchanged.mem_terms["received context K/V"] == expected < gather.mem_terms["received context K/V"]
     assert "received context K/V" not in predict(docs, Layout(2, 1, 4), seq_len, hw, cal).mem_terms  # no ring
+    # 2048-token documents: the busiest member would move over 90% of the all-gather's rows; not worth it
+    longer = draft_counts(seq_len, 2048, block=plain.objective.block, anchors=plain.objective.anchors, cp=4, bp=4,
+                          transport="collective", windows=windows)
+    assert not any(longer.exchanged.values()) and longer.recv_rows == {w: 3 * seq_len // 4 for w in windows}
+    assert predict(plain.with_options(doc_length=2048), layout, seq_len, hw, cal).mem_terms[
+        "received context K/V"] == gather.mem_terms["received context K/V"]
 
 
 @pytest.mark.parametrize("objective", ["mdlm", "ar"])

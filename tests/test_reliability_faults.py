@@ -1,4 +1,5 @@
-"""Faults during a run: a stalled rank, Ctrl-C and SIGTERM, planted pickles, damaged checkpoints,
+"""Faults during a run: a stalled rank, Ctrl-C and SIGTERM, SIGKILL during a checkpoint save, planted
+pickles, damaged checkpoints,
 non-finite steps, ``--overwrite`` of directories csbp did not write, and what a run leaves behind.
 
 The multi-process tests launch ``csbp train`` as a subprocess (its own session, ``TMPDIR`` pointing
@@ -25,9 +26,10 @@ import yaml
 from csbp.cli.main import main
 from csbp.data.prepare import PrepareConfig, prepare_artifact
 from csbp.training import launch_training, train
-from csbp.training.checkpoint_integrity import read_metadata, safe_dcp_load
+from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata, safe_dcp_load
 from csbp.training.step import StepRunner
 from csbp.training.trainer import NonFiniteTraining
+from test_security import listening_addresses, not_loopback
 from test_training_run import config_dict, make_artifact, tiny_config
 
 CSBP = [sys.executable, "-m", "csbp.cli.main"]
@@ -196,6 +198,48 @@ def test_ctrl_c_and_sigterm_end_with_one_line_and_the_run_resumes(artifact: Path
     time.sleep(0.5)
     assert not any(alive(pid) for pid in workers)
     assert not leftovers(tmp_path / "tmp"), "the launch left files in the temp directory"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_save_keeps_the_last_one_and_the_run_resumes(artifact: Path, tmp_path: Path) -> None:
+    """A real 2-process ``csbp train`` saving every step is SIGKILLed (launcher and workers at once)
+    while a ``step_N.tmp`` staging directory exists; ``latest`` still names an intact checkpoint, a
+    torn ``metrics.jsonl`` line is tolerated, and ``--resume`` continues one trajectory. The live
+    run's sockets also show the single-node stores listening on loopback only."""
+    run_dir = tmp_path / "run"
+    root = run_dir / "checkpoints"
+    process = start_run(artifact, tmp_path, run_dir)
+    killed_mid_save = False
+    try:
+        wait_for_checkpoint(process, run_dir)
+        addresses = listening_addresses([process.pid, *worker_pids(process.pid)])
+        assert addresses and not_loopback(addresses) == [], addresses
+        deadline = time.monotonic() + 120
+        while not killed_mid_save and time.monotonic() < deadline and process.poll() is None:
+            if any(name.endswith(".tmp") for name in os.listdir(root)):
+                os.killpg(process.pid, signal.SIGKILL)
+                killed_mid_save = True
+            time.sleep(0.001)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+    assert killed_mid_save, "no checkpoint save was seen in progress"
+    named = root / (root / "latest").read_text().strip()
+    assert checkpoint_problem(named) is None
+    step = latest_step(run_dir)
+    with open(run_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        handle.write('{"step": 99999, "loss": 1.')  # what a kill during the append leaves
+
+    process = start_run(artifact, tmp_path, run_dir, "--resume", "--max-steps", str(step + 1))
+    code, err = finish(process, 240)
+    assert code == 0, err[-2000:]
+    assert latest_step(run_dir) == step + 1
+    assert not list(root.glob("*.tmp")), "the interrupted save's staging directory was left"
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [record["step"] for record in records]
+    assert steps == list(range(steps[0], step + 2)), steps  # one trajectory, the torn line gone
 
 
 # ----------------------------------------------------------------------------- checkpoints

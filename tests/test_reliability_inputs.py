@@ -145,10 +145,46 @@ def config_with(fx: Fixtures, path: Path, **changes: object) -> Path:
     return write(path, yaml.safe_dump(data))
 
 
+def symlink(link: Path, target: Path) -> Path:
+    link.symlink_to(target, target_is_directory=True)
+    return link
+
+
 def broken_model(fx: Fixtures, target: Path, damage: Callable[[Path], None]) -> Path:
     shutil.copytree(fx.model, target)
     damage(target)
     return target
+
+
+def forged_manifest(fx: Fixtures, target: Path, change: Callable[[dict], object]) -> Path:
+    """A copy of the artifact whose manifest ``change`` edits (or replaces: a non-None return)."""
+    fx.copy_artifact(target)
+    manifest = json.loads((target / "manifest.json").read_text())
+    replaced = change(manifest)
+    write(target / "manifest.json", json.dumps(manifest if replaced is None else replaced))
+    return target
+
+
+def set_in(path: tuple[str, ...], value: object) -> Callable[[dict], None]:
+    def change(manifest: dict) -> None:
+        node = manifest
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+
+    return change
+
+
+def forged_safetensors(header: bytes, payload: bytes = b"\0" * 16) -> Callable[[Path], None]:
+    """Replace a model's weights with a safetensors file of this raw header."""
+    return lambda m: write(m / "model.safetensors", len(header).to_bytes(8, "little") + header + payload)
+
+
+ABSURD_SHAPE = json.dumps({"w": {"dtype": "F32", "shape": [10**12, 10**12], "data_offsets": [0, 16]}}).encode()
+YAML_ALIAS_BOMB = "\n".join(
+    ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 13)]
+) + "\nrun: {name: bomb}\n"
 
 
 Setup = Callable[[Fixtures, Path], list[str]]
@@ -274,6 +310,22 @@ CASES: list[Case] = [
     Case("config-seq-len-not-the-artifacts", lambda fx, w: ["config", "validate", str(fx.config), "--set", "data.seq_len=64"], "data.seq_len"),
     Case("compare-budget-0", lambda fx, w: ["compare", str(fx.config), "--budget-s", "0"], "--budget-s"),
     Case("verify-window-0", lambda fx, w: ["verify", "--nproc", "2", "--window", "0"], "--window"),
+    # ------------------------------------------------------------------ security: forged inputs, bounded work
+    Case("train-yaml-syntax", lambda fx, w: ["train", str(write(w / "c.yaml", "run: [1,\n")), "--run-dir", "r"], "c.yaml"),
+    Case("config-yaml-alias-bomb", lambda fx, w: ["config", "validate", str(write(w / "bomb.yaml", YAML_ALIAS_BOMB))], "anchors/aliases"),
+    Case("inspect-manifest-rows-1e12", lambda fx, w: ["data", "inspect", str(forged_manifest(fx, w / "a", set_in(("splits", "train", "rows"), 10**12)))], "train.tokens.bin"),
+    Case("inspect-manifest-vocab-1e15", lambda fx, w: ["data", "inspect", str(forged_manifest(fx, w / "a", set_in(("tokenizer", "vocab_size"), 10**15)))], "tokenizer.vocab_size"),
+    Case("inspect-manifest-seq-len-text", lambda fx, w: ["data", "inspect", str(forged_manifest(fx, w / "a", set_in(("seq_len",), "32")))], "seq_len"),
+    Case("inspect-manifest-not-object", lambda fx, w: ["data", "inspect", str(forged_manifest(fx, w / "a", lambda m: [m]))], "manifest.json"),
+    Case("train-manifest-vocab-forged", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(forged_manifest(fx, w / "a", set_in(("tokenizer", "vocab_size"), 10**9)))})), "--run-dir", "r"], "tokenizer.vocab_size"),
+    Case("generate-safetensors-absurd-shape", lambda fx, w: ["generate", "--model", str(broken_model(fx, w / "m", forged_safetensors(ABSURD_SHAPE))), "--prompt", "a"], "model.safetensors"),
+    Case("generate-safetensors-huge-header", lambda fx, w: ["generate", "--model", str(broken_model(fx, w / "m", lambda m: write(m / "model.safetensors", (2**62).to_bytes(8, "little") + b"{}"))), "--prompt", "a"], "model.safetensors"),
+    Case("train-run-dir-is-the-artifact", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(fx.copy_artifact(w / "a"))})), "--run-dir", str(w / "a")], "manifest.json"),
+    Case("train-run-dir-foreign", lambda fx, w: ["train", str(fx.config), "--run-dir", str(write(w / "mine" / "notes.txt", "x").parent)], "notes.txt"),
+    Case("compare-resume-foreign-layout-dir", lambda fx, w: ["compare", str(fx.config), "--layouts", "data", "--nproc", "1", "--budget-s", "5", "--out", str(write(w / "o" / "data" / "notes.txt", "x").parent.parent), "--resume"], "notes.txt"),
+    Case("prepare-overwrite-symlink", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", str(symlink(w / "link", fx.copy_artifact(w / "a"))), "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "symbolic link"),
+    Case("prepare-jsonl-nested-deep", lambda fx, w: ["data", "prepare", str(write(w / "deep.jsonl", "[" * 200_000 + "]" * 200_000 + "\n")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "deep.jsonl:1"),
+    Case("prepare-overwrite-root", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "/", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "working directory"),
 ]
 
 
@@ -308,4 +360,4 @@ def test_bad_input_fails_closed(
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 97 and len({case.name for case in CASES}) == len(CASES)
+    assert len(CASES) >= 112 and len({case.name for case in CASES}) == len(CASES)

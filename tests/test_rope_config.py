@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from csbp.cli.config_cmd import summary_rows
 from csbp.config import config_from_dict, dump_config
 from csbp.data import open_artifact
 from csbp.models import CausalAttention, Decoder, DecoderConfig, export_hf_checkpoint, load_hf_checkpoint
@@ -98,6 +99,8 @@ def test_init_from_takes_the_runs_rope(artifact: Path, tmp_path: Path) -> None:
                                   source.logits(source(ids, positions, CausalAttention())), atol=1e-3)
     unchanged = decoder_config_for_run(tiny_config(artifact, **_from(tmp_path / "hf")), open_artifact(artifact))
     assert unchanged == source.config  # nothing set: the checkpoint's RoPE
+    # `csbp config validate` names the checkpoint's family, not the unused model.arch default (qwen3)
+    assert dict(summary_rows(cfg))["model"] == f"Qwen2ForCausalLM from {tmp_path / 'hf'}, RoPE replaced by yarn x4"
 
 
 def test_training_run_records_the_rope_in_its_config_and_export(artifact: Path, tmp_path: Path) -> None:

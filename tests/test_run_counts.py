@@ -34,7 +34,7 @@ def _documents(mean: int | None, seed: int):
 def _slow(cp: int, bp: int, schedule: str, window: int | None, docs) -> list[tuple[int, int, int, int]]:
     out = []
     for rank in range(max(cp, bp)):
-        noisy, clean, _ = layout_positions(SEQ_LEN, BLOCK, cp, bp, rank, schedule, docs)  # type: ignore[arg-type]
+        noisy, clean, _ = layout_positions(SEQ_LEN, BLOCK, cp, bp, rank, schedule, docs, window)  # type: ignore[arg-type]
         n_pairs, c_pairs = position_pairs(noisy, clean, block_size=BLOCK, window=window, documents=docs)
         halo = halo_rows(SEQ_LEN, BLOCK, cp, bp, rank, window=window, schedule=schedule, documents=docs)  # type: ignore[arg-type]
         out.append((len(noisy), len(clean), n_pairs + c_pairs, halo))
@@ -72,12 +72,14 @@ def test_merged_runs_are_the_interval_cover() -> None:
         assert np.all(begin[1:] > end[:-1])  # disjoint, sorted, not touching
 
 
-def _balanced_by_rows(cp: int, bp: int, docs) -> tuple:
-    """``counts.document_schedule`` as it priced units before: every row, ``interval_cover``."""
+def _balanced_by_rows(cp: int, bp: int, docs, window: int | None = None) -> tuple:
+    """``counts.document_schedule`` as it priced units before: every row, ``interval_cover`` (the
+    pairs under ``window``; BP-only's recomputed prefix is the whole document prefix regardless)."""
     positions = np.arange(SEQ_LEN, dtype=np.int64)
-    n_start, n_stop, _, c_stop = document_bounds(positions, positions, BLOCK, None, docs)
-    row_pairs = (n_stop - n_start).clip(min=0) + segment_lengths(positions, BLOCK, docs)
-    clean_pairs = (c_stop - n_start).clip(min=0)
+    n_start, n_stop, _, _ = document_bounds(positions, positions, BLOCK, None, docs)
+    w_start, w_stop, c_start, c_stop = document_bounds(positions, positions, BLOCK, window, docs)
+    row_pairs = (w_stop - w_start).clip(min=0) + segment_lengths(positions, BLOCK, docs)
+    clean_pairs = (c_stop - c_start).clip(min=0)
     units = block_runs(SEQ_LEN // BLOCK, bp, max(1, SEQ_LEN // BLOCK // (2 * bp)))
     costs = []
     for unit in units:
@@ -94,10 +96,12 @@ def _balanced_by_rows(cp: int, bp: int, docs) -> tuple:
 
 
 @pytest.mark.parametrize("mean", [2, 30, 400, 5000])
-def test_balanced_schedule_prices_units_as_every_row_does(mean: int) -> None:
+@pytest.mark.parametrize("window", [None, 40])
+def test_balanced_schedule_prices_units_as_every_row_does(mean: int, window: int | None) -> None:
     docs = _documents(mean, seed=mean)
     for cp, bp in [(1, 2), (1, 8), (2, 2), (2, 8), (4, 4), (8, 8)]:
-        assert document_schedule(SEQ_LEN, BLOCK, cp, bp, docs).assignment == _balanced_by_rows(cp, bp, docs)
+        got = document_schedule(SEQ_LEN, BLOCK, cp, bp, docs, window).assignment
+        assert got == _balanced_by_rows(cp, bp, docs, window), (cp, bp)
 
 
 @pytest.mark.parametrize(("cp", "bp"), [(2, 1), (4, 1), (2, 2), (2, 4), (4, 4), (4, 8)])

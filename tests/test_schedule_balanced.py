@@ -78,6 +78,61 @@ def test_balanced_beats_dual_end_on_skewed_documents(cp: int, bp: int) -> None:
         assert balanced.sum() == dual.sum()
 
 
+def _windowed_pairs(docs, cp: int, bp: int, window: int, schedule: str, schedule_window: int | None) -> np.ndarray:
+    """Per BP rank, its rows' pairs under ``window`` for the schedule priced with ``schedule_window``."""
+    from csbp.attention.counts import layout_positions, position_pairs
+
+    out = []
+    for rank in range(bp):
+        noisy, clean, _ = layout_positions(1024, 4, cp, bp, rank, schedule, docs, schedule_window)  # type: ignore[arg-type]
+        out.append(sum(position_pairs(noisy, clean, block_size=4, window=window, documents=docs)))
+    return np.array(out)
+
+
+def test_a_window_reprices_the_blocks() -> None:
+    """A noisy row sees at most ``W - 1`` clean keys of its document prefix plus its segment; a
+    clean row at most ``W`` keys."""
+    from csbp.attention.counts import block_costs
+
+    noisy, clean = block_costs(64, 4, _bounds(Documents.from_lengths([20, 44])), 9)
+    assert noisy[:4].tolist() == [4] * 4 and noisy[4:8].tolist() == [8] * 4  # block 0: no clean key
+    assert noisy[16:20].tolist() == [12] * 4 and noisy[20:24].tolist() == [4] * 4  # W-1 = 8; a new document
+    assert noisy[40:44].tolist() == [12] * 4 and clean[:9].tolist() == list(range(1, 10)) and clean.max() == 9
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_window_changes_the_schedule_when_it_should(cp: int) -> None:
+    """Short documents then a long one: with full attention the long document's blocks are the
+    expensive ones, with a 33-token window they cost no more than a short document's. Dealing by
+    the full-attention costs under a window overloads a rank (worse than dual-end at cp=2); the
+    windowed costs deal other blocks and bring every rank near the mean. A window as long as the
+    row changes nothing."""
+    docs = _bounds(Documents.from_lengths([16] * 32 + [512]))
+    full, windowed = (rank_schedule(1024, 4, cp, 4, "balanced", docs, w) for w in (None, 33))
+    assert windowed.assignment != full.assignment
+    assert rank_schedule(1024, 4, cp, 4, "balanced", docs, 1024).assignment == full.assignment
+    old = _windowed_pairs(docs, cp, 4, 33, "balanced", None)
+    new = _windowed_pairs(docs, cp, 4, 33, "balanced", 33)
+    dual = _windowed_pairs(docs, cp, 4, 33, "dual_end", None)
+    assert new.max() <= dual.max() and new.sum() == old.sum() == dual.sum()
+    assert new.max() / new.mean() < 1.03
+    if cp == 2:
+        assert old.max() / old.mean() > 1.15
+
+
+def test_windowed_costs_never_lose_on_random_documents() -> None:
+    """One document per row and a window: blocks past the window all cost the same, so the index is
+    the wrong cost; the windowed schedule is no worse than dual-end on random rows' windowed pairs."""
+    assert rank_schedule(1024, 4, 2, 4, "balanced", None, 33).policy == "balanced"
+    assert rank_schedule(1024, 4, 2, 4, "balanced", None).assignment == dual_end_schedule(256, 4).assignment
+    for seed in range(3):
+        docs = _bounds(random_documents(1024, 256, torch.Generator().manual_seed(seed)))
+        for cp in (2, 4):
+            new = _windowed_pairs(docs, cp, 4, 129, "balanced", 129)
+            assert new.max() <= _windowed_pairs(docs, cp, 4, 129, "dual_end", None).max()
+            assert new.max() <= _windowed_pairs(docs, cp, 4, 129, "balanced", None).max()
+
+
 def test_dealing_rejects_bad_units() -> None:
     with pytest.raises(ValueError, match="once each"):
         balanced_schedule([(0, 1), (1, 2)], [1, 1], 2)
@@ -136,9 +191,10 @@ def _differs(case) -> bool:
     from csbp.engine.verify import corrupted_batch
 
     t = case.topology
-    for row in corrupted_batch(case, t.dp).doc_ids:
-        docs = _bounds(Documents.from_doc_ids(row))
-        if rank_schedule(case.seq_len, case.block_size, t.cp, t.bp, "balanced", docs).assignment != (
+    rows = corrupted_batch(case, t.dp).doc_ids if case.doc_length is not None else [None]
+    for row in rows:
+        docs = None if row is None else _bounds(Documents.from_doc_ids(row))
+        if rank_schedule(case.seq_len, case.block_size, t.cp, t.bp, "balanced", docs, case.window).assignment != (
             block_schedule(case.seq_len // case.block_size, t.bp, "dual_end").assignment
         ):
             return True
@@ -153,13 +209,15 @@ def _differs(case) -> bool:
         (Topology(bp=2, replicate_clean_prefix=True), None, "collective"),
         (Topology(cp=2, bp=4), 5, "collective"),
         (Topology(cp=2, bp=2), None, "streaming"),
+        (Topology(cp=2, bp=2), 9, "collective"),
     ],
-    ids=["csbp-cp2bp2-halo", "bp2", "csbp-cp2bp4-window5", "csbp-cp2bp2-streaming"],
+    ids=["csbp-cp2bp2-halo", "bp2", "csbp-cp2bp4-window5", "csbp-cp2bp2-streaming", "csbp-cp2bp2-window9-nodocs"],
 )
 def test_balanced_schedule_equals_single_process(topology: Topology, window: int | None, transport: str) -> None:
     from csbp.engine.verify import VerifyCase, verify
 
-    case = VerifyCase(topology, seq_len=64, doc_length=12, window=window, transport=transport, schedule="balanced")  # type: ignore[arg-type]
+    doc_length = None if window == 9 else 12  # the last case: only the window moves blocks
+    case = VerifyCase(topology, seq_len=64, doc_length=doc_length, window=window, transport=transport, schedule="balanced")  # type: ignore[arg-type]
     assert _differs(case), "the documents must move blocks, or this test checks dual-end again"
     result = verify(case, timeout_s=240)
     assert result.ok, (result.loss_rel_err, result.grad_rel_err, result.worst_param)
@@ -173,3 +231,25 @@ def test_config_accepts_the_balanced_schedule_and_refuses_unknown_ones() -> None
     assert TopologySection(cp=2, bp=2, schedule="balanced").schedule == "balanced"
     with pytest.raises(ValidationError, match="schedule"):
         TopologySection(cp=2, bp=2, schedule="by_document")  # type: ignore[arg-type]
+
+
+@pytest.mark.multiprocess
+def test_attention_bench_runs_the_balanced_layouts() -> None:
+    """``csbp bench attention --layouts csbp csbp-balanced --doc-length 16 --window 17``: the balanced
+    layout runs the blocks dealt by their windowed document cost, so its slowest rank counts the
+    balanced schedule's pairs (fewer than dual-end's here)."""
+    doc_length, window = 16, 17
+    from csbp.bench.attention import format_table, run_attention_bench
+    from csbp.bench.common import bench_documents
+
+    records = run_attention_bench([128], layouts=["csbp", "csbp-balanced"], nproc=2, block_size=8, repeats=1,
+                                  warmup=0, doc_length=doc_length, window=window)
+    dual, balanced = records
+    assert (dual.layout, balanced.layout, balanced.transport) == ("csbp", "csbp-balanced", "halo")
+    documents = bench_documents(128, doc_length, 0)
+    docs = None if documents is None else _bounds(documents)
+    pairs = {s: max(sum(rank_pairs(128, 8, 2, 2, r, window=window, schedule=s, documents=docs)) for r in range(2))  # type: ignore[arg-type]
+             for s in ("dual_end", "balanced")}
+    assert pairs["balanced"] < pairs["dual_end"]
+    assert balanced.attn_flops_per_rank * pairs["dual_end"] == dual.attn_flops_per_rank * pairs["balanced"]
+    assert "csbp-balanced" in format_table(records)

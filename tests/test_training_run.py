@@ -19,9 +19,13 @@ import pytest
 import torch
 
 from csbp.cli import train_cmd
+from csbp.cli.main import main
+from csbp.cli.trained_settings import check_trained_overrides
 from csbp.config import ConfigError, config_from_dict, load_config
 from csbp.config.schema import RunConfig
 from csbp.data.prepare import PrepareConfig, prepare_artifact
+from csbp.evaluation.settings import run_config_settings
+from csbp.generation.run_settings import run_objective_settings
 from csbp.models.hf_io import load_hf_checkpoint
 from csbp.training import LaunchOptions, TrainSummary, launch_training, train
 from csbp.training import checkpoint as checkpoint_module
@@ -179,6 +183,47 @@ def test_run_writes_metrics_plot_checkpoints_export_and_summary(
     assert "sample      '" in printed and " => " in printed
 
 
+def test_an_export_moved_out_of_its_run_keeps_its_training_settings(
+    full_run: tuple[Path, str], tmp_path: Path
+) -> None:
+    """``csbp generate``/``csbp eval`` on a copied ``final/`` sample and score as trained (they used to
+    fall back to bd3 with B = 16, or to ask for --objective and --block-size)."""
+    final = full_run[0] / "final"
+    moved = tmp_path / "my model"
+    shutil.copytree(final, moved)
+    record = json.loads((moved / "config.json").read_text())["csbp_training"]
+    assert record["objective"] == {"name": "bd3", "block_size": 4, "noise": "rotated", "mask_token_id": 1}
+    in_run, away = run_config_settings(final), run_config_settings(moved)
+    assert in_run.pop("source") == full_run[0] / "config.yaml" and away.pop("source") == moved / "config.json"
+    assert away == {**in_run, "mask_token_id": 1}  # the run config leaves it to the artifact: 1
+    args = argparse.Namespace(objective="mdlm", block_size=None, allow_objective_change=False, allow_block_size_change=False)
+    with pytest.raises(ValueError, match=r"trained with objective bd3 \(.*my model/config\.json\)"):
+        check_trained_overrides("generate", args, moved, run_objective_settings(moved))
+
+
+def test_csbp_export_writes_a_checkpoint_as_final_would(
+    full_run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``csbp export RUN/checkpoints/step_N`` (or ``RUN``: its latest checkpoint) gives the HF
+    directory ``final/`` holds at that step; ``--model`` on a checkpoint names that fix."""
+    run_dir = full_run[0]
+    out = tmp_path / "step 4"
+    assert main(["export", str(run_dir / "checkpoints" / "step_0000004"), "--out", str(out)]) == 0
+    assert "(run tiny, step 4, bd3) ->" in capsys.readouterr().out
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (out / name).read_bytes() == (run_dir / "final" / name).read_bytes(), name
+    assert json.loads((out / "config.json").read_text()) == json.loads((run_dir / "final" / "config.json").read_text())
+    assert main(["export", str(run_dir), "--out", str(out)]) == 2  # exists: --overwrite
+    assert "already exists" in capsys.readouterr().err
+    assert main(["export", str(run_dir), "--out", str(out), "--overwrite"]) == 0
+    step2 = tmp_path / "step2"
+    assert main(["export", str(run_dir / "checkpoints" / "step_0000002"), "--out", str(step2)]) == 0
+    assert (step2 / "model.safetensors").read_bytes() != (out / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert main(["eval", "--model", str(run_dir / "checkpoints" / "step_0000002"), "--data", str(tmp_path)]) == 2
+    assert "(fix: export one first, `csbp export" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- exact resume
 
 
@@ -220,6 +265,11 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(
 def test_resume_rejects_another_model_shape(run_at_step2: Path, artifact: Path, tmp_path: Path) -> None:
     run_dir = copy_run(run_at_step2, tmp_path)
     cfg = tiny_config(artifact, **{"model.num_kv_heads": 4})
+    with pytest.raises(ValueError, match=r"model\.num_kv_heads: .* trained with model\.num_kv_heads=2, the config sets 4"):
+        launch_training(cfg, run_dir=run_dir, resume=True)
+    state_file = next((run_dir / "checkpoints").glob("step_*")) / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "config_yaml": ""}))  # no config recorded: the shapes still say it
     with pytest.raises(
         ValueError, match=r"another model shape: parameter 'layers\.0\.self_attn\.k_proj\.weight'"
     ):

@@ -274,3 +274,28 @@ def test_no_progress_bar_redraws_when_stderr_is_not_a_terminal(tmp_path: Path, c
     out, err = capsys.readouterr()
     assert "\r" not in err and "train" not in err
     assert "step 3: loss 1.0000" in out and len(read_metrics(tmp_path / "metrics.jsonl")) == 3
+
+
+def test_init_from_refuses_data_tokenized_with_another_tokenizer(artifact: Path, tmp_path: Path) -> None:
+    """The checkpoint's ``tokenizer.json`` must give every token the id the data's tokenizer gives it
+    (the data's may add tokens after them): a pretrained model's embeddings mean its own ids."""
+    from tokenizers import Tokenizer
+
+    vocab = open_artifact(artifact).vocab_size
+    source = Decoder(tiny_decoder(vocab_size=vocab).config, dtype=torch.float32, seed=11)
+    export_hf_checkpoint(source, source.config, tmp_path / "hf", tokenizer_dir=artifact)
+    cfg = tiny_config(
+        artifact,
+        **{f"model.{k}": None for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads")},
+        **{"model.num_kv_heads": None, "model.head_dim": None, "model.init_from": str(tmp_path / "hf")},
+    )
+    check_run(cfg)  # the same tokenizer
+    tokenizer = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    data = json.loads(tokenizer.to_str())
+    vocab_map = data["model"]["vocab"]
+    first, second = sorted(vocab_map, key=vocab_map.get)[-2:]
+    vocab_map[first], vocab_map[second] = vocab_map[second], vocab_map[first]  # two ids swapped
+    (tmp_path / "hf" / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"model\.init_from: .*tokenizer\.json has token .* as id \d+ but the "
+                       r"tokenizer of the data .* has it as id \d+ \(2 of \d+ tokens differ\) \(fix: prepare the data"):
+        check_run(cfg)

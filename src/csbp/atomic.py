@@ -1,17 +1,23 @@
-"""Atomic directory writes: Hugging Face exports, DFlash exports and feature stores.
+"""Atomic writes: directories (Hugging Face exports, DFlash exports, feature stores) and single files.
 
-The directory is filled in a temporary sibling and moved into place with ``os.replace``, so a
-reader never sees a half-written directory. An existing target is replaced only on request, and
-only when csbp recognises it as its own output (:class:`Ownership`): an empty directory, or one
-holding the kind's marker file and no file csbp would not have written. Anything else, the working
-directory and its parents included, is refused with one line, before any work starts.
+The directory is filled in a temporary sibling and moved into place with ``os.replace`` (swapped
+with an existing one in a single step on Linux), so a reader never sees a half-written directory
+and a crash never leaves the path empty. An existing target is replaced only on request, and only
+when csbp recognises it as its own output (:class:`Ownership`): an empty directory, or one holding
+the kind's marker file and no file csbp would not have written. Anything else, a symbolic link, the
+working directory and its parents included, is refused with one line, before any work starts.
+Single files go through a new temporary file and ``os.replace`` (:func:`write_text_atomic`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +70,11 @@ def unwritable_reason(directory: str | os.PathLike[str]) -> str | None:
 def check_replaceable(target: str | os.PathLike[str], owned: Ownership | None, *, flag: str = "--out") -> Path:
     """``ValueError`` unless ``target`` may be replaced by an ``--overwrite`` write; returns its absolute path."""
     path = Path(os.path.abspath(target))
+    if path.is_symlink():
+        raise ValueError(
+            f"{flag} {target}: is a symbolic link; --overwrite replaces only a real directory "
+            "(fix: pass the directory it points to, or remove the link)"
+        )
     cwd = Path.cwd().absolute()
     if path == cwd or path in cwd.parents:
         raise ValueError(
@@ -117,10 +128,15 @@ def write_directory_atomically(
 
 
 def replace_directory(built: Path, target: Path) -> None:
-    """``os.replace`` the finished directory ``built`` onto ``target``; an old ``target`` is moved
-    aside first and removed after the swap (restored if the swap fails)."""
+    """Move the finished directory ``built`` onto ``target``. An old ``target`` is swapped with it in
+    one atomic step where the system can (Linux ``renameat2(RENAME_EXCHANGE)``), so a crash leaves
+    the old or the new directory at ``target``, then removed; elsewhere it is moved aside first and
+    removed after the swap (restored if the swap fails)."""
     if not target.exists():
         os.replace(built, target)
+        return
+    if _exchange(built, target):
+        shutil.rmtree(built, ignore_errors=True)  # ``built`` now holds the old directory
         return
     retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
     try:
@@ -134,9 +150,44 @@ def replace_directory(built: Path, target: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
 
 
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap two directory entries atomically; False where the system or filesystem cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:  # a C library without the wrapper (glibc < 2.28)
+        return False
+    result = renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EXDEV):  # overlayfs may refuse
+        return False
+    raise OSError(code, os.strerror(code), str(first), None, str(second))
+
+
 def write_json_atomic(path: Path, payload: object) -> None:
     """Write JSON through a temporary file and ``os.replace`` (never a half-written artifact)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to a new temporary file next to ``path`` and ``os.replace`` it onto
+    ``path``: a crash leaves the old file or the new one, never a mix (the temporary file is
+    removed on an error, or left as ``.NAME.tmp-*`` by a crash)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

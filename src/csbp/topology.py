@@ -18,6 +18,7 @@ Accepted layouts (anything else is rejected, fail closed):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -141,7 +142,8 @@ class Topology:
         if seq_len % block_size != 0:
             raise ValueError(
                 f"seq_len={seq_len} is not a multiple of block_size={block_size}: "
-                f"use seq_len={_nearest_multiples(seq_len, block_size)}"
+                f"use seq_len={_nearest_multiples(seq_len, block_size)}, "
+                f"or block_size={_nearest_divisors(seq_len, block_size)}"
             )
         num_blocks = seq_len // block_size
         if num_blocks < self.bp:
@@ -171,3 +173,12 @@ def _nearest_multiples(value: int, unit: int) -> str:
     below = (value // unit) * unit
     above = below + unit
     return f"{below} or {above}" if below > 0 else str(above)
+
+
+def _nearest_divisors(value: int, near: int) -> str:
+    """``"a or b"``: the divisors of ``value`` just below and above ``near`` (one if the other is none)."""
+    small = [d for d in range(1, math.isqrt(value) + 1) if value % d == 0]
+    divisors = sorted({*small, *(value // d for d in small)})
+    below = [d for d in divisors if d < near][-1:]
+    above = [d for d in divisors if d > near][:1]
+    return " or ".join(str(d) for d in below + above)

@@ -18,6 +18,7 @@ as arrays). They clip every row's interval to its document and cut a noisy row's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -44,13 +45,15 @@ def layout_positions(
     local_rank: int,
     schedule: SchedulePolicy = "dual_end",
     documents: DocBounds | None = None,
+    window: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
     """``(noisy_positions, clean_positions, owned_blocks)`` of local rank ``local_rank`` (int64, the
     packed order of ``csbp.attention.layouts``) for the layout the degrees name: ``data``
     (``cp == bp == 1``), CP-only zigzag over ``2L`` (``bp == 1``), BP-only clean-prefix replication
     (``cp == 1``) or fused CSBP. With ``documents`` BP-only keeps only each owned block's document
-    prefix ``∪ [d_start, b·B)`` (``layouts.bp_only_layout``). Validation of the degrees and
-    ``seq_len`` is the caller's (``csbp.topology.Topology``)."""
+    prefix ``∪ [d_start, b·B)`` (``layouts.bp_only_layout``). ``window`` only enters the
+    ``balanced`` schedule's costs (``rank_schedule``). Validation of the degrees and ``seq_len`` is
+    the caller's (``csbp.topology.Topology``)."""
     if cp == 1 and bp == 1:
         positions = np.arange(seq_len, dtype=np.int64)
         return positions, positions, tuple(range(seq_len // block_size))
@@ -58,7 +61,7 @@ def layout_positions(
         logical = zigzag_array(2 * seq_len, cp, local_rank)  # sorted indices into [x_t ; x_0]
         noisy = logical[logical < seq_len]
         return noisy, logical[logical >= seq_len] - seq_len, tuple(np.unique(noisy // block_size).tolist())
-    blocks = rank_schedule(seq_len, block_size, cp, bp, schedule, documents).blocks(local_rank)
+    blocks = rank_schedule(seq_len, block_size, cp, bp, schedule, documents, window).blocks(local_rank)
     noisy = (np.asarray(blocks, dtype=np.int64)[:, None] * block_size + np.arange(block_size)).reshape(-1)
     if cp == 1 and documents is not None:
         noisy_start, noisy_stop, _, _ = document_bounds(noisy, noisy[:0], block_size, None, documents)
@@ -77,31 +80,53 @@ def rank_schedule(
     bp: int,
     schedule: SchedulePolicy = "dual_end",
     documents: DocBounds | None = None,
+    window: int | None = None,
 ) -> BlockSchedule:
     """The block schedule over the ``bp`` BP ranks of one sample: ``block_schedule(N, bp, schedule)``,
-    or for ``"balanced"`` with packed ``documents`` the document-aware ``document_schedule`` (every
-    rank derives the same one from the sample's documents)."""
-    if schedule == "balanced" and documents is not None:
-        return document_schedule(seq_len, block_size, cp, bp, documents)
+    or for ``"balanced"`` with packed ``documents`` or a sliding ``window`` shorter than the row the
+    cost-aware ``document_schedule`` (every rank derives the same one from the sample's documents
+    and the window; without either a block's cost is its index, which dual-end already balances)."""
+    if schedule == "balanced" and (documents is not None or (window is not None and window < seq_len)):
+        if documents is None:  # one document spanning the row: only the window shapes the costs
+            documents = _bounds_from_starts(np.zeros(1, dtype=np.int64), seq_len)
+        return document_schedule(seq_len, block_size, cp, bp, documents, window)
     return block_schedule(seq_len // block_size, bp, schedule)
 
 
-def document_schedule(seq_len: int, block_size: int, cp: int, bp: int, documents: DocBounds) -> BlockSchedule:
+def document_schedule(
+    seq_len: int, block_size: int, cp: int, bp: int, documents: DocBounds, window: int | None = None
+) -> BlockSchedule:
     """``schedules.balanced_schedule`` with the document mask's costs. The dealt units are the
     ``2·bp`` runs of ``N / (2·bp)`` blocks dual-end pairs (finer runs balance little better and
     scatter a rank's blocks over more documents, which costs halo rows). A unit costs the allowed
-    pairs of its noisy rows (full attention: per row its document prefix plus its segment); in
-    BP-only (``cp == 1``) also those of the clean prefix it makes its owner recompute. A CSBP worker
-    (``cp > 1``) starts loaded with its zigzag clean shard's pairs, which stay where they are.
-    Cached per distinct documents."""
+    pairs of its noisy rows (``block_costs``: per row its document prefix, at most ``window - 1``
+    keys of it, plus its segment); in BP-only (``cp == 1``) also those of the clean prefix it makes
+    its owner recompute. A CSBP worker (``cp > 1``) starts loaded with its zigzag clean shard's
+    pairs, which stay where they are. Cached per distinct documents and window."""
     start, _ = documents
     starts = np.flatnonzero(start == np.arange(len(start))).astype(np.int64)
-    return _document_schedule(seq_len, block_size, cp, bp, starts.tobytes())
+    return _document_schedule(seq_len, block_size, cp, bp, starts.tobytes(), window)
 
 
-@lru_cache(maxsize=512)  # per (cp, bp, row): a plan over --data prices 16 rows per layout
-def _document_schedule(seq_len: int, block_size: int, cp: int, bp: int, starts_bytes: bytes) -> BlockSchedule:
-    noisy_prefix, clean_prefix, block_start = _document_row_costs(seq_len, block_size, starts_bytes)
+def block_costs(
+    seq_len: int, block_size: int, documents: DocBounds, window: int | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(noisy pairs, clean pairs)`` int64 ``[L]``: the (query, key) pairs the mask allows the
+    noisy and the clean row of each position (``position_pairs`` per row): a noisy row sees its
+    in-document clean prefix, with a window only its last ``window - 1`` positions, plus its
+    segment; a clean row its in-document causal (block-causal without a window) prefix, with a
+    window at most ``window`` keys of it."""
+    positions = np.arange(seq_len, dtype=np.int64)
+    n_start, n_stop, c_start, c_stop = document_bounds(positions, positions, block_size, window, documents)
+    noisy = (n_stop - n_start).clip(min=0) + segment_lengths(positions, block_size, documents)
+    return noisy, (c_stop - c_start).clip(min=0)
+
+
+@lru_cache(maxsize=512)  # per (cp, bp, row, window): a plan over --data prices 16 rows per layout
+def _document_schedule(
+    seq_len: int, block_size: int, cp: int, bp: int, starts_bytes: bytes, window: int | None
+) -> BlockSchedule:
+    noisy_prefix, clean_prefix, block_start = _document_row_costs(seq_len, block_size, starts_bytes, window)
     num_blocks = seq_len // block_size
     units = block_runs(num_blocks, bp, max(1, num_blocks // (2 * bp)))
     costs = []
@@ -123,17 +148,18 @@ def _document_schedule(seq_len: int, block_size: int, cp: int, bp: int, starts_b
 
 
 @lru_cache(maxsize=16)  # per row: two int64 [L+1] arrays (16 MiB at 1M tokens)
-def _document_row_costs(seq_len: int, block_size: int, starts_bytes: bytes) -> tuple[np.ndarray, ...]:
-    """Prefix sums ``[L+1]`` of every row's full-attention pairs as a noisy row (its document prefix
-    before its block plus its segment) and as a clean row, and each block's first row's document
-    start: what every ``(cp, bp)`` of ``_document_schedule`` prices its units with."""
+def _document_row_costs(
+    seq_len: int, block_size: int, starts_bytes: bytes, window: int | None
+) -> tuple[np.ndarray, ...]:
+    """Prefix sums ``[L+1]`` of every row's pairs as a noisy and as a clean row (``block_costs``),
+    and each block's first row's document start (BP-only recomputes ``[d_start, b·B)`` with or
+    without a window, ``layout_positions``): what every ``(cp, bp)`` of ``_document_schedule``
+    prices its units with."""
     documents = _bounds_from_starts(np.frombuffer(starts_bytes, dtype=np.int64), seq_len)
-    positions = np.arange(seq_len, dtype=np.int64)
-    n_start, n_stop, _, c_stop = document_bounds(positions, positions, block_size, None, documents)
-    noisy = (n_stop - n_start).clip(min=0) + segment_lengths(positions, block_size, documents)
-    clean = (c_stop - n_start).clip(min=0)  # a clean row's interval starts where a noisy one's does
+    noisy, clean = block_costs(seq_len, block_size, documents, window)
     zero = np.zeros(1, dtype=np.int64)
-    return np.concatenate([zero, np.cumsum(noisy)]), np.concatenate([zero, np.cumsum(clean)]), n_start[::block_size]
+    block_start = documents[0][::block_size]
+    return np.concatenate([zero, np.cumsum(noisy)]), np.concatenate([zero, np.cumsum(clean)]), block_start
 
 
 def _bounds_from_starts(starts: np.ndarray, seq_len: int) -> DocBounds:
@@ -141,6 +167,39 @@ def _bounds_from_starts(starts: np.ndarray, seq_len: int) -> DocBounds:
     index = np.searchsorted(starts, np.arange(seq_len), side="right") - 1
     stops = np.append(starts[1:], seq_len)
     return starts[index], stops[index]
+
+
+EXCHANGE_MAX_SHARE = 0.9
+"""A halo exchange (BD3's ``WindowAttention``, DFlash's context exchange) replaces the all-gather
+only when its busiest ring member moves at most this share of the rows the all-gather moves per
+member and direction, in its busier direction (``max(sent, received)``; ``exchange_pays``). Why a
+margin and not any saving:
+
+* a collective takes as long as its busiest member's traffic, not the ring's total (links are full
+  duplex: a member's larger direction; a member can send more than any member receives, a row of
+  its shard that several members need goes to each);
+* the variable-split all-to-all adds work the all-gather lacks, per moved row: the sender's
+  ``index_select`` into a packed buffer, the receiver's reordering ``index_select`` and contiguous
+  copy, and in the backward the ``index_add_`` of the returned dK/dV. About four extra passes over
+  the moved bytes in memory: at 4.8 TB/s HBM (H200) against 450 GB/s NVLink per direction that is
+  up to ~0.4 of those rows' link time if nothing overlapped it; the transports issue the all-to-all
+  asynchronously behind the other partials' compute, so only part of it stays exposed;
+* NCCL reaches a lower bus bandwidth on uneven all-to-all splits than on the ring all-gather.
+
+A 10% margin keeps the exchange wherever it clearly wins (short documents and windows receive a few
+percent to about half of the all-gather's rows) and the all-gather where the two are a wash (long
+documents, windows about as long as the row). It is this cost argument's, not a measurement's:
+timing both on the 2-core CPU machine (gloo, 2 ranks, the same rows) gave 0.8-1.3x, noise larger
+than the effect."""
+
+
+def exchange_pays(traffic_rows: Sequence[int], gather_rows: int) -> bool:
+    """Whether a ring whose members would move ``traffic_rows`` rows in a halo exchange (each
+    member's busier direction, ``max(sent, received)``) uses it instead of an all-gather that moves
+    ``gather_rows`` rows per member and direction (``EXCHANGE_MAX_SHARE``). The one rule: the
+    runtime (``attention.transports.factory``, ``dflash.exchange``) and the planner
+    (``plan.model``, ``plan.documents``) call it with the same counts."""
+    return max(traffic_rows, default=0) <= EXCHANGE_MAX_SHARE * gather_rows
 
 
 def bd3_bounds(
@@ -243,7 +302,7 @@ def rank_pairs(
     documents: DocBounds | None = None,
 ) -> tuple[int, int]:
     """``(noisy-query pairs, clean-query pairs)`` the mask allows for local rank ``local_rank``'s rows."""
-    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, documents)
+    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, documents, window)
     return position_pairs(noisy, clean, block_size=block_size, window=window, documents=documents)
 
 
@@ -298,7 +357,7 @@ def halo_rows(
     ``bp == 1``) receives in the halo exchange of a layer (``window`` None: full attention): the
     positions its rows' (document-clipped) intervals cover that its own clean shard does not hold,
     what ``layouts.halo_exchange_plan``'s ``recv_counts`` sum to."""
-    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, documents)
+    noisy, clean, _ = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, documents, window)
     n_start, n_stop, c_start, c_stop = document_bounds(noisy, clean, block_size, window, documents)
     need = interval_cover(np.concatenate([n_start, c_start]), np.concatenate([n_stop, c_stop]), seq_len)
     need[clean] = False

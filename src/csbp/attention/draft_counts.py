@@ -6,7 +6,8 @@ NumPy only, so the cost model (``csbp.plan``) counts with the rules the runtime 
 ``deal_order`` *is* ``csbp.dflash.layouts.deal_anchors``' dealing, the row intervals are those of
 ``csbp.dflash.layouts.block_query_rows`` and the received rows are what
 ``csbp.dflash.exchange.context_exchange_plan``'s ``recv_counts`` sum to (``interval_cover`` of the
-live rows minus the member's own zigzag shard, as ``csbp.attention.layouts.halo_sends`` deals it).
+live rows minus the member's own zigzag shard, as ``csbp.attention.layouts.halo_sends`` deals it),
+and whether the exchange replaces the all-gather is ``context_exchange_pays`` (``counts.exchange_pays``).
 
 Shape legend: ``L`` sequence length, ``N`` anchors, ``B`` block size, ``cp`` ring size.
 """
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from csbp.attention.counts import DocBounds, interval_cover
+from csbp.attention.counts import DocBounds, exchange_pays, interval_cover
 from csbp.schedules import zigzag_array
 
 
@@ -84,6 +85,14 @@ def owner_anchor_indices(
 def context_pairs(start: np.ndarray, stop: np.ndarray) -> int:
     """Context (query, key) pairs of draft rows with these intervals."""
     return int((stop - start).clip(min=0).sum())
+
+
+def context_exchange_pays(traffic_rows: Sequence[int], seq_len: int, cp: int) -> bool:
+    """Whether a DFlash ring whose members' busier directions would move ``traffic_rows`` context
+    rows (``max(sent, received)`` per member, ``exchange_rows``) uses the context exchange instead
+    of the all-gather of ``(cp-1)·L/cp`` rows per member and direction (``counts.exchange_pays``).
+    ``csbp.dflash.exchange`` calls it per sample and layer kind, the planner too."""
+    return cp > 1 and exchange_pays(traffic_rows, (cp - 1) * seq_len // cp)
 
 
 def exchange_recv_rows(seq_len: int, cp: int, member_intervals: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[int]:

@@ -235,6 +235,11 @@ class WindowPlan:
         """Rows ``dest`` receives from each ring member (``output_split_sizes``)."""
         return [int(self.send[s][dest].shape[0]) for s in range(self.cp)]
 
+    def traffic_rows(self) -> list[int]:
+        """Per ring member, the rows of its busier direction: ``max(sent, received)`` (what
+        ``counts.exchange_pays`` weighs against the all-gather)."""
+        return [max(sum(self.send_counts(d)), sum(self.recv_counts(d))) for d in range(self.cp)]
+
     def send_index(self, source: int) -> Tensor:
         """Row indices into ``source``'s clean shard of its send buffer (destination-major)."""
         positions = torch.cat(list(self.send[source]))
@@ -354,7 +359,7 @@ def _positions_layout(
     """The layout of ``counts.layout_positions`` (the positions the cost model counts too). With
     ``documents`` BP-only (``cp == 1 < bp``) keeps only each owned block's document prefix."""
     bounds = None if documents is None else (documents.start.numpy(), documents.stop.numpy())
-    noisy, clean, blocks = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, bounds)
+    noisy, clean, blocks = layout_positions(seq_len, block_size, cp, bp, local_rank, schedule, bounds, window)
     noisy_positions, clean_positions = torch.from_numpy(noisy), torch.from_numpy(clean)
     return RankLayout(
         rows=bd3_rows(noisy_positions, clean_positions, block_size=block_size, window=window, documents=documents),

@@ -65,9 +65,10 @@ def layout_runs(
     bp: int,
     schedule: SchedulePolicy = "dual_end",
     documents: DocBounds | None = None,
+    window: int | None = None,
 ) -> tuple[RankRuns, ...]:
     """Every local rank's rows (``range(max(cp, bp))``) as runs: the positions of
-    ``counts.layout_positions`` (one schedule for all ranks)."""
+    ``counts.layout_positions`` (one schedule for all ranks; ``window`` prices ``balanced``)."""
     if cp == 1 and bp == 1:
         whole = (np.array([0]), np.array([seq_len]))
         return (RankRuns(whole, whole),)
@@ -80,7 +81,7 @@ def layout_runs(
             )
             for r in range(cp)
         )
-    plan = rank_schedule(seq_len, block_size, cp, bp, schedule, documents)
+    plan = rank_schedule(seq_len, block_size, cp, bp, schedule, documents, window)
     out = []
     for rank in range(bp):
         blocks = np.asarray(plan.blocks(rank), dtype=np.int64)
@@ -156,7 +157,7 @@ def rank_totals(
     """Rows, pairs and halo rows of every local rank (``pairs``/``runs``: precomputed
     ``row_pairs``/``layout_runs`` of these arguments, to share them across windows)."""
     pairs = pairs or row_pairs(seq_len, block_size, window, documents)
-    runs = runs or layout_runs(seq_len, block_size, cp, bp, schedule, documents)
+    runs = runs or layout_runs(seq_len, block_size, cp, bp, schedule, documents, window)
     covers = [merge_runs(*covered_intervals(rank, seq_len, block_size, window, documents)) for rank in runs]
     sent = [0] * len(runs)
     if cp > 1:  # ring members are local ranks ring·cp + d (``halo_exchange_plan``)

@@ -1,5 +1,7 @@
 """``csbp bench attention``: CP-only (generic and mask-aware), BP-only and CSBP attention side by
-side on the same inputs, optionally over packed documents (``--doc-length N``).
+side on the same inputs, optionally over packed documents (``--doc-length N``). On request
+(``--layouts ... bp-balanced csbp-balanced``) also BP-only and CSBP with the ``balanced`` block
+schedule (blocks dealt by their cost under the document mask and the window, ``counts.rank_schedule``).
 
 For every sequence length, each layout runs a stack of attention layers (RMSNorm, q/k/v
 projection, the layout's attention transport over the ``[x_t ; x_0]`` rows the rank holds,
@@ -24,7 +26,9 @@ from torch import nn
 
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
+from csbp.attention.transports.window import WindowAttention
 from csbp.bench.common import (
+    BALANCED_LAYOUTS,
     OVERLAP_COLUMNS,
     Column,
     StepSeries,
@@ -38,6 +42,7 @@ from csbp.bench.common import (
     check_head_options,
     format_ratio_table,
     launch_cell,
+    layout_schedule,
     layout_transport,
     max_over_ranks,
     measured_step,
@@ -72,6 +77,7 @@ class AttentionBenchConfig:
     diagonal: str = "auto"  # kernel of the noisy block diagonal (csbp.attention.diagonal)
     clean: str = "generic"  # kernel of the clean-context partials (csbp.attention.backends.CLEAN_KERNELS)
     doc_length: int | None = None
+    schedule: str = "dual_end"  # block schedule of the BP/CSBP layout (``*-balanced``: "balanced")
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
@@ -138,6 +144,7 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
     ctx = build_parallel_context(topology)
     plan = build_rank_plan(
         ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window,  # type: ignore[arg-type]
+        schedule=cfg.schedule,  # type: ignore[arg-type]
         backend=cfg.backend, diagonal=cfg.diagonal, clean=cfg.clean,
         documents=bench_documents(cfg.seq_len, cfg.doc_length, cfg.seed),
     )
@@ -167,6 +174,7 @@ def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, 
         "flops": float(flops),
         "peak": float(series.peak_bytes),
         "serial_step_time_s": serial.median_s() if serial.times_s else float("nan"),
+        "halo": float(isinstance(plan.attention, WindowAttention)),  # else the ring's all-gather/ring
     }
 
 
@@ -190,7 +198,8 @@ def run_attention_bench(
     """Run every (sequence length, layout) pair, one launch each, and return the records in run order.
     ``header`` is printed once every input is checked, before anything runs (a bad input prints
     nothing but its error line)."""
-    cell = select_topologies(layouts, nproc, csbp_cp)
+    bases, schedules = zip(*(layout_schedule(name) for name in layouts), strict=True) if layouts else ((), ())
+    cell = select_topologies(list(bases), nproc, csbp_cp)
     configs = [AttentionBenchConfig(seq_len=n, **cfg_kwargs) for n in seq_lens]  # type: ignore[arg-type]
     for cfg in configs:  # fail closed before any process starts
         for topology in cell:
@@ -198,8 +207,8 @@ def run_attention_bench(
     print_header(header)
     records: list[AttentionRecord] = []
     for cfg in configs:
-        for name, topology in zip(layouts, cell, strict=True):
-            layout_cfg = replace(cfg, transport=layout_transport(name, cfg.transport))
+        for name, topology, schedule in zip(layouts, cell, schedules, strict=True):
+            layout_cfg = replace(cfg, transport=layout_transport(name, cfg.transport), schedule=schedule)
             (results,) = launch_cell(_worker, nproc, [topology], layout_cfg, timeout_s=timeout_s, device=device)
             flops = max_over_ranks(results, "flops")
             step = results[0]["step_time_s"]
@@ -213,7 +222,7 @@ def run_attention_bench(
                     block_size=cfg.block_size,
                     nproc=nproc,
                     window=cfg.window,
-                    transport=_transport_used(name, topology, layout_cfg),
+                    transport=_transport_used(topology, layout_cfg, halo=results[0]["halo"] > 0),
                     doc_length=cfg.doc_length,
                     step_time_s=step,
                     kv_bytes_per_rank=max_over_ranks(results, "kv_bytes"),
@@ -232,18 +241,18 @@ def run_attention_bench(
     return records
 
 
-def _transport_used(name: str, topology: Topology, cfg: AttentionBenchConfig) -> str:
-    """What actually moved K/V: CSBP switches to the halo all-to-all with a window or documents."""
+def _transport_used(topology: Topology, cfg: AttentionBenchConfig, *, halo: bool) -> str:
+    """What actually moved K/V: CSBP switches to the halo all-to-all with a window or documents
+    where it pays (``transports.factory.halo_pays``), cp-aware is the halo one; every rank of the
+    benchmark's one sample decides alike."""
     if topology.layout == "bp":
         return "-"
-    if topology.layout == "csbp" and (cfg.window is not None or cfg.doc_length is not None):
-        return "halo"
-    return cfg.transport
+    return "halo" if halo else ("collective" if cfg.transport == "halo" else cfg.transport)
 
 
 TABLE_COLUMNS = [
     Column("seq_len", "seq_len", ">8"),
-    Column("layout", "layout", "<8"),
+    Column("layout", "layout", "<13"),
     Column("step s", "step_time_s", ">9.3f", vs_cp=True),
     Column("KV MiB/rank", "kv_bytes_per_rank", ">12.2f", vs_cp=True, shown=lambda v: v / 2**20),
     Column("GFLOP/rank", "attn_flops_per_rank", ">11.3f", vs_cp=True, shown=lambda v: v / 1e9),
@@ -268,6 +277,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
         attn,
         seq_lens=[1024, 2048, 4096, 8192, 16384],
         csbp_cp_help="CP degree of the CSBP layout (default nproc)",
+        extra_layouts=BALANCED_LAYOUTS,
     )
     add_transport_option(attn)
     attn.add_argument("--window", type=int, default=None, help="sliding window W (tokens)")

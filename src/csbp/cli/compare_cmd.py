@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_compare_command(args: argparse.Namespace) -> int:
     from csbp.compare import CompareOptions, run_compare
-    from csbp.compare.report import format_table, plot_compare, write_json
+    from csbp.compare.report import budget_notes, format_table, plot_compare, write_json
     from csbp.compare.runner import metric_of
     from csbp.recipes import load_run_config
 
@@ -88,5 +88,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
         results, options.out_dir / "compare.png", metric=metric, title=f"{cfg.run.name}: {metric} at equal wall-clock"
     )
     print(format_table(results, metric=metric, higher_is_better=higher))
+    for note in budget_notes(results, budget_s=options.budget_s, max_steps=cfg.train.max_steps):
+        print(note)
     print(f"wrote {json_path} and {png_path}")
     return 0

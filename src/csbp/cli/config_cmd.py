@@ -52,6 +52,18 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkpoint_architecture(directory: Path) -> str:
+    """The ``architectures`` entry of a HF checkpoint's ``config.json`` (the family ``model.init_from``
+    trains; ``model.arch`` does not apply to it), or ``a checkpoint`` when it cannot be read."""
+    import json  # noqa: PLC0415
+
+    try:
+        names = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return "a checkpoint"
+    return str(names[0]) if isinstance(names, list) and names else "a checkpoint"
+
+
 def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
     """Short human-readable ``(topic, text)`` rows describing a validated config."""
     model, obj, topo = cfg.model, cfg.objective, cfg.topology
@@ -61,7 +73,9 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
             f"{obj.dflash.target}, {model.dtype}"
         )
     elif model.init_from is not None:
-        model_text = f"{model.arch} from {model.init_from}"
+        model_text = f"{checkpoint_architecture(Path(model.init_from))} from {model.init_from}"
+        if model.rope_scaling is not None:
+            model_text += f", RoPE replaced by {model.rope_scaling.type} x{model.rope_scaling.factor:g}"
     else:
         model_text = (
             f"{model.arch}, {model.num_layers} layers, hidden {model.hidden_size}, "

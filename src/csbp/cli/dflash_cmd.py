@@ -167,7 +167,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def run_prepare_features(args: argparse.Namespace) -> int:
     from csbp.data.artifact import open_artifact
-    from csbp.dflash.config import default_target_layer_ids
+    from csbp.dflash.config import default_target_layer_ids, validate_drafter_target
     from csbp.dflash.export import dflash_config_from_hf
     from csbp.dflash.features import prepare_features
 
@@ -177,7 +177,14 @@ def run_prepare_features(args: argparse.Namespace) -> int:
     artifact = open_artifact(args.data)
     artifact.require_vocab_size(target.config.vocab_size)
     if args.drafter is not None:
-        layer_ids = dflash_config_from_hf(_read_json(args.drafter / "config.json")).target_layer_ids
+        drafter_config = dflash_config_from_hf(_read_json(args.drafter / "config.json"))
+        try:  # features for a drafter of another target (shape or RoPE) would train it on the wrong states
+            validate_drafter_target(drafter_config, target.config)
+        except ValueError as exc:
+            raise ValueError(
+                f"--drafter {args.drafter}: {exc} (fix: pass the --target it was trained against, or --layer-ids)"
+            ) from None
+        layer_ids = drafter_config.target_layer_ids
     elif args.layer_ids is not None:
         layer_ids = tuple(args.layer_ids)
     else:

@@ -14,7 +14,8 @@ token (``--mask-token``).
 
 The sampler must use the block size and label alignment the model was trained with. For a run's
 ``final/`` export they default to ``objective.name``/``block_size``/``mask_token_id`` of the run's
-``config.yaml`` (one directory up); otherwise to ``bd3`` with ``B = 16`` and the tokenizer's mask
+``config.yaml`` (one directory up), for an export moved elsewhere to the same fields its
+``config.json`` records (``csbp_training``); otherwise to ``bd3`` with ``B = 16`` and the tokenizer's mask
 token. ``--objective`` or ``--block-size`` other than the run's is refused unless
 ``--allow-objective-change`` / ``--allow-block-size-change`` (an experiment: the model never saw
 that attention pattern or block grid), which then notes the change on stderr
@@ -111,6 +112,12 @@ def run_generate(args: argparse.Namespace) -> int:
     model_dir: Path = check_model_directory(args.model)
     run_settings = run_objective_settings(model_dir)
     notes = check_trained_overrides("generate", args, model_dir, run_settings)
+    if not run_settings and (args.objective is None or args.block_size is None):
+        notes.append(  # a model csbp did not train (no run config, no csbp_training record)
+            f"csbp generate: {model_dir} records no training settings; sampling as "
+            f"{args.objective or DEFAULT_OBJECTIVE} with block size {args.block_size or DEFAULT_BLOCK_SIZE} "
+            "(pass --objective and --block-size to choose)"
+        )
     objective = args.objective or run_settings.get("objective", DEFAULT_OBJECTIVE)
     block_size = args.block_size or run_settings.get("block_size", DEFAULT_BLOCK_SIZE)
     tokenizer_dir: Path = args.tokenizer if args.tokenizer is not None else model_dir
@@ -156,7 +163,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"completion: {tokenizer.decode(result.token_ids)}")
     stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
     print(
-        f"[{objective}, {len(result.token_ids)} tokens, {len(result.block_starts)} blocks of {block_size}, "
+        f"[{objective}, {len(result.token_ids)} tokens, {len(result.block_starts)} block{'s' if len(result.block_starts) != 1 else ''} of {block_size}, "
         f"{len(result.unmask_steps)} denoising steps, "
         f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
         f"{elapsed:.2f} s on {device}]"

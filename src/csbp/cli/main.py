@@ -39,6 +39,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "csbp.cli.verify_cmd",
     "csbp.cli.generate_cmd",
     "csbp.cli.eval_cmd",
+    "csbp.cli.export_cmd",
     "csbp.cli.dflash_cmd",
     "csbp.cli.bench_cmd",
     "csbp.cli.compare_cmd",
@@ -107,11 +108,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``csbp`` with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
     words = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(next((w for w in words if not w.startswith("-")), None))
     try:
+        # imports the command's modules (torch: seconds on a loaded machine), so Ctrl-C often lands here
+        parser = build_parser(next((w for w in words if not w.startswith("-")), None))
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and argparse usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        print("csbp: interrupted", file=sys.stderr)
+        return 130
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help(sys.stderr)

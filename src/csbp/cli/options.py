@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -50,7 +51,10 @@ def check_model_directory(model_dir: Path) -> Path:
     if (model_dir / "final" / "config.json").is_file():
         what = f"is a run directory (fix: --model {model_dir / 'final'}, the model it exported)"
     elif (model_dir / "trainer_state.json").is_file() or (model_dir / "latest").is_file():
-        what = "holds training checkpoints (fix: pass the run's final/ export, e.g. RUN/final)"
+        what = (
+            f"holds training checkpoints (fix: export one first, `csbp export {shlex.quote(str(model_dir))} --out DIR`, then "
+            "--model DIR; or pass the run's final/ export)"
+        )
     else:
         what = "has no config.json, so it is not a HF checkpoint directory (fix: pass one, e.g. RUN/final)"
     raise ValueError(f"--model {model_dir} {what}")

@@ -36,7 +36,7 @@ from csbp.plan.calibration import Calibration, load_calibration, packaged_calibr
 from csbp.plan.documents import document_count, draft_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
-from csbp.plan.model import GIB, Prediction, overlap_note, uses_halo
+from csbp.plan.model import GIB, Prediction, halo_used, overlap_note
 from csbp.plan.search import Plan, candidate_layouts, describe, rank, schedules_for, transports_for
 from csbp.plan.workload import (
     OBJECTIVES,
@@ -306,7 +306,9 @@ def exchange_label(workload: Workload, layout: Layout, seq_len: int) -> str:
         return {frozenset({True}): "exchange", frozenset({False}): "context"}.get(frozenset(used), "ctx+exch")
     if layout.kind == "cp" and layout.transport != "halo":
         return "all rows"
-    halo = {uses_halo(workload, layout, g) for g in workload.model.groups}
+    docs = workload.doc_length
+    rows = [replace(workload, doc_length=row) for row in docs.rows] if isinstance(docs, DocumentSample) else [workload]
+    halo = {halo_used(w, layout, seq_len, g) for w in rows for g in workload.model.groups}
     return {frozenset({True}): "halo", frozenset({False}): "clean"}.get(frozenset(halo), "clean+halo")
 
 

@@ -46,7 +46,7 @@ def check_trained_overrides(
 
     ``trained`` is the run's settings (``objective``, ``block_size``; empty without a run config).
     """
-    config_file = model_dir.parent / "config.yaml"
+    config_file = trained.get("source", model_dir.parent / "config.yaml")
     notes = [
         _check_one(command, config_file, "objective", args.objective, trained.get("objective"), args.allow_objective_change),
         _check_one(

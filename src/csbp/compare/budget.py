@@ -20,7 +20,6 @@ clock and points of its latest checkpoint's step and continues.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from csbp.atomic import write_text_atomic
 from csbp.devices import backend_device
 from csbp.training.checkpoint import checkpoint_step, find_latest_checkpoint
 
@@ -76,9 +76,7 @@ def _save_budget_state(run_dir: Path, state: BudgetState) -> None:
     saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     saved = {key: value for key, value in saved.items() if int(key) < state.step}
     saved[str(state.step)] = {"clock_s": state.clock_s, "points": [asdict(p) for p in state.points]}
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(saved, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(saved, indent=1) + "\n")
 
 
 def _max_over_ranks(value: float) -> float:

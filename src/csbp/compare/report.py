@@ -5,10 +5,12 @@ metrics) and a plot of the metric against the training clock, one line per layou
 
 from __future__ import annotations
 
-import json
+import math
 import os
 from pathlib import Path
 from typing import Any
+
+from csbp.atomic import write_json_atomic
 
 LAYOUT_LABELS = {"data": "data parallel", "cp": "CP-only", "bp": "BP-only", "csbp": "CSBP"}
 
@@ -49,6 +51,22 @@ def format_table(results: list[dict[str, Any]], *, metric: str, higher_is_better
     return "\n".join(lines)
 
 
+def budget_notes(results: list[dict[str, Any]], *, budget_s: float, max_steps: int) -> list[str]:
+    """One line per layout that stopped at ``train.max_steps`` before its training-clock budget: its
+    last point is then not at the budget, and layouts that both stop there compare equal steps, not
+    equal time."""
+    notes = []
+    for result in results:
+        if result["steps"] >= max_steps and result["clock_s"] < budget_s:
+            enough = math.ceil(1.5 * max_steps * budget_s / max(result["clock_s"], 1e-9))
+            notes.append(
+                f"note: {result['layout']} reached train.max_steps={max_steps} after {result['clock_s']:.1f} s of its "
+                f"{budget_s:g} s budget, so its last point is not at the budget (fix: raise it, e.g. --set "
+                f"train.max_steps={enough})"
+            )
+    return notes
+
+
 def _nelbo_text(base: dict[str, Any], other: dict[str, Any]) -> str:
     """``; val_nelbo X vs Y`` (validation metric ``nelbo``) at the last point when both runs report it: the unclipped bound is
     comparable across recipes, while ``val_loss`` is the (possibly clipped) training objective."""
@@ -60,9 +78,7 @@ def _nelbo_text(base: dict[str, Any], other: dict[str, Any]) -> str:
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
     """``payload`` as JSON through a temporary file and ``os.replace``."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json_atomic(path, payload)
     return path
 
 

@@ -20,14 +20,17 @@ from typing import Any
 
 import torch.distributed as dist
 
+from csbp.atomic import write_text_atomic
 from csbp.compare.budget import BudgetHook, load_budget_state
 from csbp.compare.layouts import LAYOUT_NAMES, layout_config
 from csbp.config.schema import RunConfig
 from csbp.parallel.launch import run_local
-from csbp.training.preflight import check_run
+from csbp.training.preflight import check_new_run_dir, check_run
 from csbp.training.trainer import train
 
 RESULT_FILE = "result.json"
+OPTIONS_FILE = "compare_options.json"
+"""``OUT/compare_options.json``: the budget, points and process count a comparison started with."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
         raise ValueError(
             f"--out {options.out_dir} is not empty (fix: --resume to continue that comparison, or another --out)"
         )
+    _check_resumed_options(options)
     plan = []
     for name in options.layouts:
         layout_cfg = layout_config(cfg, name, options.nproc)
@@ -110,9 +114,11 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
         done = options.resume and (run_dir / RESULT_FILE).is_file()
         if not done:
             if not resumable:
+                check_new_run_dir(run_dir, "--out")  # only a layout run csbp wrote is removed
                 shutil.rmtree(run_dir, ignore_errors=True)  # interrupted before its first time point
             inputs = check_run(
-                layout_cfg, run_dir=run_dir, resume=resumable, stop_step=layout_cfg.train.max_steps
+                layout_cfg, run_dir=run_dir, resume=resumable, stop_step=layout_cfg.train.max_steps,
+                resume_restart=f"compare the changed config into a new --out instead of {options.out_dir}",
             )
             if inputs.val_split is None:
                 raise ValueError(
@@ -121,6 +127,27 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
                 )
         plan.append((name, layout_cfg))
     return plan
+
+
+def _recorded_options(options: CompareOptions) -> dict[str, Any]:
+    return {"budget_s": options.budget_s, "points": options.points, "nproc": options.nproc}
+
+
+def _check_resumed_options(options: CompareOptions) -> None:
+    """A resumed comparison keeps the budget, points and process count it started with: the layouts
+    already trained were measured under them (one line naming the flag otherwise)."""
+    path = options.out_dir / OPTIONS_FILE
+    if not options.resume or not path.is_file():
+        return
+    started = json.loads(path.read_text(encoding="utf-8"))
+    for key, value in _recorded_options(options).items():
+        if key in started and started[key] != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"{flag} {value:g}: the comparison in {options.out_dir} was started with {flag} {started[key]:g}, "
+                f"and its layouts so far were measured under it (fix: {flag} {started[key]:g} to resume it, or "
+                "another --out)"
+            )
 
 
 def _barrier() -> None:
@@ -153,9 +180,7 @@ def _train_layout(name: str, cfg: RunConfig, options: CompareOptions, rank: int)
         "points": [asdict(point) for point in hook.state.points],
     }
     if rank == 0:
-        tmp = run_dir / (RESULT_FILE + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
-        tmp.replace(run_dir / RESULT_FILE)
+        write_text_atomic(run_dir / RESULT_FILE, json.dumps(result, indent=1) + "\n")
     _barrier()
     return result
 
@@ -179,6 +204,7 @@ def run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]
     was started with another one: every point keeps ``val_loss`` and all validation metrics)."""
     plan = plan_layouts(cfg, options)
     options.out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(options.out_dir / OPTIONS_FILE, json.dumps(_recorded_options(options)) + "\n")
     metric, _ = metric_of(cfg, options.metric)
     if options.nproc == 1:
         return [_with_metric(result, metric) for result in _compare_worker(0, 1, plan, options)]

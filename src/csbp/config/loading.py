@@ -1,7 +1,7 @@
 """Read, override, validate and write run configs.
 
 ``load_config("run.yaml", ["optim.lr=3e-4", "topology.cp=2"])`` reads the YAML with
-``yaml.safe_load``, applies ``--set`` overrides (values parsed as YAML scalars: ints, floats, bools,
+a safe loader (duplicate keys and alias bombs refused: :func:`read_yaml_file`), applies ``--set`` overrides (values parsed as YAML scalars: ints, floats, bools,
 ``null``, flow lists ``[1, 2]``; a flow mapping ``topology={cp: 2, bp: 2}`` is deep-merged into the
 section exactly like ``topology.cp=2 topology.bp=2``, keeping its other fields), resolves relative paths (against the config file's directory for
 values from the file, against the working directory for values from ``--set``) and validates the
@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
+from csbp.atomic import write_text_atomic
 from csbp.config.rules import ConfigRuleError
 from csbp.config.schema import RunConfig
 from csbp.config.section_base import PATH_FIELD_KEY
@@ -60,10 +61,7 @@ def load_config(
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
     source = source if source is not None else str(path)
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{source}: invalid YAML: {_yaml_problem(exc)}"]) from exc
+    data = read_yaml_file(path, source=source)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -74,6 +72,53 @@ def load_config(
     resolved = [(keys, _resolve_override_path(keys, value)) for keys, value in parsed]
     data = apply_overrides(data, resolved)
     return config_from_dict(data, source=source, override_keys=[keys for keys, _ in parsed])
+
+
+MAX_YAML_VALUES = 100_000
+"""More values than any run config has by orders of magnitude: anchors and aliases nested to expand
+beyond this ("billion laughs") are refused instead of being expanded."""
+
+
+def read_yaml_file(path: str | Path, *, source: str | None = None) -> Any:
+    """The YAML document in ``path`` (safe loader, duplicate keys refused, at most
+    :data:`MAX_YAML_VALUES` values once aliases are expanded); a :class:`ConfigError` naming
+    ``source`` (default: ``path``) otherwise."""
+    source = source if source is not None else str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError([f"{source}: not UTF-8 text (fix: pass a YAML file)"]) from None
+    return read_yaml_text(text, source=source)
+
+
+def read_yaml_text(text: str, *, source: str) -> Any:
+    """:func:`read_yaml_file` for YAML held in a string (a run config recorded in a checkpoint)."""
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"{source}: invalid YAML: {_yaml_problem(exc)}"]) from exc
+    _check_expanded_size(data, source)
+    return data
+
+
+def _check_expanded_size(data: Any, source: str) -> None:
+    """``ConfigError`` when ``data`` holds more than :data:`MAX_YAML_VALUES` values counting each
+    alias as often as it is used (a cyclic alias counts forever); stops counting at the limit."""
+    count, stack = 0, [data]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_YAML_VALUES:
+            raise ConfigError(
+                [
+                    f"{source}: expands to more than {MAX_YAML_VALUES} values through nested YAML anchors/aliases "
+                    "(fix: write the values out; a run config has a few hundred)"
+                ]
+            )
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[Override]:
@@ -92,6 +137,7 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
             raise ConfigError(
                 [f"--set {key}: value {text!r} is not valid YAML: {_yaml_problem(exc)} (fix: quote it)"]
             ) from exc
+        _check_expanded_size(value, f"--set {key}")
         parsed.extend(_leaf_overrides(tuple(key.split(".")), value))
     return parsed
 
@@ -164,8 +210,7 @@ def dump_config(cfg: RunConfig) -> str:
 def write_config(cfg: RunConfig, run_dir: str | Path) -> Path:
     """Write ``<run_dir>/config.yaml`` and return its path."""
     path = Path(run_dir) / "config.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dump_config(cfg), encoding="utf-8")
+    write_text_atomic(path, dump_config(cfg))  # a crash never leaves half a config for --resume
     return path
 
 
@@ -199,6 +244,11 @@ def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
         expected = _type_text(info.annotation) if info is not None else "more items"
         return [(_dotted(loc[:-1]), f"item [{loc[-1]}] is missing", f"set it to {expected}")]
     if kind == "missing":
+        section = _nested_model(info.annotation) if info is not None else None
+        if section is not None:  # a whole section: say which of its keys it needs
+            needed = [name for name, field in section.model_fields.items() if field.is_required()]
+            keys = f" with at least {', '.join(needed)}" if needed else ""
+            return [(dotted, "required section is missing", f"add the `{dotted}:` section{keys}")]
         what = f": {info.description}" if info is not None and info.description else ""
         return [(dotted, "required key is missing", f"add {dotted}{what}")]
     if kind == "literal_error":

@@ -163,6 +163,17 @@ class Artifact:
             found = max(found, int(value))
         return found
 
+    def verify_tokenizer(self) -> None:
+        """``ValueError`` unless ``tokenizer.json`` has the manifest's fingerprint and vocabulary size
+        (the model's embedding is sized from the manifest: a forged size must not allocate it)."""
+        tokenizer = self.load_tokenizer()
+        self.check_tokenizer(tokenizer)
+        if tokenizer.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"{self.directory / MANIFEST_NAME}: tokenizer.vocab_size {self.vocab_size} is not the "
+                f"{tokenizer.vocab_size} ids of its {TOKENIZER_FILE} (fix: re-run csbp data prepare)"
+            )
+
     def verify_fingerprint(self) -> None:
         """``ValueError`` unless the array files hash to the manifest's ``content_fingerprint``."""
         actual = content_fingerprint(self.directory)
@@ -188,7 +199,9 @@ def open_artifact(
 
     Checks the manifest (format and version), that every array file exists with the size the
     manifest implies, and the tokenizer fingerprint when ``tokenizer`` is given. ``verify=True``
-    also recomputes the content fingerprint and checks every token id is below ``vocab_size``.
+    also recomputes the content fingerprint, checks every token id is below ``vocab_size`` and that
+    ``tokenizer.json`` has the recorded fingerprint and size. The manifest's counts must be integers
+    in range (a forged manifest is refused, never sized into memory).
     """
     directory = Path(directory)
     manifest_path = directory / MANIFEST_NAME
@@ -200,6 +213,10 @@ def open_artifact(
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{manifest_path}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{manifest_path}: not UTF-8 JSON; re-run csbp data prepare") from None
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{manifest_path}: expected a JSON object; re-run csbp data prepare")
     if manifest.get("format") != FORMAT_NAME or manifest.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{manifest_path}: format {manifest.get('format')!r} version {manifest.get('format_version')!r} "
@@ -240,6 +257,14 @@ _REQUIRED_KEYS = (
 )
 
 
+_COUNT_RANGES = {  # the integer fields sizes are computed from, and the values they may take
+    ("seq_len",): (2, 2**31 - 1),
+    ("tokenizer", "vocab_size"): (1, 2**32),  # ids are stored as uint32
+    ("splits", "train", "rows"): (0, 2**40),
+    ("splits", "val", "rows"): (0, 2**40),
+}
+
+
 def _require_manifest_keys(manifest: dict[str, Any], manifest_path: Path) -> None:
     for key_path in _REQUIRED_KEYS:
         node: Any = manifest
@@ -249,10 +274,20 @@ def _require_manifest_keys(manifest: dict[str, Any], manifest_path: Path) -> Non
                     f"{manifest_path}: missing field {'.'.join(key_path)}; re-run csbp data prepare"
                 )
             node = node[key]
+        low, high = _COUNT_RANGES.get(key_path, (None, None))
+        if low is not None and (type(node) is not int or not low <= node <= high):
+            raise ValueError(
+                f"{manifest_path}: {'.'.join(key_path)} is {node!r}, not an integer in [{low}, {high}]; "
+                "re-run csbp data prepare"
+            )
+    special_ids = manifest["special_ids"]
+    if not isinstance(special_ids, dict) or not all(type(v) is int and v >= 0 for v in special_ids.values()):
+        raise ValueError(f"{manifest_path}: special_ids must map names to token ids; re-run csbp data prepare")
 
 
 def _verify_contents(artifact: Artifact) -> None:
     artifact.verify_fingerprint()
+    artifact.verify_tokenizer()
     for split in SPLITS:
         tokens = artifact.split(split).tokens
         if tokens.size and int(tokens.max()) >= artifact.vocab_size:

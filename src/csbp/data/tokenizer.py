@@ -13,8 +13,8 @@ Special tokens (names configurable through ``SpecialTokens``):
 
 Local directories only, never a hub: ``DIR/tokenizer.json`` is read with
 ``tokenizers.Tokenizer.from_file``; a directory without one goes through
-``transformers.AutoTokenizer.from_pretrained(DIR, local_files_only=True)`` (fast tokenizers
-only). For such directories, EOS/pad/mask names missing from the vocabulary fall back to
+``transformers.AutoTokenizer.from_pretrained(DIR, local_files_only=True, trust_remote_code=False)``
+(fast tokenizers only; no Python code from the directory ever runs). For such directories, EOS/pad/mask names missing from the vocabulary fall back to
 ``eos_token``/``pad_token``/``mask_token`` of ``tokenizer_config.json``/``special_tokens_map.json``.
 
 Literal special-token strings inside document text are recognised as those tokens (the usual
@@ -179,7 +179,9 @@ def _load_with_transformers(path: Path, special: SpecialTokens) -> CsbpTokenizer
             "install csbp[hf] or provide tokenizer.json"
         ) from None
     try:
-        hf_tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        # trust_remote_code=False: a tokenizer_config.json `auto_map` naming Python code in the directory
+        # is refused (left unset, transformers asks "run the custom code? [y/N]" on a terminal)
+        hf_tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ValueError(f"could not load a tokenizer from {path}: {exc}".splitlines()[0]) from None
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)

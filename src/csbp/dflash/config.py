@@ -18,8 +18,10 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
+
 from csbp.models.config import DecoderConfig
-from csbp.models.rope import RopeScaling
+from csbp.models.rope import RopeScaling, rope_inverse_frequencies
 
 LayerType = Literal["full_attention", "sliding_attention"]
 LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
@@ -241,6 +243,33 @@ def validate_drafter_target(config: DFlashConfig, target: DecoderConfig) -> None
             f"mask_token_id={config.mask_token_id} is not a row of the target embedding "
             f"(vocab {target.vocab_size})"
         )
+    if not same_rope(config.head_dim, (config.rope_theta, config.rope_scaling), (target.rope_theta, target.rope_scaling)):
+        raise ValueError(
+            f"drafter RoPE {describe_rope(config.rope_theta, config.rope_scaling)} differs from the target's "
+            f"{describe_rope(target.rope_theta, target.rope_scaling)}: the drafter rotates its queries and the "
+            "target's context at the target's positions with the target's RoPE"
+        )
+
+
+def describe_rope(theta: float, scaling: RopeScaling | None) -> str:
+    """``(theta=10000, no scaling)`` or ``(theta=10000, yarn: factor=4.0, ...)``: a RoPE for messages."""
+    if scaling is None:
+        return f"(theta={theta:g}, no scaling)"
+    fields = ", ".join(f"{key}={value}" for key, value in scaling.to_dict().items() if key != "rope_type")
+    return f"(theta={theta:g}, {scaling.rope_type}: {fields})"
+
+
+def same_rope(
+    head_dim: int, first: tuple[float, RopeScaling | None], second: tuple[float, RopeScaling | None]
+) -> bool:
+    """Whether two (theta, scaling) pairs rotate identically: the same inverse frequencies and
+    attention factor (so ``beta_fast: 32`` equals an unset ``beta_fast``)."""
+    def tables(theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:
+        inv_freq = rope_inverse_frequencies(head_dim, theta, torch.float64, torch.device("cpu"), scaling)
+        return inv_freq, 1.0 if scaling is None else scaling.attention_scale
+
+    (freq_a, scale_a), (freq_b, scale_b) = tables(*first), tables(*second)
+    return scale_a == scale_b and torch.equal(freq_a, freq_b)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,10 @@ union of the live block rows' context intervals of ``d``'s anchor packet
   ``cp-aware``); plain CP-only stays generic context parallelism and all-gathers;
 * ``transport: halo`` also plans samples with a single document (a ring member then receives
   only the rows before its last anchor);
-* and in every case only when the plan moves strictly fewer rows over the ring than the
-  all-gather (``cp·(cp−1)·L/cp`` rows); otherwise the all-gather is kept. Both collectives
+* and in every case only when it pays (``csbp.attention.counts.exchange_pays``, the rule the
+  planner prices and BD3's halo exchange follows too): the busiest ring member moves at most
+  ``EXCHANGE_MAX_SHARE`` (90%) of the all-gather's ``(cp−1)·L/cp`` rows in its busier direction
+  (sent or received); otherwise the all-gather is kept. Both collectives
   overlap the block partial (forward) and the block-diagonal backward. Every ring member evaluates the rule on the same data, so all of them pick
   the same collective.
 
@@ -38,6 +40,7 @@ from dataclasses import replace
 
 from torch import Tensor
 
+from csbp.attention.draft_counts import context_exchange_pays
 from csbp.attention.layouts import WindowPlan, halo_sends, needed_positions
 from csbp.attention.rows import Rows
 from csbp.dflash.config import DFlashConfig
@@ -111,9 +114,10 @@ def all_gather_rows(seq_len: int, cp: int) -> int:
     return (cp - 1) * seq_len
 
 
-def moves_fewer_rows(plan: WindowPlan) -> bool:
-    """The exchange moves strictly fewer rows than the all-gather."""
-    return exchanged_rows(plan) < all_gather_rows(plan.seq_len, plan.cp)
+def exchange_pays_off(plan: WindowPlan) -> bool:
+    """``draft_counts.context_exchange_pays`` of this plan: its busiest member moves at most
+    ``counts.EXCHANGE_MAX_SHARE`` of the all-gather's rows in its busier direction."""
+    return context_exchange_pays(plan.traffic_rows(), plan.seq_len, plan.cp)
 
 
 def context_exchanges(
@@ -128,7 +132,7 @@ def context_exchanges(
 ) -> list[WindowPlan | None]:
     """Per layer kind (``layouts.draft_query_rows``), the context exchange plan of this rank's ring
     for one sample's sorted ``anchors`` (every member's packet as ``layouts.owned_packet`` deals
-    it), or None where it would not move fewer rows than the all-gather."""
+    it), or None where it does not pay off against the all-gather (``exchange_pays_off``)."""
     member_variants = [
         draft_query_rows(cfg, owned_packet(anchors, doc_start, member, context=context, min_bucket=min_bucket),
                          context=context)[0]
@@ -141,5 +145,5 @@ def context_exchanges(
             seq_len, layout, [rows[kind] for rows in member_variants], block_size=cfg.block_size,
             window=windows[kind],
         )
-        plans.append(plan if moves_fewer_rows(plan) else None)
+        plans.append(plan if exchange_pays_off(plan) else None)
     return plans

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +140,10 @@ def export_dflash(
     *,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    extra_files: Sequence[Path] = (),
 ) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring)."""
+    """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus copies
+    of ``extra_files`` (tokenizer files), all in one atomic directory write."""
     store_dtype = dtype if dtype is not None else drafter.fc.weight.dtype
     if store_dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype must be float64, float32 or bfloat16, got {store_dtype}")
@@ -152,6 +156,8 @@ def export_dflash(
     def fill(staging: Path) -> None:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for file in extra_files:
+            shutil.copy2(file, staging / Path(file).name)
 
     return write_directory_atomically(path, fill, overwrite=overwrite, owned=EXPORT_OWNERSHIP)
 
@@ -172,7 +178,13 @@ def load_dflash(
         config = dflash_config_from_hf(read_json_object(config_file))
     except ValueError as exc:  # say which file; a target passed as --drafter is the usual cause
         raise ValueError(f"{config_file}: {exc} (fix: pass a `csbp dflash export` directory)") from None
-    validate_drafter_target(config, target.config)
+    try:
+        validate_drafter_target(config, target.config)
+    except ValueError as exc:  # the drafter was trained for another target
+        raise ValueError(
+            f"drafter {directory}: {exc} (fix: pass the target it was trained against, the "
+            "objective.dflash.target of its run)"
+        ) from None
     weights_file = directory / "model.safetensors"
     if not weights_file.is_file():
         raise ValueError(f"{directory} has no model.safetensors")

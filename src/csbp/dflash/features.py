@@ -236,6 +236,14 @@ def prepare_features(
     return write_directory_atomically(out_dir, fill, overwrite=overwrite, owned=FEATURE_OWNERSHIP)
 
 
+def _map_array(path: Path) -> np.ndarray:
+    """A read-only memory map of the ``.npy`` file ``path`` (never unpickled: an object array is an error)."""
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a feature array csbp reads ({exc}); re-run prepare_features") from None
+
+
 @dataclass(frozen=True)
 class FeatureStore:
     """An opened feature directory: read-only memmaps and the validated manifest."""
@@ -275,7 +283,12 @@ def open_features(
         raise ValueError(
             f"{directory} is not a DFlash feature store (no manifest.json); run prepare_features"
         )
-    manifest = json.loads(path.read_text())
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not a JSON manifest ({exc}); re-run prepare_features") from None
+    if not isinstance(manifest, dict) or manifest.get("dtype") not in STORE_DTYPES:
+        raise ValueError(f"{path}: not a {FEATURES_FORMAT} manifest (no known dtype); re-run prepare_features")
     if manifest.get("format") != FEATURES_FORMAT or manifest.get("format_version") != FEATURES_VERSION:
         raise ValueError(
             f"{path}: not a {FEATURES_FORMAT} v{FEATURES_VERSION} manifest; re-run prepare_features"
@@ -301,12 +314,20 @@ def open_features(
         raise ValueError(
             f"{path}: no last_hidden stored but loss='kl' needs it; re-run with with_last_hidden=True"
         )
-    features = np.load(directory / "features.npy", mmap_mode="r")
+    features = _map_array(directory / "features.npy")
     expected_shape = (manifest["rows"], manifest["seq_len"], manifest["width"])
     if tuple(features.shape) != expected_shape or features.dtype != STORE_DTYPES[manifest["dtype"]]:
         raise ValueError(
             f"{directory / 'features.npy'}: shape {features.shape} dtype {features.dtype} does not match the "
             f"manifest {expected_shape} {manifest['dtype']}; re-run prepare_features"
         )
-    last = np.load(directory / "last_hidden.npy", mmap_mode="r") if manifest.get("with_last_hidden") else None
+    last = None
+    if manifest.get("with_last_hidden"):
+        last = _map_array(directory / "last_hidden.npy")
+        expected_shape = (manifest["rows"], manifest["seq_len"], target_config.hidden_size)
+        if tuple(last.shape) != expected_shape or last.dtype != features.dtype:
+            raise ValueError(
+                f"{directory / 'last_hidden.npy'}: shape {last.shape} dtype {last.dtype} does not match the "
+                f"manifest {expected_shape} {manifest['dtype']}; re-run prepare_features"
+            )
     return FeatureStore(directory, manifest, features, last)

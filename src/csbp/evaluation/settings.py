@@ -20,11 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from csbp.data.artifact import Artifact
 from csbp.data.tokenizer import fingerprint_bytes
-from csbp.generation.run_settings import run_objective_settings
+from csbp.generation.run_settings import run_objective_settings, training_record
 from csbp.models.config import DecoderConfig
 from csbp.objectives import build_objective
 from csbp.objectives.base import Objective
@@ -80,9 +78,10 @@ def run_config_settings(model_dir: Path) -> dict[str, Any]:
         settings = run_objective_settings(model_dir)
     except ValueError as error:
         raise ValueError(f"{error} (csbp eval evaluates those; an ar run's val_loss is already its exact NLL)") from None
-    if not settings:
+    found = training_record(model_dir)
+    if not settings or found is None:
         return {}
-    loaded = yaml.safe_load((model_dir.parent / "config.yaml").read_text(encoding="utf-8"))
+    loaded = found[0]
     objective, data = loaded.get("objective") or {}, loaded.get("data") or {}
     if objective.get("noise") in NOISE_SCHEMES:
         settings["noise_scheme"] = NOISE_SCHEMES[objective["noise"]]
@@ -109,7 +108,8 @@ def resolve_settings(
     name = objective or run.get("objective")
     if name is None:
         raise ValueError(
-            f"--model {model_dir}: no run config.yaml next to it to read the objective from "
+            f"--model {model_dir}: no run config.yaml next to it and no csbp_training record in its config.json "
+            "to read the objective from "
             f"(fix: pass --objective {{{','.join(EVAL_OBJECTIVES)}}} and --block-size)"
         )
     seq_len = artifact.seq_len

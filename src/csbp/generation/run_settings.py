@@ -1,30 +1,72 @@
-"""What a run trained with, read from its ``config.yaml``: the objective, block size, mask token and
-window that ``csbp generate`` samples with and ``csbp eval`` scores with by default.
+"""What a run trained with: the objective, block size, mask token and window that ``csbp generate``
+samples with and ``csbp eval`` scores with by default.
 
-A run's Hugging Face export is ``RUN/final``; the run config sits one directory up. Any other
-checkpoint directory has no run config, so nothing is known about its training.
+A run's Hugging Face export is ``RUN/final``; the run config sits one directory up. The export also
+records the same fields in its ``config.json`` under ``csbp_training`` (the run config's shape:
+``objective``, ``topology.window``, ``data.document_mask``/``reset_positions``), so an export copied
+or moved away from its run directory samples and scores as trained. A checkpoint with neither (a
+model csbp did not train) has nothing known about its training.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
+from csbp.config.loading import read_yaml_file
+
+if TYPE_CHECKING:
+    from csbp.config.schema import RunConfig
 
 #: the block-diffusion objectives a model can be sampled and scored as, and whether each predicts
 #: position ``i`` from row ``i - 1`` (token shift)
 TOKEN_SHIFT_OBJECTIVES = {"bd3": False, "mdlm": False, "fast_dllm_v2": True}
 
 
-def run_objective_settings(model_dir: Path) -> dict[str, Any]:
-    """``{"objective", "block_size", "mask_token_id", "window"}`` (those set) from ``RUN/config.yaml``
-    when ``model_dir`` is ``RUN/final``; empty for any other checkpoint directory."""
+#: the ``config.json`` key of an export that records how it was trained
+EXPORT_KEY = "csbp_training"
+
+
+def training_record_of(cfg: RunConfig, mask_token_id: int | None) -> dict[str, Any]:
+    """What ``csbp generate``/``csbp eval`` need to sample and score an export as trained, in the run
+    config's shape (read back by :func:`training_record`); the trainer writes it into ``config.json``."""
+    objective = cfg.objective
+    return {
+        "objective": {
+            "name": objective.name,
+            "block_size": objective.block_size,
+            "noise": objective.noise,
+            "mask_token_id": mask_token_id,
+        },
+        "topology": {"window": cfg.topology.window},
+        "data": {"document_mask": cfg.document_mask, "reset_positions": cfg.data.reset_positions},
+    }
+
+
+def training_record(model_dir: Path) -> tuple[dict[str, Any], Path] | None:
+    """The run config a model was trained with (or the part of it its export records) and the file
+    it came from: ``RUN/config.yaml`` for ``RUN/final``, else ``config.json``'s ``csbp_training``."""
     config_file = model_dir.parent / "config.yaml"
-    if model_dir.name != "final" or not config_file.is_file():
+    if model_dir.name == "final" and config_file.is_file():
+        loaded = read_yaml_file(config_file) or {}
+        return (loaded, config_file) if isinstance(loaded, dict) else None
+    exported = model_dir / "config.json"
+    try:
+        record = json.loads(exported.read_text(encoding="utf-8")).get(EXPORT_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return (record, exported) if isinstance(record, dict) else None
+
+
+def run_objective_settings(model_dir: Path) -> dict[str, Any]:
+    """``{"objective", "block_size", "mask_token_id", "window", "source"}`` (those set) from the
+    training record (:func:`training_record`); empty for a model without one."""
+    found = training_record(model_dir)
+    if found is None:
         return {}
-    loaded = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-    objective = loaded.get("objective") if isinstance(loaded, dict) else None
+    loaded, config_file = found
+    objective = loaded.get("objective")
     if not isinstance(objective, dict) or "name" not in objective:
         return {}
     name = str(objective["name"])
@@ -33,7 +75,7 @@ def run_objective_settings(model_dir: Path) -> dict[str, Any]:
             f"{config_file} trained objective {name!r}; csbp generate samples block-diffusion models "
             f"({', '.join(TOKEN_SHIFT_OBJECTIVES)})"
         )
-    settings: dict[str, Any] = {"objective": name}
+    settings: dict[str, Any] = {"objective": name, "source": config_file}
     for field in ("block_size", "mask_token_id"):
         if objective.get(field) is not None:
             settings[field] = int(objective[field])

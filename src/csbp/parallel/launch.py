@@ -1,7 +1,8 @@
 """Run a function on N local processes joined in one ``torch.distributed`` group.
 
 Used by ``csbp verify``, the benchmarks and the multi-process tests. On the CPU (the default) the
-processes join a gloo group; with ``device="cuda"`` rank ``r`` selects ``cuda:r`` and joins an
+processes join a gloo group (through a key-value store listening on 127.0.0.1 only:
+:mod:`csbp.parallel.loopback`); with ``device="cuda"`` rank ``r`` selects ``cuda:r`` and joins an
 NCCL group bound to it (``csbp.devices``), so ``build_parallel_context`` inside ``fn`` computes on
 that GPU. Each worker gets ``threads`` intra-op threads, runs ``fn(rank, world_size, *args)``,
 returns a picklable result, and
@@ -16,6 +17,7 @@ Usage::
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import pickle
 import socket
@@ -31,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from csbp.devices import device_for_rank, process_group_options, resolve_device, select_device
+from csbp.parallel.loopback import LOOPBACK_INTERFACE, loopback_store
 
 
 class WorkerError(RuntimeError):
@@ -63,13 +66,15 @@ def _worker(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)  # gloo's pair sockets on loopback too
     code = 0
     try:
         device = device_for_rank(device_kind, rank)
         select_device(device)  # before the process group: NCCL binds to the current GPU
+        timeout = timedelta(seconds=timeout_s)
+        store = loopback_store(port, is_master=rank == 0, world_size=world_size, timeout=timeout)
         dist.init_process_group(
-            **process_group_options(device), rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            **process_group_options(device), store=store, rank=rank, world_size=world_size, timeout=timeout
         )
         result: Any = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
@@ -85,7 +90,20 @@ def _worker(
                 dist.barrier()
             dist.destroy_process_group()
     finally:
+        _release_multiprocessing_resources()
         os._exit(code)
+
+
+def _release_multiprocessing_resources() -> None:
+    """Run the exit finalizers that ``os._exit`` would skip: the ones multiprocessing's spawn
+    bootstrap runs after the target returns. They unlink the named semaphores the worker created
+    (tqdm's write lock, any ``multiprocessing`` lock) and unregister them from the parent's
+    resource tracker, which otherwise warns "There appear to be N leaked semaphore objects"
+    when the parent exits."""
+    try:
+        multiprocessing.util._exit_function()
+    except Exception:  # noqa: BLE001 - the worker's result is already written; exit regardless
+        traceback.print_exc()
 
 
 def run_local(

@@ -11,7 +11,8 @@ checkpointing only when the config schema has ``train.activation_checkpointing``
 With ``data.document_mask`` the plan is costed on the real documents of the run's training artifact
 (``data.train``; ``csbp.plan.artifact_documents``, what ``csbp plan --data`` uses), so it may pick
 CP-only ``cp-aware`` (``topology.transport: halo``) or ``topology.schedule: balanced``; the
-``topology: auto -> ...`` line names the rows it assumed. Without the document mask: one document
+``topology: auto -> ...`` line names the rows it assumed, and the K/V overlap the prediction
+assumed for the chosen layout (``csbp plan``'s ``overlap:`` line in brief). Without the document mask: one document
 per row.
 """
 
@@ -24,9 +25,10 @@ from pathlib import Path
 import yaml
 
 from csbp.plan.artifact_documents import run_config_documents
-from csbp.plan.calibration import packaged_calibration
+from csbp.plan.calibration import Calibration, packaged_calibration
 from csbp.plan.hardware import hardware
-from csbp.plan.model import GIB
+from csbp.plan.layout import Layout
+from csbp.plan.model import GIB, collective_overlap
 from csbp.plan.search import candidate_layouts, describe, rank
 from csbp.plan.workload import run_config_workload
 
@@ -46,7 +48,10 @@ def wants_auto(config: str, overrides: Sequence[str]) -> bool:
         if config not in list_recipes():
             return False
         path = recipe_path(config)
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))  # one key is read: aliases never expand
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return False  # loading the config reports it in one line (it was a traceback)
     return isinstance(data, dict) and data.get("topology") == AUTO
 
 
@@ -106,7 +111,8 @@ def resolve_auto_topology(
         )
         if lay.micro_batch == mb
     ]
-    plan = rank(workload, layouts, cfg.data.seq_len, hw, packaged_calibration(preset))
+    cal = packaged_calibration(preset)
+    plan = rank(workload, layouts, cfg.data.seq_len, hw, cal)
     best = plan.best
     if best is None:
         raise ValueError(f"topology: auto found no layout for {gpus} processes: {plan.why}")
@@ -127,7 +133,19 @@ def resolve_auto_topology(
         print(
             f"topology: auto -> {describe(lay)} for {gpus} processes at L={cfg.data.seq_len}: predicted "
             f"{step:.3f} s/step, {best.mem_bytes / GIB:.2f} of {best.capacity_bytes / GIB:.1f} GiB per process "
-            f"({hw.name}{documents}; {plan.why})",
+            f"({hw.name}{documents}; {_overlap_assumed(lay, cal)}; {plan.why})",
             flush=True,
         )
     return [*kept, *chosen]
+
+
+def _overlap_assumed(layout: Layout, cal: Calibration) -> str:
+    """The overlap the prediction assumed for ``layout``, briefly (``csbp plan``'s ``overlap:`` line
+    says where each share comes from)."""
+    if layout.kind not in ("cp", "csbp"):
+        return "overlap: no K/V ring"
+    generic = layout.kind == "cp" and layout.transport == "collective"
+    text = f"overlap: {collective_overlap(layout, cal):.0%} of K/V traffic hidden ({'overlap_cp' if generic else 'overlap_csbp'}"
+    if layout.transport == "streaming":
+        text += f", streaming up to {cal.overlap_stream:.0%} of its ring attention"
+    return text + ")"

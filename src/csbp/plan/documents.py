@@ -34,6 +34,7 @@ import numpy as np
 from csbp.attention.counts import DocBounds
 from csbp.attention.document_draw import random_document_bounds
 from csbp.attention.draft_counts import (
+    context_exchange_pays,
     context_pairs,
     draft_intervals,
     exchange_rows,
@@ -126,7 +127,7 @@ def layout_totals(
         window or None,
         docs,
         pairs=_row_pairs(seq_len, block, window, doc_length),
-        runs=_layout_runs(seq_len, block, cp, bp, schedule, doc_length),
+        runs=_layout_runs(seq_len, block, cp, bp, schedule, doc_length, window if schedule == "balanced" else 0),
     )
 
 
@@ -138,10 +139,12 @@ def _row_pairs(seq_len: int, block: int, window: int, doc_length: DocumentKey | 
 
 @lru_cache(maxsize=8)
 def _layout_runs(
-    seq_len: int, block: int, cp: int, bp: int, schedule: str, doc_length: DocumentKey | None
+    seq_len: int, block: int, cp: int, bp: int, schedule: str, doc_length: DocumentKey | None, window: int = 0
 ) -> tuple[RankRuns, ...]:
+    """``window`` (0: full attention) prices the ``balanced`` schedule (the caller passes 0 for the
+    others, so their runs stay shared across windows)."""
     docs = None if doc_length is None else packed_documents(seq_len, doc_length)
-    return layout_runs(seq_len, block, cp, bp, schedule, docs)  # type: ignore[arg-type]
+    return layout_runs(seq_len, block, cp, bp, schedule, docs, window or None)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -218,10 +221,11 @@ def _draft_counts(
             for ring in rings:
                 members = [per_window[w][ring * cp + d if bp > 1 else 0] for d in range(cp)]
                 recv, sent = exchange_rows(seq_len, cp, members)
-                fewer = sum(recv) < (cp - 1) * seq_len  # else the ring keeps the all-gather
-                used |= fewer
-                worst = max(worst, max(recv) if fewer else gather)
-                busiest = max(busiest, max(*recv, *sent) if fewer else gather)
+                traffic = [max(r, t) for r, t in zip(recv, sent, strict=True)]
+                pays = context_exchange_pays(traffic, seq_len, cp)  # else the ring keeps the all-gather
+                used |= pays
+                worst = max(worst, max(recv) if pays else gather)
+                busiest = max(busiest, max(traffic) if pays else gather)
         recv_rows[w], exchanged[w], traffic_rows[w] = worst, used, busiest
     return DraftCounts(len(owners[slowest]), pairs, recv_rows, exchanged, traffic_rows)
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from csbp.attention.counts import exchange_pays
 from csbp.plan.artifact_documents import DocumentSample
 from csbp.plan.calibration import Calibration
 from csbp.plan.documents import (
@@ -151,10 +152,11 @@ def _kv_per_pass(workload: Workload, layout: Layout, seq_len: int, group: LayerG
     holds are those it receives."""
     row = kv_row_bytes(group, workload.dtype_bytes)
     cp, kind, docs = layout.cp, layout.kind, workload.doc_length
-    if uses_halo(workload, layout, group):
+    if halo_used(workload, layout, seq_len, group):
         args = (seq_len, workload.objective.block, cp, layout.bp, layout.schedule, group.window, docs)
         own = seq_len // cp * (2 if kind == "cp" else 1)  # cp-aware holds its noisy and clean rows
-        return float(halo_traffic_rows(*args) * row), float(own + document_halo_rows(*args))  # type: ignore[arg-type]
+        traffic = halo_traffic_rows(*args)  # type: ignore[arg-type]
+        return float(traffic * row), float(own + document_halo_rows(*args))  # type: ignore[arg-type]
     if kind == "cp":
         shard = 2 * seq_len // cp
     elif kind == "csbp":
@@ -192,6 +194,19 @@ def overlap_note(cal: Calibration) -> str:
         f"{origin('overlap_csbp')});\n         streaming up to {cal.overlap_stream:.0%} of its ring attention "
         f"(overlap_stream, {origin('overlap_stream')}); csbp's async collectives are unmeasured on GPU"
     )
+
+
+def halo_used(workload: Workload, layout: Layout, seq_len: int, group: LayerGroup) -> bool:
+    """Whether a layer of ``group`` runs the halo all-to-all for one row (``workload.doc_length`` a
+    mean or one real row): ``uses_halo`` and the exchange pays, the runtime's rule
+    (``transports.factory.halo_pays``, ``counts.exchange_pays``: the busiest member's busier
+    direction at most 90% of the all-gather's rows); otherwise the ring all-gathers."""
+    if not uses_halo(workload, layout, group):
+        return False
+    cp = layout.cp
+    args = (seq_len, workload.objective.block, cp, layout.bp, layout.schedule, group.window, workload.doc_length)
+    own = seq_len // cp * (2 if layout.kind == "cp" else 1)
+    return exchange_pays([halo_traffic_rows(*args)], (cp - 1) * own)  # type: ignore[arg-type]
 
 
 def uses_halo(workload: Workload, layout: Layout, group: LayerGroup) -> bool:

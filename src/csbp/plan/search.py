@@ -189,7 +189,10 @@ def explain(
             )
         reasons.append(f"its slowest rank computes {compute_r - compute_b:.2f} s less per step{why}")
     elif b.dp != r.dp and abs(best.step_s - rival.step_s) > 0.02 * rival.step_s:
-        reasons.append(f"a step takes {best.step_s:.2f} s instead of {rival.step_s:.2f} s")
+        per_step = (best.tokens_per_s * best.step_s) / (rival.tokens_per_s * rival.step_s)
+        reasons.append(
+            f"a step takes {best.step_s:.2f} s against {rival.step_s:.2f} s and trains {per_step:.2f}x the tokens"
+        )
     despite = ""  # a winner that sends more K/V wins in spite of it
     most = max(best.kv_bytes, rival.kv_bytes)
     if most >= 2**24 and abs(best.kv_bytes - rival.kv_bytes) > 0.1 * most:

@@ -15,12 +15,11 @@ recipe resolves them against its own directory, like any config file).
 from __future__ import annotations
 
 import difflib
-import shutil
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
-from csbp.atomic import unwritable_reason
+from csbp.atomic import unwritable_reason, write_text_atomic
 from csbp.config import RunConfig, load_config
 
 _SUFFIX = ".yaml"
@@ -61,8 +60,7 @@ def copy_recipe(name: str, dest: str | Path, *, overwrite: bool = False) -> Path
     problem = unwritable_reason(target.parent)
     if problem is not None:
         raise ValueError(f"{target}: {problem} (fix: choose another destination)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(source, target)
+    write_text_atomic(target, source.read_text(encoding="utf-8"))  # --overwrite never leaves half a file
     return target
 
 

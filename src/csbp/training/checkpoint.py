@@ -33,13 +33,14 @@ from the checkpoint ``latest`` names when that one is intact, else from the newe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import re
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,9 @@ class TrainingState:
     param_shapes: dict[str, list[int]]
     topology: dict[str, Any]
     config_yaml: str
+    #: content fingerprints of the directories the config names (``csbp.training.input_identity``);
+    #: empty in checkpoints written before they were recorded
+    input_fingerprints: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, **self.__dict__}
@@ -118,7 +122,8 @@ class TrainingState:
                 f"{source}: checkpoint format {data.get('format_version')!r} is not {FORMAT_VERSION}"
             )
         fields = {key: data[key] for key in TrainingState.__dataclass_fields__ if key in data}
-        missing = sorted(set(TrainingState.__dataclass_fields__) - set(fields))
+        required = {f.name for f in dataclasses.fields(TrainingState) if f.default_factory is dataclasses.MISSING}
+        missing = sorted(required - set(fields))
         if missing:
             raise ValueError(f"{source}: missing fields {missing}; the checkpoint is corrupt")
         return TrainingState(**fields)

@@ -7,11 +7,13 @@ crafted checkpoint runs code on load. Here:
 
 * :func:`read_metadata` reads ``.metadata`` with :class:`MetadataUnpickler`, which admits only the
   DCP metadata dataclasses, ``torch.Size``, dtypes/layouts and plain containers; anything else is a
-  ``ValueError`` naming the file and the refused global;
+  ``ValueError`` naming the file and the refused global, as is a data file named outside the
+  checkpoint directory (``../x``, ``/etc/passwd``);
 * :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` make ``dcp.load`` use that reader and
   load non-tensor items with ``torch.load(weights_only=True)``; :func:`safe_dcp_load` is the call;
 * :func:`checkpoint_problem` checks a checkpoint without reading a tensor: ``trainer_state.json``
-  parses, ``.metadata`` reads safely, every file it names exists and is long enough;
+  parses, ``.metadata`` reads safely, every tensor shape it declares is backed by as many stored
+  bytes (nothing is sized from a forged shape), every file it names exists and is long enough;
 * :func:`resume_checkpoint` picks the checkpoint ``--resume`` uses: the one ``latest`` names when it
   is intact, else the newest intact ``step_*`` directory (the damaged ones are reported), else a
   one-line ``ValueError``.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import pickle
 import re
 import warnings
@@ -33,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 METADATA_FILE = ".metadata"
@@ -89,6 +92,10 @@ def read_metadata(checkpoint: Path) -> Metadata:
         raise ValueError(f"{path}: unreadable ({type(exc).__name__}: {exc}); the file is damaged") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise ValueError(f"{path}: does not hold DCP checkpoint metadata")
+    for info in (metadata.storage_data or {}).values():  # every reader opens checkpoint / relative_path
+        name = str(getattr(info, "relative_path", ""))
+        if not name or Path(name).name != name or name.startswith("."):
+            raise ValueError(f"{path} names a data file {name!r} outside the checkpoint; it was not loaded")
     return metadata
 
 
@@ -124,7 +131,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 def safe_dcp_load(state_dict: dict[str, Any], checkpoint: Path, *, no_dist: bool) -> None:
     """``dcp.load`` into ``state_dict`` through the safe reader and planner; a failure on any rank
-    is a ``ValueError`` naming the checkpoint and the first rank's error."""
+    is a ``ValueError`` naming the checkpoint and the first rank's error.
+
+    The metadata is read (and its data-file paths checked) here first: torch releases before 2.13
+    swallow a reader's exception and report only "metadata is None"."""
+    read_metadata(checkpoint)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -155,11 +166,12 @@ def checkpoint_problem(checkpoint: Path, *, state_file: str | None = "trainer_st
         metadata = read_metadata(checkpoint)
     except ValueError as exc:
         return str(exc)
+    declared = _declared_size_problem(metadata)
+    if declared is not None:
+        return f"{checkpoint / METADATA_FILE} {declared}"
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        name = str(getattr(info, "relative_path", ""))
-        if not name or Path(name).name != name or name.startswith("."):
-            return f"{checkpoint / METADATA_FILE} names a data file {name!r} outside the checkpoint"
+        name = str(info.relative_path)  # a plain file name in the checkpoint (read_metadata checks)
         end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
         needed[name] = max(needed.get(name, 0), end)
     for name, end in sorted(needed.items()):
@@ -169,6 +181,27 @@ def checkpoint_problem(checkpoint: Path, *, state_file: str | None = "trainer_st
         size = path.stat().st_size
         if size < end:
             return f"{path} is truncated ({size} bytes, the metadata needs {end})"
+    return None
+
+
+def _declared_size_problem(metadata: Metadata) -> str | None:
+    """Why the tensor shapes ``metadata`` declares are not backed by the bytes it stores for them, or
+    None. Loading allocates every declared shape first, so a forged ``.metadata`` claiming a 10^12
+    element tensor over 16 stored bytes must be refused before that."""
+    storage = metadata.storage_data or {}
+    for info in storage.values():
+        if getattr(info, "transform_descriptors", None):
+            return "uses storage transforms (compression), which csbp checkpoints never do"
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        itemsize = torch.empty((), dtype=item.properties.dtype).element_size()
+        for chunk in item.chunks:
+            info = storage.get(MetadataIndex(fqn, chunk.offsets))
+            numel = math.prod(int(size) for size in chunk.sizes)
+            if info is None or int(info.length) < numel * itemsize:
+                stored = "no bytes" if info is None else f"{int(info.length)} bytes"
+                return f"declares {list(chunk.sizes)} {item.properties.dtype} for '{fqn}' but stores {stored}"
     return None
 
 

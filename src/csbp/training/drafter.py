@@ -12,7 +12,6 @@ LM head) plus the tokenizer files of the target (or of the data when the target 
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -40,12 +39,10 @@ def build_drafter(cfg: RunConfig, inputs: DFlashInputs, *, device: torch.device)
 
 def export_drafter(cfg: RunConfig, inputs: DFlashInputs, drafter: DFlashDrafter, path: Path) -> Path:
     """Write ``path`` in the public DFlash format (``model.dtype``) with the tokenizer files."""
-    exported = export_dflash(drafter, path, dtype=export_dtype(cfg), overwrite=True)
-    for name in TOKENIZER_FILES:
-        source = inputs.tokenizer_dir / name
-        if source.is_file():
-            shutil.copy2(source, exported / name)
-    return exported
+    tokenizer_files = [inputs.tokenizer_dir / name for name in TOKENIZER_FILES]
+    return export_dflash(
+        drafter, path, dtype=export_dtype(cfg), overwrite=True, extra_files=[f for f in tokenizer_files if f.is_file()]
+    )
 
 
 def dflash_eval_hint(cfg: RunConfig, run_dir: Path) -> str:

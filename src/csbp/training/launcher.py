@@ -19,7 +19,8 @@ preferred over the connection errors it causes in its peers). Every process grou
 heartbeat stopped (:mod:`csbp.training.liveness`) and the launching process ends them. Ctrl-C and
 ``SIGTERM`` raise :class:`~csbp.interrupts.Interrupted` after the workers are stopped. torch elastic's
 temporary files live in a private directory removed after the launch, as are half-written
-``checkpoints/step_N.tmp``. A single-node launch rendezvouses on 127.0.0.1 and keeps gloo on ``lo``. The run
+``checkpoints/step_N.tmp``. A single-node launch rendezvouses on 127.0.0.1 (its key-value stores listen on
+loopback only: :mod:`csbp.parallel.loopback`) and keeps gloo on ``lo``. The run
 directory must be on a filesystem every node sees (checkpoints are written by all ranks).
 """
 
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from csbp.config.schema import RunConfig
 from csbp.devices import process_group_options, resolve_device
 from csbp.interrupts import Interrupted
+from csbp.parallel.loopback import LOOPBACK, LOOPBACK_INTERFACE, register_loopback_rendezvous
 from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher, report_stall
 from csbp.training.preflight import check_run, verify_data
 from csbp.training.trainer import (
@@ -58,9 +60,6 @@ from csbp.training.trainer import (
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 STALL_MARKER = "stopped responding"
-LOOPBACK = "127.0.0.1"
-LOOPBACK_INTERFACE = "lo"
-"""Single-node launches rendezvous at 127.0.0.1 and keep gloo's worker connections on loopback."""
 
 
 class TrainingFailed(RuntimeError):
@@ -272,8 +271,11 @@ def _launch_workers(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    local_addr = None
     if options.nnodes == 1 and options.rdzv_endpoint is None:
-        backend, endpoint, rdzv_configs = "c10d", f"{LOOPBACK}:0", {}
+        # torch's c10d rendezvous, its stores listening on 127.0.0.1 only (csbp.parallel.loopback)
+        backend, endpoint, rdzv_configs = register_loopback_rendezvous(), f"{LOOPBACK}:0", {}
+        local_addr = LOOPBACK  # the workers' MASTER_ADDR (else this host's name)
     elif options.node_rank is not None:
         backend, endpoint, rdzv_configs = "static", str(options.rdzv_endpoint), {"rank": options.node_rank}
     else:
@@ -290,6 +292,7 @@ def _launch_workers(
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+        local_addr=local_addr,
     )
     env = {} if torch.cuda.is_available() else {"OMP_NUM_THREADS": "1"}
     env[REPORT_DIR_ENV] = str(log_dir)

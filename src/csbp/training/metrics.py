@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from csbp.atomic import write_text_atomic
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 TENSORBOARD_DIR = "tb"
@@ -64,15 +66,18 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Records of a ``metrics.jsonl`` (an unfinished last line from a crash is skipped)."""
+    """Records of a ``metrics.jsonl`` (an unfinished last line from a crash, or any line that is not
+    a step record, is skipped)."""
     if not path.is_file():
         return []
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
     return records
 
 
@@ -81,9 +86,7 @@ def truncate_metrics(path: Path, *, after_step: int) -> None:
     if not path.is_file():
         return
     kept = [r for r in read_metrics(path) if int(r.get("step", 0)) <= after_step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
 class MetricsWriter:

@@ -93,13 +93,45 @@ def decoder_config_for_run(cfg: RunConfig, artifact: Artifact) -> DecoderConfig:
         except ValueError as exc:  # the final export would fail after training otherwise
             raise ValueError(f"model.arch: {exc} (fix: change model.arch or model.qk_norm)") from None
     if artifact.vocab_size > config.vocab_size:
-        source = f"model.init_from {model.init_from}" if model.init_from else "model.vocab_size"
+        if model.init_from is not None:
+            raise ValueError(
+                f"model.init_from: the data artifact {artifact.directory} has token ids up to "
+                f"{artifact.vocab_size - 1} but the checkpoint {model.init_from} embeds only {config.vocab_size} ids "
+                f"(fix: prepare the data with the checkpoint's tokenizer, csbp data prepare --tokenizer {model.init_from})"
+            )
         raise ValueError(
             f"model vocabulary: the data artifact {artifact.directory} has token ids up to "
-            f"{artifact.vocab_size - 1} but {source} embeds only {config.vocab_size} ids "
+            f"{artifact.vocab_size - 1} but model.vocab_size embeds only {config.vocab_size} ids "
             f"(fix: use a model with vocab_size >= {artifact.vocab_size}, or leave model.vocab_size unset)"
         )
+    if model.init_from is not None:
+        check_checkpoint_tokenizer(Path(str(model.init_from)), artifact)
     return config
+
+
+def check_checkpoint_tokenizer(directory: Path, artifact: Artifact) -> None:
+    """``ValueError`` when the checkpoint's ``tokenizer.json`` (if it has one) maps a token to another
+    id than the data's tokenizer does: its embeddings were trained for its own ids. The data's
+    tokenizer may add tokens (a ``<|mask|>`` for block diffusion) but not renumber them."""
+    from tokenizers import Tokenizer  # noqa: PLC0415
+
+    ckpt_file, data_file = directory / "tokenizer.json", artifact.directory / "tokenizer.json"
+    if not ckpt_file.is_file() or not data_file.is_file():
+        return
+    if ckpt_file.read_bytes() == data_file.read_bytes():
+        return
+    ours = Tokenizer.from_file(str(data_file)).get_vocab(with_added_tokens=True)
+    theirs = Tokenizer.from_file(str(ckpt_file)).get_vocab(with_added_tokens=True)
+    moved = sorted((index, token) for token, index in theirs.items() if ours.get(token) != index)
+    if moved:
+        index, token = moved[0]
+        found = ours.get(token)
+        where = "lacks it" if found is None else f"has it as id {found}"
+        raise ValueError(
+            f"model.init_from: {ckpt_file} has token {token!r} as id {index} but the tokenizer of the data "
+            f"{artifact.directory} {where} ({len(moved)} of {len(theirs)} tokens differ) (fix: prepare the data with "
+            f"the checkpoint's tokenizer, csbp data prepare --tokenizer {directory}, adding tokens only after its ids)"
+        )
 
 
 def _required(model: ModelSection, name: str) -> int:

@@ -24,6 +24,7 @@ import math
 
 import torch
 from torch import Tensor, nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from csbp.config.schema import OptimSection
 from csbp.parallel.comm import Comm
@@ -99,3 +100,19 @@ def clip_gradients(
         for grad in grads:
             grad.mul_(scale)
     return total_norm
+
+
+def apply_optim_config(optimizer: torch.optim.Optimizer, scheduler: LRScheduler, optim: OptimSection) -> None:
+    """After a resume: the config's peak lr, betas, epsilon and weight decay replace the values the
+    checkpoint restored (``optimizer.load_state_dict`` and the scheduler's ``base_lrs`` would keep the
+    old ones), and each group's current lr is the schedule's value at the resumed step. With an
+    unchanged config this recomputes the restored values exactly."""
+    step = scheduler.last_epoch
+    scheduler.base_lrs = [float(optim.lr)] * len(optimizer.param_groups)
+    for index, (group, multiplier) in enumerate(zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True)):
+        group["initial_lr"] = float(optim.lr)
+        group["lr"] = float(optim.lr) * multiplier(step)
+        group["betas"] = (float(optim.betas[0]), float(optim.betas[1]))
+        group["eps"] = float(optim.eps)
+        group["weight_decay"] = float(optim.weight_decay) if index == 0 else 0.0
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports

@@ -14,8 +14,11 @@ shape and the objective, and checks what the config schema cannot see on its own
 * there are enough rows for one global batch, and validation rows when ``eval_every > 0``;
 * FSDP has a data-parallel group to shard over;
 * the run directory: it can be created and written; ``--resume`` needs an intact checkpoint there
-  (damaged newer ones are skipped with a warning), written for the same model shape and data; a
-  fresh run must not overwrite one. Nothing is written into it here.
+  (damaged newer ones are skipped with a warning), written for the same model shape and data, under
+  a config that differs only where a resume may differ (:mod:`csbp.training.resume_config`); a
+  fresh run must not overwrite one, and starts only in an empty directory or one holding nothing but
+  what a csbp run writes (never a data artifact, a model or the working directory with other files).
+  Nothing is written into it here.
 
 Every problem is a ``ValueError`` with one line ``field: message (fix: ...)``.
 """
@@ -46,6 +49,7 @@ from csbp.training.checkpoint import (
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_checkpoints, step_directories
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
 from csbp.training.model_factory import decoder_config_for_run
+from csbp.training.resume_config import TRAIN_RESTART, resume_changes
 
 NOISE_SCHEMES = {"rotated": "rotated_lattice", "stratified": "stratified"}
 TRAINABLE_OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "ar", "dflash")
@@ -93,11 +97,13 @@ def check_run(
     stop_step: int | None = None,
     warn: Callable[[str], None] | None = None,
     check_device: bool = True,
+    resume_restart: str = TRAIN_RESTART,
 ) -> RunInputs:
     """Validate ``cfg`` against its data (and ``run_dir`` when given: ``resume`` and the step this
     invocation stops after, default ``train.max_steps``); see the module docstring. ``warn``
     receives non-fatal findings (a damaged newest checkpoint that a resume skips). ``check_device``:
-    also refuse an attention backend that cannot train on this machine (off for offline validation)."""
+    also refuse an attention backend that cannot train on this machine (off for offline validation).
+    ``resume_restart``: the alternative a refused resume's fix offers (:func:`resume_changes`)."""
     _check_objective_layout(cfg)
     if check_device:
         check_backend_trains_on(cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu")
@@ -151,8 +157,14 @@ def check_run(
     if run_dir is not None:
         latest = check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps, warn=warn)
         if resume and latest is not None:
+            state = read_training_state(latest)
+            for note in resume_changes(
+                state.config_yaml, cfg, latest, state.step, state.input_fingerprints, restart=resume_restart
+            ):
+                if warn is not None:
+                    warn(note)
             check_compatible(
-                read_training_state(latest),
+                state,
                 latest,
                 shapes=inputs.param_shapes(),
                 data_fingerprint=artifact.fingerprint,
@@ -169,6 +181,7 @@ def check_run_dir(
     by :func:`check_run`.)"""
     check_writable_directory(run_dir, "--run-dir")
     if not resume:
+        check_new_run_dir(run_dir)
         existing = step_directories(Path(run_dir) / "checkpoints")
         if existing or has_checkpoints(run_dir):
             name = existing[0].name if existing else "checkpoints/latest"
@@ -190,6 +203,35 @@ def check_run_dir(
             f"{stop_step} (fix: raise --max-steps or train.max_steps)"
         )
     return latest
+
+
+RUN_DIR_ENTRIES = frozenset(
+    {"config.yaml", "metrics.jsonl", "tb", "checkpoints", "final", "loss.png", "budget_state.json", "result.json"}
+)
+"""What a run writes into its directory (``csbp compare`` adds the last two)."""
+
+
+def foreign_run_entry(run_dir: Path) -> str | None:
+    """The first entry of ``run_dir`` that a csbp run does not write (temporary files of an
+    interrupted write of one of them count as the run's), or None (also when ``run_dir`` is absent)."""
+    if not Path(run_dir).is_dir():
+        return None
+    for entry in sorted(Path(run_dir).iterdir()):
+        written = entry.name.lstrip(".").split(".tmp")[0].split(".old-")[0]
+        if written not in RUN_DIR_ENTRIES:
+            return entry.name
+    return None
+
+
+def check_new_run_dir(run_dir: Path, flag: str = "--run-dir") -> None:
+    """``ValueError`` unless a fresh run may write into ``run_dir``: it is absent, empty or holds only
+    what a csbp run writes (so a data artifact, a model directory, a home directory are refused)."""
+    foreign = foreign_run_entry(run_dir)
+    if foreign is not None:
+        raise ValueError(
+            f"{flag} {run_dir}: holds '{foreign}', which a csbp run does not write; a new run starts in an "
+            "empty directory or one an earlier run wrote (fix: choose another directory, e.g. a new one under runs/)"
+        )
 
 
 def check_writable_directory(path: Path, flag: str) -> None:
@@ -338,6 +380,7 @@ def verify_data(cfg: RunConfig, inputs: RunInputs) -> None:
             continue
         artifact = open_artifact(Path(directory))
         artifact.verify_fingerprint()
+        artifact.verify_tokenizer()  # the model's vocabulary is sized from the manifest
         largest = max(max_token_id(artifact.directory, split) for split in SPLITS)
         if largest >= vocab:
             raise ValueError(

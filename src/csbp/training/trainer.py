@@ -50,7 +50,6 @@ from csbp.devices import device_for_rank, select_device
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan
 from csbp.engine.context import ParallelContext, build_parallel_context
-from csbp.models.hf_io import export_hf_checkpoint, hf_passthrough_config
 from csbp.training.activation_checkpointing import checkpoint_layers
 from csbp.training.checkpoint import (
     TrainingState,
@@ -61,10 +60,12 @@ from csbp.training.checkpoint import (
 )
 from csbp.training.dflash_step import DFlashStepRunner
 from csbp.training.drafter import build_drafter, dflash_eval_hint, export_drafter
+from csbp.training.export import export_decoder
+from csbp.training.input_identity import input_fingerprints
 from csbp.training.lr_schedule import build_lr_scheduler
 from csbp.training.metrics import MetricsWriter, peak_memory_bytes
-from csbp.training.model_factory import build_model, export_dtype
-from csbp.training.optim import build_optimizer, clip_gradients
+from csbp.training.model_factory import build_model
+from csbp.training.optim import apply_optim_config, build_optimizer, clip_gradients
 from csbp.training.parallelize import (
     apply_fsdp,
     full_model_state,
@@ -74,6 +75,7 @@ from csbp.training.parallelize import (
     unwrapped_copy,
 )
 from csbp.training.preflight import RunInputs, check_run
+from csbp.training.resume_config import flat_config
 from csbp.training.sample import sample_after_training
 from csbp.training.step import EvalResult, StepRunner
 from csbp.training.summary import TrainSummary
@@ -230,6 +232,7 @@ def train(
             loader=loader,
             data_fingerprint=inputs.artifact.fingerprint,
         )
+        apply_optim_config(optimizer, scheduler, cfg.optim)  # a changed optim section applies from here
         start_step = state.step
     if is_rank0:
         write_config(cfg, run_dir)
@@ -317,6 +320,10 @@ class _Loop:
     val_nelbos: list[tuple[int, float]] = field(default_factory=list)
     last_step: int = 0
     _skipped_in_a_row: int = 0
+    _input_fingerprints: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._input_fingerprints = input_fingerprints(flat_config(self.cfg.model_dump(mode="json")))
 
     def run(self, start_step: int, stop_step: int, started: float) -> Path | None:
         train_cfg = self.cfg.train
@@ -436,6 +443,7 @@ class _Loop:
             param_shapes=param_shapes(self.model),
             topology=self.cfg.topology.model_dump(mode="json"),
             config_yaml=dump_config(self.cfg),
+            input_fingerprints=self._input_fingerprints,
         )
         return save_checkpoint(
             self.run_dir,
@@ -463,21 +471,8 @@ def finish_on_rank0(
         return path, None
     state = full_model_state(model)
     if is_rank0:
-        extra = hf_passthrough_config(cfg.model.init_from) if cfg.model.init_from is not None else {}
-        special = inputs.artifact.special_ids
-        extra.update(eos_token_id=special["eos"], pad_token_id=special["pad"])
-        if inputs.mask_token_id is not None:
-            extra["mask_token_id"] = inputs.mask_token_id
         cpu_model = unwrapped_copy(state, inputs.decoder_config)
-        path = export_hf_checkpoint(
-            cpu_model,
-            inputs.decoder_config,
-            run_dir / FINAL_DIR,
-            dtype=export_dtype(cfg),
-            extra_config=extra,
-            tokenizer_dir=inputs.tokenizer_dir,
-            overwrite=True,
-        )
+        path = export_decoder(cfg, inputs, cpu_model, run_dir / FINAL_DIR, overwrite=True)
         if cfg.train.generate_after:
             sample = sample_after_training(cfg, inputs, cpu_model)
     if dist.is_initialized():

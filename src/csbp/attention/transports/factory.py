@@ -19,6 +19,12 @@ A windowed CP-only layer still exchanges every row (what generic context paralle
 layout carries the window, so the result is exact. ``transport`` is ignored for a windowed CSBP
 layer: the all-to-all moves only the halo, less than either full-attention transport.
 
+Every halo (``cp-aware``, CSBP with a window or documents) is used only where it pays
+(``halo_pays``, ``counts.exchange_pays``): its busiest ring member must move at most 90% of what the
+all-gather moves per member, in its busier direction. Otherwise (one long document, a window about
+as long as the row) the ring keeps ``CollectiveAttention`` (``StreamingAttention`` with ``transport="streaming"``), whose rows
+carry the same mask, so the result is the same.
+
 Usage::
 
     layout = rank_layout(topology, local_rank, seq_len, block_size, window=window)
@@ -31,9 +37,10 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 from csbp.attention.backends import check_backend, check_clean
+from csbp.attention.counts import exchange_pays
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.documents import Documents
-from csbp.attention.layouts import RankLayout, halo_exchange_plan, window_exchange_plan
+from csbp.attention.layouts import RankLayout, WindowPlan, halo_exchange_plan, window_exchange_plan
 from csbp.attention.transports.collective import CollectiveAttention
 from csbp.attention.transports.exchange import cp_exchange_spec, csbp_exchange_spec
 from csbp.attention.transports.local import LocalAttentionFn
@@ -116,7 +123,8 @@ def build_attention(
                 seq_len, block_size, cp, topology.bp, ring_index, window=window, schedule=schedule,
                 documents=documents,
             )
-        return WindowAttention(layout, plan, cp_rank, comm, **options)
+        if halo_pays(plan, kind):  # else the ring's all-gather (the same on every member)
+            return WindowAttention(layout, plan, cp_rank, comm, **options)
     if kind == "cp":
         spec = cp_exchange_spec(
             layout, seq_len=seq_len, block_size=block_size, cp=cp, cp_rank=cp_rank, documents=documents
@@ -126,6 +134,15 @@ def build_attention(
     if transport == "streaming":
         return StreamingAttention(layout, spec, comm, **options)
     return CollectiveAttention(layout, spec, comm, **options)
+
+
+def halo_pays(plan: WindowPlan, kind: str) -> bool:
+    """``counts.exchange_pays`` of a halo plan: its busiest ring member moves at most
+    ``EXCHANGE_MAX_SHARE`` of the all-gather's rows per member and direction in its busier direction
+    (``max(sent, received)``): ``(cp-1)·L/cp`` clean rows under CSBP, ``(cp-1)·2L/cp`` noisy and
+    clean rows in CP-only. The planner (``csbp.plan.model``) prices the same rule."""
+    gathered = (plan.cp - 1) * plan.seq_len * (2 if kind == "cp" else 1) // plan.cp
+    return exchange_pays(plan.traffic_rows(), gathered)
 
 
 def _sequence_length(topology: Topology, layout: RankLayout) -> int:

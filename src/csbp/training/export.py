@@ -1,0 +1,103 @@
+"""Hugging Face exports of a trained decoder: the run's ``final/`` and any training checkpoint.
+
+:func:`export_decoder` writes what ``RUN/final`` holds (``config.json`` with the checkpoint's
+passthrough fields, the special token ids and the ``csbp_training`` record that ``csbp generate`` /
+``csbp eval`` read; ``model.safetensors`` in ``model.dtype``; the tokenizer files).
+
+:func:`export_checkpoint` does the same for a checkpoint directory ``RUN/checkpoints/step_N`` (``csbp
+export``), so an intermediate step can be sampled, scored or shared: the run config comes from the
+checkpoint's ``trainer_state.json``, the model shape is re-derived from it and its data artifact
+(checked as ``csbp train`` checks them), and only the model's tensors are read from the DCP files
+(through the restricted reader of :mod:`csbp.training.checkpoint_integrity`: nothing is unpickled
+beyond DCP's metadata classes). It runs in one process whatever topology or FSDP sharding wrote the
+checkpoint. DFlash drafters have their own format: ``csbp dflash export --checkpoint``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from csbp.config import ConfigError, config_from_dict
+from csbp.config.loading import read_yaml_text
+from csbp.config.schema import RunConfig
+from csbp.generation.run_settings import EXPORT_KEY, training_record_of
+from csbp.models.decoder import Decoder
+from csbp.models.hf_io import export_hf_checkpoint, hf_passthrough_config
+from csbp.training.checkpoint import read_training_state
+from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata, safe_dcp_load
+from csbp.training.model_factory import export_dtype
+from csbp.training.preflight import RunInputs, check_run
+
+
+def export_decoder(cfg: RunConfig, inputs: RunInputs, model: Decoder, out: Path, *, overwrite: bool) -> Path:
+    """Write ``model`` (a plain CPU decoder) as a HF checkpoint directory ``out`` (see the module)."""
+    extra = hf_passthrough_config(cfg.model.init_from) if cfg.model.init_from is not None else {}
+    special = inputs.artifact.special_ids
+    extra.update(eos_token_id=special["eos"], pad_token_id=special["pad"])
+    if inputs.mask_token_id is not None:
+        extra["mask_token_id"] = inputs.mask_token_id
+    extra[EXPORT_KEY] = training_record_of(cfg, inputs.mask_token_id)
+    return export_hf_checkpoint(
+        model,
+        inputs.decoder_config,
+        out,
+        dtype=export_dtype(cfg),
+        extra_config=extra,
+        tokenizer_dir=inputs.tokenizer_dir,
+        overwrite=overwrite,
+    )
+
+
+def checkpoint_config(checkpoint: Path) -> RunConfig:
+    """The run config recorded in checkpoint directory ``checkpoint`` (one-line ``ValueError``)."""
+    state_file = checkpoint / "trainer_state.json"
+    if not state_file.is_file():
+        raise ValueError(
+            f"{checkpoint} is not a training checkpoint (no trainer_state.json) "
+            "(fix: pass RUN/checkpoints/step_N, or a run directory)"
+        )
+    problem = checkpoint_problem(checkpoint)
+    if problem is not None:
+        raise ValueError(f"{checkpoint}: {problem} (the checkpoint is damaged)")
+    text = read_training_state(checkpoint).config_yaml
+    try:
+        loaded = read_yaml_text(text, source=str(state_file)) if text else None
+    except ConfigError:
+        loaded = None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{state_file}: no run config recorded (config_yaml); the checkpoint is damaged")
+    try:
+        return config_from_dict(loaded, source=str(state_file))
+    except ConfigError as exc:
+        raise ValueError(f"{exc.lines[0]} (written by another csbp version?)") from None
+
+
+def export_checkpoint(checkpoint: Path, out: Path, *, overwrite: bool = False) -> tuple[Path, RunConfig, int]:
+    """Export the decoder of training checkpoint ``checkpoint`` to ``out``; returns ``(out, run
+    config, step)``. Everything is checked before ``out`` is written."""
+    cfg = checkpoint_config(checkpoint)
+    if cfg.objective.name == "dflash":
+        raise ValueError(
+            f"{checkpoint} is a DFlash drafter checkpoint (fix: csbp dflash export --checkpoint {checkpoint} "
+            f"--target {cfg.objective.dflash.target if cfg.objective.dflash else 'TARGET'} --out DIR)"
+        )
+    inputs = check_run(cfg, check_device=False)
+    model = Decoder(inputs.decoder_config, device="meta")
+    metadata = read_metadata(checkpoint).state_dict_metadata
+    template: dict[str, torch.Tensor] = {}
+    for name, param in model.state_dict(keep_vars=True).items():
+        stored = metadata.get(f"model.{name}")
+        size = getattr(stored, "size", None)
+        if size is None or tuple(size) != tuple(param.shape):
+            raise ValueError(
+                f"{checkpoint}: tensor 'model.{name}' is {'missing' if size is None else f'of shape {list(size)}'}, "
+                f"the run config implies {list(param.shape)} (the checkpoint does not match its trainer_state.json)"
+            )
+        template[name] = torch.empty(tuple(size), dtype=stored.properties.dtype)  # type: ignore[union-attr]
+    loaded = {"model": template}
+    safe_dcp_load(loaded, checkpoint, no_dist=True)
+    model.load_state_dict(loaded["model"], strict=True, assign=True)
+    path = export_decoder(cfg, inputs, model, out, overwrite=overwrite)
+    return path, cfg, read_training_state(checkpoint).step

@@ -1,0 +1,166 @@
+"""``--resume`` with a changed config (``csbp.training.resume_config``): what defines the trained
+model is refused before anything runs, with one line naming the field and both values; a changed
+``optim`` section, ``max_steps`` or batch applies from the resumed step (it used to be silently
+replaced by the checkpoint's); layout and bookkeeping changes leave the run bit-identical."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from csbp.config.schema import OptimSection
+from csbp.data.artifact import open_artifact
+from csbp.models.decoder import Decoder
+from csbp.models.hf_io import export_hf_checkpoint
+from csbp.training import launch_training, train
+from csbp.training.input_identity import SAMPLE_BYTES, directory_fingerprint
+from csbp.training.lr_schedule import build_lr_scheduler, lr_multiplier
+from csbp.training.optim import apply_optim_config, build_optimizer
+from csbp.training.preflight import check_run
+from test_rope_config import _from, _qwen2_checkpoint
+from test_training_run import copy_run, make_artifact, metric_rows, tiny_config, trajectory
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("data") / "art")
+
+
+@pytest.fixture(scope="module")
+def run_at_step2(artifact: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("half") / "run"
+    train(tiny_config(artifact), run_dir=run_dir, max_steps=2)
+    return run_dir
+
+
+def listing(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"objective.name": "mdlm", "objective.block_size": 32}, r"objective\.name: .* trained with objective\.name=bd3, the config sets mdlm"),
+        ({"objective.block_size": 8}, r"objective\.block_size: .*\(step 2\) was trained with objective\.block_size=4, the config sets 8; .*fix: set objective\.block_size: 4"),
+        ({"run.seed": 3}, r"run\.seed: .* trained with run\.seed=0, the config sets 3"),
+        ({"topology.window": 8}, r"topology\.window: .* trained with topology\.window=null, the config sets 8"),
+        ({"model.rope_scaling": {"type": "linear", "factor": 2.0}}, r"model\.rope_scaling: .* the config sets \{type: linear, factor: 2\.0\}"),
+        ({"model.num_kv_heads": 4}, r"model\.num_kv_heads: .* trained with model\.num_kv_heads=2, the config sets 4"),
+        ({"data.document_mask": True}, r"data\.document_mask: .* trained with data\.document_mask=false, the config sets true"),
+        ({"train.precision": "fp64", "model.dtype": "float64"}, r"train\.precision: .* trained with train\.precision=fp32"),
+    ],
+)
+def test_a_resume_refuses_what_defines_the_model(
+    changes: dict[str, Any], message: str, run_at_step2: Path, artifact: Path, tmp_path: Path
+) -> None:
+    run_dir = copy_run(run_at_step2, tmp_path)
+    before = listing(run_dir)
+    with pytest.raises(ValueError, match=message) as caught:
+        launch_training(tiny_config(artifact, **changes), run_dir=run_dir, resume=True)
+    assert "\n" not in str(caught.value)
+    assert listing(run_dir) == before  # failed before any work
+
+
+def test_changed_optimisation_applies_from_the_resumed_step(
+    run_at_step2: Path, artifact: Path, tmp_path: Path
+) -> None:
+    run_dir = copy_run(run_at_step2, tmp_path)
+    changes = {"optim.lr": 1e-3, "optim.warmup_steps": 1, "train.max_steps": 6, "train.micro_batch_size": 1}
+    cfg = tiny_config(artifact, **changes)
+    notes: list[str] = []
+    check_run(cfg, run_dir=run_dir, resume=True, warn=notes.append)
+    assert notes == [
+        "resume: optim.lr 0.003 -> 0.001 from step 2 on",
+        "resume: train.max_steps 4 -> 6 from step 2 on",
+        "resume: train.micro_batch_size 2 -> 1 from step 2 on",
+    ]
+    train(cfg, run_dir=run_dir, resume=True, max_steps=3)
+    step3 = next(row for row in metric_rows(run_dir) if row["step"] == 3)
+    expected = 1e-3 * lr_multiplier(2, warmup_steps=1, max_steps=6, schedule="cosine", min_lr_ratio=0.1)
+    assert math.isclose(step3["lr"], expected, rel_tol=1e-12)  # not the checkpoint's 3e-3 schedule
+
+
+def test_apply_optim_config_replaces_the_restored_hyperparameters() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    old = OptimSection(lr=3e-3, warmup_steps=2, weight_decay=0.01)
+    optimizer = build_optimizer(model, old)
+    scheduler = build_lr_scheduler(optimizer, old, max_steps=10)
+    for _ in range(3):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    saved = (optimizer.state_dict(), scheduler.state_dict())
+    restored_lrs = [group["lr"] for group in optimizer.param_groups]
+
+    for new, max_steps in ((old, 10), (OptimSection(lr=1e-4, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1), 20)):
+        optimizer2 = build_optimizer(model, new)
+        scheduler2 = build_lr_scheduler(optimizer2, new, max_steps=max_steps)
+        optimizer2.load_state_dict(saved[0])
+        scheduler2.load_state_dict(saved[1])
+        apply_optim_config(optimizer2, scheduler2, new)
+        lrs = [group["lr"] for group in optimizer2.param_groups]
+        if new is old:  # an unchanged config keeps the restored values exactly
+            assert lrs == restored_lrs
+            continue
+        multiplier = lr_multiplier(3, warmup_steps=0, max_steps=20, schedule="cosine", min_lr_ratio=0.1)
+        assert lrs == [1e-4 * multiplier] * 2 and scheduler2.get_last_lr() == lrs
+        assert [g["weight_decay"] for g in optimizer2.param_groups] == [0.1, 0.0]
+        assert all(g["betas"] == (0.8, 0.9) and g["eps"] == 1e-6 for g in optimizer2.param_groups)
+        scheduler2.step()
+        assert optimizer2.param_groups[0]["lr"] == 1e-4 * lr_multiplier(
+            4, warmup_steps=0, max_steps=20, schedule="cosine", min_lr_ratio=0.1
+        )
+
+
+def test_bookkeeping_changes_keep_the_resume_exact(artifact: Path, run_at_step2: Path, tmp_path: Path) -> None:
+    free = {"train.log_every": 1, "train.keep_checkpoints": 5, "train.collective_timeout_s": 60.0, "run.name": "renamed"}
+    full = tmp_path / "full"
+    train(tiny_config(artifact), run_dir=full)
+    run_dir = copy_run(run_at_step2, tmp_path)
+    notes: list[str] = []
+    cfg = tiny_config(artifact, **free)
+    check_run(cfg, run_dir=run_dir, resume=True, warn=notes.append)
+    assert notes == []
+    train(cfg, run_dir=run_dir, resume=True)
+    assert trajectory(run_dir) == trajectory(full)
+
+
+def test_a_moved_init_from_resumes_and_a_different_one_is_refused(artifact: Path, tmp_path: Path) -> None:
+    """``model.init_from`` is identified by its contents (``input_fingerprints``), like data files:
+    a moved copy resumes, another checkpoint of the same shape does not."""
+    vocab = open_artifact(artifact).vocab_size
+    config = _qwen2_checkpoint(tmp_path / "hf", vocab).config
+    run_dir = tmp_path / "run"
+    train(tiny_config(artifact, **_from(tmp_path / "hf")), run_dir=run_dir, max_steps=1)
+    shutil.move(tmp_path / "hf", tmp_path / "moved")
+    check_run(tiny_config(artifact, **_from(tmp_path / "moved")), run_dir=run_dir, resume=True)
+    other = Decoder(config, dtype=torch.float32, seed=6)  # the same shape, other weights
+    export_hf_checkpoint(other, config, tmp_path / "other", extra_config={"max_position_embeddings": 32, "bos_token_id": 1})
+    with pytest.raises(ValueError, match=r"^model\.init_from: .* the config sets .*other \(its contents differ\); ") as caught:
+        check_run(tiny_config(artifact, **_from(tmp_path / "other")), run_dir=run_dir, resume=True)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_directory_fingerprint_reads_only_both_ends_of_each_file(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "config.json").write_text("{}")
+    weights = bytearray(3 * SAMPLE_BYTES)
+    (directory / "model.safetensors").write_bytes(weights)
+    first = directory_fingerprint(directory)
+    shutil.copytree(directory, tmp_path / "copy")
+    assert directory_fingerprint(tmp_path / "copy") == first
+    weights[SAMPLE_BYTES + 5] = 1  # the unread middle
+    (directory / "model.safetensors").write_bytes(weights)
+    assert directory_fingerprint(directory) == first
+    for position in (5, len(weights) - 5):  # either end
+        changed = bytearray(weights)
+        changed[position] = 1
+        (directory / "model.safetensors").write_bytes(changed)
+        assert directory_fingerprint(directory) != first
+    assert directory_fingerprint(tmp_path / "none") is None
