@@ -54,6 +54,12 @@ def test_verify_with_flash_pieces_against_the_generic_reference(capsys: pytest.C
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--window", "4"], "drop --window"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--seq-len", "30"], "2*cp=4"),
         (["--nproc", "2", "--objective", "dflash", "--dtype", "float32"], "drop --window/--dtype"),
+        # found by the random CLI sweep: a Topology.dp=0 message, and flags dflash silently ignored
+        (["--nproc", "2", "--cp", "4"], "--nproc 2 is not a multiple of max(--cp, --bp) = 4: use --nproc 4"),
+        (["--nproc", "2", "--objective", "dflash", "--block-size", "8"], "drop --block-size"),
+        (["--nproc", "2", "--objective", "dflash", "--schedule", "contiguous"], "drop --schedule"),
+        (["--random", "2", "--cp", "2"], "--random draws the layout"),
+        (["--nproc", "2", "--log", "cases.jsonl"], "--log records --random cases"),
     ],
 )
 def test_verify_rejects_bad_input_before_launching(

@@ -12,6 +12,7 @@ Examples::
     csbp verify --nproc 4 --seq-len 128 --doc-length 24 --schedule balanced  # blocks dealt by document cost
     csbp verify --nproc 4 --block-size 16 --diagonal sdpa  # the fused-SDPA block diagonal, every layout
     csbp verify --nproc 4 --clean pieces               # clean context as flash pieces, every layout
+    csbp verify --random 20 --seed 7                   # 20 random layouts/objectives/documents on <= 4 processes
 
 Processes are launched here: on the CPU (gloo, one thread each) by default, or with
 ``--device cuda`` one per GPU over NCCL (``--nproc`` larger than the visible GPUs is refused before
@@ -82,6 +83,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="bd3",
         help="bd3: a decoder on a BD3 batch (default); dflash: a DFlash drafter against a frozen target",
     )
+    parser.add_argument(
+        "--random", type=positive_int, default=None, metavar="N",
+        help="draw N random valid cases (layout on <= --nproc processes, objective, block size, sequence length, "
+        "ragged documents, window, schedule, transport, kernels, accumulation, checkpointing, FSDP) from "
+        "--seed, --seed+1, ...; each line names its seed: --random 1 --seed THAT reruns it",
+    )
+    parser.add_argument("--log", default=None, metavar="PATH", help="with --random: append one JSON line per case")
     parser.set_defaults(func=run_verify)
 
 
@@ -92,6 +100,11 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
         return layouts_for(args.nproc)
     cp, bp = args.cp or 1, args.bp or 1
     local = max(cp, bp)
+    if args.dp is None and args.nproc % local:  # was: "Topology.dp must be a positive integer, got 0"
+        raise ValueError(
+            f"--nproc {args.nproc} is not a multiple of max(--cp, --bp) = {local}: "
+            f"use --nproc {max(local, args.nproc - args.nproc % local)} or set --dp"
+        )
     dp = args.dp if args.dp is not None else args.nproc // local
     topology = Topology(dp=dp, cp=cp, bp=bp, replicate_clean_prefix=(cp == 1 and bp > 1))
     topology.check_world_size(args.nproc)
@@ -99,6 +112,10 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    if args.random is not None:
+        return run_verify_random(args)
+    if args.log is not None:
+        raise ValueError("--log records --random cases: add --random N or drop --log")
     resolve_device(args.device, nproc=args.nproc)  # fail closed: --nproc GPUs must be visible
     if args.objective == "dflash":
         return run_verify_dflash(args)
@@ -159,6 +176,13 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     from csbp.dflash.layouts import dflash_layout
     from csbp.dflash.verify import DFlashVerifyCase, verify_dflash
 
+    ignored = [flag for flag, changed in (("--block-size", args.block_size != 4), ("--schedule", args.schedule != "dual_end"))
+               if changed]
+    if ignored:  # was: silently ignored (the drafter's blocks are 4 tokens; anchors are dealt, not blocks)
+        raise ValueError(
+            f"--objective dflash verifies a drafter with blocks of 4 whose anchors are dealt to BP ranks: "
+            f"drop {' and '.join(ignored)}"
+        )
     if args.window is not None or args.dtype != "float64":
         raise ValueError(
             "--objective dflash verifies full attention in float64 (its contexts always stop at the anchor's "
@@ -207,4 +231,46 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
         print(f"{failed} of {len(cases)} layouts exceed the tolerance")
         return 1
     print(f"all {len(cases)} layouts equal one process within tolerance")
+    return 0
+
+
+RANDOM_FIXED = ("dp", "cp", "bp", "doc_length", "window", "objective", "transport", "schedule")
+
+
+def run_verify_random(args: argparse.Namespace) -> int:
+    """``--random N``: cases ``draw_case(seed + i)`` for ``i < N`` on at most ``--nproc`` CPU processes,
+    one line each (and one JSON line in ``--log``); exit 1 if any is outside tolerance or crashes."""
+    import json
+    from dataclasses import asdict
+
+    from csbp.engine.fuzz import FuzzResult, run_sweep
+
+    defaults = {"dp": None, "cp": None, "bp": None, "doc_length": None, "window": None, "objective": "bd3",
+                "transport": "collective", "schedule": "dual_end"}
+    fixed = [f"--{name.replace('_', '-')}" for name in RANDOM_FIXED if getattr(args, name) != defaults[name]]
+    if fixed or args.device != "cpu" or args.dtype != "float64":
+        raise ValueError(
+            f"--random draws the layout, objective and documents itself (float64, CPU): drop "
+            f"{', '.join(fixed) or '--device/--dtype'}"
+        )
+    print(f"csbp verify --random {args.random}: seeds {args.seed}..{args.seed + args.random - 1}, "
+          f"<= {args.nproc} processes, float64")
+    failed = 0
+
+    def report(result: FuzzResult) -> None:
+        nonlocal failed
+        failed += result.status != "ok"
+        c = result.case
+        what = f"{c['objective']:<18} {c['topology']:<12} L={c['L']:<3} {c.get('transport', '')}"
+        errors = "" if result.loss_rel_err is None else f"{result.loss_rel_err:9.2e} {result.grad_rel_err:9.2e}"
+        print(f"seed {result.seed:<6} {what:<52} {errors:>19}  {result.status} {result.error}", flush=True)
+        if args.log is not None:
+            with open(args.log, "a", encoding="utf-8") as log:
+                log.write(json.dumps(asdict(result)) + "\n")
+
+    run_sweep(list(range(args.seed, args.seed + args.random)), args.nproc, report=report)
+    if failed:
+        print(f"{failed} of {args.random} random cases failed (rerun one: csbp verify --random 1 --seed SEED)")
+        return 1
+    print(f"all {args.random} random cases equal one process within tolerance")
     return 0

@@ -151,6 +151,15 @@ def _objective_layout_rules(cfg: RunConfig) -> list[Violation]:
                 "set cp: 1 and bp: 1 and scale with dp",
             )
         )
+    if topo.window is not None and obj.name in (*_SINGLE_STREAM_OBJECTIVES, "dflash"):
+        # the engine's single-stream and DFlash paths have no windowed mask: the window would be
+        # ignored in training (and, for mdlm, applied by the sampler: a train/sample mismatch)
+        fix = ("set objective.dflash.sliding_window for the drafter's sliding layers" if obj.name == "dflash"
+               else "remove topology.window, or use bd3/fast_dllm_v2 for a sliding window")
+        violations.append(
+            ("topology.window", f"window={topo.window} has no effect on {obj.name}, which trains full attention",
+             f"{fix}; remove topology.window" if obj.name == "dflash" else fix)
+        )
     if obj.name == "dflash" and obj.dflash is not None and obj.dflash.max_anchors < topo.bp:
         violations.append(
             (

@@ -160,6 +160,7 @@ def rank_dflash_loss(
     block_size: int,
     sample_counts: Tensor,
     reduce: Reduce,
+    reduce_batch: Reduce | None = None,
     selector: CandidateSelector | None = None,
     selector_scale: float = 0.0,
 ) -> RankLossOutput:
@@ -167,7 +168,9 @@ def rank_dflash_loss(
 
     ``sample_counts [num_samples]`` are the global supervised-slot counts per sample; ``reduce``
     sums a tensor over the ranks that split the anchors of these samples (identity when one rank
-    holds every anchor).
+    holds every anchor); ``reduce_batch`` sums it over every anchor of the micro-batch, every
+    data-parallel replica included (default ``reduce``: one replica), for the ``lambda`` LK loss's
+    acceptance, a statistic of the whole batch.
     """
     num_samples = int(sample_counts.shape[0])
     accum = torch.float64 if hidden_RD.dtype == torch.float64 else torch.float32
@@ -198,7 +201,7 @@ def rank_dflash_loss(
         denominator = reduce(_per_sample_sum(weight_s, sample_s, num_samples))
     coef_s = weight_s / (num_samples * (denominator[sample_s] + DENOMINATOR_EPS))
     main = _main_loss(
-        hidden_sD, lm_head_weight, labels_s, coef_s, log_prob_s, targets, scored, objective, reduce
+        hidden_sD, lm_head_weight, labels_s, coef_s, log_prob_s, targets, scored, objective, reduce_batch or reduce
     )
 
     selector_loss = torch.zeros((), dtype=accum, device=hidden_RD.device)
@@ -237,7 +240,7 @@ def _main_loss(
     targets: BlockTargets,
     scored: Tensor,
     objective: DFlashObjectiveConfig,
-    reduce: Reduce,
+    reduce_batch: Reduce,
 ) -> Tensor:
     device, chunk = hidden_sD.device, objective.ce_chunk_rows
     if objective.loss == "kl":
@@ -249,7 +252,8 @@ def _main_loss(
     prob_s = log_prob_s.exp()
     ce_coef = 0.0
     if objective.lk_loss_type == "lambda":
-        stats = reduce(torch.stack([prob_s.sum(), torch.tensor(float(prob_s.numel()), dtype=prob_s.dtype)]))
+        # the batch's acceptance: every replica's anchors (was: this replica's, so dp > 1 gave another loss)
+        stats = reduce_batch(torch.stack([prob_s.sum(), torch.tensor(float(prob_s.numel()), dtype=prob_s.dtype)]))
         acceptance = float(stats[0] / stats[1]) if float(stats[1]) > 0 else 0.0
         ce_coef = objective.kl_scale * math.exp(-objective.kl_decay * acceptance)
     value = (coef_s * (ce_coef * -log_prob_s + (1.0 - ce_coef) * (1.0 - prob_s))).sum()

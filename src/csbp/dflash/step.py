@@ -129,6 +129,9 @@ class DFlashRankPlan:
         clean: kernel of the draft blocks over the context (``csbp.attention.backends.CLEAN_KERNELS``).
         transport: ``topology.transport``; decides with packed documents whether the context K/V
             are all-gathered or exchanged (``csbp.dflash.exchange``).
+        replica_comm: sums over the data-parallel replicas (None when ``dp == 1``); with
+            ``owner_comm`` it gives statistics of the whole micro-batch (the ``lambda`` LK loss's
+            acceptance), as one process holding every replica's samples computes them.
     """
 
     layout: DFlashLayout
@@ -138,12 +141,21 @@ class DFlashRankPlan:
     diagonal: str = "auto"
     clean: str = "generic"
     transport: str = "collective"
+    replica_comm: Comm | None = None
 
     def reduce_sum(self, values: Tensor) -> Tensor:
         """Sum a small stats tensor over the anchor owners (identity for one owner)."""
         if self.owner_comm is None or self.owner_comm.size == 1:
             return values
         return self.owner_comm.all_reduce(values.clone().contiguous())
+
+    def reduce_batch(self, values: Tensor) -> Tensor:
+        """Sum a small stats tensor over every anchor of the micro-batch: over the owners of each
+        sample, then over the data-parallel replicas (each replica counted once)."""
+        values = self.reduce_sum(values)
+        if self.replica_comm is None or self.replica_comm.size == 1:
+            return values
+        return self.replica_comm.all_reduce(values.clone().contiguous())
 
 
 def build_dflash_rank_plan(
@@ -174,9 +186,10 @@ def build_dflash_rank_plan(
     owner = None
     if layout.num_owners > 1 and ctx.groups is not None:
         owner = ctx.model_input_comm("dflash.stats")
+    replicas = ctx.dp_comm("dflash.stats") if ctx.topology.dp > 1 else None
     return DFlashRankPlan(
         layout, ring, owner, check_backend(backend), check_diagonal_backend(diagonal, backend, where="diagonal"),
-        check_clean(clean), transport,
+        check_clean(clean), transport, replicas,
     )
 
 
@@ -279,6 +292,7 @@ class DFlashStep:
             block_size=block,
             sample_counts=supervised_slot_counts(all_parts, batch.num_samples),
             reduce=self._reduce(device),
+            reduce_batch=self._reduce_batch(device),
             selector=drafter.selector,
             selector_scale=selector_scale,
         )
@@ -307,6 +321,12 @@ class DFlashStep:
             if self.plan.owner_comm is None:
                 return values
             return self.plan.reduce_sum(values.to(device)).to(values.device)
+
+        return reduce
+
+    def _reduce_batch(self, device: torch.device) -> Reduce:
+        def reduce(values: Tensor) -> Tensor:
+            return self.plan.reduce_batch(values.to(device)).to(values.device)
 
         return reduce
 

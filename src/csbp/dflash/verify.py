@@ -32,6 +32,7 @@ from csbp.dflash.reference import reference_dflash_loss
 from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
+from csbp.engine.verify import gradient_error
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.parallel.launch import run_local
@@ -73,6 +74,8 @@ class DFlashVerifyCase:
     clean: str = "generic"  # kernel of the draft blocks over the context (csbp.attention.backends.CLEAN_KERNELS)
     transport: str = "collective"  # topology.transport: "halo" exchanges the visible context rows in CP-only too
     doc_length: int | None = None  # mean length of random packed documents in every sample (None: make_batch's two)
+    # explicit doc ids of every global row (dp * samples rows of seq_len ids, -1 = padding); overrides doc_length
+    doc_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,21 +119,30 @@ def build_models(
     return target, drafter
 
 
-def make_batch(num_samples: int, seq_len: int, *, seed: int = 0, doc_length: int | None = None) -> DFlashBatch:
+def make_batch(
+    num_samples: int, seq_len: int, *, seed: int = 0, doc_length: int | None = None,
+    doc_ids: tuple[tuple[int, ...], ...] | None = None,
+) -> DFlashBatch:
     """Random tokens, ~80% supervision; odd samples pack two documents (with ``doc_length``: every
-    sample packs random documents of that mean length) and end in 4 padding tokens."""
+    sample packs random documents of that mean length) and end in 4 padding tokens. ``doc_ids``
+    gives every row's documents explicitly (``-1``: padding, never supervised) instead."""
     generator = torch.Generator().manual_seed(seed + 5)
     ids = torch.randint(0, MASK_TOKEN_ID, (num_samples, seq_len), generator=generator)
     loss_mask = torch.rand(num_samples, seq_len, generator=generator) < 0.8
-    doc_ids = torch.zeros(num_samples, seq_len, dtype=torch.long)
-    doc_ids[1::2, seq_len * 3 // 8 :] = 1
+    doc_ids_SL = torch.zeros(num_samples, seq_len, dtype=torch.long)
+    doc_ids_SL[1::2, seq_len * 3 // 8 :] = 1
     if doc_length is not None:
-        doc_ids = torch.stack(
+        doc_ids_SL = torch.stack(
             [packed_doc_ids(random_documents(seq_len, doc_length, generator)) for _ in range(num_samples)]
         )
-    doc_ids[1::2, seq_len - 4 :] = -1
+    if doc_ids is not None:
+        explicit = torch.tensor(doc_ids, dtype=torch.long)
+        if tuple(explicit.shape) != (num_samples, seq_len):
+            raise ValueError(f"doc_ids has shape {tuple(explicit.shape)}, expected {(num_samples, seq_len)}")
+        return DFlashBatch(ids, loss_mask & (explicit >= 0), explicit)
+    doc_ids_SL[1::2, seq_len - 4 :] = -1
     loss_mask[1::2, seq_len - 4 :] = False
-    return DFlashBatch(ids, loss_mask, doc_ids)
+    return DFlashBatch(ids, loss_mask, doc_ids_SL)
 
 
 def replica_batch(batch: DFlashBatch, replica: int, samples: int) -> DFlashBatch:
@@ -147,7 +159,8 @@ def _worker(
 ) -> tuple[float, dict[str, torch.Tensor] | None, int]:
     ctx = build_parallel_context(case.topology)
     _, drafter = build_models(case, device=ctx.device)
-    full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length)
+    full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length,
+                      doc_ids=case.doc_ids)
     batch = replica_batch(full, ctx.coords.dp_rank, case.samples)
     plan = build_dflash_rank_plan(
         ctx, case.objective, backend=case.backend, diagonal=case.diagonal, clean=case.clean,
@@ -168,7 +181,8 @@ def _worker(
 def reference(case: DFlashVerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients of ``case`` (all replicas' samples, same anchors)."""
     target, drafter = build_models(case)
-    full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length)
+    full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length,
+                      doc_ids=case.doc_ids)
     anchors = []
     for replica in range(case.topology.dp):
         part = replica_batch(full, replica, case.samples)
@@ -194,19 +208,24 @@ def verify_dflash(case: DFlashVerifyCase, *, timeout_s: float = 300.0) -> DFlash
     """Run ``case`` on ``topology.world_size`` processes and compare with the reference."""
     loss_ref, grads_ref = reference(case)
     results = run_local(_worker, case.topology.world_size, (case,), timeout_s=timeout_s, device=case.device)
+    return compare_dflash(case, results, loss_ref, grads_ref)
+
+
+def compare_dflash(
+    case: DFlashVerifyCase,
+    results: list[tuple[float, dict[str, torch.Tensor] | None, int]],
+    loss_ref: float,
+    grads_ref: dict[str, torch.Tensor],
+) -> DFlashVerifyResult:
+    """The result of ``case`` from its ranks' ``_worker`` results (rank 0 holds the gradients)."""
     loss, grads, _ = results[0]
     assert grads is not None
-    worst_name, worst = "", 0.0
-    for name, ref in grads_ref.items():
-        scale = float(ref.abs().max())
-        err = float((grads[name] - ref).abs().max()) / (scale if scale > 0 else 1.0)
-        if err >= worst:
-            worst_name, worst = name, err
+    worst_name, worst = gradient_error(grads, grads_ref)
     return DFlashVerifyResult(
         case=case,
         loss=loss,
         loss_ref=loss_ref,
-        loss_rel_err=abs(loss - loss_ref) / abs(loss_ref),
+        loss_rel_err=abs(loss - loss_ref) / abs(loss_ref) if loss_ref else abs(loss - loss_ref),
         grad_rel_err=worst,
         worst_param=worst_name,
         attention_bytes_per_rank=[r[2] for r in results],

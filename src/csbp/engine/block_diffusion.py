@@ -105,6 +105,11 @@ def build_rank_plan(
     ``diagonal``: kernel of the noisy block diagonal (csbp.attention.diagonal); ``clean``: kernel of
     the clean-context partials (generic, pieces, pieces-cudnn; csbp.attention.flash_pieces)."""
     if not uses_clean_stream:
+        if window is not None:  # no windowed single-stream mask exists: never ignore a window silently
+            raise ValueError(
+                f"window={window} needs the two-stream layout (bd3, fast_dllm_v2): single-stream objectives "
+                "(mdlm, ar) train full attention; remove the window"
+            )
         plan = _single_stream_plan(
             ctx, seq_len, block_size, causal=causal, documents=documents, backend=backend, diagonal=diagonal
         )

@@ -5,7 +5,15 @@ For each requested layout, N processes (gloo on the CPU, or NCCL with one GPU ea
 global loss and every parameter gradient. The same model, batch and objective run on a single
 process on the CPU (the reference). The report gives, per layout, the relative error of the loss and the
 largest relative error over all parameter gradients (``max|g - g_ref| / max|g_ref|`` per
-parameter), against a dtype-dependent tolerance.
+parameter, the scale floored at ``GRADIENT_FLOOR`` of the largest gradient), against a
+dtype-dependent tolerance.
+
+Beyond the fixed problem of ``csbp verify``, a case can name explicit per-sample document
+boundaries (``doc_ids``, padding included), the objective (``bd3``, ``fast_dllm_v2``, ``mdlm``,
+each optionally under its unclipped-NELBO validation form), several gradient-accumulation
+micro-batches with uneven supervision, RoPE positions restarting at documents, activation
+checkpointing, FSDP2 and the trainer's bucketed gradient all-reduce: what :mod:`csbp.engine.fuzz`
+draws at random.
 """
 
 from __future__ import annotations
@@ -26,11 +34,15 @@ from csbp.engine.block_diffusion import (
     sample_rows,
 )
 from csbp.engine.context import ParallelContext, build_parallel_context, single_process_context
-from csbp.engine.grads import average_gradients
+from csbp.engine.grad_buckets import OverlappedGradientSync
+from csbp.engine.grads import average_gradients, fill_missing_gradients
+from csbp.evaluation.nelbo import nelbo_objective
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
-from csbp.objectives.base import CorruptedBatch, corruption_generator
+from csbp.objectives.base import CorruptedBatch, Objective, corruption_generator
 from csbp.objectives.bd3 import Bd3Objective
+from csbp.objectives.fast_dllm_v2 import FastDllmV2Objective
+from csbp.objectives.mdlm import MdlmObjective
 from csbp.parallel.launch import run_local
 from csbp.schedules import SchedulePolicy
 from csbp.topology import Topology
@@ -38,6 +50,8 @@ from csbp.topology import Topology
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4}
 VOCAB_SIZE = 64
 MASK_TOKEN_ID = 63
+OBJECTIVES: tuple[str, ...] = ("bd3", "fast_dllm_v2", "mdlm")
+"""Objectives a case may run (mdlm: one bidirectional stream, data-parallel layouts only)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +72,32 @@ class VerifyCase:
     doc_length: int | None = None  # mean length of random packed documents (document masking on)
     device: str = "cpu"
     schedule: SchedulePolicy = "dual_end"  # block schedule over BP ranks (csbp.schedules)
+    objective: str = "bd3"  # one of OBJECTIVES
+    nelbo: bool = False  # score the objective's unclipped NELBO (val_nelbo's corruption) instead
+    # explicit doc ids of every global row (micro_batches * dp * samples rows of seq_len ids, -1 = padding,
+    # never supervised); document masking on. Overrides doc_length.
+    doc_ids: tuple[tuple[int, ...], ...] | None = None
+    # fraction of supervised tokens of every global row (None: 0.8 each); uneven values give ranks and
+    # micro-batches different valid-token counts
+    supervision: tuple[float, ...] | None = None
+    micro_batches: int = 1  # gradient accumulation: micro-batches summed against one global denominator
+    reset_positions: bool = False  # RoPE positions restart at each document (data.reset_positions)
+    activation_checkpointing: bool = False  # train.activation_checkpointing: full
+    fsdp: bool = False  # train.fsdp: FSDP2 (HSDP when local > 1) over the dp group
+    # average gradients as the trainer does, in buckets of at most this many bytes all-reduced during the
+    # last micro-batch's backward (csbp.engine.grad_buckets); None: one flat all-reduce after backward
+    grad_buckets: int | None = None
+    ce_chunk_rows: int = 1024  # rows per chunk of the LM-head loss (csbp.objectives.chunked_ce)
+
+    @property
+    def documents(self) -> bool:
+        """Whether document masking is on."""
+        return self.doc_ids is not None or self.doc_length is not None
+
+    @property
+    def block(self) -> int:
+        """The engine's block size: ``seq_len`` for mdlm (one block), else ``block_size``."""
+        return self.seq_len if self.objective == "mdlm" else self.block_size
 
     @property
     def label(self) -> str:
@@ -67,7 +107,7 @@ class VerifyCase:
         detail = self.transport if t.layout == "csbp" else "-"
         if self.window is not None:
             detail = f"window={self.window}"
-        if t.layout == "csbp" and self.doc_length is not None and self.window is None and self.transport != "streaming":
+        if t.layout == "csbp" and self.documents and self.window is None and self.transport != "streaming":
             detail = "halo"  # CSBP exchanges only the clean rows of the receivers' documents
         if self.transport == "halo" and t.layout == "cp":
             name, detail = "cp-aware", "halo"
@@ -112,57 +152,141 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _batch(case: VerifyCase, num_replicas: int) -> dict[str, torch.Tensor]:
+    """The clean rows of every micro-batch: ``micro_batches * num_replicas * samples`` rows."""
     g = torch.Generator().manual_seed(1000 + case.seed)
-    shape = (case.samples * num_replicas, case.seq_len)
+    shape = (case.micro_batches * case.samples * num_replicas, case.seq_len)
     ids = torch.randint(0, VOCAB_SIZE - 1, shape, generator=g)
     # Supervise unevenly so ranks own different numbers of valid tokens (a rank-local denominator
     # would then fail, csbp.md §18 item 8).
-    loss_mask = torch.rand(shape, generator=g) < 0.8
+    share = 0.8 if case.supervision is None else torch.tensor(case.supervision, dtype=torch.float32)[:, None]
+    loss_mask = torch.rand(shape, generator=g) < share
     loss_mask[:, : case.block_size] = False
     batch = {"input_ids": ids, "loss_mask": loss_mask}
-    if case.doc_length is not None:
+    if case.doc_ids is not None:
+        doc_ids = torch.tensor(case.doc_ids, dtype=torch.long)
+        if tuple(doc_ids.shape) != shape:
+            raise ValueError(f"VerifyCase.doc_ids has shape {tuple(doc_ids.shape)}, expected {shape}")
+        batch["doc_ids"] = doc_ids
+        loss_mask &= doc_ids >= 0  # padding is never supervised
+    elif case.doc_length is not None:
         batch["doc_ids"] = torch.stack(
             [packed_doc_ids(random_documents(case.seq_len, case.doc_length, g)) for _ in range(shape[0])]
         )
     return batch
 
 
+def case_objective(case: VerifyCase) -> Objective:
+    """The objective ``case`` trains (or, with ``nelbo``, scores as validation does)."""
+    objective: Objective
+    if case.objective == "bd3":
+        objective = Bd3Objective(mask_token_id=MASK_TOKEN_ID, block_size=case.block_size)
+    elif case.objective == "fast_dllm_v2":
+        objective = FastDllmV2Objective(mask_token_id=MASK_TOKEN_ID, block_size=case.block_size)
+    elif case.objective == "mdlm":
+        objective = MdlmObjective(mask_token_id=MASK_TOKEN_ID)
+    else:
+        raise ValueError(f"VerifyCase.objective must be one of {OBJECTIVES}, got {case.objective!r}")
+    if case.nelbo:
+        scored = nelbo_objective(objective)
+        assert scored is not None
+        objective = scored
+    return objective
+
+
+def corrupted_batches(case: VerifyCase, num_replicas: int = 1) -> list[CorruptedBatch]:
+    """One corrupted batch per micro-batch (every replica's rows corrupted at once, micro-step ``k``
+    drawn from its own generator, as a training step draws them)."""
+    objective = case_objective(case)
+    batch = _batch(case, num_replicas)
+    per_micro = case.samples * num_replicas
+    return [
+        objective.corrupt(
+            {name: value[k * per_micro : (k + 1) * per_micro] for name, value in batch.items()},
+            corruption_generator(case.seed, 0, 0, micro_step=k),
+        )
+        for k in range(case.micro_batches)
+    ]
+
+
 def corrupted_batch(case: VerifyCase, num_replicas: int = 1) -> CorruptedBatch:
-    objective = Bd3Objective(mask_token_id=MASK_TOKEN_ID, block_size=case.block_size)
-    return objective.corrupt(_batch(case, num_replicas), corruption_generator(case.seed, 0, 0))
+    """The corrupted batch of a one-micro-batch case."""
+    return corrupted_batches(case, num_replicas)[0]
+
+
+def _model(case: VerifyCase, ctx: ParallelContext) -> Decoder:
+    """The case's decoder on this rank: plain, or built on ``meta``, checkpointed and FSDP-sharded from
+    outside and then filled with the same initial weights (as the trainer builds it)."""
+    dtype = _dtype(case.dtype)
+    if not (case.activation_checkpointing or case.fsdp):
+        return Decoder(tiny_model_config(), dtype=dtype, seed=case.seed, device=ctx.device)
+    from csbp.training.activation_checkpointing import checkpoint_layers
+    from csbp.training.model_factory import load_full_weights
+    from csbp.training.parallelize import apply_fsdp
+
+    model = Decoder(tiny_model_config(), dtype=dtype, device="meta")
+    checkpoint_layers(model.layers, "full" if case.activation_checkpointing else "none", ctx.counter)
+    if case.fsdp:
+        apply_fsdp(model, ctx, ctx.device)
+    model.to_empty(device=ctx.device)
+    load_full_weights(model, model.initial_weights(torch.Generator().manual_seed(case.seed)))
+    return model
 
 
 def _forward_backward(
     case: VerifyCase, ctx: ParallelContext, *, num_replicas: int
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """One step on this rank. The batch holds ``samples * num_replicas`` rows corrupted at once;
-    data-parallel replica ``d`` takes rows ``[d*samples, (d+1)*samples)``, so the single-process
-    reference (one replica holding every row) sees exactly the same corruption."""
-    model = Decoder(tiny_model_config(), dtype=_dtype(case.dtype), seed=case.seed, device=ctx.device)
-    full = tensors_to(corrupted_batch(case, num_replicas), ctx.device)
-    denominator = full.denominator()  # global: every replica's rows
+    """One step on this rank. Each micro-batch holds ``samples * num_replicas`` rows corrupted at
+    once; data-parallel replica ``d`` takes rows ``[d*samples, (d+1)*samples)`` of each, so the
+    single-process reference (one replica holding every row) sees exactly the same corruption."""
+    model = _model(case, ctx)
+    micro = [tensors_to(c, ctx.device) for c in corrupted_batches(case, num_replicas)]
+    denominator = max(sum(c.denominator() for c in micro), 1.0)  # global: every replica and micro-batch
     per_rank = case.samples * num_replicas // ctx.topology.dp
     dp_rank = ctx.coords.dp_rank
-    corrupted = sample_rows(full, slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
     plan: RankPlan | DocumentPlanner
-    if case.doc_length is None:
-        plan = build_rank_plan(
-            ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
-            backend=case.backend, diagonal=case.diagonal, clean=case.clean, schedule=case.schedule,
-        )
+    common = {
+        "uses_clean_stream": case.objective != "mdlm", "transport": case.transport, "window": case.window,
+        "backend": case.backend, "diagonal": case.diagonal, "clean": case.clean, "schedule": case.schedule,
+    }
+    if not case.documents:
+        plan = build_rank_plan(ctx, case.seq_len, case.block, **common)  # type: ignore[arg-type]
     else:
         plan = DocumentPlanner(
-            ctx, case.seq_len, case.block_size, transport=case.transport, window=case.window,
-            backend=case.backend, diagonal=case.diagonal, clean=case.clean, schedule=case.schedule,
+            ctx, case.seq_len, case.block, reset_positions=case.reset_positions, **common  # type: ignore[arg-type]
         )
-    loss, ce_sum = rank_loss(model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size)
-    loss.backward()
-    average_gradients(model.parameters(), ctx.world_comm("gradients"))
-    total = ce_sum.clone().reshape(1)
+    total = torch.zeros(1, dtype=torch.float64, device=ctx.device)
+    sync = None
+    if case.grad_buckets is not None and not case.fsdp:
+        sync = OverlappedGradientSync(model.parameters(), ctx.world_comm("gradients"), bucket_bytes=case.grad_buckets)
+        sync.zero_grad()
+    for k, full in enumerate(micro):
+        corrupted = sample_rows(full, slice(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        loss, ce_sum = rank_loss(
+            model, corrupted, plan, global_denominator=denominator, world_size=ctx.world_size,
+            ce_chunk_rows=case.ce_chunk_rows,
+        )
+        if sync is not None and k == len(micro) - 1:
+            sync.arm()  # the last backward launches the buckets, as in training
+        loss.backward()
+        total += ce_sum.to(torch.float64)
+    if case.fsdp:  # FSDP2 averaged the gradients over every rank inside backward
+        fill_missing_gradients(model.parameters())
+    elif sync is not None:
+        sync.finish()
+    else:
+        average_gradients(model.parameters(), ctx.world_comm("gradients"))
     if ctx.is_distributed:
         total = ctx.world_comm("logging").all_reduce(total)
-    grads = {name: p.grad.detach().cpu() for name, p in model.named_parameters()}
+    grads = {name: _full(p.grad).detach().cpu() for name, p in model.named_parameters()}
     return float(total[0] / denominator), grads
+
+
+def _full(grad: torch.Tensor | None) -> torch.Tensor:
+    """A gradient as one full tensor (an FSDP2 ``DTensor`` shard is gathered: call on every rank)."""
+    assert grad is not None
+    from torch.distributed.tensor import DTensor
+
+    return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
 def _worker(rank: int, world: int, case: VerifyCase) -> tuple[float, dict[str, torch.Tensor] | None, int]:
@@ -176,33 +300,76 @@ def _worker(rank: int, world: int, case: VerifyCase) -> tuple[float, dict[str, t
 def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients for ``case``'s model and batch."""
     # the CPU reference: tiles with the batched-matmul block diagonal, whatever kernels the case runs
-    ref_case = replace(case, topology=Topology(), device="cpu", backend="tiles", diagonal="matmul", clean="generic")
+    ref_case = replace(
+        case, topology=Topology(), device="cpu", backend="tiles", diagonal="matmul", clean="generic",
+        activation_checkpointing=False, fsdp=False, grad_buckets=None,
+    )
     return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp)
 
 
-def _relative_error(value: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = ref.abs().max().item()
-    diff = (value - ref).abs().max().item()
-    return diff / scale if scale > 0 else diff
+def check_case(case: VerifyCase) -> None:
+    """Fail closed, before any process starts, on a case the engine cannot run (one line)."""
+    if case.objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {case.objective!r}")
+    if case.objective == "mdlm" and case.topology.local != 1:
+        raise ValueError(
+            f"mdlm is a single stream with no clean context to shard, got cp={case.topology.cp}, "
+            f"bp={case.topology.bp}: use cp=1, bp=1 and scale with dp"
+        )
+    if case.micro_batches < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {case.micro_batches}")
+    if case.reset_positions and not case.documents:
+        raise ValueError("reset_positions needs documents: give doc_ids or doc_length")
+    if case.fsdp and case.topology.dp < 2:
+        raise ValueError(f"fsdp shards over the dp group: use dp >= 2, got dp={case.topology.dp}")
+    case.topology.validate_sequence(case.seq_len, case.block)
+
+
+GRADIENT_FLOOR = 1e-3
+"""A parameter's gradient error is measured against at least this fraction of the model's largest
+reference gradient: a gradient that is mathematically zero (a query that sees one key has no
+gradient through its softmax, e.g. ``window=1`` with ``block_size=1``) is round-off on both sides,
+and dividing by its own round-off-sized scale reported a false failure of order 1."""
+
+
+def gradient_error(grads: dict[str, torch.Tensor], grads_ref: dict[str, torch.Tensor]) -> tuple[str, float]:
+    """``(worst parameter, its error)`` with error ``max|g - g_ref| / max(max|g_ref|, GRADIENT_FLOOR * G)``,
+    ``G`` the largest ``|g_ref|`` of any parameter."""
+    largest = max((float(ref.abs().max()) for ref in grads_ref.values() if ref.numel()), default=0.0)
+    floor = GRADIENT_FLOOR * largest
+    worst_name, worst = "", 0.0
+    for name, ref in grads_ref.items():
+        scale = max(float(ref.abs().max()), floor) if ref.numel() else floor
+        diff = float((grads[name] - ref).abs().max()) if ref.numel() else 0.0
+        err = diff / scale if scale > 0 else diff
+        if err >= worst:
+            worst_name, worst = name, err
+    return worst_name, worst
 
 
 def verify(case: VerifyCase, *, timeout_s: float = 300.0) -> VerifyResult:
     """Run ``case`` on ``topology.world_size`` processes and compare with one process."""
-    case.topology.validate_sequence(case.seq_len, case.block_size)
+    check_case(case)
     loss_ref, grads_ref = reference(case)
     results = run_local(_worker, case.topology.world_size, (case,), timeout_s=timeout_s, device=case.device)
+    return compare(case, results, loss_ref, grads_ref)
+
+
+def compare(
+    case: VerifyCase,
+    results: list[tuple[float, dict[str, torch.Tensor] | None, int]],
+    loss_ref: float,
+    grads_ref: dict[str, torch.Tensor],
+) -> VerifyResult:
+    """The result of ``case`` from its ranks' ``_worker`` results (rank 0 holds the gradients)."""
     loss, grads, _ = results[0]
     assert grads is not None
-    worst_name, worst = "", 0.0
-    for name, ref in grads_ref.items():
-        err = _relative_error(grads[name], ref)
-        if err >= worst:
-            worst_name, worst = name, err
+    worst_name, worst = gradient_error(grads, grads_ref)
     return VerifyResult(
         case=case,
         loss=loss,
         loss_ref=loss_ref,
-        loss_rel_err=abs(loss - loss_ref) / abs(loss_ref),
+        loss_rel_err=abs(loss - loss_ref) / abs(loss_ref) if loss_ref else abs(loss - loss_ref),
         grad_rel_err=worst,
         worst_param=worst_name,
         tolerance=TOLERANCES[_dtype(case.dtype)],

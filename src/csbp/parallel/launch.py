@@ -139,10 +139,17 @@ def run_local(
             )
             for r in range(nproc)
         ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(join_timeout_s if join_timeout_s is not None else timeout_s + 60)
+        try:
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(join_timeout_s if join_timeout_s is not None else timeout_s + 60)
+        except BaseException:  # interrupted (Ctrl-C, SIGTERM as csbp's Interrupted): leave no orphan ranks
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+            raise
         results: list[Any] = []
         errors: list[str] = []
         for r, p in enumerate(procs):

@@ -1,0 +1,215 @@
+"""The randomised exactness sweep (csbp.engine.fuzz) stays alive, and the bugs it found stay fixed.
+
+* a handful of seeded random cases (``csbp verify --random``'s draws) equal one process;
+* invalid run configs drawn at random are refused with one line naming the field, before anything
+  starts;
+* regressions: a sliding window on a single-stream objective (mdlm, ar) or on dflash was accepted and
+  silently ignored in training (the mdlm sampler then applied it); ``window=1`` with ``block_size=1``
+  (every query sees one key, so q/k gradients are mathematically zero) was reported as a failure of
+  order 1 by the per-parameter relative error (seed 1048 hit it with all 1-token documents); a batch
+  supervising nothing divided by a zero reference loss; DFlash's ``lambda`` LK loss took its
+  acceptance over one data-parallel replica's samples instead of the whole batch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from csbp.dflash.config import DFlashObjectiveConfig
+from csbp.dflash.verify import DFlashVerifyCase
+from csbp.engine.block_diffusion import build_rank_plan
+from csbp.engine.context import single_process_context
+from csbp.engine.fuzz import INVALID_KINDS, check_fails_closed, describe, draw_case, draw_invalid, run_cases
+from csbp.engine.verify import (
+    GRADIENT_FLOOR,
+    VerifyCase,
+    compare,
+    corrupted_batches,
+    gradient_error,
+    reference,
+)
+from csbp.topology import Topology
+
+
+def test_draws_are_reproducible_and_cover_the_knobs() -> None:
+    cases = [draw_case(seed) for seed in range(300)]
+    assert [describe(c) for c in cases[:20]] == [describe(draw_case(seed)) for seed in range(20)]
+    described = [describe(c) for c in cases]
+    assert {d["objective"].split("+")[0] for d in described} == {"bd3", "fast_dllm_v2", "mdlm", "dflash"}
+    assert {d["layout"] for d in described} == {"data", "cp", "bp", "csbp"}
+    assert {d["transport"] for d in described} == {"collective", "streaming", "halo"}
+    engine = [c for c in cases if isinstance(c, VerifyCase)]
+    assert {c.schedule for c in engine} == {"dual_end", "contiguous", "balanced"}
+    assert any(c.fsdp for c in engine) and any(c.activation_checkpointing for c in engine)
+    assert any(c.nelbo for c in engine) and any(c.micro_batches == 3 for c in engine)
+    assert all(c.topology.world_size <= 4 and c.topology.world_size > 1 for c in cases)
+    rows = [row for c in cases if c.doc_ids is not None for row in c.doc_ids]
+    lengths = [d for c in described if c["documents"] for row in c["documents"] for d in row.split(",")]
+    assert "1" in lengths and any(d.startswith("p") for d in lengths)  # 1-token documents, padding
+    assert any(len(set(row)) == 1 for row in rows)  # one document spanning every shard
+    assert any(min(i for i in row if i >= 0) > 0 for row in rows)  # ids not starting at 0
+    windows = [(c.window, c.block_size) for c in engine if c.window is not None]
+    assert any(w < b for w, b in windows) and any(w == b for w, b in windows) and any(w > b for w, b in windows)
+    json.dumps(described)  # the --log lines
+
+
+def test_invalid_configs_fail_closed_with_one_line() -> None:
+    kinds = {check_fails_closed(seed)[0] for seed in range(150)}
+    assert kinds == set(INVALID_KINDS)
+
+
+@pytest.mark.parametrize("objective", ["mdlm", "ar"])
+def test_window_on_a_single_stream_objective_is_refused(objective: str) -> None:
+    """Was: accepted, the engine's single-stream plan dropped the window (full attention in training)."""
+    seed = next(s for s in range(500) if draw_invalid(s)[0] == "window_without_windowed_mask"
+                and draw_invalid(s)[1]["objective.name"] == objective)
+    kind, message = check_fails_closed(seed)
+    assert "has no effect on " + objective in message
+    with pytest.raises(ValueError, match="single-stream objectives"):
+        build_rank_plan(single_process_context(), 16, 16, uses_clean_stream=False, window=4)
+
+
+def test_window_on_dflash_is_refused() -> None:
+    from test_config import dflash_changes, error_lines, with_changes
+
+    (line,) = error_lines(with_changes(dflash_changes() | {"topology.window": 8}))
+    assert line.startswith("config.yaml: topology.window: window=8 has no effect on dflash")
+    assert "objective.dflash.sliding_window" in line
+
+
+def test_micro_batches_split_the_global_rows_in_order() -> None:
+    """Micro-batch ``k`` holds rows ``[k*dp*samples, (k+1)*dp*samples)`` of the case's documents and
+    supervision (padding never supervised); each is corrupted by its own micro-step generator."""
+    docs = ((0,) * 5 + (1,) * 11, (3,) * 16, (0,) + (1,) * 15, (2,) * 12 + (-1,) * 4)
+    case = VerifyCase(Topology(), 16, 4, samples=2, micro_batches=2, doc_ids=docs, supervision=(0.5, 0.0, 1.0, 0.8))
+    one = replace(case, samples=4, micro_batches=1)
+    accumulated, whole = corrupted_batches(case), corrupted_batches(one)
+    assert torch.equal(torch.cat([c.doc_ids for c in accumulated]), whole[0].doc_ids)
+    assert torch.equal(torch.cat([c.clean_ids for c in accumulated]), whole[0].clean_ids)
+    labelled = [(c.labels >= 0).sum(dim=1).tolist() for c in accumulated]
+    assert labelled[0][1] == 0 and labelled[1][1] <= 12  # no supervision; padding unsupervised
+
+
+SWEEP_SEEDS = (0, 12, 17, 49)
+"""Seeded cases the suite runs, all on 4 processes so they share one launch: DFlash BP-only with
+documents, CSBP x dp2 with documents and accumulation, CP-only x dp2 with FSDP (fast_dllm_v2),
+BP-only with documents and activation checkpointing (see test_sweep_seeds_span_the_layouts)."""
+
+
+def test_sweep_seeds_span_the_layouts() -> None:
+    cases = [draw_case(seed, 4) for seed in SWEEP_SEEDS]
+    described = [describe(c) for c in cases]
+    assert {c.topology.world_size for c in cases} == {4}
+    assert {d["layout"] for d in described} == {"cp", "bp", "csbp"}
+    assert any(d["objective"] == "dflash" for d in described)
+    assert all(d["documents"] for d in described)
+    assert any(d.get("fsdp") for d in described) and any(d.get("ac") for d in described)
+
+
+ONE_KEY = VerifyCase(Topology(dp=2), 8, 1, window=1, objective="fast_dllm_v2", samples=2)
+"""Every query sees exactly one key (found by seed 10010: dp4, L=5, B=1, window=1)."""
+
+
+def test_a_mathematically_zero_gradient_is_measured_against_the_model_scale() -> None:
+    _, grads = reference(ONE_KEY)
+    largest = max(float(g.abs().max()) for g in grads.values())
+    q = "layers.0.self_attn.q_proj.weight"
+    assert float(grads[q].abs().max()) < 1e-12 * largest  # round-off only
+    noisy = {name: g.clone() for name, g in grads.items()}
+    noisy[q] = noisy[q] + 1e-17 * torch.randn(noisy[q].shape, dtype=torch.float64)
+    name, err = gradient_error(noisy, grads)
+    assert err < 1e-12, (name, err)  # was ~1: max|g - g_ref| / max|g_ref| with a round-off scale
+    small = "layers.0.post_attention_layernorm.weight"  # a genuinely small gradient is still checked
+    assert float(grads[small].abs().max()) < 10 * GRADIENT_FLOOR * largest
+    wrong = {**grads, small: grads[small] * 1.01}
+    assert gradient_error(wrong, grads)[0] == small and gradient_error(wrong, grads)[1] > 1e-5
+
+
+def test_a_batch_supervising_nothing_compares_without_dividing_by_zero() -> None:
+    """Was: ZeroDivisionError in the loss's relative error (seed 1064 drew no supervised token)."""
+    case = VerifyCase(Topology(dp=2), 6, 3, samples=1, supervision=(0.0, 0.0))
+    loss, grads = reference(case)
+    assert loss == 0.0 and all(float(g.abs().max()) == 0.0 for g in grads.values())
+    result = compare(case, [(loss, grads, 0), (loss, None, 0)], loss, grads)
+    assert result.ok and result.loss_rel_err == 0.0 and result.grad_rel_err == 0.0
+
+
+LAMBDA_DP = DFlashVerifyCase(
+    Topology(dp=2, cp=2), objective=DFlashObjectiveConfig(max_anchors=4, gamma=4.0, lk_loss_type="lambda"), seq_len=16,
+)
+"""DFlash's ``lambda`` LK loss under data parallelism (found by seed 50018): each replica computed the
+acceptance of its own samples, one process that of the whole batch (loss off by 1.8e-5 relative)."""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_seeded_random_cases_equal_one_process() -> None:
+    """The suite's randomized sweep: SWEEP_SEEDS and the regressions share one 4-rank launch."""
+    drawn = [(seed, draw_case(seed, 4)) for seed in SWEEP_SEEDS]
+    drawn += [(-1, replace(ONE_KEY, topology=Topology(dp=4))), (-2, LAMBDA_DP)]
+    results = run_cases(drawn)
+    assert [r.seed for r in results] == [seed for seed, _ in drawn]
+    assert all(r.status == "ok" for r in results), [r for r in results if r.status != "ok"]
+
+
+def _verify_argv(rng: random.Random) -> list[str]:
+    """Random ``csbp verify`` flags, most combinations invalid."""
+    argv = ["verify"]
+    for flag, values in (
+        ("--nproc", [1, 2, 3, 4, 6, 8]), ("--dp", [None, None, 1, 2, 3]), ("--cp", [None, 1, 2, 3, 4]),
+        ("--bp", [None, 1, 2, 3, 4, 6, 8]), ("--seq-len", [None, 4, 8, 12, 16, 24, 30, 32, 48]),
+        ("--block-size", [None, 1, 2, 3, 4, 5, 8, 16]), ("--window", [None, None, 1, 4, 40]),
+        ("--doc-length", [None, None, 1, 6]), ("--transport", [None, "streaming", "halo"]),
+        ("--schedule", [None, "contiguous", "balanced"]), ("--objective", [None, None, "dflash"]),
+        ("--dtype", [None, None, "float32"]), ("--diagonal", [None, None, "sdpa", "flex"]),
+        ("--backend", [None, None, "flex", "tiles"]),
+    ):
+        value = rng.choice(values)
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def test_random_verify_flags_run_a_valid_case_or_fail_closed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found the ``Topology.dp must be a positive integer, got 0`` line and dflash's ignored flags."""
+    import csbp.cli.verify_cmd as verify_cmd
+    import csbp.dflash.verify as dflash_verify
+    from csbp.cli.main import main
+    from csbp.engine.verify import check_case
+
+    launched: list[object] = []
+
+    class Launched(Exception):
+        pass
+
+    def stub(case: object, **_: object) -> None:
+        launched.append(case)
+        raise Launched
+
+    monkeypatch.setattr(verify_cmd, "verify", stub)
+    monkeypatch.setattr(dflash_verify, "verify_dflash", stub)
+    refused = 0
+    for seed in range(150):
+        argv = _verify_argv(random.Random(seed))
+        try:
+            code = main(argv)
+        except Launched:
+            case = launched[-1]
+            nproc = int(argv[argv.index("--nproc") + 1])
+            assert case.topology.world_size == nproc, argv  # type: ignore[attr-defined]
+            if isinstance(case, VerifyCase):
+                check_case(case)
+            else:
+                assert "--block-size" not in argv or argv[argv.index("--block-size") + 1] == "4", argv
+            continue
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "Traceback" not in err[0], (argv, err)
+        refused += 1
+    assert refused > 100 and len(launched) >= 3

@@ -1,0 +1,72 @@
+"""An interrupted ``run_local`` (SIGTERM to ``csbp verify``/``csbp eval --nproc``) leaves no orphan ranks.
+
+Found while stopping a ``csbp verify --random`` sweep: the parent turned SIGTERM into
+``Interrupted`` and exited, but its spawned ranks kept running (reparented to init) until their
+collectives timed out.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+
+def sleeping_rank(rank: int, world: int, pid_dir: str, seconds: float) -> int:
+    """Record this rank's pid, then sleep (a rank stuck in a long step)."""
+    (Path(pid_dir) / f"rank{rank}.pid").write_text(str(os.getpid()), encoding="utf-8")
+    time.sleep(seconds)
+    return rank
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from csbp.interrupts import sigterm_raises
+from csbp.parallel.launch import run_local
+from test_launch_interrupt import sleeping_rank
+
+if __name__ == "__main__":
+    with sigterm_raises():
+        try:
+            run_local(sleeping_rank, 2, ({pid_dir!r}, 120.0))
+        except BaseException as exc:
+            print("stopped:", type(exc).__name__, flush=True)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_sigterm_during_a_launch_kills_its_ranks(tmp_path: Path) -> None:
+    script = SCRIPT.format(tests=str(Path(__file__).parent), pid_dir=str(tmp_path))
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
+        assert len(pids) == 2, "the ranks did not start"
+        parent.send_signal(signal.SIGTERM)
+        out, _ = parent.communicate(timeout=60)
+        assert "stopped: Interrupted" in out
+        time.sleep(0.5)
+        assert not [pid for pid in pids if _alive(pid)], "ranks outlived the interrupted launch"
+    finally:
+        parent.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
