@@ -313,7 +313,7 @@ def test_target_and_drafter_must_agree(inputs: tuple[Path, Path], tmp_path: Path
     message = one_line_error(
         lambda: check_run(dflash_config(artifact, wider, **{"train.max_steps": 6}), run_dir=run_dir, resume=True)
     )
-    assert message.startswith("objective.dflash.target: checkpoint ") and f"the config sets {wider};" in message
+    assert message.startswith("objective.dflash.target: checkpoint ") and f"the config sets {wider} (its contents differ);" in message
 
 
 def test_rows_without_an_anchor_are_rejected(inputs: tuple[Path, Path], tmp_path: Path) -> None:
