@@ -36,11 +36,10 @@ from csbp.atomic import write_directory_atomically
 from csbp.dflash.config import DFlashConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.models.decoder import Decoder
-from csbp.models.hf_config import hf_rope_fields, rope_from_hf
+from csbp.models.hf_config import DTYPE_NAMES, hf_shape_fields, rope_from_hf
 from csbp.models.hf_io import EXPORT_OWNERSHIP, read_json_object, read_safetensors_file
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
-_DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, Any]:
@@ -56,16 +55,7 @@ def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, A
             "mask_token_id": config.mask_token_id,
             "sliding_window_causal": config.sliding_window_causal,
         },
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": config.rms_norm_eps,
-        **hf_rope_fields(config.rope_theta, config.rope_scaling),
+        **hf_shape_fields(config),
         "layer_types": list(config.layer_types or ()),
         "use_sliding_window": sliding,
         "sliding_window": config.sliding_window if sliding else None,
@@ -73,8 +63,8 @@ def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, A
         "tie_word_embeddings": False,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "torch_dtype": _DTYPE_NAMES[dtype],
-        "dtype": _DTYPE_NAMES[dtype],
+        "torch_dtype": DTYPE_NAMES[dtype],
+        "dtype": DTYPE_NAMES[dtype],
     }
     if config.is_dflash2:
         hf.update(
@@ -145,7 +135,7 @@ def export_dflash(
     """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus copies
     of ``extra_files`` (tokenizer files), all in one atomic directory write."""
     store_dtype = dtype if dtype is not None else drafter.fc.weight.dtype
-    if store_dtype not in _DTYPE_NAMES:
+    if store_dtype not in DTYPE_NAMES:
         raise ValueError(f"export dtype must be float64, float32 or bfloat16, got {store_dtype}")
     config = dflash_hf_config(drafter.config, dtype=store_dtype)
     tensors = {

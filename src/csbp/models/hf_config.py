@@ -181,15 +181,11 @@ def hf_rope_fields(theta: float, scaling: RopeScaling | None) -> dict[str, Any]:
     return fields
 
 
-def hf_config_from_decoder(
-    config: DecoderConfig, *, dtype: torch.dtype, extra_config: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The ``config.json`` dict for ``config`` (readable by transformers 4.5x and 5.x)."""
-    check_exportable(config)
-    dtype_name = DTYPE_NAMES[dtype]
-    hf: dict[str, Any] = {
-        "architectures": [HF_CLASS_BY_ARCH[config.arch]],
-        "model_type": config.arch,
+
+def hf_shape_fields(config: Any) -> dict[str, Any]:
+    """The HF ``config.json`` fields every Qwen/Llama-style decoder shares (sizes, norm, RoPE), for a
+    csbp decoder or DFlash drafter config (both name these attributes alike)."""
+    return {
         "vocab_size": config.vocab_size,
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -200,6 +196,19 @@ def hf_config_from_decoder(
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
         **hf_rope_fields(config.rope_theta, config.rope_scaling),
+    }
+
+
+def hf_config_from_decoder(
+    config: DecoderConfig, *, dtype: torch.dtype, extra_config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The ``config.json`` dict for ``config`` (readable by transformers 4.5x and 5.x)."""
+    check_exportable(config)
+    dtype_name = DTYPE_NAMES[dtype]
+    hf: dict[str, Any] = {
+        "architectures": [HF_CLASS_BY_ARCH[config.arch]],
+        "model_type": config.arch,
+        **hf_shape_fields(config),
         "tie_word_embeddings": config.tie_embeddings,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
