@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -37,6 +37,9 @@ from torch import Tensor
 from csbp.attention.merge import accumulation_dtype, partial_grads_from_merged
 from csbp.attention.rows import Rows
 from csbp.masks import rows_mask
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 DEFAULT_FLEX_BLOCK = 128
 """Sparse block edge (query and key rows): FlexAttention's kernel tile on Ampere/Hopper GPUs."""
@@ -59,7 +62,7 @@ class FlexPartial:
     q_rows: Rows
     k_rows: Rows
     causal_in_block: bool
-    block_mask: Any
+    block_mask: BlockMask | None
     build_seconds: float
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
@@ -120,7 +123,9 @@ def build_flex_partial(
     return FlexPartial(q_rows, k_rows, causal_in_block, block_mask, time.perf_counter() - start)
 
 
-def rows_block_mask(q_rows: Rows, k_rows: Rows, *, causal_in_block: bool = False, block: int = DEFAULT_FLEX_BLOCK):
+def rows_block_mask(
+    q_rows: Rows, k_rows: Rows, *, causal_in_block: bool = False, block: int = DEFAULT_FLEX_BLOCK
+) -> BlockMask | None:
     """FlexAttention ``BlockMask`` of ``rows_mask(q_rows, k_rows)`` from per-block interval summaries
     (no dense mask); None when no block pair can hold an allowed pair."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -284,7 +289,7 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: Any, scale: float | None) -> tuple[Tensor, Tensor]:
+def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
     """``(out [S, Hq, Nq, d] in q's dtype, lse [S, Hq, Nq] float32, natural log)``."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 

@@ -40,12 +40,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from csbp.attention.backends import (
     CLEAN_KERNELS,
@@ -57,6 +59,7 @@ from csbp.attention.backends import (
 from csbp.attention.diagonal import check_diagonal, resolve_diagonal
 from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
 from csbp.attention.layouts import reference_layout
+from csbp.attention.rows import Rows
 from csbp.attention.transports.local import (
     LocalAttentionPlan,
     local_attention_backward,
@@ -70,6 +73,9 @@ from csbp.bench.common import (
     write_json_atomic,
 )
 from csbp.bench.measure import allowed_pairs, attention_flops
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
 
 FUSED_ROWS = {"flash": "flash2", "cudnn": "cudnn"}
 """``backend`` column of the dense rows timing ``csbp.attention.flash_ops``' CUDA kernels over all pairs."""
@@ -99,7 +105,7 @@ class KernelRecord:
 
 
 def build_form(
-    rows, num_noisy: int, block_size: int, backend: str, form: str, diagonal: str = "auto", clean: str = "generic"
+    rows: Rows, num_noisy: int, block_size: int, backend: str, form: str, diagonal: str = "auto", clean: str = "generic"
 ) -> LocalAttentionPlan:
     """The ``mixed`` or ``decomposed`` local plan of the packed ``[noisy ; clean]`` rows (the
     decomposed one with the ``diagonal`` block-diagonal kernel and the ``clean`` clean-context kernel,
@@ -121,7 +127,7 @@ def build_form(
     )
 
 
-def build_forms(rows, num_noisy: int, block_size: int, backend: str) -> dict[str, LocalAttentionPlan]:
+def build_forms(rows: Rows, num_noisy: int, block_size: int, backend: str) -> dict[str, LocalAttentionPlan]:
     """The ``mixed`` and ``decomposed`` (``auto`` diagonal) local plans of the packed rows."""
     return {form: build_form(rows, num_noisy, block_size, backend, form) for form in ("mixed", "decomposed")}
 
@@ -156,7 +162,10 @@ def count_aten_ops(fn: Callable[[], object]) -> int:
     class _Counter(TorchDispatchMode):
         calls = 0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(
+            self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
+            kwargs: Mapping[str, object] | None = None,
+        ) -> object:
             _Counter.calls += 1
             return func(*args, **(kwargs or {}))
 
@@ -282,7 +291,10 @@ def run_kernel_bench(
     return records
 
 
-def _form_step(q, k, v, dout, rows, num_noisy: int, block: int, backend: str, form: str, diagonal: str, clean: str):
+def _form_step(
+    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, rows: Rows, num_noisy: int, block: int, backend: str, form: str,
+    diagonal: str, clean: str,
+) -> Callable[[], None]:
     """Plan ``form`` (``mixed``, ``decomposed`` or ``diagonal``: the block-diagonal partial alone, on
     the noisy rows) and return its forward + backward step."""
     if form != "diagonal":
@@ -301,7 +313,7 @@ def _form_step(q, k, v, dout, rows, num_noisy: int, block: int, backend: str, fo
     return step
 
 
-def _local_step(q, k, v, dout, plan: LocalAttentionPlan) -> Callable[[], None]:
+def _local_step(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, plan: LocalAttentionPlan) -> Callable[[], None]:
     """One forward + explicit backward of the local transport over ``plan``."""
 
     def step() -> None:
@@ -311,7 +323,9 @@ def _local_step(q, k, v, dout, plan: LocalAttentionPlan) -> Callable[[], None]:
     return step
 
 
-def _dense_sdpa_time(q, k, v, dout, device: torch.device, warmup: int, repeats: int, clock: str) -> float:
+def _dense_sdpa_time(
+    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, device: torch.device, warmup: int, repeats: int, clock: str
+) -> float:
     """Forward + backward of unmasked SDPA over all pairs (GQA without repeating K/V)."""
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
 
@@ -323,7 +337,8 @@ def _dense_sdpa_time(q, k, v, dout, device: torch.device, warmup: int, repeats: 
 
 
 def _dense_flash_time(
-    q, k, v, dout, device: torch.device, warmup: int, repeats: int, clock: str, kernel: str
+    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, device: torch.device, warmup: int, repeats: int, clock: str,
+    kernel: str,
 ) -> float:
     """Forward + backward of ``csbp.attention.flash_ops``' ``kernel`` over all pairs (a flash piece's
     call); nan when the kernel fails on this machine (the rest of the benchmark still runs)."""
