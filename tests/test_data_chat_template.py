@@ -131,6 +131,19 @@ def test_supervised_tokens_are_assistant_contents_and_end_of_turn(style_dir) -> 
             assert message["content"] in unsupervised
 
 
+@pytest.mark.parametrize("content", ["a", "", "  spaced out  ", "<|im_end|>"])
+def test_assistant_contents_that_occur_in_the_scaffolding(style_dir, content: str) -> None:
+    # "a" occurs in "assistant"; "" has no text to find: only the end-of-turn token is supervised
+    style, directory = style_dir
+    template = resolve_chat_template("auto", directory)
+    end_of_turn = "<|im_end|>" if style == "chatml" else "<|eot_id|>"
+    shown = content.strip() if style == "llama3" else content  # the Llama-3 style trims contents
+    messages = [CHAT[1], {"role": "assistant", "content": content}]
+    text, spans = template.supervised_spans(messages, "rec:1")
+    assert text == hf_tokenizer(directory, style).apply_chat_template(messages, tokenize=False)
+    assert [text[a:b] for a, b in spans] == [shown + end_of_turn]
+
+
 def test_prepare_records_the_template_and_none_keeps_role_markers(tmp_path: Path) -> None:
     directory = build_tokenizer_dir(tmp_path / "tok", "chatml")
     data = tmp_path / "chat.jsonl"
@@ -193,6 +206,14 @@ def test_prefix_unstable_template_fails_naming_the_record(tmp_path: Path) -> Non
     template = ChatTemplate("{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}", "t")
     with pytest.raises(ValueError, match=r"^data\.jsonl:7: chat template t is not prefix-stable"):
         template.supervised_spans(CHAT, "data.jsonl:7")
+
+
+def test_content_dependent_scaffolding_fails_naming_the_record() -> None:
+    source = "{% for m in messages %}<{{ m['role'] }}{% if m['content'] | length > 5 %} long{% endif %}>{{ m['content'] }}</s>{% endfor %}"
+    template = ChatTemplate(source, "t")
+    messages = [{"role": "user", "content": "hello there"}, {"role": "assistant", "content": "hi"}]
+    with pytest.raises(ValueError, match=r"^data\.jsonl:3: chat template t renders the scaffolding of messages\[1\]"):
+        template.supervised_spans(messages, "data.jsonl:3")
 
 
 @pytest.mark.parametrize(

@@ -13,10 +13,10 @@ depends on them.
 
 Supervision (``ChatTemplate.supervised_spans``): the conversation's prefixes ``messages[:i+1]``
 are rendered; each render must start with the previous one (the template is *prefix-stable*),
-so the text added by message ``i`` is the difference. For an assistant message, the supervised
-characters run from the start of its (stripped) content in that difference to the end of the
-difference, trailing whitespace excluded: the content plus the end-of-turn token(s). System/user
-turns and template scaffolding are unsupervised.
+so the text added by message ``i`` is the difference. For an assistant message the same turn is
+also rendered with a sentinel as content, which splits the difference into the scaffolding before
+the content, the content, and the end-of-turn text after it. The content and the end-of-turn text
+(trailing whitespace excluded) are supervised; system/user turns and scaffolding are not.
 """
 
 from __future__ import annotations
@@ -131,22 +131,42 @@ class ChatTemplate:
                     "--chat-template none, or a template that renders earlier turns unchanged)"
                 )
             if message["role"] == "assistant":
-                content = message["content"].strip()
-                added = text[len(rendered):]
-                offset = added.find(content)
-                if offset < 0:
-                    raise ValueError(
-                        f"{where}: chat template {self.source} does not reproduce messages[{index}].content "
-                        "verbatim, so its supervised span cannot be found (fix: --chat-template none)"
-                    )
-                start = len(rendered) + offset
-                end = len(rendered) + len(added.rstrip())
+                start, end = self._assistant_span(messages, index, rendered, text, where)
                 if end > start:
                     spans.append((start, end))
             rendered = text
         return rendered, spans
 
 
+    def _assistant_span(
+        self, messages: Sequence[Message], index: int, rendered: str, text: str, where: str
+    ) -> tuple[int, int]:
+        """Where message ``index``'s content and end-of-turn lie in ``text`` (``rendered`` is the
+        text of the messages before it). The scaffolding around the content is found by rendering
+        the same turn with a sentinel content: the real turn must be that scaffolding around
+        some content, else the template is content-dependent and the record is refused."""
+        probe = [*messages[:index], {**messages[index], "content": _SENTINEL}]
+        probe_text = self.render(probe, where=where)
+        added = text[len(rendered):]
+        probe_added = probe_text[len(rendered):]
+        if not probe_text.startswith(rendered) or probe_added.count(_SENTINEL) != 1:
+            raise ValueError(
+                f"{where}: chat template {self.source} does not render messages[{index}].content exactly once "
+                "as given, so its supervised span cannot be found (fix: --chat-template none)"
+            )
+        before, after = probe_added.split(_SENTINEL)
+        if not (added.startswith(before) and added.endswith(after) and len(added) >= len(before) + len(after)):
+            raise ValueError(
+                f"{where}: chat template {self.source} renders the scaffolding of messages[{index}] differently "
+                "depending on its content, so its supervised span cannot be found (fix: --chat-template none)"
+            )
+        start = len(rendered) + len(before)
+        end = len(rendered) + len(added) - len(after) + len(after.rstrip())
+        return start, end
+
+
+_SENTINEL = "csbpAssistantContentSentinel"
+"""Stands in for an assistant message's content to locate the template text around it."""
 _COMPILED: dict[str, jinja2.Template] = {}
 
 
