@@ -184,6 +184,9 @@ def test_explicit_jinja_file_and_generation_blocks(tmp_path: Path) -> None:
     assert resolve_chat_template("none", directory) is None
     (directory / "tokenizer_config.json").write_text("{}", encoding="utf-8")
     assert resolve_chat_template("auto", directory) is None  # no template: csbp's role markers
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHATML}), encoding="utf-8")
+    from_json = resolve_chat_template("auto", directory)
+    assert from_json is not None and from_json.source.endswith("chat_template.json") and from_json.text == CHATML
     with pytest.raises(ValueError, match=r"--chat-template .*missing\.jinja: no such file"):
         resolve_chat_template(str(tmp_path / "missing.jinja"), directory)
 

@@ -35,6 +35,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_JSON_FILE = "chat_template.json"
 CONFIG_FILE = "tokenizer_config.json"
 Message = dict[str, str]
 
@@ -186,8 +187,10 @@ def _token_string(value: Any) -> str:
 
 def _config(directory: Path) -> dict[str, Any]:
     path = directory / CONFIG_FILE
-    if not path.is_file():
-        return {}
+    return _read_json(path) if path.is_file() else {}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -208,7 +211,8 @@ def _template_in_config(config: dict[str, Any], path: Path) -> str | None:
 
 def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplate | None:
     """The template ``--chat-template SPEC`` selects: ``none`` -> None; ``auto`` -> the tokenizer
-    directory's ``chat_template.jinja`` or ``tokenizer_config.json`` template, else None; anything
+    directory's ``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``
+    template (first found), else None; anything
     else is the path of a ``.jinja`` file. ``bos_token``/``eos_token`` come from the tokenizer
     directory's ``tokenizer_config.json`` when there is one."""
     directory = None
@@ -222,9 +226,13 @@ def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplat
     if spec == "auto":
         if directory is None:
             return None
-        jinja_file = directory / TEMPLATE_FILE
+        jinja_file, json_file = directory / TEMPLATE_FILE, directory / TEMPLATE_JSON_FILE
         if jinja_file.is_file():
             return _checked(ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), **tokens))
+        if json_file.is_file():
+            text = _template_in_config(_read_json(json_file), json_file)
+            if text is not None:
+                return _checked(ChatTemplate(text, str(json_file), **tokens))
         text = _template_in_config(config, directory / CONFIG_FILE)
         if text is None:
             return None
