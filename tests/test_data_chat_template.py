@@ -238,3 +238,30 @@ def test_syntax_error_names_the_template_line(tmp_path: Path) -> None:
     path.write_text("ok\n{% for m in messages %}\n{{ m['content'] }\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"broken\.jinja: chat template line \d+:"):
         resolve_chat_template(str(path), None)
+
+
+def test_cli_flag_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from csbp.cli.data_cmd import register
+
+    def run(argv: list[str]) -> int:
+        parser = argparse.ArgumentParser(prog="csbp")
+        register(parser.add_subparsers(dest="command"))
+        args = parser.parse_args(argv)
+        return int(args.func(args))
+
+    directory = build_tokenizer_dir(tmp_path / "tok", "llama3")
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": CHAT[1:3]}) + "\n", encoding="utf-8")
+    own = tmp_path / "own.jinja"
+    own.write_text(LLAMA3.replace("<|eot_id|>", "<|eot_id|>\n"), encoding="utf-8")
+    base = ["data", "prepare", str(data), "--tokenizer", str(directory), "--seq-len", "64", "--eos-token", "<|end_of_text|>"]
+    assert run([*base, "--out", str(tmp_path / "a"), "--chat-template", str(own)]) == 0
+    assert open_artifact(tmp_path / "a").chat_template == ChatTemplate(own.read_text(), str(own)).manifest_entry()
+    capsys.readouterr()
+    assert run(["data", "inspect", str(tmp_path / "a"), "--rows", "1"]) == 0
+    shown = capsys.readouterr().out
+    assert f"chat template {own} (sha256 " in shown
+    assert "[[It is four.<|eot_id|>]]\n<|end_of_text|>" in shown  # the template's trailing newline: unsupervised
+    assert "<|begin_of_text|><|start_header_id|>user" in shown
