@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -78,7 +79,7 @@ def style_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return request.param, build_tokenizer_dir(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def hf_tokenizer(directory: Path, style: str):
+def hf_tokenizer(directory: Path, style: str) -> Any:  # transformers.PreTrainedTokenizerFast
     from transformers import PreTrainedTokenizerFast
 
     config = CONFIGS[style]
