@@ -158,6 +158,11 @@ def test_prepare_records_the_template_and_none_keeps_role_markers(tmp_path: Path
     tokens = np.asarray(artifact.split("train").tokens).reshape(-1)
     im_start = load_tokenizer(directory).backend.token_to_id("<|im_start|>")
     assert int((tokens == im_start).sum()) == len(CHAT)
+    # text-only inputs: the template formats nothing and is not recorded
+    text_only = tmp_path / "text.jsonl"
+    text_only.write_text(json.dumps({"text": "Blue."}) + "\n", encoding="utf-8")
+    plain = PrepareConfig(inputs=(text_only,), out_dir=tmp_path / "plain", seq_len=64, tokenizer_path=directory)
+    assert prepare_artifact(plain)["chat_template"] is None
     # none: today's role markers, which this tokenizer lacks -> the existing one-line error
     none = PrepareConfig(
         inputs=(data,), out_dir=tmp_path / "none", seq_len=64, tokenizer_path=directory, chat_template="none"

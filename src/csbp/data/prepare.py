@@ -132,10 +132,11 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     # A given tokenizer (path, special tokens) is checked before the inputs are read.
     given = load_tokenizer(config.tokenizer_path, special=config.special) if config.tokenizer_path is not None else None
     template = resolve_chat_template(config.chat_template, config.tokenizer_path)
-    if template is not None:
-        say(f"chat records: formatted with the chat template of {template.source} (sha256 {template.sha256[:12]})")
 
-    num_documents, num_empty = _count_documents(files, config.txt_mode)
+    num_documents, num_empty, num_chats = _count_documents(files, config.txt_mode)
+    template = template if num_chats else None  # recorded only when it formatted something
+    if template is not None:
+        say(f"{num_chats} chat records: chat template {template.source} (sha256 {template.sha256[:12]})")
     if num_documents == 0:
         raise ValueError(f"the inputs hold no non-empty documents ({num_empty} empty ones skipped)")
     val_ordinals = _choose_val_documents(num_documents, config.val_fraction, config.seed)
@@ -162,14 +163,16 @@ def _non_empty_documents(files: list[Path], txt_mode: TxtMode) -> Iterator[Docum
     return (doc for doc in iter_documents(files, txt_mode=txt_mode) if not doc.is_empty)
 
 
-def _count_documents(files: list[Path], txt_mode: TxtMode) -> tuple[int, int]:
-    num_documents = num_empty = 0
+def _count_documents(files: list[Path], txt_mode: TxtMode) -> tuple[int, int, int]:
+    """``(non-empty documents, empty documents skipped, non-empty chat records)``."""
+    num_documents = num_empty = num_chats = 0
     for doc in iter_documents(files, txt_mode=txt_mode):
         if doc.is_empty:
             num_empty += 1
         else:
             num_documents += 1
-    return num_documents, num_empty
+            num_chats += doc.messages is not None
+    return num_documents, num_empty, num_chats
 
 
 def _choose_val_documents(num_documents: int, val_fraction: float, seed: int) -> frozenset[int]:
