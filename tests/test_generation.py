@@ -22,7 +22,7 @@ from csbp.attention.layouts import bd3_rows
 from csbp.attention.rows import allow_matrix
 from csbp.cli import generate_cmd
 from csbp.data.corpus import known_word_fraction
-from csbp.data.tokenizer import train_bpe_tokenizer
+from csbp.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 from csbp.generation import (
     CachedBlockForward,
     GenerationConfig,
@@ -412,3 +412,31 @@ def test_cli_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     with pytest.raises(ValueError, match="mask token"):
         args = parse(["generate", "--model", str(checkpoint), "--tokenizer", str(no_mask_dir), *base])
         args.func(args)
+
+
+def test_cli_chat_wraps_the_prompt_as_a_user_turn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    final = export_tiny_run(tmp_path / "run")
+    argv = ["generate", "--model", str(final), "--prompt", "the fox", "--device", "cpu", "--max-new-tokens", "2", "--chat"]
+    with pytest.raises(ValueError, match=r"^--chat: tokenizer directory .* has no chat template"):
+        parse(argv).func(parse(argv))
+    (final / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}",
+        encoding="utf-8",
+    )
+    from csbp.generation import sampler
+
+    seen: list[list[int]] = []
+
+    def recording_generate(model: Decoder, prompt_ids: list[int], **options: object) -> object:
+        seen.append(list(prompt_ids))
+        return real_generate(model, prompt_ids, **options)  # type: ignore[arg-type]
+
+    real_generate = sampler.generate
+    monkeypatch.setattr(sampler, "generate", recording_generate)
+    assert parse(argv).func(parse(argv)) == 0
+    tokenizer = load_tokenizer(final)
+    assert seen == [tokenizer.encode("<user>the fox</user><assistant>")]
+    assert "completion: " in capsys.readouterr().out

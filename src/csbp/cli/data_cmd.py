@@ -47,6 +47,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument(
         "--train-tokenizer", action="store_true", help="train a byte-level BPE on the train split"
     )
+    prepare.add_argument(
+        "--chat-template",
+        default="auto",
+        metavar="auto|none|PATH",
+        help="format chat records with the tokenizer directory's chat template (auto, the default, falls "
+        "back to csbp's role markers when it has none), csbp's role markers (none), or a .jinja file",
+    )
     prepare.add_argument("--vocab-size", type=int, help="vocabulary size of the trained tokenizer")
     prepare.add_argument(
         "--val-fraction", type=float, default=0.0, help="share of documents held out (default 0)"
@@ -109,6 +116,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         txt_mode=args.txt_mode,
         special=SpecialTokens(eos=args.eos_token, mask=args.mask_token, pad=args.pad_token),
         overwrite=args.overwrite,
+        chat_template=args.chat_template,
     )
     prepare_artifact(config, log=print)
     return 0

@@ -23,7 +23,9 @@ that attention pattern or block grid), which then notes the change on stderr
 ``fast_dllm_v2`` decodes with token shift (position ``i`` predicted from row ``i-1``); an
 ``mdlm`` model is one block of ``B = seq_len``. A model trained with a sliding window
 (``topology.window``) is sampled with the same windowed mask (``--window`` for other checkpoints). See ``csbp.generation.sampler`` for how the prompt
-is aligned to the block grid.
+is aligned to the block grid. ``--chat`` formats the prompt with the tokenizer directory's chat
+template (a user turn, then the opened assistant turn), as ``csbp data prepare`` formatted the chat
+records the model was adapted on.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", type=Path, required=True, help="HF checkpoint directory (e.g. RUN/final)")
     parser.add_argument("--prompt", required=True, help="prompt text")
     parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: --model)")
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap --prompt as a user turn of the tokenizer directory's chat template, with the assistant "
+        "turn opened (for models adapted on chat data prepared with that template)",
+    )
     parser.add_argument("--mask-token", default="<|mask|>", help="name of the mask token in the tokenizer")
     parser.add_argument("--eos-token", default="<|endoftext|>", help="name of the EOS token in the tokenizer")
     parser.add_argument(
@@ -97,6 +105,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also print how many words of the completion occur in this text file (or the demo corpus)",
     )
     parser.set_defaults(func=run_generate)
+
+
+def chat_prompt(tokenizer_dir: Path, prompt: str) -> str:
+    """``prompt`` as the one user turn of ``tokenizer_dir``'s chat template, assistant turn opened."""
+    from csbp.data.chat_template import resolve_chat_template
+
+    template = resolve_chat_template("auto", tokenizer_dir)
+    if template is None:
+        raise ValueError(
+            f"--chat: tokenizer directory {tokenizer_dir} has no chat template (chat_template.jinja or "
+            "tokenizer_config.json 'chat_template') (fix: pass --tokenizer DIR of the chat model, or drop --chat)"
+        )
+    return template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, where="--prompt")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -154,7 +175,7 @@ def run_generate(args: argparse.Namespace) -> int:
             f"mask token id {mask_token_id} is outside the model vocabulary ({model_config.vocab_size}); "
             "is --tokenizer the tokenizer this model was trained with?"
         )
-    prompt_ids = tokenizer.encode(args.prompt)
+    prompt_ids = tokenizer.encode(chat_prompt(tokenizer_dir, args.prompt) if args.chat else args.prompt)
     print_notes(notes)
     started = time.perf_counter()
     result = generate(model, prompt_ids, mask_token_id=mask_token_id, eos_id=tokenizer.eos_id, config=config)

@@ -120,6 +120,13 @@ class Artifact:
         return str(self.manifest["content_fingerprint"])
 
     @property
+    def chat_template(self) -> dict[str, str] | None:
+        """``{"source", "sha256"}`` of the chat template chat records were formatted with, or None
+        (csbp's role markers, or an artifact older than the ``chat_template`` manifest field)."""
+        entry = self.manifest.get("chat_template")
+        return dict(entry) if isinstance(entry, dict) else None
+
+    @property
     def tokenizer_fingerprint(self) -> str:
         return str(self.manifest["tokenizer"]["fingerprint"])
 

@@ -2,7 +2,10 @@
 
 ``encode_documents`` turns ``Document`` objects into ``(token_ids, loss_mask)`` pairs: text
 segments are tokenized (in one batch call), chat role markers become their special id, and EOS is
-appended (supervised iff ``Document.eos_supervised``). ``PackedSplitWriter`` streams those pairs
+appended (supervised iff ``Document.eos_supervised``). With a ``ChatTemplate``, chat documents are
+instead rendered by the template and tokenized whole; a token is supervised iff its character
+offsets overlap an assistant span (``ChatTemplate.supervised_spans``), and the EOS separator
+appended after them is unsupervised (the template's own end-of-turn tokens carry the stop signal). ``PackedSplitWriter`` streams those pairs
 into the flat ``.bin`` files of one split (layout in ``artifact.py``): greedy concatenation, the
 document ordinal as doc id, and the final partial row padded with ``pad_id`` (mask 0, doc id -1).
 """
@@ -16,24 +19,50 @@ from pathlib import Path
 import numpy as np
 
 from csbp.data.artifact import ARRAY_DTYPES, array_file_name
+from csbp.data.chat_template import ChatTemplate
 from csbp.data.sources import Document
 from csbp.data.tokenizer import CsbpTokenizer
 
 
+def encode_templated_chat(
+    messages: Sequence[tuple[str, str]], tokenizer: CsbpTokenizer, template: ChatTemplate, where: str
+) -> tuple[list[int], list[int]]:
+    """``(ids, loss_mask)`` of a chat rendered by ``template`` (no EOS separator appended)."""
+    text, spans = template.supervised_spans([{"role": r, "content": c} for r, c in messages], where)
+    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
+    mask = [
+        int(any(start < span_end and span_start < max(end, start + 1) for span_start, span_end in spans))
+        for start, end in encoding.offsets
+    ]
+    return list(encoding.ids), mask
+
+
 def encode_documents(
-    documents: Sequence[Document], tokenizer: CsbpTokenizer
+    documents: Sequence[Document], tokenizer: CsbpTokenizer, chat_template: ChatTemplate | None = None
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(token_ids uint32 [n], loss_mask uint8 [n])`` per document, EOS included.
 
     Raises ``ValueError`` (naming the document) for an id outside ``[0, tokenizer.vocab_size)``.
     """
-    texts = [segment.text for doc in documents for segment in doc.segments if segment.role is None]
+    def templated(doc: Document) -> bool:
+        return chat_template is not None and doc.messages is not None
+
+    texts = [
+        segment.text
+        for doc in documents
+        if not templated(doc)
+        for segment in doc.segments
+        if segment.role is None
+    ]
     encoded_texts = iter(tokenizer.encode_batch(texts))
     encoded: list[tuple[np.ndarray, np.ndarray]] = []
     for doc in documents:
         ids: list[int] = []
         mask: list[int] = []
-        for segment in doc.segments:
+        if templated(doc):
+            assert chat_template is not None and doc.messages is not None
+            ids, mask = encode_templated_chat(doc.messages, tokenizer, chat_template, doc.where)
+        for segment in doc.segments if not templated(doc) else ():
             if segment.role is not None and segment.role not in tokenizer.role_ids:
                 marker = tokenizer.role_marker_name(segment.role)
                 raise ValueError(
@@ -44,7 +73,7 @@ def encode_documents(
             ids.extend(piece)
             mask.extend([int(segment.supervised)] * len(piece))
         ids.append(tokenizer.eos_id)
-        mask.append(int(doc.eos_supervised))
+        mask.append(int(doc.eos_supervised and not templated(doc)))
         token_ids = np.asarray(ids, dtype=np.int64)
         bad = (token_ids < 0) | (token_ids >= tokenizer.vocab_size)
         if bad.any():

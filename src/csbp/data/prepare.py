@@ -43,6 +43,7 @@ from csbp.data.artifact import (
     content_fingerprint,
     max_token_id,
 )
+from csbp.data.chat_template import ChatTemplate, resolve_chat_template
 from csbp.data.packing import PackedSplitWriter, SplitCounts, encode_documents
 from csbp.data.sources import Document, TxtMode, expand_inputs, iter_documents
 from csbp.data.tokenizer import (
@@ -80,6 +81,9 @@ class PrepareConfig:
         txt_mode: ``file`` (one document per .txt) or ``paragraphs`` (split on blank lines).
         special: special token names.
         overwrite: replace an existing ``out_dir``.
+        chat_template: ``auto`` (the tokenizer directory's chat template if it has one, else csbp's
+            role markers), ``none`` (role markers) or the path of a ``.jinja`` file; see
+            ``chat_template.py``.
     """
 
     inputs: tuple[Path, ...]
@@ -93,6 +97,7 @@ class PrepareConfig:
     txt_mode: TxtMode = "file"
     special: SpecialTokens = field(default_factory=SpecialTokens)
     overwrite: bool = False
+    chat_template: str = "auto"
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
@@ -126,8 +131,12 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     files = expand_inputs(config.inputs)
     # A given tokenizer (path, special tokens) is checked before the inputs are read.
     given = load_tokenizer(config.tokenizer_path, special=config.special) if config.tokenizer_path is not None else None
+    template = resolve_chat_template(config.chat_template, config.tokenizer_path)
 
-    num_documents, num_empty = _count_documents(files, config.txt_mode)
+    num_documents, num_empty, num_chats = _count_documents(files, config.txt_mode)
+    template = template if num_chats else None  # recorded only when it formatted something
+    if template is not None:
+        say(f"{num_chats} chat records: chat template {template.source} (sha256 {template.sha256[:12]})")
     if num_documents == 0:
         raise ValueError(f"the inputs hold no non-empty documents ({num_empty} empty ones skipped)")
     val_ordinals = _choose_val_documents(num_documents, config.val_fraction, config.seed)
@@ -137,9 +146,10 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     build_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        counts = _write_splits(build_dir, files, config, tokenizer, val_ordinals)
+        counts = _write_splits(build_dir, files, config, tokenizer, val_ordinals, template)
         tokenizer.save(build_dir)
         manifest = _manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
+        manifest["chat_template"] = template.manifest_entry() if template is not None else None
         write_manifest(build_dir, manifest)
         replace_directory(build_dir, out_dir)
     except BaseException:
@@ -153,14 +163,16 @@ def _non_empty_documents(files: list[Path], txt_mode: TxtMode) -> Iterator[Docum
     return (doc for doc in iter_documents(files, txt_mode=txt_mode) if not doc.is_empty)
 
 
-def _count_documents(files: list[Path], txt_mode: TxtMode) -> tuple[int, int]:
-    num_documents = num_empty = 0
+def _count_documents(files: list[Path], txt_mode: TxtMode) -> tuple[int, int, int]:
+    """``(non-empty documents, empty documents skipped, non-empty chat records)``."""
+    num_documents = num_empty = num_chats = 0
     for doc in iter_documents(files, txt_mode=txt_mode):
         if doc.is_empty:
             num_empty += 1
         else:
             num_documents += 1
-    return num_documents, num_empty
+            num_chats += doc.messages is not None
+    return num_documents, num_empty, num_chats
 
 
 def _choose_val_documents(num_documents: int, val_fraction: float, seed: int) -> frozenset[int]:
@@ -191,6 +203,7 @@ def _write_splits(
     config: PrepareConfig,
     tokenizer: CsbpTokenizer,
     val_ordinals: frozenset[int],
+    template: ChatTemplate | None,
 ) -> dict[str, SplitCounts]:
     writers = {
         split: PackedSplitWriter(build_dir, split, seq_len=config.seq_len, pad_id=tokenizer.pad_id)
@@ -201,9 +214,9 @@ def _write_splits(
         for ordinal, doc in enumerate(_non_empty_documents(files, config.txt_mode)):
             chunk.append(("val" if ordinal in val_ordinals else "train", doc))
             if len(chunk) == ENCODE_CHUNK_DOCUMENTS:
-                _write_chunk(chunk, tokenizer, writers)
+                _write_chunk(chunk, tokenizer, writers, template)
                 chunk = []
-        _write_chunk(chunk, tokenizer, writers)
+        _write_chunk(chunk, tokenizer, writers, template)
         return {split: writer.finish() for split, writer in writers.items()}
     finally:
         for writer in writers.values():
@@ -211,9 +224,12 @@ def _write_splits(
 
 
 def _write_chunk(
-    chunk: list[tuple[str, Document]], tokenizer: CsbpTokenizer, writers: dict[str, PackedSplitWriter]
+    chunk: list[tuple[str, Document]],
+    tokenizer: CsbpTokenizer,
+    writers: dict[str, PackedSplitWriter],
+    template: ChatTemplate | None,
 ) -> None:
-    encoded = encode_documents([doc for _, doc in chunk], tokenizer)
+    encoded = encode_documents([doc for _, doc in chunk], tokenizer, template)
     for (split, _), (token_ids, loss_mask) in zip(chunk, encoded):
         writers[split].add_document(token_ids, loss_mask)
 

@@ -33,6 +33,9 @@ def format_manifest_summary(artifact: Artifact) -> str:
         f"documents     {counts['documents']} ({counts['skipped_empty']} empty skipped), "
         f"{counts['tokens']} tokens",
     ]
+    template = artifact.chat_template
+    if template is not None:
+        lines.append(f"chat template {template['source']} (sha256 {template['sha256']})")
     for split in SPLITS:
         s = m["splits"][split]
         lines.append(

@@ -11,7 +11,8 @@ Supported inputs (chosen by file suffix; a directory expands to its supported fi
   its markers are present.
 
 A ``Document`` is a list of segments: plain text to tokenize, or a chat role marker that the
-tokenizer maps to one special token id (``<|user|>`` ...). Tokenization happens later, in
+tokenizer maps to one special token id (``<|user|>`` ...); chat documents also keep their
+messages, which ``--chat-template`` renders with the model's own template instead. Tokenization happens later, in
 ``prepare.py``; this module only parses and validates. Problems in the data raise ``ValueError``
 naming the file and the 1-based line (JSONL) or row (Parquet).
 """
@@ -56,6 +57,8 @@ class Document:
     segments: tuple[Segment, ...]
     eos_supervised: bool
     where: str
+    messages: tuple[tuple[str, str], ...] | None = None
+    """For chat records: ``(role, content)`` per message, for rendering with a chat template."""
 
     @property
     def is_empty(self) -> bool:
@@ -165,7 +168,8 @@ def _chat_document(messages: Any, where: str) -> Document:
         segments.append(Segment("", supervised=False, role=role))
         segments.append(Segment(content, supervised=role == "assistant"))
     ends_with_assistant = messages[-1]["role"] == "assistant"
-    return Document(tuple(segments), eos_supervised=ends_with_assistant, where=where)
+    pairs = tuple((str(m["role"]), str(m["content"])) for m in messages)
+    return Document(tuple(segments), eos_supervised=ends_with_assistant, where=where, messages=pairs)
 
 
 def _read_jsonl(path: Path) -> Iterator[Document]:

@@ -1,0 +1,255 @@
+"""Chat records formatted with the model's own Jinja chat template (``--chat-template``).
+
+A chat model only ever sees its own format at inference, so training data for it must be rendered
+with the template in its tokenizer directory (``tokenizer_config.json`` ``chat_template``, or a
+``chat_template.jinja`` file) rather than csbp's ``<|user|>`` role markers.
+
+Templates from a downloaded model are untrusted input: they are rendered in Jinja2's
+``ImmutableSandboxedEnvironment`` (attribute access to internals such as ``__class__`` and
+mutation of passed-in objects are refused) with the globals templates commonly use:
+``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token`` and ``add_generation_prompt``.
+``{% generation %}`` blocks are accepted and render their body unchanged; supervision never
+depends on them.
+
+Supervision (``ChatTemplate.supervised_spans``): the conversation's prefixes ``messages[:i+1]``
+are rendered; each render must start with the previous one (the template is *prefix-stable*),
+so the text added by message ``i`` is the difference. For an assistant message the same turn is
+also rendered with a sentinel as content, which splits the difference into the scaffolding before
+the content, the content, and the end-of-turn text after it. The content and the end-of-turn text
+(trailing whitespace excluded) are supervised; system/user turns and scaffolding are not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+TEMPLATE_FILE = "chat_template.jinja"
+TEMPLATE_JSON_FILE = "chat_template.json"
+CONFIG_FILE = "tokenizer_config.json"
+Message = dict[str, str]
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` and renders the body as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return list(parser.parse_statements(("name:endgeneration",), drop_needle=True))
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(format_string: str) -> str:
+    return datetime.now().strftime(format_string)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A compiled chat template with the token strings it refers to.
+
+    Attributes:
+        text: the Jinja source.
+        source: where it came from (a file path, or ``DIR/tokenizer_config.json``).
+        sha256: hex digest of ``text`` (recorded in the artifact manifest).
+        bos_token, eos_token: values of the ``bos_token``/``eos_token`` template globals.
+    """
+
+    text: str
+    source: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+    def manifest_entry(self) -> dict[str, str]:
+        """What the artifact manifest records about the template."""
+        return {"source": self.source, "sha256": self.sha256}
+
+    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False, where: str = "") -> str:
+        """The template's text for ``messages``; any template error raises one ``ValueError`` line."""
+        try:
+            compiled = _compile(self.text)
+            return compiled.render(
+                messages=[dict(message) for message in messages],
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except jinja2.exceptions.SecurityError as exc:
+            raise ValueError(
+                f"{where or self.source}: chat template {self.source} was refused by the sandbox ({exc}); "
+                "(fix: use a trusted template, or --chat-template none)"
+            ) from None
+        except jinja2.exceptions.TemplateError as exc:
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ValueError(
+                f"{where or self.source}: chat template {self.source} failed: {first_line} "
+                "(fix: repair the record, or pass --chat-template none or another template)"
+            ) from None
+
+    def supervised_spans(self, messages: Sequence[Message], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """``(full text, [(start, end) character spans to supervise])`` (see the module docstring)."""
+        rendered = ""
+        spans: list[tuple[int, int]] = []
+        for index, message in enumerate(messages):
+            text = self.render(messages[: index + 1], where=where)
+            if not text.startswith(rendered):
+                raise ValueError(
+                    f"{where}: chat template {self.source} is not prefix-stable for this record: rendering "
+                    f"messages[:{index + 1}] changes the text of the earlier messages (fix: use "
+                    "--chat-template none, or a template that renders earlier turns unchanged)"
+                )
+            if message["role"] == "assistant":
+                start, end = self._assistant_span(messages, index, rendered, text, where)
+                if end > start:
+                    spans.append((start, end))
+            rendered = text
+        return rendered, spans
+
+
+    def _assistant_span(
+        self, messages: Sequence[Message], index: int, rendered: str, text: str, where: str
+    ) -> tuple[int, int]:
+        """Where message ``index``'s content and end-of-turn lie in ``text`` (``rendered`` is the
+        text of the messages before it). The scaffolding around the content is found by rendering
+        the same turn with a sentinel content: the real turn must be that scaffolding around
+        some content, else the template is content-dependent and the record is refused."""
+        probe = [*messages[:index], {**messages[index], "content": _SENTINEL}]
+        probe_text = self.render(probe, where=where)
+        added = text[len(rendered):]
+        probe_added = probe_text[len(rendered):]
+        if not probe_text.startswith(rendered) or probe_added.count(_SENTINEL) != 1:
+            raise ValueError(
+                f"{where}: chat template {self.source} does not render messages[{index}].content exactly once "
+                "as given, so its supervised span cannot be found (fix: --chat-template none)"
+            )
+        before, after = probe_added.split(_SENTINEL)
+        if not (added.startswith(before) and added.endswith(after) and len(added) >= len(before) + len(after)):
+            raise ValueError(
+                f"{where}: chat template {self.source} renders the scaffolding of messages[{index}] differently "
+                "depending on its content, so its supervised span cannot be found (fix: --chat-template none)"
+            )
+        start = len(rendered) + len(before)
+        end = len(rendered) + len(added) - len(after) + len(after.rstrip())
+        return start, end
+
+
+_SENTINEL = "csbpAssistantContentSentinel"
+"""Stands in for an assistant message's content to locate the template text around it."""
+_COMPILED: dict[str, jinja2.Template] = {}
+
+
+def _compile(text: str) -> jinja2.Template:
+    compiled = _COMPILED.get(text)
+    if compiled is None:
+        compiled = _environment().from_string(text)
+        _COMPILED[text] = compiled
+    return compiled
+
+
+def _token_string(value: Any) -> str:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _config(directory: Path) -> dict[str, Any]:
+    path = directory / CONFIG_FILE
+    return _read_json(path) if path.is_file() else {}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}) (fix: repair the file)".splitlines()[0]) from None
+    return config if isinstance(config, dict) else {}
+
+
+def _template_in_config(config: dict[str, Any], path: Path) -> str | None:
+    value = config.get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        for entry in value:
+            if isinstance(entry, dict) and entry.get("name") == "default" and isinstance(entry.get("template"), str):
+                return str(entry["template"])
+    raise ValueError(f"{path}: 'chat_template' is neither a string nor a list holding a 'default' template")
+
+
+def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplate | None:
+    """The template ``--chat-template SPEC`` selects: ``none`` -> None; ``auto`` -> the tokenizer
+    directory's ``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``
+    template (first found), else None; anything
+    else is the path of a ``.jinja`` file. ``bos_token``/``eos_token`` come from the tokenizer
+    directory's ``tokenizer_config.json`` when there is one."""
+    directory = None
+    if tokenizer_path is not None:
+        tokenizer_path = Path(tokenizer_path)
+        directory = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
+    config = _config(directory) if directory is not None else {}
+    tokens = {"bos_token": _token_string(config.get("bos_token")), "eos_token": _token_string(config.get("eos_token"))}
+    if spec == "none":
+        return None
+    if spec == "auto":
+        if directory is None:
+            return None
+        jinja_file, json_file = directory / TEMPLATE_FILE, directory / TEMPLATE_JSON_FILE
+        if jinja_file.is_file():
+            return _checked(ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), **tokens))
+        if json_file.is_file():
+            text = _template_in_config(_read_json(json_file), json_file)
+            if text is not None:
+                return _checked(ChatTemplate(text, str(json_file), **tokens))
+        text = _template_in_config(config, directory / CONFIG_FILE)
+        if text is None:
+            return None
+        return _checked(ChatTemplate(text, str(directory / CONFIG_FILE), **tokens))
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {spec}: no such file; use auto, none or the path of a .jinja file")
+    return _checked(ChatTemplate(path.read_text(encoding="utf-8"), str(path), **tokens))
+
+
+def _checked(template: ChatTemplate) -> ChatTemplate:
+    """Compile once up front, so a syntax error is reported before any data is read."""
+    try:
+        _compile(template.text)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(
+            f"{template.source}: chat template line {exc.lineno}: {exc.message} (fix: repair the template, "
+            "or pass --chat-template none)"
+        ) from None
+    return template
