@@ -191,6 +191,16 @@ def _training_rules(cfg: RunConfig) -> list[Violation]:
                 "set train.fsdp: false",
             )
         )
+    if cfg.train.fsdp and cfg.topology.dp < 2:
+        # the FSDP2 mesh shards over the dp group only (with local > 1 it replicates over the ranks of a
+        # sample): with dp = 1 nothing would be sharded, only wrapped
+        violations.append(
+            (
+                "train.fsdp",
+                "FSDP shards over the data-parallel group, which has 1 rank here (topology.dp=1)",
+                "set topology.dp >= 2 or train.fsdp: false",
+            )
+        )
     if (cfg.train.precision == "fp64") != (cfg.model.dtype == "float64"):
         violations.append(
             (
