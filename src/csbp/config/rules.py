@@ -100,11 +100,19 @@ def _model_rules(cfg: RunConfig) -> list[Violation]:
     return violations
 
 
+def block_covers_sequence(objective: str, block_size: int | None, seq_len: int) -> bool:
+    """Whether a block-wise objective's one block would cover the whole row (refused: no clean context
+    is left to condition on, so BP has nothing to deal and the objective degenerates to mdlm's).
+
+    Shared by the config rule below and ``csbp verify`` (:func:`csbp.engine.verify.check_case`)."""
+    return objective in ("bd3", "fast_dllm_v2", "dflash") and block_size is not None and block_size >= seq_len
+
+
 def _sequence_rules(cfg: RunConfig) -> list[Violation]:
     """Sequence length versus block size versus the parallel layout."""
     obj, seq_len, topo = cfg.objective, cfg.data.seq_len, cfg.topology
     block = obj.block_size
-    if obj.name in ("bd3", "fast_dllm_v2", "dflash") and block is not None and block >= seq_len:
+    if block_covers_sequence(obj.name, block, seq_len):
         return [
             (
                 "objective.block_size",
