@@ -51,6 +51,8 @@ def test_verify_with_flash_pieces_against_the_generic_reference(capsys: pytest.C
         (["--nproc", "4", "--cp", "3", "--bp", "4"], "bp must be a multiple of cp"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "30"], "not a multiple of block_size=4"),
         (["--nproc", "4", "--bp", "4", "--seq-len", "12"], "bp"),
+        # one block covering the whole row: the train config refuses it (objective.block_size), so does verify
+        (["--nproc", "1", "--seq-len", "8", "--block-size", "8"], "block_size=8 must be below seq_len=8 for bd3"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--window", "4"], "drop --window"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--seq-len", "30"], "2*cp=4"),
         (["--nproc", "2", "--objective", "dflash", "--dtype", "float32"], "drop --window/--dtype"),

@@ -192,6 +192,7 @@ def test_streaming_transport_needs_a_ring() -> None:
         ({"model.num_kv_heads": 3}, "model.num_kv_heads", "not a multiple of num_kv_heads=3"),
         ({"model.head_dim": 31}, "model.head_dim", "is odd"),
         ({"optim.betas": [0.9, 1.0]}, "optim.betas", "must lie in [0, 1)"),
+        ({"train.fsdp": True}, "train.fsdp", "which has 1 rank here (topology.dp=1)"),
     ],
 )
 def test_cross_section_rules(changes: dict[str, Any], field: str, fragment: str) -> None:

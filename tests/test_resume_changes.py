@@ -146,6 +146,23 @@ def test_a_moved_init_from_resumes_and_a_different_one_is_refused(artifact: Path
     assert "\n" not in str(caught.value)
 
 
+def test_an_init_from_overwritten_in_place_is_refused(artifact: Path, tmp_path: Path) -> None:
+    """The same ``model.init_from`` path is fingerprinted too: an unchanged directory resumes, one
+    re-exported in place with other weights of the same shape is refused in one line."""
+    vocab = open_artifact(artifact).vocab_size
+    config = _qwen2_checkpoint(tmp_path / "hf", vocab).config
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(artifact, **_from(tmp_path / "hf"))
+    train(cfg, run_dir=run_dir, max_steps=1)
+    check_run(cfg, run_dir=run_dir, resume=True)
+    shutil.rmtree(tmp_path / "hf")
+    other = Decoder(config, dtype=torch.float32, seed=6)
+    export_hf_checkpoint(other, config, tmp_path / "hf", extra_config={"max_position_embeddings": 32, "bos_token_id": 1})
+    with pytest.raises(ValueError, match=r"^model\.init_from: .*hf has changed since checkpoint .*\(step 1\)") as caught:
+        check_run(cfg, run_dir=run_dir, resume=True)
+    assert "\n" not in str(caught.value)
+
+
 def test_a_directory_fingerprint_reads_only_both_ends_of_each_file(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
     directory.mkdir()

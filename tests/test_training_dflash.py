@@ -49,7 +49,9 @@ VAL_KEYS = {
 DRAFTER_LAYERS = 2
 
 
-def export_target(directory: Path, vocab_size: int, *, tokenizer_dir: Path, hidden_size: int = 32) -> Path:
+def export_target(
+    directory: Path, vocab_size: int, *, tokenizer_dir: Path, hidden_size: int = 32, seed: int = 11
+) -> Path:
     """A random 4-layer target (never trained) as a HF checkpoint with ``tokenizer_dir``'s tokenizer."""
     config = DecoderConfig(
         vocab_size=vocab_size,
@@ -60,7 +62,7 @@ def export_target(directory: Path, vocab_size: int, *, tokenizer_dir: Path, hidd
         num_kv_heads=2,
         head_dim=8,
     )
-    return export_hf_checkpoint(Decoder(config, seed=11), config, directory, tokenizer_dir=tokenizer_dir)
+    return export_hf_checkpoint(Decoder(config, seed=seed), config, directory, tokenizer_dir=tokenizer_dir)
 
 
 def dflash_dict(artifact: Path, target: Path, **changes: Any) -> dict[str, Any]:
@@ -314,6 +316,23 @@ def test_target_and_drafter_must_agree(inputs: tuple[Path, Path], tmp_path: Path
         lambda: check_run(dflash_config(artifact, wider, **{"train.max_steps": 6}), run_dir=run_dir, resume=True)
     )
     assert message.startswith("objective.dflash.target: checkpoint ") and f"the config sets {wider} (its contents differ);" in message
+
+
+def test_a_target_overwritten_in_place_is_refused_on_resume(inputs: tuple[Path, Path], tmp_path: Path) -> None:
+    """The same ``objective.dflash.target`` path with other contents (same shape, other weights) is
+    refused by its content fingerprint; unchanged, the run resumes (it used to resume onto either)."""
+    artifact, target = inputs
+    own = tmp_path / "target"
+    shutil.copytree(target, own)
+    run_dir = tmp_path / "run"
+    train(dflash_config(artifact, own), run_dir=run_dir, max_steps=2)
+    resumed = dflash_config(artifact, own, **{"train.max_steps": 6})
+    check_run(resumed, run_dir=run_dir, resume=True)
+    shutil.rmtree(own)
+    export_target(own, open_artifact(artifact).vocab_size, tokenizer_dir=artifact, seed=12)
+    message = one_line_error(lambda: check_run(resumed, run_dir=run_dir, resume=True))
+    assert message.startswith(f"objective.dflash.target: {own} has changed since checkpoint ")
+    assert "its contents differ from the recorded fingerprint" in message
 
 
 def test_rows_without_an_anchor_are_rejected(inputs: tuple[Path, Path], tmp_path: Path) -> None:

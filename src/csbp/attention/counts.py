@@ -144,7 +144,40 @@ def _document_schedule(
         chunk_pairs = ends[1:] - ends[:-1]
         shard = [int(chunk_pairs[c] + chunk_pairs[2 * cp - 1 - c]) for c in range(cp)]  # zigzag chunks
         base_loads = [shard[w % cp] for w in range(bp)]
-    return balanced_schedule(units, costs, bp, base_loads=base_loads)
+    dealt = balanced_schedule(units, costs, bp, base_loads=base_loads)
+    # The dealing prices units additively, which over-counts the clean prefix two units of a BP-only
+    # rank share, and can end above plain dual-end: price both exactly and keep dual-end's blocks when
+    # its slowest rank is strictly lighter (deterministic, so the same on every rank).
+    dual = block_schedule(num_blocks, bp, "dual_end")
+    prices = (noisy_prefix, clean_prefix, block_start, base_loads)
+    if max(_rank_loads(dual, block_size, cp, *prices)) < max(_rank_loads(dealt, block_size, cp, *prices)):
+        return BlockSchedule(dual.assignment, num_blocks, "balanced")
+    return dealt
+
+
+def _rank_loads(
+    schedule: BlockSchedule,
+    block_size: int,
+    cp: int,
+    noisy_prefix: np.ndarray,
+    clean_prefix: np.ndarray,
+    block_start: np.ndarray,
+    base_loads: list[int] | None,
+) -> list[int]:
+    """Per BP rank, the (query, key) pairs the mask allows its rows (``rank_pairs``, from the prefix
+    sums): its blocks' noisy rows, plus in BP-only the clean rows of the union of their document
+    prefixes ``[d_start, b·B)``, else its zigzag clean shard (``base_loads``)."""
+    loads = []
+    for rank in range(schedule.num_workers):
+        blocks = np.asarray(schedule.blocks(rank), dtype=np.int64)
+        load = int((noisy_prefix[(blocks + 1) * block_size] - noisy_prefix[blocks * block_size]).sum())
+        if cp == 1:
+            begin, end = merge_runs(block_start[blocks], blocks * block_size)
+            load += int((clean_prefix[end] - clean_prefix[begin]).sum())
+        elif base_loads is not None:
+            load += base_loads[rank]
+        loads.append(load)
+    return loads
 
 
 @lru_cache(maxsize=16)  # per row: two int64 [L+1] arrays (16 MiB at 1M tokens)

@@ -28,7 +28,7 @@ from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.cli.options import add_clean_option, add_diagonal_option, positive_int
 from csbp.devices import DEVICE_KINDS, resolve_device
-from csbp.engine.verify import VerifyCase, layouts_for, verify
+from csbp.engine.verify import VerifyCase, check_case, layouts_for, verify
 from csbp.schedules import SCHEDULES
 from csbp.topology import Topology
 
@@ -146,7 +146,7 @@ def run_verify(args: argparse.Namespace) -> int:
                 )
             )
     for case in cases:  # fail closed before launching anything
-        case.topology.validate_sequence(case.seq_len, case.block_size)
+        check_case(case)
     documents = "" if args.doc_length is None else f" doc_length={args.doc_length} (document mask)"
     device = "" if args.device == "cpu" else f" device={args.device}"
     print(f"csbp verify: L={args.seq_len} B={args.block_size} dtype={args.dtype} nproc={args.nproc} backend={backend}"

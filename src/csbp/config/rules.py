@@ -100,11 +100,19 @@ def _model_rules(cfg: RunConfig) -> list[Violation]:
     return violations
 
 
+def block_covers_sequence(objective: str, block_size: int | None, seq_len: int) -> bool:
+    """Whether a block-wise objective's one block would cover the whole row (refused: no clean context
+    is left to condition on, so BP has nothing to deal and the objective degenerates to mdlm's).
+
+    Shared by the config rule below and ``csbp verify`` (:func:`csbp.engine.verify.check_case`)."""
+    return objective in ("bd3", "fast_dllm_v2", "dflash") and block_size is not None and block_size >= seq_len
+
+
 def _sequence_rules(cfg: RunConfig) -> list[Violation]:
     """Sequence length versus block size versus the parallel layout."""
     obj, seq_len, topo = cfg.objective, cfg.data.seq_len, cfg.topology
     block = obj.block_size
-    if obj.name in ("bd3", "fast_dllm_v2", "dflash") and block is not None and block >= seq_len:
+    if block_covers_sequence(obj.name, block, seq_len):
         return [
             (
                 "objective.block_size",
@@ -189,6 +197,16 @@ def _training_rules(cfg: RunConfig) -> list[Violation]:
                 "train.fsdp",
                 "dflash trains a small drafter that every rank holds whole",
                 "set train.fsdp: false",
+            )
+        )
+    if cfg.train.fsdp and cfg.topology.dp < 2:
+        # the FSDP2 mesh shards over the dp group only (with local > 1 it replicates over the ranks of a
+        # sample): with dp = 1 nothing would be sharded, only wrapped
+        violations.append(
+            (
+                "train.fsdp",
+                "FSDP shards over the data-parallel group, which has 1 rank here (topology.dp=1)",
+                "set topology.dp >= 2 or train.fsdp: false",
             )
         )
     if (cfg.train.precision == "fp64") != (cfg.model.dtype == "float64"):

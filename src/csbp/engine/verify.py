@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from csbp.attention.documents import packed_doc_ids, random_documents
+from csbp.config.rules import block_covers_sequence
 from csbp.devices import tensors_to
 from csbp.engine.block_diffusion import (
     DocumentPlanner,
@@ -322,6 +323,11 @@ def check_case(case: VerifyCase) -> None:
         raise ValueError("reset_positions needs documents: give doc_ids or doc_length")
     if case.fsdp and case.topology.dp < 2:
         raise ValueError(f"fsdp shards over the dp group: use dp >= 2, got dp={case.topology.dp}")
+    if block_covers_sequence(case.objective, case.block_size, case.seq_len):  # the train config's rule
+        raise ValueError(
+            f"block_size={case.block_size} must be below seq_len={case.seq_len} for {case.objective}: "
+            "use a smaller block size (one block per sequence is mdlm)"
+        )
     case.topology.validate_sequence(case.seq_len, case.block)
 
 

@@ -1,10 +1,11 @@
 """Content fingerprints of the directories a run reads by path (``model.init_from``,
 ``objective.dflash.target``, ``objective.dflash.features``), so ``--resume`` recognises a moved
-copy and refuses a different one.
+copy and refuses a different one, at another path or overwritten in place at the same path.
 
 A checkpoint records ``{field: fingerprint}`` in ``trainer_state.json`` (``input_fingerprints``);
 a resume whose config names another path for that field is accepted when the new directory has
-the same fingerprint (:mod:`csbp.training.resume_config`). Data files need no such record: their
+the same fingerprint, and a resume whose config names the same path is refused when that directory's
+fingerprint changed (:mod:`csbp.training.resume_config`). Data files need no such record: their
 manifests carry a content fingerprint of their own.
 
 The fingerprint is cheap by design (a checkpoint directory can hold many GB): the sha256 over each

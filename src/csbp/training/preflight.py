@@ -149,11 +149,6 @@ def check_run(
         inputs.build_objective()  # the objective's own option checks
     _check_token_ids(cfg, inputs)
     _check_batches(cfg, inputs)
-    if cfg.train.fsdp and cfg.topology.dp < 2:
-        raise ValueError(
-            "train.fsdp: FSDP shards over the data-parallel group, which has 1 rank here "
-            "(fix: set topology.dp >= 2 or train.fsdp: false)"
-        )
     if run_dir is not None:
         latest = check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps, warn=warn)
         if resume and latest is not None:

@@ -8,7 +8,8 @@ process starts (:func:`resume_changes`):
   counts, FSDP, activation checkpointing, logging/evaluation/checkpoint cadence, timeouts, the run's
   name and directory, where the data and tokenizer files live (their contents are fingerprinted),
   where ``model.init_from`` and the DFlash target and feature store live when the moved directory
-  has the fingerprint the checkpoint recorded (:mod:`csbp.training.input_identity`),
+  has the fingerprint the checkpoint recorded (:mod:`csbp.training.input_identity`; the same path
+  is fingerprinted too, so a directory overwritten in place is refused),
   ``data.val``, ``model.dtype`` of the export): free. A layout change is exact (every layout
   computes the one-process loss and gradients);
 * **the optimisation from here on** (``optim``, ``train.max_steps``, the global batch
@@ -121,9 +122,18 @@ def resume_changes(
     order = {"objective.name": 0, "data.document_mask": 2}
     for name in sorted(set(before) | set(after), key=lambda n: (order.get(n, 1), n)):
         old, new = before.get(name), after.get(name)
+        recorded = (fingerprints or {}).get(name)
+        if old == new and recorded is not None and isinstance(new, str):
+            # the same path: its directory may have been overwritten in place since the checkpoint
+            if directory_fingerprint(Path(new)) != recorded:
+                raise ValueError(
+                    f"{name}: {new} has changed since checkpoint {checkpoint} (step {step}) was trained on it "
+                    f"(its contents differ from the recorded fingerprint); a resume continues the same training "
+                    f"(fix: restore the directory the run was trained with, or {restart})"
+                )
+            continue
         if old == new or (isinstance(old, list) and isinstance(new, (list, tuple)) and list(old) == list(new)):
             continue
-        recorded = (fingerprints or {}).get(name)
         if recorded is not None and isinstance(new, str) and directory_fingerprint(Path(new)) == recorded:
             continue  # the same directory, moved or copied
         if _refused(name, old, new):
