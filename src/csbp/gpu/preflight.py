@@ -23,6 +23,7 @@ RUNTIME_MODULES: dict[str, str] = {
     "matplotlib": "matplotlib",
     "tensorboard": "tensorboard",
     "pyarrow": "pyarrow",
+    "jinja2": "jinja2",
 }
 """pyproject's ``[project] dependencies`` (distribution name -> import name; a test keeps them equal)."""
 
