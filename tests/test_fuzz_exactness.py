@@ -24,7 +24,8 @@ from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.verify import DFlashVerifyCase
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import single_process_context
-from csbp.engine.fuzz import INVALID_KINDS, check_fails_closed, describe, draw_case, draw_invalid, run_cases
+from csbp.engine.fuzz import describe, draw_case, run_cases
+from csbp.engine.fuzz_invalid import INVALID_KINDS, check_fails_closed, draw_invalid
 from csbp.engine.verify import (
     GRADIENT_FLOOR,
     VerifyCase,
