@@ -7,7 +7,7 @@ integer seed, a *valid* configuration of every knob the engine exposes:
 * the topology (data, CP-only, BP-only, CSBP, each times ``dp``) on at most ``max_nproc`` (up to 8)
   processes, non-power-of-two rings included (``cp=3``, ``bp=6``, ``cp=5``, ...); on 5-8 ranks the
   shapes stay tiny (a block size whose shortest sequence is at most 64 tokens, <= 2 samples and
-  micro-batches);
+  micro-batches; DFlash keeps its <= 48 tokens and <= 3 samples);
 * the dtype: float32 in one case of five (both sides of the comparison), else float64;
 * block size and a sequence length that only just satisfies the zigzag rules (chunks of one block);
 * the objective (``bd3``, ``fast_dllm_v2``, ``mdlm``, ``dflash``), and for the first three, sometimes
