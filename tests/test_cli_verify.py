@@ -61,6 +61,9 @@ def test_verify_with_flash_pieces_against_the_generic_reference(capsys: pytest.C
         (["--nproc", "2", "--objective", "dflash", "--block-size", "8"], "drop --block-size"),
         (["--nproc", "2", "--objective", "dflash", "--schedule", "contiguous"], "drop --schedule"),
         (["--random", "2", "--cp", "2"], "--random draws the layout"),
+        (["--random", "2", "--dtype", "float32"], "--random draws the layout, objective, dtype"),
+        (["--random", "2", "--nproc", "9"], "--nproc 9: --random draws layouts on 2 to 8 processes"),
+        (["--random", "2", "--nproc", "1"], "--nproc 1: --random draws layouts on 2 to 8 processes"),
         (["--nproc", "2", "--log", "cases.jsonl"], "--log records --random cases"),
     ],
 )

@@ -24,7 +24,8 @@ from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.verify import DFlashVerifyCase
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import single_process_context
-from csbp.engine.fuzz import INVALID_KINDS, check_fails_closed, describe, draw_case, draw_invalid, run_cases
+from csbp.engine.fuzz import describe, draw_case, run_cases
+from csbp.engine.fuzz_invalid import INVALID_KINDS, check_fails_closed, draw_invalid
 from csbp.engine.verify import (
     GRADIENT_FLOOR,
     VerifyCase,
@@ -56,6 +57,22 @@ def test_draws_are_reproducible_and_cover_the_knobs() -> None:
     windows = [(c.window, c.block_size) for c in engine if c.window is not None]
     assert any(w < b for w, b in windows) and any(w == b for w, b in windows) and any(w > b for w, b in windows)
     json.dumps(described)  # the --log lines
+
+
+def test_draws_on_eight_processes_reach_every_world_size_in_float32_too() -> None:
+    """``--nproc 8``: 5-8 rank layouts (non-power-of-two rings as well) with tiny shapes, and a float32
+    share; draws of ``--nproc <= 4`` keep the layouts they had (the dtype is drawn last)."""
+    cases = [draw_case(seed, 8) for seed in range(400)]
+    assert {c.topology.world_size for c in cases} == set(range(2, 9))
+    topologies = {describe(c)["topology"] for c in cases}
+    assert {"dp1xcp3xbp6", "dp1xcp4xbp8", "dp1xcp2xbp6", "dp2xcp2xbp2", "dp1xcp5xbp5", "dp2xcp3xbp3"} <= topologies
+    wide = [c for c in cases if c.topology.world_size > 4]
+    assert all(c.seq_len <= 64 for c in wide)
+    assert all(c.samples <= 2 and c.micro_batches <= 2 for c in wide if isinstance(c, VerifyCase))
+    float32 = [c for c in cases if c.dtype == "float32"]
+    assert 0.1 < len(float32) / len(cases) < 0.3 and any(isinstance(c, DFlashVerifyCase) for c in float32)
+    with pytest.raises(ValueError, match="--nproc 9: --random draws layouts on 2 to 8 processes"):
+        draw_case(0, 9)
 
 
 def test_invalid_configs_fail_closed_with_one_line() -> None:
@@ -154,6 +171,28 @@ def test_seeded_random_cases_equal_one_process() -> None:
     drawn += [(-1, replace(ONE_KEY, topology=Topology(dp=4))), (-2, LAMBDA_DP)]
     results = run_cases(drawn)
     assert [r.seed for r in results] == [seed for seed, _ in drawn]
+    assert all(r.status == "ok" for r in results), [r for r in results if r.status != "ok"]
+
+
+WIDE_SEEDS = (100221, 100118, 100005)
+"""Seeded cases of ``--nproc 8`` draws, all on 6 processes so they share one launch: CSBP ``cp=3 x bp=6``
+(rings of three, streaming, documents), ``dp3 x cp2 x bp2`` (streaming, window 5, documents,
+checkpointing) and a float32 ``fast_dllm_v2`` on ``dp2 x cp3 x bp3`` (documents, accumulation)."""
+
+
+def test_wide_seeds_span_the_layouts() -> None:
+    described = [describe(draw_case(seed, 8)) for seed in WIDE_SEEDS]
+    assert [d["topology"] for d in described] == ["dp1xcp3xbp6", "dp3xcp2xbp2", "dp2xcp3xbp3"]
+    assert [d["dtype"] for d in described] == ["float64", "float64", "float32"]
+    assert all(d["documents"] for d in described)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_seeded_cases_on_six_processes_equal_one_process() -> None:
+    """WIDE_SEEDS in one 6-rank launch (float32 within its tolerance, TOLERANCES)."""
+    results = run_cases([(seed, draw_case(seed, 8)) for seed in WIDE_SEEDS])
+    assert [r.seed for r in results] == list(WIDE_SEEDS)
     assert all(r.status == "ok" for r in results), [r for r in results if r.status != "ok"]
 
 

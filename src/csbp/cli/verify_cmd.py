@@ -13,6 +13,7 @@ Examples::
     csbp verify --nproc 4 --block-size 16 --diagonal sdpa  # the fused-SDPA block diagonal, every layout
     csbp verify --nproc 4 --clean pieces               # clean context as flash pieces, every layout
     csbp verify --random 20 --seed 7                   # 20 random layouts/objectives/documents on <= 4 processes
+    csbp verify --random 20 --seed 7 --nproc 8         # ... on <= 8 processes (cp=3, bp=6, dp2 x cp2 x bp2, ...)
 
 Processes are launched here: on the CPU (gloo, one thread each) by default, or with
 ``--device cuda`` one per GPU over NCCL (``--nproc`` larger than the visible GPUs is refused before
@@ -85,7 +86,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--random", type=positive_int, default=None, metavar="N",
-        help="draw N random valid cases (layout on <= --nproc processes, objective, block size, sequence length, "
+        help="draw N random valid cases (layout on <= --nproc (2-8) processes, dtype, objective, block size, sequence length, "
         "ragged documents, window, schedule, transport, kernels, accumulation, checkpointing, FSDP) from "
         "--seed, --seed+1, ...; each line names its seed: --random 1 --seed THAT reruns it",
     )
@@ -243,25 +244,30 @@ def run_verify_random(args: argparse.Namespace) -> int:
     import json
     from dataclasses import asdict
 
-    from csbp.engine.fuzz import FuzzResult, run_sweep
+    import torch
+
+    from csbp.engine.fuzz import FLOAT32_SHARE, FuzzResult, check_nproc, run_sweep
+    from csbp.engine.verify import TOLERANCES
 
     defaults = {"dp": None, "cp": None, "bp": None, "doc_length": None, "window": None, "objective": "bd3",
                 "transport": "collective", "schedule": "dual_end"}
     fixed = [f"--{name.replace('_', '-')}" for name in RANDOM_FIXED if getattr(args, name) != defaults[name]]
     if fixed or args.device != "cpu" or args.dtype != "float64":
         raise ValueError(
-            f"--random draws the layout, objective and documents itself (float64, CPU): drop "
+            f"--random draws the layout, objective, dtype and documents itself (CPU): drop "
             f"{', '.join(fixed) or '--device/--dtype'}"
         )
+    check_nproc(args.nproc)
     print(f"csbp verify --random {args.random}: seeds {args.seed}..{args.seed + args.random - 1}, "
-          f"<= {args.nproc} processes, float64")
+          f"<= {args.nproc} processes, float64 (tol {TOLERANCES[torch.float64]:g}) and 1 in "
+          f"{round(1 / FLOAT32_SHARE)} float32 (tol {TOLERANCES[torch.float32]:g})")
     failed = 0
 
     def report(result: FuzzResult) -> None:
         nonlocal failed
         failed += result.status != "ok"
         c = result.case
-        what = f"{c['objective']:<18} {c['topology']:<12} L={c['L']:<3} {c.get('transport', '')}"
+        what = f"{c['objective']:<18} {c['topology']:<12} L={c['L']:<3} {c['dtype'][5:]:<3} {c['transport']}"
         errors = "" if result.loss_rel_err is None else f"{result.loss_rel_err:9.2e} {result.grad_rel_err:9.2e}"
         print(f"seed {result.seed:<6} {what:<52} {errors:>19}  {result.status} {result.error}", flush=True)
         if args.log is not None:

@@ -32,7 +32,7 @@ from csbp.dflash.reference import reference_dflash_loss
 from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
-from csbp.engine.verify import gradient_error
+from csbp.engine.verify import TOLERANCES, dtype_of, gradient_error
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.parallel.launch import run_local
@@ -76,6 +76,7 @@ class DFlashVerifyCase:
     doc_length: int | None = None  # mean length of random packed documents in every sample (None: make_batch's two)
     # explicit doc ids of every global row (dp * samples rows of seq_len ids, -1 = padding); overrides doc_length
     doc_ids: tuple[tuple[int, ...], ...] | None = None
+    dtype: str = "float64"  # of the target and drafter, in the layouts and the reference alike
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def _worker(
     rank: int, world: int, case: DFlashVerifyCase
 ) -> tuple[float, dict[str, torch.Tensor] | None, int]:
     ctx = build_parallel_context(case.topology)
-    _, drafter = build_models(case, device=ctx.device)
+    _, drafter = build_models(case, dtype_of(case.dtype), device=ctx.device)
     full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length,
                       doc_ids=case.doc_ids)
     batch = replica_batch(full, ctx.coords.dp_rank, case.samples)
@@ -180,7 +181,7 @@ def _worker(
 
 def reference(case: DFlashVerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     """Single-process loss and gradients of ``case`` (all replicas' samples, same anchors)."""
-    target, drafter = build_models(case)
+    target, drafter = build_models(case, dtype_of(case.dtype))
     full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length,
                       doc_ids=case.doc_ids)
     anchors = []
@@ -229,4 +230,5 @@ def compare_dflash(
         grad_rel_err=worst,
         worst_param=worst_name,
         attention_bytes_per_rank=[r[2] for r in results],
+        tolerance=TOLERANCES[dtype_of(case.dtype)],
     )

@@ -148,7 +148,8 @@ def tiny_model_config(num_layers: int = 2) -> DecoderConfig:
     )
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype a case names (``"float64"`` or ``"float32"``)."""
     return {"float64": torch.float64, "float32": torch.float32}[name]
 
 
@@ -217,7 +218,7 @@ def corrupted_batch(case: VerifyCase, num_replicas: int = 1) -> CorruptedBatch:
 def _model(case: VerifyCase, ctx: ParallelContext) -> Decoder:
     """The case's decoder on this rank: plain, or built on ``meta``, checkpointed and FSDP-sharded from
     outside and then filled with the same initial weights (as the trainer builds it)."""
-    dtype = _dtype(case.dtype)
+    dtype = dtype_of(case.dtype)
     if not (case.activation_checkpointing or case.fsdp):
         return Decoder(tiny_model_config(), dtype=dtype, seed=case.seed, device=ctx.device)
     from csbp.training.activation_checkpointing import checkpoint_layers
@@ -378,7 +379,7 @@ def compare(
         loss_rel_err=abs(loss - loss_ref) / abs(loss_ref) if loss_ref else abs(loss - loss_ref),
         grad_rel_err=worst,
         worst_param=worst_name,
-        tolerance=TOLERANCES[_dtype(case.dtype)],
+        tolerance=TOLERANCES[dtype_of(case.dtype)],
         attention_bytes_per_rank=[r[2] for r in results],
     )
 
