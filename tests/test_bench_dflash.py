@@ -195,3 +195,29 @@ def test_bad_input_prints_only_its_error_line(capsys: pytest.CaptureFixture[str]
     assert main(["bench", "dflash", "--anchors", "1", "--nproc", "4"]) == 2
     out, err = capsys.readouterr()  # the header waits until every input is checked
     assert out == "" and err == "csbp: error: anchors=1 must be >= bp=4 (bp): every BP rank needs one\n"
+
+
+def test_target_pass_table_and_refusals() -> None:
+    from csbp.bench.dflash_target import (
+        TargetPassRecord,
+        causal_pairs,
+        format_target_table,
+        run_target_pass_bench,
+    )
+    from csbp.dflash.layouts import context_positions
+    from csbp.models.config import DecoderConfig
+
+    # the zigzag shards split the causal pairs of a row exactly
+    assert sum(causal_pairs(context_positions(64, 4, r)) for r in range(4)) == causal_pairs(torch.arange(64))
+    records = [
+        TargetPassRecord(64, "replicated", 2.0, 100, 1.0, 8.0, 0),
+        TargetPassRecord(64, "sharded", 1.0, 40, 0.4, 2.0, 512),
+    ]
+    lines = format_target_table(records).splitlines()
+    assert lines[2].split()[-3:] == ["0.500", "0.400", "0.250"]
+    config = DecoderConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
+                           num_kv_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="nproc=1 must be >= 2"):
+        run_target_pass_bench([64], nproc=1, config=config)
+    with pytest.raises(ValueError, match="multiple of 2·nproc=8"):
+        run_target_pass_bench([20], nproc=4, config=config)

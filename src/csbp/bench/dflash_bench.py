@@ -71,6 +71,7 @@ from csbp.bench.common import (
     serialized_if,
     write_outputs,
 )
+from csbp.bench.dflash_target import run_target_pass_command
 from csbp.bench.measure import attention_flops
 from csbp.devices import backend_device
 from csbp.dflash.anchors import segment_starts
@@ -446,6 +447,10 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
     add_head_options(bench)
     bench.add_argument("--dtype", choices=tuple(BENCH_DTYPES), default="float32")
     add_overlap_ablation_option(bench)
+    bench.add_argument(
+        "--target-pass", action="store_true",
+        help="instead: the online target pass per rank, replicated vs context-sharded (csbp.bench.dflash_target)",
+    )
     add_output_options(bench, png_help="speedup plot (default: --json with suffix .png)")
     bench.set_defaults(func=run_dflash_bench_command)
 
@@ -453,6 +458,8 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
 def run_dflash_bench_command(args: argparse.Namespace) -> int:
     check_head_options(args)  # before anything is printed or launched
     check_device_option(args)
+    if args.target_pass:
+        return run_target_pass_command(args)
     header = (
         f"csbp bench dflash: nproc={args.nproc} block={args.block_size} drafter={args.num_draft_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "

@@ -76,6 +76,11 @@ class DFlashSection(_Section):
     selector_stop_gradient: bool = Field(
         False, description="Detach the backbone hidden state and unary logits inside the selector."
     )
+    target_capture: Literal["sharded", "replicated"] = Field(
+        "sharded",
+        description="Online target features under CP: sharded (each ring member runs the target on its "
+        "context rows, K/V all-gathered per layer) or replicated (the full sequence on every rank).",
+    )
     eval_prompts: int = Field(
         8,
         ge=0,

@@ -298,6 +298,9 @@ class DFlashObjectiveConfig:
         min_anchor_bucket: smallest power-of-two anchor packet of a BP rank; None:
             ``min(128, max_anchors // bp)``.
         ce_chunk_rows: rows per chunk of the LM-head loss (bounds ``[rows, V]`` logits).
+        target_capture: online target features under CP (``cp > 1``): ``sharded`` (each ring member
+            runs the target on its context rows, K/V all-gathered per layer;
+            ``csbp.dflash.target_shard``) or ``replicated`` (the full sequence on every rank).
     """
 
     max_anchors: int = 512
@@ -318,6 +321,7 @@ class DFlashObjectiveConfig:
     selector_stop_gradient: bool = False
     min_anchor_bucket: int | None = None
     ce_chunk_rows: int = 1024
+    target_capture: Literal["sharded", "replicated"] = "sharded"
 
     def __post_init__(self) -> None:
         _require_int("max_anchors", self.max_anchors, minimum=1)
@@ -330,6 +334,7 @@ class DFlashObjectiveConfig:
             "loss": ("ce", "kl"),
             "weighting": WEIGHTINGS,
             "lk_loss_type": ("ce", "tv", "lambda"),
+            "target_capture": ("sharded", "replicated"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

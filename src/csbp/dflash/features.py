@@ -10,8 +10,13 @@ The target is causal over each document segment (packed documents never see each
 the row's absolute positions ``0 … L−1`` (the drafter's context positions).
 
 **Online** (``capture_target_features``): the frozen target runs under ``no_grad`` inside the
-training step. For CP/CSBP every rank currently runs the target on the full sequence and keeps its
-zigzag context rows (replicated target compute; a context-sharded target pass is future work).
+training step. ``capture_target_features`` is the replicated pass: the target runs on the full
+sequence (single process, ``cp == 1``, and ``objective.target_capture='replicated'``, kept for
+comparison). Under CP/CSBP (``cp > 1``) the step uses the context-sharded pass by default
+(``csbp.dflash.target_shard.capture_sharded_target_features``): each ring member runs the target on
+its own zigzag context rows only and all-gathers the ring's K/V per layer (forward only), so target
+compute and activations are ``1/cp`` of the replicated pass; its features carry ``positions`` (the
+rank's rows) and equal the replicated rows up to summation order (1e-12 in float64).
 
 **Offline** (``prepare_features`` / ``open_features``): ``features.npy`` ``[R, L, K·H]`` (and
 ``last_hidden.npy`` ``[R, L, H]``) as ``.npy`` files read with ``mmap_mode='r'``, plus
@@ -62,11 +67,16 @@ STORE_DTYPES: dict[str, np.dtype] = {
 
 @dataclass(frozen=True)
 class TargetFeatures:
-    """Target features of a batch: ``features [S, L, K·H]``, ``last_hidden [S, L, H]`` or None."""
+    """Target features of a batch: ``features [S, L, K·H]``, ``last_hidden [S, L, H]`` or None.
+
+    ``positions``: the sequence positions of the feature rows when they are one rank's shard
+    (``features [S, len(positions), K·H]``, the sharded pass); None: every position ``0 … L−1``.
+    """
 
     features: Tensor
     last_hidden: Tensor | None
     layer_ids: tuple[int, ...]
+    positions: Tensor | None = None
 
 
 def document_causal_attention(doc_ids_L: Tensor | None, seq_len: int) -> AttentionFn:
@@ -90,6 +100,17 @@ def document_causal_attention(doc_ids_L: Tensor | None, seq_len: int) -> Attenti
     return LocalAttentionFn(rows, num_noisy=seq_len, causal_in_block=True)
 
 
+def check_capture_args(target: Decoder, input_ids_SL: Tensor, layer_ids: Sequence[int]) -> tuple[int, ...]:
+    """The layer ids as a tuple, after checking them against the target and the ids' shape."""
+    layer_ids = tuple(int(i) for i in layer_ids)
+    num_layers = target.config.num_layers
+    if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids):
+        raise ValueError(f"target_layer_ids {list(layer_ids)} must be in [0, {num_layers}) for this target")
+    if input_ids_SL.dim() != 2:
+        raise ValueError(f"input_ids must be [S, L], got {tuple(input_ids_SL.shape)}")
+    return layer_ids
+
+
 @torch.no_grad()
 def capture_target_features(
     target: Decoder,
@@ -100,12 +121,8 @@ def capture_target_features(
     with_last_hidden: bool = False,
 ) -> TargetFeatures:
     """Run the frozen target (no grad) and return its fused features (module docstring)."""
-    layer_ids = tuple(int(i) for i in layer_ids)
+    layer_ids = check_capture_args(target, input_ids_SL, layer_ids)
     num_layers = target.config.num_layers
-    if not layer_ids or any(not 0 <= i < num_layers for i in layer_ids):
-        raise ValueError(f"target_layer_ids {list(layer_ids)} must be in [0, {num_layers}) for this target")
-    if input_ids_SL.dim() != 2:
-        raise ValueError(f"input_ids must be [S, L], got {tuple(input_ids_SL.shape)}")
     seq_len = input_ids_SL.shape[1]
     device = target.embed_tokens.weight.device
     input_ids_SL = input_ids_SL.to(device)

@@ -6,7 +6,8 @@ it uses. ``DFlashStep(drafter, objective, plan)`` then turns a micro-batch of to
 and document ids into the rank's loss::
 
     anchors    = sample_batch_anchors(batch, ...)        # identical on every rank of a sample
-    features   = target features (online: frozen target on the full rows; or offline rows)
+    features   = target features (online: frozen target, context-sharded over the CP ring when
+                 cp > 1 (csbp.dflash.target_shard), or on the full rows; or offline rows)
     per sample:  my packet of anchors, Rows for full/sliding layers, context rows in ring order
                  hidden = drafter(embed([x_a, M, …]), a + j, F[my context rows], ..., sharded attention)
     loss       = loss_scale · (my rows' share of L) + 0 · Σ hidden
@@ -66,6 +67,7 @@ from csbp.dflash.loss import (
     rank_dflash_loss,
     supervised_slot_counts,
 )
+from csbp.dflash.target_shard import capture_sharded_target_features
 from csbp.engine.context import ParallelContext
 from csbp.parallel.comm import Comm
 
@@ -238,15 +240,9 @@ class DFlashStep:
         seq_len, block = batch.seq_len, cfg.block_size
         anchors = sample_batch_anchors(batch, objective, block, generator)
         if features is None:
-            features = capture_target_features(
-                drafter.target,
-                batch.input_ids,
-                cfg.target_layer_ids or (),
-                doc_ids_SL=batch.doc_ids,
-                with_last_hidden=objective.loss == "kl",
-            )
-        self._check_features(features, batch)
+            features = self._capture(batch)
         my_context = context_positions(seq_len, layout.cp, layout.cp_rank)
+        self._check_features(features, batch, my_context)
         gathered_rows = context_rows(ring_context_positions(seq_len, layout.cp))
         min_bucket = objective.anchor_bucket_minimum(layout.num_owners)
         device = drafter.fc.weight.device
@@ -264,7 +260,9 @@ class DFlashStep:
                 exchanges = context_exchanges(
                     cfg, seq_len, layout, anchors[s], doc_start, context=objective.context, min_bucket=min_bucket
                 )
-            features_1MF = features.features[s : s + 1, my_context.to(features.features.device)]
+            features_1MF = features.features[s : s + 1]
+            if features.positions is None:
+                features_1MF = features_1MF[:, my_context.to(features_1MF.device)]
             hidden_parts.append(
                 forward_packet(
                     drafter,
@@ -330,9 +328,38 @@ class DFlashStep:
 
         return reduce
 
-    def _check_features(self, features: TargetFeatures, batch: DFlashBatch) -> None:
+    def _capture(self, batch: DFlashBatch) -> TargetFeatures:
+        """Online target features: sharded over the CP ring when ``cp > 1`` (unless the objective
+        asks for the replicated pass), else the full sequence on this rank."""
+        layout, target = self.plan.layout, self.drafter.target
+        layer_ids = self.drafter.config.target_layer_ids or ()
+        with_last = self.objective.loss == "kl"
+        if layout.cp > 1 and self.objective.target_capture == "sharded":
+            if self.plan.ring_comm is None:
+                raise ValueError(
+                    "objective.target_capture='sharded' needs the CP ring comm (cp > 1 without process "
+                    "groups); build the plan from a parallel context or use target_capture='replicated'"
+                )
+            return capture_sharded_target_features(
+                target, batch.input_ids, layer_ids, comm=self.plan.ring_comm, cp=layout.cp,
+                cp_rank=layout.cp_rank, doc_ids_SL=batch.doc_ids, with_last_hidden=with_last,
+                backend=self.plan.backend,
+            )
+        return capture_target_features(
+            target, batch.input_ids, layer_ids, doc_ids_SL=batch.doc_ids, with_last_hidden=with_last
+        )
+
+    def _check_features(self, features: TargetFeatures, batch: DFlashBatch, my_context: Tensor) -> None:
         cfg = self.drafter.config
-        expected = (batch.num_samples, batch.seq_len, cfg.feature_width)
+        rows = batch.seq_len
+        if features.positions is not None:
+            if not torch.equal(features.positions.cpu(), my_context):
+                raise ValueError(
+                    "sharded target features hold other positions than this rank's context rows; "
+                    "capture them with this rank's layout (cp, cp_rank)"
+                )
+            rows = len(my_context)
+        expected = (batch.num_samples, rows, cfg.feature_width)
         expected_ids = tuple(cfg.target_layer_ids or ())
         if tuple(features.features.shape) != expected or tuple(features.layer_ids) != expected_ids:
             raise ValueError(

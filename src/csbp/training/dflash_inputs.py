@@ -209,6 +209,7 @@ def objective_config_for(section: DFlashSection, ce_chunk_rows: int) -> DFlashOb
         selector_ramp_ratio=section.selector_ramp_ratio,
         selector_stop_gradient=section.selector_stop_gradient,
         ce_chunk_rows=ce_chunk_rows,
+        target_capture=section.target_capture,
     )
 
 

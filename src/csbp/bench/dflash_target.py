@@ -1,0 +1,149 @@
+"""``csbp bench dflash --target-pass``: the online DFlash target pass per rank, replicated (the full
+sequence on every rank, ``capture_target_features``) vs context-sharded (each CP ring member runs
+its zigzag rows and all-gathers K/V per layer, ``csbp.dflash.target_shard``), side by side in one
+run of ``nproc`` processes (one CP ring of ``nproc``).
+
+Per rank and pass: median wall time, causal attention pairs (query, key) summed over the target
+layers (and the attention FLOPs, forward only), peak memory growth of the pass (``PeakMemory``:
+CUDA allocator peak or the process's RSS high-water mark on the CPU), and bytes received over the
+ring (``dflash.target``; 0 for the replicated pass). Reported for the slowest rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from csbp.bench.common import BENCH_DTYPES
+from csbp.bench.measure import PeakMemory, attention_flops
+from csbp.devices import backend_device
+from csbp.dflash.features import capture_target_features
+from csbp.dflash.layouts import context_positions
+from csbp.dflash.target_shard import TARGET_CATEGORY, capture_sharded_target_features
+from csbp.engine.context import build_parallel_context
+from csbp.models.config import DecoderConfig
+from csbp.models.decoder import Decoder
+from csbp.parallel.launch import run_local
+from csbp.topology import Topology
+
+PASSES = ("replicated", "sharded")
+
+
+@dataclass(frozen=True)
+class TargetPassRecord:
+    """One pass at one length: the slowest rank's time and the largest per-rank counts."""
+
+    seq_len: int
+    capture: str
+    time_s: float
+    attention_pairs: int
+    attention_gflops: float
+    peak_mib: float
+    bytes_moved: int
+
+
+def causal_pairs(positions: torch.Tensor) -> int:
+    """(query, key) pairs of causal attention for queries at ``positions`` over the whole row."""
+    return int((positions.long() + 1).sum())
+
+
+def _worker(
+    rank: int, world: int, config: DecoderConfig, seq_len: int, dtype: torch.dtype, warmup: int, repeats: int
+) -> dict[str, tuple[float, int, int, int]]:
+    ctx = build_parallel_context(Topology(cp=world))
+    ring = ctx.ring_comm()
+    assert ring is not None
+    target = Decoder(config, dtype=dtype, seed=1, device=backend_device())
+    layer_ids = (0, config.num_layers - 1)
+    generator = torch.Generator().manual_seed(2)
+    results = {}
+    for capture in PASSES:
+        times, peak, moved = [], 0, 0
+        for index in range(warmup + repeats):
+            ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=generator)
+            ctx.counter.reset()
+            dist.barrier()
+            start = time.perf_counter()
+            with PeakMemory(ctx.device) as memory:
+                if capture == "sharded":
+                    capture_sharded_target_features(
+                        target, ids, layer_ids, comm=ring, cp=world, cp_rank=ring.rank, with_last_hidden=True
+                    )
+                else:
+                    capture_target_features(target, ids, layer_ids, with_last_hidden=True)
+            if index >= warmup:
+                times.append(time.perf_counter() - start)
+                peak, moved = max(peak, memory.bytes), ctx.counter.bytes(TARGET_CATEGORY)
+        rows = context_positions(seq_len, world, ring.rank) if capture == "sharded" else torch.arange(seq_len)
+        pairs = causal_pairs(rows) * config.num_layers
+        results[capture] = (statistics.median(times), pairs, peak, moved)
+    return results
+
+
+def run_target_pass_bench(
+    seq_lens: list[int], *, nproc: int, config: DecoderConfig, dtype: torch.dtype = torch.float32,
+    warmup: int = 1, repeats: int = 3, device: str = "cpu",
+) -> list[TargetPassRecord]:
+    """Both passes at every length (one launch of ``nproc`` processes per length)."""
+    if nproc < 2:
+        raise ValueError(f"--target-pass compares the sharded pass over a CP ring: nproc={nproc} must be >= 2")
+    records = []
+    for seq_len in seq_lens:
+        if seq_len % (2 * nproc):
+            raise ValueError(f"--seq-lens {seq_len} must be a multiple of 2·nproc={2 * nproc} (zigzag shards)")
+        ranks = run_local(_worker, nproc, (config, seq_len, dtype, warmup, repeats), device=device)
+        for capture in PASSES:
+            per_rank = [r[capture] for r in ranks]
+            pairs = max(p[1] for p in per_rank)
+            records.append(TargetPassRecord(
+                seq_len, capture, max(p[0] for p in per_rank), pairs,
+                attention_flops(pairs, num_heads=config.num_heads, head_dim=config.head_dim, backward=False) / 1e9,
+                max(p[2] for p in per_rank) / 2**20, max(p[3] for p in per_rank),
+            ))
+    return records
+
+
+def format_target_table(records: list[TargetPassRecord]) -> str:
+    """One line per length and pass, with the sharded/replicated ratio of each column."""
+    lines = [
+        f"{'seq_len':>8} {'capture':>10} {'time_s':>9} {'pairs':>12} {'attn_GF':>9} {'peak_MiB':>9} "
+        f"{'bytes':>11} {'time_x':>7} {'pairs_x':>7} {'peak_x':>7}"
+    ]
+    base = {r.seq_len: r for r in records if r.capture == "replicated"}
+    for r in records:
+        b = base[r.seq_len]
+        lines.append(
+            f"{r.seq_len:>8} {r.capture:>10} {r.time_s:>9.4f} {r.attention_pairs:>12} {r.attention_gflops:>9.3f} "
+            f"{r.peak_mib:>9.1f} {r.bytes_moved:>11} {r.time_s / b.time_s:>7.3f} "
+            f"{r.attention_pairs / b.attention_pairs:>7.3f} {r.peak_mib / max(b.peak_mib, 1e-9):>7.3f}"
+        )
+    return "\n".join(lines)
+
+
+def run_target_pass_command(args: argparse.Namespace) -> int:
+    """``csbp bench dflash --target-pass``: print (and with ``--json`` write) the side-by-side table."""
+    config = DecoderConfig(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_layers=args.num_target_layers, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+    )
+    records = run_target_pass_bench(
+        args.seq_lens, nproc=args.nproc, config=config, dtype=BENCH_DTYPES[args.dtype], warmup=args.warmup,
+        repeats=args.repeats, device=args.device,
+    )
+    print(
+        f"csbp bench dflash --target-pass: nproc={args.nproc} (one CP ring) target={args.num_target_layers}x"
+        f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} {args.dtype} "
+        f"(slowest rank, median of {args.repeats}; x = sharded / replicated)"
+    )
+    print(format_target_table(records))
+    if getattr(args, "json", None):
+        Path(args.json).write_text(json.dumps([asdict(r) for r in records], indent=2) + "\n")
+    return 0
