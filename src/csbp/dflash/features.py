@@ -49,6 +49,7 @@ from csbp.dflash.anchors import segment_starts
 from csbp.models.attention_fns import CausalAttention
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import AttentionFn, Decoder
+from csbp.models.rope import RotaryTables
 
 FEATURE_OWNERSHIP = Ownership(
     what="feature store (manifest.json, features.npy, last_hidden.npy)",
@@ -111,6 +112,22 @@ def check_capture_args(target: Decoder, input_ids_SL: Tensor, layer_ids: Sequenc
     return layer_ids
 
 
+def run_target_layers(
+    target: Decoder,
+    h_1RD: Tensor,
+    rotary: RotaryTables,
+    attention: AttentionFn,
+    layer_ids: tuple[int, ...],
+    stop: int,
+) -> tuple[Tensor, Tensor]:
+    """Run ``target.layers[:stop]`` on ``h_1RD``: ``(fused features [1, R, K·H], last hidden state)``."""
+    captured: dict[int, Tensor] = {}
+    for layer in target.layers[:stop]:
+        h_1RD = layer(h_1RD, rotary, attention)
+        captured[layer.layer_index] = h_1RD
+    return torch.cat([captured[i] for i in layer_ids], dim=-1), h_1RD
+
+
 @torch.no_grad()
 def capture_target_features(
     target: Decoder,
@@ -134,11 +151,8 @@ def capture_target_features(
     for sample in range(input_ids_SL.shape[0]):
         attention = document_causal_attention(None if doc_ids_SL is None else doc_ids_SL[sample], seq_len)
         h_1LD = target.embed(input_ids_SL[sample : sample + 1])
-        captured: dict[int, Tensor] = {}
-        for layer in target.layers[:stop]:
-            h_1LD = layer(h_1LD, rotary, attention)
-            captured[layer.layer_index] = h_1LD
-        features.append(torch.cat([captured[i] for i in layer_ids], dim=-1))
+        fused_1LF, h_1LD = run_target_layers(target, h_1LD, rotary, attention, layer_ids, stop)
+        features.append(fused_1LF)
         if with_last_hidden:
             last.append(target.norm(h_1LD))
     return TargetFeatures(torch.cat(features), torch.cat(last) if with_last_hidden else None, layer_ids)

@@ -33,7 +33,7 @@ from torch import Tensor
 from csbp.attention.rows import Rows
 from csbp.attention.transports.local import LocalAttentionFn
 from csbp.dflash.anchors import segment_starts
-from csbp.dflash.features import TargetFeatures, check_capture_args
+from csbp.dflash.features import TargetFeatures, check_capture_args, run_target_layers
 from csbp.dflash.layouts import context_positions, context_rows, ring_context_positions
 from csbp.models.decoder import Decoder
 from csbp.parallel.comm import Comm
@@ -104,11 +104,8 @@ def capture_sharded_target_features(
             starts_L = segment_starts(doc_ids_SL[sample].cpu())
         attention = RingGatherAttention(causal_query_rows(mine_M, starts_L), keys, comm, backend=backend)
         h_1MD = target.embed(input_ids_SL[sample, mine_M.to(input_ids_SL.device)][None].to(device))
-        captured: dict[int, Tensor] = {}
-        for layer in target.layers[:stop]:
-            h_1MD = layer(h_1MD, rotary, attention)
-            captured[layer.layer_index] = h_1MD
-        features.append(torch.cat([captured[i] for i in layer_ids], dim=-1))
+        fused_1MF, h_1MD = run_target_layers(target, h_1MD, rotary, attention, layer_ids, stop)
+        features.append(fused_1MF)
         if with_last_hidden:
             gathered_ND, _ = comm.all_gather(target.norm(h_1MD)[0].contiguous(), category=TARGET_CATEGORY)
             full_LD = gathered_ND.new_empty((seq_len, gathered_ND.shape[-1]))
