@@ -23,9 +23,9 @@ from csbp.bench.dflash_bench import (
     DFlashRecord,
     drafter_step_flops,
     format_table,
-    register_dflash_bench,
     run_dflash_bench,
 )
+from csbp.bench.dflash_cli import register_dflash_bench
 from csbp.dflash.layouts import AnchorPacket, DFlashLayout, full_packet, owned_packet
 
 RECORD_KEYS = {
