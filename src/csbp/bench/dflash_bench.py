@@ -5,7 +5,9 @@ For every (anchor count, context length) cell each layout runs complete drafter 
 ``nproc`` gloo processes of one thread: the drafter forward over the rank's anchor blocks and
 context shard (``DFlashStep``), the chunked LM-head loss, backward and gradient averaging over all
 ranks. The frozen target is tiny and random; its features are captured before the timer (as an
-offline feature store would provide them), the data is random tokens, fully supervised, one
+offline feature store would provide them), or with ``target_capture`` ``sharded``/``replicated``
+(``--target-capture``) by the step itself inside the timer (the online pass of
+``objective.dflash.target_capture``; its ``dflash.target`` bytes are recorded), the data is random tokens, fully supervised, one
 document per row, or with ``doc_length`` random documents of that mean length per row
 (``csbp.bench.common.bench_documents``). Anchors are drawn per sample from a generator seeded by
 (seed, step, sample), so every layout trains on identical blocks and the step-0 loss must agree
@@ -69,11 +71,14 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import TargetFeatures, capture_target_features
 from csbp.dflash.layouts import AnchorPacket, context_positions, owned_packet
 from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
+from csbp.dflash.target_shard import TARGET_CAPTURES, TARGET_CATEGORY
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.topology import Topology
+
+TARGET_CAPTURE_CHOICES = ("offline", *TARGET_CAPTURES)
 
 
 @dataclass(frozen=True)
@@ -99,9 +104,12 @@ class DFlashBenchConfig:
     doc_length: int | None = None  # mean packed-document length (None: one document per row)
     layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
     ablate_overlap: bool = False  # also time serialized collectives (``--ablate-overlap``)
+    target_capture: str = "offline"  # offline: features captured before the timer; else the step's online pass
 
     def __post_init__(self) -> None:
         check_run_options(self, at_least_one=("samples", "repeats", "anchors", "block_size"))
+        if self.target_capture not in TARGET_CAPTURE_CHOICES:
+            raise ValueError(f"target_capture={self.target_capture!r} must be one of {TARGET_CAPTURE_CHOICES}")
         if self.doc_length is not None and self.doc_length < 2:
             raise ValueError(
                 f"doc_length={self.doc_length} leaves no valid anchor (an anchor and its next token share a "
@@ -134,7 +142,8 @@ class DFlashBenchConfig:
         )
 
     def objective(self) -> DFlashObjectiveConfig:
-        return DFlashObjectiveConfig(max_anchors=self.anchors)
+        online = self.target_capture != "offline"
+        return DFlashObjectiveConfig(max_anchors=self.anchors, target_capture=self.target_capture if online else "sharded")
 
 
 @dataclass(frozen=True)
@@ -169,6 +178,8 @@ class DFlashRecord:
     doc_length: int | None = None
     serialized_step_time_s: float | None = None  # ``--ablate-overlap``: collectives waited for at issue
     overlap_ratio: float | None = None  # step_time_s / serialized_step_time_s
+    target_capture: str = "offline"  # ``--target-capture``: offline features, or the step's online pass
+    target_bytes_per_rank: int = 0  # dflash.target: the online sharded pass's K/V all-gathers
 
 
 def drafter_step_flops(
@@ -228,7 +239,7 @@ class _LayoutRunner:
         self.context_rows = int(context_positions(cfg.seq_len, layout.cp, layout.cp_rank).numel())
         self.series, self.serial_series = StepSeries(), StepSeries()
         self.flops: list[int] = []
-        self.attention_bytes = 0
+        self.attention_bytes = self.target_bytes = 0
         self.loss_step0 = float("nan")
 
     def _flops(self, batch: DFlashBatch, generator: torch.Generator) -> int:
@@ -240,7 +251,7 @@ class _LayoutRunner:
         return drafter_step_flops(self.drafter.config, packet, self.context_rows, cfg.seq_len)
 
     def step(
-        self, ids_GL: torch.Tensor, doc_ids_GL: torch.Tensor, features_GLF: torch.Tensor, index: int, *,
+        self, ids_GL: torch.Tensor, doc_ids_GL: torch.Tensor, features_GLF: torch.Tensor | None, index: int, *,
         measured: bool, serialized: bool = False,
     ) -> None:
         """One timed step over this replica's samples; the slowest rank's time is the step time.
@@ -250,7 +261,9 @@ class _LayoutRunner:
             self.drafter.zero_grad(set_to_none=True)
             total, values = torch.zeros((), device=self.ctx.device), []
             for sample in self.samples:
-                features = TargetFeatures(features_GLF[sample : sample + 1], None, layer_ids)
+                features = None  # online: the step runs the frozen target inside the timer
+                if features_GLF is not None:
+                    features = TargetFeatures(features_GLF[sample : sample + 1], None, layer_ids)
                 out = self.step_fn(
                     _batch(ids_GL, doc_ids_GL, sample), anchor_generator(self.cfg.seed, index, sample),
                     features=features,
@@ -276,6 +289,7 @@ class _LayoutRunner:
                 )
             )
             self.attention_bytes = self.ctx.counter.bytes("attention")
+            self.target_bytes = self.ctx.counter.bytes(TARGET_CATEGORY)
 
     def summary(self) -> dict[str, float]:
         return {
@@ -283,6 +297,7 @@ class _LayoutRunner:
             "flops": float(statistics.mean(self.flops)),
             "peak": float(self.series.peak_bytes),
             "attention_bytes": float(self.attention_bytes),
+            "target_bytes": float(self.target_bytes),
             "loss_step0": self.loss_step0,
             "serial_step_time_s": self.serial_series.median_s() if self.serial_series.times_s else float("nan"),
         }
@@ -302,7 +317,9 @@ def _worker(
     for index in range(cfg.warmup + cfg.repeats):
         ids_GL = torch.randint(0, cfg.vocab_size - 1, (cfg.samples, cfg.seq_len), generator=data_generator)
         doc_ids_GL = torch.cat([doc_ids(cfg, sample, index) for sample in range(cfg.samples)])
-        features_GLF = capture_target_features(target, ids_GL, layer_ids, doc_ids_SL=doc_ids_GL).features
+        features_GLF = None
+        if cfg.target_capture == "offline":
+            features_GLF = capture_target_features(target, ids_GL, layer_ids, doc_ids_SL=doc_ids_GL).features
         for runner in runners:
             for serialized in overlap_modes(index, cfg.ablate_overlap):
                 runner.step(ids_GL, doc_ids_GL, features_GLF, index, measured=index >= cfg.warmup, serialized=serialized)
@@ -383,6 +400,8 @@ def run_dflash_bench(
                     doc_length=cfg.doc_length,
                     serialized_step_time_s=serial,
                     overlap_ratio=overlap_ratio(step, serial),
+                    target_capture=cfg.target_capture,
+                    target_bytes_per_rank=max_over_ranks(results, "target_bytes"),
                 )
             )
             if progress:

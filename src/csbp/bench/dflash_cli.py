@@ -18,7 +18,7 @@ from csbp.bench.common import (
     check_head_options,
     write_outputs,
 )
-from csbp.bench.dflash_bench import format_table, run_dflash_bench
+from csbp.bench.dflash_bench import TARGET_CAPTURE_CHOICES, format_table, run_dflash_bench
 from csbp.bench.dflash_target import run_target_pass_command
 
 
@@ -45,6 +45,12 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
     bench.add_argument("--dtype", choices=tuple(BENCH_DTYPES), default="float32")
     add_overlap_ablation_option(bench)
     bench.add_argument(
+        "--target-capture", choices=TARGET_CAPTURE_CHOICES, default="offline",
+        help="the target features of each step: offline (captured before the timer, default) or the step's "
+        "online frozen-target pass inside the timer, sharded over the CP ring or replicated on every rank "
+        "(objective.dflash.target_capture)",
+    )
+    bench.add_argument(
         "--target-pass", action="store_true",
         help="instead: the online target pass per rank, replicated vs context-sharded (csbp.bench.dflash_target)",
     )
@@ -62,6 +68,7 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
         f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per "
         f"process, median of {args.repeats})"
+        + (f" target_capture={args.target_capture} (online, timed)" if args.target_capture != "offline" else "")
     )
     records = run_dflash_bench(
         args.seq_lens,
@@ -88,6 +95,7 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         doc_length=args.doc_length,
         ablate_overlap=args.ablate_overlap,
+        target_capture=args.target_capture,
     )
     write_outputs(
         format_table(records), records, args, plot_group_by="anchors", plot_title="csbp bench dflash"
