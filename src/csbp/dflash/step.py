@@ -391,6 +391,11 @@ class DFlashStep:
             raise ValueError(
                 "objective loss='kl' needs the target's last hidden state: capture with_last_hidden=True"
             )
+        if features.last_hidden is not None and features.last_hidden.shape[:2] != features.features.shape[:2]:
+            raise ValueError(
+                f"target last_hidden {tuple(features.last_hidden.shape)} holds other rows than the features "
+                f"{tuple(features.features.shape)}: both are the rank's rows (sharded) or every row"
+            )
 
     def _targets(
         self, batch: DFlashBatch, s: int, packet: AnchorPacket, last_hidden: Tensor | None
