@@ -79,12 +79,20 @@ def ring_teacher_needs(
     ]
 
 
-def _sent_rows(needs: list[Tensor], seq_len: int, cp: int, sender: int) -> list[Tensor]:
-    """Indices into ``sender``'s shard of the rows it sends to every member, in ring order."""
-    mine = context_positions(seq_len, cp, sender)
-    local = torch.full((seq_len,), -1, dtype=torch.long)
-    local[mine] = torch.arange(mine.shape[0])
-    return [local[need][local[need] >= 0] for need in needs]
+def ring_row_owners(seq_len: int, cp: int) -> tuple[Tensor, Tensor]:
+    """``(owner [L], local [L])``: the ring member holding each position and its row in that shard."""
+    owner = torch.empty(seq_len, dtype=torch.long)
+    local = torch.empty(seq_len, dtype=torch.long)
+    for member in range(cp):
+        mine = context_positions(seq_len, cp, member)
+        owner[mine] = member
+        local[mine] = torch.arange(mine.shape[0])
+    return owner, local
+
+
+def _sent_rows(needs: list[Tensor], owner_L: Tensor, sender: int) -> list[Tensor]:
+    """The positions ``sender`` sends to every member, in ring order (each sorted)."""
+    return [need[owner_L[need] == sender] for need in needs]
 
 
 def exchange_teacher_rows(
@@ -99,21 +107,20 @@ def exchange_teacher_rows(
             f"cp={cp} cp_rank={cp_rank}; pass one need per ring member and the plan's ring_comm"
         )
     device = last_MD.device
-    send_index = _sent_rows(needs, seq_len, cp, cp_rank)
-    send = last_MD[torch.cat(send_index).to(device)]
-    recv_index = [_sent_rows(needs, seq_len, cp, source)[cp_rank] for source in range(cp)]
+    owner_L, local_L = ring_row_owners(seq_len, cp)
+    sent = _sent_rows(needs, owner_L, cp_rank)
+    send = last_MD[local_L[torch.cat(sent)].to(device)]
+    mine = needs[cp_rank]
+    received_from = [mine[owner_L[mine] == source] for source in range(cp)]
     received, _ = comm.all_to_all(
-        send, [int(i.numel()) for i in send_index], [int(i.numel()) for i in recv_index], category=TEACHER_CATEGORY
-    )
-    positions = torch.cat(
-        [context_positions(seq_len, cp, source)[index] for source, index in enumerate(recv_index)]
+        send, [int(p.numel()) for p in sent], [int(p.numel()) for p in received_from], category=TEACHER_CATEGORY
     )
     full_LD = last_MD.new_zeros((seq_len, last_MD.shape[-1]))
-    full_LD[positions.to(device)] = received
+    full_LD[torch.cat(received_from).to(device)] = received
     return full_LD
 
 
 def teacher_exchange_bytes(needs: list[Tensor], *, seq_len: int, cp: int, rank: int, row_bytes: int) -> int:
     """Bytes ring member ``rank`` sends in one sample's teacher exchange (``row_bytes = H·element_size``)."""
-    sent = _sent_rows(needs, seq_len, cp, rank)
-    return sum(int(index.numel()) for c, index in enumerate(sent) if c != rank) * row_bytes
+    sent = _sent_rows(needs, ring_row_owners(seq_len, cp)[0], rank)
+    return sum(int(positions.numel()) for c, positions in enumerate(sent) if c != rank) * row_bytes
