@@ -23,9 +23,9 @@ from csbp.bench.dflash_bench import (
     DFlashRecord,
     drafter_step_flops,
     format_table,
-    register_dflash_bench,
     run_dflash_bench,
 )
+from csbp.bench.dflash_cli import register_dflash_bench
 from csbp.dflash.layouts import AnchorPacket, DFlashLayout, full_packet, owned_packet
 
 RECORD_KEYS = {
@@ -58,6 +58,8 @@ RECORD_KEYS = {
     # --ablate-overlap (None without it)
     "serialized_step_time_s",
     "overlap_ratio",
+    "target_capture",
+    "target_bytes_per_rank",
 }
 TINY = ["--block-size", "4", "--vocab-size", "64", "--hidden-size", "32", "--intermediate-size", "64"]
 TINY += ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"]
@@ -103,6 +105,35 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
     )
     assert by_layout["csbp"]["drafter_flops_per_rank"] < by_layout["cp"]["drafter_flops_per_rank"]
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.multiprocess
+def test_online_target_pass_is_timed_in_the_step(tmp_path: Path) -> None:
+    """``--target-capture sharded`` runs the frozen target inside each timed step: the same step-0 loss
+    as offline features, the ring's K/V all-gather bytes of ``sharded_target_bytes`` (none for BP-only,
+    whose ranks run the full row), and records `csbp plan calibrate` refuses (its terms leave it out)."""
+    from csbp.dflash.target_shard import sharded_target_bytes
+    from csbp.models.config import DecoderConfig
+    from csbp.models.decoder import Decoder
+    from csbp.plan.fit import bench_observations
+
+    argv = ["dflash", "--seq-lens", "64", "--anchors", "8", "--nproc", "2", "--repeats", "1", "--warmup", "0"]
+    losses = {}
+    for capture in ("offline", "sharded"):
+        out = tmp_path / f"{capture}.json"
+        args = parse([*argv, *TINY, "--layouts", "cp", "bp", "--target-capture", capture, "--json", str(out)])
+        assert args.func(args) == 0
+        records = {r["layout"]: r for r in json.loads(out.read_text())}
+        losses[capture] = [r["loss_step0"] for r in records.values()]
+        assert all(r["target_capture"] == capture for r in records.values())
+    target = Decoder(DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                                   num_kv_heads=2, head_dim=8), seed=0)
+    assert records["cp"]["target_bytes_per_rank"] == sharded_target_bytes(target, 64, 2, num_layers=2, element_size=4)
+    assert records["bp"]["target_bytes_per_rank"] == 0
+    for offline, online in zip(losses["offline"], losses["sharded"], strict=True):
+        assert abs(offline - online) <= 1e-5 * abs(offline)
+    with pytest.raises(ValueError, match="target-capture sharded"):
+        bench_observations([out])
 
 
 @pytest.mark.multiprocess

@@ -24,7 +24,8 @@ parent then asserts, for every call:
 The layouts: BD3 CSBP (cp=2, bp=2) with the collective, streaming and window transports, packed
 documents (the halo transport) with the dual-end and the document-aware ``balanced`` schedule,
 CP-only ``halo`` (cp=2); DFlash CSBP with the all-gather and with the document-aware context
-exchange (async all-to-all). Device placement itself is checked by ``Comm`` on every call;
+exchange (async all-to-all), and with the KL loss (the target pass's K/V all-gathers and the
+teacher rows' all-to-all). Device placement itself is checked by ``Comm`` on every call;
 ``tests/test_cuda.py`` runs the same code on CUDA.
 """
 
@@ -51,6 +52,7 @@ NCCL_DTYPES = {
 
 
 def _cases() -> list[tuple[str, str, Any]]:
+    from csbp.dflash.config import DFlashObjectiveConfig
     from csbp.dflash.verify import DFlashVerifyCase
     from csbp.engine.verify import VerifyCase
 
@@ -64,6 +66,7 @@ def _cases() -> list[tuple[str, str, Any]]:
         ("bd3-cp-aware", "bd3", VerifyCase(Topology(cp=2), seq_len=16, doc_length=3, transport="halo")),
         ("dflash-all-gather", "dflash", DFlashVerifyCase(csbp)),
         ("dflash-context-exchange", "dflash", DFlashVerifyCase(csbp, doc_length=6)),
+        ("dflash-kl-teacher", "dflash", DFlashVerifyCase(csbp, objective=DFlashObjectiveConfig(loss="kl"))),
     ]
 
 
@@ -259,6 +262,7 @@ def test_every_collective_keeps_nccls_rules(calls_by_rank: list[list[dict[str, A
     for case in ("bd3-window", "bd3-documents", "bd3-documents-balanced", "bd3-cp-aware", "dflash-context-exchange"):
         assert ("all_to_all", True) in ops_by_case[case], case
     assert ("all_gather", True) in ops_by_case["dflash-all-gather"]
+    assert any(op[0] == "all_to_all" for op in ops_by_case["dflash-kl-teacher"])
 
 
 @pytest.mark.multiprocess

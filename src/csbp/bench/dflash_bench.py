@@ -5,7 +5,9 @@ For every (anchor count, context length) cell each layout runs complete drafter 
 ``nproc`` gloo processes of one thread: the drafter forward over the rank's anchor blocks and
 context shard (``DFlashStep``), the chunked LM-head loss, backward and gradient averaging over all
 ranks. The frozen target is tiny and random; its features are captured before the timer (as an
-offline feature store would provide them), the data is random tokens, fully supervised, one
+offline feature store would provide them), or with ``target_capture`` ``sharded``/``replicated``
+(``--target-capture``) by the step itself inside the timer (the online pass of
+``objective.dflash.target_capture``; its ``dflash.target`` bytes are recorded), the data is random tokens, fully supervised, one
 document per row, or with ``doc_length`` random documents of that mean length per row
 (``csbp.bench.common.bench_documents``). Anchors are drawn per sample from a generator seeded by
 (seed, step, sample), so every layout trains on identical blocks and the step-0 loss must agree
@@ -35,7 +37,6 @@ FLOPs are ``cp`` times those of a CSBP rank: that replication is what CSBP remov
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from dataclasses import dataclass
 
@@ -45,18 +46,10 @@ import torch.distributed as dist
 from csbp.attention.documents import packed_doc_ids
 from csbp.bench.common import (
     BENCH_DTYPES,
-    LAYOUTS,
     OVERLAP_COLUMNS,
     Column,
     StepSeries,
-    add_head_options,
-    add_layout_options,
-    add_model_width_options,
-    add_output_options,
-    add_overlap_ablation_option,
     bench_documents,
-    check_device_option,
-    check_head_options,
     check_run_options,
     format_ratio_table,
     launch_cell,
@@ -69,9 +62,7 @@ from csbp.bench.common import (
     require_parallel,
     select_topologies,
     serialized_if,
-    write_outputs,
 )
-from csbp.bench.dflash_target import run_target_pass_command
 from csbp.bench.measure import attention_flops
 from csbp.devices import backend_device
 from csbp.dflash.anchors import segment_starts
@@ -80,11 +71,14 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import TargetFeatures, capture_target_features
 from csbp.dflash.layouts import AnchorPacket, context_positions, owned_packet
 from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
+from csbp.dflash.target_shard import TARGET_CAPTURES, TARGET_CATEGORY
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.topology import Topology
+
+TARGET_CAPTURE_CHOICES = ("offline", *TARGET_CAPTURES)
 
 
 @dataclass(frozen=True)
@@ -110,9 +104,12 @@ class DFlashBenchConfig:
     doc_length: int | None = None  # mean packed-document length (None: one document per row)
     layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
     ablate_overlap: bool = False  # also time serialized collectives (``--ablate-overlap``)
+    target_capture: str = "offline"  # offline: features captured before the timer; else the step's online pass
 
     def __post_init__(self) -> None:
         check_run_options(self, at_least_one=("samples", "repeats", "anchors", "block_size"))
+        if self.target_capture not in TARGET_CAPTURE_CHOICES:
+            raise ValueError(f"target_capture={self.target_capture!r} must be one of {TARGET_CAPTURE_CHOICES}")
         if self.doc_length is not None and self.doc_length < 2:
             raise ValueError(
                 f"doc_length={self.doc_length} leaves no valid anchor (an anchor and its next token share a "
@@ -145,7 +142,8 @@ class DFlashBenchConfig:
         )
 
     def objective(self) -> DFlashObjectiveConfig:
-        return DFlashObjectiveConfig(max_anchors=self.anchors)
+        online = self.target_capture != "offline"
+        return DFlashObjectiveConfig(max_anchors=self.anchors, target_capture=self.target_capture if online else "sharded")
 
 
 @dataclass(frozen=True)
@@ -180,6 +178,8 @@ class DFlashRecord:
     doc_length: int | None = None
     serialized_step_time_s: float | None = None  # ``--ablate-overlap``: collectives waited for at issue
     overlap_ratio: float | None = None  # step_time_s / serialized_step_time_s
+    target_capture: str = "offline"  # ``--target-capture``: offline features, or the step's online pass
+    target_bytes_per_rank: int = 0  # dflash.target: the online sharded pass's K/V all-gathers
 
 
 def drafter_step_flops(
@@ -239,7 +239,7 @@ class _LayoutRunner:
         self.context_rows = int(context_positions(cfg.seq_len, layout.cp, layout.cp_rank).numel())
         self.series, self.serial_series = StepSeries(), StepSeries()
         self.flops: list[int] = []
-        self.attention_bytes = 0
+        self.attention_bytes = self.target_bytes = 0
         self.loss_step0 = float("nan")
 
     def _flops(self, batch: DFlashBatch, generator: torch.Generator) -> int:
@@ -251,7 +251,7 @@ class _LayoutRunner:
         return drafter_step_flops(self.drafter.config, packet, self.context_rows, cfg.seq_len)
 
     def step(
-        self, ids_GL: torch.Tensor, doc_ids_GL: torch.Tensor, features_GLF: torch.Tensor, index: int, *,
+        self, ids_GL: torch.Tensor, doc_ids_GL: torch.Tensor, features_GLF: torch.Tensor | None, index: int, *,
         measured: bool, serialized: bool = False,
     ) -> None:
         """One timed step over this replica's samples; the slowest rank's time is the step time.
@@ -261,7 +261,9 @@ class _LayoutRunner:
             self.drafter.zero_grad(set_to_none=True)
             total, values = torch.zeros((), device=self.ctx.device), []
             for sample in self.samples:
-                features = TargetFeatures(features_GLF[sample : sample + 1], None, layer_ids)
+                features = None  # online: the step runs the frozen target inside the timer
+                if features_GLF is not None:
+                    features = TargetFeatures(features_GLF[sample : sample + 1], None, layer_ids)
                 out = self.step_fn(
                     _batch(ids_GL, doc_ids_GL, sample), anchor_generator(self.cfg.seed, index, sample),
                     features=features,
@@ -287,6 +289,7 @@ class _LayoutRunner:
                 )
             )
             self.attention_bytes = self.ctx.counter.bytes("attention")
+            self.target_bytes = self.ctx.counter.bytes(TARGET_CATEGORY)
 
     def summary(self) -> dict[str, float]:
         return {
@@ -294,6 +297,7 @@ class _LayoutRunner:
             "flops": float(statistics.mean(self.flops)),
             "peak": float(self.series.peak_bytes),
             "attention_bytes": float(self.attention_bytes),
+            "target_bytes": float(self.target_bytes),
             "loss_step0": self.loss_step0,
             "serial_step_time_s": self.serial_series.median_s() if self.serial_series.times_s else float("nan"),
         }
@@ -313,7 +317,9 @@ def _worker(
     for index in range(cfg.warmup + cfg.repeats):
         ids_GL = torch.randint(0, cfg.vocab_size - 1, (cfg.samples, cfg.seq_len), generator=data_generator)
         doc_ids_GL = torch.cat([doc_ids(cfg, sample, index) for sample in range(cfg.samples)])
-        features_GLF = capture_target_features(target, ids_GL, layer_ids, doc_ids_SL=doc_ids_GL).features
+        features_GLF = None
+        if cfg.target_capture == "offline":
+            features_GLF = capture_target_features(target, ids_GL, layer_ids, doc_ids_SL=doc_ids_GL).features
         for runner in runners:
             for serialized in overlap_modes(index, cfg.ablate_overlap):
                 runner.step(ids_GL, doc_ids_GL, features_GLF, index, measured=index >= cfg.warmup, serialized=serialized)
@@ -394,6 +400,8 @@ def run_dflash_bench(
                     doc_length=cfg.doc_length,
                     serialized_step_time_s=serial,
                     overlap_ratio=overlap_ratio(step, serial),
+                    target_capture=cfg.target_capture,
+                    target_bytes_per_rank=max_over_ranks(results, "target_bytes"),
                 )
             )
             if progress:
@@ -423,76 +431,3 @@ def format_table(records: list[DFlashRecord]) -> str:
 
 
 # ----------------------------------------------------------------------------- CLI
-
-
-def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
-    """Add ``csbp bench dflash`` to the ``csbp bench`` sub-subcommands."""
-    bench = kinds.add_parser("dflash", help="CP-only vs BP-only vs CSBP DFlash drafter training steps")
-    add_layout_options(
-        bench, seq_lens=[1024, 2048, 4096, 8192], csbp_cp_help="CP degree of CSBP (default nproc)",
-        layouts=LAYOUTS,  # cp-aware: CP-only with the context exchange (differs from cp with --doc-length)
-    )
-    bench.set_defaults(layouts=["cp", "bp", "csbp"])
-    bench.add_argument("--anchors", type=int, nargs="+", default=[16, 64], help="anchor blocks per sample")
-    bench.add_argument("--csbp-bp", type=int, default=None, help="BP degree of CSBP (default nproc)")
-    bench.add_argument("--samples", type=int, default=None, help="samples per step (default: the largest dp)")
-    bench.add_argument(
-        "--doc-length", type=int, default=None,
-        help="pack random documents of this mean length (default: one document per row); CSBP and cp-aware "
-        "then exchange only the context rows an anchor may see",
-    )
-    add_model_width_options(bench, vocab_size=1024, intermediate_size=384)
-    bench.add_argument("--num-target-layers", type=int, default=2)
-    bench.add_argument("--num-draft-layers", type=int, default=1)
-    add_head_options(bench)
-    bench.add_argument("--dtype", choices=tuple(BENCH_DTYPES), default="float32")
-    add_overlap_ablation_option(bench)
-    bench.add_argument(
-        "--target-pass", action="store_true",
-        help="instead: the online target pass per rank, replicated vs context-sharded (csbp.bench.dflash_target)",
-    )
-    add_output_options(bench, png_help="speedup plot (default: --json with suffix .png)")
-    bench.set_defaults(func=run_dflash_bench_command)
-
-
-def run_dflash_bench_command(args: argparse.Namespace) -> int:
-    check_head_options(args)  # before anything is printed or launched
-    check_device_option(args)
-    if args.target_pass:
-        return run_target_pass_command(args)
-    header = (
-        f"csbp bench dflash: nproc={args.nproc} block={args.block_size} drafter={args.num_draft_layers}x"
-        f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
-        f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per "
-        f"process, median of {args.repeats})"
-    )
-    records = run_dflash_bench(
-        args.seq_lens,
-        args.anchors,
-        header=header,
-        layouts=args.layouts,
-        nproc=args.nproc,
-        csbp_cp=args.csbp_cp,
-        csbp_bp=args.csbp_bp,
-        samples=args.samples,
-        progress=True,
-        device=args.device,
-        block_size=args.block_size,
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        num_target_layers=args.num_target_layers,
-        num_draft_layers=args.num_draft_layers,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        dtype=args.dtype,
-        warmup=args.warmup,
-        repeats=args.repeats,
-        doc_length=args.doc_length,
-        ablate_overlap=args.ablate_overlap,
-    )
-    write_outputs(
-        format_table(records), records, args, plot_group_by="anchors", plot_title="csbp bench dflash"
-    )
-    return 0

@@ -6,7 +6,9 @@ run of ``nproc`` processes (one CP ring of ``nproc``).
 Per rank and pass: median wall time, causal attention pairs (query, key) summed over the target
 layers (and the attention FLOPs, forward only), peak memory growth of the pass (``PeakMemory``:
 CUDA allocator peak or the process's RSS high-water mark on the CPU), and bytes received over the
-ring (``dflash.target``; 0 for the replicated pass). Reported for the slowest rank.
+ring (``dflash.target``: the per-layer K/V all-gathers; 0 for the replicated pass). The KL teacher
+rows the step then exchanges (``dflash.teacher``, ``csbp.dflash.teacher_rows``) depend on the
+anchors and are not part of this pass. Reported for the slowest rank.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Examples::
 Each benchmark runs every layout in the same invocation and prints ratios to CP-only, so the
 numbers compare layouts on one machine state rather than across runs. The subcommands live next
 to their benchmarks (``csbp.bench.attention``, ``csbp.bench.train_bench``,
-``csbp.bench.dflash_bench``); their shared options and outputs are in ``csbp.bench.common``.
+``csbp.bench.dflash_cli``); their shared options and outputs are in ``csbp.bench.common``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from csbp.bench.attention import register_attention_bench
-from csbp.bench.dflash_bench import register_dflash_bench
+from csbp.bench.dflash_cli import register_dflash_bench
 from csbp.bench.kernels import register_kernel_bench
 from csbp.bench.train_bench import register_train_bench
 

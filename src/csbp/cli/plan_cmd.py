@@ -38,6 +38,7 @@ from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
 from csbp.plan.model import GIB, Prediction, halo_used, overlap_note
 from csbp.plan.search import Plan, candidate_layouts, describe, rank, schedules_for, transports_for
+from csbp.plan.target_pass import TARGET_PASSES, describe_target_pass
 from csbp.plan.workload import (
     OBJECTIVES,
     Workload,
@@ -96,6 +97,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="target-feature rows a drafter rank projects: all it holds (csbp) or its anchors' windows "
         "(the published reference; the presets' default)",
+    )
+    parser.add_argument(
+        "--target-pass",
+        choices=TARGET_PASSES,
+        default=None,
+        help="a drafter's target features: offline (captured ahead of time: no target in the step; the "
+        "presets' default, as the published runs), or the online frozen-target pass, sharded (each CP ring "
+        "member runs its L/cp rows, K/V all-gathered per layer) or replicated (the full row on every rank), "
+        "as objective.dflash.target_capture; a run config's default is what it runs",
+    )
+    parser.add_argument(
+        "--target-config",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the frozen target's HF config.json (or folder) for --target-pass sharded|replicated on a preset "
+        "(every target layer run); a run config's objective.dflash.target names its own",
     )
     parser.add_argument(
         "--doc-length",
@@ -218,7 +236,7 @@ def run_plan(args: argparse.Namespace) -> int:
         anchors=args.anchors,
         drafter_context=args.drafter_context,
         doc_length=args.doc_length,
-    )
+    ).with_target_pass(args.target_pass, args.target_config)
     args.seq_len = args.seq_len or (run_config.data.seq_len if run_config is not None else None)
     if run_config is not None and args.data is None and args.doc_length is None:
         workload = _run_documents(args, workload, run_config)
@@ -350,6 +368,7 @@ def format_plan(
         + _documents_note(workload, seq_len),
         f"calibration: {cal.source}",
         overlap_note(cal),
+        *filter(None, [describe_target_pass(workload)]),
         "",
         f"{'#':>3} {'layout':<18} {'transport':<10} {'exchange':<10} {'ckpt':<5} {'mb':>2} {'step s':>9} "
         f"{'tokens/s':>11} {'mem GiB/cap':>14} {'K/V GiB':>8} {'exposed':>8}",
@@ -408,6 +427,7 @@ def plan_json(
         "hardware": hw.name,
         "calibration": cal.to_json(),
         "overlap": overlap_note(cal),
+        "target_pass": workload.target_pass.mode if workload.target_pass is not None else None,
         "why": plan.why,
         "feasible": [_prediction_json(p, workload, seq_len) for p in plan.feasible],
         "infeasible": [{**_prediction_json(p, workload, seq_len), "reason": p.oom_reason()} for p in plan.infeasible],

@@ -71,7 +71,8 @@ class TargetFeatures:
     """Target features of a batch: ``features [S, L, K·H]``, ``last_hidden [S, L, H]`` or None.
 
     ``positions``: the sequence positions of the feature rows when they are one rank's shard
-    (``features [S, len(positions), K·H]``, the sharded pass); None: every position ``0 … L−1``.
+    (``features [S, len(positions), K·H]`` and ``last_hidden [S, len(positions), H]``, the sharded
+    pass); None: every position ``0 … L−1``.
     """
 
     features: Tensor

@@ -7,7 +7,9 @@ and document ids into the rank's loss::
 
     anchors    = sample_batch_anchors(batch, ...)        # identical on every rank of a sample
     features   = target features (online: frozen target, context-sharded over the CP ring when
-                 cp > 1 (csbp.dflash.target_shard), or on the full rows; or offline rows)
+                 cp > 1 (csbp.dflash.target_shard), or on the full rows; or offline rows); with the
+                 sharded pass and loss='kl' each sample's teacher rows come from the ring member
+                 that holds them, only those the rank's supervised rows read (csbp.dflash.teacher_rows)
     per sample:  my packet of anchors, Rows for full/sliding layers, context rows in ring order
                  hidden = drafter(embed([x_a, M, …]), a + j, F[my context rows], ..., sharded attention)
     loss       = loss_scale · (my rows' share of L) + 0 · Σ hidden
@@ -68,6 +70,7 @@ from csbp.dflash.loss import (
     supervised_slot_counts,
 )
 from csbp.dflash.target_shard import capture_sharded_target_features
+from csbp.dflash.teacher_rows import exchange_teacher_rows, ring_teacher_needs
 from csbp.engine.context import ParallelContext
 from csbp.parallel.comm import Comm
 
@@ -280,6 +283,8 @@ class DFlashStep:
                 )[0]
             )
             last = None if features.last_hidden is None else features.last_hidden[s]
+            if last is not None and features.positions is not None:  # the ring's rows my packet reads
+                last = self._teacher_rows(batch, s, anchors[s], doc_start, last, min_bucket)
             target_parts.append(self._targets(batch, s, packet, last))
         hidden_RD = torch.cat(hidden_parts)
         out = rank_dflash_loss(
@@ -349,6 +354,22 @@ class DFlashStep:
             target, batch.input_ids, layer_ids, doc_ids_SL=batch.doc_ids, with_last_hidden=with_last
         )
 
+    def _teacher_rows(
+        self, batch: DFlashBatch, s: int, anchors: Tensor, doc_start: Tensor, last_MD: Tensor, min_bucket: int
+    ) -> Tensor:
+        """``[L, H]`` teacher rows of sample ``s`` from the ring's last hidden shards: exactly the rows
+        this rank's supervised draft rows read (``csbp.dflash.teacher_rows``)."""
+        layout = self.plan.layout
+        if self.plan.ring_comm is None:
+            raise ValueError("sharded target features with loss='kl' need the CP ring comm to exchange teacher rows")
+        needs = ring_teacher_needs(
+            batch.input_ids[s], batch.loss_mask[s], batch.doc_ids[s], anchors, doc_start, layout,
+            block_size=self.drafter.config.block_size, context=self.objective.context, min_bucket=min_bucket,
+        )
+        return exchange_teacher_rows(
+            last_MD, needs, self.plan.ring_comm, seq_len=batch.seq_len, cp=layout.cp, cp_rank=layout.cp_rank
+        )
+
     def _check_features(self, features: TargetFeatures, batch: DFlashBatch, my_context: Tensor) -> None:
         cfg = self.drafter.config
         rows = batch.seq_len
@@ -369,6 +390,11 @@ class DFlashStep:
         if self.objective.loss == "kl" and features.last_hidden is None:
             raise ValueError(
                 "objective loss='kl' needs the target's last hidden state: capture with_last_hidden=True"
+            )
+        if features.last_hidden is not None and features.last_hidden.shape[:2] != features.features.shape[:2]:
+            raise ValueError(
+                f"target last_hidden {tuple(features.last_hidden.shape)} holds other rows than the features "
+                f"{tuple(features.features.shape)}: both are the rank's rows (sharded) or every row"
             )
 
     def _targets(

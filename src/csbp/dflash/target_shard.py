@@ -10,14 +10,14 @@ K/V). The mask is the interval form of ``csbp.attention.rows``: a query row at p
 clean row with context ``[doc_start(p), p + 1)`` and the keys are the ring's clean rows, which is
 exactly the document-causal attention of the replicated pass (plain causal with one document).
 
-The KL teacher (``with_last_hidden``) needs the final-normed last hidden state at the draft block
-positions ``a + j − 1``, which any rank's anchors may place on any ring member's rows, so the
-``[M, H]`` shard of every ring member is all-gathered once per sample and scattered into a full
-``[L, H]`` row (``(cp − 1)·(L/cp)·H`` elements received per rank and sample).
+The KL teacher (``with_last_hidden``) is the final-normed last hidden state, returned like the
+features as the rank's own rows ``[S, M, H]``; the step then sends each ring member only the rows
+its supervised draft rows read (``csbp.dflash.teacher_rows``, category ``dflash.teacher``) instead
+of all-gathering every shard.
 
-Bytes received per rank and sample: ``(cp − 1)·(L/cp)·2·Hkv·d`` per target layer run (K and V),
-plus the last hidden gather above with ``loss='kl'``. The features come back as the rank's rows
-only (``TargetFeatures.positions``), ``[S, L/cp, K·H]``.
+Bytes received (and sent) per rank and sample: ``(cp − 1)·(L/cp)·2·Hkv·d`` per target layer run (K
+and V; every layer with ``loss='kl'``, else up to the deepest fused layer). The features come back
+as the rank's rows only (``TargetFeatures.positions``), ``[S, L/cp, K·H]``.
 
 Shape legend: ``S`` samples, ``L`` sequence length, ``M`` this rank's context rows, ``H`` hidden
 size, ``K`` fused layers, ``Hkv`` KV heads, ``d`` head dim.
@@ -81,8 +81,8 @@ def capture_sharded_target_features(
     backend: str = "tiles",
 ) -> TargetFeatures:
     """This rank's rows of ``capture_target_features`` computed by the ring (module docstring):
-    ``features [S, M, K·H]`` at ``positions = context_positions(L, cp, cp_rank)``, ``last_hidden``
-    ``[S, L, H]`` (every position, gathered) or None. Every ring member must call it together."""
+    ``features [S, M, K·H]`` and ``last_hidden [S, M, H]`` (or None) at ``positions =
+    context_positions(L, cp, cp_rank)``. Every ring member must call it together."""
     layer_ids = check_capture_args(target, input_ids_SL, layer_ids)
     seq_len = input_ids_SL.shape[1]
     if comm.size != cp or comm.rank != cp_rank:
@@ -95,7 +95,7 @@ def capture_sharded_target_features(
     ring_N = ring_context_positions(seq_len, cp)
     keys = context_rows(ring_N)
     rotary = target.rotary(mine_M.to(device))
-    stop = target.config.num_layers if with_last_hidden else max(layer_ids) + 1
+    stop = target_layers_run(target.config.num_layers, layer_ids, with_last_hidden=with_last_hidden)
     features, last = [], []
     for sample in range(input_ids_SL.shape[0]):
         if doc_ids_SL is None:
@@ -107,21 +107,19 @@ def capture_sharded_target_features(
         fused_1MF, h_1MD = run_target_layers(target, h_1MD, rotary, attention, layer_ids, stop)
         features.append(fused_1MF)
         if with_last_hidden:
-            gathered_ND, _ = comm.all_gather(target.norm(h_1MD)[0].contiguous(), category=TARGET_CATEGORY)
-            full_LD = gathered_ND.new_empty((seq_len, gathered_ND.shape[-1]))
-            full_LD[ring_N.to(device)] = gathered_ND
-            last.append(full_LD[None])
+            last.append(target.norm(h_1MD))
     return TargetFeatures(
         torch.cat(features), torch.cat(last) if with_last_hidden else None, layer_ids, positions=mine_M
     )
 
 
-def sharded_target_bytes(
-    target: Decoder, seq_len: int, cp: int, *, num_layers: int, with_last_hidden: bool, element_size: int
-) -> int:
+def sharded_target_bytes(target: Decoder, seq_len: int, cp: int, *, num_layers: int, element_size: int) -> int:
     """Bytes one rank receives in one sample's sharded pass over ``num_layers`` target layers."""
     cfg = target.config
     rows = (cp - 1) * (seq_len // cp)
-    per_layer = rows * 2 * cfg.num_kv_heads * cfg.head_dim
-    last = rows * cfg.hidden_size if with_last_hidden else 0
-    return (num_layers * per_layer + last) * element_size
+    return num_layers * rows * 2 * cfg.num_kv_heads * cfg.head_dim * element_size
+
+
+def target_layers_run(num_layers: int, layer_ids: tuple[int, ...], *, with_last_hidden: bool) -> int:
+    """How many target layers a capture runs: all with the KL teacher, else up to the deepest fused one."""
+    return num_layers if with_last_hidden else max(layer_ids) + 1

@@ -30,6 +30,8 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import capture_target_features
 from csbp.dflash.reference import reference_dflash_loss
 from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
+from csbp.dflash.target_shard import TARGET_CATEGORY
+from csbp.dflash.teacher_rows import TEACHER_CATEGORY
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
 from csbp.engine.verify import TOLERANCES, dtype_of, gradient_error
@@ -39,6 +41,8 @@ from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
 VOCAB_SIZE, MASK_TOKEN_ID, BLOCK_SIZE = 64, 63, 4
+# a rank's (loss, rank 0's gradients, attention / dflash.target / dflash.teacher bytes sent)
+WorkerResult = tuple[float, dict[str, torch.Tensor] | None, int, int, int]
 TARGET_CONFIG = DecoderConfig(
     vocab_size=VOCAB_SIZE,
     hidden_size=32,
@@ -89,6 +93,10 @@ class DFlashVerifyResult:
     worst_param: str
     attention_bytes_per_rank: list[int]
     tolerance: float = 1e-9
+    # bytes each rank sent in the online target pass (dflash.target: per-layer K/V all-gathers of the
+    # sharded pass) and in the KL teacher rows' exchange (dflash.teacher)
+    target_bytes_per_rank: list[int] = field(default_factory=list)
+    teacher_bytes_per_rank: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -157,7 +165,7 @@ def anchor_generator(case: DFlashVerifyCase, replica: int) -> torch.Generator:
 
 def _worker(
     rank: int, world: int, case: DFlashVerifyCase
-) -> tuple[float, dict[str, torch.Tensor] | None, int]:
+) -> WorkerResult:
     ctx = build_parallel_context(case.topology)
     _, drafter = build_models(case, dtype_of(case.dtype), device=ctx.device)
     full = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length,
@@ -173,10 +181,10 @@ def _worker(
     average_gradients(drafter.parameters(), ctx.world_comm("gradients"))
     loss = torch.tensor([out.loss_value], dtype=torch.float64, device=ctx.device)
     loss = ctx.world_comm("logging").all_reduce(loss) / world  # replicas' group losses, averaged over dp
-    attention_bytes = ctx.counter.bytes("attention")
+    moved = [ctx.counter.bytes(category) for category in ("attention", TARGET_CATEGORY, TEACHER_CATEGORY)]
     dist.barrier()
     grads = {name: p.grad.detach().cpu() for name, p in drafter.named_parameters()} if rank == 0 else None
-    return float(loss[0]), grads, attention_bytes
+    return float(loss[0]), grads, moved[0], moved[1], moved[2]
 
 
 def reference(case: DFlashVerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
@@ -214,12 +222,12 @@ def verify_dflash(case: DFlashVerifyCase, *, timeout_s: float = 300.0) -> DFlash
 
 def compare_dflash(
     case: DFlashVerifyCase,
-    results: list[tuple[float, dict[str, torch.Tensor] | None, int]],
+    results: list[WorkerResult],
     loss_ref: float,
     grads_ref: dict[str, torch.Tensor],
 ) -> DFlashVerifyResult:
     """The result of ``case`` from its ranks' ``_worker`` results (rank 0 holds the gradients)."""
-    loss, grads, _ = results[0]
+    loss, grads = results[0][:2]
     assert grads is not None
     worst_name, worst = gradient_error(grads, grads_ref)
     return DFlashVerifyResult(
@@ -231,4 +239,6 @@ def compare_dflash(
         worst_param=worst_name,
         attention_bytes_per_rank=[r[2] for r in results],
         tolerance=TOLERANCES[dtype_of(case.dtype)],
+        target_bytes_per_rank=[r[3] for r in results],
+        teacher_bytes_per_rank=[r[4] for r in results],
     )

@@ -13,6 +13,10 @@ Per rank and optimizer step (``csbp.dflash.layouts`` decides who holds what):
   in one span, so the union sits in one zigzag chunk); their K/V gathered around the CP ring.
 * **Gradient all-reduce** of the trainable parameters over all ranks.
 * tokens/s = ``dp·anchors·(B-1)/step`` (supervised draft tokens).
+* **Online target pass** (``Workload.target_pass`` ``sharded``/``replicated``; nothing for offline
+  features, the presets' default, as in the published runs): the frozen target's forward, its
+  blocking per-layer K/V all-gathers (in the K/V bytes, exposed in full), the target's layer weights
+  and one target layer's working set (``csbp.plan.target_pass``).
 
 With packed documents (``Workload.doc_length``, ``csbp.plan.documents``) the draft rows and
 context pairs are the slowest rank's under the document mask, and where ``csbp.dflash.exchange``
@@ -38,6 +42,7 @@ from csbp.plan.documents import draft_counts
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Layout
 from csbp.plan.model import GIB, Prediction, kv_row_bytes, ring_bandwidth
+from csbp.plan.target_pass import target_pass_memory, target_pass_times
 from csbp.plan.workload import Workload
 
 DRAFTER_FIXED_GIB = 1.0
@@ -107,6 +112,9 @@ def predict_drafter(
     compute = (dense + attn + context) / rate
     fwd_s = compute / 3
     bwd_s = compute - fwd_s
+    target = target_pass_times(workload, layout, seq_len, hw, cal)  # online features: the frozen target's pass
+    if target is not None:
+        fwd_s += target.compute_s + target.kv_s
 
     received = 0.0  # context K/V bytes a rank receives per micro-step, summed over layers
     moved = 0.0  # ... and the busiest member's larger direction (the all-gather's: both the same)
@@ -129,6 +137,10 @@ def predict_drafter(
     ) * 1e9
     t_grad = 2.0 * p * trainable * (world - 1) / world / grad_bw if world > 1 else 0.0
     t_opt = 32.0 * trainable / (hw.hbm_tbps * 1e12)
+    if target is not None:  # its blocking K/V all-gathers: K/V traffic, exposed in full
+        kv_bytes += accum * target.kv_bytes
+        exposed_kv += accum * target.kv_s
+        compute += target.compute_s
     step = accum * compute + exposed_kv + t_grad + t_opt
 
     act_row = sum(
@@ -151,6 +163,10 @@ def predict_drafter(
     terms["context activations"] = context_rows * (2 * model.d_model + kv_width) * p
     if received:  # every layer keeps the gathered (or exchanged) context K/V for its backward
         terms["received context K/V"] = received
+    terms.update(target_pass_memory(
+        workload, layout, seq_len, features=feature_rows * obj.feature_width * p, step_only=step_memory_only,
+        step_activations=terms["draft activations"] + terms["context activations"] + received,
+    ))
     return Prediction(
         layout=layout,
         step_s=step,

@@ -242,6 +242,11 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
         raise ValueError(
             f"{where}: record lacks {missing[0]!r}: rerun the benchmark with this csbp version (its --json records the model shape)"
         )
+    if kind == "dflash" and record.get("target_capture", "offline") != "offline":
+        raise ValueError(
+            f"{where}: timed with `--target-capture {record['target_capture']}` (the online target pass), which "
+            "the drafter's fitted terms leave out; calibrate on offline records (csbp bench dflash's default)"
+        )
     p = {"float32": 4, "bfloat16": 2, "float64": 8}.get(record.get("dtype", "float32"), 4)
     group = LayerGroup(
         record["num_layers"],

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from csbp.plan.artifact_documents import DocumentSample
     from csbp.plan.documents import RowDocuments
+    from csbp.plan.target_pass import TargetPass
 
 OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "dflash")
 
@@ -117,13 +118,41 @@ class Workload:
     """Model, objective and element size (2: bf16, 4: fp32) of one training run. ``doc_length``:
     rows pack documents of that mean length under the document mask (``csbp.plan.documents``;
     None: one document per row), or real rows: one (``RowDocuments``) or an artifact's sample
-    (``DocumentSample``, ``csbp plan --data``; ``predict`` averages over its rows)."""
+    (``DocumentSample``, ``csbp plan --data``; ``predict`` averages over its rows). ``target_pass``:
+    a drafter's online target pass (``csbp.plan.target_pass``; None: offline features)."""
 
     model: ModelShape
     objective: Objective
     dtype_bytes: int = 2
     notes: tuple[str, ...] = field(default_factory=tuple)
     doc_length: int | RowDocuments | DocumentSample | None = None
+    target_pass: TargetPass | None = None
+
+    def with_target_pass(self, mode: str | None, target_config: Path | None = None) -> Workload:
+        """A copy with ``csbp plan --target-pass MODE [--target-config PATH]``: ``offline`` drops the
+        pass; ``sharded``/``replicated`` price it with the target of ``target_config`` (a HF
+        ``config.json``, every layer run) or the run config's own target."""
+        from csbp.plan.target_pass import TARGET_PASSES, TargetPass
+
+        if mode is None and target_config is None:
+            return self
+        if not self.objective.is_drafter:
+            raise ValueError("--target-pass and --target-config need a DFlash drafter workload")
+        if mode is not None and mode not in TARGET_PASSES:
+            raise ValueError(f"--target-pass {mode!r} must be one of {', '.join(TARGET_PASSES)}")
+        current = self.target_pass
+        if target_config is not None:
+            target = hf_workload(target_config).model
+            current = TargetPass(current.mode if current else "offline", target, target.num_layers)
+        mode = mode or (current.mode if current else "offline")
+        if mode == "offline":
+            return replace(self, target_pass=None if current is None else replace(current, mode=mode))
+        if current is None:
+            raise ValueError(
+                f"--target-pass {mode} needs the target's shape: add --target-config PATH (its HF config.json), "
+                "or plan a run config, whose objective.dflash.target names it"
+            )
+        return replace(self, target_pass=replace(current, mode=mode))
 
     def with_options(
         self,
@@ -174,7 +203,7 @@ class Workload:
                     + f"), got {doc_length}"
                 )
             docs = doc_length
-        return Workload(model, obj, self.dtype_bytes, self.notes, docs)
+        return replace(self, model=model, objective=obj, doc_length=docs)
 
 
 # ----------------------------------------------------------------------------- readers
@@ -324,6 +353,7 @@ def _dflash_workload(cfg: Any) -> Workload:
     ``objective.dflash`` (layers, widths, windows, anchors, fused target layers); csbp's step
     projects every context row a rank holds."""
     from csbp.dflash.config import default_target_layer_ids
+    from csbp.plan.target_pass import TargetPass
 
     section = cfg.objective.dflash
     target = hf_workload(Path(section.target))
@@ -354,4 +384,8 @@ def _dflash_workload(cfg: Any) -> Workload:
         window=section.sliding_window or 0,
         selector_rank=section.selector_rank,
     )
-    return Workload(model, objective, {"fp32": 4, "bf16": 2, "fp64": 8}[cfg.train.precision])
+    # what the step runs: offline features, else the online pass of objective.dflash.target_capture
+    mode = "offline" if section.features is not None else section.target_capture
+    layers = t.num_layers if section.loss == "kl" else max(ids) + 1
+    dtype_bytes = {"fp32": 4, "bf16": 2, "fp64": 8}[cfg.train.precision]
+    return Workload(model, objective, dtype_bytes, target_pass=TargetPass(mode, t, layers))
