@@ -27,11 +27,10 @@ anchors of a packet, ``B`` block size.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import Tensor
 
+from csbp.dflash.exchange import ring_member_layouts
 from csbp.dflash.layouts import AnchorPacket, DFlashLayout, context_positions, owned_packet
 from csbp.dflash.loss import block_targets
 from csbp.parallel.comm import Comm
@@ -52,12 +51,10 @@ def ring_member_packets(
     anchors: Tensor, doc_start: Tensor, layout: DFlashLayout, *, context: str, min_bucket: int
 ) -> list[AnchorPacket]:
     """The packet of every member ``c`` of this rank's CP ring, in ring order."""
-    packets = []
-    for c in range(layout.cp):
-        owner = layout.owner_rank - layout.cp_rank + c if layout.num_owners > 1 else 0
-        member = replace(layout, cp_rank=c, owner_rank=owner)
-        packets.append(owned_packet(anchors, doc_start, member, context=context, min_bucket=min_bucket))
-    return packets
+    return [
+        owned_packet(anchors, doc_start, member, context=context, min_bucket=min_bucket)
+        for member in ring_member_layouts(layout)
+    ]
 
 
 def ring_teacher_needs(
