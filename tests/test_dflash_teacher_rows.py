@@ -61,10 +61,13 @@ def _worker(rank: int, world: int, cp: int, owners: int) -> list[tuple[float, in
             block_size=BLOCK_SIZE, context="strict", min_bucket=1,
         )
         ctx.counter.reset()
-        rows_LD = exchange_teacher_rows(sharded.last_hidden[s], needs, ring, seq_len=SEQ_LEN, cp=cp, cp_rank=ring.rank)
+        rows_ND, held = exchange_teacher_rows(
+            sharded.last_hidden[s], needs, ring, seq_len=SEQ_LEN, cp=cp, cp_rank=ring.rank
+        )
+        assert torch.equal(held, needs[ring.rank]) and rows_ND.shape[0] == held.numel() < SEQ_LEN
         packet = owned_packet(anchors, doc_start, layout, context="strict", min_bucket=1)
         got = block_targets(batch.input_ids[s], batch.loss_mask[s], batch.doc_ids[s], packet, BLOCK_SIZE,
-                            sample=s, last_hidden_LD=rows_LD)
+                            sample=s, last_hidden_LD=rows_ND, last_hidden_positions=held)
         ref = block_targets(batch.input_ids[s], batch.loss_mask[s], batch.doc_ids[s], packet, BLOCK_SIZE,
                             sample=s, last_hidden_LD=full.last_hidden[s])
         assert got.teacher is not None and ref.teacher is not None and bool(got.valid.any())
@@ -110,3 +113,21 @@ def test_teacher_positions_are_the_supervised_rows_predecessors() -> None:
     read = torch.unique(targets.teacher[targets.valid, 0].long())
     assert torch.equal(needed, read) and needed.numel() < SEQ_LEN
     assert bool((needed < SEQ_LEN - 1).all())  # a supervised row's predecessor is never the last position
+
+
+def test_compact_teacher_rows_read_like_the_full_rows() -> None:
+    batch = make_batch(2, SEQ_LEN, seed=4)
+    anchors, doc_start = _anchors(batch, 1)
+    packet = owned_packet(anchors, doc_start, dflash_layout(Topology(cp=2, bp=2), 1), context="strict", min_bucket=4)
+    ids, mask, docs = batch.input_ids[1], batch.loss_mask[1], batch.doc_ids[1]
+    needed = teacher_positions(ids, mask, docs, packet, BLOCK_SIZE)
+    full_LD = torch.randn(SEQ_LEN, 3, dtype=torch.float64)
+    ref = block_targets(ids, mask, docs, packet, BLOCK_SIZE, sample=1, last_hidden_LD=full_LD)
+    got = block_targets(ids, mask, docs, packet, BLOCK_SIZE, sample=1, last_hidden_LD=full_LD[needed],
+                        last_hidden_positions=needed)
+    assert got.teacher is not None and ref.teacher is not None and bool(ref.valid.any())
+    assert torch.equal(got.teacher[got.valid], ref.teacher[ref.valid])
+    # a rank whose packet supervises nothing holds no rows: its teacher is zeros of the right shape
+    none = block_targets(ids, mask, docs, packet, BLOCK_SIZE, sample=1, last_hidden_LD=full_LD[:0],
+                         last_hidden_positions=needed[:0])
+    assert none.teacher is not None and none.teacher.shape == ref.teacher.shape and not bool(none.teacher.any())

@@ -99,8 +99,12 @@ def block_targets(
     *,
     sample: int,
     last_hidden_LD: Tensor | None = None,
+    last_hidden_positions: Tensor | None = None,
 ) -> BlockTargets:
-    """Labels and supervision of the packet's blocks in one sample (module docstring)."""
+    """Labels and supervision of the packet's blocks in one sample (module docstring).
+    ``last_hidden_positions``: the sorted positions of ``last_hidden_LD``'s rows when it holds only
+    some rows (``csbp.dflash.teacher_rows``: every supervised row's predecessor among them); None
+    when row ``p`` is position ``p``. Unsupervised rows then read an arbitrary held row (or zeros)."""
     seq_len = input_ids_L.shape[0]
     slot = torch.arange(block_size).repeat(len(packet))
     anchor = packet.anchors.repeat_interleave(block_size)
@@ -114,8 +118,15 @@ def block_targets(
     valid = live & inside & (slot >= 1) & loss_mask_L.cpu().bool()[safe] & same_segment
     ids = input_ids_L.cpu()
     teacher = None
-    if last_hidden_LD is not None:
+    if last_hidden_LD is not None and last_hidden_positions is None:
         teacher = last_hidden_LD[previous.to(last_hidden_LD.device)]
+    elif last_hidden_LD is not None and last_hidden_positions is not None:
+        if last_hidden_LD.shape[0] == 0:
+            teacher = last_hidden_LD.new_zeros((previous.shape[0], last_hidden_LD.shape[-1]))
+        else:
+            held = last_hidden_positions.cpu()
+            row = torch.searchsorted(held, previous).clamp(max=held.shape[0] - 1)
+            teacher = last_hidden_LD[row.to(last_hidden_LD.device)]
     return BlockTargets(
         labels=torch.where(inside, ids[safe], 0),
         valid=valid,

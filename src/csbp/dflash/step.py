@@ -283,9 +283,10 @@ class DFlashStep:
                 )[0]
             )
             last = None if features.last_hidden is None else features.last_hidden[s]
+            held = None
             if last is not None and features.positions is not None:  # the ring's rows my packet reads
-                last = self._teacher_rows(batch, s, anchors[s], doc_start, last, min_bucket)
-            target_parts.append(self._targets(batch, s, packet, last))
+                last, held = self._teacher_rows(batch, s, anchors[s], doc_start, last, min_bucket)
+            target_parts.append(self._targets(batch, s, packet, last, held))
         hidden_RD = torch.cat(hidden_parts)
         out = rank_dflash_loss(
             hidden_RD,
@@ -356,9 +357,9 @@ class DFlashStep:
 
     def _teacher_rows(
         self, batch: DFlashBatch, s: int, anchors: Tensor, doc_start: Tensor, last_MD: Tensor, min_bucket: int
-    ) -> Tensor:
-        """``[L, H]`` teacher rows of sample ``s`` from the ring's last hidden shards: exactly the rows
-        this rank's supervised draft rows read (``csbp.dflash.teacher_rows``)."""
+    ) -> tuple[Tensor, Tensor]:
+        """``(rows [N, H], positions [N])``: the teacher rows of sample ``s`` from the ring's last hidden
+        shards, exactly the rows this rank's supervised draft rows read (``csbp.dflash.teacher_rows``)."""
         layout = self.plan.layout
         if self.plan.ring_comm is None:
             raise ValueError("sharded target features with loss='kl' need the CP ring comm to exchange teacher rows")
@@ -398,7 +399,8 @@ class DFlashStep:
             )
 
     def _targets(
-        self, batch: DFlashBatch, s: int, packet: AnchorPacket, last_hidden: Tensor | None
+        self, batch: DFlashBatch, s: int, packet: AnchorPacket, last_hidden: Tensor | None,
+        last_hidden_positions: Tensor | None = None,
     ) -> BlockTargets:
         return block_targets(
             batch.input_ids[s],
@@ -408,6 +410,7 @@ class DFlashStep:
             self.drafter.config.block_size,
             sample=s,
             last_hidden_LD=last_hidden,
+            last_hidden_positions=last_hidden_positions,
         )
 
 

@@ -15,10 +15,10 @@ member, each member sends a peer exactly the rows the peer's supervised rows rea
 * ``need_c`` = the sorted distinct positions ``a + j − 1`` of member ``c``'s supervised rows;
   member ``r`` sends ``c`` its rows at ``need_c ∩ context_positions(L, cp, r)`` in position order.
 
-The result is an ``[L, H]`` tensor holding the exact rows at ``need_{cp_rank}`` and zeros
-elsewhere; ``block_targets`` indexes it as it indexes the replicated last hidden state, and the
-rows it reads that are zero are never supervised, so the loss is unchanged (exact: rows are copied,
-not recomputed). Bytes a rank sends per sample: ``Σ_{c ≠ r} |need_c ∩ rows_r| · H · element_size``
+The result is the ``[N, H]`` rows at ``need_{cp_rank}`` (sorted positions, ``N`` of them) with
+those positions; ``block_targets(..., last_hidden_positions=...)`` looks the supervised rows up in
+it, so no ``[L, H]`` tensor is built (at L = 1M, H = 4096 in bf16 that would be 8 GiB per sample).
+Rows are copied, not recomputed, so the loss is exact. Bytes a rank sends per sample: ``Σ_{c ≠ r} |need_c ∩ rows_r| · H · element_size``
 (``teacher_exchange_bytes``), against ``(cp − 1)·(L/cp)·H·element_size`` for the all-gather.
 
 Shape legend: ``L`` sequence length, ``M`` this rank's context rows, ``H`` hidden size, ``n``
@@ -94,10 +94,10 @@ def _sent_rows(needs: list[Tensor], owner_L: Tensor, sender: int) -> list[Tensor
 
 def exchange_teacher_rows(
     last_MD: Tensor, needs: list[Tensor], comm: Comm, *, seq_len: int, cp: int, cp_rank: int
-) -> Tensor:
-    """``[L, H]``: the ring's last hidden rows at ``needs[cp_rank]``, zeros elsewhere (module
-    docstring). ``last_MD`` holds this rank's rows ``context_positions(L, cp, cp_rank)``; every ring
-    member must call it together with the same ``needs``."""
+) -> tuple[Tensor, Tensor]:
+    """``(rows [N, H], positions [N])``: the ring's last hidden rows at ``needs[cp_rank]`` (sorted
+    positions; module docstring). ``last_MD`` holds this rank's rows ``context_positions(L, cp,
+    cp_rank)``; every ring member must call it together with the same ``needs``."""
     if len(needs) != cp or comm.size != cp or comm.rank != cp_rank:
         raise ValueError(
             f"teacher exchange: {len(needs)} needs and a ring comm of size {comm.size} rank {comm.rank} for "
@@ -112,9 +112,8 @@ def exchange_teacher_rows(
     received, _ = comm.all_to_all(
         send, [int(p.numel()) for p in sent], [int(p.numel()) for p in received_from], category=TEACHER_CATEGORY
     )
-    full_LD = last_MD.new_zeros((seq_len, last_MD.shape[-1]))
-    full_LD[torch.cat(received_from).to(device)] = received
-    return full_LD
+    positions, order = torch.sort(torch.cat(received_from))
+    return received[order.to(device)], positions
 
 
 def teacher_exchange_bytes(needs: list[Tensor], *, seq_len: int, cp: int, rank: int, row_bytes: int) -> int:
