@@ -252,3 +252,28 @@ def test_target_pass_table_and_refusals() -> None:
         run_target_pass_bench([64], nproc=1, config=config)
     with pytest.raises(ValueError, match="multiple of 2·nproc=8"):
         run_target_pass_bench([20], nproc=4, config=config)
+
+
+@pytest.mark.multiprocess
+def test_teacher_rows_bench_counts_the_exchange_its_formula_predicts() -> None:
+    from csbp.bench.dflash_teacher import _doc_ids, run_teacher_rows_bench
+    from csbp.dflash.anchors import sample_anchors, segment_starts
+    from csbp.dflash.layouts import DFlashLayout
+    from csbp.dflash.teacher_rows import ring_teacher_needs, teacher_exchange_bytes
+
+    seq_len, count, block, cp = 256, 12, 4, 2
+    records = run_teacher_rows_bench([seq_len], [count], nproc=cp, block_size=block, doc_length=40)
+    mask = torch.ones(seq_len, dtype=torch.bool)
+    docs = _doc_ids(seq_len, 40, 0)
+    anchors = sample_anchors(mask, docs, max_anchors=count, method="uniform", block_size=block,
+                             generator=torch.Generator().manual_seed(0))
+    for record in records:
+        owners = cp if record.layout == "csbp" else 1
+        sent = []
+        for rank in range(cp):
+            layout = DFlashLayout(cp, rank, owners, rank if owners > 1 else 0, 1.0)
+            needs = ring_teacher_needs(torch.zeros(seq_len, dtype=torch.long), mask, docs, anchors,
+                                       segment_starts(docs)[anchors], layout, block_size=block, context="strict",
+                                       min_bucket=max(1, min(128, count // owners)))
+            sent.append(teacher_exchange_bytes(needs, seq_len=seq_len, cp=cp, rank=rank, row_bytes=1))
+        assert record.exchange_rows == max(sent) and 0 < record.exchange_rows < record.all_gather_rows == seq_len // 2

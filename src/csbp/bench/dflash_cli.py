@@ -1,6 +1,7 @@
 """``csbp bench dflash``'s command line: its options and the command that runs the drafter steps
 (``csbp.bench.dflash_bench``) or, with ``--target-pass``, the target pass alone
-(``csbp.bench.dflash_target``)."""
+(``csbp.bench.dflash_target``), or, with ``--teacher-rows``, the KL teacher rows the ring exchanges
+(``csbp.bench.dflash_teacher``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from csbp.bench.common import (
 )
 from csbp.bench.dflash_bench import TARGET_CAPTURE_CHOICES, format_table, run_dflash_bench
 from csbp.bench.dflash_target import run_target_pass_command
+from csbp.bench.dflash_teacher import run_teacher_rows_command
 
 
 def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
@@ -54,6 +56,11 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
         "--target-pass", action="store_true",
         help="instead: the online target pass per rank, replicated vs context-sharded (csbp.bench.dflash_target)",
     )
+    bench.add_argument(
+        "--teacher-rows", action="store_true",
+        help="instead: the KL teacher rows of the last hidden state each ring member sends under the sharded "
+        "target pass, CP-only and CSBP (bp = nproc), against the all-gather (csbp.bench.dflash_teacher)",
+    )
     add_output_options(bench, png_help="speedup plot (default: --json with suffix .png)")
     bench.set_defaults(func=run_dflash_bench_command)
 
@@ -61,8 +68,12 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
 def run_dflash_bench_command(args: argparse.Namespace) -> int:
     check_head_options(args)  # before anything is printed or launched
     check_device_option(args)
+    if args.target_pass and args.teacher_rows:
+        raise SystemExit("csbp bench dflash: --target-pass and --teacher-rows are two separate benchmarks; pass one")
     if args.target_pass:
         return run_target_pass_command(args)
+    if args.teacher_rows:
+        return run_teacher_rows_command(args)
     header = (
         f"csbp bench dflash: nproc={args.nproc} block={args.block_size} drafter={args.num_draft_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
