@@ -13,21 +13,16 @@ across layouts.
 
 With documents CSBP moves only the context rows its anchors may see (``csbp.dflash.exchange``), and
 so does ``cp-aware`` (CP-only's topology with ``transport: halo``); ``cp`` all-gathers whole
-context shards, as generic context parallelism does.
+context shards, as generic context parallelism does. With ``sliding_window`` (``--sliding-window
+W``: every draft layer slides) CSBP exchanges only its anchors' window rows with one document per
+row too; ``csbp-gather`` is CSBP with the all-gather kept (``topology.transport: streaming``, which
+DFlash runs as the all-gather), so the two exchanges' bytes stand side by side in one run.
 
 Per layout it records the median step time over ``repeats`` steps after ``warmup`` (the slowest
 rank; with ``--ablate-overlap`` also with the collectives serialized, the two alternating step by
 step in the same processes), the attention bytes a rank sends per step (context K/V over the CP ring), the peak memory
-growth per rank and ``drafter_flops_per_rank``, counted from the rank's actual packet:
-
-* per block row of the packet (dead padding rows included, they are computed) and draft layer:
-  q/k/v/o projections and the SwiGLU MLP; per scored row (slots ``1 … B−1`` of live anchors inside
-  the sequence) the LM head; per context row the rank holds: the fusion ``fc`` and each layer's
-  context k/v projections. Forward ``2·m·n`` per matrix; backward doubles trainable matmuls whose
-  input needs a gradient (×3 in all), weight-gradient only for ``fc`` (×2), input-gradient only
-  for the frozen head (×2);
-* attention: ``B·(B + a − doc_start)`` allowed pairs per live anchor ``a`` per layer
-  (``csbp.bench.measure.attention_flops``, forward and backward).
+growth per rank and ``drafter_flops_per_rank``, counted from the rank's actual packet
+(``csbp.bench.dflash_flops``).
 
 CP-only ranks process *all* anchors of a sample (only context is sharded), so their block-path
 FLOPs are ``cp`` times those of a CSBP rank: that replication is what CSBP removes.
@@ -71,20 +66,24 @@ from csbp.bench.common import (
     serialized_if,
     write_outputs,
 )
+from csbp.bench.dflash_flops import drafter_step_flops
 from csbp.bench.dflash_target import run_target_pass_command
-from csbp.bench.measure import attention_flops
 from csbp.devices import backend_device
 from csbp.dflash.anchors import segment_starts
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, default_target_layer_ids
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import TargetFeatures, capture_target_features
-from csbp.dflash.layouts import AnchorPacket, context_positions, owned_packet
+from csbp.dflash.layouts import context_positions, owned_packet
 from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.topology import Topology
+
+GATHER_LAYOUTS = {"csbp-gather": "csbp"}
+"""``csbp bench dflash`` layouts that run another's topology with the context all-gather kept
+(``transport: streaming``): the baseline of CSBP's context exchange, in the same run."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +107,7 @@ class DFlashBenchConfig:
     repeats: int = 3
     seed: int = 0
     doc_length: int | None = None  # mean packed-document length (None: one document per row)
+    sliding_window: int | None = None  # every draft layer slides with this W (None: full attention)
     layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
     ablate_overlap: bool = False  # also time serialized collectives (``--ablate-overlap``)
 
@@ -118,6 +118,8 @@ class DFlashBenchConfig:
                 f"doc_length={self.doc_length} leaves no valid anchor (an anchor and its next token share a "
                 "document): use --doc-length >= 2"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
         if self.anchors > self.seq_len - 1:
             raise ValueError(
                 f"anchors={self.anchors} exceeds the {self.seq_len - 1} valid anchors of "
@@ -142,7 +144,13 @@ class DFlashBenchConfig:
             block_size=self.block_size,
             mask_token_id=self.vocab_size - 1,
             target_layer_ids=default_target_layer_ids(self.num_target_layers, self.num_draft_layers),
+            **self._sliding(),
         )
+
+    def _sliding(self) -> dict[str, object]:
+        if self.sliding_window is None:
+            return {}
+        return {"layer_types": ("sliding_attention",) * self.num_draft_layers, "sliding_window": self.sliding_window}
 
     def objective(self) -> DFlashObjectiveConfig:
         return DFlashObjectiveConfig(max_anchors=self.anchors)
@@ -178,26 +186,9 @@ class DFlashRecord:
     feature_width: int = 0
     dtype: str = "float32"
     doc_length: int | None = None
+    sliding_window: int | None = None
     serialized_step_time_s: float | None = None  # ``--ablate-overlap``: collectives waited for at issue
     overlap_ratio: float | None = None  # step_time_s / serialized_step_time_s
-
-
-def drafter_step_flops(
-    config: DFlashConfig, packet: AnchorPacket, num_context_rows: int, seq_len: int
-) -> int:
-    """Drafter matmul and attention FLOPs of one training step over ``packet`` (module docstring)."""
-    hidden, block = config.hidden_size, config.block_size
-    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    block_row = 2 * hidden * (2 * q_width + 2 * kv_width) + 6 * hidden * config.intermediate_size
-    context_row = 2 * hidden * 2 * kv_width
-    live = packet.anchors[packet.keep]
-    scored = int((seq_len - 1 - live).clamp(min=0, max=block - 1).sum())
-    matmul = 3 * config.num_layers * (len(packet) * block * block_row + num_context_rows * context_row)
-    matmul += (
-        2 * num_context_rows * 2 * config.feature_width * hidden + 2 * scored * 2 * hidden * config.vocab_size
-    )
-    pairs = int((block * (block + live - packet.doc_start[packet.keep])).sum()) * config.num_layers
-    return matmul + attention_flops(pairs, num_heads=config.num_heads, head_dim=config.head_dim)
 
 
 def anchor_generator(seed: int, step: int, sample: int) -> torch.Generator:
@@ -339,11 +330,13 @@ def run_dflash_bench(
     ``header`` is printed once every input is checked, before anything runs (a bad input prints
     nothing but its error line)."""
     require_parallel(nproc)
-    cell = select_topologies(layouts, nproc, csbp_cp, csbp_bp)
+    cell = select_topologies([GATHER_LAYOUTS.get(name, name) for name in layouts], nproc, csbp_cp, csbp_bp)
     samples = samples or max(t.dp for t in cell)
     if any(samples % t.dp for t in cell):
         raise ValueError(f"samples={samples} must be a multiple of every layout's dp {[t.dp for t in cell]}")
-    transports = tuple(layout_transport(name, "collective") for name in layouts)
+    transports = tuple(
+        "streaming" if name in GATHER_LAYOUTS else layout_transport(name, "collective") for name in layouts
+    )
     configs = [
         DFlashBenchConfig(seq_len=n, anchors=a, samples=samples, layout_transports=transports, **cfg_kwargs)  # type: ignore[arg-type]
         for a in anchor_counts
@@ -392,6 +385,7 @@ def run_dflash_bench(
                     feature_width=cfg.drafter_config().feature_width,
                     dtype=cfg.dtype,
                     doc_length=cfg.doc_length,
+                    sliding_window=cfg.sliding_window,
                     serialized_step_time_s=serial,
                     overlap_ratio=overlap_ratio(step, serial),
                 )
@@ -404,7 +398,7 @@ def run_dflash_bench(
 TABLE_COLUMNS = [
     Column("anchors", "anchors", ">7"),
     Column("seq_len", "seq_len", ">7"),
-    Column("layout", "layout", "<8"),
+    Column("layout", "layout", "<11"),
     Column("cp", "cp", ">3"),
     Column("bp", "bp", ">3"),
     Column("dp", "dp", ">3"),
@@ -431,6 +425,7 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
     add_layout_options(
         bench, seq_lens=[1024, 2048, 4096, 8192], csbp_cp_help="CP degree of CSBP (default nproc)",
         layouts=LAYOUTS,  # cp-aware: CP-only with the context exchange (differs from cp with --doc-length)
+        extra_layouts=tuple(GATHER_LAYOUTS),
     )
     bench.set_defaults(layouts=["cp", "bp", "csbp"])
     bench.add_argument("--anchors", type=int, nargs="+", default=[16, 64], help="anchor blocks per sample")
@@ -440,6 +435,11 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
         "--doc-length", type=int, default=None,
         help="pack random documents of this mean length (default: one document per row); CSBP and cp-aware "
         "then exchange only the context rows an anchor may see",
+    )
+    bench.add_argument(
+        "--sliding-window", type=int, default=None, metavar="W",
+        help="every draft layer slides with window W (default: full attention); CSBP then exchanges only "
+        "its anchors' window rows, also with one document per row (compare layout csbp-gather, the all-gather)",
     )
     add_model_width_options(bench, vocab_size=1024, intermediate_size=384)
     bench.add_argument("--num-target-layers", type=int, default=2)
@@ -463,7 +463,8 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
     header = (
         f"csbp bench dflash: nproc={args.nproc} block={args.block_size} drafter={args.num_draft_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
-        f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per "
+        f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} sliding_window={args.sliding_window} "
+        f"(random tokens, 1 thread per "
         f"process, median of {args.repeats})"
     )
     records = run_dflash_bench(
@@ -490,6 +491,7 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         repeats=args.repeats,
         doc_length=args.doc_length,
+        sliding_window=args.sliding_window,
         ablate_overlap=args.ablate_overlap,
     )
     write_outputs(
