@@ -53,9 +53,8 @@ def test_verify_with_flash_pieces_against_the_generic_reference(capsys: pytest.C
         (["--nproc", "4", "--bp", "4", "--seq-len", "12"], "bp"),
         # one block covering the whole row: the train config refuses it (objective.block_size), so does verify
         (["--nproc", "1", "--seq-len", "8", "--block-size", "8"], "block_size=8 must be below seq_len=8 for bd3"),
-        (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--window", "4"], "drop --window"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--seq-len", "30"], "2*cp=4"),
-        (["--nproc", "2", "--objective", "dflash", "--dtype", "float32"], "drop --window/--dtype"),
+        (["--nproc", "2", "--objective", "dflash", "--dtype", "float32"], "drop --dtype"),
         # found by the random CLI sweep: a Topology.dp=0 message, and flags dflash silently ignored
         (["--nproc", "2", "--cp", "4"], "--nproc 2 is not a multiple of max(--cp, --bp) = 4: use --nproc 4"),
         (["--nproc", "2", "--objective", "dflash", "--block-size", "8"], "drop --block-size"),
@@ -122,6 +121,20 @@ def test_verify_dflash_with_documents_adds_cp_aware(
     assert cp_only == ["collective", "halo"]
     out = capsys.readouterr().out
     assert "doc_length=6" in out.splitlines()[0] and "cp-aware dp1xcp2xbp1  exchange" in out
+
+
+def test_verify_dflash_window_slides_the_first_drafter_layer(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--window W`` gives every case a sliding first layer; CSBP then exchanges (its one-document
+    samples' window rows), plain CP-only keeps the all-gather."""
+    seen = _record_dflash_cases(monkeypatch)
+    assert main(["verify", "--nproc", "2", "--objective", "dflash", "--window", "6"]) == 0
+    assert len(seen) == 4 and all(c.drafter_options == {
+        "layer_types": ("sliding_attention", "full_attention"), "sliding_window": 6} for c in seen)
+    out = capsys.readouterr().out
+    assert "window=6" in out.splitlines()[0]
+    assert "csbp     dp1xcp2xbp2  exchange" in out and "cp-only  dp1xcp2xbp1  all-gather" in out
 
 
 def test_dflash_verify_worker_builds_its_plan_on_the_case_backend(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,6 +14,7 @@ from csbp.dflash.anchors import sample_anchors, segment_starts
 from csbp.dflash.config import DFlashConfig
 from csbp.dflash.exchange import (
     all_gather_rows,
+    context_exchange_kinds,
     context_exchange_plan,
     context_exchange_wanted,
     context_exchanges,
@@ -21,6 +22,7 @@ from csbp.dflash.exchange import (
     exchanged_rows,
     packs_documents,
     ring_member_layouts,
+    sample_context_exchanges,
 )
 from csbp.dflash.layouts import block_query_rows, context_positions, dflash_layout, owned_packet
 from csbp.models.config import DecoderConfig
@@ -146,3 +148,56 @@ def test_one_plan_per_layer_kind_and_short_documents_move_little() -> None:
     full, sliding = context_exchanges(config, SEQ_LEN, layout, anchors, doc_start, context="strict", min_bucket=1)
     assert full is not None and sliding is not None and sliding.window == 5 and full.window is None
     assert exchanged_rows(sliding) <= exchanged_rows(full) < all_gather_rows(SEQ_LEN, 4) // 4
+
+
+def _drafter_config(layer_types: tuple[str, ...], window: int | None = 5) -> DFlashConfig:
+    target = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+                           num_kv_heads=2, head_dim=8)
+    return DFlashConfig.from_target(target, num_layers=len(layer_types), block_size=BLOCK, mask_token_id=63,
+                                    target_layer_ids=(0, 2), layer_types=layer_types, sliding_window=window)
+
+
+def test_sliding_kinds_exchange_one_document_rows_under_csbp() -> None:
+    """One document per row: CSBP plans its sliding kind (its anchors read only W-1 rows back), its
+    full kind keeps the all-gather; CP-only keeps it for both unless ``halo``; ``streaming`` never."""
+    mixed = _drafter_config(("sliding_attention", "full_attention"))
+    full_only = _drafter_config(("full_attention", "full_attention"), window=None)
+    csbp, cp_only = dflash_layout(Topology(cp=2, bp=2), 0), dflash_layout(Topology(cp=2), 0)
+    bp_only = dflash_layout(Topology(bp=2, replicate_clean_prefix=True), 0)
+    assert context_exchange_kinds(mixed, csbp, "collective", packs_documents=False) == [False, True]
+    assert context_exchange_kinds(mixed, csbp, "collective", packs_documents=True) == [True, True]
+    assert context_exchange_kinds(mixed, csbp, "streaming", packs_documents=False) == [False, False]
+    assert context_exchange_kinds(mixed, cp_only, "collective", packs_documents=False) == [False, False]
+    assert context_exchange_kinds(mixed, cp_only, "halo", packs_documents=False) == [True, True]
+    assert context_exchange_kinds(mixed, bp_only, "halo", packs_documents=False) == [False, False]
+    assert context_exchange_kinds(full_only, csbp, "collective", packs_documents=False) == [False]
+    one_doc = torch.zeros(SEQ_LEN, dtype=torch.long)
+    starts = segment_starts(one_doc)
+    assert sample_context_exchanges(full_only, SEQ_LEN, csbp, torch.tensor([9, 30, 50]), starts,
+                                    transport="collective", context="strict", min_bucket=1) is None
+
+
+@pytest.mark.parametrize("topology", [Topology(cp=2, bp=2), Topology(cp=2, bp=4), Topology(cp=4, bp=4)], ids=str)
+def test_one_document_sliding_exchange_moves_only_window_rows(topology: Topology) -> None:
+    """Every ring of the sample plans the same per-kind choice on every member; the sliding plan
+    receives exactly the window rows its anchors see that it does not own, fewer than the all-gather."""
+    config = _drafter_config(("sliding_attention", "full_attention"))
+    anchors, doc_start, starts = _sample(doc_length=None, num_anchors=6, seed=5)
+    assert not packs_documents(starts) and int(doc_start.max()) == 0
+    for local_rank in range(topology.local):
+        layout = dflash_layout(topology, local_rank)
+        plans = sample_context_exchanges(config, SEQ_LEN, layout, anchors, starts, transport="collective",
+                                         context="strict", min_bucket=1)
+        assert plans is not None and plans[0] is None and plans[1] is not None and plans[1].window == 5
+        members = [sample_context_exchanges(config, SEQ_LEN, m, anchors, starts, transport="collective",
+                                            context="strict", min_bucket=1)[1] for m in ring_member_layouts(layout)]
+        for m in members:  # the ring agrees on the plan
+            assert m is not None and all(torch.equal(a, b) for sa, sb in zip(m.send, plans[1].send)
+                                         for a, b in zip(sa, sb))
+        packets = [owned_packet(anchors, doc_start, m, context="strict", min_bucket=1)
+                   for m in ring_member_layouts(layout)]
+        for dest, packet in enumerate(packets):
+            seen = _visible(block_query_rows(packet, BLOCK, context="strict", window=5))
+            assert set(plans[1].recv_positions(dest).tolist()) == seen - set(
+                context_positions(SEQ_LEN, topology.cp, dest).tolist())
+        assert exchanged_rows(plans[1]) < all_gather_rows(SEQ_LEN, topology.cp)

@@ -4,7 +4,9 @@ dead anchors) and BP-only, on 2, 4 and 8 gloo processes. Rank 0's sample-group l
 drafter gradients must equal ``reference_dflash_loss`` (dense masks, full logits) to 1e-9
 relative in float64, also with DFlash2 modules, sliding layers, D-PACE, the lambda mix and KL, and
 with random packed documents in every sample (``doc_length``), where CSBP and ``cp-aware`` (CP-only
-with ``transport: halo``) exchange only the context rows an anchor may see (``csbp.dflash.exchange``).
+with ``transport: halo``) exchange only the context rows an anchor may see (``csbp.dflash.exchange``),
+and with one document per row, where CSBP's sliding layers exchange only their anchors' window rows
+(CP-only keeps the all-gather).
 Only context K/V cross the wire: the attention bytes are checked exactly, per rank, against the
 all-gather or the exchange plan of every sample and layer; so are the online target pass's bytes
 (``dflash.target``: the sharded pass's per-layer K/V all-gather, 0 for ``target_capture:
@@ -18,7 +20,7 @@ from torch import Tensor
 
 from csbp.dflash.anchors import segment_starts
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig
-from csbp.dflash.exchange import context_exchange_wanted, context_exchanges, packs_documents
+from csbp.dflash.exchange import sample_context_exchanges
 from csbp.dflash.layouts import DFlashLayout, dflash_layout, draft_query_rows, full_packet
 from csbp.dflash.step import DFlashBatch, sample_batch_anchors
 from csbp.dflash.target_shard import sharded_target_bytes, target_layers_run
@@ -35,6 +37,7 @@ from csbp.topology import Topology
 
 DFLASH2 = {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 40}
 SLIDING = {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 5}
+ONE_DOCUMENT = ((0,) * 32,) * 2  # both samples of a replica: one 32-token document, no padding
 
 CASES = [
     pytest.param(DFlashVerifyCase(Topology(cp=2)), id="cp2"),
@@ -89,6 +92,14 @@ CASES = [
     pytest.param(DFlashVerifyCase(Topology(cp=2, bp=4), doc_length=6), id="csbp-cp2bp4-docs"),
     pytest.param(DFlashVerifyCase(Topology(cp=4), doc_length=6, transport="halo"), id="cp4-aware-docs"),
     pytest.param(DFlashVerifyCase(Topology(bp=2, replicate_clean_prefix=True), doc_length=6), id="bp2-only-docs"),
+    # one document per row: CSBP's sliding layers exchange their window rows, full layers all-gather
+    pytest.param(DFlashVerifyCase(Topology(cp=2, bp=2), drafter_options=SLIDING, doc_ids=ONE_DOCUMENT),
+                 id="csbp-cp2bp2-sliding-1doc"),
+    pytest.param(DFlashVerifyCase(Topology(cp=2, bp=4), drafter_options=SLIDING, doc_ids=ONE_DOCUMENT,
+                                  objective=DFlashObjectiveConfig(max_anchors=8, gamma=7.0, context="inclusive")),
+                 id="csbp-cp2bp4-sliding-1doc-inclusive"),
+    pytest.param(DFlashVerifyCase(Topology(cp=2), drafter_options=SLIDING, doc_ids=ONE_DOCUMENT),
+                 id="cp2-sliding-1doc-gathers"),
 ]
 
 
@@ -99,7 +110,8 @@ def _rank_inputs(case: DFlashVerifyCase, rank: int) -> tuple[DFlashLayout, DFlas
     layout = dflash_layout(topology, coords.local_rank)
     config = build_models(case)[1].config
     batch = replica_batch(
-        make_batch(case.samples * topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length),
+        make_batch(case.samples * topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length,
+                   doc_ids=case.doc_ids),
         coords.dp_rank, case.samples,
     )
     anchors = sample_batch_anchors(batch, case.objective, config.block_size, anchor_generator(case, coords.dp_rank))
@@ -146,12 +158,10 @@ def _context_kv_bytes(case: DFlashVerifyCase, rank: int) -> tuple[int, int]:
         layer_kinds = draft_query_rows(
             config, full_packet(sample_anchors, starts[sample_anchors]), context=case.objective.context
         )[2]
-        plans = [None, None]
-        if context_exchange_wanted(layout, case.transport, packs_documents=packs_documents(starts)):
-            plans = context_exchanges(
-                config, case.seq_len, layout, sample_anchors, starts[sample_anchors],
-                context=case.objective.context, min_bucket=case.objective.anchor_bucket_minimum(layout.num_owners),
-            )
+        plans = sample_context_exchanges(
+            config, case.seq_len, layout, sample_anchors, starts, transport=case.transport,
+            context=case.objective.context, min_bucket=case.objective.anchor_bucket_minimum(layout.num_owners),
+        ) or [None, None]
         for kind in layer_kinds:
             plan = plans[kind]
             me = layout.cp_rank
@@ -176,3 +186,6 @@ def test_layout_equals_reference(case: DFlashVerifyCase) -> None:
         assert all(moved > 0 for _, moved in target)
     if case.doc_length is not None and case.topology.cp > 1:  # short documents: the exchange moves less
         assert sum(moved for moved, _ in expected) < sum(gathered for _, gathered in expected) // 2
+    if case.doc_ids is not None:  # one document: CSBP's sliding layers move less, CP-only all-gathers
+        ratio = sum(moved for moved, _ in expected) / sum(gathered for _, gathered in expected)
+        assert ratio < 0.85 if case.topology.bp > 1 else ratio == 1.0

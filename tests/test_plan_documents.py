@@ -24,11 +24,17 @@ from csbp.attention.draft_counts import (
 from csbp.attention.layouts import halo_exchange_plan, rank_layout, reference_layout
 from csbp.attention.rows import allow_matrix
 from csbp.dflash.config import DFlashConfig
-from csbp.dflash.exchange import all_gather_rows, context_exchanges, ring_member_layouts
+from csbp.dflash.exchange import all_gather_rows, ring_member_layouts, sample_context_exchanges
 from csbp.dflash.layouts import block_query_rows, dflash_layout, owned_packet
 from csbp.models.config import DecoderConfig
 from csbp.plan.calibration import packaged_calibration
-from csbp.plan.documents import DOCUMENT_SEED, document_halo_rows, draft_counts, packed_documents
+from csbp.plan.documents import (
+    DOCUMENT_SEED,
+    document_halo_rows,
+    draft_counts,
+    one_document,
+    packed_documents,
+)
 from csbp.plan.hardware import hardware
 from csbp.plan.layout import Layout
 from csbp.plan.model import predict, rank_counts
@@ -110,16 +116,20 @@ def _dflash_config(window: int) -> DFlashConfig:
 
 @pytest.mark.parametrize("topology", [Topology(cp=2), Topology(cp=4), Topology(cp=2, bp=2),
                                       Topology(cp=2, bp=4), Topology(cp=4, bp=4)], ids=str)
-@pytest.mark.parametrize("transport", ["collective", "halo"])
-def test_draft_counts_equal_the_dflash_exchange(topology: Topology, transport: str) -> None:
+@pytest.mark.parametrize("transport", ["collective", "halo", "streaming"])
+@pytest.mark.parametrize("documents", ["packed", "one"])
+def test_draft_counts_equal_the_dflash_exchange(topology: Topology, transport: str, documents: str) -> None:
     """Anchors dealt, context pairs per rank and exchange rows per ring member, against the real
-    packets and ``context_exchange_plan``; which layer kinds exchange, against ``context_exchanges``."""
+    packets and ``context_exchange_plan``; which layer kinds exchange, against the step's rule
+    (``sample_context_exchanges``): with packed documents, and with one document per row, where
+    CSBP's sliding kind exchanges its window rows and its full kind all-gathers."""
     window, num_anchors, context = 5, 6, "strict"
     config = _dflash_config(window)
-    start, _ = packed_documents(SEQ_LEN, DOC)
-    counts = draft_counts(SEQ_LEN, DOC, block=BLOCK, anchors=num_anchors, cp=topology.cp, bp=topology.bp,
+    key = DOC if documents == "packed" else one_document(SEQ_LEN)
+    start, _ = packed_documents(SEQ_LEN, key)
+    counts = draft_counts(SEQ_LEN, key, block=BLOCK, anchors=num_anchors, cp=topology.cp, bp=topology.bp,
                           transport=transport, windows=(0, window), context=context)
-    anchors_np = spread_anchors(packed_documents(SEQ_LEN, DOC), num_anchors)
+    anchors_np = spread_anchors(packed_documents(SEQ_LEN, key), num_anchors)
     assert len(anchors_np) == num_anchors and np.all(start[anchors_np + 1] == start[anchors_np])  # valid
     draft_counts_anchors = torch.from_numpy(anchors_np)
     doc_start = torch.from_numpy(start[anchors_np].copy())
@@ -132,8 +142,8 @@ def test_draft_counts_equal_the_dflash_exchange(topology: Topology, transport: s
         layout = dflash_layout(topology, ring * topology.cp)
         members = ring_member_layouts(layout)
         packets = [owned_packet(draft_counts_anchors, doc_start, m, context=context, min_bucket=1) for m in members]
-        real = context_exchanges(config, SEQ_LEN, layout, draft_counts_anchors, doc_start, context=context,
-                                 min_bucket=1) if transport == "halo" or topology.bp > 1 else [None, None]
+        real = sample_context_exchanges(config, SEQ_LEN, layout, draft_counts_anchors, torch.from_numpy(start.copy()),
+                                        transport=transport, context=context, min_bucket=1) or [None, None]
         for kind, w in enumerate((0, window)):
             rows = [block_query_rows(p, BLOCK, context=context, window=w or None) for p in packets]
             mine = [draft_intervals(anchors_np[owners[m.owner_rank]], start[anchors_np[owners[m.owner_rank]]],
@@ -157,6 +167,9 @@ def test_draft_counts_equal_the_dflash_exchange(topology: Topology, transport: s
                                                        window=w or None)) for w in (0, window)))
     assert counts.recv_rows == recv_worst and counts.exchanged == used and counts.traffic_rows == busiest
     assert counts.anchors == len(owners[int(np.argmax(load))])
+    if documents == "one" and transport != "halo":  # the full kind reads the whole prefix: all-gather
+        assert not counts.exchanged[0]
+        assert counts.exchanged[window] == (topology.bp > 1 and transport != "streaming")
 
 
 def test_cp_aware_is_a_candidate_only_with_documents() -> None:
@@ -239,6 +252,42 @@ def test_drafter_traffic_and_received_memory_follow_the_context_exchange() -> No
     assert not any(longer.exchanged.values()) and longer.recv_rows == {w: 3 * seq_len // 4 for w in windows}
     assert predict(plain.with_options(doc_length=2048), layout, seq_len, hw, cal).mem_terms[
         "received context K/V"] == gather.mem_terms["received context K/V"]
+
+
+def test_one_document_sliding_layers_price_the_window_exchange() -> None:
+    """No ``--doc-length``, csbp's step (``--drafter-context all``), every layer sliding (W = 2048), 256K:
+    a CSBP ring whose members' anchors leave gaps between their windows exchanges only the window
+    rows, so only the K/V terms move (traffic, its exposed time, the received K/V each layer keeps);
+    a ring whose windows cover the row, CP-only, ``streaming`` and the reference's ``windows``
+    context keep the all-gather, and the exchange is never priced above the all-gather."""
+    seq_len, hw, cal = 256 * 1024, hardware("h100", gpus=8), packaged_calibration("h100")
+    # 512 anchors every 512 positions: a member of 8 owners has one every 4096, of 4 owners every 2048
+    plain = preset_workload("dflash2-qwen3.8").with_options(drafter_context="all", anchors=512)
+    model, obj, p = plain.model, plain.objective, plain.dtype_bytes
+    windows = tuple(sorted({g.window for g in model.groups}))
+    assert windows == (2048,)
+    row_bytes = sum(g.count * 2 * g.n_kv_heads * g.head_dim * p for g in model.groups)
+    for cp, bp, pays in ((8, 8, True), (4, 8, True), (4, 4, False)):
+        layout = Layout(8 // max(cp, bp), cp, bp)
+        got = predict(plain, layout, seq_len, hw, cal)
+        kept = predict(plain, replace(layout, transport="streaming"), seq_len, hw, cal)  # keeps the all-gather
+        gather = (cp - 1) * seq_len // cp
+        assert kept.mem_terms["received context K/V"] == gather * row_bytes
+        counts = draft_counts(seq_len, one_document(seq_len), block=obj.block, anchors=obj.anchors, cp=cp, bp=bp,
+                              transport="collective", windows=windows)
+        assert counts.exchanged[2048] == pays
+        assert got.mem_terms["received context K/V"] == counts.recv_rows[2048] * row_bytes
+        assert got.kv_bytes == 2 * counts.traffic_rows[2048] * row_bytes  # exchange + dK/dV, busiest direction
+        assert (got.kv_bytes < 0.9 * kept.kv_bytes) == pays and got.kv_bytes <= kept.kv_bytes
+        assert {k: v for k, v in got.mem_terms.items() if k != "received context K/V"} == {
+            k: v for k, v in kept.mem_terms.items() if k != "received context K/V"}
+        assert got.fwd_s == kept.fwd_s and got.bwd_s == kept.bwd_s  # the compute is unchanged
+    for layout in (Layout(1, 8), Layout(2, 4)):  # CP-only: every rank holds every anchor, all-gather
+        assert predict(plain, layout, seq_len, hw, cal).mem_terms["received context K/V"] == (
+            (layout.cp - 1) * seq_len // layout.cp * row_bytes)
+    reference = preset_workload("dflash2-qwen3.8")  # context_rows "windows": its own gather, unchanged
+    assert predict(reference, Layout(1, 8, 8), seq_len, hw, cal).kv_bytes == predict(
+        reference, Layout(1, 8, 8, transport="streaming"), seq_len, hw, cal).kv_bytes
 
 
 @pytest.mark.parametrize("objective", ["mdlm", "ar"])

@@ -15,21 +15,16 @@ across layouts.
 
 With documents CSBP moves only the context rows its anchors may see (``csbp.dflash.exchange``), and
 so does ``cp-aware`` (CP-only's topology with ``transport: halo``); ``cp`` all-gathers whole
-context shards, as generic context parallelism does.
+context shards, as generic context parallelism does. With ``sliding_window`` (``--sliding-window
+W``: every draft layer slides) CSBP exchanges only its anchors' window rows with one document per
+row too; ``csbp-gather`` is CSBP with the all-gather kept (``topology.transport: streaming``, which
+DFlash runs as the all-gather), so the two exchanges' bytes stand side by side in one run.
 
 Per layout it records the median step time over ``repeats`` steps after ``warmup`` (the slowest
 rank; with ``--ablate-overlap`` also with the collectives serialized, the two alternating step by
 step in the same processes), the attention bytes a rank sends per step (context K/V over the CP ring), the peak memory
-growth per rank and ``drafter_flops_per_rank``, counted from the rank's actual packet:
-
-* per block row of the packet (dead padding rows included, they are computed) and draft layer:
-  q/k/v/o projections and the SwiGLU MLP; per scored row (slots ``1 … B−1`` of live anchors inside
-  the sequence) the LM head; per context row the rank holds: the fusion ``fc`` and each layer's
-  context k/v projections. Forward ``2·m·n`` per matrix; backward doubles trainable matmuls whose
-  input needs a gradient (×3 in all), weight-gradient only for ``fc`` (×2), input-gradient only
-  for the frozen head (×2);
-* attention: ``B·(B + a − doc_start)`` allowed pairs per live anchor ``a`` per layer
-  (``csbp.bench.measure.attention_flops``, forward and backward).
+growth per rank and ``drafter_flops_per_rank``, counted from the rank's actual packet
+(``csbp.bench.dflash_flops``).
 
 CP-only ranks process *all* anchors of a sample (only context is sharded), so their block-path
 FLOPs are ``cp`` times those of a CSBP rank: that replication is what CSBP removes.
@@ -63,13 +58,13 @@ from csbp.bench.common import (
     select_topologies,
     serialized_if,
 )
-from csbp.bench.measure import attention_flops
+from csbp.bench.dflash_flops import drafter_step_flops
 from csbp.devices import backend_device
 from csbp.dflash.anchors import segment_starts
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, default_target_layer_ids
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import TargetFeatures, capture_target_features
-from csbp.dflash.layouts import AnchorPacket, context_positions, owned_packet
+from csbp.dflash.layouts import context_positions, owned_packet
 from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
 from csbp.dflash.target_shard import TARGET_CAPTURES, TARGET_CATEGORY
 from csbp.engine.context import build_parallel_context
@@ -79,6 +74,11 @@ from csbp.models.decoder import Decoder
 from csbp.topology import Topology
 
 TARGET_CAPTURE_CHOICES = ("offline", *TARGET_CAPTURES)
+"""``--target-capture``: features captured before the timer, or the step's online target pass."""
+
+GATHER_LAYOUTS = {"csbp-gather": "csbp"}
+"""``csbp bench dflash`` layouts that run another's topology with the context all-gather kept
+(``transport: streaming``): the baseline of CSBP's context exchange, in the same run."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,7 @@ class DFlashBenchConfig:
     repeats: int = 3
     seed: int = 0
     doc_length: int | None = None  # mean packed-document length (None: one document per row)
+    sliding_window: int | None = None  # every draft layer slides with this W (None: full attention)
     layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
     ablate_overlap: bool = False  # also time serialized collectives (``--ablate-overlap``)
     target_capture: str = "offline"  # offline: features captured before the timer; else the step's online pass
@@ -115,6 +116,8 @@ class DFlashBenchConfig:
                 f"doc_length={self.doc_length} leaves no valid anchor (an anchor and its next token share a "
                 "document): use --doc-length >= 2"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window} must be >= 1")
         if self.anchors > self.seq_len - 1:
             raise ValueError(
                 f"anchors={self.anchors} exceeds the {self.seq_len - 1} valid anchors of "
@@ -139,7 +142,13 @@ class DFlashBenchConfig:
             block_size=self.block_size,
             mask_token_id=self.vocab_size - 1,
             target_layer_ids=default_target_layer_ids(self.num_target_layers, self.num_draft_layers),
+            **self._sliding(),
         )
+
+    def _sliding(self) -> dict[str, object]:
+        if self.sliding_window is None:
+            return {}
+        return {"layer_types": ("sliding_attention",) * self.num_draft_layers, "sliding_window": self.sliding_window}
 
     def objective(self) -> DFlashObjectiveConfig:
         online = self.target_capture != "offline"
@@ -176,28 +185,11 @@ class DFlashRecord:
     feature_width: int = 0
     dtype: str = "float32"
     doc_length: int | None = None
+    sliding_window: int | None = None
     serialized_step_time_s: float | None = None  # ``--ablate-overlap``: collectives waited for at issue
     overlap_ratio: float | None = None  # step_time_s / serialized_step_time_s
     target_capture: str = "offline"  # ``--target-capture``: offline features, or the step's online pass
     target_bytes_per_rank: int = 0  # dflash.target: the online sharded pass's K/V all-gathers
-
-
-def drafter_step_flops(
-    config: DFlashConfig, packet: AnchorPacket, num_context_rows: int, seq_len: int
-) -> int:
-    """Drafter matmul and attention FLOPs of one training step over ``packet`` (module docstring)."""
-    hidden, block = config.hidden_size, config.block_size
-    q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    block_row = 2 * hidden * (2 * q_width + 2 * kv_width) + 6 * hidden * config.intermediate_size
-    context_row = 2 * hidden * 2 * kv_width
-    live = packet.anchors[packet.keep]
-    scored = int((seq_len - 1 - live).clamp(min=0, max=block - 1).sum())
-    matmul = 3 * config.num_layers * (len(packet) * block * block_row + num_context_rows * context_row)
-    matmul += (
-        2 * num_context_rows * 2 * config.feature_width * hidden + 2 * scored * 2 * hidden * config.vocab_size
-    )
-    pairs = int((block * (block + live - packet.doc_start[packet.keep])).sum()) * config.num_layers
-    return matmul + attention_flops(pairs, num_heads=config.num_heads, head_dim=config.head_dim)
 
 
 def anchor_generator(seed: int, step: int, sample: int) -> torch.Generator:
@@ -345,11 +337,13 @@ def run_dflash_bench(
     ``header`` is printed once every input is checked, before anything runs (a bad input prints
     nothing but its error line)."""
     require_parallel(nproc)
-    cell = select_topologies(layouts, nproc, csbp_cp, csbp_bp)
+    cell = select_topologies([GATHER_LAYOUTS.get(name, name) for name in layouts], nproc, csbp_cp, csbp_bp)
     samples = samples or max(t.dp for t in cell)
     if any(samples % t.dp for t in cell):
         raise ValueError(f"samples={samples} must be a multiple of every layout's dp {[t.dp for t in cell]}")
-    transports = tuple(layout_transport(name, "collective") for name in layouts)
+    transports = tuple(
+        "streaming" if name in GATHER_LAYOUTS else layout_transport(name, "collective") for name in layouts
+    )
     configs = [
         DFlashBenchConfig(seq_len=n, anchors=a, samples=samples, layout_transports=transports, **cfg_kwargs)  # type: ignore[arg-type]
         for a in anchor_counts
@@ -398,6 +392,7 @@ def run_dflash_bench(
                     feature_width=cfg.drafter_config().feature_width,
                     dtype=cfg.dtype,
                     doc_length=cfg.doc_length,
+                    sliding_window=cfg.sliding_window,
                     serialized_step_time_s=serial,
                     overlap_ratio=overlap_ratio(step, serial),
                     target_capture=cfg.target_capture,
@@ -412,7 +407,7 @@ def run_dflash_bench(
 TABLE_COLUMNS = [
     Column("anchors", "anchors", ">7"),
     Column("seq_len", "seq_len", ">7"),
-    Column("layout", "layout", "<8"),
+    Column("layout", "layout", "<11"),
     Column("cp", "cp", ">3"),
     Column("bp", "bp", ">3"),
     Column("dp", "dp", ">3"),
@@ -428,6 +423,3 @@ def format_table(records: list[DFlashRecord]) -> str:
     """A text table with each metric and its ratio to CP-only at the same anchors and length."""
     ablated = any(r.serialized_step_time_s is not None for r in records)
     return format_ratio_table(records, ("anchors", "seq_len"), TABLE_COLUMNS + (OVERLAP_COLUMNS if ablated else []))
-
-
-# ----------------------------------------------------------------------------- CLI

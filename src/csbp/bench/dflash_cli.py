@@ -19,7 +19,7 @@ from csbp.bench.common import (
     check_head_options,
     write_outputs,
 )
-from csbp.bench.dflash_bench import TARGET_CAPTURE_CHOICES, format_table, run_dflash_bench
+from csbp.bench.dflash_bench import GATHER_LAYOUTS, TARGET_CAPTURE_CHOICES, format_table, run_dflash_bench
 from csbp.bench.dflash_target import run_target_pass_command
 from csbp.bench.dflash_teacher import run_teacher_rows_command
 
@@ -30,6 +30,7 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
     add_layout_options(
         bench, seq_lens=[1024, 2048, 4096, 8192], csbp_cp_help="CP degree of CSBP (default nproc)",
         layouts=LAYOUTS,  # cp-aware: CP-only with the context exchange (differs from cp with --doc-length)
+        extra_layouts=tuple(GATHER_LAYOUTS),
     )
     bench.set_defaults(layouts=["cp", "bp", "csbp"])
     bench.add_argument("--anchors", type=int, nargs="+", default=[16, 64], help="anchor blocks per sample")
@@ -39,6 +40,11 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
         "--doc-length", type=int, default=None,
         help="pack random documents of this mean length (default: one document per row); CSBP and cp-aware "
         "then exchange only the context rows an anchor may see",
+    )
+    bench.add_argument(
+        "--sliding-window", type=int, default=None, metavar="W",
+        help="every draft layer slides with window W (default: full attention); CSBP then exchanges only "
+        "its anchors' window rows, also with one document per row (compare layout csbp-gather, the all-gather)",
     )
     add_model_width_options(bench, vocab_size=1024, intermediate_size=384)
     bench.add_argument("--num-target-layers", type=int, default=2)
@@ -77,7 +83,8 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
     header = (
         f"csbp bench dflash: nproc={args.nproc} block={args.block_size} drafter={args.num_draft_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
-        f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per "
+        f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} sliding_window={args.sliding_window} "
+        f"(random tokens, 1 thread per "
         f"process, median of {args.repeats})"
         + (f" target_capture={args.target_capture} (online, timed)" if args.target_capture != "offline" else "")
     )
@@ -105,6 +112,7 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         repeats=args.repeats,
         doc_length=args.doc_length,
+        sliding_window=args.sliding_window,
         ablate_overlap=args.ablate_overlap,
         target_capture=args.target_capture,
     )

@@ -33,7 +33,8 @@ from csbp.plan.artifact_documents import (
     run_config_documents,
 )
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
-from csbp.plan.documents import document_count, draft_counts
+from csbp.plan.documents import document_count
+from csbp.plan.drafter import context_exchange_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
 from csbp.plan.model import GIB, Prediction, halo_used, overlap_note
@@ -306,21 +307,15 @@ def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[st
 def exchange_label(workload: Workload, layout: Layout, seq_len: int) -> str:
     """Which K/V rows a ring exchanges: every row (CP-only), the clean rows (CSBP, full attention),
     only the halo (CSBP window layers, CSBP and cp-aware over packed documents), the target
-    context (drafters; with documents their context exchange), or none."""
+    context (drafters; with documents, or CSBP sliding layers, their context exchange), or none."""
     if layout.cp == 1:
         return "-"
     if workload.objective.is_drafter:
-        if workload.doc_length is None or workload.objective.context_rows != "all":
-            return "context"
-        kinds = tuple(sorted({g.window for g in workload.model.groups}))
         docs = workload.doc_length
         used = set()
         for key in docs.rows if isinstance(docs, DocumentSample) else (docs,):
-            counts = draft_counts(
-                seq_len, key, block=workload.objective.block, anchors=workload.objective.anchors,
-                cp=layout.cp, bp=layout.bp, transport=layout.transport, windows=kinds,
-            )
-            used |= set(counts.exchanged.values())
+            counts = context_exchange_counts(replace(workload, doc_length=key), layout, seq_len)
+            used |= {False} if counts is None else set(counts.exchanged.values())
         return {frozenset({True}): "exchange", frozenset({False}): "context"}.get(frozenset(used), "ctx+exch")
     if layout.kind == "cp" and layout.transport != "halo":
         return "all rows"

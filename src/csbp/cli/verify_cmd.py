@@ -171,11 +171,14 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_verify_dflash(args: argparse.Namespace) -> int:
     """The same self-test for DFlash drafter training (float64, the drafter's parameters); with
     ``--doc-length`` every sample packs random documents and CP-only also runs as ``cp-aware``
-    (``--transport halo``: the context exchange of only the rows an anchor may see)."""
+    (``--transport halo``: the context exchange of only the rows an anchor may see); with
+    ``--window W`` the drafter's first layer slides (window ``W``), whose window rows CSBP exchanges
+    in one-document samples too (the ``context`` column says ``exchange`` where some sample's layer
+    kind exchanges)."""
     from csbp.dflash.config import DFlashObjectiveConfig
-    from csbp.dflash.exchange import context_exchange_wanted
+    from csbp.dflash.exchange import context_exchange_kinds
     from csbp.dflash.layouts import dflash_layout
-    from csbp.dflash.verify import DFlashVerifyCase, verify_dflash
+    from csbp.dflash.verify import DFlashVerifyCase, build_models, verify_dflash
 
     ignored = [flag for flag, changed in (("--block-size", args.block_size != 4), ("--schedule", args.schedule != "dual_end"))
                if changed]
@@ -184,12 +187,10 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
             f"--objective dflash verifies a drafter with blocks of 4 whose anchors are dealt to BP ranks: "
             f"drop {' and '.join(ignored)}"
         )
-    if args.window is not None or args.dtype != "float64":
-        raise ValueError(
-            "--objective dflash verifies full attention in float64 (its contexts always stop at the anchor's "
-            "document start; a drafter's sliding layers are tested by tests/test_dflash_parallel.py): "
-            "drop --window/--dtype"
-        )
+    if args.dtype != "float64":
+        raise ValueError("--objective dflash verifies in float64: drop --dtype")
+    sliding = {} if args.window is None else {
+        "layer_types": ("sliding_attention", "full_attention"), "sliding_window": args.window}
     backend = check_backend_trains_on(args.backend, args.device, where="--backend")  # as for bd3
     check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     topologies = _requested_topologies(args)
@@ -203,6 +204,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
             transports.append("halo")  # the mask-aware CP baseline next to the generic one, as for bd3
         cases += [(t, transport) for transport in transports]
     documents = "" if args.doc_length is None else f" doc_length={args.doc_length}"
+    documents += "" if args.window is None else f" window={args.window}"
     device = "" if args.device == "cpu" else f" device={args.device}"
     print(f"csbp verify (dflash): L={args.seq_len} dtype=float64 nproc={args.nproc} backend={backend}{documents}{device}")
     header = f"{'layout':<8} {'topology':<12} {'context':<10} {'loss rel err':>13} {'grad rel err':>13}  status"
@@ -214,7 +216,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
         case = DFlashVerifyCase(topology=t, objective=objective, seq_len=args.seq_len,
                                 samples=args.samples, seed=args.seed, device=args.device, backend=backend,
                                 diagonal=args.diagonal, clean=args.clean, transport=transport,
-                                doc_length=args.doc_length)
+                                doc_length=args.doc_length, drafter_options=sliding)
         result = verify_dflash(case)
         status = "ok" if result.ok else f"FAIL (tol {result.tolerance:g}, worst {result.worst_param})"
         failed += not result.ok
@@ -222,9 +224,12 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
         if t.layout == "cp" and transport == "halo":
             name = "cp-aware"
         shape = f"dp{t.dp}xcp{t.cp}xbp{t.bp}"
-        # how context K/V move for the samples with documents (the batch always packs some)
+        # how context K/V move: "exchange" where some sample (the batch always packs documents in
+        # some, and has one-document samples unless --doc-length) plans some layer kind for it
         context = "-" if t.cp == 1 else "all-gather"
-        if t.cp > 1 and context_exchange_wanted(dflash_layout(t, 0), transport, packs_documents=True):
+        config, layout = build_models(case)[1].config, dflash_layout(t, 0)
+        packs = (True,) if args.doc_length is not None else (True, False)
+        if t.cp > 1 and any(any(context_exchange_kinds(config, layout, transport, packs_documents=p)) for p in packs):
             context = "exchange"
         print(f"{name:<8} {shape:<12} {context:<10} {result.loss_rel_err:>13.2e} {result.grad_rel_err:>13.2e}  "
               f"{status}", flush=True)

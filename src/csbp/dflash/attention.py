@@ -21,8 +21,8 @@ block rows, and the layer index; it returns ``[S, Hq, N, d]`` in the dtype of ``
   Backward: the context partial's dK/dV (gathered layout) is reduce-scattered back to the shard
   owners while the block-diagonal backward runs. Only context K/V cross the wire.
 
-  With the *context exchange* (``csbp.dflash.exchange``: packed documents, a plan per layer kind
-  built once per sample and step) the all-gather is replaced by one variable-split all-to-all of
+  With the *context exchange* (``csbp.dflash.exchange``: packed documents, or a CSBP sliding layer
+  kind; a plan per layer kind built once per sample and step) the all-gather is replaced by one variable-split all-to-all of
   only the context rows some anchor of the receiver may see (``csbp.attention.transports.window``'s
   ``send_halo``), started asynchronously and overlapped with the block partial as the all-gather
   is; the context partial runs over ``[my context rows ; received rows]``, and its backward returns

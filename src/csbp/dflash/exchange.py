@@ -11,24 +11,33 @@ union of the live block rows' context intervals of ``d``'s anchor packet
 (``csbp.attention.layouts.halo_sends``, the rule the BD3 halo exchange uses). The plan is a
 ``csbp.attention.layouts.WindowPlan`` executed by the window transport's all-to-all helpers.
 
-**When it is used** (``context_exchange_wanted``), the BD3 factory's rule
-(``csbp.attention.transports.factory``) applied to DFlash:
+**When it is used** (``context_exchange_kinds``: per layer kind, full attention then sliding), the
+BD3 factory's rule (``csbp.attention.transports.factory``) applied to DFlash:
 
-* CSBP (``cp > 1``, anchors dealt over ``bp`` ranks): for every sample that packs more than one
-  document, unless ``topology.transport`` is ``streaming`` (DFlash has no ring transport; it then
-  keeps the all-gather);
+* CSBP (``cp > 1``, anchors dealt over ``bp`` ranks), every kind: for every sample that packs more
+  than one document, unless ``topology.transport`` is ``streaming`` (DFlash has no ring transport;
+  it then keeps the all-gather);
+* CSBP, sliding-window kinds (``DFlashConfig.sliding_window`` ``W``): also for a sample with a
+  single document (the long-context case), under any transport but ``streaming``: its anchors read
+  only the ``W − 1`` rows before them (``[max(doc_start, a + j − (W − 1)), a)``), whatever the
+  documents; the full-attention kinds of such a sample keep the all-gather (an anchor late in the
+  row reads nearly all of it);
 * CP-only (``bp == 1``): only with ``topology.transport: halo`` (the mask-aware CP baseline,
-  ``cp-aware``); plain CP-only stays generic context parallelism and all-gathers;
+  ``cp-aware``), every kind; plain CP-only stays generic context parallelism and all-gathers,
+  sliding kinds included (every CP rank holds every anchor, so the window rows of all anchors
+  span the row);
 * ``transport: halo`` also plans samples with a single document (a ring member then receives
-  only the rows before its last anchor);
-* and in every case only when it pays (``csbp.attention.counts.exchange_pays``, the rule the
-  planner prices and BD3's halo exchange follows too): the busiest ring member moves at most
-  ``EXCHANGE_MAX_SHARE`` (90%) of the all-gather's ``(cp−1)·L/cp`` rows in its busier direction
-  (sent or received); otherwise the all-gather is kept. Both collectives
-  overlap the block partial (forward) and the block-diagonal backward. Every ring member evaluates the rule on the same data, so all of them pick
-  the same collective.
+  only the rows before its last anchor, or its anchors' windows);
+* and in every case only when it pays (``csbp.attention.counts.exchange_pays``, per sample and
+  kind, the rule the planner prices and BD3's halo exchange follows too): the busiest ring member
+  moves at most ``EXCHANGE_MAX_SHARE`` (90%) of the all-gather's ``(cp−1)·L/cp`` rows in its
+  busier direction (sent or received); otherwise the all-gather is kept. Both collectives overlap
+  the block partial (forward) and the block-diagonal backward. The rule reads only the layout
+  (the same ``cp``/``bp`` on every member), the transport, the sample's documents and anchors and
+  every member's packet, all shared by the ring, so every member picks the same collective.
 
-A sample with one document under the default transport is unchanged: same collectives, same bytes.
+A sample with one document under the default transport and a drafter without sliding layers is
+unchanged: same collectives, same bytes.
 
 Shape legend: ``L`` sequence length, ``cp`` ring size.
 """
@@ -60,8 +69,8 @@ def ring_member_layouts(layout: DFlashLayout) -> list[DFlashLayout]:
 
 
 def context_exchange_wanted(layout: DFlashLayout, transport: str, *, packs_documents: bool) -> bool:
-    """Whether a sample is planned for the context exchange (module docstring; the row count
-    decides afterwards)."""
+    """Whether a sample's full-attention kind is planned for the context exchange (module
+    docstring; the row count decides afterwards)."""
     if transport not in DFLASH_TRANSPORTS:
         raise ValueError(f"transport must be one of {DFLASH_TRANSPORTS}, got {transport!r}")
     if layout.cp < 2:
@@ -69,6 +78,19 @@ def context_exchange_wanted(layout: DFlashLayout, transport: str, *, packs_docum
     if transport == "halo":
         return True
     return layout.num_owners > 1 and packs_documents and transport != "streaming"
+
+
+def context_exchange_kinds(
+    cfg: DFlashConfig, layout: DFlashLayout, transport: str, *, packs_documents: bool
+) -> list[bool]:
+    """Per layer kind (``layouts.draft_query_rows``: full attention, then sliding if any layer
+    slides), whether a sample is planned for the context exchange (module docstring): a sliding
+    kind also under CSBP with one document, unless ``streaming``."""
+    full = context_exchange_wanted(layout, transport, packs_documents=packs_documents)
+    kinds = [full]
+    if "sliding_attention" in (cfg.layer_types or ()):
+        kinds.append(full or (layout.cp > 1 and layout.num_owners > 1 and transport != "streaming"))
+    return kinds
 
 
 def packs_documents(segment_starts_L: Tensor) -> bool:
@@ -129,21 +151,52 @@ def context_exchanges(
     *,
     context: str,
     min_bucket: int,
+    kinds: Sequence[bool] | None = None,
 ) -> list[WindowPlan | None]:
     """Per layer kind (``layouts.draft_query_rows``), the context exchange plan of this rank's ring
     for one sample's sorted ``anchors`` (every member's packet as ``layouts.owned_packet`` deals
-    it), or None where it does not pay off against the all-gather (``exchange_pays_off``)."""
+    it), or None where it does not pay off against the all-gather (``exchange_pays_off``) or
+    ``kinds`` (one flag per kind, default all) does not plan it."""
     member_variants = [
         draft_query_rows(cfg, owned_packet(anchors, doc_start, member, context=context, min_bucket=min_bucket),
                          context=context)[0]
         for member in ring_member_layouts(layout)
     ]
     windows = [None, cfg.sliding_window]
+    wanted = [True] * len(member_variants[0]) if kinds is None else list(kinds)
+    if len(wanted) != len(member_variants[0]):
+        raise ValueError(f"got {len(wanted)} layer-kind flags for {len(member_variants[0])} layer kinds")
     plans: list[WindowPlan | None] = []
     for kind in range(len(member_variants[0])):
+        if not wanted[kind]:
+            plans.append(None)
+            continue
         plan = context_exchange_plan(
             seq_len, layout, [rows[kind] for rows in member_variants], block_size=cfg.block_size,
             window=windows[kind],
         )
         plans.append(plan if exchange_pays_off(plan) else None)
     return plans
+
+
+def sample_context_exchanges(
+    cfg: DFlashConfig,
+    seq_len: int,
+    layout: DFlashLayout,
+    anchors: Tensor,
+    segment_starts_L: Tensor,
+    *,
+    transport: str,
+    context: str,
+    min_bucket: int,
+) -> list[WindowPlan | None] | None:
+    """The context exchanges of one sample (``DFlashStep``'s rule, module docstring): per layer
+    kind a plan or None (all-gather), or None when no kind is planned. ``segment_starts_L`` are the
+    sample's ``anchors.segment_starts``."""
+    kinds = context_exchange_kinds(cfg, layout, transport, packs_documents=packs_documents(segment_starts_L))
+    if not any(kinds):
+        return None
+    doc_start = segment_starts_L[anchors]
+    return context_exchanges(
+        cfg, seq_len, layout, anchors, doc_start, context=context, min_bucket=min_bucket, kinds=kinds
+    )

@@ -45,9 +45,7 @@ from csbp.dflash.dflash2 import selector_loss_scale
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.exchange import (
     DFLASH_TRANSPORTS,
-    context_exchange_wanted,
-    context_exchanges,
-    packs_documents,
+    sample_context_exchanges,
 )
 from csbp.dflash.features import TargetFeatures, capture_target_features
 from csbp.dflash.layouts import (
@@ -258,11 +256,10 @@ class DFlashStep:
             packet = owned_packet(
                 anchors[s], doc_start, layout, context=objective.context, min_bucket=min_bucket
             )
-            exchanges = None
-            if context_exchange_wanted(layout, self.plan.transport, packs_documents=packs_documents(starts_L)):
-                exchanges = context_exchanges(
-                    cfg, seq_len, layout, anchors[s], doc_start, context=objective.context, min_bucket=min_bucket
-                )
+            exchanges = sample_context_exchanges(
+                cfg, seq_len, layout, anchors[s], starts_L, transport=self.plan.transport,
+                context=objective.context, min_bucket=min_bucket,
+            )
             features_1MF = features.features[s : s + 1]
             if features.positions is None:
                 features_1MF = features_1MF[:, my_context.to(features_1MF.device)]

@@ -173,7 +173,7 @@ def bd3_step_fn(cfg: TableConfig, seq_len: int, device: torch.device) -> tuple[S
 def dflash_step_fn(cfg: TableConfig, device: torch.device) -> tuple[StepFn, str, int]:
     """A DFlash drafter step against a frozen target of the table's shape (features captured
     before the timer, as from an offline store), the checkpointing applied and its model FLOPs."""
-    from csbp.bench.dflash_bench import drafter_step_flops
+    from csbp.bench.dflash_flops import drafter_step_flops
 
     seq_len, model_cfg = int(cfg.dflash_seq_len or 0), cfg.model
     target = Decoder(model_cfg, dtype=torch.float32, device=device, seed=cfg.seed + 1).eval()

@@ -18,7 +18,10 @@ Per local rank, with the document mask (csbp's torch-free counting, the rules th
 * DFlash drafters: ``min(anchors, #valid)`` anchors spread evenly over the valid positions
   (``draft_counts.spread_anchors``, the stand-in for one random draw), dealt to the BP ranks by
   context cost, each rank's draft rows' context pairs and the context rows each ring member
-  receives in the context exchange, which is used where ``csbp.dflash.exchange`` uses it.
+  receives in the context exchange, which is used where ``csbp.dflash.exchange`` uses it: every
+  layer kind of a row that packs documents (CSBP; CP-only with ``halo``), and CSBP's sliding kinds
+  also in a one-document row (``one_document``, what ``csbp.plan.drafter`` prices without
+  ``--doc-length``).
 
 ``csbp plan --data ARTIFACT`` plans real rows instead (``RowDocuments``, read by
 ``csbp.plan.artifact_documents``): every function here takes either key.
@@ -65,6 +68,12 @@ class RowDocuments:
 
 DocumentKey = int | RowDocuments
 """What one planned row packs: a ``--doc-length`` mean (geometric draw, seed 0) or a real row."""
+
+
+def one_document(seq_len: int) -> RowDocuments:
+    """A row that is a single document (no ``--doc-length``): the key whose drafter counts price
+    CSBP's sliding-kind context exchange of one-document rows."""
+    return RowDocuments(seq_len, (0,))
 
 
 @lru_cache(maxsize=64)
@@ -159,7 +168,10 @@ class DraftCounts:
         traffic_rows: per layer window, rows of the busiest direction of the busiest ring member
             (``max(sent, received)``, what the exchange's time follows; the all-gather's rows where
             it is kept).
-        exchanged: per layer window, whether the context exchange replaces the all-gather.
+        exchanged: per layer window, whether the context exchange replaces the all-gather
+            (``csbp.dflash.exchange.context_exchange_kinds``: a full-attention window ``0`` only in a
+            row that packs documents, or under ``halo``; a sliding window also in a one-document
+            row under CSBP; and only where it pays).
     """
 
     anchors: int
@@ -211,11 +223,14 @@ def _draft_counts(
     slowest = int(np.argmax(load))
     pairs = {w: context_pairs(*per_window[w][slowest]) for w in windows}
     gather = (cp - 1) * seq_len // cp if cp > 1 else 0
-    wanted = cp > 1 and (transport == "halo" or (bp > 1 and transport != "streaming" and _packs(docs)))
+    # csbp.dflash.exchange.context_exchange_kinds: full kinds need documents (or halo), sliding
+    # kinds of a CSBP ring exchange their window rows in a one-document row too
+    wanted_full = cp > 1 and (transport == "halo" or (bp > 1 and transport != "streaming" and _packs(docs)))
+    wanted_sliding = wanted_full or (cp > 1 and bp > 1 and transport != "streaming")
     recv_rows, exchanged, traffic_rows = {}, {}, {}
     for w in windows:
         worst, busiest, used = gather, gather, False
-        if wanted:
+        if wanted_sliding if w else wanted_full:
             rings = range(len(owners) // cp) if bp > 1 else range(1)
             worst = busiest = 0
             for ring in rings:

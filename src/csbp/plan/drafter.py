@@ -23,7 +23,10 @@ context pairs are the slowest rank's under the document mask, and where ``csbp.d
 replaces the all-gather by the context exchange (CSBP; CP-only only with ``transport: halo``, the
 ``cp-aware`` baseline) the K/V traffic is the exchange's: the busiest ring member's larger
 direction, sent or received (csbp's step, ``context_rows == "all"``; the published reference's
-``windows`` gather is kept as it is). The gather and the exchange, both started asynchronously
+``windows`` gather is kept as it is). With one document per row CSBP's sliding kinds exchange
+their anchors' window rows too (``documents.one_document``; the same counts, used only for the
+K/V terms: traffic, its exposed time and the received K/V kept for backward, per layer of the
+kind; the compute keeps its one-document formulas). The gather and the exchange, both started asynchronously
 and overlapped with the block partial, are exposed but for ``overlap_csbp`` (~0), CP-only included:
 ``overlap_cp`` describes the published BD3 baselines, and nothing measured the drafter rings'.
 
@@ -38,7 +41,7 @@ rank's context rows (``L/cp`` rows, all ``L`` for BP-only and data layouts) and 
 from __future__ import annotations
 
 from csbp.plan.calibration import Calibration
-from csbp.plan.documents import draft_counts
+from csbp.plan.documents import DraftCounts, draft_counts, one_document
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Layout
 from csbp.plan.model import GIB, Prediction, kv_row_bytes, ring_bandwidth
@@ -78,6 +81,7 @@ def predict_drafter(
         context_rows = mb * min(held // 2 if layout.cp > 1 else held, span)
     else:
         context_rows = mb * held
+    windows = tuple(sorted({g.window for g in model.groups}))
     docs = None
     if workload.doc_length is not None:
         docs = draft_counts(
@@ -88,9 +92,12 @@ def predict_drafter(
             cp=layout.cp,
             bp=layout.bp,
             transport=layout.transport,
-            windows=tuple(sorted({g.window for g in model.groups})),
+            windows=windows,
         )
         draft_rows = mb * docs.anchors * obj.block
+    # whose context exchange rows the K/V terms take (None: every kind all-gathers); with one document
+    # per row only the K/V terms take them, the compute above keeps its one-document formulas
+    exchange = context_exchange_counts(workload, layout, seq_len)
     kv_proj = sum(g.count * model.d_model * 2 * g.n_kv_heads * g.head_dim for g in model.groups)
     rate = hw.peak_tflops * 1e12 * cal.drafter_eff
     dense = draft_rows * (6 * model.body_params + 4 * model.vocab * model.d_model)
@@ -119,9 +126,9 @@ def predict_drafter(
     received = 0.0  # context K/V bytes a rank receives per micro-step, summed over layers
     moved = 0.0  # ... and the busiest member's larger direction (the all-gather's: both the same)
     for g in model.groups if layout.cp > 1 else ():
-        exchange = docs is not None and docs.exchanged[g.window] and obj.context_rows == "all"
-        rows = mb * docs.recv_rows[g.window] if exchange else (layout.cp - 1) * context_rows  # type: ignore[union-attr]
-        busiest = mb * docs.traffic_rows[g.window] if exchange else rows  # type: ignore[union-attr]
+        exchanged = exchange is not None and exchange.exchanged[g.window]
+        rows = mb * exchange.recv_rows[g.window] if exchanged else (layout.cp - 1) * context_rows  # type: ignore[union-attr]
+        busiest = mb * exchange.traffic_rows[g.window] if exchanged else rows  # type: ignore[union-attr]
         received += g.count * kv_row_bytes(g, p) * rows
         moved += g.count * kv_row_bytes(g, p) * busiest
     kv_bytes = 0.0
@@ -178,4 +185,37 @@ def predict_drafter(
         kv_bytes=kv_bytes,
         mem_terms=terms,
         capacity_bytes=hw.mem_gib * GIB,
+    )
+
+
+def context_exchange_counts(workload: Workload, layout: Layout, seq_len: int) -> DraftCounts | None:
+    """The drafter counts whose context-exchange rows price a ring's K/V (``DraftCounts.exchanged``
+    per layer window), or None where every kind all-gathers: csbp's step (``context_rows ==
+    "all"``) on a ring, over the row's packed documents, or over one document where CSBP's sliding
+    kinds may exchange their window rows (``csbp.dflash.exchange.context_exchange_kinds``).
+    ``workload.doc_length`` is one row's key (not a ``DocumentSample``)."""
+    obj = workload.objective
+    if layout.cp == 1 or obj.context_rows != "all":
+        return None
+    key = workload.doc_length
+    if key is None:
+        if not _sliding_exchange_possible(workload, layout):
+            return None
+        key = one_document(seq_len)
+    return draft_counts(
+        seq_len, key, block=obj.block, anchors=obj.anchors, cp=layout.cp, bp=layout.bp,  # type: ignore[arg-type]
+        transport=layout.transport, windows=tuple(sorted({g.window for g in workload.model.groups})),
+    )
+
+
+def _sliding_exchange_possible(workload: Workload, layout: Layout) -> bool:
+    """Whether a one-document row may exchange a sliding kind's window rows: csbp's step
+    (``context_rows == "all"``) on a CSBP ring, not ``streaming``, with sliding layers
+    (``csbp.dflash.exchange.context_exchange_kinds``; whether it pays is counted)."""
+    return (
+        workload.objective.context_rows == "all"
+        and layout.cp > 1
+        and layout.bp > 1
+        and layout.transport != "streaming"
+        and any(g.window for g in workload.model.groups)
     )

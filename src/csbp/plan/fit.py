@@ -253,7 +253,7 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
         record["num_heads"],
         record["num_kv_heads"],
         record["head_dim"],
-        record.get("window") or 0,
+        record.get("window") or record.get("sliding_window") or 0,  # bench dflash --sliding-window
     )
     if kind == "attention":
         model = ModelShape("attention-stack", record["hidden_size"], 0, 0, (group,))
@@ -292,7 +292,8 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
         nproc // local,
         cp,
         bp,
-        transport="halo" if record.get("layout") == "cp-aware" else record.get("transport") or "collective",
+        transport={"cp-aware": "halo", "csbp-gather": "streaming"}.get(  # dflash's all-gather baseline
+            str(record.get("layout")), record.get("transport") or "collective"),
         checkpointing="full" if record.get("activation_checkpointing") == "full" else "none",
         micro_batch=record.get("samples", 1),
         sharding="ddp",
