@@ -1,6 +1,6 @@
 """FlexAttention backend on CUDA: forward and backward of every layout's partials against the CPU
 float64 reference (bf16 and fp32 tolerances), the transports on ``backend=auto``, no recompilation
-across steps, and BlockMasks of long rows built without a dense mask. Run by ``make gpu-check``;
+across steps (new rows of one shape, and changing document prefixes padded to one shape bucket), and BlockMasks of long rows built without a dense mask. Run by ``make gpu-check``;
 skipped without CUDA.
 
 ``CSBP_CUDA_TESTS_DEVICE=cpu`` runs the same bodies on the CPU (a dry run of the test code where no
@@ -139,6 +139,45 @@ def test_new_rows_of_the_same_shapes_do_not_recompile() -> None:
         graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs[0] >= 1 and graphs == [graphs[0]] * 3, graphs
     assert resolve_backend("auto", torch.device("cuda")) == "flex"
+
+
+def test_changing_documents_reuse_one_graph_per_shape_bucket() -> None:
+    """A BP-only rank's rows (its blocks plus their document prefix) change size with every batch of
+    packed documents; padded to one shape bucket, three draws of three sizes compile one graph
+    (forward and backward on CUDA; the CPU dry run traces the forward with dynamo's ``eager``)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    from csbp.attention.documents import random_documents
+    from csbp.attention.flex import flex_shape_bucket
+    from csbp.attention.layouts import bp_only_layout
+
+    dev = _device()
+    draws, sizes = [], set()
+    for seed in range(200):  # three draws of distinct sizes in the 768-row bucket
+        documents = random_documents(1024, 96, torch.Generator().manual_seed(seed))
+        rows = bp_only_layout(1024, 16, 4, 1, documents=documents).rows
+        if flex_shape_bucket(len(rows)) == 768 and len(rows) not in sizes:
+            sizes.add(len(rows))
+            draws.append(rows)
+        if len(draws) == 3:
+            break
+    assert len(draws) == 3, sizes
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    traced = None if ON_CUDA else torch.compile(flex_attention, dynamic=False, backend="eager")
+    graphs = []
+    for rows in draws:
+        rows = rows.to(dev)
+        q, k, v = (t.to(dev, torch.bfloat16) for t in random_qkv(len(rows), len(rows), dim=64, samples=1))
+        partial = plan_partial(rows, rows, backend="flex")
+        out, lse = partial.forward(q, k, v)
+        if ON_CUDA:
+            partial.backward(q, k, v, out, lse, torch.randn_like(q))
+        else:
+            traced(*partial._padded(q, k, v), block_mask=partial.block_mask, enable_gqa=True,
+                   return_aux=AuxRequest(lse=True))
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert graphs[0] >= 1 and graphs == [graphs[0]] * 3, graphs
 
 
 def test_long_block_mask_is_built_from_intervals_without_a_dense_mask() -> None:

@@ -12,10 +12,15 @@ ops, so a 256K x 256K BlockMask costs milliseconds instead of a 64 GiB boolean m
 ``FlexPartial`` is one key set's partial ``(out, lse)``:
 
 * forward: ``flex_attention(..., enable_gqa=True, return_aux=AuxRequest(lse=True))``; K/V are
-  never repeated for GQA. On CUDA the call is ``torch.compile``-d once per shape (dynamo caches one
-  graph per shape bucket; the row tensors are lifted as buffers, so new rows of the same shapes do
-  not recompile). On CPU the compiled kernel is inference-only and has no ``lse``, so the eager
-  (dense, unfused) FlexAttention runs: correct, for tests and debugging, not fast.
+  never repeated for GQA. On CUDA the call is ``torch.compile``-d with static shapes: dynamo keeps
+  one graph per shape, and the row tensors are lifted as buffers, so new rows of the same shapes do
+  not recompile. Query and key rows are padded with dead rows to a **shape bucket**
+  (``flex_shape_bucket``: whole blocks, ``2^k`` or ``1.5 * 2^k`` of them), because some partials
+  change size from step to step (a packed-document halo, a BP-only rank's document prefix): without
+  buckets each new size compiled a new graph (seconds on a GPU) until dynamo's limit, past which it
+  would silently run the unfused path; csbp makes that limit an error instead. On CPU the compiled
+  kernel is inference-only and has no ``lse``, so the eager (dense, unfused) FlexAttention runs:
+  correct, for tests and debugging, not fast.
 * backward (CUDA only: FlexAttention has no CPU backward): the partial is recomputed with autograd
   and differentiated with the chain rule through the merge (``merge.partial_grads_from_merged``:
   ``dout_p = w·dout``, ``dlse_p = w·<dout, out_p - out>``, ``w = exp(lse_p - lse)``), which equals
@@ -55,8 +60,10 @@ class FlexPartial:
     Attributes:
         q_rows, k_rows: the row metadata (on the compute device).
         causal_in_block: lower-triangular block-diagonal part.
-        block_mask: the ``BlockMask`` (None when no pair is allowed: the partial is empty).
+        block_mask: the ``BlockMask`` of the rows padded to ``padded_queries`` x ``padded_keys``
+            (None when no pair is allowed: the partial is empty).
         build_seconds: wall time spent building ``block_mask`` (reported by ``csbp bench kernels``).
+        padded_queries, padded_keys: the kernel's row counts (``flex_shape_bucket`` of the rows').
     """
 
     q_rows: Rows
@@ -64,6 +71,8 @@ class FlexPartial:
     causal_in_block: bool
     block_mask: BlockMask | None
     build_seconds: float
+    padded_queries: int
+    padded_keys: int
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
         """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype."""
@@ -72,8 +81,8 @@ class FlexPartial:
         if self.block_mask is None:
             return _empty_partial(q, v, dtype)
         with torch.no_grad():
-            out, lse = _flex_call(q, k, v, self.block_mask, scale)
-        return out.to(dtype), lse.to(dtype)
+            out, lse = _flex_call(*self._padded(q, k, v), self.block_mask, scale)
+        return _leading_rows(out, q.shape[2]).to(dtype), _leading_rows(lse, q.shape[2]).to(dtype)
 
     def backward(
         self,
@@ -99,13 +108,20 @@ class FlexPartial:
                 "use attention.backend: tiles (or auto) on CPU"
             )
         with torch.enable_grad():
-            inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+            inputs = [x.requires_grad_() for x in self._padded(q.detach(), k.detach(), v.detach())]
             out_part, lse_part = _flex_call(*inputs, self.block_mask, scale)
+            out_part, lse_part = out_part[:, :, : q.shape[2]], lse_part[:, :, : q.shape[2]]
             dout_part, dlse_part = partial_grads_from_merged(out_part.detach(), lse_part.detach(), out, lse, dout)
             grads = torch.autograd.grad(
                 (out_part, lse_part), inputs, (dout_part.to(out_part.dtype), dlse_part.to(lse_part.dtype))
             )
-        return tuple(g.to(dtype) for g in grads)  # type: ignore[return-value]
+        return tuple(  # type: ignore[return-value]
+            _leading_rows(g, x.shape[2]).to(dtype) for g, x in zip(grads, (q, k, v))
+        )
+
+    def _padded(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v with zero rows appended up to the kernel's shape bucket."""
+        return _pad_rows(q, self.padded_queries), _pad_rows(k, self.padded_keys), _pad_rows(v, self.padded_keys)
 
 
 def build_flex_partial(
@@ -115,12 +131,35 @@ def build_flex_partial(
     causal_in_block: bool = False,
     block: int = DEFAULT_FLEX_BLOCK,
 ) -> FlexPartial:
-    """The FlexAttention partial of ``q_rows`` x ``k_rows``; build once per step, reuse in every layer."""
+    """The FlexAttention partial of ``q_rows`` x ``k_rows``; build once per step, reuse in every layer.
+    The kernel runs on the rows padded with dead rows to ``flex_shape_bucket`` of their counts."""
     start = time.perf_counter()
-    block_mask = rows_block_mask(q_rows, k_rows, causal_in_block=causal_in_block, block=block)
+    padded_queries, padded_keys = flex_shape_bucket(len(q_rows), block), flex_shape_bucket(len(k_rows), block)
+    block_mask = rows_block_mask(
+        q_rows.padded(padded_queries), k_rows.padded(padded_keys), causal_in_block=causal_in_block, block=block
+    )
     if q_rows.pos.device.type == "cuda":
         torch.cuda.synchronize(q_rows.pos.device)
-    return FlexPartial(q_rows, k_rows, causal_in_block, block_mask, time.perf_counter() - start)
+    return FlexPartial(
+        q_rows, k_rows, causal_in_block, block_mask, time.perf_counter() - start, padded_queries, padded_keys
+    )
+
+
+def flex_shape_bucket(num_rows: int, block: int = DEFAULT_FLEX_BLOCK) -> int:
+    """The row count a FlexAttention call over ``num_rows`` rows is padded to: a whole number of
+    ``block``s, ``2^k`` or ``3 * 2^(k-1)`` of them (two buckets per doubling, at most 1.5x the rows).
+
+    The compiled kernel has static shapes, so every distinct count is a graph to compile. Padding rows
+    are dead (``live = False``): dead key blocks are never scheduled and dead query blocks have no key
+    block, so padding costs a copy of q/k/v but no attention work."""
+    if num_rows < 0 or block < 1:
+        raise ValueError(f"flex_shape_bucket needs num_rows >= 0 and block >= 1, got {num_rows}, {block}")
+    blocks = -(-num_rows // block)
+    power = 1 << max(blocks - 1, 0).bit_length()  # the smallest 2^k >= blocks (1 for 0 or 1 block)
+    three_halves = 3 * power // 4
+    if power % 4 == 0 and three_halves >= blocks:
+        return block * three_halves
+    return block * power if blocks > 0 else 0
 
 
 def rows_block_mask(
@@ -275,9 +314,10 @@ def _block_lists(selected: Tensor) -> tuple[Tensor, Tensor]:
 
 
 FLEX_RECOMPILE_LIMIT = 64
-"""Graphs dynamo may keep for the flex call: one per shape bucket (the partials of one run have a
-handful of shapes: local, remote, per ring step, per DFlash packet bucket). Past the default of 8
-dynamo would silently run the unfused eager path."""
+"""Graphs dynamo may keep for the flex call: one per shape (the partials of one run have a handful:
+local, remote, per ring step, per DFlash packet bucket, two per doubling of a partial whose size
+changes, see ``flex_shape_bucket``). Past dynamo's default of 8 it would silently run the unfused
+eager path; past this limit csbp stops with one line instead (``fail_on_recompile_limit_hit``)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -285,30 +325,63 @@ def _compiled_flex() -> Any:
     """``torch.compile(flex_attention)``: dynamo keeps one graph per shape bucket (dynamic=False)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    if hasattr(config, "fail_on_recompile_limit_hit"):  # never fall back to the dense eager path silently
+        config.fail_on_recompile_limit_hit = True
     return torch.compile(flex_attention, dynamic=False)
 
 
 def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
     """``(out [S, Hq, Nq, d] in q's dtype, lse [S, Hq, Nq] float32, natural log)``."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest
 
-    fn = _compiled_flex() if q.device.type == "cuda" else flex_attention
-    out, aux = fn(
-        q,
-        k,
-        v,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-        return_aux=AuxRequest(lse=True),
-    )
+    try:
+        out, aux = _kernel(q.device)(
+            q,
+            k,
+            v,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+            return_aux=AuxRequest(lse=True),
+        )
+    except Exception as error:
+        if type(error).__name__ not in ("FailOnRecompileLimitHit", "RecompileLimitExceeded"):
+            raise
+        raise RuntimeError(
+            f"FlexAttention needed more than {torch._dynamo.config.recompile_limit} compiled shapes (this call: q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, {q.dtype}); csbp pads partials to shape buckets, so this run "
+            "mixes unusually many shapes: set attention.backend: tiles, or raise csbp.attention.flex."
+            "FLEX_RECOMPILE_LIMIT"
+        ) from error
     return out, aux.lse
+
+
+def _kernel(device: torch.device) -> Any:
+    """The compiled kernel on CUDA; the eager (dense) FlexAttention elsewhere (CPU: for tests)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return _compiled_flex() if device.type == "cuda" else flex_attention
 
 
 def _has_flex_backward(device: torch.device) -> bool:
     """FlexAttention differentiates on CUDA only (no CPU backward in torch 2.13)."""
     return device.type == "cuda"
+
+
+def _pad_rows(x: Tensor, num_rows: int) -> Tensor:
+    """``x [S, H, N, d]`` with zero rows appended along N up to ``num_rows``."""
+    missing = num_rows - x.shape[2]
+    if missing == 0:
+        return x
+    return torch.nn.functional.pad(x, (0, 0, 0, missing))
+
+
+def _leading_rows(x: Tensor, num_rows: int) -> Tensor:
+    """The first ``num_rows`` rows (dim 2) of a padded kernel result, contiguous; ``x`` itself when
+    nothing was padded."""
+    return x if x.shape[2] == num_rows else x[:, :, :num_rows].contiguous()
 
 
 def _empty_partial(q: Tensor, v: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

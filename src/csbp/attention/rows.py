@@ -77,6 +77,18 @@ class Rows:
         """Concatenate row sets in order."""
         return Rows(*(torch.cat([getattr(p, f) for p in parts]) for f in _FIELDS))
 
+    def padded(self, num_rows: int) -> Rows:
+        """These rows followed by dead rows (``live = False``: invisible keys, queries that see
+        nothing) up to ``num_rows`` rows."""
+        missing = num_rows - len(self)
+        if missing < 0:
+            raise ValueError(f"cannot pad {len(self)} rows to {num_rows}")
+        if missing == 0:
+            return self
+        zeros = torch.zeros(missing, dtype=torch.long, device=self.pos.device)
+        ones = torch.ones(missing, dtype=torch.bool, device=self.pos.device)
+        return Rows.cat([self, Rows(zeros, ones, zeros, zeros, zeros, ~ones)])
+
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> Rows:
         z = torch.zeros(0, dtype=torch.long, device=device)

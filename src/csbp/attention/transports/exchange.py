@@ -145,14 +145,7 @@ def pack_shard(k: Tensor, v: Tensor, start: int, shard_rows: int) -> Tensor:
 
 def padded_rows(rows: Rows, num_rows: int) -> Rows:
     """``rows`` followed by dead rows (``live = False``) up to ``num_rows`` rows."""
-    missing = num_rows - len(rows)
-    if missing == 0:
-        return rows
-    device = rows.pos.device
-    zeros = torch.zeros(missing, dtype=torch.long, device=device)
-    dead = Rows(zeros, torch.ones(missing, dtype=torch.bool, device=device), zeros, zeros, zeros,
-                torch.zeros(missing, dtype=torch.bool, device=device))
-    return Rows.cat([rows, dead])
+    return rows.padded(num_rows)
 
 
 def canonical_key_order(rows: Rows) -> Tensor:
