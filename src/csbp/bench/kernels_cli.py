@@ -1,0 +1,147 @@
+"""``csbp bench kernels``: the command line (options, run, table, ``--json``/``--png``) of
+``csbp.bench.kernels``, whose measurements it prints row by row as they come."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from csbp.attention.backends import CLEAN_KERNELS
+from csbp.bench.common import add_head_options, add_output_options, records_as_dicts, write_json_atomic
+from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
+
+
+def format_header() -> str:
+    header = (
+        f"{'L':>7} {'B':>4} {'backend':<6} {'form':<10} {'diagonal':<8} {'clean':<7} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x dense':>8} "
+        f"{'decomp x':>9} {'mask ms':>8} {'aten ops':>9}"
+    )
+    return f"{header}\n{'-' * len(header)}"
+
+
+def format_row(r: KernelRecord) -> str:
+    speedup = "-" if r.form != "decomposed" else f"{r.decomposed_speedup:.2f}"
+    return (
+        f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.diagonal:<8} {r.clean:<7} "
+        f"{r.time_s * 1e3:>11.2f} "
+        f"{r.tflops:>8.3f} {r.vs_dense:>8.2f} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
+        f"{r.aten_ops if r.aten_ops else '-':>9}"
+    )
+
+
+def format_table(records: list[KernelRecord]) -> str:
+    return "\n".join([format_header()] + [format_row(r) for r in records])
+
+
+def plot_rates(records: list[KernelRecord], path: Path) -> None:
+    """TFLOP/s on useful pairs against L, one panel per block size, one line per backend and form."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    blocks = sorted({r.block_size for r in records})
+    figure, axes = plt.subplots(1, len(blocks), figsize=(5.0 * len(blocks), 4.0), squeeze=False)
+    for axis, block in zip(axes[0], blocks, strict=True):
+        series = sorted({(r.backend, r.form, r.diagonal, r.clean) for r in records if r.block_size == block})
+        for backend, form, diagonal, clean in series:
+            points = sorted((r.seq_len, r.tflops) for r in records
+                            if (r.block_size, r.backend, r.form, r.diagonal, r.clean)
+                            == (block, backend, form, diagonal, clean))
+            label = f"{backend} {form}" + (f" ({diagonal} diagonal, {clean} clean)" if diagonal != "-" else "")
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("L (tokens; 2L rows)")
+        axis.set_ylabel("TFLOP/s on allowed pairs")
+        axis.set_title(f"B = {block} ({records[0].device}, {records[0].dtype})")
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.tmp")
+    figure.savefig(partial, dpi=120, format=path.suffix.lstrip(".") or "png")
+    plt.close(figure)
+    partial.replace(path)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
+    """Add ``csbp bench kernels`` to the ``csbp bench`` sub-subcommands."""
+    parser = kinds.add_parser("kernels", help="one layer's attention kernels, mixed vs decomposed, per backend")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--backends", nargs="+", default=["auto"], help="auto, tiles, flex (default: auto)")
+    parser.add_argument(
+        "--diagonals", nargs="+", default=["auto"],
+        help="block-diagonal kernels of the decomposed form: auto, matmul, sdpa, sdpa_fold, flex (flex backend only); "
+        "default auto (on tiles sdpa for B >= 16 and matmul below, flex on flex; attention.diagonal of a run)",
+    )
+    parser.add_argument(
+        "--clean-kernels", nargs="+", choices=CLEAN_KERNELS, default=["generic", "pieces"],
+        help="clean-context kernels of the decomposed form: generic (one backend partial, what training runs), "
+        "pieces (fused flash pieces + a residual on the backend; FlashAttention-2 on CUDA) and pieces-cudnn "
+        "(cuDNN pieces, CUDA only); default generic pieces",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
+    parser.add_argument("--no-op-count", action="store_true", help="skip counting aten ops (CPU)")
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall",
+        help="wall time, or this process's CPU time (one thread; steadier on a shared machine)",
+    )
+    add_head_options(parser)
+    parser.set_defaults(head_dim=64)
+    add_output_options(parser, png_help="write a TFLOP/s plot here (default: --json with suffix .png)")
+    parser.set_defaults(func=run_kernel_bench_command)
+
+
+def run_kernel_bench_command(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to this process")
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    header = (
+        f"csbp bench kernels: device={device}{threads} dtype={dtype} heads={args.num_heads}/{args.num_kv_heads}x"
+        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} ({args.clock} clock)\n"
+        f"{format_header()}"
+    )
+    measured: list[KernelRecord] = []
+
+    def progress(record: KernelRecord) -> None:
+        """Print each row as it is measured and keep --json current: a run cut short by a time limit
+        (``make gpu-check``'s kernels stage) still leaves every finished row."""
+        print(format_row(record), flush=True)
+        measured.append(record)
+        if args.json is not None:
+            write_json_atomic(args.json, records_as_dicts(measured))
+
+    records = run_kernel_bench(
+        args.seq_lens,
+        args.block_sizes,
+        args.backends,
+        device=str(device),
+        dtype=dtype,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        count_ops=not args.no_op_count,
+        clock=args.clock,
+        diagonals=tuple(args.diagonals),
+        clean_kernels=tuple(args.clean_kernels),
+        progress=progress,
+        header=header,
+    )
+    if args.json is not None:
+        print(f"wrote {args.json}")
+    png = args.png if args.png is not None else (args.json.with_suffix(".png") if args.json is not None else None)
+    if png is not None:
+        plot_rates(records, png)
+        print(f"wrote {png}")
+    return 0
