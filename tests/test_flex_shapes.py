@@ -11,7 +11,9 @@ These tests check on CPU:
   stand-in for the kernel, as FlexAttention has no CPU backward);
 * over many random document draws the kernel sees only bucket shapes, far fewer than the raw sizes;
 * the real compiled (inductor, CPU inference) kernel compiles one graph for two sizes in one bucket;
-* hitting dynamo's recompile limit is one clear error, not a silent fall back to the eager path.
+* hitting dynamo's recompile limit is one clear error, not a silent fall back to the eager path;
+* the ``mixed-ag`` baseline of ``csbp bench kernels`` (one FlexAttention call under torch's autograd)
+  is exact and calls the kernel once.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import torch
 import csbp.attention.flex as flex_module
 from csbp.attention.backends import plan_partial
 from csbp.attention.documents import random_documents
-from csbp.attention.flex import build_flex_partial, flex_shape_bucket
+from csbp.attention.flex import build_flex_partial, flex_autograd_attention, flex_shape_bucket
 from csbp.attention.layouts import bd3_rows, bp_only_layout, halo_exchange_plan, rank_layout, reference_layout
 from csbp.attention.rows import allow_matrix
+from csbp.bench.kernels import _form_step
 from csbp.masks import dense_mask
 from csbp.topology import Topology
 from test_kernel import TOL64, dense_attention_reference, random_qkv, reference_grads
@@ -177,3 +180,45 @@ def test_compiled_flex_fails_instead_of_falling_back() -> None:
     finally:
         config.recompile_limit, config.fail_on_recompile_limit_hit = saved
         flex_module._compiled_flex.cache_clear()
+
+
+def _dense_stand_in_kernel(q, k, v, *, block_mask, scale, enable_gqa, return_aux=None):
+    """FlexAttention's call signature over a dense autograd softmax of the BlockMask's ``mask_mod``
+    (FlexAttention has no CPU backward)."""
+    allow = dense_mask(block_mask.mask_mod, q.shape[2], k.shape[2])
+    out, lse = dense_attention_reference(q, k, v, allow, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if return_aux is None:
+        return out
+    return out, type("Aux", (), {"lse": lse})()
+
+
+def test_autograd_baseline_is_one_exact_flex_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flex_autograd_attention`` (``csbp bench kernels``' ``mixed-ag`` baseline: one call, torch's
+    autograd, no recomputed forward) over padded rows equals the float64 reference, and the bench
+    step runs it once forward and once backward."""
+    calls = []
+
+    def counting_kernel(*args, **kwargs):
+        calls.append(kwargs.get("return_aux") is not None)
+        return _dense_stand_in_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(flex_module, "_kernel", lambda device: counting_kernel)
+    rows = reference_layout(40, 4).rows
+    partial = build_flex_partial(rows, rows)
+    assert partial.padded_queries == 128 > len(rows)
+    q, k, v = random_qkv(len(rows), len(rows), dim=16, seed=9)
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = flex_autograd_attention(*leaves, partial)
+    out.backward(dout)
+    allow = allow_matrix(rows, rows)
+    want_out, _, want_grads = reference_grads(q, k, v, allow, 1 / math.sqrt(16), dout)
+    torch.testing.assert_close(out.detach(), want_out, **TOL64)
+    for leaf, want in zip(leaves, want_grads):
+        torch.testing.assert_close(leaf.grad, want, **TOL64)
+    assert calls == [False]  # no lse asked, one call: the backward reuses the forward's graph
+    calls.clear()
+    _form_step(q, k, v, dout, rows, 40, 4, "flex", "mixed-ag", "-", "-")()
+    assert calls == [False]
+    with pytest.raises(ValueError, match="mixed-ag form is one FlexAttention call"):
+        _form_step(q, k, v, dout, rows, 40, 4, "tiles", "mixed-ag", "-", "-")

@@ -145,6 +145,22 @@ def build_flex_partial(
     )
 
 
+def flex_autograd_attention(
+    q: Tensor, k: Tensor, v: Tensor, partial: FlexPartial, *, scale: float | None = None
+) -> Tensor:
+    """``out [S, Hq, Nq, d]`` (q's dtype) of one FlexAttention call over ``partial``'s BlockMask under
+    torch's own autograd: the field's standard single call, whose backward reuses the ``out``/``lse``
+    its forward saved. csbp's transports merge several partials, so ``FlexPartial.backward`` is
+    handed the merged statistics and recomputes its partial's forward first (one extra forward per
+    backward); ``csbp bench kernels`` times this call beside them as the mixed form's strongest
+    baseline (``mixed-ag``). Differentiable on CUDA only, like every FlexAttention backward."""
+    _check_shapes(q, k, v, partial)
+    if partial.block_mask is None:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    out, _ = _flex_call(*partial._padded(q, k, v), partial.block_mask, scale, lse=False)
+    return _leading_rows(out, q.shape[2])
+
+
 def flex_shape_bucket(num_rows: int, block: int = DEFAULT_FLEX_BLOCK) -> int:
     """The row count a FlexAttention call over ``num_rows`` rows is padded to: a whole number of
     ``block``s, ``2^k`` or ``3 * 2^(k-1)`` of them (two buckets per doubling, at most 1.5x the rows).
@@ -332,19 +348,17 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
-    """``(out [S, Hq, Nq, d] in q's dtype, lse [S, Hq, Nq] float32, natural log)``."""
+def _flex_call(
+    q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float | None, *, lse: bool = True
+) -> tuple[Tensor, Tensor | None]:
+    """``(out [S, Hq, Nq, d] in q's dtype, lse [S, Hq, Nq] float32, natural log)``; lse None unless
+    asked for."""
     from torch.nn.attention.flex_attention import AuxRequest
 
+    aux_request = {"return_aux": AuxRequest(lse=True)} if lse else {}
     try:
-        out, aux = _kernel(q.device)(
-            q,
-            k,
-            v,
-            block_mask=block_mask,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-            return_aux=AuxRequest(lse=True),
+        result = _kernel(q.device)(
+            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **aux_request
         )
     except Exception as error:
         if type(error).__name__ not in ("FailOnRecompileLimitHit", "RecompileLimitExceeded"):
@@ -355,6 +369,9 @@ def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: fl
             "mixes unusually many shapes: set attention.backend: tiles, or raise csbp.attention.flex."
             "FLEX_RECOMPILE_LIMIT"
         ) from error
+    if not lse:
+        return result, None
+    out, aux = result
     return out, aux.lse
 
 

@@ -4,7 +4,12 @@ For every context length ``L`` and block size ``B`` it runs the BD3 mask over th
 rows (``2L`` queries and keys) in two forms per backend, through the same transport code the
 training uses (``csbp.attention.transports.local``), plus the block-diagonal partial alone:
 
-* ``mixed``: CP-only's view, one partial over all ``2L`` keys under the irregular mask;
+* ``mixed``: CP-only's view, one partial over all ``2L`` keys under the irregular mask, through the
+  transport (its backward from the merged statistics: on ``flex`` a recomputed forward first);
+* ``mixed-ag`` (``flex`` only): the same BlockMask as one FlexAttention call under torch's own
+  autograd (``csbp.attention.flex.flex_autograd_attention``), the field's standard call, with no
+  recomputation: the strongest single-call baseline, which ``decomp x`` compares against when it is
+  the faster of the two;
 * ``decomposed``: CSBP's view, the noisy block-diagonal partial (noisy x noisy, whole blocks) plus
   the clean-interval partial (all rows x clean keys, block-causal), merged online in fp32; once
   per block-diagonal kernel of ``--diagonals`` (``csbp.attention.diagonal``: ``matmul``, ``sdpa``,
@@ -21,7 +26,7 @@ SDPA picks), plus on CUDA the ``flash2`` and ``cudnn`` rows at the first length:
 and cuDNN over the same pairs through the calls the flash pieces make (``csbp.attention.flash_ops``).
 Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs only
 (``csbp.bench.measure.attention_flops``; dense SDPA on all pairs), the ratio of that rate to dense
-SDPA's, the decomposed form's speedup over the mixed form (``t_mixed / t_decomposed``), the time to
+SDPA's, the decomposed form's speedup over the faster mixed form (``t_mixed / t_decomposed``), the time to
 build one form's per-step plans (tile plans with their mask strips, or BlockMasks; built once per
 step and reused by every layer)
 and, on CPU, the number of aten ops one forward + backward issues.
@@ -37,6 +42,7 @@ one machine state. Usage::
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -49,6 +55,7 @@ from torch import Tensor
 
 from csbp.attention.backends import (
     CLEAN_KERNELS,
+    PartialPlan,
     check_backend,
     plan_block_diagonal,
     plan_partial,
@@ -56,6 +63,7 @@ from csbp.attention.backends import (
 )
 from csbp.attention.diagonal import check_diagonal, resolve_diagonal
 from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
+from csbp.attention.flex import FlexPartial, flex_autograd_attention
 from csbp.attention.layouts import reference_layout
 from csbp.attention.rows import Rows
 from csbp.attention.transports.local import (
@@ -93,7 +101,7 @@ class KernelRecord:
     useful_pairs: int
     tflops: float
     vs_dense: float
-    decomposed_speedup: float  # t_mixed / t_decomposed (decomposed rows only, else nan)
+    decomposed_speedup: float  # t_mixed / t_decomposed, the faster mixed form (decomposed rows only, else nan)
     mask_build_s: float
     aten_ops: int  # ops of one forward + backward (CPU only, else 0)
 
@@ -252,7 +260,7 @@ def run_kernel_bench(
                                  rate, rate / dense_rate, float("nan"), 0.0, 0))
             now = time.process_time if clock == "cpu" else time.perf_counter
             for backend in dict.fromkeys(concrete):
-                variants = [("mixed", "-", "-")]
+                variants = [("mixed", "-", "-")] + ([("mixed-ag", "-", "-")] if backend == "flex" else [])
                 variants += [("decomposed", kernel, clean) for kernel in kernels(backend, block) for clean in clean_kernels]
                 variants += [("diagonal", kernel, "-") for kernel in kernels(backend, block)]
                 mixed_time = float("nan")
@@ -276,7 +284,8 @@ def run_kernel_bench(
                     ops = count_aten_ops(step) if count_ops and dev.type == "cpu" else 0
                     useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
                     rate = attention_flops(useful, num_heads=num_heads, head_dim=head_dim) / time_s / 1e12
-                    mixed_time = time_s if form == "mixed" else mixed_time
+                    if form.startswith("mixed") and (math.isnan(mixed_time) or time_s < mixed_time):
+                        mixed_time = time_s  # the faster mixed form (a failed one is nan and never faster)
                     speedup = mixed_time / time_s if form == "decomposed" else float("nan")
                     add(
                         KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
@@ -289,8 +298,10 @@ def _form_step(
     q: Tensor, k: Tensor, v: Tensor, dout: Tensor, rows: Rows, num_noisy: int, block: int, backend: str, form: str,
     diagonal: str, clean: str,
 ) -> Callable[[], None]:
-    """Plan ``form`` (``mixed``, ``decomposed`` or ``diagonal``: the block-diagonal partial alone, on
-    the noisy rows) and return its forward + backward step."""
+    """Plan ``form`` (``mixed``, ``mixed-ag``, ``decomposed`` or ``diagonal``: the block-diagonal partial
+    alone, on the noisy rows) and return its forward + backward step."""
+    if form == "mixed-ag":
+        return _flex_autograd_step(q, k, v, dout, plan_partial(rows, rows, backend=backend))
     if form != "diagonal":
         plan = (
             build_form(rows, num_noisy, block, backend, form, diagonal, clean)
@@ -303,6 +314,20 @@ def _form_step(
     def step() -> None:
         out, lse = partial.forward(*noisy[:3])
         partial.backward(*noisy[:3], out, lse, noisy[3])
+
+    return step
+
+
+def _flex_autograd_step(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, partial: PartialPlan) -> Callable[[], None]:
+    """One FlexAttention call over ``partial``'s BlockMask, forward + torch's autograd backward."""
+    if not isinstance(partial, FlexPartial):
+        raise ValueError("the mixed-ag form is one FlexAttention call: it needs the flex backend")
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+    def step() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        flex_autograd_attention(*leaves, partial).backward(dout)
 
     return step
 

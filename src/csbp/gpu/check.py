@@ -223,7 +223,7 @@ def summarize_kernel_rows(rows: list[dict[str, object]]) -> str:
         found = (float(r[key]) for r in rows if r.get("form") in forms)  # type: ignore[arg-type]
         return [v for v in found if math.isfinite(v)]
 
-    vs_dense = values("vs_dense", ("mixed", "decomposed", "diagonal"))
+    vs_dense = values("vs_dense", ("mixed", "mixed-ag", "decomposed", "diagonal"))
     speedups = values("decomposed_speedup", ("decomposed",))
     parts = [f"{len(rows)} rows"]
     if vs_dense:
