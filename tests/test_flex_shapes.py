@@ -222,3 +222,49 @@ def test_autograd_baseline_is_one_exact_flex_call(monkeypatch: pytest.MonkeyPatc
     assert calls == [False]
     with pytest.raises(ValueError, match="mixed-ag form is one FlexAttention call"):
         _form_step(q, k, v, dout, rows, 40, 4, "tiles", "mixed-ag", "-", "-")
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_one_flex_partial_runs_under_autograd_without_a_recomputed_forward(
+    monkeypatch: pytest.MonkeyPatch, checkpointed: bool
+) -> None:
+    """The local transport on flex with the flex diagonal (the CUDA default: one BlockMask over the
+    mixed mask) has nothing to merge, so it runs FlexAttention under torch's autograd: exact in
+    float64, one kernel call per forward and none in the backward (the transport path recomputed
+    the forward there), also under non-reentrant activation checkpointing (one recompute there)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from csbp.attention.transports.local import LocalAttentionFn
+
+    calls = []
+
+    def counting_kernel(*args, **kwargs):
+        calls.append("lse" if kwargs.get("return_aux") is not None else "out")
+        return _dense_stand_in_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(flex_module, "_kernel", lambda device: counting_kernel)
+    rows = reference_layout(40, 4, window=9).rows
+    attention = LocalAttentionFn(rows, num_noisy=40, backend="flex", diagonal="flex")
+    q, k, v = random_qkv(len(rows), len(rows), dim=16, seed=4)
+    dout = torch.randn_like(q)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = checkpoint(attention, *leaves, use_reentrant=False) if checkpointed else attention(*leaves)
+    assert calls == ["out"]
+    out.backward(dout)
+    assert calls == ["out"] * (2 if checkpointed else 1)
+    want_out, _, want_grads = reference_grads(q, k, v, allow_matrix(rows, rows), 1 / math.sqrt(16), dout)
+    torch.testing.assert_close(out.detach(), want_out, **TOL64)
+    for leaf, want in zip(leaves, want_grads):
+        torch.testing.assert_close(leaf.grad, want, **TOL64)
+
+
+def test_empty_flex_partial_under_autograd_gives_zeros_and_zero_gradients() -> None:
+    rows = reference_layout(8, 4).rows
+    dead = rows.select(torch.arange(len(rows)))
+    dead = type(dead)(dead.pos, dead.clean, dead.block, dead.ctx_start, dead.ctx_stop, torch.zeros_like(dead.live))
+    partial = build_flex_partial(dead, dead)
+    assert partial.block_mask is None
+    leaves = [t.requires_grad_(True) for t in random_qkv(len(rows), len(rows), seed=2)]
+    out = flex_autograd_attention(*leaves, partial)
+    out.sum().backward()
+    assert not out.detach().any() and all(not leaf.grad.any() for leaf in leaves)

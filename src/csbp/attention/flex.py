@@ -155,8 +155,8 @@ def flex_autograd_attention(
     backward); ``csbp bench kernels`` times this call beside them as the mixed form's strongest
     baseline (``mixed-ag``). Differentiable on CUDA only, like every FlexAttention backward."""
     _check_shapes(q, k, v, partial)
-    if partial.block_mask is None:
-        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+    if partial.block_mask is None:  # no allowed pair: zeros, still on the graph (zero gradients)
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
     out, _ = _flex_call(*partial._padded(q, k, v), partial.block_mask, scale, lse=False)
     return _leading_rows(out, q.shape[2])
 

@@ -13,7 +13,8 @@ Otherwise (or when separate ``key_rows`` are given, or on the ``flex`` backend w
 diagonal, whose one BlockMask over the mixed mask skips the empty blocks itself) one partial over
 all keys is used. Backward computes both parts
 from the final merged ``(out, lse)``. Partials run on the chosen backend
-(``csbp.attention.backends``).
+(``csbp.attention.backends``). One FlexAttention partial has nothing to merge: it runs under torch's
+own autograd (``flex.flex_autograd_attention``), so its backward needs no recomputed forward.
 
 Usage::
 
@@ -33,11 +34,12 @@ from torch import Tensor
 
 from csbp.attention.backends import PartialPlan, plan_block_diagonal, plan_partial, resolve_backend
 from csbp.attention.diagonal import resolve_diagonal
+from csbp.attention.flex import FlexPartial, flex_autograd_attention
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.merge import accumulation_dtype, merge_partials
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import PlanCache
-from csbp.attention.transports.function import TransportFunction
+from csbp.attention.transports.function import TransportFunction, exact_attention_precision
 
 
 @dataclass(frozen=True, eq=False)
@@ -170,7 +172,13 @@ def local_attention_backward(
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -> Tensor:
-    """``out`` in the dtype of ``q``, with the explicit backward of ``local_attention_backward``."""
+    """``out`` in the dtype of ``q``, with the explicit backward of ``local_attention_backward``; or,
+    when the plan is one FlexAttention partial (the flex backend's default, one BlockMask over the
+    mixed mask: nothing to merge), that call under torch's own autograd, whose backward reuses the
+    ``out``/``lse`` its forward saved instead of recomputing the forward first."""
+    if plan.block_size is None and isinstance(plan.interval_plan, FlexPartial):
+        with exact_attention_precision(q.device):
+            return flex_autograd_attention(q, k, v, plan.interval_plan, scale=plan.scale)
     return TransportFunction.apply(q, k, v, plan, local_attention_forward, local_attention_backward)
 
 
