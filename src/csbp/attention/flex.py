@@ -157,7 +157,8 @@ def flex_autograd_attention(
     _check_shapes(q, k, v, partial)
     if partial.block_mask is None:  # no allowed pair: zeros, still on the graph (zero gradients)
         return q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
-    out, _ = _flex_call(*partial._padded(q, k, v), partial.block_mask, scale, lse=False)
+    # lse asked for though unused: the same compiled training graph as FlexPartial.backward's call
+    out, _ = _flex_call(*partial._padded(q, k, v), partial.block_mask, scale)
     return _leading_rows(out, q.shape[2])
 
 
@@ -348,17 +349,19 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_call(
-    q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float | None, *, lse: bool = True
-) -> tuple[Tensor, Tensor | None]:
-    """``(out [S, Hq, Nq, d] in q's dtype, lse [S, Hq, Nq] float32, natural log)``; lse None unless
-    asked for."""
+def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
+    """``(out [S, Hq, Nq, d] in q's dtype, lse [S, Hq, Nq] float32, natural log)``."""
     from torch.nn.attention.flex_attention import AuxRequest
 
-    aux_request = {"return_aux": AuxRequest(lse=True)} if lse else {}
     try:
-        result = _kernel(q.device)(
-            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **aux_request
+        out, aux = _kernel(q.device)(
+            q,
+            k,
+            v,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+            return_aux=AuxRequest(lse=True),
         )
     except Exception as error:
         if type(error).__name__ not in ("FailOnRecompileLimitHit", "RecompileLimitExceeded"):
@@ -369,9 +372,6 @@ def _flex_call(
             "mixes unusually many shapes: set attention.backend: tiles, or raise csbp.attention.flex."
             "FLEX_RECOMPILE_LIMIT"
         ) from error
-    if not lse:
-        return result, None
-    out, aux = result
     return out, aux.lse
 
 
