@@ -108,7 +108,7 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
         (["--model", "nemotron-14b", "--gpus", "16"], "needs --seq-len"),
         (["--model", "nemotron-14b", "--seq-len", "4K"], "needs --model and --gpus"),
         (["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--set", "a.b=1"], "run configs only"),
-        (["--model", "nope", "--seq-len", "4K", "--gpus", "4"], "no config file or recipe named 'nope'"),
+        (["--model", "nope", "--seq-len", "4K", "--gpus", "4"], "--model 'nope' is no preset (nemotron-3b, "),
         (
             ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--topology", "dp2/cp4"],
             "uses 8 GPUs",

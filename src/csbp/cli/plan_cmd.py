@@ -211,8 +211,13 @@ def resolve_workload(spec: str, overrides: list[str] | None = None) -> tuple[Wor
     elif Path(spec).is_dir() or Path(spec).suffix == ".json":
         workload = hf_workload(Path(spec))
     else:
-        from csbp.recipes import load_run_config
+        from csbp.recipes import list_recipes, load_run_config
 
+        if not Path(spec).is_file() and spec not in list_recipes():
+            raise ValueError(
+                f"--model {spec!r} is no preset ({', '.join(preset_names())}), recipe ({', '.join(list_recipes())}), "
+                "run config file or HF config.json (or folder holding one)"
+            )
         cfg = load_run_config(spec, overrides or [])
         return run_config_workload(cfg), cfg
     if overrides:
