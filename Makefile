@@ -72,7 +72,7 @@ compare: $(ARTIFACT)/manifest.json
 	$(CSBP) compare dflash-demo --layouts cp,csbp --budget-s $(COMPARE_BUDGET_S) --points 4 --out runs/compare-dflash
 
 bench: $(STAMP)
-	# the README's published table ("Attention"), rerun with its own settings
+	# docs/benchmarks.md's published table ("Attention"), rerun with its own settings
 	$(CSBP) bench attention --seq-lens 1024 2048 4096 8192 16384 --nproc 4 --repeats 2 --json docs/bench/attention.json
 
 # The device check (README "The device check"): CUDA tests, NCCL verify on >= 2 GPUs, csbp bench kernels

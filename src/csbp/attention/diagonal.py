@@ -11,7 +11,7 @@ The block-diagonal part of the BD3 mask (noisy rows x their own block) has four 
 
 ``auto`` picks per backend: on ``tiles`` ``sdpa`` for blocks of ``B >= 16`` rows and ``matmul``
 below (measured on CPU, one thread, the block-diagonal partial alone: sdpa 1.0-2.2x the matmuls at
-B = 16..64, 0.7-1.3x at B = 4..8, where the fused call's fixed cost shows; see the README), and
+B = 16..64, 0.7-1.3x at B = 4..8, where the fused call's fixed cost shows; see docs/benchmarks.md), and
 ``flex`` on ``flex`` (FlexAttention's block-sparse kernel; the CUDA default is chosen from the
 ``kernels`` stage of ``make gpu-check``, which measures ``flex``, ``sdpa`` and ``sdpa_fold`` side by side). On the
 ``flex`` backend a diagonal other than ``flex`` also makes the local transport split its rows into

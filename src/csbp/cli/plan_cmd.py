@@ -445,7 +445,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         observations = bench_observations(args.bench, fastest=args.timing == "fastest")
         limit = args.fit_max_len
         # Document-masked records are predicted, not fitted, when one-document records exist: the
-        # kernels' speed per allowed pair differs under the document mask (README, --doc-length).
+        # kernels' speed per allowed pair differs under the document mask (docs/planning.md, --doc-length).
         one_document = any(o.workload.doc_length is None for o in observations)
 
         def fits(obs: Observation) -> bool:
