@@ -268,3 +268,32 @@ def test_empty_flex_partial_under_autograd_gives_zeros_and_zero_gradients() -> N
     out = flex_autograd_attention(*leaves, partial)
     out.sum().backward()
     assert not out.detach().any() and all(not leaf.grad.any() for leaf in leaves)
+
+
+@pytest.mark.slow
+def test_compiled_kernel_honours_padded_block_masks_of_every_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real block-sparse kernel (inductor on CPU, inference) skips what the BlockMask says is
+    empty and applies no ``mask_mod`` in blocks it says are full (the eager path the other CPU tests
+    run evaluates ``mask_mod`` everywhere): on every layout's rows, padded to their shape bucket in
+    blocks of 16, it equals the tiles (rows that see nothing give zeros in both)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from test_flex_backend import CASES
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def compiled_call(q, k, v, block_mask, scale):
+        out = compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return out, q.new_zeros(q.shape[:3])
+
+    monkeypatch.setattr(flex_module, "_flex_call", compiled_call)
+    padded = 0
+    for name, (q_rows, k_rows, causal) in CASES.items():
+        partial = build_flex_partial(q_rows, k_rows, causal_in_block=causal, block=16)
+        padded += (partial.padded_queries, partial.padded_keys) != (len(q_rows), len(k_rows))
+        q, k, v = random_qkv(len(q_rows), len(k_rows), dim=16, dtype=torch.float32, seed=7)
+        with torch.no_grad():
+            out, _ = partial.forward(q, k, v)
+        want, _ = plan_partial(q_rows, k_rows, backend="tiles", causal_in_block=causal).forward(q, k, v)
+        torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    assert padded >= 3  # several cases exercise the padding
