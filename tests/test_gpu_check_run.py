@@ -194,10 +194,14 @@ def test_make_gpu_check_without_a_venv_runs_the_image_python_from_src_with_the_c
     wheels.mkdir()
     _wheel(wheels)
     site = tmp_path / "site"
+    # csbp itself must come from the src/ that make puts first; the caller's other PYTHONPATH entries stay,
+    # since they may be where this interpreter's dependencies are (the image's python3 with the wheels
+    # unpacked beside it, as on a device machine).
+    others = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != REPO / "src"]
     done = subprocess.run(
         ["make", "--no-print-directory", "gpu-check", f"VENV={tmp_path / 'no-venv'}", f"GPU_PYTHON={sys.executable}",
          f"GPU_WHEEL_DIR={wheels}", f"GPU_SITE={site}", "GPU_CHECK_ARGS=--list"],
-        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ""},
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(others)},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert (site / "csbp_probe.py").exists()

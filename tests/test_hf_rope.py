@@ -7,7 +7,7 @@ the scaling decides the result; then exports a csbp model and loads it back into
 transformers upcasts to float32, not float64, inside a float64 model (RoPE ``inv_freq`` and angles,
 RMSNorm variance), which moves float64 logits by ~1e-6. The float64 reference therefore runs
 transformers' own code, rope-init function included, with ``torch.float``/``torch.float32`` aliased
-to float64 (``hf_in_float64``); the float32 tables transformers really uses are checked separately
+to float64, and ``Tensor.float()`` made a float64 cast (``hf_in_float64``); the float32 tables transformers really uses are checked separately
 against csbp's to float32 precision.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_hf_rope.py -q``
@@ -106,6 +106,8 @@ def hf_in_float64(transformers: ModuleType, hf_model: Any) -> Iterator[None]:
     try:
         patch.setattr(torch, "float", torch.float64)
         patch.setattr(torch, "float32", torch.float64)
+        # transformers < 5.2x upcasts the RoPE angles with ``Tensor.float()`` (5.17, the device image's)
+        patch.setattr(torch.Tensor, "float", lambda self, *args, **kwargs: self.to(torch.float64, *args, **kwargs))
         inv_freq, scale = init(hf_model.config)
         assert inv_freq.dtype == torch.float64 and scale == rotary.attention_scaling
         float32_inv_freq, rotary.inv_freq = rotary.inv_freq, inv_freq
