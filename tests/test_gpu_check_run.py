@@ -148,6 +148,11 @@ def test_kernel_rows_summary_and_a_stage_cut_short_keeps_its_rows(tmp_path: Path
     ]
     assert summarize_kernel_rows(rows) == "5 rows, best 0.74x dense SDPA's rate, decomposed/mixed 0.82-1.21x"
     assert summarize_kernel_rows([]) == "0 rows"
+    compiled = [{"form": "mixed-ag", "vs_dense": 0.8, "first_call_s": 12.5, "compiled_graphs": 2},
+                {"form": "mixed", "vs_dense": 0.6, "first_call_s": 31.0, "compiled_graphs": 3}]
+    assert summarize_kernel_rows(compiled) == (
+        "2 rows, best 0.80x dense SDPA's rate, 5 graphs compiled, slowest first call 31.0 s"
+    )
     (tmp_path / "gpu-kernels.json").write_text(json.dumps(rows))
     env = CheckEnv(gpus=1, device_name="x", peak_tflops=None, repo=tmp_path, args=None,  # type: ignore[arg-type]
                    deadline=time.perf_counter() + 60, out_dir=tmp_path)

@@ -28,8 +28,10 @@ Per record: median time of forward + backward, TFLOP/s counted on the mask's all
 (``csbp.bench.measure.attention_flops``; dense SDPA on all pairs), the ratio of that rate to dense
 SDPA's, the decomposed form's speedup over the faster mixed form (``t_mixed / t_decomposed``), the time to
 build one form's per-step plans (tile plans with their mask strips, or BlockMasks; built once per
-step and reused by every layer)
-and, on CPU, the number of aten ops one forward + backward issues.
+step and reused by every layer), the first forward + backward's time and the graphs dynamo compiled
+for the row (on CUDA the FlexAttention compilations, the other cost trap of a block-sparse kernel:
+a row that compiles more than its shapes need is recompiling), and, on CPU, the number of aten ops
+one forward + backward issues.
 
 Everything of one invocation runs side by side in one process, so the ratios compare kernels on
 one machine state. Usage::
@@ -104,6 +106,8 @@ class KernelRecord:
     decomposed_speedup: float  # t_mixed / t_decomposed, the faster mixed form (decomposed rows only, else nan)
     mask_build_s: float
     aten_ops: int  # ops of one forward + backward (CPU only, else 0)
+    first_call_s: float = float("nan")  # the first forward + backward, compilation included (nan: not timed)
+    compiled_graphs: int = 0  # graphs dynamo compiled for this row (FlexAttention; 0 on tiles)
 
 
 def build_form(
@@ -144,17 +148,28 @@ def _median_time(
 ) -> float:
     """Median seconds of ``fn()``; ``clock="cpu"`` counts this process's CPU time (one thread, on a
     shared machine: what other processes do does not count)."""
+    return _timings(fn, device, warmup, repeats, clock)[1]
+
+
+def _timings(
+    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int, clock: str = "wall"
+) -> tuple[float, float]:
+    """``(first, median)`` seconds of ``fn()``: the first call (warm-up or not: on CUDA it holds the
+    FlexAttention compilations) and the median of the ``repeats`` calls after the warm-up."""
     now = time.process_time if clock == "cpu" else time.perf_counter
-    for _ in range(warmup):
-        fn()
     times = []
-    for _ in range(repeats):
+    for _ in range(warmup + repeats):
         _sync(device)
         start = now()
         fn()
         _sync(device)
         times.append(now() - start)
-    return statistics.median(times)
+    return times[0], statistics.median(times[warmup:])
+
+
+def _compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (each FlexAttention shape, grad mode, ...)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def count_aten_ops(fn: Callable[[], object]) -> int:
@@ -265,13 +280,14 @@ def run_kernel_bench(
                 variants += [("diagonal", kernel, "-") for kernel in kernels(backend, block)]
                 mixed_time = float("nan")
                 for form, diagonal, clean in variants:
+                    graphs_before = _compiled_graphs()
                     _sync(dev)
                     start = now()
                     try:
                         step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
                         _sync(dev)
                         build_s = now() - start
-                        time_s = _median_time(step, dev, warmup, repeats, clock)
+                        first_s, time_s = _timings(step, dev, warmup, repeats, clock)
                     except RuntimeError as error:
                         if dev.type != "cuda":
                             raise
@@ -280,7 +296,7 @@ def run_kernel_bench(
                         print(f"csbp bench kernels: L={seq_len} B={block} {backend} {form} {diagonal} {clean} failed: "
                               f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
                         torch.cuda.empty_cache()
-                        step, build_s, time_s = None, float("nan"), float("nan")
+                        step, build_s, first_s, time_s = None, float("nan"), float("nan"), float("nan")
                     ops = count_aten_ops(step) if count_ops and dev.type == "cpu" else 0
                     useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
                     rate = attention_flops(useful, num_heads=num_heads, head_dim=head_dim) / time_s / 1e12
@@ -289,7 +305,7 @@ def run_kernel_bench(
                     speedup = mixed_time / time_s if form == "decomposed" else float("nan")
                     add(
                         KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
-                                     rate / dense_rate, speedup, build_s, ops)
+                                     rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before)
                     )
     return records
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 def format_header() -> str:
     header = (
         f"{'L':>7} {'B':>4} {'backend':<6} {'form':<10} {'diagonal':<8} {'clean':<7} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x dense':>8} "
-        f"{'decomp x':>9} {'mask ms':>8} {'aten ops':>9}"
+        f"{'decomp x':>9} {'mask ms':>8} {'1st ms':>9} {'graphs':>6} {'aten ops':>9}"
     )
     return f"{header}\n{'-' * len(header)}"
 
@@ -27,6 +28,7 @@ def format_row(r: KernelRecord) -> str:
         f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.diagonal:<8} {r.clean:<7} "
         f"{r.time_s * 1e3:>11.2f} "
         f"{r.tflops:>8.3f} {r.vs_dense:>8.2f} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
+        f"{'-' if math.isnan(r.first_call_s) else f'{r.first_call_s * 1e3:.1f}':>9} {r.compiled_graphs:>6} "
         f"{r.aten_ops if r.aten_ops else '-':>9}"
     )
 

@@ -220,7 +220,7 @@ def _kernels(env: CheckEnv) -> list[str]:
 def summarize_kernel_rows(rows: list[dict[str, object]]) -> str:
     """One line: rows measured, the best rate relative to dense SDPA, and the decomposed/mixed range."""
     def values(key: str, forms: tuple[str, ...]) -> list[float]:
-        found = (float(r[key]) for r in rows if r.get("form") in forms)  # type: ignore[arg-type]
+        found = (float(r.get(key, math.nan)) for r in rows if r.get("form") in forms)  # type: ignore[arg-type]
         return [v for v in found if math.isfinite(v)]
 
     vs_dense = values("vs_dense", ("mixed", "mixed-ag", "decomposed", "diagonal"))
@@ -230,6 +230,10 @@ def summarize_kernel_rows(rows: list[dict[str, object]]) -> str:
         parts.append(f"best {max(vs_dense):.2f}x dense SDPA's rate")
     if speedups:
         parts.append(f"decomposed/mixed {min(speedups):.2f}-{max(speedups):.2f}x")
+    graphs = sum(int(r.get("compiled_graphs", 0)) for r in rows)  # type: ignore[call-overload]
+    firsts = values("first_call_s", ("mixed", "mixed-ag", "decomposed", "diagonal"))
+    if graphs or firsts:
+        parts.append(f"{graphs} graphs compiled, slowest first call {max(firsts, default=0.0):.1f} s")
     return ", ".join(parts)
 
 
