@@ -330,11 +330,12 @@ def _block_lists(selected: Tensor) -> tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------------------- the kernel call
 
 
-FLEX_RECOMPILE_LIMIT = 64
+FLEX_RECOMPILE_LIMIT = 128
 """Graphs dynamo may keep for the flex call: one per shape (the partials of one run have a handful:
 local, remote, per ring step, per DFlash packet bucket, two per doubling of a partial whose size
-changes, see ``flex_shape_bucket``). Past dynamo's default of 8 it would silently run the unfused
-eager path; past this limit csbp stops with one line instead (``fail_on_recompile_limit_hit``)."""
+changes, see ``flex_shape_bucket``; times grad mode and dtype). Past dynamo's default of 8 it would
+silently run the unfused eager path; past this limit csbp stops with one line instead
+(``fail_on_recompile_limit_hit``)."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -344,6 +345,7 @@ def _compiled_flex() -> Any:
 
     config = torch._dynamo.config
     config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * FLEX_RECOMPILE_LIMIT)
     if hasattr(config, "fail_on_recompile_limit_hit"):  # never fall back to the dense eager path silently
         config.fail_on_recompile_limit_hit = True
     return torch.compile(flex_attention, dynamic=False)
