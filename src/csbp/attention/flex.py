@@ -152,8 +152,10 @@ def flex_autograd_attention(
     torch's own autograd: the field's standard single call, whose backward reuses the ``out``/``lse``
     its forward saved. csbp's transports merge several partials, so ``FlexPartial.backward`` is
     handed the merged statistics and recomputes its partial's forward first (one extra forward per
-    backward); ``csbp bench kernels`` times this call beside them as the mixed form's strongest
-    baseline (``mixed-ag``). Differentiable on CUDA only, like every FlexAttention backward."""
+    backward). With nothing to merge the local transport runs this call instead (one flex partial:
+    the CUDA default on one GPU, BP-only and data-parallel ranks), and ``csbp bench kernels`` times it
+    as the mixed form's strongest baseline (``mixed-ag``). Differentiable on CUDA only, like every
+    FlexAttention backward."""
     _check_shapes(q, k, v, partial)
     if partial.block_mask is None:  # no allowed pair: zeros, still on the graph (zero gradients)
         return q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
