@@ -292,12 +292,19 @@ def test_ring_transports_forward_on_flex_equal_tiles() -> None:
             torch.testing.assert_close(flex_out, tiles_out, **TOL64, msg=lambda m, s=setup: f"{s}: {m}")
 
 
-def test_flex_backward_through_the_merge_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backward's chain rule through the merge, with the flex kernel replaced by a dense autograd
-    softmax over the same ``rows_mask`` (FlexAttention itself has no CPU backward): two partials
-    (noisy keys, clean keys) merged, each differentiated from the merged statistics, summed, equal
-    the float64 reference gradients."""
+@pytest.mark.parametrize("mode", ["recompute", "direct"])
+def test_flex_backward_through_the_merge_is_exact(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """The backward through the merge, with the flex forward kernel replaced by a dense autograd
+    softmax over the same ``rows_mask`` (FlexAttention refuses CPU inputs that require grad): two
+    partials (noisy keys, clean keys) merged, each differentiated from the merged statistics
+    (``recompute``: the chain rule through the stand-in; ``direct``: FlexAttention's backward operator,
+    traced by dynamo and run by aot_eager), summed, equal the float64 reference gradients."""
     import csbp.attention.flex as flex_module
+    import csbp.attention.flex_backward as flex_backward
+
+    if mode == "direct" and not flex_backward.direct_backward_support()[0]:
+        pytest.skip(f"this torch cannot trace the direct backward: {flex_backward.direct_backward_support()[1]}")
+    monkeypatch.setattr(flex_backward, "_mode", mode)
     from csbp.masks import dense_mask
 
     def dense_flex_call(q, k, v, block_mask, scale):

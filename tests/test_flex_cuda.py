@@ -1,6 +1,8 @@
 """FlexAttention backend on CUDA: forward and backward of every layout's partials against the CPU
 float64 reference (bf16 and fp32 tolerances), the transports on ``backend=auto``, no recompilation
-across steps (new rows of one shape, and changing document prefixes padded to one shape bucket), and BlockMasks of long rows built without a dense mask. Run by ``make gpu-check``;
+across steps (new rows of one shape, and changing document prefixes padded to one shape bucket), merged
+partials differentiated both ways (``csbp.attention.flex_backward``: direct and recompute), and
+BlockMasks of long rows built without a dense mask. Run by ``make gpu-check``;
 skipped without CUDA.
 
 ``CSBP_CUDA_TESTS_DEVICE=cpu`` runs the same bodies on the CPU (a dry run of the test code where no
@@ -19,9 +21,11 @@ import time
 import pytest
 import torch
 
+import csbp.attention.flex_backward as flex_backward
 from csbp.attention.backends import plan_partial, resolve_backend
 from csbp.attention.flex import FlexPartial, rows_block_mask
 from csbp.attention.layouts import reference_layout
+from csbp.attention.merge import merge_partials
 from csbp.attention.rows import allow_matrix
 from csbp.attention.transports.local import LocalAttentionFn
 from csbp.bench.measure import PeakMemory
@@ -71,6 +75,39 @@ def test_flex_partial_forward_and_backward_match_float64_reference(name: str, dt
         grads = partial.backward(qc, kc, vc, out, lse, doutc)
         for got, want in zip(grads, grads_ref):
             torch.testing.assert_close(got.cpu().double(), want, **TOL[dtype])
+
+
+@pytest.mark.skipif(not ON_CUDA, reason=NO_CPU_BACKWARD + " (the CPU suite runs the direct backward with aot_eager)")
+@pytest.mark.parametrize("mode", ["direct", "recompute"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_merged_partials_backward_matches_float64_reference(name: str, mode: str) -> None:
+    """Two flex partials (the keys' halves) merged in fp32, each differentiated from the merged
+    statistics by ``mode`` (``direct``: the compiled backward kernel, no forward), summed; bf16."""
+    dtype = torch.bfloat16
+    if mode == "direct" and not flex_backward.direct_backward_support()[0]:
+        pytest.skip(f"this torch cannot trace the direct backward: {flex_backward.direct_backward_support()[1]}")
+    dev = _device()
+    q_rows, k_rows, causal = CASES[name]
+    split = len(k_rows) // 2
+    q, k, v = random_qkv(len(q_rows), len(k_rows), dim=16, seed=4)
+    dout = torch.randn_like(q)
+    _, _, grads_ref = reference_grads(q, k, v, allow_matrix(q_rows, k_rows, causal_in_block=causal),
+                                      1 / math.sqrt(q.shape[-1]), dout)
+    qc, kc, vc, doutc = (t.to(dev, dtype) for t in (q, k, v, dout))
+    halves = (slice(0, split), slice(split, None))
+    plans = [plan_partial(q_rows.to(dev), k_rows.select(h).to(dev), backend="flex", causal_in_block=causal)
+             for h in halves]
+    outs = [p.forward(qc, kc[:, :, h], vc[:, :, h]) for p, h in zip(plans, halves)]
+    out, lse = merge_partials(*outs[0], *outs[1])
+    dq, dk, dv = (torch.zeros(t.shape, device=dev) for t in (q, k, v))
+    with flex_backward.flex_backward_mode(mode):
+        for plan, h in zip(plans, halves):
+            dq_h, dk_h, dv_h = plan.backward(qc, kc[:, :, h], vc[:, :, h], out, lse, doutc)
+            dq += dq_h
+            dk[:, :, h] += dk_h
+            dv[:, :, h] += dv_h
+    for got, want in zip((dq, dk, dv), grads_ref):
+        torch.testing.assert_close(got.cpu().double(), want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("part", PARTS)

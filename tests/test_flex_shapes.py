@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import csbp.attention.flex as flex_module
+import csbp.attention.flex_backward as flex_backward_module
 from csbp.attention.backends import plan_partial
 from csbp.attention.documents import random_documents
 from csbp.attention.flex import build_flex_partial, flex_autograd_attention, flex_shape_bucket
@@ -68,9 +69,14 @@ def test_padded_partial_forward_equals_tiles() -> None:
     torch.testing.assert_close(lse, want_lse, **TOL64)
 
 
-def test_padded_partial_backward_is_exact(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The backward of a padded partial (dense autograd stand-in for the kernel, which sees the
-    padded rows) sliced back to the real rows equals the float64 reference."""
+@pytest.mark.parametrize("mode", ["recompute", "direct"])
+def test_padded_partial_backward_is_exact(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """The backward of a padded partial (dense autograd stand-in for the forward kernel, which sees the
+    padded rows; ``direct``: FlexAttention's backward operator under aot_eager) sliced back to the real
+    rows equals the float64 reference."""
+    if mode == "direct" and not flex_backward_module.direct_backward_support()[0]:
+        pytest.skip("this torch cannot trace the direct backward")
+    monkeypatch.setattr(flex_backward_module, "_mode", mode)
     def dense_flex_call(q, k, v, block_mask, scale):
         allow = dense_mask(block_mask.mask_mod, q.shape[2], k.shape[2])
         return dense_attention_reference(q, k, v, allow, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
@@ -175,7 +181,7 @@ def test_compiled_flex_fails_instead_of_falling_back() -> None:
     flex_module._compiled_flex.cache_clear()
     try:
         flex_module._compiled_flex()
-        assert config.recompile_limit >= flex_module.FLEX_RECOMPILE_LIMIT
+        assert config.recompile_limit >= flex_backward_module.FLEX_RECOMPILE_LIMIT
         assert config.fail_on_recompile_limit_hit is True
     finally:
         config.recompile_limit, config.fail_on_recompile_limit_hit = saved

@@ -30,6 +30,7 @@ from csbp.models.hf_io import load_hf_checkpoint
 from csbp.training import LaunchOptions, TrainSummary, launch_training, train
 from csbp.training import checkpoint as checkpoint_module
 from csbp.training.metrics import read_metrics
+from csbp.training.preflight import check_run
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven bright stars shine above calm water".split()
 REQUIRED_KEYS = {"step", "loss", "lr", "tokens_per_s", "grad_norm", "peak_mem_bytes", "elapsed_s"}
@@ -354,6 +355,25 @@ def test_config_validate_checks_existing_inputs_like_train(
     # attention.backend=flex is a GPU config: validated offline, refused only by `csbp train` off CUDA
     assert main(["config", "validate", str(path), "--set", "attention.backend=flex"]) == 0
     capsys.readouterr()
+
+
+def test_flex_backward_is_validated_and_a_direct_it_cannot_run_refused_before_training(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``attention.flex_backward``: a typo is one config line; on a CUDA machine whose torch cannot
+    trace the direct backward, ``direct`` is refused by the pre-flight (``auto`` takes recompute)."""
+    import csbp.attention.flex_backward as flex_backward
+
+    with pytest.raises(ConfigError, match="attention.flex_backward"):
+        config_from_dict(config_dict(artifact, **{"attention.flex_backward": "fast"}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # flex is what auto means on CUDA
+    monkeypatch.setattr(flex_backward, "direct_backward_support", lambda: (False, "Unsupported: old dynamo"))
+    check_run(tiny_config(artifact, **{"attention.flex_backward": "auto"}))
+    with pytest.raises(ValueError) as error:
+        check_run(tiny_config(artifact, **{"attention.flex_backward": "direct"}))
+    assert "\n" not in str(error.value)
+    assert str(error.value).startswith("attention.flex_backward=direct needs a torch whose torch.compile traces")
+    assert str(error.value).endswith("set attention.flex_backward to auto or recompute")
 
 
 def test_config_errors_are_raised_before_any_process_starts(artifact: Path, tmp_path: Path) -> None:

@@ -21,10 +21,12 @@ ops, so a 256K x 256K BlockMask costs milliseconds instead of a 64 GiB boolean m
   would silently run the unfused path; csbp makes that limit an error instead. On CPU the compiled
   kernel is inference-only and has no ``lse``, so the eager (dense, unfused) FlexAttention runs:
   correct, for tests and debugging, not fast.
-* backward (CUDA only: FlexAttention has no CPU backward): the partial is recomputed with autograd
+* backward (CUDA only: FlexAttention has no compiled CPU backward), from the merged ``(out, lse)``
+  (``csbp.attention.flex_backward``): ``direct``, FlexAttention's backward kernel called with the
+  merged statistics (no forward; torch 2.13), or ``recompute``, the partial recomputed with autograd
   and differentiated with the chain rule through the merge (``merge.partial_grads_from_merged``:
-  ``dout_p = w·dout``, ``dlse_p = w·<dout, out_p - out>``, ``w = exp(lse_p - lse)``), which equals
-  the explicit backward from the merged statistics; the kernel's own lse gradient carries it.
+  ``dout_p = w·dout``, ``dlse_p = w·<dout, out_p - out>``, ``w = exp(lse_p - lse)``). Both equal the
+  explicit backward from the merged statistics.
 
 Outputs are in the accumulation dtype (float32 for bf16 inputs), like the tiled kernels.
 """
@@ -39,6 +41,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from csbp.attention.flex_backward import (
+    configure_recompile_limits,
+    current_flex_backward,
+    direct_flex_backward,
+    recompile_limit_error,
+)
 from csbp.attention.merge import accumulation_dtype, partial_grads_from_merged
 from csbp.attention.rows import Rows
 from csbp.masks import rows_mask
@@ -97,7 +105,9 @@ class FlexPartial:
         delta: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq, dk, dv)`` of this key set's share, from the final merged ``out``/``lse`` and ``dout``
-        (``delta`` is accepted for interface parity and recomputed inside the kernel)."""
+        (``delta = <dout, out>``, computed here when not given), by the process's flex backward
+        (``csbp.attention.flex_backward``): the kernel's backward from the merged statistics
+        (``direct``) or the partial recomputed under autograd (``recompute``)."""
         _check_shapes(q, k, v, self)
         dtype = accumulation_dtype(q, k, v)
         if self.block_mask is None:
@@ -107,17 +117,36 @@ class FlexPartial:
                 "attention.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
                 "use attention.backend: tiles (or auto) on CPU"
             )
+        if current_flex_backward() == "direct":
+            if delta is None:
+                delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+            extra = self.padded_queries - q.shape[2]
+            grads = direct_flex_backward(
+                *self._padded(q.detach(), k.detach(), v.detach()),
+                torch.nn.functional.pad(lse, (0, extra), value=float("-inf")),
+                _pad_rows(dout, self.padded_queries),
+                torch.nn.functional.pad(delta, (0, extra)),
+                self.block_mask,
+                scale,
+            )
+        else:
+            grads = self._recomputed_backward(q, k, v, out, lse, dout, scale)
+        return tuple(  # type: ignore[return-value]
+            _leading_rows(g, x.shape[2]).to(dtype) for g, x in zip(grads, (q, k, v))
+        )
+
+    def _recomputed_backward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, scale: float | None
+    ) -> tuple[Tensor, ...]:
+        """The partial's forward again under autograd, and the chain rule through the merge."""
         with torch.enable_grad():
             inputs = [x.requires_grad_() for x in self._padded(q.detach(), k.detach(), v.detach())]
             out_part, lse_part = _flex_call(*inputs, self.block_mask, scale)
             out_part, lse_part = out_part[:, :, : q.shape[2]], lse_part[:, :, : q.shape[2]]
             dout_part, dlse_part = partial_grads_from_merged(out_part.detach(), lse_part.detach(), out, lse, dout)
-            grads = torch.autograd.grad(
+            return torch.autograd.grad(
                 (out_part, lse_part), inputs, (dout_part.to(out_part.dtype), dlse_part.to(lse_part.dtype))
             )
-        return tuple(  # type: ignore[return-value]
-            _leading_rows(g, x.shape[2]).to(dtype) for g, x in zip(grads, (q, k, v))
-        )
 
     def _padded(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v with zero rows appended up to the kernel's shape bucket."""
@@ -332,24 +361,12 @@ def _block_lists(selected: Tensor) -> tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------------------- the kernel call
 
 
-FLEX_RECOMPILE_LIMIT = 128
-"""Graphs dynamo may keep for the flex call: one per shape (the partials of one run have a handful:
-local, remote, per ring step, per DFlash packet bucket, two per doubling of a partial whose size
-changes, see ``flex_shape_bucket``; times grad mode and dtype). Past dynamo's default of 8 it would
-silently run the unfused eager path; past this limit csbp stops with one line instead
-(``fail_on_recompile_limit_hit``)."""
-
-
 @functools.lru_cache(maxsize=1)
 def _compiled_flex() -> Any:
     """``torch.compile(flex_attention)``: dynamo keeps one graph per shape bucket (dynamic=False)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
-    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * FLEX_RECOMPILE_LIMIT)
-    if hasattr(config, "fail_on_recompile_limit_hit"):  # never fall back to the dense eager path silently
-        config.fail_on_recompile_limit_hit = True
+    configure_recompile_limits()
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -368,14 +385,10 @@ def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: fl
             return_aux=AuxRequest(lse=True),
         )
     except Exception as error:
-        if type(error).__name__ not in ("FailOnRecompileLimitHit", "RecompileLimitExceeded"):
+        replacement = recompile_limit_error(error, q, k)
+        if replacement is None:
             raise
-        raise RuntimeError(
-            f"FlexAttention needed more than {torch._dynamo.config.recompile_limit} compiled shapes (this call: q "
-            f"{tuple(q.shape)}, k {tuple(k.shape)}, {q.dtype}); csbp pads partials to shape buckets, so this run "
-            "mixes unusually many shapes: set attention.backend: tiles, or raise csbp.attention.flex."
-            "FLEX_RECOMPILE_LIMIT"
-        ) from error
+        raise replacement from error
     return out, aux.lse
 
 

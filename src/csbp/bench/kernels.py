@@ -48,7 +48,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,6 +66,7 @@ from csbp.attention.backends import (
 from csbp.attention.diagonal import check_diagonal, resolve_diagonal
 from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
 from csbp.attention.flex import FlexPartial, flex_autograd_attention
+from csbp.attention.flex_backward import flex_backward_mode, resolve_flex_backward
 from csbp.attention.layouts import reference_layout
 from csbp.attention.rows import Rows
 from csbp.attention.transports.local import (
@@ -108,6 +109,7 @@ class KernelRecord:
     aten_ops: int  # ops of one forward + backward (CPU only, else 0)
     first_call_s: float = float("nan")  # the first forward + backward, compilation included (nan: not timed)
     compiled_graphs: int = 0  # graphs dynamo compiled for this row (FlexAttention; 0 on tiles)
+    flex_backward: str = "-"  # flex rows: how merged partials ran their backward (direct or recompute)
 
 
 def build_form(
@@ -207,6 +209,7 @@ def run_kernel_bench(
     clock: str = "wall",
     diagonals: tuple[str, ...] = ("auto",),
     clean_kernels: tuple[str, ...] = ("generic", "pieces"),
+    flex_backward: str = "auto",
     progress: Callable[[KernelRecord], None] | None = None,
     header: str | None = None,
 ) -> list[KernelRecord]:
@@ -214,7 +217,9 @@ def run_kernel_bench(
     form once per kernel of ``diagonals`` and of ``clean_kernels``, and its block-diagonal partial alone
     (``diagonal``) once per kernel of ``diagonals``;
     ``progress`` sees each record as soon as it is measured; ``header`` is printed once every input is
-    checked, before anything is measured (a bad input prints nothing but its error line)."""
+    checked, before anything is measured (a bad input prints nothing but its error line). Merged flex
+    partials run their backward by ``flex_backward`` (``csbp.attention.flex_backward``; the ``mixed-ag``
+    row needs neither way)."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
 
@@ -232,6 +237,7 @@ def run_kernel_bench(
             raise ValueError("--clean-kernels pieces-cudnn needs --device cuda (on CPU it is the same kernel as pieces)")
     if "flex" in concrete and dev.type != "cuda":
         raise ValueError("--backends flex needs --device cuda (FlexAttention has no CPU backward)")
+    resolved_backward = resolve_flex_backward(flex_backward, where="--flex-backward")
     if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
         raise ValueError("--clock cpu measures one CPU thread: use --device cpu with OMP_NUM_THREADS=1")
     for seq_len in seq_lens:  # fail closed before measuring anything
@@ -243,70 +249,73 @@ def run_kernel_bench(
     records: list[KernelRecord] = []
 
     def add(record: KernelRecord) -> None:
+        if record.backend == "flex":
+            record = replace(record, flex_backward=resolved_backward)
         records.append(record)
         if progress is not None:
             progress(record)
 
-    for seq_len in seq_lens:
-        gen = torch.Generator(device=dev).manual_seed(seq_len)
-        n = 2 * seq_len
-        q = torch.randn(1, num_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen)
-        k, v = (torch.randn(1, num_kv_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen) for _ in "kv")
-        dout = torch.randn_like(q)
-        dense_time = _dense_sdpa_time(q, k, v, dout, dev, warmup, repeats, clock)
-        dense_flops = attention_flops(n * n, num_heads=num_heads, head_dim=head_dim)
-        dense_rate = dense_flops / dense_time / 1e12
-        # The fused call flash pieces make (FlashAttention-2 on CUDA), over all pairs: is it as fast as SDPA's pick?
-        # Their rates hardly depend on L: timed at the first length only (at 128K each costs ~10 s of a budget).
-        fused = {
-            name: _dense_flash_time(q, k, v, dout, dev, warmup, repeats, clock, name)
-            for name in ("flash", "cudnn") if flash_kernel(q, name) == name and seq_len == seq_lens[0]
-        }
-        for block in block_sizes:
-            rows = reference_layout(seq_len, block).rows.to(dev)
-            pairs = allowed_pairs(rows, block_size=block)
-            add(
-                KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", "-", dense_time, n * n, dense_rate,
-                             1.0, float("nan"), 0.0, 0)
-            )
-            for name, fused_time in fused.items():
-                rate = dense_flops / fused_time / 1e12
-                add(KernelRecord(device, dtype, seq_len, block, FUSED_ROWS[name], "dense", "-", "-", fused_time, n * n,
-                                 rate, rate / dense_rate, float("nan"), 0.0, 0))
-            now = time.process_time if clock == "cpu" else time.perf_counter
-            for backend in dict.fromkeys(concrete):
-                variants = [("mixed", "-", "-")] + ([("mixed-ag", "-", "-")] if backend == "flex" else [])
-                variants += [("decomposed", kernel, clean) for kernel in kernels(backend, block) for clean in clean_kernels]
-                variants += [("diagonal", kernel, "-") for kernel in kernels(backend, block)]
-                mixed_time = float("nan")
-                for form, diagonal, clean in variants:
-                    graphs_before = _compiled_graphs()
-                    _sync(dev)
-                    start = now()
-                    try:
-                        step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
+    with flex_backward_mode(flex_backward):  # merged flex partials differentiate this way
+        for seq_len in seq_lens:
+            gen = torch.Generator(device=dev).manual_seed(seq_len)
+            n = 2 * seq_len
+            q = torch.randn(1, num_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen)
+            k, v = (torch.randn(1, num_kv_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen) for _ in "kv")
+            dout = torch.randn_like(q)
+            dense_time = _dense_sdpa_time(q, k, v, dout, dev, warmup, repeats, clock)
+            dense_flops = attention_flops(n * n, num_heads=num_heads, head_dim=head_dim)
+            dense_rate = dense_flops / dense_time / 1e12
+            # The fused call flash pieces make (FlashAttention-2 on CUDA), over all pairs: is it as fast as SDPA's pick?
+            # Their rates hardly depend on L: timed at the first length only (at 128K each costs ~10 s of a budget).
+            fused = {
+                name: _dense_flash_time(q, k, v, dout, dev, warmup, repeats, clock, name)
+                for name in ("flash", "cudnn") if flash_kernel(q, name) == name and seq_len == seq_lens[0]
+            }
+            for block in block_sizes:
+                rows = reference_layout(seq_len, block).rows.to(dev)
+                pairs = allowed_pairs(rows, block_size=block)
+                add(
+                    KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", "-", dense_time, n * n, dense_rate,
+                                 1.0, float("nan"), 0.0, 0)
+                )
+                for name, fused_time in fused.items():
+                    rate = dense_flops / fused_time / 1e12
+                    add(KernelRecord(device, dtype, seq_len, block, FUSED_ROWS[name], "dense", "-", "-", fused_time, n * n,
+                                     rate, rate / dense_rate, float("nan"), 0.0, 0))
+                now = time.process_time if clock == "cpu" else time.perf_counter
+                for backend in dict.fromkeys(concrete):
+                    variants = [("mixed", "-", "-")] + ([("mixed-ag", "-", "-")] if backend == "flex" else [])
+                    variants += [("decomposed", kernel, clean) for kernel in kernels(backend, block) for clean in clean_kernels]
+                    variants += [("diagonal", kernel, "-") for kernel in kernels(backend, block)]
+                    mixed_time = float("nan")
+                    for form, diagonal, clean in variants:
+                        graphs_before = _compiled_graphs()
                         _sync(dev)
-                        build_s = now() - start
-                        first_s, time_s = _timings(step, dev, warmup, repeats, clock)
-                    except RuntimeError as error:
-                        if dev.type != "cuda":
-                            raise
-                        # On an accelerator one variant may fail (a kernel this build lacks, out of memory):
-                        # say so in one line, keep a nan row, measure the rest.
-                        print(f"csbp bench kernels: L={seq_len} B={block} {backend} {form} {diagonal} {clean} failed: "
-                              f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-                        torch.cuda.empty_cache()
-                        step, build_s, first_s, time_s = None, float("nan"), float("nan"), float("nan")
-                    ops = count_aten_ops(step) if count_ops and dev.type == "cpu" else 0
-                    useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
-                    rate = attention_flops(useful, num_heads=num_heads, head_dim=head_dim) / time_s / 1e12
-                    if form.startswith("mixed") and (math.isnan(mixed_time) or time_s < mixed_time):
-                        mixed_time = time_s  # the faster mixed form (a failed one is nan and never faster)
-                    speedup = mixed_time / time_s if form == "decomposed" else float("nan")
-                    add(
-                        KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
-                                     rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before)
-                    )
+                        start = now()
+                        try:
+                            step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
+                            _sync(dev)
+                            build_s = now() - start
+                            first_s, time_s = _timings(step, dev, warmup, repeats, clock)
+                        except RuntimeError as error:
+                            if dev.type != "cuda":
+                                raise
+                            # On an accelerator one variant may fail (a kernel this build lacks, out of memory):
+                            # say so in one line, keep a nan row, measure the rest.
+                            print(f"csbp bench kernels: L={seq_len} B={block} {backend} {form} {diagonal} {clean} failed: "
+                                  f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                            torch.cuda.empty_cache()
+                            step, build_s, first_s, time_s = None, float("nan"), float("nan"), float("nan")
+                        ops = count_aten_ops(step) if count_ops and dev.type == "cpu" else 0
+                        useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
+                        rate = attention_flops(useful, num_heads=num_heads, head_dim=head_dim) / time_s / 1e12
+                        if form.startswith("mixed") and (math.isnan(mixed_time) or time_s < mixed_time):
+                            mixed_time = time_s  # the faster mixed form (a failed one is nan and never faster)
+                        speedup = mixed_time / time_s if form == "decomposed" else float("nan")
+                        add(
+                            KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
+                                         rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before)
+                        )
     return records
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from csbp.attention.backends import CLEAN_KERNELS
+from csbp.attention.backends import CLEAN_KERNELS, check_backend, resolve_backend
+from csbp.attention.flex_backward import FLEX_BACKWARDS, resolve_flex_backward
 from csbp.bench.common import add_head_options, add_output_options, records_as_dicts, write_json_atomic
 from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 
@@ -88,6 +89,11 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
         "pieces (fused flash pieces + a residual on the backend; FlashAttention-2 on CUDA) and pieces-cudnn "
         "(cuDNN pieces, CUDA only); default generic pieces",
     )
+    parser.add_argument(
+        "--flex-backward", choices=FLEX_BACKWARDS, default="auto",
+        help="backward of merged flex partials: direct (the kernel's backward from the merged statistics), "
+        "recompute (the forward again, then the chain rule) or auto (direct where torch traces it)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--no-op-count", action="store_true", help="skip counting aten ops (CPU)")
@@ -107,9 +113,13 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         raise ValueError("--device cuda: no CUDA device is visible to this process")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    flex_note = ""
+    if any(resolve_backend(check_backend(name), device) == "flex" for name in args.backends):
+        flex_note = f", flex backward {resolve_flex_backward(args.flex_backward, where='--flex-backward')}"
     header = (
         f"csbp bench kernels: device={device}{threads} dtype={dtype} heads={args.num_heads}/{args.num_kv_heads}x"
-        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} ({args.clock} clock)\n"
+        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} ({args.clock} clock)"
+        f"{flex_note}\n"
         f"{format_header()}"
     )
     measured: list[KernelRecord] = []
@@ -137,6 +147,7 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         clock=args.clock,
         diagonals=tuple(args.diagonals),
         clean_kernels=tuple(args.clean_kernels),
+        flex_backward=args.flex_backward,
         progress=progress,
         header=header,
     )

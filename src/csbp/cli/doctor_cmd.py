@@ -133,6 +133,12 @@ def _precision_rows() -> list[Row]:
     rows.append(("flexattention", "module", _yes_no(flex) + " (torch.nn.attention.flex_attention)"))
     compiled = "yes" if flex and triton and cuda else "no (needs CUDA and triton)"
     rows.append(("flexattention", "compiled", compiled))
+    if flex:
+        from csbp.attention.flex_backward import direct_backward_support
+
+        supported, reason = direct_backward_support()
+        direct = "direct from merged statistics (flex_backward auto)" if supported else f"recompute (direct not traced: {reason})"
+        rows.append(("flexattention", "backward", direct))
     return rows
 
 

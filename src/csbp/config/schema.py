@@ -341,6 +341,16 @@ class AttentionSection(_Section):
         ),
     )
 
+    flex_backward: Literal["auto", "direct", "recompute"] = Field(
+        "auto",
+        description=(
+            "Backward of a merged FlexAttention partial (csbp.attention.flex_backward): direct (the flex "
+            "backward kernel from the merged statistics, no forward; needs torch 2.13's compiler); recompute "
+            "(the partial's forward again, then the chain rule through the merge); auto: direct where the "
+            "installed torch traces it, else recompute. Same gradients either way."
+        ),
+    )
+
     @model_validator(mode="after")
     def _check_diagonal(self) -> AttentionSection:
         from csbp.attention.diagonal import check_diagonal_backend  # no torch: keeps config import light

@@ -68,6 +68,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from csbp.attention.flex_backward import resolve_flex_backward  # noqa: E402
 from csbp.gpu.flops import gpu_bf16_peak_tflops  # noqa: E402
 from csbp.gpu.profile import CPU_DRY_RUN, CUDA, CheckProfile  # noqa: E402
 from csbp.gpu.report import CheckReport, StageResult, kill_process_group, start_watchdog  # noqa: E402
@@ -386,11 +387,13 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
         return 0
     gpus, name, peak = _machine(args, profile)
     info = {"gpus": gpus, "name": name, "bf16_peak_tflops": peak, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "python": sys.version.split()[0], "dry_run": args.dry_run_cpu}
+            "cuda": torch.version.cuda, "python": sys.version.split()[0], "dry_run": args.dry_run_cpu,
+            "flex_backward": resolve_flex_backward("auto")}
     report = CheckReport(args.json, info, budget_s=args.budget_s, started=started)
     env = CheckEnv(gpus=gpus, device_name=name, peak_tflops=peak, repo=Path.cwd(), args=args,
                    deadline=started + args.budget_s, profile=profile, out_dir=args.json.parent, report=report)
-    print(f"gpu-check: {gpus} x {name} (bf16 peak {peak} TFLOP/s), torch {torch.__version__}, budget "
+    print(f"gpu-check: {gpus} x {name} (bf16 peak {peak} TFLOP/s), torch {torch.__version__} (flex backward "
+          f"{info['flex_backward']}), budget "
           f"{args.budget_s:.0f} s ({env.seconds_left():.0f} s left){', CPU dry run' if args.dry_run_cpu else ''}",
           flush=True)
     report.write()  # the device alone: a crash in the first stage still leaves a report

@@ -34,6 +34,7 @@ import torch
 
 from csbp.atomic import unwritable_reason
 from csbp.attention.backends import check_backend_trains_on
+from csbp.attention.flex_backward import resolve_flex_backward
 from csbp.config.schema import RunConfig
 from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit, max_token_id, open_artifact
 from csbp.data.tokenizer import load_tokenizer, special_tokens_from_names
@@ -106,7 +107,9 @@ def check_run(
     ``resume_restart``: the alternative a refused resume's fix offers (:func:`resume_changes`)."""
     _check_objective_layout(cfg)
     if check_device:
-        check_backend_trains_on(cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu")
+        backend = check_backend_trains_on(cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu")
+        if backend == "flex":
+            resolve_flex_backward(cfg.attention.flex_backward)  # direct on a torch that cannot trace it: refused
     artifact = _open_checked(cfg.data.train, "data.train", cfg.data.seq_len)
     tokenizer_dir = artifact.directory
     if cfg.data.tokenizer is not None:

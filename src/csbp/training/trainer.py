@@ -43,6 +43,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
+from csbp.attention.flex_backward import set_flex_backward
 from csbp.config.loading import dump_config, write_config
 from csbp.config.schema import RunConfig
 from csbp.data.loader import PackedLoader
@@ -198,6 +199,8 @@ def train(
     device = training_device()  # selected before any process group is created
     backend = check_backend_trains_on(cfg.attention.backend, device)
     check_diagonal_backend(cfg.attention.diagonal, backend, where="attention.diagonal")  # auto resolved here
+    if backend == "flex":
+        set_flex_backward(cfg.attention.flex_backward)  # process-wide, like torch's SDPA kernel choice
     if dist.is_initialized():
         dist.barrier()  # every rank is past its pre-flight: group creation below is quick everywhere
     ctx = build_parallel_context(

@@ -1,0 +1,207 @@
+"""The backward of a FlexAttention partial from the merged statistics, and which way it runs (csbp.md §9.2).
+
+csbp's transports split attention into partials over key sets and merge them in fp32, so a
+partial's backward is handed the *merged* ``(out, lse)`` and ``dout``, as in FlashAttention's ring
+attention. FlexAttention's autograd only knows its own call's statistics, so there are two ways:
+
+* ``direct``: FlexAttention's own backward kernel (the ``flex_attention_backward`` operator) called
+  with the merged statistics, ``torch.compile``-d once per shape bucket. With ``P = exp(s - lse)``
+  over the merged ``lse`` the kernel computes exactly this partial's share of the merged softmax;
+  the row term ``delta = <dout, out>`` of the merged ``out`` enters through the kernel's lse gradient
+  (``out`` is passed as zeros, ``grad_lse = -delta``), so it stays in the accumulation dtype. One
+  backward kernel per partial and no forward. It needs a torch whose dynamo traces a direct call of
+  that operator (torch 2.13 does; 2.11 does not).
+* ``recompute``: the partial's forward again under autograd, then the chain rule through the merge
+  (``merge.partial_grads_from_merged``); one extra forward per backward (by FlashAttention's usual
+  backward/forward cost ratio of 2.5-3, roughly a quarter more attention time).
+
+``attention.flex_backward`` picks one: ``auto`` (``direct`` where the installed torch traces it, else
+``recompute``), ``direct`` (refused on a torch that cannot trace it) or ``recompute``. The choice is
+process-wide, like torch's own SDPA kernel selection: ``set_flex_backward`` at a run's start,
+``flex_backward_mode`` as a context manager (benchmarks, tests). Both ways give the same gradients
+(float64 tests against the dense reference); the single flex call of the local transport needs
+neither (``flex.flex_autograd_attention``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
+FlexBackwardName = Literal["auto", "direct", "recompute"]
+FLEX_BACKWARDS: tuple[str, ...] = get_args(FlexBackwardName)
+
+FLEX_RECOMPILE_LIMIT = 128
+"""Graphs dynamo may keep per compiled flex function: one per shape (the partials of one run have a
+handful: local, remote, per ring step, per DFlash packet bucket, two per doubling of a partial whose
+size changes, see ``flex.flex_shape_bucket``; times grad mode and dtype). Past dynamo's default of 8
+it would silently run the unfused eager path; past this limit csbp stops with one line instead
+(``fail_on_recompile_limit_hit``)."""
+
+_mode: str = "auto"
+
+
+def configure_recompile_limits() -> None:
+    """Raise dynamo's recompile limits to ``FLEX_RECOMPILE_LIMIT`` and make hitting them an error."""
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 2 * FLEX_RECOMPILE_LIMIT)
+    if hasattr(config, "fail_on_recompile_limit_hit"):  # never fall back to the dense eager path silently
+        config.fail_on_recompile_limit_hit = True
+
+
+def recompile_limit_error(error: Exception, q: Tensor, k: Tensor) -> RuntimeError | None:
+    """One clear error for dynamo's recompile limit (None for any other error)."""
+    if type(error).__name__ not in ("FailOnRecompileLimitHit", "RecompileLimitExceeded"):
+        return None
+    return RuntimeError(
+        f"FlexAttention needed more than {torch._dynamo.config.recompile_limit} compiled shapes (this call: q "
+        f"{tuple(q.shape)}, k {tuple(k.shape)}, {q.dtype}); csbp pads partials to shape buckets, so this run "
+        "mixes unusually many shapes: set attention.backend: tiles, or raise "
+        "csbp.attention.flex_backward.FLEX_RECOMPILE_LIMIT"
+    )
+
+
+# ----------------------------------------------------------------------------- which way
+
+
+def check_flex_backward(name: str, *, where: str = "attention.flex_backward") -> str:
+    """``name`` if it is a flex backward mode, else one clear ``ValueError``."""
+    if name not in FLEX_BACKWARDS:
+        raise ValueError(f"{where} must be one of {FLEX_BACKWARDS}, got {name!r}")
+    return name
+
+
+def resolve_flex_backward(name: str, *, where: str = "attention.flex_backward") -> str:
+    """``direct`` or ``recompute`` for ``name``; ``direct`` on a torch that cannot trace it is refused."""
+    check_flex_backward(name, where=where)
+    supported, reason = direct_backward_support()
+    if name == "auto":
+        return "direct" if supported else "recompute"
+    if name == "direct" and not supported:
+        raise ValueError(
+            f"{where}=direct needs a torch whose torch.compile traces FlexAttention's backward operator "
+            f"(torch 2.13 does; this is {torch.__version__}: {reason}); set {where} to auto or recompute"
+        )
+    return name
+
+
+def set_flex_backward(name: str, *, where: str = "attention.flex_backward") -> str:
+    """Make ``name`` the process's flex backward (checked now); returns the resolved mode."""
+    global _mode
+    resolved = resolve_flex_backward(name, where=where)
+    _mode = name
+    return resolved
+
+
+def current_flex_backward() -> str:
+    """The resolved mode (``direct`` or ``recompute``) flex partials use now."""
+    return resolve_flex_backward(_mode)
+
+
+@contextlib.contextmanager
+def flex_backward_mode(name: str) -> Iterator[str]:
+    """Run a block with flex backward ``name``; yields the resolved mode and restores the previous one."""
+    global _mode
+    previous = _mode
+    resolved = set_flex_backward(name)
+    try:
+        yield resolved
+    finally:
+        _mode = previous
+
+
+@functools.lru_cache(maxsize=1)
+def direct_backward_support() -> tuple[bool, str]:
+    """Whether dynamo traces a direct call of FlexAttention's backward operator, and why not: a tiny
+    compile on the CPU with the ``eager`` backend (dynamo only, no kernel), once per process."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        q = torch.zeros(1, 1, 16, 8)
+        mask = create_block_mask(_probe_mask, 1, 1, 16, 16, device="cpu", BLOCK_SIZE=16)
+        lse = torch.zeros(1, 1, 16)
+        grads = _direct_call(q, q, q, lse, q, lse, mask, 1.0, backend="eager")
+    except Exception as error:  # any failure means: not this torch; the reason goes to the user
+        return False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".strip()
+    if len(grads) != 3 or grads[0].shape != q.shape:
+        return False, "unexpected result of the backward operator"
+    return True, "ok"
+
+
+def _probe_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return q_idx >= kv_idx
+
+
+# ----------------------------------------------------------------------------- the direct call
+
+
+def direct_flex_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    delta: Tensor,
+    block_mask: BlockMask,
+    scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` in q's dtype of the partial over ``block_mask`` from the *merged* ``lse``
+    (natural log, per query row) and ``delta = <dout, out>`` of the merged ``out``. All row
+    counts are the kernel's (padded) ones; rows whose merged lse is ``-inf`` (they see nothing) get
+    zero gradients. Compiled with inductor on CUDA; on the CPU (tests) traced by dynamo and run by
+    ``aot_eager`` (FlexAttention has no compiled CPU backward)."""
+    stats = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = lse.to(stats)
+    lse_log2 = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) / math.log(2)
+    backend = "inductor" if q.device.type == "cuda" else "aot_eager"
+    try:
+        return _direct_call(q, k, v, lse_log2, dout.to(q.dtype), -delta.to(stats) * math.log(2), block_mask,
+                            1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, backend=backend)
+    except Exception as error:
+        replacement = recompile_limit_error(error, q, k)
+        if replacement is None:
+            raise
+        raise replacement from error
+
+
+def _direct_call(
+    q: Tensor, k: Tensor, v: Tensor, lse_log2: Tensor, dout: Tensor, grad_lse_log2: Tensor,
+    block_mask: BlockMask, scale: float, *, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    from torch.nn.attention.flex_attention import AuxRequest, _apply_kernel_options
+
+    options = _apply_kernel_options(q, k, v, False, None, AuxRequest(lse=True))
+    return _compiled_backward(backend)(q, k, v, lse_log2, dout, grad_lse_log2, block_mask.as_tuple(), scale, options)
+
+
+@functools.cache
+def _compiled_backward(backend: str) -> Any:
+    """The direct backward compiled with ``backend``: one graph per shape bucket (dynamic=False); the
+    mask's row tensors are lifted as inputs, so new rows of the same shapes do not recompile."""
+    configure_recompile_limits()
+    return torch.compile(_backward_from_statistics, backend=backend, dynamic=False, fullgraph=True)
+
+
+def _backward_from_statistics(
+    q: Tensor, k: Tensor, v: Tensor, lse_log2: Tensor, dout: Tensor, grad_lse_log2: Tensor,
+    block_mask: tuple[Any, ...], scale: float, options: dict[str, Any],
+) -> tuple[Tensor, Tensor, Tensor]:
+    from torch._higher_order_ops.flex_attention import flex_attention_backward
+    from torch.nn.attention.flex_attention import _identity
+
+    # out = 0 makes the kernel's own <dout, out> zero; the merged delta arrives as -grad_lse
+    dq, dk, dv, _ = flex_attention_backward(
+        q, k, v, q.new_zeros(*q.shape[:-1], v.shape[-1]), lse_log2, dout, grad_lse_log2, _identity, None, block_mask, scale, options,
+        (), (),
+    )
+    return dq, dk, dv
