@@ -218,3 +218,34 @@ def test_ring_transports_train_on_flex_with_the_direct_backward() -> None:
             for name, (flex_grad, tiles_grad) in zip("qkv", pairs):
                 torch.testing.assert_close(flex_grad, tiles_grad, **TOL64, msg=lambda m, s=setup, n=name: f"{s} d{n}: {m}")
 
+
+
+@needs_direct
+def test_a_compiler_failure_of_the_direct_backward_is_one_line_with_the_way_out(
+    monkeypatch: pytest.MonkeyPatch, flex_trains_on_cpu: None
+) -> None:
+    """Inductor failing on the direct call (never run on a GPU in this repository's CI) names the
+    switch back to recompute; out of memory and other errors pass through unchanged."""
+
+    class LoweringFailed(Exception):
+        pass
+
+    LoweringFailed.__module__ = "torch._inductor.exc"
+    q_rows, k_rows, _ = _layout_cases()["reference"]
+    partial = build_flex_partial(q_rows, k_rows, block=8)
+    q, k, v = random_qkv(len(q_rows), len(k_rows), dim=16, seed=2)
+    out, lse = partial.forward(q, k, v)
+    for raised, expected in ((LoweringFailed("LoweringException: no template\nstack"), RuntimeError),
+                             (torch.OutOfMemoryError("CUDA out of memory"), torch.OutOfMemoryError)):
+        def failing(*args, error=raised, **kwargs):
+            raise error
+
+        monkeypatch.setattr(flex_backward, "_compiled_backward", lambda backend, fn=failing: fn)
+        with pytest.raises(expected) as error, flex_backward.flex_backward_mode("direct"):
+            partial.backward(q, k, v, out, lse, torch.randn_like(q))
+        if expected is RuntimeError:
+            message = str(error.value)
+            assert "\n" not in message and "LoweringFailed: LoweringException: no template" in message
+            assert message.endswith("set attention.flex_backward: recompute")
+        else:
+            assert error.value is raised

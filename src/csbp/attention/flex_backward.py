@@ -17,7 +17,8 @@ attention. FlexAttention's autograd only knows its own call's statistics, so the
 
 ``attention.flex_backward`` picks one: ``auto`` (``direct`` where the installed torch traces it, else
 ``recompute``), ``direct`` (refused on a torch that cannot trace it) or ``recompute``. The choice is
-process-wide, like torch's own SDPA kernel selection: ``set_flex_backward`` at a run's start,
+process-wide (a compiler failure of the direct call stops with one line naming ``recompute``; csbp
+never switches by itself), like torch's own SDPA kernel selection: ``set_flex_backward`` at a run's start,
 ``flex_backward_mode`` as a context manager (benchmarks, tests). Both ways give the same gradients
 (float64 tests against the dense reference); the single flex call of the local transport needs
 neither (``flex.flex_autograd_attention``).
@@ -168,10 +169,22 @@ def direct_flex_backward(
         return _direct_call(q, k, v, lse_log2, dout.to(q.dtype), -delta.to(stats) * math.log(2), block_mask,
                             1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, backend=backend)
     except Exception as error:
-        replacement = recompile_limit_error(error, q, k)
+        replacement = recompile_limit_error(error, q, k) or _compiler_error(error)
         if replacement is None:
             raise
         raise replacement from error
+
+
+def _compiler_error(error: Exception) -> RuntimeError | None:
+    """One line with the way out when torch's compiler fails on the direct call (None otherwise: out of
+    memory and everything else stay as they are)."""
+    if not type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):
+        return None
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return RuntimeError(
+        f"FlexAttention's backward from the merged statistics (attention.flex_backward=direct) failed in torch "
+        f"{torch.__version__}'s compiler ({type(error).__name__}: {first}); set attention.flex_backward: recompute"
+    )
 
 
 def _direct_call(
