@@ -39,14 +39,49 @@ def test_verify_with_flash_pieces_against_the_generic_reference(capsys: pytest.C
     assert capsys.readouterr().out.strip().endswith("all 1 layouts equal one process within tolerance")
 
 
+@pytest.mark.multiprocess
+def test_verify_runs_the_flex_backend_on_cpu_exactly(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--backend flex`` on the CPU: FlexAttention's dense forward and its backward operator (the
+    direct backward, traced by dynamo) through the whole model, packed documents, against the tiles'
+    one-process reference in float64."""
+    from csbp.attention.flex_backward import direct_backward_support
+
+    argv = ["verify", "--nproc", "2", "--cp", "2", "--bp", "2", "--backend", "flex", "--doc-length", "6"]
+    if not direct_backward_support()[0]:
+        assert main(argv) == 2
+        assert "--backend=flex on cpu needs FlexAttention's direct backward" in capsys.readouterr().err
+        return
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "backend=flex" in out.splitlines()[0] and "csbp     dp1xcp2xbp2  halo" in out
+    assert out.strip().endswith("all 1 layouts equal one process within tolerance")
+
+
+@pytest.mark.multiprocess
+def test_random_cases_run_on_the_named_backend(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--random N --backend flex``: the same drawn cases (the seed names the case), run on flex."""
+    import json
+
+    from csbp.attention.flex_backward import direct_backward_support
+
+    if not direct_backward_support()[0]:
+        pytest.skip("this torch cannot trace the direct flex backward")
+    log = tmp_path / "cases.jsonl"
+    assert main(["verify", "--random", "2", "--seed", "4", "--backend", "flex", "--log", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("backend flex")
+    cases = [json.loads(line)["case"] for line in log.read_text().splitlines()]
+    assert [c["backend"] for c in cases] == ["flex", "flex"] and cases[0]["topology"] == "dp1xcp2xbp2"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--nproc", "2", "--diagonal", "flex"], "--diagonal=flex needs attention.backend flex"),
         (["--nproc", "2", "--diagonal", "flex", "--backend", "tiles"], "--diagonal=flex needs"),
         (["--nproc", "2", "--objective", "dflash", "--diagonal", "flex"], "--diagonal=flex needs"),
-        (["--nproc", "2", "--backend", "flex"], "--backend=flex cannot train on cpu"),
-        (["--nproc", "2", "--objective", "dflash", "--backend", "flex"], "--backend=flex cannot train on cpu"),
+        (["--random", "2", "--diagonal", "sdpa"], "--random draws the attention kernels itself: drop --diagonal"),
+        (["--random", "2", "--clean", "pieces"], "--random draws the attention kernels itself: drop --clean"),
         (["--nproc", "2", "--objective", "dflash", "--backend", "tiles", "--diagonal", "flex"], "--diagonal=flex needs"),
         (["--nproc", "4", "--cp", "3", "--bp", "4"], "bp must be a multiple of cp"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "30"], "not a multiple of block_size=4"),
@@ -149,7 +184,10 @@ def test_dflash_verify_worker_builds_its_plan_on_the_case_backend(monkeypatch: p
         return plans[-1]
 
     monkeypatch.setattr(dflash_verify, "build_dflash_rank_plan", spy)
+    from csbp.attention.flex_backward import flex_backward_mode
+
     case = dflash_verify.DFlashVerifyCase(backend="flex", diagonal="flex", samples=1)
-    with pytest.raises(NotImplementedError, match="FlexAttention"):  # FlexAttention has no CPU backward
+    # recompute: FlexAttention's autograd refuses the CPU, so the worker stops in the first backward
+    with pytest.raises(NotImplementedError, match="FlexAttention"), flex_backward_mode("recompute"):
         dflash_verify._worker(0, 1, case)
     assert (plans[0].backend, plans[0].diagonal) == ("flex", "flex")

@@ -32,6 +32,7 @@ from csbp.attention.backends import (
 )
 from csbp.attention.documents import Documents
 from csbp.attention.flex import FlexPartial, rows_block_mask
+from csbp.attention.flex_backward import direct_backward_support, flex_backward_mode
 from csbp.attention.layouts import (
     bp_only_layout,
     cp_zigzag_layout,
@@ -220,15 +221,30 @@ def test_backend_resolution_and_fail_closed() -> None:
     q, k, v = random_qkv(len(rows), len(rows), dim=16)
     partial = plan_partial(rows, rows, backend="flex")
     out, lse = partial.forward(q, k, v)
-    with pytest.raises(NotImplementedError, match="FlexAttention has no CPU backward"):
+    with pytest.raises(NotImplementedError, match="FlexAttention has no CPU backward"), flex_backward_mode("recompute"):
         partial.backward(q, k, v, out, lse, torch.ones_like(out))
+    # csbp verify may run flex on the CPU, where the direct backward exists (and then only there)
+    if direct_backward_support()[0]:
+        assert check_backend_trains_on("flex", "cpu", verification=True) == "flex"
+    with pytest.raises(ValueError, match="--backend=flex cannot train on cpu"):
+        check_backend_trains_on("flex", "cpu", where="--backend")
+
+
+def test_flex_on_cpu_for_verification_needs_the_direct_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    import csbp.attention.backends as backends_module
+
+    monkeypatch.setattr(backends_module, "direct_backward_support", lambda: (False, "Unsupported: old dynamo"))
+    with pytest.raises(ValueError) as error:
+        check_backend_trains_on("flex", "cpu", where="--backend", verification=True)
+    assert str(error.value) == (
+        "--backend=flex on cpu needs FlexAttention's direct backward, which this torch's compiler cannot trace "
+        "(Unsupported: old dynamo); use --backend tiles, torch 2.13, or a CUDA device"
+    )
 
 
 def test_cli_refuses_flex_on_cpu_before_launching(capsys: pytest.CaptureFixture[str]) -> None:
     from csbp.cli.main import main
 
-    assert main(["verify", "--nproc", "1", "--backend", "flex"]) == 2
-    assert "--backend=flex cannot train on cpu" in capsys.readouterr().err
     assert main(["bench", "attention", "--nproc", "1", "--backend", "flex"]) == 2
     assert "--backend=flex cannot train on cpu" in capsys.readouterr().err
     assert main(["bench", "attention", "--nproc", "1", "--backend", "tiles", "--diagonal", "flex"]) == 2

@@ -33,6 +33,7 @@ from csbp.attention.block_diagonal_sdpa import build_sdpa_block_diagonal
 from csbp.attention.diagonal import resolve_diagonal
 from csbp.attention.flash_pieces import plan_flash_pieces
 from csbp.attention.flex import build_flex_partial
+from csbp.attention.flex_backward import direct_backward_support
 from csbp.attention.kernel import (
     DEFAULT_TILE_ROWS,
     TilePlan,
@@ -86,13 +87,28 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     return "flex" if torch.device(device).type == "cuda" else "tiles"
 
 
-def check_backend_trains_on(name: str, device: torch.device | str, *, where: str = "attention.backend") -> str:
+def check_backend_trains_on(
+    name: str, device: torch.device | str, *, where: str = "attention.backend", verification: bool = False
+) -> str:
     """The concrete backend of ``name`` on ``device``; one clear ``ValueError`` when it cannot run a
-    backward there (``flex`` off CUDA: FlexAttention has no CPU backward)."""
+    backward there (``flex`` off CUDA: FlexAttention has no compiled CPU backward).
+
+    ``verification``: ``csbp verify`` may run ``flex`` on the CPU where the direct flex backward is
+    available (``csbp.attention.flex_backward``): FlexAttention's exact dense implementations forward
+    and backward, O(rows^2) memory, for checking the flex path at small sizes, never for training."""
     backend = resolve_backend(name, device)
-    if backend == "flex" and torch.device(device).type != "cuda":
+    kind = torch.device(device).type
+    if backend == "flex" and kind != "cuda":
+        if verification and kind == "cpu":
+            supported, reason = direct_backward_support()
+            if supported:
+                return backend
+            raise ValueError(
+                f"{where}=flex on cpu needs FlexAttention's direct backward, which this torch's compiler cannot "
+                f"trace ({reason}); use {where} tiles, torch 2.13, or a CUDA device"
+            )
         raise ValueError(
-            f"{where}=flex cannot train on {torch.device(device).type} (FlexAttention has no CPU backward); "
+            f"{where}=flex cannot train on {kind} (FlexAttention has no compiled CPU backward); "
             f"set {where} to auto or tiles"
         )
     return backend

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -393,15 +394,26 @@ def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: fl
 
 
 def _kernel(device: torch.device) -> Any:
-    """The compiled kernel on CUDA; the eager (dense) FlexAttention elsewhere (CPU: for tests)."""
+    """The compiled kernel on CUDA; the eager (dense) FlexAttention elsewhere (CPU: tests and ``csbp
+    verify``)."""
+    return _compiled_flex() if device.type == "cuda" else _eager_flex
+
+
+def _eager_flex(*args: Any, **kwargs: Any) -> Any:
+    """FlexAttention's eager (dense) implementation, without its advice to compile: on the CPU csbp
+    runs it on purpose, for exactness checks at small sizes."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return _compiled_flex() if device.type == "cuda" else flex_attention
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
 
 
 def _has_flex_backward(device: torch.device) -> bool:
-    """FlexAttention differentiates on CUDA only (no CPU backward in torch 2.13)."""
-    return device.type == "cuda"
+    """Whether a flex partial can run its backward on ``device``: on CUDA; on the CPU only with the
+    direct backward (dynamo-traced, run by aot_eager: the operator's exact dense implementation, for
+    ``csbp verify``; FlexAttention has no compiled CPU backward in torch 2.13)."""
+    return device.type == "cuda" or (device.type == "cpu" and current_flex_backward() == "direct")
 
 
 def _pad_rows(x: Tensor, num_rows: int) -> Tensor:

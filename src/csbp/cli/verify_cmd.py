@@ -74,7 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--backend", choices=("auto", "tiles", "flex"), default="auto",
-        help="attention backend of the layouts (auto: flex on CUDA, tiles on CPU); the reference uses tiles",
+        help="attention backend of the layouts (auto: flex on CUDA, tiles on CPU; flex on CPU runs FlexAttention's "
+        "exact dense implementations, for checking); the reference uses tiles",
     )
     add_diagonal_option(parser, reference=True)
     add_clean_option(parser, reference=True)
@@ -120,7 +121,7 @@ def run_verify(args: argparse.Namespace) -> int:
     resolve_device(args.device, nproc=args.nproc)  # fail closed: --nproc GPUs must be visible
     if args.objective == "dflash":
         return run_verify_dflash(args)
-    backend = check_backend_trains_on(args.backend, args.device, where="--backend")
+    backend = check_backend_trains_on(args.backend, args.device, where="--backend", verification=True)
     check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     cases = []
     for t in _requested_topologies(args):
@@ -191,7 +192,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
         raise ValueError("--objective dflash verifies in float64: drop --dtype")
     sliding = {} if args.window is None else {
         "layer_types": ("sliding_attention", "full_attention"), "sliding_window": args.window}
-    backend = check_backend_trains_on(args.backend, args.device, where="--backend")  # as for bd3
+    backend = check_backend_trains_on(args.backend, args.device, where="--backend", verification=True)  # as for bd3
     check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     topologies = _requested_topologies(args)
     for t in topologies:  # fail closed before launching anything
@@ -262,10 +263,15 @@ def run_verify_random(args: argparse.Namespace) -> int:
             f"--random draws the layout, objective, dtype and documents itself (CPU): drop "
             f"{', '.join(fixed) or '--device/--dtype'}"
         )
+    ignored = [flag for flag, changed in (("--diagonal", args.diagonal != "auto"), ("--clean", args.clean != "generic"))
+               if changed]
+    if ignored:
+        raise ValueError(f"--random draws the attention kernels itself: drop {' and '.join(ignored)}")
     check_nproc(args.nproc)
+    backend = check_backend_trains_on(args.backend, args.device, where="--backend", verification=True)
     print(f"csbp verify --random {args.random}: seeds {args.seed}..{args.seed + args.random - 1}, "
           f"<= {args.nproc} processes, float64 (tol {TOLERANCES[torch.float64]:g}) and 1 in "
-          f"{round(1 / FLOAT32_SHARE)} float32 (tol {TOLERANCES[torch.float32]:g})")
+          f"{round(1 / FLOAT32_SHARE)} float32 (tol {TOLERANCES[torch.float32]:g}), backend {backend}")
     failed = 0
 
     def report(result: FuzzResult) -> None:
@@ -279,7 +285,7 @@ def run_verify_random(args: argparse.Namespace) -> int:
             with open(args.log, "a", encoding="utf-8") as log:
                 log.write(json.dumps(asdict(result)) + "\n")
 
-    run_sweep(list(range(args.seed, args.seed + args.random)), args.nproc, report=report)
+    run_sweep(list(range(args.seed, args.seed + args.random)), args.nproc, report=report, backend=backend)
     if failed:
         print(f"{failed} of {args.random} random cases failed (rerun one: csbp verify --random 1 --seed SEED)")
         return 1

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from csbp.dflash.config import DFlashObjectiveConfig
@@ -225,7 +225,7 @@ def describe(case: FuzzCase) -> dict[str, Any]:
     t = case.topology
     out: dict[str, Any] = {
         "topology": f"dp{t.dp}xcp{t.cp}xbp{t.bp}", "layout": t.layout, "L": case.seq_len,
-        "samples": case.samples, "transport": case.transport, "diagonal": case.diagonal,
+        "samples": case.samples, "transport": case.transport, "backend": case.backend, "diagonal": case.diagonal,
         "dtype": getattr(case, "dtype", "float64"),
     }
     if isinstance(case, DFlashVerifyCase):
@@ -316,10 +316,15 @@ def _batch_worker(rank: int, world: int, cases: list[FuzzCase]) -> list[tuple[st
 
 def run_sweep(
     seeds: list[int], max_nproc: int, *, batch: int = 8, timeout_s: float = 120.0, report: Any = None,
+    backend: str = "tiles",
 ) -> list[FuzzResult]:
-    """Draw and verify ``draw_case(seed, max_nproc)`` for every seed (see :func:`run_cases`)."""
-    return run_cases([(seed, draw_case(seed, max_nproc)) for seed in seeds], batch=batch, timeout_s=timeout_s,
-                     report=report)
+    """Draw and verify ``draw_case(seed, max_nproc)`` for every seed (see :func:`run_cases`), its
+    layouts on attention ``backend`` (the reference always runs the tiles): the draws do not depend
+    on it, so a seed names the same case on either backend."""
+    drawn = [(seed, draw_case(seed, max_nproc)) for seed in seeds]
+    if backend != "tiles":
+        drawn = [(seed, replace(case, backend=backend)) for seed, case in drawn]
+    return run_cases(drawn, batch=batch, timeout_s=timeout_s, report=report)
 
 
 def run_cases(

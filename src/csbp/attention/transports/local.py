@@ -174,9 +174,10 @@ def local_attention_backward(
 def local_attention(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -> Tensor:
     """``out`` in the dtype of ``q``, with the explicit backward of ``local_attention_backward``; or,
     when the plan is one FlexAttention partial (the flex backend's default, one BlockMask over the
-    mixed mask: nothing to merge), that call under torch's own autograd, whose backward reuses the
-    ``out``/``lse`` its forward saved instead of recomputing the forward first."""
-    if plan.block_size is None and isinstance(plan.interval_plan, FlexPartial):
+    mixed mask: nothing to merge) on CUDA, that call under torch's own autograd, whose backward reuses
+    the ``out``/``lse`` its forward saved (on the CPU, where FlexAttention's autograd refuses inputs that
+    need gradients, ``csbp verify`` runs it through the explicit backward instead)."""
+    if plan.block_size is None and isinstance(plan.interval_plan, FlexPartial) and q.device.type == "cuda":
         with exact_attention_precision(q.device):
             return flex_autograd_attention(q, k, v, plan.interval_plan, scale=plan.scale)
     return TransportFunction.apply(q, k, v, plan, local_attention_forward, local_attention_backward)
