@@ -1,4 +1,5 @@
-"""``csbp config validate CONFIG [--set KEY=VALUE ...] [--print]``: check a run config offline.
+"""``csbp config validate CONFIG [--set KEY=VALUE ...] [--print]``: check a run config offline;
+``csbp config fields [NAME ...] [--markdown]``: the field reference (``csbp.config.reference``).
 
 ``CONFIG`` is a YAML file or a packaged recipe name. Validation needs no GPU and no data: it
 checks the schema, the topology and the cross-section rules, prints a short summary, and notes
@@ -29,6 +30,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--print", action="store_true", dest="print_config", help="print the validated config"
     )
     validate.set_defaults(func=run_validate)
+    fields = actions.add_parser(
+        "fields", help="list the config fields: type or choices, default and what each does",
+        description="Every run config field, from the schema csbp train validates against.",
+    )
+    fields.add_argument(
+        "names", nargs="*", metavar="NAME", help="sections or fields to list (e.g. attention, train.max_steps); default all"
+    )
+    fields.add_argument("--markdown", action="store_true", help="print docs/config.md (one table per section)")
+    fields.set_defaults(func=run_fields)
+
+
+def run_fields(args: argparse.Namespace) -> int:
+    from csbp.config.reference import field_rows, format_markdown, format_text, select
+
+    rows = select(field_rows(), args.names)
+    print(format_markdown(rows) if args.markdown else format_text(rows), end="")
+    return 0
 
 
 def run_validate(args: argparse.Namespace) -> int:

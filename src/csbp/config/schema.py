@@ -197,7 +197,8 @@ class ObjectiveSection(_Section):
         "rotated", description="Noise levels per (sample, block): rotated lattice or jittered strata."
     )
     loss_weight: Literal["inv_t", "unit"] = Field(
-        "inv_t", description="Per-token loss weight 1/t or 1; unset: inv_t for bd3/mdlm, unit otherwise."
+        "inv_t", description="Per-token loss weight 1/t or 1; unset: inv_t for bd3/mdlm, unit otherwise.",
+        json_schema_extra={"default_text": "by objective"},  # filled by _fill_loss_weight
     )
     eps: float = Field(1e-3, ge=0.0, lt=1.0, description="Fast-dLLM v2 floor: p = (1 - eps) t + eps.")
     denominator: Literal["supervised_tokens", "all_tokens"] = Field(
