@@ -240,6 +240,7 @@ def test_one_flex_partial_runs_under_autograd_without_a_recomputed_forward(
     the forward there), also under non-reentrant activation checkpointing (one recompute there)."""
     from torch.utils.checkpoint import checkpoint
 
+    import csbp.attention.transports.local as local_module
     from csbp.attention.transports.local import LocalAttentionFn
 
     calls = []
@@ -249,6 +250,8 @@ def test_one_flex_partial_runs_under_autograd_without_a_recomputed_forward(
         return _dense_stand_in_kernel(*args, **kwargs)
 
     monkeypatch.setattr(flex_module, "_kernel", lambda device: counting_kernel)
+    monkeypatch.setattr(local_module, "_flex_autograd_runs_on", lambda device: True)  # the stand-in differentiates
+    monkeypatch.setattr(flex_backward_module, "_mode", "recompute")  # the transport path would call it again
     rows = reference_layout(40, 4, window=9).rows
     attention = LocalAttentionFn(rows, num_noisy=40, backend="flex", diagonal="flex")
     q, k, v = random_qkv(len(rows), len(rows), dim=16, seed=4)

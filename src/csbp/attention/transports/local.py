@@ -177,10 +177,15 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -
     mixed mask: nothing to merge) on CUDA, that call under torch's own autograd, whose backward reuses
     the ``out``/``lse`` its forward saved (on the CPU, where FlexAttention's autograd refuses inputs that
     need gradients, ``csbp verify`` runs it through the explicit backward instead)."""
-    if plan.block_size is None and isinstance(plan.interval_plan, FlexPartial) and q.device.type == "cuda":
+    if plan.block_size is None and isinstance(plan.interval_plan, FlexPartial) and _flex_autograd_runs_on(q.device):
         with exact_attention_precision(q.device):
             return flex_autograd_attention(q, k, v, plan.interval_plan, scale=plan.scale)
     return TransportFunction.apply(q, k, v, plan, local_attention_forward, local_attention_backward)
+
+
+def _flex_autograd_runs_on(device: torch.device) -> bool:
+    """FlexAttention's own autograd needs CUDA (it refuses CPU inputs that require grad)."""
+    return device.type == "cuda"
 
 
 class LocalAttentionFn:
