@@ -34,7 +34,6 @@ Outputs are in the accumulation dtype (float32 for bf16 inputs), like the tiled 
 from __future__ import annotations
 
 import functools
-import time
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -71,7 +70,6 @@ class FlexPartial:
         causal_in_block: lower-triangular block-diagonal part.
         block_mask: the ``BlockMask`` of the rows padded to ``padded_queries`` x ``padded_keys``
             (None when no pair is allowed: the partial is empty).
-        build_seconds: wall time spent building ``block_mask`` (reported by ``csbp bench kernels``).
         padded_queries, padded_keys: the kernel's row counts (``flex_shape_bucket`` of the rows').
     """
 
@@ -79,7 +77,6 @@ class FlexPartial:
     k_rows: Rows
     causal_in_block: bool
     block_mask: BlockMask | None
-    build_seconds: float
     padded_queries: int
     padded_keys: int
 
@@ -162,17 +159,13 @@ def build_flex_partial(
     block: int = DEFAULT_FLEX_BLOCK,
 ) -> FlexPartial:
     """The FlexAttention partial of ``q_rows`` x ``k_rows``; build once per step, reuse in every layer.
-    The kernel runs on the rows padded with dead rows to ``flex_shape_bucket`` of their counts."""
-    start = time.perf_counter()
+    The kernel runs on the rows padded with dead rows to ``flex_shape_bucket`` of their counts. No
+    device sync: ``csbp bench kernels`` times the build itself (``mask ms``)."""
     padded_queries, padded_keys = flex_shape_bucket(len(q_rows), block), flex_shape_bucket(len(k_rows), block)
     block_mask = rows_block_mask(
         q_rows.padded(padded_queries), k_rows.padded(padded_keys), causal_in_block=causal_in_block, block=block
     )
-    if q_rows.pos.device.type == "cuda":
-        torch.cuda.synchronize(q_rows.pos.device)
-    return FlexPartial(
-        q_rows, k_rows, causal_in_block, block_mask, time.perf_counter() - start, padded_queries, padded_keys
-    )
+    return FlexPartial(q_rows, k_rows, causal_in_block, block_mask, padded_queries, padded_keys)
 
 
 def flex_autograd_attention(
