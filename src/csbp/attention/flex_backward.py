@@ -85,7 +85,9 @@ def check_flex_backward(name: str, *, where: str = "attention.flex_backward") ->
 def resolve_flex_backward(name: str, *, where: str = "attention.flex_backward") -> str:
     """``direct`` or ``recompute`` for ``name``; ``direct`` on a torch that cannot trace it is refused."""
     check_flex_backward(name, where=where)
-    supported, reason = direct_backward_support()
+    if name == "recompute":
+        return name
+    supported, reason = direct_backward_support()  # probed once per process
     if name == "auto":
         return "direct" if supported else "recompute"
     if name == "direct" and not supported:
@@ -93,7 +95,7 @@ def resolve_flex_backward(name: str, *, where: str = "attention.flex_backward") 
             f"{where}=direct needs a torch whose torch.compile traces FlexAttention's backward operator "
             f"(torch 2.13 does; this is {torch.__version__}: {reason}); set {where} to auto or recompute"
         )
-    return name
+    return name  # direct, supported
 
 
 def set_flex_backward(name: str, *, where: str = "attention.flex_backward") -> str:
