@@ -89,6 +89,25 @@ def _layout_cases() -> dict[str, tuple[Rows, Rows, bool]]:
 CASES = _layout_cases()
 
 
+def dense_flex_call(q, k, v, block_mask, scale):
+    """A dense autograd stand-in for ``flex._flex_call`` over the same ``mask_mod`` (FlexAttention
+    refuses CPU inputs that require grad, which ``recompute`` differentiates)."""
+    from csbp.masks import dense_mask
+
+    allow = dense_mask(block_mask.mask_mod, q.shape[2], k.shape[2])
+    return dense_attention_reference(q, k, v, allow, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+
+
+def pin_flex_backward(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Run the test with flex backward ``mode``; skip ``direct`` on a torch that cannot trace it."""
+    import csbp.attention.flex_backward as flex_backward
+
+    supported, reason = flex_backward.direct_backward_support()
+    if mode == "direct" and not supported:
+        pytest.skip(f"this torch cannot trace the direct backward: {reason}")
+    monkeypatch.setattr(flex_backward, "_mode", mode)
+
+
 def _scheduled(block_mask, num_q: int, num_k: int, full: bool) -> torch.Tensor:
     """``[Nq, Nk]`` True inside the (full, or partial) blocks of ``block_mask``."""
     num, index = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices) if full else (
@@ -316,17 +335,8 @@ def test_flex_backward_through_the_merge_is_exact(monkeypatch: pytest.MonkeyPatc
     (``recompute``: the chain rule through the stand-in; ``direct``: FlexAttention's backward operator,
     traced by dynamo and run by aot_eager), summed, equal the float64 reference gradients."""
     import csbp.attention.flex as flex_module
-    import csbp.attention.flex_backward as flex_backward
 
-    if mode == "direct" and not flex_backward.direct_backward_support()[0]:
-        pytest.skip(f"this torch cannot trace the direct backward: {flex_backward.direct_backward_support()[1]}")
-    monkeypatch.setattr(flex_backward, "_mode", mode)
-    from csbp.masks import dense_mask
-
-    def dense_flex_call(q, k, v, block_mask, scale):
-        allow = dense_mask(block_mask.mask_mod, q.shape[2], k.shape[2])
-        return dense_attention_reference(q, k, v, allow, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
-
+    pin_flex_backward(monkeypatch, mode)
     monkeypatch.setattr(flex_module, "_flex_call", dense_flex_call)
     monkeypatch.setattr(flex_module, "_has_flex_backward", lambda device: True)
     rows = reference_layout(L, B, window=9).rows

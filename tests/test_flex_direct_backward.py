@@ -84,15 +84,13 @@ def test_direct_and_recompute_agree_and_only_recompute_runs_the_forward(
 ) -> None:
     """The forward kernel here is a dense autograd stand-in (FlexAttention refuses CPU inputs that
     require grad, which ``recompute`` needs); ``direct`` never calls it in backward."""
-    from csbp.masks import dense_mask
-    from test_kernel import dense_attention_reference
+    from test_flex_backend import dense_flex_call
 
     calls = []
 
     def counting(q, k, v, block_mask, scale):
         calls.append(torch.is_grad_enabled())
-        allow = dense_mask(block_mask.mask_mod, q.shape[2], k.shape[2])
-        return dense_attention_reference(q, k, v, allow, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+        return dense_flex_call(q, k, v, block_mask, scale)
 
     monkeypatch.setattr(flex_module, "_flex_call", counting)
     q_rows, k_rows, causal_in_block = _layout_cases()[sorted(_layout_cases())[0]]

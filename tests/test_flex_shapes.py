@@ -74,13 +74,9 @@ def test_padded_partial_backward_is_exact(monkeypatch: pytest.MonkeyPatch, mode:
     """The backward of a padded partial (dense autograd stand-in for the forward kernel, which sees the
     padded rows; ``direct``: FlexAttention's backward operator under aot_eager) sliced back to the real
     rows equals the float64 reference."""
-    if mode == "direct" and not flex_backward_module.direct_backward_support()[0]:
-        pytest.skip("this torch cannot trace the direct backward")
-    monkeypatch.setattr(flex_backward_module, "_mode", mode)
-    def dense_flex_call(q, k, v, block_mask, scale):
-        allow = dense_mask(block_mask.mask_mod, q.shape[2], k.shape[2])
-        return dense_attention_reference(q, k, v, allow, 1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    from test_flex_backend import dense_flex_call, pin_flex_backward
 
+    pin_flex_backward(monkeypatch, mode)
     monkeypatch.setattr(flex_module, "_flex_call", dense_flex_call)
     monkeypatch.setattr(flex_module, "_has_flex_backward", lambda device: True)
     rows = reference_layout(40, 4, window=7).rows
