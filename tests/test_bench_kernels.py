@@ -67,3 +67,70 @@ def test_kernel_bench_fails_closed(capsys: pytest.CaptureFixture[str]) -> None:
     assert out == "" and err == "csbp: error: --seq-lens 100 must be a multiple of every --block-sizes value (16)\n"
     with pytest.raises(ValueError, match="multiple of every --block-sizes"):
         run_kernel_bench([100], [16], ["tiles"])
+
+
+def test_primary_first_orders_the_primary_rows_of_every_length_first() -> None:
+    from csbp.bench.kernels import KernelJob, kernel_jobs
+
+    def diagonals(backend: str, block: int) -> list[str]:
+        return ["sdpa", "flex"] if backend == "flex" else ["sdpa"]
+
+    args = ([16384, 65536], [16, 128], ["flex"], diagonals, ["pieces", "generic"])
+    by_length = kernel_jobs(*args)
+    primary = kernel_jobs(*args, primary_first=True)
+    assert sorted(map(repr, by_length)) == sorted(map(repr, primary))  # the same rows, only reordered
+    assert [j.seq_len for j in by_length] == sorted(j.seq_len for j in by_length)
+    head = primary[:12]  # per length and block: mixed, mixed-ag and the primary decomposed form
+    assert {(j.form, j.diagonal, j.clean) for j in head} == {
+        ("mixed", "-", "-"), ("mixed-ag", "-", "-"), ("decomposed", "sdpa", "pieces")
+    }
+    assert [j.seq_len for j in head] == [16384] * 6 + [65536] * 6
+    assert KernelJob(65536, 128, "flex", "diagonal", "flex") == primary[-1]
+    assert all(j.form in ("decomposed", "diagonal") for j in primary[12:])
+
+
+def test_primary_first_measures_the_same_rows_and_speedups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "k.json"
+    assert main(["bench", "kernels", "--seq-lens", "32", "64", "--block-sizes", "8", "--repeats", "1", "--warmup",
+                 "0", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "8", "--diagonals", "sdpa", "matmul",
+                 "--no-op-count", "--primary-first", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())
+    forms = [(r["seq_len"], r["form"], r["diagonal"], r["clean"]) for r in records]
+    assert forms[:6] == [(32, "dense", "-", "-"), (32, "mixed", "-", "-"), (32, "decomposed", "sdpa", "generic"),
+                         (64, "dense", "-", "-"), (64, "mixed", "-", "-"), (64, "decomposed", "sdpa", "generic")]
+    assert len(forms) == len(set(forms)) == 2 * (2 + 4 + 2)  # dense and mixed once per length, no row twice
+    mixed = {r["seq_len"]: r["time_s"] for r in records if r["form"] == "mixed"}
+    for r in records:  # the second pass's decomposed rows still compare with their length's mixed form
+        if r["form"] == "decomposed":
+            assert r["decomposed_speedup"] == pytest.approx(mixed[r["seq_len"]] / r["time_s"])
+    printed = capsys.readouterr().out
+    assert "L=32 B=8 tiles: fastest mixed (mixed)" in printed and "L=64 B=8 tiles:" in printed
+
+
+def test_verdicts_and_targets_from_json_rows() -> None:
+    from csbp.bench.kernel_summary import format_verdicts, shape_verdicts, target_line
+
+    def row(seq_len: int, block: int, form: str, time_s: float, vs_dense: float, diagonal: str = "-",
+            clean: str = "-") -> dict[str, object]:
+        return {"seq_len": seq_len, "block_size": block, "backend": "flex", "form": form, "time_s": time_s,
+                "vs_dense": vs_dense, "diagonal": diagonal, "clean": clean}
+
+    rows = [
+        {"seq_len": 16384, "block_size": 16, "backend": "sdpa", "form": "dense", "time_s": 1.0, "vs_dense": 1.0},
+        row(16384, 16, "mixed", 2.0, 0.5), row(16384, 16, "mixed-ag", 1.6, 0.62),
+        row(16384, 16, "decomposed", 1.5, 0.66, "sdpa", "pieces"),
+        row(16384, 16, "decomposed", float("nan"), float("nan"), "flex", "generic"),  # a failed variant
+        row(16384, 128, "mixed-ag", 1.5, 0.66), row(16384, 128, "decomposed", 1.0, 0.99, "flex", "pieces"),
+        row(2048, 128, "mixed", 1.0, 0.1), row(2048, 128, "decomposed", 10.0, 0.01, "sdpa", "generic"),
+    ]
+    verdicts = shape_verdicts(rows)
+    assert [(v.seq_len, v.block_size) for v in verdicts] == [(16384, 16), (16384, 128), (2048, 128)]
+    first = verdicts[0]
+    assert (first.mixed_form, first.decomposed_kernels) == ("mixed-ag", "sdpa diagonal, pieces clean")
+    assert first.speedup == pytest.approx(1.6 / 1.5)
+    assert "L=16384 B=128 flex: fastest mixed (mixed-ag) 0.66x dense's rate; fastest decomposed (flex diagonal, " \
+        "pieces clean) 0.99x dense's rate = 1.50x the mixed form's speed" in format_verdicts(verdicts)
+    line = target_line(rows)  # 2048 is outside the targets' range: its 0.1x does not count
+    assert line == ("targets at L = 16384: worst mixed 0.62x and decomposed 0.66x dense's rate (>= 0.60x); "
+                    "decomposed/mixed worst 1.07x (>= 1.0x), at B=128 1.50x (>= 1.2x)")
+    assert target_line(rows[-2:]) == "targets: no shape measured at L = 16384-131072"

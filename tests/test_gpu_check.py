@@ -69,11 +69,13 @@ def test_kernels_stage_options_parse_and_compare_both_block_diagonal_kernels() -
 
     args = build_parser().parse_args(["bench", "kernels", *KERNEL_BENCH_ARGS])
     assert (args.device, args.backends, args.dtype) == ("cuda", ["flex"], "bfloat16")
-    assert args.diagonals == ["flex", "sdpa"] and args.block_sizes == [16, 128]
-    assert args.clean_kernels == ["generic", "pieces-cudnn", "pieces"]
+    assert args.diagonals == ["sdpa", "flex"] and args.block_sizes == [16, 128]
+    # the primary decomposed form (first diagonal, first clean kernel) is FlashAttention's, measured at every
+    # length before the others
+    assert args.clean_kernels == ["pieces", "generic", "pieces-cudnn"] and args.primary_first
     assert args.seq_lens == [16384, 65536, 131072] and args.json is None  # the stage adds it
     dry = build_parser().parse_args(["bench", "kernels", *CPU_DRY_RUN.kernels])
-    assert (dry.device, dry.backends) == ("cpu", ["tiles"])
+    assert (dry.device, dry.backends, dry.primary_first) == ("cpu", ["tiles"], True)
 
 
 def test_command_stages_report_status_summary_and_skips(tmp_path: Path) -> None:

@@ -158,6 +158,12 @@ def test_kernel_rows_summary_and_a_stage_cut_short_keeps_its_rows(tmp_path: Path
     assert summarize_kernel_rows(compiled) == (
         "2 rows, best 0.80x dense SDPA's rate, 5 graphs compiled, slowest first call 31.0 s"
     )
+    in_range = [{**r, "seq_len": 65536, "block_size": 128, "backend": "flex", "time_s": t, "diagonal": "sdpa",
+                 "clean": "pieces"} for r, t in zip(rows[1:4], (nan, 1.2, 1.0), strict=True)]
+    assert summarize_kernel_rows(in_range) == (  # rows in the kernel targets' range: their worst values too
+        "3 rows, best 0.74x dense SDPA's rate, decomposed/mixed 1.21-1.21x; targets at L = 65536: worst mixed 0.61x "
+        "and decomposed 0.74x dense's rate (>= 0.60x); decomposed/mixed worst 1.20x (>= 1.0x), at B=128 1.20x (>= 1.2x)"
+    )
     (tmp_path / "gpu-kernels.json").write_text(json.dumps(rows))
     env = CheckEnv(gpus=1, device_name="x", peak_tflops=None, repo=tmp_path, args=None,  # type: ignore[arg-type]
                    deadline=time.perf_counter() + 60, out_dir=tmp_path)

@@ -193,6 +193,51 @@ def count_aten_ops(fn: Callable[[], object]) -> int:
     return _Counter.calls
 
 
+@dataclass(frozen=True)
+class KernelJob:
+    """One measured row of a backend: a form of one (length, block size), with its kernels."""
+
+    seq_len: int
+    block_size: int
+    backend: str
+    form: str  # mixed, mixed-ag, decomposed or diagonal
+    diagonal: str = "-"
+    clean: str = "-"
+
+
+def kernel_jobs(
+    seq_lens: Sequence[int],
+    block_sizes: Sequence[int],
+    backends: Sequence[str],
+    diagonals_of: Callable[[str, int], list[str]],
+    clean_kernels: Sequence[str],
+    *,
+    primary_first: bool = False,
+) -> list[KernelJob]:
+    """The rows to measure, in order (the dense rows come before a shape's first job): per length, block
+    size and backend, the mixed form (and ``mixed-ag`` on flex), the decomposed form per block-diagonal
+    kernel (``diagonals_of(backend, block)``) and clean kernel, then the block-diagonal partial alone per
+    kernel. With ``primary_first`` the *primary* rows (the mixed forms and the decomposed form with the
+    first diagonal and the first clean kernel) of every length come first, then the others in the same
+    order: a run cut short by a time limit still has the comparison at every length."""
+    primary: list[KernelJob] = []
+    rest: list[KernelJob] = []
+    for seq_len in seq_lens:
+        for block in block_sizes:
+            for backend in dict.fromkeys(backends):
+                kernels = diagonals_of(backend, block)
+                jobs = [KernelJob(seq_len, block, backend, "mixed")]
+                jobs += [KernelJob(seq_len, block, backend, "mixed-ag")] if backend == "flex" else []
+                jobs += [KernelJob(seq_len, block, backend, "decomposed", kernel, clean)
+                         for kernel in kernels for clean in clean_kernels]
+                jobs += [KernelJob(seq_len, block, backend, "diagonal", kernel) for kernel in kernels]
+                first = KernelJob(seq_len, block, backend, "decomposed", kernels[0], clean_kernels[0])
+                for job in jobs:
+                    is_primary = job.form.startswith("mixed") or job == first
+                    (primary if is_primary or not primary_first else rest).append(job)
+    return primary + rest
+
+
 def run_kernel_bench(
     seq_lens: list[int],
     block_sizes: list[int],
@@ -210,6 +255,7 @@ def run_kernel_bench(
     diagonals: tuple[str, ...] = ("auto",),
     clean_kernels: tuple[str, ...] = ("generic", "pieces"),
     flex_backward: str = "auto",
+    primary_first: bool = False,
     progress: Callable[[KernelRecord], None] | None = None,
     header: str | None = None,
 ) -> list[KernelRecord]:
@@ -219,7 +265,8 @@ def run_kernel_bench(
     ``progress`` sees each record as soon as it is measured; ``header`` is printed once every input is
     checked, before anything is measured (a bad input prints nothing but its error line). Merged flex
     partials run their backward by ``flex_backward`` (``csbp.attention.flex_backward``; the ``mixed-ag``
-    row needs neither way)."""
+    row needs neither way). ``primary_first`` orders the rows by ``kernel_jobs``: the primary rows at
+    every length before any other row (a run cut short by a time limit has measured the long lengths)."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
 
@@ -255,67 +302,72 @@ def run_kernel_bench(
         if progress is not None:
             progress(record)
 
+    jobs = kernel_jobs(seq_lens, block_sizes, concrete, kernels, clean_kernels, primary_first=primary_first)
+    inputs: dict[str, object] = {"seq_len": None}  # the current length's q, k, v, dout (one length held at a time)
+    dense: dict[int, tuple[float, float, dict[str, float]]] = {}  # seq_len -> (time, rate, fused kernels' times)
+    shapes: dict[tuple[int, int], tuple[Rows, int]] = {}  # (seq_len, block) -> (rows, allowed pairs)
+    mixed_times: dict[tuple[int, int, str], float] = {}  # the faster mixed form's time per (seq_len, block, backend)
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    n_flops = {"num_heads": num_heads, "head_dim": head_dim}
     with flex_backward_mode(flex_backward):  # merged flex partials differentiate this way
-        for seq_len in seq_lens:
-            gen = torch.Generator(device=dev).manual_seed(seq_len)
-            n = 2 * seq_len
-            q = torch.randn(1, num_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen)
-            k, v = (torch.randn(1, num_kv_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen) for _ in "kv")
-            dout = torch.randn_like(q)
-            dense_time = _dense_sdpa_time(q, k, v, dout, dev, warmup, repeats, clock)
-            dense_flops = attention_flops(n * n, num_heads=num_heads, head_dim=head_dim)
-            dense_rate = dense_flops / dense_time / 1e12
-            # The fused call flash pieces make (FlashAttention-2 on CUDA), over all pairs: is it as fast as SDPA's pick?
-            # Their rates hardly depend on L: timed at the first length only (at 128K each costs ~10 s of a budget).
-            fused = {
-                name: _dense_flash_time(q, k, v, dout, dev, warmup, repeats, clock, name)
-                for name in ("flash", "cudnn") if flash_kernel(q, name) == name and seq_len == seq_lens[0]
-            }
-            for block in block_sizes:
+        for job in jobs:
+            seq_len, block, n = job.seq_len, job.block_size, 2 * job.seq_len
+            if inputs["seq_len"] != seq_len:  # seeded by the length: a second pass draws the same values
+                gen = torch.Generator(device=dev).manual_seed(seq_len)
+                q = torch.randn(1, num_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen)
+                k, v = (torch.randn(1, num_kv_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen)
+                        for _ in "kv")
+                inputs.update(seq_len=seq_len, tensors=(q, k, v, torch.randn_like(q)))
+            q, k, v, dout = inputs["tensors"]  # type: ignore[misc]
+            if seq_len not in dense:
+                dense_time = _dense_sdpa_time(q, k, v, dout, dev, warmup, repeats, clock)
+                # The fused call flash pieces make (FlashAttention-2 on CUDA), over all pairs: is it as fast as
+                # SDPA's pick? Their rates hardly depend on L: timed at the first length only (at 128K each
+                # costs ~10 s of a budget).
+                fused = {
+                    name: _dense_flash_time(q, k, v, dout, dev, warmup, repeats, clock, name)
+                    for name in ("flash", "cudnn") if flash_kernel(q, name) == name and seq_len == seq_lens[0]
+                }
+                dense[seq_len] = (dense_time, attention_flops(n * n, **n_flops) / dense_time / 1e12, fused)
+            dense_time, dense_rate, fused = dense[seq_len]
+            if (seq_len, block) not in shapes:  # the first job of this shape: its dense rows first
                 rows = reference_layout(seq_len, block).rows.to(dev)
-                pairs = allowed_pairs(rows, block_size=block)
-                add(
-                    KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", "-", dense_time, n * n, dense_rate,
-                                 1.0, float("nan"), 0.0, 0)
-                )
+                shapes[seq_len, block] = (rows, allowed_pairs(rows, block_size=block))
+                add(KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", "-", dense_time, n * n,
+                                 dense_rate, 1.0, float("nan"), 0.0, 0))
                 for name, fused_time in fused.items():
-                    rate = dense_flops / fused_time / 1e12
-                    add(KernelRecord(device, dtype, seq_len, block, FUSED_ROWS[name], "dense", "-", "-", fused_time, n * n,
-                                     rate, rate / dense_rate, float("nan"), 0.0, 0))
-                now = time.process_time if clock == "cpu" else time.perf_counter
-                for backend in dict.fromkeys(concrete):
-                    variants = [("mixed", "-", "-")] + ([("mixed-ag", "-", "-")] if backend == "flex" else [])
-                    variants += [("decomposed", kernel, clean) for kernel in kernels(backend, block) for clean in clean_kernels]
-                    variants += [("diagonal", kernel, "-") for kernel in kernels(backend, block)]
-                    mixed_time = float("nan")
-                    for form, diagonal, clean in variants:
-                        graphs_before = _compiled_graphs()
-                        _sync(dev)
-                        start = now()
-                        try:
-                            step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
-                            _sync(dev)
-                            build_s = now() - start
-                            first_s, time_s = _timings(step, dev, warmup, repeats, clock)
-                        except RuntimeError as error:
-                            if dev.type != "cuda":
-                                raise
-                            # On an accelerator one variant may fail (a kernel this build lacks, out of memory):
-                            # say so in one line, keep a nan row, measure the rest.
-                            print(f"csbp bench kernels: L={seq_len} B={block} {backend} {form} {diagonal} {clean} failed: "
-                                  f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-                            torch.cuda.empty_cache()
-                            step, build_s, first_s, time_s = None, float("nan"), float("nan"), float("nan")
-                        ops = count_aten_ops(step) if count_ops and dev.type == "cpu" else 0
-                        useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
-                        rate = attention_flops(useful, num_heads=num_heads, head_dim=head_dim) / time_s / 1e12
-                        if form.startswith("mixed") and (math.isnan(mixed_time) or time_s < mixed_time):
-                            mixed_time = time_s  # the faster mixed form (a failed one is nan and never faster)
-                        speedup = mixed_time / time_s if form == "decomposed" else float("nan")
-                        add(
-                            KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
-                                         rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before)
-                        )
+                    rate = attention_flops(n * n, **n_flops) / fused_time / 1e12
+                    add(KernelRecord(device, dtype, seq_len, block, FUSED_ROWS[name], "dense", "-", "-", fused_time,
+                                     n * n, rate, rate / dense_rate, float("nan"), 0.0, 0))
+            rows, pairs = shapes[seq_len, block]
+            backend, form, diagonal, clean = job.backend, job.form, job.diagonal, job.clean
+            graphs_before = _compiled_graphs()
+            _sync(dev)
+            start = now()
+            try:
+                step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
+                _sync(dev)
+                build_s = now() - start
+                first_s, time_s = _timings(step, dev, warmup, repeats, clock)
+            except RuntimeError as error:
+                if dev.type != "cuda":
+                    raise
+                # On an accelerator one variant may fail (a kernel this build lacks, out of memory):
+                # say so in one line, keep a nan row, measure the rest.
+                print(f"csbp bench kernels: L={seq_len} B={block} {backend} {form} {diagonal} {clean} failed: "
+                      f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                torch.cuda.empty_cache()
+                step, build_s, first_s, time_s = None, float("nan"), float("nan"), float("nan")
+            ops = count_aten_ops(step) if count_ops and dev.type == "cpu" and step is not None else 0
+            useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
+            rate = attention_flops(useful, **n_flops) / time_s / 1e12
+            key = (seq_len, block, backend)
+            best_mixed = mixed_times.get(key, math.nan)
+            if form.startswith("mixed") and (math.isnan(best_mixed) or time_s < best_mixed):
+                mixed_times[key] = time_s  # the faster mixed form (a failed one is nan and never faster)
+            speedup = mixed_times.get(key, math.nan) / time_s if form == "decomposed" else float("nan")
+            add(KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
+                             rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before))
     return records
 
 

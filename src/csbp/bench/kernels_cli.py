@@ -12,6 +12,7 @@ import torch
 from csbp.attention.backends import CLEAN_KERNELS, check_backend, resolve_backend
 from csbp.attention.flex_backward import FLEX_BACKWARDS, resolve_flex_backward
 from csbp.bench.common import add_head_options, add_output_options, records_as_dicts, write_json_atomic
+from csbp.bench.kernel_summary import format_verdicts, shape_verdicts
 from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 
 
@@ -94,6 +95,11 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
         help="backward of merged flex partials: direct (the kernel's backward from the merged statistics), "
         "recompute (the forward again, then the chain rule) or auto (direct where torch traces it)",
     )
+    parser.add_argument(
+        "--primary-first", action="store_true",
+        help="measure the primary rows (dense, the mixed forms, the decomposed form with the first --diagonals "
+        "and the first --clean-kernels) at every length before the other rows: a run cut short has them all",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--no-op-count", action="store_true", help="skip counting aten ops (CPU)")
@@ -148,9 +154,13 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         diagonals=tuple(args.diagonals),
         clean_kernels=tuple(args.clean_kernels),
         flex_backward=args.flex_backward,
+        primary_first=args.primary_first,
         progress=progress,
         header=header,
     )
+    verdicts = format_verdicts(shape_verdicts(records_as_dicts(records)))
+    if verdicts:
+        print(verdicts)
     if args.json is not None:
         print(f"wrote {args.json}")
     png = args.png if args.png is not None else (args.json.with_suffix(".png") if args.json is not None else None)

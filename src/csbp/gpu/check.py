@@ -17,11 +17,14 @@ stage               what it runs (limit)
 ``verify``          ``csbp verify --device cuda --nproc <min(GPUs, 4)>`` (skipped with < 2 GPUs)
 ``verify-dflash``   the same for DFlash drafter training
 ``kernels``         ``csbp bench kernels`` on CUDA (150 s): one layer's attention (flex backend, bf16,
-                    16/4 heads of 128, B = 16 and 128) at 16K, 64K and 128K tokens, the decomposed form with
-                    the flex and sdpa (FlashAttention) block diagonals, the clean context as one Flex
-                    partial or as cuDNN / FlashAttention-2 pieces; writes ``gpu-kernels.json`` next
-                    to ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
-                    them, or those before its limit) into the report
+                    16/4 heads of 128, B = 16 and 128) at 16K, 64K and 128K tokens: first, at every
+                    length, dense attention, the mixed forms and the decomposed form with the sdpa
+                    (FlashAttention) block diagonal and FlashAttention-2 clean pieces; then the other
+                    decomposed forms (flex block diagonal; the clean context as one Flex partial or
+                    as cuDNN pieces) as time allows; writes ``gpu-kernels.json`` next to
+                    ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
+                    them, or those before its limit) into the report, with the kernel targets'
+                    worst values (``csbp.bench.kernel_summary``)
 ``train-table``     the single-GPU training table (``csbp.gpu.train_table``, the time left):
                     Qwen3-0.6B shape, BD3, bf16, activation checkpointing, ``--backend`` (default
                     auto: flex on CUDA), 8K-64K tokens; DFlash at 64K, 512 anchors; each row is in
@@ -69,6 +72,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from csbp.attention.flex_backward import resolve_flex_backward  # noqa: E402
+from csbp.bench.kernel_summary import target_line  # noqa: E402
 from csbp.gpu.flops import gpu_bf16_peak_tflops  # noqa: E402
 from csbp.gpu.profile import CPU_DRY_RUN, CUDA, CheckProfile  # noqa: E402
 from csbp.gpu.report import CheckReport, StageResult, kill_process_group, start_watchdog  # noqa: E402
@@ -235,7 +239,8 @@ def summarize_kernel_rows(rows: list[dict[str, object]]) -> str:
     firsts = values("first_call_s", ("mixed", "mixed-ag", "decomposed", "diagonal"))
     if graphs or firsts:
         parts.append(f"{graphs} graphs compiled, slowest first call {max(firsts, default=0.0):.1f} s")
-    return ", ".join(parts)
+    targets = target_line(rows)
+    return ", ".join(parts) + ("" if targets.startswith("targets: no shape") else f"; {targets}")
 
 
 def _kernels_report(env: CheckEnv, result: StageResult, output: str) -> StageResult:

@@ -22,11 +22,14 @@ from csbp.models.config import DecoderConfig
 KERNEL_BENCH_ARGS: tuple[str, ...] = (
     "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
     "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "16384", "65536", "131072",
-    "--diagonals", "flex", "sdpa", "--clean-kernels", "generic", "pieces-cudnn", "pieces", "--repeats", "2",
+    "--diagonals", "sdpa", "flex", "--clean-kernels", "pieces", "generic", "pieces-cudnn", "--repeats", "2",
+    "--primary-first",
 )
 """``csbp bench kernels`` options of the ``kernels`` stage on CUDA (``--json`` is added: next to
-``gpu-check.json``). The lengths are the issue's target range, smallest first: every length compiles
-Flex for new shapes, so the 150 s stage may end before 128K (the rows measured are kept); 8K and 32K
+``gpu-check.json``). The lengths are the kernel targets' range, smallest first. Every length compiles
+Flex for new shapes, so the 150 s stage may end early (the rows measured are kept): ``--primary-first``
+measures dense attention, the mixed forms and the decomposed form expected fastest (FlashAttention for
+the noisy blocks and the clean pieces) at every length before the other decomposed kernels. 8K and 32K
 are left to a direct run."""
 
 
@@ -73,7 +76,7 @@ CPU_DRY_RUN = CheckProfile(
     kernels=(
         "--device", "cpu", "--backends", "tiles", "--dtype", "float32", "--num-heads", "2", "--num-kv-heads", "1",
         "--head-dim", "8", "--block-sizes", "4", "--seq-lens", "32", "--diagonals", "matmul", "sdpa",
-        "--repeats", "1", "--warmup", "0", "--no-op-count",
+        "--repeats", "1", "--warmup", "0", "--no-op-count", "--primary-first",
     ),
     table={
         "seq_lens": (32, 64), "block_size": 4, "model": DRY_RUN_MODEL, "dflash_seq_len": 64, "dflash_anchors": 4,

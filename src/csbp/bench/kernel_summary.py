@@ -1,0 +1,121 @@
+"""The verdict of ``csbp bench kernels``: per length, block size and backend, the fastest mixed and the
+fastest decomposed form, their rates relative to dense attention and the decomposed form's speedup.
+
+It reads the benchmark's rows as dictionaries (its ``--json`` output, or ``gpu-kernels.json`` of
+``make gpu-check``), so the command, the device check and anyone holding a JSON file get the same
+lines. Rates are per useful (allowed) pair; "dense" is dense SDPA over all pairs of the same shapes
+(FlashAttention on CUDA). The kernel path's targets on CUDA (#8: bf16, head dim 128, L = 16K-128K)
+are ``KERNEL_TARGETS``; ``target_line`` says how a run measured against them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+Row = Mapping[str, object]
+
+MIXED_FORMS = ("mixed", "mixed-ag")
+
+
+@dataclass(frozen=True)
+class ShapeVerdict:
+    """The fastest forms of one (length, block size, backend)."""
+
+    seq_len: int
+    block_size: int
+    backend: str
+    mixed_form: str  # the fastest mixed form ("" if none was measured)
+    mixed_vs_dense: float
+    decomposed_kernels: str  # "<diagonal> diagonal, <clean> clean" of the fastest decomposed row ("" if none)
+    decomposed_vs_dense: float
+    speedup: float  # t_mixed / t_decomposed of the fastest of each (nan if either is missing)
+
+
+def _number(row: Row, key: str) -> float:
+    value = row.get(key, math.nan)
+    return float(value) if isinstance(value, int | float) else math.nan
+
+
+def _fastest(rows: Sequence[Row]) -> Row | None:
+    timed = [r for r in rows if math.isfinite(_number(r, "time_s"))]
+    return min(timed, key=lambda r: _number(r, "time_s")) if timed else None
+
+
+def shape_verdicts(rows: Sequence[Row]) -> list[ShapeVerdict]:
+    """One verdict per (length, block size, backend) with a mixed or decomposed row, in first-seen order
+    (rows without those three keys are left out)."""
+    shapes = dict.fromkeys(
+        (r["seq_len"], r["block_size"], r["backend"]) for r in rows
+        if r.get("form") in (*MIXED_FORMS, "decomposed") and all(key in r for key in ("seq_len", "block_size", "backend"))
+    )
+    verdicts = []
+    for seq_len, block, backend in shapes:
+        mine = [r for r in rows if (r.get("seq_len"), r.get("block_size"), r.get("backend")) == (seq_len, block, backend)]
+        mixed = _fastest([r for r in mine if r.get("form") in MIXED_FORMS])
+        decomposed = _fastest([r for r in mine if r.get("form") == "decomposed"])
+        speedup = math.nan
+        if mixed is not None and decomposed is not None:
+            speedup = _number(mixed, "time_s") / _number(decomposed, "time_s")
+        verdicts.append(ShapeVerdict(
+            int(seq_len), int(block), str(backend),  # type: ignore[call-overload]
+            mixed_form=str(mixed["form"]) if mixed is not None else "",
+            mixed_vs_dense=_number(mixed, "vs_dense") if mixed is not None else math.nan,
+            decomposed_kernels=(f"{decomposed['diagonal']} diagonal, {decomposed['clean']} clean"
+                                if decomposed is not None else ""),
+            decomposed_vs_dense=_number(decomposed, "vs_dense") if decomposed is not None else math.nan,
+            speedup=speedup,
+        ))
+    return verdicts
+
+
+def format_verdicts(verdicts: Sequence[ShapeVerdict]) -> str:
+    """One line per shape: the fastest mixed and decomposed forms and the decomposed form's speedup."""
+    lines = []
+    for v in verdicts:
+        parts = [f"L={v.seq_len} B={v.block_size} {v.backend}:"]
+        if v.mixed_form:
+            parts.append(f"fastest mixed ({v.mixed_form}) {v.mixed_vs_dense:.2f}x dense's rate;")
+        if v.decomposed_kernels:
+            parts.append(f"fastest decomposed ({v.decomposed_kernels}) {v.decomposed_vs_dense:.2f}x dense's rate")
+        if math.isfinite(v.speedup):
+            parts.append(f"= {v.speedup:.2f}x the mixed form's speed")
+        lines.append(" ".join(parts))
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class KernelTargets:
+    """Rates a layout's attention must reach on CUDA (bf16, head dim 128, L in ``seq_lens``)."""
+
+    min_vs_dense: float = 0.60  # every layout's (mixed and decomposed) rate per useful pair vs dense
+    min_speedup: float = 1.0  # decomposed vs the fastest mixed form, every block size
+    min_speedup_large_block: float = 1.2  # ... at block size ``large_block``
+    large_block: int = 128
+    seq_lens: tuple[int, int] = (16384, 131072)  # the range the targets hold over, inclusive
+
+
+KERNEL_TARGETS = KernelTargets()
+
+
+def target_line(rows: Sequence[Row], targets: KernelTargets = KERNEL_TARGETS) -> str:
+    """How the measured shapes inside the targets' range compare with them, on one line (the worst
+    value of each target; "not measured" when no shape in the range was)."""
+    low, high = targets.seq_lens
+    verdicts = [v for v in shape_verdicts(rows) if low <= v.seq_len <= high]
+    if not verdicts:
+        return f"targets: no shape measured at L = {low}-{high}"
+
+    def worst(values: list[float]) -> str:
+        finite = [x for x in values if math.isfinite(x)]
+        return f"{min(finite):.2f}x" if finite else "not measured"
+
+    large = [v.speedup for v in verdicts if v.block_size == targets.large_block]
+    lengths = sorted({v.seq_len for v in verdicts})
+    return (
+        f"targets at L = {', '.join(str(n) for n in lengths)}: worst mixed {worst([v.mixed_vs_dense for v in verdicts])}"
+        f" and decomposed {worst([v.decomposed_vs_dense for v in verdicts])} dense's rate (>= "
+        f"{targets.min_vs_dense:.2f}x); decomposed/mixed worst {worst([v.speedup for v in verdicts])} (>= "
+        f"{targets.min_speedup:.1f}x), at B={targets.large_block} {worst(large)} (>= {targets.min_speedup_large_block:.1f}x)"
+    )
