@@ -1,11 +1,18 @@
 """Atomic writes: directories (Hugging Face exports, DFlash exports, feature stores) and single files.
 
-The directory is filled in a temporary sibling and moved into place with ``os.replace`` (swapped
-with an existing one in a single step on Linux), so a reader never sees a half-written directory
-and a crash never leaves the path empty. An existing target is replaced only on request, and only
-when csbp recognises it as its own output (:class:`Ownership`): an empty directory, or one holding
-the kind's marker file and no file csbp would not have written. Anything else, a symbolic link, the
+The directory is filled in a temporary sibling and moved into place in one rename (swapped with
+an existing one in a single step on Linux), so a reader never sees a half-written directory and a
+crash never leaves the path empty. An existing target is replaced only on request, and only when
+csbp recognises it as its own output (:class:`Ownership`): an empty directory, or one holding the
+kind's marker file and no file csbp would not have written. Anything else, a symbolic link, the
 working directory and its parents included, is refused with one line, before any work starts.
+
+The target is checked again when the finished directory is published (:func:`publish_directory`),
+since another process may have created it while the output was being built: without ``overwrite``
+the move never replaces anything (``renameat2(RENAME_NOREPLACE)`` on Linux; elsewhere the name is
+first claimed with ``mkdir``, which fails on any existing entry), so a directory that appeared is
+left untouched and the finished output is discarded with one line; with ``overwrite`` the target
+must still pass :func:`check_replaceable`.
 Single files go through a new temporary file and ``os.replace`` (:func:`write_text_atomic`).
 """
 
@@ -22,6 +29,11 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+
+class OutputExistsError(ValueError):
+    """Something exists where a write without ``overwrite`` would publish its output (it may have
+    appeared while the output was being built); nothing was replaced."""
 
 
 @dataclass(frozen=True)
@@ -109,31 +121,74 @@ def write_directory_atomically(
     """Call ``fill(staging_dir)`` and move the result to ``path``; returns ``path``.
 
     With ``overwrite`` an existing ``path`` is replaced when ``owned`` recognises it (see
-    :func:`check_replaceable`); without it an existing ``path`` is an error.
+    :func:`check_replaceable`); without it an existing ``path`` is an :class:`OutputExistsError`.
+    Both are checked before ``fill`` and again when the result is published
+    (:func:`publish_directory`); on any error the staging directory is removed.
     """
     target = Path(path)
-    if target.exists() and not overwrite:
-        raise ValueError(f"{flag} {target}: already exists (fix: choose another path, or pass --overwrite / overwrite=True)")
+    if os.path.lexists(target) and not overwrite:
+        raise OutputExistsError(
+            f"{flag} {target}: already exists (fix: choose another path, or pass --overwrite / overwrite=True)"
+        )
     absolute = check_replaceable(target, owned, flag=flag)
     absolute.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{absolute.name}.tmp-", dir=absolute.parent))
     try:
         staging.chmod(0o755)
         fill(staging)
-        replace_directory(staging, absolute)
+        publish_directory(staging, absolute, overwrite=overwrite, owned=owned, flag=flag, shown=target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
 
 
+def publish_directory(
+    built: Path,
+    target: Path,
+    *,
+    overwrite: bool,
+    owned: Ownership | None,
+    flag: str = "--out",
+    shown: str | os.PathLike[str] | None = None,
+) -> None:
+    """Move the finished directory ``built`` to ``target``, checking ``target`` again first: building
+    takes a while, and another process may have created ``target`` meanwhile.
+
+    Without ``overwrite`` nothing at ``target`` is ever replaced (an empty directory, a file or a link
+    included): the move fails with an :class:`OutputExistsError` naming ``shown`` (default
+    ``target``). With it, an existing ``target`` must still pass :func:`check_replaceable` and is
+    swapped out by :func:`replace_directory`. On an error ``built`` is left for the caller to remove.
+    """
+    shown = target if shown is None else shown
+    if overwrite:
+        check_replaceable(target, owned, flag=flag)
+        if os.path.lexists(target):
+            replace_directory(built, target)
+            return
+    if move_without_replacing(built, target):
+        return
+    if overwrite:
+        raise OutputExistsError(
+            f"{flag} {shown}: was created by someone else while csbp was writing it; csbp left it untouched and "
+            f"discarded its own output (fix: run again to replace it, or choose another {flag})"
+        )
+    raise OutputExistsError(
+        f"{flag} {shown}: was created by someone else while csbp was writing it; csbp left it untouched and "
+        f"discarded its own output (fix: choose another {flag}, or pass --overwrite)"
+    )
+
+
 def replace_directory(built: Path, target: Path) -> None:
-    """Move the finished directory ``built`` onto ``target``. An old ``target`` is swapped with it in
-    one atomic step where the system can (Linux ``renameat2(RENAME_EXCHANGE)``), so a crash leaves
-    the old or the new directory at ``target``, then removed; elsewhere it is moved aside first and
-    removed after the swap (restored if the swap fails)."""
-    if not target.exists():
-        os.replace(built, target)
+    """Move the finished directory ``built`` onto ``target``, which the caller has checked may be
+    replaced. An old ``target`` is swapped with it in one atomic step where the system can (Linux
+    ``renameat2(RENAME_EXCHANGE)``), so a crash leaves the old or the new directory at ``target``,
+    then removed; elsewhere it is moved aside first and removed after the swap (restored if the swap
+    fails). A missing ``target`` is created by :func:`move_without_replacing` (an
+    :class:`OutputExistsError` if something appears there first)."""
+    if not os.path.lexists(target):
+        if not move_without_replacing(built, target):
+            raise OutputExistsError(f"{target}: another process created it first (fix: run again)")
         return
     if _exchange(built, target):
         shutil.rmtree(built, ignore_errors=True)  # ``built`` now holds the old directory
@@ -150,22 +205,69 @@ def replace_directory(built: Path, target: Path) -> None:
         shutil.rmtree(retired, ignore_errors=True)
 
 
+def move_without_replacing(source: Path, target: Path) -> bool:
+    """Rename the directory ``source`` to ``target`` unless anything exists at ``target``; False
+    (nothing moved, nothing removed) if something does.
+
+    Linux: ``renameat2(RENAME_NOREPLACE)``, one atomic step. Windows' rename never replaces. Other
+    systems, and Linux filesystems without the flag: a POSIX rename would silently replace an empty
+    directory, so the name is claimed first with ``mkdir`` (which fails on any existing entry) and
+    ``source`` renamed onto that claim; a claim someone filled meanwhile makes the rename fail, and
+    is kept. (A crash between the two steps leaves an empty directory at ``target``.)"""
+    code = _renameat2(source, target, _RENAME_NOREPLACE)
+    if code == 0:
+        return True
+    if code == errno.EEXIST:
+        return False
+    if code is not None and code not in _UNSUPPORTED:
+        raise OSError(code, os.strerror(code), str(source), None, str(target))
+    if os.name == "nt":
+        try:
+            os.rename(source, target)
+        except FileExistsError:
+            return False
+        return True
+    try:
+        os.mkdir(target, 0o700)
+    except FileExistsError:
+        return False
+    try:
+        os.rename(source, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.rmdir(target)  # our claim, if still empty; never anything someone put in it
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            return False
+        raise
+    return True
+
+
 _AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
 _RENAME_EXCHANGE = 2
+_UNSUPPORTED = (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP)
+"""``renameat2`` errors meaning the kernel or filesystem lacks the flag (overlayfs may refuse)."""
+
+
+def _renameat2(first: Path, second: Path, flags: int) -> int | None:
+    """``renameat2(first, second, flags)``: 0 on success, else its errno; None where the call does not
+    exist (not Linux, or a C library without the wrapper: glibc < 2.28)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return None
+    if renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), flags) == 0:
+        return 0
+    return ctypes.get_errno()
 
 
 def _exchange(first: Path, second: Path) -> bool:
     """Swap two directory entries atomically; False where the system or filesystem cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    if renameat2 is None:  # a C library without the wrapper (glibc < 2.28)
-        return False
-    result = renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE)
-    if result == 0:
+    code = _renameat2(first, second, _RENAME_EXCHANGE)
+    if code == 0:
         return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EXDEV):  # overlayfs may refuse
+    if code is None or code in (*_UNSUPPORTED, errno.EXDEV):
         return False
     raise OSError(code, os.strerror(code), str(first), None, str(second))
 

@@ -9,8 +9,10 @@ Tokenization happens here only, never in the training loop. The steps:
 4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``.
 
 Writes are atomic: everything is built in a hidden temporary directory next to ``out_dir`` and
-moved into place with ``os.replace`` at the end; on any failure the temporary directory is
-removed and no (partial) artifact exists.
+moved into place in one rename at the end (:func:`csbp.atomic.publish_directory`, which checks
+``out_dir`` again then, so a directory another process created there meanwhile is never replaced
+without ``overwrite``); on any failure the temporary directory is removed and no (partial) artifact
+exists.
 
 Usage::
 
@@ -21,6 +23,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -31,7 +34,7 @@ from typing import Any
 import numpy as np
 
 import csbp
-from csbp.atomic import Ownership, check_replaceable, replace_directory
+from csbp.atomic import OutputExistsError, Ownership, check_replaceable, publish_directory
 from csbp.data.artifact import (
     ARRAY_DTYPES,
     FORMAT_NAME,
@@ -125,8 +128,8 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     """Build the artifact described by ``config``; returns its manifest."""
     say = log or (lambda message: None)
     out_dir = Path(config.out_dir)
-    if out_dir.exists() and not config.overwrite:
-        raise ValueError(f"output {out_dir} already exists; choose another --out or pass --overwrite")
+    if os.path.lexists(out_dir) and not config.overwrite:
+        raise OutputExistsError(f"output {out_dir} already exists; choose another --out or pass --overwrite")
     out_dir = check_replaceable(out_dir, ARTIFACT_OWNERSHIP)
     files = expand_inputs(config.inputs)
     # A given tokenizer (path, special tokens) is checked before the inputs are read.
@@ -151,7 +154,10 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         manifest = _manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
         manifest["chat_template"] = template.manifest_entry() if template is not None else None
         write_manifest(build_dir, manifest)
-        replace_directory(build_dir, out_dir)
+        # checked again: another process may have created out_dir while this one was tokenizing
+        publish_directory(
+            build_dir, out_dir, overwrite=config.overwrite, owned=ARTIFACT_OWNERSHIP, shown=config.out_dir
+        )
     except BaseException:
         shutil.rmtree(build_dir, ignore_errors=True)
         raise
