@@ -6,6 +6,7 @@ when ``nproc == 1``). The worker trains each layout in turn with :func:`csbp.tra
 and a :class:`csbp.compare.budget.BudgetHook`, in ``OUT/<layout>/`` (a normal run directory:
 ``metrics.jsonl``, checkpoints, ``final/``). A finished layout leaves ``OUT/<layout>/result.json``.
 
+One comparison at a time writes ``OUT``: the launching process holds ``OUT/.lock`` throughout.
 Interrupt (Ctrl-C, a killed process) and rerun with ``--resume``: finished layouts are read back,
 the interrupted one continues from its last time-point checkpoint with its clock, and the rest run.
 """
@@ -26,6 +27,7 @@ from csbp.compare.layouts import LAYOUT_NAMES, layout_config
 from csbp.config.schema import RunConfig
 from csbp.parallel.launch import run_local
 from csbp.training.preflight import check_new_run_dir, check_run
+from csbp.training.run_lock import LOCK_FILE, run_dir_lock
 from csbp.training.trainer import train
 
 RESULT_FILE = "result.json"
@@ -97,10 +99,7 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
     if options.budget_s <= 0 or options.points < 1 or options.nproc < 1:
         raise ValueError("--budget-s must be > 0, --points >= 1 and --nproc >= 1")
     metric_of(cfg, options.metric)
-    if options.out_dir.exists() and any(options.out_dir.iterdir()) and not options.resume:
-        raise ValueError(
-            f"--out {options.out_dir} is not empty (fix: --resume to continue that comparison, or another --out)"
-        )
+    _check_out_dir(options)
     _check_resumed_options(options)
     plan = []
     for name in options.layouts:
@@ -127,6 +126,13 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
                 )
         plan.append((name, layout_cfg))
     return plan
+
+
+def _check_out_dir(options: CompareOptions) -> None:
+    """A new comparison starts in an empty ``--out`` (its lock file aside: :mod:`csbp.training.run_lock`)."""
+    out = options.out_dir
+    if not options.resume and out.is_dir() and any(entry.name != LOCK_FILE for entry in out.iterdir()):
+        raise ValueError(f"--out {out} is not empty (fix: --resume to continue that comparison, or another --out)")
 
 
 def _recorded_options(options: CompareOptions) -> dict[str, Any]:
@@ -201,7 +207,15 @@ def _compare_worker(
 def run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]:
     """Train every layout (module docstring); the per-layout results in ``options.layouts`` order,
     each point's ``metric`` the ``options.metric`` (also for points of a resumed comparison that
-    was started with another one: every point keeps ``val_loss`` and all validation metrics)."""
+    was started with another one: every point keeps ``val_loss`` and all validation metrics). This
+    process holds ``OUT/.lock`` throughout (:mod:`csbp.training.run_lock`): a second comparison in
+    ``--out`` is refused before it checks or removes anything there."""
+    _check_out_dir(options)  # before the lock file is created in it
+    with run_dir_lock(options.out_dir, flag="--out", what="comparison directory"):
+        return _run_compare(cfg, options)
+
+
+def _run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]:
     plan = plan_layouts(cfg, options)
     options.out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(options.out_dir / OPTIONS_FILE, json.dumps(_recorded_options(options)) + "\n")

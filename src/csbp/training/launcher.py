@@ -12,6 +12,10 @@ process starts, then:
   ``--rdzv-id`` are passed through (c10d rendezvous; with ``--node-rank`` the static one, whose
   endpoint is the master address). On CPU each worker gets one thread (``OMP_NUM_THREADS=1``).
 
+One process holds the run directory's lock (:mod:`csbp.training.run_lock`) from before the checks
+until the run ends, so a second run in the same directory is refused before it reads any data: the
+launching process on one node, global rank 0 with several nodes or under an outside torchrun.
+
 Failures: a worker that raises is reported by torch elastic, which stops the other workers (no
 hang); :class:`TrainingFailed` carries the failing rank's message and traceback (the cause is
 preferred over the connection errors it causes in its peers). Every process group is bounded by
@@ -48,7 +52,8 @@ from csbp.devices import process_group_options, resolve_device
 from csbp.interrupts import Interrupted
 from csbp.parallel.loopback import LOOPBACK, LOOPBACK_INTERFACE, register_loopback_rendezvous
 from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher, report_stall
-from csbp.training.preflight import check_run, verify_data
+from csbp.training.preflight import check_new_run_dir, check_run, check_writable_directory, verify_data
+from csbp.training.run_lock import run_dir_lock
 from csbp.training.trainer import (
     STARTUP_TIMEOUT_S,
     TrainSummary,
@@ -108,6 +113,28 @@ def launch_training(
     in this process or on this node, else None."""
     options = options or LaunchOptions()
     run_dir = Path(run_dir if run_dir is not None else default_run_dir(cfg)).absolute()
+    if not holds_run_dir_lock(options):
+        return _launch(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps, options=options)
+    # checked before the lock file is created there, so it never goes into a directory a run may not use
+    check_writable_directory(run_dir, "--run-dir")
+    if not resume:
+        check_new_run_dir(run_dir)
+    with run_dir_lock(run_dir):  # before any data is read: a second run in run_dir is refused here
+        return _launch(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps, options=options)
+
+
+def holds_run_dir_lock(options: LaunchOptions) -> bool:
+    """Whether this process takes the run directory's lock (:mod:`csbp.training.run_lock`): the
+    launching process on one node; under an outside torchrun, and with several nodes (each of whose
+    launchers starts workers), global rank 0's process."""
+    if inside_torchrun():
+        return os.environ.get("RANK") == "0"
+    return options.nnodes == 1
+
+
+def _launch(
+    cfg: RunConfig, *, run_dir: Path, resume: bool, max_steps: int | None, options: LaunchOptions
+) -> TrainSummary | None:
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step, warn=_warn)
     verify_data(cfg, inputs)  # under torchrun every rank checks, so none waits for a failed one
@@ -231,15 +258,20 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
 
 
-def _elastic_worker(cfg: RunConfig, run_dir: str, resume: bool, max_steps: int | None) -> TrainSummary | None:
-    """Entry point of one worker started by ``elastic_launch`` (module level: it is pickled by name)."""
+def _elastic_worker(
+    cfg: RunConfig, run_dir: str, resume: bool, max_steps: int | None, lock: bool
+) -> TrainSummary | None:
+    """Entry point of one worker started by ``elastic_launch`` (module level: it is pickled by name);
+    with ``lock`` (several nodes) global rank 0 holds the run directory's lock."""
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
     # Ctrl-C reaches every worker as well as the launching process, which reports it once and stops
     # the workers: a worker just ends (no KeyboardInterrupt that a library might catch and go on).
     # Checkpoints are written atomically, and the launcher removes a half-written one.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    summary = train_in_process_group(cfg, run_dir=Path(run_dir), resume=resume, max_steps=max_steps)
+    holder = lock and os.environ.get("RANK") == "0"
+    with run_dir_lock(run_dir) if holder else contextlib.nullcontext():
+        summary = train_in_process_group(cfg, run_dir=Path(run_dir), resume=resume, max_steps=max_steps)
     skip_teardown_at_exit()
     return summary
 
@@ -306,7 +338,7 @@ def _launch_workers(
     try:
         with _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher:
             results: dict[int, Any] = elastic_launch(config, _elastic_worker)(
-                cfg, str(run_dir), resume, max_steps
+                cfg, str(run_dir), resume, max_steps, options.nnodes > 1
             )
     except ChildFailedError as exc:
         failure = _failure(exc)

@@ -51,6 +51,7 @@ from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_check
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
 from csbp.training.model_factory import decoder_config_for_run
 from csbp.training.resume_config import TRAIN_RESTART, resume_changes
+from csbp.training.run_lock import LOCK_FILE
 
 NOISE_SCHEMES = {"rotated": "rotated_lattice", "stratified": "stratified"}
 TRAINABLE_OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "ar", "dflash")
@@ -204,9 +205,13 @@ def check_run_dir(
 
 
 RUN_DIR_ENTRIES = frozenset(
-    {"config.yaml", "metrics.jsonl", "tb", "checkpoints", "final", "loss.png", "budget_state.json", "result.json"}
+    {
+        "config.yaml", "metrics.jsonl", "tb", "checkpoints", "final", "loss.png", LOCK_FILE,
+        "budget_state.json", "result.json",
+    }
 )
-"""What a run writes into its directory (``csbp compare`` adds the last two)."""
+"""What a run writes into its directory (``csbp compare`` adds the last two; ``.lock`` is left by a
+killed run, :mod:`csbp.training.run_lock`)."""
 
 
 def foreign_run_entry(run_dir: Path) -> str | None:
@@ -216,7 +221,7 @@ def foreign_run_entry(run_dir: Path) -> str | None:
         return None
     for entry in sorted(Path(run_dir).iterdir()):
         written = entry.name.lstrip(".").split(".tmp")[0].split(".old-")[0]
-        if written not in RUN_DIR_ENTRIES:
+        if entry.name not in RUN_DIR_ENTRIES and written not in RUN_DIR_ENTRIES:
             return entry.name
     return None
 
