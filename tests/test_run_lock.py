@@ -115,6 +115,22 @@ def test_which_process_holds_the_lock(
     assert launcher_module.holds_run_dir_lock(LaunchOptions(nnodes=nnodes)) is holds
 
 
+def test_with_several_nodes_the_rank0_worker_is_refused_before_its_process_group(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    monkeypatch.setattr(launcher_module.signal, "signal", lambda *args: None)  # the worker's Ctrl-C setup
+    monkeypatch.setattr(launcher_module, "skip_teardown_at_exit", lambda: None)
+    monkeypatch.setattr(launcher_module, "train_in_process_group", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setenv("RANK", "0")
+    with run_dir_lock(run_dir), pytest.raises(RunDirInUse, match="in use by another csbp process"):
+        launcher_module._elastic_worker(tiny_config(artifact), str(run_dir), False, None, True)
+    monkeypatch.setenv("RANK", "1")  # other ranks never take it
+    monkeypatch.setattr(launcher_module, "train_in_process_group", lambda *a, **k: None)
+    with run_dir_lock(run_dir):
+        assert launcher_module._elastic_worker(tiny_config(artifact), str(run_dir), False, None, True) is None
+
+
 def test_a_second_comparison_is_refused_before_it_checks_or_removes_anything(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

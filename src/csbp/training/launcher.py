@@ -401,7 +401,7 @@ def _failure(exc: Any) -> TrainingFailed:
     return TrainingFailed(f"training failed on rank {rank}: {text}", details, expected=expected)
 
 
-_EXPECTED_ERRORS = ("TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ")
+_EXPECTED_ERRORS = ("TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ", "RunDirInUse: ")
 
 
 def _is_root_cause(message: str) -> bool:
