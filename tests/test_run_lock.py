@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from csbp.atomic import WRITE_PROBE_PREFIX
 from csbp.compare import CompareOptions, run_compare
 from csbp.compare import runner as compare_runner
 from csbp.training import LaunchOptions, launch_training
@@ -42,6 +43,11 @@ def test_a_second_holder_in_the_same_process_is_refused_with_one_line(tmp_path: 
         assert str(info.value) == in_use(run_dir, os.getpid())
         assert (run_dir / LOCK_FILE).is_file()  # the refused one removed nothing
         assert foreign_run_entry(run_dir) is None  # the lock file is one of a run's own entries
+        # every rank probes that it can write the run directory, now that the lock created it: a
+        # rank's probe seen by another is not a foreign file (a 2-process run refused itself)
+        (run_dir / f"{WRITE_PROBE_PREFIX}x1y2").write_text("")
+        assert foreign_run_entry(run_dir) is None
+        (run_dir / f"{WRITE_PROBE_PREFIX}x1y2").unlink()
     assert not (tmp_path / "runs").exists()  # released: lock file and the directories it created gone
     with run_dir_lock(run_dir):  # free again
         pass

@@ -59,6 +59,11 @@ class Ownership:
         return None
 
 
+WRITE_PROBE_PREFIX = ".csbp-write-probe-"
+"""Name prefix of the file :func:`unwritable_reason` creates and removes at once (another process
+checking the same directory may see one)."""
+
+
 def unwritable_reason(directory: str | os.PathLike[str]) -> str | None:
     """Why nothing can be created at or under ``directory`` (which may not exist yet), or None.
 
@@ -71,7 +76,7 @@ def unwritable_reason(directory: str | os.PathLike[str]) -> str | None:
     if not ancestor.is_dir():
         return f"{ancestor} is a file, not a directory"
     try:
-        handle, probe = tempfile.mkstemp(prefix=".csbp-write-probe-", dir=ancestor)
+        handle, probe = tempfile.mkstemp(prefix=WRITE_PROBE_PREFIX, dir=ancestor)
     except OSError as exc:
         return f"{ancestor} is not writable ({exc.strerror or type(exc).__name__})"
     os.close(handle)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from csbp.atomic import unwritable_reason
+from csbp.atomic import WRITE_PROBE_PREFIX, unwritable_reason
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.flex_backward import resolve_flex_backward
 from csbp.config.schema import RunConfig
@@ -216,10 +216,13 @@ killed run, :mod:`csbp.training.run_lock`)."""
 
 def foreign_run_entry(run_dir: Path) -> str | None:
     """The first entry of ``run_dir`` that a csbp run does not write (temporary files of an
-    interrupted write of one of them count as the run's), or None (also when ``run_dir`` is absent)."""
+    interrupted write of one of them count as the run's, as does the write probe of another rank
+    checking the directory the launcher's lock created), or None (also when ``run_dir`` is absent)."""
     if not Path(run_dir).is_dir():
         return None
     for entry in sorted(Path(run_dir).iterdir()):
+        if entry.name.startswith(WRITE_PROBE_PREFIX):
+            continue
         written = entry.name.lstrip(".").split(".tmp")[0].split(".old-")[0]
         if entry.name not in RUN_DIR_ENTRIES and written not in RUN_DIR_ENTRIES:
             return entry.name
