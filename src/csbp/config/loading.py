@@ -1,11 +1,13 @@
 """Read, override, validate and write run configs.
 
-``load_config("run.yaml", ["optim.lr=3e-4", "topology.cp=2"])`` reads the YAML with
-a safe loader (duplicate keys and alias bombs refused: :func:`read_yaml_file`), applies ``--set`` overrides (values parsed as YAML scalars: ints, floats, bools,
+``load_config("run.yaml", ["optim.lr=3e-4", "topology.cp=2"])`` reads the YAML with a safe loader
+(duplicate keys and alias bombs refused, ``1e-3`` read as a float: :mod:`csbp.config.yaml_reading`),
+applies ``--set`` overrides (values parsed as YAML scalars of the same dialect: ints, floats, bools,
 ``null``, flow lists ``[1, 2]``; a flow mapping ``topology={cp: 2, bp: 2}`` is deep-merged into the
-section exactly like ``topology.cp=2 topology.bp=2``, keeping its other fields), resolves relative paths (against the config file's directory for
-values from the file, against the working directory for values from ``--set``) and validates the
-result as a :class:`~csbp.config.schema.RunConfig`.
+section exactly like ``topology.cp=2 topology.bp=2``, keeping its other fields), resolves relative
+paths (against the config file's directory for values from the file, against the working directory
+for values from ``--set``) and validates the result as a :class:`~csbp.config.schema.RunConfig`,
+whose scalar fields take values of their own type only (:mod:`csbp.config.section_base`).
 
 Every problem becomes one line ``<source>: <dotted.field>: <message> (fix: <what to do>)`` in a
 :class:`ConfigError`, where ``<source>`` is the config file, or ``--set`` when the offending key
@@ -29,19 +31,15 @@ from csbp.atomic import write_text_atomic
 from csbp.config.rules import ConfigRuleError
 from csbp.config.schema import RunConfig
 from csbp.config.section_base import PATH_FIELD_KEY
+from csbp.config.yaml_reading import MAX_YAML_VALUES as MAX_YAML_VALUES
+from csbp.config.yaml_reading import ConfigError as ConfigError
+from csbp.config.yaml_reading import parse_yaml_value, read_yaml_file
+from csbp.config.yaml_reading import read_yaml_text as read_yaml_text
 
 _KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 Override = tuple[tuple[str, ...], Any]
 """A parsed ``--set`` item: the key path and its YAML-parsed value."""
-
-
-class ConfigError(ValueError):
-    """An invalid config; ``lines`` holds one self-contained line per problem."""
-
-    def __init__(self, lines: list[str]) -> None:
-        self.lines = lines
-        super().__init__("\n".join(lines))
 
 
 def load_config(
@@ -74,53 +72,6 @@ def load_config(
     return config_from_dict(data, source=source, override_keys=[keys for keys, _ in parsed])
 
 
-MAX_YAML_VALUES = 100_000
-"""More values than any run config has by orders of magnitude: anchors and aliases nested to expand
-beyond this ("billion laughs") are refused instead of being expanded."""
-
-
-def read_yaml_file(path: str | Path, *, source: str | None = None) -> Any:
-    """The YAML document in ``path`` (safe loader, duplicate keys refused, at most
-    :data:`MAX_YAML_VALUES` values once aliases are expanded); a :class:`ConfigError` naming
-    ``source`` (default: ``path``) otherwise."""
-    source = source if source is not None else str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError([f"{source}: not UTF-8 text (fix: pass a YAML file)"]) from None
-    return read_yaml_text(text, source=source)
-
-
-def read_yaml_text(text: str, *, source: str) -> Any:
-    """:func:`read_yaml_file` for YAML held in a string (a run config recorded in a checkpoint)."""
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{source}: invalid YAML: {_yaml_problem(exc)}"]) from exc
-    _check_expanded_size(data, source)
-    return data
-
-
-def _check_expanded_size(data: Any, source: str) -> None:
-    """``ConfigError`` when ``data`` holds more than :data:`MAX_YAML_VALUES` values counting each
-    alias as often as it is used (a cyclic alias counts forever); stops counting at the limit."""
-    count, stack = 0, [data]
-    while stack:
-        node = stack.pop()
-        count += 1
-        if count > MAX_YAML_VALUES:
-            raise ConfigError(
-                [
-                    f"{source}: expands to more than {MAX_YAML_VALUES} values through nested YAML anchors/aliases "
-                    "(fix: write the values out; a run config has a few hundred)"
-                ]
-            )
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-
-
 def parse_overrides(overrides: Sequence[str]) -> list[Override]:
     """Parse ``["a.b=1", "c.d=[1, 2]"]`` into key paths and YAML-scalar values."""
     parsed: list[Override] = []
@@ -131,13 +82,7 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
             raise ConfigError(
                 [f"--set {item!r}: expected KEY=VALUE with a dotted key (fix: e.g. --set optim.lr=3e-4)"]
             )
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(
-                [f"--set {key}: value {text!r} is not valid YAML: {_yaml_problem(exc)} (fix: quote it)"]
-            ) from exc
-        _check_expanded_size(value, f"--set {key}")
+        value = parse_yaml_value(text, source=f"--set {key}")
         parsed.extend(_leaf_overrides(tuple(key.split(".")), value))
     return parsed
 
@@ -394,28 +339,3 @@ def _deep_copy_mappings(data: dict[str, Any]) -> dict[str, Any]:
     return {
         key: _deep_copy_mappings(value) if isinstance(value, dict) else value for key, value in data.items()
     }
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last
-    silently: a second ``train:`` section would drop every field of the first)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[object, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-            line = key_node.start_mark.line + 1
-            if isinstance(key, str) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first on line {seen[key]}; fix: merge the two)",
-                    key_node.start_mark,
-                )
-            if isinstance(key, str):
-                seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    return f"line {mark.line + 1}: {problem}" if mark is not None else problem
