@@ -117,3 +117,34 @@ def test_a_mapping_from_plain_yaml_keeps_its_strings_refused() -> None:
 def test_every_recipe_validates_with_its_value_types(name: str) -> None:
     cfg = load_run_config(name)
     assert isinstance(cfg.optim.lr, float) and type(cfg.train.max_steps) is int
+
+
+# ----------------------------------------------------------------------------- one line per mistake
+
+
+def test_a_misspelled_section_is_one_line(tmp_path: Path) -> None:
+    path = tiny(tmp_path, "model:", "Model:")
+    assert error_lines(path) == [f"{path}: Model: unknown section; did you mean model? (fix: rename Model to model)"]
+
+
+def test_a_misspelled_required_key_is_one_line(tmp_path: Path) -> None:
+    path = tiny(tmp_path, "seq_len: 32", "seqlen: 32")
+    assert error_lines(path) == [
+        f"{path}: data.seqlen: unknown key; did you mean seq_len? (fix: rename seqlen to seq_len)"
+    ]
+
+
+def test_an_unknown_key_with_nothing_missing_keeps_its_own_line(tmp_path: Path) -> None:
+    path = tiny(tmp_path, "train: {max_steps", "trainer: {}\ntrain: {max_steps")
+    (line,) = error_lines(path)
+    assert line.startswith(f"{path}: trainer: unknown key (fix: remove it; did you mean train?")
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
+def test_an_empty_file_is_one_line(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert error_lines(path) == [
+        f"{path} is empty (fix: write the run config into it, or start from a recipe: "
+        f"csbp recipes copy demo {path} --overwrite)"
+    ]

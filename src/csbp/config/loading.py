@@ -60,6 +60,7 @@ def load_config(
         raise FileNotFoundError(f"config file not found: {path}")
     source = source if source is not None else str(path)
     data = read_yaml_file(path, source=source)
+    empty = data is None or data == {}
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -69,7 +70,16 @@ def load_config(
     parsed = parse_overrides(overrides)
     resolved = [(keys, _resolve_override_path(keys, value)) for keys, value in parsed]
     data = apply_overrides(data, resolved)
-    return config_from_dict(data, source=source, override_keys=[keys for keys, _ in parsed])
+    try:
+        return config_from_dict(data, source=source, override_keys=[keys for keys, _ in parsed])
+    except ConfigError:
+        if not empty:
+            raise
+        # one line instead of one "required section is missing" per section
+        raise ConfigError(
+            [f"{source} is empty (fix: write the run config into it, or start from a recipe: "
+             f"csbp recipes copy demo {path} --overwrite)"]
+        ) from None
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[Override]:
@@ -133,8 +143,14 @@ def config_from_dict(
         return RunConfig.model_validate(data)
     except ValidationError as exc:
         lines: list[str] = []
-        for error in exc.errors(include_url=False):
-            for field, message, fix in _describe_error(error):
+        errors = exc.errors(include_url=False)
+        misspelled = _misspelled_keys(errors)
+        for error in errors:
+            loc = tuple(error["loc"])
+            if error["type"] == "missing" and loc in misspelled.values():
+                continue  # said by the line of the misspelled key
+            described = [_misspelling(loc, misspelled[loc])] if loc in misspelled else _describe_error(error)
+            for field, message, fix in described:
                 origin = _error_origin(field, tuple(error["loc"]), error["type"], source, override_keys)
                 line = f"{origin}: {field}: {message}" if field else f"{origin}: {message}"
                 line += f" (fix: {fix})" if fix else ""
@@ -211,6 +227,36 @@ def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
     if info is not None and info.description:
         fix += f": {info.description.rstrip('.')}"
     return [(dotted, f"{error['msg']}, got {_short_repr(value)}", fix)]
+
+
+def _misspelled_keys(errors: Sequence[Any]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    """Unknown keys that look like a required key missing beside them (``Model:`` for ``model:``),
+    each mapped to that key's location: one problem, said in one line instead of two."""
+    missing = [
+        tuple(e["loc"]) for e in errors if e["type"] == "missing" and e["loc"] and isinstance(e["loc"][-1], str)
+    ]
+    pairs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    for error in errors:
+        loc = tuple(error["loc"])
+        if error["type"] != "extra_forbidden" or not loc:
+            continue
+        beside = [m for m in missing if m[:-1] == loc[:-1] and m not in pairs.values()]
+        names = [str(m[-1]).lower() for m in beside]
+        close = difflib.get_close_matches(str(loc[-1]).lower(), names, n=1)
+        if close:
+            pairs[loc] = beside[names.index(close[0])]
+    return pairs
+
+
+def _misspelling(unknown: tuple[Any, ...], missing: tuple[Any, ...]) -> tuple[str, str, str]:
+    """``(dotted field, message, fix)`` of an unknown key standing for the missing ``missing``."""
+    info = _field_info(missing)
+    what = "section" if info is not None and _nested_model(info.annotation) is not None else "key"
+    return (
+        _dotted(unknown),
+        f"unknown {what}; did you mean {missing[-1]}?",
+        f"rename {unknown[-1]} to {missing[-1]}",
+    )
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
