@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from csbp.cli.main import main
 from csbp.config import ConfigError, config_from_dict, load_config
 from csbp.config.loading import read_yaml_text
 from csbp.recipes import list_recipes, load_run_config
@@ -148,3 +149,27 @@ def test_an_empty_file_is_one_line(tmp_path: Path, text: str) -> None:
         f"{path} is empty (fix: write the run config into it, or start from a recipe: "
         f"csbp recipes copy demo {path} --overwrite)"
     ]
+
+
+# ----------------------------------------------------------------------------- a directory for a config
+
+
+def test_a_directory_names_the_config_file_inside(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert main(["config", "validate", str(run_dir)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"csbp: error: {run_dir} is a directory, not a config file (fix: pass a YAML file")
+    tiny(run_dir).rename(run_dir / "config.yaml")
+    assert main(["config", "validate", str(run_dir)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"csbp: error: {run_dir} is a directory, not a config file (fix: pass the config inside it: "
+        f"{run_dir / 'config.yaml'})"
+    )
+
+
+def test_a_recipe_name_wins_over_a_directory_of_that_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    assert load_run_config("demo").run.name == "demo"
