@@ -4,11 +4,15 @@ checkpoint of ``csbp export``, the document-mask hint of ``csbp config validate`
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from csbp.cli.config_cmd import document_mask_text
 from csbp.cli.main import main
+from csbp.config import ConfigError
+from csbp.recipes import list_recipes, load_run_config
 from csbp.training.checkpoint_integrity import find_resume_checkpoint
 
 
@@ -38,3 +42,36 @@ def test_the_caller_names_itself_in_the_damaged_checkpoint_error(tmp_path: Path)
         find_resume_checkpoint(run)  # --resume keeps its message
     with pytest.raises(ValueError, match=r"^--run-dir: no intact checkpoint .* \(fix: pass --drafter\)$"):
         find_resume_checkpoint(run, caller="--run-dir", fix="pass --drafter")
+
+
+@pytest.mark.parametrize("name", list_recipes())
+def test_the_document_mask_hint_offers_only_a_change_the_config_accepts(name: str) -> None:
+    cfg = load_run_config(name)
+    text = document_mask_text(cfg)
+    offer = re.search(r"set data\.document_mask: (true|false) to change it", text)
+    refusal = re.search(r"refuses data\.document_mask: (true|false)", text)
+    if cfg.data.document_mask is not None:
+        assert offer is None and refusal is None  # set in the recipe: no default to explain
+        return
+    assert (offer is None) != (refusal is None)
+    value = (offer or refusal).group(1)
+    assert value == str(not cfg.document_mask).lower()
+    if offer is not None:
+        assert load_run_config(name, [f"data.document_mask={value}"]).document_mask is (value == "true")
+    else:
+        with pytest.raises(ConfigError, match="data.document_mask"):
+            load_run_config(name, [f"data.document_mask={value}"])
+
+
+def test_dflash_validate_does_not_offer_the_refused_document_mask(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "validate", "dflash-demo"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("documents")]
+    assert "set data.document_mask" not in line
+    assert line.endswith("(default for dflash: a DFlash context always stops at the anchor's document start; "
+                         "dflash refuses data.document_mask: false)")
+
+
+def test_the_document_mask_hint_names_the_fields_that_must_change_with_it() -> None:
+    cfg = load_run_config("demo", ["objective.name=fast_dllm_v2", "data.reset_positions=true"])
+    assert cfg.data.document_mask is None  # the default, explained
+    assert "set data.document_mask: false (with data.reset_positions changed) to change it" in document_mask_text(cfg)
