@@ -66,7 +66,11 @@ def error_lines(path: Path, *overrides: str) -> list[str]:
         ("", "", ["optim.betas=[true, 0.9]"],
          "--set: optim.betas: expected float, got the boolean true at item [0] "
          "(fix: set it to float: AdamW (beta1, beta2))"),
+        ("lr: 1.0e-3", "lr: 'nan'", [],  # a quoted nan is not offered as a number
+         "{path}: optim.lr: expected float, got the string 'nan' (fix: set it to float: Peak learning rate)"),
     ],
+    ids=["set-bool-int", "set-bool-max-steps", "yaml-bool-int", "quoted-int", "quoted-float", "quoted-exponent",
+         "bool-float", "number-bool", "quoted-bool", "bool-list-item", "quoted-nan"],
 )
 def test_a_bool_or_string_for_a_number_is_one_error_line(
     tmp_path: Path, old: str, new: str, overrides: list[str], line: str
@@ -86,6 +90,7 @@ def test_a_bool_or_string_for_a_number_is_one_error_line(
         ("", "", ["optim.lr=1.0e-3"], 1e-3),
         ("", "", ["optim={lr: 5e-4}"], 5e-4),
     ],
+    ids=["dotted", "exponent", "capital-exponent", "int", "set-exponent", "set-dotted", "set-mapping"],
 )
 def test_numbers_in_either_float_spelling_are_read_as_numbers(
     tmp_path: Path, old: str, new: str, overrides: list[str], lr: float

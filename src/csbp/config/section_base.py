@@ -4,6 +4,7 @@ the config file's directory."""
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any, Union, get_args, get_origin
 
@@ -75,10 +76,9 @@ def _parses_as(text: str, kind: type) -> bool:
     if kind is bool:
         return text.strip().lower() in ("true", "false")
     try:
-        kind(text)
+        return math.isfinite(kind(text))  # "nan" and "inf" are not YAML numbers either
     except ValueError:
         return False
-    return True
 
 
 def _scalar_kind(annotation: Any) -> type | None:
