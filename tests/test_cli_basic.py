@@ -227,3 +227,40 @@ def test_every_help_renders_and_shows_defaults() -> None:
     assert "--max-new-tokens MAX_NEW_TOKENS (default: 128)" in generate
     assert "0 = greedy (default: 0.0)" in generate
     assert "(default: B)" not in generate and "(default: (default" not in generate
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["config", "fields"], ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8"]],
+    ids=["config-fields", "plan"],
+)
+def test_a_reader_that_stops_reading_ends_the_command_quietly(argv: list[str]) -> None:
+    """``csbp plan ... | head -3``: the reader closes its end early (here: before csbp writes at all,
+    so the test does not race the pipe's buffer). csbp stops with 141 (128 + SIGPIPE) and nothing on
+    stderr; it said "csbp: error: Broken pipe (BrokenPipeError) (fix: check the path)" and exited 2."""
+    import os
+    import subprocess
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    try:
+        done = subprocess.run([sys.executable, "-m", "csbp", *argv], stdout=write_end, stderr=subprocess.PIPE,
+                              env=env, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_reported(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``BrokenPipeError`` from elsewhere (a socket between training processes) is an error to show."""
+    import csbp.cli.recipes_cmd as recipes_cmd
+
+    def broken(args: argparse.Namespace) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(recipes_cmd, "run_list", broken)
+    code, _, err = run(capsys, "recipes", "list")
+    assert code == USER_ERROR_EXIT_CODE and err == "csbp: error: Broken pipe (BrokenPipeError) (fix: check the path)\n"

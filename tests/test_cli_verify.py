@@ -12,7 +12,7 @@ def test_verify_one_csbp_layout(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "--nproc", "2", "--cp", "2", "--bp", "2", "--transport", "streaming"]) == 0
     out = capsys.readouterr().out
     assert "csbp     dp1xcp2xbp2  streaming" in out
-    assert out.strip().endswith("all 1 layouts equal one process within tolerance")
+    assert out.strip().endswith("the 1 layout equals one process within tolerance")
 
 
 @pytest.mark.multiprocess
@@ -27,7 +27,7 @@ def test_verify_with_the_sdpa_diagonal_against_the_matmul_reference(capsys: pyte
     """``--diagonal sdpa`` reaches every rank's local partial (the reference runs the matmul diagonal)."""
     argv = ["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "64", "--block-size", "16", "--diagonal", "sdpa"]
     assert main(["verify", *argv]) == 0
-    assert capsys.readouterr().out.strip().endswith("all 1 layouts equal one process within tolerance")
+    assert capsys.readouterr().out.strip().endswith("the 1 layout equals one process within tolerance")
 
 
 @pytest.mark.multiprocess
@@ -36,7 +36,7 @@ def test_verify_with_flash_pieces_against_the_generic_reference(capsys: pytest.C
     runs one generic partial); cp=2 x bp=2 at L = 64 has runs of >= 16 rows, the CPU's minimum piece."""
     argv = ["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "64", "--block-size", "4", "--clean", "pieces"]
     assert main(["verify", *argv]) == 0
-    assert capsys.readouterr().out.strip().endswith("all 1 layouts equal one process within tolerance")
+    assert capsys.readouterr().out.strip().endswith("the 1 layout equals one process within tolerance")
 
 
 @pytest.mark.multiprocess
@@ -54,7 +54,7 @@ def test_verify_runs_the_flex_backend_on_cpu_exactly(capsys: pytest.CaptureFixtu
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "backend=flex" in out.splitlines()[0] and "csbp     dp1xcp2xbp2  halo" in out
-    assert out.strip().endswith("all 1 layouts equal one process within tolerance")
+    assert out.strip().endswith("the 1 layout equals one process within tolerance")
 
 
 @pytest.mark.multiprocess
@@ -191,3 +191,45 @@ def test_dflash_verify_worker_builds_its_plan_on_the_case_backend(monkeypatch: p
     with pytest.raises(NotImplementedError, match="FlexAttention"), flex_backward_mode("recompute"):
         dflash_verify._worker(0, 1, case)
     assert (plans[0].backend, plans[0].diagonal) == ("flex", "flex")
+
+
+def _stub_verify(monkeypatch: pytest.MonkeyPatch, rel_err: float = 0.0) -> None:
+    """Replace the layout verification by a stub returning ``rel_err`` for loss and gradients."""
+    import csbp.cli.verify_cmd as verify_cmd
+    from csbp.engine.verify import VerifyResult
+
+    def fake_verify(case):  # noqa: ANN001, ANN202
+        return VerifyResult(case, 1.0, 1.0, rel_err, rel_err, "w", 1e-9)
+
+    monkeypatch.setattr(verify_cmd, "verify", fake_verify)
+
+
+def test_the_table_widens_its_detail_column_to_fit_every_row(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``halo balanced`` (13 characters) pushed its row's numbers one column right of the header's."""
+    _stub_verify(monkeypatch)
+    argv = ["verify", "--nproc", "4", "--seq-len", "128", "--doc-length", "24", "--schedule", "balanced"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header, rows = lines[1], [line for line in lines[3:-1] if line.strip()]
+    assert any(" halo balanced " in row for row in rows)
+    end = header.index("loss rel err") + len("loss rel err")
+    assert all(row.index("0.00e+00") + len("0.00e+00") == end for row in rows), "\n".join([header, *rows])
+    assert lines[-1] == f"all {len(rows)} layouts equal one process within tolerance"
+
+
+@pytest.mark.parametrize(
+    ("nproc", "rel_err", "last"),
+    [
+        ("1", 0.0, "the 1 layout equals one process within tolerance"),
+        ("1", 1.0, "1 of 1 layout exceeds the tolerance"),
+        ("2", 1.0, "4 of 4 layouts exceed the tolerance"),
+    ],
+)
+def test_the_verdict_agrees_with_its_count(
+    nproc: str, rel_err: float, last: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _stub_verify(monkeypatch, rel_err)
+    assert main(["verify", "--nproc", nproc]) == (1 if rel_err else 0)
+    assert capsys.readouterr().out.splitlines()[-1] == last

@@ -132,10 +132,25 @@ def document_mask_text(cfg: RunConfig) -> str:
     )
     if cfg.data.document_mask is None:
         reason = DOCUMENT_MASK_DEFAULTS[cfg.objective.name][1]
-        what += f" (default for {cfg.objective.name}: {reason}; set data.document_mask to change it)"
+        what += f" (default for {cfg.objective.name}: {reason}{_document_mask_change(cfg)})"
     if on and cfg.data.reset_positions:
         what += "; RoPE positions restart at every document"
     return what
+
+
+def _document_mask_change(cfg: RunConfig) -> str:
+    """How to turn the default document mask of ``cfg`` around, checked against the config rules: no
+    offer where the objective refuses the other value (dflash), the other fields it needs named."""
+    from csbp.config.rules import cross_section_violations
+
+    other = not cfg.document_mask
+    flipped = cfg.model_copy(update={"data": cfg.data.model_copy(update={"document_mask": other})})
+    refused = cross_section_violations(flipped)
+    if any(field == "data.document_mask" for field, _, _ in refused):
+        return f"; {cfg.objective.name} refuses data.document_mask: {str(other).lower()}"
+    also = sorted({field for field, _, _ in refused})
+    needs = f" (with {', '.join(also)} changed)" if also else ""
+    return f"; set data.document_mask: {str(other).lower()}{needs} to change it"
 
 
 def missing_path_notes(cfg: RunConfig) -> list[str]:

@@ -256,7 +256,10 @@ def _run_dir_source(run_dir: Path) -> tuple[Path | None, Path | None]:
         if architectures and architectures[0] in ARCHITECTURES:
             return run_dir / "final", None
         raise ValueError(f"{final_config} is not a DFlash drafter ({architectures}); was this a dflash run?")
-    latest = find_resume_checkpoint(run_dir, warn=lambda line: print(line, file=sys.stderr))
+    latest = find_resume_checkpoint(
+        run_dir, warn=lambda line: print(line, file=sys.stderr), caller="--run-dir",
+        fix="restore the files, or pass --drafter or --checkpoint",
+    )
     if latest is None:
         raise ValueError(
             f"--run-dir {run_dir} has neither final/ nor a checkpoint; pass --drafter or --checkpoint"

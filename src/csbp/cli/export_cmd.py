@@ -41,7 +41,10 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(f"{checkpoint} is not a directory (fix: pass RUN/checkpoints/step_N or a run directory)")
     if not (checkpoint / "trainer_state.json").is_file():
         run_dir = checkpoint.parent if checkpoint.name == "checkpoints" else checkpoint
-        latest = find_resume_checkpoint(run_dir, warn=lambda line: print(line, file=sys.stderr))
+        latest = find_resume_checkpoint(
+            run_dir, warn=lambda line: print(line, file=sys.stderr), caller="export",
+            fix="restore the files, or export another run's checkpoint",
+        )
         if latest is None:
             raise ValueError(
                 f"{checkpoint} holds no training checkpoint (fix: pass RUN/checkpoints/step_N, or a run directory "

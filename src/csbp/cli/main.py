@@ -8,7 +8,8 @@ User errors (``ValueError``, including :class:`csbp.config.ConfigError`, ``FileN
 and other ``OSError``s such as a ``--out`` path inside a file) print one ``csbp: error: <message>``
 line per problem to stderr and exit with code 2, without a traceback; ``csbp --debug ...``
 re-raises them to show the traceback. Ctrl-C and ``SIGTERM`` print ``csbp: interrupted`` and exit
-with 130 and 143.
+with 130 and 143. When the reader of stdout goes away (``csbp plan ... | head -3``) the command
+stops quietly with exit status 141, as a Unix tool stopped by ``SIGPIPE`` does.
 
 Usage::
 
@@ -23,6 +24,8 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import os
+import select
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -48,6 +51,10 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 """Modules registering subcommands, in ``csbp --help`` order. A missing module is an ImportError."""
 
 USER_ERROR_EXIT_CODE = 2
+
+CLOSED_OUTPUT_EXIT_CODE = 141
+"""128 + SIGPIPE: the status the shell reports for ``seq 1000000 | head -1``'s writer. Not 0: under
+``set -o pipefail`` a script learns the output was cut short, as it would from any Unix tool."""
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -107,6 +114,36 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``csbp`` with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # output still buffered fails here, not at interpreter exit
+    except BrokenPipeError:
+        if not stdout_reader_gone():
+            raise
+        # the reader (`| head`) has what it wanted: stop quietly; devnull under stdout keeps the
+        # interpreter's own flush at exit from failing a second time ("Exception ignored ...")
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return CLOSED_OUTPUT_EXIT_CODE
+    return code
+
+
+def stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe or socket whose reading end is closed (``poll`` reports an error on
+    it): a ``BrokenPipeError`` from a socket of the training processes is not the reader's."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by a non-file object (tests' capture)
+        return False
+    if not hasattr(select, "poll"):  # Windows: trust the error
+        return True
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _run(argv: Sequence[str] | None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     try:
         # imports the command's modules (torch: seconds on a loaded machine), so Ctrl-C often lands here
@@ -134,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"csbp: error: {line}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     except OSError as exc:  # NotADirectoryError, PermissionError, FileExistsError, disk full, ...
-        if args.debug:
-            raise
+        if args.debug or isinstance(exc, BrokenPipeError) and stdout_reader_gone():
+            raise  # main() stops quietly when stdout's reader went away
         print(f"csbp: error: {describe_os_error(exc)}", file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     except KeyboardInterrupt:

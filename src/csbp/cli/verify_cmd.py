@@ -153,20 +153,42 @@ def run_verify(args: argparse.Namespace) -> int:
     device = "" if args.device == "cpu" else f" device={args.device}"
     print(f"csbp verify: L={args.seq_len} B={args.block_size} dtype={args.dtype} nproc={args.nproc} backend={backend}"
           f"{documents}{device}")
-    header = f"{'layout':<8} {'topology':<12} {'detail':<12} {'loss rel err':>13} {'grad rel err':>13}  status"
+    columns = [case.columns for case in cases]  # as wide as their longest entry (`halo balanced`)
+    shape_width = max(12, *(len(shape) for _, shape, _ in columns))
+    detail_width = max(12, *(len(detail) for _, _, detail in columns))
+    header = (f"{'layout':<8} {'topology':<{shape_width}} {'detail':<{detail_width}} {'loss rel err':>13} "
+              f"{'grad rel err':>13}  status")
     print(header)
     print("-" * len(header))
     failed = 0
-    for case in cases:
+    for case, (name, shape, detail) in zip(cases, columns):
         result = verify(case)
         status = "ok" if result.ok else f"FAIL (tol {result.tolerance:g}, worst {result.worst_param})"
         failed += not result.ok
-        print(f"{case.label:<34} {result.loss_rel_err:>13.2e} {result.grad_rel_err:>13.2e}  {status}", flush=True)
-    if failed:
-        print(f"{failed} of {len(cases)} layouts exceed the tolerance")
-        return 1
-    print(f"all {len(cases)} layouts equal one process within tolerance")
-    return 0
+        print(f"{name:<8} {shape:<{shape_width}} {detail:<{detail_width}} {result.loss_rel_err:>13.2e} "
+              f"{result.grad_rel_err:>13.2e}  {status}", flush=True)
+    print(verdict(failed, len(cases)))
+    return 1 if failed else 0
+
+
+def verdict(failed: int, total: int) -> str:
+    """The last line of a layout table: ``all 4 layouts equal one process within tolerance``, ``the 1
+    layout equals one process within tolerance``, ``1 of 4 layouts exceeds the tolerance``."""
+    if not failed:
+        return all_equal(total, "layout")
+    return f"{count_of(failed, total, 'layout')} {'exceeds' if failed == 1 else 'exceed'} the tolerance"
+
+
+def all_equal(total: int, noun: str) -> str:
+    """``all 4 layouts equal one process within tolerance`` (``the 1 layout equals ...``)."""
+    if total == 1:
+        return f"the 1 {noun} equals one process within tolerance"
+    return f"all {total} {noun}s equal one process within tolerance"
+
+
+def count_of(part: int, total: int, noun: str) -> str:
+    """``1 of 4 layouts``, ``1 of 1 layout``."""
+    return f"{part} of {total} {noun}{'' if total == 1 else 's'}"
 
 
 def run_verify_dflash(args: argparse.Namespace) -> int:
@@ -234,11 +256,8 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
             context = "exchange"
         print(f"{name:<8} {shape:<12} {context:<10} {result.loss_rel_err:>13.2e} {result.grad_rel_err:>13.2e}  "
               f"{status}", flush=True)
-    if failed:
-        print(f"{failed} of {len(cases)} layouts exceed the tolerance")
-        return 1
-    print(f"all {len(cases)} layouts equal one process within tolerance")
-    return 0
+    print(verdict(failed, len(cases)))
+    return 1 if failed else 0
 
 
 RANDOM_FIXED = ("dp", "cp", "bp", "doc_length", "window", "objective", "transport", "schedule")
@@ -287,7 +306,7 @@ def run_verify_random(args: argparse.Namespace) -> int:
 
     run_sweep(list(range(args.seed, args.seed + args.random)), args.nproc, report=report, backend=backend)
     if failed:
-        print(f"{failed} of {args.random} random cases failed (rerun one: csbp verify --random 1 --seed SEED)")
+        print(f"{count_of(failed, args.random, 'random case')} failed (rerun one: csbp verify --random 1 --seed SEED)")
         return 1
-    print(f"all {args.random} random cases equal one process within tolerance")
+    print(all_equal(args.random, "random case"))
     return 0

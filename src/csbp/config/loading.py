@@ -1,11 +1,13 @@
 """Read, override, validate and write run configs.
 
-``load_config("run.yaml", ["optim.lr=3e-4", "topology.cp=2"])`` reads the YAML with
-a safe loader (duplicate keys and alias bombs refused: :func:`read_yaml_file`), applies ``--set`` overrides (values parsed as YAML scalars: ints, floats, bools,
+``load_config("run.yaml", ["optim.lr=3e-4", "topology.cp=2"])`` reads the YAML with a safe loader
+(duplicate keys and alias bombs refused, ``1e-3`` read as a float: :mod:`csbp.config.yaml_reading`),
+applies ``--set`` overrides (values parsed as YAML scalars of the same dialect: ints, floats, bools,
 ``null``, flow lists ``[1, 2]``; a flow mapping ``topology={cp: 2, bp: 2}`` is deep-merged into the
-section exactly like ``topology.cp=2 topology.bp=2``, keeping its other fields), resolves relative paths (against the config file's directory for
-values from the file, against the working directory for values from ``--set``) and validates the
-result as a :class:`~csbp.config.schema.RunConfig`.
+section exactly like ``topology.cp=2 topology.bp=2``, keeping its other fields), resolves relative
+paths (against the config file's directory for values from the file, against the working directory
+for values from ``--set``) and validates the result as a :class:`~csbp.config.schema.RunConfig`,
+whose scalar fields take values of their own type only (:mod:`csbp.config.section_base`).
 
 Every problem becomes one line ``<source>: <dotted.field>: <message> (fix: <what to do>)`` in a
 :class:`ConfigError`, where ``<source>`` is the config file, or ``--set`` when the offending key
@@ -29,19 +31,15 @@ from csbp.atomic import write_text_atomic
 from csbp.config.rules import ConfigRuleError
 from csbp.config.schema import RunConfig
 from csbp.config.section_base import PATH_FIELD_KEY
+from csbp.config.yaml_reading import MAX_YAML_VALUES as MAX_YAML_VALUES
+from csbp.config.yaml_reading import ConfigError as ConfigError
+from csbp.config.yaml_reading import parse_yaml_value, read_yaml_file
+from csbp.config.yaml_reading import read_yaml_text as read_yaml_text
 
 _KEY_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 Override = tuple[tuple[str, ...], Any]
 """A parsed ``--set`` item: the key path and its YAML-parsed value."""
-
-
-class ConfigError(ValueError):
-    """An invalid config; ``lines`` holds one self-contained line per problem."""
-
-    def __init__(self, lines: list[str]) -> None:
-        self.lines = lines
-        super().__init__("\n".join(lines))
 
 
 def load_config(
@@ -62,6 +60,7 @@ def load_config(
         raise FileNotFoundError(f"config file not found: {path}")
     source = source if source is not None else str(path)
     data = read_yaml_file(path, source=source)
+    empty = data is None or data == {}
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -71,54 +70,16 @@ def load_config(
     parsed = parse_overrides(overrides)
     resolved = [(keys, _resolve_override_path(keys, value)) for keys, value in parsed]
     data = apply_overrides(data, resolved)
-    return config_from_dict(data, source=source, override_keys=[keys for keys, _ in parsed])
-
-
-MAX_YAML_VALUES = 100_000
-"""More values than any run config has by orders of magnitude: anchors and aliases nested to expand
-beyond this ("billion laughs") are refused instead of being expanded."""
-
-
-def read_yaml_file(path: str | Path, *, source: str | None = None) -> Any:
-    """The YAML document in ``path`` (safe loader, duplicate keys refused, at most
-    :data:`MAX_YAML_VALUES` values once aliases are expanded); a :class:`ConfigError` naming
-    ``source`` (default: ``path``) otherwise."""
-    source = source if source is not None else str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError([f"{source}: not UTF-8 text (fix: pass a YAML file)"]) from None
-    return read_yaml_text(text, source=source)
-
-
-def read_yaml_text(text: str, *, source: str) -> Any:
-    """:func:`read_yaml_file` for YAML held in a string (a run config recorded in a checkpoint)."""
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader subclass
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"{source}: invalid YAML: {_yaml_problem(exc)}"]) from exc
-    _check_expanded_size(data, source)
-    return data
-
-
-def _check_expanded_size(data: Any, source: str) -> None:
-    """``ConfigError`` when ``data`` holds more than :data:`MAX_YAML_VALUES` values counting each
-    alias as often as it is used (a cyclic alias counts forever); stops counting at the limit."""
-    count, stack = 0, [data]
-    while stack:
-        node = stack.pop()
-        count += 1
-        if count > MAX_YAML_VALUES:
-            raise ConfigError(
-                [
-                    f"{source}: expands to more than {MAX_YAML_VALUES} values through nested YAML anchors/aliases "
-                    "(fix: write the values out; a run config has a few hundred)"
-                ]
-            )
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
+        return config_from_dict(data, source=source, override_keys=[keys for keys, _ in parsed])
+    except ConfigError:
+        if not empty:
+            raise
+        # one line instead of one "required section is missing" per section
+        raise ConfigError(
+            [f"{source} is empty (fix: write the run config into it, or start from a recipe: "
+             f"csbp recipes copy demo {path} --overwrite)"]
+        ) from None
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[Override]:
@@ -131,13 +92,7 @@ def parse_overrides(overrides: Sequence[str]) -> list[Override]:
             raise ConfigError(
                 [f"--set {item!r}: expected KEY=VALUE with a dotted key (fix: e.g. --set optim.lr=3e-4)"]
             )
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(
-                [f"--set {key}: value {text!r} is not valid YAML: {_yaml_problem(exc)} (fix: quote it)"]
-            ) from exc
-        _check_expanded_size(value, f"--set {key}")
+        value = parse_yaml_value(text, source=f"--set {key}")
         parsed.extend(_leaf_overrides(tuple(key.split(".")), value))
     return parsed
 
@@ -188,8 +143,14 @@ def config_from_dict(
         return RunConfig.model_validate(data)
     except ValidationError as exc:
         lines: list[str] = []
-        for error in exc.errors(include_url=False):
-            for field, message, fix in _describe_error(error):
+        errors = exc.errors(include_url=False)
+        misspelled = _misspelled_keys(errors)
+        for error in errors:
+            loc = tuple(error["loc"])
+            if error["type"] == "missing" and loc in misspelled.values():
+                continue  # said by the line of the misspelled key
+            described = [_misspelling(loc, misspelled[loc])] if loc in misspelled else _describe_error(error)
+            for field, message, fix in described:
                 origin = _error_origin(field, tuple(error["loc"]), error["type"], source, override_keys)
                 line = f"{origin}: {field}: {message}" if field else f"{origin}: {message}"
                 line += f" (fix: {fix})" if fix else ""
@@ -266,6 +227,36 @@ def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
     if info is not None and info.description:
         fix += f": {info.description.rstrip('.')}"
     return [(dotted, f"{error['msg']}, got {_short_repr(value)}", fix)]
+
+
+def _misspelled_keys(errors: Sequence[Any]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
+    """Unknown keys that look like a required key missing beside them (``Model:`` for ``model:``),
+    each mapped to that key's location: one problem, said in one line instead of two."""
+    missing = [
+        tuple(e["loc"]) for e in errors if e["type"] == "missing" and e["loc"] and isinstance(e["loc"][-1], str)
+    ]
+    pairs: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    for error in errors:
+        loc = tuple(error["loc"])
+        if error["type"] != "extra_forbidden" or not loc:
+            continue
+        beside = [m for m in missing if m[:-1] == loc[:-1] and m not in pairs.values()]
+        names = [str(m[-1]).lower() for m in beside]
+        close = difflib.get_close_matches(str(loc[-1]).lower(), names, n=1)
+        if close:
+            pairs[loc] = beside[names.index(close[0])]
+    return pairs
+
+
+def _misspelling(unknown: tuple[Any, ...], missing: tuple[Any, ...]) -> tuple[str, str, str]:
+    """``(dotted field, message, fix)`` of an unknown key standing for the missing ``missing``."""
+    info = _field_info(missing)
+    what = "section" if info is not None and _nested_model(info.annotation) is not None else "key"
+    return (
+        _dotted(unknown),
+        f"unknown {what}; did you mean {missing[-1]}?",
+        f"rename {unknown[-1]} to {missing[-1]}",
+    )
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
@@ -394,28 +385,3 @@ def _deep_copy_mappings(data: dict[str, Any]) -> dict[str, Any]:
     return {
         key: _deep_copy_mappings(value) if isinstance(value, dict) else value for key, value in data.items()
     }
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (plain YAML keeps the last
-    silently: a second ``train:`` section would drop every field of the first)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[object, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-            line = key_node.start_mark.line + 1
-            if isinstance(key, str) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first on line {seen[key]}; fix: merge the two)",
-                    key_node.start_mark,
-                )
-            if isinstance(key, str):
-                seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    return f"line {mark.line + 1}: {problem}" if mark is not None else problem

@@ -87,6 +87,8 @@ def format_markdown(rows: Sequence[FieldRow]) -> str:
         "Generated from the schema by `csbp config fields --markdown` (a test checks this file is",
         "current). A config is YAML with these sections; unknown keys are errors, `--set a.b=value`",
         "overrides any field, and `csbp config validate FILE --print` shows a config with every default.",
+        "Values keep their YAML type: an `int` or `float` field refuses `true` and a quoted `\"32\"`, a",
+        "boolean field refuses `1` and `\"yes\"`; `1e-3` and `1.0e-3` are both floats (as in YAML 1.2).",
     ]
     section = None
     for row in rows:

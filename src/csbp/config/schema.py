@@ -444,7 +444,7 @@ class RunConfig(_Section):
             and isinstance(section, dict)
             and objective.get("name") == "mdlm"
             and objective.get("block_size") is None
-            and isinstance(section.get("seq_len"), int)
+            and type(section.get("seq_len")) is int  # not a bool: `seq_len: true` is seq_len's error only
         ):
             return {**data, "objective": {**objective, "block_size": section["seq_len"]}}
         return data

@@ -102,6 +102,13 @@ class VerifyCase:
 
     @property
     def label(self) -> str:
+        """``csbp     dp1xcp2xbp2  halo``: :attr:`columns` padded to the verify table's minimum widths."""
+        name, shape, detail = self.columns
+        return f"{name:<8} {shape:<12} {detail}"
+
+    @property
+    def columns(self) -> tuple[str, str, str]:
+        """The layout's name, its ``dpXxcpYxbpZ`` shape and the detail (transport, window, schedule)."""
         t = self.topology
         parts = [f"dp{t.dp}", f"cp{t.cp}", f"bp{t.bp}"]
         name = {"data": "data", "cp": "cp-only", "bp": "bp-only", "csbp": "csbp"}[t.layout]
@@ -114,7 +121,7 @@ class VerifyCase:
             name, detail = "cp-aware", "halo"
         if self.schedule != "dual_end" and t.bp > 1:
             detail += f" {self.schedule}"
-        return f"{name:<8} {'x'.join(parts):<12} {detail}"
+        return name, "x".join(parts), detail
 
 
 @dataclass

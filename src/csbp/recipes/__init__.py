@@ -68,13 +68,30 @@ def load_run_config(spec: str | Path, overrides: Sequence[str] = ()) -> RunConfi
     """Load a config from a YAML file path, or a packaged recipe by name.
 
     An existing file wins; otherwise ``spec`` must name a recipe, whose relative paths resolve
-    against the working directory. Raises ``FileNotFoundError`` when it is neither.
+    against the working directory. Raises ``ValueError`` for a directory (naming the config inside it)
+    and ``FileNotFoundError`` when it is neither.
     """
     path = Path(spec)
     if path.is_file():
         return load_config(path, overrides)
     if str(spec) in list_recipes():
         return load_config(recipe_path(str(spec)), overrides, relative_to=Path.cwd(), source=f"recipe {spec}")
+    if path.is_dir():
+        raise ValueError(f"{spec} is a directory, not a config file (fix: {_config_inside(path)})")
     raise FileNotFoundError(
         f"no config file or recipe named {str(spec)!r} (recipes: {', '.join(list_recipes())})"
     )
+
+
+def _config_inside(directory: Path) -> str:
+    """What to pass instead of ``directory``: its ``config.yaml`` (a run directory's), else its YAML
+    files, else a config file or a recipe."""
+    if (directory / "config.yaml").is_file():
+        return f"pass the config inside it: {directory / 'config.yaml'}"
+    try:
+        found = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    except OSError:  # unreadable: say what a config is
+        found = []
+    if found:
+        return f"pass a YAML file inside it: {', '.join(str(p) for p in found[:3])}"
+    return f"pass a YAML file, or a recipe name ({', '.join(list_recipes())})"

@@ -225,15 +225,25 @@ def step_directories(root: Path) -> list[Path]:
     return [path for _, path in sorted(found, reverse=True)]
 
 
+RESUME_FIX = "restore the files, or start a new run directory"
+"""The fix :func:`resume_checkpoint` names by default (for ``--resume``)."""
+
+
 def resume_checkpoint(
-    root: Path, named: Path | None, *, warn: Callable[[str], None] | None = None
+    root: Path,
+    named: Path | None,
+    *,
+    warn: Callable[[str], None] | None = None,
+    caller: str = "--resume",
+    fix: str = RESUME_FIX,
 ) -> Path | None:
     """The checkpoint to resume from in checkpoints directory ``root``.
 
     ``named`` is what the ``latest`` pointer names (None when there is no usable pointer). Returns
     ``named`` when it is intact, else the newest intact ``step_*`` directory, reporting every damaged
     one it passes through ``warn``; None when ``root`` holds no checkpoint at all. ``ValueError``
-    (one line) when checkpoints exist but none is intact.
+    (one line, starting with ``caller``, the flag or command that asked, and ending with ``fix``)
+    when checkpoints exist but none is intact.
     """
     candidates = step_directories(root)
     if named is not None:
@@ -243,22 +253,25 @@ def resume_checkpoint(
         problem = checkpoint_problem(path)
         if problem is None:
             if damaged and warn is not None:
-                warn(
-                    f"warning: skipping damaged checkpoint(s): {'; '.join(damaged)}; resuming from {path.name}"
-                )
+                using = "resuming from" if caller == "--resume" else f"{caller} uses"
+                warn(f"warning: skipping damaged checkpoint(s): {'; '.join(damaged)}; {using} {path.name}")
             return path
         damaged.append(problem)
     if damaged:
-        raise ValueError(
-            f"--resume: no intact checkpoint in {root}: {damaged[0]} (fix: restore the files, or start a new "
-            "run directory)"
-        )
+        raise ValueError(f"{caller}: no intact checkpoint in {root}: {damaged[0]} (fix: {fix})")
     return None
 
 
-def find_resume_checkpoint(run_dir: Path, *, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The checkpoint ``--resume`` restores in ``run_dir`` (see :func:`resume_checkpoint`); a broken
-    ``latest`` pointer is reported through ``warn`` and the newest intact checkpoint is used."""
+def find_resume_checkpoint(
+    run_dir: Path,
+    *,
+    warn: Callable[[str], None] | None = None,
+    caller: str = "--resume",
+    fix: str = RESUME_FIX,
+) -> Path | None:
+    """The checkpoint ``--resume`` restores in ``run_dir`` (see :func:`resume_checkpoint`, whose error
+    names ``caller`` and ``fix``: other commands that read a run's latest checkpoint pass their own);
+    a broken ``latest`` pointer is reported through ``warn`` and the newest intact checkpoint is used."""
     root = Path(run_dir) / "checkpoints"
     pointer = root / "latest"
     named: Path | None = None
@@ -268,7 +281,7 @@ def find_resume_checkpoint(run_dir: Path, *, warn: Callable[[str], None] | None 
             named = root / name
         elif warn is not None:
             warn(f"warning: {pointer} names {name!r}, which is not a checkpoint directory here")
-    return resume_checkpoint(root, named, warn=warn)
+    return resume_checkpoint(root, named, warn=warn, caller=caller, fix=fix)
 
 
 def has_checkpoints(run_dir: Path) -> bool:

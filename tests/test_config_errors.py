@@ -1,0 +1,180 @@
+"""Config values keep their YAML type (no bool or quoted string read as a number, ``1e-3`` read as a
+float), and each mistake is one error line: a misspelled section, an empty file, a directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from csbp.cli.main import main
+from csbp.config import ConfigError, config_from_dict, load_config
+from csbp.config.loading import read_yaml_text
+from csbp.recipes import list_recipes, load_run_config
+
+TINY = """\
+run: {name: tiny, seed: 0}
+model: {arch: qwen3, hidden_size: 32, intermediate_size: 64, num_layers: 2, num_heads: 2, num_kv_heads: 1, head_dim: 16}
+data: {train: art, seq_len: 32}
+objective: {name: bd3, block_size: 4}
+topology: {dp: 1, cp: 1, bp: 1}
+optim: {lr: 1.0e-3, warmup_steps: 2}
+train: {max_steps: 6, micro_batch_size: 2}
+"""
+
+
+def tiny(tmp_path: Path, old: str = "", new: str = "") -> Path:
+    """The tiny config file, with ``old`` replaced by ``new``."""
+    assert old in TINY
+    path = tmp_path / "tiny.yaml"
+    path.write_text(TINY.replace(old, new, 1), encoding="utf-8")
+    return path
+
+
+def error_lines(path: Path, *overrides: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return info.value.lines
+
+
+# ----------------------------------------------------------------------------- no silent coercion
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "overrides", "line"),
+    [
+        ("", "", ["model.hidden_size=true"],
+         "--set: model.hidden_size: expected int, got the boolean true (fix: set it to int: Residual stream width)"),
+        # the bool used to become max_steps=1, and the error then blamed optim.warmup_steps
+        ("", "", ["train.max_steps=true"],
+         "--set: train.max_steps: expected int, got the boolean true (fix: set it to int: Optimizer steps)"),
+        ("num_layers: 2", "num_layers: true", [],
+         "{path}: model.num_layers: expected int, got the boolean true (fix: set it to int: Number of decoder layers)"),
+        ("hidden_size: 32", 'hidden_size: "32"', [],
+         "{path}: model.hidden_size: expected int, got the string '32' (fix: write 32 without quotes)"),
+        ("lr: 1.0e-3", 'lr: "0.001"', [],
+         "{path}: optim.lr: expected float, got the string '0.001' (fix: write 0.001 without quotes)"),
+        ("lr: 1.0e-3", "lr: '1e-3'", [],  # quoted, it stays a string: only a plain 1e-3 is a float
+         "{path}: optim.lr: expected float, got the string '1e-3' (fix: write 1e-3 without quotes)"),
+        ("lr: 1.0e-3", "lr: false", [],
+         "{path}: optim.lr: expected float, got the boolean false (fix: set it to float: Peak learning rate)"),
+        ("", "", ["train.fsdp=1"],  # a bool field takes true or false only
+         "--set: train.fsdp: expected true or false, got the number 1 "
+         "(fix: set it to true or false: Shard parameters and optimizer state (FSDP2))"),
+        ("", "", ['train.fsdp="true"'],
+         "--set: train.fsdp: expected true or false, got the string 'true' (fix: write true without quotes)"),
+        ("", "", ["optim.betas=[true, 0.9]"],
+         "--set: optim.betas: expected float, got the boolean true at item [0] "
+         "(fix: set it to float: AdamW (beta1, beta2))"),
+        ("lr: 1.0e-3", "lr: 'nan'", [],  # a quoted nan is not offered as a number
+         "{path}: optim.lr: expected float, got the string 'nan' (fix: set it to float: Peak learning rate)"),
+    ],
+    ids=["set-bool-int", "set-bool-max-steps", "yaml-bool-int", "quoted-int", "quoted-float", "quoted-exponent",
+         "bool-float", "number-bool", "quoted-bool", "bool-list-item", "quoted-nan"],
+)
+def test_a_bool_or_string_for_a_number_is_one_error_line(
+    tmp_path: Path, old: str, new: str, overrides: list[str], line: str
+) -> None:
+    path = tiny(tmp_path, old, new)
+    assert error_lines(path, *overrides) == [line.format(path=path)]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "overrides", "lr"),
+    [
+        ("", "", [], 1e-3),
+        ("lr: 1.0e-3", "lr: 1e-3", [], 1e-3),  # YAML 1.1 (PyYAML) reads 1e-3 as a string
+        ("lr: 1.0e-3", "lr: 2E-4", [], 2e-4),
+        ("lr: 1.0e-3", "lr: 1", [], 1.0),  # an int for a float field stays accepted
+        ("", "", ["optim.lr=3e-4"], 3e-4),
+        ("", "", ["optim.lr=1.0e-3"], 1e-3),
+        ("", "", ["optim={lr: 5e-4}"], 5e-4),
+    ],
+    ids=["dotted", "exponent", "capital-exponent", "int", "set-exponent", "set-dotted", "set-mapping"],
+)
+def test_numbers_in_either_float_spelling_are_read_as_numbers(
+    tmp_path: Path, old: str, new: str, overrides: list[str], lr: float
+) -> None:
+    cfg = load_config(tiny(tmp_path, old, new), overrides)
+    assert type(cfg.optim.lr) is float and cfg.optim.lr == pytest.approx(lr, rel=1e-12)
+
+
+def test_the_config_yaml_reads_exponent_floats_as_yaml_1_2_does() -> None:
+    text = "a: 1e-3\nb: '1e-3'\nc: 1.0e3\nd: -2E+4\ne: .5e1\nf: 1_000\ng: 1e\nh: e3\ni: 12\n"
+    assert read_yaml_text(text, source="t.yaml") == {
+        "a": 1e-3, "b": "1e-3", "c": 1000.0, "d": -2e4, "e": 5.0, "f": 1000, "g": "1e", "h": "e3", "i": 12,
+    }
+    assert read_yaml_text("rope_theta: 1e6", source="t.yaml") == {"rope_theta": 1e6}
+    assert type(read_yaml_text("x: 1e6", source="t.yaml")["x"]) is float
+
+
+def test_a_mapping_from_plain_yaml_keeps_its_strings_refused() -> None:
+    """``config_from_dict`` takes already-parsed data: a string there is a string, whoever parsed it."""
+    data = load_run_config("demo").model_dump(mode="json")
+    data["optim"]["lr"] = "1e-3"
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data, source="config.yaml")
+    assert info.value.lines == [
+        "config.yaml: optim.lr: expected float, got the string '1e-3' (fix: write 1e-3 without quotes)"
+    ]
+
+
+@pytest.mark.parametrize("name", list_recipes())
+def test_every_recipe_validates_with_its_value_types(name: str) -> None:
+    cfg = load_run_config(name)
+    assert isinstance(cfg.optim.lr, float) and type(cfg.train.max_steps) is int
+
+
+# ----------------------------------------------------------------------------- one line per mistake
+
+
+def test_a_misspelled_section_is_one_line(tmp_path: Path) -> None:
+    path = tiny(tmp_path, "model:", "Model:")
+    assert error_lines(path) == [f"{path}: Model: unknown section; did you mean model? (fix: rename Model to model)"]
+
+
+def test_a_misspelled_required_key_is_one_line(tmp_path: Path) -> None:
+    path = tiny(tmp_path, "seq_len: 32", "seqlen: 32")
+    assert error_lines(path) == [
+        f"{path}: data.seqlen: unknown key; did you mean seq_len? (fix: rename seqlen to seq_len)"
+    ]
+
+
+def test_an_unknown_key_with_nothing_missing_keeps_its_own_line(tmp_path: Path) -> None:
+    path = tiny(tmp_path, "train: {max_steps", "trainer: {}\ntrain: {max_steps")
+    (line,) = error_lines(path)
+    assert line.startswith(f"{path}: trainer: unknown key (fix: remove it; did you mean train?")
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
+def test_an_empty_file_is_one_line(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert error_lines(path) == [
+        f"{path} is empty (fix: write the run config into it, or start from a recipe: "
+        f"csbp recipes copy demo {path} --overwrite)"
+    ]
+
+
+# ----------------------------------------------------------------------------- a directory for a config
+
+
+def test_a_directory_names_the_config_file_inside(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    assert main(["config", "validate", str(run_dir)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"csbp: error: {run_dir} is a directory, not a config file (fix: pass a YAML file")
+    tiny(run_dir).rename(run_dir / "config.yaml")
+    assert main(["config", "validate", str(run_dir)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"csbp: error: {run_dir} is a directory, not a config file (fix: pass the config inside it: "
+        f"{run_dir / 'config.yaml'})"
+    )
+
+
+def test_a_recipe_name_wins_over_a_directory_of_that_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    assert load_run_config("demo").run.name == "demo"
