@@ -34,6 +34,7 @@ import torch
 import yaml
 
 from csbp.cli.options import add_deprecated_alias, device_option
+from csbp.config.yaml_reading import ConfigYamlLoader
 
 if TYPE_CHECKING:
     from csbp.dflash.config import DFlashConfig
@@ -274,7 +275,7 @@ def _run_config(checkpoint: Path) -> dict[str, Any]:
         return {}
     text = _read_json(state_file).get("config_yaml") or ""
     try:
-        loaded = yaml.safe_load(text) if isinstance(text, str) and text else None
+        loaded = yaml.load(text, Loader=ConfigYamlLoader) if isinstance(text, str) and text else None
     except yaml.YAMLError:
         raise ValueError(f"{state_file}: config_yaml is not valid YAML; the checkpoint is damaged") from None
     return loaded if isinstance(loaded, dict) else {}
