@@ -134,6 +134,25 @@ def edited_artifact(fx: Fixtures, target: Path, *, vouch: bool, token: int | Non
     return target
 
 
+def supervised_token(fx: Fixtures) -> int:
+    """A token id the fixture artifact holds at a supervised position (its first: plain text)."""
+    opened = open_artifact(fx.artifact)
+    split = opened.split("train")
+    assert split.loss_mask[0, 0] == 1
+    return int(split.tokens[0, 0])
+
+
+def old_artifact(fx: Fixtures, target: Path, *, mask: int) -> Path:
+    """A copy of the artifact as csbp wrote it before ``supervised_mask_tokens``, with mask id ``mask``."""
+
+    def change(manifest: dict) -> None:
+        manifest["special_ids"]["mask"] = mask
+        for split in manifest["splits"].values():
+            del split["supervised_mask_tokens"]
+
+    return forged_manifest(fx, target, change)
+
+
 def config_with(fx: Fixtures, path: Path, **changes: object) -> Path:
     data = yaml.safe_load(fx.config.read_text())
     for dotted, value in changes.items():
@@ -235,6 +254,8 @@ CASES: list[Case] = [
     Case("prepare-bad-jsonl", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", '{"text": "a"}\n{oops\n')), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "b.jsonl"),
     Case("prepare-not-parquet", lambda fx, w: ["data", "prepare", str(write(w / "x.parquet", "plain text")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "x.parquet"),
     Case("prepare-no-documents", lambda fx, w: ["data", "prepare", str(write(w / "e.jsonl", "")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "no non-empty documents"),
+    Case("prepare-mask-token-is-eos", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--mask-token", "<|endoftext|>"], "is also the eos token"),
+    Case("prepare-mask-token-in-text", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--train-tokenizer", "--vocab-size", "300", "--mask-token", "fox"], "the mask token 'fox' occurs in the text"),
     Case("prepare-binary-txt", lambda fx, w: ["data", "prepare", str(write(w / "bin.txt", b"\xff\xfe\x00abc")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "bin.txt"),
     # ------------------------------------------------------------------ data inspect / stats
     Case("inspect-missing", lambda fx, w: ["data", "inspect", "nowhere"], "nowhere"),
@@ -255,6 +276,12 @@ CASES: list[Case] = [
     Case("train-fresh-over-checkpoint", lambda fx, w: ["train", str(fx.config), "--run-dir", str(real_run(fx, w / "r"))], "--resume"),
     Case("train-token-beyond-vocab", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(edited_artifact(fx, w / "a", vouch=True, token=10**6))})), "--run-dir", "r"], "token id"),
     Case("train-edited-fingerprint", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(edited_artifact(fx, w / "a", vouch=False))})), "--run-dir", "r"], "content_fingerprint"),
+    Case("train-old-artifact-mask-is-eos", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(old_artifact(fx, w / "a", mask=0))})), "--run-dir", "r"], "is also its eos token"),
+    Case("train-old-artifact-mask-in-text", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(old_artifact(fx, w / "a", mask=supervised_token(fx)))})), "--run-dir", "r"], "supervised positions (read from its token files)"),
+    Case("config-old-artifact-mask-in-text", lambda fx, w: ["config", "validate", str(config_with(fx, w / "c.yaml", **{"data.train": str(old_artifact(fx, w / "a", mask=supervised_token(fx)))}))], "supervised positions"),
+    Case("train-manifest-records-mask", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(forged_manifest(fx, w / "a", set_in(("splits", "val", "supervised_mask_tokens"), 3)))})), "--run-dir", "r"], "at 3 supervised positions (manifest.json"),
+    Case("train-config-mask-id-in-data", lambda fx, w: ["train", str(fx.config), "--set", f"objective.mask_token_id={supervised_token(fx)}", "--run-dir", "r"], "fix: remove objective.mask_token_id"),
+    Case("config-mask-id-is-pad", lambda fx, w: ["config", "validate", str(fx.config), "--set", "objective.mask_token_id=2"], "is also its pad token"),
     Case("train-lr-inf", lambda fx, w: ["train", str(fx.config), "--set", "optim.lr=.inf", "--run-dir", "r"], "optim.lr"),
     Case("train-timeout-inf", lambda fx, w: ["train", str(fx.config), "--set", "train.collective_timeout_s=.inf", "--run-dir", "r"], "collective_timeout_s"),
     Case("train-run-name-escape", lambda fx, w: ["train", str(fx.config), "--set", "run.name=../../x"], "run.name"),
