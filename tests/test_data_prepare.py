@@ -65,7 +65,7 @@ def test_chat_supervision_marks_exactly_the_assistant_tokens(tmp_path, tokenizer
         {"role": "assistant", "content": "or not"},
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
-    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=64)
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
     ids, mask = [], []
     for message in messages:
         content = tokenizer.encode(message["content"])
@@ -87,7 +87,7 @@ def test_prompt_completion_and_unanswered_chat_supervision(tmp_path, tokenizer_d
             {"messages": [{"role": "user", "content": "hello"}]},
         ],
     )
-    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=64)
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
     prompt, completion = tokenizer.encode("to be or"), tokenizer.encode(" not to be")
     user = [tokenizer.role_ids["user"], *tokenizer.encode("hello"), tokenizer.eos_id]
     expected_ids = prompt + completion + [tokenizer.eos_id] + user
@@ -203,7 +203,7 @@ def test_failure_mid_prepare_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch
 
 
 def test_existing_output_needs_overwrite(tmp_path, tokenizer_dir) -> None:
-    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "hello world"}])
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": TINY_TEXTS[0]}])
     prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)
     with pytest.raises(ValueError, match="already exists; choose another --out or pass --overwrite"):
         prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
@@ -278,7 +278,7 @@ def test_chat_needs_role_markers_in_the_tokenizer(tmp_path) -> None:
     tok_dir.mkdir()
     backend.save(str(tok_dir / "tokenizer.json"))
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"text": "hi hi"}])
-    art = prepare([plain], tmp_path / "plain_art", tok_dir, seq_len=4)
+    art = prepare([plain], tmp_path / "plain_art", tok_dir, seq_len=2)
     assert art.special_ids == {"eos": 1, "mask": 2, "pad": 1}  # pad falls back to EOS
     assert stream(art.split("train"))[0].tolist() == [0, 0, 1, 1]
     chat = write_jsonl(
@@ -389,3 +389,26 @@ def test_a_mask_token_in_the_text_is_refused(tmp_path, tokenizer_dir, tokenizer,
     assert not (tmp_path / "art").exists()
     manifest = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8).manifest
     assert [manifest["splits"][s]["supervised_mask_tokens"] for s in ("train", "val")] == [0, 0]
+
+
+def test_a_train_split_shorter_than_one_row_is_refused(tmp_path, tokenizer_dir, tokenizer, monkeypatch) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:3]])
+    num_tokens = sum(len(tokenizer.encode(t)) + 1 for t in TINY_TEXTS[:3])
+    padded: list[int] = []
+    original_finish = PackedSplitWriter.finish
+
+    def recording_finish(self):
+        padded.append(self.seq_len)
+        return original_finish(self)
+
+    monkeypatch.setattr(PackedSplitWriter, "finish", recording_finish)
+    with pytest.raises(ValueError) as info:
+        prepare([path], tmp_path / "art", tokenizer_dir, seq_len=100_000)
+    assert str(info.value) == (
+        f"--seq-len 100000 is longer than the {num_tokens} tokens of the train split: its one row would be "
+        f"{100 * (1 - num_tokens / 1e5):.2f}% padding (fix: --seq-len {num_tokens} or less, or add data)"
+    )
+    assert padded == [] and not (tmp_path / "art").exists()  # refused before any padding was written
+    _assert_no_leftovers(tmp_path, {"docs.jsonl"})
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=num_tokens)  # exactly one full row
+    assert art.split("train").num_rows == 1 and art.manifest["splits"]["train"]["padding_tokens"] == 0

@@ -256,6 +256,7 @@ CASES: list[Case] = [
     Case("prepare-no-documents", lambda fx, w: ["data", "prepare", str(write(w / "e.jsonl", "")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "no non-empty documents"),
     Case("prepare-mask-token-is-eos", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--mask-token", "<|endoftext|>"], "is also the eos token"),
     Case("prepare-mask-token-in-text", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--train-tokenizer", "--vocab-size", "300", "--mask-token", "fox"], "the mask token 'fox' occurs in the text"),
+    Case("prepare-seq-len-beyond-data", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "100000", "--tokenizer", str(fx.artifact)], "--seq-len 100000 is longer than the"),
     Case("prepare-binary-txt", lambda fx, w: ["data", "prepare", str(write(w / "bin.txt", b"\xff\xfe\x00abc")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "bin.txt"),
     # ------------------------------------------------------------------ data inspect / stats
     Case("inspect-missing", lambda fx, w: ["data", "inspect", "nowhere"], "nowhere"),

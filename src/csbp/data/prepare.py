@@ -6,7 +6,9 @@ Tokenization happens here only, never in the training loop. The steps:
 2. split documents (not rows) into train/val: ``round(val_fraction * N)`` documents, at least one
    when ``val_fraction > 0`` and ``N >= 2``, chosen by a permutation seeded with ``seed``;
 3. load the tokenizer, or train a byte-level BPE on the train documents;
-4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``.
+4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``;
+   a train split of fewer tokens than ``seq_len`` (one row of mostly padding) is refused before its
+   padding is written.
 
 The mask token must be a token of its own: an id shared with EOS, pad or a role marker is refused
 (by name before a tokenizer is trained, by id once a given one is loaded), and so is a document
@@ -245,10 +247,22 @@ def _write_splits(
                 _write_chunk(chunk, tokenizer, writers, template)
                 chunk = []
         _write_chunk(chunk, tokenizer, writers, template)
+        _check_train_fills_a_row(writers["train"].num_tokens, config.seq_len)
         return {split: writer.finish() for split, writer in writers.items()}
     finally:
         for writer in writers.values():
             writer.close()
+
+
+def _check_train_fills_a_row(train_tokens: int, seq_len: int) -> None:
+    """``ValueError`` when the train split holds fewer tokens than one row: it would be one row,
+    padded to ``seq_len`` (checked before the padding is written)."""
+    if train_tokens < seq_len:
+        padding = 100.0 * (seq_len - train_tokens) / seq_len
+        raise ValueError(
+            f"--seq-len {seq_len} is longer than the {train_tokens} tokens of the train split: its one row "
+            f"would be {padding:.2f}% padding (fix: --seq-len {train_tokens} or less, or add data)"
+        )
 
 
 def _write_chunk(
