@@ -301,6 +301,8 @@ CASES: list[Case] = [
     Case("generate-cuda-missing", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--device", "cuda"], "--device"),
     Case("generate-bad-device", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--device", "tpu9"], "--device"),
     Case("generate-zero-tokens", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens"),
+    Case("generate-steps-over-block", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--block-size", "4", "--steps-per-block", "100"], "--steps-per-block 100"),
+    Case("generate-beyond-positions", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--max-new-tokens", "100000"], "max_position_embeddings 32768"),
     # ------------------------------------------------------------------ dflash
     Case("dflash-export-planted-pickle", lambda fx, w: ["dflash", "export", "--checkpoint", str(planted_checkpoint(fx, w / "ck")), "--target", str(fx.model), "--out", "o"], ".metadata"),
     Case("dflash-export-run-planted", lambda fx, w: ["dflash", "export", "--run-dir", str(planted_run(fx, w / "r")), "--target", str(fx.model), "--out", "o"], ".metadata"),
