@@ -326,6 +326,8 @@ CASES: list[Case] = [
     Case("recipes-copy-unwritable", lambda fx, w: ["recipes", "copy", "demo", f"{UNWRITABLE}/x.yaml"], "x.yaml"),
     Case("bench-json-unwritable", lambda fx, w: ["bench", "attention", "--json", f"{UNWRITABLE}/b.json"], "--json"),
     Case("plan-global-batch-0", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--global-batch", "0"], "--global-batch"),
+    Case("plan-gpus-not-whole-nodes", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--gpus-per-node", "3"], "--gpus-per-node 3"),
+    Case("plan-seq-len-no-layout", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4097", "--gpus", "8"], "--seq-len 4097"),
     Case("plan-gpus-0", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "0"], "--gpus"),
     Case("plan-json-unwritable", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--json", f"{UNWRITABLE}/p.json"], "--json"),
     # ------------------------------------------------------------------ checked before the work they would follow
