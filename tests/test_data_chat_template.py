@@ -150,7 +150,7 @@ def test_prepare_records_the_template_and_none_keeps_role_markers(tmp_path: Path
     directory = build_tokenizer_dir(tmp_path / "tok", "chatml")
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": CHAT}) + "\n" + json.dumps({"text": "Blue."}) + "\n", encoding="utf-8")
-    config = PrepareConfig(inputs=(data,), out_dir=tmp_path / "art", seq_len=64, tokenizer_path=directory)
+    config = PrepareConfig(inputs=(data,), out_dir=tmp_path / "art", seq_len=8, tokenizer_path=directory)
     manifest = prepare_artifact(config)
     expected = ChatTemplate(CHATML, str(directory / "tokenizer_config.json")).sha256
     assert manifest["chat_template"]["sha256"] == expected
@@ -162,11 +162,11 @@ def test_prepare_records_the_template_and_none_keeps_role_markers(tmp_path: Path
     # text-only inputs: the template formats nothing and is not recorded
     text_only = tmp_path / "text.jsonl"
     text_only.write_text(json.dumps({"text": "Blue."}) + "\n", encoding="utf-8")
-    plain = PrepareConfig(inputs=(text_only,), out_dir=tmp_path / "plain", seq_len=64, tokenizer_path=directory)
+    plain = PrepareConfig(inputs=(text_only,), out_dir=tmp_path / "plain", seq_len=2, tokenizer_path=directory)
     assert prepare_artifact(plain)["chat_template"] is None
     # none: today's role markers, which this tokenizer lacks -> the existing one-line error
     none = PrepareConfig(
-        inputs=(data,), out_dir=tmp_path / "none", seq_len=64, tokenizer_path=directory, chat_template="none"
+        inputs=(data,), out_dir=tmp_path / "none", seq_len=8, tokenizer_path=directory, chat_template="none"
     )
     with pytest.raises(ValueError, match=r"chat\.jsonl:1: chat data needs the role marker"):
         prepare_artifact(none)
@@ -261,6 +261,7 @@ def test_cli_flag_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     directory = build_tokenizer_dir(tmp_path / "tok", "llama3")
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": CHAT[1:3]}) + "\n", encoding="utf-8")
+    data.write_text(data.read_text(encoding="utf-8") * 2, encoding="utf-8")  # 64 tokens: one full row
     own = tmp_path / "own.jinja"
     own.write_text(LLAMA3.replace("<|eot_id|>", "<|eot_id|>\n"), encoding="utf-8")
     base = ["data", "prepare", str(data), "--tokenizer", str(directory), "--seq-len", "64", "--eos-token", "<|end_of_text|>"]

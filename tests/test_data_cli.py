@@ -63,7 +63,7 @@ def test_prepare_writes_a_valid_artifact(tmp_path: Path, capsys: pytest.CaptureF
                 "--out",
                 str(tmp_path / "art"),
                 "--seq-len",
-                "8",
+                "2",  # the train paragraph is 3 tokens: fills a row
                 "--train-tokenizer",
                 "--vocab-size",
                 "280",

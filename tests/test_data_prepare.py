@@ -13,7 +13,7 @@ from csbp.data import prepare as prepare_module
 from csbp.data.artifact import Artifact, content_fingerprint, open_artifact
 from csbp.data.packing import PackedSplitWriter
 from csbp.data.prepare import PrepareConfig, prepare_artifact
-from csbp.data.tokenizer import CsbpTokenizer, load_tokenizer, train_bpe_tokenizer
+from csbp.data.tokenizer import CsbpTokenizer, SpecialTokens, load_tokenizer, train_bpe_tokenizer
 
 TINY_TEXTS = [
     "the quick brown fox jumps over the lazy dog",
@@ -65,7 +65,7 @@ def test_chat_supervision_marks_exactly_the_assistant_tokens(tmp_path, tokenizer
         {"role": "assistant", "content": "or not"},
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
-    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=64)
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
     ids, mask = [], []
     for message in messages:
         content = tokenizer.encode(message["content"])
@@ -87,7 +87,7 @@ def test_prompt_completion_and_unanswered_chat_supervision(tmp_path, tokenizer_d
             {"messages": [{"role": "user", "content": "hello"}]},
         ],
     )
-    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=64)
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
     prompt, completion = tokenizer.encode("to be or"), tokenizer.encode(" not to be")
     user = [tokenizer.role_ids["user"], *tokenizer.encode("hello"), tokenizer.eos_id]
     expected_ids = prompt + completion + [tokenizer.eos_id] + user
@@ -203,7 +203,7 @@ def test_failure_mid_prepare_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch
 
 
 def test_existing_output_needs_overwrite(tmp_path, tokenizer_dir) -> None:
-    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "hello world"}])
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": TINY_TEXTS[0]}])
     prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)
     with pytest.raises(ValueError, match="already exists; choose another --out or pass --overwrite"):
         prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
@@ -278,7 +278,7 @@ def test_chat_needs_role_markers_in_the_tokenizer(tmp_path) -> None:
     tok_dir.mkdir()
     backend.save(str(tok_dir / "tokenizer.json"))
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"text": "hi hi"}])
-    art = prepare([plain], tmp_path / "plain_art", tok_dir, seq_len=4)
+    art = prepare([plain], tmp_path / "plain_art", tok_dir, seq_len=2)
     assert art.special_ids == {"eos": 1, "mask": 2, "pad": 1}  # pad falls back to EOS
     assert stream(art.split("train"))[0].tolist() == [0, 0, 1, 1]
     chat = write_jsonl(
@@ -318,3 +318,97 @@ def test_all_empty_inputs_are_an_error(tmp_path, tokenizer_dir) -> None:
     path = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": "\n"}])
     with pytest.raises(ValueError, match=r"no non-empty documents \(2 empty ones skipped\)"):
         prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)
+
+
+# ----------------------------------------------------------------------------- mask token, rows
+
+
+def test_a_mask_token_shared_with_another_special_token_is_refused(tmp_path, tokenizer_dir) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS])
+    trained = {"inputs": (path,), "out_dir": tmp_path / "art", "seq_len": 8, "train_tokenizer": True, "vocab_size": 300}
+    for name, field in (("<|endoftext|>", "eos"), ("<|pad|>", "pad"), ("<|user|>", "user")):
+        with pytest.raises(ValueError) as info:  # by name, before any tokenizer is trained
+            PrepareConfig(**trained, special=SpecialTokens(mask=name))
+        assert str(info.value).startswith(f"--mask-token {name!r} is also the {field} token {name!r}")
+        assert "(fix: pass --mask-token naming a token the data never holds, such as the default <|mask|>)" in str(
+            info.value
+        )
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("not json\n")  # reading the inputs would fail on line 1
+    with pytest.raises(ValueError, match=r"^the mask token '<\|endoftext\|>' \(id 0\) is also the eos token"):
+        prepare([broken], tmp_path / "art", tokenizer_dir, seq_len=8, special=SpecialTokens(mask="<|endoftext|>"))
+    # a tokenizer directory whose special_tokens_map.json names EOS as its mask token (no <|mask|>)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel({"hi": 0, "<|endoftext|>": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok_dir = tmp_path / "wordlevel"
+    tok_dir.mkdir()
+    backend.save(str(tok_dir / "tokenizer.json"))
+    (tok_dir / "special_tokens_map.json").write_text(json.dumps({"mask_token": "<|endoftext|>"}))
+    with pytest.raises(ValueError) as info:
+        prepare([path], tmp_path / "art", tok_dir, seq_len=2)
+    assert str(info.value) == (
+        "the mask token '<|endoftext|>' (id 1) is also the eos token '<|endoftext|>' (--eos-token): training "
+        "would take every eos token for a masked position (fix: pass --mask-token naming a token of the "
+        "tokenizer that the data never holds)"
+    )
+    assert not (tmp_path / "art").exists()
+
+
+def test_a_mask_token_in_the_text_is_refused(tmp_path, tokenizer_dir, tokenizer, monkeypatch) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS])
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the tokenizer was trained before the mask token was checked")
+
+    monkeypatch.setattr(prepare_module, "train_bpe_tokenizer", no_training)
+    config = PrepareConfig(
+        inputs=(path,), out_dir=tmp_path / "art", seq_len=8, train_tokenizer=True, vocab_size=300,
+        special=SpecialTokens(mask="fox"),
+    )
+    with pytest.raises(ValueError) as info:  # a trained tokenizer would make "fox" the special [M]
+        prepare_artifact(config)
+    assert str(info.value) == (
+        f"{path}:1: the mask token 'fox' occurs in the text: training would take it for a masked position "
+        "(fix: pass --mask-token naming a token the data never holds, such as the default <|mask|>)"
+    )
+    monkeypatch.undo()
+    # a given tokenizer: an ordinary token the text encodes to
+    word = tokenizer.backend.id_to_token(tokenizer.encode(" quick")[0])
+    with pytest.raises(ValueError, match=rf"docs\.jsonl:1: the mask token '{word}' \(id \d+\) occurs in the text"):
+        prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8, special=SpecialTokens(mask=word))
+    # the default mask token written in a document
+    marked = write_jsonl(tmp_path / "marked.jsonl", [{"text": TINY_TEXTS[0]}, {"text": "fill <|mask|> in"}])
+    with pytest.raises(ValueError) as info:
+        prepare([marked], tmp_path / "art", tokenizer_dir, seq_len=8)
+    assert str(info.value).startswith(f"{marked}:2: the mask token '<|mask|>' (id 1) occurs in the text")
+    assert str(info.value).endswith(
+        "(fix: remove <|mask|> from the data, or pass --mask-token naming another token the data never holds)"
+    )
+    assert not (tmp_path / "art").exists()
+    manifest = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8).manifest
+    assert [manifest["splits"][s]["supervised_mask_tokens"] for s in ("train", "val")] == [0, 0]
+
+
+def test_a_train_split_shorter_than_one_row_is_refused(tmp_path, tokenizer_dir, tokenizer, monkeypatch) -> None:
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:3]])
+    num_tokens = sum(len(tokenizer.encode(t)) + 1 for t in TINY_TEXTS[:3])
+    padded: list[int] = []
+    original_finish = PackedSplitWriter.finish
+
+    def recording_finish(self):
+        padded.append(self.seq_len)
+        return original_finish(self)
+
+    monkeypatch.setattr(PackedSplitWriter, "finish", recording_finish)
+    with pytest.raises(ValueError) as info:
+        prepare([path], tmp_path / "art", tokenizer_dir, seq_len=100_000)
+    assert str(info.value) == (
+        f"--seq-len 100000 is longer than the {num_tokens} tokens of the train split: its one row would be "
+        f"{100 * (1 - num_tokens / 1e5):.2f}% padding (fix: --seq-len {num_tokens} or less, or add data)"
+    )
+    assert padded == [] and not (tmp_path / "art").exists()  # refused before any padding was written
+    _assert_no_leftovers(tmp_path, {"docs.jsonl"})
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=num_tokens)  # exactly one full row
+    assert art.split("train").num_rows == 1 and art.manifest["splits"]["train"]["padding_tokens"] == 0

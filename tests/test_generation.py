@@ -11,7 +11,9 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_generation.py -q`
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,7 @@ from csbp.generation import (
     propose_tokens,
     unmask_count,
 )
+from csbp.generation.sampler import positions_used
 from csbp.models.attention_fns import DenseMaskAttention
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
@@ -250,6 +253,8 @@ def test_invalid_options_are_rejected(model: Decoder) -> None:
     ):
         with pytest.raises(ValueError, match=field):
             GenerationConfig(**options)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^steps_per_block 5 exceeds block_size 4: .* \(use 1 to 4\)$"):
+        GenerationConfig(block_size=4, steps_per_block=5)  # never silently fewer steps than asked
     with pytest.raises(ValueError, match="non-empty prompt"):
         run(model, [], token_shift=True)
     with pytest.raises(ValueError, match="mask token"):
@@ -274,6 +279,13 @@ def test_proposals_respect_top_k_top_p_and_exclude_the_mask() -> None:
     tokens, confidence = propose_tokens(logits_RV[:1], mask_token_id=4)
     expected = torch.softmax(torch.tensor([0.0, 3.0, 2.0, 1.0]), dim=0)[1]
     assert tokens.tolist() == [1] and abs(float(confidence[0]) - float(expected)) < 1e-6
+
+
+def test_positions_used_end_at_the_block_after_the_last_new_token(model: Decoder) -> None:
+    assert [positions_used(p, n, BLOCK) for p, n in ((5, 3), (5, 4), (0, 1), (3, 18))] == [8, 12, 4, 24]
+    for prompt_len in (0, 3, 8):
+        result = run(model, list(range(1, prompt_len + 1)), max_new_tokens=9)
+        assert result.block_starts[-1] + BLOCK == positions_used(prompt_len, 9, BLOCK)
 
 
 def test_unmask_schedule() -> None:
@@ -412,6 +424,51 @@ def test_cli_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     with pytest.raises(ValueError, match="mask token"):
         args = parse(["generate", "--model", str(checkpoint), "--tokenizer", str(no_mask_dir), *base])
         args.func(args)
+
+
+def test_cli_refuses_impossible_requests_before_sampling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    final = export_tiny_run(tmp_path / "run")
+    base = ["generate", "--model", str(final), "--prompt", "the quick", "--device", "cpu", "--block-size", "4"]
+
+    def call(*extra: str) -> int:
+        args = parse([*base, *extra])
+        return int(args.func(args))
+
+    with pytest.raises(ValueError) as info:
+        call("--steps-per-block", "100", "--max-new-tokens", "4")
+    assert str(info.value) == (
+        "--steps-per-block 100: a block of 4 tokens takes 1 to 4 denoising steps (each unmasks at least one "
+        "position) (fix: --steps-per-block between 1 and 4, or drop it for 4)"
+    )
+    with pytest.raises(ValueError, match=r"^--steps-per-block 0: "):
+        call("--steps-per-block", "0")
+    config_file = final / "config.json"
+    hf_config = json.loads(config_file.read_text())
+    prompt_len = len(load_tokenizer(final).encode("the quick"))
+    with pytest.raises(ValueError) as info:
+        call("--max-new-tokens", "100000")
+    assert str(info.value) == (
+        f"--max-new-tokens 100000: the prompt's {prompt_len} tokens and 100000 new ones fill blocks of 4 up to "
+        f"position {positions_used(prompt_len, 100000, 4)}, beyond max_position_embeddings 32768 of {config_file} "
+        f"(fix: --max-new-tokens {32768 - prompt_len} or less)"
+    )
+    assert capsys.readouterr() == ("", "")  # refused before any sampling
+    config_file.write_text(json.dumps({**hf_config, "max_position_embeddings": 16}))
+    room = 16 - prompt_len
+    assert call("--max-new-tokens", str(room)) == 0 and f"[bd3, {room} tokens" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=rf"\(fix: --max-new-tokens {room} or less\)$"):
+        call("--max-new-tokens", str(room + 1))
+    # weights of another model size next to this config.json: the error says what to do
+    other_config = replace(tiny_model(vocab_size=load_tokenizer(final).vocab_size).config, hidden_size=64)
+    export_hf_checkpoint(Decoder(other_config, dtype=torch.float32), other_config, tmp_path / "big", dtype=torch.float32)
+    (final / "model.safetensors").write_bytes((tmp_path / "big" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError) as info:
+        call("--max-new-tokens", "2")
+    assert str(info.value).startswith(f"checkpoint {final}: tensor 'model.embed_tokens.weight' has shape")
+    assert str(info.value).endswith(
+        "(fix: keep each model.safetensors with the config.json it was saved with: copy or point at the whole "
+        "export directory)"
+    )
 
 
 def test_cli_chat_wraps_the_prompt_as_a_user_turn(

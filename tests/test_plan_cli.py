@@ -122,11 +122,45 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
             "drop --objective",
         ),
         (["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--doc-length", "0"], "--doc-length must be >= 1"),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--gpus-per-node", "3"],
+            "--gpus 8 is not a multiple of --gpus-per-node 3: a job on more than one node fills whole nodes "
+            "(fix: --gpus 6 or 9, or --gpus-per-node 2 or another divisor of 8)",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "12"],
+            "--gpus 12 is not a multiple of the h100 preset's 8 per node",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4097", "--gpus", "8"],
+            "--seq-len 4097: no layout of 8 GPUs accepts it, not even data parallel: seq_len=4097 is not a multiple "
+            "of block_size=32 (fix: --seq-len 4096 or 4128, or --block-size 17 or 241)",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--objective", "mdlm", "--global-batch", "3"],
+            "--global-batch 3 is not a multiple of dp x micro-batch of any layout csbp accepts here (dp 8; "
+            "micro-batches 1, 2, 4) (fix: --global-batch 8, a multiple of 8)",
+        ),
+        (
+            ["--model", "dflash2-qwen3.8", "--seq-len", "4097", "--gpus", "8"],
+            "seq_len=4097 must be a multiple of 2*cp = 2 (the drafter's zigzag chunks) (fix: --seq-len 4096 or 4098)",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4160", "--gpus", "8", "--topology", "dp1/cp8"],
+            "--topology dp1/cp8: seq_len=4160 must be a multiple of cp*block_size",
+        ),
     ],
 )
 def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:
-    code, _, err = run(capsys, "plan", *argv)
+    code, out, err = run(capsys, "plan", *argv)
     assert code == USER_ERROR_EXIT_CODE and message in err and len(err.strip().splitlines()) == 1
+    assert out == ""  # no (empty) table
+
+
+def test_a_job_within_one_node_needs_no_multiple_of_the_node_size(capsys) -> None:
+    code, out, err = run(capsys, "plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "4")
+    assert (code, err) == (0, "") and "4xH100 (8/node)" in out and "  1 dp" in out
+    assert hardware("h200", gpus=16, gpus_per_node=4).gpus_per_node == 4
 
 
 def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:

@@ -134,6 +134,25 @@ def edited_artifact(fx: Fixtures, target: Path, *, vouch: bool, token: int | Non
     return target
 
 
+def supervised_token(fx: Fixtures) -> int:
+    """A token id the fixture artifact holds at a supervised position (its first: plain text)."""
+    opened = open_artifact(fx.artifact)
+    split = opened.split("train")
+    assert split.loss_mask[0, 0] == 1
+    return int(split.tokens[0, 0])
+
+
+def old_artifact(fx: Fixtures, target: Path, *, mask: int) -> Path:
+    """A copy of the artifact as csbp wrote it before ``supervised_mask_tokens``, with mask id ``mask``."""
+
+    def change(manifest: dict) -> None:
+        manifest["special_ids"]["mask"] = mask
+        for split in manifest["splits"].values():
+            del split["supervised_mask_tokens"]
+
+    return forged_manifest(fx, target, change)
+
+
 def config_with(fx: Fixtures, path: Path, **changes: object) -> Path:
     data = yaml.safe_load(fx.config.read_text())
     for dotted, value in changes.items():
@@ -235,6 +254,9 @@ CASES: list[Case] = [
     Case("prepare-bad-jsonl", lambda fx, w: ["data", "prepare", str(write(w / "b.jsonl", '{"text": "a"}\n{oops\n')), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "b.jsonl"),
     Case("prepare-not-parquet", lambda fx, w: ["data", "prepare", str(write(w / "x.parquet", "plain text")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "x.parquet"),
     Case("prepare-no-documents", lambda fx, w: ["data", "prepare", str(write(w / "e.jsonl", "")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "no non-empty documents"),
+    Case("prepare-mask-token-is-eos", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--mask-token", "<|endoftext|>"], "is also the eos token"),
+    Case("prepare-mask-token-in-text", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--train-tokenizer", "--vocab-size", "300", "--mask-token", "fox"], "the mask token 'fox' occurs in the text"),
+    Case("prepare-seq-len-beyond-data", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "100000", "--tokenizer", str(fx.artifact)], "--seq-len 100000 is longer than the"),
     Case("prepare-binary-txt", lambda fx, w: ["data", "prepare", str(write(w / "bin.txt", b"\xff\xfe\x00abc")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "bin.txt"),
     # ------------------------------------------------------------------ data inspect / stats
     Case("inspect-missing", lambda fx, w: ["data", "inspect", "nowhere"], "nowhere"),
@@ -255,6 +277,12 @@ CASES: list[Case] = [
     Case("train-fresh-over-checkpoint", lambda fx, w: ["train", str(fx.config), "--run-dir", str(real_run(fx, w / "r"))], "--resume"),
     Case("train-token-beyond-vocab", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(edited_artifact(fx, w / "a", vouch=True, token=10**6))})), "--run-dir", "r"], "token id"),
     Case("train-edited-fingerprint", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(edited_artifact(fx, w / "a", vouch=False))})), "--run-dir", "r"], "content_fingerprint"),
+    Case("train-old-artifact-mask-is-eos", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(old_artifact(fx, w / "a", mask=0))})), "--run-dir", "r"], "is also its eos token"),
+    Case("train-old-artifact-mask-in-text", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(old_artifact(fx, w / "a", mask=supervised_token(fx)))})), "--run-dir", "r"], "supervised positions (read from its token files)"),
+    Case("config-old-artifact-mask-in-text", lambda fx, w: ["config", "validate", str(config_with(fx, w / "c.yaml", **{"data.train": str(old_artifact(fx, w / "a", mask=supervised_token(fx)))}))], "supervised positions"),
+    Case("train-manifest-records-mask", lambda fx, w: ["train", str(config_with(fx, w / "c.yaml", **{"data.train": str(forged_manifest(fx, w / "a", set_in(("splits", "val", "supervised_mask_tokens"), 3)))})), "--run-dir", "r"], "at 3 supervised positions (manifest.json"),
+    Case("train-config-mask-id-in-data", lambda fx, w: ["train", str(fx.config), "--set", f"objective.mask_token_id={supervised_token(fx)}", "--run-dir", "r"], "fix: remove objective.mask_token_id"),
+    Case("config-mask-id-is-pad", lambda fx, w: ["config", "validate", str(fx.config), "--set", "objective.mask_token_id=2"], "is also its pad token"),
     Case("train-lr-inf", lambda fx, w: ["train", str(fx.config), "--set", "optim.lr=.inf", "--run-dir", "r"], "optim.lr"),
     Case("train-timeout-inf", lambda fx, w: ["train", str(fx.config), "--set", "train.collective_timeout_s=.inf", "--run-dir", "r"], "collective_timeout_s"),
     Case("train-run-name-escape", lambda fx, w: ["train", str(fx.config), "--set", "run.name=../../x"], "run.name"),
@@ -273,6 +301,8 @@ CASES: list[Case] = [
     Case("generate-cuda-missing", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--device", "cuda"], "--device"),
     Case("generate-bad-device", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--device", "tpu9"], "--device"),
     Case("generate-zero-tokens", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens"),
+    Case("generate-steps-over-block", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--block-size", "4", "--steps-per-block", "100"], "--steps-per-block 100"),
+    Case("generate-beyond-positions", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--max-new-tokens", "100000"], "max_position_embeddings 32768"),
     # ------------------------------------------------------------------ dflash
     Case("dflash-export-planted-pickle", lambda fx, w: ["dflash", "export", "--checkpoint", str(planted_checkpoint(fx, w / "ck")), "--target", str(fx.model), "--out", "o"], ".metadata"),
     Case("dflash-export-run-planted", lambda fx, w: ["dflash", "export", "--run-dir", str(planted_run(fx, w / "r")), "--target", str(fx.model), "--out", "o"], ".metadata"),
@@ -296,6 +326,8 @@ CASES: list[Case] = [
     Case("recipes-copy-unwritable", lambda fx, w: ["recipes", "copy", "demo", f"{UNWRITABLE}/x.yaml"], "x.yaml"),
     Case("bench-json-unwritable", lambda fx, w: ["bench", "attention", "--json", f"{UNWRITABLE}/b.json"], "--json"),
     Case("plan-global-batch-0", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--global-batch", "0"], "--global-batch"),
+    Case("plan-gpus-not-whole-nodes", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--gpus-per-node", "3"], "--gpus-per-node 3"),
+    Case("plan-seq-len-no-layout", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4097", "--gpus", "8"], "--seq-len 4097"),
     Case("plan-gpus-0", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "0"], "--gpus"),
     Case("plan-json-unwritable", lambda fx, w: ["plan", "--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--json", f"{UNWRITABLE}/p.json"], "--json"),
     # ------------------------------------------------------------------ checked before the work they would follow

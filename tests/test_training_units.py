@@ -259,9 +259,8 @@ def test_validation_rows_come_from_data_val_when_set(artifact: Path, tmp_path: P
     with pytest.raises(ValueError, match="data.val: .* another tokenizer"):
         check_run(tiny_config(artifact, **{"data.val": str(other)}))
     with pytest.raises(ValueError, match="train.eval_every: 2 but there are no validation rows"):
-        check_run(
-            tiny_config(make_artifact(tmp_path / "no_val", num_docs=1), **{"train.micro_batch_size": 1})
-        )
+        no_val = make_artifact(tmp_path / "no_val", num_docs=1, seq_len=16)  # one document: no val split
+        check_run(tiny_config(no_val, **{"train.micro_batch_size": 1, "data.seq_len": 16}))
 
 
 def test_no_progress_bar_redraws_when_stderr_is_not_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

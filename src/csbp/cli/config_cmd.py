@@ -57,9 +57,13 @@ def run_validate(args: argparse.Namespace) -> int:
     notes = missing_path_notes(cfg)
     checked = None
     if not notes:  # the inputs exist: the data checks `csbp train` runs before starting any process
+        from csbp.training.mask_data import check_mask_token_data
         from csbp.training.preflight import check_run
 
-        checked = check_run(cfg, check_device=False).artifact.directory
+        inputs = check_run(cfg, check_device=False)
+        # an artifact without a supervised_mask_tokens record (older csbp) is scanned, as csbp train does
+        check_mask_token_data(cfg, inputs.mask_token_id, read_files=True)
+        checked = inputs.artifact.directory
     print(f"config ok: {args.config}")
     for key, value in summary_rows(cfg):
         print(f"  {key:<10} {value}")

@@ -120,6 +120,28 @@ def chat_prompt(tokenizer_dir: Path, prompt: str) -> str:
     return template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, where="--prompt")
 
 
+def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block_size: int) -> None:
+    """``ValueError`` unless the prompt and ``max_new_tokens`` fit the model's positions
+    (``max_position_embeddings`` of its ``config.json``; none recorded: no limit). The sampler runs
+    whole blocks, so the positions used end at the block boundary after the last new token."""
+    from csbp.generation.sampler import positions_used
+    from csbp.models.hf_io import read_json_object
+
+    limit = read_json_object(model_dir / "config.json").get("max_position_embeddings")
+    if type(limit) is not int:
+        return
+    used = positions_used(prompt_len, max_new_tokens, block_size)
+    if used <= limit:
+        return
+    room = limit // block_size * block_size - prompt_len
+    fix = f"--max-new-tokens {room} or less" if room >= 1 else f"a prompt shorter than {limit // block_size * block_size} tokens"
+    raise ValueError(
+        f"--max-new-tokens {max_new_tokens}: the prompt's {prompt_len} tokens and {max_new_tokens} new ones fill "
+        f"blocks of {block_size} up to position {used}, beyond max_position_embeddings {limit} of "
+        f"{model_dir / 'config.json'} (fix: {fix})"
+    )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from csbp.data.tokenizer import SpecialTokens, load_tokenizer
     from csbp.generation.sampler import GenerationConfig, generate
@@ -141,6 +163,13 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     objective = args.objective or run_settings.get("objective", DEFAULT_OBJECTIVE)
     block_size = args.block_size or run_settings.get("block_size", DEFAULT_BLOCK_SIZE)
+    steps_per_block = args.steps_per_block if args.steps_per_block is not None else block_size
+    if not 1 <= steps_per_block <= block_size:
+        raise ValueError(
+            f"--steps-per-block {steps_per_block}: a block of {block_size} tokens takes 1 to {block_size} denoising "
+            f"steps (each unmasks at least one position) (fix: --steps-per-block between 1 and {block_size}, or "
+            f"drop it for {block_size})"
+        )
     tokenizer_dir: Path = args.tokenizer if args.tokenizer is not None else model_dir
     if not tokenizer_dir.exists():
         raise ValueError(f"--tokenizer {tokenizer_dir} does not exist")
@@ -155,7 +184,7 @@ def run_generate(args: argparse.Namespace) -> int:
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         block_size=block_size,
-        steps_per_block=args.steps_per_block if args.steps_per_block is not None else block_size,
+        steps_per_block=steps_per_block,
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
@@ -166,6 +195,8 @@ def run_generate(args: argparse.Namespace) -> int:
         window=args.window if args.window is not None else run_settings.get("window"),
         unmask_order=args.unmask_order,
     )
+    prompt_ids = tokenizer.encode(chat_prompt(tokenizer_dir, args.prompt) if args.chat else args.prompt)
+    check_positions(model_dir, len(prompt_ids), args.max_new_tokens, block_size)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     model, model_config = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
@@ -175,7 +206,6 @@ def run_generate(args: argparse.Namespace) -> int:
             f"mask token id {mask_token_id} is outside the model vocabulary ({model_config.vocab_size}); "
             "is --tokenizer the tokenizer this model was trained with?"
         )
-    prompt_ids = tokenizer.encode(chat_prompt(tokenizer_dir, args.prompt) if args.chat else args.prompt)
     print_notes(notes)
     started = time.perf_counter()
     result = generate(model, prompt_ids, mask_token_id=mask_token_id, eos_id=tokenizer.eos_id, config=config)

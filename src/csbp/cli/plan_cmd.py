@@ -38,7 +38,16 @@ from csbp.plan.drafter import context_exchange_counts
 from csbp.plan.hardware import PRESETS, Hardware, hardware
 from csbp.plan.layout import Layout, parse_topology
 from csbp.plan.model import GIB, Prediction, halo_used, overlap_note
-from csbp.plan.search import Plan, candidate_layouts, describe, rank, schedules_for, transports_for
+from csbp.plan.search import (
+    Plan,
+    candidate_layouts,
+    describe,
+    no_layout_reason,
+    rank,
+    schedules_for,
+    sequence_problem,
+    transports_for,
+)
 from csbp.plan.target_pass import TARGET_PASSES, describe_target_pass
 from csbp.plan.workload import (
     OBJECTIVES,
@@ -270,6 +279,8 @@ def run_plan(args: argparse.Namespace) -> int:
             placement=args.placement,
             sharding=args.sharding,
         )
+        if not layouts:
+            raise ValueError(no_layout_reason(workload, args.gpus, args.seq_len, global_batch=args.global_batch))
     plan = rank(workload, layouts, args.seq_len, hw, cal, global_batch=args.global_batch)
     print(format_plan(plan, workload, args.seq_len, args.gpus, hw, cal, top=args.top))
     if args.json is not None:
@@ -300,6 +311,9 @@ def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[st
         if dp * max(cp, bp) != args.gpus:
             raise ValueError(f"--topology {text} uses {dp * max(cp, bp)} GPUs, not --gpus {args.gpus}")
         base = Layout(dp, cp, bp, placement=args.placement, sharding=args.sharding)
+        problem = sequence_problem(workload, base, args.seq_len)
+        if problem is not None:
+            raise ValueError(f"--topology {text}: {problem[0]} (fix: {problem[1]}, or another --topology)")
         if workload.objective.is_drafter:
             ckpts = ("none",)
         for transport in transports_for(workload, base):

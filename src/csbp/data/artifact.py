@@ -70,6 +70,23 @@ def max_token_id(directory: Path, split: str) -> int:
     return int(np.memmap(path, dtype=ARRAY_DTYPES["tokens"], mode="r").max())
 
 
+def count_supervised(directory: Path, split: str, token_id: int) -> int:
+    """Supervised positions of ``{split}`` in ``directory`` holding ``token_id`` (read in chunks)."""
+    path = Path(directory) / array_file_name(split, "tokens")
+    if path.stat().st_size == 0:
+        return 0
+    tokens = np.memmap(path, dtype=ARRAY_DTYPES["tokens"], mode="r")
+    loss_mask = np.memmap(Path(directory) / array_file_name(split, "loss_mask"), dtype=ARRAY_DTYPES["loss_mask"], mode="r")
+    found = 0
+    for start in range(0, tokens.shape[0], _SCAN_CHUNK):
+        stop = start + _SCAN_CHUNK
+        found += int(np.count_nonzero((tokens[start:stop] == token_id) & (loss_mask[start:stop] != 0)))
+    return found
+
+
+_SCAN_CHUNK = 1 << 24
+
+
 @dataclass(frozen=True)
 class ArtifactSplit:
     """Row access to one split. Arrays are read-only memmaps of shape ``[num_rows, seq_len]``
@@ -169,6 +186,19 @@ class Artifact:
             value = recorded if isinstance(recorded, int) else max_token_id(self.directory, split)
             found = max(found, int(value))
         return found
+
+    def recorded_supervised_mask_tokens(self) -> int | None:
+        """Supervised positions of both splits holding the artifact's mask token, as the manifest
+        records them (``splits.<s>.supervised_mask_tokens``, 0 for everything ``csbp data prepare``
+        writes now), or None for an artifact prepared before that field."""
+        recorded = [self.manifest["splits"][split].get("supervised_mask_tokens") for split in SPLITS]
+        if not all(type(value) is int for value in recorded):
+            return None
+        return sum(recorded)
+
+    def count_supervised(self, token_id: int) -> int:
+        """Supervised positions of both splits holding ``token_id``, read from the token files."""
+        return sum(count_supervised(self.directory, split, token_id) for split in SPLITS)
 
     def verify_tokenizer(self) -> None:
         """``ValueError`` unless ``tokenizer.json`` has the manifest's fingerprint and vocabulary size

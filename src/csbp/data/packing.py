@@ -88,13 +88,16 @@ def encode_documents(
 
 @dataclass(frozen=True)
 class SplitCounts:
-    """What one split holds (``tokens`` counts document tokens incl. EOS, not padding)."""
+    """What one split holds (``tokens`` counts document tokens incl. EOS, not padding;
+    ``supervised_mask_tokens`` the supervised positions holding the mask token, which ``csbp train``
+    refuses: ``csbp data prepare`` writes 0)."""
 
     rows: int
     documents: int
     tokens: int
     supervised_tokens: int
     padding_tokens: int
+    supervised_mask_tokens: int
 
 
 class PackedSplitWriter:
@@ -102,9 +105,10 @@ class PackedSplitWriter:
 
     _FLUSH_TOKENS = 1 << 20
 
-    def __init__(self, directory: Path, split: str, *, seq_len: int, pad_id: int) -> None:
+    def __init__(self, directory: Path, split: str, *, seq_len: int, pad_id: int, mask_token_id: int) -> None:
         self.seq_len = seq_len
         self.pad_id = pad_id
+        self.mask_token_id = mask_token_id
         self._handles = {
             field: open(Path(directory) / array_file_name(split, field), "wb") for field in ARRAY_DTYPES
         }
@@ -113,6 +117,7 @@ class PackedSplitWriter:
         self.num_documents = 0
         self.num_tokens = 0
         self.num_supervised = 0
+        self.num_supervised_mask = 0
 
     def add_document(self, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
         """Append one encoded document (EOS already included); its doc id is its ordinal."""
@@ -121,6 +126,7 @@ class PackedSplitWriter:
         self.num_documents += 1
         self.num_tokens += int(token_ids.shape[0])
         self.num_supervised += int(loss_mask.sum())
+        self.num_supervised_mask += int(np.count_nonzero((token_ids == self.mask_token_id) & (loss_mask != 0)))
 
     def _append(self, token_ids: np.ndarray, loss_mask: np.ndarray, doc_ids: np.ndarray) -> None:
         for field, values in (("tokens", token_ids), ("loss_mask", loss_mask), ("doc_ids", doc_ids)):
@@ -151,6 +157,7 @@ class PackedSplitWriter:
             tokens=self.num_tokens,
             supervised_tokens=self.num_supervised,
             padding_tokens=padding,
+            supervised_mask_tokens=self.num_supervised_mask,
         )
 
     def close(self) -> None:

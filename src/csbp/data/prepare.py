@@ -6,7 +6,15 @@ Tokenization happens here only, never in the training loop. The steps:
 2. split documents (not rows) into train/val: ``round(val_fraction * N)`` documents, at least one
    when ``val_fraction > 0`` and ``N >= 2``, chosen by a permutation seeded with ``seed``;
 3. load the tokenizer, or train a byte-level BPE on the train documents;
-4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``.
+4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``;
+   a train split of fewer tokens than ``seq_len`` (one row of mostly padding) is refused before its
+   padding is written.
+
+The mask token must be a token of its own: an id shared with EOS, pad or a role marker is refused
+(by name before a tokenizer is trained, by id once a given one is loaded), and so is a document
+whose tokens hold it (for a trained tokenizer, whose mask token is a special token, its text is
+looked for while counting, before training). Every split records ``supervised_mask_tokens`` (0),
+which ``csbp train`` relies on.
 
 Writes are atomic: everything is built in a hidden temporary directory next to ``out_dir`` and
 moved into place in one rename at the end (:func:`csbp.atomic.publish_directory`, which checks
@@ -122,6 +130,13 @@ class PrepareConfig:
             raise ValueError(f"val_fraction is {self.val_fraction}; use a value in [0, 1)")
         if self.txt_mode not in ("file", "paragraphs"):
             raise ValueError(f"txt_mode is {self.txt_mode!r}; use 'file' or 'paragraphs'")
+        if self.train_tokenizer:  # a given tokenizer's ids are checked once it is loaded
+            for name, other in asdict(self.special).items():
+                if name != "mask" and other == self.special.mask:
+                    mask = self.special.mask
+                    raise ValueError(
+                        _shared_mask_message(f"--mask-token {mask!r}", name, other, _mask_fix(mask, True))
+                    )
 
 
 def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -134,9 +149,14 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     files = expand_inputs(config.inputs)
     # A given tokenizer (path, special tokens) is checked before the inputs are read.
     given = load_tokenizer(config.tokenizer_path, special=config.special) if config.tokenizer_path is not None else None
+    if given is not None:
+        check_mask_token_of_its_own(given)
     template = resolve_chat_template(config.chat_template, config.tokenizer_path)
 
-    num_documents, num_empty, num_chats = _count_documents(files, config.txt_mode)
+    # A trained tokenizer makes the mask token a special token, so its text anywhere in a document
+    # would become the mask id: refused here, before training.
+    literal_mask = config.special.mask if given is None else None
+    num_documents, num_empty, num_chats = _count_documents(files, config.txt_mode, literal_mask)
     template = template if num_chats else None  # recorded only when it formatted something
     if template is not None:
         say(f"{num_chats} chat records: chat template {template.source} (sha256 {template.sha256[:12]})")
@@ -146,6 +166,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     say(f"{num_documents} documents ({len(val_ordinals)} val), {num_empty} empty skipped")
 
     tokenizer = given if given is not None else _train_tokenizer(config, files, val_ordinals, say)
+    check_mask_token_of_its_own(tokenizer)  # a trained one's special names are distinct: a safety net
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     build_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -169,15 +190,22 @@ def _non_empty_documents(files: list[Path], txt_mode: TxtMode) -> Iterator[Docum
     return (doc for doc in iter_documents(files, txt_mode=txt_mode) if not doc.is_empty)
 
 
-def _count_documents(files: list[Path], txt_mode: TxtMode) -> tuple[int, int, int]:
-    """``(non-empty documents, empty documents skipped, non-empty chat records)``."""
+def _count_documents(
+    files: list[Path], txt_mode: TxtMode, literal_mask: str | None = None
+) -> tuple[int, int, int]:
+    """``(non-empty documents, empty documents skipped, non-empty chat records)``; ``ValueError`` on
+    the first document whose text holds ``literal_mask`` (the mask token's text, when it is a special
+    token of the tokenizer to be trained)."""
     num_documents = num_empty = num_chats = 0
     for doc in iter_documents(files, txt_mode=txt_mode):
         if doc.is_empty:
             num_empty += 1
-        else:
-            num_documents += 1
-            num_chats += doc.messages is not None
+            continue
+        num_documents += 1
+        num_chats += doc.messages is not None
+        if literal_mask is not None and any(literal_mask in text for text in doc.texts()):
+            which, fix = f"the mask token {literal_mask!r}", _mask_fix(literal_mask, default_available=True)
+            raise ValueError(f"{doc.where}: {_mask_in_text_message(which, fix)}")
     return num_documents, num_empty, num_chats
 
 
@@ -212,7 +240,9 @@ def _write_splits(
     template: ChatTemplate | None,
 ) -> dict[str, SplitCounts]:
     writers = {
-        split: PackedSplitWriter(build_dir, split, seq_len=config.seq_len, pad_id=tokenizer.pad_id)
+        split: PackedSplitWriter(
+            build_dir, split, seq_len=config.seq_len, pad_id=tokenizer.pad_id, mask_token_id=tokenizer.mask_token_id
+        )
         for split in SPLITS
     }
     try:
@@ -223,10 +253,22 @@ def _write_splits(
                 _write_chunk(chunk, tokenizer, writers, template)
                 chunk = []
         _write_chunk(chunk, tokenizer, writers, template)
+        _check_train_fills_a_row(writers["train"].num_tokens, config.seq_len)
         return {split: writer.finish() for split, writer in writers.items()}
     finally:
         for writer in writers.values():
             writer.close()
+
+
+def _check_train_fills_a_row(train_tokens: int, seq_len: int) -> None:
+    """``ValueError`` when the train split holds fewer tokens than one row: it would be one row,
+    padded to ``seq_len`` (checked before the padding is written)."""
+    if train_tokens < seq_len:
+        padding = 100.0 * (seq_len - train_tokens) / seq_len
+        raise ValueError(
+            f"--seq-len {seq_len} is longer than the {train_tokens} tokens of the train split: its one row "
+            f"would be {padding:.2f}% padding (fix: --seq-len {train_tokens} or less, or add data)"
+        )
 
 
 def _write_chunk(
@@ -236,7 +278,9 @@ def _write_chunk(
     template: ChatTemplate | None,
 ) -> None:
     encoded = encode_documents([doc for _, doc in chunk], tokenizer, template)
-    for (split, _), (token_ids, loss_mask) in zip(chunk, encoded):
+    for (split, doc), (token_ids, loss_mask) in zip(chunk, encoded):
+        if bool((token_ids == tokenizer.mask_token_id).any()):
+            raise ValueError(f"{doc.where}: {_mask_in_text_message(*_mask_of(tokenizer))}")
         writers[split].add_document(token_ids, loss_mask)
 
 
@@ -284,6 +328,45 @@ def _manifest(
         ],
         "options": {"val_fraction": config.val_fraction, "seed": config.seed, "txt_mode": config.txt_mode},
     }
+
+
+def check_mask_token_of_its_own(tokenizer: CsbpTokenizer) -> None:
+    """``ValueError`` unless the mask token's id is no other special token's (EOS, pad, a role marker):
+    an EOS that is also ``[M]`` is supervised in every document, which training refuses mid-run."""
+    which, fix = _mask_of(tokenizer)
+    for special, token_id in tokenizer.special_ids().items():
+        if special != "mask" and token_id == tokenizer.mask_token_id:
+            raise ValueError(_shared_mask_message(which, special, tokenizer.special_names[special], fix))
+
+
+def _mask_of(tokenizer: CsbpTokenizer) -> tuple[str, str]:
+    """How messages name ``tokenizer``'s mask token, and the fix they offer."""
+    name = tokenizer.special_names["mask"]
+    default_available = tokenizer.source == "trained" or tokenizer.backend.token_to_id(DEFAULT_MASK) is not None
+    return f"the mask token {name!r} (id {tokenizer.mask_token_id})", _mask_fix(name, default_available)
+
+
+DEFAULT_MASK = SpecialTokens().mask
+
+
+def _mask_fix(mask_name: str, default_available: bool) -> str:
+    if mask_name == DEFAULT_MASK:
+        return f"remove {DEFAULT_MASK} from the data, or pass --mask-token naming another token the data never holds"
+    if default_available:
+        return f"pass --mask-token naming a token the data never holds, such as the default {DEFAULT_MASK}"
+    return "pass --mask-token naming a token of the tokenizer that the data never holds"
+
+
+def _shared_mask_message(which: str, field: str, other_name: str, fix: str) -> str:
+    flag = f"--{field}-token" if field in ("eos", "pad") else f"the {field} role marker"
+    return (
+        f"{which} is also the {field} token {other_name!r} ({flag}): training would take every {field} token "
+        f"for a masked position (fix: {fix})"
+    )
+
+
+def _mask_in_text_message(which: str, fix: str) -> str:
+    return f"{which} occurs in the text: training would take it for a masked position (fix: {fix})"
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:

@@ -54,7 +54,8 @@ class GenerationConfig:
     Attributes:
         max_new_tokens: most tokens to generate after the prompt.
         block_size: diffusion block size ``B`` (the one the model was trained with).
-        steps_per_block: denoising steps per block (at most; a threshold may finish a block early).
+        steps_per_block: denoising steps per block, 1 to ``block_size`` (at most; a threshold may finish
+            a block early).
         temperature: 0 for greedy, else the softmax temperature of the sampled proposals.
         top_k: keep only the ``k`` most likely tokens when sampling (None: all).
         top_p: nucleus mass kept when sampling (1: all).
@@ -88,6 +89,11 @@ class GenerationConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.steps_per_block > self.block_size:
+            raise ValueError(
+                f"steps_per_block {self.steps_per_block} exceeds block_size {self.block_size}: every step "
+                f"unmasks at least one position (use 1 to {self.block_size})"
+            )
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         check_sampling_options(self.temperature, self.top_k, self.top_p, self.threshold)
@@ -112,6 +118,13 @@ class GenerationResult:
     block_starts: list[int] = field(default_factory=list)
     unmask_steps: list[list[tuple[int, int]]] = field(default_factory=list)
     num_model_rows: int = 0
+
+
+def positions_used(prompt_len: int, max_new_tokens: int, block_size: int) -> int:
+    """Positions a generation of up to ``max_new_tokens`` after ``prompt_len`` tokens runs rows at
+    (``0 .. n-1``): the last block is run whole, so ``n`` is the block boundary at or after the last
+    new token."""
+    return -(-(prompt_len + max_new_tokens) // block_size) * block_size
 
 
 def _forward_for(model: Decoder, config: GenerationConfig) -> BlockForward:

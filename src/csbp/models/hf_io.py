@@ -127,12 +127,18 @@ def read_hf_weights(
     config = model.config
     tensors = _read_safetensors(directory)
     expected = {_hf_name(name): tuple(t.shape) for name, t in model.state_dict().items()}
+    pair_fix = (
+        "(fix: keep each model.safetensors with the config.json it was saved with: copy or point at the whole "
+        "export directory)"
+    )
     for key, shape in expected.items():
         if key not in tensors:
-            raise ValueError(f"checkpoint {directory} is missing tensor '{key}' (expected shape {shape})")
+            raise ValueError(f"checkpoint {directory} is missing tensor '{key}' (expected shape {shape}) {pair_fix}")
         if tuple(tensors[key].shape) != shape:
             actual = tuple(tensors[key].shape)
-            raise ValueError(f"checkpoint tensor '{key}' has shape {actual}, config.json implies {shape}")
+            raise ValueError(
+                f"checkpoint {directory}: tensor '{key}' has shape {actual}, config.json implies {shape} {pair_fix}"
+            )
     # A tied checkpoint may still store lm_head.weight; HF ignores it in favour of the embedding.
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
     unexpected = sorted(
@@ -141,7 +147,7 @@ def read_hf_weights(
     if unexpected:
         raise ValueError(
             f"checkpoint {directory} has tensors the config does not explain, e.g. '{unexpected[0]}' "
-            f"({len(unexpected)} in all)"
+            f"({len(unexpected)} in all) {pair_fix}"
         )
 
     target_dtype = dtype if dtype is not None else tensors["model.embed_tokens.weight"].dtype

@@ -63,7 +63,8 @@ PRESETS: dict[str, Hardware] = {
 
 def hardware(name: str, *, gpus: int, gpus_per_node: int | None = None) -> Hardware:
     """The preset ``name`` (``h100``, ``h200``, ``a100``, ``cpu``) for a job of ``gpus`` devices;
-    ``cpu`` gets this machine's RAM divided by ``gpus``."""
+    ``cpu`` gets this machine's RAM divided by ``gpus``. A job of more than one node fills whole
+    nodes: ``gpus`` must then be a multiple of the devices per node (``ValueError`` otherwise)."""
     if name not in PRESETS:
         raise ValueError(f"--gpu {name!r} is not a known preset: choose from {', '.join(PRESETS)}")
     hw = PRESETS[name]
@@ -71,6 +72,15 @@ def hardware(name: str, *, gpus: int, gpus_per_node: int | None = None) -> Hardw
         if gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node}")
         hw = replace(hw, gpus_per_node=gpus_per_node)
+    if gpus > hw.gpus_per_node and gpus % hw.gpus_per_node:
+        per_node = hw.gpus_per_node
+        source = f"--gpus-per-node {per_node}" if gpus_per_node is not None else f"the {name} preset's {per_node} per node"
+        divisor = max(d for d in range(1, per_node + 1) if gpus % d == 0)
+        lower = gpus // per_node * per_node
+        raise ValueError(
+            f"--gpus {gpus} is not a multiple of {source}: a job on more than one node fills whole nodes "
+            f"(fix: --gpus {lower} or {lower + per_node}, or --gpus-per-node {divisor} or another divisor of {gpus})"
+        )
     if name == "cpu":
         hw = replace(hw, mem_gib=machine_ram_gib() / max(gpus, 1))
     return hw

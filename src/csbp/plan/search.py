@@ -103,16 +103,56 @@ def schedules_for(workload: Workload, layout: Layout) -> tuple[str, ...]:
 
 
 def _accepts(workload: Workload, layout: Layout, seq_len: int) -> bool:
+    return sequence_problem(workload, layout, seq_len) is None
+
+
+def sequence_problem(workload: Workload, layout: Layout, seq_len: int) -> tuple[str, str] | None:
+    """``(why, fix)`` when csbp would reject ``seq_len`` on ``layout`` (``Topology.validate_sequence``;
+    a drafter: ``2 x cp`` zigzag chunks and at least ``bp`` anchors), else None. ``fix`` names the
+    ``csbp plan`` flags."""
     obj = workload.objective
+    if obj.is_drafter:
+        unit = 2 * layout.cp
+        if seq_len % unit:
+            lower = seq_len // unit * unit
+            lengths = " or ".join(str(n) for n in (lower, lower + unit) if n > 0)
+            return f"seq_len={seq_len} must be a multiple of 2*cp = {unit} (the drafter's zigzag chunks)", f"--seq-len {lengths}"
+        if obj.anchors < layout.bp:
+            return f"{obj.anchors} anchors per sample are fewer than bp={layout.bp}", f"--anchors {layout.bp} or more, or a smaller bp"
+        return None
     try:
-        if obj.is_drafter:
-            if seq_len % (2 * layout.cp) or obj.anchors < layout.bp:
-                return False
-        else:
-            layout.topology.validate_sequence(seq_len, obj.block)
-    except ValueError:
-        return False
-    return True
+        layout.topology.validate_sequence(seq_len, obj.block)
+    except ValueError as exc:
+        why, _, use = str(exc).partition(": use ")
+        flags = use.replace("seq_len >= ", "--seq-len >= ").replace("seq_len=", "--seq-len ")
+        return why, flags.replace("block_size=", "--block-size ") or "change --seq-len or --block-size"
+    return None
+
+
+def no_layout_reason(
+    workload: Workload,
+    gpus: int,
+    seq_len: int,
+    *,
+    global_batch: int | None = None,
+    micro_batches: Sequence[int] = (1, 2, 4),
+) -> str:
+    """One line (with the fix) saying why :func:`candidate_layouts` found nothing: the sequence
+    fits no layout (the data-parallel layout asks least: whole blocks, or a drafter's even length),
+    or ``global_batch`` is a multiple of no accepted layout's ``dp x micro-batch``."""
+    problem = sequence_problem(workload, Layout(gpus), seq_len)  # dp only: no CP/BP rule on top
+    if problem is not None:
+        why, fix = problem
+        return f"--seq-len {seq_len}: no layout of {gpus} GPUs accepts it, not even data parallel: {why} (fix: {fix})"
+    dps = sorted({lay.dp for lay in candidate_layouts(workload, gpus, seq_len, micro_batches=micro_batches)})
+    if global_batch is not None and dps:
+        unit = dps[0] * min(micro_batches)
+        return (
+            f"--global-batch {global_batch} is not a multiple of dp x micro-batch of any layout csbp accepts here "
+            f"(dp {', '.join(map(str, dps))}; micro-batches {', '.join(map(str, micro_batches))}) "
+            f"(fix: --global-batch {-(-global_batch // unit) * unit}, a multiple of {unit})"
+        )
+    return f"no layout of {gpus} GPUs accepts --seq-len {seq_len} (fix: change --seq-len or --gpus)"
 
 
 def rank(

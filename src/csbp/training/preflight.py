@@ -7,7 +7,8 @@ shape and the objective, and checks what the config schema cannot see on its own
   fingerprint; a validation artifact matches the training one;
 * every token id of the data is an embedding row (the largest id the manifest records, vouched for
   by the content fingerprint that :func:`verify_data` recomputes before a launch); the
-  mask token is a vocabulary id;
+  mask token is a vocabulary id, no other special token of the data, and not at a supervised
+  position (:mod:`csbp.training.mask_data`);
 * the objective runs on the topology (``mdlm``/``ar`` are single-stream: ``cp = bp = 1``) and its
   options map onto the objective; ``dflash`` runs are checked against their target and data by
   :mod:`csbp.training.dflash_inputs`;
@@ -49,6 +50,7 @@ from csbp.training.checkpoint import (
 )
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_checkpoints, step_directories
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
+from csbp.training.mask_data import check_mask_token_data
 from csbp.training.model_factory import decoder_config_for_run
 from csbp.training.resume_config import TRAIN_RESTART, resume_changes
 from csbp.training.run_lock import LOCK_FILE
@@ -152,6 +154,7 @@ def check_run(
         )
         inputs.build_objective()  # the objective's own option checks
     _check_token_ids(cfg, inputs)
+    check_mask_token_data(cfg, inputs.mask_token_id)
     _check_batches(cfg, inputs)
     if run_dir is not None:
         latest = check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps, warn=warn)
@@ -377,8 +380,9 @@ def _check_token_ids(cfg: RunConfig, inputs: RunInputs) -> None:
 
 
 def verify_data(cfg: RunConfig, inputs: RunInputs) -> None:
-    """Read every data file once: each manifest's ``content_fingerprint`` must match the files, and
-    the largest token id actually stored must be an embedding row (``csbp train`` does this before
+    """Read every data file once: each manifest's ``content_fingerprint`` must match the files, the
+    largest token id actually stored must be an embedding row, and the mask token must not be at a
+    supervised position where no manifest record says so (``csbp train`` does this before
     launching; :func:`check_run` on each rank only reads the recorded largest id)."""
     vocab = inputs.decoder_config.vocab_size
     for field, directory in (("data.train", cfg.data.train), ("data.val", cfg.data.val)):
@@ -393,6 +397,7 @@ def verify_data(cfg: RunConfig, inputs: RunInputs) -> None:
                 f"{field}: {artifact.directory} holds token id {largest}, outside the model vocabulary "
                 f"[0, {vocab}) (fix: re-run csbp data prepare with the model's tokenizer)"
             )
+    check_mask_token_data(cfg, inputs.mask_token_id, read_files=True)  # what no manifest vouches for
 
 
 def _check_batches(cfg: RunConfig, inputs: RunInputs) -> None:
