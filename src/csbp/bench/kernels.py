@@ -303,7 +303,7 @@ def run_kernel_bench(
             progress(record)
 
     jobs = kernel_jobs(seq_lens, block_sizes, concrete, kernels, clean_kernels, primary_first=primary_first)
-    inputs: dict[str, object] = {"seq_len": None}  # the current length's q, k, v, dout (one length held at a time)
+    held_len, held = -1, ()  # the current length and its q, k, v, dout (one length held at a time)
     dense: dict[int, tuple[float, float, dict[str, float]]] = {}  # seq_len -> (time, rate, fused kernels' times)
     shapes: dict[tuple[int, int], tuple[Rows, int]] = {}  # (seq_len, block) -> (rows, allowed pairs)
     mixed_times: dict[tuple[int, int, str], float] = {}  # the faster mixed form's time per (seq_len, block, backend)
@@ -312,13 +312,13 @@ def run_kernel_bench(
     with flex_backward_mode(flex_backward):  # merged flex partials differentiate this way
         for job in jobs:
             seq_len, block, n = job.seq_len, job.block_size, 2 * job.seq_len
-            if inputs["seq_len"] != seq_len:  # seeded by the length: a second pass draws the same values
+            if held_len != seq_len:  # seeded by the length: a second pass draws the same values
                 gen = torch.Generator(device=dev).manual_seed(seq_len)
                 q = torch.randn(1, num_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen)
                 k, v = (torch.randn(1, num_kv_heads, n, head_dim, device=dev, dtype=torch_dtype, generator=gen)
                         for _ in "kv")
-                inputs.update(seq_len=seq_len, tensors=(q, k, v, torch.randn_like(q)))
-            q, k, v, dout = inputs["tensors"]  # type: ignore[misc]
+                held_len, held = seq_len, (q, k, v, torch.randn_like(q))
+            q, k, v, dout = held
             if seq_len not in dense:
                 dense_time = _dense_sdpa_time(q, k, v, dout, dev, warmup, repeats, clock)
                 # The fused call flash pieces make (FlashAttention-2 on CUDA), over all pairs: is it as fast as
