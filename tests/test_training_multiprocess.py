@@ -23,6 +23,7 @@ from csbp.data.artifact import content_fingerprint
 from csbp.data.prepare import write_manifest
 from csbp.parallel.launch import run_local
 from csbp.training import TrainingFailed, launch_training, train
+from csbp.training.checkpoint_integrity import checkpoint_problem
 from test_training_run import make_artifact, tiny_config, trajectory
 
 pytestmark = pytest.mark.multiprocess
@@ -121,3 +122,14 @@ def test_a_failing_rank_ends_the_launch_with_its_message(artifact: Path, tmp_pat
         launch_training(cfg, run_dir=tmp_path / "run")
     assert "check_no_mask_token_supervised" in info.value.details  # the failing rank's traceback
     assert time.monotonic() - started < 120, "the surviving rank must be stopped, not left hanging"
+
+
+def test_a_two_rank_checkpoint_records_the_checksum_of_every_ranks_files(
+    two_rank_runs: tuple[Path, dict[str, Any]],
+) -> None:
+    root, _ = two_rank_runs
+    checkpoint = root / "bp_step2" / "checkpoints" / "step_0000002"
+    files = json.loads((checkpoint / "trainer_state.json").read_text())["checksums"]["files"]
+    assert sorted(files) == sorted(p.name for p in checkpoint.iterdir() if p.name != "trainer_state.json")
+    assert {name[:4] for name in files if name.endswith(".distcp")} == {"__0_", "__1_"}
+    assert checkpoint_problem(checkpoint) is None

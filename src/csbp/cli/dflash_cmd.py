@@ -290,10 +290,10 @@ def drafter_from_checkpoint(checkpoint: Path, target: Decoder, args: argparse.Na
         raise ValueError(
             f"--checkpoint {checkpoint} is not a torch.distributed.checkpoint directory (.metadata not found)"
         )
-    metadata = read_metadata(checkpoint).state_dict_metadata  # restricted unpickler: no code runs
-    problem = checkpoint_problem(checkpoint, state_file=None)
+    problem = checkpoint_problem(checkpoint, state_file=None)  # checksums first, when recorded
     if problem is not None:
-        raise ValueError(f"--checkpoint {checkpoint}: {problem}")
+        raise ValueError(f"--checkpoint {checkpoint}: {problem} (fix: restore its files, or pass another checkpoint)")
+    metadata = read_metadata(checkpoint).state_dict_metadata  # restricted unpickler: no code runs
     anchors = [key for key in metadata if key.startswith("model.") and key.endswith("fc.weight")]
     if len(anchors) != 1:
         raise ValueError(

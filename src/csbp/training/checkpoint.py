@@ -9,7 +9,8 @@ Layout of ``<run_dir>/checkpoints/``::
 
 ``trainer_state.json`` (plain JSON, never pickled) holds the step, the lr-scheduler state, the data
 loader's global cursor, the global RNG states, the data fingerprint, every parameter's shape, the
-topology it was written under and the run config (YAML text).
+topology it was written under, the run config (YAML text) and the CRC32 of every file DCP wrote
+(``checksums``, :mod:`csbp.training.checkpoint_checksums`; absent in checkpoints of older versions).
 
 Model and optimizer are saved as *sharded* DCP state dicts keyed by parameter name
 (:func:`sharded_state_dicts`): an FSDP-sharded parameter is written by each rank as its own shard
@@ -19,9 +20,10 @@ in the global tensor, so a checkpoint written under one topology (CP2 x BP2, FSD
 loads under any other one, or in a single process: each rank reads just the pieces of its own
 shards (:func:`restore_sharded_state_dicts`).
 
-Atomicity: DCP writes into ``step_XXXXXXX.tmp/``; after a barrier rank 0 adds
-``trainer_state.json``, renames the directory to ``step_XXXXXXX/`` and then replaces ``latest``
-(write a temporary file, ``os.replace``). A crash at any point leaves ``latest`` naming the previous
+Atomicity: DCP writes into ``step_XXXXXXX.tmp/``; every rank checksums the files it wrote, the
+checksums are gathered (which also waits for every rank), and rank 0 adds ``trainer_state.json``,
+renames the directory to ``step_XXXXXXX/`` and then replaces ``latest`` (write a temporary file,
+``os.replace``). A crash at any point leaves ``latest`` naming the previous
 complete checkpoint; stale ``.tmp`` directories are ignored and removed by the next save. Only the
 newest ``keep`` checkpoints are kept.
 
@@ -49,11 +51,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from csbp.data.loader import PackedLoader
+from csbp.training.checkpoint_checksums import CHECKSUMS_KEY, record_checksums
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, safe_dcp_load
 
 CHECKPOINT_DIR = "checkpoints"
@@ -186,10 +190,11 @@ def save_checkpoint(
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
         staging.mkdir(parents=True)
     _barrier()
-    save_sharded_state(model, optimizer, staging)
-    _barrier()
+    metadata = save_sharded_state(model, optimizer, staging)
+    data_files = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
+    checksums = record_checksums(staging, data_files)  # each rank reads its own files; gathered (a barrier too)
     if _is_rank0():
-        _write_json_durably(staging / STATE_FILE, state.to_json())
+        _write_json_durably(staging / STATE_FILE, {**state.to_json(), CHECKSUMS_KEY: checksums})
         _publish(staging, final)
         _write_text_durably(root / LATEST_FILE, name + "\n")
         prune_checkpoints(root, keep=keep, protect=name)
@@ -207,11 +212,12 @@ def sharded_state_dicts(model: nn.Module, optimizer: Optimizer) -> dict[str, Any
     return {"model": model_state, "optim": optim_state}
 
 
-def save_sharded_state(model: nn.Module, optimizer: Optimizer, directory: Path) -> None:
-    """Write this rank's shards of model and optimizer into DCP ``directory`` (call on every rank)."""
+def save_sharded_state(model: nn.Module, optimizer: Optimizer, directory: Path) -> Metadata:
+    """Write this rank's shards of model and optimizer into DCP ``directory`` (call on every rank);
+    returns the checkpoint's metadata (every rank's, with the files they wrote)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(sharded_state_dicts(model, optimizer), checkpoint_id=directory, no_dist=not dist.is_initialized())
+        return dcp.save(sharded_state_dicts(model, optimizer), checkpoint_id=directory, no_dist=not dist.is_initialized())
 
 
 def restore_sharded_state_dicts(model: nn.Module, optimizer: Optimizer, loaded: dict[str, Any]) -> None:

@@ -11,9 +11,11 @@ crafted checkpoint runs code on load. Here:
   checkpoint directory (``../x``, ``/etc/passwd``);
 * :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` make ``dcp.load`` use that reader and
   load non-tensor items with ``torch.load(weights_only=True)``; :func:`safe_dcp_load` is the call;
-* :func:`checkpoint_problem` checks a checkpoint without reading a tensor: ``trainer_state.json``
+* :func:`checkpoint_problem` checks a checkpoint before any tensor is loaded: ``trainer_state.json``
   parses, ``.metadata`` reads safely, every tensor shape it declares is backed by as many stored
-  bytes (nothing is sized from a forged shape), every file it names exists and is long enough;
+  bytes (nothing is sized from a forged shape), every file it names exists and is long enough, and,
+  when the checkpoint recorded checksums (:mod:`csbp.training.checkpoint_checksums`; older ones did
+  not and are accepted without), every DCP file still has the CRC32 it was saved with;
 * :func:`resume_checkpoint` picks the checkpoint ``--resume`` uses: the one ``latest`` names when it
   is intact, else the newest intact ``step_*`` directory (the damaged ones are reported), else a
   one-line ``ValueError``.
@@ -39,7 +41,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-METADATA_FILE = ".metadata"
+from csbp.training.checkpoint_checksums import CHECKSUMS_KEY, METADATA_FILE, checksum_problem, parse_record
+
+STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d{7,})$")
 
 _ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
@@ -151,15 +155,25 @@ def safe_dcp_load(state_dict: dict[str, Any], checkpoint: Path, *, no_dist: bool
         raise ValueError(f"checkpoint {checkpoint} could not be loaded: {first.splitlines()[0]}") from None
 
 
-def checkpoint_problem(checkpoint: Path, *, state_file: str | None = "trainer_state.json") -> str | None:
-    """None when ``checkpoint`` looks intact, else one line naming the damaged file.
+def checkpoint_problem(checkpoint: Path, *, state_file: str | None = STATE_FILE) -> str | None:
+    """None when ``checkpoint`` is intact, else one line naming the damaged file.
 
     Reads ``state_file`` (skipped when None) and ``.metadata`` (safely) and compares every data
-    file's size with the byte ranges the metadata records; no tensor is read.
+    file's size with the byte ranges the metadata records. When the state file (``trainer_state.json``
+    also with ``state_file=None``, if there is one) records checksums
+    (:mod:`csbp.training.checkpoint_checksums`), ``.metadata`` must match its checksum before it is
+    unpickled, and every data file must match its own: same-size damage is found too, at the cost of
+    reading every file once (streamed; once per process, however often this is called). A checkpoint
+    written before checksums were recorded has none and is accepted on the checks above, as before.
     """
     checkpoint = Path(checkpoint)
-    if state_file is not None:
-        problem = _state_file_problem(checkpoint / state_file)
+    state_path = checkpoint / (state_file or STATE_FILE)
+    problem, state = _read_state(state_path)
+    if state_file is not None and problem is not None:
+        return problem
+    record = state.get(CHECKSUMS_KEY) if state is not None else None
+    if record is not None:
+        problem = checksum_problem(checkpoint, record, state_path, names=[METADATA_FILE])
         if problem is not None:
             return problem
     try:
@@ -181,7 +195,11 @@ def checkpoint_problem(checkpoint: Path, *, state_file: str | None = "trainer_st
         size = path.stat().st_size
         if size < end:
             return f"{path} is truncated ({size} bytes, the metadata needs {end})"
-    return None
+    if record is None:
+        return None
+    recorded = parse_record(record, state_path)
+    data_files = sorted((set(recorded) if isinstance(recorded, dict) else set()) | set(needed))
+    return checksum_problem(checkpoint, record, state_path, names=[n for n in data_files if n != METADATA_FILE])
 
 
 def _declared_size_problem(metadata: Metadata) -> str | None:
@@ -205,16 +223,17 @@ def _declared_size_problem(metadata: Metadata) -> str | None:
     return None
 
 
-def _state_file_problem(state_path: Path) -> str | None:
+def _read_state(state_path: Path) -> tuple[str | None, dict[str, Any] | None]:
+    """``(problem, None)`` when ``state_path`` is missing or not a state file, else ``(None, state)``."""
     if not state_path.is_file():
-        return f"{state_path} is missing"
+        return f"{state_path} is missing", None
     try:
         state = json.loads(state_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return f"{state_path} is unreadable ({exc})"
+        return f"{state_path} is unreadable ({exc})", None
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        return f"{state_path} has no integer 'step'"
-    return None
+        return f"{state_path} has no integer 'step'", None
+    return None, state
 
 
 def step_directories(root: Path) -> list[Path]:

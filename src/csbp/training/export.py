@@ -60,7 +60,10 @@ def checkpoint_config(checkpoint: Path) -> RunConfig:
         )
     problem = checkpoint_problem(checkpoint)
     if problem is not None:
-        raise ValueError(f"{checkpoint}: {problem} (the checkpoint is damaged)")
+        raise ValueError(
+            f"{problem}; the checkpoint is damaged (fix: restore its files, or export another checkpoint; "
+            "csbp export RUN takes the run's newest intact one)"
+        )
     text = read_training_state(checkpoint).config_yaml
     try:
         loaded = read_yaml_text(text, source=str(state_file)) if text else None

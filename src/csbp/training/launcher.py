@@ -16,6 +16,10 @@ One process holds the run directory's lock (:mod:`csbp.training.run_lock`) from 
 until the run ends, so a second run in the same directory is refused before it reads any data: the
 launching process on one node, global rank 0 with several nodes or under an outside torchrun.
 
+A ``--resume`` pre-flight verifies the checkpoints' checksums (:mod:`csbp.training.checkpoint_checksums`);
+the launching process hands what it read to the workers it starts, so each checkpoint file is read
+once per node, not once per rank (under an outside torchrun each rank's own pre-flight reads them).
+
 Failures: a worker that raises is reported by torch elastic, which stops the other workers (no
 hang); :class:`TrainingFailed` carries the failing rank's message and traceback (the cause is
 preferred over the connection errors it causes in its peers). Every process group is bounded by
@@ -51,6 +55,7 @@ from csbp.config.schema import RunConfig
 from csbp.devices import process_group_options, resolve_device
 from csbp.interrupts import Interrupted
 from csbp.parallel.loopback import LOOPBACK, LOOPBACK_INTERFACE, register_loopback_rendezvous
+from csbp.training.checkpoint_checksums import remember_verified, verified_files
 from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher, report_stall
 from csbp.training.preflight import check_new_run_dir, check_run, check_writable_directory, verify_data
 from csbp.training.run_lock import run_dir_lock
@@ -259,10 +264,17 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 def _elastic_worker(
-    cfg: RunConfig, run_dir: str, resume: bool, max_steps: int | None, lock: bool
+    cfg: RunConfig,
+    run_dir: str,
+    resume: bool,
+    max_steps: int | None,
+    lock: bool,
+    verified: list[tuple[Any, int]] | None = None,
 ) -> TrainSummary | None:
     """Entry point of one worker started by ``elastic_launch`` (module level: it is pickled by name);
-    with ``lock`` (several nodes) global rank 0 holds the run directory's lock."""
+    with ``lock`` (several nodes) global rank 0 holds the run directory's lock. ``verified``: the
+    checkpoint file checksums the launcher's pre-flight read, so no worker reads those files again."""
+    remember_verified(verified or [])
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
     # Ctrl-C reaches every worker as well as the launching process, which reports it once and stops
@@ -338,7 +350,7 @@ def _launch_workers(
     try:
         with _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher:
             results: dict[int, Any] = elastic_launch(config, _elastic_worker)(
-                cfg, str(run_dir), resume, max_steps, options.nnodes > 1
+                cfg, str(run_dir), resume, max_steps, options.nnodes > 1, verified_files()
             )
     except ChildFailedError as exc:
         failure = _failure(exc)
