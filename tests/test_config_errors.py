@@ -108,6 +108,22 @@ def test_the_config_yaml_reads_exponent_floats_as_yaml_1_2_does() -> None:
     assert type(read_yaml_text("x: 1e6", source="t.yaml")["x"]) is float
 
 
+def test_the_config_yaml_reads_booleans_and_integers_as_yaml_1_2_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """YAML 1.1's yes/no/on/off booleans, leading-zero octal and base-60 integers are not taken."""
+    text = ("a: yes\nb: off\nc: true\nd: FALSE\ne: 017\nf: 1:30\ng: 0x1F\nh: 0o17\ni: 0b101\nj: -1_000\n"
+            "k: +5\nl: '017'\nm: 0\n")
+    assert read_yaml_text(text, source="t.yaml") == {
+        "a": "yes", "b": "off", "c": True, "d": False, "e": 17, "f": "1:30", "g": 31, "h": 15, "i": 5, "j": -1000,
+        "k": 5, "l": "017", "m": 0,
+    }
+    assert main(["config", "validate", "demo", "--set", "train.fsdp=on"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("csbp: error: --set: train.fsdp: expected true or false, got the string 'on'")
+    assert len(err.splitlines()) == 1
+    assert main(["config", "validate", "demo", "--set", "run.seed=017", "--print"]) == 0
+    assert "seed: 17" in capsys.readouterr().out
+
+
 def test_a_mapping_from_plain_yaml_keeps_its_strings_refused() -> None:
     """``config_from_dict`` takes already-parsed data: a string there is a string, whoever parsed it."""
     data = load_run_config("demo").model_dump(mode="json")

@@ -9,6 +9,12 @@ are both read here::
 
     read_yaml_text("optim: {lr: 1e-3}", source="run.yaml")   # {'optim': {'lr': 0.001}}
     parse_yaml_value("3e-4", source="--set optim.lr")         # 0.0003
+
+Two more YAML 1.1 readings that surprise are replaced by YAML 1.2's: only ``true``/``false`` (any
+case style) are booleans, so ``yes``, ``no``, ``on`` and ``off`` stay strings (a bool field then
+refuses them with one line instead of taking them silently); and an integer with a leading zero is
+decimal (``seed: 017`` is 17, not octal 15), with no base-60 integers (``1:30`` stays a string, not
+90). ``0x``/``0o``/``0b`` prefixes and ``_`` separators still read as integers.
 """
 
 from __future__ import annotations
@@ -55,8 +61,28 @@ class ConfigYamlLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+YAML12_BOOL = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+"""YAML 1.2 booleans (YAML 1.1 adds yes/no/on/off/y/n)."""
+YAML12_INT = re.compile(r"^[-+]?(?:[0-9][0-9_]*|0x[0-9a-fA-F_]+|0o[0-7_]+|0b[01_]+)$")
+"""Integers: decimal (a leading zero too), hexadecimal, octal with ``0o``, binary; no base 60."""
+
+
+def _construct_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    """A :data:`YAML12_INT` scalar as an int: decimal unless it has a base prefix."""
+    text = str(loader.construct_scalar(node)).replace("_", "")
+    sign, digits = (-1, text[1:]) if text[:1] == "-" else (1, text.lstrip("+"))
+    return sign * int(digits, 0 if digits[:2].lower() in ("0x", "0o", "0b") else 10)
+
+
 # add_implicit_resolver copies the resolver table into this class first: SafeLoader is unchanged
 ConfigYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_FLOAT, list("-+.0123456789"))
+ConfigYamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int")]
+    for first, resolvers in ConfigYamlLoader.yaml_implicit_resolvers.items()
+}
+ConfigYamlLoader.add_implicit_resolver("tag:yaml.org,2002:bool", YAML12_BOOL, list("tTfF"))
+ConfigYamlLoader.add_implicit_resolver("tag:yaml.org,2002:int", YAML12_INT, list("-+0123456789"))
+ConfigYamlLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def read_yaml_file(path: str | Path, *, source: str | None = None) -> Any:
