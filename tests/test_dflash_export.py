@@ -54,6 +54,7 @@ def test_dflash_export_key_set_and_config(tmp_path: Path) -> None:
     expected = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     expected |= {f"layers.{i}.{name}" for i in range(2) for name in LAYER_KEYS}
     assert keys == expected
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o644  # safetensors alone would write 0600
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert (

@@ -212,6 +212,8 @@ def test_export_then_load_round_trips_exactly(tmp_path: Path) -> None:
         loaded, loaded_config, tmp_path / "again", extra_config=hf_passthrough_config(tmp_path / "ckpt")
     )
     assert (tmp_path / "again" / "config.json").read_text() == (tmp_path / "ckpt" / "config.json").read_text()
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "ckpt").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o644  # readable like any export file
 
 
 def test_export_in_bfloat16_stores_bfloat16(tmp_path: Path) -> None:

@@ -259,6 +259,7 @@ def export_hf_checkpoint(
 
     def fill(staging: Path) -> None:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the other files are 0644
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         for file in tokenizer_files:
             shutil.copy2(file, staging / file.name)
