@@ -77,7 +77,7 @@ def test_primary_first_orders_the_primary_rows_of_every_length_first() -> None:
 
     args = ([16384, 65536], [16, 128], ["flex"], diagonals, ["pieces", "generic"])
     by_length = kernel_jobs(*args)
-    primary = kernel_jobs(*args, primary_first=True)
+    primary = kernel_jobs(*args, primary_first=1)
     assert sorted(map(repr, by_length)) == sorted(map(repr, primary))  # the same rows, only reordered
     assert [j.seq_len for j in by_length] == sorted(j.seq_len for j in by_length)
     head = primary[:12]  # per length and block: mixed, mixed-ag and the primary decomposed form
@@ -87,6 +87,13 @@ def test_primary_first_orders_the_primary_rows_of_every_length_first() -> None:
     assert [j.seq_len for j in head] == [16384] * 6 + [65536] * 6
     assert KernelJob(65536, 128, "flex", "diagonal", "flex") == primary[-1]
     assert all(j.form in ("decomposed", "diagonal") for j in primary[12:])
+    two = kernel_jobs(*args, primary_first=2)  # the first two decomposed variants, diagonal-major
+    assert {(j.form, j.diagonal, j.clean) for j in two[:16] if j.form == "decomposed"} == {
+        ("decomposed", "sdpa", "pieces"), ("decomposed", "sdpa", "generic")
+    }
+    assert sorted(map(repr, two)) == sorted(map(repr, by_length)) and len(two) == len(by_length)
+    with pytest.raises(ValueError, match="--primary-first must be >= 0"):
+        run_kernel_bench([32], [4], ["tiles"], primary_first=-1)
 
 
 def test_primary_first_measures_the_same_rows_and_speedups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -70,12 +70,12 @@ def test_kernels_stage_options_parse_and_compare_both_block_diagonal_kernels() -
     args = build_parser().parse_args(["bench", "kernels", *KERNEL_BENCH_ARGS])
     assert (args.device, args.backends, args.dtype) == ("cuda", ["flex"], "bfloat16")
     assert args.diagonals == ["sdpa", "flex"] and args.block_sizes == [16, 128]
-    # the primary decomposed form (first diagonal, first clean kernel) is FlashAttention's, measured at every
-    # length before the others
-    assert args.clean_kernels == ["pieces", "generic", "pieces-cudnn"] and args.primary_first
+    # the primary decomposed forms (the first two: sdpa diagonal with FlashAttention-2 or cuDNN pieces) compile
+    # nothing but their residual, measured at every length before the others
+    assert args.clean_kernels == ["pieces", "pieces-cudnn", "generic"] and args.primary_first == 2
     assert args.seq_lens == [16384, 65536, 131072] and args.json is None  # the stage adds it
     dry = build_parser().parse_args(["bench", "kernels", *CPU_DRY_RUN.kernels])
-    assert (dry.device, dry.backends, dry.primary_first) == ("cpu", ["tiles"], True)
+    assert (dry.device, dry.backends, dry.primary_first) == ("cpu", ["tiles"], 1)
 
 
 def test_command_stages_report_status_summary_and_skips(tmp_path: Path) -> None:

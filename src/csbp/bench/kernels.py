@@ -212,29 +212,30 @@ def kernel_jobs(
     diagonals_of: Callable[[str, int], list[str]],
     clean_kernels: Sequence[str],
     *,
-    primary_first: bool = False,
+    primary_first: int = 0,
 ) -> list[KernelJob]:
     """The rows to measure, in order (the dense rows come before a shape's first job): per length, block
     size and backend, the mixed form (and ``mixed-ag`` on flex), the decomposed form per block-diagonal
-    kernel (``diagonals_of(backend, block)``) and clean kernel, then the block-diagonal partial alone per
-    kernel. With ``primary_first`` the *primary* rows (the mixed forms and the decomposed form with the
-    first diagonal and the first clean kernel) of every length come first, then the others in the same
-    order: a run cut short by a time limit still has the comparison at every length."""
+    kernel (``diagonals_of(backend, block)``) and clean kernel (diagonal-major), then the block-diagonal
+    partial alone per kernel. With ``primary_first = N > 0`` the *primary* rows (the mixed forms and the
+    first ``N`` decomposed variants) of every length come first, then the others in the same order: a
+    run cut short by a time limit still has the comparison at every length."""
     primary: list[KernelJob] = []
     rest: list[KernelJob] = []
     for seq_len in seq_lens:
         for block in block_sizes:
             for backend in dict.fromkeys(backends):
                 kernels = diagonals_of(backend, block)
-                jobs = [KernelJob(seq_len, block, backend, "mixed")]
-                jobs += [KernelJob(seq_len, block, backend, "mixed-ag")] if backend == "flex" else []
-                jobs += [KernelJob(seq_len, block, backend, "decomposed", kernel, clean)
-                         for kernel in kernels for clean in clean_kernels]
-                jobs += [KernelJob(seq_len, block, backend, "diagonal", kernel) for kernel in kernels]
-                first = KernelJob(seq_len, block, backend, "decomposed", kernels[0], clean_kernels[0])
-                for job in jobs:
-                    is_primary = job.form.startswith("mixed") or job == first
-                    (primary if is_primary or not primary_first else rest).append(job)
+                decomposed = [KernelJob(seq_len, block, backend, "decomposed", kernel, clean)
+                              for kernel in kernels for clean in clean_kernels]
+                mixed = [KernelJob(seq_len, block, backend, "mixed")]
+                mixed += [KernelJob(seq_len, block, backend, "mixed-ag")] if backend == "flex" else []
+                diagonal = [KernelJob(seq_len, block, backend, "diagonal", kernel) for kernel in kernels]
+                if primary_first > 0:
+                    primary += mixed + decomposed[:primary_first]
+                    rest += decomposed[primary_first:] + diagonal
+                else:
+                    primary += mixed + decomposed + diagonal
     return primary + rest
 
 
@@ -255,7 +256,7 @@ def run_kernel_bench(
     diagonals: tuple[str, ...] = ("auto",),
     clean_kernels: tuple[str, ...] = ("generic", "pieces"),
     flex_backward: str = "auto",
-    primary_first: bool = False,
+    primary_first: int = 0,
     progress: Callable[[KernelRecord], None] | None = None,
     header: str | None = None,
 ) -> list[KernelRecord]:
@@ -265,8 +266,8 @@ def run_kernel_bench(
     ``progress`` sees each record as soon as it is measured; ``header`` is printed once every input is
     checked, before anything is measured (a bad input prints nothing but its error line). Merged flex
     partials run their backward by ``flex_backward`` (``csbp.attention.flex_backward``; the ``mixed-ag``
-    row needs neither way). ``primary_first`` orders the rows by ``kernel_jobs``: the primary rows at
-    every length before any other row (a run cut short by a time limit has measured the long lengths)."""
+    row needs neither way). ``primary_first`` orders the rows by ``kernel_jobs``: the mixed forms and
+    the first ``primary_first`` decomposed variants at every length before any other row (a run cut short by a time limit has measured the long lengths)."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
 
@@ -285,6 +286,8 @@ def run_kernel_bench(
     if "flex" in concrete and dev.type != "cuda":
         raise ValueError("--backends flex needs --device cuda (FlexAttention has no CPU backward)")
     resolved_backward = resolve_flex_backward(flex_backward, where="--flex-backward")
+    if primary_first < 0:
+        raise ValueError(f"--primary-first must be >= 0 (0: off), got {primary_first}")
     if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
         raise ValueError("--clock cpu measures one CPU thread: use --device cpu with OMP_NUM_THREADS=1")
     for seq_len in seq_lens:  # fail closed before measuring anything

@@ -96,9 +96,10 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
         "recompute (the forward again, then the chain rule) or auto (direct where torch traces it)",
     )
     parser.add_argument(
-        "--primary-first", action="store_true",
-        help="measure the primary rows (dense, the mixed forms, the decomposed form with the first --diagonals "
-        "and the first --clean-kernels) at every length before the other rows: a run cut short has them all",
+        "--primary-first", type=int, nargs="?", const=1, default=0, metavar="N",
+        help="measure the primary rows (dense, the mixed forms, the first N decomposed variants in --diagonals x "
+        "--clean-kernels order; N defaults to 1) at every length before the other rows: a run cut short has "
+        "them all",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")

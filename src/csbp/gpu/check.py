@@ -19,9 +19,9 @@ stage               what it runs (limit)
 ``kernels``         ``csbp bench kernels`` on CUDA (150 s): one layer's attention (flex backend, bf16,
                     16/4 heads of 128, B = 16 and 128) at 16K, 64K and 128K tokens: first, at every
                     length, dense attention, the mixed forms and the decomposed form with the sdpa
-                    (FlashAttention) block diagonal and FlashAttention-2 clean pieces; then the other
-                    decomposed forms (flex block diagonal; the clean context as one Flex partial or
-                    as cuDNN pieces) as time allows; writes ``gpu-kernels.json`` next to
+                    (FlashAttention) block diagonal and FlashAttention-2 or cuDNN clean pieces; then
+                    the other decomposed forms (flex block diagonal; the clean context as one Flex
+                    partial) as time allows; writes ``gpu-kernels.json`` next to
                     ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
                     them, or those before its limit) into the report, with the kernel targets'
                     worst values (``csbp.bench.kernel_summary``)
