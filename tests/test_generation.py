@@ -259,6 +259,11 @@ def test_invalid_options_are_rejected(model: Decoder) -> None:
         run(model, [], token_shift=True)
     with pytest.raises(ValueError, match="mask token"):
         run(model, [1, MASK])
+    # an EOS the sampler can never produce (outside the vocabulary, or the never-proposed mask)
+    # silently meant "never stop at EOS"
+    for eos_id in (-1, 64, 10**6, MASK):
+        with pytest.raises(ValueError, match="eos_id"):
+            run(model, [1, 2], eos_id=eos_id)
 
 
 # ----------------------------------------------------------------------------- token choice
