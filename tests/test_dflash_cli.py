@@ -108,6 +108,27 @@ def _eval_argv(ws: dict[str, Path], *extra: str) -> list[str]:
     return ["dflash", "eval", "--target", str(ws["target"]), "--drafter", str(ws["drafter"]), *extra]
 
 
+def test_eval_refuses_positions_beyond_the_target_max_position_embeddings(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # like csbp generate: the kept tokens of a P-token prompt and N new tokens need P + N - 1
+    # target positions; beyond max_position_embeddings the target was silently run out of range
+    target = tmp_path / "target"
+    shutil.copytree(workspace["target"], target)
+    config = json.loads((target / "config.json").read_text())
+    config["max_position_embeddings"] = 16
+    (target / "config.json").write_text(json.dumps(config))
+    argv = [
+        "dflash", "eval", "--target", str(target), "--drafter", str(workspace["drafter"]),
+        "--data", str(workspace["artifact"]), "--num-prompts", "1", "--prompt-len", "8", "--ignore-eos",
+    ]
+    assert run_cli([*argv, "--max-new-tokens", "9"]) == 0
+    capsys.readouterr()
+    assert run_cli([*argv, "--max-new-tokens", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "max_position_embeddings 16" in err and "--max-new-tokens 9 or less" in err
+
+
 def test_eval_on_artifact_and_jsonl_prompts(
     workspace: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

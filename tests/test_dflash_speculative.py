@@ -110,6 +110,16 @@ def test_eos_stops_both_loops_identically() -> None:
     assert spec.stopped_at_eos and greedy.stopped_at_eos and greedy.target_forwards == first + 1
 
 
+@pytest.mark.parametrize("eos_id", [-1, 64, 10**6])
+def test_an_eos_id_outside_the_vocabulary_is_refused(eos_id: int) -> None:
+    # such an id can never be generated, so it silently meant "never stop at EOS"
+    target, drafter = build_models(DFlashVerifyCase())
+    with pytest.raises(ValueError, match="eos_id"):
+        greedy_generate(target, [1, 2, 3], max_new_tokens=4, eos_id=eos_id)
+    with pytest.raises(ValueError, match="eos_id"):
+        speculative_generate(target, drafter, [1, 2, 3], max_new_tokens=4, eos_id=eos_id)
+
+
 def test_sliding_window_draft_equals_training_path() -> None:
     """The inference mask of sliding layers is the training predicate: drafting a block at anchor
     ``a`` with context ``F[:a]`` through the cache equals the training path's block ``a``."""

@@ -259,6 +259,11 @@ def test_invalid_options_are_rejected(model: Decoder) -> None:
         run(model, [], token_shift=True)
     with pytest.raises(ValueError, match="mask token"):
         run(model, [1, MASK])
+    # an EOS the sampler can never produce (outside the vocabulary, or the never-proposed mask)
+    # silently meant "never stop at EOS"
+    for eos_id in (-1, 64, 10**6, MASK):
+        with pytest.raises(ValueError, match="eos_id"):
+            run(model, [1, 2], eos_id=eos_id)
 
 
 # ----------------------------------------------------------------------------- token choice
@@ -497,3 +502,20 @@ def test_cli_chat_wraps_the_prompt_as_a_user_turn(
     tokenizer = load_tokenizer(final)
     assert seen == [tokenizer.encode("<user>the fox</user><assistant>")]
     assert "completion: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-320])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_tiny_positive_temperature_samples_the_argmax_instead_of_crashing(
+    temperature: float, dtype: torch.dtype
+) -> None:
+    # logits / 1e-40 overflow float32 (1e-320 overflows float64): inf - inf in the softmax was nan
+    # and torch.multinomial raised; the limit temperature -> 0 is the arg-max.
+    logits_RV = torch.tensor([[0.5, 3.0, -2.0, 1.0, 9.0], [-1.0, -3.0, -0.5, -4.0, 0.0]], dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    for top_k, top_p in ((None, 1.0), (2, 1.0), (None, 0.9)):
+        tokens, confidence = propose_tokens(
+            logits_RV, mask_token_id=4, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
+        )
+        assert tokens.tolist() == [1, 2]
+        assert torch.equal(confidence, torch.ones(2, dtype=confidence.dtype))

@@ -37,8 +37,11 @@ from csbp.cli.options import add_deprecated_alias, device_option
 from csbp.config.yaml_reading import ConfigYamlLoader
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from csbp.dflash.config import DFlashConfig
     from csbp.dflash.drafter import DFlashDrafter
+    from csbp.dflash.evaluate import EvalPrompt
     from csbp.models.config import DecoderConfig
     from csbp.models.decoder import Decoder
 
@@ -412,6 +415,29 @@ def _artifact_mask_token(run: dict[str, Any]) -> int | None:
 # ----------------------------------------------------------------------------- eval
 
 
+def _check_eval_positions(target_dir: Path, prompts: Sequence[EvalPrompt], max_new_tokens: int) -> None:
+    """``ValueError`` unless the longest prompt and ``max_new_tokens`` fit the target's positions
+    (``max_position_embeddings`` of its ``config.json``; none recorded: no limit), as ``csbp generate``
+    checks. The kept tokens of a ``P``-token prompt need positions ``0 … P+N−2``; a last verify round
+    may run up to ``B−1`` rows further, but those rows only predict tokens that are cut off."""
+    from csbp.models.hf_io import read_json_object
+
+    limit = read_json_object(target_dir / "config.json").get("max_position_embeddings")
+    if type(limit) is not int:
+        return
+    longest = max(len(p.token_ids) for p in prompts)
+    used = longest + max_new_tokens - 1
+    if used <= limit:
+        return
+    room = limit + 1 - longest
+    fix = f"--max-new-tokens {room} or less" if room >= 1 else f"prompts shorter than {limit} tokens"
+    raise ValueError(
+        f"--max-new-tokens {max_new_tokens}: a {longest}-token prompt and {max_new_tokens} new tokens run the "
+        f"target at positions up to {used - 1}, beyond max_position_embeddings {limit} of "
+        f"{target_dir / 'config.json'} (fix: {fix})"
+    )
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from csbp.data.artifact import open_artifact
     from csbp.data.tokenizer import load_tokenizer
@@ -465,6 +491,7 @@ def run_eval(args: argparse.Namespace) -> int:
             )
     if args.ignore_eos:
         eos_id = None
+    _check_eval_positions(args.target, prompts, args.max_new_tokens)
     cfg = drafter.config
     print(
         f"csbp dflash eval: {len(prompts)} prompts, max {args.max_new_tokens} new tokens, "

@@ -96,6 +96,14 @@ def _check_budget(max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
 
 
+def _check_eos(eos_id: int | None, vocab_size: int) -> None:
+    if eos_id is not None and not 0 <= eos_id < vocab_size:
+        raise ValueError(
+            f"eos_id {eos_id} is outside the target vocabulary [0, {vocab_size}): it could never be "
+            "generated (pass the tokenizer's EOS id, or None to always generate max_new_tokens)"
+        )
+
+
 def _finished(tokens: list[int], max_new_tokens: int, eos_id: int | None) -> bool:
     return len(tokens) >= max_new_tokens or (eos_id is not None and eos_id in tokens)
 
@@ -113,6 +121,7 @@ def greedy_generate(
 ) -> GreedyResult:
     """The target's own greedy decoding with a KV cache: one target forward per new token."""
     _check_budget(max_new_tokens)
+    _check_eos(eos_id, target.config.vocab_size)
     prompt = _prompt_tensor(prompt_ids, target.config.vocab_size)
     runner = CachedTarget(target)
     tokens = [int(runner.forward(prompt).next_tokens[-1])]
@@ -199,6 +208,7 @@ def speculative_generate(
     _check_budget(max_new_tokens)
     if drafter.target is not target:
         raise ValueError("the drafter is attached to another target: call drafter.attach_target(target)")
+    _check_eos(eos_id, target.config.vocab_size)
     prompt = _prompt_tensor(prompt_ids, target.config.vocab_size)
     cfg = drafter.config
     runner = CachedTarget(target, cfg.target_layer_ids or ())

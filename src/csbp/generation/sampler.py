@@ -146,6 +146,11 @@ def generate(
     vocab_size = model.config.vocab_size
     if not 0 <= mask_token_id < vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the model vocabulary [0, {vocab_size})")
+    if eos_id is not None and (not 0 <= eos_id < vocab_size or eos_id == mask_token_id):
+        raise ValueError(
+            f"eos_id {eos_id} is the mask token or outside the model vocabulary [0, {vocab_size}): it could "
+            "never be generated (pass the tokenizer's EOS id, or None to always fill max_new_tokens)"
+        )
     prompt = [int(t) for t in prompt_ids]
     bad = [t for t in prompt if not 0 <= t < vocab_size or t == mask_token_id]
     if bad:

@@ -60,7 +60,11 @@ def propose_tokens(
         probs_RV = torch.softmax(logits_RV, dim=-1)
         confidence_R, tokens_R = probs_RV.max(dim=-1)
         return tokens_R, confidence_R
-    scaled_RV = logits_RV / temperature
+    # Shift by the row maximum first (softmax is shift-invariant): the best tokens are 0 and stay 0,
+    # the rest are < 0, so a tiny temperature (even one that underflows to 0 in the logits' dtype)
+    # sends them to -inf instead of giving inf - inf = nan in the softmax: the arg-max limit.
+    shifted_RV = logits_RV - logits_RV.max(dim=-1, keepdim=True).values
+    scaled_RV = torch.where(shifted_RV == 0, shifted_RV, shifted_RV / temperature)
     if top_k is not None and top_k < scaled_RV.shape[-1]:
         kth_largest_R1 = torch.topk(scaled_RV, top_k, dim=-1).values[:, -1:]
         scaled_RV = scaled_RV.masked_fill(scaled_RV < kth_largest_R1, float("-inf"))
