@@ -1,0 +1,223 @@
+"""``csbp generate``: the command line over an exported tiny run (prompt and completion, settings from
+the run config, one-line errors, requests refused before sampling, chat prompts). The sampler itself is
+tested in ``tests/test_generation.py``, whose tiny model this file shares."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models
+
+from csbp.cli import generate_cmd
+from csbp.data.corpus import known_word_fraction
+from csbp.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+from csbp.generation.sampler import positions_used
+from csbp.models.decoder import Decoder
+from csbp.models.hf_io import export_hf_checkpoint
+from test_generation import tiny_model
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="csbp")
+    generate_cmd.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def export_tiny_run(run_dir: Path) -> Path:
+    """A tiny model and BPE tokenizer exported as ``run_dir/final`` (what ``csbp train`` writes)."""
+    texts = ["the quick brown fox jumps over the lazy dog", "block diffusion samples blocks"] * 4
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=300)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(run_dir)
+    model = tiny_model(vocab_size=tokenizer.vocab_size)
+    return export_hf_checkpoint(
+        model, model.config, run_dir / "final", tokenizer_dir=run_dir, dtype=torch.float32
+    )
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_tiny_run(tmp_path_factory.mktemp("run"))
+
+
+def test_cli_prints_prompt_and_completion(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", str(checkpoint), "--prompt", "the quick", "--device", "cpu"]
+    argv += "--max-new-tokens 10 --block-size 4 --steps-per-block 2".split()
+    assert parse(argv).func(parse(argv)) == 0
+    first = capsys.readouterr().out
+    assert "prompt: the quick" in first and "completion: " in first and "<|mask|>" not in first
+    assert "[bd3, 10 tokens" in first and "blocks of 4" in first
+    (checkpoint.parent / "known.txt").write_text("the quick brown fox", encoding="utf-8")
+    args = parse([*argv, "--known-words", str(checkpoint.parent / "known.txt")])
+    assert args.func(args) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(rf"words found in {re.escape(str(checkpoint.parent / 'known.txt'))}: \d+/\d+ \(\d+\.\d%\)", line)
+    assert known_word_fraction("the fox,  jumps\nthe", {"the", "fox"}) == (2, 4)  # "fox," is not "fox"
+    args = parse([*argv, *"--temperature 0.8 --top-k 5 --seed 2 --objective fast_dllm_v2".split()])
+    assert args.func(args) == 0
+    assert "[fast_dllm_v2, 10 tokens" in capsys.readouterr().out
+    # a model without a training record (no run config.yaml, no csbp_training) says what it assumes
+    argv = ["generate", "--model", str(checkpoint), "--prompt", "the", "--device", "cpu", "--max-new-tokens", "2"]
+    assert parse(argv).func(parse(argv)) == 0
+    assert capsys.readouterr().err == (
+        f"csbp generate: {checkpoint} records no training settings; sampling as bd3 with block size 16 "
+        "(pass --objective and --block-size to choose)\n"
+    )
+
+
+def test_cli_takes_objective_and_block_size_from_the_run_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    final = export_tiny_run(tmp_path / "run")
+    (tmp_path / "run" / "config.yaml").write_text("objective:\n  name: fast_dllm_v2\n  block_size: 8\n")
+    args = parse(
+        ["generate", "--model", str(final), "--prompt", "the", "--max-new-tokens", "12", "--device", "cpu"]
+    )
+    assert args.func(args) == 0
+    assert "[fast_dllm_v2, 12 tokens, 2 blocks of 8" in capsys.readouterr().out
+    (tmp_path / "run" / "config.yaml").write_text(
+        "objective:\n  name: bd3\n  block_size: 4\ntopology:\n  window: 6\n"
+    )
+    assert args.func(args) == 0
+    assert "[bd3, 12 tokens, 4 blocks of 4, 12 denoising steps, window 6," in capsys.readouterr().out
+    config_file = tmp_path / "run" / "config.yaml"
+    other = parse([*sys_argv_of(args, final), "--block-size", "6"])
+    with pytest.raises(ValueError) as info:  # a silent override would sample off the trained grid
+        other.func(other)
+    assert str(info.value) == (
+        f"--block-size 6: the model was trained with block size 4 ({config_file}) "
+        "(fix: drop --block-size, or add --allow-block-size-change to sample with another block size)"
+    )
+    assert capsys.readouterr() == ("", "")  # refused before any work
+    same = parse([*sys_argv_of(args, final), "--block-size", "4"])
+    assert same.func(same) == 0 and capsys.readouterr().err == ""
+    allowed = parse([*sys_argv_of(args, final), "--block-size", "6", "--allow-block-size-change"])
+    assert allowed.func(allowed) == 0
+    out, err = capsys.readouterr()
+    assert "blocks of 6" in out
+    assert err.splitlines() == [
+        f"csbp generate: sampling with block size 6, not the trained 4 ({config_file}; --allow-block-size-change)"
+    ]
+    other = parse([*sys_argv_of(args, final), "--objective", "fast_dllm_v2"])
+    with pytest.raises(ValueError) as info:  # same block grid, other label alignment: never silently
+        other.func(other)
+    assert str(info.value) == (
+        f"--objective fast_dllm_v2: the model was trained with objective bd3 ({config_file}) "
+        "(fix: drop --objective, or add --allow-objective-change to sample with another objective)"
+    )
+    assert capsys.readouterr() == ("", "")
+    allowed = parse([*sys_argv_of(args, final), "--objective", "fast_dllm_v2", "--allow-objective-change"])
+    assert allowed.func(allowed) == 0
+    out, err = capsys.readouterr()
+    assert "[fast_dllm_v2, 12 tokens, 4 blocks of 4" in out
+    assert err.splitlines() == [
+        f"csbp generate: sampling with objective fast_dllm_v2, not the trained bd3 ({config_file}; --allow-objective-change)"
+    ]
+    (tmp_path / "run" / "config.yaml").write_text("objective:\n  name: ar\n")
+    with pytest.raises(ValueError, match="objective 'ar'"):
+        args.func(args)
+
+
+def sys_argv_of(args: argparse.Namespace, final: Path) -> list[str]:
+    return ["generate", "--model", str(final), "--prompt", args.prompt, "--max-new-tokens", "12", "--device", "cpu"]
+
+
+def test_cli_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--prompt", "hi", "--device", "cpu"]
+    with pytest.raises(ValueError, match="--known-words .*nowhere.txt: not a text file"):
+        args = parse(["generate", "--model", str(checkpoint), "--known-words", str(tmp_path / "nowhere.txt"), *base])
+        args.func(args)
+    assert capsys.readouterr().out == ""  # refused before sampling
+    with pytest.raises(ValueError, match="not a directory"):
+        args = parse(["generate", "--model", str(tmp_path / "missing"), *base])
+        args.func(args)
+    with pytest.raises(ValueError, match="block-size"):
+        args = parse(["generate", "--model", str(checkpoint), "--block-size", "0", *base])
+        args.func(args)
+    no_mask_dir = tmp_path / "no_mask"
+    no_mask_dir.mkdir()
+    Tokenizer(models.WordLevel({"<|endoftext|>": 0, "hi": 1}, unk_token="<|endoftext|>")).save(
+        str(no_mask_dir / "tokenizer.json")
+    )
+    with pytest.raises(ValueError, match="mask token"):
+        args = parse(["generate", "--model", str(checkpoint), "--tokenizer", str(no_mask_dir), *base])
+        args.func(args)
+
+
+def test_cli_refuses_impossible_requests_before_sampling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    final = export_tiny_run(tmp_path / "run")
+    base = ["generate", "--model", str(final), "--prompt", "the quick", "--device", "cpu", "--block-size", "4"]
+
+    def call(*extra: str) -> int:
+        args = parse([*base, *extra])
+        return int(args.func(args))
+
+    with pytest.raises(ValueError) as info:
+        call("--steps-per-block", "100", "--max-new-tokens", "4")
+    assert str(info.value) == (
+        "--steps-per-block 100: a block of 4 tokens takes 1 to 4 denoising steps (each unmasks at least one "
+        "position) (fix: --steps-per-block between 1 and 4, or drop it for 4)"
+    )
+    with pytest.raises(ValueError, match=r"^--steps-per-block 0: "):
+        call("--steps-per-block", "0")
+    config_file = final / "config.json"
+    hf_config = json.loads(config_file.read_text())
+    prompt_len = len(load_tokenizer(final).encode("the quick"))
+    with pytest.raises(ValueError) as info:
+        call("--max-new-tokens", "100000")
+    assert str(info.value) == (
+        f"--max-new-tokens 100000: the prompt's {prompt_len} tokens and 100000 new ones fill blocks of 4 up to "
+        f"position {positions_used(prompt_len, 100000, 4)}, beyond max_position_embeddings 32768 of {config_file} "
+        f"(fix: --max-new-tokens {32768 - prompt_len} or less)"
+    )
+    assert capsys.readouterr() == ("", "")  # refused before any sampling
+    config_file.write_text(json.dumps({**hf_config, "max_position_embeddings": 16}))
+    room = 16 - prompt_len
+    assert call("--max-new-tokens", str(room)) == 0 and f"[bd3, {room} tokens" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=rf"\(fix: --max-new-tokens {room} or less\)$"):
+        call("--max-new-tokens", str(room + 1))
+    # weights of another model size next to this config.json: the error says what to do
+    other_config = replace(tiny_model(vocab_size=load_tokenizer(final).vocab_size).config, hidden_size=64)
+    export_hf_checkpoint(Decoder(other_config, dtype=torch.float32), other_config, tmp_path / "big", dtype=torch.float32)
+    (final / "model.safetensors").write_bytes((tmp_path / "big" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError) as info:
+        call("--max-new-tokens", "2")
+    assert str(info.value).startswith(f"checkpoint {final}: tensor 'model.embed_tokens.weight' has shape")
+    assert str(info.value).endswith(
+        "(fix: keep each model.safetensors with the config.json it was saved with: copy or point at the whole "
+        "export directory)"
+    )
+
+
+def test_cli_chat_wraps_the_prompt_as_a_user_turn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    final = export_tiny_run(tmp_path / "run")
+    argv = ["generate", "--model", str(final), "--prompt", "the fox", "--device", "cpu", "--max-new-tokens", "2", "--chat"]
+    with pytest.raises(ValueError, match=r"^--chat: tokenizer directory .* has no chat template"):
+        parse(argv).func(parse(argv))
+    (final / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}",
+        encoding="utf-8",
+    )
+    from csbp.generation import sampler
+
+    seen: list[list[int]] = []
+
+    def recording_generate(model: Decoder, prompt_ids: list[int], **options: object) -> object:
+        seen.append(list(prompt_ids))
+        return real_generate(model, prompt_ids, **options)  # type: ignore[arg-type]
+
+    real_generate = sampler.generate
+    monkeypatch.setattr(sampler, "generate", recording_generate)
+    assert parse(argv).func(parse(argv)) == 0
+    tokenizer = load_tokenizer(final)
+    assert seen == [tokenizer.encode("<user>the fox</user><assistant>")]
+    assert "completion: " in capsys.readouterr().out
