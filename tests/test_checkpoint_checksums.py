@@ -169,7 +169,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_continues_exactly(
 def test_export_and_the_dflash_loader_refuse_a_damaged_checkpoint(
     full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from csbp.cli.dflash_cmd import drafter_from_checkpoint
+    from csbp.cli.dflash_checkpoint import drafter_from_checkpoint
 
     run_dir = copy_of(full_run, tmp_path)
     checkpoint = run_dir / "checkpoints" / STEP4

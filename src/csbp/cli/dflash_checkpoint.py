@@ -1,0 +1,203 @@
+"""Where ``csbp dflash export`` finds a drafter: a run directory's ``final/`` or newest intact checkpoint,
+and a ``DFlashDrafter`` rebuilt from a DCP checkpoint (shapes from its metadata, the rest from the run
+config it recorded, verified before a tensor is read)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import yaml
+
+from csbp.config.yaml_reading import ConfigYamlLoader
+
+if TYPE_CHECKING:
+    from csbp.dflash.config import DFlashConfig
+    from csbp.dflash.drafter import DFlashDrafter
+    from csbp.models.config import DecoderConfig
+    from csbp.models.decoder import Decoder
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a one-line ``ValueError`` naming the file if it is not one."""
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text; expected a JSON object") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return loaded
+
+
+def run_dir_source(run_dir: Path) -> tuple[Path | None, Path | None]:
+    """``(drafter_dir, None)`` for ``RUN/final`` holding a drafter, else ``(None, latest checkpoint)``."""
+    from csbp.dflash.export import ARCHITECTURES
+    from csbp.training.checkpoint_integrity import find_resume_checkpoint
+
+    if not run_dir.is_dir():
+        raise ValueError(f"--run-dir {run_dir} is not a directory")
+    final_config = run_dir / "final" / "config.json"
+    if final_config.is_file():
+        architectures = read_json_object(final_config).get("architectures") or []
+        if architectures and architectures[0] in ARCHITECTURES:
+            return run_dir / "final", None
+        raise ValueError(f"{final_config} is not a DFlash drafter ({architectures}); was this a dflash run?")
+    latest = find_resume_checkpoint(
+        run_dir, warn=lambda line: print(line, file=sys.stderr), caller="--run-dir",
+        fix="restore the files, or pass --drafter or --checkpoint",
+    )
+    if latest is None:
+        raise ValueError(
+            f"--run-dir {run_dir} has neither final/ nor a checkpoint; pass --drafter or --checkpoint"
+        )
+    return None, latest
+
+
+def _run_config(checkpoint: Path) -> dict[str, Any]:
+    """The run config recorded in the checkpoint's ``trainer_state.json`` (empty if none)."""
+    state_file = checkpoint / "trainer_state.json"
+    if not state_file.is_file():
+        return {}
+    text = read_json_object(state_file).get("config_yaml") or ""
+    try:
+        loaded = yaml.load(text, Loader=ConfigYamlLoader) if isinstance(text, str) and text else None
+    except yaml.YAMLError:
+        raise ValueError(f"{state_file}: config_yaml is not valid YAML; the checkpoint is damaged") from None
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def drafter_from_checkpoint(checkpoint: Path, target: Decoder, args: argparse.Namespace) -> DFlashDrafter:
+    """A ``DFlashDrafter`` from a DCP checkpoint: shapes from its metadata, the rest from the run config."""
+    from csbp.dflash.drafter import DFlashDrafter
+    from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata, safe_dcp_load
+
+    if not (checkpoint / ".metadata").is_file():
+        raise ValueError(
+            f"--checkpoint {checkpoint} is not a torch.distributed.checkpoint directory (.metadata not found)"
+        )
+    problem = checkpoint_problem(checkpoint, state_file=None)  # checksums first, when recorded
+    if problem is not None:
+        raise ValueError(f"--checkpoint {checkpoint}: {problem} (fix: restore its files, or pass another checkpoint)")
+    metadata = read_metadata(checkpoint).state_dict_metadata  # restricted unpickler: no code runs
+    anchors = [key for key in metadata if key.startswith("model.") and key.endswith("fc.weight")]
+    if len(anchors) != 1:
+        raise ValueError(
+            f"{checkpoint}: no single drafter 'fc.weight' under 'model' (found {anchors}); not a dflash run?"
+        )
+    prefix = anchors[0][: -len("fc.weight")]
+    shapes = {
+        key[len(prefix) :]: (tuple(meta.size), meta.properties.dtype)  # type: ignore[union-attr]
+        for key, meta in metadata.items()
+        if key.startswith(prefix) and hasattr(meta, "size")
+    }
+    config = _checkpoint_drafter_config(
+        {k: s for k, (s, _) in shapes.items()}, target.config, _run_config(checkpoint), args
+    )
+    drafter = DFlashDrafter(config, device="meta")
+    expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+    found = {name: shape for name, (shape, _) in shapes.items()}
+    if expected != found:
+        diff = sorted(set(expected.items()) ^ set(found.items()))[:3]
+        raise ValueError(f"{checkpoint}: drafter tensors do not match the inferred config, e.g. {diff}")
+    template = {
+        prefix[:-1]: {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+    }
+    safe_dcp_load(template, checkpoint, no_dist=True)
+    drafter.load_state_dict(template[prefix[:-1]], assign=True)
+    drafter.attach_target(target)
+    return drafter
+
+
+def _checkpoint_drafter_config(
+    shapes: dict[str, tuple[int, ...]],
+    target_config: DecoderConfig,
+    run: dict[str, Any],
+    args: argparse.Namespace,
+) -> DFlashConfig:
+    """Shapes (layers, widths, heads, DFlash2 modules) from the tensors; the rest from the run config
+    (``objective.block_size``, ``objective.mask_token_id`` or the data artifact's, ``objective.dflash``)
+    unless overridden on the command line."""
+    from csbp.dflash.config import DFlashConfig, default_target_layer_ids
+
+    objective = run.get("objective") if isinstance(run.get("objective"), dict) else {}
+    dflash = objective.get("dflash") if isinstance(objective.get("dflash"), dict) else {}
+    hidden = target_config.hidden_size
+    num_layers = len({key.split(".")[1] for key in shapes if key.startswith("layers.")})
+    required = (
+        "layers.0.self_attn.q_norm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.mlp.gate_proj.weight",
+    )
+    if num_layers == 0 or shapes["fc.weight"][0] != hidden or any(k not in shapes for k in required):
+        raise ValueError(
+            f"the checkpoint's drafter (fc {shapes['fc.weight']}, {num_layers} layers) does not fit a "
+            f"target of "
+            f"hidden size {hidden}; pass the target it was trained against"
+        )
+    head_dim = shapes["layers.0.self_attn.q_norm.weight"][0]
+    block_size = args.block_size if args.block_size is not None else objective.get("block_size")
+    mask_token_id = args.mask_token_id if args.mask_token_id is not None else objective.get("mask_token_id")
+    if mask_token_id is None:
+        mask_token_id = _artifact_mask_token(run)
+    if block_size is None or mask_token_id is None:
+        raise ValueError(
+            "the checkpoint's run config records no block_size or mask_token_id; "
+            "pass --block-size and --mask-token-id"
+        )
+    layer_ids = args.layer_ids or dflash.get("target_layer_ids")
+    if layer_ids is None:
+        layer_ids = default_target_layer_ids(target_config.num_layers, num_layers)
+    if len(layer_ids) * hidden != shapes["fc.weight"][1]:
+        raise ValueError(
+            f"target_layer_ids {list(layer_ids)} do not match the drafter's fc width "
+            f"{shapes['fc.weight'][1]}; "
+            "pass --layer-ids"
+        )
+    options: dict[str, Any] = {}
+    if "layers.0.attn_conv.base" in shapes:
+        taps = shapes["layers.0.attn_conv.base"][1]
+        groups = shapes["layers.0.attn_conv.kernel_proj.weight"][0] // (2 * taps)
+        options.update(conv_kernel_size=taps, conv_group_size=hidden // groups)
+    if "selector.pred_embed" in shapes:
+        options.update(
+            selector_rank=shapes["selector.pred_embed"][1],
+            selector_top_k=int(dflash.get("selector_top_k", 16)),
+        )
+    for key in ("layer_types", "sliding_window", "sliding_window_causal"):
+        if dflash.get(key) is not None:
+            options[key] = tuple(dflash[key]) if key == "layer_types" else dflash[key]
+    return DFlashConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=shapes["layers.0.mlp.gate_proj.weight"][0],
+        num_layers=num_layers,
+        num_heads=shapes["layers.0.self_attn.q_proj.weight"][0] // head_dim,
+        num_kv_heads=shapes["layers.0.self_attn.k_proj.weight"][0] // head_dim,
+        head_dim=head_dim,
+        num_target_layers=target_config.num_layers,
+        mask_token_id=int(mask_token_id),
+        block_size=int(block_size),
+        target_layer_ids=tuple(int(i) for i in layer_ids),
+        rope_theta=target_config.rope_theta,
+        rope_scaling=target_config.rope_scaling,
+        rms_norm_eps=target_config.rms_norm_eps,
+        **options,
+    )
+
+
+def _artifact_mask_token(run: dict[str, Any]) -> int | None:
+    data = run.get("data") if isinstance(run.get("data"), dict) else {}
+    manifest = Path(str(data.get("train", ""))) / "manifest.json"
+    if not data.get("train") or not manifest.is_file():
+        return None
+    mask = (read_json_object(manifest).get("special_ids") or {}).get("mask")
+    return None if mask is None else int(mask)
+
+
+# ----------------------------------------------------------------------------- eval
