@@ -5,7 +5,6 @@ config it recorded, verified before a tensor is read)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,25 +13,13 @@ import torch
 import yaml
 
 from csbp.config.yaml_reading import ConfigYamlLoader
+from csbp.models.hf_io import read_json_object
 
 if TYPE_CHECKING:
     from csbp.dflash.config import DFlashConfig
     from csbp.dflash.drafter import DFlashDrafter
     from csbp.models.config import DecoderConfig
     from csbp.models.decoder import Decoder
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in ``path``; a one-line ``ValueError`` naming the file if it is not one."""
-    try:
-        loaded = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path}: not UTF-8 text; expected a JSON object") from None
-    if not isinstance(loaded, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    return loaded
 
 
 def run_dir_source(run_dir: Path) -> tuple[Path | None, Path | None]:

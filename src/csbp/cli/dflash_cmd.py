@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from csbp.cli.dflash_checkpoint import drafter_from_checkpoint, read_json_object, run_dir_source
+from csbp.cli.dflash_checkpoint import drafter_from_checkpoint, run_dir_source
 from csbp.cli.options import add_deprecated_alias, device_option
+from csbp.models.hf_io import read_json_object
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
