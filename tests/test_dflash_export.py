@@ -167,3 +167,30 @@ def test_a_drafter_refuses_a_target_with_another_rope(tmp_path: Path) -> None:
     spelled = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0)
     load_dflash(out, Decoder(DecoderConfig(**{**target_config.__dict__, "rope_scaling": spelled})))
     load_dflash(out, target)
+
+
+def test_bidirectional_sliding_layers_tell_the_public_reader(tmp_path: Path) -> None:
+    """The public DFlash reader makes sliding layers causal in the block unless the config says
+    ``is_causal: false``; csbp writes it for ``sliding_window_causal: false`` (and only then: ``true``
+    would make the full-attention layers causal too) and reads the reader's key back."""
+    sliding = {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 5}
+    target, causal = build_models(DFlashVerifyCase(drafter_options=sliding))
+    _, bidirectional = build_models(DFlashVerifyCase(drafter_options={**sliding, "sliding_window_causal": False}))
+    written = json.loads((export_dflash(causal, tmp_path / "causal") / "config.json").read_text())
+    assert "is_causal" not in written
+    out = export_dflash(bidirectional, tmp_path / "bidirectional")
+    config = json.loads((out / "config.json").read_text())
+    assert config["is_causal"] is False
+    assert load_dflash(out, target).config.sliding_window_causal is False
+    del config["dflash_config"]["sliding_window_causal"]  # a config written by another trainer
+    for is_causal, expected in ((False, False), (None, True)):
+        (out / "config.json").write_text(json.dumps({**config, "is_causal": is_causal}))
+        assert load_dflash(out, target).config.sliding_window_causal is expected
+    for edit, match in (
+        ({"is_causal": True}, "full-attention draft layers causal"),
+        ({"is_causal": False, "dflash_config": {**config["dflash_config"], "sliding_window_causal": True}},
+         "contradicts dflash_config.sliding_window_causal"),
+    ):
+        (out / "config.json").write_text(json.dumps({**config, **edit}))
+        with pytest.raises(ValueError, match=match):
+            load_dflash(out, target)

@@ -4,7 +4,9 @@
 module is enabled), ``model_type: "qwen3"``, ``block_size``, top-level ``num_target_layers``,
 ``dflash_config: {target_layer_ids, mask_token_id}``, the Qwen3 shape fields, ``rope_theta`` both
 top-level and in ``rope_parameters`` (with the target's RoPE scaling there and in ``rope_scaling``), ``layer_types``/``sliding_window``,
-``tie_word_embeddings: false`` and the target's ``vocab_size``. DFlash2 adds
+``tie_word_embeddings: false`` and the target's ``vocab_size``; sliding layers that are not causal
+in the block (``sliding_window_causal: false``) also write ``is_causal: false``, which the public
+reader needs to leave them bidirectional (it makes sliding layers causal by default). DFlash2 adds
 ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` (Turbo-dLLM
 names; released DFlash2 key names are unverified).
 
@@ -66,6 +68,8 @@ def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, A
         "torch_dtype": DTYPE_NAMES[dtype],
         "dtype": DTYPE_NAMES[dtype],
     }
+    if sliding and not config.sliding_window_causal:
+        hf["is_causal"] = False  # the public reader makes sliding layers causal unless told otherwise
     if config.is_dflash2:
         hf.update(
             conv_kernel_size=config.conv_kernel_size,
@@ -116,12 +120,33 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         layer_types=tuple(layer_types) if layer_types else None,
         sliding_window=hf.get("sliding_window"),
-        sliding_window_causal=bool(dflash.get("sliding_window_causal", True)),
+        sliding_window_causal=_sliding_window_causal(hf, layer_types),
         conv_kernel_size=int(hf.get("conv_kernel_size", 0)),
         conv_group_size=int(hf.get("conv_group_size", 16)),
         selector_rank=int(hf.get("selector_rank", 0)),
         selector_top_k=int(hf.get("selector_top_k", 16)),
     )
+
+
+def _sliding_window_causal(hf: dict[str, Any], layer_types: Any) -> bool:
+    """Whether sliding layers are causal in the block: the public reader's top-level ``is_causal``
+    (unset: sliding layers causal, full layers not; ``false``: no layer causal; ``true``: every layer
+    causal), agreeing with csbp's own ``dflash_config.sliding_window_causal`` when both are given."""
+    ours = hf["dflash_config"].get("sliding_window_causal")
+    theirs = hf.get("is_causal")
+    if theirs is None:
+        return bool(ours) if ours is not None else True
+    if theirs and any(t != "sliding_attention" for t in (layer_types or ("full_attention",))):
+        raise ValueError(
+            "drafter config.json is_causal=true makes full-attention draft layers causal in the block; csbp's "
+            "full-attention layers see the whole block (fix: remove is_causal)"
+        )
+    if ours is not None and bool(ours) != bool(theirs):
+        raise ValueError(
+            f"drafter config.json is_causal={theirs} contradicts dflash_config.sliding_window_causal={ours} "
+            "(fix: keep one of them)"
+        )
+    return bool(theirs)
 
 
 def export_dflash(
