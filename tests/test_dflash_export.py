@@ -108,12 +108,37 @@ def test_dflash2_export_round_trip(tmp_path: Path) -> None:
         config["selector_top_k"],
     ) == (2, 8, 4, 8)
     assert config["sliding_window"] == 5 and config["use_sliding_window"] is True
-    keys = set(load_file(str(out / "model.safetensors")))
-    assert {"layers.0.attn_conv.base", "layers.1.mlp_conv.kernel_proj.weight", "selector.cand_embed"} <= keys
+    stored = load_file(str(out / "model.safetensors"))
+    keys = set(stored)
+    # the released DFlash2 layout (z-lab DFlash2DraftModel checkpoints)
+    released = {
+        "layers.0.attention_conv.base_kernel": (2, 2, 32),
+        "layers.1.attention_conv.kernel_projection.weight": (2 * 2 * 4, 32),
+        "layers.0.mlp_conv.base_kernel": (2, 2, 32),
+        "layers.1.mlp_conv.kernel_projection.weight": (2 * 2 * 4, 32),
+        "candidate_selector.predecessor_codebook": (64, 4),
+        "candidate_selector.successor_codebook": (64, 4),
+        "candidate_selector.hidden_projection.weight": (4, 32),
+    }
+    assert {name: tuple(stored[name].shape) for name in released if name in stored} == released
+    assert not any("attn_conv" in k or k.startswith("selector.") for k in keys)
     assert not any(k.startswith("model.") or "embed_tokens" in k or "lm_head" in k for k in keys)
     loaded = load_dflash(out, target)
     assert loaded.config == drafter.config
     assert torch.equal(_hidden(loaded, target), _hidden(drafter, target))
+    assert torch.equal(loaded.selector.cand_embed, drafter.selector.cand_embed)
+
+    # an export by an earlier csbp (its own tensor names) still loads
+    save_file(dict(drafter.state_dict()), str(out / "model.safetensors"))
+    assert torch.equal(_hidden(load_dflash(out, target), target), _hidden(drafter, target))
+    # a released DFlash2 config: block size and DFlash2 options inside dflash_config only
+    moved = {k: config.pop(k) for k in ("block_size", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")}
+    (out / "config.json").write_text(json.dumps({**config, "dflash_config": {**config["dflash_config"], **moved}}))
+    assert load_dflash(out, target).config == drafter.config
+    for option, value in (("output_multiplier", 0.2), ("final_logit_softcapping", 20.0), ("input_embedding_scale", 2.0)):
+        (out / "config.json").write_text(json.dumps({**config, "dflash_config": {**config["dflash_config"], **moved, option: value}}))
+        with pytest.raises(ValueError, match=f"{option}={value} is not supported"):
+            load_dflash(out, target)
 
 
 def test_load_validation_errors(tmp_path: Path) -> None:
@@ -167,3 +192,30 @@ def test_a_drafter_refuses_a_target_with_another_rope(tmp_path: Path) -> None:
     spelled = RopeScaling(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32.0, beta_slow=1.0)
     load_dflash(out, Decoder(DecoderConfig(**{**target_config.__dict__, "rope_scaling": spelled})))
     load_dflash(out, target)
+
+
+def test_bidirectional_sliding_layers_tell_the_public_reader(tmp_path: Path) -> None:
+    """The public DFlash reader makes sliding layers causal in the block unless the config says
+    ``is_causal: false``; csbp writes it for ``sliding_window_causal: false`` (and only then: ``true``
+    would make the full-attention layers causal too) and reads the reader's key back."""
+    sliding = {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 5}
+    target, causal = build_models(DFlashVerifyCase(drafter_options=sliding))
+    _, bidirectional = build_models(DFlashVerifyCase(drafter_options={**sliding, "sliding_window_causal": False}))
+    written = json.loads((export_dflash(causal, tmp_path / "causal") / "config.json").read_text())
+    assert "is_causal" not in written
+    out = export_dflash(bidirectional, tmp_path / "bidirectional")
+    config = json.loads((out / "config.json").read_text())
+    assert config["is_causal"] is False
+    assert load_dflash(out, target).config.sliding_window_causal is False
+    del config["dflash_config"]["sliding_window_causal"]  # a config written by another trainer
+    for is_causal, expected in ((False, False), (None, True)):
+        (out / "config.json").write_text(json.dumps({**config, "is_causal": is_causal}))
+        assert load_dflash(out, target).config.sliding_window_causal is expected
+    for edit, match in (
+        ({"is_causal": True}, "full-attention draft layers causal"),
+        ({"is_causal": False, "dflash_config": {**config["dflash_config"], "sliding_window_causal": True}},
+         "contradicts dflash_config.sliding_window_causal"),
+    ):
+        (out / "config.json").write_text(json.dumps({**config, **edit}))
+        with pytest.raises(ValueError, match=match):
+            load_dflash(out, target)

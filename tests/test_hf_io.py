@@ -328,6 +328,9 @@ def test_config_mapping_defaults_and_rope_locations() -> None:
     ("overrides", "message"),
     [
         ({"architectures": ["MistralForCausalLM"]}, "unsupported architectures"),
+        # AutoModelForCausalLM would build a Mistral (sliding window and all) from this Llama-named config
+        ({"model_type": "mistral", "sliding_window": 4}, r"model_type='mistral' does not match .*LlamaForCausalLM"),
+        ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen2"}, "model_type='qwen2' does not match"),
         ({"architectures": None}, "unsupported architectures"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "rope_type='dynamic' is not supported"),
         ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope_type='longrope' is not supported"),
@@ -376,6 +379,17 @@ def test_unexpected_tensor_is_rejected_but_inv_freq_ignored(exported: Path) -> N
     with pytest.raises(
         ValueError, match=r"does not explain, e\.g\. 'model\.layers\.0\.self_attn\.q_proj\.bias'"
     ):
+        load_hf_checkpoint(exported)
+
+
+def test_a_single_file_next_to_a_shard_index_is_refused(exported: Path) -> None:
+    # transformers reads model.safetensors and ignores the index; csbp read the shards: a stale copy
+    # of either would load other weights than transformers does.
+    load_hf_checkpoint(exported)
+    (exported / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00001.safetensors"}})
+    )
+    with pytest.raises(ValueError, match=r"both model\.safetensors and model\.safetensors\.index\.json"):
         load_hf_checkpoint(exported)
 
 

@@ -4,15 +4,23 @@
 module is enabled), ``model_type: "qwen3"``, ``block_size``, top-level ``num_target_layers``,
 ``dflash_config: {target_layer_ids, mask_token_id}``, the Qwen3 shape fields, ``rope_theta`` both
 top-level and in ``rope_parameters`` (with the target's RoPE scaling there and in ``rope_scaling``), ``layer_types``/``sliding_window``,
-``tie_word_embeddings: false`` and the target's ``vocab_size``. DFlash2 adds
-``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` (Turbo-dLLM
-names; released DFlash2 key names are unverified).
+``tie_word_embeddings: false`` and the target's ``vocab_size``; sliding layers that are not causal
+in the block (``sliding_window_causal: false``) also write ``is_causal: false``, which the public
+reader needs to leave them bidirectional (it makes sliding layers causal by default). DFlash2 adds
+``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k``; the loader also
+reads these and ``block_size`` from ``dflash_config``, where released DFlash2 configs keep them (the
+public reader looks there first), and refuses the released options csbp lacks
+(``output_multiplier``, ``final_logit_softcapping``, ``input_embedding_scale``).
 
 ``model.safetensors`` holds the drafter's own weights with **no** ``model.`` prefix (``fc.weight``,
 ``hidden_norm.weight``, ``norm.weight``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
 ``layers.{i}.self_attn.{q,k}_norm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``, the two
-layer norms; DFlash2: ``layers.{i}.{attn,mlp}_conv.*`` and ``selector.*``) and never the shared
-``embed_tokens`` / ``lm_head``. The directory is written atomically.
+layer norms) and never the shared ``embed_tokens`` / ``lm_head``. DFlash2 tensors carry the released
+DFlash2 names: ``layers.{i}.{attention,mlp}_conv.base_kernel`` ``[2, T, H]`` and
+``.kernel_projection.weight``, ``candidate_selector.{predecessor,successor}_codebook`` ``[V, r]`` and
+``candidate_selector.hidden_projection.weight`` (csbp's ``attn_conv.base``, ``kernel_proj``,
+``selector.pred_embed``/``cand_embed``/``hidden_proj``, which compute the same thing; exports with
+those names still load). The directory is written atomically.
 
 Usage::
 
@@ -40,6 +48,47 @@ from csbp.models.hf_config import DTYPE_NAMES, hf_shape_fields, rope_from_hf
 from csbp.models.hf_io import EXPORT_OWNERSHIP, read_json_object, read_safetensors_file
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+# csbp's DFlash2 parameter names -> those of the released DFlash2 checkpoints (z-lab ``DFlash2DraftModel``,
+# whose modules compute what csbp's do); older csbp exports with csbp's own names still load.
+_RELEASED_SELECTOR_NAMES = {
+    "selector.pred_embed": "candidate_selector.predecessor_codebook",
+    "selector.cand_embed": "candidate_selector.successor_codebook",
+    "selector.hidden_proj.weight": "candidate_selector.hidden_projection.weight",
+}
+_RELEASED_CONV_SUFFIXES = {
+    f".{ours}_conv.{leaf}": f".{theirs}_conv.{released_leaf}"
+    for ours, theirs in (("attn", "attention"), ("mlp", "mlp"))
+    for leaf, released_leaf in (("base", "base_kernel"), ("kernel_proj.weight", "kernel_projection.weight"))
+}
+# Released DFlash2 options csbp does not implement, with the value that means "off".
+_UNSUPPORTED_DRAFT_OPTIONS = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
+
+
+def released_name(name: str) -> str:
+    """The released DFlash2 checkpoint name of drafter parameter ``name`` (unchanged for DFlash names)."""
+    if name in _RELEASED_SELECTOR_NAMES:
+        return _RELEASED_SELECTOR_NAMES[name]
+    for ours, theirs in _RELEASED_CONV_SUFFIXES.items():
+        if name.endswith(ours):
+            return name[: -len(ours)] + theirs
+    return name
+
+
+def csbp_name(name: str) -> str:
+    """Inverse of ``released_name`` (a csbp name is returned unchanged)."""
+    for ours, theirs in _RELEASED_SELECTOR_NAMES.items():
+        if name == theirs:
+            return ours
+    for ours, theirs in _RELEASED_CONV_SUFFIXES.items():
+        if name.endswith(theirs):
+            return name[: -len(theirs)] + ours
+    return name
+
+
+def _draft_value(hf: dict[str, Any], key: str, default: Any = None) -> Any:
+    """``dflash_config[key]``, else the top-level ``key`` (the public reader's lookup order)."""
+    value = hf["dflash_config"].get(key)
+    return value if value is not None else hf.get(key, default)
 
 
 def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, Any]:
@@ -66,6 +115,8 @@ def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, A
         "torch_dtype": DTYPE_NAMES[dtype],
         "dtype": DTYPE_NAMES[dtype],
     }
+    if sliding and not config.sliding_window_causal:
+        hf["is_causal"] = False  # the public reader makes sliding layers causal unless told otherwise
     if config.is_dflash2:
         hf.update(
             conv_kernel_size=config.conv_kernel_size,
@@ -81,10 +132,19 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
     architectures = hf.get("architectures") or []
     if len(architectures) != 1 or architectures[0] not in ARCHITECTURES:
         raise ValueError(f"architectures {architectures!r} is not a DFlash drafter's (one of {list(ARCHITECTURES)})")
+    if not isinstance(hf.get("dflash_config"), dict):
+        raise ValueError("drafter config.json is missing required field 'dflash_config'")
+    for key, off in _UNSUPPORTED_DRAFT_OPTIONS.items():
+        value = _draft_value(hf, key)
+        if value is not None and value != off and not (off is None and value == 0):
+            raise ValueError(
+                f"drafter config.json {key}={value} is not supported; csbp drafters have none "
+                "(fix: load this drafter with the code it was released with)"
+            )
+    if _draft_value(hf, "block_size") is None:
+        raise ValueError("drafter config.json is missing required field 'block_size'")
     for key in (
-        "block_size",
         "num_target_layers",
-        "dflash_config",
         "vocab_size",
         "hidden_size",
         "intermediate_size",
@@ -109,19 +169,40 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
         head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
         num_target_layers=int(hf["num_target_layers"]),
         mask_token_id=int(dflash["mask_token_id"]),
-        block_size=int(hf["block_size"]),
+        block_size=int(_draft_value(hf, "block_size")),
         target_layer_ids=tuple(dflash["target_layer_ids"]) if dflash.get("target_layer_ids") else None,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         layer_types=tuple(layer_types) if layer_types else None,
         sliding_window=hf.get("sliding_window"),
-        sliding_window_causal=bool(dflash.get("sliding_window_causal", True)),
-        conv_kernel_size=int(hf.get("conv_kernel_size", 0)),
-        conv_group_size=int(hf.get("conv_group_size", 16)),
-        selector_rank=int(hf.get("selector_rank", 0)),
-        selector_top_k=int(hf.get("selector_top_k", 16)),
+        sliding_window_causal=_sliding_window_causal(hf, layer_types),
+        conv_kernel_size=int(_draft_value(hf, "conv_kernel_size", 0)),
+        conv_group_size=int(_draft_value(hf, "conv_group_size", 16)),
+        selector_rank=int(_draft_value(hf, "selector_rank", 0)),
+        selector_top_k=int(_draft_value(hf, "selector_top_k", 16)),
     )
+
+
+def _sliding_window_causal(hf: dict[str, Any], layer_types: Any) -> bool:
+    """Whether sliding layers are causal in the block: the public reader's top-level ``is_causal``
+    (unset: sliding layers causal, full layers not; ``false``: no layer causal; ``true``: every layer
+    causal), agreeing with csbp's own ``dflash_config.sliding_window_causal`` when both are given."""
+    ours = hf["dflash_config"].get("sliding_window_causal")
+    theirs = hf.get("is_causal")
+    if theirs is None:
+        return bool(ours) if ours is not None else True
+    if theirs and any(t != "sliding_attention" for t in (layer_types or ("full_attention",))):
+        raise ValueError(
+            "drafter config.json is_causal=true makes full-attention draft layers causal in the block; csbp's "
+            "full-attention layers see the whole block (fix: remove is_causal)"
+        )
+    if ours is not None and bool(ours) != bool(theirs):
+        raise ValueError(
+            f"drafter config.json is_causal={theirs} contradicts dflash_config.sliding_window_causal={ours} "
+            "(fix: keep one of them)"
+        )
+    return bool(theirs)
 
 
 def export_dflash(
@@ -139,7 +220,7 @@ def export_dflash(
         raise ValueError(f"export dtype must be float64, float32 or bfloat16, got {store_dtype}")
     config = dflash_hf_config(drafter.config, dtype=store_dtype)
     tensors = {
-        name: t.detach().to(device="cpu", dtype=store_dtype).contiguous().clone()
+        released_name(name): t.detach().to(device="cpu", dtype=store_dtype).contiguous().clone()
         for name, t in drafter.state_dict().items()
     }
 
@@ -179,7 +260,10 @@ def load_dflash(
     weights_file = directory / "model.safetensors"
     if not weights_file.is_file():
         raise ValueError(f"{directory} has no model.safetensors")
-    tensors = read_safetensors_file(weights_file)
+    stored = read_safetensors_file(weights_file)
+    tensors = {csbp_name(name): t for name, t in stored.items()}
+    if len(tensors) != len(stored):
+        raise ValueError(f"drafter checkpoint {directory} stores some DFlash2 tensors under two names")
     drafter = DFlashDrafter(config, device="meta")
     expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
     missing = sorted(set(expected) - set(tensors))

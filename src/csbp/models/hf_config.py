@@ -25,6 +25,9 @@ silently drop its theta (a Qwen3 config saved by transformers 5 with Qwen's docu
 ``max_position_embeddings = factor x original`` so readers that derive YaRN's factor from that
 ratio (older transformers releases, transformers#38224) agree and none warns.
 
+A ``model_type`` other than the family's (``llama`` with ``LlamaForCausalLM``, ...) is a
+``ValueError``: ``AutoModelForCausalLM`` builds its class from ``model_type`` (a ``mistral`` one with
+``LlamaForCausalLM`` runs as Mistral, sliding window included), so csbp would load another model.
 Sliding-window layers (``use_sliding_window: true`` or ``sliding_attention`` layer types),
 non-SiLU activations, partial rotary embeddings and per-layer-type RoPE are rejected with a
 ``ValueError`` naming the field; Qwen2's ``sliding_window``/``max_window_layers`` are ignored
@@ -64,6 +67,13 @@ def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
             f"{sorted(ARCH_BY_HF_CLASS)}"
         )
     arch = ARCH_BY_HF_CLASS[architectures[0]]
+    model_type = hf_config.get("model_type")
+    if model_type is not None and model_type != arch:  # AutoModelForCausalLM builds the model_type's class
+        raise ValueError(
+            f"config.json model_type={model_type!r} does not match architectures {architectures!r} "
+            f"(transformers builds a {model_type!r} model from it; csbp would load it as {arch!r}) "
+            f"(fix: set model_type to {arch!r} if the checkpoint is a {architectures[0]})"
+        )
     for field in (
         "vocab_size",
         "hidden_size",

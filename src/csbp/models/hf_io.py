@@ -161,6 +161,11 @@ def read_hf_weights(
 def _read_safetensors(directory: Path) -> dict[str, Tensor]:
     """All tensors of a single-file or sharded safetensors checkpoint (CPU)."""
     index_file = directory / "model.safetensors.index.json"
+    if index_file.is_file() and (directory / "model.safetensors").is_file():  # transformers would read the latter
+        raise ValueError(
+            f"{directory} has both model.safetensors and model.safetensors.index.json, which may hold different "
+            "weights (fix: delete the one left over from an earlier save)"
+        )
     if index_file.is_file():
         index = read_json_object(index_file)
         weight_map = index.get("weight_map") or {}
