@@ -44,6 +44,40 @@ def test_slot_decay_values() -> None:
     assert torch.equal(slot_decay(torch.arange(4), None, torch.float64), torch.ones(4, dtype=torch.float64))
 
 
+def test_slot_weights_follow_the_formula_of_section_5_6() -> None:
+    """``ω[n, j] = keep_n · [a_n + j < S] · [j >= 1] · λ[a_n + j] · exp(−(j−1)/γ)`` and ``y = x[a + j]``,
+    written out by hand for one case that hits every factor (objectives.md §12 item 7)."""
+    tokens = torch.arange(20, 30)  # S = 10
+    loss_mask = torch.ones(10, dtype=torch.bool)
+    loss_mask[6] = False  # λ = 0 at position 6
+    packet = AnchorPacket(
+        torch.arange(4),
+        torch.tensor([0, 5, 8, 2]),  # anchor 8: slots 2-3 fall past the end; anchor 2: a dead block
+        torch.zeros(4, dtype=torch.long),
+        torch.tensor([True, True, True, False]),
+    )
+    targets = block_targets(tokens, loss_mask, torch.zeros(10, dtype=torch.long), packet, 4, sample=0)
+    expected_valid = [
+        [False, True, True, True],  # a = 0: slot 0 (the anchor) is never a target
+        [False, False, True, True],  # a = 5: position 6 unsupervised
+        [False, True, False, False],  # a = 8: positions 10, 11 do not exist
+        [False, False, False, False],  # dead
+    ]
+    assert targets.valid.view(4, 4).tolist() == expected_valid
+    labels = targets.labels.view(4, 4)
+    for n, anchor in enumerate([0, 5, 8]):
+        for j in range(4):
+            if expected_valid[n][j]:
+                assert int(labels[n, j]) == int(tokens[anchor + j])  # same-position labels
+    weights = slot_decay(targets.slot, 7.0, torch.float64) * targets.valid
+    expected = torch.tensor(
+        [[0, 1, math.exp(-1 / 7), math.exp(-2 / 7)], [0, 0, math.exp(-1 / 7), math.exp(-2 / 7)], [0, 1, 0, 0], [0] * 4],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(weights.view(4, 4), expected, rtol=0, atol=1e-15)
+    assert supervised_slot_counts([targets], 1).tolist() == [6]  # the Turbo-dLLM per-sample count
+
+
 VARIANTS = [
     pytest.param({}, {}, 0.0, id="ce-decay"),
     pytest.param({}, {"gamma": None}, 0.0, id="ce-no-decay"),
