@@ -150,6 +150,49 @@ def test_step_equals_dense_reference(
         assert m["covered"] > 0 and out.metrics["candidate_recall"] == m["covered"] / m["supervised"]
 
 
+class _HeadRows(torch.overrides.TorchFunctionMode):
+    """Records the row count of every 2-D matmul whose output is ``[rows, V]`` (the LM head)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size, self.rows = vocab_size, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        matmuls = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.einsum)
+        if func in matmuls and isinstance(out, torch.Tensor) and out.dim() == 2:
+            if out.shape[-1] == self.vocab_size:
+                self.rows.append(int(out.shape[0]))
+        return out
+
+
+@pytest.mark.parametrize(
+    ("drafter_options", "objective_options"),
+    [
+        pytest.param({}, {}, id="ce"),
+        pytest.param({}, {"loss": "kl"}, id="kl"),
+        pytest.param({}, {"lk_loss_type": "lambda", "weighting": "dpace"}, id="lambda-dpace"),
+        pytest.param({"selector_rank": 4, "selector_top_k": 8}, {}, id="selector"),
+    ],
+)
+def test_the_step_never_builds_more_than_a_chunk_of_head_logits(
+    drafter_options: dict, objective_options: dict
+) -> None:
+    """objectives.md §9 pitfall 11: ``[N·B, V]`` logits are never materialised, forward or backward."""
+    chunk = 5
+    objective = DFlashObjectiveConfig(max_anchors=6, gamma=7.0, ce_chunk_rows=chunk, **objective_options)
+    target, drafter = build_models(DFlashVerifyCase(drafter_options=drafter_options, objective=objective))
+    batch = make_batch(2, 32)
+    features = capture_target_features(target, batch.input_ids, (0, 2), with_last_hidden=True)
+    step = DFlashStep(drafter, objective, build_dflash_rank_plan(single_process_context(), objective))
+    recorder = _HeadRows(drafter.lm_head_weight.shape[0])
+    with recorder:
+        out = step(batch, torch.Generator().manual_seed(3), features=features, selector_scale=0.5)
+        out.loss.backward()
+    assert recorder.rows and max(recorder.rows) <= chunk, recorder.rows
+    assert sum(recorder.rows) > 4 * chunk  # the head did see many more rows than one chunk
+
+
 def _onehot_problem(shift: int) -> tuple[torch.Tensor, torch.Tensor, object]:
     """Identity head (V = D = 16); draft hidden = 50·onehot(x[a + j + shift]); a perfect teacher whose
     last hidden state at position p is 50·onehot(x[p + 1]) (its next-token prediction)."""
