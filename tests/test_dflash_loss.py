@@ -44,6 +44,40 @@ def test_slot_decay_values() -> None:
     assert torch.equal(slot_decay(torch.arange(4), None, torch.float64), torch.ones(4, dtype=torch.float64))
 
 
+def test_slot_weights_follow_the_formula_of_section_5_6() -> None:
+    """``ω[n, j] = keep_n · [a_n + j < S] · [j >= 1] · λ[a_n + j] · exp(−(j−1)/γ)`` and ``y = x[a + j]``,
+    written out by hand for one case that hits every factor (objectives.md §12 item 7)."""
+    tokens = torch.arange(20, 30)  # S = 10
+    loss_mask = torch.ones(10, dtype=torch.bool)
+    loss_mask[6] = False  # λ = 0 at position 6
+    packet = AnchorPacket(
+        torch.arange(4),
+        torch.tensor([0, 5, 8, 2]),  # anchor 8: slots 2-3 fall past the end; anchor 2: a dead block
+        torch.zeros(4, dtype=torch.long),
+        torch.tensor([True, True, True, False]),
+    )
+    targets = block_targets(tokens, loss_mask, torch.zeros(10, dtype=torch.long), packet, 4, sample=0)
+    expected_valid = [
+        [False, True, True, True],  # a = 0: slot 0 (the anchor) is never a target
+        [False, False, True, True],  # a = 5: position 6 unsupervised
+        [False, True, False, False],  # a = 8: positions 10, 11 do not exist
+        [False, False, False, False],  # dead
+    ]
+    assert targets.valid.view(4, 4).tolist() == expected_valid
+    labels = targets.labels.view(4, 4)
+    for n, anchor in enumerate([0, 5, 8]):
+        for j in range(4):
+            if expected_valid[n][j]:
+                assert int(labels[n, j]) == int(tokens[anchor + j])  # same-position labels
+    weights = slot_decay(targets.slot, 7.0, torch.float64) * targets.valid
+    expected = torch.tensor(
+        [[0, 1, math.exp(-1 / 7), math.exp(-2 / 7)], [0, 0, math.exp(-1 / 7), math.exp(-2 / 7)], [0, 1, 0, 0], [0] * 4],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(weights.view(4, 4), expected, rtol=0, atol=1e-15)
+    assert supervised_slot_counts([targets], 1).tolist() == [6]  # the Turbo-dLLM per-sample count
+
+
 VARIANTS = [
     pytest.param({}, {}, 0.0, id="ce-decay"),
     pytest.param({}, {"gamma": None}, 0.0, id="ce-no-decay"),
@@ -114,6 +148,49 @@ def test_step_equals_dense_reference(
     assert out.metrics["tau_mean"] == m["tau_sum"] / m["live_blocks"]
     if drafter.selector is not None:
         assert m["covered"] > 0 and out.metrics["candidate_recall"] == m["covered"] / m["supervised"]
+
+
+class _HeadRows(torch.overrides.TorchFunctionMode):
+    """Records the row count of every 2-D matmul whose output is ``[rows, V]`` (the LM head)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size, self.rows = vocab_size, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        matmuls = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.einsum)
+        if func in matmuls and isinstance(out, torch.Tensor) and out.dim() == 2:
+            if out.shape[-1] == self.vocab_size:
+                self.rows.append(int(out.shape[0]))
+        return out
+
+
+@pytest.mark.parametrize(
+    ("drafter_options", "objective_options"),
+    [
+        pytest.param({}, {}, id="ce"),
+        pytest.param({}, {"loss": "kl"}, id="kl"),
+        pytest.param({}, {"lk_loss_type": "lambda", "weighting": "dpace"}, id="lambda-dpace"),
+        pytest.param({"selector_rank": 4, "selector_top_k": 8}, {}, id="selector"),
+    ],
+)
+def test_the_step_never_builds_more_than_a_chunk_of_head_logits(
+    drafter_options: dict, objective_options: dict
+) -> None:
+    """objectives.md §9 pitfall 11: ``[N·B, V]`` logits are never materialised, forward or backward."""
+    chunk = 5
+    objective = DFlashObjectiveConfig(max_anchors=6, gamma=7.0, ce_chunk_rows=chunk, **objective_options)
+    target, drafter = build_models(DFlashVerifyCase(drafter_options=drafter_options, objective=objective))
+    batch = make_batch(2, 32)
+    features = capture_target_features(target, batch.input_ids, (0, 2), with_last_hidden=True)
+    step = DFlashStep(drafter, objective, build_dflash_rank_plan(single_process_context(), objective))
+    recorder = _HeadRows(drafter.lm_head_weight.shape[0])
+    with recorder:
+        out = step(batch, torch.Generator().manual_seed(3), features=features, selector_scale=0.5)
+        out.loss.backward()
+    assert recorder.rows and max(recorder.rows) <= chunk, recorder.rows
+    assert sum(recorder.rows) > 4 * chunk  # the head did see many more rows than one chunk
 
 
 def _onehot_problem(shift: int) -> tuple[torch.Tensor, torch.Tensor, object]:

@@ -193,6 +193,14 @@ def test_leakage_future_features_other_and_dead_blocks() -> None:
     changed = _training_hidden(drafter, other, features, dead).view(4, 4, -1)
     torch.testing.assert_close(changed[:2], base[:2], rtol=0, atol=0)
     assert torch.equal(changed[3], torch.zeros_like(changed[3]))
+    # Overlapping blocks (objectives.md §9 pitfall 3): block 0 covers positions 3-6 and block 1 covers
+    # 4-7, so visibility by position would let block 0 see block 1's anchor row (position 4).
+    overlap = tokens.clone()
+    overlap[4] = (overlap[4] + 1) % 60  # block 1's anchor token, inside block 0's span
+    shifted = _training_hidden(drafter, overlap, features, packet).view(4, 4, -1)
+    torch.testing.assert_close(shifted[0], base[0], rtol=0, atol=0)
+    torch.testing.assert_close(shifted[2], base[2], rtol=0, atol=0)
+    assert (shifted[1] - base[1]).abs().max() > 1e-3  # block 1 does see its own anchor
 
 
 def test_fresh_dflash2_equals_dflash_and_conv_stays_in_block() -> None:

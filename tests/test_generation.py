@@ -306,3 +306,15 @@ def test_a_tiny_positive_temperature_samples_the_argmax_instead_of_crashing(
         )
         assert tokens.tolist() == [1, 2]
         assert torch.equal(confidence, torch.ones(2, dtype=confidence.dtype))
+
+
+def test_a_vanishing_temperature_is_greedy_left_to_right_not_the_greedy_order(model: Decoder) -> None:
+    """The documented limit of the tempered confidence (Fast-dLLM v2's convention, see
+    ``csbp.generation.token_choice``): as ``T -> 0+`` every confidence is 1, so the arg-max tokens
+    are unmasked leftmost first; ``T = 0`` ranks by the untempered probability instead."""
+    prompt = [(3 * i + 1) % MASK for i in range(6)]
+    vanishing = run(model, prompt, steps_per_block=2, temperature=1e-300, seed=4)
+    left_to_right = run(model, prompt, steps_per_block=2, temperature=0.0, unmask_order="left_to_right")
+    assert vanishing.unmask_steps == left_to_right.unmask_steps
+    greedy = run(model, prompt, steps_per_block=2, temperature=0.0)
+    assert greedy.unmask_steps != vanishing.unmask_steps  # a different order (and so other tokens)

@@ -281,6 +281,11 @@ def test_config_rules(inputs: tuple[Path, Path]) -> None:
         "config: data.seq_len: seq_len=34 must split into 2*cp=4 equal zigzag chunks (fix: use a multiple of 4, "
         "e.g. 36)"
     ]
+    message = one_line_error(lambda: check_run(dflash_config(artifact, target, **{"objective.t_min": 0.3})))
+    assert message == (  # a drafter has no noise level: the option was silently ignored
+        "objective.t_min: not supported here, dflash never reads it (its noise options: none) "
+        "(fix: remove objective.t_min)"
+    )
 
 
 def test_missing_target_directory(inputs: tuple[Path, Path], tmp_path: Path) -> None:

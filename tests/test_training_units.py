@@ -216,6 +216,26 @@ def test_objective_options_map_onto_the_objectives(artifact: Path) -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"objective.name": "fast_dllm_v2", "objective.noise": "stratified"}, "noise"),
+        ({"objective.name": "fast_dllm_v2", "objective.t_min": 0.3}, "t_min"),
+        ({"objective.name": "fast_dllm_v2", "objective.t_max": 0.8}, "t_max"),
+        ({"objective.eps": 0.2}, "eps"),  # bd3
+        ({"objective.name": "mdlm", "objective.block_size": None, "objective.eps": 0.2}, "eps"),
+        ({"objective.name": "ar", "objective.block_size": None, "objective.t_min": 0.3}, "t_min"),
+    ],
+)
+def test_noise_options_an_objective_never_reads_are_refused(artifact: Path, changes: dict, field: str) -> None:
+    """They used to be accepted and ignored (fast_dllm_v2 draws p = (1 - eps) t + eps, t ~ U(0, 1),
+    whatever noise/t_min/t_max say; bd3 and mdlm never read eps)."""
+    with pytest.raises(ValueError, match=rf"^objective\.{field}: not supported here, .* never reads it"):
+        check_run(tiny_config(artifact, **changes))
+    defaults = {key: value for key, value in changes.items() if not key.endswith(field)}
+    check_run(tiny_config(artifact, **defaults))  # the same objective with the option left at its default
+
+
 def test_launch_option_checks() -> None:
     with pytest.raises(ValueError, match="--rdzv-endpoint: required"):
         check_process_count(_world2(), 1, LaunchOptions(nnodes=2))

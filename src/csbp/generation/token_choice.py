@@ -10,6 +10,14 @@ confidence per row:
   drawn per row with the given CPU generator; the confidence is the drawn token's probability
   under that distribution.
 
+Confidence under sampling. Using the tempered, truncated distribution is Fast-dLLM v2's convention
+(its released ``sample_with_top_p`` returns the renormalised nucleus of ``softmax(logits / T)`` and
+the threshold and arg-max read the drawn token's probability there; Dream's ``sample_tokens`` does
+the same). LLaDA's ``generate`` instead ranks by the *untempered* ``softmax(logits)`` of the token
+its Gumbel noise drew. The consequence here: as ``T -> 0+`` every confidence tends to 1, the ties
+resolve to the leftmost positions, and sampling becomes greedy *left to right*, not the ``T == 0``
+greedy most-confident-first order; ``T == 0`` is its own mode, not the limit of small temperatures.
+
 ``choose_unmasked`` picks which candidates are committed in this step: the ``k`` most confident
 with ``k = ceil(remaining / remaining_steps)`` (so a block always finishes within its step budget),
 or, with a ``threshold``, every candidate whose confidence reaches it if those are more than ``k``.

@@ -36,7 +36,7 @@ import torch
 from csbp.atomic import WRITE_PROBE_PREFIX, unwritable_reason
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.flex_backward import resolve_flex_backward
-from csbp.config.schema import RunConfig
+from csbp.config.schema import ObjectiveSection, RunConfig
 from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit, max_token_id, open_artifact
 from csbp.data.tokenizer import load_tokenizer, special_tokens_from_names
 from csbp.models.config import DecoderConfig
@@ -129,6 +129,7 @@ def check_run(
         tokenizer_dir = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
     val_split = _val_split(cfg, artifact)
     if cfg.objective.name == "dflash":
+        _reject_unread_noise_options(cfg.objective)
         dflash = check_dflash_inputs(cfg, artifact, val_split, data_tokenizer_dir=tokenizer_dir)
         inputs = RunInputs(
             artifact=artifact,
@@ -333,9 +334,29 @@ def _mask_token_id(cfg: RunConfig, artifact: Artifact, decoder_config: DecoderCo
     return int(mask_id)
 
 
+# The noise options each objective reads (mdlm's t_max is checked separately: it must be 1).
+_NOISE_OPTIONS = ("noise", "t_min", "t_max", "eps")
+_READS_NOISE_OPTIONS = {
+    "bd3": {"noise", "t_min", "t_max"},
+    "mdlm": {"noise", "t_min", "t_max"},
+    "fast_dllm_v2": {"eps"},
+}
+
+
+def _reject_unread_noise_options(obj: ObjectiveSection) -> None:
+    """A noise option moved off its default for an objective that never reads it fails (it was ignored:
+    ``fast_dllm_v2`` with ``t_min``/``t_max``/``noise``, ``bd3``/``mdlm`` with ``eps``, ``ar``/``dflash``)."""
+    reads = _READS_NOISE_OPTIONS.get(obj.name, set())
+    for name in _NOISE_OPTIONS:
+        if name not in reads and getattr(obj, name) != ObjectiveSection.model_fields[name].default:
+            uses = ", ".join(sorted(reads)) or "none"
+            _reject_unless(False, name, f"{obj.name} never reads it (its noise options: {uses})")
+
+
 def _objective_options(cfg: RunConfig, mask_token_id: int | None) -> dict[str, Any]:
     """``build_objective`` keywords for ``cfg.objective`` (fail closed on options it cannot honour)."""
     obj = cfg.objective
+    _reject_unread_noise_options(obj)
     if obj.name == "ar":
         _reject_unless(obj.denominator == "supervised_tokens", "denominator", "ar normalises by its targets")
         return {}
