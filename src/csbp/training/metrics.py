@@ -57,6 +57,20 @@ _SCALARS = {
 }
 
 
+STEP_LINE_EXTRAS = ("tau_mean", "val_loss", "val_nelbo", "val_tau_mean", "val_acceptance_length")
+"""Numbers a step's console line adds after ``grad_norm`` when its record has them."""
+
+
+def step_line(record: dict[str, Any]) -> str:
+    """The console line of a logged step (every ``train.log_every`` steps): ``step N: loss .. lr ..
+    grad_norm ..`` and, when present, the validation and DFlash numbers of :data:`STEP_LINE_EXTRAS`."""
+    extra = "".join(f" {name} {record[name]:.4f}" for name in STEP_LINE_EXTRAS if name in record)
+    return (
+        f"step {record['step']}: loss {record['loss']:.4f} lr {record['lr']:.3e} "
+        f"grad_norm {record['grad_norm']:.3f}{extra}"
+    )
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: peak allocated bytes on ``device``; CPU: this process's peak resident set size."""
     if device.type == "cuda":
