@@ -109,3 +109,20 @@ def test_a_skipped_last_step_still_validates_and_checkpoints(
     assert summary.checkpoint is not None and summary.checkpoint.name == "step_0000004"
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_0000004"
     assert [r["step"] for r in metric_rows(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_tensorboard_gets_the_dflash_validation_numbers(tmp_path: Path) -> None:
+    """The served acceptance length is the number a DFlash run is judged by: TensorBoard shows it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from csbp.training.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, enabled=True, start_step=0, total_steps=1)
+    record = {"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 10.0, "val_loss": 2.5}
+    writer.log({**record, "val_acceptance_length": 1.75, "val_selector_loss": 0.25, "val_candidate_recall": 0.5})
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"val/acceptance_length", "val/selector_loss", "val/candidate_recall", "val/loss"} <= tags
+    assert events.Scalars("val/acceptance_length")[0].value == 1.75

@@ -12,7 +12,9 @@ train loss of the step), ``lr`` (the rate the step used), ``grad_norm`` (before 
 likelihood bound comparable across recipes, csbp.evaluation.nelbo), and ``val_ppl_bound`` =
 ``exp(val_nelbo)``.
 Objectives may add metrics: dflash logs ``token_accuracy`` and ``tau_mean`` (and ``val_`` versions;
-with a DFlash2 selector also ``selector_loss`` and ``candidate_recall``).
+with a DFlash2 selector also ``selector_loss`` and ``candidate_recall``), and its validation the
+served ``val_acceptance_length`` and ``val_accept_rate_<k>``. TensorBoard gets every number of
+``_SCALARS`` (``val_accept_rate_<k>`` stay in the JSONL only).
 When a run resumes, records after the resumed step (written before a crash) are dropped, so the
 file always describes one trajectory.
 
@@ -54,6 +56,9 @@ _SCALARS = {
     "candidate_recall": "train/candidate_recall",
     "val_token_accuracy": "val/token_accuracy",
     "val_tau_mean": "val/tau_mean",
+    "val_selector_loss": "val/selector_loss",
+    "val_candidate_recall": "val/candidate_recall",
+    "val_acceptance_length": "val/acceptance_length",
 }
 
 
