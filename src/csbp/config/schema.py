@@ -151,7 +151,8 @@ class DataSection(_Section):
 
     train: str = path_field(description="Prepared artifact directory (from `csbp data prepare`).")
     val: str | None = path_field(
-        None, description="Artifact directory whose val split is evaluated; unset: data.train's val split."
+        None, description="Artifact directory whose val split (or, without one, train split) is evaluated; "
+        "unset: data.train's val split."
     )
     seq_len: int = Field(gt=1, description="Tokens per training sequence L.")
     tokenizer: str | None = path_field(
@@ -393,8 +394,8 @@ class TrainSection(_Section):
     grad_accum: int = Field(1, gt=0, description="Micro-steps accumulated per optimizer step.")
     precision: Literal["fp32", "bf16", "fp64"] = Field("fp32", description="Compute precision: fp32; bf16 "
                                                        "(autocast over float32 weights); fp64 (float64 weights).")
-    log_every: int = Field(10, gt=0, description="Steps between log lines.")
-    eval_every: int = Field(0, ge=0, description="Steps between validation passes; 0 disables.")
+    log_every: int = Field(10, gt=0, description="Steps between console lines (metrics.jsonl and TensorBoard get every step).")
+    eval_every: int = Field(0, ge=0, description="Steps between validation passes (also before a new run's first step and after the last); 0 disables.")
     eval_batches: int = Field(8, gt=0, description="Micro-batches per dp replica per validation pass: the "
                               "first eval_batches x micro_batch_size x dp val rows, at most the val split's.")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints; 0: only at the end.")
