@@ -126,3 +126,16 @@ def test_tensorboard_gets_the_dflash_validation_numbers(tmp_path: Path) -> None:
     tags = set(events.Tags()["scalars"])
     assert {"val/acceptance_length", "val/selector_loss", "val/candidate_recall", "val/loss"} <= tags
     assert events.Scalars("val/acceptance_length")[0].value == 1.75
+
+
+def test_compare_refuses_validation_rows_past_the_val_split(artifact: Path, tmp_path: Path) -> None:
+    """``csbp compare`` validates with ``train.eval_every`` off in its layouts, so the rule is its own."""
+    from csbp.compare import CompareOptions
+    from csbp.compare.runner import plan_layouts
+
+    options = CompareOptions(layouts=("data",), budget_s=1.0, nproc=1, out_dir=tmp_path / "cmp")
+    fits = tiny_config(artifact, **{"train.eval_every": 0, "train.micro_batch_size": 5, "train.eval_batches": 2})
+    assert [name for name, _ in plan_layouts(fits, options)] == ["data"]
+    wraps = tiny_config(artifact, **{"train.eval_every": 0, "train.micro_batch_size": 4, "train.eval_batches": 3})
+    with pytest.raises(ValueError, match=r"= 12 validation rows per pass, but the val split has only 10"):
+        plan_layouts(wraps, options)

@@ -436,12 +436,14 @@ def _check_batches(cfg: RunConfig, inputs: RunInputs) -> None:
             "(fix: prepare the data with --val-fraction, set data.val, or set train.eval_every: 0)"
         )
     if cfg.train.eval_every > 0 and inputs.val_split is not None:
-        _check_validation_rows(cfg, inputs.val_split.num_rows, global_batch)
+        check_validation_rows(cfg, inputs.val_split.num_rows)
 
 
-def _check_validation_rows(cfg: RunConfig, val_rows: int, global_batch: int) -> None:
+def check_validation_rows(cfg: RunConfig, val_rows: int) -> None:
     """A validation pass reads ``eval_batches`` global batches of the unshuffled val split; past its
-    end the loader wraps around, so some rows would be scored twice and the others once: refused."""
+    end the loader wraps around, so some rows would be scored twice and the others once: refused
+    (also by ``csbp compare``, which validates with ``train.eval_every`` off)."""
+    global_batch = cfg.train.micro_batch_size * cfg.topology.dp
     per_pass = cfg.train.eval_batches * global_batch
     if per_pass <= val_rows:
         return
