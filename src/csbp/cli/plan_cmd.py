@@ -32,6 +32,7 @@ from csbp.plan.artifact_documents import (
     artifact_documents,
     run_config_documents,
 )
+from csbp.plan.auto import load_plannable_config, run_search
 from csbp.plan.calibration import load_calibration, packaged_calibration, save_calibration
 from csbp.plan.hardware import PRESETS, hardware
 from csbp.plan.layout import Layout, parse_topology
@@ -158,7 +159,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="packed",
         help="CP rings inside a node when they fit (csbp's rank order) or striped across nodes",
     )
-    parser.add_argument("--sharding", choices=("fsdp2", "zero2", "ddp"), default="fsdp2")
+    parser.add_argument(
+        "--sharding",
+        choices=("fsdp2", "zero2", "ddp"),
+        default=None,
+        help="optimizer/gradient/weight sharding (default: a run config's train.fsdp, fsdp2 or ddp; else fsdp2)",
+    )
     parser.add_argument(
         "--topology",
         nargs="+",
@@ -215,14 +221,14 @@ def resolve_workload(spec: str, overrides: list[str] | None = None) -> tuple[Wor
     elif Path(spec).is_dir() or Path(spec).suffix == ".json":
         workload = hf_workload(Path(spec))
     else:
-        from csbp.recipes import list_recipes, load_run_config
+        from csbp.recipes import list_recipes
 
         if not Path(spec).is_file() and spec not in list_recipes():
             raise ValueError(
                 f"--model {spec!r} is no preset ({', '.join(preset_names())}), recipe ({', '.join(list_recipes())}), "
                 "run config file or HF config.json (or folder holding one)"
             )
-        cfg = load_run_config(spec, overrides or [])
+        cfg = load_plannable_config(spec, overrides or [])  # topology: auto is what the planner chooses
         return run_config_workload(cfg), cfg
     if overrides:
         raise ValueError("--set applies to run configs only: --model here is a preset or a HF config.json")
@@ -262,8 +268,20 @@ def run_plan(args: argparse.Namespace) -> int:
     hw = hardware(args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
     cal = load_calibration(args.calibration) if args.calibration else packaged_calibration(args.gpu)
     ckpts = ("full", "none") if args.checkpointing == "both" else (args.checkpointing,)
+    # a run config fixes what topology: auto keeps (its sharding, micro-batch and accumulation), so
+    # the table's first row is auto's pick; --sharding and --global-batch override it
+    search = run_search(run_config) if run_config is not None else None
+    args.sharding = args.sharding or (search.sharding if search is not None else "fsdp2")
+    micro_batches, accum = (1, 2, 4), 1
+    if search is not None and args.global_batch is None:
+        micro_batches, accum = (search.micro_batch,), search.grad_accum
+        print(
+            f"run config: train.micro_batch_size {search.micro_batch} x train.grad_accum {accum} per replica, "
+            f"sharding {args.sharding} ({'--sharding' if args.sharding != search.sharding else 'train.fsdp'}), "
+            "as topology: auto plans it"
+        )
     if args.topology:
-        layouts = _given_layouts(args, workload, ckpts)
+        layouts = _given_layouts(args, workload, ckpts, micro_batches[0])
     else:
         layouts = candidate_layouts(
             workload,
@@ -273,10 +291,11 @@ def run_plan(args: argparse.Namespace) -> int:
             checkpointing=ckpts,
             placement=args.placement,
             sharding=args.sharding,
+            micro_batches=micro_batches,
         )
         if not layouts:
             raise ValueError(no_layout_reason(workload, args.gpus, args.seq_len, global_batch=args.global_batch))
-    plan = rank(workload, layouts, args.seq_len, hw, cal, global_batch=args.global_batch)
+    plan = rank(workload, layouts, args.seq_len, hw, cal, global_batch=args.global_batch, grad_accum=accum)
     print(format_plan(plan, workload, args.seq_len, args.gpus, hw, cal, top=args.top))
     if args.json is not None:
         write_json_atomic(args.json, plan_json(plan, workload, args.seq_len, args.gpus, hw, cal))
@@ -299,13 +318,15 @@ def _run_documents(args: argparse.Namespace, workload: Workload, run_config: Run
     return replace(workload, doc_length=sample)
 
 
-def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[str, ...]) -> list[Layout]:
+def _given_layouts(
+    args: argparse.Namespace, workload: Workload, ckpts: tuple[str, ...], micro_batch: int
+) -> list[Layout]:
     layouts = []
     for text in args.topology:
         dp, cp, bp = parse_topology(text)
         if dp * max(cp, bp) != args.gpus:
             raise ValueError(f"--topology {text} uses {dp * max(cp, bp)} GPUs, not --gpus {args.gpus}")
-        base = Layout(dp, cp, bp, placement=args.placement, sharding=args.sharding)
+        base = Layout(dp, cp, bp, micro_batch=micro_batch, placement=args.placement, sharding=args.sharding)
         problem = sequence_problem(workload, base, args.seq_len)
         if problem is not None:
             raise ValueError(f"--topology {text}: {problem[0]} (fix: {problem[1]}, or another --topology)")
