@@ -18,6 +18,8 @@ from csbp.plan.calibration import packaged_calibration
 from csbp.plan.hardware import hardware
 from csbp.plan.layout import Layout
 from csbp.plan.model import predict
+from csbp.plan.search import rank
+from csbp.plan.workload import preset_workload
 from csbp.recipes import copy_recipe, load_run_config
 
 # a run whose layouts differ in what fits: DDP (train.fsdp false), 2 sequences per replica, 2 micro-steps
@@ -93,3 +95,15 @@ def test_plan_prices_a_run_configs_gradient_accumulation(
     layout = Layout(2, 2, 2, transport=row.split()[2], micro_batch=2, sharding="ddp")
     expected = predict(workload, layout, 16384, hardware("cpu", gpus=4), packaged_calibration("cpu"), global_batch=8)
     assert f"{expected.step_s:9.3f}" in row and " 2 " in row
+
+
+def test_equal_speed_ranks_the_layout_that_moves_fewer_kv_bytes_first() -> None:
+    workload = preset_workload("nemotron-8b")
+    cal = packaged_calibration("h200")
+    slow_network = hardware("h200", gpus=8)
+    layouts = [Layout(2, 4, 1, transport="streaming"), Layout(2, 4, 4, transport="streaming")]
+    fast = cal.with_values({"interval_fwd": 1.0, "interval_bwd": 1.0, "overlap_stream": 0.9999}, source="test")
+    plan = rank(workload, layouts, 8192, slow_network, fast)
+    cp, csbp = sorted(plan.feasible, key=lambda p: p.layout.bp)
+    assert cp.tokens_per_s == csbp.tokens_per_s and cp.mem_bytes == csbp.mem_bytes and csbp.kv_bytes < cp.kv_bytes
+    assert plan.best is not None and plan.best.layout.bp == 4

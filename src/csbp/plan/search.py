@@ -175,7 +175,9 @@ def rank(
         )
         for lay in layouts
     ]
-    feasible = sorted((p for p in preds if p.fits), key=lambda p: (-p.tokens_per_s, p.mem_bytes))
+    # equal speed (e.g. a streaming ring whose traffic the model hides entirely): less memory, then
+    # fewer K/V bytes, the layout least exposed to an overlap assumption that does not hold
+    feasible = sorted((p for p in preds if p.fits), key=lambda p: (-p.tokens_per_s, p.mem_bytes, p.kv_bytes))
     infeasible = sorted((p for p in preds if not p.fits), key=lambda p: p.mem_bytes)
     return Plan(
         tuple(feasible),
