@@ -107,3 +107,16 @@ def test_equal_speed_ranks_the_layout_that_moves_fewer_kv_bytes_first() -> None:
     cp, csbp = sorted(plan.feasible, key=lambda p: p.layout.bp)
     assert cp.tokens_per_s == csbp.tokens_per_s and cp.mem_bytes == csbp.mem_bytes and csbp.kv_bytes < cp.kv_bytes
     assert plan.best is not None and plan.best.layout.bp == 4
+
+
+def test_a_missing_hf_config_names_the_flag_or_field_it_came_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "no-target"
+    code = main(["plan", "--model", "dflash-demo", "--set", f"objective.dflash.target={missing}", "--gpus", "4", "--gpu", "cpu"])
+    err = capsys.readouterr().err
+    assert code != 0 and f"objective.dflash.target {missing}: no Hugging Face config.json" in err and "--model" not in err
+    code = main(["plan", "--model", "dflash2-qwen3.8", "--seq-len", "64K", "--gpus", "8", "--target-pass", "sharded",
+                 "--target-config", str(missing)])
+    err = capsys.readouterr().err
+    assert code != 0 and f"--target-config {missing}: no Hugging Face config.json" in err and "--model" not in err

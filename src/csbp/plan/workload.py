@@ -142,7 +142,7 @@ class Workload:
             raise ValueError(f"--target-pass {mode!r} must be one of {', '.join(TARGET_PASSES)}")
         current = self.target_pass
         if target_config is not None:
-            target = hf_workload(target_config).model
+            target = hf_workload(target_config, source="--target-config").model
             current = TargetPass(current.mode if current else "offline", target, target.num_layers)
         mode = mode or (current.mode if current else "offline")
         if mode == "offline":
@@ -261,11 +261,17 @@ def preset_workload(name: str) -> Workload:
     return Workload(model, objective, 2)
 
 
-def hf_workload(path: Path, *, objective: str = "bd3", block_size: int = 32) -> Workload:
-    """A decoder from a Hugging Face ``config.json`` (or a folder holding one), bf16."""
+def hf_workload(
+    path: Path, *, objective: str = "bd3", block_size: int = 32, source: str = "--model"
+) -> Workload:
+    """A decoder from a Hugging Face ``config.json`` (or a folder holding one), bf16. ``source``
+    names where the path came from (a flag or a config field) in the error when it holds none."""
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"{file}: no Hugging Face config.json here (--model takes a file or folder)")
+        fix = "train the target first, or point it at a folder holding one" if source == "objective.dflash.target" else (
+            "a config.json or a folder holding one"
+        )
+        raise FileNotFoundError(f"{source} {path}: no Hugging Face config.json here (fix: {fix})")
     cfg = json.loads(file.read_text())
     if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
         raise ValueError(f"{file}: mixture-of-experts models are not in the cost model (dense decoders only)")
@@ -305,7 +311,7 @@ def run_config_workload(cfg: Any) -> Workload:
         return _dflash_workload(cfg)
     block = obj.block_size or cfg.data.seq_len
     if m.init_from is not None:
-        base = hf_workload(Path(m.init_from), objective=obj.name, block_size=block)
+        base = hf_workload(Path(m.init_from), objective=obj.name, block_size=block, source="model.init_from")
     else:
         missing = [
             k
@@ -356,7 +362,7 @@ def _dflash_workload(cfg: Any) -> Workload:
     from csbp.plan.target_pass import TargetPass
 
     section = cfg.objective.dflash
-    target = hf_workload(Path(section.target))
+    target = hf_workload(Path(section.target), source="objective.dflash.target")
     t, group = target.model, target.model.groups[0]
     types = section.layer_types or ["full_attention"] * section.num_draft_layers
     sliding = sum(kind == "sliding_attention" for kind in types)
