@@ -137,10 +137,19 @@ def kv_passes(layout: Layout, kv_grad_ratio: float) -> tuple[float, float]:
 
 
 def ring_bandwidth(layout: Layout, hw: Hardware, cal: Calibration) -> float:
-    """Bytes/s of a CP ring: intra-node when the ring sits inside a node, else the network."""
-    across = layout.local > hw.gpus_per_node or (
-        layout.placement == "striped" and layout.world > hw.gpus_per_node
-    )
+    """Bytes/s of a CP ring: intra-node when every ring sits inside a node, else the network (the
+    rings step together, so one ring cut by a node boundary sets the pace). csbp's rank order
+    (``csbp.topology``: ``rank = dp_rank * local + local_rank``, ring ``local_rank // cp``) puts a
+    ring's ``cp`` members on consecutive ranks, so a ``packed`` ring crosses nodes only when it is
+    larger than a node or a node boundary cuts it (``gpus_per_node`` not a multiple of ``cp``); the
+    BP ranks beyond the ring (``bp > cp``) exchange no K/V. ``striped`` rings span the nodes."""
+    per_node = hw.gpus_per_node
+    if layout.world <= per_node:
+        across = False
+    elif layout.placement == "striped":
+        across = True
+    else:
+        across = layout.cp > per_node or per_node % layout.cp != 0
     return (hw.inter_gbps * cal.net_eff if across else hw.intra_gbps * cal.intra_eff) * 1e9
 
 
