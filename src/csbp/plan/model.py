@@ -315,7 +315,8 @@ def predict(
     # --- gradient synchronisation, optimizer, overhead (once per optimizer step)
     n = model.total_params
     world = layout.world
-    grad_bytes = {"zero2": 4.0, "fsdp2": 3.0 * p, "ddp": 2.0 * p}[layout.sharding]
+    s = workload.state_bytes  # FSDP2/DDP move and hold the master dtype (csbp: no mixed-precision policy)
+    grad_bytes = {"zero2": 4.0, "fsdp2": 3.0 * s, "ddp": 2.0 * s}[layout.sharding]
     grad_bw = (
         hw.inter_gbps * cal.net_eff if world > hw.gpus_per_node else hw.intra_gbps * cal.intra_eff
     ) * 1e9
@@ -343,13 +344,13 @@ def predict(
             terms["weights"] = 2.0 * n
             terms["grads+optimizer"] = 16.0 * n / world
         elif layout.sharding == "fsdp2":
-            terms["weights"] = p * n / world + 2 * p * model.max_layer_params
-            terms["grads+optimizer"] = 3.0 * p * n / world
+            terms["weights"] = s * n / world + 2 * s * model.max_layer_params
+            terms["grads+optimizer"] = 3.0 * s * n / world
         else:
-            terms["weights"] = p * n
-            terms["grads+optimizer"] = 3.0 * p * n
+            terms["weights"] = s * n
+            terms["grads+optimizer"] = 3.0 * s * n
     else:
-        terms["grads"] = p * n / (world if layout.sharding != "ddp" else 1)
+        terms["grads"] = s * n / (world if layout.sharding != "ddp" else 1)
     if ckpt:
         terms["checkpoints"] = model.num_layers * rows * model.d_model * p
         working = cal.ws_factor * rows * act_row
