@@ -174,8 +174,9 @@ class StepHook(Protocol):
     """Called by the step loop (``csbp compare`` uses one to train for a wall-clock budget).
 
     ``on_start`` runs once before the first step of this invocation; ``after_step`` after every
-    optimizer step with the step's seconds on this rank and returns True to stop the run after that
-    step (a checkpoint is then written). Both must return the same decision on every rank.
+    optimizer step with the step's seconds on this rank (and those of steps ``nan_policy: skip``
+    skipped since) and returns True to stop the run after that step (a checkpoint is then written).
+    Both must return the same decision on every rank.
     """
 
     def on_start(self, loop: _Loop, start_step: int) -> None: ...
@@ -337,6 +338,7 @@ class _Loop:
         checkpoint: Path | None = None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.last_step = start_step
+        skipped_s = 0.0  # seconds of skipped non-finite steps: they ran, so a budget pays for them
         if evaluating and start_step == 0:  # the untrained baseline, so "first -> last" means something
             initial = self._evaluate(0)
             nelbo = initial.metrics.get("nelbo")
@@ -360,6 +362,7 @@ class _Loop:
             if not (math.isfinite(result.loss) and math.isfinite(grad_norm)):
                 self._non_finite(step, result.loss, grad_norm, checkpoint)  # raises unless skipping
                 self.last_step = step
+                skipped_s += time.perf_counter() - step_started
                 continue
             self._skipped_in_a_row = 0
             self.optimizer.step()
@@ -394,7 +397,8 @@ class _Loop:
                     f"step {step}: loss {result.loss:.4f} lr {lr:.3e} grad_norm {grad_norm:.3f}{extra}"
                 )
             self.last_step = step
-            stop = self.hook is not None and self.hook.after_step(self, step, step_seconds)
+            stop = self.hook is not None and self.hook.after_step(self, step, step_seconds + skipped_s)
+            skipped_s = 0.0
             if (train_cfg.save_every > 0 and step % train_cfg.save_every == 0) or step == stop_step or stop:
                 checkpoint = self._save(step)
             if stop:
