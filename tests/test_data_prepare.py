@@ -267,6 +267,23 @@ def test_open_artifact_detects_damage(tmp_path, tokenizer_dir) -> None:
         open_artifact(tmp_path)
 
 
+def test_verify_refuses_special_ids_the_tokenizer_does_not_give(tmp_path, tokenizer_dir, tokenizer) -> None:
+    # the mask id is read from the manifest, which the content fingerprint does not cover
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:4]])
+    art_dir = tmp_path / "art"
+    prepare([path], art_dir, tokenizer_dir, seq_len=4)
+    manifest_path = art_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest["special_ids"]["mask"] = tokenizer.encode("the")[0]
+    manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"special_ids.mask is \d+, but its tokenizer.json gives '<\|mask\|>' the id 1 "):
+        open_artifact(art_dir, verify=True)
+    del manifest["special_ids"]["mask"]
+    manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ValueError, match="special_ids.mask is None"):
+        open_artifact(art_dir, verify=True)
+
+
 def test_chat_needs_role_markers_in_the_tokenizer(tmp_path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
