@@ -284,7 +284,7 @@ def test_verify_refuses_special_ids_the_tokenizer_does_not_give(tmp_path, tokeni
         open_artifact(art_dir, verify=True)
 
 
-def test_chat_needs_role_markers_in_the_tokenizer(tmp_path) -> None:
+def test_chat_needs_role_markers_in_the_tokenizer(tmp_path, monkeypatch) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     backend = Tokenizer(
@@ -304,6 +304,10 @@ def test_chat_needs_role_markers_in_the_tokenizer(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"chat\.jsonl:2: chat data needs the role marker '<\|user\|>'"):
         prepare([chat], tmp_path / "chat_art", tok_dir, seq_len=4)
     assert not (tmp_path / "chat_art").exists()
+    # refused while counting, before anything is encoded, naming the fix for a model's tokenizer
+    monkeypatch.setattr(prepare_module, "encode_documents", lambda *a, **k: pytest.fail("encoded"))
+    with pytest.raises(ValueError, match=r"chat\.jsonl:2: .* lacks \(fix: --chat-template PATH .*, or --train-tokenizer\)$"):
+        prepare([chat], tmp_path / "chat_art", tok_dir, seq_len=4)
 
 
 @pytest.mark.parametrize(
