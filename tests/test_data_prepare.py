@@ -335,6 +335,15 @@ def test_tokenizer_is_checked_before_the_inputs_are_read(tmp_path) -> None:
     assert not (tmp_path / "art").exists()
 
 
+def test_more_documents_than_int32_ids_are_refused_before_encoding(tmp_path, tokenizer_dir, monkeypatch) -> None:
+    monkeypatch.setattr(prepare_module, "MAX_DOCUMENTS_PER_SPLIT", 2)
+    monkeypatch.setattr(prepare_module, "encode_documents", lambda *a, **k: pytest.fail("encoded"))
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:4]])
+    with pytest.raises(ValueError, match="the train split would hold 3 documents, more than the 2 int32"):
+        prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4, val_fraction=0.25)
+    assert not (tmp_path / "art").exists()
+
+
 def test_all_empty_inputs_are_an_error(tmp_path, tokenizer_dir) -> None:
     path = write_jsonl(tmp_path / "empty.jsonl", [{"text": ""}, {"text": "\n"}])
     with pytest.raises(ValueError, match=r"no non-empty documents \(2 empty ones skipped\)"):

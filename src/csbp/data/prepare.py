@@ -167,6 +167,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     if num_documents == 0:
         raise ValueError(f"the inputs hold no non-empty documents ({num_empty} empty ones skipped)")
     val_ordinals = _choose_val_documents(num_documents, config.val_fraction, config.seed)
+    _check_document_ids_fit(num_documents - len(val_ordinals), len(val_ordinals))
     say(f"{num_documents} documents ({len(val_ordinals)} val), {num_empty} empty skipped")
 
     tokenizer = given if given is not None else _train_tokenizer(config, files, val_ordinals, say)
@@ -231,6 +232,19 @@ def check_role_markers(tokenizer: CsbpTokenizer, first_use: dict[str, str]) -> N
     for role, where in first_use.items():
         if role not in tokenizer.role_ids:
             raise ValueError(f"{where}: {role_marker_message(tokenizer, role)}")
+
+
+MAX_DOCUMENTS_PER_SPLIT = 2**31
+"""Document ids are stored as int32 (``artifact.ARRAY_DTYPES``): ordinals ``0 .. 2**31 - 1``."""
+
+
+def _check_document_ids_fit(num_train: int, num_val: int) -> None:
+    for split, count in (("train", num_train), ("val", num_val)):
+        if count > MAX_DOCUMENTS_PER_SPLIT:
+            raise ValueError(
+                f"the {split} split would hold {count} documents, more than the {MAX_DOCUMENTS_PER_SPLIT} "
+                "int32 document ids can number (fix: prepare the inputs as several artifacts, or join short records)"
+            )
 
 
 def _choose_val_documents(num_documents: int, val_fraction: float, seed: int) -> frozenset[int]:
