@@ -94,6 +94,8 @@ def test_random_cases_run_on_the_named_backend(tmp_path, capsys: pytest.CaptureF
         (["--nproc", "2", "--cp", "4"], "--nproc 2 is not a multiple of max(--cp, --bp) = 4: use --nproc 4"),
         (["--nproc", "2", "--objective", "dflash", "--block-size", "8"], "drop --block-size"),
         (["--nproc", "2", "--objective", "dflash", "--schedule", "contiguous"], "drop --schedule"),
+        # one-token documents leave a drafter no anchor: refused up front, not after the table's header
+        (["--nproc", "2", "--objective", "dflash", "--doc-length", "1"], "--doc-length 1 packs only one-token"),
         (["--random", "2", "--cp", "2"], "--random draws the layout"),
         (["--random", "2", "--dtype", "float32"], "--random draws the layout, objective, dtype"),
         (["--random", "2", "--nproc", "9"], "--nproc 9: --random draws layouts on 2 to 8 processes"),
@@ -105,8 +107,8 @@ def test_verify_rejects_bad_input_before_launching(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["verify", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("csbp: error: ") and message in err
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("csbp: error: ") and message in err
     assert len(err.strip().splitlines()) == 1
 
 

@@ -240,3 +240,41 @@ def test_a_layout_stopped_by_max_steps_before_its_budget_is_noted() -> None:
         "budget (fix: raise it, e.g. --set train.max_steps=66)"
     ]
     assert budget_notes(results, budget_s=1.0, max_steps=6) == []
+
+
+def test_a_skipped_non_finite_step_stays_on_the_budget_clock(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.nan_policy: skip`` drops a step's update, not the seconds it ran: the hook's clock
+    (the budget of ``csbp compare``) gets them, on the skipped step's own call."""
+    import math
+    import time
+
+    from csbp.training.step import StepRunner
+    from csbp.training.trainer import train
+
+    real = StepRunner.train_step
+
+    def slow_nan_at_2(self: StepRunner, batches: list, step: int):  # type: ignore[no-untyped-def]
+        result = real(self, batches, step)
+        if step != 2:
+            return result
+        time.sleep(2.0)  # far longer than a step of this model
+        return type(result)(**{**result.__dict__, "loss": math.nan})
+
+    monkeypatch.setattr(StepRunner, "train_step", slow_nan_at_2)
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.seconds: dict[int, float] = {}
+
+        def on_start(self, loop: Any, start_step: int) -> None:
+            pass
+
+        def after_step(self, loop: Any, step: int, step_seconds: float) -> bool:
+            self.seconds[step] = step_seconds
+            return False
+
+    hook = Recorder()
+    train(_bd3(artifact, **{"train.max_steps": 3, "train.nan_policy": "skip"}), run_dir=tmp_path / "run", hook=hook)
+    assert sorted(hook.seconds) == [1, 2, 3] and hook.seconds[2] >= 2.0 > hook.seconds[3]

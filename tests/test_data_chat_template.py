@@ -211,6 +211,26 @@ def test_raising_template_fails_in_one_line_naming_the_record(tmp_path: Path) ->
     assert not (tmp_path / "art").exists()
 
 
+def test_tojson_takes_the_options_transformers_passes(tmp_path: Path) -> None:
+    source = (
+        "{% for m in messages %}{{ m | tojson(ensure_ascii=False) }}{{ m | tojson(indent=2, sort_keys=True) }}"
+        "{{ m | tojson(separators=(',', ':'), ensure_ascii=True) }}{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "caf\u00e9 <b>"}]
+    rendered = ChatTemplate(source, "t").render(messages)
+    assert rendered.startswith('{"role": "user", "content": "caf\u00e9 <b>"}{\n  "content"')
+    assert rendered.endswith('{"role":"user","content":"caf\\u00e9 <b>"}')
+    tokenizer = hf_tokenizer(build_tokenizer_dir(tmp_path / "tok", "chatml"), "chatml")
+    tokenizer.chat_template = source
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == rendered
+
+
+def test_a_template_runtime_error_is_one_line_naming_the_record() -> None:
+    template = ChatTemplate("{% for m in messages %}{{ m['content'] + 1 }}{% endfor %}", "t.jinja")
+    with pytest.raises(ValueError, match=r"^rec:4: chat template t\.jinja failed: TypeError: can only concatenate"):
+        template.render(CHAT, where="rec:4")
+
+
 def test_prefix_unstable_template_fails_naming_the_record(tmp_path: Path) -> None:
     # renders the number of messages up front: every longer prefix changes the earlier text
     template = ChatTemplate("{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}", "t")

@@ -118,6 +118,20 @@ def test_stats_report(artifact_dir: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "[val]" in out and "(no documents)" in out
 
 
+@pytest.mark.parametrize("path", [("counts",), ("splits", "val", "documents"), ("splits", "train", "padding_tokens")])
+def test_inspect_names_a_missing_manifest_count(artifact_dir: Path, path: tuple[str, ...]) -> None:
+    manifest_path = artifact_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    node = manifest
+    for key in path[:-1]:
+        node = node[key]
+    del node[path[-1]]
+    manifest["sources"] = ["not an object"]
+    manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"manifest.json: missing field {'.'.join(path)}"):
+        run(["data", "inspect", str(artifact_dir), "--rows", "0"])
+
+
 def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(["data"]) == 2  # no subcommand: help on stderr
     assert "prepare" in capsys.readouterr().err

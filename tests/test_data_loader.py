@@ -110,6 +110,23 @@ def test_resume_with_another_dp_size_continues_from_the_global_cursor() -> None:
         assert sum((resharded[r][step] for r in range(4)), []) == expected[step]
 
 
+def test_resume_with_a_larger_global_batch_never_repeats_a_row_of_the_epoch() -> None:
+    # 20 rows, G = 6: the epoch ends at cursor 18. Resumed there with G' = 4, 2 rows remain, fewer
+    # than a global batch: drop_last starts the next epoch instead of wrapping onto rows 0 and 1.
+    split = make_split(20)
+    before = [PackedLoader(split, batch_size=3, seed=1, dp_rank=r, dp_size=2) for r in range(2)]
+    seen = [sum((rows_of(take(loader, 1))[0] for loader in before), []) for _ in range(3)]
+    state = before[0].state_dict()
+    assert state["cursor"] == 18 and state["epoch"] == 0
+    after = [PackedLoader(split, batch_size=1, seed=1, dp_rank=r, dp_size=4) for r in range(4)]
+    for loader in after:
+        loader.load_state_dict(state)
+    following = [sum((rows_of(take(loader, 1))[0] for loader in after), []) for _ in range(5)]
+    assert all(loader.epoch == 1 for loader in after)
+    assert sum(following, []) == after[0].epoch_order(1)[:20].tolist()
+    assert len(set(sum(seen, []))) == 18
+
+
 def test_drop_last_false_covers_every_row_with_wraparound() -> None:
     split = make_split(7)
     loader = PackedLoader(split, batch_size=2, seed=1, dp_rank=0, dp_size=2, drop_last=False)

@@ -267,7 +267,24 @@ def test_open_artifact_detects_damage(tmp_path, tokenizer_dir) -> None:
         open_artifact(tmp_path)
 
 
-def test_chat_needs_role_markers_in_the_tokenizer(tmp_path) -> None:
+def test_verify_refuses_special_ids_the_tokenizer_does_not_give(tmp_path, tokenizer_dir, tokenizer) -> None:
+    # the mask id is read from the manifest, which the content fingerprint does not cover
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:4]])
+    art_dir = tmp_path / "art"
+    prepare([path], art_dir, tokenizer_dir, seq_len=4)
+    manifest_path = art_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest["special_ids"]["mask"] = tokenizer.encode("the")[0]
+    manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"special_ids.mask is \d+, but its tokenizer.json gives '<\|mask\|>' the id 1 "):
+        open_artifact(art_dir, verify=True)
+    del manifest["special_ids"]["mask"]
+    manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ValueError, match="special_ids.mask is None"):
+        open_artifact(art_dir, verify=True)
+
+
+def test_chat_needs_role_markers_in_the_tokenizer(tmp_path, monkeypatch) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     backend = Tokenizer(
@@ -287,6 +304,10 @@ def test_chat_needs_role_markers_in_the_tokenizer(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"chat\.jsonl:2: chat data needs the role marker '<\|user\|>'"):
         prepare([chat], tmp_path / "chat_art", tok_dir, seq_len=4)
     assert not (tmp_path / "chat_art").exists()
+    # refused while counting, before anything is encoded, naming the fix for a model's tokenizer
+    monkeypatch.setattr(prepare_module, "encode_documents", lambda *a, **k: pytest.fail("encoded"))
+    with pytest.raises(ValueError, match=r"chat\.jsonl:2: .* lacks \(fix: --chat-template PATH .*, or --train-tokenizer\)$"):
+        prepare([chat], tmp_path / "chat_art", tok_dir, seq_len=4)
 
 
 @pytest.mark.parametrize(
@@ -311,6 +332,15 @@ def test_tokenizer_is_checked_before_the_inputs_are_read(tmp_path) -> None:
     broken.write_text("not json\n")  # reading the inputs would fail on line 1
     with pytest.raises(ValueError, match="tokenizer path .*missing does not exist"):
         prepare([broken], tmp_path / "art", tmp_path / "missing", seq_len=4)
+    assert not (tmp_path / "art").exists()
+
+
+def test_more_documents_than_int32_ids_are_refused_before_encoding(tmp_path, tokenizer_dir, monkeypatch) -> None:
+    monkeypatch.setattr(prepare_module, "MAX_DOCUMENTS_PER_SPLIT", 2)
+    monkeypatch.setattr(prepare_module, "encode_documents", lambda *a, **k: pytest.fail("encoded"))
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:4]])
+    with pytest.raises(ValueError, match="the train split would hold 3 documents, more than the 2 int32"):
+        prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4, val_fraction=0.25)
     assert not (tmp_path / "art").exists()
 
 

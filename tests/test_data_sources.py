@@ -151,6 +151,24 @@ def test_expand_inputs(tmp_path: Path) -> None:
         expand_inputs([tmp_path / "missing.jsonl"])
 
 
+def test_an_input_given_twice_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"a\.jsonl is given twice \(also as .*a\.jsonl\)"):
+        expand_inputs([tmp_path, tmp_path / "a.jsonl"])
+    with pytest.raises(ValueError, match="is given twice"):
+        expand_inputs([tmp_path / "a.jsonl", tmp_path / "." / "a.jsonl"])
+
+
+def test_byte_order_mark_and_crlf(tmp_path: Path) -> None:
+    jsonl = tmp_path / "bom.jsonl"
+    jsonl.write_bytes(b'\xef\xbb\xbf{"text": "first\\r\\nline"}\r\n{"text": "second"}\r\n')
+    assert [doc.texts() for doc in read_all(jsonl)] == [["first\r\nline"], ["second"]]
+    txt = tmp_path / "bom.txt"
+    txt.write_bytes(b"\xef\xbb\xbfone\r\ntwo\r\n\r\nthree\r\n")
+    assert [doc.texts() for doc in read_all(txt)] == [["one\ntwo\n\nthree\n"]]
+    assert [doc.texts() for doc in iter_documents([txt], txt_mode="paragraphs")] == [["one\ntwo"], ["three"]]
+
+
 def test_gutenberg_boilerplate_is_stripped(tmp_path: Path) -> None:
     text = (
         "The Project Gutenberg EBook of X\nlicence blah\n"

@@ -96,3 +96,20 @@ def test_rows_without_anchor_raise_one_line_errors() -> None:
         validate_anchor_coverage(bad, np.zeros((3, 5), dtype=np.int32))
     with pytest.raises(ValueError, match="max_anchors"):
         sample_anchors(loss, doc, max_anchors=0, method="uniform", block_size=4, generator=_gen(0))
+
+
+def test_split_coverage_is_checked_a_few_rows_at_a_time_and_names_the_split_row() -> None:
+    # A long-context split does not fit in memory as one [R, L] tensor: the pre-flight reads it in
+    # chunks, and the row it names is the split's, not the chunk's.
+    from types import SimpleNamespace
+
+    from csbp.training.dflash_inputs import check_split_anchor_coverage
+
+    loss = np.ones((7, 5), dtype=np.uint8)
+    doc_ids = np.zeros((7, 5), dtype=np.int32)
+    split = SimpleNamespace(seq_len=5, num_rows=7, loss_mask=loss, doc_ids=doc_ids)
+    check_split_anchor_coverage(split, chunk_tokens=10)  # 2 rows a chunk
+    loss[5] = [1, 0, 1, 0, 1]
+    for chunk_tokens in (1, 10, 15, 1000):
+        with pytest.raises(ValueError, match="row 5 has no valid DFlash anchor"):
+            check_split_anchor_coverage(split, chunk_tokens=chunk_tokens)

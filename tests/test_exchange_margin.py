@@ -34,7 +34,7 @@ def test_bd3_halo_pays_for_short_documents_and_windows_only() -> None:
 def test_the_planner_prices_the_all_gather_where_the_halo_does_not_pay() -> None:
     """A window as long as the row: the runtime all-gathers, so the plan's K/V bytes are the
     all-gather's, not the halo's; a short window keeps the halo."""
-    from csbp.cli.plan_cmd import exchange_label
+    from csbp.cli.plan_output import exchange_label
     from csbp.plan.layout import Layout
     from csbp.plan.model import _kv_per_pass
     from csbp.plan.workload import preset_workload

@@ -393,6 +393,29 @@ def test_a_single_file_next_to_a_shard_index_is_refused(exported: Path) -> None:
         load_hf_checkpoint(exported)
 
 
+def test_a_tensor_in_two_shards_is_refused(exported: Path) -> None:
+    # Which copy wins differs between readers (csbp kept the last shard read): a tensor must be in the
+    # one shard the index names.
+    tensors = load_file(str(exported / "model.safetensors"))
+    (exported / "model.safetensors").unlink()
+    names = sorted(tensors)
+    first, second = names[: len(names) // 2], names[len(names) // 2 :]
+    save_file({n: tensors[n] for n in first}, str(exported / "a.safetensors"))
+    save_file({n: tensors[n] for n in second}, str(exported / "b.safetensors"))
+    weight_map = {**dict.fromkeys(first, "a.safetensors"), **dict.fromkeys(second, "b.safetensors")}
+    (exported / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    load_hf_checkpoint(exported)
+    stale = {n: tensors[n] for n in second}
+    stale[first[0]] = torch.zeros_like(tensors[first[0]])
+    save_file(stale, str(exported / "b.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor '{first[0]}' is in shard b\.safetensors .* the index names a\.safetensors"):
+        load_hf_checkpoint(exported)
+    del weight_map[first[0]]  # unlisted and in both shards
+    (exported / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match="it is in another shard too"):
+        load_hf_checkpoint(exported)
+
+
 def test_unknown_architecture_and_missing_files(exported: Path, tmp_path: Path) -> None:
     config_file = exported / "config.json"
     hf_config = json.loads(config_file.read_text())

@@ -166,8 +166,8 @@ def test_topology_auto_plans_with_the_artifact_documents(tmp_path: Path, capsys,
     seen = []
     real_rank = auto.rank
 
-    def spy(workload, layouts, seq_len, hw, cal):  # noqa: ANN001, ANN202
-        plan = real_rank(workload, layouts, seq_len, hw, cal)
+    def spy(workload, layouts, seq_len, hw, cal, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        plan = real_rank(workload, layouts, seq_len, hw, cal, **kwargs)
         seen.append((workload, plan))
         return plan
 

@@ -56,3 +56,28 @@ def test_plan_states_the_overlap_it_assumed(capsys) -> None:
     out = capsys.readouterr().out
     assert "overlap: CP-only all-gather hides 37%" in out and "halo all-to-all, DFlash rings 0%" in out
     assert "unmeasured on GPU" in out
+
+
+def test_a_packed_ring_crosses_nodes_exactly_when_csbps_rank_order_puts_it_across() -> None:
+    """``ring_bandwidth`` against the rings of ``csbp.topology``'s rank order: the network when a
+    node boundary cuts any CP ring (a ring larger than a node, or ``gpus_per_node`` not a multiple
+    of ``cp``), NVLink otherwise, however many BP ranks (which exchange no K/V) a sample spans."""
+    from csbp.plan.model import ring_bandwidth
+    from csbp.plan.search import divisors
+
+    cal = packaged_calibration("h200")
+    for gpus, per_node in ((16, 8), (24, 6), (24, 8), (8, 8), (32, 8)):
+        hw = hardware("h200", gpus=gpus, gpus_per_node=per_node)
+        for local in divisors(gpus):
+            for cp in (c for c in divisors(local) if c > 1):
+                layout = Layout(gpus // local, cp, local)
+                topo = layout.topology
+                rings: dict[tuple[int, int], set[int]] = {}
+                for rank in range(gpus):
+                    c = topo.coords(rank)
+                    rings.setdefault((c.dp_rank, c.ring_index), set()).add(rank // per_node)
+                across = any(len(nodes) > 1 for nodes in rings.values())
+                expected = (hw.inter_gbps * cal.net_eff if across else hw.intra_gbps * cal.intra_eff) * 1e9
+                assert ring_bandwidth(layout, hw, cal) == expected, (gpus, per_node, layout.name)
+                striped = ring_bandwidth(replace(layout, placement="striped"), hw, cal)
+                assert striped == (hw.inter_gbps * cal.net_eff if gpus > per_node else hw.intra_gbps * cal.intra_eff) * 1e9

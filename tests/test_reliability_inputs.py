@@ -143,10 +143,13 @@ def supervised_token(fx: Fixtures) -> int:
 
 
 def old_artifact(fx: Fixtures, target: Path, *, mask: int) -> Path:
-    """A copy of the artifact as csbp wrote it before ``supervised_mask_tokens``, with mask id ``mask``."""
+    """A copy of the artifact as csbp wrote it before ``supervised_mask_tokens``, with mask id ``mask``
+    (and, as ``--mask-token`` would have recorded it, that id's token as the mask's name)."""
+    name = open_artifact(fx.artifact).load_tokenizer().backend.id_to_token(mask)
 
     def change(manifest: dict) -> None:
         manifest["special_ids"]["mask"] = mask
+        manifest["tokenizer"]["special_names"]["mask"] = name
         for split in manifest["splits"].values():
             del split["supervised_mask_tokens"]
 

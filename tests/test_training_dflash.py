@@ -250,7 +250,8 @@ def test_csbp_on_four_processes_matches_one_process(inputs: tuple[Path, Path], t
         (parallel,) = metric_rows(tmp_path / name)
         (reference,) = metric_rows(tmp_path / f"1_{name}")
         assert losses[name] == pytest.approx(single.first_loss, abs=1e-5), name
-        assert parallel["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4), name
+        # float32, measured: loss within 2.4e-7 (abs), gradient norm within 1.3e-8 (rel; was checked at 1e-4)
+        assert parallel["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-6), name
         assert parallel["tau_mean"] == pytest.approx(reference["tau_mean"], abs=1e-9), name
         assert parallel["token_accuracy"] == pytest.approx(reference["token_accuracy"], abs=1e-9), name
         assert (tmp_path / name / "final" / "model.safetensors").is_file()

@@ -29,13 +29,18 @@ from test_training_run import make_artifact, tiny_config, trajectory
 pytestmark = pytest.mark.multiprocess
 
 BP_ONLY = {"topology.bp": 2, "topology.replicate_clean_prefix": True}
+CSBP_STREAMING = {"topology.cp": 2, "topology.bp": 2, "topology.transport": "streaming", "data.document_mask": True}
 DATA_PARALLEL = {"topology.dp": 2, "train.micro_batch_size": 1, "train.eval_every": 0, "train.save_every": 0}
 
 
 def _two_rank_runs(rank: int, world: int, artifact: Path, root: Path) -> dict[str, Any] | None:
-    """On 2 gloo ranks: BP-only uninterrupted, BP-only to step 2 (kept as a copy), its resume, and a
-    3-step dp=2 run (the FSDP reference)."""
+    """On 2 gloo ranks: BP-only uninterrupted, BP-only to step 2 (kept as a copy), its resume, CSBP
+    (streaming ring, packed documents) uninterrupted and resumed at step 3, and a 3-step dp=2 run (the
+    FSDP reference)."""
     train(tiny_config(artifact, **BP_ONLY), run_dir=root / "bp_full")
+    train(tiny_config(artifact, **CSBP_STREAMING), run_dir=root / "csbp_full")
+    train(tiny_config(artifact, **CSBP_STREAMING), run_dir=root / "csbp_half", max_steps=3)
+    train(tiny_config(artifact, **CSBP_STREAMING), run_dir=root / "csbp_half", resume=True)
     train(tiny_config(artifact, **BP_ONLY), run_dir=root / "bp_half", max_steps=2)
     if rank == 0:
         shutil.copytree(root / "bp_half", root / "bp_step2")
@@ -65,6 +70,18 @@ def test_two_rank_resume_is_bit_identical(two_rank_runs: tuple[Path, dict[str, A
     full = trajectory(root / "bp_full")
     assert [row[0] for row in full] == [1, 2, 3, 4]
     assert trajectory(root / "bp_half") == full  # float32 CPU, 2 processes: exact equality
+
+
+def test_two_rank_csbp_resume_between_validations_is_bit_identical(two_rank_runs: tuple[Path, dict[str, Any]]) -> None:
+    """CSBP over the streaming ring with packed documents, stopped at step 3 (validation runs every 2
+    steps): the resumed steps repeat the uninterrupted run bit for bit, and so do the exported weights.
+    The stopped invocation's own validation at step 3 is the one extra number."""
+    root, _ = two_rank_runs
+    full, resumed = trajectory(root / "csbp_full"), trajectory(root / "csbp_half")
+    assert [row[0] for row in full] == [1, 2, 3, 4] and full[2][4] is None and resumed[2][4] is not None
+    assert resumed[:2] + [resumed[2][:4] + (None,)] + resumed[3:] == full
+    weights = "final/model.safetensors"
+    assert (root / "csbp_half" / weights).read_bytes() == (root / "csbp_full" / weights).read_bytes()
 
 
 def test_bp_only_matches_one_process_and_resumes_onto_it(

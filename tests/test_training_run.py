@@ -237,6 +237,22 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(
     assert trajectory(run_dir) == trajectory(full_run[0])  # float32 CPU: exact equality
 
 
+def test_resume_inside_the_warmup_and_between_validations_is_bit_identical(artifact: Path, tmp_path: Path) -> None:
+    """Stopped at step 2 of a 3-step warm-up, validation every 4 steps: the resumed lr, loss, gradient
+    norm and validation match the uninterrupted run bit for bit, and so do the exported weights. The
+    only difference is the validation every invocation runs at its last step (step 2 here)."""
+    changes = {"train.max_steps": 5, "optim.warmup_steps": 3, "train.eval_every": 4, "train.save_every": 0}
+    train(tiny_config(artifact, **changes), run_dir=tmp_path / "full")
+    train(tiny_config(artifact, **changes), run_dir=tmp_path / "half", max_steps=2)
+    train(tiny_config(artifact, **changes), run_dir=tmp_path / "half", resume=True)
+    full, resumed = trajectory(tmp_path / "full"), trajectory(tmp_path / "half")
+    assert [row[2] for row in full][:3] == pytest.approx([1e-3, 2e-3, 3e-3])  # warm-up lr crosses the resume
+    assert resumed[1][4] is not None and full[1][4] is None  # the stopped invocation validated at its end
+    assert resumed[:1] + [resumed[1][:4] + (None,)] + resumed[2:] == full
+    weights = "final/model.safetensors"
+    assert (tmp_path / "half" / weights).read_bytes() == (tmp_path / "full" / weights).read_bytes()
+
+
 def test_crash_while_saving_keeps_the_previous_checkpoint(
     full_run: tuple[Path, str],
     run_at_step2: Path,

@@ -25,30 +25,26 @@ from typing import TYPE_CHECKING
 
 from csbp.atomic import write_json_atomic
 from csbp.cli.options import add_override_argument, output_file, positive_int
+from csbp.cli.plan_output import format_plan, plan_json
 from csbp.plan.artifact_documents import (
     SAMPLE_ROWS,
     SAMPLE_TOKENS,
-    DocumentSample,
     artifact_documents,
     run_config_documents,
 )
-from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
-from csbp.plan.documents import document_count
-from csbp.plan.drafter import context_exchange_counts
-from csbp.plan.hardware import PRESETS, Hardware, hardware
+from csbp.plan.auto import load_plannable_config, run_search
+from csbp.plan.calibration import load_calibration, packaged_calibration, save_calibration
+from csbp.plan.hardware import PRESETS, hardware
 from csbp.plan.layout import Layout, parse_topology
-from csbp.plan.model import GIB, Prediction, halo_used, overlap_note
 from csbp.plan.search import (
-    Plan,
     candidate_layouts,
-    describe,
     no_layout_reason,
     rank,
     schedules_for,
     sequence_problem,
     transports_for,
 )
-from csbp.plan.target_pass import TARGET_PASSES, describe_target_pass
+from csbp.plan.target_pass import TARGET_PASSES
 from csbp.plan.workload import (
     OBJECTIVES,
     Workload,
@@ -163,7 +159,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="packed",
         help="CP rings inside a node when they fit (csbp's rank order) or striped across nodes",
     )
-    parser.add_argument("--sharding", choices=("fsdp2", "zero2", "ddp"), default="fsdp2")
+    parser.add_argument(
+        "--sharding",
+        choices=("fsdp2", "zero2", "ddp"),
+        default=None,
+        help="optimizer/gradient/weight sharding (default: a run config's train.fsdp, fsdp2 or ddp; else fsdp2)",
+    )
     parser.add_argument(
         "--topology",
         nargs="+",
@@ -220,14 +221,14 @@ def resolve_workload(spec: str, overrides: list[str] | None = None) -> tuple[Wor
     elif Path(spec).is_dir() or Path(spec).suffix == ".json":
         workload = hf_workload(Path(spec))
     else:
-        from csbp.recipes import list_recipes, load_run_config
+        from csbp.recipes import list_recipes
 
         if not Path(spec).is_file() and spec not in list_recipes():
             raise ValueError(
                 f"--model {spec!r} is no preset ({', '.join(preset_names())}), recipe ({', '.join(list_recipes())}), "
                 "run config file or HF config.json (or folder holding one)"
             )
-        cfg = load_run_config(spec, overrides or [])
+        cfg = load_plannable_config(spec, overrides or [])  # topology: auto is what the planner chooses
         return run_config_workload(cfg), cfg
     if overrides:
         raise ValueError("--set applies to run configs only: --model here is a preset or a HF config.json")
@@ -267,8 +268,20 @@ def run_plan(args: argparse.Namespace) -> int:
     hw = hardware(args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
     cal = load_calibration(args.calibration) if args.calibration else packaged_calibration(args.gpu)
     ckpts = ("full", "none") if args.checkpointing == "both" else (args.checkpointing,)
+    # a run config fixes what topology: auto keeps (its sharding, micro-batch and accumulation), so
+    # the table's first row is auto's pick; --sharding and --global-batch override it
+    search = run_search(run_config) if run_config is not None else None
+    args.sharding = args.sharding or (search.sharding if search is not None else "fsdp2")
+    micro_batches, accum = (1, 2, 4), 1
+    if search is not None and args.global_batch is None:
+        micro_batches, accum = (search.micro_batch,), search.grad_accum
+        print(
+            f"run config: train.micro_batch_size {search.micro_batch} x train.grad_accum {accum} per replica, "
+            f"sharding {args.sharding} ({'--sharding' if args.sharding != search.sharding else 'train.fsdp'}), "
+            "as topology: auto plans it"
+        )
     if args.topology:
-        layouts = _given_layouts(args, workload, ckpts)
+        layouts = _given_layouts(args, workload, ckpts, micro_batches[0])
     else:
         layouts = candidate_layouts(
             workload,
@@ -278,10 +291,11 @@ def run_plan(args: argparse.Namespace) -> int:
             checkpointing=ckpts,
             placement=args.placement,
             sharding=args.sharding,
+            micro_batches=micro_batches,
         )
         if not layouts:
             raise ValueError(no_layout_reason(workload, args.gpus, args.seq_len, global_batch=args.global_batch))
-    plan = rank(workload, layouts, args.seq_len, hw, cal, global_batch=args.global_batch)
+    plan = rank(workload, layouts, args.seq_len, hw, cal, global_batch=args.global_batch, grad_accum=accum)
     print(format_plan(plan, workload, args.seq_len, args.gpus, hw, cal, top=args.top))
     if args.json is not None:
         write_json_atomic(args.json, plan_json(plan, workload, args.seq_len, args.gpus, hw, cal))
@@ -304,13 +318,15 @@ def _run_documents(args: argparse.Namespace, workload: Workload, run_config: Run
     return replace(workload, doc_length=sample)
 
 
-def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[str, ...]) -> list[Layout]:
+def _given_layouts(
+    args: argparse.Namespace, workload: Workload, ckpts: tuple[str, ...], micro_batch: int
+) -> list[Layout]:
     layouts = []
     for text in args.topology:
         dp, cp, bp = parse_topology(text)
         if dp * max(cp, bp) != args.gpus:
             raise ValueError(f"--topology {text} uses {dp * max(cp, bp)} GPUs, not --gpus {args.gpus}")
-        base = Layout(dp, cp, bp, placement=args.placement, sharding=args.sharding)
+        base = Layout(dp, cp, bp, micro_batch=micro_batch, placement=args.placement, sharding=args.sharding)
         problem = sequence_problem(workload, base, args.seq_len)
         if problem is not None:
             raise ValueError(f"--topology {text}: {problem[0]} (fix: {problem[1]}, or another --topology)")
@@ -321,131 +337,6 @@ def _given_layouts(args: argparse.Namespace, workload: Workload, ckpts: tuple[st
                 for schedule in schedules_for(workload, base):
                     layouts.append(replace(base, transport=transport, checkpointing=ckpt, schedule=schedule))  # type: ignore[arg-type]
     return layouts
-
-
-def exchange_label(workload: Workload, layout: Layout, seq_len: int) -> str:
-    """Which K/V rows a ring exchanges: every row (CP-only), the clean rows (CSBP, full attention),
-    only the halo (CSBP window layers, CSBP and cp-aware over packed documents), the target
-    context (drafters; with documents, or CSBP sliding layers, their context exchange), or none."""
-    if layout.cp == 1:
-        return "-"
-    if workload.objective.is_drafter:
-        docs = workload.doc_length
-        used = set()
-        for key in docs.rows if isinstance(docs, DocumentSample) else (docs,):
-            counts = context_exchange_counts(replace(workload, doc_length=key), layout, seq_len)
-            used |= {False} if counts is None else set(counts.exchanged.values())
-        return {frozenset({True}): "exchange", frozenset({False}): "context"}.get(frozenset(used), "ctx+exch")
-    if layout.kind == "cp" and layout.transport != "halo":
-        return "all rows"
-    docs = workload.doc_length
-    rows = [replace(workload, doc_length=row) for row in docs.rows] if isinstance(docs, DocumentSample) else [workload]
-    halo = {halo_used(w, layout, seq_len, g) for w in rows for g in workload.model.groups}
-    return {frozenset({True}): "halo", frozenset({False}): "clean"}.get(frozenset(halo), "clean+halo")
-
-
-def _row(index: str, p: Prediction, workload: Workload, seq_len: int) -> str:
-    lay = p.layout
-    exchange = exchange_label(workload, lay, seq_len)
-    return (
-        f"{index:>3} {lay.name + (' bal' if lay.schedule == 'balanced' else ''):<18} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
-        f"{lay.checkpointing:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
-        f"{p.mem_bytes / GIB:>7.1f}/{p.capacity_bytes / GIB:<6.1f} {p.kv_bytes / GIB:>8.2f} {p.exposed_comm_s:>8.3f}"
-    )
-
-
-def _param_count(count: float) -> str:
-    """``13.51B``, ``2.36M``, ``850K``: billions as the published models are named, smaller units below."""
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if count >= scale:
-            return f"{count / scale:.2f}{unit}"
-    return f"{count:.0f}"
-
-
-def _documents_note(workload: Workload, seq_len: int) -> str:
-    if workload.doc_length is None:
-        return ""
-    if isinstance(workload.doc_length, DocumentSample):
-        return f"\ndocuments (document mask; predictions averaged over the rows): {workload.doc_length.describe()}"
-    count = document_count(seq_len, workload.doc_length)
-    noun = "document" if count == 1 else "documents"
-    return f", {count:,} packed {noun} of mean length {workload.doc_length:,} (document mask)"
-
-
-def format_plan(
-    plan: Plan, workload: Workload, seq_len: int, gpus: int, hw: Hardware, cal: Calibration, *, top: int
-) -> str:
-    obj = workload.objective
-    lines = [
-        f"csbp plan: {workload.model.name} ({_param_count(workload.model.total_params)} params, {obj.name}, "
-        f"block {obj.block}) at L={seq_len:,} on {gpus}x{hw.name} ({hw.gpus_per_node}/node)"
-        + _documents_note(workload, seq_len),
-        f"calibration: {cal.source}",
-        overlap_note(cal),
-        *filter(None, [describe_target_pass(workload)]),
-        "",
-        f"{'#':>3} {'layout':<18} {'transport':<10} {'exchange':<10} {'ckpt':<5} {'mb':>2} {'step s':>9} "
-        f"{'tokens/s':>11} {'mem GiB/cap':>14} {'K/V GiB':>8} {'exposed':>8}",
-    ]
-    lines += [_row(str(i + 1), p, workload, seq_len) for i, p in enumerate(plan.feasible[:top])]
-    if len(plan.feasible) > top:
-        lines.append(f"    ... {len(plan.feasible) - top} more feasible layouts (--top, --json)")
-    if any(p.layout.schedule == "balanced" for p in plan.feasible[:top]):
-        lines.append("    bal: the balanced block schedule (topology.schedule: balanced, blocks dealt by document cost)")
-    if plan.infeasible:
-        lines += ["", "out of memory:"]
-        lines += [f"    {describe(p.layout)}: {p.oom_reason()}" for p in plan.infeasible[:top]]
-        if len(plan.infeasible) > top:
-            lines.append(f"    ... {len(plan.infeasible) - top} more")
-    lines += ["", f"why: {plan.why}"]
-    return "\n".join(lines)
-
-
-def _prediction_json(p: Prediction, workload: Workload, seq_len: int) -> dict[str, object]:
-    lay = p.layout
-    return {
-        "layout": lay.name,
-        "schedule": lay.schedule,
-        "exchange": exchange_label(workload, lay, seq_len),
-        "dp": lay.dp,
-        "cp": lay.cp,
-        "bp": lay.bp,
-        "transport": lay.transport,
-        "activation_checkpointing": lay.checkpointing,
-        "micro_batch": lay.micro_batch,
-        "placement": lay.placement,
-        "sharding": lay.sharding,
-        "step_s": p.step_s,
-        "tokens_per_s": p.tokens_per_s,
-        "fwd_s": p.fwd_s,
-        "bwd_s": p.bwd_s,
-        "exposed_comm_s": p.exposed_comm_s,
-        "kv_bytes_per_gpu": p.kv_bytes,
-        "mem_gib": p.mem_bytes / GIB,
-        "capacity_gib": p.capacity_bytes / GIB,
-        "fits": p.fits,
-        "mem_terms_gib": {k: v / GIB for k, v in p.mem_terms.items()},
-    }
-
-
-def plan_json(
-    plan: Plan, workload: Workload, seq_len: int, gpus: int, hw: Hardware, cal: Calibration
-) -> dict[str, object]:
-    return {
-        "model": workload.model.name,
-        "objective": workload.objective.name,
-        "seq_len": seq_len,
-        "doc_length": workload.doc_length if isinstance(workload.doc_length, int) else None,
-        "documents": workload.doc_length.summary() if isinstance(workload.doc_length, DocumentSample) else None,
-        "gpus": gpus,
-        "hardware": hw.name,
-        "calibration": cal.to_json(),
-        "overlap": overlap_note(cal),
-        "target_pass": workload.target_pass.mode if workload.target_pass is not None else None,
-        "why": plan.why,
-        "feasible": [_prediction_json(p, workload, seq_len) for p in plan.feasible],
-        "infeasible": [{**_prediction_json(p, workload, seq_len), "reason": p.oom_reason()} for p in plan.infeasible],
-    }
 
 
 def run_calibrate(args: argparse.Namespace) -> int:

@@ -212,6 +212,11 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
         )
     if args.dtype != "float64":
         raise ValueError("--objective dflash verifies in float64: drop --dtype")
+    if args.doc_length == 1:  # was: a table header, then "sequence has no valid DFlash anchor ... drop such rows"
+        raise ValueError(
+            "--doc-length 1 packs only one-token documents, where a DFlash drafter has no anchor (a supervised "
+            "token followed by one of its own document): use --doc-length 2 or more"
+        )
     sliding = {} if args.window is None else {
         "layer_types": ("sliding_attention", "full_attention"), "sliding_window": args.window}
     backend = check_backend_trains_on(args.backend, args.device, where="--backend", verification=True)  # as for bd3

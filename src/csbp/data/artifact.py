@@ -202,7 +202,9 @@ class Artifact:
 
     def verify_tokenizer(self) -> None:
         """``ValueError`` unless ``tokenizer.json`` has the manifest's fingerprint and vocabulary size
-        (the model's embedding is sized from the manifest: a forged size must not allocate it)."""
+        (the model's embedding is sized from the manifest: a forged size must not allocate it), and
+        the manifest's ``special_ids`` are the ids its ``special_names`` have in it (training takes
+        the mask id from there: an edited one would mask a token the data holds)."""
         tokenizer = self.load_tokenizer()
         self.check_tokenizer(tokenizer)
         if tokenizer.vocab_size != self.vocab_size:
@@ -210,6 +212,14 @@ class Artifact:
                 f"{self.directory / MANIFEST_NAME}: tokenizer.vocab_size {self.vocab_size} is not the "
                 f"{tokenizer.vocab_size} ids of its {TOKENIZER_FILE} (fix: re-run csbp data prepare)"
             )
+        resolved = tokenizer.special_ids()
+        for name in sorted(set(resolved) | set(self.special_ids)):
+            if self.special_ids.get(name) != resolved.get(name):
+                raise ValueError(
+                    f"{self.directory / MANIFEST_NAME}: special_ids.{name} is {self.special_ids.get(name)}, but "
+                    f"its {TOKENIZER_FILE} gives {tokenizer.special_names.get(name, name)!r} the id "
+                    f"{resolved.get(name)} (fix: re-run csbp data prepare)"
+                )
 
     def verify_fingerprint(self) -> None:
         """``ValueError`` unless the array files hash to the manifest's ``content_fingerprint``."""

@@ -7,7 +7,11 @@ with the template in its tokenizer directory (``tokenizer_config.json`` ``chat_t
 Templates from a downloaded model are untrusted input: they are rendered in Jinja2's
 ``ImmutableSandboxedEnvironment`` (attribute access to internals such as ``__class__`` and
 mutation of passed-in objects are refused) with the globals templates commonly use:
-``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token`` and ``add_generation_prompt``.
+``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token`` and ``add_generation_prompt``,
+and a ``tojson`` filter taking the ``json.dumps`` options transformers' takes (``ensure_ascii``,
+``indent``, ``separators``, ``sort_keys``). An error a template raises while rendering is one
+``ValueError`` line naming the record. ``strftime_now`` reads the clock, as in transformers: a
+template that writes today's date (Llama 3.1's system header) makes the artifact depend on the day.
 ``{% generation %}`` blocks are accepted and render their body unchanged; supervision never
 depends on them.
 
@@ -58,9 +62,16 @@ def _strftime_now(format_string: str) -> str:
     return datetime.now().strftime(format_string)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON and may pass
+    # these json.dumps options (as transformers' apply_chat_template accepts them)
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:
@@ -112,10 +123,12 @@ class ChatTemplate:
                 f"{where or self.source}: chat template {self.source} was refused by the sandbox ({exc}); "
                 "(fix: use a trusted template, or --chat-template none)"
             ) from None
-        except jinja2.exceptions.TemplateError as exc:
-            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        except Exception as exc:  # a template is code: whatever it raises (TypeError ...) is one line
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            if not isinstance(exc, jinja2.exceptions.TemplateError):
+                first_line = f"{type(exc).__name__}: {first_line}"
             raise ValueError(
-                f"{where or self.source}: chat template {self.source} failed: {first_line} "
+                f"{where or self.source}: chat template {self.source} failed: {first_line or type(exc).__name__} "
                 "(fix: repair the record, or pass --chat-template none or another template)"
             ) from None
 

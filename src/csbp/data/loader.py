@@ -9,7 +9,9 @@ Semantics (the whole state is *global*, independent of the data-parallel layout)
   batch_size``). Ranks therefore get disjoint rows, and every rank of one model-parallel group
   (same ``dp_rank``, any cp/bp/tp coordinate) gets the *same* batch: the loader is indexed by
   ``dp_rank`` only.
-* ``drop_last=True``: an epoch has ``N // G`` steps, the remainder is skipped. ``drop_last=False``:
+* ``drop_last=True``: an epoch has ``N // G`` steps, the remainder is skipped (a different
+  ``N mod G`` rows each epoch, since each epoch has its own order); a batch never wraps around, also
+  after a resume with another ``G`` whose cursor is not a multiple of it. ``drop_last=False``:
   ``ceil(N / G)`` steps, the last global batch wraps around to the start of the same order.
 * The state is ``(epoch, cursor, seed)``, ``cursor`` = global samples consumed in the current
   epoch. Resuming with the same ``dp_size`` replays exactly the batches an uninterrupted run would
@@ -94,11 +96,13 @@ class PackedLoader:
         num_rows, global_batch = self.split.num_rows, self.global_batch_size
         return num_rows // global_batch if self.drop_last else -(-num_rows // global_batch)
 
-    def _epoch_limit(self) -> int:
-        """Cursor value at which the current epoch is exhausted."""
+    def _epoch_exhausted(self) -> bool:
+        """Whether the current epoch has no global batch left. With ``drop_last`` that is when fewer
+        than ``G`` entries of the order remain: after a resume with another global batch the cursor
+        need not be a multiple of ``G``, and wrapping around would repeat rows of this epoch."""
         if self.drop_last:
-            return self.steps_per_epoch * self.global_batch_size
-        return self.split.num_rows
+            return self.cursor + self.global_batch_size > self.split.num_rows
+        return self.cursor >= self.split.num_rows
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Row indices in visiting order for ``epoch`` (int64 [N])."""
@@ -117,7 +121,7 @@ class PackedLoader:
         return self
 
     def __next__(self) -> dict[str, Tensor]:
-        if self.cursor >= self._epoch_limit():
+        if self._epoch_exhausted():
             self.epoch += 1
             self.cursor = 0
         order = self.epoch_order(self.epoch)

@@ -24,6 +24,15 @@ from csbp.data.sources import Document
 from csbp.data.tokenizer import CsbpTokenizer
 
 
+def role_marker_message(tokenizer: CsbpTokenizer, role: str) -> str:
+    """Why a chat cannot be written with ``tokenizer``'s role markers, and the fixes."""
+    return (
+        f"chat data needs the role marker {tokenizer.role_marker_name(role)!r}, which tokenizer "
+        f"{tokenizer.source} lacks (fix: --chat-template PATH naming the model's chat template, or "
+        "--train-tokenizer)"
+    )
+
+
 def encode_templated_chat(
     messages: Sequence[tuple[str, str]], tokenizer: CsbpTokenizer, template: ChatTemplate, where: str
 ) -> tuple[list[int], list[int]]:
@@ -64,11 +73,7 @@ def encode_documents(
             ids, mask = encode_templated_chat(doc.messages, tokenizer, chat_template, doc.where)
         for segment in doc.segments if not templated(doc) else ():
             if segment.role is not None and segment.role not in tokenizer.role_ids:
-                marker = tokenizer.role_marker_name(segment.role)
-                raise ValueError(
-                    f"{doc.where}: chat data needs the role marker {marker!r}, which tokenizer "
-                    f"{tokenizer.source} lacks; train one with --train-tokenizer"
-                )
+                raise ValueError(f"{doc.where}: {role_marker_message(tokenizer, segment.role)}")
             piece = [tokenizer.role_ids[segment.role]] if segment.role is not None else next(encoded_texts)
             ids.extend(piece)
             mask.extend([int(segment.supervised)] * len(piece))

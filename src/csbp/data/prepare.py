@@ -3,6 +3,7 @@
 Tokenization happens here only, never in the training loop. The steps:
 
 1. parse every input (``sources.py``) and count documents; empty ones are skipped and counted;
+   chat records that would need a role marker a given tokenizer lacks are refused here;
 2. split documents (not rows) into train/val: ``round(val_fraction * N)`` documents, at least one
    when ``val_fraction > 0`` and ``N >= 2``, chosen by a permutation seeded with ``seed``;
 3. load the tokenizer, or train a byte-level BPE on the train documents;
@@ -55,7 +56,7 @@ from csbp.data.artifact import (
     max_token_id,
 )
 from csbp.data.chat_template import ChatTemplate, resolve_chat_template
-from csbp.data.packing import PackedSplitWriter, SplitCounts, encode_documents
+from csbp.data.packing import PackedSplitWriter, SplitCounts, encode_documents, role_marker_message
 from csbp.data.sources import Document, TxtMode, expand_inputs, iter_documents
 from csbp.data.tokenizer import (
     CsbpTokenizer,
@@ -156,13 +157,17 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     # A trained tokenizer makes the mask token a special token, so its text anywhere in a document
     # would become the mask id: refused here, before training.
     literal_mask = config.special.mask if given is None else None
-    num_documents, num_empty, num_chats = _count_documents(files, config.txt_mode, literal_mask)
+    found = _count_documents(files, config.txt_mode, literal_mask)
+    num_documents, num_empty, num_chats = found.documents, found.empty, found.chats
     template = template if num_chats else None  # recorded only when it formatted something
+    if given is not None and template is None:  # chats get csbp's role markers: refused before encoding
+        check_role_markers(given, found.first_use_of_role)
     if template is not None:
         say(f"{num_chats} chat records: chat template {template.source} (sha256 {template.sha256[:12]})")
     if num_documents == 0:
         raise ValueError(f"the inputs hold no non-empty documents ({num_empty} empty ones skipped)")
     val_ordinals = _choose_val_documents(num_documents, config.val_fraction, config.seed)
+    _check_document_ids_fit(num_documents - len(val_ordinals), len(val_ordinals))
     say(f"{num_documents} documents ({len(val_ordinals)} val), {num_empty} empty skipped")
 
     tokenizer = given if given is not None else _train_tokenizer(config, files, val_ordinals, say)
@@ -190,23 +195,56 @@ def _non_empty_documents(files: list[Path], txt_mode: TxtMode) -> Iterator[Docum
     return (doc for doc in iter_documents(files, txt_mode=txt_mode) if not doc.is_empty)
 
 
-def _count_documents(
-    files: list[Path], txt_mode: TxtMode, literal_mask: str | None = None
-) -> tuple[int, int, int]:
-    """``(non-empty documents, empty documents skipped, non-empty chat records)``; ``ValueError`` on
-    the first document whose text holds ``literal_mask`` (the mask token's text, when it is a special
-    token of the tokenizer to be trained)."""
-    num_documents = num_empty = num_chats = 0
+@dataclass
+class _Found:
+    """What counting the inputs found: non-empty documents, empty ones skipped, non-empty chat
+    records, and the first record (``file:line``) using each chat role."""
+
+    documents: int = 0
+    empty: int = 0
+    chats: int = 0
+    first_use_of_role: dict[str, str] = field(default_factory=dict)
+
+
+def _count_documents(files: list[Path], txt_mode: TxtMode, literal_mask: str | None = None) -> _Found:
+    """Count the documents (see ``_Found``); ``ValueError`` on the first document whose text holds
+    ``literal_mask`` (the mask token's text, when it is a special token of the tokenizer to be
+    trained)."""
+    found = _Found()
     for doc in iter_documents(files, txt_mode=txt_mode):
         if doc.is_empty:
-            num_empty += 1
+            found.empty += 1
             continue
-        num_documents += 1
-        num_chats += doc.messages is not None
+        found.documents += 1
+        if doc.messages is not None:
+            found.chats += 1
+            for role, _ in doc.messages:
+                found.first_use_of_role.setdefault(role, doc.where)
         if literal_mask is not None and any(literal_mask in text for text in doc.texts()):
             which, fix = f"the mask token {literal_mask!r}", _mask_fix(literal_mask, default_available=True)
             raise ValueError(f"{doc.where}: {_mask_in_text_message(which, fix)}")
-    return num_documents, num_empty, num_chats
+    return found
+
+
+def check_role_markers(tokenizer: CsbpTokenizer, first_use: dict[str, str]) -> None:
+    """``ValueError`` naming the first record of a chat role whose marker ``tokenizer`` lacks (chats
+    formatted with csbp's role markers; ``first_use``: role -> ``file:line``), before any encoding."""
+    for role, where in first_use.items():
+        if role not in tokenizer.role_ids:
+            raise ValueError(f"{where}: {role_marker_message(tokenizer, role)}")
+
+
+MAX_DOCUMENTS_PER_SPLIT = 2**31
+"""Document ids are stored as int32 (``artifact.ARRAY_DTYPES``): ordinals ``0 .. 2**31 - 1``."""
+
+
+def _check_document_ids_fit(num_train: int, num_val: int) -> None:
+    for split, count in (("train", num_train), ("val", num_val)):
+        if count > MAX_DOCUMENTS_PER_SPLIT:
+            raise ValueError(
+                f"the {split} split would hold {count} documents, more than the {MAX_DOCUMENTS_PER_SPLIT} "
+                "int32 document ids can number (fix: prepare the inputs as several artifacts, or join short records)"
+            )
 
 
 def _choose_val_documents(num_documents: int, val_fraction: float, seed: int) -> frozenset[int]:

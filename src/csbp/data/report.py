@@ -9,20 +9,34 @@ across rows counted together).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit
+from csbp.data.artifact import MANIFEST_NAME, SPLITS, Artifact, ArtifactSplit
 from csbp.data.tokenizer import CsbpTokenizer
 
 SUPERVISED_OPEN, SUPERVISED_CLOSE = "[[", "]]"
+_SPLIT_COUNTS = ("rows", "documents", "tokens", "supervised_tokens", "padding_tokens")
 _ROWS_PER_CHUNK = 4096
+
+
+def _recorded(artifact: Artifact, *keys: str) -> Any:
+    """The manifest's value at ``keys``; ``ValueError`` naming the field when it is missing."""
+    node: Any = artifact.manifest
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            raise ValueError(
+                f"{artifact.directory / MANIFEST_NAME}: missing field {'.'.join(keys)}; re-run csbp data prepare"
+            )
+        node = node[key]
+    return node
 
 
 def format_manifest_summary(artifact: Artifact) -> str:
     """A few lines: where, tokenizer, special ids, counts, fingerprints, sources."""
     m = artifact.manifest
-    counts = m["counts"]
+    counts = {key: _recorded(artifact, "counts", key) for key in ("documents", "skipped_empty", "tokens")}
     lines = [
         f"artifact      {artifact.directory}",
         f"format        {m['format']} v{m['format_version']} ({m.get('created_by', '?')})",
@@ -35,15 +49,16 @@ def format_manifest_summary(artifact: Artifact) -> str:
     ]
     template = artifact.chat_template
     if template is not None:
-        lines.append(f"chat template {template['source']} (sha256 {template['sha256']})")
+        lines.append(f"chat template {template.get('source', '?')} (sha256 {template.get('sha256', '?')})")
     for split in SPLITS:
-        s = m["splits"][split]
+        s = {key: _recorded(artifact, "splits", split, key) for key in _SPLIT_COUNTS}
         lines.append(
             f"  {split:<5}       {s['rows']} rows, {s['documents']} documents, {s['tokens']} tokens, "
             f"{s['supervised_tokens']} supervised, {s['padding_tokens']} padding"
         )
     lines.append(f"content       {artifact.fingerprint}")
-    names = [source["name"] for source in m.get("sources", [])]
+    sources = m.get("sources")
+    names = [str(s.get("name", "?")) if isinstance(s, dict) else "?" for s in sources or ()] if isinstance(sources, list) else []
     shown = ", ".join(names[:5]) + (f", ... ({len(names)} files)" if len(names) > 5 else "")
     lines.append(f"sources       {shown}")
     return "\n".join(lines)

@@ -10,6 +10,10 @@ Supported inputs (chosen by file suffix; a directory expands to its supported fi
   blank-line-separated paragraph. Project Gutenberg header/footer boilerplate is removed when
   its markers are present.
 
+Text files are read as UTF-8 (a leading byte-order mark, as some Windows editors write, is
+dropped) with universal newlines: ``\r\n`` line ends of ``.txt`` files become ``\n``; strings
+inside JSONL and Parquet records are kept exactly as given.
+
 A ``Document`` is a list of segments: plain text to tokenize, or a chat role marker that the
 tokenizer maps to one special token id (``<|user|>`` ...); chat documents also keep their
 messages, which ``--chat-template`` renders with the model's own template instead. Tokenization happens later, in
@@ -90,6 +94,14 @@ def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
             raise ValueError(f"input {path} does not exist")
     if not files:
         raise ValueError("no input files given")
+    first_named: dict[Path, Path] = {}
+    for path in files:
+        earlier = first_named.setdefault(path.resolve(), path)
+        if earlier is not path:
+            raise ValueError(
+                f"input {path} is given twice (also as {earlier}): its documents would be packed twice, "
+                "possibly into both train and val (fix: name each file once)"
+            )
     return files
 
 
@@ -173,7 +185,7 @@ def _chat_document(messages: Any, where: str) -> Document:
 
 
 def _read_jsonl(path: Path) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig") as handle:  # -sig: a leading byte-order mark is dropped
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -206,7 +218,7 @@ _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n")
 
 
 def _read_txt(path: Path, txt_mode: TxtMode) -> Iterator[Document]:
-    text = strip_gutenberg_boilerplate(path.read_text(encoding="utf-8"))
+    text = strip_gutenberg_boilerplate(path.read_text(encoding="utf-8-sig"))
     if txt_mode == "file":
         yield Document((Segment(text, supervised=True),), eos_supervised=True, where=str(path))
     elif txt_mode == "paragraphs":

@@ -103,8 +103,11 @@ def sample_anchors(
     return torch.sort(candidates[picked]).values
 
 
-def validate_anchor_coverage(loss_mask_RL: np.ndarray | Tensor, doc_ids_RL: np.ndarray | Tensor) -> None:
-    """``ValueError`` naming the first row without a valid anchor (run before the first step)."""
+def validate_anchor_coverage(
+    loss_mask_RL: np.ndarray | Tensor, doc_ids_RL: np.ndarray | Tensor, *, first_row: int = 0
+) -> None:
+    """``ValueError`` naming the first row without a valid anchor (run before the first step); the
+    rows given are rows ``first_row, first_row + 1, ...`` of their split (for the message)."""
     loss_mask = torch.as_tensor(np.asarray(loss_mask_RL)).bool()
     doc_ids = torch.as_tensor(np.asarray(doc_ids_RL)).long()
     if loss_mask.dim() != 2 or loss_mask.shape != doc_ids.shape:
@@ -113,7 +116,7 @@ def validate_anchor_coverage(loss_mask_RL: np.ndarray | Tensor, doc_ids_RL: np.n
         )
     has_anchor = valid_anchor_mask(loss_mask, doc_ids).any(dim=-1)
     if not bool(has_anchor.all()):
-        row = int(torch.nonzero(~has_anchor).flatten()[0])
+        row = first_row + int(torch.nonzero(~has_anchor).flatten()[0])
         raise ValueError(
             f"row {row} has no valid DFlash anchor (no supervised token followed by a supervised token of "
             "the same document); filter such rows out of the data"

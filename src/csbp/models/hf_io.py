@@ -181,7 +181,16 @@ def _read_safetensors(directory: Path) -> dict[str, Tensor]:
             shard_file = directory / shard
             if not shard_file.is_file():
                 raise ValueError(f"shard '{shard}' listed in {index_file.name} is missing from {directory}")
-            tensors.update(read_safetensors_file(shard_file))
+            for name, tensor in read_safetensors_file(shard_file).items():
+                # readers differ on which copy of a tensor wins: each must be in the one shard the index names
+                listed = weight_map.get(name)
+                if (listed is not None and listed != shard) or name in tensors:
+                    where = f"the index names {listed}" if listed is not None else "it is in another shard too"
+                    raise ValueError(
+                        f"tensor '{name}' is in shard {shard} of {directory} but {where} "
+                        "(fix: re-save the checkpoint so that each tensor is in the one shard its index names)"
+                    )
+                tensors[name] = tensor
         listed_not_found = sorted(set(weight_map) - set(tensors))
         if listed_not_found:
             raise ValueError(

@@ -5,8 +5,9 @@ plans the run's model at its ``data.seq_len`` on ``nproc x nnodes`` devices of t
 kind (the CUDA device name picks the GPU preset; no CUDA: ``cpu``), prints the chosen layout with
 its prediction, and hands the launcher ``--set topology.dp=... topology.cp=... topology.bp=...``
 overrides: the run then validates and trains like any explicit layout. The search keeps the
-config's micro-batch, gradient accumulation and FSDP setting, and proposes activation
-checkpointing only when the config schema has ``train.activation_checkpointing``.
+config's micro-batch, gradient accumulation and FSDP setting (``run_search``: ``csbp plan --model
+run.yaml`` searches the same space, so its table's first row is the layout ``auto`` picks), and
+proposes activation checkpointing only when the config schema has ``train.activation_checkpointing``.
 
 With ``data.document_mask`` the plan is costed on the real documents of the run's training artifact
 (``data.train``; ``csbp.plan.artifact_documents``, what ``csbp plan --data`` uses), so it may pick
@@ -19,20 +20,62 @@ per row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from csbp.plan.artifact_documents import run_config_documents
 from csbp.plan.calibration import Calibration, packaged_calibration
 from csbp.plan.hardware import hardware
-from csbp.plan.layout import Layout
+from csbp.plan.layout import Checkpointing, Layout, Sharding
 from csbp.plan.model import GIB, collective_overlap
 from csbp.plan.search import candidate_layouts, describe, rank
 from csbp.plan.workload import run_config_workload
 
+if TYPE_CHECKING:
+    from csbp.config.schema import RunConfig
+
 AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class RunSearch:
+    """What a run config fixes of the layout search (``topology: auto`` and ``csbp plan --model
+    run.yaml`` alike): its state sharding (``train.fsdp``: FSDP2, else DDP), its per-replica
+    ``train.micro_batch_size`` and ``train.grad_accum`` (so a layout with ``dp`` replicas trains
+    ``dp x micro_batch x grad_accum`` sequences per optimizer step), and the checkpointing choices."""
+
+    sharding: Sharding
+    micro_batch: int
+    grad_accum: int
+    checkpointing: tuple[Checkpointing, ...]
+
+
+
+def run_search(cfg: RunConfig) -> RunSearch:
+    """The search space ``cfg`` fixes (:class:`RunSearch`)."""
+    from csbp.config.schema import TrainSection
+
+    has_ckpt = "activation_checkpointing" in TrainSection.model_fields
+    return RunSearch(
+        sharding="fsdp2" if cfg.train.fsdp else "ddp",
+        micro_batch=cfg.train.micro_batch_size,
+        grad_accum=cfg.train.grad_accum,
+        checkpointing=("full", "none") if has_ckpt else ("none",),
+    )
+
+
+def load_plannable_config(config: str, overrides: Sequence[str]) -> RunConfig:
+    """The run config ``config`` with ``overrides``, its ``topology: auto`` (file or ``--set``) left
+    empty: the planner chooses the topology, so it plans the rest of the run."""
+    from csbp.recipes import load_run_config
+
+    if not wants_auto(config, overrides):
+        return load_run_config(config, list(overrides))
+    kept = [item for item in overrides if item.replace(" ", "") != "topology=auto"]
+    return load_run_config(config, [*kept, "topology={}"])
 
 
 def wants_auto(config: str, overrides: Sequence[str]) -> bool:
@@ -80,11 +123,8 @@ def resolve_auto_topology(
         return list(overrides)
     if nproc is None:
         raise ValueError("topology: auto needs the process count: pass --nproc N (per node) to csbp train")
-    from csbp.config.schema import TrainSection
-    from csbp.recipes import load_run_config
-
     kept = [item for item in overrides if item.replace(" ", "") != "topology=auto"]
-    cfg = load_run_config(config, [*kept, "topology={}"])
+    cfg = load_plannable_config(config, overrides)
     workload = run_config_workload(cfg)
     documents = ""
     try:
@@ -97,22 +137,17 @@ def resolve_auto_topology(
     gpus = nproc * nnodes
     preset = gpu_preset()
     hw = hardware(preset, gpus=gpus, gpus_per_node=nproc)
-    has_ckpt = "activation_checkpointing" in TrainSection.model_fields
-    mb, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
-    layouts = [
-        lay
-        for lay in candidate_layouts(
-            workload,
-            gpus,
-            cfg.data.seq_len,
-            checkpointing=("full", "none") if has_ckpt else ("none",),
-            sharding="fsdp2" if cfg.train.fsdp else "ddp",
-            micro_batches=(mb,),
-        )
-        if lay.micro_batch == mb
-    ]
+    search = run_search(cfg)
+    layouts = candidate_layouts(
+        workload,
+        gpus,
+        cfg.data.seq_len,
+        checkpointing=search.checkpointing,
+        sharding=search.sharding,
+        micro_batches=(search.micro_batch,),
+    )
     cal = packaged_calibration(preset)
-    plan = rank(workload, layouts, cfg.data.seq_len, hw, cal)
+    plan = rank(workload, layouts, cfg.data.seq_len, hw, cal, grad_accum=search.grad_accum)
     best = plan.best
     if best is None:
         raise ValueError(f"topology: auto found no layout for {gpus} processes: {plan.why}")
@@ -126,13 +161,15 @@ def resolve_auto_topology(
         f"topology.transport={lay.transport}",
         f"topology.schedule={lay.schedule}",
     ]
-    if has_ckpt:
+    if len(search.checkpointing) > 1:
         chosen.append(f"train.activation_checkpointing={lay.checkpointing}")
     if echo:
-        step = best.step_s * accum
+        sequences = lay.dp * search.micro_batch * search.grad_accum
         print(
             f"topology: auto -> {describe(lay)} for {gpus} processes at L={cfg.data.seq_len}: predicted "
-            f"{step:.3f} s/step, {best.mem_bytes / GIB:.2f} of {best.capacity_bytes / GIB:.1f} GiB per process "
+            f"{best.step_s:.3f} s/step, {best.mem_bytes / GIB:.2f} of {best.capacity_bytes / GIB:.1f} GiB per process; "
+            f"{sequences} sequences ({sequences * cfg.data.seq_len:,} tokens) per optimizer step, {lay.dp}x one "
+            f"replica's {search.micro_batch} x {search.grad_accum} "
             f"({hw.name}{documents}; {_overlap_assumed(lay, cal)}; {plan.why})",
             flush=True,
         )

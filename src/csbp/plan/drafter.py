@@ -30,8 +30,10 @@ kind; the compute keeps its one-document formulas). The gather and the exchange,
 and overlapped with the block partial, are exposed but for ``overlap_csbp`` (~0), CP-only included:
 ``overlap_cp`` describes the published BD3 baselines, and nothing measured the drafter rings'.
 
-Memory: ``12 B`` per trainable parameter (weights, gradients, fused AdamW), the frozen vocabulary
-(embedding and head, bf16), the draft activations (no checkpointing; ``drafter_act_factor`` per
+Memory: the trainable parameters' weights, gradients and AdamW moments (the published reference
+recipe, ``context_rows == "windows"``: ``12 B`` per parameter, fused AdamW over bf16 weights; csbp's
+step: ``4 x state_bytes``, float32 master weights and moments), the frozen vocabulary (embedding and
+head: bf16 in the reference, the master dtype in csbp), the draft activations (no checkpointing; ``drafter_act_factor`` per
 row-layer activation bytes), the fused context rows and their K/V, the context K/V received from
 the ring (all-gathered or exchanged; every layer keeps it for its backward), the target features of the
 rank's context rows (``L/cp`` rows, all ``L`` for BP-only and data layouts) and 1 GiB of runtime
@@ -138,11 +140,14 @@ def predict_drafter(
         # overlap_csbp for every ring, CP-only too (overlap_cp was fitted on the BD3 baselines only)
         exposed_kv = (1.0 - cal.overlap_csbp) * kv_bytes / ring_bandwidth(layout, hw, cal)
     trainable = model.body_params + model.extra_params
+    # the reference recipe holds bf16 weights and 12 B/param of states; csbp the master dtype
+    reference = obj.context_rows == "windows"
+    held_bytes = p if reference else workload.state_bytes
     world = layout.world
     grad_bw = (
         hw.inter_gbps * cal.net_eff if world > hw.gpus_per_node else hw.intra_gbps * cal.intra_eff
     ) * 1e9
-    t_grad = 2.0 * p * trainable * (world - 1) / world / grad_bw if world > 1 else 0.0
+    t_grad = 2.0 * held_bytes * trainable * (world - 1) / world / grad_bw if world > 1 else 0.0
     t_opt = 32.0 * trainable / (hw.hbm_tbps * 1e12)
     if target is not None:  # its blocking K/V all-gathers: K/V traffic, exposed in full
         kv_bytes += accum * target.kv_bytes
@@ -156,11 +161,11 @@ def predict_drafter(
     )
     feature_rows = mb * held
     if step_memory_only:
-        terms = {"grads": p * trainable}
+        terms = {"grads": held_bytes * trainable}
     else:
         terms = {
-            "weights+grads+optimizer": 12.0 * trainable,
-            "frozen vocab": p * model.embedding_params,
+            "weights+grads+optimizer": (12.0 if reference else 4.0 * held_bytes) * trainable,
+            "frozen vocab": held_bytes * model.embedding_params,
             "target features": feature_rows * obj.feature_width * p,
             "fixed": min(DRAFTER_FIXED_GIB, cal.mem_fixed_gib) * GIB,
         }

@@ -300,7 +300,8 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
         schedule="balanced" if str(record.get("layout", "")).endswith("-balanced") else "dual_end",
     )
     hw = hardware("cpu", gpus=nproc)
-    workload = Workload(model, objective, p).with_options(doc_length=record.get("doc_length"))
+    # the bench builds its model in the record's dtype: no master weights (state_bytes = p)
+    workload = Workload(model, objective, p, state_bytes=p).with_options(doc_length=record.get("doc_length"))
     label = f"bench {kind} {record.get('objective', '')} L={record['seq_len']} {record.get('layout', layout.name)}"
     label += " ac=full" if layout.checkpointing == "full" else ""
     label += f" doc={record['doc_length']}" if record.get("doc_length") else ""

@@ -137,10 +137,19 @@ def kv_passes(layout: Layout, kv_grad_ratio: float) -> tuple[float, float]:
 
 
 def ring_bandwidth(layout: Layout, hw: Hardware, cal: Calibration) -> float:
-    """Bytes/s of a CP ring: intra-node when the ring sits inside a node, else the network."""
-    across = layout.local > hw.gpus_per_node or (
-        layout.placement == "striped" and layout.world > hw.gpus_per_node
-    )
+    """Bytes/s of a CP ring: intra-node when every ring sits inside a node, else the network (the
+    rings step together, so one ring cut by a node boundary sets the pace). csbp's rank order
+    (``csbp.topology``: ``rank = dp_rank * local + local_rank``, ring ``local_rank // cp``) puts a
+    ring's ``cp`` members on consecutive ranks, so a ``packed`` ring crosses nodes only when it is
+    larger than a node or a node boundary cuts it (``gpus_per_node`` not a multiple of ``cp``); the
+    BP ranks beyond the ring (``bp > cp``) exchange no K/V. ``striped`` rings span the nodes."""
+    per_node = hw.gpus_per_node
+    if layout.world <= per_node:
+        across = False
+    elif layout.placement == "striped":
+        across = True
+    else:
+        across = layout.cp > per_node or per_node % layout.cp != 0
     return (hw.inter_gbps * cal.net_eff if across else hw.intra_gbps * cal.intra_eff) * 1e9
 
 
@@ -306,7 +315,8 @@ def predict(
     # --- gradient synchronisation, optimizer, overhead (once per optimizer step)
     n = model.total_params
     world = layout.world
-    grad_bytes = {"zero2": 4.0, "fsdp2": 3.0 * p, "ddp": 2.0 * p}[layout.sharding]
+    s = workload.state_bytes  # FSDP2/DDP move and hold the master dtype (csbp: no mixed-precision policy)
+    grad_bytes = {"zero2": 4.0, "fsdp2": 3.0 * s, "ddp": 2.0 * s}[layout.sharding]
     grad_bw = (
         hw.inter_gbps * cal.net_eff if world > hw.gpus_per_node else hw.intra_gbps * cal.intra_eff
     ) * 1e9
@@ -334,13 +344,13 @@ def predict(
             terms["weights"] = 2.0 * n
             terms["grads+optimizer"] = 16.0 * n / world
         elif layout.sharding == "fsdp2":
-            terms["weights"] = p * n / world + 2 * p * model.max_layer_params
-            terms["grads+optimizer"] = 3.0 * p * n / world
+            terms["weights"] = s * n / world + 2 * s * model.max_layer_params
+            terms["grads+optimizer"] = 3.0 * s * n / world
         else:
-            terms["weights"] = p * n
-            terms["grads+optimizer"] = 3.0 * p * n
+            terms["weights"] = s * n
+            terms["grads+optimizer"] = 3.0 * s * n
     else:
-        terms["grads"] = p * n / (world if layout.sharding != "ddp" else 1)
+        terms["grads"] = s * n / (world if layout.sharding != "ddp" else 1)
     if ckpt:
         terms["checkpoints"] = model.num_layers * rows * model.d_model * p
         working = cal.ws_factor * rows * act_row

@@ -163,10 +163,21 @@ def rank(
     cal: Calibration,
     *,
     global_batch: int | None = None,
+    grad_accum: int = 1,
 ) -> Plan:
-    """Predict every layout and rank them; the first feasible one is the plan's pick."""
-    preds = [predict(workload, lay, seq_len, hw, cal, global_batch=global_batch) for lay in layouts]
-    feasible = sorted((p for p in preds if p.fits), key=lambda p: (-p.tokens_per_s, p.mem_bytes))
+    """Predict every layout and rank them; the first feasible one is the plan's pick. An optimizer
+    step trains ``global_batch`` samples, else ``grad_accum`` micro-steps of each layout's
+    ``dp x micro_batch`` (a run config's ``train.grad_accum``)."""
+    preds = [
+        predict(
+            workload, lay, seq_len, hw, cal,
+            global_batch=global_batch if global_batch is not None else lay.dp * lay.micro_batch * grad_accum,
+        )
+        for lay in layouts
+    ]
+    # equal speed (e.g. a streaming ring whose traffic the model hides entirely): less memory, then
+    # fewer K/V bytes, the layout least exposed to an overlap assumption that does not hold
+    feasible = sorted((p for p in preds if p.fits), key=lambda p: (-p.tokens_per_s, p.mem_bytes, p.kv_bytes))
     infeasible = sorted((p for p in preds if not p.fits), key=lambda p: p.mem_bytes)
     return Plan(
         tuple(feasible),

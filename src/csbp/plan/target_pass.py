@@ -20,7 +20,7 @@ layers run: every layer with the KL teacher, else up to the deepest fused one):
   sliding window ``W`` at most ``W`` keys a query) at ``4·hd·H`` per pair and ``attn_eff``;
 * bytes: ``(cp − 1)·(L/cp)·2·Hkv·hd`` per layer (what ``sharded_target_bytes`` counts under
   ``dflash.target``), a blocking all-gather (exposed in full at the ring's bandwidth);
-* memory: the frozen target's layer weights (the embedding and head are the drafter's, already
+* memory: the frozen target's layer weights, in the master dtype csbp holds it in (the embedding and head are the drafter's, already
   counted) and, under ``no_grad``, one layer's working set at a time: the rank's hidden rows,
   q/k/v, the SwiGLU intermediate and the gathered (or local) K/V of all ``L`` rows. The pass ends
   before the drafter's forward starts, so only what the working set exceeds of the draft step's
@@ -89,8 +89,12 @@ def _layer_groups(model: ModelShape, layers: int) -> list[tuple[int, LayerGroup]
     return out
 
 
-def target_pass_cost(tp: TargetPass, seq_len: int, cp: int, dtype_bytes: int) -> TargetPassCost:
-    """The terms of one sample's pass on one rank of a ring of ``cp`` (module docstring)."""
+def target_pass_cost(
+    tp: TargetPass, seq_len: int, cp: int, dtype_bytes: int, weight_bytes: int | None = None
+) -> TargetPassCost:
+    """The terms of one sample's pass on one rank of a ring of ``cp`` (module docstring), computed
+    in ``dtype_bytes`` elements over weights held in ``weight_bytes`` (default the same; csbp holds
+    the frozen target in the master dtype, ``Workload.state_bytes``)."""
     model = tp.model
     rows = target_pass_rows(tp.mode, seq_len, cp)
     dense = attention = kv = widest = weights = 0.0
@@ -106,7 +110,7 @@ def target_pass_cost(tp: TargetPass, seq_len: int, cp: int, dtype_bytes: int) ->
         qkv = (group.n_heads + 2 * group.n_kv_heads) * group.head_dim
         layer = rows * (2 * model.d_model + qkv + 3 * model.ffn) * dtype_bytes + seq_len * kv_row
         widest = max(widest, layer)
-    return TargetPassCost(dense, attention, kv, weights * dtype_bytes, widest)
+    return TargetPassCost(dense, attention, kv, weights * (weight_bytes or dtype_bytes), widest)
 
 
 def online_target_pass(workload: Workload) -> TargetPass | None:
@@ -151,7 +155,7 @@ def target_pass_memory(
     tp = online_target_pass(workload)
     if tp is None:
         return {}
-    cost = target_pass_cost(tp, seq_len, layout.cp, workload.dtype_bytes)
+    cost = target_pass_cost(tp, seq_len, layout.cp, workload.dtype_bytes, workload.state_bytes)
     terms = {"target features": features} if step_only else {"target weights": cost.weight_bytes}
     if cost.working_set_bytes > step_activations:
         terms["target pass working set"] = cost.working_set_bytes - step_activations

@@ -115,7 +115,11 @@ class Objective:
 
 @dataclass(frozen=True)
 class Workload:
-    """Model, objective and element size (2: bf16, 4: fp32) of one training run. ``doc_length``:
+    """Model, objective and element sizes of one training run: ``dtype_bytes`` of the computed
+    activations and K/V (2: bf16, 4: fp32), ``state_bytes`` of the trained parameters, their
+    gradients and AdamW moments under FSDP2/DDP (csbp keeps float32 master weights, float64 under
+    ``train.precision: fp64``: bf16 autocasts the compute only; ZeRO-2 is the published recipe's
+    bf16 weights and 16 B/param sharded states, not this). ``doc_length``:
     rows pack documents of that mean length under the document mask (``csbp.plan.documents``;
     None: one document per row), or real rows: one (``RowDocuments``) or an artifact's sample
     (``DocumentSample``, ``csbp plan --data``; ``predict`` averages over its rows). ``target_pass``:
@@ -125,6 +129,7 @@ class Workload:
     objective: Objective
     dtype_bytes: int = 2
     notes: tuple[str, ...] = field(default_factory=tuple)
+    state_bytes: int = 4
     doc_length: int | RowDocuments | DocumentSample | None = None
     target_pass: TargetPass | None = None
 
@@ -142,7 +147,7 @@ class Workload:
             raise ValueError(f"--target-pass {mode!r} must be one of {', '.join(TARGET_PASSES)}")
         current = self.target_pass
         if target_config is not None:
-            target = hf_workload(target_config).model
+            target = hf_workload(target_config, source="--target-config").model
             current = TargetPass(current.mode if current else "offline", target, target.num_layers)
         mode = mode or (current.mode if current else "offline")
         if mode == "offline":
@@ -261,11 +266,17 @@ def preset_workload(name: str) -> Workload:
     return Workload(model, objective, 2)
 
 
-def hf_workload(path: Path, *, objective: str = "bd3", block_size: int = 32) -> Workload:
-    """A decoder from a Hugging Face ``config.json`` (or a folder holding one), bf16."""
+def hf_workload(
+    path: Path, *, objective: str = "bd3", block_size: int = 32, source: str = "--model"
+) -> Workload:
+    """A decoder from a Hugging Face ``config.json`` (or a folder holding one), bf16. ``source``
+    names where the path came from (a flag or a config field) in the error when it holds none."""
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"{file}: no Hugging Face config.json here (--model takes a file or folder)")
+        fix = "train the target first, or point it at a folder holding one" if source == "objective.dflash.target" else (
+            "a config.json or a folder holding one"
+        )
+        raise FileNotFoundError(f"{source} {path}: no Hugging Face config.json here (fix: {fix})")
     cfg = json.loads(file.read_text())
     if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
         raise ValueError(f"{file}: mixture-of-experts models are not in the cost model (dense decoders only)")
@@ -290,14 +301,16 @@ def hf_workload(path: Path, *, objective: str = "bd3", block_size: int = 32) -> 
         groups=(group,),
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
-    return Workload(
-        model, Objective(objective, block=block_size, views=2 if objective == "fast_dllm_v2" else 1)
-    )
+    views = 2 if objective == "fast_dllm_v2" else 1
+    # bf16 compute; csbp reduces dK/dV in the float32 accumulation dtype (attention.merge)
+    return Workload(model, Objective(objective, block=block_size, views=views, kv_grad_bytes=4))
 
 
 def run_config_workload(cfg: Any) -> Workload:
     """A decoder from a validated ``RunConfig`` (shape fields set; ``init_from`` models are read
-    through their ``config.json``). Element size follows ``model.dtype``."""
+    through their ``config.json``). Element sizes follow what csbp trains in (``model.dtype`` is only
+    the export's): activations and K/V in ``train.precision``'s compute dtype, dK/dV reduced in the
+    float32 accumulation dtype (float64 under fp64), float32 master weights (float64 under fp64)."""
     m, obj = cfg.model, cfg.objective
     if obj.name not in OBJECTIVES and obj.name != "ar":
         raise ValueError(f"objective.name {obj.name!r} is not in the cost model ({', '.join(OBJECTIVES)})")
@@ -305,7 +318,7 @@ def run_config_workload(cfg: Any) -> Workload:
         return _dflash_workload(cfg)
     block = obj.block_size or cfg.data.seq_len
     if m.init_from is not None:
-        base = hf_workload(Path(m.init_from), objective=obj.name, block_size=block)
+        base = hf_workload(Path(m.init_from), objective=obj.name, block_size=block, source="model.init_from")
     else:
         missing = [
             k
@@ -332,9 +345,18 @@ def run_config_workload(cfg: Any) -> Workload:
         )
         base = Workload(model, Objective(obj.name, block=block, views=2 if obj.name == "fast_dllm_v2" else 1))
     window = cfg.topology.window
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float64": 8}[m.dtype]
-    workload = Workload(base.model, base.objective, dtype_bytes)
+    dtype_bytes, master = _precision_bytes(cfg)
+    objective = replace(base.objective, kv_grad_bytes=master)
+    workload = Workload(base.model, objective, dtype_bytes, state_bytes=master)
     return workload.with_options(window=window) if window else workload
+
+
+def _precision_bytes(cfg: Any) -> tuple[int, int]:
+    """``(compute, master)`` element sizes of ``train.precision``: bf16 autocasts over float32
+    master weights, fp32 and fp64 compute in the master dtype (``training.model_factory``)."""
+    precision = cfg.train.precision
+    master = 8 if precision == "fp64" else 4
+    return (2 if precision == "bf16" else master), master
 
 
 def _artifact_vocab(directory: Path) -> int:
@@ -356,7 +378,7 @@ def _dflash_workload(cfg: Any) -> Workload:
     from csbp.plan.target_pass import TargetPass
 
     section = cfg.objective.dflash
-    target = hf_workload(Path(section.target))
+    target = hf_workload(Path(section.target), source="objective.dflash.target")
     t, group = target.model, target.model.groups[0]
     types = section.layer_types or ["full_attention"] * section.num_draft_layers
     sliding = sum(kind == "sliding_attention" for kind in types)
@@ -387,5 +409,5 @@ def _dflash_workload(cfg: Any) -> Workload:
     # what the step runs: offline features, else the online pass of objective.dflash.target_capture
     mode = "offline" if section.features is not None else section.target_capture
     layers = t.num_layers if section.loss == "kl" else max(ids) + 1
-    dtype_bytes = {"fp32": 4, "bf16": 2, "fp64": 8}[cfg.train.precision]
-    return Workload(model, objective, dtype_bytes, target_pass=TargetPass(mode, t, layers))
+    dtype_bytes, master = _precision_bytes(cfg)
+    return Workload(model, objective, dtype_bytes, state_bytes=master, target_pass=TargetPass(mode, t, layers))

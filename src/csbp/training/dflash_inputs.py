@@ -137,7 +137,7 @@ def check_dflash_inputs(
         if split is not None and split.num_rows > 0:
             _field(
                 field,
-                lambda split=split: validate_anchor_coverage(np.array(split.loss_mask), np.array(split.doc_ids)),
+                lambda split=split: check_split_anchor_coverage(split),
                 "re-prepare the data so that every row supervises two consecutive tokens of one document",
             )
     has_tokenizer = any((target_dir / name).is_file() for name in TOKENIZER_FILES)
@@ -151,6 +151,21 @@ def check_dflash_inputs(
     )
     inputs.feature_store(artifact.split("train"))
     return inputs
+
+
+_COVERAGE_CHUNK_TOKENS = 1 << 22
+"""Tokens of a split read at a time by :func:`check_split_anchor_coverage` (its memory is about 20
+bytes a token: the whole split of a long-context corpus would not fit)."""
+
+
+def check_split_anchor_coverage(split: ArtifactSplit, *, chunk_tokens: int = _COVERAGE_CHUNK_TOKENS) -> None:
+    """``validate_anchor_coverage`` over the memory-mapped ``split`` a few rows at a time."""
+    rows_per_chunk = max(1, chunk_tokens // max(1, split.seq_len))
+    for start in range(0, split.num_rows, rows_per_chunk):
+        stop = min(split.num_rows, start + rows_per_chunk)
+        validate_anchor_coverage(
+            np.asarray(split.loss_mask[start:stop]), np.asarray(split.doc_ids[start:stop]), first_row=start
+        )
 
 
 def read_target_config(target_dir: Path) -> DecoderConfig:

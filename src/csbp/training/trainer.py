@@ -174,8 +174,9 @@ class StepHook(Protocol):
     """Called by the step loop (``csbp compare`` uses one to train for a wall-clock budget).
 
     ``on_start`` runs once before the first step of this invocation; ``after_step`` after every
-    optimizer step with the step's seconds on this rank and returns True to stop the run after that
-    step (a checkpoint is then written). Both must return the same decision on every rank.
+    step, one ``nan_policy: skip`` skipped included (it ran, so a budget pays for it), with the step's
+    seconds on this rank, and returns True to stop the run after that step (a checkpoint is then
+    written). Both must return the same decision on every rank.
     """
 
     def on_start(self, loop: _Loop, start_step: int) -> None: ...
