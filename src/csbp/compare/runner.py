@@ -26,7 +26,7 @@ from csbp.compare.budget import BudgetHook, load_budget_state
 from csbp.compare.layouts import LAYOUT_NAMES, layout_config
 from csbp.config.schema import RunConfig
 from csbp.parallel.launch import run_local
-from csbp.training.preflight import check_new_run_dir, check_run
+from csbp.training.preflight import check_new_run_dir, check_run, check_validation_rows
 from csbp.training.run_lock import LOCK_FILE, run_dir_lock
 from csbp.training.trainer import train
 
@@ -124,6 +124,7 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
                     "data.val: csbp compare evaluates on validation data, and the run has none "
                     "(fix: prepare the data with --val-fraction, or set data.val)"
                 )
+            check_validation_rows(layout_cfg, inputs.val_split.num_rows)
         plan.append((name, layout_cfg))
     return plan
 

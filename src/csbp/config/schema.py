@@ -100,7 +100,8 @@ class ModelSection(_Section):
         None, description="Share the input embedding with the LM head; unset: false (or init_from)."
     )
     dtype: Literal["float32", "bfloat16", "float64"] = Field(
-        "float32", description="Parameter storage dtype."
+        "float32", description="Dtype of the exported final/ checkpoint; training keeps float32 master weights "
+        "and optimizer state (float64 with train.precision: fp64, which needs float64 here).",
     )
 
     @model_validator(mode="before")
@@ -150,7 +151,8 @@ class DataSection(_Section):
 
     train: str = path_field(description="Prepared artifact directory (from `csbp data prepare`).")
     val: str | None = path_field(
-        None, description="Artifact directory whose val split is evaluated; unset: data.train's val split."
+        None, description="Artifact directory whose val split (or, without one, train split) is evaluated; "
+        "unset: data.train's val split."
     )
     seq_len: int = Field(gt=1, description="Tokens per training sequence L.")
     tokenizer: str | None = path_field(
@@ -390,10 +392,12 @@ class TrainSection(_Section):
     max_steps: int = Field(gt=0, description="Optimizer steps.")
     micro_batch_size: int = Field(1, gt=0, description="Sequences per data-parallel replica per micro-step.")
     grad_accum: int = Field(1, gt=0, description="Micro-steps accumulated per optimizer step.")
-    precision: Literal["fp32", "bf16", "fp64"] = Field("fp32", description="Compute precision.")
-    log_every: int = Field(10, gt=0, description="Steps between log lines.")
-    eval_every: int = Field(0, ge=0, description="Steps between validation passes; 0 disables.")
-    eval_batches: int = Field(8, gt=0, description="Micro-batches per validation pass.")
+    precision: Literal["fp32", "bf16", "fp64"] = Field("fp32", description="Compute precision: fp32; bf16 "
+                                                       "(autocast over float32 weights); fp64 (float64 weights).")
+    log_every: int = Field(10, gt=0, description="Steps between console lines (metrics.jsonl and TensorBoard get every step).")
+    eval_every: int = Field(0, ge=0, description="Steps between validation passes (also before a new run's first step and after the last); 0 disables.")
+    eval_batches: int = Field(8, gt=0, description="Micro-batches per dp replica per validation pass: the "
+                              "first eval_batches x micro_batch_size x dp val rows, at most the val split's.")
     save_every: int = Field(0, ge=0, description="Steps between checkpoints; 0: only at the end.")
     keep_checkpoints: int = Field(2, gt=0, description="Most recent checkpoints kept on disk.")
     fsdp: bool = Field(False, description="Shard parameters and optimizer state (FSDP2).")

@@ -12,7 +12,9 @@ train loss of the step), ``lr`` (the rate the step used), ``grad_norm`` (before 
 likelihood bound comparable across recipes, csbp.evaluation.nelbo), and ``val_ppl_bound`` =
 ``exp(val_nelbo)``.
 Objectives may add metrics: dflash logs ``token_accuracy`` and ``tau_mean`` (and ``val_`` versions;
-with a DFlash2 selector also ``selector_loss`` and ``candidate_recall``).
+with a DFlash2 selector also ``selector_loss`` and ``candidate_recall``), and its validation the
+served ``val_acceptance_length`` and ``val_accept_rate_<k>``. TensorBoard gets every number of
+``_SCALARS`` (``val_accept_rate_<k>`` stay in the JSONL only).
 When a run resumes, records after the resumed step (written before a crash) are dropped, so the
 file always describes one trajectory.
 
@@ -54,7 +56,24 @@ _SCALARS = {
     "candidate_recall": "train/candidate_recall",
     "val_token_accuracy": "val/token_accuracy",
     "val_tau_mean": "val/tau_mean",
+    "val_selector_loss": "val/selector_loss",
+    "val_candidate_recall": "val/candidate_recall",
+    "val_acceptance_length": "val/acceptance_length",
 }
+
+
+STEP_LINE_EXTRAS = ("tau_mean", "val_loss", "val_nelbo", "val_tau_mean", "val_acceptance_length")
+"""Numbers a step's console line adds after ``grad_norm`` when its record has them."""
+
+
+def step_line(record: dict[str, Any]) -> str:
+    """The console line of a logged step (every ``train.log_every`` steps): ``step N: loss .. lr ..
+    grad_norm ..`` and, when present, the validation and DFlash numbers of :data:`STEP_LINE_EXTRAS`."""
+    extra = "".join(f" {name} {record[name]:.4f}" for name in STEP_LINE_EXTRAS if name in record)
+    return (
+        f"step {record['step']}: loss {record['loss']:.4f} lr {record['lr']:.3e} "
+        f"grad_norm {record['grad_norm']:.3f}{extra}"
+    )
 
 
 def peak_memory_bytes(device: torch.device) -> int:

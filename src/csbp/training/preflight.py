@@ -435,3 +435,27 @@ def _check_batches(cfg: RunConfig, inputs: RunInputs) -> None:
             f"train.eval_every: {cfg.train.eval_every} but there are no validation rows "
             "(fix: prepare the data with --val-fraction, set data.val, or set train.eval_every: 0)"
         )
+    if cfg.train.eval_every > 0 and inputs.val_split is not None:
+        check_validation_rows(cfg, inputs.val_split.num_rows)
+
+
+def check_validation_rows(cfg: RunConfig, val_rows: int) -> None:
+    """A validation pass reads ``eval_batches`` global batches of the unshuffled val split; past its
+    end the loader wraps around, so some rows would be scored twice and the others once: refused
+    (also by ``csbp compare``, which validates with ``train.eval_every`` off)."""
+    global_batch = cfg.train.micro_batch_size * cfg.topology.dp
+    per_pass = cfg.train.eval_batches * global_batch
+    if per_pass <= val_rows:
+        return
+    fits = val_rows // global_batch
+    fix = (
+        f"set train.eval_batches <= {fits}"
+        if fits
+        else "lower train.micro_batch_size or topology.dp, give validation more rows (data.val, or csbp data "
+        "prepare --val-fraction), or set train.eval_every: 0"
+    )
+    raise ValueError(
+        f"train.eval_batches: {cfg.train.eval_batches} x micro_batch_size {cfg.train.micro_batch_size} x "
+        f"topology.dp {cfg.topology.dp} = {per_pass} validation rows per pass, but the val split has only "
+        f"{val_rows}: rows would be scored more than once and weigh more than the others (fix: {fix})"
+    )

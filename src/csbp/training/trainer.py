@@ -64,7 +64,7 @@ from csbp.training.drafter import build_drafter, dflash_eval_hint, export_drafte
 from csbp.training.export import export_decoder
 from csbp.training.input_identity import input_fingerprints
 from csbp.training.lr_schedule import build_lr_scheduler
-from csbp.training.metrics import MetricsWriter, peak_memory_bytes
+from csbp.training.metrics import MetricsWriter, peak_memory_bytes, step_line
 from csbp.training.model_factory import build_model
 from csbp.training.optim import apply_optim_config, build_optimizer, clip_gradients
 from csbp.training.parallelize import (
@@ -174,9 +174,9 @@ class StepHook(Protocol):
     """Called by the step loop (``csbp compare`` uses one to train for a wall-clock budget).
 
     ``on_start`` runs once before the first step of this invocation; ``after_step`` after every
-    optimizer step with the step's seconds on this rank (and those of steps ``nan_policy: skip``
-    skipped since) and returns True to stop the run after that step (a checkpoint is then written).
-    Both must return the same decision on every rank.
+    step, one ``nan_policy: skip`` skipped included (it ran, so a budget pays for it), with the step's
+    seconds on this rank, and returns True to stop the run after that step (a checkpoint is then
+    written). Both must return the same decision on every rank.
     """
 
     def on_start(self, loop: _Loop, start_step: int) -> None: ...
@@ -338,7 +338,6 @@ class _Loop:
         checkpoint: Path | None = None
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.last_step = start_step
-        skipped_s = 0.0  # seconds of skipped non-finite steps: they ran, so a budget pays for them
         if evaluating and start_step == 0:  # the untrained baseline, so "first -> last" means something
             initial = self._evaluate(0)
             nelbo = initial.metrics.get("nelbo")
@@ -359,46 +358,43 @@ class _Loop:
                 shard_comm=gradient_shard_comm(self.ctx, fsdp=train_cfg.fsdp),
             )
             lr = float(self.optimizer.param_groups[0]["lr"])
-            if not (math.isfinite(result.loss) and math.isfinite(grad_norm)):
-                self._non_finite(step, result.loss, grad_norm, checkpoint)  # raises unless skipping
-                self.last_step = step
-                skipped_s += time.perf_counter() - step_started
-                continue
-            self._skipped_in_a_row = 0
-            self.optimizer.step()
-            self._zero_grad()
-            self.scheduler.step()
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            finite = math.isfinite(result.loss) and math.isfinite(grad_norm)
+            if finite:
+                self._skipped_in_a_row = 0
+                self.optimizer.step()
+                self._zero_grad()
+                self.scheduler.step()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            else:  # raises unless train.nan_policy skips; a skipped step still validates and saves on schedule
+                self._non_finite(step, result.loss, grad_norm, checkpoint)
             step_seconds = time.perf_counter() - step_started
-            self.losses.append(result.loss)
-            record = {
-                "step": step,
-                "loss": result.loss,
-                "lr": lr,
-                "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_step / max(step_seconds, 1e-9),
-                "peak_mem_bytes": peak_memory_bytes(self.device),
-                "elapsed_s": time.perf_counter() - started,
-                **result.metrics,
-            }
+            record: dict[str, float] | None = None
+            if finite:
+                self.losses.append(result.loss)
+                record = {
+                    "step": step,
+                    "loss": result.loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": tokens_per_step / max(step_seconds, 1e-9),
+                    "peak_mem_bytes": peak_memory_bytes(self.device),
+                    "elapsed_s": time.perf_counter() - started,
+                    **result.metrics,
+                }
             if evaluating and (step % train_cfg.eval_every == 0 or step == stop_step):
                 evaluation = self._evaluate(step)
-                record["val_loss"] = evaluation.loss
-                record.update({f"val_{name}": value for name, value in evaluation.metrics.items()})
-            self.writer.log(record)
-            if step % train_cfg.log_every == 0:
-                extra = "".join(
-                    f" {name} {record[name]:.4f}"
-                    for name in ("tau_mean", "val_loss", "val_nelbo", "val_tau_mean", "val_acceptance_length")
-                    if name in record
-                )
-                self.writer.message(
-                    f"step {step}: loss {result.loss:.4f} lr {lr:.3e} grad_norm {grad_norm:.3f}{extra}"
-                )
+                if record is None:
+                    self.writer.message(f"step {step}: val {evaluation.loss:.4f} (update skipped)")
+                else:
+                    record["val_loss"] = evaluation.loss
+                    record.update({f"val_{name}": value for name, value in evaluation.metrics.items()})
+            if record is not None:
+                self.writer.log(record)
+                if step % train_cfg.log_every == 0:
+                    self.writer.message(step_line(record))
             self.last_step = step
-            stop = self.hook is not None and self.hook.after_step(self, step, step_seconds + skipped_s)
-            skipped_s = 0.0
+            stop = self.hook is not None and self.hook.after_step(self, step, step_seconds)
             if (train_cfg.save_every > 0 and step % train_cfg.save_every == 0) or step == stop_step or stop:
                 checkpoint = self._save(step)
             if stop:
