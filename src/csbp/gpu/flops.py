@@ -6,7 +6,9 @@ Accounting (the usual "model FLOPs", not hardware FLOPs: activation checkpointin
 * dense matmuls: ``6 · P_layers`` per processed row (forward 2, backward 4), where ``P_layers`` are
   the weights of the attention and MLP projections; BD3 processes ``2L`` rows per sample
   (``[x_t ; x_0]``);
-* LM head: ``6 · V · D`` per *scored* row (the ``L`` noisy rows; the clean rows are not scored);
+* LM head: ``6 · V · D`` per noisy row (the ``L`` rows a loss may score; the clean rows are never
+  scored). csbp's losses run the head only on the rows they score (the masked ones), so this counts
+  a little more than runs: the MFU it gives is an upper bound by the head's unscored share;
 * attention: ``12 · d`` per allowed (query, key) pair and query head (forward ``QKᵀ`` and ``PV``:
   ``4·d``; backward ``dV, dP, dQ, dK``: ``8·d``). BD3 with full attention, block ``B``: a noisy row
   of block ``b`` sees its ``B`` noisy rows and the ``b·B`` clean rows before its block, a clean row
