@@ -1,18 +1,22 @@
 """A crafted DCP ``.metadata`` cannot change csbp's process: only allow-listed globals are looked up,
-and nothing but containers and DCP metadata instances the file built itself is ever mutated."""
+nothing but containers and DCP metadata instances the file built itself is ever mutated, and values
+of types DCP never writes are one line before anything is loaded."""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 from pathlib import Path, PosixPath
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from csbp.atomic import Ownership, check_replaceable
-from csbp.training.checkpoint_integrity import read_metadata
+from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata, safe_dcp_load
 
 
 def _build_on_class(genuine: bytes, module: str, name: str, attribute: str, value: tuple[str, str]) -> bytes:
@@ -83,3 +87,38 @@ def test_metadata_instances_take_only_plain_attribute_dicts(checkpoint: Path) ->
     metadata.write_bytes(slot + metadata.read_bytes())
     with pytest.raises(ValueError, match=r"refused BUILD with a tuple state"):
         read_metadata(checkpoint)
+
+
+def _forged(genuine: Metadata, case: str) -> Metadata:
+    item = genuine.state_dict_metadata["w"]
+    chunk = item.chunks[0]
+    negative = torch.Size([-1, -4])  # its product, 4, is backed by the stored bytes
+    tensors = {
+        "chunks are not a list": dataclasses.replace(item, chunks=5),
+        "no properties": dataclasses.replace(item, properties=None),
+        "a negative size": dataclasses.replace(item, size=negative, chunks=[dataclasses.replace(chunk, sizes=negative)]),
+        "a dtype name": dataclasses.replace(item, properties=dataclasses.replace(item.properties, dtype="float32")),
+    }
+    if case in tensors:
+        return dataclasses.replace(genuine, state_dict_metadata={**genuine.state_dict_metadata, "w": tensors[case]})
+    if case == "storage is a list":
+        return dataclasses.replace(genuine, storage_data=[1, 2])
+    assert case == "a negative offset"
+    return dataclasses.replace(
+        genuine, storage_data={k: dataclasses.replace(v, offset=-100) for k, v in genuine.storage_data.items()}
+    )
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["chunks are not a list", "no properties", "a negative size", "a dtype name", "storage is a list", "a negative offset"],
+)
+def test_metadata_of_the_wrong_types_is_one_line_before_any_load(checkpoint: Path, case: str) -> None:
+    """Allowed classes holding values DCP never writes used to escape as an AttributeError or
+    TypeError (a traceback), or, for negative sizes, pass the checks."""
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(_forged(read_metadata(checkpoint), case)))
+    with pytest.raises(ValueError, match=r"\.metadata: .*damaged or forged, it was not loaded"):
+        read_metadata(checkpoint)
+    assert "damaged or forged" in str(checkpoint_problem(checkpoint, state_file=None))
+    with pytest.raises(ValueError, match="damaged or forged"):
+        safe_dcp_load({"w": torch.zeros(4), "step": torch.tensor(0)}, checkpoint, no_dist=True)

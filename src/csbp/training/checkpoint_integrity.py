@@ -43,7 +43,13 @@ import torch.distributed.checkpoint.metadata as metadata_module
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from csbp.training.checkpoint_checksums import CHECKSUMS_KEY, METADATA_FILE, checksum_problem, parse_record
@@ -164,11 +170,53 @@ def read_metadata(checkpoint: Path) -> Metadata:
         raise ValueError(f"{path}: unreadable ({type(exc).__name__}: {exc}); the file is damaged") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise ValueError(f"{path}: does not hold DCP checkpoint metadata")
-    for info in (metadata.storage_data or {}).values():  # every reader opens checkpoint / relative_path
-        name = str(getattr(info, "relative_path", ""))
+    problem = _structure_problem(metadata)
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}; the file is damaged or forged, it was not loaded")
+    for info in metadata.storage_data.values():  # every reader opens checkpoint / relative_path
+        name = info.relative_path
         if not name or Path(name).name != name or name.startswith("."):
             raise ValueError(f"{path} names a data file {name!r} outside the checkpoint; it was not loaded")
     return metadata
+
+
+def _sizes(value: object) -> bool:
+    return isinstance(value, (tuple, list)) and all(type(v) is int and v >= 0 for v in value)
+
+
+def _structure_problem(metadata: Metadata) -> str | None:
+    """What in ``metadata`` is not of the types DCP writes (so that every later check and the load
+    itself fail with this one line, never an ``AttributeError`` deep inside DCP), or None.
+    Sizes, offsets and lengths must be non-negative integers."""
+    if metadata.storage_data is None:
+        metadata.storage_data = {}  # what DCP writes for a checkpoint without tensors
+    if not isinstance(metadata.storage_data, dict) or not (
+        metadata.storage_meta is None or isinstance(metadata.storage_meta, metadata_module.StorageMeta)
+    ):
+        return "storage_data or storage_meta is not what DCP writes"
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, filesystem_module._StorageInfo):
+            return f"storage entry {index!r} is not what DCP writes"
+        if not isinstance(info.relative_path, str):
+            return f"storage entry for {index.fqn!r} names the data file {info.relative_path!r}"
+        if not (type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0):
+            return f"storage entry for {index.fqn!r} has offset {info.offset!r}, length {info.length!r}"
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(fqn, str) or not isinstance(item, (TensorStorageMetadata, BytesStorageMetadata)):
+            return f"item {fqn!r} is not what DCP writes"
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        properties = item.properties
+        if not isinstance(properties, metadata_module.TensorProperties) or not isinstance(properties.dtype, torch.dtype):
+            return f"tensor {fqn!r} has no dtype"
+        if not _sizes(item.size):
+            return f"tensor {fqn!r} has size {item.size!r}"
+        if not isinstance(item.chunks, list):
+            return f"tensor {fqn!r} has chunks {item.chunks!r}"
+        for chunk in item.chunks:
+            if not isinstance(chunk, ChunkStorageMetadata) or not (_sizes(chunk.offsets) and _sizes(chunk.sizes)):
+                return f"tensor {fqn!r} has a chunk {chunk!r}"
+    return None
 
 
 class SafeFileSystemReader(FileSystemReader):
