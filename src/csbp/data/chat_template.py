@@ -6,7 +6,9 @@ with the template in its tokenizer directory (``tokenizer_config.json`` ``chat_t
 
 Templates from a downloaded model are untrusted input: they are rendered in Jinja2's
 ``ImmutableSandboxedEnvironment`` (attribute access to internals such as ``__class__`` and
-mutation of passed-in objects are refused) with the globals templates commonly use:
+mutation of passed-in objects are refused), with the size limits of
+:mod:`csbp.data.template_sandbox` (no ``'a' * 10**10``, nested ``range(100000)`` loops or output
+past 16 Mi characters), and with the globals templates commonly use:
 ``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token`` and ``add_generation_prompt``.
 ``{% generation %}`` blocks are accepted and render their body unchanged; supervision never
 depends on them.
@@ -32,7 +34,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from csbp.data.template_sandbox import BoundedSandbox, render_bounded
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_JSON_FILE = "chat_template.json"
@@ -60,14 +63,18 @@ def _strftime_now(format_string: str) -> str:
 
 def _tojson(value: Any, indent: int | None = None) -> str:
     # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON
+    if indent is not None and not 0 <= indent <= _MAX_JSON_INDENT:
+        raise jinja2.exceptions.TemplateError(f"tojson(indent={indent}): csbp allows 0 to {_MAX_JSON_INDENT}")
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
-    )
+_MAX_JSON_INDENT = 16
+
+
+def _environment() -> BoundedSandbox:
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.bound_filters()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -101,7 +108,8 @@ class ChatTemplate:
         """The template's text for ``messages``; any template error raises one ``ValueError`` line."""
         try:
             compiled = _compile(self.text)
-            return compiled.render(
+            return render_bounded(
+                compiled,
                 messages=[dict(message) for message in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
@@ -116,6 +124,12 @@ class ChatTemplate:
             first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise ValueError(
                 f"{where or self.source}: chat template {self.source} failed: {first_line} "
+                "(fix: repair the record, or pass --chat-template none or another template)"
+            ) from None
+        except _TEMPLATE_RAISES as exc:  # Python errors of the template's own expressions ({{ 1 / 0 }})
+            first_line = str(exc).splitlines()[0] if str(exc) else ""
+            raise ValueError(
+                f"{where or self.source}: chat template {self.source} failed: {type(exc).__name__}: {first_line} "
                 "(fix: repair the record, or pass --chat-template none or another template)"
             ) from None
 
@@ -166,6 +180,8 @@ class ChatTemplate:
         return start, end
 
 
+_TEMPLATE_RAISES = (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, MemoryError, RecursionError)
+"""What a template's expressions can raise besides Jinja's errors; reported in one line too."""
 _SENTINEL = "csbpAssistantContentSentinel"
 """Stands in for an assistant message's content to locate the template text around it."""
 _COMPILED: dict[str, jinja2.Template] = {}
