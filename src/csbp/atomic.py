@@ -4,8 +4,9 @@ The directory is filled in a temporary sibling and moved into place in one renam
 an existing one in a single step on Linux), so a reader never sees a half-written directory and a
 crash never leaves the path empty. An existing target is replaced only on request, and only when
 csbp recognises it as its own output (:class:`Ownership`): an empty directory, or one holding the
-kind's marker file and no file csbp would not have written. Anything else, a symbolic link, the
-working directory and its parents included, is refused with one line, before any work starts.
+kind's marker file and no entry csbp would not have written (a subdirectory or link never is).
+Anything else, a symbolic link, the working directory and its parents included, is refused with one
+line, before any work starts.
 
 The target is checked again when the finished directory is published (:func:`publish_directory`),
 since another process may have created it while the output was being built: without ``overwrite``
@@ -38,8 +39,10 @@ class OutputExistsError(ValueError):
 
 @dataclass(frozen=True)
 class Ownership:
-    """How csbp recognises a directory it wrote: ``marker`` is present and every entry's name is in
-    ``names`` (or ends with one of ``suffixes``); ``what`` names the kind in messages."""
+    """How csbp recognises a directory it wrote: ``marker`` is present and every entry is a regular
+    file whose name is in ``names`` (or ends with one of ``suffixes``); ``what`` names the kind in
+    messages. A subdirectory or link is never csbp's, whatever its name: ``rmtree`` would take a
+    subdirectory's files with it."""
 
     what: str
     marker: str
@@ -48,14 +51,16 @@ class Ownership:
 
     def foreign_entry(self, directory: Path) -> str | None:
         """None when ``directory`` is recognisably ours (or empty), else a file that is not."""
-        entries = sorted(entry.name for entry in directory.iterdir())
+        entries = sorted(directory.iterdir())
         if not entries:
             return None
-        if self.marker not in entries:
+        if self.marker not in {entry.name for entry in entries}:
             return f"no {self.marker}"
-        for name in entries:
-            if name not in self.names and not name.endswith(self.suffixes):
-                return f"'{name}'"
+        for entry in entries:
+            if entry.name not in self.names and not entry.name.endswith(self.suffixes):
+                return f"'{entry.name}'"
+            if entry.is_symlink() or not entry.is_file():
+                return f"'{entry.name}', which is not a regular file"
         return None
 
 
