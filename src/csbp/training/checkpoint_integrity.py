@@ -9,7 +9,7 @@ crafted checkpoint runs code on load. Here:
   DCP metadata dataclasses, ``torch.Size``, dtypes/layouts and plain containers, and mutates nothing
   but containers and metadata instances the file built (no attribute of a class, enum member or
   dtype can be set); anything else is a ``ValueError`` naming the file and what was refused, as is a
-  data file named outside the checkpoint directory (``../x``, ``/etc/passwd``);
+  data file named outside the checkpoint directory (``../x``, ``/etc/passwd``, a link leading out);
 * :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` make ``dcp.load`` use that reader and
   load non-tensor items with ``torch.load(weights_only=True)``; :func:`safe_dcp_load` is the call;
 * :func:`checkpoint_problem` checks a checkpoint before any tensor is loaded: ``trainer_state.json``
@@ -159,6 +159,8 @@ def read_metadata(checkpoint: Path) -> Metadata:
     path = Path(checkpoint) / METADATA_FILE
     if not path.is_file():
         raise ValueError(f"{path}: missing (the checkpoint is incomplete)")
+    if path.is_symlink() and path.resolve().parent != Path(checkpoint).resolve():
+        raise ValueError(f"{path} is a link to a file outside the checkpoint; it was not loaded")
     try:
         with open(path, "rb") as handle:
             metadata = MetadataUnpickler(handle).load()
@@ -173,10 +175,16 @@ def read_metadata(checkpoint: Path) -> Metadata:
     problem = _structure_problem(metadata)
     if problem is not None:
         raise ValueError(f"{path}: {problem}; the file is damaged or forged, it was not loaded")
-    for info in metadata.storage_data.values():  # every reader opens checkpoint / relative_path
-        name = info.relative_path
+    inside = Path(checkpoint).resolve()
+    for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
+        # every reader opens checkpoint / relative_path: a plain name, and not a link leading out
         if not name or Path(name).name != name or name.startswith("."):
             raise ValueError(f"{path} names a data file {name!r} outside the checkpoint; it was not loaded")
+        if (Path(checkpoint) / name).is_symlink() and (Path(checkpoint) / name).resolve().parent != inside:
+            raise ValueError(
+                f"{Path(checkpoint) / name} is a link to a file outside the checkpoint; it was not loaded "
+                "(fix: copy the checkpoint with its files, not links to them)"
+            )
     return metadata
 
 

@@ -122,3 +122,21 @@ def test_metadata_of_the_wrong_types_is_one_line_before_any_load(checkpoint: Pat
     assert "damaged or forged" in str(checkpoint_problem(checkpoint, state_file=None))
     with pytest.raises(ValueError, match="damaged or forged"):
         safe_dcp_load({"w": torch.zeros(4), "step": torch.tensor(0)}, checkpoint, no_dist=True)
+
+
+@pytest.mark.parametrize("linked", ["__0_0.distcp", ".metadata"])
+def test_a_checkpoint_file_that_links_outside_the_checkpoint_is_refused(
+    checkpoint: Path, tmp_path: Path, linked: str
+) -> None:
+    """A planted link (``__0_0.distcp -> ~/.ssh/id_rsa``) would read a file of the user's into the
+    weights that an export then writes out. Links inside the checkpoint directory stay accepted."""
+    outside = tmp_path / "secret.bin"
+    (checkpoint / linked).rename(outside)
+    (checkpoint / linked).symlink_to(outside)
+    with pytest.raises(ValueError, match="is a link to a file outside the checkpoint"):
+        read_metadata(checkpoint)
+    assert "is a link to a file outside the checkpoint" in str(checkpoint_problem(checkpoint, state_file=None))
+    (checkpoint / linked).unlink()
+    outside.rename(checkpoint / f"{linked}.real")
+    (checkpoint / linked).symlink_to(checkpoint / f"{linked}.real")
+    assert checkpoint_problem(checkpoint, state_file=None) is None
