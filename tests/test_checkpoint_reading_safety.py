@@ -140,3 +140,17 @@ def test_a_checkpoint_file_that_links_outside_the_checkpoint_is_refused(
     outside.rename(checkpoint / f"{linked}.real")
     (checkpoint / linked).symlink_to(checkpoint / f"{linked}.real")
     assert checkpoint_problem(checkpoint, state_file=None) is None
+
+
+def test_a_deeply_nested_forged_value_is_one_short_line(checkpoint: Path) -> None:
+    """Naming a bad value used ``repr``, which raised RecursionError for a list nested 100000 deep."""
+    placeholder = b"X\x0b\x00\x00\x00PLACEHOLDER"  # the pickled string "PLACEHOLDER"
+    genuine = read_metadata(checkpoint)
+    item = genuine.state_dict_metadata["w"]
+    forged = dataclasses.replace(item, chunks=["PLACEHOLDER"])
+    data = pickle.dumps(dataclasses.replace(genuine, state_dict_metadata={"w": forged}), protocol=2)
+    depth = 100_000
+    (checkpoint / ".metadata").write_bytes(data.replace(placeholder, b"]" * depth + b"a" * (depth - 1), 1))
+    with pytest.raises(ValueError, match=r"has a chunk \[\[\[\[\.\.\.\]\]\]\]; the file is damaged") as info:
+        read_metadata(checkpoint)
+    assert len(str(info.value)) < 300

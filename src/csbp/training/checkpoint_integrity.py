@@ -30,6 +30,7 @@ import math
 import pickle
 import pickletools
 import re
+import reprlib
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -179,7 +180,7 @@ def read_metadata(checkpoint: Path) -> Metadata:
     for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
         # every reader opens checkpoint / relative_path: a plain name, and not a link leading out
         if not name or Path(name).name != name or name.startswith("."):
-            raise ValueError(f"{path} names a data file {name!r} outside the checkpoint; it was not loaded")
+            raise ValueError(f"{path} names a data file {_shown(name)} outside the checkpoint; it was not loaded")
         if (Path(checkpoint) / name).is_symlink() and (Path(checkpoint) / name).resolve().parent != inside:
             raise ValueError(
                 f"{Path(checkpoint) / name} is a link to a file outside the checkpoint; it was not loaded "
@@ -190,6 +191,15 @@ def read_metadata(checkpoint: Path) -> Metadata:
 
 def _sizes(value: object) -> bool:
     return isinstance(value, (tuple, list)) and all(type(v) is int and v >= 0 for v in value)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 60, 60
+
+
+def _shown(value: object) -> str:
+    """``repr(value)`` cut short (a forged file's value may be huge or nested 100000 deep)."""
+    return _SHOWN.repr(value)
 
 
 def _structure_problem(metadata: Metadata) -> str | None:
@@ -204,26 +214,26 @@ def _structure_problem(metadata: Metadata) -> str | None:
         return "storage_data or storage_meta is not what DCP writes"
     for index, info in metadata.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, filesystem_module._StorageInfo):
-            return f"storage entry {index!r} is not what DCP writes"
+            return f"storage entry {_shown(index)} is not what DCP writes"
         if not isinstance(info.relative_path, str):
-            return f"storage entry for {index.fqn!r} names the data file {info.relative_path!r}"
+            return f"storage entry for {_shown(index.fqn)} names the data file {_shown(info.relative_path)}"
         if not (type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0):
-            return f"storage entry for {index.fqn!r} has offset {info.offset!r}, length {info.length!r}"
+            return f"storage entry for {_shown(index.fqn)} has offset {_shown(info.offset)}, length {_shown(info.length)}"
     for fqn, item in metadata.state_dict_metadata.items():
         if not isinstance(fqn, str) or not isinstance(item, (TensorStorageMetadata, BytesStorageMetadata)):
-            return f"item {fqn!r} is not what DCP writes"
+            return f"item {_shown(fqn)} is not what DCP writes"
         if isinstance(item, BytesStorageMetadata):
             continue
         properties = item.properties
         if not isinstance(properties, metadata_module.TensorProperties) or not isinstance(properties.dtype, torch.dtype):
-            return f"tensor {fqn!r} has no dtype"
+            return f"tensor {_shown(fqn)} has no dtype"
         if not _sizes(item.size):
-            return f"tensor {fqn!r} has size {item.size!r}"
+            return f"tensor {_shown(fqn)} has size {_shown(item.size)}"
         if not isinstance(item.chunks, list):
-            return f"tensor {fqn!r} has chunks {item.chunks!r}"
+            return f"tensor {_shown(fqn)} has chunks {_shown(item.chunks)}"
         for chunk in item.chunks:
             if not isinstance(chunk, ChunkStorageMetadata) or not (_sizes(chunk.offsets) and _sizes(chunk.sizes)):
-                return f"tensor {fqn!r} has a chunk {chunk!r}"
+                return f"tensor {_shown(fqn)} has a chunk {_shown(chunk)}"
     return None
 
 
@@ -343,7 +353,7 @@ def _declared_size_problem(metadata: Metadata) -> str | None:
             numel = math.prod(int(size) for size in chunk.sizes)
             if info is None or int(info.length) < numel * itemsize:
                 stored = "no bytes" if info is None else f"{int(info.length)} bytes"
-                return f"declares {list(chunk.sizes)} {item.properties.dtype} for '{fqn}' but stores {stored}"
+                return f"declares {_shown(list(chunk.sizes))} {item.properties.dtype} for '{fqn}' but stores {stored}"
     return None
 
 
