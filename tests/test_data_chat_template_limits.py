@@ -9,7 +9,7 @@ import time
 import pytest
 
 from csbp.data.chat_template import ChatTemplate
-from csbp.data.template_sandbox import MAX_ARGUMENT, MAX_LENGTH, MAX_RANGE_ITEMS
+from csbp.data.template_sandbox import MAX_ARGUMENT, MAX_CALLS, MAX_ITERATIONS, MAX_LENGTH, MAX_PRODUCED
 
 OVER = MAX_LENGTH + 1
 PAYLOADS = {
@@ -26,8 +26,23 @@ PAYLOADS = {
     "a repeated format field": "{{ ('{0:99999}' * 200).format('x') }}",
     "a repeated percent field": "{{ ('%99999s' * 200) % (('x',) * 200) }}",
     "nested range loops": (
-        f"{{% for i in range({MAX_RANGE_ITEMS // 1000}) %}}{{% for j in range(1001) %}}{{% endfor %}}{{% endfor %}}x"
+        f"{{% for i in range({MAX_ITERATIONS // 1000}) %}}{{% for j in range(1001) %}}{{% endfor %}}{{% endfor %}}x"
     ),
+    "nested loops over data": (
+        f"{{% set s = 'x' * {MAX_ITERATIONS // 1000} %}}{{% for c in s %}}{{% for d in 'y' * 1001 %}}"
+        "{% endfor %}{% endfor %}x"
+    ),
+    "a macro calling itself twice": (
+        "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+        f"{{{{ f({MAX_CALLS.bit_length()}) }}}}"
+    ),
+    "elementwise amplification": (  # each item passes, together they pass MAX_PRODUCED
+        f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}"
+        f"{{{{ [{', '.join(['big'] * (2 * MAX_PRODUCED // MAX_LENGTH + 1))}] | map('upper') | list | length }}}}"
+    ),
+    "printing a heavy list": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ [big, big, big] }}}}",
+    "a heavy list made a string": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ [big, big, big] | string | length }}}}",
+    "a heavy list repeated": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ ([big] * 3) | length }}}}",
     "too much output": f"{{% for i in range(20) %}}{{{{ 'x' * {MAX_LENGTH // 16} }}}}{{% endfor %}}",
     "a huge JSON indent": "{{ messages | tojson(indent=100000) }}",
 }
@@ -54,12 +69,26 @@ def test_python_errors_of_template_expressions_are_one_line(payload: str, error:
         ChatTemplate(payload, "t").render([{"role": "user", "content": "hi"}], where="rec 0")
 
 
-def test_templates_within_the_limits_render_as_before() -> None:
-    """Loops, formatting, joins and output well inside the limits are untouched."""
-    source = (
-        "{% for m in messages %}{{ '%-9s|' % m['role'] }}{{ '{}:{}'.format(loop.index, m['content']) }}"
-        "{{ [m['content']] | join(', ') }}{{ (m['content'] ~ '.') * 2 }}{% endfor %}"
-        "{% for i in range(1000) %}{% endfor %}{{ messages | tojson(indent=2) | length > 0 }}{{ 2 ** 64 }}"
-    )
-    text = ChatTemplate(source, "t").render([{"role": "user", "content": "hi"}])
-    assert text == "user     |1:hihihi.hi.True18446744073709551616"
+LEGIT = (
+    "{% set ns = namespace(last=-1) %}"
+    "{% for m in messages %}{{ '%-9s|' % m['role'] }}{{ '{}:{}'.format(loop.index, m['content']) }}"
+    "{{ [m['content']] | join(', ') }}{{ (m['content'] ~ '.') * 2 }}{% if loop.last %}[{{ loop.length }}]{% endif %}"
+    "{% set ns.last = loop.index0 %}{% else %}none{% endfor %}{{ ns.last }}"
+    "{% for k, v in {'a': 1, 'b': [1, 2]}.items() if v %}{{ k }}={{ v | tojson(indent=2) }};{% endfor %}"
+    "{% for i in range(messages | length - 1, -1, -1) %}{{ messages[i]['role'][0] }}{% endfor %}"
+    "{% for item in [[1, [2]], [3]] recursive %}{{ item if item is number else loop(item) }}{% endfor %}"
+    "{% macro shout(t) %}{{ t | upper }}{% endmacro %}{{ shout('ok') }}{{ messages | tojson | length > 0 }}"
+    "{{ 2 ** 64 }}{{ ('x' * 5) | center(9) }}{{ 'a-b' | replace('-', '+') }}{{ '\t' | indent(2) }}"
+    "{% for i in range(1000) %}{% endfor %}{{ messages[0]['content'].split('h') | string }}"
+)
+
+
+def test_templates_within_the_limits_render_as_jinja_renders_them() -> None:
+    """Loops (else, filters, recursion, loop.last/length), macros, formatting and joins inside the
+    limits render exactly as in Jinja's own sandbox."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(LEGIT)
+    assert ChatTemplate(LEGIT, "t").render(messages) == reference.render(messages=messages)
+    assert ChatTemplate("{% for m in [] %}x{% else %}empty{% endfor %}", "t").render(messages) == "empty"

@@ -6,7 +6,7 @@ with the template in its tokenizer directory (``tokenizer_config.json`` ``chat_t
 
 Templates from a downloaded model are untrusted input: they are rendered in Jinja2's
 ``ImmutableSandboxedEnvironment`` (attribute access to internals such as ``__class__`` and
-mutation of passed-in objects are refused), with the size limits of
+mutation of passed-in objects are refused), with the size and work limits of
 :mod:`csbp.data.template_sandbox` (no ``'a' * 10**10``, nested ``range(100000)`` loops or output
 past 16 Mi characters), and with the globals templates commonly use:
 ``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token`` and ``add_generation_prompt``.
