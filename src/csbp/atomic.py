@@ -4,8 +4,9 @@ The directory is filled in a temporary sibling and moved into place in one renam
 an existing one in a single step on Linux), so a reader never sees a half-written directory and a
 crash never leaves the path empty. An existing target is replaced only on request, and only when
 csbp recognises it as its own output (:class:`Ownership`): an empty directory, or one holding the
-kind's marker file and no file csbp would not have written. Anything else, a symbolic link, the
-working directory and its parents included, is refused with one line, before any work starts.
+kind's marker file and no entry csbp would not have written (a subdirectory or link never is).
+Anything else, a symbolic link, the working directory and its parents included, is refused with one
+line, before any work starts.
 
 The target is checked again when the finished directory is published (:func:`publish_directory`),
 since another process may have created it while the output was being built: without ``overwrite``
@@ -14,6 +15,12 @@ first claimed with ``mkdir``, which fails on any existing entry), so a directory
 left untouched and the finished output is discarded with one line; with ``overwrite`` the target
 must still pass :func:`check_replaceable`.
 Single files go through a new temporary file and ``os.replace`` (:func:`write_text_atomic`).
+
+Durability: before the move every file of the finished directory (or the temporary file), and the
+directory itself, is flushed to disk (``fsync``), and the parent directory is flushed after it, so
+that a power cut or kernel crash, not only a killed process, leaves the old or the new complete
+version (without this, ``--overwrite`` could leave the new directory's names with empty files after
+the old one was deleted).
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ class OutputExistsError(ValueError):
 
 @dataclass(frozen=True)
 class Ownership:
-    """How csbp recognises a directory it wrote: ``marker`` is present and every entry's name is in
-    ``names`` (or ends with one of ``suffixes``); ``what`` names the kind in messages."""
+    """How csbp recognises a directory it wrote: ``marker`` is present and every entry is a regular
+    file whose name is in ``names`` (or ends with one of ``suffixes``); ``what`` names the kind in
+    messages. A subdirectory or link is never csbp's, whatever its name: ``rmtree`` would take a
+    subdirectory's files with it."""
 
     what: str
     marker: str
@@ -48,14 +57,16 @@ class Ownership:
 
     def foreign_entry(self, directory: Path) -> str | None:
         """None when ``directory`` is recognisably ours (or empty), else a file that is not."""
-        entries = sorted(entry.name for entry in directory.iterdir())
+        entries = sorted(directory.iterdir())
         if not entries:
             return None
-        if self.marker not in entries:
+        if self.marker not in {entry.name for entry in entries}:
             return f"no {self.marker}"
-        for name in entries:
-            if name not in self.names and not name.endswith(self.suffixes):
-                return f"'{name}'"
+        for entry in entries:
+            if entry.name not in self.names and not entry.name.endswith(self.suffixes):
+                return f"'{entry.name}'"
+            if entry.is_symlink() or not entry.is_file():
+                return f"'{entry.name}', which is not a regular file"
         return None
 
 
@@ -166,12 +177,15 @@ def publish_directory(
     swapped out by :func:`replace_directory`. On an error ``built`` is left for the caller to remove.
     """
     shown = target if shown is None else shown
+    sync_tree(built)
     if overwrite:
         check_replaceable(target, owned, flag=flag)
         if os.path.lexists(target):
             replace_directory(built, target)
+            sync_directory(target.parent)
             return
     if move_without_replacing(built, target):
+        sync_directory(target.parent)
         return
     if overwrite:
         raise OutputExistsError(
@@ -277,6 +291,32 @@ def _exchange(first: Path, second: Path) -> bool:
     raise OSError(code, os.strerror(code), str(first), None, str(second))
 
 
+def sync_directory(directory: Path) -> None:
+    """``fsync`` a directory, making the entries created, renamed or removed in it durable (a no-op
+    on Windows, which cannot open a directory)."""
+    if os.name == "nt":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(directory: Path) -> None:
+    """``fsync`` every regular file under ``directory`` and every directory in it, itself included."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        sync_directory(Path(root))
+
+
 def write_json_atomic(path: Path, payload: object) -> None:
     """Write JSON through a temporary file and ``os.replace`` (never a half-written artifact)."""
     write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
@@ -292,8 +332,11 @@ def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as stream:
             stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
+        sync_directory(target.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

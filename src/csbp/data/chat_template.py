@@ -6,7 +6,9 @@ with the template in its tokenizer directory (``tokenizer_config.json`` ``chat_t
 
 Templates from a downloaded model are untrusted input: they are rendered in Jinja2's
 ``ImmutableSandboxedEnvironment`` (attribute access to internals such as ``__class__`` and
-mutation of passed-in objects are refused) with the globals templates commonly use:
+mutation of passed-in objects are refused), with the size and work limits of
+:mod:`csbp.data.template_sandbox` (no ``'a' * 10**10``, nested ``range(100000)`` loops or output
+past 16 Mi characters), and with the globals templates commonly use:
 ``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token`` and ``add_generation_prompt``,
 and a ``tojson`` filter taking the ``json.dumps`` options transformers' takes (``ensure_ascii``,
 ``indent``, ``separators``, ``sort_keys``). An error a template raises while rendering is one
@@ -36,7 +38,8 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from csbp.data.template_sandbox import BoundedSandbox, render_bounded
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_JSON_FILE = "chat_template.json"
@@ -71,14 +74,18 @@ def _tojson(
 ) -> str:
     # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON and may pass
     # these json.dumps options (as transformers' apply_chat_template accepts them)
+    if indent is not None and not 0 <= indent <= _MAX_JSON_INDENT:
+        raise jinja2.exceptions.TemplateError(f"tojson(indent={indent}): csbp allows 0 to {_MAX_JSON_INDENT}")
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
-    )
+_MAX_JSON_INDENT = 16
+
+
+def _environment() -> BoundedSandbox:
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.bound_filters()
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -112,7 +119,8 @@ class ChatTemplate:
         """The template's text for ``messages``; any template error raises one ``ValueError`` line."""
         try:
             compiled = _compile(self.text)
-            return compiled.render(
+            return render_bounded(
+                compiled,
                 messages=[dict(message) for message in messages],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,

@@ -6,9 +6,10 @@ optimizer hyper-parameters). Stock DCP unpickles both with the full :mod:`pickle
 crafted checkpoint runs code on load. Here:
 
 * :func:`read_metadata` reads ``.metadata`` with :class:`MetadataUnpickler`, which admits only the
-  DCP metadata dataclasses, ``torch.Size``, dtypes/layouts and plain containers; anything else is a
-  ``ValueError`` naming the file and the refused global, as is a data file named outside the
-  checkpoint directory (``../x``, ``/etc/passwd``);
+  DCP metadata dataclasses, ``torch.Size``, dtypes/layouts and plain containers, and mutates nothing
+  but containers and metadata instances the file built (no attribute of a class, enum member or
+  dtype can be set); anything else is a ``ValueError`` naming the file and what was refused, as is a
+  data file named outside the checkpoint directory (``../x``, ``/etc/passwd``, a link leading out);
 * :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner` make ``dcp.load`` use that reader and
   load non-tensor items with ``torch.load(weights_only=True)``; :func:`safe_dcp_load` is the call;
 * :func:`checkpoint_problem` checks a checkpoint before any tensor is loaded: ``trainer_state.json``
@@ -27,18 +28,29 @@ import io
 import json
 import math
 import pickle
+import pickletools
 import re
+import reprlib
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as filesystem_module
+import torch.distributed.checkpoint.metadata as metadata_module
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from csbp.training.checkpoint_checksums import CHECKSUMS_KEY, METADATA_FILE, checksum_problem, parse_record
@@ -71,8 +83,71 @@ _ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
 }
 
 
-class MetadataUnpickler(pickle.Unpickler):
-    """An unpickler for DCP ``.metadata`` that refuses every global outside ``_ALLOWED_GLOBALS``."""
+_BUILDABLE: frozenset[type] = frozenset(
+    {
+        metadata_module.Metadata,
+        metadata_module.MetadataIndex,
+        metadata_module.TensorStorageMetadata,
+        metadata_module.BytesStorageMetadata,
+        metadata_module.ChunkStorageMetadata,
+        metadata_module.TensorProperties,
+        metadata_module.StorageMeta,
+        filesystem_module._StorageInfo,
+        filesystem_module._StoragePrefix,
+    }
+)
+"""The only types whose instances the BUILD opcode may fill in (DCP's metadata dataclasses)."""
+
+
+def _mutated(unpickler: Any, opcode: bytes) -> object:
+    """The object ``opcode`` is about to mutate: below its operands, or below the mark for the
+    opcodes that take a marked run of items (the pure-Python unpickler keeps that in ``metastack``)."""
+    if opcode in (pickle.SETITEMS, pickle.APPENDS, pickle.ADDITEMS):
+        return unpickler.metastack[-1][-1]
+    return unpickler.stack[-3] if opcode == pickle.SETITEM else unpickler.stack[-2]
+
+
+def _guarded(opcode: bytes, allowed: tuple[type, ...]) -> Callable[[Any], None]:
+    """A dispatch entry for ``opcode`` that runs the stock one only when the object it mutates is
+    exactly of a type in ``allowed`` (and, for BUILD, the state is a plain attribute dict unless the
+    type has its own ``__setstate__``)."""
+    stock = pickle._Unpickler.dispatch[opcode[0]]  # type: ignore[attr-defined]
+    name = next(op.name for op in pickletools.opcodes if op.code.encode("latin-1") == opcode)
+
+    def load(self: Any) -> None:
+        target = _mutated(self, opcode)
+        if type(target) not in allowed:
+            kind = target.__qualname__ if isinstance(target, type) else type(target).__qualname__
+            shown = f"the class {kind}" if isinstance(target, type) else f"a {kind}"
+            raise pickle.UnpicklingError(f"refused {name} on {shown}")
+        if opcode == pickle.BUILD and "__setstate__" not in type(target).__dict__:
+            state = self.stack[-1]
+            if not (isinstance(state, dict) and all(type(key) is str for key in state)):
+                raise pickle.UnpicklingError(f"refused BUILD with a {type(state).__name__} state")
+        stock(self)
+
+    return load
+
+
+class MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """An unpickler for DCP ``.metadata`` that refuses every global outside ``_ALLOWED_GLOBALS`` and
+    every mutation of anything but a container or DCP dataclass instance it built itself.
+
+    The globals alone are not enough: ``BUILD`` on a class (or on a shared enum member or dtype) sets
+    its attributes, so a crafted file could, say, set ``pathlib.PosixPath.iterdir = tuple`` for the
+    whole process, after which every directory looks empty (``--overwrite``'s ownership check
+    included). So ``BUILD`` is run only on instances of :data:`_BUILDABLE` with a plain ``dict``
+    state (or their own ``__setstate__``), and ``SETITEM(S)``/``APPEND(S)``/``ADDITEMS`` only on
+    ``dict``/``OrderedDict``, ``list`` and ``set``. This is the pure-Python unpickler, whose opcode
+    table can be replaced (about 10x slower than the C one: ~7 ms for a 65 KB ``.metadata``)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch[pickle.BUILD[0]] = _guarded(pickle.BUILD, tuple(_BUILDABLE))
+    dispatch[pickle.SETITEM[0]] = _guarded(pickle.SETITEM, (dict, OrderedDict))
+    dispatch[pickle.SETITEMS[0]] = _guarded(pickle.SETITEMS, (dict, OrderedDict))
+    dispatch[pickle.APPEND[0]] = _guarded(pickle.APPEND, (list,))
+    dispatch[pickle.APPENDS[0]] = _guarded(pickle.APPENDS, (list,))
+    dispatch[pickle.ADDITEMS[0]] = _guarded(pickle.ADDITEMS, (set,))
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED_GLOBALS.get(module, ()):
@@ -85,6 +160,8 @@ def read_metadata(checkpoint: Path) -> Metadata:
     path = Path(checkpoint) / METADATA_FILE
     if not path.is_file():
         raise ValueError(f"{path}: missing (the checkpoint is incomplete)")
+    if path.is_symlink() and path.resolve().parent != Path(checkpoint).resolve():
+        raise ValueError(f"{path} is a link to a file outside the checkpoint; it was not loaded")
     try:
         with open(path, "rb") as handle:
             metadata = MetadataUnpickler(handle).load()
@@ -96,11 +173,68 @@ def read_metadata(checkpoint: Path) -> Metadata:
         raise ValueError(f"{path}: unreadable ({type(exc).__name__}: {exc}); the file is damaged") from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
         raise ValueError(f"{path}: does not hold DCP checkpoint metadata")
-    for info in (metadata.storage_data or {}).values():  # every reader opens checkpoint / relative_path
-        name = str(getattr(info, "relative_path", ""))
+    problem = _structure_problem(metadata)
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}; the file is damaged or forged, it was not loaded")
+    inside = Path(checkpoint).resolve()
+    for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
+        # every reader opens checkpoint / relative_path: a plain name, and not a link leading out
         if not name or Path(name).name != name or name.startswith("."):
-            raise ValueError(f"{path} names a data file {name!r} outside the checkpoint; it was not loaded")
+            raise ValueError(f"{path} names a data file {_shown(name)} outside the checkpoint; it was not loaded")
+        if (Path(checkpoint) / name).is_symlink() and (Path(checkpoint) / name).resolve().parent != inside:
+            raise ValueError(
+                f"{Path(checkpoint) / name} is a link to a file outside the checkpoint; it was not loaded "
+                "(fix: copy the checkpoint with its files, not links to them)"
+            )
     return metadata
+
+
+def _sizes(value: object) -> bool:
+    return isinstance(value, (tuple, list)) and all(type(v) is int and v >= 0 for v in value)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 60, 60
+
+
+def _shown(value: object) -> str:
+    """``repr(value)`` cut short (a forged file's value may be huge or nested 100000 deep)."""
+    return _SHOWN.repr(value)
+
+
+def _structure_problem(metadata: Metadata) -> str | None:
+    """What in ``metadata`` is not of the types DCP writes (so that every later check and the load
+    itself fail with this one line, never an ``AttributeError`` deep inside DCP), or None.
+    Sizes, offsets and lengths must be non-negative integers."""
+    if metadata.storage_data is None:
+        metadata.storage_data = {}  # what DCP writes for a checkpoint without tensors
+    if not isinstance(metadata.storage_data, dict) or not (
+        metadata.storage_meta is None or isinstance(metadata.storage_meta, metadata_module.StorageMeta)
+    ):
+        return "storage_data or storage_meta is not what DCP writes"
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(info, filesystem_module._StorageInfo):
+            return f"storage entry {_shown(index)} is not what DCP writes"
+        if not isinstance(info.relative_path, str):
+            return f"storage entry for {_shown(index.fqn)} names the data file {_shown(info.relative_path)}"
+        if not (type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0):
+            return f"storage entry for {_shown(index.fqn)} has offset {_shown(info.offset)}, length {_shown(info.length)}"
+    for fqn, item in metadata.state_dict_metadata.items():
+        if not isinstance(fqn, str) or not isinstance(item, (TensorStorageMetadata, BytesStorageMetadata)):
+            return f"item {_shown(fqn)} is not what DCP writes"
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        properties = item.properties
+        if not isinstance(properties, metadata_module.TensorProperties) or not isinstance(properties.dtype, torch.dtype):
+            return f"tensor {_shown(fqn)} has no dtype"
+        if not _sizes(item.size):
+            return f"tensor {_shown(fqn)} has size {_shown(item.size)}"
+        if not isinstance(item.chunks, list):
+            return f"tensor {_shown(fqn)} has chunks {_shown(item.chunks)}"
+        for chunk in item.chunks:
+            if not isinstance(chunk, ChunkStorageMetadata) or not (_sizes(chunk.offsets) and _sizes(chunk.sizes)):
+                return f"tensor {_shown(fqn)} has a chunk {_shown(chunk)}"
+    return None
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -219,7 +353,7 @@ def _declared_size_problem(metadata: Metadata) -> str | None:
             numel = math.prod(int(size) for size in chunk.sizes)
             if info is None or int(info.length) < numel * itemsize:
                 stored = "no bytes" if info is None else f"{int(info.length)} bytes"
-                return f"declares {list(chunk.sizes)} {item.properties.dtype} for '{fqn}' but stores {stored}"
+                return f"declares {_shown(list(chunk.sizes))} {item.properties.dtype} for '{fqn}' but stores {stored}"
     return None
 
 

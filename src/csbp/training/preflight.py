@@ -26,6 +26,7 @@ Every problem is a ``ValueError`` with one line ``field: message (fix: ...)``.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit, max_token_id, op
 from csbp.data.tokenizer import load_tokenizer, special_tokens_from_names
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
+from csbp.models.hf_io import EXPORT_OWNERSHIP
 from csbp.objectives import build_objective
 from csbp.objectives.base import Objective
 from csbp.training.checkpoint import (
@@ -183,6 +185,7 @@ def check_run_dir(
     starts from (damaged newer ones are reported through ``warn``). (Model shape and data are checked
     by :func:`check_run`.)"""
     check_writable_directory(run_dir, "--run-dir")
+    check_final_replaceable(run_dir)
     if not resume:
         check_new_run_dir(run_dir)
         existing = step_directories(Path(run_dir) / "checkpoints")
@@ -241,6 +244,24 @@ def check_new_run_dir(run_dir: Path, flag: str = "--run-dir") -> None:
         raise ValueError(
             f"{flag} {run_dir}: holds '{foreign}', which a csbp run does not write; a new run starts in an "
             "empty directory or one an earlier run wrote (fix: choose another directory, e.g. a new one under runs/)"
+        )
+
+
+def check_final_replaceable(run_dir: Path) -> None:
+    """``ValueError`` unless the run's export at its end may replace ``run_dir/final`` (absent, or
+    a directory of csbp's export files): found before training, not after it."""
+    final = Path(run_dir) / "final"
+    if not os.path.lexists(final):
+        return
+    if final.is_symlink() or not final.is_dir():
+        what = "a symbolic link" if final.is_symlink() else "not a directory"
+    else:
+        foreign = EXPORT_OWNERSHIP.foreign_entry(final)
+        what = None if foreign is None else f"a directory csbp did not write (it has {foreign})"
+    if what is not None:
+        raise ValueError(
+            f"--run-dir {run_dir}: {final} is {what}, which the run's export at the end would have to replace "
+            "(fix: move it away, or choose another --run-dir)"
         )
 
 

@@ -1,0 +1,94 @@
+"""Chat templates from strangers cannot ask for unbounded memory or loops (csbp.data.template_sandbox),
+and whatever a template's expressions raise is one line. Each payload only just passes a limit,
+so that the old, unbounded sandbox rendered it quickly rather than running out of memory."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from csbp.data.chat_template import ChatTemplate
+from csbp.data.template_sandbox import MAX_ARGUMENT, MAX_CALLS, MAX_ITERATIONS, MAX_LENGTH, MAX_PRODUCED
+
+OVER = MAX_LENGTH + 1
+PAYLOADS = {
+    "string repetition": f"{{{{ 'a' * {OVER} }}}}",
+    "list repetition": f"{{{{ ([1] * {OVER}) | length }}}}",
+    "a huge power": "{{ (7 ** 20000) % 10 }}",
+    "integer squaring": "{% set ns = namespace(x=3) %}{% for i in range(16) %}{% set ns.x = ns.x * ns.x %}{% endfor %}x",
+    "concatenation doubling": "{% set ns = namespace(s='x') %}{% for i in range(25) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}x",
+    "addition doubling": "{% set ns = namespace(s='x') %}{% for i in range(25) %}{% set ns.s = ns.s + ns.s %}{% endfor %}x",
+    "a wide filter": f"{{{{ 'x' | center({MAX_ARGUMENT + 1}) }}}}",
+    "a wide method": f"{{{{ 'x'.ljust({MAX_ARGUMENT + 1}) }}}}",
+    "a growing replace": "{{ ('x' * 5000) | replace('x', 'y' * 5000) }}",
+    "a growing join": "{{ ('x' * 5000).join(['a'] * 5000) }}",
+    "a repeated format field": "{{ ('{0:99999}' * 200).format('x') }}",
+    "a repeated percent field": "{{ ('%99999s' * 200) % (('x',) * 200) }}",
+    "nested range loops": (
+        f"{{% for i in range({MAX_ITERATIONS // 1000}) %}}{{% for j in range(1001) %}}{{% endfor %}}{{% endfor %}}x"
+    ),
+    "nested loops over data": (
+        f"{{% set s = 'x' * {MAX_ITERATIONS // 1000} %}}{{% for c in s %}}{{% for d in 'y' * 1001 %}}"
+        "{% endfor %}{% endfor %}x"
+    ),
+    "a macro calling itself twice": (
+        "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}"
+        f"{{{{ f({MAX_CALLS.bit_length()}) }}}}"
+    ),
+    "elementwise amplification": (  # each item passes, together they pass MAX_PRODUCED
+        f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}"
+        f"{{{{ [{', '.join(['big'] * (2 * MAX_PRODUCED // MAX_LENGTH + 1))}] | map('upper') | list | length }}}}"
+    ),
+    "printing a heavy list": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ [big, big, big] }}}}",
+    "a heavy list made a string": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ [big, big, big] | string | length }}}}",
+    "a heavy list repeated": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ ([big] * 3) | length }}}}",
+    "too much output": f"{{% for i in range(20) %}}{{{{ 'x' * {MAX_LENGTH // 16} }}}}{{% endfor %}}",
+    "a huge JSON indent": "{{ messages | tojson(indent=100000) }}",
+}
+
+
+@pytest.mark.parametrize("payload", PAYLOADS.values(), ids=PAYLOADS.keys())
+def test_resource_bombs_are_refused_in_one_line(payload: str) -> None:
+    template = ChatTemplate(payload, "evil/tokenizer_config.json")
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"^rec 3: chat template evil/tokenizer_config.json (was refused|failed)") as info:
+        template.render([{"role": "user", "content": "hi"}], where="rec 3")
+    assert "\n" not in str(info.value)
+    assert time.perf_counter() - started < 5.0
+
+
+@pytest.mark.parametrize(
+    ("payload", "error"),
+    [("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ messages[0]['content'] + 1 }}", "TypeError"),
+     ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "RecursionError")],
+)
+def test_python_errors_of_template_expressions_are_one_line(payload: str, error: str) -> None:
+    """These used to escape as a traceback (not a jinja2 TemplateError)."""
+    with pytest.raises(ValueError, match=f"chat template t failed: {error}"):
+        ChatTemplate(payload, "t").render([{"role": "user", "content": "hi"}], where="rec 0")
+
+
+LEGIT = (
+    "{% set ns = namespace(last=-1) %}"
+    "{% for m in messages %}{{ '%-9s|' % m['role'] }}{{ '{}:{}'.format(loop.index, m['content']) }}"
+    "{{ [m['content']] | join(', ') }}{{ (m['content'] ~ '.') * 2 }}{% if loop.last %}[{{ loop.length }}]{% endif %}"
+    "{% set ns.last = loop.index0 %}{% else %}none{% endfor %}{{ ns.last }}"
+    "{% for k, v in {'a': 1, 'b': [1, 2]}.items() if v %}{{ k }}={{ v | tojson(indent=2) }};{% endfor %}"
+    "{% for i in range(messages | length - 1, -1, -1) %}{{ messages[i]['role'][0] }}{% endfor %}"
+    "{% for item in [[1, [2]], [3]] recursive %}{{ item if item is number else loop(item) }}{% endfor %}"
+    "{% macro shout(t) %}{{ t | upper }}{% endmacro %}{{ shout('ok') }}{{ messages | tojson | length > 0 }}"
+    "{{ 2 ** 64 }}{{ ('x' * 5) | center(9) }}{{ 'a-b' | replace('-', '+') }}{{ '\t' | indent(2) }}"
+    "{% for i in range(1000) %}{% endfor %}{{ messages[0]['content'].split('h') | string }}"
+)
+
+
+def test_templates_within_the_limits_render_as_jinja_renders_them() -> None:
+    """Loops (else, filters, recursion, loop.last/length), macros, formatting and joins inside the
+    limits render exactly as in Jinja's own sandbox."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(LEGIT)
+    assert ChatTemplate(LEGIT, "t").render(messages) == reference.render(messages=messages)
+    assert ChatTemplate("{% for m in [] %}x{% else %}empty{% endfor %}", "t").render(messages) == "empty"

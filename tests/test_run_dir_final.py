@@ -1,0 +1,41 @@
+"""A run ends by replacing ``RUN/final`` with its export: a ``final`` that export may not replace is
+refused before training starts (it used to fail after the whole run, at the export)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from csbp.training.preflight import check_run_dir
+
+
+@pytest.mark.parametrize(
+    ("kind", "what"),
+    [("link", "a symbolic link"), ("file", "not a directory"), ("foreign", "a directory csbp did not write")],
+)
+def test_a_final_the_export_may_not_replace_is_refused_before_training(tmp_path: Path, kind: str, what: str) -> None:
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run_dir.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("precious")
+    final = run_dir / "final"
+    if kind == "link":
+        final.symlink_to(elsewhere, target_is_directory=True)
+    elif kind == "file":
+        final.write_text("x")
+    else:
+        final.mkdir()
+        (final / "notes.txt").write_text("precious")
+    for resume in (False, True):
+        with pytest.raises(ValueError, match=f"final is {what}.*, which the run's export at the end"):
+            check_run_dir(run_dir, resume=resume, stop_step=10)
+    assert (elsewhere / "notes.txt").read_text() == "precious"
+
+
+def test_an_earlier_export_in_final_is_accepted(tmp_path: Path) -> None:
+    final = tmp_path / "run" / "final"
+    final.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (final / name).write_text("{}")
+    assert check_run_dir(tmp_path / "run", resume=False, stop_step=10) is None
