@@ -358,6 +358,17 @@ def test_export_from_drafter_run_final_and_checkpoint(
     stored = load_file(str(root / "x" / "model.safetensors"))
     assert all(torch.equal(stored[name], tensor) for name, tensor in drafter.state_dict().items())
 
+    # The recorded config is read by the config reader's rules: an alias bomb is one line, not a hang.
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
+        for i in range(9)
+    )
+    (step_dir / "trainer_state.json").write_text(json.dumps({"step": 10, "config_yaml": bomb}))
+    assert run_cli([*argv, "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert "the checkpoint is damaged" in err and len(err.strip().splitlines()) == 1
+
 
 def test_dtype_flags_match_the_other_commands_and_old_spellings_still_parse(
     capsys: pytest.CaptureFixture[str],

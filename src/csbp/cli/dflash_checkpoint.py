@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import yaml
 
-from csbp.config.yaml_reading import ConfigYamlLoader
+from csbp.config import ConfigError
+from csbp.config.yaml_reading import read_yaml_text
 from csbp.models.hf_io import read_json_object
 
 if TYPE_CHECKING:
@@ -52,10 +52,10 @@ def _run_config(checkpoint: Path) -> dict[str, Any]:
     if not state_file.is_file():
         return {}
     text = read_json_object(state_file).get("config_yaml") or ""
-    try:
-        loaded = yaml.load(text, Loader=ConfigYamlLoader) if isinstance(text, str) and text else None
-    except yaml.YAMLError:
-        raise ValueError(f"{state_file}: config_yaml is not valid YAML; the checkpoint is damaged") from None
+    try:  # the config reader's own YAML rules, alias-bomb limit included
+        loaded = read_yaml_text(text, source=str(state_file)) if isinstance(text, str) and text else None
+    except ConfigError as exc:
+        raise ValueError(f"{exc.lines[0]} (config_yaml; the checkpoint is damaged)") from None
     return loaded if isinstance(loaded, dict) else {}
 
 
