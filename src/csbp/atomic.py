@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from csbp.staging import staging_directory
+
 
 class OutputExistsError(ValueError):
     """Something exists where a write without ``overwrite`` would publish its output (it may have
@@ -148,14 +150,10 @@ def write_directory_atomically(
         )
     absolute = check_replaceable(target, owned, flag=flag)
     absolute.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{absolute.name}.tmp-", dir=absolute.parent))
-    try:
+    with staging_directory(absolute) as staging:  # removed on any error; a killed writer's by the next one
         staging.chmod(0o755)
         fill(staging)
         publish_directory(staging, absolute, overwrite=overwrite, owned=owned, flag=flag, shown=target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -65,6 +63,7 @@ from csbp.data.tokenizer import (
     min_trained_vocab_size,
     train_bpe_tokenizer,
 )
+from csbp.staging import staging_directory
 
 ENCODE_CHUNK_DOCUMENTS = 256
 ARTIFACT_OWNERSHIP = Ownership(
@@ -173,8 +172,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     tokenizer = given if given is not None else _train_tokenizer(config, files, val_ordinals, say)
     check_mask_token_of_its_own(tokenizer)  # a trained one's special names are distinct: a safety net
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    build_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with staging_directory(out_dir) as build_dir:  # removed on any error; a killed run's by the next one
         counts = _write_splits(build_dir, files, config, tokenizer, val_ordinals, template)
         tokenizer.save(build_dir)
         manifest = _manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
@@ -184,9 +182,6 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         publish_directory(
             build_dir, out_dir, overwrite=config.overwrite, owned=ARTIFACT_OWNERSHIP, shown=config.out_dir
         )
-    except BaseException:
-        shutil.rmtree(build_dir, ignore_errors=True)
-        raise
     say(f"wrote {config.out_dir}: " + ", ".join(f"{s} {counts[s].rows} rows" for s in SPLITS))
     return manifest
 
