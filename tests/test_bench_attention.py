@@ -1,0 +1,54 @@
+"""``csbp bench attention``: how the layouts are measured against each other.
+
+The launch itself is replaced by a stand-in that records what it was asked to run, so these tests
+need no processes; the multi-process runs of the benchmark are in ``test_documents_exactness.py``
+and ``test_schedule_balanced.py``.
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_bench_attention.py -q``
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import csbp.bench.attention as attention_bench
+
+
+def _fake_results(layout_index: int) -> dict[str, float]:
+    return {
+        "step_time_s": 1.0 + layout_index,
+        "kv_bytes": 100.0 * (layout_index + 1),
+        "flops": 1e9 * (layout_index + 1),
+        "peak": 1000.0 * (layout_index + 1),
+        "serial_step_time_s": float("nan"),
+        "halo": 0.0,
+    }
+
+
+def test_layouts_of_one_length_share_one_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layout of a sequence length runs in one launch (steps interleaved in the same processes),
+    not one launch per layout one after the other: a drift of the machine's load between launches
+    would otherwise bias the layouts that run last. Each layout keeps its own transport and schedule,
+    and each record gets its own layout's results."""
+    launches: list[tuple[list[Any], Any]] = []
+
+    def fake_launch(worker: Any, nproc: int, cell: list[Any], cfg: Any, **kwargs: Any) -> list[list[dict[str, float]]]:
+        launches.append((list(cell), cfg))
+        return [[_fake_results(index)] * nproc for index in range(len(cell))]
+
+    monkeypatch.setattr(attention_bench, "launch_cell", fake_launch)
+    layouts = ["cp", "cp-aware", "csbp", "csbp-balanced"]
+    records = attention_bench.run_attention_bench([64, 128], nproc=2, layouts=layouts, block_size=8, repeats=1)
+
+    assert len(launches) == 2  # one per sequence length
+    for (cell, cfgs), seq_len in zip(launches, (64, 128), strict=True):
+        assert len(cell) == len(layouts)
+        assert [c.seq_len for c in cfgs] == [seq_len] * len(layouts)
+        assert [c.transport for c in cfgs] == ["collective", "halo", "collective", "collective"]
+        assert [c.schedule for c in cfgs] == ["dual_end", "dual_end", "dual_end", "balanced"]
+    assert [(r.seq_len, r.layout) for r in records] == [(n, name) for n in (64, 128) for name in layouts]
+    for index, record in enumerate(records[: len(layouts)]):
+        assert record.step_time_s == 1.0 + index
+        assert record.kv_bytes_per_rank == 100 * (index + 1)
+        assert record.peak_mem_bytes == 1000 * (index + 1)
