@@ -52,3 +52,29 @@ def test_layouts_of_one_length_share_one_launch(monkeypatch: pytest.MonkeyPatch)
         assert record.step_time_s == 1.0 + index
         assert record.kv_bytes_per_rank == 100 * (index + 1)
         assert record.peak_mem_bytes == 1000 * (index + 1)
+
+
+@pytest.mark.parametrize(("device", "backend", "expected"), [("cuda", "auto", "flex"), ("cuda", "flex", "flex"),
+                                                              ("cpu", "auto", "tiles")])
+def test_backend_resolves_on_the_benchmark_device(
+    device: str, backend: str, expected: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--backend auto`` means the backend of the device the processes run on, as in ``bench train``:
+    flex with ``--device cuda`` (``--backend flex`` is accepted there), tiles on the CPU. It used to be
+    resolved for the CPU whatever ``--device`` said, so a CUDA run timed the tiles and refused flex."""
+    import torch
+
+    from csbp.cli.main import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    seen: dict[str, Any] = {}
+
+    def fake_run(seq_lens: list[int], **kwargs: Any) -> list[Any]:
+        seen.update(kwargs)
+        return []
+
+    monkeypatch.setattr(attention_bench, "run_attention_bench", fake_run)
+    argv = ["bench", "attention", "--device", device, "--nproc", "2", "--backend", backend, "--seq-lens", "64"]
+    assert main(argv) == 0
+    assert seen["backend"] == expected and seen["device"] == device

@@ -306,7 +306,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
     attn.add_argument("--num-layers", type=int, default=1)
     attn.add_argument(
         "--backend", choices=("auto", "tiles", "flex"), default="auto",
-        help="attention backend (auto: tiles here, the processes run on CPU)",
+        help="attention backend, the run config's attention.backend (auto: flex on CUDA, tiles on CPU)",
     )
     add_diagonal_option(attn)
     add_clean_option(attn)
@@ -318,7 +318,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
 def run_attention_bench_command(args: argparse.Namespace) -> int:
     check_head_options(args)  # before anything is printed or launched
     check_device_option(args)
-    backend = check_backend_trains_on(args.backend, "cpu", where="--backend")
+    backend = check_backend_trains_on(args.backend, args.device, where="--backend")
     check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     header = (
         f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"
