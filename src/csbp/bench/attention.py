@@ -32,6 +32,7 @@ from csbp.bench.common import (
     BALANCED_LAYOUTS,
     OVERLAP_COLUMNS,
     Column,
+    StepMeasurement,
     StepSeries,
     add_head_options,
     add_layout_options,
@@ -165,15 +166,19 @@ class _LayoutRun:
 
     def step(self, it: int) -> None:
         """Step ``it`` (a warm-up step while ``it < warmup``), twice with ``--ablate-overlap``."""
-        cfg, counter = self.cfg, self.ctx.counter
-        for serialized in overlap_modes(it, cfg.ablate_overlap):
-            xi = self.x.clone().requires_grad_(True)
-            with measured_step(counter) as step, serialized_if(serialized):
-                out = self.stack(xi, self.plan.attention)
-                out.sum().backward()
-            if it >= cfg.warmup:
+        for serialized in overlap_modes(it, self.cfg.ablate_overlap):
+            step = self._measured(serialized)
+            if it >= self.cfg.warmup:
                 (self.serial if serialized else self.series).add(step)
-                self.bytes_per_step = counter.bytes("attention") + counter.bytes("attention_recompute")
+                self.bytes_per_step = self.ctx.counter.bytes("attention") + self.ctx.counter.bytes("attention_recompute")
+
+    def _measured(self, serialized: bool) -> StepMeasurement:
+        """One forward + backward, timed. Its input, output and graph die on return, so the next step's
+        peak memory is read from a base that holds nothing of this one."""
+        xi = self.x.clone().requires_grad_(True)
+        with measured_step(self.ctx.counter) as step, serialized_if(serialized):
+            self.stack(xi, self.plan.attention).sum().backward()
+        return step
 
     def summary(self) -> dict[str, float]:
         cfg = self.cfg
