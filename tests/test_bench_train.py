@@ -172,6 +172,24 @@ def test_table_and_speedups_relative_to_cp(tmp_path: Path) -> None:
         plot_speedups([r for r in rows if r["layout"] != "cp"], tmp_path / "none.png")
 
 
+def test_speedup_plot_draws_the_mask_aware_cp_baseline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the records hold ``cp-aware`` (the strongest CP baseline, in the default layouts) the plot
+    draws it next to CSBP; it used to draw CSBP and BP-only against generic CP-only only."""
+    from matplotlib.axes import Axes
+
+    drawn: list[str] = []
+    plot = Axes.plot
+
+    def recording_plot(self: Axes, *args: object, **kwargs: object) -> object:
+        drawn.append(str(kwargs.get("label")))
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", recording_plot)
+    rows = [record("bd3", name, 512, t).__dict__ for name, t in (("cp", 2.0), ("cp-aware", 1.0), ("csbp", 1.0))]
+    plot_speedups(rows, tmp_path / "speedup.png", group_by="objective")
+    assert drawn == ["CSBP", "CP-only, mask-aware"]
+
+
 def test_invalid_requests_fail_before_launching() -> None:
     with pytest.raises(ValueError, match="seq_len"):
         run_train_bench([72], objectives=["bd3"], layouts=["cp", "csbp"], nproc=2)

@@ -10,10 +10,11 @@ Per layout it records the median step time (the slowest rank), the attention K/V
 sends per step (from the counted collectives layer), the peak memory growth per rank, the
 attention FLOPs per rank counted on allowed (unmasked) pairs only, and time per useful FLOP.
 
-All layouts of one sequence length run in the same invocation, one after the other, so ratios
-to CP-only are measured side by side on the same machine state. ``--ablate-overlap`` also times
-each layout with its collectives serialized (``csbp.parallel.comm.serialized_collectives``),
-alternating step by step with the overlapped steps in the same processes.
+All layouts of one sequence length run in the same ``nproc`` processes, their steps interleaved
+round-robin (layout A step i, layout B step i, ...) as in ``csbp bench train|dflash``, so a slow
+drift of the machine's load hits every layout alike instead of biasing the layouts that run last.
+``--ablate-overlap`` also times each layout with its collectives serialized
+(``csbp.parallel.comm.serialized_collectives``), alternating step by step with the overlapped steps.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from csbp.bench.common import (
     BALANCED_LAYOUTS,
     OVERLAP_COLUMNS,
     Column,
+    StepMeasurement,
     StepSeries,
     add_head_options,
     add_layout_options,
@@ -140,48 +142,68 @@ class AttentionStack(nn.Module):
         return x_SND
 
 
-def _measure_layout(topology: Topology, cfg: AttentionBenchConfig) -> dict[str, float]:
-    ctx = build_parallel_context(topology)
-    plan = build_rank_plan(
-        ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window,  # type: ignore[arg-type]
-        schedule=cfg.schedule,  # type: ignore[arg-type]
-        backend=cfg.backend, diagonal=cfg.diagonal, clean=cfg.clean,
-        documents=bench_documents(cfg.seq_len, cfg.doc_length, cfg.seed),
-    )
-    width = cfg.num_heads * cfg.head_dim
-    torch.manual_seed(cfg.seed)
-    stack = AttentionStack(cfg, width).to(ctx.device)
-    # Every rank draws the full 2L inputs with the same seed and keeps its own rows.
-    full = torch.randn(2 * cfg.seq_len, width, generator=torch.Generator().manual_seed(cfg.seed + 1))
-    logical = plan.rows.pos + plan.rows.clean.long() * cfg.seq_len
-    x = full[logical].unsqueeze(0).to(ctx.device)
-    series, serial = StepSeries(), StepSeries()
-    bytes_per_step = 0
-    for it in range(cfg.warmup + cfg.repeats):
-        for serialized in overlap_modes(it, cfg.ablate_overlap):
-            xi = x.clone().requires_grad_(True)
-            with measured_step(ctx.counter) as step, serialized_if(serialized):
-                out = stack(xi, plan.attention)
-                out.sum().backward()
-            if it >= cfg.warmup:
-                (serial if serialized else series).add(step)
-                bytes_per_step = ctx.counter.bytes("attention") + ctx.counter.bytes("attention_recompute")
-    pairs = allowed_pairs(plan.rows, block_size=cfg.block_size)
-    flops = attention_flops(pairs, num_heads=cfg.num_heads, head_dim=cfg.head_dim) * cfg.num_layers
-    return {
-        "step_time_s": series.median_s(),
-        "kv_bytes": float(bytes_per_step),
-        "flops": float(flops),
-        "peak": float(series.peak_bytes),
-        "serial_step_time_s": serial.median_s() if serial.times_s else float("nan"),
-        "halo": float(isinstance(plan.attention, WindowAttention)),  # else the ring's all-gather/ring
-    }
+class _LayoutRun:
+    """One layout's plan, stack and inputs on this rank, and its measured steps."""
+
+    def __init__(self, topology: Topology, cfg: AttentionBenchConfig) -> None:
+        self.cfg = cfg
+        self.ctx = build_parallel_context(topology)
+        self.plan = build_rank_plan(
+            self.ctx, cfg.seq_len, cfg.block_size, transport=cfg.transport, window=cfg.window,  # type: ignore[arg-type]
+            schedule=cfg.schedule,  # type: ignore[arg-type]
+            backend=cfg.backend, diagonal=cfg.diagonal, clean=cfg.clean,
+            documents=bench_documents(cfg.seq_len, cfg.doc_length, cfg.seed),
+        )
+        width = cfg.num_heads * cfg.head_dim
+        torch.manual_seed(cfg.seed)
+        self.stack = AttentionStack(cfg, width).to(self.ctx.device)
+        # Every rank draws the full 2L inputs with the same seed and keeps its own rows.
+        full = torch.randn(2 * cfg.seq_len, width, generator=torch.Generator().manual_seed(cfg.seed + 1))
+        logical = self.plan.rows.pos + self.plan.rows.clean.long() * cfg.seq_len
+        self.x = full[logical].unsqueeze(0).to(self.ctx.device)
+        self.series, self.serial = StepSeries(), StepSeries()
+        self.bytes_per_step = 0
+
+    def step(self, it: int) -> None:
+        """Step ``it`` (a warm-up step while ``it < warmup``), twice with ``--ablate-overlap``."""
+        for serialized in overlap_modes(it, self.cfg.ablate_overlap):
+            step = self._measured(serialized)
+            if it >= self.cfg.warmup:
+                (self.serial if serialized else self.series).add(step)
+                self.bytes_per_step = self.ctx.counter.bytes("attention") + self.ctx.counter.bytes("attention_recompute")
+
+    def _measured(self, serialized: bool) -> StepMeasurement:
+        """One forward + backward, timed. Its input, output and graph die on return, so the next step's
+        peak memory is read from a base that holds nothing of this one."""
+        xi = self.x.clone().requires_grad_(True)
+        with measured_step(self.ctx.counter) as step, serialized_if(serialized):
+            self.stack(xi, self.plan.attention).sum().backward()
+        return step
+
+    def summary(self) -> dict[str, float]:
+        cfg = self.cfg
+        pairs = allowed_pairs(self.plan.rows, block_size=cfg.block_size)
+        flops = attention_flops(pairs, num_heads=cfg.num_heads, head_dim=cfg.head_dim) * cfg.num_layers
+        return {
+            "step_time_s": self.series.median_s(),
+            "kv_bytes": float(self.bytes_per_step),
+            "flops": float(flops),
+            "peak": float(self.series.peak_bytes),
+            "serial_step_time_s": self.serial.median_s() if self.serial.times_s else float("nan"),
+            "halo": float(isinstance(self.plan.attention, WindowAttention)),  # else the ring's all-gather/ring
+        }
 
 
 def _worker(
-    rank: int, world: int, topologies: list[Topology], cfg: AttentionBenchConfig
+    rank: int, world: int, topologies: list[Topology], cfgs: tuple[AttentionBenchConfig, ...]
 ) -> list[dict[str, float]]:
-    return [_measure_layout(topology, cfg) for topology in topologies]
+    """All layouts of one length in the same processes (``cfgs[i]`` is layout ``i``'s config: its
+    transport and schedule), steps interleaved round-robin so slow drifts hit every layout alike."""
+    runs = [_LayoutRun(topology, cfg) for topology, cfg in zip(topologies, cfgs, strict=True)]
+    for it in range(cfgs[0].warmup + cfgs[0].repeats):
+        for run in runs:
+            run.step(it)
+    return [run.summary() for run in runs]
 
 
 def run_attention_bench(
@@ -195,7 +217,8 @@ def run_attention_bench(
     header: str | None = None,
     **cfg_kwargs: object,
 ) -> list[AttentionRecord]:
-    """Run every (sequence length, layout) pair, one launch each, and return the records in run order.
+    """Run every sequence length, all ``layouts`` side by side in one launch of ``nproc`` processes
+    (steps interleaved), and return the records in run order.
     ``header`` is printed once every input is checked, before anything runs (a bad input prints
     nothing but its error line)."""
     bases, schedules = zip(*(layout_schedule(name) for name in layouts), strict=True) if layouts else ((), ())
@@ -207,9 +230,12 @@ def run_attention_bench(
     print_header(header)
     records: list[AttentionRecord] = []
     for cfg in configs:
-        for name, topology, schedule in zip(layouts, cell, schedules, strict=True):
-            layout_cfg = replace(cfg, transport=layout_transport(name, cfg.transport), schedule=schedule)
-            (results,) = launch_cell(_worker, nproc, [topology], layout_cfg, timeout_s=timeout_s, device=device)
+        layout_cfgs = tuple(
+            replace(cfg, transport=layout_transport(name, cfg.transport), schedule=schedule)
+            for name, schedule in zip(layouts, schedules, strict=True)
+        )
+        per_layout = launch_cell(_worker, nproc, cell, layout_cfgs, timeout_s=timeout_s, device=device)
+        for name, topology, layout_cfg, results in zip(layouts, cell, layout_cfgs, per_layout, strict=True):
             flops = max_over_ranks(results, "flops")
             step = results[0]["step_time_s"]
             serial = results[0]["serial_step_time_s"] if cfg.ablate_overlap else None
@@ -285,7 +311,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
     attn.add_argument("--num-layers", type=int, default=1)
     attn.add_argument(
         "--backend", choices=("auto", "tiles", "flex"), default="auto",
-        help="attention backend (auto: tiles here, the processes run on CPU)",
+        help="attention backend, the run config's attention.backend (auto: flex on CUDA, tiles on CPU)",
     )
     add_diagonal_option(attn)
     add_clean_option(attn)
@@ -297,7 +323,7 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
 def run_attention_bench_command(args: argparse.Namespace) -> int:
     check_head_options(args)  # before anything is printed or launched
     check_device_option(args)
-    backend = check_backend_trains_on(args.backend, "cpu", where="--backend")
+    backend = check_backend_trains_on(args.backend, args.device, where="--backend")
     check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     header = (
         f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"

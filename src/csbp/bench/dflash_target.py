@@ -1,7 +1,8 @@
 """``csbp bench dflash --target-pass``: the online DFlash target pass per rank, replicated (the full
 sequence on every rank, ``capture_target_features``) vs context-sharded (each CP ring member runs
 its zigzag rows and all-gathers K/V per layer, ``csbp.dflash.target_shard``), side by side in one
-run of ``nproc`` processes (one CP ring of ``nproc``).
+run of ``nproc`` processes (one CP ring of ``nproc``), the two passes alternating step by step
+(``pass_order``) on the same tokens.
 
 Per rank and pass: median wall time, causal attention pairs (query, key) summed over the target
 layers (and the attention FLOPs, forward only), peak memory growth of the pass (``PeakMemory``:
@@ -14,7 +15,6 @@ anchors and are not part of this pass. Reported for the slowest rank.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -23,15 +23,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from csbp.atomic import write_json_atomic
 from csbp.bench.common import BENCH_DTYPES
 from csbp.bench.measure import PeakMemory, attention_flops
 from csbp.devices import backend_device
 from csbp.dflash.features import capture_target_features
 from csbp.dflash.layouts import context_positions
 from csbp.dflash.target_shard import TARGET_CATEGORY, capture_sharded_target_features
-from csbp.engine.context import build_parallel_context
+from csbp.engine.context import ParallelContext, build_parallel_context
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
+from csbp.parallel.comm import Comm
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
@@ -65,28 +67,48 @@ def _worker(
     target = Decoder(config, dtype=dtype, seed=1, device=backend_device())
     layer_ids = (0, config.num_layers - 1)
     generator = torch.Generator().manual_seed(2)
+    times: dict[str, list[float]] = {capture: [] for capture in PASSES}
+    peak, moved = dict.fromkeys(PASSES, 0), dict.fromkeys(PASSES, 0)
+    for index in range(warmup + repeats):
+        ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=generator)  # the same for both passes
+        for capture in pass_order(index):
+            elapsed, memory_bytes = _timed_pass(ctx, ring, target, ids, layer_ids, capture)
+            if index >= warmup:
+                times[capture].append(elapsed)
+                peak[capture] = max(peak[capture], memory_bytes)
+                moved[capture] = ctx.counter.bytes(TARGET_CATEGORY)
     results = {}
     for capture in PASSES:
-        times, peak, moved = [], 0, 0
-        for index in range(warmup + repeats):
-            ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=generator)
-            ctx.counter.reset()
-            dist.barrier()
-            start = time.perf_counter()
-            with PeakMemory(ctx.device) as memory:
-                if capture == "sharded":
-                    capture_sharded_target_features(
-                        target, ids, layer_ids, comm=ring, cp=world, cp_rank=ring.rank, with_last_hidden=True
-                    )
-                else:
-                    capture_target_features(target, ids, layer_ids, with_last_hidden=True)
-            if index >= warmup:
-                times.append(time.perf_counter() - start)
-                peak, moved = max(peak, memory.bytes), ctx.counter.bytes(TARGET_CATEGORY)
         rows = context_positions(seq_len, world, ring.rank) if capture == "sharded" else torch.arange(seq_len)
         pairs = causal_pairs(rows) * config.num_layers
-        results[capture] = (statistics.median(times), pairs, peak, moved)
+        results[capture] = (statistics.median(times[capture]), pairs, peak[capture], moved[capture])
     return results
+
+
+def _timed_pass(
+    ctx: ParallelContext, ring: Comm, target: Decoder, ids: torch.Tensor, layer_ids: tuple[int, ...], capture: str
+) -> tuple[float, int]:
+    """One pass: its wall seconds (device synchronised) and peak memory growth on this rank."""
+    ctx.counter.reset()
+    dist.barrier()
+    with PeakMemory(ctx.device) as memory:
+        start = time.perf_counter()
+        if capture == "sharded":
+            capture_sharded_target_features(
+                target, ids, layer_ids, comm=ring, cp=ring.size, cp_rank=ring.rank, with_last_hidden=True
+            )
+        else:
+            capture_target_features(target, ids, layer_ids, with_last_hidden=True)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize(ctx.device)
+        elapsed = time.perf_counter() - start
+    return elapsed, memory.bytes
+
+
+def pass_order(index: int) -> tuple[str, ...]:
+    """The passes of step ``index`` in run order: both every step, the first alternating, so a drift of
+    the machine's load (or a cache warmed by the other pass) favours neither."""
+    return PASSES if index % 2 == 0 else PASSES[::-1]
 
 
 def run_target_pass_bench(
@@ -147,5 +169,5 @@ def run_target_pass_command(args: argparse.Namespace) -> int:
     )
     print(format_target_table(records))
     if getattr(args, "json", None):
-        Path(args.json).write_text(json.dumps([asdict(r) for r in records], indent=2) + "\n")
+        write_json_atomic(Path(args.json), [asdict(r) for r in records])
     return 0

@@ -3,7 +3,8 @@
 ``plot_speedups`` reads benchmark records as dicts (the ``--json`` rows of ``csbp bench train`` or
 ``csbp bench attention``) with at least ``layout``, ``seq_len`` and ``step_time_s``, and draws one
 panel per value of ``group_by`` (e.g. per objective): speedup ``t_cp / t_layout`` against context
-length (log2 axis), one line per non-CP layout, with the break-even line at 1. Rendering uses the
+length (log2 axis), one line per other layout (CSBP, BP-only and the mask-aware ``cp-aware``), with
+the break-even line at 1. Rendering uses the
 non-interactive Agg backend, so it works on machines without a display.
 
 Usage::
@@ -19,8 +20,14 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-LAYOUT_LABELS = {"csbp": "CSBP", "bp": "BP-only"}
-LAYOUT_STYLES = {"csbp": {"color": "tab:blue", "marker": "o"}, "bp": {"color": "tab:orange", "marker": "s"}}
+LAYOUT_LABELS = {"csbp": "CSBP", "bp": "BP-only", "cp-aware": "CP-only, mask-aware"}
+"""Layouts drawn against generic CP-only, when the records hold them: the mask-aware CP baseline too,
+so a plot never shows CSBP against the weaker CP baseline alone."""
+LAYOUT_STYLES = {
+    "csbp": {"color": "tab:blue", "marker": "o"},
+    "bp": {"color": "tab:orange", "marker": "s"},
+    "cp-aware": {"color": "tab:green", "marker": "^"},
+}
 
 
 def speedup_series(
