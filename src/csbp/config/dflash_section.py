@@ -112,6 +112,41 @@ class DFlashSection(_Section):
             violations.append(("target_layer_ids", "ids must be distinct", "remove the repeated ids"))
         if self.target_layer_ids is not None and any(i < 0 for i in self.target_layer_ids):
             violations.append(("target_layer_ids", "ids are 0-based layer indices", "use ids >= 0"))
+        violations += self._inert_option_violations()
         if violations:
             raise ConfigRuleError(violations)
         return self
+
+    def _inert_option_violations(self) -> list[tuple[str, str, str]]:
+        """Options changed from their default while the switch they depend on is off: the run would
+        silently train without them (``selector_alpha`` without ``selector_rank`` trains plain DFlash).
+        Compared with the defaults, not with the keys written, so a saved ``config.yaml`` (every field
+        written out) still loads."""
+        sliding = self.layer_types is not None and "sliding_attention" in self.layer_types
+        groups = (
+            (self.selector_rank > 0, "the DFlash2 selector is off (selector_rank: 0)",
+             ("selector_top_k", "selector_alpha", "selector_warmup_ratio", "selector_ramp_ratio",
+              "selector_stop_gradient"), "set selector_rank > 0"),
+            (self.conv_kernel_size > 0, "the DFlash2 convolution is off (conv_kernel_size: 0)",
+             ("conv_group_size",), "set conv_kernel_size > 0"),
+            (sliding, "no draft layer is sliding_attention",
+             ("sliding_window", "sliding_window_causal"), "list sliding_attention in layer_types"),
+            (self.weighting != "decay", "weighting: decay uses fixed weights",
+             ("dpace_alpha",), "set a dpace weighting"),
+            (self.lk_loss_type == "lambda", f"lk_loss_type: {self.lk_loss_type} is not the mix",
+             ("kl_scale", "kl_decay"), "set lk_loss_type: lambda"),
+            (self.weighting == "decay" or self.selector_rank > 0,
+             f"weighting: {self.weighting} replaces the decay and no selector loss uses it", ("gamma",),
+             "set weighting: decay or selector_rank > 0"),
+        )
+        violations = []
+        for on, why, dependents, enable in groups:
+            inert = [name for name in dependents if not on and getattr(self, name) != _default(name)]
+            if inert:
+                also = f" (nor {', '.join(inert[1:])})" if len(inert) > 1 else ""
+                violations.append((inert[0], f"has no effect{also}: {why}", f"{enable}, or remove {', '.join(inert)}"))
+        return violations
+
+
+def _default(name: str) -> object:
+    return DFlashSection.model_fields[name].default
