@@ -248,6 +248,7 @@ def test_dflash_section() -> None:
         ({"objective.dflash.layer_types": ["sliding_attention"]}, "objective.dflash.sliding_window", "required"),
         ({"objective.dflash.target_layer_ids": [1, 1]}, "objective.dflash.target_layer_ids", "distinct"),
         ({"objective.denominator": "all_tokens"}, "objective.denominator", "supervised slots"),
+        ({"objective.block_size": 1}, "objective.block_size", "no slot to draft"),  # trained at loss 0
         ({"train.fsdp": True, "topology.dp": 2}, "train.fsdp", "holds whole"),
         # an option whose switch is off would be dropped silently (a "DFlash2" run trained plain DFlash)
         ({"objective.dflash.selector_alpha": 0.1, "objective.dflash.selector_warmup_ratio": 0.2},
