@@ -38,9 +38,9 @@ class DFlashSection(_Section):
         None, description="Per draft layer full or sliding attention; unset: all full_attention."
     )
     sliding_window: int | None = Field(
-        None, gt=0, description="Window W of the sliding draft layers (counts the query itself)."
+        None, gt=0, description="Window W of the sliding draft layers (counts the query itself); needs a sliding_attention layer."
     )
-    sliding_window_causal: bool = Field(True, description="Sliding layers are causal inside the block.")
+    sliding_window_causal: bool = Field(True, description="Sliding layers are causal inside the block (set only with a sliding_attention layer).")
     max_anchors: int = Field(512, gt=0, description="Anchor blocks sampled per sequence.")
     anchor_sampling: Literal["uniform", "locality"] = Field(
         "uniform", description="uniform: random distinct anchors; locality: random start plus a stride."
@@ -50,23 +50,24 @@ class DFlashSection(_Section):
         description="Context visible to an anchor block: strictly before the anchor, or including it.",
     )
     gamma: float | None = Field(
-        None, gt=0, description="Loss decay exp(-(k-1)/gamma) over block slots; unset: no decay."
+        None, gt=0, description="Loss decay exp(-(k-1)/gamma) over block slots; unset: no decay. A dpace weighting replaces "
+        "it, so there only the selector loss uses it."
     )
     loss: Literal["ce", "kl"] = Field("ce", description="ce: against data tokens; kl: against the target.")
     weighting: Literal[
         "decay", "dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only"
     ] = Field("decay", description="Slot weights: fixed decay (gamma) or detached D-PACE confidence weights.")
-    dpace_alpha: float = Field(0.5, ge=0.0, le=1.0, description="D-PACE s_j = alpha + (1 - alpha) p_draft.")
+    dpace_alpha: float = Field(0.5, ge=0.0, le=1.0, description="D-PACE s_j = alpha + (1 - alpha) p_draft (dpace weightings only).")
     lk_loss_type: Literal["ce", "tv", "lambda"] = Field(
         "ce", description="Per-token loss with loss: ce: ce, tv (1 - p) or lambda (CE/TV mix)."
     )
-    kl_scale: float = Field(1.0, gt=0.0, le=1.0, description="lambda mix: c = kl_scale exp(-kl_decay acc).")
-    kl_decay: float = Field(1.0, ge=0.0, description="lambda mix decay over the acceptance estimate.")
+    kl_scale: float = Field(1.0, gt=0.0, le=1.0, description="lambda mix: c = kl_scale exp(-kl_decay acc) (lk_loss_type: lambda only).")
+    kl_decay: float = Field(1.0, ge=0.0, description="lambda mix decay over the acceptance estimate (lk_loss_type: lambda only).")
     conv_kernel_size: int = Field(0, ge=0, description="DFlash2 block convolution taps; 0 disables it.")
-    conv_group_size: int = Field(16, gt=0, description="Channels per DFlash2 convolution group.")
+    conv_group_size: int = Field(16, gt=0, description="Channels per DFlash2 convolution group (needs conv_kernel_size > 0).")
     selector_rank: int = Field(0, ge=0, description="DFlash2 candidate-selector rank; 0 disables it.")
-    selector_top_k: int = Field(16, gt=0, description="Candidates per slot of the DFlash2 selector.")
-    selector_alpha: float = Field(1.0, ge=0.0, description="Weight of the selector loss after warm-up.")
+    selector_top_k: int = Field(16, gt=0, description="Candidates per slot of the DFlash2 selector (needs selector_rank > 0).")
+    selector_alpha: float = Field(1.0, ge=0.0, description="Weight of the selector loss after warm-up (needs selector_rank > 0).")
     selector_warmup_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Fraction of training with the selector loss off."
     )
