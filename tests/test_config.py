@@ -259,10 +259,6 @@ def test_dflash_section() -> None:
         ({"objective.dflash.kl_scale": 0.5}, "objective.dflash.kl_scale", "lk_loss_type: ce is not the mix"),
         ({"objective.dflash.weighting": "dpace", "objective.dflash.gamma": 4.0}, "objective.dflash.gamma",
          "replaces the decay"),
-        ({"objective.dflash.features": "/f", "objective.dflash.target_capture": "replicated"},
-         "objective.dflash.target_capture", "read from objective.dflash.features"),
-        ({"objective.dflash.eval_prompts": 0, "objective.dflash.eval_new_tokens": 16},
-         "objective.dflash.eval_new_tokens", "validation is off"),
         ({"data.seq_len": 250, "objective.block_size": 4}, "data.seq_len", "2*cp=4 equal zigzag chunks"),
     ],
 )
@@ -282,7 +278,6 @@ def test_dflash_options_with_their_switch_on_load_and_survive_a_full_dump() -> N
         "objective.dflash.weighting": "dpace", "objective.dflash.dpace_alpha": 0.3,
         "objective.dflash.gamma": 4.0,  # used by the selector loss
         "objective.dflash.lk_loss_type": "lambda", "objective.dflash.kl_scale": 0.5,
-        "objective.dflash.target_capture": "replicated", "objective.dflash.eval_new_tokens": 16,
     }
     for changes in ({}, on):
         cfg = config_from_dict(with_changes(dflash_changes() | changes))
