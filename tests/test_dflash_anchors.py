@@ -5,6 +5,7 @@ never across documents), coprime strides, and the one-line errors for rows witho
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,3 +114,23 @@ def test_split_coverage_is_checked_a_few_rows_at_a_time_and_names_the_split_row(
     for chunk_tokens in (1, 10, 15, 1000):
         with pytest.raises(ValueError, match="row 5 has no valid DFlash anchor"):
             check_split_anchor_coverage(split, chunk_tokens=chunk_tokens)
+
+
+def test_coverage_of_a_memory_mapped_split_prints_no_torch_warning(tmp_path: Path) -> None:
+    # `csbp train dflash-demo` printed torch's "The given NumPy array is not writable" UserWarning
+    # (with a C++ source path) before its first step: the pre-flight wrapped the read-only memmap.
+    # torch warns once per process, so the check runs in a fresh one with warnings as errors.
+    import subprocess
+    import sys
+
+    np.ones((3, 5), dtype=np.uint8).tofile(tmp_path / "loss.bin")
+    code = (
+        "import numpy as np, sys; from csbp.dflash.anchors import validate_anchor_coverage; "
+        "m = np.memmap(sys.argv[1], dtype=np.uint8, mode='r', shape=(3, 5)); "
+        "validate_anchor_coverage(m, np.zeros((3, 5), dtype=np.int32))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", code, str(tmp_path / "loss.bin")],
+        capture_output=True, text=True, check=False,
+    )
+    assert run.returncode == 0 and run.stderr == "", run.stderr

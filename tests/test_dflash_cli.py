@@ -423,3 +423,27 @@ def test_a_target_with_another_rope_is_refused_before_any_work(
     (line,) = capsys.readouterr().err.splitlines()
     assert "drafter RoPE" in line and line.endswith("(fix: pass the target it was trained against, the "
                                                    "objective.dflash.target of its run)")
+
+
+def test_eval_and_prepare_features_refuse_data_of_another_tokenizer(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # csbp train refuses a dflash run whose data another tokenizer prepared; eval and prepare-features
+    # measured acceptance on (or captured features of) other tokens without a word when the vocabulary
+    # sizes matched, and named `model vocab_size` as the fix when they did not.
+    target = tmp_path / "target"
+    shutil.copytree(workspace["target"], target)
+    other = json.loads((target / "tokenizer.json").read_text())
+    other["added_tokens"] = list(reversed(other["added_tokens"]))  # another tokenizer, same vocabulary size
+    (target / "tokenizer.json").write_text(json.dumps(other))
+    data = ["--data", str(workspace["artifact"])]
+    commands = [
+        ["dflash", "eval", "--target", str(target), "--drafter", str(workspace["drafter"]), *data],
+        ["dflash", "prepare-features", "--target", str(target), *data, "--out", str(tmp_path / "f")],
+    ]
+    for argv in commands:
+        assert run_cli(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("csbp: error: --data: the tokenizer of"), err
+        assert "csbp data prepare --tokenizer" in err[0]
+    assert not (tmp_path / "f").exists()

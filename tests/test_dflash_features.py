@@ -107,7 +107,7 @@ def test_store_validation_errors(tmp_path: Path) -> None:
         ({"split": shifted}, "token_hash"),
         ({"layer_ids": (0, 1)}, "layer_ids"),
         ({"split": _split(name="val")}, "split"),
-        ({"need_last_hidden": True}, "last_hidden"),
+        ({"need_last_hidden": True}, "prepare-features --with-last-hidden"),  # the flag a CLI user types
     ]
     for change, match in checks:
         options = {"target_config": TARGET_CONFIG, "split": split, "layer_ids": (0, 2), **change}

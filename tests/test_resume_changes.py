@@ -181,3 +181,20 @@ def test_a_directory_fingerprint_reads_only_both_ends_of_each_file(tmp_path: Pat
         (directory / "model.safetensors").write_bytes(changed)
         assert directory_fingerprint(directory) != first
     assert directory_fingerprint(tmp_path / "none") is None
+
+
+def test_a_refused_dflash_resume_does_not_offer_model_init_from() -> None:
+    # The fix line offered `csbp export RUN --out DIR, then model.init_from: DIR`, but csbp export
+    # refuses a drafter checkpoint and a dflash config refuses model.init_from: a dead end.
+    import yaml
+
+    from csbp.config import config_from_dict
+    from csbp.training.resume_config import resume_changes
+    from test_config import dflash_changes, with_changes
+
+    saved = config_from_dict(with_changes(dflash_changes()))
+    changed = config_from_dict(with_changes(dflash_changes() | {"objective.dflash.conv_kernel_size": 2}))
+    with pytest.raises(ValueError, match=r"objective\.dflash\.conv_kernel_size: .*fix: set objective\.dflash\."
+                       r"conv_kernel_size: 0 to resume, or start a new run directory \(a DFlash") as caught:
+        resume_changes(yaml.safe_dump(saved.model_dump(mode="json")), changed, Path("ckpt"), 2)
+    assert "init_from" not in str(caught.value)

@@ -38,6 +38,7 @@ from csbp.models.hf_io import read_json_object
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from csbp.data.artifact import Artifact
     from csbp.dflash.evaluate import EvalPrompt
     from csbp.models.decoder import Decoder
 
@@ -150,6 +151,20 @@ def _load_target(path: Path, args: argparse.Namespace, *, device: str | None = N
     return target.eval()
 
 
+def _require_target_tokenizer(target_dir: Path, artifact: Artifact) -> None:
+    """As ``csbp train`` checks a dflash run's data: ``--data`` must be tokenized with ``--target``'s
+    ``tokenizer.json`` (when it ships one), or its prompts and features are other tokens."""
+    from csbp.training.dflash_inputs import check_target_tokenizer
+
+    try:
+        check_target_tokenizer(target_dir, artifact)
+    except ValueError as exc:
+        raise ValueError(
+            f"--data: {exc} (fix: pass the artifact prepared with the target's tokenizer, or prepare it with "
+            f"csbp data prepare --tokenizer {target_dir})"
+        ) from None
+
+
 # ----------------------------------------------------------------------------- prepare-features
 
 
@@ -161,8 +176,9 @@ def run_prepare_features(args: argparse.Namespace) -> int:
 
     if args.layer_ids is not None and args.drafter is not None:
         raise ValueError("give --layer-ids or --drafter, not both")
-    target = _load_target(args.target, args)
     artifact = open_artifact(args.data)
+    _require_target_tokenizer(args.target, artifact)
+    target = _load_target(args.target, args)
     artifact.require_vocab_size(target.config.vocab_size)
     if args.drafter is not None:
         drafter_config = dflash_config_from_hf(read_json_object(args.drafter / "config.json"))
@@ -274,6 +290,7 @@ def run_eval(args: argparse.Namespace) -> int:
     eos_id = args.eos_id
     if args.data is not None:
         artifact = open_artifact(args.data)
+        _require_target_tokenizer(args.target, artifact)
         artifact.require_vocab_size(target.config.vocab_size)
         split = artifact.split(args.split)
         default_len = min(DEFAULT_PROMPT_LEN, artifact.seq_len - 1)  # what training validation uses

@@ -38,9 +38,9 @@ class DFlashSection(_Section):
         None, description="Per draft layer full or sliding attention; unset: all full_attention."
     )
     sliding_window: int | None = Field(
-        None, gt=0, description="Window W of the sliding draft layers (counts the query itself)."
+        None, gt=0, description="Window W of the sliding draft layers (counts the query itself); needs a sliding_attention layer."
     )
-    sliding_window_causal: bool = Field(True, description="Sliding layers are causal inside the block.")
+    sliding_window_causal: bool = Field(True, description="Sliding layers are causal inside the block (set only with a sliding_attention layer).")
     max_anchors: int = Field(512, gt=0, description="Anchor blocks sampled per sequence.")
     anchor_sampling: Literal["uniform", "locality"] = Field(
         "uniform", description="uniform: random distinct anchors; locality: random start plus a stride."
@@ -50,23 +50,24 @@ class DFlashSection(_Section):
         description="Context visible to an anchor block: strictly before the anchor, or including it.",
     )
     gamma: float | None = Field(
-        None, gt=0, description="Loss decay exp(-(k-1)/gamma) over block slots; unset: no decay."
+        None, gt=0, description="Loss decay exp(-(k-1)/gamma) over block slots; unset: no decay. A dpace weighting replaces "
+        "it, so there only the selector loss uses it."
     )
     loss: Literal["ce", "kl"] = Field("ce", description="ce: against data tokens; kl: against the target.")
     weighting: Literal[
         "decay", "dpace", "dpace-cumulative-confidence-only", "dpace-continuation-value-only"
     ] = Field("decay", description="Slot weights: fixed decay (gamma) or detached D-PACE confidence weights.")
-    dpace_alpha: float = Field(0.5, ge=0.0, le=1.0, description="D-PACE s_j = alpha + (1 - alpha) p_draft.")
+    dpace_alpha: float = Field(0.5, ge=0.0, le=1.0, description="D-PACE s_j = alpha + (1 - alpha) p_draft (dpace weightings only).")
     lk_loss_type: Literal["ce", "tv", "lambda"] = Field(
         "ce", description="Per-token loss with loss: ce: ce, tv (1 - p) or lambda (CE/TV mix)."
     )
-    kl_scale: float = Field(1.0, gt=0.0, le=1.0, description="lambda mix: c = kl_scale exp(-kl_decay acc).")
-    kl_decay: float = Field(1.0, ge=0.0, description="lambda mix decay over the acceptance estimate.")
+    kl_scale: float = Field(1.0, gt=0.0, le=1.0, description="lambda mix: c = kl_scale exp(-kl_decay acc) (lk_loss_type: lambda only).")
+    kl_decay: float = Field(1.0, ge=0.0, description="lambda mix decay over the acceptance estimate (lk_loss_type: lambda only).")
     conv_kernel_size: int = Field(0, ge=0, description="DFlash2 block convolution taps; 0 disables it.")
-    conv_group_size: int = Field(16, gt=0, description="Channels per DFlash2 convolution group.")
+    conv_group_size: int = Field(16, gt=0, description="Channels per DFlash2 convolution group (needs conv_kernel_size > 0).")
     selector_rank: int = Field(0, ge=0, description="DFlash2 candidate-selector rank; 0 disables it.")
-    selector_top_k: int = Field(16, gt=0, description="Candidates per slot of the DFlash2 selector.")
-    selector_alpha: float = Field(1.0, ge=0.0, description="Weight of the selector loss after warm-up.")
+    selector_top_k: int = Field(16, gt=0, description="Candidates per slot of the DFlash2 selector (needs selector_rank > 0).")
+    selector_alpha: float = Field(1.0, ge=0.0, description="Weight of the selector loss after warm-up (needs selector_rank > 0).")
     selector_warmup_ratio: float = Field(
         0.0, ge=0.0, le=1.0, description="Fraction of training with the selector loss off."
     )
@@ -112,6 +113,41 @@ class DFlashSection(_Section):
             violations.append(("target_layer_ids", "ids must be distinct", "remove the repeated ids"))
         if self.target_layer_ids is not None and any(i < 0 for i in self.target_layer_ids):
             violations.append(("target_layer_ids", "ids are 0-based layer indices", "use ids >= 0"))
+        violations += self._inert_option_violations()
         if violations:
             raise ConfigRuleError(violations)
         return self
+
+    def _inert_option_violations(self) -> list[tuple[str, str, str]]:
+        """Options changed from their default while the switch they depend on is off: the run would
+        silently train without them (``selector_alpha`` without ``selector_rank`` trains plain DFlash).
+        Compared with the defaults, not with the keys written, so a saved ``config.yaml`` (every field
+        written out) still loads."""
+        sliding = self.layer_types is not None and "sliding_attention" in self.layer_types
+        groups = (
+            (self.selector_rank > 0, "the DFlash2 selector is off (selector_rank: 0)",
+             ("selector_top_k", "selector_alpha", "selector_warmup_ratio", "selector_ramp_ratio",
+              "selector_stop_gradient"), "set selector_rank > 0"),
+            (self.conv_kernel_size > 0, "the DFlash2 convolution is off (conv_kernel_size: 0)",
+             ("conv_group_size",), "set conv_kernel_size > 0"),
+            (sliding, "no draft layer is sliding_attention",
+             ("sliding_window", "sliding_window_causal"), "list sliding_attention in layer_types"),
+            (self.weighting != "decay", "weighting: decay uses fixed weights",
+             ("dpace_alpha",), "set a dpace weighting"),
+            (self.lk_loss_type == "lambda", f"lk_loss_type: {self.lk_loss_type} is not the mix",
+             ("kl_scale", "kl_decay"), "set lk_loss_type: lambda"),
+            (self.weighting == "decay" or self.selector_rank > 0,
+             f"weighting: {self.weighting} replaces the decay and no selector loss uses it", ("gamma",),
+             "set weighting: decay or selector_rank > 0"),
+        )
+        violations = []
+        for on, why, dependents, enable in groups:
+            inert = [name for name in dependents if not on and getattr(self, name) != _default(name)]
+            if inert:
+                also = f" (nor {', '.join(inert[1:])})" if len(inert) > 1 else ""
+                violations.append((inert[0], f"has no effect{also}: {why}", f"{enable}, or remove {', '.join(inert)}"))
+        return violations
+
+
+def _default(name: str) -> object:
+    return DFlashSection.model_fields[name].default

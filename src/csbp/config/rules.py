@@ -168,6 +168,11 @@ def _objective_layout_rules(cfg: RunConfig) -> list[Violation]:
             ("topology.window", f"window={topo.window} has no effect on {obj.name}, which trains full attention",
              f"{fix}; remove topology.window" if obj.name == "dflash" else fix)
         )
+    if obj.name == "dflash" and obj.block_size is not None and obj.block_size < 2:
+        violations.append(
+            ("objective.block_size", f"block_size={obj.block_size} leaves no slot to draft after the anchor "
+             "(the loss is 0 and nothing trains)", "use block_size >= 2 (the DFlash recipes use 4-16)")
+        )
     if obj.name == "dflash" and obj.dflash is not None and obj.dflash.max_anchors < topo.bp:
         violations.append(
             (

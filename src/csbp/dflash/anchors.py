@@ -107,9 +107,10 @@ def validate_anchor_coverage(
     loss_mask_RL: np.ndarray | Tensor, doc_ids_RL: np.ndarray | Tensor, *, first_row: int = 0
 ) -> None:
     """``ValueError`` naming the first row without a valid anchor (run before the first step); the
-    rows given are rows ``first_row, first_row + 1, ...`` of their split (for the message)."""
-    loss_mask = torch.as_tensor(np.asarray(loss_mask_RL)).bool()
-    doc_ids = torch.as_tensor(np.asarray(doc_ids_RL)).long()
+    rows given are rows ``first_row, first_row + 1, ...`` of their split (for the message). Read-only
+    arrays (a memory-mapped split) are copied: torch warns on every run about wrapping them."""
+    loss_mask = torch.as_tensor(np.array(loss_mask_RL)).bool()
+    doc_ids = torch.as_tensor(np.array(doc_ids_RL)).long()
     if loss_mask.dim() != 2 or loss_mask.shape != doc_ids.shape:
         raise ValueError(
             f"loss_mask {tuple(loss_mask.shape)} and doc_ids {tuple(doc_ids.shape)} must be [R, L]"

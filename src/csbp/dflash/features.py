@@ -344,7 +344,8 @@ def open_features(
             )
     if need_last_hidden and not manifest.get("with_last_hidden"):
         raise ValueError(
-            f"{path}: no last_hidden stored but loss='kl' needs it; re-run with with_last_hidden=True"
+            f"{path}: no last_hidden stored but loss='kl' needs it; capture it too "
+            "(csbp dflash prepare-features --with-last-hidden; prepare_features(..., with_last_hidden=True))"
         )
     features = _map_array(directory / "features.npy")
     expected_shape = (manifest["rows"], manifest["seq_len"], manifest["width"])

@@ -102,12 +102,8 @@ def check_dflash_inputs(
             f"{artifact.directory} has token ids up to {artifact.vocab_size - 1} (fix: train the target on "
             "this data's tokenizer)"
         )
-    tokenizer_file = target_dir / "tokenizer.json"
-    if tokenizer_file.is_file() and fingerprint_bytes(tokenizer_file.read_bytes()) != artifact.tokenizer_fingerprint:
-        raise ValueError(
-            f"objective.dflash.target: the tokenizer of {target_dir} is not the one {artifact.directory} was "
-            "prepared with (fingerprints differ) (fix: prepare the data with the target's tokenizer)"
-        )
+    _field("objective.dflash.target", lambda: check_target_tokenizer(target_dir, artifact),
+           "prepare the data with the target's tokenizer")
     mask_token_id = cfg.objective.mask_token_id
     source = "objective.mask_token_id"
     if mask_token_id is None:
@@ -165,6 +161,18 @@ def check_split_anchor_coverage(split: ArtifactSplit, *, chunk_tokens: int = _CO
         stop = min(split.num_rows, start + rows_per_chunk)
         validate_anchor_coverage(
             np.asarray(split.loss_mask[start:stop]), np.asarray(split.doc_ids[start:stop]), first_row=start
+        )
+
+
+def check_target_tokenizer(target_dir: Path, artifact: Artifact) -> None:
+    """``ValueError`` when ``target_dir`` ships a ``tokenizer.json`` other than the one ``artifact`` was
+    prepared with: the target would read the data's ids as other tokens (same vocabulary size or not).
+    Also run by ``csbp dflash eval --data`` and ``prepare-features``."""
+    tokenizer_file = target_dir / "tokenizer.json"
+    if tokenizer_file.is_file() and fingerprint_bytes(tokenizer_file.read_bytes()) != artifact.tokenizer_fingerprint:
+        raise ValueError(
+            f"the tokenizer of {target_dir} is not the one {artifact.directory} was prepared with (fingerprints "
+            "differ)"
         )
 
 

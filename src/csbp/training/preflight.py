@@ -54,7 +54,7 @@ from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_check
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
 from csbp.training.mask_data import check_mask_token_data
 from csbp.training.model_factory import decoder_config_for_run
-from csbp.training.resume_config import TRAIN_RESTART, resume_changes
+from csbp.training.resume_config import resume_changes
 from csbp.training.run_lock import LOCK_FILE
 
 NOISE_SCHEMES = {"rotated": "rotated_lattice", "stratified": "stratified"}
@@ -103,13 +103,14 @@ def check_run(
     stop_step: int | None = None,
     warn: Callable[[str], None] | None = None,
     check_device: bool = True,
-    resume_restart: str = TRAIN_RESTART,
+    resume_restart: str | None = None,
 ) -> RunInputs:
     """Validate ``cfg`` against its data (and ``run_dir`` when given: ``resume`` and the step this
     invocation stops after, default ``train.max_steps``); see the module docstring. ``warn``
     receives non-fatal findings (a damaged newest checkpoint that a resume skips). ``check_device``:
     also refuse an attention backend that cannot train on this machine (off for offline validation).
-    ``resume_restart``: the alternative a refused resume's fix offers (:func:`resume_changes`)."""
+    ``resume_restart``: the alternative a refused resume's fix offers (:func:`resume_changes`; None:
+    ``csbp train``'s)."""
     _check_objective_layout(cfg)
     if check_device:
         backend = check_backend_trains_on(cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu")

@@ -67,6 +67,8 @@ APPLIED = (
 TRAIN_RESTART = (
     "start a new run directory from an export of it: csbp export RUN --out DIR, then model.init_from: DIR"
 )
+#: the same for a dflash run, whose drafter cannot start from an export (model.init_from is refused there)
+DFLASH_TRAIN_RESTART = "start a new run directory (a DFlash drafter always trains from its own initialisation)"
 
 #: mappings compared (and named) as one value
 LEAF_MAPPINGS = ("rope_scaling",)
@@ -105,13 +107,16 @@ def resume_changes(
     checkpoint: Path,
     step: int,
     fingerprints: dict[str, str] | None = None,
-    restart: str = TRAIN_RESTART,
+    restart: str | None = None,
 ) -> list[str]:
     """The note lines for the applied changes between the checkpoint's config (``saved_yaml``) and
     ``cfg``; ``ValueError`` (one line) naming the first refused change. ``fingerprints`` are the
     checkpoint's recorded ``input_fingerprints``: a directory field naming a copy with the same
     contents is no change. ``restart``: the fix's other way out, for the command resuming (a new
-    run directory for ``csbp train``, a new ``--out`` for ``csbp compare``)."""
+    ``--out`` for ``csbp compare``; None: ``csbp train``'s new run directory, :data:`TRAIN_RESTART` or
+    for a dflash run :data:`DFLASH_TRAIN_RESTART`)."""
+    if restart is None:
+        restart = DFLASH_TRAIN_RESTART if cfg.objective.name == "dflash" else TRAIN_RESTART
     loaded = read_yaml_text(saved_yaml, source=f"{checkpoint}/trainer_state.json config_yaml") if saved_yaml else None
     if not isinstance(loaded, dict):
         return []  # nothing recorded to compare against
