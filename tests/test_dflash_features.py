@@ -129,3 +129,30 @@ def test_step_on_stored_features_equals_online(tmp_path: Path) -> None:
     online = step(batch, torch.Generator().manual_seed(0))
     offline = step(batch, torch.Generator().manual_seed(0), features=store.rows([0, 1]))
     assert online.loss_value == offline.loss_value and online.metrics == offline.metrics
+
+
+def test_capture_reports_its_progress_in_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A capture of a real corpus takes hours: `csbp dflash prepare-features` shows a bar of the rows
+    # done (on a terminal); the library call is quiet unless asked.
+    import csbp.dflash.features as features_module
+
+    bars: list[dict] = []
+
+    class Recorder:
+        def __init__(self, **kwargs) -> None:
+            self.kwargs, self.done = kwargs, 0
+            bars.append(self.__dict__)
+
+        def update(self, n: int) -> None:
+            self.done += n
+
+        def close(self) -> None:
+            self.kwargs["closed"] = True
+
+    monkeypatch.setattr(features_module, "tqdm", Recorder)
+    target, _ = build_models(DFlashVerifyCase())
+    prepare_features(target, _split(rows=5), tmp_path / "f", layer_ids=(0, 2), rows_per_batch=2, progress=True)
+    prepare_features(target, _split(rows=5), tmp_path / "g", layer_ids=(0, 2))
+    (shown, quiet) = bars
+    assert shown["done"] == 5 and shown["kwargs"]["total"] == 5 and shown["kwargs"]["disable"] is None
+    assert shown["kwargs"]["closed"] and quiet["kwargs"]["disable"] is True

@@ -210,6 +210,7 @@ def run_prepare_features(args: argparse.Namespace) -> int:
         dtype=args.feature_dtype,
         rows_per_batch=args.rows_per_batch,
         overwrite=args.overwrite,
+        progress=True,
     )
     print(f"wrote {out}")
     return 0

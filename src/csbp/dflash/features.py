@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from csbp.atomic import Ownership, write_directory_atomically
 from csbp.attention.rows import Rows
@@ -208,8 +209,10 @@ def prepare_features(
     dtype: str = "bfloat16",
     rows_per_batch: int = 1,
     overwrite: bool = False,
+    progress: bool = False,
 ) -> Path:
-    """Capture the features of every row of ``split`` into ``out_dir`` (atomic directory write)."""
+    """Capture the features of every row of ``split`` into ``out_dir`` (atomic directory write);
+    ``progress`` shows a bar of the rows captured (on a terminal only: tqdm's ``disable=None``)."""
     if dtype not in STORE_DTYPES:
         raise ValueError(f"feature dtype {dtype!r} must be one of {tuple(STORE_DTYPES)}")
     if rows_per_batch < 1:
@@ -250,6 +253,7 @@ def prepare_features(
                 dtype=STORE_DTYPES[dtype],
                 shape=(num_rows, seq_len, hidden),
             )
+        bar = tqdm(total=num_rows, desc="features", unit="row", dynamic_ncols=True, disable=None if progress else True)
         for start in range(0, num_rows, rows_per_batch):
             stop = min(start + rows_per_batch, num_rows)
             ids = torch.from_numpy(np.asarray(split.tokens[start:stop], dtype=np.int64)).to(device)
@@ -260,6 +264,8 @@ def prepare_features(
             features[start:stop] = _to_store(captured.features, dtype)
             if last is not None and captured.last_hidden is not None:
                 last[start:stop] = _to_store(captured.last_hidden, dtype)
+            bar.update(stop - start)
+        bar.close()
         features.flush()
         if last is not None:
             last.flush()
