@@ -118,28 +118,32 @@ def test_drafter_comparison_needs_the_served_validation(artifact: Path, tmp_path
     assert metric_of(cfg, "tau_mean") == ("tau_mean", True)  # the token metrics need no decoding
 
 
+class FakeLoop:
+    """The parts of the trainer's loop a BudgetHook uses: evaluations score ``10 - step``."""
+
+    class writer:  # noqa: N801 - a stand-in namespace
+        @staticmethod
+        def message(text: str) -> None:
+            pass
+
+    class ctx:  # noqa: N801
+        class coords:  # noqa: N801
+            rank = 0
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+        self.evaluated: list[int] = []
+
+    def _evaluate(self, step: int) -> Any:
+        self.evaluated.append(step)
+        return type("E", (), {"loss": 10.0 - step, "metrics": {}})()
+
+    def _save(self, step: int) -> None:
+        self.saved.append(step)
+
+
 def test_budget_hook_evaluates_at_equal_time_points(tmp_path: Path) -> None:
     """Point k is taken at the first step whose clock reaches k S / K; the run stops at point K."""
-
-    class FakeLoop:
-        class writer:  # noqa: N801 - a stand-in namespace
-            @staticmethod
-            def message(text: str) -> None:
-                pass
-
-        class ctx:  # noqa: N801
-            class coords:  # noqa: N801
-                rank = 0
-
-        def __init__(self) -> None:
-            self.saved: list[int] = []
-
-        def _evaluate(self, step: int) -> Any:
-            return type("E", (), {"loss": 10.0 - step, "metrics": {}})()
-
-        def _save(self, step: int) -> None:
-            self.saved.append(step)
-
     hook = budget_module.BudgetHook(
         budget_s=1.0, num_points=2, metric="val_loss", max_steps=100, run_dir=tmp_path
     )
@@ -152,6 +156,23 @@ def test_budget_hook_evaluates_at_equal_time_points(tmp_path: Path) -> None:
     assert [p.step for p in points] == [0, 2, 4]  # clock 0.6 >= 0.5 at step 2, 1.2 >= 1.0 at step 4
     assert [p.target_s for p in points] == [0.0, 0.5, 1.0]
     assert loop.saved == [2]  # the last point's checkpoint is the loop's own
+
+
+def test_a_step_longer_than_the_interval_takes_every_point_it_passes(tmp_path: Path) -> None:
+    """Steps of 0.6 s against points every 0.25 s: each step passes two points, which share its one
+    evaluation, and the layout stops at the first step that reaches the budget (step 2, 1.2 s). It
+    used to take one point per step and train to step 4 (2.4 s): a slow layout got extra steps."""
+    hook = budget_module.BudgetHook(budget_s=1.0, num_points=4, metric="val_loss", max_steps=100, run_dir=tmp_path)
+    loop = FakeLoop()
+    hook.on_start(loop, 0)
+    stops = [hook.after_step(loop, step, 0.6) for step in (1, 2)]
+    assert stops == [False, True] and hook.state.clock_s == pytest.approx(1.2)
+    points = hook.state.points
+    assert [p.index for p in points] == [0, 1, 2, 3, 4]
+    assert [p.step for p in points] == [0, 1, 1, 2, 2]
+    assert [p.target_s for p in points] == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert [p.val_loss for p in points] == [10.0, 9.0, 9.0, 8.0, 8.0]
+    assert loop.evaluated == [0, 1, 2] and loop.saved == [1]
 
 
 def test_interrupted_comparison_resumes(artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,7 +5,10 @@ gradient synchronisation and the optimizer step), the largest over all ranks, so
 the same decisions. Evaluations and checkpoints are outside it. With budget ``S`` and ``K`` points
 the time points are ``t_k = k S / K``: the untrained model is evaluated at ``t_0 = 0``, and point
 ``k`` at the end of the first step whose clock reaches ``t_k`` (the record keeps the exact clock
-and step). The run stops at point ``K`` (or at ``train.max_steps``, recorded as a last point).
+and step). A step that carries the clock past several time points is evaluated once and that
+evaluation is recorded for each of them, so no layout trains past the first step that reaches
+``S``, however long its steps are. The run stops at point ``K`` (or at ``train.max_steps``,
+recorded as a last point).
 
 The metric is ``csbp compare --metric``: by default the validation loss for diffusion objectives
 and, for DFlash drafters, the acceptance length of lossless speculative decoding
@@ -131,22 +134,30 @@ class BudgetHook:
         return self.next_index > self.num_points
 
     def _evaluate(self, loop: Any, step: int) -> None:
+        """Evaluate after ``step`` and record the result for the next time point and for every later
+        one the clock has also reached (a step longer than ``S / K`` passes several)."""
         evaluation = loop._evaluate(step)
         metric = evaluation.loss if self.metric == "val_loss" else float(evaluation.metrics[self.metric])
-        point = TimePoint(
-            index=self.next_index,
-            target_s=self.target(min(self.next_index, self.num_points)),
-            clock_s=self.state.clock_s,
-            step=step,
-            metric=metric,
-            val_loss=evaluation.loss,
-            metrics={name: float(value) for name, value in evaluation.metrics.items()},
-        )
-        self.state.points.append(point)
+        first = self.next_index
+        while True:
+            self.state.points.append(
+                TimePoint(
+                    index=self.next_index,
+                    target_s=self.target(min(self.next_index, self.num_points)),
+                    clock_s=self.state.clock_s,
+                    step=step,
+                    metric=metric,
+                    val_loss=evaluation.loss,
+                    metrics={name: float(value) for name, value in evaluation.metrics.items()},
+                )
+            )
+            if self.finished or self.state.clock_s < self.target(self.next_index):
+                break
         self.state.step = step
+        last = self.next_index - 1
+        which = f"point {first}" if last == first else f"points {first}-{last}"
         loop.writer.message(
-            f"t={self.state.clock_s:7.1f} s (point {point.index}/{self.num_points}) step {step}: "
-            f"{self.metric} {metric:.4f}"
+            f"t={self.state.clock_s:7.1f} s ({which}/{self.num_points}) step {step}: {self.metric} {metric:.4f}"
         )
 
     def _record(self, loop: Any, step: int) -> None:
