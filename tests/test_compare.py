@@ -208,6 +208,8 @@ def test_interrupted_comparison_resumes(artifact: Path, tmp_path: Path, monkeypa
     assert [p["step"] for p in result["points"][:2]] == [p.step for p in saved.points]
     assert result["points"][1]["metric"] == saved.points[1].metric
     assert result["clock_s"] >= 0.6 and result["points"][-1]["metric"] < result["points"][0]["metric"]
+    assert result["step_s"]["steps"] == result["steps"]  # the interrupted part's step times were restored
+    assert len(saved.step_seconds) == saved.step and sum(saved.step_seconds) == pytest.approx(saved.clock_s)
     again = run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True}))  # all done: read back
     assert again == [json.loads(json.dumps(result))]
     [by_nelbo] = run_compare(cfg, CompareOptions(**{**options.__dict__, "resume": True, "metric": "val_nelbo"}))
@@ -299,3 +301,43 @@ def test_a_skipped_non_finite_step_stays_on_the_budget_clock(
     hook = Recorder()
     train(_bd3(artifact, **{"train.max_steps": 3, "train.nan_policy": "skip"}), run_dir=tmp_path / "run", hook=hook)
     assert sorted(hook.seconds) == [1, 2, 3] and hook.seconds[2] >= 2.0 > hook.seconds[3]
+
+
+def _result(layout: str, steps: int, metric: float, step_s: tuple[float, float, float]) -> dict[str, Any]:
+    point = {"index": 0, "target_s": 0.0, "clock_s": 0.0, "step": 0, "metric": 9.0, "val_loss": 9.0, "metrics": {}}
+    last = {**point, "index": 1, "target_s": 30.0, "clock_s": 30.2, "step": steps, "metric": metric}
+    p10, median, p90 = step_s
+    return {
+        "layout": layout,
+        "topology": {"dp": 1, "cp": 2, "bp": 2 if layout == "csbp" else 1},
+        "steps": steps,
+        "clock_s": 30.2,
+        "step_s": {"steps": steps, "median": median, "p10": p10, "p90": p90},
+        "points": [point, last],
+    }
+
+
+def test_the_table_states_differences_without_a_verdict_and_the_timing_noise() -> None:
+    """Measured on a shared machine: cp,csbp gave csbp 1.21x the steps and 6.4420 vs 6.4434, the
+    reverse order cp 1.33x the steps; the table used to call 0.0014 'csbp better'. It now gives the
+    difference, each layout's step-time spread, and says one run has no error bar."""
+    cp, csbp = _result("cp", 52, 6.4434, (0.500, 0.561, 0.645)), _result("csbp", 63, 6.4420, (0.264, 0.513, 0.608))
+    text = format_table([cp, csbp], metric="val_loss", higher_is_better=False)
+    assert "better" not in text.replace("lower is better", "")
+    assert "at the budget: csbp 6.4420 vs cp 6.4434 (csbp lower by 0.0014; 1.21x the steps)" in text
+    assert "cp 52 steps in 30.2 s (step 0.561 s median, 0.500-0.645 s p10-p90)" in text
+    assert "noise: one run per layout, so the differences above have no error bar" in text
+    assert "ranges overlap (cp 0.500-0.645 s, csbp 0.264-0.608 s): the step-rate difference" in text
+    apart = format_table([cp, _result("csbp", 90, 6.3, (0.30, 0.33, 0.36))], metric="val_loss", higher_is_better=False)
+    assert "do not overlap" in apart and "ran one after the other" in apart and "other order" in apart
+    same = format_table([cp, _result("csbp", 52, 6.4434, (0.5, 0.56, 0.64))], metric="val_loss", higher_is_better=False)
+    assert "(equal; 1.00x the steps)" in same
+
+
+def test_points_that_share_a_step_are_noted() -> None:
+    result = _result("cp", 1, 8.0, (3.0, 3.0, 3.0))
+    result["points"].append({**result["points"][1], "index": 2, "target_s": 60.0})
+    assert budget_notes([result], budget_s=60.0, max_steps=100) == [
+        "note: cp: a step outlasted the time between points, so point(s) 2 repeat the evaluation of the point "
+        "before (fix: a larger --budget-s or fewer --points)"
+    ]

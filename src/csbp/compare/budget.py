@@ -15,8 +15,8 @@ and, for DFlash drafters, the acceptance length of lossless speculative decoding
 (``val_acceptance_length``, the number ``csbp dflash eval`` measures); every record also holds the
 validation loss and metrics.
 
-Resume: at every point the loop writes a checkpoint and rank 0 then records the clock and the
-points so far under that step in ``budget_state.json`` (atomic). A resumed layout restores the
+Resume: at every point the loop writes a checkpoint and rank 0 then records the clock, the
+points and every step's seconds so far under that step in ``budget_state.json`` (atomic). A resumed layout restores the
 clock and points of its latest checkpoint's step and continues.
 """
 
@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -57,6 +58,8 @@ class BudgetState:
     step: int = 0
     clock_s: float = 0.0
     points: list[TimePoint] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
+    """Every step's seconds on the clock (slowest rank), in order: the layout's timing noise."""
 
 
 def load_budget_state(run_dir: Path) -> BudgetState | None:
@@ -71,15 +74,29 @@ def load_budget_state(run_dir: Path) -> BudgetState | None:
     if snapshot is None:
         return None
     points = [TimePoint(**point) for point in snapshot["points"]]
-    return BudgetState(step=step, clock_s=float(snapshot["clock_s"]), points=points)
+    seconds = [float(value) for value in snapshot.get("step_seconds", [])]  # absent before it was recorded
+    return BudgetState(step=step, clock_s=float(snapshot["clock_s"]), points=points, step_seconds=seconds)
 
 
 def _save_budget_state(run_dir: Path, state: BudgetState) -> None:
     path = run_dir / STATE_FILE
     saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     saved = {key: value for key, value in saved.items() if int(key) < state.step}
-    saved[str(state.step)] = {"clock_s": state.clock_s, "points": [asdict(p) for p in state.points]}
+    saved[str(state.step)] = {
+        "clock_s": state.clock_s,
+        "points": [asdict(p) for p in state.points],
+        "step_seconds": state.step_seconds,
+    }
     write_text_atomic(path, json.dumps(saved, indent=1) + "\n")
+
+
+def step_time_summary(seconds: list[float]) -> dict[str, float | int] | None:
+    """``{"steps", "median", "p10", "p90"}`` of a layout's step seconds (None without steps): the
+    spread is the timing noise the layout ran under."""
+    if not seconds:
+        return None
+    p10, median, p90 = (float(value) for value in np.percentile(np.asarray(seconds, dtype=np.float64), [10, 50, 90]))
+    return {"steps": len(seconds), "median": median, "p10": p10, "p90": p90}
 
 
 def _max_over_ranks(value: float) -> float:
@@ -174,7 +191,9 @@ class BudgetHook:
             self._evaluate(loop, 0)
 
     def after_step(self, loop: Any, step: int, step_seconds: float) -> bool:
-        self.state.clock_s += _max_over_ranks(step_seconds)
+        seconds = _max_over_ranks(step_seconds)
+        self.state.clock_s += seconds
+        self.state.step_seconds.append(seconds)
         self.state.step = step
         due = self.state.clock_s >= self.target(self.next_index)
         last = step >= self.max_steps

@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from csbp.atomic import write_text_atomic
-from csbp.compare.budget import BudgetHook, load_budget_state
+from csbp.compare.budget import BudgetHook, load_budget_state, step_time_summary
 from csbp.compare.layouts import LAYOUT_NAMES, layout_config
 from csbp.config.schema import RunConfig
 from csbp.parallel.launch import run_local
@@ -184,6 +184,7 @@ def _train_layout(name: str, cfg: RunConfig, options: CompareOptions, rank: int)
         "topology": {key: cfg.topology.model_dump()[key] for key in ("dp", "cp", "bp", "replicate_clean_prefix")},
         "steps": hook.state.step,
         "clock_s": hook.state.clock_s,
+        "step_s": step_time_summary(hook.state.step_seconds),
         "points": [asdict(point) for point in hook.state.points],
     }
     if rank == 0:
