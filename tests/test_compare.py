@@ -223,6 +223,27 @@ def test_interrupted_comparison_resumes(artifact: Path, tmp_path: Path, monkeypa
     assert plot_compare(again, tmp_path / "c.png", metric="val_loss", title="t").stat().st_size > 0
 
 
+def test_a_resume_changes_nothing_the_finished_layouts_were_trained_under(artifact: Path, tmp_path: Path) -> None:
+    """``csbp train --resume`` applies a changed ``optim`` from the resumed step; a comparison's finished
+    layouts are read back as they are, so any change (here the learning rate) would compare unlike
+    runs. It used to be read back silently (and a layout not yet run trained with the new value)."""
+    cfg = _bd3(artifact)
+    options = CompareOptions(layouts=("data",), budget_s=0.2, nproc=1, out_dir=tmp_path / "cmp", points=1)
+    run_compare(cfg, options)
+    resumed = CompareOptions(**{**options.__dict__, "resume": True})
+    changed = _bd3(artifact, **{"optim.lr": cfg.optim.lr * 2})
+    with pytest.raises(ValueError, match=rf"^optim\.lr: the comparison in .*cmp was started with optim\.lr={cfg.optim.lr}, "
+                       r"the config sets .*\(fix: set optim\.lr: .* to resume, or compare the changed config into a new --out"):
+        run_compare(changed, resumed)
+    assert run_compare(cfg, resumed)[0]["steps"] >= 1  # unchanged: read back
+    foreign = tmp_path / "train-run"
+    foreign.mkdir()
+    (foreign / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"^--out .*train-run: no compare_options\.json, so it holds no csbp compare run"):
+        run_compare(cfg, CompareOptions(**{**resumed.__dict__, "out_dir": foreign}))
+    assert sorted(entry.name for entry in foreign.iterdir() if entry.name != ".lock") == ["metrics.jsonl"]
+
+
 @pytest.mark.slow
 def test_bd3_cp_vs_csbp_on_two_processes(artifact: Path, tmp_path: Path) -> None:
     cfg = _bd3(artifact)

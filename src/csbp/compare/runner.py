@@ -27,12 +27,14 @@ from csbp.compare.layouts import LAYOUT_NAMES, layout_config
 from csbp.config.schema import RunConfig
 from csbp.parallel.launch import run_local
 from csbp.training.preflight import check_new_run_dir, check_run, check_validation_rows
+from csbp.training.resume_config import flat_config
 from csbp.training.run_lock import LOCK_FILE, run_dir_lock
 from csbp.training.trainer import train
 
 RESULT_FILE = "result.json"
 OPTIONS_FILE = "compare_options.json"
-"""``OUT/compare_options.json``: the budget, points and process count a comparison started with."""
+"""``OUT/compare_options.json``: the budget, points, process count and run config a comparison
+started with."""
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, Run
         raise ValueError("--budget-s must be > 0, --points >= 1 and --nproc >= 1")
     metric_of(cfg, options.metric)
     _check_out_dir(options)
-    _check_resumed_options(options)
+    _check_resumed_options(cfg, options)
     plan = []
     for name in options.layouts:
         layout_cfg = layout_config(cfg, name, options.nproc)
@@ -136,24 +138,56 @@ def _check_out_dir(options: CompareOptions) -> None:
         raise ValueError(f"--out {out} is not empty (fix: --resume to continue that comparison, or another --out)")
 
 
-def _recorded_options(options: CompareOptions) -> dict[str, Any]:
-    return {"budget_s": options.budget_s, "points": options.points, "nproc": options.nproc}
+def _recorded_options(cfg: RunConfig, options: CompareOptions) -> dict[str, Any]:
+    return {
+        "budget_s": options.budget_s,
+        "points": options.points,
+        "nproc": options.nproc,
+        "config": json.loads(json.dumps(cfg.model_dump(mode="json"))),
+    }
 
 
-def _check_resumed_options(options: CompareOptions) -> None:
-    """A resumed comparison keeps the budget, points and process count it started with: the layouts
-    already trained were measured under them (one line naming the flag otherwise)."""
+def _check_resumed_options(cfg: RunConfig, options: CompareOptions) -> None:
+    """A resumed comparison keeps the run config, budget, points and process count it started with:
+    the layouts already trained were measured under them (one line naming the field or flag
+    otherwise). A non-empty ``--out`` without ``compare_options.json`` is no comparison."""
     path = options.out_dir / OPTIONS_FILE
-    if not options.resume or not path.is_file():
+    if not options.resume:
+        return
+    if not path.is_file():
+        if options.out_dir.is_dir() and any(entry.name != LOCK_FILE for entry in options.out_dir.iterdir()):
+            raise ValueError(
+                f"--out {options.out_dir}: no {OPTIONS_FILE}, so it holds no csbp compare run to resume (fix: "
+                "another --out)"
+            )
         return
     started = json.loads(path.read_text(encoding="utf-8"))
-    for key, value in _recorded_options(options).items():
+    recorded = _recorded_options(cfg, options)
+    _check_same_config(started.get("config"), recorded.pop("config"), options.out_dir)
+    for key, value in recorded.items():
         if key in started and started[key] != value:
             flag = "--" + key.replace("_", "-")
             raise ValueError(
                 f"{flag} {value:g}: the comparison in {options.out_dir} was started with {flag} {started[key]:g}, "
                 f"and its layouts so far were measured under it (fix: {flag} {started[key]:g} to resume it, or "
                 "another --out)"
+            )
+
+
+def _check_same_config(started: dict[str, Any] | None, current: dict[str, Any], out_dir: Path) -> None:
+    """Every field of the run config as the comparison started (none recorded: nothing to check).
+    Unlike ``csbp train --resume``, nothing may change: a finished layout is read back as it is, so a
+    changed learning rate, attention backend or ``train.eval_batches`` would compare unlike runs."""
+    if started is None:
+        return
+    before, after = flat_config(started), flat_config(current)
+    for name in sorted(set(before) | set(after)):
+        old, new = before.get(name), after.get(name)
+        if old != new:
+            raise ValueError(
+                f"{name}: the comparison in {out_dir} was started with {name}={json.dumps(old)}, the config sets "
+                f"{json.dumps(new)}; its layouts so far were trained under the first (fix: set {name}: "
+                f"{json.dumps(old)} to resume, or compare the changed config into a new --out instead of {out_dir})"
             )
 
 
@@ -220,7 +254,7 @@ def run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]
 def _run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]:
     plan = plan_layouts(cfg, options)
     options.out_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(options.out_dir / OPTIONS_FILE, json.dumps(_recorded_options(options)) + "\n")
+    write_text_atomic(options.out_dir / OPTIONS_FILE, json.dumps(_recorded_options(cfg, options), indent=1) + "\n")
     metric, _ = metric_of(cfg, options.metric)
     if options.nproc == 1:
         return [_with_metric(result, metric) for result in _compare_worker(0, 1, plan, options)]
