@@ -80,7 +80,10 @@ def run_compare_command(args: argparse.Namespace) -> int:
         "budget_s": options.budget_s,
         "points": options.points,
         "nproc": options.nproc,
-        "clock": "sum of training-step seconds (slowest rank); evaluations and checkpoints excluded",
+        "clock": (
+            "sum of training-step seconds (slowest rank), the first step's warm-up included; process start-up, "
+            "evaluations, checkpoints and the final export excluded; one run per layout (no error bar)"
+        ),
         "layouts": results,
     }
     json_path = write_json(options.out_dir / "compare.json", payload)
