@@ -7,13 +7,14 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from csbp.parallel.launch import WorkerError, run_local
+from csbp.parallel.launch import FAILURE_GRACE_S, WorkerError, run_local
 from test_security import listening_addresses, not_loopback
 
 
@@ -67,3 +68,29 @@ def test_run_local_all_reduce_with_every_socket_on_loopback():
 def test_run_local_reports_rank_error():
     with pytest.raises(WorkerError, match="rank 1: ValueError: boom"):
         run_local(_fail_on_one, 2, timeout_s=20)
+
+
+def _fail_on_zero_while_one_waits(rank: int, world: int) -> None:
+    if rank == 0:
+        raise ValueError("early")
+    time.sleep(300)  # a rank stuck where no peer's exit reaches it (a store connect, a compute loop)
+
+
+def test_a_failed_rank_stops_the_launch_without_waiting_for_the_collective_timeout():
+    started = time.monotonic()
+    with pytest.raises(WorkerError) as caught:
+        run_local(_fail_on_zero_while_one_waits, 2, timeout_s=300)
+    elapsed = time.monotonic() - started
+    assert elapsed < FAILURE_GRACE_S + 30, elapsed  # it used to wait for the 300 s collective timeout
+    message = str(caught.value)
+    assert message.startswith("rank 0: ValueError: early"), message  # the cause first
+    assert f"rank 1: killed {FAILURE_GRACE_S:.0f} s after rank 0 failed" in message, message
+
+
+def _store_port(rank: int, world: int) -> str:
+    return os.environ["MASTER_PORT"]
+
+
+def test_ranks_join_the_port_rank_zero_bound():
+    ports = run_local(_store_port, 3)
+    assert len(set(ports)) == 1 and int(ports[0]) > 0, ports

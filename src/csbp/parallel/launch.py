@@ -9,6 +9,12 @@ returns a picklable result, and
 leaves through ``os._exit`` right after ``destroy_process_group()``: a known PyTorch bug aborts
 20-50% of gloo exits after a clean shutdown, which must not make tests or commands flaky.
 
+Rank 0 binds its key-value store to a port the system picks and hands the number to the other
+ranks through the run's temporary directory, so no other process can take the port between
+choosing and binding it. When a rank fails, the others are given ``FAILURE_GRACE_S`` seconds to
+finish and are then killed: a rank waiting in a collective for a peer that died would otherwise
+hold the launch for the whole collective timeout.
+
 Usage::
 
     results = run_local(my_fn, nproc=4, args=(cfg,))                 # gloo, list indexed by rank
@@ -20,11 +26,12 @@ from __future__ import annotations
 import multiprocessing.util
 import os
 import pickle
-import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
 from typing import Any
 
@@ -40,16 +47,34 @@ class WorkerError(RuntimeError):
     """A worker process raised; the message carries its rank and traceback."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+FAILURE_GRACE_S = 10.0
+"""Seconds the other ranks get to finish after one rank fails, before they are killed."""
+_PORT_FILE = "store-port"
+_PORT_POLL_S = 0.02
+
+
+def _join_store(rank: int, world_size: int, out_dir: Path, timeout: timedelta) -> dist.TCPStore:
+    """Rank 0: a loopback store on a port the system picks, published in ``out_dir``; other ranks:
+    a client of it, once the port is published (or ``TimeoutError`` after ``timeout``)."""
+    published = out_dir / _PORT_FILE
+    if rank == 0:
+        store = loopback_store(0, is_master=True, world_size=world_size, timeout=timeout)
+        tmp = out_dir / f"{_PORT_FILE}.tmp"
+        tmp.write_text(str(store.port))
+        os.replace(tmp, published)
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not published.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no store port within {timeout.total_seconds():.0f} s")
+        time.sleep(_PORT_POLL_S)
+    port = int(published.read_text())
+    return loopback_store(port, is_master=False, world_size=world_size, timeout=timeout)
 
 
 def _worker(
     rank: int,
     world_size: int,
-    port: int,
     fn: Callable[..., Any],
     args: tuple,
     out_dir: str,
@@ -60,7 +85,6 @@ def _worker(
     torch.set_num_threads(threads)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -72,7 +96,8 @@ def _worker(
         device = device_for_rank(device_kind, rank)
         select_device(device)  # before the process group: NCCL binds to the current GPU
         timeout = timedelta(seconds=timeout_s)
-        store = loopback_store(port, is_master=rank == 0, world_size=world_size, timeout=timeout)
+        store = _join_store(rank, world_size, Path(out_dir), timeout)
+        os.environ["MASTER_PORT"] = str(store.port)
         dist.init_process_group(
             **process_group_options(device), store=store, rank=rank, world_size=world_size, timeout=timeout
         )
@@ -130,11 +155,10 @@ def run_local(
     kind = resolve_device(device, nproc=nproc).type
     with tempfile.TemporaryDirectory(prefix="csbp-run-") as out_dir:
         ctx = mp.get_context("spawn")
-        port = free_port()
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, nproc, port, fn, args, out_dir, timeout_s, threads, kind),
+                args=(r, nproc, fn, args, out_dir, timeout_s, threads, kind),
                 daemon=False,
             )
             for r in range(nproc)
@@ -142,23 +166,30 @@ def run_local(
         try:
             for p in procs:
                 p.start()
-            for p in procs:
-                p.join(join_timeout_s if join_timeout_s is not None else timeout_s + 60)
+            _wait_for_workers(procs, join_timeout_s if join_timeout_s is not None else timeout_s + 60)
         except BaseException:  # interrupted (Ctrl-C, SIGTERM as csbp's Interrupted): leave no orphan ranks
             for p in procs:
                 if p.is_alive():
                     p.kill()
                     p.join()
             raise
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
         results: list[Any] = []
         errors: list[str] = []
+        killed: list[str] = []
         for r, p in enumerate(procs):
-            if p.is_alive():
+            was_alive = p.is_alive()
+            if was_alive:
                 p.kill()
                 p.join()
             path = Path(out_dir) / f"rank{r}.pkl"
             if not path.exists():
-                errors.append(f"rank {r}: died without a result (exit code {p.exitcode})")
+                if was_alive and failed:
+                    killed.append(f"rank {r}: killed {FAILURE_GRACE_S:.0f} s after rank {failed[0]} failed")
+                elif was_alive:
+                    errors.append(f"rank {r}: still running after the join timeout; killed")
+                else:
+                    errors.append(f"rank {r}: died without a result (exit code {p.exitcode})")
                 results.append(None)
                 continue
             with open(path, "rb") as f:
@@ -168,6 +199,23 @@ def run_local(
                 results.append(None)
             else:
                 results.append(value)
+        errors += killed  # the ranks that failed first, then those stopped because of them
         if errors:
             raise WorkerError(errors[0] if len(errors) == 1 else "\n".join(errors))
         return results
+
+
+def _wait_for_workers(procs: list[Any], join_timeout_s: float) -> None:
+    """Return when every worker has exited, ``FAILURE_GRACE_S`` after the first one failed, or at
+    ``join_timeout_s``, whichever comes first (the caller kills what is still running)."""
+    deadline = time.monotonic() + join_timeout_s
+    failed_at: float | None = None
+    while True:
+        alive = [p for p in procs if p.is_alive()]
+        now = time.monotonic()
+        if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            failed_at = now
+        stop = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_S)
+        if not alive or now >= stop:
+            return
+        wait_for_any([p.sentinel for p in alive], timeout=stop - now)
