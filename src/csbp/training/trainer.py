@@ -340,6 +340,10 @@ class _Loop:
         self.last_step = start_step
         if evaluating and start_step == 0:  # the untrained baseline, so "first -> last" means something
             initial = self._evaluate(0)
+            self.writer.log_baseline(
+                {"step": 0, "val_loss": initial.loss, **{f"val_{k}": v for k, v in initial.metrics.items()},
+                 "elapsed_s": time.perf_counter() - started}
+            )
             nelbo = initial.metrics.get("nelbo")
             self.writer.message(f"step 0: val {initial.loss:.4f}" + ("" if nelbo is None else f" nelbo {nelbo:.4f}"))
         if self.hook is not None:
