@@ -156,6 +156,7 @@ def test_run_writes_metrics_drafter_checkpoints_and_the_public_format(
     assert config["architectures"] == ["DFlashDraftModel"]
     assert (config["block_size"], config["num_hidden_layers"], config["num_target_layers"]) == (4, 2, 4)
     assert config["dflash_config"]["target_layer_ids"] == [0, 2]
+    assert config["csbp_training"] == {"objective": {"name": "dflash", "dflash": {"context": "strict"}}}
     assert config["dflash_config"]["mask_token_id"] == open_artifact(artifact).mask_token_id
     tensors = load_file(str(final / "model.safetensors"))
     assert "fc.weight" in tensors and "layers.1.mlp.down_proj.weight" in tensors
