@@ -4,7 +4,8 @@ Call it on every rank of an initialised process group whose world size is the to
 ``dp * max(cp, bp)`` (or in a plain single process for a world of one); :mod:`csbp.training.launcher`
 does that for ``csbp train``. Order of work:
 
-1. validate the config against its data and the run directory (:func:`~csbp.training.preflight.check_run`);
+1. lock the run directory on global rank 0 (:mod:`~csbp.training.train_lock`), validate the config
+   against its data and the run directory (:func:`~csbp.training.preflight.check_run`);
 2. build the parallel context, the model (FSDP-sharded when ``train.fsdp``), AdamW, the lr
    schedule, and the train loader keyed by ``dp_rank`` (every rank of one replica loads the same
    batch);
