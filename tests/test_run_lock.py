@@ -149,3 +149,86 @@ def test_a_second_comparison_is_refused_before_it_checks_or_removes_anything(
             run_compare(tiny_config(artifact), options)
         assert str(info.value) == in_use(out, os.getpid(), "--out", "comparison directory")
     assert sorted(p.name for p in out.iterdir()) == ["cp"]
+
+
+# ----------------------------------------------------------------------------- a direct train() call
+
+_HOLDING_TRAIN = """
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from csbp.training import train
+from test_training_run import tiny_config
+
+class Pause:  # stops after the first step until the test lets it go on
+    def on_start(self, loop, start_step):
+        pass
+    def after_step(self, loop, step, step_seconds):
+        if step == 1:
+            Path({started!r}).write_text("1")
+            while not Path({go!r}).exists():
+                time.sleep(0.05)
+        return False
+
+summary = train(tiny_config(Path({artifact!r}), **{{"train.eval_every": 0}}), run_dir={run_dir!r}, hook=Pause())
+print("END", summary.end_step)
+"""
+
+
+def test_a_second_library_train_in_another_process_is_refused_and_the_first_finishes(
+    artifact: Path, tmp_path: Path
+) -> None:
+    """``train()`` called by a program (not ``csbp train``) locks its run directory too: a second
+    process's ``train()`` into it is refused at once with one line naming the first's pid, and the
+    first run ends intact (before, both trained: their checkpoints and metrics.jsonl interleaved)."""
+    run_dir, started, go = tmp_path / "run", tmp_path / "started", tmp_path / "go"
+    script = _HOLDING_TRAIN.format(
+        tests=str(Path(__file__).parent), started=str(started), go=str(go), artifact=str(artifact), run_dir=str(run_dir)
+    )
+    first = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        for _ in range(1200):
+            if started.exists() or first.poll() is not None:
+                break
+            subprocess.run(["sleep", "0.1"], check=True)
+        assert started.exists(), first.communicate()[1]
+        before = sorted(p.name for p in run_dir.iterdir())
+        with pytest.raises(RunDirInUse) as info:
+            from csbp.training import train
+
+            train(tiny_config(artifact, **{"train.eval_every": 0}), run_dir=run_dir)
+        assert str(info.value) == in_use(run_dir, first.pid, flag="run_dir")
+        assert sorted(p.name for p in run_dir.iterdir()) == before  # the refused run wrote nothing
+    finally:
+        go.write_text("1")
+        out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err
+    assert "END 4" in out
+    assert not (run_dir / LOCK_FILE).exists()
+
+
+def _train_two_ranks(rank: int, world: int, artifact: str, run_dir: str) -> str:
+    from csbp.training import train
+
+    try:
+        train(tiny_config(Path(artifact), **{"topology.dp": 2, "train.micro_batch_size": 1}), run_dir=run_dir)
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "trained"
+
+
+def test_every_rank_of_a_library_train_fails_at_once_when_rank0_cannot_lock(artifact: Path, tmp_path: Path) -> None:
+    """With a process group only global rank 0 takes the lock; the others learn it was refused (they
+    used to wait in the next collective until its timeout)."""
+    from csbp.parallel.launch import run_local
+
+    run_dir = tmp_path / "run"
+    with run_dir_lock(run_dir):
+        results = run_local(_train_two_ranks, 2, (str(artifact), str(run_dir)), timeout_s=60, join_timeout_s=120)
+    assert results == [
+        f"RunDirInUse: {in_use(run_dir, os.getpid(), flag='run_dir')}",
+        f"ValueError: run_dir {run_dir}: global rank 0 could not start the run there (see its error)",
+    ]

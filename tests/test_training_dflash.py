@@ -142,7 +142,8 @@ def test_run_writes_metrics_drafter_checkpoints_and_the_public_format(
     inputs: tuple[Path, Path], full_run: Path
 ) -> None:
     artifact, target = inputs
-    records = metric_rows(full_run)
+    baseline, *records = metric_rows(full_run)
+    assert baseline["step"] == 0 and VAL_KEYS <= set(baseline) and "loss" not in baseline  # untrained drafter
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for record in records:
         assert DFLASH_KEYS <= set(record), sorted(DFLASH_KEYS - set(record))
@@ -155,6 +156,7 @@ def test_run_writes_metrics_drafter_checkpoints_and_the_public_format(
     assert config["architectures"] == ["DFlashDraftModel"]
     assert (config["block_size"], config["num_hidden_layers"], config["num_target_layers"]) == (4, 2, 4)
     assert config["dflash_config"]["target_layer_ids"] == [0, 2]
+    assert config["csbp_training"] == {"objective": {"name": "dflash", "dflash": {"context": "strict"}}}
     assert config["dflash_config"]["mask_token_id"] == open_artifact(artifact).mask_token_id
     tensors = load_file(str(final / "model.safetensors"))
     assert "fc.weight" in tensors and "layers.1.mlp.down_proj.weight" in tensors
@@ -192,7 +194,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(
 ) -> None:
     run_dir = tmp_path / "run"
     train(dflash_config(*inputs), run_dir=run_dir, max_steps=2)
-    assert [row[0] for row in trajectory(run_dir)] == [1, 2]
+    assert [row[0] for row in trajectory(run_dir)] == [0, 1, 2]
     resumed = train(dflash_config(*inputs), run_dir=run_dir, resume=True)
     assert resumed.start_step == 2
     assert trajectory(run_dir) == trajectory(full_run)  # float32, one process: bit for bit
@@ -210,8 +212,8 @@ def test_offline_features_train_like_online_capture(
     run_dir = tmp_path / "run"
     train(dflash_config(artifact, target, **{"objective.dflash.features": str(store)}), run_dir=run_dir)
     offline, online = trajectory(run_dir), trajectory(full_run)
-    assert [row[0] for row in offline] == [1, 2, 3, 4]
-    for got, want in zip(offline, online):  # same features up to float32 storage: same numbers
+    assert [row[0] for row in offline] == [0, 1, 2, 3, 4]
+    for got, want in zip(offline[1:], online[1:]):  # same features up to float32 storage: same numbers
         assert got[1:4] == pytest.approx(want[1:4], rel=1e-6)
     wrong_layers = dflash_config(artifact, target, **{"objective.dflash.features": str(store),
                                                       "objective.dflash.target_layer_ids": [1, 2]})

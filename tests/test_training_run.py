@@ -107,7 +107,7 @@ def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 def trajectory(run_dir: Path) -> list[tuple[Any, ...]]:
     """Per step: every number that must repeat bit for bit on an exact resume."""
-    return [(r["step"], r["loss"], r["lr"], r["grad_norm"], r.get("val_loss")) for r in metric_rows(run_dir)]
+    return [(r["step"], r.get("loss"), r.get("lr"), r.get("grad_norm"), r.get("val_loss")) for r in metric_rows(run_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,11 @@ def test_run_writes_metrics_plot_checkpoints_export_and_summary(
     full_run: tuple[Path, str], artifact: Path
 ) -> None:
     run_dir, printed = full_run
-    rows = metric_rows(run_dir)
+    baseline, *rows = metric_rows(run_dir)
+    # the untrained model's validation opens the file (it was only printed), so the val curve starts at 0
+    assert baseline["step"] == 0 and "loss" not in baseline and "lr" not in baseline
+    assert {"val_loss", "val_nelbo", "val_ppl_bound", "elapsed_s"} <= set(baseline)
+    assert baseline["val_loss"] > rows[-1]["val_loss"]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row in rows:
         assert REQUIRED_KEYS <= set(row), sorted(REQUIRED_KEYS - set(row))
@@ -246,9 +250,10 @@ def test_resume_inside_the_warmup_and_between_validations_is_bit_identical(artif
     train(tiny_config(artifact, **changes), run_dir=tmp_path / "half", max_steps=2)
     train(tiny_config(artifact, **changes), run_dir=tmp_path / "half", resume=True)
     full, resumed = trajectory(tmp_path / "full"), trajectory(tmp_path / "half")
-    assert [row[2] for row in full][:3] == pytest.approx([1e-3, 2e-3, 3e-3])  # warm-up lr crosses the resume
-    assert resumed[1][4] is not None and full[1][4] is None  # the stopped invocation validated at its end
-    assert resumed[:1] + [resumed[1][:4] + (None,)] + resumed[2:] == full
+    assert full[0][0] == 0 and full[0][4] is not None  # the step-0 validation, kept across the resume
+    assert [row[2] for row in full][1:4] == pytest.approx([1e-3, 2e-3, 3e-3])  # warm-up lr crosses the resume
+    assert resumed[2][4] is not None and full[2][4] is None  # the stopped invocation validated at its end
+    assert resumed[:2] + [resumed[2][:4] + (None,)] + resumed[3:] == full
     weights = "final/model.safetensors"
     assert (tmp_path / "half" / weights).read_bytes() == (tmp_path / "full" / weights).read_bytes()
 
@@ -323,7 +328,7 @@ def first_step_loss(cfg: RunConfig, run_dir: Path) -> TrainSummary:
 def test_fp64_and_bf16_first_step_agree_with_fp32(
     full_run: tuple[Path, str], artifact: Path, tmp_path: Path
 ) -> None:
-    fp32_loss = metric_rows(full_run[0])[0]["loss"]
+    fp32_loss = metric_rows(full_run[0])[1]["loss"]  # [0] is the step-0 validation
     fp64 = first_step_loss(
         tiny_config(artifact, **{"train.precision": "fp64", "model.dtype": "float64"}), tmp_path / "fp64"
     )

@@ -167,6 +167,23 @@ def test_metrics_truncation_and_plot(tmp_path: Path) -> None:
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_new_run_drops_an_earlier_runs_baseline_and_a_resume_keeps_its_own(tmp_path: Path) -> None:
+    """The step-0 validation record belongs to one trajectory: a fresh run (start 0) in an earlier run's
+    directory must not keep that run's step 0 next to its own; a resume keeps it."""
+    writer = MetricsWriter(tmp_path, enabled=True, start_step=0, total_steps=2)
+    writer.log_baseline({"step": 0, "val_loss": 9.0, "elapsed_s": 0.1})
+    for step in (1, 2):
+        writer.log({"step": step, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 10.0})
+    writer.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    MetricsWriter(tmp_path, enabled=True, start_step=1, total_steps=2).close()  # --resume from step 1
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
+    writer = MetricsWriter(tmp_path, enabled=True, start_step=0, total_steps=2)  # a new run
+    writer.log_baseline({"step": 0, "val_loss": 8.0, "elapsed_s": 0.1})
+    writer.close()
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "val_loss": 8.0, "elapsed_s": 0.1}]
+
+
 # ----------------------------------------------------------------------------- model factory, options
 
 

@@ -59,6 +59,18 @@ def _run_config(checkpoint: Path) -> dict[str, Any]:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def checkpoint_context(checkpoint: Path) -> str | None:
+    """The ``objective.dflash.context`` the checkpoint's run trained with (the schema's ``strict``
+    when its recorded config leaves it unset); None when the checkpoint records no run config."""
+    run = _run_config(checkpoint)
+    if not run:
+        return None
+    objective = run.get("objective") if isinstance(run.get("objective"), dict) else {}
+    dflash = objective.get("dflash") if isinstance(objective.get("dflash"), dict) else {}
+    context = dflash.get("context", "strict")
+    return str(context) if context is not None else "strict"
+
+
 def drafter_from_checkpoint(checkpoint: Path, target: Decoder, args: argparse.Namespace) -> DFlashDrafter:
     """A ``DFlashDrafter`` from a DCP checkpoint: shapes from its metadata, the rest from the run config."""
     from csbp.dflash.drafter import DFlashDrafter

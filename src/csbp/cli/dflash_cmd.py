@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from csbp.cli.dflash_checkpoint import drafter_from_checkpoint, run_dir_source
+from csbp.cli.dflash_checkpoint import checkpoint_context, drafter_from_checkpoint, run_dir_source
 from csbp.cli.options import add_deprecated_alias, device_option
 from csbp.models.hf_io import read_json_object
 
@@ -46,6 +46,11 @@ from csbp.dflash.evaluate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DE
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
+INCLUSIVE_NOTE = (
+    "note: drafter {drafter} was trained with objective.dflash.context: inclusive (context up to and including "
+    "the anchor); csbp dflash eval and every DFlash serving loop draft with context strictly before the anchor, "
+    "so its acceptance carries that train/serve mismatch (its config.json records it under csbp_training)"
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -220,7 +225,7 @@ def run_prepare_features(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from csbp.dflash.export import export_dflash, load_dflash
+    from csbp.dflash.export import drafter_context, export_dflash, load_dflash
 
     target = _load_target(args.target, args, device="cpu")  # only validates shapes and ids
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
@@ -232,19 +237,21 @@ def run_export(args: argparse.Namespace) -> int:
         if not (drafter_dir / "config.json").is_file():
             raise ValueError(f"{drafter_dir} is not a DFlash drafter directory: config.json not found")
         drafter = load_dflash(drafter_dir, target)
-        source = str(drafter_dir)
+        source, context = str(drafter_dir), drafter_context(drafter_dir)  # carried through
     else:
         drafter = drafter_from_checkpoint(checkpoint, target, args)
-        source = f"checkpoint {checkpoint}"
-    out = export_dflash(drafter, args.out, dtype=dtype, overwrite=args.overwrite)
+        source, context = f"checkpoint {checkpoint}", checkpoint_context(checkpoint)
+    out = export_dflash(drafter, args.out, dtype=dtype, overwrite=args.overwrite, context=context)
     reloaded = load_dflash(out, target)  # validate what was written
     cfg = reloaded.config
     count = sum(p.numel() for p in reloaded.parameters())
     print(
         f"exported {source} -> {out}: {'DFlash2' if cfg.is_dflash2 else 'DFlash'} drafter, {cfg.num_layers} "
         f"layers, block_size {cfg.block_size}, target_layer_ids {list(cfg.target_layer_ids or ())}, "
-        f"mask_token_id {cfg.mask_token_id}, {count} parameters"
+        f"mask_token_id {cfg.mask_token_id}, {count} parameters, context {context or 'not recorded'}"
     )
+    if context == "inclusive":
+        print(INCLUSIVE_NOTE.format(drafter=out), file=sys.stderr)
     return 0
 
 
@@ -275,7 +282,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.data.artifact import open_artifact
     from csbp.data.tokenizer import load_tokenizer
     from csbp.dflash.evaluate import artifact_prompts, evaluate_drafter, format_report, jsonl_prompts
-    from csbp.dflash.export import load_dflash
+    from csbp.dflash.export import drafter_context, load_dflash
 
     if args.max_new_tokens < 1 or args.num_prompts < 1 or (args.prompt_len is not None and args.prompt_len < 1):
         raise ValueError("--max-new-tokens, --num-prompts and --prompt-len must be >= 1")
@@ -288,6 +295,8 @@ def run_eval(args: argparse.Namespace) -> int:
         args.drafter, target, dtype=target.embed_tokens.weight.dtype, device=target.embed_tokens.weight.device
     )
     drafter.eval()
+    if drafter_context(args.drafter) == "inclusive":
+        print(INCLUSIVE_NOTE.format(drafter=args.drafter), file=sys.stderr)
     eos_id = args.eos_id
     if args.data is not None:
         artifact = open_artifact(args.data)

@@ -22,6 +22,15 @@ DFlash2 names: ``layers.{i}.{attention,mlp}_conv.base_kernel`` ``[2, T, H]`` and
 ``selector.pred_embed``/``cand_embed``/``hidden_proj``, which compute the same thing; exports with
 those names still load). The directory is written atomically.
 
+The context convention a drafter was trained with (``objective.dflash.context``, objectives.md
+§5.5) has no field in the public format, whose readers (z-lab's loop, SGLang, vLLM, and
+``csbp dflash eval``) all serve context strictly before the anchor: the anchor's target hidden state
+does not exist yet when its block is drafted. A csbp export records the convention in a csbp-namespaced
+top-level field, ``csbp_training: {objective: {name: dflash, dflash: {context: ...}}}`` (the run
+config's shape; :func:`drafter_context` reads it; public readers ignore it), so a drafter trained
+``inclusive`` (to reproduce early SpecForge drafters) is marked as one that those loops serve with
+a train/serve mismatch. A drafter whose origin is unknown (a released one) records nothing.
+
 Usage::
 
     export_dflash(drafter, "/out/drafter")
@@ -48,6 +57,9 @@ from csbp.models.hf_config import DTYPE_NAMES, hf_shape_fields, rope_from_hf
 from csbp.models.hf_io import EXPORT_OWNERSHIP, read_json_object, read_safetensors_file
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+TRAINING_KEY = "csbp_training"
+"""The ``config.json`` field of a csbp export recording how the drafter was trained (module docstring)."""
+CONTEXTS = ("strict", "inclusive")
 # csbp's DFlash2 parameter names -> those of the released DFlash2 checkpoints (z-lab ``DFlash2DraftModel``,
 # whose modules compute what csbp's do); older csbp exports with csbp's own names still load.
 _RELEASED_SELECTOR_NAMES = {
@@ -212,13 +224,20 @@ def export_dflash(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
     extra_files: Sequence[Path] = (),
+    context: str | None = None,
 ) -> Path:
     """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus copies
-    of ``extra_files`` (tokenizer files), all in one atomic directory write."""
+    of ``extra_files`` (tokenizer files), all in one atomic directory write. ``context``: the
+    ``objective.dflash.context`` it was trained with, recorded under ``csbp_training`` (None: not
+    known, nothing recorded)."""
     store_dtype = dtype if dtype is not None else drafter.fc.weight.dtype
     if store_dtype not in DTYPE_NAMES:
         raise ValueError(f"export dtype must be float64, float32 or bfloat16, got {store_dtype}")
+    if context is not None and context not in CONTEXTS:
+        raise ValueError(f"export_dflash: context must be one of {CONTEXTS} or None, got {context!r}")
     config = dflash_hf_config(drafter.config, dtype=store_dtype)
+    if context is not None:
+        config[TRAINING_KEY] = {"objective": {"name": "dflash", "dflash": {"context": context}}}
     tensors = {
         released_name(name): t.detach().to(device="cpu", dtype=store_dtype).contiguous().clone()
         for name, t in drafter.state_dict().items()
@@ -232,6 +251,24 @@ def export_dflash(
             shutil.copy2(file, staging / Path(file).name)
 
     return write_directory_atomically(path, fill, overwrite=overwrite, owned=EXPORT_OWNERSHIP)
+
+
+def drafter_context(path: str | os.PathLike[str]) -> str | None:
+    """The context convention drafter export ``path`` records (``strict``/``inclusive``), None when
+    it records none; a record csbp cannot read is a one-line ``ValueError`` naming the file."""
+    config_file = Path(path) / "config.json"
+    record = read_json_object(config_file).get(TRAINING_KEY)
+    if record is None:
+        return None
+    objective = record.get("objective") if isinstance(record, dict) else None
+    dflash = objective.get("dflash") if isinstance(objective, dict) else None
+    context = dflash.get("context") if isinstance(dflash, dict) else None
+    if context not in CONTEXTS:
+        raise ValueError(
+            f"{config_file}: {TRAINING_KEY}.objective.dflash.context is {context!r}, not one of {list(CONTEXTS)} "
+            f"(fix: restore the file, or remove {TRAINING_KEY} if the training convention is unknown)"
+        )
+    return str(context)
 
 
 def load_dflash(

@@ -6,6 +6,11 @@ records the same fields in its ``config.json`` under ``csbp_training`` (the run 
 ``objective``, ``topology.window``, ``data.document_mask``/``reset_positions``), so an export copied
 or moved away from its run directory samples and scores as trained. A checkpoint with neither (a
 model csbp did not train) has nothing known about its training.
+
+The export's ``generation_config.json`` describes, for other readers, how ``csbp generate`` samples
+a block-diffusion model by default (:func:`sampling_record_of`, under ``csbp_block_diffusion``): the
+trained objective, block size, mask token and window above, with the defaults of ``csbp generate``'s
+flags. It is a description, not read back: ``csbp generate`` takes the training record and its flags.
 """
 
 from __future__ import annotations
@@ -27,6 +32,19 @@ TOKEN_SHIFT_OBJECTIVES = {"bd3": False, "mdlm": False, "fast_dllm_v2": True}
 #: the ``config.json`` key of an export that records how it was trained
 EXPORT_KEY = "csbp_training"
 
+#: the ``generation_config.json`` key of an export that records how ``csbp generate`` samples it
+SAMPLING_KEY = "csbp_block_diffusion"
+
+#: ``csbp generate``'s flag defaults for what the training record does not fix (and one denoising
+#: step per position of the block)
+GENERATE_DEFAULTS: dict[str, Any] = {
+    "threshold": None,
+    "temperature": 0.0,
+    "top_k": None,
+    "top_p": 1.0,
+    "unmask_order": "confidence",
+}
+
 
 def training_record_of(cfg: RunConfig, mask_token_id: int | None) -> dict[str, Any]:
     """What ``csbp generate``/``csbp eval`` need to sample and score an export as trained, in the run
@@ -41,6 +59,24 @@ def training_record_of(cfg: RunConfig, mask_token_id: int | None) -> dict[str, A
         },
         "topology": {"window": cfg.topology.window},
         "data": {"document_mask": cfg.document_mask, "reset_positions": cfg.data.reset_positions},
+    }
+
+
+def sampling_record_of(cfg: RunConfig, mask_token_id: int | None) -> dict[str, Any] | None:
+    """How ``csbp generate`` samples an export of ``cfg`` by default (module docstring); None for an
+    objective it does not sample (``ar``, ``dflash``)."""
+    name = cfg.objective.name
+    if name not in TOKEN_SHIFT_OBJECTIVES:
+        return None
+    block_size = int(cfg.objective.block_size or cfg.data.seq_len)
+    return {
+        "objective": name,
+        "block_size": block_size,
+        "mask_token_id": mask_token_id,
+        "token_shift": TOKEN_SHIFT_OBJECTIVES[name],
+        "window": cfg.topology.window,
+        "steps_per_block": block_size,
+        **GENERATE_DEFAULTS,
     }
 
 

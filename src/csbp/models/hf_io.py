@@ -9,7 +9,8 @@ Usage::
 
     model, config = load_hf_checkpoint("/ckpt/Qwen3-0.6B", dtype=torch.bfloat16)
     export_hf_checkpoint(model, config, "/out/step_1000", tokenizer_dir="/ckpt/Qwen3-0.6B",
-                         extra_config=hf_passthrough_config("/ckpt/Qwen3-0.6B"))
+                         extra_config=hf_passthrough_config("/ckpt/Qwen3-0.6B"),
+                         generation_config=read_generation_config("/ckpt/Qwen3-0.6B"))
 
 The ``config.json`` translation (families, RoPE scaling ``linear``/``llama3``/``yarn``, what is
 rejected) lives in ``csbp.models.hf_config``; this module reads and writes the files.
@@ -51,6 +52,7 @@ __all__ = [
     "hf_config_from_decoder",
     "hf_passthrough_config",
     "load_hf_checkpoint",
+    "read_generation_config",
     "read_hf_config",
     "read_hf_weights",
     "read_json_object",
@@ -70,10 +72,11 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+GENERATION_CONFIG = "generation_config.json"
 EXPORT_OWNERSHIP = Ownership(
-    what="model export (config.json, model.safetensors, tokenizer files)",
+    what="model export (config.json, model.safetensors, generation_config.json, tokenizer files)",
     marker="config.json",
-    names=frozenset({"config.json", "model.safetensors", "generation_config.json", *TOKENIZER_FILES}),
+    names=frozenset({"config.json", "model.safetensors", GENERATION_CONFIG, *TOKENIZER_FILES}),
 )
 """What ``--overwrite`` may replace: a directory holding only files an HF or DFlash export writes."""
 
@@ -86,6 +89,13 @@ def hf_passthrough_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     should keep (special token ids, ``max_position_embeddings``); pass them as ``extra_config``."""
     hf_config = read_json_object(Path(path) / "config.json")
     return {key: hf_config[key] for key in PASSTHROUGH_FIELDS if key in hf_config}
+
+
+def read_generation_config(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``generation_config.json`` of a checkpoint directory (its sampling defaults and the token
+    ids ``generate`` stops at), None when it has none; a malformed one is a ``ValueError`` naming it."""
+    file = Path(path) / GENERATION_CONFIG
+    return read_json_object(file) if file.is_file() else None
 
 
 # ----------------------------------------------------------------------------- loading
@@ -242,10 +252,11 @@ def export_hf_checkpoint(
     dtype: torch.dtype | None = None,
     extra_config: dict[str, Any] | None = None,
     tokenizer_dir: str | os.PathLike[str] | None = None,
+    generation_config: dict[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (+ tokenizer files) loadable by
-    ``AutoModelForCausalLM.from_pretrained(path)``.
+    """Write ``config.json`` + ``model.safetensors`` (+ ``generation_config.json``, tokenizer files)
+    loadable by ``AutoModelForCausalLM.from_pretrained(path)``.
 
     The directory is assembled in a temporary sibling and moved into place with ``os.replace``, so
     ``path`` is never half-written. An existing ``path`` is replaced only with ``overwrite=True``.
@@ -255,6 +266,8 @@ def export_hf_checkpoint(
         extra_config: additional ``config.json`` fields (``eos_token_id``, ``max_position_embeddings``,
             ...); fields derived from ``config`` cannot be overridden.
         tokenizer_dir: copy the tokenizer files found there (``tokenizer.json``, ...).
+        generation_config: the ``generation_config.json`` to write (e.g. :func:`read_generation_config`
+            of the source checkpoint); None writes none.
     """
     if model.config != config:
         raise ValueError(
@@ -270,11 +283,12 @@ def export_hf_checkpoint(
         for name, t in model.state_dict().items()
     }
 
-
     def fill(staging: Path) -> None:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the other files are 0644
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        if generation_config is not None:
+            (staging / GENERATION_CONFIG).write_text(json.dumps(generation_config, indent=2, sort_keys=True) + "\n")
         for file in tokenizer_files:
             shutil.copy2(file, staging / file.name)
 

@@ -6,8 +6,9 @@ in the run's master dtype and frozen; the drafter holds it by reference, so the 
 The drafter's weights are drawn by ``DFlashDrafter(..., seed=run.seed)``.
 
 ``final/`` is the public DFlash drafter format (``export_dflash``: ``config.json`` with
-``architectures: ["DFlashDraftModel"]``, ``model.safetensors`` without the shared embedding and
-LM head) plus the tokenizer files of the target (or of the data when the target has none).
+``architectures: ["DFlashDraftModel"]`` and the run's context convention under ``csbp_training``,
+``model.safetensors`` without the shared embedding and LM head) plus the tokenizer files of the
+target (or of the data when the target has none).
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ def export_drafter(cfg: RunConfig, inputs: DFlashInputs, drafter: DFlashDrafter,
     """Write ``path`` in the public DFlash format (``model.dtype``) with the tokenizer files."""
     tokenizer_files = [inputs.tokenizer_dir / name for name in TOKENIZER_FILES]
     return export_dflash(
-        drafter, path, dtype=export_dtype(cfg), overwrite=True, extra_files=[f for f in tokenizer_files if f.is_file()]
+        drafter,
+        path,
+        dtype=export_dtype(cfg),
+        overwrite=True,
+        extra_files=[f for f in tokenizer_files if f.is_file()],
+        context=inputs.objective.context,
     )
 
 

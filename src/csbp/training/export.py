@@ -2,7 +2,12 @@
 
 :func:`export_decoder` writes what ``RUN/final`` holds (``config.json`` with the checkpoint's
 passthrough fields, the special token ids and the ``csbp_training`` record that ``csbp generate`` /
-``csbp eval`` read; ``model.safetensors`` in ``model.dtype``; the tokenizer files).
+``csbp eval`` read; ``model.safetensors`` in ``model.dtype``; ``generation_config.json``; the
+tokenizer files). ``generation_config.json`` is the ``model.init_from`` checkpoint's (its sampling
+defaults kept) with the run's ``bos``/``eos``/``pad`` ids (an ``eos_token_id`` list there that holds
+the run's EOS, a chat model's end-of-turn id with it, is kept), plus for the block-diffusion
+objectives how ``csbp generate`` samples the model (``csbp_block_diffusion``,
+:func:`csbp.generation.run_settings.sampling_record_of`).
 
 :func:`export_checkpoint` does the same for a checkpoint directory ``RUN/checkpoints/step_N`` (``csbp
 export``), so an intermediate step can be sampled, scored or shared: the run config comes from the
@@ -16,15 +21,16 @@ checkpoint. DFlash drafters have their own format: ``csbp dflash export --checkp
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from csbp.config import ConfigError, config_from_dict
 from csbp.config.loading import read_yaml_text
 from csbp.config.schema import RunConfig
-from csbp.generation.run_settings import EXPORT_KEY, training_record_of
+from csbp.generation.run_settings import EXPORT_KEY, SAMPLING_KEY, sampling_record_of, training_record_of
 from csbp.models.decoder import Decoder
-from csbp.models.hf_io import export_hf_checkpoint, hf_passthrough_config
+from csbp.models.hf_io import export_hf_checkpoint, hf_passthrough_config, read_generation_config
 from csbp.training.checkpoint import read_training_state
 from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata, safe_dcp_load
 from csbp.training.model_factory import export_dtype
@@ -46,8 +52,26 @@ def export_decoder(cfg: RunConfig, inputs: RunInputs, model: Decoder, out: Path,
         dtype=export_dtype(cfg),
         extra_config=extra,
         tokenizer_dir=inputs.tokenizer_dir,
+        generation_config=generation_config_of(cfg, inputs, extra),
         overwrite=overwrite,
     )
+
+
+def generation_config_of(cfg: RunConfig, inputs: RunInputs, hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The export's ``generation_config.json`` (module docstring); ``hf_config``: its ``config.json``
+    token-id fields."""
+    base = read_generation_config(cfg.model.init_from) if cfg.model.init_from is not None else None
+    generation = {key: value for key, value in (base or {}).items() if key != "transformers_version"}
+    eos = hf_config["eos_token_id"]
+    listed = generation.get("eos_token_id")
+    keep_list = isinstance(listed, list) and eos in listed
+    generation.update(eos_token_id=listed if keep_list else eos, pad_token_id=hf_config["pad_token_id"])
+    if hf_config.get("bos_token_id") is not None:
+        generation["bos_token_id"] = hf_config["bos_token_id"]
+    sampling = sampling_record_of(cfg, inputs.mask_token_id)
+    if sampling is not None:
+        generation[SAMPLING_KEY] = sampling
+    return generation
 
 
 def checkpoint_config(checkpoint: Path) -> RunConfig:

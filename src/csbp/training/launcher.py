@@ -149,7 +149,7 @@ def _launch(
     check_process_count(cfg, nproc, options)
     if cfg.world_size == 1:
         try:
-            return train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
+            return train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps, lock_run_dir=False)
         finally:
             remove_staging_leftovers(run_dir)
     return _launch_workers(
@@ -198,7 +198,8 @@ def train_in_process_group(
     rank = dist.get_rank()
     heartbeat = Heartbeat(rank, dist.get_world_size())
     try:
-        summary = train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
+        # the launching process (or global rank 0's worker) holds the run directory's lock
+        summary = train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps, lock_run_dir=False)
     except BaseException as exc:
         # No teardown on failure: this process ends as soon as its error is on record (atexit runs
         # after torch elastic's error file is written). Tearing the groups down first would close

@@ -11,12 +11,17 @@ train loss of the step), ``lr`` (the rate the step used), ``grad_norm`` (before 
 (bd3, mdlm, fast_dllm_v2) also log ``val_nelbo``, the unclipped NELBO per token in nats (a
 likelihood bound comparable across recipes, csbp.evaluation.nelbo), and ``val_ppl_bound`` =
 ``exp(val_nelbo)``.
+A run that validates (``train.eval_every > 0``) and starts from step 0 first writes a record
+``{"step": 0, "val_loss": ..., "elapsed_s": ...}`` (with the objective's other ``val_`` numbers)
+for the untrained model, so a validation curve drawn from the file starts where training started;
+it has no ``loss`` or ``lr`` (no step ran).
 Objectives may add metrics: dflash logs ``token_accuracy`` and ``tau_mean`` (and ``val_`` versions;
 with a DFlash2 selector also ``selector_loss`` and ``candidate_recall``), and its validation the
 served ``val_acceptance_length`` and ``val_accept_rate_<k>``. TensorBoard gets every number of
 ``_SCALARS`` (``val_accept_rate_<k>`` stay in the JSONL only).
 When a run resumes, records after the resumed step (written before a crash) are dropped, so the
-file always describes one trajectory.
+file always describes one trajectory; a new run (step 0) in an earlier run's directory starts the
+file afresh.
 
 Usage::
 
@@ -122,10 +127,11 @@ class MetricsWriter:
 
         self.run_dir.mkdir(parents=True, exist_ok=True)
         metrics_path = self.run_dir / METRICS_FILE
-        truncate_metrics(metrics_path, after_step=start_step)
+        # a new run drops an earlier run's records, its step-0 baseline included
+        truncate_metrics(metrics_path, after_step=start_step if start_step > 0 else -1)
         self._jsonl = open(metrics_path, "a", encoding="utf-8")
         self._tensorboard = SummaryWriter(
-            log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step + 1
+            log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step > 0 else 0
         )
         # disable=None: no bar when stderr is not a terminal (a batch job's log would get one
         # carriage-return update per step); the step lines every train.log_every still go out.
@@ -137,13 +143,7 @@ class MetricsWriter:
         """Append one step's record everywhere (rank 0 only)."""
         if not self.enabled:
             return
-        self.records.append(record)
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        step = int(record["step"])
-        for key, tag in _SCALARS.items():
-            if record.get(key) is not None:
-                self._tensorboard.add_scalar(tag, float(record[key]), step)
+        self._write(record)
         postfix = {
             "loss": f"{record['loss']:.4f}",
             "lr": f"{record['lr']:.2e}",
@@ -153,6 +153,20 @@ class MetricsWriter:
             postfix["val"] = f"{record['val_loss']:.4f}"
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(1)
+
+    def log_baseline(self, record: dict[str, Any]) -> None:
+        """Append the step-0 validation record (no step ran: JSONL and TensorBoard, not the bar)."""
+        if self.enabled:
+            self._write(record)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        step = int(record["step"])
+        for key, tag in _SCALARS.items():
+            if record.get(key) is not None:
+                self._tensorboard.add_scalar(tag, float(record[key]), step)
 
     def message(self, text: str) -> None:
         """A log line that does not break the progress bar (rank 0 only)."""

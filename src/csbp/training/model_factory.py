@@ -37,7 +37,7 @@ from csbp.data.artifact import Artifact
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_config import check_exportable
-from csbp.models.hf_io import decoder_config_from_hf, read_hf_config, read_hf_weights
+from csbp.models.hf_io import decoder_config_from_hf, read_generation_config, read_hf_config, read_hf_weights
 from csbp.parallel.comm import TrafficCounter
 from csbp.training.activation_checkpointing import checkpoint_layers
 
@@ -150,6 +150,7 @@ def _config_from_checkpoint(model: ModelSection) -> DecoderConfig:
             "(fix: point it at a local directory with config.json and model.safetensors)"
         )
     config = decoder_config_from_hf(json.loads(config_file.read_text(encoding="utf-8")))
+    read_generation_config(directory)  # the final export carries it: a damaged one fails now, not after training
     for name in _CHECKED_FIELDS:
         wanted = getattr(model, name)
         found = getattr(config, name)

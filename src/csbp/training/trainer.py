@@ -4,7 +4,8 @@ Call it on every rank of an initialised process group whose world size is the to
 ``dp * max(cp, bp)`` (or in a plain single process for a world of one); :mod:`csbp.training.launcher`
 does that for ``csbp train``. Order of work:
 
-1. validate the config against its data and the run directory (:func:`~csbp.training.preflight.check_run`);
+1. lock the run directory on global rank 0 (:mod:`~csbp.training.train_lock`), validate the config
+   against its data and the run directory (:func:`~csbp.training.preflight.check_run`);
 2. build the parallel context, the model (FSDP-sharded when ``train.fsdp``), AdamW, the lr
    schedule, and the train loader keyed by ``dp_rank`` (every rank of one replica loads the same
    batch);
@@ -60,8 +61,8 @@ from csbp.training.checkpoint import (
     save_checkpoint,
 )
 from csbp.training.dflash_step import DFlashStepRunner
-from csbp.training.drafter import build_drafter, dflash_eval_hint, export_drafter
-from csbp.training.export import export_decoder
+from csbp.training.drafter import build_drafter, dflash_eval_hint
+from csbp.training.finish import finish_on_rank0
 from csbp.training.input_identity import input_fingerprints
 from csbp.training.lr_schedule import build_lr_scheduler
 from csbp.training.metrics import MetricsWriter, peak_memory_bytes, step_line
@@ -69,19 +70,16 @@ from csbp.training.model_factory import build_model
 from csbp.training.optim import apply_optim_config, build_optimizer, clip_gradients
 from csbp.training.parallelize import (
     apply_fsdp,
-    full_model_state,
     gradient_shard_comm,
     gradient_sync_for,
     synchronize_gradients,
-    unwrapped_copy,
 )
 from csbp.training.preflight import RunInputs, check_run
 from csbp.training.resume_config import flat_config
-from csbp.training.sample import sample_after_training
 from csbp.training.step import EvalResult, StepRunner
 from csbp.training.summary import TrainSummary
+from csbp.training.train_lock import train_run_dir_lock
 
-FINAL_DIR = "final"
 STARTUP_TIMEOUT_S = 300.0
 """World-group limit outside the step loop (start-up, resume, the final export); see ``collective_timeout``."""
 MAX_SKIPPED_STEPS = 10
@@ -191,13 +189,23 @@ def train(
     resume: bool = False,
     max_steps: int | None = None,
     hook: StepHook | None = None,
+    lock_run_dir: bool = True,
 ) -> TrainSummary:
-    """Train ``cfg`` on this rank (see the module docstring); ``hook`` may stop the run early."""
+    """Train ``cfg`` on this rank (see the module docstring); ``hook`` may stop the run early.
+    Global rank 0 holds ``run_dir``'s lock throughout (:mod:`csbp.training.train_lock`), unless
+    ``lock_run_dir`` is False because the caller holds it (``csbp train``'s launcher does)."""
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
+    device = training_device()  # selected before any process group is created
+    with train_run_dir_lock(run_dir, resume=resume, enabled=lock_run_dir):
+        return _train(cfg, run_dir, device, resume=resume, max_steps=max_steps, hook=hook)
+
+
+def _train(
+    cfg: RunConfig, run_dir: Path, device: torch.device, *, resume: bool, max_steps: int | None, hook: StepHook | None
+) -> TrainSummary:
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
     started = time.perf_counter()
-    device = training_device()  # selected before any process group is created
     backend = check_backend_trains_on(cfg.attention.backend, device)
     check_diagonal_backend(cfg.attention.diagonal, backend, where="attention.diagonal")  # auto resolved here
     if backend == "flex":
@@ -340,6 +348,10 @@ class _Loop:
         self.last_step = start_step
         if evaluating and start_step == 0:  # the untrained baseline, so "first -> last" means something
             initial = self._evaluate(0)
+            self.writer.log_baseline(
+                {"step": 0, "val_loss": initial.loss, **{f"val_{k}": v for k, v in initial.metrics.items()},
+                 "elapsed_s": time.perf_counter() - started}
+            )
             nelbo = initial.metrics.get("nelbo")
             self.writer.message(f"step 0: val {initial.loss:.4f}" + ("" if nelbo is None else f" nelbo {nelbo:.4f}"))
         if self.hook is not None:
@@ -455,29 +467,3 @@ class _Loop:
             state=state,
             keep=self.cfg.train.keep_checkpoints,
         )
-
-
-def finish_on_rank0(
-    cfg: RunConfig, inputs: RunInputs, model: torch.nn.Module, run_dir: Path, *, is_rank0: bool
-) -> tuple[Path | None, str | None]:
-    """Export ``<run_dir>/final/`` (HF config, safetensors, tokenizer; dflash: the public drafter
-    format) and, with ``train.generate_after``, draw a sample; both on rank 0. Call on every rank
-    (FSDP gathers)."""
-    path: Path | None = None
-    sample: str | None = None
-    if inputs.dflash is not None:
-        assert isinstance(model, DFlashDrafter)
-        if is_rank0:
-            path = export_drafter(cfg, inputs.dflash, model, run_dir / FINAL_DIR)
-        if dist.is_initialized():
-            dist.barrier()
-        return path, None
-    state = full_model_state(model)
-    if is_rank0:
-        cpu_model = unwrapped_copy(state, inputs.decoder_config)
-        path = export_decoder(cfg, inputs, cpu_model, run_dir / FINAL_DIR, overwrite=True)
-        if cfg.train.generate_after:
-            sample = sample_after_training(cfg, inputs, cpu_model)
-    if dist.is_initialized():
-        dist.barrier()
-    return path, sample
