@@ -32,6 +32,7 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.export import export_dflash
 from csbp.dflash.features import capture_target_features, open_features
 from csbp.dflash.speculative import GreedyResult
+from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import export_hf_checkpoint
@@ -237,7 +238,8 @@ def test_prepare_features_matches_online_capture(
     artifact = open_artifact(workspace["artifact"])
     split = artifact.split("val")
     target_config = _target_config(artifact.vocab_size)
-    store = open_features(out, target_config=target_config, split=split, layer_ids=(0, 2))
+    weights = checkpoint_fingerprint(workspace["target"])
+    store = open_features(out, target_config=target_config, target_weights=weights, split=split, layer_ids=(0, 2))
     target = Decoder(target_config, seed=1)
     ids = torch.from_numpy(split.tokens[:1].astype("int64"))
     docs = torch.from_numpy(split.doc_ids[:1].astype("int64"))

@@ -8,6 +8,10 @@ Examples::
     csbp dflash eval --target ckpt/Qwen3-0.6B --drafter drafter/ --data art/ --num-prompts 8 --prompt-len 64
     csbp dflash eval --target ckpt/Qwen3-0.6B --drafter drafter/ --prompts prompts.jsonl --max-new-tokens 128
 
+``prepare-features`` records the fingerprints of the target's config and weight files in the store
+(``csbp train`` refuses a store of other weights) and commits its progress at least once a minute:
+run the same command again after an interruption and it resumes (``csbp.dflash.feature_writer``).
+
 ``export`` reads one of: ``--drafter DIR`` (a drafter in the public format, re-exported after
 validation against the target), ``--run-dir RUN`` (``RUN/final`` when it holds a drafter, else the
 checkpoint ``RUN/checkpoints/latest`` names) or ``--checkpoint RUN/checkpoints/step_N`` (a
@@ -172,7 +176,8 @@ def run_prepare_features(args: argparse.Namespace) -> int:
     from csbp.data.artifact import open_artifact
     from csbp.dflash.config import default_target_layer_ids, validate_drafter_target
     from csbp.dflash.export import dflash_config_from_hf
-    from csbp.dflash.features import prepare_features
+    from csbp.dflash.feature_writer import prepare_features
+    from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 
     if args.layer_ids is not None and args.drafter is not None:
         raise ValueError("give --layer-ids or --drafter, not both")
@@ -206,6 +211,7 @@ def run_prepare_features(args: argparse.Namespace) -> int:
         split,
         args.out,
         layer_ids=layer_ids or (),
+        target_weights=checkpoint_fingerprint(args.target),
         with_last_hidden=args.with_last_hidden,
         dtype=args.feature_dtype,
         rows_per_batch=args.rows_per_batch,
