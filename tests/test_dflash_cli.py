@@ -449,3 +449,29 @@ def test_eval_and_prepare_features_refuse_data_of_another_tokenizer(
         assert len(err) == 1 and err[0].startswith("csbp: error: --data: the tokenizer of"), err
         assert "csbp data prepare --tokenizer" in err[0]
     assert not (tmp_path / "f").exists()
+
+
+def test_prepare_features_refuses_bad_arguments_before_loading_the_target(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Loading a large target takes minutes: an --out that exists, a bad --rows-per-batch or --layer-ids
+    # were refused only after it (the layer ids and batch size after the weights were in memory).
+    import csbp.models.hf_io as hf_io
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded")
+
+    monkeypatch.setattr(hf_io, "load_hf_checkpoint", no_loading)
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    base = ["dflash", "prepare-features", "--target", str(workspace["target"]), "--data", str(workspace["artifact"])]
+    cases = [
+        (["--out", str(existing)], f"--out {existing}: already exists"),
+        (["--out", str(tmp_path / "f"), "--rows-per-batch", "0"], "--rows-per-batch 0: must be >= 1"),
+        (["--out", str(tmp_path / "f"), "--layer-ids", "0", "9"], "--layer-ids [9] are outside the target's layers"),
+    ]
+    for extra, message in cases:
+        assert run_cli([*base, *extra]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("csbp: error: ") and message in line, line
+    assert not (tmp_path / "f").exists()

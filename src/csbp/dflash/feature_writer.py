@@ -123,11 +123,7 @@ def prepare_features(
         dtype=dtype,
     )
     shown = Path(out_dir)
-    if os.path.lexists(shown) and not overwrite:
-        raise OutputExistsError(
-            f"--out {shown}: already exists (fix: choose another path, or pass --overwrite / overwrite=True)"
-        )
-    absolute = check_replaceable(shown, FEATURE_OWNERSHIP)
+    absolute = check_output(shown, overwrite=overwrite)
     absolute.parent.mkdir(parents=True, exist_ok=True)
 
     def resume(staging: Path) -> int | None:
@@ -138,6 +134,16 @@ def prepare_features(
         _capture(target, split, staging, manifest, rows_per_batch, progress, commit_seconds)
         publish_directory(staging, absolute, overwrite=overwrite, owned=FEATURE_OWNERSHIP, shown=shown)
     return shown
+
+
+def check_output(out_dir: Path, *, overwrite: bool) -> Path:
+    """The absolute path of ``out_dir`` after checking that a store may be written there (nothing
+    there, or with ``overwrite`` a feature store csbp wrote); ``ValueError`` otherwise."""
+    if os.path.lexists(out_dir) and not overwrite:
+        raise OutputExistsError(
+            f"--out {out_dir}: already exists (fix: choose another path, or pass --overwrite / overwrite=True)"
+        )
+    return check_replaceable(out_dir, FEATURE_OWNERSHIP)
 
 
 def committed_rows(staging: Path, manifest: dict[str, Any]) -> int | None:
