@@ -5,6 +5,7 @@ uninterrupted capture; a rerun with other settings is refused in one line."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -183,3 +184,24 @@ def test_a_killed_capture_resumes_byte_identical(tmp_path: Path, capsys: pytest.
     assert re.search(r"resuming the interrupted capture in .* at row [23] of 5", capsys.readouterr().err)
     assert _files(out) == _files(_capture(tmp_path / "whole"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f", "whole"]
+
+
+def test_a_full_filesystem_is_one_line_before_any_row_is_captured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The arrays are memory-mapped: a write to a page a full filesystem cannot back killed the capture
+    # with SIGBUS (exit 135, no message), possibly hours in. Their blocks are now reserved up front.
+    calls = []
+
+    def full(fd: int, offset: int, length: int) -> None:
+        calls.append(length)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full, raising=False)
+    monkeypatch.setattr(writer, "capture_target_features", None)  # never reached
+    with pytest.raises(ValueError) as caught:
+        _capture(tmp_path / "f")
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1 and calls
+    assert message.startswith("--out: features.npy needs ") and "free (fix: free some space" in message
+    assert list(tmp_path.iterdir()) == []

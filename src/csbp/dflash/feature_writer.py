@@ -21,8 +21,10 @@ Shape legend: ``R`` rows of the split, ``L`` sequence length, ``H`` hidden size,
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -200,7 +202,41 @@ def _open_arrays(staging: Path, manifest: dict[str, Any], resumed: bool) -> list
                 f"{path}: the interrupted capture's array is damaged ({found}) (fix: delete {staging} to start over)"
             )
         arrays.append(array)
+    for array in arrays:
+        _reserve(Path(array.filename), staging)
     return arrays
+
+
+def _reserve(path: Path, staging: Path) -> None:
+    """Allocate every block of ``path`` now (``posix_fallocate``). The arrays are sparse memory maps:
+    a write to a page the full filesystem cannot back kills the process with ``SIGBUS`` and no message,
+    possibly hours in; reserved up front, a full disk is one line before any row is captured. Where
+    the call does not exist (not POSIX), the free space is compared instead."""
+    stat = path.stat()
+    missing = stat.st_size - getattr(stat, "st_blocks", 0) * 512  # a resumed array is partly allocated
+    free = shutil.disk_usage(staging).free
+    message = (
+        f"--out: {path.name} needs {_size(missing)} more and the filesystem of {staging.parent} has {_size(free)} "
+        "free (fix: free some space, or choose an --out on a larger filesystem)"
+    )
+    fallocate = getattr(os, "posix_fallocate", None)
+    if fallocate is None:
+        if missing > free:
+            raise ValueError(message)
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        fallocate(fd, 0, stat.st_size)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise ValueError(message) from None
+    finally:
+        os.close(fd)
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
 def _commit(staging: Path, arrays: list[np.memmap], manifest: dict[str, Any], rows_done: int) -> None:
