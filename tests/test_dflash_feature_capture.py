@@ -134,11 +134,13 @@ def test_a_rerun_with_other_settings_is_refused_in_one_line(
         _capture(out, commit_seconds=0)
     monkeypatch.undo()
     (staging,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    for change, field in (({"layer_ids": (1, 2)}, "layer_ids"), ({"target_weights": "v"}, "target_weights")):
+    changes = (({"layer_ids": (1, 2)}, "layer_ids (--layer-ids)"), ({"target_weights": "v"}, "target_weights"),
+               ({"dtype": "float16"}, "dtype (--feature-dtype) 'float32' there, 'float16' now"))
+    for change, field in changes:
         with pytest.raises(ValueError) as caught:
             _capture(out, **change)
         message = str(caught.value)
-        assert len(message.splitlines()) == 1 and f"({field} " in message
+        assert len(message.splitlines()) == 1 and f"({field}" in message
         assert f"or delete {staging} to start over" in message and (staging / PROGRESS_FILE).is_file()
     shutil.rmtree(staging)
     assert _files(_capture(out, layer_ids=(1, 2))).keys() == {"features.npy", "last_hidden.npy", "manifest.json"}

@@ -52,6 +52,18 @@ from csbp.staging import staging_directory
 
 PROGRESS_FILE = "progress.json"
 PROGRESS_FORMAT = "csbp-dflash-features-progress"
+_FLAGS = {
+    "dtype": "--feature-dtype",
+    "target_dtype": "--model-dtype",
+    "device": "--device",
+    "layer_ids": "--layer-ids",
+    "with_last_hidden": "--with-last-hidden",
+    "split": "--split",
+    "target_weights": "--target",
+    "target_config_hash": "--target",
+    "token_hash": "--data",
+}
+"""The ``prepare-features`` flag behind a manifest field, named when a resume is refused."""
 COMMIT_SECONDS = 60.0
 """Default time between two commits of a capture: at most this much work is lost to a kill."""
 
@@ -164,8 +176,9 @@ def committed_rows(staging: Path, manifest: dict[str, Any]) -> int | None:
     if old != manifest:
         old = old if isinstance(old, dict) else {}
         key = next(k for k in sorted({*old, *manifest}) if old.get(k) != manifest.get(k))
+        flag = f" ({_FLAGS[key]})" if key in _FLAGS else ""
         raise ValueError(
-            f"{staging} holds an interrupted capture of this store with other settings ({key} {old.get(key)!r} "
+            f"{staging} holds an interrupted capture of this store with other settings ({key}{flag} {old.get(key)!r} "
             f"there, {manifest.get(key)!r} now) (fix: rerun with the settings it was started with to resume it, "
             f"or delete {staging} to start over)"
         )
