@@ -32,6 +32,7 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.export import export_dflash
 from csbp.dflash.features import capture_target_features, open_features
 from csbp.dflash.speculative import GreedyResult
+from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import export_hf_checkpoint
@@ -237,7 +238,8 @@ def test_prepare_features_matches_online_capture(
     artifact = open_artifact(workspace["artifact"])
     split = artifact.split("val")
     target_config = _target_config(artifact.vocab_size)
-    store = open_features(out, target_config=target_config, split=split, layer_ids=(0, 2))
+    weights = checkpoint_fingerprint(workspace["target"])
+    store = open_features(out, target_config=target_config, target_weights=weights, split=split, layer_ids=(0, 2))
     target = Decoder(target_config, seed=1)
     ids = torch.from_numpy(split.tokens[:1].astype("int64"))
     docs = torch.from_numpy(split.doc_ids[:1].astype("int64"))
@@ -446,4 +448,30 @@ def test_eval_and_prepare_features_refuse_data_of_another_tokenizer(
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("csbp: error: --data: the tokenizer of"), err
         assert "csbp data prepare --tokenizer" in err[0]
+    assert not (tmp_path / "f").exists()
+
+
+def test_prepare_features_refuses_bad_arguments_before_loading_the_target(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Loading a large target takes minutes: an --out that exists, a bad --rows-per-batch or --layer-ids
+    # were refused only after it (the layer ids and batch size after the weights were in memory).
+    import csbp.models.hf_io as hf_io
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded")
+
+    monkeypatch.setattr(hf_io, "load_hf_checkpoint", no_loading)
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    base = ["dflash", "prepare-features", "--target", str(workspace["target"]), "--data", str(workspace["artifact"])]
+    cases = [
+        (["--out", str(existing)], f"--out {existing}: already exists"),
+        (["--out", str(tmp_path / "f"), "--rows-per-batch", "0"], "--rows-per-batch 0: must be >= 1"),
+        (["--out", str(tmp_path / "f"), "--layer-ids", "0", "9"], "--layer-ids [9] are outside the target's layers"),
+    ]
+    for extra, message in cases:
+        assert run_cli([*base, *extra]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith("csbp: error: ") and message in line, line
     assert not (tmp_path / "f").exists()

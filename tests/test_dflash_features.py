@@ -14,8 +14,10 @@ import torch
 
 from csbp.data.artifact import ArtifactSplit
 from csbp.dflash.config import DFlashObjectiveConfig
-from csbp.dflash.features import capture_target_features, open_features, prepare_features
+from csbp.dflash.feature_writer import prepare_features
+from csbp.dflash.features import capture_target_features, open_features
 from csbp.dflash.step import DFlashStep, build_dflash_rank_plan
+from csbp.dflash.target_fingerprint import module_fingerprint
 from csbp.dflash.verify import TARGET_CONFIG, DFlashVerifyCase, build_models, make_batch
 from csbp.engine.context import single_process_context
 from csbp.models.attention_fns import CausalAttention
@@ -74,11 +76,17 @@ def test_store_round_trip_and_manifest(tmp_path: Path, dtype: str) -> None:
         with_last_hidden=True,
         dtype=dtype,
         rows_per_batch=2,
+        target_weights=module_fingerprint(target),
     )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["layer_ids"] == [0, 2] and manifest["width"] == 64 and manifest["dtype"] == dtype
     store = open_features(
-        out, target_config=TARGET_CONFIG, split=split, layer_ids=(0, 2), need_last_hidden=True
+        out,
+        target_config=TARGET_CONFIG,
+        target_weights=module_fingerprint(target),
+        split=split,
+        layer_ids=(0, 2),
+        need_last_hidden=True,
     )
     rows = store.rows([2, 0], dtype=torch.float64)
     online = capture_target_features(
@@ -92,37 +100,45 @@ def test_store_round_trip_and_manifest(tmp_path: Path, dtype: str) -> None:
     torch.testing.assert_close(rows.features, online.features, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(rows.last_hidden, online.last_hidden, rtol=tolerance, atol=tolerance)
     with pytest.raises(ValueError, match="already exists"):
-        prepare_features(target, split, out, layer_ids=(0, 2))
+        prepare_features(target, split, out, layer_ids=(0, 2), target_weights="w")
 
 
 def test_store_validation_errors(tmp_path: Path) -> None:
     target, _ = build_models(DFlashVerifyCase())
     split = _split()
-    out = prepare_features(target, split, tmp_path / "f", layer_ids=(0, 2), dtype="float32")
+    weights = module_fingerprint(target)
+    out = prepare_features(target, split, tmp_path / "f", layer_ids=(0, 2), dtype="float32", target_weights=weights)
     other_target = DecoderConfig(**{**TARGET_CONFIG.__dict__, "rope_theta": 5e5})
+    with torch.no_grad():
+        target.layers[1].mlp.down_proj.weight[0, 0] += 1e-3  # a fine-tune: same config, other weights
+    tuned = module_fingerprint(target)
     shifted = _split()
     shifted.tokens[0, 3] += 1
     checks = [
         ({"target_config": other_target}, "target_config_hash"),
+        ({"target_weights": tuned}, f"target_weights='{weights}' but expected '{tuned}': .*other weights"),
         ({"split": shifted}, "token_hash"),
         ({"layer_ids": (0, 1)}, "layer_ids"),
         ({"split": _split(name="val")}, "split"),
         ({"need_last_hidden": True}, "prepare-features --with-last-hidden"),  # the flag a CLI user types
     ]
     for change, match in checks:
-        options = {"target_config": TARGET_CONFIG, "split": split, "layer_ids": (0, 2), **change}
-        with pytest.raises(ValueError, match=match):
+        options = {"target_config": TARGET_CONFIG, "target_weights": weights, "split": split, "layer_ids": (0, 2),
+                   **change}
+        with pytest.raises(ValueError, match=match) as caught:
             open_features(out, **options)
+        assert len(str(caught.value).splitlines()) == 1
     with pytest.raises(ValueError, match="manifest.json"):
-        open_features(tmp_path, target_config=TARGET_CONFIG, split=split, layer_ids=(0, 2))
+        open_features(tmp_path, target_config=TARGET_CONFIG, target_weights=weights, split=split, layer_ids=(0, 2))
 
 
 def test_step_on_stored_features_equals_online(tmp_path: Path) -> None:
     case = DFlashVerifyCase()
     target, drafter = build_models(case, dtype=torch.float32)
     split = _split(rows=2, seq_len=32)
-    out = prepare_features(target, split, tmp_path / "f", layer_ids=(0, 2), dtype="float32")
-    store = open_features(out, target_config=TARGET_CONFIG, split=split, layer_ids=(0, 2))
+    weights = module_fingerprint(target)
+    out = prepare_features(target, split, tmp_path / "f", layer_ids=(0, 2), dtype="float32", target_weights=weights)
+    store = open_features(out, target_config=TARGET_CONFIG, target_weights=weights, split=split, layer_ids=(0, 2))
     objective = DFlashObjectiveConfig(max_anchors=6, gamma=7.0)
     step = DFlashStep(drafter, objective, build_dflash_rank_plan(single_process_context(), objective))
     batch = make_batch(2, 32)
@@ -134,7 +150,7 @@ def test_step_on_stored_features_equals_online(tmp_path: Path) -> None:
 def test_capture_reports_its_progress_in_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A capture of a real corpus takes hours: `csbp dflash prepare-features` shows a bar of the rows
     # done (on a terminal); the library call is quiet unless asked.
-    import csbp.dflash.features as features_module
+    import csbp.dflash.feature_writer as features_module
 
     bars: list[dict] = []
 
@@ -151,8 +167,9 @@ def test_capture_reports_its_progress_in_rows(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(features_module, "tqdm", Recorder)
     target, _ = build_models(DFlashVerifyCase())
-    prepare_features(target, _split(rows=5), tmp_path / "f", layer_ids=(0, 2), rows_per_batch=2, progress=True)
-    prepare_features(target, _split(rows=5), tmp_path / "g", layer_ids=(0, 2))
+    prepare_features(target, _split(rows=5), tmp_path / "f", layer_ids=(0, 2), rows_per_batch=2, progress=True,
+                     target_weights="w")
+    prepare_features(target, _split(rows=5), tmp_path / "g", layer_ids=(0, 2), target_weights="w")
     (shown, quiet) = bars
     assert shown["done"] == 5 and shown["kwargs"]["total"] == 5 and shown["kwargs"]["disable"] is None
     assert shown["kwargs"]["closed"] and quiet["kwargs"]["disable"] is True

@@ -204,13 +204,15 @@ def test_forged_feature_stores_are_one_line_and_never_unpickled(tmp_path: Path) 
     def refused(manifest: str, match: str) -> None:
         (store / "manifest.json").write_text(manifest)
         with pytest.raises(ValueError, match=match) as caught:
-            open_features(store, target_config=config, split=split, layer_ids=[0], need_last_hidden=True)
+            open_features(store, target_config=config, target_weights="w", split=split, layer_ids=[0],
+                          need_last_hidden=True)
         assert len(str(caught.value).splitlines()) == 1
 
     for manifest in ("[1, 2]", json.dumps({"format": "csbp-dflash-features", "dtype": "object"}), "{oops"):
         refused(manifest, "manifest")
     valid = {
-        "format": "csbp-dflash-features", "format_version": 1, "dtype": "float32", "split": "train",
+        "format": "csbp-dflash-features", "format_version": 2, "dtype": "float32", "split": "train",
+        "target_weights": "w",
         "target_config_hash": target_config_hash(config), "token_hash": token_hash(split.tokens, split.doc_ids),
         "layer_ids": [0], "width": 8, "rows": split.num_rows, "seq_len": split.seq_len, "with_last_hidden": True,
     }

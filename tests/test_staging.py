@@ -93,3 +93,53 @@ def test_a_finished_or_failed_write_leaves_only_its_output(tmp_path) -> None:
     owned = Ownership(what="test output", marker="config.json", names=frozenset({"config.json"}))
     write_directory_atomically(target, _fill, overwrite=True, owned=owned)  # the old one swapped out, removed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def _dead_staging(target: Path, progress: str | None) -> Path:
+    """A staging directory of ``target`` whose writer died (free lock), holding ``progress``."""
+    staging = target.parent / f".{target.name}.tmp-{(progress or 'none').replace(' ', '-')}"
+    staging.mkdir()
+    Path(f"{staging}{LOCK_SUFFIX}").write_text("")
+    if progress is not None:
+        (staging / "progress").write_text(progress)
+    return staging
+
+
+def _resume(staging: Path) -> int | None:
+    """What a resumable writer answers: its committed count, refusing another write's progress."""
+    path = staging / "progress"
+    if not path.is_file():
+        return None
+    if not path.read_text().isdigit():
+        raise ValueError(f"{staging} holds another write's progress")
+    return int(path.read_text())
+
+
+def test_a_resumable_write_adopts_the_dead_staging_with_most_progress(tmp_path, capsys) -> None:
+    target = tmp_path / "feats"
+    empty, less, more = (_dead_staging(target, p) for p in (None, "3", "7"))
+    with staging_directory(target, resume=_resume) as staging:
+        assert staging == more and Path(f"{more}{LOCK_SUFFIX}").is_file()
+        assert remove_abandoned_staging(target) == []  # held: a concurrent write leaves it alone
+    assert not empty.exists() and not less.exists() and not more.exists()
+    assert "removed 2 staging directories" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_resumable_write_keeps_its_progress_and_other_progress_is_not_discarded(tmp_path, capsys) -> None:
+    target = tmp_path / "feats"
+    with pytest.raises(KeyboardInterrupt), staging_directory(target, resume=_resume) as staging:
+        (staging / "progress").write_text("2")
+        raise KeyboardInterrupt
+    assert (staging / "progress").is_file() and Path(f"{staging}{LOCK_SUFFIX}").is_file()
+    assert "kept the interrupted write" in capsys.readouterr().err
+    with staging_directory(target, resume=_resume) as again:  # the next write continues it
+        assert again == staging
+    assert not staging.exists()
+    other = _dead_staging(target, "other settings")
+    with pytest.raises(ValueError, match="another write's progress"), staging_directory(target, resume=_resume):
+        pass
+    assert (other / "progress").is_file()  # refused before anything was removed
+    with staging_directory(target) as plain:  # a write that cannot resume removes it, as before
+        assert plain != other
+    assert not other.exists()

@@ -26,7 +26,8 @@ from csbp.config import ConfigError, config_from_dict
 from csbp.config.schema import RunConfig
 from csbp.data import PackedLoader, open_artifact
 from csbp.dflash.export import load_dflash
-from csbp.dflash.features import prepare_features
+from csbp.dflash.feature_writer import prepare_features
+from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import export_hf_checkpoint, load_hf_checkpoint
@@ -208,7 +209,8 @@ def test_offline_features_train_like_online_capture(
     artifact, target = inputs
     target_model, _ = load_hf_checkpoint(target)
     split = open_artifact(artifact).split("train")
-    store = prepare_features(target_model, split, tmp_path / "features", layer_ids=(0, 2), dtype="float32")
+    store = prepare_features(target_model, split, tmp_path / "features", layer_ids=(0, 2), dtype="float32",
+                             target_weights=checkpoint_fingerprint(target))
     run_dir = tmp_path / "run"
     train(dflash_config(artifact, target, **{"objective.dflash.features": str(store)}), run_dir=run_dir)
     offline, online = trajectory(run_dir), trajectory(full_run)
@@ -219,6 +221,26 @@ def test_offline_features_train_like_online_capture(
                                                       "objective.dflash.target_layer_ids": [1, 2]})
     message = one_line_error(lambda: check_run(wrong_layers))
     assert message.startswith("objective.dflash.features: ") and "layer_ids=[0, 2] but expected [1, 2]" in message
+
+
+def test_features_of_other_target_weights_are_refused(inputs: tuple[Path, Path], tmp_path: Path) -> None:
+    # A fine-tune of the target has its config.json (same shapes, same config hash) and other hidden
+    # states: a store captured from the base checkpoint must not train a drafter for the fine-tune.
+    artifact, target = inputs
+    split = open_artifact(artifact).split("train")
+    tuned = tmp_path / "tuned"
+    shutil.copytree(target, tuned)
+    model, config = load_hf_checkpoint(target)
+    with torch.no_grad():
+        model.layers[0].mlp.up_proj.weight.mul_(1.01)
+    export_hf_checkpoint(model, config, tuned, tokenizer_dir=artifact, overwrite=True)
+    store = prepare_features(load_hf_checkpoint(target)[0], split, tmp_path / "features", layer_ids=(0, 2),
+                             dtype="float32", target_weights=checkpoint_fingerprint(target))
+    check_run(dflash_config(artifact, target, **{"objective.dflash.features": str(store)}))  # its own target: fine
+    message = one_line_error(lambda: check_run(
+        dflash_config(artifact, tuned, **{"objective.dflash.features": str(store)})))
+    assert message.startswith("objective.dflash.features: ") and "target_weights='safetensors-sha256:" in message
+    assert f"but expected '{checkpoint_fingerprint(tuned)}'" in message and "prepare-features" in message
 
 
 # ----------------------------------------------------------------------------- 4 processes

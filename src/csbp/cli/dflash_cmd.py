@@ -8,6 +8,10 @@ Examples::
     csbp dflash eval --target ckpt/Qwen3-0.6B --drafter drafter/ --data art/ --num-prompts 8 --prompt-len 64
     csbp dflash eval --target ckpt/Qwen3-0.6B --drafter drafter/ --prompts prompts.jsonl --max-new-tokens 128
 
+``prepare-features`` records the fingerprints of the target's config and weight files in the store
+(``csbp train`` refuses a store of other weights) and commits its progress at least once a minute:
+run the same command again after an interruption and it resumes (``csbp.dflash.feature_writer``).
+
 ``export`` reads one of: ``--drafter DIR`` (a drafter in the public format, re-exported after
 validation against the target), ``--run-dir RUN`` (``RUN/final`` when it holds a drafter, else the
 checkpoint ``RUN/checkpoints/latest`` names) or ``--checkpoint RUN/checkpoints/step_N`` (a
@@ -177,18 +181,26 @@ def run_prepare_features(args: argparse.Namespace) -> int:
     from csbp.data.artifact import open_artifact
     from csbp.dflash.config import default_target_layer_ids, validate_drafter_target
     from csbp.dflash.export import dflash_config_from_hf
-    from csbp.dflash.features import prepare_features
+    from csbp.dflash.feature_writer import check_output, prepare_features
+    from csbp.dflash.target_fingerprint import checkpoint_fingerprint
+    from csbp.models.hf_io import read_hf_config
 
+    # Every check reads configs only: a large target's weights are loaded (minutes) once they all pass.
     if args.layer_ids is not None and args.drafter is not None:
         raise ValueError("give --layer-ids or --drafter, not both")
+    if args.rows_per_batch < 1:
+        raise ValueError(f"--rows-per-batch {args.rows_per_batch}: must be >= 1")
+    check_output(args.out, overwrite=args.overwrite)
     artifact = open_artifact(args.data)
     _require_target_tokenizer(args.target, artifact)
-    target = _load_target(args.target, args)
-    artifact.require_vocab_size(target.config.vocab_size)
+    if not args.target.is_dir():
+        raise ValueError(f"--target {args.target} is not a directory; pass a HF checkpoint directory")
+    target_config = read_hf_config(args.target)
+    artifact.require_vocab_size(target_config.vocab_size)
     if args.drafter is not None:
         drafter_config = dflash_config_from_hf(read_json_object(args.drafter / "config.json"))
         try:  # features for a drafter of another target (shape or RoPE) would train it on the wrong states
-            validate_drafter_target(drafter_config, target.config)
+            validate_drafter_target(drafter_config, target_config)
         except ValueError as exc:
             raise ValueError(
                 f"--drafter {args.drafter}: {exc} (fix: pass the --target it was trained against, or --layer-ids)"
@@ -197,10 +209,11 @@ def run_prepare_features(args: argparse.Namespace) -> int:
     elif args.layer_ids is not None:
         layer_ids = tuple(args.layer_ids)
     else:
-        layer_ids = default_target_layer_ids(target.config.num_layers, args.num_draft_layers)
-    bad = [i for i in layer_ids or () if not 0 <= i < target.config.num_layers]
+        layer_ids = default_target_layer_ids(target_config.num_layers, args.num_draft_layers)
+    bad = [i for i in layer_ids or () if not 0 <= i < target_config.num_layers]
     if bad:
-        raise ValueError(f"--layer-ids {bad} are outside the target's layers [0, {target.config.num_layers})")
+        raise ValueError(f"--layer-ids {bad} are outside the target's layers [0, {target_config.num_layers})")
+    target = _load_target(args.target, args)
     split = artifact.split(args.split)
     print(
         f"capturing layers {list(layer_ids or ())} of {args.target} for {split.num_rows} {args.split} rows",
@@ -211,6 +224,7 @@ def run_prepare_features(args: argparse.Namespace) -> int:
         split,
         args.out,
         layer_ids=layer_ids or (),
+        target_weights=checkpoint_fingerprint(args.target),
         with_last_hidden=args.with_last_hidden,
         dtype=args.feature_dtype,
         rows_per_batch=args.rows_per_batch,

@@ -7,6 +7,8 @@ Module map:
 * ``drafter``: ``DFlashDrafter`` (fc, hidden_norm, layers, norm; target embedding/head by reference).
 * ``dflash2``: dynamic block convolution, candidate selector, D-PACE weights, selector warm-up.
 * ``features``: online target-feature capture and the offline memory-mapped store.
+* ``feature_writer``: ``prepare_features``, the resumable capture of a store.
+* ``target_fingerprint``: fingerprints of the target's weights a store is checked against.
 * ``anchors``: valid anchors, uniform and locality sampling.
 * ``layouts`` / ``attention``: who holds which anchors and context rows; draft attention transports.
 * ``exchange``: with packed documents, the context exchange plan (only the rows an anchor may see).
@@ -25,12 +27,12 @@ from csbp.dflash.config import (
 )
 from csbp.dflash.drafter import DFlashDrafter, DraftContextCache
 from csbp.dflash.export import export_dflash, load_dflash
+from csbp.dflash.feature_writer import prepare_features
 from csbp.dflash.features import (
     FeatureStore,
     TargetFeatures,
     capture_target_features,
     open_features,
-    prepare_features,
 )
 from csbp.dflash.layouts import DFlashLayout, dflash_layout
 from csbp.dflash.reference import reference_dflash_loss

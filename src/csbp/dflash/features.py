@@ -18,11 +18,13 @@ its own zigzag context rows only and all-gathers the ring's K/V per layer (forwa
 compute and activations are ``1/cp`` of the replicated pass; its features carry ``positions`` (the
 rank's rows) and equal the replicated rows up to summation order (1e-12 in float64).
 
-**Offline** (``prepare_features`` / ``open_features``): ``features.npy`` ``[R, L, K·H]`` (and
-``last_hidden.npy`` ``[R, L, H]``) as ``.npy`` files read with ``mmap_mode='r'``, plus
-``manifest.json`` recording the target config hash, the token hash (tokens and document ids of the
-split), layer ids, width and dtype. Loading validates all of them and fails with a one-line
-``ValueError`` on any mismatch. ``bfloat16`` is stored as its raw 16-bit pattern (``uint16``).
+**Offline** (``csbp.dflash.feature_writer.prepare_features``, resumable; ``open_features``):
+``features.npy`` ``[R, L, K·H]`` (and ``last_hidden.npy`` ``[R, L, H]``) as ``.npy`` files read with
+``mmap_mode='r'``, plus ``manifest.json`` recording the target config hash, the fingerprint of the
+target's weights (``csbp.dflash.target_fingerprint``), the token hash (tokens and document ids of
+the split), layer ids, width and dtype (and, for the record, the target's dtype and the capture's
+device type). Loading validates all of them and fails with a one-line ``ValueError`` on any
+mismatch. ``bfloat16`` is stored as its raw 16-bit pattern (``uint16``).
 
 Shape legend: ``S`` samples, ``L`` sequence length, ``R`` rows of a split, ``H`` hidden size,
 ``K`` fused layers.
@@ -41,9 +43,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
-from csbp.atomic import Ownership, write_directory_atomically
+from csbp.atomic import Ownership
 from csbp.attention.rows import Rows
 from csbp.attention.transports.local import LocalAttentionFn
 from csbp.dflash.anchors import segment_starts
@@ -59,7 +60,8 @@ FEATURE_OWNERSHIP = Ownership(
 )
 
 FEATURES_FORMAT = "csbp-dflash-features"
-FEATURES_VERSION = 1
+FEATURES_VERSION = 2
+"""2: the manifest records ``target_weights``, ``target_dtype`` and ``device`` (1 had no weights fingerprint)."""
 STORE_DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype("<f4"),
     "float16": np.dtype("<f2"),
@@ -186,92 +188,11 @@ def token_hash(tokens_RL: np.ndarray, doc_ids_RL: np.ndarray, *, rows_per_chunk:
     return digest.hexdigest()
 
 
-def _to_store(x: Tensor, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return x.to(torch.bfloat16).cpu().view(torch.int16).numpy().view(np.uint16)
-    return x.to(torch.float32 if dtype == "float32" else torch.float16).cpu().numpy()
-
-
 def _from_store(x: np.ndarray, dtype: str) -> Tensor:
     array = np.ascontiguousarray(x)
     if dtype == "bfloat16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
-
-
-def prepare_features(
-    target: Decoder,
-    split: TokenSplit,
-    out_dir: str | os.PathLike[str],
-    *,
-    layer_ids: Sequence[int],
-    with_last_hidden: bool = False,
-    dtype: str = "bfloat16",
-    rows_per_batch: int = 1,
-    overwrite: bool = False,
-    progress: bool = False,
-) -> Path:
-    """Capture the features of every row of ``split`` into ``out_dir`` (atomic directory write);
-    ``progress`` shows a bar of the rows captured (on a terminal only: tqdm's ``disable=None``)."""
-    if dtype not in STORE_DTYPES:
-        raise ValueError(f"feature dtype {dtype!r} must be one of {tuple(STORE_DTYPES)}")
-    if rows_per_batch < 1:
-        raise ValueError(f"rows_per_batch must be >= 1, got {rows_per_batch}")
-    layer_ids = tuple(int(i) for i in layer_ids)
-    num_rows, seq_len = (int(n) for n in split.tokens.shape)
-    hidden = target.config.hidden_size
-    device = target.embed_tokens.weight.device
-    manifest: dict[str, Any] = {
-        "format": FEATURES_FORMAT,
-        "format_version": FEATURES_VERSION,
-        "split": split.name,
-        "rows": num_rows,
-        "seq_len": seq_len,
-        "layer_ids": list(layer_ids),
-        "hidden_size": hidden,
-        "width": len(layer_ids) * hidden,
-        "dtype": dtype,
-        "with_last_hidden": with_last_hidden,
-        "target_config_hash": target_config_hash(target.config),
-        "token_hash": token_hash(split.tokens, split.doc_ids),
-        "convention": "layer i = HF hidden_states[i+1], pre-final-norm; last_hidden final-normed",
-    }
-
-    def fill(staging: Path) -> None:
-        open_mm = np.lib.format.open_memmap
-        features = open_mm(
-            staging / "features.npy",
-            mode="w+",
-            dtype=STORE_DTYPES[dtype],
-            shape=(num_rows, seq_len, len(layer_ids) * hidden),
-        )
-        last = None
-        if with_last_hidden:
-            last = open_mm(
-                staging / "last_hidden.npy",
-                mode="w+",
-                dtype=STORE_DTYPES[dtype],
-                shape=(num_rows, seq_len, hidden),
-            )
-        bar = tqdm(total=num_rows, desc="features", unit="row", dynamic_ncols=True, disable=None if progress else True)
-        for start in range(0, num_rows, rows_per_batch):
-            stop = min(start + rows_per_batch, num_rows)
-            ids = torch.from_numpy(np.asarray(split.tokens[start:stop], dtype=np.int64)).to(device)
-            docs = torch.from_numpy(np.asarray(split.doc_ids[start:stop], dtype=np.int64)).to(device)
-            captured = capture_target_features(
-                target, ids, layer_ids, doc_ids_SL=docs, with_last_hidden=with_last_hidden
-            )
-            features[start:stop] = _to_store(captured.features, dtype)
-            if last is not None and captured.last_hidden is not None:
-                last[start:stop] = _to_store(captured.last_hidden, dtype)
-            bar.update(stop - start)
-        bar.close()
-        features.flush()
-        if last is not None:
-            last.flush()
-        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-
-    return write_directory_atomically(out_dir, fill, overwrite=overwrite, owned=FEATURE_OWNERSHIP)
 
 
 def _map_array(path: Path) -> np.ndarray:
@@ -310,11 +231,13 @@ def open_features(
     directory: str | os.PathLike[str],
     *,
     target_config: DecoderConfig,
+    target_weights: str,
     split: TokenSplit,
     layer_ids: Sequence[int],
     need_last_hidden: bool = False,
 ) -> FeatureStore:
-    """Open and validate a feature directory against the target, the token split and the layers."""
+    """Open and validate a feature directory against the target (its config and the fingerprint of its
+    weights, ``csbp.dflash.target_fingerprint``), the token split and the layers."""
     directory = Path(directory)
     path = directory / "manifest.json"
     if not path.is_file():
@@ -328,14 +251,21 @@ def open_features(
     if not isinstance(manifest, dict) or manifest.get("dtype") not in STORE_DTYPES:
         raise ValueError(f"{path}: not a {FEATURES_FORMAT} manifest (no known dtype); re-run prepare_features")
     if manifest.get("format") != FEATURES_FORMAT or manifest.get("format_version") != FEATURES_VERSION:
+        older = manifest.get("format") == FEATURES_FORMAT and manifest.get("format_version") == 1
+        why = " (written by an older csbp, without a fingerprint of the target's weights)" if older else ""
         raise ValueError(
-            f"{path}: not a {FEATURES_FORMAT} v{FEATURES_VERSION} manifest; re-run prepare_features"
+            f"{path}: not a {FEATURES_FORMAT} v{FEATURES_VERSION} manifest{why}; re-run prepare_features"
         )
     checks = (
         (
             "target_config_hash",
             target_config_hash(target_config),
             "the features were captured from another target",
+        ),
+        (
+            "target_weights",
+            target_weights,
+            "the features were captured from other weights (another checkpoint or fine-tune of this target)",
         ),
         ("token_hash", token_hash(split.tokens, split.doc_ids), "the token file does not match (alignment)"),
         ("layer_ids", [int(i) for i in layer_ids], "the drafter fuses other target layers"),

@@ -10,8 +10,9 @@ target's ``config.json`` only (no weights) and checks, with one-line ``ValueErro
 * the drafter (``DFlashConfig.from_target``: ``objective.block_size``, ``objective.dflash``) and the
   target agree (``validate_drafter_target``), and the loss options form a ``DFlashObjectiveConfig``;
 * every row of the training (and validation) split has a valid anchor (``validate_anchor_coverage``);
-* an offline feature store (``objective.dflash.features``) belongs to this target, these layers and
-  the training split (``open_features``).
+* an offline feature store (``objective.dflash.features``) belongs to this target (its config and
+  the fingerprint of its weight files, read in full once per process), these layers and the
+  training split (``open_features``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from csbp.dflash.anchors import validate_anchor_coverage
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import FeatureStore, open_features
+from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
 from csbp.models.hf_io import TOKENIZER_FILES, decoder_config_from_hf
 
@@ -70,6 +72,7 @@ class DFlashInputs:
             lambda: open_features(
                 self.features_dir,  # type: ignore[arg-type]
                 target_config=self.target_config,
+                target_weights=checkpoint_fingerprint(self.target_dir),
                 split=train_split,
                 layer_ids=self.drafter_config.target_layer_ids or (),
                 need_last_hidden=self.objective.loss == "kl",
