@@ -22,7 +22,8 @@ class DFlashSection(_Section):
     target: str = path_field(description="Local HF checkpoint directory of the frozen target model.")
     features: str | None = path_field(
         None,
-        description="Offline target-feature store of data.train (`csbp dflash prepare-features`); "
+        description="Offline target-feature store of data.train (`csbp dflash prepare-features`); it must "
+        "match the target's weights (sha256 fingerprint) and the data's tokens, or the run is refused; "
         "unset: capture the target's features online in every step.",
     )
     num_draft_layers: int = Field(1, gt=0, description="Decoder layers of the drafter.")
