@@ -25,8 +25,8 @@ import csbp.dflash.feature_writer as writer
 import csbp.dflash.target_fingerprint as fingerprints
 from csbp.data.artifact import ArtifactSplit
 from csbp.dflash.feature_writer import PROGRESS_FILE, prepare_features
-from csbp.dflash.features import open_features
-from csbp.dflash.target_fingerprint import checkpoint_fingerprint, module_fingerprint
+from csbp.dflash.features import open_features, recorded_target
+from csbp.dflash.target_fingerprint import checkpoint_fingerprint, checkpoint_identity, module_fingerprint
 from csbp.dflash.verify import TARGET_CONFIG, DFlashVerifyCase, build_models, make_batch
 from csbp.models.hf_io import export_hf_checkpoint
 from csbp.staging import LOCK_SUFFIX
@@ -74,6 +74,42 @@ def test_checkpoint_fingerprint_follows_the_weight_bytes(tmp_path: Path) -> None
         checkpoint_fingerprint(tmp_path)
     moved = module_fingerprint(target)
     assert moved.startswith("tensors-sha256:") and moved != module_fingerprint(target.to(torch.float64))
+
+
+def test_unchanged_weight_files_are_not_read_again_and_changed_ones_are(tmp_path: Path) -> None:
+    target, _ = build_models(DFlashVerifyCase(), dtype=torch.float32)
+    base = export_hf_checkpoint(target, TARGET_CONFIG, tmp_path / "base")
+    fingerprint, files = checkpoint_identity(base)
+    assert files == [["model.safetensors", (base / "model.safetensors").stat().st_size,
+                      (base / "model.safetensors").stat().st_mtime_ns]]
+    out = _capture(tmp_path / "f", target_weights=fingerprint, target_files=files)
+    assert recorded_target(out) == (fingerprint, files)
+    fingerprints._cache.clear()
+    planted = "safetensors-sha256:" + "0" * 64  # what only a skipped read can return
+    assert checkpoint_fingerprint(base, known=(planted, files)) == planted
+    assert checkpoint_fingerprint(base, known=("tensors-sha256:" + "0" * 64, files)) == fingerprint
+    copied = tmp_path / "copied"
+    shutil.copytree(base, copied)  # copy2 keeps sizes and times: the same bytes, no read needed
+    assert checkpoint_fingerprint(copied, known=recorded_target(out)) == fingerprint
+    stat = (base / "model.safetensors").stat()
+    os.utime(base / "model.safetensors", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched: read again
+    assert checkpoint_fingerprint(base, known=(planted, files)) == fingerprint
+    tensors = load_file(str(copied / "model.safetensors"))
+    tensors["model.layers.1.mlp.down_proj.weight"][0, 0] += 1e-3  # a fine-tune written over the copy
+    save_file(tensors, str(copied / "model.safetensors"), metadata={"format": "pt"})
+    assert checkpoint_fingerprint(copied, known=recorded_target(out)) != fingerprint
+
+
+def test_a_resume_accepts_the_same_weights_with_other_file_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "f"
+    _fail_after(monkeypatch, 3)
+    with pytest.raises(KeyboardInterrupt):
+        _capture(out, commit_seconds=0, target_files=[["model.safetensors", 10, 1]])
+    monkeypatch.undo()
+    _capture(out, commit_seconds=0, target_files=[["model.safetensors", 10, 2]])  # e.g. copied without times
+    assert recorded_target(out) == ("w", [["model.safetensors", 10, 2]])
 
 
 def test_a_store_from_an_older_csbp_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -182,7 +182,7 @@ def run_prepare_features(args: argparse.Namespace) -> int:
     from csbp.dflash.config import default_target_layer_ids, validate_drafter_target
     from csbp.dflash.export import dflash_config_from_hf
     from csbp.dflash.feature_writer import check_output, prepare_features
-    from csbp.dflash.target_fingerprint import checkpoint_fingerprint
+    from csbp.dflash.target_fingerprint import checkpoint_identity
     from csbp.models.hf_io import read_hf_config
 
     # Every check reads configs only: a large target's weights are loaded (minutes) once they all pass.
@@ -219,12 +219,14 @@ def run_prepare_features(args: argparse.Namespace) -> int:
         f"capturing layers {list(layer_ids or ())} of {args.target} for {split.num_rows} {args.split} rows",
         flush=True,
     )
+    target_weights, target_files = checkpoint_identity(args.target)
     out = prepare_features(
         target,
         split,
         args.out,
         layer_ids=layer_ids or (),
-        target_weights=checkpoint_fingerprint(args.target),
+        target_weights=target_weights,
+        target_files=target_files,
         with_last_hidden=args.with_last_hidden,
         dtype=args.feature_dtype,
         rows_per_batch=args.rows_per_batch,

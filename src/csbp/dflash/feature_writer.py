@@ -76,12 +76,14 @@ def feature_manifest(
     target_weights: str,
     with_last_hidden: bool,
     dtype: str,
+    target_files: list[list[Any]] | None = None,
 ) -> dict[str, Any]:
-    """The ``manifest.json`` of the store this capture writes (also its resume key)."""
+    """The ``manifest.json`` of the store this capture writes (also its resume key, but for
+    ``target_files``: the weight files' sizes and times, ``csbp.dflash.target_fingerprint``)."""
     num_rows, seq_len = (int(n) for n in split.tokens.shape)
     hidden = target.config.hidden_size
     weight = target.embed_tokens.weight
-    return {
+    manifest = {
         "format": FEATURES_FORMAT,
         "format_version": FEATURES_VERSION,
         "split": split.name,
@@ -99,6 +101,9 @@ def feature_manifest(
         "token_hash": token_hash(split.tokens, split.doc_ids),
         "convention": "layer i = HF hidden_states[i+1], pre-final-norm; last_hidden final-normed",
     }
+    if target_files is not None:
+        manifest["target_files"] = target_files
+    return manifest
 
 
 def prepare_features(
@@ -108,6 +113,7 @@ def prepare_features(
     *,
     layer_ids: Sequence[int],
     target_weights: str,
+    target_files: list[list[Any]] | None = None,
     with_last_hidden: bool = False,
     dtype: str = "bfloat16",
     rows_per_batch: int = 1,
@@ -120,7 +126,9 @@ def prepare_features(
 
     ``target_weights`` is the fingerprint of the target's weights recorded in the manifest
     (``csbp.dflash.target_fingerprint``: ``checkpoint_fingerprint(dir)`` for a checkpoint,
-    ``module_fingerprint(target)`` for a target that exists only in memory); ``progress`` shows a bar of
+    ``module_fingerprint(target)`` for a target that exists only in memory), ``target_files`` the
+    checkpoint's weight files as :func:`~csbp.dflash.target_fingerprint.checkpoint_identity` lists them
+    (recorded so that opening the store skips hashing unchanged files); ``progress`` shows a bar of
     the rows captured (on a terminal only: tqdm's ``disable=None``)."""
     if dtype not in STORE_DTYPES:
         raise ValueError(f"feature dtype {dtype!r} must be one of {tuple(STORE_DTYPES)}")
@@ -134,7 +142,7 @@ def prepare_features(
         raise ValueError("target_weights: pass the fingerprint of the target's weights (csbp.dflash.target_fingerprint)")
     manifest = feature_manifest(
         target, split, layer_ids=layer_ids, target_weights=target_weights, with_last_hidden=with_last_hidden,
-        dtype=dtype,
+        dtype=dtype, target_files=target_files,
     )
     shown = Path(out_dir)
     absolute = check_output(shown, overwrite=overwrite)
@@ -173,13 +181,14 @@ def committed_rows(staging: Path, manifest: dict[str, Any]) -> int | None:
     if not isinstance(recorded, dict) or recorded.get("format") != PROGRESS_FORMAT:
         return None
     old = recorded.get("manifest")
-    if old != manifest:
-        old = old if isinstance(old, dict) else {}
-        key = next(k for k in sorted({*old, *manifest}) if old.get(k) != manifest.get(k))
+    old = {k: v for k, v in old.items() if k != "target_files"} if isinstance(old, dict) else {}
+    new = {k: v for k, v in manifest.items() if k != "target_files"}  # the same weights, maybe touched
+    if old != new:
+        key = next(k for k in sorted({*old, *new}) if old.get(k) != new.get(k))
         flag = f" ({_FLAGS[key]})" if key in _FLAGS else ""
         raise ValueError(
             f"{staging} holds an interrupted capture of this store with other settings ({key}{flag} {old.get(key)!r} "
-            f"there, {manifest.get(key)!r} now) (fix: rerun with the settings it was started with to resume it, "
+            f"there, {new.get(key)!r} now) (fix: rerun with the settings it was started with to resume it, "
             f"or delete {staging} to start over)"
         )
     rows = recorded.get("rows_done")

@@ -227,6 +227,19 @@ class FeatureStore:
         return TargetFeatures(features, last, self.layer_ids)
 
 
+def recorded_target(directory: str | os.PathLike[str]) -> tuple[str, Any] | None:
+    """The weights fingerprint and weight-file list a store's manifest records, for
+    ``checkpoint_fingerprint(..., known=...)``; None when it records none or is unreadable
+    (``open_features`` then says what is wrong)."""
+    try:
+        manifest = json.loads((Path(directory) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or "target_files" not in manifest:
+        return None
+    return manifest.get("target_weights"), manifest["target_files"]
+
+
 def open_features(
     directory: str | os.PathLike[str],
     *,

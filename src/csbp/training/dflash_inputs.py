@@ -31,7 +31,7 @@ from csbp.data.tokenizer import fingerprint_bytes
 from csbp.dflash.anchors import validate_anchor_coverage
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
-from csbp.dflash.features import FeatureStore, open_features
+from csbp.dflash.features import FeatureStore, open_features, recorded_target
 from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
 from csbp.models.hf_io import TOKENIZER_FILES, decoder_config_from_hf
@@ -72,7 +72,7 @@ class DFlashInputs:
             lambda: open_features(
                 self.features_dir,  # type: ignore[arg-type]
                 target_config=self.target_config,
-                target_weights=checkpoint_fingerprint(self.target_dir),
+                target_weights=checkpoint_fingerprint(self.target_dir, known=recorded_target(self.features_dir)),
                 split=train_split,
                 layer_ids=self.drafter_config.target_layer_ids or (),
                 need_last_hidden=self.objective.loss == "kl",
