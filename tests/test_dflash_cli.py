@@ -30,9 +30,9 @@ from csbp.data.prepare import PrepareConfig, prepare_artifact
 from csbp.dflash.config import DFlashConfig
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.export import export_dflash
-from csbp.dflash.features import capture_target_features, open_features
+from csbp.dflash.features import capture_target_features, open_features, recorded_target
 from csbp.dflash.speculative import GreedyResult
-from csbp.dflash.target_fingerprint import checkpoint_fingerprint
+from csbp.dflash.target_fingerprint import checkpoint_fingerprint, checkpoint_identity
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import export_hf_checkpoint
@@ -239,6 +239,7 @@ def test_prepare_features_matches_online_capture(
     split = artifact.split("val")
     target_config = _target_config(artifact.vocab_size)
     weights = checkpoint_fingerprint(workspace["target"])
+    assert recorded_target(out) == checkpoint_identity(workspace["target"])  # lets training skip the re-read
     store = open_features(out, target_config=target_config, target_weights=weights, split=split, layer_ids=(0, 2))
     target = Decoder(target_config, seed=1)
     ids = torch.from_numpy(split.tokens[:1].astype("int64"))
