@@ -159,3 +159,17 @@ def test_bad_repeat_counts_and_one_process_fail_before_any_work(
     assert main(argv) != 0
     captured = capsys.readouterr()
     assert message in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("mode", ["--target-pass", "--teacher-rows"])
+def test_a_bad_last_length_is_refused_before_the_first_runs(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench dflash --target-pass|--teacher-rows --seq-lens 64 65`` ran 64 and only then refused 65."""
+    import csbp.bench.dflash_target as target
+    import csbp.bench.dflash_teacher as teacher
+    from csbp.cli.main import main
+
+    launched: list[object] = []
+    for module in (target, teacher):
+        monkeypatch.setattr(module, "run_local", lambda *args, **kwargs: launched.append(args) or [])
+    assert main(["bench", "dflash", mode, "--nproc", "2", "--seq-lens", "64", "65", "--anchors", "4"]) != 0
+    assert launched == []

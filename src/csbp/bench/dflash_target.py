@@ -121,10 +121,11 @@ def run_target_pass_bench(
     """Both passes at every length (one launch of ``nproc`` processes per length)."""
     if nproc < 2:
         raise ValueError(f"--target-pass compares the sharded pass over a CP ring: nproc={nproc} must be >= 2")
-    records = []
-    for seq_len in seq_lens:
+    for seq_len in seq_lens:  # every length before any runs (a bad last one was refused after the others ran)
         if seq_len % (2 * nproc):
             raise ValueError(f"--seq-lens {seq_len} must be a multiple of 2·nproc={2 * nproc} (zigzag shards)")
+    records = []
+    for seq_len in seq_lens:
         ranks = run_local(_worker, nproc, (config, seq_len, dtype, warmup, repeats), device=device)
         for capture in PASSES:
             per_rank = [r[capture] for r in ranks]
