@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from csbp.engine.block_diffusion import DocumentPlanner, RankPlan
 from csbp.masks import bd3_mask, dense_mask, mdlm_mask
@@ -44,7 +45,9 @@ def oracle_allow(
 @dataclass(frozen=True)
 class DenseAttention:
     """An ``AttentionFn``: dense softmax attention under ``allow`` (a query row that may see no key
-    returns zeros), grouped-query heads repeated, computed in the dtype of ``q``."""
+    returns zeros), grouped-query heads repeated, computed in the dtype of ``q``. One sample at a
+    time, each recomputed in backward (``torch.utils.checkpoint``), so the reference holds one
+    sample's ``[H, rows, rows]`` scores at a time rather than every sample's of every layer."""
 
     allow: Tensor
 
@@ -52,6 +55,12 @@ class DenseAttention:
         n = self.allow.shape[0]
         if q.shape[2] != n or k.shape[2] != n:
             raise ValueError(f"the oracle holds {n} rows, got {q.shape[2]} queries and {k.shape[2]} keys")
+        return torch.cat([
+            checkpoint(self._sample, q[i : i + 1], k[i : i + 1], v[i : i + 1], use_reentrant=False)
+            for i in range(q.shape[0])
+        ])
+
+    def _sample(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         allow = self.allow.to(q.device)
