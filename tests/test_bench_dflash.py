@@ -61,6 +61,8 @@ RECORD_KEYS = {
     "overlap_ratio",
     "target_capture",
     "target_bytes_per_rank",
+    "step_times_s",
+    "serialized_step_times_s",
 }
 TINY = ["--block-size", "4", "--vocab-size", "64", "--hidden-size", "32", "--intermediate-size", "64"]
 TINY += ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"]
@@ -86,6 +88,7 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
     for record in records:
         assert set(record) == RECORD_KEYS
         assert record["serialized_step_time_s"] is None and record["overlap_ratio"] is None
+        assert record["step_times_s"] == [record["step_time_s"]] and record["serialized_step_times_s"] == []
         assert (record["seq_len"], record["anchors"], record["nproc"], record["samples"]) == (64, 8, 2, 1)
         assert (
             record["step_time_s"] > 0
@@ -244,7 +247,8 @@ def test_table_ratios_relative_to_cp() -> None:
         line.split()
         for line in format_table([record("cp", 2.0, 4000), record("csbp", 1.0, 1000)]).splitlines()[2:]
     ]
-    assert rows[1][:3] == ["16", "1024", "csbp"] and rows[1][7] == "0.50" and rows[1][9] == "0.25"
+    # after the step time its spread over the repeats ("-": none recorded), then its ratio to cp
+    assert rows[1][:3] == ["16", "1024", "csbp"] and rows[1][8] == "0.50" and rows[1][10] == "0.25"
 
 
 def test_bad_input_prints_only_its_error_line(capsys: pytest.CaptureFixture[str]) -> None:

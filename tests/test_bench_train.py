@@ -38,6 +38,7 @@ RECORD_KEYS = {
     "recompute_bytes_per_rank",
     # fastest repeat and model shape, for `csbp plan calibrate`
     "step_time_min_s",
+    "step_times_s",
     "hidden_size",
     "intermediate_size",
     "num_layers",
@@ -107,6 +108,7 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
         assert set(record) == RECORD_KEYS
         assert record["objective"] == "bd3" and record["seq_len"] == 64 and record["nproc"] == 2
         assert record["step_time_s"] >= record["step_time_min_s"] > 0
+        assert record["step_times_s"] == [record["step_time_s"]]  # every repeat (--repeats 1)
         assert record["tokens_per_s"] == pytest.approx(64 / record["step_time_s"])
         assert record["peak_mem_bytes"] >= 0 and record["gradient_bytes_per_rank"] > 0
     by_layout = {r["layout"]: r for r in records}
@@ -159,9 +161,10 @@ def test_table_and_speedups_relative_to_cp(tmp_path: Path) -> None:
     ]
     rows_of_table = [line.split() for line in format_table(records).splitlines()[2:]]
     # bd3 csbp at 512: half the CP-only step time, twice its tokens per second
-    assert rows_of_table[1][:3] == ["bd3", "512", "csbp"] and rows_of_table[1][4] == "0.50"
-    assert rows_of_table[1][6] == "2.00"
-    assert rows_of_table[2][4] == "2.00" and rows_of_table[2][6] == "0.50"  # bp: twice as slow
+    # after the step time its spread over the repeats ("-": none recorded), then its ratio to cp
+    assert rows_of_table[1][:3] == ["bd3", "512", "csbp"] and rows_of_table[1][5] == "0.50"
+    assert rows_of_table[1][7] == "2.00"
+    assert rows_of_table[2][5] == "2.00" and rows_of_table[2][7] == "0.50"  # bp: twice as slow
     rows = [r.__dict__ for r in records]
     assert speedup_series(rows, "csbp", "bd3", "objective") == ([512, 1024], [2.0, 3.0])
     assert speedup_series(rows, "bp", "bd3", "objective") == ([512], [0.5])

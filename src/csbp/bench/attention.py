@@ -6,7 +6,8 @@ schedule (blocks dealt by their cost under the document mask and the window, ``c
 For every sequence length, each layout runs a stack of attention layers (RMSNorm, q/k/v
 projection, the layout's attention transport over the ``[x_t ; x_0]`` rows the rank holds,
 output projection, residual) forward and backward on ``nproc`` gloo processes of one thread.
-Per layout it records the median step time (the slowest rank), the attention K/V bytes each rank
+Per layout it records the median step time (the slowest rank; every repeat in ``step_times_s``, its
+spread in the table's ``±`` column, and a ``~`` on a ratio within it), the attention K/V bytes each rank
 sends per step (from the counted collectives layer), the peak memory growth per rank, the
 attention FLOPs per rank counted on allowed (unmasked) pairs only, and time per useful FLOP.
 
@@ -51,6 +52,8 @@ from csbp.bench.common import (
     overlap_modes,
     overlap_ratio,
     print_header,
+    repeats_of,
+    require_parallel,
     select_topologies,
     serialized_if,
     write_outputs,
@@ -113,6 +116,8 @@ class AttentionRecord:
     doc_length: int | None = None  # mean packed-document length (None: one document per sample)
     serialized_step_time_s: float | None = None  # ``--ablate-overlap``: collectives waited for at issue
     overlap_ratio: float | None = None  # step_time_s / serialized_step_time_s
+    step_times_s: tuple[float, ...] = ()  # every timed repeat (the slowest rank's), in run order
+    serialized_step_times_s: tuple[float, ...] = ()  # ``--ablate-overlap``: every serialized repeat
 
 
 class AttentionStack(nn.Module):
@@ -191,6 +196,8 @@ class _LayoutRun:
             "peak": float(self.series.peak_bytes),
             "serial_step_time_s": self.serial.median_s() if self.serial.times_s else float("nan"),
             "halo": float(isinstance(self.plan.attention, WindowAttention)),  # else the ring's all-gather/ring
+            **self.series.repeats_s(),
+            **{f"serial_{key}": value for key, value in self.serial.repeats_s().items()},
         }
 
 
@@ -221,10 +228,13 @@ def run_attention_bench(
     (steps interleaved), and return the records in run order.
     ``header`` is printed once every input is checked, before anything runs (a bad input prints
     nothing but its error line)."""
+    require_parallel(nproc)  # was: a Topology error about replicate_clean_prefix for --nproc 1
     bases, schedules = zip(*(layout_schedule(name) for name in layouts), strict=True) if layouts else ((), ())
     cell = select_topologies(list(bases), nproc, csbp_cp)
     configs = [AttentionBenchConfig(seq_len=n, **cfg_kwargs) for n in seq_lens]  # type: ignore[arg-type]
     for cfg in configs:  # fail closed before any process starts
+        if cfg.warmup < 0 or cfg.repeats < 1:
+            raise ValueError(f"warmup must be >= 0 and repeats >= 1, got {cfg.warmup} and {cfg.repeats}")
         for topology in cell:
             topology.validate_sequence(cfg.seq_len, cfg.block_size)
     print_header(header)
@@ -262,6 +272,8 @@ def run_attention_bench(
                     head_dim=cfg.head_dim,
                     serialized_step_time_s=serial,
                     overlap_ratio=overlap_ratio(step, serial),
+                    step_times_s=repeats_of(results[0]),
+                    serialized_step_times_s=repeats_of(results[0], "serial_repeat_"),
                 )
             )
     return records
@@ -279,7 +291,7 @@ def _transport_used(topology: Topology, cfg: AttentionBenchConfig, *, halo: bool
 TABLE_COLUMNS = [
     Column("seq_len", "seq_len", ">8"),
     Column("layout", "layout", "<13"),
-    Column("step s", "step_time_s", ">9.3f", vs_cp=True),
+    Column("step s", "step_time_s", ">9.3f", vs_cp=True, times="step_times_s", spread=True),
     Column("KV MiB/rank", "kv_bytes_per_rank", ">12.2f", vs_cp=True, shown=lambda v: v / 2**20),
     Column("GFLOP/rank", "attn_flops_per_rank", ">11.3f", vs_cp=True, shown=lambda v: v / 1e9),
     Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
@@ -328,7 +340,8 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
     header = (
         f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"
         f"{args.num_kv_heads}x{args.head_dim} layers={args.num_layers} window={args.window} "
-        f"transport={args.transport} doc_length={args.doc_length} (1 thread per process, median of {args.repeats})"
+        f"transport={args.transport} doc_length={args.doc_length} (1 thread per process, median of {args.repeats} "
+        "repeats, ± half their range)"
     )
     records = run_attention_bench(
         args.seq_lens,

@@ -6,9 +6,11 @@
   CPU, or with ``--device cuda`` one process per GPU over NCCL (workers compute on
   ``ctx.device``);
 * one timed step on a rank (``measured_step``: the slowest rank's time and the peak memory growth)
-  and the series of measured steps of one layout (``StepSeries``: median time, peak memory);
+  and the series of measured steps of one layout (``StepSeries``: every repeat, median time, peak
+  memory);
 * the text table with each metric's ratio to CP-only in the same cell (``Column``,
-  ``format_ratio_table``);
+  ``format_ratio_table``), a timing's spread over the repeats (``±%``) and a ``~`` on a ratio within
+  that noise (``csbp.bench.spread``);
 * the command-line option groups of the three subcommands and their outputs (the table, ``--json``
   through an atomic write, the ``--png`` speedup plot);
 * the overlap ablation of ``csbp bench attention|dflash --ablate-overlap`` (``overlap_modes``,
@@ -36,6 +38,7 @@ import torch.distributed as dist
 from csbp.atomic import write_json_atomic
 from csbp.attention.documents import Documents, seeded_documents
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
+from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread, within_noise
 from csbp.cli.options import output_file, positive_int
 from csbp.devices import DEVICE_KINDS, backend_device, resolve_device
 from csbp.parallel.comm import serialized_collectives
@@ -178,6 +181,17 @@ class StepSeries:
     def median_s(self) -> float:
         return statistics.median(self.times_s)
 
+    def repeats_s(self) -> dict[str, float]:
+        """Every repeat as ``{"repeat_<i>": seconds}`` (a worker's results are flat ``dict[str, float]``)."""
+        return {f"repeat_{i}": t for i, t in enumerate(self.times_s)}
+
+
+def repeats_of(result: dict[str, float], prefix: str = "repeat_") -> tuple[float, ...]:
+    """The repeats ``StepSeries.repeats_s`` (keys ``<prefix><i>``) put in a worker's result, in order."""
+    found = sorted((int(key[len(prefix):]), value) for key, value in result.items()
+                   if key.startswith(prefix) and key[len(prefix):].isdigit())
+    return tuple(value for _, value in found)
+
 
 # ----------------------------------------------------------------------------- tables
 
@@ -186,17 +200,27 @@ class StepSeries:
 class Column:
     """One table column: record attribute ``name`` printed with format ``spec`` (whose alignment and
     width also place ``header``), after ``shown`` (e.g. a unit change); ``vs_cp`` adds an ``x cp``
-    column with the raw value's ratio to the CP-only record of the same cell."""
+    column with the raw value's ratio to the CP-only record of the same cell. ``times`` names the
+    record attribute holding the value's timed repeats: its ``x cp`` ratio is marked ``~`` when the
+    two records' repeats overlap, and with ``spread`` a ``±`` column follows the value. ``noise``
+    names two such attributes of the same record whose overlap marks this column's value (a ratio
+    of the two, e.g. ``x serial``)."""
 
     header: str
     name: str
     spec: str
     vs_cp: bool = False
     shown: Callable[[Any], Any] | None = None
+    times: str | None = None
+    spread: bool = False
+    noise: tuple[str, str] | None = None
 
 
-def _ratio(value: float, reference: float | None) -> str:
-    return f"{value / reference:6.2f}" if reference else "     -"
+SPREAD_WIDTH = 4
+
+
+def _ratio(value: float, reference: float | None, noisy: bool = False) -> str:
+    return f"{value / reference:5.2f}{NOISE_MARK if noisy else ' '}" if reference else "    - "
 
 
 def format_ratio_table(records: Sequence[Any], cell_fields: tuple[str, ...], columns: list[Column]) -> str:
@@ -209,19 +233,33 @@ def format_ratio_table(records: Sequence[Any], cell_fields: tuple[str, ...], col
     header_parts = []
     for column in columns:
         header_parts.append(format(column.header, re.match(r"[<>^]?\d*", column.spec).group()))  # type: ignore[union-attr]
+        if column.spread:
+            header_parts.append(f"{'±':>{SPREAD_WIDTH}}")
         if column.vs_cp:
             header_parts.append(f"{'x cp':>6}")
     header = " ".join(header_parts)
     lines = [header, "-" * len(header)]
+    marked = False
     for r in records:
         b = base.get(cell(r))
         parts = []
         for column in columns:
             value = getattr(r, column.name)
-            parts.append(format(column.shown(value) if column.shown else value, column.spec))
+            text = format(column.shown(value) if column.shown else value, column.spec)
+            if column.noise is not None:  # one more character: the mark or a blank
+                noisy = within_noise(*(getattr(r, name) or () for name in column.noise))
+                text, marked = text + (NOISE_MARK if noisy else " "), marked or noisy
+            parts.append(text)
+            if column.spread:
+                parts.append(format_spread(getattr(r, column.times or ""), SPREAD_WIDTH))
             if column.vs_cp:
-                parts.append(_ratio(value, b and getattr(b, column.name)))
+                noisy = bool(b and column.times and b is not r and within_noise(
+                    getattr(r, column.times), getattr(b, column.times)))
+                marked |= noisy
+                parts.append(_ratio(value, b and getattr(b, column.name), noisy))
         lines.append(" ".join(parts))
+    if marked:
+        lines.append(NOISE_NOTE)
     return "\n".join(lines)
 
 
@@ -340,9 +378,11 @@ def serialized_if(serialized: bool) -> AbstractContextManager[None]:
 
 OVERLAP_COLUMNS = [
     Column("serial s", "serialized_step_time_s", ">8.3f", shown=lambda v: float("nan") if v is None else v),
-    Column("x serial", "overlap_ratio", ">8.3f", shown=lambda v: float("nan") if v is None else v),
+    Column("x serial", "overlap_ratio", ">8.3f", shown=lambda v: float("nan") if v is None else v,
+           noise=("step_times_s", "serialized_step_times_s")),
 ]
-"""Table columns of ``--ablate-overlap``: the serialized step time and overlapped / serialized."""
+"""Table columns of ``--ablate-overlap``: the serialized step time and overlapped / serialized (``~``:
+the two modes' repeats overlap)."""
 
 
 def overlap_ratio(step_time_s: float, serialized_step_time_s: float | None) -> float | None:
@@ -350,10 +390,21 @@ def overlap_ratio(step_time_s: float, serialized_step_time_s: float | None) -> f
     return None if serialized_step_time_s is None else step_time_s / serialized_step_time_s
 
 
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (``--warmup``: a negative count once ran fewer repeats than asked, or crashed)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
 def add_output_options(parser: argparse.ArgumentParser, *, png_help: str | None = None) -> None:
     """``--repeats``, ``--warmup``, ``--json`` and, when ``png_help`` is given, ``--png``."""
     parser.add_argument("--repeats", type=positive_int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--warmup", type=non_negative_int, default=1)
     parser.add_argument("--json", type=output_file, default=None, help="write the records to this JSON file")
     if png_help is not None:
         parser.add_argument("--png", type=output_file, default=None, help=png_help)

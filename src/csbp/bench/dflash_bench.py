@@ -21,7 +21,7 @@ row too; ``csbp-gather`` is CSBP with the all-gather kept (``topology.transport:
 DFlash runs as the all-gather), so the two exchanges' bytes stand side by side in one run.
 
 Per layout it records the median step time over ``repeats`` steps after ``warmup`` (the slowest
-rank; with ``--ablate-overlap`` also with the collectives serialized, the two alternating step by
+rank; every repeat in ``step_times_s``, the table's ``±`` their spread and ``~`` a ratio within it; with ``--ablate-overlap`` also with the collectives serialized, the two alternating step by
 step in the same processes), the attention bytes a rank sends per step (context K/V over the CP ring), the peak memory
 growth per rank and ``drafter_flops_per_rank``, counted from the rank's actual packet
 (``csbp.bench.dflash_flops``).
@@ -54,6 +54,7 @@ from csbp.bench.common import (
     overlap_modes,
     overlap_ratio,
     print_header,
+    repeats_of,
     require_parallel,
     select_topologies,
     serialized_if,
@@ -190,6 +191,8 @@ class DFlashRecord:
     overlap_ratio: float | None = None  # step_time_s / serialized_step_time_s
     target_capture: str = "offline"  # ``--target-capture``: offline features, or the step's online pass
     target_bytes_per_rank: int = 0  # dflash.target: the online sharded pass's K/V all-gathers
+    step_times_s: tuple[float, ...] = ()  # every timed repeat (the slowest rank's), in run order
+    serialized_step_times_s: tuple[float, ...] = ()  # ``--ablate-overlap``: every serialized repeat
 
 
 def anchor_generator(seed: int, step: int, sample: int) -> torch.Generator:
@@ -292,6 +295,8 @@ class _LayoutRunner:
             "target_bytes": float(self.target_bytes),
             "loss_step0": self.loss_step0,
             "serial_step_time_s": self.serial_series.median_s() if self.serial_series.times_s else float("nan"),
+            **self.series.repeats_s(),
+            **{f"serial_{key}": value for key, value in self.serial_series.repeats_s().items()},
         }
 
 
@@ -397,6 +402,8 @@ def run_dflash_bench(
                     overlap_ratio=overlap_ratio(step, serial),
                     target_capture=cfg.target_capture,
                     target_bytes_per_rank=max_over_ranks(results, "target_bytes"),
+                    step_times_s=repeats_of(results[0]),
+                    serialized_step_times_s=repeats_of(results[0], "serial_repeat_"),
                 )
             )
             if progress:
@@ -411,7 +418,7 @@ TABLE_COLUMNS = [
     Column("cp", "cp", ">3"),
     Column("bp", "bp", ">3"),
     Column("dp", "dp", ">3"),
-    Column("step s", "step_time_s", ">8.3f", vs_cp=True),
+    Column("step s", "step_time_s", ">8.3f", vs_cp=True, times="step_times_s", spread=True),
     Column("GFLOP/rank", "drafter_flops_per_rank", ">10.3f", vs_cp=True, shown=lambda v: v / 1e9),
     Column("attn MiB/rank", "attention_bytes_per_rank", ">13.2f", vs_cp=True, shown=lambda v: v / 2**20),
     Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),

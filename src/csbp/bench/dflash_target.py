@@ -4,7 +4,8 @@ its zigzag rows and all-gathers K/V per layer, ``csbp.dflash.target_shard``), si
 run of ``nproc`` processes (one CP ring of ``nproc``), the two passes alternating step by step
 (``pass_order``) on the same tokens.
 
-Per rank and pass: median wall time, causal attention pairs (query, key) summed over the target
+Per rank and pass: median wall time (every step's slowest-rank time in ``times_s``; the table's
+``±`` is their spread and ``~`` marks a ``time_x`` within it, ``csbp.bench.spread``), causal attention pairs (query, key) summed over the target
 layers (and the attention FLOPs, forward only), peak memory growth of the pass (``PeakMemory``:
 CUDA allocator peak or the process's RSS high-water mark on the CPU), and bytes received over the
 ring (``dflash.target``: the per-layer K/V all-gathers; 0 for the replicated pass). The KL teacher
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from csbp.atomic import write_json_atomic
 from csbp.bench.common import BENCH_DTYPES
 from csbp.bench.measure import PeakMemory, attention_flops
+from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread, within_noise
 from csbp.devices import backend_device
 from csbp.dflash.features import capture_target_features
 from csbp.dflash.layouts import context_positions
@@ -51,6 +53,7 @@ class TargetPassRecord:
     attention_gflops: float
     peak_mib: float
     bytes_moved: int
+    times_s: tuple[float, ...] = ()  # every timed step: the slowest rank's time, in run order
 
 
 def causal_pairs(positions: torch.Tensor) -> int:
@@ -60,7 +63,7 @@ def causal_pairs(positions: torch.Tensor) -> int:
 
 def _worker(
     rank: int, world: int, config: DecoderConfig, seq_len: int, dtype: torch.dtype, warmup: int, repeats: int
-) -> dict[str, tuple[float, int, int, int]]:
+) -> dict[str, tuple[float, int, int, int, list[float]]]:
     ctx = build_parallel_context(Topology(cp=world))
     ring = ctx.ring_comm()
     assert ring is not None
@@ -81,7 +84,7 @@ def _worker(
     for capture in PASSES:
         rows = context_positions(seq_len, world, ring.rank) if capture == "sharded" else torch.arange(seq_len)
         pairs = causal_pairs(rows) * config.num_layers
-        results[capture] = (statistics.median(times[capture]), pairs, peak[capture], moved[capture])
+        results[capture] = (statistics.median(times[capture]), pairs, peak[capture], moved[capture], times[capture])
     return results
 
 
@@ -118,10 +121,11 @@ def run_target_pass_bench(
     """Both passes at every length (one launch of ``nproc`` processes per length)."""
     if nproc < 2:
         raise ValueError(f"--target-pass compares the sharded pass over a CP ring: nproc={nproc} must be >= 2")
-    records = []
-    for seq_len in seq_lens:
+    for seq_len in seq_lens:  # every length before any runs (a bad last one was refused after the others ran)
         if seq_len % (2 * nproc):
             raise ValueError(f"--seq-lens {seq_len} must be a multiple of 2·nproc={2 * nproc} (zigzag shards)")
+    records = []
+    for seq_len in seq_lens:
         ranks = run_local(_worker, nproc, (config, seq_len, dtype, warmup, repeats), device=device)
         for capture in PASSES:
             per_rank = [r[capture] for r in ranks]
@@ -130,6 +134,7 @@ def run_target_pass_bench(
                 seq_len, capture, max(p[0] for p in per_rank), pairs,
                 attention_flops(pairs, num_heads=config.num_heads, head_dim=config.head_dim, backward=False) / 1e9,
                 max(p[2] for p in per_rank) / 2**20, max(p[3] for p in per_rank),
+                tuple(max(step) for step in zip(*(p[4] for p in per_rank), strict=True)),
             ))
     return records
 
@@ -137,18 +142,22 @@ def run_target_pass_bench(
 def format_target_table(records: list[TargetPassRecord]) -> str:
     """One line per length and pass, with the sharded/replicated ratio of each column."""
     lines = [
-        f"{'seq_len':>8} {'capture':>10} {'time_s':>9} {'pairs':>12} {'attn_GF':>9} {'peak_MiB':>9} "
+        f"{'seq_len':>8} {'capture':>10} {'time_s':>9} {'±':>4} {'pairs':>12} {'attn_GF':>9} {'peak_MiB':>9} "
         f"{'bytes':>11} {'time_x':>7} {'pairs_x':>7} {'peak_x':>7}"
     ]
     base = {r.seq_len: r for r in records if r.capture == "replicated"}
+    marked = False
     for r in records:
         b = base[r.seq_len]
+        noisy = b is not r and within_noise(r.times_s, b.times_s)
+        marked |= noisy
         lines.append(
-            f"{r.seq_len:>8} {r.capture:>10} {r.time_s:>9.4f} {r.attention_pairs:>12} {r.attention_gflops:>9.3f} "
-            f"{r.peak_mib:>9.1f} {r.bytes_moved:>11} {r.time_s / b.time_s:>7.3f} "
+            f"{r.seq_len:>8} {r.capture:>10} {r.time_s:>9.4f} {format_spread(r.times_s)} {r.attention_pairs:>12} "
+            f"{r.attention_gflops:>9.3f} {r.peak_mib:>9.1f} {r.bytes_moved:>11} "
+            f"{r.time_s / b.time_s:>6.3f}{NOISE_MARK if noisy else ' '} "
             f"{r.attention_pairs / b.attention_pairs:>7.3f} {r.peak_mib / max(b.peak_mib, 1e-9):>7.3f}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ([NOISE_NOTE] if marked else []))
 
 
 def run_target_pass_command(args: argparse.Namespace) -> int:
@@ -165,7 +174,7 @@ def run_target_pass_command(args: argparse.Namespace) -> int:
     print(
         f"csbp bench dflash --target-pass: nproc={args.nproc} (one CP ring) target={args.num_target_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} {args.dtype} "
-        f"(slowest rank, median of {args.repeats}; x = sharded / replicated)"
+        f"(slowest rank, median of {args.repeats} repeats, ± half their range; x = sharded / replicated)"
     )
     print(format_target_table(records))
     if getattr(args, "json", None):

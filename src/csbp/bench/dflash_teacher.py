@@ -95,10 +95,11 @@ def run_teacher_rows_bench(
     """Both layouts at every length and anchor count (one launch of ``nproc`` processes each)."""
     if nproc < 2:
         raise ValueError(f"--teacher-rows exchanges over a CP ring: nproc={nproc} must be >= 2")
-    records = []
-    for seq_len in seq_lens:
+    for seq_len in seq_lens:  # every length before any runs (a bad last one was refused after the others ran)
         if seq_len % (2 * nproc):
             raise ValueError(f"--seq-lens {seq_len} must be a multiple of 2·nproc={2 * nproc} (zigzag shards)")
+    records = []
+    for seq_len in seq_lens:
         for count in anchor_counts:
             ranks = run_local(_worker, nproc, (seq_len, count, block_size, doc_length, seed))
             for name in TEACHER_LAYOUTS:

@@ -3,7 +3,8 @@ fastest decomposed form, their rates relative to dense attention and the decompo
 
 It reads the benchmark's rows as dictionaries (its ``--json`` output, or ``gpu-kernels.json`` of
 ``make gpu-check``), so the command, the device check and anyone holding a JSON file get the same
-lines. Rates are per useful (allowed) pair; "dense" is dense SDPA over all pairs of the same shapes
+lines; where the rows hold their repeats (``times_s``) a speedup within their min-max range is said to
+be no measurable difference. Rates are per useful (allowed) pair; "dense" is dense SDPA over all pairs of the same shapes
 (FlashAttention on CUDA). The kernel path's targets on CUDA (#8: bf16, head dim 128, L = 16K-128K)
 are ``KERNEL_TARGETS``; ``target_line`` says how a run measured against them.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from csbp.bench.spread import within_noise
 
 Row = Mapping[str, object]
 
@@ -31,11 +34,17 @@ class ShapeVerdict:
     decomposed_kernels: str  # "<diagonal> diagonal, <clean> clean" of the fastest decomposed row ("" if none)
     decomposed_vs_dense: float
     speedup: float  # t_mixed / t_decomposed of the fastest of each (nan if either is missing)
+    within_noise: bool = False  # the two rows' repeats (``times_s``, where recorded) overlap: no speedup
 
 
 def _number(row: Row, key: str) -> float:
     value = row.get(key, math.nan)
     return float(value) if isinstance(value, int | float) else math.nan
+
+
+def _times(row: Row) -> list[float]:
+    times = row.get("times_s")
+    return [float(t) for t in times if isinstance(t, int | float)] if isinstance(times, list | tuple) else []
 
 
 def _fastest(rows: Sequence[Row]) -> Row | None:
@@ -55,9 +64,10 @@ def shape_verdicts(rows: Sequence[Row]) -> list[ShapeVerdict]:
         mine = [r for r in rows if (r.get("seq_len"), r.get("block_size"), r.get("backend")) == (seq_len, block, backend)]
         mixed = _fastest([r for r in mine if r.get("form") in MIXED_FORMS])
         decomposed = _fastest([r for r in mine if r.get("form") == "decomposed"])
-        speedup = math.nan
+        speedup, noisy = math.nan, False
         if mixed is not None and decomposed is not None:
             speedup = _number(mixed, "time_s") / _number(decomposed, "time_s")
+            noisy = within_noise(_times(mixed), _times(decomposed))
         verdicts.append(ShapeVerdict(
             int(seq_len), int(block), str(backend),  # type: ignore[call-overload]
             mixed_form=str(mixed["form"]) if mixed is not None else "",
@@ -66,6 +76,7 @@ def shape_verdicts(rows: Sequence[Row]) -> list[ShapeVerdict]:
                                 if decomposed is not None else ""),
             decomposed_vs_dense=_number(decomposed, "vs_dense") if decomposed is not None else math.nan,
             speedup=speedup,
+            within_noise=noisy,
         ))
     return verdicts
 
@@ -81,6 +92,8 @@ def format_verdicts(verdicts: Sequence[ShapeVerdict]) -> str:
             parts.append(f"fastest decomposed ({v.decomposed_kernels}) {v.decomposed_vs_dense:.2f}x dense's rate")
         if math.isfinite(v.speedup):
             parts.append(f"= {v.speedup:.2f}x the mixed form's speed")
+            if v.within_noise:
+                parts.append("(within the repeats' min-max range: no measurable difference)")
         lines.append(" ".join(parts))
     return "\n".join(lines)
 

@@ -24,7 +24,8 @@ training uses (``csbp.attention.transports.local``), plus the block-diagonal par
 and dense SDPA over all ``(2L)^2`` pairs of the same shapes as the baseline (on CUDA whatever kernel
 SDPA picks), plus on CUDA the ``flash2`` and ``cudnn`` rows at the first length: FlashAttention-2
 and cuDNN over the same pairs through the calls the flash pieces make (``csbp.attention.flash_ops``).
-Per record: median time of forward + backward, TFLOP/s counted on the mask's allowed pairs only
+Per record: median time of forward + backward (every repeat in ``times_s``; ``speedup_within_noise``
+when a decomposed row's repeats overlap the faster mixed form's, ``csbp.bench.spread``), TFLOP/s counted on the mask's allowed pairs only
 (``csbp.bench.measure.attention_flops``; dense SDPA on all pairs), the ratio of that rate to dense
 SDPA's, the decomposed form's speedup over the faster mixed form (``t_mixed / t_decomposed``), the time to
 build one form's per-step plans (tile plans with their mask strips, or BlockMasks; built once per
@@ -78,6 +79,7 @@ from csbp.bench.common import (
     print_header,
 )
 from csbp.bench.measure import allowed_pairs, attention_flops
+from csbp.bench.spread import within_noise
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -110,6 +112,8 @@ class KernelRecord:
     first_call_s: float = float("nan")  # the first forward + backward, compilation included (nan: not timed)
     compiled_graphs: int = 0  # graphs dynamo compiled for this row (FlexAttention; 0 on tiles)
     flex_backward: str = "-"  # flex rows: how merged partials ran their backward (direct or recompute)
+    times_s: tuple[float, ...] = ()  # every timed repeat; ``time_s`` is their median
+    speedup_within_noise: bool = False  # decomposed rows: its repeats and the faster mixed form's overlap
 
 
 def build_form(
@@ -145,19 +149,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_time(
-    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int, clock: str = "wall"
-) -> float:
-    """Median seconds of ``fn()``; ``clock="cpu"`` counts this process's CPU time (one thread, on a
-    shared machine: what other processes do does not count)."""
-    return _timings(fn, device, warmup, repeats, clock)[1]
-
-
 def _timings(
     fn: Callable[[], object], device: torch.device, warmup: int, repeats: int, clock: str = "wall"
-) -> tuple[float, float]:
-    """``(first, median)`` seconds of ``fn()``: the first call (warm-up or not: on CUDA it holds the
-    FlexAttention compilations) and the median of the ``repeats`` calls after the warm-up."""
+) -> tuple[float, tuple[float, ...]]:
+    """``(first, repeats)`` seconds of ``fn()``: the first call (warm-up or not: on CUDA it holds the
+    FlexAttention compilations) and the ``repeats`` calls after the warm-up; ``clock="cpu"`` counts this
+    process's CPU time (one thread, on a shared machine: what other processes do does not count)."""
     now = time.process_time if clock == "cpu" else time.perf_counter
     times = []
     for _ in range(warmup + repeats):
@@ -166,7 +163,7 @@ def _timings(
         fn()
         _sync(device)
         times.append(now() - start)
-    return times[0], statistics.median(times[warmup:])
+    return times[0], tuple(times[warmup:])
 
 
 def _compiled_graphs() -> int:
@@ -288,6 +285,8 @@ def run_kernel_bench(
     resolved_backward = resolve_flex_backward(flex_backward, where="--flex-backward")
     if primary_first < 0:
         raise ValueError(f"--primary-first must be >= 0 (0: off), got {primary_first}")
+    if warmup < 0 or repeats < 1:  # was: an IndexError after the first row's header
+        raise ValueError(f"--warmup must be >= 0 and --repeats >= 1, got {warmup} and {repeats}")
     if clock == "cpu" and (dev.type != "cpu" or torch.get_num_threads() != 1):
         raise ValueError("--clock cpu measures one CPU thread: use --device cpu with OMP_NUM_THREADS=1")
     for seq_len in seq_lens:  # fail closed before measuring anything
@@ -307,9 +306,9 @@ def run_kernel_bench(
 
     jobs = kernel_jobs(seq_lens, block_sizes, concrete, kernels, clean_kernels, primary_first=primary_first)
     held_len, held = -1, ()  # the current length and its q, k, v, dout (one length held at a time)
-    dense: dict[int, tuple[float, float, dict[str, float]]] = {}  # seq_len -> (time, rate, fused kernels' times)
+    dense: dict[int, tuple[tuple[float, ...], dict[str, tuple[float, ...]]]] = {}  # seq_len -> repeats (+ fused)
     shapes: dict[tuple[int, int], tuple[Rows, int]] = {}  # (seq_len, block) -> (rows, allowed pairs)
-    mixed_times: dict[tuple[int, int, str], float] = {}  # the faster mixed form's time per (seq_len, block, backend)
+    mixed_times: dict[tuple[int, int, str], tuple[float, ...]] = {}  # the faster mixed form's repeats per shape
     now = time.process_time if clock == "cpu" else time.perf_counter
     n_flops = {"num_heads": num_heads, "head_dim": head_dim}
     with flex_backward_mode(flex_backward):  # merged flex partials differentiate this way
@@ -323,25 +322,27 @@ def run_kernel_bench(
                 held_len, held = seq_len, (q, k, v, torch.randn_like(q))
             q, k, v, dout = held
             if seq_len not in dense:
-                dense_time = _dense_sdpa_time(q, k, v, dout, dev, warmup, repeats, clock)
+                dense_times = _dense_sdpa_times(q, k, v, dout, dev, warmup, repeats, clock)
                 # The fused call flash pieces make (FlashAttention-2 on CUDA), over all pairs: is it as fast as
                 # SDPA's pick? Their rates hardly depend on L: timed at the first length only (at 128K each
                 # costs ~10 s of a budget).
                 fused = {
-                    name: _dense_flash_time(q, k, v, dout, dev, warmup, repeats, clock, name)
+                    name: _dense_flash_times(q, k, v, dout, dev, warmup, repeats, clock, name)
                     for name in ("flash", "cudnn") if flash_kernel(q, name) == name and seq_len == seq_lens[0]
                 }
-                dense[seq_len] = (dense_time, attention_flops(n * n, **n_flops) / dense_time / 1e12, fused)
-            dense_time, dense_rate, fused = dense[seq_len]
+                dense[seq_len] = (dense_times, fused)
+            dense_times, fused = dense[seq_len]
+            dense_rate = attention_flops(n * n, **n_flops) / _median(dense_times) / 1e12
             if (seq_len, block) not in shapes:  # the first job of this shape: its dense rows first
                 rows = reference_layout(seq_len, block).rows.to(dev)
                 shapes[seq_len, block] = (rows, allowed_pairs(rows, block_size=block))
-                add(KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", "-", dense_time, n * n,
-                                 dense_rate, 1.0, float("nan"), 0.0, 0))
-                for name, fused_time in fused.items():
-                    rate = attention_flops(n * n, **n_flops) / fused_time / 1e12
-                    add(KernelRecord(device, dtype, seq_len, block, FUSED_ROWS[name], "dense", "-", "-", fused_time,
-                                     n * n, rate, rate / dense_rate, float("nan"), 0.0, 0))
+                add(KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", "-", _median(dense_times), n * n,
+                                 dense_rate, 1.0, float("nan"), 0.0, 0, times_s=dense_times))
+                for name, fused_times in fused.items():
+                    rate = attention_flops(n * n, **n_flops) / _median(fused_times) / 1e12
+                    add(KernelRecord(device, dtype, seq_len, block, FUSED_ROWS[name], "dense", "-", "-",
+                                     _median(fused_times), n * n, rate, rate / dense_rate, float("nan"), 0.0, 0,
+                                     times_s=fused_times))
             rows, pairs = shapes[seq_len, block]
             backend, form, diagonal, clean = job.backend, job.form, job.diagonal, job.clean
             graphs_before = _compiled_graphs()
@@ -351,7 +352,7 @@ def run_kernel_bench(
                 step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
                 _sync(dev)
                 build_s = now() - start
-                first_s, time_s = _timings(step, dev, warmup, repeats, clock)
+                first_s, times = _timings(step, dev, warmup, repeats, clock)
             except RuntimeError as error:
                 if dev.type != "cuda":
                     raise
@@ -360,17 +361,20 @@ def run_kernel_bench(
                 print(f"csbp bench kernels: L={seq_len} B={block} {backend} {form} {diagonal} {clean} failed: "
                       f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
                 torch.cuda.empty_cache()
-                step, build_s, first_s, time_s = None, float("nan"), float("nan"), float("nan")
+                step, build_s, first_s, times = None, float("nan"), float("nan"), (float("nan"),)
             ops = count_aten_ops(step) if count_ops and dev.type == "cpu" and step is not None else 0
             useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
+            time_s = _median(times)
             rate = attention_flops(useful, **n_flops) / time_s / 1e12
             key = (seq_len, block, backend)
-            best_mixed = mixed_times.get(key, math.nan)
+            best_mixed = _median(mixed_times.get(key, (math.nan,)))
             if form.startswith("mixed") and (math.isnan(best_mixed) or time_s < best_mixed):
-                mixed_times[key] = time_s  # the faster mixed form (a failed one is nan and never faster)
-            speedup = mixed_times.get(key, math.nan) / time_s if form == "decomposed" else float("nan")
+                mixed_times[key] = times  # the faster mixed form (a failed one is nan and never faster)
+            mixed = mixed_times.get(key, (math.nan,))
+            speedup = _median(mixed) / time_s if form == "decomposed" else float("nan")
             add(KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
-                             rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before))
+                             rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before,
+                             times_s=times, speedup_within_noise=form == "decomposed" and within_noise(times, mixed)))
     return records
 
 
@@ -422,9 +426,13 @@ def _local_step(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, plan: LocalAttent
     return step
 
 
-def _dense_sdpa_time(
+def _median(times: Sequence[float]) -> float:
+    return statistics.median(times) if times else math.nan
+
+
+def _dense_sdpa_times(
     q: Tensor, k: Tensor, v: Tensor, dout: Tensor, device: torch.device, warmup: int, repeats: int, clock: str
-) -> float:
+) -> tuple[float, ...]:
     """Forward + backward of unmasked SDPA over all pairs (GQA without repeating K/V)."""
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
 
@@ -432,13 +440,13 @@ def _dense_sdpa_time(
         out = F.scaled_dot_product_attention(*leaves, enable_gqa=q.shape[1] != k.shape[1])
         out.backward(dout)
 
-    return _median_time(step, device, warmup, repeats, clock)
+    return _timings(step, device, warmup, repeats, clock)[1]
 
 
-def _dense_flash_time(
+def _dense_flash_times(
     q: Tensor, k: Tensor, v: Tensor, dout: Tensor, device: torch.device, warmup: int, repeats: int, clock: str,
     kernel: str,
-) -> float:
+) -> tuple[float, ...]:
     """Forward + backward of ``csbp.attention.flash_ops``' ``kernel`` over all pairs (a flash piece's
     call); nan when the kernel fails on this machine (the rest of the benchmark still runs)."""
     scale = q.shape[-1] ** -0.5
@@ -448,7 +456,7 @@ def _dense_flash_time(
         flash_backward(q, k, v, out, lse, dout, causal=False, scale=scale, cuda_kernel=kernel)
 
     try:
-        return _median_time(step, device, warmup, repeats, clock)
+        return _timings(step, device, warmup, repeats, clock)[1]
     except RuntimeError as error:  # e.g. a cuDNN build without this configuration
         print(f"csbp bench kernels: the {kernel} kernel failed on this machine: {str(error).splitlines()[0]}")
-        return float("nan")
+        return (float("nan"),)

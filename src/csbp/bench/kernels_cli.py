@@ -14,21 +14,23 @@ from csbp.attention.flex_backward import FLEX_BACKWARDS, resolve_flex_backward
 from csbp.bench.common import add_head_options, add_output_options, records_as_dicts, write_json_atomic
 from csbp.bench.kernel_summary import format_verdicts, shape_verdicts
 from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
+from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread
 
 
 def format_header() -> str:
     header = (
-        f"{'L':>7} {'B':>4} {'backend':<6} {'form':<10} {'diagonal':<8} {'clean':<7} {'fwd+bwd ms':>11} {'TFLOP/s':>8} {'x dense':>8} "
+        f"{'L':>7} {'B':>4} {'backend':<6} {'form':<10} {'diagonal':<8} {'clean':<7} {'fwd+bwd ms':>11} {'±':>4} "
+        f"{'TFLOP/s':>8} {'x dense':>8} "
         f"{'decomp x':>9} {'mask ms':>8} {'1st ms':>9} {'graphs':>6} {'aten ops':>9}"
     )
     return f"{header}\n{'-' * len(header)}"
 
 
 def format_row(r: KernelRecord) -> str:
-    speedup = "-" if r.form != "decomposed" else f"{r.decomposed_speedup:.2f}"
+    speedup = "- " if r.form != "decomposed" else f"{r.decomposed_speedup:.2f}{NOISE_MARK if r.speedup_within_noise else ' '}"
     return (
         f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.diagonal:<8} {r.clean:<7} "
-        f"{r.time_s * 1e3:>11.2f} "
+        f"{r.time_s * 1e3:>11.2f} {format_spread(r.times_s)} "
         f"{r.tflops:>8.3f} {r.vs_dense:>8.2f} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
         f"{'-' if math.isnan(r.first_call_s) else f'{r.first_call_s * 1e3:.1f}':>9} {r.compiled_graphs:>6} "
         f"{r.aten_ops if r.aten_ops else '-':>9}"
@@ -36,7 +38,8 @@ def format_row(r: KernelRecord) -> str:
 
 
 def format_table(records: list[KernelRecord]) -> str:
-    return "\n".join([format_header()] + [format_row(r) for r in records])
+    noted = [NOISE_NOTE] if any(r.speedup_within_noise for r in records) else []
+    return "\n".join([format_header()] + [format_row(r) for r in records] + noted)
 
 
 def plot_rates(records: list[KernelRecord], path: Path) -> None:
@@ -51,14 +54,17 @@ def plot_rates(records: list[KernelRecord], path: Path) -> None:
     for axis, block in zip(axes[0], blocks, strict=True):
         series = sorted({(r.backend, r.form, r.diagonal, r.clean) for r in records if r.block_size == block})
         for backend, form, diagonal, clean in series:
-            points = sorted((r.seq_len, r.tflops) for r in records
+            points = sorted((r.seq_len, r.tflops, *rate_range(r)) for r in records
                             if (r.block_size, r.backend, r.form, r.diagonal, r.clean)
                             == (block, backend, form, diagonal, clean))
             label = f"{backend} {form}" + (f" ({diagonal} diagonal, {clean} clean)" if diagonal != "-" else "")
-            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+            errors = [[max(0.0, p[1] - p[2]) for p in points], [max(0.0, p[3] - p[1]) for p in points]]  # min-max
+            (line,) = axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+            axis.errorbar([p[0] for p in points], [p[1] for p in points], yerr=errors, fmt="none", capsize=3,
+                          ecolor=line.get_color())
         axis.set_xscale("log", base=2)
         axis.set_xlabel("L (tokens; 2L rows)")
-        axis.set_ylabel("TFLOP/s on allowed pairs")
+        axis.set_ylabel("TFLOP/s on allowed pairs (bars: min-max of the repeats)")
         axis.set_title(f"B = {block} ({records[0].device}, {records[0].dtype})")
         axis.grid(True, alpha=0.3)
         axis.legend()
@@ -68,6 +74,14 @@ def plot_rates(records: list[KernelRecord], path: Path) -> None:
     figure.savefig(partial, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(figure)
     partial.replace(path)
+
+
+def rate_range(record: KernelRecord) -> tuple[float, float]:
+    """``(low, high)`` TFLOP/s of the slowest and the fastest repeat (the median's rate without repeats)."""
+    finite = [t for t in record.times_s if math.isfinite(t) and t > 0]
+    if not finite or not math.isfinite(record.tflops):
+        return record.tflops, record.tflops
+    return record.tflops * record.time_s / max(finite), record.tflops * record.time_s / min(finite)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -125,7 +139,8 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         flex_note = f", flex backward {resolve_flex_backward(args.flex_backward, where='--flex-backward')}"
     header = (
         f"csbp bench kernels: device={device}{threads} dtype={dtype} heads={args.num_heads}/{args.num_kv_heads}x"
-        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} ({args.clock} clock)"
+        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} repeats, ± half their range "
+        f"({args.clock} clock)"
         f"{flex_note}\n"
         f"{format_header()}"
     )
@@ -159,6 +174,8 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         progress=progress,
         header=header,
     )
+    if any(r.speedup_within_noise for r in records):
+        print(NOISE_NOTE)
     verdicts = format_verdicts(shape_verdicts(records_as_dicts(records)))
     if verdicts:
         print(verdicts)

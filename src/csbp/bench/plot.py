@@ -4,7 +4,9 @@
 ``csbp bench attention``) with at least ``layout``, ``seq_len`` and ``step_time_s``, and draws one
 panel per value of ``group_by`` (e.g. per objective): speedup ``t_cp / t_layout`` against context
 length (log2 axis), one line per other layout (CSBP, BP-only and the mask-aware ``cp-aware``), with
-the break-even line at 1. Rendering uses the
+the break-even line at 1; where the records hold their repeats (``step_times_s``) each point carries
+an error bar from the slowest to the fastest pairing of the two layouts' repeats
+(``speedup_range``): a bar that crosses 1 is no measured speedup. Rendering uses the
 non-interactive Agg backend, so it works on machines without a display.
 
 Usage::
@@ -45,6 +47,30 @@ def speedup_series(
     return [n for n, _ in points], [s for _, s in points]
 
 
+def _repeats(record: Mapping[str, object]) -> list[float]:
+    times = record.get("step_times_s")
+    return [float(t) for t in times if isinstance(t, int | float)] if isinstance(times, list | tuple) else []
+
+
+def speedup_range(
+    records: Sequence[Mapping[str, object]], layout: str, group: object, group_by: str | None
+) -> tuple[list[int], list[float], list[float]]:
+    """``(seq_lens, low, high)`` of ``t_cp / t_layout`` over every pair of the two layouts' repeats, for the
+    lengths ``speedup_series`` gives (the median speedup at both ends where a record has no repeats)."""
+    in_group = [r for r in records if group_by is None or r.get(group_by) == group]
+    baseline = {int(r["seq_len"]): r for r in in_group if r["layout"] == "cp"}  # type: ignore[arg-type]
+    seq_lens, speedups = speedup_series(records, layout, group, group_by)
+    low, high = list(speedups), list(speedups)
+    for r in in_group:
+        if r["layout"] != layout or int(r["seq_len"]) not in seq_lens:  # type: ignore[arg-type]
+            continue
+        index = seq_lens.index(int(r["seq_len"]))  # type: ignore[arg-type]
+        mine, cp = _repeats(r), _repeats(baseline[seq_lens[index]])
+        if mine and cp and min(mine) > 0:
+            low[index], high[index] = min(cp) / max(mine), max(cp) / min(mine)
+    return seq_lens, low, high
+
+
 def plot_speedups(
     records: Sequence[Mapping[str, object]],
     path: Path,
@@ -69,13 +95,18 @@ def plot_speedups(
         for layout, label in LAYOUT_LABELS.items():
             seq_lens, speedups = speedup_series(records, layout, group, group_by)
             if seq_lens:
+                _, low, high = speedup_range(records, layout, group, group_by)
+                errors = [[max(0.0, s - lo) for s, lo in zip(speedups, low)],
+                          [max(0.0, hi - s) for s, hi in zip(speedups, high)]]
                 axis.plot(seq_lens, speedups, label=label, **LAYOUT_STYLES[layout])  # type: ignore[arg-type]
+                axis.errorbar(seq_lens, speedups, yerr=errors, fmt="none", capsize=3,
+                              ecolor=LAYOUT_STYLES[layout]["color"])
         axis.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="CP-only")
         axis.set_xscale("log", base=2)
         axis.set_xticks(seq_lens_all, [str(n) for n in seq_lens_all])
         axis.minorticks_off()
         axis.set_xlabel("context length (tokens)")
-        axis.set_ylabel("speedup vs CP-only (t_cp / t)")
+        axis.set_ylabel("speedup vs CP-only (t_cp / t; bars: min-max)")
         axis.set_title(str(group) if group is not None else title)
         axis.grid(True, alpha=0.3)
         axis.legend()

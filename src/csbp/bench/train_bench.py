@@ -5,7 +5,8 @@ For every objective (``bd3``, ``fast_dllm_v2``) and sequence length, each layout
 training steps of a small decoder on ``nproc`` gloo processes of one thread: forward over the
 rows the rank holds, the chunked LM-head loss, backward, gradient averaging over all ranks and an
 AdamW step. Per layout it records the median step time over ``repeats`` steps after ``warmup``
-(the slowest rank bounds a step), clean tokens per second, the peak memory growth per rank and
+(the slowest rank bounds a step; every repeat in ``step_times_s``, the table's ``±`` their spread and
+``~`` a ratio within it), clean tokens per second, the peak memory growth per rank and
 the attention bytes each rank sends per step (from the counted collectives layer).
 
 The data is random tokens (ids ``0 .. V-2``; ``V-1`` is the mask token), the same on every rank
@@ -47,7 +48,6 @@ from csbp.attention.documents import packed_doc_ids
 from csbp.bench.common import (
     BALANCED_LAYOUTS,
     BENCH_DTYPES,
-    Column,
     StepSeries,
     add_head_options,
     add_layout_options,
@@ -58,17 +58,18 @@ from csbp.bench.common import (
     check_device_option,
     check_head_options,
     check_run_options,
-    format_ratio_table,
     launch_cell,
     layout_schedule,
     layout_transport,
     max_over_ranks,
     measured_step,
     print_header,
+    repeats_of,
     require_parallel,
     select_topologies,
     write_outputs,
 )
+from csbp.bench.train_tables import format_table
 from csbp.cli.options import add_clean_option, add_diagonal_option
 from csbp.devices import backend_device, tensors_to
 from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan, rank_loss
@@ -176,6 +177,7 @@ class TrainRecord:
     backend: str = "auto"
     diagonal: str = "auto"
     clean: str = "generic"
+    step_times_s: tuple[float, ...] = ()  # every timed repeat (the slowest rank's), in run order
 
 
 def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
@@ -244,6 +246,7 @@ class _LayoutRunner:
             "gradient_bytes": float(self.gradient_bytes),
             "recompute_bytes": float(self.recompute_bytes),
             "loss_step0": self.loss_step0,
+            **self.series.repeats_s(),
         }
 
 
@@ -349,58 +352,12 @@ def run_train_bench(
                     backend=cfg.backend,
                     diagonal=cfg.diagonal,
                     clean=cfg.clean,
+                    step_times_s=repeats_of(results[0]),
                 )
             )
             if progress:
                 print(f"  {cfg.objective} L={cfg.seq_len} {name} ac={mode}: {step:.3f} s/step", flush=True)
     return records
-
-
-TABLE_COLUMNS = [
-    Column("objective", "objective", "<13"),
-    Column("seq_len", "seq_len", ">7"),
-    Column("layout", "layout", "<13"),
-    Column("step s", "step_time_s", ">8.3f", vs_cp=True),
-    Column("tok/s", "tokens_per_s", ">9.0f", vs_cp=True),
-    Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
-    Column("attn MiB/rank", "attention_bytes_per_rank", ">13.2f", vs_cp=True, shown=lambda v: v / 2**20),
-    Column("loss0", "loss_step0", ">8.4f"),
-    Column("ac", "activation_checkpointing", "<4"),
-]
-
-
-def format_table(records: list[TrainRecord]) -> str:
-    """A text table with each metric and its ratio to CP-only at the same objective, length and
-    activation-checkpointing mode; with both modes measured, followed by the checkpointing table."""
-    table = format_ratio_table(records, ("objective", "seq_len", "activation_checkpointing"), TABLE_COLUMNS)
-    checkpointing = format_checkpointing_table(records)
-    return table if not checkpointing else f"{table}\n\n{checkpointing}"
-
-
-def format_checkpointing_table(records: list[TrainRecord]) -> str:
-    """Peak memory per rank and step time without and with activation checkpointing, per layout
-    (empty when the records do not hold both modes)."""
-    by_key = {(r.objective, r.seq_len, r.layout, r.activation_checkpointing): r for r in records}
-    header = (
-        f"{'objective':<13} {'seq_len':>7} {'layout':<6} {'peak MiB none':>13} {'peak MiB full':>13} "
-        f"{'mem cut':>7} {'step s none':>11} {'step s full':>11} {'time x':>6} {'recompute MiB/rank':>18}"
-    )
-    lines = []
-    for (objective, seq_len, layout, mode), plain in by_key.items():
-        full = by_key.get((objective, seq_len, layout, "full"))
-        if mode != "none" or full is None:
-            continue
-        cut = plain.peak_mem_bytes / full.peak_mem_bytes if full.peak_mem_bytes else float("nan")
-        lines.append(
-            f"{objective:<13} {seq_len:>7} {layout:<6} {plain.peak_mem_bytes / 2**20:>13.1f} "
-            f"{full.peak_mem_bytes / 2**20:>13.1f} {cut:>6.2f}x {plain.step_time_s:>11.3f} "
-            f"{full.step_time_s:>11.3f} {full.step_time_s / plain.step_time_s:>6.2f} "
-            f"{full.recompute_bytes_per_rank / 2**20:>18.2f}"
-        )
-    if not lines:
-        return ""
-    title = "activation checkpointing: peak memory per rank and step time, none vs full"
-    return "\n".join([title, header, "-" * len(header), *lines])
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -452,7 +409,7 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
         f"backend={args.backend} diagonal={args.diagonal} clean={args.clean} "
         f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
         f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per process, "
-        f"median of {args.repeats})"
+        f"median of {args.repeats} repeats, ± half their range)"
     )
     records = run_train_bench(
         args.seq_lens,

@@ -89,7 +89,7 @@ def add_diagonal_option(parser: argparse.ArgumentParser, *, reference: bool = Fa
     config's ``attention.diagonal``); ``flex`` needs the flex backend, refused before any work."""
     from csbp.attention.diagonal import DIAGONALS
 
-    note = "; the reference uses matmul" if reference else ""
+    note = "; the reference runs dense attention under the mask predicates" if reference else ""
     parser.add_argument(
         "--diagonal", choices=DIAGONALS, default="auto",
         help="block-diagonal kernel (auto: sdpa on tiles for B >= 16, matmul below, flex on flex; "
@@ -103,7 +103,7 @@ def add_clean_option(parser: argparse.ArgumentParser, *, reference: bool = False
     config's ``attention.clean``)."""
     from csbp.attention.backends import CLEAN_KERNELS
 
-    note = "; the reference uses generic" if reference else ""
+    note = "; the reference runs dense attention under the mask predicates" if reference else ""
     parser.add_argument(
         "--clean", choices=CLEAN_KERNELS, default="generic",
         help="clean-context kernel (generic: one backend partial; pieces: dense and causal pieces as fused flash "

@@ -17,8 +17,10 @@ Examples::
 
 Processes are launched here: on the CPU (gloo, one thread each) by default, or with
 ``--device cuda`` one per GPU over NCCL (``--nproc`` larger than the visible GPUs is refused before
-anything starts). The single-process reference always runs on the CPU. Exit status 1 if any layout
-is outside its tolerance (1e-9 relative for float64, 1e-4 for float32).
+anything starts). The single-process reference always runs on the CPU, every layer's attention dense
+under the closed-form mask predicates (``csbp.engine.oracle``), so even ``--nproc 1`` (the one-process
+layout on the tiled kernels) checks the kernels against something other than themselves. Exit status
+1 if any layout is outside its tolerance (1e-9 relative for float64, 1e-4 for float32).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--backend", choices=("auto", "tiles", "flex"), default="auto",
         help="attention backend of the layouts (auto: flex on CUDA, tiles on CPU; flex on CPU runs FlexAttention's "
-        "exact dense implementations, for checking); the reference uses tiles",
+        "exact dense implementations, for checking); the reference runs dense attention under the mask predicates",
     )
     add_diagonal_option(parser, reference=True)
     add_clean_option(parser, reference=True)

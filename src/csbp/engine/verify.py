@@ -3,7 +3,8 @@
 For each requested layout, N processes (gloo on the CPU, or NCCL with one GPU each for
 ``device="cuda"``) run one forward/backward of a small decoder on one fixed corrupted BD3 batch, average gradients with the engine's rules, and rank 0 returns the
 global loss and every parameter gradient. The same model, batch and objective run on a single
-process on the CPU (the reference). The report gives, per layout, the relative error of the loss and the
+process on the CPU with dense attention under the closed-form mask predicates (the reference,
+``csbp.engine.oracle``: none of the tiled kernels the layouts run). The report gives, per layout, the relative error of the loss and the
 largest relative error over all parameter gradients (``max|g - g_ref| / max|g_ref|`` per
 parameter, the scale floored at ``GRADIENT_FLOOR`` of the largest gradient), against a
 dtype-dependent tolerance.
@@ -37,6 +38,7 @@ from csbp.engine.block_diffusion import (
 from csbp.engine.context import ParallelContext, build_parallel_context, single_process_context
 from csbp.engine.grad_buckets import OverlappedGradientSync
 from csbp.engine.grads import average_gradients, fill_missing_gradients
+from csbp.engine.oracle import OraclePlanner, oracle_plan
 from csbp.evaluation.nelbo import nelbo_objective
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
@@ -242,11 +244,12 @@ def _model(case: VerifyCase, ctx: ParallelContext) -> Decoder:
 
 
 def _forward_backward(
-    case: VerifyCase, ctx: ParallelContext, *, num_replicas: int
+    case: VerifyCase, ctx: ParallelContext, *, num_replicas: int, oracle: bool = False
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """One step on this rank. Each micro-batch holds ``samples * num_replicas`` rows corrupted at
     once; data-parallel replica ``d`` takes rows ``[d*samples, (d+1)*samples)`` of each, so the
-    single-process reference (one replica holding every row) sees exactly the same corruption."""
+    single-process reference (one replica holding every row) sees exactly the same corruption.
+    ``oracle``: every layer's attention is the dense predicate oracle (``csbp.engine.oracle``)."""
     model = _model(case, ctx)
     micro = [tensors_to(c, ctx.device) for c in corrupted_batches(case, num_replicas)]
     denominator = max(sum(c.denominator() for c in micro), 1.0)  # global: every replica and micro-batch
@@ -259,8 +262,12 @@ def _forward_backward(
     }
     if not case.documents:
         plan = build_rank_plan(ctx, case.seq_len, case.block, **common)  # type: ignore[arg-type]
+        if oracle:
+            plan = oracle_plan(plan, seq_len=case.seq_len, block_size=case.block, window=case.window, doc_ids=None,
+                               single_stream=case.objective == "mdlm")
     else:
-        plan = DocumentPlanner(
+        planner = OraclePlanner if oracle else DocumentPlanner
+        plan = planner(
             ctx, case.seq_len, case.block, reset_positions=case.reset_positions, **common  # type: ignore[arg-type]
         )
     total = torch.zeros(1, dtype=torch.float64, device=ctx.device)
@@ -307,13 +314,16 @@ def _worker(rank: int, world: int, case: VerifyCase) -> tuple[float, dict[str, t
 
 
 def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
-    """Single-process loss and gradients for ``case``'s model and batch."""
-    # the CPU reference: tiles with the batched-matmul block diagonal, whatever kernels the case runs
+    """Single-process loss and gradients for ``case``'s model and batch, every layer's attention the
+    dense oracle of the mask predicates (``csbp.engine.oracle``): independent of the tiled kernels,
+    transports and row intervals the layouts run, so even the one-process layout of ``csbp verify
+    --nproc 1`` is checked against something other than itself."""
+    # the CPU reference: the plan only orders the rows (its kernels are replaced by the oracle)
     ref_case = replace(
         case, topology=Topology(), device="cpu", backend="tiles", diagonal="matmul", clean="generic",
         activation_checkpointing=False, fsdp=False, grad_buckets=None,
     )
-    return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp)
+    return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp, oracle=True)
 
 
 def check_case(case: VerifyCase) -> None:

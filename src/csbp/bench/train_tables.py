@@ -1,0 +1,63 @@
+"""The text tables of ``csbp bench train`` (``csbp.bench.train_bench``): every layout's metrics with
+their ratio to CP-only, the step time's spread over the repeats (``±``, a ``~`` on a ratio within it,
+``csbp.bench.spread``), and with ``--activation-checkpointing none full`` the memory cut and time cost
+of checkpointing per layout."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from csbp.bench.common import Column, format_ratio_table
+from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, within_noise
+
+if TYPE_CHECKING:
+    from csbp.bench.train_bench import TrainRecord
+
+TABLE_COLUMNS = [
+    Column("objective", "objective", "<13"),
+    Column("seq_len", "seq_len", ">7"),
+    Column("layout", "layout", "<13"),
+    Column("step s", "step_time_s", ">8.3f", vs_cp=True, times="step_times_s", spread=True),
+    Column("tok/s", "tokens_per_s", ">9.0f", vs_cp=True, times="step_times_s"),
+    Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
+    Column("attn MiB/rank", "attention_bytes_per_rank", ">13.2f", vs_cp=True, shown=lambda v: v / 2**20),
+    Column("loss0", "loss_step0", ">8.4f"),
+    Column("ac", "activation_checkpointing", "<4"),
+]
+
+
+def format_table(records: list[TrainRecord]) -> str:
+    """A text table with each metric and its ratio to CP-only at the same objective, length and
+    activation-checkpointing mode; with both modes measured, followed by the checkpointing table."""
+    table = format_ratio_table(records, ("objective", "seq_len", "activation_checkpointing"), TABLE_COLUMNS)
+    checkpointing = format_checkpointing_table(records)
+    return table if not checkpointing else f"{table}\n\n{checkpointing}"
+
+
+def format_checkpointing_table(records: list[TrainRecord]) -> str:
+    """Peak memory per rank and step time without and with activation checkpointing, per layout
+    (empty when the records do not hold both modes)."""
+    by_key = {(r.objective, r.seq_len, r.layout, r.activation_checkpointing): r for r in records}
+    header = (
+        f"{'objective':<13} {'seq_len':>7} {'layout':<13} {'peak MiB none':>13} {'peak MiB full':>13} "
+        f"{'mem cut':>7} {'step s none':>11} {'step s full':>11} {'time x':>6} {'recompute MiB/rank':>18}"
+    )
+    lines, marked = [], False
+    for (objective, seq_len, layout, mode), plain in by_key.items():
+        full = by_key.get((objective, seq_len, layout, "full"))
+        if mode != "none" or full is None:
+            continue
+        cut = plain.peak_mem_bytes / full.peak_mem_bytes if full.peak_mem_bytes else float("nan")
+        noisy = within_noise(plain.step_times_s, full.step_times_s)
+        marked |= noisy
+        lines.append(
+            f"{objective:<13} {seq_len:>7} {layout:<13} {plain.peak_mem_bytes / 2**20:>13.1f} "
+            f"{full.peak_mem_bytes / 2**20:>13.1f} {cut:>6.2f}x {plain.step_time_s:>11.3f} "
+            f"{full.step_time_s:>11.3f} {full.step_time_s / plain.step_time_s:>5.2f}{NOISE_MARK if noisy else ' '}"
+            f"{full.recompute_bytes_per_rank / 2**20:>18.2f}"
+        )
+    if not lines:
+        return ""
+    title = "activation checkpointing: peak memory per rank and step time, none vs full"
+    return "\n".join([title, header, "-" * len(header), *lines, *([NOISE_NOTE] if marked else [])])
+

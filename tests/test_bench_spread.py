@@ -1,0 +1,175 @@
+"""The benchmarks keep every timed repeat and say when a ratio is within their spread.
+
+They once reported only the median of ``--repeats`` steps, so a 1.05x ratio and the machine's noise
+read the same. Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_bench_spread.py -q``
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from csbp.bench.common import (
+    OVERLAP_COLUMNS,
+    Column,
+    StepMeasurement,
+    StepSeries,
+    format_ratio_table,
+    repeats_of,
+)
+from csbp.bench.dflash_target import TargetPassRecord, format_target_table
+from csbp.bench.kernel_summary import format_verdicts, shape_verdicts
+from csbp.bench.plot import speedup_range
+from csbp.bench.spread import NOISE_NOTE, format_spread, ratio_range, spread_percent, within_noise
+
+
+def test_spread_and_overlap() -> None:
+    assert spread_percent([0.9, 1.0, 1.1]) == pytest.approx(10.0)
+    assert math.isnan(spread_percent([1.0]))
+    assert format_spread([0.9, 1.0, 1.1]) == "±10%" and format_spread([1.0]).strip() == "-"
+    assert within_noise([1.0, 1.2], [1.1, 1.3])
+    assert not within_noise([1.0, 1.05], [1.1, 1.3])
+    assert not within_noise([1.0], [1.0])  # one repeat: no spread to be within
+    assert ratio_range([1.0, 2.0], [4.0, 8.0]) == (0.125, 0.5)
+
+
+def test_step_series_repeats_survive_a_worker_result() -> None:
+    series = StepSeries()
+    for seconds in (0.3, 0.1, 0.2):
+        series.add(StepMeasurement(seconds=seconds))
+    result = {"step_time_s": series.median_s(), **series.repeats_s(), "serial_repeat_0": 9.0}
+    assert repeats_of(result) == (0.3, 0.1, 0.2)
+    assert repeats_of(result, "serial_repeat_") == (9.0,)
+
+
+@dataclass(frozen=True)
+class _Row:
+    layout: str
+    seq_len: int
+    step_time_s: float
+    step_times_s: tuple[float, ...]
+    serialized_step_time_s: float | None = None
+    overlap_ratio: float | None = None
+    serialized_step_times_s: tuple[float, ...] = ()
+
+
+COLUMNS = [
+    Column("layout", "layout", "<6"),
+    Column("step s", "step_time_s", ">8.3f", vs_cp=True, times="step_times_s", spread=True),
+]
+
+
+def test_the_table_marks_a_ratio_within_the_spread_and_not_a_clear_one() -> None:
+    rows = [
+        _Row("cp", 1, 1.00, (0.95, 1.00, 1.05)),
+        _Row("bp", 1, 1.02, (0.98, 1.02, 1.10)),  # overlaps cp: noise
+        _Row("csbp", 1, 0.50, (0.49, 0.50, 0.51)),  # clear speedup
+    ]
+    lines = format_ratio_table(rows, ("seq_len",), COLUMNS).splitlines()
+    assert "±" in lines[0]
+    cp, bp, csbp = lines[2:5]
+    assert "±5%" in cp and cp.rstrip().endswith("1.00")
+    assert bp.rstrip().endswith("1.02~")
+    assert csbp.rstrip().endswith("0.50") and "~" not in csbp
+    assert lines[-1] == NOISE_NOTE
+
+
+def test_no_note_without_a_noisy_ratio_and_none_for_single_repeats() -> None:
+    rows = [_Row("cp", 1, 1.0, (1.0,)), _Row("bp", 1, 1.01, (1.01,))]
+    table = format_ratio_table(rows, ("seq_len",), COLUMNS)
+    assert "~" not in table and NOISE_NOTE not in table
+
+
+def test_the_overlap_ablation_marks_a_serial_ratio_within_the_spread() -> None:
+    noisy = _Row("cp", 1, 1.0, (0.9, 1.1), 1.05, 1.0 / 1.05, (1.0, 1.2))
+    clear = _Row("cp", 2, 1.0, (0.95, 1.05), 2.0, 0.5, (1.9, 2.1))
+    lines = format_ratio_table([noisy, clear], ("seq_len",), COLUMNS + OVERLAP_COLUMNS).splitlines()
+    assert lines[2].endswith("~") and not lines[3].endswith("~")
+
+
+def test_the_kernel_verdict_says_when_the_speedup_is_noise() -> None:
+    def row(form: str, time_s: float, times: list[float]) -> dict[str, object]:
+        return {"seq_len": 64, "block_size": 8, "backend": "tiles", "form": form, "time_s": time_s, "times_s": times,
+                "vs_dense": 0.5, "diagonal": "sdpa" if form == "decomposed" else "-", "clean": "generic"}
+
+    noisy = format_verdicts(shape_verdicts([row("mixed", 1.0, [0.9, 1.1]), row("decomposed", 0.95, [0.9, 1.0])]))
+    assert "no measurable difference" in noisy
+    clear = format_verdicts(shape_verdicts([row("mixed", 1.0, [0.9, 1.1]), row("decomposed", 0.5, [0.45, 0.55])]))
+    assert "no measurable difference" not in clear
+    legacy = [{k: v for k, v in r.items() if k != "times_s"} for r in (row("mixed", 1.0, []), row("decomposed", 0.5, []))]
+    assert "= 2.00x" in format_verdicts(shape_verdicts(legacy))  # older JSON without repeats still reads
+
+
+def test_the_target_pass_table_marks_a_time_ratio_within_the_spread() -> None:
+    records = [
+        TargetPassRecord(64, "replicated", 1.0, 10, 0.1, 1.0, 0, (0.9, 1.0, 1.1)),
+        TargetPassRecord(64, "sharded", 0.98, 5, 0.05, 0.5, 8, (0.95, 0.98, 1.0)),
+    ]
+    table = format_target_table(records)
+    assert " 0.980~" in table and table.endswith(NOISE_NOTE)
+
+
+def test_the_speedup_plot_range_spans_every_pair_of_repeats() -> None:
+    rows = [
+        {"layout": "cp", "seq_len": 64, "step_time_s": 2.0, "step_times_s": [1.8, 2.0, 2.2]},
+        {"layout": "csbp", "seq_len": 64, "step_time_s": 1.0, "step_times_s": [0.9, 1.0, 1.1]},
+        {"layout": "bp", "seq_len": 64, "step_time_s": 1.0},  # an older record without repeats
+    ]
+    assert speedup_range(rows, "csbp", None, None) == ([64], [pytest.approx(1.8 / 1.1)], [pytest.approx(2.2 / 0.9)])
+    assert speedup_range(rows, "bp", None, None) == ([64], [2.0], [2.0])
+
+
+@pytest.mark.multiprocess
+def test_bench_attention_records_every_repeat(tmp_path: Path) -> None:
+    from csbp.cli.main import main
+
+    out = tmp_path / "attention.json"
+    argv = ["bench", "attention", "--nproc", "2", "--seq-lens", "64", "--block-size", "8", "--layouts", "cp", "csbp",
+            "--repeats", "3", "--warmup", "0", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "8",
+            "--ablate-overlap", "--json", str(out)]
+    assert main(argv) == 0
+    for record in json.loads(out.read_text()):
+        assert len(record["step_times_s"]) == 3 and len(record["serialized_step_times_s"]) == 3
+        assert record["step_time_s"] == sorted(record["step_times_s"])[1]
+
+
+SMALL = ["--seq-lens", "64", "--repeats", "1"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "kernels", "--warmup", "-1", *SMALL, "--block-sizes", "8"], "--warmup: -1 must be >= 0"),
+        (["bench", "attention", "--warmup", "-1", *SMALL, "--nproc", "2", "--block-size", "8", "--layouts", "cp"],
+         "--warmup: -1 must be >= 0"),
+        (["bench", "attention", "--nproc", "1", "--seq-lens", "64", "--block-size", "8"], "nproc must be >= 2"),
+    ],
+)
+def test_bad_repeat_counts_and_one_process_fail_before_any_work(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--warmup -1`` once crashed (``kernels``: IndexError; ``attention``: a worker's StatisticsError)
+    or silently timed fewer repeats; ``bench attention --nproc 1`` blamed ``replicate_clean_prefix``."""
+    from csbp.cli.main import main
+
+    assert main(argv) != 0
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("mode", ["--target-pass", "--teacher-rows"])
+def test_a_bad_last_length_is_refused_before_the_first_runs(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench dflash --target-pass|--teacher-rows --seq-lens 64 65`` ran 64 and only then refused 65."""
+    import csbp.bench.dflash_target as target
+    import csbp.bench.dflash_teacher as teacher
+    from csbp.cli.main import main
+
+    launched: list[object] = []
+    for module in (target, teacher):
+        monkeypatch.setattr(module, "run_local", lambda *args, **kwargs: launched.append(args) or [])
+    assert main(["bench", "dflash", mode, "--nproc", "2", "--seq-lens", "64", "65", "--anchors", "4"]) != 0
+    assert launched == []
