@@ -70,6 +70,9 @@ def test_config_validate_recipe_prints_a_summary(capsys: pytest.CaptureFixture[s
     assert "csbp layout: dp=1 cp=2 bp=2, world size 2" in out
     assert "70 steps, 32 sequences per step" in out
     assert "block_size 4 (16 blocks per sequence)" in out
+    # mdlm's one block is the sequence (it said "(1 blocks per sequence)")
+    code, out, err = run(capsys, "config", "validate", "mdlm-demo")
+    assert code == 0 and "objective  mdlm, block_size 256 (the whole sequence)\n" in out, out
 
 
 def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
