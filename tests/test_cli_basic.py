@@ -226,6 +226,7 @@ def test_every_help_renders_and_shows_defaults() -> None:
     assert len(helps) > 20
     for prog, text in helps.items():
         assert "(default: None)" not in text and "(default: False)" not in text, prog
+        assert "(default: )" not in text, prog  # --set's empty list printed an empty default
     generate = " ".join(helps["csbp generate"].split())
     assert "--max-new-tokens MAX_NEW_TOKENS (default: 128)" in generate
     assert "0 = greedy (default: 0.0)" in generate
