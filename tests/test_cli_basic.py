@@ -70,6 +70,9 @@ def test_config_validate_recipe_prints_a_summary(capsys: pytest.CaptureFixture[s
     assert "csbp layout: dp=1 cp=2 bp=2, world size 2" in out
     assert "70 steps, 32 sequences per step" in out
     assert "block_size 4 (16 blocks per sequence)" in out
+    # mdlm's one block is the sequence (it said "(1 blocks per sequence)")
+    code, out, err = run(capsys, "config", "validate", "mdlm-demo")
+    assert code == 0 and "objective  mdlm, block_size 256 (the whole sequence)\n" in out, out
 
 
 def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -223,6 +226,7 @@ def test_every_help_renders_and_shows_defaults() -> None:
     assert len(helps) > 20
     for prog, text in helps.items():
         assert "(default: None)" not in text and "(default: False)" not in text, prog
+        assert "(default: )" not in text, prog  # --set's empty list printed an empty default
     generate = " ".join(helps["csbp generate"].split())
     assert "--max-new-tokens MAX_NEW_TOKENS (default: 128)" in generate
     assert "0 = greedy (default: 0.0)" in generate

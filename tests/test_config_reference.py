@@ -58,3 +58,16 @@ def test_fields_command_selects_sections_and_fields(capsys: pytest.CaptureFixtur
     err = capsys.readouterr().err
     assert "no config field or section 'atention'; sections: run, model, data, objective, topology" in err
     assert [r.name for r in select(field_rows(), ["model.rope_scaling"])][0] == "model.rope_scaling.type"
+
+
+def test_every_section_is_one_block() -> None:
+    """A nested section (model.rope_scaling) declared between its parent's fields used to split the
+    parent in two: docs/config.md had two `## model` tables and `csbp config fields` two [model] blocks."""
+    rows = field_rows()
+    sections = [r.section for r in rows]
+    blocks = [s for i, s in enumerate(sections) if i == 0 or sections[i - 1] != s]
+    assert len(blocks) == len(set(blocks)), blocks
+    headings = [line for line in format_markdown(rows).splitlines() if line.startswith("## ")]
+    assert len(headings) == len(set(headings)) and "## `model.rope_scaling`" in headings
+    names = [r.name for r in rows]
+    assert names.index("model.dtype") < names.index("model.rope_scaling.type")

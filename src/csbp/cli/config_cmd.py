@@ -106,7 +106,10 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
     if obj.name == "dflash" and obj.dflash is not None and obj.block_size is not None:
         blocks = f", block_size {obj.block_size}, up to {obj.dflash.max_anchors} anchor blocks per sequence"
     elif obj.block_size is not None and obj.name != "ar":
-        blocks = f", block_size {obj.block_size} ({cfg.data.seq_len // obj.block_size} blocks per sequence)"
+        count = cfg.data.seq_len // obj.block_size
+        blocks = f", block_size {obj.block_size} " + (
+            "(the whole sequence)" if count == 1 else f"({count} blocks per sequence)"
+        )
     else:
         blocks = ""
     layout = topo.to_topology().layout

@@ -59,7 +59,7 @@ CLOSED_OUTPUT_EXIT_CODE = 141
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """Help that shows each option's default, ``(default: X)``, unless its text already names one or
-    the default is unset (``None``, ``False``)."""
+    the default is unset (``None``, ``False``, an empty list such as repeatable ``--set``'s)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
@@ -68,6 +68,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             not action.option_strings
             or default is None
             or default is False
+            or (isinstance(default, (list, tuple)) and not default)
             or default is argparse.SUPPRESS
             or "default" in text
         ):

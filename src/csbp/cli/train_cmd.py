@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="processes on this node (default: the world size)",
+        help="processes on this node (default: train.nproc, else the topology's world size)",
     )
     parser.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes (default: 1)")
     parser.add_argument(

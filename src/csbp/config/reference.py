@@ -38,15 +38,17 @@ class FieldRow:
 
 
 def field_rows(model: type[BaseModel] = RunConfig, prefix: str = "") -> list[FieldRow]:
-    """Every leaf field of ``model`` (sections expanded), in declaration order."""
+    """Every leaf field of ``model`` in declaration order, each nested section's fields after its
+    parent's own (``model.rope_scaling`` after ``model.dtype``), so every section is one block."""
     rows: list[FieldRow] = []
+    nested: list[FieldRow] = []
     for name, info in model.model_fields.items():
         section = _section_model(info.annotation)
         if section is not None:
-            rows += field_rows(section, f"{prefix}{name}.")
+            nested += field_rows(section, f"{prefix}{name}.")
             continue
         rows.append(FieldRow(f"{prefix}{name}", _kind(info.annotation), _default(info), info.description or ""))
-    return rows
+    return rows + nested
 
 
 def select(rows: Sequence[FieldRow], names: Sequence[str]) -> list[FieldRow]:

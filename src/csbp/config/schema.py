@@ -160,8 +160,8 @@ class DataSection(_Section):
     )
     document_mask: bool | None = Field(
         None,
-        description="Packed documents never attend to each other (docs/document-masking.md); unset: "
-        "the objective's default (DOCUMENT_MASK_DEFAULTS).",
+        description="Packed documents never attend to each other (docs/document-masking.md); unset: the "
+        "objective's default, off for bd3 and mdlm, on for fast_dllm_v2, ar and dflash.",
     )
     reset_positions: bool = Field(
         False, description="Restart RoPE positions at every packed document (needs document_mask)."
@@ -263,7 +263,10 @@ class TopologySection(_Section):
         "all-to-all of only the clean rows some remote query may see; CSBP uses it with windows and documents).",
     )
     window: int | None = Field(
-        None, gt=0, description="Sliding attention window in tokens (csbp.md §11); unset: full attention."
+        None,
+        gt=0,
+        description="Sliding attention window W in tokens, counting the query itself (a noisy block sees "
+        "the W - 1 clean tokens before it); bd3 and fast_dllm_v2 only; unset: full attention.",
     )
     schedule: Literal["dual_end", "contiguous", "balanced"] = Field(
         "dual_end",
