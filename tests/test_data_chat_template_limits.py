@@ -51,11 +51,11 @@ PAYLOADS = {
 @pytest.mark.parametrize("payload", PAYLOADS.values(), ids=PAYLOADS.keys())
 def test_resource_bombs_are_refused_in_one_line(payload: str) -> None:
     template = ChatTemplate(payload, "evil/tokenizer_config.json")
-    started = time.perf_counter()
+    started = time.process_time()  # CPU time: a loaded machine (CI next to other jobs) must not fail it
     with pytest.raises(ValueError, match=r"^rec 3: chat template evil/tokenizer_config.json (was refused|failed)") as info:
         template.render([{"role": "user", "content": "hi"}], where="rec 3")
     assert "\n" not in str(info.value)
-    assert time.perf_counter() - started < 5.0
+    assert time.process_time() - started < 10.0  # the slowest, 2**20 macro calls, takes ~3 s of CPU here
 
 
 @pytest.mark.parametrize(

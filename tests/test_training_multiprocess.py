@@ -68,7 +68,7 @@ def test_two_rank_resume_is_bit_identical(two_rank_runs: tuple[Path, dict[str, A
     root, result = two_rank_runs
     assert result["resumed_start"] == 2
     full = trajectory(root / "bp_full")
-    assert [row[0] for row in full] == [1, 2, 3, 4]
+    assert [row[0] for row in full] == [0, 1, 2, 3, 4]  # step 0: the untrained model's validation
     assert trajectory(root / "bp_half") == full  # float32 CPU, 2 processes: exact equality
 
 
@@ -78,8 +78,8 @@ def test_two_rank_csbp_resume_between_validations_is_bit_identical(two_rank_runs
     The stopped invocation's own validation at step 3 is the one extra number."""
     root, _ = two_rank_runs
     full, resumed = trajectory(root / "csbp_full"), trajectory(root / "csbp_half")
-    assert [row[0] for row in full] == [1, 2, 3, 4] and full[2][4] is None and resumed[2][4] is not None
-    assert resumed[:2] + [resumed[2][:4] + (None,)] + resumed[3:] == full
+    assert [row[0] for row in full] == [0, 1, 2, 3, 4] and full[3][4] is None and resumed[3][4] is not None
+    assert resumed[:3] + [resumed[3][:4] + (None,)] + resumed[4:] == full
     weights = "final/model.safetensors"
     assert (root / "csbp_half" / weights).read_bytes() == (root / "csbp_full" / weights).read_bytes()
 
@@ -88,7 +88,7 @@ def test_bp_only_matches_one_process_and_resumes_onto_it(
     two_rank_runs: tuple[Path, dict[str, Any]], artifact: Path, tmp_path: Path
 ) -> None:
     root, _ = two_rank_runs
-    bp_losses = [row[1] for row in trajectory(root / "bp_full")]
+    bp_losses = [row[1] for row in trajectory(root / "bp_full") if row[0] > 0]
     single = train(tiny_config(artifact), run_dir=tmp_path / "single")
     assert single.losses == pytest.approx(bp_losses, rel=1e-5)
     # A checkpoint written by 2 BP ranks resumes on one process (another topology).
