@@ -104,8 +104,10 @@ def summarize_rounds(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
-def _range(stat: dict[str, Any], digits: int) -> str:
-    return f"{stat['mean']:.{digits}f} [{stat['min']:.{digits}f}..{stat['max']:.{digits}f}]"
+def _range(stat: dict[str, Any], digits: int, range_digits: int | None = None) -> str:
+    """``mean [min..max]``; the range with ``range_digits`` (default ``digits``) decimals."""
+    ends = digits if range_digits is None else range_digits
+    return f"{stat['mean']:.{digits}f} [{stat['min']:.{ends}f}..{stat['max']:.{ends}f}]"
 
 
 def _interval(diff: dict[str, Any], digits: int) -> str:
@@ -142,7 +144,7 @@ def format_rounds_table(
         lines.append(f"{index:>5} {target:>8.1f}" + "".join(f"  {cell:>{width}}" for cell in cells))
     trained = []
     for layout in summary["layouts"]:
-        text = f"{layout['layout']} {_range(layout['steps'], 1)} steps in {_range(layout['clock_s'], 1)} s"
+        text = f"{layout['layout']} {_range(layout['steps'], 1, 0)} steps in {_range(layout['clock_s'], 1)} s"
         if layout["step_median_s"]:
             text += f" (step median {_range(layout['step_median_s'], 3)} s)"
         trained.append(text)
