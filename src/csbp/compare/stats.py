@@ -6,8 +6,9 @@ round with the same seed). Its interval is the 95% Student-t interval of the mea
 given only when the interval excludes 0 *and* every round's difference has the same sign and is
 larger than the comparison's tolerance; otherwise the difference is ``within noise``. With one round
 there is no interval and no verdict. The tolerance of a metric is :data:`METRIC_RTOL` of its size:
-two layouts evaluate the same weights only to floating-point rounding (the untrained point 0 of a
-round differs by about 1e-7 relative between CP-only and CSBP), which is no difference.
+two layouts evaluate the same weights alike only up to floating-point rounding (the untrained point
+0 of a round: measured 2.4e-7 apart on a validation loss of 8.42 between CP-only and CSBP), which is
+no difference.
 """
 
 from __future__ import annotations
