@@ -184,7 +184,7 @@ def rounds_noise_lines(rounds: int) -> list[str]:
         "rotates per round, so the spread holds training and timing noise",
         "noise: a verdict (lower/higher, more/fewer) needs every round's difference to have the same sign and the "
         f"95% interval to exclude 0, else 'within noise' (all {rounds} rounds agree in sign by chance alone with "
-        f"probability {chance_of_agreement(rounds):.0%})",
+        f"probability {100 * chance_of_agreement(rounds):g}%)",
     ]
 
 
