@@ -125,6 +125,11 @@ def test_the_rounds_table_gives_a_verdict_only_where_every_round_agrees(tmp_path
     assert summary["layouts"][1]["steps"] == {"mean": 62.0, "min": 61, "max": 63, "rounds": 3}
     assert json.loads(json.dumps(summary)) == summary  # compare.json's summary
     assert plot_rounds(rounds, summary, tmp_path / "r.png", metric="val_loss", title="t").stat().st_size > 0
+    rounds[1][0]["points"].pop()  # cp stopped at train.max_steps before its point 1 in round 2
+    partial = summarize_rounds(rounds)
+    assert partial["layouts"][0]["points"][1]["metric"]["rounds"] == 2
+    assert [p["per_round"] for p in partial["differences"][0]["points"]][1] == pytest.approx([-0.01, -0.01])
+    assert "at the budget" in format_rounds_table(rounds, partial, metric="val_loss", higher_is_better=False)
 
 
 @pytest.mark.parametrize(
@@ -214,6 +219,12 @@ def test_one_round_keeps_the_output_of_a_comparison_without_repeats(artifact: Pa
     with pytest.raises(ValueError, match=r"^--repeats 2: .* started with --repeats 1"):
         run_compare(cfg, CompareOptions(**{**resumed.__dict__, "repeats": 2}))
     assert run_compare(cfg, resumed) == [result]
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(yaml.safe_dump(_bd3_dict(artifact)))
+    argv = ["compare", str(config_file), "--layouts", "data", "--budget-s", "0.2", "--points", "1", "--nproc", "1"]
+    assert main([*argv, "--out", str(tmp_path / "cmp"), "--resume"]) == 0  # read back: the one-round output
+    payload = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert payload["repeats"] == 1 and payload["layouts"] == [result] and "rounds" not in payload
 
 
 @pytest.mark.slow
