@@ -64,12 +64,15 @@ dflash-demo: $(ARTIFACT)/manifest.json
 # Quality at equal wall-clock: the dflash-demo drafter trained with CP-only (dp2 x cp2) and with
 # CSBP (dp2 x cp2 x bp2) for the same training seconds on the same 4 processes, one after the
 # other; acceptance length (lossless speculative decoding) at 4 equal time points. Trains the
-# dflash-demo target first when runs/dflash-target/final is missing.
+# dflash-demo target first when runs/dflash-target/final is missing. COMPARE_REPEATS=4 runs 4 rounds
+# (other seeds, the layout order rotated) for an error bar; it takes that many times longer.
 COMPARE_BUDGET_S ?= 120
+COMPARE_REPEATS ?= 1
 compare: $(ARTIFACT)/manifest.json
 	test -f runs/dflash-target/final/config.json || $(CSBP) train dflash-target --run-dir runs/dflash-target
 	rm -rf runs/compare-dflash
-	$(CSBP) compare dflash-demo --layouts cp,csbp --budget-s $(COMPARE_BUDGET_S) --points 4 --out runs/compare-dflash
+	$(CSBP) compare dflash-demo --layouts cp,csbp --budget-s $(COMPARE_BUDGET_S) --points 4 --repeats $(COMPARE_REPEATS) \
+		--out runs/compare-dflash
 
 bench: $(STAMP)
 	# docs/benchmarks.md's published table ("Attention"), rerun with its own settings

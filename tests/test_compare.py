@@ -353,6 +353,10 @@ def test_the_table_states_differences_without_a_verdict_and_the_timing_noise() -
     assert "do not overlap" in apart and "ran one after the other" in apart and "other order" in apart
     same = format_table([cp, _result("csbp", 52, 6.4434, (0.5, 0.56, 0.64))], metric="val_loss", higher_is_better=False)
     assert "(equal; 1.00x the steps)" in same
+    # Two layouts evaluate the same weights to float rounding: that printed "csbp higher by 0.0000".
+    rounding = format_table([cp, _result("csbp", 52, 6.4434 + 3e-7, (0.5, 0.56, 0.64))], metric="val_loss",
+                            higher_is_better=False)
+    assert "(equal; 1.00x the steps)" in rounding and "by 0.0000" not in rounding
 
 
 def test_points_that_share_a_step_are_noted() -> None:

@@ -23,6 +23,7 @@ clock and points of its latest checkpoint's step and continues.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,7 @@ class BudgetHook:
         run_dir: Path,
         state: BudgetState | None = None,
     ) -> None:
-        if budget_s <= 0 or num_points < 1:
+        if not (math.isfinite(budget_s) and budget_s > 0) or num_points < 1:
             raise ValueError(f"--budget-s ({budget_s}) must be > 0 and --points ({num_points}) >= 1")
         self.budget_s = budget_s
         self.num_points = num_points

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from csbp.atomic import write_json_atomic
+from csbp.compare.stats import metric_tolerance
 
 LAYOUT_LABELS = {"data": "data parallel", "cp": "CP-only", "bp": "BP-only", "csbp": "CSBP"}
 
@@ -51,8 +52,9 @@ def format_table(results: list[dict[str, Any]], *, metric: str, higher_is_better
 
 
 def _difference_text(other: dict[str, Any], a: float, b: float) -> str:
-    """``csbp higher by 0.1228``: the sign only, no verdict (one run per layout has no error bar)."""
-    if b == a:
+    """``csbp higher by 0.1228``: the sign only, no verdict (one run per layout has no error bar);
+    ``equal`` within float rounding (:data:`csbp.compare.stats.METRIC_RTOL`)."""
+    if abs(b - a) <= metric_tolerance([a, b]):
         return "equal"
     return f"{other['layout']} {'higher' if b > a else 'lower'} by {abs(b - a):.4f}"
 
@@ -68,7 +70,10 @@ def noise_lines(results: list[dict[str, Any]]) -> list[str]:
     """What the comparison can say about noise: one run per layout gives the metric no error bar;
     the step times' spread (p10-p90) is the timing noise each layout ran under, and where two
     layouts' ranges overlap their step-rate difference is within it."""
-    lines = ["noise: one run per layout, so the differences above have no error bar (no repeats, no other seeds)"]
+    lines = [
+        "noise: one run per layout, so the differences above have no error bar (for one: --repeats 2 or more, "
+        "rounds with other seeds and the layout order rotated)"
+    ]
     base = results[0]
     for other in results[1:]:
         first, second = base.get("step_s"), other.get("step_s")

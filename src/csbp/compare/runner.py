@@ -1,19 +1,24 @@
 """Train the layouts of ``csbp compare`` one after the other on the same processes, resumably.
 
-:func:`run_compare` validates every layout's config against its data and output directory before
-any process starts, then runs :func:`_compare_worker` on ``nproc`` gloo processes (in this process
-when ``nproc == 1``). The worker trains each layout in turn with :func:`csbp.training.trainer.train`
-and a :class:`csbp.compare.budget.BudgetHook`, in ``OUT/<layout>/`` (a normal run directory:
-``metrics.jsonl``, checkpoints, ``final/``). A finished layout leaves ``OUT/<layout>/result.json``.
+:func:`run_compare` validates every layout's config (every round's, :mod:`csbp.compare.rounds`)
+against its data and output directory before any process starts, then, round by round, runs
+:func:`_compare_worker` on ``nproc`` gloo processes started for that round (in this process when
+``nproc == 1``). The worker trains each layout of the round in the round's order with
+:func:`csbp.training.trainer.train` and a :class:`csbp.compare.budget.BudgetHook`, in the layout's
+run directory (``OUT/<layout>/``, or ``OUT/round-<r>/<layout>/`` with ``--repeats`` > 1; a normal
+run directory: ``metrics.jsonl``, checkpoints, ``final/``). A finished layout leaves ``result.json``
+there.
 
 One comparison at a time writes ``OUT``: the launching process holds ``OUT/.lock`` throughout.
-Interrupt (Ctrl-C, a killed process) and rerun with ``--resume``: finished layouts are read back,
-the interrupted one continues from its last time-point checkpoint with its clock, and the rest run.
+Interrupt (Ctrl-C, a killed process) and rerun with ``--resume``: finished layouts (of every round)
+are read back, the interrupted one continues from its last time-point checkpoint with its clock, and
+the rest run.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from csbp.atomic import write_text_atomic
 from csbp.compare.budget import BudgetHook, load_budget_state, step_time_summary
 from csbp.compare.layouts import LAYOUT_NAMES, layout_config
+from csbp.compare.rounds import layout_dir, round_config, round_order
 from csbp.config.schema import RunConfig
 from csbp.parallel.launch import run_local
 from csbp.training.preflight import check_new_run_dir, check_run, check_validation_rows
@@ -33,14 +39,15 @@ from csbp.training.trainer import train
 
 RESULT_FILE = "result.json"
 OPTIONS_FILE = "compare_options.json"
-"""``OUT/compare_options.json``: the budget, points, process count and run config a comparison
-started with."""
+"""``OUT/compare_options.json``: the budget, points, process count, rounds, layouts and run config a
+comparison started with."""
 
 
 @dataclass(frozen=True)
 class CompareOptions:
     """What ``csbp compare`` runs: ``layouts`` for ``budget_s`` training seconds each on ``nproc``
-    processes, evaluated at ``points`` equal intervals, in ``out_dir``."""
+    processes, evaluated at ``points`` equal intervals, in ``out_dir``; ``repeats`` rounds of every
+    layout (:mod:`csbp.compare.rounds`)."""
 
     layouts: tuple[str, ...]
     budget_s: float
@@ -49,6 +56,18 @@ class CompareOptions:
     points: int = 5
     resume: bool = False
     metric: str | None = None
+    repeats: int = 1
+
+
+@dataclass(frozen=True)
+class LayoutRun:
+    """Layout ``layout`` of round ``round`` (1-based), trained with ``cfg`` (the round's seed) in
+    ``run_dir``."""
+
+    round: int
+    layout: str
+    cfg: RunConfig
+    run_dir: Path
 
 
 HIGHER_IS_BETTER = ("acceptance_length", "accept_rate_", "token_accuracy", "tau_mean", "candidate_recall")
@@ -94,41 +113,48 @@ def metric_of(cfg: RunConfig, name: str | None = None) -> tuple[str, bool]:
     return name, name.startswith(HIGHER_IS_BETTER)
 
 
-def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[tuple[str, RunConfig]]:
-    """Every layout's config, checked against the data and ``OUT/<layout>`` (raises ValueError)."""
+def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[list[LayoutRun]]:
+    """Every round's layouts in the order the round trains them, each config checked against the
+    data and its run directory (raises ValueError)."""
     if not options.layouts or len(set(options.layouts)) != len(options.layouts):
         raise ValueError(f"--layouts: give distinct layouts from {', '.join(LAYOUT_NAMES)}, e.g. cp,csbp")
-    if options.budget_s <= 0 or options.points < 1 or options.nproc < 1:
-        raise ValueError("--budget-s must be > 0, --points >= 1 and --nproc >= 1")
+    if not (math.isfinite(options.budget_s) and options.budget_s > 0):
+        raise ValueError(f"--budget-s {options.budget_s}: must be a finite number > 0")
+    for flag, value in (("--points", options.points), ("--nproc", options.nproc), ("--repeats", options.repeats)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{flag} {value!r}: must be an integer >= 1")
     metric_of(cfg, options.metric)
     _check_out_dir(options)
     _check_resumed_options(cfg, options)
-    plan = []
-    for name in options.layouts:
-        layout_cfg = layout_config(cfg, name, options.nproc)
-        if layout_cfg.world_size != options.nproc:
+    return [
+        [_plan_layout(round_config(cfg, index), name, index, options) for name in round_order(options.layouts, index)]
+        for index in range(options.repeats)
+    ]
+
+
+def _plan_layout(cfg: RunConfig, name: str, round_index: int, options: CompareOptions) -> LayoutRun:
+    """Layout ``name`` of round ``round_index`` (0-based), checked against its data and run directory."""
+    layout_cfg = layout_config(cfg, name, options.nproc)
+    if layout_cfg.world_size != options.nproc:
+        raise ValueError(f"layout {name!r} needs {layout_cfg.world_size} processes, not --nproc {options.nproc}")
+    run_dir = layout_dir(options.out_dir, name, round_index, options.repeats)
+    resumable = options.resume and load_budget_state(run_dir) is not None
+    done = options.resume and (run_dir / RESULT_FILE).is_file()
+    if not done:
+        if not resumable:
+            check_new_run_dir(run_dir, "--out")  # only a layout run csbp wrote is removed
+            shutil.rmtree(run_dir, ignore_errors=True)  # interrupted before its first time point
+        inputs = check_run(
+            layout_cfg, run_dir=run_dir, resume=resumable, stop_step=layout_cfg.train.max_steps,
+            resume_restart=f"compare the changed config into a new --out instead of {options.out_dir}",
+        )
+        if inputs.val_split is None:
             raise ValueError(
-                f"layout {name!r} needs {layout_cfg.world_size} processes, not --nproc {options.nproc}"
+                "data.val: csbp compare evaluates on validation data, and the run has none "
+                "(fix: prepare the data with --val-fraction, or set data.val)"
             )
-        run_dir = options.out_dir / name
-        resumable = options.resume and load_budget_state(run_dir) is not None
-        done = options.resume and (run_dir / RESULT_FILE).is_file()
-        if not done:
-            if not resumable:
-                check_new_run_dir(run_dir, "--out")  # only a layout run csbp wrote is removed
-                shutil.rmtree(run_dir, ignore_errors=True)  # interrupted before its first time point
-            inputs = check_run(
-                layout_cfg, run_dir=run_dir, resume=resumable, stop_step=layout_cfg.train.max_steps,
-                resume_restart=f"compare the changed config into a new --out instead of {options.out_dir}",
-            )
-            if inputs.val_split is None:
-                raise ValueError(
-                    "data.val: csbp compare evaluates on validation data, and the run has none "
-                    "(fix: prepare the data with --val-fraction, or set data.val)"
-                )
-            check_validation_rows(layout_cfg, inputs.val_split.num_rows)
-        plan.append((name, layout_cfg))
-    return plan
+        check_validation_rows(layout_cfg, inputs.val_split.num_rows)
+    return LayoutRun(round=round_index + 1, layout=name, cfg=layout_cfg, run_dir=run_dir)
 
 
 def _check_out_dir(options: CompareOptions) -> None:
@@ -143,14 +169,17 @@ def _recorded_options(cfg: RunConfig, options: CompareOptions) -> dict[str, Any]
         "budget_s": options.budget_s,
         "points": options.points,
         "nproc": options.nproc,
+        "repeats": options.repeats,
+        "layouts": list(options.layouts),
         "config": json.loads(json.dumps(cfg.model_dump(mode="json"))),
     }
 
 
 def _check_resumed_options(cfg: RunConfig, options: CompareOptions) -> None:
-    """A resumed comparison keeps the run config, budget, points and process count it started with:
-    the layouts already trained were measured under them (one line naming the field or flag
-    otherwise). A non-empty ``--out`` without ``compare_options.json`` is no comparison."""
+    """A resumed comparison keeps the run config, budget, points, process count and rounds it started
+    with (and, with more than one round, its ``--layouts``, which set every round's order): the layouts
+    already trained were measured under them (one line naming the field or flag otherwise). A
+    non-empty ``--out`` without ``compare_options.json`` is no comparison."""
     path = options.out_dir / OPTIONS_FILE
     if not options.resume:
         return
@@ -162,8 +191,10 @@ def _check_resumed_options(cfg: RunConfig, options: CompareOptions) -> None:
             )
         return
     started = json.loads(path.read_text(encoding="utf-8"))
+    started.setdefault("repeats", 1)  # started before --repeats: one round
     recorded = _recorded_options(cfg, options)
     _check_same_config(started.get("config"), recorded.pop("config"), options.out_dir)
+    layouts, before = recorded.pop("layouts"), started.get("layouts")
     for key, value in recorded.items():
         if key in started and started[key] != value:
             flag = "--" + key.replace("_", "-")
@@ -172,6 +203,12 @@ def _check_resumed_options(cfg: RunConfig, options: CompareOptions) -> None:
                 f"and its layouts so far were measured under it (fix: {flag} {started[key]:g} to resume it, or "
                 "another --out)"
             )
+    if options.repeats > 1 and before is not None and before != layouts:
+        first, now = ",".join(before), ",".join(layouts)
+        raise ValueError(
+            f"--layouts {now}: the comparison in {options.out_dir} was started with --layouts {first}, whose order "
+            f"sets the order of every round (fix: --layouts {first} to resume it, or another --out)"
+        )
 
 
 def _check_same_config(started: dict[str, Any] | None, current: dict[str, Any], out_dir: Path) -> None:
@@ -196,13 +233,15 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _train_layout(name: str, cfg: RunConfig, options: CompareOptions, rank: int) -> dict[str, Any]:
-    run_dir = options.out_dir / name
+def _train_layout(run: LayoutRun, options: CompareOptions, rank: int) -> dict[str, Any]:
+    cfg, run_dir = run.cfg, run.run_dir
     state = load_budget_state(run_dir) if options.resume else None
     if state is None and rank == 0:
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing resumable: start this layout afresh
     _barrier()
     metric, _ = metric_of(cfg, options.metric)
+    if rank == 0 and options.repeats > 1:  # which layout the progress lines below belong to
+        print(f"round {run.round}/{options.repeats}: {run.layout}, seed {cfg.run.seed}", flush=True)
     hook = BudgetHook(
         budget_s=options.budget_s,
         num_points=options.points,
@@ -214,7 +253,9 @@ def _train_layout(name: str, cfg: RunConfig, options: CompareOptions, rank: int)
     if not hook.finished:  # a layout interrupted after its last point only lacks result.json
         train(cfg, run_dir=run_dir, resume=state is not None, hook=hook)
     result = {
-        "layout": name,
+        "layout": run.layout,
+        "round": run.round,
+        "seed": cfg.run.seed,
         "topology": {key: cfg.topology.model_dump()[key] for key in ("dp", "cp", "bp", "replicate_clean_prefix")},
         "steps": hook.state.step,
         "clock_s": hook.state.clock_s,
@@ -227,22 +268,25 @@ def _train_layout(name: str, cfg: RunConfig, options: CompareOptions, rank: int)
     return result
 
 
+def _finished(run: LayoutRun, options: CompareOptions) -> dict[str, Any] | None:
+    """The result of a layout a resumed comparison finished before, else None."""
+    result_file = run.run_dir / RESULT_FILE
+    if options.resume and result_file.is_file():
+        return json.loads(result_file.read_text(encoding="utf-8"))
+    return None
+
+
 def _compare_worker(
-    rank: int, world_size: int, plan: list[tuple[str, RunConfig]], options: CompareOptions
+    rank: int, world_size: int, runs: list[LayoutRun], options: CompareOptions
 ) -> list[dict[str, Any]]:
-    results = []
-    for name, cfg in plan:
-        result_file = options.out_dir / name / RESULT_FILE
-        if options.resume and result_file.is_file():
-            results.append(json.loads(result_file.read_text(encoding="utf-8")))
-            continue
-        results.append(_train_layout(name, cfg, options, rank))
-    return results
+    """Train (or read back) the layouts of one round in its order; their results in that order."""
+    return [_finished(run, options) or _train_layout(run, options, rank) for run in runs]
 
 
 def run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]:
-    """Train every layout (module docstring); the per-layout results in ``options.layouts`` order,
-    each point's ``metric`` the ``options.metric`` (also for points of a resumed comparison that
+    """Train every layout of every round (module docstring); the results round by round, each
+    round's in ``options.layouts`` order (whatever order it trained in), each with its ``round``
+    (1-based) and ``seed``, and each point's ``metric`` the ``options.metric`` (also for points of a resumed comparison that
     was started with another one: every point keeps ``val_loss`` and all validation metrics). This
     process holds ``OUT/.lock`` throughout (:mod:`csbp.training.run_lock`): a second comparison in
     ``--out`` is refused before it checks or removes anything there."""
@@ -252,21 +296,34 @@ def run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]
 
 
 def _run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]:
-    plan = plan_layouts(cfg, options)
+    rounds = plan_layouts(cfg, options)
     options.out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(options.out_dir / OPTIONS_FILE, json.dumps(_recorded_options(cfg, options), indent=1) + "\n")
     metric, _ = metric_of(cfg, options.metric)
+    results = []
+    for runs in rounds:
+        trained = {result["layout"]: result for result in _run_round(cfg, runs, options)}
+        results += [_with_metric({**trained[name], "round": runs[0].round}, metric) for name in options.layouts]
+    return results
+
+
+def _run_round(cfg: RunConfig, runs: list[LayoutRun], options: CompareOptions) -> list[dict[str, Any]]:
+    """One round on processes of its own (in this process on one process, or when every layout of
+    the round is finished and only read back)."""
+    finished = [_finished(run, options) for run in runs]
+    if all(result is not None for result in finished):
+        return finished  # type: ignore[return-value]
     if options.nproc == 1:
-        return [_with_metric(result, metric) for result in _compare_worker(0, 1, plan, options)]
-    generous = len(plan) * (3 * options.budget_s + 1800)  # evaluations, exports and a loaded machine
+        return _compare_worker(0, 1, runs, options)
+    generous = len(runs) * (3 * options.budget_s + 1800)  # evaluations, exports and a loaded machine
     per_rank = run_local(
         _compare_worker,
         options.nproc,
-        (plan, options),
+        (runs, options),
         timeout_s=cfg.train.collective_timeout_s,
         join_timeout_s=generous,
     )
-    return [_with_metric(result, metric) for result in per_rank[0]]
+    return per_rank[0]
 
 
 def _with_metric(result: dict[str, Any], metric: str) -> dict[str, Any]:
