@@ -167,6 +167,28 @@ def test_the_target_pass_table_marks_a_time_ratio_within_the_spread() -> None:
     assert " 0.980~" in table and table.endswith(NOISE_NOTE)
 
 
+def test_the_target_pass_time_is_the_median_of_each_steps_slowest_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``time_s`` was the slowest rank's median while ``times_s`` (and the ``~`` marks) held each step's
+    slowest rank: with rank 0 slow in step 0 and rank 1 in step 2, every rank's median was 1 s although
+    two of the three steps took 9 s. Now ``time_s`` is the median of ``times_s`` on both sides of
+    ``time_x``."""
+    import csbp.bench.dflash_target as target
+    from csbp.models.config import DecoderConfig
+
+    ranks = [
+        {"replicated": (100, 0, 0, [9.0, 1.0, 1.0]), "sharded": (60, 0, 8, [2.0, 2.0, 2.0])},
+        {"replicated": (100, 0, 0, [1.0, 1.0, 9.0]), "sharded": (40, 0, 8, [2.0, 3.0, 2.0])},
+    ]
+    monkeypatch.setattr(target, "run_local", lambda *args, **kwargs: ranks)
+    config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=8)
+    replicated, sharded = target.run_target_pass_bench([64], nproc=2, config=config)
+    assert replicated.times_s == (9.0, 1.0, 9.0) and replicated.time_s == 9.0  # was 1.0
+    assert sharded.times_s == (2.0, 3.0, 2.0) and sharded.time_s == 2.0
+    assert sharded.attention_pairs == 60 and sharded.bytes_moved == 8
+    assert " 0.222~ " in target.format_target_table([replicated, sharded])  # 2 / 9 (was 2 / 1), within the range
+
+
 def test_the_speedup_plot_range_spans_every_pair_of_repeats() -> None:
     rows = [
         {"layout": "cp", "seq_len": 64, "step_time_s": 2.0, "step_times_s": [1.8, 2.0, 2.2]},
