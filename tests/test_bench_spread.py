@@ -91,6 +91,24 @@ def test_the_overlap_ablation_marks_a_serial_ratio_within_the_spread() -> None:
     assert lines[2].endswith("~") and not lines[3].endswith("~")
 
 
+def test_the_attention_tables_time_per_flop_ratio_is_marked_by_its_seconds_per_flop() -> None:
+    """``bench attention``'s ``s/TFLOP`` ``x cp`` (time per allowed FLOP, a rate over different work) was
+    never marked: BP-only's 0.91x read as more efficient per FLOP although its seconds per FLOP overlap
+    CP-only's over the repeats."""
+    from csbp.bench.attention import AttentionRecord, format_table
+
+    def record(layout: str, flops: float, times: tuple[float, ...]) -> AttentionRecord:
+        step = sorted(times)[1]
+        return AttentionRecord(layout, 4, 1, 1024, 16, 4, None, "collective", step, 0, int(flops), 1 << 20,
+                               step / (flops / 1e9), step_times_s=times)
+
+    cp = record("cp", 1e9, (1.0, 1.1, 1.2))  # 1.0-1.2 ns per FLOP
+    bp = record("bp", 2.5e9, (2.4, 2.5, 2.75))  # 0.96-1.1 ns per FLOP: overlaps; the step time does not
+    line = format_table([cp, bp]).splitlines()[3]
+    step_ratio, flop_ratio = line.split()[4], line.split()[-1]
+    assert (step_ratio, flop_ratio) == ("2.27", "0.91~")
+
+
 def test_the_kernel_verdict_says_when_the_speedup_is_noise() -> None:
     def row(form: str, time_s: float, times: list[float]) -> dict[str, object]:
         return {"seq_len": 64, "block_size": 8, "backend": "tiles", "form": form, "time_s": time_s, "times_s": times,
