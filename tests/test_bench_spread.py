@@ -22,7 +22,7 @@ from csbp.bench.common import (
     repeats_of,
 )
 from csbp.bench.dflash_target import TargetPassRecord, format_target_table
-from csbp.bench.kernel_summary import format_verdicts, shape_verdicts
+from csbp.bench.kernel_summary import format_verdicts, shape_verdicts, target_line
 from csbp.bench.plot import speedup_range
 from csbp.bench.spread import NOISE_NOTE, format_spread, ratio_range, spread_percent, within_noise
 
@@ -91,6 +91,24 @@ def test_the_overlap_ablation_marks_a_serial_ratio_within_the_spread() -> None:
     assert lines[2].endswith("~") and not lines[3].endswith("~")
 
 
+def test_the_attention_tables_time_per_flop_ratio_is_marked_by_its_seconds_per_flop() -> None:
+    """``bench attention``'s ``s/TFLOP`` ``x cp`` (time per allowed FLOP, a rate over different work) was
+    never marked: BP-only's 0.91x read as more efficient per FLOP although its seconds per FLOP overlap
+    CP-only's over the repeats."""
+    from csbp.bench.attention import AttentionRecord, format_table
+
+    def record(layout: str, flops: float, times: tuple[float, ...]) -> AttentionRecord:
+        step = sorted(times)[1]
+        return AttentionRecord(layout, 4, 1, 1024, 16, 4, None, "collective", step, 0, int(flops), 1 << 20,
+                               step / (flops / 1e9), step_times_s=times)
+
+    cp = record("cp", 1e9, (1.0, 1.1, 1.2))  # 1.0-1.2 ns per FLOP
+    bp = record("bp", 2.5e9, (2.4, 2.5, 2.75))  # 0.96-1.1 ns per FLOP: overlaps; the step time does not
+    line = format_table([cp, bp]).splitlines()[3]
+    step_ratio, flop_ratio = line.split()[4], line.split()[-1]
+    assert (step_ratio, flop_ratio) == ("2.27", "0.91~")
+
+
 def test_the_kernel_verdict_says_when_the_speedup_is_noise() -> None:
     def row(form: str, time_s: float, times: list[float]) -> dict[str, object]:
         return {"seq_len": 64, "block_size": 8, "backend": "tiles", "form": form, "time_s": time_s, "times_s": times,
@@ -104,6 +122,60 @@ def test_the_kernel_verdict_says_when_the_speedup_is_noise() -> None:
     assert "= 2.00x" in format_verdicts(shape_verdicts(legacy))  # older JSON without repeats still reads
 
 
+def _kernel_row(form: str, times: list[float], pairs: int, **extra: object) -> dict[str, object]:
+    """A ``bench kernels --json`` row at L = 16384, B = 128 (inside the kernel targets' range)."""
+    return {"seq_len": 16384, "block_size": 128, "backend": "sdpa" if form == "dense" else "flex", "form": form,
+            "time_s": sorted(times)[len(times) // 2], "times_s": times, "useful_pairs": pairs,
+            "diagonal": "sdpa" if form == "decomposed" else "-", "clean": "pieces" if form == "decomposed" else "-",
+            **extra}
+
+
+def test_the_kernel_summary_marks_a_rate_within_dense_rates_noise() -> None:
+    """``x dense`` (a rate per allowed pair over dense's) was never marked ``~``: a 0.95x whose repeats
+    overlap dense's per pair read like a measured slowdown, in the table, the verdict and #8's target line."""
+    from csbp.bench.kernel_summary import TARGET_NOISE_NOTE
+
+    dense = _kernel_row("dense", [1.9, 2.0, 2.1], 1000, vs_dense=1.0)
+    # half the pairs: seconds per pair 1.9e-3..2.2e-3 overlap dense's 1.9e-3..2.1e-3 -> ~
+    mixed = _kernel_row("mixed-ag", [0.95, 1.05, 1.1], 500, vs_dense=0.95)
+    # seconds per pair 1.2e-3..1.3e-3: clearly faster than dense per pair -> no mark
+    decomposed = _kernel_row("decomposed", [0.6, 0.62, 0.65], 500, vs_dense=1.6)
+    verdict = shape_verdicts([dense, mixed, decomposed])[0]
+    assert verdict.mixed_vs_dense_within_noise and not verdict.decomposed_vs_dense_within_noise
+    line = format_verdicts([verdict])
+    assert "fastest mixed (mixed-ag) 0.95x~ dense's rate;" in line and "1.60x dense's rate" in line
+    targets = target_line([dense, mixed, decomposed])
+    assert targets.startswith("targets at L = 16384: worst mixed 0.95x~ and decomposed 1.60x dense's rate")
+    assert targets.endswith(TARGET_NOISE_NOTE)
+    # the decomposed/mixed speedup at the target's B = 128 is clear: unmarked
+    assert "decomposed/mixed worst 1.69x (>= 1.0x), at B=128 1.69x (>= 1.2x)" in targets
+    legacy = [{k: v for k, v in row.items() if k != "times_s"} for row in (dense, mixed, decomposed)]
+    assert "~" not in target_line(legacy)  # older JSON without repeats: nothing to be within
+
+
+def test_the_kernel_table_marks_x_dense_and_the_json_agrees_with_the_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from csbp.bench.kernel_summary import vs_dense_within_noise
+    from csbp.bench.kernels import KernelRecord
+    from csbp.bench.kernels_cli import format_row
+    from csbp.cli.main import main
+
+    def record(vs_dense: float, noisy: bool) -> KernelRecord:
+        return KernelRecord("cpu", "float32", 64, 8, "tiles", "mixed", "-", "-", 1.0, 10, 1.0, vs_dense, math.nan,
+                            0.0, 0, times_s=(0.9, 1.0, 1.1), vs_dense_within_noise=noisy)
+
+    assert " 0.97~ " in format_row(record(0.97, True)) and " 0.50  " in format_row(record(0.5, False))
+    out = tmp_path / "k.json"
+    assert main(["bench", "kernels", "--seq-lens", "32", "--block-sizes", "8", "--repeats", "3", "--warmup", "0",
+                 "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "8", "--diagonals", "sdpa",
+                 "--clean-kernels", "generic", "--no-op-count", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    dense = next(r for r in rows if r["form"] == "dense")
+    for row in rows:  # the record's mark is the summary's definition, recomputed from the JSON's repeats
+        assert row["vs_dense_within_noise"] == (row is not dense and vs_dense_within_noise(row, dense))
+
+
 def test_the_target_pass_table_marks_a_time_ratio_within_the_spread() -> None:
     records = [
         TargetPassRecord(64, "replicated", 1.0, 10, 0.1, 1.0, 0, (0.9, 1.0, 1.1)),
@@ -111,6 +183,28 @@ def test_the_target_pass_table_marks_a_time_ratio_within_the_spread() -> None:
     ]
     table = format_target_table(records)
     assert " 0.980~" in table and table.endswith(NOISE_NOTE)
+
+
+def test_the_target_pass_time_is_the_median_of_each_steps_slowest_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``time_s`` was the slowest rank's median while ``times_s`` (and the ``~`` marks) held each step's
+    slowest rank: with rank 0 slow in step 0 and rank 1 in step 2, every rank's median was 1 s although
+    two of the three steps took 9 s. Now ``time_s`` is the median of ``times_s`` on both sides of
+    ``time_x``."""
+    import csbp.bench.dflash_target as target
+    from csbp.models.config import DecoderConfig
+
+    ranks = [
+        {"replicated": (100, 0, 0, [9.0, 1.0, 1.0]), "sharded": (60, 0, 8, [2.0, 2.0, 2.0])},
+        {"replicated": (100, 0, 0, [1.0, 1.0, 9.0]), "sharded": (40, 0, 8, [2.0, 3.0, 2.0])},
+    ]
+    monkeypatch.setattr(target, "run_local", lambda *args, **kwargs: ranks)
+    config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                           num_kv_heads=2, head_dim=8)
+    replicated, sharded = target.run_target_pass_bench([64], nproc=2, config=config)
+    assert replicated.times_s == (9.0, 1.0, 9.0) and replicated.time_s == 9.0  # was 1.0
+    assert sharded.times_s == (2.0, 3.0, 2.0) and sharded.time_s == 2.0
+    assert sharded.attention_pairs == 60 and sharded.bytes_moved == 8
+    assert " 0.222~ " in target.format_target_table([replicated, sharded])  # 2 / 9 (was 2 / 1), within the range
 
 
 def test_the_speedup_plot_range_spans_every_pair_of_repeats() -> None:

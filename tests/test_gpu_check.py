@@ -28,7 +28,7 @@ from csbp.gpu.flops import (
     model_flop_utilisation,
 )
 from csbp.gpu.profile import CPU_DRY_RUN, KERNEL_BENCH_ARGS
-from csbp.gpu.train_table import TableConfig, TableRow, format_train_table, run_train_table
+from csbp.gpu.train_table import TableConfig, TableRow, format_train_table, rows_as_dicts, run_train_table
 from csbp.models.config import DecoderConfig
 
 
@@ -178,9 +178,27 @@ def test_long_steps_end_a_row_after_one_timed_step() -> None:
         return 1.0
 
     cfg = TableConfig(warmup=1, repeats=3, long_step_s=0.01)
-    step_time, _, loss, steps = _measure(step, cfg, torch.device("cpu"))
-    assert calls == [0] and steps == 1 and step_time >= 0.02 and loss == 1.0
-    assert _measure(step, TableConfig(warmup=1, repeats=2, long_step_s=10.0), torch.device("cpu"))[3] == 2
+    measured = _measure(step, cfg, torch.device("cpu"))
+    assert calls == [0] and measured.steps == 1 and measured.step_time_s >= 0.02 and measured.loss == 1.0
+    assert _measure(step, TableConfig(warmup=1, repeats=2, long_step_s=10.0), torch.device("cpu")).steps == 2
+
+
+def test_training_table_rows_keep_every_timed_step_and_print_their_spread() -> None:
+    """The table printed the median step of ``repeats`` with no spread (the benchmarks' ``±``) and
+    gpu-check.json kept no repeat: a step time's noise could not be told from a difference."""
+    tiny = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    cfg = TableConfig(seq_lens=(32,), block_size=4, model=tiny, activation_checkpointing="none",
+                      dflash_seq_len=None, warmup=0, repeats=3, peak_tflops=1.0)
+    (row,) = run_train_table(cfg, torch.device("cpu"))
+    assert row.status == "ok (3 timed)" and len(row.step_times_s) == 3
+    assert row.step_time_s == sorted(row.step_times_s)[1]
+    assert json.loads(json.dumps(rows_as_dicts([row])))[0]["step_times_s"] == list(row.step_times_s)
+    fixed = dataclasses.replace(row, step_time_s=1.0, step_times_s=(0.9, 1.0, 1.1))
+    header, _, line = format_train_table([fixed]).splitlines()
+    assert "±" in header and " ±10% " in line
+    one = dataclasses.replace(row, step_times_s=(1.0,))
+    assert format_train_table([one]).splitlines()[2].split()[4] == "-"  # one timed step: no spread
 
 
 def test_training_table_skips_rows_beyond_the_budget() -> None:

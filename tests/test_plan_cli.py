@@ -418,6 +418,26 @@ def test_calibrate_reads_what_each_benchmark_writes(tmp_path: Path) -> None:
     assert observations[-1].workload.objective.is_drafter
 
 
+def test_calibrate_times_every_benchmark_by_its_fastest_repeat_and_reads_older_files(tmp_path: Path) -> None:
+    """``--timing fastest`` (the default) read ``step_time_min_s``, which only ``bench train`` writes: an
+    attention or DFlash record was fitted on its median while a train record in the same file was
+    fitted on its fastest repeat. Now every record's fastest repeat (``step_times_s``) is read; files
+    from before the repeats still read (train's ``step_time_min_s``, else the median)."""
+    from csbp.plan.fit import bench_observations
+
+    shape = {"hidden_size": 128, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32, "seq_len": 512,
+             "block_size": 16, "nproc": 2, "cp": 2, "bp": 1, "layout": "cp", "peak_mem_bytes": 1 << 20}
+    new = {**shape, "step_time_s": 1.0, "step_times_s": [1.5, 0.5, 1.0]}
+    old_attention = {**shape, "step_time_s": 1.0}
+    old_train = {**old_attention, "objective": "bd3", "vocab_size": 512, "intermediate_size": 256,
+                 "step_time_min_s": 0.75}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([new, old_attention, old_train]))
+    steps = [o.value for o in bench_observations([path]) if o.metric == "step_s"]
+    assert steps == [0.5, 1.0, 0.75]  # the first was 1.0, its median
+    assert [o.value for o in bench_observations([path], fastest=False) if o.metric == "step_s"] == [1.0] * 3
+
+
 def test_topology_auto_in_the_config_file(tmp_path: Path, capsys) -> None:
     import yaml
 

@@ -295,7 +295,8 @@ TABLE_COLUMNS = [
     Column("KV MiB/rank", "kv_bytes_per_rank", ">12.2f", vs_cp=True, shown=lambda v: v / 2**20),
     Column("GFLOP/rank", "attn_flops_per_rank", ">11.3f", vs_cp=True, shown=lambda v: v / 1e9),
     Column("peak MiB", "peak_mem_bytes", ">9.1f", vs_cp=True, shown=lambda v: v / 2**20),
-    Column("s/TFLOP", "time_per_gflop_s", ">8.2f", vs_cp=True, shown=lambda v: v * 1e3),
+    Column("s/TFLOP", "time_per_gflop_s", ">8.2f", vs_cp=True, shown=lambda v: v * 1e3, times="step_times_s",
+           per="attn_flops_per_rank"),
 ]
 
 

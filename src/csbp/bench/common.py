@@ -38,7 +38,7 @@ import torch.distributed as dist
 from csbp.atomic import write_json_atomic
 from csbp.attention.documents import Documents, seeded_documents
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
-from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread, within_noise
+from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread, rates_within_noise, within_noise
 from csbp.cli.options import output_file, positive_int
 from csbp.devices import DEVICE_KINDS, backend_device, resolve_device
 from csbp.parallel.comm import serialized_collectives
@@ -202,9 +202,11 @@ class Column:
     width also place ``header``), after ``shown`` (e.g. a unit change); ``vs_cp`` adds an ``x cp``
     column with the raw value's ratio to the CP-only record of the same cell. ``times`` names the
     record attribute holding the value's timed repeats: its ``x cp`` ratio is marked ``~`` when the
-    two records' repeats overlap, and with ``spread`` a ``±`` column follows the value. ``noise``
-    names two such attributes of the same record whose overlap marks this column's value (a ratio
-    of the two, e.g. ``x serial``)."""
+    two records' repeats overlap, and with ``spread`` a ``±`` column follows the value. ``per`` names
+    the record attribute (an amount of work: FLOPs) the value is a time per: its ``x cp`` is a ratio of
+    rates over different work, marked when the two records' seconds per unit of work overlap
+    (``spread.rates_within_noise``). ``noise`` names two attributes of the same record holding
+    repeats whose overlap marks this column's value (a ratio of the two, e.g. ``x serial``)."""
 
     header: str
     name: str
@@ -214,6 +216,7 @@ class Column:
     times: str | None = None
     spread: bool = False
     noise: tuple[str, str] | None = None
+    per: str | None = None
 
 
 SPREAD_WIDTH = 4
@@ -253,14 +256,22 @@ def format_ratio_table(records: Sequence[Any], cell_fields: tuple[str, ...], col
             if column.spread:
                 parts.append(format_spread(getattr(r, column.times or ""), SPREAD_WIDTH))
             if column.vs_cp:
-                noisy = bool(b and column.times and b is not r and within_noise(
-                    getattr(r, column.times), getattr(b, column.times)))
+                noisy = bool(b and column.times and b is not r and _ratio_within_noise(column, r, b))
                 marked |= noisy
                 parts.append(_ratio(value, b and getattr(b, column.name), noisy))
         lines.append(" ".join(parts))
     if marked:
         lines.append(NOISE_NOTE)
     return "\n".join(lines)
+
+
+def _ratio_within_noise(column: Column, record: Any, base: Any) -> bool:
+    """Whether ``column``'s ratio of ``record`` to ``base`` is within their repeats' noise (its
+    ``times``, per unit of its ``per`` work when it has one)."""
+    times, base_times = getattr(record, column.times or ""), getattr(base, column.times or "")
+    if column.per is None:
+        return within_noise(times, base_times)
+    return rates_within_noise(times, getattr(record, column.per), base_times, getattr(base, column.per))
 
 
 def records_as_dicts(records: Sequence[Any]) -> list[dict[str, object]]:

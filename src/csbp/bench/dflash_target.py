@@ -4,13 +4,16 @@ its zigzag rows and all-gathers K/V per layer, ``csbp.dflash.target_shard``), si
 run of ``nproc`` processes (one CP ring of ``nproc``), the two passes alternating step by step
 (``pass_order``) on the same tokens.
 
-Per rank and pass: median wall time (every step's slowest-rank time in ``times_s``; the table's
-``±`` is their spread and ``~`` marks a ``time_x`` within it, ``csbp.bench.spread``), causal attention pairs (query, key) summed over the target
-layers (and the attention FLOPs, forward only), peak memory growth of the pass (``PeakMemory``:
-CUDA allocator peak or the process's RSS high-water mark on the CPU), and bytes received over the
-ring (``dflash.target``: the per-layer K/V all-gathers; 0 for the replicated pass). The KL teacher
-rows the step then exchanges (``dflash.teacher``, ``csbp.dflash.teacher_rows``) depend on the
-anchors and are not part of this pass. Reported for the slowest rank.
+Per pass: the time of each timed step is its slowest rank's (every rank starts the pass after a
+barrier, so the step ends when the slowest one does; ``times_s``, in run order) and ``time_s`` is the
+median of those step times, as in ``csbp bench attention|train|dflash``; the table's ``±`` is their
+spread and ``~`` marks a ``time_x`` (sharded ``time_s`` / replicated ``time_s``, both so defined)
+within it, ``csbp.bench.spread``. Per rank, and reported for the largest rank: causal attention
+pairs (query, key) summed over the target layers (and the attention FLOPs, forward only), peak
+memory growth of the pass (``PeakMemory``: CUDA allocator peak or the process's RSS high-water mark
+on the CPU), and bytes received over the ring (``dflash.target``: the per-layer K/V all-gathers; 0
+for the replicated pass). The KL teacher rows the step then exchanges (``dflash.teacher``,
+``csbp.dflash.teacher_rows``) depend on the anchors and are not part of this pass.
 """
 
 from __future__ import annotations
@@ -44,16 +47,21 @@ PASSES = ("replicated", "sharded")
 
 @dataclass(frozen=True)
 class TargetPassRecord:
-    """One pass at one length: the slowest rank's time and the largest per-rank counts."""
+    """One pass at one length: its step time (median over the steps of the slowest rank's time) and the
+    largest per-rank counts."""
 
     seq_len: int
     capture: str
-    time_s: float
+    time_s: float  # the median of ``times_s``
     attention_pairs: int
     attention_gflops: float
     peak_mib: float
     bytes_moved: int
     times_s: tuple[float, ...] = ()  # every timed step: the slowest rank's time, in run order
+
+
+RankPass = tuple[int, int, int, list[float]]
+"""One rank's results of one pass: ``(attention pairs, peak memory bytes, bytes received, step times)``."""
 
 
 def causal_pairs(positions: torch.Tensor) -> int:
@@ -63,7 +71,7 @@ def causal_pairs(positions: torch.Tensor) -> int:
 
 def _worker(
     rank: int, world: int, config: DecoderConfig, seq_len: int, dtype: torch.dtype, warmup: int, repeats: int
-) -> dict[str, tuple[float, int, int, int, list[float]]]:
+) -> dict[str, RankPass]:
     ctx = build_parallel_context(Topology(cp=world))
     ring = ctx.ring_comm()
     assert ring is not None
@@ -84,8 +92,21 @@ def _worker(
     for capture in PASSES:
         rows = context_positions(seq_len, world, ring.rank) if capture == "sharded" else torch.arange(seq_len)
         pairs = causal_pairs(rows) * config.num_layers
-        results[capture] = (statistics.median(times[capture]), pairs, peak[capture], moved[capture], times[capture])
+        results[capture] = (pairs, peak[capture], moved[capture], times[capture])
     return results
+
+
+def pass_record(seq_len: int, capture: str, per_rank: list[RankPass], config: DecoderConfig) -> TargetPassRecord:
+    """The record of one pass from every rank's results: per step the slowest rank's time, the median of
+    those (not the slowest rank's median: a rank slow in one step and another slow in the next make
+    every step slow, which the ranks' medians both miss), and the largest per-rank counts."""
+    steps = tuple(max(step) for step in zip(*(rank[3] for rank in per_rank), strict=True))
+    pairs = max(rank[0] for rank in per_rank)
+    return TargetPassRecord(
+        seq_len, capture, statistics.median(steps), pairs,
+        attention_flops(pairs, num_heads=config.num_heads, head_dim=config.head_dim, backward=False) / 1e9,
+        max(rank[1] for rank in per_rank) / 2**20, max(rank[2] for rank in per_rank), steps,
+    )
 
 
 def _timed_pass(
@@ -127,15 +148,7 @@ def run_target_pass_bench(
     records = []
     for seq_len in seq_lens:
         ranks = run_local(_worker, nproc, (config, seq_len, dtype, warmup, repeats), device=device)
-        for capture in PASSES:
-            per_rank = [r[capture] for r in ranks]
-            pairs = max(p[1] for p in per_rank)
-            records.append(TargetPassRecord(
-                seq_len, capture, max(p[0] for p in per_rank), pairs,
-                attention_flops(pairs, num_heads=config.num_heads, head_dim=config.head_dim, backward=False) / 1e9,
-                max(p[2] for p in per_rank) / 2**20, max(p[3] for p in per_rank),
-                tuple(max(step) for step in zip(*(p[4] for p in per_rank), strict=True)),
-            ))
+        records += [pass_record(seq_len, capture, [r[capture] for r in ranks], config) for capture in PASSES]
     return records
 
 
@@ -174,7 +187,8 @@ def run_target_pass_command(args: argparse.Namespace) -> int:
     print(
         f"csbp bench dflash --target-pass: nproc={args.nproc} (one CP ring) target={args.num_target_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} {args.dtype} "
-        f"(slowest rank, median of {args.repeats} repeats, ± half their range; x = sharded / replicated)"
+        f"(per step the slowest rank's time, median of {args.repeats} steps, ± half their range; "
+        "x = sharded / replicated)"
     )
     print(format_target_table(records))
     if getattr(args, "json", None):

@@ -4,9 +4,12 @@ fastest decomposed form, their rates relative to dense attention and the decompo
 It reads the benchmark's rows as dictionaries (its ``--json`` output, or ``gpu-kernels.json`` of
 ``make gpu-check``), so the command, the device check and anyone holding a JSON file get the same
 lines; where the rows hold their repeats (``times_s``) a speedup within their min-max range is said to
-be no measurable difference. Rates are per useful (allowed) pair; "dense" is dense SDPA over all pairs of the same shapes
-(FlashAttention on CUDA). The kernel path's targets on CUDA (#8: bf16, head dim 128, L = 16K-128K)
-are ``KERNEL_TARGETS``; ``target_line`` says how a run measured against them.
+be no measurable difference, and a rate relative to dense whose seconds per pair overlap dense's over
+the repeats is marked ``~`` (``csbp.bench.spread``: the table's ``x dense`` and ``decomp x`` marks, from
+the same repeats, so a JSON file written before the marks reads the same). Rates are per useful
+(allowed) pair; "dense" is dense SDPA over all pairs of the same shapes (FlashAttention on CUDA). The
+kernel path's targets on CUDA (#8: bf16, head dim 128, L = 16K-128K) are ``KERNEL_TARGETS``;
+``target_line`` says how a run measured against them (each worst value marked ``~`` in the same way).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from csbp.bench.spread import within_noise
+from csbp.bench.spread import NOISE_MARK, rates_within_noise, within_noise
 
 Row = Mapping[str, object]
 
@@ -35,6 +38,8 @@ class ShapeVerdict:
     decomposed_vs_dense: float
     speedup: float  # t_mixed / t_decomposed of the fastest of each (nan if either is missing)
     within_noise: bool = False  # the two rows' repeats (``times_s``, where recorded) overlap: no speedup
+    mixed_vs_dense_within_noise: bool = False  # the mixed row's seconds per pair overlap dense's over the repeats
+    decomposed_vs_dense_within_noise: bool = False  # the same for the decomposed row
 
 
 def _number(row: Row, key: str) -> float:
@@ -45,6 +50,20 @@ def _number(row: Row, key: str) -> float:
 def _times(row: Row) -> list[float]:
     times = row.get("times_s")
     return [float(t) for t in times if isinstance(t, int | float)] if isinstance(times, list | tuple) else []
+
+
+def vs_dense_within_noise(row: Row, dense: Row | None) -> bool:
+    """Whether ``row``'s rate per allowed pair and the dense row's could be equal on some pair of their
+    repeats (False without repeats or pair counts: an older JSON file)."""
+    if dense is None:
+        return False
+    return rates_within_noise(_times(row), _number(row, "useful_pairs"), _times(dense), _number(dense, "useful_pairs"))
+
+
+def _dense_row(rows: Sequence[Row], seq_len: object) -> Row | None:
+    """Dense SDPA's row at ``seq_len`` (the baseline of ``vs_dense``), if the rows hold one."""
+    return next((r for r in rows if r.get("form") == "dense" and r.get("backend") == "sdpa"
+                 and r.get("seq_len") == seq_len), None)
 
 
 def _fastest(rows: Sequence[Row]) -> Row | None:
@@ -63,6 +82,7 @@ def shape_verdicts(rows: Sequence[Row]) -> list[ShapeVerdict]:
     for seq_len, block, backend in shapes:
         mine = [r for r in rows if (r.get("seq_len"), r.get("block_size"), r.get("backend")) == (seq_len, block, backend)]
         mixed = _fastest([r for r in mine if r.get("form") in MIXED_FORMS])
+        dense = _dense_row(rows, seq_len)
         decomposed = _fastest([r for r in mine if r.get("form") == "decomposed"])
         speedup, noisy = math.nan, False
         if mixed is not None and decomposed is not None:
@@ -77,19 +97,28 @@ def shape_verdicts(rows: Sequence[Row]) -> list[ShapeVerdict]:
             decomposed_vs_dense=_number(decomposed, "vs_dense") if decomposed is not None else math.nan,
             speedup=speedup,
             within_noise=noisy,
+            mixed_vs_dense_within_noise=mixed is not None and vs_dense_within_noise(mixed, dense),
+            decomposed_vs_dense_within_noise=decomposed is not None and vs_dense_within_noise(decomposed, dense),
         ))
     return verdicts
 
 
+def _mark(noisy: bool) -> str:
+    return NOISE_MARK if noisy else ""
+
+
 def format_verdicts(verdicts: Sequence[ShapeVerdict]) -> str:
-    """One line per shape: the fastest mixed and decomposed forms and the decomposed form's speedup."""
+    """One line per shape: the fastest mixed and decomposed forms and the decomposed form's speedup (a
+    rate within the noise of dense's marked ``~``, as in the table)."""
     lines = []
     for v in verdicts:
         parts = [f"L={v.seq_len} B={v.block_size} {v.backend}:"]
         if v.mixed_form:
-            parts.append(f"fastest mixed ({v.mixed_form}) {v.mixed_vs_dense:.2f}x dense's rate;")
+            parts.append(f"fastest mixed ({v.mixed_form}) {v.mixed_vs_dense:.2f}x{_mark(v.mixed_vs_dense_within_noise)} "
+                         "dense's rate;")
         if v.decomposed_kernels:
-            parts.append(f"fastest decomposed ({v.decomposed_kernels}) {v.decomposed_vs_dense:.2f}x dense's rate")
+            parts.append(f"fastest decomposed ({v.decomposed_kernels}) {v.decomposed_vs_dense:.2f}x"
+                         f"{_mark(v.decomposed_vs_dense_within_noise)} dense's rate")
         if math.isfinite(v.speedup):
             parts.append(f"= {v.speedup:.2f}x the mixed form's speed")
             if v.within_noise:
@@ -112,23 +141,38 @@ class KernelTargets:
 KERNEL_TARGETS = KernelTargets()
 
 
+TARGET_NOISE_NOTE = "~: within the repeats' min-max range of its reference (no measurable difference)"
+"""The end of ``target_line`` when one of its worst values is marked ``~``."""
+
+
 def target_line(rows: Sequence[Row], targets: KernelTargets = KERNEL_TARGETS) -> str:
     """How the measured shapes inside the targets' range compare with them, on one line (the worst
-    value of each target; "not measured" when no shape in the range was)."""
+    value of each target, marked ``~`` where that row's repeats overlap its reference's: dense's for a
+    rate, the mixed form's for a speedup; "not measured" when no shape in the range was)."""
     low, high = targets.seq_lens
     verdicts = [v for v in shape_verdicts(rows) if low <= v.seq_len <= high]
     if not verdicts:
         return f"targets: no shape measured at L = {low}-{high}"
+    marked = False
 
-    def worst(values: list[float]) -> str:
-        finite = [x for x in values if math.isfinite(x)]
-        return f"{min(finite):.2f}x" if finite else "not measured"
+    def worst(values: list[tuple[float, bool]]) -> str:
+        nonlocal marked
+        finite = [x for x in values if math.isfinite(x[0])]
+        if not finite:
+            return "not measured"
+        value, noisy = min(finite, key=lambda x: x[0])
+        marked |= noisy
+        return f"{value:.2f}x{_mark(noisy)}"
 
-    large = [v.speedup for v in verdicts if v.block_size == targets.large_block]
     lengths = sorted({v.seq_len for v in verdicts})
-    return (
-        f"targets at L = {', '.join(str(n) for n in lengths)}: worst mixed {worst([v.mixed_vs_dense for v in verdicts])}"
-        f" and decomposed {worst([v.decomposed_vs_dense for v in verdicts])} dense's rate (>= "
-        f"{targets.min_vs_dense:.2f}x); decomposed/mixed worst {worst([v.speedup for v in verdicts])} (>= "
-        f"{targets.min_speedup:.1f}x), at B={targets.large_block} {worst(large)} (>= {targets.min_speedup_large_block:.1f}x)"
+    mixed = worst([(v.mixed_vs_dense, v.mixed_vs_dense_within_noise) for v in verdicts])
+    decomposed = worst([(v.decomposed_vs_dense, v.decomposed_vs_dense_within_noise) for v in verdicts])
+    speedup = worst([(v.speedup, v.within_noise) for v in verdicts])
+    large = worst([(v.speedup, v.within_noise) for v in verdicts if v.block_size == targets.large_block])
+    line = (
+        f"targets at L = {', '.join(str(n) for n in lengths)}: worst mixed {mixed}"
+        f" and decomposed {decomposed} dense's rate (>= "
+        f"{targets.min_vs_dense:.2f}x); decomposed/mixed worst {speedup} (>= "
+        f"{targets.min_speedup:.1f}x), at B={targets.large_block} {large} (>= {targets.min_speedup_large_block:.1f}x)"
     )
+    return f"{line}; {TARGET_NOISE_NOTE}" if marked else line

@@ -25,7 +25,8 @@ and dense SDPA over all ``(2L)^2`` pairs of the same shapes as the baseline (on 
 SDPA picks), plus on CUDA the ``flash2`` and ``cudnn`` rows at the first length: FlashAttention-2
 and cuDNN over the same pairs through the calls the flash pieces make (``csbp.attention.flash_ops``).
 Per record: median time of forward + backward (every repeat in ``times_s``; ``speedup_within_noise``
-when a decomposed row's repeats overlap the faster mixed form's, ``csbp.bench.spread``), TFLOP/s counted on the mask's allowed pairs only
+when a decomposed row's repeats overlap the faster mixed form's, ``vs_dense_within_noise`` when its
+seconds per allowed pair overlap dense SDPA's, ``csbp.bench.spread``), TFLOP/s counted on the mask's allowed pairs only
 (``csbp.bench.measure.attention_flops``; dense SDPA on all pairs), the ratio of that rate to dense
 SDPA's, the decomposed form's speedup over the faster mixed form (``t_mixed / t_decomposed``), the time to
 build one form's per-step plans (tile plans with their mask strips, or BlockMasks; built once per
@@ -79,7 +80,7 @@ from csbp.bench.common import (
     print_header,
 )
 from csbp.bench.measure import allowed_pairs, attention_flops
-from csbp.bench.spread import within_noise
+from csbp.bench.spread import rates_within_noise, within_noise
 
 if TYPE_CHECKING:
     from torch._ops import OpOverload
@@ -114,6 +115,7 @@ class KernelRecord:
     flex_backward: str = "-"  # flex rows: how merged partials ran their backward (direct or recompute)
     times_s: tuple[float, ...] = ()  # every timed repeat; ``time_s`` is their median
     speedup_within_noise: bool = False  # decomposed rows: its repeats and the faster mixed form's overlap
+    vs_dense_within_noise: bool = False  # its seconds per allowed pair and dense SDPA's (per pair) overlap
 
 
 def build_form(
@@ -342,7 +344,8 @@ def run_kernel_bench(
                     rate = attention_flops(n * n, **n_flops) / _median(fused_times) / 1e12
                     add(KernelRecord(device, dtype, seq_len, block, FUSED_ROWS[name], "dense", "-", "-",
                                      _median(fused_times), n * n, rate, rate / dense_rate, float("nan"), 0.0, 0,
-                                     times_s=fused_times))
+                                     times_s=fused_times,
+                                     vs_dense_within_noise=within_noise(fused_times, dense_times)))
             rows, pairs = shapes[seq_len, block]
             backend, form, diagonal, clean = job.backend, job.form, job.diagonal, job.clean
             graphs_before = _compiled_graphs()
@@ -374,7 +377,8 @@ def run_kernel_bench(
             speedup = _median(mixed) / time_s if form == "decomposed" else float("nan")
             add(KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
                              rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before,
-                             times_s=times, speedup_within_noise=form == "decomposed" and within_noise(times, mixed)))
+                             times_s=times, speedup_within_noise=form == "decomposed" and within_noise(times, mixed),
+                             vs_dense_within_noise=rates_within_noise(times, useful, dense_times, n * n)))
     return records
 
 

@@ -26,19 +26,29 @@ def format_header() -> str:
     return f"{header}\n{'-' * len(header)}"
 
 
+def _marked(value: float, noisy: bool) -> str:
+    """``value`` with two decimals and the noise mark (or a blank, so marked and plain rows align)."""
+    return f"{value:.2f}{NOISE_MARK if noisy else ' '}"
+
+
+def noisy_records(records: list[KernelRecord]) -> bool:
+    """Whether any row's ``x dense`` or ``decomp x`` is marked ``~`` (the table then ends with the note)."""
+    return any(r.speedup_within_noise or r.vs_dense_within_noise for r in records)
+
+
 def format_row(r: KernelRecord) -> str:
-    speedup = "- " if r.form != "decomposed" else f"{r.decomposed_speedup:.2f}{NOISE_MARK if r.speedup_within_noise else ' '}"
+    speedup = "- " if r.form != "decomposed" else _marked(r.decomposed_speedup, r.speedup_within_noise)
     return (
         f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.diagonal:<8} {r.clean:<7} "
         f"{r.time_s * 1e3:>11.2f} {format_spread(r.times_s)} "
-        f"{r.tflops:>8.3f} {r.vs_dense:>8.2f} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
+        f"{r.tflops:>8.3f} {_marked(r.vs_dense, r.vs_dense_within_noise):>8} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
         f"{'-' if math.isnan(r.first_call_s) else f'{r.first_call_s * 1e3:.1f}':>9} {r.compiled_graphs:>6} "
         f"{r.aten_ops if r.aten_ops else '-':>9}"
     )
 
 
 def format_table(records: list[KernelRecord]) -> str:
-    noted = [NOISE_NOTE] if any(r.speedup_within_noise for r in records) else []
+    noted = [NOISE_NOTE] if noisy_records(records) else []
     return "\n".join([format_header()] + [format_row(r) for r in records] + noted)
 
 
@@ -174,7 +184,7 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         progress=progress,
         header=header,
     )
-    if any(r.speedup_within_noise for r in records):
+    if noisy_records(records):
         print(NOISE_NOTE)
     verdicts = format_verdicts(shape_verdicts(records_as_dicts(records)))
     if verdicts:

@@ -7,7 +7,10 @@ repeat (``step_times_s``, ``times_s``), so a reader can tell a 1.05x ratio from 
   ``±%`` column of the tables);
 * ``within_noise``: whether two timings' min-max ranges overlap, i.e. whether the ratio of their
   medians could be 1 on some pair of repeats. The tables mark such a ratio with ``~``
-  (``NOISE_MARK``) and print ``NOISE_NOTE`` under the table: it is not a speedup or a slowdown.
+  (``NOISE_MARK``) and print ``NOISE_NOTE`` under the table: it is not a speedup or a slowdown;
+* ``rates_within_noise``: the same for a ratio of two *rates* over different amounts of work (``bench
+  kernels``' ``x dense``: TFLOP/s on a mask's allowed pairs against dense attention's on all pairs):
+  whether the two timings' ranges of seconds per unit of work overlap.
 
 With one repeat there is no spread: nothing is marked and the ``±%`` column shows ``-``.
 """
@@ -57,3 +60,11 @@ def ratio_range(times: Sequence[float], reference: Sequence[float]) -> tuple[flo
     if not a or not b:
         return math.nan, math.nan
     return min(a) / max(b), max(a) / min(b)
+
+
+def rates_within_noise(times: Sequence[float], work: float, other: Sequence[float], other_work: float) -> bool:
+    """Whether the rates ``work / t`` and ``other_work / t_other`` could be equal on some pair of repeats:
+    ``within_noise`` of the seconds per unit of work (False when a work count is not positive)."""
+    if not (work > 0 and other_work > 0):
+        return False
+    return within_noise([t / work for t in times], [t / other_work for t in other])

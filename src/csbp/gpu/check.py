@@ -24,11 +24,12 @@ stage               what it runs (limit)
                     partial) as time allows; writes ``gpu-kernels.json`` next to
                     ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
                     them, or those before its limit) into the report, with the kernel targets'
-                    worst values (``csbp.bench.kernel_summary``)
+                    worst values (``csbp.bench.kernel_summary``; ``~`` where within the repeats' noise)
 ``train-table``     the single-GPU training table (``csbp.gpu.train_table``, the time left):
                     Qwen3-0.6B shape, BD3, bf16, activation checkpointing, ``--backend`` (default
-                    auto: flex on CUDA), 8K-64K tokens; DFlash at 64K, 512 anchors; each row is in
-                    ``gpu-check.json`` as soon as it is measured
+                    auto: flex on CUDA), 8K-64K tokens; DFlash at 64K, 512 anchors; the median of
+                    ``--repeats`` timed steps and their spread (``±``); each row, every timed step
+                    included, is in ``gpu-check.json`` as soon as it is measured
 ==================  =========================================================================
 
 ``--dry-run-cpu`` runs every stage on the CPU at tiny sizes instead (``csbp.gpu.profile``: the
@@ -352,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="attention backend of the training table (auto: flex on CUDA)")
     parser.add_argument("--diagonal", choices=DIAGONALS, default="auto",
                         help="block-diagonal kernel of the training table (csbp.attention.diagonal)")
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps per training-table row")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed steps per training-table row (2: what the budget allows at 64K; their ± is "
+                        "the range of two steps, a rough guide)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak (default: by GPU name)")
     parser.add_argument("--dry-run-cpu", action="store_true",
                         help="run every stage on the CPU at tiny sizes: tests the check's code, measures nothing")

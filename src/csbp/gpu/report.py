@@ -50,6 +50,7 @@ class CheckReport:
         self.running: tuple[str, float, dict[str, object]] | None = None  # (name, start time, details)
         self.children: set[int] = set()  # process groups of running command stages
         self.done = False
+        self.cut_reason: str | None = None  # why the check was cut short (the watchdog), if it was
         self._lock = threading.RLock()
 
     def payload(self) -> dict[str, object]:
@@ -61,14 +62,18 @@ class CheckReport:
                 stages.append(dataclasses.asdict(
                     StageResult(name, "running", time.perf_counter() - start, "running", dict(details))
                 ))
-            return {
+            payload: dict[str, object] = {
                 "device": self.device,
-                "ok": all(r.status != "failed" for r in self.results) and self.running is None,
+                "ok": all(r.status != "failed" for r in self.results) and self.running is None
+                and self.cut_reason is None,
                 "complete": self.done,
                 "budget_s": self.budget_s,
                 "elapsed_s": round(time.perf_counter() - self.started, 1),
                 "stages": stages,
             }
+            if self.cut_reason is not None:
+                payload["cut"] = self.cut_reason
+            return payload
 
     def write(self) -> None:
         with self._lock:
@@ -98,8 +103,11 @@ class CheckReport:
             self.write()
 
     def cut(self, reason: str) -> None:
-        """End the running stage as failed with ``reason`` (keeping its progress) and write."""
+        """End the running stage as failed with ``reason`` (keeping its progress) and write; the report
+        says ``"ok": false`` and ``"cut": reason`` also when the cut falls between stages (the process
+        exits 1: stages were left unrun)."""
         with self._lock:
+            self.cut_reason = reason
             if self.running is not None:
                 name, start, details = self.running
                 self.results.append(StageResult(name, "failed", time.perf_counter() - start, reason, dict(details)))

@@ -3,8 +3,9 @@ the real dimensions) trained with BD3 in bf16 with activation checkpointing at 8
 DFlash drafter step at 64K tokens with 512 anchors.
 
 Each row builds the model on the device, runs ``warmup`` untimed steps and ``repeats`` timed steps
-(forward, backward, AdamW; CUDA synchronised around the timer) and reports the median step time,
-clean tokens per second (``L`` per sample; BD3 processes ``2L`` rows), achieved TFLOP/s and model
+(forward, backward, AdamW; CUDA synchronised around the timer) and reports the median step time
+(every timed step in ``step_times_s``; the table's ``±`` is half their min-max range in % of the
+median, ``csbp.bench.spread``, ``-`` with one timed step), clean tokens per second (``L`` per sample; BD3 processes ``2L`` rows), achieved TFLOP/s and model
 FLOP utilisation against the GPU's dense bf16 peak (``csbp.gpu.flops``), and the peak memory
 (``torch.cuda.max_memory_allocated``; on the CPU, the growth of the resident set).
 
@@ -35,6 +36,7 @@ import torch
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.bench.measure import PeakMemory
+from csbp.bench.spread import format_spread
 from csbp.devices import tensors_to
 from csbp.dflash.anchors import segment_starts
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, default_target_layer_ids
@@ -90,6 +92,7 @@ class TableRow:
     mfu: float | None = None
     peak_mem_bytes: int | None = None
     loss: float | None = None
+    step_times_s: tuple[float, ...] | None = None  # every timed step; ``step_time_s`` is their median
 
 
 def _synchronize(device: torch.device) -> None:
@@ -119,11 +122,29 @@ class _PeakBytes:
             self.bytes = self._cpu.bytes
 
 
-def _measure(step: StepFn, cfg: TableConfig, device: torch.device) -> tuple[float, int, float, int]:
-    """``(median step time, peak bytes, last loss, steps timed)`` of ``warmup`` + ``repeats`` steps;
-    a step longer than ``long_step_s`` is timed and ends the row (its one-time costs are small
-    against its length, and the budget is better spent on the next row)."""
-    times, peak, loss = [], 0, float("nan")
+@dataclass(frozen=True)
+class Measured:
+    """The timed steps of one row."""
+
+    times_s: tuple[float, ...]  # every timed step, in run order
+    peak_bytes: int
+    loss: float  # the last step's
+
+    @property
+    def step_time_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def steps(self) -> int:
+        return len(self.times_s)
+
+
+def _measure(step: StepFn, cfg: TableConfig, device: torch.device) -> Measured:
+    """The timed steps, peak bytes and last loss of ``warmup`` + ``repeats`` steps; a step longer than
+    ``long_step_s`` is timed and ends the row (its one-time costs are small against its length, and
+    the budget is better spent on the next row)."""
+    times: list[float] = []
+    peak, loss = 0, float("nan")
     for index in range(cfg.warmup + cfg.repeats):
         _synchronize(device)
         with _PeakBytes(device) as memory:
@@ -136,7 +157,7 @@ def _measure(step: StepFn, cfg: TableConfig, device: torch.device) -> tuple[floa
             peak = max(peak, memory.bytes)
         if elapsed > cfg.long_step_s:
             break
-    return statistics.median(times), peak, loss, len(times)
+    return Measured(tuple(times), peak, loss)
 
 
 def _optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -209,14 +230,14 @@ def dflash_step_fn(cfg: TableConfig, device: torch.device) -> tuple[StepFn, str,
     return step, cfg.activation_checkpointing, flops
 
 
-def _ok_row(kind: str, seq_len: int, checkpointing: str, measured: tuple[float, int, float, int], flops: int,
+def _ok_row(kind: str, seq_len: int, checkpointing: str, measured: Measured, flops: int,
             peak_tflops: float | None) -> TableRow:
-    step_time, peak, loss, steps = measured
+    step_time = measured.step_time_s
     return TableRow(
-        kind=kind, seq_len=seq_len, status=f"ok ({steps} timed)", checkpointing=checkpointing, step_time_s=step_time,
-        tokens_per_s=seq_len / step_time, tflops=flops / step_time / 1e12,
+        kind=kind, seq_len=seq_len, status=f"ok ({measured.steps} timed)", checkpointing=checkpointing,
+        step_time_s=step_time, tokens_per_s=seq_len / step_time, tflops=flops / step_time / 1e12,
         mfu=model_flop_utilisation(flops, step_time_s=step_time, peak_tflops=peak_tflops),
-        peak_mem_bytes=peak, loss=loss,
+        peak_mem_bytes=measured.peak_bytes, loss=measured.loss, step_times_s=measured.times_s,
     )
 
 
@@ -308,9 +329,10 @@ def _percent(value: float | None) -> str:
 
 
 def format_train_table(rows: list[TableRow]) -> str:
-    """The table as text: one line per row, skipped and failed rows with their reason."""
+    """The table as text: one line per row (``±``: the spread of its timed steps), skipped and failed rows
+    with their reason."""
     header = (
-        f"{'model':<14} {'tokens':>7} {'ckpt':<5} {'step s':>8} {'tok/s':>9} {'TFLOP/s':>8} "
+        f"{'model':<14} {'tokens':>7} {'ckpt':<5} {'step s':>8} {'±':>4} {'tok/s':>9} {'TFLOP/s':>8} "
         f"{'MFU':>6} {'peak GiB':>9}  status"
     )
     lines = [header, "-" * len(header)]
@@ -318,6 +340,7 @@ def format_train_table(rows: list[TableRow]) -> str:
         tokens = f"{row.seq_len // 1024}K" if row.seq_len % 1024 == 0 else str(row.seq_len)
         lines.append(
             f"{row.kind:<14} {tokens:>7} {row.checkpointing:<5} {_cell(row.step_time_s, '8.3f')} "
+            f"{format_spread(row.step_times_s or ())} "
             f"{_cell(row.tokens_per_s, '9.0f')} {_cell(row.tflops, '8.1f')} {_percent(row.mfu):>6} "
             f"{_cell(row.peak_mem_bytes, '9.2f', 2.0**-30)}  {row.status}"
         )

@@ -209,8 +209,8 @@ _BENCH_SHAPE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_
 
 def bench_observations(paths: Sequence[Path], *, fastest: bool = True) -> list[Observation]:
     """Observations (step time and peak memory growth per layout) from ``csbp bench`` JSON files.
-    ``fastest``: time a layout by its fastest repeat where the record has it (``step_time_min_s``,
-    the repeat least disturbed by other load on a shared machine), else by the median."""
+    ``fastest``: time a layout by its fastest repeat (the repeat least disturbed by other load on a
+    shared machine; ``record_seconds``), else by the median ``step_time_s``."""
     out = []
     for path in paths:
         if not path.is_file():
@@ -224,6 +224,19 @@ def bench_observations(paths: Sequence[Path], *, fastest: bool = True) -> list[O
         for index, record in enumerate(records):
             out.extend(_record_observations(record, f"{path}[{index}]", fastest))
     return out
+
+
+def record_seconds(record: dict, fastest: bool) -> float:
+    """A record's step time: the median ``step_time_s``, or with ``fastest`` its fastest repeat: the least
+    of ``step_times_s`` (every ``csbp bench attention|train|dflash`` record keeps them), else
+    ``step_time_min_s`` (``bench train`` records before them), else the median (older files)."""
+    if fastest:
+        repeats = [float(t) for t in record.get("step_times_s") or () if isinstance(t, int | float) and t > 0]
+        if repeats:
+            return min(repeats)
+        if record.get("step_time_min_s"):
+            return float(record["step_time_min_s"])
+    return float(record["step_time_s"])
 
 
 def _record_observations(record: dict, where: str, fastest: bool) -> list[Observation]:
@@ -312,9 +325,7 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
         record["seq_len"],
         hw,
         "step_s",
-        float(record.get("step_time_min_s") or record["step_time_s"])
-        if fastest
-        else float(record["step_time_s"]),
+        record_seconds(record, fastest),
         True,
     )
     memory = Observation(
