@@ -230,6 +230,28 @@ def _template_in_config(config: dict[str, Any], path: Path) -> str | None:
     raise ValueError(f"{path}: 'chat_template' is neither a string nor a list holding a 'default' template")
 
 
+def template_in_file(name: str, data: bytes) -> str | None:
+    """The chat template a file of name ``name`` holding ``data`` carries: a ``.json`` file's
+    ``chat_template`` (``tokenizer_config.json``, ``chat_template.json``; None when it has none),
+    else the whole text (a ``.jinja`` file). ``ValueError`` naming the file when it is malformed."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{name}: not UTF-8 text (fix: restore the file)") from None
+    if not name.endswith(".json"):
+        return text
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc}) (fix: repair the file)".splitlines()[0]) from None
+    return _template_in_config(config, Path(name)) if isinstance(config, dict) else None
+
+
+def read_template_file(path: Path) -> str | None:
+    """:func:`template_in_file` of the file at ``path``; None when there is none."""
+    return template_in_file(str(path), path.read_bytes()) if path.is_file() else None
+
+
 def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplate | None:
     """The template ``--chat-template SPEC`` selects: ``none`` -> None; ``auto`` -> the tokenizer
     directory's ``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``
