@@ -120,12 +120,8 @@ def export_tokenizer(
     backend = Tokenizer.from_str(json_bytes.decode("utf-8"))
     source = None
     if explicit is not None:
+        check_data_tokenizer(explicit, artifact)
         source = _tokenizer_directory(explicit)
-        if source is not None and not _holds(source, artifact):
-            raise ValueError(
-                f"data.tokenizer: {source} is not the tokenizer {artifact.directory} was prepared with (fingerprints "
-                "differ) (fix: remove data.tokenizer or re-run csbp data prepare with it)"
-            )
     else:
         for _, path in others:
             directory = _tokenizer_directory(path)
@@ -145,6 +141,21 @@ def export_tokenizer(
     if generated or changed:
         files[CONFIG_FILE] = _json_bytes(config)
     return ExportTokenizer(files=files, source=source)
+
+
+def check_data_tokenizer(path: Path, artifact: Artifact) -> None:
+    """``ValueError`` (field ``data.tokenizer``) unless ``path``, a tokenizer file or directory, is the
+    tokenizer ``artifact`` was prepared with."""
+    if not path.exists():
+        raise ValueError(f"data.tokenizer: {path} does not exist (fix: remove data.tokenizer, or correct the path)")
+    same = path.is_dir() and _holds(path, artifact)
+    if path.is_file():
+        same = fingerprint_bytes(path.read_bytes()) == artifact.tokenizer_fingerprint
+    if not same:
+        raise ValueError(
+            f"data.tokenizer: {path} is not the tokenizer {artifact.directory} was prepared with (fingerprints "
+            "differ) (fix: remove data.tokenizer or re-run csbp data prepare with it)"
+        )
 
 
 def _tokenizer_directory(path: Path) -> Path | None:
@@ -276,6 +287,6 @@ def _warn_when_lost(artifact: Artifact, others: Sequence[tuple[str, Path]], warn
     nor = f" (nor does {' or '.join(also)} hold it)" if also else ""
     warn(
         f"export: {recorded}, the tokenizer {artifact.directory} was prepared with, {state}{nor}; exports carry "
-        "its tokenizer.json with a generated tokenizer_config.json, without the chat template and special-token "
-        "settings of its directory (fix: set data.tokenizer to a directory holding the data's tokenizer files)"
+        "the data's tokenizer.json with a generated tokenizer_config.json (generic class, the data's special "
+        "tokens) instead of its directory's (fix: set data.tokenizer to a directory holding the data's tokenizer files)"
     )

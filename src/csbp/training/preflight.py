@@ -39,7 +39,6 @@ from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.flex_backward import resolve_flex_backward
 from csbp.config.schema import ObjectiveSection, RunConfig
 from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit, max_token_id, open_artifact
-from csbp.data.tokenizer import load_tokenizer, special_tokens_from_names
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import EXPORT_OWNERSHIP
@@ -52,7 +51,7 @@ from csbp.training.checkpoint import (
 )
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_checkpoints, step_directories
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
-from csbp.training.export_tokenizer import ExportTokenizer, export_tokenizer_for_run
+from csbp.training.export_tokenizer import ExportTokenizer, check_data_tokenizer, export_tokenizer_for_run
 from csbp.training.mask_data import check_mask_token_data
 from csbp.training.model_factory import decoder_config_for_run
 from csbp.training.resume_config import resume_changes
@@ -119,15 +118,7 @@ def check_run(
             resolve_flex_backward(cfg.attention.flex_backward)  # direct on a torch that cannot trace it: refused
     artifact = _open_checked(cfg.data.train, "data.train", cfg.data.seq_len)
     if cfg.data.tokenizer is not None:
-        tokenizer = load_tokenizer(
-            cfg.data.tokenizer,
-            special=special_tokens_from_names(artifact.manifest["tokenizer"]["special_names"]),
-        )
-        if tokenizer.fingerprint != artifact.tokenizer_fingerprint:
-            raise ValueError(
-                f"data.tokenizer: {cfg.data.tokenizer} is not the tokenizer {artifact.directory} was prepared "
-                "with (fingerprints differ) (fix: remove data.tokenizer or re-run csbp data prepare with it)"
-            )
+        check_data_tokenizer(Path(cfg.data.tokenizer), artifact)
     val_split = _val_split(cfg, artifact)
     if cfg.objective.name == "dflash":
         _reject_unread_noise_options(cfg.objective)
