@@ -167,14 +167,16 @@ def test_a_tokenizer_directory_that_changed_or_is_gone_is_not_shipped(imported: 
 
 
 def test_the_exported_chat_template_is_the_one_the_data_was_rendered_with(
-    imported: dict[str, Path], tmp_path: Path
+    imported: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # --chat-template PATH: the data's records follow PATH's format, so the export's template is PATH's
     template_file = tmp_path / "other.jinja"
     template_file.write_text(OTHER_TEMPLATE, encoding="utf-8")
     art = tmp_path / "art"
+    monkeypatch.chdir(tmp_path)  # a relative --chat-template, and the export run from another directory
     prepare_artifact(PrepareConfig(inputs=(chat_data(tmp_path / "chat.jsonl"),), out_dir=art, seq_len=32,
-                                   tokenizer_path=imported["ext"], chat_template=str(template_file), val_fraction=0.1))  # fmt: skip
+                                   tokenizer_path=imported["ext"], chat_template="other.jinja", val_fraction=0.1))  # fmt: skip
+    monkeypatch.chdir(imported["root"])
     out = export_of(tiny_config(art), tmp_path / "out")
     assert (out / "chat_template.jinja").read_text(encoding="utf-8") == OTHER_TEMPLATE
     assert_same_tokenizer(out, Tokenizer.from_file(str(art / "tokenizer.json")), template=OTHER_TEMPLATE)

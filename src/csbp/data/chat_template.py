@@ -112,8 +112,9 @@ class ChatTemplate:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
     def manifest_entry(self) -> dict[str, str]:
-        """What the artifact manifest records about the template."""
-        return {"source": self.source, "sha256": self.sha256}
+        """What the artifact manifest records about the template: its file as an absolute path (an
+        export run from another directory reads it there) and its sha256."""
+        return {"source": str(Path(self.source).resolve()), "sha256": self.sha256}
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False, where: str = "") -> str:
         """The template's text for ``messages``; any template error raises one ``ValueError`` line."""
