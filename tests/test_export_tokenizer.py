@@ -223,3 +223,16 @@ def test_a_damaged_artifact_tokenizer_is_refused(imported: dict[str, Path], tmp_
     (art / "tokenizer.json").write_bytes((imported["base"] / "tokenizer.json").read_bytes())
     with pytest.raises(ValueError, match=r"tokenizer\.json is not the tokenizer its manifest records"):
         check_run(tiny_config(art))
+
+
+def test_an_auto_map_naming_code_is_not_carried(imported: dict[str, Path], tmp_path: Path) -> None:
+    """csbp reads ``tokenizer.json`` and never runs a directory's code; the export does not point at
+    code it does not hold."""
+    directory = tmp_path / "tok"
+    shutil.copytree(imported["ext"], directory)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_x.XTokenizer", "tokenization_x.XTokenizer"]}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    out = export_of(tiny_config(imported["art"], **{"data.tokenizer": str(directory)}), tmp_path / "out")
+    assert "auto_map" not in json.loads((out / "tokenizer_config.json").read_text())
+    assert_same_tokenizer(out, Tokenizer.from_file(str(imported["art"] / "tokenizer.json")), template=CHATML)

@@ -18,7 +18,9 @@ The rule (:func:`export_tokenizer_for_run`, resolved with the other input checks
 * ``tokenizer_config.json`` names the run's mask token as ``mask_token`` (rewritten when it names
   none or another one), so the tokenizer's ``mask_token_id`` is the model's; this is done only
   when that id is an added token of ``tokenizer.json`` (naming a plain vocabulary entry would make
-  transformers split it out of text). Its eos/pad/bos tokens stay the source's.
+  transformers split it out of text). Its eos/pad/bos tokens stay the source's. An ``auto_map``
+  (Python code of the directory, which csbp never runs: it reads ``tokenizer.json``) is dropped, so
+  loading the export never asks to run code it does not hold.
 * Chat template: when the data's chat records were rendered with one (the manifest's
   ``chat_template`` sha256), the export's is that one: the source directory's when it is the same,
   else the recorded source file's (``--chat-template PATH``) as ``chat_template.jinja``; when it is
@@ -136,7 +138,8 @@ def export_tokenizer(
     generated = CONFIG_FILE not in files
     where = source or artifact.directory
     config = _generated_config(artifact, backend, mask_token_id) if generated else _config(where, files[CONFIG_FILE])
-    changed = _name_mask_token(config, backend, mask_token_id)
+    changed = config.pop("auto_map", None) is not None  # csbp never ran that code: the export names none
+    changed = _name_mask_token(config, backend, mask_token_id) or changed
     changed = _use_data_template(files, config, where, artifact, warn) or changed
     if generated or changed:
         files[CONFIG_FILE] = _json_bytes(config)
