@@ -125,9 +125,11 @@ def export_tokenizer(
         check_data_tokenizer(explicit, artifact)
         source = _tokenizer_directory(explicit)
     else:
+        recorded = Path(str(artifact.manifest["tokenizer"].get("source", "trained")))
         for _, path in others:
             directory = _tokenizer_directory(path)
-            if directory is not None and _holds(directory, artifact):
+            # converting a directory without tokenizer.json runs transformers: only for the one prepare converted
+            if directory is not None and _holds(directory, artifact, convert=path == recorded):
                 source = directory
                 break
     files = {TOKENIZER_FILE: json_bytes}
@@ -171,12 +173,13 @@ def _tokenizer_directory(path: Path) -> Path | None:
     return None
 
 
-def _holds(directory: Path, artifact: Artifact) -> bool:
-    """Whether ``directory`` holds the tokenizer ``artifact`` was prepared with (module docstring)."""
+def _holds(directory: Path, artifact: Artifact, *, convert: bool = True) -> bool:
+    """Whether ``directory`` holds the tokenizer ``artifact`` was prepared with (module docstring);
+    ``convert``: one without ``tokenizer.json`` may be converted by transformers to find out."""
     json_file = directory / TOKENIZER_FILE
     if json_file.is_file():
         return fingerprint_bytes(json_file.read_bytes()) == artifact.tokenizer_fingerprint
-    if not any((directory / name).is_file() for name in COMPANION_FILES if name != CONFIG_FILE):
+    if not convert or not any((directory / name).is_file() for name in COMPANION_FILES if name != CONFIG_FILE):
         return False
     names = special_tokens_from_names(artifact.manifest["tokenizer"]["special_names"])
     try:  # a directory without tokenizer.json: as csbp data prepare converted it
