@@ -163,6 +163,10 @@ def test_run_writes_metrics_drafter_checkpoints_and_the_public_format(
     assert "fc.weight" in tensors and "layers.1.mlp.down_proj.weight" in tensors
     assert not [name for name in tensors if "embed" in name or "lm_head" in name or name.startswith("model.")]
     assert (final / "tokenizer.json").read_bytes() == (target / "tokenizer.json").read_bytes()
+    # the target holds a bare tokenizer.json: a config naming the generic class and the data's special tokens
+    tokenizer_config = json.loads((final / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert tokenizer_config["mask_token"] == "<|mask|>" and tokenizer_config["eos_token"] == "<|endoftext|>"
     target_model, _ = load_hf_checkpoint(target)
     drafter = load_dflash(final, target_model)
     assert torch.equal(drafter.fc.weight, tensors["fc.weight"])

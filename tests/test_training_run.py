@@ -215,7 +215,7 @@ def test_csbp_export_writes_a_checkpoint_as_final_would(
     out = tmp_path / "step 4"
     assert main(["export", str(run_dir / "checkpoints" / "step_0000004"), "--out", str(out)]) == 0
     assert "(run tiny, step 4, bd3) ->" in capsys.readouterr().out
-    for name in ("model.safetensors", "tokenizer.json"):
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (run_dir / "final" / name).read_bytes(), name
     assert json.loads((out / "config.json").read_text()) == json.loads((run_dir / "final" / "config.json").read_text())
     assert main(["export", str(run_dir), "--out", str(out)]) == 2  # exists: --overwrite

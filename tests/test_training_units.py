@@ -274,7 +274,8 @@ def test_a_different_tokenizer_is_rejected(artifact: Path, tmp_path: Path) -> No
     with pytest.raises(ValueError, match="data.tokenizer: .* is not the tokenizer"):
         check_run(tiny_config(artifact, **{"data.tokenizer": str(tmp_path / "tokenizer.json")}))
     same = check_run(tiny_config(artifact, **{"data.tokenizer": str(artifact / "tokenizer.json")}))
-    assert same.tokenizer_dir == artifact
+    assert same.tokenizer.source == artifact
+    assert same.tokenizer.files["tokenizer.json"] == (artifact / "tokenizer.json").read_bytes()
 
 
 def test_collective_failures_are_told_apart_from_other_errors() -> None:

@@ -7,8 +7,9 @@ Examples::
     csbp eval --model models/demo-400 --data artifacts/demo-4k-64
 
 The directory is what the run's ``final/`` would hold at that step (weights in ``model.dtype``,
-``config.json`` with the training record ``csbp generate`` and ``csbp eval`` read, tokenizer
-files), written atomically; see :mod:`csbp.training.export`. DFlash drafters: ``csbp dflash export``.
+``config.json`` with the training record ``csbp generate`` and ``csbp eval`` read, the data's
+tokenizer files with the chat template, :mod:`csbp.training.export_tokenizer`), written atomically;
+see :mod:`csbp.training.export`. DFlash drafters: ``csbp dflash export``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ def run_export(args: argparse.Namespace) -> int:
                 "with checkpoints/)"
             )
         checkpoint = latest
-    out, cfg, step = export_checkpoint(checkpoint, args.out, overwrite=args.overwrite)
+    out, cfg, step = export_checkpoint(
+        checkpoint, args.out, overwrite=args.overwrite, warn=lambda line: print(line, file=sys.stderr)
+    )
     print(f"exported {checkpoint} (run {cfg.run.name}, step {step}, {cfg.objective.name}) -> {out}")
     return 0

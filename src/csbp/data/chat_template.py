@@ -112,8 +112,9 @@ class ChatTemplate:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
     def manifest_entry(self) -> dict[str, str]:
-        """What the artifact manifest records about the template."""
-        return {"source": self.source, "sha256": self.sha256}
+        """What the artifact manifest records about the template: its file as an absolute path (an
+        export run from another directory reads it there) and its sha256."""
+        return {"source": str(Path(self.source).resolve()), "sha256": self.sha256}
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False, where: str = "") -> str:
         """The template's text for ``messages``; any template error raises one ``ValueError`` line."""
@@ -228,6 +229,28 @@ def _template_in_config(config: dict[str, Any], path: Path) -> str | None:
             if isinstance(entry, dict) and entry.get("name") == "default" and isinstance(entry.get("template"), str):
                 return str(entry["template"])
     raise ValueError(f"{path}: 'chat_template' is neither a string nor a list holding a 'default' template")
+
+
+def template_in_file(name: str, data: bytes) -> str | None:
+    """The chat template a file of name ``name`` holding ``data`` carries: a ``.json`` file's
+    ``chat_template`` (``tokenizer_config.json``, ``chat_template.json``; None when it has none),
+    else the whole text (a ``.jinja`` file). ``ValueError`` naming the file when it is malformed."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{name}: not UTF-8 text (fix: restore the file)") from None
+    if not name.endswith(".json"):
+        return text
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc}) (fix: repair the file)".splitlines()[0]) from None
+    return _template_in_config(config, Path(name)) if isinstance(config, dict) else None
+
+
+def read_template_file(path: Path) -> str | None:
+    """:func:`template_in_file` of the file at ``path``; None when there is none."""
+    return template_in_file(str(path), path.read_bytes()) if path.is_file() else None
 
 
 def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplate | None:

@@ -41,8 +41,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +53,13 @@ from csbp.dflash.config import DFlashConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.models.decoder import Decoder
 from csbp.models.hf_config import DTYPE_NAMES, hf_shape_fields, rope_from_hf
-from csbp.models.hf_io import EXPORT_OWNERSHIP, read_json_object, read_safetensors_file
+from csbp.models.hf_io import (
+    EXPORT_OWNERSHIP,
+    check_tokenizer_file_names,
+    read_json_object,
+    read_safetensors_file,
+    write_tokenizer_files,
+)
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 TRAINING_KEY = "csbp_training"
@@ -223,11 +228,12 @@ def export_dflash(
     *,
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
-    extra_files: Sequence[Path] = (),
+    tokenizer_files: Mapping[str, bytes] | None = None,
     context: str | None = None,
 ) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus copies
-    of ``extra_files`` (tokenizer files), all in one atomic directory write. ``context``: the
+    """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus
+    ``tokenizer_files`` (name -> contents; a run's: :mod:`csbp.training.export_tokenizer`), all in
+    one atomic directory write. ``context``: the
     ``objective.dflash.context`` it was trained with, recorded under ``csbp_training`` (None: not
     known, nothing recorded)."""
     store_dtype = dtype if dtype is not None else drafter.fc.weight.dtype
@@ -235,6 +241,8 @@ def export_dflash(
         raise ValueError(f"export dtype must be float64, float32 or bfloat16, got {store_dtype}")
     if context is not None and context not in CONTEXTS:
         raise ValueError(f"export_dflash: context must be one of {CONTEXTS} or None, got {context!r}")
+    tokenizer = dict(tokenizer_files or {})
+    check_tokenizer_file_names(tokenizer)
     config = dflash_hf_config(drafter.config, dtype=store_dtype)
     if context is not None:
         config[TRAINING_KEY] = {"objective": {"name": "dflash", "dflash": {"context": context}}}
@@ -247,8 +255,7 @@ def export_dflash(
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
         (staging / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the other files are 0644
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        for file in extra_files:
-            shutil.copy2(file, staging / Path(file).name)
+        write_tokenizer_files(staging, tokenizer)
 
     return write_directory_atomically(path, fill, overwrite=overwrite, owned=EXPORT_OWNERSHIP)
 

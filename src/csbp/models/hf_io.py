@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ __all__ = [
     "HF_CLASS_BY_ARCH",
     "PASSTHROUGH_FIELDS",
     "TOKENIZER_FILES",
+    "check_tokenizer_file_names",
     "decoder_config_from_hf",
     "export_hf_checkpoint",
     "hf_config_from_decoder",
@@ -57,6 +58,7 @@ __all__ = [
     "read_hf_weights",
     "read_json_object",
     "read_safetensors_file",
+    "write_tokenizer_files",
 ]
 
 # Stored tensors HF derives at load time; harmless to skip.
@@ -252,6 +254,7 @@ def export_hf_checkpoint(
     dtype: torch.dtype | None = None,
     extra_config: dict[str, Any] | None = None,
     tokenizer_dir: str | os.PathLike[str] | None = None,
+    tokenizer_files: Mapping[str, bytes] | None = None,
     generation_config: dict[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Path:
@@ -266,6 +269,8 @@ def export_hf_checkpoint(
         extra_config: additional ``config.json`` fields (``eos_token_id``, ``max_position_embeddings``,
             ...); fields derived from ``config`` cannot be overridden.
         tokenizer_dir: copy the tokenizer files found there (``tokenizer.json``, ...).
+        tokenizer_files: or write these tokenizer files (name -> contents; a run's exports:
+            :mod:`csbp.training.export_tokenizer`).
         generation_config: the ``generation_config.json`` to write (e.g. :func:`read_generation_config`
             of the source checkpoint); None writes none.
     """
@@ -277,7 +282,12 @@ def export_hf_checkpoint(
     if store_dtype not in _DTYPE_NAMES:
         raise ValueError(f"export dtype must be float64, float32 or bfloat16, got {store_dtype}")
     hf_config = hf_config_from_decoder(config, dtype=store_dtype, extra_config=extra_config)
-    tokenizer_files = _tokenizer_files(Path(tokenizer_dir)) if tokenizer_dir is not None else []
+    if tokenizer_dir is not None and tokenizer_files is not None:
+        raise ValueError("export_hf_checkpoint: pass tokenizer_dir or tokenizer_files, not both")
+    tokenizer = dict(tokenizer_files or {})
+    if tokenizer_dir is not None:
+        tokenizer = {file.name: file.read_bytes() for file in _tokenizer_files(Path(tokenizer_dir))}
+    check_tokenizer_file_names(tokenizer)
     tensors = {
         _hf_name(name): t.detach().to(device="cpu", dtype=store_dtype).contiguous().clone()
         for name, t in model.state_dict().items()
@@ -289,10 +299,23 @@ def export_hf_checkpoint(
         (staging / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         if generation_config is not None:
             (staging / GENERATION_CONFIG).write_text(json.dumps(generation_config, indent=2, sort_keys=True) + "\n")
-        for file in tokenizer_files:
-            shutil.copy2(file, staging / file.name)
+        write_tokenizer_files(staging, tokenizer)
 
     return write_directory_atomically(path, fill, overwrite=overwrite, owned=EXPORT_OWNERSHIP)
+
+
+def check_tokenizer_file_names(files: Mapping[str, bytes]) -> None:
+    """``ValueError`` unless every name is one of :data:`TOKENIZER_FILES` (what ``--overwrite`` may replace)."""
+    foreign = sorted(set(files) - set(TOKENIZER_FILES))
+    if foreign:
+        raise ValueError(f"tokenizer file names {foreign} are not among {list(TOKENIZER_FILES)}")
+
+
+def write_tokenizer_files(directory: Path, files: Mapping[str, bytes]) -> None:
+    """Write ``files`` (name -> contents) into ``directory`` (an export's staging directory)."""
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+        (directory / name).chmod(0o644)
 
 
 def _tokenizer_files(tokenizer_dir: Path) -> list[Path]:

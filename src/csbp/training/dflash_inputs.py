@@ -34,7 +34,7 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import FeatureStore, open_features, recorded_target
 from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
-from csbp.models.hf_io import TOKENIZER_FILES, decoder_config_from_hf
+from csbp.models.hf_io import decoder_config_from_hf
 
 T = TypeVar("T")
 _TARGET_FIX = (
@@ -53,7 +53,6 @@ class DFlashInputs:
         drafter_config: the drafter's architecture.
         objective: the DFlash loss options.
         features_dir: the offline feature store of the training split, or None (online capture).
-        tokenizer_dir: tokenizer files copied into the export (the target's when it has any).
     """
 
     target_dir: Path
@@ -61,7 +60,6 @@ class DFlashInputs:
     drafter_config: DFlashConfig
     objective: DFlashObjectiveConfig
     features_dir: Path | None
-    tokenizer_dir: Path
 
     def feature_store(self, train_split: ArtifactSplit) -> FeatureStore | None:
         """The opened, validated feature store of ``train_split`` (None without one)."""
@@ -90,8 +88,6 @@ def check_dflash_inputs(
     cfg: RunConfig,
     artifact: Artifact,
     val_split: ArtifactSplit | None,
-    *,
-    data_tokenizer_dir: Path,
 ) -> DFlashInputs:
     """Validate a dflash run against its target and data (see the module docstring)."""
     section = cfg.objective.dflash
@@ -139,14 +135,12 @@ def check_dflash_inputs(
                 lambda split=split: check_split_anchor_coverage(split),
                 "re-prepare the data so that every row supervises two consecutive tokens of one document",
             )
-    has_tokenizer = any((target_dir / name).is_file() for name in TOKENIZER_FILES)
     inputs = DFlashInputs(
         target_dir=target_dir,
         target_config=target_config,
         drafter_config=drafter_config,
         objective=objective,
         features_dir=Path(section.features) if section.features is not None else None,
-        tokenizer_dir=target_dir if has_tokenizer else data_tokenizer_dir,
     )
     inputs.feature_store(artifact.split("train"))
     return inputs

@@ -8,7 +8,8 @@ The drafter's weights are drawn by ``DFlashDrafter(..., seed=run.seed)``.
 ``final/`` is the public DFlash drafter format (``export_dflash``: ``config.json`` with
 ``architectures: ["DFlashDraftModel"]`` and the run's context convention under ``csbp_training``,
 ``model.safetensors`` without the shared embedding and LM head) plus the tokenizer files of the
-target (or of the data when the target has none).
+data (:mod:`csbp.training.export_tokenizer`: the target's directory supplies them when it holds the
+data's tokenizer).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import torch
 from csbp.config.schema import RunConfig
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.export import export_dflash
-from csbp.models.hf_io import TOKENIZER_FILES, load_hf_checkpoint
+from csbp.models.hf_io import load_hf_checkpoint
 from csbp.training.dflash_inputs import DFlashInputs
+from csbp.training.export_tokenizer import ExportTokenizer
 from csbp.training.model_factory import export_dtype, master_dtype
 
 
@@ -38,15 +40,16 @@ def build_drafter(cfg: RunConfig, inputs: DFlashInputs, *, device: torch.device)
     return DFlashDrafter(inputs.drafter_config, target=target, dtype=dtype, device=device, seed=cfg.run.seed)
 
 
-def export_drafter(cfg: RunConfig, inputs: DFlashInputs, drafter: DFlashDrafter, path: Path) -> Path:
-    """Write ``path`` in the public DFlash format (``model.dtype``) with the tokenizer files."""
-    tokenizer_files = [inputs.tokenizer_dir / name for name in TOKENIZER_FILES]
+def export_drafter(
+    cfg: RunConfig, inputs: DFlashInputs, drafter: DFlashDrafter, path: Path, *, tokenizer: ExportTokenizer
+) -> Path:
+    """Write ``path`` in the public DFlash format (``model.dtype``) with ``tokenizer``'s files."""
     return export_dflash(
         drafter,
         path,
         dtype=export_dtype(cfg),
         overwrite=True,
-        extra_files=[f for f in tokenizer_files if f.is_file()],
+        tokenizer_files=tokenizer.files,
         context=inputs.objective.context,
     )
 

@@ -7,7 +7,10 @@ tokenizer files). ``generation_config.json`` is the ``model.init_from`` checkpoi
 defaults kept) with the run's ``bos``/``eos``/``pad`` ids (an ``eos_token_id`` list there that holds
 the run's EOS, a chat model's end-of-turn id with it, is kept), plus for the block-diffusion
 objectives how ``csbp generate`` samples the model (``csbp_block_diffusion``,
-:func:`csbp.generation.run_settings.sampling_record_of`).
+:func:`csbp.generation.run_settings.sampling_record_of`). The tokenizer files are those
+:mod:`csbp.training.export_tokenizer` resolved with the run's inputs: the data's ``tokenizer.json``
+with the ``tokenizer_config.json``, special-token map and chat template of the directory that holds
+it, so that ``AutoTokenizer.from_pretrained`` on the export is the data's tokenizer.
 
 :func:`export_checkpoint` does the same for a checkpoint directory ``RUN/checkpoints/step_N`` (``csbp
 export``), so an intermediate step can be sampled, scored or shared: the run config comes from the
@@ -20,6 +23,7 @@ checkpoint. DFlash drafters have their own format: ``csbp dflash export --checkp
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +55,7 @@ def export_decoder(cfg: RunConfig, inputs: RunInputs, model: Decoder, out: Path,
         out,
         dtype=export_dtype(cfg),
         extra_config=extra,
-        tokenizer_dir=inputs.tokenizer_dir,
+        tokenizer_files=inputs.tokenizer.files,
         generation_config=generation_config_of(cfg, inputs, extra),
         overwrite=overwrite,
     )
@@ -101,16 +105,19 @@ def checkpoint_config(checkpoint: Path) -> RunConfig:
         raise ValueError(f"{exc.lines[0]} (written by another csbp version?)") from None
 
 
-def export_checkpoint(checkpoint: Path, out: Path, *, overwrite: bool = False) -> tuple[Path, RunConfig, int]:
+def export_checkpoint(
+    checkpoint: Path, out: Path, *, overwrite: bool = False, warn: Callable[[str], None] | None = None
+) -> tuple[Path, RunConfig, int]:
     """Export the decoder of training checkpoint ``checkpoint`` to ``out``; returns ``(out, run
-    config, step)``. Everything is checked before ``out`` is written."""
+    config, step)``. Everything is checked before ``out`` is written; ``warn`` receives what the
+    export lacks (a tokenizer directory that is gone: :mod:`csbp.training.export_tokenizer`)."""
     cfg = checkpoint_config(checkpoint)
     if cfg.objective.name == "dflash":
         raise ValueError(
             f"{checkpoint} is a DFlash drafter checkpoint (fix: csbp dflash export --checkpoint {checkpoint} "
             f"--target {cfg.objective.dflash.target if cfg.objective.dflash else 'TARGET'} --out DIR)"
         )
-    inputs = check_run(cfg, check_device=False)
+    inputs = check_run(cfg, check_device=False, warn=warn)
     model = Decoder(inputs.decoder_config, device="meta")
     metadata = read_metadata(checkpoint).state_dict_metadata
     template: dict[str, torch.Tensor] = {}

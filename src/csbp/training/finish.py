@@ -31,7 +31,7 @@ def finish_on_rank0(
     if inputs.dflash is not None:
         assert isinstance(model, DFlashDrafter)
         if is_rank0:
-            path = export_drafter(cfg, inputs.dflash, model, run_dir / FINAL_DIR)
+            path = export_drafter(cfg, inputs.dflash, model, run_dir / FINAL_DIR, tokenizer=inputs.tokenizer)
         if dist.is_initialized():
             dist.barrier()
         return path, None

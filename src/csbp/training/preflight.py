@@ -39,7 +39,6 @@ from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.flex_backward import resolve_flex_backward
 from csbp.config.schema import ObjectiveSection, RunConfig
 from csbp.data.artifact import SPLITS, Artifact, ArtifactSplit, max_token_id, open_artifact
-from csbp.data.tokenizer import load_tokenizer, special_tokens_from_names
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import EXPORT_OWNERSHIP
@@ -52,6 +51,7 @@ from csbp.training.checkpoint import (
 )
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_checkpoints, step_directories
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
+from csbp.training.export_tokenizer import ExportTokenizer, check_data_tokenizer, export_tokenizer_for_run
 from csbp.training.mask_data import check_mask_token_data
 from csbp.training.model_factory import decoder_config_for_run
 from csbp.training.resume_config import resume_changes
@@ -72,7 +72,7 @@ class RunInputs:
         mask_token_id: the ``[MASK]`` id (config, else the artifact's manifest); None for ``ar``.
         objective_name, objective_options: ``build_objective(name, **options)`` arguments (empty
             for dflash, whose objective is ``dflash.objective``).
-        tokenizer_dir: directory whose tokenizer files are copied into the export.
+        tokenizer: the tokenizer files exports carry (:mod:`csbp.training.export_tokenizer`).
         dflash: target, drafter and loss of a dflash run; None otherwise.
     """
 
@@ -82,7 +82,7 @@ class RunInputs:
     mask_token_id: int | None
     objective_name: str
     objective_options: dict[str, Any]
-    tokenizer_dir: Path
+    tokenizer: ExportTokenizer
     dflash: DFlashInputs | None = None
 
     def build_objective(self) -> Objective:
@@ -117,23 +117,12 @@ def check_run(
         if backend == "flex":
             resolve_flex_backward(cfg.attention.flex_backward)  # direct on a torch that cannot trace it: refused
     artifact = _open_checked(cfg.data.train, "data.train", cfg.data.seq_len)
-    tokenizer_dir = artifact.directory
     if cfg.data.tokenizer is not None:
-        tokenizer = load_tokenizer(
-            cfg.data.tokenizer,
-            special=special_tokens_from_names(artifact.manifest["tokenizer"]["special_names"]),
-        )
-        if tokenizer.fingerprint != artifact.tokenizer_fingerprint:
-            raise ValueError(
-                f"data.tokenizer: {cfg.data.tokenizer} is not the tokenizer {artifact.directory} was prepared "
-                "with (fingerprints differ) (fix: remove data.tokenizer or re-run csbp data prepare with it)"
-            )
-        tokenizer_path = Path(cfg.data.tokenizer)
-        tokenizer_dir = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
+        check_data_tokenizer(Path(cfg.data.tokenizer), artifact)
     val_split = _val_split(cfg, artifact)
     if cfg.objective.name == "dflash":
         _reject_unread_noise_options(cfg.objective)
-        dflash = check_dflash_inputs(cfg, artifact, val_split, data_tokenizer_dir=tokenizer_dir)
+        dflash = check_dflash_inputs(cfg, artifact, val_split)
         inputs = RunInputs(
             artifact=artifact,
             val_split=val_split,
@@ -141,7 +130,7 @@ def check_run(
             mask_token_id=dflash.drafter_config.mask_token_id,
             objective_name="dflash",
             objective_options={},
-            tokenizer_dir=dflash.tokenizer_dir,
+            tokenizer=export_tokenizer_for_run(cfg, artifact, dflash.drafter_config.mask_token_id, warn),
             dflash=dflash,
         )
     else:
@@ -154,7 +143,7 @@ def check_run(
             mask_token_id=mask_token_id,
             objective_name=cfg.objective.name,
             objective_options=_objective_options(cfg, mask_token_id),
-            tokenizer_dir=tokenizer_dir,
+            tokenizer=export_tokenizer_for_run(cfg, artifact, mask_token_id, warn),
         )
         inputs.build_objective()  # the objective's own option checks
     _check_token_ids(cfg, inputs)
