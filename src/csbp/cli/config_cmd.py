@@ -169,15 +169,11 @@ def missing_path_notes(cfg: RunConfig) -> list[str]:
         "model.init_from": cfg.model.init_from,
         "objective.dflash.target": cfg.objective.dflash.target if cfg.objective.dflash else None,
     }
-    from csbp.training.preflight import artifact_under_cwd
+    from csbp.training.artifact_lookup import missing_input_hint
 
     notes = []
     for field, value in inputs.items():
         if value is not None and not Path(value).exists():
-            nearby = artifact_under_cwd(Path(value)) if field.startswith("data.") else None
-            if nearby is not None:
-                hint = f" (but {nearby} is an artifact: relative paths resolve against the config file's directory)"
-            else:
-                hint = " (prepare it with `csbp data prepare`)" if field.startswith("data.") else ""
+            hint = missing_input_hint(Path(value)) if field.startswith("data.") else ""
             notes.append(f"{field} does not exist yet: {value}{hint}")
     return notes

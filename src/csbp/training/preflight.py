@@ -45,6 +45,7 @@ from csbp.models.decoder import Decoder
 from csbp.models.hf_io import EXPORT_OWNERSHIP
 from csbp.objectives import build_objective
 from csbp.objectives.base import Objective
+from csbp.training.artifact_lookup import is_artifact, missing_artifact_problem
 from csbp.training.checkpoint import (
     check_compatible,
     param_shapes,
@@ -293,16 +294,8 @@ def _check_objective_layout(cfg: RunConfig) -> None:
 
 def _open_checked(directory: str, field: str, seq_len: int) -> Artifact:
     path = Path(directory)
-    if not (path / "manifest.json").is_file():
-        nearby = artifact_under_cwd(path)
-        if nearby is not None:
-            raise ValueError(
-                f"{field}: {path} is not a prepared data artifact, but {nearby} is (relative paths in a config "
-                f"file resolve against the file's directory) (fix: set {field}: {nearby})"
-            )
-        raise ValueError(
-            f"{field}: {path} is not a prepared data artifact (fix: run `csbp data prepare ... --out {path}`)"
-        )
+    if not is_artifact(path):
+        raise ValueError(missing_artifact_problem(path, field))
     artifact = open_artifact(path)
     if artifact.seq_len != seq_len:
         raise ValueError(
@@ -310,17 +303,6 @@ def _open_checked(directory: str, field: str, seq_len: int) -> Artifact:
             f"(fix: set data.seq_len: {artifact.seq_len}, or re-run csbp data prepare --seq-len {seq_len})"
         )
     return artifact
-
-
-def artifact_under_cwd(path: Path) -> Path | None:
-    """An artifact in the working directory at one of ``path``'s last few components (``artifacts/x``
-    for ``/elsewhere/configs/artifacts/x``), the usual result of a copied config in another directory."""
-    parts = path.parts
-    for count in range(1, min(len(parts) - 1, 4) + 1):
-        candidate = Path.cwd() / Path(*parts[-count:])
-        if candidate != path and (candidate / "manifest.json").is_file():
-            return candidate
-    return None
 
 
 def _val_split(cfg: RunConfig, artifact: Artifact) -> ArtifactSplit | None:
