@@ -104,7 +104,7 @@ def test_invalid_config_exits_2_with_one_stderr_line(
     lines = err.splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith(
-        "csbp: error: recipe demo with --set topology.cp: topology.bp: Topology(cp=3, bp=2)"
+        "csbp: error: recipe demo with --set topology.cp: topology.bp: cp: 3 with bp: 2 is not a fused CSBP layout"
     )
     assert "Traceback" not in err
 

@@ -194,3 +194,13 @@ def test_a_recipe_name_wins_over_a_directory_of_that_name(tmp_path: Path, monkey
     monkeypatch.chdir(tmp_path)
     (tmp_path / "demo").mkdir()
     assert load_run_config("demo").run.name == "demo"
+
+
+def test_values_and_types_are_named_in_yaml_words(tmp_path: Path) -> None:
+    """They read "got None", "got True", "Input should be a valid tuple" and "tuple[float, float]"."""
+    path = tiny(tmp_path)
+    assert error_lines(path, "objective.noise=", "optim.betas=null", "optim.lr=1e-3", "model.rope_scaling=true") == [
+        "--set: model.rope_scaling: expected a section of `key: value` lines, got true (fix: indent its keys under it)",
+        "--set: objective.noise: got null (fix: use 'rotated' or 'stratified')",
+        "--set: optim.betas: expected a list, got null (fix: set it to [float, float]: AdamW (beta1, beta2))",
+    ]

@@ -226,7 +226,8 @@ def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
     fix = f"set it to {_type_text(info.annotation)}" if info is not None else ""
     if info is not None and info.description:
         fix += f": {info.description.rstrip('.')}"
-    return [(dotted, f"{error['msg']}, got {_short_repr(value)}", fix)]
+    message = "expected a list" if kind in ("tuple_type", "list_type") else error["msg"]  # not "a valid tuple"
+    return [(dotted, f"{message}, got {_short_repr(value)}", fix)]
 
 
 def _misspelled_keys(errors: Sequence[Any]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
@@ -260,8 +261,21 @@ def _misspelling(unknown: tuple[Any, ...], missing: tuple[Any, ...]) -> tuple[st
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    """``value`` as a YAML user wrote it (``null``, ``true``, ``[1, 2]``; strings quoted), shortened."""
+    text = _yaml_text(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _yaml_text(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_yaml_text(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {_yaml_text(item)}" for key, item in value.items()) + "}"
+    return repr(value)
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:
@@ -345,6 +359,10 @@ def _type_text(annotation: Any) -> str:
         return " or ".join("null" if arg is type(None) else _type_text(arg) for arg in args)
     if str(origin).endswith("Literal"):
         return "one of " + ", ".join(repr(arg) for arg in args)
+    if origin in (tuple, list):  # a YAML flow list: [float, float], [int, ...]
+        if origin is tuple and Ellipsis not in args:
+            return "[" + ", ".join(_type_text(arg) for arg in args) + "]"
+        return f"[{_type_text(args[0])}, ...]" if args else "a list"
     return str(annotation).replace("typing.", "")
 
 
