@@ -18,6 +18,7 @@ from csbp.cli.options import add_override_argument
 from csbp.config import RunConfig, dump_config
 from csbp.config.schema import DOCUMENT_MASK_DEFAULTS
 from csbp.recipes import load_run_config
+from csbp.wording import counted
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -125,7 +126,11 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
             "topology",
             f"{layout} layout: dp={topo.dp} cp={topo.cp} bp={topo.bp}, world size {cfg.world_size}{launched}",
         ),
-        ("train", f"{cfg.train.max_steps} steps, {global_batch} sequences per step, {cfg.train.precision}"),
+        (
+            "train",
+            f"{counted(cfg.train.max_steps, 'step')}, {counted(global_batch, 'sequence')} per step, "
+            f"{cfg.train.precision}",
+        ),
         ("optim", f"lr {cfg.optim.lr:g} ({cfg.optim.schedule}, {cfg.optim.warmup_steps} warm-up steps)"),
     ]
 
