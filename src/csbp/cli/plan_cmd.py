@@ -17,7 +17,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -216,18 +218,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def resolve_workload(spec: str, overrides: list[str] | None = None) -> tuple[Workload, RunConfig | None]:
     """A preset name, a HF ``config.json`` (or folder), or a run config / packaged recipe (with
     ``--set`` overrides), and that run config (else None)."""
+    from csbp.recipes import list_recipes
+
+    if spec not in preset_names() and spec not in list_recipes() and not os.path.lexists(spec):
+        if any(sep in spec for sep in ("/", os.sep)) or Path(spec).suffix in (".yaml", ".yml", ".json"):
+            raise ValueError(  # a path: say it is missing, not which kinds of --model there are
+                f"--model {spec}: no such file or directory (fix: check the path, or name a preset "
+                f"({', '.join(preset_names())}) or recipe ({', '.join(list_recipes())}))"
+            )
+        close = difflib.get_close_matches(spec, [*preset_names(), *list_recipes()], n=1)
+        raise ValueError(
+            f"--model {spec!r} is no preset ({', '.join(preset_names())}), recipe ({', '.join(list_recipes())}), "
+            "run config file or HF config.json (or folder holding one)" + (f" (fix: did you mean {close[0]}?)" if close else "")
+        )
     if spec in preset_names():
         workload = preset_workload(spec)
     elif Path(spec).is_dir() or Path(spec).suffix == ".json":
         workload = hf_workload(Path(spec))
     else:
-        from csbp.recipes import list_recipes
-
-        if not Path(spec).is_file() and spec not in list_recipes():
-            raise ValueError(
-                f"--model {spec!r} is no preset ({', '.join(preset_names())}), recipe ({', '.join(list_recipes())}), "
-                "run config file or HF config.json (or folder holding one)"
-            )
         cfg = load_plannable_config(spec, overrides or [])  # topology: auto is what the planner chooses
         return run_config_workload(cfg), cfg
     if overrides:
