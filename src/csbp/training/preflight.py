@@ -162,9 +162,10 @@ def check_run(
     check_mask_token_data(cfg, inputs.mask_token_id)
     _check_batches(cfg, inputs)
     if run_dir is not None:
-        latest = check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps, warn=warn)
+        latest = check_run_dir(run_dir, resume=resume, stop_step=None, warn=warn)
         if resume and latest is not None:
             state = read_training_state(latest)
+            # what the config changed first: "nothing left to do" hid a refused change until max_steps rose
             for note in resume_changes(
                 state.config_yaml, cfg, latest, state.step, state.input_fingerprints, restart=resume_restart
             ):
@@ -176,16 +177,17 @@ def check_run(
                 shapes=inputs.param_shapes(),
                 data_fingerprint=artifact.fingerprint,
             )
+            check_steps_left(latest, state.step, stop_step or cfg.train.max_steps)
     return inputs
 
 
 def check_run_dir(
-    run_dir: Path, *, resume: bool, stop_step: int, warn: Callable[[str], None] | None = None
+    run_dir: Path, *, resume: bool, stop_step: int | None, warn: Callable[[str], None] | None = None
 ) -> Path | None:
-    """``--resume`` needs an intact checkpoint in ``run_dir`` before ``stop_step``; a fresh run must
-    not clobber one; the directory must be creatable and writable. Returns the checkpoint a resume
-    starts from (damaged newer ones are reported through ``warn``). (Model shape and data are checked
-    by :func:`check_run`.)"""
+    """``--resume`` needs an intact checkpoint in ``run_dir`` (before ``stop_step`` unless None:
+    :func:`check_run` checks that after comparing the configs); a fresh run must not clobber one; the
+    directory must be creatable and writable. Returns the checkpoint a resume starts from (damaged
+    newer ones are reported through ``warn``). (Model shape and data are checked by :func:`check_run`.)"""
     check_writable_directory(run_dir, "--run-dir")
     check_final_replaceable(run_dir)
     if not resume:
@@ -204,13 +206,18 @@ def check_run_dir(
             f"--resume: {run_dir} has no checkpoint to resume from (fix: drop --resume, or pass the run "
             "directory of an earlier run with --run-dir)"
         )
-    step = read_training_state(latest).step
+    if stop_step is not None:
+        check_steps_left(latest, read_training_state(latest).step, stop_step)
+    return latest
+
+
+def check_steps_left(checkpoint: Path, step: int, stop_step: int) -> None:
+    """``ValueError`` when a resume from ``checkpoint`` (at ``step``) has nothing to train before ``stop_step``."""
     if step >= stop_step:
         raise ValueError(
-            f"--resume: {latest} is at step {step}, nothing is left to do before step "
+            f"--resume: {checkpoint} is at step {step}, nothing is left to do before step "
             f"{stop_step} (fix: raise --max-steps or train.max_steps)"
         )
-    return latest
 
 
 RUN_DIR_ENTRIES = frozenset(
