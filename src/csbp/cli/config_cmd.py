@@ -174,7 +174,7 @@ def missing_path_notes(cfg: RunConfig) -> list[str]:
         "model.init_from": cfg.model.init_from,
         "objective.dflash.target": cfg.objective.dflash.target if cfg.objective.dflash else None,
     }
-    from csbp.training.artifact_lookup import missing_input_hint
+    from csbp.training.input_hints import missing_input_hint
 
     notes = []
     for field, value in inputs.items():

@@ -40,6 +40,7 @@ from csbp.models.hf_config import check_exportable
 from csbp.models.hf_io import decoder_config_from_hf, read_generation_config, read_hf_config, read_hf_weights
 from csbp.parallel.comm import TrafficCounter
 from csbp.training.activation_checkpointing import checkpoint_layers
+from csbp.training.input_hints import checkpoint_directory_fix
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _CHECKED_FIELDS = (
@@ -145,10 +146,8 @@ def _config_from_checkpoint(model: ModelSection) -> DecoderConfig:
     directory = Path(str(model.init_from))
     config_file = directory / "config.json"
     if not config_file.is_file():
-        raise ValueError(
-            f"model.init_from: {directory} is not a HF checkpoint directory (no config.json) "
-            "(fix: point it at a local directory with config.json and model.safetensors)"
-        )
+        fix = checkpoint_directory_fix(directory, "point it at a local directory with config.json and model.safetensors")
+        raise ValueError(f"model.init_from: {directory} is not a HF checkpoint directory (no config.json) (fix: {fix})")
     config = decoder_config_from_hf(json.loads(config_file.read_text(encoding="utf-8")))
     read_generation_config(directory)  # the final export carries it: a damaged one fails now, not after training
     for name in _CHECKED_FIELDS:

@@ -45,7 +45,6 @@ from csbp.models.decoder import Decoder
 from csbp.models.hf_io import EXPORT_OWNERSHIP
 from csbp.objectives import build_objective
 from csbp.objectives.base import Objective
-from csbp.training.artifact_lookup import is_artifact, missing_artifact_problem
 from csbp.training.checkpoint import (
     check_compatible,
     param_shapes,
@@ -53,6 +52,7 @@ from csbp.training.checkpoint import (
 )
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_checkpoints, step_directories
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
+from csbp.training.input_hints import is_artifact, missing_artifact_problem
 from csbp.training.mask_data import check_mask_token_data
 from csbp.training.model_factory import decoder_config_for_run
 from csbp.training.resume_config import resume_changes

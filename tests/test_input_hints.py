@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 
 from csbp.cli.main import main
-from csbp.training.artifact_lookup import missing_artifact_problem
+from csbp.config import config_from_dict
+from csbp.training.input_hints import missing_artifact_problem
+from csbp.training.preflight import check_run
+from test_training_run import config_dict, make_artifact
 
 
 def fake_artifact(directory: Path) -> Path:
@@ -65,3 +68,25 @@ def test_a_copied_config_names_the_artifact_under_the_working_directory(
     monkeypatch.chdir(tmp_path)
     line = missing_artifact_problem(tmp_path / "configs" / "artifacts" / "x", "data.train")
     assert line.endswith(f"(relative paths in a config file resolve against the file's directory) (fix: set data.train: {found})")
+
+
+def test_init_from_a_run_directory_or_a_checkpoint_names_the_way_to_its_model(tmp_path: Path) -> None:
+    """It said "point it at a local directory with config.json": true, but not which one."""
+    artifact = make_artifact(tmp_path / "art")
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}", encoding="utf-8")
+    step = run / "checkpoints" / "step_0000004"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}", encoding="utf-8")
+    data = config_dict(artifact)
+    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        data["model"].pop(name, None)
+    for where, fix in [
+        (run, f"(fix: it is a run directory: use its export, {run / 'final'})"),
+        (step, f"(fix: it holds training checkpoints: export one first (csbp export {step} --out DIR) and use DIR)"),
+    ]:
+        data["model"]["init_from"] = str(where)
+        with pytest.raises(ValueError) as info:
+            check_run(config_from_dict(data), check_device=False)
+        assert str(info.value) == f"model.init_from: {where} is not a HF checkpoint directory (no config.json) {fix}"

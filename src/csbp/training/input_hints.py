@@ -1,4 +1,8 @@
-"""What to tell a user whose configured data path is not a prepared artifact.
+"""What to tell a user whose configured input path is not what its field needs.
+
+Data (``data.train``, ``data.val``) must be a prepared artifact; ``model.init_from`` and
+``objective.dflash.target`` a HF checkpoint directory (:func:`checkpoint_directory_fix`: a run
+directory or a checkpoint gets the way to its model, not "point it at a checkpoint").
 
 A relative path is resolved against the config file's directory, or against the working directory
 for a recipe used by name and for ``--set`` (:mod:`csbp.config.loading`). Run from the wrong
@@ -109,3 +113,14 @@ def _inside_cwd(path: Path) -> bool:
     except ValueError:
         return False
     return True
+
+
+def checkpoint_directory_fix(directory: Path, fallback: str) -> str:
+    """The fix for a ``directory`` given where a HF checkpoint directory (``config.json``) belongs: the
+    export of a run directory, the way to export a training checkpoint, else ``fallback``."""
+    directory = Path(directory)
+    if (directory / "final" / "config.json").is_file():
+        return f"it is a run directory: use its export, {directory / 'final'}"
+    if (directory / "trainer_state.json").is_file() or (directory / "checkpoints").is_dir():
+        return f"it holds training checkpoints: export one first (csbp export {directory} --out DIR) and use DIR"
+    return fallback
