@@ -188,7 +188,7 @@ _OS_ERROR_FIXES: dict[type[OSError], str] = {
     FileExistsError: "a file is in the way: choose another path or move it",
     NotADirectoryError: "a file is where a directory is expected: choose another path",
     IsADirectoryError: "a directory is where a file is expected: choose another path",
-    PermissionError: "choose a path you may write, or change its permissions",
+    PermissionError: "check the path's permissions (ls -l), or choose a path you may read or write",
 }
 
 

@@ -64,7 +64,13 @@ def load_config(
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError([f"{source}: the top level must be a mapping of sections (run:, model:, ...)"])
+        raise ConfigError(
+            [
+                f"{source}: the top level must be a mapping of sections (run:, model:, ...), got "
+                f"{'a list' if isinstance(data, list) else _short_repr(data)} (fix: write each section as `name:` at "
+                "the start of a line with its keys indented under it, as in `csbp recipes copy demo .`)"
+            ]
+        )
     base_dir = Path(relative_to) if relative_to is not None else path.parent
     data = _resolve_paths(data, RunConfig, base_dir.absolute())
     parsed = parse_overrides(overrides)
