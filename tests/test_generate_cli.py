@@ -266,3 +266,21 @@ def test_sampling_flags_are_refused_by_their_flag_name(
     with pytest.raises(SystemExit):
         parse(["generate", "--model", "m", "--prompt", "hi", flag, value])
     assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_tokenizer_other_than_the_model_s_own(checkpoint: Path, tmp_path: Path) -> None:
+    """--tokenizer with another tokenizer sampled happily: its ids meant other words to the model."""
+    other = tmp_path / "other"
+    other.mkdir()
+    train_bpe_tokenizer(["entirely different words here"] * 8, vocab_size=280).save(other)
+    args = parse(["generate", "--model", str(checkpoint), "--tokenizer", str(other), "--prompt", "hi", "--device", "cpu"])
+    with pytest.raises(ValueError) as info:
+        args.func(args)
+    assert str(info.value) == (
+        f"--tokenizer {other}: not the tokenizer {checkpoint} was exported with ({checkpoint / 'tokenizer.json'}; "
+        "fingerprints differ), so its ids would mean other words to the model (fix: drop --tokenizer to use the "
+        "model's own)"
+    )
+    same = parse(["generate", "--model", str(checkpoint), "--tokenizer", str(checkpoint / "tokenizer.json"),
+                  "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2", "--block-size", "4"])
+    assert same.func(same) == 0

@@ -124,6 +124,20 @@ def chat_prompt(tokenizer_dir: Path, prompt: str) -> str:
     return template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, where="--prompt")
 
 
+def check_same_tokenizer(model_dir: Path, given: Path | None, fingerprint: str) -> None:
+    """``ValueError`` when ``--tokenizer`` names another tokenizer than the one exported with the
+    model: its ids would mean other words to the model, and the sample would be noise."""
+    from csbp.data.tokenizer import fingerprint_bytes
+
+    own = model_dir / "tokenizer.json"
+    if given is None or not own.is_file() or fingerprint_bytes(own.read_bytes()) == fingerprint:
+        return
+    raise ValueError(
+        f"--tokenizer {given}: not the tokenizer {model_dir} was exported with ({own}; fingerprints differ), so "
+        "its ids would mean other words to the model (fix: drop --tokenizer to use the model's own)"
+    )
+
+
 def check_prompt(prompt_ids: list[int], objective: str, mask_token_id: int, mask_name: str) -> None:
     """``ValueError`` for a prompt the sampler cannot continue, found before the model is loaded."""
     if TOKEN_SHIFT_OBJECTIVES[objective] and not prompt_ids:
@@ -197,6 +211,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         hint = "" if args.tokenizer is not None else " (pass --tokenizer DIR if the model directory has none)"
         raise ValueError(f"{error}{hint}") from None
+    check_same_tokenizer(model_dir, args.tokenizer, tokenizer.fingerprint)
     mask_token_id = run_settings.get("mask_token_id", tokenizer.mask_token_id)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
