@@ -101,9 +101,9 @@ def decoder_config_for_run(cfg: RunConfig, artifact: Artifact) -> DecoderConfig:
                 f"(fix: prepare the data with the checkpoint's tokenizer, csbp data prepare --tokenizer {model.init_from})"
             )
         raise ValueError(
-            f"model vocabulary: the data artifact {artifact.directory} has token ids up to "
-            f"{artifact.vocab_size - 1} but model.vocab_size embeds only {config.vocab_size} ids "
-            f"(fix: use a model with vocab_size >= {artifact.vocab_size}, or leave model.vocab_size unset)"
+            f"model.vocab_size: {config.vocab_size} ids, but the data artifact {artifact.directory} has token ids up "
+            f"to {artifact.vocab_size - 1} (fix: set model.vocab_size >= {artifact.vocab_size}, or leave it unset to "
+            "take the data tokenizer's)"
         )
     if model.init_from is not None:
         check_checkpoint_tokenizer(Path(str(model.init_from)), artifact)
