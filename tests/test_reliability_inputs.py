@@ -371,6 +371,7 @@ CASES: list[Case] = [
     Case("generate-top-k-0", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--top-k", "0"], "argument --top-k"),
     Case("generate-temperature-negative", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--temperature", "-1"], "argument --temperature"),
     Case("train-vocab-size-below-the-data", lambda fx, w: ["train", str(fx.config), "--set", "model.vocab_size=10", "--run-dir", "r"], "error: model.vocab_size: 10 ids, but the data artifact"),
+    Case("train-empty-data-path", lambda fx, w: ["train", str(fx.config), "--set", 'data.train=""', "--run-dir", "r"], "data.train: String should have at least 1 character"),
     Case("plan-model-file-missing", lambda fx, w: ["plan", "--model", "run.yaml", "--gpus", "4"], "--model run.yaml: no such file or directory"),
     Case("prepare-overwrite-root", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "/", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "working directory"),
 ]

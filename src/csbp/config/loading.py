@@ -378,6 +378,8 @@ def _is_path_field(info: FieldInfo) -> bool:
 
 
 def _resolve(value: str, base_dir: Path) -> str:
+    if not value:
+        return value  # refused by validation: "" would otherwise name base_dir itself
     path = Path(value).expanduser()
     return os.path.normpath(path if path.is_absolute() else base_dir / path)
 
