@@ -78,6 +78,16 @@ def float_in(low: float, high: float, *, low_open: bool = False, high_open: bool
     return parse
 
 
+def check_layout_flags(cp: int, bp: int) -> None:
+    """``ValueError`` naming ``--cp``/``--bp`` when they form no CSBP layout (the ``Topology`` built
+    from them would say so in Python words: ``Topology(cp=3, bp=4)``)."""
+    if cp > 1 and bp > 1 and (bp < cp or bp % cp):
+        raise ValueError(
+            f"--cp {cp} --bp {bp}: not a fused CSBP layout: --bp must be a multiple of --cp "
+            f"(fix: e.g. --bp {-(-max(bp, cp) // cp) * cp}, or --bp 1 for CP only, --cp 1 for BP only)"
+        )
+
+
 def check_model_directory(model_dir: Path) -> Path:
     """``--model``: a Hugging Face checkpoint directory (``config.json`` + safetensors), such as a run's
     ``final/``; a ``ValueError`` naming the fix for a run directory, a checkpoint or anything else."""
