@@ -268,3 +268,11 @@ def test_a_broken_pipe_that_is_not_stdout_is_still_reported(
     monkeypatch.setattr(recipes_cmd, "run_list", broken)
     code, _, err = run(capsys, "recipes", "list")
     assert code == USER_ERROR_EXIT_CODE and err == "csbp: error: Broken pipe (BrokenPipeError) (fix: check the path)\n"
+
+
+def test_an_unknown_flag_points_at_the_subcommand_s_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "(see csbp --help)", whose page does not list csbp train's flags."""
+    code, _, err = run(capsys, "train", "--config", "run.yaml")
+    assert (code, err) == (2, "csbp train: error: unrecognized arguments: --config (see csbp train --help)\n")
+    code, _, err = run(capsys, "data", "prepare", "x.txt", "--out", "o", "--seq-len", "8", "--train-tokenizer", "--bogus")
+    assert (code, err) == (2, "csbp data prepare: error: unrecognized arguments: --bogus (see csbp data prepare --help)\n")

@@ -113,6 +113,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the innermost subcommand ``args`` chose (``csbp data prepare``'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                return command_parser(chosen, args)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``csbp`` with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
     try:
@@ -149,7 +159,9 @@ def _run(argv: Sequence[str] | None) -> int:
     try:
         # imports the command's modules (torch: seconds on a loaded machine), so Ctrl-C often lands here
         parser = build_parser(next((w for w in words if not w.startswith("-")), None))
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # said by the subcommand's parser: "see csbp train --help", not "see csbp --help"
+            command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extras)}")
     except SystemExit as exc:  # --help, --version and argparse usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except KeyboardInterrupt:
