@@ -276,3 +276,12 @@ def test_an_unknown_flag_points_at_the_subcommand_s_help(capsys: pytest.CaptureF
     assert (code, err) == (2, "csbp train: error: unrecognized arguments: --config (see csbp train --help)\n")
     code, _, err = run(capsys, "data", "prepare", "x.txt", "--out", "o", "--seq-len", "8", "--train-tokenizer", "--bogus")
     assert (code, err) == (2, "csbp data prepare: error: unrecognized arguments: --bogus (see csbp data prepare --help)\n")
+
+
+def test_an_override_without_its_set_flag_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--set a=1 b=2` lost the second override to "unrecognized arguments" with no word on why."""
+    code, _, err = run(capsys, "config", "validate", "demo", "--set", "optim.lr=1e-3", "optim.warmup_steps=1")
+    assert code == 2 and err.startswith(
+        "csbp config validate: error: unrecognized arguments: optim.warmup_steps=1; each KEY=VALUE needs its own "
+        "--set: --set optim.warmup_steps=1 (see"
+    )

@@ -240,3 +240,10 @@ def test_a_utf16_config_is_told_to_be_saved_as_utf8(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_bytes(TINY.encode("utf-16"))
     assert error_lines(path) == [f"{path}: not UTF-8 text (fix: save it as UTF-8, or pass the YAML config file)"]
+
+
+def test_a_fractional_int_says_got_once(tmp_path: Path) -> None:
+    """It read "..., got a number with a fractional part, got 10.5"."""
+    assert error_lines(tiny(tmp_path), "train.max_steps=10.5") == [
+        "--set: train.max_steps: Input should be a valid integer, got 10.5 (fix: set it to int: Optimizer steps)"
+    ]

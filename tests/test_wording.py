@@ -34,6 +34,8 @@ def test_a_one_step_config_summary(capsys: pytest.CaptureFixture[str]) -> None:
         "mdlm-demo", ["train.max_steps=1", "train.micro_batch_size=1", "topology.dp=1", "optim.warmup_steps=0"]
     )
     assert dict(summary_rows(cfg))["train"].startswith("1 step, 1 sequence per step, ")
+    one_layer = load_run_config("demo", ["model.num_layers=1"])
+    assert dict(summary_rows(one_layer))["model"].startswith("qwen3, 1 layer, hidden 128")
     assert main(["config", "validate", "demo"]) == 0
     assert "  train      600 steps, 32 sequences per step, " in capsys.readouterr().out
 

@@ -101,7 +101,7 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
             model_text += f", RoPE replaced by {model.rope_scaling.type} x{model.rope_scaling.factor:g}"
     else:
         model_text = (
-            f"{model.arch}, {model.num_layers} layers, hidden {model.hidden_size}, "
+            f"{model.arch}, {counted(model.num_layers or 0, 'layer')}, hidden {model.hidden_size}, "
             f"heads {model.num_heads}/{model.num_kv_heads} x {model.head_dim}, {model.dtype}"
         )
     if obj.name == "dflash" and obj.dflash is not None and obj.block_size is not None:

@@ -25,6 +25,7 @@ import argparse
 import copy
 import importlib
 import os
+import re
 import select
 import sys
 from collections.abc import Sequence
@@ -51,6 +52,9 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 """Modules registering subcommands, in ``csbp --help`` order. A missing module is an ImportError."""
 
 USER_ERROR_EXIT_CODE = 2
+
+OVERRIDE_WORD = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+"""A ``section.key=value`` word: a ``--set`` override that lost its flag."""
 
 CLOSED_OUTPUT_EXIT_CODE = 141
 """128 + SIGPIPE: the status the shell reports for ``seq 1000000 | head -1``'s writer. Not 0: under
@@ -161,7 +165,9 @@ def _run(argv: Sequence[str] | None) -> int:
         parser = build_parser(next((w for w in words if not w.startswith("-")), None))
         args, extras = parser.parse_known_args(argv)
         if extras:  # said by the subcommand's parser: "see csbp train --help", not "see csbp --help"
-            command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extras)}")
+            overrides = [word for word in extras if OVERRIDE_WORD.match(word)]
+            hint = f"; each KEY=VALUE needs its own --set: --set {overrides[0]}" if overrides else ""
+            command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extras)}{hint}")
     except SystemExit as exc:  # --help, --version and argparse usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except KeyboardInterrupt:

@@ -232,7 +232,8 @@ def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
     fix = f"set it to {_type_text(info.annotation)}" if info is not None else ""
     if info is not None and info.description:
         fix += f": {info.description.rstrip('.')}"
-    message = "expected a list" if kind in ("tuple_type", "list_type") else error["msg"]  # not "a valid tuple"
+    # not "a valid tuple"; pydantic's own ", got a number with a fractional part" would precede ours
+    message = "expected a list" if kind in ("tuple_type", "list_type") else error["msg"].split(", got ")[0]
     return [(dotted, f"{message}, got {_short_repr(value)}", fix)]
 
 
