@@ -110,6 +110,11 @@ def decoder_config_for_run(cfg: RunConfig, artifact: Artifact) -> DecoderConfig:
     return config
 
 
+def _yaml(value: object) -> str:
+    """A config value as YAML writes it (``true``, not Python's ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
 def check_checkpoint_tokenizer(directory: Path, artifact: Artifact) -> None:
     """``ValueError`` when the checkpoint's ``tokenizer.json`` (if it has one) maps a token to another
     id than the data's tokenizer does: its embeddings were trained for its own ids. The data's
@@ -155,7 +160,7 @@ def _config_from_checkpoint(model: ModelSection) -> DecoderConfig:
         found = getattr(config, name)
         if wanted is not None and wanted != found:
             raise ValueError(
-                f"model.{name}: the config sets {wanted!r} but the checkpoint {directory} has {found!r} "
+                f"model.{name}: the config sets {_yaml(wanted)} but the checkpoint {directory} has {_yaml(found)} "
                 f"(fix: remove model.{name} to use the checkpoint's value)"
             )
     return with_rope_overrides(config, model)
