@@ -90,3 +90,13 @@ def test_init_from_a_run_directory_or_a_checkpoint_names_the_way_to_its_model(tm
         with pytest.raises(ValueError) as info:
             check_run(config_from_dict(data), check_device=False)
         assert str(info.value) == f"model.init_from: {where} is not a HF checkpoint directory (no config.json) {fix}"
+
+
+def test_a_directory_of_artifacts_names_them(tmp_path: Path) -> None:
+    """`data.train: artifacts` said to prepare data into artifacts/ itself."""
+    first = fake_artifact(tmp_path / "artifacts" / "demo")
+    fake_artifact(tmp_path / "artifacts" / "demo-4k-64")
+    assert missing_artifact_problem(tmp_path / "artifacts", "data.train") == (
+        f"data.train: {tmp_path / 'artifacts'} is a directory of artifacts, not one (demo, demo-4k-64) "
+        f"(fix: set data.train: {first}, or the one you mean)"
+    )

@@ -264,7 +264,7 @@ def test_launch_option_checks() -> None:
         check_process_count(_world2(), 1, LaunchOptions(nnodes=2))
     with pytest.raises(ValueError, match="--node-rank 2: must lie in"):
         check_process_count(_world2(), 1, LaunchOptions(nnodes=2, node_rank=2, rdzv_endpoint="h:1"))
-    with pytest.raises(ValueError, match=r"--nproc 1 x --nnodes 1 = 1 processes"):
+    with pytest.raises(ValueError, match=r"--nproc 1 x --nnodes 1 = 1 process,"):
         check_process_count(_world2(), 1, LaunchOptions())
     check_process_count(_world2(), 1, LaunchOptions(nnodes=2, node_rank=1, rdzv_endpoint="h:1"))
 

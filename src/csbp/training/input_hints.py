@@ -12,6 +12,7 @@ artifact the path most likely meant — only to name it in the message: nothing 
 data a run reads.
 
 * ``data.train: .../manifest.json``: the artifact is the directory holding it;
+* ``data.train: artifacts``: a directory of artifacts names them;
 * a copied config (``/elsewhere/configs/artifacts/x``): ``artifacts/x`` under the working directory;
 * a recipe run from a subdirectory (``docs/artifacts/x``): ``artifacts/x`` beside an enclosing
   directory of the working directory, and that directory is where to run from.
@@ -27,6 +28,14 @@ MANIFEST = "manifest.json"
 def is_artifact(path: Path) -> bool:
     """Whether ``path`` is a directory holding a data artifact's manifest."""
     return (path / MANIFEST).is_file()
+
+
+def artifacts_inside(path: Path) -> list[Path]:
+    """The artifacts directly inside the directory ``path`` (``artifacts/`` for ``artifacts/demo``), sorted."""
+    try:
+        return sorted(entry for entry in Path(path).iterdir() if is_artifact(entry))
+    except OSError:  # absent, not a directory, unreadable
+        return []
 
 
 def artifact_under_cwd(path: Path) -> Path | None:
@@ -65,6 +74,12 @@ def missing_artifact_problem(path: Path, field: str) -> str:
         return (
             f"{field}: {path} is the artifact's manifest file; {field} names the artifact directory "
             f"(fix: set {field}: {path.parent})"
+        )
+    inside = artifacts_inside(path)
+    if inside:
+        return (
+            f"{field}: {path} is a directory of artifacts, not one ({', '.join(p.name for p in inside[:3])}"
+            f"{', ...' if len(inside) > 3 else ''}) (fix: set {field}: {inside[0]}, or the one you mean)"
         )
     nearby = artifact_under_cwd(path)
     if nearby is not None:
