@@ -374,6 +374,8 @@ CASES: list[Case] = [
     Case("train-empty-data-path", lambda fx, w: ["train", str(fx.config), "--set", 'data.train=""', "--run-dir", "r"], "data.train: String should have at least 1 character"),
     Case("eval-cp-bp-not-fused", lambda fx, w: ["eval", "--model", str(fx.model), "--data", str(fx.artifact), "--nproc", "4", "--cp", "3", "--bp", "4"], "--cp 3 --bp 4: not a fused CSBP layout: --bp must be a multiple of --cp (fix: e.g. --bp 6"),
     Case("verify-cp-bp-not-fused", lambda fx, w: ["verify", "--nproc", "8", "--cp", "4", "--bp", "2"], "--cp 4 --bp 2: not a fused CSBP layout"),
+    Case("eval-data-is-a-file-of-the-artifact", lambda fx, w: ["eval", "--model", str(fx.model), "--data", str(fx.artifact / "manifest.json")], "manifest.json is a file of the data artifact"),
+    Case("inspect-a-file-of-the-artifact", lambda fx, w: ["data", "inspect", str(fx.artifact / "train.tokens.bin")], "train.tokens.bin is a file of the data artifact"),
     Case("plan-model-file-missing", lambda fx, w: ["plan", "--model", "run.yaml", "--gpus", "4"], "--model run.yaml: no such file or directory"),
     Case("prepare-overwrite-root", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "/", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "working directory"),
 ]
