@@ -376,6 +376,7 @@ CASES: list[Case] = [
     Case("verify-cp-bp-not-fused", lambda fx, w: ["verify", "--nproc", "8", "--cp", "4", "--bp", "2"], "--cp 4 --bp 2: not a fused CSBP layout"),
     Case("eval-data-is-a-file-of-the-artifact", lambda fx, w: ["eval", "--model", str(fx.model), "--data", str(fx.artifact / "manifest.json")], "manifest.json is a file of the data artifact"),
     Case("inspect-a-file-of-the-artifact", lambda fx, w: ["data", "inspect", str(fx.artifact / "train.tokens.bin")], "train.tokens.bin is a file of the data artifact"),
+    Case("config-qk-norm-against-the-arch", lambda fx, w: ["config", "validate", str(fx.config), "--set", "model.arch=llama", "--set", "model.qk_norm=true"], "model.qk_norm: true does not fit model.arch: llama"),
     Case("plan-model-file-missing", lambda fx, w: ["plan", "--model", "run.yaml", "--gpus", "4"], "--model run.yaml: no such file or directory"),
     Case("prepare-overwrite-root", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "/", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "working directory"),
 ]

@@ -106,11 +106,22 @@ def _model_rules(cfg: RunConfig) -> list[Violation]:
     if cfg.objective.name != "dflash":
         if model.init_from is not None:
             return []
-        return [
+        violations = [
             (f"model.{name}", "required when model.init_from is unset", f"set model.{name} or model.init_from")
             for name in SHAPE_FIELDS
             if getattr(model, name) is None
         ]
+        normed = model.arch == "qwen3"  # the HF family's fixed layout, which the final export writes
+        if model.qk_norm is not None and model.qk_norm != normed:
+            violations.append(
+                (
+                    "model.qk_norm",
+                    f"{str(model.qk_norm).lower()} does not fit model.arch: {model.arch}, whose Hugging Face layout "
+                    f"has {'' if normed else 'no '}query/key norms (the run's final export writes that layout)",
+                    f"set model.qk_norm: {str(normed).lower()}, or remove it (the arch's default)",
+                )
+            )
+        return violations
     shaped = [name for name in (*_TARGET_FIELDS, *SHAPE_FIELDS) if getattr(model, name) is not None]
     if not shaped:  # otherwise these were filled with the arch defaults, not set
         shaped = [name for name in _DECODER_FIELDS if getattr(model, name) is not None]

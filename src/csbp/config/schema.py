@@ -99,7 +99,8 @@ class ModelSection(_Section):
         None, gt=0, description="RMSNorm epsilon; unset: 1e-6 for qwen3, 1e-5 for llama (or init_from)."
     )
     qk_norm: bool | None = Field(
-        None, description="RMSNorm on queries and keys per head; unset: true for qwen3, false for llama."
+        None, description="RMSNorm on queries and keys per head: true for qwen3, false for llama and qwen2 (each "
+        "family's HF layout; unset: that)."
     )
     tie_embeddings: bool | None = Field(
         None, description="Share the input embedding with the LM head; unset: false (or init_from)."
