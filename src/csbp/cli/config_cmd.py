@@ -92,7 +92,7 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
     model, obj, topo = cfg.model, cfg.objective, cfg.topology
     if obj.name == "dflash" and obj.dflash is not None:
         model_text = (
-            f"DFlash drafter, {obj.dflash.num_draft_layers} draft layers, shape from target "
+            f"DFlash drafter, {counted(obj.dflash.num_draft_layers, 'draft layer')}, shape from target "
             f"{obj.dflash.target}, {model.dtype}"
         )
     elif model.init_from is not None:
