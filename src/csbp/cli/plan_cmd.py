@@ -218,29 +218,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def resolve_workload(spec: str, overrides: list[str] | None = None) -> tuple[Workload, RunConfig | None]:
     """A preset name, a HF ``config.json`` (or folder), or a run config / packaged recipe (with
     ``--set`` overrides), and that run config (else None)."""
-    from csbp.recipes import list_recipes
-
-    if spec not in preset_names() and spec not in list_recipes() and not os.path.lexists(spec):
-        if any(sep in spec for sep in ("/", os.sep)) or Path(spec).suffix in (".yaml", ".yml", ".json"):
-            raise ValueError(  # a path: say it is missing, not which kinds of --model there are
-                f"--model {spec}: no such file or directory (fix: check the path, or name a preset "
-                f"({', '.join(preset_names())}) or recipe ({', '.join(list_recipes())}))"
-            )
-        close = difflib.get_close_matches(spec, [*preset_names(), *list_recipes()], n=1)
-        raise ValueError(
-            f"--model {spec!r} is no preset ({', '.join(preset_names())}), recipe ({', '.join(list_recipes())}), "
-            "run config file or HF config.json (or folder holding one)" + (f" (fix: did you mean {close[0]}?)" if close else "")
-        )
     if spec in preset_names():
         workload = preset_workload(spec)
-    elif Path(spec).is_dir() or Path(spec).suffix == ".json":
+    elif Path(spec).is_dir() or (Path(spec).suffix == ".json" and os.path.lexists(spec)):
         workload = hf_workload(Path(spec))
     else:
+        if not os.path.lexists(spec):
+            _check_recipe_name(spec)  # imports the config stack (and torch) only here: presets stay torch-free
         cfg = load_plannable_config(spec, overrides or [])  # topology: auto is what the planner chooses
         return run_config_workload(cfg), cfg
     if overrides:
         raise ValueError("--set applies to run configs only: --model here is a preset or a HF config.json")
     return workload, None
+
+
+def _check_recipe_name(spec: str) -> None:
+    """``ValueError`` unless ``spec``, naming no file, is a packaged recipe: a path says it is missing
+    (not which kinds of --model there are), a bare word lists them with the closest name."""
+    from csbp.recipes import list_recipes
+
+    recipes = list_recipes()
+    if spec in recipes:
+        return
+    if any(sep in spec for sep in ("/", os.sep)) or Path(spec).suffix in (".yaml", ".yml", ".json"):
+        raise ValueError(
+            f"--model {spec}: no such file or directory (fix: check the path, or name a preset "
+            f"({', '.join(preset_names())}) or recipe ({', '.join(recipes)}))"
+        )
+    close = difflib.get_close_matches(spec, [*preset_names(), *recipes], n=1)
+    raise ValueError(
+        f"--model {spec!r} is no preset ({', '.join(preset_names())}), recipe ({', '.join(recipes)}), "
+        "run config file or HF config.json (or folder holding one)" + (f" (fix: did you mean {close[0]}?)" if close else "")
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:
