@@ -104,7 +104,7 @@ def test_invalid_config_exits_2_with_one_stderr_line(
     lines = err.splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith(
-        "csbp: error: recipe demo with --set topology.cp: topology.bp: Topology(cp=3, bp=2)"
+        "csbp: error: recipe demo with --set topology.cp: topology.bp: cp: 3 with bp: 2 is not a fused CSBP layout"
     )
     assert "Traceback" not in err
 
@@ -268,3 +268,20 @@ def test_a_broken_pipe_that_is_not_stdout_is_still_reported(
     monkeypatch.setattr(recipes_cmd, "run_list", broken)
     code, _, err = run(capsys, "recipes", "list")
     assert code == USER_ERROR_EXIT_CODE and err == "csbp: error: Broken pipe (BrokenPipeError) (fix: check the path)\n"
+
+
+def test_an_unknown_flag_points_at_the_subcommand_s_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said "(see csbp --help)", whose page does not list csbp train's flags."""
+    code, _, err = run(capsys, "train", "--config", "run.yaml")
+    assert (code, err) == (2, "csbp train: error: unrecognized arguments: --config (see csbp train --help)\n")
+    code, _, err = run(capsys, "data", "prepare", "x.txt", "--out", "o", "--seq-len", "8", "--train-tokenizer", "--bogus")
+    assert (code, err) == (2, "csbp data prepare: error: unrecognized arguments: --bogus (see csbp data prepare --help)\n")
+
+
+def test_an_override_without_its_set_flag_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--set a=1 b=2` lost the second override to "unrecognized arguments" with no word on why."""
+    code, _, err = run(capsys, "config", "validate", "demo", "--set", "optim.lr=1e-3", "optim.warmup_steps=1")
+    assert code == 2 and err.startswith(
+        "csbp config validate: error: unrecognized arguments: optim.warmup_steps=1; each KEY=VALUE needs its own "
+        "--set: --set optim.warmup_steps=1 (see"
+    )

@@ -83,7 +83,7 @@ def test_random_cases_run_on_the_named_backend(tmp_path, capsys: pytest.CaptureF
         (["--random", "2", "--diagonal", "sdpa"], "--random draws the attention kernels itself: drop --diagonal"),
         (["--random", "2", "--clean", "pieces"], "--random draws the attention kernels itself: drop --clean"),
         (["--nproc", "2", "--objective", "dflash", "--backend", "tiles", "--diagonal", "flex"], "--diagonal=flex needs"),
-        (["--nproc", "4", "--cp", "3", "--bp", "4"], "bp must be a multiple of cp"),
+        (["--nproc", "4", "--cp", "3", "--bp", "4"], "--cp 3 --bp 4: not a fused CSBP layout: --bp must be a multiple of --cp"),
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "30"], "not a multiple of block_size=4"),
         (["--nproc", "4", "--bp", "4", "--seq-len", "12"], "bp"),
         # one block covering the whole row: the train config refuses it (objective.block_size), so does verify

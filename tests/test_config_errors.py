@@ -194,3 +194,56 @@ def test_a_recipe_name_wins_over_a_directory_of_that_name(tmp_path: Path, monkey
     monkeypatch.chdir(tmp_path)
     (tmp_path / "demo").mkdir()
     assert load_run_config("demo").run.name == "demo"
+
+
+def test_values_and_types_are_named_in_yaml_words(tmp_path: Path) -> None:
+    """They read "got None", "got True", "Input should be a valid tuple" and "tuple[float, float]"."""
+    path = tiny(tmp_path)
+    assert error_lines(path, "objective.noise=", "optim.betas=null", "optim.lr=1e-3", "model.rope_scaling=true") == [
+        "--set: model.rope_scaling: expected a section of `key: value` lines, got true (fix: indent its keys under it)",
+        "--set: objective.noise: got null (fix: use 'rotated' or 'stratified')",
+        "--set: optim.betas: expected a list, got null (fix: set it to [float, float]: AdamW (beta1, beta2))",
+    ]
+
+
+def test_an_unreadable_config_file_says_it_cannot_be_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A permission error fell through to the generic OS-error line, whose fix was about writing."""
+    path = tiny(tmp_path)
+    real_read_text = Path.read_text
+
+    def denied(self: Path, *args: object, **kwargs: object) -> str:
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read_text(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    assert main(["config", "validate", str(path)]) == 2
+    assert capsys.readouterr().err == (
+        f"csbp: error: {path}: cannot be read: Permission denied (fix: check its permissions, e.g. ls -l {path})\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "got"), [("- run\n- model\n", "a list"), ("just words\n", "'just words'")], ids=["list", "scalar"]
+)
+def test_a_config_that_is_not_a_mapping_says_what_it_is_and_the_fix(tmp_path: Path, text: str, got: str) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(text, encoding="utf-8")
+    (line,) = error_lines(path)
+    assert line.startswith(f"{path}: the top level must be a mapping of sections (run:, model:, ...), got {got} (fix: ")
+
+
+def test_a_utf16_config_is_told_to_be_saved_as_utf8(tmp_path: Path) -> None:
+    """The fix said "pass a YAML file" to a YAML file saved as UTF-16."""
+    path = tmp_path / "run.yaml"
+    path.write_bytes(TINY.encode("utf-16"))
+    assert error_lines(path) == [f"{path}: not UTF-8 text (fix: save it as UTF-8, or pass the YAML config file)"]
+
+
+def test_a_fractional_int_says_got_once(tmp_path: Path) -> None:
+    """It read "..., got a number with a fractional part, got 10.5"."""
+    assert error_lines(tiny(tmp_path), "train.max_steps=10.5") == [
+        "--set: train.max_steps: Input should be a valid integer, got 10.5 (fix: set it to int: Optimizer steps)"
+    ]

@@ -153,3 +153,18 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         )
     with pytest.raises(ValueError, match="is not a csbp data artifact"):
         run(["data", "stats", str(tmp_path)])
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--seq-len", "1", "1 must be >= 2"), ("--val-fraction", "1", "1 must lie in [0, 1)"), ("--vocab-size", "0", "0 must be >= 1")],
+)
+def test_prepare_flags_are_refused_by_their_flag_name(
+    tmp_path: Path, flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They were refused by PrepareConfig's field names ("val_fraction is 1.0; use a value in [0, 1)")."""
+    argv = ["data", "prepare", "x.txt", "--out", str(tmp_path / "o"), "--train-tokenizer", "--vocab-size", "300"]
+    argv += ["--seq-len", "8", flag, value]
+    with pytest.raises(SystemExit):
+        run(argv)
+    assert f"argument {flag}: {message}" in capsys.readouterr().err

@@ -221,3 +221,66 @@ def test_cli_chat_wraps_the_prompt_as_a_user_turn(
     tokenizer = load_tokenizer(final)
     assert seen == [tokenizer.encode("<user>the fox</user><assistant>")]
     assert "completion: " in capsys.readouterr().out
+
+
+def test_cli_refuses_a_prompt_it_cannot_continue_before_loading_the_model(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """They failed in the sampler, after loading, in its Python words ("token_shift=True ...")."""
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("csbp.models.hf_io.load_hf_checkpoint", no_loading)
+    base = ["generate", "--model", str(checkpoint), "--device", "cpu", "--block-size", "4"]
+    args = parse([*base, "--prompt", "", "--objective", "fast_dllm_v2"])
+    with pytest.raises(ValueError) as info:
+        args.func(args)
+    assert str(info.value) == (
+        "--prompt: empty, but fast_dllm_v2 predicts each token from the one before it (fix: give a prompt)"
+    )
+    args = parse([*base, "--prompt", "the <|mask|> fox"])
+    mask_id = load_tokenizer(checkpoint).mask_token_id
+    with pytest.raises(ValueError) as info:
+        args.func(args)
+    assert str(info.value) == (
+        f"--prompt: holds the mask token <|mask|> (id {mask_id}), which the model reads as a position to fill, "
+        "not as text (fix: remove it from the prompt)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--temperature", "-1", "-1 must be a finite number >= 0"),
+        ("--top-k", "0", "0 must be >= 1"),
+        ("--top-p", "0", "0 must lie in (0, 1]"),
+        ("--threshold", "1.5", "1.5 must lie in [0, 1]"),
+        ("--seed", "-1", "-1 must be >= 0"),
+    ],
+)
+def test_sampling_flags_are_refused_by_their_flag_name(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They were refused by GenerationConfig's field names: "top_k must be >= 1 (or unset), got 0"."""
+    with pytest.raises(SystemExit):
+        parse(["generate", "--model", "m", "--prompt", "hi", flag, value])
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_tokenizer_other_than_the_model_s_own(checkpoint: Path, tmp_path: Path) -> None:
+    """--tokenizer with another tokenizer sampled happily: its ids meant other words to the model."""
+    other = tmp_path / "other"
+    other.mkdir()
+    train_bpe_tokenizer(["entirely different words here"] * 8, vocab_size=280).save(other)
+    args = parse(["generate", "--model", str(checkpoint), "--tokenizer", str(other), "--prompt", "hi", "--device", "cpu"])
+    with pytest.raises(ValueError) as info:
+        args.func(args)
+    assert str(info.value) == (
+        f"--tokenizer {other}: not the tokenizer {checkpoint} was exported with ({checkpoint / 'tokenizer.json'}; "
+        "fingerprints differ), so its ids would mean other words to the model (fix: drop --tokenizer to use the "
+        "model's own)"
+    )
+    same = parse(["generate", "--model", str(checkpoint), "--tokenizer", str(checkpoint / "tokenizer.json"),
+                  "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2", "--block-size", "4"])
+    assert same.func(same) == 0

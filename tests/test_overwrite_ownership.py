@@ -41,3 +41,14 @@ def test_a_directory_of_csbp_s_files_is_still_replaced(tmp_path: Path) -> None:
         (target / name).write_text("old")
     write_directory_atomically(target, _fill, overwrite=True, owned=OWNED)
     assert [p.name for p in target.iterdir()] == ["manifest.json"]
+
+
+def test_an_existing_output_names_the_flag_and_the_python_keyword_apart(tmp_path: Path) -> None:
+    """It read "pass --overwrite / overwrite=True", one spelling of a flag glued to a Python keyword."""
+    target = tmp_path / "out"
+    target.mkdir()
+    with pytest.raises(ValueError) as info:
+        write_directory_atomically(target, _fill, overwrite=False, owned=OWNED)
+    assert str(info.value) == (
+        f"--out {target}: already exists (fix: choose another path, or pass --overwrite (overwrite=True in Python))"
+    )

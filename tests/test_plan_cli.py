@@ -109,6 +109,10 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
         (["--model", "nemotron-14b", "--seq-len", "4K"], "needs --model and --gpus"),
         (["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--set", "a.b=1"], "run configs only"),
         (["--model", "nope", "--seq-len", "4K", "--gpus", "4"], "--model 'nope' is no preset (nemotron-3b, "),
+        (["--model", "nemotron-3bb", "--seq-len", "4K", "--gpus", "4"], "(fix: did you mean nemotron-3b?)"),
+        # a missing file said which kinds of --model there are, not that the file is missing
+        (["--model", "run.yaml", "--gpus", "4"], "--model run.yaml: no such file or directory (fix: check the path"),
+        (["--model", "configs/run", "--gpus", "4"], "--model configs/run: no such file or directory"),
         (
             ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--topology", "dp2/cp4"],
             "uses 8 GPUs",

@@ -248,8 +248,8 @@ CASES: list[Case] = [
     Case("prepare-overwrite-foreign", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", str(write(w / "mine" / "notes.txt", "x").parent), "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "--overwrite"),
     Case("prepare-overwrite-cwd", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", ".", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "--out ."),
     Case("prepare-overwrite-file", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", str(write(w / "f", "x")), "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "f"),
-    Case("prepare-seq-len-1", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "1", "--tokenizer", str(fx.artifact)], "seq_len"),
-    Case("prepare-val-fraction", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--val-fraction", "1.5"], "val_fraction"),
+    Case("prepare-seq-len-1", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "1", "--tokenizer", str(fx.artifact)], "argument --seq-len"),
+    Case("prepare-val-fraction", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--val-fraction", "1.5"], "argument --val-fraction"),
     Case("prepare-vocab-without-train", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--vocab-size", "9"], "--vocab-size"),
     Case("prepare-bad-tokenizer", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--tokenizer", str(write(w / "tok" / "tokenizer.json", "{not json"))], "tokenizer.json"),
     Case("prepare-missing-tokenizer", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "o", "--seq-len", "8", "--tokenizer", "no-tok"], "no-tok"),
@@ -360,6 +360,24 @@ CASES: list[Case] = [
     Case("compare-resume-foreign-layout-dir", lambda fx, w: ["compare", str(fx.config), "--layouts", "data", "--nproc", "1", "--budget-s", "5", "--out", str(write(w / "o" / "data" / "notes.txt", "x").parent.parent), "--resume"], "no compare_options.json"),
     Case("prepare-overwrite-symlink", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", str(symlink(w / "link", fx.copy_artifact(w / "a"))), "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "symbolic link"),
     Case("prepare-jsonl-nested-deep", lambda fx, w: ["data", "prepare", str(write(w / "deep.jsonl", "[" * 200_000 + "]" * 200_000 + "\n")), "--out", "o", "--seq-len", "8", "--tokenizer", str(fx.artifact)], "deep.jsonl:1"),
+    # ------------------------------------------------------------------ a new user's mistakes (audit g)
+    Case("config-top-level-list", lambda fx, w: ["config", "validate", str(write(w / "l.yaml", "- run\n- model\n"))], "l.yaml: the top level must be a mapping of sections (run:, model:, ...), got a list (fix:"),
+    Case("config-utf16", lambda fx, w: ["config", "validate", str(write(w / "u.yaml", fx.config.read_text().encode("utf-16")))], "u.yaml: not UTF-8 text (fix: save it as UTF-8"),
+    Case("config-set-empty-value", lambda fx, w: ["config", "validate", str(fx.config), "--set", "run.name="], "run.name: Input should be a valid string, got null"),
+    Case("train-data-is-the-manifest", lambda fx, w: ["train", str(fx.config), "--set", f"data.train={fx.artifact / 'manifest.json'}", "--run-dir", "r"], "is the artifact's manifest file; data.train names the artifact directory (fix: set data.train:"),
+    Case("train-recipe-from-a-subdirectory", lambda fx, w: [fx.copy_artifact(w.parent / "artifacts" / "demo-4k-64")] and ["train", "demo", "--run-dir", "r"], "(fix: run from "),
+    Case("train-finished-resume-with-a-change", lambda fx, w: ["train", str(fx.config), "--run-dir", str(real_run(fx, w / "r")), "--resume", "--max-steps", "2", "--set", "objective.block_size=8"], "objective.block_size: checkpoint"),
+    Case("generate-prompt-holds-the-mask", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a <|mask|> b"], "--prompt: holds the mask token"),
+    Case("generate-top-k-0", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--top-k", "0"], "argument --top-k"),
+    Case("generate-temperature-negative", lambda fx, w: ["generate", "--model", str(fx.model), "--prompt", "a", "--temperature", "-1"], "argument --temperature"),
+    Case("train-vocab-size-below-the-data", lambda fx, w: ["train", str(fx.config), "--set", "model.vocab_size=10", "--run-dir", "r"], "error: model.vocab_size: 10 ids, but the data artifact"),
+    Case("train-empty-data-path", lambda fx, w: ["train", str(fx.config), "--set", 'data.train=""', "--run-dir", "r"], "data.train: String should have at least 1 character"),
+    Case("eval-cp-bp-not-fused", lambda fx, w: ["eval", "--model", str(fx.model), "--data", str(fx.artifact), "--nproc", "4", "--cp", "3", "--bp", "4"], "--cp 3 --bp 4: not a fused CSBP layout: --bp must be a multiple of --cp (fix: e.g. --bp 6"),
+    Case("verify-cp-bp-not-fused", lambda fx, w: ["verify", "--nproc", "8", "--cp", "4", "--bp", "2"], "--cp 4 --bp 2: not a fused CSBP layout"),
+    Case("eval-data-is-a-file-of-the-artifact", lambda fx, w: ["eval", "--model", str(fx.model), "--data", str(fx.artifact / "manifest.json")], "manifest.json is a file of the data artifact"),
+    Case("inspect-a-file-of-the-artifact", lambda fx, w: ["data", "inspect", str(fx.artifact / "train.tokens.bin")], "train.tokens.bin is a file of the data artifact"),
+    Case("config-qk-norm-against-the-arch", lambda fx, w: ["config", "validate", str(fx.config), "--set", "model.arch=llama", "--set", "model.qk_norm=true"], "model.qk_norm: true does not fit model.arch: llama"),
+    Case("plan-model-file-missing", lambda fx, w: ["plan", "--model", "run.yaml", "--gpus", "4"], "--model run.yaml: no such file or directory"),
     Case("prepare-overwrite-root", lambda fx, w: ["data", "prepare", str(fx.root / "art.jsonl"), "--out", "/", "--seq-len", "8", "--tokenizer", str(fx.artifact), "--overwrite"], "working directory"),
 ]
 
@@ -395,4 +413,4 @@ def test_bad_input_fails_closed(
 
 
 def test_the_table_is_large_enough() -> None:
-    assert len(CASES) >= 112 and len({case.name for case in CASES}) == len(CASES)
+    assert len(CASES) >= 122 and len({case.name for case in CASES}) == len(CASES)

@@ -66,6 +66,16 @@ def test_a_resume_refuses_what_defines_the_model(
     assert listing(run_dir) == before  # failed before any work
 
 
+def test_a_refused_change_is_reported_before_nothing_is_left_to_do(run_at_step2: Path, artifact: Path) -> None:
+    """A finished run resumed with a changed field said only "nothing is left to do"; the change was
+    refused only after max_steps was raised. The config comparison now comes first."""
+    changed = tiny_config(artifact, **{"objective.block_size": 8})
+    with pytest.raises(ValueError, match=r"^objective\.block_size: checkpoint .* \(step 2\) was trained with"):
+        check_run(changed, run_dir=run_at_step2, resume=True, stop_step=2)
+    with pytest.raises(ValueError, match=r"^--resume: .* is at step 2, nothing is left to do before step 2"):
+        check_run(tiny_config(artifact), run_dir=run_at_step2, resume=True, stop_step=2)
+
+
 def test_changed_optimisation_applies_from_the_resumed_step(
     run_at_step2: Path, artifact: Path, tmp_path: Path
 ) -> None:

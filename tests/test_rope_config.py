@@ -124,5 +124,7 @@ def test_from_scratch_models_take_rope_scaling_and_the_qwen2_layout(artifact: Pa
     assert (qwen2.qkv_bias, qwen2.attention_bias, qwen2.qk_norm, qwen2.rope_theta) == (True, False, False, 1e6)
     assert qwen2.rope_scaling == RopeScaling("yarn", 4.0, 32)
     # a layout the final export could not write fails before training, not after it
-    with pytest.raises(ValueError, match=r"model.arch: arch='llama' export needs qk_norm=False"):
+    # (said in YAML terms by the config rules: it read "arch='llama' export needs qk_norm=False")
+    with pytest.raises(ValueError, match=r"model.qk_norm: true does not fit model.arch: llama, whose Hugging Face "
+                       r"layout has no query/key norms .*\(fix: set model.qk_norm: false, or remove it"):
         decoder_config_for_run(tiny_config(artifact, **{"model.arch": "llama", "model.qk_norm": True}), vocab)

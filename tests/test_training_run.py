@@ -407,7 +407,7 @@ def test_config_errors_are_raised_before_any_process_starts(artifact: Path, tmp_
             "is a single.stream",  # the config rule (or, past it, the preflight check)
         ),
         ({"data.seq_len": 64, "objective.block_size": 4}, "packed with seq_len=32"),
-        ({"model.vocab_size": 100}, "embeds only 100 ids"),
+        ({"model.vocab_size": 100}, "model.vocab_size: 100 ids, but the data artifact"),
         ({"objective.mask_token_id": 400}, "outside the model vocabulary"),
         ({"train.fsdp": True}, "train.fsdp: FSDP shards over the data-parallel group"),
         ({"train.micro_batch_size": 500}, "training rows"),

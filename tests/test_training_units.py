@@ -205,6 +205,12 @@ def test_init_from_loads_the_checkpoint_and_checks_fields(artifact: Path, tmp_pa
         decoder_config_for_run(
             tiny_config(artifact, **{**shape_free, "model.hidden_size": 32}), open_artifact(artifact)
         )
+    flipped = not source.config.qk_norm  # a bool in YAML words: it read "sets False ... has True"
+    with pytest.raises(ValueError, match=f"model.qk_norm: the config sets {str(flipped).lower()} but the checkpoint .* "
+                       f"has {str(not flipped).lower()} "):
+        decoder_config_for_run(
+            tiny_config(artifact, **{**shape_free, "model.qk_norm": flipped}), open_artifact(artifact)
+        )
 
 
 def test_small_model_vocabulary_is_rejected(artifact: Path, tmp_path: Path) -> None:
@@ -258,7 +264,7 @@ def test_launch_option_checks() -> None:
         check_process_count(_world2(), 1, LaunchOptions(nnodes=2))
     with pytest.raises(ValueError, match="--node-rank 2: must lie in"):
         check_process_count(_world2(), 1, LaunchOptions(nnodes=2, node_rank=2, rdzv_endpoint="h:1"))
-    with pytest.raises(ValueError, match=r"--nproc 1 x --nnodes 1 = 1 processes"):
+    with pytest.raises(ValueError, match=r"--nproc 1 x --nnodes 1 = 1 process,"):
         check_process_count(_world2(), 1, LaunchOptions())
     check_process_count(_world2(), 1, LaunchOptions(nnodes=2, node_rank=1, rdzv_endpoint="h:1"))
 

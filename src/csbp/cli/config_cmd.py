@@ -18,6 +18,7 @@ from csbp.cli.options import add_override_argument
 from csbp.config import RunConfig, dump_config
 from csbp.config.schema import DOCUMENT_MASK_DEFAULTS
 from csbp.recipes import load_run_config
+from csbp.wording import counted
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -91,7 +92,7 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
     model, obj, topo = cfg.model, cfg.objective, cfg.topology
     if obj.name == "dflash" and obj.dflash is not None:
         model_text = (
-            f"DFlash drafter, {obj.dflash.num_draft_layers} draft layers, shape from target "
+            f"DFlash drafter, {counted(obj.dflash.num_draft_layers, 'draft layer')}, shape from target "
             f"{obj.dflash.target}, {model.dtype}"
         )
     elif model.init_from is not None:
@@ -100,7 +101,7 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
             model_text += f", RoPE replaced by {model.rope_scaling.type} x{model.rope_scaling.factor:g}"
     else:
         model_text = (
-            f"{model.arch}, {model.num_layers} layers, hidden {model.hidden_size}, "
+            f"{model.arch}, {counted(model.num_layers or 0, 'layer')}, hidden {model.hidden_size}, "
             f"heads {model.num_heads}/{model.num_kv_heads} x {model.head_dim}, {model.dtype}"
         )
     if obj.name == "dflash" and obj.dflash is not None and obj.block_size is not None:
@@ -125,7 +126,11 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
             "topology",
             f"{layout} layout: dp={topo.dp} cp={topo.cp} bp={topo.bp}, world size {cfg.world_size}{launched}",
         ),
-        ("train", f"{cfg.train.max_steps} steps, {global_batch} sequences per step, {cfg.train.precision}"),
+        (
+            "train",
+            f"{counted(cfg.train.max_steps, 'step')}, {counted(global_batch, 'sequence')} per step, "
+            f"{cfg.train.precision}",
+        ),
         ("optim", f"lr {cfg.optim.lr:g} ({cfg.optim.schedule}, {cfg.optim.warmup_steps} warm-up steps)"),
     ]
 
@@ -169,15 +174,11 @@ def missing_path_notes(cfg: RunConfig) -> list[str]:
         "model.init_from": cfg.model.init_from,
         "objective.dflash.target": cfg.objective.dflash.target if cfg.objective.dflash else None,
     }
-    from csbp.training.preflight import artifact_under_cwd
+    from csbp.training.input_hints import missing_input_hint
 
     notes = []
     for field, value in inputs.items():
         if value is not None and not Path(value).exists():
-            nearby = artifact_under_cwd(Path(value)) if field.startswith("data.") else None
-            if nearby is not None:
-                hint = f" (but {nearby} is an artifact: relative paths resolve against the config file's directory)"
-            else:
-                hint = " (prepare it with `csbp data prepare`)" if field.startswith("data.") else ""
+            hint = missing_input_hint(Path(value)) if field.startswith("data.") else ""
             notes.append(f"{field} does not exist yet: {value}{hint}")
     return notes

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from csbp.cli.options import float_in, int_at_least, positive_int
 from csbp.data.artifact import SPLITS, open_artifact
 from csbp.data.corpus import demo_corpus_files
 from csbp.data.prepare import PrepareConfig, prepare_artifact
@@ -41,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--demo-corpus", action="store_true", help="add the Shakespeare demo corpus to the inputs"
     )
     prepare.add_argument("--out", type=Path, required=True, help="artifact directory to create")
-    prepare.add_argument("--seq-len", type=int, required=True, help="tokens per packed row")
+    prepare.add_argument("--seq-len", type=int_at_least(2), required=True, help="tokens per packed row")
     source = prepare.add_mutually_exclusive_group(required=True)
     source.add_argument("--tokenizer", type=Path, help="local tokenizer directory or tokenizer.json")
     source.add_argument(
@@ -54,9 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="format chat records with the tokenizer directory's chat template (auto, the default, falls "
         "back to csbp's role markers when it has none), csbp's role markers (none), or a .jinja file",
     )
-    prepare.add_argument("--vocab-size", type=int, help="vocabulary size of the trained tokenizer")
+    prepare.add_argument("--vocab-size", type=positive_int, help="vocabulary size of the trained tokenizer")
     prepare.add_argument(
-        "--val-fraction", type=float, default=0.0, help="share of documents held out (default 0)"
+        "--val-fraction", type=float_in(0, 1, high_open=True), default=0.0,
+        help="share of documents held out, in [0, 1) (default 0)",
     )
     prepare.add_argument(
         "--seed", type=int, default=0, help="seed of the train/val document split (default 0)"

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from csbp.models.decoder import Decoder
 
 from csbp.dflash.evaluate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DEFAULT_PROMPT_LEN
+from csbp.wording import counted
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
@@ -353,7 +354,7 @@ def run_eval(args: argparse.Namespace) -> int:
     _check_eval_positions(args.target, prompts, args.max_new_tokens)
     cfg = drafter.config
     print(
-        f"csbp dflash eval: {len(prompts)} prompts, max {args.max_new_tokens} new tokens, "
+        f"csbp dflash eval: {counted(len(prompts), 'prompt')}, max {args.max_new_tokens} new tokens, "
         f"block_size {cfg.block_size}, target layers {list(cfg.target_layer_ids or ())}, eos {eos_id}, "
         f"lossless check {'on' if args.check_lossless else 'off'}",
         flush=True,

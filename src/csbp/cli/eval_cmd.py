@@ -26,7 +26,13 @@ from pathlib import Path
 import torch
 
 from csbp.cli.generate_cmd import DTYPES
-from csbp.cli.options import check_model_directory, device_option, output_file, positive_int
+from csbp.cli.options import (
+    check_layout_flags,
+    check_model_directory,
+    device_option,
+    output_file,
+    positive_int,
+)
 from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
 
 
@@ -84,6 +90,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    check_layout_flags(args.cp, args.bp)  # before loading anything
     model_dir: Path = check_model_directory(args.model)
     notes = check_trained_overrides("eval", args, model_dir, run_config_settings(model_dir))
     artifact = open_artifact(args.data)

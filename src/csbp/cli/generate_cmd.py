@@ -31,13 +31,14 @@ records the model was adapted on.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from csbp.cli.options import check_model_directory, device_option, positive_int
+from csbp.cli.options import check_model_directory, device_option, float_in, int_at_least, positive_int
 from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
 from csbp.generation.run_settings import TOKEN_SHIFT_OBJECTIVES, run_objective_settings
 
@@ -80,11 +81,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--window", type=int, default=None, help="sliding attention window (default: the run's topology.window)"
     )
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float_in(0, math.inf), default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
     parser.add_argument(
-        "--threshold", type=float, default=None, help="also unmask every proposal at least this confident"
+        "--top-p", type=float_in(0, 1, low_open=True), default=1.0, help="nucleus mass kept, in (0, 1] (default 1)"
+    )
+    parser.add_argument(
+        "--threshold", type=float_in(0, 1), default=None,
+        help="also unmask every proposal at least this confident (a probability)",
     )
     parser.add_argument(
         "--unmask-order",
@@ -92,7 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="confidence",
         help="which masked positions of a block to fill first (default: the most confident)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     parser.add_argument(
         "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
@@ -118,6 +122,33 @@ def chat_prompt(tokenizer_dir: Path, prompt: str) -> str:
             "tokenizer_config.json 'chat_template') (fix: pass --tokenizer DIR of the chat model, or drop --chat)"
         )
     return template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, where="--prompt")
+
+
+def check_same_tokenizer(model_dir: Path, given: Path | None, fingerprint: str) -> None:
+    """``ValueError`` when ``--tokenizer`` names another tokenizer than the one exported with the
+    model: its ids would mean other words to the model, and the sample would be noise."""
+    from csbp.data.tokenizer import fingerprint_bytes
+
+    own = model_dir / "tokenizer.json"
+    if given is None or not own.is_file() or fingerprint_bytes(own.read_bytes()) == fingerprint:
+        return
+    raise ValueError(
+        f"--tokenizer {given}: not the tokenizer {model_dir} was exported with ({own}; fingerprints differ), so "
+        "its ids would mean other words to the model (fix: drop --tokenizer to use the model's own)"
+    )
+
+
+def check_prompt(prompt_ids: list[int], objective: str, mask_token_id: int, mask_name: str) -> None:
+    """``ValueError`` for a prompt the sampler cannot continue, found before the model is loaded."""
+    if TOKEN_SHIFT_OBJECTIVES[objective] and not prompt_ids:
+        raise ValueError(
+            f"--prompt: empty, but {objective} predicts each token from the one before it (fix: give a prompt)"
+        )
+    if mask_token_id in prompt_ids:
+        raise ValueError(
+            f"--prompt: holds the mask token {mask_name} (id {mask_token_id}), which the model reads as a "
+            "position to fill, not as text (fix: remove it from the prompt)"
+        )
 
 
 def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block_size: int) -> None:
@@ -180,6 +211,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as error:
         hint = "" if args.tokenizer is not None else " (pass --tokenizer DIR if the model directory has none)"
         raise ValueError(f"{error}{hint}") from None
+    check_same_tokenizer(model_dir, args.tokenizer, tokenizer.fingerprint)
     mask_token_id = run_settings.get("mask_token_id", tokenizer.mask_token_id)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -196,6 +228,7 @@ def run_generate(args: argparse.Namespace) -> int:
         unmask_order=args.unmask_order,
     )
     prompt_ids = tokenizer.encode(chat_prompt(tokenizer_dir, args.prompt) if args.chat else args.prompt)
+    check_prompt(prompt_ids, objective, mask_token_id, args.mask_token)
     check_positions(model_dir, len(prompt_ids), args.max_new_tokens, block_size)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]

@@ -25,6 +25,7 @@ import argparse
 import copy
 import importlib
 import os
+import re
 import select
 import sys
 from collections.abc import Sequence
@@ -51,6 +52,9 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
 """Modules registering subcommands, in ``csbp --help`` order. A missing module is an ImportError."""
 
 USER_ERROR_EXIT_CODE = 2
+
+OVERRIDE_WORD = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+"""A ``section.key=value`` word: a ``--set`` override that lost its flag."""
 
 CLOSED_OUTPUT_EXIT_CODE = 141
 """128 + SIGPIPE: the status the shell reports for ``seq 1000000 | head -1``'s writer. Not 0: under
@@ -113,6 +117,16 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the innermost subcommand ``args`` chose (``csbp data prepare``'s)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = action.choices.get(getattr(args, action.dest, None) or "")
+            if chosen is not None:
+                return command_parser(chosen, args)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``csbp`` with ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
     try:
@@ -149,7 +163,11 @@ def _run(argv: Sequence[str] | None) -> int:
     try:
         # imports the command's modules (torch: seconds on a loaded machine), so Ctrl-C often lands here
         parser = build_parser(next((w for w in words if not w.startswith("-")), None))
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:  # said by the subcommand's parser: "see csbp train --help", not "see csbp --help"
+            overrides = [word for word in extras if OVERRIDE_WORD.match(word)]
+            hint = f"; each KEY=VALUE needs its own --set: --set {overrides[0]}" if overrides else ""
+            command_parser(parser, args).error(f"unrecognized arguments: {' '.join(extras)}{hint}")
     except SystemExit as exc:  # --help, --version and argparse usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except KeyboardInterrupt:
@@ -188,7 +206,7 @@ _OS_ERROR_FIXES: dict[type[OSError], str] = {
     FileExistsError: "a file is in the way: choose another path or move it",
     NotADirectoryError: "a file is where a directory is expected: choose another path",
     IsADirectoryError: "a directory is where a file is expected: choose another path",
-    PermissionError: "choose a path you may write, or change its permissions",
+    PermissionError: "check the path's permissions (ls -l), or choose a path you may read or write",
 }
 
 

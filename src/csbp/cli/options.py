@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from csbp.atomic import unwritable_reason
@@ -39,6 +41,51 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An integer >= ``low`` (``--seq-len``: 2, ``--seed``: 0), refused by argparse naming the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+
+    return parse
+
+
+def float_in(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Callable[[str], float]:
+    """A number in ``[low, high]`` (``(`` / ``)`` where open; ``high`` may be ``inf``, never reached)."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if math.isinf(high):
+        interval = f"a finite number {'>' if low_open else '>='} {low:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        if not (above and below and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"{text} must {'be' if math.isinf(high) else 'lie in'} {interval}")
+        return value
+
+    return parse
+
+
+def check_layout_flags(cp: int, bp: int) -> None:
+    """``ValueError`` naming ``--cp``/``--bp`` when they form no CSBP layout (the ``Topology`` built
+    from them would say so in Python words: ``Topology(cp=3, bp=4)``)."""
+    if cp > 1 and bp > 1 and (bp < cp or bp % cp):
+        raise ValueError(
+            f"--cp {cp} --bp {bp}: not a fused CSBP layout: --bp must be a multiple of --cp "
+            f"(fix: e.g. --bp {-(-max(bp, cp) // cp) * cp}, or --bp 1 for CP only, --cp 1 for BP only)"
+        )
 
 
 def check_model_directory(model_dir: Path) -> Path:

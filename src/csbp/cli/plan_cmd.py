@@ -17,7 +17,9 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import os
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -218,21 +220,36 @@ def resolve_workload(spec: str, overrides: list[str] | None = None) -> tuple[Wor
     ``--set`` overrides), and that run config (else None)."""
     if spec in preset_names():
         workload = preset_workload(spec)
-    elif Path(spec).is_dir() or Path(spec).suffix == ".json":
+    elif Path(spec).is_dir() or (Path(spec).suffix == ".json" and os.path.lexists(spec)):
         workload = hf_workload(Path(spec))
     else:
-        from csbp.recipes import list_recipes
-
-        if not Path(spec).is_file() and spec not in list_recipes():
-            raise ValueError(
-                f"--model {spec!r} is no preset ({', '.join(preset_names())}), recipe ({', '.join(list_recipes())}), "
-                "run config file or HF config.json (or folder holding one)"
-            )
+        if not os.path.lexists(spec):
+            _check_recipe_name(spec)  # imports the config stack (and torch) only here: presets stay torch-free
         cfg = load_plannable_config(spec, overrides or [])  # topology: auto is what the planner chooses
         return run_config_workload(cfg), cfg
     if overrides:
         raise ValueError("--set applies to run configs only: --model here is a preset or a HF config.json")
     return workload, None
+
+
+def _check_recipe_name(spec: str) -> None:
+    """``ValueError`` unless ``spec``, naming no file, is a packaged recipe: a path says it is missing
+    (not which kinds of --model there are), a bare word lists them with the closest name."""
+    from csbp.recipes import list_recipes
+
+    recipes = list_recipes()
+    if spec in recipes:
+        return
+    if any(sep in spec for sep in ("/", os.sep)) or Path(spec).suffix in (".yaml", ".yml", ".json"):
+        raise ValueError(
+            f"--model {spec}: no such file or directory (fix: check the path, or name a preset "
+            f"({', '.join(preset_names())}) or recipe ({', '.join(recipes)}))"
+        )
+    close = difflib.get_close_matches(spec, [*preset_names(), *recipes], n=1)
+    raise ValueError(
+        f"--model {spec!r} is no preset ({', '.join(preset_names())}), recipe ({', '.join(recipes)}), "
+        "run config file or HF config.json (or folder holding one)" + (f" (fix: did you mean {close[0]}?)" if close else "")
+    )
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ import argparse
 
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
-from csbp.cli.options import add_clean_option, add_diagonal_option, positive_int
+from csbp.cli.options import add_clean_option, add_diagonal_option, check_layout_flags, positive_int
 from csbp.devices import DEVICE_KINDS, resolve_device
 from csbp.engine.verify import VerifyCase, check_case, layouts_for, verify
 from csbp.schedules import SCHEDULES
@@ -103,6 +103,7 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
     if args.cp is None and args.bp is None and args.dp is None:
         return layouts_for(args.nproc)
     cp, bp = args.cp or 1, args.bp or 1
+    check_layout_flags(cp, bp)
     local = max(cp, bp)
     if args.dp is None and args.nproc % local:  # was: "Topology.dp must be a positive integer, got 0"
         raise ValueError(

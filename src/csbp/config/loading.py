@@ -64,7 +64,13 @@ def load_config(
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError([f"{source}: the top level must be a mapping of sections (run:, model:, ...)"])
+        raise ConfigError(
+            [
+                f"{source}: the top level must be a mapping of sections (run:, model:, ...), got "
+                f"{'a list' if isinstance(data, list) else _short_repr(data)} (fix: write each section as `name:` at "
+                "the start of a line with its keys indented under it, as in `csbp recipes copy demo .`)"
+            ]
+        )
     base_dir = Path(relative_to) if relative_to is not None else path.parent
     data = _resolve_paths(data, RunConfig, base_dir.absolute())
     parsed = parse_overrides(overrides)
@@ -226,7 +232,9 @@ def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
     fix = f"set it to {_type_text(info.annotation)}" if info is not None else ""
     if info is not None and info.description:
         fix += f": {info.description.rstrip('.')}"
-    return [(dotted, f"{error['msg']}, got {_short_repr(value)}", fix)]
+    # not "a valid tuple"; pydantic's own ", got a number with a fractional part" would precede ours
+    message = "expected a list" if kind in ("tuple_type", "list_type") else error["msg"].split(", got ")[0]
+    return [(dotted, f"{message}, got {_short_repr(value)}", fix)]
 
 
 def _misspelled_keys(errors: Sequence[Any]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
@@ -260,8 +268,21 @@ def _misspelling(unknown: tuple[Any, ...], missing: tuple[Any, ...]) -> tuple[st
 
 
 def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    """``value`` as a YAML user wrote it (``null``, ``true``, ``[1, 2]``; strings quoted), shortened."""
+    text = _yaml_text(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _yaml_text(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_yaml_text(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {_yaml_text(item)}" for key, item in value.items()) + "}"
+    return repr(value)
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:
@@ -345,6 +366,10 @@ def _type_text(annotation: Any) -> str:
         return " or ".join("null" if arg is type(None) else _type_text(arg) for arg in args)
     if str(origin).endswith("Literal"):
         return "one of " + ", ".join(repr(arg) for arg in args)
+    if origin in (tuple, list):  # a YAML flow list: [float, float], [int, ...]
+        if origin is tuple and Ellipsis not in args:
+            return "[" + ", ".join(_type_text(arg) for arg in args) + "]"
+        return f"[{_type_text(args[0])}, ...]" if args else "a list"
     return str(annotation).replace("typing.", "")
 
 
@@ -354,6 +379,8 @@ def _is_path_field(info: FieldInfo) -> bool:
 
 
 def _resolve(value: str, base_dir: Path) -> str:
+    if not value:
+        return value  # refused by validation: "" would otherwise name base_dir itself
     path = Path(value).expanduser()
     return os.path.normpath(path if path.is_absolute() else base_dir / path)
 

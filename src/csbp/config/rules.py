@@ -40,6 +40,37 @@ def _format_violation(field: str, message: str, fix: str) -> str:
     return f"{prefix}{message}" + (f" (fix: {fix})" if fix else "")
 
 
+LAYOUTS_FIX = (
+    "accepted layouts: data (cp=bp=1), CP-only (bp=1), BP-only (cp=1, bp>1, replicate_clean_prefix: true), "
+    "fused (bp >= cp, bp % cp == 0)"
+)
+
+
+def topology_layout_violation(cp: int, bp: int, replicate_clean_prefix: bool) -> Violation | None:
+    """The ``topology`` section's layout problem in the config's own words (YAML keys and values;
+    :class:`csbp.topology.Topology` says the same for Python callers), or None when it is valid."""
+    if cp > 1 and bp > 1 and (bp < cp or bp % cp):
+        suggestion = -(-max(bp, cp) // cp) * cp
+        return (
+            "bp",
+            f"cp: {cp} with bp: {bp} is not a fused CSBP layout: bp must be a multiple of cp (e.g. bp: {suggestion})",
+            LAYOUTS_FIX,
+        )
+    if cp == 1 and bp > 1 and not replicate_clean_prefix:
+        return (
+            "replicate_clean_prefix",
+            f"cp: 1 with bp: {bp} is BP-only, which replicates the clean prefix on every rank",
+            "set replicate_clean_prefix: true to opt in, or use cp > 1 (fused CSBP)",
+        )
+    if replicate_clean_prefix and not (cp == 1 and bp > 1):
+        return (
+            "replicate_clean_prefix",
+            f"true is only for BP-only layouts (cp: 1, bp > 1), got cp: {cp}, bp: {bp}",
+            "set replicate_clean_prefix: false",
+        )
+    return None
+
+
 def cross_section_violations(cfg: RunConfig) -> list[Violation]:
     """Every violated cross-section rule of ``cfg``."""
     return (
@@ -75,11 +106,22 @@ def _model_rules(cfg: RunConfig) -> list[Violation]:
     if cfg.objective.name != "dflash":
         if model.init_from is not None:
             return []
-        return [
+        violations = [
             (f"model.{name}", "required when model.init_from is unset", f"set model.{name} or model.init_from")
             for name in SHAPE_FIELDS
             if getattr(model, name) is None
         ]
+        normed = model.arch == "qwen3"  # the HF family's fixed layout, which the final export writes
+        if model.qk_norm is not None and model.qk_norm != normed:
+            violations.append(
+                (
+                    "model.qk_norm",
+                    f"{str(model.qk_norm).lower()} does not fit model.arch: {model.arch}, whose Hugging Face layout "
+                    f"has {'' if normed else 'no '}query/key norms (the run's final export writes that layout)",
+                    f"set model.qk_norm: {str(normed).lower()}, or remove it (the arch's default)",
+                )
+            )
+        return violations
     shaped = [name for name in (*_TARGET_FIELDS, *SHAPE_FIELDS) if getattr(model, name) is not None]
     if not shaped:  # otherwise these were filled with the arch defaults, not set
         shaped = [name for name in _DECODER_FIELDS if getattr(model, name) is not None]

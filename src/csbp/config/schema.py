@@ -20,7 +20,12 @@ from pydantic import Field, field_validator, model_validator
 
 from csbp.config.dflash_section import DFlashSection
 from csbp.config.rope_section import RopeScalingSection
-from csbp.config.rules import SHAPE_FIELDS, ConfigRuleError, cross_section_violations
+from csbp.config.rules import (
+    SHAPE_FIELDS,
+    ConfigRuleError,
+    cross_section_violations,
+    topology_layout_violation,
+)
 from csbp.config.section_base import _Section, path_field
 
 if TYPE_CHECKING:
@@ -94,7 +99,8 @@ class ModelSection(_Section):
         None, gt=0, description="RMSNorm epsilon; unset: 1e-6 for qwen3, 1e-5 for llama (or init_from)."
     )
     qk_norm: bool | None = Field(
-        None, description="RMSNorm on queries and keys per head; unset: true for qwen3, false for llama."
+        None, description="RMSNorm on queries and keys per head: true for qwen3, false for llama and qwen2 (each "
+        "family's HF layout; unset: that)."
     )
     tie_embeddings: bool | None = Field(
         None, description="Share the input embedding with the LM head; unset: false (or init_from)."
@@ -287,20 +293,10 @@ class TopologySection(_Section):
 
     @model_validator(mode="after")
     def _check_layout(self) -> TopologySection:
-        try:
-            self.to_topology()
-        except ValueError as exc:
-            field = "bp" if self.cp > 1 and self.bp > 1 else "replicate_clean_prefix"
-            raise ConfigRuleError(
-                [
-                    (
-                        field,
-                        str(exc),
-                        "accepted layouts: data (cp=bp=1), CP-only (bp=1), BP-only (cp=1, bp>1, "
-                        "replicate_clean_prefix: true), fused (bp >= cp, bp % cp == 0)",
-                    )
-                ]
-            ) from exc
+        problem = topology_layout_violation(self.cp, self.bp, self.replicate_clean_prefix)
+        if problem is not None:  # said in YAML terms; Topology's own message speaks Python
+            raise ConfigRuleError([problem])
+        self.to_topology()  # anything else it refuses
         if self.transport == "streaming" and self.cp == 1:
             raise ConfigRuleError(
                 [("transport", "streaming needs a CP ring (cp > 1)", "set cp > 1 or transport: collective")]

@@ -20,8 +20,9 @@ _SCALARS: dict[type, str] = {bool: "true or false", int: "int", float: "float"}
 
 
 def path_field(default: Any = ..., *, description: str) -> Any:
-    """A ``Field`` whose value is a filesystem path (resolved against the config file's directory)."""
-    return Field(default, description=description, json_schema_extra={PATH_FIELD_KEY: True})
+    """A ``Field`` whose value is a filesystem path (resolved against the config file's directory; an
+    empty one is refused, not read as that directory)."""
+    return Field(default, description=description, min_length=1, json_schema_extra={PATH_FIELD_KEY: True})
 
 
 class _Section(BaseModel):

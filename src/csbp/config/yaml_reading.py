@@ -93,7 +93,11 @@ def read_yaml_file(path: str | Path, *, source: str | None = None) -> Any:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise ConfigError([f"{source}: not UTF-8 text (fix: pass a YAML file)"]) from None
+        raise ConfigError([f"{source}: not UTF-8 text (fix: save it as UTF-8, or pass the YAML config file)"]) from None
+    except OSError as exc:  # permissions: "choose a path you may write" would be the wrong advice for a read
+        raise ConfigError(
+            [f"{source}: cannot be read: {exc.strerror or exc} (fix: check its permissions, e.g. ls -l {source})"]
+        ) from None
     return read_yaml_text(text, source=source)
 
 

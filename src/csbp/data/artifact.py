@@ -253,6 +253,10 @@ def open_artifact(
     directory = Path(directory)
     manifest_path = directory / MANIFEST_NAME
     if not manifest_path.is_file():
+        if directory.is_file() and (directory.parent / MANIFEST_NAME).is_file():  # one of its files, not it
+            raise ValueError(
+                f"{directory} is a file of the data artifact {directory.parent}; pass the artifact directory"
+            )
         raise ValueError(
             f"{directory} is not a csbp data artifact (no {MANIFEST_NAME}); run csbp data prepare"
         )

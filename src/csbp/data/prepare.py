@@ -64,6 +64,7 @@ from csbp.data.tokenizer import (
     train_bpe_tokenizer,
 )
 from csbp.staging import staging_directory
+from csbp.wording import counted
 
 ENCODE_CHUNK_DOCUMENTS = 256
 ARTIFACT_OWNERSHIP = Ownership(
@@ -162,12 +163,12 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     if given is not None and template is None:  # chats get csbp's role markers: refused before encoding
         check_role_markers(given, found.first_use_of_role)
     if template is not None:
-        say(f"{num_chats} chat records: chat template {template.source} (sha256 {template.sha256[:12]})")
+        say(f"{counted(num_chats, 'chat record')}: chat template {template.source} (sha256 {template.sha256[:12]})")
     if num_documents == 0:
-        raise ValueError(f"the inputs hold no non-empty documents ({num_empty} empty ones skipped)")
+        raise ValueError(f"the inputs hold no non-empty documents ({counted(num_empty, 'empty one')} skipped)")
     val_ordinals = _choose_val_documents(num_documents, config.val_fraction, config.seed)
     _check_document_ids_fit(num_documents - len(val_ordinals), len(val_ordinals))
-    say(f"{num_documents} documents ({len(val_ordinals)} val), {num_empty} empty skipped")
+    say(f"{counted(num_documents, 'document')} ({len(val_ordinals)} val), {num_empty} empty skipped")
 
     tokenizer = given if given is not None else _train_tokenizer(config, files, val_ordinals, say)
     check_mask_token_of_its_own(tokenizer)  # a trained one's special names are distinct: a safety net
@@ -182,7 +183,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         publish_directory(
             build_dir, out_dir, overwrite=config.overwrite, owned=ARTIFACT_OWNERSHIP, shown=config.out_dir
         )
-    say(f"wrote {config.out_dir}: " + ", ".join(f"{s} {counts[s].rows} rows" for s in SPLITS))
+    say(f"wrote {config.out_dir}: " + ", ".join(f"{s} {counted(counts[s].rows, 'row')}" for s in SPLITS))
     return manifest
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from csbp.data.artifact import MANIFEST_NAME, SPLITS, Artifact, ArtifactSplit
 from csbp.data.tokenizer import CsbpTokenizer
+from csbp.wording import counted
 
 SUPERVISED_OPEN, SUPERVISED_CLOSE = "[[", "]]"
 _SPLIT_COUNTS = ("rows", "documents", "tokens", "supervised_tokens", "padding_tokens")
@@ -53,8 +54,8 @@ def format_manifest_summary(artifact: Artifact) -> str:
     for split in SPLITS:
         s = {key: _recorded(artifact, "splits", split, key) for key in _SPLIT_COUNTS}
         lines.append(
-            f"  {split:<5}       {s['rows']} rows, {s['documents']} documents, {s['tokens']} tokens, "
-            f"{s['supervised_tokens']} supervised, {s['padding_tokens']} padding"
+            f"  {split:<5}       {counted(s['rows'], 'row')}, {counted(s['documents'], 'document')}, "
+            f"{s['tokens']} tokens, {s['supervised_tokens']} supervised, {s['padding_tokens']} padding"
         )
     lines.append(f"content       {artifact.fingerprint}")
     sources = m.get("sources")

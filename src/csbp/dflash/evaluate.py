@@ -41,6 +41,7 @@ from csbp.data.artifact import ArtifactSplit
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.speculative import greedy_generate, speculative_generate
 from csbp.models.decoder import Decoder
+from csbp.wording import counted
 
 DEFAULT_NUM_PROMPTS = 8
 DEFAULT_PROMPT_LEN = 64
@@ -310,7 +311,7 @@ def format_prompt_tables(summary: EvalSummary) -> str:
         group_summary = EvalSummary(summary.block_size, members)
         rates = " ".join(_fmt(rate) for rate in group_summary.position_acceptance)
         lines.append(
-            f"group {group}: {len(members)} prompts, acceptance length {_fmt(group_summary.acceptance_length)}, "
+            f"group {group}: {counted(len(members), 'prompt')}, acceptance length {_fmt(group_summary.acceptance_length)}, "
             f"per-position acceptance [{rates}]"
         )
         lines.append("")

@@ -35,6 +35,7 @@ from csbp.evaluation.nelbo import EVAL_T_MIN, nelbo_objective, perplexity_bound
 from csbp.evaluation.settings import EvalSettings
 from csbp.models.decoder import Decoder
 from csbp.objectives.base import CorruptedBatch, corruption_generator
+from csbp.wording import counted
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ class EvalReport:
     def format(self) -> str:
         stderr = "n/a (--samples 1)" if self.nelbo_stderr is None else f"{self.nelbo_stderr:.4f}"
         lines = [
-            f"data        {self.split}: {self.rows} rows in {self.batches} batches, {self.objective} B={self.block_size}",
-            f"nelbo       {self.nelbo:.4f} nats/token  stderr {stderr}  over {self.samples} noise draws, "
+            f"data        {self.split}: {counted(self.rows, 'row')} in {counted(self.batches, 'batch', 'batches')}, "
+            f"{self.objective} B={self.block_size}",
+            f"nelbo       {self.nelbo:.4f} nats/token  stderr {stderr}  over {counted(self.samples, 'noise draw')}, "
             f"t in [{self.t_min:g}, 1], {self.nelbo_tokens} tokens",
             f"ppl bound   {self.ppl_bound:.2f}  (exp nelbo)",
         ]

@@ -33,6 +33,7 @@ from csbp.plan.layout import Checkpointing, Layout, Sharding
 from csbp.plan.model import GIB, collective_overlap
 from csbp.plan.search import candidate_layouts, describe, rank
 from csbp.plan.workload import run_config_workload
+from csbp.wording import counted
 
 if TYPE_CHECKING:
     from csbp.config.schema import RunConfig
@@ -166,7 +167,7 @@ def resolve_auto_topology(
     if echo:
         sequences = lay.dp * search.micro_batch * search.grad_accum
         print(
-            f"topology: auto -> {describe(lay)} for {gpus} processes at L={cfg.data.seq_len}: predicted "
+            f"topology: auto -> {describe(lay)} for {counted(gpus, 'process', 'processes')} at L={cfg.data.seq_len}: predicted "
             f"{best.step_s:.3f} s/step, {best.mem_bytes / GIB:.2f} of {best.capacity_bytes / GIB:.1f} GiB per process; "
             f"{sequences} sequences ({sequences * cfg.data.seq_len:,} tokens) per optimizer step, {lay.dp}x one "
             f"replica's {search.micro_batch} x {search.grad_accum} "

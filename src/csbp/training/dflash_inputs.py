@@ -35,6 +35,7 @@ from csbp.dflash.features import FeatureStore, open_features, recorded_target
 from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
 from csbp.models.hf_io import decoder_config_from_hf
+from csbp.training.input_hints import checkpoint_directory_fix
 
 T = TypeVar("T")
 _TARGET_FIX = (
@@ -181,7 +182,7 @@ def read_target_config(target_dir: Path) -> DecoderConfig:
     if not config_file.is_file():
         raise ValueError(
             f"objective.dflash.target: {target_dir} is not a HF checkpoint directory (no config.json) "
-            f"(fix: {_TARGET_FIX})"
+            f"(fix: {checkpoint_directory_fix(target_dir, _TARGET_FIX)})"
         )
     return _field(
         "objective.dflash.target",

@@ -67,6 +67,7 @@ from csbp.training.trainer import (
     train,
     training_device,
 )
+from csbp.wording import counted
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 STALL_MARKER = "stopped responding"
@@ -169,9 +170,9 @@ def check_process_count(cfg: RunConfig, nproc: int, options: LaunchOptions) -> N
     topo = cfg.topology
     if nproc * options.nnodes != cfg.world_size:
         raise ValueError(
-            f"--nproc {nproc} x --nnodes {options.nnodes} = {nproc * options.nnodes} processes, but the topology "
-            f"dp={topo.dp} cp={topo.cp} bp={topo.bp} needs dp*max(cp, bp) = {cfg.world_size} "
-            f"(fix: launch {cfg.world_size} processes in all, or change the topology)"
+            f"--nproc {nproc} x --nnodes {options.nnodes} = {counted(nproc * options.nnodes, 'process', 'processes')}, "
+            f"but the topology dp={topo.dp} cp={topo.cp} bp={topo.bp} needs dp*max(cp, bp) = {cfg.world_size} "
+            f"(fix: launch {counted(cfg.world_size, 'process', 'processes')} in all, or change the topology)"
         )
     if options.nnodes > 1 and not options.rdzv_endpoint:
         raise ValueError(

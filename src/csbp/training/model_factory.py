@@ -40,6 +40,7 @@ from csbp.models.hf_config import check_exportable
 from csbp.models.hf_io import decoder_config_from_hf, read_generation_config, read_hf_config, read_hf_weights
 from csbp.parallel.comm import TrafficCounter
 from csbp.training.activation_checkpointing import checkpoint_layers
+from csbp.training.input_hints import checkpoint_directory_fix
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 _CHECKED_FIELDS = (
@@ -100,13 +101,18 @@ def decoder_config_for_run(cfg: RunConfig, artifact: Artifact) -> DecoderConfig:
                 f"(fix: prepare the data with the checkpoint's tokenizer, csbp data prepare --tokenizer {model.init_from})"
             )
         raise ValueError(
-            f"model vocabulary: the data artifact {artifact.directory} has token ids up to "
-            f"{artifact.vocab_size - 1} but model.vocab_size embeds only {config.vocab_size} ids "
-            f"(fix: use a model with vocab_size >= {artifact.vocab_size}, or leave model.vocab_size unset)"
+            f"model.vocab_size: {config.vocab_size} ids, but the data artifact {artifact.directory} has token ids up "
+            f"to {artifact.vocab_size - 1} (fix: set model.vocab_size >= {artifact.vocab_size}, or leave it unset to "
+            "take the data tokenizer's)"
         )
     if model.init_from is not None:
         check_checkpoint_tokenizer(Path(str(model.init_from)), artifact)
     return config
+
+
+def _yaml(value: object) -> str:
+    """A config value as YAML writes it (``true``, not Python's ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
 def check_checkpoint_tokenizer(directory: Path, artifact: Artifact) -> None:
@@ -145,10 +151,8 @@ def _config_from_checkpoint(model: ModelSection) -> DecoderConfig:
     directory = Path(str(model.init_from))
     config_file = directory / "config.json"
     if not config_file.is_file():
-        raise ValueError(
-            f"model.init_from: {directory} is not a HF checkpoint directory (no config.json) "
-            "(fix: point it at a local directory with config.json and model.safetensors)"
-        )
+        fix = checkpoint_directory_fix(directory, "point it at a local directory with config.json and model.safetensors")
+        raise ValueError(f"model.init_from: {directory} is not a HF checkpoint directory (no config.json) (fix: {fix})")
     config = decoder_config_from_hf(json.loads(config_file.read_text(encoding="utf-8")))
     read_generation_config(directory)  # the final export carries it: a damaged one fails now, not after training
     for name in _CHECKED_FIELDS:
@@ -156,7 +160,7 @@ def _config_from_checkpoint(model: ModelSection) -> DecoderConfig:
         found = getattr(config, name)
         if wanted is not None and wanted != found:
             raise ValueError(
-                f"model.{name}: the config sets {wanted!r} but the checkpoint {directory} has {found!r} "
+                f"model.{name}: the config sets {_yaml(wanted)} but the checkpoint {directory} has {_yaml(found)} "
                 f"(fix: remove model.{name} to use the checkpoint's value)"
             )
     return with_rope_overrides(config, model)

@@ -52,6 +52,7 @@ from csbp.training.checkpoint import (
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_checkpoints, step_directories
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
 from csbp.training.export_tokenizer import ExportTokenizer, check_data_tokenizer, export_tokenizer_for_run
+from csbp.training.input_hints import is_artifact, missing_artifact_problem
 from csbp.training.mask_data import check_mask_token_data
 from csbp.training.model_factory import decoder_config_for_run
 from csbp.training.resume_config import resume_changes
@@ -150,9 +151,10 @@ def check_run(
     check_mask_token_data(cfg, inputs.mask_token_id)
     _check_batches(cfg, inputs)
     if run_dir is not None:
-        latest = check_run_dir(run_dir, resume=resume, stop_step=stop_step or cfg.train.max_steps, warn=warn)
+        latest = check_run_dir(run_dir, resume=resume, stop_step=None, warn=warn)
         if resume and latest is not None:
             state = read_training_state(latest)
+            # what the config changed first: "nothing left to do" hid a refused change until max_steps rose
             for note in resume_changes(
                 state.config_yaml, cfg, latest, state.step, state.input_fingerprints, restart=resume_restart
             ):
@@ -164,16 +166,17 @@ def check_run(
                 shapes=inputs.param_shapes(),
                 data_fingerprint=artifact.fingerprint,
             )
+            check_steps_left(latest, state.step, stop_step or cfg.train.max_steps)
     return inputs
 
 
 def check_run_dir(
-    run_dir: Path, *, resume: bool, stop_step: int, warn: Callable[[str], None] | None = None
+    run_dir: Path, *, resume: bool, stop_step: int | None, warn: Callable[[str], None] | None = None
 ) -> Path | None:
-    """``--resume`` needs an intact checkpoint in ``run_dir`` before ``stop_step``; a fresh run must
-    not clobber one; the directory must be creatable and writable. Returns the checkpoint a resume
-    starts from (damaged newer ones are reported through ``warn``). (Model shape and data are checked
-    by :func:`check_run`.)"""
+    """``--resume`` needs an intact checkpoint in ``run_dir`` (before ``stop_step`` unless None:
+    :func:`check_run` checks that after comparing the configs); a fresh run must not clobber one; the
+    directory must be creatable and writable. Returns the checkpoint a resume starts from (damaged
+    newer ones are reported through ``warn``). (Model shape and data are checked by :func:`check_run`.)"""
     check_writable_directory(run_dir, "--run-dir")
     check_final_replaceable(run_dir)
     if not resume:
@@ -192,13 +195,18 @@ def check_run_dir(
             f"--resume: {run_dir} has no checkpoint to resume from (fix: drop --resume, or pass the run "
             "directory of an earlier run with --run-dir)"
         )
-    step = read_training_state(latest).step
+    if stop_step is not None:
+        check_steps_left(latest, read_training_state(latest).step, stop_step)
+    return latest
+
+
+def check_steps_left(checkpoint: Path, step: int, stop_step: int) -> None:
+    """``ValueError`` when a resume from ``checkpoint`` (at ``step``) has nothing to train before ``stop_step``."""
     if step >= stop_step:
         raise ValueError(
-            f"--resume: {latest} is at step {step}, nothing is left to do before step "
+            f"--resume: {checkpoint} is at step {step}, nothing is left to do before step "
             f"{stop_step} (fix: raise --max-steps or train.max_steps)"
         )
-    return latest
 
 
 RUN_DIR_ENTRIES = frozenset(
@@ -282,16 +290,8 @@ def _check_objective_layout(cfg: RunConfig) -> None:
 
 def _open_checked(directory: str, field: str, seq_len: int) -> Artifact:
     path = Path(directory)
-    if not (path / "manifest.json").is_file():
-        nearby = artifact_under_cwd(path)
-        if nearby is not None:
-            raise ValueError(
-                f"{field}: {path} is not a prepared data artifact, but {nearby} is (relative paths in a config "
-                f"file resolve against the file's directory) (fix: set {field}: {nearby})"
-            )
-        raise ValueError(
-            f"{field}: {path} is not a prepared data artifact (fix: run `csbp data prepare ... --out {path}`)"
-        )
+    if not is_artifact(path):
+        raise ValueError(missing_artifact_problem(path, field))
     artifact = open_artifact(path)
     if artifact.seq_len != seq_len:
         raise ValueError(
@@ -299,17 +299,6 @@ def _open_checked(directory: str, field: str, seq_len: int) -> Artifact:
             f"(fix: set data.seq_len: {artifact.seq_len}, or re-run csbp data prepare --seq-len {seq_len})"
         )
     return artifact
-
-
-def artifact_under_cwd(path: Path) -> Path | None:
-    """An artifact in the working directory at one of ``path``'s last few components (``artifacts/x``
-    for ``/elsewhere/configs/artifacts/x``), the usual result of a copied config in another directory."""
-    parts = path.parts
-    for count in range(1, min(len(parts) - 1, 4) + 1):
-        candidate = Path.cwd() / Path(*parts[-count:])
-        if candidate != path and (candidate / "manifest.json").is_file():
-            return candidate
-    return None
 
 
 def _val_split(cfg: RunConfig, artifact: Artifact) -> ArtifactSplit | None:
