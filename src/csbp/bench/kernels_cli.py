@@ -15,6 +15,7 @@ from csbp.bench.common import add_head_options, add_output_options, records_as_d
 from csbp.bench.kernel_summary import format_verdicts, shape_verdicts
 from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread
+from csbp.figures import save_figure
 
 
 def format_header() -> str:
@@ -79,11 +80,7 @@ def plot_rates(records: list[KernelRecord], path: Path) -> None:
         axis.grid(True, alpha=0.3)
         axis.legend()
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.tmp")
-    figure.savefig(partial, dpi=120, format=path.suffix.lstrip(".") or "png")
-    plt.close(figure)
-    partial.replace(path)
+    save_figure(figure, path, dpi=120)
 
 
 def rate_range(record: KernelRecord) -> tuple[float, float]:

@@ -18,9 +18,10 @@ Usage::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from csbp.figures import save_figure
 
 LAYOUT_LABELS = {"csbp": "CSBP", "bp": "BP-only", "cp-aware": "CP-only, mask-aware"}
 """Layouts drawn against generic CP-only, when the records hold them: the mask-aware CP baseline too,
@@ -113,9 +114,4 @@ def plot_speedups(
     if group_by is not None:
         figure.suptitle(title)
     figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.tmp")  # never leave a half-written figure at `path`
-    figure.savefig(partial, dpi=120, format=path.suffix.lstrip(".") or "png")
-    plt.close(figure)
-    os.replace(partial, path)
-    return path
+    return save_figure(figure, path, dpi=120)

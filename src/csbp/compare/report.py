@@ -6,12 +6,12 @@ metrics) and a plot of the metric against the training clock, one line per layou
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from csbp.atomic import write_json_atomic
 from csbp.compare.stats import metric_tolerance
+from csbp.figures import save_figure
 
 LAYOUT_LABELS = {"data": "data parallel", "cp": "CP-only", "bp": "BP-only", "csbp": "CSBP"}
 
@@ -155,8 +155,4 @@ def plot_compare(results: list[dict[str, Any]], path: Path, *, metric: str, titl
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    figure.savefig(tmp)
-    plt.close(figure)
-    os.replace(tmp, path)
-    return path
+    return save_figure(figure, path)

@@ -12,13 +12,13 @@ the min-max band over rounds and every round's line.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from csbp.compare.report import LAYOUT_LABELS, _topology_text
 from csbp.compare.rounds import round_order
 from csbp.compare.stats import chance_of_agreement, metric_tolerance, paired_difference, spread
+from csbp.figures import save_figure
 
 
 def group_rounds(results: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
@@ -214,8 +214,4 @@ def plot_rounds(rounds: list[list[dict[str, Any]]], summary: dict[str, Any], pat
     axis.grid(alpha=0.3)
     axis.legend()
     figure.tight_layout()
-    tmp = path.with_name(path.name + ".tmp.png")
-    figure.savefig(tmp)
-    plt.close(figure)
-    os.replace(tmp, path)
-    return path
+    return save_figure(figure, path)

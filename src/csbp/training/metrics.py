@@ -33,7 +33,6 @@ Usage::
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 import torch
 
 from csbp.atomic import write_text_atomic
+from csbp.figures import save_figure
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -204,8 +204,4 @@ def plot_loss_curve(metrics_path: Path, out_path: Path) -> Path:
     if train or val:
         axis.legend()
     figure.tight_layout()
-    tmp = out_path.with_name(out_path.name + ".tmp.png")
-    figure.savefig(tmp)
-    plt.close(figure)
-    os.replace(tmp, out_path)
-    return out_path
+    return save_figure(figure, out_path)
