@@ -135,7 +135,7 @@ def test_compare_refuses_validation_rows_past_the_val_split(artifact: Path, tmp_
 
     options = CompareOptions(layouts=("data",), budget_s=1.0, nproc=1, out_dir=tmp_path / "cmp")
     fits = tiny_config(artifact, **{"train.eval_every": 0, "train.micro_batch_size": 5, "train.eval_batches": 2})
-    assert [name for name, _ in plan_layouts(fits, options)] == ["data"]
+    assert [run.layout for run in plan_layouts(fits, options)[0]] == ["data"]  # round 1
     wraps = tiny_config(artifact, **{"train.eval_every": 0, "train.micro_batch_size": 4, "train.eval_batches": 3})
     with pytest.raises(ValueError, match=r"= 12 validation rows per pass, but the val split has only 10"):
         plan_layouts(wraps, options)
