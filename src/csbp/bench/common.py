@@ -39,7 +39,7 @@ from csbp.atomic import write_json_atomic
 from csbp.attention.documents import Documents, seeded_documents
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
 from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread, rates_within_noise, within_noise
-from csbp.cli.options import output_file, positive_int
+from csbp.cli.options import int_at_least, output_file, positive_int
 from csbp.devices import DEVICE_KINDS, backend_device, resolve_device
 from csbp.parallel.comm import serialized_collectives
 from csbp.parallel.launch import run_local
@@ -401,21 +401,10 @@ def overlap_ratio(step_time_s: float, serialized_step_time_s: float | None) -> f
     return None if serialized_step_time_s is None else step_time_s / serialized_step_time_s
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0 (``--warmup``: a negative count once ran fewer repeats than asked, or crashed)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
 def add_output_options(parser: argparse.ArgumentParser, *, png_help: str | None = None) -> None:
     """``--repeats``, ``--warmup``, ``--json`` and, when ``png_help`` is given, ``--png``."""
     parser.add_argument("--repeats", type=positive_int, default=3)
-    parser.add_argument("--warmup", type=non_negative_int, default=1)
+    parser.add_argument("--warmup", type=int_at_least(0), default=1)  # a negative count once crashed
     parser.add_argument("--json", type=output_file, default=None, help="write the records to this JSON file")
     if png_help is not None:
         parser.add_argument("--png", type=output_file, default=None, help=png_help)

@@ -34,13 +34,7 @@ def device_option(text: str) -> str:
 
 def positive_int(text: str) -> int:
     """An integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
+    return int_at_least(1)(text)
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
