@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from csbp.models.hf_io import read_json_object
+from csbp.models.hf_io import weight_files as hf_weight_files
 
 CHECKPOINT_PREFIX = "safetensors-sha256:"
 MODULE_PREFIX = "tensors-sha256:"
@@ -54,27 +54,7 @@ _cache: dict[tuple[str, tuple[tuple[str, int, int, int], ...]], str] = {}
 def weight_files(directory: Path) -> list[Path]:
     """The safetensors files a checkpoint directory's weights are read from (the files
     ``csbp.models.hf_io.load_hf_checkpoint`` reads), sorted; ``ValueError`` naming what is missing."""
-    index_file = directory / "model.safetensors.index.json"
-    if index_file.is_file():
-        weight_map = read_json_object(index_file).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index_file} has no weight_map (fix: re-save the checkpoint)")
-        names = sorted({str(name) for name in weight_map.values()})
-        bad = [name for name in names if Path(name).name != name or not name.endswith(".safetensors")]
-        if bad:
-            raise ValueError(f"{index_file}: shard name '{bad[0]}' is not a .safetensors file inside {directory}")
-        files = [directory / name for name in names]
-        missing = [path.name for path in files if not path.is_file()]
-        if missing:
-            raise ValueError(f"shard '{missing[0]}' listed in {index_file.name} is missing from {directory}")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
-    if len(files) != 1:
-        raise ValueError(
-            f"{directory} needs model.safetensors or model.safetensors.index.json; found {len(files)} "
-            "*.safetensors files and no index"
-        )
-    return files
+    return hf_weight_files(directory)[0]
 
 
 def checkpoint_identity(directory: str | os.PathLike[str]) -> tuple[str, list[list[Any]]]:

@@ -170,8 +170,9 @@ def read_hf_weights(
     return {name: tensors[_hf_name(name)].to(dtype=target_dtype) for name in model.state_dict()}
 
 
-def _read_safetensors(directory: Path) -> dict[str, Tensor]:
-    """All tensors of a single-file or sharded safetensors checkpoint (CPU)."""
+def weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files a checkpoint's weights are read from, sorted, and the index's
+    ``weight_map`` (None for a single file); ``ValueError`` naming what is wrong or missing."""
     index_file = directory / "model.safetensors.index.json"
     if index_file.is_file() and (directory / "model.safetensors").is_file():  # transformers would read the latter
         raise ValueError(
@@ -183,39 +184,49 @@ def _read_safetensors(directory: Path) -> dict[str, Tensor]:
         weight_map = index.get("weight_map") or {}
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index_file} has no weight_map")
-        tensors: dict[str, Tensor] = {}
-        for shard in sorted({str(name) for name in weight_map.values()}):
+        shards = sorted({str(name) for name in weight_map.values()})
+        for shard in shards:
             if Path(shard).name != shard or shard in ("", ".", "..") or not shard.endswith(".safetensors"):
                 raise ValueError(
                     f"{index_file}: shard name '{shard}' is not a .safetensors file inside {directory} "
                     "(shards must be plain file names in the checkpoint directory)"
                 )
-            shard_file = directory / shard
-            if not shard_file.is_file():
+            if not (directory / shard).is_file():
                 raise ValueError(f"shard '{shard}' listed in {index_file.name} is missing from {directory}")
-            for name, tensor in read_safetensors_file(shard_file).items():
-                # readers differ on which copy of a tensor wins: each must be in the one shard the index names
-                listed = weight_map.get(name)
-                if (listed is not None and listed != shard) or name in tensors:
-                    where = f"the index names {listed}" if listed is not None else "it is in another shard too"
-                    raise ValueError(
-                        f"tensor '{name}' is in shard {shard} of {directory} but {where} "
-                        "(fix: re-save the checkpoint so that each tensor is in the one shard its index names)"
-                    )
-                tensors[name] = tensor
-        listed_not_found = sorted(set(weight_map) - set(tensors))
-        if listed_not_found:
-            raise ValueError(
-                f"tensor '{listed_not_found[0]}' listed in {index_file.name} is not in its shard"
-            )
-        return tensors
+        return [directory / shard for shard in shards], weight_map
     files = sorted(directory.glob("*.safetensors"))
     if len(files) != 1:
         raise ValueError(
             f"{directory} needs model.safetensors or model.safetensors.index.json; found {len(files)} "
             "*.safetensors files and no index (pickled *.bin weights are never loaded)"
         )
-    return read_safetensors_file(files[0])
+    return files, None
+
+
+def _read_safetensors(directory: Path) -> dict[str, Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint (CPU)."""
+    files, weight_map = weight_files(directory)
+    if weight_map is None:
+        return read_safetensors_file(files[0])
+    tensors: dict[str, Tensor] = {}
+    for shard_file in files:
+        shard = shard_file.name
+        for name, tensor in read_safetensors_file(shard_file).items():
+            # readers differ on which copy of a tensor wins: each must be in the one shard the index names
+            listed = weight_map.get(name)
+            if (listed is not None and listed != shard) or name in tensors:
+                where = f"the index names {listed}" if listed is not None else "it is in another shard too"
+                raise ValueError(
+                    f"tensor '{name}' is in shard {shard} of {directory} but {where} "
+                    "(fix: re-save the checkpoint so that each tensor is in the one shard its index names)"
+                )
+            tensors[name] = tensor
+    listed_not_found = sorted(set(weight_map) - set(tensors))
+    if listed_not_found:
+        raise ValueError(
+            f"tensor '{listed_not_found[0]}' listed in model.safetensors.index.json is not in its shard"
+        )
+    return tensors
 
 
 def read_safetensors_file(path: Path) -> dict[str, Tensor]:
