@@ -5,7 +5,11 @@ passthrough fields, the special token ids and the ``csbp_training`` record that 
 ``csbp eval`` read; ``model.safetensors`` in ``model.dtype``; ``generation_config.json``; the
 tokenizer files). ``generation_config.json`` is the ``model.init_from`` checkpoint's (its sampling
 defaults kept) with the run's ``bos``/``eos``/``pad`` ids (an ``eos_token_id`` list there that holds
-the run's EOS, a chat model's end-of-turn id with it, is kept), plus for the block-diffusion
+the run's EOS, a chat model's end-of-turn id with it, is kept), and with the ``eos_token`` of the
+exported ``tokenizer_config.json`` added to ``eos_token_id`` when it is another token: ``config.json``'s
+``eos_token_id`` is the data's EOS (the document separator the model learnt to end documents with),
+while a chat tokenizer keeps its own ``eos_token`` (``<|im_end|>``, what chat pipelines stop a turn
+at), so ``generate`` stops at either, as it did for the ``model.init_from`` checkpoint. Plus for the block-diffusion
 objectives how ``csbp generate`` samples the model (``csbp_block_diffusion``,
 :func:`csbp.generation.run_settings.sampling_record_of`). The tokenizer files are those
 :mod:`csbp.training.export_tokenizer` resolved with the run's inputs: the data's ``tokenizer.json``
@@ -68,8 +72,12 @@ def generation_config_of(cfg: RunConfig, inputs: RunInputs, hf_config: dict[str,
     generation = {key: value for key, value in (base or {}).items() if key != "transformers_version"}
     eos = hf_config["eos_token_id"]
     listed = generation.get("eos_token_id")
-    keep_list = isinstance(listed, list) and eos in listed
-    generation.update(eos_token_id=listed if keep_list else eos, pad_token_id=hf_config["pad_token_id"])
+    stops = list(listed) if isinstance(listed, list) and eos in listed else [eos]
+    turn_end = inputs.tokenizer.eos_id  # the exported tokenizer's eos_token (a chat model's <|im_end|>)
+    if turn_end is not None and turn_end not in stops:
+        stops.append(turn_end)
+    keep_list = isinstance(listed, list) or len(stops) > 1
+    generation.update(eos_token_id=stops if keep_list else eos, pad_token_id=hf_config["pad_token_id"])
     if hf_config.get("bos_token_id") is not None:
         generation["bos_token_id"] = hf_config["bos_token_id"]
     sampling = sampling_record_of(cfg, inputs.mask_token_id)
