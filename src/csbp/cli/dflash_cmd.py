@@ -243,13 +243,17 @@ def run_prepare_features(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from csbp.dflash.export import drafter_context, export_dflash, load_dflash
+    from csbp.training.export import check_out_outside_checkpoints, checkpoints_root
 
-    target = _load_target(args.target, args, device="cpu")  # only validates shapes and ids
-    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     drafter_dir = args.drafter
     checkpoint = args.checkpoint
     if args.run_dir is not None:
         drafter_dir, checkpoint = run_dir_source(args.run_dir)
+        check_out_outside_checkpoints(args.out, args.run_dir / "checkpoints")
+    elif checkpoint is not None:
+        check_out_outside_checkpoints(args.out, checkpoints_root(checkpoint))
+    target = _load_target(args.target, args, device="cpu")  # only validates shapes and ids
+    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     if drafter_dir is not None:
         if not (drafter_dir / "config.json").is_file():
             raise ValueError(f"{drafter_dir} is not a DFlash drafter directory: config.json not found")

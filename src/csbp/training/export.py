@@ -23,10 +23,16 @@ checkpoint's ``trainer_state.json``, the model shape is re-derived from it and i
 (through the restricted reader of :mod:`csbp.training.checkpoint_integrity`: nothing is unpickled
 beyond DCP's metadata classes). It runs in one process whatever topology or FSDP sharding wrote the
 checkpoint. DFlash drafters have their own format: ``csbp dflash export --checkpoint``.
+
+Neither writes into the run's ``checkpoints/`` (:func:`check_out_outside_checkpoints`): a directory
+there named like a step would be taken for the newest checkpoint (damaged: a warning on every
+``--resume``) and counted by checkpoint pruning, which would then delete a real checkpoint in its
+place.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -119,6 +125,7 @@ def export_checkpoint(
     """Export the decoder of training checkpoint ``checkpoint`` to ``out``; returns ``(out, run
     config, step)``. Everything is checked before ``out`` is written; ``warn`` receives what the
     export lacks (a tokenizer directory that is gone: :mod:`csbp.training.export_tokenizer`)."""
+    check_out_outside_checkpoints(out, checkpoints_root(checkpoint))
     cfg = checkpoint_config(checkpoint)
     if cfg.objective.name == "dflash":
         raise ValueError(
@@ -143,3 +150,20 @@ def export_checkpoint(
     model.load_state_dict(loaded["model"], strict=True, assign=True)
     path = export_decoder(cfg, inputs, model, out, overwrite=overwrite)
     return path, cfg, read_training_state(checkpoint).step
+
+
+def checkpoints_root(checkpoint: Path) -> Path:
+    """The directory whose checkpoints ``checkpoint`` is one of (``RUN/checkpoints``), else itself."""
+    return checkpoint.parent if checkpoint.parent.name == "checkpoints" else checkpoint
+
+
+def check_out_outside_checkpoints(out: Path, root: Path) -> None:
+    """One-line ``ValueError`` when export directory ``out`` is ``root`` (a run's ``checkpoints/``)
+    or inside it (module docstring), checked on the resolved paths before any work."""
+    resolved, inside = Path(os.path.realpath(out)), Path(os.path.realpath(root))
+    if resolved == inside or inside in resolved.parents:
+        raise ValueError(
+            f"--out {out}: is inside {root}, which holds the run's checkpoints; an export there would be taken "
+            f"for a (damaged) checkpoint and checkpoint pruning could delete a real one in its place (fix: choose "
+            f"a directory outside {root}, e.g. {root.parent / 'exports' / out.name})"
+        )
