@@ -156,6 +156,9 @@ def test_load_validation_errors(tmp_path: Path) -> None:
         (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
         (lambda c: c.update(architectures=["Qwen3ForCausalLM"]), "architectures"),
         (lambda c: c.pop("num_target_layers"), "num_target_layers"),
+        # both used to load silently: the public reader would run GELU MLPs / add attention biases
+        (lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+        (lambda c: c.update(attention_bias=True), "attention_bias=true is not supported"),
     ):
         broken = json.loads(json.dumps(config))
         edit(broken)
