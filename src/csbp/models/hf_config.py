@@ -54,6 +54,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
 }
+DEFAULT_MAX_POSITIONS = 32768
+"""``max_position_embeddings`` of an export that is given none."""
 PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 _ROPE_KEYS_ELSEWHERE = ("rope_theta", "partial_rotary_factor")
 
@@ -244,7 +246,7 @@ def hf_config_from_decoder(
             f"extra_config must not override model-defining fields {clashes}; change DecoderConfig"
         )
     # Defaults for fields DecoderConfig does not carry (HF Llama would otherwise assume bos=1, eos=2).
-    hf.update(max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf.update(max_position_embeddings=DEFAULT_MAX_POSITIONS, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     hf.update(extra)
     scaling = config.rope_scaling
     if scaling is not None and scaling.rope_type == "yarn":
