@@ -339,6 +339,14 @@ def test_config_mapping_defaults_and_rope_locations() -> None:
         ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
         ({"num_hidden_layers": None}, "num_hidden_layers"),
         ({"num_key_value_heads": 3}, "num_kv_heads"),
+        # these loaded before: a quantized checkpoint's config, and values transformers' typed configs refuse
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config is not supported"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),  # was tied
+        ({"attention_bias": 1}, "attention_bias must be true or false"),
+        ({"num_attention_heads": 4.5}, "num_attention_heads must be a positive integer, got 4.5"),  # was 4
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),  # was ZeroDivisionError
+        ({"vocab_size": "64"}, "vocab_size must be a positive integer"),
+        ({"head_dim": 8.0}, "head_dim must be a positive integer"),
     ],
 )
 def test_config_mapping_rejects_unsupported(overrides: dict[str, Any], message: str) -> None:
