@@ -436,3 +436,15 @@ def test_unknown_architecture_and_missing_files(exported: Path, tmp_path: Path) 
         load_hf_checkpoint(exported)
     with pytest.raises(ValueError, match="config.json not found"):
         load_hf_checkpoint(tmp_path / "nowhere")
+
+
+def test_a_float16_checkpoint_names_itself_and_the_flag_that_loads_it(tmp_path: Path) -> None:
+    """``--dtype auto`` on a float16 checkpoint (Llama 2's) said only "pass dtype=torch.bfloat16",
+    a Python argument, without naming the checkpoint."""
+    config = tiny_config()
+    out = export_hf_checkpoint(Decoder(config), config, tmp_path / "ckpt")
+    rewrite_tensors(out, lambda t: t.update({name: v.to(torch.float16) for name, v in t.items()}))
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'ckpt'} stores torch.float16 weights.*--dtype bfloat16"):
+        load_hf_checkpoint(out)
+    model, _ = load_hf_checkpoint(out, dtype=torch.bfloat16)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16

@@ -165,8 +165,10 @@ def read_hf_weights(
 
     target_dtype = dtype if dtype is not None else tensors["model.embed_tokens.weight"].dtype
     if target_dtype not in _DTYPE_NAMES:
+        what = "stores" if dtype is None else "was asked for"
         raise ValueError(
-            f"checkpoint dtype {target_dtype} is not supported; pass dtype=torch.bfloat16 or float32"
+            f"checkpoint {directory} {what} {target_dtype} weights, a dtype csbp does not compute in (fix: load it "
+            "as bfloat16 or float32: --dtype bfloat16, dtype=torch.bfloat16 in Python)"
         )
     return {name: tensors[_hf_name(name)].to(dtype=target_dtype) for name in model.state_dict()}
 
