@@ -239,8 +239,11 @@ def test_csbp_export_refuses_an_out_among_the_runs_checkpoints(
     for out in (run_dir / "checkpoints" / "step_0000099", run_dir / "checkpoints" / "step_0000004" / "hf"):
         assert main(["export", str(run_dir), "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert f"is inside {run_dir / 'checkpoints'}, which holds the run's checkpoints" in err, err
+        assert f"is inside {run_dir / 'checkpoints'}, which holds a run's checkpoints" in err, err
         assert len(err.strip().splitlines()) == 1
+    # nor into another run's: exporting the original run into this copy's checkpoints/
+    assert main(["export", str(full_run[0]), "--out", str(run_dir / "checkpoints" / "step_0000099")]) == 2
+    assert "which holds a run's checkpoints" in capsys.readouterr().err
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
     assert not (run_dir / "checkpoints" / "step_0000004" / "hf").exists()
     assert main(["export", str(run_dir), "--out", str(run_dir / "exports" / "step4")]) == 0  # elsewhere in RUN: fine

@@ -257,8 +257,8 @@ def run_export(args: argparse.Namespace) -> int:
     if args.run_dir is not None:
         drafter_dir, checkpoint = run_dir_source(args.run_dir)
         check_out_outside_checkpoints(args.out, args.run_dir / "checkpoints")
-    elif checkpoint is not None:
-        check_out_outside_checkpoints(args.out, checkpoints_root(checkpoint))
+    else:
+        check_out_outside_checkpoints(args.out, checkpoints_root(checkpoint) if checkpoint is not None else None)
     target = _load_target(args.target, args, device="cpu")  # only validates shapes and ids
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     if drafter_dir is not None:

@@ -25,7 +25,7 @@ checkpoint's ``trainer_state.json``, the model shape is re-derived from it and i
 beyond DCP's metadata classes). It runs in one process whatever topology or FSDP sharding wrote the
 checkpoint. DFlash drafters have their own format: ``csbp dflash export --checkpoint``.
 
-Neither writes into the run's ``checkpoints/`` (:func:`check_out_outside_checkpoints`): a directory
+Neither writes into the run's ``checkpoints/``, nor any run's (:func:`check_out_outside_checkpoints`): a directory
 there named like a step would be taken for the newest checkpoint (damaged: a warning on every
 ``--resume``) and counted by checkpoint pruning, which would then delete a real checkpoint in its
 place.
@@ -162,13 +162,17 @@ def checkpoints_root(checkpoint: Path) -> Path:
     return checkpoint.parent if checkpoint.parent.name == "checkpoints" else checkpoint
 
 
-def check_out_outside_checkpoints(out: Path, root: Path) -> None:
-    """One-line ``ValueError`` when export directory ``out`` is ``root`` (a run's ``checkpoints/``)
-    or inside it (module docstring), checked on the resolved paths before any work."""
-    resolved, inside = Path(os.path.realpath(out)), Path(os.path.realpath(root))
-    if resolved == inside or inside in resolved.parents:
-        raise ValueError(
-            f"--out {out}: is inside {root}, which holds the run's checkpoints; an export there would be taken "
-            f"for a (damaged) checkpoint and checkpoint pruning could delete a real one in its place (fix: choose "
-            f"a directory outside {root}, e.g. {root.parent / 'exports' / out.name})"
-        )
+def check_out_outside_checkpoints(out: Path, root: Path | None = None) -> None:
+    """One-line ``ValueError`` when export directory ``out`` is ``root`` (the exported run's
+    ``checkpoints/``) or inside it, or inside any run's ``checkpoints/`` (a directory of that name
+    holding a ``latest`` pointer) (module docstring); checked on the resolved paths before any work."""
+    resolved = Path(os.path.realpath(out))
+    roots = [Path(os.path.realpath(root))] if root is not None else []
+    roots += [a for a in resolved.parents if a.name == "checkpoints" and (a / "latest").is_file()]
+    for inside in roots:
+        if resolved == inside or inside in resolved.parents:
+            raise ValueError(
+                f"--out {out}: is inside {inside}, which holds a run's checkpoints; an export there would be taken "
+                f"for a (damaged) checkpoint and checkpoint pruning could delete a real one in its place (fix: "
+                f"choose a directory outside {inside}, e.g. {inside.parent / 'exports' / out.name})"
+            )
