@@ -207,10 +207,10 @@ def test_dflash_export_carries_the_tokenizer_files_of_final(
     for source in (["--checkpoint", str(checkpoint)], ["--drafter", str(final)]):
         out = tmp_path / source[0].strip("-")
         assert main(["dflash", "export", *source, "--target", target, "--out", str(out)]) == 0
+        for name in names:
+            assert (out / name).is_file() and (out / name).read_bytes() == (final / name).read_bytes(), (source, name)
         printed = capsys.readouterr()
         assert "2 tokenizer files" in printed.out and printed.err == ""
-        for name in names:
-            assert (out / name).read_bytes() == (final / name).read_bytes(), (source, name)
     # a checkpoint whose data artifact is gone still exports, saying what it lacks
     moved = tmp_path / "moved" / "checkpoints" / "step_0000004"
     shutil.copytree(checkpoint, moved)
