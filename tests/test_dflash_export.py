@@ -222,3 +222,15 @@ def test_bidirectional_sliding_layers_tell_the_public_reader(tmp_path: Path) -> 
         (out / "config.json").write_text(json.dumps({**config, **edit}))
         with pytest.raises(ValueError, match=match):
             load_dflash(out, target)
+
+
+def test_a_float16_drafter_is_refused_naming_the_flag_that_loads_it(tmp_path: Path) -> None:
+    """A float16 drafter loaded as stored (``--dtype auto``) became a float16 module, which csbp does not
+    compute in; ``csbp dflash export`` then failed only at the write, naming neither the drafter nor ``--dtype``."""
+    target, drafter = build_models(DFlashVerifyCase())
+    out = export_dflash(drafter, tmp_path / "d")
+    tensors = load_file(str(out / "model.safetensors"))
+    save_file({k: v.to(torch.float16) for k, v in tensors.items()}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"drafter {out} stores torch.float16 weights.*--dtype bfloat16"):
+        load_dflash(out, target)
+    assert load_dflash(out, target, dtype=torch.bfloat16).fc.weight.dtype == torch.bfloat16

@@ -264,7 +264,7 @@ def run_export(args: argparse.Namespace) -> int:
     if drafter_dir is not None:
         if not (drafter_dir / "config.json").is_file():
             raise ValueError(f"{drafter_dir} is not a DFlash drafter directory: config.json not found")
-        drafter = load_dflash(drafter_dir, target)
+        drafter = load_dflash(drafter_dir, target, dtype=dtype)
         source, context = str(drafter_dir), drafter_context(drafter_dir)  # carried through
         tokenizer = tokenizer_files_in(drafter_dir)  # carried through too (a run's final/ has them)
     else:

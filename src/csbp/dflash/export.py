@@ -328,6 +328,12 @@ def load_dflash(
                 f"drafter tensor '{name}' has shape {tuple(tensors[name].shape)}, config implies {shape}"
             )
     load_dtype = dtype if dtype is not None else tensors["fc.weight"].dtype
+    if load_dtype not in DTYPE_NAMES:  # as load_hf_checkpoint: csbp computes in float64, float32 or bfloat16
+        what = "stores" if dtype is None else "was asked for"
+        raise ValueError(
+            f"drafter {directory} {what} {load_dtype} weights, a dtype csbp does not compute in (fix: load it as "
+            "bfloat16 or float32: --dtype bfloat16, dtype=torch.bfloat16 in Python)"
+        )
     drafter.load_state_dict(
         {n: t.to(device=device, dtype=load_dtype) for n, t in tensors.items()}, assign=True
     )
