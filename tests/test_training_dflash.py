@@ -360,6 +360,9 @@ def test_missing_target_directory(inputs: tuple[Path, Path], tmp_path: Path) -> 
     (tmp_path / "empty").mkdir()
     message = one_line_error(lambda: check_run(dflash_config(artifact, tmp_path / "empty")))
     assert "is not a HF checkpoint directory (no config.json)" in message
+    (tmp_path / "empty" / "config.json").write_text('{"architectures": [')  # named: it said "Expecting value"
+    message = one_line_error(lambda: check_run(dflash_config(artifact, tmp_path / "empty")))
+    assert message == f"{tmp_path / 'empty' / 'config.json'}: malformed JSON (Expecting value at line 1) (fix: restore the file)"
 
 
 def test_target_and_drafter_must_agree(inputs: tuple[Path, Path], tmp_path: Path, full_run: Path) -> None:
