@@ -351,13 +351,6 @@ def test_export_from_drafter_run_final_and_checkpoint(
         "sliding_window_causal": True,
     }
 
-    # never into the run's checkpoints/, where it would pass for a checkpoint (and be pruned or prune one)
-    for source in (["--run-dir", str(root / "ckpt_run")], ["--checkpoint", str(step_dir)],
-                   ["--drafter", str(workspace["drafter"])]):  # fmt: skip
-        inside = step_dir.parent / "step_0000099"
-        assert run_cli(["dflash", "export", *source, "--target", target, "--out", str(inside)]) == 2
-        assert "which holds a run's checkpoints" in capsys.readouterr().err and not inside.exists()
-
     (step_dir / "trainer_state.json").write_text(json.dumps({"step": 10, "config_yaml": "run: {name: x}\n"}))
     argv = ["dflash", "export", "--checkpoint", str(step_dir), "--target", target, "--out", str(root / "x")]
     assert run_cli(argv) == 2

@@ -211,6 +211,11 @@ def test_dflash_export_carries_the_tokenizer_files_of_final(
             assert (out / name).is_file() and (out / name).read_bytes() == (final / name).read_bytes(), (source, name)
         printed = capsys.readouterr()
         assert "2 tokenizer files" in printed.out and printed.err == ""
+    # never into a run's checkpoints/, where it would pass for a checkpoint (and be pruned or prune one)
+    inside = full_run / "checkpoints" / "step_0000099"
+    for source in (["--run-dir", str(full_run)], ["--checkpoint", str(checkpoint)], ["--drafter", str(final)]):
+        assert main(["dflash", "export", *source, "--target", target, "--out", str(inside)]) == 2
+        assert "which holds a run's checkpoints" in capsys.readouterr().err and not inside.exists()
     # a checkpoint whose data artifact is gone still exports, saying what it lacks
     moved = tmp_path / "moved" / "checkpoints" / "step_0000004"
     shutil.copytree(checkpoint, moved)
