@@ -358,6 +358,7 @@ def test_export_from_drafter_run_final_and_checkpoint(
     assert run_cli([*argv, "--block-size", "4", "--mask-token-id", "1"]) == 2
     assert "do not match the drafter's fc width 64; pass --layer-ids" in capsys.readouterr().err
     assert run_cli([*argv, "--block-size", "4", "--mask-token-id", "1", "--layer-ids", "0", "2"]) == 0
+    assert "note: the export carries no tokenizer files: " in capsys.readouterr().err  # no data.train recorded
     stored = load_file(str(root / "x" / "model.safetensors"))
     assert all(torch.equal(stored[name], tensor) for name, tensor in drafter.state_dict().items())
 

@@ -156,6 +156,9 @@ def test_load_validation_errors(tmp_path: Path) -> None:
         (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
         (lambda c: c.update(architectures=["Qwen3ForCausalLM"]), "architectures"),
         (lambda c: c.pop("num_target_layers"), "num_target_layers"),
+        # both used to load silently: the public reader would run GELU MLPs / add attention biases
+        (lambda c: c.update(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+        (lambda c: c.update(attention_bias=True), "attention_bias=true is not supported"),
     ):
         broken = json.loads(json.dumps(config))
         edit(broken)
@@ -219,3 +222,15 @@ def test_bidirectional_sliding_layers_tell_the_public_reader(tmp_path: Path) -> 
         (out / "config.json").write_text(json.dumps({**config, **edit}))
         with pytest.raises(ValueError, match=match):
             load_dflash(out, target)
+
+
+def test_a_float16_drafter_is_refused_naming_the_flag_that_loads_it(tmp_path: Path) -> None:
+    """A float16 drafter loaded as stored (``--dtype auto``) became a float16 module, which csbp does not
+    compute in; ``csbp dflash export`` then failed only at the write, naming neither the drafter nor ``--dtype``."""
+    target, drafter = build_models(DFlashVerifyCase())
+    out = export_dflash(drafter, tmp_path / "d")
+    tensors = load_file(str(out / "model.safetensors"))
+    save_file({k: v.to(torch.float16) for k, v in tensors.items()}, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"drafter {out} stores torch.float16 weights.*--dtype bfloat16"):
+        load_dflash(out, target)
+    assert load_dflash(out, target, dtype=torch.bfloat16).fc.weight.dtype == torch.bfloat16

@@ -110,3 +110,17 @@ def test_transformers_reads_the_exported_generation_config(artifact: Path, tmp_p
     read = transformers.GenerationConfig.from_pretrained(str(tmp_path / "bd3"), local_files_only=True)
     assert (read.eos_token_id, read.pad_token_id) == (special["eos"], special["pad"])
     assert getattr(read, SAMPLING_KEY)["block_size"] == 4
+
+
+def test_the_export_admits_the_positions_the_run_trained_at(artifact: Path, tmp_path: Path) -> None:
+    """A run at ``data.seq_len`` 32 from a checkpoint that claims 16 positions: its export claims 32.
+    Before, it kept the checkpoint's 16, and ``csbp generate`` refused lengths the model was trained at."""
+    base = Decoder(check_run(tiny_config(artifact)).decoder_config, dtype=torch.float32, seed=1)
+    for claimed, expected in ((16, 32), (40960, 40960)):
+        init = export_hf_checkpoint(base, base.config, tmp_path / f"hf{claimed}", tokenizer_dir=artifact,
+                                    extra_config={"max_position_embeddings": claimed})  # fmt: skip
+        cfg = tiny_config(artifact, **SHAPE_FREE, **{"model.init_from": str(init)})
+        assert cfg.data.seq_len == 32
+        export_of(cfg, tmp_path / f"out{claimed}")
+        assert json.loads((tmp_path / f"out{claimed}" / "config.json").read_text())["max_position_embeddings"] == expected
+    generate_cmd.check_positions(tmp_path / "out16", prompt_len=8, max_new_tokens=24, block_size=4)  # 32 positions

@@ -236,3 +236,23 @@ def test_an_auto_map_naming_code_is_not_carried(imported: dict[str, Path], tmp_p
     out = export_of(tiny_config(imported["art"], **{"data.tokenizer": str(directory)}), tmp_path / "out")
     assert "auto_map" not in json.loads((out / "tokenizer_config.json").read_text())
     assert_same_tokenizer(out, Tokenizer.from_file(str(imported["art"] / "tokenizer.json")), template=CHATML)
+
+
+def test_generation_stops_at_the_chat_tokenizers_eos_and_at_the_data_eos(imported: dict[str, Path], tmp_path: Path) -> None:
+    """The chat tokenizer's ``eos_token`` (``<|im_end|>``) is not the data's EOS (``<|endoftext|>``,
+    ``config.json``'s ``eos_token_id``): ``generation_config.json`` lists both. Before, it held the
+    data's EOS alone, so ``generate`` on a fine-tuned chat model no longer stopped at the end of a turn,
+    although the ``model.init_from`` checkpoint's own generation config did."""
+    init = tmp_path / "init"
+    shutil.copytree(imported["init"], init)
+    (init / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.7}))
+    cfg = tiny_config(imported["art"], **SHAPE_FREE, **{"model.init_from": str(init)})
+    out = export_of(cfg, tmp_path / "out")
+    tokenizer = auto(out)
+    data_eos = json.loads((out / "config.json").read_text())["eos_token_id"]
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, data_eos) == ("<|im_end|>", 2, 0)
+    generation = transformers.GenerationConfig.from_pretrained(str(out), local_files_only=True)
+    assert (generation.eos_token_id, generation.temperature) == ([0, 2], 0.7)
+    # a list that already holds both is kept as it is
+    (init / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    assert json.loads((export_of(cfg, tmp_path / "kept") / "generation_config.json").read_text())["eos_token_id"] == [2, 0]

@@ -339,6 +339,14 @@ def test_config_mapping_defaults_and_rope_locations() -> None:
         ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
         ({"num_hidden_layers": None}, "num_hidden_layers"),
         ({"num_key_value_heads": 3}, "num_kv_heads"),
+        # these loaded before: a quantized checkpoint's config, and values transformers' typed configs refuse
+        ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config is not supported"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),  # was tied
+        ({"attention_bias": 1}, "attention_bias must be true or false"),
+        ({"num_attention_heads": 4.5}, "num_attention_heads must be a positive integer, got 4.5"),  # was 4
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer"),  # was ZeroDivisionError
+        ({"vocab_size": "64"}, "vocab_size must be a positive integer"),
+        ({"head_dim": 8.0}, "head_dim must be a positive integer"),
     ],
 )
 def test_config_mapping_rejects_unsupported(overrides: dict[str, Any], message: str) -> None:
@@ -428,3 +436,15 @@ def test_unknown_architecture_and_missing_files(exported: Path, tmp_path: Path) 
         load_hf_checkpoint(exported)
     with pytest.raises(ValueError, match="config.json not found"):
         load_hf_checkpoint(tmp_path / "nowhere")
+
+
+def test_a_float16_checkpoint_names_itself_and_the_flag_that_loads_it(tmp_path: Path) -> None:
+    """``--dtype auto`` on a float16 checkpoint (Llama 2's) said only "pass dtype=torch.bfloat16",
+    a Python argument, without naming the checkpoint."""
+    config = tiny_config()
+    out = export_hf_checkpoint(Decoder(config), config, tmp_path / "ckpt")
+    rewrite_tensors(out, lambda t: t.update({name: v.to(torch.float16) for name, v in t.items()}))
+    with pytest.raises(ValueError, match=rf"checkpoint {tmp_path / 'ckpt'} stores torch.float16 weights.*--dtype bfloat16"):
+        load_hf_checkpoint(out)
+    model, _ = load_hf_checkpoint(out, dtype=torch.bfloat16)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16

@@ -3,6 +3,7 @@ resolved and the artifact it most likely meant, without ever reading that other 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,29 @@ def test_init_from_a_run_directory_or_a_checkpoint_names_the_way_to_its_model(tm
         with pytest.raises(ValueError) as info:
             check_run(config_from_dict(data), check_device=False)
         assert str(info.value) == f"model.init_from: {where} is not a HF checkpoint directory (no config.json) {fix}"
+
+
+def test_a_damaged_or_unsupported_init_from_config_names_the_file(tmp_path: Path) -> None:
+    """A malformed ``config.json`` said only "Expecting value: line 1 column 20 (char 19)" (invalid UTF-8:
+    a codec message), and an unsupported one did not say which checkpoint."""
+    artifact = make_artifact(tmp_path / "art")
+    init = tmp_path / "init"
+    init.mkdir()
+    data = config_dict(artifact)
+    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        data["model"].pop(name, None)
+    data["model"]["init_from"] = str(init)
+    llama = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "hidden_act": "gelu"}  # fmt: skip
+    for content, expected in [
+        (b'{"architectures": [', f"{init / 'config.json'}: malformed JSON (Expecting value at line 1) (fix: restore the file)"),
+        (b"\xff\xfe", f"{init / 'config.json'}: not UTF-8 text; expected a JSON object (fix: restore the file)"),
+        (json.dumps(llama).encode(), f"model.init_from: {init}: config.json hidden_act='gelu' is not supported; csbp implements 'silu'"),
+    ]:  # fmt: skip
+        (init / "config.json").write_bytes(content)
+        with pytest.raises(ValueError) as info:
+            check_run(config_from_dict(data), check_device=False)
+        assert str(info.value) == expected
 
 
 def test_a_directory_of_artifacts_names_them(tmp_path: Path) -> None:

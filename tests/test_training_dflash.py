@@ -194,6 +194,46 @@ def test_validation_reports_the_acceptance_length_eval_measures(
     assert "per-position acceptance [" + " ".join(f"{r:.3f}" for r in rates) + "]" in printed
 
 
+def test_dflash_export_carries_the_tokenizer_files_of_final(
+    inputs: tuple[Path, Path], full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``csbp dflash export`` of a run's checkpoint writes the tokenizer files its ``final/`` has, and a
+    re-export of a drafter directory keeps them; before, it wrote none (``AutoTokenizer`` found nothing)."""
+    target = str(inputs[1])
+    final = full_run / "final"
+    names = sorted(p.name for p in final.iterdir() if p.name.startswith("tokenizer"))
+    assert names == ["tokenizer.json", "tokenizer_config.json"]
+    checkpoint = full_run / "checkpoints" / "step_0000004"
+    for source in (["--checkpoint", str(checkpoint)], ["--drafter", str(final)]):
+        out = tmp_path / source[0].strip("-")
+        assert main(["dflash", "export", *source, "--target", target, "--out", str(out)]) == 0
+        for name in names:
+            assert (out / name).is_file() and (out / name).read_bytes() == (final / name).read_bytes(), (source, name)
+        printed = capsys.readouterr()
+        assert "2 tokenizer files" in printed.out and printed.err == ""
+    # never into a run's checkpoints/, where it would pass for a checkpoint (and be pruned or prune one)
+    inside = full_run / "checkpoints" / "step_0000099"
+    for source in (["--run-dir", str(full_run)], ["--checkpoint", str(checkpoint)], ["--drafter", str(final)]):
+        assert main(["dflash", "export", *source, "--target", target, "--out", str(inside)]) == 2
+        assert "which holds a run's checkpoints" in capsys.readouterr().err and not inside.exists()
+    # a checkpoint whose data artifact is gone still exports, saying what it lacks
+    moved = tmp_path / "moved" / "checkpoints" / "step_0000004"
+    shutil.copytree(checkpoint, moved)
+    state = json.loads((moved / "trainer_state.json").read_text())
+    state["config_yaml"] = state["config_yaml"].replace(str(inputs[0]), str(tmp_path / "gone"))
+    (moved / "trainer_state.json").write_text(json.dumps(state))
+    checksums = moved / "checksums.json"
+    if checksums.is_file():  # the edited trainer_state.json would not match its recorded checksum
+        checksums.unlink()
+    out = tmp_path / "no-tokenizer"
+    mask = str(open_artifact(inputs[0]).mask_token_id)  # the run config leaves it to the artifact, gone now
+    assert main(["dflash", "export", "--checkpoint", str(moved), "--target", target, "--out", str(out),
+                 "--mask-token-id", mask]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "note: the export carries no tokenizer files:" in err and len(err.strip().splitlines()) == 1, err
+    assert not list(out.glob("tokenizer*"))
+
+
 def test_interrupted_and_resumed_equals_uninterrupted(
     inputs: tuple[Path, Path], full_run: Path, tmp_path: Path
 ) -> None:
@@ -325,6 +365,9 @@ def test_missing_target_directory(inputs: tuple[Path, Path], tmp_path: Path) -> 
     (tmp_path / "empty").mkdir()
     message = one_line_error(lambda: check_run(dflash_config(artifact, tmp_path / "empty")))
     assert "is not a HF checkpoint directory (no config.json)" in message
+    (tmp_path / "empty" / "config.json").write_text('{"architectures": [')  # named: it said "Expecting value"
+    message = one_line_error(lambda: check_run(dflash_config(artifact, tmp_path / "empty")))
+    assert message == f"{tmp_path / 'empty' / 'config.json'}: malformed JSON (Expecting value at line 1) (fix: restore the file)"
 
 
 def test_target_and_drafter_must_agree(inputs: tuple[Path, Path], tmp_path: Path, full_run: Path) -> None:

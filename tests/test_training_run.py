@@ -229,6 +229,26 @@ def test_csbp_export_writes_a_checkpoint_as_final_would(
     assert "(fix: export one first, `csbp export" in capsys.readouterr().err
 
 
+def test_csbp_export_refuses_an_out_among_the_runs_checkpoints(
+    full_run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, ``--out RUN/checkpoints/step_0000099`` was written: every later ``--resume`` took it for
+    the newest checkpoint (damaged, a warning) and pruning counted it, deleting a real checkpoint instead."""
+    run_dir = copy_run(full_run[0], tmp_path)
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    for out in (run_dir / "checkpoints" / "step_0000099", run_dir / "checkpoints" / "step_0000004" / "hf"):
+        assert main(["export", str(run_dir), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"is inside {run_dir / 'checkpoints'}, which holds a run's checkpoints" in err, err
+        assert len(err.strip().splitlines()) == 1
+    # nor into another run's: exporting the original run into this copy's checkpoints/
+    assert main(["export", str(full_run[0]), "--out", str(run_dir / "checkpoints" / "step_0000099")]) == 2
+    assert "which holds a run's checkpoints" in capsys.readouterr().err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+    assert not (run_dir / "checkpoints" / "step_0000004" / "hf").exists()
+    assert main(["export", str(run_dir), "--out", str(run_dir / "exports" / "step4")]) == 0  # elsewhere in RUN: fine
+
+
 # ----------------------------------------------------------------------------- exact resume
 
 

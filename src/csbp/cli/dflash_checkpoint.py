@@ -71,6 +71,33 @@ def checkpoint_context(checkpoint: Path) -> str | None:
     return str(context) if context is not None else "strict"
 
 
+def checkpoint_tokenizer_files(checkpoint: Path, mask_token_id: int) -> dict[str, bytes]:
+    """The tokenizer files the run of drafter checkpoint ``checkpoint`` exports with (its ``final/``'s:
+    :mod:`csbp.training.export_tokenizer`, resolved from the run config it recorded and its data
+    artifact); empty, with one note on stderr saying why, when that config or artifact is not at hand."""
+    from csbp.config import config_from_dict
+    from csbp.data.artifact import open_artifact
+    from csbp.training.export_tokenizer import export_tokenizer_for_run
+
+    def warn(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    run = _run_config(checkpoint)
+    try:
+        if not run:
+            raise ValueError(f"{checkpoint / 'trainer_state.json'} records no run config")
+        cfg = config_from_dict(run, source=str(checkpoint / "trainer_state.json"))
+        artifact = open_artifact(cfg.data.train)
+    except ValueError as exc:
+        reason = exc.lines[0] if isinstance(exc, ConfigError) else str(exc)
+        warn(
+            f"note: the export carries no tokenizer files: {reason} (fix: copy the run's final/ tokenizer files "
+            "into it, or export where the run's data artifact is)"
+        )
+        return {}
+    return export_tokenizer_for_run(cfg, artifact, mask_token_id, warn).files
+
+
 def drafter_from_checkpoint(checkpoint: Path, target: Decoder, args: argparse.Namespace) -> DFlashDrafter:
     """A ``DFlashDrafter`` from a DCP checkpoint: shapes from its metadata, the rest from the run config."""
     from csbp.dflash.drafter import DFlashDrafter

@@ -20,6 +20,8 @@ shapes come from the checkpoint, ``block_size``/``mask_token_id``/``target_layer
 config in ``trainer_state.json`` or from ``--block-size``/``--mask-token-id``/``--layer-ids``).
 DCP's ``.metadata`` is a pickle: it is read with a restricted unpickler that admits only the DCP
 metadata classes, so a crafted checkpoint is refused instead of running code.
+The export carries the tokenizer files of a ``--drafter`` directory (a run's ``final/``), or for a
+checkpoint those its run's ``final/`` would hold (:func:`csbp.cli.dflash_checkpoint.checkpoint_tokenizer_files`).
 
 ``eval`` runs lossless speculative decoding (``csbp.dflash.speculative``) over held-out prompts and,
 unless ``--no-check-lossless``, plain greedy decoding too: a prompt whose outputs differ makes the
@@ -35,9 +37,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from csbp.cli.dflash_checkpoint import checkpoint_context, drafter_from_checkpoint, run_dir_source
+from csbp.cli.dflash_checkpoint import (
+    checkpoint_context,
+    checkpoint_tokenizer_files,
+    drafter_from_checkpoint,
+    run_dir_source,
+)
 from csbp.cli.options import add_deprecated_alias, device_option
-from csbp.models.hf_io import read_json_object
+from csbp.models.hf_io import read_json_object, tokenizer_files_in
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -243,29 +250,38 @@ def run_prepare_features(args: argparse.Namespace) -> int:
 
 def run_export(args: argparse.Namespace) -> int:
     from csbp.dflash.export import drafter_context, export_dflash, load_dflash
+    from csbp.training.export import check_out_outside_checkpoints, checkpoints_root
 
-    target = _load_target(args.target, args, device="cpu")  # only validates shapes and ids
-    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     drafter_dir = args.drafter
     checkpoint = args.checkpoint
     if args.run_dir is not None:
         drafter_dir, checkpoint = run_dir_source(args.run_dir)
+        check_out_outside_checkpoints(args.out, args.run_dir / "checkpoints")
+    else:
+        check_out_outside_checkpoints(args.out, checkpoints_root(checkpoint) if checkpoint is not None else None)
+    target = _load_target(args.target, args, device="cpu")  # only validates shapes and ids
+    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     if drafter_dir is not None:
         if not (drafter_dir / "config.json").is_file():
             raise ValueError(f"{drafter_dir} is not a DFlash drafter directory: config.json not found")
-        drafter = load_dflash(drafter_dir, target)
+        drafter = load_dflash(drafter_dir, target, dtype=dtype)
         source, context = str(drafter_dir), drafter_context(drafter_dir)  # carried through
+        tokenizer = tokenizer_files_in(drafter_dir)  # carried through too (a run's final/ has them)
     else:
         drafter = drafter_from_checkpoint(checkpoint, target, args)
         source, context = f"checkpoint {checkpoint}", checkpoint_context(checkpoint)
-    out = export_dflash(drafter, args.out, dtype=dtype, overwrite=args.overwrite, context=context)
+        tokenizer = checkpoint_tokenizer_files(checkpoint, drafter.config.mask_token_id)
+    out = export_dflash(
+        drafter, args.out, dtype=dtype, overwrite=args.overwrite, context=context, tokenizer_files=tokenizer
+    )
     reloaded = load_dflash(out, target)  # validate what was written
     cfg = reloaded.config
     count = sum(p.numel() for p in reloaded.parameters())
     print(
         f"exported {source} -> {out}: {'DFlash2' if cfg.is_dflash2 else 'DFlash'} drafter, {cfg.num_layers} "
         f"layers, block_size {cfg.block_size}, target_layer_ids {list(cfg.target_layer_ids or ())}, "
-        f"mask_token_id {cfg.mask_token_id}, {count} parameters, context {context or 'not recorded'}"
+        f"mask_token_id {cfg.mask_token_id}, {count} parameters, context {context or 'not recorded'}, "
+        f"{len(tokenizer)} tokenizer files"
     )
     if context == "inclusive":
         print(INCLUSIVE_NOTE.format(drafter=out), file=sys.stderr)

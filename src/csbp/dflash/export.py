@@ -10,7 +10,8 @@ reader needs to leave them bidirectional (it makes sliding layers causal by defa
 ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k``; the loader also
 reads these and ``block_size`` from ``dflash_config``, where released DFlash2 configs keep them (the
 public reader looks there first), and refuses the released options csbp lacks
-(``output_multiplier``, ``final_logit_softcapping``, ``input_embedding_scale``).
+(``output_multiplier``, ``final_logit_softcapping``, ``input_embedding_scale``), a ``hidden_act``
+other than ``silu`` and ``attention_bias: true``.
 
 ``model.safetensors`` holds the drafter's own weights with **no** ``model.`` prefix (``fc.weight``,
 ``hidden_norm.weight``, ``norm.weight``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
@@ -158,6 +159,10 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
                 f"drafter config.json {key}={value} is not supported; csbp drafters have none "
                 "(fix: load this drafter with the code it was released with)"
             )
+    if hf.get("hidden_act", "silu") != "silu":  # the public reader applies it; csbp's MLPs are SwiGLU
+        raise ValueError(f"drafter config.json hidden_act={hf['hidden_act']!r} is not supported; csbp implements 'silu'")
+    if hf.get("attention_bias"):  # the public reader would add q/k/v/o biases that csbp's drafter has not
+        raise ValueError("drafter config.json attention_bias=true is not supported; csbp drafters have no attention biases")
     if _draft_value(hf, "block_size") is None:
         raise ValueError("drafter config.json is missing required field 'block_size'")
     for key in (
@@ -323,6 +328,12 @@ def load_dflash(
                 f"drafter tensor '{name}' has shape {tuple(tensors[name].shape)}, config implies {shape}"
             )
     load_dtype = dtype if dtype is not None else tensors["fc.weight"].dtype
+    if load_dtype not in DTYPE_NAMES:  # as load_hf_checkpoint: csbp computes in float64, float32 or bfloat16
+        what = "stores" if dtype is None else "was asked for"
+        raise ValueError(
+            f"drafter {directory} {what} {load_dtype} weights, a dtype csbp does not compute in (fix: load it as "
+            "bfloat16 or float32: --dtype bfloat16, dtype=torch.bfloat16 in Python)"
+        )
     drafter.load_state_dict(
         {n: t.to(device=device, dtype=load_dtype) for n, t in tensors.items()}, assign=True
     )

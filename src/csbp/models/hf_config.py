@@ -29,8 +29,10 @@ A ``model_type`` other than the family's (``llama`` with ``LlamaForCausalLM``, .
 ``ValueError``: ``AutoModelForCausalLM`` builds its class from ``model_type`` (a ``mistral`` one with
 ``LlamaForCausalLM`` runs as Mistral, sliding window included), so csbp would load another model.
 Sliding-window layers (``use_sliding_window: true`` or ``sliding_attention`` layer types),
-non-SiLU activations, partial rotary embeddings and per-layer-type RoPE are rejected with a
-``ValueError`` naming the field; Qwen2's ``sliding_window``/``max_window_layers`` are ignored
+non-SiLU activations, partial rotary embeddings, per-layer-type RoPE and a ``quantization_config``
+are rejected with a ``ValueError`` naming the field, and so are sizes that are not positive JSON
+integers and flags that are not JSON booleans (transformers' typed configs refuse them too; a
+``"false"`` read as Python truth would have tied the embeddings); Qwen2's ``sliding_window``/``max_window_layers`` are ignored
 when ``use_sliding_window`` is false, as HF ignores them.
 """
 
@@ -54,7 +56,10 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
 }
+DEFAULT_MAX_POSITIONS = 32768
+"""``max_position_embeddings`` of an export that is given none."""
 PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+_REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _ROPE_KEYS_ELSEWHERE = ("rope_theta", "partial_rotary_factor")
 
 
@@ -74,13 +79,12 @@ def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
             f"(transformers builds a {model_type!r} model from it; csbp would load it as {arch!r}) "
             f"(fix: set model_type to {arch!r} if the checkpoint is a {architectures[0]})"
         )
-    for field in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-    ):
+    if hf_config.get("quantization_config"):  # its tensors are not the weights themselves (scales, packed ints)
+        raise ValueError(
+            "config.json quantization_config is not supported; csbp loads unquantized float32/bfloat16 weights "
+            "(fix: use the unquantized checkpoint)"
+        )
+    for field in _REQUIRED_SIZES:
         if hf_config.get(field) is None:
             raise ValueError(f"config.json is missing required field '{field}'")
     hidden_act = hf_config.get("hidden_act", "silu")
@@ -88,29 +92,53 @@ def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
         raise ValueError(f"config.json hidden_act={hidden_act!r} is not supported; csbp implements 'silu'")
     if arch in ("qwen3", "qwen2"):
         _check_full_attention_layers(hf_config)
-    num_heads = int(hf_config["num_attention_heads"])
-    head_dim = hf_config.get("head_dim")
+    sizes = {field: _positive_int(hf_config, field) for field in (*_REQUIRED_SIZES, "num_key_value_heads", "head_dim")}
+    num_heads = sizes["num_attention_heads"]
+    head_dim = sizes["head_dim"]
     if head_dim is None:  # HF defaults: Qwen3Config.head_dim = 128, Llama/Qwen2 derive it
-        head_dim = 128 if arch == "qwen3" else int(hf_config["hidden_size"]) // num_heads
+        head_dim = 128 if arch == "qwen3" else sizes["hidden_size"] // num_heads
     rope_theta, rope_scaling = rope_from_hf(hf_config)
+    eps = hf_config.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise ValueError(f"config.json rms_norm_eps must be a number, got {eps!r}")
     return DecoderConfig(
-        vocab_size=int(hf_config["vocab_size"]),
-        hidden_size=int(hf_config["hidden_size"]),
-        intermediate_size=int(hf_config["intermediate_size"]),
-        num_layers=int(hf_config["num_hidden_layers"]),
+        vocab_size=sizes["vocab_size"],
+        hidden_size=sizes["hidden_size"],
+        intermediate_size=sizes["intermediate_size"],
+        num_layers=sizes["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=int(hf_config.get("num_key_value_heads") or num_heads),
-        head_dim=int(head_dim),
+        num_kv_heads=sizes["num_key_value_heads"] or num_heads,
+        head_dim=head_dim,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=float(eps),
         qk_norm=arch == "qwen3",
-        tie_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        tie_embeddings=_flag(hf_config, "tie_word_embeddings"),
         arch=arch,  # type: ignore[arg-type]
-        attention_bias=bool(hf_config.get("attention_bias", False)) if arch != "qwen2" else False,
+        attention_bias=_flag(hf_config, "attention_bias") if arch != "qwen2" else False,
         qkv_bias=arch == "qwen2",
-        mlp_bias=bool(hf_config.get("mlp_bias", False)) if arch == "llama" else False,
+        mlp_bias=_flag(hf_config, "mlp_bias") if arch == "llama" else False,
     )
+
+
+def _positive_int(hf_config: dict[str, Any], field: str) -> int | None:
+    """``hf_config[field]`` as transformers' typed configs take it, a positive JSON integer (a string or
+    float is refused, never converted); None when absent or null."""
+    value = hf_config.get(field)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"config.json {field} must be a positive integer, got {value!r}")
+    return value
+
+
+def _flag(hf_config: dict[str, Any], field: str) -> bool:
+    """``hf_config[field]``, true or false (absent or null: false); a string such as ``"false"`` is refused,
+    never read as true."""
+    value = hf_config.get(field)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json {field} must be true or false, got {value!r}")
+    return value
 
 
 def _check_full_attention_layers(hf_config: dict[str, Any]) -> None:
@@ -244,7 +272,7 @@ def hf_config_from_decoder(
             f"extra_config must not override model-defining fields {clashes}; change DecoderConfig"
         )
     # Defaults for fields DecoderConfig does not carry (HF Llama would otherwise assume bos=1, eos=2).
-    hf.update(max_position_embeddings=32768, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hf.update(max_position_embeddings=DEFAULT_MAX_POSITIONS, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     hf.update(extra)
     scaling = config.rope_scaling
     if scaling is not None and scaling.rope_type == "yarn":

@@ -58,6 +58,7 @@ __all__ = [
     "read_hf_weights",
     "read_json_object",
     "read_safetensors_file",
+    "tokenizer_files_in",
     "write_tokenizer_files",
 ]
 
@@ -164,8 +165,10 @@ def read_hf_weights(
 
     target_dtype = dtype if dtype is not None else tensors["model.embed_tokens.weight"].dtype
     if target_dtype not in _DTYPE_NAMES:
+        what = "stores" if dtype is None else "was asked for"
         raise ValueError(
-            f"checkpoint dtype {target_dtype} is not supported; pass dtype=torch.bfloat16 or float32"
+            f"checkpoint {directory} {what} {target_dtype} weights, a dtype csbp does not compute in (fix: load it "
+            "as bfloat16 or float32: --dtype bfloat16, dtype=torch.bfloat16 in Python)"
         )
     return {name: tensors[_hf_name(name)].to(dtype=target_dtype) for name in model.state_dict()}
 
@@ -297,7 +300,11 @@ def export_hf_checkpoint(
         raise ValueError("export_hf_checkpoint: pass tokenizer_dir or tokenizer_files, not both")
     tokenizer = dict(tokenizer_files or {})
     if tokenizer_dir is not None:
-        tokenizer = {file.name: file.read_bytes() for file in _tokenizer_files(Path(tokenizer_dir))}
+        tokenizer = tokenizer_files_in(Path(tokenizer_dir))
+        if not tokenizer:
+            raise ValueError(
+                f"tokenizer_dir {tokenizer_dir} has none of the tokenizer files {list(TOKENIZER_FILES)}"
+            )
     check_tokenizer_file_names(tokenizer)
     tensors = {
         _hf_name(name): t.detach().to(device="cpu", dtype=store_dtype).contiguous().clone()
@@ -329,10 +336,6 @@ def write_tokenizer_files(directory: Path, files: Mapping[str, bytes]) -> None:
         (directory / name).chmod(0o644)
 
 
-def _tokenizer_files(tokenizer_dir: Path) -> list[Path]:
-    files = [tokenizer_dir / name for name in TOKENIZER_FILES if (tokenizer_dir / name).is_file()]
-    if not files:
-        raise ValueError(
-            f"tokenizer_dir {tokenizer_dir} has none of the tokenizer files {list(TOKENIZER_FILES)}"
-        )
-    return files
+def tokenizer_files_in(directory: Path) -> dict[str, bytes]:
+    """The :data:`TOKENIZER_FILES` ``directory`` holds (name -> contents; empty when none)."""
+    return {name: (directory / name).read_bytes() for name in TOKENIZER_FILES if (directory / name).is_file()}

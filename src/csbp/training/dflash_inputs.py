@@ -17,7 +17,6 @@ target's ``config.json`` only (no weights) and checks, with one-line ``ValueErro
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import FeatureStore, open_features, recorded_target
 from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
-from csbp.models.hf_io import decoder_config_from_hf
+from csbp.models.hf_io import decoder_config_from_hf, read_json_object
 from csbp.training.input_hints import checkpoint_directory_fix
 
 T = TypeVar("T")
@@ -184,9 +183,10 @@ def read_target_config(target_dir: Path) -> DecoderConfig:
             f"objective.dflash.target: {target_dir} is not a HF checkpoint directory (no config.json) "
             f"(fix: {checkpoint_directory_fix(target_dir, _TARGET_FIX)})"
         )
+    hf_config = read_json_object(config_file)  # a damaged file is named
     return _field(
         "objective.dflash.target",
-        lambda: decoder_config_from_hf(json.loads(config_file.read_text(encoding="utf-8"))),
+        lambda: decoder_config_from_hf(hf_config),
         "use a Qwen3, Qwen2 or Llama checkpoint directory",
     )
 

@@ -2,10 +2,15 @@
 
 :func:`export_decoder` writes what ``RUN/final`` holds (``config.json`` with the checkpoint's
 passthrough fields, the special token ids and the ``csbp_training`` record that ``csbp generate`` /
-``csbp eval`` read; ``model.safetensors`` in ``model.dtype``; ``generation_config.json``; the
+``csbp eval`` read, and a ``max_position_embeddings`` of at least ``data.seq_len``, the positions the
+run trained at, which ``csbp generate`` and ``csbp dflash eval`` stay within; ``model.safetensors`` in ``model.dtype``; ``generation_config.json``; the
 tokenizer files). ``generation_config.json`` is the ``model.init_from`` checkpoint's (its sampling
 defaults kept) with the run's ``bos``/``eos``/``pad`` ids (an ``eos_token_id`` list there that holds
-the run's EOS, a chat model's end-of-turn id with it, is kept), plus for the block-diffusion
+the run's EOS, a chat model's end-of-turn id with it, is kept), and with the ``eos_token`` of the
+exported ``tokenizer_config.json`` added to ``eos_token_id`` when it is another token: ``config.json``'s
+``eos_token_id`` is the data's EOS (the document separator the model learnt to end documents with),
+while a chat tokenizer keeps its own ``eos_token`` (``<|im_end|>``, what chat pipelines stop a turn
+at), so ``generate`` stops at either, as it did for the ``model.init_from`` checkpoint. Plus for the block-diffusion
 objectives how ``csbp generate`` samples the model (``csbp_block_diffusion``,
 :func:`csbp.generation.run_settings.sampling_record_of`). The tokenizer files are those
 :mod:`csbp.training.export_tokenizer` resolved with the run's inputs: the data's ``tokenizer.json``
@@ -19,10 +24,16 @@ checkpoint's ``trainer_state.json``, the model shape is re-derived from it and i
 (through the restricted reader of :mod:`csbp.training.checkpoint_integrity`: nothing is unpickled
 beyond DCP's metadata classes). It runs in one process whatever topology or FSDP sharding wrote the
 checkpoint. DFlash drafters have their own format: ``csbp dflash export --checkpoint``.
+
+Neither writes into the run's ``checkpoints/``, nor any run's (:func:`check_out_outside_checkpoints`): a directory
+there named like a step would be taken for the newest checkpoint (damaged: a warning on every
+``--resume``) and counted by checkpoint pruning, which would then delete a real checkpoint in its
+place.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +45,7 @@ from csbp.config.loading import read_yaml_text
 from csbp.config.schema import RunConfig
 from csbp.generation.run_settings import EXPORT_KEY, SAMPLING_KEY, sampling_record_of, training_record_of
 from csbp.models.decoder import Decoder
+from csbp.models.hf_config import DEFAULT_MAX_POSITIONS
 from csbp.models.hf_io import export_hf_checkpoint, hf_passthrough_config, read_generation_config
 from csbp.training.checkpoint import read_training_state
 from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata, safe_dcp_load
@@ -44,6 +56,9 @@ from csbp.training.preflight import RunInputs, check_run
 def export_decoder(cfg: RunConfig, inputs: RunInputs, model: Decoder, out: Path, *, overwrite: bool) -> Path:
     """Write ``model`` (a plain CPU decoder) as a HF checkpoint directory ``out`` (see the module)."""
     extra = hf_passthrough_config(cfg.model.init_from) if cfg.model.init_from is not None else {}
+    limit = extra.get("max_position_embeddings")
+    if (limit if type(limit) is int else DEFAULT_MAX_POSITIONS) < cfg.data.seq_len:  # trained there: admit it
+        extra["max_position_embeddings"] = cfg.data.seq_len
     special = inputs.artifact.special_ids
     extra.update(eos_token_id=special["eos"], pad_token_id=special["pad"])
     if inputs.mask_token_id is not None:
@@ -68,8 +83,12 @@ def generation_config_of(cfg: RunConfig, inputs: RunInputs, hf_config: dict[str,
     generation = {key: value for key, value in (base or {}).items() if key != "transformers_version"}
     eos = hf_config["eos_token_id"]
     listed = generation.get("eos_token_id")
-    keep_list = isinstance(listed, list) and eos in listed
-    generation.update(eos_token_id=listed if keep_list else eos, pad_token_id=hf_config["pad_token_id"])
+    stops = list(listed) if isinstance(listed, list) and eos in listed else [eos]
+    turn_end = inputs.tokenizer.eos_id  # the exported tokenizer's eos_token (a chat model's <|im_end|>)
+    if turn_end is not None and turn_end not in stops:
+        stops.append(turn_end)
+    keep_list = isinstance(listed, list) or len(stops) > 1
+    generation.update(eos_token_id=stops if keep_list else eos, pad_token_id=hf_config["pad_token_id"])
     if hf_config.get("bos_token_id") is not None:
         generation["bos_token_id"] = hf_config["bos_token_id"]
     sampling = sampling_record_of(cfg, inputs.mask_token_id)
@@ -111,6 +130,7 @@ def export_checkpoint(
     """Export the decoder of training checkpoint ``checkpoint`` to ``out``; returns ``(out, run
     config, step)``. Everything is checked before ``out`` is written; ``warn`` receives what the
     export lacks (a tokenizer directory that is gone: :mod:`csbp.training.export_tokenizer`)."""
+    check_out_outside_checkpoints(out, checkpoints_root(checkpoint))
     cfg = checkpoint_config(checkpoint)
     if cfg.objective.name == "dflash":
         raise ValueError(
@@ -135,3 +155,24 @@ def export_checkpoint(
     model.load_state_dict(loaded["model"], strict=True, assign=True)
     path = export_decoder(cfg, inputs, model, out, overwrite=overwrite)
     return path, cfg, read_training_state(checkpoint).step
+
+
+def checkpoints_root(checkpoint: Path) -> Path:
+    """The directory whose checkpoints ``checkpoint`` is one of (``RUN/checkpoints``), else itself."""
+    return checkpoint.parent if checkpoint.parent.name == "checkpoints" else checkpoint
+
+
+def check_out_outside_checkpoints(out: Path, root: Path | None = None) -> None:
+    """One-line ``ValueError`` when export directory ``out`` is ``root`` (the exported run's
+    ``checkpoints/``) or inside it, or inside any run's ``checkpoints/`` (a directory of that name
+    holding a ``latest`` pointer) (module docstring); checked on the resolved paths before any work."""
+    resolved = Path(os.path.realpath(out))
+    roots = [Path(os.path.realpath(root))] if root is not None else []
+    roots += [a for a in resolved.parents if a.name == "checkpoints" and (a / "latest").is_file()]
+    for inside in roots:
+        if resolved == inside or inside in resolved.parents:
+            raise ValueError(
+                f"--out {out}: is inside {inside}, which holds a run's checkpoints; an export there would be taken "
+                f"for a (damaged) checkpoint and checkpoint pruning could delete a real one in its place (fix: "
+                f"choose a directory outside {inside}, e.g. {inside.parent / 'exports' / out.name})"
+            )

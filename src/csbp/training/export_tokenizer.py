@@ -78,10 +78,14 @@ class ExportTokenizer:
         files: file name -> contents (``tokenizer.json`` always).
         source: the directory the companion files came from, None when ``tokenizer_config.json`` was
             generated.
+        eos_id: the id of the ``eos_token`` the written ``tokenizer_config.json`` (else
+            ``special_tokens_map.json``) names, None when it names none in ``tokenizer.json``: a chat
+            tokenizer's end-of-turn token (``<|im_end|>``), which may differ from the data's EOS.
     """
 
     files: dict[str, bytes] = field(repr=False)
     source: Path | None
+    eos_id: int | None = None
 
 
 def export_tokenizer_for_run(
@@ -145,7 +149,7 @@ def export_tokenizer(
     changed = _use_data_template(files, config, where, artifact, warn) or changed
     if generated or changed:
         files[CONFIG_FILE] = _json_bytes(config)
-    return ExportTokenizer(files=files, source=source)
+    return ExportTokenizer(files=files, source=source, eos_id=_eos_id(config, files, backend))
 
 
 def check_data_tokenizer(path: Path, artifact: Artifact) -> None:
@@ -194,6 +198,23 @@ def _added_token(backend: Tokenizer, token_id: int | None) -> str | None:
         return None
     added = backend.get_added_tokens_decoder()
     return str(added[token_id].content) if token_id in added else None
+
+
+def _eos_id(config: dict[str, Any], files: dict[str, bytes], backend: Tokenizer) -> int | None:
+    """The id of the EOS token the exported tokenizer files name (``ExportTokenizer.eos_id``)."""
+    names = [config.get("eos_token")]
+    if "special_tokens_map.json" in files:
+        try:
+            special_map = json.loads(files["special_tokens_map.json"].decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            special_map = None
+        if isinstance(special_map, dict):
+            names.append(special_map.get("eos_token"))
+    for name in names:
+        name = name.get("content") if isinstance(name, dict) else name
+        if isinstance(name, str):
+            return backend.token_to_id(name)
+    return None
 
 
 def _config(directory: Path, data: bytes) -> dict[str, Any]:

@@ -25,7 +25,6 @@ happens under autocast. ``model.dtype`` is the dtype the ``final/`` HF export is
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -37,7 +36,13 @@ from csbp.data.artifact import Artifact
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_config import check_exportable
-from csbp.models.hf_io import decoder_config_from_hf, read_generation_config, read_hf_config, read_hf_weights
+from csbp.models.hf_io import (
+    decoder_config_from_hf,
+    read_generation_config,
+    read_hf_config,
+    read_hf_weights,
+    read_json_object,
+)
 from csbp.parallel.comm import TrafficCounter
 from csbp.training.activation_checkpointing import checkpoint_layers
 from csbp.training.input_hints import checkpoint_directory_fix
@@ -153,7 +158,11 @@ def _config_from_checkpoint(model: ModelSection) -> DecoderConfig:
     if not config_file.is_file():
         fix = checkpoint_directory_fix(directory, "point it at a local directory with config.json and model.safetensors")
         raise ValueError(f"model.init_from: {directory} is not a HF checkpoint directory (no config.json) (fix: {fix})")
-    config = decoder_config_from_hf(json.loads(config_file.read_text(encoding="utf-8")))
+    hf_config = read_json_object(config_file)  # a damaged file is named
+    try:
+        config = decoder_config_from_hf(hf_config)
+    except ValueError as exc:
+        raise ValueError(f"model.init_from: {directory}: {exc}") from None
     read_generation_config(directory)  # the final export carries it: a damaged one fails now, not after training
     for name in _CHECKED_FIELDS:
         wanted = getattr(model, name)
