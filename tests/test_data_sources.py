@@ -136,7 +136,16 @@ def test_parquet_with_the_same_columns(tmp_path: Path) -> None:
 def test_non_utf8_input_is_a_value_error(tmp_path: Path) -> None:
     path = tmp_path / "latin1.txt"
     path.write_bytes("caf\u00e9".encode("latin-1"))
-    with pytest.raises(ValueError, match=r"latin1\.txt: not UTF-8 text"):
+    with pytest.raises(ValueError, match=r"latin1\.txt:1: not UTF-8 text .*byte 0xe9 at byte 4 of the line"):
+        read_all(path)
+
+
+def test_non_utf8_jsonl_names_the_line(tmp_path: Path) -> None:
+    # a bad byte deep in a large file: the error names its line (CRLF and lone CR line ends counted
+    # as the reader counts them), as for a malformed record
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a"}\r\n{"text": "b"}\r{"text": "c"}\n\n{"text": "caf\xe9!"}\n')
+    with pytest.raises(ValueError, match=r"mixed\.jsonl:5: not UTF-8 text \(.*byte 0xe9 at byte 14 of the line\)"):
         read_all(path)
 
 

@@ -111,7 +111,26 @@ def iter_documents(files: Sequence[Path], *, txt_mode: TxtMode = "file") -> Iter
         try:
             yield from _read_file(path, txt_mode)
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not UTF-8 text ({exc.reason}); re-encode it as UTF-8") from None
+            where, reason = _undecodable_line(path) or (str(path), exc.reason)
+            raise ValueError(f"{where}: not UTF-8 text ({reason}); re-encode it as UTF-8") from None
+
+
+def _undecodable_line(path: Path) -> tuple[str, str] | None:
+    """``(file:line, what is wrong)`` of the first line of ``path`` that is not UTF-8 (line ends
+    counted as universal newlines do: ``\\r\\n``, ``\\r`` or ``\\n``), None when every line decodes."""
+    line_number = 0
+    with open(path, "rb") as handle:
+        for raw in handle:
+            body = raw[:-1] if raw.endswith(b"\n") else raw
+            body = body[:-1] if body.endswith(b"\r") else body
+            for line in body.split(b"\r"):  # a lone \r ends a line too (a UTF-8 byte 0x0d is only that)
+                line_number += 1
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    bad = line[exc.start : exc.start + 1].hex()
+                    return f"{path}:{line_number}", f"{exc.reason}: byte 0x{bad} at byte {exc.start + 1} of the line"
+    return None
 
 
 def _read_file(path: Path, txt_mode: TxtMode) -> Iterator[Document]:
