@@ -157,7 +157,8 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
-    [("--seq-len", "1", "1 must be >= 2"), ("--val-fraction", "1", "1 must lie in [0, 1)"), ("--vocab-size", "0", "0 must be >= 1")],
+    [("--seq-len", "1", "1 must be >= 2"), ("--val-fraction", "1", "1 must lie in [0, 1)"), ("--vocab-size", "0", "0 must be >= 1"),
+     ("--seed", "-1", "-1 must be >= 0")],
 )
 def test_prepare_flags_are_refused_by_their_flag_name(
     tmp_path: Path, flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]

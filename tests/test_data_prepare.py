@@ -212,6 +212,14 @@ def test_existing_output_needs_overwrite(tmp_path, tokenizer_dir) -> None:
     _assert_no_leftovers(tmp_path, {"docs.jsonl", "art"})
 
 
+def test_the_artifact_directory_is_readable_by_others(tmp_path, tokenizer_dir) -> None:
+    # it was built in a mkdtemp directory (mode 0700) and renamed as is: no other user (a shared
+    # cluster's training account, a container with another uid) could read it
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS])
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
+    assert (art.directory.stat().st_mode & 0o777) == 0o755
+
+
 def test_tokenizer_fingerprint_mismatch(tmp_path, tokenizer_dir, tokenizer) -> None:
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": "hello world"}])
     prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)
@@ -315,6 +323,7 @@ def test_chat_needs_role_markers_in_the_tokenizer(tmp_path, monkeypatch) -> None
     [
         ({"seq_len": 1}, "seq_len is 1"),
         ({"val_fraction": 1.0}, "val_fraction is 1.0"),
+        ({"seed": -1}, "--seed is -1; use 0 or more"),  # was numpy's "expected non-negative integer", after reading the inputs
         ({"train_tokenizer": True}, "give exactly one of --tokenizer DIR or --train-tokenizer"),
         ({"tokenizer_path": None, "train_tokenizer": True}, "--train-tokenizer needs --vocab-size"),
         ({"vocab_size": 400}, "--vocab-size only applies with --train-tokenizer"),

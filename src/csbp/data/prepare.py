@@ -127,6 +127,8 @@ class PrepareConfig:
             raise ValueError(
                 "--vocab-size only applies with --train-tokenizer; drop it when using --tokenizer"
             )
+        if self.seed < 0:
+            raise ValueError(f"--seed is {self.seed}; use 0 or more")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction is {self.val_fraction}; use a value in [0, 1)")
         if self.txt_mode not in ("file", "paragraphs"):
@@ -174,6 +176,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     check_mask_token_of_its_own(tokenizer)  # a trained one's special names are distinct: a safety net
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with staging_directory(out_dir) as build_dir:  # removed on any error; a killed run's by the next one
+        build_dir.chmod(0o755)  # mkdtemp's 0700 would keep the artifact from anyone else (csbp.atomic does the same)
         counts = _write_splits(build_dir, files, config, tokenizer, val_ordinals, template)
         tokenizer.save(build_dir)
         manifest = _manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
