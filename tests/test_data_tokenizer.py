@@ -85,6 +85,13 @@ def test_a_broken_hf_config_names_its_file(tmp_path: Path, name: str, data: byte
         load_tokenizer(directory / "tokenizer.json")
 
 
+def test_a_directory_without_a_tokenizer_is_one_whole_line(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=r"could not load a tokenizer from .*tokenizer\.json\)$") as info:
+        load_tokenizer(tmp_path)  # transformers' reason was cut after its first line, "... from one of:"
+    assert "\n" not in str(info.value) and not str(info.value).split("(fix:")[0].rstrip().endswith(":")
+
+
 def test_missing_mask_token_is_an_error(tmp_path: Path) -> None:
     directory = _wordlevel_dir(tmp_path, {"[UNK]": 0, "<|endoftext|>": 1})
     with pytest.raises(ValueError, match="has no mask token '<\\|mask\\|>'.*--mask-token"):

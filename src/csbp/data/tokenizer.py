@@ -183,7 +183,11 @@ def _load_with_transformers(path: Path, special: SpecialTokens) -> CsbpTokenizer
         # is refused (left unset, transformers asks "run the custom code? [y/N]" on a terminal)
         hf_tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load a tokenizer from {path}: {exc}".splitlines()[0]) from None
+        # transformers' messages run over several lines (the first alone can end in "one of:"): one line
+        reason = " ".join(str(exc).split())
+        raise ValueError(
+            f"could not load a tokenizer from {path}: {reason} (fix: pass a directory holding tokenizer.json)"
+        ) from None
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ValueError(f"tokenizer in {path} is not a fast tokenizer; save it with tokenizer.json")
