@@ -196,6 +196,8 @@ def test_explicit_jinja_file_and_generation_blocks(tmp_path: Path) -> None:
     assert from_json is not None and from_json.source.endswith("chat_template.json") and from_json.text == CHATML
     with pytest.raises(ValueError, match=r"--chat-template .*missing\.jinja: no such file"):
         resolve_chat_template(str(tmp_path / "missing.jinja"), directory)
+    with pytest.raises(ValueError, match=r"--chat-template .* is a directory; .*or auto"):  # was "no such file"
+        resolve_chat_template(str(directory), directory)
 
 
 def test_raising_template_fails_in_one_line_naming_the_record(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,13 @@ def test_expand_inputs(tmp_path: Path) -> None:
         expand_inputs([tmp_path / "skip.md"])
     with pytest.raises(ValueError, match="does not exist"):
         expand_inputs([tmp_path / "missing.jsonl"])
+    # these were all "does not exist"; a pipe is what <(zcat data.jsonl.gz) passes
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    with pytest.raises(ValueError, match=r"pipe\.jsonl is neither a regular file nor a directory: .*more than once"):
+        expand_inputs([tmp_path / "pipe.jsonl"])
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(ValueError, match=r"dangling\.jsonl is a symbolic link to .*gone\.jsonl, which does not exist"):
+        expand_inputs([tmp_path / "dangling.jsonl"])
 
 
 def test_an_input_given_twice_is_refused(tmp_path: Path) -> None:

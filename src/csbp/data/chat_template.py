@@ -282,6 +282,11 @@ def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplat
             return None
         return _checked(ChatTemplate(text, str(directory / CONFIG_FILE), **tokens))
     path = Path(spec)
+    if path.is_dir():
+        raise ValueError(
+            f"--chat-template {spec} is a directory; give the path of a .jinja file, or auto to use the "
+            "template of the --tokenizer directory"
+        )
     if not path.is_file():
         raise ValueError(f"--chat-template {spec}: no such file; use auto, none or the path of a .jinja file")
     return _checked(ChatTemplate(path.read_text(encoding="utf-8"), str(path), **tokens))

@@ -24,6 +24,7 @@ naming the file and the 1-based line (JSONL) or row (Parquet).
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,13 @@ def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
                     f"input {path}: unsupported suffix {path.suffix!r}; use one of {SUPPORTED_SUFFIXES}"
                 )
             files.append(path)
+        elif path.exists():  # a pipe (``<(zcat data.jsonl.gz)``), a device
+            raise ValueError(
+                f"input {path} is neither a regular file nor a directory: csbp data prepare reads its inputs "
+                "more than once (fix: write it to a .jsonl/.txt/.parquet file first)"
+            )
+        elif path.is_symlink():
+            raise ValueError(f"input {path} is a symbolic link to {os.readlink(path)}, which does not exist")
         else:
             raise ValueError(f"input {path} does not exist")
     if not files:
