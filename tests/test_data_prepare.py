@@ -202,6 +202,24 @@ def test_failure_mid_prepare_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch
     _assert_no_leftovers(out_parent, set())
 
 
+def test_an_input_changed_while_preparing_is_refused(tmp_path, tokenizer_dir, monkeypatch) -> None:
+    # a file still being appended to: the count pass saw fewer documents than the encoding pass
+    # wrote, and the artifact was published with a manifest whose counts disagree with its splits
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS])
+    original = PackedSplitWriter.add_document
+
+    def appending_add(self, token_ids, loss_mask):
+        if self.num_documents == 0 and self.num_tokens == 0:
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"text": "a late record"}) + "\n")
+        original(self, token_ids, loss_mask)
+
+    monkeypatch.setattr(PackedSplitWriter, "add_document", appending_add)
+    with pytest.raises(ValueError, match=r"docs\.jsonl changed while csbp data prepare was reading it"):
+        prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
+    _assert_no_leftovers(tmp_path, {"docs.jsonl"})
+
+
 def test_existing_output_needs_overwrite(tmp_path, tokenizer_dir) -> None:
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": TINY_TEXTS[0]}])
     prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)

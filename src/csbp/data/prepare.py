@@ -9,7 +9,9 @@ Tokenization happens here only, never in the training loop. The steps:
 3. load the tokenizer, or train a byte-level BPE on the train documents;
 4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``;
    a train split of fewer tokens than ``seq_len`` (one row of mostly padding) is refused before its
-   padding is written.
+   padding is written;
+5. refuse the result if an input's size or modification time changed since step 1 (the inputs are
+   read once per step, and a file still being written would give each step other documents).
 
 The mask token must be a token of its own: an id shared with EOS, pad or a role marker is refused
 (by name before a tokenizer is trained, by id once a given one is loaded), and so is a document
@@ -150,6 +152,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         raise OutputExistsError(f"output {out_dir} already exists; choose another --out or pass --overwrite")
     out_dir = check_replaceable(out_dir, ARTIFACT_OWNERSHIP)
     files = expand_inputs(config.inputs)
+    snapshot = _file_states(files)  # the inputs are read three times: they must not change meanwhile
     # A given tokenizer (path, special tokens) is checked before the inputs are read.
     given = load_tokenizer(config.tokenizer_path, special=config.special) if config.tokenizer_path is not None else None
     if given is not None:
@@ -182,12 +185,29 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         manifest = _manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
         manifest["chat_template"] = template.manifest_entry() if template is not None else None
         write_manifest(build_dir, manifest)
+        _check_unchanged(files, snapshot)
         # checked again: another process may have created out_dir while this one was tokenizing
         publish_directory(
             build_dir, out_dir, overwrite=config.overwrite, owned=ARTIFACT_OWNERSHIP, shown=config.out_dir
         )
     say(f"wrote {config.out_dir}: " + ", ".join(f"{s} {counted(counts[s].rows, 'row')}" for s in SPLITS))
     return manifest
+
+
+def _file_states(files: list[Path]) -> list[tuple[int, int]]:
+    """``(size, mtime_ns)`` of each input file."""
+    return [(stat.st_size, stat.st_mtime_ns) for stat in (path.stat() for path in files)]
+
+
+def _check_unchanged(files: list[Path], before: list[tuple[int, int]]) -> None:
+    """``ValueError`` naming the first input whose size or modification time is not what it was when
+    prepare began: its passes (count, train a tokenizer, encode) may have read different documents."""
+    for path, earlier, now in zip(files, before, _file_states(files)):
+        if now != earlier:
+            raise ValueError(
+                f"input {path} changed while csbp data prepare was reading it (size {earlier[0]} -> {now[0]} bytes): "
+                "its document count, split and tokenizer may disagree (fix: prepare from files nobody is writing)"
+            )
 
 
 def _non_empty_documents(files: list[Path], txt_mode: TxtMode) -> Iterator[Document]:
