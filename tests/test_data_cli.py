@@ -94,6 +94,15 @@ def test_inspect_marks_supervised_spans(artifact_dir: Path, capsys: pytest.Captu
     assert "<|user|>say hello<|assistant|>[[hello<|endoftext|>a plain document" in out
 
 
+def test_inspect_refuses_a_replaced_tokenizer_without_verify(artifact_dir: Path) -> None:
+    # inspect decoded every row with whatever tokenizer.json held: garbage, and no word of it
+    from csbp.data.tokenizer import train_bpe_tokenizer
+
+    train_bpe_tokenizer(["other text entirely, other merges"] * 5, vocab_size=300).save(artifact_dir)
+    with pytest.raises(ValueError, match=r"tokenizer\.json: fingerprint .* is not the manifest's tokenizer\.fingerprint"):
+        run(["data", "inspect", str(artifact_dir), "--rows", "1"])
+
+
 def test_format_row_collapses_padding(artifact_dir: Path) -> None:
     artifact = open_artifact(artifact_dir)
     train = artifact.split("train")
