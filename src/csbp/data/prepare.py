@@ -129,6 +129,10 @@ class PrepareConfig:
             raise ValueError(
                 "--vocab-size only applies with --train-tokenizer; drop it when using --tokenizer"
             )
+        for name, token in asdict(self.special).items():
+            if not token.strip():
+                which = f"--{name}-token" if name in ("eos", "mask", "pad") else f"the {name} role marker"
+                raise ValueError(f"{which} is {token!r}; name a token (default {getattr(SpecialTokens(), name)})")
         if self.seed < 0:
             raise ValueError(f"--seed is {self.seed}; use 0 or more")
         if not 0.0 <= self.val_fraction < 1.0:
