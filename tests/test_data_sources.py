@@ -67,6 +67,9 @@ def test_malformed_jsonl_names_file_and_line(tmp_path: Path) -> None:
     path.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": broken\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: malformed JSON"):
         read_all(path)
+    path.write_text('{"text": "a raw\ttab"}\n', encoding="utf-8")  # was "... control character at at column 16"
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: malformed JSON \(Invalid control character at column 16\)$"):
+        read_all(path)
 
 
 @pytest.mark.parametrize(

@@ -220,7 +220,8 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+                message = exc.msg.removesuffix(" at")  # json's "Invalid control character at"
+                raise ValueError(f"{where}: malformed JSON ({message} at column {exc.colno})") from None
             except RecursionError:  # brackets nested thousands deep: no document looks like that
                 raise ValueError(f"{where}: JSON nested too deeply (fix: one flat object per line)") from None
             yield record_to_document(record, where)
