@@ -258,8 +258,9 @@ def test_content_dependent_scaffolding_fails_naming_the_record() -> None:
 )
 def test_sandbox_refuses_escape_attempts(source: str) -> None:
     template = ChatTemplate(source, "evil.jinja")
-    with pytest.raises(ValueError, match=r"^rec:1: chat template evil\.jinja (was refused by the sandbox|failed)"):
+    with pytest.raises(ValueError, match=r"^rec:1: chat template evil\.jinja (was refused by the sandbox|failed)") as info:
         template.render(CHAT, where="rec:1")
+    assert ") (fix: " in str(info.value)  # was "...); (fix: ..." after a refusal
 
 
 def test_syntax_error_names_the_template_line(tmp_path: Path) -> None:

@@ -129,7 +129,7 @@ class ChatTemplate:
             )
         except jinja2.exceptions.SecurityError as exc:
             raise ValueError(
-                f"{where or self.source}: chat template {self.source} was refused by the sandbox ({exc}); "
+                f"{where or self.source}: chat template {self.source} was refused by the sandbox ({exc}) "
                 "(fix: use a trusted template, or --chat-template none)"
             ) from None
         except Exception as exc:  # a template is code: whatever it raises (TypeError ...) is one line
