@@ -117,6 +117,28 @@ def test_packing_reproduces_the_token_stream(tmp_path, tokenizer_dir, tokenizer)
     assert art.split("val").num_rows == 0 and art.split("val").tokens.shape == (0, 7)
 
 
+def test_long_documents_are_encoded_in_batches_of_bounded_characters(tmp_path, tokenizer_dir, monkeypatch) -> None:
+    # 256 documents went to the tokenizer at once whatever their length: 256 books, tens of GB
+    texts = [f"{TINY_TEXTS[i % 3]} number {i} " * (1 + i % 4) for i in range(12)]
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
+    whole = prepare([path], tmp_path / "whole", tokenizer_dir, seq_len=7, val_fraction=0.25)
+    batches: list[list[int]] = []
+    encode = prepare_module.encode_documents
+
+    def spy(documents, *args):
+        batches.append([len(doc.texts()[0]) for doc in documents])
+        return encode(documents, *args)
+
+    limit = 2 * len(texts[0]) + 5
+    monkeypatch.setattr(prepare_module, "ENCODE_CHUNK_CHARACTERS", limit, raising=False)
+    monkeypatch.setattr(prepare_module, "encode_documents", spy)
+    chunked = prepare([path], tmp_path / "chunked", tokenizer_dir, seq_len=7, val_fraction=0.25)
+    assert sum(len(batch) for batch in batches) == len(texts) and len(batches) > 3
+    assert all(sum(batch) <= limit or len(batch) == 1 for batch in batches)
+    assert max(len(t) for t in texts) > limit  # one document alone may pass the limit
+    assert chunked.fingerprint == whole.fingerprint  # the batches do not change a byte
+
+
 def test_manifest_contents(tmp_path, tokenizer_dir, tokenizer) -> None:
     path = write_jsonl(
         tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:8]] + [{"text": ""}, {"text": " "}]

@@ -69,6 +69,10 @@ from csbp.staging import staging_directory
 from csbp.wording import counted
 
 ENCODE_CHUNK_DOCUMENTS = 256
+ENCODE_CHUNK_CHARACTERS = 1 << 23
+"""Documents are encoded in batches of at most this many documents and (unless one document alone is
+longer) characters: ``tokenizers`` holds some hundred bytes per token of a batch at once, so 256 long
+documents (books, long-context records) in one batch would ask for tens of GB."""
 ARTIFACT_OWNERSHIP = Ownership(
     what="data artifact (manifest.json, tokenizer.json, *.bin)",
     marker=MANIFEST_NAME,
@@ -308,11 +312,17 @@ def _write_splits(
     }
     try:
         chunk: list[tuple[str, Document]] = []
+        characters = 0
         for ordinal, doc in enumerate(_non_empty_documents(files, config.txt_mode)):
+            length = sum(len(segment.text) for segment in doc.segments)
+            if chunk and characters + length > ENCODE_CHUNK_CHARACTERS:
+                _write_chunk(chunk, tokenizer, writers, template)
+                chunk, characters = [], 0
             chunk.append(("val" if ordinal in val_ordinals else "train", doc))
+            characters += length
             if len(chunk) == ENCODE_CHUNK_DOCUMENTS:
                 _write_chunk(chunk, tokenizer, writers, template)
-                chunk = []
+                chunk, characters = [], 0
         _write_chunk(chunk, tokenizer, writers, template)
         _check_train_fills_a_row(writers["train"].num_tokens, config.seq_len)
         return {split: writer.finish() for split, writer in writers.items()}
