@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from csbp.data import corpus
@@ -135,6 +136,24 @@ def test_parquet_with_the_same_columns(tmp_path: Path) -> None:
     assert first.segments == (Segment("row one", supervised=True),)
     assert [s.supervised for s in second.segments] == [False, False, False, True]
     assert second.where == f"{path}:row 2"
+
+
+def test_a_damaged_parquet_page_names_the_file(tmp_path: Path) -> None:
+    # the footer reads, a data page does not: this was pyarrow's bare OSError, naming no file
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "damaged.parquet"
+    rng = np.random.default_rng(0)  # text that does not compress to a few bytes
+    texts = [f"record {i} " + "".join(rng.choice(list("abcdefgh "), 300)) for i in range(40)]
+    pq.write_table(pa.table({"text": texts}), path, compression="snappy", row_group_size=20, use_dictionary=False)
+    column = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    start = column.data_page_offset + column.total_compressed_size // 2  # inside the compressed page
+    data[start : start + 200] = bytes(range(200))
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"input .*damaged\.parquet: rows after \d+ cannot be read \(.*\(fix: check the file\)"):
+        read_all(path)
 
 
 def test_non_utf8_input_is_a_value_error(tmp_path: Path) -> None:

@@ -236,8 +236,18 @@ def _read_parquet(path: Path) -> Iterator[Document]:
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"input {path}: not a readable Parquet file ({exc}) (fix: check the file)") from None
     row_number = 0
-    for batch in parquet.iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
+    batches = parquet.iter_batches(batch_size=1024)
+    while True:
+        try:  # a damaged page is found only when its batch is read
+            batch = next(batches, None)
+            records = batch.to_pylist() if batch is not None else []
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(
+                f"input {path}: rows after {row_number} cannot be read ({exc}) (fix: check the file)"
+            ) from None
+        if batch is None:
+            return
+        for record in records:
             row_number += 1
             yield record_to_document(record, f"{path}:row {row_number}")
 
