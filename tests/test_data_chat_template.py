@@ -172,6 +172,22 @@ def test_prepare_records_the_template_and_none_keeps_role_markers(tmp_path: Path
         prepare_artifact(none)
 
 
+def test_a_directory_given_as_the_template_file_says_so(tmp_path: Path) -> None:
+    directory = build_tokenizer_dir(tmp_path / "tok", "chatml")
+    with pytest.raises(ValueError, match=r"--chat-template .* is a directory; .*or auto"):  # was "no such file"
+        resolve_chat_template(str(directory), directory)
+
+
+def test_a_template_file_not_in_utf8_is_named(tmp_path: Path) -> None:
+    directory = build_tokenizer_dir(tmp_path / "tok", "chatml")
+    (tmp_path / "latin1.jinja").write_bytes(b"{{ 'caf\xe9' }}")  # was the codec's message, no file named
+    with pytest.raises(ValueError, match=r"latin1\.jinja: not UTF-8 text \(.* at byte 8\) \(fix: re-encode"):
+        resolve_chat_template(str(tmp_path / "latin1.jinja"), directory)
+    (directory / "chat_template.jinja").write_bytes(b"\xff")
+    with pytest.raises(ValueError, match=r"chat_template\.jinja: not UTF-8 text"):
+        resolve_chat_template("auto", directory)
+
+
 def test_explicit_jinja_file_and_generation_blocks(tmp_path: Path) -> None:
     directory = build_tokenizer_dir(tmp_path / "tok", "chatml")
     with_blocks = CHATML.replace(
@@ -256,8 +272,9 @@ def test_content_dependent_scaffolding_fails_naming_the_record() -> None:
 )
 def test_sandbox_refuses_escape_attempts(source: str) -> None:
     template = ChatTemplate(source, "evil.jinja")
-    with pytest.raises(ValueError, match=r"^rec:1: chat template evil\.jinja (was refused by the sandbox|failed)"):
+    with pytest.raises(ValueError, match=r"^rec:1: chat template evil\.jinja (was refused by the sandbox|failed)") as info:
         template.render(CHAT, where="rec:1")
+    assert ") (fix: " in str(info.value)  # was "...); (fix: ..." after a refusal
 
 
 def test_syntax_error_names_the_template_line(tmp_path: Path) -> None:

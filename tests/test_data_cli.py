@@ -94,6 +94,15 @@ def test_inspect_marks_supervised_spans(artifact_dir: Path, capsys: pytest.Captu
     assert "<|user|>say hello<|assistant|>[[hello<|endoftext|>a plain document" in out
 
 
+def test_inspect_refuses_a_replaced_tokenizer_without_verify(artifact_dir: Path) -> None:
+    # inspect decoded every row with whatever tokenizer.json held: garbage, and no word of it
+    from csbp.data.tokenizer import train_bpe_tokenizer
+
+    train_bpe_tokenizer(["other text entirely, other merges"] * 5, vocab_size=300).save(artifact_dir)
+    with pytest.raises(ValueError, match=r"tokenizer\.json: fingerprint .* is not the manifest's tokenizer\.fingerprint"):
+        run(["data", "inspect", str(artifact_dir), "--rows", "1"])
+
+
 def test_format_row_collapses_padding(artifact_dir: Path) -> None:
     artifact = open_artifact(artifact_dir)
     train = artifact.split("train")
@@ -157,7 +166,8 @@ def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
-    [("--seq-len", "1", "1 must be >= 2"), ("--val-fraction", "1", "1 must lie in [0, 1)"), ("--vocab-size", "0", "0 must be >= 1")],
+    [("--seq-len", "1", "1 must be >= 2"), ("--val-fraction", "1", "1 must lie in [0, 1)"), ("--vocab-size", "0", "0 must be >= 1"),
+     ("--seed", "-1", "-1 must be >= 0")],
 )
 def test_prepare_flags_are_refused_by_their_flag_name(
     tmp_path: Path, flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]

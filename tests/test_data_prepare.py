@@ -117,6 +117,28 @@ def test_packing_reproduces_the_token_stream(tmp_path, tokenizer_dir, tokenizer)
     assert art.split("val").num_rows == 0 and art.split("val").tokens.shape == (0, 7)
 
 
+def test_long_documents_are_encoded_in_batches_of_bounded_characters(tmp_path, tokenizer_dir, monkeypatch) -> None:
+    # 256 documents went to the tokenizer at once whatever their length: 256 books, tens of GB
+    texts = [f"{TINY_TEXTS[i % 3]} number {i} " * (1 + i % 4) for i in range(12)]
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in texts])
+    whole = prepare([path], tmp_path / "whole", tokenizer_dir, seq_len=7, val_fraction=0.25)
+    batches: list[list[int]] = []
+    encode = prepare_module.encode_documents
+
+    def spy(documents, *args):
+        batches.append([len(doc.texts()[0]) for doc in documents])
+        return encode(documents, *args)
+
+    limit = 2 * len(texts[0]) + 5
+    monkeypatch.setattr(prepare_module, "ENCODE_CHUNK_CHARACTERS", limit, raising=False)
+    monkeypatch.setattr(prepare_module, "encode_documents", spy)
+    chunked = prepare([path], tmp_path / "chunked", tokenizer_dir, seq_len=7, val_fraction=0.25)
+    assert sum(len(batch) for batch in batches) == len(texts) and len(batches) > 3
+    assert all(sum(batch) <= limit or len(batch) == 1 for batch in batches)
+    assert max(len(t) for t in texts) > limit  # one document alone may pass the limit
+    assert chunked.fingerprint == whole.fingerprint  # the batches do not change a byte
+
+
 def test_manifest_contents(tmp_path, tokenizer_dir, tokenizer) -> None:
     path = write_jsonl(
         tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:8]] + [{"text": ""}, {"text": " "}]
@@ -202,6 +224,24 @@ def test_failure_mid_prepare_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch
     _assert_no_leftovers(out_parent, set())
 
 
+def test_an_input_changed_while_preparing_is_refused(tmp_path, tokenizer_dir, monkeypatch) -> None:
+    # a file still being appended to: the count pass saw fewer documents than the encoding pass
+    # wrote, and the artifact was published with a manifest whose counts disagree with its splits
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS])
+    original = PackedSplitWriter.add_document
+
+    def appending_add(self, token_ids, loss_mask):
+        if self.num_documents == 0 and self.num_tokens == 0:
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"text": "a late record"}) + "\n")
+        original(self, token_ids, loss_mask)
+
+    monkeypatch.setattr(PackedSplitWriter, "add_document", appending_add)
+    with pytest.raises(ValueError, match=r"docs\.jsonl changed while csbp data prepare was reading it"):
+        prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
+    _assert_no_leftovers(tmp_path, {"docs.jsonl"})
+
+
 def test_existing_output_needs_overwrite(tmp_path, tokenizer_dir) -> None:
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": TINY_TEXTS[0]}])
     prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)
@@ -210,6 +250,14 @@ def test_existing_output_needs_overwrite(tmp_path, tokenizer_dir) -> None:
     art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8, overwrite=True)
     assert art.seq_len == 8
     _assert_no_leftovers(tmp_path, {"docs.jsonl", "art"})
+
+
+def test_the_artifact_directory_is_readable_by_others(tmp_path, tokenizer_dir) -> None:
+    # it was built in a mkdtemp directory (mode 0700) and renamed as is: no other user (a shared
+    # cluster's training account, a container with another uid) could read it
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS])
+    art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
+    assert (art.directory.stat().st_mode & 0o777) == 0o755
 
 
 def test_tokenizer_fingerprint_mismatch(tmp_path, tokenizer_dir, tokenizer) -> None:
@@ -315,6 +363,10 @@ def test_chat_needs_role_markers_in_the_tokenizer(tmp_path, monkeypatch) -> None
     [
         ({"seq_len": 1}, "seq_len is 1"),
         ({"val_fraction": 1.0}, "val_fraction is 1.0"),
+        ({"seed": -1}, "--seed is -1; use 0 or more"),
+        # was "the mask token '' occurs in the text" (every text holds ''), after reading the inputs
+        ({"special": SpecialTokens(mask="")}, r"--mask-token is ''; name a token \(default <\|mask\|>\)"),
+        ({"special": SpecialTokens(eos=" ")}, "--eos-token is ' '; name a token"),  # was numpy's "expected non-negative integer", after reading the inputs
         ({"train_tokenizer": True}, "give exactly one of --tokenizer DIR or --train-tokenizer"),
         ({"tokenizer_path": None, "train_tokenizer": True}, "--train-tokenizer needs --vocab-size"),
         ({"vocab_size": 400}, "--vocab-size only applies with --train-tokenizer"),

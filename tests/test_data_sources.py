@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from csbp.data import corpus
@@ -65,6 +67,9 @@ def test_malformed_jsonl_names_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": broken\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad\.jsonl:3: malformed JSON"):
+        read_all(path)
+    path.write_text('{"text": "a raw\ttab"}\n', encoding="utf-8")  # was "... control character at at column 16"
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: malformed JSON \(Invalid control character at column 16\)$"):
         read_all(path)
 
 
@@ -133,10 +138,37 @@ def test_parquet_with_the_same_columns(tmp_path: Path) -> None:
     assert second.where == f"{path}:row 2"
 
 
+def test_a_damaged_parquet_page_names_the_file(tmp_path: Path) -> None:
+    # the footer reads, a data page does not: this was pyarrow's bare OSError, naming no file
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "damaged.parquet"
+    rng = np.random.default_rng(0)  # text that does not compress to a few bytes
+    texts = [f"record {i} " + "".join(rng.choice(list("abcdefgh "), 300)) for i in range(40)]
+    pq.write_table(pa.table({"text": texts}), path, compression="snappy", row_group_size=20, use_dictionary=False)
+    column = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    data = bytearray(path.read_bytes())
+    start = column.data_page_offset + column.total_compressed_size // 2  # inside the compressed page
+    data[start : start + 200] = bytes(range(200))
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"input .*damaged\.parquet: rows after \d+ cannot be read \(.*\(fix: check the file\)"):
+        read_all(path)
+
+
 def test_non_utf8_input_is_a_value_error(tmp_path: Path) -> None:
     path = tmp_path / "latin1.txt"
     path.write_bytes("caf\u00e9".encode("latin-1"))
-    with pytest.raises(ValueError, match=r"latin1\.txt: not UTF-8 text"):
+    with pytest.raises(ValueError, match=r"latin1\.txt:1: not UTF-8 text .*byte 0xe9 at byte 4 of the line"):
+        read_all(path)
+
+
+def test_non_utf8_jsonl_names_the_line(tmp_path: Path) -> None:
+    # a bad byte deep in a large file: the error names its line (CRLF and lone CR line ends counted
+    # as the reader counts them), as for a malformed record
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a"}\r\n{"text": "b"}\r{"text": "c"}\n\n{"text": "caf\xe9!"}\n')
+    with pytest.raises(ValueError, match=r"mixed\.jsonl:5: not UTF-8 text \(.*byte 0xe9 at byte 14 of the line\)"):
         read_all(path)
 
 
@@ -149,6 +181,13 @@ def test_expand_inputs(tmp_path: Path) -> None:
         expand_inputs([tmp_path / "skip.md"])
     with pytest.raises(ValueError, match="does not exist"):
         expand_inputs([tmp_path / "missing.jsonl"])
+    # these were all "does not exist"; a pipe is what <(zcat data.jsonl.gz) passes
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    with pytest.raises(ValueError, match=r"pipe\.jsonl is neither a regular file nor a directory: .*more than once"):
+        expand_inputs([tmp_path / "pipe.jsonl"])
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone.jsonl")
+    with pytest.raises(ValueError, match=r"dangling\.jsonl is a symbolic link to .*gone\.jsonl, which does not exist"):
+        expand_inputs([tmp_path / "dangling.jsonl"])
 
 
 def test_an_input_given_twice_is_refused(tmp_path: Path) -> None:

@@ -70,6 +70,28 @@ def test_special_names_fall_back_to_hf_config(tmp_path: Path) -> None:
     assert explicit.mask_token_id == 4
 
 
+@pytest.mark.parametrize(
+    ("name", "data", "message"),
+    [
+        ("special_tokens_map.json", b"{bad", "not valid JSON"),  # was json's bare message, no file named
+        ("tokenizer_config.json", b"[1]", "expected a JSON object, got list"),  # was an AttributeError traceback
+        ("tokenizer_config.json", b"\xff", "not valid JSON"),
+    ],
+)
+def test_a_broken_hf_config_names_its_file(tmp_path: Path, name: str, data: bytes, message: str) -> None:
+    directory = _wordlevel_dir(tmp_path, {"[UNK]": 0, "<|endoftext|>": 1, "<|mask|>": 2})
+    (directory / name).write_bytes(data)
+    with pytest.raises(ValueError, match=rf"{name}: {message}.*\(fix: repair the file\)"):
+        load_tokenizer(directory / "tokenizer.json")
+
+
+def test_a_directory_without_a_tokenizer_is_one_whole_line(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=r"could not load a tokenizer from .*tokenizer\.json\)$") as info:
+        load_tokenizer(tmp_path)  # transformers' reason was cut after its first line, "... from one of:"
+    assert "\n" not in str(info.value) and not str(info.value).split("(fix:")[0].rstrip().endswith(":")
+
+
 def test_missing_mask_token_is_an_error(tmp_path: Path) -> None:
     directory = _wordlevel_dir(tmp_path, {"[UNK]": 0, "<|endoftext|>": 1})
     with pytest.raises(ValueError, match="has no mask token '<\\|mask\\|>'.*--mask-token"):

@@ -61,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="share of documents held out, in [0, 1) (default 0)",
     )
     prepare.add_argument(
-        "--seed", type=int, default=0, help="seed of the train/val document split (default 0)"
+        "--seed", type=int_at_least(0), default=0, help="seed of the train/val document split (default 0)"
     )
     prepare.add_argument(
         "--txt-mode",

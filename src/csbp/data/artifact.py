@@ -165,9 +165,18 @@ class Artifact:
         return np.memmap(path, dtype=ARRAY_DTYPES[field], mode="r", shape=shape)
 
     def load_tokenizer(self) -> CsbpTokenizer:
-        """The artifact's own tokenizer (special names as recorded at prepare time)."""
+        """The artifact's own tokenizer (special names as recorded at prepare time); ``ValueError``
+        when its ``tokenizer.json`` is not the file the manifest's fingerprint records (a replaced
+        file would decode every row, and sample, with other tokens)."""
         names = self.manifest["tokenizer"]["special_names"]
-        return load_tokenizer(self.directory / TOKENIZER_FILE, special=special_tokens_from_names(names))
+        path = self.directory / TOKENIZER_FILE
+        tokenizer = load_tokenizer(path, special=special_tokens_from_names(names))
+        if tokenizer.fingerprint != self.tokenizer_fingerprint:
+            raise ValueError(
+                f"{path}: fingerprint {tokenizer.fingerprint[:12]}... is not the manifest's tokenizer.fingerprint "
+                f"{self.tokenizer_fingerprint[:12]}...: the file was replaced (fix: restore it, or re-run csbp data prepare)"
+            )
+        return tokenizer
 
     def check_tokenizer(self, tokenizer: CsbpTokenizer) -> None:
         """``ValueError`` if ``tokenizer`` is not the one this artifact was prepared with."""

@@ -129,7 +129,7 @@ class ChatTemplate:
             )
         except jinja2.exceptions.SecurityError as exc:
             raise ValueError(
-                f"{where or self.source}: chat template {self.source} was refused by the sandbox ({exc}); "
+                f"{where or self.source}: chat template {self.source} was refused by the sandbox ({exc}) "
                 "(fix: use a trusted template, or --chat-template none)"
             ) from None
         except Exception as exc:  # a template is code: whatever it raises (TypeError ...) is one line
@@ -272,7 +272,7 @@ def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplat
             return None
         jinja_file, json_file = directory / TEMPLATE_FILE, directory / TEMPLATE_JSON_FILE
         if jinja_file.is_file():
-            return _checked(ChatTemplate(jinja_file.read_text(encoding="utf-8"), str(jinja_file), **tokens))
+            return _checked(ChatTemplate(_read_text(jinja_file), str(jinja_file), **tokens))
         if json_file.is_file():
             text = _template_in_config(_read_json(json_file), json_file)
             if text is not None:
@@ -282,9 +282,22 @@ def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplat
             return None
         return _checked(ChatTemplate(text, str(directory / CONFIG_FILE), **tokens))
     path = Path(spec)
+    if path.is_dir():
+        raise ValueError(
+            f"--chat-template {spec} is a directory; give the path of a .jinja file, or auto to use the "
+            "template of the --tokenizer directory"
+        )
     if not path.is_file():
         raise ValueError(f"--chat-template {spec}: no such file; use auto, none or the path of a .jinja file")
-    return _checked(ChatTemplate(path.read_text(encoding="utf-8"), str(path), **tokens))
+    return _checked(ChatTemplate(_read_text(path), str(path), **tokens))
+
+
+def _read_text(path: Path) -> str:
+    """A ``.jinja`` template file's text; ``ValueError`` naming it when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start + 1}) (fix: re-encode it as UTF-8)") from None
 
 
 def _checked(template: ChatTemplate) -> ChatTemplate:

@@ -9,7 +9,9 @@ Tokenization happens here only, never in the training loop. The steps:
 3. load the tokenizer, or train a byte-level BPE on the train documents;
 4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``;
    a train split of fewer tokens than ``seq_len`` (one row of mostly padding) is refused before its
-   padding is written.
+   padding is written;
+5. refuse the result if an input's size or modification time changed since step 1 (the inputs are
+   read once per step, and a file still being written would give each step other documents).
 
 The mask token must be a token of its own: an id shared with EOS, pad or a role marker is refused
 (by name before a tokenizer is trained, by id once a given one is loaded), and so is a document
@@ -67,6 +69,10 @@ from csbp.staging import staging_directory
 from csbp.wording import counted
 
 ENCODE_CHUNK_DOCUMENTS = 256
+ENCODE_CHUNK_CHARACTERS = 1 << 23
+"""Documents are encoded in batches of at most this many documents and (unless one document alone is
+longer) characters: ``tokenizers`` holds some hundred bytes per token of a batch at once, so 256 long
+documents (books, long-context records) in one batch would ask for tens of GB."""
 ARTIFACT_OWNERSHIP = Ownership(
     what="data artifact (manifest.json, tokenizer.json, *.bin)",
     marker=MANIFEST_NAME,
@@ -127,6 +133,12 @@ class PrepareConfig:
             raise ValueError(
                 "--vocab-size only applies with --train-tokenizer; drop it when using --tokenizer"
             )
+        for name, token in asdict(self.special).items():
+            if not token.strip():
+                which = f"--{name}-token" if name in ("eos", "mask", "pad") else f"the {name} role marker"
+                raise ValueError(f"{which} is {token!r}; name a token (default {getattr(SpecialTokens(), name)})")
+        if self.seed < 0:
+            raise ValueError(f"--seed is {self.seed}; use 0 or more")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ValueError(f"val_fraction is {self.val_fraction}; use a value in [0, 1)")
         if self.txt_mode not in ("file", "paragraphs"):
@@ -148,6 +160,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         raise OutputExistsError(f"output {out_dir} already exists; choose another --out or pass --overwrite")
     out_dir = check_replaceable(out_dir, ARTIFACT_OWNERSHIP)
     files = expand_inputs(config.inputs)
+    snapshot = _file_states(files)  # the inputs are read three times: they must not change meanwhile
     # A given tokenizer (path, special tokens) is checked before the inputs are read.
     given = load_tokenizer(config.tokenizer_path, special=config.special) if config.tokenizer_path is not None else None
     if given is not None:
@@ -174,17 +187,35 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     check_mask_token_of_its_own(tokenizer)  # a trained one's special names are distinct: a safety net
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with staging_directory(out_dir) as build_dir:  # removed on any error; a killed run's by the next one
+        build_dir.chmod(0o755)  # mkdtemp's 0700 would keep the artifact from anyone else (csbp.atomic does the same)
         counts = _write_splits(build_dir, files, config, tokenizer, val_ordinals, template)
         tokenizer.save(build_dir)
         manifest = _manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
         manifest["chat_template"] = template.manifest_entry() if template is not None else None
         write_manifest(build_dir, manifest)
+        _check_unchanged(files, snapshot)
         # checked again: another process may have created out_dir while this one was tokenizing
         publish_directory(
             build_dir, out_dir, overwrite=config.overwrite, owned=ARTIFACT_OWNERSHIP, shown=config.out_dir
         )
     say(f"wrote {config.out_dir}: " + ", ".join(f"{s} {counted(counts[s].rows, 'row')}" for s in SPLITS))
     return manifest
+
+
+def _file_states(files: list[Path]) -> list[tuple[int, int]]:
+    """``(size, mtime_ns)`` of each input file."""
+    return [(stat.st_size, stat.st_mtime_ns) for stat in (path.stat() for path in files)]
+
+
+def _check_unchanged(files: list[Path], before: list[tuple[int, int]]) -> None:
+    """``ValueError`` naming the first input whose size or modification time is not what it was when
+    prepare began: its passes (count, train a tokenizer, encode) may have read different documents."""
+    for path, earlier, now in zip(files, before, _file_states(files)):
+        if now != earlier:
+            raise ValueError(
+                f"input {path} changed while csbp data prepare was reading it (size {earlier[0]} -> {now[0]} bytes): "
+                "its document count, split and tokenizer may disagree (fix: prepare from files nobody is writing)"
+            )
 
 
 def _non_empty_documents(files: list[Path], txt_mode: TxtMode) -> Iterator[Document]:
@@ -281,11 +312,17 @@ def _write_splits(
     }
     try:
         chunk: list[tuple[str, Document]] = []
+        characters = 0
         for ordinal, doc in enumerate(_non_empty_documents(files, config.txt_mode)):
+            length = sum(len(segment.text) for segment in doc.segments)
+            if chunk and characters + length > ENCODE_CHUNK_CHARACTERS:
+                _write_chunk(chunk, tokenizer, writers, template)
+                chunk, characters = [], 0
             chunk.append(("val" if ordinal in val_ordinals else "train", doc))
+            characters += length
             if len(chunk) == ENCODE_CHUNK_DOCUMENTS:
                 _write_chunk(chunk, tokenizer, writers, template)
-                chunk = []
+                chunk, characters = [], 0
         _write_chunk(chunk, tokenizer, writers, template)
         _check_train_fills_a_row(writers["train"].num_tokens, config.seq_len)
         return {split: writer.finish() for split, writer in writers.items()}

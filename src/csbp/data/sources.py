@@ -24,6 +24,7 @@ naming the file and the 1-based line (JSONL) or row (Parquet).
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -90,6 +91,13 @@ def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
                     f"input {path}: unsupported suffix {path.suffix!r}; use one of {SUPPORTED_SUFFIXES}"
                 )
             files.append(path)
+        elif path.exists():  # a pipe (``<(zcat data.jsonl.gz)``), a device
+            raise ValueError(
+                f"input {path} is neither a regular file nor a directory: csbp data prepare reads its inputs "
+                "more than once (fix: write it to a .jsonl/.txt/.parquet file first)"
+            )
+        elif path.is_symlink():
+            raise ValueError(f"input {path} is a symbolic link to {os.readlink(path)}, which does not exist")
         else:
             raise ValueError(f"input {path} does not exist")
     if not files:
@@ -111,7 +119,26 @@ def iter_documents(files: Sequence[Path], *, txt_mode: TxtMode = "file") -> Iter
         try:
             yield from _read_file(path, txt_mode)
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not UTF-8 text ({exc.reason}); re-encode it as UTF-8") from None
+            where, reason = _undecodable_line(path) or (str(path), exc.reason)
+            raise ValueError(f"{where}: not UTF-8 text ({reason}); re-encode it as UTF-8") from None
+
+
+def _undecodable_line(path: Path) -> tuple[str, str] | None:
+    """``(file:line, what is wrong)`` of the first line of ``path`` that is not UTF-8 (line ends
+    counted as universal newlines do: ``\\r\\n``, ``\\r`` or ``\\n``), None when every line decodes."""
+    line_number = 0
+    with open(path, "rb") as handle:
+        for raw in handle:
+            body = raw[:-1] if raw.endswith(b"\n") else raw
+            body = body[:-1] if body.endswith(b"\r") else body
+            for line in body.split(b"\r"):  # a lone \r ends a line too (a UTF-8 byte 0x0d is only that)
+                line_number += 1
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    bad = line[exc.start : exc.start + 1].hex()
+                    return f"{path}:{line_number}", f"{exc.reason}: byte 0x{bad} at byte {exc.start + 1} of the line"
+    return None
 
 
 def _read_file(path: Path, txt_mode: TxtMode) -> Iterator[Document]:
@@ -193,7 +220,8 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+                message = exc.msg.removesuffix(" at")  # json's "Invalid control character at"
+                raise ValueError(f"{where}: malformed JSON ({message} at column {exc.colno})") from None
             except RecursionError:  # brackets nested thousands deep: no document looks like that
                 raise ValueError(f"{where}: JSON nested too deeply (fix: one flat object per line)") from None
             yield record_to_document(record, where)
@@ -208,8 +236,18 @@ def _read_parquet(path: Path) -> Iterator[Document]:
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"input {path}: not a readable Parquet file ({exc}) (fix: check the file)") from None
     row_number = 0
-    for batch in parquet.iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
+    batches = parquet.iter_batches(batch_size=1024)
+    while True:
+        try:  # a damaged page is found only when its batch is read
+            batch = next(batches, None)
+            records = batch.to_pylist() if batch is not None else []
+        except (pa.ArrowException, OSError) as exc:
+            raise ValueError(
+                f"input {path}: rows after {row_number} cannot be read ({exc}) (fix: check the file)"
+            ) from None
+        if batch is None:
+            return
+        for record in records:
             row_number += 1
             yield record_to_document(record, f"{path}:row {row_number}")
 

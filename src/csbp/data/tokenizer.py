@@ -183,7 +183,11 @@ def _load_with_transformers(path: Path, special: SpecialTokens) -> CsbpTokenizer
         # is refused (left unset, transformers asks "run the custom code? [y/N]" on a terminal)
         hf_tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load a tokenizer from {path}: {exc}".splitlines()[0]) from None
+        # transformers' messages run over several lines (the first alone can end in "one of:"): one line
+        reason = " ".join(str(exc).split())
+        raise ValueError(
+            f"could not load a tokenizer from {path}: {reason} (fix: pass a directory holding tokenizer.json)"
+        ) from None
     backend = getattr(hf_tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise ValueError(f"tokenizer in {path} is not a fast tokenizer; save it with tokenizer.json")
@@ -213,7 +217,7 @@ def _config_special_names(directory: Path) -> dict[str, str]:
         config_path = directory / file_name
         if not config_path.is_file():
             continue
-        config: Any = json.loads(config_path.read_text(encoding="utf-8"))
+        config = _read_config(config_path)
         for field in ("eos", "pad", "mask"):
             value = config.get(f"{field}_token")
             if isinstance(value, dict):
@@ -221,6 +225,17 @@ def _config_special_names(directory: Path) -> dict[str, str]:
             if isinstance(value, str) and field not in names:
                 names[field] = value
     return names
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """A tokenizer directory's JSON config file; ``ValueError`` naming it when it is not a JSON object."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}) (fix: repair the file)".splitlines()[0]) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(config).__name__} (fix: repair the file)")
+    return config
 
 
 def min_trained_vocab_size(special: SpecialTokens | None = None) -> int:
