@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -284,3 +285,47 @@ def test_cli_refuses_a_tokenizer_other_than_the_model_s_own(checkpoint: Path, tm
     same = parse(["generate", "--model", str(checkpoint), "--tokenizer", str(checkpoint / "tokenizer.json"),
                   "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2", "--block-size", "4"])
     assert same.func(same) == 0
+
+
+def test_cli_notes_positions_past_the_trained_row_length(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only max_position_embeddings bounded a request: a model trained on 16-token rows sampled 40
+    tokens (positions it never attended to) without a word. It stays allowed (length extrapolation
+    is an experiment), with one stderr line saying so and how far stays inside."""
+    final = export_tiny_run(tmp_path / "run")
+    config_file = tmp_path / "run" / "config.yaml"
+    config_file.write_text("data:\n  seq_len: 16\nobjective:\n  name: bd3\n  block_size: 4\n")
+    prompt_len = len(load_tokenizer(final).encode("the quick"))
+    base = ["generate", "--model", str(final), "--prompt", "the quick", "--device", "cpu"]
+    inside = parse([*base, "--max-new-tokens", str(16 - prompt_len)])
+    assert inside.func(inside) == 0 and capsys.readouterr().err == ""
+    past = parse([*base, "--max-new-tokens", "40"])
+    assert past.func(past) == 0
+    out, err = capsys.readouterr()
+    assert "[bd3, 40 tokens" in out
+    last = positions_used(prompt_len, 40, 4) - 1
+    assert err.splitlines() == [
+        f"csbp generate: runs the model at positions up to {last}, past the 16-token rows it was trained on "
+        f"({config_file}): it never attended that far, so quality may drop there "
+        f"(--max-new-tokens {16 - prompt_len} or less stays inside)"
+    ]
+
+
+def test_cli_refuses_token_ids_outside_the_model_before_loading_it(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mask token id outside the model was refused only after the weights loaded; an EOS id
+    outside it in the sampler, in its Python words."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(checkpoint, model_dir)
+    tokenizer = load_tokenizer(checkpoint)
+    small = max(tokenizer.mask_token_id, tokenizer.eos_id)  # one of the two ids lies outside
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": small}))
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("csbp.models.hf_io.load_hf_checkpoint", no_loading)
+    args = parse(["generate", "--model", str(model_dir), "--prompt", "", "--device", "cpu", "--block-size", "4"])
+    with pytest.raises(ValueError, match=rf"^(mask token id|EOS id) {small} is outside the model vocabulary \[0, {small}\)"):
+        args.func(args)

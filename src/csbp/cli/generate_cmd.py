@@ -40,7 +40,7 @@ import torch
 
 from csbp.cli.options import check_model_directory, device_option, float_in, int_at_least, positive_int
 from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
-from csbp.generation.run_settings import TOKEN_SHIFT_OBJECTIVES, run_objective_settings
+from csbp.generation.run_settings import TOKEN_SHIFT_OBJECTIVES, beyond_training_note, run_objective_settings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_OBJECTIVE, DEFAULT_BLOCK_SIZE = "bd3", 16
@@ -175,8 +175,8 @@ def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block
 
 def run_generate(args: argparse.Namespace) -> int:
     from csbp.data.tokenizer import SpecialTokens, load_tokenizer
-    from csbp.generation.sampler import GenerationConfig, generate
-    from csbp.models.hf_io import load_hf_checkpoint
+    from csbp.generation.sampler import GenerationConfig, generate, positions_used
+    from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
 
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
@@ -230,15 +230,23 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer.encode(chat_prompt(tokenizer_dir, args.prompt) if args.chat else args.prompt)
     check_prompt(prompt_ids, objective, mask_token_id, args.mask_token)
     check_positions(model_dir, len(prompt_ids), args.max_new_tokens, block_size)
+    vocab_size = read_hf_config(model_dir).vocab_size
+    for what, token_id in (("mask token id", mask_token_id), ("EOS id", tokenizer.eos_id)):
+        if token_id is not None and not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"{what} {token_id} is outside the model vocabulary [0, {vocab_size}) of {model_dir} "
+                "(fix: pass --tokenizer of the model, or --mask-token/--eos-token naming its tokens)"
+            )
+    used = positions_used(len(prompt_ids), args.max_new_tokens, block_size)
+    room = run_settings.get("seq_len", 0) // block_size * block_size - len(prompt_ids)
+    fix = f"--max-new-tokens {room} or less stays inside" if room >= 1 else "a shorter prompt stays inside"
+    note = beyond_training_note("generate", run_settings, used, fix)
+    if note is not None:
+        notes.append(note)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
-    model, model_config = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
+    model, _ = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
     model.eval()
-    if mask_token_id >= model_config.vocab_size:
-        raise ValueError(
-            f"mask token id {mask_token_id} is outside the model vocabulary ({model_config.vocab_size}); "
-            "is --tokenizer the tokenizer this model was trained with?"
-        )
     print_notes(notes)
     started = time.perf_counter()
     result = generate(model, prompt_ids, mask_token_id=mask_token_id, eos_id=tokenizer.eos_id, config=config)
