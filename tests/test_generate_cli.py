@@ -329,3 +329,14 @@ def test_cli_refuses_token_ids_outside_the_model_before_loading_it(
     args = parse(["generate", "--model", str(model_dir), "--prompt", "", "--device", "cpu", "--block-size", "4"])
     with pytest.raises(ValueError, match=rf"^(mask token id|EOS id) {small} is outside the model vocabulary \[0, {small}\)"):
         args.func(args)
+
+
+def test_cli_refuses_a_threshold_with_the_left_to_right_order(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("csbp.models.hf_io.load_hf_checkpoint", no_loading)
+    args = parse(["generate", "--model", str(checkpoint), "--prompt", "the", "--block-size", "4",
+                  "--threshold", "0.9", "--unmask-order", "left_to_right"])
+    with pytest.raises(ValueError, match=r"^--threshold 0\.9 unmasks the proposals more confident than it, but "):
+        args.func(args)

@@ -318,3 +318,22 @@ def test_a_vanishing_temperature_is_greedy_left_to_right_not_the_greedy_order(mo
     assert vanishing.unmask_steps == left_to_right.unmask_steps
     greedy = run(model, prompt, steps_per_block=2, temperature=0.0)
     assert greedy.unmask_steps != vanishing.unmask_steps  # a different order (and so other tokens)
+
+
+def test_threshold_is_strict_as_in_fast_dllm_v2() -> None:
+    """Fast-dLLM v2 unmasks ``x1_p > threshold`` (plus the most confident). With ``>=`` a threshold of 1
+    unmasked every float32 proposal whose softmax rounds to exactly 1 (a logit gap above ~17, common
+    in a trained model) in parallel, where the reference unmasks one."""
+    saturated = torch.softmax(torch.tensor([[0.0, -20.0], [0.0, -25.0], [0.0, -1.0]]), dim=-1).max(dim=-1).values
+    assert saturated[:2].tolist() == [1.0, 1.0]
+    assert choose_unmasked(saturated, remaining_steps=3, threshold=1.0).tolist() == [0]
+    assert choose_unmasked(torch.tensor([0.5, 0.9, 0.7]), remaining_steps=3, threshold=0.7).tolist() == [1]
+
+
+def test_threshold_needs_the_confidence_order(model: Decoder) -> None:
+    """With ``left_to_right`` the count of confident proposals unmasked as many *leftmost* positions,
+    confident or not: ``[0.1, 0.95, 0.95]`` at threshold 0.9 unmasked offsets 0 and 1."""
+    with pytest.raises(ValueError, match="needs unmask_order 'confidence'"):
+        GenerationConfig(threshold=0.9, unmask_order="left_to_right")
+    with pytest.raises(ValueError, match="needs unmask_order 'confidence'"):
+        choose_unmasked(torch.tensor([0.1, 0.95, 0.95]), remaining_steps=3, threshold=0.9, order="left_to_right")

@@ -88,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--threshold", type=float_in(0, 1), default=None,
-        help="also unmask every proposal at least this confident (a probability)",
+        help="also unmask every proposal more confident than this (a probability; with --unmask-order confidence)",
     )
     parser.add_argument(
         "--unmask-order",
@@ -182,6 +182,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
     if args.window is not None and args.window <= 0:
         raise ValueError(f"--window must be a positive integer, got {args.window}")
+    if args.threshold is not None and args.unmask_order != "confidence":
+        raise ValueError(
+            f"--threshold {args.threshold} unmasks the proposals more confident than it, but --unmask-order "
+            f"{args.unmask_order} would unmask as many of the leftmost positions instead (fix: drop one of the two)"
+        )
     known_words = None if args.known_words is None else KnownWords.load(args.known_words)
     model_dir: Path = check_model_directory(args.model)
     run_settings = run_objective_settings(model_dir)

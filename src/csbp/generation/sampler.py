@@ -39,6 +39,7 @@ from torch import Tensor
 
 from csbp.generation.forward import BlockForward, CachedBlockForward, RecomputeBlockForward
 from csbp.generation.token_choice import (
+    THRESHOLD_ORDER_ERROR,
     UNMASK_ORDERS,
     check_sampling_options,
     choose_unmasked,
@@ -59,7 +60,8 @@ class GenerationConfig:
         temperature: 0 for greedy, else the softmax temperature of the sampled proposals.
         top_k: keep only the ``k`` most likely tokens when sampling (None: all).
         top_p: nucleus mass kept when sampling (1: all).
-        threshold: also unmask every proposal at least this confident (None: schedule only).
+        threshold: also unmask every proposal more confident than this (None: schedule only); needs
+            ``unmask_order="confidence"``.
         seed: seed of the CPU generator that draws sampled tokens.
         token_shift: position ``i`` is predicted from row ``i-1`` (Fast-dLLM v2 models).
         use_cache: use the clean-prefix KV cache (False recomputes the prefix every step).
@@ -97,6 +99,8 @@ class GenerationConfig:
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         check_sampling_options(self.temperature, self.top_k, self.top_p, self.threshold)
+        if self.threshold is not None and self.unmask_order != "confidence":
+            raise ValueError(THRESHOLD_ORDER_ERROR)
 
 
 @dataclass
