@@ -340,3 +340,17 @@ def test_cli_refuses_a_threshold_with_the_left_to_right_order(checkpoint: Path, 
                   "--threshold", "0.9", "--unmask-order", "left_to_right"])
     with pytest.raises(ValueError, match=r"^--threshold 0\.9 unmasks the proposals more confident than it, but "):
         args.func(args)
+
+
+def test_cli_sub_blocks(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["generate", "--model", str(checkpoint), "--prompt", "the quick", "--device", "cpu", "--block-size", "8",
+            "--max-new-tokens", "10"]  # fmt: skip
+    args = parse([*base, "--sub-block-size", "4", "--threshold", "0.9"])
+    assert args.func(args) == 0 and "[bd3, 10 tokens" in capsys.readouterr().out
+    for extra, message in (
+        (["--sub-block-size", "3"], r"^--sub-block-size 3 does not divide the block size 8 \(fix: one of \[1, 2, 4, 8\]\)$"),
+        (["--sub-block-size", "4", "--steps-per-block", "3"], r"^--steps-per-block 3 does not split evenly over the 2 "),
+    ):
+        args = parse([*base, *extra])
+        with pytest.raises(ValueError, match=message):
+            args.func(args)

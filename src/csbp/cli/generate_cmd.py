@@ -96,6 +96,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="confidence",
         help="which masked positions of a block to fill first (default: the most confident)",
     )
+    parser.add_argument(
+        "--sub-block-size",
+        type=positive_int,
+        default=None,
+        help="fill each block one sub-block of this many positions after the other, left to right (Fast-dLLM v2 "
+        "decodes blocks of 32 in sub-blocks of 8); a divisor of the block size (default: the whole block)",
+    )
     parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     parser.add_argument(
@@ -206,6 +213,18 @@ def run_generate(args: argparse.Namespace) -> int:
             f"steps (each unmasks at least one position) (fix: --steps-per-block between 1 and {block_size}, or "
             f"drop it for {block_size})"
         )
+    sub_block = args.sub_block_size
+    if sub_block is not None and block_size % sub_block:
+        divisors = [d for d in range(1, block_size + 1) if block_size % d == 0]
+        raise ValueError(
+            f"--sub-block-size {sub_block} does not divide the block size {block_size} (fix: one of {divisors})"
+        )
+    if sub_block is not None and steps_per_block % (block_size // sub_block):
+        count = block_size // sub_block
+        raise ValueError(
+            f"--steps-per-block {steps_per_block} does not split evenly over the {count} sub-blocks of "
+            f"--sub-block-size {sub_block} (fix: --steps-per-block a multiple of {count}, or drop it for {block_size})"
+        )
     tokenizer_dir: Path = args.tokenizer if args.tokenizer is not None else model_dir
     if not tokenizer_dir.exists():
         raise ValueError(f"--tokenizer {tokenizer_dir} does not exist")
@@ -231,6 +250,7 @@ def run_generate(args: argparse.Namespace) -> int:
         use_cache=not args.no_cache,
         window=args.window if args.window is not None else run_settings.get("window"),
         unmask_order=args.unmask_order,
+        sub_block_size=args.sub_block_size,
     )
     prompt_ids = tokenizer.encode(chat_prompt(tokenizer_dir, args.prompt) if args.chat else args.prompt)
     check_prompt(prompt_ids, objective, mask_token_id, args.mask_token)

@@ -43,6 +43,7 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "top_k": None,
     "top_p": 1.0,
     "unmask_order": "confidence",
+    "sub_block_size": None,
 }
 
 
