@@ -505,3 +505,19 @@ def test_eval_refuses_bad_arguments_before_loading_the_target(
         (line,) = captured.err.splitlines()
         assert line.startswith("csbp: error: ") and message in line, line
         assert captured.out == ""
+
+
+def test_eval_keeps_whole_jsonl_prompts_unless_asked(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --prompts silently kept only the last 64 tokens of every prompt (the --data default length),
+    # so a real prompt was evaluated as its tail
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt": " ".join(WORDS * 6)}) + "\n")
+    length = len(open_artifact(workspace["artifact"]).load_tokenizer().encode(" ".join(WORDS * 6)))
+    assert length > 64
+    argv = _eval_argv(workspace, "--prompts", str(prompts), "--max-new-tokens", "3", "--no-check-lossless")
+    for extra, kept in (([], length), (["--prompt-len", "5"], 5)):
+        assert run_cli([*argv, *extra]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("line 1 "))
+        assert int(row.split()[2]) == kept, row

@@ -112,8 +112,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompt-len",
         type=int,
         default=None,
-        help=f"tokens per prompt (default {DEFAULT_PROMPT_LEN}, at most the artifact's seq_len - 1; "
-        "JSONL: keep the last P)",
+        help=f"--data: tokens per prompt (default {DEFAULT_PROMPT_LEN}, at most the artifact's seq_len - 1); "
+        "--prompts: keep the last P tokens of longer prompts (default: whole prompts)",
     )
     ev.add_argument(
         "--context-lengths",
@@ -323,11 +323,8 @@ def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalP
         eos_id, eos_source = artifact.special_ids["eos"], f"the EOS of {args.data}"
     else:
         tokenizer = load_tokenizer(args.tokenizer if args.tokenizer is not None else args.target)
-        prompts = jsonl_prompts(
-            args.prompts,
-            tokenizer.encode,
-            num_prompts=args.num_prompts,
-            prompt_len=args.prompt_len if args.prompt_len is not None else DEFAULT_PROMPT_LEN,
+        prompts = jsonl_prompts(  # whole prompts unless --prompt-len asks to keep their last tokens
+            args.prompts, tokenizer.encode, num_prompts=args.num_prompts, prompt_len=args.prompt_len
         )
         eos_id, eos_source = tokenizer.eos_id, "the tokenizer's EOS"
         too_big = [p.name for p in prompts if max(p.token_ids) >= vocab_size]
