@@ -354,3 +354,25 @@ def test_cli_sub_blocks(checkpoint: Path, capsys: pytest.CaptureFixture[str]) ->
         args = parse([*base, *extra])
         with pytest.raises(ValueError, match=message):
             args.func(args)
+
+
+def test_cli_refuses_a_window_other_than_the_trained_one(tmp_path: Path) -> None:
+    """--window overrode the run's topology.window silently: a full-attention model was sampled
+    through a window it never saw (or a windowed one without its window)."""
+    final = export_tiny_run(tmp_path / "run")
+    config_file = tmp_path / "run" / "config.yaml"
+    base = ["generate", "--model", str(final), "--prompt", "the", "--max-new-tokens", "4", "--device", "cpu"]
+    for recorded, flag, trained in (("", "6", "full attention"), ("topology:\n  window: 6\n", "3", "window 6")):
+        config_file.write_text("objective:\n  name: bd3\n  block_size: 4\n" + recorded)
+        args = parse([*base, "--window", flag])
+        with pytest.raises(ValueError) as info:
+            args.func(args)
+        assert str(info.value) == (
+            f"--window {flag}: the model was trained with {trained} ({config_file}), which csbp generate samples "
+            "with (fix: drop --window; it is for checkpoints that record no training settings)"
+        )
+    same = parse([*base, "--window", "6"])
+    assert same.func(same) == 0
+    config_file.unlink()  # no training record: --window is how the sampler learns the window
+    args = parse([*base, "--window", "3", "--block-size", "4", "--objective", "bd3"])
+    assert args.func(args) == 0

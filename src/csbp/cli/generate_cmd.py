@@ -79,7 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--steps-per-block", type=int, default=None, help="denoising steps per block (default B)"
     )
     parser.add_argument(
-        "--window", type=int, default=None, help="sliding attention window (default: the run's topology.window)"
+        "--window", type=int, default=None,
+        help="sliding attention window of a checkpoint that records none (default: the run's topology.window)",
     )
     parser.add_argument("--temperature", type=float_in(0, math.inf), default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
@@ -198,6 +199,13 @@ def run_generate(args: argparse.Namespace) -> int:
     model_dir: Path = check_model_directory(args.model)
     run_settings = run_objective_settings(model_dir)
     notes = check_trained_overrides("generate", args, model_dir, run_settings)
+    trained_window = run_settings.get("window")
+    if run_settings and args.window is not None and args.window != trained_window:
+        trained = f"window {trained_window}" if trained_window is not None else "full attention"
+        raise ValueError(
+            f"--window {args.window}: the model was trained with {trained} ({run_settings['source']}), which "
+            "csbp generate samples with (fix: drop --window; it is for checkpoints that record no training settings)"
+        )
     if not run_settings and (args.objective is None or args.block_size is None):
         notes.append(  # a model csbp did not train (no run config, no csbp_training record)
             f"csbp generate: {model_dir} records no training settings; sampling as "
