@@ -263,3 +263,31 @@ def test_csbp_eval_refuses_a_silent_objective_or_block_size_change(
         assert notes == [f"csbp eval: evaluating with {note} ({config_file}; {flags[-1]})"]
         report = json.loads(out.read_text())
         assert (report["objective"], report["block_size"]) == (objective, block_size)
+
+
+def test_csbp_eval_checks_its_settings_before_loading_the_weights(
+    trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The block size against the data and the vocabulary against the model were checked after the
+    # weights loaded, and --nproc > 1 loaded a copy in the launching process only to delete it.
+    import csbp.evaluation.parallel as parallel
+    import csbp.models.hf_io as hf_io
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the weights were loaded")
+
+    def no_launch(*args: object, **kwargs: object) -> None:
+        raise ValueError("the ranks would start here")
+
+    monkeypatch.setattr(hf_io, "load_hf_checkpoint", no_loading)
+    monkeypatch.setattr(parallel, "evaluate_parallel", no_launch)
+    run_dir, artifact, _ = trained
+    model = str(run_dir / "final")
+    assert "does not divide the sequence length 32" in _error(
+        capsys, ["eval", "--model", model, "--data", str(artifact), "--block-size", "5", "--allow-block-size-change"]
+    )
+    bare = tmp_path / "bare"
+    export_hf_checkpoint(Decoder(tiny_model_config(), dtype=torch.float32, seed=0), tiny_model_config(), bare)
+    message = _error(capsys, ["eval", "--model", str(bare), "--data", str(artifact), "--objective", "bd3", "--block-size", "4"])
+    assert "embeds 64" in message
+    assert "the ranks would start here" in _error(capsys, ["eval", "--model", model, "--data", str(artifact), "--nproc", "2"])

@@ -52,7 +52,7 @@ def test_a_block_diffusion_export_records_its_token_ids_and_how_csbp_generate_sa
         SAMPLING_KEY: {
             "objective": "fast_dllm_v2", "block_size": 4, "mask_token_id": special["mask"], "token_shift": True,
             "window": None, "steps_per_block": 4, "threshold": None, "temperature": 0.0, "top_k": None,
-            "top_p": 1.0, "unmask_order": "confidence",
+            "top_p": 1.0, "unmask_order": "confidence", "sub_block_size": None,
         },
     }  # fmt: skip
     hf_config = json.loads((tmp_path / "fd" / "config.json").read_text())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -284,3 +285,94 @@ def test_cli_refuses_a_tokenizer_other_than_the_model_s_own(checkpoint: Path, tm
     same = parse(["generate", "--model", str(checkpoint), "--tokenizer", str(checkpoint / "tokenizer.json"),
                   "--prompt", "hi", "--device", "cpu", "--max-new-tokens", "2", "--block-size", "4"])
     assert same.func(same) == 0
+
+
+def test_cli_notes_positions_past_the_trained_row_length(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only max_position_embeddings bounded a request: a model trained on 16-token rows sampled 40
+    tokens (positions it never attended to) without a word. It stays allowed (length extrapolation
+    is an experiment), with one stderr line saying so and how far stays inside."""
+    final = export_tiny_run(tmp_path / "run")
+    config_file = tmp_path / "run" / "config.yaml"
+    config_file.write_text("data:\n  seq_len: 16\nobjective:\n  name: bd3\n  block_size: 4\n")
+    prompt_len = len(load_tokenizer(final).encode("the quick"))
+    base = ["generate", "--model", str(final), "--prompt", "the quick", "--device", "cpu"]
+    inside = parse([*base, "--max-new-tokens", str(16 - prompt_len)])
+    assert inside.func(inside) == 0 and capsys.readouterr().err == ""
+    past = parse([*base, "--max-new-tokens", "40"])
+    assert past.func(past) == 0
+    out, err = capsys.readouterr()
+    assert "[bd3, 40 tokens" in out
+    last = positions_used(prompt_len, 40, 4) - 1
+    assert err.splitlines() == [
+        f"csbp generate: runs the model at positions up to {last}, past the 16-token rows it was trained on "
+        f"({config_file}): it never attended that far, so quality may drop there "
+        f"(--max-new-tokens {16 - prompt_len} or less stays inside)"
+    ]
+
+
+def test_cli_refuses_token_ids_outside_the_model_before_loading_it(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mask token id outside the model was refused only after the weights loaded; an EOS id
+    outside it in the sampler, in its Python words."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(checkpoint, model_dir)
+    tokenizer = load_tokenizer(checkpoint)
+    small = max(tokenizer.mask_token_id, tokenizer.eos_id)  # one of the two ids lies outside
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": small}))
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("csbp.models.hf_io.load_hf_checkpoint", no_loading)
+    args = parse(["generate", "--model", str(model_dir), "--prompt", "", "--device", "cpu", "--block-size", "4"])
+    with pytest.raises(ValueError, match=rf"^(mask token id|EOS id) {small} is outside the model vocabulary \[0, {small}\)"):
+        args.func(args)
+
+
+def test_cli_refuses_a_threshold_with_the_left_to_right_order(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("csbp.models.hf_io.load_hf_checkpoint", no_loading)
+    args = parse(["generate", "--model", str(checkpoint), "--prompt", "the", "--block-size", "4",
+                  "--threshold", "0.9", "--unmask-order", "left_to_right"])
+    with pytest.raises(ValueError, match=r"^--threshold 0\.9 unmasks the proposals more confident than it, but "):
+        args.func(args)
+
+
+def test_cli_sub_blocks(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["generate", "--model", str(checkpoint), "--prompt", "the quick", "--device", "cpu", "--block-size", "8",
+            "--max-new-tokens", "10"]  # fmt: skip
+    args = parse([*base, "--sub-block-size", "4", "--threshold", "0.9"])
+    assert args.func(args) == 0 and "[bd3, 10 tokens" in capsys.readouterr().out
+    for extra, message in (
+        (["--sub-block-size", "3"], r"^--sub-block-size 3 does not divide the block size 8 \(fix: one of \[1, 2, 4, 8\]\)$"),
+        (["--sub-block-size", "4", "--steps-per-block", "3"], r"^--steps-per-block 3 does not split evenly over the 2 "),
+    ):
+        args = parse([*base, *extra])
+        with pytest.raises(ValueError, match=message):
+            args.func(args)
+
+
+def test_cli_refuses_a_window_other_than_the_trained_one(tmp_path: Path) -> None:
+    """--window overrode the run's topology.window silently: a full-attention model was sampled
+    through a window it never saw (or a windowed one without its window)."""
+    final = export_tiny_run(tmp_path / "run")
+    config_file = tmp_path / "run" / "config.yaml"
+    base = ["generate", "--model", str(final), "--prompt", "the", "--max-new-tokens", "4", "--device", "cpu"]
+    for recorded, flag, trained in (("", "6", "full attention"), ("topology:\n  window: 6\n", "3", "window 6")):
+        config_file.write_text("objective:\n  name: bd3\n  block_size: 4\n" + recorded)
+        args = parse([*base, "--window", flag])
+        with pytest.raises(ValueError) as info:
+            args.func(args)
+        assert str(info.value) == (
+            f"--window {flag}: the model was trained with {trained} ({config_file}), which csbp generate samples "
+            "with (fix: drop --window; it is for checkpoints that record no training settings)"
+        )
+    same = parse([*base, "--window", "6"])
+    assert same.func(same) == 0
+    config_file.unlink()  # no training record: --window is how the sampler learns the window
+    args = parse([*base, "--window", "3", "--block-size", "4", "--objective", "bd3"])
+    assert args.func(args) == 0

@@ -318,3 +318,67 @@ def test_a_vanishing_temperature_is_greedy_left_to_right_not_the_greedy_order(mo
     assert vanishing.unmask_steps == left_to_right.unmask_steps
     greedy = run(model, prompt, steps_per_block=2, temperature=0.0)
     assert greedy.unmask_steps != vanishing.unmask_steps  # a different order (and so other tokens)
+
+
+def test_threshold_is_strict_as_in_fast_dllm_v2() -> None:
+    """Fast-dLLM v2 unmasks ``x1_p > threshold`` (plus the most confident). With ``>=`` a threshold of 1
+    unmasked every float32 proposal whose softmax rounds to exactly 1 (a logit gap above ~17, common
+    in a trained model) in parallel, where the reference unmasks one."""
+    saturated = torch.softmax(torch.tensor([[0.0, -20.0], [0.0, -25.0], [0.0, -1.0]]), dim=-1).max(dim=-1).values
+    assert saturated[:2].tolist() == [1.0, 1.0]
+    assert choose_unmasked(saturated, remaining_steps=3, threshold=1.0).tolist() == [0]
+    assert choose_unmasked(torch.tensor([0.5, 0.9, 0.7]), remaining_steps=3, threshold=0.7).tolist() == [1]
+
+
+def test_threshold_needs_the_confidence_order(model: Decoder) -> None:
+    """With ``left_to_right`` the count of confident proposals unmasked as many *leftmost* positions,
+    confident or not: ``[0.1, 0.95, 0.95]`` at threshold 0.9 unmasked offsets 0 and 1."""
+    with pytest.raises(ValueError, match="needs unmask_order 'confidence'"):
+        GenerationConfig(threshold=0.9, unmask_order="left_to_right")
+    with pytest.raises(ValueError, match="needs unmask_order 'confidence'"):
+        choose_unmasked(torch.tensor([0.1, 0.95, 0.95]), remaining_steps=3, threshold=0.9, order="left_to_right")
+
+
+# ----------------------------------------------------------------------------- Fast-dLLM v2 sub-blocks
+
+
+@pytest.mark.parametrize(("token_shift", "prompt"), [(False, []), (False, [5, 6, 7]), (True, [5, 6, 7]), (True, [1] * 8)])
+def test_sub_blocks_fill_left_to_right_and_the_cache_equals_recomputation(
+    model: Decoder, token_shift: bool, prompt: list[int]
+) -> None:
+    """Fast-dLLM v2 decodes a block in sub-blocks: only the leftmost unfinished sub-block's masked
+    positions are candidates (confidence threshold, at least one per step); the forward still runs
+    the whole block."""
+    options = {"block_size": 8, "steps_per_block": 8, "sub_block_size": 4, "max_new_tokens": 21, "threshold": 0.2}
+    for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 2}):
+        cached = run(model, prompt, token_shift=token_shift, **options, **sampling)
+        recomputed = run(model, prompt, token_shift=token_shift, use_cache=False, **options, **sampling)
+        assert cached.token_ids == recomputed.token_ids and cached.unmask_steps == recomputed.unmask_steps
+        assert len(cached.token_ids) == 21 and all(cached.unmask_steps)
+        done: set[int] = set()
+        for step in cached.unmask_steps:
+            positions = {position for position, _ in step}
+            assert len({position // 4 for position in positions}) == 1  # one sub-block per step
+            sub_start = min(positions) // 4 * 4
+            # every generated position of the earlier sub-blocks of this block is already filled
+            block_start = sub_start // 8 * 8
+            earlier = {p for p in range(max(block_start, len(prompt)), sub_start)}
+            assert earlier <= done, (earlier - done, step)
+            done |= positions
+
+
+def test_one_position_sub_blocks_are_left_to_right_decoding(model: Decoder) -> None:
+    for token_shift in (False, True):
+        sub = run(model, [3, 4, 5], token_shift=token_shift, steps_per_block=BLOCK, sub_block_size=1)
+        ltr = run(model, [3, 4, 5], token_shift=token_shift, steps_per_block=BLOCK, unmask_order="left_to_right")
+        assert sub.token_ids == ltr.token_ids and sub.unmask_steps == ltr.unmask_steps
+    whole = run(model, [3, 4, 5], steps_per_block=2, sub_block_size=BLOCK)
+    assert whole.unmask_steps == run(model, [3, 4, 5], steps_per_block=2).unmask_steps
+
+
+def test_sub_block_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="sub_block_size must be a divisor of block_size 8, got 3"):
+        GenerationConfig(block_size=8, steps_per_block=8, sub_block_size=3)
+    with pytest.raises(ValueError, match=r"steps_per_block 3 does not split evenly over the 2 sub-blocks of 4"):
+        GenerationConfig(block_size=8, steps_per_block=3, sub_block_size=4)
+    GenerationConfig(block_size=8, steps_per_block=2, sub_block_size=4)

@@ -119,8 +119,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompt-len",
         type=int,
         default=None,
-        help=f"tokens per prompt (default {DEFAULT_PROMPT_LEN}, at most the artifact's seq_len - 1; "
-        "JSONL: keep the last P)",
+        help=f"--data: tokens per prompt (default {DEFAULT_PROMPT_LEN}, at most the artifact's seq_len - 1); "
+        "--prompts: keep the last P tokens of longer prompts (default: whole prompts)",
     )
     ev.add_argument(
         "--context-lengths",
@@ -311,30 +311,17 @@ def _check_eval_positions(target_dir: Path, prompts: Sequence[EvalPrompt], max_n
     )
 
 
-def run_eval(args: argparse.Namespace) -> int:
+def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalPrompt], int | None]:
+    """The prompts of ``--data`` or ``--prompts`` and the EOS id (``--eos-id``, else the artifact's or
+    the tokenizer's; None with ``--ignore-eos``), checked against the target's ``vocab_size``."""
     from csbp.data.artifact import open_artifact
     from csbp.data.tokenizer import load_tokenizer
-    from csbp.dflash.evaluate import artifact_prompts, evaluate_drafter, format_report, jsonl_prompts
-    from csbp.dflash.export import drafter_context, load_dflash
+    from csbp.dflash.evaluate import artifact_prompts, jsonl_prompts
 
-    if args.max_new_tokens < 1 or args.num_prompts < 1 or (args.prompt_len is not None and args.prompt_len < 1):
-        raise ValueError("--max-new-tokens, --num-prompts and --prompt-len must be >= 1")
-    if args.context_lengths is not None and (args.data is None or min(args.context_lengths) < 1):
-        raise ValueError("--context-lengths: needs --data and lengths >= 1 (e.g. --context-lengths 32 128 255)")
-    target = _load_target(args.target, args)
-    if not args.drafter.is_dir():
-        raise ValueError(f"--drafter {args.drafter} is not a directory; pass a csbp dflash export directory")
-    drafter = load_dflash(
-        args.drafter, target, dtype=target.embed_tokens.weight.dtype, device=target.embed_tokens.weight.device
-    )
-    drafter.eval()
-    if drafter_context(args.drafter) == "inclusive":
-        print(INCLUSIVE_NOTE.format(drafter=args.drafter), file=sys.stderr)
-    eos_id = args.eos_id
     if args.data is not None:
         artifact = open_artifact(args.data)
         _require_target_tokenizer(args.target, artifact)
-        artifact.require_vocab_size(target.config.vocab_size)
+        artifact.require_vocab_size(vocab_size)
         split = artifact.split(args.split)
         default_len = min(DEFAULT_PROMPT_LEN, artifact.seq_len - 1)  # what training validation uses
         lengths = args.context_lengths or [args.prompt_len if args.prompt_len is not None else default_len]
@@ -349,25 +336,56 @@ def run_eval(args: argparse.Namespace) -> int:
                 group=args.split if args.context_lengths is None else f"{args.split} ctx {length}",
             )
         ]
-        eos_id = artifact.special_ids["eos"] if eos_id is None else eos_id
+        eos_id, eos_source = artifact.special_ids["eos"], f"the EOS of {args.data}"
     else:
         tokenizer = load_tokenizer(args.tokenizer if args.tokenizer is not None else args.target)
-        prompts = jsonl_prompts(
-            args.prompts,
-            tokenizer.encode,
-            num_prompts=args.num_prompts,
-            prompt_len=args.prompt_len if args.prompt_len is not None else DEFAULT_PROMPT_LEN,
+        prompts = jsonl_prompts(  # whole prompts unless --prompt-len asks to keep their last tokens
+            args.prompts, tokenizer.encode, num_prompts=args.num_prompts, prompt_len=args.prompt_len
         )
-        eos_id = tokenizer.eos_id if eos_id is None else eos_id
-        too_big = [p.name for p in prompts if max(p.token_ids) >= target.config.vocab_size]
+        eos_id, eos_source = tokenizer.eos_id, "the tokenizer's EOS"
+        too_big = [p.name for p in prompts if max(p.token_ids) >= vocab_size]
         if too_big:
             raise ValueError(
                 f"{args.prompts} {too_big[0]}: token ids exceed the target vocabulary; "
                 "is --tokenizer the target's?"
             )
     if args.ignore_eos:
-        eos_id = None
+        return prompts, None
+    if args.eos_id is not None:
+        eos_id, eos_source = args.eos_id, "--eos-id"
+    if eos_id is not None and not 0 <= eos_id < vocab_size:
+        raise ValueError(
+            f"{eos_source} {eos_id} is outside the target vocabulary [0, {vocab_size}): it could never be "
+            "generated (fix: pass --eos-id of the target's tokenizer, or --ignore-eos)"
+        )
+    return prompts, eos_id
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from csbp.dflash.evaluate import evaluate_drafter, format_report
+    from csbp.dflash.export import drafter_context, load_dflash, read_drafter_config
+    from csbp.models.hf_io import read_hf_config
+
+    # Every check reads configs, the data and the prompts only: the models load once they all pass.
+    if args.max_new_tokens < 1 or args.num_prompts < 1 or (args.prompt_len is not None and args.prompt_len < 1):
+        raise ValueError("--max-new-tokens, --num-prompts and --prompt-len must be >= 1")
+    if args.context_lengths is not None and (args.data is None or min(args.context_lengths) < 1):
+        raise ValueError("--context-lengths: needs --data and lengths >= 1 (e.g. --context-lengths 32 128 255)")
+    if not args.target.is_dir():
+        raise ValueError(f"--target {args.target} is not a directory; pass a HF checkpoint directory")
+    target_config = read_hf_config(args.target)
+    if not args.drafter.is_dir():
+        raise ValueError(f"--drafter {args.drafter} is not a directory; pass a csbp dflash export directory")
+    read_drafter_config(args.drafter, target_config)
+    prompts, eos_id = _eval_prompts(args, target_config.vocab_size)
     _check_eval_positions(args.target, prompts, args.max_new_tokens)
+    target = _load_target(args.target, args)
+    drafter = load_dflash(
+        args.drafter, target, dtype=target.embed_tokens.weight.dtype, device=target.embed_tokens.weight.device
+    )
+    drafter.eval()
+    if drafter_context(args.drafter) == "inclusive":
+        print(INCLUSIVE_NOTE.format(drafter=args.drafter), file=sys.stderr)
     cfg = drafter.config
     print(
         f"csbp dflash eval: {counted(len(prompts), 'prompt')}, max {args.max_new_tokens} new tokens, "

@@ -86,7 +86,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.evaluation import EvalOptions, evaluate_model, resolve_settings
     from csbp.evaluation.parallel import eval_topology, evaluate_parallel
     from csbp.evaluation.settings import run_config_settings
-    from csbp.models.hf_io import load_hf_checkpoint
+    from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
 
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
@@ -97,12 +97,12 @@ def run_eval(args: argparse.Namespace) -> int:
     split = artifact.split(args.split)
     if split.num_rows == 0:
         raise ValueError(f"--split {args.split}: {args.data} has no {args.split} rows (fix: pick the other split)")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
-    model, model_config = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
+    # the settings' checks (block size against the data, vocabulary, mask token) read config.json only:
+    # they run before the weights load
     settings = resolve_settings(
-        model_dir, model_config, artifact, objective=args.objective, block_size=args.block_size
+        model_dir, read_hf_config(model_dir), artifact, objective=args.objective, block_size=args.block_size
     )
+    topology = eval_topology(args.nproc, args.cp, args.bp, settings, artifact.seq_len)
     options = EvalOptions(
         samples=args.samples,
         micro_batch_size=args.micro_batch_size,
@@ -110,12 +110,14 @@ def run_eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         left_to_right=not args.no_ltr,
     )
-    topology = eval_topology(args.nproc, args.cp, args.bp, settings, artifact.seq_len)
-    print_notes(notes)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     if topology.world_size == 1:
+        model, _ = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
+        print_notes(notes)
         report = evaluate_model(model, split, settings, options)
-    else:
-        del model  # every rank loads its own copy
+    else:  # every rank loads its own copy
+        print_notes(notes)
         report = evaluate_parallel(
             model_dir, args.data, args.split, settings, options, topology, dtype=dtype, device=device
         )

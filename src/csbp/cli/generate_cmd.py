@@ -40,7 +40,7 @@ import torch
 
 from csbp.cli.options import check_model_directory, device_option, float_in, int_at_least, positive_int
 from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
-from csbp.generation.run_settings import TOKEN_SHIFT_OBJECTIVES, run_objective_settings
+from csbp.generation.run_settings import TOKEN_SHIFT_OBJECTIVES, beyond_training_note, run_objective_settings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_OBJECTIVE, DEFAULT_BLOCK_SIZE = "bd3", 16
@@ -79,7 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--steps-per-block", type=int, default=None, help="denoising steps per block (default B)"
     )
     parser.add_argument(
-        "--window", type=int, default=None, help="sliding attention window (default: the run's topology.window)"
+        "--window", type=int, default=None,
+        help="sliding attention window of a checkpoint that records none (default: the run's topology.window)",
     )
     parser.add_argument("--temperature", type=float_in(0, math.inf), default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
@@ -88,13 +89,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--threshold", type=float_in(0, 1), default=None,
-        help="also unmask every proposal at least this confident (a probability)",
+        help="also unmask every proposal more confident than this (a probability; with --unmask-order confidence)",
     )
     parser.add_argument(
         "--unmask-order",
         choices=("confidence", "left_to_right"),
         default="confidence",
         help="which masked positions of a block to fill first (default: the most confident)",
+    )
+    parser.add_argument(
+        "--sub-block-size",
+        type=positive_int,
+        default=None,
+        help="fill each block one sub-block of this many positions after the other, left to right (Fast-dLLM v2 "
+        "decodes blocks of 32 in sub-blocks of 8); a divisor of the block size (default: the whole block)",
     )
     parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
@@ -175,17 +183,29 @@ def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block
 
 def run_generate(args: argparse.Namespace) -> int:
     from csbp.data.tokenizer import SpecialTokens, load_tokenizer
-    from csbp.generation.sampler import GenerationConfig, generate
-    from csbp.models.hf_io import load_hf_checkpoint
+    from csbp.generation.sampler import GenerationConfig, generate, positions_used
+    from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
 
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
     if args.window is not None and args.window <= 0:
         raise ValueError(f"--window must be a positive integer, got {args.window}")
+    if args.threshold is not None and args.unmask_order != "confidence":
+        raise ValueError(
+            f"--threshold {args.threshold} unmasks the proposals more confident than it, but --unmask-order "
+            f"{args.unmask_order} would unmask as many of the leftmost positions instead (fix: drop one of the two)"
+        )
     known_words = None if args.known_words is None else KnownWords.load(args.known_words)
     model_dir: Path = check_model_directory(args.model)
     run_settings = run_objective_settings(model_dir)
     notes = check_trained_overrides("generate", args, model_dir, run_settings)
+    trained_window = run_settings.get("window")
+    if run_settings and args.window is not None and args.window != trained_window:
+        trained = f"window {trained_window}" if trained_window is not None else "full attention"
+        raise ValueError(
+            f"--window {args.window}: the model was trained with {trained} ({run_settings['source']}), which "
+            "csbp generate samples with (fix: drop --window; it is for checkpoints that record no training settings)"
+        )
     if not run_settings and (args.objective is None or args.block_size is None):
         notes.append(  # a model csbp did not train (no run config, no csbp_training record)
             f"csbp generate: {model_dir} records no training settings; sampling as "
@@ -200,6 +220,18 @@ def run_generate(args: argparse.Namespace) -> int:
             f"--steps-per-block {steps_per_block}: a block of {block_size} tokens takes 1 to {block_size} denoising "
             f"steps (each unmasks at least one position) (fix: --steps-per-block between 1 and {block_size}, or "
             f"drop it for {block_size})"
+        )
+    sub_block = args.sub_block_size
+    if sub_block is not None and block_size % sub_block:
+        divisors = [d for d in range(1, block_size + 1) if block_size % d == 0]
+        raise ValueError(
+            f"--sub-block-size {sub_block} does not divide the block size {block_size} (fix: one of {divisors})"
+        )
+    if sub_block is not None and steps_per_block % (block_size // sub_block):
+        count = block_size // sub_block
+        raise ValueError(
+            f"--steps-per-block {steps_per_block} does not split evenly over the {count} sub-blocks of "
+            f"--sub-block-size {sub_block} (fix: --steps-per-block a multiple of {count}, or drop it for {block_size})"
         )
     tokenizer_dir: Path = args.tokenizer if args.tokenizer is not None else model_dir
     if not tokenizer_dir.exists():
@@ -226,19 +258,28 @@ def run_generate(args: argparse.Namespace) -> int:
         use_cache=not args.no_cache,
         window=args.window if args.window is not None else run_settings.get("window"),
         unmask_order=args.unmask_order,
+        sub_block_size=args.sub_block_size,
     )
     prompt_ids = tokenizer.encode(chat_prompt(tokenizer_dir, args.prompt) if args.chat else args.prompt)
     check_prompt(prompt_ids, objective, mask_token_id, args.mask_token)
     check_positions(model_dir, len(prompt_ids), args.max_new_tokens, block_size)
+    vocab_size = read_hf_config(model_dir).vocab_size
+    for what, token_id in (("mask token id", mask_token_id), ("EOS id", tokenizer.eos_id)):
+        if token_id is not None and not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"{what} {token_id} is outside the model vocabulary [0, {vocab_size}) of {model_dir} "
+                "(fix: pass --tokenizer of the model, or --mask-token/--eos-token naming its tokens)"
+            )
+    used = positions_used(len(prompt_ids), args.max_new_tokens, block_size)
+    room = run_settings.get("seq_len", 0) // block_size * block_size - len(prompt_ids)
+    fix = f"--max-new-tokens {room} or less stays inside" if room >= 1 else "a shorter prompt stays inside"
+    note = beyond_training_note("generate", run_settings, used, fix)
+    if note is not None:
+        notes.append(note)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
-    model, model_config = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
+    model, _ = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
     model.eval()
-    if mask_token_id >= model_config.vocab_size:
-        raise ValueError(
-            f"mask token id {mask_token_id} is outside the model vocabulary ({model_config.vocab_size}); "
-            "is --tokenizer the tokenizer this model was trained with?"
-        )
     print_notes(notes)
     started = time.perf_counter()
     result = generate(model, prompt_ids, mask_token_id=mask_token_id, eos_id=tokenizer.eos_id, config=config)

@@ -52,6 +52,7 @@ from safetensors.torch import save_file
 from csbp.atomic import write_directory_atomically
 from csbp.dflash.config import DFlashConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
+from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_config import DTYPE_NAMES, hf_shape_fields, rope_from_hf
 from csbp.models.hf_io import (
@@ -283,6 +284,26 @@ def drafter_context(path: str | os.PathLike[str]) -> str | None:
     return str(context)
 
 
+def read_drafter_config(directory: Path, target_config: DecoderConfig) -> DFlashConfig:
+    """The drafter config of an exported ``directory``, checked against the target's config (no weights
+    read: commands run it before loading either model)."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{directory} is not a DFlash drafter directory: config.json not found")
+    try:
+        config = dflash_config_from_hf(read_json_object(config_file))
+    except ValueError as exc:  # say which file; a target passed as --drafter is the usual cause
+        raise ValueError(f"{config_file}: {exc} (fix: pass a `csbp dflash export` directory)") from None
+    try:
+        validate_drafter_target(config, target_config)
+    except ValueError as exc:  # the drafter was trained for another target
+        raise ValueError(
+            f"drafter {directory}: {exc} (fix: pass the target it was trained against, the "
+            "objective.dflash.target of its run)"
+        ) from None
+    return config
+
+
 def load_dflash(
     path: str | os.PathLike[str],
     target: Decoder,
@@ -292,20 +313,7 @@ def load_dflash(
 ) -> DFlashDrafter:
     """Load an exported drafter and attach ``target`` (validated against the drafter)."""
     directory = Path(path)
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise ValueError(f"{directory} is not a DFlash drafter directory: config.json not found")
-    try:
-        config = dflash_config_from_hf(read_json_object(config_file))
-    except ValueError as exc:  # say which file; a target passed as --drafter is the usual cause
-        raise ValueError(f"{config_file}: {exc} (fix: pass a `csbp dflash export` directory)") from None
-    try:
-        validate_drafter_target(config, target.config)
-    except ValueError as exc:  # the drafter was trained for another target
-        raise ValueError(
-            f"drafter {directory}: {exc} (fix: pass the target it was trained against, the "
-            "objective.dflash.target of its run)"
-        ) from None
+    config = read_drafter_config(directory, target.config)
     weights_file = directory / "model.safetensors"
     if not weights_file.is_file():
         raise ValueError(f"{directory} has no model.safetensors")

@@ -43,6 +43,7 @@ GENERATE_DEFAULTS: dict[str, Any] = {
     "top_k": None,
     "top_p": 1.0,
     "unmask_order": "confidence",
+    "sub_block_size": None,
 }
 
 
@@ -58,7 +59,11 @@ def training_record_of(cfg: RunConfig, mask_token_id: int | None) -> dict[str, A
             "mask_token_id": mask_token_id,
         },
         "topology": {"window": cfg.topology.window},
-        "data": {"document_mask": cfg.document_mask, "reset_positions": cfg.data.reset_positions},
+        "data": {
+            "document_mask": cfg.document_mask,
+            "reset_positions": cfg.data.reset_positions,
+            "seq_len": cfg.data.seq_len,
+        },
     }
 
 
@@ -96,8 +101,10 @@ def training_record(model_dir: Path) -> tuple[dict[str, Any], Path] | None:
 
 
 def run_objective_settings(model_dir: Path) -> dict[str, Any]:
-    """``{"objective", "block_size", "mask_token_id", "window", "source"}`` (those set) from the
-    training record (:func:`training_record`); empty for a model without one."""
+    """``{"objective", "block_size", "mask_token_id", "window", "seq_len", "source"}`` (those set) from
+    the training record (:func:`training_record`); empty for a model without one. ``seq_len`` is the
+    training row length: positions at or past it are ones the model never attended to (an export
+    written before the record held it has none)."""
     found = training_record(model_dir)
     if found is None:
         return {}
@@ -118,4 +125,22 @@ def run_objective_settings(model_dir: Path) -> dict[str, Any]:
     topology = loaded.get("topology")
     if isinstance(topology, dict) and topology.get("window") is not None:
         settings["window"] = int(topology["window"])
+    data = loaded.get("data")
+    if isinstance(data, dict) and type(data.get("seq_len")) is int:
+        settings["seq_len"] = data["seq_len"]
     return settings
+
+
+def beyond_training_note(command: str, settings: dict[str, Any], used: int, fix: str) -> str | None:
+    """One stderr line when a command runs the model at positions ``0 … used−1`` reaching past the
+    ``seq_len`` it was trained on (``settings`` of :func:`run_objective_settings`), else None. A note,
+    not a refusal: RoPE runs any position up to ``max_position_embeddings`` (which the commands do
+    refuse past), and length extrapolation is a legitimate experiment; but the output there is not
+    what training measured."""
+    seq_len = settings.get("seq_len")
+    if seq_len is None or used <= seq_len:
+        return None
+    return (
+        f"csbp {command}: runs the model at positions up to {used - 1}, past the {seq_len}-token rows it was "
+        f"trained on ({settings['source']}): it never attended that far, so quality may drop there ({fix})"
+    )

@@ -13,7 +13,9 @@ recomputation), proposes a token for every still-masked position
 (:func:`~csbp.generation.token_choice.propose_tokens`, mask logit excluded) and unmasks the most
 confident ones, or the leftmost with ``unmask_order="left_to_right"``
 (:func:`~csbp.generation.token_choice.choose_unmasked`). A finished block is run once
-more as a clean block and joins the cache. Generation stops after the block holding the first EOS
+more as a clean block and joins the cache. With ``sub_block_size`` (Fast-dLLM v2's sub-blocks) only the
+still-masked positions of the leftmost unfinished sub-block are candidates, each sub-block in its
+share of the steps, while every forward still runs the whole block (later sub-blocks as ``[M]``). Generation stops after the block holding the first EOS
 (the completion is cut before it) or after ``max_new_tokens`` tokens; in the last block only the
 positions inside the budget are filled.
 
@@ -39,6 +41,7 @@ from torch import Tensor
 
 from csbp.generation.forward import BlockForward, CachedBlockForward, RecomputeBlockForward
 from csbp.generation.token_choice import (
+    THRESHOLD_ORDER_ERROR,
     UNMASK_ORDERS,
     check_sampling_options,
     choose_unmasked,
@@ -59,12 +62,17 @@ class GenerationConfig:
         temperature: 0 for greedy, else the softmax temperature of the sampled proposals.
         top_k: keep only the ``k`` most likely tokens when sampling (None: all).
         top_p: nucleus mass kept when sampling (1: all).
-        threshold: also unmask every proposal at least this confident (None: schedule only).
+        threshold: also unmask every proposal more confident than this (None: schedule only); needs
+            ``unmask_order="confidence"``.
         seed: seed of the CPU generator that draws sampled tokens.
         token_shift: position ``i`` is predicted from row ``i-1`` (Fast-dLLM v2 models).
         use_cache: use the clean-prefix KV cache (False recomputes the prefix every step).
         window: the sliding window the model was trained with (``topology.window``), None: full.
         unmask_order: ``confidence`` (most confident positions first) or ``left_to_right``.
+        sub_block_size: Fast-dLLM v2's sub-blocks: a divisor ``S`` of ``block_size``; each block is
+            filled one sub-block after the other, left to right, each in ``steps_per_block · S / B``
+            steps (a whole number), while every forward still runs the whole block (None: one
+            sub-block, the whole block).
     """
 
     max_new_tokens: int = 128
@@ -79,6 +87,7 @@ class GenerationConfig:
     use_cache: bool = True
     window: int | None = None
     unmask_order: str = "confidence"
+    sub_block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.unmask_order not in UNMASK_ORDERS:
@@ -97,6 +106,17 @@ class GenerationConfig:
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         check_sampling_options(self.temperature, self.top_k, self.top_p, self.threshold)
+        if self.threshold is not None and self.unmask_order != "confidence":
+            raise ValueError(THRESHOLD_ORDER_ERROR)
+        sub = self.sub_block_size
+        if sub is not None:
+            if isinstance(sub, bool) or not isinstance(sub, int) or sub < 1 or self.block_size % sub:
+                raise ValueError(f"sub_block_size must be a divisor of block_size {self.block_size}, got {sub!r}")
+            if self.steps_per_block % (self.block_size // sub):
+                raise ValueError(
+                    f"steps_per_block {self.steps_per_block} does not split evenly over the "
+                    f"{self.block_size // sub} sub-blocks of {sub} (use a multiple of {self.block_size // sub})"
+                )
 
 
 @dataclass
@@ -207,42 +227,62 @@ def _denoise_block(
     generator: torch.Generator,
     result: GenerationResult,
 ) -> None:
-    """Unmask every ``to_fill`` position of ``block_ids`` in at most ``steps_per_block`` steps (in place)."""
-    for step in range(config.steps_per_block):
-        masked_R = torch.nonzero(to_fill_B).squeeze(-1)  # block offsets still masked
-        if masked_R.numel() == 0:
-            return
-        hidden_1BD, before_1D = forward.denoise(block_ids_1B, start)
-        if config.token_shift:
-            # Position j is predicted from row j-1: row "-1" is the clean row before the block.
-            assert before_1D is not None or int(masked_R[0]) > 0, "token shift without a row before the block"
-            prev_1D = before_1D if before_1D is not None else hidden_1BD[:, 0]  # unused when masked_R[0] > 0
-            source_1BD = torch.cat((prev_1D[:, None], hidden_1BD[:, :-1]), dim=1)
-        else:
-            source_1BD = hidden_1BD
-        logits_RV = model.logits(source_1BD[0, masked_R.to(source_1BD.device)])
-        tokens_R, confidence_R = propose_tokens(
-            logits_RV,
-            mask_token_id=mask_token_id,
-            temperature=config.temperature,
-            top_k=config.top_k,
-            top_p=config.top_p,
-            generator=generator,
-        )
-        chosen = choose_unmasked(
-            confidence_R,
-            remaining_steps=config.steps_per_block - step,
-            threshold=config.threshold,
-            order=config.unmask_order,
-        )
-        offsets = masked_R[chosen]
-        block_ids_1B[0, offsets] = tokens_R[chosen]
-        to_fill_B[offsets] = False
-        result.unmask_steps.append(
-            [
-                (start + int(o), int(t))
-                for o, t in zip(offsets.tolist(), tokens_R[chosen].tolist(), strict=True)
-            ]
-        )
+    """Unmask every ``to_fill`` position of ``block_ids`` in at most ``steps_per_block`` steps (in place):
+    one sub-block after the other (``config.sub_block_size``), each in its share of the steps."""
+    block_size = config.block_size
+    sub_block = config.sub_block_size or block_size
+    steps_each = config.steps_per_block * sub_block // block_size
+    offset_B = torch.arange(block_size)
+    for first in range(0, block_size, sub_block):
+        span_B = (offset_B >= first) & (offset_B < first + sub_block)
+        for step in range(steps_each):
+            masked_R = torch.nonzero(to_fill_B & span_B).squeeze(-1)  # block offsets still masked here
+            if masked_R.numel() == 0:
+                break
+            chosen_offsets, chosen_tokens = _denoise_step(
+                model, forward, block_ids_1B, masked_R, start, mask_token_id, config, generator,
+                remaining_steps=steps_each - step,
+            )  # fmt: skip
+            block_ids_1B[0, chosen_offsets] = chosen_tokens
+            to_fill_B[chosen_offsets] = False
+            result.unmask_steps.append(
+                [(start + int(o), int(t)) for o, t in zip(chosen_offsets.tolist(), chosen_tokens.tolist(), strict=True)]
+            )
     if bool(to_fill_B.any()):
         raise RuntimeError("block still has masked positions after steps_per_block steps")
+
+
+def _denoise_step(
+    model: Decoder,
+    forward: BlockForward,
+    block_ids_1B: Tensor,
+    masked_R: Tensor,
+    start: int,
+    mask_token_id: int,
+    config: GenerationConfig,
+    generator: torch.Generator,
+    *,
+    remaining_steps: int,
+) -> tuple[Tensor, Tensor]:
+    """One denoising forward of the block: the offsets among ``masked_R`` to unmask now, and their tokens."""
+    hidden_1BD, before_1D = forward.denoise(block_ids_1B, start)
+    if config.token_shift:
+        # Position j is predicted from row j-1: row "-1" is the clean row before the block.
+        assert before_1D is not None or int(masked_R[0]) > 0, "token shift without a row before the block"
+        prev_1D = before_1D if before_1D is not None else hidden_1BD[:, 0]  # unused when masked_R[0] > 0
+        source_1BD = torch.cat((prev_1D[:, None], hidden_1BD[:, :-1]), dim=1)
+    else:
+        source_1BD = hidden_1BD
+    logits_RV = model.logits(source_1BD[0, masked_R.to(source_1BD.device)])
+    tokens_R, confidence_R = propose_tokens(
+        logits_RV,
+        mask_token_id=mask_token_id,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        generator=generator,
+    )
+    chosen = choose_unmasked(
+        confidence_R, remaining_steps=remaining_steps, threshold=config.threshold, order=config.unmask_order
+    )
+    return masked_R[chosen], tokens_R[chosen]

@@ -20,7 +20,10 @@ greedy most-confident-first order; ``T == 0`` is its own mode, not the limit of 
 
 ``choose_unmasked`` picks which candidates are committed in this step: the ``k`` most confident
 with ``k = ceil(remaining / remaining_steps)`` (so a block always finishes within its step budget),
-or, with a ``threshold``, every candidate whose confidence reaches it if those are more than ``k``.
+or, with a ``threshold``, every candidate whose confidence exceeds it if those are more than ``k``.
+The comparison is strict, as Fast-dLLM v2's released sampler (``x1_p > threshold``, plus the most
+confident one): ``threshold = 1`` adds nothing to the schedule, even where a float32 softmax rounds a
+confident proposal to exactly 1. A threshold picks by confidence, so it needs the confidence order.
 
 Shape legend: ``R`` masked rows being decided, ``V`` vocabulary.
 """
@@ -103,6 +106,12 @@ def unmask_count(remaining: int, remaining_steps: int) -> int:
 
 UNMASK_ORDERS = ("confidence", "left_to_right")
 
+#: a threshold unmasks the proposals above it; the leftmost order would unmask as many others instead
+THRESHOLD_ORDER_ERROR = (
+    "threshold unmasks the proposals more confident than it, so it needs unmask_order 'confidence' "
+    "(with 'left_to_right' as many of the leftmost positions were unmasked instead, confident or not)"
+)
+
 
 def choose_unmasked(
     confidence_R: Tensor,
@@ -118,7 +127,9 @@ def choose_unmasked(
     remaining = int(confidence_R.shape[0])
     count = unmask_count(remaining, remaining_steps)
     if threshold is not None:
-        count = max(count, int((confidence_R >= threshold).sum()))
+        if order != "confidence":
+            raise ValueError(THRESHOLD_ORDER_ERROR)
+        count = max(count, int((confidence_R > threshold).sum()))
     if order == "left_to_right":
         return torch.arange(min(count, remaining), device=confidence_R.device)
     if order != "confidence":
