@@ -139,5 +139,28 @@ def test_verdicts_and_targets_from_json_rows() -> None:
         "pieces clean) 0.99x dense's rate = 1.50x the mixed form's speed" in format_verdicts(verdicts)
     line = target_line(rows)  # 2048 is outside the targets' range: its 0.1x does not count
     assert line == ("targets at L = 16384: worst mixed 0.62x and decomposed 0.66x dense's rate (>= 0.60x); "
-                    "decomposed/mixed worst 1.07x (>= 1.0x), at B=128 1.50x (>= 1.2x)")
+                    "decomposed/mixed worst 1.07x (>= 1.0x), at B=128 1.50x (>= 1.2x); "
+                    "verdict: met (up to L = 16384: 131072 not reached)")
     assert target_line(rows[-2:]) == "targets: no shape measured at L = 16384-131072"
+
+
+def test_the_target_line_ends_with_a_verdict_naming_what_missed_or_was_not_measured() -> None:
+    """The kernels stage's summary is #8's verdict: a value under its target is named, a target without
+    a measured row is not counted as met, and the range's upper end is required for a plain "met"."""
+    from csbp.bench.kernel_summary import target_line
+
+    def row(seq_len: int, block: int, form: str, time_s: float, vs_dense: float) -> dict[str, object]:
+        return {"seq_len": seq_len, "block_size": block, "backend": "flex", "form": form, "time_s": time_s,
+                "vs_dense": vs_dense, "diagonal": "sdpa", "clean": "pieces"}
+
+    full_range = [row(n, b, form, t, r) for n in (16384, 131072) for b in (16, 128)
+                  for form, t, r in (("mixed-ag", 1.3, 0.7), ("decomposed", 1.0, 0.9))]
+    assert target_line(full_range).endswith("at B=128 1.30x (>= 1.2x); verdict: met")
+    slow = [*full_range[:-1], row(131072, 128, "decomposed", 1.2, 0.55)]  # 1.08x at B=128, 0.55x dense
+    assert target_line(slow).endswith("verdict: missed (decomposed rate, B=128)")
+    no_large_block = [r for r in full_range if r["block_size"] == 16]
+    assert target_line(no_large_block).endswith("at B=128 not measured (>= 1.2x); verdict: not measured (B=128)")
+    only_mixed = [r for r in full_range if r["form"] == "mixed-ag" and r["seq_len"] == 16384]
+    assert target_line(only_mixed).endswith(
+        "verdict: not measured (decomposed rate, decomposed/mixed, B=128) (up to L = 16384: 131072 not reached)"
+    )

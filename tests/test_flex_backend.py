@@ -163,6 +163,54 @@ def test_flex_forward_equals_tiles_and_reference(name: str) -> None:
     torch.testing.assert_close(lse_flex, lse_tiles, **TOL64)
 
 
+@pytest.mark.parametrize("dim", [8, 16])
+def test_narrow_heads_reach_the_kernel_zero_padded_to_16_and_stay_exact(monkeypatch: pytest.MonkeyPatch, dim: int) -> None:
+    """FlexAttention's CUDA kernel refuses heads narrower than 16 (inductor: "NYI: embedding dimension ...
+    must be at least 16"; the verification and test models have 8, and ``auto`` is flex on CUDA): the
+    kernel (forward, and the direct backward where this torch traces it) is handed heads zero-padded to 16
+    with the real head dim's scale, and the results, cut back to ``dim``, equal the float64 reference."""
+    import csbp.attention.flex as flex_module
+    import csbp.attention.flex_backward as flex_backward
+
+    backward_traced = direct_backward_support()[0]  # its probe (cached) runs before the spies
+    seen: list[tuple[object, ...]] = []
+
+    def spy_kernel(device: torch.device):  # noqa: ANN202
+        def call(q, k, v, **kwargs):  # noqa: ANN001, ANN003, ANN202
+            seen.append(("forward", q.shape[-1], k.shape[-1], v.shape[-1], kwargs["scale"]))
+            return flex_module._eager_flex(q, k, v, **kwargs)
+        return call
+
+    direct_call = flex_backward._direct_call
+
+    def spy_direct(q, k, v, lse, dout, grad_lse, block_mask, scale, *, backend):  # noqa: ANN001, ANN202
+        seen.append(("backward", q.shape[-1], k.shape[-1], v.shape[-1], dout.shape[-1], scale))
+        return direct_call(q, k, v, lse, dout, grad_lse, block_mask, scale, backend=backend)
+
+    monkeypatch.setattr(flex_module, "_kernel", spy_kernel)
+    monkeypatch.setattr(flex_backward, "_direct_call", spy_direct)
+    q_rows, k_rows, causal = CASES["mixed_dead_padding"]
+    q, k, v = random_qkv(len(q_rows), len(k_rows), dim=dim, seed=7)
+    allow = allow_matrix(q_rows, k_rows, causal_in_block=causal)
+    partial = plan_partial(q_rows, k_rows, backend="flex", causal_in_block=causal)
+    out, lse = partial.forward(q, k, v)
+    assert seen == [("forward", 16, 16, 16, dim**-0.5 if dim < 16 else None)]
+    out_ref, lse_ref = dense_attention_reference(q, k, v, allow, 1 / math.sqrt(dim))
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, out_ref, **TOL64)
+    torch.testing.assert_close(lse, lse_ref, **TOL64)
+    if not backward_traced:
+        return  # the CPU differentiates flex only by the direct backward (torch 2.13)
+    dout = torch.randn_like(q)
+    with flex_backward_mode("direct"):
+        grads = partial.backward(q, k, v, out, lse, dout)
+    assert seen[1] == ("backward", 16, 16, 16, 16, 1 / math.sqrt(dim))
+    _, _, grads_ref = reference_grads(q, k, v, allow, 1 / math.sqrt(dim), dout)
+    for got, want in zip(grads, grads_ref):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, **TOL64)
+
+
 def test_rows_that_see_nothing_and_empty_partials() -> None:
     q_rows, k_rows, _ = CASES["dflash_context"]
     dead = ~q_rows.live

@@ -165,13 +165,17 @@ def test_kernel_rows_summary_and_a_stage_cut_short_keeps_its_rows(tmp_path: Path
                  "clean": "pieces"} for r, t in zip(rows[1:4], (nan, 1.2, 1.0), strict=True)]
     assert summarize_kernel_rows(in_range) == (  # rows in the kernel targets' range: their worst values too
         "3 rows, best 0.74x dense SDPA's rate, decomposed/mixed 1.21-1.21x; targets at L = 65536: worst mixed 0.61x "
-        "and decomposed 0.74x dense's rate (>= 0.60x); decomposed/mixed worst 1.20x (>= 1.0x), at B=128 1.20x (>= 1.2x)"
+        "and decomposed 0.74x dense's rate (>= 0.60x); decomposed/mixed worst 1.20x (>= 1.0x), at B=128 1.20x (>= 1.2x); "
+        "verdict: met (up to L = 65536: 131072 not reached)"
     )
+    # the CUDA check's summary always carries the verdict, also when no shape in the range was measured
+    assert summarize_kernel_rows(rows, targets=True).endswith("; targets: no shape measured at L = 16384-131072")
     (tmp_path / "gpu-kernels.json").write_text(json.dumps(rows))
     env = CheckEnv(gpus=1, device_name="x", peak_tflops=None, repo=tmp_path, args=None,  # type: ignore[arg-type]
                    deadline=time.perf_counter() + 60, out_dir=tmp_path)
     cut = check._kernels_report(env, StageResult("kernels", "failed", 120.0, "timed out after 120 s"), "")
     assert cut.summary.startswith("timed out after 120 s; 5 rows, best 0.74x") and len(cut.details["rows"]) == 5
+    assert cut.summary.endswith("targets: no shape measured at L = 16384-131072 before that")  # CUDA profile
 
 
 def test_preflight_names_missing_dependencies_before_anything_starts(

@@ -12,7 +12,8 @@ No mask is built or applied.
 rows of bidirectional blocks, ``q [nb, S*Hkv, G*B, d]`` against ``k [nb, S*Hkv, B, d]``: GPU kernels
 tile 64-128 query rows, so ``B = 16`` alone fills an eighth of a tile and ``G*B = 64`` half of it.
 On CPU it is slower (0.6-0.9x, the copies; CPU flash runs GQA natively), so it is no default: the
-``kernels`` stage of ``make gpu-check`` measures it on CUDA.
+``make gpu-check``'s ``kernels`` stage leaves it out (its budget): ``csbp bench kernels --diagonals sdpa
+sdpa_fold`` measures it on CUDA.
 
 Kernels (the fused calls live in ``csbp.attention.flash_ops``):
 

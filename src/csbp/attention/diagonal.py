@@ -13,7 +13,8 @@ The block-diagonal part of the BD3 mask (noisy rows x their own block) has four 
 below (measured on CPU, one thread, the block-diagonal partial alone: sdpa 1.0-2.2x the matmuls at
 B = 16..64, 0.7-1.3x at B = 4..8, where the fused call's fixed cost shows; see docs/benchmarks.md), and
 ``flex`` on ``flex`` (FlexAttention's block-sparse kernel; the CUDA default is chosen from the
-``kernels`` stage of ``make gpu-check``, which measures ``flex``, ``sdpa`` and ``sdpa_fold`` side by side). On the
+``kernels`` stage of ``make gpu-check``, which measures ``flex`` and ``sdpa`` side by side; ``sdpa_fold`` is
+left to a direct ``csbp bench kernels --diagonals`` run, to keep the stage in its budget). On the
 ``flex`` backend a diagonal other than ``flex`` also makes the local transport split its rows into
 this partial plus the clean-interval partial (CSBP's decomposed form) instead of one Flex call
 over the mixed mask.

@@ -20,7 +20,8 @@ ops, so a 256K x 256K BlockMask costs milliseconds instead of a 64 GiB boolean m
   buckets each new size compiled a new graph (seconds on a GPU) until dynamo's limit, past which it
   would silently run the unfused path; csbp makes that limit an error instead. On CPU the compiled
   kernel is inference-only and has no ``lse``, so the eager (dense, unfused) FlexAttention runs:
-  correct, for tests and debugging, not fast.
+  correct, for tests and debugging, not fast. Heads narrower than 16 (the verification model's 8),
+  which the CUDA kernel refuses, run zero-padded to 16 on every device (exact; ``pad_head_dim``).
 * backward (CUDA only: FlexAttention has no compiled CPU backward), from the merged ``(out, lse)``
   (``csbp.attention.flex_backward``): ``direct``, FlexAttention's backward kernel called with the
   merged statistics (no forward; torch 2.13), or ``recompute``, the partial recomputed with autograd
@@ -42,9 +43,11 @@ import torch
 from torch import Tensor
 
 from csbp.attention.flex_backward import (
+    FLEX_MIN_HEAD_DIM,
     configure_recompile_limits,
     current_flex_backward,
     direct_flex_backward,
+    pad_head_dim,
     recompile_limit_error,
 )
 from csbp.attention.merge import accumulation_dtype, partial_grads_from_merged
@@ -365,9 +368,14 @@ def _compiled_flex() -> Any:
 
 
 def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: float | None) -> tuple[Tensor, Tensor]:
-    """``(out [S, Hq, Nq, d] in q's dtype, lse [S, Hq, Nq] float32, natural log)``."""
+    """``(out [S, Hq, Nq, d] in q's dtype, lse [S, Hq, Nq] float32, natural log)``; heads narrower than
+    ``FLEX_MIN_HEAD_DIM`` run zero-padded to it (``pad_head_dim``)."""
     from torch.nn.attention.flex_attention import AuxRequest
 
+    value_dim = v.shape[-1]
+    if q.shape[-1] < FLEX_MIN_HEAD_DIM or value_dim < FLEX_MIN_HEAD_DIM:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale  # the real head dim's, not the padded one's
+        q, k, v = (pad_head_dim(x) for x in (q, k, v))
     try:
         out, aux = _kernel(q.device)(
             q,
@@ -383,7 +391,7 @@ def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: fl
         if replacement is None:
             raise
         raise replacement from error
-    return out, aux.lse
+    return (out if out.shape[-1] == value_dim else out[..., :value_dim].contiguous()), aux.lse
 
 
 def _kernel(device: torch.device) -> Any:

@@ -50,6 +50,19 @@ it would silently run the unfused eager path; past this limit csbp stops with on
 
 _mode: str = "auto"
 
+FLEX_MIN_HEAD_DIM = 16
+"""Narrowest head FlexAttention's CUDA kernel takes (Triton's ``tl.dot`` needs K >= 16; inductor refuses
+``NYI: embedding dimension ... must be at least 16``): narrower heads (the verification model's 8) run
+zero-padded to it, on every device (``pad_head_dim``)."""
+
+
+def pad_head_dim(x: Tensor) -> Tensor:
+    """``x [..., d]`` with zero columns up to ``FLEX_MIN_HEAD_DIM`` (``x`` itself when ``d`` is at least that).
+    Exact: zero query/key columns add nothing to a score and zero value columns give zero output columns
+    (dropped again), and their gradients are dropped with them."""
+    missing = FLEX_MIN_HEAD_DIM - x.shape[-1]
+    return torch.nn.functional.pad(x, (0, missing)) if missing > 0 else x
+
 
 def configure_recompile_limits() -> None:
     """Raise dynamo's recompile limits to ``FLEX_RECOMPILE_LIMIT`` and make hitting them an error."""
@@ -167,14 +180,18 @@ def direct_flex_backward(
     lse = lse.to(stats)
     lse_log2 = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) / math.log(2)
     backend = "inductor" if q.device.type == "cuda" else "aot_eager"
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # the real head dim's
+    dims = (q.shape[-1], k.shape[-1], v.shape[-1])
+    q, k, v, dout = (pad_head_dim(x) for x in (q, k, v, dout))  # narrow heads as in the forward (exact)
     try:
-        return _direct_call(q, k, v, lse_log2, dout.to(q.dtype), -delta.to(stats) * math.log(2), block_mask,
-                            1.0 / math.sqrt(q.shape[-1]) if scale is None else scale, backend=backend)
+        grads = _direct_call(q, k, v, lse_log2, dout.to(q.dtype), -delta.to(stats) * math.log(2), block_mask,
+                             scale, backend=backend)
     except Exception as error:
         replacement = recompile_limit_error(error, q, k) or _compiler_error(error)
         if replacement is None:
             raise
         raise replacement from error
+    return tuple(g if g.shape[-1] == dim else g[..., :dim].contiguous() for g, dim in zip(grads, dims))  # type: ignore[return-value]
 
 
 def _compiler_error(error: Exception) -> RuntimeError | None:

@@ -148,31 +148,47 @@ TARGET_NOISE_NOTE = "~: within the repeats' min-max range of its reference (no m
 def target_line(rows: Sequence[Row], targets: KernelTargets = KERNEL_TARGETS) -> str:
     """How the measured shapes inside the targets' range compare with them, on one line (the worst
     value of each target, marked ``~`` where that row's repeats overlap its reference's: dense's for a
-    rate, the mixed form's for a speedup; "not measured" when no shape in the range was)."""
+    rate, the mixed form's for a speedup; "not measured" when no shape in the range was), ending with
+    the verdict: ``met``, ``missed (<targets>)`` or ``not measured (<targets>)``, and the range's upper
+    end when no shape reached it (a run cut short by a time limit)."""
     low, high = targets.seq_lens
     verdicts = [v for v in shape_verdicts(rows) if low <= v.seq_len <= high]
     if not verdicts:
         return f"targets: no shape measured at L = {low}-{high}"
     marked = False
+    missed: list[str] = []
+    unmeasured: list[str] = []
 
-    def worst(values: list[tuple[float, bool]]) -> str:
+    def worst(name: str, values: list[tuple[float, bool]], minimum: float) -> str:
         nonlocal marked
         finite = [x for x in values if math.isfinite(x[0])]
         if not finite:
+            unmeasured.append(name)
             return "not measured"
         value, noisy = min(finite, key=lambda x: x[0])
         marked |= noisy
+        if value < minimum:
+            missed.append(name)
         return f"{value:.2f}x{_mark(noisy)}"
 
     lengths = sorted({v.seq_len for v in verdicts})
-    mixed = worst([(v.mixed_vs_dense, v.mixed_vs_dense_within_noise) for v in verdicts])
-    decomposed = worst([(v.decomposed_vs_dense, v.decomposed_vs_dense_within_noise) for v in verdicts])
-    speedup = worst([(v.speedup, v.within_noise) for v in verdicts])
-    large = worst([(v.speedup, v.within_noise) for v in verdicts if v.block_size == targets.large_block])
+    mixed = worst("mixed rate", [(v.mixed_vs_dense, v.mixed_vs_dense_within_noise) for v in verdicts],
+                  targets.min_vs_dense)
+    decomposed = worst("decomposed rate",
+                       [(v.decomposed_vs_dense, v.decomposed_vs_dense_within_noise) for v in verdicts],
+                       targets.min_vs_dense)
+    speedup = worst("decomposed/mixed", [(v.speedup, v.within_noise) for v in verdicts], targets.min_speedup)
+    large = worst(f"B={targets.large_block}",
+                  [(v.speedup, v.within_noise) for v in verdicts if v.block_size == targets.large_block],
+                  targets.min_speedup_large_block)
     line = (
         f"targets at L = {', '.join(str(n) for n in lengths)}: worst mixed {mixed}"
         f" and decomposed {decomposed} dense's rate (>= "
         f"{targets.min_vs_dense:.2f}x); decomposed/mixed worst {speedup} (>= "
         f"{targets.min_speedup:.1f}x), at B={targets.large_block} {large} (>= {targets.min_speedup_large_block:.1f}x)"
     )
+    verdict = [f"missed ({', '.join(missed)})"] if missed else []
+    verdict += [f"not measured ({', '.join(unmeasured)})"] if unmeasured else []
+    reach = f" (up to L = {lengths[-1]}: {high} not reached)" if lengths[-1] < high else ""
+    line += "; verdict: " + ("; ".join(verdict) if verdict else "met") + reach
     return f"{line}; {TARGET_NOISE_NOTE}" if marked else line

@@ -17,7 +17,7 @@ stage               what it runs (limit)
 ``verify``          ``csbp verify --device cuda --nproc <min(GPUs, 4)>`` (skipped with < 2 GPUs)
 ``verify-dflash``   the same for DFlash drafter training
 ``kernels``         ``csbp bench kernels`` on CUDA (150 s): one layer's attention (flex backend, bf16,
-                    16/4 heads of 128, B = 16 and 128) at 16K, 64K and 128K tokens: first, at every
+                    16/4 heads of 128, B = 16 and 128) at 16K, 128K and 64K tokens: first, at every
                     length, dense attention, the mixed forms and the decomposed form with the sdpa
                     (FlashAttention) block diagonal and FlashAttention-2 or cuDNN clean pieces; then
                     the other decomposed forms (flex block diagonal; the clean context as one Flex
@@ -223,8 +223,10 @@ def _kernels(env: CheckEnv) -> list[str]:
     return [sys.executable, "-m", "csbp", "bench", "kernels", *env.profile.kernels, "--json", str(_kernels_json(env))]
 
 
-def summarize_kernel_rows(rows: list[dict[str, object]]) -> str:
-    """One line: rows measured, the best rate relative to dense SDPA, and the decomposed/mixed range."""
+def summarize_kernel_rows(rows: list[dict[str, object]], *, targets: bool = False) -> str:
+    """One line: rows measured, the best rate relative to dense SDPA, the decomposed/mixed range and
+    the kernel targets' verdict (``kernel_summary.target_line``) when a shape in their range was
+    measured, or with ``targets`` (the CUDA check, whose verdict they are) always."""
     def values(key: str, forms: tuple[str, ...]) -> list[float]:
         found = (float(r.get(key, math.nan)) for r in rows if r.get("form") in forms)  # type: ignore[arg-type]
         return [v for v in found if math.isfinite(v)]
@@ -240,14 +242,14 @@ def summarize_kernel_rows(rows: list[dict[str, object]]) -> str:
     firsts = values("first_call_s", ("mixed", "mixed-ag", "decomposed", "diagonal"))
     if graphs or firsts:
         parts.append(f"{graphs} graphs compiled, slowest first call {max(firsts, default=0.0):.1f} s")
-    targets = target_line(rows)
-    return ", ".join(parts) + ("" if targets.startswith("targets: no shape") else f"; {targets}")
+    verdict = target_line(rows)
+    return ", ".join(parts) + ("" if verdict.startswith("targets: no shape") and not targets else f"; {verdict}")
 
 
 def _kernels_report(env: CheckEnv, result: StageResult, output: str) -> StageResult:
     path = _kernels_json(env)
     rows = json.loads(path.read_text()) if path.exists() else []
-    summary = summarize_kernel_rows(rows)
+    summary = summarize_kernel_rows(rows, targets=env.profile.device == "cuda")
     if result.status != "ok":
         summary = f"{result.summary}; {summary} before that"
     return dataclasses.replace(result, summary=summary, details={**result.details, "json": str(path), "rows": rows})
