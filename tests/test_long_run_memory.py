@@ -1,0 +1,94 @@
+"""Memory a long run must not accumulate: what a step leaves behind in process-wide caches or in the
+metrics writer is bounded by a constant, not by the number of steps. Document masking packs new
+documents into every row, so anything keyed by a row's documents is never asked for again after its
+step; the caches keep only what the same step (or ``csbp plan``) asks for again."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from csbp.attention import counts
+from csbp.attention.counts import rank_schedule
+from csbp.attention.documents import random_documents
+
+
+def _rows(seq_len: int, count: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``count`` rows of distinct packed documents (mean length 97), as ``DocBounds``."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = [random_documents(seq_len, 97, generator) for _ in range(count)]
+    return [(row.start.numpy(), row.stop.numpy()) for row in rows]
+
+
+def _retained(work: Callable[[], None]) -> int:
+    """Bytes Python's allocators still hold after ``work`` (its temporaries collected)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        work()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def _clear_document_caches() -> None:
+    counts._document_schedule.cache_clear()
+    kept = getattr(counts, "_row_costs_kept", None)
+    if kept is not None:
+        kept.clear()
+        counts._row_costs_bytes = 0
+    else:  # the lru_cache before the byte bound
+        counts._document_row_costs.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_document_caches():
+    _clear_document_caches()
+    yield
+    _clear_document_caches()
+
+
+def test_balanced_schedules_of_many_distinct_rows_hold_no_more_than_a_few_rows() -> None:
+    """A training run with ``schedule: balanced`` and document masking asks for the schedule of a new
+    row every step: what the caches keep must stop growing after a few rows (512 kept schedules
+    were over 1 GB per rank at 1M tokens)."""
+    seq_len, block, cp, bp = 16384, 4, 2, 4
+    rows = _rows(seq_len, 64)
+
+    def schedule(chosen: list[tuple[np.ndarray, np.ndarray]]) -> Callable[[], None]:
+        return lambda: [rank_schedule(seq_len, block, cp, bp, "balanced", docs) for docs in chosen]  # type: ignore[func-returns-value]
+
+    after_16 = _retained(schedule(rows[:16]))
+    _clear_document_caches()
+    after_64 = _retained(schedule(rows))
+    assert after_64 < 1.25 * after_16, (after_16, after_64)
+
+
+def test_row_costs_stay_under_their_byte_bound_and_own_their_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cost prefix sums of a row are ``[L+1]`` int64 arrays: the rows kept are bounded in bytes
+    (16 rows at 1M tokens held 256 MiB), and no kept array is a view pinning a larger one."""
+    seq_len, block = 65536, 64
+    one_row = 2 * (seq_len + 1) * 8 + (seq_len // block) * 8
+    monkeypatch.setattr(counts, "ROW_COSTS_BYTES", 2 * one_row + one_row // 2, raising=False)
+    rows = _rows(seq_len, 20, seed=1)
+    retained = _retained(lambda: [rank_schedule(seq_len, block, 1, 4, "balanced", docs) for docs in rows])  # type: ignore[func-returns-value]
+    schedules = counts.DOCUMENT_SCHEDULES_KEPT * (seq_len // block) * 40  # ints and tuple slots, generously
+    assert retained < 3 * one_row + schedules, (retained, one_row)
+
+
+def test_one_rows_layouts_still_price_its_documents_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bounds keep the reuse the caches are for: every BP rank's layout of one row (and every
+    ring member's in its exchange plan) prices the row's documents once."""
+    priced = []
+    block_costs = counts.block_costs
+    monkeypatch.setattr(counts, "block_costs", lambda *args: priced.append(1) or block_costs(*args))
+    docs = _rows(4096, 1, seed=2)[0]
+    first = [rank_schedule(4096, 8, 2, 4, "balanced", docs) for _ in range(2 * 4)]
+    assert len(priced) == 1 and all(schedule is first[0] for schedule in first)
