@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ import torch
 from csbp.attention import counts
 from csbp.attention.counts import rank_schedule
 from csbp.attention.documents import random_documents
+from csbp.training.metrics import MetricsWriter, read_metrics
 
 
 def _rows(seq_len: int, count: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -92,3 +94,20 @@ def test_one_rows_layouts_still_price_its_documents_once(monkeypatch: pytest.Mon
     docs = _rows(4096, 1, seed=2)[0]
     first = [rank_schedule(4096, 8, 2, 4, "balanced", docs) for _ in range(2 * 4)]
     assert len(priced) == 1 and all(schedule is first[0] for schedule in first)
+
+
+def test_the_metrics_writer_keeps_no_record_of_past_steps(tmp_path: Path) -> None:
+    """Every step's record goes to ``metrics.jsonl`` and TensorBoard; none stays in memory (a kept
+    list grew by about 440 bytes a step on rank 0)."""
+    writer = MetricsWriter(tmp_path, enabled=True, start_step=0, total_steps=10**6)
+
+    def record(step: int) -> dict[str, float]:
+        return {"step": step, "loss": 1.0 + step * 1e-6, "lr": 1e-3, "grad_norm": 0.5,
+                "tokens_per_s": 1e4 + step, "peak_mem_bytes": 1e9 + step, "elapsed_s": float(step)}
+
+    for step in range(1, 101):  # TensorBoard's and tqdm's first-use allocations
+        writer.log(record(step))
+    retained = _retained(lambda: [writer.log(record(step)) for step in range(101, 2101)])  # type: ignore[func-returns-value]
+    writer.close()
+    assert retained < 64 * 1024, retained
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2100
