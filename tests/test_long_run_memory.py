@@ -1,12 +1,16 @@
 """Memory a long run must not accumulate: what a step leaves behind in process-wide caches or in the
 metrics writer is bounded by a constant, not by the number of steps. Document masking packs new
 documents into every row, so anything keyed by a row's documents is never asked for again after its
-step; the caches keep only what the same step (or ``csbp plan``) asks for again."""
+step; the caches keep only what the same step (or ``csbp plan``) asks for again. And a process that
+trains several times (``csbp compare`` trains every layout of a round in the same processes) ends
+each run with what it started with: no model, gradient buffer, process group, socket or thread of
+an earlier run stays behind."""
 
 from __future__ import annotations
 
 import gc
 import tracemalloc
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +21,7 @@ import torch
 from csbp.attention import counts
 from csbp.attention.counts import rank_schedule
 from csbp.attention.documents import random_documents
+from csbp.engine.grad_buckets import OverlappedGradientSync
 from csbp.training.metrics import MetricsWriter, read_metrics
 
 
@@ -111,3 +116,17 @@ def test_the_metrics_writer_keeps_no_record_of_past_steps(tmp_path: Path) -> Non
     writer.close()
     assert retained < 64 * 1024, retained
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2100
+
+
+def test_a_dropped_gradient_sync_frees_its_model() -> None:
+    """The parameters' gradient hooks must not keep the sync (and through its buckets the
+    parameters) alive: once the trainer drops both, the model and its gradient buffers are freed."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    sync = OverlappedGradientSync(model.parameters(), None)
+    sync.arm()
+    model(torch.ones(2, 8)).sum().backward()  # the hooks ran
+    sync.finish()
+    freed = [weakref.ref(model[0].weight), weakref.ref(sync)]
+    del model, sync
+    gc.collect()
+    assert all(ref() is None for ref in freed)
