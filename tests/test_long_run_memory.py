@@ -9,6 +9,7 @@ an earlier run stays behind."""
 from __future__ import annotations
 
 import gc
+import os
 import tracemalloc
 import weakref
 from collections.abc import Callable
@@ -22,7 +23,9 @@ from csbp.attention import counts
 from csbp.attention.counts import rank_schedule
 from csbp.attention.documents import random_documents
 from csbp.engine.grad_buckets import OverlappedGradientSync
+from csbp.parallel.launch import run_local
 from csbp.training.metrics import MetricsWriter, read_metrics
+from csbp.training.trainer import train
 
 
 def _rows(seq_len: int, count: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -130,3 +133,36 @@ def test_a_dropped_gradient_sync_frees_its_model() -> None:
     del model, sync
     gc.collect()
     assert all(ref() is None for ref in freed)
+
+
+def _process_state() -> tuple[int, int, int]:
+    """(open file descriptors, threads, live ``nn.Parameter`` objects) of this process."""
+    gc.collect()
+    threads = len(os.listdir("/proc/self/task"))
+    params = sum(isinstance(obj, torch.nn.Parameter) for obj in gc.get_objects())
+    return len(os.listdir("/proc/self/fd")), threads, params
+
+
+def _train_three_times(rank: int, world: int, config: dict, root: str) -> list[tuple[int, int, int]]:
+    from csbp.config import config_from_dict
+
+    states = []
+    for run in range(3):
+        train(config_from_dict(config), run_dir=Path(root) / f"run{run}")
+        states.append(_process_state())
+    return states
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open files through /proc")
+def test_training_again_in_the_same_processes_leaves_nothing_of_the_earlier_run(tmp_path: Path) -> None:
+    """Three tiny CSBP trainings on the same two gloo processes: after each one every rank has the
+    same open files, threads and live parameters as after the first (each run kept its process
+    groups, about 23 descriptors and 15 threads a rank, and its whole model before)."""
+    from test_training_run import config_dict, make_artifact
+
+    artifact = make_artifact(tmp_path / "data")
+    config = config_dict(artifact, **{"topology.cp": 2, "topology.bp": 2, "train.max_steps": 2,
+                                      "train.grad_accum": 1, "train.eval_every": 0, "train.save_every": 0})
+    for rank_states in run_local(_train_three_times, 2, (config, str(tmp_path / "runs")), timeout_s=240):
+        assert rank_states[0] == rank_states[1] == rank_states[2], rank_states
