@@ -196,7 +196,8 @@ ROW_COSTS_BYTES = 80 << 20
 """...and at most this many bytes of them (least recently used dropped first, the newest always
 kept): the 16 rows of at most ``2^22`` tokens ``csbp plan --data`` prices take 64 MiB. Training
 packs new documents into every row, so its kept rows are never asked for again; without this bound
-16 rows at 1M tokens held 256 MiB per rank."""
+16 rows at 1M tokens held about 400 MiB per rank (with each row's block starts a view that kept its
+``[L]`` document starts alive)."""
 _row_costs_kept: OrderedDict[tuple[int, int, bytes, int | None], tuple[np.ndarray, ...]] = OrderedDict()
 _row_costs_bytes = 0
 
