@@ -18,6 +18,7 @@ as arrays). They clip every row's interval to its document and cut a noisy row's
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -93,6 +94,14 @@ def rank_schedule(
     return block_schedule(seq_len // block_size, bp, schedule)
 
 
+DOCUMENT_SCHEDULES_KEPT = 8
+"""Schedules ``document_schedule`` keeps (least recently used dropped). Its only repeated asks are one
+row's, back to back: the rank's own layout, then every ring member's in the halo exchange plan
+(``csbp plan`` caches the totals above it and asks each key once). Training packs new documents
+into every row, so an entry is never asked for again after its step, and each holds ``L / B``
+Python ints (about 2.5 MB at 1M tokens, ``B = 16``): 512 kept ones held 1.3 GB per rank."""
+
+
 def document_schedule(
     seq_len: int, block_size: int, cp: int, bp: int, documents: DocBounds, window: int | None = None
 ) -> BlockSchedule:
@@ -122,7 +131,7 @@ def block_costs(
     return noisy, (c_stop - c_start).clip(min=0)
 
 
-@lru_cache(maxsize=512)  # per (cp, bp, row, window): a plan over --data prices 16 rows per layout
+@lru_cache(maxsize=DOCUMENT_SCHEDULES_KEPT)
 def _document_schedule(
     seq_len: int, block_size: int, cp: int, bp: int, starts_bytes: bytes, window: int | None
 ) -> BlockSchedule:
@@ -180,18 +189,48 @@ def _rank_loads(
     return loads
 
 
-@lru_cache(maxsize=16)  # per row: two int64 [L+1] arrays (16 MiB at 1M tokens)
+ROW_COSTS_KEPT = 16
+"""Rows whose costs ``_document_row_costs`` keeps: ``csbp plan --data`` prices at most 16 rows
+(``plan.artifact_documents.SAMPLE_ROWS``) under every ``(cp, bp)``, each row's costs computed once."""
+ROW_COSTS_BYTES = 80 << 20
+"""...and at most this many bytes of them (least recently used dropped first, the newest always
+kept): the 16 rows of at most ``2^22`` tokens ``csbp plan --data`` prices take 64 MiB. Training
+packs new documents into every row, so its kept rows are never asked for again; without this bound
+16 rows at 1M tokens held about 400 MiB per rank (with each row's block starts a view that kept its
+``[L]`` document starts alive)."""
+_row_costs_kept: OrderedDict[tuple[int, int, bytes, int | None], tuple[np.ndarray, ...]] = OrderedDict()
+_row_costs_bytes = 0
+
+
 def _document_row_costs(
     seq_len: int, block_size: int, starts_bytes: bytes, window: int | None
 ) -> tuple[np.ndarray, ...]:
+    """``_row_costs``, kept for the most recently asked rows (``ROW_COSTS_KEPT``, ``ROW_COSTS_BYTES``)."""
+    global _row_costs_bytes
+    key = (seq_len, block_size, starts_bytes, window)
+    costs = _row_costs_kept.pop(key, None)
+    if costs is None:
+        costs = _row_costs(seq_len, block_size, starts_bytes, window)
+        _row_costs_bytes += sum(array.nbytes for array in costs)
+    _row_costs_kept[key] = costs  # the most recent last
+    while len(_row_costs_kept) > 1 and (
+        len(_row_costs_kept) > ROW_COSTS_KEPT or _row_costs_bytes > ROW_COSTS_BYTES
+    ):
+        _, dropped = _row_costs_kept.popitem(last=False)
+        _row_costs_bytes -= sum(array.nbytes for array in dropped)
+    return costs
+
+
+def _row_costs(seq_len: int, block_size: int, starts_bytes: bytes, window: int | None) -> tuple[np.ndarray, ...]:
     """Prefix sums ``[L+1]`` of every row's pairs as a noisy and as a clean row (``block_costs``),
     and each block's first row's document start (BP-only recomputes ``[d_start, b·B)`` with or
     without a window, ``layout_positions``): what every ``(cp, bp)`` of ``_document_schedule``
-    prices its units with."""
+    prices its units with. Every array owns its memory (a view would keep the ``[L]`` one it
+    slices alive, uncounted)."""
     documents = _bounds_from_starts(np.frombuffer(starts_bytes, dtype=np.int64), seq_len)
     noisy, clean = block_costs(seq_len, block_size, documents, window)
     zero = np.zeros(1, dtype=np.int64)
-    block_start = documents[0][::block_size]
+    block_start = documents[0][::block_size].copy()
     return np.concatenate([zero, np.cumsum(noisy)]), np.concatenate([zero, np.cumsum(clean)]), block_start
 
 

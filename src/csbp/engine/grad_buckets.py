@@ -30,7 +30,8 @@ divide by its size); bytes are counted by the ``Comm`` under its category (``gra
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -88,8 +89,9 @@ class OverlappedGradientSync:
                 self._add_bucket(current)
         self._armed = False
         self._next_launch = 0
+        on_gradient = _weak_hook(self)
         for param in unique:
-            param.register_post_accumulate_grad_hook(self._on_gradient)
+            param.register_post_accumulate_grad_hook(on_gradient)
 
     def _add_bucket(self, params: list[nn.Parameter]) -> None:
         numel = sum(p.numel() for p in params)
@@ -159,3 +161,19 @@ class OverlappedGradientSync:
             bucket.pending.wait()
             bucket.flat.div_(self.comm.size)
             bucket.pending = None
+
+
+def _weak_hook(sync: OverlappedGradientSync) -> Callable[[Tensor], None]:
+    """``sync._on_gradient`` through a weak reference. A parameter keeps its hooks for life, and a
+    bound method would make each parameter hold the sync, which holds the parameters (its
+    buckets): a cycle through the autograd engine that the garbage collector never frees, so every
+    ``train`` in a process (``csbp compare``'s layouts) kept its whole model, gradient buffers and
+    the world group's sockets and threads. Once the sync is gone the hook does nothing."""
+    ref = weakref.ref(sync)
+
+    def on_gradient(param: Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_gradient(param)
+
+    return on_gradient

@@ -110,3 +110,12 @@ def build_process_groups(topology: Topology, *, timeout: timedelta | None = None
         **{name: mine[name][0] for name in GROUP_NAMES},
         **{f"{name}_ranks": mine[name][1] for name in GROUP_NAMES},
     )
+
+
+def release_process_groups(groups: ProcessGroups) -> None:
+    """Destroy the groups :func:`build_process_groups` created for this rank (their sockets and
+    threads). Call on every rank once nothing will use them again: a process that builds groups
+    again (``csbp compare`` trains every layout of a round in the same processes) otherwise keeps
+    every earlier set, about 23 file descriptors and 15 threads a set on gloo."""
+    for name in GROUP_NAMES:
+        dist.destroy_process_group(getattr(groups, name))

@@ -119,7 +119,6 @@ class MetricsWriter:
     def __init__(self, run_dir: Path, *, enabled: bool, start_step: int, total_steps: int) -> None:
         self.enabled = enabled
         self.run_dir = Path(run_dir)
-        self.records: list[dict[str, Any]] = []
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -160,7 +159,7 @@ class MetricsWriter:
             self._write(record)
 
     def _write(self, record: dict[str, Any]) -> None:
-        self.records.append(record)
+        """Out to the file and TensorBoard, nothing kept: a long run's records stay on disk."""
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
         step = int(record["step"])

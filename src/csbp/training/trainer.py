@@ -52,6 +52,7 @@ from csbp.devices import device_for_rank, select_device
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan
 from csbp.engine.context import ParallelContext, build_parallel_context
+from csbp.parallel.groups import release_process_groups
 from csbp.training.activation_checkpointing import checkpoint_layers
 from csbp.training.checkpoint import (
     TrainingState,
@@ -259,6 +260,8 @@ def _train(
             last_checkpoint = loop.run(start_step, stop_step, started)
         stop_step = loop.last_step
         final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
+        if ctx.groups is not None:  # every rank is past finish's barrier: no collective is left
+            release_process_groups(ctx.groups)
     finally:
         writer.close()
     return TrainSummary(
