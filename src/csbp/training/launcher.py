@@ -415,7 +415,9 @@ def _failure(exc: Any) -> TrainingFailed:
     return TrainingFailed(f"training failed on rank {rank}: {text}", details, expected=expected)
 
 
-_EXPECTED_ERRORS = ("TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ", "RunDirInUse: ")
+_EXPECTED_ERRORS = (
+    "TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ", "RunDirInUse: ", "CheckpointSaveFailed: "
+)
 
 
 def _is_root_cause(message: str) -> bool:

@@ -259,8 +259,12 @@ def _train(
             last_checkpoint = loop.run(start_step, stop_step, started)
         stop_step = loop.last_step
         final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
-    finally:
-        writer.close()
+    except BaseException:
+        # the run's own error is the one to report: on a full disk drawing loss.png fails too
+        with contextlib.suppress(Exception):
+            writer.close()
+        raise
+    writer.close()
     return TrainSummary(
         run_dir=run_dir,
         start_step=start_step,
