@@ -1,4 +1,5 @@
-"""A checkpoint that cannot be written (a full disk) stops the run with one line and keeps the last one.
+"""A checkpoint that cannot be written (a full disk) stops the run with one line and keeps the last
+one; Ctrl-C or SIGTERM during a save is an interruption.
 
 DCP wraps a rank's write error in ``CheckpointException``, a ``BaseException``: it used to escape
 ``csbp train`` as a traceback (one process; on a full disk drawing ``loss.png`` then failed too and
@@ -15,6 +16,7 @@ import dataclasses
 import errno
 import io
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 import csbp.training.metrics as metrics_module
 from csbp.cli.main import main
+from csbp.interrupts import Interrupted
 from csbp.parallel.launch import run_local
 from csbp.training.checkpoint import CheckpointSaveFailed, TrainingState, save_checkpoint
 from csbp.training.checkpoint_integrity import checkpoint_problem
@@ -39,15 +42,15 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_artifact(tmp_path_factory.mktemp("data") / "art")
 
 
-def fail_writes_after(monkeypatch: pytest.MonkeyPatch, saves: int) -> None:
-    """DCP's file writes fail (disk full) from save ``saves + 1`` on."""
+def fail_writes_after(monkeypatch: pytest.MonkeyPatch, saves: int, error: BaseException = NO_SPACE) -> None:
+    """DCP's file writes raise ``error`` (default: disk full) from save ``saves + 1`` on."""
     real = FileSystemWriter._write_data
     calls = {"n": 0}
 
     def write_data(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
         if calls["n"] > saves:
-            raise NO_SPACE
+            raise error
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(FileSystemWriter, "_write_data", write_data)
@@ -80,6 +83,30 @@ def test_a_full_disk_during_a_save_stops_the_run_in_one_line(
     assert (root / "latest").read_text().strip() == "step_0000001"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000001"]  # the partial save is gone
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("interrupt", "code"), [(KeyboardInterrupt(), 130), (Interrupted(signal.SIGTERM), 143)], ids=["ctrl-c", "sigterm"]
+)
+def test_ctrl_c_or_sigterm_during_a_save_is_an_interruption(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, interrupt: BaseException, code: int
+) -> None:
+    """DCP catches every ``BaseException`` of a rank's write and wraps it: Ctrl-C (or SIGTERM, which
+    ``csbp`` raises as ``Interrupted``) in a one-process run's save used to escape as a
+    ``CheckpointException`` traceback instead of ``csbp: interrupted``."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(config_dict(artifact, **{"train.save_every": 1, "train.eval_every": 0})), encoding="utf-8"
+    )
+    run_dir = tmp_path / "run"
+    fail_writes_after(monkeypatch, saves=1, error=interrupt)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", str(config), "--run-dir", str(run_dir)]) == code
+    assert [line for line in err.getvalue().splitlines() if line.startswith("csbp")] == ["csbp: interrupted"]
+    root = run_dir / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000001"]
+    assert (root / "latest").read_text().strip() == "step_0000001"
 
 
 def _save_on_a_full_disk(rank: int, world: int, root: Path) -> str:
