@@ -31,7 +31,7 @@ from csbp.cli.main import main
 from csbp.interrupts import Interrupted
 from csbp.parallel.launch import run_local
 from csbp.training.checkpoint import CheckpointSaveFailed, TrainingState, save_checkpoint
-from csbp.training.checkpoint_integrity import checkpoint_problem
+from csbp.training.checkpoint_integrity import SafeFileSystemReader, checkpoint_problem
 from test_training_run import config_dict, make_artifact
 
 NO_SPACE = OSError(errno.ENOSPC, "No space left on device")
@@ -139,3 +139,24 @@ def test_a_full_disk_on_one_rank_fails_the_save_on_every_rank(tmp_path: Path) ->
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text().strip() == "step_0000001"
     assert checkpoint_problem(root / "step_0000001") is None
+
+
+def test_ctrl_c_while_a_resume_loads_its_checkpoint_is_an_interruption(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same wrapping on load: Ctrl-C while ``--resume`` read the checkpoint used to end with
+    ``csbp: error: checkpoint ... could not be loaded: rank 0: `` (exit 2)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(config_dict(artifact, **{"train.eval_every": 0})), encoding="utf-8")
+    run_dir = tmp_path / "run"
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", str(config), "--run-dir", str(run_dir), "--max-steps", "2"]) == 0
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SafeFileSystemReader, "read_data", interrupted)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["train", str(config), "--run-dir", str(run_dir), "--resume"]) == 130
+    assert [line for line in err.getvalue().splitlines() if line.startswith("csbp")] == ["csbp: interrupted"]

@@ -58,9 +58,8 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from csbp.data.loader import PackedLoader
-from csbp.interrupts import Interrupted
 from csbp.training.checkpoint_checksums import CHECKSUMS_KEY, record_checksums
-from csbp.training.checkpoint_integrity import find_resume_checkpoint, safe_dcp_load
+from csbp.training.checkpoint_integrity import find_resume_checkpoint, raise_if_interrupted, safe_dcp_load
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -206,10 +205,8 @@ def save_checkpoint(
             _write_text_durably(root / LATEST_FILE, name + "\n")
             prune_checkpoints(root, keep=keep, protect=name)
     except CheckpointException as exc:  # a BaseException: nothing above it would report it in one line
-        cause = _first_failure(exc)
-        if isinstance(cause, Interrupted) or not isinstance(cause, Exception):
-            raise cause from None  # Ctrl-C or SIGTERM during the write (DCP wraps those too): an interruption
-        raise CheckpointSaveFailed(save_failure_message(root, name, cause)) from None
+        raise_if_interrupted(exc)
+        raise CheckpointSaveFailed(save_failure_message(root, name, _first_failure(exc))) from None
     except OSError as exc:
         raise CheckpointSaveFailed(save_failure_message(root, name, exc)) from None
     _barrier()
