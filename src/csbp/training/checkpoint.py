@@ -299,8 +299,10 @@ def _fsync_directory(directory: Path) -> None:
 def _publish(staging: Path, final: Path) -> None:
     """Rename the finished staging directory onto its final name.
 
-    A directory already at ``final`` is never the one ``latest`` names (``latest`` only moves
-    forward and training resumes from it), so it is a leftover of a crash and is replaced.
+    A directory already at ``final`` is a leftover of a crash (published before ``latest`` was
+    moved to it) or a damaged checkpoint the resume skipped (``latest`` may name that one; a crash
+    before the rename then leaves ``latest`` naming nothing, and ``--resume`` takes the newest intact
+    checkpoint), so it is replaced.
     """
     if final.exists():
         shutil.rmtree(final)
