@@ -1,6 +1,6 @@
-"""Faults during a run: a stalled rank, Ctrl-C and SIGTERM, SIGKILL during a checkpoint save, planted
-pickles, damaged checkpoints,
-non-finite steps, ``--overwrite`` of directories csbp did not write, and what a run leaves behind.
+"""Faults during a run: a stalled rank, Ctrl-C and SIGTERM, SIGKILL during a checkpoint save or of the
+launcher while its workers start, planted pickles, damaged checkpoints, non-finite steps,
+``--overwrite`` of directories csbp did not write, and what a run leaves behind.
 
 The multi-process tests launch ``csbp train`` as a subprocess (its own session, ``TMPDIR`` pointing
 into the test's directory) on 2 gloo processes with a tiny model, and use a short
@@ -240,6 +240,30 @@ def test_sigkill_during_a_checkpoint_save_keeps_the_last_one_and_the_run_resumes
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [record["step"] for record in records]
     assert steps == list(range(steps[0], step + 2)), steps  # one trajectory, the torn line gone
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_workers_end_with_a_launcher_killed_while_they_start(artifact: Path, tmp_path: Path) -> None:
+    """``SIGKILL`` of the launcher alone while its workers still import torch: they used to wait for
+    the dead launcher's rendezvous store for minutes (more than 7 measured), holding the caller's
+    output pipes open, with the run directory's lock already released."""
+    process = start_run(artifact, tmp_path, tmp_path / "run")
+    workers: list[int] = []
+    deadline = time.monotonic() + 120
+    while len(workers) < 2 and time.monotonic() < deadline and process.poll() is None:
+        workers = worker_pids(process.pid)
+        time.sleep(0.01)
+    assert len(workers) == 2, "the workers did not start"
+    os.kill(process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 90
+    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in workers if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    process.communicate(timeout=30)
+    assert not left, "workers outlived their killed launcher"
 
 
 # ----------------------------------------------------------------------------- checkpoints

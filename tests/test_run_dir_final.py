@@ -3,6 +3,7 @@ refused before training starts (it used to fail after the whole run, at the expo
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -39,3 +40,28 @@ def test_an_earlier_export_in_final_is_accepted(tmp_path: Path) -> None:
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
         (final / name).write_text("{}")
     assert check_run_dir(tmp_path / "run", resume=False, stop_step=10) is None
+
+
+def test_nothing_left_to_train_with_final_missing_names_the_export_that_writes_it(tmp_path: Path) -> None:
+    """A run stopped after its last checkpoint, before ``final/`` was written: the fix names the
+    export of that checkpoint (``csbp dflash export`` for a drafter), not only a longer schedule."""
+    from csbp.config import config_from_dict
+    from csbp.training.preflight import check_steps_left
+    from test_config import dflash_changes, with_changes
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000010"
+    checkpoint.mkdir(parents=True)
+    final = tmp_path / "run" / "final"
+    with pytest.raises(ValueError, match=re.escape(f"but {final} is missing: the run stopped")):
+        check_steps_left(checkpoint, 10, 10)
+    with pytest.raises(ValueError, match=re.escape(f"(fix: csbp export {tmp_path / 'run'} --out {final};")):
+        check_steps_left(checkpoint, 10, 10)
+    cfg = config_from_dict(with_changes(dflash_changes()))
+    assert cfg.objective.dflash is not None
+    target = cfg.objective.dflash.target
+    with pytest.raises(ValueError, match=re.escape(f"(fix: csbp dflash export --checkpoint {checkpoint} --target {target} --out {final};")):
+        check_steps_left(checkpoint, 10, 10, cfg)
+    final.mkdir()
+    with pytest.raises(ValueError, match=r"nothing is left to do before step 10 \(fix: raise --max-steps or train\.max_steps\)$"):
+        check_steps_left(checkpoint, 10, 10, cfg)
+    check_steps_left(checkpoint, 9, 10)

@@ -305,6 +305,26 @@ def test_crash_while_saving_keeps_the_previous_checkpoint(
     assert not (checkpoints / "step_0000004.tmp").exists()
 
 
+def test_a_run_stopped_while_exporting_names_the_export_that_finishes_it(
+    full_run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Killed after its last checkpoint, before ``final/`` was written: ``--resume`` has nothing to
+    train, and its fix used to be only "raise --max-steps or train.max_steps" (another schedule,
+    another model). It now names the export that writes ``final/`` from that checkpoint."""
+    run_dir = copy_run(full_run[0], tmp_path)
+    shutil.rmtree(run_dir / "final")
+    config = full_run[0].parent / "run.yaml"
+    capsys.readouterr()
+    assert main(["train", str(config), "--run-dir", str(run_dir), "--resume"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"{run_dir / 'final'} is missing" in lines[0], lines
+    command = lines[0].split("(fix: ")[1].split(";")[0]
+    assert command == f"csbp export {run_dir} --out {run_dir / 'final'}"
+    assert main(command.split()[1:]) == 0
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json"):
+        assert (run_dir / "final" / name).read_bytes() == (full_run[0] / "final" / name).read_bytes(), name
+
+
 def test_resume_rejects_another_model_shape(run_at_step2: Path, artifact: Path, tmp_path: Path) -> None:
     run_dir = copy_run(run_at_step2, tmp_path)
     cfg = tiny_config(artifact, **{"model.num_kv_heads": 4})

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
@@ -58,7 +59,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from csbp.data.loader import PackedLoader
 from csbp.training.checkpoint_checksums import CHECKSUMS_KEY, record_checksums
-from csbp.training.checkpoint_integrity import find_resume_checkpoint, safe_dcp_load
+from csbp.training.checkpoint_integrity import find_resume_checkpoint, raise_if_interrupted, safe_dcp_load
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -182,24 +183,69 @@ def save_checkpoint(
     state: TrainingState,
     keep: int,
 ) -> Path:
-    """Write checkpoint ``state.step`` atomically (call on every rank); return its directory."""
+    """Write checkpoint ``state.step`` atomically (call on every rank); return its directory.
+
+    A write that fails (a full disk, a read-only or vanished directory) raises
+    :class:`CheckpointSaveFailed`, one line; ``latest`` still names the previous checkpoint. DCP
+    reports a failure on any rank to every rank, so all of them raise it."""
     root = checkpoints_root(run_dir)
     name = checkpoint_name(state.step)
     staging, final = root / f"{name}.tmp", root / name
-    if _is_rank0():
-        shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
-        staging.mkdir(parents=True)
-    _barrier()
-    metadata = save_sharded_state(model, optimizer, staging)
-    data_files = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
-    checksums = record_checksums(staging, data_files)  # each rank reads its own files; gathered (a barrier too)
-    if _is_rank0():
-        _write_json_durably(staging / STATE_FILE, {**state.to_json(), CHECKSUMS_KEY: checksums})
-        _publish(staging, final)
-        _write_text_durably(root / LATEST_FILE, name + "\n")
-        prune_checkpoints(root, keep=keep, protect=name)
+    try:
+        if _is_rank0():
+            shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
+            staging.mkdir(parents=True)
+        _barrier()
+        metadata = save_sharded_state(model, optimizer, staging)
+        data_files = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
+        checksums = record_checksums(staging, data_files)  # each rank reads its own files; gathered (a barrier too)
+        if _is_rank0():
+            _write_json_durably(staging / STATE_FILE, {**state.to_json(), CHECKSUMS_KEY: checksums})
+            _publish(staging, final)
+            _write_text_durably(root / LATEST_FILE, name + "\n")
+            prune_checkpoints(root, keep=keep, protect=name)
+    except CheckpointException as exc:  # a BaseException: nothing above it would report it in one line
+        raise_if_interrupted(exc)
+        raise CheckpointSaveFailed(save_failure_message(root, name, _first_failure(exc))) from None
+    except OSError as exc:
+        raise CheckpointSaveFailed(save_failure_message(root, name, exc)) from None
     _barrier()
     return final
+
+
+class CheckpointSaveFailed(ValueError):
+    """A checkpoint could not be written; the message is one line naming the cause and the fix."""
+
+
+def _first_failure(exc: CheckpointException) -> BaseException:
+    """The exception of the lowest rank DCP reports as failed."""
+    failures = sorted(exc.failures.items(), key=lambda item: item[0])
+    if not failures:
+        return exc
+    cause = failures[0][1]
+    return cause[0] if isinstance(cause, tuple) else cause
+
+
+def save_failure_message(root: Path, name: str, cause: BaseException) -> str:
+    """One line: checkpoint ``name`` could not be written in ``root`` because of ``cause``, the free
+    space there, and what ``latest`` still names."""
+    reason = (str(cause).strip().splitlines() or [""])[0]
+    reason = f"{type(cause).__name__}: {reason}" if reason else type(cause).__name__
+    try:
+        free = f"{shutil.disk_usage(root).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = "its free space unknown"
+    pointer = root / LATEST_FILE
+    try:
+        kept = pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+    except OSError:
+        kept = None
+    previous = f"{pointer} still names {kept}" if kept else "no earlier checkpoint was completed"
+    then = "continue with --resume" if kept else "start the run again"
+    return (
+        f"checkpoint {name} could not be written in {root} ({reason}; {free}); the run stopped and {previous} "
+        f"(fix: free disk space there or lower train.keep_checkpoints, check the directory is writable, then {then})"
+    )
 
 
 # ----------------------------------------------------------------------------- sharded state (saving)
@@ -253,8 +299,10 @@ def _fsync_directory(directory: Path) -> None:
 def _publish(staging: Path, final: Path) -> None:
     """Rename the finished staging directory onto its final name.
 
-    A directory already at ``final`` is never the one ``latest`` names (``latest`` only moves
-    forward and training resumes from it), so it is a leftover of a crash and is replaced.
+    A directory already at ``final`` is a leftover of a crash (published before ``latest`` was
+    moved to it) or a damaged checkpoint the resume skipped (``latest`` may name that one; a crash
+    before the rename then leaves ``latest`` naming nothing, and ``--resume`` takes the newest intact
+    checkpoint), so it is replaced.
     """
     if final.exists():
         shutil.rmtree(final)

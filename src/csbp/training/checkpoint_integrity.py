@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
+from csbp.interrupts import Interrupted
 from csbp.training.checkpoint_checksums import CHECKSUMS_KEY, METADATA_FILE, checksum_problem, parse_record
 
 STATE_FILE = "trainer_state.json"
@@ -284,9 +285,20 @@ def safe_dcp_load(state_dict: dict[str, Any], checkpoint: Path, *, no_dist: bool
                 no_dist=no_dist,
             )
     except CheckpointException as exc:
+        raise_if_interrupted(exc)
         failures = sorted(exc.failures.items(), key=lambda item: item[0])
         first = f"rank {failures[0][0]}: {failures[0][1][0]}" if failures else str(exc)
         raise ValueError(f"checkpoint {checkpoint} could not be loaded: {first.splitlines()[0]}") from None
+
+
+def raise_if_interrupted(exc: CheckpointException) -> None:
+    """Re-raise the Ctrl-C (``KeyboardInterrupt``) or SIGTERM (:class:`~csbp.interrupts.Interrupted`)
+    that stopped a rank's DCP read or write: DCP wraps every ``BaseException`` of a rank into its
+    ``CheckpointException``, and an interruption must end the command as one."""
+    for _, failure in sorted(exc.failures.items(), key=lambda item: item[0]):
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, Interrupted) or not isinstance(cause, Exception):
+            raise cause from None
 
 
 def checkpoint_problem(checkpoint: Path, *, state_file: str | None = STATE_FILE) -> str | None:

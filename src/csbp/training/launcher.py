@@ -57,6 +57,7 @@ from csbp.interrupts import Interrupted
 from csbp.parallel.loopback import LOOPBACK, LOOPBACK_INTERFACE, register_loopback_rendezvous
 from csbp.training.checkpoint_checksums import remember_verified, verified_files
 from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher, report_stall
+from csbp.training.orphans import die_with_launcher
 from csbp.training.preflight import check_new_run_dir, check_run, check_writable_directory, verify_data
 from csbp.training.run_lock import run_dir_lock
 from csbp.training.trainer import (
@@ -272,10 +273,14 @@ def _elastic_worker(
     max_steps: int | None,
     lock: bool,
     verified: list[tuple[Any, int]] | None = None,
+    launcher_pid: int | None = None,
 ) -> TrainSummary | None:
     """Entry point of one worker started by ``elastic_launch`` (module level: it is pickled by name);
     with ``lock`` (several nodes) global rank 0 holds the run directory's lock. ``verified``: the
-    checkpoint file checksums the launcher's pre-flight read, so no worker reads those files again."""
+    checkpoint file checksums the launcher's pre-flight read, so no worker reads those files again.
+    The worker ends with ``launcher_pid`` (:mod:`csbp.training.orphans`)."""
+    if launcher_pid is not None:
+        die_with_launcher(launcher_pid)
     remember_verified(verified or [])
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
@@ -352,7 +357,7 @@ def _launch_workers(
     try:
         with _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher:
             results: dict[int, Any] = elastic_launch(config, _elastic_worker)(
-                cfg, str(run_dir), resume, max_steps, options.nnodes > 1, verified_files()
+                cfg, str(run_dir), resume, max_steps, options.nnodes > 1, verified_files(), os.getpid()
             )
     except ChildFailedError as exc:
         failure = _failure(exc)
@@ -415,7 +420,9 @@ def _failure(exc: Any) -> TrainingFailed:
     return TrainingFailed(f"training failed on rank {rank}: {text}", details, expected=expected)
 
 
-_EXPECTED_ERRORS = ("TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ", "RunDirInUse: ")
+_EXPECTED_ERRORS = (
+    "TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ", "RunDirInUse: ", "CheckpointSaveFailed: "
+)
 
 
 def _is_root_cause(message: str) -> bool:

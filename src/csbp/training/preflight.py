@@ -166,7 +166,7 @@ def check_run(
                 shapes=inputs.param_shapes(),
                 data_fingerprint=artifact.fingerprint,
             )
-            check_steps_left(latest, state.step, stop_step or cfg.train.max_steps)
+            check_steps_left(latest, state.step, stop_step or cfg.train.max_steps, cfg)
     return inputs
 
 
@@ -200,13 +200,26 @@ def check_run_dir(
     return latest
 
 
-def check_steps_left(checkpoint: Path, step: int, stop_step: int) -> None:
-    """``ValueError`` when a resume from ``checkpoint`` (at ``step``) has nothing to train before ``stop_step``."""
-    if step >= stop_step:
-        raise ValueError(
-            f"--resume: {checkpoint} is at step {step}, nothing is left to do before step "
-            f"{stop_step} (fix: raise --max-steps or train.max_steps)"
-        )
+def check_steps_left(checkpoint: Path, step: int, stop_step: int, cfg: RunConfig | None = None) -> None:
+    """``ValueError`` when a resume from ``checkpoint`` (at ``step``) has nothing to train before
+    ``stop_step``; when the run's ``final/`` is missing too (the run was stopped after its last
+    checkpoint, while exporting), the fix names the command that writes it from that checkpoint."""
+    if step < stop_step:
+        return
+    done = f"--resume: {checkpoint} is at step {step}, nothing is left to do before step {stop_step}"
+    final = Path(checkpoint).parent.parent / "final"
+    if os.path.lexists(final):
+        raise ValueError(f"{done} (fix: raise --max-steps or train.max_steps)")
+    dflash = cfg.objective.dflash if cfg is not None and cfg.objective.name == "dflash" else None
+    export = (
+        f"csbp export {final.parent} --out {final}"
+        if dflash is None
+        else f"csbp dflash export --checkpoint {checkpoint} --target {dflash.target} --out {final}"
+    )
+    raise ValueError(
+        f"{done}, but {final} is missing: the run stopped after its last checkpoint, before its export was "
+        f"written (fix: {export}; or raise --max-steps or train.max_steps to train longer)"
+    )
 
 
 RUN_DIR_ENTRIES = frozenset(

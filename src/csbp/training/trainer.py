@@ -262,8 +262,12 @@ def _train(
         final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
         if ctx.groups is not None:  # every rank is past finish's barrier: no collective is left
             release_process_groups(ctx.groups)
-    finally:
-        writer.close()
+    except BaseException:
+        # the run's own error is the one to report: on a full disk drawing loss.png fails too
+        with contextlib.suppress(Exception):
+            writer.close()
+        raise
+    writer.close()
     return TrainSummary(
         run_dir=run_dir,
         start_step=start_step,
