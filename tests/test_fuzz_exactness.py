@@ -163,11 +163,38 @@ LAMBDA_DP = DFlashVerifyCase(
 acceptance of its own samples, one process that of the whole batch (loss off by 1.8e-5 relative)."""
 
 
+ANCHORLESS_SEEDS = (2490, 700167)
+"""DFlash draws whose batch had a row without a valid anchor (1-token documents, padding and the random
+supervision): the reference refused them, so ``csbp verify --random`` reported an ERROR for a draw that
+training refuses before its first step (``validate_anchor_coverage``); now redrawn valid."""
+
+
+def test_dflash_draws_give_every_row_an_anchor() -> None:
+    from csbp.dflash.anchors import valid_anchor_mask
+    from csbp.dflash.verify import make_batch
+
+    cases = [c for c in (draw_case(seed) for seed in (*ANCHORLESS_SEEDS, *range(400)))
+             if isinstance(c, DFlashVerifyCase)]
+    assert [c.seed for c in cases[:2]] == list(ANCHORLESS_SEEDS) and len(cases) > 60
+    for c in cases:
+        batch = make_batch(c.samples * c.topology.dp, c.seq_len, seed=c.seed, doc_ids=c.doc_ids)
+        assert bool(valid_anchor_mask(batch.loss_mask, batch.doc_ids).any(dim=-1).all()), describe(c)
+
+
+def test_an_anchorless_dflash_draw_is_redrawn_valid() -> None:
+    from csbp.engine.fuzz import _anchorless_rows, _with_anchors
+
+    ones = DFlashVerifyCase(Topology(cp=2), seq_len=12, samples=2, doc_ids=(tuple(range(12)),) * 2)
+    assert _anchorless_rows(ones) == [0, 1]  # 1-token documents: no anchor at all
+    fixed = _with_anchors(random.Random(0), ones, 4)
+    assert not _anchorless_rows(fixed) and fixed.seq_len % 4 == 0
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_seeded_random_cases_equal_one_process() -> None:
     """The suite's randomized sweep: SWEEP_SEEDS and the regressions share one 4-rank launch."""
-    drawn = [(seed, draw_case(seed, 4)) for seed in SWEEP_SEEDS]
+    drawn = [(seed, draw_case(seed, 4)) for seed in (*SWEEP_SEEDS, ANCHORLESS_SEEDS[1])]
     drawn += [(-1, replace(ONE_KEY, topology=Topology(dp=4))), (-2, LAMBDA_DP)]
     results = run_cases(drawn)
     assert [r.seed for r in results] == [seed for seed, _ in drawn]

@@ -13,7 +13,8 @@ integer seed, a *valid* configuration of every knob the engine exposes:
 * the objective (``bd3``, ``fast_dllm_v2``, ``mdlm``, ``dflash``), and for the first three, sometimes
   their unclipped-NELBO validation form (``val_nelbo``); for DFlash the loss (CE or KL, LK
   variants), weighting, anchor sampling, context rule, DFlash2 convolutions and selector, and a
-  sliding-window draft layer; the LM-head loss in chunks of a few rows;
+  sliding-window draft layer (every row keeps a valid anchor, as training requires: a row left
+  without one is redrawn); the LM-head loss in chunks of a few rows;
 * transport (collective, streaming, halo), window (smaller than, equal to or larger than a block),
   block schedule (dual-end, contiguous, balanced), diagonal and clean-context kernels;
 * explicit, ragged document boundaries per sample: 1-token documents, documents ending exactly on
@@ -212,12 +213,47 @@ def _draw_dflash(rng: random.Random, seed: int, topology: Topology) -> DFlashVer
         options |= {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 40}
     if rng.random() < 0.3:  # a sliding-window draft layer
         options |= {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": rng.randint(1, 9)}
-    return DFlashVerifyCase(
+    case = DFlashVerifyCase(
         topology=topology, objective=objective, seq_len=seq_len, samples=samples, seed=seed,
         transport=transport, doc_ids=doc_ids, diagonal=rng.choice(["auto", "matmul", "sdpa"]),
         drafter_options=options, perturb_extras=bool(options), selector_scale=rng.choice([0.0, 0.5, 1.0]),
         dtype="float32" if rng.random() < FLOAT32_SHARE else "float64",  # drawn last: earlier draws unchanged
     )
+    return _with_anchors(rng, case, unit)
+
+
+def _anchorless_rows(case: DFlashVerifyCase) -> list[int]:
+    """Rows of ``case``'s batch with no valid DFlash anchor (training refuses such data before its first
+    step, ``validate_anchor_coverage``; the reference and every rank refuse them too)."""
+    from csbp.dflash.anchors import valid_anchor_mask
+    from csbp.dflash.verify import make_batch
+
+    batch = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length,
+                       doc_ids=case.doc_ids)
+    has_anchor = valid_anchor_mask(batch.loss_mask, batch.doc_ids).any(dim=-1)
+    return [row for row, ok in enumerate(has_anchor.tolist()) if not ok]
+
+
+def _with_anchors(rng: random.Random, case: DFlashVerifyCase, unit: int) -> DFlashVerifyCase:
+    """``case``, or (when some row has no valid anchor: 1-token documents, padding and the random
+    supervision can leave none) a valid redraw: the bad rows' documents again, then one document
+    each, then another sequence length. Valid draws are returned unchanged (the redraws use the
+    generator after every other draw), so seeds keep naming the cases they named."""
+    for attempt in range(64):
+        bad = _anchorless_rows(case)
+        if not bad:
+            return case
+        rows = [list(row) for row in case.doc_ids] if case.doc_ids is not None else [
+            [0] * case.seq_len for _ in range(case.samples * case.topology.dp)]
+        if attempt >= 8:  # the supervision itself may hold no two consecutive tokens: another length
+            seq_len = rng.choice([n for n in range(unit, 49, unit) if n >= 12])
+            case = replace(case, seq_len=seq_len, doc_ids=tuple((0,) * seq_len for _ in rows))
+            continue
+        for r in bad:
+            rows[r] = list(draw_documents(rng, case.seq_len, 4, max(1, case.seq_len // (2 * case.topology.cp)))
+                           if attempt < 7 else (0,) * case.seq_len)
+        case = replace(case, doc_ids=tuple(tuple(row) for row in rows))
+    raise AssertionError(f"DFlash draw {case.seed}: no batch with a valid anchor in every row")
 
 
 def describe(case: FuzzCase) -> dict[str, Any]:
