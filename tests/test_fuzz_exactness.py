@@ -91,6 +91,15 @@ def test_window_on_a_single_stream_objective_is_refused(objective: str) -> None:
         build_rank_plan(single_process_context(), 16, 16, uses_clean_stream=False, window=4)
 
 
+def test_check_case_refuses_a_window_on_mdlm_as_the_config_does() -> None:
+    """Was: accepted by ``check_case`` (the train config refuses it), refused only once the reference
+    planned the case."""
+    from csbp.engine.verify import check_case
+
+    with pytest.raises(ValueError, match="window=3 has no effect on mdlm"):
+        check_case(VerifyCase(Topology(), 8, 2, window=3, objective="mdlm"))
+
+
 def test_window_on_dflash_is_refused() -> None:
     from test_config import dflash_changes, error_lines, with_changes
 

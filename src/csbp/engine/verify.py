@@ -335,6 +335,11 @@ def check_case(case: VerifyCase) -> None:
             f"mdlm is a single stream with no clean context to shard, got cp={case.topology.cp}, "
             f"bp={case.topology.bp}: use cp=1, bp=1 and scale with dp"
         )
+    if case.objective == "mdlm" and case.window is not None:  # was: refused only once the reference planned it
+        raise ValueError(
+            f"window={case.window} has no effect on mdlm, which trains full attention: drop the window "
+            "or use bd3/fast_dllm_v2"
+        )
     if case.micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {case.micro_batches}")
     if case.reset_positions and not case.documents:
