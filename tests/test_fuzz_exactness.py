@@ -288,3 +288,57 @@ def test_random_verify_flags_run_a_valid_case_or_fail_closed(
         assert code == 2 and len(err) == 1 and "Traceback" not in err[0], (argv, err)
         refused += 1
     assert refused > 100 and len(launched) >= 3
+
+
+def _run_config(cp: int, bp: int, dp: int, seq_len: int, block: int, window: int | None, transport: str,
+                schedule: str, objective: str, documents: bool) -> dict:
+    data: dict = {
+        "run": {"name": "fuzz", "seed": 0},
+        "model": {"arch": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 4,
+                  "num_kv_heads": 2, "head_dim": 8, "vocab_size": 64},
+        "data": {"train": "artifacts/fuzz", "seq_len": seq_len, "document_mask": documents},
+        "objective": {"name": objective, "mask_token_id": 63},
+        "optim": {"lr": 1e-3, "warmup_steps": 0},
+        "train": {"max_steps": 2, "micro_batch_size": 1},
+        "topology": {"dp": dp, "cp": cp, "bp": bp, "replicate_clean_prefix": cp == 1 and bp > 1,
+                     "transport": transport, "schedule": schedule},
+    }
+    if objective != "mdlm":
+        data["objective"]["block_size"] = block
+    if window is not None:
+        data["topology"]["window"] = window
+    return data
+
+
+def test_check_case_accepts_exactly_what_the_train_config_accepts() -> None:
+    """``csbp verify`` must not verify a layout training refuses, nor refuse one training runs: random
+    degrees, sizes, windows, transports, schedules and objectives, most invalid (found: a streaming
+    transport with ``cp == 1`` and a window on mdlm were accepted by ``check_case`` only)."""
+    from csbp.config.loading import config_from_dict
+    from csbp.engine.verify import check_case
+
+    outcomes = set()
+    for seed in range(400):
+        rng = random.Random(seed)
+        cp, bp, dp = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 4, 6, 8]), rng.choice([1, 2])
+        seq_len, block = rng.choice([4, 6, 8, 12, 16, 18, 24, 30, 32, 48]), rng.choice([1, 2, 3, 4, 5, 8, 16])
+        window = rng.choice([None, None, 1, 3, 100])
+        transport = rng.choice(["collective", "streaming", "halo"])
+        schedule = rng.choice(["dual_end", "contiguous", "balanced"])
+        objective, documents = rng.choice(["bd3", "bd3", "fast_dllm_v2", "mdlm"]), rng.random() < 0.5
+        args = (cp, bp, dp, seq_len, block, window, transport, schedule, objective, documents)
+        try:
+            config_from_dict(_run_config(*args), source="c.yaml")
+            config_ok = True
+        except ValueError:
+            config_ok = False
+        try:
+            topology = Topology(dp=dp, cp=cp, bp=bp, replicate_clean_prefix=cp == 1 and bp > 1)
+            check_case(VerifyCase(topology, seq_len, block, window=window, transport=transport,  # type: ignore[arg-type]
+                                  schedule=schedule, objective=objective, doc_length=4 if documents else None))  # type: ignore[arg-type]
+            verify_ok = True
+        except ValueError:
+            verify_ok = False
+        assert config_ok == verify_ok, (args, config_ok, verify_ok)
+        outcomes.add(config_ok)
+    assert outcomes == {True, False}
