@@ -107,6 +107,10 @@ def test_random_cases_run_on_the_named_backend(tmp_path, capsys: pytest.CaptureF
         (["--nproc", "2", "--cp", "1", "--bp", "2", "--objective", "dflash", "--transport", "streaming"],
          "--transport streaming needs a CP ring"),
         (["--nproc", "1", "--transport", "streaming"], "no layout of --nproc 1 has cp > 1"),
+        # a DFlash batch with a sample holding no anchor: was the table's header, then the engine's error
+        (["--nproc", "4", "--cp", "2", "--bp", "4", "--objective", "dflash", "--seq-len", "4"],
+         "--seq-len 4 --seed 0: sample 1 of the DFlash batch of 2 samples has no valid anchor"),
+        (["--nproc", "2", "--objective", "dflash", "--seq-len", "8", "--doc-length", "2"], "use a longer --seq-len, a longer --doc-length"),
     ],
 )
 def test_verify_rejects_bad_input_before_launching(

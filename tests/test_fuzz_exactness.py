@@ -191,16 +191,17 @@ def test_dflash_draws_give_every_row_an_anchor() -> None:
 
 
 def test_an_anchorless_dflash_draw_is_redrawn_valid() -> None:
-    from csbp.engine.fuzz import _anchorless_rows, _with_anchors
+    from csbp.dflash.verify import anchorless_rows
+    from csbp.engine.fuzz import _with_anchors
 
     ones = DFlashVerifyCase(Topology(cp=2), seq_len=12, samples=2, doc_ids=(tuple(range(12)),) * 2)
-    assert _anchorless_rows(ones) == [0, 1]  # 1-token documents: no anchor at all
+    assert anchorless_rows(ones) == [0, 1]  # 1-token documents: no anchor at all
     fixed = _with_anchors(random.Random(0), ones, 4)
-    assert not _anchorless_rows(fixed) and fixed.seq_len % 4 == 0
+    assert not anchorless_rows(fixed) and fixed.seq_len % 4 == 0
     sparse = DFlashVerifyCase(Topology(), seq_len=12, samples=1, seed=2937, doc_ids=((0,) * 12,))
-    assert _anchorless_rows(sparse) == [0]  # its supervision holds no two consecutive tokens: no documents help
+    assert anchorless_rows(sparse) == [0]  # its supervision holds no two consecutive tokens: no documents help
     longer = _with_anchors(random.Random(0), sparse, 2)
-    assert not _anchorless_rows(longer) and longer.seq_len != 12 and longer.seq_len % 2 == 0
+    assert not anchorless_rows(longer) and longer.seq_len != 12 and longer.seq_len % 2 == 0
 
 
 @pytest.mark.multiprocess

@@ -218,7 +218,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     from csbp.dflash.config import DFlashObjectiveConfig
     from csbp.dflash.exchange import context_exchange_kinds
     from csbp.dflash.layouts import dflash_layout
-    from csbp.dflash.verify import DFlashVerifyCase, build_models, verify_dflash
+    from csbp.dflash.verify import DFlashVerifyCase, anchorless_rows, build_models, verify_dflash
 
     ignored = [flag for flag, changed in (("--block-size", args.block_size != 4), ("--schedule", args.schedule != "dual_end"))
                if changed]
@@ -242,6 +242,17 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     for t in topologies:  # fail closed before launching anything
         if t.cp > 1 and args.seq_len % (2 * t.cp):
             raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2*cp={2 * t.cp} for DFlash context shards")
+    for t in topologies:  # was: the table's header, then "sequence has no valid DFlash anchor" (e.g. --seq-len 4)
+        bad = anchorless_rows(DFlashVerifyCase(topology=t, seq_len=args.seq_len, samples=args.samples,
+                                               seed=args.seed, doc_length=args.doc_length))
+        if bad:
+            documents = "" if args.doc_length is None else f" --doc-length {args.doc_length}"
+            raise ValueError(
+                f"--seq-len {args.seq_len}{documents} --seed {args.seed}: sample {bad[0]} of the DFlash batch of "
+                f"{t.dp * args.samples} samples has no valid anchor (a supervised token followed by one of its "
+                "document; the odd samples end in 4 padding tokens): use a longer --seq-len"
+                + (", a longer --doc-length" if documents else "") + " or another --seed"
+            )
     cases = []
     for t in topologies:
         transports = [_transport_for(t, args.transport)]

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from csbp.dflash.config import DFlashObjectiveConfig
-from csbp.dflash.verify import DFlashVerifyCase, verify_dflash
+from csbp.dflash.verify import DFlashVerifyCase, anchorless_rows, verify_dflash
 from csbp.engine.verify import OBJECTIVES, VerifyCase, layouts_for, verify
 from csbp.interrupts import Interrupted
 from csbp.topology import Topology
@@ -222,25 +222,13 @@ def _draw_dflash(rng: random.Random, seed: int, topology: Topology) -> DFlashVer
     return _with_anchors(rng, case, unit)
 
 
-def _anchorless_rows(case: DFlashVerifyCase) -> list[int]:
-    """Rows of ``case``'s batch with no valid DFlash anchor (training refuses such data before its first
-    step, ``validate_anchor_coverage``; the reference and every rank refuse them too)."""
-    from csbp.dflash.anchors import valid_anchor_mask
-    from csbp.dflash.verify import make_batch
-
-    batch = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length,
-                       doc_ids=case.doc_ids)
-    has_anchor = valid_anchor_mask(batch.loss_mask, batch.doc_ids).any(dim=-1)
-    return [row for row, ok in enumerate(has_anchor.tolist()) if not ok]
-
-
 def _with_anchors(rng: random.Random, case: DFlashVerifyCase, unit: int) -> DFlashVerifyCase:
     """``case``, or (when some row has no valid anchor: 1-token documents, padding and the random
     supervision can leave none) a valid redraw: the bad rows' documents again, then one document
     each, then another sequence length. Valid draws are returned unchanged (the redraws use the
     generator after every other draw), so seeds keep naming the cases they named."""
     for attempt in range(64):
-        bad = _anchorless_rows(case)
+        bad = anchorless_rows(case)
         if not bad:
             return case
         rows = [list(row) for row in case.doc_ids] if case.doc_ids is not None else [
