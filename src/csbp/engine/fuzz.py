@@ -24,6 +24,9 @@ integer seed, a *valid* configuration of every knob the engine exposes:
   nothing), RoPE positions restarting at documents, activation checkpointing, FSDP2, and the
   trainer's bucketed gradient all-reduce overlapped with the last backward (small buckets).
 
+A draw whose whole batch scores no token (loss and every gradient 0 on both sides: a comparison
+that cannot fail) gets fully supervised rows until it scores something.
+
 Each draw is reproducible alone: case ``i`` of ``csbp verify --random N --seed S`` is
 ``draw_case(S + i)``, so ``csbp verify --random 1 --seed S+i`` reruns it.
 
@@ -39,7 +42,7 @@ from typing import Any
 
 from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.verify import DFlashVerifyCase, anchorless_rows, verify_dflash
-from csbp.engine.verify import OBJECTIVES, VerifyCase, layouts_for, verify
+from csbp.engine.verify import OBJECTIVES, VerifyCase, corrupted_batches, layouts_for, verify
 from csbp.interrupts import Interrupted
 from csbp.topology import Topology
 
@@ -166,7 +169,7 @@ def draw_case(seed: int, max_nproc: int = 4) -> FuzzCase:
     if topology.cp > 1:
         transport = _pick(rng, {"collective": 2, "streaming": 2, "halo": 1})
     schedule = _pick(rng, {"dual_end": 2, "contiguous": 1, "balanced": 1}) if topology.bp > 1 else "dual_end"
-    return VerifyCase(
+    return _supervising(VerifyCase(
         topology=topology,
         seq_len=seq_len,
         block_size=block_size,
@@ -188,7 +191,29 @@ def draw_case(seed: int, max_nproc: int = 4) -> FuzzCase:
         grad_buckets=rng.choice([None, 2048, 16384, 2**25]) if rng.random() < 0.5 else None,
         ce_chunk_rows=rng.choice([1024, 1024, 3, 7]),
         dtype="float32" if rng.random() < FLOAT32_SHARE else "float64",  # drawn last: earlier draws unchanged
-    )
+    ))
+
+
+def _supervised(case: VerifyCase) -> bool:
+    """Whether ``case``'s corrupted batch scores any token (else its loss and every gradient are 0 on
+    both sides, and the comparison proves nothing)."""
+    return any(bool((batch.labels >= 0).any()) for batch in corrupted_batches(case, case.topology.dp))
+
+
+def _supervising(case: VerifyCase) -> VerifyCase:
+    """``case``, or (when its whole batch scores nothing: about 1 draw in 35, low supervision on short
+    rows) the same case with rows ``0, 1, ...`` fully supervised, up to the first that scores something.
+    Rows supervising nothing next to rows that do (a rank owning no scored token) stay in the draws."""
+    if _supervised(case):
+        return case
+    rows = case.micro_batches * case.topology.dp * case.samples
+    shares = list(case.supervision or (0.8,) * rows)
+    for row in range(rows):
+        shares[row] = 1.0
+        candidate = replace(case, supervision=tuple(shares))
+        if _supervised(candidate):
+            return candidate
+    return case  # still nothing (short rows whose corruption masks no scored token: ~1 draw in 400): kept
 
 
 def _draw_dflash(rng: random.Random, seed: int, topology: Topology) -> DFlashVerifyCase:
