@@ -101,6 +101,16 @@ def test_random_cases_run_on_the_named_backend(tmp_path, capsys: pytest.CaptureF
         (["--random", "2", "--nproc", "9"], "--nproc 9: --random draws layouts on 2 to 8 processes"),
         (["--random", "2", "--nproc", "1"], "--nproc 1: --random draws layouts on 2 to 8 processes"),
         (["--nproc", "2", "--log", "cases.jsonl"], "--log records --random cases"),
+        # a ring transport on a layout without a CP ring: was verified with the flag ignored (train refuses it)
+        (["--nproc", "2", "--bp", "2", "--transport", "streaming"], "--transport streaming needs a CP ring"),
+        (["--nproc", "2", "--dp", "2", "--transport", "streaming"], "--transport streaming needs a CP ring"),
+        (["--nproc", "2", "--cp", "1", "--bp", "2", "--objective", "dflash", "--transport", "streaming"],
+         "--transport streaming needs a CP ring"),
+        (["--nproc", "1", "--transport", "streaming"], "no layout of --nproc 1 has cp > 1"),
+        # a DFlash batch with a sample holding no anchor: was the table's header, then the engine's error
+        (["--nproc", "4", "--cp", "2", "--bp", "4", "--objective", "dflash", "--seq-len", "4"],
+         "--seq-len 4 --seed 0: sample 1 of the DFlash batch of 2 samples has no valid anchor"),
+        (["--nproc", "2", "--objective", "dflash", "--seq-len", "8", "--doc-length", "2"], "use a longer --seq-len, a longer --doc-length"),
     ],
 )
 def test_verify_rejects_bad_input_before_launching(
@@ -235,3 +245,31 @@ def test_the_verdict_agrees_with_its_count(
     _stub_verify(monkeypatch, rel_err)
     assert main(["verify", "--nproc", nproc]) == (1 if rel_err else 0)
     assert capsys.readouterr().out.splitlines()[-1] == last
+
+
+def test_every_layout_table_streams_only_where_there_is_a_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--transport streaming`` over every layout of 4 processes: the ring layouts stream, the layouts
+    without a CP ring run as ``collective`` (their local attention), and every case passes ``check_case``
+    (which, like the train config, refuses a streaming transport with ``cp == 1``)."""
+    import csbp.cli.verify_cmd as verify_cmd
+    from csbp.engine.verify import VerifyCase, VerifyResult, check_case
+
+    seen: list[VerifyCase] = []
+
+    def record(case: VerifyCase) -> VerifyResult:
+        check_case(case)
+        seen.append(case)
+        return VerifyResult(case, 1.0, 1.0, 0.0, 0.0, "w", 1e-9)
+
+    monkeypatch.setattr(verify_cmd, "verify", record)
+    assert main(["verify", "--nproc", "4", "--transport", "streaming"]) == 0
+    assert {(c.topology.cp > 1, c.transport) for c in seen} == {(True, "streaming"), (False, "collective")}
+
+
+def test_check_case_refuses_a_streaming_transport_without_a_ring() -> None:
+    from csbp.engine.verify import VerifyCase, check_case
+    from csbp.topology import Topology
+
+    bp_only = Topology(bp=2, replicate_clean_prefix=True)
+    with pytest.raises(ValueError, match=r"transport='streaming' needs a CP ring \(cp > 1\), got cp=1 \(bp layout\)"):
+        check_case(VerifyCase(topology=bp_only, transport="streaming"))

@@ -91,6 +91,15 @@ def test_window_on_a_single_stream_objective_is_refused(objective: str) -> None:
         build_rank_plan(single_process_context(), 16, 16, uses_clean_stream=False, window=4)
 
 
+def test_check_case_refuses_a_window_on_mdlm_as_the_config_does() -> None:
+    """Was: accepted by ``check_case`` (the train config refuses it), refused only once the reference
+    planned the case."""
+    from csbp.engine.verify import check_case
+
+    with pytest.raises(ValueError, match="window=3 has no effect on mdlm"):
+        check_case(VerifyCase(Topology(), 8, 2, window=3, objective="mdlm"))
+
+
 def test_window_on_dflash_is_refused() -> None:
     from test_config import dflash_changes, error_lines, with_changes
 
@@ -163,11 +172,58 @@ LAMBDA_DP = DFlashVerifyCase(
 acceptance of its own samples, one process that of the whole batch (loss off by 1.8e-5 relative)."""
 
 
+VACUOUS_SEEDS = (40, 238, 279, 312, 700049)
+"""Draws whose whole batch scored no token (low supervision on short rows; ~1 engine draw in 35), so
+loss and every gradient were 0 on both sides and the case passed whatever the layouts computed."""
+
+
+def test_engine_draws_score_some_token() -> None:
+    drawn = [draw_case(seed) for seed in (*VACUOUS_SEEDS, *range(300))]
+    cases = [c for c in drawn if isinstance(c, VerifyCase)]
+    assert [c.seed for c in cases[: len(VACUOUS_SEEDS)]] == list(VACUOUS_SEEDS)
+    silent = [c.seed for c in cases if not any(bool((b.labels >= 0).any()) for b in corrupted_batches(c, c.topology.dp))]
+    assert not set(silent) & set(VACUOUS_SEEDS) and len(silent) <= 2, silent
+    loss, grads = reference(draw_case(VACUOUS_SEEDS[-1]))
+    assert loss > 0 and max(float(g.abs().max()) for g in grads.values()) > 0
+
+
+ANCHORLESS_SEEDS = (2490, 700167)
+"""DFlash draws whose batch had a row without a valid anchor (1-token documents, padding and the random
+supervision): the reference refused them, so ``csbp verify --random`` reported an ERROR for a draw that
+training refuses before its first step (``validate_anchor_coverage``); now redrawn valid."""
+
+
+def test_dflash_draws_give_every_row_an_anchor() -> None:
+    from csbp.dflash.anchors import valid_anchor_mask
+    from csbp.dflash.verify import make_batch
+
+    cases = [c for c in (draw_case(seed) for seed in (*ANCHORLESS_SEEDS, *range(400)))
+             if isinstance(c, DFlashVerifyCase)]
+    assert [c.seed for c in cases[:2]] == list(ANCHORLESS_SEEDS) and len(cases) > 60
+    for c in cases:
+        batch = make_batch(c.samples * c.topology.dp, c.seq_len, seed=c.seed, doc_ids=c.doc_ids)
+        assert bool(valid_anchor_mask(batch.loss_mask, batch.doc_ids).any(dim=-1).all()), describe(c)
+
+
+def test_an_anchorless_dflash_draw_is_redrawn_valid() -> None:
+    from csbp.dflash.verify import anchorless_rows
+    from csbp.engine.fuzz import _with_anchors
+
+    ones = DFlashVerifyCase(Topology(cp=2), seq_len=12, samples=2, doc_ids=(tuple(range(12)),) * 2)
+    assert anchorless_rows(ones) == [0, 1]  # 1-token documents: no anchor at all
+    fixed = _with_anchors(random.Random(0), ones, 4)
+    assert not anchorless_rows(fixed) and fixed.seq_len % 4 == 0
+    sparse = DFlashVerifyCase(Topology(), seq_len=12, samples=1, seed=2937, doc_ids=((0,) * 12,))
+    assert anchorless_rows(sparse) == [0]  # its supervision holds no two consecutive tokens: no documents help
+    longer = _with_anchors(random.Random(0), sparse, 2)
+    assert not anchorless_rows(longer) and longer.seq_len != 12 and longer.seq_len % 2 == 0
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_seeded_random_cases_equal_one_process() -> None:
     """The suite's randomized sweep: SWEEP_SEEDS and the regressions share one 4-rank launch."""
-    drawn = [(seed, draw_case(seed, 4)) for seed in SWEEP_SEEDS]
+    drawn = [(seed, draw_case(seed, 4)) for seed in (*SWEEP_SEEDS, ANCHORLESS_SEEDS[1])]
     drawn += [(-1, replace(ONE_KEY, topology=Topology(dp=4))), (-2, LAMBDA_DP)]
     results = run_cases(drawn)
     assert [r.seed for r in results] == [seed for seed, _ in drawn]
@@ -252,3 +308,57 @@ def test_random_verify_flags_run_a_valid_case_or_fail_closed(
         assert code == 2 and len(err) == 1 and "Traceback" not in err[0], (argv, err)
         refused += 1
     assert refused > 100 and len(launched) >= 3
+
+
+def _run_config(cp: int, bp: int, dp: int, seq_len: int, block: int, window: int | None, transport: str,
+                schedule: str, objective: str, documents: bool) -> dict:
+    data: dict = {
+        "run": {"name": "fuzz", "seed": 0},
+        "model": {"arch": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 4,
+                  "num_kv_heads": 2, "head_dim": 8, "vocab_size": 64},
+        "data": {"train": "artifacts/fuzz", "seq_len": seq_len, "document_mask": documents},
+        "objective": {"name": objective, "mask_token_id": 63},
+        "optim": {"lr": 1e-3, "warmup_steps": 0},
+        "train": {"max_steps": 2, "micro_batch_size": 1},
+        "topology": {"dp": dp, "cp": cp, "bp": bp, "replicate_clean_prefix": cp == 1 and bp > 1,
+                     "transport": transport, "schedule": schedule},
+    }
+    if objective != "mdlm":
+        data["objective"]["block_size"] = block
+    if window is not None:
+        data["topology"]["window"] = window
+    return data
+
+
+def test_check_case_accepts_exactly_what_the_train_config_accepts() -> None:
+    """``csbp verify`` must not verify a layout training refuses, nor refuse one training runs: random
+    degrees, sizes, windows, transports, schedules and objectives, most invalid (found: a streaming
+    transport with ``cp == 1`` and a window on mdlm were accepted by ``check_case`` only)."""
+    from csbp.config.loading import config_from_dict
+    from csbp.engine.verify import check_case
+
+    outcomes = set()
+    for seed in range(400):
+        rng = random.Random(seed)
+        cp, bp, dp = rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 3, 4, 6, 8]), rng.choice([1, 2])
+        seq_len, block = rng.choice([4, 6, 8, 12, 16, 18, 24, 30, 32, 48]), rng.choice([1, 2, 3, 4, 5, 8, 16])
+        window = rng.choice([None, None, 1, 3, 100])
+        transport = rng.choice(["collective", "streaming", "halo"])
+        schedule = rng.choice(["dual_end", "contiguous", "balanced"])
+        objective, documents = rng.choice(["bd3", "bd3", "fast_dllm_v2", "mdlm"]), rng.random() < 0.5
+        args = (cp, bp, dp, seq_len, block, window, transport, schedule, objective, documents)
+        try:
+            config_from_dict(_run_config(*args), source="c.yaml")
+            config_ok = True
+        except ValueError:
+            config_ok = False
+        try:
+            topology = Topology(dp=dp, cp=cp, bp=bp, replicate_clean_prefix=cp == 1 and bp > 1)
+            check_case(VerifyCase(topology, seq_len, block, window=window, transport=transport,  # type: ignore[arg-type]
+                                  schedule=schedule, objective=objective, doc_length=4 if documents else None))  # type: ignore[arg-type]
+            verify_ok = True
+        except ValueError:
+            verify_ok = False
+        assert config_ok == verify_ok, (args, config_ok, verify_ok)
+        outcomes.add(config_ok)
+    assert outcomes == {True, False}

@@ -101,7 +101,13 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
     if args.nproc < 1:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if args.cp is None and args.bp is None and args.dp is None:
-        return layouts_for(args.nproc)
+        found = layouts_for(args.nproc)
+        if args.transport == "streaming" and all(t.cp == 1 for t in found):  # was: ran, the flag ignored
+            raise ValueError(
+                f"--transport streaming needs a CP ring, and no layout of --nproc {args.nproc} has cp > 1: "
+                "use --nproc 2 or more, or drop --transport"
+            )
+        return found
     cp, bp = args.cp or 1, args.bp or 1
     check_layout_flags(cp, bp)
     local = max(cp, bp)
@@ -113,7 +119,15 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
     dp = args.dp if args.dp is not None else args.nproc // local
     topology = Topology(dp=dp, cp=cp, bp=bp, replicate_clean_prefix=(cp == 1 and bp > 1))
     topology.check_world_size(args.nproc)
+    if args.transport == "streaming" and cp == 1:  # was: verified, the flag ignored (the train config refuses it)
+        raise ValueError("--transport streaming needs a CP ring (--cp > 1): set --cp 2 or more, or drop --transport")
     return [topology]
+
+
+def _transport_for(topology: Topology, transport: str) -> str:
+    """``--transport`` for one layout of the every-layout table: ``streaming`` is a ring transport, so
+    the layouts without a CP ring (``cp == 1``) run theirs (local attention) as ``collective``."""
+    return "collective" if transport == "streaming" and topology.cp == 1 else transport
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -128,7 +142,7 @@ def run_verify(args: argparse.Namespace) -> int:
     check_diagonal_backend(args.diagonal, backend, where="--diagonal")
     cases = []
     for t in _requested_topologies(args):
-        transports = [args.transport]
+        transports = [_transport_for(t, args.transport)]
         if args.doc_length is not None and t.layout == "cp" and args.transport != "halo":
             transports.append("halo")  # the mask-aware CP baseline next to the generic one
         for transport in transports:
@@ -204,7 +218,7 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     from csbp.dflash.config import DFlashObjectiveConfig
     from csbp.dflash.exchange import context_exchange_kinds
     from csbp.dflash.layouts import dflash_layout
-    from csbp.dflash.verify import DFlashVerifyCase, build_models, verify_dflash
+    from csbp.dflash.verify import DFlashVerifyCase, anchorless_rows, build_models, verify_dflash
 
     ignored = [flag for flag, changed in (("--block-size", args.block_size != 4), ("--schedule", args.schedule != "dual_end"))
                if changed]
@@ -228,9 +242,20 @@ def run_verify_dflash(args: argparse.Namespace) -> int:
     for t in topologies:  # fail closed before launching anything
         if t.cp > 1 and args.seq_len % (2 * t.cp):
             raise ValueError(f"--seq-len {args.seq_len} must be a multiple of 2*cp={2 * t.cp} for DFlash context shards")
+    for t in topologies:  # was: the table's header, then "sequence has no valid DFlash anchor" (e.g. --seq-len 4)
+        bad = anchorless_rows(DFlashVerifyCase(topology=t, seq_len=args.seq_len, samples=args.samples,
+                                               seed=args.seed, doc_length=args.doc_length))
+        if bad:
+            documents = "" if args.doc_length is None else f" --doc-length {args.doc_length}"
+            raise ValueError(
+                f"--seq-len {args.seq_len}{documents} --seed {args.seed}: sample {bad[0]} of the DFlash batch of "
+                f"{t.dp * args.samples} samples has no valid anchor (a supervised token followed by one of its "
+                "document; the odd samples end in 4 padding tokens): use a longer --seq-len"
+                + (", a longer --doc-length" if documents else "") + " or another --seed"
+            )
     cases = []
     for t in topologies:
-        transports = [args.transport]
+        transports = [_transport_for(t, args.transport)]
         if args.doc_length is not None and t.layout == "cp" and args.transport != "halo":
             transports.append("halo")  # the mask-aware CP baseline next to the generic one, as for bd3
         cases += [(t, transport) for transport in transports]

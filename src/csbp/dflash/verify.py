@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from csbp.attention.documents import packed_doc_ids, random_documents
+from csbp.dflash.anchors import valid_anchor_mask
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import capture_target_features
@@ -152,6 +153,16 @@ def make_batch(
     doc_ids_SL[1::2, seq_len - 4 :] = -1
     loss_mask[1::2, seq_len - 4 :] = False
     return DFlashBatch(ids, loss_mask, doc_ids_SL)
+
+
+def anchorless_rows(case: DFlashVerifyCase) -> list[int]:
+    """Rows of ``case``'s whole batch (every replica's samples) with no valid DFlash anchor (no supervised
+    token followed by a supervised token of its document): training refuses such data before its first
+    step (``validate_anchor_coverage``), so a case holding one is invalid."""
+    batch = make_batch(case.samples * case.topology.dp, case.seq_len, seed=case.seed, doc_length=case.doc_length,
+                       doc_ids=case.doc_ids)
+    has_anchor = valid_anchor_mask(batch.loss_mask, batch.doc_ids).any(dim=-1)
+    return [row for row, ok in enumerate(has_anchor.tolist()) if not ok]
 
 
 def replica_batch(batch: DFlashBatch, replica: int, samples: int) -> DFlashBatch:

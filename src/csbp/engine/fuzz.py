@@ -13,7 +13,8 @@ integer seed, a *valid* configuration of every knob the engine exposes:
 * the objective (``bd3``, ``fast_dllm_v2``, ``mdlm``, ``dflash``), and for the first three, sometimes
   their unclipped-NELBO validation form (``val_nelbo``); for DFlash the loss (CE or KL, LK
   variants), weighting, anchor sampling, context rule, DFlash2 convolutions and selector, and a
-  sliding-window draft layer; the LM-head loss in chunks of a few rows;
+  sliding-window draft layer (every row keeps a valid anchor, as training requires: a row left
+  without one is redrawn); the LM-head loss in chunks of a few rows;
 * transport (collective, streaming, halo), window (smaller than, equal to or larger than a block),
   block schedule (dual-end, contiguous, balanced), diagonal and clean-context kernels;
 * explicit, ragged document boundaries per sample: 1-token documents, documents ending exactly on
@@ -22,6 +23,9 @@ integer seed, a *valid* configuration of every knob the engine exposes:
 * gradient accumulation with uneven supervision per row and micro-batch (some rows supervise
   nothing), RoPE positions restarting at documents, activation checkpointing, FSDP2, and the
   trainer's bucketed gradient all-reduce overlapped with the last backward (small buckets).
+
+A draw whose whole batch scores no token (loss and every gradient 0 on both sides: a comparison
+that cannot fail) gets fully supervised rows until it scores something.
 
 Each draw is reproducible alone: case ``i`` of ``csbp verify --random N --seed S`` is
 ``draw_case(S + i)``, so ``csbp verify --random 1 --seed S+i`` reruns it.
@@ -37,8 +41,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from csbp.dflash.config import DFlashObjectiveConfig
-from csbp.dflash.verify import DFlashVerifyCase, verify_dflash
-from csbp.engine.verify import OBJECTIVES, VerifyCase, layouts_for, verify
+from csbp.dflash.verify import DFlashVerifyCase, anchorless_rows, verify_dflash
+from csbp.engine.verify import OBJECTIVES, VerifyCase, corrupted_batches, layouts_for, verify
 from csbp.interrupts import Interrupted
 from csbp.topology import Topology
 
@@ -165,7 +169,7 @@ def draw_case(seed: int, max_nproc: int = 4) -> FuzzCase:
     if topology.cp > 1:
         transport = _pick(rng, {"collective": 2, "streaming": 2, "halo": 1})
     schedule = _pick(rng, {"dual_end": 2, "contiguous": 1, "balanced": 1}) if topology.bp > 1 else "dual_end"
-    return VerifyCase(
+    return _supervising(VerifyCase(
         topology=topology,
         seq_len=seq_len,
         block_size=block_size,
@@ -187,7 +191,29 @@ def draw_case(seed: int, max_nproc: int = 4) -> FuzzCase:
         grad_buckets=rng.choice([None, 2048, 16384, 2**25]) if rng.random() < 0.5 else None,
         ce_chunk_rows=rng.choice([1024, 1024, 3, 7]),
         dtype="float32" if rng.random() < FLOAT32_SHARE else "float64",  # drawn last: earlier draws unchanged
-    )
+    ))
+
+
+def _supervised(case: VerifyCase) -> bool:
+    """Whether ``case``'s corrupted batch scores any token (else its loss and every gradient are 0 on
+    both sides, and the comparison proves nothing)."""
+    return any(bool((batch.labels >= 0).any()) for batch in corrupted_batches(case, case.topology.dp))
+
+
+def _supervising(case: VerifyCase) -> VerifyCase:
+    """``case``, or (when its whole batch scores nothing: about 1 draw in 35, low supervision on short
+    rows) the same case with rows ``0, 1, ...`` fully supervised, up to the first that scores something.
+    Rows supervising nothing next to rows that do (a rank owning no scored token) stay in the draws."""
+    if _supervised(case):
+        return case
+    rows = case.micro_batches * case.topology.dp * case.samples
+    shares = list(case.supervision or (0.8,) * rows)
+    for row in range(rows):
+        shares[row] = 1.0
+        candidate = replace(case, supervision=tuple(shares))
+        if _supervised(candidate):
+            return candidate
+    return case  # still nothing (short rows whose corruption masks no scored token: ~1 draw in 400): kept
 
 
 def _draw_dflash(rng: random.Random, seed: int, topology: Topology) -> DFlashVerifyCase:
@@ -212,12 +238,35 @@ def _draw_dflash(rng: random.Random, seed: int, topology: Topology) -> DFlashVer
         options |= {"conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 40}
     if rng.random() < 0.3:  # a sliding-window draft layer
         options |= {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": rng.randint(1, 9)}
-    return DFlashVerifyCase(
+    case = DFlashVerifyCase(
         topology=topology, objective=objective, seq_len=seq_len, samples=samples, seed=seed,
         transport=transport, doc_ids=doc_ids, diagonal=rng.choice(["auto", "matmul", "sdpa"]),
         drafter_options=options, perturb_extras=bool(options), selector_scale=rng.choice([0.0, 0.5, 1.0]),
         dtype="float32" if rng.random() < FLOAT32_SHARE else "float64",  # drawn last: earlier draws unchanged
     )
+    return _with_anchors(rng, case, unit)
+
+
+def _with_anchors(rng: random.Random, case: DFlashVerifyCase, unit: int) -> DFlashVerifyCase:
+    """``case``, or (when some row has no valid anchor: 1-token documents, padding and the random
+    supervision can leave none) a valid redraw: the bad rows' documents again, then one document
+    each, then another sequence length. Valid draws are returned unchanged (the redraws use the
+    generator after every other draw), so seeds keep naming the cases they named."""
+    for attempt in range(64):
+        bad = anchorless_rows(case)
+        if not bad:
+            return case
+        rows = [list(row) for row in case.doc_ids] if case.doc_ids is not None else [
+            [0] * case.seq_len for _ in range(case.samples * case.topology.dp)]
+        if attempt >= 8:  # the supervision itself may hold no two consecutive tokens: another length
+            seq_len = rng.choice([n for n in range(unit, 49, unit) if n >= 12])
+            case = replace(case, seq_len=seq_len, doc_ids=tuple((0,) * seq_len for _ in rows))
+            continue
+        for r in bad:
+            rows[r] = list(draw_documents(rng, case.seq_len, 4, max(1, case.seq_len // (2 * case.topology.cp)))
+                           if attempt < 7 else (0,) * case.seq_len)
+        case = replace(case, doc_ids=tuple(tuple(row) for row in rows))
+    raise AssertionError(f"DFlash draw {case.seed}: no batch with a valid anchor in every row")
 
 
 def describe(case: FuzzCase) -> dict[str, Any]:

@@ -335,10 +335,20 @@ def check_case(case: VerifyCase) -> None:
             f"mdlm is a single stream with no clean context to shard, got cp={case.topology.cp}, "
             f"bp={case.topology.bp}: use cp=1, bp=1 and scale with dp"
         )
+    if case.objective == "mdlm" and case.window is not None:  # was: refused only once the reference planned it
+        raise ValueError(
+            f"window={case.window} has no effect on mdlm, which trains full attention: drop the window "
+            "or use bd3/fast_dllm_v2"
+        )
     if case.micro_batches < 1:
         raise ValueError(f"micro_batches must be >= 1, got {case.micro_batches}")
     if case.reset_positions and not case.documents:
         raise ValueError("reset_positions needs documents: give doc_ids or doc_length")
+    if case.transport == "streaming" and case.topology.cp == 1:  # as the train config (topology.transport)
+        raise ValueError(
+            f"transport='streaming' needs a CP ring (cp > 1), got cp=1 ({case.topology.layout} layout): "
+            "use cp > 1 or transport='collective'"
+        )
     if case.fsdp and case.topology.dp < 2:
         raise ValueError(f"fsdp shards over the dp group: use dp >= 2, got dp={case.topology.dp}")
     if block_covers_sequence(case.objective, case.block_size, case.seq_len):  # the train config's rule
