@@ -166,3 +166,28 @@ def test_training_again_in_the_same_processes_leaves_nothing_of_the_earlier_run(
                                       "train.grad_accum": 1, "train.eval_every": 0, "train.save_every": 0})
     for rank_states in run_local(_train_three_times, 2, (config, str(tmp_path / "runs")), timeout_s=240):
         assert rank_states[0] == rank_states[1] == rank_states[2], rank_states
+
+
+def _verify_three_cases(rank: int, world: int) -> list[tuple[int, int]]:
+    """The fuzz sweep's batch worker runs several cases in one process; (fds, threads) after each."""
+    from csbp.dflash.verify import DFlashVerifyCase
+    from csbp.dflash.verify import _worker as dflash_worker
+    from csbp.engine.verify import VerifyCase
+    from csbp.engine.verify import _worker as engine_worker
+    from csbp.topology import Topology
+
+    states = []
+    for worker, case in [(engine_worker, VerifyCase(Topology(cp=2))), (dflash_worker, DFlashVerifyCase(Topology(cp=2))),
+                         (engine_worker, VerifyCase(Topology(cp=2, bp=2), seed=1))]:
+        worker(rank, world, case)
+        states.append(_process_state()[:2])
+    return states
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open files through /proc")
+def test_verify_cases_in_one_process_leave_no_process_groups_behind() -> None:
+    """Each verify case builds its own process groups; a batch of cases in one process (``csbp verify
+    --random``) must end every case with the descriptors and threads it had after the first."""
+    for rank_states in run_local(_verify_three_cases, 2, (), timeout_s=240):
+        assert rank_states[0] == rank_states[1] == rank_states[2], rank_states

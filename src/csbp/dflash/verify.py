@@ -38,6 +38,7 @@ from csbp.engine.grads import average_gradients
 from csbp.engine.verify import TOLERANCES, dtype_of, gradient_error
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
+from csbp.parallel.groups import release_process_groups
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
@@ -194,6 +195,8 @@ def _worker(
     loss = ctx.world_comm("logging").all_reduce(loss) / world  # replicas' group losses, averaged over dp
     moved = [ctx.counter.bytes(category) for category in ("attention", TARGET_CATEGORY, TEACHER_CATEGORY)]
     dist.barrier()
+    if ctx.groups is not None:  # a worker runs a batch of cases, each with its own groups
+        release_process_groups(ctx.groups)
     grads = {name: p.grad.detach().cpu() for name, p in drafter.named_parameters()} if rank == 0 else None
     return float(loss[0]), grads, moved[0], moved[1], moved[2]
 
