@@ -260,7 +260,9 @@ def _train(
             last_checkpoint = loop.run(start_step, stop_step, started)
         stop_step = loop.last_step
         final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
-        if ctx.groups is not None:  # every rank is past finish's barrier: no collective is left
+        if ctx.groups is not None and not cfg.train.fsdp:  # every rank is past finish's barrier
+            # FSDP's groups stay: torch's DTensor caches key meshes by their ranks, not their groups,
+            # so a later FSDP run in this process over the same ranks would reach the destroyed ones
             release_process_groups(ctx.groups)
     except BaseException:
         # the run's own error is the one to report: on a full disk drawing loss.png fails too
