@@ -216,6 +216,22 @@ def test_export_then_load_round_trips_exactly(tmp_path: Path) -> None:
     assert modes["model.safetensors"] == modes["config.json"] == 0o644  # readable like any export file
 
 
+def test_export_stores_the_weights_without_a_second_copy() -> None:
+    """Weights already on the CPU in the stored dtype are written from the model's own memory (the
+    export used to clone every tensor: +32 GB for an 8B float32 model); shared or partial storages
+    (tied weights, a view into a larger buffer) are still copied, since safetensors refuses them."""
+    model = Decoder(tiny_config(), seed=1)
+    state = model.state_dict()
+    stored = hf_io.tensors_to_store(state, torch.float32)
+    assert all(stored[f"model.{name}" if not name.startswith("lm_head.") else name].data_ptr() == t.data_ptr()
+               for name, t in state.items())
+    weight = torch.arange(12.0).reshape(3, 4)
+    shared = hf_io.tensors_to_store({"a.weight": weight, "b.weight": weight, "c.weight": weight[1:]}, torch.float32)
+    pointers = {t.untyped_storage().data_ptr() for t in shared.values()}
+    assert len(pointers) == 3 and all(t.untyped_storage().nbytes() == t.nbytes for t in shared.values())
+    assert torch.equal(shared["model.c.weight"], weight[1:])
+
+
 def test_export_in_bfloat16_stores_bfloat16(tmp_path: Path) -> None:
     config = tiny_config()
     model = Decoder(config)

@@ -260,6 +260,23 @@ def _hf_name(name: str) -> str:
 # ----------------------------------------------------------------------------- export
 
 
+def tensors_to_store(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state`` under HF names, on the CPU in ``dtype``, without a second copy of the weights: a
+    tensor already in that form is stored as it is (an 8B float32 model would otherwise hold 32 GB
+    more while exporting); only one that shares memory with another (tied weights) or is a view into
+    a larger buffer is copied, as safetensors writes each tensor from its own whole storage."""
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for name, tensor in state.items():
+        out = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        storage = out.untyped_storage()
+        if storage.data_ptr() in storages or storage.nbytes() != out.nbytes:
+            out = out.clone()
+        storages.add(out.untyped_storage().data_ptr())
+        tensors[_hf_name(name)] = out
+    return tensors
+
+
 def export_hf_checkpoint(
     model: Decoder,
     config: DecoderConfig,
@@ -306,10 +323,7 @@ def export_hf_checkpoint(
                 f"tokenizer_dir {tokenizer_dir} has none of the tokenizer files {list(TOKENIZER_FILES)}"
             )
     check_tokenizer_file_names(tokenizer)
-    tensors = {
-        _hf_name(name): t.detach().to(device="cpu", dtype=store_dtype).contiguous().clone()
-        for name, t in model.state_dict().items()
-    }
+    tensors = tensors_to_store(model.state_dict(), store_dtype)
 
     def fill(staging: Path) -> None:
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
