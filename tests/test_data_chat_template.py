@@ -210,6 +210,11 @@ def test_explicit_jinja_file_and_generation_blocks(tmp_path: Path) -> None:
     (directory / "chat_template.json").write_text(json.dumps({"chat_template": CHATML}), encoding="utf-8")
     from_json = resolve_chat_template("auto", directory)
     assert from_json is not None and from_json.source.endswith("chat_template.json") and from_json.text == CHATML
+    for broken, kind in (([CHATML], "an array"), (CHATML, "a string")):  # used to fall back to csbp's role markers
+        (directory / "chat_template.json").write_text(json.dumps(broken), encoding="utf-8")
+        with pytest.raises(ValueError, match=rf"chat_template\.json: holds {kind}, not a JSON object"):
+            resolve_chat_template("auto", directory)
+    (directory / "chat_template.json").unlink()
     with pytest.raises(ValueError, match=r"--chat-template .*missing\.jinja: no such file"):
         resolve_chat_template(str(tmp_path / "missing.jinja"), directory)
 

@@ -177,6 +177,10 @@ def test_expand_inputs(tmp_path: Path) -> None:
     (tmp_path / "a.jsonl").write_text('{"text": "a"}\n', encoding="utf-8")
     (tmp_path / "skip.md").write_text("ignored", encoding="utf-8")
     assert expand_inputs([tmp_path]) == [tmp_path / "a.jsonl", tmp_path / "b.txt"]
+    (tmp_path / "c.JSONL").write_text('{"text": "c"}\n', encoding="utf-8")  # was skipped without a word
+    with pytest.raises(ValueError, match=r"holds c\.JSONL, whose suffix is not lower case: .*rename it to c\.jsonl"):
+        expand_inputs([tmp_path])
+    (tmp_path / "c.JSONL").unlink()
     with pytest.raises(ValueError, match="unsupported suffix '.md'"):
         expand_inputs([tmp_path / "skip.md"])
     with pytest.raises(ValueError, match="does not exist"):

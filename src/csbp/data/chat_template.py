@@ -217,7 +217,10 @@ def _read_json(path: Path) -> dict[str, Any]:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON ({exc}) (fix: repair the file)".splitlines()[0]) from None
-    return config if isinstance(config, dict) else {}
+    if not isinstance(config, dict):  # a config must be an object: never read as "no template here"
+        kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(config), "a number")
+        raise ValueError(f"{path}: holds {kind}, not a JSON object (fix: repair the file)")
+    return config
 
 
 def _template_in_config(config: dict[str, Any], path: Path) -> str | None:

@@ -81,6 +81,12 @@ def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
     for item in inputs:
         path = Path(item)
         if path.is_dir():
+            odd_case = sorted(p.name for p in path.iterdir()
+                              if p.suffix not in SUPPORTED_SUFFIXES and p.suffix.lower() in SUPPORTED_SUFFIXES)
+            if odd_case:  # skipped like a README they would be lost without a word
+                raise ValueError(f"input directory {path} holds {odd_case[0]}, whose suffix is not lower case: it "
+                                 f"would be skipped (fix: rename it to {Path(odd_case[0]).stem}"
+                                 f"{Path(odd_case[0]).suffix.lower()})")
             found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUPPORTED_SUFFIXES)
             if not found:
                 raise ValueError(f"input directory {path} holds no {'/'.join(SUPPORTED_SUFFIXES)} files")
