@@ -1,0 +1,85 @@
+"""``csbp dflash eval``'s argument checks on the workspace of ``test_dflash_cli`` (a tiny target,
+an untrained drafter, an artifact and JSONL prompts): what it refuses before loading any weights, the
+positions it may run the target at, and how much of a JSONL prompt it keeps."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from csbp.data.artifact import open_artifact
+from test_dflash_cli import WORDS, _eval_argv, build_workspace, run_cli
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_workspace(tmp_path_factory.mktemp("dflash_eval_cli"))
+
+
+def test_eval_refuses_positions_beyond_the_target_max_position_embeddings(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # like csbp generate: the kept tokens of a P-token prompt and N new tokens need P + N - 1
+    # target positions; beyond max_position_embeddings the target was silently run out of range
+    target = tmp_path / "target"
+    shutil.copytree(workspace["target"], target)
+    config = json.loads((target / "config.json").read_text())
+    config["max_position_embeddings"] = 16
+    (target / "config.json").write_text(json.dumps(config))
+    argv = [
+        "dflash", "eval", "--target", str(target), "--drafter", str(workspace["drafter"]),
+        "--data", str(workspace["artifact"]), "--num-prompts", "1", "--prompt-len", "8", "--ignore-eos",
+    ]
+    assert run_cli([*argv, "--max-new-tokens", "9"]) == 0
+    capsys.readouterr()
+    assert run_cli([*argv, "--max-new-tokens", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "max_position_embeddings 16" in err and "--max-new-tokens 9 or less" in err
+
+
+def test_eval_refuses_bad_arguments_before_loading_the_target(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # dflash eval loaded the target (minutes for a large one) and the drafter before it looked at
+    # --drafter, the data, the prompts or --eos-id; an --eos-id outside the vocabulary also printed
+    # the run's header line before the error.
+    import csbp.models.hf_io as hf_io
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the target's weights were loaded")
+
+    monkeypatch.setattr(hf_io, "load_hf_checkpoint", no_loading)
+    data = ["--data", str(workspace["artifact"])]
+    cases = [
+        (["--drafter", str(tmp_path / "none"), *data], "--drafter"),
+        (["--drafter", str(workspace["target"]), *data], "(fix: pass a `csbp dflash export` directory)"),
+        (["--drafter", str(workspace["drafter"]), "--data", str(tmp_path / "none")], "no manifest.json"),
+        (["--drafter", str(workspace["drafter"]), "--prompts", str(tmp_path / "none.jsonl")], "--prompts"),
+        (["--drafter", str(workspace["drafter"]), *data, "--context-lengths", "99"], "exceeds the artifact's seq_len"),
+        (["--drafter", str(workspace["drafter"]), *data, "--eos-id", "100000"], "--eos-id 100000 is outside"),
+    ]
+    for extra, message in cases:
+        assert run_cli(["dflash", "eval", "--target", str(workspace["target"]), *extra]) == 2
+        captured = capsys.readouterr()
+        (line,) = captured.err.splitlines()
+        assert line.startswith("csbp: error: ") and message in line, line
+        assert captured.out == ""
+
+
+def test_eval_keeps_whole_jsonl_prompts_unless_asked(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --prompts silently kept only the last 64 tokens of every prompt (the --data default length),
+    # so a real prompt was evaluated as its tail
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt": " ".join(WORDS * 6)}) + "\n")
+    length = len(open_artifact(workspace["artifact"]).load_tokenizer().encode(" ".join(WORDS * 6)))
+    assert length > 64
+    argv = _eval_argv(workspace, "--prompts", str(prompts), "--max-new-tokens", "3", "--no-check-lossless")
+    for extra, kept in (([], length), (["--prompt-len", "5"], 5)):
+        assert run_cli([*argv, *extra]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("line 1 "))
+        assert int(row.split()[2]) == kept, row
