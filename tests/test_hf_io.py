@@ -335,9 +335,13 @@ def test_config_mapping_defaults_and_rope_locations() -> None:
     legacy = hf_config_dict(rope_scaling={"type": "default", "rope_theta": 3e5})
     assert decoder_config_from_hf(legacy).rope_theta == 3e5
     qwen = decoder_config_from_hf(
-        hf_config_dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True)
+        hf_config_dict(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True, num_key_value_heads=2)
     )
     assert (qwen.arch, qwen.qk_norm, qwen.head_dim, qwen.tie_embeddings) == ("qwen3", True, 128, True)
+    # without num_key_value_heads a Qwen config has 32 KV heads in transformers (Llama: its heads)
+    assert decoder_config_from_hf(hf_config_dict(architectures=["Qwen2ForCausalLM"], num_attention_heads=32,
+                                                 hidden_size=256)).num_kv_heads == 32
+    assert llama.num_kv_heads == 4
 
 
 @pytest.mark.parametrize(
@@ -355,6 +359,9 @@ def test_config_mapping_defaults_and_rope_locations() -> None:
         ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
         ({"num_hidden_layers": None}, "num_hidden_layers"),
         ({"num_key_value_heads": 3}, "num_kv_heads"),
+        # transformers reads these as 32 KV heads; csbp read them as 4
+        ({"architectures": ["Qwen3ForCausalLM"]}, "no num_key_value_heads: .* as 32 KV heads, not the 4"),
+        ({"architectures": ["Qwen2ForCausalLM"]}, "no num_key_value_heads"),
         # these loaded before: a quantized checkpoint's config, and values transformers' typed configs refuse
         ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config is not supported"),
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),  # was tied

@@ -217,7 +217,7 @@ def test_export_loads_in_transformers_with_the_same_logits(
 def hf_dict(**overrides: Any) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "architectures": ["Qwen3ForCausalLM"], "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "head_dim": 8, "max_position_embeddings": 40960,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 8, "max_position_embeddings": 40960,
     }
     fields.update(overrides)
     return fields

@@ -30,7 +30,8 @@ A ``model_type`` other than the family's (``llama`` with ``LlamaForCausalLM``, .
 ``LlamaForCausalLM`` runs as Mistral, sliding window included), so csbp would load another model.
 Sliding-window layers (``use_sliding_window: true`` or ``sliding_attention`` layer types),
 non-SiLU activations, partial rotary embeddings, per-layer-type RoPE and a ``quantization_config``
-are rejected with a ``ValueError`` naming the field, and so are sizes that are not positive JSON
+are rejected with a ``ValueError`` naming the field, as is a Qwen config without ``num_key_value_heads`` whose
+attention heads are not transformers' default of 32 KV heads, and so are sizes that are not positive JSON
 integers and flags that are not JSON booleans (transformers' typed configs refuse them too; a
 ``"false"`` read as Python truth would have tied the embeddings); Qwen2's ``sliding_window``/``max_window_layers`` are ignored
 when ``use_sliding_window`` is false, as HF ignores them.
@@ -59,6 +60,8 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 DEFAULT_MAX_POSITIONS = 32768
 """``max_position_embeddings`` of an export that is given none."""
 PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+QWEN_DEFAULT_KV_HEADS = 32
+"""``num_key_value_heads`` of transformers' ``Qwen2Config``/``Qwen3Config`` when config.json has none."""
 _REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _ROPE_KEYS_ELSEWHERE = ("rope_theta", "partial_rotary_factor")
 
@@ -94,6 +97,12 @@ def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
         _check_full_attention_layers(hf_config)
     sizes = {field: _positive_int(hf_config, field) for field in (*_REQUIRED_SIZES, "num_key_value_heads", "head_dim")}
     num_heads = sizes["num_attention_heads"]
+    if sizes["num_key_value_heads"] is None and arch in ("qwen3", "qwen2") and num_heads != QWEN_DEFAULT_KV_HEADS:
+        raise ValueError(  # Llama's config derives the count from the heads, as csbp does; Qwen's do not
+            f"config.json has no num_key_value_heads: transformers reads a {architectures[0]} config without it "
+            f"as {QWEN_DEFAULT_KV_HEADS} KV heads, not the {num_heads} attention heads (fix: add "
+            "num_key_value_heads, the checkpoint's k_proj rows / head_dim)"
+        )
     head_dim = sizes["head_dim"]
     if head_dim is None:  # HF defaults: Qwen3Config.head_dim = 128, Llama/Qwen2 derive it
         head_dim = 128 if arch == "qwen3" else sizes["hidden_size"] // num_heads
