@@ -311,15 +311,9 @@ def _worker(rank: int, world: int, case: VerifyCase) -> tuple[float, dict[str, t
     loss, grads = _forward_backward(case, ctx, num_replicas=case.topology.dp)
     attention_bytes = ctx.counter.bytes("attention")
     dist.barrier()
-    _release(ctx)
-    return loss, (grads if rank == 0 else None), attention_bytes
-
-
-def _release(ctx: ParallelContext) -> None:
-    """Destroy the case's process groups: a worker runs up to a batch of cases, each building its own
-    (about 23 file descriptors and 15 threads a set on gloo)."""
-    if ctx.groups is not None:
+    if ctx.groups is not None:  # a worker runs a batch of cases (the fuzz sweep), each with its own groups
         release_process_groups(ctx.groups)
+    return loss, (grads if rank == 0 else None), attention_bytes
 
 
 def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
