@@ -11,6 +11,8 @@ Fast-dLLM v2 share the layout and the mask).
 * **Isolation** (item 3): perturbing ``x_t`` leaves every clean row unchanged; perturbing ``x_0`` in
   blocks ``>= b`` leaves noisy block ``b`` unchanged, while perturbing block ``b - 1`` changes it (so
   the check can fail).
+* **MDLM = BD3 with one block** (§2, §3.1): same corruption, and the engine's single-stream MDLM loss
+  and gradient equal the two-stream BD3 ones at ``B = L``.
 
 Tiny §12 decoder (hidden 32, 4/2 heads, head dim 8, vocabulary 64, ``[M] = 63``), random weights.
 Float64 at 1e-12, and float32 at the tolerance objectives.md §12 states (1e-5).
@@ -21,12 +23,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from csbp.engine.block_diffusion import build_rank_plan, rank_inputs
+from csbp.engine.block_diffusion import build_rank_plan, rank_inputs, rank_loss
 from csbp.engine.context import single_process_context
 from csbp.engine.verify import tiny_model_config
 from csbp.models.attention_fns import DenseMaskAttention
 from csbp.models.decoder import Decoder
-from csbp.objectives import Bd3Objective, CorruptedBatch, FastDllmV2Objective
+from csbp.objectives import Bd3Objective, CorruptedBatch, FastDllmV2Objective, MdlmObjective
 
 MASK = 63
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -133,3 +135,43 @@ def test_clean_rows_ignore_the_noisy_stream_and_noisy_blocks_ignore_later_clean_
             earlier[:, span.start - block_size : span.start] += 1
             earlier_logits_LV, _ = _training_rows(model, noisy, earlier % MASK, block_size)
             assert float((earlier_logits_LV[span] - logits_LV[span]).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("scheme", ["stratified", "rotated_lattice"])
+def test_mdlm_is_bd3_with_one_block(scheme: str) -> None:
+    """objectives.md §2/§3.1: MDLM is the ``B = L`` case of BD3-LM. The same draws give the same
+    corruption (levels, masks, labels, ``1/t`` weights, denominator), and the engine's single-stream
+    MDLM forward gives the loss and gradient of the ``[x_t ; x_0]`` BD3 forward with one block (its
+    noisy block sees no earlier clean block), float64 at 1e-12. Padding (loss_mask False) included."""
+    num_samples, seq_len = 3, 12
+    clean = torch.randint(0, MASK, (num_samples, seq_len), generator=torch.Generator().manual_seed(5))
+    loss_mask = torch.ones(num_samples, seq_len, dtype=torch.bool)
+    loss_mask[1, 9:] = False
+    batch = {"input_ids": clean, "loss_mask": loss_mask}
+    mdlm = MdlmObjective(mask_token_id=MASK, eps=0.05, noise_scheme=scheme).corrupt(
+        batch, torch.Generator().manual_seed(7)
+    )
+    bd3 = Bd3Objective(mask_token_id=MASK, block_size=seq_len, t_min=0.05, noise_scheme=scheme).corrupt(
+        batch, torch.Generator().manual_seed(7)
+    )
+    for name in ("noisy_ids", "clean_ids", "labels", "weights", "doc_ids", "noise_levels"):
+        assert torch.equal(getattr(mdlm, name), getattr(bd3, name)), name
+    assert mdlm.denominator() == bd3.denominator() == float(loss_mask.sum())
+    assert mdlm.block_size == bd3.block_size == seq_len and not mdlm.uses_clean_stream and bd3.uses_clean_stream
+    assert mdlm.num_labelled() > 0
+
+    model = _model(torch.float64)
+    results = []
+    for corrupted in (mdlm, bd3):
+        plan = build_rank_plan(
+            single_process_context(), seq_len, seq_len, uses_clean_stream=corrupted.uses_clean_stream
+        )
+        model.zero_grad()
+        loss, _ = rank_loss(model, corrupted, plan, global_denominator=corrupted.denominator(), world_size=1)
+        loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results.append((loss.detach(), grads))
+    (mdlm_loss, mdlm_grads), (bd3_loss, bd3_grads) = results
+    assert float(mdlm_loss) > 0.1
+    torch.testing.assert_close(bd3_loss, mdlm_loss, rtol=1e-12, atol=0)
+    torch.testing.assert_close(bd3_grads, mdlm_grads, rtol=0, atol=1e-12 * float(mdlm_grads.abs().max()))
