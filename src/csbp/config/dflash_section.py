@@ -51,8 +51,9 @@ class DFlashSection(_Section):
         description="Context visible to an anchor block: strictly before the anchor, or including it.",
     )
     gamma: float | None = Field(
-        None, gt=0, description="Loss decay exp(-(k-1)/gamma) over block slots; unset: no decay. A dpace weighting replaces "
-        "it, so there only the selector loss uses it."
+        None, gt=0, description="Loss decay exp(-(k-1)/gamma) over block slots; unset: no decay (SpecForge's default "
+        "too; its published recipes set 7 for block_size 16, ModelOpt/speculators 4 for block_size 8). A dpace weighting "
+        "replaces it, so there only the selector loss uses it."
     )
     loss: Literal["ce", "kl"] = Field("ce", description="ce: against data tokens; kl: against the target.")
     weighting: Literal[
