@@ -1,7 +1,8 @@
 """DFlash drafter model: configuration defaults and validation, frozen shared target modules, the
 golden masks of objectives.md §5.5 through ``Rows``, train/inference parity (§12 test 4, with an
 incremental cache), leakage (§12 test 5) and the DFlash2 convolution (identity start, block-local
-taps). Float64, tiny shapes; tolerances are stated per assertion."""
+taps), and the drafter against an independent transcription of the §5.2 layer formulas. Float64,
+tiny shapes; tolerances are stated per assertion."""
 
 from __future__ import annotations
 
@@ -250,3 +251,70 @@ def test_dense_attention_matches_sharded_training_path() -> None:
     torch.testing.assert_close(
         _training_hidden(drafter, batch.input_ids[0], features, packet), expected, rtol=0, atol=1e-12
     )
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """HF rotate-half RoPE on ``[heads, rows, d]`` at ``positions [rows]``."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) * 2 / x.shape[-1])
+    angles = positions.double()[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _section_5_2_block(drafter: DFlashDrafter, block_embeds: torch.Tensor, anchor: int, features: torch.Tensor):
+    """One block's final hidden states written from objectives.md §5.2 with explicit tensors: the
+    fused context ``C = RMSNorm(F·W_fc)`` (positions ``0 … a−1``) is NOT passed through
+    ``input_layernorm`` and is projected by every layer's own ``W_k``/``k_norm``/``W_v``; the block
+    rows (positions ``a … a+B−1``) attend to ``[C ; block]`` without a mask."""
+    cfg = drafter.config
+    eps, heads, kv_heads, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    ctx_pos, blk_pos = torch.arange(anchor), anchor + torch.arange(cfg.block_size)
+    context = _rms(features[:anchor] @ drafter.fc.weight.t(), drafter.hidden_norm.weight, eps)
+    h = block_embeds
+    for layer in drafter.layers:
+        attn = layer.self_attn
+        g = _rms(h, layer.input_layernorm.weight, eps)
+        q = (g @ attn.q_proj.weight.t()).view(-1, heads, d).transpose(0, 1)
+        q = _rope(_rms(q, attn.q_norm.weight, eps), blk_pos, cfg.rope_theta)
+        kv_in = torch.cat([context, g])
+        k = (kv_in @ attn.k_proj.weight.t()).view(-1, kv_heads, d).transpose(0, 1)
+        k = _rope(_rms(k, attn.k_norm.weight, eps), torch.cat([ctx_pos, blk_pos]), cfg.rope_theta)
+        v = (kv_in @ attn.v_proj.weight.t()).view(-1, kv_heads, d).transpose(0, 1)
+        k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
+        probs = torch.softmax(q @ k.transpose(1, 2) / d**0.5, dim=-1)
+        h = h + (probs @ v).transpose(0, 1).reshape(cfg.block_size, heads * d) @ attn.o_proj.weight.t()
+        m = _rms(h, layer.post_attention_layernorm.weight, eps)
+        mlp = layer.mlp
+        gate = torch.nn.functional.silu(m @ mlp.gate_proj.weight.t()) * (m @ mlp.up_proj.weight.t())
+        h = h + gate @ mlp.down_proj.weight.t()
+    return _rms(h, drafter.norm.weight, eps)
+
+
+def test_drafter_equals_the_formulas_of_section_5_2() -> None:
+    """The drafter's own layer math against an independent transcription of objectives.md §5.2
+    (the parity tests above compare the drafter with itself under two masks). Every weight, the
+    RMSNorm scales included (1 at initialisation), is perturbed so a norm applied to the wrong
+    stream, a context projected by other weights or a RoPE at other positions shows. Float64, 1e-12."""
+    target, drafter = build_models(Case())
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for param in drafter.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=generator, dtype=torch.float64))
+    batch = make_batch(1, 16)
+    tokens = batch.input_ids[0]
+    features = capture_target_features(target, batch.input_ids, (0, 2)).features[0]
+    assert drafter.layers[0].self_attn.q_norm is not None  # the tiny target is Qwen3-like
+    with torch.no_grad():
+        for anchor in (1, 6, 11):
+            embeds = drafter.embed(drafter.block_input_ids(tokens[anchor].view(1))[None])[0]
+            expected = _section_5_2_block(drafter, embeds, anchor, features)
+            got = _inference_hidden(drafter, tokens, features, anchor)
+            torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+            train = _training_hidden(drafter, tokens, features, _packet([anchor]))
+            torch.testing.assert_close(train, expected, rtol=0, atol=1e-12)
