@@ -65,6 +65,11 @@ def test_default_target_layer_ids_match_published_configs() -> None:
     assert default_target_layer_ids(64, 5) == (1, 16, 31, 46, 61)
     assert default_target_layer_ids(40, 5) == (1, 10, 19, 28, 37)
     assert default_target_layer_ids(36, 1) == (18,)
+    # Exact halves round to even, as the public readers' Python round() does (a checkpoint without
+    # dflash_config.target_layer_ids is read with these): 26.5 -> 26, 16.5 -> 16, 4.5 -> 4.
+    assert default_target_layer_ids(38, 5) == (1, 10, 18, 26, 35)
+    assert default_target_layer_ids(35, 3) == (1, 16, 32)
+    assert default_target_layer_ids(32, 9) == (1, 4, 8, 12, 15, 18, 22, 26, 29)
     with pytest.raises(ValueError, match="target_layer_ids"):
         default_target_layer_ids(4, 3)
 

@@ -14,7 +14,6 @@ Usage::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,11 +34,15 @@ WEIGHTINGS: tuple[str, ...] = (
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
     """The DFlash default (objectives.md §5.1): ``[L // 2]`` for one draft layer, otherwise ``K`` ids
-    ``round(1 + i·(L−4)/(K−1))`` on ``[1, L−3]`` (36 layers, K = 5 -> 1, 9, 17, 25, 33)."""
+    ``round(1 + i·(L−4)/(K−1))`` on ``[1, L−3]`` (36 layers, K = 5 -> 1, 9, 17, 25, 33).
+
+    ``round`` is Python's (halves to even) on the same float expression as the public DFlash readers
+    (z-lab, SpecForge, SGLang), which fill these ids in when a checkpoint's ``dflash_config`` has none:
+    ``38`` layers, ``K = 5`` give ``1, 10, 18, 26, 35`` (rounding halves up gave ``27`` for ``26.5``)."""
     if num_draft_layers == 1:
         return (num_target_layers // 2,)
     ids = tuple(
-        math.floor(1 + i * (num_target_layers - 4) / (num_draft_layers - 1) + 0.5)
+        int(round(1 + (i * (num_target_layers - 4)) / (num_draft_layers - 1)))
         for i in range(num_draft_layers)
     )
     if num_target_layers < 4 or len(set(ids)) != len(ids):
