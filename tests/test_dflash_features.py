@@ -47,6 +47,11 @@ def test_capture_matches_layer_outputs_and_final_norm() -> None:
         captured.last_hidden, target(ids, positions, CausalAttention()), rtol=0, atol=1e-13
     )
     assert captured.features.shape == (1, 16, 64) and captured.layer_ids == (0, 2)
+    # objectives.md §5.1/§9 pitfall 8: the last layer's id is its pre-norm residual (HF's last
+    # hidden_states entry is post-norm); the KL teacher is that residual after the final norm.
+    last_layer = capture_target_features(target, ids, (3,), with_last_hidden=True)
+    torch.testing.assert_close(target.norm(last_layer.features), last_layer.last_hidden, rtol=0, atol=1e-13)
+    assert float((last_layer.features - last_layer.last_hidden).abs().max()) > 1e-2
     with pytest.raises(ValueError, match="target_layer_ids"):
         capture_target_features(target, ids, (0, 4))
 
