@@ -83,6 +83,7 @@ def test_cache_equals_recomputation_token_for_token(
         recomputed = run(model, prompt, token_shift=token_shift, use_cache=False, **options)
         assert cached.token_ids == recomputed.token_ids
         assert cached.unmask_steps == recomputed.unmask_steps
+        assert cached.first_tokens == recomputed.first_tokens
         assert len(cached.token_ids) == 21
 
 
@@ -355,7 +356,8 @@ def test_sub_blocks_fill_left_to_right_and_the_cache_equals_recomputation(
         recomputed = run(model, prompt, token_shift=token_shift, use_cache=False, **options, **sampling)
         assert cached.token_ids == recomputed.token_ids and cached.unmask_steps == recomputed.unmask_steps
         assert len(cached.token_ids) == 21 and all(cached.unmask_steps)
-        done: set[int] = set()
+        assert cached.first_tokens == recomputed.first_tokens
+        done = {position for position, _ in cached.first_tokens}  # committed before their block's steps
         for step in cached.unmask_steps:
             positions = {position for position, _ in step}
             assert len({position // 4 for position in positions}) == 1  # one sub-block per step

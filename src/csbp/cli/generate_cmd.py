@@ -20,7 +20,8 @@ token. ``--objective`` or ``--block-size`` other than the run's is refused unles
 ``--allow-objective-change`` / ``--allow-block-size-change`` (an experiment: the model never saw
 that attention pattern or block grid), which then notes the change on stderr
 (``csbp.cli.trained_settings``, shared with ``csbp eval``).
-``fast_dllm_v2`` decodes with token shift (position ``i`` predicted from row ``i-1``); an
+``fast_dllm_v2`` decodes with token shift (position ``i`` predicted from row ``i-1``; a block's
+first position is committed from the finished previous block before the block is denoised); an
 ``mdlm`` model is one block of ``B = seq_len``. A model trained with a sliding window
 (``topology.window``) is sampled with the same windowed mask (``--window`` for other checkpoints). See ``csbp.generation.sampler`` for how the prompt
 is aligned to the block grid. ``--chat`` formats the prompt with the tokenizer directory's chat

@@ -7,13 +7,16 @@ attention) and apply the windowed BD3 mask. Both expose the same three calls, us
 * ``prefill(ids [1, P])``: the prompt's whole blocks become the clean prefix (``P % B == 0``);
 * ``denoise(block_ids [1, B], start)``: final hidden states of the noisy block at positions
   ``start .. start+B-1`` (bidirectional inside the block, seeing the whole clean prefix), plus the
-  clean hidden state of position ``start - 1`` (what a token-shift model predicts the block's
-  first token from), or None at ``start == 0``;
+  clean hidden state of position ``start - 1``, or None at ``start == 0``;
+* ``clean_row_before(start)``: that clean hidden state of position ``start - 1`` alone (what a
+  token-shift model predicts the first token of the block at ``start`` from; it sees only the clean
+  prefix, so it is the same at every denoising step of that block);
 * ``commit(block_ids [1, B], start)``: the finished block joins the clean prefix.
 
 :class:`CachedBlockForward` runs only the current rows: ``prefill``/``commit`` run the rows once
 as clean blocks (block-causal over the cache) and append their K/V to the cache; ``denoise`` runs
-the ``B`` noisy rows against the cache. The prefix is never recomputed. :class:`RecomputeBlockForward`
+the ``B`` noisy rows against the cache; ``clean_row_before`` returns the last row of the latest
+prefill or commit, without a forward. The prefix is never recomputed. :class:`RecomputeBlockForward`
 keeps the clean tokens and rebuilds the full BD3 inference layout (``csbp.attention.layouts.bd3_rows``
 with a dense mask from ``csbp.attention.rows.allow_matrix``) at every step; it is the oracle the cache
 must equal.
@@ -43,6 +46,8 @@ class BlockForward(Protocol):
     def prefill(self, ids_1P: Tensor) -> None: ...
 
     def denoise(self, block_ids_1B: Tensor, start: int) -> tuple[Tensor, Tensor | None]: ...
+
+    def clean_row_before(self, start: int) -> Tensor: ...
 
     def commit(self, block_ids_1B: Tensor, start: int) -> None: ...
 
@@ -98,6 +103,11 @@ class CachedBlockForward:
         hidden_1PD = self._run(ids_1P, 0, append=True)
         self._last_clean_hidden_1D = hidden_1PD[:, -1]
 
+    def clean_row_before(self, start: int) -> Tensor:
+        if start < 1 or start != self.cache.length or self._last_clean_hidden_1D is None:
+            raise RuntimeError(f"no clean row before position {start} (the cache holds {self.cache.length})")
+        return self._last_clean_hidden_1D
+
     def denoise(self, block_ids_1B: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
         _check_ids(block_ids_1B, "block ids")
         return self._run(block_ids_1B, start, append=False), self._last_clean_hidden_1D
@@ -126,8 +136,8 @@ class RecomputeBlockForward:
             raise ValueError(f"prefill needs whole blocks of {self.block_size}, got {ids_1P.shape[1]} tokens")
         self._clean_ids_1C = ids_1P.cpu()
 
-    def denoise(self, block_ids_1B: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
-        _check_ids(block_ids_1B, "block ids")
+    def _run(self, block_ids_1B: Tensor, start: int) -> Tensor:
+        """Hidden states of the rows ``[noisy block ; clean prefix]`` (no noisy rows for an empty block)."""
         num_clean, num_noisy = self._clean_ids_1C.shape[1], block_ids_1B.shape[1]
         if start != num_clean:
             raise RuntimeError(
@@ -143,9 +153,18 @@ class RecomputeBlockForward:
         input_ids_1R = torch.cat((block_ids_1B.cpu(), self._clean_ids_1C), dim=1).to(device)
         attention = DenseMaskAttention(allow_matrix(rows, rows).to(device))
         self.rows_processed += input_ids_1R.shape[1]
-        hidden_1RD = self.model(input_ids_1R, rows.pos.to(device), attention)
-        before_1D = hidden_1RD[:, num_noisy + num_clean - 1] if num_clean else None
-        return hidden_1RD[:, :num_noisy], before_1D
+        return self.model(input_ids_1R, rows.pos.to(device), attention)
+
+    def clean_row_before(self, start: int) -> Tensor:
+        if start < 1:
+            raise RuntimeError(f"no clean row before position {start}")
+        return self._run(torch.zeros(1, 0, dtype=torch.long), start)[:, -1]
+
+    def denoise(self, block_ids_1B: Tensor, start: int) -> tuple[Tensor, Tensor | None]:
+        _check_ids(block_ids_1B, "block ids")
+        num_noisy = block_ids_1B.shape[1]
+        hidden_1RD = self._run(block_ids_1B, start)
+        return hidden_1RD[:, :num_noisy], hidden_1RD[:, -1] if start > 0 else None
 
     def commit(self, block_ids_1B: Tensor, start: int) -> None:
         _check_ids(block_ids_1B, "block ids")

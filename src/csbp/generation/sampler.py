@@ -15,14 +15,25 @@ confident ones, or the leftmost with ``unmask_order="left_to_right"``
 (:func:`~csbp.generation.token_choice.choose_unmasked`). A finished block is run once
 more as a clean block and joins the cache. With ``sub_block_size`` (Fast-dLLM v2's sub-blocks) only the
 still-masked positions of the leftmost unfinished sub-block are candidates, each sub-block in its
-share of the steps, while every forward still runs the whole block (later sub-blocks as ``[M]``). Generation stops after the block holding the first EOS
-(the completion is cut before it) or after ``max_new_tokens`` tokens; in the last block only the
-positions inside the budget are filled.
+share of the steps, while every forward still runs the whole block (later sub-blocks as ``[M]``).
+
+Stopping. Generation stops at the first EOS (the completion is cut before it) or after
+``max_new_tokens`` tokens; in the last block only the positions inside the budget are filled. A
+block stops denoising as soon as an EOS is unmasked with every position before it filled (what
+follows would be cut; Fast-dLLM v2's released ``generate`` stops there too), so the completion is
+the same as filling the whole block, for fewer forwards.
 
 Label alignment. ``token_shift=False`` (BD3-LM, MDLM): row ``i`` predicts position ``i``.
-``token_shift=True`` (Fast-dLLM v2): position ``i`` is predicted from row ``i-1``; the first position
-of a block is predicted from the clean row just before it (the completed previous block), so a
-shifted model needs a non-empty prompt.
+``token_shift=True`` (Fast-dLLM v2): position ``i`` is predicted from row ``i-1``, so a shifted model
+needs a non-empty prompt. The first position of a block that starts empty (no carried prompt
+tokens) is predicted from the clean row just before it, the last row of the completed previous
+block (or of the prompt), which sees only the clean prefix: its proposal cannot change while the
+block is denoised. So it is committed at once, before the block's first denoising step, from the
+forward that committed the previous block, as Fast-dLLM v2's released samplers do (the next token
+from the last logit of the finished block, block-level autoregression); every position of the
+block is then denoised knowing it. These tokens are listed in ``GenerationResult.first_tokens``,
+not in ``unmask_steps``. The proposal is the usual one (``propose_tokens``): greedy at temperature
+0, as in the release, and sampled at a positive temperature, where the release takes the arg-max.
 
 Usage::
 
@@ -129,6 +140,8 @@ class GenerationResult:
         stopped_at_eos: whether an EOS ended the completion.
         block_starts: absolute start position of every generated block (multiples of ``B``).
         unmask_steps: per denoising step, the ``(position, token)`` pairs unmasked in that step.
+        first_tokens: ``token_shift`` only: the ``(position, token)`` of every block's first position
+            committed from the clean row before the block, before its denoising steps.
         num_model_rows: rows fed to the model in total (prefill + denoising + commits).
     """
 
@@ -137,6 +150,7 @@ class GenerationResult:
     stopped_at_eos: bool = False
     block_starts: list[int] = field(default_factory=list)
     unmask_steps: list[list[tuple[int, int]]] = field(default_factory=list)
+    first_tokens: list[tuple[int, int]] = field(default_factory=list)
     num_model_rows: int = 0
 
 
@@ -197,12 +211,17 @@ def generate(
         to_fill_B = torch.zeros(block_size, dtype=torch.bool)
         to_fill_B[len(carried) : len(carried) + num_fill] = True
         result.block_starts.append(start)
+        if config.token_shift and not carried:
+            _commit_first_token(
+                model, forward, block_ids_1B, to_fill_B, start, mask_token_id, config, generator, result
+            )
         _denoise_block(
-            model, forward, block_ids_1B, to_fill_B, start, mask_token_id, config, generator, result
-        )
+            model, forward, block_ids_1B, to_fill_B, start, mask_token_id, eos_id, len(carried), config, generator,
+            result,
+        )  # fmt: skip
 
         new_tokens = block_ids_1B[0, len(carried) : len(carried) + num_fill].tolist()
-        if eos_id is not None and eos_id in new_tokens:
+        if eos_id is not None and eos_id in new_tokens:  # every position before it is filled
             result.token_ids.extend(new_tokens[: new_tokens.index(eos_id)])
             result.stopped_at_eos = True
             break
@@ -216,7 +235,7 @@ def generate(
     return result
 
 
-def _denoise_block(
+def _commit_first_token(
     model: Decoder,
     forward: BlockForward,
     block_ids_1B: Tensor,
@@ -227,8 +246,46 @@ def _denoise_block(
     generator: torch.Generator,
     result: GenerationResult,
 ) -> None:
+    """Token shift: fill the block's first position (in place) from the clean row before the block."""
+    logits_1V = model.logits(forward.clean_row_before(start))
+    tokens_1, _ = propose_tokens(
+        logits_1V,
+        mask_token_id=mask_token_id,
+        temperature=config.temperature,
+        top_k=config.top_k,
+        top_p=config.top_p,
+        generator=generator,
+    )
+    block_ids_1B[0, 0] = tokens_1[0]
+    to_fill_B[0] = False
+    result.first_tokens.append((start, int(tokens_1[0])))
+
+
+def _eos_settled(block_ids_1B: Tensor, to_fill_B: Tensor, eos_id: int | None, first_new: int) -> bool:
+    """Whether a generated EOS (at offset ``>= first_new``: a carried prompt token is not one) is
+    unmasked with no position before it still to fill: the completion ends there."""
+    if eos_id is None:
+        return False
+    eos_N = torch.nonzero(block_ids_1B[0, first_new:] == eos_id).squeeze(-1)
+    return eos_N.numel() > 0 and not bool(to_fill_B[: first_new + int(eos_N[0])].any())
+
+
+def _denoise_block(
+    model: Decoder,
+    forward: BlockForward,
+    block_ids_1B: Tensor,
+    to_fill_B: Tensor,
+    start: int,
+    mask_token_id: int,
+    eos_id: int | None,
+    first_new: int,
+    config: GenerationConfig,
+    generator: torch.Generator,
+    result: GenerationResult,
+) -> None:
     """Unmask every ``to_fill`` position of ``block_ids`` in at most ``steps_per_block`` steps (in place):
-    one sub-block after the other (``config.sub_block_size``), each in its share of the steps."""
+    one sub-block after the other (``config.sub_block_size``), each in its share of the steps; stop
+    early once an EOS ends the completion (module docstring)."""
     block_size = config.block_size
     sub_block = config.sub_block_size or block_size
     steps_each = config.steps_per_block * sub_block // block_size
@@ -237,7 +294,7 @@ def _denoise_block(
         span_B = (offset_B >= first) & (offset_B < first + sub_block)
         for step in range(steps_each):
             masked_R = torch.nonzero(to_fill_B & span_B).squeeze(-1)  # block offsets still masked here
-            if masked_R.numel() == 0:
+            if masked_R.numel() == 0 or _eos_settled(block_ids_1B, to_fill_B, eos_id, first_new):
                 break
             chosen_offsets, chosen_tokens = _denoise_step(
                 model, forward, block_ids_1B, masked_R, start, mask_token_id, config, generator,
@@ -248,7 +305,7 @@ def _denoise_block(
             result.unmask_steps.append(
                 [(start + int(o), int(t)) for o, t in zip(chosen_offsets.tolist(), chosen_tokens.tolist(), strict=True)]
             )
-    if bool(to_fill_B.any()):
+    if bool(to_fill_B.any()) and not _eos_settled(block_ids_1B, to_fill_B, eos_id, first_new):
         raise RuntimeError("block still has masked positions after steps_per_block steps")
 
 
@@ -265,15 +322,15 @@ def _denoise_step(
     remaining_steps: int,
 ) -> tuple[Tensor, Tensor]:
     """One denoising forward of the block: the offsets among ``masked_R`` to unmask now, and their tokens."""
-    hidden_1BD, before_1D = forward.denoise(block_ids_1B, start)
+    hidden_1BD, _ = forward.denoise(block_ids_1B, start)
     if config.token_shift:
-        # Position j is predicted from row j-1: row "-1" is the clean row before the block.
-        assert before_1D is not None or int(masked_R[0]) > 0, "token shift without a row before the block"
-        prev_1D = before_1D if before_1D is not None else hidden_1BD[:, 0]  # unused when masked_R[0] > 0
-        source_1BD = torch.cat((prev_1D[:, None], hidden_1BD[:, :-1]), dim=1)
+        # Position j is predicted from row j-1. Offset 0 is never masked here: it holds a carried
+        # prompt token or the token committed from the clean row before the block.
+        assert int(masked_R[0]) > 0, "token shift: the block's first position was not committed"
+        rows_R = masked_R - 1
     else:
-        source_1BD = hidden_1BD
-    logits_RV = model.logits(source_1BD[0, masked_R.to(source_1BD.device)])
+        rows_R = masked_R
+    logits_RV = model.logits(hidden_1BD[0, rows_R.to(hidden_1BD.device)])
     tokens_R, confidence_R = propose_tokens(
         logits_RV,
         mask_token_id=mask_token_id,

@@ -3,7 +3,8 @@
 ``propose_tokens`` turns the logits of the still-masked rows into one candidate token and one
 confidence per row:
 
-* the mask-token logit is set to ``-inf`` first (SUBS), so ``[M]`` is never proposed;
+* the mask-token logit is set to ``-inf`` first (SUBS), so ``[M]`` is never proposed (Fast-dLLM
+  v2's release keeps it in the softmax, so its confidences are a little lower);
 * ``temperature == 0``: greedy, the arg-max token; its softmax probability is the confidence;
 * ``temperature > 0``: logits are divided by the temperature, cut to the ``top_k`` largest and to
   the smallest set whose probability reaches ``top_p`` (nucleus), renormalised, and one token is

@@ -8,8 +8,10 @@ clean stream ``x_0`` (``[x_t^(v) ; x_0]`` layout, BD3 mask with ``B = bd_size``)
 
 Token shift: noisy row ``i − 1`` predicts token ``i`` when token ``i`` is masked in that view;
 position 0 is never a target and the last row never has a label. A target whose previous row
-lies in another packed document (``doc_ids`` differ) is dropped, as that row cannot see the
-target's document. A masked token that cannot be a target (position 0, a document start) is still
+lies in another packed document (``doc_ids`` differ) is dropped, with or without the document
+mask: under it that row cannot see the target's document, and without it the target is the first
+token of an unrelated document (the released trainer packs rows without document ids and scores
+it). A masked token that cannot be a target (position 0, a document start) is still
 corrupted but never scored. The mask-token logit is *not* excluded. Denominator: the number of
 labelled rows of both views, ``Σ_v Σ_i m^(v)_i`` (``S·(L−1)`` without supervision mask).
 """
