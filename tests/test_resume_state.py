@@ -1,5 +1,5 @@
 """What a checkpoint must carry so that ``--resume`` continues exactly: the ``train.nan_policy: skip``
-streak.
+streak, and a loader position that belongs to the split and artifact it is loaded into.
 
 Runs train the tiny decoder of :mod:`test_training_run` on the CPU in float32.
 """
@@ -11,8 +11,11 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from csbp.data.artifact import ArtifactSplit
+from csbp.data.loader import PackedLoader
 from csbp.training import train
 from csbp.training.checkpoint import STATE_FILE, TrainingState
 from csbp.training.nan_policy import MAX_SKIPPED_STEPS, NonFiniteTraining
@@ -83,6 +86,38 @@ def test_a_finite_step_after_the_resume_ends_the_streak(
     assert trajectory(tmp_path / "half") == trajectory(tmp_path / "full")
     weights = "final/model.safetensors"
     assert (tmp_path / "half" / weights).read_bytes() == (tmp_path / "full" / weights).read_bytes()
+
+
+# ----------------------------------------------------------------------------- the loader's split
+
+
+def split_named(name: str, num_rows: int = 6) -> ArtifactSplit:
+    tokens = np.arange(num_rows * 3, dtype=np.uint32).reshape(num_rows, 3)
+    return ArtifactSplit(name, 3, tokens, (tokens % 2).astype(np.uint8), (tokens // 5).astype(np.int32), "f" * 64)
+
+
+def test_a_loader_state_of_another_split_is_refused() -> None:
+    """Both splits of an artifact carry the artifact's fingerprint, so a val loader's state (same row
+    count) used to load into the train loader and continue from a position that was never trained."""
+    val = PackedLoader(split_named("val"), batch_size=3, seed=0)
+    next(val)
+    state = val.state_dict()
+    assert state["split"] == "val"
+    with pytest.raises(ValueError, match=r"^loader state field 'split' is 'val', this loader reads 'train' \(fix: "):
+        PackedLoader(split_named("train"), batch_size=3, seed=0).load_state_dict(state)
+
+
+def test_a_loader_state_without_a_split_is_a_train_position() -> None:
+    """Checkpoints written before the split was recorded hold the train loader's position (the only one
+    the trainer saves): they resume, into a train loader only."""
+    loader = PackedLoader(split_named("train"), batch_size=3, seed=0)
+    next(loader)
+    old = {k: v for k, v in loader.state_dict().items() if k != "split"}
+    resumed = PackedLoader(split_named("train"), batch_size=3, seed=0)
+    resumed.load_state_dict(old)
+    assert resumed.cursor == 3
+    with pytest.raises(ValueError, match="loader state field 'split' is 'train', this loader reads 'val'"):
+        PackedLoader(split_named("val"), batch_size=3, seed=0).load_state_dict(old)
 
 
 # ----------------------------------------------------------------------------- trainer_state.json
