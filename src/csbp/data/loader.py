@@ -14,11 +14,13 @@ Semantics (the whole state is *global*, independent of the data-parallel layout)
   after a resume with another ``G`` whose cursor is not a multiple of it. ``drop_last=False``:
   ``ceil(N / G)`` steps, the last global batch wraps around to the start of the same order.
 * The state is ``(epoch, cursor, seed)``, ``cursor`` = global samples consumed in the current
-  epoch. Resuming with the same ``dp_size`` replays exactly the batches an uninterrupted run would
-  have produced. Resuming with another ``dp_size`` (or batch size) continues deterministically
-  from the same global cursor: the next global batch is the next ``G'`` entries of the epoch
-  order, re-sharded over the new ranks. A state from a different split (row count or content
-  fingerprint) or seed is rejected.
+  epoch, with the split's name, row count and fingerprint to check it against. Resuming with the
+  same ``dp_size`` replays exactly the batches an uninterrupted run would have produced. Resuming
+  with another ``dp_size`` (or batch size) continues deterministically from the same global
+  cursor: the next global batch is the next ``G'`` entries of the epoch order, re-sharded over the
+  new ranks. A state from a different split (its name, row count or
+  content fingerprint; both splits of an artifact share the artifact's fingerprint) or seed is
+  rejected.
 
 Batches are dicts of tensors: ``input_ids [S, L]`` int64, ``loss_mask [S, L]`` bool, ``doc_ids
 [S, L]`` int64 (document ordinal, -1 on padding) and ``row_ids [S]`` int64 (row index in the
@@ -147,6 +149,7 @@ class PackedLoader:
         return {
             "epoch": self.epoch,
             "cursor": self.cursor,
+            "split": self.split.name,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "num_rows": self.split.num_rows,
@@ -154,7 +157,15 @@ class PackedLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state``; ``ValueError`` if it belongs to other data or another seed."""
+        """Continue from ``state``; ``ValueError`` (one line naming the field) if it belongs to another
+        split, other data or another seed. A state without ``split`` (written before it was
+        recorded, by the trainer, which saves only its train loader) is a train position."""
+        split = state.get("split", "train")
+        if split != self.split.name:
+            raise ValueError(
+                f"loader state field 'split' is {split!r}, this loader reads {self.split.name!r} (fix: load "
+                f"a state saved by a loader of the {self.split.name!r} split, or start that loader afresh)"
+            )
         for key, mine in (
             ("seed", self.seed),
             ("shuffle", self.shuffle),

@@ -4,7 +4,8 @@ Modules: ``preflight`` (every check before work starts), ``model_factory`` (the 
 ``optim`` / ``lr_schedule`` (AdamW groups, clipping, warm-up + cosine), ``step`` (one step and one
 validation pass through the engine), ``parallelize`` (FSDP2 and gradient averaging),
 ``checkpoint`` (atomic DCP checkpoints), ``metrics`` (JSONL, TensorBoard, tqdm, loss plot),
-``trainer`` (the loop), ``finish`` (``final/`` and the sample at the end), ``train_lock`` (the run
+``trainer`` (set-up and teardown of a run), ``step_loop`` (the steps), ``nan_policy`` (non-finite
+steps), ``finish`` (``final/`` and the sample at the end), ``train_lock`` (the run
 directory's lock of a direct ``train`` call), ``launcher`` (single process, torchrun, or local
 workers). DFlash drafter
 runs (``objective.name: dflash``): ``dflash_inputs`` (checks against the target and data),

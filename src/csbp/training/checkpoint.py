@@ -9,7 +9,8 @@ Layout of ``<run_dir>/checkpoints/``::
 
 ``trainer_state.json`` (plain JSON, never pickled) holds the step, the lr-scheduler state, the data
 loader's global cursor, the global RNG states, the data fingerprint, every parameter's shape, the
-topology it was written under, the run config (YAML text) and the CRC32 of every file DCP wrote
+topology it was written under, the run config (YAML text), the ``train.nan_policy: skip`` streak
+(``nan_skips_in_a_row``) and the CRC32 of every file DCP wrote
 (``checksums``, :mod:`csbp.training.checkpoint_checksums`; absent in checkpoints of older versions).
 
 Model and optimizer are saved as *sharded* DCP state dicts keyed by parameter name
@@ -116,6 +117,9 @@ class TrainingState:
     #: content fingerprints of the directories the config names (``csbp.training.input_identity``);
     #: empty in checkpoints written before they were recorded
     input_fingerprints: dict[str, str] = field(default_factory=dict)
+    #: ``train.nan_policy: skip``'s count of steps skipped in a row (:mod:`csbp.training.nan_policy`);
+    #: 0 in checkpoints written before it was recorded
+    nan_skips_in_a_row: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, **self.__dict__}
@@ -127,10 +131,17 @@ class TrainingState:
                 f"{source}: checkpoint format {data.get('format_version')!r} is not {FORMAT_VERSION}"
             )
         fields = {key: data[key] for key in TrainingState.__dataclass_fields__ if key in data}
-        required = {f.name for f in dataclasses.fields(TrainingState) if f.default_factory is dataclasses.MISSING}
+        required = {
+            f.name
+            for f in dataclasses.fields(TrainingState)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
         missing = sorted(required - set(fields))
         if missing:
             raise ValueError(f"{source}: missing fields {missing}; the checkpoint is corrupt")
+        skips = fields.get("nan_skips_in_a_row", 0)
+        if type(skips) is not int or skips < 0:
+            raise ValueError(f"{source}: nan_skips_in_a_row is {skips!r}, not a count; the checkpoint is corrupt")
         return TrainingState(**fields)
 
 

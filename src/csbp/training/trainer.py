@@ -9,11 +9,13 @@ does that for ``csbp train``. Order of work:
 2. build the parallel context, the model (FSDP-sharded when ``train.fsdp``), AdamW, the lr
    schedule, and the train loader keyed by ``dp_rank`` (every rank of one replica loads the same
    batch);
-3. with ``resume``, restore the latest checkpoint (model, optimizer, scheduler, loader cursor, RNG);
-4. run steps ``start + 1 .. stop`` (:mod:`csbp.training.step`); gradients are averaged over all
-   ranks while the last backward of the step runs (:mod:`csbp.engine.grad_buckets`; FSDP: its own
-   reduce-scatter hooks), then clip, step the optimizer and the scheduler; log, evaluate and
-   checkpoint on schedule;
+3. with ``resume``, restore the latest checkpoint (model, optimizer, scheduler, loader cursor, RNG,
+   the ``train.nan_policy: skip`` streak);
+4. run steps ``start + 1 .. stop`` (:mod:`csbp.training.step_loop`, one step in
+   :mod:`csbp.training.step`); gradients are averaged over all ranks while the last backward of the
+   step runs (:mod:`csbp.engine.grad_buckets`; FSDP: its own reduce-scatter hooks), then clip, step
+   the optimizer and the scheduler (a non-finite step: :mod:`csbp.training.nan_policy`); log,
+   evaluate and checkpoint on schedule;
 5. at the end: validate (when validation is on), checkpoint, export ``final/`` as a Hugging Face
    checkpoint with the tokenizer, print a sample (``train.generate_after``), draw ``loss.png``.
 
@@ -29,23 +31,19 @@ Only rank 0 writes ``config.yaml``, metrics, plots and the export; all ranks wri
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch.optim.lr_scheduler import LRScheduler
 
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.flex_backward import set_flex_backward
-from csbp.config.loading import dump_config, write_config
+from csbp.config.loading import write_config
 from csbp.config.schema import RunConfig
 from csbp.data.loader import PackedLoader
 from csbp.devices import device_for_rank, select_device
@@ -54,49 +52,36 @@ from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_pl
 from csbp.engine.context import ParallelContext, build_parallel_context
 from csbp.parallel.groups import release_process_groups
 from csbp.training.activation_checkpointing import checkpoint_layers
-from csbp.training.checkpoint import (
-    TrainingState,
-    load_checkpoint,
-    param_shapes,
-    rng_state,
-    save_checkpoint,
-)
+from csbp.training.checkpoint import load_checkpoint
 from csbp.training.dflash_step import DFlashStepRunner
 from csbp.training.drafter import build_drafter, dflash_eval_hint
 from csbp.training.finish import finish_on_rank0
-from csbp.training.input_identity import input_fingerprints
 from csbp.training.lr_schedule import build_lr_scheduler
-from csbp.training.metrics import MetricsWriter, peak_memory_bytes, step_line
+from csbp.training.metrics import MetricsWriter
 from csbp.training.model_factory import build_model
-from csbp.training.optim import apply_optim_config, build_optimizer, clip_gradients
-from csbp.training.parallelize import (
-    apply_fsdp,
-    gradient_shard_comm,
-    gradient_sync_for,
-    synchronize_gradients,
-)
+from csbp.training.nan_policy import MAX_SKIPPED_STEPS, NonFiniteTraining, SkipStreak
+from csbp.training.optim import apply_optim_config, build_optimizer
+from csbp.training.parallelize import apply_fsdp, gradient_sync_for
 from csbp.training.preflight import RunInputs, check_run
-from csbp.training.resume_config import flat_config
-from csbp.training.step import EvalResult, StepRunner
+from csbp.training.step import StepRunner
+from csbp.training.step_loop import StepHook, StepLoop
 from csbp.training.summary import TrainSummary
 from csbp.training.train_lock import train_run_dir_lock
 
+__all__ = [
+    "MAX_SKIPPED_STEPS",
+    "STARTUP_TIMEOUT_S",
+    "NonFiniteTraining",
+    "StepHook",
+    "TrainSummary",
+    "default_run_dir",
+    "stop_step_of",
+    "train",
+    "training_device",
+]
+
 STARTUP_TIMEOUT_S = 300.0
 """World-group limit outside the step loop (start-up, resume, the final export); see ``collective_timeout``."""
-MAX_SKIPPED_STEPS = 10
-"""``train.nan_policy: skip`` stops the run after this many non-finite steps in a row."""
-
-
-class NonFiniteTraining(ValueError):
-    """The loss or gradient norm of a step is not finite and ``train.nan_policy`` says stop."""
-
-
-def latest_checkpoint_name(run_dir: Path) -> str | None:
-    """The name ``checkpoints/latest`` holds, if any."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    return pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
-
-
 def default_run_dir(cfg: RunConfig) -> Path:
     """``run.run_dir``, else ``runs/<run.name>`` under the working directory."""
     return Path(cfg.run.run_dir) if cfg.run.run_dir is not None else Path("runs") / cfg.run.name
@@ -169,20 +154,6 @@ def rank_plan_for(cfg: RunConfig, ctx: ParallelContext) -> RankPlan | DocumentPl
     )
 
 
-class StepHook(Protocol):
-    """Called by the step loop (``csbp compare`` uses one to train for a wall-clock budget).
-
-    ``on_start`` runs once before the first step of this invocation; ``after_step`` after every
-    step, one ``nan_policy: skip`` skipped included (it ran, so a budget pays for it), with the step's
-    seconds on this rank, and returns True to stop the run after that step (a checkpoint is then
-    written). Both must return the same decision on every rank.
-    """
-
-    def on_start(self, loop: _Loop, start_step: int) -> None: ...
-
-    def after_step(self, loop: _Loop, step: int, step_seconds: float) -> bool: ...
-
-
 def train(
     cfg: RunConfig,
     *,
@@ -235,7 +206,7 @@ def _train(
         dp_rank=ctx.coords.dp_rank,
         dp_size=cfg.topology.dp,
     )
-    start_step = 0
+    start_step, skips_in_a_row = 0, 0
     if resume:
         state = load_checkpoint(
             run_dir,
@@ -246,7 +217,7 @@ def _train(
             data_fingerprint=inputs.artifact.fingerprint,
         )
         apply_optim_config(optimizer, scheduler, cfg.optim)  # a changed optim section applies from here
-        start_step = state.step
+        start_step, skips_in_a_row = state.step, state.nan_skips_in_a_row
     if is_rank0:
         write_config(cfg, run_dir)
     runner = step_runner_for(cfg, inputs, ctx, model, device)
@@ -254,7 +225,8 @@ def _train(
     writer = MetricsWriter(run_dir, enabled=is_rank0, start_step=start_step, total_steps=cfg.train.max_steps)
     if inputs.dflash is not None and cfg.train.generate_after:
         writer.message(f"note: train.generate_after does not apply to dflash; {dflash_eval_hint(cfg, run_dir)}")
-    loop = _Loop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook)
+    streak = SkipStreak(cfg.train.nan_policy, in_a_row=skips_in_a_row)
+    loop = StepLoop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook, streak)
     try:
         with collective_timeout(cfg.train.collective_timeout_s):
             last_checkpoint = loop.run(start_step, stop_step, started)
@@ -318,161 +290,3 @@ def step_runner_for(
         seed=cfg.run.seed,
         ce_chunk_rows=cfg.objective.ce_chunk_rows,
     )
-
-
-@dataclass
-class _Loop:
-    """The step loop of :func:`train` with its bookkeeping (losses, schedule of evals and saves)."""
-
-    cfg: RunConfig
-    inputs: RunInputs
-    ctx: ParallelContext
-    runner: StepRunner | DFlashStepRunner
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: LRScheduler
-    loader: PackedLoader
-    writer: MetricsWriter
-    run_dir: Path
-    device: torch.device
-    hook: StepHook | None = None
-    losses: list[float] = field(default_factory=list)
-    val_losses: list[tuple[int, float]] = field(default_factory=list)
-    val_nelbos: list[tuple[int, float]] = field(default_factory=list)
-    last_step: int = 0
-    _skipped_in_a_row: int = 0
-    _input_fingerprints: dict[str, str] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self._input_fingerprints = input_fingerprints(flat_config(self.cfg.model_dump(mode="json")))
-
-    def run(self, start_step: int, stop_step: int, started: float) -> Path | None:
-        train_cfg = self.cfg.train
-        tokens_per_step = (
-            self.cfg.topology.dp * train_cfg.micro_batch_size * train_cfg.grad_accum * self.cfg.data.seq_len
-        )
-        evaluating = train_cfg.eval_every > 0 and self.inputs.val_split is not None
-        checkpoint: Path | None = None
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.last_step = start_step
-        if evaluating and start_step == 0:  # the untrained baseline, so "first -> last" means something
-            initial = self._evaluate(0)
-            self.writer.log_baseline(
-                {"step": 0, "val_loss": initial.loss, **{f"val_{k}": v for k, v in initial.metrics.items()},
-                 "elapsed_s": time.perf_counter() - started}
-            )
-            nelbo = initial.metrics.get("nelbo")
-            self.writer.message(f"step 0: val {initial.loss:.4f}" + ("" if nelbo is None else f" nelbo {nelbo:.4f}"))
-        if self.hook is not None:
-            self.hook.on_start(self, start_step)
-        for step in range(start_step + 1, stop_step + 1):
-            step_started = time.perf_counter()
-            batches = [next(self.loader) for _ in range(train_cfg.grad_accum)]
-            result = self.runner.train_step(batches, step)
-            if self.runner.grad_sync is not None:
-                self.runner.grad_sync.finish()  # overlapped with the last backward; wait and average
-            else:
-                synchronize_gradients(self.model, self.ctx, fsdp=train_cfg.fsdp)
-            grad_norm = clip_gradients(
-                params,
-                self.cfg.optim.grad_clip,
-                shard_comm=gradient_shard_comm(self.ctx, fsdp=train_cfg.fsdp),
-            )
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            finite = math.isfinite(result.loss) and math.isfinite(grad_norm)
-            if finite:
-                self._skipped_in_a_row = 0
-                self.optimizer.step()
-                self._zero_grad()
-                self.scheduler.step()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-            else:  # raises unless train.nan_policy skips; a skipped step still validates and saves on schedule
-                self._non_finite(step, result.loss, grad_norm, checkpoint)
-            step_seconds = time.perf_counter() - step_started
-            record: dict[str, float] | None = None
-            if finite:
-                self.losses.append(result.loss)
-                record = {
-                    "step": step,
-                    "loss": result.loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens_per_s": tokens_per_step / max(step_seconds, 1e-9),
-                    "peak_mem_bytes": peak_memory_bytes(self.device),
-                    "elapsed_s": time.perf_counter() - started,
-                    **result.metrics,
-                }
-            if evaluating and (step % train_cfg.eval_every == 0 or step == stop_step):
-                evaluation = self._evaluate(step)
-                if record is None:
-                    self.writer.message(f"step {step}: val {evaluation.loss:.4f} (update skipped)")
-                else:
-                    record["val_loss"] = evaluation.loss
-                    record.update({f"val_{name}": value for name, value in evaluation.metrics.items()})
-            if record is not None:
-                self.writer.log(record)
-                if step % train_cfg.log_every == 0:
-                    self.writer.message(step_line(record))
-            self.last_step = step
-            stop = self.hook is not None and self.hook.after_step(self, step, step_seconds)
-            if (train_cfg.save_every > 0 and step % train_cfg.save_every == 0) or step == stop_step or stop:
-                checkpoint = self._save(step)
-            if stop:
-                break
-        return checkpoint
-
-    def _zero_grad(self) -> None:
-        if self.runner.grad_sync is not None:
-            self.runner.grad_sync.zero_grad()  # .grad stays a view of its bucket
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-
-    def _non_finite(self, step: int, loss: float, grad_norm: float, checkpoint: Path | None) -> None:
-        """Apply ``train.nan_policy`` to a step whose loss or gradient norm is not finite (the same
-        decision on every rank: both numbers are global). The update is never applied."""
-        self._zero_grad()
-        what = f"step {step}: loss {loss} and grad_norm {grad_norm}: not finite"
-        if self.cfg.train.nan_policy == "skip" and self._skipped_in_a_row < MAX_SKIPPED_STEPS:
-            self._skipped_in_a_row += 1
-            self.scheduler.step()
-            self.writer.message(f"warning: {what}, update skipped (train.nan_policy: skip)")
-            return
-        kept = checkpoint or latest_checkpoint_name(self.run_dir)
-        raise NonFiniteTraining(
-            f"{what}; the run stopped without writing a checkpoint or final/ (last good checkpoint: "
-            f"{kept or 'none'}) (fix: lower optim.lr or set optim.grad_clip, check the data, then --resume; "
-            "or set train.nan_policy: skip)"
-        )
-
-    def _evaluate(self, step: int) -> EvalResult:
-        assert self.inputs.val_split is not None
-        evaluation = self.runner.evaluate(
-            self.inputs.val_split,
-            micro_batch_size=self.cfg.train.micro_batch_size,
-            num_batches=self.cfg.train.eval_batches,
-        )
-        self.val_losses.append((step, evaluation.loss))
-        if "nelbo" in evaluation.metrics:
-            self.val_nelbos.append((step, evaluation.metrics["nelbo"]))
-        return evaluation
-
-    def _save(self, step: int) -> Path:
-        state = TrainingState(
-            step=step,
-            scheduler=self.scheduler.state_dict(),
-            loader=self.loader.state_dict(),
-            rng=rng_state(),
-            data_fingerprint=self.inputs.artifact.fingerprint,
-            param_shapes=param_shapes(self.model),
-            topology=self.cfg.topology.model_dump(mode="json"),
-            config_yaml=dump_config(self.cfg),
-            input_fingerprints=self._input_fingerprints,
-        )
-        return save_checkpoint(
-            self.run_dir,
-            model=self.model,
-            optimizer=self.optimizer,
-            state=state,
-            keep=self.cfg.train.keep_checkpoints,
-        )

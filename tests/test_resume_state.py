@@ -1,0 +1,138 @@
+"""What a checkpoint must carry so that ``--resume`` continues exactly: the ``train.nan_policy: skip``
+streak, and a loader position that belongs to the split and artifact it is loaded into.
+
+Runs train the tiny decoder of :mod:`test_training_run` on the CPU in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from csbp.data.artifact import ArtifactSplit
+from csbp.data.loader import PackedLoader
+from csbp.training import train
+from csbp.training.checkpoint import STATE_FILE, TrainingState
+from csbp.training.nan_policy import MAX_SKIPPED_STEPS, NonFiniteTraining
+from csbp.training.step import StepRunner
+from test_training_run import make_artifact, tiny_config, trajectory
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("data") / "art")
+
+
+def poison_steps(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int]) -> None:
+    """Steps in ``bad_steps`` report a NaN loss and NaN gradients."""
+    real = StepRunner.train_step
+
+    def poisoned(self: StepRunner, batches: list, step: int):  # type: ignore[no-untyped-def]
+        result = real(self, batches, step)
+        if step not in bad_steps:
+            return result
+        for param in self.model.parameters():
+            if param.grad is not None:
+                param.grad.fill_(math.nan)
+        return replace(result, loss=math.nan)
+
+    monkeypatch.setattr(StepRunner, "train_step", poisoned)
+
+
+def test_the_skip_streak_survives_a_resume(artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nan_policy: skip`` stops after ``MAX_SKIPPED_STEPS`` skipped steps in a row. A run stopped inside
+    such a streak and resumed stops at the same step as the uninterrupted run; before, the streak was
+    not checkpointed, so the resumed run counted from 0 again and trained on past the step the
+    uninterrupted run stopped at."""
+    first_bad = 3
+    bad = set(range(first_bad, first_bad + MAX_SKIPPED_STEPS + 1))  # one more than may be skipped
+    stop = first_bad + MAX_SKIPPED_STEPS
+    poison_steps(monkeypatch, bad)
+    cfg = tiny_config(
+        artifact, **{"train.nan_policy": "skip", "train.max_steps": stop + 2, "train.eval_every": 0, "train.save_every": 0}
+    )
+    with pytest.raises(NonFiniteTraining, match=rf"^step {stop}: loss nan") as stopped:
+        train(cfg, run_dir=tmp_path / "full")
+    # the fix no longer offers the setting that is already on
+    assert f"after {MAX_SKIPPED_STEPS} skipped steps in a row" in str(stopped.value)
+    assert "set train.nan_policy: skip" not in str(stopped.value)
+
+    midway = first_bad + MAX_SKIPPED_STEPS // 2
+    train(cfg, run_dir=tmp_path / "half", max_steps=midway)
+    saved = json.loads((tmp_path / "half" / "checkpoints" / f"step_{midway:07d}" / STATE_FILE).read_text())
+    assert saved["nan_skips_in_a_row"] == midway - first_bad + 1
+    with pytest.raises(NonFiniteTraining, match=rf"^step {stop}: loss nan"):
+        train(cfg, run_dir=tmp_path / "half", resume=True)
+    assert trajectory(tmp_path / "half") == trajectory(tmp_path / "full")
+    assert [row[0] for row in trajectory(tmp_path / "full")] == list(range(1, first_bad))
+
+
+def test_a_finite_step_after_the_resume_ends_the_streak(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restored streak is reset by the first good step, as it is without a resume: the resumed
+    run then trains to its end with the same losses as the uninterrupted one."""
+    poison_steps(monkeypatch, {2, 3})
+    cfg = tiny_config(artifact, **{"train.nan_policy": "skip", "train.max_steps": 5, "train.eval_every": 0})
+    full = train(cfg, run_dir=tmp_path / "full")
+    train(cfg, run_dir=tmp_path / "half", max_steps=3)
+    resumed = train(cfg, run_dir=tmp_path / "half", resume=True)
+    assert resumed.losses == full.losses[1:] and len(full.losses) == 3
+    assert trajectory(tmp_path / "half") == trajectory(tmp_path / "full")
+    weights = "final/model.safetensors"
+    assert (tmp_path / "half" / weights).read_bytes() == (tmp_path / "full" / weights).read_bytes()
+
+
+# ----------------------------------------------------------------------------- the loader's split
+
+
+def split_named(name: str, num_rows: int = 6) -> ArtifactSplit:
+    tokens = np.arange(num_rows * 3, dtype=np.uint32).reshape(num_rows, 3)
+    return ArtifactSplit(name, 3, tokens, (tokens % 2).astype(np.uint8), (tokens // 5).astype(np.int32), "f" * 64)
+
+
+def test_a_loader_state_of_another_split_is_refused() -> None:
+    """Both splits of an artifact carry the artifact's fingerprint, so a val loader's state (same row
+    count) used to load into the train loader and continue from a position that was never trained."""
+    val = PackedLoader(split_named("val"), batch_size=3, seed=0)
+    next(val)
+    state = val.state_dict()
+    assert state["split"] == "val"
+    with pytest.raises(ValueError, match=r"^loader state field 'split' is 'val', this loader reads 'train' \(fix: "):
+        PackedLoader(split_named("train"), batch_size=3, seed=0).load_state_dict(state)
+
+
+def test_a_loader_state_without_a_split_is_a_train_position() -> None:
+    """Checkpoints written before the split was recorded hold the train loader's position (the only one
+    the trainer saves): they resume, into a train loader only."""
+    loader = PackedLoader(split_named("train"), batch_size=3, seed=0)
+    next(loader)
+    old = {k: v for k, v in loader.state_dict().items() if k != "split"}
+    resumed = PackedLoader(split_named("train"), batch_size=3, seed=0)
+    resumed.load_state_dict(old)
+    assert resumed.cursor == 3
+    with pytest.raises(ValueError, match="loader state field 'split' is 'train', this loader reads 'val'"):
+        PackedLoader(split_named("val"), batch_size=3, seed=0).load_state_dict(old)
+
+
+# ----------------------------------------------------------------------------- trainer_state.json
+
+
+def test_a_checkpoint_without_the_streak_reads_as_none_and_a_bad_streak_is_refused(tmp_path: Path) -> None:
+    """Checkpoints written before the streak was recorded resume with none; a value that is not a count
+    marks the checkpoint damaged instead of steering the nan policy."""
+    state = TrainingState(
+        step=2, scheduler={}, loader={}, rng={}, data_fingerprint="f", param_shapes={}, topology={}, config_yaml=""
+    ).to_json()
+    source = tmp_path / STATE_FILE
+    older = {key: value for key, value in state.items() if key != "nan_skips_in_a_row"}
+    assert TrainingState.from_json(older, source).nan_skips_in_a_row == 0
+    assert TrainingState.from_json({**state, "nan_skips_in_a_row": 3}, source).nan_skips_in_a_row == 3
+    for bad in (-1, "3", 2.0, None, True):
+        with pytest.raises(ValueError, match=r"nan_skips_in_a_row is .*, not a count; the checkpoint is corrupt"):
+            TrainingState.from_json({**state, "nan_skips_in_a_row": bad}, source)
