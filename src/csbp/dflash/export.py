@@ -11,7 +11,12 @@ reader needs to leave them bidirectional (it makes sliding layers causal by defa
 reads these and ``block_size`` from ``dflash_config``, where released DFlash2 configs keep them (the
 public reader looks there first), and refuses the released options csbp lacks
 (``output_multiplier``, ``final_logit_softcapping``, ``input_embedding_scale``), a ``hidden_act``
-other than ``silu`` and ``attention_bias: true``.
+other than ``silu`` and ``attention_bias: true``. The public reader builds a transformers ``Qwen3Config``
+from the file, so its defaults are read here too (:mod:`csbp.models.hf_config`): no ``head_dim`` is
+128, no ``num_key_value_heads`` is 32 (refused unless the heads are 32), no ``layer_types`` is derived
+from ``use_sliding_window``/``max_window_layers``, and ``sliding_attention`` layers without
+``use_sliding_window: true`` are refused (``Qwen3Config`` drops ``sliding_window`` then, and the public
+reader runs them windowless); sizes must be JSON integers (never truncated).
 
 ``model.safetensors`` holds the drafter's own weights with **no** ``model.`` prefix (``fc.weight``,
 ``hidden_norm.weight``, ``norm.weight``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
@@ -54,7 +59,20 @@ from csbp.dflash.config import DFlashConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
-from csbp.models.hf_config import DTYPE_NAMES, hf_shape_fields, rope_from_hf
+from csbp.models.hf_config import (
+    DTYPE_NAMES,
+    LAYER_TYPES,
+    QWEN3_DEFAULT_HEAD_DIM,
+    flag,
+    hf_shape_fields,
+    positive_int,
+    qwen_head_dim,
+    qwen_kv_heads,
+    qwen_layer_types,
+    qwen_sliding_window,
+    rms_norm_eps,
+    rope_from_hf,
+)
 from csbp.models.hf_io import (
     EXPORT_OWNERSHIP,
     check_tokenizer_file_names,
@@ -162,10 +180,11 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
             )
     if hf.get("hidden_act", "silu") != "silu":  # the public reader applies it; csbp's MLPs are SwiGLU
         raise ValueError(f"drafter config.json hidden_act={hf['hidden_act']!r} is not supported; csbp implements 'silu'")
-    if hf.get("attention_bias"):  # the public reader would add q/k/v/o biases that csbp's drafter has not
+    if flag(hf, "attention_bias"):  # the public reader would add q/k/v/o biases that csbp's drafter has not
         raise ValueError("drafter config.json attention_bias=true is not supported; csbp drafters have no attention biases")
     if _draft_value(hf, "block_size") is None:
         raise ValueError("drafter config.json is missing required field 'block_size'")
+    sizes: dict[str, int] = {}
     for key in (
         "num_target_layers",
         "vocab_size",
@@ -174,37 +193,68 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
         "num_hidden_layers",
         "num_attention_heads",
     ):
-        if hf.get(key) is None:
+        size = positive_int(hf, key)
+        if size is None:
             raise ValueError(f"drafter config.json is missing required field '{key}'")
+        sizes[key] = size
     dflash = hf["dflash_config"]
     if dflash.get("mask_token_id") is None:
         raise ValueError("drafter config.json dflash_config has no mask_token_id; set the [M] token id")
     rope_theta, rope_scaling = rope_from_hf(hf)
-    num_heads = int(hf["num_attention_heads"])
-    layer_types = hf.get("layer_types")
+    num_heads = sizes["num_attention_heads"]
+    # the public reader builds a transformers Qwen3Config (model_type qwen3): its defaults, not csbp's
+    layer_types = qwen_layer_types(hf, sizes["num_hidden_layers"])
+    sliding = LAYER_TYPES[1] in layer_types
+    window = qwen_sliding_window(hf)
+    if sliding and window is None:
+        raise ValueError(
+            "drafter config.json lists sliding_attention layers, but transformers' Qwen3Config drops "
+            "sliding_window unless use_sliding_window is true, so the public reader runs them without a window "
+            "(fix: set use_sliding_window: true and sliding_window)"
+        )
     return DFlashConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=sizes["vocab_size"],
+        hidden_size=sizes["hidden_size"],
+        intermediate_size=sizes["intermediate_size"],
+        num_layers=sizes["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
-        num_target_layers=int(hf["num_target_layers"]),
-        mask_token_id=int(dflash["mask_token_id"]),
-        block_size=int(_draft_value(hf, "block_size")),
-        target_layer_ids=tuple(dflash["target_layer_ids"]) if dflash.get("target_layer_ids") else None,
+        num_kv_heads=qwen_kv_heads(hf, num_heads, "Qwen3Config (the public drafter's)"),
+        head_dim=qwen_head_dim(hf, QWEN3_DEFAULT_HEAD_DIM),
+        num_target_layers=sizes["num_target_layers"],
+        mask_token_id=_draft_int(dflash, "mask_token_id", minimum=0),
+        block_size=_draft_int(hf, "block_size"),
+        target_layer_ids=_target_layer_ids(dflash),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        layer_types=tuple(layer_types) if layer_types else None,
-        sliding_window=hf.get("sliding_window"),
+        rms_norm_eps=rms_norm_eps(hf),
+        layer_types=tuple(layer_types),
+        sliding_window=window if sliding else None,
         sliding_window_causal=_sliding_window_causal(hf, layer_types),
-        conv_kernel_size=int(_draft_value(hf, "conv_kernel_size", 0)),
-        conv_group_size=int(_draft_value(hf, "conv_group_size", 16)),
-        selector_rank=int(_draft_value(hf, "selector_rank", 0)),
-        selector_top_k=int(_draft_value(hf, "selector_top_k", 16)),
+        conv_kernel_size=_draft_int(hf, "conv_kernel_size", 0, minimum=0),
+        conv_group_size=_draft_int(hf, "conv_group_size", 16),
+        selector_rank=_draft_int(hf, "selector_rank", 0, minimum=0),
+        selector_top_k=_draft_int(hf, "selector_top_k", 16),
     )
+
+
+def _target_layer_ids(dflash: dict[str, Any]) -> tuple[int, ...] | None:
+    """``dflash_config.target_layer_ids`` (absent or empty: None, csbp's default), a list of integers."""
+    ids = dflash.get("target_layer_ids")
+    if not ids:
+        return None
+    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"drafter config.json dflash_config.target_layer_ids must be a list of integers, got {ids!r}")
+    return tuple(ids)
+
+
+def _draft_int(hf: dict[str, Any], key: str, default: int | None = None, *, minimum: int = 1) -> int:
+    """:func:`_draft_value` of an integer field (``dflash_config`` itself for ``mask_token_id``); a string,
+    float or boolean is refused, never converted (``int(2.5)`` would have drafted with 2)."""
+    value = hf.get(key) if key == "mask_token_id" else _draft_value(hf, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        where = f"dflash_config.{key}" if key == "mask_token_id" else key
+        raise ValueError(f"drafter config.json {where} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 def _sliding_window_causal(hf: dict[str, Any], layer_types: Any) -> bool:
