@@ -78,6 +78,7 @@ from csbp.models.hf_io import (
     check_tokenizer_file_names,
     read_json_object,
     read_safetensors_file,
+    without_auto_map,
     write_tokenizer_files,
 )
 
@@ -288,7 +289,8 @@ def export_dflash(
     context: str | None = None,
 ) -> Path:
     """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus
-    ``tokenizer_files`` (name -> contents; a run's: :mod:`csbp.training.export_tokenizer`), all in
+    ``tokenizer_files`` (name -> contents; a run's: :mod:`csbp.training.export_tokenizer`; an ``auto_map``
+    in their ``tokenizer_config.json`` is dropped: :func:`csbp.models.hf_io.without_auto_map`), all in
     one atomic directory write. ``context``: the
     ``objective.dflash.context`` it was trained with, recorded under ``csbp_training`` (None: not
     known, nothing recorded)."""
@@ -299,6 +301,7 @@ def export_dflash(
         raise ValueError(f"export_dflash: context must be one of {CONTEXTS} or None, got {context!r}")
     tokenizer = dict(tokenizer_files or {})
     check_tokenizer_file_names(tokenizer)
+    tokenizer, _ = without_auto_map(tokenizer)  # a released drafter's remote-code pointer is not passed on
     config = dflash_hf_config(drafter.config, dtype=store_dtype)
     if context is not None:
         config[TRAINING_KEY] = {"objective": {"name": "dflash", "dflash": {"context": context}}}
