@@ -202,3 +202,17 @@ def test_csbp_drafter_exports_read_back_unchanged(tmp_path: Path) -> None:
         assert dflash_config_from_hf(written) == drafter.config
         out = export_dflash(drafter, tmp_path / f"d{len(options)}")
         assert load_dflash(out, target).config == drafter.config
+
+
+def test_a_window_below_the_block_size_is_noted_for_the_public_reader() -> None:
+    """z-lab's reader windows the block itself (|j - j'| < W); csbp's mask windows the context only, so
+    the two agree only for ``sliding_window >= block_size`` (block_size is 4 here)."""
+    from csbp.dflash.export import public_reader_window_note
+
+    sliding = {"layer_types": ("sliding_attention", "full_attention")}
+    for window, noted in ((3, True), (4, False), (9, False)):
+        _, drafter = build_models(DFlashVerifyCase(drafter_options={**sliding, "sliding_window": window}))
+        note = public_reader_window_note(drafter.config, "D")
+        assert (note is not None) == noted and (note is None or "sliding_window 3 < block_size 4" in note)
+    _, full = build_models(DFlashVerifyCase())
+    assert public_reader_window_note(full.config, "D") is None

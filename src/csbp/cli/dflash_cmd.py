@@ -249,7 +249,7 @@ def run_prepare_features(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from csbp.dflash.export import drafter_context, export_dflash, load_dflash
+    from csbp.dflash.export import drafter_context, export_dflash, load_dflash, public_reader_window_note
     from csbp.training.export import check_out_outside_checkpoints, checkpoints_root
 
     drafter_dir = args.drafter
@@ -291,6 +291,9 @@ def run_export(args: argparse.Namespace) -> int:
     )
     if context == "inclusive":
         print(INCLUSIVE_NOTE.format(drafter=out), file=sys.stderr)
+    window_note = public_reader_window_note(cfg, out)
+    if window_note is not None:
+        print(window_note, file=sys.stderr)
     return 0
 
 

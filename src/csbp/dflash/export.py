@@ -6,7 +6,9 @@ module is enabled), ``model_type: "qwen3"``, ``block_size``, top-level ``num_tar
 top-level and in ``rope_parameters`` (with the target's RoPE scaling there and in ``rope_scaling``), ``layer_types``/``sliding_window``,
 ``tie_word_embeddings: false`` and the target's ``vocab_size``; sliding layers that are not causal
 in the block (``sliding_window_causal: false``) also write ``is_causal: false``, which the public
-reader needs to leave them bidirectional (it makes sliding layers causal by default). DFlash2 adds
+reader needs to leave them bidirectional (it makes sliding layers causal by default). That reader
+also windows the block itself, csbp only the context, so a ``sliding_window`` below ``block_size``
+serves there otherwise than trained (:func:`public_reader_window_note`; ``csbp dflash export`` prints it). DFlash2 adds
 ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k``; the loader also
 reads these and ``block_size`` from ``dflash_config``, where released DFlash2 configs keep them (the
 public reader looks there first), and refuses the released options csbp lacks
@@ -317,6 +319,22 @@ def export_dflash(
         write_tokenizer_files(staging, tokenizer)
 
     return write_directory_atomically(path, fill, overwrite=overwrite, owned=EXPORT_OWNERSHIP)
+
+
+def public_reader_window_note(config: DFlashConfig, where: object) -> str | None:
+    """A one-line note when the public z-lab reader would run ``config``'s sliding layers otherwise than
+    csbp trained them, else None. That reader also limits the keys of the block itself to the window
+    (slot ``j`` sees slot ``j'`` only when ``|j - j'| < W``; causal layers: ``0 <= j - j' < W``), which
+    csbp's mask (objectives.md §5.5: the window limits the context only) does not: the two agree exactly
+    when ``sliding_window >= block_size``. ``where`` names the drafter in the note."""
+    window = config.sliding_window
+    if "sliding_attention" not in (config.layer_types or ()) or window is None or window >= config.block_size:
+        return None
+    return (
+        f"note: drafter {where} has sliding_window {window} < block_size {config.block_size}; the public DFlash "
+        "reader (z-lab dflash/model.py) also applies the window inside the block, csbp does not, so served "
+        "there its sliding layers see fewer block slots than in training (csbp dflash eval matches training)"
+    )
 
 
 def drafter_context(path: str | os.PathLike[str]) -> str | None:
