@@ -216,3 +216,21 @@ def test_a_window_below_the_block_size_is_noted_for_the_public_reader() -> None:
         assert (note is not None) == noted and (note is None or "sliding_window 3 < block_size 4" in note)
     _, full = build_models(DFlashVerifyCase())
     assert public_reader_window_note(full.config, "D") is None
+
+
+def test_llama_sizes_transformers_refuses_are_refused_on_import_and_export(tmp_path: Path) -> None:
+    """transformers 5's LlamaConfig refuses a hidden_size its heads do not divide, head_dim or not: csbp
+    read such a config, and exported one that transformers then could not load."""
+    from csbp.models import Decoder, DecoderConfig, export_hf_checkpoint
+
+    fields = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+              "num_hidden_layers": 1, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 8}
+    with pytest.raises(ValueError, match="hidden_size=32 is not a multiple of num_attention_heads=3"):
+        decoder_config_from_hf(fields)
+    config = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=3,
+                           num_kv_heads=1, head_dim=8, arch="llama", qk_norm=False)
+    with pytest.raises(ValueError, match="arch='llama' export: hidden_size=32 is not a multiple of num_heads=3"):
+        export_hf_checkpoint(Decoder(config), config, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    qwen3 = decoder_config_from_hf({**fields, "architectures": ["Qwen3ForCausalLM"]})  # Qwen3Config has no such rule
+    assert (qwen3.hidden_size, qwen3.num_heads, qwen3.head_dim) == (32, 3, 8)

@@ -119,6 +119,7 @@ def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
         derived = sizes["hidden_size"] // num_heads
         head_dim = qwen_head_dim(hf_config, QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else derived)
     else:  # LlamaConfig: a missing or null count or head_dim is derived from the heads
+        _check_llama_heads(sizes["hidden_size"], num_heads, "config.json hidden_size", "num_attention_heads")
         num_kv_heads = positive_int(hf_config, "num_key_value_heads") or num_heads
         head_dim = positive_int(hf_config, "head_dim") or sizes["hidden_size"] // num_heads
     rope_theta, rope_scaling = rope_from_hf(hf_config)
@@ -360,14 +361,27 @@ def hf_config_from_decoder(
     return hf
 
 
+def _check_llama_heads(hidden_size: int, num_heads: int, hidden: str, heads: str) -> None:
+    """transformers 5's ``LlamaConfig`` refuses a ``hidden_size`` that ``num_attention_heads`` does not
+    divide, even with an explicit ``head_dim``."""
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"{hidden}={hidden_size} is not a multiple of {heads}={num_heads}, which transformers' LlamaConfig "
+            "refuses even with head_dim set (fix: use arch qwen3, or sizes that divide)"
+        )
+
+
 def check_exportable(config: DecoderConfig) -> None:
-    """Each family's fixed layout (the HF class would build different modules otherwise)."""
+    """Each family's fixed layout (the HF class would build different modules otherwise), and the sizes
+    its transformers config accepts."""
     if config.arch == "qwen3" and (not config.qk_norm or config.mlp_bias or config.qkv_bias):
         raise ValueError(
             "arch='qwen3' export needs qk_norm=True, mlp_bias=False and qkv_bias=False (HF Qwen3 layout)"
         )
     if config.arch == "llama" and (config.qk_norm or config.qkv_bias):
         raise ValueError("arch='llama' export needs qk_norm=False and qkv_bias=False (HF Llama layout)")
+    if config.arch == "llama":
+        _check_llama_heads(config.hidden_size, config.num_heads, "arch='llama' export: hidden_size", "num_heads")
     if config.arch == "qwen2" and (
         config.qk_norm or config.mlp_bias or config.attention_bias or not config.qkv_bias
     ):
