@@ -153,8 +153,17 @@ def read_hf_weights(
             raise ValueError(
                 f"checkpoint {directory}: tensor '{key}' has shape {actual}, config.json implies {shape} {pair_fix}"
             )
-    # A tied checkpoint may still store lm_head.weight; HF ignores it in favour of the embedding.
+    # A tied checkpoint may still store lm_head.weight, a copy of the embedding; one that differs is read
+    # two ways: transformers 4 ties it to the embedding, transformers 5 leaves the two untied (with a warning).
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
+    stored_head = tensors.get("lm_head.weight") if config.tie_embeddings else None
+    embedding = tensors.get("model.embed_tokens.weight")
+    if stored_head is not None and embedding is not None and not torch.equal(stored_head, embedding):
+        raise ValueError(
+            f"checkpoint {directory}: config.json has tie_word_embeddings=true but it stores an lm_head.weight that "
+            "differs from model.embed_tokens.weight (transformers 5 uses it untied, transformers 4 ties it to the "
+            "embedding) (fix: set tie_word_embeddings to false to use the stored head, or delete lm_head.weight to tie)"
+        )
     unexpected = sorted(
         k for k in tensors if k not in expected and k not in ignorable and not k.endswith(_IGNORED_SUFFIXES)
     )
