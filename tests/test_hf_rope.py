@@ -338,5 +338,9 @@ def test_dflash_drafter_follows_the_targets_rope(tmp_path: Path) -> None:
     assert torch.equal(drafter.rotary(positions).cos, target.rotary(positions).cos)
     assert torch.equal(drafter.rotary(positions).sin, target.rotary(positions).sin)
     out = export_dflash(drafter, tmp_path / "drafter")
-    assert json.loads((out / "config.json").read_text())["rope_scaling"] == YARN
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_scaling"] == YARN
+    # as for a target export: readers deriving YaRN's factor from max_position_embeddings / original agree
+    # (the drafter wrote none: Qwen3Config's 32768 there, factor 512 instead of 4)
+    assert written["max_position_embeddings"] == YARN["factor"] * YARN["original_max_position_embeddings"]
     assert load_dflash(out, target).config == config

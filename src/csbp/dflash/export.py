@@ -3,7 +3,8 @@
 ``config.json``: ``architectures: ["DFlashDraftModel"]`` (``"DFlash2DraftModel"`` when a DFlash2
 module is enabled), ``model_type: "qwen3"``, ``block_size``, top-level ``num_target_layers``,
 ``dflash_config: {target_layer_ids, mask_token_id}``, the Qwen3 shape fields, ``rope_theta`` both
-top-level and in ``rope_parameters`` (with the target's RoPE scaling there and in ``rope_scaling``), ``layer_types``/``sliding_window``,
+top-level and in ``rope_parameters`` (with the target's RoPE scaling there and in ``rope_scaling``; for YaRN
+also ``max_position_embeddings = factor x original``, as a target export writes), ``layer_types``/``sliding_window``,
 ``tie_word_embeddings: false`` and the target's ``vocab_size``; sliding layers that are not causal
 in the block (``sliding_window_causal: false``) also write ``is_causal: false``, which the public
 reader needs to leave them bidirectional (it makes sliding layers causal by default). That reader
@@ -74,6 +75,7 @@ from csbp.models.hf_config import (
     qwen_sliding_window,
     rms_norm_eps,
     rope_from_hf,
+    yarn_max_positions,
 )
 from csbp.models.hf_io import (
     EXPORT_OWNERSHIP,
@@ -155,6 +157,9 @@ def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, A
         "torch_dtype": DTYPE_NAMES[dtype],
         "dtype": DTYPE_NAMES[dtype],
     }
+    extended = yarn_max_positions(config.rope_scaling)
+    if extended is not None:  # as a target export: older readers derive YaRN's factor from it (else 32768)
+        hf["max_position_embeddings"] = extended
     if sliding and not config.sliding_window_causal:
         hf["is_causal"] = False  # the public reader makes sliding layers causal unless told otherwise
     if config.is_dflash2:

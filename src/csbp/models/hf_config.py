@@ -352,13 +352,21 @@ def hf_config_from_decoder(
     # Defaults for fields DecoderConfig does not carry (HF Llama would otherwise assume bos=1, eos=2).
     hf.update(max_position_embeddings=DEFAULT_MAX_POSITIONS, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     hf.update(extra)
-    scaling = config.rope_scaling
-    if scaling is not None and scaling.rope_type == "yarn":
-        assert scaling.original_max_position_embeddings is not None
-        extended = scaling.factor * scaling.original_max_position_embeddings
-        if extended == int(extended):
-            hf["max_position_embeddings"] = int(extended)
+    extended = yarn_max_positions(config.rope_scaling)
+    if extended is not None:
+        hf["max_position_embeddings"] = extended
     return hf
+
+
+def yarn_max_positions(scaling: RopeScaling | None) -> int | None:
+    """``factor x original_max_position_embeddings`` of a YaRN rule (when a whole number), the
+    ``max_position_embeddings`` an export writes so that readers deriving YaRN's factor from that ratio
+    (transformers before #40320, transformers#38224) agree; None for other rules."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return None
+    assert scaling.original_max_position_embeddings is not None
+    extended = scaling.factor * scaling.original_max_position_embeddings
+    return int(extended) if extended == int(extended) else None
 
 
 def _check_llama_heads(hidden_size: int, num_heads: int, hidden: str, heads: str) -> None:
