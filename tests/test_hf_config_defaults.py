@@ -234,3 +234,15 @@ def test_llama_sizes_transformers_refuses_are_refused_on_import_and_export(tmp_p
     assert not (tmp_path / "out").exists()
     qwen3 = decoder_config_from_hf({**fields, "architectures": ["Qwen3ForCausalLM"]})  # Qwen3Config has no such rule
     assert (qwen3.hidden_size, qwen3.num_heads, qwen3.head_dim) == (32, 3, 8)
+
+
+def test_a_drafter_config_error_names_the_file_and_one_fix(tmp_path: Path) -> None:
+    from csbp.dflash.export import read_drafter_config
+    from csbp.dflash.verify import TARGET_CONFIG
+
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in DRAFTER.items() if k != "num_key_value_heads"}))
+    with pytest.raises(ValueError) as caught:
+        read_drafter_config(tmp_path, TARGET_CONFIG)
+    message = str(caught.value)
+    assert message.startswith(f"{tmp_path / 'config.json'}: ") and message.count("(fix:") == 1
+    assert "(fix: add num_key_value_heads" in message

@@ -369,7 +369,8 @@ def read_drafter_config(directory: Path, target_config: DecoderConfig) -> DFlash
     try:
         config = dflash_config_from_hf(read_json_object(config_file))
     except ValueError as exc:  # say which file; a target passed as --drafter is the usual cause
-        raise ValueError(f"{config_file}: {exc} (fix: pass a `csbp dflash export` directory)") from None
+        fix = "" if "(fix:" in str(exc) else " (fix: pass a `csbp dflash export` directory)"
+        raise ValueError(f"{config_file}: {exc}{fix}") from None
     try:
         validate_drafter_target(config, target_config)
     except ValueError as exc:  # the drafter was trained for another target
