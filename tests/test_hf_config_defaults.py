@@ -191,8 +191,9 @@ def test_qwen_target_with_an_unused_sliding_window_loads() -> None:
         decoder_config_from_hf({**fields, "max_window_layers": 1})
 
 
-def test_csbp_drafter_exports_read_back_unchanged(tmp_path: Path) -> None:
-    """Every drafter csbp writes is read back as the same config (sliding, bidirectional, DFlash2)."""
+def test_csbp_drafter_exports_read_back_unchanged(tmp_path: Path, transformers: ModuleType) -> None:
+    """Every drafter csbp writes is read back as the same config (sliding, bidirectional, DFlash2), and
+    transformers' Qwen3Config (what the public reader builds) sees the same shapes and windows."""
     for options in ({}, {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 5},
                     {"layer_types": ("sliding_attention", "sliding_attention"), "sliding_window": 2,
                      "sliding_window_causal": False, "conv_kernel_size": 2, "conv_group_size": 8, "selector_rank": 4,
@@ -200,6 +201,10 @@ def test_csbp_drafter_exports_read_back_unchanged(tmp_path: Path) -> None:
         target, drafter = build_models(DFlashVerifyCase(drafter_options=options))
         written = json.loads(json.dumps(dflash_hf_config(drafter.config, dtype=drafter.fc.weight.dtype)))
         assert dflash_config_from_hf(written) == drafter.config
+        kv, dim, layer_types, window = transformers_reading(transformers, "qwen3", written)  # type: ignore[misc]
+        assert (kv, dim, tuple(layer_types)) == (drafter.config.num_kv_heads, drafter.config.head_dim,
+                                                 drafter.config.layer_types)
+        assert window == drafter.config.sliding_window
         out = export_dflash(drafter, tmp_path / f"d{len(options)}")
         assert load_dflash(out, target).config == drafter.config
 
