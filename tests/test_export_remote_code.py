@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from csbp.dflash.export import export_dflash
 from csbp.dflash.verify import DFlashVerifyCase, build_models
@@ -56,3 +57,21 @@ def test_without_auto_map_leaves_other_files_alone_and_names_a_broken_config() -
     assert without_auto_map(mentioned) == (mentioned, False)
     with pytest.raises(ValueError, match="tokenizer_config.json is not a JSON object"):
         without_auto_map({"tokenizer_config.json": b'["auto_map"]'})
+
+
+def test_dflash_export_cli_says_it_leaves_the_auto_map_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from csbp.cli import main as cli_main
+
+    target, drafter = build_models(DFlashVerifyCase(), dtype=torch.float32)
+    target_dir = export_hf_checkpoint(target, target.config, tmp_path / "target")
+    directory = tokenizer_dir(tmp_path)
+    files = {name: (directory / name).read_bytes() for name in ("tokenizer.json", "tokenizer_config.json")}
+    released = tmp_path / "released"
+    export_dflash(drafter, released)
+    for name, data in files.items():  # a drafter directory as released, its tokenizer naming remote code
+        (released / name).write_bytes(data)
+    out = tmp_path / "out"
+    argv = ["dflash", "export", "--drafter", str(released), "--target", str(target_dir), "--out", str(out)]
+    assert cli_main.main(argv) == 0
+    assert "tokenizer_config.json names remote code (auto_map); the export leaves it out" in capsys.readouterr().err
+    assert "auto_map" not in exported_tokenizer_config(out)
