@@ -223,6 +223,21 @@ def test_a_window_below_the_block_size_is_noted_for_the_public_reader() -> None:
     assert public_reader_window_note(full.config, "D") is None
 
 
+def test_dflash_export_cli_prints_the_window_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from csbp.cli import main as cli_main
+    from csbp.models import export_hf_checkpoint
+
+    options = {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 3}
+    target, drafter = build_models(DFlashVerifyCase(drafter_options=options), dtype=torch.float32)
+    target_dir = export_hf_checkpoint(target, target.config, tmp_path / "target")
+    drafter_dir = export_dflash(drafter, tmp_path / "drafter")
+    argv = ["dflash", "export", "--drafter", str(drafter_dir), "--target", str(target_dir), "--out", str(tmp_path / "o")]
+    assert cli_main.main(argv) == 0
+    assert "has sliding_window 3 < block_size 4; the public DFlash reader" in capsys.readouterr().err
+
+
 def test_llama_sizes_transformers_refuses_are_refused_on_import_and_export(tmp_path: Path) -> None:
     """transformers 5's LlamaConfig refuses a hidden_size its heads do not divide, head_dim or not: csbp
     read such a config, and exported one that transformers then could not load."""
