@@ -229,8 +229,8 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
         num_kv_heads=qwen_kv_heads(hf, num_heads, "Qwen3Config (the public drafter's)"),
         head_dim=qwen_head_dim(hf, QWEN3_DEFAULT_HEAD_DIM),
         num_target_layers=sizes["num_target_layers"],
-        mask_token_id=_draft_int(dflash, "mask_token_id", minimum=0),
-        block_size=_draft_int(hf, "block_size"),
+        mask_token_id=_json_int(dflash["mask_token_id"], "dflash_config.mask_token_id", minimum=0),
+        block_size=_json_int(_draft_value(hf, "block_size"), "block_size"),
         target_layer_ids=_target_layer_ids(dflash),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -238,10 +238,10 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
         layer_types=tuple(layer_types),
         sliding_window=window if sliding else None,
         sliding_window_causal=_sliding_window_causal(hf, layer_types),
-        conv_kernel_size=_draft_int(hf, "conv_kernel_size", 0, minimum=0),
-        conv_group_size=_draft_int(hf, "conv_group_size", 16),
-        selector_rank=_draft_int(hf, "selector_rank", 0, minimum=0),
-        selector_top_k=_draft_int(hf, "selector_top_k", 16),
+        conv_kernel_size=_json_int(_draft_value(hf, "conv_kernel_size", 0), "conv_kernel_size", minimum=0),
+        conv_group_size=_json_int(_draft_value(hf, "conv_group_size", 16), "conv_group_size"),
+        selector_rank=_json_int(_draft_value(hf, "selector_rank", 0), "selector_rank", minimum=0),
+        selector_top_k=_json_int(_draft_value(hf, "selector_top_k", 16), "selector_top_k"),
     )
 
 
@@ -255,12 +255,10 @@ def _target_layer_ids(dflash: dict[str, Any]) -> tuple[int, ...] | None:
     return tuple(ids)
 
 
-def _draft_int(hf: dict[str, Any], key: str, default: int | None = None, *, minimum: int = 1) -> int:
-    """:func:`_draft_value` of an integer field (``dflash_config`` itself for ``mask_token_id``); a string,
-    float or boolean is refused, never converted (``int(2.5)`` would have drafted with 2)."""
-    value = hf.get(key) if key == "mask_token_id" else _draft_value(hf, key, default)
+def _json_int(value: Any, where: str, *, minimum: int = 1) -> int:
+    """``value`` of config field ``where`` as a JSON integer ``>= minimum``; a string, float or boolean is
+    refused, never converted (``int(2.5)`` would have drafted with 2)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        where = f"dflash_config.{key}" if key == "mask_token_id" else key
         raise ValueError(f"drafter config.json {where} must be an integer >= {minimum}, got {value!r}")
     return value
 
