@@ -356,7 +356,8 @@ def test_config_mapping_defaults_and_rope_locations() -> None:
         ({"rope_parameters": {"rope_type": "longrope", "factor": 4.0}}, "rope_type='longrope' is not supported"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0, "low_freq_factor": 1.0}}, "does not apply"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
+        ({"architectures": ["Qwen3ForCausalLM"], "num_key_value_heads": 2, "use_sliding_window": True,
+          "max_window_layers": 1}, r"makes layers \[1\] sliding-window layers"),
         ({"num_hidden_layers": None}, "num_hidden_layers"),
         ({"num_key_value_heads": 3}, "num_kv_heads"),
         # transformers reads these as 32 KV heads; csbp read them as 4

@@ -233,11 +233,13 @@ def test_real_world_rope_configs_import() -> None:
     assert llama.rope_scaling == RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)
     assert llama.rope_theta == 500000.0 and not llama.qkv_bias
     # Qwen2.5-7B-Instruct: sliding-window fields present but unused, YaRN added as Qwen documents it
-    qwen2 = decoder_config_from_hf(hf_dict(
-        architectures=["Qwen2ForCausalLM"], head_dim=None, rope_theta=1e6, max_position_embeddings=32768,
+    qwen2_fields = hf_dict(
+        architectures=["Qwen2ForCausalLM"], rope_theta=1e6, max_position_embeddings=32768,
         sliding_window=131072, max_window_layers=28, use_sliding_window=False,
         rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
-    ))
+    )
+    del qwen2_fields["head_dim"]  # Qwen2 configs have none: hidden / heads
+    qwen2 = decoder_config_from_hf(qwen2_fields)
     assert (qwen2.arch, qwen2.qkv_bias, qwen2.attention_bias, qwen2.qk_norm, qwen2.head_dim) == (
         "qwen2", True, False, False, 8)
     assert qwen2.rope_scaling == RopeScaling("yarn", 4.0, 32768)
@@ -274,7 +276,8 @@ def test_real_world_rope_configs_import() -> None:
          r"rope_parameters.rope_theta=1000000.0 differs from the rope_theta=10000.0"),
         ({"rope_theta": 1e6, "rope_parameters": {**LINEAR, "rope_theta": 1e6}, "rope_scaling": YARN},
          r"rope_scaling and rope_parameters describe different RoPE scaling"),
-        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}, "use_sliding_window"),
+        ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "max_window_layers": 0},
+         r"makes layers \[0, 1\] sliding-window layers"),
     ],
 )
 def test_unsupported_rope_is_one_clear_error(overrides: dict[str, Any], message: str) -> None:
@@ -335,5 +338,9 @@ def test_dflash_drafter_follows_the_targets_rope(tmp_path: Path) -> None:
     assert torch.equal(drafter.rotary(positions).cos, target.rotary(positions).cos)
     assert torch.equal(drafter.rotary(positions).sin, target.rotary(positions).sin)
     out = export_dflash(drafter, tmp_path / "drafter")
-    assert json.loads((out / "config.json").read_text())["rope_scaling"] == YARN
+    written = json.loads((out / "config.json").read_text())
+    assert written["rope_scaling"] == YARN
+    # as for a target export: readers deriving YaRN's factor from max_position_embeddings / original agree
+    # (the drafter wrote none: Qwen3Config's 32768 there, factor 512 instead of 4)
+    assert written["max_position_embeddings"] == YARN["factor"] * YARN["original_max_position_embeddings"]
     assert load_dflash(out, target).config == config

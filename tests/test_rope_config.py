@@ -128,3 +128,13 @@ def test_from_scratch_models_take_rope_scaling_and_the_qwen2_layout(artifact: Pa
     with pytest.raises(ValueError, match=r"model.qk_norm: true does not fit model.arch: llama, whose Hugging Face "
                        r"layout has no query/key norms .*\(fix: set model.qk_norm: false, or remove it"):
         decoder_config_for_run(tiny_config(artifact, **{"model.arch": "llama", "model.qk_norm": True}), vocab)
+
+
+def test_a_llama_whose_heads_do_not_divide_hidden_fails_before_training(artifact: Path) -> None:
+    """transformers' LlamaConfig refuses it, so the final export would fail after training; one fix is named."""
+    vocab = open_artifact(artifact)
+    changes = {"model.arch": "llama", "model.qk_norm": False, "model.num_heads": 3, "model.num_kv_heads": 1}
+    with pytest.raises(ValueError) as caught:
+        decoder_config_for_run(tiny_config(artifact, **changes), vocab)
+    message = str(caught.value)
+    assert message.startswith("model.arch: arch='llama' export: hidden_size=") and message.count("(fix:") == 1

@@ -44,7 +44,7 @@ from csbp.cli.dflash_checkpoint import (
     run_dir_source,
 )
 from csbp.cli.options import add_deprecated_alias, device_option
-from csbp.models.hf_io import read_json_object, tokenizer_files_in
+from csbp.models.hf_io import read_json_object, tokenizer_files_in, without_auto_map
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -249,7 +249,7 @@ def run_prepare_features(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from csbp.dflash.export import drafter_context, export_dflash, load_dflash
+    from csbp.dflash.export import drafter_context, export_dflash, load_dflash, public_reader_window_note
     from csbp.training.export import check_out_outside_checkpoints, checkpoints_root
 
     drafter_dir = args.drafter
@@ -266,7 +266,13 @@ def run_export(args: argparse.Namespace) -> int:
             raise ValueError(f"{drafter_dir} is not a DFlash drafter directory: config.json not found")
         drafter = load_dflash(drafter_dir, target, dtype=dtype)
         source, context = str(drafter_dir), drafter_context(drafter_dir)  # carried through
-        tokenizer = tokenizer_files_in(drafter_dir)  # carried through too (a run's final/ has them)
+        tokenizer, dropped = without_auto_map(tokenizer_files_in(drafter_dir))  # carried through (final/ has them)
+        if dropped:
+            print(
+                f"note: {drafter_dir / 'tokenizer_config.json'} names remote code (auto_map); the export leaves it "
+                "out (csbp runs none; the tokenizer is tokenizer.json)",
+                file=sys.stderr,
+            )
     else:
         drafter = drafter_from_checkpoint(checkpoint, target, args)
         source, context = f"checkpoint {checkpoint}", checkpoint_context(checkpoint)
@@ -285,6 +291,9 @@ def run_export(args: argparse.Namespace) -> int:
     )
     if context == "inclusive":
         print(INCLUSIVE_NOTE.format(drafter=out), file=sys.stderr)
+    window_note = public_reader_window_note(cfg, out)
+    if window_note is not None:
+        print(window_note, file=sys.stderr)
     return 0
 
 

@@ -3,15 +3,23 @@
 ``config.json``: ``architectures: ["DFlashDraftModel"]`` (``"DFlash2DraftModel"`` when a DFlash2
 module is enabled), ``model_type: "qwen3"``, ``block_size``, top-level ``num_target_layers``,
 ``dflash_config: {target_layer_ids, mask_token_id}``, the Qwen3 shape fields, ``rope_theta`` both
-top-level and in ``rope_parameters`` (with the target's RoPE scaling there and in ``rope_scaling``), ``layer_types``/``sliding_window``,
+top-level and in ``rope_parameters`` (with the target's RoPE scaling there and in ``rope_scaling``; for YaRN
+also ``max_position_embeddings = factor x original``, as a target export writes), ``layer_types``/``sliding_window``,
 ``tie_word_embeddings: false`` and the target's ``vocab_size``; sliding layers that are not causal
 in the block (``sliding_window_causal: false``) also write ``is_causal: false``, which the public
-reader needs to leave them bidirectional (it makes sliding layers causal by default). DFlash2 adds
+reader needs to leave them bidirectional (it makes sliding layers causal by default). That reader
+also windows the block itself, csbp only the context, so a ``sliding_window`` below ``block_size``
+serves there otherwise than trained (:func:`public_reader_window_note`; ``csbp dflash export`` prints it). DFlash2 adds
 ``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k``; the loader also
 reads these and ``block_size`` from ``dflash_config``, where released DFlash2 configs keep them (the
 public reader looks there first), and refuses the released options csbp lacks
 (``output_multiplier``, ``final_logit_softcapping``, ``input_embedding_scale``), a ``hidden_act``
-other than ``silu`` and ``attention_bias: true``.
+other than ``silu`` and ``attention_bias: true``. The public reader builds a transformers ``Qwen3Config``
+from the file, so its defaults are read here too (:mod:`csbp.models.hf_config`): no ``head_dim`` is
+128, no ``num_key_value_heads`` is 32 (refused unless the heads are 32), no ``layer_types`` is derived
+from ``use_sliding_window``/``max_window_layers``, and ``sliding_attention`` layers without
+``use_sliding_window: true`` are refused (``Qwen3Config`` drops ``sliding_window`` then, and the public
+reader runs them windowless); sizes must be JSON integers (never truncated).
 
 ``model.safetensors`` holds the drafter's own weights with **no** ``model.`` prefix (``fc.weight``,
 ``hidden_norm.weight``, ``norm.weight``, ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``,
@@ -54,12 +62,27 @@ from csbp.dflash.config import DFlashConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
-from csbp.models.hf_config import DTYPE_NAMES, hf_shape_fields, rope_from_hf
+from csbp.models.hf_config import (
+    DTYPE_NAMES,
+    LAYER_TYPES,
+    QWEN3_DEFAULT_HEAD_DIM,
+    flag,
+    hf_shape_fields,
+    positive_int,
+    qwen_head_dim,
+    qwen_kv_heads,
+    qwen_layer_types,
+    qwen_sliding_window,
+    rms_norm_eps,
+    rope_from_hf,
+    yarn_max_positions,
+)
 from csbp.models.hf_io import (
     EXPORT_OWNERSHIP,
     check_tokenizer_file_names,
     read_json_object,
     read_safetensors_file,
+    without_auto_map,
     write_tokenizer_files,
 )
 
@@ -134,6 +157,9 @@ def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, A
         "torch_dtype": DTYPE_NAMES[dtype],
         "dtype": DTYPE_NAMES[dtype],
     }
+    extended = yarn_max_positions(config.rope_scaling)
+    if extended is not None:  # as a target export: older readers derive YaRN's factor from it (else 32768)
+        hf["max_position_embeddings"] = extended
     if sliding and not config.sliding_window_causal:
         hf["is_causal"] = False  # the public reader makes sliding layers causal unless told otherwise
     if config.is_dflash2:
@@ -162,10 +188,11 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
             )
     if hf.get("hidden_act", "silu") != "silu":  # the public reader applies it; csbp's MLPs are SwiGLU
         raise ValueError(f"drafter config.json hidden_act={hf['hidden_act']!r} is not supported; csbp implements 'silu'")
-    if hf.get("attention_bias"):  # the public reader would add q/k/v/o biases that csbp's drafter has not
+    if flag(hf, "attention_bias"):  # the public reader would add q/k/v/o biases that csbp's drafter has not
         raise ValueError("drafter config.json attention_bias=true is not supported; csbp drafters have no attention biases")
     if _draft_value(hf, "block_size") is None:
         raise ValueError("drafter config.json is missing required field 'block_size'")
+    sizes: dict[str, int] = {}
     for key in (
         "num_target_layers",
         "vocab_size",
@@ -174,37 +201,66 @@ def dflash_config_from_hf(hf: dict[str, Any]) -> DFlashConfig:
         "num_hidden_layers",
         "num_attention_heads",
     ):
-        if hf.get(key) is None:
+        size = positive_int(hf, key)
+        if size is None:
             raise ValueError(f"drafter config.json is missing required field '{key}'")
+        sizes[key] = size
     dflash = hf["dflash_config"]
     if dflash.get("mask_token_id") is None:
         raise ValueError("drafter config.json dflash_config has no mask_token_id; set the [M] token id")
     rope_theta, rope_scaling = rope_from_hf(hf)
-    num_heads = int(hf["num_attention_heads"])
-    layer_types = hf.get("layer_types")
+    num_heads = sizes["num_attention_heads"]
+    # the public reader builds a transformers Qwen3Config (model_type qwen3): its defaults, not csbp's
+    layer_types = qwen_layer_types(hf, sizes["num_hidden_layers"])
+    sliding = LAYER_TYPES[1] in layer_types
+    window = qwen_sliding_window(hf)
+    if sliding and window is None:
+        raise ValueError(
+            "drafter config.json lists sliding_attention layers, but transformers' Qwen3Config drops "
+            "sliding_window unless use_sliding_window is true, so the public reader runs them without a window "
+            "(fix: set use_sliding_window: true and sliding_window)"
+        )
     return DFlashConfig(
-        vocab_size=int(hf["vocab_size"]),
-        hidden_size=int(hf["hidden_size"]),
-        intermediate_size=int(hf["intermediate_size"]),
-        num_layers=int(hf["num_hidden_layers"]),
+        vocab_size=sizes["vocab_size"],
+        hidden_size=sizes["hidden_size"],
+        intermediate_size=sizes["intermediate_size"],
+        num_layers=sizes["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // num_heads),
-        num_target_layers=int(hf["num_target_layers"]),
-        mask_token_id=int(dflash["mask_token_id"]),
-        block_size=int(_draft_value(hf, "block_size")),
-        target_layer_ids=tuple(dflash["target_layer_ids"]) if dflash.get("target_layer_ids") else None,
+        num_kv_heads=qwen_kv_heads(hf, num_heads, "Qwen3Config (the public drafter's)"),
+        head_dim=qwen_head_dim(hf, QWEN3_DEFAULT_HEAD_DIM),
+        num_target_layers=sizes["num_target_layers"],
+        mask_token_id=_json_int(dflash["mask_token_id"], "dflash_config.mask_token_id", minimum=0),
+        block_size=_json_int(_draft_value(hf, "block_size"), "block_size"),
+        target_layer_ids=_target_layer_ids(dflash),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        layer_types=tuple(layer_types) if layer_types else None,
-        sliding_window=hf.get("sliding_window"),
+        rms_norm_eps=rms_norm_eps(hf),
+        layer_types=tuple(layer_types),
+        sliding_window=window if sliding else None,
         sliding_window_causal=_sliding_window_causal(hf, layer_types),
-        conv_kernel_size=int(_draft_value(hf, "conv_kernel_size", 0)),
-        conv_group_size=int(_draft_value(hf, "conv_group_size", 16)),
-        selector_rank=int(_draft_value(hf, "selector_rank", 0)),
-        selector_top_k=int(_draft_value(hf, "selector_top_k", 16)),
+        conv_kernel_size=_json_int(_draft_value(hf, "conv_kernel_size", 0), "conv_kernel_size", minimum=0),
+        conv_group_size=_json_int(_draft_value(hf, "conv_group_size", 16), "conv_group_size"),
+        selector_rank=_json_int(_draft_value(hf, "selector_rank", 0), "selector_rank", minimum=0),
+        selector_top_k=_json_int(_draft_value(hf, "selector_top_k", 16), "selector_top_k"),
     )
+
+
+def _target_layer_ids(dflash: dict[str, Any]) -> tuple[int, ...] | None:
+    """``dflash_config.target_layer_ids`` (absent or empty: None, csbp's default), a list of integers."""
+    ids = dflash.get("target_layer_ids")
+    if not ids:
+        return None
+    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ValueError(f"drafter config.json dflash_config.target_layer_ids must be a list of integers, got {ids!r}")
+    return tuple(ids)
+
+
+def _json_int(value: Any, where: str, *, minimum: int = 1) -> int:
+    """``value`` of config field ``where`` as a JSON integer ``>= minimum``; a string, float or boolean is
+    refused, never converted (``int(2.5)`` would have drafted with 2)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"drafter config.json {where} must be an integer >= {minimum}, got {value!r}")
+    return value
 
 
 def _sliding_window_causal(hf: dict[str, Any], layer_types: Any) -> bool:
@@ -238,7 +294,8 @@ def export_dflash(
     context: str | None = None,
 ) -> Path:
     """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus
-    ``tokenizer_files`` (name -> contents; a run's: :mod:`csbp.training.export_tokenizer`), all in
+    ``tokenizer_files`` (name -> contents; a run's: :mod:`csbp.training.export_tokenizer`; an ``auto_map``
+    in their ``tokenizer_config.json`` is dropped: :func:`csbp.models.hf_io.without_auto_map`), all in
     one atomic directory write. ``context``: the
     ``objective.dflash.context`` it was trained with, recorded under ``csbp_training`` (None: not
     known, nothing recorded)."""
@@ -249,6 +306,7 @@ def export_dflash(
         raise ValueError(f"export_dflash: context must be one of {CONTEXTS} or None, got {context!r}")
     tokenizer = dict(tokenizer_files or {})
     check_tokenizer_file_names(tokenizer)
+    tokenizer, _ = without_auto_map(tokenizer)  # a released drafter's remote-code pointer is not passed on
     config = dflash_hf_config(drafter.config, dtype=store_dtype)
     if context is not None:
         config[TRAINING_KEY] = {"objective": {"name": "dflash", "dflash": {"context": context}}}
@@ -264,6 +322,22 @@ def export_dflash(
         write_tokenizer_files(staging, tokenizer)
 
     return write_directory_atomically(path, fill, overwrite=overwrite, owned=EXPORT_OWNERSHIP)
+
+
+def public_reader_window_note(config: DFlashConfig, where: object) -> str | None:
+    """A one-line note when the public z-lab reader would run ``config``'s sliding layers otherwise than
+    csbp trained them, else None. That reader also limits the keys of the block itself to the window
+    (slot ``j`` sees slot ``j'`` only when ``|j - j'| < W``; causal layers: ``0 <= j - j' < W``), which
+    csbp's mask (objectives.md §5.5: the window limits the context only) does not: the two agree exactly
+    when ``sliding_window >= block_size``. ``where`` names the drafter in the note."""
+    window = config.sliding_window
+    if "sliding_attention" not in (config.layer_types or ()) or window is None or window >= config.block_size:
+        return None
+    return (
+        f"note: drafter {where} has sliding_window {window} < block_size {config.block_size}; the public DFlash "
+        "reader (z-lab dflash/model.py) also applies the window inside the block, csbp does not, so served "
+        "there its sliding layers see fewer block slots than in training (csbp dflash eval matches training)"
+    )
 
 
 def drafter_context(path: str | os.PathLike[str]) -> str | None:
@@ -293,7 +367,8 @@ def read_drafter_config(directory: Path, target_config: DecoderConfig) -> DFlash
     try:
         config = dflash_config_from_hf(read_json_object(config_file))
     except ValueError as exc:  # say which file; a target passed as --drafter is the usual cause
-        raise ValueError(f"{config_file}: {exc} (fix: pass a `csbp dflash export` directory)") from None
+        fix = "" if "(fix:" in str(exc) else " (fix: pass a `csbp dflash export` directory)"
+        raise ValueError(f"{config_file}: {exc}{fix}") from None
     try:
         validate_drafter_target(config, target_config)
     except ValueError as exc:  # the drafter was trained for another target

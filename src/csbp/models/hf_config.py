@@ -28,13 +28,18 @@ ratio (older transformers releases, transformers#38224) agree and none warns.
 A ``model_type`` other than the family's (``llama`` with ``LlamaForCausalLM``, ...) is a
 ``ValueError``: ``AutoModelForCausalLM`` builds its class from ``model_type`` (a ``mistral`` one with
 ``LlamaForCausalLM`` runs as Mistral, sliding window included), so csbp would load another model.
-Sliding-window layers (``use_sliding_window: true`` or ``sliding_attention`` layer types),
-non-SiLU activations, partial rotary embeddings, per-layer-type RoPE and a ``quantization_config``
-are rejected with a ``ValueError`` naming the field, as is a Qwen config without ``num_key_value_heads`` whose
-attention heads are not transformers' default of 32 KV heads, and so are sizes that are not positive JSON
-integers and flags that are not JSON booleans (transformers' typed configs refuse them too; a
-``"false"`` read as Python truth would have tied the embeddings); Qwen2's ``sliding_window``/``max_window_layers`` are ignored
-when ``use_sliding_window`` is false, as HF ignores them.
+Sliding-window layers, non-SiLU activations, partial rotary embeddings, per-layer-type RoPE and a
+``quantization_config`` are rejected with a ``ValueError`` naming the field. Which Qwen layers slide is
+read as transformers' ``Qwen2Config``/``Qwen3Config`` read it (:func:`qwen_layer_types`): ``layer_types``
+when given, else layer ``i`` slides when ``use_sliding_window`` is true, ``sliding_window`` is set and
+``i >= max_window_layers`` (default 28); so ``use_sliding_window: true`` with ``max_window_layers`` covering
+every layer loads (no layer slides), and ``sliding_window``/``max_window_layers`` are ignored when
+``use_sliding_window`` is false. Missing sizes take transformers' defaults, which differ by family: a Qwen
+config without ``num_key_value_heads`` has 32 KV heads (``null``: the attention heads), refused unless its
+attention heads are 32; ``head_dim`` absent is 128 for Qwen3 and ``hidden / heads`` otherwise, ``null``
+(which transformers refuses or fails on for Qwen) is refused for Qwen. Sizes that are not positive JSON
+integers and flags that are not JSON booleans are refused (transformers' typed configs refuse them too; a
+``"false"`` read as Python truth would have tied the embeddings).
 """
 
 from __future__ import annotations
@@ -62,6 +67,12 @@ DEFAULT_MAX_POSITIONS = 32768
 PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 QWEN_DEFAULT_KV_HEADS = 32
 """``num_key_value_heads`` of transformers' ``Qwen2Config``/``Qwen3Config`` when config.json has none."""
+QWEN3_DEFAULT_HEAD_DIM = 128
+"""``head_dim`` of transformers' ``Qwen3Config`` when config.json has none (Qwen2/Llama derive it)."""
+QWEN_DEFAULT_SLIDING_WINDOW = 4096
+QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
+"""``sliding_window`` / ``max_window_layers`` of transformers' Qwen configs when config.json has none."""
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _ROPE_KEYS_ELSEWHERE = ("rope_theta", "partial_rotary_factor")
 
@@ -93,44 +104,46 @@ def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
     hidden_act = hf_config.get("hidden_act", "silu")
     if hidden_act != "silu":
         raise ValueError(f"config.json hidden_act={hidden_act!r} is not supported; csbp implements 'silu'")
-    if arch in ("qwen3", "qwen2"):
-        _check_full_attention_layers(hf_config)
-    sizes = {field: _positive_int(hf_config, field) for field in (*_REQUIRED_SIZES, "num_key_value_heads", "head_dim")}
+    sizes = {field: positive_int(hf_config, field) for field in _REQUIRED_SIZES}
     num_heads = sizes["num_attention_heads"]
-    if sizes["num_key_value_heads"] is None and arch in ("qwen3", "qwen2") and num_heads != QWEN_DEFAULT_KV_HEADS:
-        raise ValueError(  # Llama's config derives the count from the heads, as csbp does; Qwen's do not
-            f"config.json has no num_key_value_heads: transformers reads a {architectures[0]} config without it "
-            f"as {QWEN_DEFAULT_KV_HEADS} KV heads, not the {num_heads} attention heads (fix: add "
-            "num_key_value_heads, the checkpoint's k_proj rows / head_dim)"
-        )
-    head_dim = sizes["head_dim"]
-    if head_dim is None:  # HF defaults: Qwen3Config.head_dim = 128, Llama/Qwen2 derive it
-        head_dim = 128 if arch == "qwen3" else sizes["hidden_size"] // num_heads
+    if arch in ("qwen3", "qwen2"):
+        layer_types = qwen_layer_types(hf_config, sizes["num_hidden_layers"])
+        sliding = [i for i, kind in enumerate(layer_types) if kind != LAYER_TYPES[0]]
+        if sliding:
+            raise ValueError(
+                f"config.json makes layers {sliding} sliding-window layers (layer_types, or use_sliding_window=true "
+                "with max_window_layers below num_hidden_layers: transformers slides layer i >= max_window_layers); "
+                "csbp has no sliding-window layers (fix: use a checkpoint whose layers all use full attention)"
+            )
+        num_kv_heads = qwen_kv_heads(hf_config, num_heads, architectures[0])
+        derived = sizes["hidden_size"] // num_heads
+        head_dim = qwen_head_dim(hf_config, QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else derived)
+    else:  # LlamaConfig: a missing or null count or head_dim is derived from the heads
+        _check_llama_heads(sizes["hidden_size"], num_heads, "config.json hidden_size", "num_attention_heads")
+        num_kv_heads = positive_int(hf_config, "num_key_value_heads") or num_heads
+        head_dim = positive_int(hf_config, "head_dim") or sizes["hidden_size"] // num_heads
     rope_theta, rope_scaling = rope_from_hf(hf_config)
-    eps = hf_config.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise ValueError(f"config.json rms_norm_eps must be a number, got {eps!r}")
     return DecoderConfig(
         vocab_size=sizes["vocab_size"],
         hidden_size=sizes["hidden_size"],
         intermediate_size=sizes["intermediate_size"],
         num_layers=sizes["num_hidden_layers"],
         num_heads=num_heads,
-        num_kv_heads=sizes["num_key_value_heads"] or num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        rms_norm_eps=float(eps),
+        rms_norm_eps=rms_norm_eps(hf_config),
         qk_norm=arch == "qwen3",
-        tie_embeddings=_flag(hf_config, "tie_word_embeddings"),
+        tie_embeddings=flag(hf_config, "tie_word_embeddings"),
         arch=arch,  # type: ignore[arg-type]
-        attention_bias=_flag(hf_config, "attention_bias") if arch != "qwen2" else False,
+        attention_bias=flag(hf_config, "attention_bias") if arch != "qwen2" else False,
         qkv_bias=arch == "qwen2",
-        mlp_bias=_flag(hf_config, "mlp_bias") if arch == "llama" else False,
+        mlp_bias=flag(hf_config, "mlp_bias") if arch == "llama" else False,
     )
 
 
-def _positive_int(hf_config: dict[str, Any], field: str) -> int | None:
+def positive_int(hf_config: dict[str, Any], field: str) -> int | None:
     """``hf_config[field]`` as transformers' typed configs take it, a positive JSON integer (a string or
     float is refused, never converted); None when absent or null."""
     value = hf_config.get(field)
@@ -139,27 +152,83 @@ def _positive_int(hf_config: dict[str, Any], field: str) -> int | None:
     return value
 
 
-def _flag(hf_config: dict[str, Any], field: str) -> bool:
-    """``hf_config[field]``, true or false (absent or null: false); a string such as ``"false"`` is refused,
-    never read as true."""
+def flag(hf_config: dict[str, Any], field: str, default: bool = False) -> bool:
+    """``hf_config[field]``, true or false (absent or null: ``default``); a string such as ``"false"`` is
+    refused, never read as true."""
     value = hf_config.get(field)
     if value is None:
-        return False
+        return default
     if not isinstance(value, bool):
         raise ValueError(f"config.json {field} must be true or false, got {value!r}")
     return value
 
 
-def _check_full_attention_layers(hf_config: dict[str, Any]) -> None:
-    if hf_config.get("use_sliding_window", False):
+def rms_norm_eps(hf_config: dict[str, Any]) -> float:
+    """``rms_norm_eps`` (absent: 1e-6, the Qwen/Llama default); a JSON number."""
+    eps = hf_config.get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"config.json rms_norm_eps must be a positive number, got {eps!r}")
+    return float(eps)
+
+
+def qwen_kv_heads(hf_config: dict[str, Any], num_heads: int, what: str) -> int:
+    """``num_key_value_heads`` as transformers' ``Qwen2Config``/``Qwen3Config`` read it: absent is
+    :data:`QWEN_DEFAULT_KV_HEADS` (refused unless the attention heads are that many: the usual cause is a
+    config that meant its heads, and the k_proj shapes would be the first error), ``null`` is the
+    attention heads. ``what`` names the class in the message."""
+    if "num_key_value_heads" in hf_config and hf_config["num_key_value_heads"] is None:
+        return num_heads
+    count = positive_int(hf_config, "num_key_value_heads")
+    if count is None and num_heads != QWEN_DEFAULT_KV_HEADS:
         raise ValueError(
-            "config.json use_sliding_window=true is not supported; csbp has no sliding-window layers"
+            f"config.json has no num_key_value_heads: transformers reads a {what} config without it "
+            f"as {QWEN_DEFAULT_KV_HEADS} KV heads, not the {num_heads} attention heads (fix: add "
+            "num_key_value_heads, the checkpoint's k_proj rows / head_dim)"
         )
-    layer_types = hf_config.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
+    return count or QWEN_DEFAULT_KV_HEADS
+
+
+def qwen_head_dim(hf_config: dict[str, Any], default: int) -> int:
+    """``head_dim`` of a Qwen config: absent is ``default`` (``Qwen3Config``: 128; Qwen2 derives it);
+    ``null`` is refused (transformers 5 refuses it for Qwen3, and its Qwen2/Qwen3 attention would build
+    ``heads x None`` projections)."""
+    if "head_dim" in hf_config and hf_config["head_dim"] is None:
         raise ValueError(
-            f"config.json layer_types {sorted(set(layer_types))} are not supported; only 'full_attention'"
+            "config.json head_dim is null, which transformers' Qwen models cannot build "
+            f"(fix: set it, or remove it for the default {default})"
         )
+    return positive_int(hf_config, "head_dim") or default
+
+
+def qwen_layer_types(hf_config: dict[str, Any], num_layers: int) -> list[str]:
+    """Each layer's attention kind as transformers' ``Qwen2Config``/``Qwen3Config`` read it (5.x, and 4.x
+    since it has ``layer_types``): ``layer_types`` when given (it must list ``num_layers`` known kinds), else
+    layer ``i`` is ``sliding_attention`` when ``use_sliding_window`` is true, ``sliding_window`` is not null
+    (absent: 4096) and ``i >= max_window_layers`` (absent: 28)."""
+    given = hf_config.get("layer_types")
+    if given is not None:
+        if not isinstance(given, list) or len(given) != num_layers or any(t not in LAYER_TYPES for t in given):
+            raise ValueError(
+                f"config.json layer_types must list num_hidden_layers={num_layers} entries of {list(LAYER_TYPES)}, "
+                f"got {given!r}"
+            )
+        return list(given)
+    if qwen_sliding_window(hf_config) is None:
+        return [LAYER_TYPES[0]] * num_layers
+    first = hf_config.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"config.json max_window_layers must be an integer >= 0, got {first!r}")
+    return [LAYER_TYPES[1] if i >= first else LAYER_TYPES[0] for i in range(num_layers)]
+
+
+def qwen_sliding_window(hf_config: dict[str, Any]) -> int | None:
+    """``sliding_window`` as transformers' Qwen configs keep it: None unless ``use_sliding_window`` is
+    true (absent: 4096)."""
+    if not flag(hf_config, "use_sliding_window"):
+        return None
+    if "sliding_window" not in hf_config:
+        return QWEN_DEFAULT_SLIDING_WINDOW
+    return positive_int(hf_config, "sliding_window")
 
 
 def rope_from_hf(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -283,23 +352,44 @@ def hf_config_from_decoder(
     # Defaults for fields DecoderConfig does not carry (HF Llama would otherwise assume bos=1, eos=2).
     hf.update(max_position_embeddings=DEFAULT_MAX_POSITIONS, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     hf.update(extra)
-    scaling = config.rope_scaling
-    if scaling is not None and scaling.rope_type == "yarn":
-        assert scaling.original_max_position_embeddings is not None
-        extended = scaling.factor * scaling.original_max_position_embeddings
-        if extended == int(extended):
-            hf["max_position_embeddings"] = int(extended)
+    extended = yarn_max_positions(config.rope_scaling)
+    if extended is not None:
+        hf["max_position_embeddings"] = extended
     return hf
 
 
+def yarn_max_positions(scaling: RopeScaling | None) -> int | None:
+    """``factor x original_max_position_embeddings`` of a YaRN rule (when a whole number), the
+    ``max_position_embeddings`` an export writes so that readers deriving YaRN's factor from that ratio
+    (transformers before #40320, transformers#38224) agree; None for other rules."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return None
+    assert scaling.original_max_position_embeddings is not None
+    extended = scaling.factor * scaling.original_max_position_embeddings
+    return int(extended) if extended == int(extended) else None
+
+
+def _check_llama_heads(hidden_size: int, num_heads: int, hidden: str, heads: str) -> None:
+    """transformers 5's ``LlamaConfig`` refuses a ``hidden_size`` that ``num_attention_heads`` does not
+    divide, even with an explicit ``head_dim``."""
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"{hidden}={hidden_size} is not a multiple of {heads}={num_heads}, which transformers' LlamaConfig "
+            "refuses even with head_dim set (fix: use arch qwen3, or sizes that divide)"
+        )
+
+
 def check_exportable(config: DecoderConfig) -> None:
-    """Each family's fixed layout (the HF class would build different modules otherwise)."""
+    """Each family's fixed layout (the HF class would build different modules otherwise), and the sizes
+    its transformers config accepts."""
     if config.arch == "qwen3" and (not config.qk_norm or config.mlp_bias or config.qkv_bias):
         raise ValueError(
             "arch='qwen3' export needs qk_norm=True, mlp_bias=False and qkv_bias=False (HF Qwen3 layout)"
         )
     if config.arch == "llama" and (config.qk_norm or config.qkv_bias):
         raise ValueError("arch='llama' export needs qk_norm=False and qkv_bias=False (HF Llama layout)")
+    if config.arch == "llama":
+        _check_llama_heads(config.hidden_size, config.num_heads, "arch='llama' export: hidden_size", "num_heads")
     if config.arch == "qwen2" and (
         config.qk_norm or config.mlp_bias or config.attention_bias or not config.qkv_bias
     ):

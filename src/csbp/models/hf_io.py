@@ -59,6 +59,7 @@ __all__ = [
     "read_json_object",
     "read_safetensors_file",
     "tokenizer_files_in",
+    "without_auto_map",
     "write_tokenizer_files",
 ]
 
@@ -152,8 +153,17 @@ def read_hf_weights(
             raise ValueError(
                 f"checkpoint {directory}: tensor '{key}' has shape {actual}, config.json implies {shape} {pair_fix}"
             )
-    # A tied checkpoint may still store lm_head.weight; HF ignores it in favour of the embedding.
+    # A tied checkpoint may still store lm_head.weight, a copy of the embedding; one that differs is read
+    # two ways: transformers 4 ties it to the embedding, transformers 5 leaves the two untied (with a warning).
     ignorable = {"lm_head.weight"} if config.tie_embeddings else set()
+    stored_head = tensors.get("lm_head.weight") if config.tie_embeddings else None
+    embedding = tensors.get("model.embed_tokens.weight")
+    if stored_head is not None and embedding is not None and not torch.equal(stored_head, embedding):
+        raise ValueError(
+            f"checkpoint {directory}: config.json has tie_word_embeddings=true but it stores an lm_head.weight that "
+            "differs from model.embed_tokens.weight (transformers 5 uses it untied, transformers 4 ties it to the "
+            "embedding) (fix: set tie_word_embeddings to false to use the stored head, or delete lm_head.weight to tie)"
+        )
     unexpected = sorted(
         k for k in tensors if k not in expected and k not in ignorable and not k.endswith(_IGNORED_SUFFIXES)
     )
@@ -299,7 +309,8 @@ def export_hf_checkpoint(
         dtype: dtype of the stored tensors; None keeps the model's dtype.
         extra_config: additional ``config.json`` fields (``eos_token_id``, ``max_position_embeddings``,
             ...); fields derived from ``config`` cannot be overridden.
-        tokenizer_dir: copy the tokenizer files found there (``tokenizer.json``, ...).
+        tokenizer_dir: copy the tokenizer files found there (``tokenizer.json``, ...); an ``auto_map``
+            (remote code) of its ``tokenizer_config.json`` is dropped (:func:`without_auto_map`).
         tokenizer_files: or write these tokenizer files (name -> contents; a run's exports:
             :mod:`csbp.training.export_tokenizer`).
         generation_config: the ``generation_config.json`` to write (e.g. :func:`read_generation_config`
@@ -323,6 +334,7 @@ def export_hf_checkpoint(
                 f"tokenizer_dir {tokenizer_dir} has none of the tokenizer files {list(TOKENIZER_FILES)}"
             )
     check_tokenizer_file_names(tokenizer)
+    tokenizer, _ = without_auto_map(tokenizer)
     tensors = tensors_to_store(model.state_dict(), store_dtype)
 
     def fill(staging: Path) -> None:
@@ -334,6 +346,31 @@ def export_hf_checkpoint(
         write_tokenizer_files(staging, tokenizer)
 
     return write_directory_atomically(path, fill, overwrite=overwrite, owned=EXPORT_OWNERSHIP)
+
+
+def without_auto_map(files: Mapping[str, bytes]) -> tuple[dict[str, bytes], bool]:
+    """``files`` with the ``auto_map`` of their ``tokenizer_config.json`` removed, and whether it had one.
+
+    ``auto_map`` points ``AutoTokenizer(trust_remote_code=True)`` at Python code (a file of the source
+    directory, which an export never holds, or a Hub repository, which it would fetch and run); csbp ran
+    none (it reads ``tokenizer.json``), so an export does not pass the pointer on to its users, as
+    :mod:`csbp.training.export_tokenizer` does for a run's exports. A ``tokenizer_config.json`` naming one
+    that is not a JSON object is a ``ValueError``."""
+    out = dict(files)
+    data = out.get("tokenizer_config.json")
+    if data is None or b"auto_map" not in data:
+        return out, False
+    try:
+        config = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        config = None
+    if not isinstance(config, dict):
+        raise ValueError("tokenizer_config.json is not a JSON object (fix: restore it in the tokenizer directory)")
+    if "auto_map" not in config:
+        return out, False
+    del config["auto_map"]
+    out["tokenizer_config.json"] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+    return out, True
 
 
 def check_tokenizer_file_names(files: Mapping[str, bytes]) -> None:

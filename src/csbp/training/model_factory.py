@@ -97,7 +97,8 @@ def decoder_config_for_run(cfg: RunConfig, artifact: Artifact) -> DecoderConfig:
         try:
             check_exportable(config)
         except ValueError as exc:  # the final export would fail after training otherwise
-            raise ValueError(f"model.arch: {exc} (fix: change model.arch or model.qk_norm)") from None
+            fix = "" if "(fix:" in str(exc) else " (fix: change model.arch or model.qk_norm)"
+            raise ValueError(f"model.arch: {exc}{fix}") from None
     if artifact.vocab_size > config.vocab_size:
         if model.init_from is not None:
             raise ValueError(
