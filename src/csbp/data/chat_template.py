@@ -8,7 +8,7 @@ Templates from a downloaded model are untrusted input: they are rendered in Jinj
 ``ImmutableSandboxedEnvironment`` (attribute access to internals such as ``__class__`` and
 mutation of passed-in objects are refused), with the size and work limits of
 :mod:`csbp.data.template_sandbox` (no ``'a' * 10**10``, nested ``range(100000)`` loops or output
-past 16 Mi characters), and with the globals templates commonly use:
+past 16 Mi characters, no render past 10 s of CPU time), and with the globals templates commonly use:
 ``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token`` and ``add_generation_prompt``,
 and a ``tojson`` filter taking the ``json.dumps`` options transformers' takes (``ensure_ascii``,
 ``indent``, ``separators``, ``sort_keys``). An error a template raises while rendering is one
