@@ -141,7 +141,7 @@ def test_assistant_contents_that_occur_in_the_scaffolding(style_dir, content: st
     end_of_turn = "<|im_end|>" if style == "chatml" else "<|eot_id|>"
     shown = content.strip() if style == "llama3" else content  # the Llama-3 style trims contents
     messages = [CHAT[1], {"role": "assistant", "content": content}]
-    text, spans = template.supervised_spans(messages, "rec:1")
+    text, spans, _ = template.supervised_spans(messages, "rec:1")
     assert text == hf_tokenizer(directory, style).apply_chat_template(messages, tokenize=False)
     assert [text[a:b] for a, b in spans] == [shown + end_of_turn]
 
@@ -202,7 +202,7 @@ def test_explicit_jinja_file_and_generation_blocks(tmp_path: Path) -> None:
     hf = hf_tokenizer(directory, "chatml")
     hf.chat_template = with_blocks
     assert template.render(CHAT) == hf.apply_chat_template(CHAT, tokenize=False)
-    text, spans = template.supervised_spans(CHAT, "rec:1")
+    text, spans, _ = template.supervised_spans(CHAT, "rec:1")
     assert [text[a:b] for a, b in spans] == [m["content"] + "<|im_end|>" for m in CHAT if m["role"] == "assistant"]
     assert resolve_chat_template("none", directory) is None
     (directory / "tokenizer_config.json").write_text("{}", encoding="utf-8")

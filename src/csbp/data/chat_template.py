@@ -22,7 +22,12 @@ are rendered; each render must start with the previous one (the template is *pre
 so the text added by message ``i`` is the difference. For an assistant message the same turn is
 also rendered with a sentinel as content, which splits the difference into the scaffolding before
 the content, the content, and the end-of-turn text after it. The content and the end-of-turn text
-(trailing whitespace excluded) are supervised; system/user turns and scaffolding are not.
+(trailing whitespace excluded) are supervised; system/user turns and scaffolding are not. A template
+that writes no end-of-turn text after the last assistant turn (``{{ role }}: {{ content }}\n``)
+leaves nothing in the text that teaches the model to stop: ``SupervisedChat.eos_is_stop`` then says
+the EOS appended after the record must be supervised instead (as TRL's SFT appends a supervised EOS);
+an earlier assistant turn of such a template has no stop target (the next turn's text is not
+supervised, so it teaches nothing wrong either).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import jinja2.ext
@@ -91,6 +96,22 @@ def _environment() -> BoundedSandbox:
     return env
 
 
+class SupervisedChat(NamedTuple):
+    """A chat rendered by its template, with what to supervise.
+
+    Attributes:
+        text: the rendered conversation.
+        spans: ``(start, end)`` character spans of ``text`` to supervise.
+        eos_is_stop: the conversation ends with an assistant turn after whose content the template
+            writes no end-of-turn text (whitespace at most): the EOS appended after ``text`` is the
+            only stop signal, and must be supervised.
+    """
+
+    text: str
+    spans: list[tuple[int, int]]
+    eos_is_stop: bool
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """A compiled chat template with the token strings it refers to.
@@ -141,10 +162,12 @@ class ChatTemplate:
                 "(fix: repair the record, or pass --chat-template none or another template)"
             ) from None
 
-    def supervised_spans(self, messages: Sequence[Message], where: str) -> tuple[str, list[tuple[int, int]]]:
-        """``(full text, [(start, end) character spans to supervise])`` (see the module docstring)."""
+    def supervised_spans(self, messages: Sequence[Message], where: str) -> SupervisedChat:
+        """The rendered text, its spans to supervise and whether the EOS after it is the stop
+        (see the module docstring)."""
         rendered = ""
         spans: list[tuple[int, int]] = []
+        eos_is_stop = False
         for index, message in enumerate(messages):
             text = self.render(messages[: index + 1], where=where)
             if not text.startswith(rendered):
@@ -153,19 +176,21 @@ class ChatTemplate:
                     f"messages[:{index + 1}] changes the text of the earlier messages (fix: use "
                     "--chat-template none, or a template that renders earlier turns unchanged)"
                 )
+            eos_is_stop = False
             if message["role"] == "assistant":
-                start, end = self._assistant_span(messages, index, rendered, text, where)
+                start, end, content_end = self._assistant_span(messages, index, rendered, text, where)
                 if end > start:
                     spans.append((start, end))
+                eos_is_stop = end == content_end  # no end-of-turn text after the content
             rendered = text
-        return rendered, spans
+        return SupervisedChat(rendered, spans, eos_is_stop)
 
 
     def _assistant_span(
         self, messages: Sequence[Message], index: int, rendered: str, text: str, where: str
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, int]:
         """Where message ``index``'s content and end-of-turn lie in ``text`` (``rendered`` is the
-        text of the messages before it). The scaffolding around the content is found by rendering
+        text of the messages before it): ``(start, end, where the content ends)``. The scaffolding around the content is found by rendering
         the same turn with a sentinel content: the real turn must be that scaffolding around
         some content, else the template is content-dependent and the record is refused."""
         probe = [*messages[:index], {**messages[index], "content": _SENTINEL}]
@@ -184,8 +209,8 @@ class ChatTemplate:
                 "depending on its content, so its supervised span cannot be found (fix: --chat-template none)"
             )
         start = len(rendered) + len(before)
-        end = len(rendered) + len(added) - len(after) + len(after.rstrip())
-        return start, end
+        content_end = len(rendered) + len(added) - len(after)
+        return start, content_end + len(after.rstrip()), content_end
 
 
 _SENTINEL = "csbpAssistantContentSentinel"

@@ -5,7 +5,9 @@ segments are tokenized (in one batch call), chat role markers become their speci
 appended (supervised iff ``Document.eos_supervised``). With a ``ChatTemplate``, chat documents are
 instead rendered by the template and tokenized whole; a token is supervised iff its character
 offsets overlap an assistant span (``ChatTemplate.supervised_spans``), and the EOS separator
-appended after them is unsupervised (the template's own end-of-turn tokens carry the stop signal). ``PackedSplitWriter`` streams those pairs
+appended after them is unsupervised (the template's own end-of-turn tokens carry the stop signal),
+unless the chat ends with an assistant turn that the template closes with no end-of-turn text: then
+that EOS is the only stop signal, and supervised. ``PackedSplitWriter`` streams those pairs
 into the flat ``.bin`` files of one split (layout in ``artifact.py``): greedy concatenation, the
 document ordinal as doc id, and the final partial row padded with ``pad_id`` (mask 0, doc id -1).
 """
@@ -35,15 +37,16 @@ def role_marker_message(tokenizer: CsbpTokenizer, role: str) -> str:
 
 def encode_templated_chat(
     messages: Sequence[tuple[str, str]], tokenizer: CsbpTokenizer, template: ChatTemplate, where: str
-) -> tuple[list[int], list[int]]:
-    """``(ids, loss_mask)`` of a chat rendered by ``template`` (no EOS separator appended)."""
-    text, spans = template.supervised_spans([{"role": r, "content": c} for r, c in messages], where)
+) -> tuple[list[int], list[int], bool]:
+    """``(ids, loss_mask, whether the EOS after them is the stop to supervise)`` of a chat rendered
+    by ``template`` (no EOS separator appended)."""
+    text, spans, eos_is_stop = template.supervised_spans([{"role": r, "content": c} for r, c in messages], where)
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
     mask = [
         int(any(start < span_end and span_start < max(end, start + 1) for span_start, span_end in spans))
         for start, end in encoding.offsets
     ]
-    return list(encoding.ids), mask
+    return list(encoding.ids), mask, eos_is_stop
 
 
 def encode_documents(
@@ -68,9 +71,11 @@ def encode_documents(
     for doc in documents:
         ids: list[int] = []
         mask: list[int] = []
+        eos_supervised = doc.eos_supervised
         if templated(doc):
             assert chat_template is not None and doc.messages is not None
-            ids, mask = encode_templated_chat(doc.messages, tokenizer, chat_template, doc.where)
+            ids, mask, eos_is_stop = encode_templated_chat(doc.messages, tokenizer, chat_template, doc.where)
+            eos_supervised = eos_supervised and eos_is_stop
         for segment in doc.segments if not templated(doc) else ():
             if segment.role is not None and segment.role not in tokenizer.role_ids:
                 raise ValueError(f"{doc.where}: {role_marker_message(tokenizer, segment.role)}")
@@ -78,7 +83,7 @@ def encode_documents(
             ids.extend(piece)
             mask.extend([int(segment.supervised)] * len(piece))
         ids.append(tokenizer.eos_id)
-        mask.append(int(doc.eos_supervised and not templated(doc)))
+        mask.append(int(eos_supervised))
         token_ids = np.asarray(ids, dtype=np.int64)
         bad = (token_ids < 0) | (token_ids >= tokenizer.vocab_size)
         if bad.any():
