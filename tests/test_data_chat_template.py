@@ -315,3 +315,19 @@ def test_cli_flag_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert f"chat template {own} (sha256 " in shown
     assert "[[It is four.<|eot_id|>]]\n<|end_of_text|>" in shown  # the template's trailing newline: unsupervised
     assert "<|begin_of_text|><|start_header_id|>user" in shown
+
+
+def test_bos_and_eos_named_only_in_special_tokens_map_reach_the_template(tmp_path: Path) -> None:
+    """A directory whose tokenizer_config.json names no bos/eos (they are in special_tokens_map.json,
+    as in older checkpoints): the template's {{ bos_token }} and {{ eos_token }} rendered as "",
+    dropping the BOS and the end-of-turn token transformers' apply_chat_template writes."""
+    transformers = pytest.importorskip("transformers")
+    directory = build_tokenizer_dir(tmp_path / "tok", "llama3")
+    template = LLAMA3.replace("<|eot_id|>", "{{ eos_token }}")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}), encoding="utf-8")
+    special_map = {"bos_token": {"content": "<|begin_of_text|>", "special": True}, "eos_token": "<|eot_id|>"}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special_map), encoding="utf-8")
+    expected = transformers.AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(CHAT, tokenize=False)
+    resolved = resolve_chat_template("auto", directory)
+    assert resolved is not None and resolved.render(CHAT) == expected
+    assert expected.startswith("<|begin_of_text|>") and expected.count("<|eot_id|>") == len(CHAT)

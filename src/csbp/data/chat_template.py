@@ -49,6 +49,7 @@ from csbp.data.template_sandbox import BoundedSandbox, render_bounded
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_JSON_FILE = "chat_template.json"
 CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 Message = dict[str, str]
 
 
@@ -286,13 +287,17 @@ def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplat
     directory's ``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``
     template (first found), else None; anything
     else is the path of a ``.jinja`` file. ``bos_token``/``eos_token`` come from the tokenizer
-    directory's ``tokenizer_config.json`` when there is one."""
+    directory's ``tokenizer_config.json``, and where it names none, from its
+    ``special_tokens_map.json`` (as transformers reads them)."""
     directory = None
     if tokenizer_path is not None:
         tokenizer_path = Path(tokenizer_path)
         directory = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
     config = _config(directory) if directory is not None else {}
-    tokens = {"bos_token": _token_string(config.get("bos_token")), "eos_token": _token_string(config.get("eos_token"))}
+    tokens = {name: _token_string(config.get(name)) for name in ("bos_token", "eos_token")}
+    if directory is not None and not all(tokens.values()) and (directory / SPECIAL_TOKENS_MAP_FILE).is_file():
+        special_map = _read_json(directory / SPECIAL_TOKENS_MAP_FILE)  # a template's {{ bos_token }} was ""
+        tokens = {name: value or _token_string(special_map.get(name)) for name, value in tokens.items()}
     if spec == "none":
         return None
     if spec == "auto":
