@@ -42,11 +42,21 @@ def encode_templated_chat(
     by ``template`` (no EOS separator appended)."""
     text, spans, eos_is_stop = template.supervised_spans([{"role": r, "content": c} for r, c in messages], where)
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
-    mask = [
-        int(any(start < span_end and span_start < max(end, start + 1) for span_start, span_end in spans))
-        for start, end in encoding.offsets
-    ]
-    return list(encoding.ids), mask, eos_is_stop
+    return list(encoding.ids), supervised_tokens(encoding.offsets, spans), eos_is_stop
+
+
+def supervised_tokens(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[int]:
+    """1 for each token whose characters ``[start, end)`` (an empty one: ``[start, start + 1)``)
+    overlap one of ``spans`` (sorted, disjoint), else 0: one binary search per token (testing every
+    span for every token took 13 s for a chat of 1600 turns)."""
+    if not offsets or not spans:
+        return [0] * len(offsets)
+    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts, ends = bounds[:, 0], np.maximum(bounds[:, 1], bounds[:, 0] + 1)
+    span_starts, span_ends = (np.asarray(side, dtype=np.int64) for side in zip(*spans))
+    first = np.searchsorted(span_ends, starts, side="right")  # the first span ending after the token starts
+    overlaps = (first < len(span_ends)) & (span_starts[np.minimum(first, len(span_ends) - 1)] < ends)
+    return overlaps.astype(np.int64).tolist()
 
 
 def encode_documents(
