@@ -57,7 +57,9 @@ PAYLOADS = {
 def test_resource_bombs_are_refused_in_one_line(payload: str) -> None:
     template = ChatTemplate(payload, "evil/tokenizer_config.json")
     started = time.process_time()  # CPU time: a loaded machine (CI next to other jobs) must not fail it
-    with pytest.raises(ValueError, match=r"^rec 3: chat template evil/tokenizer_config.json (was refused|failed)") as info:
+    with pytest.raises(
+        ValueError, match=r"^rec 3: chat template evil/tokenizer_config.json (was refused|failed|would render more)"
+    ) as info:
         template.render([{"role": "user", "content": "hi"}], where="rec 3")
     assert "\n" not in str(info.value)
     assert time.process_time() - started < 10.0  # the slowest, 2**20 macro calls, takes ~3 s of CPU here
@@ -85,6 +87,15 @@ def test_a_render_past_the_cpu_time_limit_is_refused_in_one_line(payload: str, m
         template.render([{"role": "user", "content": "hi"}], where="rec 3")
     assert "\n" not in str(info.value)
     assert time.thread_time() - started < 3.0
+
+
+def test_a_record_longer_than_the_output_limit_says_to_split_it() -> None:
+    """A plain template and a record of 17 M characters: the refusal named the template as the fault
+    ("use a trusted template")."""
+    template = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", "tok/chat_template.jinja")
+    with pytest.raises(ValueError, match=rf"^data.jsonl:5: chat template tok/chat_template.jinja would render more than "
+                       rf"csbp's limit of {MAX_LENGTH} characters for this record \(fix: split the record into shorter chats"):
+        template.render([{"role": "user", "content": "x" * (MAX_LENGTH + 1)}], where="data.jsonl:5")
 
 
 @pytest.mark.parametrize(

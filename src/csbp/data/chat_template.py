@@ -44,7 +44,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 
-from csbp.data.template_sandbox import BoundedSandbox, render_bounded
+from csbp.data.template_sandbox import MAX_LENGTH, BoundedSandbox, OutputTooLong, render_bounded
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_JSON_FILE = "chat_template.json"
@@ -149,6 +149,12 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
+        except OutputTooLong:
+            raise ValueError(
+                f"{where or self.source}: chat template {self.source} would render more than csbp's limit of "
+                f"{MAX_LENGTH} characters for this record (fix: split the record into shorter chats, or pass "
+                "--chat-template none)"
+            ) from None
         except jinja2.exceptions.SecurityError as exc:
             raise ValueError(
                 f"{where or self.source}: chat template {self.source} was refused by the sandbox ({exc}) "

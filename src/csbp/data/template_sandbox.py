@@ -76,6 +76,11 @@ read at once."""
 _STEP_SIZE = 1 << 16
 
 
+class OutputTooLong(SecurityError):
+    """The rendered text would pass :data:`MAX_LENGTH` characters: a record this long, more often
+    than a hostile template."""
+
+
 @dataclass
 class _Budget:
     iterations: int = MAX_ITERATIONS
@@ -340,7 +345,7 @@ def render_bounded(template: jinja2.Template, **variables: Any) -> str:
         for piece in template.generate(**variables):  # each piece comes of a step counted already, or
             length += len(piece)  # of the template's own text
             if length > MAX_LENGTH:
-                raise _refuse("the rendered text")
+                raise OutputTooLong(str(_refuse("the rendered text")))
             pieces.append(piece)
         return "".join(pieces)
     finally:
