@@ -141,7 +141,7 @@ def test_assistant_contents_that_occur_in_the_scaffolding(style_dir, content: st
     end_of_turn = "<|im_end|>" if style == "chatml" else "<|eot_id|>"
     shown = content.strip() if style == "llama3" else content  # the Llama-3 style trims contents
     messages = [CHAT[1], {"role": "assistant", "content": content}]
-    text, spans = template.supervised_spans(messages, "rec:1")
+    text, spans, _ = template.supervised_spans(messages, "rec:1")
     assert text == hf_tokenizer(directory, style).apply_chat_template(messages, tokenize=False)
     assert [text[a:b] for a, b in spans] == [shown + end_of_turn]
 
@@ -202,7 +202,7 @@ def test_explicit_jinja_file_and_generation_blocks(tmp_path: Path) -> None:
     hf = hf_tokenizer(directory, "chatml")
     hf.chat_template = with_blocks
     assert template.render(CHAT) == hf.apply_chat_template(CHAT, tokenize=False)
-    text, spans = template.supervised_spans(CHAT, "rec:1")
+    text, spans, _ = template.supervised_spans(CHAT, "rec:1")
     assert [text[a:b] for a, b in spans] == [m["content"] + "<|im_end|>" for m in CHAT if m["role"] == "assistant"]
     assert resolve_chat_template("none", directory) is None
     (directory / "tokenizer_config.json").write_text("{}", encoding="utf-8")
@@ -315,3 +315,19 @@ def test_cli_flag_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert f"chat template {own} (sha256 " in shown
     assert "[[It is four.<|eot_id|>]]\n<|end_of_text|>" in shown  # the template's trailing newline: unsupervised
     assert "<|begin_of_text|><|start_header_id|>user" in shown
+
+
+def test_bos_and_eos_named_only_in_special_tokens_map_reach_the_template(tmp_path: Path) -> None:
+    """A directory whose tokenizer_config.json names no bos/eos (they are in special_tokens_map.json,
+    as in older checkpoints): the template's {{ bos_token }} and {{ eos_token }} rendered as "",
+    dropping the BOS and the end-of-turn token transformers' apply_chat_template writes."""
+    transformers = pytest.importorskip("transformers")
+    directory = build_tokenizer_dir(tmp_path / "tok", "llama3")
+    template = LLAMA3.replace("<|eot_id|>", "{{ eos_token }}")
+    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}), encoding="utf-8")
+    special_map = {"bos_token": {"content": "<|begin_of_text|>", "special": True}, "eos_token": "<|eot_id|>"}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special_map), encoding="utf-8")
+    expected = transformers.AutoTokenizer.from_pretrained(str(directory)).apply_chat_template(CHAT, tokenize=False)
+    resolved = resolve_chat_template("auto", directory)
+    assert resolved is not None and resolved.render(CHAT) == expected
+    assert expected.startswith("<|begin_of_text|>") and expected.count("<|eot_id|>") == len(CHAT)

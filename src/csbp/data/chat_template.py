@@ -8,7 +8,7 @@ Templates from a downloaded model are untrusted input: they are rendered in Jinj
 ``ImmutableSandboxedEnvironment`` (attribute access to internals such as ``__class__`` and
 mutation of passed-in objects are refused), with the size and work limits of
 :mod:`csbp.data.template_sandbox` (no ``'a' * 10**10``, nested ``range(100000)`` loops or output
-past 16 Mi characters), and with the globals templates commonly use:
+past 16 Mi characters, no render past 10 s of CPU time), and with the globals templates commonly use:
 ``raise_exception``, ``strftime_now``, ``bos_token``, ``eos_token`` and ``add_generation_prompt``,
 and a ``tojson`` filter taking the ``json.dumps`` options transformers' takes (``ensure_ascii``,
 ``indent``, ``separators``, ``sort_keys``). An error a template raises while rendering is one
@@ -22,7 +22,12 @@ are rendered; each render must start with the previous one (the template is *pre
 so the text added by message ``i`` is the difference. For an assistant message the same turn is
 also rendered with a sentinel as content, which splits the difference into the scaffolding before
 the content, the content, and the end-of-turn text after it. The content and the end-of-turn text
-(trailing whitespace excluded) are supervised; system/user turns and scaffolding are not.
+(trailing whitespace excluded) are supervised; system/user turns and scaffolding are not. A template
+that writes no end-of-turn text after the last assistant turn (``{{ role }}: {{ content }}\n``)
+leaves nothing in the text that teaches the model to stop: ``SupervisedChat.eos_is_stop`` then says
+the EOS appended after the record must be supervised instead (as TRL's SFT appends a supervised EOS);
+an earlier assistant turn of such a template has no stop target (the next turn's text is not
+supervised, so it teaches nothing wrong either).
 """
 
 from __future__ import annotations
@@ -33,17 +38,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 
-from csbp.data.template_sandbox import BoundedSandbox, render_bounded
+from csbp.data.template_sandbox import MAX_LENGTH, BoundedSandbox, OutputTooLong, render_bounded
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_JSON_FILE = "chat_template.json"
 CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 Message = dict[str, str]
 
 
@@ -91,6 +97,22 @@ def _environment() -> BoundedSandbox:
     return env
 
 
+class SupervisedChat(NamedTuple):
+    """A chat rendered by its template, with what to supervise.
+
+    Attributes:
+        text: the rendered conversation.
+        spans: ``(start, end)`` character spans of ``text`` to supervise.
+        eos_is_stop: the conversation ends with an assistant turn after whose content the template
+            writes no end-of-turn text (whitespace at most): the EOS appended after ``text`` is the
+            only stop signal, and must be supervised.
+    """
+
+    text: str
+    spans: list[tuple[int, int]]
+    eos_is_stop: bool
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """A compiled chat template with the token strings it refers to.
@@ -127,6 +149,12 @@ class ChatTemplate:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
+        except OutputTooLong:
+            raise ValueError(
+                f"{where or self.source}: chat template {self.source} would render more than csbp's limit of "
+                f"{MAX_LENGTH} characters for this record (fix: split the record into shorter chats, or pass "
+                "--chat-template none)"
+            ) from None
         except jinja2.exceptions.SecurityError as exc:
             raise ValueError(
                 f"{where or self.source}: chat template {self.source} was refused by the sandbox ({exc}) "
@@ -141,10 +169,12 @@ class ChatTemplate:
                 "(fix: repair the record, or pass --chat-template none or another template)"
             ) from None
 
-    def supervised_spans(self, messages: Sequence[Message], where: str) -> tuple[str, list[tuple[int, int]]]:
-        """``(full text, [(start, end) character spans to supervise])`` (see the module docstring)."""
+    def supervised_spans(self, messages: Sequence[Message], where: str) -> SupervisedChat:
+        """The rendered text, its spans to supervise and whether the EOS after it is the stop
+        (see the module docstring)."""
         rendered = ""
         spans: list[tuple[int, int]] = []
+        eos_is_stop = False
         for index, message in enumerate(messages):
             text = self.render(messages[: index + 1], where=where)
             if not text.startswith(rendered):
@@ -153,19 +183,21 @@ class ChatTemplate:
                     f"messages[:{index + 1}] changes the text of the earlier messages (fix: use "
                     "--chat-template none, or a template that renders earlier turns unchanged)"
                 )
+            eos_is_stop = False
             if message["role"] == "assistant":
-                start, end = self._assistant_span(messages, index, rendered, text, where)
+                start, end, content_end = self._assistant_span(messages, index, rendered, text, where)
                 if end > start:
                     spans.append((start, end))
+                eos_is_stop = end == content_end  # no end-of-turn text after the content
             rendered = text
-        return rendered, spans
+        return SupervisedChat(rendered, spans, eos_is_stop)
 
 
     def _assistant_span(
         self, messages: Sequence[Message], index: int, rendered: str, text: str, where: str
-    ) -> tuple[int, int]:
+    ) -> tuple[int, int, int]:
         """Where message ``index``'s content and end-of-turn lie in ``text`` (``rendered`` is the
-        text of the messages before it). The scaffolding around the content is found by rendering
+        text of the messages before it): ``(start, end, where the content ends)``. The scaffolding around the content is found by rendering
         the same turn with a sentinel content: the real turn must be that scaffolding around
         some content, else the template is content-dependent and the record is refused."""
         probe = [*messages[:index], {**messages[index], "content": _SENTINEL}]
@@ -184,8 +216,8 @@ class ChatTemplate:
                 "depending on its content, so its supervised span cannot be found (fix: --chat-template none)"
             )
         start = len(rendered) + len(before)
-        end = len(rendered) + len(added) - len(after) + len(after.rstrip())
-        return start, end
+        content_end = len(rendered) + len(added) - len(after)
+        return start, content_end + len(after.rstrip()), content_end
 
 
 _SENTINEL = "csbpAssistantContentSentinel"
@@ -261,13 +293,17 @@ def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplat
     directory's ``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``
     template (first found), else None; anything
     else is the path of a ``.jinja`` file. ``bos_token``/``eos_token`` come from the tokenizer
-    directory's ``tokenizer_config.json`` when there is one."""
+    directory's ``tokenizer_config.json``, and where it names none, from its
+    ``special_tokens_map.json`` (as transformers reads them)."""
     directory = None
     if tokenizer_path is not None:
         tokenizer_path = Path(tokenizer_path)
         directory = tokenizer_path if tokenizer_path.is_dir() else tokenizer_path.parent
     config = _config(directory) if directory is not None else {}
-    tokens = {"bos_token": _token_string(config.get("bos_token")), "eos_token": _token_string(config.get("eos_token"))}
+    tokens = {name: _token_string(config.get(name)) for name in ("bos_token", "eos_token")}
+    if directory is not None and not all(tokens.values()) and (directory / SPECIAL_TOKENS_MAP_FILE).is_file():
+        special_map = _read_json(directory / SPECIAL_TOKENS_MAP_FILE)  # a template's {{ bos_token }} was ""
+        tokens = {name: value or _token_string(special_map.get(name)) for name, value in tokens.items()}
     if spec == "none":
         return None
     if spec == "auto":

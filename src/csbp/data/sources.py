@@ -4,7 +4,9 @@ Supported inputs (chosen by file suffix; a directory expands to its supported fi
 
 * ``.jsonl`` and ``.parquet`` records, in this order of precedence when several apply:
   ``messages`` (a chat: list of ``{"role": system|user|assistant, "content": str}``; only
-  assistant content is supervised), ``prompt`` + ``completion`` (only the completion is
+  assistant content is supervised; a message field besides these two, such as ``tool_calls`` or
+  ``reasoning_content``, and a record's ``tools``/``documents`` are refused unless null or empty,
+  as they would be dropped), ``prompt`` + ``completion`` (only the completion is
   supervised), ``text`` (everything is supervised);
 * ``.txt`` files: one document per file, or (``txt_mode="paragraphs"``) one document per
   blank-line-separated paragraph. Project Gutenberg header/footer boilerplate is removed when
@@ -178,6 +180,12 @@ def _record_to_document(record: Any, where: str) -> Document:
             f"{where}: expected a JSON object with {ACCEPTED_FIELDS}, got {type(record).__name__}"
         )
     if record.get("messages") is not None:
+        for key in UNRENDERED_RECORD_FIELDS:
+            if _is_set(record.get(key)):
+                raise ValueError(
+                    f"{where}: {key!r} is set, but csbp renders chats from their messages alone, so it would be "
+                    "dropped (fix: remove it, or write its content into the system message)"
+                )
         return _chat_document(record["messages"], where)
     if record.get("prompt") is not None or record.get("completion") is not None:
         prompt, completion = record.get("prompt"), record.get("completion")
@@ -206,6 +214,12 @@ def _chat_document(messages: Any, where: str) -> Document:
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"{where}: messages[{index}] must be an object with 'role' and 'content'")
         role, content = message["role"], message["content"]
+        dropped = next((key for key, value in message.items() if key not in ("role", "content") and _is_set(value)), None)
+        if dropped is not None:  # tool_calls, reasoning_content, a per-turn training weight: never silently lost
+            raise ValueError(
+                f"{where}: messages[{index}].{dropped} is set, but csbp trains on each message's role and content "
+                "alone, so it would be dropped (fix: remove the field, or write it into the content)"
+            )
         if role not in CHAT_ROLES:
             raise ValueError(f"{where}: messages[{index}].role is {role!r}; use one of {CHAT_ROLES}")
         if not isinstance(content, str):
@@ -215,6 +229,15 @@ def _chat_document(messages: Any, where: str) -> Document:
     ends_with_assistant = messages[-1]["role"] == "assistant"
     pairs = tuple((str(m["role"]), str(m["content"])) for m in messages)
     return Document(tuple(segments), eos_supervised=ends_with_assistant, where=where, messages=pairs)
+
+
+UNRENDERED_RECORD_FIELDS = ("tools", "documents")
+"""Fields of a chat record that transformers' ``apply_chat_template`` would render and csbp does not."""
+
+
+def _is_set(value: Any) -> bool:
+    """A field's value other than null or an empty string, list or object (as exports write absent ones)."""
+    return value is not None and not (isinstance(value, (str, list, dict)) and not value)
 
 
 def _read_jsonl(path: Path) -> Iterator[Document]:

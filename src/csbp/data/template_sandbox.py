@@ -16,7 +16,12 @@ a ``namespace``, a macro calling itself twice per call. :class:`BoundedSandbox` 
   ``for`` loop, nested ones counted in full, ``range`` items, and the items of the lists these
   checks walk to size them), more than :data:`MAX_CALLS`
   calls, more than :data:`MAX_PRODUCED` characters produced by calls, filters and operators
-  altogether (``[s] * 1000 | map('upper') | list``), or an output longer than :data:`MAX_LENGTH`.
+  altogether (``[s] * 1000 | map('upper') | list``), an output longer than :data:`MAX_LENGTH`,
+  or more than :data:`MAX_SECONDS` of CPU time. The filters that walk their input item by item
+  in Python (``unique``, ``sort``, ``map``, ``urlize``, ``title`` ...: :data:`WALKING_FILTERS`)
+  charge that input's length to the iterations first, so no single step runs for long (``'ab' *
+  8000000 | sort`` took 15 s, ``| urlize`` 18 s); the clock bounds what the counts cannot, such
+  as a loop calling ``s.count('x')`` on a 16 Mi character string a million times (an hour).
 
 ``lipsum`` (random text of any length) is not available. Python's recursion limit ends deep macro
 recursion. These bound what a template can ask for; for a template nobody has read, an OS limit
@@ -26,7 +31,9 @@ recursion. These bound what a template can ask for; for a template nobody has re
 from __future__ import annotations
 
 import functools
+import math
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -49,10 +56,29 @@ MAX_CALLS = 1 << 20
 """Most calls (functions, methods, macros) one render may make."""
 MAX_PRODUCED = 1 << 27
 """Most characters (or items) one render's calls, filters and operators may produce altogether."""
+MAX_SECONDS = 10.0
+"""Most CPU seconds (of the rendering thread) one render may take; a chat template takes milliseconds."""
+WALKING_FILTERS = frozenset({
+    "unique", "sort", "dictsort", "groupby", "map", "select", "reject", "selectattr", "rejectattr",
+    "min", "max", "sum", "batch", "slice", "title", "urlize", "wordwrap", "pprint",
+})
+"""Filters whose Python code walks their input item by item (or word by word): its length is charged
+to :data:`MAX_ITERATIONS` before they run."""
 
 _DIGITS = re.compile(r"\d+")
 _TOO_DEEP = 32
 """Containers nested deeper than this are taken as too large (no chat template nests so)."""
+_CLOCK_EVERY = 64
+"""Steps (loop items, calls, filters, operators) between two reads of the clock (each
+read costs ~0.2 us). A call, filter or operator on a value of ``n`` characters or items counts as
+``1 + n // 2**16`` steps: on a 16 Mi character string (``s | wordcount`` takes 0.7 s) the clock is
+read at once."""
+_STEP_SIZE = 1 << 16
+
+
+class OutputTooLong(SecurityError):
+    """The rendered text would pass :data:`MAX_LENGTH` characters: a record this long, more often
+    than a hostile template."""
 
 
 @dataclass
@@ -60,6 +86,9 @@ class _Budget:
     iterations: int = MAX_ITERATIONS
     calls: int = MAX_CALLS
     produced: int = MAX_PRODUCED
+    deadline: float = math.inf
+    """``time.thread_time()`` past which the render is refused (inf outside :func:`render_bounded`)."""
+    until_clock: int = _CLOCK_EVERY
 
 
 _BUDGET: ContextVar[_Budget] = ContextVar("csbp_template_budget")
@@ -70,8 +99,23 @@ def _budget() -> _Budget:
     return budget if budget is not None else _Budget()  # outside render_bounded: per-call limits only
 
 
+def _step(budget: _Budget, *operands: object) -> None:
+    """Count one step of ``budget``'s render on ``operands`` (see :data:`_CLOCK_EVERY`); every
+    :data:`_CLOCK_EVERY` steps, check its CPU time."""
+    steps = 1
+    for value in operands:
+        if isinstance(value, (str, list, tuple, dict)):
+            steps += len(value) // _STEP_SIZE
+    budget.until_clock -= steps
+    if budget.until_clock <= 0:
+        budget.until_clock = _CLOCK_EVERY
+        if time.thread_time() > budget.deadline:
+            raise SecurityError(f"the render would take more than csbp's template limit of {MAX_SECONDS:g} s of CPU time")
+
+
 def _charge_iterations(count: int) -> None:
     budget = _budget()
+    _step(budget)
     budget.iterations -= count
     if budget.iterations < 0:
         raise SecurityError(
@@ -183,6 +227,9 @@ def _bounded_filter(name: str, function: Callable[..., Any]) -> Callable[..., An
             _check_call(name, rest[0] if rest else kwargs.get("d", ""), (value,), {})
         else:
             _check_call(name, value, rest, kwargs)
+        _step(_budget(), value)
+        if name in WALKING_FILTERS and isinstance(value, (str, list, tuple, dict, set, frozenset)):
+            _charge_iterations(len(value))
         return _produced(function(*args, **kwargs))
 
     return bounded
@@ -246,6 +293,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return value
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        _step(_budget(), left, right)
         if _is_int(left) and _is_int(right):
             bits = max(left.bit_length(), 1)
             if (operator == "**" and right > 0 and bits * right > MAX_INT_BITS) or (
@@ -271,6 +319,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             raise SecurityError(f"the template would make more than csbp's limit of {MAX_CALLS} calls")
         bound = getattr(__obj, "__self__", None)  # sandboxed str.format is a wrapper of the method
         bound = getattr(getattr(__obj, "__wrapped__", None), "__self__", bound)
+        _step(budget, bound, *args)
         _check_call(getattr(__obj, "__name__", "call"), bound, args, kwargs)
         return _produced(super().call(__context, __obj, *args, **kwargs))
 
@@ -279,22 +328,24 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return _iterate(items) if not isinstance(items, jinja2.Undefined) else items
 
     def bounded_concat(self, values: tuple[Any, ...]) -> str:
+        _step(_budget(), *values)
         if sum(_weight(value) for value in values) > MAX_LENGTH:
             raise _refuse("~")
         return _produced("".join(str(value) for value in values))
 
 
 def render_bounded(template: jinja2.Template, **variables: Any) -> str:
-    """``template.render(**variables)`` under a fresh per-render budget, its output capped at
-    :data:`MAX_LENGTH` characters (a ``SecurityError`` beyond)."""
-    token = _BUDGET.set(_Budget())
+    """``template.render(**variables)`` under a fresh per-render budget (:data:`MAX_SECONDS` of CPU
+    time among it), its output capped at :data:`MAX_LENGTH` characters (a ``SecurityError`` beyond)."""
+    budget = _Budget(deadline=time.thread_time() + MAX_SECONDS)
+    token = _BUDGET.set(budget)
     try:
         pieces: list[str] = []
         length = 0
-        for piece in template.generate(**variables):
-            length += len(piece)
+        for piece in template.generate(**variables):  # each piece comes of a step counted already, or
+            length += len(piece)  # of the template's own text
             if length > MAX_LENGTH:
-                raise _refuse("the rendered text")
+                raise OutputTooLong(str(_refuse("the rendered text")))
             pieces.append(piece)
         return "".join(pieces)
     finally:
