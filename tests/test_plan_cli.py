@@ -153,6 +153,15 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
             ["--model", "nemotron-3b", "--seq-len", "4160", "--gpus", "8", "--topology", "dp1/cp8"],
             "--topology dp1/cp8: seq_len=4160 must be a multiple of cp*block_size",
         ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--topology", "dp1/cp4"],
+            "--topology dp1/cp4 uses 4 GPUs, not --gpus 8 (fix: --gpus 4, or --topology dp2/cp4)",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--topology", "dp2/cp4", "--global-batch", "3"],
+            "--global-batch 3 is not a multiple of dp x micro-batch = 2 of --topology dp2/cp4 (fix: --global-batch 4, "
+            "a multiple of 2)",
+        ),
     ],
 )
 def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:
