@@ -153,12 +153,36 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
             ["--model", "nemotron-3b", "--seq-len", "4160", "--gpus", "8", "--topology", "dp1/cp8"],
             "--topology dp1/cp8: seq_len=4160 must be a multiple of cp*block_size",
         ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "32", "--gpus", "8"],
+            "--seq-len 32: no layout of 8 GPUs accepts it, not even data parallel: block_size=32 must be below "
+            "seq_len=32 for bd3 (one block per sequence is mdlm's) (fix: --seq-len 64 or more, or --block-size below 32)",
+        ),
+        (
+            ["--model", "dflash2-qwen3.8", "--seq-len", "8", "--gpus", "8"],
+            "block_size=8 must be below seq_len=8 for dflash",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--topology", "dp1/cp4"],
+            "--topology dp1/cp4 uses 4 GPUs, not --gpus 8 (fix: --gpus 4, or --topology dp2/cp4)",
+        ),
+        (
+            ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--topology", "dp2/cp4", "--global-batch", "3"],
+            "--global-batch 3 is not a multiple of dp x micro-batch = 2 of --topology dp2/cp4 (fix: --global-batch 4, "
+            "a multiple of 2)",
+        ),
     ],
 )
 def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:
     code, out, err = run(capsys, "plan", *argv)
     assert code == USER_ERROR_EXIT_CODE and message in err and len(err.strip().splitlines()) == 1
     assert out == ""  # no (empty) table
+
+
+def test_a_single_stream_objective_has_no_block_rule(capsys) -> None:
+    """mdlm is one block per sequence: a row shorter than the preset's 32-token blocks is planned."""
+    code, out, err = run(capsys, "plan", "--model", "nemotron-3b", "--objective", "mdlm", "--seq-len", "16", "--gpus", "8")
+    assert (code, err) == (0, "") and "  1 dp8 " in out
 
 
 def test_a_job_within_one_node_needs_no_multiple_of_the_node_size(capsys) -> None:

@@ -159,3 +159,23 @@ def test_invalid_layouts_are_never_proposed_and_bad_notation_fails_closed():
         parse_topology("dp2/tp4")
     with pytest.raises(ValueError, match="multiple of cp"):
         parse_topology("cp4/bp2")
+
+
+@pytest.mark.parametrize("doc_length", [None, 4])
+def test_a_drafter_prices_the_anchors_csbp_draws_not_more(doc_length):
+    """csbp draws ``min(max_anchors, #valid)`` anchors (``csbp.dflash.anchors``): 2048 anchors of a
+    1024-token row are its 1023 valid positions (fewer with 4-token documents), and the step, memory
+    and tokens/s are those of that many (the model priced all 2048: twice the draft work)."""
+    from csbp.attention.draft_counts import spread_anchors
+    from csbp.plan.documents import one_document, packed_documents
+
+    workload = preset_workload("dflash2-qwen3.8").with_options(doc_length=doc_length)
+    seq_len, hw = 1024, hardware("h100", gpus=8)
+    bounds = packed_documents(seq_len, doc_length or one_document(seq_len))
+    valid = len(spread_anchors(bounds, 10**9))  # every position whose next token is in its document
+    assert valid == seq_len - 1 if doc_length is None else 600 < valid < seq_len - 1
+    for layout in (Layout(8, checkpointing="none"), Layout(4, 2, 2, checkpointing="none")):
+        asked, drawn = (predict(w, layout, seq_len, hw, CAL) for w in (workload, workload.with_options(anchors=valid)))
+        assert asked.step_s == pytest.approx(drawn.step_s, rel=1e-12)
+        assert asked.mem_bytes == pytest.approx(drawn.mem_bytes, rel=1e-12)
+        assert asked.tokens_per_s * asked.step_s == pytest.approx(layout.dp * valid * 7, rel=1e-12)

@@ -341,8 +341,19 @@ def _given_layouts(
     layouts = []
     for text in args.topology:
         dp, cp, bp = parse_topology(text)
-        if dp * max(cp, bp) != args.gpus:
-            raise ValueError(f"--topology {text} uses {dp * max(cp, bp)} GPUs, not --gpus {args.gpus}")
+        local = max(cp, bp)
+        if dp * local != args.gpus:
+            scaled = Layout(args.gpus // local, cp, bp).name if args.gpus % local == 0 else None
+            other = f", or --topology {scaled}" if scaled is not None else ""
+            raise ValueError(
+                f"--topology {text} uses {dp * local} GPUs, not --gpus {args.gpus} (fix: --gpus {dp * local}{other})"
+            )
+        if args.global_batch is not None and args.global_batch % (dp * micro_batch):
+            unit = dp * micro_batch
+            raise ValueError(
+                f"--global-batch {args.global_batch} is not a multiple of dp x micro-batch = {unit} of --topology "
+                f"{text} (fix: --global-batch {-(-args.global_batch // unit) * unit}, a multiple of {unit})"
+            )
         base = Layout(dp, cp, bp, micro_batch=micro_batch, placement=args.placement, sharding=args.sharding)
         problem = sequence_problem(workload, base, args.seq_len)
         if problem is not None:

@@ -15,6 +15,7 @@ Files are plain JSON, read without executing anything and written atomically.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
@@ -80,6 +81,27 @@ class Calibration:
 
 FACTOR_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Calibration) if f.type in ("float", float))
 
+SHARES = frozenset({"overlap_cp", "overlap_csbp", "overlap_stream", "grad_overlap"})
+"""Factors that are a share of something (hidden traffic): in ``[0, 1]``; above 1 the exposed time
+would be negative."""
+RATES = frozenset({"gemm_eff", "attn_eff", "interval_fwd", "interval_bwd", "net_eff", "intra_eff", "drafter_eff"})
+"""Factors that divide work or bytes into seconds: ``> 0`` (0 is an infinitely slow machine)."""
+
+
+def factor_problem(name: str, value: object) -> str | None:
+    """Why ``value`` is no value of factor ``name``, with the fix (finite; a share in [0, 1], a rate
+    > 0, anything else >= 0), or None."""
+    refit = "or refit it with csbp plan calibrate"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"must be a finite number, got {value!r} (fix: a number, {refit})"
+    if name in SHARES and not 0 <= value <= 1:
+        return f"is the share of traffic hidden, got {value!r} (fix: a value in [0, 1], {refit})"
+    if name in RATES and not value > 0:
+        return f"divides work or bytes into seconds, got {value!r} (fix: a value > 0, {refit})"
+    if not value >= 0:
+        return f"must be >= 0, got {value!r} (fix: a value >= 0, {refit})"
+    return None
+
 
 def calibration_from_json(payload: object, *, source: str) -> Calibration:
     """Parse a calibration dict, naming ``source`` in the one-line error."""
@@ -91,8 +113,9 @@ def calibration_from_json(payload: object, *, source: str) -> Calibration:
             continue
         if key not in FACTOR_NAMES:
             raise ValueError(f"{source}: unknown factor {key!r} (known: {', '.join(FACTOR_NAMES)})")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ValueError(f"{source}: factor {key!r} must be a number >= 0, got {value!r}")
+        problem = factor_problem(key, value)
+        if problem is not None:
+            raise ValueError(f"{source}: factor {key!r} {problem}")
         values[key] = float(value)
     fit = payload.get("fit", [])
     if not isinstance(fit, list) or not all(isinstance(name, str) for name in fit):

@@ -162,6 +162,7 @@ class DraftCounts:
 
     Attributes:
         anchors: live anchors of the rank with the most context pairs.
+        live: live anchors of the whole sample, ``min(max_anchors, #valid)`` (what it trains).
         pairs: its draft rows' context pairs per layer window (``{0: full, W: sliding}``).
         recv_rows: per layer window, context rows the worst ring member receives: the context
             exchange's where it is used, else the all-gather's ``(cp-1)·L/cp``.
@@ -179,6 +180,7 @@ class DraftCounts:
     recv_rows: dict[int, int]
     exchanged: dict[int, bool]
     traffic_rows: dict[int, int]
+    live: int
 
 
 def draft_counts(
@@ -242,7 +244,7 @@ def _draft_counts(
                 worst = max(worst, max(recv) if pays else gather)
                 busiest = max(busiest, max(traffic) if pays else gather)
         recv_rows[w], exchanged[w], traffic_rows[w] = worst, used, busiest
-    return DraftCounts(len(owners[slowest]), pairs, recv_rows, exchanged, traffic_rows)
+    return DraftCounts(len(owners[slowest]), pairs, recv_rows, exchanged, traffic_rows, len(spread))
 
 
 def _packs(docs: DocBounds) -> bool:

@@ -12,7 +12,8 @@ Per rank and optimizer step (``csbp.dflash.layouts`` decides who holds what):
   (``Objective.context_rows == "windows"``), over the rows its anchors' windows cover (anchors sit
   in one span, so the union sits in one zigzag chunk); their K/V gathered around the CP ring.
 * **Gradient all-reduce** of the trainable parameters over all ranks.
-* tokens/s = ``dp·anchors·(B-1)/step`` (supervised draft tokens).
+* tokens/s = ``dp·anchors·(B-1)/step`` (supervised draft tokens), with the anchors csbp draws:
+  ``min(max_anchors, #valid)`` (``L - 1`` valid positions in a one-document row).
 * **Online target pass** (``Workload.target_pass`` ``sharded``/``replicated``; nothing for offline
   features, the presets' default, as in the published runs): the frozen target's forward, its
   blocking per-layer K/V all-gathers (in the K/V bytes, exposed in full), the target's layer weights
@@ -76,10 +77,12 @@ def predict_drafter(
     accum = batch // per_micro
     mb = layout.micro_batch
     dealt = layout.bp if layout.bp > 1 else 1  # CP-only and data layouts repeat every anchor
-    draft_rows = mb * obj.anchors * obj.block / dealt
+    # csbp draws min(max_anchors, #valid) anchors (csbp.dflash.anchors): a one-document row has L-1
+    live = min(obj.anchors, seq_len - 1)
+    draft_rows = mb * live * obj.block / dealt
     held = seq_len // layout.cp if layout.cp > 1 else seq_len
     if obj.context_rows == "windows":  # anchors in one span: its windows sit in one zigzag chunk
-        span = obj.anchors * obj.block + obj.window
+        span = live * obj.block + obj.window
         context_rows = mb * min(held // 2 if layout.cp > 1 else held, span)
     else:
         context_rows = mb * held
@@ -97,6 +100,7 @@ def predict_drafter(
             windows=windows,
         )
         draft_rows = mb * docs.anchors * obj.block
+        live = docs.live
     # whose context exchange rows the K/V terms take (None: every kind all-gathers); with one document
     # per row only the K/V terms take them, the compute above keeps its one-document formulas
     exchange = context_exchange_counts(workload, layout, seq_len)
@@ -182,7 +186,7 @@ def predict_drafter(
     return Prediction(
         layout=layout,
         step_s=step,
-        tokens_per_s=batch * obj.anchors * (obj.block - 1) / step,
+        tokens_per_s=batch * live * (obj.block - 1) / step,
         fwd_s=fwd_s,
         bwd_s=bwd_s,
         exposed_comm_s=exposed_kv + t_grad,

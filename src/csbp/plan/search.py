@@ -111,6 +111,14 @@ def sequence_problem(workload: Workload, layout: Layout, seq_len: int) -> tuple[
     a drafter: ``2 x cp`` zigzag chunks and at least ``bp`` anchors), else None. ``fix`` names the
     ``csbp plan`` flags."""
     obj = workload.objective
+    if obj.single_stream:  # one block per sequence (mdlm) or none (ar): no block rule, data parallel only
+        return None
+    if obj.block >= seq_len:  # csbp.config.rules.block_covers_sequence (not imported: it loads torch)
+        return (
+            f"block_size={obj.block} must be below seq_len={seq_len} for {obj.name} (one block per sequence is "
+            "mdlm's)",
+            f"--seq-len {2 * obj.block} or more, or --block-size below {seq_len}",
+        )
     if obj.is_drafter:
         unit = 2 * layout.cp
         if seq_len % unit:

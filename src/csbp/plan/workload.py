@@ -277,33 +277,65 @@ def hf_workload(
             "a config.json or a folder holding one"
         )
         raise FileNotFoundError(f"{source} {path}: no Hugging Face config.json here (fix: {fix})")
-    cfg = json.loads(file.read_text())
+    cfg = _json_object(file)
     if cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
         raise ValueError(f"{file}: mixture-of-experts models are not in the cost model (dense decoders only)")
 
-    def need(key: str, *alternatives: str) -> int:
-        for k in (key, *alternatives):
-            if cfg.get(k) is not None:
-                return int(cfg[k])
-        raise ValueError(f"{file}: missing field {key!r} (a decoder config.json has it)")
+    def size(key: str, default: int | None = None) -> int:
+        """``cfg[key]``, a positive JSON integer (``default`` when absent or null)."""
+        value = cfg.get(key)
+        if value is None and default is not None:
+            return default
+        if value is None:
+            raise ValueError(f"{file}: missing field {key!r} (a decoder config.json has it)")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{file}: {key} must be a positive integer, got {value!r} (fix: the model's {key})")
+        return value
 
-    d, heads = need("hidden_size"), need("num_attention_heads")
-    head_dim = int(cfg.get("head_dim") or d // heads)
-    window = int(cfg.get("sliding_window") or 0) if cfg.get("use_sliding_window") else 0
-    group = LayerGroup(
-        need("num_hidden_layers"), heads, int(cfg.get("num_key_value_heads") or heads), head_dim, window
-    )
+    d, heads = size("hidden_size"), size("num_attention_heads")
+    kv_heads = size("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"{file}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads} (fix: a "
+            "num_key_value_heads that divides it: each K/V head serves a whole group of query heads)"
+        )
+    sliding = cfg.get("use_sliding_window", False)
+    if not isinstance(sliding, bool):
+        raise ValueError(f"{file}: use_sliding_window must be true or false, got {sliding!r}")
+    window = size("sliding_window") if sliding else 0
+    group = LayerGroup(size("num_hidden_layers"), heads, kv_heads, size("head_dim", max(d // heads, 1)), window)
     model = ModelShape(
         name=str(cfg.get("_name_or_path") or cfg.get("model_type") or file.parent.name),
         d_model=d,
-        vocab=need("vocab_size"),
-        ffn=need("intermediate_size"),
+        vocab=size("vocab_size"),
+        ffn=size("intermediate_size"),
         groups=(group,),
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tied_embeddings=_flag(cfg, "tie_word_embeddings", file),
     )
     views = 2 if objective == "fast_dllm_v2" else 1
     # bf16 compute; csbp reduces dK/dV in the float32 accumulation dtype (attention.merge)
     return Workload(model, Objective(objective, block=block_size, views=views, kv_grad_bytes=4))
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    """``file`` parsed as a JSON object, else one line naming it."""
+    try:
+        payload = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{file}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(payload, dict):
+        raise ValueError(f"{file}: a Hugging Face config.json is a JSON object, got {type(payload).__name__}")
+    return payload
+
+
+def _flag(cfg: dict[str, Any], key: str, file: Path) -> bool:
+    """``cfg[key]``, true or false (absent or null: false); ``"false"`` is refused, never read as true."""
+    value = cfg.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"{file}: {key} must be true or false, got {value!r}")
+    return value
 
 
 def run_config_workload(cfg: Any) -> Workload:

@@ -1,0 +1,79 @@
+"""``csbp plan --model config.json``: a Hugging Face config the planner cannot read as a decoder fails
+in one line naming the file, the field and the fix.
+
+The planner's reader (torch-free, so not csbp's HF importer) took ``int()`` of every size: 0 heads
+crashed with a ZeroDivisionError traceback, ``"abc"`` failed without naming the file or field, -3
+layers or a vocabulary of 1.5 planned a model of negative or truncated size, 12 query heads over 5
+K/V heads (no whole groups) were planned although csbp refuses that model, and ``"false"`` tied the
+embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from csbp.cli.main import USER_ERROR_EXIT_CODE, main
+
+CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1536,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 3,
+    "head_dim": 128,
+    "vocab_size": 32000,
+    "tie_word_embeddings": False,
+}
+
+
+def plan(capsys: pytest.CaptureFixture[str], path: Path) -> tuple[int, str, str]:
+    code = main(["plan", "--model", str(path), "--seq-len", "64K", "--gpus", "8", "--gpu", "h100"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_attention_heads": 0, "head_dim": None}, "num_attention_heads must be a positive integer, got 0"),
+        ({"hidden_size": "abc"}, "hidden_size must be a positive integer, got 'abc' (fix: the model's hidden_size)"),
+        ({"num_hidden_layers": -3}, "num_hidden_layers must be a positive integer, got -3"),
+        ({"vocab_size": 1.5}, "vocab_size must be a positive integer, got 1.5"),
+        ({"num_key_value_heads": True}, "num_key_value_heads must be a positive integer, got True"),
+        (
+            {"num_key_value_heads": 5},
+            "num_attention_heads=12 is not a multiple of num_key_value_heads=5 (fix: a num_key_value_heads that divides",
+        ),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+        ({"use_sliding_window": True}, "missing field 'sliding_window'"),
+        ({"intermediate_size": None}, "missing field 'intermediate_size'"),
+    ],
+)
+def test_a_bad_field_is_one_line_naming_the_file(tmp_path: Path, capsys, change, message) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, **change}))
+    code, out, err = plan(capsys, path)
+    assert code == USER_ERROR_EXIT_CODE and out == ""
+    assert f"{path}: {message}" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize(("text", "message"), [("not json", "not valid JSON"), ("[1, 2]", "a Hugging Face config.json is a JSON object, got list")])
+def test_a_file_that_is_no_json_object_is_one_line(tmp_path: Path, capsys, text, message) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    code, out, err = plan(capsys, path)
+    assert code == USER_ERROR_EXIT_CODE and f"{path}: {message}" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_valid_config_plans_its_shape(tmp_path: Path, capsys) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "num_key_value_heads": None}))  # absent K/V heads: one per query head
+    code, out, _ = plan(capsys, path)
+    # 12 layers x (q, k, v, o at 12 heads x 128 + SwiGLU 3 x 1536 x 4096 + 2 norms) + 2 x 32000 x 1536 embeddings
+    layer = 1536 * 36 * 128 + 12 * 128 * 1536 + 3 * 1536 * 4096 + 2 * 1536
+    assert code == 0 and f"({(12 * layer + 2 * 32000 * 1536) / 1e6:.2f}M params" in out
