@@ -182,6 +182,17 @@ def test_a_key_put_in_the_wrong_section_names_the_section_that_has_it(
     assert error_lines(path) == [f"{path}: {key}: unknown key (fix: remove it; {hint})"]
 
 
+def test_a_flow_mapping_without_spaces_after_its_colons_says_so(tmp_path: Path) -> None:
+    """YAML reads `--set topology={cp:1,bp:2}` as the keys 'cp:1' and 'bp:2'; the fix used to be a
+    generic `e.g. --set optim.lr=3e-4`."""
+    assert error_lines(tiny(tmp_path), "topology={cp:1,bp:2}") == [
+        "--set topology: key 'cp:1' of the mapping is not a field name (fix: a space after each colon: {cp: 1})"
+    ]
+    assert error_lines(tiny(tmp_path), "topology={1: 2}") == [
+        "--set topology: key 1 of the mapping is not a field name (fix: e.g. --set optim.lr=3e-4)"
+    ]
+
+
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
 def test_an_empty_file_is_one_line(tmp_path: Path, text: str) -> None:
     path = tmp_path / "empty.yaml"

@@ -111,8 +111,10 @@ def _leaf_overrides(keys: tuple[str, ...], value: Any) -> list[Override]:
     leaves: list[Override] = []
     for key, item in value.items():
         if not isinstance(key, str) or not _KEY_PATTERN.match(key) or "." in key:
+            name, colon, rest = str(key).partition(":")  # YAML reads {cp:2} as the key 'cp:2'
+            fix = f"a space after each colon: {{{name}: {rest}}}" if colon and rest else "e.g. --set optim.lr=3e-4"
             raise ConfigError(
-                [f"--set {'.'.join(keys)}: key {key!r} of the mapping is not a field name (fix: e.g. --set optim.lr=3e-4)"]
+                [f"--set {'.'.join(keys)}: key {key!r} of the mapping is not a field name (fix: {fix})"]
             )
         leaves.extend(_leaf_overrides((*keys, key), item))
     return leaves
