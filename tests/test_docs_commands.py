@@ -151,6 +151,28 @@ def test_every_flag_named_inline_exists() -> None:
     assert not problems, "\n".join(problems)
 
 
+def help_pages(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    pages = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            pages += [page for sub in action.choices.values() for page in help_pages(sub)]
+    return pages
+
+
+def test_every_example_in_a_help_page_parses() -> None:
+    """The ``examples:`` of ``csbp --help`` and ``csbp train --help`` are commands too."""
+    examples = [
+        line.strip().split("csbp ", 1)[1]
+        for page in help_pages(build_parser())
+        for line in (page.epilog or "").splitlines()
+        if "csbp " in line and "COMMAND" not in line
+    ]
+    assert len(examples) >= 8
+    problems = [f"csbp {e}: {parse_problem(words_of(e)) or unknown_flags(words_of(e))}" for e in examples
+                if parse_problem(words_of(e)) or unknown_flags(words_of(e))]
+    assert not problems, "\n".join(problems)
+
+
 def test_the_checks_catch_a_stale_flag() -> None:
     """The checks above can fail: a renamed flag, a missing value and a flag of another command."""
     assert unknown_flags(["train", "run.yaml", "--nprocs", "8"]) == ["--nprocs"]

@@ -80,6 +80,12 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
 
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        """Text with line breaks of its own (an ``examples:`` epilog) as written; else wrapped."""
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
     def _format_action(self, action: argparse.Action) -> str:
         if action.help is None and action.option_strings:  # argparse prints no help line for these
             action = copy.copy(action)
@@ -100,6 +106,17 @@ class OneLineErrorParser(argparse.ArgumentParser):
         self.exit(USER_ERROR_EXIT_CODE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+ROOT_EXAMPLES = """\
+examples:
+  csbp recipes list                                  # the packaged run configs
+  csbp config validate demo --print                  # a config with every default
+  csbp train demo --run-dir runs/demo                # train (the topology's process count)
+  csbp verify --nproc 4                              # every layout against one process
+  csbp generate --model runs/demo/final --prompt "KING."
+  csbp COMMAND --help                                # a command's options
+"""
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The root parser with every subcommand registered, or only ``command``'s when a module
     ``csbp.cli.<command>_cmd`` registers it (``main`` passes the command it is given, so e.g.
@@ -107,6 +124,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="csbp",
         description="Context-sharded block parallelism: train block-diffusion language models.",
+        epilog=ROOT_EXAMPLES,
     )
     parser.add_argument("--version", action="version", version=f"csbp {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")

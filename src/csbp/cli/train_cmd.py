@@ -33,12 +33,21 @@ from csbp.training.launcher import (
     skip_teardown_at_exit,
 )
 
+TRAIN_EXAMPLES = """\
+examples:
+  csbp train demo --run-dir runs/demo                     # starts the topology's dp x max(cp, bp) processes
+  csbp train run.yaml --set optim.lr=1e-3 --max-steps 50
+  csbp train run.yaml --run-dir runs/mine --resume        # continue from the latest checkpoint
+  torchrun --nproc-per-node 8 -m csbp train run.yaml      # under your own launcher: this rank
+"""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train",
         help="train a model from a run config",
         description="Train from a YAML run config (or packaged recipe); see `csbp config validate`.",
+        epilog=TRAIN_EXAMPLES,
     )
     parser.add_argument("config", metavar="CONFIG", help="YAML config file, or a packaged recipe name")
     add_override_argument(parser)
