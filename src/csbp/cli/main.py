@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import importlib
 import os
 import re
@@ -103,7 +104,22 @@ class OneLineErrorParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
+        message = with_suggestion(message)
         self.exit(USER_ERROR_EXIT_CODE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+INVALID_CHOICE = re.compile(r"invalid choice: '?(?P<given>[^'(]*?)'? \(choose from (?P<choices>.*)\)$")
+
+
+def with_suggestion(message: str) -> str:
+    """argparse's ``invalid choice: 'trian' (choose from ...)`` with the nearest choice appended
+    (``; did you mean train?``), as config keys and recipe names get one."""
+    match = INVALID_CHOICE.search(message)
+    if match is None:
+        return message
+    choices = [choice.strip().strip("'") for choice in match["choices"].split(",")]
+    close = difflib.get_close_matches(match["given"], choices, n=1)
+    return f"{message}; did you mean {close[0]}?" if close else message
 
 
 ROOT_EXAMPLES = """\
