@@ -15,7 +15,7 @@ import yaml
 
 from csbp import __version__
 from csbp.cli.doctor_cmd import collect_environment
-from csbp.cli.main import SUBCOMMAND_MODULES, USER_ERROR_EXIT_CODE, build_parser, main
+from csbp.cli.main import SUBCOMMAND_MODULES, USER_ERROR_EXIT_CODE, build_parser, main, with_suggestion
 from csbp.config import ConfigError, load_config
 from csbp.recipes import list_recipes, recipe_path
 
@@ -276,6 +276,21 @@ def test_an_unknown_flag_points_at_the_subcommand_s_help(capsys: pytest.CaptureF
     assert (code, err) == (2, "csbp train: error: unrecognized arguments: --config (see csbp train --help)\n")
     code, _, err = run(capsys, "data", "prepare", "x.txt", "--out", "o", "--seq-len", "8", "--train-tokenizer", "--bogus")
     assert (code, err) == (2, "csbp data prepare: error: unrecognized arguments: --bogus (see csbp data prepare --help)\n")
+
+
+def test_a_mistyped_command_or_choice_gets_the_nearest_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """`csbp trian demo` listed the thirteen commands and left the reader to spot the typo."""
+    code, _, err = run(capsys, "trian", "demo")
+    assert code == 2 and err.startswith("csbp: error: argument COMMAND: invalid choice: 'trian' (choose from ")
+    assert err.endswith("'plan'); did you mean train? (see csbp --help)\n")
+    code, _, err = run(capsys, "verify", "--transport", "strieming")
+    assert code == 2 and err.endswith("; did you mean streaming? (see csbp verify --help)\n")
+    code, _, err = run(capsys, "verify", "--dtype", "bf16")  # nothing near: no guess
+    assert code == 2 and err.endswith("(choose from 'float64', 'float32') (see csbp verify --help)\n")
+    # newer Pythons print the choices unquoted
+    assert with_suggestion("argument COMMAND: invalid choice: 'trian' (choose from config, train, plan)").endswith(
+        "(choose from config, train, plan); did you mean train?"
+    )
 
 
 def test_an_override_without_its_set_flag_is_named(capsys: pytest.CaptureFixture[str]) -> None:

@@ -162,6 +162,37 @@ def test_an_unknown_key_with_nothing_missing_keeps_its_own_line(tmp_path: Path) 
     assert line.startswith(f"{path}: trainer: unknown key (fix: remove it; did you mean train?")
 
 
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("train.warmup_steps=5", "did you mean optim.warmup_steps?"),  # it used to say max_steps
+        ("train.lr=1e-3", "did you mean optim.lr?"),
+        ("train.eps=1e-8", "did you mean objective.eps or optim.eps?"),
+        ("model.dflash={}", "did you mean objective.dflash?"),
+        ("optim.lrr=1e-3", "did you mean lr?"),  # a look-alike in its own section, as before
+    ],
+)
+def test_a_key_put_in_the_wrong_section_names_the_section_that_has_it(
+    tmp_path: Path, override: str, hint: str
+) -> None:
+    key = override.split("=")[0]
+    assert error_lines(tiny(tmp_path), override) == [f"--set: {key}: unknown key (fix: remove it; {hint})"]
+    section, field = key.split(".")
+    path = tiny(tmp_path, f"{section}: {{", f"{section}: {{{field}: 1, ")  # the same in the file
+    assert error_lines(path) == [f"{path}: {key}: unknown key (fix: remove it; {hint})"]
+
+
+def test_a_flow_mapping_without_spaces_after_its_colons_says_so(tmp_path: Path) -> None:
+    """YAML reads `--set topology={cp:1,bp:2}` as the keys 'cp:1' and 'bp:2'; the fix used to be a
+    generic `e.g. --set optim.lr=3e-4`."""
+    assert error_lines(tiny(tmp_path), "topology={cp:1,bp:2}") == [
+        "--set topology: key 'cp:1' of the mapping is not a field name (fix: a space after each colon: {cp: 1})"
+    ]
+    assert error_lines(tiny(tmp_path), "topology={1: 2}") == [
+        "--set topology: key 1 of the mapping is not a field name (fix: e.g. --set optim.lr=3e-4)"
+    ]
+
+
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
 def test_an_empty_file_is_one_line(tmp_path: Path, text: str) -> None:
     path = tmp_path / "empty.yaml"

@@ -70,3 +70,27 @@ def test_sigterm_during_a_launch_kills_its_ranks(tmp_path: Path) -> None:
         for pid in pids:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+_SIGINT_AT_IMPORT = signal.getsignal(signal.SIGINT)
+"""In a rank: the Ctrl-C handling it had while unpickling its task (which imports this module)."""
+
+
+def _handling(handler: object) -> str:
+    return {signal.SIG_IGN: "ignored", signal.default_int_handler: "KeyboardInterrupt"}.get(handler, repr(handler))
+
+
+def sigint_handling(rank: int, world: int) -> tuple[str, str]:
+    """How a rank treated Ctrl-C while it loaded its task, and while it runs it."""
+    return _handling(_SIGINT_AT_IMPORT), _handling(signal.getsignal(signal.SIGINT))
+
+
+def test_ranks_ignore_ctrl_c_until_their_task_is_loaded() -> None:
+    """Ctrl-C while `csbp verify`'s ranks still imported torch printed one KeyboardInterrupt
+    traceback per rank (interleaved) before `csbp: interrupted`: the launching process stops the
+    ranks itself, so they ignore SIGINT until their task is loaded, then take it back."""
+    from csbp.parallel.launch import run_local
+
+    before = signal.getsignal(signal.SIGINT)
+    assert run_local(sigint_handling, 2) == [("ignored", "KeyboardInterrupt")] * 2
+    assert signal.getsignal(signal.SIGINT) is before  # the launching process's own handling is back

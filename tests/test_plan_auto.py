@@ -120,3 +120,24 @@ def test_a_missing_hf_config_names_the_flag_or_field_it_came_from(
                  "--target-config", str(missing)])
     err = capsys.readouterr().err
     assert code != 0 and f"--target-config {missing}: no Hugging Face config.json" in err and "--model" not in err
+
+
+def test_topology_auto_under_your_own_torchrun_plans_for_its_processes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`torchrun --nproc-per-node 2 -m csbp train demo --set topology=auto` was refused with "pass
+    --nproc N", a flag the launch under torchrun never reads: torchrun says how many processes run."""
+    from csbp.cli import train_cmd
+
+    launched = []
+    monkeypatch.setattr(train_cmd, "launch_training", lambda cfg, **kwargs: launched.append(cfg))
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    argv = ["train", "demo", "--set", "topology=auto", "--set", "model.vocab_size=512", "--run-dir", str(tmp_path / "r")]
+    assert main(argv) == 0
+    assert "topology: auto -> " in capsys.readouterr().out and launched[0].world_size == 2
+    monkeypatch.setenv("WORLD_SIZE", "4")  # 2 nodes of 2
+    args = train_cmd.argparse.Namespace(nproc=None, nnodes=1)
+    assert train_cmd.launched_processes(args) == (2, 2)
+    args.nproc = 3  # the flag, when given, as before
+    assert train_cmd.launched_processes(args) == (3, 1)

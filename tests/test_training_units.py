@@ -15,6 +15,7 @@ from csbp.data import open_artifact, train_bpe_tokenizer
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import export_hf_checkpoint
+from csbp.training import launcher as launcher_module
 from csbp.training.checkpoint import check_model_shapes, find_latest_checkpoint, prune_checkpoints
 from csbp.training.launcher import LaunchOptions, check_process_count, is_collective_failure
 from csbp.training.lr_schedule import build_lr_scheduler, lr_multiplier
@@ -267,6 +268,26 @@ def test_launch_option_checks() -> None:
     with pytest.raises(ValueError, match=r"--nproc 1 x --nnodes 1 = 1 process,"):
         check_process_count(_world2(), 1, LaunchOptions())
     check_process_count(_world2(), 1, LaunchOptions(nnodes=2, node_rank=1, rdzv_endpoint="h:1"))
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])  # rank 0 takes the run directory's lock first
+def test_a_torchrun_launch_of_another_world_size_is_refused_before_the_data_and_the_process_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: str
+) -> None:
+    """`torchrun --nproc-per-node 2 -m csbp train` of a 1-process topology used to meet in a process
+    group first, then fail inside training with exit code 1 and another wording than `--nproc`'s."""
+    for name, value in (("RANK", rank), ("LOCAL_RANK", rank), ("WORLD_SIZE", "2")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launcher_module, "check_run", lambda *a, **k: pytest.fail("read the data first"))
+    monkeypatch.setattr(launcher_module, "train_in_process_group", lambda *a, **k: pytest.fail("trained"))
+    cfg = tiny_config(tmp_path / "no-artifact-here")  # world size 1
+    with pytest.raises(ValueError) as info:
+        launcher_module.launch_training(cfg, run_dir=tmp_path / "run")
+    assert str(info.value) == (
+        "torchrun's WORLD_SIZE = 2 processes, but the topology dp=1 cp=1 bp=1 needs dp*max(cp, bp) = 1 "
+        "(fix: launch 1 process in all, or change the topology)"
+    )
+    assert not (tmp_path / "run").exists()
 
 
 def _world2() -> RunConfig:

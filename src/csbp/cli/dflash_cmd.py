@@ -70,7 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("dflash", help="DFlash drafters: target features, export, evaluation")
     commands = parser.add_subparsers(dest="dflash_command", metavar="COMMAND", required=True)
 
-    prep = commands.add_parser("prepare-features", help="capture target features of an artifact split")
+    prep = commands.add_parser(
+        "prepare-features",
+        help="capture target features of an artifact split",
+        description="Run the frozen target over an artifact split once and store the hidden states of the "
+        "layers a drafter fuses (point objective.dflash.features at --out).",
+    )
     prep.add_argument("--target", type=Path, required=True, help="HF checkpoint directory of the target")
     prep.add_argument("--data", type=Path, required=True, help="prepared artifact (csbp data prepare)")
     prep.add_argument("--out", type=Path, required=True, help="feature directory to create")
@@ -80,17 +85,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     prep.add_argument("--num-draft-layers", type=int, default=1, help="for the default layer ids")
     prep.add_argument("--with-last-hidden", action="store_true", help="also store the final hidden (KL loss)")
-    prep.add_argument("--split", choices=("train", "val"), default="train")
+    prep.add_argument("--split", choices=("train", "val"), default="train", help="artifact split to capture")
     prep.add_argument(
         "--feature-dtype", choices=FEATURE_DTYPES, default="bfloat16", help="dtype of the stored features"
     )
     add_deprecated_alias(prep, "--dtype", current="--feature-dtype", dest="feature_dtype", choices=FEATURE_DTYPES)
-    prep.add_argument("--rows-per-batch", type=int, default=1)
-    prep.add_argument("--overwrite", action="store_true")
+    prep.add_argument("--rows-per-batch", type=int, default=1, help="artifact rows per target forward")
+    prep.add_argument("--overwrite", action="store_true", help="replace an earlier feature store at --out")
     _device_args(prep, dtype_flag="--model-dtype")  # two dtypes here: both named
     prep.set_defaults(func=run_prepare_features)
 
-    export = commands.add_parser("export", help="export a trained drafter in the public DFlash format")
+    export = commands.add_parser(
+        "export",
+        help="export a trained drafter in the public DFlash format",
+        description="Write a drafter (a drafter directory, a training run's final/ or latest checkpoint, or "
+        "one checkpoint) in the public DFlash format.",
+    )
     source = export.add_mutually_exclusive_group(required=True)
     source.add_argument("--drafter", type=Path, help="drafter directory (config.json + model.safetensors)")
     source.add_argument("--run-dir", type=Path, help="training run directory (final/ or latest checkpoint)")
@@ -103,10 +113,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument(
         "--layer-ids", type=int, nargs="+", default=None, help="checkpoints: override the run's"
     )
-    export.add_argument("--overwrite", action="store_true")
+    export.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
     export.set_defaults(func=run_export)
 
-    ev = commands.add_parser("eval", help="acceptance length and lossless check of speculative decoding")
+    ev = commands.add_parser(
+        "eval",
+        help="acceptance length and lossless check of speculative decoding",
+        description="Greedy speculative decoding of the target with the drafter: the acceptance length "
+        "(tokens committed per verify round), the target forwards saved and, unless --no-check-lossless, "
+        "a check that every output equals the target's own greedy output.",
+    )
     ev.add_argument("--target", type=Path, required=True, help="HF checkpoint directory of the target")
     ev.add_argument("--drafter", type=Path, required=True, help="drafter directory (csbp dflash export)")
     prompts = ev.add_mutually_exclusive_group(required=True)
@@ -114,7 +130,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prompts.add_argument("--prompts", type=Path, help='JSONL file of {"prompt": ..., "group": ...} lines')
     ev.add_argument("--split", choices=("train", "val"), default="val", help="artifact split (default val)")
     ev.add_argument("--tokenizer", type=Path, default=None, help="for --prompts (default: --target)")
-    ev.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS)
+    ev.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS, help="prompts to decode")
     ev.add_argument(
         "--prompt-len",
         type=int,
@@ -130,7 +146,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="P",
         help="--data: one prompt group per context length P (acceptance by context length); replaces --prompt-len",
     )
-    ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens generated per prompt")
     ev.add_argument("--eos-id", type=int, default=None, help="default: the tokenizer's / artifact's EOS")
     ev.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ev.add_argument(

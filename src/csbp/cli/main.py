@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
 import importlib
 import os
 import re
@@ -80,6 +81,12 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else str(default)
         return f"{text} (default: {shown.replace('%', '%%')})".lstrip()
 
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        """Text with line breaks of its own (an ``examples:`` epilog) as written; else wrapped."""
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
     def _format_action(self, action: argparse.Action) -> str:
         if action.help is None and action.option_strings:  # argparse prints no help line for these
             action = copy.copy(action)
@@ -97,7 +104,33 @@ class OneLineErrorParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
+        message = with_suggestion(message)
         self.exit(USER_ERROR_EXIT_CODE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+INVALID_CHOICE = re.compile(r"invalid choice: '?(?P<given>[^'(]*?)'? \(choose from (?P<choices>.*)\)$")
+
+
+def with_suggestion(message: str) -> str:
+    """argparse's ``invalid choice: 'trian' (choose from ...)`` with the nearest choice appended
+    (``; did you mean train?``), as config keys and recipe names get one."""
+    match = INVALID_CHOICE.search(message)
+    if match is None:
+        return message
+    choices = [choice.strip().strip("'") for choice in match["choices"].split(",")]
+    close = difflib.get_close_matches(match["given"], choices, n=1)
+    return f"{message}; did you mean {close[0]}?" if close else message
+
+
+ROOT_EXAMPLES = """\
+examples:
+  csbp recipes list                                  # the packaged run configs
+  csbp config validate demo --print                  # a config with every default
+  csbp train demo --run-dir runs/demo                # train (the topology's process count)
+  csbp verify --nproc 4                              # every layout against one process
+  csbp generate --model runs/demo/final --prompt "KING."
+  csbp COMMAND --help                                # a command's options
+"""
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -107,6 +140,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
         prog="csbp",
         description="Context-sharded block parallelism: train block-diffusion language models.",
+        epilog=ROOT_EXAMPLES,
     )
     parser.add_argument("--version", action="version", version=f"csbp {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for user errors")

@@ -15,11 +15,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     list_parser.set_defaults(func=run_list)
 
     show = actions.add_parser("show", help="print a recipe's YAML")
-    show.add_argument("name", metavar="NAME")
+    show.add_argument("name", metavar="NAME", help="packaged recipe (csbp recipes list)")
     show.set_defaults(func=run_show)
 
     copy = actions.add_parser("copy", help="copy a recipe to a file or directory to edit it")
-    copy.add_argument("name", metavar="NAME")
+    copy.add_argument("name", metavar="NAME", help="packaged recipe (csbp recipes list)")
     copy.add_argument("dest", metavar="DEST", help="destination directory or .yaml file")
     copy.add_argument(
         "--overwrite", "--force", action="store_true", dest="force",

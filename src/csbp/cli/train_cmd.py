@@ -33,12 +33,21 @@ from csbp.training.launcher import (
     skip_teardown_at_exit,
 )
 
+TRAIN_EXAMPLES = """\
+examples:
+  csbp train demo --run-dir runs/demo                     # starts the topology's dp x max(cp, bp) processes
+  csbp train run.yaml --set optim.lr=1e-3 --max-steps 50
+  csbp train run.yaml --run-dir runs/mine --resume        # continue from the latest checkpoint
+  torchrun --nproc-per-node 8 -m csbp train run.yaml      # under your own launcher: this rank
+"""
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "train",
         help="train a model from a run config",
         description="Train from a YAML run config (or packaged recipe); see `csbp config validate`.",
+        epilog=TRAIN_EXAMPLES,
     )
     parser.add_argument("config", metavar="CONFIG", help="YAML config file, or a packaged recipe name")
     add_override_argument(parser)
@@ -74,8 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    nproc, nnodes = launched_processes(args)
     overrides = resolve_auto_topology(
-        args.config, args.overrides, nproc=args.nproc, nnodes=args.nnodes, echo=os.environ.get("RANK", "0") == "0"
+        args.config, args.overrides, nproc=nproc, nnodes=nnodes, echo=os.environ.get("RANK", "0") == "0"
     )
     cfg = load_run_config(args.config, overrides)
     options = LaunchOptions(
@@ -99,3 +109,14 @@ def run_train(args: argparse.Namespace) -> int:
     if inside_torchrun():
         skip_teardown_at_exit()  # this rank succeeded: a gloo teardown abort must not fail the launch
     return 0
+
+
+def launched_processes(args: argparse.Namespace) -> tuple[int | None, int]:
+    """``(processes per node, nodes)`` for ``topology: auto``: the flags', or under your own
+    ``torchrun`` (no ``--nproc``) its ``LOCAL_WORLD_SIZE`` and ``WORLD_SIZE`` (``topology: auto`` asked
+    for ``--nproc`` there, which the launch itself never reads)."""
+    if args.nproc is not None or not inside_torchrun():
+        return args.nproc, args.nnodes
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return local, max(1, world // local)

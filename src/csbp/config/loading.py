@@ -111,8 +111,10 @@ def _leaf_overrides(keys: tuple[str, ...], value: Any) -> list[Override]:
     leaves: list[Override] = []
     for key, item in value.items():
         if not isinstance(key, str) or not _KEY_PATTERN.match(key) or "." in key:
+            name, colon, rest = str(key).partition(":")  # YAML reads {cp:2} as the key 'cp:2'
+            fix = f"a space after each colon: {{{name}: {rest}}}" if colon and rest else "e.g. --set optim.lr=3e-4"
             raise ConfigError(
-                [f"--set {'.'.join(keys)}: key {key!r} of the mapping is not a field name (fix: e.g. --set optim.lr=3e-4)"]
+                [f"--set {'.'.join(keys)}: key {key!r} of the mapping is not a field name (fix: {fix})"]
             )
         leaves.extend(_leaf_overrides((*keys, key), item))
     return leaves
@@ -317,10 +319,26 @@ def _unknown_key_fix(loc: tuple[Any, ...]) -> str:
     parent = _section_model_at(loc[:-1])
     if parent is None:
         return "remove it"
+    # a field of another section (`train.warmup_steps` for optim.warmup_steps) before a look-alike here
+    elsewhere = [name for name in _field_names(RunConfig) if name.split(".")[-1] == loc[-1]]
     valid = list(parent.model_fields)
     close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
-    hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(valid)}"
+    if elsewhere:
+        hint = f"did you mean {' or '.join(elsewhere)}?"
+    else:
+        hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(valid)}"
     return f"remove it; {hint}"
+
+
+def _field_names(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every field's dotted name under ``model`` (sections themselves included)."""
+    names: list[str] = []
+    for name, info in model.model_fields.items():
+        names.append(prefix + name)
+        nested = _nested_model(info.annotation)
+        if nested is not None:
+            names += _field_names(nested, f"{prefix}{name}.")
+    return names
 
 
 def _section_model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:

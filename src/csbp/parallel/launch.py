@@ -23,13 +23,16 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing.util
 import os
 import pickle
+import signal
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
@@ -93,6 +96,7 @@ def _worker(
     os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)  # gloo's pair sockets on loopback too
     code = 0
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # started ignoring it: see run_local
         device = device_for_rank(device_kind, rank)
         select_device(device)  # before the process group: NCCL binds to the current GPU
         timeout = timedelta(seconds=timeout_s)
@@ -164,8 +168,9 @@ def run_local(
             for r in range(nproc)
         ]
         try:
-            for p in procs:
-                p.start()
+            with _children_ignore_sigint():
+                for p in procs:
+                    p.start()
             _wait_for_workers(procs, join_timeout_s if join_timeout_s is not None else timeout_s + 60)
         except BaseException:  # interrupted (Ctrl-C, SIGTERM as csbp's Interrupted): leave no orphan ranks
             for p in procs:
@@ -203,6 +208,22 @@ def run_local(
         if errors:
             raise WorkerError(errors[0] if len(errors) == 1 else "\n".join(errors))
         return results
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint() -> Iterator[None]:
+    """Processes started in the block start with Ctrl-C (``SIGINT``) ignored, so one pressed while
+    they import torch and unpickle their task does not print a ``KeyboardInterrupt`` traceback per
+    rank; this process gets it, kills them and says ``csbp: interrupted``. ``_worker`` takes Ctrl-C
+    back once its task is loaded. Main thread only (elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _wait_for_workers(procs: list[Any], join_timeout_s: float) -> None:

@@ -142,6 +142,9 @@ def holds_run_dir_lock(options: LaunchOptions) -> bool:
 def _launch(
     cfg: RunConfig, *, run_dir: Path, resume: bool, max_steps: int | None, options: LaunchOptions
 ) -> TrainSummary | None:
+    launched = int(os.environ.get("WORLD_SIZE", cfg.world_size)) if inside_torchrun() else cfg.world_size
+    if launched != cfg.world_size:  # before any data is read, and before the ranks wait for each other
+        raise ValueError(launch_count_problem(cfg, launched, "torchrun's WORLD_SIZE"))
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step, warn=_warn)
     verify_data(cfg, inputs)  # under torchrun every rank checks, so none waits for a failed one
@@ -168,13 +171,8 @@ def check_process_count(cfg: RunConfig, nproc: int, options: LaunchOptions) -> N
     flags are complete."""
     if nproc < 1 or options.nnodes < 1:
         raise ValueError(f"--nproc {nproc} / --nnodes {options.nnodes}: both must be >= 1")
-    topo = cfg.topology
     if nproc * options.nnodes != cfg.world_size:
-        raise ValueError(
-            f"--nproc {nproc} x --nnodes {options.nnodes} = {counted(nproc * options.nnodes, 'process', 'processes')}, "
-            f"but the topology dp={topo.dp} cp={topo.cp} bp={topo.bp} needs dp*max(cp, bp) = {cfg.world_size} "
-            f"(fix: launch {counted(cfg.world_size, 'process', 'processes')} in all, or change the topology)"
-        )
+        raise ValueError(launch_count_problem(cfg, nproc * options.nnodes, f"--nproc {nproc} x --nnodes {options.nnodes}"))
     if options.nnodes > 1 and not options.rdzv_endpoint:
         raise ValueError(
             "--rdzv-endpoint: required with --nnodes > 1 (fix: pass HOST:PORT of the first node)"
@@ -183,6 +181,16 @@ def check_process_count(cfg: RunConfig, nproc: int, options: LaunchOptions) -> N
         raise ValueError(f"--node-rank {options.node_rank}: must lie in [0, --nnodes {options.nnodes})")
     if torch.cuda.is_available():  # one GPU per local process (cuda:<LOCAL_RANK>)
         resolve_device("cuda", nproc=nproc)
+
+
+def launch_count_problem(cfg: RunConfig, launched: int, how: str) -> str:
+    """The line refusing ``launched`` processes (started by ``how``) for a topology that needs another count."""
+    topo = cfg.topology
+    return (
+        f"{how} = {counted(launched, 'process', 'processes')}, but the topology dp={topo.dp} cp={topo.cp} "
+        f"bp={topo.bp} needs dp*max(cp, bp) = {cfg.world_size} "
+        f"(fix: launch {counted(cfg.world_size, 'process', 'processes')} in all, or change the topology)"
+    )
 
 
 def train_in_process_group(
