@@ -56,7 +56,14 @@ from csbp.devices import process_group_options, resolve_device
 from csbp.interrupts import Interrupted
 from csbp.parallel.loopback import LOOPBACK, LOOPBACK_INTERFACE, register_loopback_rendezvous
 from csbp.training.checkpoint_checksums import remember_verified, verified_files
-from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher, report_stall
+from csbp.training.launch_failures import (
+    TrainingFailed,
+    collective_failure_message,
+    failure_from_elastic,
+    is_collective_failure,
+    is_root_cause,
+)
+from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher
 from csbp.training.orphans import die_with_launcher
 from csbp.training.preflight import check_new_run_dir, check_run, check_writable_directory, verify_data
 from csbp.training.run_lock import run_dir_lock
@@ -71,17 +78,6 @@ from csbp.training.trainer import (
 from csbp.wording import counted
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-STALL_MARKER = "stopped responding"
-
-
-class TrainingFailed(RuntimeError):
-    """A training process failed; ``str()`` is the failing rank's message, ``details`` its traceback,
-    ``expected`` whether it is a checked condition (a one-line error, no traceback) rather than a bug."""
-
-    def __init__(self, message: str, details: str = "", *, expected: bool = False) -> None:
-        super().__init__(message)
-        self.details = details
-        self.expected = expected
 
 
 @dataclass(frozen=True)
@@ -225,55 +221,6 @@ def train_in_process_group(
     return summary if rank == 0 else None
 
 
-def collective_failure_message(cfg: RunConfig, rank: int, exc: BaseException, heartbeat: Heartbeat) -> str:
-    """One line: which collective limit was hit and which peers stopped answering (those on this
-    host are ended, so the launcher need not wait for them)."""
-    first_line = (str(exc).splitlines() or [type(exc).__name__])[0]
-    limit = f"train.collective_timeout_s={cfg.train.collective_timeout_s:g} s"
-    silent = heartbeat.silent_ranks() if is_timeout(exc) else []  # a dead peer closes its connections
-    if silent:
-        names = ", ".join(peer.describe() for peer in silent)
-        message = (
-            f"rank {rank}: a collective failed or timed out ({limit}): {names} {STALL_MARKER}, "
-            f"so the run was stopped (fix: find out why that rank stalled, then resume with --resume) "
-            f"[{first_line}]"
-        )
-        report_stall(message, silent)
-        return message
-    return (
-        f"rank {rank}: a collective failed or timed out ({limit}); another rank probably died, see its "
-        f"error: {first_line}"
-    )
-
-
-_COLLECTIVE_FAILURE_MARKERS = (
-    "gloo",
-    "nccl",
-    "connection closed",
-    "connection reset",
-    "timed out",
-    "timeout",
-)
-
-
-def is_timeout(exc: BaseException) -> bool:
-    """True when a collective gave up waiting (rather than finding its peer gone)."""
-    return any(marker in str(exc).lower() for marker in ("timed out", "timeout"))
-
-
-def is_collective_failure(exc: BaseException) -> bool:
-    """True for errors of the communication backend: a peer that died or a collective timeout.
-
-    NCCL and the c10d store raise ``torch.distributed.DistError`` subclasses; gloo raises a plain
-    ``RuntimeError`` ("[...gloo/transport/tcp/pair.cc] Connection closed by peer", "Timed out
-    waiting ... for recv").
-    """
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(marker in text for marker in _COLLECTIVE_FAILURE_MARKERS)
-
-
 def _elastic_worker(
     cfg: RunConfig,
     run_dir: str,
@@ -368,8 +315,8 @@ def _launch_workers(
                 cfg, str(run_dir), resume, max_steps, options.nnodes > 1, verified_files(), os.getpid()
             )
     except ChildFailedError as exc:
-        failure = _failure(exc)
-        if watcher.message and not _is_root_cause(str(failure)):
+        failure = failure_from_elastic(exc)
+        if watcher.message and not is_root_cause(str(failure)):
             # a rank named a stalled peer and no rank raised an error of its own: that is the story
             failure = TrainingFailed(f"training failed: {watcher.message}", expected=True)
         raise failure from None
@@ -395,56 +342,6 @@ def remove_staging_leftovers(run_dir: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
         elif entry.name.endswith(".writing") and entry.is_file():
             entry.unlink(missing_ok=True)
-
-
-def _failure(exc: Any) -> TrainingFailed:
-    """The first failing rank's message (and traceback) from torch elastic's error report.
-
-    Preferred, earliest first: a rank's own error (the root cause), then a rank naming a stalled
-    peer, then any collective failure, over ranks that were killed (a stalled rank ended by the
-    launcher, or a worker torch elastic stopped), whose report says nothing."""
-    rank, failure = exc.get_first_failure()
-    texts = {r: _failure_text(f) for r, f in exc.failures.items()}
-    preferences = (
-        lambda text: bool(text) and not text.startswith(("TrainingFailed: ", "Signal ")),  # a rank's own error
-        lambda text: STALL_MARKER in text,
-        lambda text: bool(text) and not text.startswith("Signal "),
-    )
-    for wanted in preferences:
-        chosen = sorted((f.timestamp, r) for r, f in exc.failures.items() if wanted(texts[r]))
-        if chosen:
-            rank = chosen[0][1]
-            failure = exc.failures[rank]
-            break
-    message: Any = failure.message
-    details = ""
-    if isinstance(message, dict):
-        details = str(message.get("extraInfo", {}).get("py_callstack", ""))
-    text = _failure_text(failure)
-    if not text:
-        text = f"exited with code {failure.exitcode} (killed or crashed without a Python error)"
-    # A checked condition with its own one-line message is not a bug: csbp train shows no traceback.
-    expected = text.startswith(_EXPECTED_ERRORS)
-    return TrainingFailed(f"training failed on rank {rank}: {text}", details, expected=expected)
-
-
-_EXPECTED_ERRORS = (
-    "TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ", "RunDirInUse: ", "CheckpointSaveFailed: "
-)
-
-
-def _is_root_cause(message: str) -> bool:
-    """True for a rank's own error (not a collective that failed because of another rank, not a kill)."""
-    text = message.split(": ", 1)[-1]
-    return bool(text) and not text.startswith(("TrainingFailed: ", "Signal ", "exited with code"))
-
-
-def _failure_text(failure: Any) -> str:
-    message: Any = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    text = str(message).strip()
-    return "" if text.startswith("To enable traceback") else text
 
 
 @contextlib.contextmanager
