@@ -376,3 +376,34 @@ def test_cli_refuses_a_window_other_than_the_trained_one(tmp_path: Path) -> None
     config_file.unlink()  # no training record: --window is how the sampler learns the window
     args = parse([*base, "--window", "3", "--block-size", "4", "--objective", "bd3"])
     assert args.func(args) == 0
+
+
+def test_cli_stops_at_every_eos_of_the_generation_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat export lists its end of turn (<|im_end|>) beside the data's EOS in generation_config.json;
+    csbp generate stops at either, as Hugging Face generate does (it used to stop at the EOS only)."""
+    final = export_tiny_run(tmp_path / "run")
+    tokenizer = load_tokenizer(final)
+    from csbp.generation import sampler
+
+    seen: list[object] = []
+    real_generate = sampler.generate
+
+    def recording_generate(model: Decoder, prompt_ids: list[int], **options: object) -> object:
+        seen.append(options["eos_id"])
+        return real_generate(model, prompt_ids, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampler, "generate", recording_generate)
+    config_file = final / "generation_config.json"
+    argv = ["generate", "--model", str(final), "--prompt", "the fox", "--device", "cpu", "--max-new-tokens", "2"]
+    config_file.write_text(json.dumps({"eos_token_id": [tokenizer.eos_id, 7]}), encoding="utf-8")
+    assert parse(argv).func(parse(argv)) == 0
+    config_file.write_text(json.dumps({"eos_token_id": 5}), encoding="utf-8")
+    assert parse(argv).func(parse(argv)) == 0
+    assert seen == [[tokenizer.eos_id, 7], [tokenizer.eos_id, 5]]
+    capsys.readouterr()
+    for bad, why in ((100000, "is not a token id"), ("7", "is not a token id"), (tokenizer.mask_token_id, "is the mask")):
+        config_file.write_text(json.dumps({"eos_token_id": [bad]}), encoding="utf-8")
+        with pytest.raises(ValueError, match=rf"generation_config.json: eos_token_id .* {why}"):
+            parse(argv).func(parse(argv))

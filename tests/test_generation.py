@@ -220,6 +220,19 @@ def test_eos_stops_generation_after_its_block(model: Decoder) -> None:
     assert len(stopped.block_starts) == eos_block + 1
 
 
+def test_any_of_several_stop_ids_ends_the_completion(model: Decoder) -> None:
+    """A chat model stops at its end of turn as well as the data's EOS (generation_config's list)."""
+    free = run(model, [4, 5], max_new_tokens=24)
+    turn_end = free.token_ids[9]
+    never = next(t for t in range(VOCAB) if t not in free.token_ids and t != MASK)
+    cut = free.token_ids.index(turn_end)
+    stopped = run(model, [4, 5], eos_id=[never, turn_end], max_new_tokens=24)
+    assert stopped.stopped_at_eos and stopped.token_ids == free.token_ids[:cut]
+    assert run(model, [4, 5], eos_id=(never,), max_new_tokens=24).token_ids == free.token_ids
+    with pytest.raises(ValueError, match=r"^eos_id 9999 is the mask token or outside"):
+        run(model, [4, 5], eos_id=[turn_end, 9999])
+
+
 def test_seeded_sampling_is_deterministic(model: Decoder) -> None:
     options = {"temperature": 1.0, "top_k": 16, "top_p": 0.9}
     first = run(model, [1, 2, 3], seed=11, **options)

@@ -26,7 +26,9 @@ first position is committed from the finished previous block before the block is
 (``topology.window``) is sampled with the same windowed mask (``--window`` for other checkpoints). See ``csbp.generation.sampler`` for how the prompt
 is aligned to the block grid. ``--chat`` formats the prompt with the tokenizer directory's chat
 template (a user turn, then the opened assistant turn), as ``csbp data prepare`` formatted the chat
-records the model was adapted on.
+records the model was adapted on. The completion ends at the tokenizer's EOS or at any
+``eos_token_id`` of the model's ``generation_config.json`` (a chat export lists its end of turn,
+``<|im_end|>``, there), as Hugging Face ``generate`` stops.
 """
 
 from __future__ import annotations
@@ -118,6 +120,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also print how many words of the completion occur in this text file (or the demo corpus)",
     )
     parser.set_defaults(func=run_generate)
+
+
+def stop_token_ids(model_dir: Path, eos_id: int | None, vocab_size: int, mask_token_id: int) -> list[int]:
+    """The ids that end a completion: the tokenizer's EOS and every ``eos_token_id`` of the model's
+    ``generation_config.json`` (where a chat export lists its end of turn, ``<|im_end|>``), as
+    Hugging Face ``generate`` stops; an id there outside the vocabulary or equal to the mask token
+    is refused naming the file."""
+    from csbp.models.hf_io import GENERATION_CONFIG, read_generation_config
+
+    stops = [] if eos_id is None else [eos_id]
+    generation = read_generation_config(model_dir) or {}
+    listed = generation.get("eos_token_id")
+    for token_id in listed if isinstance(listed, list) else [] if listed is None else [listed]:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"{model_dir / GENERATION_CONFIG}: eos_token_id {token_id!r} is not a token id of the model "
+                f"vocabulary [0, {vocab_size}) (fix: list the end-of-text/turn ids of its tokenizer there)"
+            )
+        if token_id == mask_token_id:
+            raise ValueError(
+                f"{model_dir / GENERATION_CONFIG}: eos_token_id {token_id} is the mask token, which is never "
+                "generated (fix: remove it from eos_token_id)"
+            )
+        if token_id not in stops:
+            stops.append(token_id)
+    return stops
 
 
 def chat_prompt(tokenizer_dir: Path, prompt: str) -> str:
@@ -271,6 +299,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 f"{what} {token_id} is outside the model vocabulary [0, {vocab_size}) of {model_dir} "
                 "(fix: pass --tokenizer of the model, or --mask-token/--eos-token naming its tokens)"
             )
+    stop_ids = stop_token_ids(model_dir, tokenizer.eos_id, vocab_size, mask_token_id)
     used = positions_used(len(prompt_ids), args.max_new_tokens, block_size)
     room = run_settings.get("seq_len", 0) // block_size * block_size - len(prompt_ids)
     fix = f"--max-new-tokens {room} or less stays inside" if room >= 1 else "a shorter prompt stays inside"
@@ -283,7 +312,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model.eval()
     print_notes(notes)
     started = time.perf_counter()
-    result = generate(model, prompt_ids, mask_token_id=mask_token_id, eos_id=tokenizer.eos_id, config=config)
+    result = generate(model, prompt_ids, mask_token_id=mask_token_id, eos_id=stop_ids, config=config)
     elapsed = time.perf_counter() - started
     print(f"prompt: {args.prompt}")
     print(f"completion: {tokenizer.decode(result.token_ids)}")

@@ -173,18 +173,23 @@ def generate(
     prompt_ids: Sequence[int],
     *,
     mask_token_id: int,
-    eos_id: int | None,
+    eos_id: int | Sequence[int] | None,
     config: GenerationConfig,
 ) -> GenerationResult:
-    """Block-diffusion sampling of a continuation of ``prompt_ids`` (see the module docstring)."""
+    """Block-diffusion sampling of a continuation of ``prompt_ids`` (see the module docstring).
+
+    ``eos_id``: the token id(s) that end the completion (the data's EOS, and a chat model's end of
+    turn, as ``generation_config.json``'s ``eos_token_id`` list); None fills ``max_new_tokens``."""
     vocab_size = model.config.vocab_size
     if not 0 <= mask_token_id < vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the model vocabulary [0, {vocab_size})")
-    if eos_id is not None and (not 0 <= eos_id < vocab_size or eos_id == mask_token_id):
-        raise ValueError(
-            f"eos_id {eos_id} is the mask token or outside the model vocabulary [0, {vocab_size}): it could "
-            "never be generated (pass the tokenizer's EOS id, or None to always fill max_new_tokens)"
-        )
+    stop_ids = () if eos_id is None else (int(eos_id),) if isinstance(eos_id, int) else tuple(int(t) for t in eos_id)
+    for stop in stop_ids:
+        if not 0 <= stop < vocab_size or stop == mask_token_id:
+            raise ValueError(
+                f"eos_id {stop} is the mask token or outside the model vocabulary [0, {vocab_size}): it could "
+                "never be generated (pass the tokenizer's EOS id, or None to always fill max_new_tokens)"
+            )
     prompt = [int(t) for t in prompt_ids]
     bad = [t for t in prompt if not 0 <= t < vocab_size or t == mask_token_id]
     if bad:
@@ -216,13 +221,14 @@ def generate(
                 model, forward, block_ids_1B, to_fill_B, start, mask_token_id, config, generator, result
             )
         _denoise_block(
-            model, forward, block_ids_1B, to_fill_B, start, mask_token_id, eos_id, len(carried), config, generator,
+            model, forward, block_ids_1B, to_fill_B, start, mask_token_id, stop_ids, len(carried), config, generator,
             result,
         )  # fmt: skip
 
         new_tokens = block_ids_1B[0, len(carried) : len(carried) + num_fill].tolist()
-        if eos_id is not None and eos_id in new_tokens:  # every position before it is filled
-            result.token_ids.extend(new_tokens[: new_tokens.index(eos_id)])
+        ends = [offset for offset, token in enumerate(new_tokens) if token in stop_ids]
+        if ends:  # every position before the first is filled
+            result.token_ids.extend(new_tokens[: ends[0]])
             result.stopped_at_eos = True
             break
         result.token_ids.extend(new_tokens)
@@ -261,12 +267,13 @@ def _commit_first_token(
     result.first_tokens.append((start, int(tokens_1[0])))
 
 
-def _eos_settled(block_ids_1B: Tensor, to_fill_B: Tensor, eos_id: int | None, first_new: int) -> bool:
-    """Whether a generated EOS (at offset ``>= first_new``: a carried prompt token is not one) is
-    unmasked with no position before it still to fill: the completion ends there."""
-    if eos_id is None:
+def _eos_settled(block_ids_1B: Tensor, to_fill_B: Tensor, stop_ids: tuple[int, ...], first_new: int) -> bool:
+    """Whether a generated stop token (at offset ``>= first_new``: a carried prompt token is not one)
+    is unmasked with no position before it still to fill: the completion ends there."""
+    if not stop_ids:
         return False
-    eos_N = torch.nonzero(block_ids_1B[0, first_new:] == eos_id).squeeze(-1)
+    stops = torch.tensor(stop_ids, dtype=block_ids_1B.dtype)
+    eos_N = torch.nonzero(torch.isin(block_ids_1B[0, first_new:], stops)).squeeze(-1)
     return eos_N.numel() > 0 and not bool(to_fill_B[: first_new + int(eos_N[0])].any())
 
 
@@ -277,7 +284,7 @@ def _denoise_block(
     to_fill_B: Tensor,
     start: int,
     mask_token_id: int,
-    eos_id: int | None,
+    stop_ids: tuple[int, ...],
     first_new: int,
     config: GenerationConfig,
     generator: torch.Generator,
@@ -294,7 +301,7 @@ def _denoise_block(
         span_B = (offset_B >= first) & (offset_B < first + sub_block)
         for step in range(steps_each):
             masked_R = torch.nonzero(to_fill_B & span_B).squeeze(-1)  # block offsets still masked here
-            if masked_R.numel() == 0 or _eos_settled(block_ids_1B, to_fill_B, eos_id, first_new):
+            if masked_R.numel() == 0 or _eos_settled(block_ids_1B, to_fill_B, stop_ids, first_new):
                 break
             chosen_offsets, chosen_tokens = _denoise_step(
                 model, forward, block_ids_1B, masked_R, start, mask_token_id, config, generator,
@@ -305,7 +312,7 @@ def _denoise_block(
             result.unmask_steps.append(
                 [(start + int(o), int(t)) for o, t in zip(chosen_offsets.tolist(), chosen_tokens.tolist(), strict=True)]
             )
-    if bool(to_fill_B.any()) and not _eos_settled(block_ids_1B, to_fill_B, eos_id, first_new):
+    if bool(to_fill_B.any()) and not _eos_settled(block_ids_1B, to_fill_B, stop_ids, first_new):
         raise RuntimeError("block still has masked positions after steps_per_block steps")
 
 
