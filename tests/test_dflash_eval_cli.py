@@ -83,3 +83,28 @@ def test_eval_keeps_whole_jsonl_prompts_unless_asked(
         assert run_cli([*argv, *extra]) == 0
         row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("line 1 "))
         assert int(row.split()[2]) == kept, row
+
+
+def test_eval_of_jsonl_prompts_stops_at_the_generation_config_eos_ids(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a chat target's end of turn is listed in generation_config.json's eos_token_id (csbp generate
+    # and HF generate stop there); dflash eval --prompts stopped at the tokenizer's EOS alone, so its
+    # acceptance length counted rounds decoded past the end of the turn. --data keeps the artifact's
+    # EOS (what training validation stops at) and --eos-id replaces every default.
+    target = tmp_path / "target"
+    shutil.copytree(workspace["target"], target)
+    eos = open_artifact(workspace["artifact"]).special_ids["eos"]
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 5, 7]}))
+    base = ["dflash", "eval", "--target", str(target), "--drafter", str(workspace["drafter"]), "--max-new-tokens", "3"]
+    for extra, header in (
+        (["--prompts", str(workspace["prompts"])], f"eos [{eos}, 5, 7],"),
+        (["--prompts", str(workspace["prompts"]), "--eos-id", "5"], "eos 5,"),
+        (["--data", str(workspace["artifact"]), "--num-prompts", "1"], f"eos {eos},"),
+    ):
+        assert run_cli([*base, *extra]) == 0
+        assert header in capsys.readouterr().out.splitlines()[0]
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 100000]}))
+    assert run_cli([*base, "--prompts", str(workspace["prompts"])]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "generation_config.json: eos_token_id 100000 is not a token id" in line

@@ -110,6 +110,21 @@ def test_eos_stops_both_loops_identically() -> None:
     assert spec.stopped_at_eos and greedy.stopped_at_eos and greedy.target_forwards == first + 1
 
 
+def test_every_listed_stop_id_stops_both_loops() -> None:
+    # a chat target stops at its end of turn or its end of text (generation_config.json lists both);
+    # eos_id took one id, so a list never stopped (or failed), and csbp dflash eval ran past the turn
+    target, drafter = build_models(DFlashVerifyCase())
+    reference = greedy_generate(target, [1, 2, 3], max_new_tokens=12).tokens
+    first, later = reference[4], reference[5]
+    assert first not in reference[:4] and later not in reference[:5]
+    for stops in ([later, first], (first,), [first, first]):
+        spec = speculative_generate(target, drafter, [1, 2, 3], max_new_tokens=12, eos_id=stops)
+        greedy = greedy_generate(target, [1, 2, 3], max_new_tokens=12, eos_id=stops)
+        assert spec.tokens == greedy.tokens == reference[:5] and spec.stopped_at_eos and greedy.stopped_at_eos
+    with pytest.raises(ValueError, match="eos_id 64"):
+        speculative_generate(target, drafter, [1, 2, 3], max_new_tokens=4, eos_id=[first, 64])
+
+
 @pytest.mark.parametrize("eos_id", [-1, 64, 10**6])
 def test_an_eos_id_outside_the_vocabulary_is_refused(eos_id: int) -> None:
     # such an id can never be generated, so it silently meant "never stop at EOS"

@@ -25,7 +25,8 @@ checkpoint those its run's ``final/`` would hold (:func:`csbp.cli.dflash_checkpo
 
 ``eval`` runs lossless speculative decoding (``csbp.dflash.speculative``) over held-out prompts and,
 unless ``--no-check-lossless``, plain greedy decoding too: a prompt whose outputs differ makes the
-command exit 1. Its last output line is ``acceptance_length: <value>``.
+command exit 1. Its last output line is ``acceptance_length: <value>``. ``--prompts`` also stops at
+every ``eos_token_id`` of the target's ``generation_config.json`` (a chat model's end of turn).
 """
 
 from __future__ import annotations
@@ -147,7 +148,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="--data: one prompt group per context length P (acceptance by context length); replaces --prompt-len",
     )
     ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens generated per prompt")
-    ev.add_argument("--eos-id", type=int, default=None, help="default: the tokenizer's / artifact's EOS")
+    ev.add_argument(
+        "--eos-id",
+        type=int,
+        default=None,
+        help="the one stop id (default: the artifact's EOS for --data; the tokenizer's EOS and the target's "
+        "generation_config.json eos_token_id for --prompts)",
+    )
     ev.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     ev.add_argument(
         "--check-lossless",
@@ -336,9 +343,28 @@ def _check_eval_positions(target_dir: Path, prompts: Sequence[EvalPrompt], max_n
     )
 
 
-def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalPrompt], int | None]:
-    """The prompts of ``--data`` or ``--prompts`` and the EOS id (``--eos-id``, else the artifact's or
-    the tokenizer's; None with ``--ignore-eos``), checked against the target's ``vocab_size``."""
+def _generation_stop_ids(target_dir: Path, vocab_size: int) -> list[int]:
+    """The ``eos_token_id`` (one id or a list) of ``--target``'s ``generation_config.json``, where a chat
+    model lists its end of turn; none without the file. An id outside the vocabulary is refused."""
+    from csbp.models.hf_io import GENERATION_CONFIG, read_generation_config
+
+    listed = (read_generation_config(target_dir) or {}).get("eos_token_id")
+    ids = listed if isinstance(listed, list) else [] if listed is None else [listed]
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"{target_dir / GENERATION_CONFIG}: eos_token_id {token_id!r} is not a token id of the target "
+                f"vocabulary [0, {vocab_size}) (fix: list its tokenizer's end-of-text/turn ids, or pass --eos-id)"
+            )
+    return ids
+
+
+def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalPrompt], int | list[int] | None]:
+    """The prompts of ``--data`` or ``--prompts`` and the stop id(s): ``--eos-id``; else the artifact's
+    EOS for ``--data`` (what training validation stops at); else the tokenizer's EOS and every
+    ``eos_token_id`` of ``--target``'s ``generation_config.json`` for ``--prompts`` (a chat model's end
+    of turn, as ``csbp generate`` and Hugging Face ``generate`` stop); None with ``--ignore-eos``.
+    Each is checked against the target's ``vocab_size``."""
     from csbp.data.artifact import open_artifact
     from csbp.data.tokenizer import load_tokenizer
     from csbp.dflash.evaluate import artifact_prompts, jsonl_prompts
@@ -383,7 +409,11 @@ def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalP
             f"{eos_source} {eos_id} is outside the target vocabulary [0, {vocab_size}): it could never be "
             "generated (fix: pass --eos-id of the target's tokenizer, or --ignore-eos)"
         )
-    return prompts, eos_id
+    if args.prompts is None or args.eos_id is not None:
+        return prompts, eos_id
+    stops = [] if eos_id is None else [eos_id]
+    stops += [t for t in _generation_stop_ids(args.target, vocab_size) if t not in stops]
+    return prompts, stops[0] if len(stops) == 1 else stops or None
 
 
 def run_eval(args: argparse.Namespace) -> int:

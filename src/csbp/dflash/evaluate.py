@@ -39,7 +39,7 @@ import numpy as np
 
 from csbp.data.artifact import ArtifactSplit
 from csbp.dflash.drafter import DFlashDrafter
-from csbp.dflash.speculative import greedy_generate, speculative_generate
+from csbp.dflash.speculative import StopIds, greedy_generate, speculative_generate
 from csbp.models.decoder import Decoder
 from csbp.wording import counted
 
@@ -156,7 +156,7 @@ def evaluate_drafter(
     prompts: Sequence[EvalPrompt],
     *,
     max_new_tokens: int,
-    eos_id: int | None = None,
+    eos_id: StopIds = None,
     check_lossless: bool = True,
     progress: Callable[[PromptEval], None] | None = None,
 ) -> EvalSummary:
@@ -197,7 +197,7 @@ def split_acceptance(
     drafter: DFlashDrafter,
     split: ArtifactSplit,
     *,
-    eos_id: int | None,
+    eos_id: StopIds,
     num_prompts: int = DEFAULT_NUM_PROMPTS,
     prompt_len: int = DEFAULT_PROMPT_LEN,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,

@@ -19,8 +19,10 @@ only lowers τ). The draft cache holds context K/V of verified positions only (t
 never cached), so it never holds a rejected position; it is cropped to ``start`` each round to keep
 that invariant explicit.
 
-Stopping: after the first EOS (kept) or ``max_new_tokens`` new tokens; a last round may verify more
-tokens than are kept. Counting: the prefill commits one token, round ``r`` commits ``τ_r`` tokens,
+Stopping: after the first EOS (kept; ``eos_id`` may list several stop ids, e.g. a chat model's end
+of turn and end of text) or ``max_new_tokens`` new tokens; a last round may verify more tokens than
+are kept, and its ``τ`` counts them all (as z-lab's benchmark does: ``τ`` measures the drafter, the
+truncation is the caller's budget). Counting: the prefill commits one token, round ``r`` commits ``τ_r`` tokens,
 so before truncation ``len(tokens) == 1 + Σ τ_r``; the target runs ``1 + rounds`` forwards, plain
 greedy one per new token.
 
@@ -29,6 +31,7 @@ Shape legend: ``B`` block size, ``M`` new context rows, ``F`` fused feature widt
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,38 +99,49 @@ def _check_budget(max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
 
 
-def _check_eos(eos_id: int | None, vocab_size: int) -> None:
-    if eos_id is not None and not 0 <= eos_id < vocab_size:
-        raise ValueError(
-            f"eos_id {eos_id} is outside the target vocabulary [0, {vocab_size}): it could never be "
-            "generated (pass the tokenizer's EOS id, or None to always generate max_new_tokens)"
-        )
+StopIds = int | Sequence[int] | None
+"""The token id(s) that end an output (kept); None: always ``max_new_tokens`` tokens."""
 
 
-def _finished(tokens: list[int], max_new_tokens: int, eos_id: int | None) -> bool:
-    return len(tokens) >= max_new_tokens or (eos_id is not None and eos_id in tokens)
+def _stop_ids(eos_id: StopIds, vocab_size: int) -> frozenset[int]:
+    """``eos_id`` as a set, each id checked against the target vocabulary."""
+    listed = [] if eos_id is None else [eos_id] if hasattr(eos_id, "__index__") else list(eos_id)  # type: ignore[arg-type]
+    ids = []
+    for stop in listed:
+        if isinstance(stop, bool) or not hasattr(stop, "__index__") or not 0 <= operator.index(stop) < vocab_size:
+            raise ValueError(
+                f"eos_id {stop!r} is outside the target vocabulary [0, {vocab_size}): it could never be "
+                "generated (pass the tokenizer's EOS id, or None to always generate max_new_tokens)"
+            )
+        ids.append(operator.index(stop))
+    return frozenset(ids)
 
 
-def _truncate(tokens: list[int], max_new_tokens: int, eos_id: int | None) -> tuple[list[int], bool]:
+def _finished(tokens: list[int], max_new_tokens: int, stops: frozenset[int]) -> bool:
+    return len(tokens) >= max_new_tokens or not stops.isdisjoint(tokens)
+
+
+def _truncate(tokens: list[int], max_new_tokens: int, stops: frozenset[int]) -> tuple[list[int], bool]:
     kept = tokens[:max_new_tokens]
-    if eos_id is not None and eos_id in kept:
-        return kept[: kept.index(eos_id) + 1], True
+    for index, token in enumerate(kept):
+        if token in stops:
+            return kept[: index + 1], True
     return kept, False
 
 
 @torch.no_grad()
 def greedy_generate(
-    target: Decoder, prompt_ids: Sequence[int] | Tensor, *, max_new_tokens: int, eos_id: int | None = None
+    target: Decoder, prompt_ids: Sequence[int] | Tensor, *, max_new_tokens: int, eos_id: StopIds = None
 ) -> GreedyResult:
     """The target's own greedy decoding with a KV cache: one target forward per new token."""
     _check_budget(max_new_tokens)
-    _check_eos(eos_id, target.config.vocab_size)
+    stops = _stop_ids(eos_id, target.config.vocab_size)
     prompt = _prompt_tensor(prompt_ids, target.config.vocab_size)
     runner = CachedTarget(target)
     tokens = [int(runner.forward(prompt).next_tokens[-1])]
-    while not _finished(tokens, max_new_tokens, eos_id):
+    while not _finished(tokens, max_new_tokens, stops):
         tokens.append(int(runner.forward(torch.tensor([tokens[-1]])).next_tokens[0]))
-    kept, at_eos = _truncate(tokens, max_new_tokens, eos_id)
+    kept, at_eos = _truncate(tokens, max_new_tokens, stops)
     return GreedyResult(kept, runner.forward_passes, at_eos)
 
 
@@ -202,13 +216,13 @@ def speculative_generate(
     prompt_ids: Sequence[int] | Tensor,
     *,
     max_new_tokens: int,
-    eos_id: int | None = None,
+    eos_id: StopIds = None,
 ) -> SpeculativeResult:
     """Greedy DFlash speculative decoding of one prompt (module docstring); lossless."""
     _check_budget(max_new_tokens)
     if drafter.target is not target:
         raise ValueError("the drafter is attached to another target: call drafter.attach_target(target)")
-    _check_eos(eos_id, target.config.vocab_size)
+    stops = _stop_ids(eos_id, target.config.vocab_size)
     prompt = _prompt_tensor(prompt_ids, target.config.vocab_size)
     cfg = drafter.config
     runner = CachedTarget(target, cfg.target_layer_ids or ())
@@ -219,7 +233,7 @@ def speculative_generate(
     pending_features_MF = prefill.features  # committed positions not yet in the draft cache
     start = int(prompt.shape[0])  # position of the bonus token tokens[-1]
     acceptance: list[int] = []
-    while not _finished(tokens, max_new_tokens, eos_id):
+    while not _finished(tokens, max_new_tokens, stops):
         bonus = tokens[-1]
         drafts = draft_block(drafter, bonus, start, pending_features_MF, draft_cache)
         verified = runner.forward(torch.tensor([bonus, *drafts]))
@@ -233,5 +247,5 @@ def speculative_generate(
         runner.crop(start + accepted + 1)
         pending_features_MF = verified.features[: accepted + 1]
         start += accepted + 1
-    kept, at_eos = _truncate(tokens, max_new_tokens, eos_id)
+    kept, at_eos = _truncate(tokens, max_new_tokens, stops)
     return SpeculativeResult(kept, acceptance, len(tokens), runner.forward_passes, at_eos)
