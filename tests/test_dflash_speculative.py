@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from csbp.dflash.attention import UnmaskedDraftAttention
-from csbp.dflash.config import DFlashObjectiveConfig
+from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig
 from csbp.dflash.drafter import DFlashDrafter, DraftContextCache
 from csbp.dflash.evaluate import EvalPrompt, evaluate_drafter, format_report
 from csbp.dflash.export import export_dflash, load_dflash
@@ -108,6 +108,27 @@ def test_eos_stops_both_loops_identically() -> None:
     first = reference.index(eos)
     assert spec.tokens == greedy.tokens == reference[: first + 1]
     assert spec.stopped_at_eos and greedy.stopped_at_eos and greedy.target_forwards == first + 1
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 7])
+def test_dflash2_drafters_of_any_block_size_are_lossless(block_size: int) -> None:
+    # the selector's greedy walk stacked an empty list at block_size 1 (no slot to draft; a config
+    # csbp dflash export/load accepts) and speculative decoding crashed instead of running one-token rounds
+    target, _ = build_models(DFlashVerifyCase())
+    config = DFlashConfig.from_target(
+        target.config, num_layers=2, block_size=block_size, mask_token_id=63, target_layer_ids=(0, 2),
+        conv_kernel_size=2, conv_group_size=8, selector_rank=4, selector_top_k=4,
+    )
+    drafter = DFlashDrafter(config, target=target, dtype=torch.float64, seed=5)
+    with torch.no_grad():  # off the identity/zero initialisation, so the selector takes part
+        for param in drafter.selector.parameters():
+            param.add_(0.3 * torch.randn(param.shape, generator=torch.Generator().manual_seed(6), dtype=param.dtype))
+    for prompt in PROMPTS[:3]:
+        result = speculative_generate(target, drafter, prompt, max_new_tokens=9)
+        assert result.tokens == greedy_generate(target, prompt, max_new_tokens=9).tokens
+        _check_bookkeeping(result, 9, block_size)
+    if block_size == 1:
+        assert result.acceptance_lengths == [1] * 8 and result.target_forwards == 9
 
 
 def test_every_listed_stop_id_stops_both_loops() -> None:

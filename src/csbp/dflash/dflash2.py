@@ -149,7 +149,7 @@ class CandidateSelector(nn.Module):
             )
             previous = candidates_NK[slot, scores[0].argmax()]
             drafted.append(previous)
-        return torch.stack(drafted)
+        return torch.stack(drafted) if drafted else candidates_NK.new_zeros(0)  # B = 1: nothing to draft
 
 
 @torch.no_grad()
