@@ -343,22 +343,6 @@ def _check_eval_positions(target_dir: Path, prompts: Sequence[EvalPrompt], max_n
     )
 
 
-def _generation_stop_ids(target_dir: Path, vocab_size: int) -> list[int]:
-    """The ``eos_token_id`` (one id or a list) of ``--target``'s ``generation_config.json``, where a chat
-    model lists its end of turn; none without the file. An id outside the vocabulary is refused."""
-    from csbp.models.hf_io import GENERATION_CONFIG, read_generation_config
-
-    listed = (read_generation_config(target_dir) or {}).get("eos_token_id")
-    ids = listed if isinstance(listed, list) else [] if listed is None else [listed]
-    for token_id in ids:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
-            raise ValueError(
-                f"{target_dir / GENERATION_CONFIG}: eos_token_id {token_id!r} is not a token id of the target "
-                f"vocabulary [0, {vocab_size}) (fix: list its tokenizer's end-of-text/turn ids, or pass --eos-id)"
-            )
-    return ids
-
-
 def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalPrompt], int | list[int] | None]:
     """The prompts of ``--data`` or ``--prompts`` and the stop id(s): ``--eos-id``; else the artifact's
     EOS for ``--data`` (what training validation stops at); else the tokenizer's EOS and every
@@ -368,6 +352,7 @@ def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalP
     from csbp.data.artifact import open_artifact
     from csbp.data.tokenizer import load_tokenizer
     from csbp.dflash.evaluate import artifact_prompts, jsonl_prompts
+    from csbp.models.hf_io import generation_stop_ids
 
     if args.data is not None:
         artifact = open_artifact(args.data)
@@ -412,7 +397,7 @@ def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalP
     if args.prompts is None or args.eos_id is not None:
         return prompts, eos_id
     stops = [] if eos_id is None else [eos_id]
-    stops += [t for t in _generation_stop_ids(args.target, vocab_size) if t not in stops]
+    stops += [t for t in generation_stop_ids(args.target, vocab_size) if t not in stops]
     return prompts, stops[0] if len(stops) == 1 else stops or None
 
 

@@ -127,25 +127,10 @@ def stop_token_ids(model_dir: Path, eos_id: int | None, vocab_size: int, mask_to
     ``generation_config.json`` (where a chat export lists its end of turn, ``<|im_end|>``), as
     Hugging Face ``generate`` stops; an id there outside the vocabulary or equal to the mask token
     is refused naming the file."""
-    from csbp.models.hf_io import GENERATION_CONFIG, read_generation_config
+    from csbp.models.hf_io import generation_stop_ids
 
     stops = [] if eos_id is None else [eos_id]
-    generation = read_generation_config(model_dir) or {}
-    listed = generation.get("eos_token_id")
-    for token_id in listed if isinstance(listed, list) else [] if listed is None else [listed]:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
-            raise ValueError(
-                f"{model_dir / GENERATION_CONFIG}: eos_token_id {token_id!r} is not a token id of the model "
-                f"vocabulary [0, {vocab_size}) (fix: list the end-of-text/turn ids of its tokenizer there)"
-            )
-        if token_id == mask_token_id:
-            raise ValueError(
-                f"{model_dir / GENERATION_CONFIG}: eos_token_id {token_id} is the mask token, which is never "
-                "generated (fix: remove it from eos_token_id)"
-            )
-        if token_id not in stops:
-            stops.append(token_id)
-    return stops
+    return stops + [t for t in generation_stop_ids(model_dir, vocab_size, mask_token_id=mask_token_id) if t not in stops]
 
 
 def chat_prompt(tokenizer_dir: Path, prompt: str) -> str:

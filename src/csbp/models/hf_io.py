@@ -102,6 +102,28 @@ def read_generation_config(path: str | os.PathLike[str]) -> dict[str, Any] | Non
     return read_json_object(file) if file.is_file() else None
 
 
+def generation_stop_ids(path: str | os.PathLike[str], vocab_size: int, *, mask_token_id: int | None = None) -> list[int]:
+    """Every ``eos_token_id`` (one id or a list) of a checkpoint's ``generation_config.json``, where a
+    chat model lists its end of turn (``<|im_end|>``) beside the end of text: the ids Hugging Face
+    ``generate`` stops at; none without the file. An id outside ``[0, vocab_size)`` or equal to
+    ``mask_token_id`` (never generated) is a ``ValueError`` naming the file."""
+    file = Path(path) / GENERATION_CONFIG
+    listed = (read_generation_config(path) or {}).get("eos_token_id")
+    ids = listed if isinstance(listed, list) else [] if listed is None else [listed]
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            raise ValueError(
+                f"{file}: eos_token_id {token_id!r} is not a token id of the model vocabulary [0, {vocab_size}) "
+                "(fix: list its tokenizer's end-of-text/turn ids there)"
+            )
+        if token_id == mask_token_id:
+            raise ValueError(
+                f"{file}: eos_token_id {token_id} is the mask token, which is never generated "
+                "(fix: remove it from eos_token_id)"
+            )
+    return ids
+
+
 # ----------------------------------------------------------------------------- loading
 
 
