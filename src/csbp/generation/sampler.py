@@ -254,14 +254,7 @@ def _commit_first_token(
 ) -> None:
     """Token shift: fill the block's first position (in place) from the clean row before the block."""
     logits_1V = model.logits(forward.clean_row_before(start))
-    tokens_1, _ = propose_tokens(
-        logits_1V,
-        mask_token_id=mask_token_id,
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        generator=generator,
-    )
+    tokens_1, _ = _propose(logits_1V, mask_token_id, config, generator)
     block_ids_1B[0, 0] = tokens_1[0]
     to_fill_B[0] = False
     result.first_tokens.append((start, int(tokens_1[0])))
@@ -338,7 +331,16 @@ def _denoise_step(
     else:
         rows_R = masked_R
     logits_RV = model.logits(hidden_1BD[0, rows_R.to(hidden_1BD.device)])
-    tokens_R, confidence_R = propose_tokens(
+    tokens_R, confidence_R = _propose(logits_RV, mask_token_id, config, generator)
+    chosen = choose_unmasked(
+        confidence_R, remaining_steps=remaining_steps, threshold=config.threshold, order=config.unmask_order
+    )
+    return masked_R[chosen], tokens_R[chosen]
+
+
+def _propose(logits_RV: Tensor, mask_token_id: int, config: GenerationConfig, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``propose_tokens`` with the run's sampling settings."""
+    return propose_tokens(
         logits_RV,
         mask_token_id=mask_token_id,
         temperature=config.temperature,
@@ -346,7 +348,3 @@ def _denoise_step(
         top_p=config.top_p,
         generator=generator,
     )
-    chosen = choose_unmasked(
-        confidence_R, remaining_steps=remaining_steps, threshold=config.threshold, order=config.unmask_order
-    )
-    return masked_R[chosen], tokens_R[chosen]
