@@ -167,7 +167,7 @@ def test_manifest_contents(tmp_path, tokenizer_dir, tokenizer) -> None:
     assert art.mask_token_id == 1
     assert m["content_fingerprint"] == content_fingerprint(tmp_path / "art")
     assert [s["name"] for s in m["sources"]] == ["docs.jsonl", "notes.txt"]
-    assert m["options"] == {"seed": 3, "txt_mode": "file", "val_fraction": 0.25}
+    assert m["options"] == {"seed": 3, "txt_mode": "file", "val_fraction": 0.25, "chat_documents": "record"}
 
 
 def test_trained_tokenizer_is_deterministic(tmp_path) -> None:

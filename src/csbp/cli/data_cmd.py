@@ -55,6 +55,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="format chat records with the tokenizer directory's chat template (auto, the default, falls "
         "back to csbp's role markers when it has none), csbp's role markers (none), or a .jinja file",
     )
+    prepare.add_argument(
+        "--chat-documents",
+        choices=("record", "turn"),
+        default="record",
+        help="chat records rendered with a chat template: one document per record, every assistant turn "
+        "supervised (record, the default; the template must render earlier turns unchanged), or one per "
+        "assistant turn, the conversation up to it with only it supervised (turn: for templates that "
+        "rewrite earlier turns, such as Qwen3's; tokens grow with the square of a record's turns)",
+    )
     prepare.add_argument("--vocab-size", type=positive_int, help="vocabulary size of the trained tokenizer")
     prepare.add_argument(
         "--val-fraction", type=float_in(0, 1, high_open=True), default=0.0,
@@ -119,6 +128,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         special=SpecialTokens(eos=args.eos_token, mask=args.mask_token, pad=args.pad_token),
         overwrite=args.overwrite,
         chat_template=args.chat_template,
+        chat_documents=args.chat_documents,
     )
     prepare_artifact(config, log=print)
     return 0

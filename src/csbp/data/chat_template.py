@@ -28,6 +28,13 @@ leaves nothing in the text that teaches the model to stop: ``SupervisedChat.eos_
 the EOS appended after the record must be supervised instead (as TRL's SFT appends a supervised EOS);
 an earlier assistant turn of such a template has no stop target (the next turn's text is not
 supervised, so it teaches nothing wrong either).
+
+Templates that rewrite earlier turns once a later one follows (Qwen3's drops the ``<think>`` block
+of an assistant turn once a user turn follows it) are not prefix-stable, and their records are
+refused. ``--chat-documents turn`` (``ChatTemplate.last_turn_spans``) makes one document of each
+assistant turn ``i`` instead: ``messages[:i+1]`` rendered, only that last turn supervised, which is
+the text the model sees when it writes turn ``i`` at inference. It only needs ``messages[:i]`` to
+render as a prefix of ``messages[:i+1]``.
 """
 
 from __future__ import annotations
@@ -180,8 +187,9 @@ class ChatTemplate:
             if not text.startswith(rendered):
                 raise ValueError(
                     f"{where}: chat template {self.source} is not prefix-stable for this record: rendering "
-                    f"messages[:{index + 1}] changes the text of the earlier messages (fix: use "
-                    "--chat-template none, or a template that renders earlier turns unchanged)"
+                    f"messages[:{index + 1}] changes the text of the earlier messages (fix: --chat-documents turn, "
+                    "one document per assistant turn with the turns before it as the template renders them; or "
+                    "--chat-template none)"
                 )
             eos_is_stop = False
             if message["role"] == "assistant":
@@ -192,6 +200,24 @@ class ChatTemplate:
             rendered = text
         return SupervisedChat(rendered, spans, eos_is_stop)
 
+    def last_turn_spans(self, messages: Sequence[Message], where: str) -> SupervisedChat:
+        """``messages`` rendered with only its last message supervised, when that is an assistant
+        turn (``--chat-documents turn``; nothing is supervised otherwise). Only the text of
+        ``messages[:-1]`` must be a prefix of the whole render: what the template does to earlier
+        turns once later ones follow does not matter."""
+        text = self.render(messages, where=where)
+        index = len(messages) - 1
+        if index < 0 or messages[index]["role"] != "assistant":
+            return SupervisedChat(text, [], False)
+        rendered = self.render(messages[:index], where=where) if index else ""
+        if not text.startswith(rendered):
+            raise ValueError(
+                f"{where}: chat template {self.source} renders messages[:{index}] differently once "
+                f"messages[{index}] (an assistant turn) follows, so even --chat-documents turn cannot find its "
+                "span (fix: --chat-template none, or a template that renders the turns before one unchanged)"
+            )
+        start, end, content_end = self._assistant_span(messages, index, rendered, text, where)
+        return SupervisedChat(text, [(start, end)] if end > start else [], end == content_end)
 
     def _assistant_span(
         self, messages: Sequence[Message], index: int, rendered: str, text: str, where: str

@@ -7,7 +7,8 @@ instead rendered by the template and tokenized whole; a token is supervised iff 
 offsets overlap an assistant span (``ChatTemplate.supervised_spans``), and the EOS separator
 appended after them is unsupervised (the template's own end-of-turn tokens carry the stop signal),
 unless the chat ends with an assistant turn that the template closes with no end-of-turn text: then
-that EOS is the only stop signal, and supervised. ``PackedSplitWriter`` streams those pairs
+that EOS is the only stop signal, and supervised. ``turn_documents`` makes one document of each
+assistant turn of a chat (``--chat-documents turn``). ``PackedSplitWriter`` streams those pairs
 into the flat ``.bin`` files of one split (layout in ``artifact.py``): greedy concatenation, the
 document ordinal as doc id, and the final partial row padded with ``pad_id`` (mask 0, doc id -1).
 """
@@ -15,7 +16,7 @@ document ordinal as doc id, and the final partial row padded with ``pad_id`` (ma
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from csbp.data.artifact import ARRAY_DTYPES, array_file_name
 from csbp.data.chat_template import ChatTemplate
 from csbp.data.sources import Document
 from csbp.data.tokenizer import CsbpTokenizer
+from csbp.wording import counted
 
 
 def role_marker_message(tokenizer: CsbpTokenizer, role: str) -> str:
@@ -35,12 +37,63 @@ def role_marker_message(tokenizer: CsbpTokenizer, role: str) -> str:
     )
 
 
+def turn_documents(doc: Document) -> list[Document]:
+    """One document per assistant turn of a chat record (``--chat-documents turn``): its messages up to
+    and including that turn, only that turn supervised, each keeping the record's ``where``. A record
+    without an assistant turn stays one document with nothing supervised; messages after the last
+    assistant turn, never supervised, are dropped. Other documents are returned as they are."""
+    if doc.messages is None:
+        return [doc]
+    turns = [index for index, (role, _) in enumerate(doc.messages) if role == "assistant"]
+    if not turns:
+        return [replace(doc, last_turn_only=True, eos_supervised=False)]
+    assert len(doc.segments) == 2 * len(doc.messages)  # _chat_document's: a role marker, then the content
+    return [
+        replace(doc, messages=doc.messages[: i + 1], segments=doc.segments[: 2 * (i + 1)], eos_supervised=True,
+                last_turn_only=True)
+        for i in turns
+    ]
+
+
+class TurnTally:
+    """What ``--chat-documents turn`` made of the chat records: documents, their tokens, and the
+    tokens of each record's longest document (the whole conversation up to its last assistant turn),
+    to report the cost, which grows with the square of a record's assistant turns."""
+
+    def __init__(self) -> None:
+        self.documents = self.tokens = self._longest = self._current = 0
+        self._where: str | None = None
+
+    def add(self, doc: Document, num_tokens: int) -> None:
+        """Count one encoded document of a chat record (a record's documents come in order, each
+        longer than the one before)."""
+        if doc.where != self._where:
+            self._longest += self._current
+            self._where = doc.where
+        self._current = num_tokens
+        self.documents += 1
+        self.tokens += num_tokens
+
+    def summary(self, records: int) -> str:
+        whole = self._longest + self._current
+        return (
+            f"{counted(records, 'chat record')} became {counted(self.documents, 'document')} of {self.tokens} tokens, "
+            f"{self.tokens / max(whole, 1):.2f}x the {whole} of each record's conversation rendered once (one "
+            "document per assistant turn: the tokens grow with the square of a record's turns)"
+        )
+
+
 def encode_templated_chat(
-    messages: Sequence[tuple[str, str]], tokenizer: CsbpTokenizer, template: ChatTemplate, where: str
+    messages: Sequence[tuple[str, str]],
+    tokenizer: CsbpTokenizer,
+    template: ChatTemplate,
+    where: str,
+    last_turn_only: bool = False,
 ) -> tuple[list[int], list[int], bool]:
     """``(ids, loss_mask, whether the EOS after them is the stop to supervise)`` of a chat rendered
-    by ``template`` (no EOS separator appended)."""
-    text, spans, eos_is_stop = template.supervised_spans([{"role": r, "content": c} for r, c in messages], where)
+    by ``template`` (no EOS separator appended); ``last_turn_only``: only its last message supervised."""
+    spans_of = template.last_turn_spans if last_turn_only else template.supervised_spans
+    text, spans, eos_is_stop = spans_of([{"role": r, "content": c} for r, c in messages], where)
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
     return list(encoding.ids), supervised_tokens(encoding.offsets, spans), eos_is_stop
 
@@ -84,7 +137,9 @@ def encode_documents(
         eos_supervised = doc.eos_supervised
         if templated(doc):
             assert chat_template is not None and doc.messages is not None
-            ids, mask, eos_is_stop = encode_templated_chat(doc.messages, tokenizer, chat_template, doc.where)
+            ids, mask, eos_is_stop = encode_templated_chat(
+                doc.messages, tokenizer, chat_template, doc.where, doc.last_turn_only
+            )
             eos_supervised = eos_supervised and eos_is_stop
         for segment in doc.segments if not templated(doc) else ():
             if segment.role is not None and segment.role not in tokenizer.role_ids:

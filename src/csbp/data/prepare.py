@@ -5,7 +5,9 @@ Tokenization happens here only, never in the training loop. The steps:
 1. parse every input (``sources.py``) and count documents; empty ones are skipped and counted;
    chat records that would need a role marker a given tokenizer lacks are refused here;
 2. split documents (not rows) into train/val: ``round(val_fraction * N)`` documents, at least one
-   when ``val_fraction > 0`` and ``N >= 2``, chosen by a permutation seeded with ``seed``;
+   when ``val_fraction > 0`` and ``N >= 2``, chosen by a permutation seeded with ``seed``
+   (``chat_documents="turn"``: the documents a chat record becomes, one per assistant turn, are
+   made at encoding and go to its split);
 3. load the tokenizer, or train a byte-level BPE on the train documents;
 4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``;
    a train split of fewer tokens than ``seq_len`` (one row of mostly padding) is refused before its
@@ -16,8 +18,8 @@ Tokenization happens here only, never in the training loop. The steps:
 The mask token must be a token of its own: an id shared with EOS, pad or a role marker is refused
 (by name before a tokenizer is trained, by id once a given one is loaded), and so is a document
 whose tokens hold it (for a trained tokenizer, whose mask token is a special token, its text is
-looked for while counting, before training). Every split records ``supervised_mask_tokens`` (0),
-which ``csbp train`` relies on.
+looked for while counting, before training; the checks are in ``mask_checks.py``). Every split
+records ``supervised_mask_tokens`` (0), which ``csbp train`` relies on.
 
 Writes are atomic: everything is built in a hidden temporary directory next to ``out_dir`` and
 moved into place in one rename at the end (:func:`csbp.atomic.publish_directory`, which checks
@@ -56,8 +58,22 @@ from csbp.data.artifact import (
     max_token_id,
 )
 from csbp.data.chat_template import ChatTemplate, resolve_chat_template
-from csbp.data.packing import PackedSplitWriter, SplitCounts, encode_documents, role_marker_message
-from csbp.data.sources import Document, TxtMode, expand_inputs, iter_documents
+from csbp.data.mask_checks import (
+    check_mask_token_of_its_own,
+    mask_fix,
+    mask_in_text_message,
+    mask_of,
+    shared_mask_message,
+)
+from csbp.data.packing import (
+    PackedSplitWriter,
+    SplitCounts,
+    TurnTally,
+    encode_documents,
+    role_marker_message,
+    turn_documents,
+)
+from csbp.data.sources import ChatDocuments, Document, TxtMode, expand_inputs, iter_documents
 from csbp.data.tokenizer import (
     CsbpTokenizer,
     SpecialTokens,
@@ -102,6 +118,9 @@ class PrepareConfig:
         chat_template: ``auto`` (the tokenizer directory's chat template if it has one, else csbp's
             role markers), ``none`` (role markers) or the path of a ``.jinja`` file; see
             ``chat_template.py``.
+        chat_documents: ``record`` (one document per chat record, every assistant turn supervised)
+            or ``turn`` (one per assistant turn, the conversation up to it, only it supervised:
+            for templates that rewrite earlier turns, such as Qwen3's); see ``chat_template.py``.
     """
 
     inputs: tuple[Path, ...]
@@ -116,8 +135,13 @@ class PrepareConfig:
     special: SpecialTokens = field(default_factory=SpecialTokens)
     overwrite: bool = False
     chat_template: str = "auto"
+    chat_documents: ChatDocuments = "record"
 
     def __post_init__(self) -> None:
+        if self.chat_documents not in ("record", "turn"):
+            raise ValueError(f"chat_documents is {self.chat_documents!r}; use 'record' or 'turn'")
+        if self.chat_documents == "turn" and self.chat_template == "none":
+            raise ValueError(_TURN_NEEDS_TEMPLATE)
         if self.seq_len < 2:
             raise ValueError(f"seq_len is {self.seq_len}; use at least 2")
         if self.train_tokenizer == (self.tokenizer_path is not None):
@@ -148,7 +172,7 @@ class PrepareConfig:
                 if name != "mask" and other == self.special.mask:
                     mask = self.special.mask
                     raise ValueError(
-                        _shared_mask_message(f"--mask-token {mask!r}", name, other, _mask_fix(mask, True))
+                        shared_mask_message(f"--mask-token {mask!r}", name, other, mask_fix(mask, True))
                     )
 
 
@@ -173,6 +197,8 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     found = _count_documents(files, config.txt_mode, literal_mask)
     num_documents, num_empty, num_chats = found.documents, found.empty, found.chats
     template = template if num_chats else None  # recorded only when it formatted something
+    if config.chat_documents == "turn" and num_chats and template is None:
+        raise ValueError(f"{found.first_chat}: {_TURN_NEEDS_TEMPLATE}")
     if given is not None and template is None:  # chats get csbp's role markers: refused before encoding
         check_role_markers(given, found.first_use_of_role)
     if template is not None:
@@ -181,6 +207,9 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         raise ValueError(f"the inputs hold no non-empty documents ({counted(num_empty, 'empty one')} skipped)")
     val_ordinals = _choose_val_documents(num_documents, config.val_fraction, config.seed)
     _check_document_ids_fit(num_documents - len(val_ordinals), len(val_ordinals))
+    turns = TurnTally() if config.chat_documents == "turn" and template is not None else None
+    if turns is not None:  # each split holds at most all of them
+        _check_document_ids_fit(found.turn_documents, 0, "--chat-documents turn")
     say(f"{counted(num_documents, 'document')} ({len(val_ordinals)} val), {num_empty} empty skipped")
 
     tokenizer = given if given is not None else _train_tokenizer(config, files, val_ordinals, say)
@@ -188,7 +217,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with staging_directory(out_dir) as build_dir:  # removed on any error; a killed run's by the next one
         build_dir.chmod(0o755)  # mkdtemp's 0700 would keep the artifact from anyone else (csbp.atomic does the same)
-        counts = _write_splits(build_dir, files, config, tokenizer, val_ordinals, template)
+        counts = _write_splits(build_dir, files, config, tokenizer, val_ordinals, template, turns)
         tokenizer.save(build_dir)
         manifest = _manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
         manifest["chat_template"] = template.manifest_entry() if template is not None else None
@@ -198,6 +227,8 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         publish_directory(
             build_dir, out_dir, overwrite=config.overwrite, owned=ARTIFACT_OWNERSHIP, shown=config.out_dir
         )
+    if turns is not None:
+        say(f"--chat-documents turn: {turns.summary(num_chats)}")
     say(f"wrote {config.out_dir}: " + ", ".join(f"{s} {counted(counts[s].rows, 'row')}" for s in SPLITS))
     return manifest
 
@@ -225,12 +256,15 @@ def _non_empty_documents(files: list[Path], txt_mode: TxtMode) -> Iterator[Docum
 @dataclass
 class _Found:
     """What counting the inputs found: non-empty documents, empty ones skipped, non-empty chat
-    records, and the first record (``file:line``) using each chat role."""
+    records (the first at ``first_chat``), the first record (``file:line``) using each chat role, and
+    the documents ``--chat-documents turn`` would make (one per assistant turn, at least one a record)."""
 
     documents: int = 0
     empty: int = 0
     chats: int = 0
+    first_chat: str = ""
     first_use_of_role: dict[str, str] = field(default_factory=dict)
+    turn_documents: int = 0
 
 
 def _count_documents(files: list[Path], txt_mode: TxtMode, literal_mask: str | None = None) -> _Found:
@@ -243,13 +277,16 @@ def _count_documents(files: list[Path], txt_mode: TxtMode, literal_mask: str | N
             found.empty += 1
             continue
         found.documents += 1
+        found.turn_documents += 1
         if doc.messages is not None:
             found.chats += 1
+            found.first_chat = found.first_chat or doc.where
             for role, _ in doc.messages:
                 found.first_use_of_role.setdefault(role, doc.where)
+            found.turn_documents += max(sum(role == "assistant" for role, _ in doc.messages), 1) - 1
         if literal_mask is not None and any(literal_mask in text for text in doc.texts()):
-            which, fix = f"the mask token {literal_mask!r}", _mask_fix(literal_mask, default_available=True)
-            raise ValueError(f"{doc.where}: {_mask_in_text_message(which, fix)}")
+            which, fix = f"the mask token {literal_mask!r}", mask_fix(literal_mask, default_available=True)
+            raise ValueError(f"{doc.where}: {mask_in_text_message(which, fix)}")
     return found
 
 
@@ -265,11 +302,12 @@ MAX_DOCUMENTS_PER_SPLIT = 2**31
 """Document ids are stored as int32 (``artifact.ARRAY_DTYPES``): ordinals ``0 .. 2**31 - 1``."""
 
 
-def _check_document_ids_fit(num_train: int, num_val: int) -> None:
+def _check_document_ids_fit(num_train: int, num_val: int, why: str = "") -> None:
     for split, count in (("train", num_train), ("val", num_val)):
         if count > MAX_DOCUMENTS_PER_SPLIT:
             raise ValueError(
-                f"the {split} split would hold {count} documents, more than the {MAX_DOCUMENTS_PER_SPLIT} "
+                f"{why + ': ' if why else ''}the {split} split would hold {'up to ' if why else ''}{count} "
+                f"documents, more than the {MAX_DOCUMENTS_PER_SPLIT} "
                 "int32 document ids can number (fix: prepare the inputs as several artifacts, or join short records)"
             )
 
@@ -303,6 +341,7 @@ def _write_splits(
     tokenizer: CsbpTokenizer,
     val_ordinals: frozenset[int],
     template: ChatTemplate | None,
+    turns: TurnTally | None = None,
 ) -> dict[str, SplitCounts]:
     writers = {
         split: PackedSplitWriter(
@@ -313,17 +352,18 @@ def _write_splits(
     try:
         chunk: list[tuple[str, Document]] = []
         characters = 0
-        for ordinal, doc in enumerate(_non_empty_documents(files, config.txt_mode)):
-            length = sum(len(segment.text) for segment in doc.segments)
-            if chunk and characters + length > ENCODE_CHUNK_CHARACTERS:
-                _write_chunk(chunk, tokenizer, writers, template)
-                chunk, characters = [], 0
-            chunk.append(("val" if ordinal in val_ordinals else "train", doc))
-            characters += length
-            if len(chunk) == ENCODE_CHUNK_DOCUMENTS:
-                _write_chunk(chunk, tokenizer, writers, template)
-                chunk, characters = [], 0
-        _write_chunk(chunk, tokenizer, writers, template)
+        for ordinal, record in enumerate(_non_empty_documents(files, config.txt_mode)):
+            for doc in turn_documents(record) if turns is not None else (record,):
+                length = sum(len(segment.text) for segment in doc.segments)
+                if chunk and characters + length > ENCODE_CHUNK_CHARACTERS:
+                    _write_chunk(chunk, tokenizer, writers, template, turns)
+                    chunk, characters = [], 0
+                chunk.append(("val" if ordinal in val_ordinals else "train", doc))
+                characters += length
+                if len(chunk) == ENCODE_CHUNK_DOCUMENTS:
+                    _write_chunk(chunk, tokenizer, writers, template, turns)
+                    chunk, characters = [], 0
+        _write_chunk(chunk, tokenizer, writers, template, turns)
         _check_train_fills_a_row(writers["train"].num_tokens, config.seq_len)
         return {split: writer.finish() for split, writer in writers.items()}
     finally:
@@ -347,12 +387,15 @@ def _write_chunk(
     tokenizer: CsbpTokenizer,
     writers: dict[str, PackedSplitWriter],
     template: ChatTemplate | None,
+    turns: TurnTally | None = None,
 ) -> None:
     encoded = encode_documents([doc for _, doc in chunk], tokenizer, template)
     for (split, doc), (token_ids, loss_mask) in zip(chunk, encoded):
         if bool((token_ids == tokenizer.mask_token_id).any()):
-            raise ValueError(f"{doc.where}: {_mask_in_text_message(*_mask_of(tokenizer))}")
+            raise ValueError(f"{doc.where}: {mask_in_text_message(*mask_of(tokenizer))}")
         writers[split].add_document(token_ids, loss_mask)
+        if turns is not None and doc.messages is not None:
+            turns.add(doc, int(token_ids.shape[0]))
 
 
 def _manifest(
@@ -397,47 +440,20 @@ def _manifest(
         "sources": [
             {"name": path.name, "path": str(path.resolve()), "bytes": path.stat().st_size} for path in files
         ],
-        "options": {"val_fraction": config.val_fraction, "seed": config.seed, "txt_mode": config.txt_mode},
+        "options": {
+            "val_fraction": config.val_fraction,
+            "seed": config.seed,
+            "txt_mode": config.txt_mode,
+            "chat_documents": config.chat_documents,
+        },
     }
 
 
-def check_mask_token_of_its_own(tokenizer: CsbpTokenizer) -> None:
-    """``ValueError`` unless the mask token's id is no other special token's (EOS, pad, a role marker):
-    an EOS that is also ``[M]`` is supervised in every document, which training refuses mid-run."""
-    which, fix = _mask_of(tokenizer)
-    for special, token_id in tokenizer.special_ids().items():
-        if special != "mask" and token_id == tokenizer.mask_token_id:
-            raise ValueError(_shared_mask_message(which, special, tokenizer.special_names[special], fix))
-
-
-def _mask_of(tokenizer: CsbpTokenizer) -> tuple[str, str]:
-    """How messages name ``tokenizer``'s mask token, and the fix they offer."""
-    name = tokenizer.special_names["mask"]
-    default_available = tokenizer.source == "trained" or tokenizer.backend.token_to_id(DEFAULT_MASK) is not None
-    return f"the mask token {name!r} (id {tokenizer.mask_token_id})", _mask_fix(name, default_available)
-
-
-DEFAULT_MASK = SpecialTokens().mask
-
-
-def _mask_fix(mask_name: str, default_available: bool) -> str:
-    if mask_name == DEFAULT_MASK:
-        return f"remove {DEFAULT_MASK} from the data, or pass --mask-token naming another token the data never holds"
-    if default_available:
-        return f"pass --mask-token naming a token the data never holds, such as the default {DEFAULT_MASK}"
-    return "pass --mask-token naming a token of the tokenizer that the data never holds"
-
-
-def _shared_mask_message(which: str, field: str, other_name: str, fix: str) -> str:
-    flag = f"--{field}-token" if field in ("eos", "pad") else f"the {field} role marker"
-    return (
-        f"{which} is also the {field} token {other_name!r} ({flag}): training would take every {field} token "
-        f"for a masked position (fix: {fix})"
-    )
-
-
-def _mask_in_text_message(which: str, fix: str) -> str:
-    return f"{which} occurs in the text: training would take it for a masked position (fix: {fix})"
+_TURN_NEEDS_TEMPLATE = (
+    "--chat-documents turn renders each assistant turn with the model's chat template, but these chats get "
+    "csbp's role markers (--chat-template none, or a tokenizer directory without a template) (fix: "
+    "--chat-template PATH of the model's template, or drop --chat-documents turn)"
+)
 
 
 def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:

@@ -51,6 +51,10 @@ def format_manifest_summary(artifact: Artifact) -> str:
     template = artifact.chat_template
     if template is not None:
         lines.append(f"chat template {template.get('source', '?')} (sha256 {template.get('sha256', '?')})")
+        options = m.get("options")
+        per = options.get("chat_documents", "record") if isinstance(options, dict) else "record"
+        shown_per = {"record": "one per chat record", "turn": "one per assistant turn, only it supervised"}
+        lines.append(f"chat docs     {shown_per.get(per, repr(per))} (--chat-documents {per})")
     for split in SPLITS:
         s = {key: _recorded(artifact, "splits", split, key) for key in _SPLIT_COUNTS}
         lines.append(

@@ -36,6 +36,8 @@ from typing import Any, Literal
 from csbp.data.corpus import strip_gutenberg_boilerplate
 
 TxtMode = Literal["file", "paragraphs"]
+ChatDocuments = Literal["record", "turn"]
+"""``--chat-documents``: one document per chat record, or one per assistant turn (``packing.turn_documents``)."""
 
 SUPPORTED_SUFFIXES = (".jsonl", ".txt", ".parquet")
 CHAT_ROLES = ("system", "user", "assistant")
@@ -66,6 +68,8 @@ class Document:
     where: str
     messages: tuple[tuple[str, str], ...] | None = None
     """For chat records: ``(role, content)`` per message, for rendering with a chat template."""
+    last_turn_only: bool = False
+    """A chat rendered with a template supervises its last message alone (``--chat-documents turn``)."""
 
     @property
     def is_empty(self) -> bool:
