@@ -162,7 +162,8 @@ def test_the_documents_of_a_record_stay_in_its_split(tmp_path: Path, chatml_dir:
         chat_template=str(template), chat_documents="turn",
     )
     splits = prepare_artifact(config)["splits"]
-    assert splits["val"]["documents"] in (1, 2, 3) and splits["train"]["documents"] + splits["val"]["documents"] == 6
+    [val_record] = prepare_module._choose_val_documents(3, 0.3, 0)  # records are split, then turned into documents
+    assert splits["val"]["documents"] == val_record + 1 and splits["train"]["documents"] == 6 - (val_record + 1)
 
 
 def test_turn_documents_need_a_chat_template(tmp_path: Path, chatml_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
