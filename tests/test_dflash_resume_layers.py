@@ -62,7 +62,7 @@ def trained(inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory)
     return run_dir
 
 
-def run_copy(trained: Path, tmp_path: Path, resolved: dict[str, Any] | None) -> Path:
+def run_copy(trained: Path, tmp_path: Path, resolved: Any) -> Path:
     """A copy of ``trained`` whose checkpoint records ``resolved`` (None: no record, an older csbp)."""
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
@@ -184,3 +184,35 @@ def test_a_store_of_the_old_default_names_its_ids_in_the_fix(inputs: tuple[Path,
         "re-run `csbp dflash prepare-features` with --layer-ids 1 2 4)"
     )
     check_run(dflash_config(artifact, target, **{**RUN, LAYER_IDS_FIELD: OLD, "objective.dflash.features": str(store)}))
+
+
+def test_an_older_checkpoint_trained_on_a_feature_store_takes_its_ids(
+    inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """No record and unset ids at a depth where the default changed, but the run trained on a feature
+    store the checkpoint fingerprinted: the store's ids are the trained ones, so it resumes as is; with
+    that fingerprint gone (an older checkpoint still) both candidates stay unknown."""
+    artifact, target = inputs
+    split = open_artifact(artifact).split("train")
+    store = prepare_features(load_hf_checkpoint(target)[0], split, tmp_path / "features", layer_ids=tuple(NEW),
+                             dtype="float32", target_weights=checkpoint_fingerprint(target))  # fmt: skip
+    with_store = {"objective.dflash.features": str(store)}
+    trained = tmp_path / "trained"
+    train(dflash_config(*inputs, **RUN, **with_store), run_dir=trained)
+    run_dir = run_copy(trained, tmp_path, None)
+    check_run(resumed(inputs, **with_store), run_dir=run_dir, resume=True)
+    state_file = find_latest_checkpoint(run_dir) / "trainer_state.json"  # type: ignore[operator]
+    state = json.loads(state_file.read_text())
+    del state["input_fingerprints"]["objective.dflash.features"]
+    state_file.write_text(json.dumps(state))
+    message = one_line_error(lambda: check_run(resumed(inputs, **with_store), run_dir=run_dir, resume=True))
+    assert "which one it trained with is unknown" in message
+
+
+def test_a_damaged_record_is_named(inputs: tuple[Path, Path], trained: Path, tmp_path: Path) -> None:
+    for number, (damaged, problem) in enumerate((([1, 2, 4], "resolved_config is not a mapping"),
+                             ({LAYER_IDS_FIELD: "1 2 4"}, "resolved_config objective.dflash.target_layer_ids is "
+                                                          "'1 2 4', not a list of layer ids"))):  # fmt: skip
+        run_dir = run_copy(trained, tmp_path / str(number), damaged)
+        message = one_line_error(lambda run_dir=run_dir: check_run(resumed(inputs), run_dir=run_dir, resume=True))
+        assert problem in message and "the checkpoint is" in message, message

@@ -13,7 +13,8 @@ as the public readers do, which picks another layer at some depths (38 target la
   naming both lists and the fix (:func:`check_resumed_layer_ids`; ``csbp.training.resume_config``
   leaves the configured value to this check, so a resume may spell the same ids out or drop them);
 * a checkpoint written before the record (:func:`trained_layer_ids`): configured ids are the trained
-  ones; unset ones are the default of its depth when both rules give the same ids, and otherwise
+  ones; unset ones are the default of its depth when both rules give the same ids, or the ids of the
+  feature store it trained on (fingerprinted in the checkpoint, so the same store); otherwise
   unknown: both candidates are named and the resume (or ``csbp dflash export --checkpoint``) is
   refused until the config (or ``--layer-ids``) names one of them.
 """
@@ -27,12 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from csbp.config.loading import read_yaml_text
 from csbp.dflash.config import default_target_layer_ids
+from csbp.dflash.features import recorded_layer_ids
 
 if TYPE_CHECKING:
     from csbp.training.checkpoint import TrainingState
     from csbp.training.dflash_inputs import DFlashInputs
 
 LAYER_IDS_FIELD = "objective.dflash.target_layer_ids"
+FEATURES_FIELD = "objective.dflash.features"
 ROUNDING_CHANGE = "csbp before commit 2967e9f (2026-12-03)"
 """When the default stopped rounding halves up; named when a checkpoint's ids are unknown."""
 
@@ -109,6 +112,8 @@ def check_resumed_layer_ids(
     candidates = trained_layer_ids(
         state.resolved_config, configured_then, num_target, num_draft, source=source
     )
+    if len(candidates) > 1:
+        candidates = _store_decides(state, dflash, candidates)
     explicit = dflash.layer_ids_configured
     if candidates == (resolved,):
         return
@@ -133,6 +138,18 @@ def check_resumed_layer_ids(
         f"(fix: set {LAYER_IDS_FIELD} to the ids the run started with: {_text(legacy)} if it started under "
         f"{ROUNDING_CHANGE}, else {_text(current)}; or {restart})"
     )
+
+
+def _store_decides(
+    state: TrainingState, dflash: DFlashInputs, candidates: tuple[tuple[int, ...], ...]
+) -> tuple[tuple[int, ...], ...]:
+    """The one candidate a feature store decides, else ``candidates``: a run on a store trained with the
+    store's ids (``open_features`` refuses others), and a checkpoint that fingerprinted its store
+    (``input_fingerprints``, manifest included) resumes only on that store (``resume_config``, run first)."""
+    if dflash.features_dir is None or FEATURES_FIELD not in state.input_fingerprints:
+        return candidates
+    stored = recorded_layer_ids(dflash.features_dir)
+    return (tuple(stored),) if stored is not None and tuple(stored) in candidates else candidates
 
 
 def _text(ids: tuple[int, ...]) -> str:
