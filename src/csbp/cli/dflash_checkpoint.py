@@ -46,6 +46,15 @@ def run_dir_source(run_dir: Path) -> tuple[Path | None, Path | None]:
     return None, latest
 
 
+def _resolved_config(checkpoint: Path) -> dict[str, Any]:
+    """The ``resolved_config`` of the checkpoint's ``trainer_state.json`` (empty if none: an older one)."""
+    state_file = checkpoint / "trainer_state.json"
+    resolved = read_json_object(state_file).get("resolved_config") if state_file.is_file() else None
+    if resolved is not None and not isinstance(resolved, dict):
+        raise ValueError(f"{state_file}: resolved_config is not a mapping; the checkpoint is damaged")
+    return resolved or {}
+
+
 def _run_config(checkpoint: Path) -> dict[str, Any]:
     """The run config recorded in the checkpoint's ``trainer_state.json`` (empty if none)."""
     state_file = checkpoint / "trainer_state.json"
@@ -123,7 +132,8 @@ def drafter_from_checkpoint(checkpoint: Path, target: Decoder, args: argparse.Na
         if key.startswith(prefix) and hasattr(meta, "size")
     }
     config = _checkpoint_drafter_config(
-        {k: s for k, (s, _) in shapes.items()}, target.config, _run_config(checkpoint), args
+        {k: s for k, (s, _) in shapes.items()}, target.config, _run_config(checkpoint), args,
+        recorded=_resolved_config(checkpoint), source=str(checkpoint / "trainer_state.json"),
     )
     drafter = DFlashDrafter(config, device="meta")
     expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
@@ -145,11 +155,16 @@ def _checkpoint_drafter_config(
     target_config: DecoderConfig,
     run: dict[str, Any],
     args: argparse.Namespace,
+    *,
+    recorded: dict[str, Any],
+    source: str,
 ) -> DFlashConfig:
     """Shapes (layers, widths, heads, DFlash2 modules) from the tensors; the rest from the run config
     (``objective.block_size``, ``objective.mask_token_id`` or the data artifact's, ``objective.dflash``)
-    unless overridden on the command line."""
-    from csbp.dflash.config import DFlashConfig, default_target_layer_ids
+    unless overridden on the command line. The target layer ids are those the checkpoint trained with
+    (``recorded``: its ``resolved_config``; :func:`csbp.training.dflash_layers.trained_layer_ids`)."""
+    from csbp.dflash.config import DFlashConfig
+    from csbp.training.dflash_layers import ROUNDING_CHANGE, trained_layer_ids, unknown_ids_reason
 
     objective = run.get("objective") if isinstance(run.get("objective"), dict) else {}
     dflash = objective.get("dflash") if isinstance(objective.get("dflash"), dict) else {}
@@ -176,9 +191,19 @@ def _checkpoint_drafter_config(
             "the checkpoint's run config records no block_size or mask_token_id; "
             "pass --block-size and --mask-token-id"
         )
-    layer_ids = args.layer_ids or dflash.get("target_layer_ids")
-    if layer_ids is None:
-        layer_ids = default_target_layer_ids(target_config.num_layers, num_layers)
+    layer_ids = args.layer_ids
+    if not layer_ids:
+        candidates = trained_layer_ids(
+            recorded, dflash.get("target_layer_ids"), target_config.num_layers, num_layers, source=source
+        )
+        if len(candidates) > 1:  # an older checkpoint at a depth where the default's rounding changed
+            legacy, current = (" ".join(map(str, ids)) for ids in candidates)
+            raise ValueError(
+                f"--checkpoint: {unknown_ids_reason(candidates, target_config.num_layers, num_layers)}; which one "
+                f"it trained with is unknown (fix: pass --layer-ids {legacy} if the run started under "
+                f"{ROUNDING_CHANGE}, else --layer-ids {current})"
+            )
+        layer_ids = candidates[0]
     if len(layer_ids) * hidden != shapes["fc.weight"][1]:
         raise ValueError(
             f"target_layer_ids {list(layer_ids)} do not match the drafter's fc width "

@@ -227,6 +227,17 @@ class FeatureStore:
         return TargetFeatures(features, last, self.layer_ids)
 
 
+def recorded_layer_ids(directory: str | os.PathLike[str]) -> list[int] | None:
+    """The ``layer_ids`` a store's manifest records, for naming them in a fix; None when it records no
+    list of integers or is unreadable (``open_features`` then says what is wrong)."""
+    try:
+        manifest = json.loads((Path(directory) / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ids = manifest.get("layer_ids") if isinstance(manifest, dict) else None
+    return ids if isinstance(ids, list) and ids and all(type(i) is int for i in ids) else None
+
+
 def recorded_target(directory: str | os.PathLike[str]) -> tuple[str, Any] | None:
     """The weights fingerprint and weight-file list a store's manifest records, for
     ``checkpoint_fingerprint(..., known=...)``; None when it records none or is unreadable

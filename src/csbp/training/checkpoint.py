@@ -9,7 +9,8 @@ Layout of ``<run_dir>/checkpoints/``::
 
 ``trainer_state.json`` (plain JSON, never pickled) holds the step, the lr-scheduler state, the data
 loader's global cursor, the global RNG states, the data fingerprint, every parameter's shape, the
-topology it was written under, the run config (YAML text), the ``train.nan_policy: skip`` streak
+topology it was written under, the run config (YAML text) and the values it resolved for it
+(``resolved_config``: a dflash run's target layer ids), the ``train.nan_policy: skip`` streak
 (``nan_skips_in_a_row``) and the CRC32 of every file DCP wrote
 (``checksums``, :mod:`csbp.training.checkpoint_checksums`; absent in checkpoints of older versions).
 
@@ -120,6 +121,10 @@ class TrainingState:
     #: ``train.nan_policy: skip``'s count of steps skipped in a row (:mod:`csbp.training.nan_policy`);
     #: 0 in checkpoints written before it was recorded
     nan_skips_in_a_row: int = 0
+    #: config values as the run resolved them, keyed by dotted field (a dflash run's
+    #: ``objective.dflash.target_layer_ids``, :mod:`csbp.training.dflash_layers`); empty in checkpoints
+    #: written before they were recorded
+    resolved_config: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, **self.__dict__}
@@ -142,6 +147,8 @@ class TrainingState:
         skips = fields.get("nan_skips_in_a_row", 0)
         if type(skips) is not int or skips < 0:
             raise ValueError(f"{source}: nan_skips_in_a_row is {skips!r}, not a count; the checkpoint is corrupt")
+        if not isinstance(fields.get("resolved_config", {}), dict):
+            raise ValueError(f"{source}: resolved_config is not a mapping; the checkpoint is corrupt")
         return TrainingState(**fields)
 
 

@@ -30,7 +30,7 @@ from csbp.data.tokenizer import fingerprint_bytes
 from csbp.dflash.anchors import validate_anchor_coverage
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, validate_drafter_target
 from csbp.dflash.drafter import DFlashDrafter
-from csbp.dflash.features import FeatureStore, open_features, recorded_target
+from csbp.dflash.features import FeatureStore, open_features, recorded_layer_ids, recorded_target
 from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
 from csbp.models.hf_io import decoder_config_from_hf, read_json_object
@@ -53,6 +53,7 @@ class DFlashInputs:
         drafter_config: the drafter's architecture.
         objective: the DFlash loss options.
         features_dir: the offline feature store of the training split, or None (online capture).
+        layer_ids_configured: the config names ``target_layer_ids`` (False: the drafter's are the default).
     """
 
     target_dir: Path
@@ -60,11 +61,20 @@ class DFlashInputs:
     drafter_config: DFlashConfig
     objective: DFlashObjectiveConfig
     features_dir: Path | None
+    layer_ids_configured: bool = False
 
     def feature_store(self, train_split: ArtifactSplit) -> FeatureStore | None:
         """The opened, validated feature store of ``train_split`` (None without one)."""
         if self.features_dir is None:
             return None
+        layer_ids = list(self.drafter_config.target_layer_ids or ())
+        fix = "re-run `csbp dflash prepare-features` for this target, data and drafter, or remove it"
+        stored = recorded_layer_ids(self.features_dir)
+        if stored is not None and stored != layer_ids and not self.layer_ids_configured:
+            fix = (  # e.g. a store captured for the default before its rounding changed
+                f"set objective.dflash.target_layer_ids: {stored} (the layers the store holds; the default here is "
+                f"{layer_ids}), or re-run `csbp dflash prepare-features` with --layer-ids {' '.join(map(str, layer_ids))}"
+            )
         return _field(
             "objective.dflash.features",
             lambda: open_features(
@@ -72,10 +82,10 @@ class DFlashInputs:
                 target_config=self.target_config,
                 target_weights=checkpoint_fingerprint(self.target_dir, known=recorded_target(self.features_dir)),
                 split=train_split,
-                layer_ids=self.drafter_config.target_layer_ids or (),
+                layer_ids=layer_ids,
                 need_last_hidden=self.objective.loss == "kl",
             ),
-            "re-run `csbp dflash prepare-features` for this target, data and drafter, or remove it",
+            fix,
         )
 
     def param_shapes(self) -> dict[str, list[int]]:
@@ -141,6 +151,7 @@ def check_dflash_inputs(
         drafter_config=drafter_config,
         objective=objective,
         features_dir=Path(section.features) if section.features is not None else None,
+        layer_ids_configured=section.target_layer_ids is not None,
     )
     inputs.feature_store(artifact.split("train"))
     return inputs

@@ -16,8 +16,8 @@ shape and the objective, and checks what the config schema cannot see on its own
 * FSDP has a data-parallel group to shard over;
 * the run directory: it can be created and written; ``--resume`` needs an intact checkpoint there
   (damaged newer ones are skipped with a warning), written for the same model shape and data, under
-  a config that differs only where a resume may differ (:mod:`csbp.training.resume_config`); a
-  fresh run must not overwrite one, and starts only in an empty directory or one holding nothing but
+  a config that differs only where a resume may differ (:mod:`csbp.training.resume_config`) and, for
+  dflash, the target layers it trained with (:mod:`csbp.training.dflash_layers`); a fresh run must not overwrite one, and starts only in an empty directory or one holding nothing but
   what a csbp run writes (never a data artifact, a model or the working directory with other files).
   Nothing is written into it here.
 
@@ -51,11 +51,12 @@ from csbp.training.checkpoint import (
 )
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, has_checkpoints, step_directories
 from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
+from csbp.training.dflash_layers import check_resumed_layer_ids
 from csbp.training.export_tokenizer import ExportTokenizer, check_data_tokenizer, export_tokenizer_for_run
 from csbp.training.input_hints import is_artifact, missing_artifact_problem
 from csbp.training.mask_data import check_mask_token_data
 from csbp.training.model_factory import decoder_config_for_run
-from csbp.training.resume_config import resume_changes
+from csbp.training.resume_config import resume_changes, resume_restart_for
 from csbp.training.run_lock import LOCK_FILE
 
 NOISE_SCHEMES = {"rotated": "rotated_lattice", "stratified": "stratified"}
@@ -160,6 +161,9 @@ def check_run(
             ):
                 if warn is not None:
                     warn(note)
+            if inputs.dflash is not None:  # the target layers its fc weights were fitted to, as resolved
+                restart = resume_restart_for(cfg, resume_restart)
+                check_resumed_layer_ids(state, latest, inputs.dflash, restart=restart, warn=warn)
             check_compatible(
                 state,
                 latest,

@@ -20,7 +20,9 @@ process starts (:func:`resume_changes`):
   and schedule; the loader continues from the same global cursor);
 * **what defines the trained model** (``model`` shape and RoPE, ``objective``, ``data.seq_len``,
   the document mask, ``run.seed``, ``topology.window``, ``fp64``): refused with one line naming the
-  field, both values and the fix.
+  field, both values and the fix. ``objective.dflash.target_layer_ids`` is compared as resolved (the
+  default filled in) by :mod:`csbp.training.dflash_layers`, not here: an unset value may resolve to
+  other ids than it did, and spelling the trained ids out is no change.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ TRAIN_RESTART = (
 #: the same for a dflash run, whose drafter cannot start from an export (model.init_from is refused there)
 DFLASH_TRAIN_RESTART = "start a new run directory (a DFlash drafter always trains from its own initialisation)"
 
+#: fields compared as the run resolves them, not as configured (unset: a default that may have changed)
+COMPARED_RESOLVED = ("objective.dflash.target_layer_ids",)  # csbp.training.dflash_layers
 #: mappings compared (and named) as one value
 LEAF_MAPPINGS = ("rope_scaling",)
 #: free-section fields that change what the model computes
@@ -115,8 +119,7 @@ def resume_changes(
     contents is no change. ``restart``: the fix's other way out, for the command resuming (a new
     ``--out`` for ``csbp compare``; None: ``csbp train``'s new run directory, :data:`TRAIN_RESTART` or
     for a dflash run :data:`DFLASH_TRAIN_RESTART`)."""
-    if restart is None:
-        restart = DFLASH_TRAIN_RESTART if cfg.objective.name == "dflash" else TRAIN_RESTART
+    restart = resume_restart_for(cfg, restart)
     loaded = read_yaml_text(saved_yaml, source=f"{checkpoint}/trainer_state.json config_yaml") if saved_yaml else None
     if not isinstance(loaded, dict):
         return []  # nothing recorded to compare against
@@ -126,6 +129,8 @@ def resume_changes(
     # the objective first: other fields' defaults follow it (loss weights, the document mask)
     order = {"objective.name": 0, "data.document_mask": 2}
     for name in sorted(set(before) | set(after), key=lambda n: (order.get(n, 1), n)):
+        if name in COMPARED_RESOLVED:
+            continue
         old, new = before.get(name), after.get(name)
         recorded = (fingerprints or {}).get(name)
         if old == new and recorded is not None and isinstance(new, str):
@@ -153,6 +158,13 @@ def resume_changes(
         if _matches(name, APPLIED):
             notes.append(f"resume: {name} {_text(old)} -> {_text(new)} from step {step} on")
     return notes
+
+
+def resume_restart_for(cfg: RunConfig, restart: str | None) -> str:
+    """``restart``, else the default way out of a refused resume for ``cfg``'s objective."""
+    if restart is not None:
+        return restart
+    return DFLASH_TRAIN_RESTART if cfg.objective.name == "dflash" else TRAIN_RESTART
 
 
 def _refused(name: str, old: Any, new: Any) -> bool:

@@ -29,6 +29,7 @@ from csbp.config.schema import RunConfig
 from csbp.data.loader import PackedLoader
 from csbp.engine.context import ParallelContext
 from csbp.training.checkpoint import TrainingState, param_shapes, rng_state, save_checkpoint
+from csbp.training.dflash_layers import resolved_config
 from csbp.training.dflash_step import DFlashStepRunner
 from csbp.training.input_identity import input_fingerprints
 from csbp.training.metrics import MetricsWriter, peak_memory_bytes, step_line
@@ -196,6 +197,7 @@ class StepLoop:
             config_yaml=dump_config(self.cfg),
             input_fingerprints=self._input_fingerprints,
             nan_skips_in_a_row=self.streak.in_a_row,
+            resolved_config=resolved_config(self.inputs.dflash),
         )
         return save_checkpoint(
             self.run_dir,

@@ -1,0 +1,78 @@
+"""``csbp dflash export``: write a drafter in the public DFlash format.
+
+It reads one of: ``--drafter DIR`` (a drafter in the public format, re-exported after validation
+against the target), ``--run-dir RUN`` (``RUN/final`` when it holds a drafter, else the checkpoint
+``RUN/checkpoints/latest`` names) or ``--checkpoint RUN/checkpoints/step_N`` (a
+``torch.distributed.checkpoint`` directory whose ``model`` entry is the drafter's state dict; the
+shapes come from the checkpoint, ``block_size``/``mask_token_id`` from the run config in
+``trainer_state.json`` and ``target_layer_ids`` from the ids it recorded as trained with
+(:mod:`csbp.training.dflash_layers`), or from ``--block-size``/``--mask-token-id``/``--layer-ids``).
+DCP's ``.metadata`` is a pickle: it is read with a restricted unpickler that admits only the DCP
+metadata classes, so a crafted checkpoint is refused instead of running code. The export carries the
+tokenizer files of a ``--drafter`` directory (a run's ``final/``), or for a checkpoint those its run's
+``final/`` would hold (:func:`csbp.cli.dflash_checkpoint.checkpoint_tokenizer_files`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from csbp.cli.dflash_checkpoint import (
+    checkpoint_context,
+    checkpoint_tokenizer_files,
+    drafter_from_checkpoint,
+    run_dir_source,
+)
+from csbp.cli.dflash_common import DTYPES, INCLUSIVE_NOTE, load_target
+from csbp.models.hf_io import tokenizer_files_in, without_auto_map
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Export the drafter of ``--drafter``/``--run-dir``/``--checkpoint`` to ``--out`` and validate what was written."""
+    from csbp.dflash.export import drafter_context, export_dflash, load_dflash, public_reader_window_note
+    from csbp.training.export import check_out_outside_checkpoints, checkpoints_root
+
+    drafter_dir = args.drafter
+    checkpoint = args.checkpoint
+    if args.run_dir is not None:
+        drafter_dir, checkpoint = run_dir_source(args.run_dir)
+        check_out_outside_checkpoints(args.out, args.run_dir / "checkpoints")
+    else:
+        check_out_outside_checkpoints(args.out, checkpoints_root(checkpoint) if checkpoint is not None else None)
+    target = load_target(args.target, args, device="cpu")  # only validates shapes and ids
+    dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
+    if drafter_dir is not None:
+        if not (drafter_dir / "config.json").is_file():
+            raise ValueError(f"{drafter_dir} is not a DFlash drafter directory: config.json not found")
+        drafter = load_dflash(drafter_dir, target, dtype=dtype)
+        source, context = str(drafter_dir), drafter_context(drafter_dir)  # carried through
+        tokenizer, dropped = without_auto_map(tokenizer_files_in(drafter_dir))  # carried through (final/ has them)
+        if dropped:
+            print(
+                f"note: {drafter_dir / 'tokenizer_config.json'} names remote code (auto_map); the export leaves it "
+                "out (csbp runs none; the tokenizer is tokenizer.json)",
+                file=sys.stderr,
+            )
+    else:
+        drafter = drafter_from_checkpoint(checkpoint, target, args)
+        source, context = f"checkpoint {checkpoint}", checkpoint_context(checkpoint)
+        tokenizer = checkpoint_tokenizer_files(checkpoint, drafter.config.mask_token_id)
+    out = export_dflash(
+        drafter, args.out, dtype=dtype, overwrite=args.overwrite, context=context, tokenizer_files=tokenizer
+    )
+    reloaded = load_dflash(out, target)  # validate what was written
+    cfg = reloaded.config
+    count = sum(p.numel() for p in reloaded.parameters())
+    print(
+        f"exported {source} -> {out}: {'DFlash2' if cfg.is_dflash2 else 'DFlash'} drafter, {cfg.num_layers} "
+        f"layers, block_size {cfg.block_size}, target_layer_ids {list(cfg.target_layer_ids or ())}, "
+        f"mask_token_id {cfg.mask_token_id}, {count} parameters, context {context or 'not recorded'}, "
+        f"{len(tokenizer)} tokenizer files"
+    )
+    if context == "inclusive":
+        print(INCLUSIVE_NOTE.format(drafter=out), file=sys.stderr)
+    window_note = public_reader_window_note(cfg, out)
+    if window_note is not None:
+        print(window_note, file=sys.stderr)
+    return 0
