@@ -1,15 +1,19 @@
 """The NELBO estimator of ``csbp eval`` and ``val_nelbo``: unbiased whatever the trained noise scheme
-(each slot's level marginally uniform)."""
+(each slot's level marginally uniform), and a split with nothing to score refused with one line."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from csbp.engine.verify import MASK_TOKEN_ID
-from csbp.evaluation import EVAL_T_MIN, nelbo_objective
+from csbp.data.artifact import ArtifactSplit
+from csbp.engine.verify import MASK_TOKEN_ID, tiny_model_config
+from csbp.evaluation import EVAL_T_MIN, EvalOptions, EvalSettings, evaluate_model, nelbo_objective
+from csbp.evaluation.runner import check_scored_tokens
+from csbp.models.decoder import Decoder
 from csbp.objectives import build_objective, corruption_generator
 
 SEQ_LEN = 16
@@ -67,3 +71,43 @@ def test_every_nelbo_slot_draws_its_level_over_the_whole_range(objective_name: s
     assert float(levels.min()) >= EVAL_T_MIN
     # every (row, block) slot sees low and high levels across the draws (a stratum is 1/K wide)
     assert bool((levels.amin(0) < 0.25).all()) and bool((levels.amax(0) > 0.75).all())
+
+
+def _split(loss_mask: np.ndarray, doc_ids: np.ndarray | None = None) -> ArtifactSplit:
+    rows, seq_len = loss_mask.shape
+    return ArtifactSplit(
+        name="val",
+        seq_len=seq_len,
+        tokens=np.ones((rows, seq_len), dtype=np.uint32),
+        loss_mask=loss_mask.astype(np.uint8),
+        doc_ids=np.zeros((rows, seq_len), dtype=np.int64) if doc_ids is None else doc_ids,
+        fingerprint="test",
+    )
+
+
+def test_a_split_with_nothing_to_score_is_refused_before_any_forward() -> None:
+    bd3 = EvalSettings(objective="bd3", block_size=4, mask_token_id=MASK_TOKEN_ID)
+    unsupervised = _split(np.zeros((3, 8)))
+    # evaluate_model reported nelbo 0.0000 and ppl bound 1.00 (0 / max(0, 1)): a perfect model, silently
+    model = Decoder(tiny_model_config(), dtype=torch.float32, seed=0)
+    with pytest.raises(ValueError, match="hold no supervised token"):
+        evaluate_model(model, unsupervised, bd3, EvalOptions(samples=1, left_to_right=False), progress=False)
+    with pytest.raises(ValueError, match=r"--split val: the 3 rows scored hold no supervised token") as caught:
+        check_scored_tokens(unsupervised, bd3, EvalOptions(micro_batch_size=2))
+    assert "\n" not in str(caught.value) and "fix:" in str(caught.value)
+    # fast_dllm_v2 never scores position 0 nor a document start: one supervised token there is nothing
+    fast = EvalSettings(objective="fast_dllm_v2", block_size=4, mask_token_id=MASK_TOKEN_ID)
+    mask = np.zeros((2, 8))
+    mask[0, 0] = mask[1, 4] = 1
+    doc_ids = np.array([[0] * 8, [0] * 4 + [1] * 4])
+    with pytest.raises(ValueError, match="hold no supervised token"):
+        check_scored_tokens(_split(mask, doc_ids), fast, EvalOptions())
+    check_scored_tokens(_split(mask, doc_ids), bd3, EvalOptions())  # bd3 scores both
+    # --max-batches caps the rows looked at, as it caps the rows scored
+    late = np.zeros((4, 8))
+    late[3, 2] = 1
+    check_scored_tokens(_split(late), bd3, EvalOptions(micro_batch_size=2))
+    with pytest.raises(ValueError, match="the 2 rows scored"):
+        check_scored_tokens(_split(late), bd3, EvalOptions(micro_batch_size=2, max_batches=1))
+    with pytest.raises(ValueError, match="has no rows"):
+        check_scored_tokens(_split(np.zeros((0, 8))), bd3, EvalOptions())

@@ -85,6 +85,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.data.artifact import open_artifact
     from csbp.evaluation import EvalOptions, evaluate_model, resolve_settings
     from csbp.evaluation.parallel import eval_topology, evaluate_parallel
+    from csbp.evaluation.runner import check_scored_tokens
     from csbp.evaluation.settings import run_config_settings
     from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
 
@@ -110,6 +111,7 @@ def run_eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         left_to_right=not args.no_ltr,
     )
+    check_scored_tokens(split, settings, options)  # before the weights load
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     if topology.world_size == 1:

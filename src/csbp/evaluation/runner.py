@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -136,6 +137,34 @@ class EvalSums:
     rows: int = 0
 
 
+SCAN_ROWS = 4096
+"""Rows of the loss mask :func:`check_scored_tokens` reads at a time."""
+
+
+def check_scored_tokens(split: ArtifactSplit, settings: EvalSettings, options: EvalOptions) -> None:
+    """``ValueError`` (one line) unless the rows :func:`split_batches` yields hold a token to score.
+
+    Without one the NELBO and the LTR NLL would be ``0 / 0``, reported as a perfect ``0.0``. Reads the
+    loss mask (and, under token shift, the document ids: position 0 and document starts are never
+    targets) of those rows a chunk at a time and stops at the first scored token.
+    """
+    rows = min(batch_count(split, options.micro_batch_size, options.max_batches) * options.micro_batch_size, split.num_rows)
+    if rows == 0:
+        raise ValueError(f"--split {split.name} has no rows (fix: evaluate a split with data)")
+    for start in range(0, rows, SCAN_ROWS):
+        supervised = np.asarray(split.loss_mask[start : start + SCAN_ROWS][: rows - start]) != 0
+        if settings.token_shift:
+            doc_ids = np.asarray(split.doc_ids[start : start + SCAN_ROWS][: rows - start])
+            supervised = supervised[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1])
+        if supervised.any():
+            return
+    which = "supervised token that token shift can target (never position 0 or a document start)" if settings.token_shift else "supervised token"
+    raise ValueError(
+        f"--split {split.name}: the {counted(rows, 'row')} scored hold no {which}: its NELBO would be 0/0 "
+        "(fix: evaluate a split with supervised tokens, or raise --max-batches)"
+    )
+
+
 @torch.no_grad()
 def score_split(
     model: Decoder,
@@ -198,6 +227,7 @@ def evaluate_model(
 ) -> EvalReport:
     """Score ``split`` on this one process (see the module docstring)."""
     options = options or EvalOptions()
+    check_scored_tokens(split, settings, options)
     started = time.perf_counter()
     ctx = single_process_context(model.embed_tokens.weight.device)
     sums = score_split(model, split, settings, eval_plan(settings, split.seq_len, ctx), options, progress=progress)
