@@ -111,3 +111,18 @@ def test_a_split_with_nothing_to_score_is_refused_before_any_forward() -> None:
         check_scored_tokens(_split(late), bd3, EvalOptions(micro_batch_size=2, max_batches=1))
     with pytest.raises(ValueError, match="has no rows"):
         check_scored_tokens(_split(np.zeros((0, 8))), bd3, EvalOptions())
+
+
+@pytest.mark.parametrize(
+    ("objective_name", "label", "t_max"), [("bd3", "t in [0.001, 1]", 1.0), ("fast_dllm_v2", "p in [0.001, 0.999]", 0.999)]
+)
+def test_the_report_names_the_noise_range_it_used_and_its_units(objective_name: str, label: str, t_max: float) -> None:
+    # Fast-dLLM v2's move chance lies in [a, 1 - a]; the report said "t in [0.001, 1]" for it too.
+    settings = EvalSettings(objective=objective_name, block_size=4, mask_token_id=MASK_TOKEN_ID)
+    ids = np.random.default_rng(0).integers(0, MASK_TOKEN_ID, size=(2, 8)).astype(np.uint32)
+    split = ArtifactSplit("val", 8, ids, np.ones((2, 8), np.uint8), np.zeros((2, 8), np.int64), "test")
+    model = Decoder(tiny_model_config(), dtype=torch.float64, seed=0)
+    report = evaluate_model(model, split, settings, EvalOptions(samples=2, left_to_right=False), progress=False)
+    assert label in report.format().splitlines()[1] and "nats/token" in report.format()
+    record = report.to_json()
+    assert (record["units"], record["t_min"], record["t_max"]) == ("nats/token", EVAL_T_MIN, pytest.approx(t_max))

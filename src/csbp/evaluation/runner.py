@@ -41,7 +41,11 @@ from csbp.wording import counted
 
 @dataclass(frozen=True)
 class EvalReport:
-    """What ``csbp eval`` prints and writes (nats per token)."""
+    """What ``csbp eval`` prints and writes (``units``: nats per token; bits are nats / ln 2).
+
+    ``t_min``/``t_max`` is the NELBO's noise range: of ``t`` (``p = t``) for bd3/mdlm, of the move
+    chance ``p`` of Fast-dLLM v2's first view (``[a, 1 − a]``, the second view's is ``1 − p``).
+    """
 
     objective: str
     block_size: int
@@ -50,6 +54,7 @@ class EvalReport:
     batches: int
     samples: int
     t_min: float
+    t_max: float
     nelbo: float
     nelbo_stderr: float | None
     ppl_bound: float
@@ -58,6 +63,7 @@ class EvalReport:
     ltr_ppl: float | None
     ltr_tokens: int
     seconds: float
+    units: str = "nats/token"
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -68,7 +74,8 @@ class EvalReport:
             f"data        {self.split}: {counted(self.rows, 'row')} in {counted(self.batches, 'batch', 'batches')}, "
             f"{self.objective} B={self.block_size}",
             f"nelbo       {self.nelbo:.4f} nats/token  stderr {stderr}  over {counted(self.samples, 'noise draw')}, "
-            f"t in [{self.t_min:g}, 1], {self.nelbo_tokens} tokens",
+            f"{'p' if self.objective == 'fast_dllm_v2' else 't'} in [{self.t_min:g}, {self.t_max:g}], "
+            f"{self.nelbo_tokens} tokens",
             f"ppl bound   {self.ppl_bound:.2f}  (exp nelbo)",
         ]
         if self.ltr_nll is not None:
@@ -257,6 +264,7 @@ def build_report(
         batches=batch_count(split, options.micro_batch_size, options.max_batches),
         samples=samples,
         t_min=EVAL_T_MIN,
+        t_max=1.0 - EVAL_T_MIN if settings.objective == "fast_dllm_v2" else 1.0,
         nelbo=nelbo,
         nelbo_stderr=stderr,
         ppl_bound=perplexity_bound(nelbo),
