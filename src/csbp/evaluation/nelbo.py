@@ -36,9 +36,14 @@ Per objective:
 * ``fast_dllm_v2``: complementary views of one draw with move chance ``p ~ U[a, 1 − a]`` per
   (sample, block); view 1 masks with probability ``p`` (weight ``1/p``), view 2 with ``1 − p``
   (weight ``1/(1 − p)``); each view is an unbiased estimate of the block NELBO over ``[a, 1 − a]``
-  and the reported number is their mean (weights ``1/(2p)`` and ``1/(2(1 − p))``), per targetable token (token shift: position 0 and document
-  starts are never targets, so the bound is on ``log p(x_1.. | x_0)``); the mask-token logit is
-  excluded, as the sampler does (training keeps it);
+  and the reported number is their mean (weights ``1/(2p)`` and ``1/(2(1 − p))``), per targetable
+  token (token shift: position 0 and document starts are never targets, so the bound is on
+  ``log p(x_1.. | x_0)``); the mask-token logit is excluded, as the sampler does (training keeps
+  it). The label map is training's, so a block's first token is scored from the last row of the
+  previous block *as corrupted in that view* (objectives.md §4, "quirk of the training mask"),
+  whereas ``csbp generate`` commits it from the completed block: the number bounds the NLL of a
+  model whose block-first predictions see a randomly corrupted previous block, not exactly that of
+  the sampler (the LTR NLL is exact for the sampler);
 * ``ar``: none (its ``val_loss`` is already the exact NLL).
 """
 
