@@ -54,7 +54,6 @@ class EvalReport:
     batches: int
     samples: int
     t_min: float
-    t_max: float
     nelbo: float
     nelbo_stderr: float | None
     ppl_bound: float
@@ -63,6 +62,7 @@ class EvalReport:
     ltr_ppl: float | None
     ltr_tokens: int
     seconds: float
+    t_max: float = 1.0
     units: str = "nats/token"
 
     def to_json(self) -> dict[str, object]:
