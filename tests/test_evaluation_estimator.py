@@ -126,3 +126,23 @@ def test_the_report_names_the_noise_range_it_used_and_its_units(objective_name: 
     assert label in report.format().splitlines()[1] and "nats/token" in report.format()
     record = report.to_json()
     assert (record["units"], record["t_min"], record["t_max"]) == ("nats/token", EVAL_T_MIN, pytest.approx(t_max))
+
+
+def test_the_exact_nll_is_per_token_over_the_split_whatever_the_batch_size() -> None:
+    """Batches of different token counts (a padded last row) weigh by tokens: a mean of batch means
+    would move with ``--micro-batch-size``; the exact LTR NLL must not."""
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, MASK_TOKEN_ID, size=(5, 8)).astype(np.uint32)
+    loss_mask = np.ones((5, 8), np.uint8)
+    loss_mask[4, 3:] = 0  # the padded tail of the split
+    loss_mask[1, :6] = 0  # a mostly unsupervised row
+    split = ArtifactSplit("val", 8, ids, loss_mask, np.zeros((5, 8), np.int64), "test")
+    model = Decoder(tiny_model_config(), dtype=torch.float64, seed=0)
+    settings = EvalSettings(objective="bd3", block_size=4, mask_token_id=MASK_TOKEN_ID)
+    reports = [
+        evaluate_model(model, split, settings, EvalOptions(samples=1, micro_batch_size=size), progress=False)
+        for size in (1, 2, 5)
+    ]
+    assert {r.ltr_tokens for r in reports} == {r.nelbo_tokens for r in reports} == {int(loss_mask.sum())}
+    for report in reports[1:]:
+        assert report.ltr_nll == pytest.approx(reports[0].ltr_nll, rel=1e-12)
