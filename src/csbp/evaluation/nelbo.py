@@ -21,9 +21,9 @@ exactly in expectation (and per draw it equals ``log V' · Σ m_i/t_i / Z``).
 **Levels from the rotated lattice, whatever the training scheme.** Unbiasedness needs the level
 of *every* slot to be marginally uniform. The rotated lattice's are; a stratified draw (MDLM's and
 bd3lms' "antithetic" sampling) gives slot ``k = s·N + b`` a level in its own stratum
-``[k/K, (k+1)/K)`` at every draw. Training shuffles rows, so there a row's stratum is random; an
-evaluation reads a fixed split in a fixed order, so row ``s`` of each batch (and, for bd3, block
-``b`` within it) kept the same stratum at every draw. The estimate then converged to a number that
+``[k/K, (k+1)/K)`` at every draw. Training shuffles rows, which makes a row's stratum random (not
+that of a block within it); an evaluation reads a fixed split in a fixed order, so row ``s`` of
+each batch (and, for bd3, block ``b`` within it) kept the same stratum at every draw. The estimate then converged to a number that
 depends on where each row sits in its batch, off the bound by more than the standard error over
 draws can show (``tests/test_evaluation_estimator.py``: 0.66 against 0.93 for a loss that grows
 with the masking). Both schemes space the batch's levels ``1/K`` apart, so the variance reduction is
