@@ -10,7 +10,7 @@ of ``--samples`` independent noise draws with its standard error) and the perple
 ``exp(NELBO)``; and the exact NLL of left-to-right unmasking (the likelihood ``csbp generate
 --unmask-order left_to_right`` assigns at temperature 1), ``B`` forwards per batch. See
 ``csbp.evaluation``. ``--model`` is a HF checkpoint directory (a run's ``final/`` export: objective,
-block size, noise scheme, mask token, window and document mask default to the run's
+block size, mask token, window and document mask default to the run's
 ``config.yaml`` one directory up; ``--objective`` / ``--block-size`` other than the run's are
 refused unless ``--allow-objective-change`` / ``--allow-block-size-change``, as in ``csbp
 generate``: scoring a bd3-trained model as mdlm is a legitimate experiment, a silent one is not).
@@ -85,6 +85,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.data.artifact import open_artifact
     from csbp.evaluation import EvalOptions, evaluate_model, resolve_settings
     from csbp.evaluation.parallel import eval_topology, evaluate_parallel
+    from csbp.evaluation.runner import check_scored_tokens
     from csbp.evaluation.settings import run_config_settings
     from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
 
@@ -110,6 +111,7 @@ def run_eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         left_to_right=not args.no_ltr,
     )
+    check_scored_tokens(split, settings, options)  # before the weights load
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     if topology.world_size == 1:

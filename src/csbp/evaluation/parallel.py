@@ -18,7 +18,15 @@ import torch
 
 from csbp.data.artifact import open_artifact
 from csbp.engine.context import build_parallel_context
-from csbp.evaluation.runner import EvalOptions, EvalReport, EvalSums, build_report, eval_plan, score_split
+from csbp.evaluation.runner import (
+    EvalOptions,
+    EvalReport,
+    EvalSums,
+    build_report,
+    check_scored_tokens,
+    eval_plan,
+    score_split,
+)
 from csbp.evaluation.settings import EvalSettings
 from csbp.models.hf_io import load_hf_checkpoint
 from csbp.parallel.launch import run_local
@@ -51,6 +59,7 @@ def evaluate_parallel(
     timeout_s: float = 3600.0,
 ) -> EvalReport:
     """Score ``data_dir``'s ``split_name`` on ``topology.world_size`` processes (module docstring)."""
+    check_scored_tokens(open_artifact(data_dir).split(split_name), settings, options)
     started = time.perf_counter()
     results = run_local(
         _rank,

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,7 +41,11 @@ from csbp.wording import counted
 
 @dataclass(frozen=True)
 class EvalReport:
-    """What ``csbp eval`` prints and writes (nats per token)."""
+    """What ``csbp eval`` prints and writes (``units``: nats per token; bits are nats / ln 2).
+
+    ``t_min``/``t_max`` is the NELBO's noise range: of ``t`` (``p = t``) for bd3/mdlm, of the move
+    chance ``p`` of Fast-dLLM v2's first view (``[a, 1 − a]``, the second view's is ``1 − p``).
+    """
 
     objective: str
     block_size: int
@@ -57,6 +62,8 @@ class EvalReport:
     ltr_ppl: float | None
     ltr_tokens: int
     seconds: float
+    t_max: float = 1.0
+    units: str = "nats/token"
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -67,7 +74,8 @@ class EvalReport:
             f"data        {self.split}: {counted(self.rows, 'row')} in {counted(self.batches, 'batch', 'batches')}, "
             f"{self.objective} B={self.block_size}",
             f"nelbo       {self.nelbo:.4f} nats/token  stderr {stderr}  over {counted(self.samples, 'noise draw')}, "
-            f"t in [{self.t_min:g}, 1], {self.nelbo_tokens} tokens",
+            f"{'p' if self.objective == 'fast_dllm_v2' else 't'} in [{self.t_min:g}, {self.t_max:g}], "
+            f"{self.nelbo_tokens} tokens",
             f"ppl bound   {self.ppl_bound:.2f}  (exp nelbo)",
         ]
         if self.ltr_nll is not None:
@@ -136,6 +144,34 @@ class EvalSums:
     rows: int = 0
 
 
+SCAN_ROWS = 4096
+"""Rows of the loss mask :func:`check_scored_tokens` reads at a time."""
+
+
+def check_scored_tokens(split: ArtifactSplit, settings: EvalSettings, options: EvalOptions) -> None:
+    """``ValueError`` (one line) unless the rows :func:`split_batches` yields hold a token to score.
+
+    Without one the NELBO and the LTR NLL would be ``0 / 0``, reported as a perfect ``0.0``. Reads the
+    loss mask (and, under token shift, the document ids: position 0 and document starts are never
+    targets) of those rows a chunk at a time and stops at the first scored token.
+    """
+    rows = min(batch_count(split, options.micro_batch_size, options.max_batches) * options.micro_batch_size, split.num_rows)
+    if rows == 0:
+        raise ValueError(f"--split {split.name} has no rows (fix: evaluate a split with data)")
+    for start in range(0, rows, SCAN_ROWS):
+        supervised = np.asarray(split.loss_mask[start : start + SCAN_ROWS][: rows - start]) != 0
+        if settings.token_shift:
+            doc_ids = np.asarray(split.doc_ids[start : start + SCAN_ROWS][: rows - start])
+            supervised = supervised[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1])
+        if supervised.any():
+            return
+    which = "supervised token that token shift can target (never position 0 or a document start)" if settings.token_shift else "supervised token"
+    raise ValueError(
+        f"--split {split.name}: the {counted(rows, 'row')} scored hold no {which}: its NELBO would be 0/0 "
+        "(fix: evaluate a split with supervised tokens, or raise --max-batches)"
+    )
+
+
 @torch.no_grad()
 def score_split(
     model: Decoder,
@@ -198,6 +234,7 @@ def evaluate_model(
 ) -> EvalReport:
     """Score ``split`` on this one process (see the module docstring)."""
     options = options or EvalOptions()
+    check_scored_tokens(split, settings, options)
     started = time.perf_counter()
     ctx = single_process_context(model.embed_tokens.weight.device)
     sums = score_split(model, split, settings, eval_plan(settings, split.seq_len, ctx), options, progress=progress)
@@ -227,6 +264,7 @@ def build_report(
         batches=batch_count(split, options.micro_batch_size, options.max_batches),
         samples=samples,
         t_min=EVAL_T_MIN,
+        t_max=1.0 - EVAL_T_MIN if settings.objective == "fast_dllm_v2" else 1.0,
         nelbo=nelbo,
         nelbo_stderr=stderr,
         ppl_bound=perplexity_bound(nelbo),

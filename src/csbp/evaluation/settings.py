@@ -4,7 +4,7 @@ the data before any forward pass.
 Defaults come from the run that wrote the checkpoint: a run's ``final/`` export sits next to the
 run's ``config.yaml`` (the same file ``csbp generate`` reads, via
 :func:`csbp.generation.run_settings.run_objective_settings`), which gives ``objective.name``,
-``block_size``, ``noise``, ``mask_token_id``, ``topology.window`` and ``data.document_mask`` /
+``block_size``, ``mask_token_id``, ``topology.window`` and ``data.document_mask`` /
 ``reset_positions``. ``--objective`` / ``--block-size`` other than the run's are refused before this
 runs unless ``--allow-objective-change`` / ``--allow-block-size-change`` (``csbp.cli.trained_settings``,
 shared with ``csbp generate``); a checkpoint without a run config needs ``--objective`` and
@@ -28,7 +28,6 @@ from csbp.objectives import build_objective
 from csbp.objectives.base import Objective
 
 EVAL_OBJECTIVES = ("bd3", "mdlm", "fast_dllm_v2")
-NOISE_SCHEMES = {"rotated": "rotated_lattice", "stratified": "stratified"}
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,6 @@ class EvalSettings:
         objective: ``bd3``, ``mdlm`` or ``fast_dllm_v2``.
         block_size: diffusion block size ``B`` (``seq_len`` for mdlm).
         mask_token_id: id of ``[M]``.
-        noise_scheme: the objective's noise scheme (``rotated_lattice`` or ``stratified``; fast_dllm_v2
-            always draws uniform levels).
         window: sliding attention window the model was trained with, or None.
         document_mask: attend within packed documents only (as in training).
         reset_positions: restart RoPE positions at each document.
@@ -49,7 +46,6 @@ class EvalSettings:
     objective: str
     block_size: int
     mask_token_id: int
-    noise_scheme: str | None = None
     window: int | None = None
     document_mask: bool = False
     reset_positions: bool = False
@@ -63,12 +59,11 @@ class EvalSettings:
         return self.objective != "mdlm"
 
     def build_objective(self) -> Objective:
-        """The trained objective (its clip range is irrelevant: the NELBO replaces it)."""
+        """The trained objective (its clip range and noise scheme are irrelevant: the NELBO replaces
+        them, :func:`csbp.evaluation.nelbo.nelbo_objective`)."""
         options: dict[str, Any] = {"mask_token_id": self.mask_token_id}
         if self.objective != "mdlm":
             options["block_size"] = self.block_size
-        if self.noise_scheme is not None and self.objective != "fast_dllm_v2":
-            options["noise_scheme"] = self.noise_scheme
         return build_objective(self.objective, **options)
 
 
@@ -82,9 +77,7 @@ def run_config_settings(model_dir: Path) -> dict[str, Any]:
     if not settings or found is None:
         return {}
     loaded = found[0]
-    objective, data = loaded.get("objective") or {}, loaded.get("data") or {}
-    if objective.get("noise") in NOISE_SCHEMES:
-        settings["noise_scheme"] = NOISE_SCHEMES[objective["noise"]]
+    data = loaded.get("data") or {}
     if data.get("document_mask") is not None:
         settings["document_mask"] = bool(data["document_mask"])
     elif settings["objective"] in EVAL_OBJECTIVES:
@@ -134,7 +127,6 @@ def resolve_settings(
         objective=name,
         block_size=size,
         mask_token_id=mask_token_id,
-        noise_scheme=run.get("noise_scheme") if name == run.get("objective") else None,
         window=run.get("window"),
         document_mask=bool(run.get("document_mask", False)),
         reset_positions=bool(run.get("reset_positions", False)),
