@@ -212,15 +212,17 @@ def dflash_reference(objective: DFlashObjectiveConfig = DFLASH) -> tuple[float, 
     return float(out.loss.detach()), grads_of([(n, p) for n, p in drafter.named_parameters() if p.requires_grad])
 
 
-def test_dflash_accumulation_equals_one_micro_batch_and_the_per_sample_mean() -> None:
-    """Per-sample normalisation: samples of 15, 2, 1 and 6 supervised anchors' slots weigh equally,
-    whichever micro-batch holds them, so splits of 1, 2 and 4 micro-batches agree with the
-    single-process reference."""
+@pytest.mark.parametrize("objective", [DFLASH, DFlashObjectiveConfig(max_anchors=SEQ_LEN, weighting="dpace")],
+                         ids=["decay", "dpace"])
+def test_dflash_accumulation_equals_one_micro_batch_and_the_per_sample_mean(objective: DFlashObjectiveConfig) -> None:
+    """Per-sample normalisation (by the sample's supervised slots, or by its D-PACE weight sum):
+    samples of very different supervision weigh equally whichever micro-batch holds them, so splits
+    of 1, 2 and 4 micro-batches agree with the single-process reference."""
     ctx = single_process_context()
-    want = dflash_reference()
+    want = dflash_reference(objective)
     assert BLOCK_SIZE == BLOCK
     for rows, accum in ((4, 1), (2, 2), (1, 4)):
-        assert_same(dflash_step(ctx, rows=rows, accum=accum), want, f"dflash {rows}x{accum}")
+        assert_same(dflash_step(ctx, rows=rows, accum=accum, objective=objective), want, f"dflash {rows}x{accum}")
 
 
 LAMBDA = DFlashObjectiveConfig(max_anchors=SEQ_LEN, gamma=4.0, lk_loss_type="lambda", kl_decay=3.0)
