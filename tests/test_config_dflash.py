@@ -47,6 +47,9 @@ def test_dflash_section() -> None:
         ({"objective.dflash.weighting": "dpace", "objective.dflash.gamma": 4.0}, "objective.dflash.gamma",
          "replaces the decay"),
         ({"data.seq_len": 250, "objective.block_size": 4}, "data.seq_len", "2*cp=4 equal zigzag chunks"),
+        # the mix takes each micro-batch's own acceptance: accumulation would change the objective
+        ({"objective.dflash.lk_loss_type": "lambda", "train.grad_accum": 2}, "train.grad_accum",
+         "one acceptance per micro-batch"),
     ],
 )
 def test_dflash_rules(changes: dict[str, Any], field: str, fragment: str) -> None:

@@ -246,6 +246,18 @@ def _training_rules(cfg: RunConfig) -> list[Violation]:
                 "set train.fsdp: false",
             )
         )
+    dflash = cfg.objective.dflash if cfg.objective.name == "dflash" else None
+    if dflash is not None and dflash.lk_loss_type == "lambda" and cfg.train.grad_accum > 1:
+        # c = kl_scale exp(-kl_decay acceptance) is nonlinear in the acceptance, which is all-reduced over
+        # the dp replicas but not over micro-steps: each micro-batch would take its own c
+        violations.append(
+            (
+                "train.grad_accum",
+                f"grad_accum={cfg.train.grad_accum} with objective.dflash.lk_loss_type: lambda mixes CE and TV "
+                "with one acceptance per micro-batch, so accumulation would change the loss and gradient",
+                "set train.grad_accum: 1 and raise train.micro_batch_size or topology.dp for the same global batch",
+            )
+        )
     if cfg.train.fsdp and cfg.topology.dp < 2:
         # the FSDP2 mesh shards over the dp group only (with local > 1 it replicates over the ranks of a
         # sample): with dp = 1 nothing would be sharded, only wrapped
