@@ -60,6 +60,8 @@ def test_eval_refuses_bad_arguments_before_loading_the_target(
         (["--drafter", str(workspace["drafter"]), "--prompts", str(tmp_path / "none.jsonl")], "--prompts"),
         (["--drafter", str(workspace["drafter"]), *data, "--context-lengths", "99"], "exceeds the artifact's seq_len"),
         (["--drafter", str(workspace["drafter"]), *data, "--eos-id", "100000"], "--eos-id 100000 is outside"),
+        # both stop flags: --ignore-eos silently won over --eos-id
+        (["--drafter", str(workspace["drafter"]), *data, "--eos-id", "3", "--ignore-eos"], "--ignore-eos and --eos-id 3"),
     ]
     for extra, message in cases:
         assert run_cli(["dflash", "eval", "--target", str(workspace["target"]), *extra]) == 2

@@ -155,7 +155,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the one stop id (default: the artifact's EOS for --data; the tokenizer's EOS and the target's "
         "generation_config.json eos_token_id for --prompts)",
     )
-    ev.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    ev.add_argument(
+        "--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens (not with --eos-id)"
+    )
     ev.add_argument(
         "--check-lossless",
         action=argparse.BooleanOptionalAction,
@@ -407,6 +409,11 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.models.hf_io import read_hf_config
 
     # Every check reads configs, the data and the prompts only: the models load once they all pass.
+    if args.ignore_eos and args.eos_id is not None:  # one would silently win over the other
+        raise ValueError(
+            f"--ignore-eos and --eos-id {args.eos_id} contradict: --ignore-eos never stops at an EOS "
+            "(fix: drop --ignore-eos to stop at that id, or drop --eos-id to generate --max-new-tokens tokens)"
+        )
     if args.max_new_tokens < 1 or args.num_prompts < 1 or (args.prompt_len is not None and args.prompt_len < 1):
         raise ValueError("--max-new-tokens, --num-prompts and --prompt-len must be >= 1")
     if args.context_lengths is not None and (args.data is None or min(args.context_lengths) < 1):
