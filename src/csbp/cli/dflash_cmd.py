@@ -40,6 +40,7 @@ import torch
 
 from csbp.cli.dflash_checkpoint import (
     checkpoint_context,
+    checkpoint_seq_len,
     checkpoint_tokenizer_files,
     drafter_from_checkpoint,
     run_dir_source,
@@ -286,6 +287,7 @@ def run_export(args: argparse.Namespace) -> int:
         check_out_outside_checkpoints(args.out, checkpoints_root(checkpoint) if checkpoint is not None else None)
     target = _load_target(args.target, args, device="cpu")  # only validates shapes and ids
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
+    seq_len = None  # the training length: a drafter directory records none
     if drafter_dir is not None:
         if not (drafter_dir / "config.json").is_file():
             raise ValueError(f"{drafter_dir} is not a DFlash drafter directory: config.json not found")
@@ -302,8 +304,10 @@ def run_export(args: argparse.Namespace) -> int:
         drafter = drafter_from_checkpoint(checkpoint, target, args)
         source, context = f"checkpoint {checkpoint}", checkpoint_context(checkpoint)
         tokenizer = checkpoint_tokenizer_files(checkpoint, drafter.config.mask_token_id)
+        seq_len = checkpoint_seq_len(checkpoint)
     out = export_dflash(
-        drafter, args.out, dtype=dtype, overwrite=args.overwrite, context=context, tokenizer_files=tokenizer
+        drafter, args.out, dtype=dtype, overwrite=args.overwrite, context=context, tokenizer_files=tokenizer,
+        seq_len=seq_len,
     )
     reloaded = load_dflash(out, target)  # validate what was written
     cfg = reloaded.config
