@@ -285,6 +285,13 @@ def run_export(args: argparse.Namespace) -> int:
         check_out_outside_checkpoints(args.out, args.run_dir / "checkpoints")
     else:
         check_out_outside_checkpoints(args.out, checkpoints_root(checkpoint) if checkpoint is not None else None)
+    overrides = [flag for flag, value in (("--block-size", args.block_size), ("--mask-token-id", args.mask_token_id),
+                                          ("--layer-ids", args.layer_ids)) if value is not None]
+    if drafter_dir is not None and overrides:  # a drafter's config.json records them: they were ignored
+        raise ValueError(
+            f"{' and '.join(overrides)} override a checkpoint's run settings, but {drafter_dir} is a drafter "
+            f"directory whose config.json records them (fix: drop {' and '.join(overrides)}, or export a --checkpoint)"
+        )
     target = _load_target(args.target, args, device="cpu")  # only validates shapes and ids
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     seq_len = None  # the training length: a drafter directory records none
