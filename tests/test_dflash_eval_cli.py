@@ -60,6 +60,15 @@ def test_eval_refuses_bad_arguments_before_loading_the_target(
         (["--drafter", str(workspace["drafter"]), "--prompts", str(tmp_path / "none.jsonl")], "--prompts"),
         (["--drafter", str(workspace["drafter"]), *data, "--context-lengths", "99"], "exceeds the artifact's seq_len"),
         (["--drafter", str(workspace["drafter"]), *data, "--eos-id", "100000"], "--eos-id 100000 is outside"),
+        # both stop flags: --ignore-eos silently won over --eos-id
+        (["--drafter", str(workspace["drafter"]), *data, "--eos-id", "3", "--ignore-eos"], "--ignore-eos and --eos-id 3"),
+        # flags that were silently ignored: a second prompt length, the other prompt source's options
+        (["--drafter", str(workspace["drafter"]), *data, "--context-lengths", "4", "--prompt-len", "8"],
+         "--context-lengths and --prompt-len both set the prompt length"),
+        (["--drafter", str(workspace["drafter"]), *data, "--tokenizer", str(workspace["target"])],
+         "--tokenizer applies to --prompts, not --data (fix: drop --tokenizer)"),
+        (["--drafter", str(workspace["drafter"]), "--prompts", str(workspace["prompts"]), "--split", "train"],
+         "--split applies to --data, not --prompts (fix: drop --split)"),
     ]
     for extra, message in cases:
         assert run_cli(["dflash", "eval", "--target", str(workspace["target"]), *extra]) == 2

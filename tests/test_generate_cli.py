@@ -342,6 +342,28 @@ def test_cli_refuses_a_threshold_with_the_left_to_right_order(checkpoint: Path, 
         args.func(args)
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--top-k", "5"], r"^--top-k 5 truncate the sampled distribution, but --temperature 0 is greedy .*"
+                           r"\(fix: --temperature above 0 to sample, or drop --top-k\)$"),
+        (["--top-k", "5", "--top-p", "0.9", "--temperature", "0"], r"^--top-k 5 and --top-p 0\.9 truncate .*"
+                                                                    r"drop --top-k and --top-p\)$"),
+    ],
+)
+def test_cli_refuses_top_k_or_top_p_with_greedy_decoding(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, extra: list[str], message: str
+) -> None:
+    # at --temperature 0 (the default) the proposal is the arg-max: --top-k/--top-p were silently ignored
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("csbp.models.hf_io.load_hf_checkpoint", no_loading)
+    args = parse(["generate", "--model", str(checkpoint), "--prompt", "the", "--block-size", "4", *extra])
+    with pytest.raises(ValueError, match=message):
+        args.func(args)
+
+
 def test_cli_sub_blocks(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["generate", "--model", str(checkpoint), "--prompt", "the quick", "--device", "cpu", "--block-size", "8",
             "--max-new-tokens", "10"]  # fmt: skip

@@ -68,6 +68,13 @@ def _run_config(checkpoint: Path) -> dict[str, Any]:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def checkpoint_seq_len(checkpoint: Path) -> int | None:
+    """The ``data.seq_len`` the checkpoint's run trained at (None when it records no run config)."""
+    data = _run_config(checkpoint).get("data")
+    seq_len = data.get("seq_len") if isinstance(data, dict) else None
+    return seq_len if type(seq_len) is int else None
+
+
 def checkpoint_context(checkpoint: Path) -> str | None:
     """The ``objective.dflash.context`` the checkpoint's run trained with (the schema's ``strict``
     when its recorded config leaves it unset); None when the checkpoint records no run config."""

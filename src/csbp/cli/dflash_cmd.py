@@ -91,8 +91,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prompts = ev.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--data", type=Path, help="artifact whose split rows give the prompts")
     prompts.add_argument("--prompts", type=Path, help='JSONL file of {"prompt": ..., "group": ...} lines')
-    ev.add_argument("--split", choices=("train", "val"), default="val", help="artifact split (default val)")
-    ev.add_argument("--tokenizer", type=Path, default=None, help="for --prompts (default: --target)")
+    ev.add_argument("--split", choices=("train", "val"), default=None, help="--data: artifact split (default val)")
+    ev.add_argument("--tokenizer", type=Path, default=None, help="--prompts: their tokenizer (default: --target)")
     ev.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS, help="prompts to decode")
     ev.add_argument(
         "--prompt-len",
@@ -107,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         nargs="+",
         default=None,
         metavar="P",
-        help="--data: one prompt group per context length P (acceptance by context length); replaces --prompt-len",
+        help="--data: one prompt group per context length P (acceptance by context length); not with --prompt-len",
     )
     ev.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, help="tokens generated per prompt")
     ev.add_argument(
@@ -117,7 +117,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the one stop id (default: the artifact's EOS for --data; the tokenizer's EOS and the target's "
         "generation_config.json eos_token_id for --prompts)",
     )
-    ev.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    ev.add_argument(
+        "--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens (not with --eos-id)"
+    )
     ev.add_argument(
         "--check-lossless",
         action=argparse.BooleanOptionalAction,

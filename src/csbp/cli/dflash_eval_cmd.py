@@ -63,7 +63,8 @@ def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalP
         artifact = open_artifact(args.data)
         require_target_tokenizer(args.target, artifact)
         artifact.require_vocab_size(vocab_size)
-        split = artifact.split(args.split)
+        split_name = args.split or "val"
+        split = artifact.split(split_name)
         default_len = min(DEFAULT_PROMPT_LEN, artifact.seq_len - 1)  # what training validation uses
         lengths = args.context_lengths or [args.prompt_len if args.prompt_len is not None else default_len]
         prompts = [
@@ -74,7 +75,7 @@ def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalP
                 split.doc_ids,
                 num_prompts=args.num_prompts,
                 prompt_len=length,
-                group=args.split if args.context_lengths is None else f"{args.split} ctx {length}",
+                group=split_name if args.context_lengths is None else f"{split_name} ctx {length}",
             )
         ]
         eos_id, eos_source = artifact.special_ids["eos"], f"the EOS of {args.data}"
@@ -113,6 +114,21 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.models.hf_io import read_hf_config
 
     # Every check reads configs, the data and the prompts only: the models load once they all pass.
+    if args.ignore_eos and args.eos_id is not None:  # one would silently win over the other
+        raise ValueError(
+            f"--ignore-eos and --eos-id {args.eos_id} contradict: --ignore-eos never stops at an EOS "
+            "(fix: drop --ignore-eos to stop at that id, or drop --eos-id to generate --max-new-tokens tokens)"
+        )
+    # flags of the other prompt source, or two prompt lengths: one would be silently ignored
+    if args.context_lengths is not None and args.prompt_len is not None:
+        raise ValueError(
+            "--context-lengths and --prompt-len both set the prompt length (fix: give one; --context-lengths "
+            "evaluates one prompt group per length)"
+        )
+    for flag, value, used_with in (("--split", args.split, "--data"), ("--tokenizer", args.tokenizer, "--prompts")):
+        if value is not None and (args.data is None) == (used_with == "--data"):
+            given = "--prompts" if used_with == "--data" else "--data"
+            raise ValueError(f"{flag} applies to {used_with}, not {given} (fix: drop {flag})")
     if args.max_new_tokens < 1 or args.num_prompts < 1 or (args.prompt_len is not None and args.prompt_len < 1):
         raise ValueError("--max-new-tokens, --num-prompts and --prompt-len must be >= 1")
     if args.context_lengths is not None and (args.data is None or min(args.context_lengths) < 1):

@@ -20,6 +20,7 @@ import sys
 
 from csbp.cli.dflash_checkpoint import (
     checkpoint_context,
+    checkpoint_seq_len,
     checkpoint_tokenizer_files,
     drafter_from_checkpoint,
     run_dir_source,
@@ -40,8 +41,16 @@ def run_export(args: argparse.Namespace) -> int:
         check_out_outside_checkpoints(args.out, args.run_dir / "checkpoints")
     else:
         check_out_outside_checkpoints(args.out, checkpoints_root(checkpoint) if checkpoint is not None else None)
+    overrides = [flag for flag, value in (("--block-size", args.block_size), ("--mask-token-id", args.mask_token_id),
+                                          ("--layer-ids", args.layer_ids)) if value is not None]
+    if drafter_dir is not None and overrides:  # a drafter's config.json records them: they were ignored
+        raise ValueError(
+            f"{' and '.join(overrides)} override a checkpoint's run settings, but {drafter_dir} is a drafter "
+            f"directory whose config.json records them (fix: drop {' and '.join(overrides)}, or export a --checkpoint)"
+        )
     target = load_target(args.target, args, device="cpu")  # only validates shapes and ids
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
+    seq_len = None  # the training length: a drafter directory records none
     if drafter_dir is not None:
         if not (drafter_dir / "config.json").is_file():
             raise ValueError(f"{drafter_dir} is not a DFlash drafter directory: config.json not found")
@@ -58,8 +67,10 @@ def run_export(args: argparse.Namespace) -> int:
         drafter = drafter_from_checkpoint(checkpoint, target, args)
         source, context = f"checkpoint {checkpoint}", checkpoint_context(checkpoint)
         tokenizer = checkpoint_tokenizer_files(checkpoint, drafter.config.mask_token_id)
+        seq_len = checkpoint_seq_len(checkpoint)
     out = export_dflash(
-        drafter, args.out, dtype=dtype, overwrite=args.overwrite, context=context, tokenizer_files=tokenizer
+        drafter, args.out, dtype=dtype, overwrite=args.overwrite, context=context, tokenizer_files=tokenizer,
+        seq_len=seq_len,
     )
     reloaded = load_dflash(out, target)  # validate what was written
     cfg = reloaded.config

@@ -86,9 +86,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="sliding attention window of a checkpoint that records none (default: the run's topology.window)",
     )
     parser.add_argument("--temperature", type=float_in(0, math.inf), default=0.0, help="0 = greedy")
-    parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
     parser.add_argument(
-        "--top-p", type=float_in(0, 1, low_open=True), default=1.0, help="nucleus mass kept, in (0, 1] (default 1)"
+        "--top-k", type=positive_int, default=None, help="sample among the k most likely tokens (needs --temperature > 0)"
+    )
+    parser.add_argument(
+        "--top-p", type=float_in(0, 1, low_open=True), default=1.0,
+        help="nucleus mass kept, in (0, 1] (default 1; below 1 needs --temperature > 0)",
     )
     parser.add_argument(
         "--threshold", type=float_in(0, 1), default=None,
@@ -208,6 +211,13 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--threshold {args.threshold} unmasks the proposals more confident than it, but --unmask-order "
             f"{args.unmask_order} would unmask as many of the leftmost positions instead (fix: drop one of the two)"
+        )
+    truncations = [f"--top-k {args.top_k}"] * (args.top_k is not None) + [f"--top-p {args.top_p:g}"] * (args.top_p < 1)
+    if args.temperature == 0 and truncations:  # greedy takes the arg-max: a truncation would be ignored
+        raise ValueError(
+            f"{' and '.join(truncations)} truncate the sampled distribution, but --temperature 0 is greedy (the "
+            "arg-max token), which they do not change (fix: --temperature above 0 to sample, or drop "
+            f"{' and '.join(t.split()[0] for t in truncations)})"
         )
     known_words = None if args.known_words is None else KnownWords.load(args.known_words)
     model_dir: Path = check_model_directory(args.model)

@@ -35,10 +35,12 @@ from csbp.plan.artifact_documents import (
     run_config_documents,
 )
 from csbp.plan.auto import load_plannable_config, run_search
-from csbp.plan.calibration import load_calibration, packaged_calibration, save_calibration
+from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
 from csbp.plan.hardware import PRESETS, hardware
 from csbp.plan.layout import Layout, parse_topology
+from csbp.plan.remedy import Search, nothing_fits
 from csbp.plan.search import (
+    Plan,
     candidate_layouts,
     no_layout_reason,
     rank,
@@ -314,10 +316,29 @@ def run_plan(args: argparse.Namespace) -> int:
             raise ValueError(no_layout_reason(workload, args.gpus, args.seq_len, global_batch=args.global_batch))
     plan = rank(workload, layouts, args.seq_len, hw, cal, global_batch=args.global_batch, grad_accum=accum)
     print(format_plan(plan, workload, args.seq_len, args.gpus, hw, cal, top=args.top))
+    # nothing fits: the table shows what was tried, then one error line (exit 2), so that
+    # `csbp plan ... && torchrun ...` stops here
+    failure = None if plan.best is not None else _nothing_fits(args, plan, workload, cal, hw.name, micro_batches, accum)
     if args.json is not None:
-        write_json_atomic(args.json, plan_json(plan, workload, args.seq_len, args.gpus, hw, cal))
+        write_json_atomic(args.json, plan_json(plan, workload, args.seq_len, args.gpus, hw, cal, error=failure))
         print(f"wrote {args.json}")
+    if failure is not None:
+        raise ValueError(failure)
     return 0
+
+
+def _nothing_fits(
+    args: argparse.Namespace, plan: Plan, workload: Workload, cal: Calibration, hw_name: str,
+    micro_batches: tuple[int, ...], accum: int,
+) -> str:
+    """The one line (with the fixes the planner checked) for a plan none of whose layouts fits."""
+    search = Search(
+        workload, args.gpus, args.seq_len, args.gpu, cal, gpus_per_node=args.gpus_per_node,
+        checkpointing=("full", "none") if args.checkpointing == "both" else (args.checkpointing,),
+        sharding=args.sharding, placement=args.placement, micro_batches=micro_batches,
+        global_batch=args.global_batch, grad_accum=accum,
+    )
+    return nothing_fits(plan, search, hardware_name=hw_name, given=args.topology or ())
 
 
 def _run_documents(args: argparse.Namespace, workload: Workload, run_config: RunConfig) -> Workload:

@@ -123,8 +123,9 @@ def _prediction_json(p: Prediction, workload: Workload, seq_len: int) -> dict[st
 
 
 def plan_json(
-    plan: Plan, workload: Workload, seq_len: int, gpus: int, hw: Hardware, cal: Calibration
+    plan: Plan, workload: Workload, seq_len: int, gpus: int, hw: Hardware, cal: Calibration, *, error: str | None = None
 ) -> dict[str, object]:
+    """The full ranking; ``fits`` is false and ``error`` the command's error line when no layout fits."""
     return {
         "model": workload.model.name,
         "objective": workload.objective.name,
@@ -137,6 +138,8 @@ def plan_json(
         "overlap": overlap_note(cal),
         "target_pass": workload.target_pass.mode if workload.target_pass is not None else None,
         "why": plan.why,
+        "fits": plan.best is not None,
+        "error": error,
         "feasible": [_prediction_json(p, workload, seq_len) for p in plan.feasible],
         "infeasible": [{**_prediction_json(p, workload, seq_len), "reason": p.oom_reason()} for p in plan.infeasible],
     }

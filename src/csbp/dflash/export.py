@@ -4,7 +4,8 @@
 module is enabled), ``model_type: "qwen3"``, ``block_size``, top-level ``num_target_layers``,
 ``dflash_config: {target_layer_ids, mask_token_id}``, the Qwen3 shape fields, ``rope_theta`` both
 top-level and in ``rope_parameters`` (with the target's RoPE scaling there and in ``rope_scaling``; for YaRN
-also ``max_position_embeddings = factor x original``, as a target export writes), ``layer_types``/``sliding_window``,
+also ``max_position_embeddings = factor x original``, as a target export writes, refused when below the
+``data.seq_len`` the drafter was trained at), ``layer_types``/``sliding_window``,
 ``tie_word_embeddings: false`` and the target's ``vocab_size``; sliding layers that are not causal
 in the block (``sliding_window_causal: false``) also write ``is_causal: false``, which the public
 reader needs to leave them bidirectional (it makes sliding layers causal by default). That reader
@@ -75,6 +76,7 @@ from csbp.models.hf_config import (
     qwen_sliding_window,
     rms_norm_eps,
     rope_from_hf,
+    yarn_context_problem,
     yarn_max_positions,
 )
 from csbp.models.hf_io import (
@@ -292,13 +294,23 @@ def export_dflash(
     overwrite: bool = False,
     tokenizer_files: Mapping[str, bytes] | None = None,
     context: str | None = None,
+    seq_len: int | None = None,
 ) -> Path:
     """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus
     ``tokenizer_files`` (name -> contents; a run's: :mod:`csbp.training.export_tokenizer`; an ``auto_map``
     in their ``tokenizer_config.json`` is dropped: :func:`csbp.models.hf_io.without_auto_map`), all in
     one atomic directory write. ``context``: the
     ``objective.dflash.context`` it was trained with, recorded under ``csbp_training`` (None: not
-    known, nothing recorded)."""
+    known, nothing recorded). ``seq_len``: the ``data.seq_len`` it was trained at, when known: under
+    the target's YaRN, ``factor x original`` (the ``max_position_embeddings`` written) must be a whole
+    number of at least that (:func:`csbp.models.hf_config.yarn_context_problem`; ``ValueError``)."""
+    gap = yarn_context_problem(drafter.config.rope_scaling, seq_len) if seq_len is not None else None
+    if gap is not None:
+        raise ValueError(
+            f"drafter rope_scaling (its target's): {gap.why} (fix: "
+            + (f"train at data.seq_len {gap.longest} or less, or " if gap.longest is not None else "")
+            + "with a target whose yarn rule covers the training length)"
+        )
     store_dtype = dtype if dtype is not None else drafter.fc.weight.dtype
     if store_dtype not in DTYPE_NAMES:
         raise ValueError(f"export dtype must be float64, float32 or bfloat16, got {store_dtype}")

@@ -23,7 +23,12 @@ silently drop its theta (a Qwen3 config saved by transformers 5 with Qwen's docu
 ``max_position_embeddings / original``. Export writes the rule both as ``rope_parameters``
 (transformers 5) and ``rope_scaling`` (transformers 4), and for yarn sets
 ``max_position_embeddings = factor x original`` so readers that derive YaRN's factor from that
-ratio (older transformers releases, transformers#38224) agree and none warns.
+ratio (older transformers releases, transformers#38224) agree and none warns. That is also YaRN's
+convention (``max_position_embeddings`` the extended context, ``original_max_position_embeddings`` the
+pre-training one), so a model trained at ``seq_len`` positions under YaRN has a consistent export only
+when ``factor x original`` is a whole number of at least ``seq_len`` (:func:`yarn_context_problem`):
+otherwise the export would claim fewer positions than trained, or older readers would compute another
+factor than the one trained with.
 
 A ``model_type`` other than the family's (``llama`` with ``LlamaForCausalLM``, ...) is a
 ``ValueError``: ``AutoModelForCausalLM`` builds its class from ``model_type`` (a ``mistral`` one with
@@ -44,6 +49,8 @@ integers and flags that are not JSON booleans are refused (transformers' typed c
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -367,6 +374,44 @@ def yarn_max_positions(scaling: RopeScaling | None) -> int | None:
     assert scaling.original_max_position_embeddings is not None
     extended = scaling.factor * scaling.original_max_position_embeddings
     return int(extended) if extended == int(extended) else None
+
+
+@dataclass(frozen=True)
+class YarnGap:
+    """Why no ``max_position_embeddings`` is consistent with a YaRN rule and a training length:
+    ``factor``, the smallest whole factor that would cover it; ``longest``, the longest training
+    length the rule covers (None when ``factor x original`` is no whole number)."""
+
+    why: str
+    factor: int
+    longest: int | None
+
+
+def yarn_context_problem(scaling: RopeScaling | None, seq_len: int) -> YarnGap | None:
+    """The :class:`YarnGap` of a YaRN rule for a model trained at ``seq_len`` positions (module
+    docstring): ``factor x original`` is no whole number, or is below ``seq_len``; None otherwise
+    (and for other rules)."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return None
+    original = scaling.original_max_position_embeddings
+    assert original is not None
+    extended = scaling.factor * original
+    factor = max(math.ceil(scaling.factor), math.ceil(seq_len / original))
+    if extended != int(extended):
+        why = (
+            f"yarn factor {scaling.factor:g} x original_max_position_embeddings {original} = {extended:g} is no whole "
+            "number of positions, so no max_position_embeddings carries that factor to readers that derive it from "
+            "their ratio"
+        )
+        return YarnGap(why, factor, None)
+    if extended < seq_len:
+        why = (
+            f"yarn extends original_max_position_embeddings {original} by factor {scaling.factor:g} to {int(extended)} "
+            f"positions, fewer than data.seq_len {seq_len}: the export writes max_position_embeddings = factor x "
+            "original (YaRN's extended context, as transformers reads it) and would claim fewer positions than trained"
+        )
+        return YarnGap(why, factor, int(extended))
+    return None
 
 
 def _check_llama_heads(hidden_size: int, num_heads: int, hidden: str, heads: str) -> None:

@@ -31,6 +31,7 @@ from csbp.plan.calibration import Calibration, packaged_calibration
 from csbp.plan.hardware import hardware
 from csbp.plan.layout import Checkpointing, Layout, Sharding
 from csbp.plan.model import GIB, collective_overlap
+from csbp.plan.remedy import AUTO_SETTINGS, Search, nothing_fits
 from csbp.plan.search import candidate_layouts, describe, rank
 from csbp.plan.workload import run_config_workload
 from csbp.wording import counted
@@ -150,8 +151,15 @@ def resolve_auto_topology(
     cal = packaged_calibration(preset)
     plan = rank(workload, layouts, cfg.data.seq_len, hw, cal, grad_accum=search.grad_accum)
     best = plan.best
-    if best is None:
+    if best is None and not plan.infeasible:
         raise ValueError(f"topology: auto found no layout for {gpus} processes: {plan.why}")
+    if best is None:
+        retry = Search(
+            workload, gpus, cfg.data.seq_len, preset, cal, gpus_per_node=nproc, checkpointing=search.checkpointing,
+            sharding=search.sharding, micro_batches=(search.micro_batch,), grad_accum=search.grad_accum,
+            names=AUTO_SETTINGS,
+        )
+        raise ValueError(f"topology: auto: {nothing_fits(plan, retry, hardware_name=hw.name)}")
     lay = best.layout
     chosen = [
         "topology={}",

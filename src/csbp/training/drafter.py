@@ -51,6 +51,7 @@ def export_drafter(
         overwrite=True,
         tokenizer_files=tokenizer.files,
         context=inputs.objective.context,
+        seq_len=cfg.data.seq_len,
     )
 
 

@@ -3,7 +3,9 @@
 :func:`export_decoder` writes what ``RUN/final`` holds (``config.json`` with the checkpoint's
 passthrough fields, the special token ids and the ``csbp_training`` record that ``csbp generate`` /
 ``csbp eval`` read, and a ``max_position_embeddings`` of at least ``data.seq_len``, the positions the
-run trained at, which ``csbp generate`` and ``csbp dflash eval`` stay within; ``model.safetensors`` in ``model.dtype``; ``generation_config.json``; the
+run trained at, which ``csbp generate`` and ``csbp dflash eval`` stay within (under YaRN it is ``factor x
+original``, the extended context, so a rule that does not cover ``data.seq_len`` is refused:
+:func:`csbp.training.model_factory.check_yarn_context`); ``model.safetensors`` in ``model.dtype``; ``generation_config.json``; the
 tokenizer files). ``generation_config.json`` is the ``model.init_from`` checkpoint's (its sampling
 defaults kept) with the run's ``bos``/``eos``/``pad`` ids (an ``eos_token_id`` list there that holds
 the run's EOS, a chat model's end-of-turn id with it, is kept), and with the ``eos_token`` of the
@@ -49,12 +51,13 @@ from csbp.models.hf_config import DEFAULT_MAX_POSITIONS
 from csbp.models.hf_io import export_hf_checkpoint, hf_passthrough_config, read_generation_config
 from csbp.training.checkpoint import read_training_state
 from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata, safe_dcp_load
-from csbp.training.model_factory import export_dtype
+from csbp.training.model_factory import check_yarn_context, export_dtype
 from csbp.training.preflight import RunInputs, check_run
 
 
 def export_decoder(cfg: RunConfig, inputs: RunInputs, model: Decoder, out: Path, *, overwrite: bool) -> Path:
     """Write ``model`` (a plain CPU decoder) as a HF checkpoint directory ``out`` (see the module)."""
+    check_yarn_context(cfg, inputs.decoder_config)  # a run from before the check: its export is refused
     extra = hf_passthrough_config(cfg.model.init_from) if cfg.model.init_from is not None else {}
     limit = extra.get("max_position_embeddings")
     if (limit if type(limit) is int else DEFAULT_MAX_POSITIONS) < cfg.data.seq_len:  # trained there: admit it

@@ -10,6 +10,11 @@ Two ways in:
   (how a short-context checkpoint is trained on longer sequences; the export records the new RoPE).
   The architecture always comes from the checkpoint.
 
+Under YaRN (the run's ``model.rope_scaling``, the checkpoint's, or a dflash target's) ``factor x
+original_max_position_embeddings`` must be a whole number of at least ``data.seq_len``
+(:func:`check_yarn_context`): the export writes it as ``max_position_embeddings``, the extended
+context, and would otherwise claim fewer positions than the run trains at.
+
 Either way every token id of the data must be an embedding row: an artifact whose tokenizer has
 more ids than the model embeds is rejected before any weight is loaded.
 
@@ -35,7 +40,7 @@ from csbp.config.schema import ModelSection, RunConfig
 from csbp.data.artifact import Artifact
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
-from csbp.models.hf_config import check_exportable
+from csbp.models.hf_config import check_exportable, yarn_context_problem
 from csbp.models.hf_io import (
     decoder_config_from_hf,
     read_generation_config,
@@ -242,3 +247,27 @@ def load_full_weights(model: nn.Module, weights: Iterable[tuple[str, Tensor]]) -
         missing.discard(name)
     if missing:
         raise ValueError(f"no initial value for parameters {sorted(missing)[:3]}")
+
+
+def check_yarn_context(cfg: RunConfig, config: DecoderConfig, *, target: str | None = None) -> None:
+    """``ValueError`` (one line naming the field the YaRN rule came from) when ``config``'s YaRN rule
+    has no export consistent with training at ``data.seq_len`` (:func:`yarn_context_problem`):
+    checked before training, since the export at its end would otherwise fail. ``target``: a dflash
+    run's target directory, whose RoPE its drafter takes."""
+    gap = yarn_context_problem(config.rope_scaling, cfg.data.seq_len)
+    if gap is None:
+        return
+    shorter = f"set data.seq_len: {gap.longest} or less" if gap.longest is not None else None
+    if target is not None:
+        field = f"objective.dflash.target: {target}/config.json rope_scaling"
+        fixes = [shorter or "a target whose yarn factor x original_max_position_embeddings is whole"]
+    elif cfg.model.rope_scaling is not None:
+        field, fixes = "model.rope_scaling", [f"set model.rope_scaling.factor: {gap.factor}", shorter]
+    else:
+        original = config.rope_scaling.original_max_position_embeddings if config.rope_scaling else None
+        field = f"model.init_from: {cfg.model.init_from}/config.json rope_scaling"
+        fixes = [
+            f"set model.rope_scaling: {{type: yarn, factor: {gap.factor}, original_max_position_embeddings: {original}}}",
+            shorter,
+        ]
+    raise ValueError(f"{field}: {gap.why} (fix: {', or '.join(f for f in fixes if f)})")

@@ -12,6 +12,9 @@ shape and the objective, and checks what the config schema cannot see on its own
 * the objective runs on the topology (``mdlm``/``ar`` are single-stream: ``cp = bp = 1``) and its
   options map onto the objective; ``dflash`` runs are checked against their target and data by
   :mod:`csbp.training.dflash_inputs`;
+* under YaRN (the run's, its checkpoint's or a dflash target's), ``factor x original`` is a whole
+  number of at least ``data.seq_len``, the ``max_position_embeddings`` the export writes
+  (:func:`csbp.training.model_factory.check_yarn_context`);
 * there are enough rows for one global batch, and validation rows when ``eval_every > 0``;
 * FSDP has a data-parallel group to shard over;
 * the run directory: it can be created and written; ``--resume`` needs an intact checkpoint there
@@ -55,7 +58,7 @@ from csbp.training.dflash_layers import check_resumed_layer_ids
 from csbp.training.export_tokenizer import ExportTokenizer, check_data_tokenizer, export_tokenizer_for_run
 from csbp.training.input_hints import is_artifact, missing_artifact_problem
 from csbp.training.mask_data import check_mask_token_data
-from csbp.training.model_factory import decoder_config_for_run
+from csbp.training.model_factory import check_yarn_context, decoder_config_for_run
 from csbp.training.resume_config import resume_changes, resume_restart_for
 from csbp.training.run_lock import LOCK_FILE
 
@@ -148,6 +151,7 @@ def check_run(
             tokenizer=export_tokenizer_for_run(cfg, artifact, mask_token_id, warn),
         )
         inputs.build_objective()  # the objective's own option checks
+    check_yarn_context(cfg, inputs.decoder_config, target=str(inputs.dflash.target_dir) if inputs.dflash else None)
     _check_token_ids(cfg, inputs)
     check_mask_token_data(cfg, inputs.mask_token_id)
     _check_batches(cfg, inputs)
