@@ -202,7 +202,7 @@ class ObjectiveSection(_Section):
     t_min: float = Field(1e-3, ge=0.0, le=1.0, description="Lower clip of the noise level t.")
     t_max: float = Field(1.0, ge=0.0, le=1.0, description="Upper clip of the noise level t.")
     noise: Literal["rotated", "stratified"] = Field(
-        "rotated", description="Noise levels per (sample, block): rotated lattice or jittered strata."
+        "rotated", description="Noise levels per (sample, block): rotated lattice or jittered strata in random order."
     )
     loss_weight: Literal["inv_t", "unit"] = Field(
         "inv_t", description="Per-token loss weight 1/t or 1; unset: inv_t for bd3/mdlm, unit otherwise.",

@@ -19,9 +19,10 @@ for a predictor uniform over ``V'`` classes, ``E[m_i / t] = 1`` for any ``a``, s
 exactly in expectation (and per draw it equals ``log V' · Σ m_i/t_i / Z``).
 
 **Levels from the rotated lattice, whatever the training scheme.** Unbiasedness needs the level
-of *every* slot to be marginally uniform. The rotated lattice's are; a stratified draw (MDLM's and
-bd3lms' "antithetic" sampling) gives slot ``k = s·N + b`` a level in its own stratum
-``[k/K, (k+1)/K)`` at every draw. Training shuffles rows, which makes a row's stratum random (not
+of *every* slot to be marginally uniform. The rotated lattice's are; a stratified draw as MDLM and
+bd3lms make it ("antithetic" sampling) gives slot ``k = s·N + b`` a level in its own stratum
+``[k/K, (k+1)/K)`` at every draw (csbp's ``stratified`` now deals the strata in a random order, but
+the estimate keeps the lattice, whose draws are reproducible from one number). Training shuffles rows, which makes a row's stratum random (not
 that of a block within it); an evaluation reads a fixed split in a fixed order, so row ``s`` of
 each batch (and, for bd3, block ``b`` within it) kept the same stratum at every draw. The estimate then converged to a number that
 depends on where each row sits in its batch, off the bound by more than the standard error over

@@ -4,8 +4,11 @@ A micro-batch has ``K`` noise slots (one per sequence for MDLM, one per (sample,
 ``k = s·N + b``). The samplers return ``K`` levels in ``[0, 1)`` that cover the interval evenly,
 which lowers the variance of the NELBO estimate:
 
-* ``stratified``: ``(U_k + k) / K`` with an independent ``U_k`` per stratum, so exactly one value
-  lands in each ``[k/K, (k+1)/K)`` (MDLM/BD3-LM "antithetic" sampling);
+* ``stratified``: ``(U_j + j) / K`` with an independent ``U_j`` per stratum, so exactly one value
+  lands in each ``[j/K, (j+1)/K)`` (MDLM/BD3-LM "antithetic" sampling), the strata dealt to the
+  slots in a random order. bd3lms gives slot ``k`` stratum ``k``: a block's level is then tied to its
+  position (with one sample per micro-batch, block 0 only ever sees ``t < 1/N``, the last block only
+  ``t >= (N-1)/N``); the shuffle keeps the stratification and makes every slot marginally uniform;
 * ``rotated_lattice``: one ``u`` and ``(u + k/K) mod 1``; the sorted values are exactly ``1/K``
   apart and every slot is marginally uniform, so the level is not tied to the block position;
 * ``uniform``: independent ``U(0, 1)`` per slot (Fast-dLLM v2).
@@ -30,14 +33,16 @@ def _check_count(num_slots: int) -> None:
 
 
 def stratified_levels(num_slots: int, generator: torch.Generator) -> Tensor:
-    """``[K]`` float64 levels, level ``k`` uniform in its own stratum ``[k/K, (k+1)/K)``."""
+    """``[K]`` float64 levels, one uniform in each stratum ``[j/K, (j+1)/K)``, the strata in a random
+    order over the slots (so no slot's level is tied to its position)."""
     _check_count(num_slots)
     jitter_K = torch.rand(num_slots, generator=generator, dtype=torch.float64)
     slot_K = torch.arange(num_slots, dtype=torch.float64)
     levels_K = (slot_K + jitter_K) / num_slots
     # (k + U)/K can round up onto the next stratum's edge when U is within an ulp of 1.
     upper_K = torch.nextafter((slot_K + 1) / num_slots, torch.zeros_like(slot_K))
-    return torch.minimum(torch.maximum(levels_K, slot_K / num_slots), upper_K)
+    levels_K = torch.minimum(torch.maximum(levels_K, slot_K / num_slots), upper_K)
+    return levels_K[torch.randperm(num_slots, generator=generator)]
 
 
 def rotated_lattice_levels(num_slots: int, generator: torch.Generator) -> Tensor:
