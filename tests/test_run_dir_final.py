@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from csbp.training.preflight import check_run_dir
+from csbp.training.run_dir_checks import check_run_dir
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ def test_nothing_left_to_train_with_final_missing_names_the_export_that_writes_i
     """A run stopped after its last checkpoint, before ``final/`` was written: the fix names the
     export of that checkpoint (``csbp dflash export`` for a drafter), not only a longer schedule."""
     from csbp.config import config_from_dict
-    from csbp.training.preflight import check_steps_left
+    from csbp.training.run_dir_checks import check_steps_left
     from test_config import dflash_changes, with_changes
 
     checkpoint = tmp_path / "run" / "checkpoints" / "step_0000010"

@@ -18,7 +18,7 @@ from csbp.compare import CompareOptions, run_compare
 from csbp.compare import runner as compare_runner
 from csbp.training import LaunchOptions, launch_training
 from csbp.training import launcher as launcher_module
-from csbp.training.preflight import foreign_run_entry
+from csbp.training.run_dir_checks import foreign_run_entry
 from csbp.training.run_lock import LOCK_FILE, RunDirInUse, run_dir_lock
 from test_training_run import config_dict, make_artifact, tiny_config
 

@@ -21,7 +21,7 @@ from csbp.atomic import write_text_atomic
 from csbp.config.loading import MAX_YAML_VALUES, ConfigError, read_yaml_file, write_config
 from csbp.data.tokenizer import load_tokenizer
 from csbp.parallel.loopback import loopback_store
-from csbp.training.preflight import foreign_run_entry
+from csbp.training.run_dir_checks import foreign_run_entry
 from test_training_run import make_artifact, tiny_config
 
 # ----------------------------------------------------------------------------- listening sockets

@@ -32,8 +32,9 @@ from csbp.compare.layouts import LAYOUT_NAMES, layout_config
 from csbp.compare.rounds import layout_dir, round_config, round_order
 from csbp.config.schema import RunConfig
 from csbp.parallel.launch import run_local
-from csbp.training.preflight import check_new_run_dir, check_run, check_validation_rows
+from csbp.training.preflight import check_run, check_validation_rows
 from csbp.training.resume_config import flat_config
+from csbp.training.run_dir_checks import check_new_run_dir
 from csbp.training.run_lock import LOCK_FILE, run_dir_lock
 from csbp.training.trainer import train
 

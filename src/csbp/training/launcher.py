@@ -65,7 +65,8 @@ from csbp.training.launch_failures import (
 )
 from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher
 from csbp.training.orphans import die_with_launcher
-from csbp.training.preflight import check_new_run_dir, check_run, check_writable_directory, verify_data
+from csbp.training.preflight import check_run, verify_data
+from csbp.training.run_dir_checks import check_new_run_dir, check_writable_directory
 from csbp.training.run_lock import run_dir_lock
 from csbp.training.trainer import (
     STARTUP_TIMEOUT_S,

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from csbp.training.preflight import check_new_run_dir, check_writable_directory
+from csbp.training.run_dir_checks import check_new_run_dir, check_writable_directory
 from csbp.training.run_lock import run_dir_lock
 
 FLAG = "run_dir"
