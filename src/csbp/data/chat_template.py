@@ -29,12 +29,22 @@ the EOS appended after the record must be supervised instead (as TRL's SFT appen
 an earlier assistant turn of such a template has no stop target (the next turn's text is not
 supervised, so it teaches nothing wrong either).
 
+An assistant turn with reasoning (``reasoning_content``, passed to the template; or inline
+``<think>R</think>C`` content that the template itself splits) is also rendered with a second
+sentinel in place of the reasoning, which must appear exactly once as given. Such a turn is
+supervised from the end of its generation prompt (``messages[:i]`` rendered with
+``add_generation_prompt``) through its end-of-turn: the model writes the think scaffolding, the
+reasoning and the answer after that prompt. A turn without reasoning keeps the rule above (content
+and end-of-turn). Rules and refusals: :mod:`csbp.data.chat_reasoning`.
+
 Templates that rewrite earlier turns once a later one follows (Qwen3's drops the ``<think>`` block
 of an assistant turn once a user turn follows it) are not prefix-stable, and their records are
 refused. ``--chat-documents turn`` (``ChatTemplate.last_turn_spans``) makes one document of each
 assistant turn ``i`` instead: ``messages[:i+1]`` rendered, only that last turn supervised, which is
 the text the model sees when it writes turn ``i`` at inference. It only needs ``messages[:i]`` to
-render as a prefix of ``messages[:i+1]``.
+render as a prefix of ``messages[:i+1]``. A record whose earlier turn loses its reasoning that way
+is refused naming that turn: a record-long document would train it without the reasoning it was
+written with, while at inference the model writes every turn after thinking.
 """
 
 from __future__ import annotations
@@ -51,6 +61,15 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 
+from csbp.data.chat_reasoning import (
+    REASONING,
+    THINK_END,
+    as_given,
+    dropped_reasoning,
+    generation_end,
+    refusal,
+    split_inline_reasoning,
+)
 from csbp.data.template_sandbox import MAX_LENGTH, BoundedSandbox, OutputTooLong, render_bounded
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -184,6 +203,14 @@ class ChatTemplate:
         eos_is_stop = False
         for index, message in enumerate(messages):
             text = self.render(messages[: index + 1], where=where)
+            dropped = dropped_reasoning(messages, index, rendered, text) if not text.startswith(rendered) else None
+            if dropped is not None:
+                raise ValueError(
+                    f"{where}: chat template {self.source} drops the reasoning of messages[{dropped}] once "
+                    f"messages[{index}] follows (the turn becomes history without it), so one document per record "
+                    "would train that turn without the reasoning it was written with (fix: --chat-documents turn, "
+                    "one document per assistant turn, rendered as the model sees it when writing that turn)"
+                )
             if not text.startswith(rendered):
                 raise ValueError(
                     f"{where}: chat template {self.source} is not prefix-stable for this record: rendering "
@@ -222,32 +249,62 @@ class ChatTemplate:
     def _assistant_span(
         self, messages: Sequence[Message], index: int, rendered: str, text: str, where: str
     ) -> tuple[int, int, int]:
-        """Where message ``index``'s content and end-of-turn lie in ``text`` (``rendered`` is the
-        text of the messages before it): ``(start, end, where the content ends)``. The scaffolding around the content is found by rendering
-        the same turn with a sentinel content: the real turn must be that scaffolding around
-        some content, else the template is content-dependent and the record is refused."""
-        probe = [*messages[:index], {**messages[index], "content": _SENTINEL}]
-        probe_text = self.render(probe, where=where)
+        """Where message ``index``'s supervised text lies in ``text`` (``rendered`` is the text of the
+        messages before it): ``(start, end, where the content ends)``. The scaffolding around the content
+        (and the reasoning) is found by rendering the same turn with a sentinel in its place: the real
+        turn must be that scaffolding around some content, else the template is content-dependent and
+        the record is refused. A turn with reasoning is supervised from the end of its generation prompt
+        (see the module docstring)."""
+        split = split_inline_reasoning(self, messages, index, text, where)
+        messages = split or messages
+        message = messages[index]
+        # inline: the reasoning came as <think>...</think> in the content (split, or kept there as given)
+        inline = split is not None or (REASONING not in message and THINK_END in message["content"])
         added = text[len(rendered):]
+        before, after = self._around(messages, index, "content", rendered, added, where, inline)
+        start = len(rendered) + len(before)
+        content_end = len(rendered) + len(added) - len(after)
+        if (inline or REASONING in message) and not as_given(text[start:content_end], message["content"]):
+            raise ValueError(refusal(self, where, index, "content", inline))
+        if message.get(REASONING):
+            r_before, r_after = self._around(messages, index, REASONING, rendered, added, where, inline)
+            r_start, r_end = len(rendered) + len(r_before), len(rendered) + len(added) - len(r_after)
+            if not as_given(text[r_start:r_end], message[REASONING]):
+                raise ValueError(refusal(self, where, index, REASONING, inline))
+            start = generation_end(self, messages, index, rendered, text, min(start, r_start), where)
+        return start, content_end + len(after.rstrip()), content_end
+
+    def _around(
+        self, messages: Sequence[Message], index: int, field: str, rendered: str, added: str, where: str, inline: bool
+    ) -> tuple[str, str]:
+        """The template text of message ``index`` before and after its ``field`` (``added`` is the
+        turn's text), found with a sentinel in place of the field."""
+        sentinel = _SENTINELS[field]
+        probe = [*messages[:index], {**messages[index], field: sentinel}]
+        probe_text = self.render(probe, where=where)
         probe_added = probe_text[len(rendered):]
-        if not probe_text.startswith(rendered) or probe_added.count(_SENTINEL) != 1:
+        if not probe_text.startswith(rendered) or probe_added.count(sentinel) != 1:
+            if inline or field == REASONING:
+                raise ValueError(refusal(self, where, index, field, inline))
             raise ValueError(
                 f"{where}: chat template {self.source} does not render messages[{index}].content exactly once "
                 "as given, so its supervised span cannot be found (fix: --chat-template none)"
             )
-        before, after = probe_added.split(_SENTINEL)
+        before, after = probe_added.split(sentinel)
         if not (added.startswith(before) and added.endswith(after) and len(added) >= len(before) + len(after)):
+            if inline or field == REASONING:
+                raise ValueError(refusal(self, where, index, field, inline))
             raise ValueError(
                 f"{where}: chat template {self.source} renders the scaffolding of messages[{index}] differently "
                 "depending on its content, so its supervised span cannot be found (fix: --chat-template none)"
             )
-        start = len(rendered) + len(before)
-        content_end = len(rendered) + len(added) - len(after)
-        return start, content_end + len(after.rstrip()), content_end
+        return before, after
 
 
 _SENTINEL = "csbpAssistantContentSentinel"
 """Stands in for an assistant message's content to locate the template text around it."""
+_SENTINELS = {"content": _SENTINEL, REASONING: "csbpAssistantReasoningSentinel"}
+"""The stand-in for each field of an assistant message whose place in the turn is located."""
 _COMPILED: dict[str, jinja2.Template] = {}
 
 

@@ -4,7 +4,8 @@
 segments are tokenized (in one batch call), chat role markers become their special id, and EOS is
 appended (supervised iff ``Document.eos_supervised``). With a ``ChatTemplate``, chat documents are
 instead rendered by the template and tokenized whole; a token is supervised iff its character
-offsets overlap an assistant span (``ChatTemplate.supervised_spans``), and the EOS separator
+offsets overlap an assistant span (``ChatTemplate.supervised_spans``; an assistant's ``reasoning_content``
+is passed to the template, and refused without one: ``reasoning_refusal``), and the EOS separator
 appended after them is unsupervised (the template's own end-of-turn tokens carry the stop signal),
 unless the chat ends with an assistant turn that the template closes with no end-of-turn text: then
 that EOS is the only stop signal, and supervised. ``turn_documents`` makes one document of each
@@ -37,6 +38,16 @@ def role_marker_message(tokenizer: CsbpTokenizer, role: str) -> str:
     )
 
 
+def reasoning_refusal(doc: Document) -> str:
+    """Why a chat with a ``reasoning_content`` cannot be written with csbp's role markers, and the fixes."""
+    return (
+        f"{doc.where}: messages[{doc.first_reasoning()}].reasoning_content is set, but without a chat template "
+        "the chat is written with csbp's role markers, which have no place for reasoning, so it would be dropped "
+        "(fix: --chat-template PATH naming a template that renders reasoning_content, such as Qwen3's; or write "
+        "the reasoning into the content)"
+    )
+
+
 def turn_documents(doc: Document) -> list[Document]:
     """One document per assistant turn of a chat record (``--chat-documents turn``): its messages up to
     and including that turn, only that turn supervised, each keeping the record's ``where``. A record
@@ -50,7 +61,7 @@ def turn_documents(doc: Document) -> list[Document]:
     assert len(doc.segments) == 2 * len(doc.messages)  # _chat_document's: a role marker, then the content
     return [
         replace(doc, messages=doc.messages[: i + 1], segments=doc.segments[: 2 * (i + 1)], eos_supervised=True,
-                last_turn_only=True)
+                last_turn_only=True, reasoning=doc.reasoning[: i + 1])
         for i in turns
     ]
 
@@ -89,11 +100,17 @@ def encode_templated_chat(
     template: ChatTemplate,
     where: str,
     last_turn_only: bool = False,
+    reasoning: Sequence[str] = (),
 ) -> tuple[list[int], list[int], bool]:
     """``(ids, loss_mask, whether the EOS after them is the stop to supervise)`` of a chat rendered
-    by ``template`` (no EOS separator appended); ``last_turn_only``: only its last message supervised."""
+    by ``template`` (no EOS separator appended); ``last_turn_only``: only its last message supervised;
+    ``reasoning``: each message's ``reasoning_content`` ("" for none), or empty."""
     spans_of = template.last_turn_spans if last_turn_only else template.supervised_spans
-    text, spans, eos_is_stop = spans_of([{"role": r, "content": c} for r, c in messages], where)
+    dicts: list[dict[str, str]] = [{"role": r, "content": c} for r, c in messages]
+    for message, thought in zip(dicts, reasoning):
+        if thought:
+            message["reasoning_content"] = thought
+    text, spans, eos_is_stop = spans_of(dicts, where)
     encoding = tokenizer.backend.encode(text, add_special_tokens=False)
     return list(encoding.ids), supervised_tokens(encoding.offsets, spans), eos_is_stop
 
@@ -138,9 +155,11 @@ def encode_documents(
         if templated(doc):
             assert chat_template is not None and doc.messages is not None
             ids, mask, eos_is_stop = encode_templated_chat(
-                doc.messages, tokenizer, chat_template, doc.where, doc.last_turn_only
+                doc.messages, tokenizer, chat_template, doc.where, doc.last_turn_only, doc.reasoning
             )
             eos_supervised = eos_supervised and eos_is_stop
+        elif doc.first_reasoning() is not None:
+            raise ValueError(reasoning_refusal(doc))
         for segment in doc.segments if not templated(doc) else ():
             if segment.role is not None and segment.role not in tokenizer.role_ids:
                 raise ValueError(f"{doc.where}: {role_marker_message(tokenizer, segment.role)}")

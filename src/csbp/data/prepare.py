@@ -70,6 +70,7 @@ from csbp.data.packing import (
     SplitCounts,
     TurnTally,
     encode_documents,
+    reasoning_refusal,
     role_marker_message,
     turn_documents,
 )
@@ -199,6 +200,8 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     template = template if num_chats else None  # recorded only when it formatted something
     if config.chat_documents == "turn" and num_chats and template is None:
         raise ValueError(f"{found.first_chat}: {_TURN_NEEDS_TEMPLATE}")
+    if template is None and found.first_reasoning is not None:  # role markers have no place for it
+        raise ValueError(reasoning_refusal(found.first_reasoning))
     if given is not None and template is None:  # chats get csbp's role markers: refused before encoding
         check_role_markers(given, found.first_use_of_role)
     if template is not None:
@@ -257,7 +260,8 @@ def _non_empty_documents(files: list[Path], txt_mode: TxtMode) -> Iterator[Docum
 class _Found:
     """What counting the inputs found: non-empty documents, empty ones skipped, non-empty chat
     records (the first at ``first_chat``), the first record (``file:line``) using each chat role, and
-    the documents ``--chat-documents turn`` would make (one per assistant turn, at least one a record)."""
+    the documents ``--chat-documents turn`` would make (one per assistant turn, at least one a record),
+    and the first chat record with a ``reasoning_content`` (refused when no chat template renders it)."""
 
     documents: int = 0
     empty: int = 0
@@ -265,6 +269,7 @@ class _Found:
     first_chat: str = ""
     first_use_of_role: dict[str, str] = field(default_factory=dict)
     turn_documents: int = 0
+    first_reasoning: Document | None = None
 
 
 def _count_documents(files: list[Path], txt_mode: TxtMode, literal_mask: str | None = None) -> _Found:
@@ -284,6 +289,8 @@ def _count_documents(files: list[Path], txt_mode: TxtMode, literal_mask: str | N
             for role, _ in doc.messages:
                 found.first_use_of_role.setdefault(role, doc.where)
             found.turn_documents += max(sum(role == "assistant" for role, _ in doc.messages), 1) - 1
+            if found.first_reasoning is None and doc.first_reasoning() is not None:
+                found.first_reasoning = doc
         if literal_mask is not None and any(literal_mask in text for text in doc.texts()):
             which, fix = f"the mask token {literal_mask!r}", mask_fix(literal_mask, default_available=True)
             raise ValueError(f"{doc.where}: {mask_in_text_message(which, fix)}")

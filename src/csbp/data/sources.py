@@ -4,10 +4,12 @@ Supported inputs (chosen by file suffix; a directory expands to its supported fi
 
 * ``.jsonl`` and ``.parquet`` records, in this order of precedence when several apply:
   ``messages`` (a chat: list of ``{"role": system|user|assistant, "content": str}``; only
-  assistant content is supervised; a message field besides these two, such as ``tool_calls`` or
-  ``reasoning_content``, and a record's ``tools``/``documents`` are refused unless null or empty,
-  as they would be dropped), ``prompt`` + ``completion`` (only the completion is
-  supervised), ``text`` (everything is supervised);
+  assistant content is supervised; an assistant message may carry its reasoning as a string
+  ``reasoning_content``, which only a chat template can render (``Document.reasoning``; with csbp's
+  role markers ``prepare`` refuses it); any other message field, such as ``tool_calls``, reasoning on
+  another role, and a record's ``tools``/``documents`` are refused unless null or empty, as they
+  would be dropped), ``prompt`` + ``completion`` (only the completion is supervised), ``text``
+  (everything is supervised);
 * ``.txt`` files: one document per file, or (``txt_mode="paragraphs"``) one document per
   blank-line-separated paragraph. Project Gutenberg header/footer boilerplate is removed when
   its markers are present.
@@ -68,17 +70,24 @@ class Document:
     where: str
     messages: tuple[tuple[str, str], ...] | None = None
     """For chat records: ``(role, content)`` per message, for rendering with a chat template."""
+    reasoning: tuple[str, ...] = ()
+    """For chat records with reasoning: each message's ``reasoning_content`` ("" where it has none;
+    only assistant messages have one), else empty. Only a chat template renders it."""
     last_turn_only: bool = False
     """A chat rendered with a template supervises its last message alone (``--chat-documents turn``)."""
 
     @property
     def is_empty(self) -> bool:
         """True when no text segment has non-whitespace content (such documents are skipped)."""
-        return not any(s.text.strip() for s in self.segments)
+        return not any(s.text.strip() for s in self.segments) and not any(r.strip() for r in self.reasoning)
 
     def texts(self) -> list[str]:
-        """The plain-text pieces (what a tokenizer is trained on)."""
-        return [s.text for s in self.segments if s.role is None]
+        """The plain-text pieces (what a tokenizer is trained on), reasoning included."""
+        return [s.text for s in self.segments if s.role is None] + [r for r in self.reasoning if r]
+
+    def first_reasoning(self) -> int | None:
+        """The index of the first message with a ``reasoning_content``, None when there is none."""
+        return next((index for index, text in enumerate(self.reasoning) if text), None)
 
 
 def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
@@ -167,7 +176,7 @@ def _read_file(path: Path, txt_mode: TxtMode) -> Iterator[Document]:
 def record_to_document(record: Any, where: str) -> Document:
     """Parse one JSONL/Parquet record (see the module docstring for the accepted fields)."""
     document = _record_to_document(record, where)
-    for text in (segment.text for segment in document.segments):
+    for text in [segment.text for segment in document.segments] + list(document.reasoning):
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -214,25 +223,41 @@ def _chat_document(messages: Any, where: str) -> Document:
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
     segments: list[Segment] = []
+    reasoning: list[str] = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"{where}: messages[{index}] must be an object with 'role' and 'content'")
         role, content = message["role"], message["content"]
-        dropped = next((key for key, value in message.items() if key not in ("role", "content") and _is_set(value)), None)
-        if dropped is not None:  # tool_calls, reasoning_content, a per-turn training weight: never silently lost
+        dropped = next((key for key, value in message.items() if key not in MESSAGE_FIELDS and _is_set(value)), None)
+        if dropped is not None:  # tool_calls, a per-turn training weight: never silently lost
             raise ValueError(
                 f"{where}: messages[{index}].{dropped} is set, but csbp trains on each message's role and content "
-                "alone, so it would be dropped (fix: remove the field, or write it into the content)"
+                "(and an assistant's reasoning_content) alone, so it would be dropped (fix: remove the field, or "
+                "write it into the content)"
             )
         if role not in CHAT_ROLES:
             raise ValueError(f"{where}: messages[{index}].role is {role!r}; use one of {CHAT_ROLES}")
         if not isinstance(content, str):
             raise ValueError(f"{where}: messages[{index}].content must be a string")
+        thought = message.get("reasoning_content")
+        if _is_set(thought) and role != "assistant":
+            raise ValueError(
+                f"{where}: messages[{index}].reasoning_content is set on a {role} message; only an assistant turn "
+                "carries reasoning (fix: remove the field, or write it into the content)"
+            )
+        if _is_set(thought) and not isinstance(thought, str):
+            raise ValueError(f"{where}: messages[{index}].reasoning_content must be a string, got {type(thought).__name__}")
+        reasoning.append(thought if _is_set(thought) else "")
         segments.append(Segment("", supervised=False, role=role))
         segments.append(Segment(content, supervised=role == "assistant"))
     ends_with_assistant = messages[-1]["role"] == "assistant"
     pairs = tuple((str(m["role"]), str(m["content"])) for m in messages)
-    return Document(tuple(segments), eos_supervised=ends_with_assistant, where=where, messages=pairs)
+    return Document(tuple(segments), eos_supervised=ends_with_assistant, where=where, messages=pairs,
+                    reasoning=tuple(reasoning) if any(reasoning) else ())
+
+
+MESSAGE_FIELDS = ("role", "content", "reasoning_content")
+"""The fields of a chat message csbp reads (``reasoning_content``: assistant turns, with a chat template)."""
 
 
 UNRENDERED_RECORD_FIELDS = ("tools", "documents")
