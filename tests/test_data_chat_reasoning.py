@@ -124,6 +124,10 @@ def test_a_template_that_does_not_render_the_reasoning_is_refused(tokenizer: Csb
         with pytest.raises(ValueError, match=r"^chat\.jsonl:1: chat template t\.jinja does not render "
                            r"messages\[2\]\.reasoning_content exactly once as given .*\(fix: a template that renders"):
             encode(CHAT[:3], template, tokenizer)
+    shouting = THINKING.replace("{{ answer.lstrip('\n') }}", "{{ answer.lstrip('\n') | upper }}")
+    with pytest.raises(ValueError, match=r"does not render messages\[2\]\.content exactly once as given in a turn with "
+                       r"reasoning"):
+        encode(CHAT[:3], shouting, tokenizer)
     no_prompt = THINKING.replace("<|im_start|>assistant\n{% endif %}", "{% endif %}")
     with pytest.raises(ValueError, match=r"renders messages\[2\] with its reasoning as text that does not continue its "
                        r"generation prompt"):

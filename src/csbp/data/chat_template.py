@@ -284,7 +284,7 @@ class ChatTemplate:
         probe_text = self.render(probe, where=where)
         probe_added = probe_text[len(rendered):]
         if not probe_text.startswith(rendered) or probe_added.count(sentinel) != 1:
-            if inline or field == REASONING:
+            if inline or REASONING in messages[index]:  # the fix is about the reasoning, not --chat-template none
                 raise ValueError(refusal(self, where, index, field, inline))
             raise ValueError(
                 f"{where}: chat template {self.source} does not render messages[{index}].content exactly once "
@@ -292,7 +292,7 @@ class ChatTemplate:
             )
         before, after = probe_added.split(sentinel)
         if not (added.startswith(before) and added.endswith(after) and len(added) >= len(before) + len(after)):
-            if inline or field == REASONING:
+            if inline or REASONING in messages[index]:
                 raise ValueError(refusal(self, where, index, field, inline))
             raise ValueError(
                 f"{where}: chat template {self.source} renders the scaffolding of messages[{index}] differently "
