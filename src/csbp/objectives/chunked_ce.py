@@ -112,7 +112,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
             raw_CV = held if held is not None else _chunk_logits(hidden_mm[start:stop], weight_mm, accum_dtype)
             logits_CV = _finish_logits(raw_CV, ctx.exclude_token, softcap)
             # dCE/dz = softmax(z) - onehot(label); the excluded column has probability exactly 0.
-            grad_CV = torch.exp(logits_CV - lse_R[start:stop, None])
+            grad_CV = (logits_CV - lse_R[start:stop, None]).exp_()  # in place: one [C, V] buffer, not two
             rows_C = torch.arange(stop - start, device=grad_CV.device)
             grad_CV[rows_C, labels_R[start:stop]] -= 1.0
             grad_CV *= row_scale_R[start:stop, None]
