@@ -170,3 +170,48 @@ def test_shape_and_chunk_validation() -> None:
         chunked_weighted_ce(hidden, weight, labels[:-1], weights)
     with pytest.raises(ValueError, match="chunk_rows"):
         chunked_weighted_ce(hidden, weight, labels, weights, chunk_rows=0)
+
+
+@pytest.mark.parametrize("exclude", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_keep_logits_skips_the_recompute_of_a_single_chunk_bit_for_bit(monkeypatch, exclude, softcap) -> None:
+    hidden, weight, labels, weights = _inputs(dtype=torch.float32, exclude=exclude)
+    calls: list[int] = []
+    original = chunked_ce._chunk_logits
+
+    def recording(hidden_CD, weight_VD, accum_dtype):
+        calls.append(hidden_CD.shape[0])
+        return original(hidden_CD, weight_VD, accum_dtype)
+
+    monkeypatch.setattr(chunked_ce, "_chunk_logits", recording)
+    results = {}
+    for keep in (False, True):
+        calls.clear()
+        loss = chunked_weighted_ce(
+            hidden, weight, labels, weights, chunk_rows=64, exclude_token=exclude, logit_softcap=softcap,
+            keep_logits=keep,
+        )
+        results[keep] = (loss, *torch.autograd.grad(loss, (hidden, weight)))
+        assert len(calls) == (1 if keep else 2)  # the backward reuses the forward's logits
+    for recomputed, kept in zip(results[False], results[True], strict=True):
+        assert torch.equal(recomputed, kept)
+
+
+def test_keep_logits_still_recomputes_several_chunks_and_a_retained_graph(monkeypatch) -> None:
+    hidden, weight, labels, weights = _inputs()
+    kept = int(((labels != IGNORE_INDEX) & (weights != 0)).sum())
+    calls: list[int] = []
+    original = chunked_ce._chunk_logits
+    monkeypatch.setattr(
+        chunked_ce, "_chunk_logits", lambda h, w, dtype: calls.append(h.shape[0]) or original(h, w, dtype)
+    )
+    loss = chunked_weighted_ce(hidden, weight, labels, weights, chunk_rows=7, exclude_token=5, keep_logits=True)
+    loss.backward()
+    assert len(calls) == 2 * math.ceil(kept / 7) and max(calls) <= 7  # no [R, V] logits held across chunks
+    calls.clear()
+    loss = chunked_weighted_ce(hidden, weight, labels, weights, chunk_rows=64, exclude_token=5, keep_logits=True)
+    first = torch.autograd.grad(loss, (hidden, weight), retain_graph=True)
+    second = torch.autograd.grad(loss, (hidden, weight))  # the held logits went with the first backward
+    assert calls == [kept, kept]
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)

@@ -260,8 +260,8 @@ def rank_loss(
     """
     if global_denominator <= 0:
         raise ValueError(f"global loss denominator must be positive, got {global_denominator}")
-    if isinstance(plan, RankPlan):
-        return _plan_loss(model, corrupted, plan, global_denominator, world_size, ce_chunk_rows)
+    if isinstance(plan, RankPlan):  # one loss per backward: the LM head's logits may wait for it
+        return _plan_loss(model, corrupted, plan, global_denominator, world_size, ce_chunk_rows, keep_logits=True)
     losses, ce_sums = [], []
     for index, sample_plan in enumerate(plan.plans_for(corrupted.doc_ids)):
         one = sample_rows(corrupted, slice(index, index + 1))
@@ -278,6 +278,8 @@ def _plan_loss(
     global_denominator: float,
     world_size: int,
     ce_chunk_rows: int,
+    *,
+    keep_logits: bool = False,
 ) -> tuple[Tensor, Tensor]:
     input_ids, positions = rank_inputs(corrupted, plan)
     hidden_SRD = model(input_ids, positions, plan.attention)
@@ -292,6 +294,7 @@ def _plan_loss(
         weights.to(noisy_SAD.dtype if noisy_SAD.dtype == torch.float64 else torch.float32),
         chunk_rows=ce_chunk_rows,
         exclude_token=corrupted.exclude_token,
+        keep_logits=keep_logits,
     )
     loss = ce_sum * (world_size / global_denominator) + 0.0 * hidden_SRD.sum()
     return loss, ce_sum.detach()

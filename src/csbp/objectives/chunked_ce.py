@@ -6,6 +6,13 @@ forward keeps only the per-row log-sum-exp, and the backward recomputes each chu
 most ``[chunk_rows, V]`` logits exist at once, in forward and in backward. Rows with label
 ``-100`` or weight 0 are dropped before the head, so unsupervised rows cost nothing.
 
+``keep_logits=True`` skips that recompute when every kept row fits in one chunk: the forward's
+logits of the only chunk are held for the backward (the same values, so the same gradients bit
+for bit) and released by it. The backward then holds the same two ``[C, V]`` tensors as with the
+recompute, so a caller that runs the backward right after the loss keeps the bound; a caller that
+runs several losses before one backward (one call per packed-documents sample) must leave it off,
+or the held logits of every call add up.
+
 Numerics: the head matmul runs in the promoted dtype of ``hidden`` and ``W`` (bf16 stays bf16
 so tensor cores are used); logits, softmax, CE and the weight-gradient accumulator are float32,
 or float64 when an input is float64. Optional SUBS exclusion forces one vocabulary logit to
@@ -61,6 +68,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         chunk_rows: int,
         exclude_token: int | None,
         logit_softcap: float | None,
+        keep_logits: bool = False,
     ) -> Tensor:
         matmul_dtype, accum_dtype = _compute_dtypes(hidden_RD, weight_VD)
         hidden_mm = hidden_RD.to(matmul_dtype)
@@ -68,11 +76,13 @@ class _ChunkedWeightedCE(torch.autograd.Function):
         row_weights_R = weights_R.to(accum_dtype)
         lse_R = torch.empty(hidden_RD.shape[0], dtype=accum_dtype, device=hidden_RD.device)
         total = torch.zeros((), dtype=accum_dtype, device=hidden_RD.device)
+        ctx.raw_logits = None
         for start in range(0, hidden_RD.shape[0], chunk_rows):
             stop = min(start + chunk_rows, hidden_RD.shape[0])
-            logits_CV = _finish_logits(
-                _chunk_logits(hidden_mm[start:stop], weight_mm, accum_dtype), exclude_token, logit_softcap
-            )
+            raw_CV = _chunk_logits(hidden_mm[start:stop], weight_mm, accum_dtype)
+            if keep_logits and stop - start == hidden_RD.shape[0]:  # the only chunk: held for the backward
+                ctx.raw_logits = raw_CV  # (finished in place below; finishing is idempotent)
+            logits_CV = _finish_logits(raw_CV, exclude_token, logit_softcap)
             lse_C = torch.logsumexp(logits_CV, dim=1)
             label_logit_C = logits_CV.gather(1, labels_R[start:stop, None]).squeeze(1)
             total = total + (row_weights_R[start:stop] * (lse_C - label_logit_C)).sum()
@@ -96,12 +106,13 @@ class _ChunkedWeightedCE(torch.autograd.Function):
             torch.zeros(weight_VD.shape, dtype=accum_dtype, device=weight_VD.device) if need_weight else None
         )
         softcap = ctx.logit_softcap
+        held, ctx.raw_logits = ctx.raw_logits, None  # used once: a retained graph's next backward recomputes
         for start in range(0, hidden_RD.shape[0], ctx.chunk_rows):
             stop = min(start + ctx.chunk_rows, hidden_RD.shape[0])
-            raw_CV = _chunk_logits(hidden_mm[start:stop], weight_mm, accum_dtype)
+            raw_CV = held if held is not None else _chunk_logits(hidden_mm[start:stop], weight_mm, accum_dtype)
             logits_CV = _finish_logits(raw_CV, ctx.exclude_token, softcap)
             # dCE/dz = softmax(z) - onehot(label); the excluded column has probability exactly 0.
-            grad_CV = torch.exp(logits_CV - lse_R[start:stop, None])
+            grad_CV = (logits_CV - lse_R[start:stop, None]).exp_()  # in place: one [C, V] buffer, not two
             rows_C = torch.arange(stop - start, device=grad_CV.device)
             grad_CV[rows_C, labels_R[start:stop]] -= 1.0
             grad_CV *= row_scale_R[start:stop, None]
@@ -116,7 +127,7 @@ class _ChunkedWeightedCE(torch.autograd.Function):
                 grad_weight_VD += (grad_mm.t() @ hidden_mm[start:stop]).to(accum_dtype)
         if grad_weight_VD is not None:
             grad_weight_VD = grad_weight_VD.to(weight_VD.dtype)
-        return grad_hidden_RD, grad_weight_VD, None, None, None, None, None
+        return grad_hidden_RD, grad_weight_VD, None, None, None, None, None, None
 
 
 def _validate(
@@ -144,6 +155,7 @@ def chunked_weighted_ce(
     chunk_rows: int = 1024,
     exclude_token: int | None = None,
     logit_softcap: float | None = None,
+    keep_logits: bool = False,
 ) -> Tensor:
     """``Σ_r weights[r] · CE(softcap(hidden[r] @ Wᵀ) with W[exclude] = -inf, labels[r])``.
 
@@ -156,6 +168,9 @@ def chunked_weighted_ce(
         exclude_token: vocabulary id whose logit is ``-inf`` (SUBS); a row labelled with it has
             infinite loss, so objectives must never produce such a label.
         logit_softcap: ``c`` of the final-logit soft-cap ``c·tanh(z/c)``, or ``None``.
+        keep_logits: when the kept rows fit in one chunk, hold the forward's logits for the
+            backward instead of recomputing them (module docstring: only for a backward that
+            follows this one loss).
 
     Returns:
         A scalar (float32, or float64 for float64 inputs). If no row is kept it is an exact zero
@@ -172,6 +187,7 @@ def chunked_weighted_ce(
         chunk_rows,
         exclude_token,
         logit_softcap,
+        keep_logits,
     )
 
 
