@@ -272,9 +272,11 @@ def test_export_from_drafter_run_final_and_checkpoint(
     )
     assert "DFlash drafter, 1 layers, block_size 4, target_layer_ids [0, 2]" in capsys.readouterr().out
     _same_tensors(workspace["drafter"], again)
-    assert json.loads((again / "config.json").read_text()) == json.loads(
-        (workspace["drafter"] / "config.json").read_text()
-    )
+    # carried through, with the context it serves: the target's (no max_position_embeddings was written)
+    assert json.loads((again / "config.json").read_text()) == {
+        **json.loads((workspace["drafter"] / "config.json").read_text()),
+        "max_position_embeddings": json.loads((workspace["target"] / "config.json").read_text())["max_position_embeddings"],
+    }
 
     run = root / "run"
     export_dflash(_drafter(_target_config(open_artifact(workspace["artifact"]).vocab_size), 7), run / "final")

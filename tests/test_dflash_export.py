@@ -234,3 +234,21 @@ def test_a_float16_drafter_is_refused_naming_the_flag_that_loads_it(tmp_path: Pa
     with pytest.raises(ValueError, match=rf"drafter {out} stores torch.float16 weights.*--dtype bfloat16"):
         load_dflash(out, target)
     assert load_dflash(out, target, dtype=torch.bfloat16).fc.weight.dtype == torch.bfloat16
+
+
+def test_a_drafter_without_yarn_records_the_context_it_serves(tmp_path: Path) -> None:
+    """Without YaRN no max_position_embeddings was written, so readers took Qwen3Config's 32768
+    whatever the target's context (SGLang then refuses the drafter under a longer target unless
+    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN is set). Now the larger of the training length and the
+    target's max_position_embeddings, those known."""
+    _, drafter = build_models(DFlashVerifyCase())
+
+    def written(name: str, **known: int) -> int | None:
+        return json.loads((export_dflash(drafter, tmp_path / name, **known) / "config.json").read_text()).get(
+            "max_position_embeddings"
+        )
+
+    assert written("both", seq_len=4096, target_positions=40960) == 40960
+    assert written("longer", seq_len=65536, target_positions=40960) == 65536  # a run from before the refusal
+    assert written("target", target_positions=131072) == 131072  # a drafter directory records no seq_len
+    assert written("none") is None

@@ -291,3 +291,34 @@ def test_csbp_eval_checks_its_settings_before_loading_the_weights(
     message = _error(capsys, ["eval", "--model", str(bare), "--data", str(artifact), "--objective", "bd3", "--block-size", "4"])
     assert "embeds 64" in message
     assert "the ranks would start here" in _error(capsys, ["eval", "--model", model, "--data", str(artifact), "--nproc", "2"])
+
+
+def test_csbp_eval_masks_documents_as_the_objective_trains_by_default(
+    trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint without a run record was scored with document_mask=False whatever --objective said,
+    while fast_dllm_v2 trains with the document mask by default; now the objective's training default,
+    --[no-]document-mask to set it, and a flag contradicting a run's record is refused."""
+    from dataclasses import replace
+
+    from csbp.data.artifact import open_artifact
+    from csbp.evaluation import resolve_settings
+
+    run_dir, artifact, _ = trained
+    opened = open_artifact(artifact)
+    config = replace(tiny_model_config(), vocab_size=opened.vocab_size)
+    bare = tmp_path / "bare"
+    export_hf_checkpoint(Decoder(config, dtype=torch.float32, seed=0), config, bare)
+
+    def masked(objective: str, flag: bool | None = None) -> bool:
+        given = {} if flag is None else {"document_mask": flag}
+        size = None if objective == "mdlm" else 4
+        return resolve_settings(bare, config, opened, objective=objective, block_size=size, **given).document_mask
+
+    assert (masked("fast_dllm_v2"), masked("bd3"), masked("mdlm")) == (True, False, False)
+    assert (masked("fast_dllm_v2", False), masked("bd3", True)) == (False, True)
+    args = ["eval", "--model", str(run_dir / "final"), "--data", str(artifact)]
+    assert _error(capsys, [*args, "--document-mask"]) == (
+        f"csbp: error: --document-mask: the model was trained with data.document_mask false ({run_dir / 'config.yaml'}), "
+        "which csbp eval evaluates with (fix: drop the flag; it is for checkpoints that record no training settings)"
+    )

@@ -429,3 +429,38 @@ def test_cli_stops_at_every_eos_of_the_generation_config(
         config_file.write_text(json.dumps({"eos_token_id": [bad]}), encoding="utf-8")
         with pytest.raises(ValueError, match=rf"generation_config.json: eos_token_id .* {why}"):
             parse(argv).func(parse(argv))
+
+
+def test_cli_refuses_a_mask_token_other_than_the_run_s(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An explicit --mask-token lost silently to the run's recorded mask_token_id (the flag defaulted to
+    <|mask|>, so an explicit value could not be told from the default). Now the flags default to None:
+    the run's id is used (the tokenizer need not hold <|mask|>), and a contradicting name is refused."""
+    final = export_tiny_run(tmp_path / "run")
+    tokenizer = load_tokenizer(final)
+    recorded = tokenizer.eos_id + 5  # an ordinary token, not the tokenizer's <|mask|>
+    assert recorded != tokenizer.mask_token_id
+    config_file = tmp_path / "run" / "config.yaml"
+    config_file.write_text(f"objective:\n  name: bd3\n  block_size: 4\n  mask_token_id: {recorded}\n")
+    base = ["generate", "--model", str(final), "--prompt", "the", "--max-new-tokens", "4", "--device", "cpu"]
+    assert parse(base).mask_token is None and parse(base).eos_token is None
+    explicit = parse([*base, "--mask-token", "<|mask|>"])
+    with pytest.raises(ValueError) as info:
+        explicit.func(explicit)
+    name = tokenizer.backend.id_to_token(recorded)
+    assert str(info.value) == (
+        f"--mask-token <|mask|>: id {tokenizer.mask_token_id} of {final}, but the model was trained with "
+        f"mask_token_id {recorded} ({name}) ({config_file}) (fix: drop --mask-token to use the run's)"
+    )
+    seen: list[object] = []
+
+    def recording_generate(model: Decoder, prompt_ids: list[int], **options: object) -> object:
+        seen.append(options["mask_token_id"])
+        raise SystemExit(0)
+
+    monkeypatch.setattr("csbp.generation.sampler.generate", recording_generate)
+    for argv in (base, [*base, "--mask-token", name]):
+        with pytest.raises(SystemExit):
+            parse(argv).func(parse(argv))
+    assert seen == [recorded, recorded]

@@ -159,6 +159,8 @@ def test_run_writes_metrics_drafter_checkpoints_and_the_public_format(
     assert config["dflash_config"]["target_layer_ids"] == [0, 2]
     assert config["csbp_training"] == {"objective": {"name": "dflash", "dflash": {"context": "strict"}}}
     assert config["dflash_config"]["mask_token_id"] == open_artifact(artifact).mask_token_id
+    target_positions = json.loads((target / "config.json").read_text())["max_position_embeddings"]
+    assert config["max_position_embeddings"] == max(target_positions, 32)  # the context it serves at
     tensors = load_file(str(final / "model.safetensors"))
     assert "fc.weight" in tensors and "layers.1.mlp.down_proj.weight" in tensors
     assert not [name for name in tensors if "embed" in name or "lm_head" in name or name.startswith("model.")]

@@ -119,3 +119,46 @@ def test_dflash_export_of_a_checkpoint_reads_its_training_length(tmp_path: Path)
     (tmp_path / "trainer_state.json").write_text(json.dumps({"config_yaml": config_yaml}))
     assert checkpoint_seq_len(tmp_path) == 4096
     assert checkpoint_seq_len(tmp_path / "missing") is None
+
+
+def _limit_positions(checkpoint: Path, limit: int) -> Path:
+    config = json.loads((checkpoint / "config.json").read_text())
+    (checkpoint / "config.json").write_text(json.dumps({**config, "max_position_embeddings": limit}))
+    return checkpoint
+
+
+def test_a_drafter_trained_past_its_plain_rope_targets_context_is_refused(artifact: Path, tmp_path: Path) -> None:
+    """Without YaRN nothing checked the target's max_position_embeddings: a drafter learnt from a
+    frozen target's features at positions the target never saw (out of distribution)."""
+    from test_training_dflash import dflash_config, export_target
+
+    target = _limit_positions(export_target(tmp_path / "t", open_artifact(artifact).vocab_size, tokenizer_dir=artifact), 16)
+    with pytest.raises(ValueError) as caught:
+        check_run(dflash_config(artifact, target), check_device=False)
+    assert str(caught.value) == (
+        f"objective.dflash.target: {target}/config.json max_position_embeddings 16 is below data.seq_len 32 and no "
+        "YaRN rope_scaling extends it: the frozen target never saw positions past 16, so its features there, which "
+        "the drafter learns from, are out of distribution (fix: set data.seq_len: 16 or less, or use a copy of the "
+        "target whose config.json has rope_scaling: {type: yarn, factor: 2, original_max_position_embeddings: 16})"
+    )
+    check_run(dflash_config(artifact, _limit_positions(target, 32)), check_device=False)
+
+
+def test_a_decoder_trained_past_its_checkpoints_plain_rope_context_is_warned_about(artifact: Path, tmp_path: Path) -> None:
+    """Silent before (the export then raised max_position_embeddings to data.seq_len): training there
+    extends the checkpoint's context, a legitimate use, so one warning line names the alternatives."""
+    config = DecoderConfig(vocab_size=open_artifact(artifact).vocab_size, hidden_size=32, intermediate_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, arch="qwen3")
+    hf = _limit_positions(export_hf_checkpoint(Decoder(config, seed=0), config, tmp_path / "hf"), 16)
+    warnings: list[str] = []
+    check_run(tiny_config(artifact, **_from(hf)), check_device=False, warn=warnings.append)
+    assert warnings == [
+        f"model.init_from: {hf}/config.json max_position_embeddings 16 is below data.seq_len 32 and no YaRN "
+        "rope_scaling extends it: the run trains the checkpoint at positions it never saw, extending its context "
+        "(the export records max_position_embeddings 32) (to extend it by RoPE scaling instead: set "
+        "model.rope_scaling: {type: yarn, factor: 2, original_max_position_embeddings: 16}; to stay inside: set "
+        "data.seq_len: 16 or less)"
+    ]
+    warnings.clear()  # a run that sets its own RoPE chose how to reach data.seq_len
+    check_run(tiny_config(artifact, **_from(hf), **{"model.rope_theta": 2e6}), check_device=False, warn=warnings.append)
+    assert warnings == []

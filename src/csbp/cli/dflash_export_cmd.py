@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from csbp.cli.dflash_checkpoint import (
     checkpoint_context,
@@ -27,6 +28,15 @@ from csbp.cli.dflash_checkpoint import (
 )
 from csbp.cli.dflash_common import DTYPES, INCLUSIVE_NOTE, load_target
 from csbp.models.hf_io import tokenizer_files_in, without_auto_map
+
+
+def served_positions(target: Path, drafter_dir: Path | None) -> int | None:
+    """The context the export records (with ``seq_len``): the target's ``max_position_embeddings``, or a
+    ``--drafter`` directory's own when that is larger (carried through); None when neither records one."""
+    from csbp.dflash.export import recorded_max_positions
+
+    known = [n for n in (recorded_max_positions(target), drafter_dir and recorded_max_positions(drafter_dir)) if n]
+    return max(known) if known else None
 
 
 def run_export(args: argparse.Namespace) -> int:
@@ -70,7 +80,7 @@ def run_export(args: argparse.Namespace) -> int:
         seq_len = checkpoint_seq_len(checkpoint)
     out = export_dflash(
         drafter, args.out, dtype=dtype, overwrite=args.overwrite, context=context, tokenizer_files=tokenizer,
-        seq_len=seq_len,
+        seq_len=seq_len, target_positions=served_positions(args.target, drafter_dir),
     )
     reloaded = load_dflash(out, target)  # validate what was written
     cfg = reloaded.config

@@ -11,7 +11,8 @@ of ``--samples`` independent noise draws with its standard error) and the perple
 --unmask-order left_to_right`` assigns at temperature 1), ``B`` forwards per batch. See
 ``csbp.evaluation``. ``--model`` is a HF checkpoint directory (a run's ``final/`` export: objective,
 block size, mask token, window and document mask default to the run's
-``config.yaml`` one directory up; ``--objective`` / ``--block-size`` other than the run's are
+``config.yaml`` one directory up, the document mask of other checkpoints to the objective's training
+default (``--[no-]document-mask`` sets it); ``--objective`` / ``--block-size`` other than the run's are
 refused unless ``--allow-objective-change`` / ``--allow-block-size-change``, as in ``csbp
 generate``: scoring a bd3-trained model as mdlm is a legitimate experiment, a silent one is not).
 Runs on one process; ``--nproc N`` (with ``--cp``/``--bp``)
@@ -61,6 +62,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--block-size", type=positive_int, default=None, help="training block size (default: the run's)"
     )
     add_override_flags(parser, "eval")
+    parser.add_argument(
+        "--document-mask", action=argparse.BooleanOptionalAction, default=None,
+        help="attend within packed documents only (default: the run's data.document_mask, else the objective's "
+        "training default: on for fast_dllm_v2, off for bd3/mdlm); one other than the run's is refused",
+    )
     parser.add_argument("--samples", type=positive_int, default=4, help="noise draws per batch for the NELBO (default 4)")
     parser.add_argument("--micro-batch-size", type=positive_int, default=8, help="rows per forward (default 8)")
     parser.add_argument("--max-batches", type=positive_int, default=None, help="score at most this many batches")
@@ -101,7 +107,8 @@ def run_eval(args: argparse.Namespace) -> int:
     # the settings' checks (block size against the data, vocabulary, mask token) read config.json only:
     # they run before the weights load
     settings = resolve_settings(
-        model_dir, read_hf_config(model_dir), artifact, objective=args.objective, block_size=args.block_size
+        model_dir, read_hf_config(model_dir), artifact, objective=args.objective, block_size=args.block_size,
+        document_mask=args.document_mask,
     )
     topology = eval_topology(args.nproc, args.cp, args.bp, settings, artifact.seq_len)
     options = EvalOptions(

@@ -9,8 +9,9 @@ Examples::
 
 ``--model`` is a Hugging Face checkpoint directory (a run's ``final/`` export or any local
 Qwen3/Qwen2/Llama checkpoint ``csbp.models.hf_io.load_hf_checkpoint`` reads); its tokenizer is read
-from the same directory unless ``--tokenizer`` names another one. The tokenizer must define a mask
-token (``--mask-token``).
+from the same directory unless ``--tokenizer`` names another one. The mask token is the run's
+recorded ``mask_token_id``, else the tokenizer's ``<|mask|>``; ``--mask-token`` names another for a
+checkpoint that records none, and one that is not the recorded id is refused.
 
 The sampler must use the block size and label alignment the model was trained with. For a run's
 ``final/`` export they default to ``objective.name``/``block_size``/``mask_token_id`` of the run's
@@ -38,12 +39,16 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from csbp.cli.options import check_model_directory, device_option, float_in, int_at_least, positive_int
 from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
 from csbp.generation.run_settings import TOKEN_SHIFT_OBJECTIVES, beyond_training_note, run_objective_settings
+
+if TYPE_CHECKING:
+    from csbp.data.tokenizer import CsbpTokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_OBJECTIVE, DEFAULT_BLOCK_SIZE = "bd3", 16
@@ -65,8 +70,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="wrap --prompt as a user turn of the tokenizer directory's chat template, with the assistant "
         "turn opened (for models adapted on chat data prepared with that template)",
     )
-    parser.add_argument("--mask-token", default="<|mask|>", help="name of the mask token in the tokenizer")
-    parser.add_argument("--eos-token", default="<|endoftext|>", help="name of the EOS token in the tokenizer")
+    parser.add_argument(
+        "--mask-token", default=None,
+        help="name of the mask token in the tokenizer (default: the run's mask_token_id, else <|mask|>); one "
+        "other than the run's is refused",
+    )
+    parser.add_argument(
+        "--eos-token", default=None, help="name of the EOS token in the tokenizer (default: <|endoftext|>)"
+    )
     parser.add_argument(
         "--objective",
         choices=tuple(TOKEN_SHIFT_OBJECTIVES),
@@ -176,6 +187,29 @@ def check_prompt(prompt_ids: list[int], objective: str, mask_token_id: int, mask
         )
 
 
+def load_generation_tokenizer(args: argparse.Namespace, tokenizer_dir: Path, run_settings: dict[str, Any]) -> CsbpTokenizer:
+    """The tokenizer, its mask token the run's recorded ``mask_token_id`` unless ``--mask-token``
+    names one (then it must be that same id: the model learnt to fill that one), else ``<|mask|>``."""
+    from csbp.data.tokenizer import SpecialTokens, load_tokenizer
+
+    recorded = run_settings.get("mask_token_id")
+    default = SpecialTokens()
+    special = SpecialTokens(mask=args.mask_token or default.mask, eos=args.eos_token or default.eos)
+    try:
+        tokenizer = load_tokenizer(tokenizer_dir, special=special, mask_id=recorded if args.mask_token is None else None)
+    except ValueError as error:
+        hint = "" if args.tokenizer is not None else " (pass --tokenizer DIR if the model directory has none)"
+        raise ValueError(f"{error}{hint}") from None
+    if recorded is not None and args.mask_token is not None and tokenizer.mask_token_id != recorded:
+        trained = tokenizer.backend.id_to_token(recorded)
+        raise ValueError(
+            f"--mask-token {args.mask_token}: id {tokenizer.mask_token_id} of {tokenizer_dir}, but the model was "
+            f"trained with mask_token_id {recorded}{f' ({trained})' if trained else ''} ({run_settings['source']}) "
+            "(fix: drop --mask-token to use the run's)"
+        )
+    return tokenizer
+
+
 def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block_size: int) -> None:
     """``ValueError`` unless the prompt and ``max_new_tokens`` fit the model's positions
     (``max_position_embeddings`` of its ``config.json``; none recorded: no limit). The sampler runs
@@ -199,7 +233,6 @@ def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from csbp.data.tokenizer import SpecialTokens, load_tokenizer
     from csbp.generation.sampler import GenerationConfig, generate, positions_used
     from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
 
@@ -260,15 +293,9 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer_dir: Path = args.tokenizer if args.tokenizer is not None else model_dir
     if not tokenizer_dir.exists():
         raise ValueError(f"--tokenizer {tokenizer_dir} does not exist")
-    try:
-        tokenizer = load_tokenizer(
-            tokenizer_dir, special=SpecialTokens(mask=args.mask_token, eos=args.eos_token)
-        )
-    except ValueError as error:
-        hint = "" if args.tokenizer is not None else " (pass --tokenizer DIR if the model directory has none)"
-        raise ValueError(f"{error}{hint}") from None
+    tokenizer = load_generation_tokenizer(args, tokenizer_dir, run_settings)
     check_same_tokenizer(model_dir, args.tokenizer, tokenizer.fingerprint)
-    mask_token_id = run_settings.get("mask_token_id", tokenizer.mask_token_id)
+    mask_token_id = tokenizer.mask_token_id
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         block_size=block_size,
@@ -285,7 +312,7 @@ def run_generate(args: argparse.Namespace) -> int:
         sub_block_size=args.sub_block_size,
     )
     prompt_ids = tokenizer.encode(chat_prompt(tokenizer_dir, args.prompt) if args.chat else args.prompt)
-    check_prompt(prompt_ids, objective, mask_token_id, args.mask_token)
+    check_prompt(prompt_ids, objective, mask_token_id, tokenizer.special_names["mask"])
     check_positions(model_dir, len(prompt_ids), args.max_new_tokens, block_size)
     vocab_size = read_hf_config(model_dir).vocab_size
     for what, token_id in (("mask token id", mask_token_id), ("EOS id", tokenizer.eos_id)):

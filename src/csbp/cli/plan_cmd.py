@@ -156,7 +156,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--global-batch", type=positive_int, default=None, help="samples per optimizer step (default dp)"
     )
-    parser.add_argument("--checkpointing", choices=("full", "none", "both"), default="both")
+    parser.add_argument(
+        "--checkpointing", choices=("full", "none", "both"), default=None,
+        help="activation checkpointing of the layouts planned (default: both; a DFlash drafter is planned "
+        "without, the only setting its cost model prices)",
+    )
     parser.add_argument(
         "--placement",
         choices=("packed", "striped"),
@@ -286,6 +290,12 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("csbp plan needs --seq-len for a preset or HF model (e.g. --seq-len 256K)")
     hw = hardware(args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
     cal = load_calibration(args.calibration) if args.calibration else packaged_calibration(args.gpu)
+    if workload.objective.is_drafter and args.checkpointing not in (None, "none"):
+        raise ValueError(
+            f"--checkpointing {args.checkpointing}: csbp plan prices a DFlash drafter without activation "
+            "checkpointing only (its drafter memory and time model is fitted on such runs) (fix: drop --checkpointing)"
+        )
+    args.checkpointing = args.checkpointing or "both"
     ckpts = ("full", "none") if args.checkpointing == "both" else (args.checkpointing,)
     # a run config fixes what topology: auto keeps (its sharding, micro-batch and accumulation), so
     # the table's first row is auto's pick; --sharding and --global-batch override it

@@ -83,6 +83,7 @@ class CsbpTokenizer:
         special: SpecialTokens,
         source: str,
         fallback_names: dict[str, str] | None = None,
+        mask_id: int | None = None,
     ) -> None:
         self.backend = backend
         self.json_bytes = json_bytes
@@ -94,6 +95,9 @@ class CsbpTokenizer:
         names: dict[str, str] = {}
 
         def resolve(field: str, required: bool) -> int | None:
+            if field == "mask" and mask_id is not None:  # an id a run recorded wins over any name
+                names[field] = backend.id_to_token(mask_id) or f"id {mask_id}"
+                return mask_id
             for name in (getattr(special, field), fallback.get(field)):
                 token_id = backend.token_to_id(name) if name else None
                 if token_id is not None:
@@ -148,8 +152,12 @@ class CsbpTokenizer:
         return path
 
 
-def load_tokenizer(path: str | Path, *, special: SpecialTokens | None = None) -> CsbpTokenizer:
-    """Load a local tokenizer: a ``tokenizer.json`` file, or a directory (see module docstring)."""
+def load_tokenizer(
+    path: str | Path, *, special: SpecialTokens | None = None, mask_id: int | None = None
+) -> CsbpTokenizer:
+    """Load a local tokenizer: a ``tokenizer.json`` file, or a directory (see module docstring).
+    ``mask_id`` (the ``mask_token_id`` a run trained with) is the mask token instead of the id of
+    ``special.mask``, which the tokenizer then need not hold."""
     path = Path(path)
     special = special or SpecialTokens()
     json_file = path if path.is_file() else path / "tokenizer.json"
@@ -163,14 +171,15 @@ def load_tokenizer(path: str | Path, *, special: SpecialTokens | None = None) ->
             ) from None
         fallback = _config_special_names(json_file.parent)
         return CsbpTokenizer(
-            backend, json_file.read_bytes(), special=special, source=str(path), fallback_names=fallback
+            backend, json_file.read_bytes(), special=special, source=str(path), fallback_names=fallback,
+            mask_id=mask_id,
         )
     if not path.is_dir():
         raise ValueError(f"tokenizer path {path} does not exist; pass a directory or a tokenizer.json file")
-    return _load_with_transformers(path, special)
+    return _load_with_transformers(path, special, mask_id)
 
 
-def _load_with_transformers(path: Path, special: SpecialTokens) -> CsbpTokenizer:
+def _load_with_transformers(path: Path, special: SpecialTokens, mask_id: int | None) -> CsbpTokenizer:
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -207,6 +216,7 @@ def _load_with_transformers(path: Path, special: SpecialTokens) -> CsbpTokenizer
         special=special,
         source=str(path),
         fallback_names=fallback,
+        mask_id=mask_id,
     )
 
 

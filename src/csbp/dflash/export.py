@@ -5,7 +5,8 @@ module is enabled), ``model_type: "qwen3"``, ``block_size``, top-level ``num_tar
 ``dflash_config: {target_layer_ids, mask_token_id}``, the Qwen3 shape fields, ``rope_theta`` both
 top-level and in ``rope_parameters`` (with the target's RoPE scaling there and in ``rope_scaling``; for YaRN
 also ``max_position_embeddings = factor x original``, as a target export writes, refused when below the
-``data.seq_len`` the drafter was trained at), ``layer_types``/``sliding_window``,
+``data.seq_len`` the drafter was trained at; without YaRN the larger of that ``data.seq_len`` and the target's
+``max_position_embeddings``, the context it is served at), ``layer_types``/``sliding_window``,
 ``tie_word_embeddings: false`` and the target's ``vocab_size``; sliding layers that are not causal
 in the block (``sliding_window_causal: false``) also write ``is_causal: false``, which the public
 reader needs to leave them bidirectional (it makes sliding layers causal by default). That reader
@@ -135,8 +136,9 @@ def _draft_value(hf: dict[str, Any], key: str, default: Any = None) -> Any:
     return value if value is not None else hf.get(key, default)
 
 
-def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, Any]:
-    """The ``config.json`` dict of a drafter (module docstring)."""
+def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype, positions: int | None = None) -> dict[str, Any]:
+    """The ``config.json`` dict of a drafter (module docstring); ``positions``: the
+    ``max_position_embeddings`` written without YaRN (None: none written)."""
     sliding = "sliding_attention" in (config.layer_types or ())
     hf: dict[str, Any] = {
         "architectures": [ARCHITECTURES[1] if config.is_dflash2 else ARCHITECTURES[0]],
@@ -162,6 +164,8 @@ def dflash_hf_config(config: DFlashConfig, *, dtype: torch.dtype) -> dict[str, A
     extended = yarn_max_positions(config.rope_scaling)
     if extended is not None:  # as a target export: older readers derive YaRN's factor from it (else 32768)
         hf["max_position_embeddings"] = extended
+    elif positions is not None:  # else readers take Qwen3Config's 32768, whatever the drafter serves
+        hf["max_position_embeddings"] = positions
     if sliding and not config.sliding_window_causal:
         hf["is_causal"] = False  # the public reader makes sliding layers causal unless told otherwise
     if config.is_dflash2:
@@ -295,6 +299,7 @@ def export_dflash(
     tokenizer_files: Mapping[str, bytes] | None = None,
     context: str | None = None,
     seq_len: int | None = None,
+    target_positions: int | None = None,
 ) -> Path:
     """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus
     ``tokenizer_files`` (name -> contents; a run's: :mod:`csbp.training.export_tokenizer`; an ``auto_map``
@@ -303,7 +308,12 @@ def export_dflash(
     ``objective.dflash.context`` it was trained with, recorded under ``csbp_training`` (None: not
     known, nothing recorded). ``seq_len``: the ``data.seq_len`` it was trained at, when known: under
     the target's YaRN, ``factor x original`` (the ``max_position_embeddings`` written) must be a whole
-    number of at least that (:func:`csbp.models.hf_config.yarn_context_problem`; ``ValueError``)."""
+    number of at least that (:func:`csbp.models.hf_config.yarn_context_problem`; ``ValueError``).
+    Without YaRN the ``max_position_embeddings`` written is the larger of ``seq_len`` and
+    ``target_positions`` (the target's ``max_position_embeddings``), those known, as released drafters
+    record their target's context: serving stacks run the drafter at the target's context and size its
+    RoPE from this field (SGLang refuses a shorter one unless ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN``
+    is set; vLLM's V1 runner stops drafting past it; docs/dflash.md)."""
     gap = yarn_context_problem(drafter.config.rope_scaling, seq_len) if seq_len is not None else None
     if gap is not None:
         raise ValueError(
@@ -319,7 +329,8 @@ def export_dflash(
     tokenizer = dict(tokenizer_files or {})
     check_tokenizer_file_names(tokenizer)
     tokenizer, _ = without_auto_map(tokenizer)  # a released drafter's remote-code pointer is not passed on
-    config = dflash_hf_config(drafter.config, dtype=store_dtype)
+    known = [n for n in (seq_len, target_positions) if n is not None]
+    config = dflash_hf_config(drafter.config, dtype=store_dtype, positions=max(known) if known else None)
     if context is not None:
         config[TRAINING_KEY] = {"objective": {"name": "dflash", "dflash": {"context": context}}}
     tensors = {
@@ -434,3 +445,9 @@ def load_dflash(
     )
     drafter.attach_target(target)
     return drafter
+
+
+def recorded_max_positions(directory: str | Path) -> int | None:
+    """``max_position_embeddings`` of a checkpoint's ``config.json`` (an int), None when it records none."""
+    limit = read_json_object(Path(directory) / "config.json").get("max_position_embeddings")
+    return limit if type(limit) is int else None

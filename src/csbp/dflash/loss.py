@@ -57,7 +57,10 @@ from csbp.objectives.chunked_ce import chunked_weighted_ce
 
 DENOMINATOR_EPS = 1e-5
 Reduce = Callable[[Tensor], Tensor]
-METRIC_NAMES = ("supervised", "correct", "live_blocks", "tau_sum", "covered")
+METRIC_NAMES = ("supervised", "correct", "live_blocks", "tau_sum", "covered", "lk_ce", "lk_tv", "prob_sum", "prob_count")
+"""Detached sums of a rank: the metrics' counts, and the ``lambda`` LK loss's parts (``lk_ce``: the
+loss share with ``c = 1``, ``lk_tv``: with ``c = 0``; ``prob_sum``/``prob_count``: its acceptance),
+from which validation recomputes the mix with the acceptance of the whole pass."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,14 @@ def rank_dflash_loss(
         )
     loss = main + selector_scale * selector_loss
     metrics = _metrics(targets, scored, argmax_s == labels_s.cpu(), covered_s, block_size)
+    prob_s = log_prob_s.to(torch.float64).exp()
+    coef64_s = coef_s.to(torch.float64)
+    metrics.update(
+        lk_ce=(coef64_s * -log_prob_s.to(torch.float64)).sum(),
+        lk_tv=(coef64_s * (1.0 - prob_s)).sum(),
+        prob_sum=prob_s.sum(),
+        prob_count=torch.tensor(float(prob_s.numel()), dtype=torch.float64),
+    )
     return RankLossOutput(loss, main.detach(), selector_loss.detach(), metrics)
 
 
@@ -265,12 +276,18 @@ def _main_loss(
     if objective.lk_loss_type == "lambda":
         # the batch's acceptance: every replica's anchors (was: this replica's, so dp > 1 gave another loss)
         stats = reduce_batch(torch.stack([prob_s.sum(), torch.tensor(float(prob_s.numel()), dtype=prob_s.dtype)]))
-        acceptance = float(stats[0] / stats[1]) if float(stats[1]) > 0 else 0.0
-        ce_coef = objective.kl_scale * math.exp(-objective.kl_decay * acceptance)
+        ce_coef = lambda_ce_coef(objective, float(stats[0]), float(stats[1]))
     value = (coef_s * (ce_coef * -log_prob_s + (1.0 - ce_coef) * (1.0 - prob_s))).sum()
     grad_coef_s = coef_s * (ce_coef + (1.0 - ce_coef) * prob_s)
     surrogate = chunked_weighted_ce(hidden_sD, weight_VD, labels_s, grad_coef_s.to(device), chunk_rows=chunk)
     return surrogate + (value.to(surrogate) - surrogate).detach()
+
+
+def lambda_ce_coef(objective: DFlashObjectiveConfig, prob_sum: float, prob_count: float) -> float:
+    """The ``lambda`` LK loss's CE weight ``c = kl_scale·exp(−kl_decay·acceptance)``, the acceptance
+    the mean target-token probability ``prob_sum / prob_count`` (0 without a scored slot)."""
+    acceptance = prob_sum / prob_count if prob_count > 0 else 0.0
+    return objective.kl_scale * math.exp(-objective.kl_decay * acceptance)
 
 
 def _selector_loss(

@@ -310,6 +310,7 @@ class DFlashStep:
             "tau_mean": sums["tau_sum"] / max(sums["live_blocks"], 1.0),
             "supervised_slots": sums["supervised"],
             "live_blocks": sums["live_blocks"],
+            **{name: sums[name] for name in ("lk_ce", "lk_tv", "prob_sum", "prob_count")},
         }
         if drafter.selector is not None:
             metrics["candidate_recall"] = sums["covered"] / max(sums["supervised"], 1.0)

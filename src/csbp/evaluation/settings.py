@@ -9,7 +9,10 @@ run's ``config.yaml`` (the same file ``csbp generate`` reads, via
 runs unless ``--allow-objective-change`` / ``--allow-block-size-change`` (``csbp.cli.trained_settings``,
 shared with ``csbp generate``); a checkpoint without a run config needs ``--objective`` and
 ``--block-size``. The mask token is the run's, else ``config.json``'s ``mask_token_id`` (a
-training export writes it), else the artifact's.
+training export writes it), else the artifact's. The document mask is the run's, else the
+objective's training default (``data.document_mask`` unset: on for ``fast_dllm_v2``, off for ``bd3``
+and ``mdlm``); ``--[no-]document-mask`` sets it for a checkpoint without a record and is refused when
+it contradicts one.
 
 Every check fails with one line naming the flag or file and the fix.
 """
@@ -95,9 +98,17 @@ def resolve_settings(
     *,
     objective: str | None = None,
     block_size: int | None = None,
+    document_mask: bool | None = None,
 ) -> EvalSettings:
     """Flags over the run's settings, checked against the model and the artifact (module docstring)."""
     run = run_config_settings(model_dir)
+    recorded = run.get("document_mask")
+    if document_mask is not None and recorded is not None and document_mask != recorded:
+        flag = "--document-mask" if document_mask else "--no-document-mask"
+        raise ValueError(
+            f"{flag}: the model was trained with data.document_mask {str(recorded).lower()} ({run['source']}), which "
+            "csbp eval evaluates with (fix: drop the flag; it is for checkpoints that record no training settings)"
+        )
     name = objective or run.get("objective")
     if name is None:
         raise ValueError(
@@ -121,6 +132,10 @@ def resolve_settings(
             f"--block-size {size} does not divide the sequence length {seq_len} of {artifact.directory} "
             "(fix: pass the block size the model was trained with, on data of a multiple of it)"
         )
+    if document_mask is None:  # a checkpoint without a record: as training runs the objective by default
+        from csbp.config.schema import DOCUMENT_MASK_DEFAULTS
+
+        document_mask = recorded if recorded is not None else DOCUMENT_MASK_DEFAULTS[name][0]
     mask_token_id = int(run.get("mask_token_id", _config_mask_token(model_dir, artifact)))
     _check_vocabulary(model_dir, model_config, artifact, mask_token_id)
     return EvalSettings(
@@ -128,7 +143,7 @@ def resolve_settings(
         block_size=size,
         mask_token_id=mask_token_id,
         window=run.get("window"),
-        document_mask=bool(run.get("document_mask", False)),
+        document_mask=document_mask,
         reset_positions=bool(run.get("reset_positions", False)),
     )
 

@@ -20,7 +20,10 @@ with a selector also ``selector_loss`` and ``candidate_recall``.
 
 Validation scores ``eval_batches`` fixed micro-batches of the validation split (unshuffled loader,
 anchors from ``corruption_generator(seed, batch index, dp_rank, EVAL_MICRO_STEP)``, online target
-features, the selector at its full weight), so every evaluation of a run is comparable.
+features, the selector at its full weight), so every evaluation of a run is comparable. Under
+``lk_loss_type: lambda`` the validation loss mixes CE and TV with ``c`` of the whole pass's acceptance
+(logged as ``lk_acceptance``), not each batch's, so its expectation does not depend on
+``micro_batch_size``; with one batch it is the training loss of that batch.
 
 ``tau_mean`` is a *teacher-forced* estimate: drafts are compared with the data's next tokens, with
 the data as context. Serving accepts a draft when it equals the *target's* greedy token, with the
@@ -45,13 +48,15 @@ from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.evaluate import split_acceptance
 from csbp.dflash.features import FeatureStore
+from csbp.dflash.loss import lambda_ce_coef
 from csbp.dflash.step import DFlashBatch, DFlashStep, DFlashStepOutput, build_dflash_rank_plan
 from csbp.engine.context import ParallelContext
 from csbp.engine.grad_buckets import OverlappedGradientSync
 from csbp.objectives.base import corruption_generator
 from csbp.training.step import EVAL_MICRO_STEP, EvalResult, StepResult, autocast_for, validation_loader
 
-_SUMS = ("loss", "selector", "correct", "supervised", "tau_sum", "live_blocks", "covered")
+_LK_SUMS = ("lk_ce", "lk_tv", "prob_sum", "prob_count")
+_SUMS = ("loss", "selector", "correct", "supervised", "tau_sum", "live_blocks", "covered", *_LK_SUMS)
 """Per-micro-batch numbers summed over micro-batches and data-parallel replicas."""
 
 
@@ -72,6 +77,7 @@ def output_sums(out: DFlashStepOutput) -> list[float]:
         metrics["tau_mean"] * live_blocks,
         live_blocks,
         metrics.get("candidate_recall", 0.0) * supervised,
+        *(metrics[name] for name in _LK_SUMS),
     ]
 
 
@@ -173,7 +179,17 @@ class DFlashStepRunner:
             generator = corruption_generator(self.seed, index, self.ctx.coords.dp_rank, micro_step=EVAL_MICRO_STEP)
             sums.append(output_sums(self._run(next(loader), generator, selector_scale=selector_scale, online=True)))
         self.drafter.train(was_training)
-        loss, metrics = self._metrics(self._global(sums), num_batches * self.ctx.topology.dp)
+        totals = self._global(sums)
+        count = num_batches * self.ctx.topology.dp
+        loss, metrics = self._metrics(totals, count)
+        objective = self.step_fn.objective
+        if objective.loss == "ce" and objective.lk_loss_type == "lambda":
+            # the mix of the whole pass's acceptance, not the mean of each batch's mix (which depended
+            # on micro_batch_size): the loss is linear in c given each batch's CE and TV parts
+            c = lambda_ce_coef(objective, totals["prob_sum"], totals["prob_count"])
+            main = c * totals["lk_ce"] + (1.0 - c) * totals["lk_tv"]
+            loss = (main + selector_scale * totals["selector"]) / count
+            metrics["lk_acceptance"] = totals["prob_sum"] / max(totals["prob_count"], 1.0)
         if self.served_prompts > 0:
             metrics.update(self.served_acceptance(split))
         return EvalResult(loss, metrics)

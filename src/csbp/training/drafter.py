@@ -20,7 +20,7 @@ import torch
 
 from csbp.config.schema import RunConfig
 from csbp.dflash.drafter import DFlashDrafter
-from csbp.dflash.export import export_dflash
+from csbp.dflash.export import export_dflash, recorded_max_positions
 from csbp.models.hf_io import load_hf_checkpoint
 from csbp.training.dflash_inputs import DFlashInputs
 from csbp.training.export_tokenizer import ExportTokenizer
@@ -52,6 +52,7 @@ def export_drafter(
         tokenizer_files=tokenizer.files,
         context=inputs.objective.context,
         seq_len=cfg.data.seq_len,
+        target_positions=recorded_max_positions(inputs.target_dir),
     )
 
 

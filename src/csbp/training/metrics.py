@@ -64,6 +64,7 @@ _SCALARS = {
     "val_selector_loss": "val/selector_loss",
     "val_candidate_recall": "val/candidate_recall",
     "val_acceptance_length": "val/acceptance_length",
+    "val_lk_acceptance": "val/lk_acceptance",
 }
 
 

@@ -13,7 +13,10 @@ Two ways in:
 Under YaRN (the run's ``model.rope_scaling``, the checkpoint's, or a dflash target's) ``factor x
 original_max_position_embeddings`` must be a whole number of at least ``data.seq_len``
 (:func:`check_yarn_context`): the export writes it as ``max_position_embeddings``, the extended
-context, and would otherwise claim fewer positions than the run trains at.
+context, and would otherwise claim fewer positions than the run trains at. Without YaRN, a
+checkpoint's ``max_position_embeddings`` below ``data.seq_len`` (:func:`check_position_limit`) refuses
+a dflash run (its frozen target's features past its trained context are out of distribution) and
+warns for a decoder run (training there extends the checkpoint's context, a legitimate use).
 
 Either way every token id of the data must be an embedding row: an artifact whose tokenizer has
 more ids than the model embeds is rejected before any weight is loaded.
@@ -30,6 +33,7 @@ happens under autocast. ``model.dtype`` is the dtype the ``final/`` HF export is
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -271,3 +275,35 @@ def check_yarn_context(cfg: RunConfig, config: DecoderConfig, *, target: str | N
             shorter,
         ]
     raise ValueError(f"{field}: {gap.why} (fix: {', or '.join(f for f in fixes if f)})")
+
+
+def check_position_limit(
+    cfg: RunConfig, config: DecoderConfig, *, target: str | None = None, warn: Callable[[str], None] | None = None
+) -> None:
+    """The checkpoint's ``max_position_embeddings`` (``model.init_from``'s, or a dflash ``target``'s)
+    below ``data.seq_len`` with no YaRN rule extending it (YaRN is :func:`check_yarn_context`'s): a
+    ``ValueError`` for a dflash target, which is frozen, so its features at positions it never saw are
+    out of distribution and the drafter would learn from them; for a decoder run one ``warn`` line
+    (training there extends the checkpoint's context, which the export then records), unless the run
+    sets ``model.rope_scaling`` or ``model.rope_theta`` itself. None recorded: no limit."""
+    source = target if target is not None else cfg.model.init_from
+    if source is None or (config.rope_scaling is not None and config.rope_scaling.rope_type == "yarn"):
+        return
+    limit = read_json_object(Path(source) / "config.json").get("max_position_embeddings")
+    seq_len = cfg.data.seq_len
+    if type(limit) is not int or limit >= seq_len:
+        return
+    yarn = f"{{type: yarn, factor: {math.ceil(seq_len / limit)}, original_max_position_embeddings: {limit}}}"
+    why = f"{source}/config.json max_position_embeddings {limit} is below data.seq_len {seq_len} and no YaRN rope_scaling extends it"
+    if target is not None:
+        raise ValueError(
+            f"objective.dflash.target: {why}: the frozen target never saw positions past {limit}, so its features "
+            f"there, which the drafter learns from, are out of distribution (fix: set data.seq_len: {limit} or less, "
+            f"or use a copy of the target whose config.json has rope_scaling: {yarn})"
+        )
+    if warn is not None and cfg.model.rope_scaling is None and cfg.model.rope_theta is None:
+        warn(
+            f"model.init_from: {why}: the run trains the checkpoint at positions it never saw, extending its context "
+            f"(the export records max_position_embeddings {seq_len}) (to extend it by RoPE scaling instead: set "
+            f"model.rope_scaling: {yarn}; to stay inside: set data.seq_len: {limit} or less)"
+        )

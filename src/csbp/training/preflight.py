@@ -14,7 +14,9 @@ shape and the objective, and checks what the config schema cannot see on its own
   :mod:`csbp.training.dflash_inputs`;
 * under YaRN (the run's, its checkpoint's or a dflash target's), ``factor x original`` is a whole
   number of at least ``data.seq_len``, the ``max_position_embeddings`` the export writes
-  (:func:`csbp.training.model_factory.check_yarn_context`);
+  (:func:`csbp.training.model_factory.check_yarn_context`); without YaRN, a dflash target whose
+  ``max_position_embeddings`` is below ``data.seq_len`` is refused, an ``init_from`` checkpoint's
+  warned about (:func:`csbp.training.model_factory.check_position_limit`);
 * there are enough rows for one global batch, and validation rows when ``eval_every > 0``;
 * FSDP has a data-parallel group to shard over;
 * the run directory: it can be created and written; ``--resume`` needs an intact checkpoint there
@@ -54,7 +56,7 @@ from csbp.training.dflash_layers import check_resumed_layer_ids
 from csbp.training.export_tokenizer import ExportTokenizer, check_data_tokenizer, export_tokenizer_for_run
 from csbp.training.input_hints import is_artifact, missing_artifact_problem
 from csbp.training.mask_data import check_mask_token_data
-from csbp.training.model_factory import check_yarn_context, decoder_config_for_run
+from csbp.training.model_factory import check_position_limit, check_yarn_context, decoder_config_for_run
 from csbp.training.resume_config import resume_changes, resume_restart_for
 from csbp.training.run_dir_checks import check_run_dir, check_steps_left
 
@@ -147,7 +149,9 @@ def check_run(
             tokenizer=export_tokenizer_for_run(cfg, artifact, mask_token_id, warn),
         )
         inputs.build_objective()  # the objective's own option checks
-    check_yarn_context(cfg, inputs.decoder_config, target=str(inputs.dflash.target_dir) if inputs.dflash else None)
+    target = str(inputs.dflash.target_dir) if inputs.dflash else None
+    check_yarn_context(cfg, inputs.decoder_config, target=target)
+    check_position_limit(cfg, inputs.decoder_config, target=target, warn=warn)
     _check_token_ids(cfg, inputs)
     check_mask_token_data(cfg, inputs.mask_token_id)
     _check_batches(cfg, inputs)
