@@ -1,4 +1,6 @@
-"""An interrupted ``run_local`` (SIGTERM to ``csbp verify``/``csbp eval --nproc``) leaves no orphan ranks.
+"""An interrupted ``run_local`` (SIGTERM to ``csbp verify``/``csbp eval --nproc``) leaves no orphan ranks,
+and processes started under :func:`csbp.interrupts.children_hold_sigint` (``csbp train``'s workers)
+hold a Ctrl-C pressed while they start, then end on it without a word.
 
 Found while stopping a ``csbp verify --random`` sweep: the parent turned SIGTERM into
 ``Interrupted`` and exited, but its spawned ranks kept running (reparented to init) until their
@@ -15,6 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
+
+from csbp.interrupts import children_hold_sigint, end_on_sigint
 
 pytestmark = pytest.mark.multiprocess
 
@@ -94,3 +99,41 @@ def test_ranks_ignore_ctrl_c_until_their_task_is_loaded() -> None:
     before = signal.getsignal(signal.SIGINT)
     assert run_local(sigint_handling, 2) == [("ignored", "KeyboardInterrupt")] * 2
     assert signal.getsignal(signal.SIGINT) is before  # the launching process's own handling is back
+
+
+_SIGINT_BLOCKED_AT_IMPORT = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+"""In a child: whether Ctrl-C was held while it unpickled its task (which imports this module)."""
+
+
+def ctrl_c_while_starting() -> None:
+    """A child that gets Ctrl-C while it starts: held, it ends the child once taken back."""
+    if not _SIGINT_BLOCKED_AT_IMPORT:
+        os._exit(3)
+    os.kill(os.getpid(), signal.SIGINT)  # a KeyboardInterrupt traceback here if it were not held
+    end_on_sigint()
+    os._exit(4)  # not reached: the held Ctrl-C ends the process
+
+
+def test_children_hold_ctrl_c_while_they_start_and_end_on_it_silently(capfd: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C while `csbp train`'s workers imported torch printed one KeyboardInterrupt traceback per
+    worker: they now start with SIGINT blocked and end on it, silently, once their task is loaded."""
+    with children_hold_sigint():
+        child = mp.get_context("spawn").Process(target=ctrl_c_while_starting)
+        child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGINT
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_the_launching_process_still_takes_ctrl_c_while_its_children_hold_it() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    finished = False
+    with pytest.raises(KeyboardInterrupt):
+        with children_hold_sigint():
+            os.kill(os.getpid(), signal.SIGINT)  # to the process, as Ctrl-C is
+            for _ in range(1000):
+                time.sleep(0.01)
+            finished = True
+    assert not finished, "the Ctrl-C waited for the end of the block"
+    assert signal.getsignal(signal.SIGINT) is before
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
