@@ -9,16 +9,19 @@ collectives timed out.
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch.multiprocessing as mp
 
+import csbp.cli.main as cli_main
 from csbp.interrupts import children_hold_sigint, end_on_sigint
 
 pytestmark = pytest.mark.multiprocess
@@ -137,3 +140,25 @@ def test_the_launching_process_still_takes_ctrl_c_while_its_children_hold_it() -
     assert not finished, "the Ctrl-C waited for the end of the block"
     assert signal.getsignal(signal.SIGINT) is before
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_ctrl_c_during_the_command_imports_is_not_lost(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Ctrl-C landing inside torch's import could be swallowed there or leave numpy half imported
+    (seen sweeping Ctrl-C over `csbp train`'s first half second: one run went on training, one
+    ended in a `module 'numpy' has no attribute 'intp'` traceback). It is now raised after them."""
+
+    def swallowing_import(name: str):  # an extension whose import swallows KeyboardInterrupt
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the command's modules import
+            for _ in range(200):
+                time.sleep(0.01)
+        except KeyboardInterrupt:
+            pass
+        return importlib.import_module(name)
+
+    monkeypatch.setattr(cli_main, "importlib", SimpleNamespace(import_module=swallowing_import))
+    assert cli_main.main(["recipes", "list"]) == 130
+    assert capsys.readouterr().err == "csbp: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -51,6 +51,29 @@ def sigterm_raises() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Within the block a Ctrl-C is only noted, and raised as ``KeyboardInterrupt`` when the block
+    ends (unless it ends with an exception of its own). For imports of C extensions: torch's and
+    numpy's can swallow a ``KeyboardInterrupt`` raised inside them (the command went on as if no
+    Ctrl-C had come) or leave a module half initialised (a later ``AttributeError`` traceback).
+    Only where Ctrl-C raises ``KeyboardInterrupt`` (Python's default, main thread); else a no-op."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    noted: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if noted:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
 def children_hold_sigint() -> Iterator[None]:
     """Processes this thread starts within the block begin with ``SIGINT`` blocked (a signal mask is
     inherited through fork and exec; a handler is not, so ignoring it here would lose the Ctrl-C).
