@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 
@@ -108,6 +108,12 @@ def end_on_sigint() -> None:
     """In a process started within :func:`children_hold_sigint`: from now on ``SIGINT`` ends it at
     once (the default action, no ``KeyboardInterrupt`` that a library might catch and go on), and a
     Ctrl-C pressed while it started ends it now."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    take_sigint_back(signal.SIG_DFL)
+
+
+def take_sigint_back(handler: signal.Handlers | Callable[[int, FrameType | None], object]) -> None:
+    """In a process started within :func:`children_hold_sigint`: ``SIGINT`` goes to ``handler`` from
+    now on, a Ctrl-C pressed while the process started included (main thread)."""
+    signal.signal(signal.SIGINT, handler)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
