@@ -73,13 +73,16 @@ def sigint_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+SigintHandler = Callable[[int, "FrameType | None"], object]
+
+
 @contextlib.contextmanager
-def children_hold_sigint() -> Iterator[None]:
+def children_hold_sigint(handler: SigintHandler = signal.default_int_handler) -> Iterator[None]:
     """Processes this thread starts within the block begin with ``SIGINT`` blocked (a signal mask is
     inherited through fork and exec; a handler is not, so ignoring it here would lose the Ctrl-C).
 
-    This process still takes Ctrl-C at once, as ``KeyboardInterrupt`` (unless a library it calls
-    installs its own handler): a helper thread started before the mask receives the signal and
+    This process still takes Ctrl-C at once, through ``handler`` (``KeyboardInterrupt`` by default;
+    unless a library it calls installs its own): a helper thread started before the mask receives the signal and
     Python runs the handler in the main thread as usual. multiprocessing's resource
     tracker is started first, because starting it unblocks ``SIGINT`` in the calling thread. Main
     thread on POSIX only (elsewhere a no-op)."""
@@ -92,13 +95,13 @@ def children_hold_sigint() -> Iterator[None]:
     done = threading.Event()
     receiver = threading.Thread(target=done.wait, name="csbp-sigint-receiver", daemon=True)
     receiver.start()
-    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started ignoring it
+    outside = signal.signal(signal.SIGINT, handler)  # also when this process started ignoring it
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        if handler is not None:  # None: one installed outside Python, which cannot be put back
-            signal.signal(signal.SIGINT, handler)
+        if outside is not None:  # None: one installed outside Python, which cannot be put back
+            signal.signal(signal.SIGINT, outside)
         done.set()
         receiver.join()
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a Ctrl-C still pending arrives now
@@ -111,7 +114,7 @@ def end_on_sigint() -> None:
     take_sigint_back(signal.SIG_DFL)
 
 
-def take_sigint_back(handler: signal.Handlers | Callable[[int, FrameType | None], object]) -> None:
+def take_sigint_back(handler: signal.Handlers | SigintHandler) -> None:
     """In a process started within :func:`children_hold_sigint`: ``SIGINT`` goes to ``handler`` from
     now on, a Ctrl-C pressed while the process started included (main thread)."""
     signal.signal(signal.SIGINT, handler)

@@ -44,10 +44,12 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -314,7 +316,7 @@ def _launch_workers(
         sys.warnoptions.append(_TRACKER_QUIET)
     watcher = StallWatcher(log_dir)
     try:
-        with _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher, children_hold_sigint():
+        with _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher, children_hold_sigint(_ctrl_c):
             results: dict[int, Any] = elastic_launch(config, _elastic_worker)(
                 cfg, str(run_dir), resume, max_steps, options.nnodes > 1, verified_files(), os.getpid()
             )
@@ -333,6 +335,21 @@ def _launch_workers(
 
 
 _TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
+def _ctrl_c(signum: int, frame: FrameType | None) -> None:
+    """``KeyboardInterrupt``, except while torch elastic's agent starts the workers: raised there, it
+    left a worker started but not yet handed its task (or its semaphores), which then died with an
+    ``EOFError``/``FileNotFoundError`` traceback of its own, untracked by the agent. The Ctrl-C is
+    sent again 20 ms later, until the workers are started and the agent stops them as usual."""
+    while frame is not None:
+        if frame.f_code.co_name == "_start_workers" and "elastic" in frame.f_code.co_filename:
+            again = threading.Timer(0.02, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
 
 
 def _ctrl_c_option(launch_config: type) -> dict[str, str]:
