@@ -200,6 +200,38 @@ def test_ctrl_c_and_sigterm_end_with_one_line_and_the_run_resumes(artifact: Path
     assert not leftovers(tmp_path / "tmp"), "the launch left files in the temp directory"
 
 
+def torch_loaded(pid: int) -> bool:
+    """Whether process ``pid`` has mapped torch's C extension (it is importing torch, or has)."""
+    try:
+        return "torch/_C" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("moment", ["workers started", "workers import torch"])
+def test_ctrl_c_while_the_workers_start_is_one_line(artifact: Path, tmp_path: Path, moment: str) -> None:
+    """Ctrl-C in the seconds the workers import torch printed one KeyboardInterrupt traceback per
+    worker (interleaved) before ``csbp: interrupted``; it is the same one line as later on."""
+    run_dir = tmp_path / "run"
+    process = start_run(artifact, tmp_path, run_dir)
+    workers: list[int] = []
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline:
+        workers = worker_pids(process.pid)
+        if len(workers) == 2 and (moment == "workers started" or any(torch_loaded(pid) for pid in workers)):
+            break
+        time.sleep(0.005)
+    assert len(workers) == 2, "the workers did not start"
+    os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    code, err = finish(process, 60)
+    assert "Traceback" not in err, err
+    assert (code, error_lines(err)) == (130, ["csbp: interrupted"]), err
+    assert not [pid for pid in workers if alive(pid)], "workers outlived the interrupted launch"
+    assert not run_dir.exists(), "the interrupted launch left its run directory"
+    assert not leftovers(tmp_path / "tmp"), "the launch left files in the temp directory"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_sigkill_during_a_checkpoint_save_keeps_the_last_one_and_the_run_resumes(artifact: Path, tmp_path: Path) -> None:

@@ -125,7 +125,7 @@ def test_with_several_nodes_the_rank0_worker_is_refused_before_its_process_group
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(launcher_module.signal, "signal", lambda *args: None)  # the worker's Ctrl-C setup
+    monkeypatch.setattr(launcher_module, "end_on_sigint", lambda: None)  # the worker's Ctrl-C setup
     monkeypatch.setattr(launcher_module, "skip_teardown_at_exit", lambda: None)
     monkeypatch.setattr(launcher_module, "train_in_process_group", lambda *a, **k: pytest.fail("trained"))
     monkeypatch.setenv("RANK", "0")

@@ -2,8 +2,14 @@
 
 Ctrl-C (``SIGINT``) already surfaces as ``KeyboardInterrupt``; :func:`sigterm_raises` makes
 ``SIGTERM`` surface as :class:`Interrupted` too, and the launcher turns torch elastic's
-``SignalException`` (raised in the launching process when it receives either signal, after it has
-stopped the workers) into :class:`Interrupted`. ``csbp.cli.main`` catches both.
+``SignalException`` (raised in the launching process when it receives ``SIGTERM``, or with a torch
+before 2.9 ``SIGINT`` too, after it has stopped the workers) into :class:`Interrupted`.
+``csbp.cli.main`` catches both.
+
+Processes started inside :func:`children_hold_sigint` begin with ``SIGINT`` blocked, so a Ctrl-C
+pressed while they import torch stays pending instead of printing a ``KeyboardInterrupt`` traceback
+from each of them; they call :func:`end_on_sigint` once their task is loaded, and a pending Ctrl-C
+then ends them at once, without a word (the launching process says ``csbp: interrupted``).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 
@@ -42,3 +48,75 @@ def sigterm_raises() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Within the block a Ctrl-C is only noted, and raised as ``KeyboardInterrupt`` when the block
+    ends (unless it ends with an exception of its own). For imports of C extensions: torch's and
+    numpy's can swallow a ``KeyboardInterrupt`` raised inside them (the command went on as if no
+    Ctrl-C had come) or leave a module half initialised (a later ``AttributeError`` traceback).
+    Only where Ctrl-C raises ``KeyboardInterrupt`` (Python's default, main thread); else a no-op."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    noted: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if noted:
+        raise KeyboardInterrupt
+
+
+SigintHandler = Callable[[int, "FrameType | None"], object]
+
+
+@contextlib.contextmanager
+def children_hold_sigint(handler: SigintHandler = signal.default_int_handler) -> Iterator[None]:
+    """Processes this thread starts within the block begin with ``SIGINT`` blocked (a signal mask is
+    inherited through fork and exec; a handler is not, so ignoring it here would lose the Ctrl-C).
+
+    This process still takes Ctrl-C at once, through ``handler`` (``KeyboardInterrupt`` by default;
+    unless a library it calls installs its own): a helper thread started before the mask receives the signal and
+    Python runs the handler in the main thread as usual. multiprocessing's resource
+    tracker is started first, because starting it unblocks ``SIGINT`` in the calling thread. Main
+    thread on POSIX only (elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    done = threading.Event()
+    receiver = threading.Thread(target=done.wait, name="csbp-sigint-receiver", daemon=True)
+    receiver.start()
+    outside = signal.signal(signal.SIGINT, handler)  # also when this process started ignoring it
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        if outside is not None:  # None: one installed outside Python, which cannot be put back
+            signal.signal(signal.SIGINT, outside)
+        done.set()
+        receiver.join()
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a Ctrl-C still pending arrives now
+
+
+def end_on_sigint() -> None:
+    """In a process started within :func:`children_hold_sigint`: from now on ``SIGINT`` ends it at
+    once (the default action, no ``KeyboardInterrupt`` that a library might catch and go on), and a
+    Ctrl-C pressed while it started ends it now."""
+    take_sigint_back(signal.SIG_DFL)
+
+
+def take_sigint_back(handler: signal.Handlers | SigintHandler) -> None:
+    """In a process started within :func:`children_hold_sigint`: ``SIGINT`` goes to ``handler`` from
+    now on, a Ctrl-C pressed while the process started included (main thread)."""
+    signal.signal(signal.SIGINT, handler)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

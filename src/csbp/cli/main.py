@@ -8,7 +8,8 @@ User errors (``ValueError``, including :class:`csbp.config.ConfigError`, ``FileN
 and other ``OSError``s such as a ``--out`` path inside a file) print one ``csbp: error: <message>``
 line per problem to stderr and exit with code 2, without a traceback; ``csbp --debug ...``
 re-raises them to show the traceback. Ctrl-C and ``SIGTERM`` print ``csbp: interrupted`` and exit
-with 130 and 143. When the reader of stdout goes away (``csbp plan ... | head -3``) the command
+with 130 and 143 (a Ctrl-C while the command's modules import, torch among them, takes effect once
+they are imported: raised inside them, it could be swallowed or leave a module half initialised). When the reader of stdout goes away (``csbp plan ... | head -3``) the command
 stops quietly with exit status 141, as a Unix tool stopped by ``SIGPIPE`` does.
 
 Usage::
@@ -33,7 +34,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from csbp import __version__
-from csbp.interrupts import Interrupted, sigterm_raises
+from csbp.interrupts import Interrupted, sigint_deferred, sigterm_raises
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "csbp.cli.config_cmd",
@@ -196,7 +197,8 @@ def _run(argv: Sequence[str] | None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     try:
         # imports the command's modules (torch: seconds on a loaded machine), so Ctrl-C often lands here
-        parser = build_parser(next((w for w in words if not w.startswith("-")), None))
+        with sigint_deferred():  # raised after the imports: one inside them may be swallowed
+            parser = build_parser(next((w for w in words if not w.startswith("-")), None))
         args, extras = parser.parse_known_args(argv)
         if extras:  # said by the subcommand's parser: "see csbp train --help", not "see csbp --help"
             overrides = [word for word in extras if OVERRIDE_WORD.match(word)]

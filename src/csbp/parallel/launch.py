@@ -23,16 +23,14 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing.util
 import os
 import pickle
 import signal
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait as wait_for_any
 from pathlib import Path
@@ -43,6 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from csbp.devices import device_for_rank, process_group_options, resolve_device, select_device
+from csbp.interrupts import children_hold_sigint, take_sigint_back
 from csbp.parallel.loopback import LOOPBACK_INTERFACE, loopback_store
 
 
@@ -96,7 +95,7 @@ def _worker(
     os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)  # gloo's pair sockets on loopback too
     code = 0
     try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # started ignoring it: see run_local
+        take_sigint_back(signal.default_int_handler)  # started holding it: see run_local
         device = device_for_rank(device_kind, rank)
         select_device(device)  # before the process group: NCCL binds to the current GPU
         timeout = timedelta(seconds=timeout_s)
@@ -168,7 +167,7 @@ def run_local(
             for r in range(nproc)
         ]
         try:
-            with _children_ignore_sigint():
+            with children_hold_sigint():  # a Ctrl-C while they import torch: no traceback per rank
                 for p in procs:
                     p.start()
             _wait_for_workers(procs, join_timeout_s if join_timeout_s is not None else timeout_s + 60)
@@ -208,22 +207,6 @@ def run_local(
         if errors:
             raise WorkerError(errors[0] if len(errors) == 1 else "\n".join(errors))
         return results
-
-
-@contextlib.contextmanager
-def _children_ignore_sigint() -> Iterator[None]:
-    """Processes started in the block start with Ctrl-C (``SIGINT``) ignored, so one pressed while
-    they import torch and unpickle their task does not print a ``KeyboardInterrupt`` traceback per
-    rank; this process gets it, kills them and says ``csbp: interrupted``. ``_worker`` takes Ctrl-C
-    back once its task is loaded. Main thread only (elsewhere a no-op)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _wait_for_workers(procs: list[Any], join_timeout_s: float) -> None:

@@ -24,8 +24,11 @@ Failures: a worker that raises is reported by torch elastic, which stops the oth
 hang); :class:`TrainingFailed` carries the failing rank's message and traceback (the cause is
 preferred over the connection errors it causes in its peers). Every process group is bounded by
 ``collective_timeout_s`` during the step loop; a rank whose collective times out names the peers whose
-heartbeat stopped (:mod:`csbp.training.liveness`) and the launching process ends them. Ctrl-C and
-``SIGTERM`` raise :class:`~csbp.interrupts.Interrupted` after the workers are stopped. torch elastic's
+heartbeat stopped (:mod:`csbp.training.liveness`) and the launching process ends them. Ctrl-C
+(``KeyboardInterrupt``) and ``SIGTERM`` (:class:`~csbp.interrupts.Interrupted`) are raised after the
+workers are stopped; the workers start with ``SIGINT`` blocked until their task is loaded
+(:func:`~csbp.interrupts.children_hold_sigint`), so a Ctrl-C while they import torch prints no
+traceback from them. torch elastic's
 temporary files live in a private directory removed after the launch, as are half-written
 ``checkpoints/step_N.tmp``. A single-node launch rendezvouses on 127.0.0.1 (its key-value stores listen on
 loopback only: :mod:`csbp.parallel.loopback`) and keeps gloo on ``lo``. The run
@@ -39,13 +42,14 @@ import contextlib
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -53,7 +57,7 @@ import torch.distributed as dist
 
 from csbp.config.schema import RunConfig
 from csbp.devices import process_group_options, resolve_device
-from csbp.interrupts import Interrupted
+from csbp.interrupts import Interrupted, children_hold_sigint, end_on_sigint
 from csbp.parallel.loopback import LOOPBACK, LOOPBACK_INTERFACE, register_loopback_rendezvous
 from csbp.training.checkpoint_checksums import remember_verified, verified_files
 from csbp.training.launch_failures import (
@@ -237,13 +241,14 @@ def _elastic_worker(
     The worker ends with ``launcher_pid`` (:mod:`csbp.training.orphans`)."""
     if launcher_pid is not None:
         die_with_launcher(launcher_pid)
+    # Ctrl-C reaches every worker as well as the launching process, which reports it once and stops
+    # the workers: a worker just ends, and one pressed while it started (SIGINT was blocked while it
+    # imported torch and unpickled this task) ends it here. Checkpoints are written atomically, and
+    # the launcher removes a half-written one.
+    end_on_sigint()
     remember_verified(verified or [])
     if not torch.cuda.is_available():
         torch.set_num_threads(1)
-    # Ctrl-C reaches every worker as well as the launching process, which reports it once and stops
-    # the workers: a worker just ends (no KeyboardInterrupt that a library might catch and go on).
-    # Checkpoints are written atomically, and the launcher removes a half-written one.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
     holder = lock and os.environ.get("RANK") == "0"
     with run_dir_lock(run_dir) if holder else contextlib.nullcontext():
         summary = train_in_process_group(cfg, run_dir=Path(run_dir), resume=resume, max_steps=max_steps)
@@ -300,6 +305,7 @@ def _launch_workers(
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
         local_addr=local_addr,
+        **_ctrl_c_option(LaunchConfig),
     )
     env = {} if torch.cuda.is_available() else {"OMP_NUM_THREADS": "1"}
     env[REPORT_DIR_ENV] = str(log_dir)
@@ -311,7 +317,7 @@ def _launch_workers(
         sys.warnoptions.append(_TRACKER_QUIET)
     watcher = StallWatcher(log_dir)
     try:
-        with _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher:
+        with _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher, children_hold_sigint(_ctrl_c):
             results: dict[int, Any] = elastic_launch(config, _elastic_worker)(
                 cfg, str(run_dir), resume, max_steps, options.nnodes > 1, verified_files(), os.getpid()
             )
@@ -330,6 +336,31 @@ def _launch_workers(
 
 
 _TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
+def _ctrl_c(signum: int, frame: FrameType | None) -> None:
+    """``KeyboardInterrupt``, except while torch elastic's agent starts the workers: raised there, it
+    left a worker started but not yet handed its task (or its semaphores), which then died with an
+    ``EOFError``/``FileNotFoundError`` traceback of its own, untracked by the agent. The Ctrl-C is
+    sent again 20 ms later, until the workers are started and the agent stops them as usual."""
+    while frame is not None:
+        if frame.f_code.co_name == "_start_workers" and "elastic" in frame.f_code.co_filename:
+            again = threading.Timer(0.02, os.kill, (os.getpid(), signum))
+            again.daemon = True
+            again.start()
+            return
+        frame = frame.f_back
+    raise KeyboardInterrupt
+
+
+def _ctrl_c_option(launch_config: type) -> dict[str, str]:
+    """torch elastic's ``signals_to_handle`` without ``SIGINT`` (torch 2.9 and later): Ctrl-C then
+    raises ``KeyboardInterrupt`` in the launching process, and the agent stops the workers with
+    ``SIGTERM``, which ends at once a worker still importing torch (it holds ``SIGINT`` until then:
+    :func:`csbp.interrupts.children_hold_sigint`). An older torch turns Ctrl-C into its
+    ``SignalException`` and passes ``SIGINT`` on, which such a worker obeys once its imports are done."""
+    fields = getattr(launch_config, "__dataclass_fields__", {})
+    return {"signals_to_handle": "SIGTERM,SIGHUP,SIGQUIT"} if "signals_to_handle" in fields else {}
 
 
 def remove_staging_leftovers(run_dir: Path) -> None:
