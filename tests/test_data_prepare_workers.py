@@ -4,12 +4,13 @@ left behind; and chats rendered by a template are tokenized in one batch call pe
 from __future__ import annotations
 
 import json
+import multiprocessing
 from pathlib import Path
 
 import pytest
 
 from csbp.data import prepare as prepare_module
-from csbp.data.packing import encode_documents
+from csbp.data.packing import PackedSplitWriter, encode_documents
 from csbp.data.prepare import PrepareConfig, prepare_artifact
 from csbp.data.sources import Document
 from csbp.data.tokenizer import CsbpTokenizer, load_tokenizer, train_bpe_tokenizer
@@ -81,6 +82,27 @@ def test_a_bad_record_in_a_worker_gives_the_same_error_line(tmp_path, tokenizer_
     assert errors[0].startswith(f"{inputs[0]}:33: chat template ") and "no BAD here" in errors[0]
     assert "\n" not in errors[0]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["data"]  # no staging directory left
+
+
+def test_ctrl_c_ends_the_workers_and_leaves_nothing(tmp_path, tokenizer_dir, monkeypatch) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    inputs = _inputs(data)
+    monkeypatch.setattr(prepare_module, "ENCODE_CHUNK_DOCUMENTS", 3)  # chunks still in flight when it lands
+    add = PackedSplitWriter.add_document
+    written = []
+
+    def interrupted_add(self, token_ids, loss_mask):
+        written.append(1)
+        if len(written) == 10:
+            raise KeyboardInterrupt
+        add(self, token_ids, loss_mask)
+
+    monkeypatch.setattr(PackedSplitWriter, "add_document", interrupted_add)
+    with pytest.raises(KeyboardInterrupt):
+        _prepare(inputs, tmp_path / "art", tokenizer_dir, workers=2)
+    assert multiprocessing.active_children() == []  # the pool was ended, not left running
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["data"]
 
 
 def test_workers_must_be_at_least_one(tmp_path, tokenizer_dir) -> None:

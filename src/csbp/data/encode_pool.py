@@ -4,7 +4,8 @@ Rendering chat templates (in the Jinja sandbox) and tokenizing is most of prepar
 per chunk of documents, each chunk independent of the others. With ``workers > 1`` the chunks go to a
 pool of ``spawn``-ed processes (no ``fork`` of a process holding ``tokenizers``' threads), which
 receive the tokenizer and the chat template once, when they start, and render with the same
-:mod:`csbp.data.template_sandbox` limits; results are taken back in chunk order, so the artifact is
+:mod:`csbp.data.template_sandbox` limits (each tokenizes on one thread, ``TOKENIZERS_PARALLELISM``
+unless set); results are taken back in chunk order, so the artifact is
 byte-identical to ``workers == 1``. At most ``2 * workers`` chunks are in flight: the inputs are
 read as a stream, never held whole.
 
@@ -17,6 +18,7 @@ terminates the pool before the ``KeyboardInterrupt`` unwinds (and the staging di
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -91,6 +93,8 @@ _WORKER: tuple[CsbpTokenizer, ChatTemplate | None] | None = None
 def _start_worker(tokenizer: CsbpTokenizer, template: ChatTemplate | None) -> None:
     global _WORKER
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the pool
+    # one thread per worker: N workers each batch-encoding on every core would oversubscribe them
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _WORKER = (tokenizer, template)
 
 
