@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from csbp.cli.main import build_parser
 from csbp.data import prepare as prepare_module
 from csbp.data.packing import PackedSplitWriter, encode_documents
 from csbp.data.prepare import PrepareConfig, prepare_artifact
@@ -106,6 +107,9 @@ def test_ctrl_c_ends_the_workers_and_leaves_nothing(tmp_path, tokenizer_dir, mon
 
 
 def test_workers_must_be_at_least_one(tmp_path, tokenizer_dir) -> None:
+    parser = build_parser("data")
+    words = ["data", "prepare", "x.jsonl", "--out", "a", "--seq-len", "8", "--tokenizer", "t"]
+    assert parser.parse_args([*words, "--workers", "3"]).workers == 3 and parser.parse_args(words).workers == 1
     with pytest.raises(ValueError, match=r"^--workers is 0; use 1 or more"):
         PrepareConfig(inputs=(tmp_path,), out_dir=tmp_path / "a", seq_len=8, tokenizer_path=tokenizer_dir, workers=0)
 

@@ -9,7 +9,8 @@ Tokenization happens here only, never in the training loop. The steps:
    (``chat_documents="turn"``: the documents a chat record becomes, one per assistant turn, are
    made at encoding and go to its split);
 3. load the tokenizer, or train a byte-level BPE on the train documents;
-4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``;
+4. encode and pack each split (``packing.py``; in chunks, in ``workers`` processes with
+   ``encode_pool.py``, the same bytes for any number), write ``tokenizer.json`` and ``manifest.json``;
    a train split of fewer tokens than ``seq_len`` (one row of mostly padding) is refused before its
    padding is written;
 5. refuse the result if an input's size or modification time changed since step 1 (the inputs are
