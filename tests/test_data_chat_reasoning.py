@@ -214,3 +214,26 @@ def test_cli_prepare_and_inspect_show_nothing_new(tmp_path: Path, capsys: pytest
     # the same lines, the chat ones identical, but for the artifact's name, counts and content hash
     assert [line.split()[:1] for line in shown[0]] == [line.split()[:1] for line in shown[1]]
     assert [line for line in shown[0] if line.startswith("chat")] == [line for line in shown[1] if line.startswith("chat")]
+
+
+def test_reasoning_reaches_the_prepare_workers(tmp_path: Path) -> None:
+    """``--workers 2`` renders in other processes: the reasoning must travel with the documents (the
+    same artifact, byte for byte, as one process, with the reasoning supervised)."""
+    directory = build_tokenizer_dir(tmp_path / "tok", "chatml")
+    (directory / "chat_template.jinja").write_text(THINKING, encoding="utf-8")
+    data = tmp_path / "thinking.jsonl"
+    data.write_text("".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(3)), encoding="utf-8")
+    outs = []
+    for workers in (1, 2):
+        outs.append(tmp_path / f"w{workers}")
+        argv = ["data", "prepare", str(data), "--tokenizer", str(directory), "--seq-len", "16", "--out",
+                str(outs[-1]), "--chat-documents", "turn", "--workers", str(workers)]
+        assert run_cli(argv) == 0
+    names = sorted(path.name for path in outs[0].iterdir() if path.suffix == ".bin")
+    assert names and names == sorted(path.name for path in outs[1].iterdir() if path.suffix == ".bin")
+    for name in names:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    supervised = open_artifact(outs[1], verify=True).manifest["splits"]["train"]["supervised_tokens"]
+    plain = encode([{k: v for k, v in m.items() if k != "reasoning_content"} for m in CHAT], THINKING,
+                   load_tokenizer(directory), per="turn")
+    assert supervised > 3 * sum(int(sum(mask)) for _, mask in plain)

@@ -41,6 +41,10 @@ PAYLOADS = {
         f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}"
         f"{{{{ [{', '.join(['big'] * (2 * MAX_PRODUCED // MAX_LENGTH + 1))}] | map('upper') | list | length }}}}"
     ),
+    "additions producing too much": (  # each '+' passes; together they pass MAX_PRODUCED (its fast path)
+        f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{% for i in range({MAX_PRODUCED // MAX_LENGTH + 1}) %}}"
+        "{% set t = big + big %}{% endfor %}x"
+    ),
     "printing a heavy list": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ [big, big, big] }}}}",
     "a heavy list made a string": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ [big, big, big] | string | length }}}}",
     "a heavy list repeated": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ ([big] * 3) | length }}}}",

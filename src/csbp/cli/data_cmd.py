@@ -85,6 +85,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             default=getattr(defaults, field),
             help=f"name of the {field} token (default {getattr(defaults, field)})",
         )
+    prepare.add_argument(
+        "--workers", type=int_at_least(1), default=1,
+        help="processes that render chat templates and tokenize, in chunks (default 1: this process); the "
+        "artifact is the same byte for byte for any number",
+    )
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
     prepare.set_defaults(func=run_prepare)
 
@@ -129,6 +134,7 @@ def run_prepare(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         chat_template=args.chat_template,
         chat_documents=args.chat_documents,
+        workers=args.workers,
     )
     prepare_artifact(config, log=print)
     return 0

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
 
 from csbp.data.artifact import ARRAY_DTYPES, array_file_name
-from csbp.data.chat_template import ChatTemplate
+from csbp.data.chat_template import ChatTemplate, SupervisedChat
 from csbp.data.sources import Document
 from csbp.data.tokenizer import CsbpTokenizer
 from csbp.wording import counted
@@ -105,28 +106,60 @@ def encode_templated_chat(
     """``(ids, loss_mask, whether the EOS after them is the stop to supervise)`` of a chat rendered
     by ``template`` (no EOS separator appended); ``last_turn_only``: only its last message supervised;
     ``reasoning``: each message's ``reasoning_content`` ("" for none), or empty."""
+    chat = _render_chat(messages, template, where, last_turn_only, reasoning)
+    encoding = tokenizer.backend.encode(chat.text, add_special_tokens=False)
+    return list(encoding.ids), supervised_tokens(encoding.offsets, chat.spans), chat.eos_is_stop
+
+
+def _render_chat(
+    messages: Sequence[tuple[str, str]],
+    template: ChatTemplate,
+    where: str,
+    last_turn_only: bool,
+    reasoning: Sequence[str] = (),
+) -> SupervisedChat:
     spans_of = template.last_turn_spans if last_turn_only else template.supervised_spans
     dicts: list[dict[str, str]] = [{"role": r, "content": c} for r, c in messages]
     for message, thought in zip(dicts, reasoning):
         if thought:
             message["reasoning_content"] = thought
-    text, spans, eos_is_stop = spans_of(dicts, where)
-    encoding = tokenizer.backend.encode(text, add_special_tokens=False)
-    return list(encoding.ids), supervised_tokens(encoding.offsets, spans), eos_is_stop
+    return spans_of(dicts, where)
 
 
 def supervised_tokens(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> list[int]:
     """1 for each token whose characters ``[start, end)`` (an empty one: ``[start, start + 1)``)
-    overlap one of ``spans`` (sorted, disjoint), else 0: one binary search per token (testing every
-    span for every token took 13 s for a chat of 1600 turns)."""
-    if not offsets or not spans:
-        return [0] * len(offsets)
-    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    overlap one of ``spans`` (sorted, disjoint), else 0 (as a list; see ``_supervised_mask``)."""
+    return _supervised_mask(offsets, spans).astype(np.int64).tolist()
+
+
+def _supervised_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``supervised_tokens`` as a ``uint8`` array: one binary search per token (testing every span for
+    every token took 13 s for a chat of 1600 turns); the offsets are read with ``np.fromiter``, as
+    ``np.asarray`` of a list of tuples cost as much as the search."""
+    dtype = ARRAY_DTYPES["loss_mask"]
+    if not len(offsets) or not spans:
+        return np.zeros(len(offsets), dtype=dtype)
+    bounds = np.fromiter(chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)).reshape(-1, 2)
     starts, ends = bounds[:, 0], np.maximum(bounds[:, 1], bounds[:, 0] + 1)
     span_starts, span_ends = (np.asarray(side, dtype=np.int64) for side in zip(*spans))
     first = np.searchsorted(span_ends, starts, side="right")  # the first span ending after the token starts
     overlaps = (first < len(span_ends)) & (span_starts[np.minimum(first, len(span_ends) - 1)] < ends)
-    return overlaps.astype(np.int64).tolist()
+    return overlaps.astype(dtype)
+
+
+def _render_chats(
+    documents: Sequence[Document], template: ChatTemplate
+) -> tuple[list[SupervisedChat], ValueError | None]:
+    """The chats of ``documents`` rendered in order, up to the first that fails, and its error
+    (raised by ``encode_documents`` when it reaches that document, so errors come in document order)."""
+    chats: list[SupervisedChat] = []
+    for doc in documents:
+        assert doc.messages is not None
+        try:
+            chats.append(_render_chat(doc.messages, template, doc.where, doc.last_turn_only, doc.reasoning))
+        except ValueError as exc:
+            return chats, exc
+    return chats, None
 
 
 def encode_documents(
@@ -134,6 +167,7 @@ def encode_documents(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """``(token_ids uint32 [n], loss_mask uint8 [n])`` per document, EOS included.
 
+    Plain text is tokenized in one batch call, and so are the chats the template renders.
     Raises ``ValueError`` (naming the document) for an id outside ``[0, tokenizer.vocab_size)``.
     """
     def templated(doc: Document) -> bool:
@@ -147,37 +181,50 @@ def encode_documents(
         if segment.role is None
     ]
     encoded_texts = iter(tokenizer.encode_batch(texts))
+    chats: list[SupervisedChat] = []
+    failure: ValueError | None = None
+    if chat_template is not None:
+        chats, failure = _render_chats([doc for doc in documents if templated(doc)], chat_template)
+    chat_encodings = tokenizer.backend.encode_batch([chat.text for chat in chats], add_special_tokens=False)
+    rendered = iter(zip(chats, chat_encodings))
     encoded: list[tuple[np.ndarray, np.ndarray]] = []
     for doc in documents:
-        ids: list[int] = []
-        mask: list[int] = []
-        eos_supervised = doc.eos_supervised
         if templated(doc):
-            assert chat_template is not None and doc.messages is not None
-            ids, mask, eos_is_stop = encode_templated_chat(
-                doc.messages, tokenizer, chat_template, doc.where, doc.last_turn_only, doc.reasoning
+            chat, encoding = next(rendered, (None, None))
+            if chat is None:  # its render failed: the documents before it were checked first
+                assert failure is not None
+                raise failure
+            token_ids, loss_mask = _with_eos(
+                np.asarray(encoding.ids, dtype=np.int64), _supervised_mask(encoding.offsets, chat.spans),
+                tokenizer.eos_id, doc.eos_supervised and chat.eos_is_stop,
             )
-            eos_supervised = eos_supervised and eos_is_stop
-        elif doc.first_reasoning() is not None:
-            raise ValueError(reasoning_refusal(doc))
-        for segment in doc.segments if not templated(doc) else ():
-            if segment.role is not None and segment.role not in tokenizer.role_ids:
-                raise ValueError(f"{doc.where}: {role_marker_message(tokenizer, segment.role)}")
-            piece = [tokenizer.role_ids[segment.role]] if segment.role is not None else next(encoded_texts)
-            ids.extend(piece)
-            mask.extend([int(segment.supervised)] * len(piece))
-        ids.append(tokenizer.eos_id)
-        mask.append(int(eos_supervised))
-        token_ids = np.asarray(ids, dtype=np.int64)
+        else:
+            if doc.first_reasoning() is not None:
+                raise ValueError(reasoning_refusal(doc))
+            ids: list[int] = []
+            mask: list[int] = []
+            for segment in doc.segments:
+                if segment.role is not None and segment.role not in tokenizer.role_ids:
+                    raise ValueError(f"{doc.where}: {role_marker_message(tokenizer, segment.role)}")
+                piece = [tokenizer.role_ids[segment.role]] if segment.role is not None else next(encoded_texts)
+                ids.extend(piece)
+                mask.extend([int(segment.supervised)] * len(piece))
+            ids.append(tokenizer.eos_id)
+            mask.append(int(doc.eos_supervised))
+            token_ids = np.asarray(ids, dtype=np.int64)
+            loss_mask = np.asarray(mask, dtype=ARRAY_DTYPES["loss_mask"])
         bad = (token_ids < 0) | (token_ids >= tokenizer.vocab_size)
         if bad.any():
             raise ValueError(
                 f"{doc.where}: token id {int(token_ids[bad][0])} is outside the tokenizer vocabulary "
                 f"[0, {tokenizer.vocab_size}); the tokenizer {tokenizer.source} is inconsistent"
             )
-        loss_mask = np.asarray(mask, dtype=ARRAY_DTYPES["loss_mask"])
         encoded.append((token_ids.astype(ARRAY_DTYPES["tokens"]), loss_mask))
     return encoded
+
+
+def _with_eos(ids: np.ndarray, mask: np.ndarray, eos_id: int, eos_supervised: bool) -> tuple[np.ndarray, np.ndarray]:
+    return np.append(ids, eos_id), np.append(mask, np.uint8(eos_supervised)).astype(ARRAY_DTYPES["loss_mask"])
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ Tokenization happens here only, never in the training loop. The steps:
    (``chat_documents="turn"``: the documents a chat record becomes, one per assistant turn, are
    made at encoding and go to its split);
 3. load the tokenizer, or train a byte-level BPE on the train documents;
-4. encode and pack each split (``packing.py``), write ``tokenizer.json`` and ``manifest.json``;
+4. encode and pack each split (``packing.py``; in chunks, in ``workers`` processes with
+   ``encode_pool.py``, the same bytes for any number), write ``tokenizer.json`` and ``manifest.json``;
    a train split of fewer tokens than ``seq_len`` (one row of mostly padding) is refused before its
    padding is written;
 5. refuse the result if an input's size or modification time changed since step 1 (the inputs are
@@ -38,6 +39,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,11 +60,11 @@ from csbp.data.artifact import (
     max_token_id,
 )
 from csbp.data.chat_template import ChatTemplate, resolve_chat_template
+from csbp.data.encode_pool import Chunk, encoded_chunks
 from csbp.data.mask_checks import (
     check_mask_token_of_its_own,
     mask_fix,
     mask_in_text_message,
-    mask_of,
     shared_mask_message,
 )
 from csbp.data.packing import (
@@ -122,6 +124,8 @@ class PrepareConfig:
         chat_documents: ``record`` (one document per chat record, every assistant turn supervised)
             or ``turn`` (one per assistant turn, the conversation up to it, only it supervised:
             for templates that rewrite earlier turns, such as Qwen3's); see ``chat_template.py``.
+        workers: processes that render and tokenize (``encode_pool.py``); the artifact is the same
+            byte for byte whatever their number, which the manifest therefore does not record.
     """
 
     inputs: tuple[Path, ...]
@@ -137,8 +141,11 @@ class PrepareConfig:
     overwrite: bool = False
     chat_template: str = "auto"
     chat_documents: ChatDocuments = "record"
+    workers: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"--workers is {self.workers!r}; use 1 or more (1: encode in this process)")
         if self.chat_documents not in ("record", "turn"):
             raise ValueError(f"chat_documents is {self.chat_documents!r}; use 'record' or 'turn'")
         if self.chat_documents == "turn" and self.chat_template == "none":
@@ -357,25 +364,38 @@ def _write_splits(
         for split in SPLITS
     }
     try:
-        chunk: list[tuple[str, Document]] = []
-        characters = 0
-        for ordinal, record in enumerate(_non_empty_documents(files, config.txt_mode)):
-            for doc in turn_documents(record) if turns is not None else (record,):
-                length = sum(len(segment.text) for segment in doc.segments)
-                if chunk and characters + length > ENCODE_CHUNK_CHARACTERS:
-                    _write_chunk(chunk, tokenizer, writers, template, turns)
-                    chunk, characters = [], 0
-                chunk.append(("val" if ordinal in val_ordinals else "train", doc))
-                characters += length
-                if len(chunk) == ENCODE_CHUNK_DOCUMENTS:
-                    _write_chunk(chunk, tokenizer, writers, template, turns)
-                    chunk, characters = [], 0
-        _write_chunk(chunk, tokenizer, writers, template, turns)
+        chunks = _chunks(_non_empty_documents(files, config.txt_mode), val_ordinals, turns is not None)
+        with closing(encoded_chunks(chunks, tokenizer, template, config.workers, encode_documents)) as encoded:
+            for chunk, pairs in encoded:
+                for (split, doc), (token_ids, loss_mask) in zip(chunk, pairs):
+                    writers[split].add_document(token_ids, loss_mask)
+                    if turns is not None and doc.messages is not None:
+                        turns.add(doc, int(token_ids.shape[0]))
         _check_train_fills_a_row(writers["train"].num_tokens, config.seq_len)
         return {split: writer.finish() for split, writer in writers.items()}
     finally:
         for writer in writers.values():
             writer.close()
+
+
+def _chunks(records: Iterator[Document], val_ordinals: frozenset[int], by_turn: bool) -> Iterator[Chunk]:
+    """``(split, document)`` pairs in batches of at most ``ENCODE_CHUNK_DOCUMENTS`` documents and (but
+    for a document longer alone) ``ENCODE_CHUNK_CHARACTERS`` characters; ``by_turn``: one document per
+    assistant turn of a chat (``--chat-documents turn``)."""
+    chunk: Chunk = []
+    characters = 0
+    for ordinal, record in enumerate(records):
+        for doc in turn_documents(record) if by_turn else (record,):
+            length = sum(len(segment.text) for segment in doc.segments)
+            if chunk and characters + length > ENCODE_CHUNK_CHARACTERS:
+                yield chunk
+                chunk, characters = [], 0
+            chunk.append(("val" if ordinal in val_ordinals else "train", doc))
+            characters += length
+            if len(chunk) == ENCODE_CHUNK_DOCUMENTS:
+                yield chunk
+                chunk, characters = [], 0
+    yield chunk
 
 
 def _check_train_fills_a_row(train_tokens: int, seq_len: int) -> None:
@@ -387,22 +407,6 @@ def _check_train_fills_a_row(train_tokens: int, seq_len: int) -> None:
             f"--seq-len {seq_len} is longer than the {train_tokens} tokens of the train split: its one row "
             f"would be {padding:.2f}% padding (fix: --seq-len {train_tokens} or less, or add data)"
         )
-
-
-def _write_chunk(
-    chunk: list[tuple[str, Document]],
-    tokenizer: CsbpTokenizer,
-    writers: dict[str, PackedSplitWriter],
-    template: ChatTemplate | None,
-    turns: TurnTally | None = None,
-) -> None:
-    encoded = encode_documents([doc for _, doc in chunk], tokenizer, template)
-    for (split, doc), (token_ids, loss_mask) in zip(chunk, encoded):
-        if bool((token_ids == tokenizer.mask_token_id).any()):
-            raise ValueError(f"{doc.where}: {mask_in_text_message(*mask_of(tokenizer))}")
-        writers[split].add_document(token_ids, loss_mask)
-        if turns is not None and doc.messages is not None:
-            turns.add(doc, int(token_ids.shape[0]))
 
 
 def _manifest(

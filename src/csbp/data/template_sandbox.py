@@ -293,6 +293,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         return value
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+" and type(left) is str and type(right) is str:  # a chat template's usual step
+            return self._join_two(left, right)  # the checks below, for this case alone
         _step(_budget(), left, right)
         if _is_int(left) and _is_int(right):
             bits = max(left.bit_length(), 1)
@@ -311,6 +313,20 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             if _format_size(left, values) > MAX_LENGTH:
                 raise _refuse("%")
         return _produced(super().call_binop(context, operator, left, right))
+
+    @staticmethod
+    def _join_two(left: str, right: str) -> str:
+        """``left + right`` charged and checked as :meth:`call_binop` does (a step, the length, the
+        budget of produced text), without its type dispatch: a third of a chat render's time."""
+        budget = _budget()
+        _step(budget, left, right)
+        if len(left) + len(right) > MAX_LENGTH:
+            raise _refuse("+")
+        result = left + right
+        budget.produced -= len(result)
+        if budget.produced < 0:
+            raise _refuse("the strings and lists this render produced, altogether,", MAX_PRODUCED)
+        return result
 
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         budget = _budget()

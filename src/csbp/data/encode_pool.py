@@ -1,0 +1,104 @@
+"""Encode ``csbp data prepare``'s chunks of documents in worker processes (``--workers N``).
+
+Rendering chat templates (in the Jinja sandbox) and tokenizing is most of prepare's time and is done
+per chunk of documents, each chunk independent of the others. With ``workers > 1`` the chunks go to a
+pool of ``spawn``-ed processes (no ``fork`` of a process holding ``tokenizers``' threads), which
+receive the tokenizer and the chat template once, when they start, and render with the same
+:mod:`csbp.data.template_sandbox` limits (each tokenizes on one thread, ``TOKENIZERS_PARALLELISM``
+unless set); results are taken back in chunk order, so the artifact is
+byte-identical to ``workers == 1``. At most ``2 * workers`` chunks are in flight: the inputs are
+read as a stream, never held whole.
+
+Errors: a chunk's ``ValueError`` (a template error, the mask token in a document ...) is raised
+again in the parent when that chunk's turn comes, so the first error in document order is reported,
+as the same one line as in-process. Workers ignore ``SIGINT``: Ctrl-C reaches the parent, which
+terminates the pool before the ``KeyboardInterrupt`` unwinds (and the staging directory is removed).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from csbp.data.chat_template import ChatTemplate
+from csbp.data.mask_checks import mask_in_text_message, mask_of
+from csbp.data.packing import encode_documents
+from csbp.data.sources import Document
+from csbp.data.tokenizer import CsbpTokenizer
+
+Encoded = list[tuple[np.ndarray, np.ndarray]]
+Chunk = list[tuple[str, Document]]
+Encode = Callable[[Sequence[Document], CsbpTokenizer, ChatTemplate | None], Encoded]
+IN_FLIGHT_PER_WORKER = 2
+"""Chunks queued per worker: one being encoded and one waiting, so no worker idles while the parent
+writes; each chunk is bounded (``prepare.ENCODE_CHUNK_DOCUMENTS`` / ``_CHARACTERS``)."""
+
+
+def encode_chunk(
+    documents: Sequence[Document],
+    tokenizer: CsbpTokenizer,
+    template: ChatTemplate | None,
+    encode: Encode = encode_documents,
+) -> Encoded:
+    """``encode(documents)``, refused (naming the first such document) when a document's tokens hold
+    the mask token."""
+    encoded = encode(documents, tokenizer, template)
+    for doc, (token_ids, _) in zip(documents, encoded):
+        if bool((token_ids == tokenizer.mask_token_id).any()):
+            raise ValueError(f"{doc.where}: {mask_in_text_message(*mask_of(tokenizer))}")
+    return encoded
+
+
+def encoded_chunks(
+    chunks: Iterable[Chunk],
+    tokenizer: CsbpTokenizer,
+    template: ChatTemplate | None,
+    workers: int,
+    encode: Encode = encode_documents,
+) -> Iterator[tuple[Chunk, Encoded]]:
+    """``(chunk, the encoding of its documents)`` for each of ``chunks`` (``(split, document)``
+    pairs), in order; ``workers > 1`` encodes them in a process pool (module docstring), else here
+    with ``encode``. Close the iterator (``contextlib.closing``) to stop the pool at once when the
+    caller fails."""
+    if workers <= 1:
+        for chunk in chunks:
+            yield chunk, encode_chunk([doc for _, doc in chunk], tokenizer, template, encode)
+        return
+    context = multiprocessing.get_context("spawn")
+    pool = context.Pool(workers, initializer=_start_worker, initargs=(tokenizer, template))
+    try:
+        pending: deque[tuple[Chunk, Any]] = deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.apply_async(_encode_in_worker, ([doc for _, doc in chunk],))))
+            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+                done, result = pending.popleft()
+                yield done, result.get()
+        while pending:
+            done, result = pending.popleft()
+            yield done, result.get()
+    finally:
+        pool.terminate()  # after an error, Ctrl-C or an early close: no worker outlives the call
+        pool.join()
+
+
+_WORKER: tuple[CsbpTokenizer, ChatTemplate | None] | None = None
+
+
+def _start_worker(tokenizer: CsbpTokenizer, template: ChatTemplate | None) -> None:
+    global _WORKER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and terminates the pool
+    # one thread per worker: N workers each batch-encoding on every core would oversubscribe them
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _WORKER = (tokenizer, template)
+
+
+def _encode_in_worker(documents: list[Document]) -> Encoded:
+    assert _WORKER is not None, "worker not started"
+    tokenizer, template = _WORKER
+    return encode_chunk(documents, tokenizer, template)
