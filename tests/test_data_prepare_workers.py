@@ -68,6 +68,29 @@ def test_two_workers_write_the_same_artifact_byte_for_byte(tmp_path, tokenizer_d
     assert manifest["splits"]["val"]["documents"] > 0 and manifest["chat_template"] is not None
 
 
+@pytest.mark.parametrize("options", [{"chat_documents": "turn"}, {"train_tokenizer": True, "vocab_size": 300}],
+                         ids=["turn-documents", "trained-tokenizer"])
+def test_two_workers_match_one_with_turn_documents_and_a_trained_tokenizer(
+    tmp_path, tokenizer_dir, monkeypatch, options
+) -> None:
+    """The options that change what the workers get: one document per assistant turn, and a tokenizer
+    trained in the main process (pickled to the workers instead of loaded from a directory)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    inputs = _inputs(data)
+    monkeypatch.setattr(prepare_module, "ENCODE_CHUNK_DOCUMENTS", 7)
+    source = {} if options.get("train_tokenizer") else {"tokenizer_path": tokenizer_dir}
+    for workers in (1, 2):
+        prepare_artifact(PrepareConfig(
+            inputs=tuple(inputs), out_dir=tmp_path / f"w{workers}", seq_len=16, val_fraction=0.1, seed=3,
+            txt_mode="paragraphs", workers=workers, **source, **options,
+        ))
+    names = sorted(path.name for path in (tmp_path / "w1").iterdir())
+    assert names == sorted(path.name for path in (tmp_path / "w2").iterdir())
+    for name in names:
+        assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes(), name
+
+
 def test_a_bad_record_in_a_worker_gives_the_same_error_line(tmp_path, tokenizer_dir, monkeypatch) -> None:
     data = tmp_path / "data"
     data.mkdir()
