@@ -9,6 +9,7 @@ usable: nothing is checked for them.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,11 @@ def test_generate_refuses_an_eos_token_other_than_the_run_s(
         "use the run's)"
     )
     assert _run(base, monkeypatch) == [[recorded]]
+    # RUN/final: the run's config.yaml has no EOS field; the refusal names config.json, where it is
+    (tmp_path / "run" / "config.yaml").write_text("objective:\n  name: bd3\n  block_size: 4\n")
+    with pytest.raises(ValueError, match=rf"trained with EOS id {recorded} \({re.escape(name)}\) \({re.escape(str(config_file))}\)"):
+        explicit.func(explicit)
+    (tmp_path / "run" / "config.yaml").unlink()
     assert _run([*base, "--eos-token", name], monkeypatch) == [[recorded]]
     # a token the export's generation_config.json stops at (a chat model's end of turn) is no contradiction
     (final / "generation_config.json").write_text(json.dumps({"eos_token_id": [recorded, recorded + 5]}))

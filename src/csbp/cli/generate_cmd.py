@@ -226,7 +226,7 @@ def check_eos_token(
     trained = tokenizer.backend.id_to_token(recorded)
     raise ValueError(
         f"--eos-token {args.eos_token}: id {chosen} of {args.tokenizer or model_dir}, but the model was trained "
-        f"with EOS id {recorded}{f' ({trained})' if trained else ''} ({run_settings['source']}), and its "
+        f"with EOS id {recorded}{f' ({trained})' if trained else ''} ({model_dir / 'config.json'}), and its "
         "generation_config.json lists no such stop (fix: drop --eos-token to use the run's)"
     )
 
