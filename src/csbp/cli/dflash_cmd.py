@@ -98,7 +98,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompt-len",
         type=int,
         default=None,
-        help=f"--data: tokens per prompt (default {DEFAULT_PROMPT_LEN}, at most the artifact's seq_len - 1); "
+        help=f"--data: tokens per prompt, at most the artifact's seq_len (default {DEFAULT_PROMPT_LEN}, or seq_len - 1 "
+        "when shorter); "
         "--prompts: keep the last P tokens of longer prompts (default: whole prompts)",
     )
     ev.add_argument(
