@@ -269,7 +269,7 @@ def run_generate(args: argparse.Namespace) -> int:
     truncations = [f"--top-k {args.top_k}"] * (args.top_k is not None) + [f"--top-p {args.top_p:g}"] * (args.top_p < 1)
     if args.temperature == 0 and truncations:  # greedy takes the arg-max: a truncation would be ignored
         raise ValueError(
-            f"{' and '.join(truncations)} truncate the sampled distribution, but --temperature 0 is greedy (the "
+            f"{' and '.join(truncations)} truncate{'s' * (len(truncations) == 1)} the sampled distribution, but --temperature 0 is greedy (the "
             "arg-max token), which they do not change (fix: --temperature above 0 to sample, or drop "
             f"{' and '.join(t.split()[0] for t in truncations)})"
         )
