@@ -31,7 +31,7 @@ def test_dflash_section() -> None:
         ({"objective.dflash.loss": "kl", "objective.dflash.lk_loss_type": "tv"}, "objective.dflash.lk_loss_type",
          "mixes with the hard CE only"),
         ({"objective.dflash.num_draft_layers": 2, "objective.dflash.layer_types": ["full_attention"]},
-         "objective.dflash.layer_types", "lists 1 layers"),
+         "objective.dflash.layer_types", "lists 1 layer, num_draft_layers=2"),
         ({"objective.dflash.layer_types": ["sliding_attention"]}, "objective.dflash.sliding_window", "required"),
         ({"objective.dflash.target_layer_ids": [1, 1]}, "objective.dflash.target_layer_ids", "distinct"),
         ({"objective.denominator": "all_tokens"}, "objective.denominator", "supervised slots"),

@@ -144,12 +144,17 @@ def test_cli_prepare_and_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert run_cli([*base, "--out", str(tmp_path / "a"), "--chat-documents", "turn"]) == 0
     said = capsys.readouterr().out
     assert "--chat-documents turn: 2 chat records became 3 documents of " in said and "x the " in said
+    # the count before it is of records (it said "3 documents", then "became 3 documents" of 2 of them)
+    assert "\n3 records (0 val), 0 empty skipped\n" in said
     artifact = open_artifact(tmp_path / "a", verify=True)
     assert artifact.manifest["options"]["chat_documents"] == "turn"
     assert artifact.manifest["counts"]["documents"] == 3  # the records read
     assert artifact.manifest["splits"]["train"]["documents"] == 4  # what was packed: 2 + 1 turns, the text
     assert run_cli(["data", "inspect", str(tmp_path / "a"), "--rows", "0"]) == 0
-    assert "chat docs     one per assistant turn, only it supervised (--chat-documents turn)" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "chat docs     one per assistant turn, only it supervised (--chat-documents turn)" in shown
+    tokens = artifact.manifest["counts"]["tokens"]
+    assert f"documents     3 records (0 empty skipped), {tokens} tokens; 4 documents packed\n" in shown
 
 
 def test_the_documents_of_a_record_stay_in_its_split(tmp_path: Path, chatml_dir: Path) -> None:

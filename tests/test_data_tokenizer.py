@@ -70,6 +70,19 @@ def test_special_names_fall_back_to_hf_config(tmp_path: Path) -> None:
     assert explicit.mask_token_id == 4
 
 
+def test_an_explicit_name_the_tokenizer_lacks_is_refused_not_replaced(tmp_path: Path) -> None:
+    """The tokenizer config's names stand in for csbp's default names only: ``csbp data prepare
+    --eos-token '<|im_end|>'`` on a tokenizer without it silently took the config's ``eos_token``
+    (and ``csbp generate --mask-token X`` its ``mask_token``)."""
+    directory = _wordlevel_dir(tmp_path, {"[UNK]": 0, "</s>": 1, "[MASK]": 2, "[PAD]": 3, "word": 4})
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "</s>", "pad_token": "[PAD]", "mask_token": "[MASK]"})
+    )
+    for field in ("eos", "mask", "pad"):
+        with pytest.raises(ValueError, match=rf"has no {field} token '<\|absent\|>' \(fix: .* --{field}-token\)"):
+            load_tokenizer(directory, special=SpecialTokens(**{field: "<|absent|>"}))
+
+
 @pytest.mark.parametrize(
     ("name", "data", "message"),
     [

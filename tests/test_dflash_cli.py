@@ -270,7 +270,7 @@ def test_export_from_drafter_run_final_and_checkpoint(
         )
         == 0
     )
-    assert "DFlash drafter, 1 layers, block_size 4, target_layer_ids [0, 2]" in capsys.readouterr().out
+    assert "DFlash drafter, 1 layer, block_size 4, target_layer_ids [0, 2]" in capsys.readouterr().out
     _same_tensors(workspace["drafter"], again)
     # carried through, with the context it serves: the target's (no max_position_embeddings was written)
     assert json.loads((again / "config.json").read_text()) == {

@@ -17,7 +17,8 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.mark.parametrize(
     ("extra", "flags"),
-    [(["--block-size", "8"], "--block-size"), (["--mask-token-id", "3", "--layer-ids", "0", "1"], "--mask-token-id and --layer-ids")],
+    [(["--block-size", "8"], "--block-size overrides"),
+     (["--mask-token-id", "3", "--layer-ids", "0", "1"], "--mask-token-id and --layer-ids override")],
 )
 def test_checkpoint_overrides_are_refused_for_a_drafter_directory(
     workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
@@ -34,6 +35,6 @@ def test_checkpoint_overrides_are_refused_for_a_drafter_directory(
             "--out", str(tmp_path / "out"), *extra]
     assert run_cli(argv) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"csbp: error: {flags} override a checkpoint's run settings, but {workspace['drafter']} ")
-    assert line.endswith(f"(fix: drop {flags}, or export a --checkpoint)")
+    assert line.startswith(f"csbp: error: {flags} a checkpoint's run settings, but {workspace['drafter']} ")
+    assert line.endswith(f"(fix: drop {flags.rsplit(' ', 1)[0]}, or export a --checkpoint)")
     assert not (tmp_path / "out").exists()

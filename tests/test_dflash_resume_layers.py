@@ -216,3 +216,32 @@ def test_a_damaged_record_is_named(inputs: tuple[Path, Path], trained: Path, tmp
         run_dir = run_copy(trained, tmp_path / str(number), damaged)
         message = one_line_error(lambda run_dir=run_dir: check_run(resumed(inputs), run_dir=run_dir, resume=True))
         assert problem in message and "the checkpoint is" in message, message
+
+
+def test_export_refuses_checkpoint_flags_that_contradict_what_it_trained_with(
+    inputs: tuple[Path, Path], trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--block-size``/``--mask-token-id``/``--layer-ids`` replaced a checkpoint's recorded values
+    without a word: ``--mask-token-id 7`` exported a drafter whose mask embedding was never trained,
+    ``--layer-ids`` of the right count fed its fc other target layers. The same values are accepted."""
+    checkpoint = find_latest_checkpoint(run_copy(trained, tmp_path / "recorded", {LAYER_IDS_FIELD: OLD}))
+    state = read_training_state(checkpoint)  # type: ignore[arg-type]
+    source = f"{checkpoint}/trainer_state.json"
+    block = int(dflash_config(*inputs, **RUN).objective.block_size)  # type: ignore[arg-type]
+    mask = open_artifact(inputs[0]).mask_token_id
+    base = ["dflash", "export", "--checkpoint", str(checkpoint), "--target", str(inputs[1])]
+    cases = [
+        (["--layer-ids", "1", "2", "4"], f"--layer-ids 1 2 4: the checkpoint trained with target_layer_ids {OLD} ({source})"),
+        (["--block-size", str(block * 2)], f"--block-size {block * 2}: the checkpoint trained with block_size {block} ({source} config_yaml)"),
+        (["--mask-token-id", str(mask + 7)], f"--mask-token-id {mask + 7}: the checkpoint trained with mask_token_id {mask} ("),
+    ]
+    assert state.config_yaml
+    for extra, start in cases:
+        capsys.readouterr()
+        assert main([*base, "--out", str(tmp_path / "x"), *extra]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"csbp: error: {start}"), line
+        assert line.endswith(f"(fix: drop {extra[0]} to export what it trained with; the flag is for checkpoints that record none)")
+        assert not (tmp_path / "x").exists()
+    same = ["--layer-ids", *map(str, OLD), "--block-size", str(block), "--mask-token-id", str(mask)]
+    assert main([*base, "--out", str(tmp_path / "same"), *same]) == 0

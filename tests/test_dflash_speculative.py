@@ -13,6 +13,7 @@ Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_dflash_speculativ
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -312,3 +313,15 @@ def test_evaluation_summary_and_report(trained_pair) -> None:  # noqa: ANN001
     assert "acceptance rate per draft position" in report and f"k=1: {rates[0]:.3f}" in report
     assert "[cycle]" in report and "[random]" in report and "lossless check passed: 3/3" in report
     assert report.splitlines()[-1] == f"acceptance_length: {summary.acceptance_length:.3f}"
+
+
+def test_artifact_prompts_name_the_longest_prompt_length_that_fits() -> None:
+    """A --prompt-len past the rows said "lower it" without the bound (the help's "seq_len - 1" is the
+    default's cap, not the limit: a whole row is a valid prompt)."""
+    from csbp.dflash.evaluate import artifact_prompts
+
+    tokens_RL, doc_ids_RL = np.arange(8).reshape(2, 4), np.zeros((2, 4), dtype=np.int64)
+    assert [p.token_ids for p in artifact_prompts(tokens_RL, doc_ids_RL, num_prompts=1, prompt_len=4)] == [(0, 1, 2, 3)]
+    with pytest.raises(ValueError) as caught:
+        artifact_prompts(tokens_RL, doc_ids_RL, num_prompts=1, prompt_len=5)
+    assert str(caught.value) == "--prompt-len 5 exceeds the artifact's seq_len 4 (fix: --prompt-len 4 or less)"

@@ -345,9 +345,9 @@ def test_cli_refuses_a_threshold_with_the_left_to_right_order(checkpoint: Path, 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--top-k", "5"], r"^--top-k 5 truncate the sampled distribution, but --temperature 0 is greedy .*"
+        (["--top-k", "5"], r"^--top-k 5 truncates the sampled distribution, but --temperature 0 is greedy .*"
                            r"\(fix: --temperature above 0 to sample, or drop --top-k\)$"),
-        (["--top-k", "5", "--top-p", "0.9", "--temperature", "0"], r"^--top-k 5 and --top-p 0\.9 truncate .*"
+        (["--top-k", "5", "--top-p", "0.9", "--temperature", "0"], r"^--top-k 5 and --top-p 0\.9 truncate the .*"
                                                                     r"drop --top-k and --top-p\)$"),
     ],
 )

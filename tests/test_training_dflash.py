@@ -425,3 +425,9 @@ def test_rows_without_an_anchor_are_rejected(inputs: tuple[Path, Path], tmp_path
     loss_mask.flush()
     message = one_line_error(lambda: check_run(dflash_config(copy, target)))
     assert message.startswith(f"data.train: row {row} has no valid DFlash anchor")
+    # it said "filter such rows out of the data", which csbp has no way to do; a row inside a long
+    # prompt or chat history (--chat-documents turn) is the usual cause: a longer --seq-len the fix
+    assert "filter" not in message and message.endswith(
+        "(fix: re-prepare the data with a longer --seq-len, so that no row lies wholly inside a prompt or chat "
+        "history, or drop records whose unsupervised part is longer than a row)"
+    )

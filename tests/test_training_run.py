@@ -202,6 +202,7 @@ def test_an_export_moved_out_of_its_run_keeps_its_training_settings(
     assert in_run.pop("source") == full_run[0] / "config.yaml" and away.pop("source") == moved / "config.json"
     assert away == {**in_run, "mask_token_id": 1}  # the run config leaves it to the artifact: 1
     assert away["seq_len"] == record["data"]["seq_len"] == 32  # the row length csbp generate notes past
+    assert in_run["eos_token_id"] == away["eos_token_id"] == record["data"]["eos_token_id"] == 0  # the data's EOS
     args = argparse.Namespace(objective="mdlm", block_size=None, allow_objective_change=False, allow_block_size_change=False)
     with pytest.raises(ValueError, match=r"trained with objective bd3 \(.*my model/config\.json\)"):
         check_trained_overrides("generate", args, moved, run_objective_settings(moved))

@@ -26,7 +26,7 @@ from csbp.models.rope import RopeScaling
 from csbp.training.export import export_decoder
 from csbp.training.model_factory import build_model, check_yarn_context
 from csbp.training.preflight import check_run
-from test_training_run import make_artifact, tiny_config
+from test_training_run import config_dict, make_artifact, tiny_config
 
 SHORT = {"type": "yarn", "factor": 2, "original_max_position_embeddings": 8}  # 16 positions; the data: 32
 
@@ -162,3 +162,22 @@ def test_a_decoder_trained_past_its_checkpoints_plain_rope_context_is_warned_abo
     warnings.clear()  # a run that sets its own RoPE chose how to reach data.seq_len
     check_run(tiny_config(artifact, **_from(hf), **{"model.rope_theta": 2e6}), check_device=False, warn=warnings.append)
     assert warnings == []
+
+
+def test_config_validate_prints_the_warnings_csbp_train_prints(
+    artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``csbp config validate`` ran check_run without ``warn``: it called the config fine and hid the
+    lines ``csbp train`` prints for the same config (here: init_from trained past its context)."""
+    from csbp.cli.main import main
+
+    config = DecoderConfig(vocab_size=open_artifact(artifact).vocab_size, hidden_size=32, intermediate_size=64,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, arch="qwen3")
+    hf = _limit_positions(export_hf_checkpoint(Decoder(config, seed=0), config, tmp_path / "hf"), 16)
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps(config_dict(artifact, **_from(hf))), encoding="utf-8")  # JSON is YAML
+    assert main(["config", "validate", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"config ok: {path}") and "inputs" in out
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"model.init_from: {hf}/config.json max_position_embeddings 16 is")

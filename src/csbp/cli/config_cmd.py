@@ -5,13 +5,15 @@
 checks the schema, the topology and the cross-section rules, prints a short summary, and notes
 paths that do not exist yet (not an error: the data may be prepared later). When every input
 exists it also runs the checks ``csbp train`` runs against them (seq_len, vocabulary, mask token,
-rows per step; not the run directory or this machine's devices). ``--print`` writes
+rows per step; not the run directory or this machine's devices), and prints to stderr the
+warnings ``csbp train`` prints for them. ``--print`` writes
 the validated config (every default explicit) as it would be saved to ``<run_dir>/config.yaml``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from csbp.cli.options import add_override_argument
@@ -61,7 +63,9 @@ def run_validate(args: argparse.Namespace) -> int:
         from csbp.training.mask_data import check_mask_token_data
         from csbp.training.preflight import check_run
 
-        inputs = check_run(cfg, check_device=False)
+        # the warnings csbp train prints for this config (an init_from context extension, an export
+        # tokenizer or chat template that is lost), one line each on stderr, worded as train words them
+        inputs = check_run(cfg, check_device=False, warn=_warn)
         # an artifact without a supervised_mask_tokens record (older csbp) is scanned, as csbp train does
         check_mask_token_data(cfg, inputs.mask_token_id, read_files=True)
         checked = inputs.artifact.directory
@@ -73,6 +77,10 @@ def run_validate(args: argparse.Namespace) -> int:
     if checked is not None:
         print(f"  inputs     {checked} fits (seq_len, vocabulary, mask token, rows per step)")
     return 0
+
+
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def checkpoint_architecture(directory: Path) -> str:

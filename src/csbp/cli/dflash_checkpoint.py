@@ -167,11 +167,17 @@ def _checkpoint_drafter_config(
     source: str,
 ) -> DFlashConfig:
     """Shapes (layers, widths, heads, DFlash2 modules) from the tensors; the rest from the run config
-    (``objective.block_size``, ``objective.mask_token_id`` or the data artifact's, ``objective.dflash``)
-    unless overridden on the command line. The target layer ids are those the checkpoint trained with
+    (``objective.block_size``, ``objective.mask_token_id`` or the data artifact's, ``objective.dflash``),
+    else from the command line (a flag that contradicts a recorded value is refused). The target
+    layer ids are those the checkpoint trained with
     (``recorded``: its ``resolved_config``; :func:`csbp.training.dflash_layers.trained_layer_ids`)."""
     from csbp.dflash.config import DFlashConfig
-    from csbp.training.dflash_layers import ROUNDING_CHANGE, trained_layer_ids, unknown_ids_reason
+    from csbp.training.dflash_layers import (
+        LAYER_IDS_FIELD,
+        ROUNDING_CHANGE,
+        trained_layer_ids,
+        unknown_ids_reason,
+    )
 
     objective = run.get("objective") if isinstance(run.get("objective"), dict) else {}
     dflash = objective.get("dflash") if isinstance(objective.get("dflash"), dict) else {}
@@ -189,16 +195,29 @@ def _checkpoint_drafter_config(
             f"hidden size {hidden}; pass the target it was trained against"
         )
     head_dim = shapes["layers.0.self_attn.q_norm.weight"][0]
+    trained_mask = objective.get("mask_token_id")
+    mask_source = f"{source} config_yaml objective.mask_token_id"
+    if trained_mask is None:
+        trained_mask = _artifact_mask_token(run)
+        mask_source = f"the mask token of its data.train {(run.get('data') or {}).get('train')}"
+    for flag, given, field, trained, where in (
+        ("--block-size", args.block_size, "block_size", objective.get("block_size"), f"{source} config_yaml"),
+        ("--mask-token-id", args.mask_token_id, "mask_token_id", trained_mask, mask_source),
+    ):
+        _refuse_contradiction(flag, given, field, trained, where)
     block_size = args.block_size if args.block_size is not None else objective.get("block_size")
-    mask_token_id = args.mask_token_id if args.mask_token_id is not None else objective.get("mask_token_id")
-    if mask_token_id is None:
-        mask_token_id = _artifact_mask_token(run)
+    mask_token_id = args.mask_token_id if args.mask_token_id is not None else trained_mask
     if block_size is None or mask_token_id is None:
         raise ValueError(
             "the checkpoint's run config records no block_size or mask_token_id; "
             "pass --block-size and --mask-token-id"
         )
     layer_ids = args.layer_ids
+    if layer_ids and (LAYER_IDS_FIELD in recorded or dflash.get("target_layer_ids") is not None):
+        (trained,) = trained_layer_ids(
+            recorded, dflash.get("target_layer_ids"), target_config.num_layers, num_layers, source=source
+        )  # recorded: one tuple, the ids its fc weights were fitted to
+        _refuse_contradiction("--layer-ids", list(layer_ids), "target_layer_ids", list(trained), source)
     if not layer_ids:
         candidates = trained_layer_ids(
             recorded, dflash.get("target_layer_ids"), target_config.num_layers, num_layers, source=source
@@ -246,6 +265,20 @@ def _checkpoint_drafter_config(
         rope_scaling=target_config.rope_scaling,
         rms_norm_eps=target_config.rms_norm_eps,
         **options,
+    )
+
+
+def _refuse_contradiction(flag: str, given: Any, field: str, trained: Any, where: str) -> None:
+    """``ValueError`` when ``flag`` gives ``field`` a value other than the one the checkpoint trained
+    with (``trained``, read from ``where``): the export would describe a drafter that was never
+    trained (another mask embedding, other target features, another block). The flags are for
+    checkpoints whose run records none."""
+    if given is None or trained is None or given == trained:
+        return
+    shown = " ".join(map(str, given)) if isinstance(given, list) else given
+    raise ValueError(
+        f"{flag} {shown}: the checkpoint trained with {field} {trained} ({where}) (fix: drop {flag} to export "
+        "what it trained with; the flag is for checkpoints that record none)"
     )
 
 

@@ -27,6 +27,9 @@ from csbp.cli.dflash_features_cmd import FEATURE_DTYPES, run_prepare_features
 from csbp.cli.options import add_deprecated_alias, device_option
 from csbp.dflash.evaluate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DEFAULT_PROMPT_LEN
 
+#: help of ``dflash export``'s checkpoint flags
+UNRECORDED_ONLY = "checkpoints whose run records none (one contradicting the run's is refused)"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``dflash`` and its commands."""
@@ -71,11 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--target", type=Path, required=True, help="HF checkpoint directory of the target")
     export.add_argument("--out", type=Path, required=True, help="directory to write")
     export.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
-    export.add_argument("--block-size", type=int, default=None, help="checkpoints: override the run's")
-    export.add_argument("--mask-token-id", type=int, default=None, help="checkpoints: override the run's")
-    export.add_argument(
-        "--layer-ids", type=int, nargs="+", default=None, help="checkpoints: override the run's"
-    )
+    export.add_argument("--block-size", type=int, default=None, help=UNRECORDED_ONLY)
+    export.add_argument("--mask-token-id", type=int, default=None, help=UNRECORDED_ONLY)
+    export.add_argument("--layer-ids", type=int, nargs="+", default=None, help=UNRECORDED_ONLY)
     export.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
     export.set_defaults(func=run_export)
 
@@ -98,7 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompt-len",
         type=int,
         default=None,
-        help=f"--data: tokens per prompt (default {DEFAULT_PROMPT_LEN}, at most the artifact's seq_len - 1); "
+        help=f"--data: tokens per prompt, at most the artifact's seq_len (default {DEFAULT_PROMPT_LEN}, or seq_len - 1 "
+        "when shorter); "
         "--prompts: keep the last P tokens of longer prompts (default: whole prompts)",
     )
     ev.add_argument(

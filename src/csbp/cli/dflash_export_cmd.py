@@ -28,6 +28,7 @@ from csbp.cli.dflash_checkpoint import (
 )
 from csbp.cli.dflash_common import DTYPES, INCLUSIVE_NOTE, load_target
 from csbp.models.hf_io import tokenizer_files_in, without_auto_map
+from csbp.wording import counted
 
 
 def served_positions(target: Path, drafter_dir: Path | None) -> int | None:
@@ -55,7 +56,7 @@ def run_export(args: argparse.Namespace) -> int:
                                           ("--layer-ids", args.layer_ids)) if value is not None]
     if drafter_dir is not None and overrides:  # a drafter's config.json records them: they were ignored
         raise ValueError(
-            f"{' and '.join(overrides)} override a checkpoint's run settings, but {drafter_dir} is a drafter "
+            f"{' and '.join(overrides)} override{'s' * (len(overrides) == 1)} a checkpoint's run settings, but {drafter_dir} is a drafter "
             f"directory whose config.json records them (fix: drop {' and '.join(overrides)}, or export a --checkpoint)"
         )
     target = load_target(args.target, args, device="cpu")  # only validates shapes and ids
@@ -86,8 +87,8 @@ def run_export(args: argparse.Namespace) -> int:
     cfg = reloaded.config
     count = sum(p.numel() for p in reloaded.parameters())
     print(
-        f"exported {source} -> {out}: {'DFlash2' if cfg.is_dflash2 else 'DFlash'} drafter, {cfg.num_layers} "
-        f"layers, block_size {cfg.block_size}, target_layer_ids {list(cfg.target_layer_ids or ())}, "
+        f"exported {source} -> {out}: {'DFlash2' if cfg.is_dflash2 else 'DFlash'} drafter, "
+        f"{counted(cfg.num_layers, 'layer')}, block_size {cfg.block_size}, target_layer_ids {list(cfg.target_layer_ids or ())}, "
         f"mask_token_id {cfg.mask_token_id}, {count} parameters, context {context or 'not recorded'}, "
         f"{len(tokenizer)} tokenizer files"
     )

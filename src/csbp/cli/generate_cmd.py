@@ -76,7 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "other than the run's is refused",
     )
     parser.add_argument(
-        "--eos-token", default=None, help="name of the EOS token in the tokenizer (default: <|endoftext|>)"
+        "--eos-token", default=None,
+        help="name of the EOS token in the tokenizer (default: <|endoftext|>); one that is neither the run's "
+        "recorded EOS nor a stop of the model's generation_config.json is refused",
     )
     parser.add_argument(
         "--objective",
@@ -210,6 +212,25 @@ def load_generation_tokenizer(args: argparse.Namespace, tokenizer_dir: Path, run
     return tokenizer
 
 
+def check_eos_token(
+    args: argparse.Namespace, tokenizer: CsbpTokenizer, model_dir: Path, run_settings: dict[str, Any], listed: list[int]
+) -> None:
+    """``ValueError`` when an explicit ``--eos-token`` is not the EOS the run's data ended documents
+    with (its recorded ``eos_token_id``) nor another stop of the export's ``generation_config.json``
+    (``listed``: a chat model's end of turn): the model never learnt to end a completion with it. Nothing is
+    checked for an export that records no EOS id (written before the record, or not by csbp)."""
+    recorded = run_settings.get("eos_token_id")
+    chosen = tokenizer.eos_id
+    if recorded is None or args.eos_token is None or chosen == recorded or chosen in listed:
+        return
+    trained = tokenizer.backend.id_to_token(recorded)
+    raise ValueError(
+        f"--eos-token {args.eos_token}: id {chosen} of {args.tokenizer or model_dir}, but the model was trained "
+        f"with EOS id {recorded}{f' ({trained})' if trained else ''} ({model_dir / 'config.json'}), and its "
+        "generation_config.json lists no such stop (fix: drop --eos-token to use the run's)"
+    )
+
+
 def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block_size: int) -> None:
     """``ValueError`` unless the prompt and ``max_new_tokens`` fit the model's positions
     (``max_position_embeddings`` of its ``config.json``; none recorded: no limit). The sampler runs
@@ -234,7 +255,7 @@ def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block
 
 def run_generate(args: argparse.Namespace) -> int:
     from csbp.generation.sampler import GenerationConfig, generate, positions_used
-    from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
+    from csbp.models.hf_io import generation_stop_ids, load_hf_checkpoint, read_hf_config
 
     if args.block_size is not None and args.block_size <= 0:
         raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
@@ -248,7 +269,7 @@ def run_generate(args: argparse.Namespace) -> int:
     truncations = [f"--top-k {args.top_k}"] * (args.top_k is not None) + [f"--top-p {args.top_p:g}"] * (args.top_p < 1)
     if args.temperature == 0 and truncations:  # greedy takes the arg-max: a truncation would be ignored
         raise ValueError(
-            f"{' and '.join(truncations)} truncate the sampled distribution, but --temperature 0 is greedy (the "
+            f"{' and '.join(truncations)} truncate{'s' * (len(truncations) == 1)} the sampled distribution, but --temperature 0 is greedy (the "
             "arg-max token), which they do not change (fix: --temperature above 0 to sample, or drop "
             f"{' and '.join(t.split()[0] for t in truncations)})"
         )
@@ -322,6 +343,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 "(fix: pass --tokenizer of the model, or --mask-token/--eos-token naming its tokens)"
             )
     stop_ids = stop_token_ids(model_dir, tokenizer.eos_id, vocab_size, mask_token_id)
+    check_eos_token(args, tokenizer, model_dir, run_settings, generation_stop_ids(model_dir, vocab_size, mask_token_id=mask_token_id))
     used = positions_used(len(prompt_ids), args.max_new_tokens, block_size)
     room = run_settings.get("seq_len", 0) // block_size * block_size - len(prompt_ids)
     fix = f"--max-new-tokens {room} or less stays inside" if room >= 1 else "a shorter prompt stays inside"

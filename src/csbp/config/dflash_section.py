@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from csbp.config.rules import ConfigRuleError
 from csbp.config.section_base import _Section, path_field
+from csbp.wording import counted
 
 
 class DFlashSection(_Section):
@@ -103,7 +104,7 @@ class DFlashSection(_Section):
             violations.append(
                 (
                     "layer_types",
-                    f"lists {len(self.layer_types)} layers, num_draft_layers={self.num_draft_layers}",
+                    f"lists {counted(len(self.layer_types), 'layer')}, num_draft_layers={self.num_draft_layers}",
                     "give one entry per draft layer",
                 )
             )

@@ -220,7 +220,8 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     turns = TurnTally() if config.chat_documents == "turn" and template is not None else None
     if turns is not None:  # each split holds at most all of them
         _check_document_ids_fit(found.turn_documents, 0, "--chat-documents turn")
-    say(f"{counted(num_documents, 'document')} ({len(val_ordinals)} val), {num_empty} empty skipped")
+    unit = "record" if turns is not None else "document"  # each record becomes documents, counted below
+    say(f"{counted(num_documents, unit)} ({len(val_ordinals)} val), {num_empty} empty skipped")
 
     tokenizer = given if given is not None else _train_tokenizer(config, files, val_ordinals, say)
     check_mask_token_of_its_own(tokenizer)  # a trained one's special names are distinct: a safety net

@@ -38,6 +38,12 @@ def format_manifest_summary(artifact: Artifact) -> str:
     """A few lines: where, tokenizer, special ids, counts, fingerprints, sources."""
     m = artifact.manifest
     counts = {key: _recorded(artifact, "counts", key) for key in ("documents", "skipped_empty", "tokens")}
+    options = m.get("options")
+    per = options.get("chat_documents", "record") if isinstance(options, dict) else "record"
+    # --chat-documents turn: counts.documents is the records read; the splits count what was packed
+    packed = "" if per != "turn" or artifact.chat_template is None else (
+        f"; {sum(int(_recorded(artifact, 'splits', split, 'documents')) for split in SPLITS)} documents packed"
+    )
     lines = [
         f"artifact      {artifact.directory}",
         f"format        {m['format']} v{m['format_version']} ({m.get('created_by', '?')})",
@@ -45,14 +51,12 @@ def format_manifest_summary(artifact: Artifact) -> str:
         f"tokenizer     vocab {artifact.vocab_size}, source {m['tokenizer'].get('source', '?')}",
         f"  fingerprint {artifact.tokenizer_fingerprint}",
         "special ids   " + ", ".join(f"{name}={value}" for name, value in artifact.special_ids.items()),
-        f"documents     {counts['documents']} ({counts['skipped_empty']} empty skipped), "
-        f"{counts['tokens']} tokens",
+        f"documents     {counts['documents']}{' records' if packed else ''} ({counts['skipped_empty']} empty "
+        f"skipped), {counts['tokens']} tokens{packed}",
     ]
     template = artifact.chat_template
     if template is not None:
         lines.append(f"chat template {template.get('source', '?')} (sha256 {template.get('sha256', '?')})")
-        options = m.get("options")
-        per = options.get("chat_documents", "record") if isinstance(options, dict) else "record"
         shown_per = {"record": "one per chat record", "turn": "one per assistant turn, only it supervised"}
         lines.append(f"chat docs     {shown_per.get(per, repr(per))} (--chat-documents {per})")
     for split in SPLITS:

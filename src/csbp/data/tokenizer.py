@@ -14,8 +14,10 @@ Special tokens (names configurable through ``SpecialTokens``):
 Local directories only, never a hub: ``DIR/tokenizer.json`` is read with
 ``tokenizers.Tokenizer.from_file``; a directory without one goes through
 ``transformers.AutoTokenizer.from_pretrained(DIR, local_files_only=True, trust_remote_code=False)``
-(fast tokenizers only; no Python code from the directory ever runs). For such directories, EOS/pad/mask names missing from the vocabulary fall back to
-``eos_token``/``pad_token``/``mask_token`` of ``tokenizer_config.json``/``special_tokens_map.json``.
+(fast tokenizers only; no Python code from the directory ever runs). For such directories, csbp's
+default EOS/pad/mask names (:class:`SpecialTokens`) missing from the vocabulary fall back to
+``eos_token``/``pad_token``/``mask_token`` of ``tokenizer_config.json``/``special_tokens_map.json``;
+a name given explicitly (``--eos-token X``) that the vocabulary lacks is an error.
 
 Literal special-token strings inside document text are recognised as those tokens (the usual
 ``tokenizers`` behaviour).
@@ -53,6 +55,10 @@ class SpecialTokens:
     def role(self, role: str) -> str:
         """The marker name of a chat role (``system``/``user``/``assistant``)."""
         return str(getattr(self, role))
+
+
+#: csbp's default name of each special token: the only names a tokenizer config's own stand in for
+_DEFAULT_NAMES = {field: str(getattr(SpecialTokens, field)) for field in ("eos", "mask", "pad", "system", "user", "assistant")}
 
 
 def fingerprint_bytes(data: bytes) -> str:
@@ -98,12 +104,16 @@ class CsbpTokenizer:
             if field == "mask" and mask_id is not None:  # an id a run recorded wins over any name
                 names[field] = backend.id_to_token(mask_id) or f"id {mask_id}"
                 return mask_id
-            for name in (getattr(special, field), fallback.get(field)):
+            wanted = getattr(special, field)
+            # the tokenizer config's names stand in for csbp's default names only: an explicit name
+            # (--eos-token X) the tokenizer lacks is refused, not silently replaced by the config's
+            explicit = wanted != _DEFAULT_NAMES[field]
+            for name in (wanted,) if explicit else (wanted, fallback.get(field)):
                 token_id = backend.token_to_id(name) if name else None
                 if token_id is not None:
                     names[field] = name
                     return int(token_id)
-            if required:
+            if required or (explicit and field in ("eos", "mask", "pad")):
                 raise ValueError(
                     f"tokenizer {source} has no {field} token {getattr(special, field)!r} (fix: add it to the "
                     f"tokenizer, or name an existing token with --{field}-token)"

@@ -120,5 +120,5 @@ def validate_anchor_coverage(
         row = first_row + int(torch.nonzero(~has_anchor).flatten()[0])
         raise ValueError(
             f"row {row} has no valid DFlash anchor (no supervised token followed by a supervised token of "
-            "the same document); filter such rows out of the data"
+            "the same document)"
         )

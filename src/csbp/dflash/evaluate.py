@@ -235,7 +235,7 @@ def artifact_prompts(
     if num_rows == 0:
         raise ValueError(f"the artifact's {group} split has no rows; pick another --split")
     if prompt_len > seq_len:
-        raise ValueError(f"--prompt-len {prompt_len} exceeds the artifact's seq_len {seq_len}; lower it")
+        raise ValueError(f"--prompt-len {prompt_len} exceeds the artifact's seq_len {seq_len} (fix: --prompt-len {seq_len} or less)")
     prompts = []
     for row in range(num_rows):
         if (np.asarray(doc_ids_RL[row, :prompt_len]) < 0).any():

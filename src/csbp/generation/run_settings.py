@@ -47,11 +47,13 @@ GENERATE_DEFAULTS: dict[str, Any] = {
 }
 
 
-def training_record_of(cfg: RunConfig, mask_token_id: int | None) -> dict[str, Any]:
+def training_record_of(cfg: RunConfig, mask_token_id: int | None, *, eos_token_id: int | None = None) -> dict[str, Any]:
     """What ``csbp generate``/``csbp eval`` need to sample and score an export as trained, in the run
-    config's shape (read back by :func:`training_record`); the trainer writes it into ``config.json``."""
+    config's shape (read back by :func:`training_record`); the trainer writes it into ``config.json``.
+    ``eos_token_id``: the data artifact's EOS id (``data.eos_token_id``, not a run config field: the
+    id ``csbp generate --eos-token`` is checked against), left out when not known."""
     objective = cfg.objective
-    return {
+    record: dict[str, Any] = {
         "objective": {
             "name": objective.name,
             "block_size": objective.block_size,
@@ -65,6 +67,9 @@ def training_record_of(cfg: RunConfig, mask_token_id: int | None) -> dict[str, A
             "seq_len": cfg.data.seq_len,
         },
     }
+    if eos_token_id is not None:
+        record["data"]["eos_token_id"] = int(eos_token_id)
+    return record
 
 
 def sampling_record_of(cfg: RunConfig, mask_token_id: int | None) -> dict[str, Any] | None:
@@ -101,8 +106,9 @@ def training_record(model_dir: Path) -> tuple[dict[str, Any], Path] | None:
 
 
 def run_objective_settings(model_dir: Path) -> dict[str, Any]:
-    """``{"objective", "block_size", "mask_token_id", "window", "seq_len", "source"}`` (those set) from
-    the training record (:func:`training_record`); empty for a model without one. ``seq_len`` is the
+    """``{"objective", "block_size", "mask_token_id", "window", "seq_len", "eos_token_id", "source"}``
+    (those set) from the training record (:func:`training_record`; ``eos_token_id``:
+    :func:`recorded_eos_id`); empty for a model without one. ``seq_len`` is the
     training row length: positions at or past it are ones the model never attended to (an export
     written before the record held it has none)."""
     found = training_record(model_dir)
@@ -128,7 +134,32 @@ def run_objective_settings(model_dir: Path) -> dict[str, Any]:
     data = loaded.get("data")
     if isinstance(data, dict) and type(data.get("seq_len")) is int:
         settings["seq_len"] = data["seq_len"]
+    eos = recorded_eos_id(model_dir)
+    if eos is not None:
+        settings["eos_token_id"] = eos
     return settings
+
+
+def recorded_eos_id(model_dir: Path) -> int | None:
+    """The data EOS id the export's ``csbp_training`` records (``data.eos_token_id``; the run config
+    ``RUN/config.yaml`` has no such field, so ``config.json`` is read for ``RUN/final`` too); None for
+    an export written before the record, or a model csbp did not train. A value that is not a token
+    id is a ``ValueError`` naming the file."""
+    exported = model_dir / "config.json"
+    try:
+        record = json.loads(exported.read_text(encoding="utf-8")).get(EXPORT_KEY)
+    except (OSError, ValueError, AttributeError):
+        return None
+    data = record.get("data") if isinstance(record, dict) else None
+    if not isinstance(data, dict) or data.get("eos_token_id") is None:
+        return None
+    value = data["eos_token_id"]
+    if type(value) is not int or value < 0:
+        raise ValueError(
+            f"{exported}: {EXPORT_KEY}.data.eos_token_id is {value!r}, not a token id (fix: set it to the id of the "
+            "data's EOS token, or remove it)"
+        )
+    return value
 
 
 def beyond_training_note(command: str, settings: dict[str, Any], used: int, fix: str) -> str | None:

@@ -143,7 +143,8 @@ def check_dflash_inputs(
             _field(
                 field,
                 lambda split=split: check_split_anchor_coverage(split),
-                "re-prepare the data so that every row supervises two consecutive tokens of one document",
+                "re-prepare the data with a longer --seq-len, so that no row lies wholly inside a prompt or chat "
+                "history, or drop records whose unsupervised part is longer than a row",
             )
     inputs = DFlashInputs(
         target_dir=target_dir,

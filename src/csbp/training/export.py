@@ -66,7 +66,7 @@ def export_decoder(cfg: RunConfig, inputs: RunInputs, model: Decoder, out: Path,
     extra.update(eos_token_id=special["eos"], pad_token_id=special["pad"])
     if inputs.mask_token_id is not None:
         extra["mask_token_id"] = inputs.mask_token_id
-    extra[EXPORT_KEY] = training_record_of(cfg, inputs.mask_token_id)
+    extra[EXPORT_KEY] = training_record_of(cfg, inputs.mask_token_id, eos_token_id=special["eos"])
     return export_hf_checkpoint(
         model,
         inputs.decoder_config,
