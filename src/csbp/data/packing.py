@@ -231,7 +231,8 @@ def _with_eos(ids: np.ndarray, mask: np.ndarray, eos_id: int, eos_supervised: bo
 class SplitCounts:
     """What one split holds (``tokens`` counts document tokens incl. EOS, not padding;
     ``supervised_mask_tokens`` the supervised positions holding the mask token, which ``csbp train``
-    refuses: ``csbp data prepare`` writes 0)."""
+    refuses: ``csbp data prepare`` writes 0; ``unsupervised_rows`` the rows without a supervised token,
+    which add nothing to the loss and which a DFlash run refuses)."""
 
     rows: int
     documents: int
@@ -239,6 +240,20 @@ class SplitCounts:
     supervised_tokens: int
     padding_tokens: int
     supervised_mask_tokens: int
+    unsupervised_rows: int
+
+
+def unsupervised_rows_note(unsupervised: dict[str, int], rows: dict[str, int]) -> str | None:
+    """One line on the rows of each split without a supervised token (``csbp data prepare`` and
+    ``csbp data inspect``), or ``None`` when every row supervises one."""
+    if not any(unsupervised.values()):
+        return None
+    per_split = ", ".join(f"{split} {unsupervised[split]} of {rows[split]}" for split in unsupervised)
+    return (
+        f"rows that supervise no token: {per_split}; they add nothing to the loss and a DFlash run refuses "
+        "them (fix: a longer --seq-len, so that no row lies wholly inside a prompt or chat history, or drop "
+        "records whose unsupervised part is longer than a row or that have no assistant turn)"
+    )
 
 
 class PackedSplitWriter:
@@ -259,15 +274,29 @@ class PackedSplitWriter:
         self.num_tokens = 0
         self.num_supervised = 0
         self.num_supervised_mask = 0
+        self.num_unsupervised_rows = 0  # rows completed so far without a supervised token
+        self._open_row_supervised = False  # whether the row being filled holds one
 
     def add_document(self, token_ids: np.ndarray, loss_mask: np.ndarray) -> None:
         """Append one encoded document (EOS already included); its doc id is its ordinal."""
         doc_ids = np.full(token_ids.shape[0], self.num_documents, dtype=ARRAY_DTYPES["doc_ids"])
         self._append(token_ids, loss_mask, doc_ids)
+        self._count_unsupervised_rows(loss_mask)
         self.num_documents += 1
         self.num_tokens += int(token_ids.shape[0])
         self.num_supervised += int(loss_mask.sum())
         self.num_supervised_mask += int(np.count_nonzero((token_ids == self.mask_token_id) & (loss_mask != 0)))
+
+    def _count_unsupervised_rows(self, loss_mask: np.ndarray) -> None:
+        """Count the rows this document completes without a supervised token (before ``num_tokens``
+        grows); rows are numbered from the open one (0), which the document continues."""
+        offset = self.num_tokens % self.seq_len
+        rows = np.unique((np.flatnonzero(loss_mask) + offset) // self.seq_len)
+        if self._open_row_supervised:
+            rows = np.union1d(rows, [0])
+        completed = (offset + int(loss_mask.shape[0])) // self.seq_len
+        self.num_unsupervised_rows += completed - int(np.count_nonzero(rows < completed))
+        self._open_row_supervised = bool(rows.size) and int(rows[-1]) == completed
 
     def _append(self, token_ids: np.ndarray, loss_mask: np.ndarray, doc_ids: np.ndarray) -> None:
         for field, values in (("tokens", token_ids), ("loss_mask", loss_mask), ("doc_ids", doc_ids)):
@@ -286,6 +315,8 @@ class PackedSplitWriter:
     def finish(self) -> SplitCounts:
         """Pad the stream to whole rows, flush, close; return the split's counts."""
         padding = -self.num_tokens % self.seq_len
+        if padding and not self._open_row_supervised:  # the last row, padded below
+            self.num_unsupervised_rows += 1
         self._append(
             np.full(padding, self.pad_id, dtype=ARRAY_DTYPES["tokens"]),
             np.zeros(padding, dtype=ARRAY_DTYPES["loss_mask"]),
@@ -299,6 +330,7 @@ class PackedSplitWriter:
             supervised_tokens=self.num_supervised,
             padding_tokens=padding,
             supervised_mask_tokens=self.num_supervised_mask,
+            unsupervised_rows=self.num_unsupervised_rows,
         )
 
     def close(self) -> None:

@@ -75,6 +75,7 @@ from csbp.data.packing import (
     reasoning_refusal,
     role_marker_message,
     turn_documents,
+    unsupervised_rows_note,
 )
 from csbp.data.sources import ChatDocuments, Document, TxtMode, expand_inputs, iter_documents
 from csbp.data.tokenizer import (
@@ -241,6 +242,8 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     if turns is not None:
         say(f"--chat-documents turn: {turns.summary(num_chats)}")
     say(f"wrote {config.out_dir}: " + ", ".join(f"{s} {counted(counts[s].rows, 'row')}" for s in SPLITS))
+    if note := unsupervised_rows_note({s: counts[s].unsupervised_rows for s in SPLITS}, {s: counts[s].rows for s in SPLITS}):
+        say(note)
     return manifest
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from csbp.data.artifact import MANIFEST_NAME, SPLITS, Artifact, ArtifactSplit
+from csbp.data.packing import unsupervised_rows_note
 from csbp.data.tokenizer import CsbpTokenizer
 from csbp.wording import counted
 
@@ -65,6 +66,12 @@ def format_manifest_summary(artifact: Artifact) -> str:
             f"  {split:<5}       {counted(s['rows'], 'row')}, {counted(s['documents'], 'document')}, "
             f"{s['tokens']} tokens, {s['supervised_tokens']} supervised, {s['padding_tokens']} padding"
         )
+    # recorded since csbp wrote it (an older manifest lacks it: nothing said)
+    recorded = {split: m["splits"][split].get("unsupervised_rows") for split in SPLITS}
+    if all(isinstance(count, int) for count in recorded.values()):
+        rows = {split: int(_recorded(artifact, "splits", split, "rows")) for split in SPLITS}
+        if note := unsupervised_rows_note(recorded, rows):
+            lines.append(note)
     lines.append(f"content       {artifact.fingerprint}")
     sources = m.get("sources")
     names = [str(s.get("name", "?")) if isinstance(s, dict) else "?" for s in sources or ()] if isinstance(sources, list) else []
