@@ -146,6 +146,18 @@ def test_recipes_list(capsys: pytest.CaptureFixture[str]) -> None:
     assert any("BD3-LM" in line for line in lines)
 
 
+def test_recipes_without_an_action_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
+    """It was an argparse error ("the following arguments are required: ACTION")."""
+    code, out, err = run(capsys, "recipes")
+    assert (code, err) == (0, "")
+    assert out == run(capsys, "recipes", "list")[1]
+    code, out, _ = run(capsys, "recipes", "--help")
+    assert code == 0 and out.startswith("usage: csbp recipes [-h] [ACTION ...]\n")
+    assert "no ACTION: list" in " ".join(out.split())
+    code, _, err = run(capsys, "recipes", "show")  # an action's errors still name it alone
+    assert code == 2 and err.startswith("csbp recipes show: error: the following arguments are required: NAME")
+
+
 def test_recipes_show(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "recipes", "show", "demo")
     assert code == 0 and out == recipe_path("demo").read_text(encoding="utf-8")

@@ -1,4 +1,5 @@
-"""``csbp recipes list | show NAME | copy NAME DEST [--overwrite]``: the packaged run recipes."""
+"""``csbp recipes [list] | show NAME | copy NAME DEST [--overwrite]``: the packaged run recipes
+(``csbp recipes`` alone lists them)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ from csbp.recipes import copy_recipe, list_recipes, recipe_path, recipe_summary
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("recipes", help="list, show and copy packaged run recipes")
-    actions = parser.add_subparsers(dest="recipes_command", metavar="ACTION", required=True)
+    parser = subparsers.add_parser(
+        "recipes", help="list, show and copy packaged run recipes",
+        usage="%(prog)s [-h] [ACTION ...]",
+        description="List, show and copy the packaged run recipes (no ACTION: list them).",
+    )
+    parser.set_defaults(func=run_list)  # an ACTION's own func replaces it
+    actions = parser.add_subparsers(dest="recipes_command", metavar="ACTION", prog=parser.prog)
 
     list_parser = actions.add_parser("list", help="list the packaged recipes")
     list_parser.set_defaults(func=run_list)
