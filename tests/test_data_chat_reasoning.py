@@ -5,13 +5,13 @@ it, a history turn under ``--chat-documents record``)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import test_data_chat_turns as shared
 from csbp.data import prepare as prepare_module
 from csbp.data.artifact import open_artifact
 from csbp.data.chat_template import ChatTemplate
@@ -20,7 +20,7 @@ from csbp.data.prepare import PrepareConfig, prepare_artifact
 from csbp.data.sources import record_to_document
 from csbp.data.tokenizer import CsbpTokenizer, load_tokenizer
 from test_data_chat_template import CHATML, build_tokenizer_dir
-from test_data_chat_turns import supervised_runs
+from test_data_chat_turns import run_cli, supervised_runs
 
 THINKING = (
     "{% set ns = namespace(last_user=-1) %}"
@@ -59,14 +59,7 @@ TURN_1 = f"<think>\n{THOUGHT_1}\n</think>\n\nIt is four.<|im_end|>"
 TURN_2 = f"<think>\n{THOUGHT_2}\n</think>\n\nBlue.<|im_end|>"
 
 
-@pytest.fixture(scope="module")
-def chatml_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tokenizer_dir(tmp_path_factory.mktemp("chatml"), "chatml")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(chatml_dir: Path) -> CsbpTokenizer:
-    return load_tokenizer(chatml_dir)
+chatml_dir, tokenizer = shared.chatml_dir, shared.tokenizer  # the module fixtures, shared
 
 
 def encode(messages: list[dict[str, str]], template: str | None, tokenizer: CsbpTokenizer, per: str = "turn",
@@ -160,15 +153,6 @@ def test_reasoning_is_kept_for_the_tokenizer_and_empty_reasoning_is_none() -> No
     assert [d.reasoning for d in turn_documents(document)] == [document.reasoning[:3], document.reasoning]
     empty = record_to_document({"messages": [ASK_1, {**REPLY_1, "reasoning_content": ""}]}, "r:2")
     assert empty.reasoning == () and empty.first_reasoning() is None
-
-
-def run_cli(argv: list[str]) -> int:
-    from csbp.cli.data_cmd import register
-
-    parser = argparse.ArgumentParser(prog="csbp")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
 
 
 def test_without_a_template_reasoning_is_refused_before_any_work(

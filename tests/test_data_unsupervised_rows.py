@@ -4,7 +4,6 @@ say how many each split holds, and an artifact written before the count still in
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from csbp.data.artifact import MANIFEST_NAME, open_artifact
 from csbp.data.packing import PackedSplitWriter
 from csbp.data.report import format_manifest_summary
 from test_data_chat_template import CHAT, build_tokenizer_dir
+from test_data_chat_turns import run_cli
 
 NOTE = "rows that supervise no token: "
 
@@ -42,15 +42,6 @@ def test_a_supervised_token_in_the_padded_last_row_counts_it_supervised(tmp_path
     writer.add_document(np.full(5, 2, dtype=np.int64), np.array([0, 0, 0, 0, 1], dtype=np.uint8))
     writer.add_document(np.full(1, 2, dtype=np.int64), np.array([0], dtype=np.uint8))
     assert writer.finish().unsupervised_rows == 1  # row 0; row 1 holds the fifth token
-
-
-def run_cli(argv: list[str]) -> int:
-    from csbp.cli.data_cmd import register
-
-    parser = argparse.ArgumentParser(prog="csbp")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
 
 
 def test_prepare_and_inspect_say_how_many_rows_supervise_nothing(
