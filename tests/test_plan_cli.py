@@ -111,7 +111,7 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
         (["--model", "configs/run", "--gpus", "4"], "--model configs/run: no such file or directory"),
         (
             ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--topology", "dp2/cp4"],
-            "uses 8 GPUs",
+            "uses 8 devices",
         ),
         (
             ["--model", "nemotron-3b", "--seq-len", "4K", "--gpus", "4", "--topology", "cp4/bp2"],
@@ -133,7 +133,7 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
         ),
         (
             ["--model", "nemotron-3b", "--seq-len", "4097", "--gpus", "8"],
-            "--seq-len 4097: no layout of 8 GPUs accepts it, not even data parallel: seq_len=4097 is not a multiple "
+            "--seq-len 4097: no layout of 8 devices accepts it, not even data parallel: seq_len=4097 is not a multiple "
             "of block_size=32 (fix: --seq-len 4096 or 4128, or --block-size 17 or 241)",
         ),
         (
@@ -151,7 +151,7 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
         ),
         (
             ["--model", "nemotron-3b", "--seq-len", "32", "--gpus", "8"],
-            "--seq-len 32: no layout of 8 GPUs accepts it, not even data parallel: block_size=32 must be below "
+            "--seq-len 32: no layout of 8 devices accepts it, not even data parallel: block_size=32 must be below "
             "seq_len=32 for bd3 (one block per sequence is mdlm's) (fix: --seq-len 64 or more, or --block-size below 32)",
         ),
         (
@@ -160,7 +160,7 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
         ),
         (
             ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--topology", "dp1/cp4"],
-            "--topology dp1/cp4 uses 4 GPUs, not --gpus 8 (fix: --gpus 4, or --topology dp2/cp4)",
+            "--topology dp1/cp4 uses 4 devices, not --gpus 8 (fix: --gpus 4, or --topology dp2/cp4)",
         ),
         (
             ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--topology", "dp2/cp4", "--global-batch", "3"],

@@ -10,8 +10,9 @@ of ``--samples`` independent noise draws with its standard error) and the perple
 ``exp(NELBO)``; and the exact NLL of left-to-right unmasking (the likelihood ``csbp generate
 --unmask-order left_to_right`` assigns at temperature 1), ``B`` forwards per batch. See
 ``csbp.evaluation``. ``--model`` is a HF checkpoint directory (a run's ``final/`` export: objective,
-block size, mask token, window and document mask default to the run's
-``config.yaml`` one directory up, the document mask of other checkpoints to the objective's training
+block size, window and document mask default to the run's
+``config.yaml`` one directory up, the mask token to the one the model was trained with, read as
+``csbp generate`` reads it; the document mask of other checkpoints to the objective's training
 default (``--[no-]document-mask`` sets it); ``--objective`` / ``--block-size`` other than the run's are
 refused unless ``--allow-objective-change`` / ``--allow-block-size-change``, as in ``csbp
 generate``: scoring a bd3-trained model as mdlm is a legitimate experiment, a silent one is not).

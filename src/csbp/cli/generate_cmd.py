@@ -9,15 +9,17 @@ Examples::
 
 ``--model`` is a Hugging Face checkpoint directory (a run's ``final/`` export or any local
 Qwen3/Qwen2/Llama checkpoint ``csbp.models.hf_io.load_hf_checkpoint`` reads); its tokenizer is read
-from the same directory unless ``--tokenizer`` names another one. The mask token is the run's
-recorded ``mask_token_id``, else the tokenizer's ``<|mask|>``; ``--mask-token`` names another for a
-checkpoint that records none, and one that is not the recorded id is refused.
+from the same directory unless ``--tokenizer`` names another one. The mask token is the recorded
+``mask_token_id`` (``csbp.generation.run_settings.trained_mask_token``, which ``csbp eval`` reads too:
+the export's ``csbp_training``, then the run's ``config.yaml``, then ``config.json``'s
+``mask_token_id``; records that disagree are refused), else the tokenizer's ``<|mask|>``;
+``--mask-token`` names another for a checkpoint that records none, and one that is not the recorded
+id is refused.
 
 The sampler must use the block size and label alignment the model was trained with. For a run's
-``final/`` export they default to ``objective.name``/``block_size``/``mask_token_id`` of the run's
+``final/`` export they default to ``objective.name``/``block_size`` of the run's
 ``config.yaml`` (one directory up), for an export moved elsewhere to the same fields its
-``config.json`` records (``csbp_training``); otherwise to ``bd3`` with ``B = 16`` and the tokenizer's mask
-token. ``--objective`` or ``--block-size`` other than the run's is refused unless
+``config.json`` records (``csbp_training``); otherwise to ``bd3`` with ``B = 16``. ``--objective`` or ``--block-size`` other than the run's is refused unless
 ``--allow-objective-change`` / ``--allow-block-size-change`` (an experiment: the model never saw
 that attention pattern or block grid), which then notes the change on stderr
 (``csbp.cli.trained_settings``, shared with ``csbp eval``).
@@ -45,7 +47,12 @@ import torch
 
 from csbp.cli.options import check_model_directory, device_option, float_in, int_at_least, positive_int
 from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
-from csbp.generation.run_settings import TOKEN_SHIFT_OBJECTIVES, beyond_training_note, run_objective_settings
+from csbp.generation.run_settings import (
+    TOKEN_SHIFT_OBJECTIVES,
+    beyond_training_note,
+    run_objective_settings,
+    trained_mask_token,
+)
 
 if TYPE_CHECKING:
     from csbp.data.tokenizer import CsbpTokenizer
@@ -72,8 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--mask-token", default=None,
-        help="name of the mask token in the tokenizer (default: the run's mask_token_id, else <|mask|>); one "
-        "other than the run's is refused",
+        help="name of the mask token in the tokenizer (default: the model's recorded mask_token_id, else "
+        "<|mask|>); one other than the recorded id is refused",
     )
     parser.add_argument(
         "--eos-token", default=None,
@@ -189,12 +196,14 @@ def check_prompt(prompt_ids: list[int], objective: str, mask_token_id: int, mask
         )
 
 
-def load_generation_tokenizer(args: argparse.Namespace, tokenizer_dir: Path, run_settings: dict[str, Any]) -> CsbpTokenizer:
-    """The tokenizer, its mask token the run's recorded ``mask_token_id`` unless ``--mask-token``
-    names one (then it must be that same id: the model learnt to fill that one), else ``<|mask|>``."""
+def load_generation_tokenizer(args: argparse.Namespace, tokenizer_dir: Path, model_dir: Path) -> CsbpTokenizer:
+    """The tokenizer, its mask token the model's recorded ``mask_token_id`` (:func:`trained_mask_token`,
+    as ``csbp eval`` reads it) unless ``--mask-token`` names one (then it must be that same id: the
+    model learnt to fill that one), else ``<|mask|>``."""
     from csbp.data.tokenizer import SpecialTokens, load_tokenizer
 
-    recorded = run_settings.get("mask_token_id")
+    found = trained_mask_token(model_dir)
+    recorded, source = found if found is not None else (None, None)
     default = SpecialTokens()
     special = SpecialTokens(mask=args.mask_token or default.mask, eos=args.eos_token or default.eos)
     try:
@@ -206,7 +215,7 @@ def load_generation_tokenizer(args: argparse.Namespace, tokenizer_dir: Path, run
         trained = tokenizer.backend.id_to_token(recorded)
         raise ValueError(
             f"--mask-token {args.mask_token}: id {tokenizer.mask_token_id} of {tokenizer_dir}, but the model was "
-            f"trained with mask_token_id {recorded}{f' ({trained})' if trained else ''} ({run_settings['source']}) "
+            f"trained with mask_token_id {recorded}{f' ({trained})' if trained else ''} ({source}) "
             "(fix: drop --mask-token to use the run's)"
         )
     return tokenizer
@@ -314,7 +323,7 @@ def run_generate(args: argparse.Namespace) -> int:
     tokenizer_dir: Path = args.tokenizer if args.tokenizer is not None else model_dir
     if not tokenizer_dir.exists():
         raise ValueError(f"--tokenizer {tokenizer_dir} does not exist")
-    tokenizer = load_generation_tokenizer(args, tokenizer_dir, run_settings)
+    tokenizer = load_generation_tokenizer(args, tokenizer_dir, model_dir)
     check_same_tokenizer(model_dir, args.tokenizer, tokenizer.fingerprint)
     mask_token_id = tokenizer.mask_token_id
     config = GenerationConfig(

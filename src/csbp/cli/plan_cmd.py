@@ -377,7 +377,7 @@ def _given_layouts(
             scaled = Layout(args.gpus // local, cp, bp).name if args.gpus % local == 0 else None
             other = f", or --topology {scaled}" if scaled is not None else ""
             raise ValueError(
-                f"--topology {text} uses {dp * local} GPUs, not --gpus {args.gpus} (fix: --gpus {dp * local}{other})"
+                f"--topology {text} uses {dp * local} devices, not --gpus {args.gpus} (fix: --gpus {dp * local}{other})"
             )
         if args.global_batch is not None and args.global_batch % (dp * micro_batch):
             unit = dp * micro_batch

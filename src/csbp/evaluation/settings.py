@@ -8,8 +8,10 @@ run's ``config.yaml`` (the same file ``csbp generate`` reads, via
 ``reset_positions``. ``--objective`` / ``--block-size`` other than the run's are refused before this
 runs unless ``--allow-objective-change`` / ``--allow-block-size-change`` (``csbp.cli.trained_settings``,
 shared with ``csbp generate``); a checkpoint without a run config needs ``--objective`` and
-``--block-size``. The mask token is the run's, else ``config.json``'s ``mask_token_id`` (a
-training export writes it), else the artifact's. The document mask is the run's, else the
+``--block-size``. The mask token is the one the model was trained with
+(:func:`csbp.generation.run_settings.trained_mask_token`, as ``csbp generate`` takes it: the export's
+``csbp_training`` record, then the run config, then ``config.json``'s ``mask_token_id``; records that
+disagree are refused), else the artifact's. The document mask is the run's, else the
 objective's training default (``data.document_mask`` unset: on for ``fast_dllm_v2``, off for ``bd3``
 and ``mdlm``); ``--[no-]document-mask`` sets it for a checkpoint without a record and is refused when
 it contradicts one.
@@ -25,7 +27,7 @@ from typing import Any
 
 from csbp.data.artifact import Artifact
 from csbp.data.tokenizer import fingerprint_bytes
-from csbp.generation.run_settings import run_objective_settings, training_record
+from csbp.generation.run_settings import run_objective_settings, trained_mask_token, training_record
 from csbp.models.config import DecoderConfig
 from csbp.objectives import build_objective
 from csbp.objectives.base import Objective
@@ -136,7 +138,8 @@ def resolve_settings(
         from csbp.config.schema import DOCUMENT_MASK_DEFAULTS
 
         document_mask = recorded if recorded is not None else DOCUMENT_MASK_DEFAULTS[name][0]
-    mask_token_id = int(run.get("mask_token_id", _config_mask_token(model_dir, artifact)))
+    recorded_mask = trained_mask_token(model_dir)
+    mask_token_id = recorded_mask[0] if recorded_mask is not None else artifact.mask_token_id
     _check_vocabulary(model_dir, model_config, artifact, mask_token_id)
     return EvalSettings(
         objective=name,
@@ -146,13 +149,6 @@ def resolve_settings(
         document_mask=document_mask,
         reset_positions=bool(run.get("reset_positions", False)),
     )
-
-
-def _config_mask_token(model_dir: Path, artifact: Artifact) -> int:
-    from csbp.models.hf_io import read_json_object
-
-    value = read_json_object(model_dir / "config.json").get("mask_token_id")
-    return int(value) if isinstance(value, int) else artifact.mask_token_id
 
 
 def _check_vocabulary(model_dir: Path, config: DecoderConfig, artifact: Artifact, mask_token_id: int) -> None:

@@ -5,7 +5,9 @@ A run's Hugging Face export is ``RUN/final``; the run config sits one directory 
 records the same fields in its ``config.json`` under ``csbp_training`` (the run config's shape:
 ``objective``, ``topology.window``, ``data.document_mask``/``reset_positions``), so an export copied
 or moved away from its run directory samples and scores as trained. A checkpoint with neither (a
-model csbp did not train) has nothing known about its training.
+model csbp did not train) has nothing known about its training. The mask token is read apart
+(:func:`trained_mask_token`): a run config may leave ``objective.mask_token_id`` to the data
+artifact's manifest, so the export's record, which holds the id the run used, comes first there.
 
 The export's ``generation_config.json`` describes, for other readers, how ``csbp generate`` samples
 a block-diffusion model by default (:func:`sampling_record_of`, under ``csbp_block_diffusion``): the
@@ -106,9 +108,10 @@ def training_record(model_dir: Path) -> tuple[dict[str, Any], Path] | None:
 
 
 def run_objective_settings(model_dir: Path) -> dict[str, Any]:
-    """``{"objective", "block_size", "mask_token_id", "window", "seq_len", "eos_token_id", "source"}``
-    (those set) from the training record (:func:`training_record`; ``eos_token_id``:
-    :func:`recorded_eos_id`); empty for a model without one. ``seq_len`` is the
+    """``{"objective", "block_size", "window", "seq_len", "eos_token_id", "source"}`` (those set) from
+    the training record (:func:`training_record`; ``eos_token_id``: :func:`recorded_eos_id`; the mask
+    token: :func:`trained_mask_token`, which also reads checkpoints without a record); empty for a
+    model without one. ``seq_len`` is the
     training row length: positions at or past it are ones the model never attended to (an export
     written before the record held it has none)."""
     found = training_record(model_dir)
@@ -125,9 +128,8 @@ def run_objective_settings(model_dir: Path) -> dict[str, Any]:
             f"({', '.join(TOKEN_SHIFT_OBJECTIVES)})"
         )
     settings: dict[str, Any] = {"objective": name, "source": config_file}
-    for field in ("block_size", "mask_token_id"):
-        if objective.get(field) is not None:
-            settings[field] = int(objective[field])
+    if objective.get("block_size") is not None:
+        settings["block_size"] = int(objective["block_size"])
     topology = loaded.get("topology")
     if isinstance(topology, dict) and topology.get("window") is not None:
         settings["window"] = int(topology["window"])
@@ -138,6 +140,53 @@ def run_objective_settings(model_dir: Path) -> dict[str, Any]:
     if eos is not None:
         settings["eos_token_id"] = eos
     return settings
+
+
+def trained_mask_token(model_dir: Path) -> tuple[int, Path] | None:
+    """The mask token id ``model_dir`` was trained with and the file that records it, from the most
+    authoritative record that holds one: the export's ``csbp_training.objective.mask_token_id``
+    (written at train time with the id the run used, the data artifact's when the run config left it
+    unset), then the run config's ``objective.mask_token_id`` (``RUN/config.yaml`` for ``RUN/final``),
+    then ``config.json``'s top-level ``mask_token_id`` (a training export writes it too; other
+    block-diffusion checkpoints declare theirs there); None when none does. ``csbp generate`` and
+    ``csbp eval`` both take it. Two records that disagree, or a value that is not a token id, are a
+    ``ValueError`` naming the files: the model learnt to fill one mask token only."""
+    exported = model_dir / "config.json"
+    try:
+        config = json.loads(exported.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        config = None
+    config = config if isinstance(config, dict) else {}
+    record = config.get(EXPORT_KEY)
+    records: list[tuple[Any, Path, str]] = [(_mask_field(record), exported, f"{EXPORT_KEY}.objective.mask_token_id")]
+    run_config = model_dir.parent / "config.yaml"
+    if model_dir.name == "final" and run_config.is_file():
+        loaded = read_yaml_file(run_config)
+        records.append((_mask_field(loaded), run_config, "objective.mask_token_id"))
+    records.append((config.get("mask_token_id"), exported, "mask_token_id"))
+    found: tuple[int, Path, str] | None = None
+    for value, where, field in records:
+        if value is None:
+            continue
+        if type(value) is not int or value < 0:
+            raise ValueError(
+                f"{where}: {field} is {value!r}, not a token id (fix: set it to the id of the mask token the "
+                "model was trained with, or remove it)"
+            )
+        if found is None:
+            found = (value, where, field)
+        elif value != found[0]:
+            raise ValueError(
+                f"{found[1]}: {found[2]} is {found[0]}, but {where}: {field} is {value}, and a model trains with one "
+                "mask token (fix: correct or remove the record that is not the id it was trained with)"
+            )
+    return None if found is None else (found[0], found[1])
+
+
+def _mask_field(record: Any) -> Any:
+    """``objective.mask_token_id`` of a run config or training record (None where absent)."""
+    objective = record.get("objective") if isinstance(record, dict) else None
+    return objective.get("mask_token_id") if isinstance(objective, dict) else None
 
 
 def recorded_eos_id(model_dir: Path) -> int | None:

@@ -1,6 +1,6 @@
 """Enumerate the layouts csbp can run for a job, predict each, rank them, and say why the best wins.
 
-The search covers every ``dp x local`` split of the GPUs and, per local size, the data layout,
+The search covers every ``dp x local`` split of the devices and, per local size, the data layout,
 CP-only, BP-only and every fused CSBP ``cp | bp``; per layout the transports (rings only),
 activation checkpointing and micro-batches that divide the global batch. Layouts csbp would reject
 for the sequence (``Topology.validate_sequence``) are never proposed.
@@ -151,7 +151,7 @@ def no_layout_reason(
     problem = sequence_problem(workload, Layout(gpus), seq_len)  # dp only: no CP/BP rule on top
     if problem is not None:
         why, fix = problem
-        return f"--seq-len {seq_len}: no layout of {gpus} GPUs accepts it, not even data parallel: {why} (fix: {fix})"
+        return f"--seq-len {seq_len}: no layout of {gpus} devices accepts it, not even data parallel: {why} (fix: {fix})"
     dps = sorted({lay.dp for lay in candidate_layouts(workload, gpus, seq_len, micro_batches=micro_batches)})
     if global_batch is not None and dps:
         unit = dps[0] * min(micro_batches)
@@ -160,7 +160,7 @@ def no_layout_reason(
             f"(dp {', '.join(map(str, dps))}; micro-batches {', '.join(map(str, micro_batches))}) "
             f"(fix: --global-batch {-(-global_batch // unit) * unit}, a multiple of {unit})"
         )
-    return f"no layout of {gpus} GPUs accepts --seq-len {seq_len} (fix: change --seq-len or --gpus)"
+    return f"no layout of {gpus} devices accepts --seq-len {seq_len} (fix: change --seq-len or --gpus)"
 
 
 def rank(
@@ -216,7 +216,7 @@ def explain(
     (CP-only when the best is not CP-only) or, failing that, the runner-up."""
     if not feasible:
         if not infeasible:
-            return "no layout csbp accepts for this sequence length and GPU count."
+            return "no layout csbp accepts for this sequence length and device count."
         smallest = infeasible[0]
         return f"nothing fits: the smallest layout, {describe(smallest.layout)}, {smallest.oom_reason()}."
     best = feasible[0]
@@ -258,11 +258,11 @@ def explain(
         comm_gain = rival.exposed_comm_s - best.exposed_comm_s
         if best.kv_bytes < rival.kv_bytes:
             reasons.append(
-                f"it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"
+                f"it sends {_size(best.kv_bytes)} of K/V per device per step instead of {_size(rival.kv_bytes)}"
                 + (f" ({comm_gain:.2f} s less exposed communication)" if comm_gain >= 0.01 else "")
             )
         else:
-            despite = f", although it sends {_size(best.kv_bytes)} of K/V per GPU per step instead of {_size(rival.kv_bytes)}"
+            despite = f", although it sends {_size(best.kv_bytes)} of K/V per device per step instead of {_size(rival.kv_bytes)}"
     if not reasons:
         reasons.append("it is the fastest layout that fits")
     return (
