@@ -25,7 +25,7 @@ from csbp.config import ConfigError, config_from_dict, load_config
 from csbp.config.schema import RunConfig
 from csbp.data.prepare import PrepareConfig, prepare_artifact
 from csbp.evaluation.settings import run_config_settings
-from csbp.generation.run_settings import run_objective_settings
+from csbp.generation.run_settings import run_objective_settings, trained_mask_token
 from csbp.models.hf_io import load_hf_checkpoint
 from csbp.training import LaunchOptions, TrainSummary, launch_training, train
 from csbp.training import checkpoint as checkpoint_module
@@ -200,7 +200,10 @@ def test_an_export_moved_out_of_its_run_keeps_its_training_settings(
     assert record["objective"] == {"name": "bd3", "block_size": 4, "noise": "rotated", "mask_token_id": 1}
     in_run, away = run_config_settings(final), run_config_settings(moved)
     assert in_run.pop("source") == full_run[0] / "config.yaml" and away.pop("source") == moved / "config.json"
-    assert away == {**in_run, "mask_token_id": 1}  # the run config leaves it to the artifact: 1
+    assert away == in_run
+    # the run config leaves the mask token to the artifact (1): read from the export, in the run or away
+    assert trained_mask_token(final) == (1, final / "config.json")
+    assert trained_mask_token(moved) == (1, moved / "config.json")
     assert away["seq_len"] == record["data"]["seq_len"] == 32  # the row length csbp generate notes past
     assert in_run["eos_token_id"] == away["eos_token_id"] == record["data"]["eos_token_id"] == 0  # the data's EOS
     args = argparse.Namespace(objective="mdlm", block_size=None, allow_objective_change=False, allow_block_size_change=False)

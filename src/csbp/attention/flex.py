@@ -150,7 +150,10 @@ class FlexPartial:
             )
 
     def _padded(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v with zero rows appended up to the kernel's shape bucket."""
+        """q, k, v with zero rows appended up to the kernel's shape bucket, in one dtype (the widest of
+        theirs: FlexAttention's backward refuses mixed dtypes; the decoder already hands one dtype)."""
+        dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+        q, k, v = (x.to(dtype) for x in (q, k, v))
         return _pad_rows(q, self.padded_queries), _pad_rows(k, self.padded_keys), _pad_rows(v, self.padded_keys)
 
 

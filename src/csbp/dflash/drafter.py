@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from csbp.dflash.attention import DraftAttentionFn
 from csbp.dflash.config import DFlashConfig, validate_drafter_target
 from csbp.dflash.dflash2 import CandidateSelector, DynamicBlockConv, block_conv
-from csbp.models.decoder import MLP, Attention, Decoder, RMSNorm
+from csbp.models.decoder import MLP, Attention, Decoder, RMSNorm, attention_inputs
 from csbp.models.rope import RotaryTables, rotary_tables
 
 
@@ -109,6 +109,7 @@ class DFlashLayer(nn.Module):
         attn = self.self_attn
         q_SHNd = attn.project_query(x_SND, rotary)
         k_SHNd, v_SHNd = attn.project_key_value(x_SND, rotary)
+        q_SHNd, k_ctx, v_ctx, k_SHNd, v_SHNd = attention_inputs(q_SHNd, k_ctx, v_ctx, k_SHNd, v_SHNd)
         out_SHNd = attention(q_SHNd, k_ctx, v_ctx, k_SHNd, v_SHNd, self.layer_index)
         return attn.o_proj(out_SHNd.transpose(1, 2).flatten(-2).to(x_SND.dtype))
 

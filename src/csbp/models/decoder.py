@@ -47,6 +47,24 @@ class AttentionFn(Protocol):
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int) -> Tensor: ...
 
 
+def attention_inputs(*tensors: Tensor) -> tuple[Tensor, ...]:
+    """``q, k, v`` (and any extra K/V) in one dtype, the one the attention kernel computes from.
+
+    Under ``torch.autocast`` that is the autocast dtype, as torch's own SDPA casts its inputs: the
+    q/k norms' float32 weights promote q and k to float32 while v stays bf16, and FlexAttention's
+    backward refuses mixed dtypes (a bf16 step on CUDA failed there before this). Outside autocast,
+    the widest of the given dtypes. The kernels still accumulate in float32 (csbp.attention.merge).
+    """
+    device_type = tensors[0].device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = tensors[0].dtype
+        for tensor in tensors[1:]:
+            dtype = torch.promote_types(dtype, tensor.dtype)
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in tensors)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm over the last dimension, computed in float32 (float64 for float64
     inputs) and scaled by a learned weight after casting back, as in HF Qwen3/Llama."""
@@ -170,6 +188,7 @@ class Attention(nn.Module):
             k_extra_SHMd, v_extra_SHMd = self.project_key_value(kv_extra, kv_extra_rotary)
             k_SHNd = torch.cat((k_extra_SHMd, k_SHNd), dim=2)
             v_SHNd = torch.cat((v_extra_SHMd, v_SHNd), dim=2)
+        q_SHNd, k_SHNd, v_SHNd = attention_inputs(q_SHNd, k_SHNd, v_SHNd)
         out_SHNd = attention(q_SHNd, k_SHNd, v_SHNd, self.layer_index)
         expected = tuple(q_SHNd.shape)
         if tuple(out_SHNd.shape) != expected:
