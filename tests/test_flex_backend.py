@@ -175,7 +175,7 @@ def test_narrow_heads_reach_the_kernel_zero_padded_to_16_and_stay_exact(monkeypa
     backward_traced = direct_backward_support()[0]  # its probe (cached) runs before the spies
     seen: list[tuple[object, ...]] = []
 
-    def spy_kernel(device: torch.device):  # noqa: ANN202
+    def spy_kernel(device: torch.device, dtype: torch.dtype):  # noqa: ANN202
         def call(q, k, v, **kwargs):  # noqa: ANN001, ANN003, ANN202
             seen.append(("forward", q.shape[-1], k.shape[-1], v.shape[-1], kwargs["scale"]))
             return flex_module._eager_flex(q, k, v, **kwargs)
@@ -406,3 +406,25 @@ def test_flex_backward_through_the_merge_is_exact(monkeypatch: pytest.MonkeyPatc
     _, _, grads_ref = reference_grads(q, k, v, allow_matrix(rows, rows), 1 / math.sqrt(q.shape[-1]), dout)
     for got, want in zip((dq, dk, dv), grads_ref):
         torch.testing.assert_close(got, want, **TOL64)
+
+
+def test_float64_flex_on_cuda_runs_the_eager_kernel_and_is_refused_for_training() -> None:
+    """The compiled FlexAttention kernel cannot be built in float64 on CUDA (a Triton compilation error
+    on an H200, torch 2.11: the template accumulates in float32). Float64 goes to the exact eager form,
+    for ``csbp verify --device cuda``; training in float64 with flex on CUDA is refused up front."""
+    from csbp.attention.flex import _eager_flex, _eager_on_cuda, _kernel
+
+    cuda = torch.device("cuda")
+    assert _kernel(cuda, torch.float64) is _eager_flex
+    assert _kernel(torch.device("cpu"), torch.float32) is _eager_flex
+    meta64 = torch.empty(1, dtype=torch.float64, device="meta")
+    assert not _eager_on_cuda(meta64)  # only CUDA routes the direct backward to recompute
+    with pytest.raises(ValueError) as error:
+        check_backend_trains_on("auto", "cuda", float64=True)
+    assert str(error.value) == (
+        "attention.backend=auto runs FlexAttention on CUDA, which cannot train in float64 (its compiled kernel has "
+        "no float64 form); set attention.backend to tiles, or train.precision to fp32 or bf16"
+    )
+    assert check_backend_trains_on("auto", "cuda", float64=True, verification=True) == "flex"
+    assert check_backend_trains_on("tiles", "cuda", float64=True) == "tiles"
+    assert check_backend_trains_on("auto", "cuda") == "flex"

@@ -88,16 +88,28 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
 
 
 def check_backend_trains_on(
-    name: str, device: torch.device | str, *, where: str = "attention.backend", verification: bool = False
+    name: str,
+    device: torch.device | str,
+    *,
+    where: str = "attention.backend",
+    verification: bool = False,
+    float64: bool = False,
 ) -> str:
     """The concrete backend of ``name`` on ``device``; one clear ``ValueError`` when it cannot run a
-    backward there (``flex`` off CUDA: FlexAttention has no compiled CPU backward).
+    backward there (``flex`` off CUDA: FlexAttention has no compiled CPU backward; ``flex`` in
+    float64 on CUDA outside verification: the compiled kernel has no float64 form and the eager one
+    materialises every score, see ``csbp.attention.flex._kernel``).
 
     ``verification``: ``csbp verify`` may run ``flex`` on the CPU where the direct flex backward is
     available (``csbp.attention.flex_backward``): FlexAttention's exact dense implementations forward
     and backward, O(rows^2) memory, for checking the flex path at small sizes, never for training."""
     backend = resolve_backend(name, device)
     kind = torch.device(device).type
+    if backend == "flex" and kind == "cuda" and float64 and not verification:
+        raise ValueError(
+            f"{where}={name} runs FlexAttention on CUDA, which cannot train in float64 (its compiled kernel has "
+            f"no float64 form); set {where} to tiles, or train.precision to fp32 or bf16"
+        )
     if backend == "flex" and kind != "cuda":
         if verification and kind == "cpu":
             supported, reason = direct_backward_support()

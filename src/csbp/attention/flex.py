@@ -118,7 +118,7 @@ class FlexPartial:
                 "attention.backend=flex cannot train on CPU (FlexAttention has no CPU backward); "
                 "use attention.backend: tiles (or auto) on CPU"
             )
-        if current_flex_backward() == "direct":
+        if current_flex_backward() == "direct" and not _eager_on_cuda(q, k, v):
             if delta is None:
                 delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
             extra = self.padded_queries - q.shape[2]
@@ -380,7 +380,7 @@ def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: fl
         scale = q.shape[-1] ** -0.5 if scale is None else scale  # the real head dim's, not the padded one's
         q, k, v = (pad_head_dim(x) for x in (q, k, v))
     try:
-        out, aux = _kernel(q.device)(
+        out, aux = _kernel(q.device, q.dtype)(
             q,
             k,
             v,
@@ -397,10 +397,19 @@ def _flex_call(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: fl
     return (out if out.shape[-1] == value_dim else out[..., :value_dim].contiguous()), aux.lse
 
 
-def _kernel(device: torch.device) -> Any:
+def _kernel(device: torch.device, dtype: torch.dtype) -> Any:
     """The compiled kernel on CUDA; the eager (dense) FlexAttention elsewhere (CPU: tests and ``csbp
-    verify``)."""
-    return _compiled_flex() if device.type == "cuda" else _eager_flex
+    verify``) and for float64 on CUDA, which the compiled kernel cannot build (its Triton template
+    accumulates in float32; measured on an H200, torch 2.11: a compilation error) while the eager
+    form is exact (1e-15 against a float64 reference). Float64 flex on CUDA is for exactness checks
+    at small sizes (``csbp verify --device cuda``): training refuses it (``check_backend_trains_on``)."""
+    return _compiled_flex() if device.type == "cuda" and dtype != torch.float64 else _eager_flex
+
+
+def _eager_on_cuda(*tensors: Tensor) -> bool:
+    """Float64 on CUDA runs the eager FlexAttention (``_kernel``), whose backward is its recomputed
+    forward under autograd: the direct call would compile a float64 kernel."""
+    return tensors[0].device.type == "cuda" and any(t.dtype == torch.float64 for t in tensors)
 
 
 def _eager_flex(*args: Any, **kwargs: Any) -> Any:

@@ -116,7 +116,9 @@ def check_run(
     ``csbp train``'s)."""
     _check_objective_layout(cfg)
     if check_device:
-        backend = check_backend_trains_on(cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu")
+        backend = check_backend_trains_on(
+            cfg.attention.backend, "cuda" if torch.cuda.is_available() else "cpu", float64=cfg.train.precision == "fp64"
+        )
         if backend == "flex":
             resolve_flex_backward(cfg.attention.flex_backward)  # direct on a torch that cannot trace it: refused
     artifact = _open_checked(cfg.data.train, "data.train", cfg.data.seq_len)

@@ -178,7 +178,7 @@ def _train(
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
     started = time.perf_counter()
-    backend = check_backend_trains_on(cfg.attention.backend, device)
+    backend = check_backend_trains_on(cfg.attention.backend, device, float64=cfg.train.precision == "fp64")
     check_diagonal_backend(cfg.attention.diagonal, backend, where="attention.diagonal")  # auto resolved here
     if backend == "flex":
         set_flex_backward(cfg.attention.flex_backward)  # process-wide, like torch's SDPA kernel choice
