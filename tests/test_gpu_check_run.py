@@ -120,6 +120,9 @@ def test_a_command_stage_cut_at_its_limit_kills_its_workers_and_keeps_the_output
     result = stage.run(env)
     assert (result.status, result.summary) == ("failed", "timed out after 3 s")
     worker = int(str(result.details["output_tail"]).split()[-1])
+    assert (tmp_path / "gpu-slow.log").read_text() == f"worker {worker}\n" and result.details["log"] == str(
+        tmp_path / "gpu-slow.log"
+    )  # the whole output, beside the report
     time.sleep(0.2)
     status = Path(f"/proc/{worker}/status")
     assert not status.exists() or "zombie" in status.read_text()  # killed with its process group

@@ -72,6 +72,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
+from csbp.atomic import write_text_atomic  # noqa: E402
 from csbp.attention.flex_backward import resolve_flex_backward  # noqa: E402
 from csbp.bench.kernel_summary import target_line  # noqa: E402
 from csbp.gpu.flops import gpu_bf16_peak_tflops  # noqa: E402
@@ -137,7 +138,9 @@ def command_stage(
     """A stage running the command ``argv(env)`` in the repository root (``ok`` when it exits 0);
     ``argv`` returns a string instead to skip the stage with that reason. The command runs in its
     own process group with the profile's environment; at its limit the whole group is killed (a
-    launcher's workers too) and ``report`` still sees what it printed."""
+    launcher's workers too) and ``report`` still sees what it printed. The whole output is kept in
+    ``gpu-<name>.log`` beside the report (the first H200 run's report held a failing stage's tail only,
+    without the tracebacks)."""
 
     def run(env: CheckEnv) -> StageResult:
         command = argv(env)
@@ -161,7 +164,9 @@ def command_stage(
             status, summary = "failed", f"timed out after {limit:.0f} s"
         finally:
             children.discard(process.pid)
-        details = {"command": command, "returncode": process.returncode, "output_tail": _tail(output)}
+        log = env.out_dir / f"gpu-{name}.log"  # the whole output: the report keeps its tail only
+        write_text_atomic(log, output)
+        details = {"command": command, "returncode": process.returncode, "output_tail": _tail(output), "log": str(log)}
         result = StageResult(name, status, time.perf_counter() - start, summary, details)
         return result if report is None else report(env, result, output)
 
@@ -173,7 +178,9 @@ def _cuda_tests(env: CheckEnv) -> list[str] | str:
         return f"no tests/ directory under {env.repo} (run from a csbp checkout)"
     # -vv with the project's addopts (-q): one line per test, so a run cut short still says what passed;
     # a test module that does not import on the device image must not stop the CUDA tests of the others
-    return [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "-vv", "--durations=15",
+    # no log capture: torch's compile-time DEBUG records buried the failures' tracebacks (first H200 run)
+    return [sys.executable, "-m", "pytest", "-m", "cuda", "-p", "no:cacheprovider", "-p", "no:logging", "-vv",
+            "--tb=short", "--durations=15",
             "--continue-on-collection-errors", *env.profile.cuda_tests]
 
 
