@@ -253,7 +253,8 @@ def test_train_table_stage_passes_the_options_and_the_remaining_budget(
     assert cfg.activation_checkpointing == "full" and cfg.peak_tflops == 989.0
     assert 80.0 < cfg.budget_s <= 100.0 - check.TRAIN_TABLE_RESERVE_S
     assert (result.status, result.summary) == ("failed", "1 of 2 rows measured (flex backend)")  # OOM fails it
-    assert (cfg.backend, cfg.diagonal) == ("auto", "auto")
+    assert (cfg.backend, cfg.diagonal, cfg.clean) == ("auto", "auto", "generic")
+    assert result.details["attention"] == {"backend": "flex", "diagonal": "auto", "clean": "generic"}  # auto on CUDA
     assert "out of memory" in capsys.readouterr().out
     late = CheckEnv(gpus=1, device_name="x", peak_tflops=None, repo=tmp_path, args=args, deadline=time.perf_counter())
     assert check._train_table(late).status == "skipped"
@@ -264,20 +265,20 @@ def test_training_table_runs_on_the_configured_backend_and_diagonal(monkeypatch:
 
     tiny = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
                          num_kv_heads=2, head_dim=8)
-    seen: list[tuple[str, str]] = []
+    seen: list[tuple[str, str, str]] = []
     for name in ("build_rank_plan", "build_dflash_rank_plan"):
         real = getattr(train_table, name)
 
         def spy(*args, _real=real, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            seen.append((kwargs["backend"], kwargs["diagonal"]))
+            seen.append((kwargs["backend"], kwargs["diagonal"], kwargs.get("clean", "-")))
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(train_table, name, spy)
     cfg = TableConfig(seq_lens=(32,), block_size=4, model=tiny, activation_checkpointing="none", backend="tiles",
-                      diagonal="sdpa", dflash_seq_len=32, dflash_anchors=2, dflash_draft_layers=1, warmup=0, repeats=1)
+                      diagonal="sdpa", clean="pieces", dflash_seq_len=32, dflash_anchors=2, dflash_draft_layers=1, warmup=0, repeats=1)
     rows = run_train_table(cfg, torch.device("cpu"))
     assert [row.status for row in rows] == ["ok (1 timed)"] * 2
-    assert seen == [("tiles", "sdpa"), ("tiles", "sdpa")]
+    assert seen == [("tiles", "sdpa", "pieces"), ("tiles", "sdpa", "-")]  # the clean kernel: BD3's clean context
     with pytest.raises(ValueError, match="backend=flex cannot train on cpu"):
         run_train_table(dataclasses.replace(cfg, backend="flex"), torch.device("cpu"))
     with pytest.raises(ValueError, match="diagonal=flex needs attention.backend flex"):

@@ -276,6 +276,7 @@ def _train_table(env: CheckEnv) -> StageResult:
         activation_checkpointing=args.activation_checkpointing,
         backend=args.backend,
         diagonal=args.diagonal,
+        clean=args.clean,
         dflash_seq_len=args.dflash_seq_len or None,
         dflash_anchors=args.dflash_anchors,
         repeats=args.repeats,
@@ -297,7 +298,8 @@ def _train_table(env: CheckEnv) -> StageResult:
     return StageResult(
         "train-table", "failed" if failed else "ok", time.perf_counter() - start,
         f"{measured} of {len(rows)} rows measured ({resolve_backend(cfg.backend, device)} backend)",
-        {"rows": rows_as_dicts(rows), "table": format_train_table(rows)},
+        {"rows": rows_as_dicts(rows), "table": format_train_table(rows),
+         "attention": {"backend": resolve_backend(cfg.backend, device), "diagonal": cfg.diagonal, "clean": cfg.clean}},
     )
 
 
@@ -344,7 +346,7 @@ def no_cuda_message() -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from csbp.attention.backends import BACKENDS
+    from csbp.attention.backends import BACKENDS, CLEAN_KERNELS
     from csbp.attention.diagonal import DIAGONALS
 
     parser = argparse.ArgumentParser(prog="python -m csbp.gpu.check", description=__doc__.split("\n\n")[0])
@@ -362,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="attention backend of the training table (auto: flex on CUDA)")
     parser.add_argument("--diagonal", choices=DIAGONALS, default="auto",
                         help="block-diagonal kernel of the training table (csbp.attention.diagonal)")
+    parser.add_argument("--clean", choices=CLEAN_KERNELS, default="generic",
+                        help="clean-context kernel of the training table's BD3 rows (csbp.attention.flash_pieces)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed steps per training-table row (2: what the budget allows at 64K; their ± is "
                         "the range of two steps, a rough guide)")

@@ -67,6 +67,7 @@ class TableConfig:
     activation_checkpointing: str = "full"
     backend: str = "auto"
     diagonal: str = "auto"
+    clean: str = "generic"
     dflash_seq_len: int | None = 65536
     dflash_anchors: int = 512
     dflash_draft_layers: int = 5
@@ -170,7 +171,8 @@ def bd3_step_fn(cfg: TableConfig, seq_len: int, device: torch.device) -> tuple[S
     model = Decoder(cfg.model, dtype=torch.float32, device=device, seed=cfg.seed)
     checkpoint_layers(model.layers, cfg.activation_checkpointing)  # type: ignore[arg-type]
     plan = build_rank_plan(
-        single_process_context(device), seq_len, cfg.block_size, backend=cfg.backend, diagonal=cfg.diagonal
+        single_process_context(device), seq_len, cfg.block_size, backend=cfg.backend, diagonal=cfg.diagonal,
+        clean=cfg.clean,
     )
     mask_token_id = cfg.model.vocab_size - 1
     objective = build_objective("bd3", mask_token_id=mask_token_id, block_size=cfg.block_size)
