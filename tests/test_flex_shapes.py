@@ -162,7 +162,7 @@ def test_recompile_limit_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> 
     def over_the_limit(*args, **kwargs):
         raise FailOnRecompileLimitHit("Hard failure due to fail_on_recompile_limit_hit")
 
-    monkeypatch.setattr(flex_module, "_kernel", lambda device: over_the_limit)
+    monkeypatch.setattr(flex_module, "_kernel", lambda device, dtype: over_the_limit)
     rows = reference_layout(8, 4).rows
     q, k, v = random_qkv(len(rows), len(rows), seed=1)
     with pytest.raises(RuntimeError, match="more than .* compiled shapes.*attention.backend: tiles"):
@@ -204,7 +204,7 @@ def test_autograd_baseline_is_one_exact_flex_call(monkeypatch: pytest.MonkeyPatc
         calls.append(kwargs.get("return_aux") is not None)
         return _dense_stand_in_kernel(*args, **kwargs)
 
-    monkeypatch.setattr(flex_module, "_kernel", lambda device: counting_kernel)
+    monkeypatch.setattr(flex_module, "_kernel", lambda device, dtype: counting_kernel)
     rows = reference_layout(40, 4).rows
     partial = build_flex_partial(rows, rows)
     assert partial.padded_queries == 128 > len(rows)
@@ -245,7 +245,7 @@ def test_one_flex_partial_runs_under_autograd_without_a_recomputed_forward(
         calls.append("lse" if kwargs.get("return_aux") is not None else "out")
         return _dense_stand_in_kernel(*args, **kwargs)
 
-    monkeypatch.setattr(flex_module, "_kernel", lambda device: counting_kernel)
+    monkeypatch.setattr(flex_module, "_kernel", lambda device, dtype: counting_kernel)
     monkeypatch.setattr(local_module, "_flex_autograd_runs_on", lambda device: True)  # the stand-in differentiates
     monkeypatch.setattr(flex_backward_module, "_mode", "recompute")  # the transport path would call it again
     rows = reference_layout(40, 4, window=9).rows
