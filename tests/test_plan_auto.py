@@ -129,15 +129,35 @@ def test_topology_auto_under_your_own_torchrun_plans_for_its_processes(
     --nproc N", a flag the launch under torchrun never reads: torchrun says how many processes run."""
     from csbp.cli import train_cmd
 
-    launched = []
+    launched, teardown_skipped = [], []
     monkeypatch.setattr(train_cmd, "launch_training", lambda cfg, **kwargs: launched.append(cfg))
+    monkeypatch.setattr(train_cmd, "skip_teardown_at_exit", lambda: teardown_skipped.append(True))
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(name, value)
     argv = ["train", "demo", "--set", "topology=auto", "--set", "model.vocab_size=512", "--run-dir", str(tmp_path / "r")]
     assert main(argv) == 0
     assert "topology: auto -> " in capsys.readouterr().out and launched[0].world_size == 2
+    assert teardown_skipped == [True]  # a torchrun rank that succeeded skips the teardown (not pytest's)
     monkeypatch.setenv("WORLD_SIZE", "4")  # 2 nodes of 2
     args = train_cmd.argparse.Namespace(nproc=None, nnodes=1)
     assert train_cmd.launched_processes(args) == (2, 2)
     args.nproc = 3  # the flag, when given, as before
     assert train_cmd.launched_processes(args) == (3, 1)
+
+
+def test_no_test_leaves_an_exit_status_override_behind() -> None:
+    """The suite's guard (conftest's autouse fixture) drops the exit hook a torchrun rank registers:
+    a process that registered it and then ran the guard keeps its own exit status (3, not 0)."""
+    import subprocess
+    import sys
+
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from conftest import forget_forced_exit\n"
+        "from csbp.training.launcher import skip_teardown_at_exit\n"
+        "skip_teardown_at_exit()\n"
+        "if sys.argv[1] == 'guard': forget_forced_exit()\n"
+        "sys.exit(3)\n"
+    )
+    statuses = [subprocess.run([sys.executable, "-c", code, arm], check=False).returncode for arm in ("none", "guard")]
+    assert statuses == [0, 3]  # unguarded, the hook turns a failure into exit status 0
