@@ -275,14 +275,46 @@ def test_training_table_runs_on_the_configured_backend_and_diagonal(monkeypatch:
 
         monkeypatch.setattr(train_table, name, spy)
     cfg = TableConfig(seq_lens=(32,), block_size=4, model=tiny, activation_checkpointing="none", backend="tiles",
-                      diagonal="sdpa", clean="pieces", dflash_seq_len=32, dflash_anchors=2, dflash_draft_layers=1, warmup=0, repeats=1)
+                      diagonal="sdpa", clean="pieces", decomposed_seq_lens=(32,), decomposed_diagonal="matmul",
+                      decomposed_clean="generic", dflash_seq_len=32, dflash_anchors=2, dflash_draft_layers=1, warmup=0, repeats=1)
     rows = run_train_table(cfg, torch.device("cpu"))
-    assert [row.status for row in rows] == ["ok (1 timed)"] * 2
-    assert seen == [("tiles", "sdpa", "pieces"), ("tiles", "sdpa", "-")]  # the clean kernel: BD3's clean context
+    assert [(row.kind, row.status) for row in rows] == [
+        ("bd3", "ok (1 timed)"), ("bd3 decomposed", "ok (1 timed)"), ("dflash a=2", "ok (1 timed)")
+    ]
+    # the clean kernel is BD3's (the drafter has no clean stream); the decomposed row takes its own kernels
+    assert seen == [("tiles", "sdpa", "pieces"), ("tiles", "matmul", "generic"), ("tiles", "sdpa", "-")]
     with pytest.raises(ValueError, match="backend=flex cannot train on cpu"):
         run_train_table(dataclasses.replace(cfg, backend="flex"), torch.device("cpu"))
     with pytest.raises(ValueError, match="diagonal=flex needs attention.backend flex"):
         run_train_table(dataclasses.replace(cfg, backend="auto", diagonal="flex"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="decomposed diagonal=flex needs attention.backend flex"):
+        run_train_table(dataclasses.replace(cfg, decomposed_diagonal="flex"), torch.device("cpu"))
+
+
+def test_a_decomposed_row_is_predicted_from_the_plain_row_of_its_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bd3 decomposed`` rows come after the BD3 rows and are skipped, never started, when the plain row
+    of the same length says they cannot end inside the budget."""
+    from csbp.gpu import train_table
+
+    tiny = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    built: list[tuple[str, int]] = []
+
+    def fake_row(kind: str, seq_len: int, build, device):  # noqa: ANN001, ANN202
+        built.append((kind, seq_len))
+        step = {32: 1.0, 64: 40.0}[seq_len]  # the plain 64-token row: one step of 40 s
+        return train_table.TableRow(kind=kind, seq_len=seq_len, status="ok (1 timed)", checkpointing="none",
+                                    step_time_s=step)
+
+    monkeypatch.setattr(train_table, "_run_row", fake_row)
+    clock = iter(float(t) for t in range(1000))
+    monkeypatch.setattr(train_table.time, "perf_counter", lambda: next(clock))
+    cfg = TableConfig(seq_lens=(32, 64), block_size=4, model=tiny, activation_checkpointing="none", backend="tiles",
+                      decomposed_seq_lens=(32, 64), decomposed_diagonal="sdpa", dflash_seq_len=None, warmup=0,
+                      repeats=1, budget_s=30.0)
+    rows = run_train_table(cfg, torch.device("cpu"))
+    assert built == [("bd3", 32), ("bd3", 64), ("bd3 decomposed", 32)]
+    assert rows[-1].kind == "bd3 decomposed" and rows[-1].status.startswith("skipped: predicted 40 s")
 
 
 def test_row_prediction_keeps_one_time_costs_and_scales_the_steps() -> None:

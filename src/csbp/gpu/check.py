@@ -277,6 +277,7 @@ def _train_table(env: CheckEnv) -> StageResult:
         backend=args.backend,
         diagonal=args.diagonal,
         clean=args.clean,
+        decomposed_seq_lens=tuple(args.decomposed_seq_lens),
         dflash_seq_len=args.dflash_seq_len or None,
         dflash_anchors=args.dflash_anchors,
         repeats=args.repeats,
@@ -299,7 +300,8 @@ def _train_table(env: CheckEnv) -> StageResult:
         "train-table", "failed" if failed else "ok", time.perf_counter() - start,
         f"{measured} of {len(rows)} rows measured ({resolve_backend(cfg.backend, device)} backend)",
         {"rows": rows_as_dicts(rows), "table": format_train_table(rows),
-         "attention": {"backend": resolve_backend(cfg.backend, device), "diagonal": cfg.diagonal, "clean": cfg.clean}},
+         "attention": {"backend": resolve_backend(cfg.backend, device), "diagonal": cfg.diagonal, "clean": cfg.clean},
+         "decomposed_attention": {"diagonal": cfg.decomposed_diagonal, "clean": cfg.decomposed_clean}},
     )
 
 
@@ -366,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="block-diagonal kernel of the training table (csbp.attention.diagonal)")
     parser.add_argument("--clean", choices=CLEAN_KERNELS, default="generic",
                         help="clean-context kernel of the training table's BD3 rows (csbp.attention.flash_pieces)")
+    parser.add_argument("--decomposed-seq-lens", type=int, nargs="*", default=[32768, 65536],
+                        help="lengths of the table's 'bd3 decomposed' rows (sdpa noisy blocks, cuDNN clean pieces), "
+                        "after the BD3 rows as the budget allows; none: no such rows")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed steps per training-table row (2: what the budget allows at 64K; their ± is "
                         "the range of two steps, a rough guide)")

@@ -82,7 +82,8 @@ CPU_DRY_RUN = CheckProfile(
         "--repeats", "1", "--warmup", "0", "--no-op-count", "--primary-first",
     ),
     table={
-        "seq_lens": (32, 64), "block_size": 4, "model": DRY_RUN_MODEL, "dflash_seq_len": 64, "dflash_anchors": 4,
+        "seq_lens": (32, 64), "decomposed_seq_lens": (64,), "decomposed_clean": "pieces",
+        "block_size": 4, "model": DRY_RUN_MODEL, "dflash_seq_len": 64, "dflash_anchors": 4,
         "dflash_draft_layers": 1, "warmup": 1, "repeats": 1,
     },
     child_env={"CSBP_CUDA_TESTS_DEVICE": "cpu", "OMP_NUM_THREADS": "1"},

@@ -17,7 +17,10 @@ compilation does not crowd out the next ones. Activation checkpointing is the tr
 ``train.activation_checkpointing`` (``csbp.training.activation_checkpointing``); ``backend`` and
 ``diagonal`` are its ``attention.backend`` and ``attention.diagonal`` (default ``auto``: flex on
 CUDA, tiles on the CPU, as ``csbp train`` runs), checked before the first row (``flex`` cannot
-train on the CPU).
+train on the CPU). After the BD3 rows, ``bd3 decomposed`` rows (``decomposed_seq_lens``) train the
+same model with CSBP's decomposed attention (``decomposed_diagonal`` noisy blocks, the clean context
+as ``decomposed_clean`` pieces): on the first H200 run that form's kernel was 1.25-1.35x one Flex call
+at 64K-128K, and these rows say what that is worth in a training step.
 
 The same code runs on the CPU at tiny sizes (the test suite's dry run); the numbers only mean
 something on a GPU.
@@ -68,6 +71,9 @@ class TableConfig:
     backend: str = "auto"
     diagonal: str = "auto"
     clean: str = "generic"
+    decomposed_seq_lens: tuple[int, ...] = ()  # the device check asks for 32K and 64K
+    decomposed_diagonal: str = "sdpa"
+    decomposed_clean: str = "pieces-cudnn"
     dflash_seq_len: int | None = 65536
     dflash_anchors: int = 512
     dflash_draft_layers: int = 5
@@ -281,6 +287,8 @@ def run_train_table(
     a backend or diagonal that cannot train on ``device`` fails before the first row."""
     backend = check_backend_trains_on(cfg.backend, device, where="backend")
     check_diagonal_backend(cfg.diagonal, backend, where="diagonal")
+    if cfg.decomposed_seq_lens:
+        check_diagonal_backend(cfg.decomposed_diagonal, backend, where="decomposed diagonal")
     started, rows = time.perf_counter(), []
     previous: tuple[int, float, float | None] | None = None  # (seq_len, seconds the row took, its step time)
 
@@ -299,13 +307,24 @@ def run_train_table(
         if progress is not None:
             progress(row)
 
-    for seq_len in sorted(cfg.seq_lens):
-        def bd3(seq_len: int = seq_len) -> TableRow:
-            step, checkpointing = bd3_step_fn(cfg, seq_len, device)
+    def bd3_row(kind: str, row_cfg: TableConfig, seq_len: int) -> Callable[[], TableRow]:
+        def build() -> TableRow:
+            step, checkpointing = bd3_step_fn(row_cfg, seq_len, device)
             flops = bd3_step_flops(cfg.model, seq_len=seq_len, block_size=cfg.block_size)
-            return _ok_row("bd3", seq_len, checkpointing, _measure(step, cfg, device), flops, cfg.peak_tflops)
+            return _ok_row(kind, seq_len, checkpointing, _measure(step, cfg, device), flops, cfg.peak_tflops)
 
-        run("bd3", seq_len, bd3)
+        return build
+
+    plain: dict[int, tuple[int, float, float | None]] = {}  # seq_len -> the plain BD3 row's `previous`
+    for seq_len in sorted(cfg.seq_lens):
+        run("bd3", seq_len, bd3_row("bd3", cfg, seq_len))
+        if previous is not None and previous[0] == seq_len:
+            plain[seq_len] = previous
+    decomposed = dataclasses.replace(cfg, diagonal=cfg.decomposed_diagonal, clean=cfg.decomposed_clean)
+    for seq_len in sorted(cfg.decomposed_seq_lens):
+        # predicted from the plain row of the same length (the same model; only the attention kernels differ)
+        previous = plain.get(seq_len, previous)
+        run("bd3 decomposed", seq_len, bd3_row("bd3 decomposed", decomposed, seq_len))
     if cfg.dflash_seq_len:
         def dflash() -> TableRow:
             step, checkpointing, flops = dflash_step_fn(cfg, device)
