@@ -85,7 +85,7 @@ bench: $(STAMP)
 		--json docs/bench/attention.json
 
 # The device check (README "The device check"): CUDA tests, NCCL verify on >= 2 GPUs, csbp bench kernels
-# on CUDA and the single-GPU training table, within 7.5 minutes; keeps gpu-check.json (and gpu-kernels.json
+# on CUDA and the single-GPU training table, within 8.2 minutes; keeps gpu-check.json (and gpu-kernels.json
 # beside it) current while it runs. Without CUDA it says so and exits 0. A device machine has no registry
 # and no .venv: there the image's python3 runs csbp from src/, with the wheels `make gpu-wheels` put in
 # .whl/ (carried along) unpacked into GPU_SITE. GPU_JSON=$$OUT/gpu-check.json writes both reports where a

@@ -6,7 +6,7 @@ table row) and when a stage ends; ``"complete": true`` only once every stage has
 cut short (a device session's time limit, a crash, the watchdog below) therefore leaves every
 number measured so far on disk::
 
-    report = CheckReport(Path("gpu-check.json"), device_info, budget_s=440.0)
+    report = CheckReport(Path("gpu-check.json"), device_info, budget_s=480.0)
     report.begin("kernels"); ...; report.finish(result)
     report.complete()
 
