@@ -118,7 +118,18 @@ def test_a_command_stage_cut_at_its_limit_kills_its_workers_and_keeps_the_output
     stage = command_stage("slow", "", lambda env: [sys.executable, "-c", code], timeout_s=3)
     env = CheckEnv(gpus=1, device_name="x", peak_tflops=None, repo=tmp_path, args=None,  # type: ignore[arg-type]
                    deadline=time.perf_counter() + 60, out_dir=tmp_path)
-    result = stage.run(env)
+    import threading
+
+    finished: list[StageResult] = []
+    runner = threading.Thread(target=lambda: finished.append(stage.run(env)))
+    runner.start()
+    log, seen_live = tmp_path / "gpu-slow.log", False
+    while runner.is_alive() and not seen_live:  # the log fills while the stage still runs
+        seen_live = log.exists() and log.read_text().startswith("worker ")
+        time.sleep(0.05)
+    runner.join()
+    assert seen_live  # read while the stage was still running (it runs 3 s)
+    result = finished[0]
     assert (result.status, result.summary) == ("failed", "timed out after 3 s")
     worker = int(str(result.details["output_tail"]).split()[-1])
     assert (tmp_path / "gpu-slow.log").read_text() == f"worker {worker}\n" and result.details["log"] == str(

@@ -72,7 +72,6 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from csbp.atomic import write_text_atomic  # noqa: E402
 from csbp.attention.flex_backward import resolve_flex_backward  # noqa: E402
 from csbp.bench.kernel_summary import target_line  # noqa: E402
 from csbp.gpu.flops import gpu_bf16_peak_tflops  # noqa: E402
@@ -138,9 +137,9 @@ def command_stage(
     """A stage running the command ``argv(env)`` in the repository root (``ok`` when it exits 0);
     ``argv`` returns a string instead to skip the stage with that reason. The command runs in its
     own process group with the profile's environment; at its limit the whole group is killed (a
-    launcher's workers too) and ``report`` still sees what it printed. The whole output is kept in
-    ``gpu-<name>.log`` beside the report (the first H200 run's report held a failing stage's tail only,
-    without the tracebacks)."""
+    launcher's workers too) and ``report`` still sees what it printed. The whole output is written to
+    ``gpu-<name>.log`` beside the report as it comes (the first H200 run's report held a failing stage's
+    tail only, without the tracebacks, and a device call cut at its limit returned nothing of a stage)."""
 
     def run(env: CheckEnv) -> StageResult:
         command = argv(env)
@@ -151,21 +150,29 @@ def command_stage(
             return StageResult(name, "skipped", 0.0, "no time left in the budget")
         start = time.perf_counter()
         child_env = {**os.environ, **env.profile.child_env, "PYTHONUNBUFFERED": "1"}
-        process = subprocess.Popen(command, cwd=env.repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   env=child_env, start_new_session=True)
-        children = env.report.children if env.report is not None else set()
-        children.add(process.pid)
-        try:
-            output, _ = process.communicate(timeout=limit)
-            status, summary = ("ok" if process.returncode == 0 else "failed"), _last_line(output)
-        except subprocess.TimeoutExpired:
-            kill_process_group(process.pid)
-            output, _ = process.communicate()
+        # the output goes straight to gpu-<name>.log, so a check cut short (the lease's limit, the
+        # watchdog) still leaves everything the stage printed where the lease sends files back
+        log = env.out_dir / f"gpu-{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("w", encoding="utf-8") as sink:
+            process = subprocess.Popen(command, cwd=env.repo, stdout=sink, stderr=subprocess.STDOUT, env=child_env,
+                                       start_new_session=True)
+            children = env.report.children if env.report is not None else set()
+            children.add(process.pid)
+            try:
+                process.wait(timeout=limit)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                kill_process_group(process.pid)
+                process.wait()
+                timed_out = True
+            finally:
+                children.discard(process.pid)
+        output = log.read_text(encoding="utf-8", errors="replace")
+        if timed_out:
             status, summary = "failed", f"timed out after {limit:.0f} s"
-        finally:
-            children.discard(process.pid)
-        log = env.out_dir / f"gpu-{name}.log"  # the whole output: the report keeps its tail only
-        write_text_atomic(log, output)
+        else:
+            status, summary = ("ok" if process.returncode == 0 else "failed"), _last_line(output)
         details = {"command": command, "returncode": process.returncode, "output_tail": _tail(output), "log": str(log)}
         result = StageResult(name, status, time.perf_counter() - start, summary, details)
         return result if report is None else report(env, result, output)
