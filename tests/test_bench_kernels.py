@@ -164,3 +164,25 @@ def test_the_target_line_ends_with_a_verdict_naming_what_missed_or_was_not_measu
     assert target_line(only_mixed).endswith(
         "verdict: not measured (decomposed rate, decomposed/mixed, B=128) (up to L = 16384: 131072 not reached)"
     )
+
+
+def test_profile_top_records_each_rows_launches_and_costliest_kernels(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--profile-top N`` profiles each row's step once more at ``--profile-seq-lens``: its launches
+    (aten ops on CPU) and the N costliest kernels land in the record and under the printed row."""
+    code = main(["bench", "kernels", "--seq-lens", "32", "64", "--block-sizes", "8", "--repeats", "1", "--warmup",
+                 "0", "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "16", "--diagonals", "sdpa",
+                 "--clean-kernels", "generic", "--profile-top", "2", "--profile-seq-lens", "64"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    records = run_kernel_bench([32, 64], [8], ["tiles"], num_heads=2, num_kv_heads=1, head_dim=16, warmup=0,
+                               repeats=1, diagonals=("sdpa",), clean_kernels=("generic",), profile_top=2,
+                               profile_seq_lens=(64,))
+    for r in records:
+        if r.seq_len == 64 and r.backend == "tiles":
+            assert r.launches > 0 and len(r.top_kernels) == 2
+            assert all(name.startswith("aten::") and ms >= 0 and calls >= 1 for name, ms, calls in r.top_kernels)
+        else:  # not profiled: the dense baseline and the other length
+            assert (r.launches, r.top_kernels) == (0, ())
+    assert printed.count(" launches; top: aten::") == 3  # mixed, decomposed and diagonal rows at L = 64
+    with pytest.raises(ValueError, match="--profile-top must be >= 0"):
+        run_kernel_bench([32], [8], ["tiles"], profile_top=-1)

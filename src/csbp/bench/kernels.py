@@ -79,6 +79,7 @@ from csbp.attention.transports.local import (
 from csbp.bench.common import (
     print_header,
 )
+from csbp.bench.kernel_profile import profile_step
 from csbp.bench.measure import allowed_pairs, attention_flops
 from csbp.bench.spread import rates_within_noise, within_noise
 
@@ -116,6 +117,8 @@ class KernelRecord:
     times_s: tuple[float, ...] = ()  # every timed repeat; ``time_s`` is their median
     speedup_within_noise: bool = False  # decomposed rows: its repeats and the faster mixed form's overlap
     vs_dense_within_noise: bool = False  # its seconds per allowed pair and dense SDPA's (per pair) overlap
+    launches: int = 0  # --profile-top: kernels one step launched (CUDA) or aten ops it ran (CPU); 0: not profiled
+    top_kernels: tuple[tuple[str, float, int], ...] = ()  # --profile-top: (name, ms, calls), costliest first
 
 
 def build_form(
@@ -256,6 +259,8 @@ def run_kernel_bench(
     clean_kernels: tuple[str, ...] = ("generic", "pieces"),
     flex_backward: str = "auto",
     primary_first: int = 0,
+    profile_top: int = 0,
+    profile_seq_lens: tuple[int, ...] | None = None,
     progress: Callable[[KernelRecord], None] | None = None,
     header: str | None = None,
 ) -> list[KernelRecord]:
@@ -266,7 +271,9 @@ def run_kernel_bench(
     checked, before anything is measured (a bad input prints nothing but its error line). Merged flex
     partials run their backward by ``flex_backward`` (``csbp.attention.flex_backward``; the ``mixed-ag``
     row needs neither way). ``primary_first`` orders the rows by ``kernel_jobs``: the mixed forms and
-    the first ``primary_first`` decomposed variants at every length before any other row (a run cut short by a time limit has measured the long lengths)."""
+    the first ``primary_first`` decomposed variants at every length before any other row (a run cut short by a time limit has measured the long lengths).
+    ``profile_top``: each row's step once more under the profiler, at ``profile_seq_lens`` (None: every
+    length), its launches and costliest kernels in the record (``csbp.bench.kernel_profile``)."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
 
@@ -285,6 +292,8 @@ def run_kernel_bench(
     if "flex" in concrete and dev.type != "cuda":
         raise ValueError("--backends flex needs --device cuda (FlexAttention has no CPU backward)")
     resolved_backward = resolve_flex_backward(flex_backward, where="--flex-backward")
+    if profile_top < 0:
+        raise ValueError(f"--profile-top must be >= 0 (0: off), got {profile_top}")
     if primary_first < 0:
         raise ValueError(f"--primary-first must be >= 0 (0: off), got {primary_first}")
     if warmup < 0 or repeats < 1:  # was: an IndexError after the first row's header
@@ -366,6 +375,12 @@ def run_kernel_bench(
                 torch.cuda.empty_cache()
                 step, build_s, first_s, times = None, float("nan"), float("nan"), (float("nan"),)
             ops = count_aten_ops(step) if count_ops and dev.type == "cpu" and step is not None else 0
+            profiled = None
+            if profile_top and step is not None and (profile_seq_lens is None or seq_len in profile_seq_lens):
+                try:
+                    profiled = profile_step(step, dev, top=profile_top)
+                except RuntimeError as error:  # a profiler this machine lacks (CUPTI) costs the profile, not the row
+                    print(f"csbp bench kernels: L={seq_len} B={block} {backend} {form} not profiled: {error}")
             useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
             time_s = _median(times)
             rate = attention_flops(useful, **n_flops) / time_s / 1e12
@@ -378,7 +393,8 @@ def run_kernel_bench(
             add(KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
                              rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before,
                              times_s=times, speedup_within_noise=form == "decomposed" and within_noise(times, mixed),
-                             vs_dense_within_noise=rates_within_noise(times, useful, dense_times, n * n)))
+                             vs_dense_within_noise=rates_within_noise(times, useful, dense_times, n * n),
+                             launches=profiled.launches if profiled else 0, top_kernels=profiled.top if profiled else ()))
     return records
 
 

@@ -12,6 +12,7 @@ import torch
 from csbp.attention.backends import CLEAN_KERNELS, check_backend, resolve_backend
 from csbp.attention.flex_backward import FLEX_BACKWARDS, resolve_flex_backward
 from csbp.bench.common import add_head_options, add_output_options, records_as_dicts, write_json_atomic
+from csbp.bench.kernel_profile import StepProfile, format_profile
 from csbp.bench.kernel_summary import format_verdicts, shape_verdicts
 from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread
@@ -122,6 +123,13 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
         "--clean-kernels order; N defaults to 1) at every length before the other rows: a run cut short has "
         "them all",
     )
+    parser.add_argument(
+        "--profile-top", type=int, default=0, metavar="N",
+        help="run each row's step once more under torch.profiler and record its kernel launches and the N "
+        "costliest kernels (CUDA; aten ops on CPU); 0 (default): off",
+    )
+    parser.add_argument("--profile-seq-lens", type=int, nargs="+", default=None,
+                        help="profile only these lengths (default: every length)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--no-op-count", action="store_true", help="skip counting aten ops (CPU)")
@@ -157,6 +165,8 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         """Print each row as it is measured and keep --json current: a run cut short by a time limit
         (``make gpu-check``'s kernels stage) still leaves every finished row."""
         print(format_row(record), flush=True)
+        if record.top_kernels:
+            print(format_profile(StepProfile(record.launches, record.top_kernels)), flush=True)
         measured.append(record)
         if args.json is not None:
             write_json_atomic(args.json, records_as_dicts(measured))
@@ -178,6 +188,8 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         clean_kernels=tuple(args.clean_kernels),
         flex_backward=args.flex_backward,
         primary_first=args.primary_first,
+        profile_top=args.profile_top,
+        profile_seq_lens=None if args.profile_seq_lens is None else tuple(args.profile_seq_lens),
         progress=progress,
         header=header,
     )

@@ -23,7 +23,7 @@ KERNEL_BENCH_ARGS: tuple[str, ...] = (
     "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
     "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "16384", "131072", "65536",
     "--diagonals", "sdpa", "flex", "--clean-kernels", "pieces", "pieces-cudnn", "generic", "--repeats", "2",
-    "--primary-first", "2",
+    "--primary-first", "2", "--profile-top", "6", "--profile-seq-lens", "16384",
 )
 """``csbp bench kernels`` options of the ``kernels`` stage on CUDA (``--json`` is added: next to
 ``gpu-check.json``). The lengths are the kernel targets' range, its two ends first (16K, then 128K, then
@@ -33,7 +33,9 @@ misses the middle of the range rather than its upper end, which the verdict need
 measures dense attention, the mixed forms and the two decomposed forms expected fastest (FlashAttention-2
 for the noisy blocks, the clean pieces on FlashAttention-2 or on cuDNN, which is faster on Hopper where it
 runs; neither compiles anything but the small residual) at every length before the other decomposed kernels. 8K and 32K
-are left to a direct run."""
+are left to a direct run. ``--profile-top`` breaks each 16K row's step into its costliest CUDA kernels
+(``csbp.bench.kernel_profile``): on the first H200 run the decomposed form lost to one Flex call at 16K
+only, and that breakdown says where."""
 
 
 @dataclass(frozen=True)
