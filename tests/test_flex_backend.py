@@ -183,9 +183,9 @@ def test_narrow_heads_reach_the_kernel_zero_padded_to_16_and_stay_exact(monkeypa
 
     direct_call = flex_backward._direct_call
 
-    def spy_direct(q, k, v, lse, dout, grad_lse, block_mask, scale, *, backend):  # noqa: ANN001, ANN202
+    def spy_direct(q, k, v, lse, dout, grad_lse, block_mask, scale, **kwargs):  # noqa: ANN001, ANN003, ANN202
         seen.append(("backward", q.shape[-1], k.shape[-1], v.shape[-1], dout.shape[-1], scale))
-        return direct_call(q, k, v, lse, dout, grad_lse, block_mask, scale, backend=backend)
+        return direct_call(q, k, v, lse, dout, grad_lse, block_mask, scale, **kwargs)
 
     monkeypatch.setattr(flex_module, "_kernel", spy_kernel)
     monkeypatch.setattr(flex_backward, "_direct_call", spy_direct)
@@ -200,7 +200,7 @@ def test_narrow_heads_reach_the_kernel_zero_padded_to_16_and_stay_exact(monkeypa
     torch.testing.assert_close(out, out_ref, **TOL64)
     torch.testing.assert_close(lse, lse_ref, **TOL64)
     if not backward_traced:
-        return  # the CPU differentiates flex only by the direct backward (torch 2.13)
+        return  # the CPU differentiates flex only by the direct backward (torch 2.11 and later)
     dout = torch.randn_like(q)
     with flex_backward_mode("direct"):
         grads = partial.backward(q, k, v, out, lse, dout)
@@ -305,7 +305,7 @@ def test_flex_on_cpu_for_verification_needs_the_direct_backward(monkeypatch: pyt
         check_backend_trains_on("flex", "cpu", where="--backend", verification=True)
     assert str(error.value) == (
         "--backend=flex on cpu needs FlexAttention's direct backward, which this torch's compiler cannot trace "
-        "(Unsupported: old dynamo); use --backend tiles, torch 2.13, or a CUDA device"
+        "(Unsupported: old dynamo); use --backend tiles, torch 2.11 or later, or a CUDA device"
     )
 
 

@@ -8,7 +8,7 @@ skipped without CUDA.
 ``CSBP_CUDA_TESTS_DEVICE=cpu`` runs the same bodies on the CPU (a dry run of the test code where no
 GPU is lent; not part of the suite), on the ``flex`` backend by name (``auto`` is ``tiles`` there):
 FlexAttention's forward runs eagerly on the CPU and is checked against the float64 reference; its
-backward runs where the direct backward exists (``csbp.attention.flex_backward``: torch 2.13, with
+backward runs where the direct backward exists (``csbp.attention.flex_backward``: torch 2.11, 2.13, with
 aot_eager standing in for the Triton kernel), and is skipped with that reason elsewhere, as is
 ``recompute`` (FlexAttention's own autograd refuses the CPU). The recompile check compiles with
 dynamo's ``eager`` backend there, the long-mask check reads the resident set.

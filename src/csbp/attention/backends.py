@@ -117,7 +117,7 @@ def check_backend_trains_on(
                 return backend
             raise ValueError(
                 f"{where}=flex on cpu needs FlexAttention's direct backward, which this torch's compiler cannot "
-                f"trace ({reason}); use {where} tiles, torch 2.13, or a CUDA device"
+                f"trace ({reason}); use {where} tiles, torch 2.11 or later, or a CUDA device"
             )
         raise ValueError(
             f"{where}=flex cannot train on {kind} (FlexAttention has no compiled CPU backward); "

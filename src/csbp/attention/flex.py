@@ -24,7 +24,7 @@ ops, so a 256K x 256K BlockMask costs milliseconds instead of a 64 GiB boolean m
   which the CUDA kernel refuses, run zero-padded to 16 on every device (exact; ``pad_head_dim``).
 * backward (CUDA only: FlexAttention has no compiled CPU backward), from the merged ``(out, lse)``
   (``csbp.attention.flex_backward``): ``direct``, FlexAttention's backward kernel called with the
-  merged statistics (no forward; torch 2.13), or ``recompute``, the partial recomputed with autograd
+  merged statistics (no forward; torch 2.11 and 2.13), or ``recompute``, the partial recomputed with autograd
   and differentiated with the chain rule through the merge (``merge.partial_grads_from_merged``:
   ``dout_p = w·dout``, ``dlse_p = w·<dout, out_p - out>``, ``w = exp(lse_p - lse)``). Both equal the
   explicit backward from the merged statistics.
@@ -53,6 +53,7 @@ from csbp.attention.flex_backward import (
 from csbp.attention.merge import accumulation_dtype, partial_grads_from_merged
 from csbp.attention.rows import Rows
 from csbp.masks import rows_mask
+from csbp.masks.predicates import rows_mask_buffers, rows_predicate
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -74,6 +75,8 @@ class FlexPartial:
         block_mask: the ``BlockMask`` of the rows padded to ``padded_queries`` x ``padded_keys``
             (None when no pair is allowed: the partial is empty).
         padded_queries, padded_keys: the kernel's row counts (``flex_shape_bucket`` of the rows').
+        mask_buffers: the padded rows' tensors the mask reads (``masks.rows_mask_buffers``), handed
+            to the direct backward as the mask's buffers.
     """
 
     q_rows: Rows
@@ -82,6 +85,7 @@ class FlexPartial:
     block_mask: BlockMask | None
     padded_queries: int
     padded_keys: int
+    mask_buffers: tuple[Tensor, ...] = ()
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
         """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype."""
@@ -129,6 +133,8 @@ class FlexPartial:
                 torch.nn.functional.pad(delta, (0, extra)),
                 self.block_mask,
                 scale,
+                mask_predicate=rows_predicate(self.causal_in_block),
+                mask_buffers=self.mask_buffers,
             )
         else:
             grads = self._recomputed_backward(q, k, v, out, lse, dout, scale)
@@ -168,10 +174,10 @@ def build_flex_partial(
     The kernel runs on the rows padded with dead rows to ``flex_shape_bucket`` of their counts. No
     device sync: ``csbp bench kernels`` times the build itself (``mask ms``)."""
     padded_queries, padded_keys = flex_shape_bucket(len(q_rows), block), flex_shape_bucket(len(k_rows), block)
-    block_mask = rows_block_mask(
-        q_rows.padded(padded_queries), k_rows.padded(padded_keys), causal_in_block=causal_in_block, block=block
-    )
-    return FlexPartial(q_rows, k_rows, causal_in_block, block_mask, padded_queries, padded_keys)
+    q_padded, k_padded = q_rows.padded(padded_queries), k_rows.padded(padded_keys)
+    block_mask = rows_block_mask(q_padded, k_padded, causal_in_block=causal_in_block, block=block)
+    return FlexPartial(q_rows, k_rows, causal_in_block, block_mask, padded_queries, padded_keys,
+                       rows_mask_buffers(q_padded, k_padded))
 
 
 def flex_autograd_attention(

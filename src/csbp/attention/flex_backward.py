@@ -10,7 +10,8 @@ attention. FlexAttention's autograd only knows its own call's statistics, so the
   the row term ``delta = <dout, out>`` of the merged ``out`` enters through the kernel's lse gradient
   (``out`` is passed as zeros, ``grad_lse = -delta``), so it stays in the accumulation dtype. One
   backward kernel per partial and no forward. It needs a torch whose dynamo traces a direct call of
-  that operator (torch 2.13 does; 2.11 does not).
+  that operator: csbp hands it the score and mask functions as FX graphs one level down a dict, the
+  form compiled autograd uses, which torch 2.11's dynamo requires and 2.13's accepts (both tested).
 * ``recompute``: the partial's forward again under autograd, then the chain rule through the merge
   (``merge.partial_grads_from_merged``); one extra forward per backward (by FlashAttention's usual
   backward/forward cost ratio of 2.5-3, roughly a quarter more attention time).
@@ -29,13 +30,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from torch.fx import GraphModule
     from torch.nn.attention.flex_attention import BlockMask
 
 FlexBackwardName = Literal["auto", "direct", "recompute"]
@@ -106,7 +108,7 @@ def resolve_flex_backward(name: str, *, where: str = "attention.flex_backward") 
     if name == "direct" and not supported:
         raise ValueError(
             f"{where}=direct needs a torch whose torch.compile traces FlexAttention's backward operator "
-            f"(torch 2.13 does; this is {torch.__version__}: {reason}); set {where} to auto or recompute"
+            f"(torch 2.11 and 2.13 do; this is {torch.__version__}: {reason}); set {where} to auto or recompute"
         )
     return name  # direct, supported
 
@@ -146,7 +148,8 @@ def direct_backward_support() -> tuple[bool, str]:
         q = torch.zeros(1, 1, 16, 8)
         mask = create_block_mask(_probe_mask, 1, 1, 16, 16, device="cpu", BLOCK_SIZE=16)
         lse = torch.zeros(1, 1, 16)
-        grads = _direct_call(q, q, q, lse, q, lse, mask, 1.0, backend="eager")
+        grads = _direct_call(q, q, q, lse, q, lse, mask, 1.0, mask_predicate=_probe_mask, mask_buffers=(),
+                             backend="eager")
     except Exception as error:  # any failure means: not this torch; the reason goes to the user
         return False, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".strip()
     if len(grads) != 3 or grads[0].shape != q.shape:
@@ -170,12 +173,17 @@ def direct_flex_backward(
     delta: Tensor,
     block_mask: BlockMask,
     scale: float | None,
+    *,
+    mask_predicate: Callable[..., Tensor],
+    mask_buffers: tuple[Tensor, ...],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in q's dtype of the partial over ``block_mask`` from the *merged* ``lse``
     (natural log, per query row) and ``delta = <dout, out>`` of the merged ``out``. All row
     counts are the kernel's (padded) ones; rows whose merged lse is ``-inf`` (they see nothing) get
-    zero gradients. Compiled with inductor on CUDA; on the CPU (tests) traced by dynamo and run by
-    ``aot_eager`` (FlexAttention has no compiled CPU backward)."""
+    zero gradients. ``block_mask``'s mask is ``mask_predicate(b, h, q_idx, kv_idx, *mask_buffers)``
+    (a module-level function: its traced graph is kept per shape). Compiled with inductor on CUDA; on
+    the CPU (tests) traced by dynamo and run by ``aot_eager`` (FlexAttention has no compiled CPU
+    backward)."""
     stats = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = lse.to(stats)
     lse_log2 = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) / math.log(2)
@@ -185,7 +193,7 @@ def direct_flex_backward(
     q, k, v, dout = (pad_head_dim(x) for x in (q, k, v, dout))  # narrow heads as in the forward (exact)
     try:
         grads = _direct_call(q, k, v, lse_log2, dout.to(q.dtype), -delta.to(stats) * math.log(2), block_mask,
-                             scale, backend=backend)
+                             scale, mask_predicate=mask_predicate, mask_buffers=mask_buffers, backend=backend)
     except Exception as error:
         replacement = recompile_limit_error(error, q, k) or _compiler_error(error)
         if replacement is None:
@@ -208,32 +216,76 @@ def _compiler_error(error: Exception) -> RuntimeError | None:
 
 def _direct_call(
     q: Tensor, k: Tensor, v: Tensor, lse_log2: Tensor, dout: Tensor, grad_lse_log2: Tensor,
-    block_mask: BlockMask, scale: float, *, backend: str,
+    block_mask: BlockMask, scale: float, *, mask_predicate: Callable[..., Tensor], mask_buffers: tuple[Tensor, ...],
+    backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     from torch.nn.attention.flex_attention import AuxRequest, _apply_kernel_options
 
     options = _apply_kernel_options(q, k, v, False, None, AuxRequest(lse=True))
-    return _compiled_backward(backend)(q, k, v, lse_log2, dout, grad_lse_log2, block_mask.as_tuple(), scale, options)
+    score, joint = _score_graphs(q.device, q.dtype)
+    mask = _mask_graph(mask_predicate, q.device, tuple((tuple(b.shape), b.dtype) for b in mask_buffers))
+    # each graph one level down a dict: the form dynamo's handler of the backward operator takes (the
+    # one compiled autograd hands it); the same objects every call, so no guard fails. Dynamo marks a
+    # graph it installed as static (``torchdynamo_force_dynamic = False``), and would then refuse it as
+    # an argument of the operator when it compiles the next shape: unmark them
+    for graph in (score, joint, mask):
+        graph.torchdynamo_force_dynamic = True
+    graphs = {"score_graph": {"graph": score}, "joint_graph": {"graph": joint}, "mask_graph": {"graph": mask}}
+    return _compiled_backward(backend)(q, k, v, lse_log2, dout, grad_lse_log2, block_mask.as_tuple()[:-1], scale,
+                                       options, graphs, mask_buffers)
 
 
 @functools.cache
 def _compiled_backward(backend: str) -> Any:
     """The direct backward compiled with ``backend``: one graph per shape bucket (dynamic=False); the
-    mask's row tensors are lifted as inputs, so new rows of the same shapes do not recompile."""
+    mask's row tensors are inputs (its buffers), so new rows of the same shapes do not recompile."""
     configure_recompile_limits()
     return torch.compile(_backward_from_statistics, backend=backend, dynamic=False, fullgraph=True)
 
 
 def _backward_from_statistics(
     q: Tensor, k: Tensor, v: Tensor, lse_log2: Tensor, dout: Tensor, grad_lse_log2: Tensor,
-    block_mask: tuple[Any, ...], scale: float, options: dict[str, Any],
+    block_mask: tuple[Any, ...], scale: float, options: dict[str, Any], graphs: dict[str, dict[str, GraphModule]],
+    mask_buffers: tuple[Tensor, ...],
 ) -> tuple[Tensor, Tensor, Tensor]:
     from torch._higher_order_ops.flex_attention import flex_attention_backward
-    from torch.nn.attention.flex_attention import _identity
 
     # out = 0 makes the kernel's own <dout, out> zero; the merged delta arrives as -grad_lse
     dq, dk, dv, _ = flex_attention_backward(
-        q, k, v, q.new_zeros(*q.shape[:-1], v.shape[-1]), lse_log2, dout, grad_lse_log2, _identity, None, block_mask, scale, options,
-        (), (),
+        q, k, v, q.new_zeros(*q.shape[:-1], v.shape[-1]), lse_log2, dout, grad_lse_log2,
+        graphs["score_graph"]["graph"], graphs["joint_graph"]["graph"],
+        (*block_mask, graphs["mask_graph"]["graph"]), scale, options, (), mask_buffers,
     )
     return dq, dk, dv
+
+
+@functools.cache
+def _score_graphs(device: torch.device, dtype: torch.dtype) -> tuple[GraphModule, GraphModule]:
+    """The identity score_mod and its joint (gradient) graph, traced as FlexAttention's autograd traces
+    them (``create_fw_bw_graph``), once per device and dtype."""
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+    from torch.nn.attention.flex_attention import _identity
+
+    index = [torch.zeros((), dtype=torch.int, device=device) for _ in range(4)]
+    score = torch.zeros((), dtype=dtype, device=device, requires_grad=True)
+    _, joint = create_fw_bw_graph(_identity, (score, *index), ())
+    return _traced(_identity, score, *index), joint
+
+
+@functools.lru_cache(maxsize=64)
+def _mask_graph(
+    predicate: Callable[..., Tensor], device: torch.device, buffers: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+) -> GraphModule:
+    """``predicate(b, h, q_idx, kv_idx, *buffers)`` traced once per device and buffer shapes."""
+    index = [torch.zeros((), dtype=torch.int, device=device) for _ in range(4)]
+    return _traced(predicate, *index, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in buffers))
+
+
+def _traced(fn: Callable[..., Tensor], *example: Tensor) -> GraphModule:
+    """``fn`` as an FX graph, traced on fake tensors the way FlexAttention traces its subgraphs (tensor
+    indexing becomes ``aten.index``)."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with TransformGetItemToIndex():
+        return make_fx(fn, tracing_mode="fake")(*example)

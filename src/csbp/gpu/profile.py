@@ -74,7 +74,7 @@ CPU_DRY_RUN = CheckProfile(
     name="cpu-dry-run",
     device="cpu",
     # the CUDA test bodies on the CPU (CSBP_CUDA_TESTS_DEVICE=cpu): a few cases (one is skipped where the
-    # direct flex backward is missing, e.g. torch 2.11)
+    # direct flex backward is missing)
     cuda_tests=("-k", "bf16_autocast or long_block_mask or dflash_draft_attention_on_flex",
                 "tests/test_cuda.py", "tests/test_flex_cuda.py", "tests/test_block_diagonal_cuda.py"),
     verify=("--cp", "2"),

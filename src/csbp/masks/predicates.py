@@ -30,6 +30,7 @@ maximal run of equal ids); see docs/document-masking.md.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -239,17 +240,39 @@ def rows_mask(q_rows: Rows, k_rows: Rows, *, causal_in_block: bool = False) -> M
     Any per-row key interval (block-causal, sliding window, DFlash "before the anchor", document
     starts) is just a ``ctx_start``/``ctx_stop`` value, so every layout flows through unchanged. The
     row tensors are captured (FlexAttention lifts them as buffers) and must live on the device the
-    mask is evaluated on; indices outside the row sets are never allowed.
+    mask is evaluated on; indices outside the row sets are never allowed. It is
+    ``rows_predicate(causal_in_block)`` over ``rows_mask_buffers(q_rows, k_rows)``.
     """
-    num_queries, num_keys = len(q_rows), len(k_rows)
-    q_live, q_clean, q_block, q_pos = q_rows.live, q_rows.clean, q_rows.block, q_rows.pos
-    q_start, q_stop = q_rows.ctx_start, q_rows.ctx_stop
-    k_live, k_clean, k_block, k_pos = k_rows.live, k_rows.clean, k_rows.block, k_rows.pos
-    last_query, last_key = max(num_queries - 1, 0), max(num_keys - 1, 0)
+    buffers = rows_mask_buffers(q_rows, k_rows)
+    predicate = rows_predicate(causal_in_block)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return predicate(b, h, q_idx, kv_idx, *buffers)
+
+    return mask_mod
+
+
+def rows_mask_buffers(q_rows: Rows, k_rows: Rows) -> tuple[Tensor, ...]:
+    """The row tensors ``rows_predicate`` reads, in its argument order."""
+    return (q_rows.live, q_rows.clean, q_rows.block, q_rows.pos, q_rows.ctx_start, q_rows.ctx_stop,
+            k_rows.live, k_rows.clean, k_rows.block, k_rows.pos)
+
+
+@functools.cache
+def rows_predicate(causal_in_block: bool) -> Callable[..., Tensor]:
+    """``rows_mask``'s predicate with the row tensors as arguments after the indices
+    (``rows_mask_buffers``): ``mask_mod(b, h, q_idx, kv_idx, *buffers)``, FlexAttention's form of a
+    mask with other buffers. One function per flag (cached), so a graph traced from it can be kept
+    and reused for every row set of the same shapes (``csbp.attention.flex_backward``)."""
+
+    def mask_mod(
+        b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor,
+        q_live: Tensor, q_clean: Tensor, q_block: Tensor, q_pos: Tensor, q_start: Tensor, q_stop: Tensor,
+        k_live: Tensor, k_clean: Tensor, k_block: Tensor, k_pos: Tensor,
+    ) -> Tensor:
+        num_queries, num_keys = q_live.shape[0], k_live.shape[0]
         in_range = (q_idx < num_queries) & (kv_idx < num_keys)
-        qi, ki = q_idx.clamp(max=last_query), kv_idx.clamp(max=last_key)
+        qi, ki = q_idx.clamp(max=max(num_queries - 1, 0)), kv_idx.clamp(max=max(num_keys - 1, 0))
         key_pos = k_pos[ki]
         diagonal = ~q_clean[qi] & ~k_clean[ki] & (q_block[qi] == k_block[ki])
         if causal_in_block:
