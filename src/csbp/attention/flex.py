@@ -85,7 +85,7 @@ class FlexPartial:
     block_mask: BlockMask | None
     padded_queries: int
     padded_keys: int
-    mask_buffers: tuple[Tensor, ...] = ()
+    mask_buffers: tuple[Tensor, ...]
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
         """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype."""
