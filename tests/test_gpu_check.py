@@ -74,7 +74,7 @@ def test_kernels_stage_options_parse_and_compare_both_block_diagonal_kernels() -
     # the primary decomposed forms (the first two: sdpa diagonal with FlashAttention-2 or cuDNN pieces) compile
     # nothing but their residual, measured at every length before the others
     assert args.clean_kernels == ["pieces", "pieces-cudnn", "generic"] and args.primary_first == 2
-    assert args.seq_lens == [16384, 131072, 65536] and args.json is None  # the stage adds it
+    assert args.seq_lens == [16384, 131072, 65536, 32768, 8192] and args.json is None  # the stage adds it
     # the targets' range ends come first: a stage cut short by its budget still has the verdict's upper end
     assert tuple(args.seq_lens[:2]) == KERNEL_TARGETS.seq_lens and set(args.seq_lens) <= set(range(16384, 131073))
     dry = build_parser().parse_args(["bench", "kernels", *CPU_DRY_RUN.kernels])

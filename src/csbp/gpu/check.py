@@ -17,7 +17,7 @@ stage               what it runs (limit)
 ``verify``          ``csbp verify --device cuda --nproc <min(GPUs, 4)>`` (skipped with < 2 GPUs)
 ``verify-dflash``   the same for DFlash drafter training
 ``kernels``         ``csbp bench kernels`` on CUDA (150 s): one layer's attention (flex backend, bf16,
-                    16/4 heads of 128, B = 16 and 128) at 16K, 128K and 64K tokens: first, at every
+                    16/4 heads of 128, B = 16 and 128) at 16K, 128K, 64K, 32K and 8K tokens: first, at every
                     length, dense attention, the mixed forms and the decomposed form with the sdpa
                     (FlashAttention) block diagonal and FlashAttention-2 or cuDNN clean pieces; then
                     the other decomposed forms (flex block diagonal; the clean context as one Flex

@@ -21,19 +21,21 @@ from csbp.models.config import DecoderConfig
 
 KERNEL_BENCH_ARGS: tuple[str, ...] = (
     "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
-    "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "16384", "131072", "65536",
+    "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "16384", "131072", "65536", "32768", "8192",
     "--diagonals", "sdpa", "flex", "--clean-kernels", "pieces", "pieces-cudnn", "generic", "--repeats", "2",
     "--primary-first", "2", "--profile-top", "6", "--profile-seq-lens", "16384",
 )
 """``csbp bench kernels`` options of the ``kernels`` stage on CUDA (``--json`` is added: next to
-``gpu-check.json``). The lengths are the kernel targets' range, its two ends first (16K, then 128K, then
-64K): every length compiles Flex for new shapes (a few graphs, two with a backward kernel), and 128K's rows
-take the longest, so the 150 s stage may end early (the rows measured are kept), and a run cut short then
-misses the middle of the range rather than its upper end, which the verdict needs. ``--primary-first``
+``gpu-check.json``). The lengths are the issue's range 8K-128K, the kernel targets' two ends first (16K,
+then 128K, then 64K, 32K, 8K): every length compiles Flex for new shapes (a few graphs, two with a backward
+kernel), and 128K's rows take the longest, so the 150 s stage may end early (the rows measured are kept),
+and a run cut short then misses the middle of the range rather than its upper end, which the verdict
+needs. ``--primary-first``
 measures dense attention, the mixed forms and the two decomposed forms expected fastest (FlashAttention-2
 for the noisy blocks, the clean pieces on FlashAttention-2 or on cuDNN, which is faster on Hopper where it
-runs; neither compiles anything but the small residual) at every length before the other decomposed kernels. 8K and 32K
-are left to a direct run. ``--profile-top`` breaks each 16K row's step into its costliest CUDA kernels
+runs; neither compiles anything but the small residual) at every length before the other decomposed kernels: on the
+first H200 run the stage's 150 s held the primary rows of three lengths and most of the others, so the
+primary rows of 32K and 8K now come before the other kernels' rows. ``--profile-top`` breaks each 16K row's step into its costliest CUDA kernels
 (``csbp.bench.kernel_profile``): on the first H200 run the decomposed form lost to one Flex call at 16K
 only, and that breakdown says where."""
 
