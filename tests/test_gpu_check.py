@@ -76,7 +76,9 @@ def test_kernels_stage_options_parse_and_compare_both_block_diagonal_kernels() -
     assert args.clean_kernels == ["pieces", "pieces-cudnn", "generic"] and args.primary_first == 2
     assert args.seq_lens == [16384, 131072, 65536, 32768, 8192] and args.json is None  # the stage adds it
     # the targets' range ends come first: a stage cut short by its budget still has the verdict's upper end
-    assert tuple(args.seq_lens[:2]) == KERNEL_TARGETS.seq_lens and set(args.seq_lens) <= set(range(16384, 131073))
+    # and the issue's range (8K-128K) is covered, the lengths outside the targets' range last
+    assert tuple(args.seq_lens[:2]) == KERNEL_TARGETS.seq_lens and set(args.seq_lens) <= set(range(8192, 131073))
+    assert args.seq_lens[-1] == 8192 and min(args.seq_lens) == 8192 and max(args.seq_lens) == 131072
     dry = build_parser().parse_args(["bench", "kernels", *CPU_DRY_RUN.kernels])
     assert (dry.device, dry.backends, dry.primary_first) == ("cpu", ["tiles"], 1)
 
