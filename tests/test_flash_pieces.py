@@ -245,3 +245,18 @@ def test_cuda_flash_pieces_path_with_a_cpu_stand_in_kernel_matches_the_reference
     grads = plan.backward(qb, kb, vb, out, lse, doutb)
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got.double(), want, **bf16)
+
+
+def test_a_piece_first_over_its_rows_is_written_and_the_rest_merge_in_place() -> None:
+    """The forward writes a piece no earlier piece or residual covered (merging it into zeros / -inf would
+    give it back) and merges the others into their row slice in place; the flags follow the rows."""
+    from csbp.attention.flash_pieces import FlashPiece, KeyRunPlan
+
+    dense, causal = FlashPiece(0, 8, 0, 4, False), FlashPiece(0, 8, 4, 12, True)
+    later = FlashPiece(8, 16, 0, 12, False)
+    plan = FlashPiecesPartial((KeyRunPlan(0, 12, (dense, causal, later), None),), 16, 12, generic=lambda: None)
+    assert plan.first_over_their_rows == (True, False, True)
+    with_residual = FlashPiecesPartial(
+        (KeyRunPlan(0, 12, (dense,), object()), KeyRunPlan(12, 20, (later,), None)), 16, 20, generic=lambda: None
+    )
+    assert with_residual.first_over_their_rows == (True, False)  # the residual covers every row

@@ -121,6 +121,26 @@ def test_merge_passes_over_the_outputs_once_and_keeps_one_sided_rows_exactly() -
     assert torch.equal(lse[..., 0], lse2[..., 0]) and torch.equal(lse[..., 1], lse1[..., 1])
 
 
+def test_merge_into_a_slice_in_place_equals_merge_partials() -> None:
+    from csbp.attention.merge import merge_into
+
+    gen = torch.Generator().manual_seed(6)
+    out, out2 = torch.randn(2, 3, 10, 4, generator=gen, dtype=torch.float64), torch.randn(2, 3, 4, 4, generator=gen)
+    lse, lse2 = torch.randn(2, 3, 10, generator=gen, dtype=torch.float64), torch.randn(2, 3, 4, generator=gen)
+    lse[..., 3], lse2[..., 1] = float("-inf"), float("-inf")
+    out[..., 3, :] = 0.0
+    want_out, want_lse = merge_partials(out[:, :, 2:6], lse[:, :, 2:6], out2, lse2)
+    before_out, before_lse = out.clone(), lse.clone()
+    merge_into(out[:, :, 2:6], lse[:, :, 2:6], out2, lse2)
+    torch.testing.assert_close(out[:, :, 2:6], want_out, **TOL64)
+    torch.testing.assert_close(lse[:, :, 2:6], want_lse, **TOL64)
+    outside = [0, 1, 6, 7, 8, 9]
+    assert torch.equal(out[:, :, outside], before_out[:, :, outside])
+    assert torch.equal(lse[:, :, outside], before_lse[:, :, outside])
+    with pytest.raises(ValueError, match="must be in the accumulation dtype torch.float32"):
+        merge_into(out2.bfloat16(), lse2, out2, lse2)
+
+
 def test_accumulation_dtype_and_low_precision_inputs() -> None:
     scores, values, allow = random_problem(seed=8)
     (out1, lse1), (out2, lse2) = (

@@ -33,6 +33,7 @@ the whole partial generically instead, built on first use.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -41,7 +42,7 @@ from torch import Tensor
 
 from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
 from csbp.attention.kernel import resolve_scale
-from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.merge import accumulation_dtype, merge_into
 from csbp.attention.rows import Rows
 
 
@@ -104,19 +105,35 @@ class FlashPiecesPartial:
         dtype = accumulation_dtype(q, k, v)
         out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=dtype)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=dtype)
+        fresh = iter(self.first_over_their_rows)
         for run in self.runs:
             for p in run.pieces:
                 rows, keys = slice(p.q_start, p.q_stop), slice(p.k_start, p.k_stop)
-                part = flash_forward(
+                part_out, part_lse = flash_forward(
                     q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=p.causal, scale=scale,
                     cuda_kernel=self.cuda_kernel,
                 )
-                out[:, :, rows], lse[:, :, rows] = merge_partials(out[:, :, rows], lse[:, :, rows], *part)
+                if next(fresh):  # merging into zeros / -inf would give the piece itself: write it
+                    out[:, :, rows], lse[:, :, rows] = part_out, part_lse
+                else:
+                    merge_into(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
             if run.residual is not None:
                 keys = slice(run.k_start, run.k_stop)
-                part = run.residual.forward(q, k[:, :, keys], v[:, :, keys], scale=scale)
-                out, lse = merge_partials(out, lse, *part)
+                merge_into(out, lse, *run.residual.forward(q, k[:, :, keys], v[:, :, keys], scale=scale))
         return out, lse
+
+    @functools.cached_property
+    def first_over_their_rows(self) -> tuple[bool, ...]:
+        """Per piece (in ``pieces`` order): whether no earlier piece or residual covers any of its rows."""
+        covered: list[tuple[int, int]] = []
+        fresh = []
+        for run in self.runs:
+            for p in run.pieces:
+                fresh.append(all(p.q_stop <= start or stop <= p.q_start for start, stop in covered))
+                covered.append((p.q_start, p.q_stop))
+            if run.residual is not None:
+                covered.append((0, self.num_queries))
+        return tuple(fresh)
 
     def backward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,

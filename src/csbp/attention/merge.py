@@ -48,6 +48,24 @@ def merge_partials(out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor) -> tu
     return out, lse
 
 
+def merge_into(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> None:
+    """Merge ``(out2, lse2)`` into ``(out, lse)`` in place (views allowed: a slice of rows stays a
+    slice, without merging into a copy and copying back); ``out`` and ``lse`` must already be in the
+    accumulation dtype. The same arithmetic as ``merge_partials``."""
+    dtype = accumulation_dtype(out, lse, out2, lse2)
+    if out.dtype != dtype or lse.dtype != dtype:
+        raise ValueError(f"merge_into: out ({out.dtype}) and lse ({lse.dtype}) must be in the accumulation dtype {dtype}")
+    if out.shape != out2.shape or lse.shape != lse2.shape or out.shape[:-1] != lse.shape:
+        raise ValueError(
+            f"merge_into: shapes out {tuple(out.shape)}, lse {tuple(lse.shape)}, out2 {tuple(out2.shape)}, lse2 "
+            f"{tuple(lse2.shape)} must be out [..., N, d] and lse [..., N] alike"
+        )
+    lse2 = lse2.to(dtype)
+    merged = _logaddexp(lse, lse2)
+    out.lerp_(out2.to(dtype), _merge_weights(lse2, merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
 def merge_many(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """Merge any number (at least one) of partials ``(out, lse)`` over disjoint key subsets."""
     if len(partials) == 0:

@@ -36,7 +36,7 @@ from csbp.attention.backends import PartialPlan, plan_block_diagonal, plan_parti
 from csbp.attention.diagonal import resolve_diagonal
 from csbp.attention.flex import FlexPartial, flex_autograd_attention
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
-from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.merge import accumulation_dtype, merge_into
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import PlanCache
 from csbp.attention.transports.function import TransportFunction, exact_attention_precision
@@ -137,8 +137,7 @@ def local_attention_forward(
         return out, lse
     noisy = slice(0, num_noisy)
     out_block, lse_block = plan.block_plan.forward(q[:, :, noisy], k[:, :, noisy], v[:, :, noisy], scale=plan.scale)
-    out_noisy, lse_noisy = merge_partials(out_block, lse_block, out[:, :, noisy], lse[:, :, noisy])
-    out[:, :, noisy], lse[:, :, noisy] = out_noisy, lse_noisy
+    merge_into(out[:, :, noisy], lse[:, :, noisy], out_block, lse_block)
     return out, lse
 
 
