@@ -256,7 +256,11 @@ def test_a_piece_first_over_its_rows_is_written_and_the_rest_merge_in_place() ->
     later = FlashPiece(8, 16, 0, 12, False)
     plan = FlashPiecesPartial((KeyRunPlan(0, 12, (dense, causal, later), None),), 16, 12, generic=lambda: None)
     assert plan.first_over_their_rows == (True, False, True)
+    second_run = FlashPiece(8, 16, 12, 20, False)
     with_residual = FlashPiecesPartial(
-        (KeyRunPlan(0, 12, (dense,), object()), KeyRunPlan(12, 20, (later,), None)), 16, 20, generic=lambda: None
+        (KeyRunPlan(0, 12, (dense,), object()), KeyRunPlan(12, 20, (second_run,), None)), 16, 20, generic=lambda: None
     )
     assert with_residual.first_over_their_rows == (True, False)  # the residual covers every row
+    # keys: the dense and causal pieces of one run share rows but not keys; a later row range reuses keys
+    assert plan.first_over_their_keys == (True, True, False)
+    assert with_residual.first_over_their_keys == (True, True)  # the residual covers its own run's keys only

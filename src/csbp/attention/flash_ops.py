@@ -93,10 +93,11 @@ def flash_forward(
 
 def flash_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *, causal: bool, scale: float,
-    cuda_kernel: str = "flash",
+    cuda_kernel: str = "flash", kernel_dtype: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` (accumulation dtype) of one ``flash_forward`` call's key set, from the final merged
-    ``out [Z, Hq, Nq, d]`` / ``lse [Z, Hq, Nq]`` of its query rows and ``dout``."""
+    """``(dq, dk, dv)`` (accumulation dtype; the kernel's own with ``kernel_dtype``, for a caller that adds
+    them into accumulation-dtype buffers, casting as it adds) of one ``flash_forward`` call's key set,
+    from the final merged ``out [Z, Hq, Nq, d]`` / ``lse [Z, Hq, Nq]`` of its query rows and ``dout``."""
     kernel = _require_kernel(q, k, causal, cuda_kernel)
     dtype = accumulation_dtype(q, k, v)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))  # rows that see nothing: P = 0
@@ -124,6 +125,8 @@ def flash_backward(
             dout.to(dtype), q.to(dtype), k.to(dtype), v.to(dtype), out.to(dtype), lse.to(dtype), 0.0, causal,
             scale=scale,
         )
+    if kernel_dtype:
+        return dq, dk, dv
     return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 

@@ -123,6 +123,19 @@ class FlashPiecesPartial:
         return out, lse
 
     @functools.cached_property
+    def first_over_their_keys(self) -> tuple[bool, ...]:
+        """Per piece (in ``pieces`` order): whether no earlier piece or residual covers any of its keys."""
+        covered: list[tuple[int, int]] = []
+        fresh = []
+        for run in self.runs:
+            for p in run.pieces:
+                fresh.append(all(p.k_stop <= start or stop <= p.k_start for start, stop in covered))
+                covered.append((p.k_start, p.k_stop))
+            if run.residual is not None:
+                covered.append((run.k_start, run.k_stop))
+        return tuple(fresh)
+
+    @functools.cached_property
     def first_over_their_rows(self) -> tuple[bool, ...]:
         """Per piece (in ``pieces`` order): whether no earlier piece or residual covers any of its rows."""
         covered: list[tuple[int, int]] = []
@@ -148,16 +161,20 @@ class FlashPiecesPartial:
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
         dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
         dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        first = iter(zip(self.first_over_their_rows, self.first_over_their_keys))
         for run in self.runs:
             for p in run.pieces:
                 rows, keys = slice(p.q_start, p.q_stop), slice(p.k_start, p.k_stop)
                 dq_p, dk_p, dv_p = flash_backward(
                     q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows], lse[:, :, rows],
-                    dout[:, :, rows], causal=p.causal, scale=scale, cuda_kernel=self.cuda_kernel,
+                    dout[:, :, rows], causal=p.causal, scale=scale, cuda_kernel=self.cuda_kernel, kernel_dtype=True,
                 )
-                dq[:, :, rows] += dq_p
-                dk[:, :, keys] += dk_p
-                dv[:, :, keys] += dv_p
+                # into the fp32 slices, cast as they are written: a piece first over its rows / keys
+                # is copied (adding it to zeros gives it back), the others added
+                first_rows, first_keys = next(first)
+                _write_or_add(dq[:, :, rows], dq_p, first_rows)
+                _write_or_add(dk[:, :, keys], dk_p, first_keys)
+                _write_or_add(dv[:, :, keys], dv_p, first_keys)
             if run.residual is not None:
                 keys = slice(run.k_start, run.k_stop)
                 dq_r, dk_r, dv_r = run.residual.backward(
@@ -179,6 +196,14 @@ class FlashPiecesPartial:
                 f"the flash-pieces partial was built for {self.num_queries} queries x {self.num_keys} keys "
                 f"([S, H, N, d] tensors), got q {tuple(q.shape)}, k {tuple(k.shape)}; rebuild it for these rows"
             )
+
+
+def _write_or_add(target: Tensor, grad: Tensor, first: bool) -> None:
+    """``target`` (a slice of an accumulation buffer) ``= grad`` or ``+= grad``, in place, cast as it goes."""
+    if first:
+        target.copy_(grad)
+    else:
+        target.add_(grad)
 
 
 def plan_flash_pieces(
