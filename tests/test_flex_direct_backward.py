@@ -125,19 +125,25 @@ def test_rows_that_see_nothing_get_zero_gradients(flex_trains_on_cpu: None) -> N
         assert torch.isfinite(g).all() and torch.equal(g[:, :, unseen], torch.zeros_like(g[:, :, unseen]))
 
 
-@needs_direct
-def test_direct_backward_compiles_once_per_bucket(monkeypatch: pytest.MonkeyPatch, flex_trains_on_cpu: None) -> None:
-    """Two row sets of different sizes in one shape bucket (and new row values) share one graph."""
+def _count_compiled_graphs(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """A fresh compile of the direct backward (aot_eager) for this test; returns the list its graphs go to."""
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
-    graphs = []
+    graphs: list[object] = []
 
-    def counting_backend(gm, example_inputs):
+    def counting_backend(gm, example_inputs):  # noqa: ANN001, ANN202
         graphs.append(gm)
         return aot_eager(gm, example_inputs)
 
     compiled = torch.compile(flex_backward._backward_from_statistics, backend=counting_backend, dynamic=False,
                              fullgraph=True)
     monkeypatch.setattr(flex_backward, "_compiled_backward", lambda backend: compiled)
+    return graphs
+
+
+@needs_direct
+def test_direct_backward_compiles_once_per_bucket(monkeypatch: pytest.MonkeyPatch, flex_trains_on_cpu: None) -> None:
+    """Two row sets of different sizes in one shape bucket (and new row values) share one graph."""
+    graphs = _count_compiled_graphs(monkeypatch)
     rows = _layout_cases()["reference"][0]
     for num_queries in (len(rows), len(rows) - 8):
         q_rows = rows.select(slice(0, num_queries))
@@ -155,16 +161,7 @@ def test_every_new_shape_and_mask_compiles_on_the_graphs_kept_from_the_first(
     """The score and mask graphs are traced once and handed to every compile; dynamo marks a graph it
     installed as static, so without csbp unmarking them the second shape's compile refused them
     (``failed to handle argument for FlexAttentionBackward HOP``)."""
-    aot_eager = torch._dynamo.lookup_backend("aot_eager")
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return aot_eager(gm, example_inputs)
-
-    compiled = torch.compile(flex_backward._backward_from_statistics, backend=counting_backend, dynamic=False,
-                             fullgraph=True)
-    monkeypatch.setattr(flex_backward, "_compiled_backward", lambda backend: compiled)
+    graphs = _count_compiled_graphs(monkeypatch)
     for case in ("reference", "causal_in_block", "dflash_context"):  # new buckets and a new mask graph
         q_rows, k_rows, causal_in_block = _layout_cases()[case]
         got, want = _merged_backward(q_rows, k_rows, causal_in_block, "direct", seed=11)

@@ -123,29 +123,27 @@ class FlashPiecesPartial:
         return out, lse
 
     @functools.cached_property
-    def first_over_their_keys(self) -> tuple[bool, ...]:
-        """Per piece (in ``pieces`` order): whether no earlier piece or residual covers any of its keys."""
-        covered: list[tuple[int, int]] = []
-        fresh = []
-        for run in self.runs:
-            for p in run.pieces:
-                fresh.append(all(p.k_stop <= start or stop <= p.k_start for start, stop in covered))
-                covered.append((p.k_start, p.k_stop))
-            if run.residual is not None:
-                covered.append((run.k_start, run.k_stop))
-        return tuple(fresh)
-
-    @functools.cached_property
     def first_over_their_rows(self) -> tuple[bool, ...]:
         """Per piece (in ``pieces`` order): whether no earlier piece or residual covers any of its rows."""
+        return self._first_over(lambda p: (p.q_start, p.q_stop), lambda run: (0, self.num_queries))
+
+    @functools.cached_property
+    def first_over_their_keys(self) -> tuple[bool, ...]:
+        """Per piece (in ``pieces`` order): whether no earlier piece or residual covers any of its keys."""
+        return self._first_over(lambda p: (p.k_start, p.k_stop), lambda run: (run.k_start, run.k_stop))
+
+    def _first_over(
+        self, span: Callable[[FlashPiece], tuple[int, int]], residual_span: Callable[[KeyRunPlan], tuple[int, int]]
+    ) -> tuple[bool, ...]:
         covered: list[tuple[int, int]] = []
         fresh = []
         for run in self.runs:
-            for p in run.pieces:
-                fresh.append(all(p.q_stop <= start or stop <= p.q_start for start, stop in covered))
-                covered.append((p.q_start, p.q_stop))
+            for piece in run.pieces:
+                lo, hi = span(piece)
+                fresh.append(all(hi <= start or stop <= lo for start, stop in covered))
+                covered.append((lo, hi))
             if run.residual is not None:
-                covered.append((0, self.num_queries))
+                covered.append(residual_span(run))
         return tuple(fresh)
 
     def backward(
