@@ -34,11 +34,7 @@ def merge_partials(out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor) -> tu
 
     Returns ``(out, lse)`` in the accumulation dtype of the inputs.
     """
-    if out1.shape != out2.shape or lse1.shape != lse2.shape or out1.shape[:-1] != lse1.shape:
-        raise ValueError(
-            f"merge_partials: shapes out1 {tuple(out1.shape)}, lse1 {tuple(lse1.shape)}, out2 "
-            f"{tuple(out2.shape)}, lse2 {tuple(lse2.shape)} must be out [..., N, d] and lse [..., N] alike"
-        )
+    _check_pair("merge_partials", out1, lse1, out2, lse2)
     dtype = accumulation_dtype(out1, lse1, out2, lse2)
     lse1, lse2 = lse1.to(dtype), lse2.to(dtype)
     lse = _logaddexp(lse1, lse2)
@@ -55,11 +51,7 @@ def merge_into(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> None:
     dtype = accumulation_dtype(out, lse, out2, lse2)
     if out.dtype != dtype or lse.dtype != dtype:
         raise ValueError(f"merge_into: out ({out.dtype}) and lse ({lse.dtype}) must be in the accumulation dtype {dtype}")
-    if out.shape != out2.shape or lse.shape != lse2.shape or out.shape[:-1] != lse.shape:
-        raise ValueError(
-            f"merge_into: shapes out {tuple(out.shape)}, lse {tuple(lse.shape)}, out2 {tuple(out2.shape)}, lse2 "
-            f"{tuple(lse2.shape)} must be out [..., N, d] and lse [..., N] alike"
-        )
+    _check_pair("merge_into", out, lse, out2, lse2)
     lse2 = lse2.to(dtype)
     merged = _logaddexp(lse, lse2)
     out.lerp_(out2.to(dtype), _merge_weights(lse2, merged).unsqueeze(-1))
@@ -93,6 +85,15 @@ def partial_grads_from_merged(
     dout_part = weight.unsqueeze(-1) * dout
     dlse_part = weight * (dout * (out_part.to(dtype) - out.to(dtype))).sum(-1)
     return dout_part, dlse_part
+
+
+def _check_pair(caller: str, out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor) -> None:
+    """One clear ``ValueError`` unless both partials are ``out [..., N, d]`` and ``lse [..., N]`` alike."""
+    if out1.shape != out2.shape or lse1.shape != lse2.shape or out1.shape[:-1] != lse1.shape:
+        raise ValueError(
+            f"{caller}: shapes out1 {tuple(out1.shape)}, lse1 {tuple(lse1.shape)}, out2 "
+            f"{tuple(out2.shape)}, lse2 {tuple(lse2.shape)} must be out [..., N, d] and lse [..., N] alike"
+        )
 
 
 def _logaddexp(lse1: Tensor, lse2: Tensor) -> Tensor:
