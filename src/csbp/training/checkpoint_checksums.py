@@ -6,8 +6,9 @@ error, a bad sector, a partial ``rsync`` over an older checkpoint. So every file
 checkpoint (``.metadata`` and every ``__<rank>_<n>.distcp``) gets a CRC32 when it is saved:
 
 * :func:`record_checksums` is called by every rank right after ``dcp.save``: each rank checksums
-  only the ``__<rank>_*.distcp`` files it wrote (as the saved metadata names them; the ranks read
-  in parallel, each what it has just written, from its page cache), rank 0 ``.metadata``
+  only the ``__<rank>_*.distcp`` files it wrote (those the saved metadata names and those the
+  directory holds: torch 2.11's DCP names no item in a file of a rank that saved only replicated
+  tensors; the ranks read in parallel, each what it has just written, from its page cache), rank 0 ``.metadata``
   as well, and the per-rank results are gathered with ``all_gather_object`` on the world group (gloo
   on the CPU; NCCL on GPUs, where the trainer has made the rank's GPU current before the group
   exists). Rank 0 then checksums any DCP file of the directory no rank claimed (a safety net should
@@ -132,7 +133,7 @@ def record_checksums(directory: Path, data_files: Iterable[str]) -> dict[str, An
     the directory and reads any DCP file no rank claimed (a data file DCP wrote without an item in it,
     or another naming in a later torch). Every rank returns the gathered record."""
     rank = dist.get_rank() if dist.is_initialized() else 0
-    own = checksum_entries(directory, rank_files(data_files, rank))
+    own = checksum_entries(directory, rank_files({*data_files, *dcp_files(directory)}, rank))
     parts: list[Any] = [own]
     if dist.is_initialized() and dist.get_world_size() > 1:
         parts = [None] * dist.get_world_size()
