@@ -87,9 +87,9 @@ def test_primary_first_orders_the_primary_rows_of_every_length_first() -> None:
     assert [j.seq_len for j in head] == [16384] * 6 + [65536] * 6
     assert KernelJob(65536, 128, "flex", "diagonal", "flex") == primary[-1]
     assert all(j.form in ("decomposed", "diagonal") for j in primary[12:])
-    two = kernel_jobs(*args, primary_first=2)  # the first two decomposed variants, diagonal-major
+    two = kernel_jobs(*args, primary_first=2)  # the first two decomposed variants, clean-major
     assert {(j.form, j.diagonal, j.clean) for j in two[:16] if j.form == "decomposed"} == {
-        ("decomposed", "sdpa", "pieces"), ("decomposed", "sdpa", "generic")
+        ("decomposed", "sdpa", "pieces"), ("decomposed", "flex", "pieces")
     }
     assert sorted(map(repr, two)) == sorted(map(repr, by_length)) and len(two) == len(by_length)
     with pytest.raises(ValueError, match="--primary-first must be >= 0"):

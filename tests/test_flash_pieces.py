@@ -18,6 +18,7 @@ from csbp.attention.flash_pieces import FlashPiecesPartial
 from csbp.attention.layouts import bp_only_layout, cp_zigzag_layout, csbp_layout, reference_layout
 from csbp.attention.rows import Rows, allow_matrix
 from csbp.dflash.layouts import block_query_rows, context_rows, full_packet
+from test_flex_direct_backward import flex_trains_on_cpu, needs_direct  # noqa: F401 - flex_trains_on_cpu: a fixture
 from test_kernel import TOL64, dense_attention_reference, random_qkv, reference_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
@@ -53,7 +54,20 @@ def _cases() -> dict[str, tuple[Rows, Rows]]:
     anchors = torch.tensor([40, 44, 48, 52, 56, 60, 3, 9])  # six anchors under the same context, then two
     packet = full_packet(anchors, torch.zeros(8, dtype=torch.long))
     cases["dflash_context"] = (block_query_rows(packet, B, context="strict"), context_rows(torch.arange(32)))
+    # the mixed rows [noisy ; clean] over themselves: the noisy keys fold into the clean run's residual
+    for name in ("reference", "reference_window", "documents", "bp_only"):
+        cases[f"{name}_mixed"] = (cases[name][0], cases[name][0])
+    for me in (0, 1):
+        cases[f"cp_zigzag_{me}_local"] = (cp_zigzag_layout(L, B, 2, me).rows, cp_zigzag_layout(L, B, 2, me).rows)
+    cases["csbp_3_local"] = (csbp_layout(L, B, 2, 4, 3).rows, csbp_layout(L, B, 2, 4, 3).rows)
+    cases["noisy_keys_between_two_runs"] = (reference, _noisy_between_clean(reference, 40))
     return cases
+
+
+def _noisy_between_clean(rows: Rows, split: int) -> Rows:
+    """``rows``' keys reordered ``[clean[:split] ; noisy ; clean[split:]]``."""
+    noisy, clean = torch.nonzero(~rows.clean).flatten(), torch.nonzero(rows.clean).flatten()
+    return rows.select(torch.cat([clean[:split], noisy, clean[split:]]))
 
 
 CASES = _cases()
@@ -67,7 +81,8 @@ def _coverage(plan: FlashPiecesPartial, q_rows: Rows, k_rows: Rows) -> torch.Ten
             block = torch.ones(p.q_stop - p.q_start, p.k_stop - p.k_start, dtype=torch.long)
             count[p.q_start : p.q_stop, p.k_start : p.k_stop] += block.tril() if p.causal else block
         if run.residual is not None:
-            count[:, run.k_start : run.k_stop] += allow_matrix(run.residual.q_rows, run.residual.k_rows).long()
+            start, stop = run.residual_span
+            count[:, start:stop] += allow_matrix(run.residual.q_rows, run.residual.k_rows).long()
     return count
 
 
@@ -131,9 +146,33 @@ def test_noisy_keys_no_query_sees_are_skipped_like_padding() -> None:
     assert bool(k_rows.clean[in_runs].all()) and not bool(in_runs[~k_rows.clean].any())
 
 
+def test_noisy_keys_fold_into_the_residual_of_the_clean_run_next_to_them() -> None:
+    rows = reference_layout(L, B).rows
+    plan = plan_partial(rows, rows, backend="tiles", clean="pieces", min_rows=2)
+    assert isinstance(plan, FlashPiecesPartial)
+    (run,) = plan.runs
+    assert (run.k_start, run.k_stop) == (L, 2 * L) and run.residual_span == (0, 2 * L)
+    assert all(p.k_start >= L for p in run.pieces)  # pieces see clean keys only
+    plan = plan_partial(rows, _noisy_between_clean(rows, 40), backend="tiles", clean="pieces", min_rows=2)
+    assert [run.residual_span for run in plan.runs] == [(0, 40 + L), (40 + L, 2 * L)]  # the first run next to them
+
+
+def test_noisy_keys_with_another_run_before_every_run_with_pieces_plan_one_generic_partial() -> None:
+    rows = reference_layout(L, B).rows
+    noisy, clean = torch.nonzero(~rows.clean).flatten(), torch.nonzero(rows.clean).flatten()
+    apart = rows.select(torch.cat([noisy, clean[[61, 59]], clean[:56]]))  # a one-key run without pieces next to them
+    assert isinstance(plan_partial(rows, apart, backend="tiles", clean="pieces", min_rows=8), TilesPartial)
+    keys = rows.select(torch.cat([clean[[61, 59]], clean[:56]]))
+    assert isinstance(plan_partial(rows, keys, backend="tiles", clean="pieces", min_rows=8), FlashPiecesPartial)
+    assert flash_pieces._run_next_to((0, 8), [(8, 20)], [(8, 20), (20, 30)]) == (8, 20)
+    assert flash_pieces._run_next_to((10, 20), [(0, 10)], [(0, 10), (14, 16)]) is None  # another run inside
+    assert flash_pieces._run_next_to((0, 8), [(9, 20)], [(9, 20)]) == (9, 20)  # a dead key between: nothing seen
+    assert flash_pieces._run_next_to((0, 8), [(30, 40), (9, 20)], [(9, 20), (30, 40)]) == (9, 20)  # the nearest
+
+
 def test_noisy_keys_and_no_pieces_plan_one_generic_partial() -> None:
     rows = reference_layout(L, B).rows
-    assert isinstance(plan_partial(rows, rows, backend="tiles", clean="pieces", min_rows=2), TilesPartial)  # noisy keys
+    assert isinstance(plan_partial(rows, rows, backend="tiles", clean="pieces", min_rows=10_000), TilesPartial)
     assert isinstance(plan_partial(rows, _clean(rows), backend="tiles", clean="pieces", min_rows=10_000), TilesPartial)
     assert isinstance(plan_partial(rows, _clean(rows), backend="tiles", clean="generic"), TilesPartial)
     assert isinstance(plan_partial(rows, _clean(rows), backend="tiles"), TilesPartial)  # off by default
@@ -164,6 +203,33 @@ def test_flex_residual_forward_matches_reference() -> None:
     ref_out, ref_lse = dense_attention_reference(q.double(), k.double(), v.double(), allow_matrix(q_rows, k_rows), 8**-0.5)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
+
+
+MIXED_CASES = [name for name in sorted(CASES) if name.endswith(("_mixed", "_local"))]
+
+
+@pytest.mark.parametrize("causal_in_block", [False, True])
+@pytest.mark.parametrize("backend", ["tiles", pytest.param("flex", marks=needs_direct)])
+@pytest.mark.parametrize("case", MIXED_CASES)
+@pytest.mark.usefixtures("flex_trains_on_cpu")
+def test_residual_with_the_noisy_blocks_folded_in_matches_reference(case: str, backend: str, causal_in_block: bool) -> None:
+    """The mixed rows: clean pieces plus one residual over the in-block band and the noisy blocks (on
+    flex one Flex call), forward and backward from the merged statistics, in float64; with a
+    causal noisy block (Fast-dLLM v2) too."""
+    q_rows, k_rows = CASES[case]
+    plan = plan_partial(q_rows, k_rows, backend=backend, clean="pieces", min_rows=4, causal_in_block=causal_in_block)
+    assert isinstance(plan, FlashPiecesPartial) and any(run.residual_keys is not None for run in plan.runs)
+    q, k, v = random_qkv(len(q_rows), len(k_rows))
+    scale = 8**-0.5
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(1), dtype=q.dtype)
+    allow = allow_matrix(q_rows, k_rows, causal_in_block=causal_in_block)
+    ref_out, ref_lse, ref_grads = reference_grads(q, k, v, allow, scale, dout)
+    out, lse = plan.forward(q, k, v, scale=scale)
+    torch.testing.assert_close(out, ref_out, **TOL64)
+    torch.testing.assert_close(lse, ref_lse, **TOL64)
+    for got, want in zip(plan.backward(q, k, v, out, lse, dout, scale=scale), ref_grads):
+        torch.testing.assert_close(got, want, **TOL64)
+    assert plan._generic_plan is None  # the pieces ran, not the whole partial generically
 
 
 def test_flash_ops_checks_and_dtypes() -> None:
@@ -216,6 +282,32 @@ def test_local_transport_runs_its_clean_partial_as_pieces() -> None:
     q, k, v = random_qkv(128, 128)
     ref_out, _ = dense_attention_reference(q, k, v, allow_matrix(rows, rows), 8**-0.5)
     torch.testing.assert_close(attn(q, k, v), ref_out.to(q.dtype), **TOL64)
+
+
+@needs_direct
+@pytest.mark.usefixtures("flex_trains_on_cpu")
+def test_local_transport_on_flex_folds_the_noisy_blocks_into_the_clean_residual() -> None:
+    """The flex diagonal with clean pieces: no separate block-diagonal partial; one Flex residual over
+    the noisy blocks and the band. Its bench form (``csbp bench kernels``) is the same plan."""
+    from csbp.attention.transports.local import LocalAttentionFn
+    from csbp.bench.kernels import build_form
+
+    rows = reference_layout(64, 4).rows
+    attn = LocalAttentionFn(rows, num_noisy=64, backend="flex", diagonal="flex", clean="pieces")
+    plan = attn.plan
+    assert plan.block_size is None and plan.block_plan is None and isinstance(plan.interval_plan, FlashPiecesPartial)
+    assert [run.residual_span for run in plan.interval_plan.runs] == [(0, 128)]
+    bench = build_form(rows, 64, 4, "flex", "decomposed", "flex", "pieces")
+    assert bench.block_plan is None and [r.residual_span for r in bench.interval_plan.runs] == [(0, 128)]
+    q, k, v = (x.requires_grad_() for x in random_qkv(128, 128))
+    allow = allow_matrix(rows, rows)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=q.dtype)
+    ref_out, _, ref_grads = reference_grads(q.detach(), k.detach(), v.detach(), allow, 8**-0.5, dout)
+    out = attn(q, k, v)
+    torch.testing.assert_close(out, ref_out, **TOL64)
+    out.backward(dout)
+    for got, want in zip((q.grad, k.grad, v.grad), ref_grads):
+        torch.testing.assert_close(got, want, **TOL64)
 
 
 def test_cuda_flash_pieces_path_with_a_cpu_stand_in_kernel_matches_the_reference(

@@ -1,6 +1,6 @@
 """Flash pieces on CUDA (``make gpu-check``'s ``cuda-tests`` stage runs ``pytest -m cuda``): every
 layout's clean-context partial cut into FlashAttention-2 or cuDNN pieces (bf16) with a tiles or FlexAttention
-residual, forward and backward from the merged statistics against the CPU float64 reference; in
+residual (on the mixed rows one Flex residual holding the noisy blocks too), forward and backward from the merged statistics against the CPU float64 reference; in
 fp32 (no fused kernel) the same plan runs the whole partial generically.
 
 ``CSBP_CUDA_TESTS_DEVICE=cpu`` runs the same bodies on the CPU (the ``cpu-flash`` kernel, tiles
@@ -30,11 +30,12 @@ pytestmark = [
 
 @pytest.mark.parametrize("clean", ["pieces", "pieces-cudnn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("case", ["reference", "documents", "csbp_two_peers", "dflash_context"])
+@pytest.mark.parametrize("case", ["reference", "reference_mixed", "documents", "csbp_two_peers", "dflash_context"])
 def test_flash_pieces_match_the_cpu_float64_reference(case: str, dtype: torch.dtype, clean: str) -> None:
     dev = device_under_test()
     q_rows, k_rows = CASES[case]
-    backend = "flex" if dev.type == "cuda" and case == "reference" else "tiles"  # one Flex residual compile
+    # one Flex residual compile each; reference_mixed: the noisy blocks folded into that residual
+    backend = "flex" if dev.type == "cuda" and case in ("reference", "reference_mixed") else "tiles"
     plan = plan_partial(q_rows.to(dev), k_rows.to(dev), backend=backend, clean=clean, min_rows=4)
     assert isinstance(plan, FlashPiecesPartial) and plan.pieces
     q, k, v = random_qkv(len(q_rows), len(k_rows), heads=4, kv_heads=2, dim=64, samples=1, seed=21)

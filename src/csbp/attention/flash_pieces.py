@@ -24,8 +24,11 @@ every mask it evaluates. So ``plan_flash_pieces`` cuts the partial into
 Pieces are found per *key run* (a maximal run of keys, all live and clean, with increasing
 positions; a remote partial holds one or two runs per peer), and each key run with pieces gets its
 own residual. Noisy keys no query row can see (another rank's blocks in a CP-only ring step) are
-skipped like padding; a partial whose noisy keys some query sees (the block-diagonal part), or
-without any piece worth a call, is planned as one generic partial exactly as before. The split changes no result: every allowed pair is computed
+skipped like padding. Noisy keys that queries see (the block-diagonal part of the mixed rows
+``[noisy ; clean]``) are *folded* into the residual of the nearest key run with pieces (no other run
+between them): that residual runs over both key ranges, so on the ``flex`` backend one Flex call computes the in-block
+band and the noisy blocks together (one launch and one merge fewer than a separate block-diagonal
+partial; a BlockMask only visits the tiles on those diagonals). Noisy keys with no such run, or a partial without any piece worth a call, are planned as one generic partial. The split changes no result: every allowed pair is computed
 once, the partials merge in fp32 (``csbp.attention.merge``) and every piece's backward runs from the
 final merged ``(out, lse)``. When a call's dtype has no fused kernel (CUDA fp32/fp64) the plan runs
 the whole partial generically instead, built on first use.
@@ -66,12 +69,19 @@ class FlashPiece:
 
 @dataclass(frozen=True)
 class KeyRunPlan:
-    """The pieces and the residual partial of one key run ``[k_start, k_stop)``."""
+    """The pieces and the residual partial of one key run ``[k_start, k_stop)``; the residual's keys
+    are ``residual_keys`` when it also holds the noisy keys next to the run (see the module doc)."""
 
     k_start: int
     k_stop: int
     pieces: tuple[FlashPiece, ...]
-    residual: object | None  # a PartialPlan over (rows with raised ctx_start, this run's keys), or None
+    residual: object | None  # a PartialPlan over (rows with raised ctx_start, residual_span's keys), or None
+    residual_keys: tuple[int, int] | None = None  # None: the run's own keys
+
+    @property
+    def residual_span(self) -> tuple[int, int]:
+        """``[start, stop)`` of the keys the residual partial runs over."""
+        return self.residual_keys if self.residual_keys is not None else (self.k_start, self.k_stop)
 
 
 @dataclass(eq=False)
@@ -118,7 +128,7 @@ class FlashPiecesPartial:
                 else:
                     merge_into(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
             if run.residual is not None:
-                keys = slice(run.k_start, run.k_stop)
+                keys = slice(*run.residual_span)
                 merge_into(out, lse, *run.residual.forward(q, k[:, :, keys], v[:, :, keys], scale=scale))
         return out, lse
 
@@ -130,7 +140,7 @@ class FlashPiecesPartial:
     @functools.cached_property
     def first_over_their_keys(self) -> tuple[bool, ...]:
         """Per piece (in ``pieces`` order): whether no earlier piece or residual covers any of its keys."""
-        return self._first_over(lambda p: (p.k_start, p.k_stop), lambda run: (run.k_start, run.k_stop))
+        return self._first_over(lambda p: (p.k_start, p.k_stop), lambda run: run.residual_span)
 
     def _first_over(
         self, span: Callable[[FlashPiece], tuple[int, int]], residual_span: Callable[[KeyRunPlan], tuple[int, int]]
@@ -174,7 +184,7 @@ class FlashPiecesPartial:
                 _write_or_add(dk[:, :, keys], dk_p, first_keys)
                 _write_or_add(dv[:, :, keys], dv_p, first_keys)
             if run.residual is not None:
-                keys = slice(run.k_start, run.k_stop)
+                keys = slice(*run.residual_span)
                 dq_r, dk_r, dv_r = run.residual.backward(
                     q, k[:, :, keys], v[:, :, keys], out, lse, dout, scale=scale, delta=delta
                 )
@@ -209,11 +219,12 @@ def plan_flash_pieces(
 ) -> FlashPiecesPartial | None:
     """The flash-pieces plan of ``q_rows`` x ``k_rows`` (``generic(q_rows, k_rows)`` plans a plain partial,
     also for the residuals; ``cuda_kernel`` runs the pieces on CUDA), or None when no piece of
-    ``>= min_rows`` rows exists or a query sees a noisy key (the caller then plans one generic partial)."""
+    ``>= min_rows`` rows exists, or queries see noisy keys with another key run between them and every
+    run with pieces (the caller then plans one generic partial)."""
     if min_rows < 1:
         raise ValueError(f"min_rows must be >= 1, got {min_rows}")
     q_cpu, k_cpu = q_rows.to("cpu"), k_rows.to("cpu")
-    if len(k_cpu) == 0 or len(q_cpu) == 0 or _sees_noisy_keys(q_cpu, k_cpu):
+    if len(k_cpu) == 0 or len(q_cpu) == 0:
         return None
     found = []
     for k_start, k_stop in _key_runs(k_cpu):
@@ -222,34 +233,61 @@ def plan_flash_pieces(
         found.append((k_start, k_stop, pieces, lo, hi, covered_to))
     if not any(pieces for _, _, pieces, *_ in found):
         return None
+    residual_keys = {k_start: (k_start, k_stop) for k_start, k_stop, *_ in found}
+    noisy = _seen_noisy_span(q_cpu, k_cpu)
+    if noisy is not None:  # the block-diagonal keys go into the residual of the nearest run with pieces
+        fold = _run_next_to(noisy, [(a, b) for a, b, pieces, *_ in found if pieces], list(residual_keys.values()))
+        if fold is None:
+            return None
+        residual_keys[fold[0]] = (min(noisy[0], fold[0]), max(noisy[1], fold[1]))
     runs = []
     for k_start, k_stop, pieces, lo, hi, covered_to in found:
-        run_keys = k_rows.select(slice(k_start, k_stop))
         if not pieces:
-            runs.append(KeyRunPlan(k_start, k_stop, (), generic(q_rows, run_keys)))
+            runs.append(KeyRunPlan(k_start, k_stop, (), generic(q_rows, k_rows.select(slice(k_start, k_stop)))))
             continue
+        span = residual_keys[k_start]
         residual = None
-        if bool((covered_to < hi).any()):
-            # Raise ctx_start to the first key not covered (a covered row: past its ctx_stop).
+        if bool((covered_to < hi).any()) or span != (k_start, k_stop):
+            # Raise ctx_start to the first key not covered (a covered row: past its ctx_stop); noisy keys
+            # in the span are seen by block, whatever the rows' clean context.
             key_pos = torch.cat([k_cpu.pos[k_start:k_stop], k_cpu.pos.new_tensor([torch.iinfo(torch.long).max])])
             first_left = torch.where(covered_to < hi, key_pos[(covered_to - k_start).clamp(min=0)], q_cpu.ctx_stop)
             ctx_start = torch.where(covered_to > lo, first_left, q_cpu.ctx_start).to(q_rows.ctx_start.device)
-            residual = generic(replace(q_rows, ctx_start=ctx_start), run_keys)
-        runs.append(KeyRunPlan(k_start, k_stop, tuple(pieces), residual))
+            residual = generic(replace(q_rows, ctx_start=ctx_start), k_rows.select(slice(*span)))
+        keys = None if span == (k_start, k_stop) else span
+        runs.append(KeyRunPlan(k_start, k_stop, tuple(pieces), residual, keys))
     return FlashPiecesPartial(tuple(runs), len(q_rows), len(k_rows), lambda: generic(q_rows, k_rows), cuda_kernel)
 
 
 # ----------------------------------------------------------------------------- the search
 
 
-def _sees_noisy_keys(q_rows: Rows, k_rows: Rows) -> bool:
-    """Whether a live noisy query row shares its block with a live noisy key (the block-diagonal part).
-    Noisy keys no query can see (another rank's blocks in a CP-only ring step) are skipped like padding."""
-    noisy_blocks = k_rows.block[k_rows.live & ~k_rows.clean]
-    if noisy_blocks.numel() == 0:
-        return False
+def _seen_noisy_span(q_rows: Rows, k_rows: Rows) -> tuple[int, int] | None:
+    """``[start, stop)`` from the first to the last live noisy key that a live noisy query of its block
+    sees (the block-diagonal part), or None when there is none. Noisy keys no query can see (another
+    rank's blocks in a CP-only ring step) are skipped like padding."""
     queries = q_rows.live & ~q_rows.clean
-    return bool((queries & torch.isin(q_rows.block, noisy_blocks)).any())
+    seen = k_rows.live & ~k_rows.clean & torch.isin(k_rows.block, q_rows.block[queries])
+    if not bool(seen.any()):
+        return None
+    index = torch.nonzero(seen).flatten()
+    return int(index[0]), int(index[-1]) + 1
+
+
+def _run_next_to(
+    span: tuple[int, int], candidates: list[tuple[int, int]], runs: list[tuple[int, int]]
+) -> tuple[int, int] | None:
+    """The nearest of ``candidates`` (key runs with pieces) with no other key run between it and ``span``
+    (so the residual over their union sees no other run's clean keys; dead keys between cost nothing),
+    or None."""
+    def distance(run: tuple[int, int]) -> int:
+        return max(run[0] - span[1], span[0] - run[1], 0)
+
+    for run in sorted(candidates, key=distance):
+        lo, hi = min(span[0], run[0]), max(span[1], run[1])
+        if all(other == run or other[1] <= lo or hi <= other[0] for other in runs):
+            return run
+    return None
 
 
 def _key_runs(k_rows: Rows) -> list[tuple[int, int]]:

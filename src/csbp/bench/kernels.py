@@ -17,7 +17,9 @@ training uses (``csbp.attention.transports.local``), plus the block-diagonal par
   measures FlexAttention's BlockMask against one batched FlashAttention call for the noisy blocks;
   and once per clean-context kernel of ``--clean-kernels`` (the ``clean`` column): ``pieces``, the
   dense and causal pieces as fused flash calls plus a small residual on the backend
-  (``csbp.attention.flash_pieces``, what training runs), or ``generic``, one backend partial;
+  (``csbp.attention.flash_pieces``, what training runs), or ``generic``, one backend partial; the
+  ``flex`` diagonal with ``pieces`` is what the local transport runs for it: the noisy blocks folded
+  into the residual's one Flex call (no separate block-diagonal partial, one merge fewer);
 * ``diagonal``: that block-diagonal partial alone on the ``L`` noisy rows (its ``L*B`` pairs), per
   kernel: the kernel's own time, which the decomposed step's noise can hide;
 
@@ -67,6 +69,7 @@ from csbp.attention.backends import (
 )
 from csbp.attention.diagonal import check_diagonal, resolve_diagonal
 from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
+from csbp.attention.flash_pieces import FlashPiecesPartial
 from csbp.attention.flex import FlexPartial, flex_autograd_attention
 from csbp.attention.flex_backward import flex_backward_mode, resolve_flex_backward
 from csbp.attention.layouts import reference_layout
@@ -126,9 +129,16 @@ def build_form(
 ) -> LocalAttentionPlan:
     """The ``mixed`` or ``decomposed`` local plan of the packed ``[noisy ; clean]`` rows (the
     decomposed one with the ``diagonal`` block-diagonal kernel and the ``clean`` clean-context kernel,
-    ``csbp.attention.backends.CLEAN_KERNELS``: one ``backend`` partial, or flash pieces plus a residual)."""
+    ``csbp.attention.backends.CLEAN_KERNELS``: one ``backend`` partial, or flash pieces plus a residual,
+    which holds the noisy blocks too with the ``flex`` diagonal, as in the local transport)."""
     if form == "mixed":
         return LocalAttentionPlan(rows, rows, num_noisy, None, False, None, plan_partial(rows, rows, backend=backend))
+    if clean != "generic" and resolve_diagonal(diagonal, backend, block_size) == "flex":
+        # the local transport's plan: clean pieces plus one Flex residual holding the noisy blocks too
+        folded = plan_partial(rows, rows, backend=backend, clean=clean)
+        if not isinstance(folded, FlashPiecesPartial):
+            raise ValueError(f"no clean piece at L={num_noisy}, B={block_size}: the folded form would be the mixed one")
+        return LocalAttentionPlan(rows, rows, num_noisy, None, False, None, folded)
     clean_rows = rows.select(slice(num_noisy, None))
     return LocalAttentionPlan(
         rows,
@@ -217,8 +227,8 @@ def kernel_jobs(
     primary_first: int = 0,
 ) -> list[KernelJob]:
     """The rows to measure, in order (the dense rows come before a shape's first job): per length, block
-    size and backend, the mixed form (and ``mixed-ag`` on flex), the decomposed form per block-diagonal
-    kernel (``diagonals_of(backend, block)``) and clean kernel (diagonal-major), then the block-diagonal
+    size and backend, the mixed form (and ``mixed-ag`` on flex), the decomposed form per clean kernel
+    and block-diagonal kernel (``diagonals_of(backend, block)``; clean-major), then the block-diagonal
     partial alone per kernel. With ``primary_first = N > 0`` the *primary* rows (the mixed forms and the
     first ``N`` decomposed variants) of every length come first, then the others in the same order: a
     run cut short by a time limit still has the comparison at every length."""
@@ -229,7 +239,7 @@ def kernel_jobs(
             for backend in dict.fromkeys(backends):
                 kernels = diagonals_of(backend, block)
                 decomposed = [KernelJob(seq_len, block, backend, "decomposed", kernel, clean)
-                              for kernel in kernels for clean in clean_kernels]
+                              for clean in clean_kernels for kernel in kernels]
                 mixed = [KernelJob(seq_len, block, backend, "mixed")]
                 mixed += [KernelJob(seq_len, block, backend, "mixed-ag")] if backend == "flex" else []
                 diagonal = [KernelJob(seq_len, block, backend, "diagonal", kernel) for kernel in kernels]

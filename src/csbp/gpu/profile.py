@@ -22,7 +22,7 @@ from csbp.models.config import DecoderConfig
 KERNEL_BENCH_ARGS: tuple[str, ...] = (
     "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
     "--head-dim", "128", "--block-sizes", "16", "128", "--seq-lens", "16384", "131072", "65536", "32768", "8192",
-    "--diagonals", "sdpa", "flex", "--clean-kernels", "pieces", "pieces-cudnn", "generic", "--repeats", "2",
+    "--diagonals", "sdpa", "flex", "--clean-kernels", "pieces-cudnn", "pieces", "generic", "--repeats", "2",
     "--primary-first", "2", "--profile-top", "6", "--profile-seq-lens", "16384",
 )
 """``csbp bench kernels`` options of the ``kernels`` stage on CUDA (``--json`` is added: next to
@@ -31,11 +31,11 @@ then 128K, then 64K, 32K, 8K): every length compiles Flex for new shapes (a few 
 kernel), and 128K's rows take the longest, so the 150 s stage may end early (the rows measured are kept),
 and a run cut short then misses the middle of the range rather than its upper end, which the verdict
 needs. ``--primary-first``
-measures dense attention, the mixed forms and the two decomposed forms expected fastest (FlashAttention-2
-for the noisy blocks, the clean pieces on FlashAttention-2 or on cuDNN, which is faster on Hopper where it
-runs; neither compiles anything but the small residual) at every length before the other decomposed kernels: on the
-first H200 run the stage's 150 s held the primary rows of three lengths and most of the others, so the
-primary rows of 32K and 8K now come before the other kernels' rows. ``--profile-top`` breaks each 16K row's step into its costliest CUDA kernels
+measures dense attention, the mixed forms and the two decomposed forms expected fastest (the clean pieces on
+cuDNN, 1.8x FlashAttention-2's rate on the first H200 run, with the noisy blocks as one batched FlashAttention call
+or folded into the pieces' Flex residual; the jobs are clean-major) at every length before the other decomposed
+kernels: on the first H200 run the stage's 150 s held the primary rows of three lengths and most of the others, so
+the primary rows of 32K and 8K now come before the other kernels' rows. ``--profile-top`` breaks each 16K row's step into its costliest CUDA kernels
 (``csbp.bench.kernel_profile``): on the first H200 run the decomposed form lost to one Flex call at 16K
 only, and that breakdown says where."""
 
