@@ -272,6 +272,7 @@ def _kernels_report(env: CheckEnv, result: StageResult, output: str) -> StageRes
 def _train_table(env: CheckEnv) -> StageResult:
     # imported here, not at the top: the trainer needs pydantic, which the preflight checks first
     from csbp.attention.backends import resolve_backend
+    from csbp.attention.diagonal import resolve_diagonal
     from csbp.gpu.train_table import TableConfig, TableRow, format_train_table, rows_as_dicts, run_train_table
 
     args = env.args
@@ -301,14 +302,16 @@ def _train_table(env: CheckEnv) -> StageResult:
         env.progress(rows=rows_as_dicts(measured_rows), table=format_train_table(measured_rows))
 
     rows = run_train_table(cfg, device, progress=progress)
+    backend = resolve_backend(cfg.backend, device)
+    diagonals = {name: resolve_diagonal(name, backend, cfg.block_size) for name in (cfg.diagonal, cfg.decomposed_diagonal)}
     measured = sum(row.status.startswith("ok") for row in rows)
     failed = any(row.status.startswith(("out of memory", "error")) for row in rows)
     return StageResult(
         "train-table", "failed" if failed else "ok", time.perf_counter() - start,
-        f"{measured} of {len(rows)} rows measured ({resolve_backend(cfg.backend, device)} backend)",
+        f"{measured} of {len(rows)} rows measured ({backend} backend)",
         {"rows": rows_as_dicts(rows), "table": format_train_table(rows),
-         "attention": {"backend": resolve_backend(cfg.backend, device), "diagonal": cfg.diagonal, "clean": cfg.clean},
-         "decomposed_attention": {"diagonal": cfg.decomposed_diagonal, "clean": cfg.decomposed_clean}},
+         "attention": {"backend": backend, "diagonal": diagonals[cfg.diagonal], "clean": cfg.clean},
+         "decomposed_attention": {"diagonal": diagonals[cfg.decomposed_diagonal], "clean": cfg.decomposed_clean}},
     )
 
 

@@ -18,9 +18,11 @@ compilation does not crowd out the next ones. Activation checkpointing is the tr
 ``diagonal`` are its ``attention.backend`` and ``attention.diagonal`` (default ``auto``: flex on
 CUDA, tiles on the CPU, as ``csbp train`` runs), checked before the first row (``flex`` cannot
 train on the CPU). After the BD3 rows, ``bd3 decomposed`` rows (``decomposed_seq_lens``) train the
-same model with CSBP's decomposed attention (``decomposed_diagonal`` noisy blocks, the clean context
-as ``decomposed_clean`` pieces): on the first H200 run that form's kernel was 1.25-1.35x one Flex call
-at 64K-128K, and these rows say what that is worth in a training step.
+same model with CSBP's decomposed attention (the clean context as ``decomposed_clean`` pieces, the noisy
+blocks by ``decomposed_diagonal``: ``auto`` is ``flex`` on CUDA, which folds them into the pieces' one Flex
+residual, ``csbp.attention.flash_pieces``): on the first H200 run that form's kernel (then with a separate
+block-diagonal partial) was 1.25-1.35x one Flex call at 64K-128K, and these rows say what that is worth in
+a training step.
 
 The same code runs on the CPU at tiny sizes (the test suite's dry run); the numbers only mean
 something on a GPU.
@@ -72,7 +74,7 @@ class TableConfig:
     diagonal: str = "auto"
     clean: str = "generic"
     decomposed_seq_lens: tuple[int, ...] = ()  # the device check asks for 32K and 64K
-    decomposed_diagonal: str = "sdpa"
+    decomposed_diagonal: str = "auto"  # flex on CUDA: the noisy blocks folded into the clean pieces' Flex residual
     decomposed_clean: str = "pieces-cudnn"
     dflash_seq_len: int | None = 65536
     dflash_anchors: int = 512
