@@ -338,8 +338,9 @@ class AttentionSection(_Section):
         description=(
             "Kernel of the clean-context partials (csbp.attention.flash_pieces): generic (one backend partial); "
             "pieces (their dense and causal pieces as fused flash calls, FlashAttention-2 on CUDA, plus a residual "
-            "on the backend); pieces-cudnn (the same with cuDNN's fused attention on CUDA). Exact either way; on "
-            "CPU pieces measured slower than the tiles."
+            "on the backend; with diagonal flex the noisy blocks run inside that residual's one Flex call); "
+            "pieces-cudnn (the same with cuDNN's fused attention on CUDA). Exact either way; on CPU pieces measured "
+            "slower than the tiles."
         ),
     )
 

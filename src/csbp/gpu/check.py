@@ -18,10 +18,11 @@ stage               what it runs (limit)
 ``verify-dflash``   the same for DFlash drafter training
 ``kernels``         ``csbp bench kernels`` on CUDA (150 s): one layer's attention (flex backend, bf16,
                     16/4 heads of 128, B = 16 and 128) at 16K, 128K, 64K, 32K and 8K tokens: first, at every
-                    length, dense attention, the mixed forms and the decomposed form with the sdpa
-                    (FlashAttention) block diagonal and FlashAttention-2 or cuDNN clean pieces; then
-                    the other decomposed forms (flex block diagonal; the clean context as one Flex
-                    partial) as time allows; writes ``gpu-kernels.json`` next to
+                    length, dense attention, the mixed forms and the decomposed form with cuDNN clean
+                    pieces and the noisy blocks as one batched FlashAttention call (sdpa) or folded
+                    into the pieces' Flex residual (flex); then the other decomposed forms
+                    (FlashAttention-2 pieces; the clean context as one Flex partial) as time allows;
+                    writes ``gpu-kernels.json`` next to
                     ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
                     them, or those before its limit) into the report, with the kernel targets'
                     worst values (``csbp.bench.kernel_summary``; ``~`` where within the repeats' noise)
