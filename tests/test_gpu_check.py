@@ -256,7 +256,9 @@ def test_train_table_stage_passes_the_options_and_the_remaining_budget(
     assert 80.0 < cfg.budget_s <= 100.0 - check.TRAIN_TABLE_RESERVE_S
     assert (result.status, result.summary) == ("failed", "1 of 2 rows measured (flex backend)")  # OOM fails it
     assert (cfg.backend, cfg.diagonal, cfg.clean) == ("auto", "auto", "generic")
-    assert result.details["attention"] == {"backend": "flex", "diagonal": "auto", "clean": "generic"}  # auto on CUDA
+    assert result.details["attention"] == {"backend": "flex", "diagonal": "flex", "clean": "generic"}  # auto on CUDA
+    # the decomposed rows' noisy blocks: auto is flex on CUDA, folded into the cuDNN pieces' Flex residual
+    assert result.details["decomposed_attention"] == {"diagonal": "flex", "clean": "pieces-cudnn"}
     assert "out of memory" in capsys.readouterr().out
     late = CheckEnv(gpus=1, device_name="x", peak_tflops=None, repo=tmp_path, args=args, deadline=time.perf_counter())
     assert check._train_table(late).status == "skipped"
