@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from csbp.attention.merge import accumulation_dtype, merge_many, merge_partials, partial_grads_from_merged
+from csbp.attention.merge import (
+    accumulation_dtype,
+    merge_many,
+    merge_partials,
+    partial_grads_from_merged,
+    row_delta,
+)
 
 TOL64 = {"atol": 1e-10, "rtol": 1e-10}
 
@@ -119,6 +125,30 @@ def test_merge_passes_over_the_outputs_once_and_keeps_one_sided_rows_exactly() -
     assert len(full_size) == 1, full_size
     assert torch.equal(out[..., 0, :], out2[..., 0, :]) and torch.equal(out[..., 1, :], out1[..., 1, :])
     assert torch.equal(lse[..., 0], lse2[..., 0]) and torch.equal(lse[..., 1], lse1[..., 1])
+
+
+def test_row_delta_promotes_dout_inside_the_product() -> None:
+    """``rowsum(dout * out)`` with a bf16 ``dout`` and the fp32 merged ``out``: bit for bit the values of
+    casting ``dout`` first, without that cast's output-sized pass (one product, then the row sum)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gen = torch.Generator().manual_seed(5)
+    out = torch.randn(2, 3, 8, 16, generator=gen)
+    dout = torch.randn(2, 3, 8, 16, generator=gen).to(torch.bfloat16)
+    full_size = []
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            result = func(*args, **(kwargs or {}))
+            if isinstance(result, Tensor) and result.numel() == out.numel():
+                full_size.append(str(func))
+            return result
+
+    with Counting():
+        delta = row_delta(dout, out, torch.float32)
+    assert full_size == ["aten.mul.Tensor"], full_size
+    assert delta.dtype == torch.float32 and torch.equal(delta, (dout.float() * out).sum(-1))
+    assert row_delta(dout, out.double(), torch.float64).dtype == torch.float64
 
 
 def test_merge_into_a_slice_in_place_equals_merge_partials() -> None:

@@ -50,7 +50,7 @@ from csbp.attention.flex_backward import (
     pad_head_dim,
     recompile_limit_error,
 )
-from csbp.attention.merge import accumulation_dtype, partial_grads_from_merged
+from csbp.attention.merge import accumulation_dtype, partial_grads_from_merged, row_delta
 from csbp.attention.rows import Rows
 from csbp.masks import rows_mask
 from csbp.masks.predicates import rows_mask_buffers, rows_predicate
@@ -124,7 +124,7 @@ class FlexPartial:
             )
         if current_flex_backward() == "direct" and not _eager_on_cuda(q, k, v):
             if delta is None:
-                delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+                delta = row_delta(dout, out, dtype)
             extra = self.padded_queries - q.shape[2]
             grads = direct_flex_backward(
                 *self._padded(q.detach(), k.detach(), v.detach()),

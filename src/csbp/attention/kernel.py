@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.fused_cpu import fused_interval_backward, fused_interval_forward
-from csbp.attention.merge import accumulation_dtype
+from csbp.attention.merge import accumulation_dtype, row_delta
 from csbp.attention.rows import Rows
 from csbp.attention.tile_plan import (
     DEFAULT_TILE_ROWS,
@@ -148,7 +148,7 @@ def interval_attention_backward(
         return _original_rows(dq, plan), _original_keys(dk_used, plan), _original_keys(dv_used, plan)
     num_samples, num_kv_heads, group = q.shape[0], k.shape[1], q.shape[1] // k.shape[1]
     if delta is None:
-        delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+        delta = row_delta(dout, out, dtype)
     q_scaled = _grouped_rows(q, num_kv_heads, plan.query_index, dtype) * scale  # [S, Hkv, Nq, G, d]
     dout_g = _grouped_rows(dout, num_kv_heads, plan.query_index, dtype)  # [S, Hkv, Nq, G, d]
     lse_g = _grouped_lse(lse, num_kv_heads, plan.query_index, dtype)  # [S, Hkv, Nq, G]
@@ -216,7 +216,7 @@ def block_diagonal_backward(
     scale = resolve_scale(scale, q)
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if delta is None:
-        delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+        delta = row_delta(dout, out, dtype)
     q_scaled = _blocked_queries(q, num_kv_heads, block_size, dtype) * scale  # [S, Hkv, nb, G*B, d]
     k_b, v_b = _blocked_keys(k, block_size, dtype), _blocked_keys(v, block_size, dtype)  # [S, Hkv, nb, B, d]
     scores = q_scaled @ k_b.transpose(-1, -2)  # [S, Hkv, nb, G*B, B]

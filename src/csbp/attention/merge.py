@@ -58,6 +58,13 @@ def merge_into(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> None:
     lse.copy_(merged)
 
 
+def row_delta(dout: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
+    """``delta = rowsum(dout * out)`` (``[..., N]``) in ``dtype`` (the accumulation dtype), the row term of
+    every partial's backward. ``dout`` (bf16 in training) is promoted inside the product as it is read,
+    instead of a separate cast pass over it: the same values as casting first."""
+    return (dout * out.to(dtype)).sum(-1, dtype=dtype)
+
+
 def merge_many(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     """Merge any number (at least one) of partials ``(out, lse)`` over disjoint key subsets."""
     if len(partials) == 0:

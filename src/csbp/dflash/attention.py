@@ -46,7 +46,7 @@ from torch import Tensor
 from csbp.attention.backends import PartialPlan, plan_block_diagonal, plan_partial
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import WindowPlan
-from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.merge import accumulation_dtype, merge_partials, row_delta
 from csbp.attention.rows import Rows, allow_matrix
 from csbp.attention.transports.exchange import check_ring_comm
 from csbp.attention.transports.function import exact_attention_precision
@@ -275,7 +275,7 @@ class _ShardedDraftAttention(torch.autograd.Function):
         q, k_blk, v_blk, kv_all, out, lse = ctx.saved_tensors
         plan, variant = ctx.plan, ctx.variant
         dtype = accumulation_dtype(q, k_blk, v_blk)
-        delta = (dout.to(dtype) * out.to(dtype)).sum(-1)
+        delta = row_delta(dout, out, dtype)
         dq, dk_all, dv_all = variant.context_plan.backward(q, kv_all[0], kv_all[1], out, lse, dout, delta=delta)
         ring = _ring(plan)
         pending = None

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.backends import PartialPlan, plan_partial
-from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.merge import accumulation_dtype, merge_partials, row_delta
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import (
     ExchangeSpec,
@@ -105,7 +105,7 @@ def collective_backward(
     every ring member's queries."""
     spec = plan.spec
     dtype = accumulation_dtype(q, k, v)
-    delta = (dout.to(dtype) * out).sum(-1)  # [S, Hq, N]
+    delta = row_delta(dout, out, dtype)  # [S, Hq, N]
     dq_remote = None
     if plan.remote_plan is not None:
         dq_remote, dk_remote, dv_remote = plan.remote_plan.backward(

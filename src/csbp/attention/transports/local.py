@@ -36,7 +36,7 @@ from csbp.attention.backends import PartialPlan, plan_block_diagonal, plan_parti
 from csbp.attention.diagonal import resolve_diagonal
 from csbp.attention.flex import FlexPartial, flex_autograd_attention
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
-from csbp.attention.merge import accumulation_dtype, merge_into
+from csbp.attention.merge import accumulation_dtype, merge_into, row_delta
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import PlanCache
 from csbp.attention.transports.function import TransportFunction, exact_attention_precision
@@ -146,7 +146,7 @@ def local_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the accumulation dtype from the final ``out``/``lse`` and ``dout``."""
     dtype = accumulation_dtype(q, k, v)
-    delta = (dout.to(dtype) * out.to(dtype)).sum(-1)  # [S, Hq, N]
+    delta = row_delta(dout, out, dtype)  # [S, Hq, N]
     if plan.block_size is None:
         return plan.interval_plan.backward(q, k, v, out, lse, dout, scale=plan.scale, delta=delta)
     num_noisy = plan.num_noisy

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.backends import PartialPlan, plan_partial
-from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.merge import accumulation_dtype, merge_partials, row_delta
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import (
     ExchangeSpec,
@@ -122,7 +122,7 @@ def streaming_backward(
     dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local)  # overlaps the first hop
     if not plan.steps:
         return dq, dk, dv
-    delta = (dout.to(dtype) * out).sum(-1)  # [S, Hq, N]
+    delta = row_delta(dout, out, dtype)  # [S, Hq, N]
     grad_pending = None
     for index, step in enumerate(plan.steps):
         kv = kv_pending.wait()  # [2, S, Hkv, n, d] of step.owner

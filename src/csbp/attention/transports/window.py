@@ -30,7 +30,7 @@ from csbp.attention.backends import PartialPlan, check_backend, check_clean, pla
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import RankLayout, WindowPlan, bd3_rows
-from csbp.attention.merge import accumulation_dtype, merge_partials
+from csbp.attention.merge import accumulation_dtype, merge_partials, row_delta
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import PlanCache, check_packed_inputs, check_ring_comm
 from csbp.attention.transports.function import TransportFunction
@@ -95,7 +95,7 @@ def window_backward(
     dtype = accumulation_dtype(q, k, v)
     dq_halo = None
     if plan.halo_plan is not None:
-        delta = (dout.to(dtype) * out).sum(-1)  # [S, Hq, N]
+        delta = row_delta(dout, out, dtype)  # [S, Hq, N]
         dq_halo, dk_halo, dv_halo = plan.halo_plan.backward(
             q, halo_kv[0], halo_kv[1], out, lse, dout, delta=delta
         )
