@@ -125,6 +125,24 @@ def test_rows_that_see_nothing_get_zero_gradients(flex_trains_on_cpu: None) -> N
         assert torch.isfinite(g).all() and torch.equal(g[:, :, unseen], torch.zeros_like(g[:, :, unseen]))
 
 
+@needs_direct
+def test_kernel_dtype_grads_are_the_kernels_own_before_the_cast(flex_trains_on_cpu: None) -> None:
+    """``kernel_dtype``: q's dtype (bf16), the leading rows of a padded result as a view, the same values
+    as the accumulation-dtype grads, which a caller adds into its fp32 buffers casting as it adds."""
+    q_rows, k_rows, _ = _layout_cases()["mixed_dead_padding"]
+    partial = build_flex_partial(q_rows, k_rows, block=8)
+    assert partial.padded_queries > len(q_rows)  # the padded path: rows sliced off
+    q, k, v = (x.to(torch.bfloat16) for x in random_qkv(len(q_rows), len(k_rows), dim=16, seed=11))
+    out, lse = partial.forward(q, k, v)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
+    with flex_backward.flex_backward_mode("direct"):  # recompute: CUDA only (FlexAttention's own autograd)
+        accumulated = partial.backward(q, k, v, out, lse, dout)
+        own = partial.backward(q, k, v, out, lse, dout, kernel_dtype=True)
+    for a, b, x in zip(accumulated, own, (q, k, v)):
+        assert a.dtype == torch.float32 and b.dtype == torch.bfloat16 and b.shape == x.shape
+        assert torch.equal(b.float(), a)
+
+
 def _count_compiled_graphs(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     """A fresh compile of the direct backward (aot_eager) for this test; returns the list its graphs go to."""
     aot_eager = torch._dynamo.lookup_backend("aot_eager")

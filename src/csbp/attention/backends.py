@@ -67,8 +67,11 @@ class PartialPlan(Protocol):
         *,
         scale: float | None = None,
         delta: Tensor | None = None,
+        kernel_dtype: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``."""
+        """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``, in the
+        accumulation dtype; with ``kernel_dtype`` they may stay in the kernel's own dtype (bf16 from a fused
+        CUDA kernel), for a caller that adds them into accumulation-dtype buffers, casting as it adds."""
         ...
 
 
@@ -142,9 +145,9 @@ class TilesPartial:
 
     def backward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
-        scale: float | None = None, delta: Tensor | None = None,
+        scale: float | None = None, delta: Tensor | None = None, kernel_dtype: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return interval_attention_backward(
+        return interval_attention_backward(  # the tiles compute in the accumulation dtype
             q, k, v, self.q_rows, self.k_rows, out, lse, dout,
             scale=scale, causal_in_block=self.causal_in_block, plan=self.tile_plan, delta=delta,
         )
@@ -162,9 +165,9 @@ class BlockDiagonalPartial:
 
     def backward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
-        scale: float | None = None, delta: Tensor | None = None,
+        scale: float | None = None, delta: Tensor | None = None, kernel_dtype: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        return block_diagonal_backward(
+        return block_diagonal_backward(  # batched matmuls in the accumulation dtype
             q, k, v, out, lse, dout, block_size=self.block_size, scale=scale, causal=self.causal_in_block, delta=delta
         )
 

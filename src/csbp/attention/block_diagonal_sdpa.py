@@ -108,9 +108,11 @@ class SdpaBlockDiagonalPartial:
         *,
         scale: float | None = None,
         delta: Tensor | None = None,
+        kernel_dtype: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``
-        (accumulation dtype); ``delta`` is used by the ``matmul`` kernel, recomputed by the fused ones."""
+        (accumulation dtype; the fused kernel's own with ``kernel_dtype``); ``delta`` is used by the
+        ``matmul`` kernel, recomputed by the fused ones."""
         self._check(q, k, v)
         scale = resolve_scale(scale, q)
         if self.kernel(q) == "matmul":
@@ -122,7 +124,8 @@ class SdpaBlockDiagonalPartial:
         q_b, out_b, dout_b = (self._blocked(t, group) for t in (q, out, dout))
         lse_b = self._blocked(lse.unsqueeze(-1), group).squeeze(-1)
         dq_b, dk_b, dv_b = flash_backward(
-            q_b, self._blocked(k), self._blocked(v), out_b, lse_b, dout_b, causal=self.causal_in_block, scale=scale
+            q_b, self._blocked(k), self._blocked(v), out_b, lse_b, dout_b, causal=self.causal_in_block, scale=scale,
+            kernel_dtype=kernel_dtype,
         )
         dq = self._unblocked(dq_b, num_samples, group)
         return dq, self._unblocked(dk_b, num_samples), self._unblocked(dv_b, num_samples)

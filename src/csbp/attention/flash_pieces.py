@@ -158,12 +158,13 @@ class FlashPiecesPartial:
 
     def backward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
-        scale: float | None = None, delta: Tensor | None = None,
+        scale: float | None = None, delta: Tensor | None = None, kernel_dtype: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``."""
+        """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``
+        (accumulation-dtype buffers, whatever ``kernel_dtype``)."""
         self._check(q, k)
         if flash_kernel(q, self.cuda_kernel) is None:
-            return self._fallback().backward(q, k, v, out, lse, dout, scale=scale, delta=delta)
+            return self._fallback().backward(q, k, v, out, lse, dout, scale=scale, delta=delta, kernel_dtype=kernel_dtype)
         scale = resolve_scale(scale, q)
         dtype = accumulation_dtype(q, k, v)
         dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
@@ -185,8 +186,8 @@ class FlashPiecesPartial:
                 _write_or_add(dv[:, :, keys], dv_p, first_keys)
             if run.residual is not None:
                 keys = slice(*run.residual_span)
-                dq_r, dk_r, dv_r = run.residual.backward(
-                    q, k[:, :, keys], v[:, :, keys], out, lse, dout, scale=scale, delta=delta
+                dq_r, dk_r, dv_r = run.residual.backward(  # bf16 from Flex, added into the fp32 buffers
+                    q, k[:, :, keys], v[:, :, keys], out, lse, dout, scale=scale, delta=delta, kernel_dtype=True
                 )
                 dq += dq_r
                 dk[:, :, keys] += dk_r

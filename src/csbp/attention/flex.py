@@ -108,9 +108,11 @@ class FlexPartial:
         *,
         scale: float | None = None,
         delta: Tensor | None = None,
+        kernel_dtype: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(dq, dk, dv)`` of this key set's share, from the final merged ``out``/``lse`` and ``dout``
-        (``delta = <dout, out>``, computed here when not given), by the process's flex backward
+        """``(dq, dk, dv)`` of this key set's share, from the final merged ``out``/``lse`` and ``dout``, in the
+        accumulation dtype (with ``kernel_dtype`` in the kernel's, q's: no cast pass and no copy of a padded
+        result; ``delta = <dout, out>``, computed here when not given), by the process's flex backward
         (``csbp.attention.flex_backward``): the kernel's backward from the merged statistics
         (``direct``) or the partial recomputed under autograd (``recompute``)."""
         _check_shapes(q, k, v, self)
@@ -138,6 +140,8 @@ class FlexPartial:
             )
         else:
             grads = self._recomputed_backward(q, k, v, out, lse, dout, scale)
+        if kernel_dtype:
+            return tuple(g[:, :, : x.shape[2]] for g, x in zip(grads, (q, k, v)))  # type: ignore[return-value]
         return tuple(  # type: ignore[return-value]
             _leading_rows(g, x.shape[2]).to(dtype) for g, x in zip(grads, (q, k, v))
         )
