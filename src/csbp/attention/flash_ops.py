@@ -74,10 +74,12 @@ def flash_supported(q: Tensor) -> bool:
 
 
 def flash_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, cuda_kernel: str = "flash"
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, cuda_kernel: str = "flash",
+    kernel_dtype: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``q [Z, Hq, Nq, d]`` over ``k, v [Z, Hkv, Nk, d]`` -> ``(out [Z, Hq, Nq, d], lse [Z, Hq, Nq])`` in
-    the accumulation dtype. ``causal`` needs ``Nq == Nk``."""
+    the accumulation dtype (``out`` in the kernel's own with ``kernel_dtype``, for a caller that writes it
+    into an accumulation-dtype buffer, casting as it writes). ``causal`` needs ``Nq == Nk``."""
     kernel = _require_kernel(q, k, causal, cuda_kernel)
     dtype = accumulation_dtype(q, k, v)
     if kernel == "cudnn":
@@ -88,7 +90,7 @@ def flash_forward(
         out, lse = (torch.cat(part) for part in zip(*parts))
     else:
         out, lse = _CPU_FORWARD(q.to(dtype), k.to(dtype), v.to(dtype), 0.0, causal, scale=scale)
-    return out.to(dtype), lse.to(dtype)
+    return (out if kernel_dtype else out.to(dtype)), lse.to(dtype)
 
 
 def flash_backward(

@@ -121,9 +121,9 @@ class FlashPiecesPartial:
                 rows, keys = slice(p.q_start, p.q_stop), slice(p.k_start, p.k_stop)
                 part_out, part_lse = flash_forward(
                     q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=p.causal, scale=scale,
-                    cuda_kernel=self.cuda_kernel,
+                    cuda_kernel=self.cuda_kernel, kernel_dtype=True,
                 )
-                if next(fresh):  # merging into zeros / -inf would give the piece itself: write it
+                if next(fresh):  # merging into zeros / -inf would give the piece itself: write it (cast as written)
                     out[:, :, rows], lse[:, :, rows] = part_out, part_lse
                 else:
                     merge_into(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
