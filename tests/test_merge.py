@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from csbp.attention.merge import (
     accumulation_dtype,
@@ -99,28 +100,35 @@ def test_partial_grads_from_merged_match_autograd() -> None:
         assert bool((dout_part[~has_key] == 0).all()) and bool((dlse_part[~has_key] == 0).all())
 
 
+class _OutputSizedOps(TorchDispatchMode):
+    """The aten ops run inside it that return a tensor of ``numel`` elements (output-sized passes)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __enter__(self) -> list[str]:  # type: ignore[override]
+        super().__enter__()
+        return self.ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, Tensor) and result.numel() == self.numel:
+            self.ops.append(str(func))
+        return result
+
+
 def test_merge_passes_over_the_outputs_once_and_keeps_one_sided_rows_exactly() -> None:
     """The merge is memory-bound on a GPU: one op writes an output-sized tensor (a lerp by the second
     weight; the two scalings and the sum it replaced were three), and a row that only one partial
     sees gets that partial's output bit for bit."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     gen = torch.Generator().manual_seed(4)
     out1, out2 = torch.randn(2, 3, 8, 16, generator=gen), torch.randn(2, 3, 8, 16, generator=gen)
     lse1, lse2 = torch.randn(2, 3, 8, generator=gen), torch.randn(2, 3, 8, generator=gen)
     lse1[..., 0], lse2[..., 1] = float("-inf"), float("-inf")
     out1[..., 0, :] = 0.0
     out2[..., 1, :] = 0.0
-    full_size = []
-
-    class Counting(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
-            result = func(*args, **(kwargs or {}))
-            if isinstance(result, Tensor) and result.numel() == out1.numel():
-                full_size.append(str(func))
-            return result
-
-    with Counting():
+    with _OutputSizedOps(out1.numel()) as full_size:
         out, lse = merge_partials(out1, lse1, out2, lse2)
     assert len(full_size) == 1, full_size
     assert torch.equal(out[..., 0, :], out2[..., 0, :]) and torch.equal(out[..., 1, :], out1[..., 1, :])
@@ -130,21 +138,10 @@ def test_merge_passes_over_the_outputs_once_and_keeps_one_sided_rows_exactly() -
 def test_row_delta_promotes_dout_inside_the_product() -> None:
     """``rowsum(dout * out)`` with a bf16 ``dout`` and the fp32 merged ``out``: bit for bit the values of
     casting ``dout`` first, without that cast's output-sized pass (one product, then the row sum)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     gen = torch.Generator().manual_seed(5)
     out = torch.randn(2, 3, 8, 16, generator=gen)
     dout = torch.randn(2, 3, 8, 16, generator=gen).to(torch.bfloat16)
-    full_size = []
-
-    class Counting(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
-            result = func(*args, **(kwargs or {}))
-            if isinstance(result, Tensor) and result.numel() == out.numel():
-                full_size.append(str(func))
-            return result
-
-    with Counting():
+    with _OutputSizedOps(out.numel()) as full_size:
         delta = row_delta(dout, out, torch.float32)
     assert full_size == ["aten.mul.Tensor"], full_size
     assert delta.dtype == torch.float32 and torch.equal(delta, (dout.float() * out).sum(-1))
