@@ -35,7 +35,8 @@ from csbp.models.config import DecoderConfig
 
 def _env(tmp_path: Path, seconds: float = 60.0) -> CheckEnv:
     return CheckEnv(gpus=1, device_name="NVIDIA H200", peak_tflops=989.0, repo=tmp_path,
-                    args=argparse.Namespace(), deadline=time.perf_counter() + seconds, out_dir=tmp_path)
+                    args=argparse.Namespace(flex_backward="auto"), deadline=time.perf_counter() + seconds,
+                    out_dir=tmp_path)
 
 
 def test_without_cuda_it_prints_one_line_and_exits_0(
@@ -54,7 +55,8 @@ def test_stage_selection_and_listing(capsys: pytest.CaptureFixture[str], tmp_pat
     kernels = next(s for s in check.STAGES if s.name == "kernels")
     assert kernels.run(_env(tmp_path, seconds=0.5)).summary == "no time left in the budget"
     argv = check._kernels(_env(tmp_path))
-    assert argv[2:5] == ["csbp", "bench", "kernels"] and argv[-2:] == ["--json", str(tmp_path / "gpu-kernels.json")]
+    assert argv[2:5] == ["csbp", "bench", "kernels"]
+    assert argv[-4:] == ["--json", str(tmp_path / "gpu-kernels.json"), "--flex-backward", "auto"]
     assert [s.name for s in select_stages(["train-table", "cuda-tests"])] == ["cuda-tests", "train-table"]
     assert select_stages(None) == check.STAGES
     with pytest.raises(ValueError, match=r"unknown or no stage\(s\) \['kernel'\]"):
@@ -63,6 +65,27 @@ def test_stage_selection_and_listing(capsys: pytest.CaptureFixture[str], tmp_pat
     assert "unknown or no stage" in capsys.readouterr().err
     assert check.main(["--list"]) == 0
     assert "train-table" in capsys.readouterr().out
+
+
+def test_flex_backward_is_checked_first_and_handed_to_the_stages(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--flex-backward recompute``: the way to rerun the kernels and training-table stages should the
+    direct kernel fail to compile on a device; ``direct`` where torch cannot trace it is one line, exit 2."""
+    import csbp.attention.flex_backward as flex_backward
+
+    monkeypatch.setattr(flex_backward, "_mode", flex_backward._mode)  # restored after the test
+    env = _env(tmp_path)
+    env.args.flex_backward = "recompute"
+    assert check._kernels(env)[-2:] == ["--flex-backward", "recompute"]
+    monkeypatch.setattr(flex_backward, "direct_backward_support", lambda: (False, "no tracing here"))
+    assert check.main(["--flex-backward", "direct", "--json", str(tmp_path / "gpu-check.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--flex-backward" in err and "no tracing here" in err
+    assert check.main(["--flex-backward", "recompute", "--dry-run-cpu", "--stages", "train-table",
+                       "--json", str(tmp_path / "gpu-check.json")]) == 0
+    assert "flex backward recompute" in capsys.readouterr().out
+    assert flex_backward.current_flex_backward() == "recompute"  # the in-process training table ran with it
 
 
 def test_kernels_stage_options_parse_and_compare_both_block_diagonal_kernels() -> None:

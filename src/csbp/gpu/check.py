@@ -73,7 +73,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from csbp.attention.flex_backward import resolve_flex_backward  # noqa: E402
+from csbp.attention.flex_backward import FLEX_BACKWARDS, resolve_flex_backward, set_flex_backward  # noqa: E402
 from csbp.bench.kernel_summary import target_line  # noqa: E402
 from csbp.gpu.flops import gpu_bf16_peak_tflops  # noqa: E402
 from csbp.gpu.profile import CPU_DRY_RUN, CUDA, CheckProfile  # noqa: E402
@@ -235,7 +235,8 @@ def _kernels_json(env: CheckEnv) -> Path:
 
 def _kernels(env: CheckEnv) -> list[str]:
     _kernels_json(env).unlink(missing_ok=True)  # rows of an earlier run must not pass for this one's
-    return [sys.executable, "-m", "csbp", "bench", "kernels", *env.profile.kernels, "--json", str(_kernels_json(env))]
+    return [sys.executable, "-m", "csbp", "bench", "kernels", *env.profile.kernels, "--json", str(_kernels_json(env)),
+            "--flex-backward", env.args.flex_backward]
 
 
 def summarize_kernel_rows(rows: list[dict[str, object]], *, targets: bool = False) -> str:
@@ -380,8 +381,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--clean", choices=CLEAN_KERNELS, default="generic",
                         help="clean-context kernel of the training table's BD3 rows (csbp.attention.flash_pieces)")
     parser.add_argument("--decomposed-seq-lens", type=int, nargs="*", default=[32768, 65536],
-                        help="lengths of the table's 'bd3 decomposed' rows (sdpa noisy blocks, cuDNN clean pieces), "
-                        "after the BD3 rows as the budget allows; none: no such rows")
+                        help="lengths of the table's 'bd3 decomposed' rows (cuDNN clean pieces, the noisy blocks "
+                        "folded into their Flex residual), after the BD3 rows as the budget allows; none: no such rows")
+    parser.add_argument("--flex-backward", choices=FLEX_BACKWARDS, default="auto",
+                        help="backward of merged Flex partials in the kernels stage and the training table "
+                        "(csbp.attention.flex_backward; auto: direct where this torch traces it). recompute: the "
+                        "way to rerun those stages should the direct kernel fail to compile on the device")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed steps per training-table row (2: what the budget allows at 64K; their ± is "
                         "the range of two steps, a rough guide)")
@@ -407,6 +412,7 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     args = build_parser().parse_args(argv)
     try:
         stages = select_stages(args.stages)
+        resolve_flex_backward(args.flex_backward, where="--flex-backward")  # direct on a torch that cannot: refused
     except ValueError as exc:
         print(f"gpu-check: error: {exc}", file=sys.stderr)
         return 2
@@ -423,9 +429,11 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
         print(message)
         return 0
     gpus, name, peak = _machine(args, profile)
+    # the training table runs in this process; the kernels stage is told (the CUDA tests choose per test)
+    flex_backward = set_flex_backward(args.flex_backward, where="--flex-backward")
     info = {"gpus": gpus, "name": name, "bf16_peak_tflops": peak, "torch": torch.__version__,
             "cuda": torch.version.cuda, "python": sys.version.split()[0], "dry_run": args.dry_run_cpu,
-            "flex_backward": resolve_flex_backward("auto")}
+            "flex_backward": flex_backward}
     report = CheckReport(args.json, info, budget_s=args.budget_s, started=started)
     env = CheckEnv(gpus=gpus, device_name=name, peak_tflops=peak, repo=Path.cwd(), args=args,
                    deadline=started + args.budget_s, profile=profile, out_dir=args.json.parent, report=report)
