@@ -112,6 +112,18 @@ def test_float32_and_bfloat16_agree_with_float64() -> None:
         torch.testing.assert_close(low, high, atol=6e-2, rtol=6e-2)
 
 
+def test_bf16_attention_saves_its_output_in_bf16_for_the_backward() -> None:
+    """The merge runs in fp32, but the backward keeps ``out`` as returned (bf16, as FlashAttention does):
+    no fp32 copy of every layer's attention output waits for the backward; only the lse is fp32."""
+    rows, num_noisy = bp_only_rows()
+    attn = LocalAttentionFn(rows, num_noisy=num_noisy)
+    q, k, v = (t.to(torch.bfloat16).requires_grad_(True) for t in random_qkv(len(rows), len(rows), seed=6))
+    out = attn(q, k, v)
+    saved = out.grad_fn.saved_tensors
+    assert [t.dtype for t in saved] == [torch.bfloat16] * 4 + [torch.float32]  # q, k, v, out; lse
+    assert saved[3].data_ptr() == out.data_ptr()  # the output itself, no copy
+
+
 def test_invalid_plans_raise() -> None:
     rows, num_noisy = bp_only_rows()
     with pytest.raises(ValueError, match="num_noisy"):

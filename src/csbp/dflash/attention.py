@@ -266,9 +266,10 @@ class _ShardedDraftAttention(torch.autograd.Function):
             kv_all = gathered.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, P*M, d]
         out_ctx, lse_ctx = variant.context_plan.forward(q, kv_all[0], kv_all[1])
         out, lse = merge_partials(out_blk, lse_blk, out_ctx, lse_ctx)
+        out = out.to(q.dtype)  # kept as returned, like the transports' (csbp.attention.transports.function)
         ctx.save_for_backward(q, k_blk, v_blk, kv_all, out, lse)
         ctx.plan, ctx.variant, ctx.num_own = plan, variant, k_ctx.shape[2]
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def _backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:

@@ -7,7 +7,10 @@ A transport is a pair of plain functions over a prebuilt plan::
 
 ``TransportFunction`` saves ``q, k, v, out, lse`` and the extras, calls the backward with the
 final merged ``(out, lse)`` (csbp.md §9.2) and casts results back to the input dtypes; the
-backward runs the transport's mirror collective.
+backward runs the transport's mirror collective. ``out`` is kept as returned, in q's dtype (bf16
+in training), as FlashAttention keeps it: the merge ran in fp32, and the backward needs ``out`` only
+for the row term ``delta = rowsum(dout * out)``, which the fused kernels form from the bf16
+``out`` anyway; keeping the fp32 copy would double the saved attention output of every layer.
 
 Precision: forward and backward run with autocast *disabled* (``exact_attention_precision``), so
 the kernels compute scores, softmax statistics and gradients in their accumulation dtype (fp32
@@ -52,9 +55,10 @@ class TransportFunction(torch.autograd.Function):
     ) -> Tensor:
         with exact_attention_precision(q.device):
             out, lse, *saved = forward_fn(q, k, v, plan)
+        out = out.to(q.dtype)  # the same tensor when q is in the accumulation dtype
         ctx.save_for_backward(q, k, v, out, lse, *saved)
         ctx.plan, ctx.backward_fn = plan, backward_fn
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
