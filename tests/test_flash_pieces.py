@@ -115,6 +115,28 @@ def test_pieces_forward_and_backward_match_reference(case: str, min_rows: int) -
         torch.testing.assert_close(got, want, **TOL64)
 
 
+@pytest.mark.parametrize("case", ["reference", "reference_mixed", "documents_mixed", "csbp_two_peers", "dflash_context"])
+def test_buffers_are_filled_only_where_no_first_piece_writes(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward's out/lse and the backward's gradient buffers start uninitialised (NaN here): the
+    rows and keys no first piece writes are filled, and the result still matches the reference."""
+    new_empty, empty = torch.Tensor.new_empty, torch.empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: new_empty(self, *a, **kw).fill_(float("nan")))
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    q_rows, k_rows = CASES[case]
+    plan = plan_partial(q_rows, k_rows, backend="tiles", clean="pieces", min_rows=4)
+    assert isinstance(plan, FlashPiecesPartial)
+    q, k, v = random_qkv(len(q_rows), len(k_rows))
+    dout = torch.randn(q.shape[:-1] + (v.shape[-1],), generator=torch.Generator().manual_seed(1), dtype=q.dtype)
+    ref_out, ref_lse, ref_grads = reference_grads(q, k, v, allow_matrix(q_rows, k_rows), 8**-0.5, dout)
+    out, lse = plan.forward(q, k, v, scale=8**-0.5)
+    torch.testing.assert_close(out, ref_out, **TOL64)
+    torch.testing.assert_close(lse, ref_lse, **TOL64)
+    for got, want in zip(plan.backward(q, k, v, out, lse, dout, scale=8**-0.5), ref_grads):
+        torch.testing.assert_close(got, want, **TOL64)
+    assert flash_pieces._gaps([(2, 5), (4, 8), (10, 12)], 14) == ((0, 2), (8, 10), (12, 14))
+    assert flash_pieces._gaps([], 3) == ((0, 3),) and flash_pieces._gaps([(0, 3)], 3) == ()
+
+
 def test_bd3_clean_context_runs_almost_all_in_pieces() -> None:
     """One device, L = 512, B = 16 (CPU default min_rows): the noisy and clean rows' clean context is
     two causal pieces; the residual keeps only the in-block band (< B / L of the pairs)."""

@@ -113,8 +113,12 @@ class FlashPiecesPartial:
             return self._fallback().forward(q, k, v, scale=scale)
         scale = resolve_scale(scale, q)
         dtype = accumulation_dtype(q, k, v)
-        out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=dtype)
-        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=dtype)
+        # rows a first piece writes need no zeros / -inf first: only the others are filled
+        out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=dtype)
+        lse = q.new_empty(q.shape[:-1], dtype=dtype)
+        for start, stop in self.rows_no_first_piece_writes:
+            out[:, :, start:stop] = 0.0
+            lse[:, :, start:stop] = float("-inf")
         fresh = iter(self.first_over_their_rows)
         for run in self.runs:
             for p in run.pieces:
@@ -136,6 +140,19 @@ class FlashPiecesPartial:
     def first_over_their_rows(self) -> tuple[bool, ...]:
         """Per piece (in ``pieces`` order): whether no earlier piece or residual covers any of its rows."""
         return self._first_over(lambda p: (p.q_start, p.q_stop), lambda run: (0, self.num_queries))
+
+    @functools.cached_property
+    def rows_no_first_piece_writes(self) -> tuple[tuple[int, int], ...]:
+        """``[start, stop)`` ranges of the query rows outside every piece first over its rows: the forward
+        starts them at ``out = 0, lse = -inf`` and the backward at ``dq = 0`` (the rest is written)."""
+        spans = [(p.q_start, p.q_stop) for p, first in zip(self.pieces, self.first_over_their_rows) if first]
+        return _gaps(spans, self.num_queries)
+
+    @functools.cached_property
+    def keys_no_first_piece_writes(self) -> tuple[tuple[int, int], ...]:
+        """The same for the keys and ``dk = dv = 0``."""
+        spans = [(p.k_start, p.k_stop) for p, first in zip(self.pieces, self.first_over_their_keys) if first]
+        return _gaps(spans, self.num_keys)
 
     @functools.cached_property
     def first_over_their_keys(self) -> tuple[bool, ...]:
@@ -167,9 +184,14 @@ class FlashPiecesPartial:
             return self._fallback().backward(q, k, v, out, lse, dout, scale=scale, delta=delta, kernel_dtype=kernel_dtype)
         scale = resolve_scale(scale, q)
         dtype = accumulation_dtype(q, k, v)
-        dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
-        dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
-        dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+        dq = torch.empty(q.shape, dtype=dtype, device=q.device)  # zeros only where no first piece writes
+        dk = torch.empty(k.shape, dtype=dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=dtype, device=v.device)
+        for start, stop in self.rows_no_first_piece_writes:
+            dq[:, :, start:stop] = 0.0
+        for start, stop in self.keys_no_first_piece_writes:
+            dk[:, :, start:stop] = 0.0
+            dv[:, :, start:stop] = 0.0
         first = iter(zip(self.first_over_their_rows, self.first_over_their_keys))
         for run in self.runs:
             for p in run.pieces:
@@ -205,6 +227,18 @@ class FlashPiecesPartial:
                 f"the flash-pieces partial was built for {self.num_queries} queries x {self.num_keys} keys "
                 f"([S, H, N, d] tensors), got q {tuple(q.shape)}, k {tuple(k.shape)}; rebuild it for these rows"
             )
+
+
+def _gaps(spans: list[tuple[int, int]], total: int) -> tuple[tuple[int, int], ...]:
+    """The ``[start, stop)`` ranges of ``[0, total)`` that no span covers."""
+    gaps, at = [], 0
+    for start, stop in sorted(spans):
+        if start > at:
+            gaps.append((at, start))
+        at = max(at, stop)
+    if at < total:
+        gaps.append((at, total))
+    return tuple(gaps)
 
 
 def _write_or_add(target: Tensor, grad: Tensor, first: bool) -> None:
