@@ -152,6 +152,7 @@ def _two_stream_plan(
         backend=backend,
         diagonal=diagonal,
         clean=clean,
+        device=ctx.device,  # CPU rows, plan built where the step runs
     )
     return RankPlan(layout.rows, layout.num_noisy, layout.noisy_positions, layout.clean_positions, attention)
 
@@ -210,7 +211,9 @@ def _single_stream_plan(
     rows = _single_stream_rows(seq_len)
     if documents is not None:  # one bidirectional (MDLM) or causal (AR) block per document
         rows = replace(rows, block=documents.start.clone())
-    attention = LocalAttentionFn(rows, num_noisy=seq_len, causal_in_block=causal, backend=backend, diagonal=diagonal)
+    attention = LocalAttentionFn(
+        rows, num_noisy=seq_len, causal_in_block=causal, backend=backend, diagonal=diagonal, device=ctx.device
+    )
     return RankPlan(rows, seq_len, rows.pos, torch.zeros(0, dtype=torch.long), attention)
 
 

@@ -269,6 +269,8 @@ class RingTransport(Generic[PlanT]):
         backend: attention backend of the partials (``csbp.attention.backends``: auto, tiles, flex).
         diagonal: kernel of the local noisy block diagonal (``csbp.attention.diagonal``).
         clean: kernel of the clean-context partials (``csbp.attention.backends.CLEAN_KERNELS``).
+        device: where the plan is built now, the compute device (default: the rows' device); a call
+            on another device builds that device's plan on first use.
     """
 
     name: ClassVar[str]
@@ -286,6 +288,7 @@ class RingTransport(Generic[PlanT]):
         backend: str = "tiles",
         diagonal: str = "auto",
         clean: str = "generic",
+        device: torch.device | str | None = None,
     ) -> None:
         check_spec_matches_layout(layout, spec, self.name)
         self.backend = check_backend(backend)
@@ -294,7 +297,7 @@ class RingTransport(Generic[PlanT]):
         self.comm = check_ring_comm(comm, spec.ring_size, spec.ring_rank, self.name)
         self.layout, self.spec = layout, spec
         self.causal_in_block, self.tile_rows = causal_in_block, tile_rows
-        self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
+        self._plans = PlanCache(self._build_plan, layout.rows.pos.device if device is None else device)
 
     def _build_plan(self, device: torch.device) -> PlanT:
         raise NotImplementedError

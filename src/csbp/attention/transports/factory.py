@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+import torch
+
 from csbp.attention.backends import check_backend, check_clean
 from csbp.attention.counts import exchange_pays
 from csbp.attention.diagonal import check_diagonal_backend
@@ -70,6 +72,7 @@ def build_attention(
     documents: Documents | None = None,
     diagonal: str = "auto",
     clean: str = "generic",
+    device: torch.device | str | None = None,
 ) -> AttentionFn:
     """The ``AttentionFn`` of local rank ``local_rank`` over ``layout.rows``.
 
@@ -92,6 +95,8 @@ def build_attention(
             sdpa, sdpa_fold, flex).
         clean: kernel of the clean-context partials (``csbp.attention.backends.CLEAN_KERNELS``:
             generic, pieces, pieces-cudnn).
+        device: the compute device, where the per-step plans are built (default: the layout rows'
+            device; CPU rows of a GPU run would otherwise first plan for the CPU, unused).
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got transport={transport!r}")
@@ -104,12 +109,13 @@ def build_attention(
     if kind in ("data", "bp"):
         return LocalAttentionFn(
             layout.rows, num_noisy=layout.num_noisy, causal_in_block=causal_in_block, backend=backend,
-            diagonal=diagonal, clean=clean,
+            diagonal=diagonal, clean=clean, device=device,
         )
     cp, cp_rank = topology.cp, local_rank % topology.cp
     seq_len = _sequence_length(topology, layout)
     topology.validate_sequence(seq_len, block_size)
-    options = {"causal_in_block": causal_in_block, "backend": backend, "diagonal": diagonal, "clean": clean}
+    options = {"causal_in_block": causal_in_block, "backend": backend, "diagonal": diagonal, "clean": clean,
+               "device": device}
     # CSBP moves only the clean rows a receiver may see whenever the mask is sparse (a window or
     # documents); with documents an explicit "streaming" keeps the bounded-memory ring instead.
     sparse = window is not None or (documents is not None and transport != "streaming")

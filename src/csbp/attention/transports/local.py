@@ -191,7 +191,9 @@ class LocalAttentionFn:
     """Attention callable for a fixed row set (the decoder's ``AttentionFn``): ``attn(q, k, v) -> out``.
 
     Build once per step; every layer reuses the plan (one per device the inputs arrive on, so
-    ``backend="auto"`` resolves on the compute device). Arguments as in ``build_local_attention_plan``.
+    ``backend="auto"`` resolves on the compute device). Arguments as in ``build_local_attention_plan``;
+    ``device`` is where the plan is built now, the compute device (default: the rows' device): rows on
+    the CPU for a GPU run then cost no CPU plan that no call would use.
     """
 
     def __init__(
@@ -206,6 +208,7 @@ class LocalAttentionFn:
         backend: str = "tiles",
         diagonal: str = "auto",
         clean: str = "generic",
+        device: torch.device | str | None = None,
     ) -> None:
         def build(device: torch.device) -> LocalAttentionPlan:
             return build_local_attention_plan(
@@ -220,8 +223,9 @@ class LocalAttentionFn:
                 clean=clean,
             )
 
-        self._plans = PlanCache(build, rows.pos.device)
-        self.plan = self._plans.get(rows.pos.device)
+        plan_device = rows.pos.device if device is None else torch.device(device)
+        self._plans = PlanCache(build, plan_device)
+        self.plan = self._plans.get(plan_device)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int = 0) -> Tensor:
         return local_attention(q, k, v, self._plans.get(q.device))

@@ -184,6 +184,7 @@ class WindowAttention:
         backend: str = "tiles",
         diagonal: str = "auto",
         clean: str = "generic",
+        device: torch.device | str | None = None,
     ) -> None:
         if not 0 <= ring_rank < plan.cp:
             raise ValueError(f"ring_rank must be in [0, {plan.cp}) for this window plan, got {ring_rank}")
@@ -194,7 +195,7 @@ class WindowAttention:
         self.backend = check_backend(backend)
         self.diagonal = check_diagonal_backend(diagonal, backend, where="diagonal")
         self.clean = check_clean(clean)
-        self._plans = PlanCache(self._build_plan, layout.rows.pos.device)
+        self._plans = PlanCache(self._build_plan, layout.rows.pos.device if device is None else device)
 
     def _build_plan(self, device: torch.device) -> WindowAttentionPlan:
         plan = self.window_plan
