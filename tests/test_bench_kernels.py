@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from csbp.bench.kernels import build_forms, count_aten_ops, run_kernel_bench
+from csbp.bench.kernel_profile import count_aten_ops
+from csbp.bench.kernels import build_forms, run_kernel_bench
 from csbp.cli.main import main
 
 
@@ -181,8 +183,10 @@ def test_profile_top_records_each_rows_launches_and_costliest_kernels(capsys: py
         if r.seq_len == 64 and r.backend == "tiles":
             assert r.launches > 0 and len(r.top_kernels) == 2
             assert all(name.startswith("aten::") and ms >= 0 and calls >= 1 for name, ms, calls in r.top_kernels)
+            assert r.busy_ms > 0 and r.wall_ms >= r.issue_ms > 0 and r.syncs == 0  # the CPU: nothing to wait for
         else:  # not profiled: the dense baseline and the other length
-            assert (r.launches, r.top_kernels) == (0, ())
-    assert printed.count(" launches; top: aten::") == 3  # mixed, decomposed and diagonal rows at L = 64
+            assert (r.launches, r.top_kernels, r.syncs) == (0, (), 0) and math.isnan(r.busy_ms)
+    assert printed.count(" ms wall (host issued it in ") == 3  # mixed, decomposed and diagonal rows at L = 64
+    assert printed.count(" syncs); top: aten::") == 3
     with pytest.raises(ValueError, match="--profile-top must be >= 0"):
         run_kernel_bench([32], [8], ["tiles"], profile_top=-1)

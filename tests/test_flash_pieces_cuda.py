@@ -18,6 +18,12 @@ from csbp.attention.backends import plan_partial
 from csbp.attention.flash_ops import flash_kernel
 from csbp.attention.flash_pieces import FlashPiecesPartial
 from csbp.attention.rows import allow_matrix
+from csbp.attention.transports.local import (
+    LocalAttentionPlan,
+    local_attention_backward,
+    local_attention_forward,
+)
+from csbp.bench.kernel_profile import count_syncs
 from test_block_diagonal_cuda import TOL, device_under_test
 from test_flash_pieces import CASES
 from test_kernel import random_qkv, reference_grads
@@ -66,3 +72,31 @@ def test_flash_pieces_match_the_cpu_float64_reference(case: str, dtype: torch.dt
     for got, want in zip(grads, grads_ref):
         assert got.dtype == torch.float32 and bool(torch.isfinite(got).all())
         torch.testing.assert_close(got.cpu().double(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("form", ["mixed", "folded"])
+def test_attention_steps_never_make_the_host_wait_for_the_device(form: str) -> None:
+    """One forward + backward through the local transport, as one partial over the mixed rows (a
+    CP-only ring step's form) and as cuDNN pieces with the noisy blocks folded into the Flex residual
+    (training's decomposed form), calls nothing that synchronises the host with the GPU: the host
+    queues the whole step ahead, so launch overhead hides behind the kernels. The rows and shapes of
+    the reference_mixed case above (its compiled graphs serve). The counter is checked on ``.item()``."""
+    dev = device_under_test()
+    backend = "flex" if dev.type == "cuda" else "tiles"
+    rows = CASES["reference_mixed"][0].to(dev)
+    partial = plan_partial(rows, rows, backend=backend, clean="generic" if form == "mixed" else "pieces-cudnn",
+                           min_rows=4)
+    assert isinstance(partial, FlashPiecesPartial) == (form == "folded")
+    plan = LocalAttentionPlan(rows, rows, int((~rows.clean).sum()), None, False, None, partial)
+    q, k, v = (t.to(dev, torch.bfloat16) for t in random_qkv(len(rows), len(rows), heads=4, kv_heads=2, dim=64,
+                                                               samples=1, seed=23))
+    dout = torch.randn_like(q)
+
+    def step() -> None:
+        out, lse = local_attention_forward(q, k, v, plan)
+        local_attention_backward(q, k, v, out, lse, dout, plan)
+
+    step()  # compiles first
+    assert count_syncs(step, dev) == 0
+    if dev.type == "cuda":
+        assert count_syncs(lambda: q.sum().item(), dev) == 1

@@ -15,19 +15,31 @@ time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
 
 
 @dataclass(frozen=True)
 class StepProfile:
     """One profiled step: kernels launched (CUDA) or aten ops run (CPU), and the costliest ones as
-    ``(name, milliseconds, calls)``, largest first."""
+    ``(name, milliseconds, calls)``, largest first; the device's busy time (their self times summed),
+    the unprofiled step's wall time and the host's time to issue it, and its synchronising calls."""
 
     launches: int
     top: tuple[tuple[str, float, int], ...]
+    busy_ms: float = math.nan
+    wall_ms: float = math.nan
+    issue_ms: float = math.nan
+    syncs: int = 0  # CUDA calls that waited for the device (0 on the CPU, where nothing is asynchronous)
 
 
 def profile_step(step: Callable[[], object], device: torch.device, *, top: int) -> StepProfile:
@@ -38,11 +50,16 @@ def profile_step(step: Callable[[], object], device: torch.device, *, top: int) 
     if top < 1:
         raise ValueError(f"--profile-top must be >= 1, got {top}")
     on_cuda = device.type == "cuda"
+    syncs = count_syncs(step, device)
+    started = time.perf_counter()
+    step()
+    issued = time.perf_counter()
+    _synchronize(device)
+    wall_ms, issue_ms = (time.perf_counter() - started) * 1e3, (issued - started) * 1e3
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
     with profile(activities=activities) as prof:
         step()
-        if on_cuda:
-            torch.cuda.synchronize(device)
+        _synchronize(device)
     if on_cuda:
         events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     else:
@@ -55,10 +72,58 @@ def profile_step(step: Callable[[], object], device: torch.device, *, top: int) 
     return StepProfile(
         launches=sum(int(e.count) for e in events),
         top=tuple((str(e.key)[:96], self_us(e) / 1e3, int(e.count)) for e in ranked),
+        busy_ms=sum(self_us(e) for e in events) / 1e3, wall_ms=wall_ms, issue_ms=issue_ms, syncs=syncs,
     )
 
 
+def count_syncs(step: Callable[[], object], device: torch.device) -> int:
+    """CUDA calls in one ``step()`` that made the host wait for the device (``.item()``, ``nonzero``, a
+    blocking copy, ...): each one stops the host from queueing kernels ahead. 0 on the CPU."""
+    if device.type != "cuda":
+        step()
+        return 0
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize(device)
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+def count_aten_ops(fn: Callable[[], object]) -> int:
+    """aten ops dispatched by ``fn()`` (each one a kernel launch on an accelerator)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Counter(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(
+            self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
+            kwargs: Mapping[str, object] | None = None,
+        ) -> object:
+            _Counter.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Counter():
+        fn()
+    return _Counter.calls
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def format_profile(profile: StepProfile) -> str:
-    """One indented line under a table row: launches, then the costliest kernels."""
+    """One indented line under a table row: launches, the device's busy time against the step's wall
+    time (with the host's issue time and its synchronising calls), then the costliest kernels."""
     parts = "; ".join(f"{name} {ms:.2f} ms x{calls}" for name, ms, calls in profile.top)
-    return f"      {profile.launches} launches; top: {parts}"
+    timeline = ""
+    if not math.isnan(profile.busy_ms):
+        timeline = (f"; busy {profile.busy_ms:.2f} of {profile.wall_ms:.2f} ms wall (host issued it in "
+                    f"{profile.issue_ms:.2f} ms, {profile.syncs} syncs)")
+    return f"      {profile.launches} launches{timeline}; top: {parts}"

@@ -51,9 +51,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -82,12 +81,9 @@ from csbp.attention.transports.local import (
 from csbp.bench.common import (
     print_header,
 )
-from csbp.bench.kernel_profile import profile_step
+from csbp.bench.kernel_profile import StepProfile, count_aten_ops, profile_step
 from csbp.bench.measure import allowed_pairs, attention_flops
 from csbp.bench.spread import rates_within_noise, within_noise
-
-if TYPE_CHECKING:
-    from torch._ops import OpOverload
 
 FUSED_ROWS = {"flash": "flash2", "cudnn": "cudnn"}
 """``backend`` column of the dense rows timing ``csbp.attention.flash_ops``' CUDA kernels over all pairs."""
@@ -122,6 +118,10 @@ class KernelRecord:
     vs_dense_within_noise: bool = False  # its seconds per allowed pair and dense SDPA's (per pair) overlap
     launches: int = 0  # --profile-top: kernels one step launched (CUDA) or aten ops it ran (CPU); 0: not profiled
     top_kernels: tuple[tuple[str, float, int], ...] = ()  # --profile-top: (name, ms, calls), costliest first
+    busy_ms: float = math.nan  # --profile-top: the device's busy time in one step (kernel self times summed)
+    wall_ms: float = math.nan  # --profile-top: one unprofiled step's wall time, in which the host ...
+    issue_ms: float = math.nan  # ... issued the step in this long
+    syncs: int = 0  # --profile-top: CUDA calls in one step that made the host wait for the device
 
 
 def build_form(
@@ -184,25 +184,6 @@ def _timings(
 def _compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (each FlexAttention shape, grad mode, ...)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
-def count_aten_ops(fn: Callable[[], object]) -> int:
-    """aten ops dispatched by ``fn()`` (each one a kernel launch on an accelerator)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Counter(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(
-            self, func: OpOverload, types: Sequence[type], args: Sequence[object] = (),
-            kwargs: Mapping[str, object] | None = None,
-        ) -> object:
-            _Counter.calls += 1
-            return func(*args, **(kwargs or {}))
-
-    with _Counter():
-        fn()
-    return _Counter.calls
 
 
 @dataclass(frozen=True)
@@ -404,8 +385,15 @@ def run_kernel_bench(
                              rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before,
                              times_s=times, speedup_within_noise=form == "decomposed" and within_noise(times, mixed),
                              vs_dense_within_noise=rates_within_noise(times, useful, dense_times, n * n),
-                             launches=profiled.launches if profiled else 0, top_kernels=profiled.top if profiled else ()))
+                             **_profile_fields(profiled)))
     return records
+
+
+def _profile_fields(profiled: StepProfile | None) -> dict[str, object]:
+    if profiled is None:
+        return {}
+    return {"launches": profiled.launches, "top_kernels": profiled.top, "busy_ms": profiled.busy_ms,
+            "wall_ms": profiled.wall_ms, "issue_ms": profiled.issue_ms, "syncs": profiled.syncs}
 
 
 def _form_step(

@@ -37,7 +37,8 @@ or folded into the pieces' Flex residual; the jobs are clean-major) at every len
 kernels: on the first H200 run the stage's 150 s held the primary rows of three lengths and most of the others, so
 the primary rows of 32K and 8K now come before the other kernels' rows. ``--profile-top`` breaks each 16K row's step into its costliest CUDA kernels
 (``csbp.bench.kernel_profile``): on the first H200 run the decomposed form lost to one Flex call at 16K
-only, and that breakdown says where."""
+only, and that breakdown says where: in its kernels, or in device time left idle (busy against wall time,
+the host's issue time and its synchronising calls)."""
 
 
 @dataclass(frozen=True)
