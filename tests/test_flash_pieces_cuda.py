@@ -100,3 +100,23 @@ def test_attention_steps_never_make_the_host_wait_for_the_device(form: str) -> N
     assert count_syncs(step, dev) == 0
     if dev.type == "cuda":
         assert count_syncs(lambda: q.sum().item(), dev) == 1
+
+
+def test_dq_onto_the_residual_in_bf16_equals_the_fp32_buffer_cast() -> None:
+    """The mixed rows' bf16 backward with ``kernel_dtype`` (cuDNN pieces added into the Flex residual's
+    bf16 dq) gives the fp32-buffer path's gradients cast to bf16, bit for bit: one fp32 add per row."""
+    dev = device_under_test()
+    backend = "flex" if dev.type == "cuda" else "tiles"
+    rows = CASES["reference_mixed"][0].to(dev)
+    plan = plan_partial(rows, rows, backend=backend, clean="pieces-cudnn", min_rows=4)
+    assert isinstance(plan, FlashPiecesPartial) and plan.one_residual_and_piece_per_row
+    q, k, v = (t.to(dev, torch.bfloat16) for t in random_qkv(len(rows), len(rows), heads=4, kv_heads=2, dim=64,
+                                                               samples=1, seed=24))
+    dout = torch.randn_like(q)
+    out, lse = plan.forward(q, k, v)
+    out = out.to(q.dtype)
+    general = plan.backward(q, k, v, out, lse, dout)
+    onto = plan.backward(q, k, v, out, lse, dout, kernel_dtype=True)
+    assert onto[0].dtype == (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    for got, want in zip(onto, general):
+        assert torch.equal(got.to(torch.bfloat16), want.to(torch.bfloat16))

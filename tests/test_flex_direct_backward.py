@@ -26,7 +26,7 @@ import torch
 import csbp.attention.flex as flex_module
 import csbp.attention.flex_backward as flex_backward
 from csbp.attention.flex import build_flex_partial
-from csbp.attention.merge import merge_partials
+from csbp.attention.merge import merge_partials, row_delta
 from csbp.attention.rows import Rows, allow_matrix
 from test_flex_backend import RING_SETUPS, B, L, _layout_cases
 from test_kernel import TOL64, random_qkv, reference_grads
@@ -40,10 +40,12 @@ needs_direct = pytest.mark.skipif(
 
 
 def _merged_backward(
-    q_rows: Rows, k_rows: Rows, causal_in_block: bool, mode: str, *, split: int | None = None, seed: int = 0
+    q_rows: Rows, k_rows: Rows, causal_in_block: bool, mode: str, *, split: int | None = None, seed: int = 0,
+    shared_delta: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(dq, dk, dv) of two flex partials over the keys before/after ``split``, merged, each
-    differentiated from the merged statistics with ``mode``; and the float64 reference's."""
+    differentiated from the merged statistics with ``mode`` (``delta`` formed by each partial, or the
+    ``shared_delta`` a ring transport hands them); and the float64 reference's."""
     split = len(k_rows) // 2 if split is None else split
     q, k, v = random_qkv(len(q_rows), len(k_rows), dim=16, seed=seed)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=q.dtype)
@@ -52,9 +54,10 @@ def _merged_backward(
     outs = [p.forward(q, k[:, :, s], v[:, :, s]) for p, (s, _) in zip(plans, parts)]
     out, lse = merge_partials(*outs[0], *outs[1])
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    delta = row_delta(dout, out, out.dtype) if shared_delta else None
     with flex_backward.flex_backward_mode(mode):
         for plan, (s, _) in zip(plans, parts):
-            dq_p, dk_p, dv_p = plan.backward(q, k[:, :, s], v[:, :, s], out, lse, dout)
+            dq_p, dk_p, dv_p = plan.backward(q, k[:, :, s], v[:, :, s], out, lse, dout, delta=delta)
             dq += dq_p
             dk[:, :, s] += dk_p
             dv[:, :, s] += dv_p
@@ -69,13 +72,25 @@ def flex_trains_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_direct
+@pytest.mark.parametrize("shared_delta", [False, True], ids=["own-delta", "shared-delta"])
 @pytest.mark.parametrize("case", sorted(_layout_cases()))
-def test_direct_backward_from_merged_statistics_is_exact(case: str, flex_trains_on_cpu: None) -> None:
+def test_direct_backward_from_merged_statistics_is_exact(
+    case: str, shared_delta: bool, flex_trains_on_cpu: None
+) -> None:
+    """Each partial forming ``delta`` from the merged out inside its compiled call (the local transport),
+    or handed the one a ring transport forms for all its partials: both the float64 reference."""
     q_rows, k_rows, causal_in_block = _layout_cases()[case]
-    got, want = _merged_backward(q_rows, k_rows, causal_in_block, "direct", seed=3)
+    got, want = _merged_backward(q_rows, k_rows, causal_in_block, "direct", seed=3, shared_delta=shared_delta)
     for name, g, w in zip("qkv", got, want):
         assert torch.isfinite(g).all(), f"{case}: d{name} has non-finite values"
         torch.testing.assert_close(g, w, **TOL64, msg=lambda m, n=name: f"{case} d{n}: {m}")
+
+
+def test_the_direct_backward_needs_delta_or_the_out_it_is_formed_from() -> None:
+    q = torch.zeros(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="needs the merged delta or the merged out"):
+        flex_backward.direct_flex_backward(q, q, q, q[..., 0], q, None, None, None,  # type: ignore[arg-type]
+                                           mask_predicate=lambda *a: a[2] >= a[3], mask_buffers=())
 
 
 @needs_direct

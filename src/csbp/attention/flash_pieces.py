@@ -177,18 +177,28 @@ class FlashPiecesPartial:
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, *,
         scale: float | None = None, delta: Tensor | None = None, kernel_dtype: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``
-        (accumulation-dtype buffers, whatever ``kernel_dtype``)."""
+        """``(dq, dk, dv)`` of this key set's share from the final merged ``out``/``lse`` and ``dout``, in
+        accumulation-dtype buffers; with ``kernel_dtype``, when one residual runs and no two pieces share a
+        query row (the mixed rows of one device), ``dq`` is the residual's in the kernels' dtype with each
+        piece's added in place: one fp32 add and one rounding per row, the values of the fp32 buffer cast to
+        that dtype, without its three output-sized passes (fill, add, cast)."""
         self._check(q, k)
         if flash_kernel(q, self.cuda_kernel) is None:
             return self._fallback().backward(q, k, v, out, lse, dout, scale=scale, delta=delta, kernel_dtype=kernel_dtype)
         scale = resolve_scale(scale, q)
         dtype = accumulation_dtype(q, k, v)
-        dq = torch.empty(q.shape, dtype=dtype, device=q.device)  # zeros only where no first piece writes
-        dk = torch.empty(k.shape, dtype=dtype, device=k.device)
+        onto_residual = kernel_dtype and self.one_residual_and_piece_per_row
+        dq = None if onto_residual else torch.empty(q.shape, dtype=dtype, device=q.device)
+        dk = torch.empty(k.shape, dtype=dtype, device=k.device)  # zeros only where no first piece writes
         dv = torch.empty(v.shape, dtype=dtype, device=v.device)
-        for start, stop in self.rows_no_first_piece_writes:
-            dq[:, :, start:stop] = 0.0
+        residual_grads = {}
+        if onto_residual:  # the residual first: its dq is the buffer the pieces add into
+            run = next(run for run in self.runs if run.residual is not None)
+            residual_grads[id(run)] = self._residual_backward(run, q, k, v, out, lse, dout, scale, delta)
+            dq = residual_grads[id(run)][0]
+        else:
+            for start, stop in self.rows_no_first_piece_writes:
+                dq[:, :, start:stop] = 0.0
         for start, stop in self.keys_no_first_piece_writes:
             dk[:, :, start:stop] = 0.0
             dv[:, :, start:stop] = 0.0
@@ -203,18 +213,37 @@ class FlashPiecesPartial:
                 # into the fp32 slices, cast as they are written: a piece first over its rows / keys
                 # is copied (adding it to zeros gives it back), the others added
                 first_rows, first_keys = next(first)
-                _write_or_add(dq[:, :, rows], dq_p, first_rows)
+                _write_or_add(dq[:, :, rows], dq_p, first_rows and not onto_residual)
                 _write_or_add(dk[:, :, keys], dk_p, first_keys)
                 _write_or_add(dv[:, :, keys], dv_p, first_keys)
             if run.residual is not None:
                 keys = slice(*run.residual_span)
-                dq_r, dk_r, dv_r = run.residual.backward(  # bf16 from Flex, added into the fp32 buffers
-                    q, k[:, :, keys], v[:, :, keys], out, lse, dout, scale=scale, delta=delta, kernel_dtype=True
+                dq_r, dk_r, dv_r = residual_grads.get(id(run)) or self._residual_backward(
+                    run, q, k, v, out, lse, dout, scale, delta
                 )
-                dq += dq_r
+                if not onto_residual:
+                    dq += dq_r
                 dk[:, :, keys] += dk_r
                 dv[:, :, keys] += dv_r
         return dq, dk, dv
+
+    def _residual_backward(
+        self, run: KeyRunPlan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+        scale: float, delta: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The residual's gradients in its kernel's dtype (bf16 from Flex), for adding into the buffers."""
+        keys = slice(*run.residual_span)
+        return run.residual.backward(
+            q, k[:, :, keys], v[:, :, keys], out, lse, dout, scale=scale, delta=delta, kernel_dtype=True
+        )
+
+    @functools.cached_property
+    def one_residual_and_piece_per_row(self) -> bool:
+        """Exactly one run has a residual and no two pieces share a query row (the ``kernel_dtype`` backward)."""
+        if sum(run.residual is not None for run in self.runs) != 1:
+            return False
+        spans = sorted((p.q_start, p.q_stop) for p in self.pieces)
+        return all(stop <= start for (_, stop), (start, _) in zip(spans, spans[1:]))
 
     def _fallback(self) -> object:
         if self._generic_plan is None:

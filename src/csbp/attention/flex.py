@@ -50,7 +50,7 @@ from csbp.attention.flex_backward import (
     pad_head_dim,
     recompile_limit_error,
 )
-from csbp.attention.merge import accumulation_dtype, partial_grads_from_merged, row_delta
+from csbp.attention.merge import accumulation_dtype, partial_grads_from_merged
 from csbp.attention.rows import Rows
 from csbp.masks import rows_mask
 from csbp.masks.predicates import rows_mask_buffers, rows_predicate
@@ -125,18 +125,17 @@ class FlexPartial:
                 "use attention.backend: tiles (or auto) on CPU"
             )
         if current_flex_backward() == "direct" and not _eager_on_cuda(q, k, v):
-            if delta is None:
-                delta = row_delta(dout, out, dtype)
             extra = self.padded_queries - q.shape[2]
-            grads = direct_flex_backward(
+            grads = direct_flex_backward(  # no delta given: formed from out inside the compiled call
                 *self._padded(q.detach(), k.detach(), v.detach()),
                 torch.nn.functional.pad(lse, (0, extra), value=float("-inf")),
                 _pad_rows(dout, self.padded_queries),
-                torch.nn.functional.pad(delta, (0, extra)),
+                None if delta is None else torch.nn.functional.pad(delta, (0, extra)),
                 self.block_mask,
                 scale,
                 mask_predicate=rows_predicate(self.causal_in_block),
                 mask_buffers=self.mask_buffers,
+                out=None if delta is not None else _pad_rows(out, self.padded_queries),
             )
         else:
             grads = self._recomputed_backward(q, k, v, out, lse, dout, scale)

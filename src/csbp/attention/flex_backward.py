@@ -8,7 +8,10 @@ attention. FlexAttention's autograd only knows its own call's statistics, so the
   with the merged statistics, ``torch.compile``-d once per shape bucket. With ``P = exp(s - lse)``
   over the merged ``lse`` the kernel computes exactly this partial's share of the merged softmax;
   the row term ``delta = <dout, out>`` of the merged ``out`` enters through the kernel's lse gradient
-  (``out`` is passed as zeros, ``grad_lse = -delta``), so it stays in the accumulation dtype. One
+  (``out`` is passed as zeros, ``grad_lse = -delta``), so it stays in the accumulation dtype (the
+  kernel's own would be rounded to bf16). A partial whose caller hands no ``delta`` (the local
+  transport: one partial) forms it inside the compiled call from the merged ``out``, fused into one
+  pass; the ring transports form one for all their partials. One
   backward kernel per partial and no forward. It needs a torch whose dynamo traces a direct call of
   that operator: csbp hands it the score and mask functions as FX graphs one level down a dict, the
   form compiled autograd uses, which torch 2.11's dynamo requires and 2.13's accepts (both tested).
@@ -170,15 +173,19 @@ def direct_flex_backward(
     v: Tensor,
     lse: Tensor,
     dout: Tensor,
-    delta: Tensor,
+    delta: Tensor | None,
     block_mask: BlockMask,
     scale: float | None,
     *,
     mask_predicate: Callable[..., Tensor],
     mask_buffers: tuple[Tensor, ...],
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in q's dtype of the partial over ``block_mask`` from the *merged* ``lse``
-    (natural log, per query row) and ``delta = <dout, out>`` of the merged ``out``. All row
+    (natural log, per query row) and ``delta = <dout, out>`` of the merged ``out``, or, with ``delta``
+    None, from the merged ``out`` itself: ``delta`` is then formed inside the compiled call, products and
+    sum in the statistics' dtype, one fused pass over ``dout`` and ``out`` instead of the eager
+    ``merge.row_delta``'s three (a cast, the product, the sum). All row
     counts are the kernel's (padded) ones; rows whose merged lse is ``-inf`` (they see nothing) get
     zero gradients. ``block_mask``'s mask is ``mask_predicate(b, h, q_idx, kv_idx, *mask_buffers)``
     (a module-level function: its traced graph is kept per shape). Compiled with inductor on CUDA; on
@@ -191,9 +198,14 @@ def direct_flex_backward(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # the real head dim's
     dims = (q.shape[-1], k.shape[-1], v.shape[-1])
     q, k, v, dout = (pad_head_dim(x) for x in (q, k, v, dout))  # narrow heads as in the forward (exact)
+    if delta is None and out is None:
+        raise ValueError("direct_flex_backward needs the merged delta or the merged out it is formed from")
+    grad_lse_log2 = None if delta is None else -delta.to(stats) * math.log(2)
+    merged_out = None if delta is not None else pad_head_dim(out)  # type: ignore[arg-type]
     try:
-        grads = _direct_call(q, k, v, lse_log2, dout.to(q.dtype), -delta.to(stats) * math.log(2), block_mask,
-                             scale, mask_predicate=mask_predicate, mask_buffers=mask_buffers, backend=backend)
+        grads = _direct_call(q, k, v, lse_log2, dout.to(q.dtype), grad_lse_log2, block_mask, scale,
+                             mask_predicate=mask_predicate, mask_buffers=mask_buffers, backend=backend,
+                             merged_out=merged_out)
     except Exception as error:
         replacement = recompile_limit_error(error, q, k) or _compiler_error(error)
         if replacement is None:
@@ -215,9 +227,9 @@ def _compiler_error(error: Exception) -> RuntimeError | None:
 
 
 def _direct_call(
-    q: Tensor, k: Tensor, v: Tensor, lse_log2: Tensor, dout: Tensor, grad_lse_log2: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, lse_log2: Tensor, dout: Tensor, grad_lse_log2: Tensor | None,
     block_mask: BlockMask, scale: float, *, mask_predicate: Callable[..., Tensor], mask_buffers: tuple[Tensor, ...],
-    backend: str,
+    backend: str, merged_out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     from torch.nn.attention.flex_attention import AuxRequest, _apply_kernel_options
 
@@ -232,7 +244,7 @@ def _direct_call(
         graph.torchdynamo_force_dynamic = True
     graphs = {"score_graph": {"graph": score}, "joint_graph": {"graph": joint}, "mask_graph": {"graph": mask}}
     return _compiled_backward(backend)(q, k, v, lse_log2, dout, grad_lse_log2, block_mask.as_tuple()[:-1], scale,
-                                       options, graphs, mask_buffers)
+                                       options, graphs, mask_buffers, merged_out)
 
 
 @functools.cache
@@ -244,11 +256,15 @@ def _compiled_backward(backend: str) -> Any:
 
 
 def _backward_from_statistics(
-    q: Tensor, k: Tensor, v: Tensor, lse_log2: Tensor, dout: Tensor, grad_lse_log2: Tensor,
+    q: Tensor, k: Tensor, v: Tensor, lse_log2: Tensor, dout: Tensor, grad_lse_log2: Tensor | None,
     block_mask: tuple[Any, ...], scale: float, options: dict[str, Any], graphs: dict[str, dict[str, GraphModule]],
-    mask_buffers: tuple[Tensor, ...],
+    mask_buffers: tuple[Tensor, ...], merged_out: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     from torch._higher_order_ops.flex_attention import flex_attention_backward
+
+    if grad_lse_log2 is None:  # delta = <dout, out> of the merged out, exact products, one fused reduction
+        stats = lse_log2.dtype
+        grad_lse_log2 = -(dout.to(stats) * merged_out.to(stats)).sum(-1) * math.log(2)  # type: ignore[union-attr]
 
     # out = 0 makes the kernel's own <dout, out> zero; the merged delta arrives as -grad_lse
     dq, dk, dv, _ = flex_attention_backward(

@@ -2,10 +2,12 @@
 
 For every context length ``L`` and block size ``B`` it runs the BD3 mask over the ``[x_t ; x_0]``
 rows (``2L`` queries and keys) in two forms per backend, through the same transport code the
-training uses (``csbp.attention.transports.local``), plus the block-diagonal partial alone:
+training uses (``csbp.attention.transports.local``: its autograd Function, so the output and the
+gradients come back in the inputs' dtype, as in training), plus the block-diagonal partial alone:
 
 * ``mixed``: CP-only's view, one partial over all ``2L`` keys under the irregular mask, through the
-  transport (its backward from the merged statistics: on ``flex`` a recomputed forward first);
+  transport (its backward from the merged statistics: on ``flex`` the kernel's backward handed them,
+  ``--flex-backward direct``, or a recomputed forward first);
 * ``mixed-ag`` (``flex`` only): the same BlockMask as one FlexAttention call under torch's own
   autograd (``csbp.attention.flex.flex_autograd_attention``), the field's standard call, with no
   recomputation: the strongest single-call baseline, which ``decomp x`` compares against when it is
@@ -75,8 +77,7 @@ from csbp.attention.layouts import reference_layout
 from csbp.attention.rows import Rows
 from csbp.attention.transports.local import (
     LocalAttentionPlan,
-    local_attention_backward,
-    local_attention_forward,
+    local_attention_function,
 )
 from csbp.bench.common import (
     print_header,
@@ -435,11 +436,14 @@ def _flex_autograd_step(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, partial: 
 
 
 def _local_step(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, plan: LocalAttentionPlan) -> Callable[[], None]:
-    """One forward + explicit backward of the local transport over ``plan``."""
+    """One forward + backward through the local transport's autograd Function over ``plan``, as training
+    runs it: the output and the gradients come back in the inputs' dtype (their casts are timed too)."""
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
 
     def step() -> None:
-        out, lse = local_attention_forward(q, k, v, plan)
-        local_attention_backward(q, k, v, out, lse, dout, plan)
+        for leaf in leaves:
+            leaf.grad = None
+        local_attention_function(*leaves, plan).backward(dout)
 
     return step
 

@@ -117,7 +117,8 @@ def collective_backward(
     else:
         grad_gathered = k.new_zeros(spec.ring_size * 2, *k.shape[:2], spec.shard_rows, k.shape[-1], dtype=dtype)
     _, pending = plan.comm.reduce_scatter(grad_gathered, async_op=True)
-    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local)  # overlaps the reduce-scatter
+    # overlaps the reduce-scatter
+    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local, delta=delta)
     grad_own = pending.wait()  # [2, S, Hkv, n, d]: my exchanged rows' dK/dV from the other members
     if dq_remote is not None:
         dq += dq_remote

@@ -142,13 +142,21 @@ def local_attention_forward(
 
 
 def local_attention_backward(
-    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: LocalAttentionPlan
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: LocalAttentionPlan, *,
+    kernel_dtype: bool = False, delta: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` in the accumulation dtype from the final ``out``/``lse`` and ``dout``."""
+    """``(dq, dk, dv)`` in the accumulation dtype from the final ``out``/``lse`` and ``dout``; with
+    ``kernel_dtype`` (a caller that casts them to the inputs' dtypes and adds nothing: the autograd
+    Function) one partial's may stay in its kernels' dtype, with no cast pass either way. ``delta =
+    rowsum(dout * out)`` is the ring transports' (shared with their remote partials); otherwise one
+    partial forms its own (a direct Flex backward inside its compiled call, fused), two share one."""
     dtype = accumulation_dtype(q, k, v)
-    delta = row_delta(dout, out, dtype)  # [S, Hq, N]
+    if delta is None and plan.block_size is not None:
+        delta = row_delta(dout, out, dtype)  # [S, Hq, N], for both partials
     if plan.block_size is None:
-        return plan.interval_plan.backward(q, k, v, out, lse, dout, scale=plan.scale, delta=delta)
+        return plan.interval_plan.backward(
+            q, k, v, out, lse, dout, scale=plan.scale, delta=delta, kernel_dtype=kernel_dtype
+        )
     num_noisy = plan.num_noisy
     dq, dk_clean, dv_clean = plan.interval_plan.backward(
         q, k[:, :, num_noisy:], v[:, :, num_noisy:], out, lse, dout, scale=plan.scale, delta=delta
@@ -179,7 +187,19 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -
     if plan.block_size is None and isinstance(plan.interval_plan, FlexPartial) and _flex_autograd_runs_on(q.device):
         with exact_attention_precision(q.device):
             return flex_autograd_attention(q, k, v, plan.interval_plan, scale=plan.scale)
-    return TransportFunction.apply(q, k, v, plan, local_attention_forward, local_attention_backward)
+    return local_attention_function(q, k, v, plan)
+
+
+def local_attention_function(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -> Tensor:
+    """``out`` in q's dtype through the transport's autograd Function (forward, explicit backward from the
+    merged statistics, its gradients cast to the inputs' dtypes), whatever the plan."""
+    return TransportFunction.apply(q, k, v, plan, local_attention_forward, _backward_in_kernel_dtype)
+
+
+def _backward_in_kernel_dtype(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, plan: LocalAttentionPlan
+) -> tuple[Tensor, Tensor, Tensor]:
+    return local_attention_backward(q, k, v, out, lse, dout, plan, kernel_dtype=True)
 
 
 def _flex_autograd_runs_on(device: torch.device) -> bool:

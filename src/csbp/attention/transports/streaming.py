@@ -119,10 +119,10 @@ def streaming_backward(
         kv_pending = comm.ring_shift_async(
             pack_shard(k, v, spec.exchange_start, spec.shard_rows), category=recompute_category(comm)
         )
-    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local)  # overlaps the first hop
+    delta = row_delta(dout, out, dtype) if plan.steps else None  # [S, Hq, N], shared by every step
+    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local, delta=delta)  # overlaps the first hop
     if not plan.steps:
         return dq, dk, dv
-    delta = row_delta(dout, out, dtype)  # [S, Hq, N]
     grad_pending = None
     for index, step in enumerate(plan.steps):
         kv = kv_pending.wait()  # [2, S, Hkv, n, d] of step.owner

@@ -93,9 +93,9 @@ def window_backward(
     """``(dq, dk, dv)`` over the packed rows (accumulation dtype), clean dK/dV summed over the ring."""
     exchange = plan.exchange
     dtype = accumulation_dtype(q, k, v)
-    dq_halo = None
+    dq_halo, delta = None, None
     if plan.halo_plan is not None:
-        delta = row_delta(dout, out, dtype)  # [S, Hq, N]
+        delta = row_delta(dout, out, dtype)  # [S, Hq, N], shared with the local partials
         dq_halo, dk_halo, dv_halo = plan.halo_plan.backward(
             q, halo_kv[0], halo_kv[1], out, lse, dout, delta=delta
         )
@@ -103,7 +103,7 @@ def window_backward(
     else:
         grad_halo = halo_kv.new_zeros(halo_kv.shape, dtype=dtype)
     pending = return_halo_grads(grad_halo, exchange, plan.comm)
-    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local)  # overlaps the all-to-all
+    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local, delta=delta)  # overlaps the all-to-all
     if dq_halo is not None:
         dq += dq_halo
     add_halo_grads(dk, dv, pending.wait(), exchange)
