@@ -93,8 +93,8 @@ class FlexPartial:
         dtype = accumulation_dtype(q, k, v)
         if self.block_mask is None:
             return _empty_partial(q, v, dtype)
-        with torch.no_grad():
-            out, lse = _flex_call(*self._padded(q, k, v), self.block_mask, scale)
+        with torch.no_grad():  # detached: FlexAttention refuses CPU inputs that require grad, even here
+            out, lse = _flex_call(*self._padded(q.detach(), k.detach(), v.detach()), self.block_mask, scale)
         return _leading_rows(out, q.shape[2]).to(dtype), _leading_rows(lse, q.shape[2]).to(dtype)
 
     def backward(
