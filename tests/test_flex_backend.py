@@ -225,6 +225,16 @@ def test_rows_that_see_nothing_and_empty_partials() -> None:
     assert not bool(out.any()) and bool(torch.isneginf(lse).all())
 
 
+def test_a_partial_forward_takes_inputs_that_require_grad_on_the_cpu() -> None:
+    """Inside the transports' autograd Function q/k/v still require grad; FlexAttention refuses such CPU
+    inputs even under no_grad, so the partial hands it detached views (16-wide heads: no padding copy)."""
+    q_rows, k_rows, _ = CASES["dflash_context"]
+    q, k, v = (t.requires_grad_(True) for t in random_qkv(len(q_rows), len(k_rows), dim=16, seed=4))
+    out, lse = plan_partial(q_rows, k_rows, backend="flex").forward(q, k, v)
+    want, _ = plan_partial(q_rows, k_rows, backend="flex").forward(*(t.detach() for t in (q, k, v)))
+    assert not out.requires_grad and torch.equal(out, want)
+
+
 def test_merged_flex_partials_equal_one_partial_over_the_union() -> None:
     rows = reference_layout(L, B, window=9).rows
     noisy, clean = rows.select(~rows.clean), rows.select(rows.clean)
