@@ -31,7 +31,7 @@ from csbp.attention.backends import (
     resolve_backend,
 )
 from csbp.attention.documents import Documents
-from csbp.attention.flex import FlexPartial, rows_block_mask
+from csbp.attention.flex import FlexPartial, flex_shape_bucket, rows_block_mask
 from csbp.attention.flex_backward import direct_backward_support, flex_backward_mode
 from csbp.attention.layouts import (
     bp_only_layout,
@@ -227,11 +227,13 @@ def test_rows_that_see_nothing_and_empty_partials() -> None:
 
 def test_a_partial_forward_takes_inputs_that_require_grad_on_the_cpu() -> None:
     """Inside the transports' autograd Function q/k/v still require grad; FlexAttention refuses such CPU
-    inputs even under no_grad, so the partial hands it detached views (16-wide heads: no padding copy)."""
-    q_rows, k_rows, _ = CASES["dflash_context"]
-    q, k, v = (t.requires_grad_(True) for t in random_qkv(len(q_rows), len(k_rows), dim=16, seed=4))
-    out, lse = plan_partial(q_rows, k_rows, backend="flex").forward(q, k, v)
-    want, _ = plan_partial(q_rows, k_rows, backend="flex").forward(*(t.detach() for t in (q, k, v)))
+    inputs even under no_grad, so the partial hands it detached views (16-wide heads and rows filling a
+    shape bucket: no padding copy that would hide it)."""
+    rows = reference_layout(64, 4).rows
+    assert flex_shape_bucket(len(rows)) == len(rows)
+    q, k, v = (t.requires_grad_(True) for t in random_qkv(len(rows), len(rows), dim=16, seed=4))
+    out, lse = plan_partial(rows, rows, backend="flex").forward(q, k, v)
+    want, _ = plan_partial(rows, rows, backend="flex").forward(*(t.detach() for t in (q, k, v)))
     assert not out.requires_grad and torch.equal(out, want)
 
 
