@@ -102,9 +102,11 @@ def test_attention_steps_never_make_the_host_wait_for_the_device(form: str) -> N
         assert count_syncs(lambda: q.sum().item(), dev) == 1
 
 
-def test_dq_onto_the_residual_in_bf16_equals_the_fp32_buffer_cast() -> None:
-    """The mixed rows' bf16 backward with ``kernel_dtype`` (cuDNN pieces added into the Flex residual's
-    bf16 dq) gives the fp32-buffer path's gradients cast to bf16, bit for bit: one fp32 add per row."""
+def test_out_and_dq_onto_the_residual_in_bf16_equal_the_fp32_buffers_cast() -> None:
+    """The mixed rows in bf16 with ``kernel_dtype``: the forward (cuDNN pieces merged into the Flex
+    residual's bf16 out by the compiled merge, rounding once) gives the fp32-buffer path's out and lse,
+    and the backward (pieces' dq added into the residual's bf16 dq) its gradients cast to bf16, bit for
+    bit: one fp32 add per row."""
     dev = device_under_test()
     backend = "flex" if dev.type == "cuda" else "tiles"
     rows = CASES["reference_mixed"][0].to(dev)
@@ -114,6 +116,10 @@ def test_dq_onto_the_residual_in_bf16_equals_the_fp32_buffer_cast() -> None:
                                                                samples=1, seed=24))
     dout = torch.randn_like(q)
     out, lse = plan.forward(q, k, v)
+    onto_out, onto_lse = plan.forward(q, k, v, kernel_dtype=True)
+    assert onto_out.dtype == (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    torch.testing.assert_close(onto_out.float(), out.to(onto_out.dtype).float(), rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(onto_lse, lse, rtol=1e-6, atol=1e-6)
     out = out.to(q.dtype)
     general = plan.backward(q, k, v, out, lse, dout)
     onto = plan.backward(q, k, v, out, lse, dout, kernel_dtype=True)

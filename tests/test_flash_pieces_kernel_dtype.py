@@ -1,8 +1,9 @@
-"""The flash pieces' backward in the kernels' dtype (``kernel_dtype``), as the local transport asks for it.
+"""The flash pieces in the kernels' dtype (``kernel_dtype``), as the local transport asks for them.
 
-With one residual and one piece per query row (the mixed rows of one device), ``dq`` is the residual's
-with each piece's added in place: one add and one rounding per row, the same values as the fp32 buffer
-of the general path cast to the inputs' dtype, without that buffer's fill, add and cast passes.
+With one residual and one piece per query row (the mixed rows of one device), ``out`` and ``dq`` are
+the residual's with each piece's merged or added into its rows in place, rounding once: the values of
+the general path's fp32 buffers cast to the inputs' dtype, without those buffers' fill, merge and cast
+passes.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import csbp.attention.merge as merge_module
 from csbp.attention.backends import plan_partial
 from csbp.attention.flash_pieces import FlashPiecesPartial
 from csbp.attention.layouts import reference_layout
+from csbp.attention.merge import merge_into_rounded, merge_partials
 from csbp.attention.transports.local import (
     LocalAttentionPlan,
     build_local_attention_plan,
@@ -78,7 +81,8 @@ class _OutputSizedOps(TorchDispatchMode):
 
 def test_the_local_transport_hands_back_the_pieces_dq_without_a_buffer_pass() -> None:
     """Through the autograd Function the mixed rows' gradients equal the fp32 path's cast to the inputs'
-    dtype, and the backward writes two q-sized tensors fewer (no fp32 dq fill, no final cast)."""
+    dtype (from the same forward), and the backward writes two q-sized tensors fewer (no fp32 dq
+    buffer, no final cast)."""
     rows = reference_layout(64, 4).rows
     partial = plan_partial(rows, rows, backend="tiles", clean="pieces", min_rows=4)
     plan = LocalAttentionPlan(rows, rows, 64, None, False, None, partial)
@@ -86,7 +90,7 @@ def test_the_local_transport_hands_back_the_pieces_dq_without_a_buffer_pass() ->
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     local_attention_function(*leaves, plan).backward(dout)
-    out, lse = local_attention_forward(q, k, v, plan)
+    out, lse = local_attention_forward(q, k, v, plan, kernel_dtype=True)  # the Function's forward
     out = out.to(q.dtype)
     with _OutputSizedOps(q.numel()) as fp32_path:
         expected = local_attention_backward(q, k, v, out, lse, dout, plan)
@@ -108,3 +112,39 @@ def test_the_decomposed_local_plan_keeps_its_fp32_dq() -> None:
     out, lse = local_attention_forward(q, k, v, plan)
     grads = local_attention_backward(q, k, v, out.to(q.dtype), lse, dout, plan, kernel_dtype=True)
     assert all(g.dtype == torch.float32 for g in grads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["reference_mixed", "documents_mixed", "cp_zigzag_1_local"])
+def test_out_onto_the_residual_equals_the_fp32_buffer(case: str, dtype: torch.dtype) -> None:
+    """The forward with ``kernel_dtype``: the residual's out with each piece merged into its rows in
+    place (one rounding) gives the general path's out and lse."""
+    plan, (q, k, v, _) = _plan_and_inputs(case, dtype)
+    out, lse = plan.forward(q, k, v, scale=SCALE)
+    onto_out, onto_lse = plan.forward(q, k, v, scale=SCALE, kernel_dtype=True)
+    tol = {"rtol": 1e-13, "atol": 1e-13} if dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(onto_out.to(out.dtype), out, **tol)
+    torch.testing.assert_close(onto_lse, lse, **tol)
+
+
+def test_merge_into_rounded_rounds_the_fp32_merge_once() -> None:
+    """bf16 ``out`` rows merged in place equal the fp32 merge of the same partials cast once, bit for
+    bit, also for rows empty in one partial or in both; the compiled form (traced with dynamic shapes,
+    run eagerly here) gives the same at two row counts."""
+    gen = torch.Generator().manual_seed(7)
+    for rows in (12, 20):
+        out = torch.randn(1, 2, rows, 8, generator=gen).to(torch.bfloat16)
+        out2 = torch.randn(1, 2, rows, 8, generator=gen).to(torch.bfloat16)
+        lse, lse2 = torch.randn(1, 2, rows, generator=gen), torch.randn(1, 2, rows, generator=gen)
+        lse[..., 0], lse2[..., 1], lse[..., 2], lse2[..., 2] = (float("-inf"),) * 4
+        out[..., 0, :], out2[..., 1, :], out[..., 2, :], out2[..., 2, :] = (0.0,) * 4
+        want_out, want_lse = merge_partials(out, lse, out2, lse2)
+        for merge in (merge_into_rounded, torch.compile(merge_module._rounded_merge, backend="aot_eager",
+                                                        dynamic=True, fullgraph=True)):
+            got_out, got_lse = out.clone(), lse.clone()
+            merge(got_out[:, :, : rows - 1], got_lse[:, :, : rows - 1], out2[:, :, : rows - 1], lse2[:, :, : rows - 1])
+            assert torch.equal(got_out[:, :, : rows - 1], want_out[:, :, : rows - 1].to(torch.bfloat16))
+            assert torch.equal(got_lse[:, :, : rows - 1], want_lse[:, :, : rows - 1])
+            assert torch.equal(got_out[:, :, -1], out[:, :, -1])  # rows outside the view untouched
+    with pytest.raises(ValueError, match="accumulation dtype"):
+        merge_into_rounded(out, lse.to(torch.bfloat16), out2, lse2)

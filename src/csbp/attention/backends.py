@@ -52,8 +52,12 @@ BACKENDS: tuple[str, ...] = get_args(BackendName)
 class PartialPlan(Protocol):
     """One key set's attention partial, planned for fixed query and key rows."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
-        """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype."""
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, kernel_dtype: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype; with ``kernel_dtype`` ``out``
+        may stay in the kernel's own (bf16 from a fused CUDA kernel), for a caller that merges it
+        rounding once or hands it on in q's dtype (``lse`` stays in the accumulation dtype)."""
         ...
 
     def backward(
@@ -138,8 +142,10 @@ class TilesPartial:
     tile_plan: TilePlan
     causal_in_block: bool
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
-        return interval_attention_forward(
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, kernel_dtype: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        return interval_attention_forward(  # the tiles compute in the accumulation dtype
             q, k, v, self.q_rows, self.k_rows, scale=scale, causal_in_block=self.causal_in_block, plan=self.tile_plan
         )
 
@@ -160,7 +166,9 @@ class BlockDiagonalPartial:
     block_size: int
     causal_in_block: bool
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, kernel_dtype: bool = False
+    ) -> tuple[Tensor, Tensor]:
         return block_diagonal_forward(q, k, v, block_size=self.block_size, scale=scale, causal=self.causal_in_block)
 
     def backward(

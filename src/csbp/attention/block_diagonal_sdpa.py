@@ -77,8 +77,10 @@ class SdpaBlockDiagonalPartial:
         """``cpu-flash``, ``flash`` or ``matmul``: the kernel a call on ``q`` runs (see the module doc)."""
         return flash_kernel(q) or "matmul"
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
-        """``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype."""
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, kernel_dtype: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype (whatever ``kernel_dtype``)."""
         self._check(q, k, v)
         scale = resolve_scale(scale, q)
         if self.kernel(q) == "matmul":

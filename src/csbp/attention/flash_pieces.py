@@ -45,7 +45,7 @@ from torch import Tensor
 
 from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
 from csbp.attention.kernel import resolve_scale
-from csbp.attention.merge import accumulation_dtype, merge_into
+from csbp.attention.merge import accumulation_dtype, merge_into, merge_into_rounded
 from csbp.attention.rows import Rows
 
 
@@ -106,12 +106,19 @@ class FlashPiecesPartial:
     def pieces(self) -> list[FlashPiece]:
         return [piece for run in self.runs for piece in run.pieces]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
-        """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype."""
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, kernel_dtype: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype; with ``kernel_dtype``, when
+        one residual runs and no two pieces share a query row, ``out`` is the residual's in its kernel's
+        dtype with each piece merged into its rows in place, rounding once (``merge.merge_into_rounded``):
+        no fp32 buffer to fill, merge into and cast back."""
         self._check(q, k)
         if flash_kernel(q, self.cuda_kernel) is None:
-            return self._fallback().forward(q, k, v, scale=scale)
+            return self._fallback().forward(q, k, v, scale=scale, kernel_dtype=kernel_dtype)
         scale = resolve_scale(scale, q)
+        if kernel_dtype and self.one_residual_and_piece_per_row:
+            return self._forward_onto_residual(q, k, v, scale)
         dtype = accumulation_dtype(q, k, v)
         # rows a first piece writes need no zeros / -inf first: only the others are filled
         out = q.new_empty(*q.shape[:-1], v.shape[-1], dtype=dtype)
@@ -134,6 +141,21 @@ class FlashPiecesPartial:
             if run.residual is not None:
                 keys = slice(*run.residual_span)
                 merge_into(out, lse, *run.residual.forward(q, k[:, :, keys], v[:, :, keys], scale=scale))
+        return out, lse
+
+    def _forward_onto_residual(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """The residual over every row first (its ``out`` in the kernel's dtype), then each piece merged
+        into its rows of that ``out`` in place."""
+        run = next(run for run in self.runs if run.residual is not None)
+        keys = slice(*run.residual_span)
+        out, lse = run.residual.forward(q, k[:, :, keys], v[:, :, keys], scale=scale, kernel_dtype=True)
+        for p in self.pieces:
+            rows, keys = slice(p.q_start, p.q_stop), slice(p.k_start, p.k_stop)
+            part_out, part_lse = flash_forward(
+                q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=p.causal, scale=scale,
+                cuda_kernel=self.cuda_kernel, kernel_dtype=True,
+            )
+            merge_into_rounded(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
         return out, lse
 
     @functools.cached_property

@@ -87,14 +87,19 @@ class FlexPartial:
     padded_keys: int
     mask_buffers: tuple[Tensor, ...]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None) -> tuple[Tensor, Tensor]:
-        """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype."""
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, kernel_dtype: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype (``out`` in q's with
+        ``kernel_dtype``: the kernel's result, its leading rows as a view when padded)."""
         _check_shapes(q, k, v, self)
         dtype = accumulation_dtype(q, k, v)
         if self.block_mask is None:
             return _empty_partial(q, v, dtype)
         with torch.no_grad():  # detached: FlexAttention refuses CPU inputs that require grad, even here
             out, lse = _flex_call(*self._padded(q.detach(), k.detach(), v.detach()), self.block_mask, scale)
+        if kernel_dtype:
+            return out[:, :, : q.shape[2]], _leading_rows(lse, q.shape[2]).to(dtype)
         return _leading_rows(out, q.shape[2]).to(dtype), _leading_rows(lse, q.shape[2]).to(dtype)
 
     def backward(

@@ -18,7 +18,8 @@ from the gradient of the merged output.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -56,6 +57,33 @@ def merge_into(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> None:
     merged = _logaddexp(lse, lse2)
     out.lerp_(out2.to(dtype), _merge_weights(lse2, merged).unsqueeze(-1))
     lse.copy_(merged)
+
+
+def merge_into_rounded(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> None:
+    """``merge_into`` for an ``out`` in the kernels' dtype (bf16): ``(out2, lse2)`` merged into ``(out,
+    lse)`` in place (views allowed), every step in the accumulation dtype (``lse``'s) and the result
+    rounded once as it is written. On CUDA one compiled, fused pass (read ``out`` and ``out2``, write
+    ``out``) instead of an fp32 buffer's casts and merge; elsewhere the same arithmetic eagerly."""
+    if lse.dtype != accumulation_dtype(lse):
+        raise ValueError(f"merge_into_rounded: lse ({lse.dtype}) must be in the accumulation dtype")
+    _check_pair("merge_into_rounded", out, lse, out2, lse2)
+    merge = _compiled_rounded_merge() if out.device.type == "cuda" else _rounded_merge
+    merge(out, lse, out2, lse2)
+
+
+def _rounded_merge(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> None:
+    dtype = lse.dtype
+    lse2 = lse2.to(dtype)
+    merged = _logaddexp(lse, lse2)
+    out.copy_(torch.lerp(out.to(dtype), out2.to(dtype), _merge_weights(lse2, merged).unsqueeze(-1)))
+    lse.copy_(merged)
+
+
+@functools.cache
+def _compiled_rounded_merge() -> Callable[[Tensor, Tensor, Tensor, Tensor], None]:
+    """``_rounded_merge`` compiled once with dynamic shapes (the pieces' row counts change with packed
+    documents from step to step; one graph serves them)."""
+    return torch.compile(_rounded_merge, dynamic=True, fullgraph=True)
 
 
 def row_delta(dout: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:

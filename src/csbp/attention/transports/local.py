@@ -126,11 +126,13 @@ def build_local_attention_plan(
 
 
 def local_attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan
+    q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan, *, kernel_dtype: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype."""
+    """``(out [S, Hq, N, d], lse [S, Hq, N])`` in the accumulation dtype; with ``kernel_dtype`` (a caller
+    that casts ``out`` to q's dtype and merges nothing into it: the autograd Function) one partial's
+    ``out`` may stay in its kernels' dtype."""
     if plan.block_size is None:
-        return plan.interval_plan.forward(q, k, v, scale=plan.scale)
+        return plan.interval_plan.forward(q, k, v, scale=plan.scale, kernel_dtype=kernel_dtype)
     num_noisy = plan.num_noisy
     out, lse = plan.interval_plan.forward(q, k[:, :, num_noisy:], v[:, :, num_noisy:], scale=plan.scale)
     if plan.block_plan is None:
@@ -193,7 +195,11 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -
 def local_attention_function(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -> Tensor:
     """``out`` in q's dtype through the transport's autograd Function (forward, explicit backward from the
     merged statistics, its gradients cast to the inputs' dtypes), whatever the plan."""
-    return TransportFunction.apply(q, k, v, plan, local_attention_forward, _backward_in_kernel_dtype)
+    return TransportFunction.apply(q, k, v, plan, _forward_in_kernel_dtype, _backward_in_kernel_dtype)
+
+
+def _forward_in_kernel_dtype(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -> tuple[Tensor, Tensor]:
+    return local_attention_forward(q, k, v, plan, kernel_dtype=True)
 
 
 def _backward_in_kernel_dtype(
