@@ -213,11 +213,11 @@ class FlashPiecesPartial:
         dq = None if onto_residual else torch.empty(q.shape, dtype=dtype, device=q.device)
         dk = torch.empty(k.shape, dtype=dtype, device=k.device)  # zeros only where no first piece writes
         dv = torch.empty(v.shape, dtype=dtype, device=v.device)
-        residual_grads = {}
-        if onto_residual:  # the residual first: its dq is the buffer the pieces add into
+        first_residual = None
+        if onto_residual:  # the one residual first: its dq is the buffer the pieces add into
             run = next(run for run in self.runs if run.residual is not None)
-            residual_grads[id(run)] = self._residual_backward(run, q, k, v, out, lse, dout, scale, delta)
-            dq = residual_grads[id(run)][0]
+            first_residual = self._residual_backward(run, q, k, v, out, lse, dout, scale, delta)
+            dq = first_residual[0]
         else:
             for start, stop in self.rows_no_first_piece_writes:
                 dq[:, :, start:stop] = 0.0
@@ -240,9 +240,8 @@ class FlashPiecesPartial:
                 _write_or_add(dv[:, :, keys], dv_p, first_keys)
             if run.residual is not None:
                 keys = slice(*run.residual_span)
-                dq_r, dk_r, dv_r = residual_grads.get(id(run)) or self._residual_backward(
-                    run, q, k, v, out, lse, dout, scale, delta
-                )
+                grads = first_residual or self._residual_backward(run, q, k, v, out, lse, dout, scale, delta)
+                dq_r, dk_r, dv_r = grads
                 if not onto_residual:
                     dq += dq_r
                 dk[:, :, keys] += dk_r
