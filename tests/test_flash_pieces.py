@@ -378,3 +378,27 @@ def test_a_piece_first_over_its_rows_is_written_and_the_rest_merge_in_place() ->
     # keys: the dense and causal pieces of one run share rows but not keys; a later row range reuses keys
     assert plan.first_over_their_keys == (True, True, False)
     assert with_residual.first_over_their_keys == (True, True)  # the residual covers its own run's keys only
+
+
+@pytest.mark.parametrize(("block", "min_rows"), [(16, 16), (32, 16), (64, 16), (128, 16), (256, 128)])
+def test_a_last_block_on_the_staircase_joins_the_causal_piece(block: int, min_rows: int) -> None:
+    """The last block of a staircase (flat, one step of B rows) stays on the causal diagonal: a
+    separate dense piece of B rows over the whole context would be a thin call that fills few of a
+    GPU's multiprocessors. So the mixed rows' clean context is two causal pieces at every B (CPU's
+    default ``min_rows`` 16; CUDA's 128, where the split came at B >= 256)."""
+    rows = reference_layout(1024, block).rows
+    plan = plan_partial(rows, rows, backend="tiles", clean="pieces", min_rows=min_rows)
+    assert isinstance(plan, FlashPiecesPartial)
+    assert [(p.q_start, p.q_stop, p.k_start, p.k_stop, p.causal) for p in plan.pieces] == [
+        (block, 1024, 1024, 2048 - block, True),
+        (1024, 2048, 1024, 2048, True),
+    ]
+
+
+def test_a_flat_tail_longer_than_a_step_is_one_dense_piece() -> None:
+    """Rows after a key shard all see the whole shard: that tail is longer than the staircase's step,
+    so putting it on the causal diagonal would widen every row's band; it is one dense rectangle."""
+    q_rows, k_rows = CASES["csbp_3_over_0"]
+    plan = plan_partial(q_rows, k_rows, backend="tiles", clean="pieces", min_rows=2)
+    assert isinstance(plan, FlashPiecesPartial)
+    assert any(not p.causal and p.q_stop - p.q_start > B for p in plan.pieces), plan.pieces

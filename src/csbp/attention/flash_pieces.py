@@ -407,12 +407,12 @@ def _find_pieces(q_rows: Rows, lo: Tensor, hi: Tensor, min_rows: int) -> tuple[l
     for a, b in _equal_runs(sees, lo, hi):
         if b - a >= 2 * min_rows and a in starts and b in stops:
             dense(a, b)
-    # Causal pieces, per remaining segment (after its long flat tail, which is one dense rectangle).
+    # Causal pieces, per remaining segment (after a long flat tail, which is one dense rectangle).
     for s0, s1 in segments:
         if covered_to[s0] != lo[s0]:
             continue
         flat = s1 - int(torch.flip(hi[s0:s1] == hi[s1 - 1], [0]).cumprod(0).sum())  # start of the flat tail
-        if s1 - flat >= (min_rows if flat == s0 else 2 * min_rows):  # one flat segment: a rectangle
+        if s1 - flat >= (min_rows if flat == s0 else 2 * min_rows) and not _one_more_step(hi, s0, flat, s1):
             dense(flat, s1)
             s1 = flat
         for a, b in _envelope_runs(lo, hi, s0, s1, min_rows):
@@ -427,6 +427,16 @@ def _find_pieces(q_rows: Rows, lo: Tensor, hi: Tensor, min_rows: int) -> tuple[l
         if b - a >= 2 * min_rows:
             dense(a, b)
     return pieces, covered_to
+
+
+def _one_more_step(hi: Tensor, s0: int, flat: int, s1: int) -> bool:
+    """Whether the flat tail ``[flat, s1)`` of the segment ``[s0, s1)`` is one more step of the staircase
+    before it: its range ends ``s1 - flat`` keys past the row before it, so the causal diagonal runs
+    straight through it (the last block of BD3's noisy or clean rows). It then joins the causal piece: a
+    dense piece of its few rows over the whole range would be a thin call that fills few of a GPU's
+    multiprocessors. A longer tail (rows after a key shard, which all see the whole shard) would lower
+    the diagonal of every row before it, so that one stays a dense rectangle."""
+    return s0 < flat and int(hi[s1 - 1]) - int(hi[flat - 1]) == s1 - flat
 
 
 def _segments(q_rows: Rows, lo: Tensor, sees: Tensor) -> list[tuple[int, int]]:
