@@ -85,10 +85,10 @@ bench: $(STAMP)
 		--json docs/bench/attention.json
 
 # The device check (README "The device check"): CUDA tests, NCCL verify on >= 2 GPUs, csbp bench kernels
-# on CUDA and the single-GPU training table, within 8.2 minutes; keeps gpu-check.json (and gpu-kernels.json
-# beside it) current while it runs. Without CUDA it says so and exits 0. A device machine has no registry
+# on CUDA (the forms, then each layout's busiest rank) and the single-GPU training table, within 9.2 minutes;
+# keeps gpu-check.json (and gpu-kernels.json, gpu-layouts.json beside it) current while it runs. Without CUDA it says so and exits 0. A device machine has no registry
 # and no .venv: there the image's python3 runs csbp from src/, with the wheels `make gpu-wheels` put in
-# .whl/ (carried along) unpacked into GPU_SITE. GPU_JSON=$$OUT/gpu-check.json writes both reports where a
+# .whl/ (carried along) unpacked into GPU_SITE. GPU_JSON=$$OUT/gpu-check.json writes the reports where a
 # lease sends files back; GPU_CHECK_ARGS='--dry-run-cpu' walks every stage on the CPU at tiny sizes.
 GPU_JSON       ?= gpu-check.json
 GPU_CHECK_ARGS ?=

@@ -28,7 +28,7 @@ from csbp.gpu.flops import (
     layer_matmul_params,
     model_flop_utilisation,
 )
-from csbp.gpu.profile import CPU_DRY_RUN, KERNEL_BENCH_ARGS
+from csbp.gpu.profile import CPU_DRY_RUN, KERNEL_BENCH_ARGS, LAYOUT_BENCH_ARGS
 from csbp.gpu.train_table import TableConfig, TableRow, format_train_table, rows_as_dicts, run_train_table
 from csbp.models.config import DecoderConfig
 
@@ -104,6 +104,22 @@ def test_kernels_stage_options_parse_and_compare_both_block_diagonal_kernels() -
     assert args.seq_lens[-1] == 8192 and min(args.seq_lens) == 8192 and max(args.seq_lens) == 131072
     dry = build_parser().parse_args(["bench", "kernels", *CPU_DRY_RUN.kernels])
     assert (dry.device, dry.backends, dry.primary_first) == ("cpu", ["tiles"], 1)
+
+
+def test_layouts_stage_times_each_layouts_busiest_rank_after_the_kernels(tmp_path: Path) -> None:
+    """The ``layouts`` stage: only the ``--layouts`` rows, CSBP first, each layout's training default
+    (``generic``) before the cuDNN pieces, its JSON beside the report, before the training table."""
+    from csbp.cli.main import build_parser
+
+    names = [stage.name for stage in check.STAGES]
+    assert names.index("kernels") < names.index("layouts") < names.index("train-table")
+    args = build_parser().parse_args(["bench", "kernels", *LAYOUT_BENCH_ARGS])
+    assert args.no_forms and args.layouts == ["cp4/bp8", "cp4", "bp4"] and args.layout_clean[0] == "generic"
+    assert (args.device, args.backends, args.seq_lens, args.block_sizes) == ("cuda", ["flex"], [65536], [128])
+    assert check._layouts(_env(tmp_path))[-4:] == ["--json", str(tmp_path / "gpu-layouts.json"), "--flex-backward",
+                                                   "auto"]
+    dry = build_parser().parse_args(["bench", "kernels", *CPU_DRY_RUN.layouts])
+    assert (dry.device, dry.backends, dry.no_forms) == ("cpu", ["tiles"], True)
 
 
 def test_command_stages_report_status_summary_and_skips(tmp_path: Path) -> None:

@@ -187,8 +187,66 @@ def target_line(rows: Sequence[Row], targets: KernelTargets = KERNEL_TARGETS) ->
         f"{targets.min_vs_dense:.2f}x); decomposed/mixed worst {speedup} (>= "
         f"{targets.min_speedup:.1f}x), at B={targets.large_block} {large} (>= {targets.min_speedup_large_block:.1f}x)"
     )
+    ranks = _fastest_rank_rows([r for r in rows if r.get("form") == "rank" and low <= _number(r, "seq_len") <= high])
+    if ranks:  # --layouts: each layout's busiest rank (its fastest kernels), against dense over its own shapes
+        value = worst("layout rate", [(_number(r, "vs_dense"), bool(r.get("vs_dense_within_noise"))) for r in ranks],
+                      targets.min_vs_dense)
+        timed = [r for r in ranks if math.isfinite(_number(r, "vs_dense"))]
+        which = f" ({min(timed, key=lambda r: _number(r, 'vs_dense')).get('topology')})" if timed else ""
+        line += f"; busiest ranks worst {value}{which} dense's rate (>= {targets.min_vs_dense:.2f}x)"
     verdict = [f"missed ({', '.join(missed)})"] if missed else []
     verdict += [f"not measured ({', '.join(unmeasured)})"] if unmeasured else []
     reach = f" (up to L = {lengths[-1]}: {high} not reached)" if lengths[-1] < high else ""
     line += "; verdict: " + ("; ".join(verdict) if verdict else "met") + reach
     return f"{line}; {TARGET_NOISE_NOTE}" if marked else line
+
+
+def summarize_rank_rows(rows: Sequence[Row], targets: KernelTargets = KERNEL_TARGETS) -> str:
+    """One line for ``--layouts`` rows: per layout's busiest rank (its fastest clean-context kernel), its rate
+    against dense over its own shapes, and the worst against ``targets.min_vs_dense``."""
+    best = [r for r in _fastest_rank_rows([r for r in rows if r.get("form") == "rank"])
+            if math.isfinite(_number(r, "vs_dense"))]
+    if not best:
+        return f"{len(rows)} rows, none timed"
+    parts = [f"{r.get('topology')} r{r.get('rank')} ({r.get('clean')}) {_number(r, 'vs_dense'):.2f}x"
+             f"{_mark(bool(r.get('vs_dense_within_noise')))} at L={r.get('seq_len')} B={r.get('block_size')}"
+             for r in best]
+    worst = min(_number(r, "vs_dense") for r in best)
+    verdict = "met" if worst >= targets.min_vs_dense else "missed"
+    return (f"{len(rows)} rows; busiest rank's rate against dense over its shapes: {', '.join(parts)}; "
+            f"worst {worst:.2f}x (>= {targets.min_vs_dense:.2f}x): {verdict}")
+
+
+def _fastest_rank_rows(rows: Sequence[Row]) -> list[Row]:
+    """Per (length, block size, backend, topology), the rank row with the best rate (a failed one only when
+    its shape has no other)."""
+    best: dict[tuple[object, ...], Row] = {}
+    for r in rows:
+        key = (r.get("seq_len"), r.get("block_size"), r.get("backend"), r.get("topology"))
+        rate = _number(r, "vs_dense")
+        if key not in best or (math.isfinite(rate) and not rate <= _number(best[key], "vs_dense")):
+            best[key] = r
+    return list(best.values())
+
+
+def summarize_kernel_rows(rows: list[dict[str, object]], *, targets: bool = False) -> str:
+    """One line: rows measured, the best rate relative to dense SDPA, the decomposed/mixed range and
+    the kernel targets' verdict (``kernel_summary.target_line``) when a shape in their range was
+    measured, or with ``targets`` (the CUDA check, whose verdict they are) always."""
+    def values(key: str, forms: tuple[str, ...]) -> list[float]:
+        found = (float(r.get(key, math.nan)) for r in rows if r.get("form") in forms)  # type: ignore[arg-type]
+        return [v for v in found if math.isfinite(v)]
+
+    vs_dense = values("vs_dense", ("mixed", "mixed-ag", "decomposed", "diagonal"))
+    speedups = values("decomposed_speedup", ("decomposed",))
+    parts = [f"{len(rows)} rows"]
+    if vs_dense:
+        parts.append(f"best {max(vs_dense):.2f}x dense SDPA's rate")
+    if speedups:
+        parts.append(f"decomposed/mixed {min(speedups):.2f}-{max(speedups):.2f}x")
+    graphs = sum(int(r.get("compiled_graphs", 0)) for r in rows)  # type: ignore[call-overload]
+    firsts = values("first_call_s", ("mixed", "mixed-ag", "decomposed", "diagonal"))
+    if graphs or firsts:
+        parts.append(f"{graphs} graphs compiled, slowest first call {max(firsts, default=0.0):.1f} s")
+    verdict = target_line(rows)
+    return ", ".join(parts) + ("" if verdict.startswith("targets: no shape") and not targets else f"; {verdict}")

@@ -123,6 +123,9 @@ class KernelRecord:
     wall_ms: float = math.nan  # --profile-top: one unprofiled step's wall time, in which the host ...
     issue_ms: float = math.nan  # ... issued the step in this long
     syncs: int = 0  # --profile-top: CUDA calls in one step that made the host wait for the device
+    topology: str = "-"  # rank rows (--layouts, csbp.bench.kernel_ranks): the layout, e.g. cp4/bp8 ...
+    rank: int = -1  # ... the rank timed (its busiest) ...
+    dense_shape: tuple[int, int] = (0, 0)  # ... and its dense baseline's (query rows, key rows); (0, 0): 2L x 2L
 
 
 def build_form(
@@ -165,7 +168,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timings(
+def timings(
     fn: Callable[[], object], device: torch.device, warmup: int, repeats: int, clock: str = "wall"
 ) -> tuple[float, tuple[float, ...]]:
     """``(first, repeats)`` seconds of ``fn()``: the first call (warm-up or not: on CUDA it holds the
@@ -255,6 +258,7 @@ def run_kernel_bench(
     profile_seq_lens: tuple[int, ...] | None = None,
     progress: Callable[[KernelRecord], None] | None = None,
     header: str | None = None,
+    forms: bool = True,
 ) -> list[KernelRecord]:
     """Measure every (length, block size): dense SDPA, then each backend's mixed form, its decomposed
     form once per kernel of ``diagonals`` and of ``clean_kernels``, and its block-diagonal partial alone
@@ -265,7 +269,8 @@ def run_kernel_bench(
     row needs neither way). ``primary_first`` orders the rows by ``kernel_jobs``: the mixed forms and
     the first ``primary_first`` decomposed variants at every length before any other row (a run cut short by a time limit has measured the long lengths).
     ``profile_top``: each row's step once more under the profiler, at ``profile_seq_lens`` (None: every
-    length), its launches and costliest kernels in the record (``csbp.bench.kernel_profile``)."""
+    length), its launches and costliest kernels in the record (``csbp.bench.kernel_profile``). With
+    ``forms=False`` it checks the inputs, prints the header and measures nothing (``--no-forms``)."""
     dev = torch.device(device)
     concrete = [resolve_backend(check_backend(b), dev) for b in backends]
 
@@ -297,6 +302,8 @@ def run_kernel_bench(
             if seq_len % block:
                 raise ValueError(f"--seq-lens {seq_len} must be a multiple of every --block-sizes value ({block})")
     print_header(header)
+    if not forms:
+        return []
     torch_dtype = DTYPES[dtype]
     records: list[KernelRecord] = []
 
@@ -325,7 +332,7 @@ def run_kernel_bench(
                 held_len, held = seq_len, (q, k, v, torch.randn_like(q))
             q, k, v, dout = held
             if seq_len not in dense:
-                dense_times = _dense_sdpa_times(q, k, v, dout, dev, warmup, repeats, clock)
+                dense_times = dense_sdpa_times(q, k, v, dout, dev, warmup, repeats, clock)
                 # The fused call flash pieces make (FlashAttention-2 on CUDA), over all pairs: is it as fast as
                 # SDPA's pick? Their rates hardly depend on L: timed at the first length only (at 128K each
                 # costs ~10 s of a budget).
@@ -356,7 +363,7 @@ def run_kernel_bench(
                 step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
                 _sync(dev)
                 build_s = now() - start
-                first_s, times = _timings(step, dev, warmup, repeats, clock)
+                first_s, times = timings(step, dev, warmup, repeats, clock)
             except RuntimeError as error:
                 if dev.type != "cuda":
                     raise
@@ -452,7 +459,7 @@ def _median(times: Sequence[float]) -> float:
     return statistics.median(times) if times else math.nan
 
 
-def _dense_sdpa_times(
+def dense_sdpa_times(
     q: Tensor, k: Tensor, v: Tensor, dout: Tensor, device: torch.device, warmup: int, repeats: int, clock: str
 ) -> tuple[float, ...]:
     """Forward + backward of unmasked SDPA over all pairs (GQA without repeating K/V)."""
@@ -462,7 +469,7 @@ def _dense_sdpa_times(
         out = F.scaled_dot_product_attention(*leaves, enable_gqa=q.shape[1] != k.shape[1])
         out.backward(dout)
 
-    return _timings(step, device, warmup, repeats, clock)[1]
+    return timings(step, device, warmup, repeats, clock)[1]
 
 
 def _dense_flash_times(
@@ -478,7 +485,7 @@ def _dense_flash_times(
         flash_backward(q, k, v, out, lse, dout, causal=False, scale=scale, cuda_kernel=kernel)
 
     try:
-        return _timings(step, device, warmup, repeats, clock)[1]
+        return timings(step, device, warmup, repeats, clock)[1]
     except RuntimeError as error:  # e.g. a cuDNN build without this configuration
         print(f"csbp bench kernels: the {kernel} kernel failed on this machine: {str(error).splitlines()[0]}")
         return (float("nan"),)

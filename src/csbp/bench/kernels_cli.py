@@ -13,6 +13,7 @@ from csbp.attention.backends import CLEAN_KERNELS, check_backend, resolve_backen
 from csbp.attention.flex_backward import FLEX_BACKWARDS, resolve_flex_backward
 from csbp.bench.common import add_head_options, add_output_options, records_as_dicts, write_json_atomic
 from csbp.bench.kernel_profile import StepProfile, format_profile
+from csbp.bench.kernel_ranks import check_layout_clean, check_layouts, parse_topologies, run_rank_rows
 from csbp.bench.kernel_summary import format_verdicts, shape_verdicts
 from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread
@@ -40,8 +41,9 @@ def noisy_records(records: list[KernelRecord]) -> bool:
 
 def format_row(r: KernelRecord) -> str:
     speedup = "- " if r.form != "decomposed" else _marked(r.decomposed_speedup, r.speedup_within_noise)
+    form = f"{r.topology} r{r.rank}" if r.form == "rank" else r.form  # a rank row: its layout and rank
     return (
-        f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {r.form:<10} {r.diagonal:<8} {r.clean:<7} "
+        f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {form:<10} {r.diagonal:<8} {r.clean:<7} "
         f"{r.time_s * 1e3:>11.2f} {format_spread(r.times_s)} "
         f"{r.tflops:>8.3f} {_marked(r.vs_dense, r.vs_dense_within_noise):>8} {speedup:>9} {r.mask_build_s * 1e3:>8.2f} "
         f"{'-' if math.isnan(r.first_call_s) else f'{r.first_call_s * 1e3:.1f}':>9} {r.compiled_graphs:>6} "
@@ -64,12 +66,13 @@ def plot_rates(records: list[KernelRecord], path: Path) -> None:
     blocks = sorted({r.block_size for r in records})
     figure, axes = plt.subplots(1, len(blocks), figsize=(5.0 * len(blocks), 4.0), squeeze=False)
     for axis, block in zip(axes[0], blocks, strict=True):
-        series = sorted({(r.backend, r.form, r.diagonal, r.clean) for r in records if r.block_size == block})
-        for backend, form, diagonal, clean in series:
+        series = sorted({(r.backend, r.form, r.diagonal, r.clean, r.topology) for r in records if r.block_size == block})
+        for backend, form, diagonal, clean, topology in series:
             points = sorted((r.seq_len, r.tflops, *rate_range(r)) for r in records
-                            if (r.block_size, r.backend, r.form, r.diagonal, r.clean)
-                            == (block, backend, form, diagonal, clean))
-            label = f"{backend} {form}" + (f" ({diagonal} diagonal, {clean} clean)" if diagonal != "-" else "")
+                            if (r.block_size, r.backend, r.form, r.diagonal, r.clean, r.topology)
+                            == (block, backend, form, diagonal, clean, topology))
+            name = f"{topology} busiest rank" if form == "rank" else form
+            label = f"{backend} {name}" + (f" ({diagonal} diagonal, {clean} clean)" if diagonal != "-" else "")
             errors = [[max(0.0, p[1] - p[2]) for p in points], [max(0.0, p[3] - p[1]) for p in points]]  # min-max
             (line,) = axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
             axis.errorbar([p[0] for p in points], [p[1] for p in points], yerr=errors, fmt="none", capsize=3,
@@ -130,6 +133,18 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--profile-seq-lens", type=int, nargs="+", default=None,
                         help="profile only these lengths (default: every length)")
+    parser.add_argument(
+        "--layouts", nargs="+", default=[], metavar="TOPOLOGY",
+        help="also time the busiest rank of each topology (cpA, bpB or cpA/bpB, e.g. cp4 bp4 cp4/bp8): its "
+        "attention through its transport, the ring's collectives replaced by local copies, against dense SDPA "
+        "over the rank's shapes (csbp.bench.kernel_ranks); default: none",
+    )
+    parser.add_argument("--no-forms", action="store_true",
+                        help="measure only the --layouts rows (no dense, mixed, decomposed or diagonal rows)")
+    parser.add_argument(
+        "--layout-clean", nargs="+", choices=CLEAN_KERNELS, default=["generic"],
+        help="clean-context kernels of the --layouts rows (default: generic, what training runs)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
     parser.add_argument("--no-op-count", action="store_true", help="skip counting aten ops (CPU)")
@@ -159,6 +174,11 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         f"{flex_note}\n"
         f"{format_header()}"
     )
+    topologies = parse_topologies(args.layouts)  # fail closed before anything runs
+    if args.no_forms and not topologies:
+        raise ValueError("--no-forms measures only the --layouts rows: name at least one, e.g. --layouts cp4 cp4/bp8")
+    check_layouts(topologies, args.seq_lens, args.block_sizes)
+    check_layout_clean(args.layout_clean, device)
     measured: list[KernelRecord] = []
 
     def progress(record: KernelRecord) -> None:
@@ -193,7 +213,18 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         profile_seq_lens=None if args.profile_seq_lens is None else tuple(args.profile_seq_lens),
         progress=progress,
         header=header,
+        forms=not args.no_forms,
     )
+    if topologies:
+        print("the busiest rank of each layout (--layouts): its attention through its transport on this device, "
+              "the ring's collectives replaced by local copies; x dense: against dense SDPA over the rank's "
+              "query rows x the key rows its partials read", flush=True)
+        records += run_rank_rows(
+            args.seq_lens, args.block_sizes, [resolve_backend(check_backend(name), device) for name in args.backends],
+            topologies, device=device, dtype=dtype, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim, warmup=args.warmup, repeats=args.repeats, clock=args.clock,
+            clean_kernels=args.layout_clean, flex_backward=args.flex_backward, progress=progress,
+        )
     if noisy_records(records):
         print(NOISE_NOTE)
     verdicts = format_verdicts(shape_verdicts(records_as_dicts(records)))

@@ -1,7 +1,7 @@
 """``make gpu-check`` (``python -m csbp.gpu.check``): the one-command device check.
 
-Runs a list of stages on the visible GPUs within a total time budget (default 480 s from the
-process's start; with the watchdog's 10 s grace the check ends within 8.2 minutes of wall time,
+Runs a list of stages on the visible GPUs within a total time budget (default 540 s from the
+process's start; with the watchdog's 10 s grace the check ends within 9.2 minutes of wall time,
 which leaves a 15-minute device lease the machine's start and one rerun of a stage), prints one
 summary table and keeps ``gpu-check.json`` current while it runs (``csbp.gpu.report``):
 
@@ -26,6 +26,9 @@ stage               what it runs (limit)
                     ``gpu-check.json`` row by row, and the stage copies the rows measured (all of
                     them, or those before its limit) into the report, with the kernel targets'
                     worst values (``csbp.bench.kernel_summary``; ``~`` where within the repeats' noise)
+``layouts``         ``csbp bench kernels --layouts`` on CUDA (60 s): the busiest rank of CSBP cp4/bp8,
+                    CP-only cp4 and BP-only bp4 at 64K, B = 128, through its transport, against
+                    dense SDPA over its shapes; writes ``gpu-layouts.json``
 ``train-table``     the single-GPU training table (``csbp.gpu.train_table``, the time left):
                     Qwen3-0.6B shape, BD3, bf16, activation checkpointing, ``--backend`` (default
                     auto: flex on CUDA), 8K-64K tokens; DFlash at 64K, 512 anchors; the median of
@@ -63,7 +66,6 @@ if __name__ == "__main__" and (_status := report_missing()) is not None:
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import math  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -74,12 +76,12 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from csbp.attention.flex_backward import FLEX_BACKWARDS, resolve_flex_backward, set_flex_backward  # noqa: E402
-from csbp.bench.kernel_summary import target_line  # noqa: E402
+from csbp.bench.kernel_summary import summarize_kernel_rows, summarize_rank_rows  # noqa: E402
 from csbp.gpu.flops import gpu_bf16_peak_tflops  # noqa: E402
 from csbp.gpu.profile import CPU_DRY_RUN, CUDA, CheckProfile  # noqa: E402
 from csbp.gpu.report import CheckReport, StageResult, kill_process_group, start_watchdog  # noqa: E402
 
-DEFAULT_BUDGET_S = 480.0
+DEFAULT_BUDGET_S = 540.0  # 480 until the layouts stage's 60 s: the training table keeps >= 95 s
 WATCHDOG_GRACE_S = 10.0
 """Seconds past the budget before the watchdog ends the process (command stages end by the budget)."""
 TRAIN_TABLE_RESERVE_S = 15.0
@@ -97,7 +99,7 @@ class CheckEnv:
     args: argparse.Namespace
     deadline: float  # time.perf_counter() value the whole check must end by
     profile: CheckProfile = CUDA
-    out_dir: Path = Path(".")  # where gpu-check.json and gpu-kernels.json go
+    out_dir: Path = Path(".")  # where gpu-check.json, gpu-kernels.json and gpu-layouts.json go
     report: CheckReport | None = None
 
     def seconds_left(self) -> float:
@@ -239,33 +241,29 @@ def _kernels(env: CheckEnv) -> list[str]:
             "--flex-backward", env.args.flex_backward]
 
 
-def summarize_kernel_rows(rows: list[dict[str, object]], *, targets: bool = False) -> str:
-    """One line: rows measured, the best rate relative to dense SDPA, the decomposed/mixed range and
-    the kernel targets' verdict (``kernel_summary.target_line``) when a shape in their range was
-    measured, or with ``targets`` (the CUDA check, whose verdict they are) always."""
-    def values(key: str, forms: tuple[str, ...]) -> list[float]:
-        found = (float(r.get(key, math.nan)) for r in rows if r.get("form") in forms)  # type: ignore[arg-type]
-        return [v for v in found if math.isfinite(v)]
-
-    vs_dense = values("vs_dense", ("mixed", "mixed-ag", "decomposed", "diagonal"))
-    speedups = values("decomposed_speedup", ("decomposed",))
-    parts = [f"{len(rows)} rows"]
-    if vs_dense:
-        parts.append(f"best {max(vs_dense):.2f}x dense SDPA's rate")
-    if speedups:
-        parts.append(f"decomposed/mixed {min(speedups):.2f}-{max(speedups):.2f}x")
-    graphs = sum(int(r.get("compiled_graphs", 0)) for r in rows)  # type: ignore[call-overload]
-    firsts = values("first_call_s", ("mixed", "mixed-ag", "decomposed", "diagonal"))
-    if graphs or firsts:
-        parts.append(f"{graphs} graphs compiled, slowest first call {max(firsts, default=0.0):.1f} s")
-    verdict = target_line(rows)
-    return ", ".join(parts) + ("" if verdict.startswith("targets: no shape") and not targets else f"; {verdict}")
-
-
 def _kernels_report(env: CheckEnv, result: StageResult, output: str) -> StageResult:
     path = _kernels_json(env)
     rows = json.loads(path.read_text()) if path.exists() else []
     summary = summarize_kernel_rows(rows, targets=env.profile.device == "cuda")
+    if result.status != "ok":
+        summary = f"{result.summary}; {summary} before that"
+    return dataclasses.replace(result, summary=summary, details={**result.details, "json": str(path), "rows": rows})
+
+
+def _layouts_json(env: CheckEnv) -> Path:
+    return env.out_dir / "gpu-layouts.json"
+
+
+def _layouts(env: CheckEnv) -> list[str]:
+    _layouts_json(env).unlink(missing_ok=True)
+    return [sys.executable, "-m", "csbp", "bench", "kernels", *env.profile.layouts, "--json", str(_layouts_json(env)),
+            "--flex-backward", env.args.flex_backward]
+
+
+def _layouts_report(env: CheckEnv, result: StageResult, output: str) -> StageResult:
+    path = _layouts_json(env)
+    rows = json.loads(path.read_text()) if path.exists() else []
+    summary = summarize_rank_rows(rows)
     if result.status != "ok":
         summary = f"{result.summary}; {summary} before that"
     return dataclasses.replace(result, summary=summary, details={**result.details, "json": str(path), "rows": rows})
@@ -324,6 +322,8 @@ STAGES: list[Stage] = [
     command_stage("verify-dflash", "csbp verify --objective dflash --device cuda", _verify("dflash"), timeout_s=150),
     command_stage("kernels", "csbp bench kernels on CUDA (flex, bf16, 16K-128K)", _kernels, timeout_s=150,
                   report=_kernels_report),
+    command_stage("layouts", "csbp bench kernels --layouts: each layout's busiest rank on CUDA", _layouts,
+                  timeout_s=60, report=_layouts_report),
     Stage("train-table", "single-GPU BD3 / DFlash training table (Qwen3-0.6B shape, bf16)", _train_table),
 ]
 """The stages in run order; ``train-table`` last, it takes the time that is left."""
@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stages", nargs="+", default=None, help="run only these stages (default: all)")
     parser.add_argument("--list", action="store_true", help="list the stages and exit")
     parser.add_argument("--json", type=Path, default=Path("gpu-check.json"),
-                        help="the report (gpu-kernels.json goes next to it)")
+                        help="the report (gpu-kernels.json and gpu-layouts.json go next to it)")
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                         help=f"total time budget from the process's start (default {DEFAULT_BUDGET_S:.0f} s)")
     parser.add_argument("--train-seq-lens", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
@@ -463,8 +463,8 @@ def main(argv: Sequence[str] | None = None, *, started: float | None = None) -> 
     for result in report.results:
         if "table" in result.details:
             print(result.details["table"])
-    print(f"wrote {args.json}" + (f" and {env.out_dir / 'gpu-kernels.json'}" if any(
-        s.name == "kernels" for s in stages) else ""))
+    beside = [str(env.out_dir / f"gpu-{s.name}.json") for s in stages if s.name in ("kernels", "layouts")]
+    print(f"wrote {' and '.join([str(args.json), *beside])}")
     return 0 if all(r.status != "failed" for r in report.results) else 1
 
 

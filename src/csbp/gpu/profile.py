@@ -41,6 +41,17 @@ only, and that breakdown says where: in its kernels, or in device time left idle
 the host's issue time and its synchronising calls)."""
 
 
+LAYOUT_BENCH_ARGS: tuple[str, ...] = (
+    "--device", "cuda", "--backends", "flex", "--dtype", "bfloat16", "--num-heads", "16", "--num-kv-heads", "4",
+    "--head-dim", "128", "--block-sizes", "128", "--seq-lens", "65536", "--no-forms",
+    "--layouts", "cp4/bp8", "cp4", "bp4", "--layout-clean", "generic", "pieces-cudnn", "--repeats", "2",
+)
+"""``csbp bench kernels --layouts`` options of the ``layouts`` stage on CUDA: the busiest rank of fused CSBP
+(cp = 4 x bp = 8), the CP-only baseline (cp = 4) and BP-only (bp = 4) at 64K, B = 128, each through its transport
+(``csbp.bench.kernel_ranks``): the issue's "every layout at >= 0.6x dense" measured per layout. The training
+default (``generic``) comes first per layout; each new rank shape compiles Flex, so the 60 s stage may end early."""
+
+
 @dataclass(frozen=True)
 class CheckProfile:
     """The device and the sizes every stage runs at.
@@ -51,6 +62,7 @@ class CheckProfile:
         cuda_tests: ``pytest -m cuda`` arguments after the marker (selection and paths).
         verify: extra ``csbp verify`` arguments (the dry run verifies one layout).
         kernels: ``csbp bench kernels`` arguments, without ``--json``.
+        layouts: ``csbp bench kernels --no-forms --layouts ...`` arguments, without ``--json``.
         table: ``TableConfig`` fields that replace what the command line gives.
         child_env: environment variables set for every command stage.
         stand_in_gpus: the GPU count the stages see in the dry run (None: the visible GPUs).
@@ -61,12 +73,15 @@ class CheckProfile:
     cuda_tests: tuple[str, ...]
     verify: tuple[str, ...]
     kernels: tuple[str, ...]
+    layouts: tuple[str, ...] = ()
     table: Mapping[str, object] = field(default_factory=dict)
     child_env: Mapping[str, str] = field(default_factory=dict)
     stand_in_gpus: int | None = None
 
 
-CUDA = CheckProfile(name="cuda", device="cuda", cuda_tests=("tests",), verify=(), kernels=KERNEL_BENCH_ARGS)
+CUDA = CheckProfile(
+    name="cuda", device="cuda", cuda_tests=("tests",), verify=(), kernels=KERNEL_BENCH_ARGS, layouts=LAYOUT_BENCH_ARGS
+)
 
 DRY_RUN_MODEL = DecoderConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8
@@ -85,6 +100,11 @@ CPU_DRY_RUN = CheckProfile(
         "--device", "cpu", "--backends", "tiles", "--dtype", "float32", "--num-heads", "2", "--num-kv-heads", "1",
         "--head-dim", "8", "--block-sizes", "4", "--seq-lens", "32", "--diagonals", "matmul", "sdpa",
         "--repeats", "1", "--warmup", "0", "--no-op-count", "--primary-first",
+    ),
+    layouts=(
+        "--device", "cpu", "--backends", "tiles", "--dtype", "float32", "--num-heads", "2", "--num-kv-heads", "1",
+        "--head-dim", "8", "--block-sizes", "4", "--seq-lens", "32", "--no-forms", "--layouts", "cp2/bp2", "cp2",
+        "--repeats", "1", "--warmup", "0",
     ),
     table={
         "seq_lens": (32, 64), "decomposed_seq_lens": (64,), "decomposed_clean": "pieces",

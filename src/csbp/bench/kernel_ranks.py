@@ -1,0 +1,244 @@
+"""``csbp bench kernels --layouts``: one rank's attention under each parallel layout, on one device.
+
+The forms of ``csbp.bench.kernels`` are one device's view of a layout's kernels (``mixed``: CP-only's
+rows, ``decomposed``: CSBP's). This module times what one rank of a real topology computes instead:
+its packed rows from ``csbp.attention.layouts.rank_layout`` (dual-end block schedule), its transport
+from ``csbp.attention.transports.factory.build_attention`` (the local partial, the remote partials over
+the other ring members' rows, their fp32 merges, the backward from the merged statistics, the casts),
+exactly as training builds them for that rank. Only the wire is left out: ``LocalRing`` stands in for
+the ring's ``Comm``, its all-gather returning this rank's shard once per member (the bytes every member
+would send) and its reduce-scatter summing the gathered gradients locally, so the row is the rank's
+kernel time, not its network's.
+
+Per (length, block size, backend, topology) it times the *busiest* rank (the most allowed pairs; a
+step waits for its slowest rank) and reports the rate per allowed pair against dense SDPA over all
+pairs of the same shapes: the rank's query rows against every key row its partials read (its own rows
+and the other members' exchanged rows). That is the issue's "every layout's attention" rate, measured
+per layout rather than inferred from the two forms.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from csbp.attention.backends import check_clean
+from csbp.attention.diagonal import resolve_diagonal
+from csbp.attention.flex_backward import flex_backward_mode, resolve_flex_backward
+from csbp.attention.layouts import RankLayout, rank_layout
+from csbp.attention.transports.factory import build_attention
+from csbp.bench.kernels import DTYPES, KernelRecord, dense_sdpa_times, timings
+from csbp.bench.measure import allowed_pairs, attention_flops
+from csbp.bench.spread import rates_within_noise
+from csbp.parallel.comm import Pending
+from csbp.plan.layout import parse_topology
+from csbp.topology import Topology
+
+
+class LocalRing:
+    """The collectives of a ring of ``size`` members, on one device and without the wire (see the module
+    doc): the shapes, and the bytes that would arrive, of ``csbp.parallel.comm.Comm``'s."""
+
+    def __init__(self, size: int, rank: int, category: str = "attention") -> None:
+        self.size, self.rank, self.category = size, rank, category
+
+    def all_gather(self, shard: Tensor, async_op: bool = False, *, category: str | None = None) -> tuple[Tensor, Pending]:
+        """``[P*n, ...]``: this rank's shard once per member (a copy of what every member sends)."""
+        out = shard.repeat(self.size, *([1] * (shard.dim() - 1)))
+        return out, Pending([], out)
+
+    def reduce_scatter(self, full: Tensor, async_op: bool = False, *, category: str | None = None) -> tuple[Tensor, Pending]:
+        """``[n, ...]``: the ``P`` chunks of ``full`` summed (what the reduction computes somewhere)."""
+        out = full.reshape(self.size, full.shape[0] // self.size, *full.shape[1:]).sum(0)
+        return out, Pending([], out)
+
+
+def parse_topologies(texts: Sequence[str]) -> list[Topology]:
+    """``["cp4", "bp8", "cp4/bp8"]`` -> one sample's topologies (no ``dp``: a rank's work does not depend
+    on it); fails closed on an invalid layout or a ``dp`` axis."""
+    topologies = []
+    for text in texts:
+        dp, cp, bp = parse_topology(text)
+        if dp != 1 or (cp, bp) == (1, 1):
+            raise ValueError(f"--layouts {text!r}: name one sample's ranks, cpA, bpB or cpA/bpB (no dp), "
+                             "e.g. cp4 bp4 cp4/bp8")
+        topologies.append(Topology(cp=cp, bp=bp, replicate_clean_prefix=cp == 1))
+    return topologies
+
+
+def topology_name(topology: Topology) -> str:
+    return "/".join(f"{axis}{degree}" for axis, degree in (("cp", topology.cp), ("bp", topology.bp)) if degree > 1)
+
+
+def check_layouts(topologies: Sequence[Topology], seq_lens: Sequence[int], block_sizes: Sequence[int]) -> None:
+    """Every topology's sequence constraints at every (length, block size), before anything runs."""
+    for topology in topologies:
+        for seq_len in seq_lens:
+            for block in block_sizes:
+                try:
+                    topology.validate_sequence(seq_len, block)
+                except ValueError as error:
+                    raise ValueError(f"--layouts {topology_name(topology)} at L={seq_len} B={block}: {error}") from None
+
+
+def busiest_rank(topology: Topology, seq_len: int, block: int) -> tuple[int, RankLayout, int]:
+    """``(local rank, its layout, its allowed pairs)`` of the rank with the most allowed pairs (the first
+    of equals)."""
+    best: tuple[int, RankLayout, int] | None = None
+    for rank in range(topology.local):
+        layout = rank_layout(topology, rank, seq_len, block)
+        pairs = allowed_pairs(layout.rows, block_size=block)
+        if best is None or pairs > best[2]:
+            best = (rank, layout, pairs)
+    assert best is not None
+    return best
+
+
+def key_rows(topology: Topology, layout: RankLayout, seq_len: int) -> int:
+    """Key rows the rank's partials read: its own rows plus the other ring members' exchanged rows (CP-only
+    exchanges all ``2L`` rows, CSBP the ``L`` clean ones, BP-only nothing)."""
+    if topology.layout == "cp":
+        return 2 * seq_len
+    if topology.layout == "csbp":
+        return layout.num_noisy + seq_len
+    return len(layout.rows)
+
+
+def rank_step(
+    topology: Topology, rank: int, layout: RankLayout, seq_len: int, block: int, inputs: tuple[Tensor, ...], *,
+    backend: str, clean: str, diagonal: str = "auto",
+) -> Callable[[], None]:
+    """One forward + backward of the rank's attention through its transport (``LocalRing`` for a ring)."""
+    ring = None if topology.layout in ("data", "bp") else LocalRing(topology.cp, rank % topology.cp)
+    device = inputs[0].device
+    attention = build_attention(
+        topology, rank, layout, ring, block_size=block, backend=backend, diagonal=diagonal, clean=clean, device=device,
+    )  # type: ignore[arg-type]  # LocalRing has the two collectives the collective transport calls
+    q, k, v, dout = inputs
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+    def step() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        attention(*leaves).backward(dout)
+
+    return step
+
+
+def rank_inputs(
+    num_rows: int, num_keys: int, *, heads: int, kv_heads: int, head_dim: int, device: torch.device,
+    dtype: torch.dtype, seed: int,
+) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """``(q, k, v, dout)`` over the rank's rows and ``(q, k, v, dout)`` of dense attention over its shapes
+    (``num_rows`` queries x ``num_keys`` keys)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(h: int, n: int) -> Tensor:
+        return torch.randn(1, h, n, head_dim, device=device, dtype=dtype, generator=gen)
+
+    mine = (draw(heads, num_rows), draw(kv_heads, num_rows), draw(kv_heads, num_rows), draw(heads, num_rows))
+    dense = (mine[0], draw(kv_heads, num_keys), draw(kv_heads, num_keys), mine[3])
+    return mine, dense
+
+
+def rank_rate(
+    times: Sequence[float], pairs: int, dense_times: Sequence[float], dense_pairs: int, num_heads: int, head_dim: int
+) -> tuple[float, float, bool]:
+    """``(TFLOP/s on allowed pairs, that rate / dense's, whether the two overlap over the repeats)``."""
+    median = sorted(times)[len(times) // 2] if times else math.nan
+    dense_median = sorted(dense_times)[len(dense_times) // 2] if dense_times else math.nan
+    flops = {"num_heads": num_heads, "head_dim": head_dim}
+    rate = attention_flops(pairs, **flops) / median / 1e12
+    dense_rate = attention_flops(dense_pairs, **flops) / dense_median / 1e12
+    return rate, rate / dense_rate, rates_within_noise(list(times), pairs, list(dense_times), dense_pairs)
+
+
+def check_layout_clean(names: Sequence[str], device: torch.device) -> None:
+    for name in names:
+        check_clean(name)
+        if name == "pieces-cudnn" and device.type != "cuda":
+            raise ValueError("--layout-clean pieces-cudnn needs --device cuda (on CPU it is the same kernel as pieces)")
+
+
+def run_rank_rows(
+    seq_lens: Sequence[int],
+    block_sizes: Sequence[int],
+    backends: Sequence[str],
+    topologies: Sequence[Topology],
+    *,
+    device: torch.device,
+    dtype: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    warmup: int,
+    repeats: int,
+    clock: str,
+    clean_kernels: Sequence[str] = ("generic",),
+    flex_backward: str = "auto",
+    progress: Callable[[KernelRecord], None] | None = None,
+) -> list[KernelRecord]:
+    """Per length, block size, backend (concrete), topology and clean-context kernel: the busiest rank's
+    attention step (``form="rank"``), its rate per allowed pair and that rate against dense SDPA over the
+    rank's shapes (timed once per length and topology). Inputs are checked by the caller
+    (``run_kernel_bench``'s checks plus ``check_layouts`` and ``check_layout_clean``)."""
+    resolved = resolve_flex_backward(flex_backward, where="--flex-backward")
+    timing = {"warmup": warmup, "repeats": repeats, "clock": clock}
+    records: list[KernelRecord] = []
+    with flex_backward_mode(flex_backward):  # merged flex partials differentiate this way, as in the forms
+        for seq_len in seq_lens:
+            for block in block_sizes:
+                for topology in topologies:
+                    rank, layout, pairs = busiest_rank(topology, seq_len, block)
+                    num_keys = key_rows(topology, layout, seq_len)
+                    inputs, dense_inputs = rank_inputs(
+                        len(layout.rows), num_keys, heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim,
+                        device=device, dtype=DTYPES[dtype], seed=seq_len + block,
+                    )
+                    dense_times = dense_sdpa_times(*dense_inputs, device, warmup, repeats, clock)
+                    for backend in dict.fromkeys(backends):
+                        for clean in clean_kernels:
+                            times, first_s, build_s = _time_rank(
+                                topology, rank, layout, seq_len, block, inputs, backend, clean, device, **timing
+                            )
+                            rate, vs_dense, noisy = rank_rate(
+                                times, pairs, dense_times, len(layout.rows) * num_keys, num_heads, head_dim
+                            )
+                            record = KernelRecord(
+                                str(device), dtype, seq_len, block, backend, "rank",
+                                resolve_diagonal("auto", backend, block), clean, sorted(times)[len(times) // 2],
+                                pairs, rate, vs_dense, math.nan, build_s, 0, first_s, times_s=times,
+                                vs_dense_within_noise=noisy, topology=topology_name(topology), rank=rank,
+                                dense_shape=(len(layout.rows), num_keys),
+                                flex_backward=resolved if backend == "flex" else "-",
+                            )
+                            records.append(record)
+                            if progress is not None:
+                                progress(record)
+    return records
+
+
+def _time_rank(
+    topology: Topology, rank: int, layout: RankLayout, seq_len: int, block: int, inputs: tuple[Tensor, ...],
+    backend: str, clean: str, device: torch.device, *, warmup: int, repeats: int, clock: str,
+) -> tuple[tuple[float, ...], float, float]:
+    """``(repeats, first call, plan build)`` seconds of the rank's step; on CUDA a failure (a kernel this build
+    lacks, out of memory) prints one line and gives nan, as a failed form row does."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    try:
+        start = now()
+        step = rank_step(topology, rank, layout, seq_len, block, inputs, backend=backend, clean=clean)
+        build_s = now() - start
+        first_s, times = timings(step, device, warmup, repeats, clock)
+    except RuntimeError as error:
+        if device.type != "cuda":
+            raise
+        print(f"csbp bench kernels: L={seq_len} B={block} {backend} {topology_name(topology)} rank {rank} {clean} "
+              f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        torch.cuda.empty_cache()
+        return (math.nan,), math.nan, math.nan
+    return times, first_s, build_s
