@@ -14,7 +14,9 @@ Per (length, block size, backend, topology) it times the *busiest* rank (the mos
 step waits for its slowest rank) and reports the rate per allowed pair against dense SDPA over all
 pairs of the same shapes: the rank's query rows against every key row its partials read (its own rows
 and the other members' exchanged rows). That is the issue's "every layout's attention" rate, measured
-per layout rather than inferred from the two forms.
+per layout rather than inferred from the two forms. Full attention over one document only: the halo
+exchanges of sliding windows and packed documents move other rows, and ``csbp bench attention`` times
+those layouts with their traffic.
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ def parse_topologies(texts: Sequence[str]) -> list[Topology]:
     on it); fails closed on an invalid layout or a ``dp`` axis."""
     topologies = []
     for text in texts:
-        dp, cp, bp = parse_topology(text)
+        try:
+            dp, cp, bp = parse_topology(text)
+        except ValueError as error:
+            raise ValueError(f"--layouts {text!r}: {error}") from None
         if dp != 1 or (cp, bp) == (1, 1):
             raise ValueError(f"--layouts {text!r}: name one sample's ranks, cpA, bpB or cpA/bpB (no dp), "
                              "e.g. cp4 bp4 cp4/bp8")
