@@ -111,6 +111,7 @@ def test_layouts_rows_in_the_table_json_and_target_line(tmp_path: Path, capsys: 
                  "--json", str(out)])
     assert code == 0
     records = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 0  # the forms' panel and the ranks' bars
     ranks = [r for r in records if r["form"] == "rank"]
     assert [(r["topology"], r["clean"]) for r in ranks] == [
         (t, c) for t in ("cp2", "bp2", "cp2/bp4") for c in ("generic", "pieces")
@@ -153,5 +154,6 @@ def test_no_forms_measures_only_the_layouts_rows(tmp_path: Path, capsys: pytest.
                  "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "8", "--no-forms", "--layouts", "cp2/bp2",
                  "--json", str(out)]) == 0
     assert [(r["form"], r["topology"], r["diagonal"]) for r in json.loads(out.read_text())] == [("rank", "cp2/bp2", "sdpa")]
+    assert out.with_suffix(".png").stat().st_size > 0  # the ranks' bars alone
     assert main(["bench", "kernels", "--no-forms"]) != 0
     assert "--no-forms measures only the --layouts rows" in capsys.readouterr().err

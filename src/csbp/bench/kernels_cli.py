@@ -57,22 +57,25 @@ def format_table(records: list[KernelRecord]) -> str:
 
 
 def plot_rates(records: list[KernelRecord], path: Path) -> None:
-    """TFLOP/s on useful pairs against L, one panel per block size, one line per backend and form."""
+    """TFLOP/s on useful pairs against L, one panel per block size, one line per backend and form; the
+    ``--layouts`` rows in one more panel, as bars of each busiest rank's rate against dense over its shapes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    blocks = sorted({r.block_size for r in records})
-    figure, axes = plt.subplots(1, len(blocks), figsize=(5.0 * len(blocks), 4.0), squeeze=False)
-    for axis, block in zip(axes[0], blocks, strict=True):
-        series = sorted({(r.backend, r.form, r.diagonal, r.clean, r.topology) for r in records if r.block_size == block})
-        for backend, form, diagonal, clean, topology in series:
-            points = sorted((r.seq_len, r.tflops, *rate_range(r)) for r in records
-                            if (r.block_size, r.backend, r.form, r.diagonal, r.clean, r.topology)
-                            == (block, backend, form, diagonal, clean, topology))
-            name = f"{topology} busiest rank" if form == "rank" else form
-            label = f"{backend} {name}" + (f" ({diagonal} diagonal, {clean} clean)" if diagonal != "-" else "")
+    forms = [r for r in records if r.form != "rank"]
+    ranks = [r for r in records if r.form == "rank"]
+    blocks = sorted({r.block_size for r in forms})
+    panels = len(blocks) + bool(ranks)
+    height = max(4.0, 1.5 + 0.3 * len(ranks))  # one bar per rank row
+    figure, axes = plt.subplots(1, panels, figsize=(5.0 * panels + 2.0 * bool(ranks), height), squeeze=False)
+    for axis, block in zip(axes[0], blocks):
+        series = sorted({(r.backend, r.form, r.diagonal, r.clean) for r in forms if r.block_size == block})
+        for backend, form, diagonal, clean in series:
+            points = sorted((r.seq_len, r.tflops, *rate_range(r)) for r in forms
+                            if (r.block_size, r.backend, r.form, r.diagonal, r.clean) == (block, backend, form, diagonal, clean))
+            label = f"{backend} {form}" + (f" ({diagonal} diagonal, {clean} clean)" if diagonal != "-" else "")
             errors = [[max(0.0, p[1] - p[2]) for p in points], [max(0.0, p[3] - p[1]) for p in points]]  # min-max
             (line,) = axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
             axis.errorbar([p[0] for p in points], [p[1] for p in points], yerr=errors, fmt="none", capsize=3,
@@ -83,6 +86,15 @@ def plot_rates(records: list[KernelRecord], path: Path) -> None:
         axis.set_title(f"B = {block} ({records[0].device}, {records[0].dtype})")
         axis.grid(True, alpha=0.3)
         axis.legend()
+    if ranks:
+        axis = axes[0][-1]
+        labels = [f"L={r.seq_len} B={r.block_size} {r.topology} r{r.rank} {r.clean}" for r in ranks]
+        axis.barh(range(len(ranks)), [r.vs_dense for r in ranks], tick_label=labels)
+        axis.axvline(0.6, color="grey", linestyle="--", label="0.6x (the CUDA target)")
+        axis.invert_yaxis()
+        axis.set_xlabel("rate per allowed pair / dense SDPA's over the rank's shapes")
+        axis.set_title(f"busiest rank per layout ({records[0].device}, {records[0].dtype})")
+        axis.legend(loc="lower right")
     figure.tight_layout()
     save_figure(figure, path, dpi=120)
 
