@@ -45,18 +45,21 @@ def test_local_ring_gathers_this_shard_once_per_member_and_sums_the_scatter() ->
     assert torch.equal(pending.wait(), full[0:2] + full[2:4] + full[4:6])
 
 
-@pytest.mark.parametrize("text", ["cp2", "cp2/bp4"])
-def test_a_rank_through_the_local_ring_attends_its_own_shard_in_every_members_place(text: str) -> None:
+@pytest.mark.parametrize("transport", ["collective", "streaming"])
+@pytest.mark.parametrize("text", ["cp2", "cp4", "cp2/bp4"])
+def test_a_rank_through_the_local_ring_attends_its_own_shard_in_every_members_place(text: str, transport: str) -> None:
     """What the transport computes with ``LocalRing`` is attention over the rank's own rows plus every
     other member's exchanged rows carrying this rank's shard values (row for row): float64, against the
-    dense reference over those keys, forward and every input gradient."""
+    dense reference over those keys, forward and every input gradient (the streaming ring's gradient
+    accumulator comes back summed over its hops, as the collective's reduce-scatter sums)."""
     (topology,) = parse_topologies([text])
     rank = 1
     layout = rank_layout(topology, rank, L, B)
     make_spec = cp_exchange_spec if topology.layout == "cp" else csbp_exchange_spec
     spec = make_spec(layout, seq_len=L, block_size=B, cp=topology.cp, cp_rank=rank % topology.cp)
     remote = remote_keys(spec)
-    attention = build_attention(topology, rank, layout, LocalRing(topology.cp, rank % topology.cp), block_size=B)
+    ring = LocalRing(topology.cp, rank % topology.cp)
+    attention = build_attention(topology, rank, layout, ring, block_size=B, transport=transport)  # type: ignore[arg-type]
     n = len(layout.rows)
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(1, h, n, 8, dtype=torch.float64, generator=gen) for h in (4, 2, 2, 4))
@@ -108,13 +111,14 @@ def test_layouts_rows_in_the_table_json_and_target_line(tmp_path: Path, capsys: 
     code = main(["bench", "kernels", "--seq-lens", "64", "--block-sizes", "4", "--repeats", "1", "--warmup", "0",
                  "--num-heads", "2", "--num-kv-heads", "1", "--head-dim", "8", "--clean-kernels", "generic",
                  "--no-op-count", "--layouts", "cp2", "bp2", "cp2/bp4", "--layout-clean", "generic", "pieces",
-                 "--json", str(out)])
+                 "--layout-transports", "collective", "streaming", "--json", str(out)])
     assert code == 0
     records = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0  # the forms' panel and the ranks' bars
     ranks = [r for r in records if r["form"] == "rank"]
-    assert [(r["topology"], r["clean"]) for r in ranks] == [
-        (t, c) for t in ("cp2", "bp2", "cp2/bp4") for c in ("generic", "pieces")
+    assert [(r["topology"], r["clean"], r["transport"]) for r in ranks] == [
+        (t, c, s) for t in ("cp2", "bp2", "cp2/bp4") for c in ("generic", "pieces")
+        for s in (("-",) if t == "bp2" else ("collective", "streaming"))  # BP-only has no ring
     ]
     for r in ranks:
         topology = parse_topologies([r["topology"]])[0]
@@ -124,10 +128,10 @@ def test_layouts_rows_in_the_table_json_and_target_line(tmp_path: Path, capsys: 
         assert r["time_s"] > 0 and r["tflops"] > 0 and r["vs_dense"] > 0
         assert r["diagonal"] == "matmul"  # auto on tiles below B = 16, as training resolves it
     printed = capsys.readouterr().out
-    assert "cp2/bp4 r0" in printed and "the busiest rank of each layout" in printed
+    assert "cp2/bp4 r0" in printed and "cp2/bp4 r0 streaming" in printed and "the busiest rank of each layout" in printed
     big = [{**r, "seq_len": 16384} for r in records]  # the target line counts them inside its range
     best = {t: max(r["vs_dense"] for r in ranks if r["topology"] == t) for t in ("cp2", "bp2", "cp2/bp4")}
-    worst = min(best, key=best.__getitem__)  # each layout's faster clean kernel, then the worst layout
+    worst = min(best, key=best.__getitem__)  # each layout's fastest kernel and transport, then the worst layout
     assert f"busiest ranks worst {best[worst]:.2f}x ({worst}) dense's rate (>= 0.60x)" in target_line(big)
     assert "layout rate" in target_line(big)  # far below 0.6 on a CPU at these sizes: named as missed
     assert "busiest ranks" not in target_line([r for r in big if r["form"] != "rank"])

@@ -43,7 +43,8 @@ from csbp.topology import Topology
 
 class LocalRing:
     """The collectives of a ring of ``size`` members, on one device and without the wire (see the module
-    doc): the shapes, and the bytes that would arrive, of ``csbp.parallel.comm.Comm``'s."""
+    doc): the shapes, and the bytes that would arrive, of ``csbp.parallel.comm.Comm``'s (the collective
+    transport's all-gather and reduce-scatter, the streaming transport's ring shift)."""
 
     def __init__(self, size: int, rank: int, category: str = "attention") -> None:
         self.size, self.rank, self.category = size, rank, category
@@ -57,6 +58,11 @@ class LocalRing:
         """``[n, ...]``: the ``P`` chunks of ``full`` summed (what the reduction computes somewhere)."""
         out = full.reshape(self.size, full.shape[0] // self.size, *full.shape[1:]).sum(0)
         return out, Pending([], out)
+
+    def ring_shift_async(self, send: Tensor, direction: int = -1, *, category: str | None = None) -> Pending:
+        """What the neighbour sends: a copy of ``send`` (every member holds this rank's shard, and the
+        streaming transport's gradient accumulator comes back summed over every hop)."""
+        return Pending([], send.clone())
 
 
 def parse_topologies(texts: Sequence[str]) -> list[Topology]:
@@ -113,16 +119,26 @@ def key_rows(topology: Topology, layout: RankLayout, seq_len: int) -> int:
     return len(layout.rows)
 
 
+RING_TRANSPORTS = ("collective", "streaming")
+"""The full-attention ring transports a rank row may run (``--layout-transports``)."""
+
+
+def rank_transports(topology: Topology, transports: Sequence[str]) -> list[str]:
+    """The transports to time for ``topology``: ``transports`` on a ring, ``-`` (none) without one."""
+    return list(transports) if topology.layout in ("cp", "csbp") else ["-"]
+
+
 def rank_step(
     topology: Topology, rank: int, layout: RankLayout, seq_len: int, block: int, inputs: tuple[Tensor, ...], *,
-    backend: str, clean: str, diagonal: str = "auto",
+    backend: str, clean: str, diagonal: str = "auto", transport: str = "collective",
 ) -> Callable[[], None]:
     """One forward + backward of the rank's attention through its transport (``LocalRing`` for a ring)."""
     ring = None if topology.layout in ("data", "bp") else LocalRing(topology.cp, rank % topology.cp)
     device = inputs[0].device
     attention = build_attention(
         topology, rank, layout, ring, block_size=block, backend=backend, diagonal=diagonal, clean=clean, device=device,
-    )  # type: ignore[arg-type]  # LocalRing has the two collectives the collective transport calls
+        transport="collective" if transport == "-" else transport,  # type: ignore[arg-type]
+    )  # type: ignore[arg-type]  # LocalRing has the collectives the ring transports call
     q, k, v, dout = inputs
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
 
@@ -184,6 +200,7 @@ def run_rank_rows(
     repeats: int,
     clock: str,
     clean_kernels: Sequence[str] = ("generic",),
+    transports: Sequence[str] = ("collective",),
     flex_backward: str = "auto",
     progress: Callable[[KernelRecord], None] | None = None,
 ) -> list[KernelRecord]:
@@ -205,44 +222,47 @@ def run_rank_rows(
                         device=device, dtype=DTYPES[dtype], seed=seq_len + block,
                     )
                     dense_times = dense_sdpa_times(*dense_inputs, device, warmup, repeats, clock)
-                    for backend in dict.fromkeys(backends):
-                        for clean in clean_kernels:
-                            times, first_s, build_s = _time_rank(
-                                topology, rank, layout, seq_len, block, inputs, backend, clean, device, **timing
-                            )
-                            rate, vs_dense, noisy = rank_rate(
-                                times, pairs, dense_times, len(layout.rows) * num_keys, num_heads, head_dim
-                            )
-                            record = KernelRecord(
-                                str(device), dtype, seq_len, block, backend, "rank",
-                                resolve_diagonal("auto", backend, block), clean, sorted(times)[len(times) // 2],
-                                pairs, rate, vs_dense, math.nan, build_s, 0, first_s, times_s=times,
-                                vs_dense_within_noise=noisy, topology=topology_name(topology), rank=rank,
-                                dense_shape=(len(layout.rows), num_keys),
-                                flex_backward=resolved if backend == "flex" else "-",
-                            )
-                            records.append(record)
-                            if progress is not None:
-                                progress(record)
+                    variants = [(backend, clean, transport) for backend in dict.fromkeys(backends)
+                                for clean in clean_kernels for transport in rank_transports(topology, transports)]
+                    for backend, clean, transport in variants:
+                        times, first_s, build_s = _time_rank(
+                            topology, rank, layout, seq_len, block, inputs, backend, clean, transport, device,
+                            **timing,
+                        )
+                        rate, vs_dense, noisy = rank_rate(
+                            times, pairs, dense_times, len(layout.rows) * num_keys, num_heads, head_dim
+                        )
+                        record = KernelRecord(
+                            str(device), dtype, seq_len, block, backend, "rank",
+                            resolve_diagonal("auto", backend, block), clean, sorted(times)[len(times) // 2],
+                            pairs, rate, vs_dense, math.nan, build_s, 0, first_s, times_s=times,
+                            vs_dense_within_noise=noisy, topology=topology_name(topology), rank=rank,
+                            dense_shape=(len(layout.rows), num_keys),
+                            flex_backward=resolved if backend == "flex" else "-", transport=transport,
+                        )
+                        records.append(record)
+                        if progress is not None:
+                            progress(record)
     return records
 
 
 def _time_rank(
     topology: Topology, rank: int, layout: RankLayout, seq_len: int, block: int, inputs: tuple[Tensor, ...],
-    backend: str, clean: str, device: torch.device, *, warmup: int, repeats: int, clock: str,
+    backend: str, clean: str, transport: str, device: torch.device, *, warmup: int, repeats: int, clock: str,
 ) -> tuple[tuple[float, ...], float, float]:
     """``(repeats, first call, plan build)`` seconds of the rank's step; on CUDA a failure (a kernel this build
     lacks, out of memory) prints one line and gives nan, as a failed form row does."""
     now = time.process_time if clock == "cpu" else time.perf_counter
     try:
         start = now()
-        step = rank_step(topology, rank, layout, seq_len, block, inputs, backend=backend, clean=clean)
+        step = rank_step(topology, rank, layout, seq_len, block, inputs, backend=backend, clean=clean,
+                         transport=transport)
         build_s = now() - start
         first_s, times = timings(step, device, warmup, repeats, clock)
     except RuntimeError as error:
         if device.type != "cuda":
             raise
-        print(f"csbp bench kernels: L={seq_len} B={block} {backend} {topology_name(topology)} rank {rank} {clean} "
+        print(f"csbp bench kernels: L={seq_len} B={block} {backend} {topology_name(topology)} rank {rank} {clean} {transport} "
               f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
         torch.cuda.empty_cache()
         return (math.nan,), math.nan, math.nan

@@ -208,7 +208,9 @@ def summarize_rank_rows(rows: Sequence[Row], targets: KernelTargets = KERNEL_TAR
             if math.isfinite(_number(r, "vs_dense"))]
     if not best:
         return f"{len(rows)} rows, none timed"
-    parts = [f"{r.get('topology')} r{r.get('rank')} ({r.get('clean')}) {_number(r, 'vs_dense'):.2f}x"
+    parts = [f"{r.get('topology')} r{r.get('rank')} ({r.get('clean')}"
+             f"{', ' + str(r.get('transport')) if r.get('transport') not in (None, '-') else ''}) "
+             f"{_number(r, 'vs_dense'):.2f}x"
              f"{_mark(bool(r.get('vs_dense_within_noise')))} at L={r.get('seq_len')} B={r.get('block_size')}"
              for r in best]
     worst = min(_number(r, "vs_dense") for r in best)
@@ -218,8 +220,8 @@ def summarize_rank_rows(rows: Sequence[Row], targets: KernelTargets = KERNEL_TAR
 
 
 def _fastest_rank_rows(rows: Sequence[Row]) -> list[Row]:
-    """Per (length, block size, backend, topology), the rank row with the best rate (a failed one only when
-    its shape has no other)."""
+    """Per (length, block size, backend, topology), the rank row with the best rate over its clean kernels and
+    transports (a failed one only when its shape has no other)."""
     best: dict[tuple[object, ...], Row] = {}
     for r in rows:
         key = (r.get("seq_len"), r.get("block_size"), r.get("backend"), r.get("topology"))

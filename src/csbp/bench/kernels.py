@@ -125,7 +125,8 @@ class KernelRecord:
     syncs: int = 0  # --profile-top: CUDA calls in one step that made the host wait for the device
     topology: str = "-"  # rank rows (--layouts, csbp.bench.kernel_ranks): the layout, e.g. cp4/bp8 ...
     rank: int = -1  # ... the rank timed (its busiest) ...
-    dense_shape: tuple[int, int] = (0, 0)  # ... and its dense baseline's (query rows, key rows); (0, 0): 2L x 2L
+    dense_shape: tuple[int, int] = (0, 0)  # ... its dense baseline's (query rows, key rows); (0, 0): 2L x 2L ...
+    transport: str = "-"  # ... and its ring transport (collective, streaming; "-": no ring)
 
 
 def build_form(

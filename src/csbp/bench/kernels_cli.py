@@ -13,7 +13,13 @@ from csbp.attention.backends import CLEAN_KERNELS, check_backend, resolve_backen
 from csbp.attention.flex_backward import FLEX_BACKWARDS, resolve_flex_backward
 from csbp.bench.common import add_head_options, add_output_options, records_as_dicts, write_json_atomic
 from csbp.bench.kernel_profile import StepProfile, format_profile
-from csbp.bench.kernel_ranks import check_layout_clean, check_layouts, parse_topologies, run_rank_rows
+from csbp.bench.kernel_ranks import (
+    RING_TRANSPORTS,
+    check_layout_clean,
+    check_layouts,
+    parse_topologies,
+    run_rank_rows,
+)
 from csbp.bench.kernel_summary import format_verdicts, shape_verdicts
 from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread
@@ -41,7 +47,9 @@ def noisy_records(records: list[KernelRecord]) -> bool:
 
 def format_row(r: KernelRecord) -> str:
     speedup = "- " if r.form != "decomposed" else _marked(r.decomposed_speedup, r.speedup_within_noise)
-    form = f"{r.topology} r{r.rank}" if r.form == "rank" else r.form  # a rank row: its layout and rank
+    form = r.form
+    if r.form == "rank":  # its layout, rank and (other than the default) ring transport
+        form = f"{r.topology} r{r.rank}" + (f" {r.transport}" if r.transport not in ("-", "collective") else "")
     return (
         f"{r.seq_len:>7} {r.block_size:>4} {r.backend:<6} {form:<10} {r.diagonal:<8} {r.clean:<7} "
         f"{r.time_s * 1e3:>11.2f} {format_spread(r.times_s)} "
@@ -88,7 +96,8 @@ def plot_rates(records: list[KernelRecord], path: Path) -> None:
         axis.legend()
     if ranks:
         axis = axes[0][-1]
-        labels = [f"L={r.seq_len} B={r.block_size} {r.topology} r{r.rank} {r.clean}" for r in ranks]
+        labels = [f"L={r.seq_len} B={r.block_size} {r.topology} r{r.rank} {r.clean}"
+                  + (f" {r.transport}" if r.transport != "-" else "") for r in ranks]
         axis.barh(range(len(ranks)), [r.vs_dense for r in ranks], tick_label=labels)
         axis.axvline(0.6, color="grey", linestyle="--", label="0.6x (the CUDA target)")
         axis.invert_yaxis()
@@ -156,6 +165,11 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--layout-clean", nargs="+", choices=CLEAN_KERNELS, default=["generic"],
         help="clean-context kernels of the --layouts rows (default: generic, what training runs)",
+    )
+    parser.add_argument(
+        "--layout-transports", nargs="+", choices=RING_TRANSPORTS, default=["collective"],
+        help="ring transports of the --layouts rows with a ring (default: collective, the throughput default; "
+        "streaming: the bounded-memory ring, one remote partial per hop)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default=None, help="default: bfloat16 on CUDA, else float32")
@@ -235,7 +249,8 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
             args.seq_lens, args.block_sizes, [resolve_backend(check_backend(name), device) for name in args.backends],
             topologies, device=device, dtype=dtype, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
             head_dim=args.head_dim, warmup=args.warmup, repeats=args.repeats, clock=args.clock,
-            clean_kernels=args.layout_clean, flex_backward=args.flex_backward, progress=progress,
+            clean_kernels=args.layout_clean, transports=args.layout_transports, flex_backward=args.flex_backward,
+            progress=progress,
         )
     if noisy_records(records):
         print(NOISE_NOTE)
