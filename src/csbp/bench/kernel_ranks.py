@@ -7,8 +7,8 @@ from ``csbp.attention.transports.factory.build_attention`` (the local partial, t
 the other ring members' rows, their fp32 merges, the backward from the merged statistics, the casts),
 exactly as training builds them for that rank. Only the wire is left out: ``LocalRing`` stands in for
 the ring's ``Comm``, its all-gather returning this rank's shard once per member (the bytes every member
-would send) and its reduce-scatter summing the gathered gradients locally, so the row is the rank's
-kernel time, not its network's.
+would send), its reduce-scatter summing the gathered gradients locally and its ring shift handing back a
+copy of what is sent (the streaming transport), so the row is the rank's kernel time, not its network's.
 
 Per (length, block size, backend, topology) it times the *busiest* rank (the most allowed pairs; a
 step waits for its slowest rank) and reports the rate per allowed pair against dense SDPA over all
@@ -82,6 +82,7 @@ def parse_topologies(texts: Sequence[str]) -> list[Topology]:
 
 
 def topology_name(topology: Topology) -> str:
+    """``cp4/bp8``, ``cp4`` or ``bp4``: the text ``parse_topologies`` reads back."""
     return "/".join(f"{axis}{degree}" for axis, degree in (("cp", topology.cp), ("bp", topology.bp)) if degree > 1)
 
 
