@@ -33,7 +33,7 @@ from csbp.attention.diagonal import resolve_diagonal
 from csbp.attention.flex_backward import flex_backward_mode, resolve_flex_backward
 from csbp.attention.layouts import RankLayout, rank_layout
 from csbp.attention.transports.factory import build_attention
-from csbp.bench.kernels import DTYPES, KernelRecord, dense_sdpa_times, timings
+from csbp.bench.kernels import DTYPES, KernelRecord, compiled_graphs, dense_sdpa_times, timings
 from csbp.bench.measure import allowed_pairs, attention_flops
 from csbp.bench.spread import rates_within_noise
 from csbp.parallel.comm import Pending
@@ -210,6 +210,7 @@ def run_rank_rows(
     rank's shapes (timed once per length and topology). Inputs are checked by the caller
     (``run_kernel_bench``'s checks plus ``check_layouts`` and ``check_layout_clean``)."""
     resolved = resolve_flex_backward(flex_backward, where="--flex-backward")
+    heads = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     timing = {"warmup": warmup, "repeats": repeats, "clock": clock}
     records: list[KernelRecord] = []
     with flex_backward_mode(flex_backward):  # merged flex partials differentiate this way, as in the forms
@@ -223,28 +224,38 @@ def run_rank_rows(
                         device=device, dtype=DTYPES[dtype], seed=seq_len + block,
                     )
                     dense_times = dense_sdpa_times(*dense_inputs, device, warmup, repeats, clock)
-                    variants = [(backend, clean, transport) for backend in dict.fromkeys(backends)
-                                for clean in clean_kernels for transport in rank_transports(topology, transports)]
-                    for backend, clean, transport in variants:
+                    for backend, clean, transport in [(b, c, t) for b in dict.fromkeys(backends) for c in clean_kernels
+                                                      for t in rank_transports(topology, transports)]:
+                        graphs_before = compiled_graphs()
                         times, first_s, build_s = _time_rank(
-                            topology, rank, layout, seq_len, block, inputs, backend, clean, transport, device,
-                            **timing,
+                            topology, rank, layout, seq_len, block, inputs, backend, clean, transport, device, **timing
                         )
-                        rate, vs_dense, noisy = rank_rate(
-                            times, pairs, dense_times, len(layout.rows) * num_keys, num_heads, head_dim
-                        )
-                        record = KernelRecord(
-                            str(device), dtype, seq_len, block, backend, "rank",
-                            resolve_diagonal("auto", backend, block), clean, sorted(times)[len(times) // 2],
-                            pairs, rate, vs_dense, math.nan, build_s, 0, first_s, times_s=times,
-                            vs_dense_within_noise=noisy, topology=topology_name(topology), rank=rank,
-                            dense_shape=(len(layout.rows), num_keys),
-                            flex_backward=resolved if backend == "flex" else "-", transport=transport,
+                        record = _rank_record(
+                            str(device), dtype, topology, rank, layout, seq_len, block, backend, clean, transport,
+                            pairs=pairs, num_keys=num_keys, times=times, dense_times=dense_times, first_s=first_s,
+                            build_s=build_s, graphs=compiled_graphs() - graphs_before,
+                            flex_backward=resolved if backend == "flex" else "-", **heads,
                         )
                         records.append(record)
                         if progress is not None:
                             progress(record)
     return records
+
+
+def _rank_record(
+    device: str, dtype: str, topology: Topology, rank: int, layout: RankLayout, seq_len: int, block: int,
+    backend: str, clean: str, transport: str, *, pairs: int, num_keys: int, times: tuple[float, ...],
+    dense_times: tuple[float, ...], first_s: float, build_s: float, graphs: int, flex_backward: str,
+    num_heads: int, num_kv_heads: int, head_dim: int,
+) -> KernelRecord:
+    """One rank row: its median time, its rate per allowed pair and that rate against dense over its shapes."""
+    rate, vs_dense, noisy = rank_rate(times, pairs, dense_times, len(layout.rows) * num_keys, num_heads, head_dim)
+    return KernelRecord(
+        device, dtype, seq_len, block, backend, "rank", resolve_diagonal("auto", backend, block), clean,
+        sorted(times)[len(times) // 2], pairs, rate, vs_dense, math.nan, build_s, 0, first_s, graphs, flex_backward,
+        times_s=times, vs_dense_within_noise=noisy, topology=topology_name(topology), rank=rank,
+        dense_shape=(len(layout.rows), num_keys), transport=transport,
+    )
 
 
 def _time_rank(

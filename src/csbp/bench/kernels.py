@@ -186,7 +186,7 @@ def timings(
     return times[0], tuple(times[warmup:])
 
 
-def _compiled_graphs() -> int:
+def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (each FlexAttention shape, grad mode, ...)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
@@ -357,7 +357,7 @@ def run_kernel_bench(
                                      vs_dense_within_noise=within_noise(fused_times, dense_times)))
             rows, pairs = shapes[seq_len, block]
             backend, form, diagonal, clean = job.backend, job.form, job.diagonal, job.clean
-            graphs_before = _compiled_graphs()
+            graphs_before = compiled_graphs()
             _sync(dev)
             start = now()
             try:
@@ -391,7 +391,7 @@ def run_kernel_bench(
             mixed = mixed_times.get(key, (math.nan,))
             speedup = _median(mixed) / time_s if form == "decomposed" else float("nan")
             add(KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
-                             rate / dense_rate, speedup, build_s, ops, first_s, _compiled_graphs() - graphs_before,
+                             rate / dense_rate, speedup, build_s, ops, first_s, compiled_graphs() - graphs_before,
                              times_s=times, speedup_within_noise=form == "decomposed" and within_noise(times, mixed),
                              vs_dense_within_noise=rates_within_noise(times, useful, dense_times, n * n),
                              **_profile_fields(profiled)))
