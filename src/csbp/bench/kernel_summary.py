@@ -131,7 +131,8 @@ def format_verdicts(verdicts: Sequence[ShapeVerdict]) -> str:
 class KernelTargets:
     """Rates a layout's attention must reach on CUDA (bf16, head dim 128, L in ``seq_lens``)."""
 
-    min_vs_dense: float = 0.60  # every layout's (mixed and decomposed) rate per useful pair vs dense
+    min_vs_dense: float = 0.60  # every layout's (mixed, decomposed, busiest rank) rate per useful pair vs dense
+    cpu_min_vs_dense: float = 0.50  # the same on the CPU (the tiles against dense SDPA)
     min_speedup: float = 1.0  # decomposed vs the fastest mixed form, every block size
     min_speedup_large_block: float = 1.2  # ... at block size ``large_block``
     large_block: int = 128
@@ -202,8 +203,9 @@ def target_line(rows: Sequence[Row], targets: KernelTargets = KERNEL_TARGETS) ->
 
 
 def summarize_rank_rows(rows: Sequence[Row], targets: KernelTargets = KERNEL_TARGETS) -> str:
-    """One line for ``--layouts`` rows: per layout's busiest rank (its fastest clean-context kernel), its rate
-    against dense over its own shapes, and the worst against ``targets.min_vs_dense``."""
+    """One line for ``--layouts`` rows: per layout's busiest rank (its fastest clean-context kernel and
+    transport), its rate against dense over its own shapes, and the worst against the target of the rows'
+    device (``min_vs_dense`` on CUDA, ``cpu_min_vs_dense`` elsewhere)."""
     best = [r for r in _fastest_rank_rows([r for r in rows if r.get("form") == "rank"])
             if math.isfinite(_number(r, "vs_dense"))]
     if not best:
@@ -214,9 +216,11 @@ def summarize_rank_rows(rows: Sequence[Row], targets: KernelTargets = KERNEL_TAR
              f"{_mark(bool(r.get('vs_dense_within_noise')))} at L={r.get('seq_len')} B={r.get('block_size')}"
              for r in best]
     worst = min(_number(r, "vs_dense") for r in best)
-    verdict = "met" if worst >= targets.min_vs_dense else "missed"
+    on_cuda = all(str(r.get("device", "")).startswith("cuda") for r in best)
+    minimum = targets.min_vs_dense if on_cuda else targets.cpu_min_vs_dense
+    verdict = "met" if worst >= minimum else "missed"
     return (f"{len(rows)} rows; busiest rank's rate against dense over its shapes: {', '.join(parts)}; "
-            f"worst {worst:.2f}x (>= {targets.min_vs_dense:.2f}x): {verdict}")
+            f"worst {worst:.2f}x (>= {minimum:.2f}x {'on CUDA' if on_cuda else 'on the CPU'}): {verdict}")
 
 
 def _fastest_rank_rows(rows: Sequence[Row]) -> list[Row]:

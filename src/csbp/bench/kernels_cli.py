@@ -20,7 +20,7 @@ from csbp.bench.kernel_ranks import (
     parse_topologies,
     run_rank_rows,
 )
-from csbp.bench.kernel_summary import format_verdicts, shape_verdicts
+from csbp.bench.kernel_summary import format_verdicts, shape_verdicts, summarize_rank_rows
 from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread
 from csbp.figures import save_figure
@@ -257,6 +257,8 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
     verdicts = format_verdicts(shape_verdicts(records_as_dicts(records)))
     if verdicts:
         print(verdicts)
+    if topologies:  # each layout's fastest kernel and transport, against the CUDA target
+        print(summarize_rank_rows(records_as_dicts(records)))
     if args.json is not None:
         print(f"wrote {args.json}")
     png = args.png if args.png is not None else (args.json.with_suffix(".png") if args.json is not None else None)
