@@ -184,9 +184,37 @@ def test_profile_top_records_each_rows_launches_and_costliest_kernels(capsys: py
             assert r.launches > 0 and len(r.top_kernels) == 2
             assert all(name.startswith("aten::") and ms >= 0 and calls >= 1 for name, ms, calls in r.top_kernels)
             assert r.busy_ms > 0 and r.wall_ms >= r.issue_ms > 0 and r.syncs == 0  # the CPU: nothing to wait for
+            assert 0 < r.attention_ms < r.busy_ms  # ATen's flash kernel or matmuls, and passes around them
         else:  # not profiled: the dense baseline and the other length
             assert (r.launches, r.top_kernels, r.syncs) == (0, (), 0) and math.isnan(r.busy_ms)
     assert printed.count(" ms wall (host issued it in ") == 3  # mixed, decomposed and diagonal rows at L = 64
-    assert printed.count(" syncs); top: aten::") == 3
+    assert printed.count(" syncs); attention/matmul kernels ") == 3
     with pytest.raises(ValueError, match="--profile-top must be >= 0"):
         run_kernel_bench([32], [8], ["tiles"], profile_top=-1)
+
+
+def test_profiled_kernels_split_into_attention_and_the_passes_around_it() -> None:
+    """The 16K profile's question is how much of a step is attention kernels and how much the merges,
+    casts and copies around them: names of the CUDA kernels the forms launch, sorted."""
+    from csbp.bench.kernel_profile import StepProfile, format_profile, is_attention_kernel
+
+    attention = [
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128_4x1x1_kernel0_0",
+        "void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::bfloat16_t>>",
+        "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "fmha_cutlassF_bf16_aligned_64x64_rf_sm80",
+        "triton_tem_fused_flex_attention_0", "triton_tem_fused_flex_attention_backward_1",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "aten::bmm",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+    ]
+    passes = [
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t>>",
+        "triton_poi_fused__to_copy_lerp_0", "triton_per_fused_mul_sum_0", "Memcpy DtoD (Device -> Device)",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "aten::copy_",
+    ]
+    assert all(is_attention_kernel(name) for name in attention)
+    assert not any(is_attention_kernel(name) for name in passes)
+    line = format_profile(StepProfile(40, (("flash_fwd_kernel", 3.0, 2),), busy_ms=5.0, wall_ms=6.0, issue_ms=1.0,
+                                      attention_ms=3.5))
+    assert "busy 5.00 of 6.00 ms wall (host issued it in 1.00 ms, 0 syncs); attention/matmul kernels 3.50 ms, " \
+        "the rest 1.50 ms; top: flash_fwd_kernel 3.00 ms x2" in line

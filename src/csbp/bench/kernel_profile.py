@@ -40,6 +40,24 @@ class StepProfile:
     wall_ms: float = math.nan
     issue_ms: float = math.nan
     syncs: int = 0  # CUDA calls that waited for the device (0 on the CPU, where nothing is asynchronous)
+    attention_ms: float = math.nan  # of busy_ms, in attention and matmul kernels (``is_attention_kernel``)
+
+
+ATTENTION_KERNEL_MARKS = (
+    "flash", "fmha", "cudnn", "sdpa", "flex_attention", "triton_tem", "gemm", "aten::bmm", "aten::mm", "aten::baddbmm",
+    "aten::addmm",
+)
+"""Parts of the names of kernels that compute attention or matmuls: FlashAttention-2 (``flash_fwd_kernel``,
+``flash_bwd_*``), cuDNN's fused attention (``cudnn_generated_*sdpa*``), memory-efficient SDPA (``fmha_*``),
+FlexAttention's Triton templates (``triton_tem_fused_flex_attention*``), cuBLAS (``*gemm*``) and, on the CPU,
+ATen's flash kernel and matmuls. Every other kernel (element-wise, reductions, copies, casts) is the work
+around them that the merges and the transports add."""
+
+
+def is_attention_kernel(name: str) -> bool:
+    """Whether a profiled kernel (or, on the CPU, aten op) computes attention or a matmul."""
+    lowered = name.lower()
+    return any(mark in lowered for mark in ATTENTION_KERNEL_MARKS)
 
 
 def profile_step(step: Callable[[], object], device: torch.device, *, top: int) -> StepProfile:
@@ -73,6 +91,7 @@ def profile_step(step: Callable[[], object], device: torch.device, *, top: int) 
         launches=sum(int(e.count) for e in events),
         top=tuple((str(e.key)[:96], self_us(e) / 1e3, int(e.count)) for e in ranked),
         busy_ms=sum(self_us(e) for e in events) / 1e3, wall_ms=wall_ms, issue_ms=issue_ms, syncs=syncs,
+        attention_ms=sum(self_us(e) for e in events if is_attention_kernel(str(e.key))) / 1e3,
     )
 
 
@@ -120,10 +139,14 @@ def _synchronize(device: torch.device) -> None:
 
 def format_profile(profile: StepProfile) -> str:
     """One indented line under a table row: launches, the device's busy time against the step's wall
-    time (with the host's issue time and its synchronising calls), then the costliest kernels."""
+    time (with the host's issue time and its synchronising calls) and split into attention/matmul kernels
+    and the rest (element-wise passes, copies, reductions), then the costliest kernels."""
     parts = "; ".join(f"{name} {ms:.2f} ms x{calls}" for name, ms, calls in profile.top)
     timeline = ""
     if not math.isnan(profile.busy_ms):
         timeline = (f"; busy {profile.busy_ms:.2f} of {profile.wall_ms:.2f} ms wall (host issued it in "
                     f"{profile.issue_ms:.2f} ms, {profile.syncs} syncs)")
+    if not math.isnan(profile.attention_ms):
+        timeline += (f"; attention/matmul kernels {profile.attention_ms:.2f} ms, the rest "
+                     f"{profile.busy_ms - profile.attention_ms:.2f} ms")
     return f"      {profile.launches} launches{timeline}; top: {parts}"

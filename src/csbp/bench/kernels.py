@@ -123,6 +123,7 @@ class KernelRecord:
     wall_ms: float = math.nan  # --profile-top: one unprofiled step's wall time, in which the host ...
     issue_ms: float = math.nan  # ... issued the step in this long
     syncs: int = 0  # --profile-top: CUDA calls in one step that made the host wait for the device
+    attention_ms: float = math.nan  # --profile-top: of busy_ms, attention and matmul kernels (the rest: passes)
     topology: str = "-"  # rank rows (--layouts, csbp.bench.kernel_ranks): the layout, e.g. cp4/bp8 ...
     rank: int = -1  # ... the rank timed (its busiest) ...
     dense_shape: tuple[int, int] = (0, 0)  # ... its dense baseline's (query rows, key rows); (0, 0): 2L x 2L ...
@@ -402,7 +403,8 @@ def _profile_fields(profiled: StepProfile | None) -> dict[str, object]:
     if profiled is None:
         return {}
     return {"launches": profiled.launches, "top_kernels": profiled.top, "busy_ms": profiled.busy_ms,
-            "wall_ms": profiled.wall_ms, "issue_ms": profiled.issue_ms, "syncs": profiled.syncs}
+            "wall_ms": profiled.wall_ms, "issue_ms": profiled.issue_ms, "syncs": profiled.syncs,
+            "attention_ms": profiled.attention_ms}
 
 
 def _form_step(

@@ -213,7 +213,7 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         print(format_row(record), flush=True)
         if record.top_kernels:
             print(format_profile(StepProfile(record.launches, record.top_kernels, record.busy_ms, record.wall_ms,
-                                             record.issue_ms, record.syncs)), flush=True)
+                                             record.issue_ms, record.syncs, record.attention_ms)), flush=True)
         measured.append(record)
         if args.json is not None:
             write_json_atomic(args.json, records_as_dicts(measured))
