@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -205,41 +206,72 @@ def run_rank_rows(
     flex_backward: str = "auto",
     progress: Callable[[KernelRecord], None] | None = None,
 ) -> list[KernelRecord]:
-    """Per length, block size, backend (concrete), topology and clean-context kernel: the busiest rank's
-    attention step (``form="rank"``), its rate per allowed pair and that rate against dense SDPA over the
-    rank's shapes (timed once per length and topology). Inputs are checked by the caller
-    (``run_kernel_bench``'s checks plus ``check_layouts`` and ``check_layout_clean``)."""
+    """Per length and block size, per variant (backend, clean-context kernel, ring transport) and per
+    topology, in that order (every layout with the first variant before any with the second: a run cut
+    short by a time limit has them all), the busiest rank's attention step (``form="rank"``), its rate per
+    allowed pair and that rate against dense SDPA over the rank's shapes (timed once per length, block size
+    and topology). BP-only has no ring: it runs once per backend and clean kernel, transport ``-``. Inputs
+    are checked by the caller (``run_kernel_bench``'s checks plus ``check_layouts`` and
+    ``check_layout_clean``)."""
     resolved = resolve_flex_backward(flex_backward, where="--flex-backward")
     heads = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     timing = {"warmup": warmup, "repeats": repeats, "clock": clock}
+    variants = [(b, c, t) for b in dict.fromkeys(backends) for c in clean_kernels for t in transports]
     records: list[KernelRecord] = []
     with flex_backward_mode(flex_backward):  # merged flex partials differentiate this way, as in the forms
         for seq_len in seq_lens:
             for block in block_sizes:
-                for topology in topologies:
-                    rank, layout, pairs = busiest_rank(topology, seq_len, block)
-                    num_keys = key_rows(topology, layout, seq_len)
-                    inputs, dense_inputs = rank_inputs(
-                        len(layout.rows), num_keys, heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim,
-                        device=device, dtype=DTYPES[dtype], seed=seq_len + block,
-                    )
-                    dense_times = dense_sdpa_times(*dense_inputs, device, warmup, repeats, clock)
-                    for backend, clean, transport in [(b, c, t) for b in dict.fromkeys(backends) for c in clean_kernels
-                                                      for t in rank_transports(topology, transports)]:
+                ranks: dict[int, _PreparedRank] = {}  # per topology (index), built on first use
+                for backend, clean, transport in variants:
+                    for index, topology in enumerate(topologies):
+                        transport_here = rank_transports(topology, [transport])[0]
+                        if transport_here == "-" and transport != transports[0]:
+                            continue  # no ring: timed once, with the first transport's turn
+                        if index not in ranks:
+                            ranks[index] = _prepare_rank(topology, seq_len, block, device, DTYPES[dtype], heads, timing)
+                        prepared = ranks[index]
                         graphs_before = compiled_graphs()
                         times, first_s, build_s = _time_rank(
-                            topology, rank, layout, seq_len, block, inputs, backend, clean, transport, device, **timing
+                            topology, prepared.rank, prepared.layout, seq_len, block, prepared.inputs, backend, clean,
+                            transport_here, device, **timing,
                         )
                         record = _rank_record(
-                            str(device), dtype, topology, rank, layout, seq_len, block, backend, clean, transport,
-                            pairs=pairs, num_keys=num_keys, times=times, dense_times=dense_times, first_s=first_s,
-                            build_s=build_s, graphs=compiled_graphs() - graphs_before,
+                            str(device), dtype, topology, prepared.rank, prepared.layout, seq_len, block, backend,
+                            clean, transport_here, pairs=prepared.pairs, num_keys=prepared.num_keys, times=times,
+                            dense_times=prepared.dense_times, first_s=first_s, build_s=build_s,
+                            graphs=compiled_graphs() - graphs_before,
                             flex_backward=resolved if backend == "flex" else "-", **heads,
                         )
                         records.append(record)
                         if progress is not None:
                             progress(record)
     return records
+
+
+@dataclass(frozen=True)
+class _PreparedRank:
+    """One topology's busiest rank at one (length, block size): its layout, inputs and dense baseline."""
+
+    rank: int
+    layout: RankLayout
+    pairs: int
+    num_keys: int
+    inputs: tuple[Tensor, ...]
+    dense_times: tuple[float, ...]
+
+
+def _prepare_rank(
+    topology: Topology, seq_len: int, block: int, device: torch.device, dtype: torch.dtype, heads: dict[str, int],
+    timing: dict[str, object],
+) -> _PreparedRank:
+    rank, layout, pairs = busiest_rank(topology, seq_len, block)
+    num_keys = key_rows(topology, layout, seq_len)
+    inputs, dense_inputs = rank_inputs(
+        len(layout.rows), num_keys, heads=heads["num_heads"], kv_heads=heads["num_kv_heads"],
+        head_dim=heads["head_dim"], device=device, dtype=dtype, seed=seq_len + block,
+    )
+    dense_times = dense_sdpa_times(*dense_inputs, device, timing["warmup"], timing["repeats"], timing["clock"])
+    return _PreparedRank(rank, layout, pairs, num_keys, inputs, dense_times)
 
 
 def _rank_record(

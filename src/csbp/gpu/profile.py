@@ -48,8 +48,9 @@ LAYOUT_BENCH_ARGS: tuple[str, ...] = (
 )
 """``csbp bench kernels --layouts`` options of the ``layouts`` stage on CUDA: the busiest rank of fused CSBP
 (cp = 4 x bp = 8), the CP-only baseline (cp = 4) and BP-only (bp = 4) at 64K, B = 128, each through its transport
-(``csbp.bench.kernel_ranks``): the issue's "every layout at >= 0.6x dense" measured per layout. The training
-default (``generic``) comes first per layout; each new rank shape compiles Flex, so the 60 s stage may end early."""
+(``csbp.bench.kernel_ranks``): the issue's "every layout at >= 0.6x dense" measured per layout. Every layout runs
+the training default (``generic``) before any runs the cuDNN pieces: each new rank shape compiles Flex, so the 60 s
+stage may end early, and then it has every layout once."""
 
 
 @dataclass(frozen=True)
