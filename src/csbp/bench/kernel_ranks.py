@@ -21,8 +21,8 @@ those layouts with their traffic.
 
 from __future__ import annotations
 
+import functools
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +34,8 @@ from csbp.attention.diagonal import resolve_diagonal
 from csbp.attention.flex_backward import flex_backward_mode, resolve_flex_backward
 from csbp.attention.layouts import RankLayout, rank_layout
 from csbp.attention.transports.factory import build_attention
-from csbp.bench.kernels import DTYPES, KernelRecord, compiled_graphs, dense_sdpa_times, timings
+from csbp.bench.kernel_timing import build_and_time, compiled_graphs, dense_sdpa_times
+from csbp.bench.kernels import DTYPES, KernelRecord
 from csbp.bench.measure import allowed_pairs, attention_flops
 from csbp.bench.spread import rates_within_noise
 from csbp.parallel.comm import Pending
@@ -231,9 +232,11 @@ def run_rank_rows(
                             ranks[index] = _prepare_rank(topology, seq_len, block, device, DTYPES[dtype], heads, timing)
                         prepared = ranks[index]
                         graphs_before = compiled_graphs()
-                        times, first_s, build_s = _time_rank(
-                            topology, prepared.rank, prepared.layout, seq_len, block, prepared.inputs, backend, clean,
-                            transport_here, device, **timing,
+                        _, build_s, first_s, times = build_and_time(
+                            functools.partial(rank_step, topology, prepared.rank, prepared.layout, seq_len, block,
+                                              prepared.inputs, backend=backend, clean=clean, transport=transport_here),
+                            device, warmup, repeats, clock, label=f"L={seq_len} B={block} {backend} "
+                            f"{topology_name(topology)} rank {prepared.rank} {clean} {transport_here}",
                         )
                         record = _rank_record(
                             str(device), dtype, topology, prepared.rank, prepared.layout, seq_len, block, backend,
@@ -288,26 +291,3 @@ def _rank_record(
         times_s=times, vs_dense_within_noise=noisy, topology=topology_name(topology), rank=rank,
         dense_shape=(len(layout.rows), num_keys), transport=transport,
     )
-
-
-def _time_rank(
-    topology: Topology, rank: int, layout: RankLayout, seq_len: int, block: int, inputs: tuple[Tensor, ...],
-    backend: str, clean: str, transport: str, device: torch.device, *, warmup: int, repeats: int, clock: str,
-) -> tuple[tuple[float, ...], float, float]:
-    """``(repeats, first call, plan build)`` seconds of the rank's step; on CUDA a failure (a kernel this build
-    lacks, out of memory) prints one line and gives nan, as a failed form row does."""
-    now = time.process_time if clock == "cpu" else time.perf_counter
-    try:
-        start = now()
-        step = rank_step(topology, rank, layout, seq_len, block, inputs, backend=backend, clean=clean,
-                         transport=transport)
-        build_s = now() - start
-        first_s, times = timings(step, device, warmup, repeats, clock)
-    except RuntimeError as error:
-        if device.type != "cuda":
-            raise
-        print(f"csbp bench kernels: L={seq_len} B={block} {backend} {topology_name(topology)} rank {rank} {clean} {transport} "
-              f"failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-        torch.cuda.empty_cache()
-        return (math.nan,), math.nan, math.nan
-    return times, first_s, build_s

@@ -50,14 +50,12 @@ one machine state. Usage::
 
 from __future__ import annotations
 
+import functools
 import math
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from csbp.attention.backends import (
@@ -69,7 +67,7 @@ from csbp.attention.backends import (
     resolve_backend,
 )
 from csbp.attention.diagonal import check_diagonal, resolve_diagonal
-from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
+from csbp.attention.flash_ops import flash_kernel
 from csbp.attention.flash_pieces import FlashPiecesPartial
 from csbp.attention.flex import FlexPartial, flex_autograd_attention
 from csbp.attention.flex_backward import flex_backward_mode, resolve_flex_backward
@@ -83,6 +81,13 @@ from csbp.bench.common import (
     print_header,
 )
 from csbp.bench.kernel_profile import StepProfile, count_aten_ops, profile_step
+from csbp.bench.kernel_timing import (
+    build_and_time,
+    compiled_graphs,
+    dense_flash_times,
+    dense_sdpa_times,
+    median,
+)
 from csbp.bench.measure import allowed_pairs, attention_flops
 from csbp.bench.spread import rates_within_noise, within_noise
 
@@ -163,33 +168,6 @@ def build_form(
 def build_forms(rows: Rows, num_noisy: int, block_size: int, backend: str) -> dict[str, LocalAttentionPlan]:
     """The ``mixed`` and ``decomposed`` (``auto`` diagonal) local plans of the packed rows."""
     return {form: build_form(rows, num_noisy, block_size, backend, form) for form in ("mixed", "decomposed")}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timings(
-    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int, clock: str = "wall"
-) -> tuple[float, tuple[float, ...]]:
-    """``(first, repeats)`` seconds of ``fn()``: the first call (warm-up or not: on CUDA it holds the
-    FlexAttention compilations) and the ``repeats`` calls after the warm-up; ``clock="cpu"`` counts this
-    process's CPU time (one thread, on a shared machine: what other processes do does not count)."""
-    now = time.process_time if clock == "cpu" else time.perf_counter
-    times = []
-    for _ in range(warmup + repeats):
-        _sync(device)
-        start = now()
-        fn()
-        _sync(device)
-        times.append(now() - start)
-    return times[0], tuple(times[warmup:])
-
-
-def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process so far (each FlexAttention shape, grad mode, ...)."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 @dataclass(frozen=True)
@@ -321,7 +299,6 @@ def run_kernel_bench(
     dense: dict[int, tuple[tuple[float, ...], dict[str, tuple[float, ...]]]] = {}  # seq_len -> repeats (+ fused)
     shapes: dict[tuple[int, int], tuple[Rows, int]] = {}  # (seq_len, block) -> (rows, allowed pairs)
     mixed_times: dict[tuple[int, int, str], tuple[float, ...]] = {}  # the faster mixed form's repeats per shape
-    now = time.process_time if clock == "cpu" else time.perf_counter
     n_flops = {"num_heads": num_heads, "head_dim": head_dim}
     with flex_backward_mode(flex_backward):  # merged flex partials differentiate this way
         for job in jobs:
@@ -339,42 +316,30 @@ def run_kernel_bench(
                 # SDPA's pick? Their rates hardly depend on L: timed at the first length only (at 128K each
                 # costs ~10 s of a budget).
                 fused = {
-                    name: _dense_flash_times(q, k, v, dout, dev, warmup, repeats, clock, name)
+                    name: dense_flash_times(q, k, v, dout, dev, warmup, repeats, clock, name)
                     for name in ("flash", "cudnn") if flash_kernel(q, name) == name and seq_len == seq_lens[0]
                 }
                 dense[seq_len] = (dense_times, fused)
             dense_times, fused = dense[seq_len]
-            dense_rate = attention_flops(n * n, **n_flops) / _median(dense_times) / 1e12
+            dense_rate = attention_flops(n * n, **n_flops) / median(dense_times) / 1e12
             if (seq_len, block) not in shapes:  # the first job of this shape: its dense rows first
                 rows = reference_layout(seq_len, block).rows.to(dev)
                 shapes[seq_len, block] = (rows, allowed_pairs(rows, block_size=block))
-                add(KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", "-", _median(dense_times), n * n,
+                add(KernelRecord(device, dtype, seq_len, block, "sdpa", "dense", "-", "-", median(dense_times), n * n,
                                  dense_rate, 1.0, float("nan"), 0.0, 0, times_s=dense_times))
                 for name, fused_times in fused.items():
-                    rate = attention_flops(n * n, **n_flops) / _median(fused_times) / 1e12
+                    rate = attention_flops(n * n, **n_flops) / median(fused_times) / 1e12
                     add(KernelRecord(device, dtype, seq_len, block, FUSED_ROWS[name], "dense", "-", "-",
-                                     _median(fused_times), n * n, rate, rate / dense_rate, float("nan"), 0.0, 0,
+                                     median(fused_times), n * n, rate, rate / dense_rate, float("nan"), 0.0, 0,
                                      times_s=fused_times,
                                      vs_dense_within_noise=within_noise(fused_times, dense_times)))
             rows, pairs = shapes[seq_len, block]
             backend, form, diagonal, clean = job.backend, job.form, job.diagonal, job.clean
             graphs_before = compiled_graphs()
-            _sync(dev)
-            start = now()
-            try:
-                step = _form_step(q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean)
-                _sync(dev)
-                build_s = now() - start
-                first_s, times = timings(step, dev, warmup, repeats, clock)
-            except RuntimeError as error:
-                if dev.type != "cuda":
-                    raise
-                # On an accelerator one variant may fail (a kernel this build lacks, out of memory):
-                # say so in one line, keep a nan row, measure the rest.
-                print(f"csbp bench kernels: L={seq_len} B={block} {backend} {form} {diagonal} {clean} failed: "
-                      f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-                torch.cuda.empty_cache()
-                step, build_s, first_s, times = None, float("nan"), float("nan"), (float("nan"),)
+            step, build_s, first_s, times = build_and_time(
+                functools.partial(_form_step, q, k, v, dout, rows, seq_len, block, backend, form, diagonal, clean),
+                dev, warmup, repeats, clock, label=f"L={seq_len} B={block} {backend} {form} {diagonal} {clean}",
+            )
             ops = count_aten_ops(step) if count_ops and dev.type == "cpu" and step is not None else 0
             profiled = None
             if profile_top and step is not None and (profile_seq_lens is None or seq_len in profile_seq_lens):
@@ -383,14 +348,14 @@ def run_kernel_bench(
                 except RuntimeError as error:  # a profiler this machine lacks (CUPTI) costs the profile, not the row
                     print(f"csbp bench kernels: L={seq_len} B={block} {backend} {form} not profiled: {error}")
             useful = seq_len * block if form == "diagonal" else pairs  # diagonal: the noisy blocks only
-            time_s = _median(times)
+            time_s = median(times)
             rate = attention_flops(useful, **n_flops) / time_s / 1e12
             key = (seq_len, block, backend)
-            best_mixed = _median(mixed_times.get(key, (math.nan,)))
+            best_mixed = median(mixed_times.get(key, (math.nan,)))
             if form.startswith("mixed") and (math.isnan(best_mixed) or time_s < best_mixed):
                 mixed_times[key] = times  # the faster mixed form (a failed one is nan and never faster)
             mixed = mixed_times.get(key, (math.nan,))
-            speedup = _median(mixed) / time_s if form == "decomposed" else float("nan")
+            speedup = median(mixed) / time_s if form == "decomposed" else float("nan")
             add(KernelRecord(device, dtype, seq_len, block, backend, form, diagonal, clean, time_s, useful, rate,
                              rate / dense_rate, speedup, build_s, ops, first_s, compiled_graphs() - graphs_before,
                              times_s=times, speedup_within_noise=form == "decomposed" and within_noise(times, mixed),
@@ -456,39 +421,3 @@ def _local_step(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, plan: LocalAttent
         local_attention_function(*leaves, plan).backward(dout)
 
     return step
-
-
-def _median(times: Sequence[float]) -> float:
-    return statistics.median(times) if times else math.nan
-
-
-def dense_sdpa_times(
-    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, device: torch.device, warmup: int, repeats: int, clock: str
-) -> tuple[float, ...]:
-    """Forward + backward of unmasked SDPA over all pairs (GQA without repeating K/V)."""
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-
-    def step() -> None:
-        out = F.scaled_dot_product_attention(*leaves, enable_gqa=q.shape[1] != k.shape[1])
-        out.backward(dout)
-
-    return timings(step, device, warmup, repeats, clock)[1]
-
-
-def _dense_flash_times(
-    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, device: torch.device, warmup: int, repeats: int, clock: str,
-    kernel: str,
-) -> tuple[float, ...]:
-    """Forward + backward of ``csbp.attention.flash_ops``' ``kernel`` over all pairs (a flash piece's
-    call); nan when the kernel fails on this machine (the rest of the benchmark still runs)."""
-    scale = q.shape[-1] ** -0.5
-
-    def step() -> None:
-        out, lse = flash_forward(q, k, v, causal=False, scale=scale, cuda_kernel=kernel)
-        flash_backward(q, k, v, out, lse, dout, causal=False, scale=scale, cuda_kernel=kernel)
-
-    try:
-        return timings(step, device, warmup, repeats, clock)[1]
-    except RuntimeError as error:  # e.g. a cuDNN build without this configuration
-        print(f"csbp bench kernels: the {kernel} kernel failed on this machine: {str(error).splitlines()[0]}")
-        return (float("nan"),)
