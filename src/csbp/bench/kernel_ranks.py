@@ -34,7 +34,7 @@ from csbp.attention.diagonal import resolve_diagonal
 from csbp.attention.flex_backward import flex_backward_mode, resolve_flex_backward
 from csbp.attention.layouts import RankLayout, rank_layout
 from csbp.attention.transports.factory import build_attention
-from csbp.bench.kernel_timing import build_and_time, compiled_graphs, dense_sdpa_times
+from csbp.bench.kernel_timing import build_and_time, compiled_graphs, dense_sdpa_times, median
 from csbp.bench.kernels import DTYPES, KernelRecord
 from csbp.bench.measure import allowed_pairs, attention_flops
 from csbp.bench.spread import rates_within_noise
@@ -173,11 +173,10 @@ def rank_rate(
     times: Sequence[float], pairs: int, dense_times: Sequence[float], dense_pairs: int, num_heads: int, head_dim: int
 ) -> tuple[float, float, bool]:
     """``(TFLOP/s on allowed pairs, that rate / dense's, whether the two overlap over the repeats)``."""
-    median = sorted(times)[len(times) // 2] if times else math.nan
-    dense_median = sorted(dense_times)[len(dense_times) // 2] if dense_times else math.nan
+    step_s, dense_s = median(times), median(dense_times)
     flops = {"num_heads": num_heads, "head_dim": head_dim}
-    rate = attention_flops(pairs, **flops) / median / 1e12
-    dense_rate = attention_flops(dense_pairs, **flops) / dense_median / 1e12
+    rate = attention_flops(pairs, **flops) / step_s / 1e12
+    dense_rate = attention_flops(dense_pairs, **flops) / dense_s / 1e12
     return rate, rate / dense_rate, rates_within_noise(list(times), pairs, list(dense_times), dense_pairs)
 
 
@@ -287,7 +286,7 @@ def _rank_record(
     rate, vs_dense, noisy = rank_rate(times, pairs, dense_times, len(layout.rows) * num_keys, num_heads, head_dim)
     return KernelRecord(
         device, dtype, seq_len, block, backend, "rank", resolve_diagonal("auto", backend, block), clean,
-        sorted(times)[len(times) // 2], pairs, rate, vs_dense, math.nan, build_s, 0, first_s, graphs, flex_backward,
+        median(times), pairs, rate, vs_dense, math.nan, build_s, 0, first_s, graphs, flex_backward,
         times_s=times, vs_dense_within_noise=noisy, topology=topology_name(topology), rank=rank,
         dense_shape=(len(layout.rows), num_keys), transport=transport,
     )
