@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from csbp.attention.backends import check_clean
 from csbp.attention.diagonal import resolve_diagonal
 from csbp.attention.flex_backward import flex_backward_mode, resolve_flex_backward
 from csbp.attention.layouts import RankLayout, rank_layout
@@ -126,9 +125,9 @@ RING_TRANSPORTS = ("collective", "streaming")
 """The full-attention ring transports a rank row may run (``--layout-transports``)."""
 
 
-def rank_transports(topology: Topology, transports: Sequence[str]) -> list[str]:
-    """The transports to time for ``topology``: ``transports`` on a ring, ``-`` (none) without one."""
-    return list(transports) if topology.layout in ("cp", "csbp") else ["-"]
+def has_ring(topology: Topology) -> bool:
+    """Whether ``topology``'s ranks exchange clean K/V over a ring (CP-only, CSBP): they run a transport."""
+    return topology.layout in ("cp", "csbp")
 
 
 def rank_step(
@@ -180,13 +179,6 @@ def rank_rate(
     return rate, rate / dense_rate, rates_within_noise(list(times), pairs, list(dense_times), dense_pairs)
 
 
-def check_layout_clean(names: Sequence[str], device: torch.device) -> None:
-    for name in names:
-        check_clean(name)
-        if name == "pieces-cudnn" and device.type != "cuda":
-            raise ValueError("--layout-clean pieces-cudnn needs --device cuda (on CPU it is the same kernel as pieces)")
-
-
 def run_rank_rows(
     seq_lens: Sequence[int],
     block_sizes: Sequence[int],
@@ -212,7 +204,7 @@ def run_rank_rows(
     allowed pair and that rate against dense SDPA over the rank's shapes (timed once per length, block size
     and topology). BP-only has no ring: it runs once per backend and clean kernel, transport ``-``. Inputs
     are checked by the caller (``run_kernel_bench``'s checks plus ``check_layouts`` and
-    ``check_layout_clean``)."""
+    ``check_clean_kernels``)."""
     resolved = resolve_flex_backward(flex_backward, where="--flex-backward")
     heads = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     timing = {"warmup": warmup, "repeats": repeats, "clock": clock}
@@ -224,7 +216,7 @@ def run_rank_rows(
                 ranks: dict[int, _PreparedRank] = {}  # per topology (index), built on first use
                 for backend, clean, transport in variants:
                     for index, topology in enumerate(topologies):
-                        transport_here = rank_transports(topology, [transport])[0]
+                        transport_here = transport if has_ring(topology) else "-"
                         if transport_here == "-" and transport != transports[0]:
                             continue  # no ring: timed once, with the first transport's turn
                         if index not in ranks:

@@ -18,7 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from csbp.attention.backends import check_clean
 from csbp.attention.flash_ops import flash_backward, flash_forward
+
+
+def check_clean_kernels(names: Sequence[str], device: torch.device, option: str) -> None:
+    """One clear ``ValueError`` naming ``option`` unless every name is a clean-context kernel that runs on
+    ``device`` (``pieces-cudnn`` needs CUDA: on the CPU it would be ``pieces`` again)."""
+    for name in names:
+        check_clean(name, where=option)
+        if name == "pieces-cudnn" and device.type != "cuda":
+            raise ValueError(f"{option} pieces-cudnn needs --device cuda (on CPU it is the same kernel as pieces)")
 
 
 def synchronize(device: torch.device) -> None:

@@ -59,7 +59,6 @@ import torch
 from torch import Tensor
 
 from csbp.attention.backends import (
-    CLEAN_KERNELS,
     PartialPlan,
     check_backend,
     plan_block_diagonal,
@@ -83,6 +82,7 @@ from csbp.bench.common import (
 from csbp.bench.kernel_profile import StepProfile, count_aten_ops, profile_step
 from csbp.bench.kernel_timing import (
     build_and_time,
+    check_clean_kernels,
     compiled_graphs,
     dense_flash_times,
     dense_sdpa_times,
@@ -261,11 +261,7 @@ def run_kernel_bench(
     for backend in concrete:  # fails closed (unknown name, flex diagonal off the flex backend) before measuring
         for name in diagonals:
             resolve_diagonal(check_diagonal(name, where="--diagonals"), backend)
-    for name in clean_kernels:
-        if name not in CLEAN_KERNELS:
-            raise ValueError(f"--clean-kernels must be among {CLEAN_KERNELS}, got {name!r}")
-        if name == "pieces-cudnn" and dev.type != "cuda":
-            raise ValueError("--clean-kernels pieces-cudnn needs --device cuda (on CPU it is the same kernel as pieces)")
+    check_clean_kernels(clean_kernels, dev, "--clean-kernels")
     if "flex" in concrete and dev.type != "cuda":
         raise ValueError("--backends flex needs --device cuda (FlexAttention has no CPU backward)")
     resolved_backward = resolve_flex_backward(flex_backward, where="--flex-backward")

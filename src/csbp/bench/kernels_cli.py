@@ -15,12 +15,12 @@ from csbp.bench.common import add_head_options, add_output_options, records_as_d
 from csbp.bench.kernel_profile import StepProfile, format_profile
 from csbp.bench.kernel_ranks import (
     RING_TRANSPORTS,
-    check_layout_clean,
     check_layouts,
     parse_topologies,
     run_rank_rows,
 )
 from csbp.bench.kernel_summary import format_verdicts, shape_verdicts, summarize_rank_rows
+from csbp.bench.kernel_timing import check_clean_kernels
 from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread
 from csbp.figures import save_figure
@@ -204,7 +204,7 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
     if args.no_forms and not topologies:
         raise ValueError("--no-forms measures only the --layouts rows: name at least one, e.g. --layouts cp4 cp4/bp8")
     check_layouts(topologies, args.seq_lens, args.block_sizes)
-    check_layout_clean(args.layout_clean, device)
+    check_clean_kernels(args.layout_clean, device, "--layout-clean")
     measured: list[KernelRecord] = []
 
     def progress(record: KernelRecord) -> None:
