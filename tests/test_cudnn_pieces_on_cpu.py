@@ -126,7 +126,8 @@ def test_cudnn_pieces_match_the_float64_reference(case: str, cudnn_on_cpu: list[
 class PassCounter(TorchDispatchMode):
     """aten ops dispatched outside the kernel calls, with the bytes each reads and writes; views and
     allocations move nothing, and a copy onto its own memory (``x[rows] += y`` writing back the
-    view it added into) is skipped by ATen before any kernel, so it is not counted either."""
+    view it added into) is skipped by ATen before any kernel, so it is not counted either. An indexed
+    write touches only the rows it writes (read too for ``index_add_``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -145,6 +146,9 @@ class PassCounter(TorchDispatchMode):
             return result
         if name in ("copy_", "fill_", "zero_"):  # the destination is written, not read
             inputs = inputs[1:]
+        if name in ("index_put_", "index_copy_", "index_add_"):  # only the indexed rows of the destination
+            written = inputs[-1]
+            inputs, outputs = inputs[1:], [written] * (2 if name == "index_add_" else 1)
         self.ops[name] += 1
         self.bytes[name] += sum(t.numel() * t.element_size() for t in inputs + outputs)
         return result

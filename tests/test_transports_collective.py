@@ -383,3 +383,32 @@ def test_local_layouts_need_no_comm() -> None:
     layout = rank_layout(topology, 1, 16, 4)
     attention = build_attention(topology, 1, layout, None, block_size=4)
     assert isinstance(attention, LocalAttentionFn)
+
+
+def test_scatter_remote_writes_every_row_once_with_zeros_where_no_remote_key_lands() -> None:
+    """The gradient scatter allocates its buffer uninitialised (NaN here) and writes each row once: the
+    remote rows' dK/dV, zeros at this member's own slot and at the other members' idle rows (a dead row,
+    padding up to the longest shard). Bit-equal to a zero-filled buffer with the stacked dK/dV put in."""
+    from csbp.attention.transports.exchange import remote_keys, scatter_remote
+
+    positions = (torch.arange(0, 10), torch.arange(10, 16), torch.arange(16, 24))  # shards of 10, 6 and 8 rows
+    members = [bd3_rows(torch.zeros(0, dtype=torch.long), p, block_size=2) for p in positions]
+    members[2] = replace(members[2], live=torch.arange(8) != 3)  # one dead row in a full-length shard
+    spec = ExchangeSpec(ring_rank=1, exchange_start=0, member_rows=tuple(members))
+    remote = remote_keys(spec)
+    assert len(remote) == 17 and sorted(zip(remote.idle_owner.tolist(), remote.idle_row.tolist())) == [
+        (2, 3), (2, 8), (2, 9),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    dk, dv = (torch.randn(2, 3, len(remote), 4, generator=gen) for _ in "kv")
+    with pytest.MonkeyPatch.context() as patch:
+        torch.use_deterministic_algorithms(True)
+        patch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
+        try:
+            got = scatter_remote(dk, dv, remote, spec.ring_rank, spec.ring_size, spec.shard_rows)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    want = torch.zeros(3, 2 * 6, 10, 4)
+    lanes = torch.arange(12)
+    want[remote.owner[None, :], lanes[:, None], remote.row[None, :]] = torch.stack([dk, dv]).reshape(12, -1, 4)
+    assert torch.equal(got, want.view(6, 2, 3, 10, 4))

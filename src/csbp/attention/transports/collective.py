@@ -112,7 +112,7 @@ def collective_backward(
             q, remote_kv[0], remote_kv[1], out, lse, dout, delta=delta
         )
         grad_gathered = scatter_remote(
-            torch.stack([dk_remote, dv_remote]), plan.remote, spec.ring_size, spec.shard_rows
+            dk_remote, dv_remote, plan.remote, spec.ring_rank, spec.ring_size, spec.shard_rows
         )  # [P*2, S, Hkv, n, d]
     else:
         grad_gathered = k.new_zeros(spec.ring_size * 2, *k.shape[:2], spec.shard_rows, k.shape[-1], dtype=dtype)

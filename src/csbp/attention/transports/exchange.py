@@ -175,11 +175,16 @@ class RemoteKeys:
         owner: int64 ``[R]``, ring member of each remote row.
         row: int64 ``[R]``, its row inside the member's wire shard.
         rows: key metadata of the remote rows (canonical order, all live).
+        idle_owner: int64 ``[I]``, ring member of each other member's shard row that carries no key
+            (a dead row, or padding up to the wire shard's length) ...
+        idle_row: int64 ``[I]``, ... and that row: where ``scatter_remote`` writes zeros.
     """
 
     owner: Tensor
     row: Tensor
     rows: Rows
+    idle_owner: Tensor
+    idle_row: Tensor
 
     def __len__(self) -> int:
         return int(self.owner.shape[0])
@@ -187,7 +192,7 @@ class RemoteKeys:
 
 def remote_keys(spec: ExchangeSpec) -> RemoteKeys:
     """Remote rows of a gathered buffer, sorted once so the tile plan needs no per-call key gather."""
-    parts, owners, rows_in_shard = [], [], []
+    parts, owners, rows_in_shard, idle_owners, idle_rows = [], [], [], [], []
     for member, rows in enumerate(spec.member_rows):
         if member == spec.ring_rank:
             continue
@@ -195,9 +200,16 @@ def remote_keys(spec: ExchangeSpec) -> RemoteKeys:
         parts.append(rows.select(live))
         owners.append(torch.full_like(live, member))
         rows_in_shard.append(live)
+        padding = torch.arange(len(rows), spec.shard_rows, device=live.device)
+        idle = torch.cat([torch.nonzero(~rows.live).flatten(), padding])
+        idle_owners.append(torch.full_like(idle, member))
+        idle_rows.append(idle)
     all_rows = Rows.cat(parts)
     order = canonical_key_order(all_rows)
-    return RemoteKeys(owner=torch.cat(owners)[order], row=torch.cat(rows_in_shard)[order], rows=all_rows.select(order))
+    return RemoteKeys(
+        owner=torch.cat(owners)[order], row=torch.cat(rows_in_shard)[order], rows=all_rows.select(order),
+        idle_owner=torch.cat(idle_owners), idle_row=torch.cat(idle_rows),
+    )
 
 
 def select_remote(gathered: Tensor, remote: RemoteKeys) -> Tensor:
@@ -209,14 +221,21 @@ def select_remote(gathered: Tensor, remote: RemoteKeys) -> Tensor:
     return picked.view(2, *gathered.shape[1:3], len(remote), d)
 
 
-def scatter_remote(grad_kv: Tensor, remote: RemoteKeys, num_members: int, shard_rows: int) -> Tensor:
-    """Inverse of ``select_remote`` for gradients: ``grad_kv [2, S, Hkv, R, d]`` -> ``[P*2, S, Hkv, n, d]``
-    with zeros at own and padding rows."""
-    d = grad_kv.shape[-1]
-    full = grad_kv.new_zeros(num_members, 2 * grad_kv.shape[1] * grad_kv.shape[2], shard_rows, d)
-    lanes = torch.arange(full.shape[1], device=grad_kv.device)
-    full[remote.owner[None, :], lanes[:, None], remote.row[None, :]] = grad_kv.reshape(full.shape[1], -1, d)
-    return full.view(num_members * 2, *grad_kv.shape[1:3], shard_rows, d)
+def scatter_remote(dk: Tensor, dv: Tensor, remote: RemoteKeys, ring_rank: int, num_members: int, shard_rows: int) -> Tensor:
+    """Inverse of ``select_remote`` for gradients: ``dk, dv [S, Hkv, R, d]`` -> ``[P*2, S, Hkv, n, d]`` with
+    zeros at this member's own slot and at every idle row. Each row is written once: the remote rows from
+    ``dk``/``dv`` directly (no stacked copy of them), zeros only where no remote row lands (not a zero
+    pass over the whole buffer first)."""
+    heads, num_remote, d = dk.shape[0] * dk.shape[1], dk.shape[2], dk.shape[3]
+    full = dk.new_empty(num_members, 2 * heads, shard_rows, d)  # lanes: dk's S*Hkv, then dv's
+    full[ring_rank] = 0.0
+    lanes = torch.arange(2 * heads, device=dk.device)
+    owner, row = remote.owner[None, :], remote.row[None, :]
+    full[owner, lanes[:heads, None], row] = dk.reshape(heads, num_remote, d)
+    full[owner, lanes[heads:, None], row] = dv.reshape(heads, num_remote, d)
+    if len(remote.idle_row) > 0:
+        full[remote.idle_owner[None, :], lanes[:, None], remote.idle_row[None, :]] = 0.0
+    return full.view(num_members * 2, *dk.shape[:2], shard_rows, d)
 
 
 def check_spec_matches_layout(layout: RankLayout, spec: ExchangeSpec, what: str) -> None:
