@@ -8,11 +8,13 @@ keeps those conventions and computes with ATen's CPU flash kernel, after binding
 real op's meta registration (argument order, GQA shapes, output formats). So CI runs that branch's
 own code against the float64 reference.
 
-The same stand-in lets the CPU count the traffic of training's decomposed step on the GPU branch: its
-clean pieces on cuDNN plus one Flex residual holding the noisy blocks, through the local transport's
-autograd Function. On a GPU every aten op outside the kernels is a launch and a pass through memory;
-the budget below is what the step issues today, so a change that adds an fp32 buffer or a copy of
-the rows fails here instead of showing up as a slower device run.
+The same stand-in lets the CPU count the traffic of a step on the GPU branch: training's decomposed
+form on one device (clean pieces on cuDNN plus one Flex residual holding the noisy blocks, through the
+local transport's autograd Function) and the busiest rank of a CSBP and a CP-only ring (through its
+collective transport, ``csbp bench kernels --layouts``' rank step). On a GPU every aten op outside the
+kernels is a launch and a pass through memory; the budgets below are what the steps issue today, so a
+change that adds an fp32 buffer or a copy of the rows fails here instead of showing up as a slower
+device run.
 """
 
 from __future__ import annotations
@@ -171,40 +173,52 @@ def _same_memory(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 @pytest.fixture
-def counted_decomposed_step(
-    monkeypatch: pytest.MonkeyPatch, cudnn_on_cpu: list[str]
-) -> Callable[[], tuple[PassCounter, int]]:
-    """Runs training's decomposed form (L = 512, B = 64, 16 query / 4 KV heads of 128, bf16: cuDNN
-    pieces plus one Flex residual with the noisy blocks, direct Flex backward) forward and backward
-    through the local transport once, then once more under a ``PassCounter`` in which cuDNN's ops,
-    the Flex forward and backward and the compiled merge count as kernel calls; gives the counter and
-    the bytes of q."""
+def gpu_branch_counter(monkeypatch: pytest.MonkeyPatch, cudnn_on_cpu: list[str]) -> PassCounter:
+    """A ``PassCounter`` for which cuDNN's ops, the Flex forward and backward and the compiled merge count
+    as kernel calls (the cuDNN branch taken, with the stand-in)."""
     counter = PassCounter()
     for module, name in ((flash_ops, "_CUDNN_FORWARD"), (flash_ops, "_CUDNN_BACKWARD"),
                          (flex_module, "_flex_call"), (flex_module, "direct_flex_backward")):
         monkeypatch.setattr(module, name, counter.kernel(name.strip("_"), getattr(module, name)))
     rounded_merge = counter.kernel("merge_into_rounded", merge_module.merge_into_rounded)
     monkeypatch.setattr(flash_pieces, "merge_into_rounded", rounded_merge)
+    return counter
+
+
+def count_second_step(counter: PassCounter, step: Callable[[], None]) -> PassCounter:
+    """``step()`` once (it compiles the direct Flex backward), then once more under ``counter``."""
+    with flex_backward_mode("direct"):
+        step()
+        counter.kernels.clear()
+        with counter:
+            step()
+    return counter
+
+
+def bf16_inputs(num_rows: int, num_keys: int) -> tuple[torch.Tensor, ...]:
+    """``q, k, v`` needing gradients (16 query / 4 KV heads of 128, bf16) and ``dout``."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 16, num_rows, 128, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(1, 4, num_keys, 128, generator=gen).to(torch.bfloat16) for _ in "kv")
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), torch.randn_like(q)
+
+
+@pytest.fixture
+def counted_decomposed_step(gpu_branch_counter: PassCounter) -> Callable[[], tuple[PassCounter, int]]:
+    """Counts training's decomposed form (L = 512, B = 64: cuDNN pieces plus one Flex residual with the
+    noisy blocks, direct Flex backward) forward and backward through the local transport; gives the
+    counter and the bytes of q."""
     seq_len, block = 512, 64
     rows = reference_layout(seq_len, block).rows
     plan = build_form(rows, seq_len, block, "flex", "decomposed", "flex", "pieces-cudnn")
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 16, 2 * seq_len, 128, generator=gen).to(torch.bfloat16)
-    k, v = (torch.randn(1, 4, 2 * seq_len, 128, generator=gen).to(torch.bfloat16) for _ in "kv")
-    dout = torch.randn_like(q)
-    leaves = [t.requires_grad_() for t in (q, k, v)]
+    q, k, v, dout = bf16_inputs(2 * seq_len, 2 * seq_len)
 
-    def run() -> tuple[PassCounter, int]:
-        with flex_backward_mode("direct"):
-            local_attention_function(*leaves, plan).backward(dout)  # compiles the direct backward
-            for leaf in leaves:
-                leaf.grad = None
-            counter.kernels.clear()
-            with counter:
-                local_attention_function(*leaves, plan).backward(dout)
-        return counter, q.numel() * q.element_size()
+    def step() -> None:
+        for leaf in (q, k, v):
+            leaf.grad = None
+        local_attention_function(q, k, v, plan).backward(dout)
 
-    return run
+    return lambda: (count_second_step(gpu_branch_counter, step), q.numel() * q.element_size())
 
 
 @needs_direct
@@ -234,3 +248,33 @@ def test_the_pass_counter_sees_an_fp32_buffer(
     counter, q_bytes = counted_decomposed_step()
     moved = sum(counter.bytes.values()) / q_bytes
     assert moved > 13.8 * 1.2, moved
+
+
+RANK_BUDGETS = {  # topology: (kernel calls, at most ops, at most x q's bytes; measured 2026-12-05)
+    "cp4/bp8": ({"CUDNN_FORWARD": 6, "CUDNN_BACKWARD": 6, "flex_call": 1, "direct_flex_backward": 1}, 160, 100.0),
+    "cp4": ({"CUDNN_FORWARD": 3, "CUDNN_BACKWARD": 3, "flex_call": 2, "direct_flex_backward": 2}, 133, 115.0),
+}
+"""Measured: cp4/bp8 153 ops, 96.2x (104.1x before the dK/dV scatter wrote each row once); cp4 127 ops,
+110.2x (122.2x). The collective ring's collectives are ``LocalRing``'s local copies, counted as a wire's
+buffers would be written and read."""
+
+
+@needs_direct
+@pytest.mark.parametrize("text", sorted(RANK_BUDGETS))
+def test_a_ring_ranks_step_moves_what_it_moved_besides_its_kernels(text: str, gpu_branch_counter: PassCounter) -> None:
+    """The busiest rank of a CSBP and a CP-only ring (L = 1024, B = 64, collective transport, cuDNN
+    pieces) through ``csbp bench kernels``' rank step: its kernel calls, and a budget for the rest (the
+    merges of the local and remote partials, the dK/dV scatter, ``delta``, the casts)."""
+    from csbp.bench.kernel_ranks import busiest_rank, parse_topologies, rank_step
+
+    (topology,) = parse_topologies([text])
+    rank, layout, _ = busiest_rank(topology, 1024, 64)
+    q, k, v, dout = bf16_inputs(len(layout.rows), len(layout.rows))  # K/V of its own rows; the ring brings the rest
+    inputs = tuple(t.detach() for t in (q, k, v, dout))
+    with flex_backward_mode("direct"):
+        step = rank_step(topology, rank, layout, 1024, 64, inputs, backend="flex", clean="pieces-cudnn")
+    counter = count_second_step(gpu_branch_counter, step)
+    kernels, most_ops, most_moved = RANK_BUDGETS[text]
+    moved = sum(counter.bytes.values()) / (q.numel() * q.element_size())
+    assert dict(counter.kernels) == kernels
+    assert sum(counter.ops.values()) <= most_ops and moved <= most_moved, (sum(counter.ops.values()), moved)
