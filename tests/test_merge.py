@@ -186,3 +186,34 @@ def test_invalid_merges_raise() -> None:
     out, lse = torch.zeros(3, 4), torch.zeros(3)
     with pytest.raises(ValueError, match="out"):
         merge_partials(out, lse, torch.zeros(3, 5), lse)
+
+
+def test_the_compiled_rounded_merge_traces_whole_and_serves_every_row_count() -> None:
+    """On CUDA ``merge_into_rounded`` runs ``_rounded_merge`` compiled once (fullgraph, dynamic shapes).
+    Tracing and graph breaks do not depend on the device, so the CPU checks that compilation here:
+    slices of two different row counts (the pieces' rows) through one compiled function, into a bf16
+    ``out`` in place, against the eager merge (equal up to one bf16 rounding: Inductor's exp and lerp
+    are not bit-identical to ATen's)."""
+    import torch._dynamo
+
+    from csbp.attention import merge as merge_module
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    merge_module._compiled_rounded_merge.cache_clear()
+    compiled = merge_module._compiled_rounded_merge()
+    gen = torch.Generator().manual_seed(7)
+    for rows in (slice(3, 40), slice(40, 64)):
+        out = torch.randn(1, 4, 64, 16, generator=gen).to(torch.bfloat16)
+        lse = torch.randn(1, 4, 64, generator=gen)
+        num_rows = rows.stop - rows.start
+        out2, lse2 = torch.randn(1, 4, num_rows, 16, generator=gen), torch.randn(1, 4, num_rows, generator=gen)
+        lse[..., rows.start] = float("-inf")  # a row the first partial does not see: the second's, exactly
+        want_out, want_lse = out.clone(), lse.clone()
+        merge_module._rounded_merge(want_out[:, :, rows], want_lse[:, :, rows], out2.to(torch.bfloat16), lse2)
+        compiled(out[:, :, rows], lse[:, :, rows], out2.to(torch.bfloat16), lse2)
+        torch.testing.assert_close(out.float(), want_out.float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
+        assert torch.equal(out[:, :, rows.start], out2[:, :, 0].to(torch.bfloat16))
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert frames == 1, f"{frames} graphs: the compiled merge recompiled for a new row count or broke its graph"
