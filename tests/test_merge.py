@@ -188,32 +188,58 @@ def test_invalid_merges_raise() -> None:
         merge_partials(out, lse, torch.zeros(3, 5), lse)
 
 
-def test_the_compiled_rounded_merge_traces_whole_and_serves_every_row_count() -> None:
-    """On CUDA ``merge_into_rounded`` runs ``_rounded_merge`` compiled once (fullgraph, dynamic shapes).
-    Tracing and graph breaks do not depend on the device, so the CPU checks that compilation here:
-    slices of two different row counts (the pieces' rows) through one compiled function, into a bf16
-    ``out`` in place, against the eager merge (equal up to one bf16 rounding: Inductor's exp and lerp
-    are not bit-identical to ATen's)."""
+def _merge_rows(fn_name: str, gen: torch.Generator, rows: slice) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """Arguments for ``fn_name`` over ``rows`` of a 64-row buffer, and a copy of them for the eager call."""
+    num_rows = rows.stop - rows.start
+    if fn_name == "_row_delta":
+        dout, out = torch.randn(1, 4, num_rows, 16, generator=gen).to(torch.bfloat16), torch.randn(1, 4, 64, 16, generator=gen)
+        return (dout, out[:, :, rows], torch.float32), (dout, out[:, :, rows].clone(), torch.float32)
+    out_dtype = torch.bfloat16 if fn_name == "_rounded_merge" else torch.float32
+    out, lse = torch.randn(1, 4, 64, 16, generator=gen).to(out_dtype), torch.randn(1, 4, 64, generator=gen)
+    out2 = torch.randn(1, 4, num_rows, 16, generator=gen).to(torch.bfloat16)  # a kernel's output
+    lse2 = torch.randn(1, 4, num_rows, generator=gen)
+    lse[..., rows.start] = float("-inf")  # a row the first partial does not see: the second's, exactly
+    return (out[:, :, rows], lse[:, :, rows], out2, lse2), (out[:, :, rows].clone(), lse[:, :, rows].clone(), out2, lse2)
+
+
+@pytest.mark.parametrize("fn_name", ["_rounded_merge", "_merge_in_place", "_row_delta"])
+def test_the_compiled_passes_trace_whole_and_serve_every_row_count(fn_name: str) -> None:
+    """On CUDA the merges into a buffer and ``row_delta`` run compiled once (``merge.compiled``: fullgraph,
+    dynamic shapes). Tracing and graph breaks do not depend on the device, so the CPU checks that
+    compilation: row slices of two different counts (the pieces' rows) through one compiled function,
+    in place where it merges, against the eager function (equal up to rounding: Inductor's exp, lerp and
+    sums are not bit-identical to ATen's)."""
     import torch._dynamo
 
     from csbp.attention import merge as merge_module
 
+    fn = getattr(merge_module, fn_name)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    merge_module._compiled_rounded_merge.cache_clear()
-    compiled = merge_module._compiled_rounded_merge()
+    merge_module.compiled.cache_clear()
     gen = torch.Generator().manual_seed(7)
     for rows in (slice(3, 40), slice(40, 64)):
-        out = torch.randn(1, 4, 64, 16, generator=gen).to(torch.bfloat16)
-        lse = torch.randn(1, 4, 64, generator=gen)
-        num_rows = rows.stop - rows.start
-        out2, lse2 = torch.randn(1, 4, num_rows, 16, generator=gen), torch.randn(1, 4, num_rows, generator=gen)
-        lse[..., rows.start] = float("-inf")  # a row the first partial does not see: the second's, exactly
-        want_out, want_lse = out.clone(), lse.clone()
-        merge_module._rounded_merge(want_out[:, :, rows], want_lse[:, :, rows], out2.to(torch.bfloat16), lse2)
-        compiled(out[:, :, rows], lse[:, :, rows], out2.to(torch.bfloat16), lse2)
-        torch.testing.assert_close(out.float(), want_out.float(), atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
-        assert torch.equal(out[:, :, rows.start], out2[:, :, 0].to(torch.bfloat16))
-    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert frames == 1, f"{frames} graphs: the compiled merge recompiled for a new row count or broke its graph"
+        args, eager_args = _merge_rows(fn_name, gen, rows)
+        got, want = merge_module.compiled(fn)(*args), fn(*eager_args)
+        if fn_name == "_row_delta":
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+            continue
+        tol = {"atol": 1e-2, "rtol": 1e-2} if args[0].dtype == torch.bfloat16 else {"atol": 1e-6, "rtol": 1e-6}
+        torch.testing.assert_close(args[0].float(), eager_args[0].float(), **tol)
+        torch.testing.assert_close(args[1], eager_args[1], atol=1e-6, rtol=1e-6)
+        assert torch.equal(args[0][:, :, 0], args[2][:, :, 0].to(args[0].dtype))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 1, f"{graphs} graphs: {fn_name} recompiled for a new row count or broke its graph"
+
+
+def test_merges_and_row_delta_run_compiled_only_for_fp32_on_cuda() -> None:
+    """Compiled for fp32 work on CUDA; eager on the CPU and for float64 (exactness checks) on CUDA."""
+    from types import SimpleNamespace
+
+    from csbp.attention import merge as merge_module
+
+    fn = merge_module._row_delta
+    on_cuda = SimpleNamespace(device=torch.device("cuda"))  # only the device type is read: no GPU needed
+    assert merge_module._on_cuda_compiled(fn, on_cuda, torch.float32) is merge_module.compiled(fn)  # type: ignore[arg-type]
+    assert merge_module._on_cuda_compiled(fn, on_cuda, torch.float64) is fn  # type: ignore[arg-type]
+    assert merge_module._on_cuda_compiled(fn, torch.zeros(1), torch.float32) is fn

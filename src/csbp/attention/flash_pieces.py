@@ -140,7 +140,9 @@ class FlashPiecesPartial:
                     merge_into(out[:, :, rows], lse[:, :, rows], part_out, part_lse)
             if run.residual is not None:
                 keys = slice(*run.residual_span)
-                merge_into(out, lse, *run.residual.forward(q, k[:, :, keys], v[:, :, keys], scale=scale))
+                # the residual's out as its kernel returns it (bf16 from Flex): merge_into casts it as it reads
+                residual = run.residual.forward(q, k[:, :, keys], v[:, :, keys], scale=scale, kernel_dtype=True)
+                merge_into(out, lse, *residual)
         return out, lse
 
     def _forward_onto_residual(self, q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor]:

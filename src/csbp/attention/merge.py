@@ -48,14 +48,20 @@ def merge_partials(out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor) -> tu
 def merge_into(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> None:
     """Merge ``(out2, lse2)`` into ``(out, lse)`` in place (views allowed: a slice of rows stays a
     slice, without merging into a copy and copying back); ``out`` and ``lse`` must already be in the
-    accumulation dtype. The same arithmetic as ``merge_partials``."""
+    accumulation dtype, ``out2`` may be in a kernel's (bf16). The same arithmetic as ``merge_partials``;
+    on CUDA in fp32 one compiled, fused pass (``out2`` cast as it is read, no cast pass before the
+    merge), elsewhere eagerly."""
     dtype = accumulation_dtype(out, lse, out2, lse2)
     if out.dtype != dtype or lse.dtype != dtype:
         raise ValueError(f"merge_into: out ({out.dtype}) and lse ({lse.dtype}) must be in the accumulation dtype {dtype}")
     _check_pair("merge_into", out, lse, out2, lse2)
-    lse2 = lse2.to(dtype)
+    _on_cuda_compiled(_merge_in_place, out, dtype)(out, lse, out2, lse2)
+
+
+def _merge_in_place(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> None:
+    lse2 = lse2.to(lse.dtype)
     merged = _logaddexp(lse, lse2)
-    out.lerp_(out2.to(dtype), _merge_weights(lse2, merged).unsqueeze(-1))
+    out.lerp_(out2.to(out.dtype), _merge_weights(lse2, merged).unsqueeze(-1))
     lse.copy_(merged)
 
 
@@ -67,8 +73,7 @@ def merge_into_rounded(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> 
     if lse.dtype != accumulation_dtype(lse):
         raise ValueError(f"merge_into_rounded: lse ({lse.dtype}) must be in the accumulation dtype")
     _check_pair("merge_into_rounded", out, lse, out2, lse2)
-    merge = _compiled_rounded_merge() if out.device.type == "cuda" else _rounded_merge
-    merge(out, lse, out2, lse2)
+    _on_cuda_compiled(_rounded_merge, out, lse.dtype)(out, lse, out2, lse2)
 
 
 def _rounded_merge(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> None:
@@ -79,18 +84,29 @@ def _rounded_merge(out: Tensor, lse: Tensor, out2: Tensor, lse2: Tensor) -> None
     lse.copy_(merged)
 
 
-@functools.cache
-def _compiled_rounded_merge() -> Callable[[Tensor, Tensor, Tensor, Tensor], None]:
-    """``_rounded_merge`` compiled once with dynamic shapes (the pieces' row counts change with packed
-    documents from step to step; one graph serves them)."""
-    return torch.compile(_rounded_merge, dynamic=True, fullgraph=True)
-
-
 def row_delta(dout: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
     """``delta = rowsum(dout * out)`` (``[..., N]``) in ``dtype`` (the accumulation dtype), the row term of
     every partial's backward. ``dout`` (bf16 in training) is promoted inside the product as it is read,
-    instead of a separate cast pass over it: the same values as casting first."""
+    instead of a separate cast pass over it: the same values as casting first. On CUDA in fp32 one
+    compiled pass (read ``dout`` and ``out``, write ``delta``) instead of a cast, a product and a sum."""
+    return _on_cuda_compiled(_row_delta, out, dtype)(dout, out, dtype)
+
+
+def _row_delta(dout: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:
     return (dout * out.to(dtype)).sum(-1, dtype=dtype)
+
+
+def _on_cuda_compiled(fn: Callable[..., object], tensor: Tensor, dtype: torch.dtype) -> Callable[..., object]:
+    """``fn`` compiled (``compiled``) for fp32 work on CUDA, where each eager op is a launch and a pass
+    through memory; ``fn`` itself elsewhere (the CPU, and float64 exactness checks on CUDA)."""
+    return compiled(fn) if tensor.device.type == "cuda" and dtype == torch.float32 else fn
+
+
+@functools.cache
+def compiled(fn: Callable[..., object]) -> Callable[..., object]:
+    """``fn`` compiled once, whole (``fullgraph``), with dynamic shapes: the row counts of pieces and
+    shards change with packed documents from step to step, and one graph serves them all."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
 def merge_many(partials: Sequence[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.backends import PartialPlan, plan_partial
-from csbp.attention.merge import accumulation_dtype, merge_partials, row_delta
+from csbp.attention.merge import accumulation_dtype, merge_into, row_delta
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import (
     ExchangeSpec,
@@ -93,7 +93,7 @@ def collective_forward(q: Tensor, k: Tensor, v: Tensor, plan: CollectivePlan) ->
     del gathered, pending  # keep only the remote rows, not the padded gathered buffer
     if plan.remote_plan is not None:
         out_remote, lse_remote = plan.remote_plan.forward(q, remote_kv[0], remote_kv[1])
-        out, lse = merge_partials(out, lse, out_remote, lse_remote)
+        merge_into(out, lse, out_remote, lse_remote)  # the local partial's buffers are this call's own
     return out, lse, remote_kv
 
 

@@ -30,7 +30,7 @@ from csbp.attention.backends import PartialPlan, check_backend, check_clean, pla
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import RankLayout, WindowPlan, bd3_rows
-from csbp.attention.merge import accumulation_dtype, merge_partials, row_delta
+from csbp.attention.merge import accumulation_dtype, merge_into, row_delta
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import PlanCache, check_packed_inputs, check_ring_comm
 from csbp.attention.transports.function import TransportFunction
@@ -82,7 +82,7 @@ def window_forward(q: Tensor, k: Tensor, v: Tensor, plan: WindowAttentionPlan) -
     halo_kv = pending.wait()
     if plan.halo_plan is not None:
         out_halo, lse_halo = plan.halo_plan.forward(q, halo_kv[0], halo_kv[1])
-        out, lse = merge_partials(out, lse, out_halo, lse_halo)
+        merge_into(out, lse, out_halo, lse_halo)  # the local partial's buffers are this call's own
     return out, lse, halo_kv
 
 
