@@ -168,3 +168,23 @@ def test_rendered_chats_are_tokenized_in_one_batch_call(tokenizer_dir) -> None:
     encoded = encode_documents(documents, tokenizer, template)
     assert len(encoded) == 4 and proxy.batches.count(4) == 1
     assert all(int(mask.sum()) > 0 for _, mask in encoded)
+
+
+def test_a_worker_that_died_ends_the_call_with_one_line() -> None:
+    """``multiprocessing.Pool`` waited forever for a dead worker's chunk; the executor reports it, and
+    prepare turns that into one line naming the likely cause."""
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    from csbp.data.encode_pool import _result
+
+    future: Future = Future()
+    future.set_exception(BrokenProcessPool("A process in the process pool was terminated abruptly"))
+    with pytest.raises(ChildProcessError) as info:
+        _result(future)
+    from csbp.cli.main import describe_os_error
+
+    assert describe_os_error(info.value) == (
+        "an encoding worker of csbp data prepare --workers died (ChildProcessError) (fix: a worker process was "
+        "killed, often for memory: run again, with fewer workers if memory is short)"
+    )

@@ -243,6 +243,7 @@ _OS_ERROR_FIXES: dict[type[OSError], str] = {
     NotADirectoryError: "a file is where a directory is expected: choose another path",
     IsADirectoryError: "a directory is where a file is expected: choose another path",
     PermissionError: "check the path's permissions (ls -l), or choose a path you may read or write",
+    ChildProcessError: "a worker process was killed, often for memory: run again, with fewer workers if memory is short",
 }
 
 

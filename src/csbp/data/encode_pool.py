@@ -12,7 +12,15 @@ read as a stream, never held whole.
 Errors: a chunk's ``ValueError`` (a template error, the mask token in a document ...) is raised
 again in the parent when that chunk's turn comes, so the first error in document order is reported,
 as the same one line as in-process. Workers ignore ``SIGINT``: Ctrl-C reaches the parent, which
-terminates the pool before the ``KeyboardInterrupt`` unwinds (and the staging directory is removed).
+cancels the chunks not yet started and waits for the ones being encoded (at most one per worker, each
+bounded) before the ``KeyboardInterrupt`` unwinds (and the staging directory is removed); no worker
+outlives the call. A worker that dies (killed, out of memory) ends the call with one error instead of
+a wait.
+
+The pool is ``concurrent.futures.ProcessPoolExecutor``. ``multiprocessing.Pool`` was used before; its
+``terminate()`` can deadlock (CPython issues 73945, 78178, 96995: a task-handler thread left waiting
+on the task queue's lock), which hung a CI run in this module's error test, and it waits forever for
+the result of a worker that died.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ import os
 import signal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
@@ -64,27 +73,41 @@ def encoded_chunks(
 ) -> Iterator[tuple[Chunk, Encoded]]:
     """``(chunk, the encoding of its documents)`` for each of ``chunks`` (``(split, document)``
     pairs), in order; ``workers > 1`` encodes them in a process pool (module docstring), else here
-    with ``encode``. Close the iterator (``contextlib.closing``) to stop the pool at once when the
-    caller fails."""
+    with ``encode``. Close the iterator (``contextlib.closing``) to stop the pool when the caller fails
+    (the chunks being encoded end first)."""
     if workers <= 1:
         for chunk in chunks:
             yield chunk, encode_chunk([doc for _, doc in chunk], tokenizer, template, encode)
         return
-    context = multiprocessing.get_context("spawn")
-    pool = context.Pool(workers, initializer=_start_worker, initargs=(tokenizer, template))
+    pool = ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_start_worker,
+        initargs=(tokenizer, template),
+    )
+    finished = False
     try:
-        pending: deque[tuple[Chunk, Any]] = deque()
+        pending: deque[tuple[Chunk, Future[Encoded]]] = deque()
         for chunk in chunks:
-            pending.append((chunk, pool.apply_async(_encode_in_worker, ([doc for _, doc in chunk],))))
+            pending.append((chunk, pool.submit(_encode_in_worker, [doc for _, doc in chunk])))
             if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
                 done, result = pending.popleft()
-                yield done, result.get()
+                yield done, _result(result)
         while pending:
             done, result = pending.popleft()
-            yield done, result.get()
+            yield done, _result(result)
+        finished = True
     finally:
-        pool.terminate()  # after an error, Ctrl-C or an early close: no worker outlives the call
-        pool.join()
+        # after an error, Ctrl-C or an early close: the chunks not started are dropped, the running ones
+        # end, and every worker has exited when this returns
+        pool.shutdown(wait=True, cancel_futures=not finished)
+
+
+def _result(future: Future[Encoded]) -> Encoded:
+    """The chunk's encoding; a chunk's own error as it was raised, a dead worker as a ``ChildProcessError``
+    (the CLI's one line, with its fix)."""
+    try:
+        return future.result()
+    except BrokenProcessPool as error:
+        raise ChildProcessError("an encoding worker of csbp data prepare --workers died") from error
 
 
 _WORKER: tuple[CsbpTokenizer, ChatTemplate | None] | None = None
