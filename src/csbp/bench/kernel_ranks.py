@@ -135,7 +135,7 @@ def rank_step(
     backend: str, clean: str, diagonal: str = "auto", transport: str = "collective",
 ) -> Callable[[], None]:
     """One forward + backward of the rank's attention through its transport (``LocalRing`` for a ring)."""
-    ring = None if topology.layout in ("data", "bp") else LocalRing(topology.cp, rank % topology.cp)
+    ring = LocalRing(topology.cp, rank % topology.cp) if has_ring(topology) else None
     device = inputs[0].device
     attention = build_attention(
         topology, rank, layout, ring, block_size=block, backend=backend, diagonal=diagonal, clean=clean, device=device,

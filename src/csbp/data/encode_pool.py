@@ -12,8 +12,8 @@ read as a stream, never held whole.
 Errors: a chunk's ``ValueError`` (a template error, the mask token in a document ...) is raised
 again in the parent when that chunk's turn comes, so the first error in document order is reported,
 as the same one line as in-process. Workers ignore ``SIGINT``: Ctrl-C reaches the parent, which
-cancels the chunks not yet started and waits for the ones being encoded (at most one per worker, each
-bounded) before the ``KeyboardInterrupt`` unwinds (and the staging directory is removed); no worker
+cancels the chunks not yet handed to a worker and waits for the ones that were (at most one per
+worker plus one queued, each bounded) before the ``KeyboardInterrupt`` unwinds (and the staging directory is removed); no worker
 outlives the call. A worker that dies (killed, out of memory) ends the call with one error instead of
 a wait.
 
@@ -96,8 +96,8 @@ def encoded_chunks(
             yield done, _result(result)
         finished = True
     finally:
-        # after an error, Ctrl-C or an early close: the chunks not started are dropped, the running ones
-        # end, and every worker has exited when this returns
+        # after an error, Ctrl-C or an early close: the chunks not handed to a worker are dropped, those
+        # handed over end, and every worker has exited when this returns
         pool.shutdown(wait=True, cancel_futures=not finished)
 
 
