@@ -74,3 +74,48 @@ def test_row_skipping_keeps_exactly_the_rows_that_see_the_owner(layout, member_r
     selected = queries_touching(layout.rows, keys)
     assert torch.equal(selected, expected)
     assert 0 < len(selected) < len(layout.rows), "the case must skip some rows and keep some"
+
+
+def _streaming_rank_results(
+    monkeypatch: pytest.MonkeyPatch, sliced_runs: int,
+) -> tuple[list[list[torch.Tensor]], list[int]]:
+    """Out and dq/dk/dv (bf16, tiles) of every rank of a CP-only and a CSBP ring over packed short
+    documents through ``LocalRing`` (every member's shard a copy of this rank's), with ``SLICED_RUNS =
+    sliced_runs``; and the number of runs of query rows of every step."""
+    from csbp.attention.documents import seeded_documents
+    from csbp.attention.layouts import rank_layout
+    from csbp.attention.transports import streaming
+    from csbp.attention.transports.factory import build_attention
+    from csbp.bench.kernel_ranks import LocalRing
+    from csbp.topology import Topology
+
+    monkeypatch.setattr(streaming, "SLICED_RUNS", sliced_runs)
+    documents, results, runs = seeded_documents(128, 6, seed=0), [], []
+    for cp, bp in ((4, 1), (2, 4)):
+        topology = Topology(cp=cp, bp=bp)
+        for rank in range(max(cp, bp)):
+            layout = rank_layout(topology, rank, 128, 4, documents=documents)
+            attention = build_attention(
+                topology, rank, layout, LocalRing(cp, rank % cp), block_size=4, backend="tiles", transport="streaming",
+                device=torch.device("cpu"),
+            )
+            gen = torch.Generator().manual_seed(rank)
+            q, k, v, dout = (torch.randn(1, h, len(layout.rows), 8, generator=gen).to(torch.bfloat16) for h in (4, 2, 2, 4))
+            leaves = [x.requires_grad_() for x in (q, k, v)]
+            out = attention(*leaves)
+            out.backward(dout)
+            results.append([out.detach()] + [leaf.grad for leaf in leaves])
+            runs.extend(len(step.runs) for step in attention._plans.get(torch.device("cpu")).steps)
+    return results, runs
+
+
+def test_steps_merge_the_same_bits_run_by_run_and_gathered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's query rows merged and added run by run into slices of the packed rows (one run a view,
+    no gather) and gathered by index give the same bits, over packed documents that cut them into one
+    to many runs."""
+    by_runs, runs = _streaming_rank_results(monkeypatch, sliced_runs=1_000)
+    assert {1, 2} <= set(runs) and max(runs) > 4, runs  # views, a few slices, and many runs
+    for sliced_runs in (0, 4):
+        for rank, (got, want) in enumerate(zip(_streaming_rank_results(monkeypatch, sliced_runs)[0], by_runs)):
+            for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                assert torch.equal(a, b), f"SLICED_RUNS={sliced_runs}, result {rank}: {name} differs"

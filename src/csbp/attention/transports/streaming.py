@@ -11,13 +11,20 @@ Forward on ring rank ``c`` of ``P``::
     for s in 1 .. P-1:                              # shard of owner (c+s) mod P
         wait; if s < P-1: post the next shift of the received shard (overlaps this step)
         only the query rows whose clean interval (or noisy block) meets that owner's rows,
-        precomputed once per owner, attend to it; merge into the running (out, lse) by index
+        precomputed once per owner, attend to it; merge into the running (out, lse) in place
 
 Backward visits the owners in the same order. The clean K/V are **re-circulated** (posted one hop
 ahead, overlapping compute) and a dK/dV accumulator travels with them: at step ``s`` rank ``c``
 adds its contribution to owner ``(c+s) mod P``'s accumulator (received from ``c+1``, which added
 its own one step earlier) and sends it to ``c-1``; the hop after step ``P-1`` lands every
 accumulator at its owner, complete. dQ stays local.
+
+The query rows that see one owner are, without documents, a run or two of consecutive packed rows (a
+rank's last blocks' noisy and clean rows), found once per owner. A step reads them as slices: one run
+is a view of q (and of out, lse, dout and delta in the backward), so nothing is gathered; each run's
+result is merged into, or added onto, its own slice in place (``merge.merge_into``: one compiled pass
+on CUDA), with no gathered copy of out/lse to merge and write back, and no atomic ``index_add_``.
+Packed short documents can cut the rows into dozens of runs: past ``SLICED_RUNS`` they are gathered.
 
 Memory / traffic trade-off: a rank holds at most two K/V shards (the one in use and the one
 arriving) and, in the backward, three dK/dV shard buffers (the one being computed, the one
@@ -36,7 +43,7 @@ import torch
 from torch import Tensor
 
 from csbp.attention.backends import PartialPlan, plan_partial
-from csbp.attention.merge import accumulation_dtype, merge_partials, row_delta
+from csbp.attention.merge import accumulation_dtype, merge_into, row_delta
 from csbp.attention.rows import Rows
 from csbp.attention.transports.exchange import (
     ExchangeSpec,
@@ -66,6 +73,8 @@ class RingStep:
         key_rows: the owner's wire-shard rows (padding rows dead).
         tile_plan: the partial of ``query_rows`` x ``key_rows`` on the run's backend; None when no
             query row sees the owner.
+        runs: per run of consecutive rows in ``query_index``: its slice of the packed rows and of the
+            step's rows.
     """
 
     owner: int
@@ -73,6 +82,37 @@ class RingStep:
     query_rows: Rows
     key_rows: Rows
     tile_plan: PartialPlan | None
+    runs: tuple[tuple[slice, slice], ...]
+
+    def rows_of(self, x: Tensor) -> Tensor:
+        """``x``'s query rows (dim 2) of this step: a view when they are one run, else gathered."""
+        if len(self.runs) == 1:
+            return x[:, :, self.runs[0][0]]
+        return x.index_select(2, self.query_index)
+
+    def merge_into_rows(self, out: Tensor, lse: Tensor, out_step: Tensor, lse_step: Tensor) -> None:
+        """Merge the step's partial into the running ``(out, lse)`` over the packed rows, in place."""
+        if len(self.runs) <= SLICED_RUNS:
+            for rows, step_rows in self.runs:
+                merge_into(out[:, :, rows], lse[:, :, rows], out_step[:, :, step_rows], lse_step[:, :, step_rows])
+            return
+        out_rows, lse_rows = out.index_select(2, self.query_index), lse.index_select(2, self.query_index)
+        merge_into(out_rows, lse_rows, out_step, lse_step)
+        out.index_copy_(2, self.query_index, out_rows)
+        lse.index_copy_(2, self.query_index, lse_rows)
+
+    def add_into_rows(self, dq: Tensor, dq_step: Tensor) -> None:
+        """Add the step's dQ onto ``dq``'s packed rows in place."""
+        if len(self.runs) <= SLICED_RUNS:
+            for rows, step_rows in self.runs:
+                dq[:, :, rows] += dq_step[:, :, step_rows]
+            return
+        dq.index_add_(2, self.query_index, dq_step)
+
+
+SLICED_RUNS = 4
+"""At most this many runs of query rows are merged run by run, into slices; more (many short documents)
+are gathered once, merged, and written back by index, a fixed number of launches whatever the runs."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,11 +139,8 @@ def streaming_forward(q: Tensor, k: Tensor, v: Tensor, plan: StreamingPlan) -> t
             pending = comm.ring_shift_async(kv)
         if step.tile_plan is None:
             continue
-        rows = step.query_index
-        out_step, lse_step = step.tile_plan.forward(q.index_select(2, rows), kv[0], kv[1])
-        out_rows, lse_rows = merge_partials(out.index_select(2, rows), lse.index_select(2, rows), out_step, lse_step)
-        out.index_copy_(2, rows, out_rows)
-        lse.index_copy_(2, rows, lse_rows)
+        out_step, lse_step = step.tile_plan.forward(step.rows_of(q), kv[0], kv[1])
+        step.merge_into_rows(out, lse, out_step, lse_step)
     return out, lse
 
 
@@ -128,9 +165,9 @@ def streaming_backward(
         kv = kv_pending.wait()  # [2, S, Hkv, n, d] of step.owner
         if index + 1 < len(plan.steps):
             kv_pending = comm.ring_shift_async(kv, category=recompute_category(comm))
-        grad_kv = _step_backward(q, kv, out, lse, dout, delta, dq, step, plan.causal_in_block, dtype)
-        if grad_pending is not None:
-            grad_kv += grad_pending.wait()  # the owner's accumulator, from ring rank c+1
+        # the owner's accumulator, from ring rank c+1 (None at the first step): this rank's share is added onto it
+        received = None if grad_pending is None else grad_pending.wait()
+        grad_kv = _step_backward(q, kv, out, lse, dout, delta, dq, step, received, dtype)
         grad_pending = comm.ring_shift_async(grad_kv)  # to c-1; the last hop reaches the owner
     grad_own = grad_pending.wait()  # [2, S, Hkv, n, d]: my rows' dK/dV from every other member
     rows = slice(spec.exchange_start, None)
@@ -141,19 +178,22 @@ def streaming_backward(
 
 def _step_backward(
     q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, dout: Tensor, delta: Tensor, dq: Tensor,
-    step: RingStep, causal_in_block: bool, dtype: torch.dtype,
+    step: RingStep, received: Tensor | None, dtype: torch.dtype,
 ) -> Tensor:
-    """This rank's dK/dV ``[2, S, Hkv, n, d]`` for the owner's shard ``kv``; adds its dQ into ``dq``."""
+    """The owner's dK/dV accumulator ``[2, S, Hkv, n, d]`` with this rank's share for the shard ``kv``
+    added (onto ``received`` in place, or a new one at the first step); adds its dQ into ``dq``."""
     if step.tile_plan is None:
-        return kv.new_zeros(kv.shape, dtype=dtype)
-    rows = step.query_index
+        return kv.new_zeros(kv.shape, dtype=dtype) if received is None else received
     dq_rows, dk_shard, dv_shard = step.tile_plan.backward(
-        q.index_select(2, rows), kv[0], kv[1],
-        out.index_select(2, rows), lse.index_select(2, rows), dout.index_select(2, rows),
-        delta=delta.index_select(2, rows),
+        step.rows_of(q), kv[0], kv[1], step.rows_of(out), step.rows_of(lse), step.rows_of(dout),
+        delta=step.rows_of(delta),
     )
-    dq.index_add_(2, rows, dq_rows)
-    return torch.stack([dk_shard, dv_shard])
+    step.add_into_rows(dq, dq_rows)
+    if received is None:
+        return torch.stack([dk_shard, dv_shard])
+    received[0] += dk_shard
+    received[1] += dv_shard
+    return received
 
 
 class StreamingAttention(RingTransport[StreamingPlan]):
@@ -181,9 +221,21 @@ class StreamingAttention(RingTransport[StreamingPlan]):
                     query_rows, key_rows, backend=self.backend, causal_in_block=self.causal_in_block,
                     tile_rows=self.tile_rows, clean=self.clean,
                 )
-            steps.append(RingStep(owner, query_index, query_rows, key_rows, tile_plan))
+            steps.append(RingStep(owner, query_index, query_rows, key_rows, tile_plan, _row_runs(query_index)))
         local = build_local_attention_plan(
             rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
             backend=self.backend, diagonal=self.diagonal, clean=self.clean,
         )
         return StreamingPlan(spec, self.comm, local, tuple(steps), self.causal_in_block)
+
+
+def _row_runs(query_index: Tensor) -> tuple[tuple[slice, slice], ...]:
+    """Per maximal run of consecutive rows in the increasing ``query_index``: its slice of the packed
+    rows and of the step's rows (read once, when the plan is built)."""
+    index = query_index.tolist()
+    runs, first = [], 0
+    for i in range(1, len(index) + 1):
+        if i == len(index) or index[i] != index[i - 1] + 1:
+            runs.append((slice(index[first], index[i - 1] + 1), slice(first, i)))
+            first = i
+    return tuple(runs)
