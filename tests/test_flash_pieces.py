@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from csbp.attention import flash_pieces
+from csbp.attention import flash_pieces, flash_pieces_plan
 from csbp.attention.backends import TilesPartial, plan_partial
 from csbp.attention.documents import Documents
 from csbp.attention.flash_ops import flash_backward, flash_forward, flash_kernel
@@ -186,10 +186,10 @@ def test_noisy_keys_with_another_run_before_every_run_with_pieces_plan_one_gener
     assert isinstance(plan_partial(rows, apart, backend="tiles", clean="pieces", min_rows=8), TilesPartial)
     keys = rows.select(torch.cat([clean[[61, 59]], clean[:56]]))
     assert isinstance(plan_partial(rows, keys, backend="tiles", clean="pieces", min_rows=8), FlashPiecesPartial)
-    assert flash_pieces._run_next_to((0, 8), [(8, 20)], [(8, 20), (20, 30)]) == (8, 20)
-    assert flash_pieces._run_next_to((10, 20), [(0, 10)], [(0, 10), (14, 16)]) is None  # another run inside
-    assert flash_pieces._run_next_to((0, 8), [(9, 20)], [(9, 20)]) == (9, 20)  # a dead key between: nothing seen
-    assert flash_pieces._run_next_to((0, 8), [(30, 40), (9, 20)], [(9, 20), (30, 40)]) == (9, 20)  # the nearest
+    assert flash_pieces_plan._run_next_to((0, 8), [(8, 20)], [(8, 20), (20, 30)]) == (8, 20)
+    assert flash_pieces_plan._run_next_to((10, 20), [(0, 10)], [(0, 10), (14, 16)]) is None  # another run inside
+    assert flash_pieces_plan._run_next_to((0, 8), [(9, 20)], [(9, 20)]) == (9, 20)  # a dead key between: nothing seen
+    assert flash_pieces_plan._run_next_to((0, 8), [(30, 40), (9, 20)], [(9, 20), (30, 40)]) == (9, 20)  # the nearest
 
 
 def test_noisy_keys_and_no_pieces_plan_one_generic_partial() -> None:
@@ -364,7 +364,7 @@ def test_cuda_flash_pieces_path_with_a_cpu_stand_in_kernel_matches_the_reference
 def test_a_piece_first_over_its_rows_is_written_and_the_rest_merge_in_place() -> None:
     """The forward writes a piece no earlier piece or residual covered (merging it into zeros / -inf would
     give it back) and merges the others into their row slice in place; the flags follow the rows."""
-    from csbp.attention.flash_pieces import FlashPiece, KeyRunPlan
+    from csbp.attention.flash_pieces_plan import FlashPiece, KeyRunPlan
 
     dense, causal = FlashPiece(0, 8, 0, 4, False), FlashPiece(0, 8, 4, 12, True)
     later = FlashPiece(8, 16, 0, 12, False)
