@@ -275,28 +275,32 @@ def test_the_pass_counter_sees_an_fp32_buffer(
     assert moved > LOCAL_BUDGET * 1.2, moved
 
 
-RANK_KERNELS = {"merge_in_place": 3, "row_delta": 1, "direct_flex_backward": 1}
-STREAMING_KERNELS = {"row_delta": 1, "direct_flex_backward": 1}
+RANK_KERNELS = {"row_delta": 1, "direct_flex_backward": 1}
 RANK_BUDGETS = {  # (topology, transport): (kernel calls, at most ops, at most x q's bytes; measured 2026-12-05)
-    ("cp4/bp8", "collective"): ({**RANK_KERNELS, "CUDNN_FORWARD": 6, "CUDNN_BACKWARD": 6, "flex_call": 1}, 97, 85.0),
+    ("cp4/bp8", "collective"): (
+        {**RANK_KERNELS, "merge_in_place": 3, "CUDNN_FORWARD": 6, "CUDNN_BACKWARD": 6, "flex_call": 1}, 97, 85.0,
+    ),
     ("cp4", "collective"): (
-        {**RANK_KERNELS, "CUDNN_FORWARD": 3, "CUDNN_BACKWARD": 3, "flex_call": 2, "direct_flex_backward": 2}, 70, 97.0,
+        {**RANK_KERNELS, "merge_in_place": 2, "rounded_merge": 2, "CUDNN_FORWARD": 3, "CUDNN_BACKWARD": 3,
+         "flex_call": 2, "direct_flex_backward": 2}, 62, 84.0,
     ),
     ("cp4/bp8", "streaming"): (
-        {**STREAMING_KERNELS, "merge_in_place": 8, "CUDNN_FORWARD": 7, "CUDNN_BACKWARD": 7, "flex_call": 1}, 126, 110.0,
+        {**RANK_KERNELS, "merge_in_place": 8, "CUDNN_FORWARD": 7, "CUDNN_BACKWARD": 7, "flex_call": 1}, 126, 110.0,
     ),
     ("cp4", "streaming"): (
-        {**STREAMING_KERNELS, "merge_in_place": 5, "CUDNN_FORWARD": 5, "CUDNN_BACKWARD": 5, "flex_call": 2,
-         "direct_flex_backward": 2}, 105, 123.0,
+        {**RANK_KERNELS, "merge_in_place": 4, "rounded_merge": 2, "CUDNN_FORWARD": 5, "CUDNN_BACKWARD": 5,
+         "flex_call": 2, "direct_flex_backward": 2}, 101, 112.0,
     ),
 }
-"""Measured: collective cp4/bp8 92 ops, 81.4x; cp4 66 ops, 92.4x. Before the dK/dV scatter wrote each row
-once and the ring's merges and ``delta`` ran compiled: 153 ops, 104.1x and 127 ops, 122.2x. Streaming
-cp4/bp8 120 ops, 104.7x; cp4 100 ops, 117.4x; before its steps read their query rows as slices and merged
-and added into them in place (gathering q, out, lse, dout and delta by index, merging eagerly, writing
-back by index, an atomic ``index_add_`` of dQ): 183 ops, 123.3x and 180 ops, 155.5x. The ring's
-collectives and shifts are ``LocalRing``'s local copies, counted as a wire's buffers would be written and
-read."""
+"""Measured now: collective cp4/bp8 92 ops, 81.4x; cp4 58 ops, 79.8x; streaming cp4/bp8 121 ops, 104.7x;
+cp4 96 ops, 106.8x. How they came down (``docs/benchmarks.md``): the collective ranks moved 104.1x (153
+ops) and 122.2x (127 ops) before the dK/dV scatter wrote each row once and the merges and ``delta`` ran
+compiled (81.4x, 92.4x); the streaming ranks 123.3x (183 ops) and 155.5x (180 ops) before a step read
+its query rows as slices and merged and added into them in place instead of gathering them by index,
+merging eagerly, writing back by index and ``index_add_``-ing dQ (104.7x, 117.4x); then the remote
+partials' out and dQ stayed in the kernels' dtype (the CP-only rank's pieces merge onto their one
+residual, rounding once): cp4 79.8x collective, 106.8x streaming. The ring's collectives and shifts are
+``LocalRing``'s local copies, counted as a wire's buffers would be written and read."""
 
 
 @needs_direct

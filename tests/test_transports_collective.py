@@ -412,3 +412,7 @@ def test_scatter_remote_writes_every_row_once_with_zeros_where_no_remote_key_lan
     lanes = torch.arange(12)
     want[remote.owner[None, :], lanes[:, None], remote.row[None, :]] = torch.stack([dk, dv]).reshape(12, -1, 4)
     assert torch.equal(got, want.view(6, 2, 3, 10, 4))
+    # a kernel's bf16 dK/dV go out in the accumulation dtype the ring sums in, with the same values
+    low = scatter_remote(dk.bfloat16(), dv.bfloat16(), remote, spec.ring_rank, spec.ring_size, spec.shard_rows,
+                         dtype=torch.float32)
+    assert low.dtype == torch.float32 and torch.equal(low, want.view(6, 2, 3, 10, 4).bfloat16().float())

@@ -56,8 +56,10 @@ class PartialPlan(Protocol):
         self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, kernel_dtype: bool = False
     ) -> tuple[Tensor, Tensor]:
         """``(out [S, Hq, Nq, d], lse [S, Hq, Nq])`` in the accumulation dtype; with ``kernel_dtype`` ``out``
-        may stay in the kernel's own (bf16 from a fused CUDA kernel), for a caller that merges it
-        rounding once or hands it on in q's dtype (``lse`` stays in the accumulation dtype)."""
+        may stay in the kernel's own (bf16 from a fused CUDA kernel), rounded once as a fused kernel's output
+        is (a partial of several kernels merges them in fp32 first), for a caller that hands it on in q's
+        dtype or merges it into an fp32 result, casting as it reads (the ring transports' remote partials);
+        ``lse`` stays in the accumulation dtype."""
         ...
 
     def backward(

@@ -92,7 +92,8 @@ def collective_forward(q: Tensor, k: Tensor, v: Tensor, plan: CollectivePlan) ->
     remote_kv = select_remote(gathered, plan.remote)  # [2, S, Hkv, R, d]
     del gathered, pending  # keep only the remote rows, not the padded gathered buffer
     if plan.remote_plan is not None:
-        out_remote, lse_remote = plan.remote_plan.forward(q, remote_kv[0], remote_kv[1])
+        # the remote out as its kernels leave it (bf16 from Flex / the pieces): merge_into casts as it reads
+        out_remote, lse_remote = plan.remote_plan.forward(q, remote_kv[0], remote_kv[1], kernel_dtype=True)
         merge_into(out, lse, out_remote, lse_remote)  # the local partial's buffers are this call's own
     return out, lse, remote_kv
 
@@ -108,11 +109,12 @@ def collective_backward(
     delta = row_delta(dout, out, dtype)  # [S, Hq, N]
     dq_remote = None
     if plan.remote_plan is not None:
+        # in the kernels' dtype where they leave it (no cast pass): added into fp32 below, cast as scattered
         dq_remote, dk_remote, dv_remote = plan.remote_plan.backward(
-            q, remote_kv[0], remote_kv[1], out, lse, dout, delta=delta
+            q, remote_kv[0], remote_kv[1], out, lse, dout, delta=delta, kernel_dtype=True
         )
         grad_gathered = scatter_remote(
-            dk_remote, dv_remote, plan.remote, spec.ring_rank, spec.ring_size, spec.shard_rows
+            dk_remote, dv_remote, plan.remote, spec.ring_rank, spec.ring_size, spec.shard_rows, dtype=dtype
         )  # [P*2, S, Hkv, n, d]
     else:
         grad_gathered = k.new_zeros(spec.ring_size * 2, *k.shape[:2], spec.shard_rows, k.shape[-1], dtype=dtype)

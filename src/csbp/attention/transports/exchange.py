@@ -221,12 +221,18 @@ def select_remote(gathered: Tensor, remote: RemoteKeys) -> Tensor:
     return picked.view(2, *gathered.shape[1:3], len(remote), d)
 
 
-def scatter_remote(dk: Tensor, dv: Tensor, remote: RemoteKeys, ring_rank: int, num_members: int, shard_rows: int) -> Tensor:
-    """Inverse of ``select_remote`` for gradients: ``dk, dv [S, Hkv, R, d]`` -> ``[P*2, S, Hkv, n, d]`` with
-    zeros at this member's own slot and at every idle row. Each row is written once: the remote rows from
-    ``dk``/``dv`` directly (no stacked copy of them), zeros only where no remote row lands (not a zero
-    pass over the whole buffer first)."""
+def scatter_remote(
+    dk: Tensor, dv: Tensor, remote: RemoteKeys, ring_rank: int, num_members: int, shard_rows: int, *,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Inverse of ``select_remote`` for gradients: ``dk, dv [S, Hkv, R, d]`` -> ``[P*2, S, Hkv, n, d]`` in
+    ``dtype`` (default dk's; the accumulation dtype for a kernel's bf16 gradients, which the ring sums)
+    with zeros at this member's own slot and at every idle row. Each row is written once: the remote
+    rows from ``dk``/``dv`` directly (no stacked copy of them), zeros only where no remote row lands (not a
+    zero pass over the whole buffer first)."""
     heads, num_remote, d = dk.shape[0] * dk.shape[1], dk.shape[2], dk.shape[3]
+    dtype = dk.dtype if dtype is None else dtype
+    dk, dv = dk.to(dtype), dv.to(dtype)  # an indexed write takes one dtype
     full = dk.new_empty(num_members, 2 * heads, shard_rows, d)  # lanes: dk's S*Hkv, then dv's
     full[ring_rank] = 0.0
     lanes = torch.arange(2 * heads, device=dk.device)

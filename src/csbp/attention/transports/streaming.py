@@ -107,7 +107,7 @@ class RingStep:
             for rows, step_rows in self.runs:
                 dq[:, :, rows] += dq_step[:, :, step_rows]
             return
-        dq.index_add_(2, self.query_index, dq_step)
+        dq.index_add_(2, self.query_index, dq_step.to(dq.dtype))
 
 
 SLICED_RUNS = 4
@@ -139,7 +139,8 @@ def streaming_forward(q: Tensor, k: Tensor, v: Tensor, plan: StreamingPlan) -> t
             pending = comm.ring_shift_async(kv)
         if step.tile_plan is None:
             continue
-        out_step, lse_step = step.tile_plan.forward(step.rows_of(q), kv[0], kv[1])
+        # out_step as its kernels leave it (bf16 from Flex / the pieces): merge_into casts as it reads
+        out_step, lse_step = step.tile_plan.forward(step.rows_of(q), kv[0], kv[1], kernel_dtype=True)
         step.merge_into_rows(out, lse, out_step, lse_step)
     return out, lse
 
@@ -186,11 +187,14 @@ def _step_backward(
         return kv.new_zeros(kv.shape, dtype=dtype) if received is None else received
     dq_rows, dk_shard, dv_shard = step.tile_plan.backward(
         step.rows_of(q), kv[0], kv[1], step.rows_of(out), step.rows_of(lse), step.rows_of(dout),
-        delta=step.rows_of(delta),
-    )
+        delta=step.rows_of(delta), kernel_dtype=True,
+    )  # in the kernels' dtype where they leave it: added into the fp32 dq and accumulator, cast as they go
     step.add_into_rows(dq, dq_rows)
     if received is None:
-        return torch.stack([dk_shard, dv_shard])
+        received = kv.new_empty(kv.shape, dtype=dtype)
+        received[0].copy_(dk_shard)
+        received[1].copy_(dv_shard)
+        return received
     received[0] += dk_shard
     received[1] += dv_shard
     return received
