@@ -282,7 +282,7 @@ RANK_BUDGETS = {  # (topology, transport, clean kernel): (kernel calls, at most 
     ),
     ("cp4", "collective", "pieces-cudnn"): (
         {**RANK_KERNELS, "merge_in_place": 2, "rounded_merge": 2, "CUDNN_FORWARD": 3, "CUDNN_BACKWARD": 3,
-         "flex_call": 2, "direct_flex_backward": 2}, 62, 84.0,
+         "flex_call": 2, "direct_flex_backward": 2}, 58, 72.5,
     ),
     ("cp4/bp8", "streaming", "pieces-cudnn"): (
         {**RANK_KERNELS, "merge_in_place": 8, "CUDNN_FORWARD": 7, "CUDNN_BACKWARD": 7, "flex_call": 1}, 126, 110.0,
@@ -292,26 +292,27 @@ RANK_BUDGETS = {  # (topology, transport, clean kernel): (kernel calls, at most 
          "flex_call": 2, "direct_flex_backward": 2}, 101, 112.0,
     ),
     ("cp4/bp8", "collective", "generic"): ({**RANK_KERNELS, "merge_in_place": 1, "flex_call": 2, "direct_flex_backward": 2},
-                                           28, 47.0),
+                                           22, 35.0),
     ("cp4", "collective", "generic"): ({**RANK_KERNELS, "merge_in_place": 1, "flex_call": 2, "direct_flex_backward": 2},
-                                       28, 56.5),
+                                       22, 44.0),
     ("cp4/bp8", "streaming", "generic"): ({**RANK_KERNELS, "merge_in_place": 6, "flex_call": 4, "direct_flex_backward": 4},
                                           75, 80.5),
     ("cp4", "streaming", "generic"): ({**RANK_KERNELS, "merge_in_place": 3, "flex_call": 4, "direct_flex_backward": 4},
                                       45, 68.5),
 }
-"""Measured now: collective cp4/bp8 92 ops, 81.4x; cp4 58 ops, 79.8x; streaming cp4/bp8 121 ops, 104.7x;
+"""Measured now: collective cp4/bp8 92 ops, 81.4x; cp4 55 ops, 68.8x; streaming cp4/bp8 121 ops, 104.7x;
 cp4 96 ops, 106.8x. How they came down (``docs/benchmarks.md``): the collective ranks moved 104.1x (153
 ops) and 122.2x (127 ops) before the dK/dV scatter wrote each row once and the merges and ``delta`` ran
 compiled (81.4x, 92.4x); the streaming ranks 123.3x (183 ops) and 155.5x (180 ops) before a step read
 its query rows as slices and merged and added into them in place instead of gathering them by index,
 merging eagerly, writing back by index and ``index_add_``-ing dQ (104.7x, 117.4x); then the remote
 partials' out and dQ stayed in the kernels' dtype (the CP-only rank's pieces merge onto their one
-residual, rounding once): cp4 79.8x collective, 106.8x streaming. The ring's collectives and shifts are
+residual, rounding once): cp4 79.8x collective, 106.8x streaming; then the collective rank's local
+partial's gradients too, each added to once in place (68.8x). The ring's collectives and shifts are
 ``LocalRing``'s local copies, counted as a wire's buffers would be written and read. With the generic
-clean kernel (one Flex call per partial, the default): collective 26 ops, 44.9x and 26 ops, 53.7x;
+clean kernel (one Flex call per partial, the default): collective 20 ops, 33.2x and 20 ops, 41.7x;
 streaming 71 ops, 76.6x and 42 ops, 65.2x (52.9x, 61.7x, 98.6x and 89.7x while the rings cast the remote
-results to fp32 first)."""
+results to fp32 first; the collective ranks 44.9x and 53.7x before their local gradients stayed bf16)."""
 
 
 @needs_direct

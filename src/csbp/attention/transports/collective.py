@@ -102,8 +102,8 @@ def collective_backward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, remote_kv: Tensor, dout: Tensor,
     plan: CollectivePlan,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` over the packed rows (accumulation dtype), dK/dV of exchanged rows summed over
-    every ring member's queries."""
+    """``(dq, dk, dv)`` over the packed rows (the accumulation dtype, or the kernels' where a fused kernel
+    left the local partial's), dK/dV of exchanged rows summed over every ring member's queries."""
     spec = plan.spec
     dtype = accumulation_dtype(q, k, v)
     delta = row_delta(dout, out, dtype)  # [S, Hq, N]
@@ -119,8 +119,9 @@ def collective_backward(
     else:
         grad_gathered = k.new_zeros(spec.ring_size * 2, *k.shape[:2], spec.shard_rows, k.shape[-1], dtype=dtype)
     _, pending = plan.comm.reduce_scatter(grad_gathered, async_op=True)
-    # overlaps the reduce-scatter
-    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local, delta=delta)
+    # overlaps the reduce-scatter; in the kernels' dtype where one kernel leaves them: each gets exactly one
+    # in-place add below, computed in fp32 and rounded once, the bits of an fp32 sum cast by the caller
+    dq, dk, dv = local_attention_backward(q, k, v, out, lse, dout, plan.local, delta=delta, kernel_dtype=True)
     grad_own = pending.wait()  # [2, S, Hkv, n, d]: my exchanged rows' dK/dV from the other members
     if dq_remote is not None:
         dq += dq_remote

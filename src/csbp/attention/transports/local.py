@@ -148,8 +148,9 @@ def local_attention_backward(
     kernel_dtype: bool = False, delta: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the accumulation dtype from the final ``out``/``lse`` and ``dout``; with
-    ``kernel_dtype`` (a caller that casts them to the inputs' dtypes and adds nothing: the autograd
-    Function) one partial's may stay in its kernels' dtype, with no cast pass either way. ``delta =
+    ``kernel_dtype`` (a caller that casts them to the inputs' dtypes, adding nothing or one more partial's
+    once, in place, which computes in fp32 and rounds once: the autograd Function, the collective ring)
+    one partial's may stay in its kernels' dtype, with no cast pass either way. ``delta =
     rowsum(dout * out)`` is the ring transports' (shared with their remote partials); otherwise one
     partial forms its own (a direct Flex backward inside its compiled call, fused), two share one."""
     dtype = accumulation_dtype(q, k, v)
