@@ -264,6 +264,13 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(
     summary = train(tiny_config(artifact), run_dir=run_dir, resume=True)
     assert (summary.start_step, summary.end_step) == (2, 4)
     assert trajectory(run_dir) == trajectory(full_run[0])  # float32 CPU: exact equality
+    # the printed summary's first numbers are the run's (step 0), not this invocation's first (step 3)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    assert val[0][0] == 0 and summary.first_loss == records[0 if "loss" in records[0] else 1]["loss"]
+    text = summary.format()
+    assert f"val loss    first {val[0][1]:.4f} (step 0)" in text, text
+    assert text.splitlines()[-1] == f"val_loss: {val[0][1]:.4f} -> {val[-1][1]:.4f}"
 
 
 def test_resume_inside_the_warmup_and_between_validations_is_bit_identical(artifact: Path, tmp_path: Path) -> None:

@@ -5,13 +5,34 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from csbp.evaluation.nelbo import perplexity_bound
 
 
 @dataclass(frozen=True)
+class RunHistory:
+    """A resumed run's records up to the step it resumed from (``metrics.jsonl``, read by rank 0), so the
+    summary's first losses are the run's, not this invocation's."""
+
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    val_nelbos: list[tuple[int, float]] = field(default_factory=list)
+
+    @classmethod
+    def from_records(cls, records: list[dict[str, Any]], *, up_to_step: int) -> RunHistory:
+        """The history in ``records`` (``csbp.training.metrics.read_metrics``) at steps ``<= up_to_step``."""
+        earlier = [r for r in records if r["step"] <= up_to_step]
+
+        def numbers(key: str) -> list[tuple[int, float]]:
+            return [(r["step"], float(r[key])) for r in earlier if isinstance(r.get(key), (int, float))]
+
+        return cls([value for _, value in numbers("loss")], numbers("val_loss"), numbers("val_nelbo"))
+
+
+@dataclass(frozen=True)
 class TrainSummary:
-    """What one ``train`` invocation did (identical on every rank)."""
+    """What one ``train`` invocation did (identical on every rank, but for ``earlier``: rank 0's)."""
 
     run_dir: Path
     start_step: int
@@ -25,14 +46,18 @@ class TrainSummary:
     sample: str | None = None
     val_nelbos: list[tuple[int, float]] = field(default_factory=list)
     """Unclipped NELBO per token at each validation (diffusion objectives; empty for ar/dflash)."""
+    earlier: RunHistory = field(default_factory=RunHistory)
+    """A resumed run's losses before ``start_step``: the summary's first numbers are the run's."""
 
     @property
     def first_loss(self) -> float | None:
-        return self.losses[0] if self.losses else None
+        losses = self.earlier.losses + self.losses
+        return losses[0] if losses else None
 
     @property
     def last_loss(self) -> float | None:
-        return self.losses[-1] if self.losses else None
+        losses = self.earlier.losses + self.losses
+        return losses[-1] if losses else None
 
     def format(self) -> str:
         """The human-readable end-of-run summary ``csbp train`` prints."""
@@ -40,19 +65,24 @@ class TrainSummary:
         def number(value: float | None) -> str:
             return "-" if value is None else f"{value:.4f}"
 
-        val_first = self.val_losses[0][1] if self.val_losses else None
-        val_last = self.val_losses[-1][1] if self.val_losses else None
+        val_losses = self.earlier.val_losses + self.val_losses
+        val_nelbos = self.earlier.val_nelbos + self.val_nelbos
+        val_first = val_losses[0][1] if val_losses else None
+        val_last = val_losses[-1][1] if val_losses else None
         lines = [
             f"run dir     {self.run_dir}",
             f"steps       {self.start_step} -> {self.end_step} of {self.total_steps} "
             f"in {self.elapsed_s:.1f} s",
-            f"train loss  first {number(self.first_loss)}  last {number(self.last_loss)}",
-            f"val loss    first {number(val_first)}  last {number(val_last)}",
         ]
-        if self.val_nelbos:
-            nelbo_last = self.val_nelbos[-1][1]
+        if self.first_loss is not None:
+            lines.append(f"train loss  first {number(self.first_loss)}  last {number(self.last_loss)}")
+        if val_first is not None:
+            lines.append(f"val loss    first {number(val_first)} (step {val_losses[0][0]})  "
+                         f"last {number(val_last)} (step {val_losses[-1][0]})")
+        if val_nelbos:
+            nelbo_last = val_nelbos[-1][1]
             lines.append(
-                f"val nelbo   first {number(self.val_nelbos[0][1])}  last {number(nelbo_last)}  "
+                f"val nelbo   first {number(val_nelbos[0][1])}  last {number(nelbo_last)}  "
                 f"(unclipped, nats/token; perplexity <= {perplexity_bound(nelbo_last):.2f})"
             )
         if self.checkpoint is not None:

@@ -57,7 +57,7 @@ from csbp.training.dflash_step import DFlashStepRunner
 from csbp.training.drafter import build_drafter, dflash_eval_hint
 from csbp.training.finish import finish_on_rank0
 from csbp.training.lr_schedule import build_lr_scheduler
-from csbp.training.metrics import MetricsWriter
+from csbp.training.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from csbp.training.model_factory import build_model
 from csbp.training.nan_policy import MAX_SKIPPED_STEPS, NonFiniteTraining, SkipStreak
 from csbp.training.optim import apply_optim_config, build_optimizer
@@ -65,7 +65,7 @@ from csbp.training.parallelize import apply_fsdp, gradient_sync_for
 from csbp.training.preflight import RunInputs, check_run
 from csbp.training.step import StepRunner
 from csbp.training.step_loop import StepHook, StepLoop
-from csbp.training.summary import TrainSummary
+from csbp.training.summary import RunHistory, TrainSummary
 from csbp.training.train_lock import train_run_dir_lock
 
 __all__ = [
@@ -254,6 +254,8 @@ def _train(
         final_dir=final_dir,
         sample=sample,
         val_nelbos=loop.val_nelbos,
+        earlier=RunHistory.from_records(read_metrics(run_dir / METRICS_FILE), up_to_step=start_step)
+        if is_rank0 and start_step > 0 else RunHistory(),
     )
 
 
