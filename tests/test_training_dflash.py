@@ -236,6 +236,23 @@ def test_dflash_export_carries_the_tokenizer_files_of_final(
     assert not list(out.glob("tokenizer*"))
 
 
+def test_dflash_export_takes_the_target_the_run_recorded(
+    inputs: tuple[Path, Path], full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without ``--target`` an export of a run or checkpoint uses the ``objective.dflash.target`` it
+    recorded, saying so; a ``--drafter`` directory records none, so there it stays required (one line)."""
+    checkpoint = full_run / "checkpoints" / "step_0000004"
+    for source in (["--run-dir", str(full_run)], ["--checkpoint", str(checkpoint)]):
+        out = tmp_path / source[0].strip("-")
+        assert main(["dflash", "export", *source, "--out", str(out)]) == 0
+        err = capsys.readouterr().err
+        assert f"target: {inputs[1]} (recorded by the run; --target overrides)" in err, err
+        assert (out / "model.safetensors").is_file()
+    assert main(["dflash", "export", "--drafter", str(full_run / "final"), "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--target is required with --drafter" in err and len(err.splitlines()) == 1, err
+
+
 def test_interrupted_and_resumed_equals_uninterrupted(
     inputs: tuple[Path, Path], full_run: Path, tmp_path: Path
 ) -> None:

@@ -68,6 +68,30 @@ def _run_config(checkpoint: Path) -> dict[str, Any]:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def recorded_target(run_dir: Path | None, checkpoint: Path | None) -> Path:
+    """The ``objective.dflash.target`` a run recorded (``RUN/config.yaml``, else the checkpoint's own
+    config), for an export given no ``--target``; one ``ValueError`` naming the fix when none is recorded."""
+    if run_dir is not None and (run_dir / "config.yaml").is_file():
+        config_file = run_dir / "config.yaml"
+        try:
+            loaded = read_yaml_text(config_file.read_text(encoding="utf-8"), source=str(config_file))
+        except ConfigError as exc:
+            raise ValueError(f"{exc.lines[0]} (fix: pass --target)") from None
+        source = str(config_file)
+    elif checkpoint is not None:
+        loaded, source = _run_config(checkpoint), f"{checkpoint / 'trainer_state.json'} config_yaml"
+    else:
+        raise ValueError("--target is required with --drafter: a drafter directory records no target "
+                         "(fix: pass --target, the target's HF checkpoint directory)")
+    objective = loaded.get("objective") if isinstance(loaded, dict) else None
+    dflash = objective.get("dflash") if isinstance(objective, dict) else None
+    target = dflash.get("target") if isinstance(dflash, dict) else None
+    if not isinstance(target, str) or not target:
+        raise ValueError(f"{source} records no objective.dflash.target (fix: pass --target, the target's HF "
+                         "checkpoint directory)")
+    return Path(target)
+
+
 def checkpoint_seq_len(checkpoint: Path) -> int | None:
     """The ``data.seq_len`` the checkpoint's run trained at (None when it records no run config)."""
     data = _run_config(checkpoint).get("data")

@@ -71,7 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--drafter", type=Path, help="drafter directory (config.json + model.safetensors)")
     source.add_argument("--run-dir", type=Path, help="training run directory (final/ or latest checkpoint)")
     source.add_argument("--checkpoint", type=Path, help="checkpoint directory RUN/checkpoints/step_N")
-    export.add_argument("--target", type=Path, required=True, help="HF checkpoint directory of the target")
+    export.add_argument("--target", type=Path, default=None,
+                        help="HF checkpoint directory of the target (default: the one a --run-dir or --checkpoint "
+                        "recorded; required with --drafter)")
     export.add_argument("--out", type=Path, required=True, help="directory to write")
     export.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     export.add_argument("--block-size", type=int, default=None, help=UNRECORDED_ONLY)

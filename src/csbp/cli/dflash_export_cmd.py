@@ -24,6 +24,7 @@ from csbp.cli.dflash_checkpoint import (
     checkpoint_seq_len,
     checkpoint_tokenizer_files,
     drafter_from_checkpoint,
+    recorded_target,
     run_dir_source,
 )
 from csbp.cli.dflash_common import DTYPES, INCLUSIVE_NOTE, load_target
@@ -59,6 +60,9 @@ def run_export(args: argparse.Namespace) -> int:
             f"{' and '.join(overrides)} override{'s' * (len(overrides) == 1)} a checkpoint's run settings, but {drafter_dir} is a drafter "
             f"directory whose config.json records them (fix: drop {' and '.join(overrides)}, or export a --checkpoint)"
         )
+    if args.target is None:
+        args.target = recorded_target(args.run_dir, checkpoint)
+        print(f"target: {args.target} (recorded by the run; --target overrides)", file=sys.stderr)
     target = load_target(args.target, args, device="cpu")  # only validates shapes and ids
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     seq_len = None  # the training length: a drafter directory records none
