@@ -278,3 +278,10 @@ def test_a_fractional_int_says_got_once(tmp_path: Path) -> None:
     assert error_lines(tiny(tmp_path), "train.max_steps=10.5") == [
         "--set: train.max_steps: Input should be a valid integer, got 10.5 (fix: set it to int: Optimizer steps)"
     ]
+
+
+def test_a_value_out_of_range_gets_a_fix_that_states_the_range(tmp_path: Path) -> None:
+    """It said "(fix: set it to int: Optimizer steps)" to a -5, as if the type were wrong."""
+    assert error_lines(tiny(tmp_path), "train.max_steps=-5") == [
+        "--set: train.max_steps: Input should be greater than 0, got -5 (fix: set it to a value > 0 (Optimizer steps))"
+    ]

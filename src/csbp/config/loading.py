@@ -231,12 +231,24 @@ def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
                 "indent its keys under it",
             )
         ]
+    bound = _BOUNDS.get(kind)
+    if bound is not None:  # a value out of range: the fix states the range, not just the type
+        limit = error.get("ctx", {}).get(bound[1])
+        fix = f"set it to a value {bound[0]} {limit}" + (f" ({info.description.rstrip('.')})" if info and info.description else "")
+        return [(dotted, f"{error['msg'].split(', got ')[0]}, got {_short_repr(value)}", fix)]
     fix = f"set it to {_type_text(info.annotation)}" if info is not None else ""
     if info is not None and info.description:
         fix += f": {info.description.rstrip('.')}"
     # not "a valid tuple"; pydantic's own ", got a number with a fractional part" would precede ours
     message = "expected a list" if kind in ("tuple_type", "list_type") else error["msg"].split(", got ")[0]
     return [(dotted, f"{message}, got {_short_repr(value)}", fix)]
+
+
+_BOUNDS = {
+    "greater_than": (">", "gt"), "greater_than_equal": (">=", "ge"),
+    "less_than": ("<", "lt"), "less_than_equal": ("<=", "le"),
+}
+"""pydantic's range errors: the comparison and its ``ctx`` key."""
 
 
 def _misspelled_keys(errors: Sequence[Any]) -> dict[tuple[Any, ...], tuple[Any, ...]]:
