@@ -92,8 +92,8 @@ def test_the_busiest_rank_has_the_most_allowed_pairs_and_its_dense_baseline_read
 @pytest.mark.parametrize(("texts", "message"), [
     (["dp2/cp2"], "name one sample's ranks"),
     (["cp1"], "name one sample's ranks"),
-    (["cp4/bp6"], r"--layouts 'cp4/bp6': Topology\(cp=4, bp=6\) is not a valid fused CSBP layout"),
-    (["cp2", "tp2"], "--layouts 'tp2': topology 'tp2' is not of the form"),
+    (["cp4/bp6"], r"--layouts 'cp4/bp6': bp6 is not a multiple of cp4, which a fused CSBP layout needs \(fix: e.g. cp4/bp8\)"),
+    (["cp2", "tp2"], "--layouts 'tp2' is not of the form"),
 ])
 def test_layouts_fail_closed_on_a_topology_that_is_not_one_samples_layout(texts: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=message):

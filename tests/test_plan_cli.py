@@ -162,6 +162,12 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
             ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--topology", "dp1/cp4"],
             "--topology dp1/cp4 uses 4 devices, not --gpus 8 (fix: --gpus 4, or --topology dp2/cp4)",
         ),
+        (  # it said "Topology(cp=3, bp=4) is not a valid fused CSBP layout", naming neither flag nor notation
+            ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "12", "--gpus-per-node", "12", "--topology",
+             "dp1/cp3/bp4"],
+            "--topology 'dp1/cp3/bp4': bp4 is not a multiple of cp3, which a fused CSBP layout needs (fix: e.g. "
+            "dp1/cp3/bp6)",
+        ),
         (
             ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", "8", "--topology", "dp2/cp4", "--global-batch", "3"],
             "--global-batch 3 is not a multiple of dp x micro-batch = 2 of --topology dp2/cp4 (fix: --global-batch 4, "

@@ -71,10 +71,7 @@ def parse_topologies(texts: Sequence[str]) -> list[Topology]:
     on it); fails closed on an invalid layout or a ``dp`` axis."""
     topologies = []
     for text in texts:
-        try:
-            dp, cp, bp = parse_topology(text)
-        except ValueError as error:
-            raise ValueError(f"--layouts {text!r}: {error}") from None
+        dp, cp, bp = parse_topology(text, name="--layouts")
         if dp != 1 or (cp, bp) == (1, 1):
             raise ValueError(f"--layouts {text!r}: name one sample's ranks, cpA, bpB or cpA/bpB (no dp), "
                              "e.g. cp4 bp4 cp4/bp8")

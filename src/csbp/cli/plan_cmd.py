@@ -371,7 +371,7 @@ def _given_layouts(
 ) -> list[Layout]:
     layouts = []
     for text in args.topology:
-        dp, cp, bp = parse_topology(text)
+        dp, cp, bp = parse_topology(text, name="--topology")
         local = max(cp, bp)
         if dp * local != args.gpus:
             scaled = Layout(args.gpus // local, cp, bp).name if args.gpus % local == 0 else None

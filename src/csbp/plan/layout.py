@@ -77,18 +77,24 @@ class Layout:
         return "/".join(parts)
 
 
-def parse_topology(text: str) -> tuple[int, int, int]:
-    """``"dp2/cp8/bp8"`` -> ``(2, 8, 8)``; axes in any order, each at most once, absent axes 1."""
+def parse_topology(text: str, *, name: str = "topology") -> tuple[int, int, int]:
+    """``"dp2/cp8/bp8"`` -> ``(2, 8, 8)``; axes in any order, each at most once, absent axes 1. Errors
+    start with ``name`` (the flag or field the text came from)."""
     degrees = {"dp": 1, "cp": 1, "bp": 1}
     seen = set()
     for part in text.lower().split("/"):
         match = _AXIS.match(part.strip())
         if match is None or match.group(1) in seen or int(match.group(2)) < 1:
             raise ValueError(
-                f"topology {text!r} is not of the form dpA/cpB/bpC (e.g. dp2/cp8/bp8; absent axes are 1)"
+                f"{name} {text!r} is not of the form dpA/cpB/bpC (e.g. dp2/cp8/bp8; absent axes are 1)"
             )
         seen.add(match.group(1))
         degrees[match.group(1)] = int(match.group(2))
+    cp, bp = degrees["cp"], degrees["bp"]
+    if cp > 1 and bp > 1 and bp % cp:  # said in this notation, not as a Topology(...)
+        fixed = re.sub(r"bp\s*\d+", f"bp{-(-max(bp, cp) // cp) * cp}", text, flags=re.IGNORECASE)
+        raise ValueError(f"{name} {text!r}: bp{bp} is not a multiple of cp{cp}, which a fused CSBP layout needs "
+                         f"(fix: e.g. {fixed})")
     Topology(
         dp=degrees["dp"],
         cp=degrees["cp"],
