@@ -322,6 +322,11 @@ CASES: list[Case] = [
     Case("bench-train-repeats-0", lambda fx, w: ["bench", "train", "--repeats", "0"], "--repeats"),
     Case("bench-dflash-repeats-0", lambda fx, w: ["bench", "dflash", "--repeats", "0"], "--repeats"),
     Case("bench-not-an-int", lambda fx, w: ["bench", "attention", "--repeats", "many"], "--repeats"),
+    # these said "seq_len must be a positive integer, got -512", naming no flag
+    Case("bench-seq-len-negative", lambda fx, w: ["bench", "attention", "--seq-lens", "-512"], "--seq-lens"),
+    Case("bench-kernels-block-0", lambda fx, w: ["bench", "kernels", "--block-sizes", "0"], "--block-sizes"),
+    Case("bench-train-layers-0", lambda fx, w: ["bench", "train", "--num-layers", "0"], "--num-layers"),
+    Case("bench-dflash-anchors-0", lambda fx, w: ["bench", "dflash", "--anchors", "0"], "--anchors"),
     # ------------------------------------------------------------------ outputs nobody can write (checked first;
     # /proc refuses new files even to root, where os.access says yes)
     Case("train-run-dir-unwritable", lambda fx, w: ["train", str(fx.config), "--run-dir", f"{UNWRITABLE}/run"], "--run-dir"),

@@ -59,7 +59,7 @@ from csbp.bench.common import (
     write_outputs,
 )
 from csbp.bench.measure import allowed_pairs, attention_flops
-from csbp.cli.options import add_clean_option, add_diagonal_option
+from csbp.cli.options import add_clean_option, add_diagonal_option, positive_int
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import build_parallel_context
 from csbp.models.decoder import AttentionFn, RMSNorm
@@ -319,9 +319,9 @@ def register_attention_bench(kinds: argparse._SubParsersAction) -> None:
         extra_layouts=BALANCED_LAYOUTS,
     )
     add_transport_option(attn)
-    attn.add_argument("--window", type=int, default=None, help="sliding window W (tokens)")
+    attn.add_argument("--window", type=positive_int, default=None, help="sliding window W (tokens)")
     add_head_options(attn)
-    attn.add_argument("--num-layers", type=int, default=1)
+    attn.add_argument("--num-layers", type=positive_int, default=1)
     attn.add_argument(
         "--backend", choices=("auto", "tiles", "flex"), default="auto",
         help="attention backend, the run config's attention.backend (auto: flex on CUDA, tiles on CPU)",

@@ -292,15 +292,15 @@ def add_layout_options(
 ) -> None:
     """``--seq-lens``, ``--layouts`` (from ``layouts``, default; or ``extra_layouts`` on request),
     ``--nproc``, ``--device``, ``--csbp-cp`` and ``--block-size``."""
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=seq_lens)
+    parser.add_argument("--seq-lens", type=positive_int, nargs="+", default=seq_lens)
     parser.add_argument("--layouts", nargs="+", default=list(layouts), choices=(*layouts, *extra_layouts))
-    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--nproc", type=positive_int, default=4)
     parser.add_argument(
         "--device", choices=DEVICE_KINDS, default="cpu",
         help="cpu: gloo processes (default); cuda: one process per GPU over NCCL",
     )
-    parser.add_argument("--csbp-cp", type=int, default=None, help=csbp_cp_help)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--csbp-cp", type=positive_int, default=None, help=csbp_cp_help)
+    parser.add_argument("--block-size", type=positive_int, default=16)
 
 
 def check_device_option(args: argparse.Namespace) -> None:
@@ -313,7 +313,7 @@ def add_transport_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=("collective", "streaming"), default="collective")
     parser.add_argument(
         "--doc-length",
-        type=int,
+        type=positive_int,
         default=None,
         help="pack random documents of this mean length and mask across them (default: one document)",
     )
@@ -359,9 +359,9 @@ def add_model_width_options(
     parser: argparse.ArgumentParser, *, vocab_size: int, intermediate_size: int
 ) -> None:
     """``--vocab-size``, ``--hidden-size`` (default 128) and ``--intermediate-size``."""
-    parser.add_argument("--vocab-size", type=int, default=vocab_size)
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--intermediate-size", type=int, default=intermediate_size)
+    parser.add_argument("--vocab-size", type=positive_int, default=vocab_size)
+    parser.add_argument("--hidden-size", type=positive_int, default=128)
+    parser.add_argument("--intermediate-size", type=positive_int, default=intermediate_size)
 
 
 def add_overlap_ablation_option(parser: argparse.ArgumentParser) -> None:

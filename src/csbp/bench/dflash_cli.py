@@ -22,6 +22,7 @@ from csbp.bench.common import (
 from csbp.bench.dflash_bench import GATHER_LAYOUTS, TARGET_CAPTURE_CHOICES, format_table, run_dflash_bench
 from csbp.bench.dflash_target import run_target_pass_command
 from csbp.bench.dflash_teacher import run_teacher_rows_command
+from csbp.cli.options import positive_int
 
 
 def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
@@ -33,22 +34,22 @@ def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
         extra_layouts=tuple(GATHER_LAYOUTS),
     )
     bench.set_defaults(layouts=["cp", "bp", "csbp"])
-    bench.add_argument("--anchors", type=int, nargs="+", default=[16, 64], help="anchor blocks per sample")
-    bench.add_argument("--csbp-bp", type=int, default=None, help="BP degree of CSBP (default nproc)")
-    bench.add_argument("--samples", type=int, default=None, help="samples per step (default: the largest dp)")
+    bench.add_argument("--anchors", type=positive_int, nargs="+", default=[16, 64], help="anchor blocks per sample")
+    bench.add_argument("--csbp-bp", type=positive_int, default=None, help="BP degree of CSBP (default nproc)")
+    bench.add_argument("--samples", type=positive_int, default=None, help="samples per step (default: the largest dp)")
     bench.add_argument(
-        "--doc-length", type=int, default=None,
+        "--doc-length", type=positive_int, default=None,
         help="pack random documents of this mean length (default: one document per row); CSBP and cp-aware "
         "then exchange only the context rows an anchor may see",
     )
     bench.add_argument(
-        "--sliding-window", type=int, default=None, metavar="W",
+        "--sliding-window", type=positive_int, default=None, metavar="W",
         help="every draft layer slides with window W (default: full attention); CSBP then exchanges only "
         "its anchors' window rows, also with one document per row (compare layout csbp-gather, the all-gather)",
     )
     add_model_width_options(bench, vocab_size=1024, intermediate_size=384)
-    bench.add_argument("--num-target-layers", type=int, default=2)
-    bench.add_argument("--num-draft-layers", type=int, default=1)
+    bench.add_argument("--num-target-layers", type=positive_int, default=2)
+    bench.add_argument("--num-draft-layers", type=positive_int, default=1)
     add_head_options(bench)
     bench.add_argument("--dtype", choices=tuple(BENCH_DTYPES), default="float32")
     add_overlap_ablation_option(bench)

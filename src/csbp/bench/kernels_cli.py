@@ -23,6 +23,7 @@ from csbp.bench.kernel_summary import format_verdicts, shape_verdicts, summarize
 from csbp.bench.kernel_timing import check_clean_kernels
 from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread
+from csbp.cli.options import positive_int
 from csbp.figures import save_figure
 
 
@@ -122,8 +123,8 @@ def rate_range(record: KernelRecord) -> tuple[float, float]:
 def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
     """Add ``csbp bench kernels`` to the ``csbp bench`` sub-subcommands."""
     parser = kinds.add_parser("kernels", help="one layer's attention kernels, mixed vs decomposed, per backend")
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 2048])
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--seq-lens", type=positive_int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--block-sizes", type=positive_int, nargs="+", default=[16, 64])
     parser.add_argument("--backends", nargs="+", default=["auto"], help="auto, tiles, flex (default: auto)")
     parser.add_argument(
         "--diagonals", nargs="+", default=["auto"],
@@ -152,7 +153,7 @@ def register_kernel_bench(kinds: argparse._SubParsersAction) -> None:
         help="run each row's step once more under torch.profiler and record its kernel launches and the N "
         "costliest kernels (CUDA; aten ops on CPU); 0 (default): off",
     )
-    parser.add_argument("--profile-seq-lens", type=int, nargs="+", default=None,
+    parser.add_argument("--profile-seq-lens", type=positive_int, nargs="+", default=None,
                         help="profile only these lengths (default: every length)")
     parser.add_argument(
         "--layouts", nargs="+", default=[], metavar="TOPOLOGY",

@@ -70,7 +70,7 @@ from csbp.bench.common import (
     write_outputs,
 )
 from csbp.bench.train_tables import format_table
-from csbp.cli.options import add_clean_option, add_diagonal_option
+from csbp.cli.options import add_clean_option, add_diagonal_option, positive_int
 from csbp.devices import backend_device, tensors_to
 from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan, rank_loss
 from csbp.engine.context import build_parallel_context
@@ -382,9 +382,9 @@ def register_train_bench(kinds: argparse._SubParsersAction) -> None:
     )
     add_diagonal_option(train)
     add_clean_option(train)
-    train.add_argument("--samples", type=int, default=1, help="samples per step")
+    train.add_argument("--samples", type=positive_int, default=1, help="samples per step")
     add_model_width_options(train, vocab_size=512, intermediate_size=256)
-    train.add_argument("--num-layers", type=int, default=2)
+    train.add_argument("--num-layers", type=positive_int, default=2)
     add_head_options(train)
     train.add_argument("--dtype", choices=tuple(BENCH_DTYPES), default="float32")
     train.add_argument(
