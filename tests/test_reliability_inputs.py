@@ -295,7 +295,7 @@ CASES: list[Case] = [
     # ------------------------------------------------------------------ verify
     Case("verify-samples-0", lambda fx, w: ["verify", "--samples", "0"], "--samples"),
     Case("verify-bad-topology", lambda fx, w: ["verify", "--nproc", "4", "--cp", "3", "--bp", "4"], "bp"),
-    Case("verify-seq-len", lambda fx, w: ["verify", "--nproc", "4", "--cp", "2", "--bp", "2", "--seq-len", "30"], "seq_len"),
+    Case("verify-seq-len", lambda fx, w: ["verify", "--nproc", "4", "--cp", "2", "--bp", "2", "--seq-len", "30"], "--seq-len"),
     # ------------------------------------------------------------------ generate
     Case("generate-missing-model", lambda fx, w: ["generate", "--model", "nomodel", "--prompt", "a"], "nomodel"),
     Case("generate-bad-config", lambda fx, w: ["generate", "--model", str(broken_model(fx, w / "m", lambda m: write(m / "config.json", "{oops"))), "--prompt", "a"], "config.json"),

@@ -108,15 +108,15 @@ def test_validate_sequence_accepts(topology, seq_len, block_size):
 @pytest.mark.parametrize(
     "topology, seq_len, block_size, match",
     [
-        (Topology(), 7, 2, r"seq_len=7 is not a multiple of block_size=2: use seq_len=6 or 8, or block_size=1 or 7$"),
-        (Topology(), 1, 2, r"use seq_len=2, or block_size=1$"),
-        (Topology(), 30, 4, r"use seq_len=28 or 32, or block_size=3 or 5$"),  # the nearest divisors of 30
+        (Topology(), 7, 2, r"seq_len=7 is not a multiple of block_size=2 \(fix: seq_len=6 or 8, or block_size=1 or 7\)$"),
+        (Topology(), 1, 2, r"fix: seq_len=2, or block_size=1\)$"),
+        (Topology(), 30, 4, r"fix: seq_len=28 or 32, or block_size=3 or 5\)$"),  # the nearest divisors of 30
         (Topology(), 0, 2, r"seq_len must be a positive integer"),
         (Topology(), 8, 0, r"block_size must be a positive integer"),
-        (Topology(bp=4, replicate_clean_prefix=True), 6, 2, r"3 blocks .* fewer than bp=4: use seq_len >= 8"),
-        (Topology(cp=4), 24, 4, r"multiple of cp\*block_size .* = 16 .* use seq_len=16 or 32"),
-        (Topology(cp=2, bp=2), 24, 4, r"multiple of 2\*cp\*block_size .* = 16 .* use seq_len=16 or 32"),
-        (Topology(cp=2, bp=4), 10, 1, r"multiple of 2\*cp\*block_size .* = 4 .* use seq_len=8 or 12"),
+        (Topology(bp=4, replicate_clean_prefix=True), 6, 2, r"3 blocks .* fewer than bp=4 \(fix: seq_len >= 8"),
+        (Topology(cp=4), 24, 4, r"multiple of cp\*block_size .* = 16 .* fix: seq_len=16 or 32\)"),
+        (Topology(cp=2, bp=2), 24, 4, r"multiple of 2\*cp\*block_size .* = 16 .* fix: seq_len=16 or 32\)"),
+        (Topology(cp=2, bp=4), 10, 1, r"multiple of 2\*cp\*block_size .* = 4 .* fix: seq_len=8 or 12\)"),
         (Topology(cp=2, bp=4), 12, 4, r"3 blocks .* fewer than bp=4"),
     ],
 )

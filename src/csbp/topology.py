@@ -141,15 +141,15 @@ class Topology:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if seq_len % block_size != 0:
             raise ValueError(
-                f"seq_len={seq_len} is not a multiple of block_size={block_size}: "
-                f"use seq_len={_nearest_multiples(seq_len, block_size)}, "
-                f"or block_size={_nearest_divisors(seq_len, block_size)}"
+                f"seq_len={seq_len} is not a multiple of block_size={block_size} "
+                f"(fix: seq_len={_nearest_multiples(seq_len, block_size)}, "
+                f"or block_size={_nearest_divisors(seq_len, block_size)})"
             )
         num_blocks = seq_len // block_size
         if num_blocks < self.bp:
             raise ValueError(
                 f"seq_len={seq_len} gives {num_blocks} blocks of block_size={block_size}, fewer than "
-                f"bp={self.bp}: use seq_len >= {self.bp * block_size} or a smaller bp/block_size"
+                f"bp={self.bp} (fix: seq_len >= {self.bp * block_size}, or a smaller bp or block_size)"
             )
         if self.layout == "cp":
             unit, what = self.cp * block_size, "cp*block_size (zigzag chunks of [x_t ; x_0])"
@@ -160,8 +160,15 @@ class Topology:
         if seq_len % unit != 0:
             raise ValueError(
                 f"seq_len={seq_len} must be a multiple of {what} = {unit} for cp={self.cp}, "
-                f"block_size={block_size}: use seq_len={_nearest_multiples(seq_len, unit)}"
+                f"block_size={block_size} (fix: seq_len={_nearest_multiples(seq_len, unit)})"
             )
+
+
+def sequence_error_in_flags(message: str, *, seq_len: str = "--seq-len", block_size: str = "--block-size") -> str:
+    """A ``Topology.validate_sequence`` message for a command line: its ``seq_len=`` / ``block_size=``
+    written as the command's flags (``seq_len=28`` -> ``--seq-len 28``)."""
+    return (message.replace("seq_len >= ", f"{seq_len} >= ").replace("seq_len=", f"{seq_len} ")
+            .replace("block_size=", f"{block_size} "))
 
 
 def _next_multiple(value: int, unit: int) -> int:

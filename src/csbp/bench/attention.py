@@ -63,7 +63,7 @@ from csbp.cli.options import add_clean_option, add_diagonal_option, positive_int
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import build_parallel_context
 from csbp.models.decoder import AttentionFn, RMSNorm
-from csbp.topology import Topology
+from csbp.topology import Topology, sequence_error_in_flags
 
 
 @dataclass(frozen=True)
@@ -236,7 +236,10 @@ def run_attention_bench(
         if cfg.warmup < 0 or cfg.repeats < 1:
             raise ValueError(f"warmup must be >= 0 and repeats >= 1, got {cfg.warmup} and {cfg.repeats}")
         for topology in cell:
-            topology.validate_sequence(cfg.seq_len, cfg.block_size)
+            try:
+                topology.validate_sequence(cfg.seq_len, cfg.block_size)
+            except ValueError as error:
+                raise ValueError(sequence_error_in_flags(str(error), seq_len="--seq-lens")) from None
     print_header(header)
     records: list[AttentionRecord] = []
     for cfg in configs:

@@ -79,7 +79,7 @@ from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.objectives import CorruptedBatch, build_objective, corruption_generator
 from csbp.parallel.comm import RECOMPUTE_PREFIX
-from csbp.topology import Topology
+from csbp.topology import Topology, sequence_error_in_flags
 from csbp.training.activation_checkpointing import ACTIVATION_CHECKPOINTING_MODES, checkpoint_layers
 
 TRAIN_BENCH_OBJECTIVES: tuple[str, ...] = ("bd3", "fast_dllm_v2")
@@ -311,7 +311,10 @@ def run_train_bench(
     ]
     for cfg in configs:  # fail closed before any process starts
         for topology in cell:
-            topology.validate_sequence(cfg.seq_len, cfg.block_size)
+            try:
+                topology.validate_sequence(cfg.seq_len, cfg.block_size)
+            except ValueError as error:
+                raise ValueError(sequence_error_in_flags(str(error), seq_len="--seq-lens")) from None
     print_header(header)
     records: list[TrainRecord] = []
     for cfg in configs:

@@ -33,7 +33,7 @@ from csbp.cli.options import add_clean_option, add_diagonal_option, check_layout
 from csbp.devices import DEVICE_KINDS, resolve_device
 from csbp.engine.verify import VerifyCase, check_case, layouts_for, verify
 from csbp.schedules import SCHEDULES
-from csbp.topology import Topology
+from csbp.topology import Topology, sequence_error_in_flags
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -165,7 +165,10 @@ def run_verify(args: argparse.Namespace) -> int:
                 )
             )
     for case in cases:  # fail closed before launching anything
-        check_case(case)
+        try:
+            check_case(case)
+        except ValueError as error:
+            raise ValueError(sequence_error_in_flags(str(error))) from None
     documents = "" if args.doc_length is None else f" doc_length={args.doc_length} (document mask)"
     device = "" if args.device == "cpu" else f" device={args.device}"
     print(f"csbp verify: L={args.seq_len} B={args.block_size} dtype={args.dtype} nproc={args.nproc} backend={backend}"

@@ -356,8 +356,8 @@ def check_case(case: VerifyCase) -> None:
         raise ValueError(f"fsdp shards over the dp group: use dp >= 2, got dp={case.topology.dp}")
     if block_covers_sequence(case.objective, case.block_size, case.seq_len):  # the train config's rule
         raise ValueError(
-            f"block_size={case.block_size} must be below seq_len={case.seq_len} for {case.objective}: "
-            "use a smaller block size (one block per sequence is mdlm)"
+            f"block_size={case.block_size} must be below seq_len={case.seq_len} for {case.objective} "
+            "(fix: a smaller block size; one block per sequence is mdlm)"
         )
     case.topology.validate_sequence(case.seq_len, case.block)
 

@@ -16,6 +16,7 @@ from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Checkpointing, Layout, Placement, Sharding, Transport
 from csbp.plan.model import GIB, Prediction, predict
 from csbp.plan.workload import Workload
+from csbp.topology import sequence_error_in_flags
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,8 @@ def sequence_problem(workload: Workload, layout: Layout, seq_len: int) -> tuple[
     try:
         layout.topology.validate_sequence(seq_len, obj.block)
     except ValueError as exc:
-        why, _, use = str(exc).partition(": use ")
-        flags = use.replace("seq_len >= ", "--seq-len >= ").replace("seq_len=", "--seq-len ")
-        return why, flags.replace("block_size=", "--block-size ") or "change --seq-len or --block-size"
+        why, _, fix = str(exc).partition(" (fix: ")
+        return why, sequence_error_in_flags(fix.removesuffix(")")) or "change --seq-len or --block-size"
     return None
 
 
