@@ -285,3 +285,13 @@ def test_a_value_out_of_range_gets_a_fix_that_states_the_range(tmp_path: Path) -
     assert error_lines(tiny(tmp_path), "train.max_steps=-5") == [
         "--set: train.max_steps: Input should be greater than 0, got -5 (fix: set it to a value > 0 (Optimizer steps))"
     ]
+
+
+def test_a_rule_error_names_only_the_overrides_it_is_about(tmp_path: Path) -> None:
+    """A rule across fields listed every --set key of the command line in its prefix ("with --set data.seq_len,
+    optim.lr, train.max_steps, ..."): now only those the message names."""
+    path = tiny(tmp_path)
+    assert error_lines(path, "data.seq_len=64", "optim.lr=2e-3", "train.max_steps=1") == [
+        f"{path} with --set train.max_steps: optim.warmup_steps: warmup_steps=2 exceeds train.max_steps=1 "
+        "(fix: lower warmup_steps)"
+    ]

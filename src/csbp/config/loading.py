@@ -159,7 +159,7 @@ def config_from_dict(
                 continue  # said by the line of the misspelled key
             described = [_misspelling(loc, misspelled[loc])] if loc in misspelled else _describe_error(error)
             for field, message, fix in described:
-                origin = _error_origin(field, tuple(error["loc"]), error["type"], source, override_keys)
+                origin = _error_origin(field, tuple(error["loc"]), error["type"], source, override_keys, message)
                 line = f"{origin}: {field}: {message}" if field else f"{origin}: {message}"
                 line += f" (fix: {fix})" if fix else ""
                 if line not in lines:
@@ -307,10 +307,12 @@ def _dotted(loc: tuple[Any, ...]) -> str:
 
 
 def _error_origin(
-    field: str, loc: tuple[Any, ...], kind: str, source: str, override_keys: Sequence[tuple[str, ...]]
+    field: str, loc: tuple[Any, ...], kind: str, source: str, override_keys: Sequence[tuple[str, ...]],
+    message: str = "",
 ) -> str:
     """Where an error comes from: ``--set`` for an overridden field; for a rule spanning several
-    fields, the file plus the overrides inside the section that raised it; else the file."""
+    fields, the file plus the overrides inside the section that raised it which the message names (all
+    of them when it names none); else the file."""
     overridden = [".".join(keys) for keys in override_keys]
     for dotted in overridden:
         if (
@@ -322,6 +324,8 @@ def _error_origin(
     if kind == "value_error":
         prefix = ".".join(str(part) for part in loc)
         inside = [dotted for dotted in overridden if not prefix or dotted.startswith(prefix + ".")]
+        named = [dotted for dotted in inside if dotted in message or f"{dotted.rsplit('.', 1)[-1]}=" in message]
+        inside = named or inside
         if inside:
             return f"{source} with --set {', '.join(inside)}"
     return source
