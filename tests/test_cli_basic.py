@@ -131,6 +131,9 @@ def test_missing_config_file(capsys: pytest.CaptureFixture[str]) -> None:
 def test_debug_flag_reraises(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(ConfigError):
         main(["--debug", "config", "validate", "demo", "--set", "topology.cp=3"])
+    with pytest.raises(ConfigError):  # after the command too, where users type it (it was "unrecognized")
+        main(["config", "validate", "demo", "--set", "topology.cp=3", "--debug"])
+    assert main(["config", "validate", "demo", "--set", "topology.cp=3"]) == USER_ERROR_EXIT_CODE
 
 
 # ----------------------------------------------------------------------------- recipes

@@ -32,7 +32,13 @@ Row = tuple[str, str, str]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("doctor", help="report versions, backends, devices and packages")
+    parser = subparsers.add_parser(
+        "doctor",
+        help="report versions, backends, devices and packages",
+        description="What this machine offers csbp: Python and torch versions, the distributed backends (gloo, "
+        "NCCL), every visible GPU with its bf16 and FlexAttention support, threads and optional packages. "
+        "Exits 1 when something csbp cannot run without is missing.",
+    )
     parser.set_defaults(func=run_doctor)
 
 

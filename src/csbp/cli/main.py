@@ -149,7 +149,19 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     only = f"csbp.cli.{command}_cmd"
     for module_name in (only,) if only in SUBCOMMAND_MODULES else SUBCOMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
+    _debug_after_the_command(parser)
     return parser
+
+
+def _debug_after_the_command(parser: argparse.ArgumentParser) -> None:
+    """``--debug`` also after a (sub)command (``csbp train run.yaml --debug``), where users type it."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):  # aliases share their parser
+                if not any("--debug" in a.option_strings for a in sub._actions):
+                    sub.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                     help="show tracebacks for user errors (as csbp --debug)")
+                _debug_after_the_command(sub)
 
 
 def command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
