@@ -36,6 +36,18 @@ def test_export_of_a_damaged_run_names_export_not_resume(tmp_path: Path, capsys:
     assert "--resume" not in line
 
 
+def test_no_intact_checkpoint_names_every_damaged_one(tmp_path: Path) -> None:
+    """It named only the newest damaged checkpoint, though the older one was damaged too."""
+    run = damaged_run(tmp_path)
+    older = run / "checkpoints" / "step_0000003"
+    older.mkdir()
+    (older / "trainer_state.json").write_text(json.dumps({"step": 3}), encoding="utf-8")
+    with pytest.raises(ValueError) as info:
+        find_resume_checkpoint(run)
+    assert "step_0000006" in str(info.value) and "step_0000003" in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
+
+
 def test_the_caller_names_itself_in_the_damaged_checkpoint_error(tmp_path: Path) -> None:
     run = damaged_run(tmp_path)
     with pytest.raises(ValueError, match=r"^--resume: no intact checkpoint .* \(fix: restore the files, or start a new run"):

@@ -422,8 +422,8 @@ def resume_checkpoint(
                 warn(f"warning: skipping damaged checkpoint(s): {'; '.join(damaged)}; {using} {path.name}")
             return path
         damaged.append(problem)
-    if damaged:
-        raise ValueError(f"{caller}: no intact checkpoint in {root}: {damaged[0]} (fix: {fix})")
+    if damaged:  # every one of them: restoring only the newest may not be what the user can do
+        raise ValueError(f"{caller}: no intact checkpoint in {root}: {'; '.join(damaged)} (fix: {fix})")
     return None
 
 
