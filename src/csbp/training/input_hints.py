@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from csbp.data.corpus import demo_prepare_command
+
 MANIFEST = "manifest.json"
 
 
@@ -101,6 +103,11 @@ def missing_artifact_problem(path: Path, field: str) -> str:
             f" (a recipe used by name and --set resolve relative paths against the working directory, "
             f"{Path.cwd()}; a config file against its own directory)"
         )
+    relative = path.absolute().relative_to(Path.cwd().absolute()).as_posix() if _inside_cwd(path) else None
+    command = demo_prepare_command(relative) if relative is not None else None
+    if command is not None:  # a packaged recipe's own data: the exact command (what the Makefile runs)
+        return (f"{field}: {path} is not a prepared data artifact{where} (fix: prepare it with `{command}`, or run "
+                "from the directory holding it)")
     return (
         f"{field}: {path} is not a prepared data artifact{where} (fix: prepare it with `csbp data prepare ... "
         f"--out {path}`, or run from the directory holding your artifacts, or set {field} to its absolute path)"
