@@ -193,6 +193,22 @@ def test_a_job_within_one_node_needs_no_multiple_of_the_node_size(capsys) -> Non
     assert hardware("h200", gpus=16, gpus_per_node=4).gpus_per_node == 4
 
 
+def test_a_cpu_plan_prints_no_node_size(tmp_path: Path, capsys) -> None:
+    """Processes of this machine have no node size: the header said "4xCPU (gloo, ...) (1024/node)"."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "run: {name: tiny}\n"
+        "model: {arch: qwen3, hidden_size: 32, intermediate_size: 64, num_layers: 2, num_heads: 2, num_kv_heads: 1, "
+        "head_dim: 16, vocab_size: 64}\n"
+        "data: {train: art, seq_len: 64}\nobjective: {name: bd3, block_size: 4}\ntopology: auto\n"
+        "optim: {lr: 1.0e-3}\ntrain: {max_steps: 4}\n",
+        encoding="utf-8",
+    )
+    code, out, err = run(capsys, "plan", "--model", str(config), "--seq-len", "256", "--gpus", "4", "--gpu", "cpu")
+    header = out.splitlines()[1 if out.startswith("run config") else 0]
+    assert (code, err) == (0, "") and "on 4xCPU (gloo, 1 thread/process)" in header and "/node" not in header, out
+
+
 def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:
     hf = tmp_path / "model"
     hf.mkdir()

@@ -72,7 +72,8 @@ def format_plan(
     obj = workload.objective
     lines = [
         f"csbp plan: {workload.model.name} ({_param_count(workload.model.total_params)} params, {obj.name}, "
-        f"block {obj.block}) at L={seq_len:,} on {gpus}x{hw.name} ({hw.gpus_per_node}/node)"
+        f"block {obj.block}) at L={seq_len:,} on {gpus}x{hw.name}"
+        + ("" if hw.processes else f" ({hw.gpus_per_node}/node)")
         + _documents_note(workload, seq_len),
         f"calibration: {cal.source}",
         overlap_note(cal),

@@ -39,6 +39,7 @@ class Hardware:
         inter_gbps: per-device network bandwidth to another node, GB/s.
         gpus_per_node: devices per node.
         source: where the numbers come from.
+        processes: the "devices" are processes of this machine (the ``cpu`` preset): no node size.
     """
 
     name: str
@@ -49,6 +50,7 @@ class Hardware:
     inter_gbps: float
     gpus_per_node: int
     source: str
+    processes: bool = False
 
 
 PRESETS: dict[str, Hardware] = {
@@ -56,7 +58,7 @@ PRESETS: dict[str, Hardware] = {
     "h200": Hardware("H200", 989.0, 127.0, 4.8, 450.0, 50.0, 8, "NVIDIA H200 SXM datasheet; published runs"),
     "a100": Hardware("A100", 312.0, 66.0, 2.04, 300.0, 25.0, 8, "NVIDIA A100 SXM4 80GB datasheet"),
     "cpu": Hardware(
-        "CPU (gloo, 1 thread/process)", 0.1, 0.0, 0.02, 5.0, 5.0, 1024, "nominal; see calibration"
+        "CPU (gloo, 1 thread/process)", 0.1, 0.0, 0.02, 5.0, 5.0, 1024, "nominal; see calibration", processes=True
     ),
 }
 
