@@ -197,3 +197,23 @@ def test_a_rings_remote_pieces_in_the_kernels_dtype_are_as_accurate_as_one_flex_
 
 
 _ROUNDED_MERGE = merge_module._rounded_merge
+
+
+@needs_direct
+@pytest.mark.usefixtures("flex_trains_on_cpu")
+@pytest.mark.parametrize("transport", ["collective", "streaming"])
+def test_a_rings_single_flex_call_results_in_the_kernels_dtype_change_no_bit(
+    transport: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Flex partial's out and gradients are its kernel's bf16 whatever ``kernel_dtype``: taking them as they
+    are (no cast pass) and merging or adding them into fp32, or adding the remote dQ and dK/dV onto the local
+    bf16 gradients once, in place, gives the same bits as casting everything to fp32 first."""
+    from csbp.attention.flex import FlexPartial
+
+    as_kernel_left = _ring_rank_errors(transport, "generic", torch.bfloat16)
+    forward, backward = FlexPartial.forward, FlexPartial.backward
+    monkeypatch.setattr(FlexPartial, "forward", lambda self, *a, **kw: forward(self, *a, **{**kw, "kernel_dtype": False}))
+    monkeypatch.setattr(FlexPartial, "backward", lambda self, *a, **kw: backward(self, *a, **{**kw, "kernel_dtype": False}))
+    in_fp32 = _ring_rank_errors(transport, "generic", torch.bfloat16)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), as_kernel_left, in_fp32):
+        assert torch.equal(got, want), name
