@@ -114,9 +114,9 @@ def test_validate_sequence_accepts(topology, seq_len, block_size):
         (Topology(), 0, 2, r"seq_len must be a positive integer"),
         (Topology(), 8, 0, r"block_size must be a positive integer"),
         (Topology(bp=4, replicate_clean_prefix=True), 6, 2, r"3 blocks .* fewer than bp=4 \(fix: seq_len >= 8"),
-        (Topology(cp=4), 24, 4, r"multiple of cp\*block_size .* = 16 .* fix: seq_len=16 or 32\)"),
-        (Topology(cp=2, bp=2), 24, 4, r"multiple of 2\*cp\*block_size .* = 16 .* fix: seq_len=16 or 32\)"),
-        (Topology(cp=2, bp=4), 10, 1, r"multiple of 2\*cp\*block_size .* = 4 .* fix: seq_len=8 or 12\)"),
+        (Topology(cp=4), 24, 4, r"multiple of cp\*block_size .* = 16 .* \(fix: seq_len=16 or 32\)"),
+        (Topology(cp=2, bp=2), 24, 4, r"multiple of 2\*cp\*block_size .* = 16 .* \(fix: seq_len=16 or 32\)"),
+        (Topology(cp=2, bp=4), 10, 1, r"multiple of 2\*cp\*block_size .* = 4 .* \(fix: seq_len=8 or 12\)"),
         (Topology(cp=2, bp=4), 12, 4, r"3 blocks .* fewer than bp=4"),
     ],
 )
