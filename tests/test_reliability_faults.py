@@ -376,10 +376,18 @@ def test_a_non_finite_step_stops_the_run_and_keeps_the_last_good_checkpoint(
 
 def test_nan_policy_skip_skips_the_update(artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nan_at_step(monkeypatch, 2)
-    cfg = tiny_config(artifact, **{"train.nan_policy": "skip", "train.eval_every": 0})
+    cfg = tiny_config(artifact, **{"train.nan_policy": "skip", "train.eval_every": 1})
     summary = train(cfg, run_dir=tmp_path / "run")
     assert summary.end_step == 4 and all(math.isfinite(v) for v in summary.losses)
     assert all(math.isfinite(p.float().sum()) for p in _final_weights(tmp_path / "run"))
+    # the skipped step is in metrics.jsonl with its validation (it was left out, a gap in the val curve);
+    # its non-finite numbers are JSON null, which strict readers accept, not NaN
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=lambda name: pytest.fail(f"{name} in metrics.jsonl")) for line in lines]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    skipped = records[2]
+    assert skipped["skipped"] is True and skipped["loss"] is None and skipped["grad_norm"] is None
+    assert math.isfinite(skipped["val_loss"]) and all("skipped" not in r for r in records[:2] + records[3:])
 
 
 def _final_weights(run_dir: Path) -> list[torch.Tensor]:

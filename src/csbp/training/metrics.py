@@ -14,7 +14,8 @@ likelihood bound comparable across recipes, csbp.evaluation.nelbo), and ``val_pp
 A run that validates (``train.eval_every > 0``) and starts from step 0 first writes a record
 ``{"step": 0, "val_loss": ..., "elapsed_s": ...}`` (with the objective's other ``val_`` numbers)
 for the untrained model, so a validation curve drawn from the file starts where training started;
-it has no ``loss`` or ``lr`` (no step ran).
+it has no ``loss`` or ``lr`` (no step ran). A step ``train.nan_policy: skip`` skipped (no update) is
+recorded too, with ``"skipped": true`` and its non-finite numbers as ``null``, its validation included.
 Objectives may add metrics: dflash logs ``token_accuracy`` and ``tau_mean`` (and ``val_`` versions;
 with a DFlash2 selector also ``selector_loss`` and ``candidate_recall``), and its validation the
 served ``val_acceptance_length`` and ``val_accept_rate_<k>``. TensorBoard gets every number of
@@ -33,6 +34,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 from pathlib import Path
@@ -70,6 +72,13 @@ _SCALARS = {
 
 STEP_LINE_EXTRAS = ("tau_mean", "val_loss", "val_nelbo", "val_tau_mean", "val_acceptance_length")
 """Numbers a step's console line adds after ``grad_norm`` when its record has them."""
+
+
+def _finite_or_null(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with non-finite numbers (a step ``train.nan_policy: skip`` skipped) as None: JSON null,
+    not the ``NaN`` that strict JSON readers refuse, and no point on a curve."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}
 
 
 def step_line(record: dict[str, Any]) -> str:
@@ -143,9 +152,10 @@ class MetricsWriter:
         """Append one step's record everywhere (rank 0 only)."""
         if not self.enabled:
             return
+        record = _finite_or_null(record)
         self._write(record)
         postfix = {
-            "loss": f"{record['loss']:.4f}",
+            "loss": "skipped" if record.get("skipped") else f"{record['loss']:.4f}",
             "lr": f"{record['lr']:.2e}",
             "tok/s": f"{record['tokens_per_s']:.0f}",
         }

@@ -126,30 +126,29 @@ class StepLoop:
             else:  # raises unless train.nan_policy skips; a skipped step still validates and saves on schedule
                 self._non_finite(step, result.loss, grad_norm, checkpoint)
             step_seconds = time.perf_counter() - step_started
-            record: dict[str, float] | None = None
             if finite:
                 self.losses.append(result.loss)
-                record = {
-                    "step": step,
-                    "loss": result.loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "tokens_per_s": tokens_per_step / max(step_seconds, 1e-9),
-                    "peak_mem_bytes": peak_memory_bytes(self.device),
-                    "elapsed_s": time.perf_counter() - started,
-                    **result.metrics,
-                }
+            # a skipped step is recorded too ("skipped": true, its non-finite numbers null), with its validation
+            record: dict[str, object] = {
+                "step": step,
+                "loss": result.loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "tokens_per_s": tokens_per_step / max(step_seconds, 1e-9),
+                "peak_mem_bytes": peak_memory_bytes(self.device),
+                "elapsed_s": time.perf_counter() - started,
+                **result.metrics,
+                **({} if finite else {"skipped": True}),
+            }
             if evaluating and (step % train_cfg.eval_every == 0 or step == stop_step):
                 evaluation = self._evaluate(step)
-                if record is None:
+                record["val_loss"] = evaluation.loss
+                record.update({f"val_{name}": value for name, value in evaluation.metrics.items()})
+                if not finite:
                     self.writer.message(f"step {step}: val {evaluation.loss:.4f} (update skipped)")
-                else:
-                    record["val_loss"] = evaluation.loss
-                    record.update({f"val_{name}": value for name, value in evaluation.metrics.items()})
-            if record is not None:
-                self.writer.log(record)
-                if step % train_cfg.log_every == 0:
-                    self.writer.message(step_line(record))
+            self.writer.log(record)
+            if finite and step % train_cfg.log_every == 0:
+                self.writer.message(step_line(record))
             self.last_step = step
             stop = self.hook is not None and self.hook.after_step(self, step, step_seconds)
             if (train_cfg.save_every > 0 and step % train_cfg.save_every == 0) or step == stop_step or stop:
