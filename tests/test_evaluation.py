@@ -196,7 +196,7 @@ def test_csbp_eval_on_a_csbp_layout_equals_one_process(
     args = ["eval", "--model", str(run_dir / "final"), "--data", str(artifact), "--samples", "2",
             "--micro-batch-size", "2", "--max-batches", "3", "--dtype", "float64"]
     reports = []
-    for layout in ([], ["--nproc", "2", "--cp", "2", "--bp", "2"], ["--nproc", "2"]):
+    for layout in ([], ["--cp", "2", "--bp", "2"], ["--nproc", "2"]):  # --nproc defaults to max(--cp, --bp)
         out = tmp_path / f"eval{len(reports)}.json"
         assert main([*args, *layout, "--json", str(out)]) == 0
         reports.append(json.loads(out.read_text()))
@@ -206,6 +206,33 @@ def test_csbp_eval_on_a_csbp_layout_equals_one_process(
         assert (report["rows"], report["nelbo_tokens"], report["ltr_tokens"]) == (6, 6 * 32, 6 * 32)
         for key in ("nelbo", "nelbo_stderr", "ltr_nll"):
             assert report[key] == pytest.approx(single[key], rel=1e-10), key
+
+
+def test_csbp_eval_takes_the_trained_block_size_under_another_blockwise_objective(
+    trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--objective fast_dllm_v2 --allow-objective-change`` on a bd3 run asked for ``--block-size`` though the
+    run records the block size it trained with."""
+    run_dir, artifact, _ = trained
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(run_dir / "final"), "--data", str(artifact), "--samples", "1",
+                 "--micro-batch-size", "2", "--max-batches", "1", "--no-ltr", "--objective", "fast_dllm_v2",
+                 "--allow-objective-change", "--json", str(out)]) == 0  # fmt: skip
+    capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert (report["objective"], report["block_size"]) == ("fast_dllm_v2", 4)
+
+
+def test_csbp_eval_on_an_ar_run_names_eval_not_generate(tmp_path: Path) -> None:
+    """The refusal read "...; csbp generate samples block-diffusion models" in an eval command."""
+    from csbp.evaluation.settings import run_config_settings
+
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text("objective: {name: ar}\n", encoding="utf-8")
+    with pytest.raises(ValueError) as info:
+        run_config_settings(tmp_path / "run" / "final")
+    assert "trained objective 'ar', not a block-diffusion model" in str(info.value)
+    assert "which csbp eval scores" in str(info.value) and "generate" not in str(info.value)
 
 
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

@@ -16,7 +16,7 @@ block size, window and document mask default to the run's
 default (``--[no-]document-mask`` sets it); ``--objective`` / ``--block-size`` other than the run's are
 refused unless ``--allow-objective-change`` / ``--allow-block-size-change``, as in ``csbp
 generate``: scoring a bd3-trained model as mdlm is a legitimate experiment, a silent one is not).
-Runs on one process; ``--nproc N`` (with ``--cp``/``--bp``)
+Runs on one process; ``--nproc N`` (with ``--cp``/``--bp``; default ``max(cp, bp)``)
 scores on ``N`` local processes through the training engine's layouts, with the same numbers.
 """
 
@@ -78,8 +78,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
     )
     parser.add_argument(
-        "--nproc", type=positive_int, default=1,
-        help="local processes (default 1): data parallel over batches, times --cp/--bp per batch",
+        "--nproc", type=positive_int, default=None,
+        help="local processes (default max(--cp, --bp), one layout): data parallel over batches, times --cp/--bp per batch",
     )
     parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel ring size per batch (default 1)")
     parser.add_argument("--bp", type=positive_int, default=1, help="block-parallel ranks per batch (default 1)")
@@ -99,6 +99,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
     check_layout_flags(args.cp, args.bp)  # before loading anything
+    if args.nproc is None:  # one layout's processes, as csbp train defaults to its topology's world size
+        args.nproc = max(args.cp, args.bp)
     model_dir: Path = check_model_directory(args.model)
     notes = check_trained_overrides("eval", args, model_dir, run_config_settings(model_dir))
     artifact = open_artifact(args.data)

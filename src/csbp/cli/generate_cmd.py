@@ -284,7 +284,10 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     known_words = None if args.known_words is None else KnownWords.load(args.known_words)
     model_dir: Path = check_model_directory(args.model)
-    run_settings = run_objective_settings(model_dir)
+    try:
+        run_settings = run_objective_settings(model_dir)
+    except ValueError as error:
+        raise ValueError(f"{error}, which csbp generate samples") from None
     notes = check_trained_overrides("generate", args, model_dir, run_settings)
     trained_window = run_settings.get("window")
     if run_settings and args.window is not None and args.window != trained_window:

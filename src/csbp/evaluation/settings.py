@@ -77,7 +77,7 @@ def run_config_settings(model_dir: Path) -> dict[str, Any]:
     try:
         settings = run_objective_settings(model_dir)
     except ValueError as error:
-        raise ValueError(f"{error} (csbp eval evaluates those; an ar run's val_loss is already its exact NLL)") from None
+        raise ValueError(f"{error}, which csbp eval scores (an ar run's val_loss is already its exact NLL)") from None
     found = training_record(model_dir)
     if not settings or found is None:
         return {}
@@ -126,7 +126,8 @@ def resolve_settings(
             )
         size = seq_len
     else:
-        size = block_size or (run.get("block_size") if name == run.get("objective") else None)
+        # the block size the model was trained with, also under another blockwise objective (bd3 <-> fast_dllm_v2)
+        size = block_size or (run.get("block_size") if run.get("objective") != "mdlm" else None)
         if size is None:
             raise ValueError(f"--block-size: the {name} model's block size is unknown (fix: pass --block-size B)")
     if size < 1 or seq_len % size:

@@ -124,8 +124,7 @@ def run_objective_settings(model_dir: Path) -> dict[str, Any]:
     name = str(objective["name"])
     if name not in TOKEN_SHIFT_OBJECTIVES:
         raise ValueError(
-            f"{config_file} trained objective {name!r}; csbp generate samples block-diffusion models "
-            f"({', '.join(TOKEN_SHIFT_OBJECTIVES)})"
+            f"{config_file} trained objective {name!r}, not a block-diffusion model ({', '.join(TOKEN_SHIFT_OBJECTIVES)})"
         )
     settings: dict[str, Any] = {"objective": name, "source": config_file}
     if objective.get("block_size") is not None:
