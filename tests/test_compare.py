@@ -359,6 +359,22 @@ def test_the_table_states_differences_without_a_verdict_and_the_timing_noise() -
     assert "(equal; 1.00x the steps)" in rounding and "by 0.0000" not in rounding
 
 
+def test_one_layout_gets_no_error_bar_note() -> None:
+    """A single-layout comparison said "the differences above have no error bar" with no difference above."""
+    text = format_table([_result("data", 52, 6.4434, (0.500, 0.561, 0.645))], metric="val_loss", higher_is_better=False)
+    assert "error bar" not in text and "at the budget" not in text
+
+
+def test_a_layout_refused_while_planning_comes_before_the_header(artifact: Path, tmp_path: Path) -> None:
+    """The command printed its header before the layouts were checked, so a refusal was not the promised
+    one line: ``run_compare`` now announces only once every layout is planned."""
+    announced = []
+    options = CompareOptions(layouts=("data", "ring"), budget_s=1.0, nproc=2, out_dir=tmp_path / "cmp", points=1)
+    with pytest.raises(ValueError, match="unknown layout 'ring'"):
+        run_compare(_bd3(artifact), options, announce=lambda: announced.append(1))
+    assert announced == []
+
+
 def test_points_that_share_a_step_are_noted() -> None:
     result = _result("cp", 1, 8.0, (3.0, 3.0, 3.0))
     result["points"].append({**result["points"][1], "index": 2, "target_s": 60.0})

@@ -69,6 +69,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
     from csbp.compare import CompareOptions, run_compare
     from csbp.compare.runner import metric_of
     from csbp.recipes import load_run_config
+    from csbp.wording import counted
 
     cfg = load_run_config(args.config, args.overrides)
     options = CompareOptions(
@@ -82,14 +83,18 @@ def run_compare_command(args: argparse.Namespace) -> int:
         repeats=args.repeats,
     )
     metric, higher = metric_of(cfg, options.metric)
-    print(
-        f"csbp compare: {cfg.run.name} ({cfg.objective.name}), layouts {', '.join(options.layouts)}, "
-        f"{options.budget_s:g} s each on {options.nproc} processes, {options.points} points"
-        + (f", {options.repeats} rounds" if options.repeats > 1 else "")
-        + f", out {options.out_dir}",
-        flush=True,
-    )
-    results = run_compare(cfg, options)
+
+    def header() -> None:  # once every layout is checked: a refusal stays one line
+        print(
+            f"csbp compare: {cfg.run.name} ({cfg.objective.name}), layouts {', '.join(options.layouts)}, "
+            f"{options.budget_s:g} s each on {counted(options.nproc, 'process', 'processes')}, "
+            f"{counted(options.points, 'point')}"
+            + (f", {options.repeats} rounds" if options.repeats > 1 else "")
+            + f", out {options.out_dir}",
+            flush=True,
+        )
+
+    results = run_compare(cfg, options, announce=header)
     common = {
         "run": cfg.run.name,
         "objective": cfg.objective.name,

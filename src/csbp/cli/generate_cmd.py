@@ -53,6 +53,7 @@ from csbp.generation.run_settings import (
     run_objective_settings,
     trained_mask_token,
 )
+from csbp.wording import counted
 
 if TYPE_CHECKING:
     from csbp.data.tokenizer import CsbpTokenizer
@@ -375,7 +376,7 @@ def run_generate(args: argparse.Namespace) -> int:
     stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
     print(
         f"[{objective}, {len(result.token_ids)} tokens, {len(result.block_starts)} block{'s' if len(result.block_starts) != 1 else ''} of {block_size}, "
-        f"{len(result.unmask_steps)} denoising steps, "
+        f"{counted(len(result.unmask_steps), 'denoising step')}, "
         f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
         f"{elapsed:.2f} s on {device}]"
     )

@@ -70,6 +70,8 @@ def noise_lines(results: list[dict[str, Any]]) -> list[str]:
     """What the comparison can say about noise: one run per layout gives the metric no error bar;
     the step times' spread (p10-p90) is the timing noise each layout ran under, and where two
     layouts' ranges overlap their step-rate difference is within it."""
+    if len(results) < 2:  # one layout: no difference to put an error bar on
+        return []
     lines = [
         "noise: one run per layout, so the differences above have no error bar (for one: --repeats 2 or more, "
         "rounds with other seeds and the layout order rotated)"

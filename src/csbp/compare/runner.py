@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -241,8 +242,9 @@ def _train_layout(run: LayoutRun, options: CompareOptions, rank: int) -> dict[st
         shutil.rmtree(run_dir, ignore_errors=True)  # nothing resumable: start this layout afresh
     _barrier()
     metric, _ = metric_of(cfg, options.metric)
-    if rank == 0 and options.repeats > 1:  # which layout the progress lines below belong to
-        print(f"round {run.round}/{options.repeats}: {run.layout}, seed {cfg.run.seed}", flush=True)
+    if rank == 0:  # which layout the progress lines below belong to
+        rounds = f"round {run.round}/{options.repeats}: " if options.repeats > 1 else ""
+        print(f"{rounds}{run.layout}, seed {cfg.run.seed}", flush=True)
     hook = BudgetHook(
         budget_s=options.budget_s,
         num_points=options.points,
@@ -284,20 +286,25 @@ def _compare_worker(
     return [_finished(run, options) or _train_layout(run, options, rank) for run in runs]
 
 
-def run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]:
+def run_compare(
+    cfg: RunConfig, options: CompareOptions, *, announce: Callable[[], None] | None = None,
+) -> list[dict[str, Any]]:
     """Train every layout of every round (module docstring); the results round by round, each
     round's in ``options.layouts`` order (whatever order it trained in), each with its ``round``
     (1-based) and ``seed``, and each point's ``metric`` the ``options.metric`` (also for points of a resumed comparison that
     was started with another one: every point keeps ``val_loss`` and all validation metrics). This
     process holds ``OUT/.lock`` throughout (:mod:`csbp.training.run_lock`): a second comparison in
-    ``--out`` is refused before it checks or removes anything there."""
+    ``--out`` is refused before it checks or removes anything there. ``announce`` runs once every layout
+    is checked, before any trains (the command's header: a refusal stays its one line)."""
     _check_out_dir(options)  # before the lock file is created in it
     with run_dir_lock(options.out_dir, flag="--out", what="comparison directory"):
-        return _run_compare(cfg, options)
+        return _run_compare(cfg, options, announce)
 
 
-def _run_compare(cfg: RunConfig, options: CompareOptions) -> list[dict[str, Any]]:
+def _run_compare(cfg: RunConfig, options: CompareOptions, announce: Callable[[], None] | None) -> list[dict[str, Any]]:
     rounds = plan_layouts(cfg, options)
+    if announce is not None:
+        announce()
     options.out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(options.out_dir / OPTIONS_FILE, json.dumps(_recorded_options(cfg, options), indent=1) + "\n")
     metric, _ = metric_of(cfg, options.metric)
