@@ -295,3 +295,9 @@ def test_a_rule_error_names_only_the_overrides_it_is_about(tmp_path: Path) -> No
         f"{path} with --set train.max_steps: optim.warmup_steps: warmup_steps=2 exceeds train.max_steps=1 "
         "(fix: lower warmup_steps)"
     ]
+
+
+def test_a_field_to_drop_can_be_dropped_from_the_command_line(tmp_path: Path) -> None:
+    """``--set objective='{name: ar}'`` on a bd3 config said "remove objective.block_size", which --set cannot."""
+    (line,) = error_lines(tiny(tmp_path), "objective.name=ar")
+    assert "ar has no diffusion blocks" in line and "--set objective.block_size=null" in line, line

@@ -189,7 +189,7 @@ def _objective_layout_rules(cfg: RunConfig) -> list[Violation]:
             (
                 "objective.block_size",
                 f"mdlm is one block per sequence, got block_size={obj.block_size} != seq_len={cfg.data.seq_len}",
-                "remove objective.block_size or use bd3",
+                "remove objective.block_size (or set it to null), or use bd3",
             )
         )
     if obj.name in _SINGLE_STREAM_OBJECTIVES and (topo.bp != 1 or topo.cp != 1):

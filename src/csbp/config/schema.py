@@ -248,7 +248,8 @@ class ObjectiveSection(_Section):
                 ("block_size", f"required for objective {self.name}", "set objective.block_size")
             )
         if self.name == "ar" and self.block_size is not None:
-            violations.append(("block_size", "ar has no diffusion blocks", "remove objective.block_size"))
+            violations.append(("block_size", "ar has no diffusion blocks",
+                               "remove objective.block_size, or set it to null (--set objective.block_size=null)"))
         if violations:
             raise ConfigRuleError(violations)
         return self
