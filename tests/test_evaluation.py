@@ -177,6 +177,9 @@ def test_csbp_eval_end_to_end(trained: tuple[Path, Path, str], tmp_path: Path, c
     assert "nelbo" in printed and "ltr nll" in printed
     report = json.loads(out.read_text())
     assert (report["objective"], report["block_size"], report["batches"], report["rows"]) == ("bd3", 4, 2, 4)
+    # the mask and window it scored with, as trained (they were in neither the header nor the JSON)
+    assert (report["document_mask"], report["window"]) == (False, None)
+    assert "bd3 B=4, no document mask, full attention" in printed
     assert report["nelbo_stderr"] > 0 and report["ppl_bound"] == pytest.approx(math.exp(report["nelbo"]))
     assert report["ltr_tokens"] == report["nelbo_tokens"] == 4 * 32
     assert math.isfinite(report["ltr_nll"])

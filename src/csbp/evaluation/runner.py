@@ -64,6 +64,8 @@ class EvalReport:
     seconds: float
     t_max: float = 1.0
     units: str = "nats/token"
+    document_mask: bool = False
+    window: int | None = None
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -72,7 +74,8 @@ class EvalReport:
         stderr = "n/a (--samples 1)" if self.nelbo_stderr is None else f"{self.nelbo_stderr:.4f}"
         lines = [
             f"data        {self.split}: {counted(self.rows, 'row')} in {counted(self.batches, 'batch', 'batches')}, "
-            f"{self.objective} B={self.block_size}",
+            f"{self.objective} B={self.block_size}, {'document mask' if self.document_mask else 'no document mask'}, "
+            f"{'full attention' if self.window is None else f'window {self.window}'}",
             f"nelbo       {self.nelbo:.4f} nats/token  stderr {stderr}  over {counted(self.samples, 'noise draw')}, "
             f"{'p' if self.objective == 'fast_dllm_v2' else 't'} in [{self.t_min:g}, {self.t_max:g}], "
             f"{self.nelbo_tokens} tokens",
@@ -273,4 +276,6 @@ def build_report(
         ltr_ppl=None if ltr_nll is None else perplexity_bound(ltr_nll),
         ltr_tokens=int(counts.ltr_tokens),
         seconds=seconds,
+        document_mask=settings.document_mask,
+        window=settings.window,
     )
