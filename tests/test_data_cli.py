@@ -92,6 +92,9 @@ def test_inspect_marks_supervised_spans(artifact_dir: Path, capsys: pytest.Captu
     assert "seq_len       16" in out and "3 (1 empty skipped)" in out
     assert "--- row 0 (documents [0, 1])" in out
     assert "<|user|>say hello<|assistant|>[[hello<|endoftext|>a plain document" in out
+    assert out.startswith("verified: content fingerprint ")  # it printed nothing, as if the check were skipped
+    assert run(["data", "stats", str(artifact_dir), "--verify"]) == 0
+    assert capsys.readouterr().out.startswith("verified: content fingerprint ")
 
 
 def test_inspect_refuses_a_replaced_tokenizer_without_verify(artifact_dir: Path) -> None:
