@@ -181,3 +181,15 @@ def test_prepare_flags_are_refused_by_their_flag_name(
     with pytest.raises(SystemExit):
         run(argv)
     assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_a_tokenizer_smaller_than_asked_is_noted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--vocab-size 512 on a small corpus gave 345 ids with no word of it."""
+    data = tmp_path / "small.txt"
+    data.write_text("a tiny corpus with few pairs to merge\n", encoding="utf-8")
+    argv = ["data", "prepare", str(data), "--out", str(tmp_path / "art"), "--seq-len", "4", "--train-tokenizer",
+            "--vocab-size", "2000", "--val-fraction", "0"]
+    assert run(argv) == 0
+    captured = capsys.readouterr()
+    real = json.loads((tmp_path / "art" / "manifest.json").read_text())["tokenizer"]["vocab_size"]
+    assert real < 2000 and f"note: the tokenizer has {real} ids, not --vocab-size 2000" in captured.out + captured.err

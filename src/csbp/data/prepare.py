@@ -349,7 +349,11 @@ def _train_tokenizer(
         if ordinal not in val_ordinals
         for text in doc.texts()
     )
-    return train_bpe_tokenizer(train_texts, vocab_size=config.vocab_size, special=config.special)
+    tokenizer = train_bpe_tokenizer(train_texts, vocab_size=config.vocab_size, special=config.special)
+    if tokenizer.vocab_size < config.vocab_size:  # BPE stops when no pair is left to merge: say so
+        say(f"note: the tokenizer has {tokenizer.vocab_size} ids, not --vocab-size {config.vocab_size}: the training "
+            "text has no more pairs to merge (a small corpus); the artifact records the real size")
+    return tokenizer
 
 
 def _write_splits(
