@@ -77,3 +77,22 @@ def test_a_valid_config_plans_its_shape(tmp_path: Path, capsys) -> None:
     # 12 layers x (q, k, v, o at 12 heads x 128 + SwiGLU 3 x 1536 x 4096 + 2 norms) + 2 x 32000 x 1536 embeddings
     layer = 1536 * 36 * 128 + 12 * 128 * 1536 + 3 * 1536 * 4096 + 2 * 1536
     assert code == 0 and f"({(12 * layer + 2 * 32000 * 1536) / 1e6:.2f}M params" in out
+
+
+def test_a_csbp_export_is_planned_with_the_objective_block_and_window_it_trained_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``csbp plan --model RUN/final`` printed "bd3, block 32" for a model its config.json records as trained
+    with blocks of 4 (``csbp_training``)."""
+    record = {"objective": {"name": "fast_dllm_v2", "block_size": 16}, "topology": {"window": 512}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, "csbp_training": record}), encoding="utf-8")
+    code, out, err = plan(capsys, path)
+    assert (code, err) == (0, "") and "fast_dllm_v2, block 16)" in out.splitlines()[0], out
+    from csbp.plan.workload import hf_workload
+
+    workload = hf_workload(path)
+    assert workload.model.groups[0].window == 512
+    assert hf_workload(path, objective="bd3").objective.block == 32  # another objective: not its block size
+    path.write_text(json.dumps(CONFIG), encoding="utf-8")
+    assert "bd3, block 32)" in plan(capsys, path)[1].splitlines()[0]  # no record: the defaults

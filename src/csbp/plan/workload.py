@@ -267,10 +267,12 @@ def preset_workload(name: str) -> Workload:
 
 
 def hf_workload(
-    path: Path, *, objective: str = "bd3", block_size: int = 32, source: str = "--model"
+    path: Path, *, objective: str | None = None, block_size: int | None = None, source: str = "--model"
 ) -> Workload:
     """A decoder from a Hugging Face ``config.json`` (or a folder holding one), bf16. ``source``
-    names where the path came from (a flag or a config field) in the error when it holds none."""
+    names where the path came from (a flag or a config field) in the error when it holds none. The
+    objective, block size and attention window default to those a csbp export records (``csbp_training``),
+    else bd3, 32 and the config's own."""
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         fix = "train the target first, or point it at a folder holding one" if source == "objective.dflash.target" else (
@@ -312,6 +314,17 @@ def hf_workload(
         groups=(group,),
         tied_embeddings=_flag(cfg, "tie_word_embeddings", file),
     )
+    trained = cfg.get("csbp_training")
+    recorded = trained.get("objective") if isinstance(trained, dict) else None
+    recorded = recorded if isinstance(recorded, dict) else {}
+    if objective is None:
+        objective = recorded.get("name") if recorded.get("name") in ("bd3", "mdlm", "fast_dllm_v2") else "bd3"
+    if block_size is None:
+        trained_block = recorded.get("block_size") if recorded.get("name") == objective else None
+        block_size = trained_block if type(trained_block) is int and trained_block > 0 else 32
+    trained_window = (trained.get("topology") or {}).get("window") if isinstance(trained, dict) else None
+    if type(trained_window) is int and trained_window > 0 and not window:  # csbp's windowed training
+        model = replace(model, groups=tuple(replace(g, window=trained_window) for g in model.groups))
     views = 2 if objective == "fast_dllm_v2" else 1
     # bf16 compute; csbp reduces dK/dV in the float32 accumulation dtype (attention.merge)
     return Workload(model, Objective(objective, block=block_size, views=views, kv_grad_bytes=4))
