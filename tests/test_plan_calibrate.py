@@ -95,6 +95,8 @@ def test_calibrate_predicts_document_records_and_fits_them_alone(tmp_path: Path,
     held = [line for line in out.splitlines() if line.lstrip().startswith("held")]
     assert (code, err) == (0, "") and len(held) == 24 and all("doc=128" in line for line in held)
     assert sum("cp-aware" in line for line in held) == 6
+    # and says why (the listing said only "held")
+    assert "note: 24 document-masked record(s) held: one-document records exist" in out
     code, out, err = run(capsys, "plan", "calibrate", str(docs), "--out", str(tmp_path / "cal.json"))
     assert (code, err) == (0, "") and " held " not in out
     for line in out.splitlines():
@@ -208,3 +210,21 @@ def test_calibrate_times_every_benchmark_by_its_fastest_repeat_and_reads_older_f
     steps = [o.value for o in bench_observations([path]) if o.metric == "step_s"]
     assert steps == [0.5, 1.0, 0.75]  # the first was 1.0, its median
     assert [o.value for o in bench_observations([path], fastest=False) if o.metric == "step_s"] == [1.0] * 3
+
+
+def test_calibrate_says_when_no_fitted_record_informs_the_drafter_factor() -> None:
+    """Every drafter record of a calibration was held (document-masked beside one-document decoder
+    records): drafter_eff silently kept its prior."""
+    from types import SimpleNamespace
+
+    from csbp.cli.plan_cmd import _held_notes
+
+    def obs(drafter: bool, doc_length: int | None) -> SimpleNamespace:
+        objective = SimpleNamespace(is_drafter=drafter)
+        return SimpleNamespace(workload=SimpleNamespace(objective=objective, doc_length=doc_length))
+
+    decoder, drafter = obs(False, None), obs(True, 256)
+    notes = _held_notes([decoder, drafter], [decoder], one_document=True, limit=None)
+    assert notes[0].startswith("note: 1 document-masked record(s) held")
+    assert notes[-1] == "note: drafter_eff keeps its prior: no drafter record was fitted"
+    assert _held_notes([decoder], [decoder], one_document=True, limit=None) == []
