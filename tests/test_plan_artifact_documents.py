@@ -217,8 +217,13 @@ def test_plan_of_a_document_masked_run_config_plans_its_train_documents(tmp_path
     assert "documents: data.train" not in out and (record["doc_length"], record["documents"]) == (8, None)
     out, record = plan("--model", config, "--seq-len", "128")  # longer rows join the artifact's rows
     assert record["documents"] == json.loads(json.dumps(artifact_documents(directory, 128).summary()))
-    out, record = plan("--model", str(_run_config(tmp_path, directory, False, topology={})))
+    unmasked = str(_run_config(tmp_path, directory, False, topology={}))
+    out, record = plan("--model", unmasked)
     assert "documents: data.train" not in out and (record["doc_length"], record["documents"]) == (None, None)
+    # --data plans the documents under the mask although that config trains without it: said, not silent
+    out, record = plan("--model", unmasked, "--data", str(directory))
+    assert f"note: --data plans {directory}'s documents under the document mask, but {unmasked} trains with " \
+        "data.document_mask false" in out and "note: --data" not in plan("--model", config, "--data", str(directory))[0]
     missing = str(_run_config(tmp_path, tmp_path / "missing", True, topology={}))
     assert main([*base, "--model", missing]) == USER_ERROR_EXIT_CODE
     out, err = capsys.readouterr()

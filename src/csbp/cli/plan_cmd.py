@@ -286,6 +286,9 @@ def run_plan(args: argparse.Namespace) -> int:
             args.seq_len = open_artifact(args.data).seq_len
         sample = artifact_documents(args.data, args.seq_len, split=args.split, rows=args.data_rows)
         workload = replace(workload, doc_length=sample)
+        if run_config is not None and not run_config.document_mask:  # it plans a run the config would not train
+            print(f"note: --data plans {args.data}'s documents under the document mask, but {args.model} trains "
+                  "with data.document_mask false (set it true to train what is planned)")
     if args.seq_len is None:
         raise ValueError("csbp plan needs --seq-len for a preset or HF model (e.g. --seq-len 256K)")
     hw = hardware(args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
