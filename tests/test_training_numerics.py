@@ -108,7 +108,9 @@ def test_a_skipped_last_step_still_validates_and_checkpoints(
     assert [step for step, _ in summary.val_losses] == [0, 3, 4]  # the end-of-run validation ran
     assert summary.checkpoint is not None and summary.checkpoint.name == "step_0000004"
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_0000004"
-    assert [r["step"] for r in metric_rows(tmp_path / "run")] == [0, 1, 2, 3]  # 0: the untrained validation
+    rows = metric_rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # 0: the untrained validation; 4: skipped, recorded
+    assert rows[-1]["skipped"] is True and rows[-1]["loss"] is None and rows[-1]["val_loss"] is not None
 
 
 def test_tensorboard_gets_the_dflash_validation_numbers(tmp_path: Path) -> None:
