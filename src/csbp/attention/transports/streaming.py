@@ -123,7 +123,6 @@ class StreamingPlan:
     comm: Comm
     local: LocalAttentionPlan
     steps: tuple[RingStep, ...]  # steps 1 .. P-1 in visiting order
-    causal_in_block: bool
 
 
 def streaming_forward(q: Tensor, k: Tensor, v: Tensor, plan: StreamingPlan) -> tuple[Tensor, Tensor]:
@@ -190,11 +189,11 @@ def _step_backward(
         delta=step.rows_of(delta), kernel_dtype=True,
     )  # in the kernels' dtype where they leave it: added into the fp32 dq and accumulator, cast as they go
     step.add_into_rows(dq, dq_rows)
-    if received is None:
-        received = kv.new_empty(kv.shape, dtype=dtype)
-        received[0].copy_(dk_shard)
-        received[1].copy_(dv_shard)
-        return received
+    if received is None:  # the first step: a new accumulator, the kernels' dK/dV cast as they are written
+        grad_kv = kv.new_empty(kv.shape, dtype=dtype)
+        grad_kv[0].copy_(dk_shard)
+        grad_kv[1].copy_(dv_shard)
+        return grad_kv
     received[0] += dk_shard
     received[1] += dv_shard
     return received
@@ -230,7 +229,7 @@ class StreamingAttention(RingTransport[StreamingPlan]):
             rows, num_noisy=self.layout.num_noisy, causal_in_block=self.causal_in_block, tile_rows=self.tile_rows,
             backend=self.backend, diagonal=self.diagonal, clean=self.clean,
         )
-        return StreamingPlan(spec, self.comm, local, tuple(steps), self.causal_in_block)
+        return StreamingPlan(spec, self.comm, local, tuple(steps))
 
 
 def _row_runs(query_index: Tensor) -> tuple[tuple[slice, slice], ...]:
