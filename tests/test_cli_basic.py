@@ -315,3 +315,13 @@ def test_an_override_without_its_set_flag_is_named(capsys: pytest.CaptureFixture
         "csbp config validate: error: unrecognized arguments: optim.warmup_steps=1; each KEY=VALUE needs its own "
         "--set: --set optim.warmup_steps=1 (see"
     )
+
+
+def test_a_negative_size_reaches_the_flags_own_check(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--seq-len -256K` was "expected one argument": argparse read the value as a flag."""
+    code, _, err = run(capsys, "plan", "--model", "nemotron-8b", "--gpus", "8", "--gpu", "h200", "--seq-len", "-256K")
+    assert code == 2 and err.startswith("csbp plan: error: argument --seq-len: '-256K' is not a length")
+    code, _, err = run(capsys, "bench", "kernels", "--seq-lens", "-512")
+    assert code == 2 and "argument --seq-lens: -512 must be >= 1" in err
+    code, _, err = run(capsys, "verify", "--seq-len", "-1e-3")
+    assert code == 2 and "argument --seq-len:" in err and "expected one argument" not in err

@@ -96,6 +96,9 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return super()._format_action(action)
 
 
+NEGATIVE_VALUE = re.compile(r"^-\.?\d[\w.+-]*$")  # -256K, -1e-3, -0.5, -.5
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose usage errors are one line (``csbp train: error: ... (see ... --help)``)
     and whose help shows defaults (:class:`DefaultsHelpFormatter`); sub-parsers inherit the class."""
@@ -103,6 +106,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
+        # argparse takes only plain numbers (-5, -.5) for values: "--seq-len -256K" would be "expected one
+        # argument"; as a value it reaches the flag's own check ("must be positive"). No csbp flag looks so.
+        self._negative_number_matcher = NEGATIVE_VALUE
 
     def error(self, message: str) -> NoReturn:
         message = with_suggestion(message)
