@@ -50,5 +50,5 @@ def test_an_existing_output_names_the_flag_and_the_python_keyword_apart(tmp_path
     with pytest.raises(ValueError) as info:
         write_directory_atomically(target, _fill, overwrite=False, owned=OWNED)
     assert str(info.value) == (
-        f"--out {target}: already exists (fix: choose another path, or pass --overwrite (overwrite=True in Python))"
+        f"--out {target}: already exists (fix: choose another path, or pass --overwrite)"
     )

@@ -146,7 +146,7 @@ def write_directory_atomically(
     target = Path(path)
     if os.path.lexists(target) and not overwrite:
         raise OutputExistsError(
-            f"{flag} {target}: already exists (fix: choose another path, or pass --overwrite (overwrite=True in Python))"
+            f"{flag} {target}: already exists (fix: choose another path, or pass --overwrite)"
         )
     absolute = check_replaceable(target, owned, flag=flag)
     absolute.parent.mkdir(parents=True, exist_ok=True)

@@ -163,7 +163,7 @@ def check_output(out_dir: Path, *, overwrite: bool) -> Path:
     there, or with ``overwrite`` a feature store csbp wrote); ``ValueError`` otherwise."""
     if os.path.lexists(out_dir) and not overwrite:
         raise OutputExistsError(
-            f"--out {out_dir}: already exists (fix: choose another path, or pass --overwrite (overwrite=True in Python))"
+            f"--out {out_dir}: already exists (fix: choose another path, or pass --overwrite)"
         )
     return check_replaceable(out_dir, FEATURE_OWNERSHIP)
 
