@@ -95,6 +95,9 @@ def test_inspect_marks_supervised_spans(artifact_dir: Path, capsys: pytest.Captu
     assert out.startswith("verified: content fingerprint ")  # it printed nothing, as if the check were skipped
     assert run(["data", "stats", str(artifact_dir), "--verify"]) == 0
     assert capsys.readouterr().out.startswith("verified: content fingerprint ")
+    assert run(["data", "inspect", str(artifact_dir), "--rows", "0"]) == 0
+    out = capsys.readouterr().out  # it printed a heading "first 0 of 1 train rows (...):" over nothing
+    assert "supervised spans" not in out and out.startswith("artifact ") and out.split("\n")[-2].startswith("sources ")
 
 
 def test_inspect_refuses_a_replaced_tokenizer_without_verify(artifact_dir: Path) -> None:

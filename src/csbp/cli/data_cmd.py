@@ -95,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     inspect = commands.add_parser("inspect", help="print the manifest and decode the first rows")
     inspect.add_argument("artifact", type=Path, help="artifact directory")
-    inspect.add_argument("--rows", type=int, default=2, help="rows to decode (default 2)")
+    inspect.add_argument("--rows", type=int_at_least(0), default=2, help="rows to decode (0: the manifest only)")
     inspect.add_argument("--split", choices=SPLITS, default="train", help="split to show (default train)")
     inspect.add_argument("--verify", action="store_true", help="recompute the content fingerprint first")
     inspect.set_defaults(func=run_inspect)
@@ -141,8 +141,6 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    if args.rows < 0:
-        raise ValueError(f"--rows is {args.rows}; use 0 or more")
     artifact = open_artifact(args.artifact, verify=args.verify)
     _say_verified(artifact, args.verify)
     print(format_inspect(artifact, split=args.split, num_rows=args.rows))

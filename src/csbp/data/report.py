@@ -105,6 +105,8 @@ def format_inspect(artifact: Artifact, *, split: str, num_rows: int) -> str:
     tokenizer = artifact.load_tokenizer()
     rows = artifact.split(split)
     shown = min(num_rows, rows.num_rows)
+    if shown == 0:  # --rows 0, or an empty split (the summary counts its rows): no heading over nothing
+        return format_manifest_summary(artifact)
     lines = [
         format_manifest_summary(artifact),
         "",
