@@ -18,8 +18,10 @@ import torch
 from csbp.data import open_artifact
 from csbp.data.prepare import PrepareConfig, prepare_artifact
 from csbp.training import train
+from csbp.training.metrics import METRICS_FILE, read_metrics
 from csbp.training.preflight import check_run
 from csbp.training.step import StepRunner
+from csbp.training.summary import RunHistory, TrainSummary
 from test_training_run import WORDS, make_artifact, metric_rows, tiny_config
 
 AR_FP64 = {
@@ -111,6 +113,14 @@ def test_a_skipped_last_step_still_validates_and_checkpoints(
     rows = metric_rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # 0: the untrained validation; 4: skipped, recorded
     assert rows[-1]["skipped"] is True and rows[-1]["loss"] is None and rows[-1]["val_loss"] is not None
+    # the summary's "train loss last" is step 3's: it said nothing of step 4 having changed nothing
+    line = "skipped     1 step with no update (4; train.nan_policy: skip)"
+    assert summary.skipped_steps == [4] and line in summary.format().splitlines()
+    earlier = RunHistory.from_records(read_metrics(tmp_path / "run" / METRICS_FILE), up_to_step=4)
+    assert earlier.skipped_steps == [4]  # a resumed run's summary counts them too
+    resumed = TrainSummary(tmp_path, 4, 11, 11, 1.0, [1.0], [], None, None, skipped_steps=list(range(5, 12)),
+                           earlier=earlier)
+    assert "skipped     8 steps with no update (4, 5, 6, 7, 8, ...; train.nan_policy: skip)" in resumed.format()
 
 
 def test_tensorboard_gets_the_dflash_validation_numbers(tmp_path: Path) -> None:

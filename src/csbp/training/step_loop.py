@@ -76,6 +76,8 @@ class StepLoop:
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     val_nelbos: list[tuple[int, float]] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps ``train.nan_policy: skip`` skipped (no update) in this invocation."""
     last_step: int = 0
     _input_fingerprints: dict[str, str] = field(default_factory=dict)
 
@@ -128,6 +130,8 @@ class StepLoop:
             step_seconds = time.perf_counter() - step_started
             if finite:
                 self.losses.append(result.loss)
+            else:
+                self.skipped_steps.append(step)
             # a skipped step is recorded too ("skipped": true, its non-finite numbers null), with its validation
             record: dict[str, object] = {
                 "step": step,

@@ -8,6 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from csbp.evaluation.nelbo import perplexity_bound
+from csbp.wording import counted
+
+MAX_SKIPPED_SHOWN = 5
+"""Skipped steps the summary names before ``...`` (``metrics.jsonl`` marks every one)."""
 
 
 @dataclass(frozen=True)
@@ -18,6 +22,7 @@ class RunHistory:
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     val_nelbos: list[tuple[int, float]] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
 
     @classmethod
     def from_records(cls, records: list[dict[str, Any]], *, up_to_step: int) -> RunHistory:
@@ -27,7 +32,8 @@ class RunHistory:
         def numbers(key: str) -> list[tuple[int, float]]:
             return [(r["step"], float(r[key])) for r in earlier if isinstance(r.get(key), (int, float))]
 
-        return cls([value for _, value in numbers("loss")], numbers("val_loss"), numbers("val_nelbo"))
+        skipped = [r["step"] for r in earlier if r.get("skipped") is True]
+        return cls([value for _, value in numbers("loss")], numbers("val_loss"), numbers("val_nelbo"), skipped)
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class TrainSummary:
     sample: str | None = None
     val_nelbos: list[tuple[int, float]] = field(default_factory=list)
     """Unclipped NELBO per token at each validation (diffusion objectives; empty for ar/dflash)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """Steps ``train.nan_policy: skip`` skipped (no update): the train loss lines leave them out."""
     earlier: RunHistory = field(default_factory=RunHistory)
     """A resumed run's losses before ``start_step``: the summary's first numbers are the run's."""
 
@@ -76,6 +84,11 @@ class TrainSummary:
         ]
         if self.first_loss is not None:
             lines.append(f"train loss  first {number(self.first_loss)}  last {number(self.last_loss)}")
+        skipped = self.earlier.skipped_steps + self.skipped_steps
+        if skipped:  # else a run whose updates were all skipped reads as a run that trained
+            shown = ", ".join(str(step) for step in skipped[:MAX_SKIPPED_SHOWN])
+            shown += ", ..." if len(skipped) > MAX_SKIPPED_SHOWN else ""
+            lines.append(f"skipped     {counted(len(skipped), 'step')} with no update ({shown}; train.nan_policy: skip)")
         if val_first is not None:
             lines.append(f"val loss    first {number(val_first)} (step {val_losses[0][0]})  "
                          f"last {number(val_last)} (step {val_losses[-1][0]})")
