@@ -276,14 +276,14 @@ def test_a_utf16_config_is_told_to_be_saved_as_utf8(tmp_path: Path) -> None:
 def test_a_fractional_int_says_got_once(tmp_path: Path) -> None:
     """It read "..., got a number with a fractional part, got 10.5"."""
     assert error_lines(tiny(tmp_path), "train.max_steps=10.5") == [
-        "--set: train.max_steps: Input should be a valid integer, got 10.5 (fix: set it to int: Optimizer steps)"
+        "--set: train.max_steps: expected int, got 10.5 (fix: set it to int: Optimizer steps)"
     ]
 
 
 def test_a_value_out_of_range_gets_a_fix_that_states_the_range(tmp_path: Path) -> None:
     """It said "(fix: set it to int: Optimizer steps)" to a -5, as if the type were wrong."""
     assert error_lines(tiny(tmp_path), "train.max_steps=-5") == [
-        "--set: train.max_steps: Input should be greater than 0, got -5 (fix: set it to a value > 0 (Optimizer steps))"
+        "--set: train.max_steps: must be > 0, got -5 (fix: set it to a value > 0 (Optimizer steps))"
     ]
 
 

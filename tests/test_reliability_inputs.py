@@ -368,7 +368,7 @@ CASES: list[Case] = [
     # ------------------------------------------------------------------ a new user's mistakes (audit g)
     Case("config-top-level-list", lambda fx, w: ["config", "validate", str(write(w / "l.yaml", "- run\n- model\n"))], "l.yaml: the top level must be a mapping of sections (run:, model:, ...), got a list (fix:"),
     Case("config-utf16", lambda fx, w: ["config", "validate", str(write(w / "u.yaml", fx.config.read_text().encode("utf-16")))], "u.yaml: not UTF-8 text (fix: save it as UTF-8"),
-    Case("config-set-empty-value", lambda fx, w: ["config", "validate", str(fx.config), "--set", "run.name="], "run.name: Input should be a valid string, got null"),
+    Case("config-set-empty-value", lambda fx, w: ["config", "validate", str(fx.config), "--set", "run.name="], "run.name: expected str, got null"),
     Case("train-data-is-the-manifest", lambda fx, w: ["train", str(fx.config), "--set", f"data.train={fx.artifact / 'manifest.json'}", "--run-dir", "r"], "is the artifact's manifest file; data.train names the artifact directory (fix: set data.train:"),
     Case("train-recipe-from-a-subdirectory", lambda fx, w: [fx.copy_artifact(w.parent / "artifacts" / "demo-4k-64")] and ["train", "demo", "--run-dir", "r"], "(fix: run from "),
     Case("train-finished-resume-with-a-change", lambda fx, w: ["train", str(fx.config), "--run-dir", str(real_run(fx, w / "r")), "--resume", "--max-steps", "2", "--set", "objective.block_size=8"], "objective.block_size: checkpoint"),

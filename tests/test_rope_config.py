@@ -55,7 +55,7 @@ def test_rope_scaling_section_parses_and_is_recorded() -> None:
                                         "rope_type='yarn'"),
         ({"type": "linear", "factor": 2, "beta_fast": 8}, "model.rope_scaling.beta_fast: does not apply to "
                                                           "rope_type='linear'"),
-        ({**YARN, "factor": 0.5}, "model.rope_scaling.factor: Input should be greater than or equal to 1"),
+        ({**YARN, "factor": 0.5}, "model.rope_scaling.factor: must be >= 1"),
         ({**YARN, "beta_fast": 1, "beta_slow": 2}, "model.rope_scaling.beta_fast: must exceed beta_slow"),
         ({**YARN, "scale": 2}, "model.rope_scaling.scale: unknown key"),
         ({**YARN, "rope_type": "linear"}, "model.rope_scaling.rope_type: 'linear' differs from type='yarn'"),

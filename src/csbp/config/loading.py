@@ -235,12 +235,14 @@ def _describe_error(error: dict[str, Any]) -> list[tuple[str, str, str]]:
     if bound is not None:  # a value out of range: the fix states the range, not just the type
         limit = error.get("ctx", {}).get(bound[1])
         fix = f"set it to a value {bound[0]} {limit}" + (f" ({info.description.rstrip('.')})" if info and info.description else "")
-        return [(dotted, f"{error['msg'].split(', got ')[0]}, got {_short_repr(value)}", fix)]
+        return [(dotted, f"must be {bound[0]} {limit}, got {_short_repr(value)}", fix)]
     fix = f"set it to {_type_text(info.annotation)}" if info is not None else ""
     if info is not None and info.description:
         fix += f": {info.description.rstrip('.')}"
     # not "a valid tuple"; pydantic's own ", got a number with a fractional part" would precede ours
     message = "expected a list" if kind in ("tuple_type", "list_type") else error["msg"].split(", got ")[0]
+    if info is not None and message.startswith("Input should be a valid "):  # as the csbp checks say it
+        message = f"expected {_type_text(info.annotation)}"
     return [(dotted, f"{message}, got {_short_repr(value)}", fix)]
 
 
