@@ -31,8 +31,9 @@ from csbp.attention.backends import (
     resolve_backend,
 )
 from csbp.attention.documents import Documents
-from csbp.attention.flex import FlexPartial, flex_shape_bucket, rows_block_mask
+from csbp.attention.flex import FlexPartial, flex_shape_bucket
 from csbp.attention.flex_backward import direct_backward_support, flex_backward_mode
+from csbp.attention.flex_block_mask import rows_block_mask
 from csbp.attention.layouts import (
     bp_only_layout,
     cp_zigzag_layout,

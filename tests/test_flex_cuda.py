@@ -25,7 +25,8 @@ import torch
 
 import csbp.attention.flex_backward as flex_backward
 from csbp.attention.backends import plan_partial, resolve_backend
-from csbp.attention.flex import FlexPartial, rows_block_mask
+from csbp.attention.flex import FlexPartial
+from csbp.attention.flex_block_mask import rows_block_mask
 from csbp.attention.layouts import reference_layout
 from csbp.attention.merge import merge_partials
 from csbp.attention.rows import allow_matrix
