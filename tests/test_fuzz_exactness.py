@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import replace
 
@@ -362,3 +363,15 @@ def test_check_case_accepts_exactly_what_the_train_config_accepts() -> None:
         assert config_ok == verify_ok, (args, config_ok, verify_ok)
         outcomes.add(config_ok)
     assert outcomes == {True, False}
+
+
+def test_a_non_finite_gradient_is_an_infinite_error() -> None:
+    """A NaN gradient measured as no error at all (``NaN >= worst`` is false), so every layout's exactness
+    test passed with NaN gradients; an inf one was an inf error only by luck of the comparison."""
+    grads = {"a": torch.ones(3, dtype=torch.float64), "b": torch.ones(2, dtype=torch.float64)}
+    for bad in (math.nan, math.inf):
+        for name in grads:
+            broken = {**grads, name: torch.tensor([1.0, bad, 1.0][: grads[name].numel()], dtype=torch.float64)}
+            assert gradient_error(broken, grads) == (name, math.inf)
+    nan_reference = {**grads, "b": torch.full((2,), math.nan, dtype=torch.float64)}
+    assert gradient_error(grads, nan_reference)[1] == math.inf

@@ -19,6 +19,7 @@ draws at random.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -371,7 +372,7 @@ and dividing by its own round-off-sized scale reported a false failure of order 
 
 def gradient_error(grads: dict[str, torch.Tensor], grads_ref: dict[str, torch.Tensor]) -> tuple[str, float]:
     """``(worst parameter, its error)`` with error ``max|g - g_ref| / max(max|g_ref|, GRADIENT_FLOOR * G)``,
-    ``G`` the largest ``|g_ref|`` of any parameter."""
+    ``G`` the largest ``|g_ref|`` of any parameter; a non-finite gradient on either side is an infinite error."""
     largest = max((float(ref.abs().max()) for ref in grads_ref.values() if ref.numel()), default=0.0)
     floor = GRADIENT_FLOOR * largest
     worst_name, worst = "", 0.0
@@ -379,6 +380,8 @@ def gradient_error(grads: dict[str, torch.Tensor], grads_ref: dict[str, torch.Te
         scale = max(float(ref.abs().max()), floor) if ref.numel() else floor
         diff = float((grads[name] - ref).abs().max()) if ref.numel() else 0.0
         err = diff / scale if scale > 0 else diff
+        if not math.isfinite(err):  # a NaN compares false with everything: it would pass as no error at all
+            err = math.inf
         if err >= worst:
             worst_name, worst = name, err
     return worst_name, worst
