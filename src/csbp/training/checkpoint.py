@@ -349,11 +349,11 @@ def load_checkpoint(
     scheduler: LRScheduler,
     loader: PackedLoader,
     data_fingerprint: str,
-    restore_rng: bool = True,
 ) -> TrainingState:
     """Restore the latest checkpoint of ``run_dir`` into model, optimizer, scheduler and loader.
 
-    Checks first (before reading any tensor) that the checkpoint was written for the same model
+    The process's global RNGs (torch, numpy, ``random``) continue from the checkpoint's. Checks first
+    (before reading any tensor) that the checkpoint was written for the same model
     shape and the same data; raises ``ValueError`` naming the first difference.
     """
     path = find_resume_checkpoint(run_dir)
@@ -366,8 +366,7 @@ def load_checkpoint(
     restore_sharded_state_dicts(model, optimizer, loaded)
     scheduler.load_state_dict(state.scheduler)
     loader.load_state_dict(state.loader)
-    if restore_rng:
-        restore_rng_state(state.rng)
+    restore_rng_state(state.rng)  # csbp draws from its own generators; this is for code that does not
     return state
 
 
