@@ -97,8 +97,8 @@ def dual_end_schedule(num_blocks: int, num_workers: int) -> BlockSchedule:
     ``N-1`` down to ``0`` each go to the currently lightest worker (lowest index on ties).
     """
     _check_counts(num_blocks, num_workers)
-    pairs = [(i, num_blocks - 1 - i) for i in range(num_blocks // 2)]
-    middle = num_blocks // 2 if num_blocks % 2 == 1 else None
+    pairs = dual_end_pairs(num_blocks)
+    middle = pairs.pop()[0] if num_blocks % 2 == 1 else None
     assignment: list[list[int]] = [[] for _ in range(num_workers)]
     if len(pairs) >= num_workers:
         base, extra = divmod(len(pairs), num_workers)
