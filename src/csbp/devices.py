@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 DeviceKind = Literal["cpu", "cuda"]
-DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda")
+DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
 T = TypeVar("T")
 
 
@@ -79,6 +79,12 @@ def backend_device(group: dist.ProcessGroup | None = None) -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (CUDA); nothing to wait for on the CPU. Timings need it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

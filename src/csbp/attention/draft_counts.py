@@ -15,11 +15,17 @@ Shape legend: ``L`` sequence length, ``N`` anchors, ``B`` block size, ``cp`` rin
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from csbp.attention.counts import DocBounds, exchange_pays, interval_cover
 from csbp.schedules import zigzag_array
+
+if TYPE_CHECKING:
+    import torch
+
+Anchors = TypeVar("Anchors", np.ndarray, "torch.Tensor")
 
 
 def deal_order(costs: Sequence[int] | np.ndarray, num_owners: int) -> list[np.ndarray]:
@@ -53,8 +59,9 @@ def spread_anchors(documents: DocBounds, count: int) -> np.ndarray:
     return valid[((np.arange(n) + 0.5) * len(valid) / max(n, 1)).astype(np.int64)]
 
 
-def context_stop(anchors: np.ndarray, context: str) -> np.ndarray:
-    """One past the last visible context position: ``a`` (strict) or ``a + 1`` (inclusive)."""
+def context_stop(anchors: Anchors, context: str) -> Anchors:
+    """One past the last visible context position: ``a`` (strict) or ``a + 1`` (inclusive); numpy
+    here, torch for the training layouts (``csbp.dflash.layouts``)."""
     if context not in ("strict", "inclusive"):
         raise ValueError(f"context must be 'strict' or 'inclusive', got {context!r}")
     return anchors if context == "strict" else anchors + 1

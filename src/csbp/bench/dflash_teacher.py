@@ -7,7 +7,7 @@ Two layouts per length and anchor count: CP-only (every ring member holds every 
 read the same rows) and CSBP with ``bp = cp`` (each member holds its own dealt packet). The
 exchange runs for real over gloo with a 1-wide hidden state and the bytes are counted by the
 ``Comm`` layer (``dflash.teacher``), so the rows are exact; multiply by ``H · element_size`` for
-a model (``teacher_bytes_at``). Anchors are drawn as training draws them (``uniform``, the same
+a model. Anchors are drawn as training draws them (``uniform``, the same
 generator on every rank), over an all-ones loss mask; ``--doc-length`` packs documents.
 """
 
@@ -46,11 +46,6 @@ class TeacherRowsRecord:
     @property
     def ratio(self) -> float:
         return self.exchange_rows / self.all_gather_rows
-
-
-def teacher_bytes_at(rows: int, hidden_size: int, element_size: int) -> int:
-    """Bytes of ``rows`` teacher rows for a model of hidden size ``hidden_size``."""
-    return rows * hidden_size * element_size
 
 
 def _doc_ids(seq_len: int, doc_length: int | None, seed: int) -> torch.Tensor:

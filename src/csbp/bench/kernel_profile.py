@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from csbp.devices import synchronize
+
 if TYPE_CHECKING:
     from torch._ops import OpOverload
 
@@ -72,12 +74,12 @@ def profile_step(step: Callable[[], object], device: torch.device, *, top: int) 
     started = time.perf_counter()
     step()
     issued = time.perf_counter()
-    _synchronize(device)
+    synchronize(device)
     wall_ms, issue_ms = (time.perf_counter() - started) * 1e3, (issued - started) * 1e3
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
     with profile(activities=activities) as prof:
         step()
-        _synchronize(device)
+        synchronize(device)
     if on_cuda:
         events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
     else:
@@ -131,10 +133,6 @@ def count_aten_ops(fn: Callable[[], object]) -> int:
         fn()
     return _Counter.calls
 
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def format_profile(profile: StepProfile) -> str:

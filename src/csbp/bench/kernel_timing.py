@@ -20,6 +20,7 @@ from torch import Tensor
 
 from csbp.attention.backends import check_clean
 from csbp.attention.flash_ops import flash_backward, flash_forward
+from csbp.devices import synchronize
 
 
 def check_clean_kernels(names: Sequence[str], device: torch.device, option: str) -> None:
@@ -30,10 +31,6 @@ def check_clean_kernels(names: Sequence[str], device: torch.device, option: str)
         if name == "pieces-cudnn" and device.type != "cuda":
             raise ValueError(f"{option} pieces-cudnn needs --device cuda (on CPU it is the same kernel as pieces)")
 
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timings(

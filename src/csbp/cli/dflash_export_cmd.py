@@ -44,7 +44,7 @@ def served_positions(target: Path, drafter_dir: Path | None) -> int | None:
 def run_export(args: argparse.Namespace) -> int:
     """Export the drafter of ``--drafter``/``--run-dir``/``--checkpoint`` to ``--out`` and validate what was written."""
     from csbp.dflash.export import drafter_context, export_dflash, load_dflash, public_reader_window_note
-    from csbp.training.export import check_out_outside_checkpoints, checkpoints_root
+    from csbp.training.export import check_out_outside_checkpoints, checkpoints_dir_of
 
     drafter_dir = args.drafter
     checkpoint = args.checkpoint
@@ -52,7 +52,7 @@ def run_export(args: argparse.Namespace) -> int:
         drafter_dir, checkpoint = run_dir_source(args.run_dir)
         check_out_outside_checkpoints(args.out, args.run_dir / "checkpoints")
     else:
-        check_out_outside_checkpoints(args.out, checkpoints_root(checkpoint) if checkpoint is not None else None)
+        check_out_outside_checkpoints(args.out, checkpoints_dir_of(checkpoint) if checkpoint is not None else None)
     overrides = [flag for flag, value in (("--block-size", args.block_size), ("--mask-token-id", args.mask_token_id),
                                           ("--layer-ids", args.layer_ids)) if value is not None]
     if drafter_dir is not None and overrides:  # a drafter's config.json records them: they were ignored

@@ -95,22 +95,6 @@ class TurnTally:
         )
 
 
-def encode_templated_chat(
-    messages: Sequence[tuple[str, str]],
-    tokenizer: CsbpTokenizer,
-    template: ChatTemplate,
-    where: str,
-    last_turn_only: bool = False,
-    reasoning: Sequence[str] = (),
-) -> tuple[list[int], list[int], bool]:
-    """``(ids, loss_mask, whether the EOS after them is the stop to supervise)`` of a chat rendered
-    by ``template`` (no EOS separator appended); ``last_turn_only``: only its last message supervised;
-    ``reasoning``: each message's ``reasoning_content`` ("" for none), or empty."""
-    chat = _render_chat(messages, template, where, last_turn_only, reasoning)
-    encoding = tokenizer.backend.encode(chat.text, add_special_tokens=False)
-    return list(encoding.ids), supervised_tokens(encoding.offsets, chat.spans), chat.eos_is_stop
-
-
 def _render_chat(
     messages: Sequence[tuple[str, str]],
     template: ChatTemplate,

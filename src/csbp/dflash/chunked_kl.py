@@ -18,9 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-
-def _accumulation(*tensors: Tensor) -> torch.dtype:
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+from csbp.attention.merge import accumulation_dtype
 
 
 class _ChunkedForwardKL(torch.autograd.Function):
@@ -33,7 +31,7 @@ class _ChunkedForwardKL(torch.autograd.Function):
         row_weights_R: Tensor,
         chunk_rows: int,
     ) -> Tensor:
-        accum = _accumulation(hidden_RD, weight_VD)
+        accum = accumulation_dtype(hidden_RD, weight_VD)
         total = torch.zeros((), dtype=accum, device=hidden_RD.device)
         for start in range(0, hidden_RD.shape[0], chunk_rows):
             stop = min(start + chunk_rows, hidden_RD.shape[0])
@@ -50,7 +48,7 @@ class _ChunkedForwardKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
         hidden_RD, teacher_RD, weight_VD, row_weights_R = ctx.saved_tensors
-        accum = _accumulation(hidden_RD, weight_VD)
+        accum = accumulation_dtype(hidden_RD, weight_VD)
         grad_hidden = torch.zeros_like(hidden_RD) if ctx.needs_input_grad[0] else None
         grad_weight = (
             torch.zeros(weight_VD.shape, dtype=accum, device=weight_VD.device)
@@ -99,7 +97,7 @@ def scan_rows(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Per row: ``log p(label)`` (accumulation dtype), the argmax token and, if ``top_k > 0``, the
     top-K token ids ``[R, K]`` of ``softmax(W h)``."""
-    accum = _accumulation(hidden_RD, weight_VD)
+    accum = accumulation_dtype(hidden_RD, weight_VD)
     rows = hidden_RD.shape[0]
     log_prob = torch.empty(rows, dtype=accum, device=hidden_RD.device)
     argmax = torch.empty(rows, dtype=torch.long, device=hidden_RD.device)

@@ -15,7 +15,7 @@ Usage::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -23,7 +23,7 @@ from csbp.models.config import DecoderConfig
 from csbp.models.rope import RopeScaling, rope_inverse_frequencies
 
 LayerType = Literal["full_attention", "sliding_attention"]
-LAYER_TYPES: tuple[str, ...] = ("full_attention", "sliding_attention")
+LAYER_TYPES: tuple[str, ...] = get_args(LayerType)
 WEIGHTINGS: tuple[str, ...] = (
     "decay",
     "dpace",

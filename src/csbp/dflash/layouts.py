@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from csbp.attention.draft_counts import deal_order
+from csbp.attention.draft_counts import context_stop, deal_order
 from csbp.attention.rows import Rows
 from csbp.dflash.config import DFlashConfig
 from csbp.schedules import zigzag_positions
@@ -134,13 +134,6 @@ class AnchorPacket:
 
     def __len__(self) -> int:
         return int(self.anchors.shape[0])
-
-
-def context_stop(anchors: Tensor, context: str) -> Tensor:
-    """One past the last visible context position: ``a`` (strict) or ``a + 1`` (inclusive)."""
-    if context not in ("strict", "inclusive"):
-        raise ValueError(f"context must be 'strict' or 'inclusive', got {context!r}")
-    return anchors if context == "strict" else anchors + 1
 
 
 def full_packet(anchors: Tensor, doc_start: Tensor) -> AnchorPacket:

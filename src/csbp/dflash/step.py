@@ -203,7 +203,6 @@ class DFlashStepOutput:
 
     loss: Tensor
     loss_value: float
-    main_value: float
     selector_value: float
     metrics: dict[str, float]
 
@@ -314,7 +313,7 @@ class DFlashStep:
         }
         if drafter.selector is not None:
             metrics["candidate_recall"] = sums["covered"] / max(sums["supervised"], 1.0)
-        return DFlashStepOutput(loss, main + selector_scale * selector, main, selector, metrics)
+        return DFlashStepOutput(loss, main + selector_scale * selector, selector, metrics)
 
     # ---- helpers -------------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.bench.measure import PeakMemory
 from csbp.bench.spread import format_spread
-from csbp.devices import tensors_to
+from csbp.devices import synchronize, tensors_to
 from csbp.dflash.anchors import segment_starts
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, default_target_layer_ids
 from csbp.dflash.drafter import DFlashDrafter
@@ -104,10 +104,6 @@ class TableRow:
     step_times_s: tuple[float, ...] | None = None  # every timed step; ``step_time_s`` is their median
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 class _PeakBytes:
     """Absolute peak allocated bytes on CUDA, resident-set growth on the CPU."""
@@ -155,11 +151,11 @@ def _measure(step: StepFn, cfg: TableConfig, device: torch.device) -> Measured:
     times: list[float] = []
     peak, loss = 0, float("nan")
     for index in range(cfg.warmup + cfg.repeats):
-        _synchronize(device)
+        synchronize(device)
         with _PeakBytes(device) as memory:
             start = time.perf_counter()
             loss = step(index)
-            _synchronize(device)
+            synchronize(device)
             elapsed = time.perf_counter() - start
         if index >= cfg.warmup or elapsed > cfg.long_step_s:
             times.append(elapsed)

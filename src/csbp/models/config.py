@@ -105,11 +105,6 @@ class DecoderConfig:
         """Biases on the q/k/v projections (``attention_bias`` or ``qkv_bias``)."""
         return self.attention_bias or self.qkv_bias
 
-    @property
-    def num_kv_groups(self) -> int:
-        """Query heads per key/value head."""
-        return self.num_heads // self.num_kv_heads
-
     def num_parameters(self, *, include_embeddings: bool = True) -> int:
         """Exact number of trainable parameters of ``Decoder(self)``.
 

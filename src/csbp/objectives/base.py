@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, get_args, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -28,7 +28,7 @@ from torch import Tensor
 from csbp.objectives.chunked_ce import IGNORE_INDEX, chunked_weighted_ce
 
 DenominatorRule = Literal["supervised_tokens", "all_tokens"]
-DENOMINATOR_RULES: tuple[str, ...] = ("supervised_tokens", "all_tokens")
+DENOMINATOR_RULES: tuple[str, ...] = get_args(DenominatorRule)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ All levels are float64 and drawn from the given CPU generator, so they are repro
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 NoiseScheme = Literal["rotated_lattice", "stratified", "uniform"]
-NOISE_SCHEMES: tuple[str, ...] = ("rotated_lattice", "stratified", "uniform")
+NOISE_SCHEMES: tuple[str, ...] = get_args(NoiseScheme)
 
 
 def _check_count(num_slots: int) -> None:

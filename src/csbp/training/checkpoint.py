@@ -76,6 +76,7 @@ def checkpoint_name(step: int) -> str:
 
 
 def checkpoints_root(run_dir: Path) -> Path:
+    """``RUN/checkpoints``: where a run's checkpoints live."""
     return Path(run_dir) / CHECKPOINT_DIR
 
 

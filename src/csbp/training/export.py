@@ -133,7 +133,7 @@ def export_checkpoint(
     """Export the decoder of training checkpoint ``checkpoint`` to ``out``; returns ``(out, run
     config, step)``. Everything is checked before ``out`` is written; ``warn`` receives what the
     export lacks (a tokenizer directory that is gone: :mod:`csbp.training.export_tokenizer`)."""
-    check_out_outside_checkpoints(out, checkpoints_root(checkpoint))
+    check_out_outside_checkpoints(out, checkpoints_dir_of(checkpoint))
     cfg = checkpoint_config(checkpoint)
     if cfg.objective.name == "dflash":
         raise ValueError(
@@ -160,7 +160,7 @@ def export_checkpoint(
     return path, cfg, read_training_state(checkpoint).step
 
 
-def checkpoints_root(checkpoint: Path) -> Path:
+def checkpoints_dir_of(checkpoint: Path) -> Path:
     """The directory whose checkpoints ``checkpoint`` is one of (``RUN/checkpoints``), else itself."""
     return checkpoint.parent if checkpoint.parent.name == "checkpoints" else checkpoint
 

@@ -67,13 +67,6 @@ class LocalAttentionPlan:
     interval_plan: PartialPlan
     block_plan: PartialPlan | None = None
 
-    @property
-    def interval_key_rows(self) -> Rows:
-        """Key rows of the interval partial."""
-        if self.block_size is None:
-            return self.key_rows
-        return self.key_rows.select(slice(self.num_noisy, None))
-
 
 def build_local_attention_plan(
     rows: Rows,
