@@ -26,7 +26,6 @@ from csbp.dflash.verify import DFlashVerifyCase
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import single_process_context
 from csbp.engine.fuzz import describe, draw_case, run_cases
-from csbp.engine.fuzz_invalid import INVALID_KINDS, check_fails_closed, draw_invalid
 from csbp.engine.verify import (
     GRADIENT_FLOOR,
     VerifyCase,
@@ -36,6 +35,7 @@ from csbp.engine.verify import (
     reference,
 )
 from csbp.topology import Topology
+from fuzz_invalid import INVALID_KINDS, check_fails_closed, draw_invalid
 
 
 def test_draws_are_reproducible_and_cover_the_knobs() -> None:

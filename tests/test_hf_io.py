@@ -260,7 +260,7 @@ def test_export_is_atomic_and_refuses_to_clobber(tmp_path: Path, monkeypatch: py
     monkeypatch.undo()
 
     export_hf_checkpoint(model, config, target)
-    with pytest.raises(ValueError, match="overwrite=True"):
+    with pytest.raises(ValueError, match="already exists .*pass --overwrite"):
         export_hf_checkpoint(model, config, target)
     other = Decoder(config, seed=9)
     export_hf_checkpoint(other, config, target, overwrite=True)

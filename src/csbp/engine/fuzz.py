@@ -30,7 +30,7 @@ that cannot fail) gets fully supervised rows until it scores something.
 Each draw is reproducible alone: case ``i`` of ``csbp verify --random N --seed S`` is
 ``draw_case(S + i)``, so ``csbp verify --random 1 --seed S+i`` reruns it.
 
-Invalid run configs drawn at random live in :mod:`csbp.engine.fuzz_invalid`.
+Invalid run configs drawn at random, each to be refused, are drawn by the tests (``tests/fuzz_invalid.py``).
 """
 
 from __future__ import annotations
