@@ -285,6 +285,10 @@ def test_a_value_out_of_range_gets_a_fix_that_states_the_range(tmp_path: Path) -
     assert error_lines(tiny(tmp_path), "train.max_steps=-5") == [
         "--set: train.max_steps: must be > 0, got -5 (fix: set it to a value > 0 (Optimizer steps))"
     ]
+    # a seed past 2^64 validated, then failed in torch.manual_seed after the launch ("Overflow when unpacking")
+    (line,) = error_lines(tiny(tmp_path), "run.seed=99999999999999999999")
+    assert line.startswith("--set: run.seed: must be <= 9223372036854775807, got 99999999999999999999 (fix: ")
+    assert load_config(tiny(tmp_path), [f"run.seed={2**63 - 1}"]).run.seed == 2**63 - 1
 
 
 def test_a_rule_error_names_only_the_overrides_it_is_about(tmp_path: Path) -> None:

@@ -38,6 +38,10 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+MAX_SEED = 2**63 - 1
+"""The largest ``run.seed``: a 99999999999999999999 validated, then failed in ``torch.manual_seed``."""
+
+
 class RunSection(_Section):
     """Identity of the run: its name, the global seed and where its outputs go."""
 
@@ -47,7 +51,9 @@ class RunSection(_Section):
         description="Run name, used for the default run directory (runs/<name>) and in logs: one path "
         "component (no '/' or '\\', not starting with '.').",
     )
-    seed: int = Field(0, ge=0, description="Global seed of initialisation, data order and corruption.")
+    seed: int = Field(  # torch takes seeds below 2^64; the bound leaves room for the seeds derived by adding
+        0, ge=0, le=MAX_SEED, description="Global seed of initialisation, data order and corruption."
+    )
     run_dir: str | None = path_field(
         None, description="Directory for checkpoints, logs and config.yaml (default: runs/<name>)."
     )
