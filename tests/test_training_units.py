@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -131,11 +132,16 @@ def test_latest_pointer_must_name_a_complete_checkpoint(tmp_path: Path) -> None:
     assert find_latest_checkpoint(tmp_path) == root / "step_0000005"
 
 
-def test_prune_keeps_the_newest_and_the_protected_checkpoint(tmp_path: Path) -> None:
+def test_prune_keeps_the_newest_and_the_protected_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for step in (1, 2, 3, 10):
         (tmp_path / f"step_{step:07d}").mkdir()
     (tmp_path / "step_0000011.tmp").mkdir()
+    (tmp_path / ".step_0000000.pruning").mkdir()  # a crash's leftover: deleted by the next prune
+    deleted: list[str] = []
+    rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda path, **kw: deleted.append(Path(path).name) or rmtree(path, **kw))
     prune_checkpoints(tmp_path, keep=2, protect="step_0000001")
+    assert sorted(deleted) == [".step_0000000.pruning", ".step_0000002.pruning"]  # renamed first, then deleted
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step_0000001",
         "step_0000003",

@@ -33,27 +33,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_export)
 
 
+LIVE_RUN_TRIES = 3
+"""Exports of a run directory's newest checkpoint tried while the live run prunes each one under it."""
+
+
 def run_export(args: argparse.Namespace) -> int:
-    from csbp.training.checkpoint_integrity import find_resume_checkpoint
-    from csbp.training.export import export_checkpoint
+    from csbp.training.export import CheckpointVanished, export_checkpoint
 
     checkpoint: Path = args.checkpoint
     if not checkpoint.is_dir():
         raise ValueError(f"{checkpoint} is not a directory (fix: pass RUN/checkpoints/step_N or a run directory)")
-    if not (checkpoint / "trainer_state.json").is_file():
-        run_dir = checkpoint.parent if checkpoint.name == "checkpoints" else checkpoint
-        latest = find_resume_checkpoint(
-            run_dir, warn=lambda line: print(line, file=sys.stderr), caller="export",
-            fix="restore the files, or export another run's checkpoint",
-        )
-        if latest is None:
-            raise ValueError(
-                f"{checkpoint} holds no training checkpoint (fix: pass RUN/checkpoints/step_N, or a run directory "
-                "with checkpoints/)"
+    is_run = not (checkpoint / "trainer_state.json").is_file()
+    for attempt in range(1, LIVE_RUN_TRIES + 1):
+        chosen = _newest_checkpoint(checkpoint) if is_run else checkpoint
+        try:
+            out, cfg, step = export_checkpoint(
+                chosen, args.out, overwrite=args.overwrite, warn=lambda line: print(line, file=sys.stderr)
             )
-        checkpoint = latest
-    out, cfg, step = export_checkpoint(
-        checkpoint, args.out, overwrite=args.overwrite, warn=lambda line: print(line, file=sys.stderr)
-    )
-    print(f"exported {checkpoint} (run {cfg.run.name}, step {step}, {cfg.objective.name}) -> {out}")
+            break
+        except CheckpointVanished:
+            if not is_run or attempt == LIVE_RUN_TRIES:
+                raise
+            print(f"note: {chosen.name} was pruned by its run while it was read; exporting the newest again",
+                  file=sys.stderr)
+    print(f"exported {chosen} (run {cfg.run.name}, step {step}, {cfg.objective.name}) -> {out}")
     return 0
+
+
+def _newest_checkpoint(run_or_checkpoints: Path) -> Path:
+    """The checkpoint ``--resume`` would take in a run directory (or its ``checkpoints/``)."""
+    from csbp.training.checkpoint_integrity import find_resume_checkpoint
+
+    run_dir = run_or_checkpoints.parent if run_or_checkpoints.name == "checkpoints" else run_or_checkpoints
+    latest = find_resume_checkpoint(
+        run_dir, warn=lambda line: print(line, file=sys.stderr), caller="export",
+        fix="restore the files, or export another run's checkpoint",
+    )
+    if latest is None:
+        raise ValueError(
+            f"{run_or_checkpoints} holds no training checkpoint (fix: pass RUN/checkpoints/step_N, or a run directory "
+            "with checkpoints/)"
+        )
+    return latest

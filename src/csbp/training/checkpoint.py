@@ -329,17 +329,34 @@ def _publish(staging: Path, final: Path) -> None:
     _fsync_directory(final.parent)
 
 
+PRUNING_SUFFIX = ".pruning"
+"""A pruned checkpoint is renamed ``.step_N.pruning`` before it is deleted (a crash's leftover is
+deleted by the next prune)."""
+
+
 def prune_checkpoints(root: Path, *, keep: int, protect: str) -> None:
     """Delete all but the newest ``keep`` ``step_*`` directories of ``root``, never ``protect``
-    (staging ``.tmp`` directories are left to the next save of their step)."""
+    (staging ``.tmp`` directories are left to the next save of their step).
+
+    Each goes in one rename before its files are deleted: a reader (``csbp export`` of a live run)
+    then finds the whole checkpoint gone, never a half-deleted one it would call damaged."""
+    entries = list(root.iterdir())
+    for entry in entries:
+        if entry.name.startswith(".") and entry.name.endswith(PRUNING_SUFFIX):
+            shutil.rmtree(entry, ignore_errors=True)
     steps = sorted(
         (int(match.group(1)), entry)
-        for entry in root.iterdir()
+        for entry in entries
         if entry.is_dir() and (match := _NAME_PATTERN.match(entry.name))
     )
     for _, entry in steps[:-keep] if keep > 0 else steps:
         if entry.name != protect:
-            shutil.rmtree(entry, ignore_errors=True)
+            doomed = entry.with_name(f".{entry.name}{PRUNING_SUFFIX}")
+            try:
+                os.replace(entry, doomed)
+            except OSError:  # gone already, or a filesystem that refuses: delete it where it is
+                doomed = entry
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load_checkpoint(

@@ -134,7 +134,26 @@ def export_checkpoint(
     config, step)``. Everything is checked before ``out`` is written; ``warn`` receives what the
     export lacks (a tokenizer directory that is gone: :mod:`csbp.training.export_tokenizer`)."""
     check_out_outside_checkpoints(out, checkpoints_dir_of(checkpoint))
+    try:
+        return _export_checkpoint(checkpoint, out, overwrite=overwrite, warn=warn)
+    except (ValueError, OSError) as exc:
+        if checkpoint.is_dir():
+            raise
+        raise CheckpointVanished(
+            f"{checkpoint} was deleted while it was read: its run pruned it (train.keep_checkpoints) "
+            "(fix: export a checkpoint the run keeps, or export RUN: its newest)"
+        ) from exc
+
+
+class CheckpointVanished(ValueError):
+    """The checkpoint being exported was deleted under the export (a live run's pruning)."""
+
+
+def _export_checkpoint(
+    checkpoint: Path, out: Path, *, overwrite: bool, warn: Callable[[str], None] | None
+) -> tuple[Path, RunConfig, int]:
     cfg = checkpoint_config(checkpoint)
+    step = read_training_state(checkpoint).step  # before anything is published: the checkpoint may go
     if cfg.objective.name == "dflash":
         raise ValueError(
             f"{checkpoint} is a DFlash drafter checkpoint (fix: csbp dflash export --checkpoint {checkpoint} "
@@ -157,7 +176,7 @@ def export_checkpoint(
     safe_dcp_load(loaded, checkpoint, no_dist=True)
     model.load_state_dict(loaded["model"], strict=True, assign=True)
     path = export_decoder(cfg, inputs, model, out, overwrite=overwrite)
-    return path, cfg, read_training_state(checkpoint).step
+    return path, cfg, step
 
 
 def checkpoints_dir_of(checkpoint: Path) -> Path:
