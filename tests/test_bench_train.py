@@ -242,5 +242,5 @@ def test_bad_input_prints_only_its_error_line(bench: str, capsys: pytest.Capture
     assert main(["bench", bench, "--seq-lens", "1000", "--nproc", "4"]) == 2
     out, err = capsys.readouterr()  # the header waits until every input is checked
     assert out == ""
-    assert err == ("csbp: error: --seq-lens 1000 is not a multiple of --block-size 16 (fix: --seq-lens 992 or 1008, or "
-                   "--block-size 10 or 20)\n")
+    assert err == ("csbp: error: --seq-lens 1000 is not a multiple of --block-size 16 (fix: --seq-lens 960 or 1024, or "
+                   "--block-size 10 or 25)\n")  # each meets every rule of the layouts (992 was refused next)

@@ -84,7 +84,7 @@ def test_random_cases_run_on_the_named_backend(tmp_path, capsys: pytest.CaptureF
         (["--random", "2", "--clean", "pieces"], "--random draws the attention kernels itself: drop --clean"),
         (["--nproc", "2", "--objective", "dflash", "--backend", "tiles", "--diagonal", "flex"], "--diagonal=flex needs"),
         (["--nproc", "4", "--cp", "3", "--bp", "4"], "--cp 3 --bp 4: not a fused CSBP layout: --bp must be a multiple of --cp"),
-        (["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "30"], "--seq-len 30 is not a multiple of --block-size 4 (fix: --seq-len 28 or 32, or --block-size 3 or 5)"),
+        (["--nproc", "2", "--cp", "2", "--bp", "2", "--seq-len", "30"], "--seq-len 30 is not a multiple of --block-size 4 (fix: --seq-len 16 or 32)"),
         (["--nproc", "4", "--bp", "4", "--seq-len", "12"], "bp"),
         # one block covering the whole row: the train config refuses it (objective.block_size), so does verify
         (["--nproc", "1", "--seq-len", "8", "--block-size", "8"], "--block-size 8 must be below --seq-len 8 for bd3"),

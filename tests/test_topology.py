@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from csbp.topology import RankCoords, Topology
@@ -114,12 +116,37 @@ def test_validate_sequence_accepts(topology, seq_len, block_size):
         (Topology(), 0, 2, r"seq_len must be a positive integer"),
         (Topology(), 8, 0, r"block_size must be a positive integer"),
         (Topology(bp=4, replicate_clean_prefix=True), 6, 2, r"3 blocks .* fewer than bp=4 \(fix: seq_len >= 8"),
-        (Topology(cp=4), 24, 4, r"multiple of cp\*block_size .* = 16 .* \(fix: seq_len=16 or 32\)"),
-        (Topology(cp=2, bp=2), 24, 4, r"multiple of 2\*cp\*block_size .* = 16 .* \(fix: seq_len=16 or 32\)"),
-        (Topology(cp=2, bp=4), 10, 1, r"multiple of 2\*cp\*block_size .* = 4 .* \(fix: seq_len=8 or 12\)"),
+        (Topology(cp=4), 24, 4, r"multiple of cp\*block_size .* = 16 .* \(fix: seq_len=16 or 32, or block_size=3 or 6\)"),
+        (Topology(cp=2, bp=2), 24, 4, r"multiple of 2\*cp\*block_size .* = 16 .* \(fix: seq_len=16 or 32, or block_size=3 or 6\)"),
+        (Topology(cp=2, bp=4), 10, 1, r"multiple of 2\*cp\*block_size .* = 4 .* \(fix: seq_len=8 or 12\)$"),
+        (Topology(cp=2, bp=2), 30, 4, r"not a multiple of block_size=4 \(fix: seq_len=16 or 32\)$"),  # 28 was refused next
         (Topology(cp=2, bp=4), 12, 4, r"3 blocks .* fewer than bp=4"),
     ],
 )
 def test_validate_sequence_rejects(topology, seq_len, block_size, match):
     with pytest.raises(ValueError, match=match):
         topology.validate_sequence(seq_len, block_size)
+
+
+@pytest.mark.parametrize("cp, bp", [(1, 1), (2, 1), (4, 1), (1, 4), (2, 2), (2, 4), (3, 6)])
+def test_every_suggested_sequence_fix_is_accepted(cp: int, bp: int) -> None:
+    """`--seq-len 30` on cp2/bp2 suggested 28 (refused next: a multiple of 16 is needed) and block sizes 3
+    or 5 (refused too): every length and block size a refusal suggests now passes every rule."""
+    topology = Topology(cp=cp, bp=bp, replicate_clean_prefix=cp == 1 and bp > 1)
+    refused = 0
+    for seq_len in range(1, 80):
+        for block_size in range(1, 9):
+            try:
+                topology.validate_sequence(seq_len, block_size)
+                continue
+            except ValueError as exc:
+                fix = str(exc).split("(fix: ", 1)[1]
+            refused += 1
+            lengths = re.search(r"seq_len(?:=| >= )([\d or]+)", fix)
+            assert lengths, fix
+            for suggested in map(int, lengths.group(1).split(" or ")):
+                topology.validate_sequence(suggested, block_size)
+            blocks = re.search(r"block_size=([\d or]+)", fix)
+            for suggested in map(int, blocks.group(1).split(" or ")) if blocks else ():
+                topology.validate_sequence(seq_len, suggested)
+    assert refused > 100

@@ -142,26 +142,43 @@ class Topology:
         if seq_len % block_size != 0:
             raise ValueError(
                 f"seq_len={seq_len} is not a multiple of block_size={block_size} "
-                f"(fix: seq_len={_nearest_multiples(seq_len, block_size)}, "
-                f"or block_size={_nearest_divisors(seq_len, block_size)})"
+                f"(fix: {self._sequence_fixes(seq_len, block_size)})"
             )
         num_blocks = seq_len // block_size
+        chunks = self._chunks_per_block()
         if num_blocks < self.bp:
+            shortest = _next_multiple(self.bp * block_size, chunks * block_size)
             raise ValueError(
                 f"seq_len={seq_len} gives {num_blocks} blocks of block_size={block_size}, fewer than "
-                f"bp={self.bp} (fix: seq_len >= {self.bp * block_size}, or a smaller bp or block_size)"
+                f"bp={self.bp} (fix: seq_len >= {shortest}, or a smaller bp or block_size)"
             )
-        if self.layout == "cp":
-            unit, what = self.cp * block_size, "cp*block_size (zigzag chunks of [x_t ; x_0])"
-        elif self.layout == "csbp":
-            unit, what = 2 * self.cp * block_size, "2*cp*block_size (zigzag clean chunks)"
-        else:
+        if chunks == 1:
             return
-        if seq_len % unit != 0:
+        what = "cp*block_size (zigzag chunks of [x_t ; x_0])" if self.layout == "cp" else (
+            "2*cp*block_size (zigzag clean chunks)")
+        if seq_len % (chunks * block_size) != 0:
             raise ValueError(
-                f"seq_len={seq_len} must be a multiple of {what} = {unit} for cp={self.cp}, "
-                f"block_size={block_size} (fix: seq_len={_nearest_multiples(seq_len, unit)})"
+                f"seq_len={seq_len} must be a multiple of {what} = {chunks * block_size} for cp={self.cp}, "
+                f"block_size={block_size} (fix: {self._sequence_fixes(seq_len, block_size)})"
             )
+
+    def _chunks_per_block(self) -> int:
+        """What a sequence length must be a multiple of, in blocks: ``cp`` (CP-only's zigzag chunks of
+        ``[x_t ; x_0]``), ``2*cp`` (fused CSBP's zigzag clean chunks), else 1."""
+        return {"cp": self.cp, "csbp": 2 * self.cp}.get(self.layout, 1)
+
+    def _sequence_fixes(self, seq_len: int, block_size: int) -> str:
+        """``seq_len=a or b, or block_size=c or d``: the nearest lengths and block sizes that meet every
+        rule of this layout (a fix for one rule that the next refused sent the user round in circles)."""
+        chunks = self._chunks_per_block()
+        unit = chunks * block_size
+        shortest = _next_multiple(self.bp * block_size, unit)
+        below = (seq_len // unit) * unit
+        lengths = [n for n in (below, below + unit) if n >= shortest and n != seq_len] or [max(shortest, below + unit)]
+        fixes = f"seq_len={' or '.join(str(n) for n in lengths)}"
+        fitting = [d for d in _divisors(seq_len) if seq_len % (chunks * d) == 0 and seq_len // d >= self.bp]
+        blocks = [d for d in fitting if d < block_size][-1:] + [d for d in fitting if d > block_size][:1]
+        return fixes + (f", or block_size={' or '.join(str(d) for d in blocks)}" if blocks else "")
 
 
 def sequence_error_in_flags(message: str, *, seq_len: str = "--seq-len", block_size: str = "--block-size") -> str:
@@ -175,17 +192,7 @@ def _next_multiple(value: int, unit: int) -> int:
     return -(-value // unit) * unit
 
 
-def _nearest_multiples(value: int, unit: int) -> str:
-    """``"a or b"``: the multiples of ``unit`` just below and above ``value`` (positive only)."""
-    below = (value // unit) * unit
-    above = below + unit
-    return f"{below} or {above}" if below > 0 else str(above)
-
-
-def _nearest_divisors(value: int, near: int) -> str:
-    """``"a or b"``: the divisors of ``value`` just below and above ``near`` (one if the other is none)."""
+def _divisors(value: int) -> list[int]:
+    """The divisors of ``value``, ascending."""
     small = [d for d in range(1, math.isqrt(value) + 1) if value % d == 0]
-    divisors = sorted({*small, *(value // d for d in small)})
-    below = [d for d in divisors if d < near][-1:]
-    above = [d for d in divisors if d > near][:1]
-    return " or ".join(str(d) for d in below + above)
+    return sorted({*small, *(value // d for d in small)})
