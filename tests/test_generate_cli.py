@@ -60,6 +60,22 @@ def test_cli_prints_prompt_and_completion(checkpoint: Path, capsys: pytest.Captu
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert re.fullmatch(rf"words found in {re.escape(str(checkpoint.parent / 'known.txt'))}: \d+/\d+ \(\d+\.\d%\)", line)
     assert known_word_fraction("the fox,  jumps\nthe", {"the", "fox"}) == (2, 4)  # "fox," is not "fox"
+    # --samples: seeds 3 and 4 drawn one after the other, as two runs with those seeds draw them, then pooled
+    sampling = [*argv, "--temperature", "1.0", "--top-k", "50", "--known-words", str(checkpoint.parent / "known.txt")]
+    singles = []
+    for seed in (3, 4):
+        args = parse([*sampling, "--seed", str(seed)])
+        assert args.func(args) == 0
+        singles.append(capsys.readouterr().out.splitlines())
+    args = parse([*sampling, "--seed", "3", "--samples", "2"])
+    assert args.func(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for seed, single in zip((3, 4), singles):
+        at = lines.index(single[1].replace("completion: ", f"completion (seed {seed}): ", 1))
+        assert lines[at + 2] == single[3]  # the same completion and share
+    counts = [tuple(map(int, re.search(r"(\d+)/(\d+)", single[3]).groups())) for single in singles]
+    known, total = (sum(c[i] for c in counts) for i in (0, 1))
+    assert lines[-1].startswith(f"words found in {checkpoint.parent / 'known.txt'} over 2 samples: {known}/{total} (")
     args = parse([*argv, *"--temperature 0.8 --top-k 5 --seed 2 --objective fast_dllm_v2".split()])
     assert args.func(args) == 0
     assert "[fast_dllm_v2, 10 tokens" in capsys.readouterr().out

@@ -39,7 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +132,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "decodes blocks of 32 in sub-blocks of 8); a divisor of the block size (default: the whole block)",
     )
     parser.add_argument("--seed", type=int_at_least(0), default=0)
+    parser.add_argument(
+        "--samples", type=positive_int, default=1,
+        help="completions to draw, with seeds --seed, --seed+1, ...; with --known-words the share is also given over "
+        "all of them (one draw's share varies widely from seed to seed)",
+    )
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     parser.add_argument(
         "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
@@ -368,20 +373,27 @@ def run_generate(args: argparse.Namespace) -> int:
     model, _ = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
     model.eval()
     print_notes(notes)
-    started = time.perf_counter()
-    result = generate(model, prompt_ids, mask_token_id=mask_token_id, eos_id=stop_ids, config=config)
-    elapsed = time.perf_counter() - started
     print(f"prompt: {args.prompt}")
-    print(f"completion: {tokenizer.decode(result.token_ids)}")
-    stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
-    print(
-        f"[{objective}, {len(result.token_ids)} tokens, {len(result.block_starts)} block{'s' if len(result.block_starts) != 1 else ''} of {block_size}, "
-        f"{counted(len(result.unmask_steps), 'denoising step')}, "
-        f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
-        f"{elapsed:.2f} s on {device}]"
-    )
-    if known_words is not None:
-        print(known_words.line(tokenizer.decode(result.token_ids)))
+    completions = []
+    for seed in range(args.seed, args.seed + args.samples):
+        started = time.perf_counter()
+        result = generate(
+            model, prompt_ids, mask_token_id=mask_token_id, eos_id=stop_ids, config=replace(config, seed=seed)
+        )
+        elapsed = time.perf_counter() - started
+        completions.append(tokenizer.decode(result.token_ids))
+        print(f"completion{f' (seed {seed})' if args.samples > 1 else ''}: {completions[-1]}")
+        stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
+        print(
+            f"[{objective}, {len(result.token_ids)} tokens, {counted(len(result.block_starts), 'block')} of {block_size}, "
+            f"{counted(len(result.unmask_steps), 'denoising step')}, "
+            f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
+            f"{elapsed:.2f} s on {device}]"
+        )
+        if known_words is not None:
+            print(known_words.line(completions[-1]))
+    if known_words is not None and args.samples > 1:
+        print(known_words.line(" ".join(completions), samples=args.samples))
     return 0
 
 
@@ -404,9 +416,11 @@ class KnownWords:
             raise ValueError(f"--known-words {source}: not a text file (fix: pass a text file or demo-corpus)")
         return cls(source, corpus_words(files))
 
-    def line(self, completion: str) -> str:
-        """``words found in <source>: k/n (p%)`` for the completion's whitespace-separated words."""
+    def line(self, completion: str, *, samples: int = 1) -> str:
+        """``words found in <source>: k/n (p%)`` for the completion's whitespace-separated words
+        (``... in <source> over N samples: ...`` for the words of ``samples`` completions)."""
         from csbp.data.corpus import known_word_fraction
 
         known, total = known_word_fraction(completion, self.words)
-        return f"words found in {self.source}: {known}/{total} ({100.0 * known / max(total, 1):.1f}%)"
+        over = f" over {samples} samples" if samples > 1 else ""
+        return f"words found in {self.source}{over}: {known}/{total} ({100.0 * known / max(total, 1):.1f}%)"
