@@ -91,7 +91,7 @@ def test_random_cases_run_on_the_named_backend(tmp_path, capsys: pytest.CaptureF
         (["--nproc", "2", "--cp", "2", "--bp", "2", "--objective", "dflash", "--seq-len", "30"], "2*cp=4"),
         (["--nproc", "2", "--objective", "dflash", "--dtype", "float32"], "drop --dtype"),
         # found by the random CLI sweep: a Topology.dp=0 message, and flags dflash silently ignored
-        (["--nproc", "2", "--cp", "4"], "--nproc 2 is not a multiple of max(--cp, --bp) = 4: use --nproc 4"),
+        (["--nproc", "2", "--cp", "4"], "--nproc 2 is not a multiple of max(--cp, --bp) = 4 (fix: --nproc 4, or set --dp)"),
         (["--nproc", "2", "--objective", "dflash", "--block-size", "8"], "drop --block-size"),
         (["--nproc", "2", "--objective", "dflash", "--schedule", "contiguous"], "drop --schedule"),
         # one-token documents leave a drafter no anchor: refused up front, not after the table's header

@@ -25,6 +25,7 @@ from csbp.bench.kernels import DTYPES, KernelRecord, run_kernel_bench
 from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread
 from csbp.cli.options import positive_int
 from csbp.figures import save_figure
+from csbp.wording import counted
 
 
 def format_header() -> str:
@@ -190,12 +191,12 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible to this process")
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    threads = f", {counted(torch.get_num_threads(), 'thread')}" if device.type == "cpu" else ""
     flex_note = ""
     if any(resolve_backend(check_backend(name), device) == "flex" for name in args.backends):
         flex_note = f", flex backward {resolve_flex_backward(args.flex_backward, where='--flex-backward')}"
     header = (
-        f"csbp bench kernels: device={device}{threads} dtype={dtype} heads={args.num_heads}/{args.num_kv_heads}x"
+        f"csbp bench kernels: device={device}{threads}, dtype={dtype}, heads={args.num_heads}/{args.num_kv_heads}x"
         f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} repeats, ± half their range "
         f"({args.clock} clock)"
         f"{flex_note}\n"

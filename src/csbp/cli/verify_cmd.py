@@ -104,8 +104,8 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
         found = layouts_for(args.nproc)
         if args.transport == "streaming" and all(t.cp == 1 for t in found):  # was: ran, the flag ignored
             raise ValueError(
-                f"--transport streaming needs a CP ring, and no layout of --nproc {args.nproc} has cp > 1: "
-                "use --nproc 2 or more, or drop --transport"
+                f"--transport streaming needs a CP ring, and no layout of --nproc {args.nproc} has cp > 1 "
+                "(fix: --nproc 2 or more, or drop --transport)"
             )
         return found
     cp, bp = args.cp or 1, args.bp or 1
@@ -113,14 +113,14 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
     local = max(cp, bp)
     if args.dp is None and args.nproc % local:  # was: "Topology.dp must be a positive integer, got 0"
         raise ValueError(
-            f"--nproc {args.nproc} is not a multiple of max(--cp, --bp) = {local}: "
-            f"use --nproc {max(local, args.nproc - args.nproc % local)} or set --dp"
+            f"--nproc {args.nproc} is not a multiple of max(--cp, --bp) = {local} "
+            f"(fix: --nproc {max(local, args.nproc - args.nproc % local)}, or set --dp)"
         )
     dp = args.dp if args.dp is not None else args.nproc // local
     topology = Topology(dp=dp, cp=cp, bp=bp, replicate_clean_prefix=(cp == 1 and bp > 1))
     topology.check_world_size(args.nproc)
     if args.transport == "streaming" and cp == 1:  # was: verified, the flag ignored (the train config refuses it)
-        raise ValueError("--transport streaming needs a CP ring (--cp > 1): set --cp 2 or more, or drop --transport")
+        raise ValueError("--transport streaming needs a CP ring (--cp > 1) (fix: --cp 2 or more, or drop --transport)")
     return [topology]
 
 

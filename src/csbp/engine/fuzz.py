@@ -60,7 +60,7 @@ def check_nproc(max_nproc: int) -> None:
     if isinstance(max_nproc, bool) or not isinstance(max_nproc, int) or not 2 <= max_nproc <= MAX_NPROC:
         raise ValueError(
             f"--nproc {max_nproc}: --random draws layouts on 2 to {MAX_NPROC} processes "
-            f"(one process would compare the reference with itself): use --nproc {min(max(max_nproc, 2), MAX_NPROC)}"
+            f"(one process would compare the reference with itself) (fix: --nproc {min(max(max_nproc, 2), MAX_NPROC)})"
         )
 
 
@@ -368,7 +368,7 @@ def run_sweep(
     backend: str = "tiles",
 ) -> list[FuzzResult]:
     """Draw and verify ``draw_case(seed, max_nproc)`` for every seed (see :func:`run_cases`), its
-    layouts on attention ``backend`` (the reference always runs the tiles): the draws do not depend
+    layouts on attention ``backend`` (the reference is always the dense oracle): the draws do not depend
     on it, so a seed names the same case on either backend."""
     drawn = [(seed, draw_case(seed, max_nproc)) for seed in seeds]
     if backend != "tiles":
