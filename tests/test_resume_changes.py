@@ -208,3 +208,27 @@ def test_a_refused_dflash_resume_does_not_offer_model_init_from() -> None:
                        r"conv_kernel_size: 0 to resume, or start a new run directory \(a DFlash") as caught:
         resume_changes(yaml.safe_dump(saved.model_dump(mode="json")), changed, Path("ckpt"), 2)
     assert "init_from" not in str(caught.value)
+
+
+def test_chunking_capture_and_validation_size_may_change_on_resume() -> None:
+    """They were refused as fields that "define the trained model": the loss's chunking (so a resume that ran
+    out of memory could not lower it), the DFlash target's capture layout and its validation's size."""
+    import yaml
+
+    from csbp.config import config_from_dict
+    from csbp.training.resume_config import resume_changes
+    from test_config import dflash_changes, with_changes
+
+    saved = config_from_dict(with_changes(dflash_changes()))
+    free = {"objective.ce_chunk_rows": 64, "objective.dflash.target_capture": "replicated",
+            "objective.dflash.eval_prompts": 1, "objective.dflash.eval_new_tokens": 8}
+    for name, value in free.items():
+        changed = config_from_dict(with_changes(dflash_changes() | {name: value}))
+        assert flat_value(changed, name) != flat_value(saved, name)
+        assert resume_changes(yaml.safe_dump(saved.model_dump(mode="json")), changed, Path("ckpt"), 2) == [], name
+
+
+def flat_value(cfg: object, name: str) -> object:
+    from csbp.training.resume_config import flat_config
+
+    return flat_config(cfg.model_dump(mode="json"))[name]  # type: ignore[attr-defined]

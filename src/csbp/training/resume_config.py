@@ -55,6 +55,13 @@ FREE = (
     "data.val",
     "data.tokenizer",
     "model.dtype",
+    # what computes the same training another way, or only measures it: the LM-head loss's chunking (a memory
+    # knob: lowering it rescues a resume that ran out of memory), the DFlash target's capture under CP
+    # (sharded or replicated: equal to round-off) and the speculative-decoding validation's size
+    "objective.ce_chunk_rows",
+    "objective.dflash.target_capture",
+    "objective.dflash.eval_prompts",
+    "objective.dflash.eval_new_tokens",
 )
 #: fields applied from the resumed step on (a note line each)
 APPLIED = (
