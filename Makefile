@@ -50,7 +50,7 @@ demo: $(DEMO_ARTIFACT)/manifest.json
 	rm -rf runs/demo && mkdir -p runs
 	set -o pipefail; $(CSBP) train demo --run-dir runs/demo --set train.generate_after=false | tee runs/demo.log
 	$(CSBP) generate --model runs/demo/final --prompt "$$(printf 'KING.\nMy lord,')" --max-new-tokens 48 \
-		--temperature 1.0 --top-k 10 --unmask-order left_to_right --seed 0 --known-words demo-corpus
+		--temperature 1.0 --top-k 10 --unmask-order left_to_right --seed 0 --samples 8 --known-words demo-corpus
 	@grep '^val_loss:' runs/demo.log
 
 # A DFlash drafter: train a small AR target, then the drafter with CSBP (cp=2, bp=2), then
