@@ -372,8 +372,8 @@ def test_config_rules(inputs: tuple[Path, Path]) -> None:
     message = one_line_error(lambda: check_run(dflash_config(artifact, target, **{"objective.t_min": 0.3})))
     assert message == (  # a drafter has no noise level: the option was silently ignored
         "objective.t_min: not supported here, dflash never reads it (its noise options: none) "
-        "(fix: remove objective.t_min)"
-    )
+        "(fix: remove objective.t_min, or set its default: --set objective.t_min=0.001)"
+    )  # --set cannot remove a key, and objective.t_min=null is not a number
 
 
 def test_missing_target_directory(inputs: tuple[Path, Path], tmp_path: Path) -> None:

@@ -287,8 +287,13 @@ def _objective_options(cfg: RunConfig, mask_token_id: int | None) -> dict[str, A
 
 
 def _reject_unless(ok: bool, field: str, reason: str) -> None:
-    if not ok:
-        raise ValueError(f"objective.{field}: not supported here, {reason} (fix: remove objective.{field})")
+    if not ok:  # its default too: `--set objective.t_min=null` cannot remove a key, and is refused
+        default = ObjectiveSection.model_fields[field].default
+        default = "null" if default is None else str(default).lower() if isinstance(default, bool) else default
+        raise ValueError(
+            f"objective.{field}: not supported here, {reason} (fix: remove objective.{field}, or set its default: "
+            f"--set objective.{field}={default})"
+        )
 
 
 def _check_token_ids(cfg: RunConfig, inputs: RunInputs) -> None:
