@@ -143,3 +143,19 @@ def test_a_failed_resumable_write_keeps_its_progress_and_other_progress_is_not_d
     with staging_directory(target) as plain:  # a write that cannot resume removes it, as before
         assert plain != other
     assert not other.exists()
+
+
+def test_the_launcher_removes_the_final_export_a_stopped_worker_was_writing(tmp_path, capsys) -> None:
+    """Workers end at once on Ctrl-C: one stopped while it wrote ``RUN/final`` left ``.final.tmp-*`` and its
+    lock in the run directory, which the launcher's cleanup of half-written checkpoints did not know."""
+    from csbp.training.launcher import remove_staging_leftovers
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    writer, staging = _start_writer(run_dir / "final")
+    remove_staging_leftovers(run_dir)  # a live writer's (a run still finishing) stays
+    assert staging.is_dir()
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    remove_staging_leftovers(run_dir)
+    assert list(run_dir.iterdir()) == [] and capsys.readouterr().err == ""  # its own leftovers: said nothing

@@ -84,9 +84,9 @@ def staging_directory(target: Path, *, resume: Callable[[Path], int | None] | No
             os.close(lock)
 
 
-def remove_abandoned_staging(target: Path) -> list[Path]:
+def remove_abandoned_staging(target: Path, *, report: bool = True) -> list[Path]:
     """Remove the staging directories of ``target`` whose writers are dead (their lock is free);
-    returns them."""
+    returns them (and says so on stderr with ``report``)."""
     removed = []
     for staging, fd in _lock_abandoned_staging(target):
         try:
@@ -94,7 +94,8 @@ def remove_abandoned_staging(target: Path) -> list[Path]:
             removed.append(staging)
         finally:
             os.close(fd)
-    _report_removed(target, removed)
+    if report:
+        _report_removed(target, removed)
     return removed
 
 

@@ -59,7 +59,9 @@ from csbp.config.schema import RunConfig
 from csbp.devices import process_group_options, resolve_device
 from csbp.interrupts import Interrupted, children_hold_sigint, end_on_sigint
 from csbp.parallel.loopback import LOOPBACK, LOOPBACK_INTERFACE, register_loopback_rendezvous
+from csbp.staging import remove_abandoned_staging
 from csbp.training.checkpoint_checksums import remember_verified, verified_files
+from csbp.training.finish import FINAL_DIR
 from csbp.training.launch_failures import (
     TrainingFailed,
     collective_failure_message,
@@ -364,8 +366,11 @@ def _ctrl_c_option(launch_config: type) -> dict[str, str]:
 
 
 def remove_staging_leftovers(run_dir: Path) -> None:
-    """Delete half-written checkpoints (``checkpoints/step_*.tmp``, ``*.writing``) a failed or
-    interrupted run left behind; ``latest`` never names one, so no complete checkpoint is touched."""
+    """Delete half-written checkpoints (``checkpoints/step_*.tmp``, ``*.writing``) and the staging of
+    ``final/`` (``.final.tmp-*``) a failed or interrupted run left behind (its workers end at once on
+    Ctrl-C); ``latest`` never names one, so no complete checkpoint is touched."""
+    with contextlib.suppress(OSError):  # a live writer's staging (its lock held) stays
+        remove_abandoned_staging(Path(run_dir) / FINAL_DIR, report=False)
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return
