@@ -28,6 +28,7 @@ from csbp.data import PackedLoader, open_artifact
 from csbp.dflash.export import load_dflash
 from csbp.dflash.feature_writer import prepare_features
 from csbp.dflash.target_fingerprint import checkpoint_fingerprint
+from csbp.dflash.target_record import weights_sample_fingerprint
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import export_hf_checkpoint, load_hf_checkpoint
@@ -158,6 +159,7 @@ def test_run_writes_metrics_drafter_checkpoints_and_the_public_format(
     assert (config["block_size"], config["num_hidden_layers"], config["num_target_layers"]) == (4, 2, 4)
     assert config["dflash_config"]["target_layer_ids"] == [0, 2]
     assert config["csbp_training"] == {"objective": {"name": "dflash", "dflash": {"context": "strict"}}}
+    assert config["csbp_target"] == {"weights": weights_sample_fingerprint(target)}  # what dflash eval checks
     assert config["dflash_config"]["mask_token_id"] == open_artifact(artifact).mask_token_id
     target_positions = json.loads((target / "config.json").read_text())["max_position_embeddings"]
     assert config["max_position_embeddings"] == max(target_positions, 32)  # the context it serves at
@@ -213,6 +215,8 @@ def test_dflash_export_carries_the_tokenizer_files_of_final(
             assert (out / name).is_file() and (out / name).read_bytes() == (final / name).read_bytes(), (source, name)
         printed = capsys.readouterr()
         assert "2 tokenizer files" in printed.out and printed.err == ""
+        exported = json.loads((out / "config.json").read_text())["csbp_target"]  # carried, or the checked target's
+        assert exported == json.loads((final / "config.json").read_text())["csbp_target"], source
     # never into a run's checkpoints/, where it would pass for a checkpoint (and be pruned or prune one)
     inside = full_run / "checkpoints" / "step_0000099"
     for source in (["--run-dir", str(full_run)], ["--checkpoint", str(checkpoint)], ["--drafter", str(final)]):

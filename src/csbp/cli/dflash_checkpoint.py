@@ -68,6 +68,24 @@ def _run_config(checkpoint: Path) -> dict[str, Any]:
     return loaded if isinstance(loaded, dict) else {}
 
 
+def check_checkpoint_target(checkpoint: Path, target: Path) -> None:
+    """``ValueError`` (one line) when ``target`` is not the target drafter checkpoint ``checkpoint`` was
+    trained against, by the content fingerprint its ``trainer_state.json`` records for
+    ``objective.dflash.target`` (a moved copy passes); nothing to check when none is recorded. The export
+    records the target it is given as the drafter's (``csbp_target``), so a wrong one must not pass."""
+    from csbp.training.input_identity import directory_fingerprint
+
+    state_file = checkpoint / "trainer_state.json"
+    recorded = read_json_object(state_file).get("input_fingerprints") if state_file.is_file() else None
+    expected = recorded.get("objective.dflash.target") if isinstance(recorded, dict) else None
+    if isinstance(expected, str) and directory_fingerprint(Path(target)) != expected:
+        raise ValueError(
+            f"--target {target} is not the target checkpoint {checkpoint} was trained against (its files differ "
+            "from the fingerprint the checkpoint records) (fix: drop --target to use the run's "
+            "objective.dflash.target, or pass that target or a copy of it)"
+        )
+
+
 def recorded_target(run_dir: Path | None, checkpoint: Path | None) -> Path:
     """The ``objective.dflash.target`` a run recorded (``RUN/config.yaml``, else the checkpoint's own
     config), for an export given no ``--target``; one ``ValueError`` naming the fix when none is recorded."""

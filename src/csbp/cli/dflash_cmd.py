@@ -125,6 +125,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens (not with --eos-id)"
     )
     ev.add_argument(
+        "--any-target", action="store_true",
+        help="measure a --drafter with a --target of other weights than the one it records it was trained against "
+        "(a fine-tune of it, say); refused otherwise",
+    )
+    ev.add_argument(
         "--check-lossless",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -111,6 +111,7 @@ def run_eval(args: argparse.Namespace) -> int:
     """Evaluate ``--drafter`` against ``--target`` on the prompts (module docstring); 1 on a lossless mismatch."""
     from csbp.dflash.evaluate import evaluate_drafter, format_report
     from csbp.dflash.export import drafter_context, load_dflash, read_drafter_config
+    from csbp.dflash.target_record import check_trained_target
     from csbp.models.hf_io import read_hf_config
 
     # Every check reads configs, the data and the prompts only: the models load once they all pass.
@@ -139,6 +140,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if not args.drafter.is_dir():
         raise ValueError(f"--drafter {args.drafter} is not a directory; pass a csbp dflash export directory")
     read_drafter_config(args.drafter, target_config)
+    other_target = check_trained_target(args.drafter, args.target, any_target=args.any_target)
     prompts, eos_id = _eval_prompts(args, target_config.vocab_size)
     _check_eval_positions(args.target, prompts, args.max_new_tokens)
     target = load_target(args.target, args)
@@ -146,6 +148,8 @@ def run_eval(args: argparse.Namespace) -> int:
         args.drafter, target, dtype=target.embed_tokens.weight.dtype, device=target.embed_tokens.weight.device
     )
     drafter.eval()
+    if other_target is not None:
+        print(other_target, file=sys.stderr)
     if drafter_context(args.drafter) == "inclusive":
         print(INCLUSIVE_NOTE.format(drafter=args.drafter), file=sys.stderr)
     cfg = drafter.config

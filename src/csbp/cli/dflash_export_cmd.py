@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from csbp.cli.dflash_checkpoint import (
+    check_checkpoint_target,
     checkpoint_context,
     checkpoint_seq_len,
     checkpoint_tokenizer_files,
@@ -44,6 +45,7 @@ def served_positions(target: Path, drafter_dir: Path | None) -> int | None:
 def run_export(args: argparse.Namespace) -> int:
     """Export the drafter of ``--drafter``/``--run-dir``/``--checkpoint`` to ``--out`` and validate what was written."""
     from csbp.dflash.export import drafter_context, export_dflash, load_dflash, public_reader_window_note
+    from csbp.dflash.target_record import recorded_target_record, target_record
     from csbp.training.export import check_out_outside_checkpoints, checkpoints_dir_of
 
     drafter_dir = args.drafter
@@ -71,6 +73,7 @@ def run_export(args: argparse.Namespace) -> int:
             raise ValueError(f"{drafter_dir} is not a DFlash drafter directory: config.json not found")
         drafter = load_dflash(drafter_dir, target, dtype=dtype)
         source, context = str(drafter_dir), drafter_context(drafter_dir)  # carried through
+        trained_against = recorded_target_record(drafter_dir)  # carried through: --target only checks shapes
         tokenizer, dropped = without_auto_map(tokenizer_files_in(drafter_dir))  # carried through (final/ has them)
         if dropped:
             print(
@@ -83,9 +86,11 @@ def run_export(args: argparse.Namespace) -> int:
         source, context = f"checkpoint {checkpoint}", checkpoint_context(checkpoint)
         tokenizer = checkpoint_tokenizer_files(checkpoint, drafter.config.mask_token_id)
         seq_len = checkpoint_seq_len(checkpoint)
+        check_checkpoint_target(checkpoint, args.target)
+        trained_against = target_record(args.target)
     out = export_dflash(
         drafter, args.out, dtype=dtype, overwrite=args.overwrite, context=context, tokenizer_files=tokenizer,
-        seq_len=seq_len, target_positions=served_positions(args.target, drafter_dir),
+        seq_len=seq_len, target_positions=served_positions(args.target, drafter_dir), target=trained_against,
     )
     reloaded = load_dflash(out, target)  # validate what was written
     cfg = reloaded.config

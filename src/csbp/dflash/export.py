@@ -91,6 +91,8 @@ from csbp.models.hf_io import (
 
 ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 TRAINING_KEY = "csbp_training"
+TARGET_RECORD_KEY = "csbp_target"
+"""The target a drafter was trained against (:mod:`csbp.dflash.target_record`), kept by re-exports."""
 """The ``config.json`` field of a csbp export recording how the drafter was trained (module docstring)."""
 CONTEXTS = ("strict", "inclusive")
 # csbp's DFlash2 parameter names -> those of the released DFlash2 checkpoints (z-lab ``DFlash2DraftModel``,
@@ -300,6 +302,7 @@ def export_dflash(
     context: str | None = None,
     seq_len: int | None = None,
     target_positions: int | None = None,
+    target: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``config.json`` and ``model.safetensors`` of ``drafter`` (module docstring), plus
     ``tokenizer_files`` (name -> contents; a run's: :mod:`csbp.training.export_tokenizer`; an ``auto_map``
@@ -313,7 +316,8 @@ def export_dflash(
     ``target_positions`` (the target's ``max_position_embeddings``), those known, as released drafters
     record their target's context: serving stacks run the drafter at the target's context and size its
     RoPE from this field (SGLang refuses a shorter one unless ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN``
-    is set; vLLM's V1 runner stops drafting past it; docs/dflash.md)."""
+    is set; vLLM's V1 runner stops drafting past it; docs/dflash.md). ``target``: the ``csbp_target``
+    record of the target it was trained against (:mod:`csbp.dflash.target_record`; None: not known)."""
     gap = yarn_context_problem(drafter.config.rope_scaling, seq_len) if seq_len is not None else None
     if gap is not None:
         raise ValueError(
@@ -333,6 +337,8 @@ def export_dflash(
     config = dflash_hf_config(drafter.config, dtype=store_dtype, positions=max(known) if known else None)
     if context is not None:
         config[TRAINING_KEY] = {"objective": {"name": "dflash", "dflash": {"context": context}}}
+    if target is not None:
+        config[TARGET_RECORD_KEY] = dict(target)
     tensors = {
         released_name(name): t.detach().to(device="cpu", dtype=store_dtype).contiguous().clone()
         for name, t in drafter.state_dict().items()

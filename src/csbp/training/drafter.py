@@ -21,6 +21,7 @@ import torch
 from csbp.config.schema import RunConfig
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.export import export_dflash, recorded_max_positions
+from csbp.dflash.target_record import target_record
 from csbp.models.hf_io import load_hf_checkpoint
 from csbp.training.dflash_inputs import DFlashInputs
 from csbp.training.export_tokenizer import ExportTokenizer
@@ -53,6 +54,7 @@ def export_drafter(
         context=inputs.objective.context,
         seq_len=cfg.data.seq_len,
         target_positions=recorded_max_positions(inputs.target_dir),
+        target=target_record(inputs.target_dir),
     )
 
 
