@@ -13,6 +13,7 @@ import torch
 
 from csbp.config.schema import OptimSection, RunConfig
 from csbp.data import open_artifact, train_bpe_tokenizer
+from csbp.data.prepare import PrepareConfig, prepare_artifact
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import export_hf_checkpoint
@@ -332,6 +333,26 @@ def test_validation_rows_come_from_data_val_when_set(artifact: Path, tmp_path: P
     with pytest.raises(ValueError, match="train.eval_every: 2 but there are no validation rows"):
         no_val = make_artifact(tmp_path / "no_val", num_docs=1, seq_len=16)  # one document: no val split
         check_run(tiny_config(no_val, **{"train.micro_batch_size": 1, "data.seq_len": 16}))
+    # data.val naming data.train's own artifact (or a copy) without a val split: validation would score the
+    # training rows, which it did in silence
+    source = tmp_path / "all_train.jsonl"
+    source.write_text((tmp_path / "other.jsonl").read_text(encoding="utf-8"), encoding="utf-8")
+    all_train = tmp_path / "all_train"
+    prepare_artifact(PrepareConfig(inputs=(source,), out_dir=all_train, seq_len=32, train_tokenizer=True,
+                                   vocab_size=300, val_fraction=0.0))
+    shutil.copytree(all_train, tmp_path / "copy")
+    for val in (all_train, tmp_path / "copy"):
+        notes: list[str] = []
+        inputs = check_run(tiny_config(all_train, **{"data.val": str(val)}), warn=notes.append)
+        assert inputs.val_split is not None and inputs.val_split.num_rows == open_artifact(all_train).split("train").num_rows
+        assert [n for n in notes if "data.val" in n] == [
+            f"note: data.val {val} has no val split, so validation scores its train split, which is data.train's: "
+            "the validation loss is measured on the rows it trains on (fix: prepare the data with --val-fraction "
+            "above 0 and drop data.val, or name held-out data)"
+        ]
+    notes = []
+    check_run(tiny_config(artifact, **{"data.val": str(artifact)}), warn=notes.append)  # its val split: nothing said
+    assert not [n for n in notes if "data.val" in n]
 
 
 def test_no_progress_bar_redraws_when_stderr_is_not_a_terminal(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

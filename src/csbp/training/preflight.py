@@ -124,7 +124,7 @@ def check_run(
     artifact = _open_checked(cfg.data.train, "data.train", cfg.data.seq_len)
     if cfg.data.tokenizer is not None:
         check_data_tokenizer(Path(cfg.data.tokenizer), artifact)
-    val_split = _val_split(cfg, artifact)
+    val_split = _val_split(cfg, artifact, warn)
     if cfg.objective.name == "dflash":
         _reject_unread_noise_options(cfg.objective)
         dflash = check_dflash_inputs(cfg, artifact, val_split)
@@ -207,9 +207,10 @@ def _open_checked(directory: str, field: str, seq_len: int) -> Artifact:
     return artifact
 
 
-def _val_split(cfg: RunConfig, artifact: Artifact) -> ArtifactSplit | None:
+def _val_split(cfg: RunConfig, artifact: Artifact, warn: Callable[[str], None] | None = None) -> ArtifactSplit | None:
     """``data.val``'s val split (its train split when the val split is empty), else the train
-    artifact's val split; None when there are no rows."""
+    artifact's val split; None when there are no rows. ``warn`` hears when that train split is the
+    training data itself (``data.val`` naming ``data.train``'s artifact, or a copy of it)."""
     if cfg.data.val is None:
         split = artifact.split("val")
     else:
@@ -222,6 +223,12 @@ def _val_split(cfg: RunConfig, artifact: Artifact) -> ArtifactSplit | None:
         split = val_artifact.split("val")
         if split.num_rows == 0:
             split = val_artifact.split("train")
+            if warn is not None and val_artifact.fingerprint == artifact.fingerprint:
+                warn(
+                    f"note: data.val {cfg.data.val} has no val split, so validation scores its train split, which "
+                    "is data.train's: the validation loss is measured on the rows it trains on (fix: prepare the "
+                    "data with --val-fraction above 0 and drop data.val, or name held-out data)"
+                )
     return split if split.num_rows > 0 else None
 
 
