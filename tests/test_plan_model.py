@@ -179,3 +179,18 @@ def test_a_drafter_prices_the_anchors_csbp_draws_not_more(doc_length):
         assert asked.step_s == pytest.approx(drawn.step_s, rel=1e-12)
         assert asked.mem_bytes == pytest.approx(drawn.mem_bytes, rel=1e-12)
         assert asked.tokens_per_s * asked.step_s == pytest.approx(layout.dp * valid * 7, rel=1e-12)
+
+
+@pytest.mark.parametrize("preset, layout", [("nemotron-14b", Layout(2, 4, 4)), ("dflash2-qwen3.8", Layout(4, 2, 2))])
+def test_a_global_batch_of_k_micro_steps_costs_k_micro_steps(preset, layout):
+    """A step of ``k`` accumulated micro-batches runs ``k`` forwards and backwards; the tokens per second
+    stay those of one micro-step, but for the once-per-step costs amortised over more tokens. Nothing held
+    the ``k``: dropped from either model, the planner priced k-times-larger batches at one micro-step."""
+    workload, hw = preset_workload(preset), hardware("h200", gpus=layout.world)
+    seq_len = 65536
+    one = predict(workload, layout, seq_len, hw, CAL)
+    four = predict(workload, layout, seq_len, hw, CAL, global_batch=4 * layout.dp * layout.micro_batch)
+    three_more = four.step_s - one.step_s  # three more micro-steps: their compute, at least, and their traffic
+    assert 3 * (one.fwd_s + one.bwd_s) * (1 - 1e-9) <= three_more <= 3 * (one.fwd_s + one.bwd_s + one.exposed_kv_s) * (1 + 1e-9)
+    assert four.kv_bytes == pytest.approx(4 * one.kv_bytes, rel=1e-12)
+    assert one.tokens_per_s <= four.tokens_per_s < 1.2 * one.tokens_per_s
