@@ -370,3 +370,20 @@ def test_the_nelbo_counts_the_targetable_tokens_and_draws_its_own_noise() -> Non
     for name, options in (("bd3", {"block_size": 4}), ("mdlm", {})):
         trained = build_objective(name, mask_token_id=MASK_TOKEN_ID, noise_scheme="stratified", **options)
         assert nelbo_objective(trained).noise_scheme == "rotated_lattice", name
+
+
+def test_the_report_s_stderr_is_that_of_the_mean_of_its_draws() -> None:
+    """The NELBO is the mean of K draws' estimates; its standard error is their sample deviation over
+    sqrt(K). The deviation itself (sqrt(K) times too wide) passed every test."""
+    from types import SimpleNamespace
+
+    from csbp.evaluation.runner import EvalOptions, EvalSums, build_report
+
+    sums = EvalSums(nelbo=[10.0, 12.0, 11.0, 15.0], nelbo_tokens=[5.0] * 4, ltr=9.0, ltr_tokens=5.0, rows=2)
+    split = SimpleNamespace(name="val", num_rows=2)
+    settings = EvalSettings("bd3", 4, MASK_TOKEN_ID)
+    report = build_report(sums, sums, split, settings, EvalOptions(samples=4), 1.0)  # type: ignore[arg-type]
+    estimates = torch.tensor([2.0, 2.4, 2.2, 3.0], dtype=torch.float64)
+    assert report.nelbo == pytest.approx(float(estimates.mean()))
+    assert report.nelbo_stderr == pytest.approx(float(estimates.std()) / 2)
+    assert report.ltr_nll == pytest.approx(9.0 / 5.0) and report.nelbo_tokens == 5
