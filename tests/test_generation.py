@@ -391,6 +391,15 @@ def test_one_position_sub_blocks_are_left_to_right_decoding(model: Decoder) -> N
     assert whole.unmask_steps == run(model, [3, 4, 5], steps_per_block=2).unmask_steps
 
 
+def test_sub_blocks_share_the_block_s_steps(model: Decoder) -> None:
+    """``steps_per_block`` is the block's budget, split evenly over its sub-blocks: 2 steps over two
+    sub-blocks of 4 is one step each, filling its 4 positions at once. Each sub-block given the whole
+    budget (twice the forwards, other outputs) passed every test."""
+    result = run(model, [], steps_per_block=2, sub_block_size=4, block_size=8, max_new_tokens=16)
+    assert len(result.block_starts) == 2 and len(result.unmask_steps) == 4
+    assert [len(step) for step in result.unmask_steps] == [4, 4, 4, 4]
+
+
 def test_sub_block_options_are_checked() -> None:
     with pytest.raises(ValueError, match="sub_block_size must be a divisor of block_size 8, got 3"):
         GenerationConfig(block_size=8, steps_per_block=8, sub_block_size=3)
