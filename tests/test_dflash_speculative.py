@@ -325,3 +325,21 @@ def test_artifact_prompts_name_the_longest_prompt_length_that_fits() -> None:
     with pytest.raises(ValueError) as caught:
         artifact_prompts(tokens_RL, doc_ids_RL, num_prompts=1, prompt_len=5)
     assert str(caught.value) == "--prompt-len 5 exceeds the artifact's seq_len 4 (fix: --prompt-len 4 or less)"
+
+
+def test_the_lossless_check_compares_whole_outputs() -> None:
+    """Speculative decoding is lossless when it writes exactly plain greedy's tokens: a strict prefix of them
+    (a stop too early) or a longer run is a mismatch at the shorter length. A check of the prefix only passed
+    every test."""
+    from csbp.dflash.evaluate import PromptEval
+
+    prompt = EvalPrompt("p", "g", (1, 2))
+
+    def evaluated(tokens: list[int], greedy: list[int] | None) -> PromptEval:
+        return PromptEval(prompt, tokens, [len(tokens)], 1, 0.1, greedy, 0.1 if greedy is not None else None)
+
+    assert evaluated([5, 6, 7], [5, 6, 7]).lossless is True and evaluated([5, 6, 7], [5, 6, 7]).first_mismatch() is None
+    for tokens, greedy, first in (([5, 6], [5, 6, 7], 2), ([5, 6, 7, 8], [5, 6, 7], 3), ([5, 9, 7], [5, 6, 7], 1)):
+        result = evaluated(tokens, greedy)
+        assert result.lossless is False and result.first_mismatch() == first, (tokens, greedy)
+    assert evaluated([5], None).lossless is None and evaluated([5], None).first_mismatch() is None
