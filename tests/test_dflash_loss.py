@@ -355,3 +355,20 @@ def test_kl_without_last_hidden_is_rejected() -> None:
     features = capture_target_features(target, batch.input_ids, (0, 2))
     with pytest.raises(ValueError, match="last hidden"):
         step(batch, torch.Generator().manual_seed(0), features=features)
+
+
+def test_tau_runs_through_slots_the_loss_mask_leaves_out() -> None:
+    """tau counts the anchor plus the slots a drafter would have accepted in a row; a slot the loss mask
+    leaves out (a prompt token inside the block, on chat data) is not scored and does not break the run.
+    Treating it as a miss (tau under-reported on chat data) passed every test."""
+    from types import SimpleNamespace
+
+    from csbp.dflash.loss import _metrics
+
+    valid = torch.tensor([True, True, False, True, True, True, True, True])  # blocks of 4: a hole at slot 2
+    targets = SimpleNamespace(valid=valid, live=torch.ones(8, dtype=torch.bool))
+    scored = torch.nonzero(valid).flatten()
+    correct = torch.tensor([True, True, True, True, True, False, True])  # block 2 misses its slot 2
+    metrics = _metrics(targets, scored, correct, torch.zeros(7, dtype=torch.bool), 4)  # type: ignore[arg-type]
+    assert metrics["tau_sum"].item() == (1 + 2) + (1 + 1)  # slots 1 and 3 of the first; slot 1 of the second
+    assert (metrics["supervised"].item(), metrics["correct"].item(), metrics["live_blocks"].item()) == (7, 6, 2)
