@@ -419,3 +419,18 @@ def test_user_errors_raise_value_errors() -> None:
     corrupted = ArObjective().corrupt(_clean_batch(1, 8), _generator(0))
     with pytest.raises(ValueError, match="hidden_noisy_rows"):
         objective_loss(torch.zeros(2, 8, DIM), torch.zeros(VOCAB, DIM), corrupted)
+
+
+@pytest.mark.parametrize("chance", [0.9, 0.1])
+def test_fast_dllm_v2_views_mask_at_the_move_chance_they_weight_by(chance: float) -> None:
+    """The Bernoulli masks are drawn against the move chance ``low + (high - low)·t`` the views record (and
+    the NELBO weights by), not against the raw level ``t``: drawn against ``t``, ``eps`` and the NELBO's
+    ``[a, 1 - a]`` range were ignored when masking, and no test saw it."""
+    from csbp.objectives.fast_dllm_v2 import draw_views
+
+    ids = torch.randint(0, 100, (4, 1024), generator=torch.Generator().manual_seed(1))
+    views = draw_views({"input_ids": ids, "loss_mask": torch.ones_like(ids, dtype=torch.bool)},
+                       torch.Generator().manual_seed(0), mask_token_id=100, block_size=32, low=chance, high=chance)
+    first, second = (float((views.noisy_ids[rows] == 100).double().mean()) for rows in (slice(0, 4), slice(4, 8)))
+    assert abs(first - chance) < 0.02 and abs(second - (1 - chance)) < 0.02  # 4096 draws: sd 0.005
+    assert torch.equal(views.noise_levels, torch.tensor([[chance] * 32] * 4 + [[1 - chance] * 32] * 4, dtype=torch.float64))
