@@ -242,3 +242,18 @@ def test_cp_vs_csbp_in_two_rounds_on_two_processes(
     assert cp1["points"][0]["metric"] != cp2["points"][0]["metric"]  # another seed per round
     summary = summarize_rounds(group_rounds([cp1, csbp1, cp2, csbp2]))
     assert summary["differences"][0]["points"][0]["verdict"] == WITHIN_NOISE
+
+
+def test_differences_within_the_tolerance_have_no_sign_either_way() -> None:
+    """Rounding-sized differences get no verdict, below zero as above it; the tolerance is relative to the
+    metric's largest magnitude. A one-sided tolerance check, or one relative to the smallest value, passed
+    every test."""
+    from csbp.compare.stats import METRIC_RTOL, metric_tolerance, paired_difference
+
+    for values in ([1e-7, 1.2e-7, 0.9e-7], [-1e-7, -1.2e-7, -0.9e-7]):  # a tight interval off zero
+        difference = paired_difference(values, tolerance=1e-5)
+        assert (difference.low > 0 or difference.high < 0) and difference.sign == 0, values
+        assert difference.verdict("higher", "lower") == "within noise"
+    assert paired_difference([-1e-3, -1.2e-3, -0.9e-3], tolerance=1e-5).sign == -1
+    assert paired_difference([1e-3, 1.2e-3, 0.9e-3], tolerance=1e-5).sign == 1
+    assert metric_tolerance([1.0, -100.0]) == pytest.approx(METRIC_RTOL * 100)
