@@ -406,3 +406,15 @@ def test_sub_block_options_are_checked() -> None:
     with pytest.raises(ValueError, match=r"steps_per_block 3 does not split evenly over the 2 sub-blocks of 4"):
         GenerationConfig(block_size=8, steps_per_block=3, sub_block_size=4)
     GenerationConfig(block_size=8, steps_per_block=2, sub_block_size=4)
+
+
+def test_the_nucleus_stops_at_the_token_that_reaches_top_p() -> None:
+    """top-p keeps the most probable tokens until their mass first reaches ``top_p``: with probabilities
+    (0.5, 0.25, 0.125, 0.125) and ``top_p = 0.5`` the first alone, 0.75 the first two. A strict comparison
+    (one token more when the mass lands exactly on ``top_p``) passed every test. Powers of two: exact sums."""
+    from csbp.generation.token_choice import _nucleus
+
+    logits = torch.tensor([[0.125, 0.5, 0.125, 0.25]], dtype=torch.float64).log()
+    for top_p, count in ((0.5, 1), (0.75, 2), (0.8, 3), (0.875, 3)):  # past 0.75 one of the tied 0.125 joins
+        survivors = set(torch.isfinite(_nucleus(logits, top_p))[0].nonzero().flatten().tolist())
+        assert len(survivors) == count and survivors >= {1, 3} & set([1, 3][:count]), (top_p, survivors)
