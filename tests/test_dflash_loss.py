@@ -282,11 +282,11 @@ def test_chunked_forward_kl_matches_dense_autograd() -> None:
     head = torch.randn(20, 8, generator=generator, dtype=torch.float64, requires_grad=True)
     weights = torch.rand(7, generator=generator, dtype=torch.float64)
     value = chunked_forward_kl(hidden, teacher, head, weights, chunk_rows=3)
-    grads = torch.autograd.grad(value, (hidden, head))
+    grads = torch.autograd.grad(2.5 * value, (hidden, head))  # scaled: the backward must apply its grad_output
     log_t = torch.log_softmax(teacher @ head.detach().t(), -1)  # the teacher is a constant
     log_d = torch.log_softmax(hidden @ head.t(), -1)
     dense = (weights * (log_t.exp() * (log_t - log_d)).sum(-1)).sum()
-    dense_grads = torch.autograd.grad(dense, (hidden, head))
+    dense_grads = torch.autograd.grad(2.5 * dense, (hidden, head))
     torch.testing.assert_close(value, dense, rtol=1e-12, atol=0)
     torch.testing.assert_close(grads[0], dense_grads[0], rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(grads[1], dense_grads[1], rtol=1e-12, atol=1e-14)
