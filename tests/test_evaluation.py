@@ -387,3 +387,26 @@ def test_the_report_s_stderr_is_that_of_the_mean_of_its_draws() -> None:
     assert report.nelbo == pytest.approx(float(estimates.mean()))
     assert report.nelbo_stderr == pytest.approx(float(estimates.std()) / 2)
     assert report.ltr_nll == pytest.approx(9.0 / 5.0) and report.nelbo_tokens == 5
+
+
+def test_the_validation_nelbo_counts_supervised_tokens_whatever_the_loss_counts(tmp_path: Path) -> None:
+    """``val_nelbo`` divides by the supervised tokens, as ``csbp eval`` does, also when the run's loss
+    divides by every token (``objective.denominator: all_tokens``) and rows are padded. Dividing it by the
+    loss's denominator passed every test."""
+    artifact = make_artifact(tmp_path / "art")  # its 10 validation rows hold 24 padding tokens
+
+    def metrics(denominator: str) -> dict[str, float]:
+        cfg = tiny_config(artifact, **{**CLIPPED, "objective.denominator": denominator})
+        inputs = check_run(cfg)
+        runner = StepRunner(
+            Decoder(inputs.decoder_config, dtype=torch.float64, seed=0), inputs.build_objective(),
+            rank_plan_for(cfg, single_process_context()), single_process_context(),
+            device=torch.device("cpu"), precision="fp64", seed=0, ce_chunk_rows=64,
+        )
+        assert inputs.val_split is not None and inputs.val_split.num_rows == 10
+        result = runner.evaluate(inputs.val_split, micro_batch_size=2, num_batches=5)  # every row once
+        return {"loss": result.loss, **result.metrics}
+
+    supervised, every = metrics("supervised_tokens"), metrics("all_tokens")
+    assert every["nelbo"] == pytest.approx(supervised["nelbo"], rel=1e-12)
+    assert every["loss"] < supervised["loss"] * (1 - 1e-3)  # the loss itself is divided by more tokens
