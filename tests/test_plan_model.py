@@ -194,3 +194,13 @@ def test_a_global_batch_of_k_micro_steps_costs_k_micro_steps(preset, layout):
     assert 3 * (one.fwd_s + one.bwd_s) * (1 - 1e-9) <= three_more <= 3 * (one.fwd_s + one.bwd_s + one.exposed_kv_s) * (1 + 1e-9)
     assert four.kv_bytes == pytest.approx(4 * one.kv_bytes, rel=1e-12)
     assert one.tokens_per_s <= four.tokens_per_s < 1.2 * one.tokens_per_s
+
+
+def test_the_logits_chunk_is_the_rows_a_rank_holds_when_fewer_than_a_chunk():
+    """The LM-head loss runs ``ce_chunk_rows`` (1024) rows of logits at a time, fewer when a rank holds
+    fewer (BD3: its 2L rows); the fp32 logits and their gradient, 8 bytes per row and vocabulary entry.
+    Pricing a whole chunk for short rows passed every test."""
+    workload = preset_workload("nemotron-3b")
+    for seq_len, rows in ((128, 256), (256, 512), (65536, 1024)):
+        prediction = predict(workload, Layout(8), seq_len, hardware("h200", gpus=8), CAL)
+        assert prediction.mem_terms["logits chunk"] == 8 * rows * workload.model.vocab, seq_len
