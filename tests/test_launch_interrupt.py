@@ -80,6 +80,32 @@ def test_sigterm_during_a_launch_kills_its_ranks(tmp_path: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_launch_killed_outright_takes_its_ranks_along(tmp_path: Path) -> None:
+    """``kill -9`` of ``csbp eval``/``verify`` (or the OOM killer) left its ranks running, reparented to
+    init until their collectives timed out: 199 of them once filled a 24 GiB machine. Each rank now asks
+    the kernel to end it with its launcher, as ``csbp train``'s workers do."""
+    script = SCRIPT.format(tests=str(Path(__file__).parent), pid_dir=str(tmp_path))
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
+        assert len(pids) == 2, "the ranks did not start"
+        parent.kill()
+        parent.wait(timeout=60)
+        deadline = time.monotonic() + 10
+        while [pid for pid in pids if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _alive(pid)], "ranks outlived their killed launcher"
+    finally:
+        parent.kill()
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _held() -> bool:
     return signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
 

@@ -43,6 +43,7 @@ import torch.multiprocessing as mp
 from csbp.devices import device_for_rank, process_group_options, resolve_device, select_device
 from csbp.interrupts import children_hold_sigint, take_sigint_back
 from csbp.parallel.loopback import LOOPBACK_INTERFACE, loopback_store
+from csbp.parallel.orphans import die_with_launcher
 
 
 class WorkerError(RuntimeError):
@@ -83,7 +84,10 @@ def _worker(
     timeout_s: float,
     threads: int,
     device_kind: str = "cpu",
+    launcher_pid: int | None = None,
 ) -> None:
+    if launcher_pid is not None:  # a launcher killed outright (kill -9, the OOM killer) takes its ranks along
+        die_with_launcher(launcher_pid)
     torch.set_num_threads(threads)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -161,7 +165,7 @@ def run_local(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, nproc, fn, args, out_dir, timeout_s, threads, kind),
+                args=(r, nproc, fn, args, out_dir, timeout_s, threads, kind, os.getpid()),
                 daemon=False,
             )
             for r in range(nproc)

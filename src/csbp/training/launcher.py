@@ -59,6 +59,7 @@ from csbp.config.schema import RunConfig
 from csbp.devices import process_group_options, resolve_device
 from csbp.interrupts import Interrupted, children_hold_sigint, end_on_sigint
 from csbp.parallel.loopback import LOOPBACK, LOOPBACK_INTERFACE, register_loopback_rendezvous
+from csbp.parallel.orphans import die_with_launcher
 from csbp.staging import remove_abandoned_staging
 from csbp.training.checkpoint_checksums import remember_verified, verified_files
 from csbp.training.finish import FINAL_DIR
@@ -70,7 +71,6 @@ from csbp.training.launch_failures import (
     is_root_cause,
 )
 from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher
-from csbp.training.orphans import die_with_launcher
 from csbp.training.preflight import check_run, verify_data
 from csbp.training.run_dir_checks import check_new_run_dir, check_writable_directory
 from csbp.training.run_lock import run_dir_lock
@@ -240,7 +240,7 @@ def _elastic_worker(
     """Entry point of one worker started by ``elastic_launch`` (module level: it is pickled by name);
     with ``lock`` (several nodes) global rank 0 holds the run directory's lock. ``verified``: the
     checkpoint file checksums the launcher's pre-flight read, so no worker reads those files again.
-    The worker ends with ``launcher_pid`` (:mod:`csbp.training.orphans`)."""
+    The worker ends with ``launcher_pid`` (:mod:`csbp.parallel.orphans`)."""
     if launcher_pid is not None:
         die_with_launcher(launcher_pid)
     # Ctrl-C reaches every worker as well as the launching process, which reports it once and stops

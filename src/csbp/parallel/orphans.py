@@ -1,4 +1,5 @@
-"""A worker of ``csbp train`` never outlives the process that launched it.
+"""A worker of ``csbp train`` (or of :func:`csbp.parallel.launch.run_local`: eval, verify, bench) never
+outlives the process that launched it.
 
 torch elastic starts the workers with ``multiprocessing``'s spawn, and torch asks the kernel to
 signal a worker when its parent dies (``PR_SET_PDEATHSIG``) only once the worker has imported
