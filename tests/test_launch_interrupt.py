@@ -58,15 +58,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_sigterm_during_a_launch_kills_its_ranks(tmp_path: Path) -> None:
-    script = SCRIPT.format(tests=str(Path(__file__).parent), pid_dir=str(tmp_path))
+def _launch_sleeping_ranks(pid_dir: Path) -> tuple[subprocess.Popen, list[int]]:
+    """A ``run_local`` of two sleeping ranks in a child process, and the ranks' pids once they run."""
+    script = SCRIPT.format(tests=str(Path(__file__).parent), pid_dir=str(pid_dir))
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pids: list[int] = []
+    deadline = time.monotonic() + 120
+    while len(pids) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pids = [int(p.read_text()) for p in pid_dir.glob("rank*.pid") if p.read_text()]
+    return parent, pids
+
+
+def test_sigterm_during_a_launch_kills_its_ranks(tmp_path: Path) -> None:
+    parent, pids = _launch_sleeping_ranks(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while len(pids) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
         assert len(pids) == 2, "the ranks did not start"
         parent.send_signal(signal.SIGTERM)
         out, _ = parent.communicate(timeout=60)
@@ -84,14 +90,8 @@ def test_a_launch_killed_outright_takes_its_ranks_along(tmp_path: Path) -> None:
     """``kill -9`` of ``csbp eval``/``verify`` (or the OOM killer) left its ranks running, reparented to
     init until their collectives timed out: 199 of them once filled a 24 GiB machine. Each rank now asks
     the kernel to end it with its launcher, as ``csbp train``'s workers do."""
-    script = SCRIPT.format(tests=str(Path(__file__).parent), pid_dir=str(tmp_path))
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    pids: list[int] = []
+    parent, pids = _launch_sleeping_ranks(tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while len(pids) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid") if p.read_text()]
         assert len(pids) == 2, "the ranks did not start"
         parent.kill()
         parent.wait(timeout=60)
