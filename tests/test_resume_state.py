@@ -10,17 +10,20 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from csbp.data.artifact import ArtifactSplit
 from csbp.data.loader import PackedLoader
+from csbp.training import checkpoint as checkpoint_module
 from csbp.training import train
 from csbp.training.checkpoint import STATE_FILE, TrainingState
 from csbp.training.nan_policy import MAX_SKIPPED_STEPS, NonFiniteTraining
 from csbp.training.step import StepRunner
-from test_training_run import make_artifact, tiny_config, trajectory
+from test_training_run import copy_run, make_artifact, run_at_step2, tiny_config, trajectory  # noqa: F401 - a fixture
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +142,31 @@ def test_a_checkpoint_without_the_streak_reads_as_none_and_a_bad_streak_is_refus
     for bad in (-1, "3", 2.0, None, True):
         with pytest.raises(ValueError, match=r"nan_skips_in_a_row is .*, not a count; the checkpoint is corrupt"):
             TrainingState.from_json({**state, "nan_skips_in_a_row": bad}, source)
+
+
+def test_the_global_rngs_survive_json_and_resume_restores_them(
+    run_at_step2: Path, artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    """csbp draws from its own generators, so a resume that dropped the global RNGs still matched step for
+    step: nothing held the save/restore, which is for code (a user's dropout) drawing from them."""
+    import random
+
+    import numpy as np
+
+    def draws() -> list[Any]:
+        return [torch.rand(3).tolist(), np.random.rand(3).tolist(), np.random.normal(), [random.random() for _ in range(3)]]
+
+    torch.manual_seed(1), np.random.seed(2), random.seed(3), np.random.normal()  # numpy caches a gaussian
+    state = json.loads(json.dumps(checkpoint_module.rng_state()))  # as trainer_state.json holds it
+    first = draws()
+    torch.manual_seed(9), np.random.seed(9), random.seed(9)
+    checkpoint_module.restore_rng_state(state)
+    assert draws() == first
+
+    run_dir = copy_run(run_at_step2, tmp_path)
+    saved = json.loads((run_dir / "checkpoints" / "step_0000002" / checkpoint_module.STATE_FILE).read_text())["rng"]
+    restored: list[dict[str, Any]] = []
+    restore = checkpoint_module.restore_rng_state
+    monkeypatch.setattr(checkpoint_module, "restore_rng_state", lambda s: restored.append(s) or restore(s))
+    train(tiny_config(artifact), run_dir=run_dir, resume=True)
+    assert restored == [saved]

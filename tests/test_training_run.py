@@ -478,30 +478,3 @@ def test_config_errors_are_raised_before_any_process_starts(artifact: Path, tmp_
         launch_training(cfg, run_dir=run_dir, options=LaunchOptions(nproc=3))
     assert not run_dir.exists(), "validation must fail before anything is written"
 
-
-def test_the_global_rngs_survive_json_and_resume_restores_them(
-    run_at_step2: Path, artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """csbp draws from its own generators, so a resume that dropped the global RNGs still matched step for
-    step: nothing held the save/restore, which is for code (a user's dropout) drawing from them."""
-    import random
-
-    import numpy as np
-
-    def draws() -> list[Any]:
-        return [torch.rand(3).tolist(), np.random.rand(3).tolist(), np.random.normal(), [random.random() for _ in range(3)]]
-
-    torch.manual_seed(1), np.random.seed(2), random.seed(3), np.random.normal()  # numpy caches a gaussian
-    state = json.loads(json.dumps(checkpoint_module.rng_state()))  # as trainer_state.json holds it
-    first = draws()
-    torch.manual_seed(9), np.random.seed(9), random.seed(9)
-    checkpoint_module.restore_rng_state(state)
-    assert draws() == first
-
-    run_dir = copy_run(run_at_step2, tmp_path)
-    saved = json.loads((run_dir / "checkpoints" / "step_0000002" / checkpoint_module.STATE_FILE).read_text())["rng"]
-    restored: list[dict[str, Any]] = []
-    restore = checkpoint_module.restore_rng_state
-    monkeypatch.setattr(checkpoint_module, "restore_rng_state", lambda s: restored.append(s) or restore(s))
-    train(tiny_config(artifact), run_dir=run_dir, resume=True)
-    assert restored == [saved]
