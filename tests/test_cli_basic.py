@@ -325,3 +325,27 @@ def test_a_negative_size_reaches_the_flags_own_check(capsys: pytest.CaptureFixtu
     assert code == 2 and "argument --seq-lens: -512 must be >= 1" in err
     code, _, err = run(capsys, "verify", "--seq-len", "-1e-3")
     assert code == 2 and "argument --seq-len:" in err and "expected one argument" not in err
+
+
+def test_a_huge_integer_or_minus_inf_is_refused_by_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """A fuzz of every flag found 10**30 reaching torch or numpy (OverflowError tracebacks, rc 1) through
+    `type=int` flags and int options alike, and `-inf` read as a flag ("expected one argument")."""
+    huge = str(10**30)
+    for argv, flag in ((["verify", "--nproc", "2", "--seed", huge], "--seed"), (["verify", "--nproc", huge], "--nproc"),
+                       (["eval", "--model", "m", "--data", "d", "--samples", huge], "--samples"),
+                       (["plan", "--model", "nemotron-8b", "--gpus", huge, "--gpu", "h200", "--seq-len", "4096"], "--gpus")):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and f"argument {flag}: {huge} is too large (at most 2^63 - 1)" in err, argv
+    code, _, err = run(capsys, "generate", "--model", "m", "--prompt", "a", "--temperature", "-inf")
+    assert code == 2 and "argument --temperature: -inf must be a finite number" in err
+
+
+def test_run_local_refuses_more_cpu_processes_than_the_machine_can_run() -> None:
+    """`csbp eval --nproc 10**30` built that many Process objects and exhausted the machine's memory."""
+    import os
+
+    from csbp.parallel.launch import MIN_PROCESS_LIMIT, PROCESSES_PER_CORE, run_local
+
+    limit = max(MIN_PROCESS_LIMIT, PROCESSES_PER_CORE * (os.cpu_count() or 1))
+    with pytest.raises(ValueError, match=rf"^--nproc {limit + 1}: more than {limit} processes .* \(fix: --nproc {limit} or fewer\)$"):
+        run_local(print, limit + 1)

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from csbp import __version__
+from csbp.cli.options import LARGEST_INT_OPTION
 from csbp.interrupts import Interrupted, sigint_deferred, sigterm_raises
 
 SUBCOMMAND_MODULES: tuple[str, ...] = (
@@ -96,7 +97,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return super()._format_action(action)
 
 
-NEGATIVE_VALUE = re.compile(r"^-\.?\d[\w.+-]*$")  # -256K, -1e-3, -0.5, -.5
+NEGATIVE_VALUE = re.compile(r"^-(\.?\d[\w.+-]*|inf|nan)$", re.IGNORECASE)  # -256K, -1e-3, -0.5, -.5, -inf
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -109,6 +110,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
         # argparse takes only plain numbers (-5, -.5) for values: "--seq-len -256K" would be "expected one
         # argument"; as a value it reaches the flag's own check ("must be positive"). No csbp flag looks so.
         self._negative_number_matcher = NEGATIVE_VALUE
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
+        value = super()._get_value(action, arg_string)
+        # every integer flag, `type=int` ones included: a 10**30 reached torch (OverflowError tracebacks)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > LARGEST_INT_OPTION:
+            raise argparse.ArgumentError(action, f"{arg_string} is too large (at most 2^63 - 1)")
+        return value
 
     def error(self, message: str) -> NoReturn:
         message = with_suggestion(message)

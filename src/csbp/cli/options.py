@@ -37,8 +37,13 @@ def positive_int(text: str) -> int:
     return int_at_least(1)(text)
 
 
+LARGEST_INT_OPTION = 2**63 - 1
+"""No integer flag takes more (a 10**30 reached torch or numpy: an OverflowError traceback)."""
+
+
 def int_at_least(low: int) -> Callable[[str], int]:
-    """An integer >= ``low`` (``--seq-len``: 2, ``--seed``: 0), refused by argparse naming the flag."""
+    """An integer >= ``low`` (``--seq-len``: 2, ``--seed``: 0) and at most :data:`LARGEST_INT_OPTION`,
+    refused by argparse naming the flag."""
 
     def parse(text: str) -> int:
         try:
@@ -47,6 +52,8 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        if value > LARGEST_INT_OPTION:
+            raise argparse.ArgumentTypeError(f"{value} is too large (at most 2^63 - 1)")
         return value
 
     return parse

@@ -138,6 +138,11 @@ def _release_multiprocessing_resources() -> None:
         traceback.print_exc()
 
 
+MIN_PROCESS_LIMIT = 64
+PROCESSES_PER_CORE = 8
+"""CPU ranks ``run_local`` starts at most: 8 per core, and at least 64 (what the layout tests need)."""
+
+
 def run_local(
     fn: Callable[..., Any],
     nproc: int,
@@ -160,6 +165,13 @@ def run_local(
     if nproc < 1:
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     kind = resolve_device(device, nproc=nproc).type
+    cores = os.cpu_count() or 1
+    if kind == "cpu" and nproc > max(MIN_PROCESS_LIMIT, PROCESSES_PER_CORE * cores):
+        limit = max(MIN_PROCESS_LIMIT, PROCESSES_PER_CORE * cores)
+        raise ValueError(  # --nproc 10**30 built that many Process objects and exhausted memory
+            f"--nproc {nproc}: more than {limit} processes on this machine's {cores} CPU cores would only thrash "
+            f"it (fix: --nproc {limit} or fewer)"
+        )
     with tempfile.TemporaryDirectory(prefix="csbp-run-") as out_dir:
         ctx = mp.get_context("spawn")
         procs = [
