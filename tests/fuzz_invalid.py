@@ -11,6 +11,8 @@ import random
 import time
 from typing import Any
 
+from test_training_run import apply_dotted
+
 INVALID_KINDS = (
     "bp_not_multiple_of_cp", "seq_not_multiple_of_block", "seq_not_zigzag", "fewer_blocks_than_bp",
     "block_not_below_seq", "single_stream_with_cp", "window_without_windowed_mask",
@@ -33,15 +35,7 @@ def _validate_config(changes: dict[str, Any]) -> None:
         "optim": {"lr": 1e-3, "warmup_steps": 0},
         "train": {"max_steps": 2, "micro_batch_size": 1},
     }
-    for dotted, value in changes.items():
-        *parents, last = dotted.split(".")
-        node = data
-        for key in parents:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(last, None)
-        else:
-            node[last] = value
+    apply_dotted(data, changes)
     config_from_dict(data, source="config.yaml")
 
 

@@ -36,7 +36,7 @@ from csbp.parallel.launch import run_local
 from csbp.training import train
 from csbp.training.checkpoint import find_latest_checkpoint, read_training_state
 from csbp.training.preflight import check_run
-from test_training_run import REQUIRED_KEYS, make_artifact, metric_rows
+from test_training_run import REQUIRED_KEYS, apply_dotted, make_artifact, metric_rows
 
 DFLASH_KEYS = REQUIRED_KEYS | {"token_accuracy", "tau_mean"}
 VAL_KEYS = {
@@ -97,15 +97,7 @@ def dflash_dict(artifact: Path, target: Path, **changes: Any) -> dict[str, Any]:
             "log_every": 100,
         },
     }
-    for dotted, value in changes.items():
-        *parents, last = dotted.split(".")
-        node = data
-        for key in parents:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(last, None)
-        else:
-            node[last] = value
+    apply_dotted(data, changes)
     return data
 
 

@@ -59,6 +59,19 @@ def make_artifact(out_dir: Path, *, seq_len: int = 32, seed: int = 0, num_docs: 
     return out_dir
 
 
+def apply_dotted(data: dict[str, Any], changes: dict[str, Any]) -> None:
+    """Set each dotted key of ``changes`` in the nested mapping ``data`` (``None`` removes the key)."""
+    for dotted, value in changes.items():
+        *parents, last = dotted.split(".")
+        node = data
+        for key in parents:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(last, None)
+        else:
+            node[last] = value
+
+
 def config_dict(artifact: Path, **changes: Any) -> dict[str, Any]:
     """A tiny BD3 run; ``changes`` maps dotted keys to values (``None`` removes a key)."""
     data: dict[str, Any] = {
@@ -85,15 +98,7 @@ def config_dict(artifact: Path, **changes: Any) -> dict[str, Any]:
             "log_every": 100,
         },
     }
-    for dotted, value in changes.items():
-        *parents, last = dotted.split(".")
-        node = data
-        for key in parents:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(last, None)
-        else:
-            node[last] = value
+    apply_dotted(data, changes)
     return data
 
 
