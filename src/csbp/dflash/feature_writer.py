@@ -49,6 +49,7 @@ from csbp.dflash.features import (
 )
 from csbp.models.decoder import Decoder
 from csbp.staging import staging_directory
+from csbp.wording import size
 
 PROGRESS_FILE = "progress.json"
 PROGRESS_FORMAT = "csbp-dflash-features-progress"
@@ -238,7 +239,7 @@ def _reserve(path: Path, staging: Path) -> None:
     missing = stat.st_size - getattr(stat, "st_blocks", 0) * 512  # a resumed array is partly allocated
     free = shutil.disk_usage(staging).free
     message = (
-        f"--out: {path.name} needs {_size(missing)} more and the filesystem of {staging.parent} has {_size(free)} "
+        f"--out: {path.name} needs {size(missing)} more and the filesystem of {staging.parent} has {size(free)} "
         "free (fix: free some space, or choose an --out on a larger filesystem)"
     )
     fallocate = getattr(os, "posix_fallocate", None)
@@ -257,8 +258,6 @@ def _reserve(path: Path, staging: Path) -> None:
         os.close(fd)
 
 
-def _size(count: int) -> str:
-    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
 def _commit(staging: Path, arrays: list[np.memmap], manifest: dict[str, Any], rows_done: int) -> None:

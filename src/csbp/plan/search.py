@@ -14,9 +14,10 @@ from dataclasses import dataclass, replace
 from csbp.plan.calibration import Calibration
 from csbp.plan.hardware import Hardware
 from csbp.plan.layout import Checkpointing, Layout, Placement, Sharding, Transport
-from csbp.plan.model import GIB, Prediction, predict
+from csbp.plan.model import Prediction, predict
 from csbp.plan.workload import Workload
 from csbp.topology import sequence_error_in_flags
+from csbp.wording import size
 
 
 @dataclass(frozen=True)
@@ -258,11 +259,11 @@ def explain(
         comm_gain = rival.exposed_comm_s - best.exposed_comm_s
         if best.kv_bytes < rival.kv_bytes:
             reasons.append(
-                f"it sends {_size(best.kv_bytes)} of K/V per device per step instead of {_size(rival.kv_bytes)}"
+                f"it sends {size(best.kv_bytes)} of K/V per device per step instead of {size(rival.kv_bytes)}"
                 + (f" ({comm_gain:.2f} s less exposed communication)" if comm_gain >= 0.01 else "")
             )
         else:
-            despite = f", although it sends {_size(best.kv_bytes)} of K/V per device per step instead of {_size(rival.kv_bytes)}"
+            despite = f", although it sends {size(best.kv_bytes)} of K/V per device per step instead of {size(rival.kv_bytes)}"
     if not reasons:
         reasons.append("it is the fastest layout that fits")
     return (
@@ -271,8 +272,6 @@ def explain(
     )
 
 
-def _size(nbytes: float) -> str:
-    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _family_name(kind: str) -> str:

@@ -71,6 +71,7 @@ from csbp.training.launch_failures import (
     is_root_cause,
 )
 from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher
+from csbp.training.memory_fit import check_state_fits
 from csbp.training.preflight import check_run, verify_data
 from csbp.training.run_dir_checks import check_new_run_dir, check_writable_directory
 from csbp.training.run_lock import run_dir_lock
@@ -152,9 +153,11 @@ def _launch(
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step, warn=_warn)
     verify_data(cfg, inputs)  # under torchrun every rank checks, so none waits for a failed one
     if inside_torchrun():
+        check_state_fits(cfg, inputs, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         return train_in_process_group(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
     nproc = options.nproc if options.nproc is not None else cfg.num_local_processes
     check_process_count(cfg, nproc, options)
+    check_state_fits(cfg, inputs, local_ranks=nproc)
     if cfg.world_size == 1:
         try:
             return train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps, lock_run_dir=False)

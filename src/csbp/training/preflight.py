@@ -348,6 +348,13 @@ def _check_batches(cfg: RunConfig, inputs: RunInputs) -> None:
             f"{global_batch} sequences per micro-step, but {cfg.data.train} has only {rows} training rows "
             "(fix: lower micro_batch_size or dp, or prepare more data)"
         )
+    per_step = global_batch * cfg.train.grad_accum
+    if per_step > rows:  # a row twice in one gradient; at 10**12 micro-steps a step never ends
+        raise ValueError(
+            f"train.grad_accum: {cfg.train.grad_accum} micro-steps of {global_batch} sequences = {per_step} rows per "
+            f"optimizer step, but {cfg.data.train} has only {rows} training rows: rows would count more than once "
+            f"in one gradient (fix: set train.grad_accum <= {rows // global_batch}, or prepare more data)"
+        )
     if cfg.train.eval_every > 0 and inputs.val_split is None:
         raise ValueError(
             f"train.eval_every: {cfg.train.eval_every} but there are no validation rows "

@@ -1,0 +1,118 @@
+"""A model too large for the memory of a rank is refused in one line naming the field, before any
+rank starts (``--set model.hidden_size=10**12`` used to crash every rank in the allocator, and
+``model.num_layers=10**12`` hung building layers); ``train.grad_accum`` past the training split is
+refused too."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from csbp.data.artifact import open_artifact
+from csbp.training import launch_training
+from csbp.training.memory_fit import SMALLEST_SHAPE, check_state_fits, rank_memory_bytes, state_bytes
+from csbp.training.preflight import check_run
+from test_training_dflash import dflash_config, export_target
+from test_training_run import make_artifact, tiny_config
+
+HUGE = 10**12
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("data") / "art")
+
+
+@pytest.mark.parametrize(
+    "field", ["hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim", "vocab_size"]
+)
+def test_an_absurd_shape_is_refused_before_any_rank_starts(field: str, artifact: Path, tmp_path: Path) -> None:
+    value = HUGE + HUGE % 2 if field != "num_heads" else 2 * HUGE  # head_dim even; heads a multiple of kv heads
+    cfg = tiny_config(artifact, **{f"model.{field}": value})
+    with pytest.raises(ValueError) as refused:
+        launch_training(cfg, run_dir=tmp_path / "run", max_steps=1)
+    line = str(refused.value)
+    assert "\n" not in line
+    assert re.match(rf"model\.{field}: training holds at least [0-9.e+,]+ GiB per rank", line), line
+    assert f"(fix: a smaller model.{field} (now {value})" in line
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # nothing written
+
+
+def test_the_bound_is_four_master_copies_of_every_parameter_sharded_by_fsdp(artifact: Path) -> None:
+    inputs = check_run(tiny_config(artifact), check_device=False)
+    n = inputs.decoder_config.num_parameters()
+    assert state_bytes(inputs, fp64=False, shards=1) == 16 * n
+    assert state_bytes(inputs, fp64=True, shards=1) == 32 * n
+    assert state_bytes(inputs, fp64=False, shards=4) == 16 * n // 4
+
+
+def test_a_model_that_fits_passes_and_one_byte_less_is_refused(artifact: Path) -> None:
+    cfg = tiny_config(artifact)
+    inputs = check_run(cfg, check_device=False)
+    need = state_bytes(inputs, fp64=False, shards=1)
+    check_state_fits(cfg, inputs, local_ranks=1, memory=need)
+    with pytest.raises(ValueError, match=r"more than the .* of this machine's RAM and swap shared by 1 rank"):
+        check_state_fits(cfg, inputs, local_ranks=1, memory=need - 1)
+
+
+def test_fsdp_is_offered_only_where_sharding_would_fit(artifact: Path) -> None:
+    cfg = tiny_config(artifact, **{"topology.dp": 4, "train.eval_batches": 1})
+    inputs = check_run(cfg, check_device=False)
+    need = state_bytes(inputs, fp64=False, shards=1)
+    with pytest.raises(ValueError, match=r"or train\.fsdp: true \(shards it over the dp=4 ranks\)"):
+        check_state_fits(cfg, inputs, local_ranks=4, memory=need // 2)
+    with pytest.raises(ValueError) as refused:
+        check_state_fits(cfg, inputs, local_ranks=4, memory=need // 8)
+    assert "fsdp" not in str(refused.value)
+
+
+@pytest.mark.parametrize("field", sorted(SMALLEST_SHAPE))
+def test_the_field_named_is_the_one_that_is_out_of_scale(field: str, artifact: Path) -> None:
+    changes: dict[str, Any] = {f"model.{field}": 2 * HUGE}
+    if field == "num_kv_heads":
+        changes["model.num_heads"] = 2 * HUGE
+    cfg = tiny_config(artifact, **changes)
+    inputs = check_run(cfg, check_device=False)
+    with pytest.raises(ValueError, match=rf"^model\.{field}: "):
+        check_state_fits(cfg, inputs, local_ranks=1, memory=2**40)
+
+
+def test_this_machine_s_memory_is_read_per_rank() -> None:
+    one, two = rank_memory_bytes(1), rank_memory_bytes(2)
+    if one is None:
+        pytest.skip("/proc/meminfo is not readable here")
+    assert one > 2**28 and two == one // 2
+
+
+def test_more_micro_steps_than_the_split_has_rows_is_refused(artifact: Path) -> None:
+    cfg = tiny_config(artifact, **{"train.grad_accum": HUGE})
+    with pytest.raises(ValueError, match=rf"^train\.grad_accum: {HUGE} micro-steps of 2 sequences = .* set train\.grad_accum <= \d+"):
+        check_run(cfg, check_device=False)
+
+
+@pytest.fixture(scope="module")
+def dflash_inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("dflash")
+    artifact = make_artifact(root / "art")
+    return artifact, export_target(root / "target", open_artifact(artifact).vocab_size, tokenizer_dir=artifact)
+
+
+def test_a_drafter_counts_its_trained_layers_and_its_whole_frozen_target(dflash_inputs: tuple[Path, Path]) -> None:
+    small = {"objective.dflash.num_draft_layers": 1, "objective.dflash.intermediate_size": 2, "objective.dflash.target_layer_ids": [1]}
+    cfg = dflash_config(*dflash_inputs, **small)  # a drafter much smaller than its target
+    inputs = check_run(cfg, check_device=False)
+    assert inputs.dflash is not None
+    drafter = inputs.dflash.drafter_config
+    trained = drafter.decoder_config().num_parameters(include_embeddings=False) + drafter.feature_width * 32
+    assert sum(math.prod(s) for s in inputs.param_shapes().values()) >= trained  # a lower bound of the drafter
+    frozen = inputs.decoder_config.num_parameters()
+    assert state_bytes(inputs, fp64=False, shards=1) == 16 * trained + 4 * frozen
+    with pytest.raises(ValueError, match=r"^objective\.dflash\.target: .*a smaller target \(every rank loads it whole\)"):
+        check_state_fits(cfg, inputs, local_ranks=1, memory=4 * frozen)
+    wide = dflash_config(*dflash_inputs, **{"objective.dflash.intermediate_size": HUGE})
+    with pytest.raises(ValueError, match=r"^objective\.dflash: .* intermediate_size \(now 1000000000000\)"):
+        check_state_fits(wide, check_run(wide, check_device=False), local_ranks=1, memory=2**40)
