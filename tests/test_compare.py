@@ -382,3 +382,11 @@ def test_points_that_share_a_step_are_noted() -> None:
         "note: cp: a step outlasted the time between points, so point(s) 2 repeat the evaluation of the point "
         "before (fix: a larger --budget-s or fewer --points)"
     ]
+
+
+def test_a_model_no_rank_can_hold_is_refused_before_the_header(artifact: Path, tmp_path: Path) -> None:
+    announced = []
+    options = CompareOptions(layouts=("data",), budget_s=1.0, nproc=2, out_dir=tmp_path / "cmp", points=1)
+    with pytest.raises(ValueError, match=r"^model\.num_layers: training holds at least .* per rank"):
+        run_compare(_bd3(artifact, **{"model.num_layers": 10**12}), options, announce=lambda: announced.append(1))
+    assert announced == []

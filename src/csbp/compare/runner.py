@@ -33,6 +33,7 @@ from csbp.compare.layouts import LAYOUT_NAMES, layout_config
 from csbp.compare.rounds import layout_dir, round_config, round_order
 from csbp.config.schema import RunConfig
 from csbp.parallel.launch import run_local
+from csbp.training.memory_fit import check_state_fits
 from csbp.training.preflight import check_run, check_validation_rows
 from csbp.training.resume_config import flat_config
 from csbp.training.run_dir_checks import check_new_run_dir
@@ -156,6 +157,7 @@ def _plan_layout(cfg: RunConfig, name: str, round_index: int, options: CompareOp
                 "(fix: prepare the data with --val-fraction, or set data.val)"
             )
         check_validation_rows(layout_cfg, inputs.val_split.num_rows)
+        check_state_fits(layout_cfg, inputs, local_ranks=options.nproc)
     return LayoutRun(round=round_index + 1, layout=name, cfg=layout_cfg, run_dir=run_dir)
 
 
