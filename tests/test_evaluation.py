@@ -410,3 +410,20 @@ def test_the_validation_nelbo_counts_supervised_tokens_whatever_the_loss_counts(
     supervised, every = metrics("supervised_tokens"), metrics("all_tokens")
     assert every["nelbo"] == pytest.approx(supervised["nelbo"], rel=1e-12)
     assert every["loss"] < supervised["loss"] * (1 - 1e-3)  # the loss itself is divided by more tokens
+
+
+@pytest.mark.parametrize(
+    ("cp", "bp", "fix"),
+    [(3, 1, "--cp 2 or 4, or --cp 1 --bp 1"), (1, 32, "--bp 16, or --cp 1 --bp 1"), (3, 6, "--cp 2, or --cp 1 --bp 1")],
+)
+def test_csbp_eval_names_the_cp_and_bp_that_split_the_data_s_rows(cp: int, bp: int, fix: str) -> None:
+    """``--cp 3`` on rows of 64 tokens said "(fix: seq_len=60 or 72)", a config field csbp eval has no flag for."""
+    from csbp.evaluation import EvalSettings
+    from csbp.evaluation.parallel import eval_topology
+
+    settings = EvalSettings(objective="bd3", block_size=4, mask_token_id=0)
+    with pytest.raises(ValueError) as info:
+        eval_topology(max(cp, bp), cp, bp, settings, 64)
+    message = str(info.value)
+    assert message.startswith(f"--cp {cp} --bp {bp}: ") and f"(fix: {fix}" in message, message
+    assert "seq_len=" not in message.split("(fix:")[1] and "block_size=" not in message.split("(fix:")[1]

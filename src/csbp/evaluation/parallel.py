@@ -42,8 +42,38 @@ def eval_topology(nproc: int, cp: int, bp: int, settings: EvalSettings, seq_len:
         raise ValueError(f"--cp/--bp: {settings.objective} has no clean stream to shard (fix: --cp 1 --bp 1, scale with --nproc)")
     topology = Topology(dp=nproc // local, cp=cp, bp=bp, replicate_clean_prefix=cp == 1 < bp)
     if local > 1:
-        topology.validate_sequence(seq_len, settings.block_size)
+        try:
+            topology.validate_sequence(seq_len, settings.block_size)
+        except ValueError as exc:
+            # its fix names seq_len= and block_size=, config fields: here they are the data's and the model's
+            reason = str(exc).split(" (fix: ")[0]
+            raise ValueError(
+                f"--cp {cp} --bp {bp}: the data's rows of {seq_len} tokens do not split over this layout: {reason} "
+                f"(fix: {_layout_fixes(cp, bp, seq_len, settings.block_size)})"
+            ) from None
     return topology
+
+
+def _layout_fixes(cp: int, bp: int, seq_len: int, block_size: int) -> str:
+    """``--cp 2 or 4, or --bp ...``: the nearest ``--cp`` (at this ``--bp``) and ``--bp`` (at this ``--cp``)
+    whose layout splits rows of ``seq_len`` tokens in blocks of ``block_size``, else one process per batch."""
+
+    def fits(c: int, b: int) -> bool:
+        if c > 1 and b > 1 and b % c:
+            return False
+        try:
+            Topology(cp=c, bp=b, replicate_clean_prefix=c == 1 < b).validate_sequence(seq_len, block_size)
+        except ValueError:
+            return False
+        return True
+
+    fixes = []
+    for flag, given, other in (("--cp", cp, lambda v: fits(v, bp)), ("--bp", bp, lambda v: fits(cp, v))):
+        working = [v for v in range(2, seq_len // block_size + 1) if v != given and other(v)]
+        nearest = [v for v in working if v < given][-1:] + [v for v in working if v > given][:1]
+        if nearest and given > 1:
+            fixes.append(f"{flag} {' or '.join(map(str, nearest))}")
+    return ", or ".join([*fixes, "--cp 1 --bp 1: one process per batch, --nproc N scores N at once"])
 
 
 def evaluate_parallel(
