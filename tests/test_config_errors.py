@@ -3,6 +3,7 @@ float), and each mistake is one error line: a misspelled section, an empty file,
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,42 @@ def test_a_directory_names_the_config_file_inside(tmp_path: Path, capsys: pytest
         f"csbp: error: {run_dir} is a directory, not a config file (fix: pass the config inside it: "
         f"{run_dir / 'config.yaml'})"
     )
+
+
+@pytest.mark.parametrize(
+    ("where", "content", "said"),
+    [
+        ("art/manifest.json", {"format": "csbp-packed-tokens", "format_version": 1, "seq_len": 64, "tokenizer": {}},
+         "a data artifact's manifest, not a run config (fix: name its directory in a run config, data.train: {dir}:"),
+        ("feats/manifest.json", {"format": "csbp-dflash-features", "rows": 3},
+         "a DFlash feature store's manifest, not a run config (fix: name its directory in a drafter's run config, "
+         "objective.dflash.features: {dir}:"),
+        ("run/final/config.json", {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 9},
+         "a model's HF config.json, not a run config (fix: pass a run config"),
+        ("run/checkpoints/step_0000002/trainer_state.json", {"format_version": 1, "step": 2, "config_yaml": "run: {}"},
+         "a training checkpoint's state, not a run config (fix: continue its run: csbp train {run}/config.yaml "
+         "--run-dir {run} --resume)"),
+    ],
+)
+def test_a_json_file_csbp_wrote_is_named_for_what_it_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, content: dict[str, object], said: str
+) -> None:
+    """``csbp train ART/manifest.json`` printed 18 lines: 5 missing sections and 13 unknown keys."""
+    path = tmp_path / where
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(content), encoding="utf-8")
+    assert main(["train", str(path)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    expected = said.format(dir=path.parent, run=tmp_path / "run")
+    assert line.startswith(f"csbp: error: {path} is {expected}"), line
+
+
+def test_the_formats_it_recognises_are_those_csbp_writes() -> None:
+    from csbp.config.other_files import DATA_MANIFEST_FORMAT, FEATURES_MANIFEST_FORMAT
+    from csbp.data.artifact import FORMAT_NAME
+    from csbp.dflash.features import FEATURES_FORMAT
+
+    assert (DATA_MANIFEST_FORMAT, FEATURES_MANIFEST_FORMAT) == (FORMAT_NAME, FEATURES_FORMAT)
 
 
 def test_a_recipe_name_wins_over_a_directory_of_that_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

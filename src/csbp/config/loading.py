@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from csbp.atomic import write_text_atomic
+from csbp.config.other_files import other_csbp_file
 from csbp.config.rules import ConfigRuleError
 from csbp.config.schema import RunConfig
 from csbp.config.section_base import PATH_FIELD_KEY
@@ -71,6 +72,9 @@ def load_config(
                 "the start of a line with its keys indented under it, as in `csbp recipes copy demo .`)"
             ]
         )
+    other = other_csbp_file(data, path)
+    if other is not None:  # one line, not one per section it lacks and per key it has
+        raise ConfigError([f"{source} is {other}"])
     base_dir = Path(relative_to) if relative_to is not None else path.parent
     data = _resolve_paths(data, RunConfig, base_dir.absolute())
     parsed = parse_overrides(overrides)
