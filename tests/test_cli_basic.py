@@ -183,6 +183,39 @@ def test_recipes_copy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 0
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "demo", "--run-dir", ""],
+        ["train", "demo", "--run-dir", " "],
+        ["eval", "--model", "", "--data", "art"],
+        ["eval", "--model", "m", "--data", ""],
+        ["eval", "--model", "m", "--data", "art", "--json", ""],
+        ["export", "", "--out", "out"],
+        ["export", "run", "--out", ""],
+        ["data", "prepare", "--demo-corpus", "--seq-len", "64", "--out", ""],
+        ["data", "prepare", "--demo-corpus", "--seq-len", "64", "--out", "art", "--tokenizer", ""],
+        ["recipes", "copy", "demo", ""],
+    ],
+)
+def test_an_empty_path_is_refused_not_read_as_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    """``csbp train demo --run-dir ''`` (an unset shell variable) trained into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, *argv)
+    (line,) = err.splitlines()
+    assert code == USER_ERROR_EXIT_CODE and "is an empty path (fix: name a path, or . for the working directory)" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["train", "config validate"])
+def test_an_empty_config_name_is_refused(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    """It read "csbp: error:  is a directory, not a config file": the working directory."""
+    code, _, err = run(capsys, *command.split(), "")
+    assert code == USER_ERROR_EXIT_CODE and err.startswith("csbp: error: CONFIG '' is empty (fix: pass a YAML file")
+
+
 # ----------------------------------------------------------------------------- doctor
 
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
-from csbp.cli.options import float_in, int_at_least, positive_int
+from csbp.cli.options import float_in, int_at_least, path_option, positive_int
 from csbp.data.artifact import SPLITS, open_artifact
 from csbp.data.corpus import demo_corpus_files
 from csbp.data.prepare import PrepareConfig, prepare_artifact
@@ -37,14 +36,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="tokenize and pack inputs into a memory-mapped artifact",
         description="Tokenize .jsonl/.txt/.parquet inputs once and pack them into rows of --seq-len tokens.",
     )
-    prepare.add_argument("inputs", nargs="*", type=Path, help="input files or directories")
+    prepare.add_argument("inputs", nargs="*", type=path_option, help="input files or directories")
     prepare.add_argument(
         "--demo-corpus", action="store_true", help="add the Shakespeare demo corpus to the inputs"
     )
-    prepare.add_argument("--out", type=Path, required=True, help="artifact directory to create")
+    prepare.add_argument("--out", type=path_option, required=True, help="artifact directory to create")
     prepare.add_argument("--seq-len", type=int_at_least(2), required=True, help="tokens per packed row")
     source = prepare.add_mutually_exclusive_group(required=True)
-    source.add_argument("--tokenizer", type=Path, help="local tokenizer directory or tokenizer.json")
+    source.add_argument("--tokenizer", type=path_option, help="local tokenizer directory or tokenizer.json")
     source.add_argument(
         "--train-tokenizer", action="store_true", help="train a byte-level BPE on the train split"
     )
@@ -94,7 +93,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prepare.set_defaults(func=run_prepare)
 
     inspect = commands.add_parser("inspect", help="print the manifest and decode the first rows")
-    inspect.add_argument("artifact", type=Path, help="artifact directory")
+    inspect.add_argument("artifact", type=path_option, help="artifact directory")
     inspect.add_argument("--rows", type=int_at_least(0), default=2, help="rows to decode (0: the manifest only)")
     inspect.add_argument("--split", choices=SPLITS, default="train", help="split to show (default train)")
     inspect.add_argument("--verify", action="store_true", help="recompute the content fingerprint first")
@@ -103,7 +102,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     stats = commands.add_parser(
         "stats", help="token counts, supervision, documents per row, length histogram"
     )
-    stats.add_argument("artifact", type=Path, help="artifact directory")
+    stats.add_argument("artifact", type=path_option, help="artifact directory")
     stats.add_argument("--verify", action="store_true", help="recompute the content fingerprint first")
     stats.set_defaults(func=run_stats)
 

@@ -33,6 +33,7 @@ from csbp.cli.options import (
     check_model_directory,
     device_option,
     output_file,
+    path_option,
     positive_int,
 )
 from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
@@ -50,8 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--nproc/--cp/--bp run the same evaluation on several local processes (CSBP layouts)."
         ),
     )
-    parser.add_argument("--model", type=Path, required=True, help="HF checkpoint directory (e.g. RUN/final)")
-    parser.add_argument("--data", type=Path, required=True, help="prepared data artifact (csbp data prepare)")
+    parser.add_argument("--model", type=path_option, required=True, help="HF checkpoint directory (e.g. RUN/final)")
+    parser.add_argument("--data", type=path_option, required=True, help="prepared data artifact (csbp data prepare)")
     parser.add_argument("--split", choices=("val", "train"), default="val", help="split to score (default val)")
     parser.add_argument(
         "--objective",

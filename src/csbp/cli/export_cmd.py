@@ -18,6 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from csbp.cli.options import path_option
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``export``."""
@@ -27,8 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Write a training checkpoint's model as a HF checkpoint directory, as the run's final/ "
         "would hold it at that step (for csbp generate, csbp eval, transformers).",
     )
-    parser.add_argument("checkpoint", type=Path, help="RUN/checkpoints/step_N, or a run directory (its latest checkpoint)")
-    parser.add_argument("--out", type=Path, required=True, help="directory to write")
+    parser.add_argument("checkpoint", type=path_option, help="RUN/checkpoints/step_N, or a run directory (its latest checkpoint)")
+    parser.add_argument("--out", type=path_option, required=True, help="directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
     parser.set_defaults(func=run_export)
 

@@ -119,11 +119,21 @@ def positive_float(text: str) -> float:
     return value
 
 
+def path_option(text: str) -> Path:
+    """A path flag's value, never empty: ``Path("")`` is ``.``, so ``--run-dir ''`` (an unset shell
+    variable) trained into the working directory. ``.`` still names it."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is an empty path (fix: name a path, or . for the working directory)"
+        )
+    return Path(text)
+
+
 def output_file(text: str) -> Path:
     """An output file (``--json``, ``--png``, ``plan calibrate --out``) that can be written, checked
-    before any work: not a directory, and its nearest existing parent is a writable directory
+    before any work: not empty, not a directory, and its nearest existing parent is a writable directory
     (missing parents are created when it is written)."""
-    path = Path(text)
+    path = path_option(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory (fix: name a file, e.g. {path / 'out.json'})")
     problem = unwritable_reason(path.absolute().parent)

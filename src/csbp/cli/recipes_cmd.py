@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from csbp.cli.options import path_option
 from csbp.recipes import copy_recipe, list_recipes, recipe_path, recipe_summary
 
 
@@ -26,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     copy = actions.add_parser("copy", help="copy a recipe to a file or directory to edit it")
     copy.add_argument("name", metavar="NAME", help="packaged recipe (csbp recipes list)")
-    copy.add_argument("dest", metavar="DEST", help="destination directory or .yaml file")
+    copy.add_argument("dest", metavar="DEST", type=path_option, help="destination directory or .yaml file")
     copy.add_argument(
         "--overwrite", "--force", action="store_true", dest="force",
         help="replace an existing file (--force is the same flag)",

@@ -23,6 +23,7 @@ import os
 import sys
 
 from csbp.cli.config_cmd import add_override_argument
+from csbp.cli.options import path_option
 from csbp.plan.auto import resolve_auto_topology
 from csbp.recipes import load_run_config
 from csbp.training.launcher import (
@@ -52,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("config", metavar="CONFIG", help="YAML config file, or a packaged recipe name")
     add_override_argument(parser)
     parser.add_argument(
-        "--run-dir", default=None, help="output directory (default: run.run_dir or runs/<run.name>)"
+        "--run-dir", type=path_option, default=None, help="output directory (default: run.run_dir or runs/<run.name>)"
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue from the run directory's latest checkpoint"

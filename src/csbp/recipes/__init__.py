@@ -71,6 +71,8 @@ def load_run_config(spec: str | Path, overrides: Sequence[str] = ()) -> RunConfi
     against the working directory. Raises ``ValueError`` for a directory (naming the config inside it)
     and ``FileNotFoundError`` when it is neither.
     """
+    if not str(spec).strip():  # Path("") is the working directory: "  is a directory, not a config file"
+        raise ValueError(f"CONFIG {str(spec)!r} is empty (fix: pass a YAML file, or a recipe name ({', '.join(list_recipes())}))")
     path = Path(spec)
     if path.is_file():
         return load_config(path, overrides)
