@@ -183,6 +183,20 @@ def test_recipes_copy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert code == 0
 
 
+@pytest.mark.parametrize("dest", ["x.txt", "notes.txt", "Makefile"])
+def test_recipes_copy_refuses_a_destination_that_is_no_yaml_file_nor_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], dest: str
+) -> None:
+    """``recipes copy demo DIR/x.txt`` created a directory x.txt/ holding demo.yaml."""
+    (tmp_path / "notes.txt").write_text("mine\n", encoding="utf-8")
+    (tmp_path / "Makefile").write_text("all:\n", encoding="utf-8")
+    code, out, err = run(capsys, "recipes", "copy", "demo", str(tmp_path / dest))
+    (line,) = err.splitlines()
+    assert (code, out) == (USER_ERROR_EXIT_CODE, "")
+    assert line.startswith(f"csbp: error: DEST {tmp_path / dest}: ") and f"(fix: DEST {tmp_path / Path(dest).stem}.yaml, or" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["Makefile", "notes.txt"]  # nothing created
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -54,7 +54,16 @@ def copy_recipe(name: str, dest: str | Path, *, overwrite: bool = False) -> Path
     """
     source = recipe_path(name)
     dest = Path(dest)
-    target = dest / (name + _SUFFIX) if dest.is_dir() or dest.suffix not in (".yaml", ".yml") else dest
+    is_yaml = dest.suffix in (".yaml", ".yml")
+    if not dest.is_dir() and not is_yaml and (dest.suffix or dest.exists()):
+        # x.txt became a directory x.txt/ holding demo.yaml
+        what, into = ("an existing file", "a directory") if dest.exists() else (
+            f"a {dest.suffix} file name", f"mkdir {dest} first to copy into it")
+        raise ValueError(
+            f"DEST {dest}: {what}; a recipe is copied to a .yaml file or into a directory "
+            f"(fix: DEST {dest.with_suffix(_SUFFIX)}, or {into})"
+        )
+    target = dest / (name + _SUFFIX) if dest.is_dir() or not is_yaml else dest
     if target.exists() and not overwrite:
         raise ValueError(f"{target} already exists (fix: pass --overwrite, or choose another destination)")
     problem = unwritable_reason(target.parent)
