@@ -115,6 +115,26 @@ def test_calibrate_fails_closed_on_records_without_the_model_shape(tmp_path: Pat
     assert code == USER_ERROR_EXIT_CODE and "BENCH.json files or --published" in err
 
 
+def test_calibrate_refuses_a_fit_max_len_that_selects_nothing_or_is_ignored(tmp_path: Path, capsys) -> None:
+    """``--fit-max-len 0`` was accepted (with --published it, and --timing, were silently ignored)."""
+    out = tmp_path / "cal.json"
+    for flag in (["--fit-max-len", "0"], ["--fit-max-len", "-5"]):
+        code, _, err = run(capsys, "plan", "calibrate", "--published", "--out", str(out), *flag)
+        assert code == USER_ERROR_EXIT_CODE and f"argument --fit-max-len: {flag[1]} must be >= 1" in err
+    for flag in (["--fit-max-len", "512"], ["--timing", "median"]):
+        code, _, err = run(capsys, "plan", "calibrate", "--published", "--out", str(out), *flag)
+        assert code == USER_ERROR_EXIT_CODE and err == (
+            f"csbp: error: {' '.join(flag)}: applies to BENCH.json records, but --published fits on the packaged runs "
+            f"(fix: drop {flag[0]}, or pass BENCH.json files instead of --published)\n"
+        )
+    bench = tmp_path / "bench.json"
+    _bench_records(bench, Calibration())
+    code, _, err = run(capsys, "plan", "calibrate", str(bench), "--out", str(out), "--fit-max-len", "100")
+    assert code == USER_ERROR_EXIT_CODE and err.endswith("(fix: --fit-max-len >= 512, the shortest fitted record's "
+                                                         "seq_len, or drop it)\n")
+    assert not out.exists()
+
+
 def test_calibrate_reads_what_each_benchmark_writes(tmp_path: Path) -> None:
     """Every `csbp bench` record type carries the shape `csbp plan calibrate` needs."""
     from dataclasses import asdict

@@ -207,16 +207,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     calibrate.add_argument("--out", type=output_file, required=True, help="calibration JSON to write")
     calibrate.add_argument(
         "--fit-max-len",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="L",
-        help="fit only records with seq_len <= L; longer ones are predicted (held out)",
+        help="fit only records with seq_len <= L; longer ones are predicted (held out); BENCH.json only",
     )
     calibrate.add_argument(
         "--timing",
         choices=("fastest", "median"),
-        default="fastest",
-        help="a layout's step time: its fastest repeat (default; robust to other load) or the median",
+        default=None,
+        help="a layout's step time: its fastest repeat (default; robust to other load) or the median; "
+        "BENCH.json only",
     )
     calibrate.set_defaults(func=run_calibrate)
 
@@ -424,10 +425,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     if args.published == bool(args.bench):
         raise ValueError("csbp plan calibrate takes BENCH.json files or --published (one of the two)")
+    for flag, value in (("--fit-max-len", args.fit_max_len), ("--timing", args.timing)):
+        if args.published and value is not None:  # the published runs are fitted whole, on their own times
+            raise ValueError(f"{flag} {value}: applies to BENCH.json records, but --published fits on the packaged "
+                             f"runs (fix: drop {flag}, or pass BENCH.json files instead of --published)")
     if args.published:
         cal = fit_published()
     else:
-        observations = bench_observations(args.bench, fastest=args.timing == "fastest")
+        observations = bench_observations(args.bench, fastest=args.timing != "median")
         limit = args.fit_max_len
         # Document-masked records are predicted, not fitted, when one-document records exist: the
         # kernels' speed per allowed pair differs under the document mask (docs/planning.md, --doc-length).
@@ -438,7 +443,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
         fitted = [o for o in observations if fits(o)]
         if not fitted:
-            raise ValueError(f"--fit-max-len {limit} leaves no benchmark record to fit on")
+            shortest = min(o.seq_len for o in observations if not (one_document and o.workload.doc_length))
+            raise ValueError(f"--fit-max-len {limit} leaves no benchmark record to fit on (fix: --fit-max-len >= "
+                             f"{shortest}, the shortest fitted record's seq_len, or drop it)")
         cal = fit_bench(
             fitted,
             source=f"fitted on {', '.join(str(p) for p in args.bench)}"
