@@ -277,6 +277,52 @@ def test_launch_option_checks() -> None:
     check_process_count(_world2(), 1, LaunchOptions(nnodes=2, node_rank=1, rdzv_endpoint="h:1"))
 
 
+@pytest.mark.parametrize(
+    ("endpoint", "said"),
+    [
+        ("host:99999", "host:99999: port '99999' is not a number in 1..65535 (fix: HOST:PORT of the first node"),
+        ("host:0", "port '0' is not a number in 1..65535"),
+        ("host:abc", "port 'abc' is not a number in 1..65535"),
+        (":29500", "':29500' is not HOST:PORT (fix:"),
+        ("node0", "'node0' is not HOST:PORT (fix:"),
+        ("a b:1", "'a b' is not a host name or IP address"),
+    ],
+)
+def test_a_malformed_rendezvous_endpoint_is_one_line_before_any_work(
+    capsys: pytest.CaptureFixture[str], endpoint: str, said: str
+) -> None:
+    """``--rdzv-endpoint host:99999`` was torch's raw "must be an integer between 0 and 65536"."""
+    from csbp.cli.main import main
+
+    assert main(["train", "no-such-config.yaml", "--nnodes", "2", "--rdzv-endpoint", endpoint]) == 2
+    (line,) = capsys.readouterr().err.splitlines()  # the config is not read: the flag is refused first
+    assert line.startswith("csbp train: error: argument --rdzv-endpoint: ") and said in line, line
+
+
+def test_a_rendezvous_host_that_does_not_resolve_is_refused_in_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unresolvable host hung the launch: torch's rendezvous retried the name without end."""
+    import argparse
+    import socket
+    import threading
+
+    from csbp.cli import options
+
+    def unknown(*args: object, **kwargs: object) -> None:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", unknown)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"host 'nowhere' does not resolve \(Name or service not known\) "
+                       r"\(fix: check the name, or pass the first node's IP address\)$"):
+        options.rendezvous_endpoint("nowhere:29500")
+    answered = threading.Event()
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: answered.wait(30))  # a DNS server that never answers
+    monkeypatch.setattr(options, "RESOLVE_TIMEOUT_S", 0.2)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"host 'slow' did not resolve within 0.2 s"):
+        options.rendezvous_endpoint("slow:29500")
+    answered.set()
+    assert options.rendezvous_endpoint("[::1]:29500") == "[::1]:29500"
+
+
 @pytest.mark.parametrize("rank", ["0", "1"])  # rank 0 takes the run directory's lock first
 def test_a_torchrun_launch_of_another_world_size_is_refused_before_the_data_and_the_process_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: str

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import shlex
+import socket
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -140,6 +143,54 @@ def output_file(text: str) -> Path:
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{text}: {problem} (fix: choose another path)")
     return path
+
+
+RESOLVE_TIMEOUT_S = 10.0
+"""How long ``--rdzv-endpoint``'s host may take to resolve (a lookup of a name no server answers for
+can take minutes; torch's rendezvous then retried it without end)."""
+
+_HOST_NAME = re.compile(r"^[\w.:-]+$")  # what torch's parse_rendezvous_endpoint accepts
+
+
+def rendezvous_endpoint(text: str) -> str:
+    """``--rdzv-endpoint HOST:PORT``: a port in 1..65535 and a host that resolves within
+    :data:`RESOLVE_TIMEOUT_S`, checked before any work (torch said "must be an integer between 0 and
+    65536" as a raw library line, and an unresolvable host hung the launch)."""
+    example = "(fix: HOST:PORT of the first node, e.g. node0:29500 or 10.0.0.1:29500)"
+    host, sep, port_text = text.strip().rpartition(":")
+    if host.startswith("[") and host.endswith("]"):  # [IPv6]:PORT
+        host = host[1:-1]
+    if not sep or not host or not port_text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT {example}")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text}: port {port_text!r} is not a number in 1..65535 {example}")
+    if not _HOST_NAME.match(host):
+        raise argparse.ArgumentTypeError(f"{text}: {host!r} is not a host name or IP address {example}")
+    problem = _resolve_problem(host, int(port_text), RESOLVE_TIMEOUT_S)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(
+            f"{text}: host {host!r} {problem} (fix: check the name, or pass the first node's IP address)"
+        )
+    return text.strip()
+
+
+def _resolve_problem(host: str, port: int, timeout_s: float) -> str | None:
+    """Why ``host`` does not resolve (``getaddrinfo`` in a daemon thread: it has no timeout of its own),
+    else None."""
+    failure: list[str] = []
+
+    def look_up() -> None:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            failure.append(getattr(exc, "strerror", None) or str(exc) or type(exc).__name__)
+
+    lookup = threading.Thread(target=look_up, name="csbp-resolve", daemon=True)
+    lookup.start()
+    lookup.join(timeout_s)
+    if lookup.is_alive():
+        return f"did not resolve within {timeout_s:g} s"
+    return f"does not resolve ({failure[0]})" if failure else None
 
 
 def add_diagonal_option(parser: argparse.ArgumentParser, *, reference: bool = False) -> None:

@@ -23,7 +23,7 @@ import os
 import sys
 
 from csbp.cli.config_cmd import add_override_argument
-from csbp.cli.options import path_option
+from csbp.cli.options import path_option, rendezvous_endpoint
 from csbp.plan.auto import resolve_auto_topology
 from csbp.recipes import load_run_config
 from csbp.training.launcher import (
@@ -77,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--node-rank", type=int, default=None, metavar="R", help="this node's rank (static rendezvous)"
     )
     parser.add_argument(
-        "--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous endpoint (multi-node)"
+        "--rdzv-endpoint", type=rendezvous_endpoint, default=None, metavar="HOST:PORT", help="rendezvous endpoint (multi-node)"
     )
     parser.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all nodes")
     parser.set_defaults(func=run_train)
