@@ -299,6 +299,29 @@ def test_a_malformed_rendezvous_endpoint_is_one_line_before_any_work(
     assert line.startswith("csbp train: error: argument --rdzv-endpoint: ") and said in line, line
 
 
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--nproc", "0"], "csbp train: error: argument --nproc: 0 must be >= 1"),
+        (["--nnodes", "-2"], "csbp train: error: argument --nnodes: -2 must be >= 1"),
+        (["--node-rank", "-1"], "csbp train: error: argument --node-rank: -1 must be >= 0"),
+        (["--max-steps", "0"], "csbp train: error: argument --max-steps: 0 must be >= 1"),
+        (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:29500"],
+         "csbp: error: --node-rank 2: must lie in [0, --nnodes 2) (fix: number the nodes 0..1"),
+        (["--nnodes", "2"], "csbp: error: --rdzv-endpoint: required with --nnodes > 1 (fix:"),
+    ],
+)
+def test_process_count_flags_are_refused_before_the_config_is_read(
+    capsys: pytest.CaptureFixture[str], flags: list[str], said: str
+) -> None:
+    """They were refused after the config and its data were read and checked ("both must be >= 1")."""
+    from csbp.cli.main import main
+
+    assert main(["train", "no-such-config.yaml", *flags]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(said), line
+
+
 def test_a_rendezvous_host_that_does_not_resolve_is_refused_in_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """An unresolvable host hung the launch: torch's rendezvous retried the name without end."""
     import argparse

@@ -23,7 +23,7 @@ import os
 import sys
 
 from csbp.cli.config_cmd import add_override_argument
-from csbp.cli.options import path_option, rendezvous_endpoint
+from csbp.cli.options import int_at_least, path_option, positive_int, rendezvous_endpoint
 from csbp.plan.auto import resolve_auto_topology
 from csbp.recipes import load_run_config
 from csbp.training.launcher import (
@@ -60,21 +60,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--max-steps",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="stop after global step N <= train.max_steps (the schedule still spans train.max_steps)",
     )
     parser.add_argument(
         "--nproc",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="processes on this node (default: train.nproc, else the topology's world size)",
     )
-    parser.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes (default: 1)")
+    parser.add_argument("--nnodes", type=positive_int, default=1, metavar="N", help="number of nodes (default: 1)")
     parser.add_argument(
-        "--node-rank", type=int, default=None, metavar="R", help="this node's rank (static rendezvous)"
+        "--node-rank", type=int_at_least(0), default=None, metavar="R", help="this node's rank (static rendezvous)"
     )
     parser.add_argument(
         "--rdzv-endpoint", type=rendezvous_endpoint, default=None, metavar="HOST:PORT", help="rendezvous endpoint (multi-node)"
@@ -84,6 +84,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    if not inside_torchrun():  # before the config is read (the launcher checks them again, after the data)
+        check_process_count_flags(args)
     nproc, nnodes = launched_processes(args)
     overrides = resolve_auto_topology(
         args.config, args.overrides, nproc=nproc, nnodes=nnodes, echo=os.environ.get("RANK", "0") == "0"
@@ -110,6 +112,15 @@ def run_train(args: argparse.Namespace) -> int:
     if inside_torchrun():
         skip_teardown_at_exit()  # this rank succeeded: a gloo teardown abort must not fail the launch
     return 0
+
+
+def check_process_count_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` for the node flags that contradict each other, whatever the config."""
+    if args.node_rank is not None and args.node_rank >= args.nnodes:
+        raise ValueError(f"--node-rank {args.node_rank}: must lie in [0, --nnodes {args.nnodes}) "
+                         f"(fix: number the nodes 0..{args.nnodes - 1}, or pass the --nnodes of the job)")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise ValueError("--rdzv-endpoint: required with --nnodes > 1 (fix: pass HOST:PORT of the first node)")
 
 
 def launched_processes(args: argparse.Namespace) -> tuple[int | None, int]:
