@@ -105,6 +105,34 @@ def test_a_directory_without_a_tokenizer_is_one_whole_line(tmp_path: Path) -> No
     assert "\n" not in str(info.value) and not str(info.value).split("(fix:")[0].rstrip().endswith(":")
 
 
+def test_a_path_that_exists_but_is_no_tokenizer_says_what_it_is(tmp_path: Path) -> None:
+    """``--tokenizer /dev/null`` said "does not exist"."""
+    import os
+
+    fix = r" \(fix: pass a tokenizer.json file, or a directory holding tokenizer.json\)$"
+    with pytest.raises(ValueError, match=r"^tokenizer path /dev/null is a character device, not a tokenizer.json file "
+                       r"or a tokenizer directory" + fix):
+        load_tokenizer("/dev/null")
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match=r"fifo is a named pipe, not a tokenizer.json file" + ".*" + fix):
+        load_tokenizer(tmp_path / "fifo")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    with pytest.raises(ValueError, match=rf"dangling is a symbolic link to {tmp_path / 'gone'}, which does not exist" + fix):
+        load_tokenizer(tmp_path / "dangling")
+    with pytest.raises(ValueError, match=r"missing does not exist" + fix):
+        load_tokenizer(tmp_path / "missing")
+
+
+def test_a_run_directory_for_a_tokenizer_names_its_model_s(tmp_path: Path) -> None:
+    """A directory without tokenizer files got transformers' "Couldn't instantiate the backend tokenizer" reason."""
+    (tmp_path / "final").mkdir()
+    _wordlevel_dir(tmp_path / "final", {"[UNK]": 0, "<|endoftext|>": 1, "<|mask|>": 2})
+    run = tmp_path
+    with pytest.raises(ValueError, match=rf"^could not load a tokenizer from {run}: the directory holds neither "
+                       rf"tokenizer.json nor tokenizer_config.json \(fix: pass its model's, {run / 'final'}\)$"):
+        load_tokenizer(run)
+
+
 def test_missing_mask_token_is_an_error(tmp_path: Path) -> None:
     directory = _wordlevel_dir(tmp_path, {"[UNK]": 0, "<|endoftext|>": 1})
     with pytest.raises(ValueError, match="has no mask token '<\\|mask\\|>'.*--mask-token"):

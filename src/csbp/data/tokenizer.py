@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -185,8 +187,31 @@ def load_tokenizer(
             mask_id=mask_id,
         )
     if not path.is_dir():
-        raise ValueError(f"tokenizer path {path} does not exist; pass a directory or a tokenizer.json file")
+        raise ValueError(f"tokenizer path {path} {_not_a_tokenizer(path)} (fix: {_TOKENIZER_FIX})")
+    if not any((path / name).is_file() for name in ("tokenizer_config.json", "config.json")):
+        # transformers would guess a tokenizer class and fail in its own words ("Couldn't instantiate ...")
+        fix = f"pass its model's, {path / 'final'}" if (path / "final" / "tokenizer.json").is_file() else _TOKENIZER_FIX
+        raise ValueError(
+            f"could not load a tokenizer from {path}: the directory holds neither tokenizer.json nor "
+            f"tokenizer_config.json (fix: {fix})"
+        )
     return _load_with_transformers(path, special, mask_id)
+
+
+_TOKENIZER_FIX = "pass a tokenizer.json file, or a directory holding tokenizer.json"
+
+
+def _not_a_tokenizer(path: Path) -> str:
+    """What ``path``, neither a file nor a directory, is: missing, a dangling link, a device, ..."""
+    if path.is_symlink() and not path.exists():
+        return f"is a symbolic link to {os.readlink(path)}, which does not exist"
+    if not path.exists():
+        return "does not exist"
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
+             (stat.S_ISSOCK, "a socket"))
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    return f"is {kind}, not a tokenizer.json file or a tokenizer directory"
 
 
 def _load_with_transformers(path: Path, special: SpecialTokens, mask_id: int | None) -> CsbpTokenizer:
