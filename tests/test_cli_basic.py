@@ -210,6 +210,9 @@ def test_recipes_copy_refuses_a_destination_that_is_no_yaml_file_nor_a_directory
         ["data", "prepare", "--demo-corpus", "--seq-len", "64", "--out", ""],
         ["data", "prepare", "--demo-corpus", "--seq-len", "64", "--out", "art", "--tokenizer", ""],
         ["recipes", "copy", "demo", ""],
+        ["dflash", "eval", "--target", "t", "--drafter", "d", "--prompts", "p.jsonl", "--tokenizer", ""],
+        ["dflash", "export", "--run-dir", "", "--out", "o"],
+        ["dflash", "prepare-features", "--target", "t", "--data", "art", "--out", ""],
     ],
 )
 def test_an_empty_path_is_refused_not_read_as_the_working_directory(

@@ -18,13 +18,12 @@ acceptance length and the lossless check); :mod:`csbp.cli.dflash_common` holds w
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from csbp.cli.dflash_common import DTYPES
 from csbp.cli.dflash_eval_cmd import run_eval
 from csbp.cli.dflash_export_cmd import run_export
 from csbp.cli.dflash_features_cmd import FEATURE_DTYPES, run_prepare_features
-from csbp.cli.options import add_deprecated_alias, device_option
+from csbp.cli.options import add_deprecated_alias, device_option, path_option
 from csbp.dflash.evaluate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DEFAULT_PROMPT_LEN
 
 #: help of ``dflash export``'s checkpoint flags
@@ -42,12 +41,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run the frozen target over an artifact split once and store the hidden states of the "
         "layers a drafter fuses (point objective.dflash.features at --out).",
     )
-    prep.add_argument("--target", type=Path, required=True, help="HF checkpoint directory of the target")
-    prep.add_argument("--data", type=Path, required=True, help="prepared artifact (csbp data prepare)")
-    prep.add_argument("--out", type=Path, required=True, help="feature directory to create")
+    prep.add_argument("--target", type=path_option, required=True, help="HF checkpoint directory of the target")
+    prep.add_argument("--data", type=path_option, required=True, help="prepared artifact (csbp data prepare)")
+    prep.add_argument("--out", type=path_option, required=True, help="feature directory to create")
     prep.add_argument("--layer-ids", type=int, nargs="+", default=None, help="0-based target layers to fuse")
     prep.add_argument(
-        "--drafter", type=Path, default=None, help="take --layer-ids from this drafter's config"
+        "--drafter", type=path_option, default=None, help="take --layer-ids from this drafter's config"
     )
     prep.add_argument("--num-draft-layers", type=int, default=1, help="for the default layer ids")
     prep.add_argument("--with-last-hidden", action="store_true", help="also store the final hidden (KL loss)")
@@ -68,13 +67,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "one checkpoint) in the public DFlash format.",
     )
     source = export.add_mutually_exclusive_group(required=True)
-    source.add_argument("--drafter", type=Path, help="drafter directory (config.json + model.safetensors)")
-    source.add_argument("--run-dir", type=Path, help="training run directory (final/ or latest checkpoint)")
-    source.add_argument("--checkpoint", type=Path, help="checkpoint directory RUN/checkpoints/step_N")
-    export.add_argument("--target", type=Path, default=None,
+    source.add_argument("--drafter", type=path_option, help="drafter directory (config.json + model.safetensors)")
+    source.add_argument("--run-dir", type=path_option, help="training run directory (final/ or latest checkpoint)")
+    source.add_argument("--checkpoint", type=path_option, help="checkpoint directory RUN/checkpoints/step_N")
+    export.add_argument("--target", type=path_option, default=None,
                         help="HF checkpoint directory of the target (default: the one a --run-dir or --checkpoint "
                         "recorded; required with --drafter)")
-    export.add_argument("--out", type=Path, required=True, help="directory to write")
+    export.add_argument("--out", type=path_option, required=True, help="directory to write")
     export.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     export.add_argument("--block-size", type=int, default=None, help=UNRECORDED_ONLY)
     export.add_argument("--mask-token-id", type=int, default=None, help=UNRECORDED_ONLY)
@@ -89,13 +88,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(tokens committed per verify round), the target forwards saved and, unless --no-check-lossless, "
         "a check that every output equals the target's own greedy output.",
     )
-    ev.add_argument("--target", type=Path, required=True, help="HF checkpoint directory of the target")
-    ev.add_argument("--drafter", type=Path, required=True, help="drafter directory (csbp dflash export)")
+    ev.add_argument("--target", type=path_option, required=True, help="HF checkpoint directory of the target")
+    ev.add_argument("--drafter", type=path_option, required=True, help="drafter directory (csbp dflash export)")
     prompts = ev.add_mutually_exclusive_group(required=True)
-    prompts.add_argument("--data", type=Path, help="artifact whose split rows give the prompts")
-    prompts.add_argument("--prompts", type=Path, help='JSONL file of {"prompt": ..., "group": ...} lines')
+    prompts.add_argument("--data", type=path_option, help="artifact whose split rows give the prompts")
+    prompts.add_argument("--prompts", type=path_option, help='JSONL file of {"prompt": ..., "group": ...} lines')
     ev.add_argument("--split", choices=("train", "val"), default=None, help="--data: artifact split (default val)")
-    ev.add_argument("--tokenizer", type=Path, default=None, help="--prompts: their tokenizer (default: --target)")
+    ev.add_argument("--tokenizer", type=path_option, default=None, help="--prompts: their tokenizer (default: --target)")
     ev.add_argument("--num-prompts", type=int, default=DEFAULT_NUM_PROMPTS, help="prompts to decode")
     ev.add_argument(
         "--prompt-len",
