@@ -153,9 +153,9 @@ _HOST_NAME = re.compile(r"^[\w.:-]+$")  # what torch's parse_rendezvous_endpoint
 
 
 def rendezvous_endpoint(text: str) -> str:
-    """``--rdzv-endpoint HOST:PORT``: a port in 1..65535 and a host that resolves within
-    :data:`RESOLVE_TIMEOUT_S`, checked before any work (torch said "must be an integer between 0 and
-    65536" as a raw library line, and an unresolvable host hung the launch)."""
+    """``--rdzv-endpoint HOST:PORT`` with a port in 1..65535 (torch said "must be an integer between 0
+    and 65536" as a raw library line, after the data checks); whether HOST resolves is
+    :func:`check_endpoint_resolves`'s, run by the command (parsing looks nothing up)."""
     example = "(fix: HOST:PORT of the first node, e.g. node0:29500 or 10.0.0.1:29500)"
     host, sep, port_text = text.strip().rpartition(":")
     if host.startswith("[") and host.endswith("]"):  # [IPv6]:PORT
@@ -166,12 +166,19 @@ def rendezvous_endpoint(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text}: port {port_text!r} is not a number in 1..65535 {example}")
     if not _HOST_NAME.match(host):
         raise argparse.ArgumentTypeError(f"{text}: {host!r} is not a host name or IP address {example}")
-    problem = _resolve_problem(host, int(port_text), RESOLVE_TIMEOUT_S)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(
-            f"{text}: host {host!r} {problem} (fix: check the name, or pass the first node's IP address)"
-        )
     return text.strip()
+
+
+def check_endpoint_resolves(endpoint: str, flag: str = "--rdzv-endpoint") -> None:
+    """``ValueError`` unless the host of ``endpoint`` (as :func:`rendezvous_endpoint` took it)
+    resolves within :data:`RESOLVE_TIMEOUT_S` (an unresolvable host hung torch's rendezvous)."""
+    host, _, port = endpoint.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    problem = _resolve_problem(host, int(port), RESOLVE_TIMEOUT_S)
+    if problem is not None:
+        raise ValueError(
+            f"{flag} {endpoint}: host {host!r} {problem} (fix: check the name, or pass the first node's IP address)"
+        )
 
 
 def _resolve_problem(host: str, port: int, timeout_s: float) -> str | None:

@@ -23,7 +23,13 @@ import os
 import sys
 
 from csbp.cli.config_cmd import add_override_argument
-from csbp.cli.options import int_at_least, path_option, positive_int, rendezvous_endpoint
+from csbp.cli.options import (
+    check_endpoint_resolves,
+    int_at_least,
+    path_option,
+    positive_int,
+    rendezvous_endpoint,
+)
 from csbp.plan.auto import resolve_auto_topology
 from csbp.recipes import load_run_config
 from csbp.training.launcher import (
@@ -115,12 +121,15 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def check_process_count_flags(args: argparse.Namespace) -> None:
-    """``ValueError`` for the node flags that contradict each other, whatever the config."""
+    """``ValueError`` for node flags that contradict each other, whatever the config, and for a
+    rendezvous host that does not resolve."""
     if args.node_rank is not None and args.node_rank >= args.nnodes:
         raise ValueError(f"--node-rank {args.node_rank}: must lie in [0, --nnodes {args.nnodes}) "
                          f"(fix: number the nodes 0..{args.nnodes - 1}, or pass the --nnodes of the job)")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise ValueError("--rdzv-endpoint: required with --nnodes > 1 (fix: pass HOST:PORT of the first node)")
+    if args.rdzv_endpoint is not None:
+        check_endpoint_resolves(args.rdzv_endpoint)
 
 
 def launched_processes(args: argparse.Namespace) -> tuple[int | None, int]:
