@@ -322,6 +322,24 @@ def test_a_tiny_positive_temperature_samples_the_argmax_instead_of_crashing(
         assert torch.equal(confidence, torch.ones(2, dtype=confidence.dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_huge_temperature_or_a_tiny_top_p_is_its_limit_instead_of_crashing(dtype: torch.dtype) -> None:
+    """``csbp generate --temperature 1e300`` and ``--top-p 1e-300`` ended in torch.multinomial's
+    RuntimeError (inf/nan probabilities): 1e300 is inf in float32 and the mask's -inf / inf was nan;
+    1e-300 is 0 there and the nucleus dropped even the best token. Their limits: a uniform draw among
+    the kept tokens (still ranked by the logits), and the most likely token alone."""
+    logits_RV = torch.tensor([[0.5, 3.0, -2.0, 1.0, 9.0]], dtype=dtype).repeat(2000, 1)  # id 4 plays the mask
+    generator = torch.Generator().manual_seed(0)
+    for top_k, top_p, kept in ((None, 1.0, {0, 1, 2, 3}), (2, 1.0, {1, 3}), (None, 0.5, {1, 3}), (3, 1e-300, {1})):
+        tokens, confidence = propose_tokens(
+            logits_RV, mask_token_id=4, temperature=1e300, top_k=top_k, top_p=top_p, generator=generator
+        )
+        assert set(tokens.tolist()) == kept, (top_k, top_p)
+        assert torch.allclose(confidence, torch.full_like(confidence, 1 / len(kept)))
+    tokens, confidence = propose_tokens(logits_RV, mask_token_id=4, temperature=1.0, top_p=1e-300, generator=generator)
+    assert set(tokens.tolist()) == {1} and torch.equal(confidence, torch.ones_like(confidence))
+
+
 def test_a_vanishing_temperature_is_greedy_left_to_right_not_the_greedy_order(model: Decoder) -> None:
     """The documented limit of the tempered confidence (Fast-dLLM v2's convention, see
     ``csbp.generation.token_choice``): as ``T -> 0+`` every confidence is 1, so the arg-max tokens

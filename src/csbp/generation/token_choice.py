@@ -9,7 +9,10 @@ confidence per row:
 * ``temperature > 0``: logits are divided by the temperature, cut to the ``top_k`` largest and to
   the smallest set whose probability reaches ``top_p`` (nucleus), renormalised, and one token is
   drawn per row with the given CPU generator; the confidence is the drawn token's probability
-  under that distribution.
+  under that distribution. Both ends are limits, not errors: a temperature so large that the
+  tempered logits round to 0 (``1e300``) draws uniformly among the tokens ``top_k``/``top_p`` keep
+  (ranked by the logits, which any temperature leaves in order), and a ``top_p`` below the best
+  token's probability (``1e-300``) keeps that token alone.
 
 Confidence under sampling. Using the tempered, truncated distribution is Fast-dLLM v2's convention
 (its released ``sample_with_top_p`` returns the renormalised nucleus of ``softmax(logits / T)`` and
@@ -76,24 +79,32 @@ def propose_tokens(
     # the rest are < 0, so a tiny temperature (even one that underflows to 0 in the logits' dtype)
     # sends them to -inf instead of giving inf - inf = nan in the softmax: the arg-max limit.
     shifted_RV = logits_RV - logits_RV.max(dim=-1, keepdim=True).values
-    scaled_RV = torch.where(shifted_RV == 0, shifted_RV, shifted_RV / temperature)
-    if top_k is not None and top_k < scaled_RV.shape[-1]:
-        kth_largest_R1 = torch.topk(scaled_RV, top_k, dim=-1).values[:, -1:]
-        scaled_RV = scaled_RV.masked_fill(scaled_RV < kth_largest_R1, float("-inf"))
+    if top_k is not None and top_k < shifted_RV.shape[-1]:
+        # ranked by the logits: a temperature keeps their order, but one past the dtype's range makes
+        # every tempered value 0, a tie that would keep every token
+        kth_largest_R1 = torch.topk(shifted_RV, top_k, dim=-1).values[:, -1:]
+        shifted_RV = shifted_RV.masked_fill(shifted_RV < kth_largest_R1, float("-inf"))
+    # -inf (the mask, tokens cut above) stays -inf: a temperature past the dtype's range (1e300 in
+    # float32) is inf there, and -inf / inf was nan; finite logits / inf = 0, the uniform limit
+    tempered_RV = torch.isfinite(shifted_RV) & (shifted_RV != 0)
+    scaled_RV = torch.where(tempered_RV, shifted_RV / temperature, shifted_RV)
     if top_p < 1.0:
-        scaled_RV = _nucleus(scaled_RV, top_p)
+        scaled_RV = _nucleus(scaled_RV, top_p, ranking_RV=shifted_RV)
     probs_RV = torch.softmax(scaled_RV, dim=-1)
     tokens_R = torch.multinomial(probs_RV, 1, generator=generator).squeeze(-1)
     confidence_R = probs_RV.gather(-1, tokens_R[:, None]).squeeze(-1)
     return tokens_R, confidence_R
 
 
-def _nucleus(scaled_RV: Tensor, top_p: float) -> Tensor:
-    """Keep the most probable tokens whose cumulative probability first reaches ``top_p``."""
-    sorted_RV, order_RV = torch.sort(scaled_RV, dim=-1, descending=True)
-    probs_RV = torch.softmax(sorted_RV, dim=-1)
+def _nucleus(scaled_RV: Tensor, top_p: float, *, ranking_RV: Tensor | None = None) -> Tensor:
+    """Keep the most probable tokens whose cumulative probability first reaches ``top_p``, ranked by
+    ``ranking_RV`` (the untempered logits: the same order, kept where a huge temperature made every
+    tempered value 0) or else by ``scaled_RV``; the most probable token is always kept."""
+    _, order_RV = torch.sort(scaled_RV if ranking_RV is None else ranking_RV, dim=-1, descending=True, stable=True)
+    probs_RV = torch.softmax(scaled_RV.gather(-1, order_RV), dim=-1)
     mass_before_RV = probs_RV.cumsum(dim=-1) - probs_RV  # probability of strictly better tokens
-    drop_sorted_RV = mass_before_RV >= top_p  # never drops the best token (mass_before = 0)
+    drop_sorted_RV = mass_before_RV >= top_p
+    drop_sorted_RV[:, 0] = False  # a top_p below the dtype's smallest number (1e-300 in float32) is 0 there
     drop_RV = torch.zeros_like(drop_sorted_RV).scatter(-1, order_RV, drop_sorted_RV)
     return scaled_RV.masked_fill(drop_RV, float("-inf"))
 
