@@ -274,6 +274,8 @@ def test_cli_refuses_a_prompt_it_cannot_continue_before_loading_the_model(
         ("--top-p", "0", "0 must lie in (0, 1]"),
         ("--threshold", "1.5", "1.5 must lie in [0, 1]"),
         ("--seed", "-1", "-1 must be >= 0"),
+        ("--mask-token", "", "an empty name names no token (fix: a token of the tokenizer, e.g. <|mask|>, or drop"),
+        ("--eos-token", "", "an empty name names no token (fix: a token of the tokenizer, e.g. <|endoftext|>, or"),
     ],
 )
 def test_sampling_flags_are_refused_by_their_flag_name(

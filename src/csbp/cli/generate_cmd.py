@@ -45,7 +45,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from csbp.cli.options import check_model_directory, device_option, float_in, int_at_least, positive_int
+from csbp.cli.options import (
+    check_model_directory,
+    device_option,
+    float_in,
+    int_at_least,
+    positive_int,
+    token_name,
+)
 from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
 from csbp.generation.run_settings import (
     TOKEN_SHIFT_OBJECTIVES,
@@ -79,12 +86,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "turn opened (for models adapted on chat data prepared with that template)",
     )
     parser.add_argument(
-        "--mask-token", default=None,
+        "--mask-token", type=token_name("<|mask|>"), default=None,
         help="name of the mask token in the tokenizer (default: the model's recorded mask_token_id, else "
         "<|mask|>); one other than the recorded id is refused",
     )
     parser.add_argument(
-        "--eos-token", default=None,
+        "--eos-token", type=token_name("<|endoftext|>"), default=None,
         help="name of the EOS token in the tokenizer (default: <|endoftext|>); one that is neither the run's "
         "recorded EOS nor a stop of the model's generation_config.json is refused",
     )

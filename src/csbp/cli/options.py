@@ -111,6 +111,20 @@ def check_model_directory(model_dir: Path) -> Path:
     raise ValueError(f"--model {model_dir} {what}")
 
 
+def token_name(example: str) -> Callable[[str], str]:
+    """``--mask-token``/``--eos-token``: the name of a token of the tokenizer; an empty one names none
+    (``--mask-token ''`` fell back to the default name as if the flag were not given)."""
+
+    def parse(text: str) -> str:
+        if not text:
+            raise argparse.ArgumentTypeError(
+                f"an empty name names no token (fix: a token of the tokenizer, e.g. {example}, or drop the flag)"
+            )
+        return text
+
+    return parse
+
+
 def positive_float(text: str) -> float:
     """A finite number > 0."""
     try:
