@@ -253,6 +253,23 @@ def check_eos_token(
     )
 
 
+def check_block_size(model_dir: Path, block_size: int, given: bool) -> None:
+    """``ValueError`` naming ``--block-size`` (``given``) when one block is longer than the model's
+    positions (``max_position_embeddings``): the sampler runs whole blocks, so no prompt or
+    ``--max-new-tokens`` could fit (it blamed ``--max-new-tokens``, with the fix "a prompt shorter than 0 tokens")."""
+    from csbp.models.hf_io import read_json_object
+
+    limit = read_json_object(model_dir / "config.json").get("max_position_embeddings")
+    if type(limit) is not int or block_size <= limit:
+        return
+    what = f"--block-size {block_size}" if given else f"block size {block_size}"
+    raise ValueError(
+        f"{what}: the sampler runs whole blocks, and one block of {block_size} positions is past "
+        f"max_position_embeddings {limit} of {model_dir / 'config.json'} (fix: the block size the model was trained "
+        f"with, at most {limit})"
+    )
+
+
 def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block_size: int) -> None:
     """``ValueError`` unless the prompt and ``max_new_tokens`` fit the model's positions
     (``max_position_embeddings`` of its ``config.json``; none recorded: no limit). The sampler runs
@@ -317,6 +334,7 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     objective = args.objective or run_settings.get("objective", DEFAULT_OBJECTIVE)
     block_size = args.block_size or run_settings.get("block_size", DEFAULT_BLOCK_SIZE)
+    check_block_size(model_dir, block_size, given=args.block_size is not None)
     steps_per_block = args.steps_per_block if args.steps_per_block is not None else block_size
     if not 1 <= steps_per_block <= block_size:
         raise ValueError(
@@ -326,9 +344,10 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     sub_block = args.sub_block_size
     if sub_block is not None and block_size % sub_block:
-        divisors = [d for d in range(1, block_size + 1) if block_size % d == 0]
-        raise ValueError(
-            f"--sub-block-size {sub_block} does not divide the block size {block_size} (fix: one of {divisors})"
+        divisors = [d for d in range(1, block_size + 1) if block_size % d == 0] if block_size <= 2**16 else None
+        raise ValueError(  # a block size no max_position_embeddings bounds: no loop over its numbers
+            f"--sub-block-size {sub_block} does not divide the block size {block_size} "
+            f"(fix: {f'one of {divisors}' if divisors else f'a divisor of {block_size}'})"
         )
     if sub_block is not None and steps_per_block % (block_size // sub_block):
         count = block_size // sub_block

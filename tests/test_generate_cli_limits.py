@@ -1,0 +1,41 @@
+"""``csbp generate``: requests no model could serve, refused by the flag at fault before the model is
+loaded (a CLI fuzz found them blaming another flag, or starting work that would not end)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from test_generate_cli import export_tiny_run, parse
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_tiny_run(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(autouse=True)
+def _no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("csbp.models.hf_io.load_hf_checkpoint", no_loading)
+
+
+def refusal(checkpoint: Path, *extra: str) -> str:
+    args = parse(["generate", "--model", str(checkpoint), "--prompt", "the quick", "--device", "cpu", *extra])
+    with pytest.raises(ValueError) as info:
+        args.func(args)
+    return str(info.value)
+
+
+def test_a_block_longer_than_the_model_s_positions_is_refused_by_block_size(checkpoint: Path) -> None:
+    """It blamed --max-new-tokens, with the fix "a prompt shorter than 0 tokens"; with --sub-block-size
+    its divisors were listed by a loop over every number up to the block size (10**12: no end)."""
+    for size, extra in (("100000", ()), (str(10**12), ("--sub-block-size", "7"))):
+        assert refusal(checkpoint, "--block-size", size, *extra) == (
+            f"--block-size {size}: the sampler runs whole blocks, and one block of {size} positions is past "
+            f"max_position_embeddings 32768 of {checkpoint / 'config.json'} (fix: the block size the model was "
+            "trained with, at most 32768)"
+        )
