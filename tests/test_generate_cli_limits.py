@@ -39,3 +39,28 @@ def test_a_block_longer_than_the_model_s_positions_is_refused_by_block_size(chec
             f"max_position_embeddings 32768 of {checkpoint / 'config.json'} (fix: the block size the model was "
             "trained with, at most 32768)"
         )
+
+
+def test_a_samples_count_that_cannot_be_meaningful_is_refused(checkpoint: Path) -> None:
+    """--samples 100000 started 100000 greedy draws of the same completion."""
+    assert refusal(checkpoint, "--samples", "100000") == (
+        "--samples 100000: --temperature 0 is greedy, so every sample would be the same completion (fix: "
+        "--temperature above 0 to draw different ones, or drop --samples)"
+    )
+    assert refusal(checkpoint, "--samples", str(2**32 + 1), "--temperature", "1") == (
+        f"--samples {2**32 + 1}: the sampler's generator reads a seed's low 32 bits, so only 2^32 seeds draw "
+        f"differently and the rest would repeat them (fix: --samples {2**32} or less)"
+    )
+    largest = 2**63 - 1
+    assert refusal(checkpoint, "--samples", "3", "--temperature", "1", "--seed", str(largest - 1)) == (
+        f"--seed {largest - 1} --samples 3: the last sample's seed {largest + 1} is past 2^63 - 1, the largest "
+        f"--seed takes, so it could not be drawn again (fix: --seed {largest - 2} or less)"
+    )
+
+
+def test_the_sampler_s_seeds_repeat_past_2_to_the_32() -> None:
+    """Why --samples stops at 2^32: the generator the sampler seeds draws alike from s and s + 2^32."""
+    import torch
+
+    draws = [torch.rand(4, generator=torch.Generator(device="cpu").manual_seed(s)) for s in (7, 7 + 2**32, 8)]
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from csbp.cli.options import (
+    LARGEST_INT_OPTION,
     check_model_directory,
     device_option,
     float_in,
@@ -67,6 +68,9 @@ if TYPE_CHECKING:
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_OBJECTIVE, DEFAULT_BLOCK_SIZE = "bd3", 16
+DISTINCT_SEEDS = 2**32
+"""Seeds that draw differently: the sampler's CPU generator (mt19937) is seeded with the seed's low 32
+bits, so seeds ``s`` and ``s + 2**32`` draw the same tokens."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -141,8 +145,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int_at_least(0), default=0)
     parser.add_argument(
         "--samples", type=positive_int, default=1,
-        help="completions to draw, with seeds --seed, --seed+1, ...; with --known-words the share is also given over "
-        "all of them (one draw's share varies widely from seed to seed)",
+        help="completions to draw (needs --temperature > 0), with seeds --seed, --seed+1, ...; with --known-words the "
+        "share is also given over all of them (one draw's share varies widely from seed to seed)",
     )
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     parser.add_argument(
@@ -253,6 +257,27 @@ def check_eos_token(
     )
 
 
+def check_samples(samples: int, seed: int, temperature: float) -> None:
+    """``ValueError`` for a ``--samples`` count that cannot be meaningful, refused before any work:
+    greedy draws the same completion from every seed, the generator's seeds repeat after
+    :data:`DISTINCT_SEEDS`, and a sample's seed must be one ``--seed`` takes, to draw it again."""
+    if samples > 1 and temperature == 0:
+        raise ValueError(
+            f"--samples {samples}: --temperature 0 is greedy, so every sample would be the same completion "
+            "(fix: --temperature above 0 to draw different ones, or drop --samples)"
+        )
+    if samples > DISTINCT_SEEDS:
+        raise ValueError(
+            f"--samples {samples}: the sampler's generator reads a seed's low 32 bits, so only 2^32 seeds draw "
+            f"differently and the rest would repeat them (fix: --samples {DISTINCT_SEEDS} or less)"
+        )
+    if seed + samples - 1 > LARGEST_INT_OPTION:
+        raise ValueError(
+            f"--seed {seed} --samples {samples}: the last sample's seed {seed + samples - 1} is past 2^63 - 1, the "
+            f"largest --seed takes, so it could not be drawn again (fix: --seed {LARGEST_INT_OPTION - samples + 1} or less)"
+        )
+
+
 def check_block_size(model_dir: Path, block_size: int, given: bool) -> None:
     """``ValueError`` naming ``--block-size`` (``given``) when one block is longer than the model's
     positions (``max_position_embeddings``): the sampler runs whole blocks, so no prompt or
@@ -312,6 +337,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "arg-max token), which they do not change (fix: --temperature above 0 to sample, or drop "
             f"{' and '.join(t.split()[0] for t in truncations)})"
         )
+    check_samples(args.samples, args.seed, args.temperature)
     known_words = None if args.known_words is None else KnownWords.load(args.known_words)
     model_dir: Path = check_model_directory(args.model)
     try:
@@ -400,15 +426,15 @@ def run_generate(args: argparse.Namespace) -> int:
     model.eval()
     print_notes(notes)
     print(f"prompt: {args.prompt}")
-    completions = []
+    pooled = [0, 0]  # known and total words of every completion (not the completions: --samples may be many)
     for seed in range(args.seed, args.seed + args.samples):
         started = time.perf_counter()
         result = generate(
             model, prompt_ids, mask_token_id=mask_token_id, eos_id=stop_ids, config=replace(config, seed=seed)
         )
         elapsed = time.perf_counter() - started
-        completions.append(tokenizer.decode(result.token_ids))
-        print(f"completion{f' (seed {seed})' if args.samples > 1 else ''}: {completions[-1]}")
+        completion = tokenizer.decode(result.token_ids)
+        print(f"completion{f' (seed {seed})' if args.samples > 1 else ''}: {completion}")
         stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
         print(
             f"[{objective}, {len(result.token_ids)} tokens, {counted(len(result.block_starts), 'block')} of {block_size}, "
@@ -417,9 +443,11 @@ def run_generate(args: argparse.Namespace) -> int:
             f"{elapsed:.2f} s on {device}]"
         )
         if known_words is not None:
-            print(known_words.line(completions[-1]))
+            counts = known_words.count(completion)
+            pooled = [pooled[0] + counts[0], pooled[1] + counts[1]]
+            print(known_words.line(*counts))
     if known_words is not None and args.samples > 1:
-        print(known_words.line(" ".join(completions), samples=args.samples))
+        print(known_words.line(*pooled, samples=args.samples))
     return 0
 
 
@@ -442,11 +470,14 @@ class KnownWords:
             raise ValueError(f"--known-words {source}: not a text file (fix: pass a text file or demo-corpus)")
         return cls(source, corpus_words(files))
 
-    def line(self, completion: str, *, samples: int = 1) -> str:
-        """``words found in <source>: k/n (p%)`` for the completion's whitespace-separated words
-        (``... in <source> over N samples: ...`` for the words of ``samples`` completions)."""
+    def count(self, completion: str) -> tuple[int, int]:
+        """``(known, total)`` of the completion's whitespace-separated words."""
         from csbp.data.corpus import known_word_fraction
 
-        known, total = known_word_fraction(completion, self.words)
+        return known_word_fraction(completion, self.words)
+
+    def line(self, known: int, total: int, *, samples: int = 1) -> str:
+        """``words found in <source>: k/n (p%)`` for ``known`` of ``total`` words of a completion
+        (``... in <source> over N samples: ...`` for those of ``samples`` completions)."""
         over = f" over {samples} samples" if samples > 1 else ""
         return f"words found in {self.source}{over}: {known}/{total} ({100.0 * known / max(total, 1):.1f}%)"
