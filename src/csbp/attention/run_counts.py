@@ -163,8 +163,7 @@ def rank_totals(
     if cp > 1:  # ring members are local ranks ring·cp + d (``halo_exchange_plan``)
         for ring in range(len(runs) // cp):
             members = range(ring * cp, (ring + 1) * cp)
-            for d in members:  # rows of d's shard each other member's cover holds
-                sent[d] = sum(_covered(covers[e], runs[d].clean) for e in members if e != d)
+            sent[ring * cp : (ring + 1) * cp] = _ring_sent([covers[e] for e in members], [runs[d].clean for d in members])
     out = []
     for rank, (begin, end), rank_sent in zip(runs, covers, sent, strict=True):
         out.append(
@@ -177,6 +176,29 @@ def rank_totals(
             )
         )
     return tuple(out)
+
+
+def _ring_sent(covers: list[Runs], cleans: list[Runs]) -> list[int]:
+    """Per ring member ``d``, the rows of its clean runs every other member's cover holds, summed over
+    the members (``sum(_covered(covers[e], cleans[d]) for e != d)``, which took ``cp^2`` NumPy calls
+    per ring: minutes for ``csbp plan --gpus 1024``): how many covers hold each position (their
+    depth) integrated over ``d``'s clean runs, less the positions ``d``'s own cover holds."""
+    begin, end = np.concatenate([c[0] for c in covers]), np.concatenate([c[1] for c in covers])
+    if not len(begin):
+        return [0] * len(cleans)
+    edges = np.concatenate([begin, end])
+    order = np.argsort(edges, kind="stable")
+    edges = edges[order]
+    depth = np.cumsum(np.concatenate([np.ones_like(begin), -np.ones_like(end)])[order])  # on [edges[i], edges[i+1])
+    area = np.concatenate([[0], np.cumsum(depth[:-1] * np.diff(edges))])  # depth integrated up to edges[i]
+
+    def below(x: np.ndarray) -> np.ndarray:  # depth integrated over positions < x
+        i = np.searchsorted(edges, x, side="right") - 1
+        at = np.maximum(i, 0)
+        return np.where(i >= 0, area[at] + depth[at] * (x - edges[at]), 0)
+
+    held = [int((below(c[1]) - below(c[0])).sum()) for c in cleans]
+    return [total - _covered(cover, clean) for total, cover, clean in zip(held, covers, cleans, strict=True)]
 
 
 def _covered(cover: Runs, within: Runs) -> int:
