@@ -181,6 +181,18 @@ def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:
     assert out == ""  # no (empty) table
 
 
+def test_the_search_looks_at_no_ring_larger_than_the_sequence_allows() -> None:
+    """``--gpus 10**12`` listed its divisors by a loop over every number up to it; the search now
+    stops at the largest ring a sample can be split over, and more devices add replicas."""
+    from csbp.plan.search import candidate_layouts, divisors
+    from csbp.plan.workload import preset_workload
+
+    assert divisors(10**12, at_most=10) == [1, 2, 4, 5, 8, 10] and divisors(2**31 - 1) == [1, 2**31 - 1]
+    assert all(divisors(n, at_most=m) == [d for d in range(1, m + 1) if n % d == 0] for n in range(1, 99) for m in (1, 7, 99))
+    layouts = candidate_layouts(preset_workload("nemotron-3b"), 2**30, 4096)
+    assert max(max(lay.cp, lay.bp) for lay in layouts) <= 4096 and min(lay.dp for lay in layouts) >= 2**30 // 4096
+
+
 def test_a_single_stream_objective_has_no_block_rule(capsys) -> None:
     """mdlm is one block per sequence: a row shorter than the preset's 32-token blocks is planned."""
     code, out, err = run(capsys, "plan", "--model", "nemotron-3b", "--objective", "mdlm", "--seq-len", "16", "--gpus", "8")

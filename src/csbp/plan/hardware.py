@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from csbp.plan.layout import divisors
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -77,7 +79,7 @@ def hardware(name: str, *, gpus: int, gpus_per_node: int | None = None) -> Hardw
     if gpus > hw.gpus_per_node and gpus % hw.gpus_per_node:
         per_node = hw.gpus_per_node
         source = f"--gpus-per-node {per_node}" if gpus_per_node is not None else f"the {name} preset's {per_node} per node"
-        divisor = max(d for d in range(1, per_node + 1) if gpus % d == 0)
+        divisor = divisors(gpus, at_most=per_node)[-1]
         lower = gpus // per_node * per_node
         raise ValueError(
             f"--gpus {gpus} is not a multiple of {source}: a job on more than one node fills whole nodes "

@@ -7,6 +7,7 @@ published runs (absent axes are 1).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -19,6 +20,23 @@ Placement = Literal["packed", "striped"]
 Sharding = Literal["fsdp2", "zero2", "ddp"]
 
 _AXIS = re.compile(r"^(dp|cp|bp)(\d+)$")
+
+MAX_DEVICES = 2**31 - 1
+"""Devices of one job at most: torch.distributed (c10d) and NCCL number ranks with a C ``int``."""
+
+
+def divisors(n: int, at_most: int | None = None) -> list[int]:
+    """The divisors of ``n`` up to ``at_most`` (default: all), ascending, in about
+    ``min(at_most, sqrt(n))`` steps (a loop over every number up to ``n`` never ended for
+    ``csbp plan --gpus 10**12``)."""
+    limit = n if at_most is None else min(n, at_most)
+    if limit < 1:
+        return []
+    root = math.isqrt(n)
+    small = [d for d in range(1, min(root, limit) + 1) if n % d == 0]
+    # a cofactor n // d is at most limit where d >= n / limit: none when limit <= sqrt(n)
+    large = [n // d for d in range(-(-n // limit), root + 1) if n % d == 0]
+    return sorted({*small, *large})
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from csbp.plan.calibration import Calibration
 from csbp.plan.hardware import Hardware
-from csbp.plan.layout import Checkpointing, Layout, Placement, Sharding, Transport
+from csbp.plan.layout import Checkpointing, Layout, Placement, Sharding, Transport, divisors
 from csbp.plan.model import Prediction, predict
 from csbp.plan.workload import Workload
 from csbp.topology import sequence_error_in_flags
@@ -33,8 +33,14 @@ class Plan:
         return self.feasible[0] if self.feasible else None
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def largest_ring(workload: Workload, seq_len: int) -> int:
+    """The most devices one sample can be split over (``max(cp, bp)``): 1 for a single stream, else
+    the sequence's rows (each ring member holds one at least) or a drafter's anchors (its BP ranks
+    own one each). More devices only add replicas: the search looks at no larger ring."""
+    obj = workload.objective
+    if obj.single_stream:
+        return 1
+    return max(seq_len, obj.anchors) if obj.is_drafter else seq_len
 
 
 def candidate_layouts(
@@ -53,7 +59,7 @@ def candidate_layouts(
     ``micro_batches`` is used."""
     obj = workload.objective
     out: list[Layout] = []
-    for local in divisors(gpus):
+    for local in divisors(gpus, at_most=largest_ring(workload, seq_len)):
         dp = gpus // local
         degrees: list[tuple[int, int]] = [(1, 1)] if local == 1 else [(local, 1), (1, local)]
         degrees += [(cp, local) for cp in divisors(local) if 1 < cp < local]
