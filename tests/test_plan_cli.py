@@ -173,6 +173,15 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
             "--global-batch 3 is not a multiple of dp x micro-batch = 2 of --topology dp2/cp4 (fix: --global-batch 4, "
             "a multiple of 2)",
         ),
+        (  # the search looped over every number up to --gpus: no end
+            ["--model", "nemotron-3b", "--seq-len", "4096", "--gpus", str(10**12)],
+            "argument --gpus: 1000000000000 is too large (at most 2147483647: torch.distributed and NCCL number ranks "
+            "with a C int)",
+        ),
+        (  # numpy's ArrayMemoryError traceback (7.28 TiB for one array of 10**12 rows)
+            ["--model", "nemotron-3b", "--seq-len", str(2**50), "--gpus", "8"],
+            f"--seq-len {2**50}: csbp plan counts every row's allowed pairs, in two int64 prefix sums of {2**50} rows",
+        ),
     ],
 )
 def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:

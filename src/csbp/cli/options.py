@@ -44,9 +44,9 @@ LARGEST_INT_OPTION = 2**63 - 1
 """No integer flag takes more (a 10**30 reached torch or numpy: an OverflowError traceback)."""
 
 
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An integer >= ``low`` (``--seq-len``: 2, ``--seed``: 0) and at most :data:`LARGEST_INT_OPTION`,
-    refused by argparse naming the flag."""
+def int_at_least(low: int, *, high: int = LARGEST_INT_OPTION, why: str = "") -> Callable[[str], int]:
+    """An integer >= ``low`` (``--seq-len``: 2, ``--seed``: 0) and at most ``high`` (default
+    :data:`LARGEST_INT_OPTION`; a lower one says ``why``), refused by argparse naming the flag."""
 
     def parse(text: str) -> int:
         try:
@@ -55,8 +55,9 @@ def int_at_least(low: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
-        if value > LARGEST_INT_OPTION:
-            raise argparse.ArgumentTypeError(f"{value} is too large (at most 2^63 - 1)")
+        if value > high:
+            limit = "2^63 - 1" if high == LARGEST_INT_OPTION else str(high)
+            raise argparse.ArgumentTypeError(f"{value} is too large (at most {limit}{': ' * bool(why)}{why})")
         return value
 
     return parse

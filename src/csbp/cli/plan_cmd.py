@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from csbp.atomic import write_json_atomic
-from csbp.cli.options import add_override_argument, output_file, positive_int
+from csbp.cli.options import add_override_argument, int_at_least, output_file, positive_int
 from csbp.cli.plan_output import format_plan, plan_json
 from csbp.plan.artifact_documents import (
     SAMPLE_ROWS,
@@ -37,7 +37,7 @@ from csbp.plan.artifact_documents import (
 from csbp.plan.auto import load_plannable_config, run_search
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
 from csbp.plan.hardware import PRESETS, hardware
-from csbp.plan.layout import Layout, parse_topology
+from csbp.plan.layout import MAX_DEVICES, Layout, parse_topology
 from csbp.plan.remedy import Search, nothing_fits
 from csbp.plan.search import (
     Plan,
@@ -88,7 +88,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=parse_length,
         help="tokens per sample, e.g. 4096, 256K, 1M (default: a run config's)",
     )
-    parser.add_argument("--gpus", type=positive_int, help="devices of the job")
+    parser.add_argument(
+        "--gpus", type=int_at_least(1, high=MAX_DEVICES, why="torch.distributed and NCCL number ranks with a C int"),
+        help="devices of the job",
+    )
     parser.add_argument(
         "--gpus-per-node", type=int, default=None, help="devices per node (default: the preset's)"
     )
@@ -292,6 +295,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   "with data.document_mask false (set it true to train what is planned)")
     if args.seq_len is None:
         raise ValueError("csbp plan needs --seq-len for a preset or HF model (e.g. --seq-len 256K)")
+    check_planner_memory(args.seq_len)
     hw = hardware(args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
     cal = load_calibration(args.calibration) if args.calibration else packaged_calibration(args.gpu)
     if workload.objective.is_drafter and args.checkpointing not in (None, "none"):
@@ -339,6 +343,25 @@ def run_plan(args: argparse.Namespace) -> int:
     if failure is not None:
         raise ValueError(failure)
     return 0
+
+
+PLANNER_BYTES_PER_TOKEN = 16
+"""What planning holds per token of the sequence at least: the two int64 prefix sums of every row's
+allowed pairs (``csbp.attention.run_counts.row_pairs``)."""
+
+
+def check_planner_memory(seq_len: int) -> None:
+    """``ValueError`` before any work when the rows of ``seq_len`` cannot be counted in this machine's
+    memory (``--seq-len 10**12`` was numpy's ArrayMemoryError traceback: 7.28 TiB for one array)."""
+    from csbp.plan.hardware import machine_ram_gib
+
+    have = machine_ram_gib() * 2**30
+    if seq_len * PLANNER_BYTES_PER_TOKEN > have:
+        raise ValueError(
+            f"--seq-len {seq_len}: csbp plan counts every row's allowed pairs, in two int64 prefix sums of "
+            f"{seq_len} rows ({seq_len * PLANNER_BYTES_PER_TOKEN / 2**30:.0f} GiB), more than this machine's "
+            f"{have / 2**30:.0f} GiB of memory (fix: --seq-len {int(have // PLANNER_BYTES_PER_TOKEN)} or less)"
+        )
 
 
 def _nothing_fits(

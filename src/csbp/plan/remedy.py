@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from csbp.plan.artifact_documents import DocumentSample
 from csbp.plan.calibration import Calibration
 from csbp.plan.hardware import hardware
-from csbp.plan.layout import Checkpointing, Placement, Sharding
+from csbp.plan.layout import MAX_DEVICES, Checkpointing, Placement, Sharding
 from csbp.plan.model import Prediction
 from csbp.plan.search import Plan, candidate_layouts, describe, rank
 from csbp.plan.workload import Workload
@@ -109,6 +109,8 @@ def remedies(search: Search) -> list[str]:
         per_node = search.gpus_per_node or search.gpus
         for k in range(1, MAX_DOUBLINGS + 1):
             more = search.gpus << k
+            if more > MAX_DEVICES:  # no job has more (torch.distributed's ranks are a C int)
+                break
             if search.best(gpus=more) is not None:
                 found.append(names["gpus"].format(gpus=more, nodes=max(1, more // per_node)))
                 break
