@@ -456,6 +456,11 @@ def test_prepare_features_refuses_bad_arguments_before_loading_the_target(
         (["--out", str(existing)], f"--out {existing}: already exists"),
         (["--out", str(tmp_path / "f"), "--rows-per-batch", "0"], "--rows-per-batch 0: must be >= 1"),
         (["--out", str(tmp_path / "f"), "--layer-ids", "0", "9"], "--layer-ids [9] are outside the target's layers"),
+        (  # it built a tuple of 10**12 default ids: no end
+            ["--out", str(tmp_path / "f"), "--num-draft-layers", str(10**12)],
+            f"--num-draft-layers {10**12}: the default layer ids of a 4-layer target are at most 1 distinct layer (1 to "
+            "1) (fix: --num-draft-layers 1 or less, or --layer-ids)",
+        ),
     ]
     for extra, message in cases:
         assert run_cli([*base, *extra]) == 2

@@ -23,7 +23,7 @@ from csbp.cli.dflash_common import DTYPES
 from csbp.cli.dflash_eval_cmd import run_eval
 from csbp.cli.dflash_export_cmd import run_export
 from csbp.cli.dflash_features_cmd import FEATURE_DTYPES, run_prepare_features
-from csbp.cli.options import add_deprecated_alias, device_option, path_option
+from csbp.cli.options import add_deprecated_alias, device_option, path_option, positive_int
 from csbp.dflash.evaluate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DEFAULT_PROMPT_LEN
 
 #: help of ``dflash export``'s checkpoint flags
@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     prep.add_argument(
         "--drafter", type=path_option, default=None, help="take --layer-ids from this drafter's config"
     )
-    prep.add_argument("--num-draft-layers", type=int, default=1, help="for the default layer ids")
+    prep.add_argument("--num-draft-layers", type=positive_int, default=1, help="for the default layer ids")
     prep.add_argument("--with-last-hidden", action="store_true", help="also store the final hidden (KL loss)")
     prep.add_argument("--split", choices=("train", "val"), default="train", help="artifact split to capture")
     prep.add_argument(

@@ -14,8 +14,21 @@ import argparse
 
 from csbp.cli.dflash_common import load_target, require_target_tokenizer
 from csbp.models.hf_io import read_json_object
+from csbp.wording import counted
 
 FEATURE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_num_draft_layers(count: int, num_layers: int) -> None:
+    """``ValueError`` naming ``--num-draft-layers`` when the default ids cannot be ``count`` distinct
+    layers, before they are listed (``10**12`` built a tuple of as many ids: no end)."""
+    most = max(1, num_layers - 3)
+    if count > most:
+        raise ValueError(
+            f"--num-draft-layers {count}: the default layer ids of a {num_layers}-layer target are at most "
+            f"{counted(most, 'distinct layer')} ({f'1 to {most}' if num_layers >= 4 else 'its middle one'}) (fix: --num-draft-layers "
+            f"{most} or less, or --layer-ids)"
+        )
 
 
 def run_prepare_features(args: argparse.Namespace) -> int:
@@ -51,6 +64,7 @@ def run_prepare_features(args: argparse.Namespace) -> int:
     elif args.layer_ids is not None:
         layer_ids = tuple(args.layer_ids)
     else:
+        check_num_draft_layers(args.num_draft_layers, target_config.num_layers)
         layer_ids = default_target_layer_ids(target_config.num_layers, args.num_draft_layers)
     bad = [i for i in layer_ids or () if not 0 <= i < target_config.num_layers]
     if bad:
