@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
 
-from csbp.cli.main import build_parser
+from csbp.cli.main import build_parser, main
 from csbp.data import prepare as prepare_module
 from csbp.data.packing import PackedSplitWriter, encode_documents
 from csbp.data.prepare import PrepareConfig, prepare_artifact
@@ -135,6 +136,18 @@ def test_workers_must_be_at_least_one(tmp_path, tokenizer_dir) -> None:
     assert parser.parse_args([*words, "--workers", "3"]).workers == 3 and parser.parse_args(words).workers == 1
     with pytest.raises(ValueError, match=r"^--workers is 0; use 1 or more"):
         PrepareConfig(inputs=(tmp_path,), out_dir=tmp_path / "a", seq_len=8, tokenizer_path=tokenizer_dir, workers=0)
+
+
+def test_more_workers_than_the_machine_can_run_are_refused(tmp_path, tokenizer_dir, capsys) -> None:
+    """--workers between 2^31 and 2^63 reached the pool's queue, a C int: an OverflowError traceback."""
+    limit = 8 * (os.cpu_count() or 1)
+    words = ["data", "prepare", str(tmp_path), "--out", str(tmp_path / "a"), "--seq-len", "8", "--tokenizer", str(tokenizer_dir)]
+    assert main([*words, "--workers", str(2**32)]) == 2
+    assert capsys.readouterr().err == (
+        f"csbp: error: --workers {2**32}: more than {limit} encoding processes on this machine's {os.cpu_count() or 1} "
+        f"CPU cores would only thrash it (fix: --workers {limit} or fewer)\n"
+    )
+    PrepareConfig(inputs=(tmp_path,), out_dir=tmp_path / "a", seq_len=8, tokenizer_path=tokenizer_dir, workers=limit)
 
 
 class _OneBatchBackend:

@@ -44,6 +44,16 @@ from csbp.data.tokenizer import CsbpTokenizer
 Encoded = list[tuple[np.ndarray, np.ndarray]]
 Chunk = list[tuple[str, Document]]
 Encode = Callable[[Sequence[Document], CsbpTokenizer, ChatTemplate | None], Encoded]
+WORKERS_PER_CORE = 8
+"""Encoding processes at most per CPU core (as ``run_local``'s ranks): more only thrash the machine
+(``--workers 2**32`` was an OverflowError traceback from the pool's C-int queue size)."""
+
+
+def max_workers() -> int:
+    """The most ``--workers`` this machine takes: :data:`WORKERS_PER_CORE` per CPU core."""
+    return WORKERS_PER_CORE * (os.cpu_count() or 1)
+
+
 IN_FLIGHT_PER_WORKER = 2
 """Chunks queued per worker: one being encoded and one waiting, so no worker idles while the parent
 writes; each chunk is bounded (``prepare.ENCODE_CHUNK_DOCUMENTS`` / ``_CHARACTERS``)."""

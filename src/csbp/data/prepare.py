@@ -60,7 +60,7 @@ from csbp.data.artifact import (
     max_token_id,
 )
 from csbp.data.chat_template import ChatTemplate, resolve_chat_template
-from csbp.data.encode_pool import Chunk, encoded_chunks
+from csbp.data.encode_pool import Chunk, encoded_chunks, max_workers
 from csbp.data.mask_checks import (
     check_mask_token_of_its_own,
     mask_fix,
@@ -147,6 +147,11 @@ class PrepareConfig:
     def __post_init__(self) -> None:
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"--workers is {self.workers!r}; use 1 or more (1: encode in this process)")
+        if self.workers > max_workers():
+            raise ValueError(
+                f"--workers {self.workers}: more than {max_workers()} encoding processes on this machine's "
+                f"{os.cpu_count() or 1} CPU cores would only thrash it (fix: --workers {max_workers()} or fewer)"
+            )
         if self.chat_documents not in ("record", "turn"):
             raise ValueError(f"chat_documents is {self.chat_documents!r}; use 'record' or 'turn'")
         if self.chat_documents == "turn" and self.chat_template == "none":
