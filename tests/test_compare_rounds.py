@@ -138,6 +138,8 @@ def test_the_rounds_table_gives_a_verdict_only_where_every_round_agrees(tmp_path
         ({"repeats": 0}, r"^--repeats 0: must be an integer >= 1$"),
         ({"repeats": 1.5}, r"^--repeats 1\.5: must be an integer >= 1$"),
         ({"points": 0}, r"^--points 0: must be an integer >= 1$"),
+        ({"points": 3}, r"^--points 3: each time point is evaluated at the end of a training step, and the run stops "
+         r"at train.max_steps=2, so more points than steps cannot each have their own \(fix: --points 2 or fewer"),
         ({"budget_s": math.nan}, r"^--budget-s nan: must be a finite number > 0$"),
         ({"budget_s": math.inf}, r"^--budget-s inf: must be a finite number > 0$"),
     ],
