@@ -10,11 +10,17 @@ Processes started inside :func:`children_hold_sigint` begin with ``SIGINT`` bloc
 pressed while they import torch stays pending instead of printing a ``KeyboardInterrupt`` traceback
 from each of them; they call :func:`end_on_sigint` once their task is loaded, and a pending Ctrl-C
 then ends them at once, without a word (the launching process says ``csbp: interrupted``).
+
+A C++ wait that retries through ``EINTR`` never returns to Python, so no Python handler runs
+during it: torch's ``TCPStore`` connecting to a node that is not listening yet, or waiting as the
+server for the other nodes, ignored Ctrl-C and ``SIGTERM`` for its whole rendezvous timeout
+(15 minutes). Within :func:`signals_end_blocked_waits` such a signal ends the process anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -120,3 +126,54 @@ def take_sigint_back(handler: signal.Handlers | SigintHandler) -> None:
     signal.signal(signal.SIGINT, handler)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+ENDING_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""The signals :func:`signals_end_blocked_waits` watches (both have Python handlers in csbp; a
+``SIGHUP`` without one ends the process by its default action already)."""
+
+
+@contextlib.contextmanager
+def signals_end_blocked_waits(
+    *, still_waiting: Callable[[], bool], on_end: Callable[[int], None], grace_s: float = 2.0
+) -> Iterator[None]:
+    """Within the block, a ``SIGINT`` or ``SIGTERM`` that the main thread has not acted on within
+    ``grace_s`` while ``still_waiting()`` ends the process: ``on_end(signum)`` (a last word, clean-up
+    that cannot wait for the main thread), then exit code ``128 + signum``. Once ``still_waiting()``
+    is false (the wait is over) signals are left to their handlers. Python's signal handler writes
+    each signal's number to a wakeup pipe from C, blocked main thread or not, and a daemon thread
+    reads it. Main thread only (elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    block_ended = threading.Event()
+
+    def watch() -> None:
+        while not block_ended.is_set():
+            try:
+                received = os.read(read_end, 64)
+            except OSError:
+                return
+            for signum in received:
+                if signum not in ENDING_SIGNALS or not still_waiting():
+                    continue
+                if block_ended.wait(grace_s) or not still_waiting():
+                    return
+                on_end(signum)
+                os._exit(128 + signum)
+
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=watch, name="csbp-blocked-wait-watcher", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        block_ended.set()
+        with contextlib.suppress(OSError):
+            os.write(write_end, b"\0")  # wakes the watcher
+        watcher.join(timeout=grace_s + 1.0)
+        os.close(write_end)
+        os.close(read_end)

@@ -42,6 +42,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -57,7 +58,7 @@ import torch.distributed as dist
 
 from csbp.config.schema import RunConfig
 from csbp.devices import process_group_options, resolve_device
-from csbp.interrupts import Interrupted, children_hold_sigint, end_on_sigint
+from csbp.interrupts import Interrupted, children_hold_sigint, end_on_sigint, signals_end_blocked_waits
 from csbp.parallel.loopback import LOOPBACK, LOOPBACK_INTERFACE, register_loopback_rendezvous
 from csbp.parallel.orphans import die_with_launcher
 from csbp.staging import remove_abandoned_staging
@@ -322,7 +323,10 @@ def _launch_workers(
         sys.warnoptions.append(_TRACKER_QUIET)
     watcher = StallWatcher(log_dir)
     try:
-        with _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher, children_hold_sigint(_ctrl_c):
+        with (
+            _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher,
+            children_hold_sigint(_ctrl_c), _rendezvous_ends_on_signals(options, log_dir),
+        ):
             results: dict[int, Any] = elastic_launch(config, _elastic_worker)(
                 cfg, str(run_dir), resume, max_steps, options.nnodes > 1, verified_files(), os.getpid()
             )
@@ -341,6 +345,30 @@ def _launch_workers(
 
 
 _TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
+@contextlib.contextmanager
+def _rendezvous_ends_on_signals(options: LaunchOptions, log_dir: Path) -> Iterator[None]:
+    """With several nodes, say that this node waits for the others, and let Ctrl-C or ``SIGTERM``
+    end that wait: torch's ``TCPStore`` waits in C++ (for a node not yet listening, or as the server
+    for the other nodes) and retries through every signal until its rendezvous timeout. The wait is
+    over when torch elastic installs its own ``SIGTERM`` handler, just before it starts the workers."""
+    if options.nnodes == 1:
+        yield
+        return
+    node = f"node {options.node_rank}" if options.node_rank is not None else "this node"
+    _warn(
+        f"csbp: {node} of {options.nnodes} joins the rendezvous at {options.rdzv_endpoint}; waiting for every node "
+        "(Ctrl-C to stop)"
+    )
+    before = signal.getsignal(signal.SIGTERM)
+
+    def end(signum: int) -> None:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        _warn("csbp: interrupted while waiting for the other nodes")
+
+    with signals_end_blocked_waits(still_waiting=lambda: signal.getsignal(signal.SIGTERM) is before, on_end=end):
+        yield
 
 
 def _ctrl_c(signum: int, frame: FrameType | None) -> None:
