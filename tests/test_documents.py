@@ -63,6 +63,15 @@ def test_documents_spans_and_segments():
         Documents.from_lengths([2, 0])
 
 
+def test_documents_from_doc_ids_start_at_every_id_change() -> None:
+    """A document starts wherever the id changes, also to a smaller id: a reused id after another
+    document, and the padding id -1 after a document (its own, never merged into the one before)."""
+    docs = Documents.from_doc_ids(torch.tensor([5, 5, 7, 7, 5, 3, -1, -1]))
+    assert docs.start.tolist() == [0, 0, 2, 2, 4, 5, 6, 6]
+    assert docs.stop.tolist() == [2, 2, 4, 4, 5, 6, 8, 8]
+    assert docs.num_documents == 5
+
+
 def _document_cases():
     """(seq_len, documents): straddling, one-token, and one document longer than the sequence."""
     yield 32, Documents.from_lengths([3, 1, 1, 9, 2, 7, 1, 8])

@@ -189,6 +189,26 @@ def test_interval_forward_and_backward_match_dense_reference(
     assert plan.keys_reordered == (case == "shuffled" or case == "same_with_padding")
 
 
+def test_keys_in_packed_order_with_trailing_padding(kernel_path: str) -> None:
+    """Keys already in canonical order followed by dead padding rows (a wire shard padded with
+    ``Rows.padded``): no key gather, and the gradients of the used keys land at their own rows (the
+    padding rows get zero)."""
+    rows = bd3_rows([0, 1, 2, 3, 8, 9, 10, 11], list(range(12)), 4)
+    k_rows = rows.padded(len(rows) + 3)
+    q, k, v = random_qkv(len(rows), len(k_rows), seed=7)
+    dout = torch.randn_like(q)
+    out_ref, lse_ref, grads_ref = reference_grads(q, k, v, allow_matrix(rows, k_rows), 1 / math.sqrt(8), dout)
+    plan = build_tile_plan(rows, k_rows, tile_rows=4)
+    assert plan.key_index is None and plan.num_used_keys == len(rows) < plan.num_keys
+    out, lse = interval_attention_forward(q, k, v, rows, k_rows, plan=plan)
+    grads = interval_attention_backward(q, k, v, rows, k_rows, out, lse, dout, plan=plan)
+    torch.testing.assert_close(out, out_ref, **TOL64)
+    torch.testing.assert_close(lse, lse_ref, **TOL64)
+    for grad, grad_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(grad, grad_ref, **TOL64)
+    assert bool((grads[1][:, :, len(rows):] == 0).all()) and bool((grads[2][:, :, len(rows):] == 0).all())
+
+
 def test_key_split_partials_merge_and_backward_per_subset() -> None:
     q_rows, k_rows = mixed_rows()
     q, k, v = random_qkv(len(q_rows), len(k_rows), seed=5)

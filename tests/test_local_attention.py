@@ -73,6 +73,16 @@ def test_interval_only_layouts_match_dense_reference(case: str) -> None:
     check_against_reference(attn, rows, rows, causal=False, seed=2)
 
 
+def test_causal_blocks_out_of_position_order_take_the_interval_path() -> None:
+    """Causal attention inside a block follows positions, not row order: whole blocks whose rows are
+    not in increasing position order must not take the block-diagonal path (its triangle is by row)."""
+    rows = bd3_rows([7, 6, 5, 4, 12, 14, 13, 15], list(range(16)), BLOCK)
+    attn = LocalAttentionFn(rows, num_noisy=8, causal_in_block=True, tile_rows=4)
+    assert attn.plan.block_size is None
+    check_against_reference(attn, rows, rows, causal=True, seed=3)
+    assert LocalAttentionFn(rows, num_noisy=8, causal_in_block=False).plan.block_size == BLOCK
+
+
 def test_separate_key_rows_match_dense_reference() -> None:
     """DFlash-like: queries are draft blocks, keys are ``[context (clean) ; draft rows]``."""
     draft = bd3_rows([8, 9, 10, 11, 12, 13, 14, 15], [], BLOCK)

@@ -188,6 +188,20 @@ def test_bd3_equals_interval_rows(seq_len, block_size, window):
     assert torch.equal(allowed, expected)
 
 
+def test_padded_rows_are_dead_and_padding_never_shrinks():
+    """``Rows.padded`` appends dead rows (invisible keys, queries that see nothing); asking for fewer
+    rows than there are is a clear ValueError, not a truncation or a torch error."""
+    rows = _bd3_reference_rows(4, 2, None)
+    assert rows.padded(len(rows)) is rows
+    padded = rows.padded(len(rows) + 3)
+    assert len(padded) == len(rows) + 3 and not bool(padded.live[len(rows):].any())
+    allow = allow_matrix(padded, padded)
+    assert torch.equal(allow[: len(rows), : len(rows)], allow_matrix(rows, rows))
+    assert not bool(allow[len(rows):].any()) and not bool(allow[:, len(rows):].any())
+    with pytest.raises(ValueError, match="cannot pad"):
+        rows.padded(len(rows) - 1)
+
+
 @pytest.mark.parametrize("causal_in_block", [False, True])
 @pytest.mark.parametrize("window", [None, 2, 4])
 def test_dflash_equals_interval_rows(window, causal_in_block):

@@ -136,6 +136,24 @@ def test_windowed_costs_never_lose_on_random_documents() -> None:
             assert new.max() <= _windowed_pairs(docs, cp, 4, 129, "balanced", None).max()
 
 
+def test_block_runs_are_lowered_to_give_two_runs_per_worker() -> None:
+    """Runs shrink until there are at least ``2P`` of them (dual-end pairs need two per worker)."""
+    assert block_runs(8, 2, 4) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert block_runs(9, 2, 3) == [(0, 1), (2, 3), (4, 5), (6, 7), (8,)]
+    assert block_runs(12, 2, 3) == [(0, 1, 2), (3, 4, 5), (6, 7, 8), (9, 10, 11)]
+    assert block_runs(3, 2, 5) == [(0,), (1,), (2,)]
+
+
+def test_no_swap_unless_it_lowers_the_heaviest_load() -> None:
+    """A swap that only moves the peak to another worker is not made: the dual-end home stays when no
+    swap lowers the heaviest load (every moved run costs halo rows)."""
+    for costs, workers in (([0, 0, 0, 1], 2), ([0, 2, 0], 2), ([0, 1, 2], 3)):
+        units = [(b,) for b in range(len(costs))]
+        home = dual_end_schedule(len(units), workers).assignment
+        dealt = balanced_schedule(units, costs, workers).assignment
+        assert dealt == tuple(tuple(sorted(h)) for h in home), (costs, dealt)
+
+
 def test_dealing_rejects_bad_units() -> None:
     with pytest.raises(ValueError, match="once each"):
         balanced_schedule([(0, 1), (1, 2)], [1, 1], 2)

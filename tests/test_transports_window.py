@@ -6,10 +6,11 @@ Harness: ``test_transports_collective``.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from csbp.attention.layouts import csbp_layout, window_exchange_plan
+from csbp.attention.layouts import bd3_rows, csbp_layout, window_exchange_plan
 from csbp.attention.transports.factory import build_attention
-from csbp.attention.transports.window import WindowAttention
+from csbp.attention.transports.window import WindowAttention, build_window_exchange
 from csbp.parallel.comm import Comm
 from csbp.topology import Topology
 from test_transports_collective import (
@@ -80,3 +81,22 @@ def test_window_plan_must_serve_the_layout() -> None:
     with pytest.raises(ValueError, match="ring"):
         WindowAttention(csbp_layout(32, 2, 2, 4, 0, window=3), plan, 0, Comm(None))  # not the ring comm
 
+
+
+def test_window_exchange_sorts_the_halo_and_returns_gradients_source_major() -> None:
+    """The received rows (source-major on the wire) are kept sorted by position, and their gradients
+    go back in wire order: ``recv_inverse`` undoes ``recv_order``. The CP-only zigzag with W=5 receives
+    from several sources out of position order, where that permutation is not its own inverse."""
+    plan = window_exchange_plan(32, 2, 4, 1, 0, 5)
+    empty = torch.zeros(0, dtype=torch.long)
+    scrambled = 0
+    for ring_rank in range(plan.cp):
+        exchange = build_window_exchange(
+            plan, ring_rank, lambda positions: bd3_rows(empty, positions, block_size=2), torch.device("cpu")
+        )
+        wire = plan.recv_positions(ring_rank)
+        halo = exchange.halo_rows.pos
+        assert torch.equal(halo, torch.sort(wire).values)
+        assert torch.equal(halo.index_select(0, exchange.recv_inverse), wire)  # gradients back in wire order
+        scrambled += not torch.equal(exchange.recv_order, exchange.recv_inverse)
+    assert scrambled > 0, "the case must receive rows out of order"
