@@ -138,6 +138,17 @@ def test_drop_last_false_covers_every_row_with_wraparound() -> None:
     assert sorted(set(rows)) == list(range(7))
 
 
+def test_drop_last_false_starts_the_next_epoch_when_the_batches_divide_the_rows() -> None:
+    """Without drop_last, an epoch whose rows the global batches divide exactly ends at its last row:
+    the next batch is the start of the next epoch's order, not a wrap-around into the same one."""
+    loader = PackedLoader(make_split(8), batch_size=4, seed=2, drop_last=False)
+    assert loader.steps_per_epoch == 2
+    first_epoch = sum(rows_of(take(loader, 2)), [])
+    assert first_epoch == loader.epoch_order(0).tolist()
+    assert rows_of(take(loader, 1)) == [loader.epoch_order(1)[:4].tolist()]
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["cursor"] == 4
+
+
 def test_unshuffled_order_and_state_validation() -> None:
     split = make_split(6)
     loader = PackedLoader(split, batch_size=3, seed=0, shuffle=False)

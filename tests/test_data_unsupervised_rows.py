@@ -44,6 +44,15 @@ def test_a_supervised_token_in_the_padded_last_row_counts_it_supervised(tmp_path
     assert writer.finish().unsupervised_rows == 1  # row 0; row 1 holds the fifth token
 
 
+def test_the_packer_counts_only_supervised_mask_tokens(tmp_path: Path) -> None:
+    """``supervised_mask_tokens`` (which ``csbp train`` refuses) counts the mask token only where the
+    loss mask supervises it: a mask token in a prompt is harmless."""
+    writer = PackedSplitWriter(tmp_path, "train", seq_len=4, pad_id=0, mask_token_id=1)
+    writer.add_document(np.array([1, 2, 1, 1, 3], dtype=np.int64), np.array([0, 0, 1, 0, 1], dtype=np.uint8))
+    counts = writer.finish()
+    assert counts.supervised_mask_tokens == 1 and counts.supervised_tokens == 2
+
+
 def test_prepare_and_inspect_say_how_many_rows_supervise_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

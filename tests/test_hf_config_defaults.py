@@ -113,6 +113,26 @@ def test_target_reader_agrees_with_transformers_or_refuses(transformers: ModuleT
     assert (refused > 0) == (family != "llama") and refused < len(ALL_CASES)  # Llama derives what is missing
 
 
+@pytest.mark.parametrize("family", sorted(CLASSES))
+def test_bias_flags_and_norm_eps_are_read_as_transformers_builds_the_model(
+    transformers: ModuleType, family: str
+) -> None:
+    """``attention_bias`` and ``mlp_bias`` set in every family's config.json: csbp's decoder has exactly the
+    parameters transformers' model has (Qwen2: q/k/v biases only, whatever attention_bias says; Qwen3: no
+    MLP bias), and an absent ``rms_norm_eps`` is transformers' default."""
+    import torch
+
+    from csbp.models.decoder import Decoder
+
+    fields = {**config_dict(4, 2, 16, {}), "attention_bias": True, "mlp_bias": True}
+    hf_model = getattr(transformers, ARCHITECTURES[family])(getattr(transformers, CLASSES[family]).from_dict(dict(fields)))
+    config = decoder_config_from_hf({**fields, "architectures": [ARCHITECTURES[family]]})
+    ours = {f"model.{name}" for name, _ in Decoder(config, device=torch.device("meta")).named_parameters()}
+    theirs = {name for name, _ in hf_model.named_parameters() if name != "lm_head.weight"}
+    assert ours - {"model.lm_head.weight"} == theirs
+    assert config.rms_norm_eps == hf_model.config.rms_norm_eps
+
+
 def test_drafter_reader_agrees_with_the_public_readers_qwen3_config(transformers: ModuleType) -> None:
     refused = 0
     for heads, kv_heads, head_dim, window in ALL_CASES:

@@ -230,6 +230,8 @@ def test_export_stores_the_weights_without_a_second_copy() -> None:
     pointers = {t.untyped_storage().data_ptr() for t in shared.values()}
     assert len(pointers) == 3 and all(t.untyped_storage().nbytes() == t.nbytes for t in shared.values())
     assert torch.equal(shared["model.c.weight"], weight[1:])
+    lone = hf_io.tensors_to_store({"d.weight": weight[1:]}, torch.float32)["model.d.weight"]  # a view, alone
+    assert lone.untyped_storage().nbytes() == lone.nbytes and torch.equal(lone, weight[1:])
 
 
 def test_export_in_bfloat16_stores_bfloat16(tmp_path: Path) -> None:

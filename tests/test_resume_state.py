@@ -144,6 +144,24 @@ def test_a_checkpoint_without_the_streak_reads_as_none_and_a_bad_streak_is_refus
             TrainingState.from_json({**state, "nan_skips_in_a_row": bad}, source)
 
 
+def test_a_checkpoint_of_other_data_or_another_format_is_refused(tmp_path: Path) -> None:
+    """Before any tensor is read, a checkpoint trained on another artifact (its fingerprint) or written
+    in another format version is refused with the reason; the same data and shapes pass."""
+    state = TrainingState(
+        step=2, scheduler={}, loader={}, rng={}, data_fingerprint="a" * 64, param_shapes={"w": [2, 3]},
+        topology={}, config_yaml="",
+    )
+    source = tmp_path / STATE_FILE
+    checkpoint_module.check_compatible(state, source, shapes={"w": [2, 3]}, data_fingerprint="a" * 64)
+    with pytest.raises(ValueError, match=r"data\.train: .* fingerprint aaaaaaaaaaaa\.\.\., .* bbbbbbbbbbbb\.\.\."):
+        checkpoint_module.check_compatible(state, source, shapes={"w": [2, 3]}, data_fingerprint="b" * 64)
+    data = state.to_json()
+    assert TrainingState.from_json(data, source) == state
+    for version in (data["format_version"] + 1, None):
+        with pytest.raises(ValueError, match="checkpoint format"):
+            TrainingState.from_json({**data, "format_version": version}, source)
+
+
 def test_the_global_rngs_survive_json_and_resume_restores_them(
     run_at_step2: Path, artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
 ) -> None:
