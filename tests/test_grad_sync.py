@@ -85,6 +85,20 @@ def test_sync_fails_closed_when_grads_are_set_to_none() -> None:
         sync.arm()
     with pytest.raises(RuntimeError, match="without arm"):
         OverlappedGradientSync(model.parameters(), None).finish()
+    sync = OverlappedGradientSync(model.parameters(), None)
+    sync.arm()
+    model.bias.grad = None  # dropped between the last backward and finish
+    with pytest.raises(RuntimeError, match="zero_grad"):
+        sync.finish()
+
+
+def test_average_gradients_gives_every_trainable_parameter_a_gradient() -> None:
+    """A parameter that got no gradient on this rank (no supervised row) gets zeros, so every rank
+    all-reduces the same buffer; frozen parameters are left alone."""
+    model = nn.Linear(4, 4)
+    model.bias.requires_grad_(False)
+    average_gradients(model.parameters(), None)
+    assert torch.equal(model.weight.grad, torch.zeros(4, 4)) and model.bias.grad is None
 
 
 class _HostReads:

@@ -113,6 +113,8 @@ def test_clip_gradients_matches_torch_and_reports_the_unclipped_norm() -> None:
     assert clip_gradients(params, None) == pytest.approx(0.5, rel=1e-5)  # measure only
     assert clip_gradients(params, 10.0) == pytest.approx(0.5, rel=1e-5)  # below the limit
     assert all(torch.equal(a, p.grad) for a, p in zip(before, params))
+    assert clip_gradients(params, 0.4) == pytest.approx(0.5, rel=1e-5)  # just above the limit: clipped
+    assert clip_gradients(params, None) == pytest.approx(0.4, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- checkpoints and metrics
