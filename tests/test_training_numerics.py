@@ -145,7 +145,7 @@ def test_compare_refuses_validation_rows_past_the_val_split(artifact: Path, tmp_
     from csbp.compare import CompareOptions
     from csbp.compare.runner import plan_layouts
 
-    options = CompareOptions(layouts=("data",), budget_s=1.0, nproc=1, out_dir=tmp_path / "cmp")
+    options = CompareOptions(layouts=("data",), budget_s=1.0, nproc=1, out_dir=tmp_path / "cmp", points=4)  # 4 steps
     fits = tiny_config(artifact, **{"train.eval_every": 0, "train.micro_batch_size": 5, "train.eval_batches": 2})
     assert [run.layout for run in plan_layouts(fits, options)[0]] == ["data"]  # round 1
     wraps = tiny_config(artifact, **{"train.eval_every": 0, "train.micro_batch_size": 4, "train.eval_batches": 3})

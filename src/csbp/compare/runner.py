@@ -127,14 +127,14 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[list[LayoutRun
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{flag} {value!r}: must be an integer >= 1")
     metric_of(cfg, options.metric)
+    _check_out_dir(options)
+    _check_resumed_options(cfg, options)
     if options.points > cfg.train.max_steps:  # 2**62 points: one record per point a step passes, no end
         raise ValueError(
             f"--points {options.points}: each time point is evaluated at the end of a training step, and the run "
             f"stops at train.max_steps={cfg.train.max_steps}, so more points than steps cannot each have their own "
             f"(fix: --points {cfg.train.max_steps} or fewer, or raise train.max_steps)"
         )
-    _check_out_dir(options)
-    _check_resumed_options(cfg, options)
     return [
         [_plan_layout(round_config(cfg, index), name, index, options) for name in round_order(options.layouts, index)]
         for index in range(options.repeats)
