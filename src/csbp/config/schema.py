@@ -125,7 +125,8 @@ class ModelSection(_Section):
             return data
         if all(data.get(name) is None for name in SHAPE_FIELDS):
             return data
-        defaults = _ARCH_DEFAULTS.get(data.get("arch", "qwen3"))
+        arch = data.get("arch", "qwen3")
+        defaults = _ARCH_DEFAULTS.get(arch) if isinstance(arch, str) else None  # a list or mapping: unhashable
         if defaults is None:
             return data  # the Literal check reports the bad arch
         filled = dict(data)
