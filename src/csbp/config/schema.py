@@ -236,6 +236,11 @@ class ObjectiveSection(_Section):
             violations.append(
                 ("t_min", f"t_min={self.t_min} must be below t_max={self.t_max}", "lower t_min")
             )
+        if self.name in ("bd3", "mdlm") and self.loss_weight == "inv_t" and self.t_min <= 0.0:
+            violations.append(  # the objective refused it later, after the data was read, naming no field
+                ("t_min", f"t_min={self.t_min} with loss_weight: inv_t weights a token masked at t = 0 by 1/0",
+                 "raise t_min above 0 (the default is 0.001), or set loss_weight: unit")
+            )
         if self.name in ("ar", "dflash") and self.loss_weight == "inv_t":
             violations.append(("loss_weight", f"{self.name} has no noise level to weight by", "use unit"))
         if self.name == "dflash" and self.denominator != "supervised_tokens":
