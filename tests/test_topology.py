@@ -150,3 +150,29 @@ def test_every_suggested_sequence_fix_is_accepted(cp: int, bp: int) -> None:
             for suggested in map(int, blocks.group(1).split(" or ")) if blocks else ():
                 topology.validate_sequence(seq_len, suggested)
     assert refused > 100
+
+
+@pytest.mark.parametrize("seq_len", [2**61 - 1, 2**63 - 1, 10**30 + 2])
+def test_the_fix_for_a_huge_sequence_length_comes_at_once(seq_len):
+    """The suggested block sizes come from a bounded divisor search: ``data.seq_len: 9223372036854775807``
+    made `csbp config validate` and `csbp train` search divisors up to its square root for 4 minutes."""
+    import signal
+
+    def too_slow(signum, frame):
+        raise TimeoutError("the sequence-length fix took more than 5 s")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.setitimer(signal.ITIMER_REAL, 5.0)
+    try:
+        with pytest.raises(ValueError, match=rf"seq_len={seq_len} is not a multiple of block_size=4 \(fix: seq_len="):
+            Topology(cp=2, bp=2).validate_sequence(seq_len, 4)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_the_divisor_search_is_complete_for_lengths_runs_use():
+    from csbp.topology import _divisors
+
+    assert _divisors(2**40) == [2**k for k in range(41)]
+    assert _divisors(720) == [d for d in range(1, 721) if 720 % d == 0]
