@@ -66,6 +66,23 @@ def test_rope_scaling_errors_are_one_line(rope_scaling: dict[str, Any], line: st
     assert error.startswith(f"config.yaml: {line}"), error
 
 
+@pytest.mark.parametrize(
+    ("rope_scaling", "fix"),
+    [
+        ({"type": "yarn", "factor": 4}, "set model.rope_scaling.original_max_position_embeddings: Context length "
+                                        "before the extension (llama3, yarn: required)"),
+        ({"type": "linear", "factor": 2, "beta_fast": 8}, "remove model.rope_scaling.beta_fast"),
+        ({**YARN, "beta_fast": 1, "beta_slow": 2}, "set beta_fast above beta_slow (unset: 32 and 1)"),
+        ({"type": "llama3", "factor": 8, "low_freq_factor": 4, "high_freq_factor": 1,
+          "original_max_position_embeddings": 8192}, "set high_freq_factor above low_freq_factor (Llama 3.1: 4 and 1)"),
+    ],
+)
+def test_rope_scaling_rule_errors_say_the_fix(rope_scaling: dict[str, Any], fix: str) -> None:
+    # these lines used to end with the problem alone, without the (fix: ...) every config error has
+    (error,) = error_lines(with_changes({"model.rope_scaling": rope_scaling}))
+    assert error.endswith(f" (fix: {fix})"), error
+
+
 def test_dflash_drafter_takes_the_targets_rope() -> None:
     (error,) = error_lines(with_changes(dflash_changes() | {"model.rope_scaling": YARN}))
     assert error.startswith("config.yaml: model: rope_scaling do not apply to a dflash drafter"), error

@@ -63,10 +63,28 @@ class RopeScalingSection(_Section):
             field, _, message = str(exc).partition(" ")
             if not field.startswith("rope_scaling."):
                 raise ConfigRuleError([("", str(exc), "")]) from None
-            raise ConfigRuleError([(field.split(".", 1)[1], message.removeprefix("is "), "")]) from None
+            name = field.split(".", 1)[1]
+            raise ConfigRuleError([(name, message.removeprefix("is "), _fix(name, message))]) from None
         return self
 
     def to_rope_scaling(self) -> RopeScaling:
         """The model-level rule."""
         values = self.model_dump(exclude={"type"})
         return RopeScaling(rope_type=self.type, **values)
+
+
+_ORDER_FIXES = {
+    "beta_fast": "set beta_fast above beta_slow (unset: 32 and 1)",
+    "high_freq_factor": "set high_freq_factor above low_freq_factor (Llama 3.1: 4 and 1)",
+}
+
+
+def _fix(name: str, message: str) -> str:
+    """The ``(fix: ...)`` of a :class:`RopeScaling` refusal of ``name`` (its messages say only what is wrong)."""
+    if message.startswith("does not apply"):
+        return f"remove model.rope_scaling.{name}"
+    if message.startswith("must exceed") and name in _ORDER_FIXES:
+        return _ORDER_FIXES[name]
+    info = RopeScalingSection.model_fields.get(name)
+    what = f": {info.description.rstrip('.')}" if info is not None and info.description else ""
+    return f"set model.rope_scaling.{name}{what}"
