@@ -37,3 +37,36 @@ def test_t_min_zero_with_inv_t_weights_names_the_field(tmp_path: Path, objective
 def test_t_min_zero_with_unit_weights_stays_valid(tmp_path: Path) -> None:
     cfg = load_config(tiny(tmp_path), ["objective.t_min=0", "objective.loss_weight=unit"])
     assert cfg.objective.t_min == 0.0
+
+
+def test_an_lr_whose_first_adamw_step_overflows_float32_is_refused(tmp_path: Path) -> None:
+    # `csbp train --set optim.lr=1e300` died in torch's AdamW step with a traceback
+    # (RuntimeError: value cannot be converted to type float without overflow)
+    lines = error_lines(tiny(tmp_path), "optim.lr=1e300")
+    assert lines == [
+        "--set: optim.lr: lr=1e+300 makes AdamW's first step size lr / (1 - betas[0]) = 1e+301, beyond the largest "
+        "float32 (3.4e+38): torch cannot apply it to the float32 weights (fix: use an lr below 3.4e+37 (typical: "
+        "1e-5 to 1e-2))"
+    ]
+    # the bound follows beta1 (the first step is lr / (1 - beta1)) and the weights' dtype
+    assert error_lines(tiny(tmp_path), "optim.lr=1e31", "optim.betas=[0.99999999, 0.999]")[0].startswith(
+        "--set: optim.lr: lr=1e+31 makes AdamW's first step size lr / (1 - betas[0]) = 1e+39"
+    )
+    fp64 = load_config(tiny(tmp_path), ["optim.lr=1e300", "train.precision=fp64", "model.dtype=float64"])
+    assert fp64.optim.lr == 1e300
+    assert load_config(tiny(tmp_path), ["optim.lr=1000"]).optim.lr == 1000  # a large lr that only diverges
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        # 0 in float32: a weight without gradient was updated by 0/0, and the NaN stop blamed optim.lr
+        ("1e-300", "eps=1e-300 is below the smallest normal float32 (1.18e-38): a weight that gets no gradient is "
+                   "updated by 0/0 = NaN (fix: use eps >= 1e-30 (the default is 1e-8))"),
+        # inf in float32: every update was 0, the run "trained" without changing a weight
+        ("1e300", "eps=1e+300 is inf in float32: every AdamW update is divided by it, so nothing trains (fix: use a "
+                  "small eps (the default is 1e-8))"),
+    ],
+)
+def test_an_adamw_eps_that_is_0_or_inf_in_float32_is_refused(tmp_path: Path, value: str, problem: str) -> None:
+    assert error_lines(tiny(tmp_path), f"optim.eps={value}") == [f"--set: optim.eps: {problem}"]

@@ -75,8 +75,42 @@ def cross_section_violations(cfg: RunConfig) -> list[Violation]:
     """Every violated cross-section rule of ``cfg``."""
     return (
         _model_rules(cfg) + _sequence_rules(cfg) + _objective_layout_rules(cfg) + _training_rules(cfg)
-        + _document_rules(cfg)
+        + _document_rules(cfg) + _optimizer_rules(cfg)
     )
+
+
+_FLOAT_LIMITS = {"float32": (1.1754943508222875e-38, 3.4028234663852886e38),
+                 "float64": (2.2250738585072014e-308, 1.7976931348623157e308)}
+"""Smallest normal and largest finite value of the weights' and AdamW state's dtype."""
+
+
+def _optimizer_rules(cfg: RunConfig) -> list[Violation]:
+    """AdamW numbers that cannot be meant: a step size the weights' dtype cannot hold (torch raised in the
+    first step: a traceback), an eps that is 0 or inf in that dtype (0/0 = NaN for a weight that gets no
+    gradient, blamed on the lr; no update at all, silently). A large lr that only diverges stays allowed:
+    ``train.nan_policy`` is for that."""
+    optim = cfg.optim
+    dtype = "float64" if cfg.train.precision == "fp64" else "float32"  # bf16 keeps float32 master weights
+    tiny, largest = _FLOAT_LIMITS[dtype]
+    violations = []
+    step = optim.lr / (1.0 - optim.betas[0])  # torch's step size lr / (1 - beta1^t) is largest at t = 1
+    if step > largest:
+        violations.append(
+            ("optim.lr", f"lr={optim.lr:g} makes AdamW's first step size lr / (1 - betas[0]) = {step:.3g}, beyond "
+             f"the largest {dtype} ({largest:.3g}): torch cannot apply it to the {dtype} weights",
+             f"use an lr below {largest * (1.0 - optim.betas[0]):.3g} (typical: 1e-5 to 1e-2)")
+        )
+    if optim.eps < tiny:
+        violations.append(
+            ("optim.eps", f"eps={optim.eps:g} is below the smallest normal {dtype} ({tiny:.3g}): a weight that "
+             "gets no gradient is updated by 0/0 = NaN", "use eps >= 1e-30 (the default is 1e-8)")
+        )
+    if optim.eps > largest:
+        violations.append(
+            ("optim.eps", f"eps={optim.eps:g} is inf in {dtype}: every AdamW update is divided by it, so nothing "
+             "trains", "use a small eps (the default is 1e-8)")
+        )
+    return violations
 
 
 def _document_rules(cfg: RunConfig) -> list[Violation]:
