@@ -70,3 +70,25 @@ def test_an_lr_whose_first_adamw_step_overflows_float32_is_refused(tmp_path: Pat
 )
 def test_an_adamw_eps_that_is_0_or_inf_in_float32_is_refused(tmp_path: Path, value: str, problem: str) -> None:
     assert error_lines(tiny(tmp_path), f"optim.eps={value}") == [f"--set: optim.eps: {problem}"]
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        # 0 in the float32 RoPE tables: step 1 was NaN, and the stop's fix named optim.lr
+        ("model.rope_theta=1e-300", "--set: model.rope_theta: must be >= 1.0, got 1e-300"),
+        ("model.rope_theta=0.5", "--set: model.rope_theta: must be >= 1.0, got 0.5"),
+        # inf in float32: every channel but the first stopped turning, silently
+        ("model.rope_theta=1e300", "--set: model.rope_theta: must be <= 3.4028234663852886e+38, got 1e+300"),
+        # inf in float32: every RMSNorm output was 0 and the run trained at loss ln(vocab), silently
+        ("model.rms_norm_eps=1e300", "--set: model.rms_norm_eps: must be <= 3.4028234663852886e+38, got 1e+300"),
+    ],
+)
+def test_model_numbers_float32_cannot_hold_are_refused(tmp_path: Path, override: str, line: str) -> None:
+    (error,) = error_lines(tiny(tmp_path), override)
+    assert error.startswith(f"{line} (fix: set it to a value "), error
+
+
+def test_model_numbers_in_range_stay_valid(tmp_path: Path) -> None:
+    cfg = load_config(tiny(tmp_path), ["model.rope_theta=1", "model.rms_norm_eps=1e-300"])
+    assert (cfg.model.rope_theta, cfg.model.rms_norm_eps) == (1.0, 1e-300)

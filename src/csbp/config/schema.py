@@ -38,6 +38,9 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: a model number above it is inf in the float32 weights and RoPE tables."""
+
 MAX_SEED = 2**63 - 1
 """The largest ``run.seed``: a 99999999999999999999 validated, then failed in ``torch.manual_seed``."""
 
@@ -93,8 +96,11 @@ class ModelSection(_Section):
     num_heads: int | None = Field(None, gt=0, description="Query heads per layer.")
     num_kv_heads: int | None = Field(None, gt=0, description="Key/value heads per layer (GQA).")
     head_dim: int | None = Field(None, gt=0, description="Width of one attention head (even, for RoPE).")
-    rope_theta: float | None = Field(
-        None, gt=0, description="RoPE base; unset: 1e6 for qwen3/qwen2, 5e5 for llama (or init_from's; set: replaces it)."
+    rope_theta: float | None = Field(  # 1e-300 is 0 in the float32 tables: a NaN first step, blamed on optim.lr
+        None, ge=1.0, le=FLOAT32_MAX,
+        description="RoPE base, from 1 (below, the channels meant for long range turn fastest) to 3.4e38 (above, "
+        "inf in float32: no channel but the first turns); unset: 1e6 for qwen3/qwen2, 5e5 for llama, or init_from's "
+        "(set: replaces it).",
     )
     rope_scaling: RopeScalingSection | None = Field(
         None,
@@ -102,7 +108,9 @@ class ModelSection(_Section):
         "unset: none (or init_from's; set: replaces it).",
     )
     rms_norm_eps: float | None = Field(
-        None, gt=0, description="RMSNorm epsilon; unset: 1e-6 for qwen3, 1e-5 for llama (or init_from)."
+        None, gt=0, le=FLOAT32_MAX,
+        description="RMSNorm epsilon, at most 3.4e38 (above, inf in float32: every norm outputs 0); unset: "
+        "1e-6 for qwen3, 1e-5 for llama, or init_from's.",
     )
     qk_norm: bool | None = Field(
         None, description="RMSNorm on queries and keys per head: true for qwen3, false for llama and qwen2 (each "
