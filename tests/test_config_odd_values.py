@@ -92,3 +92,11 @@ def test_model_numbers_float32_cannot_hold_are_refused(tmp_path: Path, override:
 def test_model_numbers_in_range_stay_valid(tmp_path: Path) -> None:
     cfg = load_config(tiny(tmp_path), ["model.rope_theta=1", "model.rms_norm_eps=1e-300"])
     assert (cfg.model.rope_theta, cfg.model.rms_norm_eps) == (1.0, 1e-300)
+
+
+def test_a_window_beyond_int64_is_refused(tmp_path: Path) -> None:
+    # it passed validation, then every rank of `csbp train` died with OverflowError (a traceback) building
+    # its attention rows: torch computes the window bounds in int64
+    (error,) = error_lines(tiny(tmp_path), f"topology.window={10**30}")
+    assert error.startswith(f"--set: topology.window: must be <= 9223372036854775807, got {10**30} (fix: set it to "), error
+    assert load_config(tiny(tmp_path), [f"topology.window={2**63 - 1}"]).topology.window == 2**63 - 1

@@ -41,6 +41,9 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest float32: a model number above it is inf in the float32 weights and RoPE tables."""
 
+MAX_INT64 = 2**63 - 1
+"""The largest int64: an int the masks and positions compute with in torch tensors."""
+
 MAX_SEED = 2**63 - 1
 """The largest ``run.seed``: a 99999999999999999999 validated, then failed in ``torch.manual_seed``."""
 
@@ -289,11 +292,13 @@ class TopologySection(_Section):
         description="Clean K/V exchange (cp > 1): all-gather/reduce-scatter, ring P2P, or halo (one "
         "all-to-all of only the clean rows some remote query may see; CSBP uses it with windows and documents).",
     )
-    window: int | None = Field(
+    window: int | None = Field(  # 10**30 passed validation, then each rank raised OverflowError in its masks
         None,
         gt=0,
+        le=MAX_INT64,
         description="Sliding attention window W in tokens, counting the query itself (a noisy block sees "
-        "the W - 1 clean tokens before it); bd3 and fast_dllm_v2 only; unset: full attention.",
+        "the W - 1 clean tokens before it; at most 2^63 - 1, torch's int64); bd3 and fast_dllm_v2 only; unset: "
+        "full attention.",
     )
     schedule: Literal["dual_end", "contiguous", "balanced"] = Field(
         "dual_end",
