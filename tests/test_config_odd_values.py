@@ -100,3 +100,11 @@ def test_a_window_beyond_int64_is_refused(tmp_path: Path) -> None:
     (error,) = error_lines(tiny(tmp_path), f"topology.window={10**30}")
     assert error.startswith(f"--set: topology.window: must be <= 9223372036854775807, got {10**30} (fix: set it to "), error
     assert load_config(tiny(tmp_path), [f"topology.window={2**63 - 1}"]).topology.window == 2**63 - 1
+
+
+def test_a_collective_timeout_below_torchs_millisecond_is_refused(tmp_path: Path) -> None:
+    # 1e-300 s passed validation and became a 0 ms limit: the first collective of a 2-process run failed
+    # ("timed out after 0ms ... another rank probably died")
+    (error,) = error_lines(tiny(tmp_path), "train.collective_timeout_s=1e-300")
+    assert error.startswith("--set: train.collective_timeout_s: must be >= 0.001, got 1e-300 (fix: "), error
+    assert load_config(tiny(tmp_path), ["train.collective_timeout_s=0.001"]).train.collective_timeout_s == 0.001

@@ -434,10 +434,10 @@ class TrainSection(_Section):
     )
     collective_timeout_s: float = Field(
         300.0,
-        gt=0.0,
+        ge=0.001,  # torch counts whole milliseconds: 1e-300 was a 0 ms limit that failed the first wait
         le=604800.0,
         description="torch.distributed timeout in seconds, for every process group: a stalled or dead rank "
-        "ends the run after about this long (at most a week).",
+        "ends the run after about this long (at least 1 ms, torch's unit; at most a week).",
     )
     nproc: int | None = Field(
         None, gt=0, description="Local processes `csbp train` launches; unset: the topology's world size."
