@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from csbp.config import load_config
+from csbp.config import ConfigError, load_config
 from test_config_errors import error_lines, tiny
 
 
@@ -108,3 +108,13 @@ def test_a_collective_timeout_below_torchs_millisecond_is_refused(tmp_path: Path
     (error,) = error_lines(tiny(tmp_path), "train.collective_timeout_s=1e-300")
     assert error.startswith("--set: train.collective_timeout_s: must be >= 0.001, got 1e-300 (fix: "), error
     assert load_config(tiny(tmp_path), ["train.collective_timeout_s=0.001"]).train.collective_timeout_s == 0.001
+
+
+def test_a_duplicate_key_in_a_set_mapping_gets_one_fix(tmp_path: Path) -> None:
+    # it ended "(first on line 1; fix: merge the two) (fix: quote it)": two fixes, the second wrong
+    with pytest.raises(ConfigError) as info:
+        load_config(tiny(tmp_path), ["topology={dp: 1, dp: 2}"])
+    assert info.value.lines == [
+        "--set topology: value '{dp: 1, dp: 2}' is not valid YAML: line 1: duplicate key 'dp' (first on line 1) "
+        "(fix: merge the two)"
+    ]

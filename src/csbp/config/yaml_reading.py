@@ -116,8 +116,11 @@ def parse_yaml_value(text: str, *, source: str) -> Any:
     try:
         value = yaml.load(text, Loader=ConfigYamlLoader)  # a SafeLoader subclass
     except yaml.YAMLError as exc:
+        problem, _, fix = yaml_problem(exc).partition("; fix: ")  # a duplicate key carries its own fix
+        if fix:
+            problem, fix = f"{problem})", fix.removesuffix(")")
         raise ConfigError(
-            [f"{source}: value {text!r} is not valid YAML: {yaml_problem(exc)} (fix: quote it)"]
+            [f"{source}: value {text!r} is not valid YAML: {problem} (fix: {fix or 'quote it'})"]
         ) from exc
     check_expanded_size(value, source)
     return value
