@@ -290,6 +290,20 @@ def test_proposals_respect_top_k_top_p_and_exclude_the_mask() -> None:
     assert tokens.tolist() == [1] and abs(float(confidence[0]) - float(expected)) < 1e-6
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_logits_are_named_not_sampled(bad: float, temperature: float) -> None:
+    """A diverged model (train.nan_policy: skip lets a run end with one): torch.multinomial raised a
+    RuntimeError traceback from the sample after training, and the greedy arg-max chose a NaN silently."""
+    from csbp.generation.token_choice import NonFiniteLogits
+
+    logits_RV = torch.tensor([[0.0, 3.0, bad, 1.0, 9.0]])
+    with pytest.raises(NonFiniteLogits, match=r"logits are not finite .* \(fix: "):
+        propose_tokens(logits_RV, mask_token_id=4, temperature=temperature, generator=torch.Generator())
+    ruled_out = torch.tensor([[0.0, 3.0, float("-inf"), 1.0, float("nan")]])  # -inf, and NaN on the mask: fine
+    assert propose_tokens(ruled_out, mask_token_id=4, temperature=temperature)[0].tolist() == [1]
+
+
 def test_positions_used_end_at_the_block_after_the_last_new_token(model: Decoder) -> None:
     assert [positions_used(p, n, BLOCK) for p, n in ((5, 3), (5, 4), (0, 1), (3, 18))] == [8, 12, 4, 24]
     for prompt_len in (0, 3, 8):

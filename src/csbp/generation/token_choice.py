@@ -40,6 +40,10 @@ import torch
 from torch import Tensor
 
 
+class NonFiniteLogits(ValueError):
+    """The model gave NaN or +inf logits: its weights diverged, and no token can be chosen from them."""
+
+
 def check_sampling_options(
     temperature: float, top_k: int | None, top_p: float, threshold: float | None
 ) -> None:
@@ -71,6 +75,12 @@ def propose_tokens(
             f"mask_token_id {mask_token_id} is outside the model vocabulary of {logits_RV.shape[-1]}"
         )
     logits_RV[:, mask_token_id] = float("-inf")
+    if torch.isnan(logits_RV).any() or torch.isposinf(logits_RV).any():  # -inf is a token ruled out
+        # torch.multinomial raised a RuntimeError traceback on them, and the greedy arg-max chose a NaN silently
+        raise NonFiniteLogits(
+            "the model's logits are not finite (NaN or inf): its weights diverged, so no token can be chosen "
+            "(fix: sample a checkpoint trained without a non-finite loss; lower optim.lr and train it again)"
+        )
     if temperature == 0.0:
         probs_RV = torch.softmax(logits_RV, dim=-1)
         confidence_R, tokens_R = probs_RV.max(dim=-1)

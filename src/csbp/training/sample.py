@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from csbp.config.schema import RunConfig
 from csbp.generation.sampler import GenerationConfig, generate
+from csbp.generation.token_choice import NonFiniteLogits
 from csbp.models.decoder import Decoder
 from csbp.training.preflight import RunInputs
 
@@ -46,7 +47,10 @@ def sample_after_training(cfg: RunConfig, inputs: RunInputs, model: Decoder) -> 
         token_shift=name == "fast_dllm_v2",
         window=cfg.topology.window,
     )
-    result = generate(
-        model.eval(), prompt, mask_token_id=inputs.mask_token_id, eos_id=tokenizer.eos_id, config=config
-    )
+    try:
+        result = generate(
+            model.eval(), prompt, mask_token_id=inputs.mask_token_id, eos_id=tokenizer.eos_id, config=config
+        )
+    except NonFiniteLogits:  # a run whose weights diverged under train.nan_policy: skip still ends normally
+        return "(no sample: the model's logits are not finite, its weights diverged; lower optim.lr)"
     return f"{tokenizer.decode(prompt)!r} => {tokenizer.decode(result.token_ids)!r}"
