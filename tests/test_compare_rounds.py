@@ -57,6 +57,30 @@ def test_rounds_rotate_the_order_and_change_the_seed(artifact: Path, tmp_path: P
     assert single.run_dir == tmp_path / "cmp" / "cp" and single.cfg.run.seed == 7
 
 
+def test_planning_does_not_grow_with_the_rounds(artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every round was built and checked before training: --repeats 2**62 hung before its header. Round
+    1 is checked, a later round (only its seed differs) is built when reached, and a last round's seed
+    above the largest is refused up front naming --repeats."""
+    from csbp.compare import runner
+
+    built: list[int] = []
+    original = runner._plan_layout
+    monkeypatch.setattr(runner, "_plan_layout", lambda cfg, name, index, options: built.append(index) or original(
+        cfg, name, index, options))
+    cfg = config_from_dict(_bd3_dict(artifact, **{"run.seed": 3}))
+    options = CompareOptions(layouts=("cp", "csbp"), budget_s=1.0, nproc=2, out_dir=tmp_path / "cmp", repeats=50)
+    rounds = plan_layouts(cfg, options)
+    assert built == [0, 0] and len(rounds) == 50
+    huge = plan_layouts(cfg, CompareOptions(**{**options.__dict__, "repeats": 2**62}))
+    last = huge[2**62 - 1]
+    assert [run.cfg.run.seed for run in last] == [3 + 2**62 - 1] * 2 and last[0].round == 2**62
+    assert built == [0, 0, 0, 0, 2**62 - 1, 2**62 - 1]
+    top = config_from_dict(_bd3_dict(artifact, **{"run.seed": 2**63 - 2}))
+    with pytest.raises(ValueError, match=r"^--repeats 3: round 3 trains with seed run.seed \+ 2 = 9223372036854775808, "
+                       r"above the largest seed 9223372036854775807 \(fix: --repeats 2 or fewer, or a lower run.seed\)$"):
+        plan_layouts(top, CompareOptions(**{**options.__dict__, "repeats": 3}))
+
+
 def test_paired_difference_interval_and_verdict() -> None:
     assert t_975(1) == 12.706 and t_975(30) == t_975(100) == 2.042
     spread_out = paired_difference([1.0, 2.0, 3.0])  # sd 1: mean 2 +- 4.303 / sqrt(3)

@@ -1,7 +1,9 @@
 """Train the layouts of ``csbp compare`` one after the other on the same processes, resumably.
 
-:func:`run_compare` validates every layout's config (every round's, :mod:`csbp.compare.rounds`)
-against its data and output directory before any process starts, then, round by round, runs
+:func:`run_compare` validates every layout's config against its data and output directory before
+any process starts (round 1's, and every round's that has a directory to resume; the later rounds
+differ only in their seed, checked for the last, and are checked when reached: :class:`PlannedRounds`,
+:mod:`csbp.compare.rounds`), then, round by round, runs
 :func:`_compare_worker` on ``nproc`` gloo processes started for that round (in this process when
 ``nproc == 1``). The worker trains each layout of the round in the round's order with
 :func:`csbp.training.trainer.train` and a :class:`csbp.compare.budget.BudgetHook`, in the layout's
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,8 +32,8 @@ import torch.distributed as dist
 from csbp.atomic import write_text_atomic
 from csbp.compare.budget import BudgetHook, load_budget_state, step_time_summary
 from csbp.compare.layouts import LAYOUT_NAMES, layout_config
-from csbp.compare.rounds import layout_dir, round_config, round_order
-from csbp.config.schema import RunConfig
+from csbp.compare.rounds import layout_dir, round_config, round_order, round_seed
+from csbp.config.schema import MAX_SEED, RunConfig
 from csbp.parallel.launch import run_local
 from csbp.training.memory_fit import check_state_fits
 from csbp.training.preflight import check_run, check_validation_rows
@@ -116,9 +118,10 @@ def metric_of(cfg: RunConfig, name: str | None = None) -> tuple[str, bool]:
     return name, name.startswith(HIGHER_IS_BETTER)
 
 
-def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[list[LayoutRun]]:
+def plan_layouts(cfg: RunConfig, options: CompareOptions) -> PlannedRounds:
     """Every round's layouts in the order the round trains them, each config checked against the
-    data and its run directory (raises ValueError)."""
+    data and its run directory (raises ValueError); the rounds of :class:`PlannedRounds`, built
+    lazily past those checked here (their work does not grow with ``--repeats``)."""
     if not options.layouts or len(set(options.layouts)) != len(options.layouts):
         raise ValueError(f"--layouts: give distinct layouts from {', '.join(LAYOUT_NAMES)}, e.g. cp,csbp")
     if not (math.isfinite(options.budget_s) and options.budget_s > 0):
@@ -135,10 +138,50 @@ def plan_layouts(cfg: RunConfig, options: CompareOptions) -> list[list[LayoutRun
             f"stops at train.max_steps={cfg.train.max_steps}, so more points than steps cannot each have their own "
             f"(fix: --points {cfg.train.max_steps} or fewer, or raise train.max_steps)"
         )
-    return [
-        [_plan_layout(round_config(cfg, index), name, index, options) for name in round_order(options.layouts, index)]
-        for index in range(options.repeats)
-    ]
+    last_seed = round_seed(cfg, options.repeats - 1)
+    if last_seed > MAX_SEED:
+        raise ValueError(
+            f"--repeats {options.repeats}: round {options.repeats} trains with seed run.seed + {options.repeats - 1} = "
+            f"{last_seed}, above the largest seed {MAX_SEED} (fix: --repeats {MAX_SEED - cfg.run.seed + 1} or fewer, "
+            "or a lower run.seed)"
+        )
+    return PlannedRounds(cfg, options)
+
+
+class PlannedRounds:
+    """The rounds of a comparison, round ``r`` a list of its :class:`LayoutRun` in training order.
+
+    Rounds differ only in their seed (checked by :func:`plan_layouts` for the last, the largest) and
+    their directories, so round 1 and, on ``--resume``, every round with a directory in ``--out`` are
+    checked here, before any trains; a round without one (inside a new or checked ``--out``) is built
+    and checked when it is reached. Checking every round up front made ``--repeats 2**62`` build
+    configs without end before training."""
+
+    def __init__(self, cfg: RunConfig, options: CompareOptions) -> None:
+        self.cfg, self.options = cfg, options
+        on_disk = {0}
+        if options.resume and options.repeats > 1 and options.out_dir.is_dir():
+            for entry in options.out_dir.iterdir():
+                number = entry.name.removeprefix("round-")
+                if entry.name.startswith("round-") and number.isdigit() and 1 <= int(number) <= options.repeats:
+                    on_disk.add(int(number) - 1)
+        self._checked = {index: self._plan(index) for index in sorted(on_disk)}
+
+    def _plan(self, index: int) -> list[LayoutRun]:
+        cfg = round_config(self.cfg, index)
+        return [_plan_layout(cfg, name, index, self.options) for name in round_order(self.options.layouts, index)]
+
+    def __len__(self) -> int:
+        return self.options.repeats
+
+    def __getitem__(self, index: int) -> list[LayoutRun]:
+        if not 0 <= index < self.options.repeats:
+            raise IndexError(f"round index {index} out of range")
+        return self._checked[index] if index in self._checked else self._plan(index)
+
+    def __iter__(self) -> Iterator[list[LayoutRun]]:
+        for index in range(self.options.repeats):
+            yield self[index]
 
 
 def _plan_layout(cfg: RunConfig, name: str, round_index: int, options: CompareOptions) -> LayoutRun:
