@@ -205,6 +205,8 @@ def test_recipes_copy_refuses_a_destination_that_is_no_yaml_file_nor_a_directory
         ["eval", "--model", "", "--data", "art"],
         ["eval", "--model", "m", "--data", ""],
         ["eval", "--model", "m", "--data", "art", "--json", ""],
+        ["generate", "--model", "", "--prompt", "a"],
+        ["generate", "--model", "m", "--prompt", "a", "--tokenizer", ""],
         ["export", "", "--out", "out"],
         ["export", "run", "--out", ""],
         ["data", "prepare", "--demo-corpus", "--seq-len", "64", "--out", ""],

@@ -236,6 +236,14 @@ def test_csbp_eval_on_an_ar_run_names_eval_not_generate(tmp_path: Path) -> None:
         run_config_settings(tmp_path / "run" / "final")
     assert "trained objective 'ar', not a block-diffusion model" in str(info.value)
     assert "which csbp eval scores" in str(info.value) and "generate" not in str(info.value)
+    assert "(fix: --model the export of a block-diffusion run; an ar run's val_loss" in str(info.value)
+
+
+def test_csbp_eval_refuses_a_negative_seed_by_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--seed -1` said "--seed must be >= 0, got -1", with no fix, after the parsing."""
+    assert main(["eval", "--model", "m", "--data", "d", "--seed", "-1"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "argument --seed: -1 must be >= 0" in line
 
 
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

@@ -154,9 +154,9 @@ def test_cli_errors(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     with pytest.raises(ValueError, match="not a directory"):
         args = parse(["generate", "--model", str(tmp_path / "missing"), *base])
         args.func(args)
-    with pytest.raises(ValueError, match="block-size"):
-        args = parse(["generate", "--model", str(checkpoint), "--block-size", "0", *base])
-        args.func(args)
+    with pytest.raises(SystemExit):  # argparse: "argument --block-size: 0 must be >= 1"
+        parse(["generate", "--model", str(checkpoint), "--block-size", "0", *base])
+    assert "argument --block-size: 0 must be >= 1" in capsys.readouterr().err
     no_mask_dir = tmp_path / "no_mask"
     no_mask_dir.mkdir()
     Tokenizer(models.WordLevel({"<|endoftext|>": 0, "hi": 1}, unk_token="<|endoftext|>")).save(

@@ -64,3 +64,38 @@ def test_the_sampler_s_seeds_repeat_past_2_to_the_32() -> None:
 
     draws = [torch.rand(4, generator=torch.Generator(device="cpu").manual_seed(s)) for s in (7, 7 + 2**32, 8)]
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+
+
+def test_every_refusal_names_its_fix(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A fuzz of generate's refusals found these without one: --block-size/--window 0 ("must be a positive
+    integer, got 0"), a --tokenizer that does not exist, a model directory without a tokenizer (the hint came
+    after the loader's fix, which named no flag), an ar run and a directory without weights."""
+    from csbp.cli.main import main
+
+    for flag in ("--block-size", "--window"):
+        assert main(["generate", "--model", str(checkpoint), "--prompt", "a", flag, "0"]) == 2
+        assert f"argument {flag}: 0 must be >= 1" in capsys.readouterr().err
+    assert refusal(checkpoint, "--tokenizer", str(tmp_path / "none")) == (
+        f"--tokenizer {tmp_path / 'none'} does not exist (fix: a tokenizer directory or tokenizer.json file, or drop "
+        "--tokenizer to use the model's own)"
+    )
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    assert refusal(bare) == (
+        f"--model {bare} holds no tokenizer (tokenizer.json or tokenizer_config.json) (fix: --tokenizer DIR, the "
+        "tokenizer the model was trained with)"
+    )
+    (tmp_path / "ar" / "final").mkdir(parents=True)
+    (tmp_path / "ar" / "final" / "config.json").write_bytes((checkpoint / "config.json").read_bytes())
+    (tmp_path / "ar" / "config.yaml").write_text("objective: {name: ar}\n", encoding="utf-8")
+    assert refusal(tmp_path / "ar" / "final").endswith(
+        "which csbp generate samples (fix: --model the export of a block-diffusion run)"
+    )
+
+
+def test_a_directory_without_weights_names_the_fix(tmp_path: Path) -> None:
+    from csbp.models.hf_io import weight_files
+
+    with pytest.raises(ValueError, match=r"pickled \*\.bin weights are never loaded \(fix: pass the directory that "):
+        weight_files(tmp_path)

@@ -32,6 +32,7 @@ from csbp.cli.options import (
     check_layout_flags,
     check_model_directory,
     device_option,
+    int_at_least,
     output_file,
     path_option,
     positive_int,
@@ -73,7 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--micro-batch-size", type=positive_int, default=8, help="rows per forward (default 8)")
     parser.add_argument("--max-batches", type=positive_int, default=None, help="score at most this many batches")
     parser.add_argument("--no-ltr", action="store_true", help="skip the left-to-right NLL (B forwards per batch)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the noise draws")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the noise draws")
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     parser.add_argument(
         "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
@@ -97,8 +98,6 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.evaluation.settings import run_config_settings
     from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
 
-    if args.seed < 0:
-        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     check_layout_flags(args.cp, args.bp)  # before loading anything
     if args.nproc is None:  # one layout's processes, as csbp train defaults to its topology's world size
         args.nproc = max(args.cp, args.bp)

@@ -51,6 +51,7 @@ from csbp.cli.options import (
     device_option,
     float_in,
     int_at_least,
+    path_option,
     positive_int,
     token_name,
 )
@@ -80,9 +81,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="sample a completion from a block-diffusion model",
         description="Block-diffusion sampling with a clean-prefix KV cache and confidence-based unmasking.",
     )
-    parser.add_argument("--model", type=Path, required=True, help="HF checkpoint directory (e.g. RUN/final)")
+    parser.add_argument("--model", type=path_option, required=True, help="HF checkpoint directory (e.g. RUN/final)")
     parser.add_argument("--prompt", required=True, help="prompt text")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="tokenizer directory (default: --model)")
+    parser.add_argument("--tokenizer", type=path_option, default=None, help="tokenizer directory (default: --model)")
     parser.add_argument(
         "--chat",
         action="store_true",
@@ -107,14 +108,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument(
-        "--block-size", type=int, default=None, help="training block size (default: the run's, else 16)"
+        "--block-size", type=positive_int, default=None, help="training block size (default: the run's, else 16)"
     )
     add_override_flags(parser, "generate")
     parser.add_argument(
         "--steps-per-block", type=int, default=None, help="denoising steps per block (default B)"
     )
     parser.add_argument(
-        "--window", type=int, default=None,
+        "--window", type=positive_int, default=None,
         help="sliding attention window of a checkpoint that records none (default: the run's topology.window)",
     )
     parser.add_argument("--temperature", type=float_in(0, math.inf), default=0.0, help="0 = greedy")
@@ -223,11 +224,12 @@ def load_generation_tokenizer(args: argparse.Namespace, tokenizer_dir: Path, mod
     recorded, source = found if found is not None else (None, None)
     default = SpecialTokens()
     special = SpecialTokens(mask=args.mask_token or default.mask, eos=args.eos_token or default.eos)
-    try:
-        tokenizer = load_tokenizer(tokenizer_dir, special=special, mask_id=recorded if args.mask_token is None else None)
-    except ValueError as error:
-        hint = "" if args.tokenizer is not None else " (pass --tokenizer DIR if the model directory has none)"
-        raise ValueError(f"{error}{hint}") from None
+    if args.tokenizer is None and not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(  # the loader's own fix named no flag
+            f"--model {model_dir} holds no tokenizer (tokenizer.json or tokenizer_config.json) (fix: --tokenizer DIR, "
+            "the tokenizer the model was trained with)"
+        )
+    tokenizer = load_tokenizer(tokenizer_dir, special=special, mask_id=recorded if args.mask_token is None else None)
     if recorded is not None and args.mask_token is not None and tokenizer.mask_token_id != recorded:
         trained = tokenizer.backend.id_to_token(recorded)
         raise ValueError(
@@ -321,10 +323,6 @@ def run_generate(args: argparse.Namespace) -> int:
     from csbp.generation.sampler import GenerationConfig, generate, positions_used
     from csbp.models.hf_io import generation_stop_ids, load_hf_checkpoint, read_hf_config
 
-    if args.block_size is not None and args.block_size <= 0:
-        raise ValueError(f"--block-size must be a positive integer, got {args.block_size}")
-    if args.window is not None and args.window <= 0:
-        raise ValueError(f"--window must be a positive integer, got {args.window}")
     if args.threshold is not None and args.unmask_order != "confidence":
         raise ValueError(
             f"--threshold {args.threshold} unmasks the proposals more confident than it, but --unmask-order "
@@ -343,7 +341,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         run_settings = run_objective_settings(model_dir)
     except ValueError as error:
-        raise ValueError(f"{error}, which csbp generate samples") from None
+        raise ValueError(f"{error}, which csbp generate samples (fix: --model the export of a block-diffusion run)") from None
     notes = check_trained_overrides("generate", args, model_dir, run_settings)
     trained_window = run_settings.get("window")
     if run_settings and args.window is not None and args.window != trained_window:
@@ -383,7 +381,10 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     tokenizer_dir: Path = args.tokenizer if args.tokenizer is not None else model_dir
     if not tokenizer_dir.exists():
-        raise ValueError(f"--tokenizer {tokenizer_dir} does not exist")
+        raise ValueError(
+            f"--tokenizer {tokenizer_dir} does not exist (fix: a tokenizer directory or tokenizer.json file, or drop "
+            "--tokenizer to use the model's own)"
+        )
     tokenizer = load_generation_tokenizer(args, tokenizer_dir, model_dir)
     check_same_tokenizer(model_dir, args.tokenizer, tokenizer.fingerprint)
     mask_token_id = tokenizer.mask_token_id

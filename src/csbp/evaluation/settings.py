@@ -77,7 +77,10 @@ def run_config_settings(model_dir: Path) -> dict[str, Any]:
     try:
         settings = run_objective_settings(model_dir)
     except ValueError as error:
-        raise ValueError(f"{error}, which csbp eval scores (an ar run's val_loss is already its exact NLL)") from None
+        raise ValueError(
+            f"{error}, which csbp eval scores (fix: --model the export of a block-diffusion run; an ar run's val_loss "
+            "is already its exact NLL)"
+        ) from None
     found = training_record(model_dir)
     if not settings or found is None:
         return {}
@@ -161,7 +164,10 @@ def _check_vocabulary(model_dir: Path, config: DecoderConfig, artifact: Artifact
             f"but the model {model_dir} embeds {vocab} (fix: evaluate on data prepared with the model's tokenizer)"
         )
     if not 0 <= mask_token_id < vocab:
-        raise ValueError(f"mask token id {mask_token_id} is outside the model vocabulary [0, {vocab}) of {model_dir}")
+        raise ValueError(
+            f"mask token id {mask_token_id} is outside the model vocabulary [0, {vocab}) of {model_dir} (fix: evaluate "
+            "on data prepared with the model's tokenizer, or a checkpoint whose recorded mask_token_id it embeds)"
+        )
     tokenizer_file = model_dir / "tokenizer.json"
     if tokenizer_file.is_file() and fingerprint_bytes(tokenizer_file.read_bytes()) != artifact.tokenizer_fingerprint:
         raise ValueError(

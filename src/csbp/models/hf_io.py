@@ -233,7 +233,8 @@ def weight_files(directory: Path) -> tuple[list[Path], dict[str, str] | None]:
     if len(files) != 1:
         raise ValueError(
             f"{directory} needs model.safetensors or model.safetensors.index.json; found {len(files)} "
-            "*.safetensors files and no index (pickled *.bin weights are never loaded)"
+            "*.safetensors files and no index; pickled *.bin weights are never loaded (fix: pass the directory "
+            "that holds its weights as safetensors, e.g. RUN/final)"
         )
     return files, None
 
