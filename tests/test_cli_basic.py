@@ -207,6 +207,10 @@ def test_recipes_copy_refuses_a_destination_that_is_no_yaml_file_nor_a_directory
         ["eval", "--model", "m", "--data", "art", "--json", ""],
         ["generate", "--model", "", "--prompt", "a"],
         ["generate", "--model", "m", "--prompt", "a", "--tokenizer", ""],
+        ["plan", "--model", "", "--gpus", "8", "--seq-len", "4096"],
+        *(["plan", "--model", "nemotron-8b", "--gpus", "8", "--seq-len", "4096", flag, ""]
+          for flag in ("--data", "--target-config", "--calibration")),
+        ["plan", "calibrate", "", "--out", "cal.json"],
         ["export", "", "--out", "out"],
         ["export", "run", "--out", ""],
         ["data", "prepare", "--demo-corpus", "--seq-len", "64", "--out", ""],

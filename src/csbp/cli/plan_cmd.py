@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from csbp.atomic import write_json_atomic
-from csbp.cli.options import add_override_argument, int_at_least, output_file, positive_int
+from csbp.cli.options import add_override_argument, int_at_least, output_file, path_option, positive_int
 from csbp.cli.plan_output import format_plan, plan_json
 from csbp.plan.artifact_documents import (
     SAMPLE_ROWS,
@@ -73,6 +73,12 @@ def parse_length(text: str) -> int:
     return int(match.group(1)) * scale
 
 
+def model_spec(text: str) -> str:
+    """``--model``: a preset name or a path, never empty (``--model ''`` read the working directory)."""
+    path_option(text)
+    return text
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan",
@@ -81,7 +87,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and rank them (the cost model of csbp.plan); `csbp plan calibrate` fits it to your benchmarks.",
     )
     parser.add_argument(
-        "--model", help=f"run config, HF config.json (or folder), or preset: {', '.join(preset_names())}"
+        "--model", type=model_spec, help=f"run config, HF config.json (or folder), or preset: {', '.join(preset_names())}"
     )
     parser.add_argument(
         "--seq-len",
@@ -122,7 +128,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--target-config",
-        type=Path,
+        type=path_option,
         default=None,
         metavar="PATH",
         help="the frozen target's HF config.json (or folder) for --target-pass sharded|replicated on a preset "
@@ -138,7 +144,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--data",
-        type=Path,
+        type=path_option,
         default=None,
         metavar="ARTIFACT",
         help="plan the real documents of a `csbp data prepare` artifact under the document mask (rows of "
@@ -185,7 +191,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--calibration",
-        type=Path,
+        type=path_option,
         default=None,
         help="calibration JSON (default: packaged, fitted on published runs; cpu: fitted here)",
     )
@@ -198,7 +204,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     calibrate.add_argument(
         "bench",
         nargs="*",
-        type=Path,
+        type=path_option,
         metavar="BENCH.json",
         help="`csbp bench attention|train|dflash --json` output files",
     )
