@@ -180,7 +180,7 @@ def test_plan_with_documents_adds_cp_aware_and_halo_rows(tmp_path: Path, capsys)
         ),
         (  # numpy's ArrayMemoryError traceback (7.28 TiB for one array of 10**12 rows)
             ["--model", "nemotron-3b", "--seq-len", str(2**50), "--gpus", "8"],
-            f"--seq-len {2**50}: csbp plan counts every row's allowed pairs, in two int64 prefix sums of {2**50} rows",
+            f"--seq-len {2**50}: csbp plan counts every row's allowed pairs, and planning {2**50} rows of block size 32",
         ),
     ],
 )
@@ -188,6 +188,30 @@ def test_plan_user_errors_are_one_line(capsys, argv, message) -> None:
     code, out, err = run(capsys, "plan", *argv)
     assert code == USER_ERROR_EXIT_CODE and message in err and len(err.strip().splitlines()) == 1
     assert out == ""  # no (empty) table
+
+
+@pytest.mark.parametrize(
+    ("extra", "per_token"),
+    [((), 48 + 576 / 32), (("--doc-length", "64"), 48 + 96 + 576 / 32), (("--block-size", "1"), 48 + 576)],
+)
+def test_plan_refuses_a_seq_len_whose_planning_cannot_fit_memory(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, extra: tuple[str, ...], per_token: float
+) -> None:
+    """The bound counted the two prefix sums only (16 bytes per token), but planning peaked at about 80
+    (more with documents, about 560 at --block-size 1): between 300M and 1.6G tokens it ran a 24 GiB
+    machine out of memory. Here a 1 GiB machine: 2**25 tokens passed the old bound and planned."""
+    from csbp.cli import plan_cmd
+
+    monkeypatch.setattr("csbp.plan.hardware.machine_ram_gib", lambda: 1.0)
+    monkeypatch.setattr(plan_cmd, "candidate_layouts", lambda *args, **kwargs: pytest.fail("planned"))
+    code, out, err = run(capsys, "plan", "--model", "nemotron-3b", "--seq-len", str(2**25), "--gpus", "8", *extra)
+    assert (code, out) == (USER_ERROR_EXIT_CODE, "") and len(err.splitlines()) == 1
+    assert f"takes about {per_token:.0f} bytes per token" in err
+    assert f"(fix: --seq-len {int(2**30 // per_token)} or less)" in err
+    fits = int(2**30 // per_token)
+    plan_cmd.check_planner_memory(fits, plan_cmd.resolve_workload("nemotron-3b")[0].with_options(
+        block_size=int(extra[1]) if extra[:1] == ("--block-size",) else None,
+        doc_length=int(extra[1]) if extra[:1] == ("--doc-length",) else None))  # the fix passes
 
 
 def test_the_search_looks_at_no_ring_larger_than_the_sequence_allows() -> None:

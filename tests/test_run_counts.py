@@ -136,3 +136,22 @@ def test_a_ring_s_sent_rows_take_one_pass_per_member(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(run_counts, "_covered", lambda *a: calls.append(1) or real(*a))
     run_counts.rank_totals(SEQ_LEN, BLOCK, 16, 16)
     assert len(calls) <= 16
+
+
+@pytest.mark.parametrize(("window", "mean"), [(None, None), (48, 7), (None, 30)])
+def test_row_pairs_counted_a_chunk_at_a_time_equal_one_pass(
+    monkeypatch: pytest.MonkeyPatch, window: int | None, mean: int | None
+) -> None:
+    """Whole-row temporaries peaked at about 80 bytes per token; chunks (here 7 and 64 positions, the
+    cumulative sum carried across) give the same prefix sums, exactly."""
+    from csbp.attention import run_counts
+
+    docs = _documents(mean, 3)
+    whole = run_counts.row_pairs(SEQ_LEN, BLOCK, window, docs)
+    for chunk in (7, 64):
+        monkeypatch.setattr(run_counts, "ROW_PAIRS_CHUNK", chunk)
+        parts = run_counts.row_pairs(SEQ_LEN, BLOCK, window, docs)
+        assert np.array_equal(parts.noisy, whole.noisy) and np.array_equal(parts.clean, whole.clean)
+    positions = np.arange(SEQ_LEN, dtype=np.int64)  # and both are the per-row terms' prefix sums
+    _, _, c_start, c_stop = document_bounds(positions, positions, BLOCK, window, docs)
+    assert np.array_equal(np.diff(whole.clean), (c_stop - c_start).clip(min=0)) and whole.clean[0] == 0

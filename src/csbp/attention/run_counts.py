@@ -110,16 +110,29 @@ class RowPairs:
         return int((prefix[runs[1]] - prefix[runs[0]]).sum())
 
 
+ROW_PAIRS_CHUNK = 1 << 20
+"""Positions :func:`row_pairs` counts at a time: its temporaries (bounds, terms) stay this size, so
+counting ``L`` positions holds about the two ``[L+1]`` prefix sums only (16 bytes per position;
+whole-row temporaries peaked at about 80)."""
+
+
 def row_pairs(
     seq_len: int, block_size: int, window: int | None, documents: DocBounds | None
 ) -> RowPairs:
-    """``counts.position_pairs``' per-row terms for every position, as prefix sums."""
-    positions = np.arange(seq_len, dtype=np.int64)
-    n_start, n_stop, c_start, c_stop = document_bounds(positions, positions, block_size, window, documents)
-    noisy = (n_stop - n_start).clip(min=0) + segment_lengths(positions, block_size, documents)
-    clean = (c_stop - c_start).clip(min=0)
-    zero = np.zeros(1, dtype=np.int64)
-    return RowPairs(np.concatenate([zero, np.cumsum(noisy)]), np.concatenate([zero, np.cumsum(clean)]))
+    """``counts.position_pairs``' per-row terms for every position, as prefix sums (counted
+    :data:`ROW_PAIRS_CHUNK` positions at a time, each chunk's cumulative sum carried on)."""
+    noisy_prefix = np.zeros(seq_len + 1, dtype=np.int64)
+    clean_prefix = np.zeros(seq_len + 1, dtype=np.int64)
+    for first in range(0, seq_len, ROW_PAIRS_CHUNK):
+        positions = np.arange(first, min(first + ROW_PAIRS_CHUNK, seq_len), dtype=np.int64)
+        n_start, n_stop, c_start, c_stop = document_bounds(positions, positions, block_size, window, documents)
+        noisy = (n_stop - n_start).clip(min=0) + segment_lengths(positions, block_size, documents)
+        clean = (c_stop - c_start).clip(min=0)
+        rows = slice(first + 1, first + 1 + len(positions))
+        for terms, prefix in ((noisy, noisy_prefix), (clean, clean_prefix)):
+            np.cumsum(terms, out=prefix[rows])
+            prefix[rows] += prefix[first]
+    return RowPairs(noisy_prefix, clean_prefix)
 
 
 def covered_intervals(

@@ -38,6 +38,7 @@ from csbp.plan.auto import load_plannable_config, run_search
 from csbp.plan.calibration import Calibration, load_calibration, packaged_calibration, save_calibration
 from csbp.plan.hardware import PRESETS, hardware
 from csbp.plan.layout import MAX_DEVICES, Layout, parse_topology
+from csbp.plan.planner_memory import check_planner_memory
 from csbp.plan.remedy import Search, nothing_fits
 from csbp.plan.search import (
     Plan,
@@ -301,7 +302,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   "with data.document_mask false (set it true to train what is planned)")
     if args.seq_len is None:
         raise ValueError("csbp plan needs --seq-len for a preset or HF model (e.g. --seq-len 256K)")
-    check_planner_memory(args.seq_len)
+    check_planner_memory(args.seq_len, workload)
     hw = hardware(args.gpu, gpus=args.gpus, gpus_per_node=args.gpus_per_node)
     cal = load_calibration(args.calibration) if args.calibration else packaged_calibration(args.gpu)
     if workload.objective.is_drafter and args.checkpointing not in (None, "none"):
@@ -349,25 +350,6 @@ def run_plan(args: argparse.Namespace) -> int:
     if failure is not None:
         raise ValueError(failure)
     return 0
-
-
-PLANNER_BYTES_PER_TOKEN = 16
-"""What planning holds per token of the sequence at least: the two int64 prefix sums of every row's
-allowed pairs (``csbp.attention.run_counts.row_pairs``)."""
-
-
-def check_planner_memory(seq_len: int) -> None:
-    """``ValueError`` before any work when the rows of ``seq_len`` cannot be counted in this machine's
-    memory (``--seq-len 10**12`` was numpy's ArrayMemoryError traceback: 7.28 TiB for one array)."""
-    from csbp.plan.hardware import machine_ram_gib
-
-    have = machine_ram_gib() * 2**30
-    if seq_len * PLANNER_BYTES_PER_TOKEN > have:
-        raise ValueError(
-            f"--seq-len {seq_len}: csbp plan counts every row's allowed pairs, in two int64 prefix sums of "
-            f"{seq_len} rows ({seq_len * PLANNER_BYTES_PER_TOKEN / 2**30:.0f} GiB), more than this machine's "
-            f"{have / 2**30:.0f} GiB of memory (fix: --seq-len {int(have // PLANNER_BYTES_PER_TOKEN)} or less)"
-        )
 
 
 def _nothing_fits(
