@@ -99,3 +99,29 @@ def test_a_directory_without_weights_names_the_fix(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match=r"pickled \*\.bin weights are never loaded \(fix: pass the directory that "):
         weight_files(tmp_path)
+
+
+def test_a_config_without_max_position_embeddings_is_bounded_by_transformers_default(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """Without the field nothing bounded --block-size or --max-new-tokens: --block-size 10**9 was an
+    allocation traceback after loading, --max-new-tokens 10**12 sampled without end. transformers reads
+    its config class's default (Qwen3Config 32768, LlamaConfig 2048), so csbp does too."""
+    import json
+    import shutil
+
+    bare = tmp_path / "final"
+    shutil.copytree(checkpoint, bare)
+    config = json.loads((bare / "config.json").read_text())
+    del config["max_position_embeddings"]
+    (bare / "config.json").write_text(json.dumps(config))
+    source = f"(transformers' Qwen3Config default: {bare / 'config.json'} sets none)"
+    assert refusal(bare, "--block-size", str(10**9)).endswith(
+        f"one block of {10**9} positions is past max_position_embeddings 32768 {source} (fix: the block size the "
+        "model was trained with, at most 32768)"
+    )
+    assert refusal(bare, "--block-size", "4", "--max-new-tokens", str(10**12)).endswith(
+        f"beyond max_position_embeddings 32768 {source} (fix: --max-new-tokens 32765 or less)"
+    )
+    (bare / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert "max_position_embeddings 2048 (transformers' LlamaConfig default" in refusal(bare, "--block-size", "4096")

@@ -59,6 +59,7 @@ from csbp.cli.trained_settings import add_override_flags, check_trained_override
 from csbp.generation.run_settings import (
     TOKEN_SHIFT_OBJECTIVES,
     beyond_training_note,
+    position_limit,
     run_objective_settings,
     trained_mask_token,
 )
@@ -284,29 +285,23 @@ def check_block_size(model_dir: Path, block_size: int, given: bool) -> None:
     """``ValueError`` naming ``--block-size`` (``given``) when one block is longer than the model's
     positions (``max_position_embeddings``): the sampler runs whole blocks, so no prompt or
     ``--max-new-tokens`` could fit (it blamed ``--max-new-tokens``, with the fix "a prompt shorter than 0 tokens")."""
-    from csbp.models.hf_io import read_json_object
-
-    limit = read_json_object(model_dir / "config.json").get("max_position_embeddings")
-    if type(limit) is not int or block_size <= limit:
+    limit, source = position_limit(model_dir)
+    if block_size <= limit:
         return
     what = f"--block-size {block_size}" if given else f"block size {block_size}"
     raise ValueError(
         f"{what}: the sampler runs whole blocks, and one block of {block_size} positions is past "
-        f"max_position_embeddings {limit} of {model_dir / 'config.json'} (fix: the block size the model was trained "
-        f"with, at most {limit})"
+        f"max_position_embeddings {limit} {source} (fix: the block size the model was trained with, at most {limit})"
     )
 
 
 def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block_size: int) -> None:
     """``ValueError`` unless the prompt and ``max_new_tokens`` fit the model's positions
-    (``max_position_embeddings`` of its ``config.json``; none recorded: no limit). The sampler runs
+    (:func:`position_limit`: ``max_position_embeddings``, else transformers' default). The sampler runs
     whole blocks, so the positions used end at the block boundary after the last new token."""
     from csbp.generation.sampler import positions_used
-    from csbp.models.hf_io import read_json_object
 
-    limit = read_json_object(model_dir / "config.json").get("max_position_embeddings")
-    if type(limit) is not int:
-        return
+    limit, source = position_limit(model_dir)
     used = positions_used(prompt_len, max_new_tokens, block_size)
     if used <= limit:
         return
@@ -314,8 +309,7 @@ def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block
     fix = f"--max-new-tokens {room} or less" if room >= 1 else f"a prompt shorter than {limit // block_size * block_size} tokens"
     raise ValueError(
         f"--max-new-tokens {max_new_tokens}: the prompt's {prompt_len} tokens and {max_new_tokens} new ones fill "
-        f"blocks of {block_size} up to position {used}, beyond max_position_embeddings {limit} of "
-        f"{model_dir / 'config.json'} (fix: {fix})"
+        f"blocks of {block_size} up to position {used}, beyond max_position_embeddings {limit} {source} (fix: {fix})"
     )
 
 

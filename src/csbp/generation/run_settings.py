@@ -223,3 +223,24 @@ def beyond_training_note(command: str, settings: dict[str, Any], used: int, fix:
         f"csbp {command}: runs the model at positions up to {used - 1}, past the {seq_len}-token rows it was "
         f"trained on ({settings['source']}): it never attended that far, so quality may drop there ({fix})"
     )
+
+
+HF_DEFAULT_POSITIONS = {"qwen3": ("Qwen3Config", 32768), "qwen2": ("Qwen2Config", 32768), "llama": ("LlamaConfig", 2048)}
+"""``max_position_embeddings`` transformers reads for a config.json that sets none (its config class's
+default, by ``model_type``); csbp's exports always write one."""
+
+
+def position_limit(model_dir: Path) -> tuple[int, str]:
+    """The positions the model at ``model_dir`` may use and where that number comes from: its
+    config.json's ``max_position_embeddings``, else the default transformers' config class of its
+    ``model_type`` reads (a config.json without one left ``--block-size`` and ``--max-new-tokens``
+    unbounded: a 10**9-token block was an allocation traceback)."""
+    from csbp.models.hf_io import read_json_object
+
+    config_file = model_dir / "config.json"
+    loaded = read_json_object(config_file)
+    limit = loaded.get("max_position_embeddings")
+    if type(limit) is int and limit > 0:
+        return limit, f"of {config_file}"
+    name, default = HF_DEFAULT_POSITIONS.get(str(loaded.get("model_type")), ("Qwen3Config", 32768))
+    return default, f"(transformers' {name} default: {config_file} sets none)"
