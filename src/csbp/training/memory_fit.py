@@ -62,8 +62,9 @@ def state_bytes(inputs: RunInputs, *, fp64: bool, shards: int) -> int:
 def rank_memory_bytes(local_ranks: int) -> int | None:
     """Memory of one rank: its GPU's on CUDA, else this machine's RAM and swap over ``local_ranks``
     (None where ``/proc/meminfo`` cannot be read: nothing is refused on a guess)."""
-    if torch.cuda.is_available():
-        return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    if torch.cuda.is_available():  # the GPUs the node's ranks use: cuda:0 .. cuda:<local_ranks - 1>
+        used = range(max(min(local_ranks, torch.cuda.device_count()), 1))
+        return min(torch.cuda.get_device_properties(i).total_memory for i in used)
     meminfo = Path("/proc/meminfo")
     if not meminfo.is_file():
         return None
