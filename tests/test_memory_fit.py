@@ -8,9 +8,11 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from csbp.data.artifact import open_artifact
 from csbp.training import launch_training
@@ -116,3 +118,13 @@ def test_a_drafter_counts_its_trained_layers_and_its_whole_frozen_target(dflash_
     wide = dflash_config(*dflash_inputs, **{"objective.dflash.intermediate_size": HUGE})
     with pytest.raises(ValueError, match=r"^objective\.dflash: .* intermediate_size \(now 1000000000000\)"):
         check_state_fits(wide, check_run(wide, check_device=False), local_ranks=1, memory=2**40)
+
+
+def test_on_cuda_a_rank_has_the_smallest_memory_of_the_gpus_the_node_uses(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = [80 * 2**30, 40 * 2**30, 10 * 2**30]  # the third GPU is not used by a 2-process node
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(sizes))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=sizes[i]))
+    assert rank_memory_bytes(2) == 40 * 2**30
+    assert rank_memory_bytes(1) == 80 * 2**30
+    assert rank_memory_bytes(3) == 10 * 2**30
