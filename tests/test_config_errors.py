@@ -342,3 +342,11 @@ def test_a_field_to_drop_can_be_dropped_from_the_command_line(tmp_path: Path) ->
     """``--set objective='{name: ar}'`` on a bd3 config said "remove objective.block_size", which --set cannot."""
     (line,) = error_lines(tiny(tmp_path), "objective.name=ar")
     assert "ar has no diffusion blocks" in line and "--set objective.block_size=null" in line, line
+
+
+def test_a_key_missing_from_a_section_set_made_names_the_set(tmp_path: Path) -> None:
+    """``--set model.rope_scaling.factor=2`` creates the section without its required ``type``: the line
+    blamed the config file alone, which has no rope_scaling at all."""
+    path = tiny(tmp_path)
+    (line,) = error_lines(path, "model.rope_scaling.factor=2")
+    assert line.startswith(f"{path} with --set model.rope_scaling.factor: model.rope_scaling.type: required key"), line

@@ -316,7 +316,8 @@ def _error_origin(
     field: str, loc: tuple[Any, ...], kind: str, source: str, override_keys: Sequence[tuple[str, ...]],
     message: str = "",
 ) -> str:
-    """Where an error comes from: ``--set`` for an overridden field; for a rule spanning several
+    """Where an error comes from: ``--set`` for an overridden field; for a key missing from a section
+    ``--set`` wrote into, the file with those overrides; for a rule spanning several
     fields, the file plus the overrides inside the section that raised it which the message names (all
     of them when it names none); else the file."""
     overridden = [".".join(keys) for keys in override_keys]
@@ -327,6 +328,11 @@ def _error_origin(
             or dotted.startswith(field + ".")
         ):
             return "--set"
+    if kind == "missing":  # a section --set filled in part (it may have created it) lacks a required key
+        parent = field.rpartition(".")[0]
+        siblings = [dotted for dotted in overridden if parent and dotted.rpartition(".")[0] == parent]
+        if siblings:
+            return f"{source} with --set {', '.join(siblings)}"
     if kind == "value_error":
         prefix = ".".join(str(part) for part in loc)
         inside = [dotted for dotted in overridden if not prefix or dotted.startswith(prefix + ".")]
