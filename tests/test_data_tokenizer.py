@@ -128,8 +128,8 @@ def test_a_run_directory_for_a_tokenizer_names_its_model_s(tmp_path: Path) -> No
     (tmp_path / "final").mkdir()
     _wordlevel_dir(tmp_path / "final", {"[UNK]": 0, "<|endoftext|>": 1, "<|mask|>": 2})
     run = tmp_path
-    with pytest.raises(ValueError, match=rf"^could not load a tokenizer from {run}: the directory holds neither "
-                       rf"tokenizer.json nor tokenizer_config.json \(fix: pass its model's, {run / 'final'}\)$"):
+    with pytest.raises(ValueError, match=rf"^could not load a tokenizer from {run}: the directory holds no "
+                       rf"tokenizer.json, tokenizer_config.json or config.json \(fix: pass its model's, {run / 'final'}\)$"):
         load_tokenizer(run)
 
 

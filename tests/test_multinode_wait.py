@@ -92,5 +92,6 @@ def test_a_signal_ends_a_node_waiting_for_the_others(
         node.kill()
     assert node.returncode == 128 + signum, rest[-2000:]
     assert waited < 15.0  # the watcher's grace is 2 s; the wait itself would have been 900 s
-    assert "csbp: interrupted while waiting for the other nodes" in rest
+    # the watcher's line; "csbp: interrupted" when the signal came before torch's C++ wait began
+    assert "csbp: interrupted" in rest
     assert "Traceback" not in rest

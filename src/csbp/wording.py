@@ -8,7 +8,6 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n} {noun if n == 1 else (plural or noun + 's')}"
 
 
-
 def size(n_bytes: float) -> str:
     """``n_bytes`` for a reader: ``"512.0 MiB"`` below a GiB, ``"1,536.0 GiB"``, ``"1.5e+13 GiB"`` past a million."""
     value = n_bytes / 2**30

@@ -192,8 +192,8 @@ def load_tokenizer(
         # transformers would guess a tokenizer class and fail in its own words ("Couldn't instantiate ...")
         fix = f"pass its model's, {path / 'final'}" if (path / "final" / "tokenizer.json").is_file() else _TOKENIZER_FIX
         raise ValueError(
-            f"could not load a tokenizer from {path}: the directory holds neither tokenizer.json nor "
-            f"tokenizer_config.json (fix: {fix})"
+            f"could not load a tokenizer from {path}: the directory holds no tokenizer.json, "
+            f"tokenizer_config.json or config.json (fix: {fix})"
         )
     return _load_with_transformers(path, special, mask_id)
 

@@ -258,8 +258,6 @@ def _reserve(path: Path, staging: Path) -> None:
         os.close(fd)
 
 
-
-
 def _commit(staging: Path, arrays: list[np.memmap], manifest: dict[str, Any], rows_done: int) -> None:
     """Make the first ``rows_done`` rows durable, then record them (``progress.json``, atomic)."""
     for array in arrays:

@@ -54,6 +54,10 @@ def eval_topology(nproc: int, cp: int, bp: int, settings: EvalSettings, seq_len:
     return topology
 
 
+SCAN_LIMIT = 4096
+"""How many ``--cp``/``--bp`` values a refused layout's fix looks at on each side of the given one."""
+
+
 def _layout_fixes(cp: int, bp: int, seq_len: int, block_size: int) -> str:
     """``--cp 2 or 4, or --bp ...``: the nearest ``--cp`` (at this ``--bp``) and ``--bp`` (at this ``--cp``)
     whose layout splits rows of ``seq_len`` tokens in blocks of ``block_size``, else one process per batch."""
@@ -68,9 +72,12 @@ def _layout_fixes(cp: int, bp: int, seq_len: int, block_size: int) -> str:
         return True
 
     fixes = []
+    largest = seq_len // block_size
     for flag, given, other in (("--cp", cp, lambda v: fits(v, bp)), ("--bp", bp, lambda v: fits(cp, v))):
-        working = [v for v in range(2, seq_len // block_size + 1) if v != given and other(v)]
-        nearest = [v for v in working if v < given][-1:] + [v for v in working if v > given][:1]
+        # outwards from the given value, SCAN_LIMIT candidates a side (all of them took seconds at 1M rows)
+        below = next((v for v in range(given - 1, max(1, given - SCAN_LIMIT), -1) if other(v)), None)
+        above = next((v for v in range(given + 1, min(largest, given + SCAN_LIMIT) + 1) if other(v)), None)
+        nearest = [v for v in (below, above) if v is not None]
         if nearest and given > 1:
             fixes.append(f"{flag} {' or '.join(map(str, nearest))}")
     return ", or ".join([*fixes, "--cp 1 --bp 1: one process per batch, --nproc N scores N at once"])

@@ -278,7 +278,5 @@ def explain(
     )
 
 
-
-
 def _family_name(kind: str) -> str:
     return {"cp": "CP-only", "bp": "BP-only", "csbp": "CSBP", "data": "data-parallel"}[kind]

@@ -122,6 +122,13 @@ def check_dflash_inputs(
             f"objective.mask_token_id: {source} is {mask_token_id}, outside the target vocabulary "
             f"({target_config.vocab_size}) (fix: use an unused embedding row of the target)"
         )
+    if section.num_draft_layers > target_config.num_layers:  # before a layer list of that length is built
+        raise ValueError(
+            f"objective.dflash.num_draft_layers: {section.num_draft_layers} draft layers, more than the "
+            f"{target_config.num_layers} of the target {target_dir}: a drafter that costs more than its target "
+            f"drafts nothing worth verifying (fix: objective.dflash.num_draft_layers: {target_config.num_layers} "
+            "or fewer; DFlash drafters use 1 to 8)"
+        )
     drafter_config = _field(
         "objective.dflash",
         lambda: drafter_config_for(section, target_config, cfg.objective.block_size or 0, mask_token_id),

@@ -152,13 +152,13 @@ def _launch(
         raise ValueError(launch_count_problem(cfg, launched, "torchrun's WORLD_SIZE"))
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step, warn=_warn)
+    nproc = options.nproc if options.nproc is not None else cfg.num_local_processes
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if inside_torchrun() else nproc
+    check_state_fits(cfg, inputs, local_ranks=local)  # before verify_data hashes every data file
     verify_data(cfg, inputs)  # under torchrun every rank checks, so none waits for a failed one
     if inside_torchrun():
-        check_state_fits(cfg, inputs, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         return train_in_process_group(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
-    nproc = options.nproc if options.nproc is not None else cfg.num_local_processes
     check_process_count(cfg, nproc, options)
-    check_state_fits(cfg, inputs, local_ranks=nproc)
     if cfg.world_size == 1:
         try:
             return train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps, lock_run_dir=False)

@@ -87,7 +87,7 @@ def check_state_fits(cfg: RunConfig, inputs: RunInputs, *, local_ranks: int, mem
     on_gpu = memory is None and torch.cuda.is_available()
     where = "its GPU" if on_gpu else f"this machine's RAM and swap shared by {counted(local_ranks, 'rank')}"
     field, fix = _responsible_field(cfg, inputs)
-    if not cfg.train.fsdp and dp > 1 and state_bytes(inputs, fp64=fp64, shards=dp) <= have:
+    if inputs.dflash is None and not cfg.train.fsdp and dp > 1 and state_bytes(inputs, fp64=fp64, shards=dp) <= have:
         fix += f", or train.fsdp: true (shards it over the dp={dp} ranks)"
     raise ValueError(
         f"{field}: training holds at least {size(need)} per rank of weights, gradients and AdamW state, "

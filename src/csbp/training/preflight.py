@@ -156,7 +156,7 @@ def check_run(
     check_position_limit(cfg, inputs.decoder_config, target=target, warn=warn)
     _check_token_ids(cfg, inputs)
     check_mask_token_data(cfg, inputs.mask_token_id)
-    _check_batches(cfg, inputs)
+    _check_batches(cfg, inputs, warn)
     if run_dir is not None:
         latest = check_run_dir(run_dir, resume=resume, stop_step=None, warn=warn)
         if resume and latest is not None:
@@ -339,7 +339,7 @@ def verify_data(cfg: RunConfig, inputs: RunInputs) -> None:
     check_mask_token_data(cfg, inputs.mask_token_id, read_files=True)  # what no manifest vouches for
 
 
-def _check_batches(cfg: RunConfig, inputs: RunInputs) -> None:
+def _check_batches(cfg: RunConfig, inputs: RunInputs, warn: Callable[[str], None] | None = None) -> None:
     global_batch = cfg.train.micro_batch_size * cfg.topology.dp
     rows = inputs.artifact.split("train").num_rows
     if rows < global_batch:
@@ -349,11 +349,11 @@ def _check_batches(cfg: RunConfig, inputs: RunInputs) -> None:
             "(fix: lower micro_batch_size or dp, or prepare more data)"
         )
     per_step = global_batch * cfg.train.grad_accum
-    if per_step > rows:  # a row twice in one gradient; at 10**12 micro-steps a step never ends
-        raise ValueError(
-            f"train.grad_accum: {cfg.train.grad_accum} micro-steps of {global_batch} sequences = {per_step} rows per "
-            f"optimizer step, but {cfg.data.train} has only {rows} training rows: rows would count more than once "
-            f"in one gradient (fix: set train.grad_accum <= {rows // global_batch}, or prepare more data)"
+    if per_step > rows and warn is not None:  # legitimate (few long rows, many ranks), but rarely meant
+        warn(
+            f"note: train.grad_accum {cfg.train.grad_accum} x {global_batch} sequences = {per_step} rows per optimizer "
+            f"step, more than the {rows} training rows of {cfg.data.train}: each step reads the split "
+            f"{per_step / rows:.3g} times (train.grad_accum <= {rows // global_batch} reads each row at most once)"
         )
     if cfg.train.eval_every > 0 and inputs.val_split is None:
         raise ValueError(
