@@ -154,8 +154,9 @@ def _launch(
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step, warn=_warn)
     nproc = options.nproc if options.nproc is not None else cfg.num_local_processes
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if inside_torchrun() else nproc
-    check_state_fits(cfg, inputs, local_ranks=local)  # before verify_data hashes every data file
     verify_data(cfg, inputs)  # under torchrun every rank checks, so none waits for a failed one
+    # after the data is vouched for: a forged manifest's vocabulary is named as such, not as a model too large
+    check_state_fits(cfg, inputs, local_ranks=local)
     if inside_torchrun():
         return train_in_process_group(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
     check_process_count(cfg, nproc, options)
