@@ -41,7 +41,8 @@ def positive_int(text: str) -> int:
 
 
 LARGEST_INT_OPTION = 2**63 - 1
-"""No integer flag takes more (a 10**30 reached torch or numpy: an OverflowError traceback)."""
+"""No integer flag takes more (a 10**30 reached torch or numpy: an OverflowError traceback): the
+config's ``MAX_INT64``, written out here so that parsing flags imports no config (and no torch)."""
 
 
 def int_at_least(low: int, *, high: int = LARGEST_INT_OPTION, why: str = "") -> Callable[[str], int]:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 MAX_INT64 = 2**63 - 1
 """The largest int64: an int the masks and positions compute with in torch tensors."""
 
-MAX_SEED = 2**63 - 1
+MAX_SEED = MAX_INT64
 """The largest ``run.seed``: a 99999999999999999999 validated, then failed in ``torch.manual_seed``."""
 
 
