@@ -63,6 +63,7 @@ from csbp.generation.run_settings import (
     run_objective_settings,
     trained_mask_token,
 )
+from csbp.plan.layout import divisors
 from csbp.wording import counted
 
 if TYPE_CHECKING:
@@ -362,10 +363,10 @@ def run_generate(args: argparse.Namespace) -> int:
         )
     sub_block = args.sub_block_size
     if sub_block is not None and block_size % sub_block:
-        divisors = [d for d in range(1, block_size + 1) if block_size % d == 0] if block_size <= 2**16 else None
+        block_divisors = divisors(block_size) if block_size <= 2**16 else None
         raise ValueError(  # a block size no max_position_embeddings bounds: no loop over its numbers
             f"--sub-block-size {sub_block} does not divide the block size {block_size} "
-            f"(fix: {f'one of {divisors}' if divisors else f'a divisor of {block_size}'})"
+            f"(fix: {f'one of {block_divisors}' if block_divisors else f'a divisor of {block_size}'})"
         )
     if sub_block is not None and steps_per_block % (block_size // sub_block):
         count = block_size // sub_block

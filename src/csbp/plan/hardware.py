@@ -92,9 +92,20 @@ def hardware(name: str, *, gpus: int, gpus_per_node: int | None = None) -> Hardw
 
 def machine_ram_gib() -> float:
     """Total RAM of this machine in GiB (``/proc/meminfo``; 16 GiB where it cannot be read)."""
+    kib = meminfo_kib().get("MemTotal")
+    return kib / 2**20 if kib else 16.0
+
+
+def meminfo_kib() -> dict[str, int]:
+    """The ``kB`` counts of ``/proc/meminfo`` by name (``MemTotal``, ``SwapTotal``, ...); empty where
+    it cannot be read."""
     meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) / 2**20
-    return 16.0
+    if not meminfo.is_file():
+        return {}
+    counts = {}
+    for line in meminfo.read_text().splitlines():
+        name, _, value = line.partition(":")
+        fields = value.split()
+        if fields and fields[0].isdigit():
+            counts[name] = int(fields[0])
+    return counts

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from csbp.config.schema import RunConfig
 from csbp.models.config import DecoderConfig
+from csbp.plan.hardware import meminfo_kib
 from csbp.training.preflight import RunInputs
 from csbp.wording import counted, size
 
@@ -65,15 +65,9 @@ def rank_memory_bytes(local_ranks: int) -> int | None:
     if torch.cuda.is_available():  # the GPUs the node's ranks use: cuda:0 .. cuda:<local_ranks - 1>
         used = range(max(min(local_ranks, torch.cuda.device_count()), 1))
         return min(torch.cuda.get_device_properties(i).total_memory for i in used)
-    meminfo = Path("/proc/meminfo")
-    if not meminfo.is_file():
-        return None
-    fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
-    try:
-        kib = sum(int(fields[key].split()[0]) for key in ("MemTotal", "SwapTotal") if key in fields)
-    except ValueError:
-        return None
-    return kib * 1024 // max(local_ranks, 1) if kib else None
+    counts = meminfo_kib()
+    kib = counts.get("MemTotal", 0) + counts.get("SwapTotal", 0)
+    return kib * 1024 // max(local_ranks, 1) if counts.get("MemTotal") else None
 
 
 def check_state_fits(cfg: RunConfig, inputs: RunInputs, *, local_ranks: int, memory: int | None = None) -> None:
