@@ -52,9 +52,10 @@ def test_an_lr_whose_first_adamw_step_overflows_float32_is_refused(tmp_path: Pat
     assert error_lines(tiny(tmp_path), "optim.lr=1e31", "optim.betas=[0.99999999, 0.999]")[0].startswith(
         "--set: optim.lr: lr=1e+31 makes AdamW's first step size lr / (1 - betas[0]) = 1e+39"
     )
-    fp64 = load_config(tiny(tmp_path), ["optim.lr=1e300", "train.precision=fp64", "model.dtype=float64"])
+    fp64 = load_config(tiny(tmp_path), ["optim.lr=1e300", "optim.weight_decay=0", "train.precision=fp64", "model.dtype=float64"])
     assert fp64.optim.lr == 1e300
-    assert load_config(tiny(tmp_path), ["optim.lr=1000"]).optim.lr == 1000  # a large lr that only diverges
+    large = load_config(tiny(tmp_path), ["optim.lr=1000", "optim.weight_decay=0"])  # a large lr that only diverges
+    assert large.optim.lr == 1000
 
 
 @pytest.mark.parametrize(
@@ -118,3 +119,23 @@ def test_a_duplicate_key_in_a_set_mapping_gets_one_fix(tmp_path: Path) -> None:
         "--set topology: value '{dp: 1, dp: 2}' is not valid YAML: line 1: duplicate key 'dp' (first on line 1) "
         "(fix: merge the two)"
     ]
+
+
+def test_a_weight_decay_that_zeroes_or_flips_the_weights_is_refused(tmp_path: Path) -> None:
+    # weight_decay=1e300 diverged like a huge lr, and the NaN stop then blamed optim.lr
+    lines = error_lines(tiny(tmp_path), "optim.lr=0.001", "optim.weight_decay=1e300")
+    assert lines == [
+        "--set: optim.weight_decay: weight_decay=1e+300 with lr=0.001: AdamW's decoupled decay multiplies each decayed "
+        "weight by 1 - lr x weight_decay = -1e+297 per step at the peak lr, which zeroes the weights or flips their "
+        "signs (fix: use a weight_decay below 1 / lr = 1e+03 (typical: 0 to 0.1), or an lr below 1 / weight_decay = "
+        "1e-300)"
+    ]
+    # the default weight_decay (0.01) with an lr of 100 or more: named once, the lr's own bound first
+    assert "optim.weight_decay: weight_decay=0.01 with lr=100: " in error_lines(tiny(tmp_path), "optim.lr=100")[0]
+    assert len(error_lines(tiny(tmp_path), "optim.lr=1e300")) == 1
+    assert error_lines(tiny(tmp_path), "optim.lr=0.5", "optim.weight_decay=2")[0].startswith(
+        "--set: optim.weight_decay: weight_decay=2 with lr=0.5: AdamW's decoupled decay multiplies each decayed weight "
+        "by 1 - lr x weight_decay = 0 per step"
+    )
+    cfg = load_config(tiny(tmp_path), ["optim.lr=0.5", "optim.weight_decay=1.9"])  # decays hard, but decays
+    assert cfg.optim.weight_decay == 1.9

@@ -86,8 +86,9 @@ _FLOAT_LIMITS = {"float32": (1.1754943508222875e-38, 3.4028234663852886e38),
 
 def _optimizer_rules(cfg: RunConfig) -> list[Violation]:
     """AdamW numbers that cannot be meant: a step size the weights' dtype cannot hold (torch raised in the
-    first step: a traceback), an eps that is 0 or inf in that dtype (0/0 = NaN for a weight that gets no
-    gradient, blamed on the lr; no update at all, silently). A large lr that only diverges stays allowed:
+    first step: a traceback), a decoupled weight decay that zeroes or flips the weights each step (it diverged
+    and the NaN stop blamed the lr), an eps that is 0 or inf in that dtype (0/0 = NaN for a weight that gets
+    no gradient, blamed on the lr; no update at all, silently). A large lr that only diverges stays allowed:
     ``train.nan_policy`` is for that."""
     optim = cfg.optim
     dtype = "float64" if cfg.train.precision == "fp64" else "float32"  # bf16 keeps float32 master weights
@@ -99,6 +100,14 @@ def _optimizer_rules(cfg: RunConfig) -> list[Violation]:
             ("optim.lr", f"lr={optim.lr:g} makes AdamW's first step size lr / (1 - betas[0]) = {step:.3g}, beyond "
              f"the largest {dtype} ({largest:.3g}): torch cannot apply it to the {dtype} weights",
              f"use an lr below {largest * (1.0 - optim.betas[0]):.3g} (typical: 1e-5 to 1e-2)")
+        )
+    if optim.lr * optim.weight_decay >= 1.0 and step <= largest:
+        violations.append(
+            ("optim.weight_decay", f"weight_decay={optim.weight_decay:g} with lr={optim.lr:g}: AdamW's decoupled decay "
+             f"multiplies each decayed weight by 1 - lr x weight_decay = {1.0 - optim.lr * optim.weight_decay:.3g} per "
+             "step at the peak lr, which zeroes the weights or flips their signs",
+             f"use a weight_decay below 1 / lr = {1.0 / optim.lr:.3g} (typical: 0 to 0.1), or an lr below "
+             f"1 / weight_decay = {1.0 / optim.weight_decay:.3g}")
         )
     if optim.eps < tiny:
         violations.append(
