@@ -194,6 +194,19 @@ def test_a_new_run_drops_an_earlier_runs_baseline_and_a_resume_keeps_its_own(tmp
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "val_loss": 8.0, "elapsed_s": 0.1}]
 
 
+def test_a_new_run_removes_an_earlier_runs_tensorboard_events_and_a_resume_keeps_them(tmp_path: Path) -> None:
+    """TensorBoard's purge_step only hid an earlier run's event files: a fresh run left them on disk."""
+    MetricsWriter(tmp_path, enabled=True, start_step=0, total_steps=2).close()
+    first = set((tmp_path / "tb").iterdir())
+    assert len(first) == 1
+    MetricsWriter(tmp_path, enabled=True, start_step=1, total_steps=2).close()  # --resume from step 1
+    resumed = set((tmp_path / "tb").iterdir())
+    assert first < resumed and len(resumed) == 2
+    MetricsWriter(tmp_path, enabled=True, start_step=0, total_steps=2).close()  # a new run
+    fresh = set((tmp_path / "tb").iterdir())
+    assert len(fresh) == 1 and not fresh & resumed
+
+
 # ----------------------------------------------------------------------------- model factory, options
 
 

@@ -139,6 +139,9 @@ class MetricsWriter:
         # a new run drops an earlier run's records, its step-0 baseline included
         truncate_metrics(metrics_path, after_step=start_step if start_step > 0 else -1)
         self._jsonl = open(metrics_path, "a", encoding="utf-8")
+        if start_step == 0:  # and its TensorBoard events: purge_step hides them, this removes them from disk
+            for events in (self.run_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*"):
+                events.unlink(missing_ok=True)
         self._tensorboard = SummaryWriter(
             log_dir=str(self.run_dir / TENSORBOARD_DIR), purge_step=start_step + 1 if start_step > 0 else 0
         )
