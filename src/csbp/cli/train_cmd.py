@@ -37,6 +37,7 @@ from csbp.training.launcher import (
     TrainingFailed,
     inside_torchrun,
     launch_training,
+    node_flag_problem,
     skip_teardown_at_exit,
 )
 
@@ -123,11 +124,9 @@ def run_train(args: argparse.Namespace) -> int:
 def check_process_count_flags(args: argparse.Namespace) -> None:
     """``ValueError`` for node flags that contradict each other, whatever the config, and for a
     rendezvous host that does not resolve."""
-    if args.node_rank is not None and args.node_rank >= args.nnodes:
-        raise ValueError(f"--node-rank {args.node_rank}: must lie in [0, --nnodes {args.nnodes}) "
-                         f"(fix: number the nodes 0..{args.nnodes - 1}, or pass the --nnodes of the job)")
-    if args.nnodes > 1 and not args.rdzv_endpoint:
-        raise ValueError("--rdzv-endpoint: required with --nnodes > 1 (fix: pass HOST:PORT of the first node)")
+    problem = node_flag_problem(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    if problem is not None:
+        raise ValueError(problem)
     if args.rdzv_endpoint is not None:
         check_endpoint_resolves(args.rdzv_endpoint)
 

@@ -181,14 +181,21 @@ def check_process_count(cfg: RunConfig, nproc: int, options: LaunchOptions) -> N
         raise ValueError(f"--nproc {nproc} / --nnodes {options.nnodes}: both must be >= 1")
     if nproc * options.nnodes != cfg.world_size:
         raise ValueError(launch_count_problem(cfg, nproc * options.nnodes, f"--nproc {nproc} x --nnodes {options.nnodes}"))
-    if options.nnodes > 1 and not options.rdzv_endpoint:
-        raise ValueError(
-            "--rdzv-endpoint: required with --nnodes > 1 (fix: pass HOST:PORT of the first node)"
-        )
-    if options.node_rank is not None and not 0 <= options.node_rank < options.nnodes:
-        raise ValueError(f"--node-rank {options.node_rank}: must lie in [0, --nnodes {options.nnodes})")
+    problem = node_flag_problem(options.nnodes, options.node_rank, options.rdzv_endpoint)
+    if problem is not None:
+        raise ValueError(problem)
     if torch.cuda.is_available():  # one GPU per local process (cuda:<LOCAL_RANK>)
         resolve_device("cuda", nproc=nproc)
+
+
+def node_flag_problem(nnodes: int, node_rank: int | None, rdzv_endpoint: str | None) -> str | None:
+    """The line refusing node flags that contradict each other, whatever the config, or None."""
+    if node_rank is not None and not 0 <= node_rank < nnodes:
+        return (f"--node-rank {node_rank}: must lie in [0, --nnodes {nnodes}) "
+                f"(fix: number the nodes 0..{nnodes - 1}, or pass the --nnodes of the job)")
+    if nnodes > 1 and not rdzv_endpoint:
+        return "--rdzv-endpoint: required with --nnodes > 1 (fix: pass HOST:PORT of the first node)"
+    return None
 
 
 def launch_count_problem(cfg: RunConfig, launched: int, how: str) -> str:
