@@ -285,6 +285,26 @@ def test_unsupported_rope_is_one_clear_error(overrides: dict[str, Any], message:
         decoder_config_from_hf(hf_dict(**overrides))
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [  # each was a TypeError/KeyError traceback (float() of an object, an unhashable rope_type, str / str)
+        ({"rope_theta": {"base": 10000}}, r"config.json rope_theta must be a number, got \{'base': 10000\}"),
+        ({"rope_theta": "1e6"}, r"config.json rope_theta must be a number, got '1e6'"),
+        ({"partial_rotary_factor": [0.5]}, r"config.json partial_rotary_factor must be a number"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": [1.0]}},
+         r"config.json rope_parameters.rope_theta must be a number"),
+        ({"rope_scaling": {"rope_type": ["yarn"], "factor": 2.0}}, r"rope_scaling: rope_type=\['yarn'\] is not supp"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": None}, "max_position_embeddings": "4096"},
+         r"config.json max_position_embeddings must be a positive integer, got '4096'"),
+        ({"architectures": {"Qwen3ForCausalLM": 1}}, r"unsupported architectures \{'Qwen3ForCausalLM': 1\}"),
+        ({"architectures": 3}, r"unsupported architectures 3 in config.json"),
+    ],
+)
+def test_a_malformed_rope_or_architectures_field_is_one_line(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        decoder_config_from_hf(hf_dict(**overrides))
+
+
 def test_export_refuses_layouts_its_family_cannot_hold(tmp_path: Path) -> None:
     shape: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
                                  num_kv_heads=2, head_dim=8)

@@ -87,7 +87,10 @@ _ROPE_KEYS_ELSEWHERE = ("rope_theta", "partial_rotary_factor")
 def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
     """Map a HF ``config.json`` dict onto ``DecoderConfig``; unsupported features raise ``ValueError``."""
     architectures = hf_config.get("architectures") or []
-    if len(architectures) != 1 or architectures[0] not in ARCH_BY_HF_CLASS:
+    if (
+        not isinstance(architectures, list) or len(architectures) != 1 or not isinstance(architectures[0], str)
+        or architectures[0] not in ARCH_BY_HF_CLASS
+    ):
         raise ValueError(
             f"unsupported architectures {architectures!r} in config.json; csbp loads "
             f"{sorted(ARCH_BY_HF_CLASS)}"
@@ -170,6 +173,16 @@ def flag(hf_config: dict[str, Any], field: str, default: bool = False) -> bool:
     return value
 
 
+def _number(value: Any, field: str, default: float) -> float:
+    """``value`` as a float (absent or null: ``default``); a JSON number only: a string, list or object
+    is refused in one line naming ``config.json`` ``field``, never converted or left to ``float()``."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"config.json {field} must be a number, got {value!r}")
+    return float(value)
+
+
 def rms_norm_eps(hf_config: dict[str, Any]) -> float:
     """``rms_norm_eps`` (absent: 1e-6, the Qwen/Llama default); a JSON number."""
     eps = hf_config.get("rms_norm_eps", 1e-6)
@@ -240,22 +253,22 @@ def qwen_sliding_window(hf_config: dict[str, Any]) -> int | None:
 
 def rope_from_hf(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """``(rope_theta, rope_scaling)`` of a HF ``config.json`` with HF's precedence (module docstring)."""
-    if float(hf_config.get("partial_rotary_factor") or 1.0) != 1.0:
+    if _number(hf_config.get("partial_rotary_factor"), "partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("config.json partial_rotary_factor is not supported (must be 1.0)")
     given = {f: hf_config[f] for f in ("rope_scaling", "rope_parameters") if hf_config.get(f)}
     for field, params in given.items():
         if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
             raise ValueError(f"config.json {field} must be one flat dict; per-layer-type RoPE is not supported")
-        if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
+        if _number(params.get("partial_rotary_factor"), f"{field}.partial_rotary_factor", 1.0) != 1.0:
             raise ValueError(f"config.json {field}.partial_rotary_factor is not supported (must be 1.0)")
     field = "rope_scaling" if "rope_scaling" in given else "rope_parameters"
     params = given.get(field, {})
-    theta = params.get("rope_theta", hf_config.get("rope_theta"))
-    theta = float(theta) if theta is not None else 10000.0
+    where = f"{field}.rope_theta" if params.get("rope_theta") is not None else "rope_theta"
+    theta = _number(params.get("rope_theta", hf_config.get("rope_theta")), where, 10000.0)
     scaling = _scaling_from(params, hf_config, field)
     if len(given) == 2:  # both written (csbp exports do, and hand-edited configs): they must agree
         other_theta = given["rope_parameters"].get("rope_theta")
-        if other_theta is not None and float(other_theta) != theta:
+        if other_theta is not None and _number(other_theta, "rope_parameters.rope_theta", theta) != theta:
             raise ValueError(
                 f"config.json rope_parameters.rope_theta={other_theta} differs from the rope_theta={theta} that "
                 "goes with rope_scaling (transformers uses the latter) (fix: set the top-level rope_theta)"
@@ -276,9 +289,13 @@ def _scaling_from(params: dict[str, Any], hf_config: dict[str, Any], field: str)
     if rope_type in ("llama3", "yarn"):
         _fill_original_length(params, hf_config, field)
     if rope_type == "yarn" and "factor" in params and params["factor"] is None:  # DeepSeek-style
-        if not hf_config.get("max_position_embeddings"):
+        longest = positive_int(hf_config, "max_position_embeddings")
+        if longest is None:
             raise ValueError(f"config.json {field}.factor is null and max_position_embeddings is unset")
-        params["factor"] = hf_config["max_position_embeddings"] / params["original_max_position_embeddings"]
+        original = params["original_max_position_embeddings"]
+        if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+            raise ValueError(f"config.json original_max_position_embeddings must be a positive integer, got {original!r}")
+        params["factor"] = longest / original
     return RopeScaling.from_dict(params, where=f"config.json {field}")
 
 

@@ -102,7 +102,7 @@ class RopeScaling:
     truncate: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.rope_type not in _KEYS_BY_TYPE:
+        if not isinstance(self.rope_type, str) or self.rope_type not in _KEYS_BY_TYPE:
             raise ValueError(_unsupported_type_message(self.rope_type))
         factor = _number("factor", self.factor)
         if factor is None or not factor >= 1.0:
@@ -166,7 +166,7 @@ class RopeScaling:
             if values:
                 raise ValueError(f"{where}: rope_type 'default' takes no {sorted(values)}")
             return None
-        if rope_type not in _KEYS_BY_TYPE:
+        if not isinstance(rope_type, str) or rope_type not in _KEYS_BY_TYPE:  # a list: unhashable, not a TypeError
             raise ValueError(f"{where}: " + _unsupported_type_message(rope_type))
         unknown = sorted(set(values) - {"factor", *_OPTIONAL_FIELDS})
         if unknown:
