@@ -241,7 +241,8 @@ def _checkpoint_drafter_config(
     mask_source = f"{source} config_yaml objective.mask_token_id"
     if trained_mask is None:
         trained_mask = _artifact_mask_token(run)
-        mask_source = f"the mask token of its data.train {(run.get('data') or {}).get('train')}"
+        data = run.get("data") if isinstance(run.get("data"), dict) else {}
+        mask_source = f"the mask token of its data.train {data.get('train')}"
     for flag, given, field, trained, where in (
         ("--block-size", args.block_size, "block_size", objective.get("block_size"), f"{source} config_yaml"),
         ("--mask-token-id", args.mask_token_id, "mask_token_id", trained_mask, mask_source),
@@ -329,7 +330,8 @@ def _artifact_mask_token(run: dict[str, Any]) -> int | None:
     manifest = Path(str(data.get("train", ""))) / "manifest.json"
     if not data.get("train") or not manifest.is_file():
         return None
-    mask = (read_json_object(manifest).get("special_ids") or {}).get("mask")
+    special_ids = read_json_object(manifest).get("special_ids")
+    mask = special_ids.get("mask") if isinstance(special_ids, dict) else None
     return None if mask is None else int(mask)
 
 
