@@ -245,3 +245,22 @@ def test_export_refuses_checkpoint_flags_that_contradict_what_it_trained_with(
         assert not (tmp_path / "x").exists()
     same = ["--layer-ids", *map(str, OLD), "--block-size", str(block), "--mask-token-id", str(mask)]
     assert main([*base, "--out", str(tmp_path / "same"), *same]) == 0
+
+
+@pytest.mark.parametrize("objective", ["dflash", "[1, 2]"])
+def test_a_recorded_objective_that_is_no_mapping_is_read_as_unconfigured(objective: str) -> None:
+    """``(loaded.get("objective") or {}).get("dflash")`` raised AttributeError (a traceback) when the
+    checkpoint's config_yaml held objective as a string or list; the recorded resolved ids still decide."""
+    from types import SimpleNamespace
+
+    from csbp.training.dflash_layers import check_resumed_layer_ids
+
+    state = SimpleNamespace(config_yaml=f"objective: {objective}\n", resolved_config={LAYER_IDS_FIELD: NEW}, step=2)
+    drafter = SimpleNamespace(target_layer_ids=tuple(NEW), num_target_layers=7, num_layers=3)
+    dflash = SimpleNamespace(drafter_config=drafter, layer_ids_configured=False)
+    check_resumed_layer_ids(state, Path("ckpt"), dflash, restart="start a new run")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"was trained with target_layer_ids \[1, 3, 4\], this run resolves"):
+        check_resumed_layer_ids(
+            SimpleNamespace(**{**vars(state), "resolved_config": {LAYER_IDS_FIELD: OLD}}),  # type: ignore[arg-type]
+            Path("ckpt"), dflash, restart="start a new run",  # type: ignore[arg-type]
+        )

@@ -226,6 +226,18 @@ def test_csbp_eval_takes_the_trained_block_size_under_another_blockwise_objectiv
     assert (report["objective"], report["block_size"]) == ("fast_dllm_v2", 4)
 
 
+@pytest.mark.parametrize("data", ["artifacts/x", "[1, 2]", "3"])
+def test_a_run_config_whose_data_is_no_mapping_reads_as_no_data_record(tmp_path: Path, data: str) -> None:
+    """``loaded.get("data") or {}`` then ``.get`` raised AttributeError (a traceback) on such a config.yaml."""
+    from csbp.config.schema import DOCUMENT_MASK_DEFAULTS
+    from csbp.evaluation.settings import run_config_settings
+
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text(f"objective: {{name: bd3, block_size: 4}}\ndata: {data}\n")
+    settings = run_config_settings(tmp_path / "run" / "final")
+    assert settings["document_mask"] is DOCUMENT_MASK_DEFAULTS["bd3"][0] and settings["reset_positions"] is False
+
+
 def test_csbp_eval_on_an_ar_run_names_eval_not_generate(tmp_path: Path) -> None:
     """The refusal read "...; csbp generate samples block-diffusion models" in an eval command."""
     from csbp.evaluation.settings import run_config_settings

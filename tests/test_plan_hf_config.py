@@ -96,3 +96,13 @@ def test_a_csbp_export_is_planned_with_the_objective_block_and_window_it_trained
     assert hf_workload(path, objective="bd3").objective.block == 32  # another objective: not its block size
     path.write_text(json.dumps(CONFIG), encoding="utf-8")
     assert "bd3, block 32)" in plan(capsys, path)[1].splitlines()[0]  # no record: the defaults
+
+
+@pytest.mark.parametrize("topology", [[512], "window: 512", 3])
+def test_a_record_whose_topology_is_no_mapping_plans_without_a_window(tmp_path: Path, capsys, topology) -> None:
+    """``(trained.get("topology") or {}).get("window")`` raised AttributeError (a traceback) on such a record."""
+    path = tmp_path / "config.json"
+    record = {"objective": {"name": "bd3", "block_size": 16}, "topology": topology}
+    path.write_text(json.dumps({**CONFIG, "csbp_training": record}), encoding="utf-8")
+    code, out, err = plan(capsys, path)
+    assert (code, err) == (0, "") and "bd3, block 16)" in out.splitlines()[0], err

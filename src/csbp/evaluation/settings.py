@@ -85,7 +85,7 @@ def run_config_settings(model_dir: Path) -> dict[str, Any]:
     if not settings or found is None:
         return {}
     loaded = found[0]
-    data = loaded.get("data") or {}
+    data = loaded.get("data") if isinstance(loaded.get("data"), dict) else {}  # a damaged record: none
     if data.get("document_mask") is not None:
         settings["document_mask"] = bool(data["document_mask"])
     elif settings["objective"] in EVAL_OBJECTIVES:

@@ -322,7 +322,8 @@ def hf_workload(
     if block_size is None:
         trained_block = recorded.get("block_size") if recorded.get("name") == objective else None
         block_size = trained_block if type(trained_block) is int and trained_block > 0 else 32
-    trained_window = (trained.get("topology") or {}).get("window") if isinstance(trained, dict) else None
+    topology = trained.get("topology") if isinstance(trained, dict) else None
+    trained_window = topology.get("window") if isinstance(topology, dict) else None
     if type(trained_window) is int and trained_window > 0 and not window:  # csbp's windowed training
         model = replace(model, groups=tuple(replace(g, window=trained_window) for g in model.groups))
     views = 2 if objective == "fast_dllm_v2" else 1

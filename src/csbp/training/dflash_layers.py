@@ -104,7 +104,8 @@ def check_resumed_layer_ids(
     with ids the config names explicitly, one of the two candidates (a note to ``warn``)."""
     source = f"{checkpoint}/trainer_state.json"
     loaded = read_yaml_text(state.config_yaml, source=f"{source} config_yaml") if state.config_yaml else None
-    section = (loaded.get("objective") or {}).get("dflash") if isinstance(loaded, dict) else None
+    objective = loaded.get("objective") if isinstance(loaded, dict) else None
+    section = objective.get("dflash") if isinstance(objective, dict) else None
     configured_then = section.get("target_layer_ids") if isinstance(section, dict) else None
     config = dflash.drafter_config
     resolved = tuple(config.target_layer_ids or ())
