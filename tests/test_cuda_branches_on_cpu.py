@@ -239,3 +239,33 @@ def test_doctor_on_a_cuda_machine_names_its_gpus_nccl_and_bf16(monkeypatch: pyte
     rows = {(section, item): value for section, item, value in collect_environment()}
     assert rows["cuda", "device 1"] == "NVIDIA H200, 143 GiB" and rows["cuda", "runtime"].endswith("2 device(s)")
     assert rows["nccl", "version"] == "2.27.3" and rows["bf16", "cuda"] == "yes"
+
+
+def test_the_training_tables_cuda_rows_train_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, fused_kernels_on_cpu: dict[str, list]
+) -> None:
+    """The device check's training table as CUDA runs it (the flex backend; ``bd3 decomposed``: cuDNN clean
+    pieces with the noisy blocks folded into their one Flex residual; the DFlash row on flex), at tiny sizes
+    on the CPU: the direct Flex backward under aot_eager and the cuDNN stand-in instead of the device's
+    kernels. Every row trains, and the decomposed form gives the plain form's loss."""
+    import dataclasses
+
+    import csbp.gpu.train_table as train_table
+    from csbp.attention.backends import check_backend_trains_on
+    from csbp.attention.flex_backward import flex_backward_mode
+    from csbp.gpu.profile import DRY_RUN_MODEL
+
+    monkeypatch.setattr(train_table, "check_backend_trains_on",  # flex trains on the CPU only to verify
+                        lambda name, device, where: check_backend_trains_on(name, device, where=where, verification=True))
+    cfg = train_table.TableConfig(
+        seq_lens=(128,), decomposed_seq_lens=(128,), block_size=16, model=dataclasses.replace(DRY_RUN_MODEL, head_dim=16),
+        backend="flex", dflash_seq_len=128, dflash_anchors=4, dflash_draft_layers=1, warmup=0, repeats=1,
+    )
+    assert (cfg.decomposed_diagonal, cfg.decomposed_clean) == ("auto", "pieces-cudnn")  # what CUDA runs
+    with flex_backward_mode("direct"):
+        rows = train_table.run_train_table(cfg, torch.device("cpu"))
+    assert [(row.kind, row.status) for row in rows] == [
+        ("bd3", "ok (1 timed)"), ("bd3 decomposed", "ok (1 timed)"), ("dflash a=4", "ok (1 timed)"),
+    ]
+    assert "forward" in fused_kernels_on_cpu["cudnn"] and "backward" in fused_kernels_on_cpu["cudnn"]
+    assert rows[1].loss == pytest.approx(rows[0].loss, rel=1e-2)
