@@ -269,3 +269,38 @@ def test_the_training_tables_cuda_rows_train_on_the_cpu(
     ]
     assert "forward" in fused_kernels_on_cpu["cudnn"] and "backward" in fused_kernels_on_cpu["cudnn"]
     assert rows[1].loss == pytest.approx(rows[0].loss, rel=1e-2)
+
+
+def test_every_form_the_kernels_stage_times_on_cuda_steps_on_the_cpu(fused_kernels_on_cpu: dict[str, list]) -> None:
+    """The rows of the device check's ``kernels`` stage (``gpu.profile.KERNEL_BENCH_ARGS``: the flex backend,
+    the sdpa and flex diagonals, cuDNN pieces, FlashAttention-2 pieces and one Flex call for the clean context),
+    planned and stepped (forward and backward) at a tiny length on the CPU, where ``csbp bench kernels`` refuses
+    flex and cuDNN pieces: the direct Flex backward under aot_eager and the fused stand-ins instead. The
+    ``mixed-ag`` row, FlexAttention's own autograd, has no CPU backward."""
+    from csbp.attention.diagonal import resolve_diagonal
+    from csbp.attention.flex_backward import flex_backward_mode
+    from csbp.attention.layouts import reference_layout
+    from csbp.cli.main import build_parser
+    from csbp.gpu.profile import KERNEL_BENCH_ARGS
+
+    args = build_parser().parse_args(["bench", "kernels", *KERNEL_BENCH_ARGS])
+    seq_len = 128
+    jobs = kernels.kernel_jobs(
+        [seq_len], args.block_sizes, args.backends,
+        lambda backend, block: list(dict.fromkeys(resolve_diagonal(d, backend, block) for d in args.diagonals)),
+        args.clean_kernels, primary_first=args.primary_first,
+    )
+    gen = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, 4, 2 * seq_len, 16, generator=gen).bfloat16() for _ in "qd")
+    k, v = (torch.randn(1, 1, 2 * seq_len, 16, generator=gen).bfloat16() for _ in "kv")
+    stepped = []
+    with flex_backward_mode("direct"):
+        for job in jobs:
+            if job.form == "mixed-ag":
+                continue
+            rows = reference_layout(seq_len, job.block_size).rows
+            kernels._form_step(q, k, v, dout, rows, seq_len, job.block_size, job.backend, job.form, job.diagonal,
+                               job.clean)()
+            stepped.append((job.block_size, job.form, job.diagonal, job.clean))
+    assert len(stepped) == 2 * (1 + 3 * 2 + 2)  # per block size: mixed, 3 clean x 2 diagonal kernels, 2 diagonals
+    assert fused_kernels_on_cpu["flash"] and fused_kernels_on_cpu["cudnn"].count("backward") >= 2
