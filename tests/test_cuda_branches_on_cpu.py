@@ -304,3 +304,27 @@ def test_every_form_the_kernels_stage_times_on_cuda_steps_on_the_cpu(fused_kerne
             stepped.append((job.block_size, job.form, job.diagonal, job.clean))
     assert len(stepped) == 2 * (1 + 3 * 2 + 2)  # per block size: mixed, 3 clean x 2 diagonal kernels, 2 diagonals
     assert fused_kernels_on_cpu["flash"] and fused_kernels_on_cpu["cudnn"].count("backward") >= 2
+
+
+def test_every_rank_row_the_layouts_stage_times_on_cuda_runs_on_the_cpu(fused_kernels_on_cpu: dict[str, list]) -> None:
+    """The ``layouts`` stage's rows (``gpu.profile.LAYOUT_BENCH_ARGS``: the busiest rank of cp4/bp8, cp4 and
+    bp4 on the flex backend, the generic clean kernel and cuDNN pieces) at a tiny length on the CPU, through
+    ``run_rank_rows`` itself (on the CPU a failing row raises instead of becoming a nan row)."""
+    from csbp.bench.kernel_ranks import check_layouts, parse_topologies, run_rank_rows
+    from csbp.cli.main import build_parser
+    from csbp.gpu.profile import LAYOUT_BENCH_ARGS
+
+    args = build_parser().parse_args(["bench", "kernels", *LAYOUT_BENCH_ARGS])
+    topologies = parse_topologies(args.layouts)
+    seq_len, block = 1024, 64
+    check_layouts(topologies, [seq_len], [block])
+    records = run_rank_rows(
+        [seq_len], [block], args.backends, topologies, device=torch.device("cpu"), dtype=args.dtype, num_heads=4,
+        num_kv_heads=1, head_dim=16, warmup=0, repeats=1, clock="wall", clean_kernels=args.layout_clean,
+        transports=args.layout_transports, flex_backward="direct",
+    )
+    assert [(r.topology, r.clean, r.transport) for r in records] == [
+        (name, clean, "-" if name == "bp4" else "collective") for clean in args.layout_clean for name in args.layouts
+    ]
+    assert all(r.time_s > 0 and r.flex_backward == "direct" for r in records)
+    assert fused_kernels_on_cpu["cudnn"].count("backward") >= 2
