@@ -328,3 +328,40 @@ def test_every_rank_row_the_layouts_stage_times_on_cuda_runs_on_the_cpu(fused_ke
     ]
     assert all(r.time_s > 0 and r.flex_backward == "direct" for r in records)
     assert fused_kernels_on_cpu["cudnn"].count("backward") >= 2
+
+
+def test_cuda_device_identity_and_the_nccl_backends_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``same_device``: ``cuda`` without an index is the current GPU; ``backend_device``: an NCCL group moves
+    tensors of the current GPU (gloo: the CPU)."""
+    import torch.distributed as dist
+
+    from csbp.devices import backend_device, same_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert same_device(torch.device("cuda"), torch.device("cuda", 1))
+    assert not same_device(torch.device("cuda"), torch.device("cuda", 0))
+    assert not same_device(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert not same_device(torch.device("cuda", 0), torch.device("cpu"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for backend, device in (("nccl", torch.device("cuda", 1)), ("gloo", torch.device("cpu"))):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, name=backend: name)
+        assert backend_device() == device
+
+
+def test_a_training_table_row_out_of_memory_on_cuda_frees_the_cache_and_the_table_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from csbp.gpu.check import no_cuda_message
+    from csbp.gpu.train_table import TableRow, _run_row
+
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+
+    def out_of_memory() -> TableRow:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert _run_row("bd3", 65536, out_of_memory, CUDA) == TableRow("bd3", 65536, "out of memory", "-")
+    assert emptied == [True]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert no_cuda_message() is None  # a GPU: the check runs
