@@ -201,6 +201,8 @@ def test_preflight_names_missing_dependencies_before_anything_starts(
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
     names = {dep.split(">")[0].split("=")[0].split("<")[0].strip() for dep in declared}
     assert names == set(preflight.RUNTIME_MODULES)  # the preflight checks what pyproject declares
+    (torch_floor,) = [dep for dep in declared if dep.startswith("torch>=")]
+    assert torch_floor.split(">=")[1].split()[0] == ".".join(map(str, preflight.OLDEST_TORCH))
     assert preflight.missing_packages() == []
     real = preflight.importlib.util.find_spec
     monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None if name == "pydantic" else real(name))
@@ -208,6 +210,21 @@ def test_preflight_names_missing_dependencies_before_anything_starts(
     err = capsys.readouterr().err
     assert err.startswith("gpu-check: error: missing Python package(s) pydantic;") and "make gpu-wheels" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "gpu-check.json").exists()
+
+
+def test_preflight_refuses_a_torch_older_than_pyprojects_floor(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The flex backend calls FlexAttention's AuxRequest (newer than torch 2.8): an older device image
+    failed inside the stages."""
+    assert preflight.torch_too_old("2.11.0+cu130") is None and preflight.torch_too_old("2.13.0+cpu") is None
+    assert preflight.torch_too_old("3.0.0") is None and preflight.torch_too_old("nightly") is None
+    assert preflight.torch_too_old("2.8.0+cu128").startswith("gpu-check: error: torch 2.8.0+cu128 is older than 2.11")
+    assert preflight.torch_too_old() is None  # the installed one
+    monkeypatch.setattr(preflight.importlib.metadata, "version", lambda name: "2.6.0" if name == "torch" else "9")
+    assert check.main(["--dry-run-cpu", "--json", str(tmp_path / "gpu-check.json")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("gpu-check: error: torch 2.6.0 is older than 2.11") and not (tmp_path / "gpu-check.json").exists()
 
 
 def _wheel(directory: Path) -> Path:
