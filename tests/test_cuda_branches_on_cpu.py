@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -207,19 +208,28 @@ def test_peak_memory_on_cuda_is_the_allocators_peak_over_the_region(monkeypatch:
     assert absolute.bytes == 10 << 20
 
 
-@pytest.mark.parametrize(("name", "preset"), [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
-                                              ("NVIDIA A100-SXM4-80GB", "a100"), ("Tesla V100-SXM2-32GB", None)])
+@pytest.mark.parametrize(
+    ("name", "gib", "preset"),
+    [("NVIDIA H200", 139.8, "h200"), ("NVIDIA H100 80GB HBM3", 79.2, "h100"), ("NVIDIA A100-SXM4-80GB", 79.2, "a100"),
+     ("Tesla V100-SXM2-32GB", 31.7, "no preset describes it"),
+     # each matched a preset by substring before: other links, other memory
+     ("NVIDIA GH200 480GB", 95.0, "no preset describes it"),
+     ("NVIDIA H100 PCIe", 79.2, "its links are not the h100 preset's SXM NVLink"),
+     ("NVIDIA H200 NVL", 139.8, "its links are not the h200 preset's SXM NVLink"),
+     ("NVIDIA A100-SXM4-40GB", 39.4, "it has 39 GiB, the a100 preset plans with 66")],
+)
 def test_topology_auto_takes_the_cuda_devices_preset(
-    monkeypatch: pytest.MonkeyPatch, name: str, preset: str | None
+    monkeypatch: pytest.MonkeyPatch, name: str, gib: float, preset: str
 ) -> None:
     from csbp.plan.auto import gpu_preset
     from csbp.plan.calibration import packaged_calibration
-    from csbp.plan.hardware import hardware
+    from csbp.plan.hardware import PRESETS, hardware
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
-    if preset is None:
-        with pytest.raises(ValueError, match="topology: auto has no hardware preset for 'Tesla V100-SXM2-32GB'"):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: SimpleNamespace(total_memory=gib * 2**30))
+    if preset not in PRESETS:
+        with pytest.raises(ValueError, match=re.escape(f"topology: auto has no hardware preset for {name!r} ({preset}): ")):
             gpu_preset()
         return
     assert gpu_preset() == preset

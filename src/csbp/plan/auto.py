@@ -19,6 +19,7 @@ per row.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +29,7 @@ import yaml
 
 from csbp.plan.artifact_documents import run_config_documents
 from csbp.plan.calibration import Calibration, packaged_calibration
-from csbp.plan.hardware import hardware
+from csbp.plan.hardware import PRESETS, hardware
 from csbp.plan.layout import Checkpointing, Layout, Sharding
 from csbp.plan.model import GIB, collective_overlap
 from csbp.plan.remedy import AUTO_SETTINGS, Search, nothing_fits
@@ -101,17 +102,29 @@ def wants_auto(config: str, overrides: Sequence[str]) -> bool:
 
 
 def gpu_preset() -> str:
-    """This machine's hardware preset: the CUDA device's name, or ``cpu``."""
+    """This machine's hardware preset: the CUDA device's name, or ``cpu``. Only the SXM parts the presets
+    describe match: a GH200, a PCIe or NVL card (other links) or a smaller-memory part (an A100 40GB) would
+    be planned with the wrong bandwidth or memory, so they are refused like an unknown GPU."""
     import torch
 
     if not torch.cuda.is_available():
         return "cpu"
-    name = torch.cuda.get_device_name(0).upper()
-    for preset in ("H200", "H100", "A100"):
-        if preset in name:
-            return preset.lower()
+    shown = torch.cuda.get_device_name(0)
+    name = shown.upper()
+    found = re.search(r"(?<![A-Z0-9])(H200|H100|A100)(?![0-9])", name)
+    other_links = re.search(r"PCIE|\bNVL\b", name)
+    if found is not None and other_links is None:
+        preset = found[1].lower()
+        device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        if device_gib >= PRESETS[preset].mem_gib:
+            return preset
+        why = f"it has {device_gib:.0f} GiB, the {preset} preset plans with {PRESETS[preset].mem_gib:.0f}"
+    elif found is not None:
+        why = f"its links are not the {found[1].lower()} preset's SXM NVLink"
+    else:
+        why = "no preset describes it"
     raise ValueError(
-        f"topology: auto has no hardware preset for {torch.cuda.get_device_name(0)!r}: "
+        f"topology: auto has no hardware preset for {shown!r} ({why}): "
         "set topology.dp/cp/bp (or pick one with `csbp plan --gpu h100|h200|a100`)"
     )
 
