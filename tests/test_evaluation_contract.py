@@ -84,3 +84,24 @@ def test_replicas_score_each_batch_exactly_once() -> None:
     assert sum(p.ltr for p in parts) == pytest.approx(whole.ltr, rel=1e-12)
     for draw in range(2):
         assert sum(p.nelbo[draw] for p in parts) == pytest.approx(whole.nelbo[draw], rel=1e-12)
+
+
+@pytest.mark.parametrize("objective", ["fast_dllm_v2", "bd3"])
+def test_a_scored_mask_token_is_refused_before_any_forward(objective: str) -> None:
+    # [M]'s logit is excluded, so a scored [M] has infinite CE: fast_dllm_v2 reported nelbo inf and
+    # ltr nll inf, bd3 refused it only at its batch, after forwards, naming a training option.
+    rows = np.random.default_rng(2).integers(0, MASK_TOKEN_ID, size=(2, 8))
+    rows[1, 5] = MASK_TOKEN_ID
+    settings = EvalSettings(objective=objective, block_size=4, mask_token_id=MASK_TOKEN_ID)
+    model = Decoder(tiny_model_config(), dtype=torch.float64, seed=0)
+    with pytest.raises(ValueError, match=r"--split val: row 1 holds the mask token id 63 at scored position 5; ") as caught:
+        evaluate_model(model, _split(rows), settings, EvalOptions(samples=2), progress=False)
+    assert "\n" not in str(caught.value) and "fix:" in str(caught.value)
+    # an [M] that is never scored only conditions: unsupervised, or (token shift) at position 0
+    rows[1, 5] = 1
+    rows[0, 0] = MASK_TOKEN_ID
+    split = _split(rows)
+    if objective == "bd3":
+        split.loss_mask[0, 0] = 0
+    report = evaluate_model(model, split, settings, EvalOptions(samples=2), progress=False)
+    assert np.isfinite(report.nelbo) and report.ltr_nll is not None and np.isfinite(report.ltr_nll)

@@ -148,26 +148,43 @@ class EvalSums:
 
 
 SCAN_ROWS = 4096
-"""Rows of the loss mask :func:`check_scored_tokens` reads at a time."""
+"""Rows of the loss mask and tokens :func:`check_scored_tokens` reads at a time."""
 
 
 def check_scored_tokens(split: ArtifactSplit, settings: EvalSettings, options: EvalOptions) -> None:
-    """``ValueError`` (one line) unless the rows :func:`split_batches` yields hold a token to score.
+    """``ValueError`` (one line) unless the rows :func:`split_batches` yields hold a token to score,
+    and none of the scored tokens is the mask token.
 
-    Without one the NELBO and the LTR NLL would be ``0 / 0``, reported as a perfect ``0.0``. Reads the
-    loss mask (and, under token shift, the document ids: position 0 and document starts are never
-    targets) of those rows a chunk at a time and stops at the first scored token.
+    Without a scored token the NELBO and the LTR NLL would be ``0 / 0``, reported as a perfect ``0.0``.
+    A scored ``[M]`` can never be predicted: its logit is excluded (as the sampler does), so its CE
+    is infinite, and the report was ``inf`` for ``fast_dllm_v2`` (bd3/mdlm refused it only at the first
+    batch holding one, after forwards). Reads the loss mask and tokens (and, under token shift, the
+    document ids: position 0 and document starts are never targets) of those rows a chunk at a time.
     """
     rows = min(batch_count(split, options.micro_batch_size, options.max_batches) * options.micro_batch_size, split.num_rows)
     if rows == 0:
         raise ValueError(f"--split {split.name} has no rows (fix: evaluate a split with data)")
+    scored_any = False
     for start in range(0, rows, SCAN_ROWS):
         supervised = np.asarray(split.loss_mask[start : start + SCAN_ROWS][: rows - start]) != 0
+        tokens = np.asarray(split.tokens[start : start + SCAN_ROWS][: rows - start])
+        first = 0
         if settings.token_shift:
             doc_ids = np.asarray(split.doc_ids[start : start + SCAN_ROWS][: rows - start])
             supervised = supervised[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1])
-        if supervised.any():
-            return
+            tokens, first = tokens[:, 1:], 1
+        masked = np.argwhere(supervised & (tokens == settings.mask_token_id))
+        if masked.size:
+            row, column = (int(v) for v in masked[0])
+            raise ValueError(
+                f"--split {split.name}: row {start + row} holds the mask token id {settings.mask_token_id} at scored "
+                f"position {column + first}; the model never predicts [M] (its logit is excluded), so the NELBO would "
+                "be inf (fix: evaluate data prepared with the model's tokenizer and mask token, where no supervised "
+                "token is [M])"
+            )
+        scored_any = scored_any or bool(supervised.any())
+    if scored_any:
+        return
     which = "supervised token that token shift can target (never position 0 or a document start)" if settings.token_shift else "supervised token"
     raise ValueError(
         f"--split {split.name}: the {counted(rows, 'row')} scored hold no {which}: its NELBO would be 0/0 "
