@@ -6,7 +6,8 @@ against hand-computed values or a brute-force loop (objectives.md §5.3, §6, §
 * the selector warm-up with no warm-up and no ramp is on from the first step;
 * the selector's greedy walk conditions each slot on the token chosen at the slot before;
 * the acceptance length skips prompts without a verify round; JSONL prompts keep their last
-  tokens; training validation uses the prompt length of ``csbp dflash eval``.
+  tokens; training validation uses the prompt length of ``csbp dflash eval``;
+* the ``lambda`` loss's acceptance sums are the label probabilities of the supervised slots.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from csbp.dflash.anchors import sample_anchors
+from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.dflash2 import CandidateSelector, dpace_weights, selector_loss_scale
 from csbp.dflash.evaluate import (
     DEFAULT_PROMPT_LEN,
@@ -29,6 +31,8 @@ from csbp.dflash.evaluate import (
     jsonl_prompts,
     split_acceptance,
 )
+from csbp.dflash.layouts import AnchorPacket
+from csbp.dflash.loss import block_targets, rank_dflash_loss, supervised_slot_counts
 from csbp.dflash.verify import DFlashVerifyCase, build_models
 
 
@@ -127,3 +131,23 @@ def test_validation_prompts_have_the_length_dflash_eval_uses() -> None:
     split = SimpleNamespace(tokens=tokens, doc_ids=np.zeros_like(tokens), name="val")
     summary = split_acceptance(target, drafter, split, eos_id=None, num_prompts=2, max_new_tokens=2)
     assert [p.prompt.token_ids for p in summary.prompts] == [tuple(int(t) for t in row[: seq_len - 1]) for row in tokens]
+
+
+def test_lambda_acceptance_sums_are_the_label_probabilities_of_the_supervised_slots() -> None:
+    # validation recomputes the lambda mix from prob_sum / prob_count: the mean draft probability of
+    # the label over supervised slots, here summed directly from dense softmax rows
+    tokens = torch.arange(20, 30)
+    packet = AnchorPacket(torch.arange(3), torch.tensor([0, 5, 8]), torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.bool))
+    targets = block_targets(tokens, torch.ones(10, dtype=torch.bool), torch.zeros(10, dtype=torch.long), packet, 4, sample=0)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(12, 6, generator=generator, dtype=torch.float64)
+    head = torch.randn(40, 6, generator=generator, dtype=torch.float64)
+    out = rank_dflash_loss(
+        hidden, head, targets, DFlashObjectiveConfig(max_anchors=3, gamma=7.0), block_size=4,
+        sample_counts=supervised_slot_counts([targets], 1), reduce=lambda values: values,
+    )
+    rows = [r for r in range(12) if bool(targets.valid[r])]
+    assert len(rows) == 3 + 3 + 1  # a = 8: only slot 1 lies inside the row
+    expected = sum(float(torch.softmax(head @ hidden[r], dim=0)[int(targets.labels[r])]) for r in rows)
+    assert float(out.metrics["prob_count"]) == len(rows) == float(out.metrics["supervised"])
+    assert float(out.metrics["prob_sum"]) == pytest.approx(expected, rel=1e-12)
