@@ -105,3 +105,14 @@ def test_a_scored_mask_token_is_refused_before_any_forward(objective: str) -> No
         split.loss_mask[0, 0] = 0
     report = evaluate_model(model, split, settings, EvalOptions(samples=2), progress=False)
     assert np.isfinite(report.nelbo) and report.ltr_nll is not None and np.isfinite(report.ltr_nll)
+
+
+@pytest.mark.parametrize(("objective", "scored"), [("mdlm", 16), ("bd3", 16), ("fast_dllm_v2", 14)])
+def test_only_fast_dllm_v2_scores_with_token_shift(objective: str, scored: int) -> None:
+    # same-position labels for MDLM and BD3-LM, token shift for Fast-dLLM v2 (objectives.md §1): under
+    # shift position 0 of each row is never a target, so 2 rows of 8 supervised tokens score 14
+    rows = np.random.default_rng(3).integers(0, MASK_TOKEN_ID, size=(2, 8))
+    settings = EvalSettings(objective=objective, block_size=8 if objective == "mdlm" else 4, mask_token_id=MASK_TOKEN_ID)
+    model = Decoder(tiny_model_config(), dtype=torch.float64, seed=0)
+    report = evaluate_model(model, _split(rows), settings, EvalOptions(samples=2), progress=False)
+    assert (report.ltr_tokens, report.nelbo_tokens) == (scored, scored)
