@@ -142,10 +142,10 @@ def choose_unmasked(
     threshold: float | None = None,
     order: str = "confidence",
 ) -> Tensor:
-    """Indices (into the ``R`` candidates, in position order) to unmask now: the most confident
-    first (``order="confidence"``), or the leftmost (``"left_to_right"``: each token then sees every
-    token before it, which keeps a briefly trained model from joining word pieces chosen in
-    parallel)."""
+    """Indices (into the ``R`` candidates) to unmask now: the most confident, most confident first and
+    ties leftmost (``order="confidence"``), or the leftmost, in position order (``"left_to_right"``: each
+    token then sees every token before it, which keeps a briefly trained model from joining word pieces
+    chosen in parallel)."""
     remaining = int(confidence_R.shape[0])
     count = unmask_count(remaining, remaining_steps)
     if threshold is not None:
