@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -234,3 +235,23 @@ def test_ctrl_c_waits_while_the_agent_starts_the_workers(monkeypatch: pytest.Mon
     with pytest.raises(KeyboardInterrupt):
         launcher._ctrl_c(signal.SIGINT, sys._getframe())
     assert resent == [signal.SIGINT]
+
+
+def test_a_ctrl_c_landing_while_the_block_ends_still_unblocks_sigint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C whose KeyboardInterrupt Python raised inside the block's own exit (here: joining its
+    receiver thread) skipped the rest of it and left SIGINT blocked in this thread: every later Ctrl-C
+    stayed pending, unseen (a full-suite run under load failed the test above so)."""
+    import csbp.interrupts as interrupts
+
+    class InterruptedJoin(threading.Thread):
+        def join(self, timeout: float | None = None) -> None:
+            super().join(timeout)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(interrupts.threading, "Thread", InterruptedJoin)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        with children_hold_sigint():
+            pass
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    assert signal.getsignal(signal.SIGINT) is before

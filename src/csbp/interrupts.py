@@ -103,13 +103,19 @@ def children_hold_sigint(handler: SigintHandler = signal.default_int_handler) ->
     receiver.start()
     outside = signal.signal(signal.SIGINT, handler)  # also when this process started ignoring it
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    # Nested so that a KeyboardInterrupt raised inside this exit (the handler runs between any two
+    # statements) skips no step after it: a skipped unmask left every later Ctrl-C pending, unseen.
     try:
-        yield
+        try:
+            try:
+                yield
+            finally:
+                if outside is not None:  # None: one installed outside Python, which cannot be put back
+                    signal.signal(signal.SIGINT, outside)
+        finally:
+            done.set()
+            receiver.join()
     finally:
-        if outside is not None:  # None: one installed outside Python, which cannot be put back
-            signal.signal(signal.SIGINT, outside)
-        done.set()
-        receiver.join()
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # a Ctrl-C still pending arrives now
 
 
