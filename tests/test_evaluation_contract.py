@@ -116,3 +116,41 @@ def test_only_fast_dllm_v2_scores_with_token_shift(objective: str, scored: int) 
     model = Decoder(tiny_model_config(), dtype=torch.float64, seed=0)
     report = evaluate_model(model, _split(rows), settings, EvalOptions(samples=2), progress=False)
     assert (report.ltr_tokens, report.nelbo_tokens) == (scored, scored)
+
+
+class _CountedReads:
+    """A split array that notes how many rows each read returns."""
+
+    def __init__(self, array: np.ndarray, reads: list[int]) -> None:
+        self.array, self.reads, self.shape = array, reads, array.shape
+
+    def __getitem__(self, key: object) -> np.ndarray:
+        out = self.array[key]
+        self.reads.append(len(out))
+        return out
+
+
+@pytest.mark.parametrize("objective", ["fast_dllm_v2", "bd3"])
+def test_the_scored_token_scan_reads_a_bounded_number_of_positions(objective: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the scan read 4096 rows at a time whatever their length: with the tokens it now reads as well,
+    # some GiB per chunk for long rows; it reads SCAN_TOKENS positions (at least one row) at a time
+    from csbp.evaluation import runner
+
+    monkeypatch.setattr(runner, "SCAN_TOKENS", 16, raising=False)  # two rows of 8
+    rows = np.ones((5, 8), dtype=np.uint32)
+    rows[3, 6] = MASK_TOKEN_ID
+    reads: list[int] = []
+    split = ArtifactSplit(
+        name="val", seq_len=8, tokens=_CountedReads(rows, reads),  # type: ignore[arg-type]
+        loss_mask=_CountedReads(np.ones((5, 8), dtype=np.uint8), reads),  # type: ignore[arg-type]
+        doc_ids=_CountedReads(np.zeros((5, 8), dtype=np.int32), reads), fingerprint="test",  # type: ignore[arg-type]
+    )
+    settings = EvalSettings(objective=objective, block_size=4, mask_token_id=MASK_TOKEN_ID)
+    with pytest.raises(ValueError, match=r"--split val: row 3 holds the mask token id 63 at scored position 6; "):
+        runner.check_scored_tokens(split, settings, EvalOptions(micro_batch_size=1))
+    assert reads and max(reads) == 2
+    monkeypatch.setattr(runner, "SCAN_TOKENS", 3, raising=False)  # less than a row: one row at a time
+    rows[3, 6] = 1
+    reads.clear()
+    runner.check_scored_tokens(split, settings, EvalOptions(micro_batch_size=1))
+    assert max(reads) == 1 and sum(reads) == 5 * (3 if objective == "fast_dllm_v2" else 2)

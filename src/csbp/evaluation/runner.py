@@ -147,8 +147,9 @@ class EvalSums:
     rows: int = 0
 
 
-SCAN_ROWS = 4096
-"""Rows of the loss mask and tokens :func:`check_scored_tokens` reads at a time."""
+SCAN_TOKENS = 1 << 24
+"""Positions of the loss mask, tokens and document ids :func:`check_scored_tokens` reads at a time
+(at least one row): a bound in rows held ``rows x seq_len`` of each, some GiB for long rows."""
 
 
 def check_scored_tokens(split: ArtifactSplit, settings: EvalSettings, options: EvalOptions) -> None:
@@ -165,12 +166,14 @@ def check_scored_tokens(split: ArtifactSplit, settings: EvalSettings, options: E
     if rows == 0:
         raise ValueError(f"--split {split.name} has no rows (fix: evaluate a split with data)")
     scored_any = False
-    for start in range(0, rows, SCAN_ROWS):
-        supervised = np.asarray(split.loss_mask[start : start + SCAN_ROWS][: rows - start]) != 0
-        tokens = np.asarray(split.tokens[start : start + SCAN_ROWS][: rows - start])
+    chunk = max(1, SCAN_TOKENS // max(1, split.seq_len))
+    for start in range(0, rows, chunk):
+        end = min(start + chunk, rows)
+        supervised = np.asarray(split.loss_mask[start:end]) != 0
+        tokens = np.asarray(split.tokens[start:end])
         first = 0
         if settings.token_shift:
-            doc_ids = np.asarray(split.doc_ids[start : start + SCAN_ROWS][: rows - start])
+            doc_ids = np.asarray(split.doc_ids[start:end])
             supervised = supervised[:, 1:] & (doc_ids[:, 1:] == doc_ids[:, :-1])
             tokens, first = tokens[:, 1:], 1
         masked = np.argwhere(supervised & (tokens == settings.mask_token_id))
