@@ -298,6 +298,9 @@ def test_unsupported_rope_is_one_clear_error(overrides: dict[str, Any], message:
          r"config.json max_position_embeddings must be a positive integer, got '4096'"),
         ({"architectures": {"Qwen3ForCausalLM": 1}}, r"unsupported architectures \{'Qwen3ForCausalLM': 1\}"),
         ({"architectures": 3}, r"unsupported architectures 3 in config.json"),
+        # json reads Infinity: a theta of inf left every pair but the first unrotated, an eps of inf zeroed the norms
+        ({"rope_theta": float("inf")}, r"config.json rope_theta must be finite, got inf"),
+        ({"rms_norm_eps": float("inf")}, r"config.json rms_norm_eps must be a positive number, got inf"),
     ],
 )
 def test_a_malformed_rope_or_architectures_field_is_one_line(overrides: dict[str, Any], message: str) -> None:
@@ -364,3 +367,10 @@ def test_dflash_drafter_follows_the_targets_rope(tmp_path: Path) -> None:
     # (the drafter wrote none: Qwen3Config's 32768 there, factor 512 instead of 4)
     assert written["max_position_embeddings"] == YARN["factor"] * YARN["original_max_position_embeddings"]
     assert load_dflash(out, target).config == config
+
+
+@pytest.mark.parametrize("field", ["rope_theta", "rms_norm_eps"])
+def test_a_decoder_config_refuses_an_infinite_rope_theta_or_norm_eps(field: str) -> None:
+    with pytest.raises(ValueError, match=rf"DecoderConfig.{field} must be positive and finite, got inf"):
+        DecoderConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=8, **{field: float("inf")})

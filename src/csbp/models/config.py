@@ -6,6 +6,7 @@ and anything that needs to size a model (memory estimates, optimizer groups).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -82,10 +83,10 @@ class DecoderConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"DecoderConfig.{name} must be a number, got {value!r}")
             object.__setattr__(self, name, float(value))
-        if not self.rope_theta > 0.0:
-            raise ValueError(f"DecoderConfig.rope_theta must be positive, got {self.rope_theta!r}")
-        if not self.rms_norm_eps > 0.0:
-            raise ValueError(f"DecoderConfig.rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if not 0.0 < self.rope_theta < math.inf:  # inf: every pair but the first never rotates
+            raise ValueError(f"DecoderConfig.rope_theta must be positive and finite, got {self.rope_theta!r}")
+        if not 0.0 < self.rms_norm_eps < math.inf:
+            raise ValueError(f"DecoderConfig.rms_norm_eps must be positive and finite, got {self.rms_norm_eps!r}")
         if self.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"DecoderConfig.arch must be one of {SUPPORTED_ARCHS}, got {self.arch!r}")
         for name in ("qk_norm", "tie_embeddings", "attention_bias", "mlp_bias", "qkv_bias"):

@@ -180,13 +180,15 @@ def _number(value: Any, field: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"config.json {field} must be a number, got {value!r}")
+    if not math.isfinite(value):  # json reads Infinity and NaN
+        raise ValueError(f"config.json {field} must be finite, got {value!r}")
     return float(value)
 
 
 def rms_norm_eps(hf_config: dict[str, Any]) -> float:
     """``rms_norm_eps`` (absent: 1e-6, the Qwen/Llama default); a JSON number."""
     eps = hf_config.get("rms_norm_eps", 1e-6)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
         raise ValueError(f"config.json rms_norm_eps must be a positive number, got {eps!r}")
     return float(eps)
 
