@@ -189,7 +189,6 @@ def test_flop_arithmetic() -> None:
     assert gpu_bf16_peak_tflops("NVIDIA H200") == 989.0
     assert gpu_bf16_peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert gpu_bf16_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
-    assert gpu_bf16_peak_tflops("NVIDIA L40") == 181.0 and gpu_bf16_peak_tflops("NVIDIA L4") == 121.0  # L40 got L4's
     assert gpu_bf16_peak_tflops("Some Future GPU") is None
     assert model_flop_utilisation(989e12, step_time_s=2.0, peak_tflops=989.0) == pytest.approx(0.5)
     assert model_flop_utilisation(1, step_time_s=1.0, peak_tflops=None) is None

@@ -53,7 +53,6 @@ BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("A100", PRESETS["a100"].peak_tflops),
     ("A800", PRESETS["a100"].peak_tflops),
     ("L40S", 362.0),
-    ("L40", 181.0),  # before "L4", which its name contains
     ("L4", 121.0),
     ("A10", 125.0),
 )
