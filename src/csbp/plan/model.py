@@ -359,7 +359,9 @@ def predict(
     else:
         terms["activations"] = cal.act_factor * model.num_layers * rows * act_row
         if kv_held:
-            kept = model.num_layers if layout.transport == "collective" else 1
+            # every layer saves its gathered (or halo-exchanged: cp-aware) K/V for its backward; only the
+            # streaming ring passes shards on and re-circulates them in the backward
+            kept = 1 if layout.transport == "streaming" else model.num_layers
             terms["gathered K/V"] = kv_held * (kept + 4 / p)
     terms["logits chunk"] = 2.0 * min(CE_CHUNK_ROWS, rows) * model.vocab * 4
     terms["fixed"] = cal.mem_fixed_gib * GIB
