@@ -15,7 +15,8 @@ from csbp.plan.calibration import packaged_calibration
 from csbp.plan.documents import RowDocuments
 from csbp.plan.hardware import hardware
 from csbp.plan.layout import Layout
-from csbp.plan.model import halo_used, predict
+from csbp.plan.model import GIB, halo_used, predict
+from csbp.plan.planner_memory import check_planner_memory
 from csbp.plan.workload import preset_workload
 
 CAL = packaged_calibration("h200")
@@ -38,3 +39,72 @@ def test_cp_aware_without_checkpointing_keeps_every_layers_halo_for_its_backward
     row = 2 * group.n_kv_heads * group.head_dim * 2  # K and V, bf16
     got = predict(workload, layout, seq_len, hardware("h200", gpus=8), CAL).mem_terms["gathered K/V"]
     assert got == pytest.approx(held * row * (layers + 4 / 2))  # every layer's K/V, one layer's fp32 dK/dV
+
+
+def test_the_streaming_ring_moves_one_more_kv_pass_than_the_published_collective() -> None:
+    """The published 14B traffic identities (cost-model.md: 210.0 GiB CP-only, 105.0 GiB CSBP per GPU:
+    forward all-gather, recompute all-gather and dK/dV reduce-scatter, a third each) plus the streaming
+    backward's K/V re-circulation around the ring: one more third."""
+    workload, hw = preset_workload("nemotron-14b"), hardware("h200", gpus=16)
+    for (dp, cp, bp), gib in (((2, 8, 1), 210.0), ((2, 8, 8), 105.0)):
+        for transport, passes in (("collective", 3), ("streaming", 4)):
+            layout = Layout(dp, cp, bp, transport=transport, placement="striped", sharding="zero2")
+            assert predict(workload, layout, 262144, hw, CAL).kv_bytes / GIB == pytest.approx(gib * passes / 3)
+
+
+def test_a_streaming_ring_holds_three_shards_of_one_layer() -> None:
+    """Without checkpointing a streaming CSBP member holds three clean K/V shards of ``L/cp`` rows (its
+    own, the one it passes on, the one arriving) of one layer at a time, plus their fp32 dK/dV; the
+    collective all-gather holds all ``cp`` shards of every layer."""
+    workload, hw, seq_len, cp = preset_workload("nemotron-3b"), hardware("h200", gpus=8), 65536, 4
+    group, layers = workload.model.groups[0], workload.model.num_layers
+    row = 2 * group.n_kv_heads * group.head_dim * 2
+    for transport, expected in (("streaming", 3 * (seq_len // cp) * row * (1 + 2)),
+                                ("collective", seq_len * row * (layers + 2))):
+        layout = Layout(2, cp, cp, transport=transport, checkpointing="none")
+        assert predict(workload, layout, seq_len, hw, CAL).mem_terms["gathered K/V"] == expected
+
+
+def test_streaming_hides_at_most_its_share_of_the_ring_attention_time() -> None:
+    """``exposed = max(0, t_kv - overlap_stream x attention time)``: raising ``overlap_stream`` by 0.1
+    hides 0.1 of the slowest rank's ring attention time, whatever the K/V time (halving the network's
+    efficiency doubles ``t_kv``, not the time hidden)."""
+    workload, hw, seq_len = preset_workload("nemotron-14b"), hardware("h200", gpus=16), 32768  # K/V-bound
+    layout = Layout(2, 8, 8, transport="streaming", placement="striped", sharding="zero2")
+    hidden = []
+    for net_eff in (CAL.net_eff, CAL.net_eff / 2):
+        exposed = [predict(workload, layout, seq_len, hw, replace(CAL, net_eff=net_eff, overlap_stream=share)).exposed_kv_s
+                   for share in (0.0, 0.1)]
+        assert exposed[1] > 0
+        hidden.append(exposed[0] - exposed[1])
+    assert hidden[0] == pytest.approx(hidden[1])
+    assert predict(workload, layout, seq_len, hw, replace(CAL, overlap_stream=0.0)).exposed_kv_s == pytest.approx(
+        predict(workload, replace(layout, transport="collective"), seq_len, hw,
+                replace(CAL, overlap_csbp=0.0)).exposed_kv_s * 4 / 3)  # nothing hidden: all four passes exposed
+
+
+def test_gradient_sync_bytes_per_sharding() -> None:
+    """Per parameter and step (cost-model.md, docs/planning.md): DDP all-reduces float32 gradients (2 x 4 B),
+    FSDP2 reduce-scatters them and all-gathers the float32 weights in the forward and the backward
+    (3 x 4 B), ZeRO-2 moves bf16 gradients and weights (4 B): exposed sync times 2 : 3 : 1 on a data layout."""
+    workload, hw = preset_workload("nemotron-3b"), hardware("h200", gpus=8)
+    exposed = {
+        sharding: predict(workload, Layout(8, sharding=sharding), 8192, hw, CAL).exposed_comm_s
+        for sharding in ("ddp", "fsdp2", "zero2")
+    }
+    assert exposed["ddp"] > 0
+    assert exposed["fsdp2"] / exposed["ddp"] == pytest.approx(1.5)
+    assert exposed["zero2"] / exposed["ddp"] == pytest.approx(0.5)
+
+
+def test_planning_memory_limit_is_the_documented_bytes_per_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1 GiB of RAM: a BD3 row of block 32 takes 48 + 576/32 = 66 bytes per token, a drafter's 16: the
+    longest plannable rows are 2^30 // 66 and 2^30 // 16 tokens."""
+    import csbp.plan.hardware as hardware_module
+
+    monkeypatch.setattr(hardware_module, "machine_ram_gib", lambda: 1.0)
+    for workload, per_token in ((preset_workload("nemotron-3b"), 66), (preset_workload("dflash2-qwen3.8"), 16)):
+        longest = 2**30 // per_token
+        check_planner_memory(longest, workload)
+        with pytest.raises(ValueError, match=f"fix: --seq-len {longest} or less"):
+            check_planner_memory(longest + 1, workload)
