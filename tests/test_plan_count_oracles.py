@@ -108,3 +108,39 @@ def test_planning_memory_limit_is_the_documented_bytes_per_token(monkeypatch: py
         check_planner_memory(longest, workload)
         with pytest.raises(ValueError, match=f"fix: --seq-len {longest} or less"):
             check_planner_memory(longest + 1, workload)
+
+
+def test_memory_terms_by_hand() -> None:
+    """docs/planning.md's memory terms on nemotron-3b: FSDP2 holds its weight shard plus two whole layers
+    (the one computing and the one prefetched); checkpoints are one ``d``-wide row per layer and row in the
+    compute dtype (fp32 here: 4 B); with checkpointing the gathered clean K/V of a CSBP member (all ``L``
+    rows) come with fp32 dK/dV."""
+    base = preset_workload("nemotron-3b")
+    hw, seq_len = hardware("h200", gpus=8), 8192
+    model, group = base.model, base.model.groups[0]
+    fp32 = replace(base, dtype_bytes=4)
+    terms = predict(fp32, Layout(8), seq_len, hw, CAL).mem_terms  # data layout: 2L rows, fsdp2, full checkpointing
+    assert terms["weights"] == pytest.approx(4 * model.total_params / 8 + 2 * 4 * model.max_layer_params)
+    assert terms["checkpoints"] == model.num_layers * 2 * seq_len * model.d_model * 4
+    terms = predict(base, Layout(2, 4, 4), seq_len, hw, replace(CAL, ws_factor=0.0)).mem_terms
+    row = 2 * group.n_kv_heads * group.head_dim * 2
+    assert terms["gathered K/V"] == seq_len * row * (1 + 4 / 2)
+
+
+def test_drafter_context_and_attention_terms_by_hand() -> None:
+    """The published drafter recipe (``context_rows: windows``) projects only its anchors' window rows,
+    which sit in one zigzag chunk: at most ``L/(2·cp)`` rows (8192 of 32K over cp 2; the anchors' span is
+    2048·8 + 2048). A full-attention draft layer's rows see on average ``L/2`` context keys, 4·hd·H FLOPs
+    per pair x 3.5 (forward and backward): doubling ``L`` past the span adds only that to the step."""
+    workload = preset_workload("dflash2-qwen3.8")
+    model, obj = workload.model, workload.objective
+    hw = hardware("h100", gpus=8)
+    kv_width = sum(g.count * 2 * g.n_kv_heads * g.head_dim for g in model.groups)
+    terms = predict(workload, Layout(4, 2, 2), 32768, hw, CAL).mem_terms
+    assert terms["context activations"] == 8192 * (2 * model.d_model + kv_width) * 2
+    full = replace(workload, model=replace(model, groups=tuple(replace(g, window=0) for g in model.groups)))
+    steps = [predict(full, Layout(8), seq_len, hw, CAL).step_s for seq_len in (1 << 18, 1 << 19)]
+    g = model.groups[0]
+    draft_rows = obj.anchors * obj.block
+    added = draft_rows * g.count * (1 << 18) / 2 * 4 * g.head_dim * g.n_heads * 3.5 / (hw.peak_tflops * 1e12 * CAL.drafter_eff)
+    assert steps[1] - steps[0] == pytest.approx(added)
