@@ -144,3 +144,46 @@ def test_draft_context_pairs_are_the_dflash_masks(window, context):
         lowest = anchors[q // block] + q % block - (window - 1)
         allow = allow & (torch.arange(context_len + 1)[None, :] >= lowest[:, None])
     assert context_pairs(start, stop) == int(allow.sum())
+
+
+@pytest.mark.multiprocess
+def test_bench_attention_flops_per_rank_are_the_busiest_ranks_mask_pairs_in_every_layer():
+    """``csbp bench attention``'s ``GFLOP/rank`` (and time per GFLOP): the allowed pairs of the rank with
+    the most, counted on ``bd3_mask``, x heads x 14·d (forward 4·d, backward 10·d) x layers."""
+    from csbp.bench.attention import run_attention_bench
+
+    seq_len, block, heads, head_dim, layers = 32, 4, 2, 8, 3
+    records = run_attention_bench([seq_len], nproc=2, layouts=["cp", "csbp"], block_size=block, repeats=1, warmup=0,
+                                  num_heads=heads, num_kv_heads=1, head_dim=head_dim, num_layers=layers,
+                                  timeout_s=240)
+    allow = _bd3_dense(seq_len, block, None, None)
+    for record in records:
+        cp, bp = (2, 1) if record.layout == "cp" else (2, 2)
+        busiest = 0
+        for rank in range(2):
+            noisy, clean, _ = layout_positions(seq_len, block, cp, bp, rank)
+            busiest = max(busiest, int(allow[_logical(noisy, clean, seq_len)].sum()))
+        assert record.attn_flops_per_rank == busiest * heads * 14 * head_dim * layers, record.layout
+
+
+@pytest.mark.parametrize("name", ["ar", "mdlm"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_single_stream_pairs_are_the_ar_and_mdlm_masks(name, documents):
+    """``csbp plan`` prices AR (causal) and MDLM (bidirectional) rows by formula: the True entries of
+    ``ar_mask`` / ``mdlm_mask``, over one document or within each of a row's documents."""
+    from dataclasses import replace
+
+    from csbp.masks.predicates import ar_mask, mdlm_mask
+    from csbp.plan.documents import RowDocuments
+    from csbp.plan.layout import Layout
+    from csbp.plan.model import _counts
+    from csbp.plan.workload import preset_workload
+
+    seq_len = len(DOC_IDS)
+    workload = preset_workload("nemotron-3b")
+    workload = replace(workload, objective=replace(workload.objective, name=name, block=seq_len))
+    if documents:
+        workload = replace(workload, doc_length=RowDocuments(seq_len, (0, 5, 14, 17)))
+    (counts,) = _counts(workload, Layout(1), seq_len, 0)
+    mask = (ar_mask if name == "ar" else mdlm_mask)(seq_len, DOC_IDS if documents else None)
+    assert counts.pairs == int(dense_mask(mask, seq_len, seq_len).sum())

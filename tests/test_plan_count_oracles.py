@@ -144,3 +144,38 @@ def test_drafter_context_and_attention_terms_by_hand() -> None:
     draft_rows = obj.anchors * obj.block
     added = draft_rows * g.count * (1 << 18) / 2 * 4 * g.head_dim * g.n_heads * 3.5 / (hw.peak_tflops * 1e12 * CAL.drafter_eff)
     assert steps[1] - steps[0] == pytest.approx(added)
+
+
+def test_a_sample_of_rows_is_the_mean_step_and_the_largest_memory() -> None:
+    """``csbp plan --data``: a step over the sampled rows takes their mean step (throughput is the
+    tokens of a step over it, not the mean of the rows' rates) and needs the memory of its hungriest row."""
+    from csbp.plan.artifact_documents import DocumentSample
+
+    seq_len, hw = 4096, hardware("h200", gpus=8)
+    rows = (RowDocuments(seq_len, (0,)), RowDocuments(seq_len, tuple(range(0, seq_len, 64))))
+    base = preset_workload("nemotron-3b")
+    layout = Layout(2, 4, 4, checkpointing="none")
+    each = [predict(replace(base, doc_length=row), layout, seq_len, hw, CAL) for row in rows]
+    both = predict(replace(base, doc_length=DocumentSample("test", seq_len, rows, 2)), layout, seq_len, hw, CAL)
+    mean_step = (each[0].step_s + each[1].step_s) / 2
+    assert each[0].step_s != pytest.approx(each[1].step_s)
+    assert both.tokens_per_s == pytest.approx(2 * seq_len / mean_step)  # dp2: two samples a step
+    assert both.mem_bytes == max(p.mem_bytes for p in each) and each[0].mem_bytes != each[1].mem_bytes
+
+
+def test_gradient_accumulation_exposes_each_micro_steps_kv_and_one_sync() -> None:
+    """Two micro-steps per optimizer step: twice the exposed K/V time, one gradient synchronisation."""
+    workload, hw = preset_workload("nemotron-3b"), hardware("h200", gpus=16)
+    layout = Layout(2, 8, 8, placement="striped")
+    one, two = (predict(workload, layout, 65536, hw, CAL, global_batch=batch) for batch in (2, 4))
+    assert two.exposed_kv_s == pytest.approx(2 * one.exposed_kv_s) and one.exposed_kv_s > 0
+    assert two.exposed_comm_s - two.exposed_kv_s == pytest.approx(one.exposed_comm_s - one.exposed_kv_s)
+
+
+def test_a_drafters_micro_batch_multiplies_its_draft_rows_over_documents() -> None:
+    """With packed documents a micro-batch of 2 samples holds twice one sample's draft activations."""
+    workload = preset_workload("dflash2-qwen3.8").with_options(doc_length=4096)
+    hw = hardware("h100", gpus=8)
+    acts = [predict(workload, Layout(4, 2, 2, micro_batch=mb), 65536, hw, CAL).mem_terms["draft activations"]
+            for mb in (1, 2)]
+    assert acts[1] == pytest.approx(2 * acts[0]) and acts[0] > 0
