@@ -194,6 +194,17 @@ def test_flop_arithmetic() -> None:
     assert model_flop_utilisation(1, step_time_s=1.0, peak_tflops=None) is None
 
 
+def test_a_gpus_peak_is_its_own_part_s() -> None:
+    """MFU divides by the part's dense bf16 peak: a name that merely contains another part's (the L40
+    holds "L4", the NVL cards "H100"/"H200", the A10G "A10") got that part's peak (the L40's MFU came
+    out 1.5x too high, an H100 NVL's 16% too low); an unknown part reports none."""
+    peaks = {"NVIDIA L40": 181.0, "NVIDIA L40S": 362.0, "NVIDIA L4": 121.0, "NVIDIA H100 NVL": 835.0,
+             "NVIDIA H200 NVL": 835.0, "NVIDIA H800": 989.0, "NVIDIA H800 PCIe": 756.0, "NVIDIA A800-SXM4-80GB": 312.0,
+             "NVIDIA H100 80GB HBM3": 989.0, "NVIDIA GH200 480GB": 989.0, "NVIDIA A10": 125.0, "NVIDIA A10G": None}
+    assert {name: gpu_bf16_peak_tflops(name) for name in peaks} == peaks
+    assert model_flop_utilisation(1, step_time_s=0.0, peak_tflops=989.0) is None  # no step time, no rate
+
+
 def test_training_table_dry_run_on_cpu_at_tiny_sizes() -> None:
     tiny = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                          num_kv_heads=2, head_dim=8)

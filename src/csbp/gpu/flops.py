@@ -24,6 +24,8 @@ Usage::
 
 from __future__ import annotations
 
+import re
+
 from csbp.models.config import DecoderConfig
 from csbp.plan.hardware import PRESETS
 
@@ -45,26 +47,32 @@ weights in the device check, so no download is needed."""
 
 BF16_PEAK_TFLOPS: tuple[tuple[str, float], ...] = (
     ("GH200", PRESETS["h200"].peak_tflops),
+    ("H200 NVL", 835.0),
     ("H200", PRESETS["h200"].peak_tflops),
     ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
     ("H100", PRESETS["h100"].peak_tflops),
+    ("H800 PCIe", 756.0),
     ("H800", PRESETS["h100"].peak_tflops),
     ("B200", 2250.0),
     ("A100", PRESETS["a100"].peak_tflops),
     ("A800", PRESETS["a100"].peak_tflops),
     ("L40S", 362.0),
+    ("L40", 181.0),
     ("L4", 121.0),
     ("A10", 125.0),
 )
-"""(substring of ``torch.cuda.get_device_name()``, dense bf16 TFLOP/s), first match wins; the
-H100/H200/A100 values are ``csbp plan``'s presets (``csbp.plan.hardware``), the others the vendors'
-data sheets."""
+"""(model name in ``torch.cuda.get_device_name()``, dense bf16 TFLOP/s), first match wins; a name
+matches as a whole word (``L4`` is not the ``L40``, ``A10`` not the ``A10G``: an unknown part reports no
+MFU rather than another part's). The H100/H200/A100 values are ``csbp plan``'s presets
+(``csbp.plan.hardware``: the SXM parts), the others the vendors' data sheets (PCIe and NVL cards run
+lower clocks)."""
 
 
 def gpu_bf16_peak_tflops(device_name: str) -> float | None:
     """The dense bf16 peak of a GPU by name, or None when unknown (MFU is then not reported)."""
     for key, peak in BF16_PEAK_TFLOPS:
-        if key.lower() in device_name.lower():
+        if re.search(rf"(?<![A-Z0-9]){re.escape(key.upper())}(?![A-Z0-9])", device_name.upper()):
             return peak
     return None
 
