@@ -207,6 +207,24 @@ def test_sliding_flops_count_the_window_pairs() -> None:
     assert full - sliding == (4 * (4 + 10) - (3 + 10)) * per_pair
 
 
+def test_flops_of_a_late_anchor_in_a_later_document_and_a_dead_block_by_hand() -> None:
+    """The configuration above, L = 64: a live anchor at 62 in a document starting at 40 and a dead
+    padding block. Both blocks' rows run the matmuls (the padding is computed); only slot 1 of the live
+    anchor is scored (position 63 is the row's last, slots 2, 3 fall outside it); attention counts the
+    live anchor's 4 rows x (22 context keys [40, 62) + 4 block keys), none of the dead block's."""
+    config = _config(num_target_layers=2).drafter_config()
+    packet = AnchorPacket(torch.tensor([0, -1]), torch.tensor([62, 0]), torch.tensor([40, 0]), torch.tensor([True, False]))
+    block_row = 2 * 32 * (32 + 16 + 16 + 32) + 3 * 2 * 32 * 64
+    context_row = 2 * 32 * (16 + 16)
+    expected = 3 * (2 * 4 * block_row + 6 * context_row)  # both blocks' rows, 6 context rows
+    expected += 2 * 6 * 2 * 32 * 32  # fc
+    expected += 2 * 1 * 2 * 32 * 64  # the head on slot 1 only
+    expected += 4 * (4 + 22) * 4 * (14 * 8)  # 4 heads, 4d fwd + 10d bwd per pair
+    assert drafter_step_flops(config, packet, 6, 64) == expected
+    sliding = _config(num_target_layers=2, sliding_window=3).drafter_config()
+    # W = 3: rows j see [62 + j - 2, 62): 2, 1, 0, 0 context keys, and the causal block 1 + 2 + 3 + 4
+    assert expected - drafter_step_flops(sliding, packet, 6, 64) == (4 * (4 + 22) - (3 + 10)) * 4 * (14 * 8)
+
 def test_cp_only_ranks_replicate_the_anchor_work() -> None:
     config = _config().drafter_config()
     anchors, doc_start = torch.tensor([3, 9, 20, 31, 40, 47, 55, 60]), torch.zeros(8, dtype=torch.long)
