@@ -179,3 +179,45 @@ def test_a_drafters_micro_batch_multiplies_its_draft_rows_over_documents() -> No
     acts = [predict(workload, Layout(4, 2, 2, micro_batch=mb), 65536, hw, CAL).mem_terms["draft activations"]
             for mb in (1, 2)]
     assert acts[1] == pytest.approx(2 * acts[0]) and acts[0] > 0
+
+
+def test_fast_dllm_v2s_two_views_double_a_samples_rows_and_traffic() -> None:
+    """Fast-dLLM v2 trains two complementary views of each sample: the published 14B CSBP traffic
+    (105.0 GiB per GPU for one view) and the checkpointed rows both double."""
+    hw, layout = hardware("h200", gpus=16), Layout(2, 8, 8, placement="striped", sharding="zero2")
+    bd3 = preset_workload("nemotron-14b")
+    one, two = (predict(w, layout, 262144, hw, CAL) for w in (bd3, bd3.with_options(objective="fast_dllm_v2")))
+    assert one.kv_bytes / GIB == pytest.approx(105.0) and two.kv_bytes / GIB == pytest.approx(210.0)
+    assert two.mem_terms["checkpoints"] == 2 * one.mem_terms["checkpoints"]
+
+
+def test_target_pass_terms_by_hand() -> None:
+    """The online target pass (target_pass.py's docstring): the first ``layers`` layers across the target's
+    groups; one layer's working set is the rank's rows' hidden, q/k/v and SwiGLU widths plus the K/V of
+    all ``L`` rows; a micro-batch of 2 sends twice the sharded all-gather bytes; only what that working set
+    exceeds of the draft step's activations adds to the peak."""
+    from csbp.plan.target_pass import TargetPass, target_pass_cost, target_pass_memory, target_pass_times
+    from csbp.plan.workload import LayerGroup, ModelShape
+
+    target = ModelShape("t", 64, 100, 96, (LayerGroup(3, 4, 2, 16), LayerGroup(2, 8, 4, 16, window=32)))
+    seq_len, cp = 256, 4
+    cost = target_pass_cost(TargetPass("sharded", target, 4), seq_len, cp, 2)
+    layer = [target.layer_params(g) for g in target.groups]
+    assert cost.weight_bytes == 2 * (3 * layer[0] + layer[1])  # 3 full layers and the first windowed one
+    rows, widest = seq_len // cp, []
+    for g in target.groups:
+        kv_row = 2 * g.n_kv_heads * g.head_dim * 2
+        widest.append(rows * (2 * 64 + (g.n_heads + 2 * g.n_kv_heads) * g.head_dim + 3 * 96) * 2 + seq_len * kv_row)
+    assert cost.working_set_bytes == max(widest)
+    assert cost.kv_bytes == (cp - 1) * rows * (3 * 2 * 2 * 16 * 2 + 2 * 4 * 16 * 2)
+    drafter = preset_workload("dflash2-qwen3.8")
+    workload = replace(drafter, target_pass=TargetPass("sharded", target, 4))
+    hw = hardware("h100", gpus=8)
+    one, two = (target_pass_times(workload, Layout(4, cp, cp, micro_batch=mb), seq_len, hw, CAL) for mb in (1, 2))
+    assert one is not None and two is not None and two.kv_bytes == 2 * one.kv_bytes == 2 * cost.kv_bytes
+    layout = Layout(2, cp, cp)
+    below = target_pass_memory(workload, layout, seq_len, step_activations=cost.working_set_bytes - 10,
+                               features=0.0, step_only=False)
+    above = target_pass_memory(workload, layout, seq_len, step_activations=cost.working_set_bytes,
+                               features=0.0, step_only=False)
+    assert below["target pass working set"] == 10 and "target pass working set" not in above
