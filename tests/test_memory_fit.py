@@ -91,6 +91,18 @@ def test_this_machine_s_memory_is_read_per_rank(monkeypatch: pytest.MonkeyPatch)
     assert one > 2**28 and two == one // 2
 
 
+def test_on_the_cpu_a_rank_has_its_share_of_ram_and_swap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module's rule: the machine's RAM and swap shared by the node's processes (without swap the
+    bound refused CPU runs that fit); an unreadable /proc/meminfo refuses nothing."""
+    import csbp.training.memory_fit as memory_fit
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(memory_fit, "meminfo_kib", lambda: {"MemTotal": 3000, "SwapTotal": 1000})
+    assert rank_memory_bytes(2) == 4000 * 1024 // 2
+    monkeypatch.setattr(memory_fit, "meminfo_kib", lambda: {})
+    assert rank_memory_bytes(2) is None
+
+
 def test_more_micro_steps_than_the_split_has_rows_is_noted_not_refused(artifact: Path) -> None:
     """A step may read the split more than once (few long rows on many ranks), so it trains, with a note."""
     notes: list[str] = []
