@@ -221,3 +221,23 @@ def test_target_pass_terms_by_hand() -> None:
     above = target_pass_memory(workload, layout, seq_len, step_activations=cost.working_set_bytes,
                                features=0.0, step_only=False)
     assert below["target pass working set"] == 10 and "target pass working set" not in above
+
+
+def test_a_hugging_face_configs_shape_by_hand(tmp_path) -> None:
+    """A config.json without ``head_dim`` has ``hidden_size / num_attention_heads`` (not per K/V head);
+    csbp reduces dK/dV in float32 (4 B per element); the total counts the untied head and embedding."""
+    import json
+
+    from csbp.plan.workload import hf_workload
+
+    config = {"hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 2,
+              "vocab_size": 1000, "intermediate_size": 1024}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    workload = hf_workload(tmp_path)
+    group = workload.model.groups[0]
+    assert (group.n_heads, group.n_kv_heads, group.head_dim) == (8, 2, 64)
+    assert workload.objective.kv_grad_bytes == 4
+    per_layer = 512 * (8 + 2 * 2) * 64 + 8 * 64 * 512 + 3 * 512 * 1024 + 2 * 512  # q/k/v, o, SwiGLU, 2 norms
+    assert workload.model.total_params == 2 * per_layer + 2 * 1000 * 512
+    assert preset_workload("dflash2-qwen3.8").model.total_params == pytest.approx(
+        preset_workload("dflash2-qwen3.8").model.body_params + 2 * 248320 * 5120 + 259522560)  # + the fusion fc
