@@ -241,3 +241,15 @@ def test_a_hugging_face_configs_shape_by_hand(tmp_path) -> None:
     assert workload.model.total_params == 2 * per_layer + 2 * 1000 * 512
     assert preset_workload("dflash2-qwen3.8").model.total_params == pytest.approx(
         preset_workload("dflash2-qwen3.8").model.body_params + 2 * 248320 * 5120 + 259522560)  # + the fusion fc
+
+
+def test_the_search_offers_every_fused_ring_and_no_transport_a_windowed_csbp_ignores() -> None:
+    """8 devices: every ``cp | bp`` CSBP layout (cp 2, 4 and 8 with bp 8), and for a model whose every layer
+    is windowed only the collective transport of CSBP (its halo all-to-all ignores the transport)."""
+    from csbp.plan.search import candidate_layouts, transports_for
+
+    workload = preset_workload("nemotron-3b")
+    fused = {(lay.cp, lay.bp) for lay in candidate_layouts(workload, 8, 8192) if lay.kind == "csbp" and lay.dp == 1}
+    assert fused == {(2, 8), (4, 8), (8, 8)}
+    assert transports_for(workload.with_options(window=512), Layout(1, 4, 8)) == ("collective",)
+    assert transports_for(workload, Layout(1, 4, 8)) == ("collective", "streaming")
