@@ -5,7 +5,10 @@
   lands exactly on;
 * the rounds summary's point ``target_s`` is the point's target and its ``clock_s`` the mean over
   rounds; rounding-sized differences get no verdict at a point nor at the budget (the tolerance applies
-  to both); the single-run table prints ``val_nelbo`` as "other vs base".
+  to both); the single-run table prints ``val_nelbo`` as "other vs base";
+* the step-time spread is numpy's linear percentiles, an infinite budget is refused, a resumed start
+  without budget state evaluates no point 0, ``train.max_steps`` before the budget is a last point, and a
+  cp-only run's ``csbp`` layout is ``cp = bp = local``.
 
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_compare_summary.py -q``
 """
@@ -18,9 +21,10 @@ from typing import Any
 import pytest
 
 from csbp.compare import budget as budget_module
+from csbp.compare.layouts import layout_config
 from csbp.compare.report import format_table
 from csbp.compare.report_rounds import summarize_rounds
-from test_compare import FakeLoop
+from test_compare import FakeLoop, _bd3, artifact  # noqa: F401
 
 TOPOLOGY = {"dp": 1, "cp": 2, "bp": 1}
 
@@ -71,3 +75,31 @@ def test_the_table_prints_val_nelbo_of_the_other_layout_first() -> None:
     table = format_table([cp, csbp], metric="val_loss", higher_is_better=False)
     assert "at the budget: csbp 7.0000 vs cp 8.0000 (csbp lower by 1.0000; 1.33x the steps); val_nelbo 6.2500 vs " \
            "7.5000" in table  # fmt: skip
+
+
+def test_step_time_spread_is_the_linear_percentiles() -> None:
+    summary = budget_module.step_time_summary([4.0, 1.0, 3.0, 2.0])
+    assert summary == {"steps": 4, "median": 2.5, "p10": pytest.approx(1.3), "p90": pytest.approx(3.7)}
+
+
+def test_the_hook_refuses_an_endless_budget_and_a_resumed_start_is_not_point_zero(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"--budget-s \(inf\) must be > 0"):
+        budget_module.BudgetHook(budget_s=float("inf"), num_points=2, metric="val_loss", max_steps=9, run_dir=tmp_path)
+    hook = budget_module.BudgetHook(budget_s=1.0, num_points=2, metric="val_loss", max_steps=9, run_dir=tmp_path)
+    loop = FakeLoop()
+    hook.on_start(loop, 5)  # a checkpoint without its budget state: the trained model is no point 0
+    assert loop.evaluated == [] and hook.state.points == []
+
+
+def test_a_cp_only_run_topology_is_not_the_csbp_layout(artifact: Path) -> None:  # noqa: F811
+    cfg = _bd3(artifact, **{"topology.cp": 2, "train.micro_batch_size": 2})
+    topology = layout_config(cfg, "csbp", 2).topology
+    assert (topology.cp, topology.bp) == (2, 2)  # context and block parallel, not the run's cp-only layout
+
+
+def test_train_max_steps_before_the_budget_is_a_last_point(tmp_path: Path) -> None:
+    hook = budget_module.BudgetHook(budget_s=10.0, num_points=2, metric="val_loss", max_steps=2, run_dir=tmp_path)
+    loop = FakeLoop()
+    hook.on_start(loop, 0)
+    assert [hook.after_step(loop, step, 1.0) for step in (1, 2)] == [False, True]
+    assert [(p.index, p.step, p.target_s) for p in hook.state.points] == [(0, 0, 0.0), (1, 2, 5.0)]
