@@ -245,16 +245,22 @@ def test_label_alignment(loss: str) -> None:
             assert float(out.loss.detach()) > 10 and tau < 2
 
 
-def test_dpace_weights_golden() -> None:
+@pytest.mark.parametrize(
+    ("alpha", "cases"),
+    [
+        (0.5, {"dpace": [0.0, 1.95, 1.2, 0.45], "dpace-cumulative-confidence-only": [0.0, 0.75, 0.75, 0.45],
+               "dpace-continuation-value-only": [0.0, 2.6, 1.6, 1.0]}),
+        # alpha and 1 - alpha coincide at 0.5; at 0.25: s = [-, 0.25 + 0.75*0.5, 0.25 + 0.75*1.0, 0.25 + 0.75*0.2]
+        # = [1, 0.625, 1, 0.4] (slot 0 invalid), P = [1, 0.625, 0.625, 0.25], u = [-, 1.5, 0.875, 0.25], u / P
+        (0.25, {"dpace": [0.0, 1.5, 0.875, 0.25], "dpace-cumulative-confidence-only": [0.0, 0.625, 0.625, 0.25],
+                "dpace-continuation-value-only": [0.0, 2.4, 1.4, 1.0]}),
+    ],
+)
+def test_dpace_weights_golden(alpha: float, cases: dict[str, list[float]]) -> None:
     prob = torch.tensor([[0.3, 0.5, 1.0, 0.2]], dtype=torch.float64)
     valid = torch.tensor([[False, True, True, True]])
-    cases = {
-        "dpace": [0.0, 1.95, 1.2, 0.45],
-        "dpace-cumulative-confidence-only": [0.0, 0.75, 0.75, 0.45],
-        "dpace-continuation-value-only": [0.0, 2.6, 1.6, 1.0],
-    }
     for kind, expected in cases.items():
-        got = dpace_weights(prob, valid, alpha=0.5, kind=kind)
+        got = dpace_weights(prob, valid, alpha=alpha, kind=kind)
         torch.testing.assert_close(got, torch.tensor([expected], dtype=torch.float64), rtol=0, atol=1e-12)
 
 

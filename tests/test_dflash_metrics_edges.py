@@ -22,7 +22,7 @@ import torch
 
 from csbp.dflash.anchors import sample_anchors
 from csbp.dflash.config import DFlashObjectiveConfig
-from csbp.dflash.dflash2 import CandidateSelector, dpace_weights, selector_loss_scale
+from csbp.dflash.dflash2 import CandidateSelector, selector_loss_scale
 from csbp.dflash.evaluate import (
     DEFAULT_PROMPT_LEN,
     EvalPrompt,
@@ -48,21 +48,6 @@ def test_locality_anchors_are_distinct_when_the_count_shares_a_factor_with_the_b
         assert len(set(anchors.tolist())) == min(max_anchors, 8)
         if max_anchors >= 8:
             assert anchors.tolist() == list(range(8))  # every valid anchor, each once
-
-
-def test_dpace_weights_with_alpha_other_than_one_half() -> None:
-    # α = 0.25: s = [-, 0.25 + 0.75·0.5, 0.25 + 0.75·1.0, 0.25 + 0.75·0.2] = [1, 0.625, 1, 0.4] (slot 0 invalid)
-    # P = [1, 0.625, 0.625, 0.25];  u = [-, 1.5, 0.875, 0.25];  u / P = [-, 2.4, 1.4, 1.0]
-    prob = torch.tensor([[0.3, 0.5, 1.0, 0.2]], dtype=torch.float64)
-    valid = torch.tensor([[False, True, True, True]])
-    cases = {
-        "dpace": [0.0, 1.5, 0.875, 0.25],
-        "dpace-cumulative-confidence-only": [0.0, 0.625, 0.625, 0.25],
-        "dpace-continuation-value-only": [0.0, 2.4, 1.4, 1.0],
-    }
-    for kind, expected in cases.items():
-        got = dpace_weights(prob, valid, alpha=0.25, kind=kind)
-        torch.testing.assert_close(got, torch.tensor([expected], dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 def test_selector_without_warmup_or_ramp_is_on_from_the_first_step() -> None:

@@ -137,15 +137,21 @@ def test_an_eos_token_written_as_an_added_token_dict_is_read(imported: dict[str,
     assert exported.eos_id == backend.token_to_id("<|im_end|>") == auto(source).eos_token_id
 
 
-def test_no_stale_copy_of_the_sources_chat_template_ships(
-    imported: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
-) -> None:
+def artifact_with_other_template(imported: dict[str, Path], tmp_path: Path) -> Path:  # noqa: F811
+    """Chat data prepared with the imported tokenizer and ``OTHER_TEMPLATE`` (not the source's ChatML)."""
     template_file = tmp_path / "other.jinja"
     template_file.write_text(OTHER_TEMPLATE, encoding="utf-8")
     art = tmp_path / "art"
     prepare_artifact(PrepareConfig(inputs=(chat_data(tmp_path / "chat.jsonl"),), out_dir=art, seq_len=32,
                                    tokenizer_path=imported["ext"], chat_template=str(template_file),
                                    val_fraction=0.1))  # fmt: skip
+    return art
+
+
+def test_no_stale_copy_of_the_sources_chat_template_ships(
+    imported: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch  # noqa: F811
+) -> None:
+    art = artifact_with_other_template(imported, tmp_path)
     # the source keeps its ChatML template the legacy ways: in tokenizer_config.json and chat_template.json
     source = copy_with_config(imported["ext"], tmp_path / "tok", chat_template=CHATML)
     (source / "chat_template.jinja").unlink()
@@ -164,12 +170,7 @@ def test_the_template_transformers_renders_decides_whether_the_source_template_i
 ) -> None:
     """A source with ``chat_template.jinja`` (ChatML) and another template in ``tokenizer_config.json``:
     transformers renders the ``.jinja`` one, so data rendered with the config's template needs a rewrite."""
-    template_file = tmp_path / "other.jinja"
-    template_file.write_text(OTHER_TEMPLATE, encoding="utf-8")
-    art = tmp_path / "art"
-    prepare_artifact(PrepareConfig(inputs=(chat_data(tmp_path / "chat.jsonl"),), out_dir=art, seq_len=32,
-                                   tokenizer_path=imported["ext"], chat_template=str(template_file),
-                                   val_fraction=0.1))  # fmt: skip
+    art = artifact_with_other_template(imported, tmp_path)
     source = copy_with_config(imported["ext"], tmp_path / "tok", chat_template=OTHER_TEMPLATE)
     chat = [{"role": "user", "content": "hi"}]
     assert auto(source).apply_chat_template(chat, tokenize=False) == "<|im_start|>user\nhi<|im_end|>\n"  # .jinja wins
