@@ -210,16 +210,19 @@ def test_training_table_dry_run_on_cpu_at_tiny_sizes() -> None:
                          num_kv_heads=2, head_dim=8)
     cfg = TableConfig(seq_lens=(64, 32), block_size=4, model=tiny, activation_checkpointing="full",
                       dflash_seq_len=64, dflash_anchors=4, dflash_draft_layers=1, warmup=1, repeats=1,
-                      peak_tflops=1.0)
+                      peak_tflops=1.0, compiled_seq_lens=(32,))
     seen: list[TableRow] = []
     rows = run_train_table(cfg, torch.device("cpu"), progress=seen.append)
-    assert rows == seen and [(r.kind, r.seq_len) for r in rows] == [("bd3", 32), ("bd3", 64), ("dflash a=4", 64)]
+    assert rows == seen and [(r.kind, r.seq_len) for r in rows] == [
+        ("bd3", 32), ("bd3", 64), ("bd3 compiled", 32), ("dflash a=4", 64)]
+    # the compiled row trains the same model on the same data: the same loss to round-off
+    assert rows[2].loss == pytest.approx(rows[0].loss, rel=1e-3) and rows[2].loss != rows[1].loss
     for row in rows:
         assert row.status == "ok (1 timed)" and row.checkpointing == "full"
         assert row.step_time_s > 0 and row.tokens_per_s == pytest.approx(row.seq_len / row.step_time_s)
         assert 0 < row.mfu < 1 and row.loss > 0
     text = format_train_table(rows)
-    assert len(text.splitlines()) == 5 and "dflash a=4" in text
+    assert len(text.splitlines()) == 6 and "dflash a=4" in text and "bd3 compiled" in text
 
 
 def test_long_steps_end_a_row_after_one_timed_step() -> None:
@@ -236,6 +239,10 @@ def test_long_steps_end_a_row_after_one_timed_step() -> None:
     measured = _measure(step, cfg, torch.device("cpu"))
     assert calls == [0] and measured.steps == 1 and measured.step_time_s >= 0.02 and measured.loss == 1.0
     assert _measure(step, TableConfig(warmup=1, repeats=2, long_step_s=10.0), torch.device("cpu")).steps == 2
+    # a compiled row's first step compiles: never timed, and never the long step that ends the row
+    calls.clear()
+    measured = _measure(step, TableConfig(warmup=0, repeats=3, long_step_s=0.01, compile="layers"), torch.device("cpu"))
+    assert calls == [0, 1] and measured.steps == 1
 
 
 def test_training_table_rows_keep_every_timed_step_and_print_their_spread() -> None:

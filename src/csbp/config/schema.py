@@ -327,6 +327,12 @@ class TrainSection(_Section):
         description="full: keep only each decoder (or drafter) layer's input and recompute the layer "
         "in backward (exact; the recompute repeats the layer's attention collectives).",
     )
+    compile: Literal["none", "layers"] = Field(
+        "none",
+        description="layers: torch.compile each decoder (or drafter) layer's norms, q/k/v projections with "
+        "RoPE, and MLP (the attention kernels and collectives stay as they are); compiled once for all "
+        "layers. Needs Triton on CUDA, a C++ compiler on the CPU; equal to round-off.",
+    )
     collective_timeout_s: float = Field(
         300.0,
         ge=0.001,  # torch counts whole milliseconds: 1e-300 was a 0 ms limit that failed the first wait

@@ -88,6 +88,7 @@ class VerifyCase:
     micro_batches: int = 1  # gradient accumulation: micro-batches summed against one global denominator
     reset_positions: bool = False  # RoPE positions restart at each document (data.reset_positions)
     activation_checkpointing: bool = False  # train.activation_checkpointing: full
+    compile: bool = False  # train.compile: layers (regional torch.compile, csbp.training.compile_regions)
     fsdp: bool = False  # train.fsdp: FSDP2 (HSDP when local > 1) over the dp group
     # average gradients as the trainer does, in buckets of at most this many bytes all-reduced during the
     # last micro-batch's backward (csbp.engine.grad_buckets); None: one flat all-reduce after backward
@@ -227,16 +228,18 @@ def corrupted_batch(case: VerifyCase, num_replicas: int = 1) -> CorruptedBatch:
 
 
 def _model(case: VerifyCase, ctx: ParallelContext) -> Decoder:
-    """The case's decoder on this rank: plain, or built on ``meta``, checkpointed and FSDP-sharded from
+    """The case's decoder on this rank: plain, or built on ``meta``, compiled, checkpointed and FSDP-sharded from
     outside and then filled with the same initial weights (as the trainer builds it)."""
     dtype = dtype_of(case.dtype)
-    if not (case.activation_checkpointing or case.fsdp):
+    if not (case.activation_checkpointing or case.fsdp or case.compile):
         return Decoder(tiny_model_config(), dtype=dtype, seed=case.seed, device=ctx.device)
     from csbp.training.activation_checkpointing import checkpoint_layers
+    from csbp.training.compile_regions import compile_layers
     from csbp.training.model_factory import load_full_weights
     from csbp.training.parallelize import apply_fsdp
 
     model = Decoder(tiny_model_config(), dtype=dtype, device="meta")
+    compile_layers(model.layers, "layers" if case.compile else "none")
     checkpoint_layers(model.layers, "full" if case.activation_checkpointing else "none", ctx.counter)
     if case.fsdp:
         apply_fsdp(model, ctx, ctx.device)
@@ -325,7 +328,7 @@ def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     # the CPU reference: the plan only orders the rows (its kernels are replaced by the oracle)
     ref_case = replace(
         case, topology=Topology(), device="cpu", backend="tiles", diagonal="matmul", clean="generic",
-        activation_checkpointing=False, fsdp=False, grad_buckets=None,
+        activation_checkpointing=False, fsdp=False, compile=False, grad_buckets=None,
     )
     return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp, oracle=True)
 
@@ -355,6 +358,10 @@ def check_case(case: VerifyCase) -> None:
         )
     if case.fsdp and case.topology.dp < 2:
         raise ValueError(f"fsdp shards over the dp group: use dp >= 2, got dp={case.topology.dp}")
+    if case.compile:
+        from csbp.training.compile_regions import check_compile_runs_on
+
+        check_compile_runs_on("layers", case.device, where="compile")
     if block_covers_sequence(case.objective, case.block_size, case.seq_len):  # the train config's rule
         raise ValueError(
             f"block_size={case.block_size} must be below seq_len={case.seq_len} for {case.objective} "

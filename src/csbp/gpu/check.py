@@ -286,6 +286,7 @@ def _train_table(env: CheckEnv) -> StageResult:
         diagonal=args.diagonal,
         clean=args.clean,
         decomposed_seq_lens=tuple(args.decomposed_seq_lens),
+        compiled_seq_lens=tuple(args.compiled_seq_lens),
         dflash_seq_len=args.dflash_seq_len or None,
         dflash_anchors=args.dflash_anchors,
         repeats=args.repeats,
@@ -383,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decomposed-seq-lens", type=int, nargs="*", default=[32768, 65536],
                         help="lengths of the table's 'bd3 decomposed' rows (cuDNN clean pieces, the noisy blocks "
                         "folded into their Flex residual), after the BD3 rows as the budget allows; none: no such rows")
+    parser.add_argument("--compiled-seq-lens", type=int, nargs="*", default=[32768],
+                        help="lengths of the table's 'bd3 compiled' rows (train.compile: layers), after the "
+                        "decomposed rows as the budget allows; none: no such rows")
     parser.add_argument("--flex-backward", choices=FLEX_BACKWARDS, default="auto",
                         help="backward of merged Flex partials in the kernels stage and the training table "
                         "(csbp.attention.flex_backward; auto: direct where this torch traces it). recompute: the "

@@ -22,7 +22,10 @@ same model with CSBP's decomposed attention (the clean context as ``decomposed_c
 blocks by ``decomposed_diagonal``: ``auto`` is ``flex`` on CUDA, which folds them into the pieces' one Flex
 residual, ``csbp.attention.flash_pieces``): on the first H200 run that form's kernel (then with a separate
 block-diagonal partial) was 1.25-1.35x one Flex call at 64K-128K, and these rows say what that is worth in
-a training step.
+a training step. Then ``bd3 compiled`` rows (``compiled_seq_lens``) train the BD3 rows' model with
+``train.compile: layers`` (``csbp.training.compile_regions``: the layers' norms, projections with RoPE
+and MLP compiled; the attention as in the BD3 rows): the first H200 table's MFU was 14-20%, and these
+rows say how much of the rest the eager elementwise work was. The compilation falls in the warmup step.
 
 The same code runs on the CPU at tiny sizes (the test suite's dry run); the numbers only mean
 something on a GPU.
@@ -56,6 +59,7 @@ from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.objectives import build_objective, corruption_generator
 from csbp.training.activation_checkpointing import checkpoint_layers
+from csbp.training.compile_regions import check_compile_runs_on, compile_layers
 from csbp.training.step import autocast_for
 
 StepFn = Callable[[int], float]  # step index -> loss
@@ -76,6 +80,8 @@ class TableConfig:
     decomposed_seq_lens: tuple[int, ...] = ()  # the device check asks for 32K and 64K
     decomposed_diagonal: str = "auto"  # flex on CUDA: the noisy blocks folded into the clean pieces' Flex residual
     decomposed_clean: str = "pieces-cudnn"
+    compiled_seq_lens: tuple[int, ...] = ()  # the device check asks for 32K
+    compile: str = "none"  # train.compile of the BD3 rows ("bd3 compiled" rows: layers)
     dflash_seq_len: int | None = 65536
     dflash_anchors: int = 512
     dflash_draft_layers: int = 5
@@ -147,16 +153,20 @@ class Measured:
 def _measure(step: StepFn, cfg: TableConfig, device: torch.device) -> Measured:
     """The timed steps, peak bytes and last loss of ``warmup`` + ``repeats`` steps; a step longer than
     ``long_step_s`` is timed and ends the row (its one-time costs are small against its length, and
-    the budget is better spent on the next row)."""
+    the budget is better spent on the next row). Under ``compile: layers`` the first step compiles the
+    layers (tens of seconds on a GPU): it is never timed, and the rule starts from the second step."""
     times: list[float] = []
     peak, loss = 0, float("nan")
-    for index in range(cfg.warmup + cfg.repeats):
+    compiling = cfg.compile != "none"
+    for index in range(max(cfg.warmup, int(compiling)) + cfg.repeats):
         synchronize(device)
         with _PeakBytes(device) as memory:
             start = time.perf_counter()
             loss = step(index)
             synchronize(device)
             elapsed = time.perf_counter() - start
+        if compiling and index == 0:
+            continue
         if index >= cfg.warmup or elapsed > cfg.long_step_s:
             times.append(elapsed)
             peak = max(peak, memory.bytes)
@@ -173,6 +183,7 @@ def _optimizer(model: torch.nn.Module, device: torch.device) -> torch.optim.Opti
 def bd3_step_fn(cfg: TableConfig, seq_len: int, device: torch.device) -> tuple[StepFn, str]:
     """A BD3 training step of the table's model at ``seq_len`` and the checkpointing applied."""
     model = Decoder(cfg.model, dtype=torch.float32, device=device, seed=cfg.seed)
+    compile_layers(model.layers, cfg.compile)
     checkpoint_layers(model.layers, cfg.activation_checkpointing)  # type: ignore[arg-type]
     plan = build_rank_plan(
         single_process_context(device), seq_len, cfg.block_size, backend=cfg.backend, diagonal=cfg.diagonal,
@@ -287,6 +298,8 @@ def run_train_table(
     check_diagonal_backend(cfg.diagonal, backend, where="diagonal")
     if cfg.decomposed_seq_lens:
         check_diagonal_backend(cfg.decomposed_diagonal, backend, where="decomposed diagonal")
+    if cfg.compiled_seq_lens:
+        check_compile_runs_on("layers", device, where="compiled rows' train.compile")
     started, rows = time.perf_counter(), []
     previous: tuple[int, float, float | None] | None = None  # (seq_len, seconds the row took, its step time)
 
@@ -323,6 +336,10 @@ def run_train_table(
         # predicted from the plain row of the same length (the same model; only the attention kernels differ)
         previous = plain.get(seq_len, previous)
         run("bd3 decomposed", seq_len, bd3_row("bd3 decomposed", decomposed, seq_len))
+    compiled = dataclasses.replace(cfg, compile="layers")
+    for seq_len in sorted(cfg.compiled_seq_lens):
+        previous = plain.get(seq_len, previous)  # as above; the compilation comes on top, in the warmup step
+        run("bd3 compiled", seq_len, bd3_row("bd3 compiled", compiled, seq_len))
     if cfg.dflash_seq_len:
         def dflash() -> TableRow:
             step, checkpointing, flops = dflash_step_fn(cfg, device)

@@ -54,6 +54,7 @@ from csbp.models.hf_io import (
 )
 from csbp.parallel.comm import TrafficCounter
 from csbp.training.activation_checkpointing import checkpoint_layers
+from csbp.training.compile_regions import compile_layers
 from csbp.training.input_hints import checkpoint_directory_fix
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -206,7 +207,8 @@ def build_model(
 ) -> Decoder:
     """The decoder in its master dtype on ``device``: seeded random init, or the ``init_from`` weights.
 
-    The module is built on the ``meta`` device (no memory), given activation checkpointing
+    The module is built on the ``meta`` device (no memory), given its compiled regions
+    (``train.compile``, :mod:`csbp.training.compile_regions`) and activation checkpointing
     (``train.activation_checkpointing``; recomputed collectives are counted in ``counter``) and passed to ``shard`` (FSDP2's ``fully_shard``) while
     still on meta; only then is it materialised on ``device``, and each rank fills only its own
     shards (:func:`load_full_weights`). The values equal an unsharded ``Decoder(config, seed=...)``
@@ -214,6 +216,7 @@ def build_model(
     """
     dtype = master_dtype(cfg)
     model = Decoder(config, dtype=dtype, device="meta")
+    compile_layers(model.layers, cfg.train.compile)
     checkpoint_layers(model.layers, cfg.train.activation_checkpointing, counter)
     if shard is not None:
         shard(model)

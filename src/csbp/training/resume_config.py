@@ -43,6 +43,7 @@ FREE = (
     "train.nproc",
     "train.fsdp",
     "train.activation_checkpointing",
+    "train.compile",
     "train.log_every",
     "train.eval_every",
     "train.eval_batches",

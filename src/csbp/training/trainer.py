@@ -53,6 +53,7 @@ from csbp.engine.context import ParallelContext, build_parallel_context
 from csbp.parallel.groups import release_process_groups
 from csbp.training.activation_checkpointing import checkpoint_layers
 from csbp.training.checkpoint import load_checkpoint
+from csbp.training.compile_regions import check_compile_runs_on, compile_layers
 from csbp.training.dflash_step import DFlashStepRunner
 from csbp.training.drafter import build_drafter, dflash_eval_hint
 from csbp.training.finish import finish_on_rank0
@@ -182,6 +183,7 @@ def _train(
     check_diagonal_backend(cfg.attention.diagonal, backend, where="attention.diagonal")  # auto resolved here
     if backend == "flex":
         set_flex_backward(cfg.attention.flex_backward)  # process-wide, like torch's SDPA kernel choice
+    check_compile_runs_on(cfg.train.compile, device)
     if dist.is_initialized():
         dist.barrier()  # every rank is past its pre-flight: group creation below is quick everywhere
     ctx = build_parallel_context(
@@ -193,6 +195,7 @@ def _train(
     model: torch.nn.Module
     if inputs.dflash is not None:
         model = build_drafter(cfg, inputs.dflash, device=device)
+        compile_layers(model.layers, cfg.train.compile)
         checkpoint_layers(model.layers, cfg.train.activation_checkpointing, ctx.counter)
     else:
         shard = (lambda decoder: apply_fsdp(decoder, ctx, device)) if cfg.train.fsdp else None
