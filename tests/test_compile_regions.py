@@ -150,12 +150,15 @@ def test_the_config_key_reaches_the_trainers_model(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_a_compiled_run_logs_the_eager_runs_losses(tmp_path: Path) -> None:
+def test_a_compiled_run_logs_the_eager_runs_losses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Through ``train``: steps, validation passes (no-grad graphs) and checkpoints of a compiled model."""
     artifact = make_artifact(tmp_path / "art")
     eager = train(tiny_config(artifact, **FP64), run_dir=tmp_path / "eager")
+    assert "compiles the layers" not in capsys.readouterr().out
     compiled = train(tiny_config(artifact, **{**FP64, "train.compile": "layers"}),
                      run_dir=tmp_path / "compiled")
+    # the slow first step is announced, not a silent stall
+    assert "note: train.compile=layers compiles the layers during the first step" in capsys.readouterr().out
     assert len(eager.losses) == 4 and len(eager.val_losses) > 0
     assert compiled.losses == pytest.approx(eager.losses, rel=ROUND_OFF)
     assert [step for step, _ in compiled.val_losses] == [step for step, _ in eager.val_losses]

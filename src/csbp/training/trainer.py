@@ -226,6 +226,11 @@ def _train(
     runner = step_runner_for(cfg, inputs, ctx, model, device)
     runner.grad_sync = gradient_sync_for(model, ctx, fsdp=cfg.train.fsdp)
     writer = MetricsWriter(run_dir, enabled=is_rank0, start_step=start_step, total_steps=cfg.train.max_steps)
+    if cfg.train.compile != "none":
+        writer.message(
+            f"note: train.compile={cfg.train.compile} compiles the layers during the first step and the first "
+            "validation pass (slower); later steps reuse the compiled code"
+        )
     if inputs.dflash is not None and cfg.train.generate_after:
         writer.message(f"note: train.generate_after does not apply to dflash; {dflash_eval_hint(cfg, run_dir)}")
     streak = SkipStreak(cfg.train.nan_policy, in_a_row=skips_in_a_row)
