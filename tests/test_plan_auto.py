@@ -161,3 +161,17 @@ def test_no_test_leaves_an_exit_status_override_behind() -> None:
     )
     statuses = [subprocess.run([sys.executable, "-c", code, arm], check=False).returncode for arm in ("none", "guard")]
     assert statuses == [0, 3]  # unguarded, the hook turns a failure into exit status 0
+
+
+def test_the_overlap_named_is_the_one_the_prediction_used() -> None:
+    from dataclasses import replace
+
+    from csbp.plan.auto import _overlap_assumed
+
+    cal = replace(packaged_calibration("h200"), overlap_cp=0.25, overlap_csbp=0.5, overlap_stream=0.75)
+    assert _overlap_assumed(Layout(2, 1, 1), cal) == "overlap: no K/V ring"
+    assert _overlap_assumed(Layout(1, 4), cal) == "overlap: 25% of K/V traffic hidden (overlap_cp)"
+    assert _overlap_assumed(Layout(1, 4, 4), cal) == "overlap: 50% of K/V traffic hidden (overlap_csbp)"
+    streaming = "overlap: streaming hides K/V traffic up to 75% of its ring attention (overlap_stream)"
+    assert _overlap_assumed(Layout(1, 4, transport="streaming"), cal) == streaming
+    assert _overlap_assumed(Layout(1, 2, 4, transport="streaming"), cal) == streaming

@@ -203,8 +203,7 @@ def _overlap_assumed(layout: Layout, cal: Calibration) -> str:
     says where each share comes from)."""
     if layout.kind not in ("cp", "csbp"):
         return "overlap: no K/V ring"
+    if layout.transport == "streaming" and layout.cp > 1:  # the prediction's only overlap (plan.model)
+        return f"overlap: streaming hides K/V traffic up to {cal.overlap_stream:.0%} of its ring attention (overlap_stream)"
     generic = layout.kind == "cp" and layout.transport == "collective"
-    text = f"overlap: {collective_overlap(layout, cal):.0%} of K/V traffic hidden ({'overlap_cp' if generic else 'overlap_csbp'}"
-    if layout.transport == "streaming":
-        text += f", streaming up to {cal.overlap_stream:.0%} of its ring attention"
-    return text + ")"
+    return f"overlap: {collective_overlap(layout, cal):.0%} of K/V traffic hidden ({'overlap_cp' if generic else 'overlap_csbp'})"
