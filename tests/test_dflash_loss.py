@@ -378,3 +378,20 @@ def test_tau_runs_through_slots_the_loss_mask_leaves_out() -> None:
     metrics = _metrics(targets, scored, correct, torch.zeros(7, dtype=torch.bool), 4)  # type: ignore[arg-type]
     assert metrics["tau_sum"].item() == (1 + 2) + (1 + 1)  # slots 1 and 3 of the first; slot 1 of the second
     assert (metrics["supervised"].item(), metrics["correct"].item(), metrics["live_blocks"].item()) == (7, 6, 2)
+
+
+def test_block_targets_cat_keeps_teachers_on_all_parts_and_refuses_them_on_some() -> None:
+    from csbp.dflash.loss import BlockTargets
+
+    def part(rows: int, teacher: bool) -> BlockTargets:
+        ints = torch.arange(rows)
+        return BlockTargets(ints, ints > 0, ints, ints, ints, ints >= 0,
+                            teacher=torch.full((rows, 3), float(rows)) if teacher else None)
+
+    both = BlockTargets.cat([part(2, True), part(3, True)])
+    assert both.teacher is not None and both.teacher[:, 0].tolist() == [2.0, 2.0, 3.0, 3.0, 3.0]
+    assert both.labels.tolist() == [0, 1, 0, 1, 2]
+    assert BlockTargets.cat([part(2, False), part(3, False)]).teacher is None
+    # a KL over only some rows' teachers was a different loss, silently: now refused
+    with pytest.raises(ValueError, match=r"1 of 2 parts carry a teacher; give every part one or none"):
+        BlockTargets.cat([part(2, True), part(3, False)])

@@ -87,8 +87,14 @@ class BlockTargets:
 
     @staticmethod
     def cat(parts: list[BlockTargets]) -> BlockTargets:
+        """The parts' rows in order; a teacher on every part or on none (a KL over only some rows'
+        teachers would be a silently different loss)."""
         teachers = [p.teacher for p in parts if p.teacher is not None]
-        teacher = torch.cat(teachers) if len(teachers) == len(parts) else None
+        if teachers and len(teachers) != len(parts):
+            raise ValueError(
+                f"BlockTargets.cat: {len(teachers)} of {len(parts)} parts carry a teacher; give every part one or none"
+            )
+        teacher = torch.cat(teachers) if teachers else None
         fields = ("labels", "valid", "slot", "sample", "prev_tokens", "live")
         return BlockTargets(*(torch.cat([getattr(p, f) for p in parts]) for f in fields), teacher=teacher)
 
