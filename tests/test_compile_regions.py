@@ -89,6 +89,7 @@ def _exactness_worker(rank: int, world: int) -> dict[str, object]:
     for compiled in (False, True):
         _, drafter = build_models(dcase)
         compile_layers(drafter.layers, "layers" if compiled else "none")
+        compile_layers(drafter.target.layers, "layers" if compiled else "none")  # its online feature pass
         step = DFlashStep(drafter, dcase.objective, build_dflash_rank_plan(ctx, dcase.objective))
         out = step(batch, anchor_generator(dcase, 0), selector_scale=0.0)
         out.loss.backward()

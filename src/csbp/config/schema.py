@@ -329,8 +329,8 @@ class TrainSection(_Section):
     )
     compile: Literal["none", "layers"] = Field(
         "none",
-        description="layers: torch.compile each decoder (or drafter) layer's norms, q/k/v projections with "
-        "RoPE, and MLP (the attention kernels and collectives stay as they are); compiled once for all "
+        description="layers: torch.compile each decoder (or drafter and frozen target) layer's norms, q/k/v "
+        "projections with RoPE, and MLP (the attention kernels and collectives stay as they are); compiled once for all "
         "layers. Needs Triton on CUDA, a C++ compiler on the CPU; equal to round-off.",
     )
     collective_timeout_s: float = Field(

@@ -10,7 +10,8 @@ every layer, as torch's regional-compilation recipe does for repeated blocks:
 * ``mlp`` (``silu(gate) * up`` fused around the three matmuls),
 * ``self_attn.project_query`` and ``self_attn.project_key_value`` (projection, q/k norm and RoPE).
 
-The attention itself is not compiled: it is the caller's ``AttentionFn`` (tiles, FlexAttention with its
+Under ``dflash`` the trainer compiles the drafter's layers and its frozen target's (the online feature
+pass runs them without gradients: graphs of their own). The attention itself is not compiled: it is the caller's ``AttentionFn`` (tiles, FlexAttention with its
 own compiled kernels, cuDNN pieces, collectives of every transport), so no graph ever holds a collective
 and no transport changes. The residual adds and ``o_proj`` stay eager.
 

@@ -196,6 +196,7 @@ def _train(
     if inputs.dflash is not None:
         model = build_drafter(cfg, inputs.dflash, device=device)
         compile_layers(model.layers, cfg.train.compile)
+        compile_layers(model.target.layers, cfg.train.compile)  # the frozen target's feature pass
         checkpoint_layers(model.layers, cfg.train.activation_checkpointing, ctx.counter)
     else:
         shard = (lambda decoder: apply_fsdp(decoder, ctx, device)) if cfg.train.fsdp else None
