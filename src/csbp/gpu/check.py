@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decomposed-seq-lens", type=int, nargs="*", default=[32768, 65536],
                         help="lengths of the table's 'bd3 decomposed' rows (cuDNN clean pieces, the noisy blocks "
                         "folded into their Flex residual), after the BD3 rows as the budget allows; none: no such rows")
-    parser.add_argument("--compiled-seq-lens", type=int, nargs="*", default=[32768],
+    parser.add_argument("--compiled-seq-lens", type=int, nargs="*", default=[8192, 32768],
                         help="lengths of the table's 'bd3 compiled' rows (train.compile: layers), after the "
                         "decomposed rows as the budget allows; none: no such rows")
     parser.add_argument("--flex-backward", choices=FLEX_BACKWARDS, default="auto",

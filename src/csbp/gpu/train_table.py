@@ -80,7 +80,7 @@ class TableConfig:
     decomposed_seq_lens: tuple[int, ...] = ()  # the device check asks for 32K and 64K
     decomposed_diagonal: str = "auto"  # flex on CUDA: the noisy blocks folded into the clean pieces' Flex residual
     decomposed_clean: str = "pieces-cudnn"
-    compiled_seq_lens: tuple[int, ...] = ()  # the device check asks for 32K
+    compiled_seq_lens: tuple[int, ...] = ()  # the device check asks for 8K (non-attention work weighs most) and 32K
     compile: str = "none"  # train.compile of the BD3 rows ("bd3 compiled" rows: layers)
     dflash_seq_len: int | None = 65536
     dflash_anchors: int = 512
