@@ -478,3 +478,16 @@ def test_init_from_refuses_data_tokenized_with_another_tokenizer(artifact: Path,
     with pytest.raises(ValueError, match=r"model\.init_from: .*tokenizer\.json has token .* as id \d+ but the "
                        r"tokenizer of the data .* has it as id \d+ \(2 of \d+ tokens differ\) \(fix: prepare the data"):
         check_run(cfg)
+
+
+def test_the_optimizer_is_fused_on_cuda_as_the_gpu_table_times_it() -> None:
+    optim = OptimSection(lr=1e-2, warmup_steps=2)
+    models = [tiny_decoder(), tiny_decoder()]
+    default, fused = build_optimizer(models[0], optim), build_optimizer(models[1], optim, torch.device("cuda", 0))
+    assert default.defaults["fused"] is None and fused.defaults["fused"] is True
+    for model, optimizer in zip(models, (default, fused)):  # the fused kernel runs on the CPU too
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        optimizer.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the same update to round-off

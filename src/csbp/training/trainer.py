@@ -201,7 +201,7 @@ def _train(
     else:
         shard = (lambda decoder: apply_fsdp(decoder, ctx, device)) if cfg.train.fsdp else None
         model = build_model(cfg, inputs.decoder_config, device=device, shard=shard, counter=ctx.counter)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_lr_scheduler(optimizer, cfg.optim, max_steps=cfg.train.max_steps)
     loader = PackedLoader(
         inputs.artifact.split("train"),
