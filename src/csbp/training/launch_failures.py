@@ -110,7 +110,8 @@ def failure_from_elastic(exc: Any) -> TrainingFailed:
 
 
 EXPECTED_ERRORS = (
-    "TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ", "RunDirInUse: ", "CheckpointSaveFailed: "
+    "TrainingFailed: ", "ValueError: ", "NonFiniteTraining: ", "ConfigError: ", "RunDirInUse: ", "CheckpointSaveFailed: ",
+    "OutOfDeviceMemory: ",
 )
 
 

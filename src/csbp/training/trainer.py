@@ -62,6 +62,7 @@ from csbp.training.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from csbp.training.model_factory import build_model
 from csbp.training.nan_policy import MAX_SKIPPED_STEPS, NonFiniteTraining, SkipStreak
 from csbp.training.optim import apply_optim_config, build_optimizer
+from csbp.training.out_of_memory import named_out_of_memory
 from csbp.training.parallelize import apply_fsdp, gradient_sync_for
 from csbp.training.preflight import RunInputs, check_run
 from csbp.training.step import StepRunner
@@ -237,7 +238,9 @@ def _train(
     streak = SkipStreak(cfg.train.nan_policy, in_a_row=skips_in_a_row)
     loop = StepLoop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook, streak)
     try:
-        with collective_timeout(cfg.train.collective_timeout_s):
+        with collective_timeout(cfg.train.collective_timeout_s), named_out_of_memory(
+            cfg, rank=ctx.coords.rank, device=device, step=lambda: loop.last_step + 1
+        ):
             last_checkpoint = loop.run(start_step, stop_step, started)
         stop_step = loop.last_step
         final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
