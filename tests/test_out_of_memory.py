@@ -119,3 +119,22 @@ def test_a_launched_ranks_out_of_memory_is_reported_as_expected_without_a_traceb
     reported = failure_from_elastic(SimpleNamespace(failures=failures, get_first_failure=lambda: (0, failures[0])))
     assert str(reported) == "training failed on rank 1: OutOfDeviceMemory: rank 1 ran out of memory on cuda:1 in step 5: ..."
     assert reported.expected  # csbp train shows the line, not the traceback (unless --debug)
+
+
+def test_on_cuda_the_line_says_how_much_the_gpu_held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = tiny_config(tmp_path, **{"train.micro_batch_size": 1, "train.activation_checkpointing": "full"})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: int(131.25 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
+    message = out_of_memory_message(cfg, torch.OutOfMemoryError("CUDA out of memory"), rank=1, step=2,
+                                    device=torch.device("cuda", 1))
+    assert message.startswith("rank 1 ran out of memory on cuda:1 in step 2 (NVIDIA H200: 131.2 of 140.0 GiB "
+                              "allocated): activations")
+
+    def no_answer(device: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", no_answer)  # the report must not fail on the way
+    message = out_of_memory_message(cfg, torch.OutOfMemoryError("CUDA out of memory"), rank=1, step=2,
+                                    device=torch.device("cuda", 1))
+    assert message.startswith("rank 1 ran out of memory on cuda:1 in step 2: activations")
