@@ -249,6 +249,11 @@ def test_doctor_on_a_cuda_machine_names_its_gpus_nccl_and_bf16(monkeypatch: pyte
     rows = {(section, item): value for section, item, value in collect_environment()}
     assert rows["cuda", "device 1"] == "NVIDIA H200, 143 GiB" and rows["cuda", "runtime"].endswith("2 device(s)")
     assert rows["nccl", "version"] == "2.27.3" and rows["bf16", "cuda"] == "yes"
+    import torch.utils._triton as triton_utils
+
+    monkeypatch.setattr(triton_utils, "has_triton", lambda: False)
+    rows = {(section, item): value for section, item, value in collect_environment()}
+    assert rows["compile", "train.compile"] == "no on cuda: Triton is not installed (it comes with torch's CUDA wheels)"
 
 
 def test_the_training_tables_cuda_rows_train_on_the_cpu(

@@ -285,6 +285,7 @@ def test_doctor_reports_nccl_bf16_and_flex_attention() -> None:
     if not torch.cuda.is_available():
         assert rows[("nccl", "version")].startswith("not available")
         assert rows[("flexattention", "compiled")].startswith("no")
+        assert rows[("compile", "train.compile")] == "layers can compile on cpu"  # this machine has g++
 
 
 def test_train_table_stage_passes_the_options_and_the_remaining_budget(

@@ -145,7 +145,16 @@ def _precision_rows() -> list[Row]:
         supported, reason = direct_backward_support()
         direct = "direct from merged statistics (flex_backward auto)" if supported else f"recompute (direct not traced: {reason})"
         rows.append(("flexattention", "backward", direct))
+    rows.append(("compile", "train.compile", _compile_text("cuda" if cuda else "cpu")))
     return rows
+
+
+def _compile_text(device: str) -> str:
+    """Whether ``train.compile: layers`` can compile on ``device`` here, and why not."""
+    from csbp.training.compile_regions import compiler_problem
+
+    problem = compiler_problem(device)
+    return f"layers can compile on {device}" if problem is None else f"no on {device}: {problem}"
 
 
 def _cpu_text() -> str:
