@@ -4,6 +4,7 @@ so that the old, unbounded sandbox rendered it quickly rather than running out o
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -136,3 +137,54 @@ def test_templates_within_the_limits_render_as_jinja_renders_them() -> None:
     reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(LEGIT)
     assert ChatTemplate(LEGIT, "t").render(messages) == reference.render(messages=messages)
     assert ChatTemplate("{% for m in [] %}x{% else %}empty{% endfor %}", "t").render(messages) == "empty"
+
+
+ASTRAL = "\\U000e0000"  # repr writes it in 10 characters, json.dumps(ensure_ascii=True) in 12
+PAST_THE_BOUND = {  # each rendered, writing more than MAX_LENGTH characters in one step (unbounded: MemoryError)
+    "JSON item separators": ("tojson()", f"{{{{ ([1] * 1000) | tojson(separators=('x' * {OVER // 1000 + 1}, ':')) | length }}}}"),
+    "JSON key separators": ("tojson()", f"{{{{ {{'a': 1, 'b': 2}} | tojson(separators=(',', 'y' * {OVER // 2 + 1})) | length }}}}"),
+    "a JSON indent given by position": ("tojson()", (
+        "{% set ns = namespace(x=[1] * 40000) %}{% for i in range(29) %}{% set ns.x = [ns.x] %}{% endfor %}"
+        "{{ ns.x | tojson(False, 16) | length }}")),
+    "ASCII JSON of astral characters": ("tojson()", f"{{{{ ('\\U0001F600' * {OVER // 12 + 1}) | tojson(ensure_ascii=True) | length }}}}"),
+    "a list of astral characters made a string": ("string()", f"{{{{ ['{ASTRAL}' * {OVER // 10 + 1}] | string | length }}}}"),
+    "a list of astral characters printed": ("printing a value", f"{{{{ ['{ASTRAL}' * {OVER // 10 + 1}] }}}}"),
+    "a list of astral characters concatenated": ("~", f"{{{{ ('' ~ ['{ASTRAL}' * {OVER // 10 + 1}]) | length }}}}"),
+    "astral characters formatted with !r": ("format()", f"{{{{ '{{!r}}'.format('{ASTRAL}' * {OVER // 10 + 1}) | length }}}}"),
+    "astral characters formatted with %r": ("%", f"{{{{ ('%r' % ('{ASTRAL}' * {OVER // 10 + 1})) | length }}}}"),
+    "a percent width given by argument": ("%", f"{{{{ ('%*s' % ({OVER}, 'x')) | length }}}}"),
+    "a percent precision given by argument": ("%", f"{{{{ ('%.*f' % ({OVER}, 1.0)) | length }}}}"),
+    "a format width given by argument": ("format()", f"{{{{ ('{{0:{{w}}}}' * 17).format('x', w={MAX_ARGUMENT - 1}) | length }}}}"),
+    "a format width given as a string": ("format()", f"{{{{ '{{0:{{1}}}}'.format('x', '{OVER}') | length }}}}"),
+}
+
+
+@pytest.mark.parametrize(("operation", "payload"), PAST_THE_BOUND.values(), ids=PAST_THE_BOUND.keys())
+def test_operations_past_their_size_bound_are_refused_before_they_run(operation: str, payload: str) -> None:
+    """Each payload rendered: the step's size bound missed separators, an indent given by position,
+    repr and ensure_ascii escapes (10 and 12 characters for one) or widths taken from the arguments,
+    and only the budget of everything produced (8 x as much) stood behind it (a separator of 16 K
+    characters between 100 K items asked for 1.6 G characters)."""
+    template = ChatTemplate(payload, "evil/chat_template.jinja")
+    with pytest.raises(ValueError, match=rf"^rec 3: chat template evil/chat_template.jinja was refused by the sandbox "
+                       rf"\({re.escape(operation)} would exceed csbp's template limit of {MAX_LENGTH} characters\)"):
+        template.render([{"role": "user", "content": "hi"}], where="rec 3")
+
+
+HOSTILE = ["", "\U000e0000\x00'\"\\\n\U0001F600é<", ["\U000e0000" * 7, {"\x00\U0001F600": [None, 1.5e-300, -10**30]}],
+           {"k": [[["\U000e0000"]]], "\n": True}, [[], {}, [[[[]]]]], ("a", "\U000e0000" * 3)]
+
+
+@pytest.mark.parametrize("value", HOSTILE, ids=range(len(HOSTILE)))
+def test_the_size_bounds_hold_against_what_python_writes(value: object) -> None:
+    """The sandbox's bounds, checked against str(), json.dumps (csbp's tojson) and pprint themselves."""
+    import json
+    import pprint
+
+    assert len(str(value)) <= template_sandbox._printed(value)
+    assert len(pprint.pformat(value)) <= template_sandbox._growth("pprint", value, (), {})
+    assert len(repr(value)) <= template_sandbox._format_size("{!r}", [value])
+    for ascii_only, indent, separators in [(False, None, None), (True, None, None), (True, 16, (",,,", "::::"))]:
+        written = json.dumps(value, ensure_ascii=ascii_only, indent=indent, separators=separators)
+        bound = template_sandbox._growth("tojson", value, (ascii_only, indent, separators), {})
+        assert len(written) <= bound, (ascii_only, indent, separators)

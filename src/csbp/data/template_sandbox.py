@@ -66,6 +66,12 @@ WALKING_FILTERS = frozenset({
 to :data:`MAX_ITERATIONS` before they run."""
 
 _DIGITS = re.compile(r"\d+")
+_REPR_FACTOR = 10
+"""Most characters ``repr`` writes for one character of a string (``'\\U000e0000'``): what a string
+inside a printed list, or formatted with ``!r``/``%r``, may grow by."""
+_REPR_CONVERSION = re.compile(r"![ra]|%(\([^)]*\))?[-#0 +*.\d]*[ra]")
+_NESTED_FIELD = re.compile(r"\{[^{}]*\{")
+"""A replacement field whose spec holds another (``'{0:{w}}'``): its width comes from an argument."""
 _TOO_DEEP = 32
 """Containers nested deeper than this are taken as too large (no chat template nests so)."""
 _CLOCK_EVERY = 64
@@ -131,10 +137,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _weight(value: object, depth: int = 0) -> int:
-    """An upper bound on the characters ``str(value)`` takes (past :data:`MAX_LENGTH`: that + 1)."""
+def _weight(value: object, depth: int = 0, quoted: int = 1) -> int:
+    """The size of ``value`` (past :data:`MAX_LENGTH`: that + 1): its characters, counting each string
+    inside a container ``quoted`` times (:func:`_printed`: an upper bound on ``str(value)``)."""
     if isinstance(value, str):
-        return len(value)
+        return len(value) * (quoted if depth else 1)
     if _is_int(value):
         return value.bit_length() // 3 + 2  # type: ignore[union-attr]
     if value is None or isinstance(value, (bool, float, jinja2.Undefined)):
@@ -146,21 +153,40 @@ def _weight(value: object, depth: int = 0) -> int:
         total = 2
         items = value.items() if isinstance(value, dict) else ((item, None) for item in value)
         for key, item in items:
-            total += 4 + _weight(key, depth + 1) + (0 if item is None else _weight(item, depth + 1))
+            total += 4 + _weight(key, depth + 1, quoted) + (0 if item is None else _weight(item, depth + 1, quoted))
             if total > MAX_LENGTH:
                 return MAX_LENGTH + 1
         return total
     return min(len(str(value)), MAX_LENGTH + 1)  # a namespace, a cycler: their str is their size
 
 
-def _format_size(fmt: str, values: Iterable[Any]) -> int:
-    """An upper bound on the length of ``fmt`` formatted (``%`` or ``str.format``) with ``values``:
-    every field may be as wide as all widths written in it together, and hold the heaviest value."""
-    runs = _DIGITS.findall(fmt)
+def _printed(value: object) -> int:
+    """An upper bound on the characters ``str(value)`` takes: a string inside a container is written
+    as its ``repr`` (:data:`_REPR_FACTOR`)."""
+    return _weight(value, quoted=_REPR_FACTOR)
+
+
+def _digit_widths(text: str) -> int:
+    """The widths written in ``text`` together (past :data:`MAX_LENGTH` when one has over 7 digits)."""
+    runs = _DIGITS.findall(text)
     if any(len(run) > 7 for run in runs):
         return MAX_LENGTH + 1
-    heaviest = max((_weight(value) for value in values), default=0)
-    return len(fmt) + sum(int(run) for run in runs) + (fmt.count("{") + fmt.count("%")) * heaviest
+    return sum(int(run) for run in runs)
+
+
+def _format_size(fmt: str, values: Iterable[Any]) -> int:
+    """An upper bound on the length of ``fmt`` formatted (``%`` or ``str.format``) with ``values``:
+    every field may be as wide as all widths written in it together, plus (``%*s``, ``'{0:{w}}'``)
+    the widest an argument can make it, and hold the heaviest value (as its ``repr`` under ``!r``)."""
+    values = list(values)
+    widths = _digit_widths(fmt)
+    nested = _NESTED_FIELD.search(fmt) is not None  # '{0:{w}}': an int's or a string's digits are a width
+    if nested or "*" in fmt:  # '%*s': an int is
+        widths += max((abs(v) if _is_int(v) else _digit_widths(v) for v in values
+                       if _is_int(v) or (nested and isinstance(v, str))), default=0)
+    weigh = (lambda value: _printed([value])) if _REPR_CONVERSION.search(fmt) else _printed
+    heaviest = max((weigh(value) for value in values), default=0)
+    return len(fmt) + (fmt.count("{") + fmt.count("%")) * (widths + heaviest)
 
 
 def _format_values(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -171,11 +197,10 @@ def _format_values(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 def _growth(name: str, text: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """An upper bound on the output of string operation ``name`` on ``text`` (0: no check needed)."""
-    if name == "string":  # str() of a container: repr escapes a character in at most 4
-        return 4 * _weight(text) if not isinstance(text, str) else len(text)
-    if name in ("tojson", "pprint"):  # escapes (<= 6 per character) and, per item, indent x depth
-        indent = kwargs.get("indent") or (args[0] if args and _is_int(args[0]) else 0 if name == "tojson" else 1)
-        return _weight(text) * (6 + 8 * (indent if _is_int(indent) else 1))
+    if name == "string":  # str() of a container: its strings as their repr
+        return _printed(text)
+    if name in ("tojson", "pprint"):  # escapes, and per item: indent x depth and the separators
+        return _weight(text) * _json_growth(name, (*args, *kwargs.values())) + 2  # a string's quotes
     if not isinstance(text, str):
         return 0
     if name == "join" and args:
@@ -196,6 +221,18 @@ def _growth(name: str, text: object, args: tuple[Any, ...], kwargs: dict[str, An
         size = args[0] if args else kwargs.get("tabsize", 8)
         return len(text) + text.count("\t") * (size if _is_int(size) else 8)
     return 0
+
+
+def _json_growth(name: str, options: tuple[Any, ...]) -> int:
+    """An upper bound on the characters ``tojson``/``pprint`` writes per unit of :func:`_weight`, given
+    its arguments (whatever their position): 12 for a character under ``ensure_ascii=True``
+    (``\\ud83d\\ude00``; csbp's tojson escapes only when asked), a ``repr``'s for ``pprint``, 6
+    (``\\u0000``) else; and per item (weight >= 4, depth <= 32) 8 x the indent, and both separators."""
+    indents = [len(v) if isinstance(v, str) else v for v in options if _is_int(v) or isinstance(v, str)]
+    indent = max([abs(v) for v in indents], default=0 if name == "tojson" else 1)
+    separators = sum(len(s) for v in options if isinstance(v, (tuple, list)) for s in v if isinstance(s, str))
+    escape = 12 if any(v is True for v in options) else _REPR_FACTOR if name == "pprint" else 6
+    return escape + 8 * indent + separators
 
 
 def _check_call(name: str, text: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -288,7 +325,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     @staticmethod
     def _finalize(value: Any) -> Any:
-        if not isinstance(value, str) and _weight(value) > MAX_LENGTH:  # {{ [s, s, s, ...] }}
+        if not isinstance(value, str) and _printed(value) > MAX_LENGTH:  # {{ [s, s, s, ...] }}
             raise _refuse("printing a value")
         return value
 
@@ -345,7 +382,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def bounded_concat(self, values: tuple[Any, ...]) -> str:
         _step(_budget(), *values)
-        if sum(_weight(value) for value in values) > MAX_LENGTH:
+        if sum(_printed(value) for value in values) > MAX_LENGTH:
             raise _refuse("~")
         return _produced("".join(str(value) for value in values))
 
