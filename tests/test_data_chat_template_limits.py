@@ -49,6 +49,9 @@ PAYLOADS = {
     "printing a heavy list": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ [big, big, big] }}}}",
     "a heavy list made a string": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ [big, big, big] | string | length }}}}",
     "a heavy list repeated": f"{{% set big = 'x' * {MAX_LENGTH // 2} %}}{{{{ ([big] * 3) | length }}}}",
+    "sizing a long list again and again": (  # each size check walks the list: a loop over it
+        f"{{% set l = [1] * {MAX_ITERATIONS // 4} %}}{{% for i in range(5) %}}{{{{ l | string | length }}}}{{% endfor %}}"
+    ),
     "too much output": f"{{% for i in range(20) %}}{{{{ 'x' * {MAX_LENGTH // 16} }}}}{{% endfor %}}",
     "a huge JSON indent": "{{ messages | tojson(indent=100000) }}",
     # filters walking their input in Python: 'ab' * 8000000 | sort took 15 s, | urlize 18 s
