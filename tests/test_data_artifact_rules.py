@@ -1,0 +1,88 @@
+"""Rules of csbp.data.artifact no other test pinned (a mutation audit found each): the content
+fingerprint's formula, the chunked count of supervised tokens, empty splits, the manifest's records
+and what ``open_artifact`` refuses. Arrays here are written by hand; values are counted by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from csbp.data import artifact as artifact_module
+from csbp.data.artifact import (
+    ARRAY_DTYPES,
+    SPLITS,
+    Artifact,
+    array_file_name,
+    content_fingerprint,
+    count_supervised,
+    max_token_id,
+)
+
+
+def test_the_content_fingerprint_is_the_documented_formula(tmp_path: Path) -> None:
+    """sha256 of 'name:sha256(file)' lines joined by newlines: the value computed with coreutils'
+    sha256sum for these six files (a changed formula fails every artifact already prepared)."""
+    for split in SPLITS:
+        for field in ARRAY_DTYPES:
+            (tmp_path / array_file_name(split, field)).write_bytes(f"{split}-{field}".encode())
+    assert content_fingerprint(tmp_path) == "1888f8a6128f315f4e16bf11319e1f033a6961f64c20ba0e9a24ed1c3cf31997"
+
+
+def write_split(directory: Path, split: str, tokens: list[list[int]], loss_mask: list[list[int]]) -> None:
+    for field, values in (("tokens", tokens), ("loss_mask", loss_mask), ("doc_ids", [[0] * len(r) for r in tokens])):
+        np.asarray(values, dtype=ARRAY_DTYPES[field]).tofile(directory / array_file_name(split, field))
+
+
+@pytest.mark.parametrize("chunk", [1 << 24, 1, 2, 3, 4, 5])
+def test_supervised_tokens_are_counted_in_any_chunking(tmp_path: Path, chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(artifact_module, "_SCAN_CHUNK", chunk)
+    write_split(tmp_path, "train", [[7, 5, 7], [7, 7, 2]], [[1, 1, 0], [1, 0, 1]])  # 7 supervised at (0,0), (1,0)
+    assert count_supervised(tmp_path, "train", 7) == 2
+    assert count_supervised(tmp_path, "train", 2) == 1
+    assert count_supervised(tmp_path, "train", 9) == 0
+    assert max_token_id(tmp_path, "train") == 7
+
+
+def test_an_empty_split_has_no_largest_id_and_nothing_supervised(tmp_path: Path) -> None:
+    write_split(tmp_path, "val", [], [])
+    assert max_token_id(tmp_path, "val") == -1
+    assert count_supervised(tmp_path, "val", 0) == 0
+    write_split(tmp_path, "train", [[3, 4]], [[1, 1]])
+    artifact = Artifact(tmp_path, {"splits": {"train": {}, "val": {}}, "seq_len": 2})
+    assert artifact.count_supervised(4) == 1  # an empty split adds nothing (not -1)
+    assert artifact.max_token_id() == 4
+
+
+@pytest.mark.parametrize(
+    ("train", "val", "expected"),
+    [(0, 0, 0), (2, 3, 5), (2, None, None), (None, 3, None), (True, 0, None), (1.0, 0, None)],
+)
+def test_recorded_supervised_mask_tokens_need_an_integer_record_for_both_splits(train: object, val: object,
+                                                                                expected: int | None) -> None:
+    splits = {name: ({} if value is None else {"supervised_mask_tokens": value}) for name, value in
+              (("train", train), ("val", val))}
+    assert Artifact(Path("."), {"splits": splits}).recorded_supervised_mask_tokens() == expected
+
+
+def test_a_split_other_than_train_or_val_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^split is 'test'; use one of \('train', 'val'\)$"):
+        Artifact(Path("."), {"seq_len": 2, "splits": {"test": {"rows": 0}}}).split("test")
+
+
+def test_the_chat_template_entry_is_read_from_the_manifest() -> None:
+    entry = {"source": "/t/chat_template.jinja", "sha256": "ab"}
+    assert Artifact(Path("."), {"chat_template": entry}).chat_template == entry
+    assert Artifact(Path("."), {"chat_template": None}).chat_template is None
+    assert Artifact(Path("."), {}).chat_template is None
+
+
+def test_a_manifest_record_of_the_largest_id_is_used_without_reading_the_files(tmp_path: Path) -> None:
+    """check_run on every rank reads only the record (csbp train's verify_data reads the files)."""
+    write_split(tmp_path, "train", [[3, 9]], [[1, 1]])
+    write_split(tmp_path, "val", [], [])
+    splits = {"train": {"max_token_id": 9}, "val": {"max_token_id": -1}}
+    assert Artifact(tmp_path, {"splits": splits}).max_token_id() == 9
+    (tmp_path / array_file_name("train", "tokens")).unlink()  # the record suffices
+    assert Artifact(tmp_path, {"splits": splits}).max_token_id() == 9
