@@ -158,6 +158,12 @@ PAST_THE_BOUND = {  # each rendered, writing more than MAX_LENGTH characters in 
     "a percent width given by argument": ("%", f"{{{{ ('%*s' % ({OVER}, 'x')) | length }}}}"),
     "a percent precision given by argument": ("%", f"{{{{ ('%.*f' % ({OVER}, 1.0)) | length }}}}"),
     "a format width given by argument": ("format()", f"{{{{ ('{{0:{{w}}}}' * 17).format('x', w={MAX_ARGUMENT - 1}) | length }}}}"),
+    "a format_map width given by argument": (
+        "format_map()", f"{{{{ ('{{a:{{w}}}}' * 17).format_map({{'a': 'x', 'w': {MAX_ARGUMENT - 1}}}) | length }}}}"),
+    "a growing join": ("join()", "{{ ('x' * 5000).join(['a'] * 5000) | length }}"),
+    "a growing join filter": ("join()", "{{ (['a'] * 5000) | join('x' * 5000) | length }}"),
+    "an indent of the first line": ("indent()", f"{{{{ ('x' * {MAX_LENGTH - 10}) | indent(100, true) | length }}}}"),
+    "expanded tabs": ("expandtabs()", f"{{{{ ('\\t' * 17).expandtabs({MAX_ARGUMENT - 1}) | length }}}}"),
     "a format width given as a string": ("format()", f"{{{{ '{{0:{{1}}}}'.format('x', '{OVER}') | length }}}}"),
 }
 
