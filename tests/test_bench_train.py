@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from csbp.bench.plot import plot_speedups, speedup_series
-from csbp.bench.train_bench import TrainRecord, format_table, register_train_bench, run_train_bench
+from csbp.bench.train_bench import TrainRecord, run_train_bench
+from csbp.bench.train_cli import register_train_bench
+from csbp.bench.train_tables import format_table
 
 RECORD_KEYS = {
     "objective",
@@ -35,6 +37,7 @@ RECORD_KEYS = {
     "gradient_bytes_per_rank",
     "loss_step0",
     "activation_checkpointing",
+    "compile",
     "recompute_bytes_per_rank",
     # fastest repeat and model shape, for `csbp plan calibrate`
     "step_time_min_s",
@@ -122,6 +125,28 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
 
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_compile_modes_run_side_by_side_with_the_same_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "train.json"
+    args = parse(["train", "--seq-lens", "64", "--nproc", "2", "--repeats", "1", "--warmup", "1", "--objectives",
+                  "bd3", "--layouts", "cp", "csbp", "--compile", "none", "layers", "--json", str(out)])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "train.compile: step time per layout, eager (none) vs compiled (layers)" in printed
+    everything = json.loads(out.read_text())
+    assert [(r["layout"], r["compile"]) for r in everything] == [
+        (layout, mode) for layout in ("cp", "csbp") for mode in ("none", "layers")]
+    for eager, compiled in zip(everything[::2], everything[1::2], strict=True):
+        # the same step on the same batch: the compiled regions compute the eager ones' values
+        assert compiled["loss_step0"] == pytest.approx(eager["loss_step0"], rel=1e-6)
+        assert compiled["attention_bytes_per_rank"] == eager["attention_bytes_per_rank"]
+    with pytest.raises(ValueError, match=r"--compile layers needs --warmup 1 or more"):
+        run_train_bench([64], objectives=["bd3"], layouts=["cp"], nproc=2, compile=("layers",), warmup=0)
+    with pytest.raises(ValueError, match=r"--compile \['none', 'none'\]: give distinct modes"):
+        run_train_bench([64], objectives=["bd3"], layouts=["cp"], nproc=2, compile=("none", "none"))
 
 
 @pytest.mark.multiprocess

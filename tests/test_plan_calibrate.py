@@ -7,6 +7,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from csbp.cli.main import USER_ERROR_EXIT_CODE
 from csbp.plan.calibration import Calibration, load_calibration
 from csbp.plan.hardware import hardware
@@ -210,6 +212,11 @@ def test_calibrate_reads_what_each_benchmark_writes(tmp_path: Path) -> None:
     observations = bench_observations([path])
     assert [o.metric for o in observations] == ["step_s", "mem_gib"] * 3
     assert observations[-1].workload.objective.is_drafter
+    # a compiled step is not what the cost model's eager efficiencies describe: one line, not a skewed fit
+    compiled = tmp_path / "compiled.json"
+    compiled.write_text(json.dumps([{**asdict(records[0]), "compile": "layers"}]))
+    with pytest.raises(ValueError, match=r"compiled.json\[0\]: timed with `--compile layers` .* --compile none\)$"):
+        bench_observations([compiled])
 
 
 def test_calibrate_times_every_benchmark_by_its_fastest_repeat_and_reads_older_files(tmp_path: Path) -> None:

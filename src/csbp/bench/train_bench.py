@@ -26,7 +26,9 @@ agree across layouts (a cheap sanity check that the timed steps compute the same
 ``--activation-checkpointing none full`` runs every layout twice in the same processes, plain and
 with every decoder layer checkpointed (:mod:`csbp.training.activation_checkpointing`), and adds a
 table of the peak memory per rank with and without it (the cut) and the step-time cost; the bytes
-the recompute sends again are reported as ``recompute MiB/rank``.
+the recompute sends again are reported as ``recompute MiB/rank``. ``--compile none layers`` likewise
+runs every layout eagerly and with ``train.compile: layers`` (:mod:`csbp.training.compile_regions`;
+the compilation falls in the untimed warmup step) and adds a table of the step time of each.
 
 ``--backend`` (auto, tiles, flex), ``--diagonal`` (``csbp.attention.diagonal``) and ``--clean``
 (``csbp.attention.flash_pieces``) are the run config's ``attention`` section, so on a GPU ``--backend
@@ -36,27 +38,18 @@ training step per attention kernel; all are recorded in ``--json``.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from csbp.attention.backends import check_backend, check_backend_trains_on, check_clean
+from csbp.attention.backends import check_backend, check_clean
 from csbp.attention.diagonal import check_diagonal_backend
 from csbp.attention.documents import packed_doc_ids
 from csbp.bench.common import (
-    BALANCED_LAYOUTS,
     BENCH_DTYPES,
     StepSeries,
-    add_head_options,
-    add_layout_options,
-    add_model_width_options,
-    add_output_options,
-    add_transport_option,
     bench_documents,
-    check_device_option,
-    check_head_options,
     check_run_options,
     launch_cell,
     layout_schedule,
@@ -67,10 +60,7 @@ from csbp.bench.common import (
     repeats_of,
     require_parallel,
     select_topologies,
-    write_outputs,
 )
-from csbp.bench.train_tables import format_table
-from csbp.cli.options import add_clean_option, add_diagonal_option, positive_int
 from csbp.devices import backend_device, tensors_to
 from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, build_rank_plan, rank_loss
 from csbp.engine.context import build_parallel_context
@@ -81,6 +71,7 @@ from csbp.objectives import CorruptedBatch, build_objective, corruption_generato
 from csbp.parallel.comm import RECOMPUTE_PREFIX
 from csbp.topology import Topology, sequence_error_in_flags
 from csbp.training.activation_checkpointing import ACTIVATION_CHECKPOINTING_MODES, checkpoint_layers
+from csbp.training.compile_regions import COMPILE_MODES, compile_layers
 
 TRAIN_BENCH_OBJECTIVES: tuple[str, ...] = ("bd3", "fast_dllm_v2")
 
@@ -109,6 +100,7 @@ class TrainBenchConfig:
     layout_transports: tuple[str, ...] = ()  # per layout of the cell (``layout_transport``)
     layout_schedules: tuple[str, ...] = ()  # per layout of the cell (``layout_schedule``)
     activation_checkpointing: tuple[str, ...] = ("none",)
+    compile: tuple[str, ...] = ("none",)  # train.compile modes (csbp.training.compile_regions)
     lr: float = 1e-4
     warmup: int = 1
     repeats: int = 3
@@ -128,6 +120,10 @@ class TrainBenchConfig:
                 f"--activation-checkpointing {list(self.activation_checkpointing)}: give distinct modes "
                 f"from {ACTIVATION_CHECKPOINTING_MODES}"
             )
+        if not self.compile or len(set(self.compile)) != len(self.compile) or not set(self.compile) <= set(COMPILE_MODES):
+            raise ValueError(f"--compile {list(self.compile)}: give distinct modes from {COMPILE_MODES}")
+        if self.compile != ("none",) and self.warmup < 1:  # the first step compiles: never timed
+            raise ValueError(f"--compile {' '.join(self.compile)} needs --warmup 1 or more (the first step compiles)")
 
     def model_config(self) -> DecoderConfig:
         return DecoderConfig(
@@ -160,6 +156,7 @@ class TrainRecord:
     gradient_bytes_per_rank: int
     loss_step0: float
     activation_checkpointing: str = "none"
+    compile: str = "none"
     recompute_bytes_per_rank: int = 0
     # the fastest repeat (least disturbed by other load) and the model's shape, so `csbp plan
     # calibrate` can fit its cost model to these records
@@ -194,6 +191,7 @@ class _LayoutRunner:
         transport: str,
         activation_checkpointing: str,
         schedule: str = "dual_end",
+        compile_mode: str = "none",
     ) -> None:
         self.ctx = build_parallel_context(topology)
         self.plan: RankPlan | DocumentPlanner
@@ -203,6 +201,7 @@ class _LayoutRunner:
         else:
             self.plan = DocumentPlanner(self.ctx, cfg.seq_len, cfg.block_size, transport=transport, **attention)  # type: ignore[arg-type]
         self.model = Decoder(cfg.model_config(), dtype=BENCH_DTYPES[cfg.dtype], seed=cfg.seed, device=self.ctx.device)
+        compile_layers(self.model.layers, compile_mode)
         checkpoint_layers(self.model.layers, activation_checkpointing, self.ctx.counter)  # type: ignore[arg-type]
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, weight_decay=0.0)
         self.series = StepSeries()
@@ -255,13 +254,14 @@ def _worker(
 ) -> list[dict[str, float]]:
     """All layouts of one cell in the same processes, steps interleaved round-robin (layout A step
     i, layout B step i, ...) on the same batch, so slow drifts of the machine hit every layout alike;
-    runners are ordered layout-major, then activation-checkpointing mode."""
+    runners are ordered layout-major, then activation-checkpointing mode, then compile mode."""
     transports = cfg.layout_transports or (cfg.transport,) * len(topologies)
     schedules = cfg.layout_schedules or ("dual_end",) * len(topologies)
     runners = [
-        _LayoutRunner(topology, cfg, transport, mode, schedule)
+        _LayoutRunner(topology, cfg, transport, mode, schedule, compile_mode)
         for topology, transport, schedule in zip(topologies, transports, schedules, strict=True)
         for mode in cfg.activation_checkpointing
+        for compile_mode in cfg.compile
     ]
     mask_token_id = cfg.vocab_size - 1
     objective = build_objective(cfg.objective, mask_token_id=mask_token_id, block_size=cfg.block_size)
@@ -318,10 +318,10 @@ def run_train_bench(
     print_header(header)
     records: list[TrainRecord] = []
     for cfg in configs:
-        modes = cfg.activation_checkpointing
         per_runner = launch_cell(_worker, nproc, cell, cfg, timeout_s=timeout_s, device=device)
-        runs = [(name, topology, mode) for name, topology in zip(layouts, cell, strict=True) for mode in modes]
-        for (name, topology, mode), results in zip(runs, per_runner, strict=True):
+        runs = [(name, topology, mode, compile_mode) for name, topology in zip(layouts, cell, strict=True)
+                for mode in cfg.activation_checkpointing for compile_mode in cfg.compile]
+        for (name, topology, mode, compile_mode), results in zip(runs, per_runner, strict=True):
             step = results[0]["step_time_s"]
             records.append(
                 TrainRecord(
@@ -341,6 +341,7 @@ def run_train_bench(
                     gradient_bytes_per_rank=max_over_ranks(results, "gradient_bytes"),
                     loss_step0=results[0]["loss_step0"],
                     activation_checkpointing=mode,
+                    compile=compile_mode,
                     recompute_bytes_per_rank=max_over_ranks(results, "recompute_bytes"),
                     step_time_min_s=results[0]["step_time_min_s"],
                     hidden_size=cfg.hidden_size,
@@ -359,96 +360,6 @@ def run_train_bench(
                 )
             )
             if progress:
-                print(f"  {cfg.objective} L={cfg.seq_len} {name} ac={mode}: {step:.3f} s/step", flush=True)
+                print(f"  {cfg.objective} L={cfg.seq_len} {name} ac={mode} compile={compile_mode}: {step:.3f} s/step",
+                      flush=True)
     return records
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-def register_train_bench(kinds: argparse._SubParsersAction) -> None:
-    """Add ``csbp bench train`` to the ``csbp bench`` sub-subcommands."""
-    train = kinds.add_parser(
-        "train", help="CP-only vs BP-only vs CSBP full training steps (bd3, fast_dllm_v2)"
-    )
-    add_layout_options(
-        train, seq_lens=[512, 1024, 2048, 4096], csbp_cp_help="CP degree of the CSBP layout (default nproc)",
-        extra_layouts=BALANCED_LAYOUTS,
-    )
-    train.add_argument(
-        "--objectives", nargs="+", default=list(TRAIN_BENCH_OBJECTIVES), choices=TRAIN_BENCH_OBJECTIVES
-    )
-    add_transport_option(train)
-    train.add_argument(
-        "--backend", choices=("auto", "tiles", "flex"), default="auto",
-        help="attention backend, the run config's attention.backend (auto: flex on CUDA, tiles on CPU)",
-    )
-    add_diagonal_option(train)
-    add_clean_option(train)
-    train.add_argument("--samples", type=positive_int, default=1, help="samples per step")
-    add_model_width_options(train, vocab_size=512, intermediate_size=256)
-    train.add_argument("--num-layers", type=positive_int, default=2)
-    add_head_options(train)
-    train.add_argument("--dtype", choices=tuple(BENCH_DTYPES), default="float32")
-    train.add_argument(
-        "--activation-checkpointing",
-        nargs="+",
-        choices=ACTIVATION_CHECKPOINTING_MODES,
-        default=["none"],
-        help="modes to run every layout in; `none full` reports the peak-memory cut per rank",
-    )
-    add_output_options(train, png_help="speedup plot (default: next to --json, with suffix .png)")
-    train.set_defaults(func=run_train_bench_command)
-
-
-def run_train_bench_command(args: argparse.Namespace) -> int:
-    check_head_options(args)  # before anything is printed or launched
-    check_device_option(args)
-    check_diagonal_backend(
-        args.diagonal, check_backend_trains_on(args.backend, args.device, where="--backend"), where="--diagonal"
-    )
-    header = (
-        f"csbp bench train: objectives={','.join(args.objectives)} nproc={args.nproc} block={args.block_size} "
-        f"backend={args.backend} diagonal={args.diagonal} clean={args.clean} "
-        f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
-        f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per process, "
-        f"median of {args.repeats} repeats, ± half their range)"
-    )
-    records = run_train_bench(
-        args.seq_lens,
-        header=header,
-        objectives=args.objectives,
-        layouts=args.layouts,
-        nproc=args.nproc,
-        csbp_cp=args.csbp_cp,
-        progress=True,
-        device=args.device,
-        block_size=args.block_size,
-        transport=args.transport,
-        backend=args.backend,
-        diagonal=args.diagonal,
-        clean=args.clean,
-        doc_length=args.doc_length,
-        samples=args.samples,
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        dtype=args.dtype,
-        activation_checkpointing=tuple(args.activation_checkpointing),
-        warmup=args.warmup,
-        repeats=args.repeats,
-    )
-    first_mode = args.activation_checkpointing[0]
-    write_outputs(
-        format_table(records),
-        records,
-        args,
-        plot_group_by="objective",
-        plot_title="csbp bench train",
-        plot_records=[r for r in records if r.activation_checkpointing == first_mode],
-    )
-    return 0

@@ -1,7 +1,7 @@
 """The text tables of ``csbp bench train`` (``csbp.bench.train_bench``): every layout's metrics with
 their ratio to CP-only, the step time's spread over the repeats (``±``, a ``~`` on a ratio within it,
-``csbp.bench.spread``), and with ``--activation-checkpointing none full`` the memory cut and time cost
-of checkpointing per layout."""
+``csbp.bench.spread``), with ``--activation-checkpointing none full`` the memory cut and time cost
+of checkpointing per layout, and with ``--compile none layers`` the step time of each compile mode."""
 
 from __future__ import annotations
 
@@ -23,21 +23,50 @@ TABLE_COLUMNS = [
     Column("attn MiB/rank", "attention_bytes_per_rank", ">13.2f", vs_cp=True, shown=lambda v: v / 2**20),
     Column("loss0", "loss_step0", ">8.4f"),
     Column("ac", "activation_checkpointing", "<4"),
+    Column("compile", "compile", "<7"),
 ]
 
 
 def format_table(records: list[TrainRecord]) -> str:
-    """A text table with each metric and its ratio to CP-only at the same objective, length and
-    activation-checkpointing mode; with both modes measured, followed by the checkpointing table."""
-    table = format_ratio_table(records, ("objective", "seq_len", "activation_checkpointing"), TABLE_COLUMNS)
-    checkpointing = format_checkpointing_table(records)
-    return table if not checkpointing else f"{table}\n\n{checkpointing}"
+    """A text table with each metric and its ratio to CP-only at the same objective, length,
+    activation-checkpointing and compile mode; followed by the checkpointing table and the compile
+    table where both of their modes were measured."""
+    table = format_ratio_table(records, ("objective", "seq_len", "activation_checkpointing", "compile"), TABLE_COLUMNS)
+    extra = [t for t in (format_checkpointing_table(records), format_compile_table(records)) if t]
+    return "\n\n".join([table, *extra])
+
+
+def format_compile_table(records: list[TrainRecord]) -> str:
+    """Step time eager and compiled (``train.compile: layers``) per layout and checkpointing mode, their
+    ratio and whether step 0's loss agrees (empty when the records do not hold both modes)."""
+    by_key = {(r.objective, r.seq_len, r.layout, r.activation_checkpointing, r.compile): r for r in records}
+    header = (
+        f"{'objective':<13} {'seq_len':>7} {'layout':<13} {'ac':<4} {'step s none':>11} {'step s layers':>13} "
+        f"{'speedup':>8} {'loss0 rel diff':>14}"
+    )
+    lines, marked = [], False
+    for (objective, seq_len, layout, ac, mode), eager in by_key.items():
+        compiled = by_key.get((objective, seq_len, layout, ac, "layers"))
+        if mode != "none" or compiled is None:
+            continue
+        noisy = within_noise(eager.step_times_s, compiled.step_times_s)
+        marked |= noisy
+        loss_diff = abs(compiled.loss_step0 - eager.loss_step0) / abs(eager.loss_step0) if eager.loss_step0 else 0.0
+        lines.append(
+            f"{objective:<13} {seq_len:>7} {layout:<13} {ac:<4} {eager.step_time_s:>11.3f} {compiled.step_time_s:>13.3f} "
+            f"{eager.step_time_s / compiled.step_time_s:>7.2f}{NOISE_MARK if noisy else ' '} {loss_diff:>14.1e}"
+        )
+    if not lines:
+        return ""
+    title = "train.compile: step time per layout, eager (none) vs compiled (layers)"
+    return "\n".join([title, header, "-" * len(header), *lines, *([NOISE_NOTE] if marked else [])])
 
 
 def format_checkpointing_table(records: list[TrainRecord]) -> str:
     """Peak memory per rank and step time without and with activation checkpointing, per layout
     (empty when the records do not hold both modes)."""
-    by_key = {(r.objective, r.seq_len, r.layout, r.activation_checkpointing): r for r in records}
+    by_key = {(r.objective, r.seq_len, r.layout, r.activation_checkpointing): r
+              for r in records if r.compile == records[0].compile}  # one compile mode: the first run
     header = (
         f"{'objective':<13} {'seq_len':>7} {'layout':<13} {'peak MiB none':>13} {'peak MiB full':>13} "
         f"{'mem cut':>7} {'step s none':>11} {'step s full':>11} {'time x':>6} {'recompute MiB/rank':>18}"

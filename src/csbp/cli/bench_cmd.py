@@ -19,7 +19,7 @@ import argparse
 from csbp.bench.attention import register_attention_bench
 from csbp.bench.dflash_cli import register_dflash_bench
 from csbp.bench.kernels_cli import register_kernel_bench
-from csbp.bench.train_bench import register_train_bench
+from csbp.bench.train_cli import register_train_bench
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

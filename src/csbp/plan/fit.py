@@ -260,6 +260,11 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
             f"{where}: timed with `--target-capture {record['target_capture']}` (the online target pass), which "
             "the drafter's fitted terms leave out; calibrate on offline records (csbp bench dflash's default)"
         )
+    if record.get("compile", "none") != "none":
+        raise ValueError(
+            f"{where}: timed with `--compile {record['compile']}` (compiled layers), whose step the cost model's "
+            "eager efficiencies do not describe; calibrate on eager records (csbp bench train's default --compile none)"
+        )
     p = {"float32": 4, "bfloat16": 2, "float64": 8}.get(record.get("dtype", "float32"), 4)
     group = LayerGroup(
         record["num_layers"],
