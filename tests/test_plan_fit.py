@@ -165,6 +165,23 @@ def test_a_bench_record_is_the_workload_and_layout_the_bench_ran(tmp_path: Path)
     assert (aware.layout.transport, aware.workload.state_bytes, aware.workload.objective.views) == ("halo", 4, 1)
 
 
+def test_a_dflash_record_is_the_drafter_and_layout_the_bench_ran(tmp_path: Path) -> None:
+    """``csbp bench dflash`` deals ``samples`` over the data-parallel replicas (``samples // dp`` each),
+    slides its drafter layers over ``sliding_window`` and fuses ``feature_width`` target features into
+    the hidden size (the fusion fc); ``csbp-gather`` is CSBP with the context all-gather (streaming)."""
+    dflash = {**DFLASH, "seq_len": 512, "nproc": 4, "sliding_window": 64}
+    obs = _observations(
+        tmp_path,
+        {**dflash, "layout": "csbp", "cp": 2, "bp": 2, "dp": 2, "samples": 2},
+        {**dflash, "layout": "csbp-gather", "cp": 2, "bp": 2, "dp": 2, "samples": 4},
+    )
+    csbp, gather = obs[0], obs[2]
+    assert (csbp.layout.dp, csbp.layout.micro_batch, csbp.layout.transport) == (2, 1, "collective")
+    assert (gather.layout.dp, gather.layout.micro_batch, gather.layout.transport) == (2, 2, "streaming")
+    assert [g.window for g in csbp.workload.model.groups] == [64]
+    assert csbp.workload.model.extra_params == 256 * 128
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -305,15 +305,17 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
             name, block=record["block_size"], views=2 if name == "fast_dllm_v2" else 1, kv_grad_bytes=p
         )
     nproc, cp, bp = record["nproc"], record["cp"], record["bp"]
-    local = max(cp, bp)
+    dp = nproc // max(cp, bp)
+    # bench train runs every sample on every replica; bench dflash deals --samples over the replicas
+    samples = record.get("samples", 1)
     layout = Layout(
-        nproc // local,
+        dp,
         cp,
         bp,
         transport={"cp-aware": "halo", "csbp-gather": "streaming"}.get(  # dflash's all-gather baseline
             str(record.get("layout")), record.get("transport") or "collective"),
         checkpointing="full" if record.get("activation_checkpointing") == "full" else "none",
-        micro_batch=record.get("samples", 1),
+        micro_batch=max(samples // dp, 1) if kind == "dflash" else samples,
         sharding="ddp",
         schedule="balanced" if str(record.get("layout", "")).endswith("-balanced") else "dual_end",
     )
