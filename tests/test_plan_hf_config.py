@@ -106,3 +106,25 @@ def test_a_record_whose_topology_is_no_mapping_plans_without_a_window(tmp_path: 
     path.write_text(json.dumps({**CONFIG, "csbp_training": record}), encoding="utf-8")
     code, out, err = plan(capsys, path)
     assert (code, err) == (0, "") and "bd3, block 16)" in out.splitlines()[0], err
+
+
+@pytest.mark.parametrize(
+    ("record", "config", "planned"),
+    [
+        ({"objective": {"name": "mdlm", "block_size": None}}, {}, ("mdlm", 32, 0)),  # was planned as bd3
+        ({"objective": {"name": "bd3", "block_size": True}}, {}, ("bd3", 32, 0)),  # true is no block size (not 1)
+        (  # the config's own sliding window is the model's; the trained window only fills in a full-attention one
+            {"objective": {"name": "bd3", "block_size": 8}, "topology": {"window": 512}},
+            {"use_sliding_window": True, "sliding_window": 64},
+            ("bd3", 8, 64),
+        ),
+    ],
+)
+def test_a_csbp_export_record_is_read_as_the_run_wrote_it(tmp_path: Path, record, config, planned) -> None:
+    """``csbp_training`` as ``csbp.generation.run_settings.training_record_of`` writes it."""
+    from csbp.plan.workload import hf_workload
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**CONFIG, **config, "csbp_training": record}), encoding="utf-8")
+    workload = hf_workload(path)
+    assert (workload.objective.name, workload.objective.block, workload.model.groups[0].window) == planned
