@@ -106,3 +106,29 @@ def test_a_dflash_run_config_prices_the_drafter_csbp_builds_for_it(tmp_path: Pat
     offline = run_config_workload(load_run_config("dflash-demo", [f"objective.dflash.target={tmp_path}",
                                                                   f"objective.dflash.features={features}"]))
     assert offline.target_pass is not None and offline.target_pass.mode == "offline"
+
+
+def test_an_ar_run_config_is_planned_as_one_causal_stream() -> None:
+    """``ar`` is not one of ``--objective``'s choices, but a run config may train it (refusing it survived)."""
+    cfg = load_run_config("demo", ["objective.name=ar", "objective.block_size=null", "objective.loss_weight=unit",
+                                   "model.vocab_size=512", "topology.cp=1", "topology.bp=1"])
+    objective = run_config_workload(cfg).objective
+    assert (objective.name, objective.single_stream) == ("ar", True)
+
+
+def test_window_on_a_drafter_sets_its_layers_and_its_anchor_windows() -> None:
+    """The drafter's block-local work reads ``objective.window`` (``plan.drafter``): ``--window`` left it at
+    the preset's 2048 unnoticed."""
+    from csbp.plan.workload import preset_workload
+
+    drafter = preset_workload("dflash2-qwen3.8").with_options(window=128)
+    assert drafter.objective.window == 128 and {g.window for g in drafter.model.groups} == {128}
+
+
+@pytest.mark.parametrize("flag", ["--block-size", "--window"])
+def test_a_block_size_or_window_of_zero_is_one_line(capsys: pytest.CaptureFixture[str], flag: str) -> None:
+    from csbp.cli.main import USER_ERROR_EXIT_CODE, main
+
+    code = main(["plan", "--model", "nemotron-3b", "--gpus", "8", "--seq-len", "4096", flag, "0"])
+    out, err = capsys.readouterr()
+    assert code == USER_ERROR_EXIT_CODE and out == "" and err == f"csbp: error: {flag} must be >= 1, got 0\n"
