@@ -129,3 +129,16 @@ def test_the_global_batch_fix_is_a_multiple_of_the_smallest_dp(capsys: pytest.Ca
     err = capsys.readouterr().err
     assert code == USER_ERROR_EXIT_CODE
     assert err.endswith("(dp 8, 16; micro-batches 1, 2, 4) (fix: --global-batch 8, a multiple of 8)\n"), err
+
+
+def test_every_split_of_the_devices_offers_data_cp_bp_and_every_fused_csbp() -> None:
+    """Per ring size (the module docstring, written out for 8 devices): CP-only, BP-only and every fused
+    ``cp | bp``; BP-only dropped from the degrees passed every test."""
+    layouts = candidate_layouts(preset_workload("nemotron-3b"), 8, 65536)
+    degrees = {(lay.dp, lay.cp, lay.bp) for lay in layouts}
+    assert degrees == {
+        (8, 1, 1),
+        (4, 2, 1), (4, 1, 2), (4, 2, 2),
+        (2, 4, 1), (2, 1, 4), (2, 2, 4), (2, 4, 4),
+        (1, 8, 1), (1, 1, 8), (1, 2, 8), (1, 4, 8), (1, 8, 8),
+    }
