@@ -13,7 +13,7 @@ from csbp.plan.calibration import packaged_calibration
 from csbp.plan.hardware import hardware
 from csbp.plan.layout import Layout
 from csbp.plan.model import predict
-from csbp.plan.search import candidate_layouts, rank, sequence_problem
+from csbp.plan.search import candidate_layouts, describe, rank, sequence_problem
 from csbp.plan.workload import preset_workload
 
 # every overlap complete: a streaming ring's traffic and the gradient sync hide entirely (exact ties)
@@ -142,3 +142,16 @@ def test_every_split_of_the_devices_offers_data_cp_bp_and_every_fused_csbp() -> 
         (2, 4, 1), (2, 1, 4), (2, 2, 4), (2, 4, 4),
         (1, 8, 1), (1, 1, 8), (1, 2, 8), (1, 4, 8), (1, 8, 8),
     }
+
+
+def test_the_why_compares_the_best_with_the_fastest_cp_only_layout() -> None:
+    """At 4K on 8 devices data parallelism wins and CSBP is the fastest other family, but the sentence
+    weighs the pick against the baseline, the fastest CP-only layout (comparing with the runner-up
+    family survived)."""
+    workload, hw, cal = preset_workload("nemotron-3b"), hardware("h200", gpus=8), packaged_calibration("h200")
+    plan = rank(workload, candidate_layouts(workload, 8, 4096), 4096, hw, cal)
+    best, first_other = plan.feasible[0], next(p for p in plan.feasible if p.layout.kind != plan.feasible[0].layout.kind)
+    cp_only = max((p for p in plan.feasible if p.layout.kind == "cp"), key=lambda p: p.tokens_per_s)
+    assert best.layout.kind == "data" and first_other.layout.kind == "csbp"
+    ratio = best.tokens_per_s / cp_only.tokens_per_s
+    assert f"wins at {ratio:.2f}x the best CP-only layout ({describe(cp_only.layout)}):" in plan.why, plan.why
