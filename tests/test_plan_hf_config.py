@@ -50,7 +50,10 @@ def plan(capsys: pytest.CaptureFixture[str], path: Path) -> tuple[int, str, str]
             "num_attention_heads=12 is not a multiple of num_key_value_heads=5 (fix: a num_key_value_heads that divides",
         ),
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
-        ({"use_sliding_window": True}, "missing field 'sliding_window'"),
+        ({"use_sliding_window": True, "max_window_layers": 0, "sliding_window": 0},
+         "sliding_window must be a positive integer, got 0"),
+        ({"use_sliding_window": True, "max_window_layers": -1}, "max_window_layers must be an integer >= 0, got -1"),
+        ({"layer_types": ["full_attention"]}, "layer_types must list num_hidden_layers="),
         ({"intermediate_size": None}, "missing field 'intermediate_size'"),
     ],
 )
@@ -115,7 +118,7 @@ def test_a_record_whose_topology_is_no_mapping_plans_without_a_window(tmp_path: 
         ({"objective": {"name": "bd3", "block_size": True}}, {}, ("bd3", 32, 0)),  # true is no block size (not 1)
         (  # the config's own sliding window is the model's; the trained window only fills in a full-attention one
             {"objective": {"name": "bd3", "block_size": 8}, "topology": {"window": 512}},
-            {"use_sliding_window": True, "sliding_window": 64},
+            {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
             ("bd3", 8, 64),
         ),
     ],
@@ -128,3 +131,34 @@ def test_a_csbp_export_record_is_read_as_the_run_wrote_it(tmp_path: Path, record
     path.write_text(json.dumps({**CONFIG, **config, "csbp_training": record}), encoding="utf-8")
     workload = hf_workload(path)
     assert (workload.objective.name, workload.objective.block, workload.model.groups[0].window) == planned
+
+
+@pytest.mark.parametrize(
+    ("config", "groups"),
+    [
+        ({}, [(4, 0)]),
+        ({"use_sliding_window": True, "sliding_window": 64}, [(4, 0)]),  # max_window_layers 28 >= 4 layers
+        ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, [(1, 0), (3, 64)]),
+        ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0}, [(4, 64)]),
+        ({"use_sliding_window": True, "max_window_layers": 2}, [(2, 0), (2, 4096)]),  # transformers' default size
+        ({"sliding_window": 64, "layer_types": ["full_attention", "sliding_attention"] * 2}, [(2, 0), (2, 64)]),
+    ],
+)
+def test_only_the_layers_transformers_slides_are_planned_with_a_window(tmp_path: Path, config, groups) -> None:
+    """It windowed every layer under use_sliding_window; transformers (and csbp's importer) slide only
+    layers i >= max_window_layers, or those layer_types names: a Qwen config was under-priced."""
+    from transformers import Qwen2Config
+
+    from csbp.models.hf_config import QWEN_DEFAULT_MAX_WINDOW_LAYERS
+    from csbp.plan.workload import QWEN_DEFAULT_MAX_WINDOW_LAYERS as PLANNED_DEFAULT
+    from csbp.plan.workload import hf_workload
+
+    assert PLANNED_DEFAULT == QWEN_DEFAULT_MAX_WINDOW_LAYERS
+    base = {**CONFIG, "num_hidden_layers": 4}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**base, **config}), encoding="utf-8")
+    planned = hf_workload(path).model.groups
+    assert [(g.count, g.window) for g in planned] == groups
+    reference = Qwen2Config(**{k: v for k, v in {**base, **config}.items() if not k.startswith("_")})
+    sliding = sum(kind == "sliding_attention" for kind in reference.layer_types)
+    assert sum(g.count for g in planned if g.window) == sliding  # what transformers builds

@@ -308,17 +308,20 @@ def hf_workload(
             f"{file}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads} (fix: a "
             "num_key_value_heads that divides it: each K/V head serves a whole group of query heads)"
         )
-    sliding = cfg.get("use_sliding_window", False)
-    if not isinstance(sliding, bool):
-        raise ValueError(f"{file}: use_sliding_window must be true or false, got {sliding!r}")
-    window = size("sliding_window") if sliding else 0
-    group = LayerGroup(size("num_hidden_layers"), heads, kv_heads, size("head_dim", max(d // heads, 1)), window)
+    layers, head_dim = size("num_hidden_layers"), size("head_dim", max(d // heads, 1))
+    sliding_layers = _sliding_layer_count(cfg, layers, file)
+    window = size("sliding_window", 4096) if sliding_layers else 0  # transformers' Qwen default when absent
+    groups = tuple(
+        LayerGroup(count, heads, kv_heads, head_dim, layer_window)
+        for count, layer_window in ((layers - sliding_layers, 0), (sliding_layers, window))
+        if count
+    )
     model = ModelShape(
         name=str(cfg.get("_name_or_path") or cfg.get("model_type") or file.parent.name),
         d_model=d,
         vocab=size("vocab_size"),
         ffn=size("intermediate_size"),
-        groups=(group,),
+        groups=groups,
         tied_embeddings=_flag(cfg, "tie_word_embeddings", file),
     )
     trained = cfg.get("csbp_training")
@@ -336,6 +339,29 @@ def hf_workload(
     views = 2 if objective == "fast_dllm_v2" else 1
     # bf16 compute; csbp reduces dK/dV in the float32 accumulation dtype (attention.merge)
     return Workload(model, Objective(objective, block=block_size, views=views, kv_grad_bytes=4))
+
+
+QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
+"""transformers' Qwen2/Qwen3 default: the first 28 layers attend fully (``csbp.models.hf_config`` keeps the
+same; not imported here, the planner needs no torch)."""
+
+
+def _sliding_layer_count(cfg: dict[str, Any], layers: int, file: Path) -> int:
+    """How many of ``layers`` slide, as transformers' Qwen2/Qwen3 configs say (and csbp's importer reads
+    them, ``csbp.models.hf_config.qwen_layer_types``): ``layer_types`` when given; else, under
+    ``use_sliding_window``, layers ``i >= max_window_layers`` (absent: 28): not every layer."""
+    given = cfg.get("layer_types")
+    if given is not None:
+        kinds = ("full_attention", "sliding_attention")
+        if not isinstance(given, list) or len(given) != layers or any(kind not in kinds for kind in given):
+            raise ValueError(f"{file}: layer_types must list num_hidden_layers={layers} entries of {list(kinds)}")
+        return given.count("sliding_attention")
+    if not _flag(cfg, "use_sliding_window", file):
+        return 0
+    first = cfg.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"{file}: max_window_layers must be an integer >= 0, got {first!r}")
+    return max(0, layers - first)
 
 
 def _json_object(file: Path) -> dict[str, Any]:
@@ -432,7 +458,7 @@ def _dflash_workload(cfg: Any) -> Workload:
 
     section = cfg.objective.dflash
     target = hf_workload(Path(section.target), source="objective.dflash.target")
-    t, group = target.model, target.model.groups[0]
+    t, group = target.model, target.model.groups[0]  # the heads of every group are the same
     types = section.layer_types or ["full_attention"] * section.num_draft_layers
     sliding = sum(kind == "sliding_attention" for kind in types)
     groups = tuple(
@@ -440,7 +466,7 @@ def _dflash_workload(cfg: Any) -> Workload:
         for count, window in ((len(types) - sliding, 0), (sliding, section.sliding_window or 0))
         if count
     )
-    ids = section.target_layer_ids or default_target_layer_ids(group.count, section.num_draft_layers)
+    ids = section.target_layer_ids or default_target_layer_ids(t.num_layers, section.num_draft_layers)
     feature_width = t.d_model * len(ids)
     model = ModelShape(
         name=f"DFlash({t.name})",
