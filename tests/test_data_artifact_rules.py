@@ -4,6 +4,7 @@ and what ``open_artifact`` refuses. Arrays here are written by hand; values are 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from csbp.data.artifact import (
     content_fingerprint,
     count_supervised,
     max_token_id,
+    open_artifact,
 )
 
 
@@ -86,3 +88,47 @@ def test_a_manifest_record_of_the_largest_id_is_used_without_reading_the_files(t
     assert Artifact(tmp_path, {"splits": splits}).max_token_id() == 9
     (tmp_path / array_file_name("train", "tokens")).unlink()  # the record suffices
     assert Artifact(tmp_path, {"splits": splits}).max_token_id() == 9
+
+
+def _hand_artifact(directory: Path, **changes: object) -> Path:
+    """A valid artifact of one train row [5, 6] (seq_len 2) and no val rows; ``changes`` replace
+    top-level manifest fields. Its tokenizer.json is a placeholder: only its presence is checked."""
+    manifest = {
+        "format": artifact_module.FORMAT_NAME, "format_version": artifact_module.FORMAT_VERSION, "seq_len": 2,
+        "special_ids": {"eos": 0, "mask": 1, "pad": 0}, "content_fingerprint": "0" * 64,
+        "tokenizer": {"fingerprint": "0" * 64, "vocab_size": 8, "special_names": {}},
+        "splits": {"train": {"rows": 1}, "val": {"rows": 0}},
+    }
+    manifest.update(changes)
+    write_split(directory, "train", [[5, 6]], [[1, 1]])
+    write_split(directory, "val", [], [])
+    (directory / artifact_module.TOKENIZER_FILE).write_text("{}")
+    (directory / artifact_module.MANIFEST_NAME).write_text(json.dumps(manifest))
+    return directory
+
+
+def test_open_artifact_refuses_another_format_version_seq_len_1_and_no_tokenizer_file(tmp_path: Path) -> None:
+    """Each refused by its own check: a format version this reader does not know (its layout may
+    differ), seq_len 1 (csbp data prepare refuses it: no token of a row has a next one) and a missing
+    tokenizer.json (found when the artifact is opened, not when training first decodes)."""
+    open_artifact(_hand_artifact(tmp_path))  # the base is valid
+    for version in (2, None, "1"):
+        with pytest.raises(ValueError, match=rf"manifest.json: format 'csbp-packed-tokens' version {version!r} is not "
+                           r"'csbp-packed-tokens' version 1; re-run csbp data prepare$"):
+            open_artifact(_hand_artifact(tmp_path, format_version=version))
+    with pytest.raises(ValueError, match=r"manifest.json: seq_len is 1, not an integer in \[2, 2147483647\]"):
+        open_artifact(_hand_artifact(tmp_path, seq_len=1))
+    _hand_artifact(tmp_path)
+    (tmp_path / artifact_module.TOKENIZER_FILE).unlink()
+    with pytest.raises(ValueError, match=rf"^artifact {tmp_path} is missing tokenizer.json; re-run csbp data prepare$"):
+        open_artifact(tmp_path)
+
+
+def test_an_array_file_longer_than_the_manifest_says_is_refused(tmp_path: Path) -> None:
+    """Not only a truncated file: bytes past the manifest's rows are no row the memmap shows, so the
+    file is not what was prepared."""
+    _hand_artifact(tmp_path)
+    path = tmp_path / array_file_name("train", "tokens")
+    path.write_bytes(path.read_bytes() + bytes(4))
+    with pytest.raises(ValueError, match=r"train.tokens.bin: 12 bytes, manifest implies 8; the artifact is truncated"):
+        open_artifact(tmp_path)

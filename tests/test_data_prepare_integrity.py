@@ -153,3 +153,17 @@ def test_verify_refuses_special_ids_the_tokenizer_does_not_give(tmp_path, tokeni
     manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
     with pytest.raises(ValueError, match="special_ids.mask is None"):
         open_artifact(art_dir, verify=True)
+
+
+def test_verify_refuses_a_special_id_the_tokenizer_has_no_token_for(tmp_path, tokenizer_dir) -> None:
+    """A manifest ``special_ids`` entry beyond the tokenizer's own is refused too (training's mask
+    check reads every entry: an added one equal to the mask id would refuse a sound run)."""
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:4]])
+    art_dir = tmp_path / "art"
+    prepare([path], art_dir, tokenizer_dir, seq_len=4)
+    manifest_path = art_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest["special_ids"]["bos"] = 7
+    manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"special_ids.bos is 7, but its tokenizer.json gives 'bos' the id None "):
+        open_artifact(art_dir, verify=True)
