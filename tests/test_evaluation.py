@@ -447,3 +447,28 @@ def test_csbp_eval_names_the_cp_and_bp_that_split_the_data_s_rows(cp: int, bp: i
     message = str(info.value)
     assert message.startswith(f"--cp {cp} --bp {bp}: ") and f"(fix: {fix}" in message, message
     assert "seq_len=" not in message.split("(fix:")[1] and "block_size=" not in message.split("(fix:")[1]
+
+
+def test_csbp_eval_refuses_a_token_id_past_the_embedding_before_any_forward(
+    trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A token file changed after csbp data prepare (same size, so it opens) holding an id the model
+    does not embed: the manifest's max_token_id (no fingerprint covers it) passed the vocabulary
+    check, and the forward raised IndexError (a device-side assert on CUDA)."""
+    import shutil
+
+    import numpy as np
+
+    run_dir, artifact, _ = trained
+    changed = shutil.copytree(artifact, tmp_path / "art")
+    tokens = np.memmap(changed / "val.tokens.bin", dtype="<u4", mode="r+")
+    tokens[32 + 5] = 300  # row 1, position 5; the tokenizer (and the model) has ids [0, 300)
+    tokens.flush()
+    del tokens
+    argv = ["eval", "--model", str(run_dir / "final"), "--data", str(changed), "--split", "val", "--samples", "1",
+            "--no-ltr", "--device", "cpu"]
+    assert _error(capsys, argv) == (
+        "csbp: error: --split val: row 1 holds token id 300 at position 5, outside the model vocabulary [0, 300) "
+        "(fix: evaluate data prepared with the model's tokenizer; if it was, its token files changed since: "
+        "check with csbp data inspect --verify)"
+    )

@@ -11,7 +11,7 @@ import torch
 
 from csbp.data.artifact import ArtifactSplit
 from csbp.engine.context import single_process_context
-from csbp.engine.verify import MASK_TOKEN_ID, tiny_model_config
+from csbp.engine.verify import MASK_TOKEN_ID, VOCAB_SIZE, tiny_model_config
 from csbp.evaluation import EVAL_T_MIN, EvalOptions, EvalSettings, evaluate_model, nelbo_objective
 from csbp.evaluation.runner import eval_plan, score_split
 from csbp.models.decoder import Decoder
@@ -147,10 +147,10 @@ def test_the_scored_token_scan_reads_a_bounded_number_of_positions(objective: st
     )
     settings = EvalSettings(objective=objective, block_size=4, mask_token_id=MASK_TOKEN_ID)
     with pytest.raises(ValueError, match=r"--split val: row 3 holds the mask token id 63 at scored position 6; "):
-        runner.check_scored_tokens(split, settings, EvalOptions(micro_batch_size=1))
+        runner.check_scored_tokens(split, settings, EvalOptions(micro_batch_size=1), vocab_size=VOCAB_SIZE)
     assert reads and max(reads) == 2
     monkeypatch.setattr(runner, "SCAN_TOKENS", 3, raising=False)  # less than a row: one row at a time
     rows[3, 6] = 1
     reads.clear()
-    runner.check_scored_tokens(split, settings, EvalOptions(micro_batch_size=1))
+    runner.check_scored_tokens(split, settings, EvalOptions(micro_batch_size=1), vocab_size=VOCAB_SIZE)
     assert max(reads) == 1 and sum(reads) == 5 * (3 if objective == "fast_dllm_v2" else 2)

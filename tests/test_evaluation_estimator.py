@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from csbp.data.artifact import ArtifactSplit
-from csbp.engine.verify import MASK_TOKEN_ID, tiny_model_config
+from csbp.engine.verify import MASK_TOKEN_ID, VOCAB_SIZE, tiny_model_config
 from csbp.evaluation import EVAL_T_MIN, EvalOptions, EvalSettings, evaluate_model, nelbo_objective
 from csbp.evaluation.runner import check_scored_tokens
 from csbp.models.decoder import Decoder
@@ -93,7 +93,7 @@ def test_a_split_with_nothing_to_score_is_refused_before_any_forward() -> None:
     with pytest.raises(ValueError, match="hold no supervised token"):
         evaluate_model(model, unsupervised, bd3, EvalOptions(samples=1, left_to_right=False), progress=False)
     with pytest.raises(ValueError, match=r"--split val: the 3 rows scored hold no supervised token") as caught:
-        check_scored_tokens(unsupervised, bd3, EvalOptions(micro_batch_size=2))
+        check_scored_tokens(unsupervised, bd3, EvalOptions(micro_batch_size=2), vocab_size=VOCAB_SIZE)
     assert "\n" not in str(caught.value) and "fix:" in str(caught.value)
     # fast_dllm_v2 never scores position 0 nor a document start: one supervised token there is nothing
     fast = EvalSettings(objective="fast_dllm_v2", block_size=4, mask_token_id=MASK_TOKEN_ID)
@@ -101,16 +101,16 @@ def test_a_split_with_nothing_to_score_is_refused_before_any_forward() -> None:
     mask[0, 0] = mask[1, 4] = 1
     doc_ids = np.array([[0] * 8, [0] * 4 + [1] * 4])
     with pytest.raises(ValueError, match="hold no supervised token"):
-        check_scored_tokens(_split(mask, doc_ids), fast, EvalOptions())
-    check_scored_tokens(_split(mask, doc_ids), bd3, EvalOptions())  # bd3 scores both
+        check_scored_tokens(_split(mask, doc_ids), fast, EvalOptions(), vocab_size=VOCAB_SIZE)
+    check_scored_tokens(_split(mask, doc_ids), bd3, EvalOptions(), vocab_size=VOCAB_SIZE)  # bd3 scores both
     # --max-batches caps the rows looked at, as it caps the rows scored
     late = np.zeros((4, 8))
     late[3, 2] = 1
-    check_scored_tokens(_split(late), bd3, EvalOptions(micro_batch_size=2))
+    check_scored_tokens(_split(late), bd3, EvalOptions(micro_batch_size=2), vocab_size=VOCAB_SIZE)
     with pytest.raises(ValueError, match="the 2 rows scored"):
-        check_scored_tokens(_split(late), bd3, EvalOptions(micro_batch_size=2, max_batches=1))
+        check_scored_tokens(_split(late), bd3, EvalOptions(micro_batch_size=2, max_batches=1), vocab_size=VOCAB_SIZE)
     with pytest.raises(ValueError, match="has no rows"):
-        check_scored_tokens(_split(np.zeros((0, 8))), bd3, EvalOptions())
+        check_scored_tokens(_split(np.zeros((0, 8))), bd3, EvalOptions(), vocab_size=VOCAB_SIZE)
 
 
 @pytest.mark.parametrize(
@@ -146,3 +146,15 @@ def test_the_exact_nll_is_per_token_over_the_split_whatever_the_batch_size() -> 
     assert {r.ltr_tokens for r in reports} == {r.nelbo_tokens for r in reports} == {int(loss_mask.sum())}
     for report in reports[1:]:
         assert report.ltr_nll == pytest.approx(reports[0].ltr_nll, rel=1e-12)
+
+
+def test_a_token_past_the_embedding_is_refused_where_no_token_is_scored_too() -> None:
+    """Under token shift position 0 is never scored, but it is an input of the forward all the same."""
+    fast = EvalSettings(objective="fast_dllm_v2", block_size=4, mask_token_id=MASK_TOKEN_ID)
+    split = _split(np.ones((2, 8)))
+    check_scored_tokens(split, fast, EvalOptions(), vocab_size=VOCAB_SIZE)
+    split.tokens[1, 0] = VOCAB_SIZE
+    with pytest.raises(ValueError, match=rf"^--split val: row 1 holds token id {VOCAB_SIZE} at position 0, outside the "
+                       rf"model vocabulary \[0, {VOCAB_SIZE}\) \(fix: "):
+        check_scored_tokens(split, fast, EvalOptions(), vocab_size=VOCAB_SIZE)
+    check_scored_tokens(split, fast, EvalOptions(), vocab_size=VOCAB_SIZE + 1)

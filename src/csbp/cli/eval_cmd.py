@@ -109,8 +109,9 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--split {args.split}: {args.data} has no {args.split} rows (fix: pick the other split)")
     # the settings' checks (block size against the data, vocabulary, mask token) read config.json only:
     # they run before the weights load
+    model_config = read_hf_config(model_dir)
     settings = resolve_settings(
-        model_dir, read_hf_config(model_dir), artifact, objective=args.objective, block_size=args.block_size,
+        model_dir, model_config, artifact, objective=args.objective, block_size=args.block_size,
         document_mask=args.document_mask,
     )
     topology = eval_topology(args.nproc, args.cp, args.bp, settings, artifact.seq_len)
@@ -121,7 +122,7 @@ def run_eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         left_to_right=not args.no_ltr,
     )
-    check_scored_tokens(split, settings, options)  # before the weights load
+    check_scored_tokens(split, settings, options, vocab_size=model_config.vocab_size)  # before the weights load
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     if topology.world_size == 1:

@@ -187,8 +187,10 @@ class Artifact:
             )
 
     def max_token_id(self) -> int:
-        """The largest token id of both splits: the manifest's record (``splits.<s>.max_token_id``,
-        vouched for by the content fingerprint), else read from the token files."""
+        """The largest token id of both splits: the manifest's record (``splits.<s>.max_token_id``),
+        else read from the token files. The content fingerprint covers the files, not this record, and
+        opening the artifact does not recompute it: a path that feeds ids to a model checks the ids it
+        reads (``csbp train``'s ``verify_data`` reads the files, ``csbp eval`` the rows it scores)."""
         found = -1
         for split in SPLITS:
             recorded = self.manifest["splits"][split].get("max_token_id")

@@ -28,7 +28,7 @@ from csbp.evaluation.runner import (
     score_split,
 )
 from csbp.evaluation.settings import EvalSettings
-from csbp.models.hf_io import load_hf_checkpoint
+from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
 
@@ -96,7 +96,8 @@ def evaluate_parallel(
     timeout_s: float = 3600.0,
 ) -> EvalReport:
     """Score ``data_dir``'s ``split_name`` on ``topology.world_size`` processes (module docstring)."""
-    check_scored_tokens(open_artifact(data_dir).split(split_name), settings, options)
+    vocab_size = read_hf_config(model_dir).vocab_size
+    check_scored_tokens(open_artifact(data_dir).split(split_name), settings, options, vocab_size=vocab_size)
     started = time.perf_counter()
     results = run_local(
         _rank,

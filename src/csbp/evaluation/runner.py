@@ -152,9 +152,14 @@ SCAN_TOKENS = 1 << 24
 (at least one row): a bound in rows held ``rows x seq_len`` of each, some GiB for long rows."""
 
 
-def check_scored_tokens(split: ArtifactSplit, settings: EvalSettings, options: EvalOptions) -> None:
+def check_scored_tokens(split: ArtifactSplit, settings: EvalSettings, options: EvalOptions, *, vocab_size: int) -> None:
     """``ValueError`` (one line) unless the rows :func:`split_batches` yields hold a token to score,
-    and none of the scored tokens is the mask token.
+    every token of them is an embedding row of the model (``[0, vocab_size)``), and none of the
+    scored tokens is the mask token.
+
+    The ids are read, not taken from the manifest's ``max_token_id``: no fingerprint covers that record,
+    and a token file changed since ``csbp data prepare`` (same size) fed an id past the embedding to the
+    forward, an ``IndexError`` traceback on CPU and a device-side assert on CUDA.
 
     Without a scored token the NELBO and the LTR NLL would be ``0 / 0``, reported as a perfect ``0.0``.
     A scored ``[M]`` can never be predicted: its logit is excluded (as the sampler does), so its CE
@@ -171,6 +176,14 @@ def check_scored_tokens(split: ArtifactSplit, settings: EvalSettings, options: E
         end = min(start + chunk, rows)
         supervised = np.asarray(split.loss_mask[start:end]) != 0
         tokens = np.asarray(split.tokens[start:end])
+        outside = np.argwhere(tokens >= vocab_size)  # every token is an input, scored or not
+        if outside.size:
+            row, column = (int(v) for v in outside[0])
+            raise ValueError(
+                f"--split {split.name}: row {start + row} holds token id {int(tokens[row, column])} at position "
+                f"{column}, outside the model vocabulary [0, {vocab_size}) (fix: evaluate data prepared with the "
+                "model's tokenizer; if it was, its token files changed since: check with csbp data inspect --verify)"
+            )
         first = 0
         if settings.token_shift:
             doc_ids = np.asarray(split.doc_ids[start:end])
@@ -257,7 +270,7 @@ def evaluate_model(
 ) -> EvalReport:
     """Score ``split`` on this one process (see the module docstring)."""
     options = options or EvalOptions()
-    check_scored_tokens(split, settings, options)
+    check_scored_tokens(split, settings, options, vocab_size=model.config.vocab_size)
     started = time.perf_counter()
     ctx = single_process_context(model.embed_tokens.weight.device)
     sums = score_split(model, split, settings, eval_plan(settings, split.seq_len, ctx), options, progress=progress)
