@@ -117,3 +117,33 @@ def test_eval_of_jsonl_prompts_stops_at_the_generation_config_eos_ids(
     assert run_cli([*base, "--prompts", str(workspace["prompts"])]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert "generation_config.json: eos_token_id 100000 is not a token id" in line
+
+
+def test_eval_refuses_an_artifact_prompt_id_past_the_target_vocabulary(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token file changed after csbp data prepare (same size: it opens) with an id the target does
+    not embed: --prompts' ids were checked before any weights load, --data's only by the decoder
+    after the target and the drafter had loaded (one line without a fix, naming no prompt)."""
+    import numpy as np
+
+    import csbp.models.hf_io as hf_io
+
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the target's weights were loaded")
+
+    monkeypatch.setattr(hf_io, "load_hf_checkpoint", no_loading)
+
+    data = shutil.copytree(workspace["artifact"], tmp_path / "artifact")
+    tokens = np.memmap(data / "val.tokens.bin", dtype="<u4", mode="r+")
+    tokens[3] = 300  # row 0, position 3; the target embeds [0, 300)
+    tokens.flush()
+    del tokens
+    argv = ["dflash", "eval", "--target", str(workspace["target"]), "--drafter", str(workspace["drafter"]),
+            "--data", str(data), "--num-prompts", "1", "--prompt-len", "8", "--max-new-tokens", "3"]
+    assert run_cli(argv) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"csbp: error: --data {data} row 0: token id 300 is outside the target vocabulary [0, 300) (fix: its "
+        "token files changed since csbp data prepare: check with csbp data inspect --verify)"
+    )

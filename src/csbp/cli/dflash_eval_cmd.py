@@ -79,6 +79,15 @@ def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalP
             )
         ]
         eos_id, eos_source = artifact.special_ids["eos"], f"the EOS of {args.data}"
+        # its ids are read here, checked once more: the manifest's vocab_size says nothing of a token file
+        # changed since csbp data prepare, whose id past the target was refused only after the weights loaded
+        outside = next((p for p in prompts if max(p.token_ids) >= vocab_size), None)
+        if outside is not None:
+            raise ValueError(
+                f"--data {args.data} {outside.name}: token id {max(outside.token_ids)} is outside the target "
+                f"vocabulary [0, {vocab_size}) (fix: its token files changed since csbp data prepare: check with "
+                "csbp data inspect --verify)"
+            )
     else:
         tokenizer = load_tokenizer(args.tokenizer if args.tokenizer is not None else args.target)
         prompts = jsonl_prompts(  # whole prompts unless --prompt-len asks to keep their last tokens
