@@ -132,3 +132,26 @@ def test_an_array_file_longer_than_the_manifest_says_is_refused(tmp_path: Path) 
     path.write_bytes(path.read_bytes() + bytes(4))
     with pytest.raises(ValueError, match=r"train.tokens.bin: 12 bytes, manifest implies 8; the artifact is truncated"):
         open_artifact(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tokenizer": {"fingerprint": "0", "vocab_size": 2**32 + 1, "special_names": {}}},
+         r"tokenizer.vocab_size is 4294967297, not an integer in \[1, 4294967296\]"),  # ids are uint32
+        ({"tokenizer": {"fingerprint": "0", "vocab_size": True, "special_names": {}}},
+         r"tokenizer.vocab_size is True, not an integer"),  # JSON true is no count
+        ({"tokenizer": {"fingerprint": "0", "vocab_size": 8}}, r"missing field tokenizer.special_names"),
+        ({"special_ids": {"eos": 0, "mask": -1, "pad": 0}}, r"special_ids must map names to token ids"),
+        ({"special_ids": [0, 1, 0]}, r"special_ids must map names to token ids"),
+    ],
+)
+def test_open_artifact_refuses_a_manifest_field_out_of_its_range(tmp_path: Path, change: dict[str, object],
+                                                                  message: str) -> None:
+    """Each in one line when the artifact is opened (a bool, a list or a missing field used to reach
+    the code reading it: a size of 2**32 + 1 ids, a mask id -1, a KeyError/AttributeError traceback)."""
+    with pytest.raises(ValueError, match=rf"manifest.json: {message}.*re-run csbp data prepare$"):
+        open_artifact(_hand_artifact(tmp_path, **change))
+    changed = next(iter(change))
+    if changed == "tokenizer":  # the largest size is accepted
+        open_artifact(_hand_artifact(tmp_path, tokenizer={"fingerprint": "0", "vocab_size": 2**32, "special_names": {}}))

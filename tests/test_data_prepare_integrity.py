@@ -167,3 +167,29 @@ def test_verify_refuses_a_special_id_the_tokenizer_has_no_token_for(tmp_path, to
     manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
     with pytest.raises(ValueError, match=r"special_ids.bos is 7, but its tokenizer.json gives 'bos' the id None "):
         open_artifact(art_dir, verify=True)
+
+
+def test_verify_refuses_a_token_id_equal_to_the_vocabulary_size(tmp_path, tokenizer_dir) -> None:
+    """The first id past the vocabulary, in files whose content fingerprint was recomputed to match."""
+    import numpy as np
+
+    from csbp.data.artifact import content_fingerprint
+
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": t} for t in TINY_TEXTS[:4]])
+    art_dir = tmp_path / "art"
+    prepare([path], art_dir, tokenizer_dir, seq_len=4)
+    tokens = np.memmap(art_dir / "train.tokens.bin", dtype="<u4", mode="r+")
+    tokens[2] = 299  # the largest id: accepted
+    tokens.flush()
+    manifest_path = art_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest["content_fingerprint"] = content_fingerprint(art_dir)
+    manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
+    open_artifact(art_dir, verify=True)
+    tokens[2] = 300
+    tokens.flush()
+    del tokens
+    manifest["content_fingerprint"] = content_fingerprint(art_dir)
+    manifest_path.write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"split train: token id 300 is outside the vocabulary \[0, 300\)"):
+        open_artifact(art_dir, verify=True)
