@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from csbp.data.tokenizer import SpecialTokens, load_tokenizer, train_bpe_tokenizer
+from csbp.data.tokenizer import SpecialTokens, load_tokenizer, special_tokens_from_names, train_bpe_tokenizer
 
 TEXTS = ["hello world, the quick brown fox jumps over the lazy dog", "héllo wörld ✓"] * 10
 
@@ -47,6 +47,8 @@ def test_save_and_load_keep_the_fingerprint(tmp_path: Path) -> None:
 def test_vocab_size_too_small() -> None:
     with pytest.raises(ValueError, match="vocab_size is 261; a byte-level BPE needs at least 262"):
         train_bpe_tokenizer(TEXTS, vocab_size=261)
+    smallest = train_bpe_tokenizer(TEXTS, vocab_size=262)  # the bound itself: bytes and specials, no merge
+    assert smallest.vocab_size == 262 and smallest.decode(smallest.encode(TEXTS[1])) == TEXTS[1]
 
 
 def _wordlevel_dir(tmp_path: Path, vocab: dict[str, int]) -> Path:
@@ -121,6 +123,15 @@ def test_a_path_that_exists_but_is_no_tokenizer_says_what_it_is(tmp_path: Path) 
         load_tokenizer(tmp_path / "dangling")
     with pytest.raises(ValueError, match=r"missing does not exist" + fix):
         load_tokenizer(tmp_path / "missing")
+    (tmp_path / "to-null").symlink_to("/dev/null")  # a link to something that exists: what it reaches
+    with pytest.raises(ValueError, match=r"to-null is a character device, not a tokenizer.json file" + ".*" + fix):
+        load_tokenizer(tmp_path / "to-null")
+
+
+def test_special_tokens_from_names_keeps_the_fields_it_knows() -> None:
+    """A manifest's ``special_names`` with a name SpecialTokens has no field for (a later csbp's, or
+    an edit) is read for the fields it has, not a TypeError."""
+    assert special_tokens_from_names({"eos": "</s>", "bos": "<s>"}) == SpecialTokens(eos="</s>")
 
 
 def test_a_run_directory_for_a_tokenizer_names_its_model_s(tmp_path: Path) -> None:

@@ -107,16 +107,59 @@ def test_encoding_adds_no_bos_of_a_post_processor(tmp_path: Path) -> None:
     assert tok.encode_batch(texts) == plain
 
 
-def test_transformers_mask_token_stands_in_for_the_default(tmp_path: Path) -> None:
-    """A directory without tokenizer.json (GPT-2 style vocab.json + merges.txt) whose mask is
-    ``<mask>``: csbp's ``<|mask|>`` is absent, so the mask is transformers' ``mask_token``."""
-    trained = train_bpe_tokenizer(["hello world, the lazy fox"] * 5, vocab_size=300, special=SpecialTokens(mask="<mask>"))
-    trained.backend.model.save(str(tmp_path))
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "mask_token": "<mask>"})
-    )
-    assert not (tmp_path / "tokenizer.json").exists()
+def _gpt2_directory(directory: Path, texts: list[str], special: SpecialTokens, config: dict[str, str] | None,
+                    config_file: str = "tokenizer_config.json") -> Path:
+    """A directory without tokenizer.json: GPT-2 style vocab.json + merges.txt of a BPE trained on
+    ``texts``, and ``config`` as ``config_file``."""
+    train_bpe_tokenizer(texts, vocab_size=300, special=special).backend.model.save(str(directory))
+    if config is not None:
+        (directory / config_file).write_text(json.dumps(config))
+    assert not (directory / "tokenizer.json").exists()
+    return directory
+
+
+def test_transformers_mask_and_pad_tokens_stand_in_for_the_defaults(tmp_path: Path) -> None:
+    """Mask ``<mask>`` and pad ``<pad>``: csbp's ``<|mask|>`` and ``<|pad|>`` are absent, so they are
+    transformers' ``mask_token`` and ``pad_token`` (pad is not EOS)."""
+    config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "mask_token": "<mask>", "pad_token": "<pad>"}
+    _gpt2_directory(tmp_path, ["hello world, the lazy fox"] * 5, SpecialTokens(mask="<mask>", pad="<pad>"), config)
     reference = _reference(tmp_path)
     tok = load_tokenizer(tmp_path)
-    assert tok.special_names["mask"] == reference.mask_token == "<mask>"
-    assert tok.mask_token_id == reference.mask_token_id == trained.mask_token_id
+    assert (tok.special_names["mask"], tok.special_names["pad"]) == (reference.mask_token, reference.pad_token)
+    assert (tok.mask_token_id, tok.pad_id) == (reference.mask_token_id, reference.pad_token_id) == (1, 2)
+
+
+def test_no_mask_token_is_no_mask_even_where_the_vocabulary_holds_none(tmp_path: Path) -> None:
+    """transformers' ``mask_token`` is None here: that is no name to look up (the word ``None`` is a
+    token of this vocabulary, and was never to become the mask)."""
+    config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}
+    _gpt2_directory(tmp_path, ["None"] * 20, SpecialTokens(mask="<mask>"), config)
+    reference = _reference(tmp_path)
+    assert reference.mask_token is None and reference.convert_tokens_to_ids("None") != reference.unk_token_id
+    with pytest.raises(ValueError, match=r"has no mask token '<\|mask\|>' \(fix: "):
+        load_tokenizer(tmp_path)
+
+
+def test_a_model_directory_with_config_json_alone_loads_as_transformers_loads_it(tmp_path: Path) -> None:
+    """No tokenizer.json nor tokenizer_config.json: transformers takes the tokenizer class from
+    ``config.json``'s ``model_type``, and so does csbp (not "holds no tokenizer files")."""
+    texts = ["hello world, the lazy fox"] * 5
+    _gpt2_directory(tmp_path, texts, SpecialTokens(), {"model_type": "gpt2"}, config_file="config.json")
+    reference = _reference(tmp_path)
+    tok = load_tokenizer(tmp_path)
+    assert tok.encode("hello lazy fox") == reference("hello lazy fox", add_special_tokens=False)["input_ids"]
+    assert tok.eos_id == reference.eos_token_id
+
+
+def test_a_tokenizer_class_transformers_refuses_is_one_line(tmp_path: Path) -> None:
+    """transformers raises ValueError (not OSError) for a ``tokenizer_class`` it cannot build: one
+    line naming the directory, not a traceback."""
+    _gpt2_directory(tmp_path, ["hello world"] * 5, SpecialTokens(), {"tokenizer_class": "NoSuchTokenizer"})
+    with pytest.raises(ValueError) as raised:
+        _reference(tmp_path)
+    reason = " ".join(str(raised.value).split())
+    with pytest.raises(ValueError, match=r"^could not load a tokenizer from ") as caught:
+        load_tokenizer(tmp_path)
+    assert str(caught.value) == (
+        f"could not load a tokenizer from {tmp_path}: {reason} (fix: pass a directory holding tokenizer.json)"
+    )
