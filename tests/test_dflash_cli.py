@@ -467,3 +467,27 @@ def test_prepare_features_refuses_bad_arguments_before_loading_the_target(
         (line,) = capsys.readouterr().err.splitlines()
         assert line.startswith("csbp: error: ") and message in line, line
     assert not (tmp_path / "f").exists()
+
+
+def test_prepare_features_refuses_a_token_id_past_the_target_before_loading_it(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token file changed after csbp data prepare (same size: it opens, and its manifest's vocab_size
+    fits) with an id the target does not embed: an IndexError traceback once the target had loaded."""
+    import numpy as np
+
+    import csbp.cli.dflash_features_cmd as features_cmd
+
+    data = shutil.copytree(workspace["artifact"], tmp_path / "artifact")
+    tokens = np.memmap(data / "train.tokens.bin", dtype="<u4", mode="r+")
+    tokens[40] = 300  # the target embeds [0, 300)
+    tokens.flush()
+    del tokens
+    monkeypatch.setattr(features_cmd, "load_target", lambda *args: pytest.fail("the target was loaded"))
+    argv = ["dflash", "prepare-features", "--target", str(workspace["target"]), "--data", str(data), "--out",
+            str(tmp_path / "features")]
+    assert run_cli(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"csbp: error: --data {data} split train: token id 300 is outside the target vocabulary [0, 300) (fix: its "
+        "token files changed since csbp data prepare: check with csbp data inspect --verify)"
+    ]

@@ -4,8 +4,8 @@ The layers come from ``--layer-ids``, a ``--drafter``'s config, or the default f
 ``--num-draft-layers``. The store records the fingerprints of the target's config and weight files
 (``csbp train`` refuses a store of other weights) and the layer ids it holds, and the capture commits
 its progress at least once a minute: run the same command again after an interruption and it resumes
-(``csbp.dflash.feature_writer``). Every check reads configs only; the target's weights load once
-they all pass.
+(``csbp.dflash.feature_writer``). Every check reads configs (and the split's token ids) only; the
+target's weights load once they all pass.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def check_num_draft_layers(count: int, num_layers: int) -> None:
 
 def run_prepare_features(args: argparse.Namespace) -> int:
     """Validate the inputs, then capture the store at ``--out`` (module docstring)."""
-    from csbp.data.artifact import open_artifact
+    from csbp.data.artifact import max_token_id, open_artifact
     from csbp.dflash.config import default_target_layer_ids, validate_drafter_target
     from csbp.dflash.export import dflash_config_from_hf
     from csbp.dflash.feature_writer import check_output, prepare_features
@@ -52,6 +52,15 @@ def run_prepare_features(args: argparse.Namespace) -> int:
         raise ValueError(f"--target {args.target} is not a directory; pass a HF checkpoint directory")
     target_config = read_hf_config(args.target)
     artifact.require_vocab_size(target_config.vocab_size)
+    # the ids themselves: the manifest vouches for none in a token file changed since csbp data prepare
+    # (same size, so it opens), and one past the target's embedding was an IndexError mid-capture
+    largest = max_token_id(artifact.directory, args.split)
+    if largest >= target_config.vocab_size:
+        raise ValueError(
+            f"--data {args.data} split {args.split}: token id {largest} is outside the target vocabulary "
+            f"[0, {target_config.vocab_size}) (fix: its token files changed since csbp data prepare: check with "
+            "csbp data inspect --verify)"
+        )
     if args.drafter is not None:
         drafter_config = dflash_config_from_hf(read_json_object(args.drafter / "config.json"))
         try:  # features for a drafter of another target (shape or RoPE) would train it on the wrong states
