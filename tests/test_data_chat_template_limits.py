@@ -182,7 +182,7 @@ def test_operations_past_their_size_bound_are_refused_before_they_run(operation:
 
 HOSTILE = ["", "\U000e0000\x00'\"\\\n\U0001F600é<", ["\U000e0000" * 7, {"\x00\U0001F600": [None, 1.5e-300, -10**30]}],
            {"k": [[["\U000e0000"]]], "\n": True}, [[], {}, [[[[]]]]], ("a", "\U000e0000" * 3), -10**30,
-           -1.2345678901234567e-308, None]
+           -1.2345678901234567e-308, None, "\U0001F600" * 10]
 
 
 @pytest.mark.parametrize("value", HOSTILE, ids=range(len(HOSTILE)))
@@ -194,7 +194,9 @@ def test_the_size_bounds_hold_against_what_python_writes(value: object) -> None:
     assert len(str(value)) <= template_sandbox._printed(value)
     assert len(pprint.pformat(value)) <= template_sandbox._growth("pprint", value, (), {})
     assert len(repr(value)) <= template_sandbox._format_size("{!r}", [value])
-    for ascii_only, indent, separators in [(False, None, None), (True, None, None), (True, 16, (",,,", "::::"))]:
+    # ensure_ascii is any truthy value (1.0 escapes as True does), and an int before the indent is not it
+    options = [(False, None, None), (True, None, None), (True, 16, (",,,", "::::")), (1.0, None, None), (1, 16, None)]
+    for ascii_only, indent, separators in options:
         written = json.dumps(value, ensure_ascii=ascii_only, indent=indent, separators=separators)
         bound = template_sandbox._growth("tojson", value, (ascii_only, indent, separators), {})
         assert len(written) <= bound, (ascii_only, indent, separators)

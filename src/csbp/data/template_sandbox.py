@@ -225,13 +225,15 @@ def _growth(name: str, text: object, args: tuple[Any, ...], kwargs: dict[str, An
 
 def _json_growth(name: str, options: tuple[Any, ...]) -> int:
     """An upper bound on the characters ``tojson``/``pprint`` writes per unit of :func:`_weight`, given
-    its arguments (whatever their position): 12 for a character under ``ensure_ascii=True``
+    its arguments (whatever their position): 12 for a character under a truthy ``ensure_ascii``
     (``\\ud83d\\ude00``; csbp's tojson escapes only when asked), a ``repr``'s for ``pprint``, 6
     (``\\u0000``) else; and per item (weight >= 4, depth <= 32) 8 x the indent, and both separators."""
     indents = [len(v) if isinstance(v, str) else v for v in options if _is_int(v) or isinstance(v, str)]
     indent = max([abs(v) for v in indents], default=0 if name == "tojson" else 1)
     separators = sum(len(s) for v in options if isinstance(v, (tuple, list)) for s in v if isinstance(s, str))
-    escape = 12 if any(v is True for v in options) else _REPR_FACTOR if name == "pprint" else 6
+    # ensure_ascii escapes for any truthy value: an int or a string counts as an indent (>= 14 already)
+    escaped = any(v is True or (v and not isinstance(v, (int, str, tuple, list))) for v in options)
+    escape = 12 if escaped else _REPR_FACTOR if name == "pprint" else 6
     return escape + 8 * indent + separators
 
 
