@@ -182,7 +182,7 @@ def test_operations_past_their_size_bound_are_refused_before_they_run(operation:
 
 HOSTILE = ["", "\U000e0000\x00'\"\\\n\U0001F600é<", ["\U000e0000" * 7, {"\x00\U0001F600": [None, 1.5e-300, -10**30]}],
            {"k": [[["\U000e0000"]]], "\n": True}, [[], {}, [[[[]]]]], ("a", "\U000e0000" * 3), -10**30,
-           -1.2345678901234567e-308, None, "\U0001F600" * 10]
+           -1.2345678901234567e-308, None, "\U0001F600" * 10, [[[[[[[[[[[[]]]]]]]]]]]]]  # indents grow with depth
 
 
 @pytest.mark.parametrize("value", HOSTILE, ids=range(len(HOSTILE)))
