@@ -54,6 +54,26 @@ def test_only_the_fixes_a_config_has_not_made_are_named(tmp_path: Path) -> None:
     assert not any("fsdp" in fix for fix in memory_fixes(one_replica))  # nothing to shard over
 
 
+def test_no_fix_is_named_that_the_config_rules_refuse_or_that_changes_the_tokens_per_step(tmp_path: Path) -> None:
+    from csbp.config.loading import config_from_dict
+    from test_training_dflash import dflash_dict
+
+    dflash = dflash_dict(tmp_path, Path("/models/t"), **{"topology.dp": 2, "train.micro_batch_size": 3,
+                                                            "train.grad_accum": 1})
+    fixes = memory_fixes(config_from_dict(dflash))
+    assert not any("fsdp" in fix for fix in fixes)  # refused for dflash: every rank holds the drafter
+    assert "train.micro_batch_size: 1 with train.grad_accum: 3 (the same tokens per step)" in fixes  # not 1 x 2
+    lam = dflash_dict(tmp_path, Path("/models/t"), **{"objective.dflash.lk_loss_type": "lambda", "train.grad_accum": 1})
+    assert not any("grad_accum" in fix for fix in memory_fixes(config_from_dict(lam)))  # refused with lambda
+    for name in ("mdlm", "ar"):  # single streams: the rules refuse cp and bp
+        single = config_dict(tmp_path, **{"objective.name": name, "objective.block_size": None,
+                                           "train.micro_batch_size": 1, "train.activation_checkpointing": "full",
+                                           "objective.ce_chunk_rows": 256})
+        assert memory_fixes(config_from_dict(single)) == [
+            "a shorter data.seq_len, a smaller model or a device with more memory"
+        ]
+
+
 def test_the_message_names_rank_step_and_torchs_first_line(tmp_path: Path) -> None:
     cfg = tiny_config(tmp_path, **{"train.micro_batch_size": 1, "train.activation_checkpointing": "full"})
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has a total capacity ...")

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from csbp.config.rules import _SINGLE_STREAM_OBJECTIVES as SINGLE_STREAM_OBJECTIVES
 from csbp.config.schema import RunConfig
 
 CPU_ALLOCATOR_FAILURE = "can't allocate memory"
@@ -36,24 +37,26 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def memory_fixes(cfg: RunConfig) -> list[str]:
-    """The config changes that lower a step's memory and that ``cfg`` has not made yet, most
-    effective first."""
-    train, topo = cfg.train, cfg.topology
+    """The config changes that lower a step's memory, that ``cfg`` has not made yet and that its
+    objective accepts (the config rules refuse FSDP for dflash, ``cp``/``bp`` for the single-stream
+    objectives and ``grad_accum > 1`` for a ``lambda`` DFlash loss), most effective first."""
+    train, topo, objective = cfg.train, cfg.topology, cfg.objective
     fixes = []
     if train.activation_checkpointing == "none":
         fixes.append("train.activation_checkpointing: full (keeps one layer's activations, not all)")
-    if train.micro_batch_size > 1:
-        half = train.micro_batch_size // 2
-        fixes.append(
-            f"train.micro_batch_size: {half} with train.grad_accum: {train.grad_accum * 2} "
-            "(the same tokens per step)"
-        )
-    if topo.dp > 1 and not train.fsdp:
+    lambda_loss = objective.name == "dflash" and objective.dflash is not None and objective.dflash.lk_loss_type == "lambda"
+    if train.micro_batch_size > 1 and not lambda_loss:
+        # the largest smaller divisor keeps the rows per step exactly (3 -> 1 x 3, not 1 x 2)
+        smaller = max(d for d in range(1, train.micro_batch_size) if train.micro_batch_size % d == 0)
+        accum = train.grad_accum * train.micro_batch_size // smaller
+        fixes.append(f"train.micro_batch_size: {smaller} with train.grad_accum: {accum} (the same tokens per step)")
+    if topo.dp > 1 and not train.fsdp and objective.name != "dflash":
         fixes.append("train.fsdp: true (shards weights, gradients and AdamW state over the dp ranks)")
-    fixes.append("more ranks per sample (topology.cp / topology.bp) to split each sequence")
-    if cfg.objective.ce_chunk_rows > 256:
-        fixes.append(f"objective.ce_chunk_rows: {cfg.objective.ce_chunk_rows // 4} (a smaller logits chunk)")
-    return fixes
+    if objective.name not in SINGLE_STREAM_OBJECTIVES:
+        fixes.append("more ranks per sample (topology.cp / topology.bp) to split each sequence")
+    if objective.ce_chunk_rows > 256:
+        fixes.append(f"objective.ce_chunk_rows: {objective.ce_chunk_rows // 4} (a smaller logits chunk)")
+    return fixes or ["a shorter data.seq_len, a smaller model or a device with more memory"]
 
 
 def _held(device: torch.device) -> str:
