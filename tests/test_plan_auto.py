@@ -175,3 +175,16 @@ def test_the_overlap_named_is_the_one_the_prediction_used() -> None:
     streaming = "overlap: streaming hides K/V traffic up to 75% of its ring attention (overlap_stream)"
     assert _overlap_assumed(Layout(1, 4, transport="streaming"), cal) == streaming
     assert _overlap_assumed(Layout(1, 2, 4, transport="streaming"), cal) == streaming
+
+
+def test_plan_of_a_compiled_run_config_says_its_prediction_is_the_eager_step(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(hardware_module, "machine_ram_gib", lambda: 24.0)
+    plan = ["plan", "--model", "demo", "--gpus", "4", "--gpu", "cpu", "--top", "1"]
+    assert main([*plan, "--set", "train.compile=layers"]) == 0
+    assert "note: demo sets train.compile: layers; the times and memory below are the eager step's" in (
+        capsys.readouterr().out
+    )
+    assert main(plan) == 0
+    assert "train.compile" not in capsys.readouterr().out

@@ -300,6 +300,9 @@ def run_plan(args: argparse.Namespace) -> int:
         if run_config is not None and not run_config.document_mask:  # it plans a run the config would not train
             print(f"note: --data plans {args.data}'s documents under the document mask, but {args.model} trains "
                   "with data.document_mask false (set it true to train what is planned)")
+    if run_config is not None and run_config.train.compile != "none":  # predicted as eager (plan calibrate)
+        print(f"note: {args.model} sets train.compile: {run_config.train.compile}; the times and memory below are "
+              "the eager step's (the cost model is fitted on eager runs only)")
     if args.seq_len is None:
         raise ValueError("csbp plan needs --seq-len for a preset or HF model (e.g. --seq-len 256K)")
     check_planner_memory(args.seq_len, workload)
