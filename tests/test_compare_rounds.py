@@ -44,6 +44,12 @@ def test_rounds_rotate_the_order_and_change_the_seed(artifact: Path, tmp_path: P
     assert layout_dir(tmp_path, "cp", 1, 3) == tmp_path / "round-2" / "cp"
     assert balance_note(("cp", "csbp"), 4) is None and balance_note(("cp", "csbp"), 1) is None
     assert "fix: --repeats a multiple of 2" in str(balance_note(("cp", "csbp"), 3))
+    # compiled layouts share the compiled code: one round leaves the compilation to its first layout
+    assert balance_note(("cp", "csbp"), 1, compiled=True) == (
+        "note: train.compile: the layouts of a round share their processes' compiled code, so cp, which ran first, "
+        "paid the compilation in its budget (fix: --repeats a multiple of 2, which puts every layout first equally often)"
+    )
+    assert balance_note(("cp", "csbp"), 2, compiled=True) is None and balance_note(("cp",), 1, compiled=True) is None
     cfg = config_from_dict(_bd3_dict(artifact, **{"run.seed": 7}))
     options = CompareOptions(layouts=("cp", "csbp"), budget_s=1.0, nproc=2, out_dir=tmp_path / "cmp", repeats=3)
     rounds = plan_layouts(cfg, options)

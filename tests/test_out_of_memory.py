@@ -79,7 +79,7 @@ def test_the_message_names_rank_step_and_torchs_first_line(tmp_path: Path) -> No
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nGPU 0 has a total capacity ...")
     message = out_of_memory_message(cfg, error, rank=3, step=7, device=torch.device("cpu"))
     assert message == (
-        "rank 3 ran out of memory on cpu in step 7: activations, gathered K/V and the logits chunk come on top "
+        "rank 3 ran out of memory on cpu after step 7: activations, gathered K/V and the logits chunk come on top "
         "of the weights (fix: more ranks per sample (topology.cp / topology.bp) to split each sequence; or "
         "objective.ce_chunk_rows: 256 (a smaller logits chunk); `csbp plan --model <this config> --gpus N` "
         "predicts which layouts fit) [CUDA out of memory. Tried to allocate 2.00 GiB.]"
@@ -101,7 +101,7 @@ def test_a_step_out_of_memory_ends_train_with_the_one_line(
         return real_step(self, batches, step)
 
     monkeypatch.setattr(StepRunner, "train_step", failing_step)
-    with pytest.raises(OutOfDeviceMemory, match=r"^rank 0 ran out of memory on cpu in step 3: .*train\."
+    with pytest.raises(OutOfDeviceMemory, match=r"^rank 0 ran out of memory on cpu after step 2: .*train\."
                        r"activation_checkpointing: full .*\[(CUDA out of memory|\[enforce fail)") as info:
         train(tiny_config(artifact), run_dir=tmp_path / "run")
     assert info.value.__cause__ is failure
@@ -123,7 +123,7 @@ def test_csbp_train_prints_one_line_without_a_traceback(
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")))
     assert main(["train", str(config), "--run-dir", str(tmp_path / "run")]) != 0
     err = capsys.readouterr().err
-    assert err.startswith("csbp: error: rank 0 ran out of memory on cpu in step 1: ") and "Traceback" not in err
+    assert err.startswith("csbp: error: rank 0 ran out of memory on cpu after step 0: ") and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
 
 
@@ -134,10 +134,10 @@ def test_a_launched_ranks_out_of_memory_is_reported_as_expected_without_a_traceb
 
     failures = {
         0: failure("TrainingFailed: rank 0: a collective failed or timed out; another rank probably died", 2),
-        1: failure("OutOfDeviceMemory: rank 1 ran out of memory on cuda:1 in step 5: ...", 1),
+        1: failure("OutOfDeviceMemory: rank 1 ran out of memory on cuda:1 after step 5: ...", 1),
     }
     reported = failure_from_elastic(SimpleNamespace(failures=failures, get_first_failure=lambda: (0, failures[0])))
-    assert str(reported) == "training failed on rank 1: OutOfDeviceMemory: rank 1 ran out of memory on cuda:1 in step 5: ..."
+    assert str(reported) == "training failed on rank 1: OutOfDeviceMemory: rank 1 ran out of memory on cuda:1 after step 5: ..."
     assert reported.expected  # csbp train shows the line, not the traceback (unless --debug)
 
 
@@ -148,7 +148,7 @@ def test_on_cuda_the_line_says_how_much_the_gpu_held(tmp_path: Path, monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H200")
     message = out_of_memory_message(cfg, torch.OutOfMemoryError("CUDA out of memory"), rank=1, step=2,
                                     device=torch.device("cuda", 1))
-    assert message.startswith("rank 1 ran out of memory on cuda:1 in step 2 (NVIDIA H200: 131.2 of 140.0 GiB "
+    assert message.startswith("rank 1 ran out of memory on cuda:1 after step 2 (NVIDIA H200: 131.2 of 140.0 GiB "
                               "allocated): activations")
 
     def no_answer(device: object) -> None:
@@ -157,4 +157,26 @@ def test_on_cuda_the_line_says_how_much_the_gpu_held(tmp_path: Path, monkeypatch
     monkeypatch.setattr(torch.cuda, "memory_allocated", no_answer)  # the report must not fail on the way
     message = out_of_memory_message(cfg, torch.OutOfMemoryError("CUDA out of memory"), rank=1, step=2,
                                     device=torch.device("cuda", 1))
-    assert message.startswith("rank 1 ran out of memory on cuda:1 in step 2: activations")
+    assert message.startswith("rank 1 ran out of memory on cuda:1 after step 2: activations")
+
+
+def test_an_out_of_memory_met_while_compiling_or_chained_is_recognised() -> None:
+    """torch.compile wraps an allocation failure met while compiling in BackendCompilerFailed (its
+    inner_exception), which is no OutOfMemoryError: it passed as a traceback."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    def compile_failure(inner: Exception) -> BackendCompilerFailed:
+        try:  # torch 2.13 takes the first useful frame too; older versions do not
+            return BackendCompilerFailed(lambda gm, inputs: gm, inner, None)
+        except TypeError:
+            return BackendCompilerFailed(lambda gm, inputs: gm, inner)  # type: ignore[call-arg]
+
+    assert is_out_of_memory(compile_failure(torch.OutOfMemoryError("CUDA out of memory")))
+    try:
+        try:
+            raise RuntimeError(CPU_FAILURE)
+        except RuntimeError as cause:
+            raise ValueError("while building the plan") from cause
+    except ValueError as chained:
+        assert is_out_of_memory(chained)
+    assert not is_out_of_memory(compile_failure(RuntimeError("unsupported op")))

@@ -115,7 +115,7 @@ def run_compare_command(args: argparse.Namespace) -> int:
     else:
         text, json_path, png_path = _rounds(results, options, common, clock, title, metric, higher)
     print(text)
-    notes = _notes(results, options, cfg.train.max_steps)
+    notes = _notes(results, options, cfg.train.max_steps, compiled=cfg.train.compile != "none")
     for note in notes:
         print(note)
     print(f"wrote {json_path} and {png_path}")
@@ -159,7 +159,7 @@ def _rounds(
     return format_rounds_table(rounds, summary, metric=metric, higher_is_better=higher), json_path, png_path
 
 
-def _notes(results: Results, options: CompareOptions, max_steps: int) -> list[str]:
+def _notes(results: Results, options: CompareOptions, max_steps: int, *, compiled: bool = False) -> list[str]:
     """The budget notes of every round (prefixed with the round when there are several) and the
     order-balance note."""
     from csbp.compare.report import budget_notes
@@ -170,5 +170,5 @@ def _notes(results: Results, options: CompareOptions, max_steps: int) -> list[st
     for index, runs in enumerate(group_rounds(results)):
         prefix = f"round {index + 1}: " if options.repeats > 1 else ""
         notes += [prefix + note for note in budget_notes(runs, budget_s=options.budget_s, max_steps=max_steps)]
-    balance = balance_note(options.layouts, options.repeats)
+    balance = balance_note(options.layouts, options.repeats, compiled=compiled)
     return notes + ([balance] if balance else [])

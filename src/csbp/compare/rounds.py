@@ -50,10 +50,19 @@ def layout_dir(out_dir: Path, layout: str, round_index: int, repeats: int) -> Pa
     return out_dir / layout if repeats == 1 else out_dir / f"round-{round_index + 1}" / layout
 
 
-def balance_note(layouts: tuple[str, ...], repeats: int) -> str | None:
-    """A note when ``repeats`` rounds do not put every layout in every position equally often."""
-    if repeats == 1 or repeats % len(layouts) == 0:
+def balance_note(layouts: tuple[str, ...], repeats: int, *, compiled: bool = False) -> str | None:
+    """A note when ``repeats`` rounds do not put every layout in every position equally often, or, for a
+    ``compiled`` run (``train.compile: layers``), when one round leaves the compilation to its first layout."""
+    if repeats % len(layouts) == 0 and repeats > 1:
         return None
+    if repeats == 1:
+        if not compiled or len(layouts) == 1:
+            return None
+        return (
+            f"note: train.compile: the layouts of a round share their processes' compiled code, so {layouts[0]}, "
+            f"which ran first, paid the compilation in its budget (fix: --repeats a multiple of {len(layouts)}, which "
+            "puts every layout first equally often)"
+        )
     return (
         f"note: {repeats} rounds of {len(layouts)} layouts: the rotated orders do not run every layout in every "
         f"position equally often, so order effects are only partly balanced (fix: --repeats a multiple of "

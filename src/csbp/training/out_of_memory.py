@@ -30,10 +30,20 @@ class OutOfDeviceMemory(ValueError):
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """True for an allocation failure on the GPU or the CPU."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and CPU_ALLOCATOR_FAILURE in str(exc)
+    """True for an allocation failure on the GPU or the CPU, also when it is wrapped: ``torch.compile``
+    raises one met while compiling as its ``BackendCompilerFailed`` (``inner_exception``), others chain it
+    as their cause."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, torch.OutOfMemoryError):
+            return True
+        if isinstance(current, RuntimeError) and CPU_ALLOCATOR_FAILURE in str(current):
+            return True
+        inner = getattr(current, "inner_exception", None)
+        current = inner if isinstance(inner, BaseException) else current.__cause__
+    return False
 
 
 def memory_fixes(cfg: RunConfig) -> list[str]:
@@ -75,10 +85,11 @@ def _held(device: torch.device) -> str:
 def out_of_memory_message(
     cfg: RunConfig, exc: BaseException, *, rank: int, step: int, device: torch.device
 ) -> str:
-    """The one line of :class:`OutOfDeviceMemory` for ``exc`` at ``step`` on ``rank``."""
+    """The one line of :class:`OutOfDeviceMemory` for ``exc`` on ``rank`` after ``step`` (the last completed
+    step: the failure was in the next step, or in the validation or checkpoint that follows ``step``)."""
     reported = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return (
-        f"rank {rank} ran out of memory on {device} in step {step}{_held(device)}: activations, gathered "
+        f"rank {rank} ran out of memory on {device} after step {step}{_held(device)}: activations, gathered "
         f"K/V and the logits chunk come on top of the weights (fix: {'; or '.join(memory_fixes(cfg))}; "
         f"`csbp plan --model <this config> --gpus N` predicts which layouts fit) [{reported}]"
     )
@@ -88,8 +99,8 @@ def out_of_memory_message(
 def named_out_of_memory(
     cfg: RunConfig, *, rank: int, device: torch.device, step: Callable[[], int]
 ) -> Iterator[None]:
-    """Turn an allocation failure inside the block into :class:`OutOfDeviceMemory` (``step()``: the
-    step that was running); any other error passes unchanged."""
+    """Turn an allocation failure inside the block into :class:`OutOfDeviceMemory` (``step()``: the last
+    completed step); any other error passes unchanged."""
     try:
         yield
     except Exception as exc:

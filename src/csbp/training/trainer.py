@@ -239,7 +239,7 @@ def _train(
     loop = StepLoop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook, streak)
     try:
         with collective_timeout(cfg.train.collective_timeout_s), named_out_of_memory(
-            cfg, rank=ctx.coords.rank, device=device, step=lambda: loop.last_step + 1
+            cfg, rank=ctx.coords.rank, device=device, step=lambda: loop.last_step
         ):
             last_checkpoint = loop.run(start_step, stop_step, started)
         stop_step = loop.last_step
