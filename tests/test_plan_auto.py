@@ -181,7 +181,8 @@ def test_plan_of_a_compiled_run_config_says_its_prediction_is_the_eager_step(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(hardware_module, "machine_ram_gib", lambda: 24.0)
-    plan = ["plan", "--model", "demo", "--gpus", "4", "--gpu", "cpu", "--top", "1"]
+    # the vocabulary set here: a fresh clone has no demo artifact to read it from
+    plan = ["plan", "--model", "demo", "--gpus", "4", "--gpu", "cpu", "--top", "1", "--set", "model.vocab_size=512"]
     assert main([*plan, "--set", "train.compile=layers"]) == 0
     assert "note: demo sets train.compile: layers; the times and memory below are the eager step's" in (
         capsys.readouterr().out
