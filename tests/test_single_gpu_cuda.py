@@ -7,6 +7,8 @@
 * a BD3 step with packed documents under the document-aware ``balanced`` schedule, and a DFlash
   drafter step with packed documents, on CUDA equal the CPU reference (tiles in float64, and the
   backend ``auto`` picks on CUDA, flex, in float32 and in float64, the dtype ``csbp verify`` runs);
+* a BD3 step with ``train.compile: layers`` (inductor's Triton kernels for the layers' regions) on
+  CUDA equals the CPU reference in float32;
 * the attention of one layer (BD3 local transport, DFlash drafter attention), once its plan is
   built, runs forward and backward without a host synchronisation (``torch.cuda.set_sync_debug_mode``
   raises on one): a ``.item()``/``.tolist()`` or a shape that depends on device values would stall
@@ -191,3 +193,22 @@ def test_a_layers_dflash_attention_does_not_synchronise_with_the_host() -> None:
     with _no_host_sync():
         again = layer()
     torch.testing.assert_close(again, first, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- train.compile (last: the slowest)
+
+
+def test_a_compiled_bd3_step_on_cuda_matches_the_cpu_reference() -> None:
+    """``train.compile: layers`` on the device: inductor's kernels for each layer's norms, projections
+    and MLP (Triton on CUDA), the attention as without it (flex there), against the float64 CPU
+    reference at float32's tolerance. Last in the file: its compilation is the slowest body here."""
+    from csbp.engine.verify import check_case
+
+    case = VerifyCase(Topology(), doc_length=3, backend="auto", dtype="float32", device=DEVICE, compile=True)
+    check_case(case)  # the compiler is there (Triton on CUDA)
+    loss_ref, grads_ref = reference(case)
+    loss, grads = _forward_backward(case, single_process_context(_device()), num_replicas=1)
+    tolerance = TOLERANCES[torch.float32]
+    assert loss == pytest.approx(loss_ref, rel=tolerance)
+    for name, ref in grads_ref.items():
+        assert _rel(grads[name], ref) <= tolerance, name
