@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 Violation = tuple[str, str, str]
 """``(field, message, fix)``: a dotted field path, what is wrong, and what to do (may be empty)."""
 
-_SINGLE_STREAM_OBJECTIVES = ("mdlm", "ar")
+SINGLE_STREAM_OBJECTIVES = ("mdlm", "ar")
+"""Objectives over one stream of rows (no clean copy): no cp/bp ranks, no window."""
 SHAPE_FIELDS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 """Decoder shape fields of ``model`` (required unless ``init_from``; forbidden for dflash)."""
 _DECODER_FIELDS = ("rope_theta", "rms_norm_eps", "qk_norm", "tie_embeddings")
@@ -235,7 +236,7 @@ def _objective_layout_rules(cfg: RunConfig) -> list[Violation]:
                 "remove objective.block_size (or set it to null), or use bd3",
             )
         )
-    if obj.name in _SINGLE_STREAM_OBJECTIVES and (topo.bp != 1 or topo.cp != 1):
+    if obj.name in SINGLE_STREAM_OBJECTIVES and (topo.bp != 1 or topo.cp != 1):
         violations.append(
             (
                 "topology",
@@ -244,7 +245,7 @@ def _objective_layout_rules(cfg: RunConfig) -> list[Violation]:
                 "set cp: 1 and bp: 1 and scale with dp",
             )
         )
-    if topo.window is not None and obj.name in (*_SINGLE_STREAM_OBJECTIVES, "dflash"):
+    if topo.window is not None and obj.name in (*SINGLE_STREAM_OBJECTIVES, "dflash"):
         # the engine's single-stream and DFlash paths have no windowed mask: the window would be
         # ignored in training (and, for mdlm, applied by the sampler: a train/sample mismatch)
         fix = ("set objective.dflash.sliding_window for the drafter's sliding layers" if obj.name == "dflash"

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from csbp.config.rules import _SINGLE_STREAM_OBJECTIVES as SINGLE_STREAM_OBJECTIVES
+from csbp.config.rules import SINGLE_STREAM_OBJECTIVES
 from csbp.config.schema import RunConfig
 
 CPU_ALLOCATOR_FAILURE = "can't allocate memory"
