@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from csbp.plan.target_pass import TargetPass
 
 OBJECTIVES = ("bd3", "fast_dllm_v2", "mdlm", "dflash")
-SINGLE_STREAM_OBJECTIVES = ("mdlm",)
-"""Objectives over one stream of rows, which train full attention only (``ar`` is not planned)."""
+UNWINDOWED_OBJECTIVES = ("mdlm",)
+"""Planned objectives that train full attention only, as `csbp train` refuses topology.window for them
+(single-stream; ``ar`` is not planned)."""
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ class Workload:
         if window is not None:
             if window < 1:
                 raise ValueError(f"--window must be >= 1, got {window}")
-            if obj.name in SINGLE_STREAM_OBJECTIVES:  # as csbp train refuses topology.window for them
+            if obj.name in UNWINDOWED_OBJECTIVES:  # as csbp train refuses topology.window for them
                 raise ValueError(
                     f"--window {window}: {obj.name} trains full attention (csbp train refuses topology.window "
                     "for it) (fix: drop --window, or plan --objective bd3 or fast_dllm_v2)"
