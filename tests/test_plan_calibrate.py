@@ -255,3 +255,20 @@ def test_calibrate_says_when_no_fitted_record_informs_the_drafter_factor() -> No
     assert notes[0].startswith("note: 1 document-masked record(s) held")
     assert notes[-1] == "note: drafter_eff keeps its prior: no drafter record was fitted"
     assert _held_notes([decoder], [decoder], one_document=True, limit=None) == []
+
+
+def test_calibrate_leaves_out_the_compiled_records_of_a_compile_sweep(tmp_path: Path, capsys) -> None:
+    """``bench train --compile none layers`` writes eager and compiled records in one file: calibrate fits the
+    eager ones and says what it left out (it refused the whole file); a file of compiled records only is one line."""
+    sweep = Path(__file__).resolve().parents[1] / "docs" / "bench" / "train_compile.json"
+    records = json.loads(sweep.read_text())
+    assert {r["compile"] for r in records} == {"none", "layers"}
+    code, out, err = run(capsys, "plan", "calibrate", str(sweep), "--out", str(tmp_path / "cal.json"))
+    assert (code, err) == (0, "") and (tmp_path / "cal.json").is_file()
+    assert out.startswith("note: left out 4 compiled record(s) (bench train --compile layers, first ")
+    assert sum(" fit " in f" {line}" for line in out.splitlines()) == 8  # the 4 eager records, step and memory
+    only = tmp_path / "compiled.json"
+    only.write_text(json.dumps([r for r in records if r["compile"] == "layers"]))
+    code, _, err = run(capsys, "plan", "calibrate", str(only), "--out", str(tmp_path / "cal2.json"))
+    assert code == USER_ERROR_EXIT_CODE and "and no eager one" in err and "--compile none" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "cal2.json").exists()

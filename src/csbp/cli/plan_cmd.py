@@ -446,7 +446,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if args.published:
         cal = fit_published()
     else:
-        observations = bench_observations(args.bench, fastest=args.timing != "median")
+        skipped: list[str] = []
+        observations = bench_observations(args.bench, fastest=args.timing != "median", skipped=skipped)
+        if skipped:
+            compiled = f"{len(skipped)} compiled record(s) (bench train --compile layers, first {skipped[0]})"
+            if not observations:
+                raise ValueError(f"{compiled} and no eager one: the cost model describes eager steps (fix: rerun "
+                                 "the benchmark with --compile none, its default)")
+            print(f"note: left out {compiled}: the cost model describes eager steps; fitted on the eager records")
         limit = args.fit_max_len
         # Document-masked records are predicted, not fitted, when one-document records exist: the
         # kernels' speed per allowed pair differs under the document mask (docs/planning.md, --doc-length).

@@ -207,10 +207,15 @@ def fit_published() -> Calibration:
 _BENCH_SHAPE = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
-def bench_observations(paths: Sequence[Path], *, fastest: bool = True) -> list[Observation]:
+def bench_observations(
+    paths: Sequence[Path], *, fastest: bool = True, skipped: list[str] | None = None
+) -> list[Observation]:
     """Observations (step time and peak memory growth per layout) from ``csbp bench`` JSON files.
     ``fastest``: time a layout by its fastest repeat (the repeat least disturbed by other load on a
-    shared machine; ``record_seconds``), else by the median ``step_time_s``."""
+    shared machine; ``record_seconds``), else by the median ``step_time_s``. A compiled record
+    (``bench train --compile layers``: a step the eager cost model does not describe) is refused, or,
+    given a ``skipped`` list, left out and named there (``csbp plan calibrate`` says so; a file of
+    ``--compile none layers`` holds eager records beside them)."""
     out = []
     for path in paths:
         if not path.is_file():
@@ -222,7 +227,11 @@ def bench_observations(paths: Sequence[Path], *, fastest: bool = True) -> list[O
         if not isinstance(records, list) or not records:
             raise ValueError(f"{path}: expected the list of records `csbp bench ... --json` writes")
         for index, record in enumerate(records):
-            out.extend(_record_observations(record, f"{path}[{index}]", fastest))
+            where = f"{path}[{index}]"
+            if skipped is not None and isinstance(record, dict) and record.get("compile", "none") != "none":
+                skipped.append(where)
+                continue
+            out.extend(_record_observations(record, where, fastest))
     return out
 
 
