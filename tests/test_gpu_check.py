@@ -379,6 +379,31 @@ def test_a_decomposed_row_is_predicted_from_the_plain_row_of_its_length(monkeypa
     assert rows[-1].kind == "bd3 decomposed" and rows[-1].status.startswith("skipped: predicted 40 s")
 
 
+def test_a_compiled_row_is_predicted_with_its_compilation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``bd3 compiled`` row's prediction adds COMPILE_ALLOWANCE_S to the plain row's (which compiled none of
+    the layers): predicted from the plain row alone it started with a few seconds left and overran the budget."""
+    from csbp.gpu import train_table
+
+    tiny = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    built: list[tuple[str, int]] = []
+
+    def fake_row(kind: str, seq_len: int, build, device):  # noqa: ANN001, ANN202
+        built.append((kind, seq_len))
+        return train_table.TableRow(kind=kind, seq_len=seq_len, status="ok (1 timed)", checkpointing="none",
+                                    step_time_s=1.0)
+
+    monkeypatch.setattr(train_table, "_run_row", fake_row)
+    clock = iter(float(t) for t in range(1000))
+    monkeypatch.setattr(train_table.time, "perf_counter", lambda: next(clock))
+    budget = train_table.COMPILE_ALLOWANCE_S  # the plain row's 1 s step plus the allowance exceeds what is left
+    cfg = TableConfig(seq_lens=(32,), block_size=4, model=tiny, activation_checkpointing="none", backend="tiles",
+                      compiled_seq_lens=(32,), dflash_seq_len=None, warmup=0, repeats=1, budget_s=budget)
+    rows = run_train_table(cfg, torch.device("cpu"))
+    assert built == [("bd3", 32)]
+    assert rows[-1].kind == "bd3 compiled" and rows[-1].status.startswith(f"skipped: predicted {budget + 1:.0f} s")
+
+
 def test_row_prediction_keeps_one_time_costs_and_scales_the_steps() -> None:
     from csbp.gpu.train_table import predict_row_seconds
 
