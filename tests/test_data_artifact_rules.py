@@ -130,7 +130,11 @@ def test_an_array_file_longer_than_the_manifest_says_is_refused(tmp_path: Path) 
     _hand_artifact(tmp_path)
     path = tmp_path / array_file_name("train", "tokens")
     path.write_bytes(path.read_bytes() + bytes(4))
-    with pytest.raises(ValueError, match=r"train.tokens.bin: 12 bytes, manifest implies 8; the artifact is truncated"):
+    with pytest.raises(ValueError, match=r"train.tokens.bin: 12 bytes, manifest implies 8; the artifact is longer than "
+                       r"its manifest says \(appended to, or another artifact's\), re-run csbp data prepare$"):
+        open_artifact(tmp_path)  # it said 'truncated or corrupt' for a longer file too
+    path.write_bytes(path.read_bytes()[:4])
+    with pytest.raises(ValueError, match=r"train.tokens.bin: 4 bytes, manifest implies 8; the artifact is truncated, re-run"):
         open_artifact(tmp_path)
 
 

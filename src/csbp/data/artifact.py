@@ -293,10 +293,12 @@ def open_artifact(
             if not path.is_file():
                 raise ValueError(f"artifact {directory} is missing {path.name}; re-run csbp data prepare")
             expected_bytes = expected_items * dtype.itemsize
-            if path.stat().st_size != expected_bytes:
+            size = path.stat().st_size
+            if size != expected_bytes:
+                damage = "truncated" if size < expected_bytes else "longer than its manifest says (appended to, or another artifact's)"
                 raise ValueError(
-                    f"{path}: {path.stat().st_size} bytes, manifest implies {expected_bytes}; "
-                    "the artifact is truncated or corrupt, re-run csbp data prepare"
+                    f"{path}: {size} bytes, manifest implies {expected_bytes}; "
+                    f"the artifact is {damage}, re-run csbp data prepare"
                 )
     if not (directory / TOKENIZER_FILE).is_file():
         raise ValueError(f"artifact {directory} is missing {TOKENIZER_FILE}; re-run csbp data prepare")
