@@ -73,6 +73,7 @@ from csbp.training.launch_failures import (
 )
 from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher
 from csbp.training.memory_fit import check_state_fits
+from csbp.training.memory_forecast import forecast_line
 from csbp.training.preflight import check_run, verify_data
 from csbp.training.run_dir_checks import check_new_run_dir, check_writable_directory
 from csbp.training.run_lock import run_dir_lock
@@ -157,6 +158,10 @@ def _launch(
     verify_data(cfg, inputs)  # under torchrun every rank checks, so none waits for a failed one
     # after the data is vouched for: a forged manifest's vocabulary is named as such, not as a model too large
     check_state_fits(cfg, inputs, local_ranks=local)
+    if os.environ.get("RANK", "0") == "0":  # once per launch, by the process that prints
+        forecast = forecast_line(cfg, nproc=local)
+        if forecast is not None:
+            _warn(forecast)
     if inside_torchrun():
         return train_in_process_group(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps)
     check_process_count(cfg, nproc, options)

@@ -1,0 +1,142 @@
+"""Before launching, ``csbp train`` prices its explicit layout with ``csbp plan``'s cost model and warns
+in one line when the prediction exceeds the device's usable memory, naming a fix the planner checked
+(``csbp.training.memory_forecast``). Each prediction named is compared with the cost model's own
+``predict`` of a layout written out by hand, and each fix is checked to be predicted to fit."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from csbp.config.schema import RunConfig
+from csbp.plan import hardware as hardware_module
+from csbp.plan.calibration import packaged_calibration
+from csbp.plan.hardware import hardware
+from csbp.plan.layout import Layout
+from csbp.plan.model import GIB, predict
+from csbp.plan.workload import run_config_workload
+from csbp.recipes import load_run_config
+from csbp.training import launch_training, memory_forecast
+from csbp.training import launcher as launcher_module
+from csbp.training.memory_forecast import forecast_line
+from test_training_run import make_artifact, tiny_config
+
+QWEN3_0_6B = [
+    "model.vocab_size=151936", "model.hidden_size=1024", "model.intermediate_size=3072", "model.num_layers=28",
+    "model.num_heads=16", "model.num_kv_heads=8", "model.head_dim=128", "objective.block_size=16",
+    "train.micro_batch_size=1", "train.grad_accum=1", "train.fsdp=false",
+]
+
+
+def qwen_run(*changes: str) -> RunConfig:
+    """The demo recipe reshaped to Qwen3-0.6B, one sequence per micro-step, with ``changes``."""
+    return load_run_config("demo", [*QWEN3_0_6B, "topology.dp=1", "topology.cp=1", "topology.bp=1", *changes])
+
+
+def by_hand(cfg: RunConfig, layout: Layout, preset: str = "h100") -> float:
+    """The cost model's peak GiB per device of ``layout`` for ``cfg``'s workload, on ``cfg``'s processes."""
+    hw = hardware(preset, gpus=layout.world, gpus_per_node=layout.world)
+    prediction = predict(
+        run_config_workload(cfg), layout, cfg.data.seq_len, hw, packaged_calibration(preset), global_batch=layout.dp
+    )
+    return prediction.mem_bytes / GIB
+
+
+def test_a_run_predicted_to_fit_gets_no_warning() -> None:
+    cfg = qwen_run("data.seq_len=32768", "train.activation_checkpointing=full")
+    assert by_hand(cfg, Layout(1, checkpointing="full", sharding="ddp")) < 66.0
+    assert forecast_line(cfg, nproc=1, preset="h100") is None
+
+
+def test_a_layout_without_checkpointing_is_told_the_checkpointed_prediction() -> None:
+    cfg = qwen_run("data.seq_len=65536", "train.activation_checkpointing=none")
+    line = forecast_line(cfg, nproc=1, preset="h100")
+    assert line is not None and "\n" not in line
+    eager = by_hand(cfg, Layout(1, checkpointing="none", sharding="ddp"))
+    recomputed = by_hand(cfg, Layout(1, checkpointing="full", sharding="ddp"))
+    assert eager > 66.0 >= recomputed
+    assert line.startswith(
+        f"warning: csbp plan's cost model predicts {eager:.1f} GiB per device for this run's dp1, no checkpointing "
+        "at data.seq_len 65,536, more than the 66.0 GiB an H100 may hold (largest term: activations, "
+    )
+    assert f"(fix: --set train.activation_checkpointing=full, predicted at {recomputed:.1f} GiB;" in line
+    assert line.endswith("`csbp plan --model <config>` ranks every layout)")
+
+
+def test_a_layout_the_search_beats_is_told_what_topology_auto_picks() -> None:
+    cfg = qwen_run("data.seq_len=131072", "topology.dp=4", "train.activation_checkpointing=full")
+    line = forecast_line(cfg, nproc=4, preset="h100")
+    assert line is not None
+    assert f"predicts {by_hand(cfg, Layout(4, checkpointing='full', sharding='ddp')):.1f} GiB" in line
+    picked = re.search(r"--set topology=auto, which picks (dp\d+/cp\d+/bp\d+) (\w+), (\w+) checkpointing, predicted at "
+                       r"([0-9.]+) GiB", line)
+    assert picked is not None, line
+    dp, cp, bp = (int(n) for n in re.findall(r"\d+", picked[1]))
+    layout = Layout(dp, cp, bp, transport=picked[2], checkpointing=picked[3], sharding="ddp")  # type: ignore[arg-type]
+    assert f"{by_hand(cfg, layout):.1f}" == picked[4]
+    moved = qwen_run(
+        "data.seq_len=131072", f"topology.dp={dp}", f"topology.cp={cp}", f"topology.bp={bp}",
+        f"topology.transport={picked[2]}", f"train.activation_checkpointing={picked[3]}",
+    )
+    assert forecast_line(moved, nproc=4, preset="h100") is None
+
+
+def test_when_no_layout_of_the_processes_fits_the_fixes_are_the_checked_changes() -> None:
+    cfg = qwen_run("data.seq_len=131072", "train.activation_checkpointing=full")
+    line = forecast_line(cfg, nproc=1, preset="h100")
+    assert line is not None
+    fixes = re.search(r"\(fix: no layout of 1 process is predicted to fit as configured; --set topology=auto with "
+                      r"(.*); `csbp plan", line)
+    assert fixes is not None, line
+    named = fixes[1].split(" or with ")
+    assert "2 processes in all (--nproc x --nnodes)" in named
+    shorter = next(fix for fix in named if fix.startswith("--set data.seq_len="))
+    assert forecast_line(qwen_run(shorter.removeprefix("--set "), "train.activation_checkpointing=full"),
+                         nproc=1, preset="h100") is None
+
+
+def test_a_gpu_no_preset_describes_gets_no_forecast(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unknown() -> str:
+        raise ValueError("topology: auto has no hardware preset for 'NVIDIA L4'")
+
+    monkeypatch.setattr(memory_forecast, "gpu_preset", unknown)
+    assert forecast_line(qwen_run("data.seq_len=65536", "train.activation_checkpointing=none"), nproc=1) is None
+
+
+def test_the_launcher_warns_before_it_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the CPU the preset is this machine's RAM over the processes: a machine of almost none gets the
+    warning, on stderr, before training starts (and the run still starts: it is a warning)."""
+    cfg = tiny_config(make_artifact(tmp_path / "art"))
+    trained: list[str] = []
+
+    def train_stub(*args: object, **kwargs: object) -> None:
+        trained.append(capsys.readouterr().err)
+
+    monkeypatch.setattr(launcher_module, "train", train_stub)
+    launch_training(cfg, run_dir=tmp_path / "fits", max_steps=1)
+    assert trained == [""]
+    monkeypatch.setattr(hardware_module, "machine_ram_gib", lambda: 1e-6)
+    launch_training(cfg, run_dir=tmp_path / "tight", max_steps=1)
+    assert len(trained) == 2
+    assert re.fullmatch(
+        r"warning: csbp plan's cost model predicts [0-9.]+ MiB per device for this run's dp1, no checkpointing, "
+        r"micro-batch 2 at "
+        r"data\.seq_len 32, more than the 0\.0 MiB of this machine's RAM per process .*\n",
+        trained[1],
+    ), trained[1]
+
+
+def test_a_run_the_planner_cannot_price_gets_a_note_not_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unpriceable(cfg: RunConfig) -> None:
+        raise ValueError("objective.dflash.target: no config.json")
+
+    monkeypatch.setattr(memory_forecast, "run_config_workload", unpriceable)
+    line = forecast_line(qwen_run("data.seq_len=65536"), nproc=1, preset="h100")
+    assert line == (
+        "note: csbp plan's cost model cannot price this run, so its memory is not forecast "
+        "(objective.dflash.target: no config.json)"
+    )
