@@ -210,7 +210,7 @@ def test_training_table_dry_run_on_cpu_at_tiny_sizes() -> None:
                          num_kv_heads=2, head_dim=8)
     cfg = TableConfig(seq_lens=(64, 32), block_size=4, model=tiny, activation_checkpointing="full",
                       dflash_seq_len=64, dflash_anchors=4, dflash_draft_layers=1, warmup=1, repeats=1,
-                      peak_tflops=1.0, compiled_seq_lens=(32,))
+                      peak_tflops=1.0, compiled_seq_lens=(32,), long_step_s=1e9)  # no row cut short on a loaded machine
     seen: list[TableRow] = []
     rows = run_train_table(cfg, torch.device("cpu"), progress=seen.append)
     assert rows == seen and [(r.kind, r.seq_len) for r in rows] == [
@@ -223,6 +223,25 @@ def test_training_table_dry_run_on_cpu_at_tiny_sizes() -> None:
         assert 0 < row.mfu < 1 and row.loss > 0
     text = format_train_table(rows)
     assert len(text.splitlines()) == 6 and "dflash a=4" in text and "bd3 compiled" in text
+
+
+def test_a_profiled_row_runs_one_more_step_under_the_profiler_and_prints_it() -> None:
+    """The first H200 table's MFU was 14-20% with nothing to say where the rest of a step went: a row at
+    one of ``profile_seq_lens`` now carries a profile of one more step, in the JSON and under its line."""
+    tiny = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8)
+    cfg = TableConfig(seq_lens=(32, 64), block_size=4, model=tiny, activation_checkpointing="none",
+                      dflash_seq_len=None, warmup=0, repeats=1, peak_tflops=1.0, profile_seq_lens=(64,), profile_top=3)
+    short, profiled = run_train_table(cfg, torch.device("cpu"))
+    assert short.profile is None and profiled.profile is not None
+    profile = profiled.profile
+    assert len(profile.top) == 3 and profile.launches > 100  # aten ops of a whole training step on the CPU
+    assert 0 < profile.attention_ms < profile.busy_ms and profile.syncs == 0
+    saved = json.loads(json.dumps(rows_as_dicts([profiled])))[0]["profile"]
+    assert saved["launches"] == profile.launches and len(saved["top"]) == 3
+    lines = format_train_table([short, profiled]).splitlines()
+    assert len(lines) == 5 and lines[3].lstrip().startswith("bd3 ")
+    assert lines[4].startswith(f"      {profile.launches} launches; busy ") and "; top: " in lines[4]
 
 
 def test_long_steps_end_a_row_after_one_timed_step() -> None:

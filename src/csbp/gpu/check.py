@@ -287,6 +287,7 @@ def _train_table(env: CheckEnv) -> StageResult:
         clean=args.clean,
         decomposed_seq_lens=tuple(args.decomposed_seq_lens),
         compiled_seq_lens=tuple(args.compiled_seq_lens),
+        profile_seq_lens=tuple(args.profile_seq_lens),
         dflash_seq_len=args.dflash_seq_len or None,
         dflash_anchors=args.dflash_anchors,
         repeats=args.repeats,
@@ -298,7 +299,7 @@ def _train_table(env: CheckEnv) -> StageResult:
     start, measured_rows = time.perf_counter(), []
 
     def progress(row: TableRow) -> None:
-        print("   " + format_train_table([row]).splitlines()[-1], flush=True)
+        print("\n".join("   " + line for line in format_train_table([row]).splitlines()[2:]), flush=True)
         measured_rows.append(row)
         env.progress(rows=rows_as_dicts(measured_rows), table=format_train_table(measured_rows))
 
@@ -387,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compiled-seq-lens", type=int, nargs="*", default=[8192, 32768],
                         help="lengths of the table's 'bd3 compiled' rows (train.compile: layers), after the "
                         "decomposed rows as the budget allows; none: no such rows")
+    parser.add_argument("--profile-seq-lens", type=int, nargs="*", default=[8192],
+                        help="lengths whose BD3 rows (plain, decomposed, compiled) run one more step under the "
+                        "profiler: launches, busy against wall time, syncs, the costliest kernels; none: no profile")
     parser.add_argument("--flex-backward", choices=FLEX_BACKWARDS, default="auto",
                         help="backward of merged Flex partials in the kernels stage and the training table "
                         "(csbp.attention.flex_backward; auto: direct where this torch traces it). recompute: the "

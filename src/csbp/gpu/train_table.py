@@ -27,6 +27,13 @@ a training step. Then ``bd3 compiled`` rows (``compiled_seq_lens``) train the BD
 and MLP compiled; the attention as in the BD3 rows): the first H200 table's MFU was 14-20%, and these
 rows say how much of the rest the eager elementwise work was. The compilation falls in the warmup step.
 
+A BD3 row (plain, decomposed or compiled) at one of ``profile_seq_lens`` then runs its step once more
+under ``torch.profiler`` after its timed steps (``csbp.bench.kernel_profile.profile_step``; the timing is
+not disturbed): kernels launched, the device's busy time against the step's wall time and the host's time
+to issue it, its synchronising calls, the share in matmul and attention kernels, and the costliest
+kernels. That answers what the MFU alone cannot: whether the rest of a step is element-wise work (what
+compiling removes), the host falling behind the device (launch-bound: busy well under wall), or syncs.
+
 The same code runs on the CPU at tiny sizes (the test suite's dry run); the numbers only mean
 something on a GPU.
 """
@@ -43,6 +50,7 @@ import torch
 
 from csbp.attention.backends import check_backend_trains_on
 from csbp.attention.diagonal import check_diagonal_backend
+from csbp.bench.kernel_profile import StepProfile, format_profile, profile_step
 from csbp.bench.measure import PeakMemory
 from csbp.bench.spread import format_spread
 from csbp.devices import synchronize, tensors_to
@@ -87,6 +95,8 @@ class TableConfig:
     decomposed_clean: str = "pieces-cudnn"
     compiled_seq_lens: tuple[int, ...] = ()  # the device check asks for 8K (non-attention work weighs most) and 32K
     compile: str = "none"  # train.compile of the BD3 rows ("bd3 compiled" rows: layers)
+    profile_seq_lens: tuple[int, ...] = ()  # BD3 rows profiled once more after timing (the device check: 8K)
+    profile_top: int = 8
     dflash_seq_len: int | None = 65536
     dflash_anchors: int = 512
     dflash_draft_layers: int = 5
@@ -113,6 +123,7 @@ class TableRow:
     peak_mem_bytes: int | None = None
     loss: float | None = None
     step_times_s: tuple[float, ...] | None = None  # every timed step; ``step_time_s`` is their median
+    profile: StepProfile | None = None  # one more step under the profiler (``profile_seq_lens``)
 
 
 
@@ -253,9 +264,10 @@ def dflash_step_fn(cfg: TableConfig, device: torch.device) -> tuple[StepFn, str,
 
 
 def _ok_row(kind: str, seq_len: int, checkpointing: str, measured: Measured, flops: int,
-            peak_tflops: float | None) -> TableRow:
+            peak_tflops: float | None, profile: StepProfile | None = None) -> TableRow:
     step_time = measured.step_time_s
     return TableRow(
+        profile=profile,
         kind=kind, seq_len=seq_len, status=f"ok ({measured.steps} timed)", checkpointing=checkpointing,
         step_time_s=step_time, tokens_per_s=seq_len / step_time, tflops=flops / step_time / 1e12,
         mfu=model_flop_utilisation(flops, step_time_s=step_time, peak_tflops=peak_tflops),
@@ -327,7 +339,12 @@ def run_train_table(
         def build() -> TableRow:
             step, checkpointing = bd3_step_fn(row_cfg, seq_len, device)
             flops = bd3_step_flops(cfg.model, seq_len=seq_len, block_size=cfg.block_size)
-            return _ok_row(kind, seq_len, checkpointing, _measure(step, cfg, device), flops, cfg.peak_tflops)
+            measured = _measure(step, cfg, device)
+            profiled = None
+            if seq_len in cfg.profile_seq_lens and measured.steps:
+                after = cfg.warmup + cfg.repeats  # the next step indices: fresh batches, as in training
+                profiled = profile_step(lambda: step(after), device, top=cfg.profile_top)
+            return _ok_row(kind, seq_len, checkpointing, measured, flops, cfg.peak_tflops, profiled)
 
         return build
 
@@ -371,7 +388,7 @@ def _percent(value: float | None) -> str:
 
 def format_train_table(rows: list[TableRow]) -> str:
     """The table as text: one line per row (``±``: the spread of its timed steps), skipped and failed rows
-    with their reason."""
+    with their reason, a profiled row's profile on an indented line under it."""
     header = (
         f"{'model':<14} {'tokens':>7} {'ckpt':<5} {'step s':>8} {'±':>4} {'tok/s':>9} {'TFLOP/s':>8} "
         f"{'MFU':>6} {'peak GiB':>9}  status"
@@ -385,4 +402,6 @@ def format_train_table(rows: list[TableRow]) -> str:
             f"{_cell(row.tokens_per_s, '9.0f')} {_cell(row.tflops, '8.1f')} {_percent(row.mfu):>6} "
             f"{_cell(row.peak_mem_bytes, '9.2f', 2.0**-30)}  {row.status}"
         )
+        if row.profile is not None:
+            lines.append(format_profile(row.profile))
     return "\n".join(lines)
