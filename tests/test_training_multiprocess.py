@@ -21,10 +21,12 @@ import torch.distributed as dist
 from csbp.data import PackedLoader, open_artifact
 from csbp.data.artifact import content_fingerprint
 from csbp.data.prepare import write_manifest
+from csbp.gpu.flops import bd3_step_flops
 from csbp.parallel.launch import run_local
 from csbp.training import TrainingFailed, launch_training, train
 from csbp.training.checkpoint_integrity import checkpoint_problem
-from test_training_run import make_artifact, tiny_config, trajectory
+from csbp.training.preflight import check_run
+from test_training_run import make_artifact, metric_rows, tiny_config, trajectory
 
 pytestmark = pytest.mark.multiprocess
 
@@ -94,6 +96,23 @@ def test_bp_only_matches_one_process_and_resumes_onto_it(
     # A checkpoint written by 2 BP ranks resumes on one process (another topology).
     resumed = train(tiny_config(artifact), run_dir=root / "bp_step2", resume=True)
     assert resumed.losses == pytest.approx(bp_losses[2:], rel=1e-5)
+
+
+def test_the_logged_rate_counts_the_flops_of_every_replica(
+    two_rank_runs: tuple[Path, dict[str, Any]], artifact: Path
+) -> None:
+    """dp=2: each replica counts its own batches and the step sums them over dp in the reduction of the
+    loss's denominator; one replica's count alone would log half the rate."""
+    root, _ = two_rank_runs
+    cfg = tiny_config(artifact, **DATA_PARALLEL)
+    config = check_run(cfg, check_device=False).decoder_config
+    samples = cfg.topology.dp * cfg.train.micro_batch_size * cfg.train.grad_accum
+    expected = bd3_step_flops(config, seq_len=cfg.data.seq_len, block_size=cfg.objective.block_size, samples=samples)
+    rows = [r for r in metric_rows(root / "dp") if r.get("loss") is not None]
+    assert len(rows) == 3
+    for row in rows:
+        seconds = samples * cfg.data.seq_len / row["tokens_per_s"]
+        assert row["tflops_per_device"] * 1e12 * cfg.world_size * seconds == pytest.approx(expected, rel=1e-9)
 
 
 def test_fsdp_through_the_launcher_matches_plain_data_parallel(

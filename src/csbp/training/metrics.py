@@ -5,7 +5,9 @@ a no-op, so no other rank writes files.
 
 ``<run_dir>/metrics.jsonl`` holds one JSON object per optimizer step: ``step``, ``loss`` (global
 train loss of the step), ``lr`` (the rate the step used), ``grad_norm`` (before clipping),
-``tokens_per_s`` (all ranks' tokens over the step's wall time), ``peak_mem_bytes``,
+``tokens_per_s`` (all ranks' tokens over the step's wall time), ``tflops_per_device`` (the step's model
+FLOPs, ``csbp.training.model_flops``, over its wall time per device; not for dflash) and, on a GPU of known
+bf16 peak training in bf16, ``mfu`` (that over the peak, ``csbp.gpu.flops``), ``peak_mem_bytes``,
 ``elapsed_s`` (since this invocation started), and ``val_loss`` on steps that ran validation
 (the training objective on validation rows, clipped noise included). The diffusion objectives
 (bd3, mdlm, fast_dllm_v2) also log ``val_nelbo``, the unclipped NELBO per token in nats (a
@@ -53,6 +55,8 @@ _SCALARS = {
     "lr": "train/lr",
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "train/tokens_per_s",
+    "tflops_per_device": "train/tflops_per_device",
+    "mfu": "train/mfu",
     "peak_mem_bytes": "system/peak_mem_bytes",
     "val_loss": "val/loss",
     "val_nelbo": "val/nelbo",
@@ -85,10 +89,22 @@ def step_line(record: dict[str, Any]) -> str:
     """The console line of a logged step (every ``train.log_every`` steps): ``step N: loss .. lr ..
     grad_norm ..`` and, when present, the validation and DFlash numbers of :data:`STEP_LINE_EXTRAS`."""
     extra = "".join(f" {name} {record[name]:.4f}" for name in STEP_LINE_EXTRAS if name in record)
+    if record.get("mfu") is not None:
+        extra += f" mfu {100 * record['mfu']:.1f}%"
     return (
         f"step {record['step']}: loss {record['loss']:.4f} lr {record['lr']:.3e} "
         f"grad_norm {record['grad_norm']:.3f}{extra}"
     )
+
+
+def mfu_peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The dense bf16 peak MFU is measured against: a GPU the device check knows by name
+    (``csbp.gpu.flops``) training in ``bf16``; None otherwise (fp32 runs at another peak; no MFU on the CPU)."""
+    if device.type != "cuda" or precision != "bf16":
+        return None
+    from csbp.gpu.flops import gpu_bf16_peak_tflops
+
+    return gpu_bf16_peak_tflops(torch.cuda.get_device_name(device))
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -32,6 +32,7 @@ one more forward per validation batch (validation's cost doubles; ``eval_batches
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -74,6 +75,8 @@ class StepResult:
     loss: float
     denominator: float
     metrics: dict[str, float] = field(default_factory=dict)
+    model_flops: float | None = None
+    """The step's model FLOPs over every replica (``csbp.training.model_flops``), None where not counted."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,7 @@ class StepRunner:
         precision: str,
         seed: int,
         ce_chunk_rows: int,
+        flops: Callable[[CorruptedBatch], int] | None = None,
     ) -> None:
         self.model = model
         self.objective = objective
@@ -125,6 +129,8 @@ class StepRunner:
         self.precision = precision
         self.seed = seed
         self.ce_chunk_rows = ce_chunk_rows
+        self.flops = flops
+        """Model FLOPs of a corrupted micro-batch, counted on the host (None: the step reports none)."""
         self.grad_sync: OverlappedGradientSync | None = None
         """Set by the trainer: armed before each step's last backward (gradients averaged in it)."""
         self.nelbo_objective = nelbo_objective(objective)
@@ -133,8 +139,21 @@ class StepRunner:
     def _corrupt(
         self, batch: dict[str, Tensor], step: int, micro_step: int, objective: Objective | None = None
     ) -> CorruptedBatch:
+        return corrupted_on(self._corrupt_on_host(batch, step, micro_step, objective), self.device)
+
+    def _corrupt_on_host(
+        self, batch: dict[str, Tensor], step: int, micro_step: int, objective: Objective | None = None
+    ) -> CorruptedBatch:
         generator = corruption_generator(self.seed, step, self.ctx.coords.dp_rank, micro_step=micro_step)
-        return corrupted_on((objective or self.objective).corrupt(batch, generator), self.device)
+        return (objective or self.objective).corrupt(batch, generator)
+
+    def _sum_floats_over_dp(self, values: list[float]) -> list[float]:
+        """``values`` each summed over the dp group in float64, in one all-reduce."""
+        comm = self.ctx.dp_comm("loss")
+        if comm is None:
+            return values
+        total = torch.tensor(values, dtype=torch.float64, device=self.ctx.device)
+        return comm.all_reduce(total).tolist()
 
     def _sum_over(self, value: float | Tensor, comm_kind: str) -> float:
         """``value`` summed over the dp group (``"dp"``) or every rank (``"world"``), in float64
@@ -162,8 +181,11 @@ class StepRunner:
     def train_step(self, batches: list[dict[str, Tensor]], step: int) -> StepResult:
         """Forward and backward every micro-batch of optimizer step ``step`` (gradients are left in
         ``.grad``, not yet averaged over ranks)."""
-        corrupted = [self._corrupt(batch, step, micro) for micro, batch in enumerate(batches)]
-        denominator = max(self._sum_over(sum(c.denominator() for c in corrupted), "dp"), 1.0)
+        on_host = [self._corrupt_on_host(batch, step, micro) for micro, batch in enumerate(batches)]
+        flops = sum(self.flops(c) for c in on_host) if self.flops is not None else 0
+        corrupted = [corrupted_on(c, self.device) for c in on_host]
+        denominator, step_flops = self._sum_floats_over_dp([sum(c.denominator() for c in corrupted), float(flops)])
+        denominator = max(denominator, 1.0)
         ce_total = torch.zeros((), dtype=torch.float64, device=self.device)  # no host sync per micro-step
         for micro, batch in enumerate(corrupted):
             if self.grad_sync is not None and micro == len(corrupted) - 1:
@@ -171,7 +193,10 @@ class StepRunner:
             loss, ce_sum = self._weighted_ce(batch, denominator)
             loss.backward()
             ce_total = ce_total + ce_sum.detach().to(torch.float64)
-        return StepResult(loss=self._sum_over(ce_total, "world") / denominator, denominator=denominator)
+        return StepResult(
+            loss=self._sum_over(ce_total, "world") / denominator, denominator=denominator,
+            model_flops=step_flops if self.flops is not None else None,
+        )
 
     @torch.no_grad()
     def evaluate(self, split: ArtifactSplit, *, micro_batch_size: int, num_batches: int) -> EvalResult:

@@ -32,7 +32,7 @@ from csbp.training.checkpoint import TrainingState, param_shapes, rng_state, sav
 from csbp.training.dflash_layers import resolved_config
 from csbp.training.dflash_step import DFlashStepRunner
 from csbp.training.input_identity import input_fingerprints
-from csbp.training.metrics import MetricsWriter, peak_memory_bytes, step_line
+from csbp.training.metrics import MetricsWriter, mfu_peak_tflops, peak_memory_bytes, step_line
 from csbp.training.nan_policy import SkipStreak, latest_checkpoint_name
 from csbp.training.optim import clip_gradients
 from csbp.training.parallelize import gradient_shard_comm, synchronize_gradients
@@ -80,9 +80,11 @@ class StepLoop:
     """Steps ``train.nan_policy: skip`` skipped (no update) in this invocation."""
     last_step: int = 0
     _input_fingerprints: dict[str, str] = field(default_factory=dict)
+    _peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         self._input_fingerprints = input_fingerprints(flat_config(self.cfg.model_dump(mode="json")))
+        self._peak_tflops = mfu_peak_tflops(self.device, self.cfg.train.precision)
 
     def run(self, start_step: int, stop_step: int, started: float) -> Path | None:
         train_cfg = self.cfg.train
@@ -139,6 +141,7 @@ class StepLoop:
                 "lr": lr,
                 "grad_norm": grad_norm,
                 "tokens_per_s": tokens_per_step / max(step_seconds, 1e-9),
+                **self._rates(result.model_flops, step_seconds),
                 "peak_mem_bytes": peak_memory_bytes(self.device),
                 "elapsed_s": time.perf_counter() - started,
                 **result.metrics,
@@ -160,6 +163,18 @@ class StepLoop:
             if stop:
                 break
         return checkpoint
+
+    def _rates(self, model_flops: float | None, step_seconds: float) -> dict[str, float]:
+        """``tflops_per_device`` (the step's model FLOPs over its wall time and the world's devices) and,
+        on a GPU of known bf16 peak under ``train.precision: bf16``, ``mfu``; nothing where no FLOPs
+        were counted (dflash)."""
+        if model_flops is None:
+            return {}
+        per_device = model_flops / max(step_seconds, 1e-9) / self.ctx.world_size / 1e12
+        rates = {"tflops_per_device": per_device}
+        if self._peak_tflops is not None:
+            rates["mfu"] = per_device / self._peak_tflops
+        return rates
 
     def _zero_grad(self) -> None:
         if self.runner.grad_sync is not None:

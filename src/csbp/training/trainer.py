@@ -31,6 +31,7 @@ Only rank 0 writes ``config.yaml``, metrics, plots and the export; all ranks wri
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -60,6 +61,7 @@ from csbp.training.finish import finish_on_rank0
 from csbp.training.lr_schedule import build_lr_scheduler
 from csbp.training.metrics import METRICS_FILE, MetricsWriter, read_metrics
 from csbp.training.model_factory import build_model
+from csbp.training.model_flops import corrupted_flops
 from csbp.training.nan_policy import MAX_SKIPPED_STEPS, NonFiniteTraining, SkipStreak
 from csbp.training.optim import apply_optim_config, build_optimizer
 from csbp.training.out_of_memory import named_out_of_memory
@@ -304,4 +306,8 @@ def step_runner_for(
         precision=cfg.train.precision,
         seed=cfg.run.seed,
         ce_chunk_rows=cfg.objective.ce_chunk_rows,
+        flops=functools.partial(
+            corrupted_flops, config=inputs.decoder_config, causal=cfg.objective.name == "ar",
+            window=cfg.topology.window, document_mask=cfg.document_mask,
+        ),
     )

@@ -1,0 +1,110 @@
+"""A training step's model FLOPs (``csbp.training.model_flops``) and the ``tflops_per_device`` / ``mfu``
+metrics built on them. The attention pairs are checked against the mask predicates themselves (the dense
+mask's count of allowed pairs), the whole count against the device check's BD3 formula, and a run's
+logged rate against the FLOPs of the batches it trained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from csbp.attention.documents import Documents
+from csbp.gpu.flops import bd3_step_flops
+from csbp.masks.builders import dense_mask
+from csbp.masks.predicates import ar_mask, bd3_mask, mdlm_mask
+from csbp.models.config import DecoderConfig
+from csbp.objectives import build_objective
+from csbp.objectives.base import corruption_generator
+from csbp.training import launch_training
+from csbp.training.metrics import mfu_peak_tflops, step_line
+from csbp.training.model_flops import corrupted_flops, row_pairs
+from csbp.training.preflight import check_run
+from test_training_run import make_artifact, metric_rows, tiny_config
+
+CONFIG = DecoderConfig(vocab_size=97, hidden_size=24, intermediate_size=40, num_layers=3, num_heads=4,
+                       num_kv_heads=2, head_dim=6)
+DOC_IDS = torch.tensor([0] * 5 + [1] * 9 + [2] * 2 + [3] * 8)  # 24 tokens, documents cutting blocks of 4
+
+
+@pytest.mark.parametrize("window", [None, 3, 9])
+@pytest.mark.parametrize("documents", [False, True])
+def test_two_stream_pairs_are_the_bd3_predicates_allowed_pairs(window: int | None, documents: bool) -> None:
+    doc_ids = DOC_IDS if documents else None
+    dense = dense_mask(bd3_mask(24, 4, window=window, doc_ids=doc_ids), 48, 48)
+    spans = Documents.from_doc_ids(DOC_IDS) if documents else None
+    got = row_pairs(24, block_size=4, two_stream=True, causal=False, window=window, documents=spans)
+    assert got == int(dense.sum())
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("documents", [False, True])
+def test_single_stream_pairs_are_the_mdlm_and_ar_predicates_allowed_pairs(causal: bool, documents: bool) -> None:
+    doc_ids = DOC_IDS if documents else None
+    mask = ar_mask(24, doc_ids=doc_ids) if causal else mdlm_mask(24, doc_ids=doc_ids)
+    spans = Documents.from_doc_ids(DOC_IDS) if documents else None
+    got = row_pairs(24, block_size=24, two_stream=False, causal=causal, window=None, documents=spans)
+    assert got == int(dense_mask(mask, 24, 24).sum())
+
+
+def _corrupted(name: str, rows: int = 2, **options: object):  # noqa: ANN202 - a CorruptedBatch
+    if name != "ar":  # the one objective without a mask token
+        options["mask_token_id"] = CONFIG.vocab_size - 1
+    objective = build_objective(name, **options)
+    ids = torch.randint(0, CONFIG.vocab_size - 1, (rows, 24), generator=torch.Generator().manual_seed(0))
+    return objective.corrupt({"input_ids": ids, "doc_ids": DOC_IDS.expand(rows, 24)}, corruption_generator(0, 1, 0))
+
+
+def test_a_bd3_batch_counts_what_the_device_check_counts_per_row() -> None:
+    batch = _corrupted("bd3", block_size=4)
+    assert corrupted_flops(batch, CONFIG, causal=False, window=None, document_mask=False) == bd3_step_flops(
+        CONFIG, seq_len=24, block_size=4, samples=2
+    )
+
+
+def test_fast_dllm_v2_counts_both_complementary_views_and_documents_lower_the_count() -> None:
+    batch = _corrupted("fast_dllm_v2", block_size=4)
+    assert batch.noisy_ids.shape[0] == 4  # two views of each of the two rows
+    plain = corrupted_flops(batch, CONFIG, causal=False, window=None, document_mask=False)
+    assert plain == bd3_step_flops(CONFIG, seq_len=24, block_size=4, samples=4)
+    masked = corrupted_flops(batch, CONFIG, causal=False, window=None, document_mask=True)
+    pairs = int(dense_mask(bd3_mask(24, 4, doc_ids=DOC_IDS), 48, 48).sum())
+    full = int(dense_mask(bd3_mask(24, 4), 48, 48).sum())
+    assert plain - masked == 4 * 12 * CONFIG.head_dim * CONFIG.num_heads * CONFIG.num_layers * (full - pairs)
+
+
+def test_single_stream_rows_process_l_rows() -> None:
+    batch = _corrupted("ar")
+    dense = 6 * 24 * CONFIG.num_layers * (24 * (2 * 24 + 2 * 12) + 3 * 24 * 40)  # q, k, v, o; gate, up, down
+    head = 6 * 24 * CONFIG.vocab_size * CONFIG.hidden_size
+    attention = 12 * CONFIG.head_dim * CONFIG.num_heads * CONFIG.num_layers * (24 * 25 // 2)
+    assert corrupted_flops(batch, CONFIG, causal=True, window=None, document_mask=False) == 2 * (
+        dense + head + attention
+    )
+
+
+def test_mfu_is_against_a_known_gpus_bf16_peak_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert mfu_peak_tflops(torch.device("cuda", 0), "bf16") == 989.0
+    assert mfu_peak_tflops(torch.device("cuda", 0), "fp32") is None  # another peak
+    assert mfu_peak_tflops(torch.device("cpu"), "bf16") is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A10G")
+    assert mfu_peak_tflops(torch.device("cuda", 0), "bf16") is None
+    line = step_line({"step": 3, "loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "mfu": 0.1234})
+    assert line.endswith("grad_norm 0.500 mfu 12.3%")
+
+
+def test_a_runs_logged_rate_is_its_batches_flops_over_the_step_time(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "art")
+    cfg = tiny_config(artifact, **{"train.eval_every": 0})
+    launch_training(cfg, run_dir=tmp_path / "run", max_steps=2)
+    rows = [r for r in metric_rows(tmp_path / "run") if r.get("loss") is not None]
+    assert rows and all("mfu" not in r for r in rows)  # the CPU has no peak
+    config = check_run(cfg, check_device=False).decoder_config  # the vocabulary is the artifact's
+    samples = cfg.topology.dp * cfg.train.micro_batch_size * cfg.train.grad_accum
+    expected = bd3_step_flops(config, seq_len=cfg.data.seq_len, block_size=cfg.objective.block_size, samples=samples)
+    tokens = samples * cfg.data.seq_len
+    for row in rows:  # flops = rate x seconds x devices, with seconds = tokens / tokens_per_s
+        flops = row["tflops_per_device"] * 1e12 * cfg.world_size * tokens / row["tokens_per_s"]
+        assert flops == pytest.approx(expected, rel=1e-9)
