@@ -204,3 +204,19 @@ def test_a_machine_without_a_compiler_is_refused_in_one_line(monkeypatch: pytest
     monkeypatch.setattr(compile_regions.shutil, "which", lambda name: "/usr/bin/gcc" if name == "gcc" else None)
     assert compiler_problem("cuda") is None
     assert compiler_problem("meta") == "csbp compiles layers on cuda and cpu only, not meta"
+
+
+def test_the_first_step_note_names_every_compilation() -> None:
+    """On CUDA the default backend (flex) compiles its kernels in the first step too: tens of seconds with
+    nothing said looked like a hang, and that step's tokens/s like the run's."""
+    from csbp.training.trainer import first_step_note
+
+    assert first_step_note("none", "tiles") is None
+    flex = first_step_note("none", "flex")
+    assert flex is not None and flex.startswith("note: attention.backend flex compiles its FlexAttention kernels during")
+    both = first_step_note("layers", "flex")
+    assert both is not None and both.startswith(
+        "note: train.compile=layers compiles the layers and attention.backend flex compiles its FlexAttention "
+        "kernels during the first step and the first validation pass (slower: that step's tokens_per_s and mfu "
+        "include it)"
+    )

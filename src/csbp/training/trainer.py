@@ -230,11 +230,9 @@ def _train(
     runner = step_runner_for(cfg, inputs, ctx, model, device)
     runner.grad_sync = gradient_sync_for(model, ctx, fsdp=cfg.train.fsdp)
     writer = MetricsWriter(run_dir, enabled=is_rank0, start_step=start_step, total_steps=cfg.train.max_steps)
-    if cfg.train.compile != "none":
-        writer.message(
-            f"note: train.compile={cfg.train.compile} compiles the layers during the first step and the first "
-            "validation pass (slower); later steps reuse the compiled code"
-        )
+    note = first_step_note(cfg.train.compile, backend)
+    if note is not None:
+        writer.message(note)
     if inputs.dflash is not None and cfg.train.generate_after:
         writer.message(f"note: train.generate_after does not apply to dflash; {dflash_eval_hint(cfg, run_dir)}")
     streak = SkipStreak(cfg.train.nan_policy, in_a_row=skips_in_a_row)
@@ -271,6 +269,20 @@ def _train(
         skipped_steps=loop.skipped_steps,
         earlier=RunHistory.from_records(read_metrics(run_dir / METRICS_FILE), up_to_step=start_step)
         if is_rank0 and start_step > 0 else RunHistory(),
+    )
+
+
+def first_step_note(compile_mode: str, backend: str) -> str | None:
+    """The start-up note for a run whose first step compiles (``train.compile``, the flex backend), or
+    None: a first step of seconds to minutes must not read as a hang, nor its rate as the run's."""
+    compiled = ([f"train.compile={compile_mode} compiles the layers"] if compile_mode != "none" else []) + (
+        ["attention.backend flex compiles its FlexAttention kernels"] if backend == "flex" else []
+    )
+    if not compiled:
+        return None
+    return (
+        f"note: {' and '.join(compiled)} during the first step and the first validation pass (slower: that "
+        "step's tokens_per_s and mfu include it); later steps reuse the compiled code"
     )
 
 
