@@ -108,3 +108,18 @@ def test_a_runs_logged_rate_is_its_batches_flops_over_the_step_time(tmp_path: Pa
     for row in rows:  # flops = rate x seconds x devices, with seconds = tokens / tokens_per_s
         flops = row["tflops_per_device"] * 1e12 * cfg.world_size * tokens / row["tokens_per_s"]
         assert flops == pytest.approx(expected, rel=1e-9)
+
+
+def test_the_summary_reports_median_rates_leaving_out_the_first_step(tmp_path: Path) -> None:
+    from csbp.training.summary import TrainSummary
+
+    def summary(speeds: list[dict[str, float]]) -> TrainSummary:
+        return TrainSummary(tmp_path, 0, len(speeds), 10, 1.0, [1.0] * len(speeds), [], None, None, speeds=speeds)
+
+    first = {"tokens_per_s": 10.0, "tflops_per_device": 0.5, "mfu": 0.01}  # compiling: slow
+    steps = [{"tokens_per_s": v, "tflops_per_device": v / 10, "mfu": v / 1000} for v in (100.0, 300.0, 200.0)]
+    line = summary([first, *steps]).speed_line()
+    assert line == "speed       200 tokens/s, 20.0 TFLOP/s per device, MFU 20.0% (medians over 3 steps, the first one left out)"
+    assert line in summary([first, *steps]).format().splitlines()
+    assert summary([{"tokens_per_s": 1234.5}]).speed_line() == "speed       1,234 tokens/s (one step)"
+    assert summary([]).speed_line() is None and "speed" not in summary([]).format()

@@ -78,6 +78,8 @@ class StepLoop:
     val_nelbos: list[tuple[int, float]] = field(default_factory=list)
     skipped_steps: list[int] = field(default_factory=list)
     """Steps ``train.nan_policy: skip`` skipped (no update) in this invocation."""
+    speeds: list[dict[str, float]] = field(default_factory=list)
+    """Each updating step's ``tokens_per_s`` and rates (``_rates``), for the run's summary."""
     last_step: int = 0
     _input_fingerprints: dict[str, str] = field(default_factory=dict)
     _peak_tflops: float | None = None
@@ -130,8 +132,11 @@ class StepLoop:
             else:  # raises unless train.nan_policy skips; a skipped step still validates and saves on schedule
                 self._non_finite(step, result.loss, grad_norm, checkpoint)
             step_seconds = time.perf_counter() - step_started
+            rates = {"tokens_per_s": tokens_per_step / max(step_seconds, 1e-9),
+                     **self._rates(result.model_flops, step_seconds)}
             if finite:
                 self.losses.append(result.loss)
+                self.speeds.append(rates)
             else:
                 self.skipped_steps.append(step)
             # a skipped step is recorded too ("skipped": true, its non-finite numbers null), with its validation
@@ -140,8 +145,7 @@ class StepLoop:
                 "loss": result.loss,
                 "lr": lr,
                 "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_step / max(step_seconds, 1e-9),
-                **self._rates(result.model_flops, step_seconds),
+                **rates,
                 "peak_mem_bytes": peak_memory_bytes(self.device),
                 "elapsed_s": time.perf_counter() - started,
                 **result.metrics,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,8 @@ class TrainSummary:
     """Steps ``train.nan_policy: skip`` skipped (no update): the train loss lines leave them out."""
     earlier: RunHistory = field(default_factory=RunHistory)
     """A resumed run's losses before ``start_step``: the summary's first numbers are the run's."""
+    speeds: list[dict[str, float]] = field(default_factory=list)
+    """Each updating step's ``tokens_per_s`` and, where counted, ``tflops_per_device`` and ``mfu``."""
 
     @property
     def first_loss(self) -> float | None:
@@ -66,6 +69,22 @@ class TrainSummary:
     def last_loss(self) -> float | None:
         losses = self.earlier.losses + self.losses
         return losses[-1] if losses else None
+
+    def speed_line(self) -> str | None:
+        """``speed       11,741 tokens/s, 139.2 TFLOP/s per device, MFU 14.1% (medians over 599 steps, the
+        first one left out)``: over this invocation's updating steps, its first left out when there are
+        others (it compiles on CUDA, and warms the allocator); None without steps."""
+        speeds = self.speeds[1:] if len(self.speeds) > 1 else self.speeds
+        if not speeds:
+            return None
+        parts = [f"{statistics.median(s['tokens_per_s'] for s in speeds):,.0f} tokens/s"]
+        if all("tflops_per_device" in s for s in speeds):
+            parts.append(f"{statistics.median(s['tflops_per_device'] for s in speeds):.1f} TFLOP/s per device")
+        if all("mfu" in s for s in speeds):
+            parts.append(f"MFU {100 * statistics.median(s['mfu'] for s in speeds):.1f}%")
+        over = f"medians over {counted(len(speeds), 'step')}" if len(speeds) > 1 else "one step"
+        left_out = ", the first one left out" if len(self.speeds) > 1 else ""
+        return f"speed       {', '.join(parts)} ({over}{left_out})"
 
     def format(self) -> str:
         """The human-readable end-of-run summary ``csbp train`` prints."""
@@ -89,6 +108,9 @@ class TrainSummary:
             shown = ", ".join(str(step) for step in skipped[:MAX_SKIPPED_SHOWN])
             shown += ", ..." if len(skipped) > MAX_SKIPPED_SHOWN else ""
             lines.append(f"skipped     {counted(len(skipped), 'step')} with no update ({shown}; train.nan_policy: skip)")
+        speed = self.speed_line()
+        if speed is not None:
+            lines.append(speed)
         if val_first is not None:
             lines.append(f"val loss    first {number(val_first)} (step {val_losses[0][0]})  "
                          f"last {number(val_last)} (step {val_losses[-1][0]})")

@@ -267,6 +267,7 @@ def _train(
         sample=sample,
         val_nelbos=loop.val_nelbos,
         skipped_steps=loop.skipped_steps,
+        speeds=loop.speeds,
         earlier=RunHistory.from_records(read_metrics(run_dir / METRICS_FILE), up_to_step=start_step)
         if is_rank0 and start_step > 0 else RunHistory(),
     )
