@@ -221,6 +221,8 @@ def test_flops_of_a_late_anchor_in_a_later_document_and_a_dead_block_by_hand() -
     expected += 2 * 1 * 2 * 32 * 64  # the head on slot 1 only
     expected += 4 * (4 + 22) * 4 * (14 * 8)  # 4 heads, 4d fwd + 10d bwd per pair
     assert drafter_step_flops(config, packet, 6, 64) == expected
+    # MFU's model FLOPs (the device check's DFlash row, as its BD3 rows): 12d per pair, no score recompute
+    assert drafter_step_flops(config, packet, 6, 64, model_flops=True) == expected - 4 * (4 + 22) * 4 * (2 * 8)
     sliding = _config(num_target_layers=2, sliding_window=3).drafter_config()
     # W = 3: rows j see [62 + j - 2, 62): 2, 1, 0, 0 context keys, and the causal block 1 + 2 + 3 + 4
     assert expected - drafter_step_flops(sliding, packet, 6, 64) == (4 * (4 + 22) - (3 + 10)) * 4 * (14 * 8)

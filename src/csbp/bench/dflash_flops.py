@@ -20,12 +20,16 @@ from __future__ import annotations
 from csbp.bench.measure import attention_flops
 from csbp.dflash.config import DFlashConfig
 from csbp.dflash.layouts import AnchorPacket, block_query_rows
+from csbp.gpu.flops import attention_training_flops
 
 
 def drafter_step_flops(
-    config: DFlashConfig, packet: AnchorPacket, num_context_rows: int, seq_len: int
+    config: DFlashConfig, packet: AnchorPacket, num_context_rows: int, seq_len: int, *, model_flops: bool = False
 ) -> int:
-    """Drafter matmul and attention FLOPs of one training step over ``packet`` (module docstring)."""
+    """Drafter matmul and attention FLOPs of one training step over ``packet`` (module docstring).
+    ``model_flops``: attention at MFU's ``12·d`` per pair (``csbp.gpu.flops``: the backward's score
+    recomputation is not model work), as the device check's BD3 rows count it, instead of the ``14·d``
+    a flash kernel runs (the per-rank work ``csbp bench dflash`` compares across layouts)."""
     hidden, block = config.hidden_size, config.block_size
     q_width, kv_width = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     block_row = 2 * hidden * (2 * q_width + 2 * kv_width) + 6 * hidden * config.intermediate_size
@@ -44,4 +48,6 @@ def drafter_step_flops(
         context_pairs = int(((rows.ctx_stop - rows.ctx_start).clamp(min=0) * rows.live).sum())
         in_block = block * (block + 1) // 2 if config.sliding_window_causal else block * block
         pairs += (context_pairs + in_block * len(live)) * sliding
+    if model_flops:
+        return matmul + attention_training_flops(pairs, num_heads=config.num_heads, head_dim=config.head_dim)
     return matmul + attention_flops(pairs, num_heads=config.num_heads, head_dim=config.head_dim)

@@ -250,7 +250,7 @@ def dflash_step_fn(cfg: TableConfig, device: torch.device) -> tuple[StepFn, str,
         features = capture_target_features(target, ids, layer_ids)
     anchors = sample_batch_anchors(batch, objective, cfg.block_size, corruption_generator(cfg.seed, 0, 0))[0]
     packet = full_packet(anchors, segment_starts(batch.doc_ids[0])[anchors])
-    flops = drafter_step_flops(drafter_cfg, packet, seq_len, seq_len)
+    flops = drafter_step_flops(drafter_cfg, packet, seq_len, seq_len, model_flops=True)  # MFU as the BD3 rows
 
     def step(index: int) -> float:
         with autocast_for(cfg.precision, device):
