@@ -140,3 +140,22 @@ def test_a_run_the_planner_cannot_price_gets_a_note_not_a_refusal(monkeypatch: p
         "note: csbp plan's cost model cannot price this run, so its memory is not forecast "
         "(objective.dflash.target: no config.json)"
     )
+
+
+def test_on_the_cpu_a_node_shares_its_ram_among_its_own_processes_not_the_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--nproc 2 --nnodes 4`` on CPUs: each machine's RAM serves its 2 processes. Dividing it by the job's
+    8 warned a run that fits (it needs between 3 and 12 GiB per process, and each has 12 GiB)."""
+    monkeypatch.setattr(hardware_module, "machine_ram_gib", lambda: 24.0)
+    assert hardware("cpu", gpus=8, gpus_per_node=2).mem_gib == 12.0
+    assert hardware("cpu", gpus=2).mem_gib == 12.0
+    changes = ["model.vocab_size=4096", "model.hidden_size=512", "model.intermediate_size=1536", "model.num_layers=8",
+               "model.num_heads=8", "model.num_kv_heads=4", "model.head_dim=64", "train.micro_batch_size=1",
+               "data.seq_len=16384"]
+    one_node = load_run_config("mdlm-demo", [*changes, "topology.dp=2"])
+    four_nodes = load_run_config("mdlm-demo", [*changes, "topology.dp=8"])
+    need = by_hand(one_node, Layout(2, checkpointing="none", sharding="ddp"), preset="cpu")
+    assert 24.0 / 8 < need < 24.0 / 2
+    assert forecast_line(one_node, nproc=2, preset="cpu") is None
+    assert forecast_line(four_nodes, nproc=2, preset="cpu") is None

@@ -111,7 +111,7 @@ def test_topology_auto_that_fits_nothing_names_the_settings_to_change(
 ) -> None:
     from csbp.plan.auto import resolve_auto_topology
 
-    monkeypatch.setattr(hardware_module, "machine_ram_gib", lambda: 4.0)  # 1 GiB per process on cpu
+    monkeypatch.setattr(hardware_module, "machine_ram_gib", lambda: 4.0)  # 1 GiB per process of a 4-process node
     path = copy_recipe("demo", tmp_path)
     data = yaml.safe_load(path.read_text())
     data["data"]["seq_len"] = 65536
@@ -123,7 +123,7 @@ def test_topology_auto_that_fits_nothing_names_the_settings_to_change(
     message = str(info.value)
     assert message.startswith("topology: auto: no layout fits in memory on 4xCPU") and "\n" not in message
     assert message.endswith(
-        "(fix: --set train.micro_batch_size=4 --set train.grad_accum=8 or --set data.seq_len=8192)"
-    )
+        "(fix: --set train.micro_batch_size=4 --set train.grad_accum=8 or --nnodes 8 or --set data.seq_len=8192)"
+    )  # more nodes bring their own RAM (more processes on this one would share its 4 GiB)
     for fix in (["train.micro_batch_size=4", "train.grad_accum=8"], ["data.seq_len=8192"]):
         assert resolve_auto_topology(str(path), fix, nproc=4, echo=False)

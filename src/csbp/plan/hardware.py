@@ -17,7 +17,8 @@ Sources:
 * ``cpu``: one gloo process of one thread per "GPU" on this machine (what ``csbp bench`` runs).
   The peak is a nominal 0.1 TFLOP/s (one AVX2 core, 2 FMA x 8 fp32 lanes at ~3 GHz); the
   shared-memory "link" a nominal 5 GB/s; memory is this machine's RAM (``/proc/meminfo``) divided
-  among the processes. Only calibrated numbers (``calibration-cpu.json``) make these meaningful.
+  among the processes of a node (each node of a multi-node job its own). Only calibrated numbers
+  (``calibration-cpu.json``) make these meaningful.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ PRESETS: dict[str, Hardware] = {
 
 def hardware(name: str, *, gpus: int, gpus_per_node: int | None = None) -> Hardware:
     """The preset ``name`` (``h100``, ``h200``, ``a100``, ``cpu``) for a job of ``gpus`` devices;
-    ``cpu`` gets this machine's RAM divided by ``gpus``. A job of more than one node fills whole
+    ``cpu`` gets this machine's RAM divided by the processes of one node (``gpus``, at most ``gpus_per_node``). A job of more than one node fills whole
     nodes: ``gpus`` must then be a multiple of the devices per node (``ValueError`` otherwise)."""
     if name not in PRESETS:
         raise ValueError(f"--gpu {name!r} is not a known preset: choose from {', '.join(PRESETS)}")
@@ -85,8 +86,8 @@ def hardware(name: str, *, gpus: int, gpus_per_node: int | None = None) -> Hardw
             f"--gpus {gpus} is not a multiple of {source}: a job on more than one node fills whole nodes "
             f"(fix: --gpus {lower} or {lower + per_node}, or --gpus-per-node {divisor} or another divisor of {gpus})"
         )
-    if name == "cpu":
-        hw = replace(hw, mem_gib=machine_ram_gib() / max(gpus, 1))
+    if name == "cpu":  # the processes of one node share its RAM: a job of several nodes fills each with gpus_per_node
+        hw = replace(hw, mem_gib=machine_ram_gib() / max(min(gpus, hw.gpus_per_node), 1))
     return hw
 
 
