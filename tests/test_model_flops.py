@@ -5,12 +5,15 @@ logged rate against the FLOPs of the batches it trained."""
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from csbp.attention.documents import Documents
+from csbp.attention.counts import position_pairs
+from csbp.attention.documents import Documents, packed_doc_ids, random_documents
 from csbp.gpu.flops import bd3_step_flops
 from csbp.masks.builders import dense_mask
 from csbp.masks.predicates import ar_mask, bd3_mask, mdlm_mask
@@ -123,3 +126,57 @@ def test_the_summary_reports_median_rates_leaving_out_the_first_step(tmp_path: P
     assert line in summary([first, *steps]).format().splitlines()
     assert summary([{"tokens_per_s": 1234.5}]).speed_line() == "speed       1,234 tokens/s (one step)"
     assert summary([]).speed_line() is None and "speed" not in summary([]).format()
+
+
+def _packed_ids(seq_len: int, seed: int) -> torch.Tensor:
+    """Random document lengths (1 token up to a few blocks) and a padding tail of ``-1``, as the loader packs."""
+    generator = torch.Generator().manual_seed(seed)
+    ids, doc = [], 0
+    while len(ids) < seq_len:
+        ids += [doc] * int(torch.randint(1, 3 * 8, (1,), generator=generator))
+        doc += 1
+    ids = torch.tensor(ids[:seq_len])
+    ids[seq_len - int(torch.randint(0, seq_len // 4, (1,), generator=generator)):] = -1
+    return ids
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("window", [None, 1, 5, 17, 1000])
+@pytest.mark.parametrize("block_size", [1, 4, 8])
+def test_the_per_segment_sum_is_the_per_position_bounds_count(seed: int, window: int | None, block_size: int) -> None:
+    """The count per document and block segment equals the planner's per-position bounds
+    (``position_pairs``, which the mask tests check against the predicates) on rows of many documents, some
+    shorter than a block and a padding tail, and the single-stream counts their per-position sums."""
+    seq_len = 96
+    spans = Documents.from_doc_ids(_packed_ids(seq_len, seed))
+    positions = np.arange(seq_len, dtype=np.int64)
+    noisy, clean = position_pairs(positions, positions, block_size=block_size, window=window,
+                                  documents=(spans.start.numpy(), spans.stop.numpy()))
+    got = row_pairs(seq_len, block_size=block_size, two_stream=True, causal=False, window=window, documents=spans)
+    assert got == noisy + clean
+    if window is None and block_size == 4:
+        start, stop = spans.start.numpy(), spans.stop.numpy()
+        for causal, expected in ((True, (positions + 1 - start).sum()), (False, (stop - start).sum())):
+            assert row_pairs(seq_len, block_size=seq_len, two_stream=False, causal=causal, window=None,
+                             documents=spans) == expected
+
+
+def test_counting_a_million_token_row_of_documents_holds_no_per_position_arrays() -> None:
+    """The count runs on the host before every micro-batch on every rank: at 1M tokens of packed documents the
+    per-position bounds (int64 arrays of L entries: 80 MiB in NumPy) took 100-250 ms a row, what a step of a
+    few seconds cannot spare; per segment it holds a few MiB and takes milliseconds."""
+    seq_len = 1 << 20
+    generator = torch.Generator().manual_seed(0)
+    doc_ids = packed_doc_ids(random_documents(seq_len, 2048, generator))
+    doc_ids[-1000:] = -1
+    batch = build_objective("fast_dllm_v2", mask_token_id=CONFIG.vocab_size - 1, block_size=16).corrupt(
+        {"input_ids": torch.zeros(1, seq_len, dtype=torch.long), "doc_ids": doc_ids[None]}, corruption_generator(0, 1, 0)
+    )
+    for window in (None, 4096):
+        tracemalloc.start()
+        try:
+            corrupted_flops(batch, CONFIG, causal=False, window=window, document_mask=True)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 8 * seq_len, f"{peak / 2**20:.1f} MiB"  # less than one int64 array of L entries
