@@ -159,3 +159,16 @@ def test_on_the_cpu_a_node_shares_its_ram_among_its_own_processes_not_the_jobs(
     assert 24.0 / 8 < need < 24.0 / 2
     assert forecast_line(one_node, nproc=2, preset="cpu") is None
     assert forecast_line(four_nodes, nproc=2, preset="cpu") is None
+
+
+def test_a_planner_bug_is_a_note_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forecast is advice: not even an unexpected error in the cost model may stop a run."""
+    def broken(cfg: RunConfig) -> None:
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(memory_forecast, "run_config_workload", broken)
+    line = forecast_line(qwen_run("data.seq_len=65536"), nproc=1, preset="h100")
+    assert line == (
+        "note: csbp plan's cost model failed on this run, so its memory is not forecast "
+        "(ZeroDivisionError: division by zero; please report it)"
+    )

@@ -389,8 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="lengths of the table's 'bd3 compiled' rows (train.compile: layers), after the "
                         "decomposed rows as the budget allows; none: no such rows")
     parser.add_argument("--profile-seq-lens", type=int, nargs="*", default=[8192],
-                        help="lengths whose BD3 rows (plain, decomposed, compiled) run one more step under the "
-                        "profiler: launches, busy against wall time, syncs, the costliest kernels; none: no profile")
+                        help="lengths whose BD3 rows (plain, decomposed, compiled) are profiled after their timed steps "
+                        "(three more steps: syncs counted, wall time, the profiler): launches, busy against wall time, "
+                        "syncs, the costliest kernels; none: no profile")
     parser.add_argument("--flex-backward", choices=FLEX_BACKWARDS, default="auto",
                         help="backward of merged Flex partials in the kernels stage and the training table "
                         "(csbp.attention.flex_backward; auto: direct where this torch traces it). recompute: the "

@@ -27,9 +27,10 @@ a training step. Then ``bd3 compiled`` rows (``compiled_seq_lens``) train the BD
 and MLP compiled; the attention as in the BD3 rows): the first H200 table's MFU was 14-20%, and these
 rows say how much of the rest the eager elementwise work was. The compilation falls in the warmup step.
 
-A BD3 row (plain, decomposed or compiled) at one of ``profile_seq_lens`` then runs its step once more
-under ``torch.profiler`` after its timed steps (``csbp.bench.kernel_profile.profile_step``; the timing is
-not disturbed): kernels launched, the device's busy time against the step's wall time and the host's time
+A BD3 row (plain, decomposed or compiled) at one of ``profile_seq_lens`` then runs its step three more
+times after its timed steps (``csbp.bench.kernel_profile.profile_step``: one counting the synchronising
+calls, one timed, one under ``torch.profiler``; the timing is not disturbed, and the budget's prediction
+of the next row counts them among the row's one-time costs): kernels launched, the device's busy time against the step's wall time and the host's time
 to issue it, its synchronising calls, the share in matmul and attention kernels, and the costliest
 kernels. That answers what the MFU alone cannot: whether the rest of a step is element-wise work (what
 compiling removes), the host falling behind the device (launch-bound: busy well under wall), or syncs.
@@ -95,7 +96,7 @@ class TableConfig:
     decomposed_clean: str = "pieces-cudnn"
     compiled_seq_lens: tuple[int, ...] = ()  # the device check asks for 8K (non-attention work weighs most) and 32K
     compile: str = "none"  # train.compile of the BD3 rows ("bd3 compiled" rows: layers)
-    profile_seq_lens: tuple[int, ...] = ()  # BD3 rows profiled once more after timing (the device check: 8K)
+    profile_seq_lens: tuple[int, ...] = ()  # BD3 rows profiled after timing (the device check: 8K)
     profile_top: int = 8
     dflash_seq_len: int | None = 65536
     dflash_anchors: int = 512
@@ -123,7 +124,7 @@ class TableRow:
     peak_mem_bytes: int | None = None
     loss: float | None = None
     step_times_s: tuple[float, ...] | None = None  # every timed step; ``step_time_s`` is their median
-    profile: StepProfile | None = None  # one more step under the profiler (``profile_seq_lens``)
+    profile: StepProfile | None = None  # a profiled step after the timed ones (``profile_seq_lens``)
 
 
 

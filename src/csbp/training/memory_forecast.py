@@ -70,6 +70,11 @@ def forecast_line(cfg: RunConfig, *, nproc: int, preset: str | None = None) -> s
         return _forecast(cfg, nproc, preset)
     except ValueError as exc:  # a warning never stops a run the checks passed; the planner's reason is shown
         return f"note: csbp plan's cost model cannot price this run, so its memory is not forecast ({exc})"
+    except Exception as exc:  # noqa: BLE001 - nor does a planner bug: named, so it gets reported
+        return (
+            "note: csbp plan's cost model failed on this run, so its memory is not forecast "
+            f"({type(exc).__name__}: {exc}; please report it)"
+        )
 
 
 def _forecast(cfg: RunConfig, nproc: int, preset: str) -> str | None:
