@@ -180,3 +180,31 @@ def test_counting_a_million_token_row_of_documents_holds_no_per_position_arrays(
         finally:
             tracemalloc.stop()
         assert peak < 8 * seq_len, f"{peak / 2**20:.1f} MiB"  # less than one int64 array of L entries
+
+
+def test_a_dflash_step_counts_the_drafters_flops_over_every_anchor_of_its_samples() -> None:
+    """The drafter's model FLOPs (12d per attention pair, as the device check's rows) over each sample's full
+    anchor packet, whatever a rank owns of it; drawn from the same generator as the step's anchors."""
+    from functools import partial
+
+    from csbp.bench.dflash_flops import drafter_step_flops
+    from csbp.dflash.anchors import segment_starts
+    from csbp.dflash.config import DFlashObjectiveConfig
+    from csbp.dflash.layouts import full_packet
+    from csbp.dflash.step import DFlashStep, build_dflash_rank_plan, sample_batch_anchors
+    from csbp.dflash.verify import DFlashVerifyCase, build_models, make_batch
+    from csbp.engine.context import single_process_context
+
+    _, drafter = build_models(DFlashVerifyCase(), dtype=torch.float32)
+    objective = DFlashObjectiveConfig(max_anchors=5)
+    plan = build_dflash_rank_plan(single_process_context(), objective)
+    counter = partial(drafter_step_flops, model_flops=True)
+    batch = make_batch(2, 32)  # the second sample packs two documents and ends in padding
+    out = DFlashStep(drafter, objective, plan, count_flops=counter)(batch, torch.Generator().manual_seed(3))
+    anchors = sample_batch_anchors(batch, objective, drafter.config.block_size, torch.Generator().manual_seed(3))
+    expected = sum(
+        counter(drafter.config, full_packet(anchors[s], segment_starts(batch.doc_ids[s])[anchors[s]]), 32, 32)
+        for s in range(2)
+    )
+    assert out.model_flops == expected > 0
+    assert DFlashStep(drafter, objective, plan)(batch, torch.Generator().manual_seed(3)).model_flops is None

@@ -38,7 +38,7 @@ from csbp.training.checkpoint import find_latest_checkpoint, read_training_state
 from csbp.training.preflight import check_run
 from test_training_run import REQUIRED_KEYS, apply_dotted, make_artifact, metric_rows
 
-DFLASH_KEYS = REQUIRED_KEYS | {"token_accuracy", "tau_mean"}
+DFLASH_KEYS = REQUIRED_KEYS | {"token_accuracy", "tau_mean", "tflops_per_device"}  # the drafter's model FLOPs
 VAL_KEYS = {
     "val_loss",
     "val_token_accuracy",
@@ -145,6 +145,7 @@ def test_run_writes_metrics_drafter_checkpoints_and_the_public_format(
         assert 0.0 <= record["token_accuracy"] <= 1.0
         assert 1.0 <= record["tau_mean"] <= 4.0  # one accepted anchor token up to the whole block
         assert np.isfinite(record["loss"]) and record["loss"] > 0.0
+        assert record["tflops_per_device"] > 0.0 and "mfu" not in record  # no peak on the CPU
     final = full_run / "final"
     config = json.loads((final / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]

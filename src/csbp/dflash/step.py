@@ -29,6 +29,7 @@ Usage::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ from csbp.attention.layouts import WindowPlan
 from csbp.attention.rows import Rows
 from csbp.dflash.anchors import sample_anchors, segment_starts
 from csbp.dflash.attention import ShardedDraftAttention, build_draft_attention_plan
-from csbp.dflash.config import DFlashObjectiveConfig
+from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig
 from csbp.dflash.dflash2 import selector_loss_scale
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.exchange import (
@@ -205,17 +206,27 @@ class DFlashStepOutput:
     loss_value: float
     selector_value: float
     metrics: dict[str, float]
+    model_flops: float | None = None
+    """The micro-batch's drafter model FLOPs over every anchor of its samples (``count_flops``), or None."""
+
+
+FlopCounter = Callable[[DFlashConfig, AnchorPacket, int, int], int]
+"""``(drafter config, a sample's full anchor packet, context rows, seq_len) -> FLOPs``
+(``csbp.bench.dflash_flops.drafter_step_flops``)."""
 
 
 class DFlashStep:
     """Computes one rank's DFlash loss for a micro-batch (module docstring)."""
 
     def __init__(
-        self, drafter: DFlashDrafter, objective: DFlashObjectiveConfig, plan: DFlashRankPlan
+        self, drafter: DFlashDrafter, objective: DFlashObjectiveConfig, plan: DFlashRankPlan,
+        *, count_flops: FlopCounter | None = None,
     ) -> None:
         self.drafter = drafter
         self.objective = objective
         self.plan = plan
+        self.count_flops = count_flops
+        """Counts each sample's drafter FLOPs over all its anchors (the trainer's ``mfu``); None: not counted."""
 
     def selector_scale(self, progress: float) -> float:
         """The selector loss weight at training ``progress`` in ``[0, 1]`` (warm-up and ramp)."""
@@ -248,10 +259,14 @@ class DFlashStep:
         device = drafter.fc.weight.device
 
         hidden_parts, target_parts, all_parts = [], [], []
+        flops = 0
         for s in range(batch.num_samples):
             starts_L = segment_starts(batch.doc_ids[s].cpu())
             doc_start = starts_L[anchors[s]]
-            all_parts.append(self._targets(batch, s, full_packet(anchors[s], doc_start), None))
+            every_anchor = full_packet(anchors[s], doc_start)
+            all_parts.append(self._targets(batch, s, every_anchor, None))
+            if self.count_flops is not None:  # the sample's model work, whatever this rank owns of it
+                flops += self.count_flops(cfg, every_anchor, seq_len, seq_len)
             packet = owned_packet(
                 anchors[s], doc_start, layout, context=objective.context, min_bucket=min_bucket
             )
@@ -313,7 +328,8 @@ class DFlashStep:
         }
         if drafter.selector is not None:
             metrics["candidate_recall"] = sums["covered"] / max(sums["supervised"], 1.0)
-        return DFlashStepOutput(loss, main + selector_scale * selector, selector, metrics)
+        counted = float(flops) if self.count_flops is not None else None
+        return DFlashStepOutput(loss, main + selector_scale * selector, selector, metrics, counted)
 
     # ---- helpers -------------------------------------------------------------------------------
 

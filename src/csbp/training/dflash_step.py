@@ -39,10 +39,13 @@ same ``--num-prompts`` and ``--max-new-tokens``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from csbp.bench.dflash_flops import drafter_step_flops
 from csbp.data.artifact import ArtifactSplit
 from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.drafter import DFlashDrafter
@@ -56,7 +59,7 @@ from csbp.objectives.base import corruption_generator
 from csbp.training.step import EVAL_MICRO_STEP, EvalResult, StepResult, autocast_for, validation_loader
 
 _LK_SUMS = ("lk_ce", "lk_tv", "prob_sum", "prob_count")
-_SUMS = ("loss", "selector", "correct", "supervised", "tau_sum", "live_blocks", "covered", *_LK_SUMS)
+_SUMS = ("loss", "selector", "correct", "supervised", "tau_sum", "live_blocks", "covered", *_LK_SUMS, "model_flops")
 """Per-micro-batch numbers summed over micro-batches and data-parallel replicas."""
 
 
@@ -78,6 +81,7 @@ def output_sums(out: DFlashStepOutput) -> list[float]:
         live_blocks,
         metrics.get("candidate_recall", 0.0) * supervised,
         *(metrics[name] for name in _LK_SUMS),
+        out.model_flops or 0.0,
     ]
 
 
@@ -107,7 +111,8 @@ class DFlashStepRunner:
         self.step_fn = DFlashStep(
             drafter, objective, build_dflash_rank_plan(
                 ctx, objective, backend=backend, diagonal=diagonal, clean=clean, transport=transport
-            )
+            ),
+            count_flops=functools.partial(drafter_step_flops, model_flops=True),  # the mfu metric's accounting
         )
         self.ctx = ctx
         self.device = device
@@ -165,7 +170,9 @@ class DFlashStepRunner:
             sums.append(output_sums(out))
         totals = self._global(sums)
         loss, metrics = self._metrics(totals, len(batches) * self.ctx.topology.dp)
-        return StepResult(loss=loss, denominator=totals["supervised"], metrics=metrics)
+        return StepResult(
+            loss=loss, denominator=totals["supervised"], metrics=metrics, model_flops=totals["model_flops"]
+        )
 
     @torch.no_grad()
     def evaluate(self, split: ArtifactSplit, *, micro_batch_size: int, num_batches: int) -> EvalResult:

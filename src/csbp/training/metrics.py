@@ -6,7 +6,7 @@ a no-op, so no other rank writes files.
 ``<run_dir>/metrics.jsonl`` holds one JSON object per optimizer step: ``step``, ``loss`` (global
 train loss of the step), ``lr`` (the rate the step used), ``grad_norm`` (before clipping),
 ``tokens_per_s`` (all ranks' tokens over the step's wall time), ``tflops_per_device`` (the step's model
-FLOPs, ``csbp.training.model_flops``, over its wall time per device; not for dflash) and, on a GPU of known
+FLOPs, ``csbp.training.model_flops``, or a drafter's, over its wall time per device) and, on a GPU of known
 bf16 peak training in bf16, ``mfu`` (that over the peak, ``csbp.gpu.flops``), ``peak_mem_bytes``,
 ``elapsed_s`` (since this invocation started), and ``val_loss`` on steps that ran validation
 (the training objective on validation rows, clipped noise included). The diffusion objectives

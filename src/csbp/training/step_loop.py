@@ -171,7 +171,7 @@ class StepLoop:
     def _rates(self, model_flops: float | None, step_seconds: float) -> dict[str, float]:
         """``tflops_per_device`` (the step's model FLOPs over its wall time and the world's devices) and,
         on a GPU of known bf16 peak under ``train.precision: bf16``, ``mfu``; nothing where no FLOPs
-        were counted (dflash)."""
+        were counted."""
         if model_flops is None:
             return {}
         per_device = model_flops / max(step_seconds, 1e-9) / self.ctx.world_size / 1e12
