@@ -210,12 +210,12 @@ def test_training_table_dry_run_on_cpu_at_tiny_sizes() -> None:
                          num_kv_heads=2, head_dim=8)
     cfg = TableConfig(seq_lens=(64, 32), block_size=4, model=tiny, activation_checkpointing="full",
                       dflash_seq_len=64, dflash_anchors=4, dflash_draft_layers=1, warmup=1, repeats=1,
-                      peak_tflops=1.0, compiled_seq_lens=(32,), long_step_s=1e9)  # no row cut short on a loaded machine
+                      peak_tflops=1.0, compiled_seq_lens=(32,), long_step_s=600.0)  # a slow step must not end a row
     seen: list[TableRow] = []
     rows = run_train_table(cfg, torch.device("cpu"), progress=seen.append)
     assert rows == seen and [(r.kind, r.seq_len) for r in rows] == [
         ("bd3", 32), ("bd3", 64), ("bd3 compiled", 32), ("dflash a=4", 64)]
-    # the compiled row trains the same model on the same data: the same loss to round-off
+    # the compiled row trains the same model on the same data: the same (second) step's loss to round-off
     assert rows[2].loss == pytest.approx(rows[0].loss, rel=1e-3) and rows[2].loss != rows[1].loss
     for row in rows:
         assert row.status == "ok (1 timed)" and row.checkpointing == "full"
@@ -421,6 +421,27 @@ def test_a_compiled_row_is_predicted_with_its_compilation(monkeypatch: pytest.Mo
     rows = run_train_table(cfg, torch.device("cpu"))
     assert built == [("bd3", 32)]
     assert rows[-1].kind == "bd3 compiled" and rows[-1].status.startswith(f"skipped: predicted {budget + 1:.0f} s")
+
+
+def test_a_compiled_rows_compiling_step_is_not_its_timed_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table measured a ``bd3 compiled`` row with the plain rows' config (``compile: none``): a first
+    step that compiled for longer than ``long_step_s`` (a cold compile cache, a loaded machine) was timed
+    and ended the row, which then reported the compilation as its step and the first step's loss."""
+    from csbp.gpu import train_table
+
+    def fake_step_fn(cfg: TableConfig, seq_len: int, device: torch.device):  # noqa: ANN202
+        def step(index: int) -> float:
+            time.sleep(0.02)  # every step is "long"
+            return float(index)
+
+        return step, "none"
+
+    monkeypatch.setattr(train_table, "bd3_step_fn", fake_step_fn)
+    cfg = TableConfig(seq_lens=(32,), block_size=4, activation_checkpointing="none", backend="tiles",
+                      compiled_seq_lens=(32,), dflash_seq_len=None, warmup=1, repeats=1, long_step_s=0.01)
+    plain, compiled = run_train_table(cfg, torch.device("cpu"))
+    assert (plain.kind, plain.loss, len(plain.step_times_s)) == ("bd3", 0.0, 1)  # step 0 was long: it ends the row
+    assert (compiled.kind, compiled.loss, len(compiled.step_times_s)) == ("bd3 compiled", 1.0, 1)
 
 
 def test_row_prediction_keeps_one_time_costs_and_scales_the_steps() -> None:
