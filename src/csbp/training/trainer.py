@@ -103,11 +103,18 @@ def collective_timeout(seconds: float) -> Iterator[None]:
         yield
         return
     dist.barrier()
-    dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+    _set_world_timeout(timedelta(seconds=seconds))
     try:
         yield
     finally:
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=max(seconds, STARTUP_TIMEOUT_S)))
+        _set_world_timeout(timedelta(seconds=max(seconds, STARTUP_TIMEOUT_S)))
+
+
+def _set_world_timeout(timeout: timedelta) -> None:
+    """Set the world group's collective timeout: ``dist.set_timeout`` where torch has it (2.14 on; it
+    deprecates the private ``_set_pg_timeout`` with a FutureWarning every rank would print), else that."""
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(timeout)
 
 
 def stop_step_of(cfg: RunConfig, max_steps: int | None) -> int:
