@@ -21,7 +21,7 @@ from csbp.data.loader import PackedLoader
 from csbp.training import checkpoint as checkpoint_module
 from csbp.training import train
 from csbp.training.checkpoint import STATE_FILE, TrainingState
-from csbp.training.nan_policy import MAX_SKIPPED_STEPS, NonFiniteTraining
+from csbp.training.nan_policy import MAX_SKIPPED_STEPS, NonFiniteTraining, SkipStreak, latest_checkpoint_name
 from csbp.training.step import StepRunner
 from test_training_run import copy_run, make_artifact, run_at_step2, tiny_config, trajectory  # noqa: F401 - a fixture
 
@@ -92,6 +92,30 @@ def test_a_finite_step_after_the_resume_ends_the_streak(
     assert trajectory(tmp_path / "half") == trajectory(tmp_path / "full")
     weights = "final/model.safetensors"
     assert (tmp_path / "half" / weights).read_bytes() == (tmp_path / "full" / weights).read_bytes()
+
+
+def test_skip_allows_ten_non_finite_steps_in_a_row_and_a_finite_one_starts_over() -> None:
+    """docs/config.md: "at most 10 skips in a row, then stop"; a finite step ends the streak. The
+    messages name both numbers and the last good checkpoint ("none" before the first)."""
+    streak = SkipStreak("skip")
+    for step in range(1, 11):
+        line = streak.non_finite(step, math.nan, 1.5, kept=None)
+        assert line == f"warning: step {step}: loss nan and grad_norm 1.5: not finite, update skipped (train.nan_policy: skip)"
+    with pytest.raises(NonFiniteTraining, match=r"^step 11: .* after 10 skipped steps in a row .*checkpoint: none\)"):
+        streak.non_finite(11, math.nan, 1.5, kept=None)
+    streak = SkipStreak("skip", in_a_row=10)
+    streak.finite()
+    assert streak.in_a_row == 0
+    streak.non_finite(12, 2.0, math.inf, kept="step_0000010")
+    with pytest.raises(NonFiniteTraining, match=r"grad_norm inf: not finite; .*checkpoint: step_0000010\) .*nan_policy: skip\)$"):
+        SkipStreak("stop").non_finite(3, 2.0, math.inf, kept="step_0000010")
+
+
+def test_the_latest_pointer_is_read_without_its_line_end(tmp_path: Path) -> None:
+    assert latest_checkpoint_name(tmp_path) is None
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "latest").write_text("step_0000004\n", encoding="utf-8")
+    assert latest_checkpoint_name(tmp_path) == "step_0000004"
 
 
 # ----------------------------------------------------------------------------- the loader's split
