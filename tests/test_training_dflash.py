@@ -126,6 +126,7 @@ def full_run(inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
     run_dir = tmp_path_factory.mktemp("full") / "run"
     summary = train(dflash_config(*inputs), run_dir=run_dir)
     assert (summary.start_step, summary.end_step, len(summary.losses)) == (0, 4, 4)
+    assert summary.final_dir == run_dir / "final"  # the summary's export line names the drafter
     return run_dir
 
 

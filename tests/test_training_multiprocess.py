@@ -25,6 +25,7 @@ from csbp.gpu.flops import bd3_step_flops
 from csbp.parallel.launch import run_local
 from csbp.training import TrainingFailed, launch_training, train
 from csbp.training.checkpoint_integrity import checkpoint_problem
+from csbp.training.metrics import read_metrics
 from csbp.training.preflight import check_run
 from test_training_run import make_artifact, metric_rows, tiny_config, trajectory
 
@@ -113,6 +114,18 @@ def test_the_logged_rate_counts_the_flops_of_every_replica(
     for row in rows:
         seconds = samples * cfg.data.seq_len / row["tokens_per_s"]
         assert row["tflops_per_device"] * 1e12 * cfg.world_size * seconds == pytest.approx(expected, rel=1e-9)
+
+
+def test_tokens_per_s_counts_every_data_parallel_replica(two_rank_runs: tuple[Path, dict[str, Any]]) -> None:
+    """A dp=2 step trains dp 2 x micro_batch_size 1 x grad_accum 2 x seq_len 32 = 128 tokens in its
+    step time, which lies between two records' ``elapsed_s``: tokens_per_s x that gap is at least 128
+    (a mutant counting one replica's 64 tokens passed)."""
+    root, _ = two_rank_runs
+    rows = read_metrics(root / "dp" / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    elapsed = [0.0] + [row["elapsed_s"] for row in rows]
+    for row, before, after in zip(rows, elapsed, elapsed[1:]):
+        assert row["tokens_per_s"] * (after - before) >= 128 * (1 - 1e-9)
 
 
 def test_fsdp_through_the_launcher_matches_plain_data_parallel(
