@@ -125,6 +125,8 @@ def test_the_summary_reports_median_rates_leaving_out_the_first_step(tmp_path: P
     assert line == "speed       200 tokens/s, 20.0 TFLOP/s per device, MFU 20.0% (medians over 3 steps, the first one left out)"
     assert line in summary([first, *steps]).format().splitlines()
     assert summary([{"tokens_per_s": 1234.5}]).speed_line() == "speed       1,234 tokens/s (one step)"
+    cpu = summary([{"tokens_per_s": 5466.0, "tflops_per_device": 0.012345}]).speed_line()  # the demo's scale
+    assert cpu == "speed       5,466 tokens/s, 0.0123 TFLOP/s per device (one step)"
     assert summary([]).speed_line() is None and "speed" not in summary([]).format()
 
 

@@ -79,7 +79,8 @@ class TrainSummary:
             return None
         parts = [f"{statistics.median(s['tokens_per_s'] for s in speeds):,.0f} tokens/s"]
         if all("tflops_per_device" in s for s in speeds):
-            parts.append(f"{statistics.median(s['tflops_per_device'] for s in speeds):.1f} TFLOP/s per device")
+            rate = statistics.median(s["tflops_per_device"] for s in speeds)
+            parts.append(f"{rate:.1f} TFLOP/s per device" if rate >= 10 else f"{rate:.3g} TFLOP/s per device")
         if all("mfu" in s for s in speeds):
             parts.append(f"MFU {100 * statistics.median(s['mfu'] for s in speeds):.1f}%")
         over = f"medians over {counted(len(speeds), 'step')}" if len(speeds) > 1 else "one step"
