@@ -130,16 +130,24 @@ def test_the_launcher_warns_before_it_trains(
     ), trained[1]
 
 
-def test_a_run_the_planner_cannot_price_gets_a_note_not_a_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("error", "note"),
+    [
+        (ValueError("objective.dflash.target: no config.json"),
+         "cannot price this run, so its memory is not forecast (objective.dflash.target: no config.json)"),
+        (ZeroDivisionError("division by zero"),  # not even a bug in the cost model may stop a run
+         "failed on this run, so its memory is not forecast (ZeroDivisionError: division by zero; please report it)"),
+    ],
+)
+def test_a_run_the_planner_cannot_price_gets_a_note_not_a_refusal(
+    error: Exception, note: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def unpriceable(cfg: RunConfig) -> None:
-        raise ValueError("objective.dflash.target: no config.json")
+        raise error
 
     monkeypatch.setattr(memory_forecast, "run_config_workload", unpriceable)
     line = forecast_line(qwen_run("data.seq_len=65536"), nproc=1, preset="h100")
-    assert line == (
-        "note: csbp plan's cost model cannot price this run, so its memory is not forecast "
-        "(objective.dflash.target: no config.json)"
-    )
+    assert line == f"note: csbp plan's cost model {note}"
 
 
 def test_on_the_cpu_a_node_shares_its_ram_among_its_own_processes_not_the_jobs(
@@ -160,15 +168,3 @@ def test_on_the_cpu_a_node_shares_its_ram_among_its_own_processes_not_the_jobs(
     assert forecast_line(one_node, nproc=2, preset="cpu") is None
     assert forecast_line(four_nodes, nproc=2, preset="cpu") is None
 
-
-def test_a_planner_bug_is_a_note_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The forecast is advice: not even an unexpected error in the cost model may stop a run."""
-    def broken(cfg: RunConfig) -> None:
-        raise ZeroDivisionError("division by zero")
-
-    monkeypatch.setattr(memory_forecast, "run_config_workload", broken)
-    line = forecast_line(qwen_run("data.seq_len=65536"), nproc=1, preset="h100")
-    assert line == (
-        "note: csbp plan's cost model failed on this run, so its memory is not forecast "
-        "(ZeroDivisionError: division by zero; please report it)"
-    )
