@@ -19,7 +19,7 @@ mask (``csbp.attention.flex_block_mask``).
   which the CUDA kernel refuses, run zero-padded to 16 on every device (exact; ``pad_head_dim``).
 * backward (CUDA only: FlexAttention has no compiled CPU backward), from the merged ``(out, lse)``
   (``csbp.attention.flex_backward``): ``direct``, FlexAttention's backward kernel called with the
-  merged statistics (no forward; torch 2.11 and 2.13), or ``recompute``, the partial recomputed with autograd
+  merged statistics (no forward; torch 2.11, 2.13 and 2.14.1), or ``recompute``, the partial recomputed with autograd
   and differentiated with the chain rule through the merge (``merge.partial_grads_from_merged``:
   ``dout_p = w·dout``, ``dlse_p = w·<dout, out_p - out>``, ``w = exp(lse_p - lse)``). Both equal the
   explicit backward from the merged statistics.

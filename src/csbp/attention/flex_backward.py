@@ -111,7 +111,7 @@ def resolve_flex_backward(name: str, *, where: str = "attention.flex_backward") 
     if name == "direct" and not supported:
         raise ValueError(
             f"{where}=direct needs a torch whose torch.compile traces FlexAttention's backward operator "
-            f"(torch 2.11 and 2.13 do; this is {torch.__version__}: {reason}); set {where} to auto or recompute"
+            f"(torch 2.11, 2.13 and 2.14.1 do; this is {torch.__version__}: {reason}); set {where} to auto or recompute"
         )
     return name  # direct, supported
 

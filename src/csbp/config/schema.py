@@ -269,7 +269,7 @@ class AttentionSection(_Section):
         "auto",
         description=(
             "Backward of a merged FlexAttention partial (csbp.attention.flex_backward): direct (the flex "
-            "backward kernel from the merged statistics, no forward; needs a compiler that traces it: torch 2.11 and 2.13 do); recompute "
+            "backward kernel from the merged statistics, no forward; needs a compiler that traces it: torch 2.11, 2.13 and 2.14.1 do); recompute "
             "(the partial's forward again, then the chain rule through the merge); auto: direct where the "
             "installed torch traces it, else recompute. Same gradients either way."
         ),
