@@ -131,8 +131,8 @@ def _host_reads_of_a_step(grad_accum: int, monkeypatch: pytest.MonkeyPatch) -> i
     batches = [
         {"input_ids": torch.randint(0, MASK_TOKEN_ID, (2, 32), generator=generator)} for _ in range(grad_accum)
     ]
-    corrupted = [runner._corrupt(batch, 1, micro) for micro, batch in enumerate(batches)]
-    runner._corrupt = lambda batch, step, micro: corrupted[micro]  # type: ignore[method-assign]
+    corrupted = [runner._corrupt_on_host(batch, 1, micro) for micro, batch in enumerate(batches)]
+    runner._corrupt_on_host = lambda batch, step, micro, objective=None: corrupted[micro]  # type: ignore[method-assign]
     with monkeypatch.context() as patch:
         reads = _HostReads(patch)
         runner.train_step(batches, 1)
