@@ -58,9 +58,9 @@ def run_layout(cfg: RunConfig) -> Layout:
 
 
 def forecast_line(cfg: RunConfig, *, nproc: int, preset: str | None = None) -> str | None:
-    """The warning line for a run predicted not to fit (module docstring), or None when it is
-    predicted to fit or this machine has no hardware preset; a note when the planner cannot price it. ``nproc``: processes per node;
-    ``preset``: the hardware preset (default: this machine's, ``csbp.plan.auto.gpu_preset``)."""
+    """The warning line for a run predicted not to fit (module docstring), None when it is predicted to
+    fit or this machine has no hardware preset, a note when the planner cannot price it. ``nproc``:
+    processes per node; ``preset``: the hardware preset (default: this machine's, ``gpu_preset``)."""
     if preset is None:
         try:
             preset = gpu_preset()
