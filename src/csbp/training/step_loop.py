@@ -28,6 +28,7 @@ from csbp.config.loading import dump_config
 from csbp.config.schema import RunConfig
 from csbp.data.loader import PackedLoader
 from csbp.engine.context import ParallelContext
+from csbp.gpu.flops import model_flop_utilisation
 from csbp.training.checkpoint import TrainingState, param_shapes, rng_state, save_checkpoint
 from csbp.training.dflash_layers import resolved_config
 from csbp.training.dflash_step import DFlashStepRunner
@@ -174,10 +175,11 @@ class StepLoop:
         were counted."""
         if model_flops is None:
             return {}
-        per_device = model_flops / max(step_seconds, 1e-9) / self.ctx.world_size / 1e12
-        rates = {"tflops_per_device": per_device}
-        if self._peak_tflops is not None:
-            rates["mfu"] = per_device / self._peak_tflops
+        seconds, device_flops = max(step_seconds, 1e-9), model_flops / self.ctx.world_size
+        rates = {"tflops_per_device": device_flops / seconds / 1e12}
+        mfu = model_flop_utilisation(device_flops, step_time_s=seconds, peak_tflops=self._peak_tflops)
+        if mfu is not None:  # the device check's own MFU arithmetic
+            rates["mfu"] = mfu
         return rates
 
     def _zero_grad(self) -> None:
