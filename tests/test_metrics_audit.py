@@ -38,6 +38,13 @@ def test_each_number_goes_to_its_tensorboard_tag_and_a_resume_keeps_its_own_step
     for step in (1, 2, 3):
         writer.log({**RECORD, "step": step, "loss": float(step), "val_nelbo": 4.0 + step, "val_ppl_bound": 60.0})
     writer.close()
+    # TensorBoard reads event files in name order: <seconds>.<host>.<pid>.<writer count>. A resume in the
+    # same second and process could sort first ("...10" < "...9") and read as the older run; a real resume
+    # comes later, so the first run's file is dated back.
+    for events in (tmp_path / "tb").glob("events.out.tfevents.*"):
+        parts = events.name.split(".")
+        parts[3] = "0000000001"
+        events.rename(events.with_name(".".join(parts)))
     writer = MetricsWriter(tmp_path, enabled=True, start_step=2, total_steps=3)
     writer.log({**RECORD, "step": 3, "loss": 9.0})
     writer.close()
