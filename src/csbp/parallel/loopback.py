@@ -5,8 +5,7 @@ host name it is given: ``TCPStore("127.0.0.1", 0, is_master=True)`` is reachable
 and the store accepts any client (no authentication), so during a run anyone who can reach the
 machine could read or overwrite the rendezvous keys. torch 2.13 offers one way to choose the
 address: ``master_listen_fd``, a socket the caller has already bound and put into listening state,
-which the store's server adopts (and closes when the store is destroyed; the libuv server since
-torch 2.8, the older one before). Here:
+which the store's libuv server adopts (and closes when the store is destroyed). Here:
 
 * :func:`loopback_store` makes a store server on ``127.0.0.1`` that way (or a client of one);
   ``csbp.parallel.launch.run_local`` (``csbp verify``, the benchmarks, the multi-process tests)
@@ -24,7 +23,6 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousHandler,
@@ -39,7 +37,6 @@ LOOPBACK_INTERFACE = "lo"
 """Single-node launches rendezvous at 127.0.0.1 and keep gloo's worker connections on loopback."""
 RENDEZVOUS_BACKEND = "csbp-loopback"
 _BACKLOG = 2048
-_LIBUV_TAKES_FD = torch.__version__ >= "2.8"  # torch#150215; before, only the older backend adopts a socket
 
 
 def loopback_store(
@@ -75,7 +72,7 @@ def loopback_store(
         wait_for_workers=wait_for_workers,
         multi_tenant=multi_tenant,
         master_listen_fd=fd,
-        use_libuv=_LIBUV_TAKES_FD,
+        use_libuv=True,  # adopts master_listen_fd since torch 2.8 (torch#150215)
     )
 
 

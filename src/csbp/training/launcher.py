@@ -88,6 +88,10 @@ from csbp.training.trainer import (
 from csbp.wording import counted
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+SIGNALS_TO_HANDLE = "SIGTERM,SIGHUP,SIGQUIT"
+"""torch elastic's ``signals_to_handle`` without ``SIGINT``: Ctrl-C raises ``KeyboardInterrupt`` in the
+launching process, and the agent stops the workers with ``SIGTERM``, which ends at once a worker still
+importing torch (it holds ``SIGINT`` until then: :func:`csbp.interrupts.children_hold_sigint`)."""
 
 
 @dataclass(frozen=True)
@@ -324,7 +328,7 @@ def _launch_workers(
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
         local_addr=local_addr,
-        **_ctrl_c_option(LaunchConfig),
+        signals_to_handle=SIGNALS_TO_HANDLE,
     )
     env = {} if torch.cuda.is_available() else {"OMP_NUM_THREADS": "1"}
     env[REPORT_DIR_ENV] = str(log_dir)
@@ -397,16 +401,6 @@ def _ctrl_c(signum: int, frame: FrameType | None) -> None:
             return
         frame = frame.f_back
     raise KeyboardInterrupt
-
-
-def _ctrl_c_option(launch_config: type) -> dict[str, str]:
-    """torch elastic's ``signals_to_handle`` without ``SIGINT`` (torch 2.9 and later): Ctrl-C then
-    raises ``KeyboardInterrupt`` in the launching process, and the agent stops the workers with
-    ``SIGTERM``, which ends at once a worker still importing torch (it holds ``SIGINT`` until then:
-    :func:`csbp.interrupts.children_hold_sigint`). An older torch turns Ctrl-C into its
-    ``SignalException`` and passes ``SIGINT`` on, which such a worker obeys once its imports are done."""
-    fields = getattr(launch_config, "__dataclass_fields__", {})
-    return {"signals_to_handle": "SIGTERM,SIGHUP,SIGQUIT"} if "signals_to_handle" in fields else {}
 
 
 def remove_staging_leftovers(run_dir: Path) -> None:
