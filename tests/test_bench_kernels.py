@@ -218,3 +218,21 @@ def test_profiled_kernels_split_into_attention_and_the_passes_around_it() -> Non
                                       attention_ms=3.5))
     assert "busy 5.00 of 6.00 ms wall (host issued it in 1.00 ms, 0 syncs); attention/matmul kernels 3.50 ms, " \
         "the rest 1.50 ms; top: flash_fwd_kernel 3.00 ms x2" in line
+
+
+def test_a_profiled_step_leaves_out_kinetos_notices_and_keeps_the_rest(capfd: pytest.CaptureFixture[str]) -> None:
+    """torch's profiler library writes ``USDT: ... profiler_start`` / ``profiler_stop`` to file descriptor 2
+    at every profiled step (torch 2.13), between the benchmark's rows: they are dropped, and what the
+    step itself writes to stderr is kept."""
+    import os
+
+    from csbp.bench.kernel_profile import profile_step
+
+    def step() -> None:
+        os.write(2, b"the step's own line\n")
+        torch.ones(8).sum()
+
+    profile_step(step, torch.device("cpu"), top=1)
+    err = capfd.readouterr().err
+    assert "USDT:" not in err and "STAGE:" not in err
+    assert err.count("the step's own line\n") == 3  # the sync count, the timed and the profiled run

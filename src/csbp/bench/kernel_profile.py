@@ -15,10 +15,14 @@ time.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
+import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,7 +81,7 @@ def profile_step(step: Callable[[], object], device: torch.device, *, top: int) 
     synchronize(device)
     wall_ms, issue_ms = (time.perf_counter() - started) * 1e3, (issued - started) * 1e3
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
-    with profile(activities=activities) as prof:
+    with _profiler_notices_dropped(), profile(activities=activities) as prof:
         step()
         synchronize(device)
     if on_cuda:
@@ -95,6 +99,34 @@ def profile_step(step: Callable[[], object], device: torch.device, *, top: int) 
         busy_ms=sum(self_us(e) for e in events) / 1e3, wall_ms=wall_ms, issue_ms=issue_ms, syncs=syncs,
         attention_ms=sum(self_us(e) for e in events if is_attention_kernel(str(e.key))) / 1e3,
     )
+
+
+PROFILER_NOTICES = ("USDT:", "STAGE:")
+"""Prefixes of the lines Kineto (torch's profiler library) writes to the process's stderr from C++ at
+every profiler start and stop (``USDT:... profiler_start``), whatever ``KINETO_LOG_LEVEL`` says."""
+
+
+@contextlib.contextmanager
+def _profiler_notices_dropped() -> Iterator[None]:
+    """Route file descriptor 2 to a temporary file while the profiler runs, then write back every line
+    but Kineto's notices: a benchmark's table is not interleaved with them. Anything else written to
+    stderr meanwhile (a warning, an error) still reaches it, only after the profiled step."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().splitlines(keepends=True)
+                    if not line.decode(errors="replace").startswith(PROFILER_NOTICES)]
+            data = memoryview(b"".join(kept))
+            while data:
+                data = data[os.write(2, data):]
 
 
 def count_syncs(step: Callable[[], object], device: torch.device) -> int:
