@@ -35,7 +35,7 @@ from csbp.attention.transports.local import LocalAttentionFn
 from csbp.engine.context import ParallelContext
 from csbp.models.decoder import AttentionFn, Decoder
 from csbp.objectives.base import CorruptedBatch
-from csbp.objectives.chunked_ce import chunked_weighted_ce
+from csbp.objectives.chunked_ce import chunked_weighted_ce, weighted_ce_per_row
 from csbp.schedules import SchedulePolicy
 
 TransportName = Literal["collective", "streaming", "halo"]
@@ -301,3 +301,30 @@ def _plan_loss(
     )
     loss = ce_sum * (world_size / global_denominator) + 0.0 * hidden_SRD.sum()
     return loss, ce_sum.detach()
+
+
+@torch.no_grad()
+def rank_block_losses(
+    model: Decoder, corrupted: CorruptedBatch, plan: RankPlan | DocumentPlanner, *, ce_chunk_rows: int = 1024
+) -> Tensor:
+    """``[S', N]`` float64: per (sample, diffusion block), the weighted cross-entropy summed over this rank's
+    noisy rows in that block (0 where the rank holds none). Every noisy row lives on exactly one rank of a
+    replica, so the sum over the replica's ranks is each block's whole loss (``csbp.training.clip_search``)."""
+    samples, length = corrupted.labels.shape
+    block = corrupted.block_size
+    sums = torch.zeros(samples, -(-length // block), dtype=torch.float64, device=corrupted.labels.device)
+    # a plain plan runs the whole micro-batch at once; packed documents one sample (plan) at a time
+    groups = [(slice(0, samples), plan)] if isinstance(plan, RankPlan) else [
+        (slice(index, index + 1), sample_plan) for index, sample_plan in enumerate(plan.plans_for(corrupted.doc_ids))
+    ]
+    for rows, group_plan in groups:
+        part = sample_rows(corrupted, rows)
+        input_ids, positions = rank_inputs(part, group_plan)
+        hidden = model(input_ids, positions, group_plan.attention)[:, : group_plan.num_noisy]
+        noisy = group_plan.indices(part.labels.device).noisy_positions
+        per_row = weighted_ce_per_row(
+            hidden.reshape(-1, hidden.shape[-1]), model.lm_head_weight, part.labels[:, noisy].reshape(-1),
+            part.weights[:, noisy].reshape(-1), chunk_rows=ce_chunk_rows, exclude_token=part.exclude_token,
+        )
+        sums[rows].index_add_(1, noisy // block, per_row.view(hidden.shape[0], -1).to(torch.float64))
+    return sums

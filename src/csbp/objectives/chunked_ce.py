@@ -219,3 +219,30 @@ def token_accuracy(
         )
         correct += (logits_CV.argmax(dim=1) == labels_R[start:stop]).sum()
     return correct, torch.tensor(int(kept_index.numel()), dtype=torch.long, device=hidden.device)
+
+
+@torch.no_grad()
+def weighted_ce_per_row(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    *,
+    chunk_rows: int = 1024,
+    exclude_token: int | None = None,
+) -> Tensor:
+    """``[R]`` per-row ``weights[r] · CE(hidden[r] @ Wᵀ, labels[r])`` (no gradient), 0 on rows with label
+    ``-100`` or weight 0; the terms :func:`chunked_weighted_ce` sums, with its numerics and chunking."""
+    _validate(hidden, lm_head_weight, labels, weights, chunk_rows)
+    matmul_dtype, accum_dtype = _compute_dtypes(hidden, lm_head_weight)
+    weight_mm = lm_head_weight.to(matmul_dtype)
+    per_row = torch.zeros(hidden.shape[0], dtype=accum_dtype, device=hidden.device)
+    kept_index = ((labels != IGNORE_INDEX) & (weights != 0)).nonzero().squeeze(1)
+    for start in range(0, kept_index.numel(), chunk_rows):
+        rows = kept_index[start : start + chunk_rows]
+        logits_CV = _finish_logits(
+            _chunk_logits(hidden.index_select(0, rows).to(matmul_dtype), weight_mm, accum_dtype), exclude_token, None
+        )
+        label_logit_C = logits_CV.gather(1, labels.index_select(0, rows).long()[:, None]).squeeze(1)
+        per_row[rows] = weights.index_select(0, rows).to(accum_dtype) * (torch.logsumexp(logits_CV, dim=1) - label_logit_C)
+    return per_row
