@@ -1,11 +1,18 @@
-"""Validation under data parallelism equals one process scoring every replica's rows.
+"""Validation and the noise-window search on several ranks equal one process.
 
-``StepRunner.evaluate`` on ``dp = 2`` gloo ranks (each replica its own validation rows and noise)
-must give the ``val_loss`` and unclipped NELBO of one process that reads both replicas' rows in one
-micro-batch and corrupts replica ``d``'s half with replica ``d``'s generator: the cross-entropy sums
-and the denominators are both summed over the replicas. A mutation audit found the denominators'
-sum unguarded (each replica dividing the global sum by its own count doubles ``val_loss`` at
-``dp = 2``); float64, tolerance 1e-12 relative.
+``StepRunner.evaluate`` (``val_loss`` and the unclipped NELBO) and ``search_clip_window`` (every
+candidate window's summed loss variance and the window chosen, ``objective.clip_search_widths``) on 2
+gloo ranks must give what one process gives:
+
+* ``dp = 2``: each replica scores its own validation rows with its own noise; the one process reads
+  both replicas' rows in one micro-batch and corrupts replica ``d``'s half with replica ``d``'s
+  generator. Cross-entropy sums, denominators and the variance's ``(Σx, Σx², n)`` are all summed over
+  the replicas (a mutation audit found the denominators' sum unguarded: each replica dividing the
+  global sum by its own count doubles ``val_loss`` at ``dp = 2``).
+* CSBP ``cp = 2, bp = 2``: each rank owns whole noisy blocks; the blocks' losses are summed over the
+  replica's ranks before their variance is taken. Also with packed documents (each sample its own plan).
+
+Float64; tolerance 1e-12 relative (only the summation order differs).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import pytest
 import torch
 
 from csbp.data.artifact import open_artifact
-from csbp.engine.block_diffusion import build_rank_plan
+from csbp.engine.block_diffusion import DocumentPlanner, build_rank_plan
 from csbp.engine.context import build_parallel_context, single_process_context
 from csbp.engine.verify import tiny_model_config
 from csbp.models.decoder import Decoder
@@ -25,55 +32,74 @@ from csbp.objectives import build_objective
 from csbp.objectives.base import corruption_generator
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
+from csbp.training.clip_search import clip_candidates, search_clip_window
 from csbp.training.step import StepRunner
 from test_training_run import make_artifact
 
 SEQ_LEN, BLOCK, ROWS, BATCHES, SEED = 32, 4, 2, 2, 5
+CANDIDATES = clip_candidates([0.5, 0.9], 0.25, (1e-3, 1.0))
+LAYOUTS = {"dp2": {"dp": 2}, "csbp-cp2bp2": {"cp": 2, "bp": 2}, "csbp-cp2bp2-docs": {"cp": 2, "bp": 2, "docs": True}}
 
 
-def _runner(artifact: Path, topology: Topology) -> StepRunner:
+def _runner(artifact: Path, layout: dict) -> StepRunner:
     data = open_artifact(artifact)
+    topology = Topology(**{name: value for name, value in layout.items() if name != "docs"})
     ctx = single_process_context() if topology.world_size == 1 else build_parallel_context(topology)
     model = Decoder(replace(tiny_model_config(), vocab_size=data.vocab_size), dtype=torch.float64, seed=0)
     objective = build_objective("bd3", mask_token_id=data.mask_token_id, block_size=BLOCK)
+    # packed documents: every sample its own plan (rank_block_losses runs them one by one)
+    plan = DocumentPlanner(ctx, SEQ_LEN, BLOCK) if layout.get("docs") else build_rank_plan(ctx, SEQ_LEN, BLOCK)
     return StepRunner(
-        model, objective, build_rank_plan(ctx, SEQ_LEN, BLOCK), ctx,
-        device=torch.device("cpu"), precision="fp64", seed=SEED, ce_chunk_rows=64,
+        model, objective, plan, ctx, device=torch.device("cpu"), precision="fp64", seed=SEED, ce_chunk_rows=64,
     )
 
 
-def _replica_worker(rank: int, world: int, artifact: str) -> tuple[float, float]:
-    runner = _runner(Path(artifact), Topology(dp=2))
-    result = runner.evaluate(open_artifact(artifact).split("val"), micro_batch_size=ROWS, num_batches=BATCHES)
-    return result.loss, result.metrics["nelbo"]
+def _scores(runner: StepRunner, artifact: Path, rows: int) -> tuple[float, float, tuple, dict]:
+    split = open_artifact(artifact).split("val")
+    result = runner.evaluate(split, micro_batch_size=rows, num_batches=BATCHES)
+    search = search_clip_window(runner, split, micro_batch_size=rows, num_batches=BATCHES, candidates=CANDIDATES)
+    return result.loss, result.metrics["nelbo"], search.window, search.variances
 
 
-def _one_process_over_both_replicas(artifact: Path) -> tuple[float, float]:
-    """Micro-batches of ``2 * ROWS`` rows (both replicas' shards, consecutive), half ``d`` corrupted
-    with replica ``d``'s generator; the two halves' corrupted rows concatenated."""
-    runner = _runner(artifact, Topology())
+def _layout_worker(rank: int, world: int, artifact: str, layout: dict) -> tuple[float, float, tuple, dict]:
+    return _scores(_runner(Path(artifact), layout), Path(artifact), ROWS)
 
-    def both_replicas(batch, step, micro_step, objective=None):  # type: ignore[no-untyped-def]
-        halves = [
+
+def _one_process(artifact: Path, dp: int, docs: bool) -> tuple[float, float, tuple, dict]:
+    """Micro-batches of ``dp * ROWS`` rows (every replica's shard, consecutive), shard ``d`` corrupted
+    with replica ``d``'s generator and the shards' corrupted rows concatenated."""
+    runner = _runner(artifact, {"docs": docs})
+
+    def every_replica(batch, step, micro_step, objective=None):  # type: ignore[no-untyped-def]
+        shards = [
             (objective or runner.objective).corrupt(
                 {name: value[d * ROWS : (d + 1) * ROWS] for name, value in batch.items()},
                 corruption_generator(SEED, step, d, micro_step=micro_step),
             )
-            for d in range(2)
+            for d in range(dp)
         ]
-        fields = {name: torch.cat([getattr(half, name) for half in halves])
+        fields = {name: torch.cat([getattr(shard, name) for shard in shards])
                   for name in ("noisy_ids", "clean_ids", "labels", "weights", "doc_ids", "noise_levels")}
-        return replace(halves[0], **fields, loss_normaliser=sum(half.loss_normaliser for half in halves))
+        return replace(shards[0], **fields, loss_normaliser=sum(shard.loss_normaliser for shard in shards))
 
-    runner._corrupt_on_host = both_replicas  # type: ignore[method-assign]
-    result = runner.evaluate(open_artifact(artifact).split("val"), micro_batch_size=2 * ROWS, num_batches=BATCHES)
-    return result.loss, result.metrics["nelbo"]
+    runner._corrupt_on_host = every_replica  # type: ignore[method-assign]
+    return _scores(runner, artifact, dp * ROWS)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("data") / "art", seq_len=SEQ_LEN)
 
 
 @pytest.mark.multiprocess
-def test_dp2_validation_equals_one_process_over_both_replicas_rows(tmp_path: Path) -> None:
-    artifact = make_artifact(tmp_path / "art", seq_len=SEQ_LEN)
-    expected_loss, expected_nelbo = _one_process_over_both_replicas(artifact)
-    for loss, nelbo in run_local(_replica_worker, 2, (str(artifact),), timeout_s=120):
-        assert loss == pytest.approx(expected_loss, rel=1e-12)
-        assert nelbo == pytest.approx(expected_nelbo, rel=1e-12)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_validation_and_the_window_search_equal_one_process(artifact: Path, name: str) -> None:
+    layout = LAYOUTS[name]
+    loss, nelbo, window, variances = _one_process(artifact, layout.get("dp", 1), layout.get("docs", False))
+    assert len(set(variances.values())) == len(CANDIDATES)  # distinct: the choice is not a tie
+    for got in run_local(_layout_worker, 2, (str(artifact), layout), timeout_s=120):
+        assert got[0] == pytest.approx(loss, rel=1e-12)
+        assert got[1] == pytest.approx(nelbo, rel=1e-12)
+        assert got[2] == window
+        assert got[3].keys() == variances.keys()
+        assert all(got[3][w] == pytest.approx(v, rel=1e-12) for w, v in variances.items())

@@ -126,6 +126,14 @@ class ObjectiveSection(_Section):
         "supervised_tokens", description="Global loss normaliser: supervised tokens or all tokens."
     )
     ce_chunk_rows: int = Field(1024, gt=0, description="Rows per chunk of the LM-head cross-entropy.")
+    clip_search_widths: list[float] = Field(
+        default_factory=list,
+        description="bd3: widths of the noise windows [t_min, t_max] searched at each validation; training moves "
+        "to the window of least loss variance (BD3-LM's var_min, csbp.training.clip_search). Empty: no search.",
+    )
+    clip_search_delta: float = Field(
+        0.05, gt=0.0, lt=1.0, description="bd3: step between the lower ends of the searched noise windows."
+    )
     dflash: DFlashSection | None = Field(None, description="DFlash settings; required when name is dflash.")
 
     @model_validator(mode="before")
@@ -147,6 +155,16 @@ class ObjectiveSection(_Section):
                 ("t_min", f"t_min={self.t_min} with loss_weight: inv_t weights a token masked at t = 0 by 1/0",
                  "raise t_min above 0 (the default is 0.001), or set loss_weight: unit")
             )
+        if self.clip_search_widths and self.name != "bd3":
+            violations.append(("clip_search_widths", f"searches bd3's noise window; {self.name} has none to search",
+                               "remove objective.clip_search_widths"))
+        bad_widths = [width for width in self.clip_search_widths if not 0.0 < width <= 1.0]
+        if bad_widths:
+            violations.append(("clip_search_widths", f"widths {bad_widths} are not in (0, 1]",
+                               "give widths of noise windows, e.g. [0.5, 0.6, 0.7, 0.8, 0.9]"))
+        if not self.clip_search_widths and self.clip_search_delta != 0.05:
+            violations.append(("clip_search_delta", "has no effect without objective.clip_search_widths",
+                               "set objective.clip_search_widths, or remove objective.clip_search_delta"))
         if self.name in ("ar", "dflash") and self.loss_weight == "inv_t":
             violations.append(("loss_weight", f"{self.name} has no noise level to weight by", "use unit"))
         if self.name == "dflash" and self.denominator != "supervised_tokens":

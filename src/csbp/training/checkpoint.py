@@ -126,6 +126,9 @@ class TrainingState:
     #: ``objective.dflash.target_layer_ids``, :mod:`csbp.training.dflash_layers`); empty in checkpoints
     #: written before they were recorded
     resolved_config: dict[str, Any] = field(default_factory=dict)
+    #: the noise window ``[t_min, t_max]`` ``objective.clip_search_widths`` chose last
+    #: (:mod:`csbp.training.clip_search`); None: the configured one (no search, or none ran yet)
+    clip_window: list[float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, **self.__dict__}
@@ -150,6 +153,12 @@ class TrainingState:
             raise ValueError(f"{source}: nan_skips_in_a_row is {skips!r}, not a count; the checkpoint is corrupt")
         if not isinstance(fields.get("resolved_config", {}), dict):
             raise ValueError(f"{source}: resolved_config is not a mapping; the checkpoint is corrupt")
+        window = fields.get("clip_window")
+        if window is not None and not (
+            isinstance(window, list) and len(window) == 2
+            and all(type(t) in (int, float) for t in window) and 0.0 <= window[0] < window[1] <= 1.0
+        ):
+            raise ValueError(f"{source}: clip_window is {window!r}, not a noise window [t_min, t_max]; the checkpoint is corrupt")
         return TrainingState(**fields)
 
 

@@ -71,6 +71,9 @@ _SCALARS = {
     "val_candidate_recall": "val/candidate_recall",
     "val_acceptance_length": "val/acceptance_length",
     "val_lk_acceptance": "val/lk_acceptance",
+    "val_clip_t_min": "noise/clip_t_min",
+    "val_clip_t_max": "noise/clip_t_max",
+    "val_clip_variance": "noise/clip_variance",
 }
 
 

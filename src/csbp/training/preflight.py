@@ -355,6 +355,11 @@ def _check_batches(cfg: RunConfig, inputs: RunInputs, warn: Callable[[str], None
             f"step, more than the {rows} training rows of {cfg.data.train}: each step reads the split "
             f"{per_step / rows:.3g} times (train.grad_accum <= {rows // global_batch} reads each row at most once)"
         )
+    if cfg.objective.clip_search_widths and cfg.train.eval_every == 0:
+        raise ValueError(
+            "objective.clip_search_widths: the noise window is searched at validation, but train.eval_every is 0 "
+            "(fix: set train.eval_every > 0, or remove objective.clip_search_widths)"
+        )
     if cfg.train.eval_every > 0 and inputs.val_split is None:
         raise ValueError(
             f"train.eval_every: {cfg.train.eval_every} but there are no validation rows "

@@ -20,7 +20,8 @@ casts; the optimizer updates float32 weights and state).
 
 Validation uses ``eval_batches`` fixed micro-batches: a fresh, unshuffled loader over the
 validation rows and corruption seeded by ``(seed, batch index, dp_rank, EVAL_MICRO_STEP)``, so
-every evaluation of a run scores the same corrupted batches and val losses are comparable.
+every evaluation of a run scores the same corrupted batches and val losses are comparable (under the
+configured objective, also when ``objective.clip_search_widths`` moves the training noise window).
 For the diffusion objectives each validation batch is also scored under the *unclipped* NELBO
 (:mod:`csbp.evaluation.nelbo`: noise over ``[1e-3, 1]``, ``1/t`` weights, per supervised token) with
 its own fixed corruption (micro-step slot ``NELBO_MICRO_STEP``), through the same ``rank_loss``
@@ -133,6 +134,9 @@ class StepRunner:
         """Model FLOPs of a corrupted micro-batch, counted on the host (None: the step reports none)."""
         self.grad_sync: OverlappedGradientSync | None = None
         """Set by the trainer: armed before each step's last backward (gradients averaged in it)."""
+        self.validation_objective = objective
+        """The objective ``val_loss`` scores: the configured one, kept when ``objective.clip_search_widths``
+        moves the training objective's noise window (csbp.training.clip_search), so the curve stays comparable."""
         self.nelbo_objective = nelbo_objective(objective)
         """The unclipped-NELBO objective scored at validation (None for ``ar``)."""
 
@@ -210,7 +214,7 @@ class StepRunner:
         local_denominator, nelbo_denominator = 0.0, 0.0
         for index in range(num_batches):
             batch = next(loader)
-            corrupted = self._corrupt(batch, index, EVAL_MICRO_STEP)
+            corrupted = self._corrupt(batch, index, EVAL_MICRO_STEP, self.validation_objective)
             local_denominator += corrupted.denominator()
             _, ce_sum = self._weighted_ce(corrupted, 1.0)
             ce_total = ce_total + ce_sum.to(torch.float64)

@@ -9,15 +9,15 @@ A :class:`StepHook` may stop the loop after any step (``csbp compare``'s time bu
 
 Everything that decides what a later step does is either a pure function of the step (corruption,
 the lr multiplier, the validation and checkpoint schedule) or part of the checkpoint
-(:meth:`StepLoop._save`: model, optimizer, scheduler, loader cursor, RNG, the skip streak), so a
-resumed loop continues as the uninterrupted one.
+(:meth:`StepLoop._save`: model, optimizer, scheduler, loader cursor, RNG, the skip streak, the noise
+window ``objective.clip_search_widths`` chose), so a resumed loop continues as the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -30,6 +30,7 @@ from csbp.data.loader import PackedLoader
 from csbp.engine.context import ParallelContext
 from csbp.gpu.flops import model_flop_utilisation
 from csbp.training.checkpoint import TrainingState, param_shapes, rng_state, save_checkpoint
+from csbp.training.clip_search import Window, clip_candidates, search_clip_window
 from csbp.training.dflash_layers import resolved_config
 from csbp.training.dflash_step import DFlashStepRunner
 from csbp.training.input_identity import input_fingerprints
@@ -84,10 +85,17 @@ class StepLoop:
     last_step: int = 0
     _input_fingerprints: dict[str, str] = field(default_factory=dict)
     _peak_tflops: float | None = None
+    _clip_candidates: tuple[Window, ...] = ()
+    """The noise windows searched at each validation after step 0 (``objective.clip_search_widths``)."""
 
     def __post_init__(self) -> None:
         self._input_fingerprints = input_fingerprints(flat_config(self.cfg.model_dump(mode="json")))
         self._peak_tflops = mfu_peak_tflops(self.device, self.cfg.train.precision)
+        objective = self.cfg.objective
+        if objective.clip_search_widths and isinstance(self.runner, StepRunner):
+            self._clip_candidates = clip_candidates(
+                objective.clip_search_widths, objective.clip_search_delta, (objective.t_min, objective.t_max)
+            )
 
     def run(self, start_step: int, stop_step: int, started: float) -> Path | None:
         train_cfg = self.cfg.train
@@ -207,7 +215,26 @@ class StepLoop:
         self.val_losses.append((step, evaluation.loss))
         if "nelbo" in evaluation.metrics:
             self.val_nelbos.append((step, evaluation.metrics["nelbo"]))
+        if self._clip_candidates and step > 0:  # step 0's baseline scores the untrained model: nothing to choose by
+            return EvalResult(evaluation.loss, {**evaluation.metrics, **self._search_clip_window(step)})
         return evaluation
+
+    def _search_clip_window(self, step: int) -> dict[str, float]:
+        """Train on the candidate window of least loss variance from the next step on (csbp.training.clip_search)."""
+        assert isinstance(self.runner, StepRunner) and self.inputs.val_split is not None
+        before = (self.runner.objective.t_min, self.runner.objective.t_max)
+        result = search_clip_window(
+            self.runner, self.inputs.val_split, micro_batch_size=self.cfg.train.micro_batch_size,
+            num_batches=self.cfg.train.eval_batches, candidates=self._clip_candidates,
+        )
+        self.runner.objective = replace(self.runner.objective, t_min=result.window[0], t_max=result.window[1])
+        if result.window != before:
+            self.writer.message(
+                f"step {step}: noise window t in [{result.window[0]:g}, {result.window[1]:g}] from the next step "
+                f"(was [{before[0]:g}, {before[1]:g}]): the least loss variance of {len(self._clip_candidates)} "
+                f"windows, {result.variance:.4g} against {result.variances.get(before, math.nan):.4g}"
+            )
+        return {"clip_t_min": result.window[0], "clip_t_max": result.window[1], "clip_variance": result.variance}
 
     def _save(self, step: int) -> Path:
         state = TrainingState(
@@ -222,6 +249,7 @@ class StepLoop:
             input_fingerprints=self._input_fingerprints,
             nan_skips_in_a_row=self.streak.in_a_row,
             resolved_config=resolved_config(self.inputs.dflash),
+            clip_window=[self.runner.objective.t_min, self.runner.objective.t_max] if self._clip_candidates else None,
         )
         return save_checkpoint(
             self.run_dir,

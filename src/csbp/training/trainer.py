@@ -31,6 +31,7 @@ Only rank 0 writes ``config.yaml``, metrics, plots and the export; all ranks wri
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import time
@@ -235,6 +236,8 @@ def _train(
     if is_rank0:
         write_config(cfg, run_dir)
     runner = step_runner_for(cfg, inputs, ctx, model, device)
+    if resume and state.clip_window is not None and isinstance(runner, StepRunner):  # the window the search chose
+        runner.objective = dataclasses.replace(runner.objective, t_min=state.clip_window[0], t_max=state.clip_window[1])
     runner.grad_sync = gradient_sync_for(model, ctx, fsdp=cfg.train.fsdp)
     writer = MetricsWriter(run_dir, enabled=is_rank0, start_step=start_step, total_steps=cfg.train.max_steps)
     note = first_step_note(cfg.train.compile, backend)

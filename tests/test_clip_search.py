@@ -1,0 +1,198 @@
+"""BD3-LM's noise-window search (``objective.clip_search_widths``, ``csbp.training.clip_search``).
+
+* The candidate windows: the configured one, then each width's windows stepped by ``delta``, lower
+  ends raised to the NELBO's floor (bd3lms' grid: 35 windows for its widths 0.5..0.9 at 0.05).
+* The variances against the reference recipe written out independently: each candidate's batches
+  corrupted from the same generator, a plain forward over ``[x_t ; x_0]``, per-token ``weight · CE``
+  with ``F.cross_entropy``, the mean over each block's ``B`` positions, ``torch.var`` over a batch's
+  (sample, block) values, summed over batches; float64, 1e-12 relative. (Several ranks against one
+  process: ``tests/test_validation_over_layouts.py``.)
+* In training: the window chosen at a validation is the one the next steps' noise levels come from,
+  it is logged and saved in the checkpoint, a resumed run trains on it (bit-identical to the
+  uninterrupted run), and ``val_loss`` keeps scoring the configured window.
+* Refusals: another objective, widths outside ``(0, 1]``, a delta without widths, no validation.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from csbp.config import ConfigError
+from csbp.data.artifact import open_artifact
+from csbp.engine.block_diffusion import (
+    DocumentPlanner,
+    build_rank_plan,
+    rank_block_losses,
+    rank_inputs,
+    rank_loss,
+    sample_rows,
+)
+from csbp.engine.context import single_process_context
+from csbp.engine.verify import tiny_model_config
+from csbp.models.decoder import Decoder
+from csbp.objectives import build_objective
+from csbp.objectives.base import corruption_generator
+from csbp.training import step as step_module
+from csbp.training import train
+from csbp.training.clip_search import (
+    CLIP_SEARCH_MICRO_STEP,
+    SEARCH_FLOOR,
+    clip_candidates,
+    search_clip_window,
+)
+from csbp.training.preflight import check_run
+from csbp.training.step import EVAL_MICRO_STEP, StepRunner, validation_loader
+from test_training_run import make_artifact, metric_rows, tiny_config, trajectory
+
+SEQ_LEN, BLOCK, ROWS, BATCHES, SEED = 32, 4, 3, 2, 7
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("data") / "art", seq_len=SEQ_LEN)
+
+
+def test_the_candidates_are_the_configured_window_then_each_widths_steps() -> None:
+    assert clip_candidates([0.5], 0.25, (0.3, 0.8)) == ((0.3, 0.8), (SEARCH_FLOOR, 0.5), (0.25, 0.75), (0.5, 1.0))
+    assert clip_candidates([1.0, 0.5], 0.5, (SEARCH_FLOOR, 1.0)) == ((SEARCH_FLOOR, 1.0), (SEARCH_FLOOR, 0.5), (0.5, 1.0))
+    grid = clip_candidates([0.5, 0.6, 0.7, 0.8, 0.9], 0.05, (SEARCH_FLOOR, 1.0))
+    assert len(grid) == 1 + 11 + 9 + 7 + 5 + 3 and len(set(grid)) == len(grid)
+    assert all(SEARCH_FLOOR <= low < high <= 1.0 for low, high in grid)
+    assert (0.45, 0.95) in grid and (0.4, 0.9) in grid  # steps of 0.05 land on round numbers
+
+
+def _reference_variances(model: Decoder, artifact: Path, candidates: tuple) -> list[float]:
+    """bd3lms' recipe, written out: per batch, torch.var over every (sample, block) mean NLL."""
+    data = open_artifact(artifact)
+    ctx = single_process_context()
+    plan = build_rank_plan(ctx, SEQ_LEN, BLOCK)
+    loader = validation_loader(data.split("val"), micro_batch_size=ROWS, seed=SEED, ctx=ctx)
+    base = build_objective("bd3", mask_token_id=data.mask_token_id, block_size=BLOCK)
+    totals = [0.0] * len(candidates)
+    for index in range(BATCHES):
+        batch = next(loader)
+        for slot, (low, high) in enumerate(candidates):
+            corrupted = replace(base, t_min=low, t_max=high).corrupt(
+                batch, corruption_generator(SEED, index, 0, micro_step=CLIP_SEARCH_MICRO_STEP)
+            )
+            ids, positions = rank_inputs(corrupted, plan)
+            with torch.no_grad():
+                logits = model.logits(model(ids, positions, plan.attention)[:, :SEQ_LEN])
+            logits[..., corrupted.exclude_token] = float("-inf")
+            labels = corrupted.labels
+            ce = F.cross_entropy(logits.flatten(0, 1), labels.clamp(min=0).flatten(), reduction="none").view_as(labels)
+            nll = torch.where(labels != -100, ce * corrupted.weights.double(), 0.0)
+            totals[slot] += float(nll.view(ROWS, SEQ_LEN // BLOCK, BLOCK).mean(-1).var())
+    return totals
+
+
+def test_the_variances_are_the_reference_recipes(artifact: Path) -> None:
+    data = open_artifact(artifact)
+    model = Decoder(replace(tiny_model_config(), vocab_size=data.vocab_size), dtype=torch.float64, seed=1)
+    ctx = single_process_context()
+    runner = StepRunner(
+        model, build_objective("bd3", mask_token_id=data.mask_token_id, block_size=BLOCK),
+        build_rank_plan(ctx, SEQ_LEN, BLOCK), ctx, device=torch.device("cpu"), precision="fp64", seed=SEED,
+        ce_chunk_rows=5,  # several chunks per micro-batch
+    )
+    candidates = clip_candidates([0.3, 0.7], 0.2, (0.2, 0.6))
+    result = search_clip_window(runner, data.split("val"), micro_batch_size=ROWS, num_batches=BATCHES,
+                                candidates=candidates)
+    expected = _reference_variances(model, artifact, candidates)
+    assert [result.variances[w] for w in candidates] == pytest.approx(expected, rel=1e-12)
+    assert result.window == candidates[expected.index(min(expected))]
+    assert runner.model.training  # left as it was found
+
+
+def test_block_losses_add_up_to_each_samples_training_numerator_with_packed_documents(artifact: Path) -> None:
+    """With packed documents every sample runs its own plan; each sample's block losses sum to the
+    weighted cross-entropy ``rank_loss`` computes for it (its own per-sample loop, checked for
+    exactness elsewhere)."""
+    data = open_artifact(artifact)
+    model = Decoder(replace(tiny_model_config(), vocab_size=data.vocab_size), dtype=torch.float64, seed=1)
+    planner = DocumentPlanner(single_process_context(), SEQ_LEN, BLOCK)
+    batch = next(validation_loader(data.split("val"), micro_batch_size=ROWS, seed=SEED, ctx=single_process_context()))
+    corrupted = build_objective("bd3", mask_token_id=data.mask_token_id, block_size=BLOCK).corrupt(
+        batch, corruption_generator(SEED, 0, 0)
+    )
+    assert any(len(set(row.tolist())) > 1 for row in corrupted.doc_ids)  # several documents in a row
+    blocks = rank_block_losses(model, corrupted, planner, ce_chunk_rows=7)
+    assert blocks.shape == (ROWS, SEQ_LEN // BLOCK)
+    for index in range(ROWS):
+        one = sample_rows(corrupted, slice(index, index + 1))
+        _, numerator = rank_loss(model, one, planner, global_denominator=1.0, world_size=1)
+        assert float(blocks[index].sum()) == pytest.approx(float(numerator), rel=1e-12)
+
+
+def test_training_moves_to_the_chosen_window_saves_it_and_resumes_on_it(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    changes = {"objective.t_min": 0.2, "objective.t_max": 0.4, "objective.clip_search_widths": [0.5],
+               "objective.clip_search_delta": 0.25}
+    levels: dict[int, list[float]] = {}  # training step -> the noise levels its micro-batches drew
+    scored: set[float] = set()  # the t_min of every window val_loss was scored under
+    real = step_module.StepRunner._corrupt_on_host
+
+    def recording(self, batch, step, micro_step, objective=None):  # type: ignore[no-untyped-def]
+        corrupted = real(self, batch, step, micro_step, objective)
+        if micro_step < 2:  # a training micro-step, not a validation slot
+            levels.setdefault(step, []).extend(corrupted.noise_levels.flatten().tolist())
+        if micro_step == EVAL_MICRO_STEP:  # val_loss's corruption
+            scored.add((objective or self.objective).t_min)
+        return corrupted
+
+    monkeypatch.setattr(step_module.StepRunner, "_corrupt_on_host", recording)
+    train(tiny_config(artifact, **changes), run_dir=tmp_path / "full")
+    rows = {row["step"]: row for row in metric_rows(tmp_path / "full")}
+    chosen = (rows[2]["val_clip_t_min"], rows[2]["val_clip_t_max"])
+    assert chosen != (0.2, 0.4) and chosen in clip_candidates([0.5], 0.25, (0.2, 0.4))
+    assert all(0.2 <= t <= 0.4 for step in (1, 2) for t in levels[step])  # the configured window until step 2
+    assert all(chosen[0] <= t <= chosen[1] for t in levels[3])  # the chosen window from step 3 on
+    assert not all(0.2 <= t <= 0.4 for t in levels[3])
+    state = json.loads((tmp_path / "full" / "checkpoints" / "step_0000002" / "trainer_state.json").read_text())
+    assert tuple(state["clip_window"]) == chosen
+    train(tiny_config(artifact, **changes), run_dir=tmp_path / "half", max_steps=2)
+    train(tiny_config(artifact, **changes), run_dir=tmp_path / "half", resume=True)
+    assert trajectory(tmp_path / "half") == trajectory(tmp_path / "full")
+    assert scored == {0.2}  # val_loss scores the configured window throughout: its curve stays comparable
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"objective.name": "mdlm", "objective.block_size": None, "objective.clip_search_widths": [0.5]},
+         r"objective\.clip_search_widths: searches bd3's noise window; mdlm has none to search"),
+        ({"objective.clip_search_widths": [0.5, 0.0]}, r"widths \[0\.0\] are not in \(0, 1\]"),
+        ({"objective.clip_search_widths": [1.5]}, r"widths \[1\.5\] are not in \(0, 1\]"),
+        ({"objective.clip_search_delta": 0.1}, r"clip_search_delta: has no effect without objective\.clip_search_widths"),
+        ({"objective.clip_search_delta": 0.0, "objective.clip_search_widths": [0.5]}, r"clip_search_delta"),
+    ],
+)
+def test_settings_the_search_cannot_use_are_refused(artifact: Path, changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(artifact, **changes)
+
+
+def test_a_search_without_validation_is_refused_before_training(artifact: Path) -> None:
+    tiny_config(artifact, **{"objective.clip_search_widths": [1.0]})  # 1.0: the whole range, accepted
+    with pytest.raises(ValueError, match=r"objective\.clip_search_widths: the noise window is searched at validation, "
+                                         r"but train\.eval_every is 0 \(fix: set train\.eval_every > 0"):
+        check_run(tiny_config(artifact, **{"objective.clip_search_widths": [0.5], "train.eval_every": 0}))
+
+
+@pytest.mark.parametrize("window", [[0.5], [0.6, 0.5], [0.0, 1.5], ["0.1", 0.5], True, [True, 0.5]])
+def test_a_checkpoint_whose_clip_window_is_no_noise_window_is_refused(tmp_path: Path, window: object) -> None:
+    from csbp.training.checkpoint import TrainingState
+
+    state = TrainingState(step=2, scheduler={}, loader={}, rng={}, data_fingerprint="f", param_shapes={},
+                          topology={}, config_yaml="", clip_window=[0.5, 1.0])
+    assert TrainingState.from_json(state.to_json(), tmp_path).clip_window == [0.5, 1.0]
+    assert TrainingState.from_json({**state.to_json(), "clip_window": None}, tmp_path).clip_window is None
+    with pytest.raises(ValueError, match=r"clip_window is .*not a noise window \[t_min, t_max\]; the checkpoint is corrupt"):
+        TrainingState.from_json({**state.to_json(), "clip_window": window}, tmp_path)
