@@ -6,6 +6,7 @@ replaced by the checkpoint's); layout and bookkeeping changes leave the run bit-
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -232,3 +233,66 @@ def flat_value(cfg: object, name: str) -> object:
     from csbp.training.resume_config import flat_config
 
     return flat_config(cfg.model_dump(mode="json"))[name]  # type: ignore[attr-defined]
+
+
+def saved_yaml(changes: dict[str, Any]) -> str:
+    """The ``config_yaml`` a checkpoint of the demo recipe with ``changes`` records."""
+    import yaml
+
+    from csbp.config import config_from_dict
+    from test_config import with_changes
+
+    return yaml.safe_dump(config_from_dict(with_changes(changes)).model_dump(mode="json"))
+
+
+def demo_with(changes: dict[str, Any]) -> Any:
+    from csbp.config import config_from_dict
+    from test_config import with_changes
+
+    return config_from_dict(with_changes(changes))
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"data.seq_len": 512},
+        {"model.rope_theta": 10000.0},
+        {"model.rms_norm_eps": 1e-5},
+        {"model.tie_embeddings": True},
+        {"model.intermediate_size": 1024},
+        {"objective.t_min": 0.2},
+        {"data.reset_positions": True, "data.document_mask": True},
+    ],
+)
+def test_each_field_that_defines_the_trained_model_is_refused(changes: dict[str, Any]) -> None:
+    """The module's third list, field by field (mutation audit: ``data.seq_len`` added to the free fields
+    survived, since no resume test changed it)."""
+    from csbp.training.resume_config import resume_changes
+
+    name = next(iter(changes))
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}: checkpoint ckpt \(step 2\) was trained with ") as caught:
+        resume_changes(saved_yaml({}), demo_with(changes), Path("ckpt"), 2)
+    assert "\n" not in str(caught.value)
+
+
+def test_leaving_fp64_is_refused_as_entering_it_is() -> None:
+    """fp64 keeps float64 master weights: a resume in fp32 or bf16 would round them (mutation audit:
+    refusing only a change *to* fp64 survived)."""
+    from csbp.training.resume_config import resume_changes
+
+    fp64 = saved_yaml({"train.precision": "fp64", "model.dtype": "float64"})
+    for precision in ("fp32", "bf16"):
+        with pytest.raises(ValueError, match=rf"^train\.precision: .* trained with train\.precision=fp64, the config "
+                           rf"sets {precision}; .*\(fix: set train\.precision: fp64 to resume"):
+            resume_changes(fp64, demo_with({"train.precision": precision}), Path("ckpt"), 2)
+    notes = resume_changes(saved_yaml({"train.precision": "bf16"}), demo_with({}), Path("ckpt"), 2)
+    assert notes == ["resume: train.precision bf16 -> fp32 from step 2 on"]
+
+
+def test_a_changed_directory_without_a_recorded_fingerprint_says_so() -> None:
+    """A checkpoint older than the input fingerprints cannot tell a moved ``model.init_from`` from another
+    one: the refusal says no fingerprint was recorded, not that the contents differ (mutation audit)."""
+    from csbp.training.resume_config import resume_changes
+
+    with pytest.raises(ValueError, match=r"the config sets /b \(no content fingerprint recorded\); "):
+        resume_changes(saved_yaml({"model.init_from": "/a"}), demo_with({"model.init_from": "/b"}), Path("ckpt"), 2)
