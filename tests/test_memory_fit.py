@@ -166,3 +166,57 @@ def test_fsdp_is_never_offered_to_a_drafter(dflash_inputs: tuple[Path, Path]) ->
     with pytest.raises(ValueError) as refused:
         check_state_fits(cfg, inputs, local_ranks=2, memory=state_bytes(inputs, fp64=False, shards=1) - 1)
     assert "fsdp" not in str(refused.value)
+
+
+def test_fp64_doubles_the_bound_the_check_compares(artifact: Path) -> None:
+    """Mutation audit: ``check_state_fits`` reading fp32's 4 bytes a value under ``train.precision: fp64``
+    survived (the tests priced fp64 through ``state_bytes`` only)."""
+    cfg = tiny_config(artifact, **{"train.precision": "fp64", "model.dtype": "float64"})
+    inputs = check_run(cfg, check_device=False)
+    need = state_bytes(inputs, fp64=True, shards=1)
+    check_state_fits(cfg, inputs, local_ranks=1, memory=need)
+    with pytest.raises(ValueError, match=r"^model\.\w+: training holds at least "):
+        check_state_fits(cfg, inputs, local_ranks=1, memory=need // 2)
+
+
+def test_fsdp_is_offered_when_the_shards_fit_exactly(artifact: Path) -> None:
+    """The fsdp offer's bound is the check's own (``<=``): a shard that fits to the byte is offered."""
+    cfg = tiny_config(artifact, **{"topology.dp": 4, "train.eval_batches": 1})
+    inputs = check_run(cfg, check_device=False)
+    sharded = state_bytes(inputs, fp64=False, shards=4)
+    with pytest.raises(ValueError, match=r"or train\.fsdp: true \(shards it over the dp=4 ranks\)"):
+        check_state_fits(cfg, inputs, local_ranks=4, memory=sharded)
+    with pytest.raises(ValueError) as refused:
+        check_state_fits(cfg, inputs, local_ranks=4, memory=sharded - 1)
+    assert "fsdp" not in str(refused.value)
+
+
+def test_unknown_memory_refuses_nothing(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where ``/proc/meminfo`` cannot be read nothing is refused on a guess, however large the model."""
+    import csbp.training.memory_fit as memory_fit
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(memory_fit, "meminfo_kib", lambda: {})
+    cfg = tiny_config(artifact, **{"model.hidden_size": HUGE})
+    check_state_fits(cfg, check_run(cfg, check_device=False), local_ranks=1)
+
+
+def test_a_model_loaded_from_init_from_names_init_from(artifact: Path) -> None:
+    """Its shape comes from the checkpoint, so no ``model.*`` field is the one to change."""
+    cfg = tiny_config(artifact)
+    inputs = check_run(cfg, check_device=False)
+    loaded = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": "/models/big"})})
+    with pytest.raises(ValueError, match=r"^model\.init_from: .*\(fix: a smaller checkpoint, or more memory per rank;"):
+        check_state_fits(loaded, inputs, local_ranks=1, memory=1)
+
+
+def test_a_target_under_four_drafters_names_the_drafter(dflash_inputs: tuple[Path, Path]) -> None:
+    """The target is named only when it outweighs the drafter's 4 trained copies (here the target has
+    about 3 drafters' parameters, so shrinking the drafter is the fix)."""
+    cfg = dflash_config(*dflash_inputs)
+    inputs = check_run(cfg, check_device=False)
+    assert inputs.dflash is not None
+    trained = inputs.dflash.drafter_config.decoder_config().num_parameters(include_embeddings=False)
+    assert trained <= inputs.decoder_config.num_parameters() < 4 * trained
+    with pytest.raises(ValueError, match=r"^objective\.dflash: .*num_draft_layers \(now 2\), intermediate_size \(now 64\)"):
+        check_state_fits(cfg, inputs, local_ranks=1, memory=state_bytes(inputs, fp64=False, shards=1) - 1)
