@@ -168,3 +168,33 @@ def test_on_the_cpu_a_node_shares_its_ram_among_its_own_processes_not_the_jobs(
     assert forecast_line(one_node, nproc=2, preset="cpu") is None
     assert forecast_line(four_nodes, nproc=2, preset="cpu") is None
 
+
+
+def test_the_priced_layout_is_the_runs_own() -> None:
+    """Every field of the run's layout reaches the cost model (mutation audit: pricing an FSDP run as DDP,
+    or dropping the configured transport or block schedule for the planner's defaults, survived: every
+    forecast test priced a DDP run with the default transport and schedule)."""
+    from csbp.training.memory_forecast import run_layout
+
+    cfg = qwen_run(
+        "topology.dp=2", "topology.cp=2", "topology.bp=2", "topology.transport=streaming", "topology.schedule=contiguous",
+        "train.fsdp=true", "train.activation_checkpointing=full", "train.micro_batch_size=3",
+    )
+    assert run_layout(cfg) == Layout(
+        2, 2, 2, transport="streaming", checkpointing="full", micro_batch=3, sharding="fsdp2", schedule="contiguous"
+    )
+    plain = qwen_run("topology.cp=2", "topology.schedule=dual_end")
+    assert run_layout(plain) == Layout(1, 2, 1, transport="collective", checkpointing=plain.train.activation_checkpointing,
+                                       micro_batch=1, sharding="ddp", schedule="dual_end")
+
+
+def test_a_document_masked_run_is_priced_over_its_own_documents(tmp_path: Path) -> None:
+    """Under ``data.document_mask`` the run's rows hold its artifact's documents (as ``topology: auto``
+    prices them); pricing one document a row survived the mutation audit."""
+    from csbp.plan.artifact_documents import run_config_documents
+
+    cfg = tiny_config(make_artifact(tmp_path / "art"), **{"data.document_mask": True})
+    sample = run_config_documents(cfg)
+    assert sample is not None
+    assert memory_forecast._workload(cfg).doc_length == sample
+    assert memory_forecast._workload(tiny_config(tmp_path / "art")).doc_length is None
