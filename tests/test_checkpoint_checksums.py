@@ -255,3 +255,87 @@ def test_two_ranks_each_checksum_their_own_files(tmp_path: Path) -> None:
     assert checkpoint_problem(checkpoint) is None
     flip_middle(checkpoint / data_files[-1])
     assert f"{data_files[-1]} does not match the checksum" in (checkpoint_problem(checkpoint) or "")
+
+
+# ----------------------------------------------------------------------------- the record's rules, unit by unit
+
+
+def test_a_file_longer_than_one_chunk_has_its_whole_crc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRC is chained over the 16 MiB chunks; checkpoints in the tests are far smaller, so a CRC of the
+    last chunk alone survived the mutation audit (record and check agreed, both wrong)."""
+    from csbp.training import checkpoint_checksums
+
+    monkeypatch.setattr(checkpoint_checksums, "CHUNK_BYTES", 7)
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(bytes(range(256)) * 3)
+    assert checkpoint_checksums.file_crc32(path) == zlib.crc32(path.read_bytes())
+
+
+def test_rank_files_claims_only_that_ranks_files() -> None:
+    """Rank 1 must not claim rank 10's ``__10_0.distcp`` (a prefix ``__1`` without its ``_`` did)."""
+    from csbp.training.checkpoint_checksums import rank_files
+
+    names = ["__0_0.distcp", "__1_0.distcp", "__1_1.distcp", "__10_0.distcp", "__11_0.distcp", ".metadata"]
+    assert rank_files(names, 1) == ["__1_0.distcp", "__1_1.distcp"]
+    assert rank_files(names, 0) == [".metadata", "__0_0.distcp"]
+
+
+def test_rank_0_records_the_dcp_files_no_rank_claimed(tmp_path: Path) -> None:
+    """The safety net should DCP's naming change: a ``.distcp`` in the directory that no rank wrote as its
+    own is checksummed by rank 0 too, so it is verified on resume (dropping it survived the audit)."""
+    from csbp.training.checkpoint_checksums import record_checksums
+
+    for name, data in {".metadata": b"m", "__0_0.distcp": b"a", "__7_0.distcp": b"bb", "notes.txt": b"x"}.items():
+        (tmp_path / name).write_bytes(data)
+    record = record_checksums(tmp_path, ["__0_0.distcp"])
+    assert record["algorithm"] == "crc32"
+    assert record["files"] == {
+        name: {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        for name, data in {".metadata": b"m", "__0_0.distcp": b"a", "__7_0.distcp": b"bb"}.items()
+    }
+
+
+GOOD_ENTRY = {"size": 1, "crc32": "0000abcd"}
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"algorithm": "md5", "files": {".metadata": GOOD_ENTRY}},
+        {"files": {".metadata": GOOD_ENTRY}},
+        {"algorithm": "crc32", "files": {"__0_0.distcp": GOOD_ENTRY}},  # no .metadata
+        {"algorithm": "crc32", "files": {".metadata": GOOD_ENTRY, "../__0_0.distcp": GOOD_ENTRY}},
+        {"algorithm": "crc32", "files": {".metadata": GOOD_ENTRY, "sub/__0_0.distcp": GOOD_ENTRY}},
+        {"algorithm": "crc32", "files": {".metadata": GOOD_ENTRY, "trainer_state.json": GOOD_ENTRY}},
+        {"algorithm": "crc32", "files": {".metadata": {"size": -1, "crc32": "0000abcd"}}},
+        {"algorithm": "crc32", "files": {".metadata": {"size": 1, "crc32": "xyz"}}},
+        {"algorithm": "crc32", "files": {".metadata": {"size": 1, "crc32": "0000ABCD"}}},
+        {"algorithm": "crc32", "files": {".metadata": {"size": 1, "crc32": "abcd"}}},
+    ],
+)
+def test_each_malformed_record_is_named_as_damage(record: dict[str, Any], tmp_path: Path) -> None:
+    """Every rule of ``parse_record`` on its own (mutation audit: dropping the algorithm check, the
+    required ``.metadata``, the plain-name and DCP-name rules, the size sign or the 8-hex-digit CRC
+    form each survived, since the one malformed-record test broke only the ``files`` mapping)."""
+    from csbp.training.checkpoint_checksums import checksum_problem, parse_record
+
+    source = tmp_path / "trainer_state.json"
+    assert parse_record({"algorithm": "crc32", "files": {".metadata": GOOD_ENTRY}}, source) == {".metadata": (1, 0xABCD)}
+    expected = f"{source}: its 'checksums' record is malformed; the checkpoint is damaged"
+    assert parse_record(record, source) == expected
+    assert checksum_problem(tmp_path, record, source) == expected
+
+
+def test_a_grown_file_is_named_as_grown_before_any_read(tmp_path: Path) -> None:
+    """Sizes are compared first, both ways (mutation audit: comparing only for a shorter file, or calling
+    every size change truncation, survived: the CRC then caught a grown file with another reason)."""
+    from csbp.training.checkpoint_checksums import checksum_entries, checksum_problem
+
+    (tmp_path / ".metadata").write_bytes(b"meta")
+    record = {"algorithm": "crc32", "files": checksum_entries(tmp_path, [".metadata"])}
+    source = tmp_path / "trainer_state.json"
+    assert checksum_problem(tmp_path, record, source) is None
+    (tmp_path / ".metadata").write_bytes(b"metadata")
+    assert checksum_problem(tmp_path, record, source) == f"{tmp_path / '.metadata'} has grown (8 bytes, 4 when it was saved)"
+    (tmp_path / ".metadata").write_bytes(b"me")
+    assert checksum_problem(tmp_path, record, source) == f"{tmp_path / '.metadata'} is truncated (2 bytes, 4 when it was saved)"
