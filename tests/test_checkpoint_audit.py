@@ -197,3 +197,18 @@ def test_a_save_replaces_a_damaged_checkpoint_of_its_own_step(tmp_path: Path) ->
     final = save_step(tmp_path, 2)
     assert not (final / "stray").exists()
     assert find_resume_checkpoint(tmp_path) == final
+
+
+def test_a_save_keeps_the_newest_keep_checkpoints_and_never_the_one_it_wrote(tmp_path: Path) -> None:
+    """``keep`` is exact, and a step saved below a newer (damaged, skipped) directory survives its own
+    prune: ``latest`` names it (mutation audit: keep + 1, and an empty ``protect``, each survived)."""
+    for step in (1, 2, 3):
+        save_step(tmp_path, step, keep=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000002", "step_0000003"]
+    damage(save_step(tmp_path, 9, keep=2))
+    resumed = find_resume_checkpoint(tmp_path)
+    assert resumed == root / "step_0000003"
+    save_step(tmp_path, 4, keep=1)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000004", "step_0000009"]
+    assert find_resume_checkpoint(tmp_path) == root / "step_0000004"
