@@ -9,7 +9,9 @@ training run: each test takes well under a second).
 * the durable write of ``latest`` and ``trainer_state.json``: written to a temporary sibling, flushed
   and fsynced before ``os.replace``, then the directory fsynced, so a crash or a failed write keeps the
   previous file; publishing a checkpoint fsyncs its parent directory too;
-* a save replaces a crash's leftover staging directory and a damaged checkpoint of its own step.
+* a save replaces a crash's leftover staging directory and a damaged checkpoint of its own step, and
+  prunes to exactly ``keep`` checkpoints, never the one it wrote;
+* a save or load that failed on several ranks is told by the lowest rank's error.
 """
 
 from __future__ import annotations
@@ -212,3 +214,32 @@ def test_a_save_keeps_the_newest_keep_checkpoints_and_never_the_one_it_wrote(tmp
     save_step(tmp_path, 4, keep=1)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000004", "step_0000009"]
     assert find_resume_checkpoint(tmp_path) == root / "step_0000004"
+
+
+# ----------------------------------------------------------------------------- which rank's failure is told
+
+
+def wrapped(exc: Exception) -> tuple[Exception, object]:
+    """A failure as DCP's ``CheckpointException`` records it: the exception and its traceback."""
+    return (exc, None)
+
+
+def test_a_failed_save_and_a_failed_load_name_the_lowest_ranks_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank reports the same one line, the lowest failed rank's (mutation audit: taking the highest
+    rank's survived; only the multi-rank tests failed on more than one rank, and on one cause)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from csbp.training import checkpoint_integrity
+
+    failures = {3: wrapped(OSError(28, "rank three's disk")), 1: wrapped(OSError(5, "rank one's disk"))}
+    cause = checkpoint_module._first_failure(CheckpointException("save", failures))
+    assert isinstance(cause, OSError) and "rank one's disk" in str(cause)
+
+    final = save_step(tmp_path, 1)
+
+    def failing_load(*args: object, **kwargs: object) -> None:
+        raise CheckpointException("load", {2: wrapped(ValueError("two")), 1: wrapped(ValueError("one"))})
+
+    monkeypatch.setattr(checkpoint_integrity.dcp, "load", failing_load)
+    with pytest.raises(ValueError, match=r"could not be loaded: rank 1: one$"):
+        checkpoint_integrity.safe_dcp_load({}, final, no_dist=True)
