@@ -11,7 +11,9 @@ training run: each test takes well under a second).
   previous file; publishing a checkpoint fsyncs its parent directory too;
 * a save replaces a crash's leftover staging directory and a damaged checkpoint of its own step, and
   prunes to exactly ``keep`` checkpoints, never the one it wrote;
-* a save or load that failed on several ranks is told by the lowest rank's error.
+* a save or load that failed on several ranks is told by the lowest rank's error;
+* a checkpoint without ``trainer_state.json`` is damaged, and without checksums (an older csbp's) a
+  data file one byte short of what its metadata needs is truncated.
 """
 
 from __future__ import annotations
@@ -243,3 +245,33 @@ def test_a_failed_save_and_a_failed_load_name_the_lowest_ranks_error(tmp_path: P
     monkeypatch.setattr(checkpoint_integrity.dcp, "load", failing_load)
     with pytest.raises(ValueError, match=r"could not be loaded: rank 1: one$"):
         checkpoint_integrity.safe_dcp_load({}, final, no_dist=True)
+
+
+# ----------------------------------------------------------------------------- what makes a checkpoint damaged
+
+
+def test_a_checkpoint_without_its_trainer_state_is_damaged(tmp_path: Path) -> None:
+    """Intact DCP files alone are not a checkpoint: the step, schedule and loader position are in
+    ``trainer_state.json`` (mutation audit: ignoring the state file's problem survived)."""
+    from csbp.training.checkpoint_integrity import checkpoint_problem
+
+    final = save_step(tmp_path, 1)
+    (final / "trainer_state.json").unlink()
+    assert checkpoint_problem(final) == f"{final / 'trainer_state.json'} is missing"
+
+
+def test_a_data_file_one_byte_short_is_truncated_without_checksums(tmp_path: Path) -> None:
+    """A checkpoint of an older csbp (no checksums) is checked on sizes alone, to the byte."""
+    import json
+
+    from csbp.training.checkpoint_integrity import checkpoint_problem
+
+    final = save_step(tmp_path, 1)
+    state = json.loads((final / "trainer_state.json").read_text())
+    del state["checksums"]
+    (final / "trainer_state.json").write_text(json.dumps(state))
+    data = final / "__0_0.distcp"
+    size = data.stat().st_size
+    with open(data, "r+b") as handle:
+        handle.truncate(size - 1)
+    assert checkpoint_problem(final) == f"{data} is truncated ({size - 1} bytes, the metadata needs {size})"
