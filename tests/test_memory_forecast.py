@@ -198,3 +198,12 @@ def test_a_document_masked_run_is_priced_over_its_own_documents(tmp_path: Path) 
     assert sample is not None
     assert memory_forecast._workload(cfg).doc_length == sample
     assert memory_forecast._workload(tiny_config(tmp_path / "art")).doc_length is None
+
+
+def test_checkpointing_is_not_offered_when_it_would_not_fit_either() -> None:
+    """At 131K tokens on one process even full recomputation is predicted not to fit: the fix is then the
+    checked changes, not ``activation_checkpointing=full`` (offering it unchecked survived the audit)."""
+    line = forecast_line(qwen_run("data.seq_len=131072", "train.activation_checkpointing=none"), nproc=1, preset="h100")
+    assert line is not None
+    assert "activation_checkpointing=full, predicted" not in line
+    assert "(fix: no layout of 1 process is predicted to fit as configured; --set topology=auto with " in line
