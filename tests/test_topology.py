@@ -115,6 +115,8 @@ def test_validate_sequence_accepts(topology, seq_len, block_size):
         (Topology(), 30, 4, r"fix: seq_len=28 or 32, or block_size=3 or 5\)$"),  # the nearest divisors of 30
         (Topology(), 0, 2, r"seq_len must be a positive integer"),
         (Topology(), 8, 0, r"block_size must be a positive integer"),
+        (Topology(), True, 1, r"seq_len must be a positive integer, got True"),  # a bool is no length (audit: survived)
+        (Topology(), 8, True, r"block_size must be a positive integer, got True"),
         (Topology(bp=4, replicate_clean_prefix=True), 6, 2, r"3 blocks .* fewer than bp=4 \(fix: seq_len >= 8"),
         (Topology(cp=4), 24, 4, r"multiple of cp\*block_size .* = 16 .* \(fix: seq_len=16 or 32, or block_size=3 or 6\)"),
         (Topology(cp=2, bp=2), 24, 4, r"multiple of 2\*cp\*block_size .* = 16 .* \(fix: seq_len=16 or 32, or block_size=3 or 6\)"),
