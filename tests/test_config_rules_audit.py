@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from csbp.config import config_from_dict
+from csbp.config import config_from_dict, load_config
 from test_config import dflash_changes, error_lines, with_changes
 from test_config_errors import error_lines as error_lines_of_file
 from test_config_errors import tiny
@@ -51,6 +51,13 @@ def test_a_dflash_block_covering_the_whole_row_is_refused() -> None:
         )
     assert config_from_dict(with_changes(dflash_changes() | {"data.seq_len": 16, "objective.block_size": 8}))
 
+
+def test_reset_positions_on_dflash_is_refused() -> None:
+    # the drafter takes its positions from the frozen target: restarting them at documents was silently accepted
+    # without this rule (dflash masks documents by default, so the document_mask rule let it through)
+    assert error_lines(with_changes(dflash_changes() | {"data.reset_positions": True})) == [
+        "config.yaml: data.reset_positions: DFlash positions come from the frozen target (fix: remove data.reset_positions)"
+    ]
 
 def test_a_dflash_block_of_one_names_the_smallest_block_that_drafts() -> None:
     (line,) = error_lines(with_changes(dflash_changes() | {"objective.block_size": 1}))
@@ -268,3 +275,28 @@ def test_two_misspellings_of_one_missing_section_rename_only_one() -> None:
         "config.yaml: Model: unknown section; did you mean model? (fix: rename Model to model)",
         "config.yaml: modle: unknown key (fix: remove it; did you mean model?)",
     ]
+
+
+def test_equal_noise_clips_are_refused() -> None:
+    # t_min must be strictly below t_max (equal ones survived a '>' mutant)
+    (line,) = error_lines(with_changes({"objective.t_min": 0.5, "objective.t_max": 0.5}))
+    assert line == "config.yaml: objective.t_min: t_min=0.5 must be below t_max=0.5 (fix: lower t_min)"
+
+
+def test_the_final_lr_is_at_most_the_peak() -> None:
+    # min_lr_ratio above 1 made the cosine 'decay' grow the lr past its peak
+    (line,) = error_lines(with_changes({"optim.min_lr_ratio": 1.5}))
+    assert line.startswith("config.yaml: optim.min_lr_ratio: must be <= 1.0, got 1.5"), line
+    assert config_from_dict(with_changes({"optim.min_lr_ratio": 1.0})).optim.min_lr_ratio == 1.0
+
+
+def test_a_mapping_value_is_deep_merged_into_its_section(tmp_path: Path) -> None:
+    # apply_overrides merges a mapping into an existing section; replacing it dropped the section's other keys
+    from csbp.config.loading import apply_overrides
+
+    data = {"topology": {"dp": 2, "cp": 2, "window": 8}, "run": {"name": "r"}}
+    merged = apply_overrides(data, [(("topology",), {"cp": 4, "bp": 4})])
+    assert merged == {"topology": {"dp": 2, "cp": 4, "window": 8, "bp": 4}, "run": {"name": "r"}}
+    assert data["topology"] == {"dp": 2, "cp": 2, "window": 8}  # a copy: the input is left as it was
+    cfg = load_config(tiny(tmp_path, "dp: 1, cp: 1", "dp: 2, cp: 1"), ["topology={}"])  # merges nothing
+    assert cfg.topology.dp == 2
