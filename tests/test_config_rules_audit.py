@@ -300,3 +300,45 @@ def test_a_mapping_value_is_deep_merged_into_its_section(tmp_path: Path) -> None
     assert data["topology"] == {"dp": 2, "cp": 2, "window": 8}  # a copy: the input is left as it was
     cfg = load_config(tiny(tmp_path, "dp: 1, cp: 1", "dp: 2, cp: 1"), ["topology={}"])  # merges nothing
     assert cfg.topology.dp == 2
+
+
+# ----------------------------------------------------------------------------- field bounds
+
+
+_YARN = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "bound"),
+    [
+        ({"objective.mask_token_id": -1}, "objective.mask_token_id", ">= 0"),  # a negative id indexed from the end
+        ({"objective.t_max": 1.5}, "objective.t_max", "<= 1.0"),  # a masking probability above 1
+        ({"optim.grad_clip": 0.0}, "optim.grad_clip", "> 0.0"),  # null disables clipping; 0 zeroed every update
+        ({"optim.weight_decay": -0.01}, "optim.weight_decay", ">= 0.0"),  # a decay that grows the weights
+        ({"optim.warmup_steps": -1}, "optim.warmup_steps", ">= 0"),
+        ({"train.keep_checkpoints": 0}, "train.keep_checkpoints", "> 0"),  # keeping none deleted every save
+        ({"train.eval_batches": 0}, "train.eval_batches", "> 0"),  # eval_every 0 turns validation off
+        ({"train.collective_timeout_s": 604800.5}, "train.collective_timeout_s", "<= 604800.0"),
+        ({"model.vocab_size": 0}, "model.vocab_size", "> 0"),
+        ({"model.rope_scaling": _YARN | {"original_max_position_embeddings": 0}},
+         "model.rope_scaling.original_max_position_embeddings", "> 0"),
+    ],
+)
+def test_each_bound_is_refused_one_step_past_it(changes: dict[str, Any], field: str, bound: str) -> None:
+    (line,) = error_lines(with_changes(changes))
+    assert line.startswith(f"config.yaml: {field}: must be {bound}, got "), line
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "bound"),
+    [  # each with its switch on, so only the bound can refuse it (off, the inert-option rule would)
+        ({"weighting": "dpace", "dpace_alpha": 1.5}, "dpace_alpha", "<= 1.0"),
+        ({"lk_loss_type": "lambda", "kl_scale": 1.5}, "kl_scale", "<= 1.0"),
+        ({"selector_rank": 4, "selector_warmup_ratio": 1.5}, "selector_warmup_ratio", "<= 1.0"),
+        ({"eval_new_tokens": 0}, "eval_new_tokens", "> 0"),  # eval_prompts 0 turns it off
+    ],
+)
+def test_each_dflash_bound_is_refused_one_step_past_it(changes: dict[str, Any], field: str, bound: str) -> None:
+    dotted = {f"objective.dflash.{key}": value for key, value in changes.items()}
+    (line,) = error_lines(with_changes(dflash_changes() | dotted))
+    assert line.startswith(f"config.yaml: objective.dflash.{field}: must be {bound}, got "), line
