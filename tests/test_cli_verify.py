@@ -107,6 +107,8 @@ def test_random_cases_run_on_the_named_backend(tmp_path, capsys: pytest.CaptureF
         (["--nproc", "2", "--cp", "1", "--bp", "2", "--objective", "dflash", "--transport", "streaming"],
          "--transport streaming needs a CP ring"),
         (["--nproc", "1", "--transport", "streaming"], "no layout of --nproc 1 has cp > 1"),
+        (["--nproc", "2", "--bp", "2", "--transport", "halo"], "--transport halo needs a CP ring"),
+        (["--nproc", "1", "--transport", "halo"], "--transport halo needs a CP ring, and no layout of --nproc 1"),
         # a DFlash batch with a sample holding no anchor: was the table's header, then the engine's error
         (["--nproc", "4", "--cp", "2", "--bp", "4", "--objective", "dflash", "--seq-len", "4"],
          "--seq-len 4 --seed 0: sample 1 of the DFlash batch of 2 samples has no valid anchor"),
@@ -262,8 +264,10 @@ def test_every_layout_table_streams_only_where_there_is_a_ring(monkeypatch: pyte
         return VerifyResult(case, 1.0, 1.0, 0.0, 0.0, "w", 1e-9)
 
     monkeypatch.setattr(verify_cmd, "verify", record)
-    assert main(["verify", "--nproc", "4", "--transport", "streaming"]) == 0
-    assert {(c.topology.cp > 1, c.transport) for c in seen} == {(True, "streaming"), (False, "collective")}
+    for transport in ("streaming", "halo"):  # halo, the same: a cp = 1 layout has no ring to exchange over
+        seen.clear()
+        assert main(["verify", "--nproc", "4", "--transport", transport]) == 0
+        assert {(c.topology.cp > 1, c.transport) for c in seen} == {(True, transport), (False, "collective")}
 
 
 def test_check_case_refuses_a_streaming_transport_without_a_ring() -> None:
@@ -273,3 +277,5 @@ def test_check_case_refuses_a_streaming_transport_without_a_ring() -> None:
     bp_only = Topology(bp=2, replicate_clean_prefix=True)
     with pytest.raises(ValueError, match=r"transport='streaming' needs a CP ring \(cp > 1\), got cp=1 \(bp layout\)"):
         check_case(VerifyCase(topology=bp_only, transport="streaming"))
+    with pytest.raises(ValueError, match=r"transport='halo' needs a CP ring \(cp > 1\), got cp=1 \(bp layout\)"):
+        check_case(VerifyCase(topology=bp_only, transport="halo"))

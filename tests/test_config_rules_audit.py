@@ -342,3 +342,16 @@ def test_each_dflash_bound_is_refused_one_step_past_it(changes: dict[str, Any], 
     dotted = {f"objective.dflash.{key}": value for key, value in changes.items()}
     (line,) = error_lines(with_changes(dflash_changes() | dotted))
     assert line.startswith(f"config.yaml: objective.dflash.{field}: must be {bound}, got "), line
+
+
+@pytest.mark.parametrize(("cp", "bp", "replicate"), [(1, 1, False), (1, 4, True)])
+def test_a_ring_transport_without_a_ring_is_refused(cp: int, bp: int, replicate: bool) -> None:
+    # no layout with cp 1 exchanges clean K/V: transport: halo trained as collective with the option ignored
+    # (streaming was refused already); the planner writes collective there
+    layout = {"topology.cp": cp, "topology.bp": bp, "topology.replicate_clean_prefix": replicate}
+    for transport in ("streaming", "halo"):
+        (line,) = error_lines(with_changes(layout | {"topology.transport": transport}))
+        assert line == (f"config.yaml: topology.transport: {transport} needs a CP ring (cp > 1) "
+                        "(fix: set cp > 1 or transport: collective)")
+    assert config_from_dict(with_changes(layout | {"topology.transport": "collective"})).topology.cp == 1
+    assert config_from_dict(with_changes({"topology.transport": "halo"})).topology.transport == "halo"  # cp 2

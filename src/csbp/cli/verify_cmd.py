@@ -102,9 +102,9 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
         raise ValueError(f"--nproc must be >= 1, got {args.nproc}")
     if args.cp is None and args.bp is None and args.dp is None:
         found = layouts_for(args.nproc)
-        if args.transport == "streaming" and all(t.cp == 1 for t in found):  # was: ran, the flag ignored
+        if args.transport != "collective" and all(t.cp == 1 for t in found):  # was: ran, the flag ignored
             raise ValueError(
-                f"--transport streaming needs a CP ring, and no layout of --nproc {args.nproc} has cp > 1 "
+                f"--transport {args.transport} needs a CP ring, and no layout of --nproc {args.nproc} has cp > 1 "
                 "(fix: --nproc 2 or more, or drop --transport)"
             )
         return found
@@ -119,15 +119,17 @@ def _requested_topologies(args: argparse.Namespace) -> list[Topology]:
     dp = args.dp if args.dp is not None else args.nproc // local
     topology = Topology(dp=dp, cp=cp, bp=bp, replicate_clean_prefix=(cp == 1 and bp > 1))
     topology.check_world_size(args.nproc)
-    if args.transport == "streaming" and cp == 1:  # was: verified, the flag ignored (the train config refuses it)
-        raise ValueError("--transport streaming needs a CP ring (--cp > 1) (fix: --cp 2 or more, or drop --transport)")
+    if args.transport != "collective" and cp == 1:  # was: verified, the flag ignored (the train config refuses it)
+        raise ValueError(
+            f"--transport {args.transport} needs a CP ring (--cp > 1) (fix: --cp 2 or more, or drop --transport)"
+        )
     return [topology]
 
 
 def _transport_for(topology: Topology, transport: str) -> str:
-    """``--transport`` for one layout of the every-layout table: ``streaming`` is a ring transport, so
-    the layouts without a CP ring (``cp == 1``) run theirs (local attention) as ``collective``."""
-    return "collective" if transport == "streaming" and topology.cp == 1 else transport
+    """``--transport`` for one layout of the every-layout table: ``streaming`` and ``halo`` are ring
+    transports, so the layouts without a CP ring (``cp == 1``) run theirs (local attention) as ``collective``."""
+    return "collective" if topology.cp == 1 else transport
 
 
 def run_verify(args: argparse.Namespace) -> int:

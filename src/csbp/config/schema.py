@@ -236,9 +236,9 @@ class TopologySection(_Section):
         if problem is not None:  # said in YAML terms; Topology's own message speaks Python
             raise ConfigRuleError([problem])
         self.to_topology()  # anything else it refuses
-        if self.transport == "streaming" and self.cp == 1:
+        if self.transport != "collective" and self.cp == 1:  # no clean K/V exchange: the option was ignored
             raise ConfigRuleError(
-                [("transport", "streaming needs a CP ring (cp > 1)", "set cp > 1 or transport: collective")]
+                [("transport", f"{self.transport} needs a CP ring (cp > 1)", "set cp > 1 or transport: collective")]
             )
         return self
 

@@ -351,9 +351,9 @@ def check_case(case: VerifyCase) -> None:
         raise ValueError(f"micro_batches must be >= 1, got {case.micro_batches}")
     if case.reset_positions and not case.documents:
         raise ValueError("reset_positions needs documents: give doc_ids or doc_length")
-    if case.transport == "streaming" and case.topology.cp == 1:  # as the train config (topology.transport)
+    if case.transport != "collective" and case.topology.cp == 1:  # as the train config (topology.transport)
         raise ValueError(
-            f"transport='streaming' needs a CP ring (cp > 1), got cp=1 ({case.topology.layout} layout): "
+            f"transport={case.transport!r} needs a CP ring (cp > 1), got cp=1 ({case.topology.layout} layout): "
             "use cp > 1 or transport='collective'"
         )
     if case.fsdp and case.topology.dp < 2:
