@@ -196,3 +196,23 @@ def test_a_checkpoint_whose_clip_window_is_no_noise_window_is_refused(tmp_path: 
     assert TrainingState.from_json({**state.to_json(), "clip_window": None}, tmp_path).clip_window is None
     with pytest.raises(ValueError, match=r"clip_window is .*not a noise window \[t_min, t_max\]; the checkpoint is corrupt"):
         TrainingState.from_json({**state.to_json(), "clip_window": window}, tmp_path)
+
+
+def test_a_run_stopped_between_validations_resumes_on_the_uninterrupted_window(artifact: Path, tmp_path: Path) -> None:
+    """An invocation validates at its last step also off the ``train.eval_every`` schedule (``--max-steps
+    1`` here); searching there moved the window a step early, and the resumed run trained step 2 on a
+    window the uninterrupted one had not chosen yet. The search runs on the schedule's validations only.
+    (Step 1's own ``val_loss``, logged only by the stopped invocation, is not part of the comparison.)"""
+    changes = {"objective.t_min": 0.2, "objective.t_max": 0.4, "objective.clip_search_widths": [0.5],
+               "objective.clip_search_delta": 0.25}
+    train(tiny_config(artifact, **changes), run_dir=tmp_path / "full")
+    train(tiny_config(artifact, **changes), run_dir=tmp_path / "half", max_steps=1)
+    assert "val_clip_t_min" not in metric_rows(tmp_path / "half")[-1]  # step 1 is no scheduled validation
+    state = json.loads((tmp_path / "half" / "checkpoints" / "step_0000001" / "trainer_state.json").read_text())
+    assert state["clip_window"] == [0.2, 0.4]
+    train(tiny_config(artifact, **changes), run_dir=tmp_path / "half", resume=True)
+
+    def updates(run_dir: Path) -> list[tuple]:
+        return [(row["step"], row.get("loss"), row.get("grad_norm"), row.get("val_clip_t_min")) for row in metric_rows(run_dir)]
+
+    assert updates(tmp_path / "half") == updates(tmp_path / "full")

@@ -6,7 +6,8 @@ candidate window, the validation batches are corrupted with levels drawn from th
 loss of each (sample, block) is the mean over the block's ``B`` positions of the per-token weighted NLL
 (``1/t · CE`` on masked supervised tokens, 0 elsewhere); each batch's variance is taken over all its
 (sample, block) values (over every data-parallel replica's rows: one global batch), the variances are summed
-over the batches, and the window with the least sum trains from the next step on. The reference code calls
+over the batches, and the window with the least sum trains from the next step on. (The step loop searches
+at the validations of ``train.eval_every``'s schedule only: ``StepLoop._scheduled_validation``.) The reference code calls
 it ``var_min`` with ``clip_search_widths`` and ``clip_search_delta``; so does csbp's config
 (``objective.clip_search_widths``, ``objective.clip_search_delta``).
 

@@ -215,9 +215,17 @@ class StepLoop:
         self.val_losses.append((step, evaluation.loss))
         if "nelbo" in evaluation.metrics:
             self.val_nelbos.append((step, evaluation.metrics["nelbo"]))
-        if self._clip_candidates and step > 0:  # step 0's baseline scores the untrained model: nothing to choose by
+        if self._clip_candidates and self._scheduled_validation(step):
             return EvalResult(evaluation.loss, {**evaluation.metrics, **self._search_clip_window(step)})
         return evaluation
+
+    def _scheduled_validation(self, step: int) -> bool:
+        """Whether ``step`` is one of ``train.eval_every``'s validations after step 0 (the ones the noise-window
+        search runs at). Not step 0's baseline (the untrained model: nothing to choose by), nor an invocation's
+        extra validation at its last step (``--max-steps``): a search there would move the window a step early,
+        and the resumed run would train on a window the uninterrupted run had not chosen."""
+        every = self.cfg.train.eval_every
+        return step > 0 and every > 0 and step % every == 0
 
     def _search_clip_window(self, step: int) -> dict[str, float]:
         """Train on the candidate window of least loss variance from the next step on (csbp.training.clip_search)."""
