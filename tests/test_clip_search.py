@@ -216,3 +216,24 @@ def test_a_run_stopped_between_validations_resumes_on_the_uninterrupted_window(a
         return [(row["step"], row.get("loss"), row.get("grad_norm"), row.get("val_clip_t_min")) for row in metric_rows(run_dir)]
 
     assert updates(tmp_path / "half") == updates(tmp_path / "full")
+
+
+def test_a_checkpoint_or_comparison_from_before_the_search_resumes(artifact: Path, tmp_path: Path) -> None:
+    """A config recorded before ``objective.clip_search_widths`` and ``clip_search_delta`` existed lacks
+    them: it trained without a search, which is what their defaults do, so resuming it is no change
+    (read as ``null`` they refused every older checkpoint, with a fix setting them to ``null``)."""
+    from csbp.compare.runner import _check_same_config
+    from csbp.config.loading import dump_config
+    from csbp.training.resume_config import flat_config, resume_changes
+
+    cfg = tiny_config(artifact)
+    older = "\n".join(line for line in dump_config(cfg).splitlines() if "clip_search" not in line)
+    assert resume_changes(older, cfg, tmp_path, 2) == []
+    searching = tiny_config(artifact, **{"objective.clip_search_widths": [0.5]})
+    with pytest.raises(ValueError, match=r"trained with objective\.clip_search_widths=\[\], the config sets \[0\.5\]"):
+        resume_changes(older, searching, tmp_path, 2)
+    recorded = cfg.model_dump(mode="json")
+    for name in ("clip_search_widths", "clip_search_delta"):
+        del recorded["objective"][name]
+    assert "objective.clip_search_delta" not in flat_config(recorded)
+    _check_same_config(recorded, cfg.model_dump(mode="json"), tmp_path)  # a comparison started before them

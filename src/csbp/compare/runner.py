@@ -37,7 +37,7 @@ from csbp.config.schema import MAX_SEED, RunConfig
 from csbp.parallel.launch import run_local
 from csbp.training.memory_fit import check_state_fits
 from csbp.training.preflight import check_run, check_validation_rows
-from csbp.training.resume_config import flat_config
+from csbp.training.resume_config import flat_config, with_added_fields
 from csbp.training.run_dir_checks import check_new_run_dir
 from csbp.training.run_lock import LOCK_FILE, run_dir_lock
 from csbp.training.trainer import train
@@ -270,7 +270,7 @@ def _check_same_config(started: dict[str, Any] | None, current: dict[str, Any], 
     changed learning rate, attention backend or ``train.eval_batches`` would compare unlike runs."""
     if started is None:
         return
-    before, after = flat_config(started), flat_config(current)
+    before, after = with_added_fields(flat_config(started)), flat_config(current)
     for name in sorted(set(before) | set(after)):
         old, new = before.get(name), after.get(name)
         if old != new:

@@ -86,6 +86,14 @@ COMPARED_RESOLVED = ("objective.dflash.target_layer_ids",)  # csbp.training.dfla
 LEAF_MAPPINGS = ("rope_scaling",)
 #: free-section fields that change what the model computes
 REFUSED_INSIDE_FREE = ("topology.window",)
+#: fields added after runs were recorded, with the value that trained those runs: a config recorded before a
+#: field existed reads as that value (else every older checkpoint would be refused for a ``null``)
+ADDED_FIELDS: dict[str, Any] = {"objective.clip_search_widths": [], "objective.clip_search_delta": 0.05}
+
+
+def with_added_fields(flat: dict[str, Any]) -> dict[str, Any]:
+    """A recorded :func:`flat_config` with each of :data:`ADDED_FIELDS` it lacks set to how it trained."""
+    return {**ADDED_FIELDS, **flat}
 
 
 def flat_config(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -102,8 +110,8 @@ def flat_config(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _effective(flat: dict[str, Any]) -> dict[str, Any]:
     """``data.document_mask`` resolved to the objective's default when unset (an explicit value
-    equal to the default is no change)."""
-    out = dict(flat)
+    equal to the default is no change), and the :data:`ADDED_FIELDS` an older config lacks filled in."""
+    out = with_added_fields(flat)
     if out.get("data.document_mask") is None and out.get("objective.name") in DOCUMENT_MASK_DEFAULTS:
         out["data.document_mask"] = DOCUMENT_MASK_DEFAULTS[out["objective.name"]][0]
     return out
