@@ -237,3 +237,15 @@ def test_a_checkpoint_or_comparison_from_before_the_search_resumes(artifact: Pat
         del recorded["objective"][name]
     assert "objective.clip_search_delta" not in flat_config(recorded)
     _check_same_config(recorded, cfg.model_dump(mode="json"), tmp_path)  # a comparison started before them
+
+
+def test_csbp_compare_refuses_the_search_naming_it(artifact: Path) -> None:
+    """``csbp compare`` validates at its time points with ``train.eval_every: 0``: the search has no schedule
+    there (and would move each layout's window at other steps). It was refused by the trainer's check, whose
+    fix (set ``train.eval_every > 0``) a comparison cannot follow; compare refuses it in its own words."""
+    from csbp.compare.layouts import layout_config
+
+    cfg = tiny_config(artifact, **{"objective.clip_search_widths": [0.5], "train.grad_accum": 1})
+    with pytest.raises(ValueError, match=r"^objective\.clip_search_widths: csbp compare .*\(fix: remove "
+                                         r"objective\.clip_search_widths"):
+        layout_config(cfg, "cp", 2)

@@ -60,8 +60,15 @@ def layout_config(cfg: RunConfig, name: str, nproc: int) -> RunConfig:
     """``cfg`` trained in layout ``name`` on ``nproc`` processes (module docstring).
 
     The trainer's own periodic evaluation, checkpointing and sampling are off (``csbp compare``
-    evaluates and checkpoints at its time points).
+    evaluates and checkpoints at its time points), so ``objective.clip_search_widths`` is refused.
     """
+    if cfg.objective.clip_search_widths:
+        raise ValueError(
+            "objective.clip_search_widths: csbp compare validates at its time points, not on a train.eval_every "
+            "schedule, so there is no schedule to search the noise window at (and each layout would move it at "
+            "other steps) (fix: remove objective.clip_search_widths, and set objective.t_min/t_max to the window "
+            "to compare at, e.g. the val_clip_t_min/val_clip_t_max a training run chose)"
+        )
     topology = layout_topology(cfg, name, nproc)
     global_batch = cfg.topology.dp * cfg.train.micro_batch_size
     if global_batch % topology["dp"] != 0:
