@@ -249,3 +249,13 @@ def test_csbp_compare_refuses_the_search_naming_it(artifact: Path) -> None:
     with pytest.raises(ValueError, match=r"^objective\.clip_search_widths: csbp compare .*\(fix: remove "
                                          r"objective\.clip_search_widths"):
         layout_config(cfg, "cp", 2)
+
+
+def test_a_delta_too_fine_to_search_is_refused_naming_it(artifact: Path) -> None:
+    """``clip_search_delta: 1e-300`` validated, then every rank hung building ~1e300 candidate windows
+    after the launch; more than 1000 windows (bd3lms' grid has 36) is refused in one line."""
+    tiny_config(artifact, **{"objective.clip_search_widths": [0.5], "objective.clip_search_delta": 0.001})  # 501
+    with pytest.raises(ConfigError, match=r"objective\.clip_search_delta: 1e-300 gives more than 1000 candidate "
+                                          r"windows for widths \[0\.5\]"):
+        tiny_config(artifact, **{"objective.clip_search_widths": [0.5], "objective.clip_search_delta": 1e-300})
+

@@ -100,6 +100,9 @@ DOCUMENT_MASK_DEFAULTS: dict[str, tuple[bool, str]] = {
 
 ObjectiveName = Literal["bd3", "fast_dllm_v2", "mdlm", "ar", "dflash"]
 _BLOCKED_OBJECTIVES = ("bd3", "fast_dllm_v2", "dflash")
+MAX_CLIP_CANDIDATES = 1000
+"""Most noise windows ``objective.clip_search_widths`` may search (bd3lms' own grid has 36): each costs
+``train.eval_batches`` forwards per validation, and a delta of 1e-300 hung every rank building its windows."""
 
 
 class ObjectiveSection(_Section):
@@ -162,6 +165,13 @@ class ObjectiveSection(_Section):
         if bad_widths:
             violations.append(("clip_search_widths", f"widths {bad_widths} are not in (0, 1]",
                                "give widths of noise windows, e.g. [0.5, 0.6, 0.7, 0.8, 0.9]"))
+        # csbp.training.clip_search.clip_candidates' count of lower ends per width (duplicates included)
+        windows = sum(int((1.0 - width) / self.clip_search_delta + 1e-9) + 1 for width in self.clip_search_widths
+                      if 0.0 < width <= 1.0)
+        if windows > MAX_CLIP_CANDIDATES:
+            violations.append(("clip_search_delta", f"{self.clip_search_delta:g} gives more than {MAX_CLIP_CANDIDATES} "
+                               f"candidate windows for widths {self.clip_search_widths}, each scored at every "
+                               "validation", "a coarser delta, e.g. the default 0.05"))
         if not self.clip_search_widths and self.clip_search_delta != 0.05:
             violations.append(("clip_search_delta", "has no effect without objective.clip_search_widths",
                                "set objective.clip_search_widths, or remove objective.clip_search_delta"))
