@@ -11,6 +11,9 @@ gloo ranks must give what one process gives:
   global sum by its own count doubles ``val_loss`` at ``dp = 2``).
 * CSBP ``cp = 2, bp = 2``: each rank owns whole noisy blocks; the blocks' losses are summed over the
   replica's ranks before their variance is taken. Also with packed documents (each sample its own plan).
+* BP-only with the clean prefix replicated on every rank (``replicate_clean_prefix``), and CP-only
+  under a sliding window with the streaming transport: every noisy row is still scored on exactly one
+  rank (a replicated clean row is never scored), so the replica's sums count each block once.
 
 Float64; tolerance 1e-12 relative (only the summation order differs).
 """
@@ -38,17 +41,24 @@ from test_training_run import make_artifact
 
 SEQ_LEN, BLOCK, ROWS, BATCHES, SEED = 32, 4, 2, 2, 5
 CANDIDATES = clip_candidates([0.5, 0.9], 0.25, (1e-3, 1.0))
-LAYOUTS = {"dp2": {"dp": 2}, "csbp-cp2bp2": {"cp": 2, "bp": 2}, "csbp-cp2bp2-docs": {"cp": 2, "bp": 2, "docs": True}}
+LAYOUTS = {
+    "dp2": {"dp": 2}, "csbp-cp2bp2": {"cp": 2, "bp": 2}, "csbp-cp2bp2-docs": {"cp": 2, "bp": 2, "docs": True},
+    "bp2-replicated-prefix": {"bp": 2, "replicate_clean_prefix": True},
+    "cp2-window-streaming": {"cp": 2, "window": 8, "transport": "streaming"},
+}
+PLAN_OPTIONS = ("docs", "window", "transport")  # not topology fields: how the plan is built
 
 
 def _runner(artifact: Path, layout: dict) -> StepRunner:
     data = open_artifact(artifact)
-    topology = Topology(**{name: value for name, value in layout.items() if name != "docs"})
+    topology = Topology(**{name: value for name, value in layout.items() if name not in PLAN_OPTIONS})
     ctx = single_process_context() if topology.world_size == 1 else build_parallel_context(topology)
     model = Decoder(replace(tiny_model_config(), vocab_size=data.vocab_size), dtype=torch.float64, seed=0)
     objective = build_objective("bd3", mask_token_id=data.mask_token_id, block_size=BLOCK)
     # packed documents: every sample its own plan (rank_block_losses runs them one by one)
-    plan = DocumentPlanner(ctx, SEQ_LEN, BLOCK) if layout.get("docs") else build_rank_plan(ctx, SEQ_LEN, BLOCK)
+    options = {name: layout[name] for name in ("window", "transport") if name in layout}
+    plan = (DocumentPlanner(ctx, SEQ_LEN, BLOCK, **options) if layout.get("docs")
+            else build_rank_plan(ctx, SEQ_LEN, BLOCK, **options))
     return StepRunner(
         model, objective, plan, ctx, device=torch.device("cpu"), precision="fp64", seed=SEED, ce_chunk_rows=64,
     )
@@ -65,10 +75,11 @@ def _layout_worker(rank: int, world: int, artifact: str, layout: dict) -> tuple[
     return _scores(_runner(Path(artifact), layout), Path(artifact), ROWS)
 
 
-def _one_process(artifact: Path, dp: int, docs: bool) -> tuple[float, float, tuple, dict]:
+def _one_process(artifact: Path, layout: dict) -> tuple[float, float, tuple, dict]:
     """Micro-batches of ``dp * ROWS`` rows (every replica's shard, consecutive), shard ``d`` corrupted
-    with replica ``d``'s generator and the shards' corrupted rows concatenated."""
-    runner = _runner(artifact, {"docs": docs})
+    with replica ``d``'s generator and the shards' corrupted rows concatenated; the layout's window."""
+    dp = layout.get("dp", 1)
+    runner = _runner(artifact, {name: layout[name] for name in ("docs", "window") if name in layout})
 
     def every_replica(batch, step, micro_step, objective=None):  # type: ignore[no-untyped-def]
         shards = [
@@ -95,7 +106,7 @@ def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_validation_and_the_window_search_equal_one_process(artifact: Path, name: str) -> None:
     layout = LAYOUTS[name]
-    loss, nelbo, window, variances = _one_process(artifact, layout.get("dp", 1), layout.get("docs", False))
+    loss, nelbo, window, variances = _one_process(artifact, layout)
     assert len(set(variances.values())) == len(CANDIDATES)  # distinct: the choice is not a tie
     for got in run_local(_layout_worker, 2, (str(artifact), layout), timeout_s=120):
         assert got[0] == pytest.approx(loss, rel=1e-12)
