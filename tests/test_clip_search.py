@@ -259,3 +259,25 @@ def test_a_delta_too_fine_to_search_is_refused_naming_it(artifact: Path) -> None
                                           r"windows for widths \[0\.5\]"):
         tiny_config(artifact, **{"objective.clip_search_widths": [0.5], "objective.clip_search_delta": 1e-300})
 
+
+
+def test_packed_documents_are_planned_once_per_batch_not_per_window(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every candidate corrupts the same rows, so their documents, hence their plans, are the batch's: they
+    are built once per validation batch and shared by every window (they were rebuilt per window: 12 windows
+    of one 4 x 1024-token batch of the tiny model took 1.89 s on the CPU, 1.06 s with the plans shared)."""
+    data = open_artifact(artifact)
+    ctx = single_process_context()
+    model = Decoder(replace(tiny_model_config(), vocab_size=data.vocab_size), dtype=torch.float64, seed=1)
+    runner = StepRunner(
+        model, build_objective("bd3", mask_token_id=data.mask_token_id, block_size=BLOCK),
+        DocumentPlanner(ctx, SEQ_LEN, BLOCK), ctx, device=torch.device("cpu"), precision="fp64", seed=SEED,
+        ce_chunk_rows=64,
+    )
+    candidates = clip_candidates([0.5], 0.25, (SEARCH_FLOOR, 1.0))
+    calls = []
+    real = DocumentPlanner.plans_for
+    monkeypatch.setattr(DocumentPlanner, "plans_for", lambda self, doc_ids: calls.append(1) or real(self, doc_ids))
+    search_clip_window(runner, data.split("val"), micro_batch_size=ROWS, num_batches=BATCHES, candidates=candidates)
+    assert len(calls) == BATCHES

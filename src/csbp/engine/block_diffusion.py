@@ -20,6 +20,7 @@ rank of a sample processes the samples in the same order, so the collectives pai
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Literal, NamedTuple
@@ -305,18 +306,28 @@ def _plan_loss(
 
 @torch.no_grad()
 def rank_block_losses(
-    model: Decoder, corrupted: CorruptedBatch, plan: RankPlan | DocumentPlanner, *, ce_chunk_rows: int = 1024
+    model: Decoder,
+    corrupted: CorruptedBatch,
+    plan: RankPlan | DocumentPlanner | Sequence[RankPlan],
+    *,
+    ce_chunk_rows: int = 1024,
 ) -> Tensor:
     """``[S', N]`` float64: per (sample, diffusion block), the weighted cross-entropy summed over this rank's
     noisy rows in that block (0 where the rank holds none). Every noisy row lives on exactly one rank of a
-    replica, so the sum over the replica's ranks is each block's whole loss (``csbp.training.clip_search``)."""
+    replica, so the sum over the replica's ranks is each block's whole loss (``csbp.training.clip_search``).
+    ``plan``: a plain plan, a ``DocumentPlanner``, or the planner's plans of these samples (built once and
+    shared by every noise window of the same rows)."""
     samples, length = corrupted.labels.shape
     block = corrupted.block_size
     sums = torch.zeros(samples, -(-length // block), dtype=torch.float64, device=corrupted.labels.device)
     # a plain plan runs the whole micro-batch at once; packed documents one sample (plan) at a time
-    groups = [(slice(0, samples), plan)] if isinstance(plan, RankPlan) else [
-        (slice(index, index + 1), sample_plan) for index, sample_plan in enumerate(plan.plans_for(corrupted.doc_ids))
-    ]
+    if isinstance(plan, RankPlan):
+        groups = [(slice(0, samples), plan)]
+    else:
+        sample_plans = plan.plans_for(corrupted.doc_ids) if isinstance(plan, DocumentPlanner) else list(plan)
+        if len(sample_plans) != samples:
+            raise ValueError(f"{len(sample_plans)} sample plans for a micro-batch of {samples} samples")
+        groups = [(slice(index, index + 1), sample_plan) for index, sample_plan in enumerate(sample_plans)]
     for rows, group_plan in groups:
         part = sample_rows(corrupted, rows)
         input_ids, positions = rank_inputs(part, group_plan)

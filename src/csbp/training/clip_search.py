@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from csbp.data.artifact import ArtifactSplit
-from csbp.engine.block_diffusion import rank_block_losses
+from csbp.engine.block_diffusion import DocumentPlanner, RankPlan, rank_block_losses
 from csbp.evaluation.nelbo import EVAL_T_MIN
 from csbp.training.step import NELBO_MICRO_STEP, StepRunner, autocast_for, validation_loader
 
@@ -86,12 +86,17 @@ def search_clip_window(
     try:
         for index in range(num_batches):
             batch = next(loader)
+            # packed documents: every window corrupts the same rows, so their plans are the batch's, built once
+            plan: RankPlan | list[RankPlan] | None = runner.plan if isinstance(runner.plan, RankPlan) else None
             for slot, (low, high) in enumerate(candidates):
                 objective = replace(runner.objective, t_min=low, t_max=high)
                 corrupted = runner._corrupt(batch, index, CLIP_SEARCH_MICRO_STEP, objective)
+                if plan is None:
+                    assert isinstance(runner.plan, DocumentPlanner)
+                    plan = runner.plan.plans_for(corrupted.doc_ids)
                 with autocast_for(runner.precision, runner.device):
                     sums = rank_block_losses(
-                        runner.model, corrupted, runner.plan, ce_chunk_rows=runner.ce_chunk_rows  # type: ignore[arg-type]
+                        runner.model, corrupted, plan, ce_chunk_rows=runner.ce_chunk_rows  # type: ignore[arg-type]
                     )
                 if replica is not None:
                     sums = replica.all_reduce(sums.to(device))
