@@ -168,8 +168,10 @@ def test_training_moves_to_the_chosen_window_saves_it_and_resumes_on_it(
     [
         ({"objective.name": "mdlm", "objective.block_size": None, "objective.clip_search_widths": [0.5]},
          r"objective\.clip_search_widths: searches bd3's noise window; mdlm has none to search"),
-        ({"objective.clip_search_widths": [0.5, 0.0]}, r"widths \[0\.0\] are not in \(0, 1\]"),
-        ({"objective.clip_search_widths": [1.5]}, r"widths \[1\.5\] are not in \(0, 1\]"),
+        ({"objective.clip_search_widths": [0.5, 0.0]}, r"widths \[0\.0\] are not in \[0\.01, 1\]"),
+        ({"objective.clip_search_widths": [1.5]}, r"widths \[1\.5\] are not in \[0\.01, 1\]"),
+        # narrower than the 0.001 floor lets through: no window at all, the configured one silently kept
+        ({"objective.clip_search_widths": [1e-300]}, r"widths \[1e-300\] are not in \[0\.01, 1\]"),
         ({"objective.clip_search_delta": 0.1}, r"clip_search_delta: has no effect without objective\.clip_search_widths"),
         ({"objective.clip_search_delta": 0.0, "objective.clip_search_widths": [0.5]}, r"clip_search_delta"),
     ],
@@ -281,3 +283,28 @@ def test_packed_documents_are_planned_once_per_batch_not_per_window(
     monkeypatch.setattr(DocumentPlanner, "plans_for", lambda self, doc_ids: calls.append(1) or real(self, doc_ids))
     search_clip_window(runner, data.split("val"), micro_batch_size=ROWS, num_batches=BATCHES, candidates=candidates)
     assert len(calls) == BATCHES
+
+
+def test_when_no_window_has_a_finite_variance_training_stays_on_its_window(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-finite validation loss makes every variance non-finite: the search's fallback is its first
+    candidate (the configured window), but a run that had moved keeps the window it trains on."""
+    from csbp.training import step_loop
+    from csbp.training.clip_search import ClipSearchResult
+
+    answers = iter([(0.5, 1.0), None])  # the first search moves to [0.5, 1]; the second sees only NaN
+
+    def search(runner, split, *, micro_batch_size, num_batches, candidates):  # type: ignore[no-untyped-def]
+        window = next(answers)
+        if window is None:
+            return ClipSearchResult(candidates[0], {w: float("nan") for w in candidates})
+        return ClipSearchResult(window, {w: (0.0 if w == window else 1.0) for w in candidates})
+
+    monkeypatch.setattr(step_loop, "search_clip_window", search)
+    changes = {"objective.clip_search_widths": [0.5], "objective.clip_search_delta": 0.25, "train.save_every": 0}
+    train(tiny_config(artifact, **changes), run_dir=tmp_path / "run")
+    rows = {row["step"]: row for row in metric_rows(tmp_path / "run")}
+    assert (rows[2]["val_clip_t_min"], rows[4]["val_clip_t_min"]) == (0.5, 0.5)
+    state = json.loads((tmp_path / "run" / "checkpoints" / "step_0000004" / "trainer_state.json").read_text())
+    assert state["clip_window"] == [0.5, 1.0]

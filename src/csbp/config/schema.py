@@ -101,6 +101,8 @@ DOCUMENT_MASK_DEFAULTS: dict[str, tuple[bool, str]] = {
 ObjectiveName = Literal["bd3", "fast_dllm_v2", "mdlm", "ar", "dflash"]
 _BLOCKED_OBJECTIVES = ("bd3", "fast_dllm_v2", "dflash")
 MAX_CLIP_CANDIDATES = 1000
+MIN_CLIP_WIDTH = 0.01
+"""The narrowest noise window ``objective.clip_search_widths`` may search."""
 """Most noise windows ``objective.clip_search_widths`` may search (bd3lms' own grid has 36): each costs
 ``train.eval_batches`` forwards per validation, and a delta of 1e-300 hung every rank building its windows."""
 
@@ -161,13 +163,14 @@ class ObjectiveSection(_Section):
         if self.clip_search_widths and self.name != "bd3":
             violations.append(("clip_search_widths", f"searches bd3's noise window; {self.name} has none to search",
                                "remove objective.clip_search_widths"))
-        bad_widths = [width for width in self.clip_search_widths if not 0.0 < width <= 1.0]
+        # a width under MIN_CLIP_WIDTH gave no window past the 0.001 floor: the search silently scored the configured one
+        bad_widths = [width for width in self.clip_search_widths if not MIN_CLIP_WIDTH <= width <= 1.0]
         if bad_widths:
-            violations.append(("clip_search_widths", f"widths {bad_widths} are not in (0, 1]",
+            violations.append(("clip_search_widths", f"widths {bad_widths} are not in [{MIN_CLIP_WIDTH}, 1]",
                                "give widths of noise windows, e.g. [0.5, 0.6, 0.7, 0.8, 0.9]"))
         # csbp.training.clip_search.clip_candidates' count of lower ends per width (duplicates included)
         windows = sum(int((1.0 - width) / self.clip_search_delta + 1e-9) + 1 for width in self.clip_search_widths
-                      if 0.0 < width <= 1.0)
+                      if MIN_CLIP_WIDTH <= width <= 1.0)
         if windows > MAX_CLIP_CANDIDATES:
             violations.append(("clip_search_delta", f"{self.clip_search_delta:g} gives more than {MAX_CLIP_CANDIDATES} "
                                f"candidate windows for widths {self.clip_search_widths}, each scored at every "

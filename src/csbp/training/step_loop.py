@@ -235,6 +235,10 @@ class StepLoop:
             self.runner, self.inputs.val_split, micro_batch_size=self.cfg.train.micro_batch_size,
             num_batches=self.cfg.train.eval_batches, candidates=self._clip_candidates,
         )
+        if not math.isfinite(result.variance):  # every window's: a non-finite validation loss (train.nan_policy's)
+            self.writer.message(f"step {step}: no noise window has a finite loss variance; training stays on "
+                                f"[{before[0]:g}, {before[1]:g}]")
+            return {"clip_t_min": before[0], "clip_t_max": before[1], "clip_variance": result.variance}
         self.runner.objective = replace(self.runner.objective, t_min=result.window[0], t_max=result.window[1])
         if result.window != before:
             self.writer.message(
