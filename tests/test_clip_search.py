@@ -229,13 +229,14 @@ def test_a_checkpoint_or_comparison_from_before_the_search_resumes(artifact: Pat
     from csbp.training.resume_config import flat_config, resume_changes
 
     cfg = tiny_config(artifact)
-    older = "\n".join(line for line in dump_config(cfg).splitlines() if "clip_search" not in line)
+    older = "\n".join(line for line in dump_config(cfg).splitlines()
+                       if "clip_search" not in line and "resample" not in line)  # objective.resample came later
     assert resume_changes(older, cfg, tmp_path, 2) == []
     searching = tiny_config(artifact, **{"objective.clip_search_widths": [0.5]})
     with pytest.raises(ValueError, match=r"trained with objective\.clip_search_widths=\[\], the config sets \[0\.5\]"):
         resume_changes(older, searching, tmp_path, 2)
     recorded = cfg.model_dump(mode="json")
-    for name in ("clip_search_widths", "clip_search_delta"):
+    for name in ("clip_search_widths", "clip_search_delta", "resample"):
         del recorded["objective"][name]
     assert "objective.clip_search_delta" not in flat_config(recorded)
     _check_same_config(recorded, cfg.model_dump(mode="json"), tmp_path)  # a comparison started before them

@@ -11,6 +11,8 @@ gloo ranks must give what one process gives:
   global sum by its own count doubles ``val_loss`` at ``dp = 2``).
 * CSBP ``cp = 2, bp = 2``: each rank owns whole noisy blocks; the blocks' losses are summed over the
   replica's ranks before their variance is taken. Also with packed documents (each sample its own plan).
+* CSBP with ``objective.resample`` on a clipped window (:mod:`csbp.objectives.window_resample`): the
+  redraws consume the generator, and every rank of a replica must still draw the same corruption.
 * BP-only with the clean prefix replicated on every rank (``replicate_clean_prefix``), and CP-only
   under a sliding window with the streaming transport: every noisy row is still scored on exactly one
   rank (a replicated clean row is never scored), so the replica's sums count each block once.
@@ -43,10 +45,11 @@ SEQ_LEN, BLOCK, ROWS, BATCHES, SEED = 32, 4, 2, 2, 5
 CANDIDATES = clip_candidates([0.5, 0.9], 0.25, (1e-3, 1.0))
 LAYOUTS = {
     "dp2": {"dp": 2}, "csbp-cp2bp2": {"cp": 2, "bp": 2}, "csbp-cp2bp2-docs": {"cp": 2, "bp": 2, "docs": True},
+    "csbp-cp2bp2-resample": {"cp": 2, "bp": 2, "resample": (0.3, 0.8)},
     "bp2-replicated-prefix": {"bp": 2, "replicate_clean_prefix": True},
     "cp2-window-streaming": {"cp": 2, "window": 8, "transport": "streaming"},
 }
-PLAN_OPTIONS = ("docs", "window", "transport")  # not topology fields: how the plan is built
+PLAN_OPTIONS = ("docs", "window", "transport", "resample")  # not topology fields: how the plan and noise are built
 
 
 def _runner(artifact: Path, layout: dict) -> StepRunner:
@@ -54,7 +57,8 @@ def _runner(artifact: Path, layout: dict) -> StepRunner:
     topology = Topology(**{name: value for name, value in layout.items() if name not in PLAN_OPTIONS})
     ctx = single_process_context() if topology.world_size == 1 else build_parallel_context(topology)
     model = Decoder(replace(tiny_model_config(), vocab_size=data.vocab_size), dtype=torch.float64, seed=0)
-    objective = build_objective("bd3", mask_token_id=data.mask_token_id, block_size=BLOCK)
+    resample = {"resample": True, "t_min": layout["resample"][0], "t_max": layout["resample"][1]} if "resample" in layout else {}
+    objective = build_objective("bd3", mask_token_id=data.mask_token_id, block_size=BLOCK, **resample)
     # packed documents: every sample its own plan (rank_block_losses runs them one by one)
     options = {name: layout[name] for name in ("window", "transport") if name in layout}
     plan = (DocumentPlanner(ctx, SEQ_LEN, BLOCK, **options) if layout.get("docs")
@@ -79,7 +83,7 @@ def _one_process(artifact: Path, layout: dict) -> tuple[float, float, tuple, dic
     """Micro-batches of ``dp * ROWS`` rows (every replica's shard, consecutive), shard ``d`` corrupted
     with replica ``d``'s generator and the shards' corrupted rows concatenated; the layout's window."""
     dp = layout.get("dp", 1)
-    runner = _runner(artifact, {name: layout[name] for name in ("docs", "window") if name in layout})
+    runner = _runner(artifact, {name: layout[name] for name in ("docs", "window", "resample") if name in layout})
 
     def every_replica(batch, step, micro_step, objective=None):  # type: ignore[no-untyped-def]
         shards = [

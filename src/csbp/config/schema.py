@@ -26,6 +26,7 @@ from csbp.config.rules import (
     topology_layout_violation,
 )
 from csbp.config.section_base import _Section, path_field
+from csbp.objectives.window_resample import UNBOUNDED_LOW, window_count_problem
 
 if TYPE_CHECKING:
     from csbp.topology import Topology
@@ -139,6 +140,10 @@ class ObjectiveSection(_Section):
     clip_search_delta: float = Field(
         0.05, gt=0.0, lt=1.0, description="bd3: step between the lower ends of the searched noise windows."
     )
+    resample: bool = Field(
+        False, description="bd3: redraw a block whose realised masked fraction falls outside [t_min, t_max] "
+        "(bd3lms' training.resample, csbp.objectives.window_resample).",
+    )
     dflash: DFlashSection | None = Field(None, description="DFlash settings; required when name is dflash.")
 
     @model_validator(mode="before")
@@ -178,6 +183,7 @@ class ObjectiveSection(_Section):
         if not self.clip_search_widths and self.clip_search_delta != 0.05:
             violations.append(("clip_search_delta", "has no effect without objective.clip_search_widths",
                                "set objective.clip_search_widths, or remove objective.clip_search_delta"))
+        violations += self._resample_violations()
         if self.name in ("ar", "dflash") and self.loss_weight == "inv_t":
             violations.append(("loss_weight", f"{self.name} has no noise level to weight by", "use unit"))
         if self.name == "dflash" and self.denominator != "supervised_tokens":
@@ -202,6 +208,34 @@ class ObjectiveSection(_Section):
         if violations:
             raise ConfigRuleError(violations)
         return self
+
+    def _resample_violations(self) -> list[tuple[str, str, str]]:
+        """``resample`` is bd3's, must have a bound to keep, and every window it may train on must admit a
+        masked count of a fully supervised block (else bd3lms' redraw loop never ends)."""
+        if not self.resample:
+            return []
+        if self.name != "bd3":
+            return [("resample", f"redraws bd3's blocks into its noise window; {self.name} has none",
+                     "remove objective.resample")]
+        if not self.clip_search_widths and self.t_min <= UNBOUNDED_LOW and self.t_max >= 1.0:
+            return [("resample", f"the window [{self.t_min:g}, {self.t_max:g}] bounds no block's masked fraction "
+                     f"(a lower end at or below {UNBOUNDED_LOW:g} and an upper end of 1 are not enforced)",
+                     "clip the window, e.g. t_min: 0.3 and t_max: 0.8, or remove objective.resample")]
+        if self.block_size is None:
+            return []  # the block_size rule names it
+        windows: list[tuple[float, float]] = [(self.t_min, self.t_max)]
+        if self.clip_search_widths:
+            from csbp.training.clip_search import clip_candidates  # the search's own windows, one definition
+
+            windows = list(clip_candidates(self.clip_search_widths, self.clip_search_delta, windows[0]))
+        empty = [window for window in windows if window_count_problem(self.block_size, *window)]
+        if not empty:
+            return []
+        shown = ", ".join(f"[{low:g}, {high:g}]" for low, high in empty[:3]) + (" ..." if len(empty) > 3 else "")
+        field = "t_min" if empty[0] == windows[0] else "clip_search_widths"
+        return [(field, f"with resample, no count of masked tokens out of a block of {self.block_size} lies in "
+                 f"the noise window {shown} (fractions step by 1/{self.block_size}), so no draw is ever kept",
+                 "widen the window, or remove objective.resample")]
 
 
 class TopologySection(_Section):

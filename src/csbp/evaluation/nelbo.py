@@ -110,7 +110,7 @@ def nelbo_objective(objective: Objective, t_min: float = EVAL_T_MIN) -> Objectiv
     """The unclipped-NELBO version of ``objective`` (None for ``ar``, whose loss is the exact NLL)."""
     unbiased = {"noise_scheme": NELBO_NOISE_SCHEME, "loss_weight": "inv_t", "denominator": "supervised_tokens"}
     if isinstance(objective, Bd3Objective):
-        return replace(objective, t_min=t_min, t_max=1.0, **unbiased)
+        return replace(objective, t_min=t_min, t_max=1.0, resample=False, **unbiased)
     if isinstance(objective, MdlmObjective):
         return replace(objective, eps=t_min, **unbiased)
     if isinstance(objective, FastDllmV2Objective):

@@ -4,6 +4,8 @@ One noise level per (sample, block) from ``K = S·N`` evenly spread slots (``k =
 to ``[t_min, t_max]``. Every supervised token is masked with its block's probability
 (``m_i = [U_i <= t_blk(i)]`` AND ``loss_mask``); the noisy row ``i`` predicts ``x_0[i]`` with weight
 ``1/t`` (``loss_weight="inv_t"``) or 1 (``"unit"``), and the mask-token logit is excluded (SUBS).
+With ``resample``, a block whose realised masked fraction falls outside the window is redrawn from
+the conditioned law (bd3lms' ``training.resample``, :mod:`csbp.objectives.window_resample`).
 
 Denominator (``denominator=``):
 
@@ -33,6 +35,7 @@ from csbp.objectives.base import (
 )
 from csbp.objectives.chunked_ce import IGNORE_INDEX
 from csbp.objectives.noise import NOISE_SCHEMES, check_clip_range, clip_levels, sample_levels
+from csbp.objectives.window_resample import resample_into_window, window_count_problem
 
 LOSS_WEIGHTS: tuple[str, ...] = ("inv_t", "unit")
 
@@ -107,6 +110,8 @@ class Bd3Objective:
         noise_scheme: ``"rotated_lattice"`` (default), ``"stratified"`` or ``"uniform"``.
         loss_weight: ``"inv_t"`` (NELBO weight of the linear schedule) or ``"unit"``.
         denominator: ``"supervised_tokens"`` or ``"all_tokens"`` (module docstring).
+        resample: redraw a block whose realised masked fraction falls outside ``[t_min, t_max]``
+            (bd3lms' ``training.resample``; :mod:`csbp.objectives.window_resample`).
     """
 
     mask_token_id: int
@@ -116,6 +121,7 @@ class Bd3Objective:
     noise_scheme: str = "rotated_lattice"
     loss_weight: str = "inv_t"
     denominator: str = "supervised_tokens"
+    resample: bool = False
     name: ClassVar[str] = "bd3"
 
     def __post_init__(self) -> None:
@@ -128,6 +134,8 @@ class Bd3Objective:
             raise ValueError(f"bd3 noise_scheme={self.noise_scheme!r} is not one of {NOISE_SCHEMES}")
         check_loss_weight(self.loss_weight, self.t_min)
         check_denominator_rule(self.denominator)
+        if self.resample and (problem := window_count_problem(self.block_size, self.t_min, self.t_max)):
+            raise ValueError(f"bd3 resample: {problem}")
 
     def corrupt(self, batch: Mapping[str, Tensor], generator: torch.Generator) -> CorruptedBatch:
         input_ids, loss_mask, doc_ids = read_batch(batch)
@@ -141,6 +149,11 @@ class Bd3Objective:
         noise_levels_SN = clip_levels(tau_SN, self.t_min, self.t_max)
         uniforms_SL = torch.rand(num_samples, seq_len, generator=generator, dtype=torch.float64)
         masked_SL = uniforms_SL <= noise_levels_SN.repeat_interleave(self.block_size, dim=1)
+        if self.resample:
+            masked_SL = resample_into_window(
+                masked_SL, uniforms_SL, loss_mask, noise_levels_SN,
+                block_size=self.block_size, t_min=self.t_min, t_max=self.t_max, generator=generator,
+            )
         return same_position_masked_batch(
             input_ids,
             loss_mask,

@@ -290,7 +290,7 @@ def _objective_options(cfg: RunConfig, mask_token_id: int | None) -> dict[str, A
     if obj.name == "mdlm":
         _reject_unless(obj.t_max == 1.0, "t_max", "mdlm draws t in [t_min, 1]")
         return {**common, "eps": obj.t_min}
-    return {**common, "block_size": obj.block_size, "t_min": obj.t_min, "t_max": obj.t_max}
+    return {**common, "block_size": obj.block_size, "t_min": obj.t_min, "t_max": obj.t_max, "resample": obj.resample}
 
 
 def _reject_unless(ok: bool, field: str, reason: str) -> None:

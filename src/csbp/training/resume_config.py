@@ -88,7 +88,9 @@ LEAF_MAPPINGS = ("rope_scaling",)
 REFUSED_INSIDE_FREE = ("topology.window",)
 #: fields added after runs were recorded, with the value that trained those runs: a config recorded before a
 #: field existed reads as that value (else every older checkpoint would be refused for a ``null``)
-ADDED_FIELDS: dict[str, Any] = {"objective.clip_search_widths": [], "objective.clip_search_delta": 0.05}
+ADDED_FIELDS: dict[str, Any] = {
+    "objective.clip_search_widths": [], "objective.clip_search_delta": 0.05, "objective.resample": False,
+}
 
 
 def with_added_fields(flat: dict[str, Any]) -> dict[str, Any]:
