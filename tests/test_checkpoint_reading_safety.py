@@ -154,3 +154,26 @@ def test_a_deeply_nested_forged_value_is_one_short_line(checkpoint: Path) -> Non
     with pytest.raises(ValueError, match=r"has a chunk \[\[\[\[\.\.\.\]\]\]\]; the file is damaged") as info:
         read_metadata(checkpoint)
     assert len(str(info.value)) < 300
+
+
+def test_a_negative_length_of_a_non_tensor_item_is_refused_before_any_load(tmp_path: Path) -> None:
+    """A tensor's storage length is also bounded by its declared shape, a ``torch.save``'d value's
+    (an optimizer's lr) by nothing else: without the sign rule its length -1 passed as intact (and
+    lowered the size the file must have), so ``--resume`` chose the checkpoint, and DCP's reader,
+    which reads a negative length as "to the end of the file", then failed in torch's zip reader
+    (mutation audit of checkpoint_integrity.py: dropping ``length >= 0`` survived)."""
+    checkpoint = tmp_path / "ck"
+    dcp.save({"w": torch.arange(4.0), "lr": 0.25, "name": "abc"}, checkpoint_id=checkpoint, no_dist=True)
+    genuine = read_metadata(checkpoint)
+    for fqn in ("lr", "name", "w"):
+        storage = {k: dataclasses.replace(v, length=-1) if k.fqn == fqn else v for k, v in genuine.storage_data.items()}
+        (checkpoint / ".metadata").write_bytes(pickle.dumps(dataclasses.replace(genuine, storage_data=storage)))
+        offset = next(v.offset for k, v in storage.items() if k.fqn == fqn)
+        expected = (
+            f"{checkpoint / '.metadata'}: storage entry for '{fqn}' has offset {offset}, length -1; "
+            "the file is damaged or forged, it was not loaded"
+        )
+        assert checkpoint_problem(checkpoint, state_file=None) == expected
+        with pytest.raises(ValueError) as refused:
+            safe_dcp_load({"w": torch.zeros(4), "lr": 0.0, "name": ""}, checkpoint, no_dist=True)
+        assert str(refused.value) == expected
