@@ -13,7 +13,8 @@ training run: each test takes well under a second).
   prunes to exactly ``keep`` checkpoints, never the one it wrote;
 * a save or load that failed on several ranks is told by the lowest rank's error;
 * a checkpoint without ``trainer_state.json`` is damaged, and without checksums (an older csbp's) a
-  data file one byte short of what its metadata needs is truncated.
+  data file one byte short of what its metadata needs (its furthest item's end, in whatever order the
+  metadata lists them) is truncated.
 """
 
 from __future__ import annotations
@@ -262,16 +263,46 @@ def test_a_checkpoint_without_its_trainer_state_is_damaged(tmp_path: Path) -> No
 
 def test_a_data_file_one_byte_short_is_truncated_without_checksums(tmp_path: Path) -> None:
     """A checkpoint of an older csbp (no checksums) is checked on sizes alone, to the byte."""
-    import json
-
     from csbp.training.checkpoint_integrity import checkpoint_problem
 
     final = save_step(tmp_path, 1)
-    state = json.loads((final / "trainer_state.json").read_text())
-    del state["checksums"]
-    (final / "trainer_state.json").write_text(json.dumps(state))
+    without_checksums(final)
     data = final / "__0_0.distcp"
     size = data.stat().st_size
     with open(data, "r+b") as handle:
         handle.truncate(size - 1)
     assert checkpoint_problem(final) == f"{data} is truncated ({size - 1} bytes, the metadata needs {size})"
+
+
+def without_checksums(checkpoint: Path) -> None:
+    """Make ``checkpoint`` look like an older csbp's: no ``checksums`` in its ``trainer_state.json``."""
+    import json
+
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    del state["checksums"]
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+
+
+def test_a_file_must_hold_its_furthest_item_whatever_the_metadata_order(tmp_path: Path) -> None:
+    """DCP lists a file's items in the order it wrote them, but nothing in ``.metadata`` requires it: with
+    the item ending furthest into ``__0_0.distcp`` listed first, a file one byte short of it is still
+    truncated (mutation audit: keeping the last item's end instead of the largest survived, and accepted
+    this checkpoint, whose first items end well before the file does)."""
+    import dataclasses
+    import pickle
+
+    from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata
+
+    final = save_step(tmp_path, 1)
+    without_checksums(final)
+    genuine = read_metadata(final)
+    entries = sorted(genuine.storage_data.items(), key=lambda entry: entry[1].offset + entry[1].length, reverse=True)
+    assert {info.relative_path for _, info in entries} == {"__0_0.distcp"} and len(entries) >= 2
+    furthest, last = (info.offset + info.length for _, info in (entries[0], entries[-1]))
+    assert last < furthest == (final / "__0_0.distcp").stat().st_size
+    (final / ".metadata").write_bytes(pickle.dumps(dataclasses.replace(genuine, storage_data=dict(entries))))
+    assert checkpoint_problem(final) is None  # reordered, the metadata is still intact
+    with open(final / "__0_0.distcp", "r+b") as handle:
+        handle.truncate(furthest - 1)
+    data = final / "__0_0.distcp"
+    assert checkpoint_problem(final) == f"{data} is truncated ({furthest - 1} bytes, the metadata needs {furthest})"
