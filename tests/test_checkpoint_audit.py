@@ -306,3 +306,31 @@ def test_a_file_must_hold_its_furthest_item_whatever_the_metadata_order(tmp_path
         handle.truncate(furthest - 1)
     data = final / "__0_0.distcp"
     assert checkpoint_problem(final) == f"{data} is truncated ({furthest - 1} bytes, the metadata needs {furthest})"
+
+
+def test_every_recorded_file_is_verified_even_one_no_item_names_and_a_stray_one_is_not(tmp_path: Path) -> None:
+    """The checksum record lists the files the checkpoint was saved with, including a data file no item
+    names (DCP writes one for a rank that saved only replicated tensors): missing or changed, the
+    checkpoint is damaged (a partial copy), even though a load would not read it. A DCP file neither the
+    record nor the metadata names was never part of it and is ignored (mutation audit: verifying only the
+    files the metadata names survived)."""
+    import json
+
+    from csbp.training.checkpoint_checksums import checksum_entries
+    from csbp.training.checkpoint_integrity import checkpoint_problem
+
+    final = save_step(tmp_path, 1)
+    unnamed = final / "__1_0.distcp"
+    unnamed.write_bytes(b"rank 1 saved no item of its own")
+    state = json.loads((final / "trainer_state.json").read_text())
+    state["checksums"]["files"].update(checksum_entries(final, [unnamed.name]))
+    (final / "trainer_state.json").write_text(json.dumps(state))
+    assert checkpoint_problem(final) is None
+    (final / "__2_0.distcp").write_bytes(b"copied in later")  # a stray: no part of the checkpoint
+    assert checkpoint_problem(final) is None
+
+    unnamed.write_bytes(b"rank 1 saved no item of its owN")  # the same size
+    problem = checkpoint_problem(final) or ""
+    assert problem.startswith(f"{unnamed} does not match the checksum recorded when it was saved"), problem
+    unnamed.unlink()
+    assert checkpoint_problem(final) == f"{unnamed} is missing"

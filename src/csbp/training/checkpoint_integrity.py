@@ -16,7 +16,12 @@ crafted checkpoint runs code on load. Here:
   parses, ``.metadata`` reads safely, every tensor shape it declares is backed by as many stored
   bytes (nothing is sized from a forged shape), every file it names exists and is long enough, and,
   when the checkpoint recorded checksums (:mod:`csbp.training.checkpoint_checksums`; older ones did
-  not and are accepted without), every DCP file still has the CRC32 it was saved with;
+  not and are accepted without), every DCP file it was saved with still has its recorded CRC32: each
+  file the metadata names (which must be recorded) and each file the record lists, also one no item
+  names (DCP writes such a file for a rank that saved only replicated tensors): missing or changed, it
+  means a partial copy or damage even where the load would not read it. A DCP file neither names
+  (copied in after the save) is no part of the checkpoint and is ignored: every byte a load reads is
+  still verified, and accidental damage does not create files;
 * :func:`resume_checkpoint` picks the checkpoint ``--resume`` uses: the one ``latest`` names when it
   is intact, else the newest intact ``step_*`` directory (the damaged ones are reported), else a
   one-line ``ValueError``.
@@ -308,7 +313,8 @@ def checkpoint_problem(checkpoint: Path, *, state_file: str | None = STATE_FILE)
     file's size with the byte ranges the metadata records. When the state file (``trainer_state.json``
     also with ``state_file=None``, if there is one) records checksums
     (:mod:`csbp.training.checkpoint_checksums`), ``.metadata`` must match its checksum before it is
-    unpickled, and every data file must match its own: same-size damage is found too, at the cost of
+    unpickled, and every data file the metadata names or the record lists (see the module docstring:
+    one neither names is ignored) must match its own: same-size damage is found too, at the cost of
     reading every file once (streamed; once per process, however often this is called). A checkpoint
     written before checksums were recorded has none and is accepted on the checks above, as before.
     """
