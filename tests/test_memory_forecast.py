@@ -131,6 +131,37 @@ def test_the_launcher_warns_before_it_trains(
 
 
 @pytest.mark.parametrize(
+    ("environment", "node_rank", "prints"),
+    [
+        ({}, None, True),  # one node
+        ({}, 0, True),  # csbp's own multi-node launch: no RANK in the launching processes
+        ({}, 1, False),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, None, True),  # an outside torchrun
+        ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, None, False),  # rank 0 of the second node
+    ],
+    ids=["one node", "node 0", "node 1", "torchrun rank 0", "torchrun rank 1"],
+)
+def test_the_forecast_is_printed_once_per_run(
+    environment: dict[str, str], node_rank: int | None, prints: bool,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+) -> None:
+    """``csbp train --nnodes 2 --node-rank R`` sets no ``RANK`` in either node's launching process, so
+    testing ``RANK`` alone printed the forecast on every node; node 0's launcher prints it, and under
+    torchrun global rank 0 (the checks and the launch itself are stubbed out here)."""
+    for name in launcher_module.TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    for heavy in ("check_run", "verify_data", "check_state_fits", "check_process_count", "_launch_workers",
+                  "train_in_process_group"):
+        monkeypatch.setattr(launcher_module, heavy, lambda *args, **kwargs: None)
+    monkeypatch.setattr(launcher_module, "forecast_line", lambda cfg, nproc: f"warning: forecast for {nproc}")
+    options = launcher_module.LaunchOptions(nproc=1, nnodes=2 if node_rank is not None else 1, node_rank=node_rank)
+    launcher_module._launch(qwen_run("topology.dp=2"), run_dir=tmp_path, resume=False, max_steps=1, options=options)
+    assert capsys.readouterr().err == ("warning: forecast for 1\n" if prints else "")
+
+
+@pytest.mark.parametrize(
     ("error", "note"),
     [
         (ValueError("objective.dflash.target: no config.json"),

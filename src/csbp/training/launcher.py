@@ -149,6 +149,17 @@ def holds_run_dir_lock(options: LaunchOptions) -> bool:
     return options.nnodes == 1
 
 
+def prints_once_per_run(options: LaunchOptions) -> bool:
+    """Whether this process prints what one run says once (the memory forecast): global rank 0 under a
+    torchrun launch, else the launching process of node 0 (``--node-rank 0``, or none given: one node,
+    or several whose c10d rendezvous assigns the ranks later, where each node prints). Under csbp's own
+    multi-node launch no ``RANK`` is set in the launching processes, so testing it alone had every
+    node print."""
+    if inside_torchrun():
+        return os.environ.get("RANK") == "0"
+    return options.node_rank in (None, 0)
+
+
 def _launch(
     cfg: RunConfig, *, run_dir: Path, resume: bool, max_steps: int | None, options: LaunchOptions
 ) -> TrainSummary | None:
@@ -162,7 +173,7 @@ def _launch(
     verify_data(cfg, inputs)  # under torchrun every rank checks, so none waits for a failed one
     # after the data is vouched for: a forged manifest's vocabulary is named as such, not as a model too large
     check_state_fits(cfg, inputs, local_ranks=local)
-    if os.environ.get("RANK", "0") == "0":  # once per launch, by the process that prints
+    if prints_once_per_run(options):
         forecast = forecast_line(cfg, nproc=local)
         if forecast is not None:
             _warn(forecast)
