@@ -32,6 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("checkpoint", type=path_option, help="RUN/checkpoints/step_N, or a run directory (its latest checkpoint)")
     parser.add_argument("--out", type=path_option, required=True, help="directory to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
+    parser.add_argument(
+        "--weights", choices=("ema", "raw"), default=None,
+        help="ema: the weight average of optim.ema_decay; raw: the trained weights (default: ema when the "
+        "checkpoint has one, as the run's final/)",
+    )
     parser.set_defaults(func=run_export)
 
 
@@ -50,7 +55,8 @@ def run_export(args: argparse.Namespace) -> int:
         chosen = _newest_checkpoint(checkpoint) if is_run else checkpoint
         try:
             out, cfg, step = export_checkpoint(
-                chosen, args.out, overwrite=args.overwrite, warn=lambda line: print(line, file=sys.stderr)
+                chosen, args.out, overwrite=args.overwrite, warn=lambda line: print(line, file=sys.stderr),
+                weights=args.weights,
             )
             break
         except CheckpointVanished:

@@ -290,6 +290,11 @@ def _training_rules(cfg: RunConfig) -> list[Violation]:
                 "set train.fsdp: false",
             )
         )
+    if cfg.optim.ema_decay is not None and cfg.objective.name == "dflash":
+        violations.append(
+            ("optim.ema_decay", "a DFlash drafter is exported and evaluated with its trained weights; the weight "
+             "average is for the block-diffusion objectives", "remove optim.ema_decay")
+        )
     dflash = cfg.objective.dflash if cfg.objective.name == "dflash" else None
     if dflash is not None and dflash.lk_loss_type == "lambda" and cfg.train.grad_accum > 1:
         # c = kl_scale exp(-kl_decay acceptance) is nonlinear in the acceptance, which is all-reduced over

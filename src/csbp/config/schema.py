@@ -362,6 +362,10 @@ class OptimSection(_Section):
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
     schedule: Literal["cosine", "constant"] = Field("cosine", description="Decay after warm-up.")
     grad_clip: float | None = Field(1.0, gt=0.0, description="Global gradient-norm clip; null disables.")
+    ema_decay: float | None = Field(
+        None, gt=0.0, lt=1.0, description="Exponential moving average of the weights (bd3lms: 0.9999), used by "
+        "validation, the final export and csbp export (csbp.training.weight_average); null: none.",
+    )
 
     @model_validator(mode="after")
     def _check_betas(self) -> OptimSection:

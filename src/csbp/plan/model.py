@@ -323,7 +323,7 @@ def predict(
     t_grad = grad_bytes * n * (world - 1) / world / grad_bw if world > 1 else 0.0
     exposed_grad = (1.0 - cal.grad_overlap) * t_grad
     shard = world if layout.sharding != "ddp" else 1
-    t_opt = 32.0 * n / shard / (hw.hbm_tbps * 1e12)
+    t_opt = (32.0 + (3.0 * s if workload.averaged else 0.0)) * n / shard / (hw.hbm_tbps * 1e12)  # + the average's update
     step = accum * (fwd_s + bwd_s) + exposed_grad + t_opt + cal.step_overhead_s
 
     # --- memory per GPU
@@ -349,6 +349,8 @@ def predict(
         else:
             terms["weights"] = s * n
             terms["grads+optimizer"] = 3.0 * s * n
+        if workload.averaged:  # optim.ema_decay: one more copy, sharded as the weights are
+            terms["weight average"] = s * n / (world if layout.sharding != "ddp" else 1)
     else:
         terms["grads"] = s * n / (world if layout.sharding != "ddp" else 1)
     if ckpt:

@@ -126,7 +126,8 @@ class Workload:
     rows pack documents of that mean length under the document mask (``csbp.plan.documents``;
     None: one document per row), or real rows: one (``RowDocuments``) or an artifact's sample
     (``DocumentSample``, ``csbp plan --data``; ``predict`` averages over its rows). ``target_pass``:
-    a drafter's online target pass (``csbp.plan.target_pass``; None: offline features)."""
+    a drafter's online target pass (``csbp.plan.target_pass``; None: offline features). ``averaged``: a
+    weight average (``optim.ema_decay``) is held, one more ``state_bytes`` per parameter."""
 
     model: ModelShape
     objective: Objective
@@ -135,6 +136,7 @@ class Workload:
     state_bytes: int = 4
     doc_length: int | RowDocuments | DocumentSample | None = None
     target_pass: TargetPass | None = None
+    averaged: bool = False
 
     def with_target_pass(self, mode: str | None, target_config: Path | None = None) -> Workload:
         """A copy with ``csbp plan --target-pass MODE [--target-config PATH]``: ``offline`` drops the
@@ -427,7 +429,7 @@ def run_config_workload(cfg: Any) -> Workload:
     window = cfg.topology.window
     dtype_bytes, master = _precision_bytes(cfg)
     objective = replace(base.objective, kv_grad_bytes=master)
-    workload = Workload(base.model, objective, dtype_bytes, state_bytes=master)
+    workload = Workload(base.model, objective, dtype_bytes, state_bytes=master, averaged=cfg.optim.ema_decay is not None)
     return workload.with_options(window=window) if window else workload
 
 

@@ -14,7 +14,8 @@ topology it was written under, the run config (YAML text) and the values it reso
 (``nan_skips_in_a_row``) and the CRC32 of every file DCP wrote
 (``checksums``, :mod:`csbp.training.checkpoint_checksums`; absent in checkpoints of older versions).
 
-Model and optimizer are saved as *sharded* DCP state dicts keyed by parameter name
+Model and optimizer (and the weight average of ``optim.ema_decay`` as ``ema``, with its update count
+``ema_updates`` in ``trainer_state.json``) are saved as *sharded* DCP state dicts keyed by parameter name
 (:func:`sharded_state_dicts`): an FSDP-sharded parameter is written by each rank as its own shard
 (``__<rank>_0.distcp`` holds that rank's part; nothing is gathered), and a parameter replicated on
 every rank is written once (DCP's planner de-duplicates replicas). DCP records every piece's offset
@@ -62,6 +63,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from csbp.data.loader import PackedLoader
 from csbp.training.checkpoint_checksums import CHECKSUMS_KEY, record_checksums
 from csbp.training.checkpoint_integrity import find_resume_checkpoint, raise_if_interrupted, safe_dcp_load
+from csbp.training.weight_average import EMA_KEY, WeightAverage
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -129,6 +131,9 @@ class TrainingState:
     #: the noise window ``[t_min, t_max]`` ``objective.clip_search_widths`` chose last
     #: (:mod:`csbp.training.clip_search`); None: the configured one (no search, or none ran yet)
     clip_window: list[float] | None = None
+    #: updates of the weight average (``optim.ema_decay``, :mod:`csbp.training.weight_average`), stored as
+    #: ``ema.*`` beside ``model.*``; None: the checkpoint has no average
+    ema_updates: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"format_version": FORMAT_VERSION, **self.__dict__}
@@ -159,6 +164,9 @@ class TrainingState:
             and all(type(t) in (int, float) for t in window) and 0.0 <= window[0] < window[1] <= 1.0
         ):
             raise ValueError(f"{source}: clip_window is {window!r}, not a noise window [t_min, t_max]; the checkpoint is corrupt")
+        updates = fields.get("ema_updates")
+        if updates is not None and (type(updates) is not int or updates < 0):
+            raise ValueError(f"{source}: ema_updates is {updates!r}, not a count; the checkpoint is corrupt")
         return TrainingState(**fields)
 
 
@@ -210,6 +218,7 @@ def save_checkpoint(
     optimizer: Optimizer,
     state: TrainingState,
     keep: int,
+    average: WeightAverage | None = None,
 ) -> Path:
     """Write checkpoint ``state.step`` atomically (call on every rank); return its directory.
 
@@ -224,7 +233,7 @@ def save_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
             staging.mkdir(parents=True)
         _barrier()
-        metadata = save_sharded_state(model, optimizer, staging)
+        metadata = save_sharded_state(model, optimizer, staging, average)
         data_files = {str(info.relative_path) for info in (metadata.storage_data or {}).values()}
         checksums = record_checksums(staging, data_files)  # each rank reads its own files; gathered (a barrier too)
         if _is_rank0():
@@ -279,19 +288,23 @@ def save_failure_message(root: Path, name: str, cause: BaseException) -> str:
 # ----------------------------------------------------------------------------- sharded state (saving)
 
 
-def sharded_state_dicts(model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` as this rank holds them: FSDP parameters and their optimizer
-    state as ``DTensor`` shards, unsharded ones as plain tensors (never gathered)."""
+def sharded_state_dicts(model: nn.Module, optimizer: Optimizer, average: WeightAverage | None = None) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` (and ``"ema"``: the weight average) as this rank holds them: FSDP
+    parameters, their optimizer state and average as ``DTensor`` shards, unsharded ones as plain tensors
+    (never gathered)."""
     model_state, optim_state = get_state_dict(model, optimizer, options=_SHARDED)
-    return {"model": model_state, "optim": optim_state}
+    return {"model": model_state, "optim": optim_state, **({} if average is None else {EMA_KEY: average.shadow})}
 
 
-def save_sharded_state(model: nn.Module, optimizer: Optimizer, directory: Path) -> Metadata:
-    """Write this rank's shards of model and optimizer into DCP ``directory`` (call on every rank);
-    returns the checkpoint's metadata (every rank's, with the files they wrote)."""
+def save_sharded_state(
+    model: nn.Module, optimizer: Optimizer, directory: Path, average: WeightAverage | None = None
+) -> Metadata:
+    """Write this rank's shards of model, optimizer (and weight average) into DCP ``directory`` (call on
+    every rank); returns the checkpoint's metadata (every rank's, with the files they wrote)."""
+    state = sharded_state_dicts(model, optimizer, average)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        return dcp.save(sharded_state_dicts(model, optimizer), checkpoint_id=directory, no_dist=not dist.is_initialized())
+        return dcp.save(state, checkpoint_id=directory, no_dist=not dist.is_initialized())
 
 
 def restore_sharded_state_dicts(model: nn.Module, optimizer: Optimizer, loaded: dict[str, Any]) -> None:
@@ -376,8 +389,11 @@ def load_checkpoint(
     scheduler: LRScheduler,
     loader: PackedLoader,
     data_fingerprint: str,
+    average: WeightAverage | None = None,
 ) -> TrainingState:
-    """Restore the latest checkpoint of ``run_dir`` into model, optimizer, scheduler and loader.
+    """Restore the latest checkpoint of ``run_dir`` into model, optimizer, scheduler and loader, and
+    into ``average`` the checkpoint's weight average (restarted from the restored weights when it has
+    none: the caller says so, ``state.ema_updates is None``).
 
     The process's global RNGs (torch, numpy, ``random``) continue from the checkpoint's. Checks first
     (before reading any tensor) that the checkpoint was written for the same model
@@ -388,9 +404,15 @@ def load_checkpoint(
         raise ValueError(f"--resume: {run_dir} has no checkpoint (fix: drop --resume)")
     state = read_training_state(path)
     check_compatible(state, path, shapes=param_shapes(model), data_fingerprint=data_fingerprint)
-    loaded = sharded_state_dicts(model, optimizer)
+    stored_average = average if state.ema_updates is not None else None
+    loaded = sharded_state_dicts(model, optimizer, stored_average)  # DCP loads the average in place
     safe_dcp_load(loaded, path, no_dist=not dist.is_initialized())
     restore_sharded_state_dicts(model, optimizer, loaded)
+    if average is not None:
+        if state.ema_updates is None:
+            average.restart_from_model()
+        else:
+            average.updates = state.ema_updates
     scheduler.load_state_dict(state.scheduler)
     loader.load_state_dict(state.loader)
     restore_rng_state(state.rng)  # csbp draws from its own generators; this is for code that does not

@@ -53,6 +53,7 @@ from csbp.training.checkpoint import read_training_state
 from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata, safe_dcp_load
 from csbp.training.model_factory import check_yarn_context, export_dtype
 from csbp.training.preflight import RunInputs, check_run
+from csbp.training.weight_average import EMA_KEY
 
 
 def export_decoder(cfg: RunConfig, inputs: RunInputs, model: Decoder, out: Path, *, overwrite: bool) -> Path:
@@ -128,14 +129,21 @@ def checkpoint_config(checkpoint: Path) -> RunConfig:
 
 
 def export_checkpoint(
-    checkpoint: Path, out: Path, *, overwrite: bool = False, warn: Callable[[str], None] | None = None
+    checkpoint: Path,
+    out: Path,
+    *,
+    overwrite: bool = False,
+    warn: Callable[[str], None] | None = None,
+    weights: str | None = None,
 ) -> tuple[Path, RunConfig, int]:
     """Export the decoder of training checkpoint ``checkpoint`` to ``out``; returns ``(out, run
     config, step)``. Everything is checked before ``out`` is written; ``warn`` receives what the
-    export lacks (a tokenizer directory that is gone: :mod:`csbp.training.export_tokenizer`)."""
+    export lacks (a tokenizer directory that is gone: :mod:`csbp.training.export_tokenizer`).
+    ``weights``: ``ema`` (the weight average of ``optim.ema_decay``) or ``raw`` (the trained weights);
+    None: the average when the checkpoint has one, as the run's ``final/`` does."""
     check_out_outside_checkpoints(out, checkpoints_dir_of(checkpoint))
     try:
-        return _export_checkpoint(checkpoint, out, overwrite=overwrite, warn=warn)
+        return _export_checkpoint(checkpoint, out, overwrite=overwrite, warn=warn, weights=weights)
     except (ValueError, OSError) as exc:
         if checkpoint.is_dir():
             raise
@@ -150,10 +158,16 @@ class CheckpointVanished(ValueError):
 
 
 def _export_checkpoint(
-    checkpoint: Path, out: Path, *, overwrite: bool, warn: Callable[[str], None] | None
+    checkpoint: Path, out: Path, *, overwrite: bool, warn: Callable[[str], None] | None, weights: str | None
 ) -> tuple[Path, RunConfig, int]:
     cfg = checkpoint_config(checkpoint)
-    step = read_training_state(checkpoint).step  # before anything is published: the checkpoint may go
+    state = read_training_state(checkpoint)  # before anything is published: the checkpoint may go
+    step, averaged = state.step, state.ema_updates is not None
+    if weights not in (None, "ema", "raw"):
+        raise ValueError(f"--weights {weights}: not one of ema, raw")
+    if weights == "ema" and not averaged:
+        raise ValueError(f"--weights ema: {checkpoint} has no weight average (its run had no optim.ema_decay) "
+                         "(fix: drop --weights, or pass --weights raw)")
     if cfg.objective.name == "dflash":
         raise ValueError(
             f"{checkpoint} is a DFlash drafter checkpoint (fix: csbp dflash export --checkpoint {checkpoint} "
@@ -162,21 +176,34 @@ def _export_checkpoint(
     inputs = check_run(cfg, check_device=False, warn=warn)
     model = Decoder(inputs.decoder_config, device="meta")
     metadata = read_metadata(checkpoint).state_dict_metadata
-    template: dict[str, torch.Tensor] = {}
-    for name, param in model.state_dict(keep_vars=True).items():
-        stored = metadata.get(f"model.{name}")
-        size = getattr(stored, "size", None)
-        if size is None or tuple(size) != tuple(param.shape):
-            raise ValueError(
-                f"{checkpoint}: tensor 'model.{name}' is {'missing' if size is None else f'of shape {list(size)}'}, "
-                f"the run config implies {list(param.shape)} (the checkpoint does not match its trainer_state.json)"
-            )
-        template[name] = torch.empty(tuple(size), dtype=stored.properties.dtype)  # type: ignore[union-attr]
-    loaded = {"model": template}
+    entries = model.state_dict(keep_vars=True)
+    loaded = {"model": _template(checkpoint, metadata, "model", entries)}
+    parameters = dict(model.named_parameters())  # a tied LM head is named once, as the embedding
+    if weights != "raw" and averaged:  # the average replaces every trained parameter
+        loaded[EMA_KEY] = _template(checkpoint, metadata, EMA_KEY, parameters)
     safe_dcp_load(loaded, checkpoint, no_dist=True)
+    if EMA_KEY in loaded:  # every state-dict entry of an averaged parameter, a tied head's alias too
+        owner = {id(param): name for name, param in parameters.items()}
+        loaded["model"].update({key: loaded[EMA_KEY][owner[id(entry)]] for key, entry in entries.items()
+                                if id(entry) in owner})
     model.load_state_dict(loaded["model"], strict=True, assign=True)
     path = export_decoder(cfg, inputs, model, out, overwrite=overwrite)
     return path, cfg, step
+
+
+def _template(checkpoint: Path, metadata: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Empty tensors to load ``prefix.<name>`` into, each checked against the checkpoint's metadata."""
+    template: dict[str, torch.Tensor] = {}
+    for name, param in tensors.items():
+        stored = metadata.get(f"{prefix}.{name}")
+        size = getattr(stored, "size", None)
+        if size is None or tuple(size) != tuple(param.shape):
+            raise ValueError(
+                f"{checkpoint}: tensor '{prefix}.{name}' is {'missing' if size is None else f'of shape {list(size)}'}, "
+                f"the run config implies {list(param.shape)} (the checkpoint does not match its trainer_state.json)"
+            )
+        template[name] = torch.empty(tuple(size), dtype=stored.properties.dtype)
+    return template
 
 
 def checkpoints_dir_of(checkpoint: Path) -> Path:

@@ -8,8 +8,8 @@ holds before its first step with the memory it has, and names the config field r
 The bound counts only what no layout avoids, so it never refuses a run that could have fitted:
 
 * the trained parameters in the master dtype (float32; float64 under ``train.precision: fp64``),
-  their gradients and AdamW's two moments: 4 copies, divided over the data-parallel ranks under
-  ``train.fsdp``;
+  their gradients and AdamW's two moments: 4 copies (5 with the weight average of
+  ``optim.ema_decay``), divided over the data-parallel ranks under ``train.fsdp``;
 * for ``dflash``, the frozen target's weights in the master dtype (every rank loads it whole), and
   of the drafter only its fused-feature projection and draft layers.
 
@@ -46,17 +46,19 @@ SMALLEST_SHAPE: dict[str, Callable[[DecoderConfig], dict[str, int]]] = {
 """Each shape field of :class:`DecoderConfig` at its smallest valid value (with what that implies)."""
 
 
-def state_bytes(inputs: RunInputs, *, fp64: bool, shards: int) -> int:
+def state_bytes(inputs: RunInputs, *, fp64: bool, shards: int, averaged: bool = False) -> int:
     """A lower bound on the bytes one rank holds before its first step (see the module docstring), with
-    float64 master weights or not, the trained state split in ``shards`` (FSDP's dp ranks; else 1)."""
+    float64 master weights or not, the trained state split in ``shards`` (FSDP's dp ranks; else 1), and
+    a weight average (``optim.ema_decay``) or not."""
     master = 8 if fp64 else 4
+    copies = STATE_COPIES + (1 if averaged else 0)
     if inputs.dflash is not None:
         drafter = inputs.dflash.drafter_config
         trained = drafter.decoder_config().num_parameters(include_embeddings=False)
         trained += drafter.feature_width * drafter.hidden_size
         frozen = inputs.decoder_config.num_parameters()
-        return STATE_COPIES * master * trained // shards + master * frozen
-    return STATE_COPIES * master * inputs.decoder_config.num_parameters() // shards
+        return copies * master * trained // shards + master * frozen
+    return copies * master * inputs.decoder_config.num_parameters() // shards
 
 
 def rank_memory_bytes(local_ranks: int) -> int | None:
@@ -73,18 +75,23 @@ def rank_memory_bytes(local_ranks: int) -> int | None:
 def check_state_fits(cfg: RunConfig, inputs: RunInputs, *, local_ranks: int, memory: int | None = None) -> None:
     """``ValueError`` (one line naming the field) when :func:`state_bytes` exceeds the memory of a rank
     (``memory``; default :func:`rank_memory_bytes` of ``local_ranks`` processes on this node)."""
-    fp64, dp = cfg.train.precision == "fp64", cfg.topology.dp
-    need = state_bytes(inputs, fp64=fp64, shards=dp if cfg.train.fsdp else 1)
+    fp64, dp, averaged = cfg.train.precision == "fp64", cfg.topology.dp, cfg.optim.ema_decay is not None
+    need = state_bytes(inputs, fp64=fp64, shards=dp if cfg.train.fsdp else 1, averaged=averaged)
     have = rank_memory_bytes(local_ranks) if memory is None else memory
     if have is None or need <= have:
         return
     on_gpu = memory is None and torch.cuda.is_available()
     where = "its GPU" if on_gpu else f"this machine's RAM and swap shared by {counted(local_ranks, 'rank')}"
     field, fix = _responsible_field(cfg, inputs)
-    if inputs.dflash is None and not cfg.train.fsdp and dp > 1 and state_bytes(inputs, fp64=fp64, shards=dp) <= have:
+    if inputs.dflash is None and not cfg.train.fsdp and dp > 1 and state_bytes(
+        inputs, fp64=fp64, shards=dp, averaged=averaged
+    ) <= have:
         fix += f", or train.fsdp: true (shards it over the dp={dp} ranks)"
+    if averaged and state_bytes(inputs, fp64=fp64, shards=dp if cfg.train.fsdp else 1) <= have:
+        fix += ", or optim.ema_decay: null (drops the weight average's copy)"
+    held = "weights, gradients, AdamW state and the weight average" if averaged else "weights, gradients and AdamW state"
     raise ValueError(
-        f"{field}: training holds at least {size(need)} per rank of weights, gradients and AdamW state, "
+        f"{field}: training holds at least {size(need)} per rank of {held}, "
         f"more than the {size(have)} of {where} (fix: {fix}; `csbp plan` estimates the whole memory of a layout)"
     )
 

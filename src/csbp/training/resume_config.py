@@ -90,6 +90,7 @@ REFUSED_INSIDE_FREE = ("topology.window",)
 #: field existed reads as that value (else every older checkpoint would be refused for a ``null``)
 ADDED_FIELDS: dict[str, Any] = {
     "objective.clip_search_widths": [], "objective.clip_search_delta": 0.05, "objective.resample": False,
+    "optim.ema_decay": None,
 }
 
 

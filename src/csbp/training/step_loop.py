@@ -10,11 +10,13 @@ A :class:`StepHook` may stop the loop after any step (``csbp compare``'s time bu
 Everything that decides what a later step does is either a pure function of the step (corruption,
 the lr multiplier, the validation and checkpoint schedule) or part of the checkpoint
 (:meth:`StepLoop._save`: model, optimizer, scheduler, loader cursor, RNG, the skip streak, the noise
-window ``objective.clip_search_widths`` chose), so a resumed loop continues as the uninterrupted one.
+window ``objective.clip_search_widths`` chose, the weight average of ``optim.ema_decay``), so a resumed
+loop continues as the uninterrupted one. Validation runs on the weight average when there is one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -41,6 +43,7 @@ from csbp.training.parallelize import gradient_shard_comm, synchronize_gradients
 from csbp.training.preflight import RunInputs
 from csbp.training.resume_config import flat_config
 from csbp.training.step import EvalResult, StepRunner
+from csbp.training.weight_average import WeightAverage
 
 
 class StepHook(Protocol):
@@ -75,6 +78,8 @@ class StepLoop:
     hook: StepHook | None = None
     streak: SkipStreak = field(default_factory=lambda: SkipStreak("stop"))
     """``train.nan_policy`` and its skip streak (restored from the checkpoint on resume)."""
+    average: WeightAverage | None = None
+    """``optim.ema_decay``'s weight average: updated after each applied step, validated with, checkpointed."""
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     val_nelbos: list[tuple[int, float]] = field(default_factory=list)
@@ -136,6 +141,8 @@ class StepLoop:
                 self.optimizer.step()
                 self._zero_grad()
                 self.scheduler.step()
+                if self.average is not None:
+                    self.average.update()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
             else:  # raises unless train.nan_policy skips; a skipped step still validates and saves on schedule
@@ -206,6 +213,11 @@ class StepLoop:
         self.writer.message(warning)
 
     def _evaluate(self, step: int) -> EvalResult:
+        """Validate (and search the noise window) with the weight average when there is one (bd3lms does)."""
+        with self.average.swapped_in() if self.average is not None else contextlib.nullcontext():
+            return self._evaluate_weights(step)
+
+    def _evaluate_weights(self, step: int) -> EvalResult:
         assert self.inputs.val_split is not None
         evaluation = self.runner.evaluate(
             self.inputs.val_split,
@@ -262,6 +274,7 @@ class StepLoop:
             nan_skips_in_a_row=self.streak.in_a_row,
             resolved_config=resolved_config(self.inputs.dflash),
             clip_window=[self.runner.objective.t_min, self.runner.objective.t_max] if self._clip_candidates else None,
+            ema_updates=None if self.average is None else self.average.updates,
         )
         return save_checkpoint(
             self.run_dir,
@@ -269,4 +282,5 @@ class StepLoop:
             optimizer=self.optimizer,
             state=state,
             keep=self.cfg.train.keep_checkpoints,
+            average=self.average,
         )

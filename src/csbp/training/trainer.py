@@ -72,6 +72,7 @@ from csbp.training.step import StepRunner
 from csbp.training.step_loop import StepHook, StepLoop
 from csbp.training.summary import RunHistory, TrainSummary
 from csbp.training.train_lock import train_run_dir_lock
+from csbp.training.weight_average import WeightAverage
 
 __all__ = [
     "MAX_SKIPPED_STEPS",
@@ -213,6 +214,7 @@ def _train(
         shard = (lambda decoder: apply_fsdp(decoder, ctx, device)) if cfg.train.fsdp else None
         model = build_model(cfg, inputs.decoder_config, device=device, shard=shard, counter=ctx.counter)
     optimizer = build_optimizer(model, cfg.optim, device)
+    average = WeightAverage(model, cfg.optim.ema_decay) if cfg.optim.ema_decay is not None else None
     scheduler = build_lr_scheduler(optimizer, cfg.optim, max_steps=cfg.train.max_steps)
     loader = PackedLoader(
         inputs.artifact.split("train"),
@@ -230,6 +232,7 @@ def _train(
             scheduler=scheduler,
             loader=loader,
             data_fingerprint=inputs.artifact.fingerprint,
+            average=average,
         )
         apply_optim_config(optimizer, scheduler, cfg.optim)  # a changed optim section applies from here
         start_step, skips_in_a_row = state.step, state.nan_skips_in_a_row
@@ -245,15 +248,22 @@ def _train(
         writer.message(note)
     if inputs.dflash is not None and cfg.train.generate_after:
         writer.message(f"note: train.generate_after does not apply to dflash; {dflash_eval_hint(cfg, run_dir)}")
+    if resume:
+        note = weight_average_note(state.ema_updates, average, state.step)
+        if note is not None:
+            writer.message(note)
     streak = SkipStreak(cfg.train.nan_policy, in_a_row=skips_in_a_row)
-    loop = StepLoop(cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook, streak)
+    loop = StepLoop(
+        cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook, streak, average
+    )
     try:
         with collective_timeout(cfg.train.collective_timeout_s), named_out_of_memory(
             cfg, rank=ctx.coords.rank, device=device, step=lambda: loop.last_step
         ):
             last_checkpoint = loop.run(start_step, stop_step, started)
         stop_step = loop.last_step
-        final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
+        with average.swapped_in() if average is not None else contextlib.nullcontext():  # export the average
+            final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
         if ctx.groups is not None and not cfg.train.fsdp:  # every rank is past finish's barrier
             # FSDP's groups stay: torch's DTensor caches key meshes by their ranks, not their groups,
             # so a later FSDP run in this process over the same ranks would reach the destroyed ones
@@ -281,6 +291,16 @@ def _train(
         earlier=RunHistory.from_records(read_metrics(run_dir / METRICS_FILE), up_to_step=start_step)
         if is_rank0 and start_step > 0 else RunHistory(),
     )
+
+
+def weight_average_note(stored_updates: int | None, average: WeightAverage | None, step: int) -> str | None:
+    """The note a resume prints when ``optim.ema_decay`` was switched on or off since the checkpoint."""
+    if average is not None and stored_updates is None:
+        return (f"note: optim.ema_decay: the checkpoint of step {step} has no weight average; it starts from the "
+                "resumed weights")
+    if average is None and stored_updates is not None:
+        return f"note: optim.ema_decay is unset: the weight average of step {step}'s checkpoint is dropped"
+    return None
 
 
 def first_step_note(compile_mode: str, backend: str) -> str | None:

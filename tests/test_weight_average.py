@@ -1,0 +1,207 @@
+"""The weight average of ``optim.ema_decay`` (csbp.training.weight_average).
+
+* The update is MDLM's ``ExponentialMovingAverage`` with ``use_num_updates``, written out here from
+  the trained weights recorded after every step: the final export equals it (float32, 1e-6).
+* It never reaches training: the losses of a run with it are bit-identical to the run without it,
+  while its validation differs; a resumed run repeats the uninterrupted one bit for bit, export too.
+* Switched on at a resume it starts from the resumed weights; switched off, it is dropped; both say so.
+* ``csbp export``: the average by default, ``--weights raw`` the trained weights (a tied LM head
+  follows its embedding), ``--weights ema`` refused on a checkpoint without one.
+* Under FSDP (2 gloo ranks): the same losses as without it (FSDP's root keeps its gathered weights after
+  a validation forward; the swap makes it gather afresh) and the same export as plain data parallelism.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from csbp.cli.main import main as csbp_main
+from csbp.config import ConfigError
+from csbp.parallel.launch import run_local
+from csbp.training import train
+from csbp.training.weight_average import WeightAverage, warmed_decay
+from test_training_run import make_artifact, metric_rows, tiny_config, trajectory
+
+DECAY = 0.9
+AVERAGED = {"optim.ema_decay": DECAY}
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_artifact(tmp_path_factory.mktemp("data") / "art")
+
+
+class _Recorder:
+    """A StepHook keeping every trained parameter after each step (the loop has updated by then)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_start(self, loop: Any, start_step: int) -> None:
+        self.steps.append({n: p.detach().clone() for n, p in loop.model.named_parameters()})
+
+    def after_step(self, loop: Any, step: int, step_seconds: float) -> bool:
+        self.steps.append({n: p.detach().clone() for n, p in loop.model.named_parameters()})
+        return False
+
+
+def _exported(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "final" / "model.safetensors"))
+
+
+def test_the_warm_up_is_mdlms() -> None:
+    assert [warmed_decay(0.9999, n) for n in (1, 2, 10)] == [2 / 11, 3 / 12, 11 / 20]
+    assert warmed_decay(0.5, 100) == 0.5
+
+
+def test_the_swap_puts_the_average_in_and_the_weights_back_bit_for_bit() -> None:
+    model = torch.nn.Linear(3, 2)
+    average = WeightAverage(model, 0.5)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    average.update()
+    moved = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with average.swapped_in():  # n = 1: the average moved 1 - 2/11 of the way
+        torch.testing.assert_close(model.weight, trained["weight"] + 9 / 11)
+        assert torch.equal(model.bias, trained["bias"])
+    assert all(torch.equal(p, moved[n]) for n, p in model.named_parameters())
+
+
+def test_the_export_is_the_average_of_the_trained_weights_and_training_never_sees_it(
+    artifact: Path, tmp_path: Path
+) -> None:
+    recorder = _Recorder()
+    train(tiny_config(artifact, **AVERAGED), run_dir=tmp_path / "averaged", hook=recorder)
+    train(tiny_config(artifact), run_dir=tmp_path / "plain")
+    averaged, plain = metric_rows(tmp_path / "averaged"), metric_rows(tmp_path / "plain")
+    assert [r.get("loss") for r in averaged] == [r.get("loss") for r in plain]
+    assert [r.get("grad_norm") for r in averaged] == [r.get("grad_norm") for r in plain]
+    assert averaged[0]["val_loss"] == plain[0]["val_loss"]  # step 0: the average is the initial weights
+    assert averaged[-1]["val_loss"] != plain[-1]["val_loss"]  # validation runs on the average
+    reference = dict(recorder.steps[0])
+    for n, weights in enumerate(recorder.steps[1:], start=1):  # MDLM's update, one per applied step
+        decay = min(DECAY, (1 + n) / (10 + n))
+        reference = {name: reference[name] - (1 - decay) * (reference[name] - weights[name]) for name in reference}
+    exported = _exported(tmp_path / "averaged")
+    for name, value in reference.items():  # Hugging Face names: the decoder's under "model.", the head's not
+        torch.testing.assert_close(exported.get(f"model.{name}", exported.get(name)), value, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(exported["model.norm.weight"], _exported(tmp_path / "plain")["model.norm.weight"])
+
+
+def test_a_resumed_run_repeats_the_uninterrupted_one_average_included(artifact: Path, tmp_path: Path) -> None:
+    train(tiny_config(artifact, **AVERAGED), run_dir=tmp_path / "full")
+    train(tiny_config(artifact, **AVERAGED), run_dir=tmp_path / "half", max_steps=2)
+    train(tiny_config(artifact, **AVERAGED), run_dir=tmp_path / "half", resume=True)
+    assert trajectory(tmp_path / "half") == trajectory(tmp_path / "full")
+    full, half = _exported(tmp_path / "full"), _exported(tmp_path / "half")
+    assert full.keys() == half.keys() and all(torch.equal(full[k], half[k]) for k in full)
+
+
+def test_switching_the_average_on_or_off_at_a_resume_says_what_happens(
+    artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train(tiny_config(artifact), run_dir=tmp_path / "on", max_steps=2)
+    train(tiny_config(artifact, **AVERAGED), run_dir=tmp_path / "on", resume=True)
+    assert "note: optim.ema_decay: the checkpoint of step 2 has no weight average; it starts from the resumed " \
+           "weights" in capsys.readouterr().out
+    state = (tmp_path / "on" / "checkpoints" / "step_0000004" / "trainer_state.json").read_text()
+    assert '"ema_updates": 2' in state
+    train(tiny_config(artifact, **AVERAGED), run_dir=tmp_path / "off", max_steps=2)
+    train(tiny_config(artifact), run_dir=tmp_path / "off", resume=True)
+    assert "weight average of step 2's checkpoint is dropped" in capsys.readouterr().out
+    state = (tmp_path / "off" / "checkpoints" / "step_0000004" / "trainer_state.json").read_text()
+    assert '"ema_updates": null' in state
+
+
+def test_csbp_export_writes_the_average_unless_asked_for_the_trained_weights(
+    artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tied = {"model.tie_embeddings": True}
+    train(tiny_config(artifact, **AVERAGED, **tied), run_dir=tmp_path / "run")
+    train(tiny_config(artifact, **tied), run_dir=tmp_path / "plain")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000004"
+    assert csbp_main(["export", str(checkpoint), "--out", str(tmp_path / "ema")]) == 0
+    assert csbp_main(["export", str(checkpoint), "--out", str(tmp_path / "raw"), "--weights", "raw"]) == 0
+    final, ema = _exported(tmp_path / "run"), load_file(str(tmp_path / "ema" / "model.safetensors"))
+    raw, plain = load_file(str(tmp_path / "raw" / "model.safetensors")), _exported(tmp_path / "plain")
+    assert all(torch.equal(ema[k], final[k]) for k in final)  # the run's final/ is the last step's average
+    assert all(torch.equal(raw[k], plain[k]) for k in plain)  # the trained weights, as the run without it
+    assert not torch.equal(ema["model.embed_tokens.weight"], raw["model.embed_tokens.weight"])
+    plain_checkpoint = tmp_path / "plain" / "checkpoints" / "step_0000004"
+    capsys.readouterr()
+    assert csbp_main(["export", str(plain_checkpoint), "--out", str(tmp_path / "none"), "--weights", "ema"]) == 2
+    err = capsys.readouterr().err
+    assert "--weights ema: " in err and "has no weight average (its run had no optim.ema_decay)" in err
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"optim.ema_decay": 1.0}, r"optim\.ema_decay"),
+    ({"optim.ema_decay": 0.0}, r"optim\.ema_decay"),
+])
+def test_a_decay_outside_zero_one_is_refused(artifact: Path, changes: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(artifact, **changes)
+
+
+def _fsdp_runs(rank: int, world: int, artifact: str, root: str) -> list[Any]:
+    common = {"topology.dp": 2, "train.micro_batch_size": 1, "train.save_every": 0, **AVERAGED}  # a save reshards too
+    train(tiny_config(Path(artifact), **common), run_dir=Path(root) / "dp")
+    train(tiny_config(Path(artifact), **common, **{"train.fsdp": True}), run_dir=Path(root) / "fsdp")
+    train(tiny_config(Path(artifact), **{**common, "optim.ema_decay": None, "train.fsdp": True}),
+          run_dir=Path(root) / "fsdp-plain")
+    return []
+
+
+@pytest.mark.multiprocess
+def test_under_fsdp_the_average_matches_data_parallelism_and_never_reaches_training(
+    artifact: Path, tmp_path: Path
+) -> None:
+    run_local(_fsdp_runs, 2, (str(artifact), str(tmp_path)), timeout_s=300)
+    fsdp, plain = metric_rows(tmp_path / "fsdp"), metric_rows(tmp_path / "fsdp-plain")
+    assert [r.get("loss") for r in fsdp] == [r.get("loss") for r in plain]
+    dp = metric_rows(tmp_path / "dp")
+    validated = [r["step"] for r in fsdp if "val_loss" in r]
+    assert validated == [r["step"] for r in dp if "val_loss" in r] and len(validated) > 2
+    assert [r["val_loss"] for r in fsdp if "val_loss" in r] == pytest.approx(
+        [r["val_loss"] for r in dp if "val_loss" in r], rel=1e-5)
+    exported, reference = _exported(tmp_path / "fsdp"), _exported(tmp_path / "dp")
+    for name, value in reference.items():
+        torch.testing.assert_close(exported[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_the_memory_bound_and_the_planner_count_the_averages_copy(artifact: Path) -> None:
+    from csbp.plan.calibration import packaged_calibration
+    from csbp.plan.hardware import hardware
+    from csbp.plan.layout import Layout
+    from csbp.plan.model import predict
+    from csbp.plan.workload import run_config_workload
+    from csbp.training.memory_fit import check_state_fits, state_bytes
+    from csbp.training.preflight import check_run
+
+    cfg = tiny_config(artifact, **AVERAGED)
+    inputs = check_run(cfg, check_device=False)
+    n = inputs.decoder_config.num_parameters()
+    assert state_bytes(inputs, fp64=False, shards=1, averaged=True) == 20 * n
+    with pytest.raises(ValueError, match=r"AdamW state and the weight average, .*or optim\.ema_decay: null"):
+        check_state_fits(cfg, inputs, local_ranks=1, memory=18 * n)
+    hw, cal = hardware("h200", gpus=4), packaged_calibration("h200")
+    with_average, without = run_config_workload(cfg), run_config_workload(tiny_config(artifact))
+    for sharding, shards in (("fsdp2", 4), ("ddp", 1)):
+        layout = Layout(4, 1, 1, sharding=sharding)
+        terms = predict(with_average, layout, 32, hw, cal).mem_terms
+        assert terms["weight average"] == 4 * with_average.model.total_params / shards
+        assert "weight average" not in predict(without, layout, 32, hw, cal).mem_terms
+
+
+def test_a_drafter_has_no_weight_average() -> None:
+    from test_config import dflash_changes, error_lines, with_changes
+
+    lines = error_lines(with_changes({**dflash_changes(), "optim.ema_decay": 0.999}))
+    assert any("optim.ema_decay: a DFlash drafter is exported and evaluated with its trained weights" in line
+               for line in lines), lines
