@@ -77,8 +77,10 @@ def test_the_export_is_the_average_of_the_trained_weights_and_training_never_see
     artifact: Path, tmp_path: Path
 ) -> None:
     recorder = _Recorder()
-    train(tiny_config(artifact, **AVERAGED), run_dir=tmp_path / "averaged", hook=recorder)
-    train(tiny_config(artifact), run_dir=tmp_path / "plain")
+    summary = train(tiny_config(artifact, **AVERAGED), run_dir=tmp_path / "averaged", hook=recorder).format()
+    assert "(step 4)  (weight average, optim.ema_decay 0.9)" in summary
+    assert f"export      {tmp_path / 'averaged' / 'final'}  (weight average, optim.ema_decay 0.9)" in summary
+    assert "weight average" not in train(tiny_config(artifact), run_dir=tmp_path / "plain").format()
     averaged, plain = metric_rows(tmp_path / "averaged"), metric_rows(tmp_path / "plain")
     assert [r.get("loss") for r in averaged] == [r.get("loss") for r in plain]
     assert [r.get("grad_norm") for r in averaged] == [r.get("grad_norm") for r in plain]

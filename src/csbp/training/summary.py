@@ -57,6 +57,8 @@ class TrainSummary:
     """Steps ``train.nan_policy: skip`` skipped (no update): the train loss lines leave them out."""
     earlier: RunHistory = field(default_factory=RunHistory)
     """A resumed run's losses before ``start_step``: the summary's first numbers are the run's."""
+    ema_decay: float | None = None
+    """``optim.ema_decay``: validation and ``final/`` used the weight average (None: the trained weights)."""
     speeds: list[dict[str, float]] = field(default_factory=list)
     """Each updating step's ``tokens_per_s`` and, where counted, ``tflops_per_device`` and ``mfu``."""
 
@@ -93,6 +95,7 @@ class TrainSummary:
         def number(value: float | None) -> str:
             return "-" if value is None else f"{value:.4f}"
 
+        averaged = "" if self.ema_decay is None else f"  (weight average, optim.ema_decay {self.ema_decay:g})"
         val_losses = self.earlier.val_losses + self.val_losses
         val_nelbos = self.earlier.val_nelbos + self.val_nelbos
         val_first = val_losses[0][1] if val_losses else None
@@ -114,7 +117,7 @@ class TrainSummary:
             lines.append(speed)
         if val_first is not None:
             lines.append(f"val loss    first {number(val_first)} (step {val_losses[0][0]})  "
-                         f"last {number(val_last)} (step {val_losses[-1][0]})")
+                         f"last {number(val_last)} (step {val_losses[-1][0]})" + averaged)
         if val_nelbos:
             nelbo_last = val_nelbos[-1][1]
             lines.append(
@@ -124,7 +127,7 @@ class TrainSummary:
         if self.checkpoint is not None:
             lines.append(f"checkpoint  {self.checkpoint}")
         if self.final_dir is not None:
-            lines.append(f"export      {self.final_dir}")
+            lines.append(f"export      {self.final_dir}" + averaged)
         if self.sample is not None:
             lines.append(f"sample      {self.sample}")
         if val_first is not None:  # the demo's contract: this is the last line

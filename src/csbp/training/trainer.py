@@ -288,6 +288,7 @@ def _train(
         val_nelbos=loop.val_nelbos,
         skipped_steps=loop.skipped_steps,
         speeds=loop.speeds,
+        ema_decay=cfg.optim.ema_decay,
         earlier=RunHistory.from_records(read_metrics(run_dir / METRICS_FILE), up_to_step=start_step)
         if is_rank0 and start_step > 0 else RunHistory(),
     )
