@@ -73,6 +73,12 @@ def test_config_validate_recipe_prints_a_summary(capsys: pytest.CaptureFixture[s
     # mdlm's one block is the sequence (it said "(1 blocks per sequence)")
     code, out, err = run(capsys, "config", "validate", "mdlm-demo")
     assert code == 0 and "objective  mdlm, block_size 256 (the whole sequence)\n" in out, out
+    code, out, err = run(capsys, "config", "validate", "demo", "--set", "objective.resample=true",
+                         "--set", "optim.ema_decay=0.999", "--set", "train.eval_every=10",
+                         "--set", "objective.clip_search_widths=[0.5, 0.6]")
+    assert code == 0 and ("t in [0.3, 0.8], masked fractions resampled into it, searched over 2 widths at "
+                          "validation\n") in out, out
+    assert "20 warm-up steps), weight average 0.999 for validation and export\n" in out, out
 
 
 def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -121,6 +121,9 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
         )
     else:
         blocks = ""
+    if obj.name == "bd3":
+        blocks += f", t in [{obj.t_min:g}, {obj.t_max:g}]" + (", masked fractions resampled into it" if obj.resample else "")
+        blocks += f", searched over {len(obj.clip_search_widths)} widths at validation" if obj.clip_search_widths else ""
     layout = topo.to_topology().layout
     launched = f", {cfg.num_local_processes} local processes" if cfg.train.nproc is not None else ""
     global_batch = topo.dp * cfg.train.micro_batch_size * cfg.train.grad_accum
@@ -139,7 +142,8 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
             f"{counted(cfg.train.max_steps, 'step')}, {counted(global_batch, 'sequence')} per step, "
             f"{cfg.train.precision}",
         ),
-        ("optim", f"lr {cfg.optim.lr:g} ({cfg.optim.schedule}, {cfg.optim.warmup_steps} warm-up steps)"),
+        ("optim", f"lr {cfg.optim.lr:g} ({cfg.optim.schedule}, {cfg.optim.warmup_steps} warm-up steps)"
+         + ("" if cfg.optim.ema_decay is None else f", weight average {cfg.optim.ema_decay:g} for validation and export")),
     ]
 
 
