@@ -8,7 +8,8 @@
 * ``csbp export``: the average by default, ``--weights raw`` the trained weights (a tied LM head
   follows its embedding), ``--weights ema`` refused on a checkpoint without one.
 * Under FSDP (2 gloo ranks): the same losses as without it (FSDP's root keeps its gathered weights after
-  a validation forward; the swap makes it gather afresh) and the same export as plain data parallelism.
+  a validation forward; the swap makes it gather afresh) and the same export as plain data parallelism,
+  also when a resume switches FSDP on or off (DCP reshards the average as it does the weights).
 """
 
 from __future__ import annotations
@@ -153,10 +154,15 @@ def test_a_decay_outside_zero_one_is_refused(artifact: Path, changes: dict, mess
 
 def _fsdp_runs(rank: int, world: int, artifact: str, root: str) -> list[Any]:
     common = {"topology.dp": 2, "train.micro_batch_size": 1, "train.save_every": 0, **AVERAGED}  # a save reshards too
+    fsdp = {"train.fsdp": True}
     train(tiny_config(Path(artifact), **common), run_dir=Path(root) / "dp")
-    train(tiny_config(Path(artifact), **common, **{"train.fsdp": True}), run_dir=Path(root) / "fsdp")
+    train(tiny_config(Path(artifact), **common, **fsdp), run_dir=Path(root) / "fsdp")
     train(tiny_config(Path(artifact), **{**common, "optim.ema_decay": None, "train.fsdp": True}),
           run_dir=Path(root) / "fsdp-plain")
+    # a resume that switches FSDP on reads the replicated average into shards, one that switches it off the reverse
+    for name, before, after in (("dp-then-fsdp", {}, fsdp), ("fsdp-then-dp", fsdp, {})):
+        train(tiny_config(Path(artifact), **common, **before), run_dir=Path(root) / name, max_steps=2)
+        train(tiny_config(Path(artifact), **common, **after), run_dir=Path(root) / name, resume=True)
     return []
 
 
@@ -164,6 +170,9 @@ def _fsdp_runs(rank: int, world: int, artifact: str, root: str) -> list[Any]:
 def test_under_fsdp_the_average_matches_data_parallelism_and_never_reaches_training(
     artifact: Path, tmp_path: Path
 ) -> None:
+    """Also across a resume that switches FSDP on or off: DCP reshards the average with the weights (a
+    resumed average restarted from the weights, or one left unloaded, would change step 4's validation
+    and the export)."""
     run_local(_fsdp_runs, 2, (str(artifact), str(tmp_path)), timeout_s=300)
     fsdp, plain = metric_rows(tmp_path / "fsdp"), metric_rows(tmp_path / "fsdp-plain")
     assert [r.get("loss") for r in fsdp] == [r.get("loss") for r in plain]
@@ -172,9 +181,13 @@ def test_under_fsdp_the_average_matches_data_parallelism_and_never_reaches_train
     assert validated == [r["step"] for r in dp if "val_loss" in r] and len(validated) > 2
     assert [r["val_loss"] for r in fsdp if "val_loss" in r] == pytest.approx(
         [r["val_loss"] for r in dp if "val_loss" in r], rel=1e-5)
-    exported, reference = _exported(tmp_path / "fsdp"), _exported(tmp_path / "dp")
-    for name, value in reference.items():
-        torch.testing.assert_close(exported[name], value, rtol=1e-5, atol=1e-6)
+    reference = _exported(tmp_path / "dp")
+    for run in ("fsdp", "dp-then-fsdp", "fsdp-then-dp"):
+        exported = _exported(tmp_path / run)
+        for name, value in reference.items():
+            torch.testing.assert_close(exported[name], value, rtol=1e-5, atol=1e-6)
+        assert [r["val_loss"] for r in metric_rows(tmp_path / run) if "val_loss" in r] == pytest.approx(
+            [r["val_loss"] for r in dp if "val_loss" in r], rel=1e-5)
 
 
 def test_the_memory_bound_and_the_planner_count_the_averages_copy(artifact: Path) -> None:
