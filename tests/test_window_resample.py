@@ -179,6 +179,13 @@ def test_resample_settings_that_cannot_work_are_refused_naming_the_field(changes
     assert any(line in got for got in lines), lines
 
 
+def test_an_inverted_window_is_named_once_not_also_as_a_window_resample_cannot_fill() -> None:
+    """``t_min >= t_max`` has its own rule (lower ``t_min``); with resample the window also admits no count,
+    and a second line on the same field told the user to widen a window whose ends are only swapped."""
+    lines = error_lines(with_changes({**RESAMPLED, "objective.t_min": 0.8, "objective.t_max": 0.3}))
+    assert lines == ["config.yaml: objective.t_min: t_min=0.8 must be below t_max=0.3 (fix: lower t_min)"]
+
+
 def test_resample_on_an_unclipped_window_is_allowed_while_a_search_may_clip_it() -> None:
     changes = {**RESAMPLED, "objective.t_min": 0.001, "objective.t_max": 1.0,
                "objective.clip_search_widths": [0.5], "train.eval_every": 10}

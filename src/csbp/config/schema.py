@@ -221,8 +221,8 @@ class ObjectiveSection(_Section):
             return [("resample", f"the window [{self.t_min:g}, {self.t_max:g}] bounds no block's masked fraction "
                      f"(a lower end at or below {UNBOUNDED_LOW:g} and an upper end of 1 are not enforced)",
                      "clip the window, e.g. t_min: 0.3 and t_max: 0.8, or remove objective.resample")]
-        if self.block_size is None:
-            return []  # the block_size rule names it
+        if self.block_size is None or self.t_min >= self.t_max:
+            return []  # the block_size rule, or the t_min < t_max rule, names it
         windows: list[tuple[float, float]] = [(self.t_min, self.t_max)]
         if self.clip_search_widths:
             from csbp.training.clip_search import clip_candidates  # the search's own windows, one definition
