@@ -52,6 +52,10 @@ def test_only_the_fixes_a_config_has_not_made_are_named(tmp_path: Path) -> None:
     assert memory_fixes(done) == ["more ranks per sample (topology.cp / topology.bp) to split each sequence"]
     one_replica = tiny_config(tmp_path, **{"train.micro_batch_size": 1, "train.activation_checkpointing": "full"})
     assert not any("fsdp" in fix for fix in memory_fixes(one_replica))  # nothing to shard over
+    assert not any("ema_decay" in fix for fix in memory_fixes(one_replica))
+    averaged = tiny_config(tmp_path, **{"train.micro_batch_size": 1, "train.activation_checkpointing": "full",
+                                        "optim.ema_decay": 0.999})  # the launch check names it; so must this
+    assert memory_fixes(averaged)[-1] == "optim.ema_decay: null (drops the weight average's copy of the weights)"
 
 
 def test_no_fix_is_named_that_the_config_rules_refuse_or_that_changes_the_tokens_per_step(tmp_path: Path) -> None:

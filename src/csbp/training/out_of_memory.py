@@ -8,7 +8,8 @@ for memory (``torch.OutOfMemoryError`` on CUDA, the CPU allocator's ``can't allo
 rank raises :class:`OutOfDeviceMemory`: which rank, which step, how much its GPU held, and the config
 changes that lower a step's memory and are not already set (activation checkpointing, a smaller
 micro-batch with the same tokens per step, FSDP over the data-parallel ranks, more ranks per sample,
-a smaller LM-head chunk), with ``csbp plan``, whose memory model ranks the layouts that fit.
+a smaller LM-head chunk, no weight average), with ``csbp plan``, whose memory model ranks the layouts
+that fit.
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def memory_fixes(cfg: RunConfig) -> list[str]:
         fixes.append("more ranks per sample (topology.cp / topology.bp) to split each sequence")
     if objective.ce_chunk_rows > 256:
         fixes.append(f"objective.ce_chunk_rows: {objective.ce_chunk_rows // 4} (a smaller logits chunk)")
+    if cfg.optim.ema_decay is not None:
+        fixes.append("optim.ema_decay: null (drops the weight average's copy of the weights)")
     return fixes or ["a shorter data.seq_len, a smaller model or a device with more memory"]
 
 
