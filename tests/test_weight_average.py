@@ -14,11 +14,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from csbp.cli.main import main as csbp_main
@@ -26,6 +29,7 @@ from csbp.config import ConfigError
 from csbp.parallel.launch import run_local
 from csbp.training import train
 from csbp.training.weight_average import WeightAverage, warmed_decay
+from test_config import dflash_changes, with_changes
 from test_training_run import make_artifact, metric_rows, tiny_config, trajectory
 
 DECAY = 0.9
@@ -141,6 +145,14 @@ def test_csbp_export_writes_the_average_unless_asked_for_the_trained_weights(
     assert csbp_main(["export", str(plain_checkpoint), "--out", str(tmp_path / "none"), "--weights", "ema"]) == 2
     err = capsys.readouterr().err
     assert "--weights ema: " in err and "has no weight average (its run had no optim.ema_decay)" in err
+    # a drafter's checkpoint never has one: the fix is csbp dflash export, not "drop --weights" and then that
+    drafter = tmp_path / "drafter" / "step_0000004"
+    shutil.copytree(plain_checkpoint, drafter)
+    state = json.loads((drafter / "trainer_state.json").read_text())
+    state["config_yaml"] = yaml.safe_dump(with_changes(dflash_changes()))
+    (drafter / "trainer_state.json").write_text(json.dumps(state))
+    assert csbp_main(["export", str(drafter), "--out", str(tmp_path / "d"), "--weights", "ema"]) == 2
+    assert "is a DFlash drafter checkpoint (fix: csbp dflash export --checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("changes", "message"), [
@@ -215,7 +227,7 @@ def test_the_memory_bound_and_the_planner_count_the_averages_copy(artifact: Path
 
 
 def test_a_drafter_has_no_weight_average() -> None:
-    from test_config import dflash_changes, error_lines, with_changes
+    from test_config import error_lines
 
     lines = error_lines(with_changes({**dflash_changes(), "optim.ema_decay": 0.999}))
     assert any("optim.ema_decay: a DFlash drafter is exported and evaluated with its trained weights" in line

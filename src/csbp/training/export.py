@@ -163,16 +163,16 @@ def _export_checkpoint(
     cfg = checkpoint_config(checkpoint)
     state = read_training_state(checkpoint)  # before anything is published: the checkpoint may go
     step, averaged = state.step, state.ema_updates is not None
-    if weights not in (None, "ema", "raw"):
-        raise ValueError(f"--weights {weights}: not one of ema, raw")
-    if weights == "ema" and not averaged:
-        raise ValueError(f"--weights ema: {checkpoint} has no weight average (its run had no optim.ema_decay) "
-                         "(fix: drop --weights, or pass --weights raw)")
     if cfg.objective.name == "dflash":
         raise ValueError(
             f"{checkpoint} is a DFlash drafter checkpoint (fix: csbp dflash export --checkpoint {checkpoint} "
             f"--target {cfg.objective.dflash.target if cfg.objective.dflash else 'TARGET'} --out DIR)"
         )
+    if weights not in (None, "ema", "raw"):
+        raise ValueError(f"--weights {weights}: not one of ema, raw")
+    if weights == "ema" and not averaged:
+        raise ValueError(f"--weights ema: {checkpoint} has no weight average (its run had no optim.ema_decay) "
+                         "(fix: drop --weights, or pass --weights raw)")
     inputs = check_run(cfg, check_device=False, warn=warn)
     model = Decoder(inputs.decoder_config, device="meta")
     metadata = read_metadata(checkpoint).state_dict_metadata
