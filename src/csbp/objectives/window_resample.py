@@ -2,7 +2,7 @@
 
 Clipping the noise level to ``[t_min, t_max]`` bounds each block's masking *probability*; the
 fraction of its tokens actually masked still spreads around it (with ``B = 16`` and ``t = 0.3``, a
-block is fully clean 0.3% of the time and over half masked 7%). bd3lms' ``training.resample``
+block is fully clean 0.3% of the time and half or more masked 7%). bd3lms' ``training.resample``
 redraws a block's masks, with the same ``t``, until that fraction lies in the window, which is what
 makes the clipped schedule's loss variance as low as the window promises.
 
