@@ -57,8 +57,8 @@ class WeightAverage:
         """Move the average towards the parameters (call after each applied optimizer step)."""
         self.updates += 1
         weight = 1.0 - warmed_decay(self.decay, self.updates)
-        for name, param in self._params.items():
-            self.shadow[name].lerp_(param.detach(), weight)
+        names = list(self._params)  # one fused launch per dtype/device group, as torch's AveragedModel does
+        torch._foreach_lerp_([self.shadow[n] for n in names], [self._params[n].detach() for n in names], weight)
 
     @torch.no_grad()
     def restart_from_model(self) -> None:
