@@ -144,6 +144,9 @@ def test_csbp_train_every_objective_on_one_gpu_with_nccl(artifact: Path, tmp_pat
     changes = {
         "bd3": {},
         "bd3-bf16": {"train.precision": "bf16"},
+        # the weight average (swapped on the GPU for validation and the export) and the resampled noise
+        "bd3-ema-resample": {"train.precision": "bf16", "optim.ema_decay": 0.9, "objective.t_min": 0.3,
+                             "objective.t_max": 0.8, "objective.resample": True},
         "fast_dllm_v2": {"objective.name": "fast_dllm_v2", "objective.loss_weight": "unit"},
         "mdlm": {"objective.name": "mdlm", "objective.block_size": None},
         "ar": {"objective.name": "ar", "objective.block_size": None, "objective.loss_weight": "unit"},
@@ -157,9 +160,10 @@ def test_csbp_train_every_objective_on_one_gpu_with_nccl(artifact: Path, tmp_pat
         assert len(values) == 2 and all(math.isfinite(v) and v > 0 for v in values), name
     from csbp.training.metrics import read_metrics
 
-    for name in ("bd3", "bd3-bf16", "fast_dllm_v2", "mdlm"):  # validation's unclipped NELBO, computed on the GPU
+    for name in ("bd3", "bd3-bf16", "bd3-ema-resample", "fast_dllm_v2", "mdlm"):  # validation's unclipped NELBO, computed on the GPU
         validated = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if "val_loss" in r]
         assert validated and all(math.isfinite(r["val_nelbo"]) for r in validated), name
+    assert (tmp_path / "bd3-ema-resample" / "final" / "model.safetensors").is_file()
 
 
 def test_dflash_drafter_step_on_cuda_matches_the_cpu_float64_reference() -> None:
