@@ -140,6 +140,13 @@ def test_csbp_export_writes_the_average_unless_asked_for_the_trained_weights(
     assert all(torch.equal(ema[k], final[k]) for k in final)  # the run's final/ is the last step's average
     assert all(torch.equal(raw[k], plain[k]) for k in plain)  # the trained weights, as the run without it
     assert not torch.equal(ema["model.embed_tokens.weight"], raw["model.embed_tokens.weight"])
+    def recorded(directory: Path) -> object:
+        return json.loads((directory / "config.json").read_text(encoding="utf-8")).get("csbp_weights")
+
+    averaged = {"kind": "ema", "ema_decay": DECAY, "ema_updates": 4}
+    assert recorded(tmp_path / "run" / "final") == recorded(tmp_path / "ema") == averaged
+    assert recorded(tmp_path / "raw") == {**averaged, "kind": "trained"}
+    assert recorded(tmp_path / "plain" / "final") is None  # a run without an average: its weights, as always
     plain_checkpoint = tmp_path / "plain" / "checkpoints" / "step_0000004"
     capsys.readouterr()
     assert csbp_main(["export", str(plain_checkpoint), "--out", str(tmp_path / "none"), "--weights", "ema"]) == 2

@@ -53,11 +53,14 @@ from csbp.training.checkpoint import read_training_state
 from csbp.training.checkpoint_integrity import checkpoint_problem, read_metadata, safe_dcp_load
 from csbp.training.model_factory import check_yarn_context, export_dtype
 from csbp.training.preflight import RunInputs, check_run
-from csbp.training.weight_average import EMA_KEY
+from csbp.training.weight_average import EMA_KEY, WEIGHTS_KEY, weights_record
 
 
-def export_decoder(cfg: RunConfig, inputs: RunInputs, model: Decoder, out: Path, *, overwrite: bool) -> Path:
-    """Write ``model`` (a plain CPU decoder) as a HF checkpoint directory ``out`` (see the module)."""
+def export_decoder(
+    cfg: RunConfig, inputs: RunInputs, model: Decoder, out: Path, *, overwrite: bool, weights: dict | None = None
+) -> Path:
+    """Write ``model`` (a plain CPU decoder) as a HF checkpoint directory ``out`` (see the module); ``weights``:
+    which weights of a run with a weight average it holds (:func:`csbp.training.weight_average.weights_record`)."""
     check_yarn_context(cfg, inputs.decoder_config)  # a run from before the check: its export is refused
     extra = hf_passthrough_config(cfg.model.init_from) if cfg.model.init_from is not None else {}
     limit = extra.get("max_position_embeddings")
@@ -68,6 +71,8 @@ def export_decoder(cfg: RunConfig, inputs: RunInputs, model: Decoder, out: Path,
     if inputs.mask_token_id is not None:
         extra["mask_token_id"] = inputs.mask_token_id
     extra[EXPORT_KEY] = training_record_of(cfg, inputs.mask_token_id, eos_token_id=special["eos"])
+    if weights is not None:
+        extra[WEIGHTS_KEY] = weights
     return export_hf_checkpoint(
         model,
         inputs.decoder_config,
@@ -187,7 +192,10 @@ def _export_checkpoint(
         loaded["model"].update({key: loaded[EMA_KEY][owner[id(entry)]] for key, entry in entries.items()
                                 if id(entry) in owner})
     model.load_state_dict(loaded["model"], strict=True, assign=True)
-    path = export_decoder(cfg, inputs, model, out, overwrite=overwrite)
+    record = None
+    if state.ema_updates is not None and cfg.optim.ema_decay is not None:
+        record = weights_record(EMA_KEY in loaded, cfg.optim.ema_decay, state.ema_updates)
+    path = export_decoder(cfg, inputs, model, out, overwrite=overwrite, weights=record)
     return path, cfg, step
 
 

@@ -21,7 +21,8 @@ FINAL_DIR = "final"
 
 
 def finish_on_rank0(
-    cfg: RunConfig, inputs: RunInputs, model: torch.nn.Module, run_dir: Path, *, is_rank0: bool
+    cfg: RunConfig, inputs: RunInputs, model: torch.nn.Module, run_dir: Path, *, is_rank0: bool,
+    weights: dict | None = None,
 ) -> tuple[Path | None, str | None]:
     """Export ``<run_dir>/final/`` (HF config, safetensors, tokenizer; dflash: the public drafter
     format) and, with ``train.generate_after``, draw a sample; both on rank 0. Call on every rank
@@ -38,7 +39,7 @@ def finish_on_rank0(
     state = full_model_state(model)
     if is_rank0:
         cpu_model = unwrapped_copy(state, inputs.decoder_config)
-        path = export_decoder(cfg, inputs, cpu_model, run_dir / FINAL_DIR, overwrite=True)
+        path = export_decoder(cfg, inputs, cpu_model, run_dir / FINAL_DIR, overwrite=True, weights=weights)
         if cfg.train.generate_after:
             sample = sample_after_training(cfg, inputs, cpu_model)
     if dist.is_initialized():

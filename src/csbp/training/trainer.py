@@ -72,7 +72,7 @@ from csbp.training.step import StepRunner
 from csbp.training.step_loop import StepHook, StepLoop
 from csbp.training.summary import RunHistory, TrainSummary
 from csbp.training.train_lock import train_run_dir_lock
-from csbp.training.weight_average import WeightAverage
+from csbp.training.weight_average import WeightAverage, weights_record
 
 __all__ = [
     "MAX_SKIPPED_STEPS",
@@ -262,8 +262,9 @@ def _train(
         ):
             last_checkpoint = loop.run(start_step, stop_step, started)
         stop_step = loop.last_step
+        weights = None if average is None else weights_record(True, average.decay, average.updates)
         with average.swapped_in() if average is not None else contextlib.nullcontext():  # export the average
-            final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0)
+            final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0, weights=weights)
         if ctx.groups is not None and not cfg.train.fsdp:  # every rank is past finish's barrier
             # FSDP's groups stay: torch's DTensor caches key meshes by their ranks, not their groups,
             # so a later FSDP run in this process over the same ranks would reach the destroyed ones

@@ -18,7 +18,8 @@ topologies as the weights do; ``trainer_state.json`` holds ``n`` (``ema_updates`
 
 What uses it: validation (``val_loss``, ``val_nelbo``, the noise-window search), the final export
 ``RUN/final`` and the sample drawn after training, and ``csbp export`` of a checkpoint (``--weights
-raw`` exports the trained weights instead). Training itself never sees it:
+raw`` exports the trained weights instead). Such an export says which it holds in ``config.json``'s
+``csbp_weights`` (:func:`weights_record`). Training itself never sees it:
 :meth:`WeightAverage.swapped_in` exchanges the two in place and back, and makes FSDP gather afresh.
 """
 
@@ -32,6 +33,13 @@ from torch import Tensor, nn
 
 EMA_KEY = "ema"
 """The DCP state-dict entry of the average (``ema.<parameter name>``)."""
+WEIGHTS_KEY = "csbp_weights"
+"""The ``config.json`` entry of an export of a run that kept an average: which weights it holds."""
+
+
+def weights_record(averaged: bool, decay: float, updates: int) -> dict[str, object]:
+    """``{"kind": "ema" | "trained", "ema_decay", "ema_updates"}``: an export of a run with an average."""
+    return {"kind": "ema" if averaged else "trained", "ema_decay": decay, "ema_updates": updates}
 
 
 def warmed_decay(decay: float, updates: int) -> float:
