@@ -155,7 +155,29 @@ def test_left_to_right_order_fills_each_block_from_the_left(model: Decoder) -> N
     )
     assert result.token_ids != run(model, prompt, steps_per_block=2, temperature=0.0).token_ids
     with pytest.raises(ValueError, match="unmask_order"):
-        GenerationConfig(unmask_order="random")
+        GenerationConfig(unmask_order="rightmost")
+
+
+def test_random_order_unmasks_one_random_position_per_step_whatever_the_model(model: Decoder) -> None:
+    """With one step per position it is bd3lms' first-hitting sampler: each step unmasks one masked position
+    drawn uniformly from the seed's generator, so the order of a block is a permutation that does not depend
+    on the model's confidences."""
+    prompt = [(3 * i + 1) % MASK for i in range(BLOCK)]
+    orders = {}
+    for seed in range(40):
+        result = run(model, prompt, steps_per_block=BLOCK, max_new_tokens=BLOCK, unmask_order="random",
+                     temperature=0.0, seed=seed)
+        assert [len(step) for step in result.unmask_steps] == [1] * BLOCK
+        order = tuple(position for step in result.unmask_steps for position, _ in step)
+        assert sorted(order) == list(range(BLOCK, 2 * BLOCK))
+        orders[seed] = order
+        again = run(model, prompt, steps_per_block=BLOCK, max_new_tokens=BLOCK, unmask_order="random",
+                    temperature=0.0, seed=seed, use_cache=False)
+        assert again.token_ids == result.token_ids and again.unmask_steps == result.unmask_steps
+    firsts = [order[0] - BLOCK for order in orders.values()]
+    assert len(set(orders.values())) >= 12 and set(firsts) == set(range(BLOCK))  # 17 of the 24 orders: not one order
+    with pytest.raises(ValueError, match="threshold"):
+        GenerationConfig(unmask_order="random", threshold=0.5)
 
 
 def test_cache_never_recomputes_the_prefix(model: Decoder) -> None:

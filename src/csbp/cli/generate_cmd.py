@@ -134,9 +134,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--unmask-order",
-        choices=("confidence", "left_to_right"),
+        choices=("confidence", "left_to_right", "random"),
         default="confidence",
-        help="which masked positions of a block to fill first (default: the most confident)",
+        help="which masked positions of a block to fill first: the most confident (default), the leftmost, "
+        "or random ones (the masked diffusion reverse process; bd3lms' first-hitting sampler at one step per position)",
     )
     parser.add_argument(
         "--sub-block-size",
@@ -321,7 +322,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.threshold is not None and args.unmask_order != "confidence":
         raise ValueError(
             f"--threshold {args.threshold} unmasks the proposals more confident than it, but --unmask-order "
-            f"{args.unmask_order} would unmask as many of the leftmost positions instead (fix: drop one of the two)"
+            f"{args.unmask_order} would unmask as many other positions instead (fix: drop one of the two)"
         )
     truncations = [f"--top-k {args.top_k}"] * (args.top_k is not None) + [f"--top-p {args.top_p:g}"] * (args.top_p < 1)
     if args.temperature == 0 and truncations:  # greedy takes the arg-max: a truncation would be ignored

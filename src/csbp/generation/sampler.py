@@ -11,7 +11,7 @@ every position still to generate. Each of ``steps_per_block`` denoising steps ru
 bidirectional inside the block and seeing the whole clean prefix (through the KV cache, or by
 recomputation), proposes a token for every still-masked position
 (:func:`~csbp.generation.token_choice.propose_tokens`, mask logit excluded) and unmasks the most
-confident ones, or the leftmost with ``unmask_order="left_to_right"``
+confident ones, or the leftmost with ``unmask_order="left_to_right"``, or random ones with ``"random"``
 (:func:`~csbp.generation.token_choice.choose_unmasked`). A finished block is run once
 more as a clean block and joins the cache. With ``sub_block_size`` (Fast-dLLM v2's sub-blocks) only the
 still-masked positions of the leftmost unfinished sub-block are candidates, each sub-block in its
@@ -79,7 +79,8 @@ class GenerationConfig:
         token_shift: position ``i`` is predicted from row ``i-1`` (Fast-dLLM v2 models).
         use_cache: use the clean-prefix KV cache (False recomputes the prefix every step).
         window: the sliding window the model was trained with (``topology.window``), None: full.
-        unmask_order: ``confidence`` (most confident positions first) or ``left_to_right``.
+        unmask_order: ``confidence`` (most confident positions first), ``left_to_right`` or ``random``
+            (drawn from the seed's generator: the masked diffusion models' own reverse process).
         sub_block_size: Fast-dLLM v2's sub-blocks: a divisor ``S`` of ``block_size``; each block is
             filled one sub-block after the other, left to right, each in ``steps_per_block · S / B``
             steps (a whole number), while every forward still runs the whole block (None: one
@@ -333,7 +334,8 @@ def _denoise_step(
     logits_RV = model.logits(hidden_1BD[0, rows_R.to(hidden_1BD.device)])
     tokens_R, confidence_R = _propose(logits_RV, mask_token_id, config, generator)
     chosen = choose_unmasked(
-        confidence_R, remaining_steps=remaining_steps, threshold=config.threshold, order=config.unmask_order
+        confidence_R, remaining_steps=remaining_steps, threshold=config.threshold, order=config.unmask_order,
+        generator=generator,
     )
     return masked_R[chosen], tokens_R[chosen]
 

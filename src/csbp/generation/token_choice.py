@@ -126,12 +126,12 @@ def unmask_count(remaining: int, remaining_steps: int) -> int:
     return -(-remaining // remaining_steps)
 
 
-UNMASK_ORDERS = ("confidence", "left_to_right")
+UNMASK_ORDERS = ("confidence", "left_to_right", "random")
 
-#: a threshold unmasks the proposals above it; the leftmost order would unmask as many others instead
+#: a threshold unmasks the proposals above it; another order would unmask as many other positions instead
 THRESHOLD_ORDER_ERROR = (
     "threshold unmasks the proposals more confident than it, so it needs unmask_order 'confidence' "
-    "(with 'left_to_right' as many of the leftmost positions were unmasked instead, confident or not)"
+    "(with 'left_to_right' or 'random' as many other positions were unmasked instead, confident or not)"
 )
 
 
@@ -141,11 +141,14 @@ def choose_unmasked(
     remaining_steps: int,
     threshold: float | None = None,
     order: str = "confidence",
+    generator: torch.Generator | None = None,
 ) -> Tensor:
     """Indices (into the ``R`` candidates) to unmask now: the most confident, most confident first and
     ties leftmost (``order="confidence"``), or the leftmost, in position order (``"left_to_right"``: each
     token then sees every token before it, which keeps a briefly trained model from joining word pieces
-    chosen in parallel)."""
+    chosen in parallel), or a uniformly random set drawn from ``generator`` (``"random"``: the masked
+    diffusion models' own reverse process, whose unmasked positions do not depend on the model; with
+    one step per position it is bd3lms' first-hitting sampler, one random position per step)."""
     remaining = int(confidence_R.shape[0])
     count = unmask_count(remaining, remaining_steps)
     if threshold is not None:
@@ -154,6 +157,10 @@ def choose_unmasked(
         count = max(count, int((confidence_R > threshold).sum()))
     if order == "left_to_right":
         return torch.arange(min(count, remaining), device=confidence_R.device)
+    if order == "random":
+        if generator is None:
+            raise ValueError("unmask order 'random' needs a generator")
+        return torch.randperm(remaining, generator=generator)[: min(count, remaining)].to(confidence_R.device)
     if order != "confidence":
         raise ValueError(f"unmask order {order!r} is not one of {UNMASK_ORDERS}")
     order_R = torch.argsort(confidence_R, descending=True, stable=True)
