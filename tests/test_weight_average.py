@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from csbp.cli.main import main as csbp_main
 from csbp.config import ConfigError
 from csbp.parallel.launch import run_local
-from csbp.training import train
+from csbp.training import train, weight_average
 from csbp.training.weight_average import WeightAverage, warmed_decay
 from test_config import dflash_changes, with_changes
 from test_training_run import make_artifact, metric_rows, tiny_config, trajectory
@@ -76,6 +76,61 @@ def test_the_swap_puts_the_average_in_and_the_weights_back_bit_for_bit() -> None
         torch.testing.assert_close(model.weight, trained["weight"] + 9 / 11)
         assert torch.equal(model.bias, trained["bias"])
     assert all(torch.equal(p, moved[n]) for n, p in model.named_parameters())
+
+
+class _Shapes(torch.nn.Module):
+    """Parameters of every awkward kind: several chunks, non-contiguous, a scalar, empty, two dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matrix = torch.nn.Parameter(torch.randn(7, 5))
+        self.transposed = torch.nn.Parameter(torch.randn(5, 6).t())
+        self.scalar = torch.nn.Parameter(torch.tensor(2.5))
+        self.empty = torch.nn.Parameter(torch.empty(0, 3))
+        self.vector64 = torch.nn.Parameter(torch.randn(9, dtype=torch.float64))
+
+
+def test_the_exchange_moves_every_chunk_through_a_bounded_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(weight_average, "EXCHANGE_CHUNK", 8)  # 2 rows of `matrix` per copy
+    model = _Shapes()
+    assert not model.transposed.is_contiguous()
+    average = WeightAverage(model, 0.5)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    shadow = {n: t.clone() for n, t in average.shadow.items()}
+    allocated: list[int] = []
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda n, **kw: allocated.append(n) or real_empty(n, **kw))
+    with average.swapped_in():
+        assert all(torch.equal(p, shadow[n]) for n, p in model.named_parameters())
+        assert all(torch.equal(average.shadow[n], trained[n]) for n in trained)
+    assert all(torch.equal(p, trained[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(average.shadow[n], shadow[n]) for n in shadow)
+    assert sorted(allocated) == [5, 5, 8, 8]  # per swap, one buffer per dtype: float32 a row of 5, float64 8 of 9
+
+
+def test_running_out_of_memory_for_the_exchange_leaves_the_model_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _Shapes()
+    average = WeightAverage(model, 0.5)
+    with torch.no_grad():
+        model.matrix.add_(1.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    calls: list[int] = []
+    real_empty = torch.empty
+
+    def out_of_memory_at_the_second_buffer(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 2:  # the float64 one: a lazily allocating exchange has moved float32 tensors by then
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", out_of_memory_at_the_second_buffer)
+    with pytest.raises(torch.OutOfMemoryError), average.swapped_in():
+        pass
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
 def test_the_export_is_the_average_of_the_trained_weights_and_training_never_sees_it(

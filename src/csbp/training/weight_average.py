@@ -21,6 +21,8 @@ What uses it: validation (``val_loss``, ``val_nelbo``, the noise-window search),
 raw`` exports the trained weights instead). Such an export says which it holds in ``config.json``'s
 ``csbp_weights`` (:func:`weights_record`). Training itself never sees it:
 :meth:`WeightAverage.swapped_in` exchanges the two in place and back, and makes FSDP gather afresh.
+The exchange allocates one bounded scratch buffer before it moves anything, so running out of memory
+there leaves the model as it was rather than half swapped.
 """
 
 from __future__ import annotations
@@ -87,11 +89,54 @@ class WeightAverage:
 
     @torch.no_grad()
     def _exchange(self) -> None:
-        for name, param in self._params.items():  # one tensor at a time: no second copy of the model
-            held = param.detach().clone()
-            param.copy_(self.shadow[name])
-            self.shadow[name].copy_(held)
+        """Swap every parameter with its average through one bounded scratch buffer per dtype and device,
+        allocated before anything moves: running out of memory there leaves both sets as they were, and
+        the exchange itself allocates nothing, so it cannot stop half done (a model half average, half
+        trained weights). The scratch holds at most :data:`EXCHANGE_CHUNK` elements (or one row more)."""
+        locals_ = [(_local(param), _local(self.shadow[name])) for name, param in self._params.items()]
+        scratch = _scratch_buffers([param for param, _ in locals_])
+        for param, shadow in locals_:
+            buffer = scratch[(param.dtype, param.device)]
+            for param_part, shadow_part in zip(_chunks(param), _chunks(shadow), strict=True):
+                held = buffer[: param_part.numel()].view(param_part.shape)
+                held.copy_(param_part)
+                param_part.copy_(shadow_part)
+                shadow_part.copy_(held)
         _drop_gathered_weights(self._model)
+
+
+EXCHANGE_CHUNK = 1 << 24
+"""Elements moved per copy by :meth:`WeightAverage._exchange` (64 MiB in float32)."""
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's part of a parameter or its average (an FSDP shard's local tensor), as a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _rows_per_chunk(tensor: Tensor) -> int:
+    row = max(1, tensor[0].numel()) if tensor.dim() > 0 and tensor.shape[0] > 0 else 1
+    return max(1, EXCHANGE_CHUNK // row)
+
+
+def _chunks(tensor: Tensor) -> tuple[Tensor, ...]:
+    """Views of ``tensor`` along its first dimension of at most :data:`EXCHANGE_CHUNK` elements each (one
+    row when a row is larger); a scalar is its own chunk."""
+    if tensor.dim() == 0:
+        return (tensor,)
+    return tensor.split(_rows_per_chunk(tensor), dim=0)
+
+
+def _scratch_buffers(params: list[Tensor]) -> dict[tuple[torch.dtype, torch.device], Tensor]:
+    """One flat buffer per (dtype, device), as large as the largest chunk of those parameters."""
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for param in params:
+        largest = max((chunk.numel() for chunk in _chunks(param)), default=0)
+        key = (param.dtype, param.device)
+        sizes[key] = max(sizes.get(key, 0), largest)
+    return {(dtype, device): torch.empty(size, dtype=dtype, device=device) for (dtype, device), size in sizes.items()}
 
 
 def _drop_gathered_weights(model: nn.Module) -> None:
