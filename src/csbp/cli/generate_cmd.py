@@ -39,7 +39,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -162,6 +162,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         metavar="TEXT|demo-corpus",
         help="also print how many words of the completion occur in this text file (or the demo corpus)",
+    )
+    parser.add_argument(
+        "--scorer",
+        type=path_option,
+        default=None,
+        metavar="DIR",
+        help="also score each completion with this autoregressive HF model directory (config.json, safetensors, "
+        "tokenizer.json): its generative perplexity given the prompt, as MDLM and BD3-LMs report under GPT-2 Large, "
+        "and the completion's unigram entropy (a low one flags repetitive samples); pooled over --samples",
     )
     parser.set_defaults(func=run_generate)
 
@@ -316,6 +325,8 @@ def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from csbp.evaluation.sample_scores import CompletionScore, KnownWords, SampleScorer
+    from csbp.evaluation.sample_scores import pooled as pooled_scores
     from csbp.generation.sampler import GenerationConfig, generate, positions_used
     from csbp.models.hf_io import generation_stop_ids, load_hf_checkpoint, read_hf_config
 
@@ -332,6 +343,11 @@ def run_generate(args: argparse.Namespace) -> int:
             f"{' and '.join(t.split()[0] for t in truncations)})"
         )
     check_samples(args.samples, args.seed, args.temperature)
+    if args.scorer is not None and args.chat:
+        raise ValueError(
+            "--scorer with --chat: the scorer would read the chat template's turn markers as plain text, so its "
+            "perplexity would not be the completion's (fix: drop --chat or --scorer)"
+        )
     known_words = None if args.known_words is None else KnownWords.load(args.known_words)
     model_dir: Path = check_model_directory(args.model)
     try:
@@ -421,9 +437,11 @@ def run_generate(args: argparse.Namespace) -> int:
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
     model, _ = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
     model.eval()
+    scorer = None if args.scorer is None else SampleScorer(args.scorer, dtype=dtype, device=device)
     print_notes(notes)
     print(f"prompt: {args.prompt}")
     pooled = [0, 0]  # known and total words of every completion (not the completions: --samples may be many)
+    scores: list[CompletionScore] = []
     for seed in range(args.seed, args.seed + args.samples):
         started = time.perf_counter()
         result = generate(
@@ -443,38 +461,11 @@ def run_generate(args: argparse.Namespace) -> int:
             counts = known_words.count(completion)
             pooled = [pooled[0] + counts[0], pooled[1] + counts[1]]
             print(known_words.line(*counts))
+        if scorer is not None:
+            scores.append(scorer.score(args.prompt, completion, result.token_ids))
+            print(scorer.line(scores[-1]))
     if known_words is not None and args.samples > 1:
         print(known_words.line(*pooled, samples=args.samples))
+    if scorer is not None and args.samples > 1:
+        print(scorer.line(pooled_scores(scores), samples=args.samples))
     return 0
-
-
-@dataclass(frozen=True)
-class KnownWords:
-    """The words of ``--known-words`` (a text file or ``demo-corpus``), read before any sampling."""
-
-    source: str
-    words: set[str]
-
-    @classmethod
-    def load(cls, source: str) -> KnownWords:
-        from csbp.data.corpus import corpus_words, demo_corpus_files
-
-        if source == "demo-corpus":
-            files = demo_corpus_files()
-        elif Path(source).is_file():
-            files = [Path(source)]
-        else:
-            raise ValueError(f"--known-words {source}: not a text file (fix: pass a text file or demo-corpus)")
-        return cls(source, corpus_words(files))
-
-    def count(self, completion: str) -> tuple[int, int]:
-        """``(known, total)`` of the completion's whitespace-separated words."""
-        from csbp.data.corpus import known_word_fraction
-
-        return known_word_fraction(completion, self.words)
-
-    def line(self, known: int, total: int, *, samples: int = 1) -> str:
-        """``words found in <source>: k/n (p%)`` for ``known`` of ``total`` words of a completion
-        (``... in <source> over N samples: ...`` for those of ``samples`` completions)."""
-        over = f" over {samples} samples" if samples > 1 else ""
-        return f"words found in {self.source}{over}: {known}/{total} ({100.0 * known / max(total, 1):.1f}%)"

@@ -1,0 +1,144 @@
+"""Scores of sampled completions (csbp.evaluation.sample_scores, ``csbp generate --scorer``).
+
+* The generative perplexity is the scorer's NLL of the completion's tokens given the prompt, as
+  transformers' own model computes it from the exported directory (float64; 1e-6: transformers builds its RoPE tables in float32), the prompt encoded
+  as ``tokenizer(prompt)`` does (a post-processor's BOS kept) and the completion without specials.
+* With no context at all the first completion token is not scored (nothing predicts it).
+* The entropy is bd3lms' unigram entropy of the sampled ids; several completions pool NLL over tokens.
+* Refused in one line: a scorer without tokenizer.json, a context past its positions, ``--chat``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import processors
+
+from csbp.cli import generate_cmd
+from csbp.data.tokenizer import train_bpe_tokenizer
+from csbp.evaluation.sample_scores import CompletionScore, SampleScorer, pooled, unigram_entropy
+from csbp.models.hf_io import export_hf_checkpoint
+from test_generate_cli import export_tiny_run
+from test_generation import tiny_model
+
+TEXTS = ["the quick brown fox jumps over the lazy dog", "block diffusion samples blocks"] * 4
+
+
+def export_scorer(directory: Path, *, bos: bool, max_positions: int = 512) -> Path:
+    """A tiny float64 causal LM with a BPE tokenizer, whose post-processor adds ``<|bos|>`` if ``bos``."""
+    tokenizer = train_bpe_tokenizer(TEXTS, vocab_size=300)
+    if bos:
+        bos_id = tokenizer.backend.token_to_id("<|endoftext|>")
+        tokenizer.backend.post_processor = processors.TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos_id)]
+        )
+        tokenizer.json_bytes = tokenizer.backend.to_str().encode()
+    source = directory.parent / f"{directory.name}-tokenizer"
+    source.mkdir(parents=True)
+    tokenizer.save(source)
+    model = tiny_model(vocab_size=tokenizer.vocab_size, seed=3)
+    return export_hf_checkpoint(
+        model, model.config, directory, tokenizer_dir=source, dtype=torch.float64,
+        extra_config={"max_position_embeddings": max_positions},
+    )
+
+
+@pytest.fixture(scope="module")
+def scorer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return export_scorer(tmp_path_factory.mktemp("scorer") / "bos", bos=True)
+
+
+def transformers_nll(directory: Path, ids: list[int], first: int) -> float:
+    """The summed NLL of ``ids[first:]`` under transformers' own model of ``directory``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]
+    log_probs = torch.log_softmax(logits[first - 1 : len(ids) - 1], dim=-1)
+    return float(-log_probs.gather(-1, torch.tensor(ids[first:])[:, None]).sum())
+
+
+def test_the_perplexity_is_the_scorers_nll_of_the_completion_given_the_prompt(scorer_dir: Path) -> None:
+    scorer = SampleScorer(scorer_dir, dtype=None, device="cpu")
+    bos = scorer.tokenizer.token_to_id("<|endoftext|>")
+    context = scorer.context_ids("the quick")
+    assert context[0] == bos and context[1:] == scorer.tokenizer.encode("the quick", add_special_tokens=False).ids
+    completion = " brown fox jumps over"
+    target = scorer.tokenizer.encode(completion, add_special_tokens=False).ids
+    score = scorer.score("the quick", completion, [5, 5, 7])
+    assert score.tokens == len(target) >= 3
+    expected = transformers_nll(scorer_dir, context + target, len(context))
+    assert score.nll_sum == pytest.approx(expected, rel=1e-6)
+    assert score.perplexity == pytest.approx(math.exp(expected / len(target)), rel=1e-6)
+    assert score.entropy == pytest.approx(-(2 / 3) * math.log(2 / 3) - (1 / 3) * math.log(1 / 3))
+    empty_prompt = scorer.score("", completion, [1])  # the BOS alone predicts the first token
+    assert empty_prompt.tokens == len(target)
+    assert empty_prompt.nll_sum == pytest.approx(transformers_nll(scorer_dir, [bos, *target], 1), rel=1e-6)
+
+
+def test_without_any_context_the_first_completion_token_is_not_scored(tmp_path: Path) -> None:
+    scorer = SampleScorer(export_scorer(tmp_path / "plain", bos=False), dtype=None, device="cpu")
+    assert scorer.context_ids("the quick") == scorer.tokenizer.encode("the quick", add_special_tokens=False).ids
+    target = scorer.tokenizer.encode(" lazy dog", add_special_tokens=False).ids
+    score = scorer.score("", " lazy dog", [1, 2])
+    assert score.tokens == len(target) - 1
+    assert score.nll_sum == pytest.approx(transformers_nll(tmp_path / "plain", target, 1), rel=1e-6)
+    nothing = scorer.score("", "", [])
+    assert (nothing.tokens, nothing.entropy) == (0, 0.0) and math.isnan(nothing.perplexity)
+    assert "no completion token to score" in scorer.line(nothing)
+
+
+def test_entropy_is_bd3lms_unigram_entropy_and_completions_pool_over_tokens() -> None:
+    assert unigram_entropy([4, 4, 4, 4]) == 0.0
+    assert unigram_entropy([1, 2, 3, 4]) == pytest.approx(math.log(4))
+    assert unigram_entropy([9, 9, 2, 3]) == pytest.approx(-0.5 * math.log(0.5) - 2 * 0.25 * math.log(0.25))
+    both = pooled([CompletionScore(2.0, 1, 1.0), CompletionScore(6.0, 3, 2.0)])
+    assert (both.nll, both.entropy) == (2.0, 1.5)  # 8 nats over 4 tokens, not the mean of 2 and 2
+    assert both.perplexity == pytest.approx(math.exp(2.0))
+
+
+def test_scorers_that_cannot_score_are_refused_in_one_line(scorer_dir: Path, tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((scorer_dir / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"holds no tokenizer.json \(fix: a Hugging Face causal LM directory"):
+        SampleScorer(bare, dtype=None, device="cpu")
+    short = SampleScorer(export_scorer(tmp_path / "short", bos=True, max_positions=4), dtype=None, device="cpu")
+    with pytest.raises(ValueError, match=r"past its max_position_embeddings 4 of .*config.json \(fix: a lower --max-new-tokens"):
+        short.score("the quick", " brown fox jumps over the lazy dog", [1])
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="csbp")
+    generate_cmd.register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(argv)
+
+
+def test_generate_scores_every_sample_and_pools_them(
+    scorer_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = export_tiny_run(tmp_path / "run")
+    argv = ["generate", "--model", str(checkpoint), "--prompt", "the quick", "--device", "cpu", "--scorer", str(scorer_dir)]
+    argv += "--max-new-tokens 8 --block-size 4 --temperature 1 --samples 3".split()
+    args = parse(argv)
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    completions = re.findall(r"completion \(seed \d\): (.*)", out)
+    rows = [tuple(map(float, m)) for m in re.findall(r"gen ppl under \S+: ([\d.]+) \(nll ([\d.]+) nats/token over (\d+) tokens\)", out)]
+    assert len(completions) == len(rows) == 3
+    scorer = SampleScorer(scorer_dir, dtype=None, device="cpu")
+    for completion, (_, nll, tokens) in zip(completions, rows, strict=True):
+        expected = scorer.score("the quick", completion, [0])
+        assert (nll, tokens) == (pytest.approx(expected.nll, abs=6e-5), expected.tokens)
+    total = re.search(r"over 3 samples: ([\d.]+) \(nll ([\d.]+) nats/token over (\d+) tokens\); mean unigram entropy", out)
+    assert total is not None and int(total[3]) == sum(int(r[2]) for r in rows)
+    assert float(total[2]) == pytest.approx(sum(r[1] * r[2] for r in rows) / int(total[3]), abs=1e-4)
+    chat = parse([*argv, "--chat"])
+    with pytest.raises(ValueError, match=r"^--scorer with --chat: .* \(fix: drop --chat or --scorer\)$"):
+        chat.func(chat)
