@@ -5,14 +5,17 @@
   as ``tokenizer(prompt)`` does (a post-processor's BOS kept) and the completion without specials.
 * With no context at all the first completion token is not scored (nothing predicts it).
 * The entropy is bd3lms' unigram entropy of the sampled ids; several completions pool NLL over tokens.
-* Refused in one line: a scorer without tokenizer.json, a context past its positions, ``--chat``.
+* Refused in one line: a scorer without tokenizer.json, a context past its positions (a csbp export's
+  trained rows), a csbp export of a block-diffusion or windowed run, ``--chat``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -110,8 +113,37 @@ def test_scorers_that_cannot_score_are_refused_in_one_line(scorer_dir: Path, tmp
     with pytest.raises(ValueError, match=r"holds no tokenizer.json \(fix: a Hugging Face causal LM directory"):
         SampleScorer(bare, dtype=None, device="cpu")
     short = SampleScorer(export_scorer(tmp_path / "short", bos=True, max_positions=4), dtype=None, device="cpu")
-    with pytest.raises(ValueError, match=r"past its max_position_embeddings 4 of .*config.json \(fix: a lower --max-new-tokens"):
+    with pytest.raises(ValueError, match=r"past the 4 positions it may use of .*config.json \(fix: a lower --max-new-tokens"):
         short.score("the quick", " brown fox jumps over the lazy dog", [1])
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"objective": {"name": "bd3", "block_size": 4}}, r"trained objective 'bd3', a block-diffusion model whose next-token"),
+        ({"objective": {"name": "ar"}, "topology": {"window": 8}}, r"trained with topology.window 8, which the scorer"),
+    ],
+)
+def test_a_csbp_export_that_is_no_full_attention_causal_lm_is_refused(
+    scorer_dir: Path, tmp_path: Path, record: dict, message: str
+) -> None:
+    copy = tmp_path / "scorer"
+    shutil.copytree(scorer_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "csbp_training": record}))
+    with pytest.raises(ValueError, match=message):
+        SampleScorer(copy, dtype=None, device="cpu")
+
+
+def test_a_csbp_ar_export_is_scored_only_inside_the_rows_it_trained_on(scorer_dir: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "scorer"
+    shutil.copytree(scorer_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "csbp_training": {"objective": {"name": "ar"}, "data": {"seq_len": 6}}}))
+    scorer = SampleScorer(copy, dtype=None, device="cpu")
+    assert scorer.score("the", " quick", [1]).tokens >= 1
+    with pytest.raises(ValueError, match=r"past the 6 positions it may use \(the rows it trained on, data.seq_len of "):
+        scorer.score("the quick", " brown fox jumps over the lazy dog", [1])
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

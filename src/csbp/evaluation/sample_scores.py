@@ -24,7 +24,8 @@ Over several completions the generative perplexity is ``exp(sum NLL / sum tokens
 tokens as torchmetrics' ``Perplexity`` accumulates it in bd3lms, and the entropy the mean per
 completion. The scorer is any local Hugging Face causal LM directory csbp reads (safetensors weights,
 a family of :mod:`csbp.models.hf_config`), loaded with no remote code; a context past its
-``max_position_embeddings`` is refused in one line rather than scored out of range.
+``max_position_embeddings`` (or, for a csbp export, past the ``data.seq_len`` it trained on) is refused
+in one line rather than scored out of range, and so is a csbp export of a block-diffusion or windowed run.
 
 :class:`KnownWords` is the cheap check for models too small for any scorer (``--known-words``): the
 share of a completion's words that occur in a text, such as the corpus a toy model was trained on.
@@ -101,6 +102,7 @@ class SampleScorer:
             raise ValueError(f"--scorer {tokenizer_file}: not a tokenizer file the tokenizers library reads ({exc})") from None
         self.directory = directory
         self.max_positions, self._limit_source = position_limit(directory)
+        self._check_trained_causally(directory)
         self.model: Decoder = load_hf_checkpoint(directory, dtype=dtype, device=device)[0].eval()
         self.device = torch.device(device)
         vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
@@ -109,6 +111,34 @@ class SampleScorer:
                 f"--scorer {directory}: its tokenizer has {vocab} tokens, its model's vocabulary {self.model.config.vocab_size} "
                 "(fix: the tokenizer.json the model was trained with)"
             )
+
+    def _check_trained_causally(self, directory: Path) -> None:
+        """Refuse a csbp export that is not a full-attention causal LM (a block-diffusion model never trained
+        its next-token predictions; a windowed one would be scored with full attention), and lower the
+        position limit to the rows it trained on (:func:`csbp.generation.run_settings.training_record`)."""
+        from csbp.generation.run_settings import TOKEN_SHIFT_OBJECTIVES, training_record
+
+        found = training_record(directory)
+        if found is None:
+            return
+        record, source = found
+        objective = record.get("objective") if isinstance(record.get("objective"), dict) else {}
+        name = objective.get("name")
+        if name in TOKEN_SHIFT_OBJECTIVES:
+            raise ValueError(
+                f"--scorer {directory}: {source} trained objective {name!r}, a block-diffusion model whose next-token "
+                "predictions were never trained (fix: an autoregressive model, such as a csbp 'ar' run's final/ or a "
+                "pretrained causal LM)"
+            )
+        topology = record.get("topology") if isinstance(record.get("topology"), dict) else {}
+        if topology.get("window") is not None:
+            raise ValueError(
+                f"--scorer {directory}: {source} trained with topology.window {topology['window']}, which the scorer's "
+                "full causal attention would not reproduce (fix: a scorer trained with full attention)"
+            )
+        data = record.get("data") if isinstance(record.get("data"), dict) else {}
+        if type(data.get("seq_len")) is int and data["seq_len"] < self.max_positions:
+            self.max_positions, self._limit_source = data["seq_len"], f"(the rows it trained on, data.seq_len of {source})"
 
     def context_ids(self, prompt: str) -> list[int]:
         """The prompt as transformers' ``tokenizer(prompt)`` encodes it, less special tokens after the text."""
@@ -131,8 +161,8 @@ class SampleScorer:
         ids = context + list(target)
         if len(ids) > self.max_positions:
             raise ValueError(
-                f"--scorer {self.directory}: prompt and completion are {len(ids)} of its tokens, past its "
-                f"max_position_embeddings {self.max_positions} {self._limit_source} (fix: a lower --max-new-tokens "
+                f"--scorer {self.directory}: prompt and completion are {len(ids)} of its tokens, past the "
+                f"{self.max_positions} positions it may use {self._limit_source} (fix: a lower --max-new-tokens "
                 "or a shorter prompt)"
             )
         entropy = unigram_entropy(completion_ids)
