@@ -149,7 +149,7 @@ def test_only_the_layers_transformers_slides_are_planned_with_a_window(tmp_path:
     layers i >= max_window_layers, or those layer_types names: a Qwen config was under-priced."""
     from transformers import Qwen2Config
 
-    from csbp.models.hf_config import QWEN_DEFAULT_MAX_WINDOW_LAYERS
+    from csbp.models.hf_families import QWEN_DEFAULT_MAX_WINDOW_LAYERS
     from csbp.plan.workload import QWEN_DEFAULT_MAX_WINDOW_LAYERS as PLANNED_DEFAULT
     from csbp.plan.workload import hf_workload
 

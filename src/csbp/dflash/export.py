@@ -66,19 +66,21 @@ from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_config import (
     DTYPE_NAMES,
+    hf_shape_fields,
+    rms_norm_eps,
+    rope_from_hf,
+    yarn_context_problem,
+    yarn_max_positions,
+)
+from csbp.models.hf_families import (
     LAYER_TYPES,
     QWEN3_DEFAULT_HEAD_DIM,
     flag,
-    hf_shape_fields,
     positive_int,
     qwen_head_dim,
     qwen_kv_heads,
     qwen_layer_types,
     qwen_sliding_window,
-    rms_norm_eps,
-    rope_from_hf,
-    yarn_context_problem,
-    yarn_max_positions,
 )
 from csbp.models.hf_io import (
     EXPORT_OWNERSHIP,

@@ -35,14 +35,15 @@ A ``model_type`` other than the family's (``llama`` with ``LlamaForCausalLM``, .
 ``LlamaForCausalLM`` runs as Mistral, sliding window included), so csbp would load another model.
 Sliding-window layers, non-SiLU activations, partial rotary embeddings, per-layer-type RoPE and a
 ``quantization_config`` are rejected with a ``ValueError`` naming the field. Which Qwen layers slide is
-read as transformers' ``Qwen2Config``/``Qwen3Config`` read it (:func:`qwen_layer_types`): ``layer_types``
+read as transformers' ``Qwen2Config``/``Qwen3Config`` read it (``hf_families.qwen_layer_types``): ``layer_types``
 when given, else layer ``i`` slides when ``use_sliding_window`` is true, ``sliding_window`` is set and
 ``i >= max_window_layers`` (default 28); so ``use_sliding_window: true`` with ``max_window_layers`` covering
 every layer loads (no layer slides), and ``sliding_window``/``max_window_layers`` are ignored when
 ``use_sliding_window`` is false. Missing sizes take transformers' defaults, which differ by family: a Qwen
 config without ``num_key_value_heads`` has 32 KV heads (``null``: the attention heads), refused unless its
 attention heads are 32; ``head_dim`` absent is 128 for Qwen3 and ``hidden / heads`` otherwise, ``null``
-(which transformers refuses or fails on for Qwen) is refused for Qwen. Sizes that are not positive JSON
+(which transformers refuses or fails on for Qwen) is refused for Qwen
+(``csbp.models.hf_families`` holds these per-family rules). Sizes that are not positive JSON
 integers and flags that are not JSON booleans are refused (transformers' typed configs refuse them too; a
 ``"false"`` read as Python truth would have tied the embeddings).
 """
@@ -56,6 +57,7 @@ from typing import Any
 import torch
 
 from csbp.models.config import DecoderConfig
+from csbp.models.hf_families import attention_shape, check_exportable, flag, positive_int
 from csbp.models.rope import RopeScaling
 
 HF_CLASS_BY_ARCH: dict[str, str] = {
@@ -72,14 +74,6 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 DEFAULT_MAX_POSITIONS = 32768
 """``max_position_embeddings`` of an export that is given none."""
 PASSTHROUGH_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
-QWEN_DEFAULT_KV_HEADS = 32
-"""``num_key_value_heads`` of transformers' ``Qwen2Config``/``Qwen3Config`` when config.json has none."""
-QWEN3_DEFAULT_HEAD_DIM = 128
-"""``head_dim`` of transformers' ``Qwen3Config`` when config.json has none (Qwen2/Llama derive it)."""
-QWEN_DEFAULT_SLIDING_WINDOW = 4096
-QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
-"""``sliding_window`` / ``max_window_layers`` of transformers' Qwen configs when config.json has none."""
-LAYER_TYPES = ("full_attention", "sliding_attention")
 _REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _ROPE_KEYS_ELSEWHERE = ("rope_theta", "partial_rotary_factor")
 
@@ -115,30 +109,14 @@ def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
     if hidden_act != "silu":
         raise ValueError(f"config.json hidden_act={hidden_act!r} is not supported; csbp implements 'silu'")
     sizes = {field: positive_int(hf_config, field) for field in _REQUIRED_SIZES}
-    num_heads = sizes["num_attention_heads"]
-    if arch in ("qwen3", "qwen2"):
-        layer_types = qwen_layer_types(hf_config, sizes["num_hidden_layers"])
-        sliding = [i for i, kind in enumerate(layer_types) if kind != LAYER_TYPES[0]]
-        if sliding:
-            raise ValueError(
-                f"config.json makes layers {sliding} sliding-window layers (layer_types, or use_sliding_window=true "
-                "with max_window_layers below num_hidden_layers: transformers slides layer i >= max_window_layers); "
-                "csbp has no sliding-window layers (fix: use a checkpoint whose layers all use full attention)"
-            )
-        num_kv_heads = qwen_kv_heads(hf_config, num_heads, architectures[0])
-        derived = sizes["hidden_size"] // num_heads
-        head_dim = qwen_head_dim(hf_config, QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else derived)
-    else:  # LlamaConfig: a missing or null count or head_dim is derived from the heads
-        _check_llama_heads(sizes["hidden_size"], num_heads, "config.json hidden_size", "num_attention_heads")
-        num_kv_heads = positive_int(hf_config, "num_key_value_heads") or num_heads
-        head_dim = positive_int(hf_config, "head_dim") or sizes["hidden_size"] // num_heads
+    num_kv_heads, head_dim = attention_shape(arch, hf_config, sizes, architectures[0])
     rope_theta, rope_scaling = rope_from_hf(hf_config)
     return DecoderConfig(
         vocab_size=sizes["vocab_size"],
         hidden_size=sizes["hidden_size"],
         intermediate_size=sizes["intermediate_size"],
         num_layers=sizes["num_hidden_layers"],
-        num_heads=num_heads,
+        num_heads=sizes["num_attention_heads"],
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rope_theta=rope_theta,
@@ -151,26 +129,6 @@ def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
         qkv_bias=arch == "qwen2",
         mlp_bias=flag(hf_config, "mlp_bias") if arch == "llama" else False,
     )
-
-
-def positive_int(hf_config: dict[str, Any], field: str) -> int | None:
-    """``hf_config[field]`` as transformers' typed configs take it, a positive JSON integer (a string or
-    float is refused, never converted); None when absent or null."""
-    value = hf_config.get(field)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"config.json {field} must be a positive integer, got {value!r}")
-    return value
-
-
-def flag(hf_config: dict[str, Any], field: str, default: bool = False) -> bool:
-    """``hf_config[field]``, true or false (absent or null: ``default``); a string such as ``"false"`` is
-    refused, never read as true."""
-    value = hf_config.get(field)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ValueError(f"config.json {field} must be true or false, got {value!r}")
-    return value
 
 
 def _number(value: Any, field: str, default: float) -> float:
@@ -191,66 +149,6 @@ def rms_norm_eps(hf_config: dict[str, Any]) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < math.inf:
         raise ValueError(f"config.json rms_norm_eps must be a positive number, got {eps!r}")
     return float(eps)
-
-
-def qwen_kv_heads(hf_config: dict[str, Any], num_heads: int, what: str) -> int:
-    """``num_key_value_heads`` as transformers' ``Qwen2Config``/``Qwen3Config`` read it: absent is
-    :data:`QWEN_DEFAULT_KV_HEADS` (refused unless the attention heads are that many: the usual cause is a
-    config that meant its heads, and the k_proj shapes would be the first error), ``null`` is the
-    attention heads. ``what`` names the class in the message."""
-    if "num_key_value_heads" in hf_config and hf_config["num_key_value_heads"] is None:
-        return num_heads
-    count = positive_int(hf_config, "num_key_value_heads")
-    if count is None and num_heads != QWEN_DEFAULT_KV_HEADS:
-        raise ValueError(
-            f"config.json has no num_key_value_heads: transformers reads a {what} config without it "
-            f"as {QWEN_DEFAULT_KV_HEADS} KV heads, not the {num_heads} attention heads (fix: add "
-            "num_key_value_heads, the checkpoint's k_proj rows / head_dim)"
-        )
-    return count or QWEN_DEFAULT_KV_HEADS
-
-
-def qwen_head_dim(hf_config: dict[str, Any], default: int) -> int:
-    """``head_dim`` of a Qwen config: absent is ``default`` (``Qwen3Config``: 128; Qwen2 derives it);
-    ``null`` is refused (transformers 5 refuses it for Qwen3, and its Qwen2/Qwen3 attention would build
-    ``heads x None`` projections)."""
-    if "head_dim" in hf_config and hf_config["head_dim"] is None:
-        raise ValueError(
-            "config.json head_dim is null, which transformers' Qwen models cannot build "
-            f"(fix: set it, or remove it for the default {default})"
-        )
-    return positive_int(hf_config, "head_dim") or default
-
-
-def qwen_layer_types(hf_config: dict[str, Any], num_layers: int) -> list[str]:
-    """Each layer's attention kind as transformers' ``Qwen2Config``/``Qwen3Config`` read it (5.x, and 4.x
-    since it has ``layer_types``): ``layer_types`` when given (it must list ``num_layers`` known kinds), else
-    layer ``i`` is ``sliding_attention`` when ``use_sliding_window`` is true, ``sliding_window`` is not null
-    (absent: 4096) and ``i >= max_window_layers`` (absent: 28)."""
-    given = hf_config.get("layer_types")
-    if given is not None:
-        if not isinstance(given, list) or len(given) != num_layers or any(t not in LAYER_TYPES for t in given):
-            raise ValueError(
-                f"config.json layer_types must list num_hidden_layers={num_layers} entries of {list(LAYER_TYPES)}, "
-                f"got {given!r}"
-            )
-        return list(given)
-    if qwen_sliding_window(hf_config) is None:
-        return [LAYER_TYPES[0]] * num_layers
-    first = hf_config.get("max_window_layers", QWEN_DEFAULT_MAX_WINDOW_LAYERS)
-    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
-        raise ValueError(f"config.json max_window_layers must be an integer >= 0, got {first!r}")
-    return [LAYER_TYPES[1] if i >= first else LAYER_TYPES[0] for i in range(num_layers)]
-
-
-def qwen_sliding_window(hf_config: dict[str, Any]) -> int | None:
-    """``sliding_window`` as transformers' Qwen configs keep it: None unless ``use_sliding_window`` is
-    true (absent: 4096)."""
-    if not flag(hf_config, "use_sliding_window"):
-        return None
-    if "sliding_window" not in hf_config:
-        return QWEN_DEFAULT_SLIDING_WINDOW
-    return positive_int(hf_config, "sliding_window")
 
 
 def rope_from_hf(hf_config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -431,33 +329,3 @@ def yarn_context_problem(scaling: RopeScaling | None, seq_len: int) -> YarnGap |
         )
         return YarnGap(why, factor, int(extended))
     return None
-
-
-def _check_llama_heads(hidden_size: int, num_heads: int, hidden: str, heads: str) -> None:
-    """transformers 5's ``LlamaConfig`` refuses a ``hidden_size`` that ``num_attention_heads`` does not
-    divide, even with an explicit ``head_dim``."""
-    if hidden_size % num_heads:
-        raise ValueError(
-            f"{hidden}={hidden_size} is not a multiple of {heads}={num_heads}, which transformers' LlamaConfig "
-            "refuses even with head_dim set (fix: use arch qwen3, or sizes that divide)"
-        )
-
-
-def check_exportable(config: DecoderConfig) -> None:
-    """Each family's fixed layout (the HF class would build different modules otherwise), and the sizes
-    its transformers config accepts."""
-    if config.arch == "qwen3" and (not config.qk_norm or config.mlp_bias or config.qkv_bias):
-        raise ValueError(
-            "arch='qwen3' export needs qk_norm=True, mlp_bias=False and qkv_bias=False (HF Qwen3 layout)"
-        )
-    if config.arch == "llama" and (config.qk_norm or config.qkv_bias):
-        raise ValueError("arch='llama' export needs qk_norm=False and qkv_bias=False (HF Llama layout)")
-    if config.arch == "llama":
-        _check_llama_heads(config.hidden_size, config.num_heads, "arch='llama' export: hidden_size", "num_heads")
-    if config.arch == "qwen2" and (
-        config.qk_norm or config.mlp_bias or config.attention_bias or not config.qkv_bias
-    ):
-        raise ValueError(
-            "arch='qwen2' export needs qkv_bias=True, attention_bias=False, qk_norm=False and mlp_bias=False "
-            "(HF Qwen2 has q/k/v biases only)"
-        )

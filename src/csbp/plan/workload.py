@@ -345,13 +345,13 @@ def hf_workload(
 
 
 QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
-"""transformers' Qwen2/Qwen3 default: the first 28 layers attend fully (``csbp.models.hf_config`` keeps the
+"""transformers' Qwen2/Qwen3 default: the first 28 layers attend fully (``csbp.models.hf_families`` keeps the
 same; not imported here, the planner needs no torch)."""
 
 
 def _sliding_layer_count(cfg: dict[str, Any], layers: int, file: Path) -> int:
     """How many of ``layers`` slide, as transformers' Qwen2/Qwen3 configs say (and csbp's importer reads
-    them, ``csbp.models.hf_config.qwen_layer_types``): ``layer_types`` when given; else, under
+    them, ``csbp.models.hf_families.qwen_layer_types``): ``layer_types`` when given; else, under
     ``use_sliding_window``, layers ``i >= max_window_layers`` (absent: 28): not every layer."""
     given = cfg.get("layer_types")
     if given is not None:
