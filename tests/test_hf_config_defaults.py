@@ -1,5 +1,5 @@
 """``config.json`` fields read as transformers' own config classes read them: defaults when a field is
-absent, ``null``, Qwen's sliding-window rule, for the target reader (``decoder_config_from_hf``) and
+absent, ``null``, Qwen's and Mistral's sliding-window rules, for the target reader (``decoder_config_from_hf``) and
 the DFlash drafter reader (``dflash_config_from_hf``, whose public reader builds a ``Qwen3Config``).
 
 Each case is read by csbp and by transformers' class; csbp must give the same KV heads, head size and
@@ -25,13 +25,14 @@ from csbp.dflash.export import dflash_config_from_hf, dflash_hf_config, export_d
 from csbp.dflash.verify import DFlashVerifyCase, build_models  # noqa: E402
 from csbp.models.hf_config import decoder_config_from_hf  # noqa: E402
 
-CLASSES = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig"}
-ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+CLASSES = {"qwen3": "Qwen3Config", "qwen2": "Qwen2Config", "llama": "LlamaConfig", "mistral": "MistralConfig"}
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                 "mistral": "MistralForCausalLM"}
 ABSENT = object()
 # num_key_value_heads, head_dim: absent, null or set; heads 4 (not Qwen's default 32 KV heads) or 32
 KV_HEADS = (ABSENT, None, 2)
 HEAD_DIMS = (ABSENT, None, 8)
-HEADS = (4, 32)
+HEADS = (4, 32)  # Mistral's default is 8 KV heads: 4 heads is refused without the field, 32 reads as GQA 4
 WINDOWS = (  # use_sliding_window, sliding_window, max_window_layers, layer_types
     {},
     {"use_sliding_window": False, "sliding_window": 3, "max_window_layers": 0},
@@ -43,6 +44,15 @@ WINDOWS = (  # use_sliding_window, sliding_window, max_window_layers, layer_type
     {"use_sliding_window": True, "sliding_window": 3, "layer_types": ["full_attention"] * 3},
     {"use_sliding_window": True, "sliding_window": 3, "layer_types": ["full_attention", "sliding_attention",
                                                                       "full_attention"]},
+)
+MISTRAL_WINDOWS = (  # every layer slides by sliding_window (absent: 4096) in sequences longer than it
+    {},  # 4096 within the default 131072 positions
+    {"sliding_window": None},
+    {"max_position_embeddings": 4096},  # the default window covers every position
+    {"sliding_window": 4096, "max_position_embeddings": 4096},
+    {"sliding_window": 4095, "max_position_embeddings": 4096},
+    {"sliding_window": 131072},
+    {"sliding_window": 131071},
 )
 
 
@@ -80,17 +90,25 @@ def transformers_reading(transformers: ModuleType, family: str, fields: dict[str
     if head_dim is None:  # Qwen2's attention would build heads x None projections
         return None
     layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    if family == "mistral" and window is not None and window < config.max_position_embeddings:
+        layer_types = ["sliding_attention"] * config.num_hidden_layers  # MistralModel windows every layer
     return config.num_key_value_heads, head_dim, layer_types, getattr(config, "sliding_window", None)
 
 
 ALL_CASES = list(itertools.product(HEADS, KV_HEADS, HEAD_DIMS, range(len(WINDOWS))))
 
 
+def family_windows(family: str) -> tuple[dict[str, Any], ...]:
+    return {"llama": ({},) * len(WINDOWS), "mistral": MISTRAL_WINDOWS}.get(family, WINDOWS)
+
+
 @pytest.mark.parametrize("family", sorted(CLASSES))
 def test_target_reader_agrees_with_transformers_or_refuses(transformers: ModuleType, family: str) -> None:
     refused = 0
-    for heads, kv_heads, head_dim, window in ALL_CASES:
-        fields = config_dict(heads, kv_heads, head_dim, WINDOWS[window] if family != "llama" else {})
+    cases = list(itertools.product(HEADS, KV_HEADS, HEAD_DIMS, family_windows(family)))
+    for heads, kv_heads, head_dim, window in cases:
+        fields = config_dict(heads, kv_heads, head_dim, window)
         expected = transformers_reading(transformers, family, fields)
         fields.update(architectures=[ARCHITECTURES[family]])
         try:
@@ -102,7 +120,8 @@ def test_target_reader_agrees_with_transformers_or_refuses(transformers: ModuleT
             if expected is not None:  # transformers reads it: csbp may only refuse what it cannot hold
                 kv, _, layer_types, _ = expected
                 no_kv = "num_key_value_heads" not in fields and kv != heads
-                assert ("sliding-window layers" in reason and "sliding_attention" in layer_types) or (
+                window_named = "sliding-window layers" in reason or "sliding_window=" in reason
+                assert (window_named and "sliding_attention" in layer_types) or (
                     "no num_key_value_heads" in reason and no_kv
                 ), (fields, reason)
             continue
@@ -110,7 +129,7 @@ def test_target_reader_agrees_with_transformers_or_refuses(transformers: ModuleT
         kv, dim, layer_types, _ = expected
         assert (config.num_kv_heads, config.head_dim) == (kv, dim), fields
         assert set(layer_types) == {"full_attention"}, fields
-    assert (refused > 0) == (family != "llama") and refused < len(ALL_CASES)  # Llama derives what is missing
+    assert (refused > 0) == (family != "llama") and refused < len(cases)  # Llama derives what is missing
 
 
 @pytest.mark.parametrize("family", sorted(CLASSES))
@@ -119,12 +138,13 @@ def test_bias_flags_and_norm_eps_are_read_as_transformers_builds_the_model(
 ) -> None:
     """``attention_bias`` and ``mlp_bias`` set in every family's config.json: csbp's decoder has exactly the
     parameters transformers' model has (Qwen2: q/k/v biases only, whatever attention_bias says; Qwen3: no
-    MLP bias), and an absent ``rms_norm_eps`` is transformers' default."""
+    MLP bias; Mistral: none), and an absent ``rms_norm_eps`` is transformers' default."""
     import torch
 
     from csbp.models.decoder import Decoder
 
-    fields = {**config_dict(4, 2, 16, {}), "attention_bias": True, "mlp_bias": True}
+    window = {"sliding_window": None} if family == "mistral" else {}  # Mistral's default window is refused
+    fields = {**config_dict(4, 2, 16, window), "attention_bias": True, "mlp_bias": True}
     hf_model = getattr(transformers, ARCHITECTURES[family])(getattr(transformers, CLASSES[family]).from_dict(dict(fields)))
     config = decoder_config_from_hf({**fields, "architectures": [ARCHITECTURES[family]]})
     ours = {f"model.{name}" for name, _ in Decoder(config, device=torch.device("meta")).named_parameters()}

@@ -349,7 +349,14 @@ def test_config_mapping_defaults_and_rope_locations() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"architectures": ["MistralForCausalLM"]}, "unsupported architectures"),
+        ({"architectures": ["GemmaForCausalLM"]}, "unsupported architectures"),
+        # MistralConfig's defaults: every layer slides by 4096 within 131072 positions, 8 KV heads
+        ({"architectures": ["MistralForCausalLM"]},
+         r"sliding_window=4096 \(absent: MistralConfig default\) is below max_position_embeddings=131072 \(absent"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": None},
+         "no num_key_value_heads: transformers reads a MistralForCausalLM config without it as 8 KV heads, not the 4"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": None, "num_key_value_heads": None},
+         "num_key_value_heads is null, which transformers' MistralConfig refuses"),
         # AutoModelForCausalLM would build a Mistral (sliding window and all) from this Llama-named config
         ({"model_type": "mistral", "sliding_window": 4}, r"model_type='mistral' does not match .*LlamaForCausalLM"),
         ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen2"}, "model_type='qwen2' does not match"),

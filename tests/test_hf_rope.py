@@ -1,4 +1,4 @@
-"""Qwen2 and RoPE scaling (linear, llama3, yarn) against transformers' own models, in float64.
+"""Qwen2, Mistral and RoPE scaling (linear, llama3, yarn) against transformers' own models, in float64.
 
 Each case builds a tiny HF model from a config (no downloads), saves it with safetensors, imports it
 with csbp and compares logits at positions far beyond ``original_max_position_embeddings`` (64), so
@@ -87,6 +87,8 @@ def make_hf_model(transformers: ModuleType, arch: str, rope: dict[str, Any] | No
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common))
     elif arch == "qwen2":
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif arch == "mistral":  # head_dim 12, not hidden / heads = 8 (as Mistral-Nemo's 128 is not 5120 / 32)
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(head_dim=12, sliding_window=None, **common))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     model = model.to(torch.float64)
@@ -135,6 +137,8 @@ CASES = [
     pytest.param("qwen2", None, True, id="qwen2-tied"),
     pytest.param("qwen2", YARN, False, id="qwen2-yarn"),
     pytest.param("llama", LLAMA3, False, id="llama-llama3"),
+    pytest.param("mistral", None, True, id="mistral-tied"),
+    pytest.param("mistral", YARN, False, id="mistral-yarn"),
     pytest.param("qwen3", YARN, False, id="qwen3-yarn"),
     pytest.param("qwen3", YARN_DEEPSEEK, True, id="qwen3-yarn-mscale-untruncated"),
     pytest.param("qwen3", YARN_FIXED_FACTOR, False, id="qwen3-yarn-attention-factor"),
@@ -153,6 +157,7 @@ def test_import_matches_transformers_logits(
     assert config.qkv_bias == (arch == "qwen2") and not config.attention_bias
     assert config.rope_scaling == RopeScaling.from_dict(rope or {})
     assert model.embed_tokens.weight.dtype == torch.float64
+    assert config.head_dim == {"qwen3": 16, "mistral": 12}.get(arch, 8)
     if arch == "qwen2":
         attention = model.layers[0].self_attn
         assert attention.q_proj.bias is not None and attention.o_proj.bias is None
@@ -192,7 +197,10 @@ def test_export_loads_in_transformers_with_the_same_logits(
         out, attn_implementation="eager", dtype=torch.float64, local_files_only=True
     ).eval()
     assert type(hf_model).__name__ == {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                       "llama": "LlamaForCausalLM"}[arch]
+                                       "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}[arch]
+    if arch == "mistral":  # MistralConfig would read an absent window as 4096
+        assert written["sliding_window"] is None and hf_model.config.sliding_window is None
+        assert "attention_bias" not in written and "mlp_bias" not in written  # no such MistralConfig fields
     expected_rope = {"rope_theta": 2500.0, **(rope or {"rope_type": "default"})}
     assert {k: hf_model.config.rope_parameters.get(k) for k in expected_rope} == expected_rope
     if rope is not None:
@@ -316,6 +324,10 @@ def test_export_refuses_layouts_its_family_cannot_hold(tmp_path: Path) -> None:
         (dict(arch="qwen2", qk_norm=False, attention_bias=True), "qkv_bias=True"),
         (dict(arch="llama", qk_norm=False, qkv_bias=True), "qkv_bias=False"),
         (dict(arch="qwen3", qkv_bias=True), "qkv_bias=False"),
+        (dict(arch="mistral"), "arch='mistral' export needs qk_norm=False"),  # DecoderConfig's default is True
+        (dict(arch="mistral", qk_norm=False, attention_bias=True), "attention_bias=False"),
+        (dict(arch="mistral", qk_norm=False, qkv_bias=True), "qkv_bias=False"),
+        (dict(arch="mistral", qk_norm=False, mlp_bias=True), "mlp_bias=False"),
     ]:
         config = DecoderConfig(**shape, **fields)
         with pytest.raises(ValueError, match=message):

@@ -1,4 +1,4 @@
-"""Shape and numerics configuration of the Qwen3/Qwen2/Llama-family decoder (``csbp.models.decoder``).
+"""Shape and numerics configuration of the Qwen3/Qwen2/Llama/Mistral-family decoder (``csbp.models.decoder``).
 
 One frozen dataclass, validated on construction, shared by the decoder, the HF importer/exporter
 and anything that needs to size a model (memory estimates, optimizer groups).
@@ -12,7 +12,7 @@ from typing import Literal
 
 from csbp.models.rope import RopeScaling
 
-SUPPORTED_ARCHS: tuple[str, ...] = ("qwen3", "qwen2", "llama")
+SUPPORTED_ARCHS: tuple[str, ...] = ("qwen3", "qwen2", "llama", "mistral")
 
 
 @dataclass(frozen=True)
@@ -30,11 +30,11 @@ class DecoderConfig:
         rope_theta: RoPE base wavelength.
         rope_scaling: RoPE scaling rule (``linear``, ``llama3``, ``yarn``); None: plain RoPE.
         rms_norm_eps: epsilon of every RMSNorm.
-        qk_norm: per-head RMSNorm of queries and keys before RoPE (Qwen3); False for Llama.
+        qk_norm: per-head RMSNorm of queries and keys before RoPE (Qwen3); False for Llama and Mistral.
         tie_embeddings: the LM head reuses the token embedding matrix.
         arch: Hugging Face family used on export (``qwen3`` needs ``qk_norm=True`` and
             ``mlp_bias=False``; ``llama`` needs ``qk_norm=False``; ``qwen2`` needs ``qkv_bias=True``
-            and no q/k norm, o bias or MLP bias).
+            and no q/k norm, o bias or MLP bias; ``mistral`` needs no q/k norm and no biases).
         attention_bias: biases on the q/k/v/o projections (HF Llama/Qwen3 ``attention_bias``).
         qkv_bias: biases on the q/k/v projections only, none on o (Qwen2); exclusive with
             ``attention_bias``.
@@ -52,7 +52,7 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-6
     qk_norm: bool = True
     tie_embeddings: bool = False
-    arch: Literal["qwen3", "qwen2", "llama"] = "qwen3"
+    arch: Literal["qwen3", "qwen2", "llama", "mistral"] = "qwen3"
     attention_bias: bool = False
     mlp_bias: bool = False
     qkv_bias: bool = False

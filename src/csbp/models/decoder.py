@@ -1,4 +1,4 @@
-"""Qwen3/Qwen2/Llama-family decoder whose attention is supplied from outside.
+"""Qwen3/Qwen2/Llama/Mistral-family decoder whose attention is supplied from outside.
 
 The model holds the parameters and the row-local math only (embedding, RMSNorm, q/k/v/o
 projections, optional per-head q/k norm, RoPE from explicit positions, SwiGLU MLP, LM head). The

@@ -1,16 +1,18 @@
-"""Translation between a Hugging Face ``config.json`` and ``DecoderConfig`` (Qwen3, Qwen2, Llama).
+"""Translation between a Hugging Face ``config.json`` and ``DecoderConfig`` (Qwen3, Qwen2, Llama, Mistral).
 
 Families and what each implies:
 
-========  ====================  ==========  ===================  ====================
-arch      HF class              q/k norm    attention biases     default ``head_dim``
-========  ====================  ==========  ===================  ====================
-qwen3     ``Qwen3ForCausalLM``  yes         q/k/v/o if           128
-                                            ``attention_bias``
-qwen2     ``Qwen2ForCausalLM``  no          q/k/v always, no o   hidden / heads
-llama     ``LlamaForCausalLM``  no          q/k/v/o if           hidden / heads
-                                            ``attention_bias``
-========  ====================  ==========  ===================  ====================
+========  ======================  ==========  ===================  ====================  ==============
+arch      HF class                q/k norm    attention biases     default ``head_dim``  default KV
+                                                                                         heads
+========  ======================  ==========  ===================  ====================  ==============
+qwen3     ``Qwen3ForCausalLM``    yes         q/k/v/o if           128                   32
+                                              ``attention_bias``
+qwen2     ``Qwen2ForCausalLM``    no          q/k/v always, no o   hidden / heads        32
+llama     ``LlamaForCausalLM``    no          q/k/v/o if           hidden / heads        heads
+                                              ``attention_bias``
+mistral   ``MistralForCausalLM``  no          none                 hidden / heads        8
+========  ======================  ==========  ===================  ====================  ==============
 
 RoPE is read as transformers reads it: the legacy ``rope_scaling`` dict wins over
 ``rope_parameters`` (transformers 4 ignores the latter); ``rope_theta`` comes from that dict,
@@ -39,11 +41,16 @@ read as transformers' ``Qwen2Config``/``Qwen3Config`` read it (``hf_families.qwe
 when given, else layer ``i`` slides when ``use_sliding_window`` is true, ``sliding_window`` is set and
 ``i >= max_window_layers`` (default 28); so ``use_sliding_window: true`` with ``max_window_layers`` covering
 every layer loads (no layer slides), and ``sliding_window``/``max_window_layers`` are ignored when
-``use_sliding_window`` is false. Missing sizes take transformers' defaults, which differ by family: a Qwen
-config without ``num_key_value_heads`` has 32 KV heads (``null``: the attention heads), refused unless its
-attention heads are 32; ``head_dim`` absent is 128 for Qwen3 and ``hidden / heads`` otherwise, ``null``
-(which transformers refuses or fails on for Qwen) is refused for Qwen
-(``csbp.models.hf_families`` holds these per-family rules). Sizes that are not positive JSON
+``use_sliding_window`` is false. Every Mistral layer slides by ``sliding_window`` (absent: ``MistralConfig``'s
+4096), and a window of ``W`` changes nothing in a sequence of at most ``W`` tokens: a Mistral config loads
+with ``sliding_window: null`` (Mistral-7B-v0.2/v0.3, Nemo) or a window of at least ``max_position_embeddings``
+(absent: 131072), and any other is refused naming both fields (so Mistral-7B-v0.1, 4096 within 32768, is);
+exports write ``sliding_window: null``. Missing sizes take transformers' defaults, which differ by family
+(table; ``csbp.models.hf_families`` has the details): a Qwen config without ``num_key_value_heads`` has 32 KV
+heads (``null``: the attention heads), refused unless its attention heads are 32, a Mistral one 8 (refused
+unless its heads are 8; ``null``, which ``MistralConfig`` refuses, too); ``head_dim`` absent is 128 for Qwen3
+and ``hidden / heads`` otherwise, ``null`` (which transformers refuses or fails on for Qwen) is refused for
+Qwen and ``hidden / heads`` for Llama and Mistral. Sizes that are not positive JSON
 integers and flags that are not JSON booleans are refused (transformers' typed configs refuse them too; a
 ``"false"`` read as Python truth would have tied the embeddings).
 """
@@ -64,6 +71,7 @@ HF_CLASS_BY_ARCH: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
 }
 ARCH_BY_HF_CLASS: dict[str, str] = {cls: arch for arch, cls in HF_CLASS_BY_ARCH.items()}
 DTYPE_NAMES: dict[torch.dtype, str] = {
@@ -125,7 +133,8 @@ def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
         qk_norm=arch == "qwen3",
         tie_embeddings=flag(hf_config, "tie_word_embeddings"),
         arch=arch,  # type: ignore[arg-type]
-        attention_bias=flag(hf_config, "attention_bias") if arch != "qwen2" else False,
+        # HF Qwen2 has q/k/v biases whatever attention_bias says, HF Mistral none (both ignore the flags)
+        attention_bias=flag(hf_config, "attention_bias") if arch in ("qwen3", "llama") else False,
         qkv_bias=arch == "qwen2",
         mlp_bias=flag(hf_config, "mlp_bias") if arch == "llama" else False,
     )
@@ -263,7 +272,9 @@ def hf_config_from_decoder(
             max_window_layers=config.num_layers,
             layer_types=["full_attention"] * config.num_layers,
         )
-    if config.arch != "qwen2":  # HF Qwen2 has q/k/v biases and no o bias whatever attention_bias says
+    if config.arch == "mistral":  # MistralConfig's absent window is 4096; csbp attends fully: none
+        hf["sliding_window"] = None
+    if config.arch in ("qwen3", "llama"):  # HF Qwen2 has q/k/v biases only, HF Mistral none, whatever it says
         hf["attention_bias"] = config.attention_bias
     if config.arch == "llama":
         hf.update(mlp_bias=config.mlp_bias, pretraining_tp=1)

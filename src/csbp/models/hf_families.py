@@ -3,11 +3,22 @@
 ``csbp.models.hf_config`` translates a whole ``config.json`` (its module docstring has the family table);
 this module holds the parts that differ by family: the attention shape a config means when
 ``num_key_value_heads`` or ``head_dim`` is absent or ``null`` (transformers' ``Qwen2Config``,
-``Qwen3Config`` and ``LlamaConfig`` each have their own defaults), the layers
+``Qwen3Config``, ``LlamaConfig`` and ``MistralConfig`` each have their own defaults), the layers
 transformers would run with a sliding window (which csbp does not implement, so a config that has one
 is refused), and the fixed layout each family's HF class builds, which an export must match
 (:func:`check_exportable`). Field readers shared with the DFlash drafter reader (:func:`positive_int`,
 :func:`flag`, the ``qwen_*`` helpers) live here too.
+
+Mistral (``MistralConfig``, transformers 5): ``num_key_value_heads`` absent is 8 (refused unless the
+attention heads are 8, as for Qwen's 32) and ``null`` is refused (its typed field is ``int``);
+``head_dim`` absent or ``null`` is ``hidden_size // num_attention_heads``, which need not divide. Every
+layer attends through ``sliding_window`` (absent: 4096; ``null``: none): the token at index ``i`` sees the
+keys ``j`` with ``i - W < j <= i`` (``masking_utils.sliding_window_overlay``; flash attention windows only
+when the keys outnumber ``W``), so a window changes nothing in a sequence of at most ``W`` tokens.
+Accepted are therefore ``sliding_window: null`` and a window of at least ``max_position_embeddings``
+(absent: 131072), the longest sequence the checkpoint declares; any other is refused naming both fields
+(:func:`check_mistral_window`). ``attention_bias``/``mlp_bias`` are ignored, as ``MistralForCausalLM``
+ignores them (it has no biases).
 """
 
 from __future__ import annotations
@@ -19,10 +30,15 @@ from csbp.models.config import DecoderConfig
 QWEN_DEFAULT_KV_HEADS = 32
 """``num_key_value_heads`` of transformers' ``Qwen2Config``/``Qwen3Config`` when config.json has none."""
 QWEN3_DEFAULT_HEAD_DIM = 128
-"""``head_dim`` of transformers' ``Qwen3Config`` when config.json has none (Qwen2/Llama derive it)."""
+"""``head_dim`` of transformers' ``Qwen3Config`` when config.json has none (Qwen2/Llama/Mistral derive it)."""
 QWEN_DEFAULT_SLIDING_WINDOW = 4096
 QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
 """``sliding_window`` / ``max_window_layers`` of transformers' Qwen configs when config.json has none."""
+MISTRAL_DEFAULT_KV_HEADS = 8
+MISTRAL_DEFAULT_SLIDING_WINDOW = 4096
+MISTRAL_DEFAULT_MAX_POSITIONS = 131072
+"""``num_key_value_heads`` / ``sliding_window`` / ``max_position_embeddings`` of transformers'
+``MistralConfig`` when config.json has none."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -62,6 +78,15 @@ def attention_shape(arch: str, hf_config: dict[str, Any], sizes: dict[str, int],
             )
         default_head_dim = QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else hidden // num_heads
         return qwen_kv_heads(hf_config, num_heads, hf_class), qwen_head_dim(hf_config, default_head_dim)
+    if arch == "mistral":
+        check_mistral_window(hf_config)
+        if "num_key_value_heads" in hf_config and hf_config["num_key_value_heads"] is None:
+            raise ValueError(
+                "config.json num_key_value_heads is null, which transformers' MistralConfig refuses "
+                "(fix: set it to the checkpoint's KV heads, its k_proj rows / head_dim)"
+            )
+        num_kv_heads = kv_heads_or_default(hf_config, num_heads, hf_class, MISTRAL_DEFAULT_KV_HEADS)
+        return num_kv_heads, positive_int(hf_config, "head_dim") or hidden // num_heads
     # LlamaConfig: a missing or null count or head_dim is derived from the heads
     check_llama_heads(hidden, num_heads, "config.json hidden_size", "num_attention_heads")
     return positive_int(hf_config, "num_key_value_heads") or num_heads, positive_int(hf_config, "head_dim") or (
@@ -135,13 +160,35 @@ def qwen_sliding_window(hf_config: dict[str, Any]) -> int | None:
     return positive_int(hf_config, "sliding_window")
 
 
+def check_mistral_window(hf_config: dict[str, Any]) -> None:
+    """Refuse a Mistral ``sliding_window`` that restricts attention within ``max_position_embeddings``
+    (module docstring): accepted are ``null`` and a window of at least ``max_position_embeddings``; an absent
+    window is ``MistralConfig``'s 4096 and an absent ``max_position_embeddings`` its 131072."""
+    absent = "sliding_window" not in hf_config
+    window = MISTRAL_DEFAULT_SLIDING_WINDOW if absent else positive_int(hf_config, "sliding_window")
+    if window is None:
+        return
+    given_longest = positive_int(hf_config, "max_position_embeddings")
+    longest = given_longest or MISTRAL_DEFAULT_MAX_POSITIONS
+    if window >= longest:
+        return
+    raise ValueError(
+        f"config.json sliding_window={window}{' (absent: MistralConfig default)' if absent else ''} is below "
+        f"max_position_embeddings={longest}{'' if given_longest else ' (absent: MistralConfig default)'}: "
+        f"transformers' Mistral attends only to the last {window} tokens of a longer sequence, and csbp has no "
+        "sliding-window attention (fix: set sliding_window: null if the checkpoint attends fully, as "
+        f"Mistral-7B-v0.2 and later do, or max_position_embeddings: {window} to use it only where the window "
+        "changes nothing)"
+    )
+
+
 def check_llama_heads(hidden_size: int, num_heads: int, hidden: str, heads: str) -> None:
     """transformers 5's ``LlamaConfig`` refuses a ``hidden_size`` that ``num_attention_heads`` does not
     divide, even with an explicit ``head_dim``."""
     if hidden_size % num_heads:
         raise ValueError(
             f"{hidden}={hidden_size} is not a multiple of {heads}={num_heads}, which transformers' LlamaConfig "
-            "refuses even with head_dim set (fix: use arch qwen3, or sizes that divide)"
+            "refuses even with head_dim set (fix: use arch qwen3 or mistral, or sizes that divide)"
         )
 
 
@@ -162,4 +209,11 @@ def check_exportable(config: DecoderConfig) -> None:
         raise ValueError(
             "arch='qwen2' export needs qkv_bias=True, attention_bias=False, qk_norm=False and mlp_bias=False "
             "(HF Qwen2 has q/k/v biases only)"
+        )
+    if config.arch == "mistral" and (
+        config.qk_norm or config.mlp_bias or config.attention_bias or config.qkv_bias
+    ):
+        raise ValueError(
+            "arch='mistral' export needs qk_norm=False, attention_bias=False, qkv_bias=False and mlp_bias=False "
+            "(HF Mistral has no biases and no q/k norms)"
         )

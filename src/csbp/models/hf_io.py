@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint import and export for the csbp decoder (Qwen3, Qwen2 and Llama families).
+"""Hugging Face checkpoint import and export for the csbp decoder (Qwen3, Qwen2, Llama and Mistral families).
 
 A HF checkpoint directory holds ``config.json`` and ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``). Tensors are read with ``safetensors`` only: pickled weights
@@ -130,7 +130,7 @@ def generation_stop_ids(path: str | os.PathLike[str], vocab_size: int, *, mask_t
 def load_hf_checkpoint(
     path: str | os.PathLike[str], *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> tuple[Decoder, DecoderConfig]:
-    """Load a local HF Qwen3/Qwen2/Llama checkpoint directory into a ``Decoder``.
+    """Load a local HF Qwen3/Qwen2/Llama/Mistral checkpoint directory into a ``Decoder``.
 
     Args:
         path: directory with ``config.json`` and safetensors weights.
