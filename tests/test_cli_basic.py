@@ -121,7 +121,7 @@ def test_several_problems_give_one_line_each(capsys: pytest.CaptureFixture[str])
     )
     assert code == USER_ERROR_EXIT_CODE
     assert err.splitlines() == [
-        "csbp: error: --set: model.arch: got 'gpt' (fix: use 'qwen3', 'llama' or 'qwen2')",
+        "csbp: error: --set: model.arch: got 'gpt' (fix: use 'qwen3', 'llama', 'qwen2' or 'mistral')",
         "csbp: error: --set: optim.lrr: unknown key (fix: remove it; did you mean lr?)",
     ]
 

@@ -93,7 +93,7 @@ def test_missing_required_key_names_the_field() -> None:
 def test_wrong_type_and_bad_literal() -> None:
     lines = error_lines(with_changes({"train.max_steps": "many", "model.arch": "gpt2"}))
     assert len(lines) == 2
-    assert lines[0] == "config.yaml: model.arch: got 'gpt2' (fix: use 'qwen3', 'llama' or 'qwen2')"
+    assert lines[0] == "config.yaml: model.arch: got 'gpt2' (fix: use 'qwen3', 'llama', 'qwen2' or 'mistral')"
     assert lines[1] == "config.yaml: train.max_steps: expected int, got the string 'many' (fix: set it to int: Optimizer steps)"
 
 

@@ -17,7 +17,7 @@ def test_a_list_or_mapping_for_model_arch_is_one_error_line(tmp_path: Path, valu
     lines = error_lines(tiny(tmp_path), f"model.arch={value}")
     assert len(lines) == 1
     assert lines[0].startswith("--set: model.arch: got ")
-    assert lines[0].endswith("(fix: use 'qwen3', 'llama' or 'qwen2')")
+    assert lines[0].endswith("(fix: use 'qwen3', 'llama', 'qwen2' or 'mistral')")
 
 
 @pytest.mark.parametrize(("objective", "value"), [("bd3", "0"), ("bd3", "-0.0"), ("mdlm", "0.0")])

@@ -170,7 +170,7 @@ def test_a_boolean_seq_len_on_mdlm_is_one_line_naming_seq_len() -> None:
 @pytest.mark.parametrize(
     ("arch", "defaults"),
     [(None, (1e6, 1e-6, True, False)), ("qwen3", (1e6, 1e-6, True, False)), ("qwen2", (1e6, 1e-6, False, False)),
-     ("llama", (5e5, 1e-5, False, False))],
+     ("llama", (5e5, 1e-5, False, False)), ("mistral", (1e6, 1e-5, False, False))],
 )
 def test_a_from_scratch_model_takes_its_archs_defaults(arch: str | None, defaults: tuple[Any, ...]) -> None:
     # no arch key is qwen3, whose defaults are filled (llama's would then contradict qwen3's query/key norms);

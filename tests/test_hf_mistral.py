@@ -198,3 +198,19 @@ def test_a_run_from_a_mistral_checkpoint_exports_a_mistral(
     assert trained_away > 1e-4  # the export holds the trained weights, not the source's
     torch.testing.assert_close(csbp_logits(model, ids, torch.arange(32)), theirs, rtol=0, atol=1e-5)
 
+
+def test_a_from_scratch_mistral_takes_the_family_layout(artifact: Path) -> None:
+    config = decoder_config_for_run(tiny_config(artifact, **{"model.arch": "mistral"}), open_artifact(artifact))
+    assert (config.arch, config.qk_norm, config.qkv_bias, config.attention_bias, config.rope_theta,
+            config.rms_norm_eps) == ("mistral", False, False, False, 1e6, 1e-5)
+
+
+def test_generate_and_eval_bound_positions_by_mistral_configs_default(transformers: ModuleType, tmp_path: Path) -> None:
+    """A Mistral config.json without max_position_embeddings has MistralConfig's 131072 (not Qwen3's 32768)."""
+    from csbp.generation.run_settings import position_limit
+
+    (tmp_path / "config.json").write_text(json.dumps(MISTRAL_7B_V03))
+    edit_config(tmp_path, max_position_embeddings=ABSENT)
+    limit, where = position_limit(tmp_path)
+    assert limit == transformers.MistralConfig().max_position_embeddings == 131072
+    assert where.startswith("(transformers' MistralConfig default")

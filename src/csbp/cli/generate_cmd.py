@@ -8,7 +8,7 @@ Examples::
     csbp generate --model ckpt/ --prompt "Hi" --objective fast_dllm_v2 --block-size 32 --threshold 0.9
 
 ``--model`` is a Hugging Face checkpoint directory (a run's ``final/`` export or any local
-Qwen3/Qwen2/Llama checkpoint ``csbp.models.hf_io.load_hf_checkpoint`` reads); its tokenizer is read
+Qwen3/Qwen2/Llama/Mistral checkpoint ``csbp.models.hf_io.load_hf_checkpoint`` reads); its tokenizer is read
 from the same directory unless ``--tokenizer`` names another one. The mask token is the recorded
 ``mask_token_id`` (``csbp.generation.run_settings.trained_mask_token``, which ``csbp eval`` reads too:
 the export's ``csbp_training``, then the run's ``config.yaml``, then ``config.json``'s

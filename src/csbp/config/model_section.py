@@ -15,6 +15,8 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "qk_norm": True, "tie_embeddings": False},
     "llama": {"rope_theta": 500_000.0, "rms_norm_eps": 1e-5, "qk_norm": False, "tie_embeddings": False},
     "qwen2": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-6, "qk_norm": False, "tie_embeddings": False},
+    # Mistral-7B-v0.3's and Mistral-Nemo's
+    "mistral": {"rope_theta": 1_000_000.0, "rms_norm_eps": 1e-5, "qk_norm": False, "tie_embeddings": False},
 }
 
 
@@ -30,8 +32,9 @@ class ModelSection(_Section):
     model is the drafter, shaped by the target and ``objective.dflash``: only ``dtype`` (of the
     exported drafter) may be set."""
 
-    arch: Literal["qwen3", "llama", "qwen2"] = Field(
-        "qwen3", description="Decoder family: qwen3 (QK-norm), llama, or qwen2 (q/k/v biases)."
+    arch: Literal["qwen3", "llama", "qwen2", "mistral"] = Field(
+        "qwen3", description="Decoder family: qwen3 (QK-norm), llama, qwen2 (q/k/v biases), or mistral (no biases; "
+        "exported with sliding_window: null)."
     )
     init_from: str | None = path_field(
         None, description="Local Hugging Face checkpoint directory to initialise from (no downloads)."
@@ -48,7 +51,7 @@ class ModelSection(_Section):
     rope_theta: float | None = Field(  # 1e-300 is 0 in the float32 tables: a NaN first step, blamed on optim.lr
         None, ge=1.0, le=FLOAT32_MAX,
         description="RoPE base, from 1 (below, the channels meant for long range turn fastest) to 3.4e38 (above, "
-        "inf in float32: no channel but the first turns); unset: 1e6 for qwen3/qwen2, 5e5 for llama, or init_from's "
+        "inf in float32: no channel but the first turns); unset: 1e6 for qwen3/qwen2/mistral, 5e5 for llama, or init_from's "
         "(set: replaces it).",
     )
     rope_scaling: RopeScalingSection | None = Field(
@@ -59,11 +62,11 @@ class ModelSection(_Section):
     rms_norm_eps: float | None = Field(
         None, gt=0, le=FLOAT32_MAX,
         description="RMSNorm epsilon, at most 3.4e38 (above, inf in float32: every norm outputs 0); unset: "
-        "1e-6 for qwen3, 1e-5 for llama, or init_from's.",
+        "1e-6 for qwen3/qwen2, 1e-5 for llama/mistral, or init_from's.",
     )
     qk_norm: bool | None = Field(
-        None, description="RMSNorm on queries and keys per head: true for qwen3, false for llama and qwen2 (each "
-        "family's HF layout; unset: that)."
+        None, description="RMSNorm on queries and keys per head: true for qwen3, false for llama, qwen2 and mistral "
+        "(each family's HF layout; unset: that)."
     )
     tie_embeddings: bool | None = Field(
         None, description="Share the input embedding with the LM head; unset: false (or init_from)."

@@ -225,7 +225,12 @@ def beyond_training_note(command: str, settings: dict[str, Any], used: int, fix:
     )
 
 
-HF_DEFAULT_POSITIONS = {"qwen3": ("Qwen3Config", 32768), "qwen2": ("Qwen2Config", 32768), "llama": ("LlamaConfig", 2048)}
+HF_DEFAULT_POSITIONS = {
+    "qwen3": ("Qwen3Config", 32768),
+    "qwen2": ("Qwen2Config", 32768),
+    "llama": ("LlamaConfig", 2048),
+    "mistral": ("MistralConfig", 131072),
+}
 """``max_position_embeddings`` transformers reads for a config.json that sets none (its config class's
 default, by ``model_type``); csbp's exports always write one."""
 

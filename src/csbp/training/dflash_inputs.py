@@ -206,7 +206,7 @@ def read_target_config(target_dir: Path) -> DecoderConfig:
     return _field(
         "objective.dflash.target",
         lambda: decoder_config_from_hf(hf_config),
-        "use a Qwen3, Qwen2 or Llama checkpoint directory",
+        "use a Qwen3, Qwen2, Llama or Mistral checkpoint directory",
     )
 
 

@@ -4,7 +4,7 @@ Two ways in:
 
 * from scratch: the shape fields of ``cfg.model`` (``vocab_size`` unset: the artifact's tokenizer
   vocabulary), weights drawn by ``Decoder(..., seed=run.seed)``;
-* ``model.init_from``: a local Hugging Face Qwen3/Qwen2/Llama checkpoint directory (safetensors
+* ``model.init_from``: a local Hugging Face Qwen3/Qwen2/Llama/Mistral checkpoint directory (safetensors
   only). Shape fields left unset come from its ``config.json``; fields that are set must agree with
   it, except ``model.rope_theta`` and ``model.rope_scaling``, which replace the checkpoint's RoPE
   (how a short-context checkpoint is trained on longer sequences; the export records the new RoPE).
