@@ -162,3 +162,23 @@ def test_only_the_layers_transformers_slides_are_planned_with_a_window(tmp_path:
     reference = Qwen2Config(**{k: v for k, v in {**base, **config}.items() if not k.startswith("_")})
     sliding = sum(kind == "sliding_attention" for kind in reference.layer_types)
     assert sum(g.count for g in planned if g.window) == sliding  # what transformers builds
+
+
+@pytest.mark.parametrize(
+    ("fields", "kv_heads", "window"),
+    [
+        ({}, 8, 4096),  # MistralConfig: 8 K/V heads and a 4096-token window on every layer when absent
+        ({"sliding_window": None, "num_key_value_heads": 4}, 4, 0),  # null: every layer attends fully
+        ({"sliding_window": 32768}, 8, 32768),
+    ],
+)
+def test_a_mistral_config_is_planned_as_transformers_reads_it(tmp_path: Path, fields: dict, kv_heads: int, window: int) -> None:
+    """Read as a Qwen config, an absent window meant full attention and absent K/V heads the query heads."""
+    from csbp.plan.workload import hf_workload
+
+    config = {key: value for key, value in CONFIG.items() if key not in ("num_key_value_heads", "head_dim")}
+    path = tmp_path / "config.json"
+    mistral = {**config, "num_attention_heads": 16, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
+    path.write_text(json.dumps({**mistral, **fields}))
+    (group,) = hf_workload(path).model.groups
+    assert (group.count, group.n_kv_heads, group.window, group.head_dim) == (12, kv_heads, window, 96)

@@ -175,8 +175,8 @@ def check_mistral_window(hf_config: dict[str, Any]) -> None:
     raise ValueError(
         f"config.json sliding_window={window}{' (absent: MistralConfig default)' if absent else ''} is below "
         f"max_position_embeddings={longest}{'' if given_longest else ' (absent: MistralConfig default)'}: "
-        f"transformers' Mistral attends only to the last {window} tokens of a longer sequence, and csbp has no "
-        "sliding-window attention (fix: set sliding_window: null if the checkpoint attends fully, as "
+        f"transformers' Mistral attends only to the last {window} tokens of a longer sequence, and csbp imports "
+        "only checkpoints that attend fully (topology.window is a run's own choice, not read from checkpoints) (fix: set sliding_window: null if the checkpoint attends fully, as "
         f"Mistral-7B-v0.2 and later do, or max_position_embeddings: {window} to use it only where the window "
         "changes nothing)"
     )

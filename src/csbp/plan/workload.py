@@ -305,15 +305,21 @@ def hf_workload(
         return value
 
     d, heads = size("hidden_size"), size("num_attention_heads")
-    kv_heads = size("num_key_value_heads", heads)
+    mistral = cfg.get("model_type") == "mistral"
+    kv_heads = size("num_key_value_heads", MISTRAL_DEFAULT_KV_HEADS if mistral else heads)
     if heads % kv_heads:
         raise ValueError(
             f"{file}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads} (fix: a "
             "num_key_value_heads that divides it: each K/V head serves a whole group of query heads)"
         )
     layers, head_dim = size("num_hidden_layers"), size("head_dim", max(d // heads, 1))
-    sliding_layers = _sliding_layer_count(cfg, layers, file)
-    window = size("sliding_window", 4096) if sliding_layers else 0  # transformers' Qwen default when absent
+    if mistral:  # every layer slides (absent: MistralConfig's 4096), none with sliding_window: null
+        null = "sliding_window" in cfg and cfg["sliding_window"] is None
+        window = 0 if null else size("sliding_window", MISTRAL_DEFAULT_SLIDING_WINDOW)
+        sliding_layers = layers if window else 0
+    else:
+        sliding_layers = _sliding_layer_count(cfg, layers, file)
+        window = size("sliding_window", 4096) if sliding_layers else 0  # transformers' Qwen default when absent
     groups = tuple(
         LayerGroup(count, heads, kv_heads, head_dim, layer_window)
         for count, layer_window in ((layers - sliding_layers, 0), (sliding_layers, window))
@@ -345,6 +351,9 @@ def hf_workload(
 
 
 QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
+MISTRAL_DEFAULT_KV_HEADS, MISTRAL_DEFAULT_SLIDING_WINDOW = 8, 4096
+"""transformers' ``MistralConfig`` values of an absent ``num_key_value_heads`` and ``sliding_window`` (the
+importer's ``csbp.models.hf_families`` has the same; repeated here, as the planner needs no torch)."""
 """transformers' Qwen2/Qwen3 default: the first 28 layers attend fully (``csbp.models.hf_families`` keeps the
 same; not imported here, the planner needs no torch)."""
 
