@@ -41,8 +41,8 @@ $(DEMO_ARTIFACT)/manifest.json: $(STAMP)
 	$(CSBP) data prepare --demo-corpus --out $(DEMO_ARTIFACT) --seq-len 64 --train-tokenizer \
 		--vocab-size 4096 --val-fraction 0.05 --overwrite
 
-# The main job: BD3 (blocks of 4) with CSBP (cp=2, bp=2) on 2 CPU processes; ends with a sample,
-# the share of its words found in the corpus, and `val_loss: <first> -> <last>`. The prompt is a
+# The main job: BD3 (blocks of 4) with CSBP (cp=2, bp=2) on 2 CPU processes; ends with 8 samples (seeds 0-7),
+# the share of their words found in the corpus (each, then pooled), and `val_loss: <first> -> <last>`. The prompt is a
 # speaker line as the plays write it (name, full stop, newline) and the first words of a speech,
 # with no trailing space (the corpus attaches spaces to the next word). Each `make demo` starts
 # runs/demo afresh.
