@@ -96,14 +96,20 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.evaluation.parallel import eval_topology, evaluate_parallel
     from csbp.evaluation.runner import check_scored_tokens
     from csbp.evaluation.settings import run_config_settings
+    from csbp.generation.run_settings import beyond_training_note
     from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
 
     check_layout_flags(args.cp, args.bp)  # before loading anything
     if args.nproc is None:  # one layout's processes, as csbp train defaults to its topology's world size
         args.nproc = max(args.cp, args.bp)
     model_dir: Path = check_model_directory(args.model)
-    notes = check_trained_overrides("eval", args, model_dir, run_config_settings(model_dir))
+    trained = run_config_settings(model_dir)
+    notes = check_trained_overrides("eval", args, model_dir, trained)
     artifact = open_artifact(args.data)
+    if not trained.get("reset_positions"):  # rows of seq_len tokens run positions 0 .. seq_len - 1
+        fix = f"data prepared with --seq-len {trained.get('seq_len')} stays inside"
+        note = beyond_training_note("eval", trained, artifact.seq_len, fix)
+        notes += [note] if note is not None else []
     split = artifact.split(args.split)
     if split.num_rows == 0:
         raise ValueError(f"--split {args.split}: {args.data} has no {args.split} rows (fix: pick the other split)")
