@@ -16,7 +16,7 @@ from csbp.plan.calibration import packaged_calibration
 from csbp.plan.hardware import hardware
 from csbp.plan.layout import Layout
 from csbp.plan.model import GIB, predict
-from csbp.plan.workload import run_config_workload
+from csbp.plan.run_config_workload import run_config_workload
 from csbp.recipes import load_run_config
 from csbp.training import launch_training, memory_forecast
 from csbp.training import launcher as launcher_module

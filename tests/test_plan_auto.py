@@ -89,7 +89,7 @@ def test_plan_prices_a_run_configs_gradient_accumulation(
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if re.match(r"\s+1 dp2/cp2/bp2", line))
     cfg = load_run_config("demo", [*overrides, "topology.dp=2", "topology.cp=2", "topology.bp=2"])
-    from csbp.plan.workload import run_config_workload
+    from csbp.plan.run_config_workload import run_config_workload
 
     workload = run_config_workload(cfg)
     layout = Layout(2, 2, 2, transport=row.split()[2], micro_batch=2, sharding="ddp")

@@ -17,7 +17,8 @@ from csbp.plan.calibration import packaged_calibration
 from csbp.plan.hardware import hardware
 from csbp.plan.layout import Layout
 from csbp.plan.model import predict
-from csbp.plan.workload import preset_workload, run_config_workload
+from csbp.plan.run_config_workload import run_config_workload
+from csbp.plan.workload import preset_workload
 from csbp.recipes import load_run_config
 from csbp.training.model_factory import master_dtype
 

@@ -1,4 +1,4 @@
-"""``csbp plan`` of a run config (``plan.workload.run_config_workload``): the model it prices is the one
+"""``csbp plan`` of a run config (``plan.run_config_workload``): the model it prices is the one
 csbp trains. References are csbp's own builders (``decoder_config_for_run``, ``drafter_config_for``
 and the modules they make, counted on the meta device) and the config fields themselves; the planner
 counts every matrix and the two norms of a layer, and leaves out the hidden, final and q/k norm
@@ -16,7 +16,8 @@ import torch
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.models.decoder import Decoder
 from csbp.models.hf_config import decoder_config_from_hf
-from csbp.plan.workload import hf_workload, run_config_workload
+from csbp.plan.run_config_workload import run_config_workload
+from csbp.plan.workload import hf_workload
 from csbp.recipes import load_run_config
 from csbp.training.dflash_inputs import drafter_config_for
 from csbp.training.model_factory import decoder_config_for_run

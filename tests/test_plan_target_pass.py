@@ -24,8 +24,9 @@ from csbp.plan.calibration import packaged_calibration
 from csbp.plan.drafter import predict_drafter
 from csbp.plan.hardware import hardware
 from csbp.plan.layout import Layout
+from csbp.plan.run_config_workload import run_config_workload
 from csbp.plan.target_pass import TargetPass, target_pass_cost
-from csbp.plan.workload import LayerGroup, ModelShape, preset_workload, run_config_workload
+from csbp.plan.workload import LayerGroup, ModelShape, preset_workload
 from csbp.recipes import load_run_config
 
 TARGET = DecoderConfig(

@@ -269,7 +269,7 @@ def test_the_memory_bound_and_the_planner_count_the_averages_copy(artifact: Path
     from csbp.plan.hardware import hardware
     from csbp.plan.layout import Layout
     from csbp.plan.model import predict
-    from csbp.plan.workload import run_config_workload
+    from csbp.plan.run_config_workload import run_config_workload
     from csbp.training.memory_fit import check_state_fits, state_bytes
     from csbp.training.preflight import check_run
 

@@ -40,6 +40,7 @@ from csbp.plan.hardware import PRESETS, hardware
 from csbp.plan.layout import MAX_DEVICES, Layout, parse_topology
 from csbp.plan.planner_memory import check_planner_memory
 from csbp.plan.remedy import Search, nothing_fits
+from csbp.plan.run_config_workload import run_config_workload
 from csbp.plan.search import (
     Plan,
     candidate_layouts,
@@ -50,14 +51,7 @@ from csbp.plan.search import (
     transports_for,
 )
 from csbp.plan.target_pass import TARGET_PASSES
-from csbp.plan.workload import (
-    OBJECTIVES,
-    Workload,
-    hf_workload,
-    preset_names,
-    preset_workload,
-    run_config_workload,
-)
+from csbp.plan.workload import OBJECTIVES, Workload, hf_workload, preset_names, preset_workload
 
 if TYPE_CHECKING:
     from csbp.config.schema import RunConfig

@@ -3,8 +3,8 @@ cost model (pure Python and NumPy: importable without torch; only ``--doc-length
 drawn by csbp's own torch helper, import it).
 
 Modules: ``hardware`` (presets with sources), ``workload`` (model and objective shapes),
-``layout`` (a candidate), ``model`` (decoder cost terms), ``drafter`` (DFlash terms),
-``documents`` (packed documents: their per-rank counts),
+``run_config_workload`` (those of a run config), ``layout`` (a candidate), ``model`` (decoder cost
+terms), ``drafter`` (DFlash terms), ``documents`` (packed documents: their per-rank counts),
 ``calibration`` (efficiency factors, files), ``fit`` (fitting them to published runs or to
 ``csbp bench`` output), ``search`` (enumerate and rank), ``auto`` (``topology: auto``).
 """

@@ -33,8 +33,8 @@ from csbp.plan.hardware import PRESETS, hardware
 from csbp.plan.layout import Checkpointing, Layout, Sharding
 from csbp.plan.model import GIB, collective_overlap
 from csbp.plan.remedy import AUTO_SETTINGS, Search, nothing_fits
+from csbp.plan.run_config_workload import run_config_workload
 from csbp.plan.search import candidate_layouts, describe, rank
-from csbp.plan.workload import run_config_workload
 from csbp.wording import counted
 
 if TYPE_CHECKING:

@@ -33,8 +33,9 @@ from csbp.plan.hardware import hardware
 from csbp.plan.layout import Layout
 from csbp.plan.model import predict
 from csbp.plan.remedy import AUTO_SETTINGS, Search, remedies
+from csbp.plan.run_config_workload import run_config_workload
 from csbp.plan.search import candidate_layouts, describe, rank
-from csbp.plan.workload import Workload, run_config_workload
+from csbp.plan.workload import Workload
 from csbp.wording import counted, size
 
 FORECAST_SETTINGS = {**AUTO_SETTINGS, "gpus": "{gpus} processes in all (--nproc x --nnodes)"}
