@@ -24,7 +24,7 @@ import yaml
 
 from csbp.cli.main import main
 from csbp.data.artifact import content_fingerprint, open_artifact
-from csbp.data.prepare import write_manifest
+from csbp.data.prepare_manifest import write_manifest
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import export_hf_checkpoint

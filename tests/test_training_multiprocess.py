@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from csbp.data import PackedLoader, open_artifact
 from csbp.data.artifact import content_fingerprint
-from csbp.data.prepare import write_manifest
+from csbp.data.prepare_manifest import write_manifest
 from csbp.gpu.flops import bd3_step_flops
 from csbp.parallel.launch import run_local
 from csbp.training import TrainingFailed, launch_training, train

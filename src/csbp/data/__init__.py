@@ -1,9 +1,10 @@
 """Training data: parse sources, tokenize once, pack into memory-mapped artifacts, load batches.
 
 Modules: ``sources`` (JSONL/TXT/Parquet readers), ``tokenizer`` (load or train, fingerprints),
-``packing`` + ``prepare`` + ``mask_checks`` (``csbp data prepare``), ``artifact`` (on-disk
-layout, ``open_artifact``), ``loader`` (``PackedLoader``: deterministic, resumable, dp-sharded),
-``report`` (inspect/stats text), ``corpus`` (the Shakespeare demo corpus).
+``packing`` + ``prepare`` + ``prepare_inputs`` + ``prepare_manifest`` + ``mask_checks`` (``csbp data
+prepare``), ``artifact`` (on-disk layout, ``open_artifact``), ``loader`` (``PackedLoader``:
+deterministic, resumable, dp-sharded), ``report`` (inspect/stats text), ``corpus`` (the Shakespeare
+demo corpus).
 """
 
 from __future__ import annotations

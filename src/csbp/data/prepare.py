@@ -2,17 +2,18 @@
 
 Tokenization happens here only, never in the training loop. The steps:
 
-1. parse every input (``sources.py``) and count documents; empty ones are skipped and counted;
-   chat records that would need a role marker a given tokenizer lacks are refused here;
+1. parse every input (``sources.py``) and count documents (``prepare_inputs.py``); empty ones are
+   skipped and counted; chat records that would need a role marker a given tokenizer lacks are
+   refused here;
 2. split documents (not rows) into train/val: ``round(val_fraction * N)`` documents, at least one
    when ``val_fraction > 0`` and ``N >= 2``, chosen by a permutation seeded with ``seed``
    (``chat_documents="turn"``: the documents a chat record becomes, one per assistant turn, are
    made at encoding and go to its split);
 3. load the tokenizer, or train a byte-level BPE on the train documents;
 4. encode and pack each split (``packing.py``; in chunks, in ``workers`` processes with
-   ``encode_pool.py``, the same bytes for any number), write ``tokenizer.json`` and ``manifest.json``;
-   a train split of fewer tokens than ``seq_len`` (one row of mostly padding) is refused before its
-   padding is written;
+   ``encode_pool.py``, the same bytes for any number), write ``tokenizer.json`` and ``manifest.json``
+   (``prepare_manifest.py``); a train split of fewer tokens than ``seq_len`` (one row of mostly
+   padding) is refused before its padding is written;
 5. refuse the result if an input's size or modification time changed since step 1 (the inputs are
    read once per step, and a file still being written would give each step other documents).
 
@@ -36,7 +37,6 @@ Usage::
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import closing
@@ -46,38 +46,29 @@ from typing import Any
 
 import numpy as np
 
-import csbp
 from csbp.atomic import OutputExistsError, Ownership, check_replaceable, publish_directory
-from csbp.data.artifact import (
-    ARRAY_DTYPES,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    SPLITS,
-    TOKENIZER_FILE,
-    array_file_name,
-    content_fingerprint,
-    max_token_id,
-)
+from csbp.data.artifact import ARRAY_DTYPES, MANIFEST_NAME, SPLITS, TOKENIZER_FILE, array_file_name
 from csbp.data.chat_template import ChatTemplate, resolve_chat_template
 from csbp.data.encode_pool import Chunk, encoded_chunks, max_workers
-from csbp.data.mask_checks import (
-    check_mask_token_of_its_own,
-    mask_fix,
-    mask_in_text_message,
-    shared_mask_message,
-)
+from csbp.data.mask_checks import check_mask_token_of_its_own, mask_fix, shared_mask_message
 from csbp.data.packing import (
     PackedSplitWriter,
     SplitCounts,
     TurnTally,
     encode_documents,
     reasoning_refusal,
-    role_marker_message,
     turn_documents,
     unsupervised_rows_note,
 )
-from csbp.data.sources import ChatDocuments, Document, TxtMode, expand_inputs, iter_documents
+from csbp.data.prepare_inputs import (
+    check_role_markers,
+    check_unchanged,
+    count_documents,
+    file_states,
+    non_empty_documents,
+)
+from csbp.data.prepare_manifest import build_manifest, write_manifest
+from csbp.data.sources import ChatDocuments, Document, TxtMode, expand_inputs
 from csbp.data.tokenizer import (
     CsbpTokenizer,
     SpecialTokens,
@@ -198,7 +189,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         raise OutputExistsError(f"output {out_dir} already exists; choose another --out or pass --overwrite")
     out_dir = check_replaceable(out_dir, ARTIFACT_OWNERSHIP)
     files = expand_inputs(config.inputs)
-    snapshot = _file_states(files)  # the inputs are read three times: they must not change meanwhile
+    snapshot = file_states(files)  # the inputs are read three times: they must not change meanwhile
     # A given tokenizer (path, special tokens) is checked before the inputs are read.
     given = load_tokenizer(config.tokenizer_path, special=config.special) if config.tokenizer_path is not None else None
     if given is not None:
@@ -208,7 +199,7 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     # A trained tokenizer makes the mask token a special token, so its text anywhere in a document
     # would become the mask id: refused here, before training.
     literal_mask = config.special.mask if given is None else None
-    found = _count_documents(files, config.txt_mode, literal_mask)
+    found = count_documents(files, config.txt_mode, literal_mask)
     num_documents, num_empty, num_chats = found.documents, found.empty, found.chats
     template = template if num_chats else None  # recorded only when it formatted something
     if config.chat_documents == "turn" and num_chats and template is None:
@@ -236,10 +227,10 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
         build_dir.chmod(0o755)  # mkdtemp's 0700 would keep the artifact from anyone else (csbp.atomic does the same)
         counts = _write_splits(build_dir, files, config, tokenizer, val_ordinals, template, turns)
         tokenizer.save(build_dir)
-        manifest = _manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
+        manifest = build_manifest(config, files, tokenizer, counts, num_documents, num_empty, build_dir)
         manifest["chat_template"] = template.manifest_entry() if template is not None else None
         write_manifest(build_dir, manifest)
-        _check_unchanged(files, snapshot)
+        check_unchanged(files, snapshot)
         # checked again: another process may have created out_dir while this one was tokenizing
         publish_directory(
             build_dir, out_dir, overwrite=config.overwrite, owned=ARTIFACT_OWNERSHIP, shown=config.out_dir
@@ -250,75 +241,6 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     if note := unsupervised_rows_note({s: counts[s].unsupervised_rows for s in SPLITS}, {s: counts[s].rows for s in SPLITS}):
         say(note)
     return manifest
-
-
-def _file_states(files: list[Path]) -> list[tuple[int, int]]:
-    """``(size, mtime_ns)`` of each input file."""
-    return [(stat.st_size, stat.st_mtime_ns) for stat in (path.stat() for path in files)]
-
-
-def _check_unchanged(files: list[Path], before: list[tuple[int, int]]) -> None:
-    """``ValueError`` naming the first input whose size or modification time is not what it was when
-    prepare began: its passes (count, train a tokenizer, encode) may have read different documents."""
-    for path, earlier, now in zip(files, before, _file_states(files)):
-        if now != earlier:
-            raise ValueError(
-                f"input {path} changed while csbp data prepare was reading it (size {earlier[0]} -> {now[0]} bytes): "
-                "its document count, split and tokenizer may disagree (fix: prepare from files nobody is writing)"
-            )
-
-
-def _non_empty_documents(files: list[Path], txt_mode: TxtMode) -> Iterator[Document]:
-    return (doc for doc in iter_documents(files, txt_mode=txt_mode) if not doc.is_empty)
-
-
-@dataclass
-class _Found:
-    """What counting the inputs found: non-empty documents, empty ones skipped, non-empty chat
-    records (the first at ``first_chat``), the first record (``file:line``) using each chat role, and
-    the documents ``--chat-documents turn`` would make (one per assistant turn, at least one a record),
-    and the first chat record with a ``reasoning_content`` (refused when no chat template renders it)."""
-
-    documents: int = 0
-    empty: int = 0
-    chats: int = 0
-    first_chat: str = ""
-    first_use_of_role: dict[str, str] = field(default_factory=dict)
-    turn_documents: int = 0
-    first_reasoning: Document | None = None
-
-
-def _count_documents(files: list[Path], txt_mode: TxtMode, literal_mask: str | None = None) -> _Found:
-    """Count the documents (see ``_Found``); ``ValueError`` on the first document whose text holds
-    ``literal_mask`` (the mask token's text, when it is a special token of the tokenizer to be
-    trained)."""
-    found = _Found()
-    for doc in iter_documents(files, txt_mode=txt_mode):
-        if doc.is_empty:
-            found.empty += 1
-            continue
-        found.documents += 1
-        found.turn_documents += 1
-        if doc.messages is not None:
-            found.chats += 1
-            found.first_chat = found.first_chat or doc.where
-            for role, _ in doc.messages:
-                found.first_use_of_role.setdefault(role, doc.where)
-            found.turn_documents += max(sum(role == "assistant" for role, _ in doc.messages), 1) - 1
-            if found.first_reasoning is None and doc.first_reasoning() is not None:
-                found.first_reasoning = doc
-        if literal_mask is not None and any(literal_mask in text for text in doc.texts()):
-            which, fix = f"the mask token {literal_mask!r}", mask_fix(literal_mask, default_available=True)
-            raise ValueError(f"{doc.where}: {mask_in_text_message(which, fix)}")
-    return found
-
-
-def check_role_markers(tokenizer: CsbpTokenizer, first_use: dict[str, str]) -> None:
-    """``ValueError`` naming the first record of a chat role whose marker ``tokenizer`` lacks (chats
-    formatted with csbp's role markers; ``first_use``: role -> ``file:line``), before any encoding."""
-    for role, where in first_use.items():
-        if role not in tokenizer.role_ids:
-            raise ValueError(f"{where}: {role_marker_message(tokenizer, role)}")
 
 
 MAX_DOCUMENTS_PER_SPLIT = 2**31
@@ -350,7 +272,7 @@ def _train_tokenizer(
     say(f"training a byte-level BPE tokenizer, vocab_size {config.vocab_size}")
     train_texts = (
         text
-        for ordinal, doc in enumerate(_non_empty_documents(files, config.txt_mode))
+        for ordinal, doc in enumerate(non_empty_documents(files, config.txt_mode))
         if ordinal not in val_ordinals
         for text in doc.texts()
     )
@@ -377,7 +299,7 @@ def _write_splits(
         for split in SPLITS
     }
     try:
-        chunks = _chunks(_non_empty_documents(files, config.txt_mode), val_ordinals, turns is not None)
+        chunks = _chunks(non_empty_documents(files, config.txt_mode), val_ordinals, turns is not None)
         with closing(encoded_chunks(chunks, tokenizer, template, config.workers, encode_documents)) as encoded:
             for chunk, pairs in encoded:
                 for (split, doc), (token_ids, loss_mask) in zip(chunk, pairs):
@@ -422,67 +344,8 @@ def _check_train_fills_a_row(train_tokens: int, seq_len: int) -> None:
         )
 
 
-def _manifest(
-    config: PrepareConfig,
-    files: list[Path],
-    tokenizer: CsbpTokenizer,
-    counts: dict[str, SplitCounts],
-    num_documents: int,
-    num_empty: int,
-    build_dir: Path,
-) -> dict[str, Any]:
-    return {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "created_by": f"csbp {csbp.__version__}",
-        "seq_len": config.seq_len,
-        "tokenizer": {
-            "fingerprint": tokenizer.fingerprint,
-            "source": "trained"
-            if config.train_tokenizer
-            else str(Path(config.tokenizer_path or "").resolve()),
-            "file": TOKENIZER_FILE,
-            "vocab_size": tokenizer.vocab_size,
-            "special_names": tokenizer.special_names,
-        },
-        "special_ids": tokenizer.special_ids(),
-        "dtypes": {name: dtype.str for name, dtype in ARRAY_DTYPES.items()},
-        "counts": {
-            "documents": num_documents,
-            "skipped_empty": num_empty,
-            "tokens": sum(c.tokens for c in counts.values()),
-        },
-        "splits": {
-            split: {
-                **asdict(counts[split]),
-                "files": {name: array_file_name(split, name) for name in ARRAY_DTYPES},
-                "max_token_id": max_token_id(build_dir, split),
-            }
-            for split in SPLITS
-        },
-        "content_fingerprint": content_fingerprint(build_dir),
-        "sources": [
-            {"name": path.name, "path": str(path.resolve()), "bytes": path.stat().st_size} for path in files
-        ],
-        "options": {
-            "val_fraction": config.val_fraction,
-            "seed": config.seed,
-            "txt_mode": config.txt_mode,
-            "chat_documents": config.chat_documents,
-        },
-    }
-
-
 _TURN_NEEDS_TEMPLATE = (
     "--chat-documents turn renders each assistant turn with the model's chat template, but these chats get "
     "csbp's role markers (--chat-template none, or a tokenizer directory without a template) (fix: "
     "--chat-template PATH of the model's template, or drop --chat-documents turn)"
 )
-
-
-def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Write ``manifest.json`` (sorted keys, trailing newline)."""
-    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
-    (Path(directory) / MANIFEST_NAME).write_text(text, encoding="utf-8")
-
-
