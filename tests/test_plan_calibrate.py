@@ -244,7 +244,7 @@ def test_calibrate_says_when_no_fitted_record_informs_the_drafter_factor() -> No
     records): drafter_eff silently kept its prior."""
     from types import SimpleNamespace
 
-    from csbp.cli.plan_cmd import _held_notes
+    from csbp.cli.plan_calibrate_cmd import _held_notes
 
     def obs(drafter: bool, doc_length: int | None) -> SimpleNamespace:
         objective = SimpleNamespace(is_drafter=drafter)
