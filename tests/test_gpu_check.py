@@ -19,7 +19,7 @@ from csbp.bench.kernel_summary import KERNEL_TARGETS
 from csbp.bench.measure import allowed_pairs
 from csbp.cli.doctor_cmd import collect_environment
 from csbp.gpu import check
-from csbp.gpu.check import CheckEnv, Stage, StageResult, command_stage, format_summary, select_stages
+from csbp.gpu.check import StageResult, format_summary, select_stages
 from csbp.gpu.flops import (
     QWEN3_0_6B,
     bd3_attention_pairs,
@@ -29,6 +29,7 @@ from csbp.gpu.flops import (
     model_flop_utilisation,
 )
 from csbp.gpu.profile import CPU_DRY_RUN, KERNEL_BENCH_ARGS, LAYOUT_BENCH_ARGS
+from csbp.gpu.stage import CheckEnv, Stage, command_stage
 from csbp.gpu.train_table import TableConfig, TableRow, format_train_table, rows_as_dicts, run_train_table
 from csbp.models.config import DecoderConfig
 

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from csbp.gpu import check, preflight
-from csbp.gpu.check import CheckEnv, Stage, StageResult, command_stage, pytest_counts, summarize_kernel_rows
+from csbp.gpu.check import StageResult, pytest_counts, summarize_kernel_rows
 from csbp.gpu.report import CheckReport, expire, start_watchdog
+from csbp.gpu.stage import CheckEnv, Stage, command_stage
 
 REPO = Path(__file__).resolve().parents[1]
 

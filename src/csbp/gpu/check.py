@@ -43,7 +43,8 @@ check's own code where no GPU is lent, and measures nothing.
 
 Extending it: append a ``Stage`` to ``STAGES`` (before ``train-table``, which takes the time that
 is left). A stage is a name, a one-line help and ``run(env) -> StageResult``; ``command_stage``
-builds one from a command line (e.g. ``csbp bench ...``), so a new benchmark is one entry.
+builds one from a command line (e.g. ``csbp bench ...``), so a new benchmark is one entry (both are
+in ``csbp.gpu.stage``).
 
 Without CUDA it prints one line saying so and exits 0; with a dependency missing (a device
 image's Python without pydantic) one line saying how to bring it and exits 2
@@ -66,11 +67,8 @@ if __name__ == "__main__" and (_status := report_missing()) is not None:
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import re  # noqa: E402
-import subprocess  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -79,108 +77,14 @@ from csbp.attention.flex_backward import FLEX_BACKWARDS, resolve_flex_backward, 
 from csbp.bench.kernel_summary import summarize_kernel_rows, summarize_rank_rows  # noqa: E402
 from csbp.gpu.flops import gpu_bf16_peak_tflops  # noqa: E402
 from csbp.gpu.profile import CPU_DRY_RUN, CUDA, CheckProfile  # noqa: E402
-from csbp.gpu.report import CheckReport, StageResult, kill_process_group, start_watchdog  # noqa: E402
+from csbp.gpu.report import CheckReport, StageResult, start_watchdog  # noqa: E402
+from csbp.gpu.stage import CheckEnv, Stage, command_stage  # noqa: E402
 
 DEFAULT_BUDGET_S = 540.0  # 480 until the layouts stage's 60 s: the training table keeps >= 95 s
 WATCHDOG_GRACE_S = 10.0
 """Seconds past the budget before the watchdog ends the process (command stages end by the budget)."""
 TRAIN_TABLE_RESERVE_S = 15.0
 """Seconds of the total budget kept back from the training table for writing the outputs."""
-
-
-@dataclass(frozen=True)
-class CheckEnv:
-    """What stages may use: the machine, the options, the time left, the profile and the report."""
-
-    gpus: int
-    device_name: str
-    peak_tflops: float | None
-    repo: Path
-    args: argparse.Namespace
-    deadline: float  # time.perf_counter() value the whole check must end by
-    profile: CheckProfile = CUDA
-    out_dir: Path = Path(".")  # where gpu-check.json, gpu-kernels.json and gpu-layouts.json go
-    report: CheckReport | None = None
-
-    def seconds_left(self) -> float:
-        return self.deadline - time.perf_counter()
-
-    def progress(self, **details: object) -> None:
-        if self.report is not None:
-            self.report.progress(**details)
-
-
-@dataclass(frozen=True)
-class Stage:
-    name: str
-    help: str
-    run: Callable[[CheckEnv], StageResult]
-
-
-def _tail(text: str, lines: int = 40) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
-
-
-def _last_line(text: str) -> str:
-    return next((line.strip() for line in reversed(text.strip().splitlines()) if line.strip()), "")
-
-
-Report = Callable[[CheckEnv, StageResult, str], StageResult]
-"""A command stage's post-processing: ``(env, result, full output) -> result`` with more details."""
-
-
-def command_stage(
-    name: str,
-    help: str,
-    argv: Callable[[CheckEnv], list[str] | str],
-    *,
-    timeout_s: float,
-    report: Report | None = None,
-) -> Stage:
-    """A stage running the command ``argv(env)`` in the repository root (``ok`` when it exits 0);
-    ``argv`` returns a string instead to skip the stage with that reason. The command runs in its
-    own process group with the profile's environment; at its limit the whole group is killed (a
-    launcher's workers too) and ``report`` still sees what it printed. The whole output is written to
-    ``gpu-<name>.log`` beside the report as it comes (the first H200 run's report held a failing stage's
-    tail only, without the tracebacks, and a device call cut at its limit returned nothing of a stage)."""
-
-    def run(env: CheckEnv) -> StageResult:
-        command = argv(env)
-        if isinstance(command, str):
-            return StageResult(name, "skipped", 0.0, command)
-        limit = min(timeout_s, env.seconds_left())
-        if limit <= 1:
-            return StageResult(name, "skipped", 0.0, "no time left in the budget")
-        start = time.perf_counter()
-        child_env = {**os.environ, **env.profile.child_env, "PYTHONUNBUFFERED": "1"}
-        # the output goes straight to gpu-<name>.log, so a check cut short (the lease's limit, the
-        # watchdog) still leaves everything the stage printed where the lease sends files back
-        log = env.out_dir / f"gpu-{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("w", encoding="utf-8") as sink:
-            process = subprocess.Popen(command, cwd=env.repo, stdout=sink, stderr=subprocess.STDOUT, env=child_env,
-                                       start_new_session=True)
-            children = env.report.children if env.report is not None else set()
-            children.add(process.pid)
-            try:
-                process.wait(timeout=limit)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                kill_process_group(process.pid)
-                process.wait()
-                timed_out = True
-            finally:
-                children.discard(process.pid)
-        output = log.read_text(encoding="utf-8", errors="replace")
-        if timed_out:
-            status, summary = "failed", f"timed out after {limit:.0f} s"
-        else:
-            status, summary = ("ok" if process.returncode == 0 else "failed"), _last_line(output)
-        details = {"command": command, "returncode": process.returncode, "output_tail": _tail(output), "log": str(log)}
-        result = StageResult(name, status, time.perf_counter() - start, summary, details)
-        return result if report is None else report(env, result, output)
-
-    return Stage(name, help, run)
 
 
 def _cuda_tests(env: CheckEnv) -> list[str] | str:
