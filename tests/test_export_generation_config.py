@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from csbp.cli import generate_cmd
+from csbp.cli import generate_checks, generate_cmd
 from csbp.data.artifact import open_artifact
 from csbp.generation.run_settings import GENERATE_DEFAULTS, SAMPLING_KEY
 from csbp.models.decoder import Decoder
@@ -123,4 +123,4 @@ def test_the_export_admits_the_positions_the_run_trained_at(artifact: Path, tmp_
         assert cfg.data.seq_len == 32
         export_of(cfg, tmp_path / f"out{claimed}")
         assert json.loads((tmp_path / f"out{claimed}" / "config.json").read_text())["max_position_embeddings"] == expected
-    generate_cmd.check_positions(tmp_path / "out16", prompt_len=8, max_new_tokens=24, block_size=4)  # 32 positions
+    generate_checks.check_positions(tmp_path / "out16", prompt_len=8, max_new_tokens=24, block_size=4)  # 32 positions
