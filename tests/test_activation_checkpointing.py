@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from csbp.bench.measure import PeakMemory, fixed_mmap_threshold
-from csbp.dflash.step import DFlashStep, build_dflash_rank_plan
+from csbp.dflash.rank_plan import build_dflash_rank_plan
+from csbp.dflash.step import DFlashStep
 from csbp.dflash.verify import DFlashVerifyCase, anchor_generator, build_models, make_batch
 from csbp.engine.block_diffusion import build_rank_plan, rank_loss
 from csbp.engine.context import build_parallel_context, single_process_context

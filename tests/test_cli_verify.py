@@ -189,7 +189,7 @@ def test_verify_dflash_window_slides_the_first_drafter_layer(
 def test_dflash_verify_worker_builds_its_plan_on_the_case_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layouts' draft attention runs on ``case.backend`` (one process, the worker itself)."""
     import csbp.dflash.verify as dflash_verify
-    from csbp.dflash.step import build_dflash_rank_plan
+    from csbp.dflash.rank_plan import build_dflash_rank_plan
 
     plans = []
 

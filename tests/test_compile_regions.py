@@ -20,7 +20,8 @@ import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
 
-from csbp.dflash.step import DFlashStep, build_dflash_rank_plan
+from csbp.dflash.rank_plan import build_dflash_rank_plan
+from csbp.dflash.step import DFlashStep
 from csbp.dflash.verify import DFlashVerifyCase, anchor_generator, build_models, make_batch
 from csbp.engine.block_diffusion import build_rank_plan, rank_loss
 from csbp.engine.context import build_parallel_context

@@ -167,7 +167,8 @@ def test_csbp_train_every_objective_on_one_gpu_with_nccl(artifact: Path, tmp_pat
 
 
 def test_dflash_drafter_step_on_cuda_matches_the_cpu_float64_reference() -> None:
-    from csbp.dflash.step import DFlashStep, build_dflash_rank_plan
+    from csbp.dflash.rank_plan import build_dflash_rank_plan
+    from csbp.dflash.step import DFlashStep
     from csbp.dflash.verify import DFlashVerifyCase, anchor_generator, build_models, make_batch, reference
 
     case = DFlashVerifyCase()

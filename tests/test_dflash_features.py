@@ -16,7 +16,8 @@ from csbp.data.artifact import ArtifactSplit
 from csbp.dflash.config import DFlashObjectiveConfig
 from csbp.dflash.feature_writer import prepare_features
 from csbp.dflash.features import capture_target_features, open_features
-from csbp.dflash.step import DFlashStep, build_dflash_rank_plan
+from csbp.dflash.rank_plan import build_dflash_rank_plan
+from csbp.dflash.step import DFlashStep
 from csbp.dflash.target_fingerprint import module_fingerprint
 from csbp.dflash.verify import TARGET_CONFIG, DFlashVerifyCase, build_models, make_batch
 from csbp.engine.context import single_process_context

@@ -18,7 +18,7 @@ from csbp.dflash.layouts import (
     owned_packet,
     ring_context_positions,
 )
-from csbp.dflash.step import build_dflash_rank_plan
+from csbp.dflash.rank_plan import build_dflash_rank_plan
 from csbp.engine.context import ParallelContext
 from csbp.parallel.comm import TrafficCounter
 from csbp.topology import Topology

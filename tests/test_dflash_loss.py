@@ -16,8 +16,9 @@ from csbp.dflash.dflash2 import CandidateSelector, dpace_weights, selector_loss_
 from csbp.dflash.features import capture_target_features
 from csbp.dflash.layouts import AnchorPacket, DFlashLayout, context_rows, owned_packet
 from csbp.dflash.loss import block_targets, rank_dflash_loss, slot_decay, supervised_slot_counts
+from csbp.dflash.rank_plan import build_dflash_rank_plan
 from csbp.dflash.reference import reference_dflash_loss
-from csbp.dflash.step import DFlashStep, build_dflash_rank_plan, forward_packet, sample_batch_anchors
+from csbp.dflash.step import DFlashStep, forward_packet, sample_batch_anchors
 from csbp.dflash.verify import DFlashVerifyCase, build_models, make_batch
 from csbp.engine.context import single_process_context
 

@@ -25,6 +25,7 @@ from csbp.dflash.evaluate import EvalPrompt, evaluate_drafter, format_report
 from csbp.dflash.export import export_dflash, load_dflash
 from csbp.dflash.features import capture_target_features
 from csbp.dflash.layouts import AnchorPacket, context_rows
+from csbp.dflash.rank_plan import build_dflash_rank_plan
 from csbp.dflash.reference import EPS as REFERENCE_EPS
 from csbp.dflash.reference import reference_dflash_loss
 from csbp.dflash.speculative import (
@@ -33,7 +34,7 @@ from csbp.dflash.speculative import (
     inference_draft_attention,
     speculative_generate,
 )
-from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, forward_packet
+from csbp.dflash.step import DFlashBatch, DFlashStep, forward_packet
 from csbp.dflash.target_cache import CachedTarget
 from csbp.dflash.verify import BLOCK_SIZE, DFlashVerifyCase, build_models
 from csbp.engine.context import single_process_context

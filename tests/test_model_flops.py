@@ -193,7 +193,8 @@ def test_a_dflash_step_counts_the_drafters_flops_over_every_anchor_of_its_sample
     from csbp.dflash.anchors import segment_starts
     from csbp.dflash.config import DFlashObjectiveConfig
     from csbp.dflash.layouts import full_packet
-    from csbp.dflash.step import DFlashStep, build_dflash_rank_plan, sample_batch_anchors
+    from csbp.dflash.rank_plan import build_dflash_rank_plan
+    from csbp.dflash.step import DFlashStep, sample_batch_anchors
     from csbp.dflash.verify import DFlashVerifyCase, build_models, make_batch
     from csbp.engine.context import single_process_context
 

@@ -120,7 +120,8 @@ def test_bd3_step_with_documents_and_the_balanced_schedule_on_cuda_matches_the_c
 
 
 def test_dflash_step_with_documents_on_cuda_matches_the_cpu_reference() -> None:
-    from csbp.dflash.step import DFlashStep, build_dflash_rank_plan
+    from csbp.dflash.rank_plan import build_dflash_rank_plan
+    from csbp.dflash.step import DFlashStep
     from csbp.dflash.verify import DFlashVerifyCase, anchor_generator, build_models, make_batch
     from csbp.dflash.verify import reference as dflash_reference
 

@@ -66,7 +66,8 @@ from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, default_targ
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import TargetFeatures, capture_target_features
 from csbp.dflash.layouts import context_positions, owned_packet
-from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
+from csbp.dflash.rank_plan import build_dflash_rank_plan
+from csbp.dflash.step import DFlashBatch, DFlashStep, sample_batch_anchors
 from csbp.dflash.target_shard import TARGET_CAPTURES, TARGET_CATEGORY
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients

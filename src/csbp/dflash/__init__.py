@@ -14,7 +14,8 @@ Module map:
 * ``exchange``: with packed documents, the context exchange plan (only the rows an anchor may see).
 * ``loss`` / ``chunked_kl``: labels, weights, normalisation, chunked CE/KL, metrics.
 * ``reference``: the dense single-process oracle used by the tests.
-* ``step``: ``DFlashStep`` and ``build_dflash_rank_plan``, the trainer's entry points.
+* ``rank_plan`` / ``step``: ``build_dflash_rank_plan`` (what a rank holds, its communicators) and
+  ``DFlashStep``, the trainer's entry points.
 * ``export``: ``export_dflash`` / ``load_dflash``.
 """
 
@@ -35,15 +36,9 @@ from csbp.dflash.features import (
     open_features,
 )
 from csbp.dflash.layouts import DFlashLayout, dflash_layout
+from csbp.dflash.rank_plan import DFlashRankPlan, build_dflash_rank_plan
 from csbp.dflash.reference import reference_dflash_loss
-from csbp.dflash.step import (
-    DFlashBatch,
-    DFlashRankPlan,
-    DFlashStep,
-    DFlashStepOutput,
-    build_dflash_rank_plan,
-    sample_batch_anchors,
-)
+from csbp.dflash.step import DFlashBatch, DFlashStep, DFlashStepOutput, sample_batch_anchors
 
 __all__ = [
     "DFlashBatch",

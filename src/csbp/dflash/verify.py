@@ -29,8 +29,9 @@ from csbp.dflash.anchors import valid_anchor_mask
 from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import capture_target_features
+from csbp.dflash.rank_plan import build_dflash_rank_plan
 from csbp.dflash.reference import reference_dflash_loss
-from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
+from csbp.dflash.step import DFlashBatch, DFlashStep, sample_batch_anchors
 from csbp.dflash.target_shard import TARGET_CATEGORY
 from csbp.dflash.teacher_rows import TEACHER_CATEGORY
 from csbp.engine.context import build_parallel_context

@@ -60,7 +60,8 @@ from csbp.dflash.config import DFlashConfig, DFlashObjectiveConfig, default_targ
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.features import capture_target_features
 from csbp.dflash.layouts import full_packet
-from csbp.dflash.step import DFlashBatch, DFlashStep, build_dflash_rank_plan, sample_batch_anchors
+from csbp.dflash.rank_plan import build_dflash_rank_plan
+from csbp.dflash.step import DFlashBatch, DFlashStep, sample_batch_anchors
 from csbp.engine.block_diffusion import build_rank_plan, rank_loss
 from csbp.engine.context import single_process_context
 from csbp.gpu.flops import QWEN3_0_6B, bd3_step_flops, model_flop_utilisation

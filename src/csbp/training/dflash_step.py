@@ -52,7 +52,8 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.evaluate import split_acceptance
 from csbp.dflash.features import FeatureStore
 from csbp.dflash.loss import lambda_ce_coef
-from csbp.dflash.step import DFlashBatch, DFlashStep, DFlashStepOutput, build_dflash_rank_plan
+from csbp.dflash.rank_plan import build_dflash_rank_plan
+from csbp.dflash.step import DFlashBatch, DFlashStep, DFlashStepOutput
 from csbp.engine.context import ParallelContext
 from csbp.engine.grad_buckets import OverlappedGradientSync
 from csbp.objectives.base import corruption_generator
