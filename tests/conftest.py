@@ -43,6 +43,6 @@ def forget_forced_exit() -> None:
 
     Registered in the pytest process by a test, it replaced pytest's exit status with 0, so a
     failing suite passed CI (2026-12-04: 4 failures, exit status 0). No test may leave it behind."""
-    from csbp.training import launcher
+    from csbp.training import worker
 
-    atexit.unregister(launcher._leave_now)
+    atexit.unregister(worker._leave_now)

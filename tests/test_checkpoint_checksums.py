@@ -207,7 +207,7 @@ def test_the_launcher_hands_what_it_verified_to_its_workers(
     monkeypatch.setattr(launcher_api, "elastic_launch", fake_launch)
     cfg = tiny_config(artifact, **{"topology.dp": 2, "train.micro_batch_size": 1})
     assert launch_training(cfg, run_dir=run_dir, resume=True) is None
-    verified = launched[0][5]  # _elastic_worker(cfg, run_dir, resume, max_steps, lock, verified, launcher_pid)
+    verified = launched[0][5]  # elastic_worker(cfg, run_dir, resume, max_steps, lock, verified, launcher_pid)
     checkpoint = run_dir / "checkpoints" / STEP2
     assert {str((checkpoint / name).resolve()) for name in (".metadata", "__0_0.distcp")} <= {key[0] for key, _ in verified}
     # a worker: a fresh process that adopts them reads nothing

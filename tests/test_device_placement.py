@@ -260,7 +260,7 @@ def test_csbp_train_refuses_more_local_processes_than_gpus(monkeypatch: pytest.M
 
 
 def test_csbp_train_selects_the_gpu_then_binds_nccl_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    from csbp.training import launcher
+    from csbp.training import worker
 
     events: list[tuple[str, object]] = []
     monkeypatch.setenv("LOCAL_RANK", "1")
@@ -274,7 +274,7 @@ def test_csbp_train_selects_the_gpu_then_binds_nccl_to_it(monkeypatch: pytest.Mo
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     cfg = SimpleNamespace(train=SimpleNamespace(collective_timeout_s=5.0))
     with pytest.raises(RuntimeError, match="stop here"):
-        launcher.train_in_process_group(cfg, run_dir=None, resume=False, max_steps=None)  # type: ignore[arg-type]
+        worker.train_in_process_group(cfg, run_dir=None, resume=False, max_steps=None)  # type: ignore[arg-type]
     assert events[0] == ("set_device", torch.device("cuda", 1))
     name, kwargs = events[1]
     assert name == "init_process_group" and kwargs["backend"] == "nccl"  # type: ignore[index]

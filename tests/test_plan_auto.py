@@ -154,7 +154,7 @@ def test_no_test_leaves_an_exit_status_override_behind() -> None:
     code = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from conftest import forget_forced_exit\n"
-        "from csbp.training.launcher import skip_teardown_at_exit\n"
+        "from csbp.training.worker import skip_teardown_at_exit\n"
         "skip_teardown_at_exit()\n"
         "if sys.argv[1] == 'guard': forget_forced_exit()\n"
         "sys.exit(3)\n"

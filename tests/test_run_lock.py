@@ -18,6 +18,7 @@ from csbp.compare import CompareOptions, run_compare
 from csbp.compare import runner as compare_runner
 from csbp.training import LaunchOptions, launch_training
 from csbp.training import launcher as launcher_module
+from csbp.training import worker as worker_module
 from csbp.training.run_dir_checks import foreign_run_entry
 from csbp.training.run_lock import LOCK_FILE, RunDirInUse, run_dir_lock
 from test_training_run import config_dict, make_artifact, tiny_config
@@ -125,16 +126,16 @@ def test_with_several_nodes_the_rank0_worker_is_refused_before_its_process_group
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run_dir = tmp_path / "run"
-    monkeypatch.setattr(launcher_module, "end_on_sigint", lambda: None)  # the worker's Ctrl-C setup
-    monkeypatch.setattr(launcher_module, "skip_teardown_at_exit", lambda: None)
-    monkeypatch.setattr(launcher_module, "train_in_process_group", lambda *a, **k: pytest.fail("trained"))
+    monkeypatch.setattr(worker_module, "end_on_sigint", lambda: None)  # the worker's Ctrl-C setup
+    monkeypatch.setattr(worker_module, "skip_teardown_at_exit", lambda: None)
+    monkeypatch.setattr(worker_module, "train_in_process_group", lambda *a, **k: pytest.fail("trained"))
     monkeypatch.setenv("RANK", "0")
     with run_dir_lock(run_dir), pytest.raises(RunDirInUse, match="in use by another csbp process"):
-        launcher_module._elastic_worker(tiny_config(artifact), str(run_dir), False, None, True)
+        worker_module.elastic_worker(tiny_config(artifact), str(run_dir), False, None, True)
     monkeypatch.setenv("RANK", "1")  # other ranks never take it
-    monkeypatch.setattr(launcher_module, "train_in_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(worker_module, "train_in_process_group", lambda *a, **k: None)
     with run_dir_lock(run_dir):
-        assert launcher_module._elastic_worker(tiny_config(artifact), str(run_dir), False, None, True) is None
+        assert worker_module.elastic_worker(tiny_config(artifact), str(run_dir), False, None, True) is None
 
 
 def test_a_second_comparison_is_refused_before_it_checks_or_removes_anything(

@@ -19,7 +19,8 @@ from csbp.models.decoder import Decoder
 from csbp.models.hf_io import export_hf_checkpoint
 from csbp.training import launcher as launcher_module
 from csbp.training.checkpoint import check_model_shapes, find_latest_checkpoint, prune_checkpoints
-from csbp.training.launcher import LaunchOptions, check_process_count, is_collective_failure
+from csbp.training.launch_failures import is_collective_failure
+from csbp.training.launcher import LaunchOptions, check_process_count
 from csbp.training.lr_schedule import build_lr_scheduler, lr_multiplier
 from csbp.training.metrics import MetricsWriter, plot_loss_curve, read_metrics, truncate_metrics
 from csbp.training.model_factory import build_model, decoder_config_for_run

@@ -38,8 +38,8 @@ from csbp.training.launcher import (
     inside_torchrun,
     launch_training,
     node_flag_problem,
-    skip_teardown_at_exit,
 )
+from csbp.training.worker import skip_teardown_at_exit
 
 TRAIN_EXAMPLES = """\
 examples:

@@ -12,6 +12,9 @@ process starts, then:
   ``--rdzv-id`` are passed through (c10d rendezvous; with ``--node-rank`` the static one, whose
   endpoint is the master address). On CPU each worker gets one thread (``OMP_NUM_THREADS=1``).
 
+What each rank runs in its process group (and an elastic worker's entry point) is
+:mod:`csbp.training.worker`.
+
 One process holds the run directory's lock (:mod:`csbp.training.run_lock`) from before the checks
 until the run ends, so a second run in the same directory is refused before it reads any data: the
 launching process on one node, global rank 0 with several nodes or under an outside torchrun.
@@ -37,7 +40,6 @@ directory must be on a filesystem every node sees (checkpoints are written by al
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -48,43 +50,28 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from csbp.config.schema import RunConfig
-from csbp.devices import process_group_options, resolve_device
-from csbp.interrupts import Interrupted, children_hold_sigint, end_on_sigint, signals_end_blocked_waits
+from csbp.devices import resolve_device
+from csbp.interrupts import Interrupted, children_hold_sigint, signals_end_blocked_waits
 from csbp.parallel.loopback import LOOPBACK, LOOPBACK_INTERFACE, register_loopback_rendezvous
-from csbp.parallel.orphans import die_with_launcher
 from csbp.staging import remove_abandoned_staging
-from csbp.training.checkpoint_checksums import remember_verified, verified_files
+from csbp.training.checkpoint_checksums import verified_files
 from csbp.training.finish import FINAL_DIR
-from csbp.training.launch_failures import (
-    TrainingFailed,
-    collective_failure_message,
-    failure_from_elastic,
-    is_collective_failure,
-    is_root_cause,
-)
-from csbp.training.liveness import REPORT_DIR_ENV, Heartbeat, StallWatcher
+from csbp.training.launch_failures import TrainingFailed, failure_from_elastic, is_root_cause
+from csbp.training.liveness import REPORT_DIR_ENV, StallWatcher
 from csbp.training.memory_fit import check_state_fits
 from csbp.training.memory_forecast import forecast_line
 from csbp.training.preflight import check_run, verify_data
 from csbp.training.run_dir_checks import check_new_run_dir, check_writable_directory
 from csbp.training.run_lock import run_dir_lock
-from csbp.training.trainer import (
-    STARTUP_TIMEOUT_S,
-    TrainSummary,
-    default_run_dir,
-    stop_step_of,
-    train,
-    training_device,
-)
+from csbp.training.trainer import TrainSummary, default_run_dir, stop_step_of, train
+from csbp.training.worker import elastic_worker, train_in_process_group
 from csbp.wording import counted
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -228,87 +215,6 @@ def launch_count_problem(cfg: RunConfig, launched: int, how: str) -> str:
     )
 
 
-def train_in_process_group(
-    cfg: RunConfig, *, run_dir: Path, resume: bool, max_steps: int | None
-) -> TrainSummary | None:
-    """Initialise ``torch.distributed`` from the launcher's environment, train, tear down.
-
-    Returns the summary on global rank 0, None elsewhere.
-    """
-    device = training_device()  # the rank's GPU is current before NCCL creates any communicator
-    # Start-up (imports, pre-flight on every rank) may take longer than a collective may; the trainer
-    # bounds every group, the world's included, by train.collective_timeout_s once all ranks are up.
-    timeout = timedelta(seconds=max(cfg.train.collective_timeout_s, STARTUP_TIMEOUT_S))
-    dist.init_process_group(**process_group_options(device), timeout=timeout)
-    rank = dist.get_rank()
-    heartbeat = Heartbeat(rank, dist.get_world_size())
-    try:
-        # the launching process (or global rank 0's worker) holds the run directory's lock
-        summary = train(cfg, run_dir=run_dir, resume=resume, max_steps=max_steps, lock_run_dir=False)
-    except BaseException as exc:
-        # No teardown on failure: this process ends as soon as its error is on record (atexit runs
-        # after torch elastic's error file is written). Tearing the groups down first would close
-        # the connections, so the peers would report "connection closed" before this rank reported
-        # the cause, and with a stalled peer the teardown itself would block.
-        atexit.register(_leave_now, 1)
-        if isinstance(exc, (dist.DistError, RuntimeError)) and is_collective_failure(exc):
-            raise TrainingFailed(collective_failure_message(cfg, rank, exc, heartbeat)) from exc
-        raise
-    finally:
-        heartbeat.stop()
-    dist.destroy_process_group()
-    return summary if rank == 0 else None
-
-
-def _elastic_worker(
-    cfg: RunConfig,
-    run_dir: str,
-    resume: bool,
-    max_steps: int | None,
-    lock: bool,
-    verified: list[tuple[Any, int]] | None = None,
-    launcher_pid: int | None = None,
-) -> TrainSummary | None:
-    """Entry point of one worker started by ``elastic_launch`` (module level: it is pickled by name);
-    with ``lock`` (several nodes) global rank 0 holds the run directory's lock. ``verified``: the
-    checkpoint file checksums the launcher's pre-flight read, so no worker reads those files again.
-    The worker ends with ``launcher_pid`` (:mod:`csbp.parallel.orphans`)."""
-    if launcher_pid is not None:
-        die_with_launcher(launcher_pid)
-    # Ctrl-C reaches every worker as well as the launching process, which reports it once and stops
-    # the workers: a worker just ends, and one pressed while it started (SIGINT was blocked while it
-    # imported torch and unpickled this task) ends it here. Checkpoints are written atomically, and
-    # the launcher removes a half-written one.
-    end_on_sigint()
-    remember_verified(verified or [])
-    if not torch.cuda.is_available():
-        torch.set_num_threads(1)
-    holder = lock and os.environ.get("RANK") == "0"
-    with run_dir_lock(run_dir) if holder else contextlib.nullcontext():
-        summary = train_in_process_group(cfg, run_dir=Path(run_dir), resume=resume, max_steps=max_steps)
-    skip_teardown_at_exit()
-    return summary
-
-
-def _leave_now(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def skip_teardown_at_exit() -> None:
-    """End this process with exit code 0 as soon as the interpreter starts to exit.
-
-    A known PyTorch bug aborts a fraction of gloo processes during interpreter teardown after a
-    clean ``destroy_process_group`` (see ``csbp.parallel.launch``); torch elastic or torchrun would
-    report that abort as a failed worker. Call it only after a successful run, in a process whose
-    exit code must be 0 (an elastic worker whose result the agent has read, or ``csbp train`` under
-    torchrun): the atexit hook flushes the standard streams and calls ``os._exit(0)``.
-    """
-
-    atexit.register(_leave_now, 0)
-
-
 def _launch_workers(
     cfg: RunConfig, *, run_dir: Path, resume: bool, max_steps: int | None, nproc: int, options: LaunchOptions
 ) -> TrainSummary | None:
@@ -355,7 +261,7 @@ def _launch_workers(
             _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher,
             children_hold_sigint(_ctrl_c), _rendezvous_ends_on_signals(options, log_dir),
         ):
-            results: dict[int, Any] = elastic_launch(config, _elastic_worker)(
+            results: dict[int, Any] = elastic_launch(config, elastic_worker)(
                 cfg, str(run_dir), resume, max_steps, options.nnodes > 1, verified_files(), os.getpid()
             )
     except ChildFailedError as exc:
