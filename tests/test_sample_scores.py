@@ -158,7 +158,7 @@ def test_generate_scores_every_sample_and_pools_them(
     checkpoint = export_tiny_run(tmp_path / "run")
     argv = ["generate", "--model", str(checkpoint), "--prompt", "the quick", "--device", "cpu", "--scorer", str(scorer_dir)]
     argv += "--max-new-tokens 8 --block-size 4 --temperature 1 --samples 3".split()
-    args = parse(argv)
+    args = parse([*argv, "--json", str(tmp_path / "samples.json")])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     completions = re.findall(r"completion \(seed \d\): (.*)", out)
@@ -171,6 +171,13 @@ def test_generate_scores_every_sample_and_pools_them(
     total = re.search(r"over 3 samples: ([\d.]+) \(nll ([\d.]+) nats/token over (\d+) tokens\); mean unigram entropy", out)
     assert total is not None and int(total[3]) == sum(int(r[2]) for r in rows)
     assert float(total[2]) == pytest.approx(sum(r[1] * r[2] for r in rows) / int(total[3]), abs=1e-4)
+    report = json.loads((tmp_path / "samples.json").read_text())
+    assert [r["completion"] for r in report["samples"]] == completions and [r["seed"] for r in report["samples"]] == [0, 1, 2]
+    assert all(r["score"]["nll"] == pytest.approx(row[1], abs=6e-5) for r, row in zip(report["samples"], rows, strict=True))
+    assert report["scorer"]["tokens"] == int(total[3]) and report["scorer"]["nll"] == pytest.approx(float(total[2]), abs=6e-5)
+    assert (report["settings"]["block_size"], report["settings"]["temperature"], report["objective"]) == (4, 1.0, "bd3")
+    assert all(len(r["token_ids"]) <= 8 and r["stopped_at"] in ("eos", "max_new_tokens") for r in report["samples"])
+    assert generate_cmd.score_record(CompletionScore(0.0, 0, 0.0))["perplexity"] is None  # JSON has no NaN
     chat = parse([*argv, "--chat"])
     with pytest.raises(ValueError, match=r"^--scorer with --chat: .* \(fix: drop --chat or --scorer\)$"):
         chat.func(chat)

@@ -40,9 +40,9 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -59,6 +59,7 @@ from csbp.cli.options import (
     device_option,
     float_in,
     int_at_least,
+    output_file,
     path_option,
     positive_int,
     token_name,
@@ -75,6 +76,8 @@ from csbp.wording import counted
 
 if TYPE_CHECKING:
     from csbp.data.tokenizer import CsbpTokenizer
+    from csbp.evaluation.sample_scores import CompletionScore
+    from csbp.generation.sampler import GenerationConfig, GenerationResult
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_OBJECTIVE, DEFAULT_BLOCK_SIZE = "bd3", 16
@@ -168,6 +171,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="also print how many words of the completion occur in this text file (or the demo corpus)",
     )
     parser.add_argument(
+        "--json", type=output_file, default=None,
+        help="also write every completion (text, token ids, stop reason, time, and the --known-words and --scorer "
+        "numbers) and the settings it was drawn with to this JSON file",
+    )
+    parser.add_argument(
         "--scorer",
         type=path_option,
         default=None,
@@ -230,7 +238,8 @@ def load_generation_tokenizer(args: argparse.Namespace, tokenizer_dir: Path, mod
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from csbp.evaluation.sample_scores import CompletionScore, KnownWords, SampleScorer
+    from csbp.atomic import write_json_atomic
+    from csbp.evaluation.sample_scores import KnownWords, SampleScorer
     from csbp.evaluation.sample_scores import pooled as pooled_scores
     from csbp.generation.sampler import GenerationConfig, generate, positions_used
     from csbp.models.hf_io import generation_stop_ids, load_hf_checkpoint, read_hf_config
@@ -347,6 +356,7 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"prompt: {args.prompt}")
     pooled = [0, 0]  # known and total words of every completion (not the completions: --samples may be many)
     scores: list[CompletionScore] = []
+    records: list[dict[str, Any]] = []
     for seed in range(args.seed, args.seed + args.samples):
         started = time.perf_counter()
         result = generate(
@@ -362,15 +372,52 @@ def run_generate(args: argparse.Namespace) -> int:
             f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
             f"{elapsed:.2f} s on {device}]"
         )
+        record = sample_record(seed, completion, result, elapsed)
         if known_words is not None:
             counts = known_words.count(completion)
             pooled = [pooled[0] + counts[0], pooled[1] + counts[1]]
             print(known_words.line(*counts))
+            record["known_words"] = {"known": counts[0], "total": counts[1]}
         if scorer is not None:
             scores.append(scorer.score(args.prompt, completion, result.token_ids))
             print(scorer.line(scores[-1]))
+            record["score"] = score_record(scores[-1])
+        records.append(record)
     if known_words is not None and args.samples > 1:
         print(known_words.line(*pooled, samples=args.samples))
     if scorer is not None and args.samples > 1:
         print(scorer.line(pooled_scores(scores), samples=args.samples))
+    if args.json is not None:
+        report: dict[str, Any] = {
+            "model": str(model_dir), "prompt": args.prompt, "prompt_ids": prompt_ids, "objective": objective,
+            "device": str(device), "settings": generation_settings(config), "samples": records,
+        }
+        if known_words is not None:
+            report["known_words"] = {"source": known_words.source, "known": pooled[0], "total": pooled[1]}
+        if scorer is not None:
+            report["scorer"] = {"model": str(args.scorer), **score_record(pooled_scores(scores))}
+        write_json_atomic(args.json, report)
     return 0
+
+
+def sample_record(seed: int, completion: str, result: GenerationResult, seconds: float) -> dict[str, Any]:
+    """One completion of ``--json``."""
+    return {
+        "seed": seed, "completion": completion, "token_ids": list(result.token_ids),
+        "stopped_at": "eos" if result.stopped_at_eos else "max_new_tokens", "blocks": len(result.block_starts),
+        "denoising_steps": len(result.unmask_steps), "seconds": round(seconds, 4),
+    }
+
+
+def score_record(score: CompletionScore) -> dict[str, Any]:
+    """A ``CompletionScore`` (or the pooled one) for ``--json``: no NaN where nothing was scored (null)."""
+    scored = score.tokens > 0
+    return {
+        "tokens": score.tokens, "nll_sum": score.nll_sum, "nll": score.nll if scored else None,
+        "perplexity": score.perplexity if scored else None, "unigram_entropy": score.entropy,
+    }
+
+
+def generation_settings(config: GenerationConfig) -> dict[str, Any]:
+    """The ``GenerationConfig`` fields of ``--json`` (the seed is each sample's)."""
+    return {key: value for key, value in asdict(config).items() if key != "seed"}
