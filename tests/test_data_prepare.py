@@ -227,14 +227,14 @@ def test_chat_needs_role_markers_in_the_tokenizer(tmp_path, monkeypatch) -> None
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"seq_len": 1}, "seq_len is 1"),
+        ({"seq_len": 1}, r"--seq-len 1: a row needs at least 2 tokens \(fix: --seq-len 2 or more\)"),
         ({"val_fraction": 1.0}, "val_fraction is 1.0"),
         ({"seed": -1}, "--seed is -1; use 0 or more"),
         # was "the mask token '' occurs in the text" (every text holds ''), after reading the inputs
         ({"special": SpecialTokens(mask="")}, r"--mask-token is ''; name a token \(default <\|mask\|>\)"),
         ({"special": SpecialTokens(eos=" ")}, "--eos-token is ' '; name a token"),  # was numpy's "expected non-negative integer", after reading the inputs
-        ({"train_tokenizer": True}, "give exactly one of --tokenizer DIR or --train-tokenizer"),
-        ({"tokenizer_path": None, "train_tokenizer": True}, "--train-tokenizer needs --vocab-size"),
+        ({"train_tokenizer": True}, r"\(fix: pass exactly one of --tokenizer DIR or --train-tokenizer"),
+        ({"tokenizer_path": None, "train_tokenizer": True}, r"size is not given \(fix: add --vocab-size N"),
         ({"vocab_size": 400}, "--vocab-size only applies with --train-tokenizer"),
         ({"tokenizer_path": None, "train_tokenizer": True, "vocab_size": 10}, "--vocab-size 10 is too small"),
     ],

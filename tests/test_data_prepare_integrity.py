@@ -68,7 +68,7 @@ def test_an_input_changed_while_preparing_is_refused(tmp_path, tokenizer_dir, mo
 def test_existing_output_needs_overwrite(tmp_path, tokenizer_dir) -> None:
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": TINY_TEXTS[0]}])
     prepare([path], tmp_path / "art", tokenizer_dir, seq_len=4)
-    with pytest.raises(ValueError, match="already exists; choose another --out or pass --overwrite"):
+    with pytest.raises(ValueError, match=r"already exists \(fix: choose another --out, or pass --overwrite to replace it\)"):
         prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8)
     art = prepare([path], tmp_path / "art", tokenizer_dir, seq_len=8, overwrite=True)
     assert art.seq_len == 8

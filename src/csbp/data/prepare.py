@@ -148,11 +148,17 @@ class PrepareConfig:
         if self.chat_documents == "turn" and self.chat_template == "none":
             raise ValueError(_TURN_NEEDS_TEMPLATE)
         if self.seq_len < 2:
-            raise ValueError(f"seq_len is {self.seq_len}; use at least 2")
+            raise ValueError(f"--seq-len {self.seq_len}: a row needs at least 2 tokens (fix: --seq-len 2 or more)")
         if self.train_tokenizer == (self.tokenizer_path is not None):
-            raise ValueError("give exactly one of --tokenizer DIR or --train-tokenizer --vocab-size N")
+            raise ValueError(
+                "no tokenizer chosen, or two: prepare reads one (fix: pass exactly one of --tokenizer DIR or "
+                "--train-tokenizer --vocab-size N)"
+            )
         if self.train_tokenizer and self.vocab_size is None:
-            raise ValueError("--train-tokenizer needs --vocab-size N")
+            raise ValueError(
+                "--train-tokenizer: the trained tokenizer's size is not given (fix: add --vocab-size N, e.g. 4096 for "
+                "a small corpus)"
+            )
         if self.train_tokenizer and self.vocab_size is not None and self.vocab_size < min_trained_vocab_size(self.special):
             raise ValueError(
                 f"--vocab-size {self.vocab_size} is too small: a byte-level BPE needs at least "
@@ -186,7 +192,9 @@ def prepare_artifact(config: PrepareConfig, *, log: Callable[[str], None] | None
     say = log or (lambda message: None)
     out_dir = Path(config.out_dir)
     if os.path.lexists(out_dir) and not config.overwrite:
-        raise OutputExistsError(f"output {out_dir} already exists; choose another --out or pass --overwrite")
+        raise OutputExistsError(
+            f"output {out_dir} already exists (fix: choose another --out, or pass --overwrite to replace it)"
+        )
     out_dir = check_replaceable(out_dir, ARTIFACT_OWNERSHIP)
     files = expand_inputs(config.inputs)
     snapshot = file_states(files)  # the inputs are read three times: they must not change meanwhile
