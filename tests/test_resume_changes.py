@@ -75,6 +75,10 @@ def test_a_refused_change_is_reported_before_nothing_is_left_to_do(run_at_step2:
         check_run(changed, run_dir=run_at_step2, resume=True, stop_step=2)
     with pytest.raises(ValueError, match=r"^--resume: .* is at step 2, nothing is left to do before step 2"):
         check_run(tiny_config(artifact), run_dir=run_at_step2, resume=True, stop_step=2)
+    notes: list[str] = []  # an applied change is not announced before a refusal: the refusal is the one line
+    with pytest.raises(ValueError, match=r"nothing is left to do before step 2"):
+        check_run(tiny_config(artifact, **{"optim.lr": 1e-3}), run_dir=run_at_step2, resume=True, stop_step=2, warn=notes.append)
+    assert notes == []
 
 
 def test_changed_optimisation_applies_from_the_resumed_step(

@@ -161,12 +161,11 @@ def check_run(
         latest = check_run_dir(run_dir, resume=resume, stop_step=None, warn=warn)
         if resume and latest is not None:
             state = read_training_state(latest)
-            # what the config changed first: "nothing left to do" hid a refused change until max_steps rose
-            for note in resume_changes(
+            # what the config changed first: "nothing left to do" hid a refused change until max_steps rose;
+            # its notes are said once every check has passed (a refused resume is one line)
+            notes = resume_changes(
                 state.config_yaml, cfg, latest, state.step, state.input_fingerprints, restart=resume_restart
-            ):
-                if warn is not None:
-                    warn(note)
+            )
             if inputs.dflash is not None:  # the target layers its fc weights were fitted to, as resolved
                 restart = resume_restart_for(cfg, resume_restart)
                 check_resumed_layer_ids(state, latest, inputs.dflash, restart=restart, warn=warn)
@@ -177,6 +176,8 @@ def check_run(
                 data_fingerprint=artifact.fingerprint,
             )
             check_steps_left(latest, state.step, stop_step or cfg.train.max_steps, cfg)
+            for note in notes if warn is not None else ():
+                warn(note)
     return inputs
 
 
