@@ -87,7 +87,7 @@ class SampleScorer:
 
     def __init__(self, directory: Path, *, dtype: torch.dtype | None, device: torch.device | str) -> None:
         from csbp.generation.run_settings import position_limit
-        from csbp.models.hf_io import load_hf_checkpoint
+        from csbp.models.hf_io import load_hf_checkpoint, read_hf_config
 
         tokenizer_file = directory / "tokenizer.json"
         if not (directory / "config.json").is_file() or not tokenizer_file.is_file():
@@ -103,14 +103,14 @@ class SampleScorer:
         self.directory = directory
         self.max_positions, self._limit_source = position_limit(directory)
         self._check_trained_causally(directory)
-        self.model: Decoder = load_hf_checkpoint(directory, dtype=dtype, device=device)[0].eval()
-        self.device = torch.device(device)
-        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
-        if vocab > self.model.config.vocab_size:
+        vocab, model_vocab = self.tokenizer.get_vocab_size(with_added_tokens=True), read_hf_config(directory).vocab_size
+        if vocab > model_vocab:  # before the weights load
             raise ValueError(
-                f"--scorer {directory}: its tokenizer has {vocab} tokens, its model's vocabulary {self.model.config.vocab_size} "
+                f"--scorer {directory}: its tokenizer has {vocab} tokens, its model's vocabulary {model_vocab} "
                 "(fix: the tokenizer.json the model was trained with)"
             )
+        self.model: Decoder = load_hf_checkpoint(directory, dtype=dtype, device=device)[0].eval()
+        self.device = torch.device(device)
 
     def _check_trained_causally(self, directory: Path) -> None:
         """Refuse a csbp export that is not a full-attention causal LM (a block-diffusion model never trained
