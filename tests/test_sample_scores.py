@@ -112,6 +112,12 @@ def test_scorers_that_cannot_score_are_refused_in_one_line(scorer_dir: Path, tmp
     (bare / "config.json").write_text((scorer_dir / "config.json").read_text())
     with pytest.raises(ValueError, match=r"holds no tokenizer.json \(fix: a Hugging Face causal LM directory"):
         SampleScorer(bare, dtype=None, device="cpu")
+    small = tmp_path / "small"
+    shutil.copytree(scorer_dir, small)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": 10}))
+    with pytest.raises(ValueError, match=r"its tokenizer has \d+ tokens, its model's vocabulary 10 \(fix: the tokenizer.json"):
+        SampleScorer(small, dtype=None, device="cpu")  # refused before the weights (shaped for another vocabulary) load
     short = SampleScorer(export_scorer(tmp_path / "short", bos=True, max_positions=4), dtype=None, device="cpu")
     with pytest.raises(ValueError, match=r"past the 4 positions it may use of .*config.json \(fix: a lower --max-new-tokens"):
         short.score("the quick", " brown fox jumps over the lazy dog", [1])
