@@ -321,7 +321,20 @@ def test_plan_reads_hf_config_and_run_config(tmp_path: Path, capsys) -> None:
 
 def test_topology_auto_in_config_validate_fails_with_the_fix(capsys) -> None:
     code, _, err = run(capsys, "config", "validate", "demo", "--set", "topology=auto")
-    assert code == USER_ERROR_EXIT_CODE and "chosen by the planner" in err and "--nproc N" in err
+    assert code == USER_ERROR_EXIT_CODE and "chosen by the planner" in err and "config validate CONFIG --nproc N" in err
+
+
+def test_config_validate_with_nproc_validates_the_layout_auto_would_launch(capsys) -> None:
+    code, out, err = run(capsys, "config", "validate", "demo", "--set", "topology=auto", "--nproc", "4")
+    assert (code, err) == (0, "") and out.startswith("topology: auto -> dp4, ")
+    assert "config ok: demo" in out and "topology   data layout: dp=4 cp=1 bp=1, world size 4" in out
+    code, out, err = run(capsys, "config", "validate", "demo", "--set", "topology=auto", "--nproc", "2", "--nnodes", "2")
+    assert code == 0 and "for 4 processes" in out and "world size 4" in out
+    code, _, err = run(capsys, "config", "validate", "demo", "--nproc", "4")  # nothing to plan: not silently ignored
+    assert code == USER_ERROR_EXIT_CODE and err.strip() == (
+        "csbp: error: --nproc 4: demo sets its topology, so there is no layout to plan (fix: drop --nproc, or "
+        "validate it with --set topology=auto)"
+    )
 
 
 def test_topology_auto_resolves_to_a_valid_layout_for_nproc(capsys) -> None:

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from csbp.cli.options import add_override_argument
+from csbp.cli.options import add_override_argument, positive_int
 from csbp.config import RunConfig, dump_config
 from csbp.config.schema import DOCUMENT_MASK_DEFAULTS
 from csbp.recipes import load_run_config
@@ -31,6 +31,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_override_argument(validate)
     validate.add_argument(
         "--print", action="store_true", dest="print_config", help="print the validated config"
+    )
+    validate.add_argument(
+        "--nproc", type=positive_int, default=None, metavar="N",
+        help="with topology: auto, plan the layout for N processes per node as csbp train --nproc N would, then "
+        "validate the config with it",
+    )
+    validate.add_argument(
+        "--nnodes", type=positive_int, default=1, metavar="M", help="with --nproc: nodes of N processes (default 1)"
     )
     validate.set_defaults(func=run_validate)
     fields = actions.add_parser(
@@ -53,7 +61,17 @@ def run_fields(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    cfg = load_run_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.nproc is not None:  # topology: auto resolved as csbp train resolves it (its line on stdout)
+        from csbp.plan.auto import resolve_auto_topology, wants_auto
+
+        if not wants_auto(args.config, overrides):
+            raise ValueError(
+                f"--nproc {args.nproc}: {args.config} sets its topology, so there is no layout to plan (fix: drop "
+                "--nproc, or validate it with --set topology=auto)"
+            )
+        overrides = resolve_auto_topology(args.config, overrides, nproc=args.nproc, nnodes=args.nnodes)
+    cfg = load_run_config(args.config, overrides)
     if args.print_config:
         print(dump_config(cfg), end="")
         return 0

@@ -273,7 +273,8 @@ class TopologySection(_Section):
         if data == "auto":
             raise ConfigRuleError(
                 [("", "'auto' is chosen by the planner when the run launches",
-                  "run `csbp train CONFIG --nproc N` (it plans for N processes), or set dp, cp and bp")]
+                  "run `csbp train CONFIG --nproc N` (it plans for N processes; `csbp config validate CONFIG "
+                  "--nproc N` shows and checks that plan), or set dp, cp and bp")]
             )
         return data
 
