@@ -63,7 +63,7 @@ def random_ids(num_samples: int, num_rows: int, seed: int = 0) -> torch.Tensor:
         ({"head_dim": 7}, "head_dim"),
         ({"rope_theta": -1.0}, "rope_theta"),
         ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
-        ({"arch": "mistral"}, "arch"),
+        ({"arch": "gemma"}, "arch"),
         ({"vocab_size": 3.5}, "vocab_size"),
         ({"qk_norm": 1}, "qk_norm"),
     ],
