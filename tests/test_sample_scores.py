@@ -97,6 +97,22 @@ def test_without_any_context_the_first_completion_token_is_not_scored(tmp_path: 
     assert "no completion token to score" in scorer.line(nothing)
 
 
+@pytest.mark.parametrize(
+    ("template", "kept"), [("<|endoftext|> $A <|endoftext|>", 1), ("$A <|endoftext|>", 0), ("<|endoftext|> $A", 1)]
+)
+def test_specials_after_the_prompt_are_dropped_also_for_an_empty_prompt(
+    scorer_dir: Path, template: str, kept: int
+) -> None:
+    scorer = SampleScorer(scorer_dir, dtype=None, device="cpu")
+    special = scorer.tokenizer.token_to_id("<|endoftext|>")
+    scorer.tokenizer.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[("<|endoftext|>", special)]
+    )
+    plain = scorer.tokenizer.encode("the quick", add_special_tokens=False).ids
+    assert scorer.context_ids("the quick") == [special] * kept + plain
+    assert scorer.context_ids("") == [special] * kept  # an unconditional sample: no EOS before its first token
+
+
 def test_entropy_is_bd3lms_unigram_entropy_and_completions_pool_over_tokens() -> None:
     assert unigram_entropy([4, 4, 4, 4]) == 0.0
     assert unigram_entropy([1, 2, 3, 4]) == pytest.approx(math.log(4))

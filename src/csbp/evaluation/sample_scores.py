@@ -143,6 +143,9 @@ class SampleScorer:
     def context_ids(self, prompt: str) -> list[int]:
         """The prompt as transformers' ``tokenizer(prompt)`` encodes it, less special tokens after the text."""
         plain = self.tokenizer.encode(prompt, add_special_tokens=False).ids
+        if not plain:  # no text to tell the specials before it from those after (BOS, EOS): a probe's leading ones
+            probe = self.tokenizer.encode("a", add_special_tokens=False).ids
+            return self.context_ids("a")[: -len(probe)] if probe else []
         special = self.tokenizer.encode(prompt, add_special_tokens=True).ids
         leading = len(special) - len(plain)
         if leading > 0 and special[leading:] == plain:
