@@ -134,6 +134,10 @@ def test_scorers_that_cannot_score_are_refused_in_one_line(scorer_dir: Path, tmp
     (small / "config.json").write_text(json.dumps({**config, "vocab_size": 10}))
     with pytest.raises(ValueError, match=r"its tokenizer has \d+ tokens, its model's vocabulary 10 \(fix: the tokenizer.json"):
         SampleScorer(small, dtype=None, device="cpu")  # refused before the weights (shaped for another vocabulary) load
+    vocab = SampleScorer(scorer_dir, dtype=None, device="cpu").tokenizer.get_vocab_size(with_added_tokens=True)
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": vocab - 1}))
+    with pytest.raises(ValueError, match=rf"its tokenizer has {vocab} tokens, its model's vocabulary {vocab - 1} "):
+        SampleScorer(small, dtype=None, device="cpu")  # one token past it is enough
     short = SampleScorer(export_scorer(tmp_path / "short", bos=True, max_positions=4), dtype=None, device="cpu")
     with pytest.raises(ValueError, match=r"past the 4 positions it may use of .*config.json \(fix: a lower --max-new-tokens"):
         short.score("the quick", " brown fox jumps over the lazy dog", [1])
@@ -166,6 +170,12 @@ def test_a_csbp_ar_export_is_scored_only_inside_the_rows_it_trained_on(scorer_di
     assert scorer.score("the", " quick", [1]).tokens >= 1
     with pytest.raises(ValueError, match=r"past the 6 positions it may use \(the rows it trained on, data.seq_len of "):
         scorer.score("the quick", " brown fox jumps over the lazy dog", [1])
+    text = " quick brown fox jumps over the lazy dog"
+    fitting = next(  # a context and completion of exactly the 6 trained positions is scored
+        text[:end] for end in range(len(text) + 1)
+        if len(scorer.context_ids("the") + scorer.tokenizer.encode(text[:end], add_special_tokens=False).ids) == 6
+    )
+    assert scorer.score("the", fitting, [1]).tokens == 4
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
