@@ -190,7 +190,7 @@ def test_generate_scores_every_sample_and_pools_them(
     checkpoint = export_tiny_run(tmp_path / "run")
     argv = ["generate", "--model", str(checkpoint), "--prompt", "the quick", "--device", "cpu", "--scorer", str(scorer_dir)]
     argv += "--max-new-tokens 8 --block-size 4 --temperature 1 --samples 3".split()
-    args = parse([*argv, "--json", str(tmp_path / "samples.json")])
+    args = parse([*argv, "--json", str(tmp_path / "samples.json"), "--known-words", "demo-corpus"])
     assert args.func(args) == 0
     out = capsys.readouterr().out
     completions = re.findall(r"completion \(seed \d\): (.*)", out)
@@ -209,6 +209,17 @@ def test_generate_scores_every_sample_and_pools_them(
     assert report["scorer"]["tokens"] == int(total[3]) and report["scorer"]["nll"] == pytest.approx(float(total[2]), abs=6e-5)
     assert (report["settings"]["block_size"], report["settings"]["temperature"], report["objective"]) == (4, 1.0, "bd3")
     assert all(len(r["token_ids"]) <= 8 and r["stopped_at"] in ("eos", "max_new_tokens") for r in report["samples"])
+    printed = re.findall(r"\[bd3, (\d+) tokens, (\d+) blocks? of 4, (\d+) denoising steps?, stopped at (\S+), ", out)
+    words = [tuple(map(int, m)) for m in re.findall(r"words found in demo-corpus: (\d+)/(\d+)", out)]
+    for r, (tokens, blocks, steps, stop), (known, total) in zip(report["samples"], printed, words, strict=True):
+        assert (len(r["token_ids"]), r["blocks"], r["denoising_steps"]) == (int(tokens), int(blocks), int(steps))
+        assert r["stopped_at"] == {"EOS": "eos", "max-new-tokens": "max_new_tokens"}[stop]
+        assert r["known_words"] == {"known": known, "total": total}
+        assert r["score"]["nll_sum"] == pytest.approx(r["score"]["nll"] * r["score"]["tokens"])
+        assert r["score"]["unigram_entropy"] == pytest.approx(unigram_entropy(r["token_ids"]))
+    assert report["known_words"] == {"source": "demo-corpus", "known": sum(k for k, _ in words), "total": sum(t for _, t in words)}
+    entropies = [r["score"]["unigram_entropy"] for r in report["samples"]]
+    assert report["scorer"]["unigram_entropy"] == pytest.approx(sum(entropies) / 3)
     assert generate_cmd.score_record(CompletionScore(0.0, 0, 0.0))["perplexity"] is None  # JSON has no NaN
     chat = parse([*argv, "--chat"])
     with pytest.raises(ValueError, match=r"^--scorer with --chat: .* \(fix: drop --chat or --scorer\)$"):
