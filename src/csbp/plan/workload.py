@@ -351,11 +351,11 @@ def hf_workload(
 
 
 QWEN_DEFAULT_MAX_WINDOW_LAYERS = 28
+"""transformers' Qwen2/Qwen3 default: the first 28 layers attend fully (``csbp.models.hf_families`` keeps the
+same; not imported here, the planner needs no torch)."""
 MISTRAL_DEFAULT_KV_HEADS, MISTRAL_DEFAULT_SLIDING_WINDOW = 8, 4096
 """transformers' ``MistralConfig`` values of an absent ``num_key_value_heads`` and ``sliding_window`` (the
 importer's ``csbp.models.hf_families`` has the same; repeated here, as the planner needs no torch)."""
-"""transformers' Qwen2/Qwen3 default: the first 28 layers attend fully (``csbp.models.hf_families`` keeps the
-same; not imported here, the planner needs no torch)."""
 
 
 def _sliding_layer_count(cfg: dict[str, Any], layers: int, file: Path) -> int:
