@@ -128,6 +128,10 @@ def test_scorers_that_cannot_score_are_refused_in_one_line(scorer_dir: Path, tmp
     (bare / "config.json").write_text((scorer_dir / "config.json").read_text())
     with pytest.raises(ValueError, match=r"holds no tokenizer.json \(fix: a Hugging Face causal LM directory"):
         SampleScorer(bare, dtype=None, device="cpu")
+    (bare / "tokenizer.json").write_text((scorer_dir / "tokenizer.json").read_text())
+    (bare / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": 300}))
+    with pytest.raises(ValueError, match=r"^--scorer .*bare: unsupported architectures \['GPT2LMHeadModel'\] .* \(fix: a Qwen3, Qwen2"):
+        SampleScorer(bare, dtype=None, device="cpu")  # bd3lms' GPT-2: the option named, and what to pass instead
     small = tmp_path / "small"
     shutil.copytree(scorer_dir, small)
     config = json.loads((small / "config.json").read_text())

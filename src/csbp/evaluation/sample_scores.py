@@ -103,7 +103,12 @@ class SampleScorer:
         self.directory = directory
         self.max_positions, self._limit_source = position_limit(directory)
         self._check_trained_causally(directory)
-        vocab, model_vocab = self.tokenizer.get_vocab_size(with_added_tokens=True), read_hf_config(directory).vocab_size
+        try:
+            model_vocab = read_hf_config(directory).vocab_size
+        except ValueError as error:  # such as GPT-2's config, the scorer of bd3lms: name the option and a fix
+            fix = "" if "(fix:" in str(error) else " (fix: a Qwen3, Qwen2, Llama or Mistral causal LM directory)"
+            raise ValueError(f"--scorer {directory}: {error}{fix}") from None
+        vocab = self.tokenizer.get_vocab_size(with_added_tokens=True)
         if vocab > model_vocab:  # before the weights load
             raise ValueError(
                 f"--scorer {directory}: its tokenizer has {vocab} tokens, its model's vocabulary {model_vocab} "
