@@ -141,6 +141,10 @@ def test_an_older_checkpoint_at_a_depth_where_the_default_changed(
         check_run(resumed(inputs, **{LAYER_IDS_FIELD: ids}), run_dir=run_dir, resume=True, warn=notes.append)
         assert notes[-1] == (f"resume: checkpoint {checkpoint} (step 2) records no resolved {LAYER_IDS_FIELD}; "
                              f"continuing with the configured {ids}")  # fmt: skip
+    notes = []  # its note is said once every check has passed: a refused resume is its one line
+    with pytest.raises(ValueError, match=r"nothing is left to do before step 2"):
+        check_run(resumed(inputs, **{LAYER_IDS_FIELD: OLD}), run_dir=run_dir, resume=True, stop_step=2, warn=notes.append)
+    assert notes == []
     message = one_line_error(lambda: check_run(resumed(inputs, **{LAYER_IDS_FIELD: [0, 2, 4]}), run_dir=run_dir,
                                                resume=True))  # fmt: skip
     assert "which one it trained with is unknown" in message

@@ -168,7 +168,7 @@ def check_run(
             )
             if inputs.dflash is not None:  # the target layers its fc weights were fitted to, as resolved
                 restart = resume_restart_for(cfg, resume_restart)
-                check_resumed_layer_ids(state, latest, inputs.dflash, restart=restart, warn=warn)
+                check_resumed_layer_ids(state, latest, inputs.dflash, restart=restart, warn=notes.append)
             check_compatible(
                 state,
                 latest,
