@@ -491,3 +491,9 @@ def test_csbp_eval_notes_rows_longer_than_the_model_trained_on(
     )
     assert main([*args, "--model", str(run_dir / "final")]) == 0
     assert capsys.readouterr().err == ""
+    # with data.reset_positions every document restarts at position 0: the row length bounds nothing
+    text = (shorter / "config.yaml").read_text()
+    (shorter / "config.yaml").write_text(text.replace("reset_positions: false", "reset_positions: true"))
+    assert "reset_positions: true" in (shorter / "config.yaml").read_text()
+    assert main([*args, "--model", str(shorter / "final")]) == 0
+    assert "past the 16-token rows" not in capsys.readouterr().err

@@ -120,6 +120,9 @@ def test_entropy_is_bd3lms_unigram_entropy_and_completions_pool_over_tokens() ->
     both = pooled([CompletionScore(2.0, 1, 1.0), CompletionScore(6.0, 3, 2.0)])
     assert (both.nll, both.entropy) == (2.0, 1.5)  # 8 nats over 4 tokens, not the mean of 2 and 2
     assert both.perplexity == pytest.approx(math.exp(2.0))
+    assert pooled([CompletionScore(2.0, 1, 1.25)]) == CompletionScore(2.0, 1, 1.25)  # one sample is itself
+    huge = CompletionScore(800.0, 1, 0.0)  # exp(800) is past float range: inf, not an OverflowError traceback
+    assert huge.perplexity == math.inf and generate_cmd.score_record(huge)["perplexity"] is None
 
 
 def test_scorers_that_cannot_score_are_refused_in_one_line(scorer_dir: Path, tmp_path: Path) -> None:

@@ -349,9 +349,9 @@ def run_generate(args: argparse.Namespace) -> int:
         notes.append(note)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = None if args.dtype == "auto" else DTYPES[args.dtype]
+    scorer = None if args.scorer is None else SampleScorer(args.scorer, dtype=dtype, device=device)  # its refusals first
     model, _ = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
     model.eval()
-    scorer = None if args.scorer is None else SampleScorer(args.scorer, dtype=dtype, device=device)
     print_notes(notes)
     print(f"prompt: {args.prompt}")
     pooled = [0, 0]  # known and total words of every completion (not the completions: --samples may be many)
@@ -410,11 +410,15 @@ def sample_record(seed: int, completion: str, result: GenerationResult, seconds:
 
 
 def score_record(score: CompletionScore) -> dict[str, Any]:
-    """A ``CompletionScore`` (or the pooled one) for ``--json``: no NaN where nothing was scored (null)."""
-    scored = score.tokens > 0
+    """A ``CompletionScore`` (or the pooled one) for ``--json``: null where nothing was scored or a value is not
+    finite (JSON has no NaN or Infinity)."""
+
+    def finite(value: float) -> float | None:
+        return value if math.isfinite(value) else None
+
     return {
-        "tokens": score.tokens, "nll_sum": score.nll_sum, "nll": score.nll if scored else None,
-        "perplexity": score.perplexity if scored else None, "unigram_entropy": score.entropy,
+        "tokens": score.tokens, "nll_sum": finite(score.nll_sum), "nll": finite(score.nll),
+        "perplexity": finite(score.perplexity), "unigram_entropy": score.entropy,
     }
 
 

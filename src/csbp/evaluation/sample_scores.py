@@ -61,7 +61,10 @@ class CompletionScore:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.nll) if self.tokens else math.nan
+        """``exp(nll)``: NaN when no token was scored, inf past float range (a mean NLL above ~709 nats)."""
+        if not self.tokens:
+            return math.nan
+        return math.exp(self.nll) if self.nll < 700 else math.inf
 
 
 def unigram_entropy(token_ids: Sequence[int]) -> float:

@@ -74,7 +74,8 @@ def attention_shape(arch: str, hf_config: dict[str, Any], sizes: dict[str, int],
             raise ValueError(
                 f"config.json makes layers {sliding} sliding-window layers (layer_types, or use_sliding_window=true "
                 "with max_window_layers below num_hidden_layers: transformers slides layer i >= max_window_layers); "
-                "csbp has no sliding-window layers (fix: use a checkpoint whose layers all use full attention)"
+                "csbp imports only checkpoints whose layers all attend fully (topology.window is a run's own choice, not "
+                "read from checkpoints) (fix: use a checkpoint whose layers all use full attention)"
             )
         default_head_dim = QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else hidden // num_heads
         return qwen_kv_heads(hf_config, num_heads, hf_class), qwen_head_dim(hf_config, default_head_dim)
