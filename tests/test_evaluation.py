@@ -456,7 +456,6 @@ def test_csbp_eval_refuses_a_token_id_past_the_embedding_before_any_forward(
     """A token file changed after csbp data prepare (same size, so it opens) holding an id the model
     does not embed: the manifest's max_token_id (no fingerprint covers it) passed the vocabulary
     check, and the forward raised IndexError (a device-side assert on CUDA)."""
-    import shutil
 
     import numpy as np
 
@@ -473,27 +472,3 @@ def test_csbp_eval_refuses_a_token_id_past_the_embedding_before_any_forward(
         "(fix: evaluate data prepared with the model's tokenizer; if it was, its token files changed since: "
         "check with csbp data inspect --verify)"
     )
-
-
-def test_csbp_eval_notes_rows_longer_than_the_model_trained_on(
-    trained: tuple[Path, Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    run_dir, artifact, _ = trained
-    shorter = tmp_path / "run"  # the same model, recorded as trained on rows of 16 tokens; the data's are 32
-    shutil.copytree(run_dir / "final", shorter / "final")
-    (shorter / "config.yaml").write_text((run_dir / "config.yaml").read_text().replace("seq_len: 32", "seq_len: 16"))
-    args = ["eval", "--data", str(artifact), "--samples", "1", "--max-batches", "1", "--no-ltr"]
-    assert main([*args, "--model", str(shorter / "final")]) == 0
-    assert capsys.readouterr().err.strip() == (
-        f"csbp eval: runs the model at positions up to 31, past the 16-token rows it was trained on "
-        f"({shorter / 'config.yaml'}): it never attended that far, so quality may drop there (data prepared with "
-        "--seq-len 16 stays inside)"
-    )
-    assert main([*args, "--model", str(run_dir / "final")]) == 0
-    assert capsys.readouterr().err == ""
-    # with data.reset_positions every document restarts at position 0: the row length bounds nothing
-    text = (shorter / "config.yaml").read_text()
-    (shorter / "config.yaml").write_text(text.replace("reset_positions: false", "reset_positions: true"))
-    assert "reset_positions: true" in (shorter / "config.yaml").read_text()
-    assert main([*args, "--model", str(shorter / "final")]) == 0
-    assert "past the 16-token rows" not in capsys.readouterr().err
