@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import processors
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
 from csbp.cli import generate_cmd
 from csbp.data.tokenizer import train_bpe_tokenizer
@@ -83,6 +83,26 @@ def test_the_perplexity_is_the_scorers_nll_of_the_completion_given_the_prompt(sc
     empty_prompt = scorer.score("", completion, [1])  # the BOS alone predicts the first token
     assert empty_prompt.tokens == len(target)
     assert empty_prompt.nll_sum == pytest.approx(transformers_nll(scorer_dir, [bos, *target], 1), rel=1e-6)
+
+
+def test_the_completion_is_tokenized_inside_the_joint_text(tmp_path: Path) -> None:
+    """A Llama-2-style tokenizer (a ``▁`` prepended to the text, spaces as ``▁``) reads " brown" alone as
+    ``▁ ▁brown``: encoded apart, the completion would score a ``▁`` token the joint text does not have."""
+    vocab = {"[UNK]": 0, "▁the": 1, "▁quick": 2, "▁brown": 3, "▁": 4, "▁fox": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
+    source = tmp_path / "tokenizer"
+    source.mkdir()
+    backend.save(str(source / "tokenizer.json"))
+    model = tiny_model(vocab_size=8, seed=3)
+    directory = export_hf_checkpoint(model, model.config, tmp_path / "scorer", tokenizer_dir=source, dtype=torch.float64)
+    scorer = SampleScorer(directory, dtype=None, device="cpu")
+    assert backend.encode(" brown fox").ids == [4, 3, 5]  # apart: a spurious ▁
+    assert scorer.encode_pair("the quick", " brown fox") == ([1, 2], [1, 2, 3, 5])
+    assert scorer.encode_pair("the quick ", "brown fox") == ([1, 2], [1, 2, 3, 5])  # the trailing space moves over
+    score = scorer.score("the quick", " brown fox", [1])
+    assert score.tokens == 2 and score.nll_sum == pytest.approx(transformers_nll(directory, [1, 2, 3, 5], 2), rel=1e-6)
 
 
 def test_without_any_context_the_first_completion_token_is_not_scored(tmp_path: Path) -> None:

@@ -10,10 +10,11 @@ low perplexity with degenerate text. Both are needed to read either.
 What is computed, per completion:
 
 * the scorer reads the completion's *text* with its own ``tokenizer.json`` (the diffusion model's
-  tokenizer may differ; bd3lms retokenizes likewise), after the prompt's text as context: context ids
-  are the prompt encoded as transformers' ``tokenizer(prompt)`` does (with the special tokens its
-  post-processor puts before the text, such as Llama's BOS; none after it), then the completion
-  encoded without special tokens; the NLL is summed over the completion's tokens only, each predicted
+  tokenizer may differ; bd3lms retokenizes likewise), after the prompt's text as context: prompt and
+  completion are encoded as one text, as transformers' ``tokenizer(text)`` does (with the special
+  tokens its post-processor puts before the text, such as Llama's BOS; none after it), and the
+  completion's tokens are those after the prompt's own (lm-evaluation-harness' ``_encode_pair``, the
+  prompt's trailing whitespace moved to the completion); the NLL is summed over them only, each predicted
   from everything before it under causal attention (an empty context leaves the first completion
   token unscored: nothing predicts it, as in bd3lms, which scores from the second token). The
   completion ends before its EOS, so the EOS is not scored (bd3lms scores up to its first EOS).
@@ -163,13 +164,22 @@ class SampleScorer:
                 return list(special[: start + len(plain)])
         return list(plain)
 
+    def encode_pair(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
+        """``(context, ids)``: the prompt's tokens and those of prompt and completion encoded as one text, as
+        lm-evaluation-harness' ``_encode_pair`` does (the prompt's trailing whitespace moves to the completion;
+        the completion is what follows the prompt's tokens). Encoded apart, a tokenizer that marks word starts
+        (SentencePiece's ``▁``: Llama 2, Mistral) would read the completion's first word as the start of a text
+        and score a token the joint text does not have."""
+        spaces = len(prompt) - len(prompt.rstrip())
+        if spaces:
+            prompt, completion = prompt[:-spaces], prompt[-spaces:] + completion
+        return self.context_ids(prompt), self.context_ids(prompt + completion)
+
     @torch.no_grad()
     def score(self, prompt: str, completion: str, completion_ids: Sequence[int]) -> CompletionScore:
         """Score ``completion`` (text) after ``prompt``; ``completion_ids``: its ids in the sampled model's
         tokenizer, for the entropy."""
-        context = self.context_ids(prompt)
-        target = self.tokenizer.encode(completion, add_special_tokens=False).ids
-        ids = context + list(target)
+        context, ids = self.encode_pair(prompt, completion)
         if len(ids) > self.max_positions:
             raise ValueError(
                 f"--scorer {self.directory}: prompt and completion are {len(ids)} of its tokens, past the "
