@@ -1,10 +1,12 @@
 """Shared test hygiene: one thread per process, float64 default off, no leftover process groups;
-tests marked ``cuda`` are skipped (with the reason) where torch sees no CUDA device."""
+tests marked ``cuda`` are skipped (with the reason) where torch sees no CUDA device; the quiet
+``transformers`` fixture of the tests that compare against transformers' own models."""
 
 from __future__ import annotations
 
 import atexit
 import os
+from types import ModuleType
 
 import pytest
 import torch
@@ -26,6 +28,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def transformers() -> ModuleType:
+    """The transformers package, quiet (no warnings, no progress bars), for the tests that compare csbp's
+    Hugging Face import and export with transformers' own models; skipped where it is not installed."""
+    module = pytest.importorskip("transformers")
+    module.logging.set_verbosity_error()
+    module.utils.logging.disable_progress_bar()
+    return module
 
 
 @pytest.fixture(autouse=True)

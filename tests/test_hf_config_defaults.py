@@ -56,12 +56,6 @@ MISTRAL_WINDOWS = (  # every layer slides by sliding_window (absent: 4096) in se
 )
 
 
-@pytest.fixture(scope="module")
-def transformers() -> ModuleType:
-    module = pytest.importorskip("transformers")
-    module.logging.set_verbosity_error()
-    return module
-
 
 def config_dict(heads: int, kv_heads: Any, head_dim: Any, window: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {

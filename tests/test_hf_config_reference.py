@@ -34,12 +34,6 @@ ARCH = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "Llam
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 
-@pytest.fixture(scope="module")
-def transformers() -> ModuleType:
-    module = pytest.importorskip("transformers")
-    module.logging.set_verbosity_error()
-    return module
-
 
 def config_json(arch: str, **fields: Any) -> dict[str, Any]:
     return {"architectures": [ARCH[arch]], "model_type": arch, "vocab_size": 64, "hidden_size": 128,

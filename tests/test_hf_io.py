@@ -35,13 +35,6 @@ VOCAB = 64
 ATOL = 1e-5  # float32 logits of O(1) magnitude
 
 
-@pytest.fixture(scope="module")
-def transformers() -> ModuleType:
-    module = pytest.importorskip("transformers")
-    module.logging.set_verbosity_error()
-    module.utils.logging.disable_progress_bar()
-    return module
-
 
 def perturb_(model: torch.nn.Module, seed: int) -> None:
     """O(1) activations and non-unit norm weights, so a wrong mapping cannot hide below the tolerance."""

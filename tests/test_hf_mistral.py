@@ -37,13 +37,6 @@ from test_training_run import make_artifact, tiny_config, train  # noqa: E402
 ABSENT = object()
 
 
-@pytest.fixture(scope="module")
-def transformers() -> ModuleType:
-    module = pytest.importorskip("transformers")
-    module.logging.set_verbosity_error()
-    module.utils.logging.disable_progress_bar()
-    return module
-
 
 def make_mistral(transformers: ModuleType, *, vocab: int = VOCAB, dtype: torch.dtype = torch.float64,
                  **fields: Any) -> Any:

@@ -53,13 +53,6 @@ YARN_FIXED_FACTOR = {**YARN, "attention_factor": 1.25}
 LINEAR = {"rope_type": "linear", "factor": 4.0}
 
 
-@pytest.fixture(scope="module")
-def transformers() -> ModuleType:
-    module = pytest.importorskip("transformers")
-    module.logging.set_verbosity_error()
-    module.utils.logging.disable_progress_bar()
-    return module
-
 
 def perturb_(model: torch.nn.Module, seed: int) -> None:
     """O(1) activations and non-unit norm weights, so a wrong mapping cannot hide below the tolerance."""

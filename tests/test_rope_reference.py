@@ -28,13 +28,6 @@ import torch  # noqa: E402
 from csbp.models.rope import RopeScaling, rope_inverse_frequencies  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def transformers() -> ModuleType:
-    module = pytest.importorskip("transformers")
-    module.logging.set_verbosity_error()
-    return module
-
-
 def hf_tables(transformers: ModuleType, head_dim: int, theta: float, rope: dict[str, Any]) -> tuple[torch.Tensor,
                                                                                                      float]:
     """transformers' float32 inverse frequencies and attention factor for a tiny Llama config."""
