@@ -232,8 +232,8 @@ def test_cli_chat_wraps_the_prompt_as_a_user_turn(
         seen.append(list(prompt_ids))
         return real_generate(model, prompt_ids, **options)  # type: ignore[arg-type]
 
-    real_generate = sampler.generate
-    monkeypatch.setattr(sampler, "generate", recording_generate)
+    real_generate = sampler.generate_batch
+    monkeypatch.setattr(sampler, "generate_batch", recording_generate)
     assert parse(argv).func(parse(argv)) == 0
     tokenizer = load_tokenizer(final)
     assert seen == [tokenizer.encode("<user>the fox</user><assistant>")]
@@ -428,13 +428,13 @@ def test_cli_stops_at_every_eos_of_the_generation_config(
     from csbp.generation import sampler
 
     seen: list[object] = []
-    real_generate = sampler.generate
+    real_generate = sampler.generate_batch
 
     def recording_generate(model: Decoder, prompt_ids: list[int], **options: object) -> object:
         seen.append(options["eos_id"])
         return real_generate(model, prompt_ids, **options)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(sampler, "generate", recording_generate)
+    monkeypatch.setattr(sampler, "generate_batch", recording_generate)
     config_file = final / "generation_config.json"
     argv = ["generate", "--model", str(final), "--prompt", "the fox", "--device", "cpu", "--max-new-tokens", "2"]
     config_file.write_text(json.dumps({"eos_token_id": [tokenizer.eos_id, 7]}), encoding="utf-8")
@@ -477,7 +477,7 @@ def test_cli_refuses_a_mask_token_other_than_the_run_s(
         seen.append(options["mask_token_id"])
         raise SystemExit(0)
 
-    monkeypatch.setattr("csbp.generation.sampler.generate", recording_generate)
+    monkeypatch.setattr("csbp.generation.sampler.generate_batch", recording_generate)
     for argv in (base, [*base, "--mask-token", name]):
         with pytest.raises(SystemExit):
             parse(argv).func(parse(argv))

@@ -39,7 +39,7 @@ def _run(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> list[object]:
         seen.append(options["eos_id"])
         raise SystemExit(0)
 
-    monkeypatch.setattr("csbp.generation.sampler.generate", recording_generate)
+    monkeypatch.setattr("csbp.generation.sampler.generate_batch", recording_generate)
     with pytest.raises(SystemExit):
         parse(argv).func(parse(argv))
     return seen

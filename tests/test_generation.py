@@ -323,7 +323,8 @@ def test_non_finite_logits_are_named_not_sampled(bad: float, temperature: float)
     with pytest.raises(NonFiniteLogits, match=r"logits are not finite .* \(fix: "):
         propose_tokens(logits_RV, mask_token_id=4, temperature=temperature, generator=torch.Generator())
     ruled_out = torch.tensor([[0.0, 3.0, float("-inf"), 1.0, float("nan")]])  # -inf, and NaN on the mask: fine
-    assert propose_tokens(ruled_out, mask_token_id=4, temperature=temperature)[0].tolist() == [1]
+    drawn = propose_tokens(ruled_out, mask_token_id=4, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert drawn[0].tolist() == [1] if temperature == 0 else drawn[0].item() in (0, 1, 3)  # not the global RNG's draw
 
 
 def test_positions_used_end_at_the_block_after_the_last_new_token(model: Decoder) -> None:

@@ -45,7 +45,7 @@ def _sampled_mask(model: Path, monkeypatch: pytest.MonkeyPatch) -> object:
         seen.append(options["mask_token_id"])
         raise SystemExit(0)
 
-    monkeypatch.setattr("csbp.generation.sampler.generate", recording_generate)
+    monkeypatch.setattr("csbp.generation.sampler.generate_batch", recording_generate)
     argv = ["generate", "--model", str(model), "--prompt", "the", "--max-new-tokens", "4", "--device", "cpu"]
     with pytest.raises(SystemExit):
         parse(argv).func(parse(argv))

@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,6 +159,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="completions to draw (needs --temperature > 0), with seeds --seed, --seed+1, ...; with --known-words the "
         "share is also given over all of them (one draw's share varies widely from seed to seed)",
     )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=1, metavar="N",
+        help="draw up to N of the --samples at once, as one batch through the model (the prompt is prefilled once "
+        "for the batch); each sample makes the same choices as when drawn alone, up to the rounding of batched "
+        "matmuls (default 1: one at a time)",
+    )
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     parser.add_argument(
         "--device", type=device_option, default=None, help="torch device (default: cuda if available, else cpu)"
@@ -241,7 +247,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from csbp.atomic import write_json_atomic
     from csbp.evaluation.sample_scores import KnownWords, SampleScorer
     from csbp.evaluation.sample_scores import pooled as pooled_scores
-    from csbp.generation.sampler import GenerationConfig, generate, positions_used
+    from csbp.generation.sampler import GenerationConfig, generate_batch, positions_used
     from csbp.models.hf_io import generation_stop_ids, load_hf_checkpoint, read_hf_config
 
     if args.threshold is not None and args.unmask_order != "confidence":
@@ -357,32 +363,36 @@ def run_generate(args: argparse.Namespace) -> int:
     pooled = [0, 0]  # known and total words of every completion (not the completions: --samples may be many)
     scores: list[CompletionScore] = []
     records: list[dict[str, Any]] = []
-    for seed in range(args.seed, args.seed + args.samples):
+    batch_size = min(args.batch_size, args.samples)
+    for first_seed in range(args.seed, args.seed + args.samples, batch_size):
+        seeds = list(range(first_seed, min(first_seed + batch_size, args.seed + args.samples)))
         started = time.perf_counter()
-        result = generate(
-            model, prompt_ids, mask_token_id=mask_token_id, eos_id=stop_ids, config=replace(config, seed=seed)
+        results = generate_batch(
+            model, prompt_ids, mask_token_id=mask_token_id, eos_id=stop_ids, config=config, seeds=seeds
         )
         elapsed = time.perf_counter() - started
-        completion = tokenizer.decode(result.token_ids)
-        print(f"completion{f' (seed {seed})' if args.samples > 1 else ''}: {completion}")
-        stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
-        print(
-            f"[{objective}, {len(result.token_ids)} tokens, {counted(len(result.block_starts), 'block')} of {block_size}, "
-            f"{counted(len(result.unmask_steps), 'denoising step')}, "
-            f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
-            f"{elapsed:.2f} s on {device}]"
-        )
-        record = sample_record(seed, completion, result, elapsed)
-        if known_words is not None:
-            counts = known_words.count(completion)
-            pooled = [pooled[0] + counts[0], pooled[1] + counts[1]]
-            print(known_words.line(*counts))
-            record["known_words"] = {"known": counts[0], "total": counts[1]}
-        if scorer is not None:
-            scores.append(scorer.score(args.prompt, completion, result.token_ids))
-            print(scorer.line(scores[-1]))
-            record["score"] = score_record(scores[-1])
-        records.append(record)
+        timing = f"{elapsed:.2f} s" + (f" for a batch of {len(seeds)}" if batch_size > 1 else "")
+        for seed, result in zip(seeds, results, strict=True):
+            completion = tokenizer.decode(result.token_ids)
+            print(f"completion{f' (seed {seed})' if args.samples > 1 else ''}: {completion}")
+            stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
+            print(
+                f"[{objective}, {len(result.token_ids)} tokens, {counted(len(result.block_starts), 'block')} of {block_size}, "
+                f"{counted(len(result.unmask_steps), 'denoising step')}, "
+                f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
+                f"{timing} on {device}]"
+            )
+            record = sample_record(seed, completion, result, elapsed, batch_seeds=seeds)
+            if known_words is not None:
+                counts = known_words.count(completion)
+                pooled = [pooled[0] + counts[0], pooled[1] + counts[1]]
+                print(known_words.line(*counts))
+                record["known_words"] = {"known": counts[0], "total": counts[1]}
+            if scorer is not None:
+                scores.append(scorer.score(args.prompt, completion, result.token_ids))
+                print(scorer.line(scores[-1]))
+                record["score"] = score_record(scores[-1])
+            records.append(record)
     if known_words is not None and args.samples > 1:
         print(known_words.line(*pooled, samples=args.samples))
     if scorer is not None and args.samples > 1:
@@ -390,7 +400,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json is not None:
         report: dict[str, Any] = {
             "model": str(model_dir), "prompt": args.prompt, "prompt_ids": prompt_ids, "objective": objective,
-            "device": str(device), "settings": generation_settings(config), "samples": records,
+            "device": str(device), "settings": generation_settings(config), "batch_size": batch_size,
+            "samples": records,
         }
         if known_words is not None:
             report["known_words"] = {"source": known_words.source, "known": pooled[0], "total": pooled[1]}
@@ -400,12 +411,14 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def sample_record(seed: int, completion: str, result: GenerationResult, seconds: float) -> dict[str, Any]:
-    """One completion of ``--json``."""
+def sample_record(
+    seed: int, completion: str, result: GenerationResult, seconds: float, *, batch_seeds: list[int]
+) -> dict[str, Any]:
+    """One completion of ``--json``; ``seconds`` is the wall time of the batch it was drawn in (its seeds)."""
     return {
         "seed": seed, "completion": completion, "token_ids": list(result.token_ids),
         "stopped_at": "eos" if result.stopped_at_eos else "max_new_tokens", "blocks": len(result.block_starts),
-        "denoising_steps": len(result.unmask_steps), "seconds": round(seconds, 4),
+        "denoising_steps": len(result.unmask_steps), "seconds": round(seconds, 4), "batch_seeds": batch_seeds,
     }
 
 

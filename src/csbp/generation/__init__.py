@@ -12,7 +12,7 @@
 
 from csbp.generation.forward import CachedBlockForward, RecomputeBlockForward
 from csbp.generation.kv_cache import CachedPrefixAttention, PrefixKVCache
-from csbp.generation.sampler import GenerationConfig, GenerationResult, generate
+from csbp.generation.sampler import GenerationConfig, GenerationResult, generate, generate_batch
 from csbp.generation.token_choice import choose_unmasked, propose_tokens, unmask_count
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "RecomputeBlockForward",
     "choose_unmasked",
     "generate",
+    "generate_batch",
     "propose_tokens",
     "unmask_count",
 ]

@@ -60,6 +60,26 @@ class PrefixKVCache:
             self._keys[layer_index] = torch.cat((cached[0], k_SHNd), dim=2)
             self._values[layer_index] = torch.cat((cached[1], v_SHNd), dim=2)
 
+    def expand(self, sequences: int) -> None:
+        """Share the cached prefix of one sequence with ``sequences`` (views, no copies: a prompt
+        prefilled once for every sample of a batch)."""
+        for i in range(self.num_layers):
+            cached = self.layer(i)
+            if cached is not None:
+                if cached[0].shape[0] != 1:
+                    raise RuntimeError(f"only a one-sequence cache expands, layer {i} holds {cached[0].shape[0]}")
+                self._keys[i] = cached[0].expand(sequences, -1, -1, -1)
+                self._values[i] = cached[1].expand(sequences, -1, -1, -1)
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only these sequences (in this order) in every layer."""
+        for i in range(self.num_layers):
+            cached = self.layer(i)
+            if cached is not None:
+                index = torch.tensor(indices, dtype=torch.long, device=cached[0].device)
+                self._keys[i] = cached[0].index_select(0, index)
+                self._values[i] = cached[1].index_select(0, index)
+
     def layer_length(self, layer_index: int) -> int:
         cached = self.layer(layer_index)
         return 0 if cached is None else int(cached[0].shape[2])

@@ -1,0 +1,132 @@
+"""Drawing several samples of one prompt as a batch (``csbp.generation.generate_batch``).
+
+The oracle is ``generate`` run once per seed: each sample of a batch must make the same choices (tokens,
+unmask steps, first tokens, stops) as when it is drawn alone, under every sampling option, with the
+KV cache and without it, and when samples end at an EOS in different blocks (they then leave the batch
+and the others go on). The tiny random decoder of ``tests/test_generation.py`` (float64) is the model.
+Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_generation_batch.py -q``
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from csbp.generation import (
+    CachedBlockForward,
+    GenerationConfig,
+    GenerationResult,
+    RecomputeBlockForward,
+    generate,
+    generate_batch,
+)
+from csbp.models.decoder import Decoder
+from test_generation import BLOCK, MASK, tiny_model
+
+SEEDS = [0, 1, 2, 3, 4, 5]
+
+OPTIONS: dict[str, dict[str, object]] = {
+    "top_k": {"temperature": 1.0, "top_k": 20},
+    "top_p": {"temperature": 0.8, "top_p": 0.9},
+    "threshold": {"temperature": 1.0, "threshold": 0.2},
+    "random_order": {"temperature": 1.0, "unmask_order": "random"},
+    "left_to_right": {"temperature": 1.0, "unmask_order": "left_to_right"},
+    "sub_blocks": {"temperature": 1.0, "sub_block_size": 2, "steps_per_block": 4},
+    "token_shift": {"temperature": 1.0, "token_shift": True},
+    "window": {"temperature": 1.0, "window": 3},
+    "no_cache": {"temperature": 1.0, "use_cache": False},
+    "no_cache_token_shift": {"temperature": 1.0, "use_cache": False, "token_shift": True, "threshold": 0.3},
+}
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    return tiny_model(seed=1)
+
+
+def config_of(**options: object) -> GenerationConfig:
+    return GenerationConfig(**{"block_size": BLOCK, "steps_per_block": 3, "max_new_tokens": 21, **options})  # type: ignore[arg-type]
+
+
+def singles(model: Decoder, prompt: list[int], config: GenerationConfig, eos_id: int | None) -> list[GenerationResult]:
+    return [
+        generate(model, prompt, mask_token_id=MASK, eos_id=eos_id, config=replace(config, seed=seed)) for seed in SEEDS
+    ]
+
+
+def choices(result: GenerationResult) -> tuple[object, ...]:
+    return (result.token_ids, result.stopped_at_eos, result.block_starts, result.unmask_steps, result.first_tokens)
+
+
+def eos_ending_in_different_blocks(results: list[GenerationResult], prompt_len: int) -> int | None:
+    """A token whose first occurrence ends the samples in at least two different blocks, or ends some
+    and not others (so that an EOS makes samples leave the batch at different times)."""
+    for token in range(MASK):
+        ends = {
+            (prompt_len + r.token_ids.index(token)) // BLOCK if token in r.token_ids else None for r in results
+        }
+        if len(ends) >= 3 or (len(ends) == 2 and None in ends):
+            return token
+    return None
+
+
+@pytest.mark.parametrize("prompt_len", [3, 8])
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_each_sample_of_a_batch_makes_the_choices_it_makes_alone(model: Decoder, name: str, prompt_len: int) -> None:
+    prompt = [(7 * i + 5) % MASK for i in range(prompt_len)]
+    config = config_of(**OPTIONS[name])
+    free = singles(model, prompt, config, eos_id=None)
+    eos = eos_ending_in_different_blocks(free, prompt_len)
+    assert eos is not None, "no token ends the samples in different blocks: pick other seeds"
+    for eos_id in (None, eos):
+        alone = free if eos_id is None else singles(model, prompt, config, eos_id)
+        batched = generate_batch(model, prompt, mask_token_id=MASK, eos_id=eos_id, config=config, seeds=SEEDS)
+        assert [choices(r) for r in batched] == [choices(r) for r in alone]
+        # a sample in a batch runs at least the rows it runs alone (it waits for the others in a block)
+        assert all(b.num_model_rows >= a.num_model_rows for a, b in zip(alone, batched, strict=True))
+    lengths = {len(r.token_ids) for r in alone}
+    assert len(lengths) >= 2 and any(r.stopped_at_eos for r in alone)  # samples left the batch at different times
+
+
+def test_a_batch_of_one_is_generate(model: Decoder) -> None:
+    prompt = [3, 9, 27, 17, 51]
+    config = config_of(temperature=1.0, threshold=0.2, seed=7)
+    alone = generate(model, prompt, mask_token_id=MASK, eos_id=None, config=config)
+    (batched,) = generate_batch(model, prompt, mask_token_id=MASK, eos_id=None, config=config, seeds=[7])
+    assert choices(batched) == choices(alone) and batched.num_model_rows == alone.num_model_rows
+
+
+def test_without_early_stops_each_sample_runs_the_rows_it_runs_alone(model: Decoder) -> None:
+    """The prompt is prefilled once for the whole batch, and a sample's rows are its share."""
+    prompt = list(range(1, 10))
+    config = config_of(temperature=1.0)
+    alone = singles(model, prompt, config, eos_id=None)
+    batched = generate_batch(model, prompt, mask_token_id=MASK, eos_id=None, config=config, seeds=SEEDS)
+    assert [r.num_model_rows for r in batched] == [r.num_model_rows for r in alone]
+
+
+@pytest.mark.parametrize("forward_class", [CachedBlockForward, RecomputeBlockForward])
+def test_dropping_sequences_keeps_the_others_prefixes(model: Decoder, forward_class: type) -> None:
+    """``keep`` leaves each remaining sequence's denoising rows as they were (its own clean prefix)."""
+    forward = forward_class(model, BLOCK)
+    forward.prefill(torch.tensor([[5, 6, 7, 8]]), samples=3)
+    forward.commit(torch.tensor([[1, 2, 3, 4], [9, 10, 11, 12], [13, 14, 15, 16]]), 4)
+    noisy_SB = torch.tensor([[MASK, 2, MASK, 4], [MASK, 20, MASK, 21], [MASK, MASK, 30, 31]])
+    with torch.no_grad():
+        before_SBD, _ = forward.denoise(noisy_SB, 8)
+        forward.keep([2, 0])
+        after_SBD, _ = forward.denoise(noisy_SB[[2, 0]], 8)
+    torch.testing.assert_close(after_SBD, before_SBD[[2, 0]], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match=r"must be a \[2, N\]"):
+        forward.denoise(noisy_SB, 8)
+    for bad in ([], [0, 0], [2]):
+        with pytest.raises(ValueError, match="distinct sequence indices"):
+            forward.keep(bad)
+
+
+def test_bad_seed_lists_are_refused(model: Decoder) -> None:
+    for seeds, match in (([], "at least one seed"), ([0, -1], "seeds must be integers >= 0")):
+        with pytest.raises(ValueError, match=match):
+            generate_batch(model, [1, 2], mask_token_id=MASK, eos_id=None, config=config_of(), seeds=seeds)
