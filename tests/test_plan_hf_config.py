@@ -179,6 +179,9 @@ def test_a_mistral_config_is_planned_as_transformers_reads_it(tmp_path: Path, fi
     config = {key: value for key, value in CONFIG.items() if key not in ("num_key_value_heads", "head_dim")}
     path = tmp_path / "config.json"
     mistral = {**config, "num_attention_heads": 16, "model_type": "mistral", "architectures": ["MistralForCausalLM"]}
-    path.write_text(json.dumps({**mistral, **fields}))
-    (group,) = hf_workload(path).model.groups
-    assert (group.count, group.n_kv_heads, group.window, group.head_dim) == (12, kv_heads, window, 96)
+    # without model_type the importer knows the family by its architectures alone: so does the planner
+    unnamed = {key: value for key, value in mistral.items() if key != "model_type"}
+    for read in (mistral, unnamed):
+        path.write_text(json.dumps({**read, **fields}))
+        (group,) = hf_workload(path).model.groups
+        assert (group.count, group.n_kv_heads, group.window, group.head_dim) == (12, kv_heads, window, 96)

@@ -305,7 +305,9 @@ def hf_workload(
         return value
 
     d, heads = size("hidden_size"), size("num_attention_heads")
-    mistral = cfg.get("model_type") == "mistral"
+    # the importer's family rule: architectures names it, and a model_type must agree (or be absent)
+    model_type = cfg.get("model_type")
+    mistral = model_type == "mistral" or (model_type is None and cfg.get("architectures") == ["MistralForCausalLM"])
     kv_heads = size("num_key_value_heads", MISTRAL_DEFAULT_KV_HEADS if mistral else heads)
     if heads % kv_heads:
         raise ValueError(
