@@ -147,3 +147,42 @@ def test_eval_refuses_an_artifact_prompt_id_past_the_target_vocabulary(
         f"csbp: error: --data {data} row 0: token id 300 is outside the target vocabulary [0, 300) (fix: its "
         "token files changed since csbp data prepare: check with csbp data inspect --verify)"
     )
+
+
+def test_run_directories_and_swapped_models_name_the_directory_to_pass(
+    workspace: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a run directory where its export belongs, or the drafter and the target swapped, said only
+    # "runs/x is not a DFlash drafter directory: config.json not found" or "unsupported architectures
+    # ['DFlashDraftModel'] in config.json", naming neither the flag nor RUN/final
+    run = tmp_path / "run"
+    shutil.copytree(workspace["drafter"], run / "final")
+    (run / "checkpoints").mkdir()
+    target_run = tmp_path / "target-run"
+    shutil.copytree(workspace["target"], target_run / "final")
+    unexported = tmp_path / "unexported"
+    (unexported / "checkpoints").mkdir(parents=True)
+    target, drafter, data = str(workspace["target"]), str(workspace["drafter"]), str(workspace["artifact"])
+    cases = [
+        (["dflash", "eval", "--target", target, "--drafter", str(run), "--data", data],
+         f"--drafter {run} is not a DFlash drafter directory: config.json not found (fix: it is a run directory: "
+         f"pass its export, --drafter {run / 'final'})"),
+        (["dflash", "eval", "--target", target, "--drafter", str(unexported), "--data", data],
+         f"(fix: it is a run directory without final/: export it first, csbp dflash export --run-dir {unexported}"),
+        (["dflash", "eval", "--target", str(target_run), "--drafter", drafter, "--data", data],
+         f"--target {target_run} is not a HF checkpoint directory: config.json not found (fix: it is a run "
+         f"directory: use its export, {target_run / 'final'})"),
+        (["dflash", "eval", "--target", drafter, "--drafter", target, "--data", data],
+         f"--target {drafter} is a DFlash drafter (DFlashDraftModel), not the model it drafts for (fix: pass it "
+         "as --drafter"),
+        (["dflash", "prepare-features", "--target", drafter, "--data", data, "--out", str(tmp_path / "f")],
+         f"--target {drafter} is a DFlash drafter"),
+        (["dflash", "export", "--drafter", str(run), "--out", str(tmp_path / "e")],
+         f"pass its export, --drafter {run / 'final'}"),
+    ]
+    for argv, message in cases:
+        assert run_cli(argv) == 2
+        captured = capsys.readouterr()
+        (line,) = captured.err.splitlines()
+        assert line.startswith("csbp: error: ") and message in line, line
+    assert not (tmp_path / "f").exists() and not (tmp_path / "e").exists()

@@ -15,7 +15,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from csbp.cli.dflash_common import INCLUSIVE_NOTE, load_target, require_target_tokenizer
+from csbp.cli.dflash_common import (
+    INCLUSIVE_NOTE,
+    load_target,
+    read_target_config,
+    require_drafter_directory,
+    require_target_tokenizer,
+)
 from csbp.dflash.evaluate import DEFAULT_PROMPT_LEN
 from csbp.wording import counted
 
@@ -121,7 +127,6 @@ def run_eval(args: argparse.Namespace) -> int:
     from csbp.dflash.evaluate import evaluate_drafter, format_report
     from csbp.dflash.export import drafter_context, load_dflash, read_drafter_config
     from csbp.dflash.target_record import check_trained_target
-    from csbp.models.hf_io import read_hf_config
 
     # Every check reads configs, the data and the prompts only: the models load once they all pass.
     if args.ignore_eos and args.eos_id is not None:  # one would silently win over the other
@@ -143,11 +148,8 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError("--max-new-tokens, --num-prompts and --prompt-len must be >= 1")
     if args.context_lengths is not None and (args.data is None or min(args.context_lengths) < 1):
         raise ValueError("--context-lengths: needs --data and lengths >= 1 (e.g. --context-lengths 32 128 255)")
-    if not args.target.is_dir():
-        raise ValueError(f"--target {args.target} is not a directory; pass a HF checkpoint directory")
-    target_config = read_hf_config(args.target)
-    if not args.drafter.is_dir():
-        raise ValueError(f"--drafter {args.drafter} is not a directory; pass a csbp dflash export directory")
+    target_config = read_target_config(args.target)
+    require_drafter_directory(args.drafter)
     read_drafter_config(args.drafter, target_config)
     other_target = check_trained_target(args.drafter, args.target, any_target=args.any_target)
     prompts, eos_id = _eval_prompts(args, target_config.vocab_size)

@@ -28,7 +28,7 @@ from csbp.cli.dflash_checkpoint import (
     recorded_target,
     run_dir_source,
 )
-from csbp.cli.dflash_common import DTYPES, INCLUSIVE_NOTE, load_target
+from csbp.cli.dflash_common import DTYPES, INCLUSIVE_NOTE, load_target, require_drafter_directory
 from csbp.models.hf_io import tokenizer_files_in, without_auto_map
 from csbp.wording import counted
 
@@ -50,6 +50,8 @@ def run_export(args: argparse.Namespace) -> int:
 
     drafter_dir = args.drafter
     checkpoint = args.checkpoint
+    if drafter_dir is not None and drafter_dir.is_dir():  # before the --target it needs: a run directory here
+        require_drafter_directory(drafter_dir)  # names its export
     if args.run_dir is not None:
         drafter_dir, checkpoint = run_dir_source(args.run_dir)
         check_out_outside_checkpoints(args.out, args.run_dir / "checkpoints")

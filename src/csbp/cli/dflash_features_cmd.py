@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import argparse
 
-from csbp.cli.dflash_common import load_target, require_target_tokenizer
+from csbp.cli.dflash_common import (
+    load_target,
+    read_target_config,
+    require_drafter_directory,
+    require_target_tokenizer,
+)
 from csbp.models.hf_io import read_json_object
 from csbp.wording import counted
 
@@ -38,7 +43,6 @@ def run_prepare_features(args: argparse.Namespace) -> int:
     from csbp.dflash.export import dflash_config_from_hf
     from csbp.dflash.feature_writer import check_output, prepare_features
     from csbp.dflash.target_fingerprint import checkpoint_identity
-    from csbp.models.hf_io import read_hf_config
 
     # Every check reads configs only: a large target's weights are loaded (minutes) once they all pass.
     if args.layer_ids is not None and args.drafter is not None:
@@ -47,10 +51,8 @@ def run_prepare_features(args: argparse.Namespace) -> int:
         raise ValueError(f"--rows-per-batch {args.rows_per_batch}: must be >= 1")
     check_output(args.out, overwrite=args.overwrite)
     artifact = open_artifact(args.data)
+    target_config = read_target_config(args.target)
     require_target_tokenizer(args.target, artifact)
-    if not args.target.is_dir():
-        raise ValueError(f"--target {args.target} is not a directory; pass a HF checkpoint directory")
-    target_config = read_hf_config(args.target)
     artifact.require_vocab_size(target_config.vocab_size)
     # the ids themselves: the manifest vouches for none in a token file changed since csbp data prepare
     # (same size, so it opens), and one past the target's embedding was an IndexError mid-capture
@@ -62,6 +64,7 @@ def run_prepare_features(args: argparse.Namespace) -> int:
             "csbp data inspect --verify)"
         )
     if args.drafter is not None:
+        require_drafter_directory(args.drafter)
         drafter_config = dflash_config_from_hf(read_json_object(args.drafter / "config.json"))
         try:  # features for a drafter of another target (shape or RoPE) would train it on the wrong states
             validate_drafter_target(drafter_config, target_config)
