@@ -244,6 +244,19 @@ def test_a_resume_changes_nothing_the_finished_layouts_were_trained_under(artifa
     assert sorted(entry.name for entry in foreign.iterdir() if entry.name != ".lock") == ["metrics.jsonl"]
 
 
+def test_resume_of_an_out_holding_no_comparison_is_refused(artifact: Path, tmp_path: Path) -> None:
+    """As ``csbp train --resume`` refuses a run directory without a checkpoint: a mistyped ``--out`` with
+    ``--resume`` used to start a whole new comparison there without a word."""
+    cfg = _bd3(artifact)
+    for out in (tmp_path / "missing", tmp_path / "empty"):
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        options = CompareOptions(layouts=("data",), budget_s=0.2, nproc=1, out_dir=out, points=1, resume=True)
+        with pytest.raises(ValueError, match=rf"^--resume: --out .*{out.name} holds no comparison to resume \(fix: drop "
+                           r"--resume to start one there, or pass the --out of the interrupted comparison\)$"):
+            run_compare(cfg, options)
+        assert not (out / "compare_options.json").exists() and not (out / "data").exists()
+
+
 @pytest.mark.slow
 def test_bd3_cp_vs_csbp_on_two_processes(artifact: Path, tmp_path: Path) -> None:
     cfg = _bd3(artifact)

@@ -232,7 +232,8 @@ def _check_resumed_options(cfg: RunConfig, options: CompareOptions) -> None:
     """A resumed comparison keeps the run config, budget, points, process count and rounds it started
     with (and, with more than one round, its ``--layouts``, which set every round's order): the layouts
     already trained were measured under them (one line naming the field or flag otherwise). A
-    non-empty ``--out`` without ``compare_options.json`` is no comparison."""
+    non-empty ``--out`` without ``compare_options.json`` is no comparison, and an empty or missing one has
+    nothing to resume (as ``csbp train --resume`` refuses: a mistyped ``--out`` started a new comparison)."""
     path = options.out_dir / OPTIONS_FILE
     if not options.resume:
         return
@@ -242,7 +243,10 @@ def _check_resumed_options(cfg: RunConfig, options: CompareOptions) -> None:
                 f"--out {options.out_dir}: no {OPTIONS_FILE}, so it holds no csbp compare run to resume (fix: "
                 "another --out)"
             )
-        return
+        raise ValueError(
+            f"--resume: --out {options.out_dir} holds no comparison to resume (fix: drop --resume to start one "
+            "there, or pass the --out of the interrupted comparison)"
+        )
     started = json.loads(path.read_text(encoding="utf-8"))
     started.setdefault("repeats", 1)  # started before --repeats: one round
     recorded = _recorded_options(cfg, options)
