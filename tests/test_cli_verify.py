@@ -70,6 +70,8 @@ def test_random_cases_run_on_the_named_backend(tmp_path, capsys: pytest.CaptureF
     assert main(["verify", "--random", "2", "--seed", "4", "--backend", "flex", "--log", str(log)]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].endswith("backend flex")
+    case_lines = [line for line in out.splitlines() if line.startswith("seed ")]
+    assert len(case_lines) == 2 and all(line.endswith("  ok") for line in case_lines)  # no trailing space after ok
     cases = [json.loads(line)["case"] for line in log.read_text().splitlines()]
     assert [c["backend"] for c in cases] == ["flex", "flex"] and cases[0]["topology"] == "dp1xcp2xbp2"
 

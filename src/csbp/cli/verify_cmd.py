@@ -337,7 +337,7 @@ def run_verify_random(args: argparse.Namespace) -> int:
         c = result.case
         what = f"{c['objective']:<18} {c['topology']:<12} L={c['L']:<3} {c['dtype'][5:]:<3} {c['transport']}"
         errors = "" if result.loss_rel_err is None else f"{result.loss_rel_err:9.2e} {result.grad_rel_err:9.2e}"
-        print(f"seed {result.seed:<6} {what:<52} {errors:>19}  {result.status} {result.error}", flush=True)
+        print(f"seed {result.seed:<6} {what:<52} {errors:>19}  {result.status} {result.error}".rstrip(), flush=True)
         if args.log is not None:
             with open(args.log, "a", encoding="utf-8") as log:
                 log.write(json.dumps(asdict(result)) + "\n")
