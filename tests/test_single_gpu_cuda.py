@@ -19,7 +19,7 @@ member: the ``verify`` stages run them on 2+ GPUs, ``tests/test_collective_disci
 NCCL's rules for them on the CPU. ``CSBP_CUDA_TESTS_DEVICE=cpu`` runs these bodies on the CPU.
 
 The file name sorts after the other CUDA test files on purpose: pytest runs files in name order,
-and a ``cuda-tests`` stage cut by its 180 s limit then loses these newer checks, not the older ones.
+and a ``cuda-tests`` stage cut by its 220 s limit then loses these newer checks, not the older ones.
 """
 
 from __future__ import annotations
