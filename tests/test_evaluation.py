@@ -52,12 +52,12 @@ def _brute_force_nll(model: Decoder, batch: dict[str, torch.Tensor], block_size:
             block, offset = divmod(position, block_size)
             start = block * block_size
             forward = RecomputeBlockForward(model, block_size)
-            forward.prefill(ids[None, :start])
+            forward.prefill([ids[:start].tolist()])
             block_ids = ids[start : start + block_size].clone()
             block_ids[offset:] = torch.where(supervised[start + offset : start + block_size], MASK_TOKEN_ID, block_ids[offset:])
-            hidden_1BD, before_1D = forward.denoise(block_ids[None], start)
+            hidden_1BD = forward.denoise(block_ids[None], [start])
             if token_shift:
-                row_D = hidden_1BD[0, offset - 1] if offset > 0 else before_1D[0]
+                row_D = hidden_1BD[0, offset - 1] if offset > 0 else forward.clean_row_before([0])[0]
             else:
                 row_D = hidden_1BD[0, offset]
             logits_V = model.logits(row_D[None])[0].clone()

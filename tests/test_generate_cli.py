@@ -229,7 +229,7 @@ def test_cli_chat_wraps_the_prompt_as_a_user_turn(
     seen: list[list[int]] = []
 
     def recording_generate(model: Decoder, prompt_ids: list[int], **options: object) -> object:
-        seen.append(list(prompt_ids))
+        seen.extend(list(prompt) for prompt in prompt_ids)
         return real_generate(model, prompt_ids, **options)  # type: ignore[arg-type]
 
     real_generate = sampler.generate_batch

@@ -100,12 +100,12 @@ def test_cached_denoise_equals_training_layout_rows(model: Decoder) -> None:
             torch.cat((noisy_1L, clean_1L), dim=1), rows.pos, DenseMaskAttention(allow_matrix(rows, rows))
         )
         forward = CachedBlockForward(model, BLOCK)
-        forward.prefill(clean_1L[:, : block * BLOCK])
+        forward.prefill([clean_1L[0, : block * BLOCK].tolist()])
         span = slice(block * BLOCK, (block + 1) * BLOCK)
-        denoised_1BD, before_1D = forward.denoise(noisy_1L[:, span], block * BLOCK)
+        denoised_1BD = forward.denoise(noisy_1L[:, span], [block * BLOCK])
+        before_1D = forward.clean_row_before([0])
     torch.testing.assert_close(denoised_1BD, training_1RD[:, span], rtol=0, atol=1e-12)
     # the clean row before the block (token-shift source) is the training clean row at b*B - 1
-    assert before_1D is not None
     torch.testing.assert_close(before_1D, training_1RD[:, seq_len + block * BLOCK - 1], rtol=0, atol=1e-12)
 
 
@@ -124,16 +124,15 @@ def test_windowed_sampling_uses_the_training_window(model: Decoder, window: int)
             torch.cat((noisy_1L, clean_1L), dim=1), rows.pos, DenseMaskAttention(allow_matrix(rows, rows))
         )
         forward = CachedBlockForward(model, BLOCK, window)
-        forward.prefill(clean_1L[:, : 2 * BLOCK])  # two clean blocks at once: token-causal in the window
+        forward.prefill([clean_1L[0, : 2 * BLOCK].tolist()])  # two clean blocks at once: token-causal in the window
         for block in (2, 3):
             span = slice(block * BLOCK, (block + 1) * BLOCK)
-            denoised_1BD, before_1D = forward.denoise(noisy_1L[:, span], block * BLOCK)
+            denoised_1BD = forward.denoise(noisy_1L[:, span], [block * BLOCK])
             torch.testing.assert_close(denoised_1BD, training_1RD[:, span], rtol=0, atol=1e-12)
-            assert before_1D is not None
             torch.testing.assert_close(
-                before_1D, training_1RD[:, seq_len + block * BLOCK - 1], rtol=0, atol=1e-12
+                forward.clean_row_before([0]), training_1RD[:, seq_len + block * BLOCK - 1], rtol=0, atol=1e-12
             )
-            forward.commit(clean_1L[:, span], block * BLOCK)
+            forward.commit(clean_1L[:, span], [block * BLOCK])
     prompt = [(5 * i + 2) % MASK for i in range(9)]
     for options in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 20, "seed": 3}):
         cached = run(model, prompt, window=window, use_cache=True, **options)

@@ -82,7 +82,7 @@ def test_each_sample_of_a_batch_makes_the_choices_it_makes_alone(model: Decoder,
     assert eos is not None, "no token ends the samples in different blocks: pick other seeds"
     for eos_id in (None, eos):
         alone = free if eos_id is None else singles(model, prompt, config, eos_id)
-        batched = generate_batch(model, prompt, mask_token_id=MASK, eos_id=eos_id, config=config, seeds=SEEDS)
+        batched = generate_batch(model, [prompt] * len(SEEDS), mask_token_id=MASK, eos_id=eos_id, config=config, seeds=SEEDS)
         assert [choices(r) for r in batched] == [choices(r) for r in alone]
         # a sample in a batch runs at least the rows it runs alone (it waits for the others in a block)
         assert all(b.num_model_rows >= a.num_model_rows for a, b in zip(alone, batched, strict=True))
@@ -90,11 +90,32 @@ def test_each_sample_of_a_batch_makes_the_choices_it_makes_alone(model: Decoder,
     assert len(lengths) >= 2 and any(r.stopped_at_eos for r in alone)  # samples left the batch at different times
 
 
+#: prompts of every alignment to the block grid of 4: inside the first block, whole blocks, a partial
+#: last block, one shared by two samples; the empty prompt only without token shift
+PROMPTS = [[5, 9, 2], list(range(1, 9)), list(range(3, 14)), [7], list(range(1, 9))]
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_different_prompts_in_one_batch_make_the_choices_they_make_alone(model: Decoder, name: str) -> None:
+    """Each sequence runs at its own positions over its own prefix (padded cache slots it never sees)."""
+    config = config_of(**OPTIONS[name])
+    prompts = PROMPTS if config.token_shift else [*PROMPTS, []]
+    seeds = list(range(10, 10 + len(prompts)))
+    for eos_id in (None, 11, 30):
+        alone = [
+            generate(model, prompt, mask_token_id=MASK, eos_id=eos_id, config=replace(config, seed=seed))
+            for prompt, seed in zip(prompts, seeds, strict=True)
+        ]
+        batched = generate_batch(model, prompts, mask_token_id=MASK, eos_id=eos_id, config=config, seeds=seeds)
+        assert [choices(r) for r in batched] == [choices(r) for r in alone]
+        assert [r.prompt_ids for r in batched] == prompts
+
+
 def test_a_batch_of_one_is_generate(model: Decoder) -> None:
     prompt = [3, 9, 27, 17, 51]
     config = config_of(temperature=1.0, threshold=0.2, seed=7)
     alone = generate(model, prompt, mask_token_id=MASK, eos_id=None, config=config)
-    (batched,) = generate_batch(model, prompt, mask_token_id=MASK, eos_id=None, config=config, seeds=[7])
+    (batched,) = generate_batch(model, [prompt], mask_token_id=MASK, eos_id=None, config=config, seeds=[7])
     assert choices(batched) == choices(alone) and batched.num_model_rows == alone.num_model_rows
 
 
@@ -103,7 +124,7 @@ def test_without_early_stops_each_sample_runs_the_rows_it_runs_alone(model: Deco
     prompt = list(range(1, 10))
     config = config_of(temperature=1.0)
     alone = singles(model, prompt, config, eos_id=None)
-    batched = generate_batch(model, prompt, mask_token_id=MASK, eos_id=None, config=config, seeds=SEEDS)
+    batched = generate_batch(model, [prompt] * len(SEEDS), mask_token_id=MASK, eos_id=None, config=config, seeds=SEEDS)
     assert [r.num_model_rows for r in batched] == [r.num_model_rows for r in alone]
 
 
@@ -111,22 +132,28 @@ def test_without_early_stops_each_sample_runs_the_rows_it_runs_alone(model: Deco
 def test_dropping_sequences_keeps_the_others_prefixes(model: Decoder, forward_class: type) -> None:
     """``keep`` leaves each remaining sequence's denoising rows as they were (its own clean prefix)."""
     forward = forward_class(model, BLOCK)
-    forward.prefill(torch.tensor([[5, 6, 7, 8]]), samples=3)
-    forward.commit(torch.tensor([[1, 2, 3, 4], [9, 10, 11, 12], [13, 14, 15, 16]]), 4)
+    forward.prefill([[5, 6, 7, 8], [], [5, 6, 7, 8, 1, 2, 3, 4]])
+    forward.commit(torch.tensor([[1, 2, 3, 4], [9, 10, 11, 12], [13, 14, 15, 16]]), [4, 0, 8])
     noisy_SB = torch.tensor([[MASK, 2, MASK, 4], [MASK, 20, MASK, 21], [MASK, MASK, 30, 31]])
     with torch.no_grad():
-        before_SBD, _ = forward.denoise(noisy_SB, 8)
+        before_SBD = forward.denoise(noisy_SB, [8, 4, 12])
+        alone = forward_class(model, BLOCK)
+        alone.prefill([[5, 6, 7, 8, 1, 2, 3, 4, 13, 14, 15, 16]])
+        torch.testing.assert_close(alone.denoise(noisy_SB[2:], [12]), before_SBD[2:], rtol=0, atol=1e-12)
         forward.keep([2, 0])
-        after_SBD, _ = forward.denoise(noisy_SB[[2, 0]], 8)
+        after_SBD = forward.denoise(noisy_SB[[2, 0]], [12, 8])
     torch.testing.assert_close(after_SBD, before_SBD[[2, 0]], rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match=r"must be a \[2, N\]"):
-        forward.denoise(noisy_SB, 8)
+        forward.denoise(noisy_SB, [12, 8, 4])
+    with pytest.raises(RuntimeError, match="starts at 8"):
+        forward.denoise(noisy_SB[:2], [8, 8])
     for bad in ([], [0, 0], [2]):
         with pytest.raises(ValueError, match="distinct sequence indices"):
             forward.keep(bad)
 
 
 def test_bad_seed_lists_are_refused(model: Decoder) -> None:
-    for seeds, match in (([], "at least one seed"), ([0, -1], "seeds must be integers >= 0")):
+    for prompts, seeds, match in (([], [], "at least one"), ([[1, 2]] * 2, [0, -1], "seeds must be integers >= 0"),
+                                  ([[1, 2]], [0, 1], "one seed per prompt")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
-            generate_batch(model, [1, 2], mask_token_id=MASK, eos_id=None, config=config_of(), seeds=seeds)
+            generate_batch(model, prompts, mask_token_id=MASK, eos_id=None, config=config_of(), seeds=seeds)

@@ -368,7 +368,7 @@ def run_generate(args: argparse.Namespace) -> int:
         seeds = list(range(first_seed, min(first_seed + batch_size, args.seed + args.samples)))
         started = time.perf_counter()
         results = generate_batch(
-            model, prompt_ids, mask_token_id=mask_token_id, eos_id=stop_ids, config=config, seeds=seeds
+            model, [prompt_ids] * len(seeds), mask_token_id=mask_token_id, eos_id=stop_ids, config=config, seeds=seeds
         )
         elapsed = time.perf_counter() - started
         timing = f"{elapsed:.2f} s" + (f" for a batch of {len(seeds)}" if batch_size > 1 else "")

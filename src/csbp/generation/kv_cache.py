@@ -7,8 +7,8 @@ The decoder never sees a cache: every layer hands its projected, q/k-normed and 
 cache. Cached keys are stored already rotated with their absolute positions, so they are never
 recomputed.
 
-Mask (the BD3 inference mask restricted to the rows present): every current row sees every cached
-row (all of them are clean and lie in earlier blocks) and the current rows of its own or an earlier
+Mask (the BD3 inference mask restricted to the rows present): every current row sees every filled
+cache slot of its sequence (all of them are clean and lie in earlier blocks) and the current rows of its own or an earlier
 block (``block(k) <= block(q)``). For one noisy block that is "the whole clean prefix plus the whole
 block, bidirectionally"; for a finished block re-run as clean rows it is the clean block-causal mask
 ``M_BC``; for a prompt of several clean blocks prefilled at once it is block-causal over them.
@@ -18,30 +18,42 @@ training predicate (``csbp.masks.predicates.bd3_mask``): a noisy row of the bloc
 sees cached rows ``>= s − (W−1)`` and its whole block; a clean row at ``p`` sees rows
 ``[p+1−W, p]`` (token-causal inside the window).
 
-Shape legend: ``S`` samples, ``Hq``/``Hkv`` heads, ``N`` current rows, ``C`` cached rows, ``d`` head dim.
+Several sequences (the samples of a batch, each with its own prompt) share one cache of ``C`` slots
+per layer: each slot holds the K/V of one position of one sequence, and ``slot_positions [S, C]``
+says which (-1: an empty slot, where a sequence with a shorter prefix is padded). Attention never
+depends on the slots' order, only on their positions, so every sequence appends its rows to the
+same new slots whatever its prefix length, and the mask is built per sequence ``[S, N, C + N]``.
+
+Shape legend: ``S`` sequences, ``Hq``/``Hkv`` heads, ``N`` current rows, ``C`` cache slots, ``d`` head dim.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from csbp.models.attention_fns import masked_attention
 
+EMPTY_SLOT = -1
+
 
 class PrefixKVCache:
-    """Per-layer clean K/V of the finished prefix: ``k, v [S, Hkv, C, d]`` for every layer.
+    """Per-layer clean K/V ``k, v [S, Hkv, C, d]`` of the finished prefixes, and the position each
+    slot holds, ``slot_positions [S, C]`` (:data:`EMPTY_SLOT` where a sequence has none).
 
-    All layers always hold the same number of rows ``C`` (the prefix length in tokens) once a
-    forward pass that appends has run through every layer.
+    All layers hold the same ``C`` slots once a forward pass that appends has run through every
+    layer and its positions were recorded (:meth:`record_positions`).
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, sequences: int = 1, device: torch.device | str = "cpu") -> None:
         if num_layers < 1:
             raise ValueError(f"PrefixKVCache needs num_layers >= 1, got {num_layers}")
         self.num_layers = num_layers
         self._keys: list[Tensor | None] = [None] * num_layers
         self._values: list[Tensor | None] = [None] * num_layers
+        self.slot_positions = torch.full((sequences, 0), EMPTY_SLOT, dtype=torch.long, device=device)
 
     def layer(self, layer_index: int) -> tuple[Tensor, Tensor] | None:
         """Cached ``(k, v)`` of one layer, or None while the cache is empty."""
@@ -51,7 +63,7 @@ class PrefixKVCache:
         return k, v
 
     def append(self, layer_index: int, k_SHNd: Tensor, v_SHNd: Tensor) -> None:
-        """Add the clean K/V of ``N`` finished rows (in position order) to one layer."""
+        """Add the clean K/V of ``N`` finished rows per sequence to one layer (new slots)."""
         cached = self.layer(layer_index)
         k_SHNd, v_SHNd = k_SHNd.detach(), v_SHNd.detach()
         if cached is None:
@@ -60,25 +72,18 @@ class PrefixKVCache:
             self._keys[layer_index] = torch.cat((cached[0], k_SHNd), dim=2)
             self._values[layer_index] = torch.cat((cached[1], v_SHNd), dim=2)
 
-    def expand(self, sequences: int) -> None:
-        """Share the cached prefix of one sequence with ``sequences`` (views, no copies: a prompt
-        prefilled once for every sample of a batch)."""
-        for i in range(self.num_layers):
-            cached = self.layer(i)
-            if cached is not None:
-                if cached[0].shape[0] != 1:
-                    raise RuntimeError(f"only a one-sequence cache expands, layer {i} holds {cached[0].shape[0]}")
-                self._keys[i] = cached[0].expand(sequences, -1, -1, -1)
-                self._values[i] = cached[1].expand(sequences, -1, -1, -1)
+    def record_positions(self, positions_SN: Tensor) -> None:
+        """The positions of the slots the last appending forward added (one row per sequence)."""
+        positions_SN = positions_SN.to(self.slot_positions.device).expand(self.sequences, -1)
+        self.slot_positions = torch.cat((self.slot_positions, positions_SN), dim=1)
 
-    def keep(self, indices: list[int]) -> None:
-        """Keep only these sequences (in this order) in every layer."""
-        for i in range(self.num_layers):
-            cached = self.layer(i)
-            if cached is not None:
-                index = torch.tensor(indices, dtype=torch.long, device=cached[0].device)
-                self._keys[i] = cached[0].index_select(0, index)
-                self._values[i] = cached[1].index_select(0, index)
+    @property
+    def sequences(self) -> int:
+        return int(self.slot_positions.shape[0])
+
+    def prefix_length(self, row: int) -> int:
+        """Filled slots of one sequence (its clean prefix length in tokens)."""
+        return int((self.slot_positions[row] != EMPTY_SLOT).sum())
 
     def layer_length(self, layer_index: int) -> int:
         cached = self.layer(layer_index)
@@ -86,75 +91,106 @@ class PrefixKVCache:
 
     @property
     def length(self) -> int:
-        """Cached prefix length ``C`` in tokens; raises if the layers disagree (a half-run append)."""
-        lengths = {self.layer_length(i) for i in range(self.num_layers)}
+        """Slots ``C``; raises if the layers or the positions disagree (a half-run append)."""
+        lengths = {self.layer_length(i) for i in range(self.num_layers)} | {int(self.slot_positions.shape[1])}
         if len(lengths) != 1:
             raise RuntimeError(f"KV cache layers hold different lengths {sorted(lengths)}")
         return lengths.pop()
 
+    def keep(self, indices: Sequence[int]) -> None:
+        """Keep only these sequences (in this order) in every layer."""
+        index = torch.tensor(list(indices), dtype=torch.long, device=self.slot_positions.device)
+        self.slot_positions = self.slot_positions.index_select(0, index)
+        for i in range(self.num_layers):
+            cached = self.layer(i)
+            if cached is not None:
+                self._keys[i] = cached[0].index_select(0, index.to(cached[0].device))
+                self._values[i] = cached[1].index_select(0, index.to(cached[1].device))
+
+    @classmethod
+    def gather(cls, caches: Sequence[PrefixKVCache], sources: Sequence[int]) -> PrefixKVCache:
+        """A cache whose sequence ``i`` is the (only) sequence of ``caches[sources[i]]``: one-sequence
+        caches of different lengths, empty slots padding the shorter ones at the end."""
+        if not caches or any(c.sequences != 1 or c.num_layers != caches[0].num_layers for c in caches):
+            raise ValueError("gather takes one-sequence caches with the same number of layers")
+        longest = max(c.length for c in caches)
+        device = caches[0].slot_positions.device
+        index = torch.tensor(list(sources), dtype=torch.long, device=device)
+        out = cls(caches[0].num_layers, len(sources), device)
+        padded = [
+            torch.nn.functional.pad(c.slot_positions, (0, longest - c.length), value=EMPTY_SLOT) for c in caches
+        ]
+        out.slot_positions = torch.cat(padded).index_select(0, index)
+        if longest == 0:
+            return out
+        for i in range(out.num_layers):
+            template = next(c.layer(i) for c in caches if c.layer(i) is not None)[0]
+            per_cache = []
+            for c in caches:
+                cached = c.layer(i)
+                kv = (torch.zeros_like(template[:, :, :0]),) * 2 if cached is None else cached
+                pad = (0, 0, 0, longest - kv[0].shape[2])
+                per_cache.append(tuple(torch.nn.functional.pad(t, pad) for t in kv))
+            out._keys[i] = torch.cat([kv[0] for kv in per_cache]).index_select(0, index.to(template.device))
+            out._values[i] = torch.cat([kv[1] for kv in per_cache]).index_select(0, index.to(template.device))
+        return out
+
 
 class CachedPrefixAttention:
-    """``AttentionFn`` over ``[cached clean prefix ; current rows]``.
+    """``AttentionFn`` over ``[cached clean prefix ; current rows]``, per sequence.
 
     Args:
-        cache: the clean-prefix cache (read by every call, appended to when ``append``).
-        row_blocks: ``[N]`` block index of each current row; a row sees current rows of blocks
-            ``<=`` its own, and every cached row.
+        cache: the clean-prefix cache (read by every call, appended to when ``append``); its slot
+            positions are read once, here, before the forward appends anything.
+        positions: ``[S, N]`` (or ``[N]``, shared) absolute positions of the current rows; a row sees
+            the current rows of its own or an earlier block (token-causal inside the window with a
+            window and ``append``) and every filled slot of its sequence (inside the window).
+        block_size: the block size ``B`` (block of a position: ``position // B``).
         append: store the current rows' K/V in the cache after attending (a finished block being
             committed, or the prompt being prefilled). Denoising steps pass False.
         window: sliding window ``W`` (module docstring), or None for full attention.
-        positions: ``[N]`` absolute positions of the current rows (required with a window).
-        block_size: the block size (required with a window).
     """
 
     def __init__(
-        self,
-        cache: PrefixKVCache,
-        row_blocks: Tensor,
-        *,
-        append: bool,
-        window: int | None = None,
-        positions: Tensor | None = None,
-        block_size: int | None = None,
+        self, cache: PrefixKVCache, positions: Tensor, *, block_size: int, append: bool, window: int | None = None
     ) -> None:
-        if row_blocks.dim() != 1 or row_blocks.is_floating_point():
-            raise ValueError(
-                f"row_blocks must be a 1-D integer tensor, got {row_blocks.dtype} {tuple(row_blocks.shape)}"
-            )
-        if window is not None and (window < 1 or positions is None or block_size is None):
-            raise ValueError("a sliding window needs window >= 1, the rows' positions and the block size")
+        if positions.dim() not in (1, 2) or positions.is_floating_point():
+            raise ValueError(f"positions must be an integer tensor [N] or [S, N], got {positions.dtype} {tuple(positions.shape)}")
+        if block_size < 1 or (window is not None and window < 1):
+            raise ValueError(f"block_size and window must be >= 1, got {block_size} and {window}")
         self.cache = cache
         self.append = append
-        self.current_allow_NN = row_blocks[None, :] <= row_blocks[:, None]
-        self.first_visible_N: Tensor | None = None  # lowest key position each row sees (window only)
-        if window is not None:
-            assert positions is not None and block_size is not None
+        slots_SC = cache.slot_positions
+        positions_SN = positions.to(slots_SC.device).expand(cache.sequences, -1) if positions.dim() == 1 else positions
+        blocks_SN = positions_SN // block_size
+        q_pos, k_pos = positions_SN[:, :, None], positions_SN[:, None, :]
+        q_block, k_block = blocks_SN[:, :, None], blocks_SN[:, None, :]
+        sees_cache_SNC = (slots_SC != EMPTY_SLOT)[:, None, :].expand(-1, positions_SN.shape[1], -1)
+        if window is None:
+            current_SNN = k_block <= q_block
+        else:
             if append:  # clean rows: token-causal inside the window
-                self.first_visible_N = positions + 1 - window
-                self.current_allow_NN = positions[None, :] <= positions[:, None]
+                first_visible = q_pos + 1 - window
+                current_SNN = k_pos <= q_pos
             else:  # noisy rows: the window ends at the block start; the whole own block
-                self.first_visible_N = row_blocks * block_size - (window - 1)
-                self.current_allow_NN = row_blocks[None, :] == row_blocks[:, None]
-            self.current_allow_NN = self.current_allow_NN & (positions[None, :] >= self.first_visible_N[:, None])
+                first_visible = q_block * block_size - (window - 1)
+                current_SNN = k_block == q_block
+            current_SNN = current_SNN & (k_pos >= first_visible)
+            sees_cache_SNC = sees_cache_SNC & (slots_SC[:, None, :] >= first_visible)
+        self.allow_SNK = torch.cat((sees_cache_SNC, current_SNN), dim=2)  # [S, N, C + N]
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, layer_index: int) -> Tensor:
-        num_rows = q.shape[2]
-        if self.current_allow_NN.shape[0] != num_rows:
+        if tuple(self.allow_SNK.shape[:2]) != (q.shape[0], q.shape[2]):
             raise ValueError(
-                f"CachedPrefixAttention was built for {self.current_allow_NN.shape[0]} rows, got {num_rows}"
+                f"CachedPrefixAttention was built for {tuple(self.allow_SNK.shape[:2])} (sequences, rows), "
+                f"got {(q.shape[0], q.shape[2])}"
             )
         cached = self.cache.layer(layer_index)
-        allow = self.current_allow_NN.to(q.device)
         k_all, v_all = k, v
         if cached is not None:
             k_all = torch.cat((cached[0], k), dim=2)  # [S, Hkv, C + N, d]
             v_all = torch.cat((cached[1], v), dim=2)
-            sees_cache_NC = torch.ones(num_rows, cached[0].shape[2], dtype=torch.bool, device=q.device)
-            if self.first_visible_N is not None:
-                cached_C = torch.arange(cached[0].shape[2], device=q.device)
-                sees_cache_NC = cached_C[None, :] >= self.first_visible_N.to(q.device)[:, None]
-            allow = torch.cat((sees_cache_NC, allow), dim=1)  # [N, C + N]
-        out_SHNd = masked_attention(q, k_all, v_all, allow)
+        out_SHNd = masked_attention(q, k_all, v_all, self.allow_SNK.to(q.device))
         if self.append:
             self.cache.append(layer_index, k, v)
         return out_SHNd

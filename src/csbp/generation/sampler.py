@@ -35,13 +35,16 @@ block is then denoised knowing it. These tokens are listed in ``GenerationResult
 not in ``unmask_steps``. The proposal is the usual one (``propose_tokens``): greedy at temperature
 0, as in the release, and sampled at a positive temperature, where the release takes the arg-max.
 
-Batches. :func:`generate_batch` draws one completion per seed of the same prompt together: the
-prompt's whole blocks are prefilled once and shared, and every denoising and commit forward runs
-the samples still going as one batch (``[S, B]`` rows over per-sample KV caches). Each sample has its
-own generator, consumed in the same order as when it is drawn alone, so it makes the same choices
-(the same tokens, up to the rounding of a batched matmul: float32 on CPU gave identical samples). A
-sample that ends at an EOS leaves the batch at its block's end; inside a block, samples that finish
-early (threshold, EOS) wait for the others. :func:`generate` is a batch of one.
+Batches. :func:`generate_batch` draws one completion per (prompt, seed) pair together: each
+sequence's prompt blocks are prefilled (once per distinct prompt) into one KV cache, and every
+denoising and commit forward runs the sequences still going as one batch of ``[S, B]`` rows, each at
+its own positions (its own block grid). Each sequence has its own generator, consumed in the same
+order as when it is drawn alone, so it makes the same choices (the same tokens, up to the rounding
+of a batched matmul: float32 on CPU gave identical samples). A sequence leaves the batch at the end
+of its last block (an EOS, or its ``max_new_tokens``, which end sooner for a prompt whose last block
+carries more tokens); inside a block, sequences that finish early (threshold, EOS) wait for the
+others. The per-block steps are :mod:`csbp.generation.block_denoising`. :func:`generate` is a batch
+of one.
 
 Usage::
 
@@ -56,16 +59,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
 
+from csbp.generation.block_denoising import SampleState, commit_first_tokens, denoise_block
 from csbp.generation.forward import BlockForward, CachedBlockForward, RecomputeBlockForward
-from csbp.generation.token_choice import (
-    THRESHOLD_ORDER_ERROR,
-    UNMASK_ORDERS,
-    check_sampling_options,
-    choose_unmasked,
-    propose_tokens,
-)
+from csbp.generation.token_choice import THRESHOLD_ORDER_ERROR, UNMASK_ORDERS, check_sampling_options
 from csbp.models.decoder import Decoder
 
 
@@ -190,30 +187,28 @@ def generate(
     ``eos_id``: the token id(s) that end the completion (the data's EOS, and a chat model's end of
     turn, as ``generation_config.json``'s ``eos_token_id`` list); None fills ``max_new_tokens``."""
     return generate_batch(
-        model, prompt_ids, mask_token_id=mask_token_id, eos_id=eos_id, config=config, seeds=[config.seed]
+        model, [prompt_ids], mask_token_id=mask_token_id, eos_id=eos_id, config=config, seeds=[config.seed]
     )[0]
 
 
 @torch.no_grad()
 def generate_batch(
     model: Decoder,
-    prompt_ids: Sequence[int],
+    prompts: Sequence[Sequence[int]],
     *,
     mask_token_id: int,
     eos_id: int | Sequence[int] | None,
     config: GenerationConfig,
     seeds: Sequence[int],
 ) -> list[GenerationResult]:
-    """One completion of ``prompt_ids`` per seed, drawn together: every model call runs the samples
-    still going as one batch (the prompt is prefilled once for all). Sample ``i`` draws from its own
-    generator seeded ``seeds[i]`` (``config.seed`` is not used) and makes the same choices as
-    :func:`generate` with that seed: the same tokens, up to the rounding of a batched matmul.
-
-    A sample that ends (EOS) leaves the batch at its block's end. Inside a block every sample still
-    going is run at each step until the last of them has filled its block (a threshold or an EOS may
-    finish one early); those extra rows are counted in its ``num_model_rows``."""
-    if not seeds:
-        raise ValueError("generate_batch needs at least one seed")
+    """One completion of ``prompts[i]`` drawn with ``seeds[i]`` for every ``i``, drawn together (module
+    docstring, "Batches"): ``config.seed`` is not used, and completion ``i`` makes the same choices as
+    :func:`generate` of ``prompts[i]`` with seed ``seeds[i]``, up to the rounding of a batched matmul.
+    Inside a block every sequence still going runs at each step until the last of them has filled
+    its block (a threshold or an EOS may finish one early); those extra rows count in its
+    ``num_model_rows``."""
+    if not seeds or len(prompts) != len(seeds):
+        raise ValueError(f"generate_batch needs one seed per prompt, at least one: got {len(prompts)} prompts, {len(seeds)} seeds")
     bad_seeds = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
     if bad_seeds:
         raise ValueError(f"seeds must be integers >= 0, got {bad_seeds[0]!r}")
@@ -227,190 +222,56 @@ def generate_batch(
                 f"eos_id {stop} is the mask token or outside the model vocabulary [0, {vocab_size}): it could "
                 "never be generated (pass the tokenizer's EOS id, or None to always fill max_new_tokens)"
             )
-    prompt = [int(t) for t in prompt_ids]
-    bad = [t for t in prompt if not 0 <= t < vocab_size or t == mask_token_id]
-    if bad:
-        raise ValueError(
-            f"prompt token {bad[0]} is the mask token or outside the vocabulary [0, {vocab_size})"
-        )
-    if config.token_shift and not prompt:
-        raise ValueError(
-            "token_shift=True predicts each token from the one before it: give a non-empty prompt"
-        )
     block_size = config.block_size
+    samples = [
+        SampleState.start_with(prompt, seed, block_size, config.max_new_tokens)
+        for prompt, seed in zip(_checked_prompts(prompts, vocab_size, mask_token_id, config.token_shift), seeds, strict=True)
+    ]
+    results = [sample.result for sample in samples]
     forward = _forward_for(model, config)
-    results = [GenerationResult(prompt_ids=list(prompt), token_ids=[]) for _ in seeds]
-    samples = [_Sample(torch.Generator(device="cpu").manual_seed(seed), result) for seed, result in zip(seeds, results, strict=True)]
-
-    start = len(prompt) // block_size * block_size
-    forward.prefill(torch.tensor([prompt[:start]], dtype=torch.long).reshape(1, -1), samples=len(samples))
-    carried = prompt[start:]  # prompt tokens inside the first generated block, already unmasked
-    budget = config.max_new_tokens
-    while budget > 0 and samples:
+    forward.prefill([sample.result.prompt_ids[: sample.start] for sample in samples])
+    while samples:
         block_ids_SB = torch.full((len(samples), block_size), mask_token_id, dtype=torch.long)
-        block_ids_SB[:, : len(carried)] = torch.tensor(carried, dtype=torch.long)
-        num_fill = min(budget, block_size - len(carried))
         to_fill_SB = torch.zeros(len(samples), block_size, dtype=torch.bool)
-        to_fill_SB[:, len(carried) : len(carried) + num_fill] = True
-        for sample in samples:
-            sample.result.block_starts.append(start)
-        if config.token_shift and not carried:
-            _commit_first_tokens(model, forward, block_ids_SB, to_fill_SB, start, mask_token_id, config, samples)
-        _denoise_block(
-            model, forward, block_ids_SB, to_fill_SB, start, mask_token_id, stop_ids, len(carried), config, samples
-        )
-        going = []  # batch rows whose completion goes on past this block
         for row, sample in enumerate(samples):
-            new_tokens = block_ids_SB[row, len(carried) : len(carried) + num_fill].tolist()
-            ends = [offset for offset, token in enumerate(new_tokens) if token in stop_ids]
-            if ends:  # every position before the first is filled
-                sample.result.token_ids.extend(new_tokens[: ends[0]])
-                sample.result.stopped_at_eos = True
-                sample.result.num_model_rows = forward.rows_processed
-            else:
-                sample.result.token_ids.extend(new_tokens)
-                going.append(row)
-        budget -= num_fill
-        if budget > 0 and going:
+            carried = len(sample.carried)
+            block_ids_SB[row, :carried] = torch.tensor(sample.carried, dtype=torch.long)
+            to_fill_SB[row, carried : carried + sample.block_fill(block_size)] = True
+            sample.result.block_starts.append(sample.start)
+        first_token_rows = [row for row, sample in enumerate(samples) if config.token_shift and not sample.carried]
+        if first_token_rows:
+            commit_first_tokens(model, forward, block_ids_SB, to_fill_SB, first_token_rows, mask_token_id, config, samples)
+        denoise_block(model, forward, block_ids_SB, to_fill_SB, mask_token_id, stop_ids, config, samples)
+        going = [row for row, sample in enumerate(samples) if sample.finish_block(block_ids_SB[row], stop_ids, block_size)]
+        for row, sample in enumerate(samples):
+            if row not in going:
+                sample.result.num_model_rows = forward.rows_processed[row]
+        if going:
             if len(going) < len(samples):
                 forward.keep(going)
-            forward.commit(block_ids_SB[going], start)
-            start += block_size
-            carried = []
+            forward.commit(block_ids_SB[going], [samples[row].start for row in going])
+            for row in going:
+                samples[row].next_block(block_size)
         samples = [samples[row] for row in going]
-    for sample in samples:
-        sample.result.num_model_rows = forward.rows_processed
     return results
 
 
-@dataclass
-class _Sample:
-    """One completion being drawn: its own generator and result."""
-
-    generator: torch.Generator
-    result: GenerationResult
-
-
-def _commit_first_tokens(
-    model: Decoder,
-    forward: BlockForward,
-    block_ids_SB: Tensor,
-    to_fill_SB: Tensor,
-    start: int,
-    mask_token_id: int,
-    config: GenerationConfig,
-    samples: list[_Sample],
-) -> None:
-    """Token shift: fill each block's first position (in place) from the clean row before the block."""
-    logits_SV = model.logits(forward.clean_row_before(start))
-    for row, sample in enumerate(samples):
-        tokens_1, _ = _propose(logits_SV[row : row + 1], mask_token_id, config, sample.generator)
-        block_ids_SB[row, 0] = tokens_1[0]
-        to_fill_SB[row, 0] = False
-        sample.result.first_tokens.append((start, int(tokens_1[0])))
-
-
-def _eos_settled(block_ids_B: Tensor, to_fill_B: Tensor, stop_ids: tuple[int, ...], first_new: int) -> bool:
-    """Whether a generated stop token (at offset ``>= first_new``: a carried prompt token is not one)
-    is unmasked with no position before it still to fill: the completion ends there."""
-    if not stop_ids:
-        return False
-    stops = torch.tensor(stop_ids, dtype=block_ids_B.dtype)
-    eos_N = torch.nonzero(torch.isin(block_ids_B[first_new:], stops)).squeeze(-1)
-    return eos_N.numel() > 0 and not bool(to_fill_B[: first_new + int(eos_N[0])].any())
-
-
-def _denoise_block(
-    model: Decoder,
-    forward: BlockForward,
-    block_ids_SB: Tensor,
-    to_fill_SB: Tensor,
-    start: int,
-    mask_token_id: int,
-    stop_ids: tuple[int, ...],
-    first_new: int,
-    config: GenerationConfig,
-    samples: list[_Sample],
-) -> None:
-    """Unmask every ``to_fill`` position of ``block_ids`` in at most ``steps_per_block`` steps (in place):
-    one sub-block after the other (``config.sub_block_size``), each in its share of the steps. A sample
-    is done with a sub-block once its positions there are filled or an EOS ends its completion (module
-    docstring); the step loop ends when every sample is."""
-    block_size = config.block_size
-    sub_block = config.sub_block_size or block_size
-    steps_each = config.steps_per_block * sub_block // block_size
-    offset_B = torch.arange(block_size)
-    for first in range(0, block_size, sub_block):
-        span_B = (offset_B >= first) & (offset_B < first + sub_block)
-        for step in range(steps_each):
-            masked = {  # batch row -> block offsets still masked in this sub-block
-                row: torch.nonzero(to_fill_SB[row] & span_B).squeeze(-1)
-                for row in range(len(samples))
-                if not _eos_settled(block_ids_SB[row], to_fill_SB[row], stop_ids, first_new)
-            }
-            masked = {row: masked_R for row, masked_R in masked.items() if masked_R.numel() > 0}
-            if not masked:
-                break
-            chosen = _denoise_step(
-                model, forward, block_ids_SB, masked, start, mask_token_id, config, samples,
-                remaining_steps=steps_each - step,
-            )  # fmt: skip
-            for row, (chosen_offsets, chosen_tokens) in chosen.items():
-                block_ids_SB[row, chosen_offsets] = chosen_tokens
-                to_fill_SB[row, chosen_offsets] = False
-                samples[row].result.unmask_steps.append(
-                    [(start + int(o), int(t)) for o, t in zip(chosen_offsets.tolist(), chosen_tokens.tolist(), strict=True)]
-                )
-    for row in range(len(samples)):
-        if bool(to_fill_SB[row].any()) and not _eos_settled(block_ids_SB[row], to_fill_SB[row], stop_ids, first_new):
-            raise RuntimeError("block still has masked positions after steps_per_block steps")
-
-
-def _denoise_step(
-    model: Decoder,
-    forward: BlockForward,
-    block_ids_SB: Tensor,
-    masked: dict[int, Tensor],
-    start: int,
-    mask_token_id: int,
-    config: GenerationConfig,
-    samples: list[_Sample],
-    *,
-    remaining_steps: int,
-) -> dict[int, tuple[Tensor, Tensor]]:
-    """One denoising forward of the blocks: per batch row in ``masked``, the offsets among its masked
-    ones to unmask now, and their tokens (one LM-head call over every row's masked positions)."""
-    hidden_SBD, _ = forward.denoise(block_ids_SB, start)
-    if config.token_shift:
-        # Position j is predicted from row j-1. Offset 0 is never masked here: it holds a carried
-        # prompt token or the token committed from the clean row before the block.
-        assert all(int(masked_R[0]) > 0 for masked_R in masked.values()), "token shift: a block's first position was not committed"
-    shift = 1 if config.token_shift else 0
-    batch_rows = torch.cat([torch.full_like(masked_R, row) for row, masked_R in masked.items()])
-    block_rows = torch.cat(list(masked.values())) - shift
-    device = hidden_SBD.device
-    logits_RV = model.logits(hidden_SBD[batch_rows.to(device), block_rows.to(device)])
-    chosen: dict[int, tuple[Tensor, Tensor]] = {}
-    first = 0
-    for row, masked_R in masked.items():
-        count = int(masked_R.numel())
-        tokens_R, confidence_R = _propose(logits_RV[first : first + count], mask_token_id, config, samples[row].generator)
-        first += count
-        picked = choose_unmasked(
-            confidence_R, remaining_steps=remaining_steps, threshold=config.threshold, order=config.unmask_order,
-            generator=samples[row].generator,
-        )
-        chosen[row] = (masked_R[picked], tokens_R[picked])
-    return chosen
-
-
-def _propose(logits_RV: Tensor, mask_token_id: int, config: GenerationConfig, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """``propose_tokens`` with the run's sampling settings."""
-    return propose_tokens(
-        logits_RV,
-        mask_token_id=mask_token_id,
-        temperature=config.temperature,
-        top_k=config.top_k,
-        top_p=config.top_p,
-        generator=generator,
-    )
+def _checked_prompts(
+    prompts: Sequence[Sequence[int]], vocab_size: int, mask_token_id: int, token_shift: bool
+) -> list[list[int]]:
+    """The prompts as int lists; a token outside the vocabulary or the mask token is refused, and an
+    empty prompt under token shift (nothing to predict the first token from)."""
+    checked = []
+    for prompt_ids in prompts:
+        prompt = [int(t) for t in prompt_ids]
+        bad = [t for t in prompt if not 0 <= t < vocab_size or t == mask_token_id]
+        if bad:
+            raise ValueError(
+                f"prompt token {bad[0]} is the mask token or outside the vocabulary [0, {vocab_size})"
+            )
+        if token_shift and not prompt:
+            raise ValueError(
+                "token_shift=True predicts each token from the one before it: give a non-empty prompt"
+            )
+        checked.append(prompt)
+    return checked
