@@ -22,7 +22,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
-from csbp.cli import generate_cmd
+from csbp.cli import generate_cmd, generate_draws
 from csbp.data.tokenizer import train_bpe_tokenizer
 from csbp.evaluation.sample_scores import CompletionScore, SampleScorer, pooled, unigram_entropy
 from csbp.models.hf_io import export_hf_checkpoint
@@ -142,7 +142,7 @@ def test_entropy_is_bd3lms_unigram_entropy_and_completions_pool_over_tokens() ->
     assert both.perplexity == pytest.approx(math.exp(2.0))
     assert pooled([CompletionScore(2.0, 1, 1.25)]) == CompletionScore(2.0, 1, 1.25)  # one sample is itself
     huge = CompletionScore(800.0, 1, 0.0)  # exp(800) is past float range: inf, not an OverflowError traceback
-    assert huge.perplexity == math.inf and generate_cmd.score_record(huge)["perplexity"] is None
+    assert huge.perplexity == math.inf and generate_draws.score_record(huge)["perplexity"] is None
 
 
 def test_scorers_that_cannot_score_are_refused_in_one_line(scorer_dir: Path, tmp_path: Path) -> None:
@@ -247,7 +247,7 @@ def test_generate_scores_every_sample_and_pools_them(
     assert report["known_words"] == {"source": "demo-corpus", "known": sum(k for k, _ in words), "total": sum(t for _, t in words)}
     entropies = [r["score"]["unigram_entropy"] for r in report["samples"]]
     assert report["scorer"]["unigram_entropy"] == pytest.approx(sum(entropies) / 3)
-    assert generate_cmd.score_record(CompletionScore(0.0, 0, 0.0))["perplexity"] is None  # JSON has no NaN
+    assert generate_draws.score_record(CompletionScore(0.0, 0, 0.0))["perplexity"] is None  # JSON has no NaN
     chat = parse([*argv, "--chat"])
     with pytest.raises(ValueError, match=r"^--scorer with --chat: .* \(fix: drop --chat or --scorer\)$"):
         chat.func(chat)

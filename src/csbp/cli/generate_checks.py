@@ -37,15 +37,18 @@ def check_same_tokenizer(model_dir: Path, given: Path | None, fingerprint: str) 
     )
 
 
-def check_prompt(prompt_ids: list[int], objective: str, mask_token_id: int, mask_name: str) -> None:
-    """``ValueError`` for a prompt the sampler cannot continue, found before the model is loaded."""
+def check_prompt(
+    prompt_ids: list[int], objective: str, mask_token_id: int, mask_name: str, *, where: str = "--prompt"
+) -> None:
+    """``ValueError`` for a prompt the sampler cannot continue, found before the model is loaded; ``where``
+    names it (``--prompt``, or ``FILE:LINE`` of ``--prompts``)."""
     if TOKEN_SHIFT_OBJECTIVES[objective] and not prompt_ids:
         raise ValueError(
-            f"--prompt: empty, but {objective} predicts each token from the one before it (fix: give a prompt)"
+            f"{where}: empty, but {objective} predicts each token from the one before it (fix: give a prompt)"
         )
     if mask_token_id in prompt_ids:
         raise ValueError(
-            f"--prompt: holds the mask token {mask_name} (id {mask_token_id}), which the model reads as a "
+            f"{where}: holds the mask token {mask_name} (id {mask_token_id}), which the model reads as a "
             "position to fill, not as text (fix: remove it from the prompt)"
         )
 
@@ -104,10 +107,13 @@ def check_block_size(model_dir: Path, block_size: int, given: bool) -> None:
     )
 
 
-def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block_size: int) -> None:
+def check_positions(
+    model_dir: Path, prompt_len: int, max_new_tokens: int, block_size: int, *, where: str = "--prompt"
+) -> None:
     """``ValueError`` unless the prompt and ``max_new_tokens`` fit the model's positions
     (:func:`position_limit`: ``max_position_embeddings``, else transformers' default). The sampler runs
-    whole blocks, so the positions used end at the block boundary after the last new token."""
+    whole blocks, so the positions used end at the block boundary after the last new token. ``where``
+    names the (longest) prompt when it is a line of ``--prompts``."""
     from csbp.generation.sampler import positions_used
 
     limit, source = position_limit(model_dir)
@@ -116,7 +122,8 @@ def check_positions(model_dir: Path, prompt_len: int, max_new_tokens: int, block
         return
     room = limit // block_size * block_size - prompt_len
     fix = f"--max-new-tokens {room} or less" if room >= 1 else f"a prompt shorter than {limit // block_size * block_size} tokens"
+    which = "the prompt's" if where == "--prompt" else f"the prompt of {where}:"
     raise ValueError(
-        f"--max-new-tokens {max_new_tokens}: the prompt's {prompt_len} tokens and {max_new_tokens} new ones fill "
+        f"--max-new-tokens {max_new_tokens}: {which} {prompt_len} tokens and {max_new_tokens} new ones fill "
         f"blocks of {block_size} up to position {used}, beyond max_position_embeddings {limit} {source} (fix: {fix})"
     )

@@ -6,6 +6,7 @@ Examples::
     csbp generate --model ckpt/ --tokenizer tok/ --prompt "Once" --block-size 16 --steps-per-block 8 \\
         --temperature 0.8 --top-k 50 --seed 1 --max-new-tokens 64
     csbp generate --model ckpt/ --prompt "Hi" --objective fast_dllm_v2 --block-size 32 --threshold 0.9
+    csbp generate --model ckpt/ --prompts prompts.jsonl --samples 4 --temperature 1 --batch-size 16 --json out.json
 
 ``--model`` is a Hugging Face checkpoint directory (a run's ``final/`` export or any local
 Qwen3/Qwen2/Llama/Mistral checkpoint ``csbp.models.hf_io.load_hf_checkpoint`` reads); its tokenizer is read
@@ -32,15 +33,15 @@ template (a user turn, then the opened assistant turn), as ``csbp data prepare``
 records the model was adapted on. The completion ends at the tokenizer's EOS or at any
 ``eos_token_id`` of the model's ``generation_config.json`` (a chat export lists its end of turn,
 ``<|im_end|>``, there), as Hugging Face ``generate`` stops. What is refused before the model is
-loaded (samples, positions, the prompt, the tokenizer, the EOS) is :mod:`csbp.cli.generate_checks`.
+loaded (samples, positions, the prompt, the tokenizer, the EOS) is :mod:`csbp.cli.generate_checks`;
+drawing the completions in batches (``--batch-size``, ``--prompts``) and the ``--json`` report,
+:mod:`csbp.cli.generate_draws`.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,7 @@ from csbp.cli.generate_checks import (
     check_same_tokenizer,
     check_samples,
 )
+from csbp.cli.generate_draws import Prompt, draw_all, generation_settings, read_prompt_file, score_record
 from csbp.cli.options import (
     check_model_directory,
     device_option,
@@ -72,12 +74,9 @@ from csbp.generation.run_settings import (
     trained_mask_token,
 )
 from csbp.plan.layout import divisors
-from csbp.wording import counted
 
 if TYPE_CHECKING:
     from csbp.data.tokenizer import CsbpTokenizer
-    from csbp.evaluation.sample_scores import CompletionScore
-    from csbp.generation.sampler import GenerationConfig, GenerationResult
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 DEFAULT_OBJECTIVE, DEFAULT_BLOCK_SIZE = "bd3", 16
@@ -91,12 +90,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Block-diffusion sampling with a clean-prefix KV cache and confidence-based unmasking.",
     )
     parser.add_argument("--model", type=path_option, required=True, help="HF checkpoint directory (e.g. RUN/final)")
-    parser.add_argument("--prompt", required=True, help="prompt text")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument(
+        "--prompts", type=path_option, metavar="FILE.jsonl",
+        help='a JSONL file of {"prompt": "..."} lines: --samples completions of each, batched across prompts too '
+        "(--batch-size)",
+    )
     parser.add_argument("--tokenizer", type=path_option, default=None, help="tokenizer directory (default: --model)")
     parser.add_argument(
         "--chat",
         action="store_true",
-        help="wrap --prompt as a user turn of the tokenizer directory's chat template, with the assistant "
+        help="wrap each prompt as a user turn of the tokenizer directory's chat template, with the assistant "
         "turn opened (for models adapted on chat data prepared with that template)",
     )
     parser.add_argument(
@@ -161,9 +166,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--batch-size", type=positive_int, default=1, metavar="N",
-        help="draw up to N of the --samples at once, as one batch through the model (the prompt is prefilled once "
-        "for the batch); each sample makes the same choices as when drawn alone, up to the rounding of batched "
-        "matmuls (default 1: one at a time)",
+        help="draw up to N completions at once, as one batch through the model (a prompt is prefilled once for its "
+        "samples); each makes the same choices as when drawn alone, up to the rounding of batched matmuls "
+        "(default 1: one at a time)",
     )
     parser.add_argument("--dtype", choices=("auto", *DTYPES), default="auto", help="auto: as stored")
     parser.add_argument(
@@ -204,7 +209,7 @@ def stop_token_ids(model_dir: Path, eos_id: int | None, vocab_size: int, mask_to
     return stops + [t for t in generation_stop_ids(model_dir, vocab_size, mask_token_id=mask_token_id) if t not in stops]
 
 
-def chat_prompt(tokenizer_dir: Path, prompt: str) -> str:
+def chat_prompt(tokenizer_dir: Path, prompt: str, where: str = "--prompt") -> str:
     """``prompt`` as the one user turn of ``tokenizer_dir``'s chat template, assistant turn opened."""
     from csbp.data.chat_template import resolve_chat_template
 
@@ -214,7 +219,7 @@ def chat_prompt(tokenizer_dir: Path, prompt: str) -> str:
             f"--chat: tokenizer directory {tokenizer_dir} has no chat template (chat_template.jinja or "
             "tokenizer_config.json 'chat_template') (fix: pass --tokenizer DIR of the chat model, or drop --chat)"
         )
-    return template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, where="--prompt")
+    return template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, where=where)
 
 
 def load_generation_tokenizer(args: argparse.Namespace, tokenizer_dir: Path, model_dir: Path) -> CsbpTokenizer:
@@ -247,7 +252,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from csbp.atomic import write_json_atomic
     from csbp.evaluation.sample_scores import KnownWords, SampleScorer
     from csbp.evaluation.sample_scores import pooled as pooled_scores
-    from csbp.generation.sampler import GenerationConfig, generate_batch, positions_used
+    from csbp.generation.sampler import GenerationConfig, positions_used
     from csbp.models.hf_io import generation_stop_ids, load_hf_checkpoint, read_hf_config
 
     if args.threshold is not None and args.unmask_order != "confidence":
@@ -335,9 +340,9 @@ def run_generate(args: argparse.Namespace) -> int:
         unmask_order=args.unmask_order,
         sub_block_size=args.sub_block_size,
     )
-    prompt_ids = tokenizer.encode(chat_prompt(tokenizer_dir, args.prompt) if args.chat else args.prompt)
-    check_prompt(prompt_ids, objective, mask_token_id, tokenizer.special_names["mask"])
-    check_positions(model_dir, len(prompt_ids), args.max_new_tokens, block_size)
+    prompts = read_prompts(args, tokenizer, tokenizer_dir, objective, mask_token_id)
+    longest = max(prompts, key=lambda prompt: len(prompt.ids))
+    check_positions(model_dir, len(longest.ids), args.max_new_tokens, block_size, where=longest.where)
     vocab_size = read_hf_config(model_dir).vocab_size
     for what, token_id in (("mask token id", mask_token_id), ("EOS id", tokenizer.eos_id)):
         if token_id is not None and not 0 <= token_id < vocab_size:
@@ -347,8 +352,8 @@ def run_generate(args: argparse.Namespace) -> int:
             )
     stop_ids = stop_token_ids(model_dir, tokenizer.eos_id, vocab_size, mask_token_id)
     check_eos_token(args, tokenizer, model_dir, run_settings, generation_stop_ids(model_dir, vocab_size, mask_token_id=mask_token_id))
-    used = positions_used(len(prompt_ids), args.max_new_tokens, block_size)
-    room = run_settings.get("seq_len", 0) // block_size * block_size - len(prompt_ids)
+    used = positions_used(len(longest.ids), args.max_new_tokens, block_size)
+    room = run_settings.get("seq_len", 0) // block_size * block_size - len(longest.ids)
     fix = f"--max-new-tokens {room} or less stays inside" if room >= 1 else "a shorter prompt stays inside"
     note = beyond_training_note("generate", run_settings, used, fix)
     if note is not None:
@@ -359,82 +364,43 @@ def run_generate(args: argparse.Namespace) -> int:
     model, _ = load_hf_checkpoint(model_dir, dtype=dtype, device=device)
     model.eval()
     print_notes(notes)
-    print(f"prompt: {args.prompt}")
-    pooled = [0, 0]  # known and total words of every completion (not the completions: --samples may be many)
-    scores: list[CompletionScore] = []
-    records: list[dict[str, Any]] = []
-    batch_size = min(args.batch_size, args.samples)
-    for first_seed in range(args.seed, args.seed + args.samples, batch_size):
-        seeds = list(range(first_seed, min(first_seed + batch_size, args.seed + args.samples)))
-        started = time.perf_counter()
-        results = generate_batch(
-            model, [prompt_ids] * len(seeds), mask_token_id=mask_token_id, eos_id=stop_ids, config=config, seeds=seeds
-        )
-        elapsed = time.perf_counter() - started
-        timing = f"{elapsed:.2f} s" + (f" for a batch of {len(seeds)}" if batch_size > 1 else "")
-        for seed, result in zip(seeds, results, strict=True):
-            completion = tokenizer.decode(result.token_ids)
-            print(f"completion{f' (seed {seed})' if args.samples > 1 else ''}: {completion}")
-            stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
-            print(
-                f"[{objective}, {len(result.token_ids)} tokens, {counted(len(result.block_starts), 'block')} of {block_size}, "
-                f"{counted(len(result.unmask_steps), 'denoising step')}, "
-                f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
-                f"{timing} on {device}]"
-            )
-            record = sample_record(seed, completion, result, elapsed, batch_seeds=seeds)
-            if known_words is not None:
-                counts = known_words.count(completion)
-                pooled = [pooled[0] + counts[0], pooled[1] + counts[1]]
-                print(known_words.line(*counts))
-                record["known_words"] = {"known": counts[0], "total": counts[1]}
-            if scorer is not None:
-                scores.append(scorer.score(args.prompt, completion, result.token_ids))
-                print(scorer.line(scores[-1]))
-                record["score"] = score_record(scores[-1])
-            records.append(record)
-    if known_words is not None and args.samples > 1:
-        print(known_words.line(*pooled, samples=args.samples))
-    if scorer is not None and args.samples > 1:
-        print(scorer.line(pooled_scores(scores), samples=args.samples))
+    seeds = range(args.seed, args.seed + args.samples)
+    draws = draw_all(
+        model, prompts, seeds=seeds, batch_size=args.batch_size, config=config, mask_token_id=mask_token_id,
+        stop_ids=stop_ids, tokenizer=tokenizer, objective=objective, device=str(device), known_words=known_words,
+        scorer=scorer,
+    )
+    completions = len(draws.records)
+    if known_words is not None and completions > 1:
+        print(known_words.line(*draws.known_words, samples=completions))
+    if scorer is not None and completions > 1:
+        print(scorer.line(pooled_scores(draws.scores), samples=completions))
     if args.json is not None:
-        report: dict[str, Any] = {
-            "model": str(model_dir), "prompt": args.prompt, "prompt_ids": prompt_ids, "objective": objective,
-            "device": str(device), "settings": generation_settings(config), "batch_size": batch_size,
-            "samples": records,
-        }
+        report: dict[str, Any] = {"model": str(model_dir)}
+        if args.prompts is None:
+            report.update({"prompt": args.prompt, "prompt_ids": prompts[0].ids})
+        else:
+            report["prompts"] = [{"prompt": p.text, "where": p.where, "prompt_ids": p.ids} for p in prompts]
+        report.update({
+            "objective": objective, "device": str(device), "settings": generation_settings(config),
+            "batch_size": min(args.batch_size, completions), "samples": draws.records,
+        })
         if known_words is not None:
-            report["known_words"] = {"source": known_words.source, "known": pooled[0], "total": pooled[1]}
+            report["known_words"] = {"source": known_words.source, "known": draws.known_words[0], "total": draws.known_words[1]}
         if scorer is not None:
-            report["scorer"] = {"model": str(args.scorer), **score_record(pooled_scores(scores))}
+            report["scorer"] = {"model": str(args.scorer), **score_record(pooled_scores(draws.scores))}
         write_json_atomic(args.json, report)
     return 0
 
 
-def sample_record(
-    seed: int, completion: str, result: GenerationResult, seconds: float, *, batch_seeds: list[int]
-) -> dict[str, Any]:
-    """One completion of ``--json``; ``seconds`` is the wall time of the batch it was drawn in (its seeds)."""
-    return {
-        "seed": seed, "completion": completion, "token_ids": list(result.token_ids),
-        "stopped_at": "eos" if result.stopped_at_eos else "max_new_tokens", "blocks": len(result.block_starts),
-        "denoising_steps": len(result.unmask_steps), "seconds": round(seconds, 4), "batch_seeds": batch_seeds,
-    }
-
-
-def score_record(score: CompletionScore) -> dict[str, Any]:
-    """A ``CompletionScore`` (or the pooled one) for ``--json``: null where nothing was scored or a value is not
-    finite (JSON has no NaN or Infinity)."""
-
-    def finite(value: float) -> float | None:
-        return value if math.isfinite(value) else None
-
-    return {
-        "tokens": score.tokens, "nll_sum": finite(score.nll_sum), "nll": finite(score.nll),
-        "perplexity": finite(score.perplexity), "unigram_entropy": score.entropy,
-    }
-
-
-def generation_settings(config: GenerationConfig) -> dict[str, Any]:
-    """The ``GenerationConfig`` fields of ``--json`` (the seed is each sample's)."""
-    return {key: value for key, value in asdict(config).items() if key != "seed"}
+def read_prompts(
+    args: argparse.Namespace, tokenizer: CsbpTokenizer, tokenizer_dir: Path, objective: str, mask_token_id: int
+) -> list[Prompt]:
+    """``--prompt``, or every prompt of ``--prompts``, encoded (in ``--chat``'s template) and checked."""
+    given = [(args.prompt, "--prompt")] if args.prompts is None else read_prompt_file(args.prompts)
+    prompts = []
+    for text, where in given:
+        ids = tokenizer.encode(chat_prompt(tokenizer_dir, text, where) if args.chat else text)
+        check_prompt(ids, objective, mask_token_id, tokenizer.special_names["mask"], where=where)
+        prompts.append(Prompt(text, where, ids))
+    return prompts
