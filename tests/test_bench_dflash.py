@@ -63,6 +63,7 @@ RECORD_KEYS = {
     "target_bytes_per_rank",
     "step_times_s",
     "serialized_step_times_s",
+    "bytes_step",
 }
 TINY = ["--block-size", "4", "--vocab-size", "64", "--hidden-size", "32", "--intermediate-size", "64"]
 TINY += ["--num-heads", "4", "--num-kv-heads", "2", "--head-dim", "8"]
@@ -89,6 +90,7 @@ def test_smoke_run_writes_records_table_and_plot(tmp_path: Path, capsys: pytest.
         assert set(record) == RECORD_KEYS
         assert record["serialized_step_time_s"] is None and record["overlap_ratio"] is None
         assert record["step_times_s"] == [record["step_time_s"]] and record["serialized_step_times_s"] == []
+        assert record["bytes_step"] == 1  # warmup 1 + repeats 1: the bytes of step 1
         assert (record["seq_len"], record["anchors"], record["nproc"], record["samples"]) == (64, 8, 2, 1)
         assert (
             record["step_time_s"] > 0
@@ -160,6 +162,24 @@ def test_documents_exchange_fewer_context_bytes(tmp_path: Path) -> None:
     cp_bytes = records["cp"]["attention_bytes_per_rank"]
     assert 0 < records["cp-aware"]["attention_bytes_per_rank"] < cp_bytes
     assert 0 < records["csbp"]["attention_bytes_per_rank"] < cp_bytes
+
+
+@pytest.mark.multiprocess
+def test_bytes_are_the_last_timed_steps(tmp_path: Path) -> None:
+    """Documents and anchors are drawn per step, so the bytes recorded are one step's, the last
+    timed one, named by ``bytes_step``: ``--warmup 1 --repeats 1`` and ``--warmup 0 --repeats 2``
+    both end at step 1 and count the same bytes (a table recorded without it could not be rerun)."""
+    bytes_of = {}
+    for warmup, repeats in ((1, 1), (0, 2)):
+        out = tmp_path / f"w{warmup}r{repeats}.json"
+        argv = ["dflash", "--seq-lens", "64", "--anchors", "8", "--nproc", "2", "--warmup", str(warmup)]
+        argv += ["--repeats", str(repeats), *TINY, "--layouts", "cp-aware", "csbp", "--doc-length", "8"]
+        args = parse([*argv, "--json", str(out)])
+        assert args.func(args) == 0
+        records = json.loads(out.read_text())
+        assert [r["bytes_step"] for r in records] == [1, 1]
+        bytes_of[warmup, repeats] = [r["attention_bytes_per_rank"] for r in records]
+    assert bytes_of[1, 1] == bytes_of[0, 2]
 
 
 @pytest.mark.multiprocess

@@ -22,7 +22,9 @@ DFlash runs as the all-gather), so the two exchanges' bytes stand side by side i
 
 Per layout it records the median step time over ``repeats`` steps after ``warmup`` (the slowest
 rank; every repeat in ``step_times_s``, the table's ``±`` their spread and ``~`` a ratio within it; with ``--ablate-overlap`` also with the collectives serialized, the two alternating step by
-step in the same processes), the attention bytes a rank sends per step (context K/V over the CP ring), the peak memory
+step in the same processes), the attention bytes a rank sends in the last timed step (context K/V
+over the CP ring; ``bytes_step``: documents and anchors are drawn per step, so with documents the
+bytes depend on ``warmup + repeats``, not only on the code), the peak memory
 growth per rank and ``drafter_flops_per_rank``, counted from the rank's actual packet
 (``csbp.bench.dflash_flops``).
 
@@ -194,6 +196,8 @@ class DFlashRecord:
     target_bytes_per_rank: int = 0  # dflash.target: the online sharded pass's K/V all-gathers
     step_times_s: tuple[float, ...] = ()  # every timed repeat (the slowest rank's), in run order
     serialized_step_times_s: tuple[float, ...] = ()  # ``--ablate-overlap``: every serialized repeat
+    # the step (0-based, warmup included: warmup + repeats - 1) whose bytes *_bytes_per_rank count
+    bytes_step: int = 0
 
 
 def anchor_generator(seed: int, step: int, sample: int) -> torch.Generator:
@@ -405,6 +409,7 @@ def run_dflash_bench(
                     target_bytes_per_rank=max_over_ranks(results, "target_bytes"),
                     step_times_s=repeats_of(results[0]),
                     serialized_step_times_s=repeats_of(results[0], "serial_repeat_"),
+                    bytes_step=cfg.warmup + cfg.repeats - 1,
                 )
             )
             if progress:

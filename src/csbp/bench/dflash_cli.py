@@ -86,7 +86,8 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
         f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} sliding_window={args.sliding_window} "
         f"(random tokens, 1 thread per "
-        f"process, median of {args.repeats} repeats, ± half their range)"
+        f"process, median of {args.repeats} repeats, ± half their range; bytes: step "
+        f"{args.warmup + args.repeats - 1}, the last)"
         + (f" target_capture={args.target_capture} (online, timed)" if args.target_capture != "offline" else "")
     )
     records = run_dflash_bench(
