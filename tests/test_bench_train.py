@@ -42,6 +42,7 @@ RECORD_KEYS = {
     # fastest repeat and model shape, for `csbp plan calibrate`
     "step_time_min_s",
     "step_times_s",
+    "bytes_step",
     "hidden_size",
     "intermediate_size",
     "num_layers",
@@ -162,6 +163,7 @@ def test_documents_run_every_layout_with_equal_loss_and_less_traffic() -> None:
     losses = [r.loss_step0 for r in records]
     assert max(losses) - min(losses) <= 1e-5 * abs(losses[0])
     assert all(r.doc_length == 8 for r in records)
+    assert all(r.bytes_step == 0 for r in records)  # the documents are drawn per step: the bytes are step 0's
     cp_bytes = by_layout["cp"].attention_bytes_per_rank
     assert 0 < by_layout["cp-aware"].attention_bytes_per_rank < cp_bytes
     assert 0 < by_layout["csbp"].attention_bytes_per_rank < by_layout["cp-aware"].attention_bytes_per_rank

@@ -7,7 +7,9 @@ rows the rank holds, the chunked LM-head loss, backward, gradient averaging over
 AdamW step. Per layout it records the median step time over ``repeats`` steps after ``warmup``
 (the slowest rank bounds a step; every repeat in ``step_times_s``, the table's ``±`` their spread and
 ``~`` a ratio within it), clean tokens per second, the peak memory growth per rank and
-the attention bytes each rank sends per step (from the counted collectives layer).
+the attention bytes each rank sends in the last timed step (from the counted collectives layer;
+``bytes_step``: with ``--doc-length`` the documents are drawn per step, so the bytes depend on
+``warmup + repeats``, not only on the code).
 
 The data is random tokens (ids ``0 .. V-2``; ``V-1`` is the mask token), the same on every rank
 and fresh each step; corruption is drawn before the timer starts, as a data loader would. Step
@@ -175,6 +177,8 @@ class TrainRecord:
     diagonal: str = "auto"
     clean: str = "generic"
     step_times_s: tuple[float, ...] = ()  # every timed repeat (the slowest rank's), in run order
+    # the step (0-based, warmup included: warmup + repeats - 1) whose bytes *_bytes_per_rank count
+    bytes_step: int = 0
 
 
 def _attention_bytes(counter_snapshot: dict[str, dict[str, int]]) -> int:
@@ -357,6 +361,7 @@ def run_train_bench(
                     diagonal=cfg.diagonal,
                     clean=cfg.clean,
                     step_times_s=repeats_of(results[0]),
+                    bytes_step=cfg.warmup + cfg.repeats - 1,
                 )
             )
             if progress:

@@ -82,7 +82,7 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
         f"backend={args.backend} diagonal={args.diagonal} clean={args.clean} "
         f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
         f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per process, "
-        f"median of {args.repeats} repeats, ± half their range)"
+        f"median of {args.repeats} repeats, ± half their range; bytes: step {args.warmup + args.repeats - 1}, the last)"
     )
     records = run_train_bench(
         args.seq_lens,
