@@ -16,8 +16,10 @@ import torch
 
 from csbp.generation import (
     CachedBlockForward,
+    CachedPrefixAttention,
     GenerationConfig,
     GenerationResult,
+    PrefixKVCache,
     RecomputeBlockForward,
     generate,
     generate_batch,
@@ -157,3 +159,13 @@ def test_bad_seed_lists_are_refused(model: Decoder) -> None:
                                   ([[1, 2]], [0, 1], "one seed per prompt")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             generate_batch(model, prompts, mask_token_id=MASK, eos_id=None, config=config_of(), seeds=seeds)
+
+
+def test_per_sequence_positions_follow_the_cache_s_device() -> None:
+    """``positions [S, N]`` on another device than the cache (the CPU, a cache on the model's GPU) build the
+    mask on the cache's device, as ``[N]`` positions do (they raised 'not on the expected device')."""
+    cache = PrefixKVCache(2, sequences=2, device="meta")  # a device other than the positions'
+    for positions in (torch.tensor([[4, 5], [8, 9]]), torch.tensor([4, 5])):
+        for append in (False, True):
+            attention = CachedPrefixAttention(cache, positions, block_size=4, append=append, window=3)
+            assert attention.allow_SNK.device.type == "meta" and tuple(attention.allow_SNK.shape) == (2, 2, 2)

@@ -161,7 +161,7 @@ class CachedPrefixAttention:
         self.cache = cache
         self.append = append
         slots_SC = cache.slot_positions
-        positions_SN = positions.to(slots_SC.device).expand(cache.sequences, -1) if positions.dim() == 1 else positions
+        positions_SN = positions.to(slots_SC.device).expand(cache.sequences, -1)  # [N] is shared
         blocks_SN = positions_SN // block_size
         q_pos, k_pos = positions_SN[:, :, None], positions_SN[:, None, :]
         q_block, k_block = blocks_SN[:, :, None], blocks_SN[:, None, :]
