@@ -119,6 +119,10 @@ def test_bad_prompts_files_are_refused_naming_the_line_before_loading(
         args = parse([*base, *extra])
         with pytest.raises(ValueError, match=re.escape(message)):
             args.func(args)
+    prompts.write_bytes(b'{"prompt": "the"}\n{"prompt": "caf\xe9"}\n')  # Latin-1, not UTF-8
+    args = parse(base)
+    with pytest.raises(ValueError, match=re.escape(f"{prompts}:2: not UTF-8 text")):  # it named no file
+        args.func(args)
     missing = parse([*base[:3], "--prompts", str(tmp_path / "none.jsonl"), *base[5:]])
     with pytest.raises(ValueError, match="is not a file"):
         missing.func(missing)

@@ -35,12 +35,18 @@ class Prompt:
 
 
 def read_prompt_file(path: Path) -> list[tuple[str, str]]:
-    """``(text, "FILE:LINE")`` of every ``{"prompt": text}`` line of a JSONL file (blank lines skipped);
-    a malformed line is refused naming it."""
+    """``(text, "FILE:LINE")`` of every ``{"prompt": text}`` line of a UTF-8 JSONL file (blank lines
+    skipped); a malformed line, or one that is not UTF-8, is refused naming it."""
     if not path.is_file():
         raise ValueError(f'--prompts {path} is not a file (fix: a JSONL file of {{"prompt": "..."}} lines)')
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:  # it named neither the file nor the line
+        line = data[: exc.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({exc.reason}) (fix: save the file as UTF-8)") from None
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
