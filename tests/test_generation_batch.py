@@ -3,12 +3,14 @@
 The oracle is ``generate`` run once per seed: each sample of a batch must make the same choices (tokens,
 unmask steps, first tokens, stops) as when it is drawn alone, under every sampling option, with the
 KV cache and without it, and when samples end at an EOS in different blocks (they then leave the batch
-and the others go on). The tiny random decoder of ``tests/test_generation.py`` (float64) is the model.
+and the others go on), and in random batches of random options and prompts (a differential check).
+The tiny random decoder of ``tests/test_generation.py`` (float64) is the model.
 Run: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest tests/test_generation_batch.py -q``
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -169,3 +171,60 @@ def test_per_sequence_positions_follow_the_cache_s_device() -> None:
         for append in (False, True):
             attention = CachedPrefixAttention(cache, positions, block_size=4, append=append, window=3)
             assert attention.allow_SNK.device.type == "meta" and tuple(attention.allow_SNK.shape) == (2, 2, 2)
+
+
+def random_case(rng: random.Random) -> tuple[GenerationConfig, list[list[int]], list[int]]:
+    """Random options, prompts (some shared) and seeds. No block is ever denoised with nothing but
+    ``[M]`` in sight (an empty prompt's first block, or a window of 1 without token shift): its rows are
+    then equal in exact arithmetic, so the order among their equal confidences is the rounding's, which a
+    batch's other shapes may change (the "up to the rounding" of the module docstring)."""
+    block = rng.choice([1, 2, 3, 4, 6])
+    sub = rng.choice([None, None, *[d for d in range(1, block + 1) if block % d == 0]])
+    sub_blocks = block // (sub or block)
+    order = rng.choice(["confidence", "confidence", "left_to_right", "random"])
+    temperature = rng.choice([0.0, 0.7, 1.0, 2.0])
+    token_shift = rng.random() < 0.4
+    window = rng.choice([None, None, 1, 2, 3, block, block + 1, 2 * block + 1])
+    config = GenerationConfig(
+        max_new_tokens=rng.choice([1, 2, block, block + 1, 7, 13]),
+        block_size=block,
+        steps_per_block=rng.choice([s for s in range(1, block + 1) if s % sub_blocks == 0]),
+        temperature=temperature,
+        top_k=rng.choice([None, 1, 3, 20]) if temperature else None,
+        top_p=rng.choice([1.0, 0.5, 0.9]) if temperature else 1.0,
+        threshold=rng.choice([None, 0.1, 0.3, 0.9]) if order == "confidence" else None,
+        token_shift=token_shift,
+        window=None if window == 1 and not token_shift else window,
+        unmask_order=order,
+        sub_block_size=sub,
+    )
+    lengths = [rng.choice([1, block - 1, block, block + 1, 2 * block + rng.randrange(block), rng.randrange(1, 14)])
+               for _ in range(rng.choice([1, 2, 3]))]  # fmt: skip
+    prompts = [[rng.randrange(MASK) for _ in range(max(n, 1))] for n in lengths for _ in range(rng.choice([1, 2]))]
+    rng.shuffle(prompts)
+    return config, prompts, [rng.randrange(1000) for _ in prompts]
+
+
+@pytest.mark.parametrize("first", [0, 20])
+def test_random_batches_make_the_choices_each_sequence_makes_alone(model: Decoder, first: int) -> None:
+    """A randomized differential check (fixed seeds): random options, block sizes (1 included), windows
+    smaller and larger than the block, prompts of every alignment in one batch, EOS ids drawn among the
+    tokens the batch generates (so sequences end in different blocks); the batch with the cache and
+    without it, and each sequence alone, must make the same choices."""
+    for case in range(first, first + 20):
+        rng = random.Random(case)
+        config, prompts, seeds = random_case(rng)
+        free = generate_batch(model, prompts, mask_token_id=MASK, eos_id=None, config=config, seeds=seeds)
+        generated = [t for r in free for t in r.token_ids]
+        eos_id = rng.choice([None, rng.choice(generated), [rng.choice(generated), rng.choice(generated)]])
+        batched = generate_batch(model, prompts, mask_token_id=MASK, eos_id=eos_id, config=config, seeds=seeds)
+        recomputed = generate_batch(
+            model, prompts, mask_token_id=MASK, eos_id=eos_id, config=replace(config, use_cache=False), seeds=seeds
+        )
+        alone = [
+            generate(model, prompt, mask_token_id=MASK, eos_id=eos_id, config=replace(config, seed=seed))
+            for prompt, seed in zip(prompts, seeds, strict=True)
+        ]
+        expected = [choices(r) for r in alone]
+        assert [choices(r) for r in batched] == expected, (case, config, prompts, seeds, eos_id)
+        assert [choices(r) for r in recomputed] == expected, (case, config, prompts, seeds, eos_id)
