@@ -174,10 +174,7 @@ def test_per_sequence_positions_follow_the_cache_s_device() -> None:
 
 
 def random_case(rng: random.Random) -> tuple[GenerationConfig, list[list[int]], list[int]]:
-    """Random options, prompts (some shared) and seeds. No block is ever denoised with nothing but
-    ``[M]`` in sight (an empty prompt's first block, or a window of 1 without token shift): its rows are
-    then equal in exact arithmetic, so the order among their equal confidences is the rounding's, which a
-    batch's other shapes may change (the "up to the rounding" of the module docstring)."""
+    """Random options, prompts (some shared, empty ones without token shift) and seeds."""
     block = rng.choice([1, 2, 3, 4, 6])
     sub = rng.choice([None, None, *[d for d in range(1, block + 1) if block % d == 0]])
     sub_blocks = block // (sub or block)
@@ -194,13 +191,14 @@ def random_case(rng: random.Random) -> tuple[GenerationConfig, list[list[int]], 
         top_p=rng.choice([1.0, 0.5, 0.9]) if temperature else 1.0,
         threshold=rng.choice([None, 0.1, 0.3, 0.9]) if order == "confidence" else None,
         token_shift=token_shift,
-        window=None if window == 1 and not token_shift else window,
+        window=window,
         unmask_order=order,
         sub_block_size=sub,
     )
-    lengths = [rng.choice([1, block - 1, block, block + 1, 2 * block + rng.randrange(block), rng.randrange(1, 14)])
+    lengths = [rng.choice([1, max(block - 1, 1), block, block + 1, 2 * block + rng.randrange(block), rng.randrange(1, 14)])
                for _ in range(rng.choice([1, 2, 3]))]  # fmt: skip
-    prompts = [[rng.randrange(MASK) for _ in range(max(n, 1))] for n in lengths for _ in range(rng.choice([1, 2]))]
+    lengths += [] if token_shift or rng.random() < 0.5 else [0]
+    prompts = [[rng.randrange(MASK) for _ in range(n)] for n in lengths for _ in range(rng.choice([1, 2]))]
     rng.shuffle(prompts)
     return config, prompts, [rng.randrange(1000) for _ in prompts]
 
@@ -208,7 +206,7 @@ def random_case(rng: random.Random) -> tuple[GenerationConfig, list[list[int]], 
 @pytest.mark.parametrize("first", [0, 20])
 def test_random_batches_make_the_choices_each_sequence_makes_alone(model: Decoder, first: int) -> None:
     """A randomized differential check (fixed seeds): random options, block sizes (1 included), windows
-    smaller and larger than the block, prompts of every alignment in one batch, EOS ids drawn among the
+    smaller and larger than the block, prompts of every alignment (empty ones too) in one batch, EOS ids drawn among the
     tokens the batch generates (so sequences end in different blocks); the batch with the cache and
     without it, and each sequence alone, must make the same choices."""
     for case in range(first, first + 20):
@@ -228,3 +226,24 @@ def test_random_batches_make_the_choices_each_sequence_makes_alone(model: Decode
         expected = [choices(r) for r in alone]
         assert [choices(r) for r in batched] == expected, (case, config, prompts, seeds, eos_id)
         assert [choices(r) for r in recomputed] == expected, (case, config, prompts, seeds, eos_id)
+
+
+def test_blocks_that_see_only_masks_tie_to_the_left_alone_and_in_a_batch(model: Decoder) -> None:
+    """An empty prompt's first block (or any block under a window of 1) sees nothing but ``[M]``: its rows
+    are equal in exact arithmetic, so the first step unmasks the leftmost positions, whatever the batch
+    (rounding decided, and a batch of empty prompts drew other samples than one at a time in 1 case of 6)."""
+    for window, others in ((None, []), (None, [[5, 6, 7, 8, 9], [1, 2]]), (1, [[5, 6, 7, 8, 9], [1, 2]])):
+        prompts = [[]] * 4 + others
+        for block, steps, temperature in ((4, 2, 0.0), (8, 4, 1.0), (8, 1, 0.0), (2, 1, 1.0)):
+            config = GenerationConfig(max_new_tokens=2 * block, block_size=block, steps_per_block=steps,
+                                      temperature=temperature, window=window)  # fmt: skip
+            seeds = list(range(len(prompts)))
+            batched = generate_batch(model, prompts, mask_token_id=MASK, eos_id=None, config=config, seeds=seeds)
+            for prompt, seed, result in zip(prompts, seeds, batched, strict=True):
+                for use_cache in (True, False):
+                    alone = generate(model, prompt, mask_token_id=MASK, eos_id=None,
+                                     config=replace(config, seed=seed, use_cache=use_cache))  # fmt: skip
+                    assert choices(result) == choices(alone), (window, prompt, block, steps, temperature, use_cache)
+                if not prompt and temperature == 0:  # greedy: one token, one confidence
+                    count = -(-block // steps)
+                    assert [p for p, _ in result.unmask_steps[0]] == list(range(count))

@@ -111,6 +111,15 @@ def eos_settled(block_ids_B: Tensor, to_fill_B: Tensor, stop_ids: tuple[int, ...
     return eos_N.numel() > 0 and not bool(to_fill_B[: first_new + int(eos_N[0])].any())
 
 
+def sees_only_masks(block_ids_B: Tensor, start: int, mask_token_id: int, window: int | None) -> bool:
+    """Whether every row of a block sees nothing but ``[M]``: the block is all masks and no clean row is in
+    sight (an empty prefix, or a window of 1). Its rows are then equal in exact arithmetic (equal inputs,
+    attention over equal values), so their confidences tie; computed, they differ by rounding, which a
+    batch's shapes change, so the sampler gives every row the first row's hidden state and the tie goes
+    to the leftmost positions, alone and in a batch alike."""
+    return (start == 0 or window == 1) and bool((block_ids_B == mask_token_id).all())
+
+
 def denoise_block(
     model: Decoder,
     forward: BlockForward,
@@ -143,6 +152,9 @@ def denoise_block(
             if not masked:
                 break
             hidden_SBD = forward.denoise(block_ids_SB, starts)
+            for row in masked:
+                if sees_only_masks(block_ids_SB[row], starts[row], mask_token_id, config.window):
+                    hidden_SBD[row] = hidden_SBD[row, :1].clone()  # equal in exact arithmetic: equal here
             chosen = denoise_step(
                 model, hidden_SBD, masked, mask_token_id, config, samples, remaining_steps=steps_each - step
             )

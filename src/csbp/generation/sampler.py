@@ -40,7 +40,8 @@ sequence's prompt blocks are prefilled (once per distinct prompt) into one KV ca
 denoising and commit forward runs the sequences still going as one batch of ``[S, B]`` rows, each at
 its own positions (its own block grid). Each sequence has its own generator, consumed in the same
 order as when it is drawn alone, so it makes the same choices (the same tokens, up to the rounding
-of a batched matmul: float32 on CPU gave identical samples). A sequence leaves the batch at the end
+of a batched matmul: float32 on CPU gave identical samples; a block whose rows see nothing but ``[M]``,
+equal in exact arithmetic, gives them all its first row's state, so their tie goes leftmost, not to the rounding). A sequence leaves the batch at the end
 of its last block (an EOS, or its ``max_new_tokens``, which end sooner for a prompt whose last block
 carries more tokens); inside a block, sequences that finish early (threshold, EOS) wait for the
 others. The per-block steps are :mod:`csbp.generation.block_denoising`. :func:`generate` is a batch
