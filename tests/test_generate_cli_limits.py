@@ -125,3 +125,19 @@ def test_a_config_without_max_position_embeddings_is_bounded_by_transformers_def
     )
     (bare / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     assert "max_position_embeddings 2048 (transformers' LlamaConfig default" in refusal(bare, "--block-size", "4096")
+
+
+def test_a_failing_chat_template_names_the_fix_generate_has(checkpoint: Path) -> None:
+    """It named ``--chat-template none``, a flag of ``csbp data prepare`` that ``csbp generate`` lacks."""
+    template = checkpoint / "chat_template.jinja"
+    messages = []
+    try:
+        for text in ("{{ 1 / 0 }}", "{{ messages[0]['content'] | nonexistent_filter }}"):  # fails rendering, compiling
+            template.write_text(text, encoding="utf-8")
+            messages.append(refusal(checkpoint, "--chat"))
+    finally:
+        template.unlink()
+    assert messages[0].startswith("--prompt: chat template ")
+    assert messages[0].endswith("(fix: repair the record, or drop --chat, or use another template)")
+    assert messages[1].endswith("No filter named 'nonexistent_filter'. (fix: repair the template, or drop --chat)")
+    assert not any("--chat-template" in message for message in messages)

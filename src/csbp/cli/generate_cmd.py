@@ -213,13 +213,15 @@ def chat_prompt(tokenizer_dir: Path, prompt: str, where: str = "--prompt") -> st
     """``prompt`` as the one user turn of ``tokenizer_dir``'s chat template, assistant turn opened."""
     from csbp.data.chat_template import resolve_chat_template
 
-    template = resolve_chat_template("auto", tokenizer_dir)
+    template = resolve_chat_template("auto", tokenizer_dir, without="drop --chat")
     if template is None:
         raise ValueError(
             f"--chat: tokenizer directory {tokenizer_dir} has no chat template (chat_template.jinja or "
             "tokenizer_config.json 'chat_template') (fix: pass --tokenizer DIR of the chat model, or drop --chat)"
         )
-    return template.render([{"role": "user", "content": prompt}], add_generation_prompt=True, where=where)
+    return template.render(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, where=where, without="drop --chat"
+    )
 
 
 def load_generation_tokenizer(args: argparse.Namespace, tokenizer_dir: Path, model_dir: Path) -> CsbpTokenizer:

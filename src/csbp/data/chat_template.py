@@ -164,8 +164,16 @@ class ChatTemplate:
         export run from another directory reads it there) and its sha256."""
         return {"source": str(Path(self.source).resolve()), "sha256": self.sha256}
 
-    def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False, where: str = "") -> str:
-        """The template's text for ``messages``; any template error raises one ``ValueError`` line."""
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool = False,
+        where: str = "",
+        without: str = "pass --chat-template none",
+    ) -> str:
+        """The template's text for ``messages``; any template error raises one ``ValueError`` line, whose
+        fix names ``without``: how the command goes on without the template."""
         try:
             compiled = _compile(self.text)
             return render_bounded(
@@ -178,13 +186,12 @@ class ChatTemplate:
         except OutputTooLong:
             raise ValueError(
                 f"{where or self.source}: chat template {self.source} would render more than csbp's limit of "
-                f"{MAX_LENGTH} characters for this record (fix: split the record into shorter chats, or pass "
-                "--chat-template none)"
+                f"{MAX_LENGTH} characters for this record (fix: split the record into shorter chats, or {without})"
             ) from None
         except jinja2.exceptions.SecurityError as exc:
             raise ValueError(
                 f"{where or self.source}: chat template {self.source} was refused by the sandbox ({exc}) "
-                "(fix: use a trusted template, or --chat-template none)"
+                f"(fix: use a trusted template, or {without})"
             ) from None
         except Exception as exc:  # a template is code: whatever it raises (TypeError ...) is one line
             first_line = str(exc).splitlines()[0] if str(exc) else ""
@@ -192,7 +199,7 @@ class ChatTemplate:
                 first_line = f"{type(exc).__name__}: {first_line}"
             raise ValueError(
                 f"{where or self.source}: chat template {self.source} failed: {first_line or type(exc).__name__} "
-                "(fix: repair the record, or pass --chat-template none or another template)"
+                f"(fix: repair the record, or {without}, or use another template)"
             ) from None
 
     def supervised_spans(self, messages: Sequence[Message], where: str) -> SupervisedChat:
@@ -371,13 +378,16 @@ def read_template_file(path: Path) -> str | None:
     return template_in_file(str(path), path.read_bytes()) if path.is_file() else None
 
 
-def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplate | None:
+def resolve_chat_template(
+    spec: str, tokenizer_path: Path | None, *, without: str = "pass --chat-template none"
+) -> ChatTemplate | None:
     """The template ``--chat-template SPEC`` selects: ``none`` -> None; ``auto`` -> the tokenizer
     directory's ``chat_template.jinja``, ``chat_template.json`` or ``tokenizer_config.json``
     template (first found), else None; anything
     else is the path of a ``.jinja`` file. ``bos_token``/``eos_token`` come from the tokenizer
     directory's ``tokenizer_config.json``, and where it names none, from its
-    ``special_tokens_map.json`` (as transformers reads them)."""
+    ``special_tokens_map.json`` (as transformers reads them). A syntax error's fix names ``without``:
+    how the command goes on without the template."""
     directory = None
     if tokenizer_path is not None:
         tokenizer_path = Path(tokenizer_path)
@@ -394,15 +404,15 @@ def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplat
             return None
         jinja_file, json_file = directory / TEMPLATE_FILE, directory / TEMPLATE_JSON_FILE
         if jinja_file.is_file():
-            return _checked(ChatTemplate(_read_text(jinja_file), str(jinja_file), **tokens))
+            return _checked(ChatTemplate(_read_text(jinja_file), str(jinja_file), **tokens), without)
         if json_file.is_file():
             text = _template_in_config(_read_json(json_file), json_file)
             if text is not None:
-                return _checked(ChatTemplate(text, str(json_file), **tokens))
+                return _checked(ChatTemplate(text, str(json_file), **tokens), without)
         text = _template_in_config(config, directory / CONFIG_FILE)
         if text is None:
             return None
-        return _checked(ChatTemplate(text, str(directory / CONFIG_FILE), **tokens))
+        return _checked(ChatTemplate(text, str(directory / CONFIG_FILE), **tokens), without)
     path = Path(spec)
     if path.is_dir():
         raise ValueError(
@@ -411,7 +421,7 @@ def resolve_chat_template(spec: str, tokenizer_path: Path | None) -> ChatTemplat
         )
     if not path.is_file():
         raise ValueError(f"--chat-template {spec}: no such file; use auto, none or the path of a .jinja file")
-    return _checked(ChatTemplate(_read_text(path), str(path), **tokens))
+    return _checked(ChatTemplate(_read_text(path), str(path), **tokens), without)
 
 
 def _read_text(path: Path) -> str:
@@ -422,13 +432,13 @@ def _read_text(path: Path) -> str:
         raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start + 1}) (fix: re-encode it as UTF-8)") from None
 
 
-def _checked(template: ChatTemplate) -> ChatTemplate:
+def _checked(template: ChatTemplate, without: str) -> ChatTemplate:
     """Compile once up front, so a syntax error is reported before any data is read."""
     try:
         _compile(template.text)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ValueError(
             f"{template.source}: chat template line {exc.lineno}: {exc.message} (fix: repair the template, "
-            "or pass --chat-template none)"
+            f"or {without})"
         ) from None
     return template
