@@ -144,9 +144,12 @@ def test_dropping_sequences_keeps_the_others_prefixes(model: Decoder, forward_cl
         alone = forward_class(model, BLOCK)
         alone.prefill([[5, 6, 7, 8, 1, 2, 3, 4, 13, 14, 15, 16]])
         torch.testing.assert_close(alone.denoise(noisy_SB[2:], [12]), before_SBD[2:], rtol=0, atol=1e-12)
+        clean_before_SD = forward.clean_row_before([0, 1, 2])
         forward.keep([2, 0])
         after_SBD = forward.denoise(noisy_SB[[2, 0]], [12, 8])
+        clean_after_SD = forward.clean_row_before([0, 1])
     torch.testing.assert_close(after_SBD, before_SBD[[2, 0]], rtol=0, atol=1e-12)
+    torch.testing.assert_close(clean_after_SD, clean_before_SD[[2, 0]], rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match=r"must be a \[2, N\]"):
         forward.denoise(noisy_SB, [12, 8, 4])
     with pytest.raises(RuntimeError, match="starts at 8"):
@@ -157,7 +160,8 @@ def test_dropping_sequences_keeps_the_others_prefixes(model: Decoder, forward_cl
 
 
 def test_bad_seed_lists_are_refused(model: Decoder) -> None:
-    for prompts, seeds, match in (([], [], "at least one"), ([[1, 2]] * 2, [0, -1], "seeds must be integers >= 0"),
+    for prompts, seeds, match in (([], [], "at least one"), ([[1, 2]] * 2, [0, -1], r"seeds must be integers in \[0, 2\^64\)"),
+                                  ([[1, 2]], [2**64], r"got 18446744073709551616"),
                                   ([[1, 2]], [0, 1], "one seed per prompt")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             generate_batch(model, prompts, mask_token_id=MASK, eos_id=None, config=config_of(), seeds=seeds)

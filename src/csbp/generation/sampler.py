@@ -210,9 +210,9 @@ def generate_batch(
     ``num_model_rows``."""
     if not seeds or len(prompts) != len(seeds):
         raise ValueError(f"generate_batch needs one seed per prompt, at least one: got {len(prompts)} prompts, {len(seeds)} seeds")
-    bad_seeds = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+    bad_seeds = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < 2**64]
     if bad_seeds:
-        raise ValueError(f"seeds must be integers >= 0, got {bad_seeds[0]!r}")
+        raise ValueError(f"seeds must be integers in [0, 2^64) (a CPU generator's seed), got {bad_seeds[0]!r}")
     vocab_size = model.config.vocab_size
     if not 0 <= mask_token_id < vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the model vocabulary [0, {vocab_size})")
