@@ -13,6 +13,7 @@ against hand-computed values or a brute-force loop (objectives.md §5.3, §6, §
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -104,6 +105,15 @@ def test_jsonl_prompts_keep_the_last_tokens_of_a_long_prompt(tmp_path: Path) -> 
     prompts = jsonl_prompts(path, lambda text: [ord(c) for c in text], prompt_len=3)
     assert [p.token_ids for p in prompts] == [tuple(map(ord, "def")), tuple(map(ord, "xy"))]
     assert [p.group for p in prompts] == ["prompts", "short"]
+    # the reader csbp generate --prompts shares: a byte-order mark is dropped, a bad line is named
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prompt": "ab"}).encode() + b'\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: not UTF-8 text .* \(fix: save the file as UTF-8\)$"):
+        jsonl_prompts(path, lambda text: [ord(c) for c in text])
+    path.write_text(json.dumps({"prompt": "ab"}) + "\n" + json.dumps({"prompt": ""}) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: the prompt encodes to no tokens$"):
+        jsonl_prompts(path, lambda text: [ord(c) for c in text])
+    path.write_text(json.dumps({"prompt": "ab"}), encoding="utf-8-sig")
+    assert [p.token_ids for p in jsonl_prompts(path, lambda text: [ord(c) for c in text])] == [(97, 98)]
 
 
 def test_validation_prompts_have_the_length_dflash_eval_uses() -> None:

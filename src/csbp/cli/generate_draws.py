@@ -9,7 +9,6 @@ is a JSONL file of ``{"prompt": text}`` lines, as ``csbp dflash eval --prompts``
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,30 +34,10 @@ class Prompt:
 
 
 def read_prompt_file(path: Path) -> list[tuple[str, str]]:
-    """``(text, "FILE:LINE")`` of every ``{"prompt": text}`` line of a UTF-8 JSONL file (blank lines
-    skipped); a malformed line, or one that is not UTF-8, is refused naming it."""
-    if not path.is_file():
-        raise ValueError(f'--prompts {path} is not a file (fix: a JSONL file of {{"prompt": "..."}} lines)')
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:  # it named neither the file nor the line
-        line = data[: exc.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text ({exc.reason}) (fix: save the file as UTF-8)") from None
-    prompts = []
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f'{path}:{number}: malformed JSON ({exc.msg}) (fix: one {{"prompt": "..."}} object per line)') from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise ValueError(f'{path}:{number}: expected an object with a string field "prompt" (fix: {{"prompt": "..."}})')
-        prompts.append((record["prompt"], f"{path}:{number}"))
-    if not prompts:
-        raise ValueError(f'--prompts {path} holds no prompts (fix: one {{"prompt": "..."}} object per line)')
-    return prompts
+    """``(text, "FILE:LINE")`` of every prompt of a ``--prompts`` JSONL file (:mod:`csbp.data.prompt_file`)."""
+    from csbp.data.prompt_file import read_prompt_lines
+
+    return [(line.text, line.where) for line in read_prompt_lines(path)]
 
 
 @dataclass

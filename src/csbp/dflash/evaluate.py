@@ -28,7 +28,6 @@ group is optional and only groups the printed tables).
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -258,28 +257,18 @@ def jsonl_prompts(
 ) -> list[EvalPrompt]:
     """Prompts of a JSONL file (``{"prompt": text}`` per line, optional ``"group"``), tokenized with
     ``encode``; ``prompt_len`` keeps the last tokens of longer prompts."""
-    if not path.is_file():
-        raise ValueError(f'--prompts {path} is not a file; pass a JSONL file of {{"prompt": ...}} lines')
+    from csbp.data.prompt_file import read_prompt_lines
+
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: malformed JSON ({exc.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise ValueError(f'{path}:{number}: expected an object with a string field "prompt"')
-        ids = encode(record["prompt"])
+    for line in read_prompt_lines(path):
+        ids = encode(line.text)
         if not ids:
-            raise ValueError(f"{path}:{number}: the prompt encodes to no tokens")
+            raise ValueError(f"{line.where}: the prompt encodes to no tokens")
         if prompt_len is not None:
             ids = ids[-prompt_len:]
-        prompts.append(EvalPrompt(f"line {number}", str(record.get("group", "prompts")), tuple(ids)))
+        prompts.append(EvalPrompt(f"line {line.number}", str(line.record.get("group", "prompts")), tuple(ids)))
         if num_prompts is not None and len(prompts) == num_prompts:
             break
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
     return prompts
 
 
