@@ -8,10 +8,11 @@ there or holds no prompt, a line that is not UTF-8, not JSON, or not an object w
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from csbp.data.json_lines import parse_json_line
 
 FIX = 'one {"prompt": "..."} object per line'
 
@@ -44,12 +45,7 @@ def read_prompt_lines(path: Path, flag: str = "--prompts") -> list[PromptLine]:
         if not line.strip():
             continue
         where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: malformed JSON ({exc.msg}) (fix: {FIX})") from None
-        except RecursionError:  # brackets nested thousands deep
-            raise ValueError(f"{where}: JSON nested too deeply (fix: {FIX})") from None
+        record = parse_json_line(line, where)
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise ValueError(f'{where}: expected an object with a string field "prompt" (fix: {FIX})')
         prompts.append(PromptLine(number, where, record))

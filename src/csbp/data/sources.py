@@ -27,7 +27,6 @@ naming the file and the 1-based line (JSONL) or row (Parquet).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from csbp.data.corpus import strip_gutenberg_boilerplate
+from csbp.data.json_lines import parse_json_line
 
 TxtMode = Literal["file", "paragraphs"]
 ChatDocuments = Literal["record", "turn"]
@@ -275,14 +275,7 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
             if not line.strip():
                 continue
             where = f"{path}:{line_number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                message = exc.msg.removesuffix(" at")  # json's "Invalid control character at"
-                raise ValueError(f"{where}: malformed JSON ({message} at column {exc.colno})") from None
-            except RecursionError:  # brackets nested thousands deep: no document looks like that
-                raise ValueError(f"{where}: JSON nested too deeply (fix: one flat object per line)") from None
-            yield record_to_document(record, where)
+            yield record_to_document(parse_json_line(line, where), where)
 
 
 def _read_parquet(path: Path) -> Iterator[Document]:
