@@ -14,7 +14,10 @@ the move never replaces anything (``renameat2(RENAME_NOREPLACE)`` on Linux; else
 first claimed with ``mkdir``, which fails on any existing entry), so a directory that appeared is
 left untouched and the finished output is discarded with one line; with ``overwrite`` the target
 must still pass :func:`check_replaceable`.
-Single files go through a new temporary file and ``os.replace`` (:func:`write_text_atomic`).
+Single files go through a new temporary file and ``os.replace`` (:func:`write_text_atomic`), except
+a path naming a character device or a named pipe (``--json /dev/null``, ``/dev/stdout``, a FIFO:
+:func:`streams_to`), which is written into: it has no contents to keep whole, and ``os.replace``
+would put a regular file in its place (run as root, deleting ``/dev/null`` for the whole machine).
 
 Durability: before the move every file of the finished directory (or the temporary file), and the
 directory itself, is flushed to disk (``fsync``), and the parent directory is flushed after it, so
@@ -31,6 +34,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from collections.abc import Callable
@@ -320,11 +324,26 @@ def write_json_atomic(path: Path, payload: object) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
+def streams_to(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` (links followed) is an existing character device or named pipe, which a write
+    goes into instead of replacing (module docstring)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
+
+
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` (UTF-8) to a new temporary file next to ``path`` and ``os.replace`` it onto
     ``path``: a crash leaves the old file or the new one, never a mix (the temporary file is
-    removed on an error, or left as ``.NAME.tmp-*`` by a crash)."""
+    removed on an error, or left as ``.NAME.tmp-*`` by a crash). A device or pipe is written into
+    (:func:`streams_to`)."""
     target = Path(path)
+    if streams_to(target):
+        with open(target, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        return
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
     try:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from csbp.atomic import unwritable_reason
+from csbp.atomic import streams_to, unwritable_reason
 
 
 def device_option(text: str) -> str:
@@ -155,6 +155,8 @@ def output_file(text: str) -> Path:
     path = path_option(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory (fix: name a file, e.g. {path / 'out.json'})")
+    if streams_to(path):  # /dev/null, /dev/stdout, a pipe: written into, so its directory need not be writable
+        return path
     problem = unwritable_reason(path.absolute().parent)
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{text}: {problem} (fix: choose another path)")

@@ -1,0 +1,81 @@
+"""Outputs named by a device or a pipe (``--json /dev/null``, ``/dev/stdout``, a FIFO) are written into,
+never replaced: the atomic ``os.replace`` put a regular file in place of ``/dev/null`` (run as root, for the
+whole machine: later ``> /dev/null`` redirections then filled a file, and a test expecting a character
+device failed). Plain files still go through the temporary file and ``os.replace``."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from csbp.atomic import streams_to, write_json_atomic, write_text_atomic
+from csbp.cli.options import output_file
+
+
+def read_fifo(path: Path, into: list[bytes]) -> threading.Thread:
+    """A reader of the pipe (a writer blocks until one opens it)."""
+
+    def read() -> None:
+        with open(path, "rb") as stream:
+            into.append(stream.read())
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_pipe_is_written_into_and_stays_a_pipe(tmp_path: Path) -> None:
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    link = tmp_path / "link.json"
+    link.symlink_to(fifo)
+    for target, write in ((fifo, lambda p: write_json_atomic(p, {"a": 1})), (link, lambda p: write_text_atomic(p, "x"))):
+        received: list[bytes] = []
+        reader = read_fifo(fifo, received)
+        write(target)
+        reader.join(timeout=10)
+        assert received and (received[0] == b"x" or received[0].startswith(b"{") and b'"a": 1' in received[0])
+        assert stat.S_ISFIFO(os.stat(fifo).st_mode) and link.is_symlink()
+    assert streams_to(fifo) and streams_to(link) and output_file(str(fifo)) == fifo
+    assert not list(tmp_path.glob(".*tmp*"))  # no temporary file was made beside it
+
+
+def test_a_figure_goes_into_a_pipe(tmp_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from csbp.figures import save_figure
+
+    fifo = tmp_path / "plot.png"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = read_fifo(fifo, received)
+    save_figure(plt.figure(figsize=(1, 1)), fifo, dpi=10)
+    reader.join(timeout=10)
+    assert received[0].startswith(b"\x89PNG") and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_a_character_device_stays_one(tmp_path: Path) -> None:
+    """A null device node of our own (creating one needs root: skipped otherwise)."""
+    null = tmp_path / "null"
+    try:
+        os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("creating a device node needs root")
+    write_json_atomic(null, {"discarded": True})
+    assert stat.S_ISCHR(os.stat(null).st_mode) and streams_to(null)
+
+
+def test_regular_files_are_still_replaced_whole(tmp_path: Path) -> None:
+    target = tmp_path / "out.json"
+    target.write_text("old")
+    before = os.stat(target).st_ino
+    write_text_atomic(target, "new")
+    assert target.read_text() == "new" and os.stat(target).st_ino != before  # a new file renamed over it
+    assert not streams_to(target) and not streams_to(tmp_path / "missing")
