@@ -267,3 +267,40 @@ def test_a_bad_last_length_is_refused_before_the_first_runs(mode: str, monkeypat
         monkeypatch.setattr(module, "run_local", lambda *args, **kwargs: launched.append(args) or [])
     assert main(["bench", "dflash", mode, "--nproc", "2", "--seq-lens", "64", "65", "--anchors", "4"]) != 0
     assert launched == []
+
+
+def test_a_single_repeat_is_one_repeat_in_every_header(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--repeats 1`` printed "median of 1 repeats" (and ``--target-pass`` "of 1 steps") in the header
+    of every benchmark; counted nouns go through ``csbp.wording.counted``."""
+    import csbp.bench.attention as attention
+    import csbp.bench.dflash_cli as dflash_cli
+    import csbp.bench.dflash_target as target
+    import csbp.bench.train_cli as train_cli
+    from csbp.cli.main import main
+
+    headers: list[str] = []
+
+    def fake(*args: object, header: str | None = None, **kwargs: object) -> list:
+        headers.append(header or "")
+        raise KeyboardInterrupt  # stop before anything runs: csbp exits 130 ("csbp: interrupted")
+
+    monkeypatch.setattr(attention, "run_attention_bench", fake)
+    monkeypatch.setattr(train_cli, "run_train_bench", fake)
+    monkeypatch.setattr(dflash_cli, "run_dflash_bench", fake)
+    one = ["--seq-lens", "64", "--repeats", "1"]
+    for argv in (["bench", "attention", "--nproc", "2", "--block-size", "8", "--layouts", "cp", *one],
+                 ["bench", "train", "--nproc", "2", "--block-size", "8", "--layouts", "cp", *one],
+                 ["bench", "dflash", "--nproc", "2", "--block-size", "8", "--layouts", "cp", *one]):
+        assert main(argv) == 130
+    assert len(headers) == 3 and all("median of 1 repeat," in h for h in headers), headers
+
+    monkeypatch.setattr(target, "run_target_pass_bench", lambda *args, **kwargs: [])
+    monkeypatch.setattr(target, "format_target_table", lambda records: "")
+    assert main(["bench", "dflash", "--target-pass", "--nproc", "2", *one]) == 0
+    assert main(["bench", "kernels", "--block-sizes", "8", "--num-heads", "2", "--num-kv-heads", "1",
+                 "--head-dim", "8", "--diagonals", "sdpa", "--clean-kernels", "generic", "--no-op-count", *one]) == 0
+    out = capsys.readouterr().out
+    assert "median of 1 step," in out and "median of 1 repeat," in out and " 1 repeats" not in out
+    assert " 1 steps" not in out

@@ -64,6 +64,7 @@ from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import build_parallel_context
 from csbp.models.decoder import AttentionFn, RMSNorm
 from csbp.topology import Topology, sequence_error_in_flags
+from csbp.wording import counted
 
 
 @dataclass(frozen=True)
@@ -344,8 +345,8 @@ def run_attention_bench_command(args: argparse.Namespace) -> int:
     header = (
         f"csbp bench attention: nproc={args.nproc} block={args.block_size} heads={args.num_heads}/"
         f"{args.num_kv_heads}x{args.head_dim} layers={args.num_layers} window={args.window} "
-        f"transport={args.transport} doc_length={args.doc_length} (1 thread per process, median of {args.repeats} "
-        "repeats, ± half their range)"
+        f"transport={args.transport} doc_length={args.doc_length} (1 thread per process, median of "
+        f"{counted(args.repeats, 'repeat')}, ± half their range)"
     )
     records = run_attention_bench(
         args.seq_lens,

@@ -23,6 +23,7 @@ from csbp.bench.dflash_bench import GATHER_LAYOUTS, TARGET_CAPTURE_CHOICES, form
 from csbp.bench.dflash_target import run_target_pass_command
 from csbp.bench.dflash_teacher import run_teacher_rows_command
 from csbp.cli.options import positive_int
+from csbp.wording import counted
 
 
 def register_dflash_bench(kinds: argparse._SubParsersAction) -> None:
@@ -86,7 +87,7 @@ def run_dflash_bench_command(args: argparse.Namespace) -> int:
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
         f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} sliding_window={args.sliding_window} "
         f"(random tokens, 1 thread per "
-        f"process, median of {args.repeats} repeats, ± half their range; bytes: step "
+        f"process, median of {counted(args.repeats, 'repeat')}, ± half their range; bytes: step "
         f"{args.warmup + args.repeats - 1}, the last)"
         + (f" target_capture={args.target_capture} (online, timed)" if args.target_capture != "offline" else "")
     )

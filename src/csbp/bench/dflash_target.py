@@ -41,6 +41,7 @@ from csbp.models.decoder import Decoder
 from csbp.parallel.comm import Comm
 from csbp.parallel.launch import run_local
 from csbp.topology import Topology
+from csbp.wording import counted
 
 PASSES = ("replicated", "sharded")
 
@@ -187,7 +188,7 @@ def run_target_pass_command(args: argparse.Namespace) -> int:
     print(
         f"csbp bench dflash --target-pass: nproc={args.nproc} (one CP ring) target={args.num_target_layers}x"
         f"{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} {args.dtype} "
-        f"(per step the slowest rank's time, median of {args.repeats} steps, ± half their range; "
+        f"(per step the slowest rank's time, median of {counted(args.repeats, 'step')}, ± half their range; "
         "x = sharded / replicated)"
     )
     print(format_target_table(records))

@@ -197,7 +197,7 @@ def run_kernel_bench_command(args: argparse.Namespace) -> int:
         flex_note = f", flex backward {resolve_flex_backward(args.flex_backward, where='--flex-backward')}"
     header = (
         f"csbp bench kernels: device={device}{threads}, dtype={dtype}, heads={args.num_heads}/{args.num_kv_heads}x"
-        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {args.repeats} repeats, ± half their range "
+        f"{args.head_dim}, BD3 mask over 2L rows, fwd+bwd median of {counted(args.repeats, 'repeat')}, ± half their range "
         f"({args.clock} clock)"
         f"{flex_note}\n"
         f"{format_header()}"

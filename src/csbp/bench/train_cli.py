@@ -24,6 +24,7 @@ from csbp.bench.train_tables import format_table
 from csbp.cli.options import add_clean_option, add_diagonal_option, positive_int
 from csbp.training.activation_checkpointing import ACTIVATION_CHECKPOINTING_MODES
 from csbp.training.compile_regions import COMPILE_MODES, check_compile_runs_on
+from csbp.wording import counted
 
 
 def register_train_bench(kinds: argparse._SubParsersAction) -> None:
@@ -82,7 +83,7 @@ def run_train_bench_command(args: argparse.Namespace) -> int:
         f"backend={args.backend} diagonal={args.diagonal} clean={args.clean} "
         f"model={args.num_layers}x{args.hidden_size} heads={args.num_heads}/{args.num_kv_heads}x{args.head_dim} "
         f"vocab={args.vocab_size} {args.dtype} doc_length={args.doc_length} (random tokens, 1 thread per process, "
-        f"median of {args.repeats} repeats, ± half their range; bytes: step {args.warmup + args.repeats - 1}, the last)"
+        f"median of {counted(args.repeats, 'repeat')}, ± half their range; bytes: step {args.warmup + args.repeats - 1}, the last)"
     )
     records = run_train_bench(
         args.seq_lens,
