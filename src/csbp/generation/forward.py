@@ -101,6 +101,7 @@ class CachedBlockForward:
         self.rows_processed = [0]
         self._last_clean_hidden_SD: Tensor | None = None  # the last row of each sequence's latest prefill/commit
         self._has_clean_row = [False]
+        self._prefix_lengths = [0]  # each sequence's filled slots, kept here: reading them off the device syncs
 
     @property
     def device(self) -> torch.device:
@@ -117,9 +118,9 @@ class CachedBlockForward:
         return hidden_SND
 
     def _positions(self, starts: Sequence[int], rows: int) -> Tensor:
-        for row, start in enumerate(starts):
-            if start != self.cache.prefix_length(row):
-                raise RuntimeError(f"sequence {row}'s block starts at {start} but its cache holds {self.cache.prefix_length(row)}")
+        for row, (start, held) in enumerate(zip(starts, self._prefix_lengths, strict=True)):
+            if start != held:
+                raise RuntimeError(f"sequence {row}'s block starts at {start} but its cache holds {held}")
         return torch.tensor(list(starts), device=self.device)[:, None] + torch.arange(rows, device=self.device)
 
     def prefill(self, prefixes: Sequence[Sequence[int]]) -> None:
@@ -138,6 +139,7 @@ class CachedBlockForward:
         sources = [distinct.index(tuple(int(t) for t in prefix)) for prefix in prefixes]
         self.cache = PrefixKVCache.gather(caches, sources)
         self.rows_processed = [len(prefix) for prefix in prefixes]
+        self._prefix_lengths = [len(prefix) for prefix in prefixes]
         self._has_clean_row = [last_rows[source] is not None for source in sources]
         known = [row for row in last_rows if row is not None]
         if known:
@@ -157,6 +159,7 @@ class CachedBlockForward:
         _check_keep(indices, self.cache.sequences)
         self.cache.keep(indices)
         self.rows_processed = [self.rows_processed[i] for i in indices]
+        self._prefix_lengths = [self._prefix_lengths[i] for i in indices]
         self._has_clean_row = [self._has_clean_row[i] for i in indices]
         if self._last_clean_hidden_SD is not None:
             self._last_clean_hidden_SD = self._last_clean_hidden_SD[list(indices)]
@@ -164,6 +167,7 @@ class CachedBlockForward:
     def commit(self, block_ids_SB: Tensor, starts: Sequence[int]) -> None:
         _check_block(block_ids_SB, starts, self.cache.sequences, self.block_size)
         hidden_SBD = self._run(block_ids_SB, self._positions(starts, block_ids_SB.shape[1]), append=True)
+        self._prefix_lengths = [length + block_ids_SB.shape[1] for length in self._prefix_lengths]
         self._last_clean_hidden_SD = hidden_SBD[:, -1]
         self._has_clean_row = [True] * len(self._has_clean_row)
 

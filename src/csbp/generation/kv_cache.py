@@ -81,10 +81,6 @@ class PrefixKVCache:
     def sequences(self) -> int:
         return int(self.slot_positions.shape[0])
 
-    def prefix_length(self, row: int) -> int:
-        """Filled slots of one sequence (its clean prefix length in tokens)."""
-        return int((self.slot_positions[row] != EMPTY_SLOT).sum())
-
     def layer_length(self, layer_index: int) -> int:
         cached = self.layer(layer_index)
         return 0 if cached is None else int(cached[0].shape[2])
