@@ -79,3 +79,18 @@ def test_regular_files_are_still_replaced_whole(tmp_path: Path) -> None:
     write_text_atomic(target, "new")
     assert target.read_text() == "new" and os.stat(target).st_ino != before  # a new file renamed over it
     assert not streams_to(target) and not streams_to(tmp_path / "missing")
+
+
+def test_a_descriptor_name_redirected_to_a_file_is_written_into(tmp_path: Path) -> None:
+    """``--json /dev/stdout > out.txt``: ``/dev/stdout`` links to ``/proc/self/fd/1``, which then resolves to
+    a regular file, so it is no device; replacing it put a regular file in place of the ``/dev/stdout`` link.
+    A link of our own to a descriptor stands in for it (never ``/dev`` itself)."""
+    redirected = tmp_path / "out.txt"
+    with open(redirected, "w", encoding="utf-8") as held:
+        link = tmp_path / "stdout"
+        link.symlink_to(f"/proc/self/fd/{held.fileno()}")
+        assert streams_to(link) and streams_to(f"/dev/fd/{held.fileno()}")
+        write_text_atomic(link, "written into\n")
+        assert link.is_symlink() and redirected.read_text() == "written into\n"
+        assert output_file(str(link)) == link
+    assert not list(tmp_path.glob(".*tmp*"))

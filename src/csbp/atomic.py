@@ -15,8 +15,8 @@ first claimed with ``mkdir``, which fails on any existing entry), so a directory
 left untouched and the finished output is discarded with one line; with ``overwrite`` the target
 must still pass :func:`check_replaceable`.
 Single files go through a new temporary file and ``os.replace`` (:func:`write_text_atomic`), except
-a path naming a character device or a named pipe (``--json /dev/null``, ``/dev/stdout``, a FIFO:
-:func:`streams_to`), which is written into: it has no contents to keep whole, and ``os.replace``
+a path naming a character device, a named pipe or an open descriptor (``--json /dev/null``,
+``/dev/stdout`` even when redirected to a file, a FIFO: :func:`streams_to`), which is written into: it has no contents to keep whole, and ``os.replace``
 would put a regular file in its place (run as root, deleting ``/dev/null`` for the whole machine).
 
 Durability: before the move every file of the finished directory (or the temporary file), and the
@@ -33,6 +33,7 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
 import stat
 import sys
@@ -324,14 +325,31 @@ def write_json_atomic(path: Path, payload: object) -> None:
     write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
 
 
+FD_NAME = re.compile(r"^/(proc/(self|thread-self|\d+)(/task/\d+)?|dev)/fd/\d+$")  # a descriptor by name
+
+
 def streams_to(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` (links followed) is an existing character device or named pipe, which a write
-    goes into instead of replacing (module docstring)."""
+    """Whether ``path`` (links followed) is an existing character device or named pipe, or names an open
+    descriptor (:func:`names_a_descriptor`), which a write goes into instead of replacing (module docstring)."""
     try:
         mode = os.stat(path).st_mode
     except OSError:
         return False
-    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode) or names_a_descriptor(path)
+
+
+def names_a_descriptor(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is, or links through, an open file descriptor's name (``/dev/stdout`` ->
+    ``/proc/self/fd/1``, ``/dev/fd/N``): redirected to a regular file it is no device, yet replacing it
+    would put a file in place of the ``/dev/stdout`` link (run as root, for the whole machine)."""
+    current = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed
+        if FD_NAME.match(current):
+            return True
+        if not os.path.islink(current):
+            return False
+        current = os.path.normpath(os.path.join(os.path.dirname(current), os.readlink(current)))
+    return False
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
