@@ -8,12 +8,14 @@ there or holds no prompt, a line that is not UTF-8, not JSON, or not an object w
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from csbp.data.json_lines import parse_json_line
 
+LINE_END = re.compile(r"\r\n|\r|\n")
 FIX = 'one {"prompt": "..."} object per line'
 
 
@@ -41,11 +43,13 @@ def read_prompt_lines(path: Path, flag: str = "--prompts") -> list[PromptLine]:
         line = data[: exc.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: not UTF-8 text ({exc.reason}) (fix: save the file as UTF-8)") from None
     prompts = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # lines end at \n, \r\n or \r only, as a JSONL writer ends them: str.splitlines also splits at U+2028,
+    # U+0085 ..., which JSON strings may hold unescaped (json.dumps(ensure_ascii=False) writes them so)
+    for number, line in enumerate(LINE_END.split(text), start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
-        record = parse_json_line(line, where)
+        record = parse_json_line(line, where, FIX)
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
             raise ValueError(f'{where}: expected an object with a string field "prompt" (fix: {FIX})')
         prompts.append(PromptLine(number, where, record))
