@@ -353,20 +353,24 @@ def names_a_descriptor(path: str | os.PathLike[str]) -> bool:
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` (UTF-8) to a new temporary file next to ``path`` and ``os.replace`` it onto
-    ``path``: a crash leaves the old file or the new one, never a mix (the temporary file is
-    removed on an error, or left as ``.NAME.tmp-*`` by a crash). A device or pipe is written into
-    (:func:`streams_to`)."""
+    """Write ``text`` (UTF-8) to ``path`` as :func:`write_bytes_atomic` does."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to a new temporary file next to ``path`` and ``os.replace`` it onto ``path``: a
+    crash leaves the old file or the new one, never a mix (the temporary file is removed on an error,
+    or left as ``.NAME.tmp-*`` by a crash). A device or pipe is written into (:func:`streams_to`)."""
     target = Path(path)
     if streams_to(target):
-        with open(target, "w", encoding="utf-8") as stream:
-            stream.write(text)
+        with open(target, "wb") as stream:
+            stream.write(data)
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     handle, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
             stream.flush()
             os.fsync(stream.fileno())
         os.chmod(tmp, 0o644)
