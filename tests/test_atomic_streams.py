@@ -44,6 +44,18 @@ def test_a_pipe_is_written_into_and_stays_a_pipe(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".*tmp*"))  # no temporary file was made beside it
 
 
+def test_an_unwritable_pipe_is_refused_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found when the output was written, after the whole run, before (root may write anything, so the
+    check's answer is simulated)."""
+    import argparse
+
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(argparse.ArgumentTypeError, match=f"^{fifo}: not writable \\(fix: choose another path\\)$"):
+        output_file(str(fifo))
+
+
 def test_a_figure_goes_into_a_pipe(tmp_path: Path) -> None:
     import matplotlib
 

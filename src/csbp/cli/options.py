@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import shlex
 import socket
@@ -156,6 +157,8 @@ def output_file(text: str) -> Path:
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory (fix: name a file, e.g. {path / 'out.json'})")
     if streams_to(path):  # /dev/null, /dev/stdout, a pipe: written into, so its directory need not be writable
+        if not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"{text}: not writable (fix: choose another path)")
         return path
     problem = unwritable_reason(path.absolute().parent)
     if problem is not None:
