@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,10 +42,17 @@ def test_cuda_test_bodies_run_on_the_cpu(module: str) -> None:
     env = {**os.environ, "CSBP_CUDA_TESTS_DEVICE": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     argv = [sys.executable, "-m", "pytest", "-m", "cuda", "-o", "addopts=", "-p", "no:cacheprovider",
             "-p", "no:logging", "-q", "-rfEs", "--tb=short", str(TESTS / module)]
-    done = subprocess.run(argv, cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=900)
-    output = done.stdout + done.stderr
+    # its own process group: on a timeout the module's gloo worker processes are killed with it
+    child = subprocess.Popen(argv, cwd=TESTS.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)
+    try:
+        output, _ = child.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        output = child.communicate()[0]
+        pytest.fail(f"{module} on the CPU ran past 900 s:\n" + "\n".join(output.strip().splitlines()[-60:]))
     tail = "\n".join(output.strip().splitlines()[-60:])
-    assert done.returncode == 0, f"{module} on the CPU (CSBP_CUDA_TESTS_DEVICE=cpu) exited {done.returncode}:\n{tail}"
+    assert child.returncode == 0, f"{module} on the CPU (CSBP_CUDA_TESTS_DEVICE=cpu) exited {child.returncode}:\n{tail}"
     passed = re.search(r"(\d+) passed", output)
     assert passed and int(passed[1]) > 0, f"{module}: no cuda test body ran on the CPU:\n{tail}"
 
