@@ -9,6 +9,9 @@
   backend ``auto`` picks on CUDA, flex, in float32 and in float64, the dtype ``csbp verify`` runs);
 * a BD3 step with ``train.compile: layers`` (inductor's Triton kernels for the layers' regions) on
   CUDA equals the CPU reference in float32;
+* batched sampling (``generate_batch``, greedy and at a positive temperature with top-k / top-p) of a
+  float64 model on CUDA gives the CPU's completions: the proposals run on the device from the same
+  per-sequence uniforms;
 * the attention of one layer (BD3 local transport, DFlash drafter attention), once its plan is
   built, runs forward and backward without a host synchronisation (``torch.cuda.set_sync_debug_mode``
   raises on one): a ``.item()``/``.tolist()`` or a shape that depends on device values would stall
@@ -213,3 +216,22 @@ def test_a_compiled_bd3_step_on_cuda_matches_the_cpu_reference() -> None:
     assert loss == pytest.approx(loss_ref, rel=tolerance)
     for name, ref in grads_ref.items():
         assert _rel(grads[name], ref) <= tolerance, name
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 1.0, "top_k": 20}, {"temperature": 0.8, "top_p": 0.9}],
+                         ids=["greedy", "top_k", "top_p"])
+def test_batched_sampling_on_cuda_gives_the_cpus_completions(options: dict[str, float]) -> None:
+    from csbp.generation import GenerationConfig, generate_batch
+    from test_generation import BLOCK, MASK, tiny_model
+
+    config = GenerationConfig(block_size=BLOCK, steps_per_block=3, max_new_tokens=13, **options)  # type: ignore[arg-type]
+    prompts, seeds = [[1, 2, 3], [4, 5, 6, 7, 8], [1, 2, 3]], [0, 1, 2]
+    on_cpu = generate_batch(tiny_model(seed=1), prompts, seeds=seeds, mask_token_id=MASK, eos_id=None, config=config)
+    on_device = generate_batch(
+        tiny_model(seed=1).to(_device()), prompts, seeds=seeds, mask_token_id=MASK, eos_id=None, config=config
+    )
+    assert [r.token_ids for r in on_device] == [r.token_ids for r in on_cpu]
+    assert [r.unmask_steps for r in on_device] == [r.unmask_steps for r in on_cpu]

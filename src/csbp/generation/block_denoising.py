@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from csbp.generation.token_choice import choose_unmasked, propose_tokens
+from csbp.generation.token_choice import choose_unmasked, draw_uniforms, propose_tokens
 
 if TYPE_CHECKING:
     from csbp.generation.forward import BlockForward
@@ -94,11 +94,11 @@ def commit_first_tokens(
     """Token shift: fill the first position of each listed sequence's block (in place) from the clean
     row before the block."""
     logits_RV = model.logits(forward.clean_row_before(rows))
-    for index, row in enumerate(rows):
-        tokens_1, _ = propose(logits_RV[index : index + 1], mask_token_id, config, samples[row].generator)
-        block_ids_SB[row, 0] = tokens_1[0]
+    tokens_R, _ = propose(logits_RV, mask_token_id, config, [(samples[row].generator, 1) for row in rows])
+    for row, token in zip(rows, tokens_R.tolist(), strict=True):
+        block_ids_SB[row, 0] = token
         to_fill_SB[row, 0] = False
-        samples[row].result.first_tokens.append((samples[row].start, int(tokens_1[0])))
+        samples[row].result.first_tokens.append((samples[row].start, token))
 
 
 def eos_settled(block_ids_B: Tensor, to_fill_B: Tensor, stop_ids: tuple[int, ...], first_new: int) -> bool:
@@ -190,28 +190,37 @@ def denoise_step(
     block_rows = torch.cat(list(masked.values())) - shift
     device = hidden_SBD.device
     logits_RV = model.logits(hidden_SBD[batch_rows.to(device), block_rows.to(device)])
+    draws = [(samples[row].generator, int(masked_R.numel())) for row, masked_R in masked.items()]
+    all_tokens_R, all_confidence_R = propose(logits_RV, mask_token_id, config, draws)
     chosen: dict[int, tuple[Tensor, Tensor]] = {}
     first = 0
     for row, masked_R in masked.items():
         count = int(masked_R.numel())
-        generator = samples[row].generator
-        tokens_R, confidence_R = propose(logits_RV[first : first + count], mask_token_id, config, generator)
+        tokens_R, confidence_R = all_tokens_R[first : first + count], all_confidence_R[first : first + count]
         first += count
         picked = choose_unmasked(
             confidence_R, remaining_steps=remaining_steps, threshold=config.threshold, order=config.unmask_order,
-            generator=generator,
+            generator=samples[row].generator,
         )
         chosen[row] = (masked_R[picked], tokens_R[picked])
     return chosen
 
 
-def propose(logits_RV: Tensor, mask_token_id: int, config: GenerationConfig, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-    """``propose_tokens`` with the run's sampling settings."""
+def propose(
+    logits_RV: Tensor, mask_token_id: int, config: GenerationConfig, draws: list[tuple[torch.Generator, int]]
+) -> tuple[Tensor, Tensor]:
+    """``propose_tokens`` with the run's sampling settings over every sequence's rows at once (one call on
+    the logits' device); ``draws`` lists, in row order, each sequence's generator and its number of rows.
+    At a positive temperature every sequence draws its rows' uniforms from its own generator first, in
+    the order it draws them alone (its proposals before its random unmasked positions)."""
+    uniforms_R = None
+    if config.temperature > 0.0:
+        uniforms_R = torch.cat([draw_uniforms(count, generator) for generator, count in draws])
     return propose_tokens(
         logits_RV,
         mask_token_id=mask_token_id,
         temperature=config.temperature,
         top_k=config.top_k,
         top_p=config.top_p,
-        generator=generator,
+        uniforms_R=uniforms_R,
     )

@@ -8,11 +8,19 @@ confidence per row:
 * ``temperature == 0``: greedy, the arg-max token; its softmax probability is the confidence;
 * ``temperature > 0``: logits are divided by the temperature, cut to the ``top_k`` largest and to
   the smallest set whose probability reaches ``top_p`` (nucleus), renormalised, and one token is
-  drawn per row with the given CPU generator; the confidence is the drawn token's probability
-  under that distribution. Both ends are limits, not errors: a temperature so large that the
+  drawn per row by inverting that distribution's cumulative sum at one uniform number ``u`` in
+  ``[0, 1)`` (the first token whose cumulative probability exceeds ``u``); the confidence is the drawn
+  token's probability under that distribution. Both ends are limits, not errors: a temperature so large that the
   tempered logits round to 0 (``1e300``) draws uniformly among the tokens ``top_k``/``top_p`` keep
   (ranked by the logits, which any temperature leaves in order), and a ``top_p`` below the best
   token's probability (``1e-300``) keeps that token alone.
+
+Where the work runs. Everything over the vocabulary runs on the logits' device, batched over the
+rows; only ``[R]`` tokens and confidences come back to the CPU. The randomness is one uniform per
+sampled row, drawn from each sequence's own CPU generator (``draw_uniforms``): a seed draws the same
+numbers on any device and in any batch, and a GPU does not wait on ``R x V`` random numbers made on
+the host (``torch.multinomial`` with a CPU generator, the former draw, needed one exponential per
+vocabulary entry, and the logits copied to the host).
 
 Confidence under sampling. Using the tempered, truncated distribution is Fast-dLLM v2's convention
 (its released ``sample_with_top_p`` returns the renormalised nucleus of ``softmax(logits / T)`` and
@@ -58,6 +66,11 @@ def check_sampling_options(
         raise ValueError(f"threshold must lie in [0, 1] (a probability), got {threshold}")
 
 
+def draw_uniforms(count: int, generator: torch.Generator) -> Tensor:
+    """``count`` uniforms in ``[0, 1)`` (float64, CPU) from ``generator``: one sampled row's randomness each."""
+    return torch.rand(count, generator=generator, dtype=torch.float64)
+
+
 def propose_tokens(
     logits_RV: Tensor,
     *,
@@ -66,16 +79,25 @@ def propose_tokens(
     top_k: int | None = None,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    uniforms_R: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """``(tokens [R] int64, confidence [R])`` on the CPU (see the module docstring)."""
+    """``(tokens [R] int64, confidence [R])`` on the CPU (see the module docstring). A positive
+    temperature draws with ``uniforms_R`` (one per row, from :func:`draw_uniforms`) or, without them,
+    ``R`` uniforms from ``generator``."""
+    num_rows, vocab = logits_RV.shape
+    if not 0 <= mask_token_id < vocab:
+        raise ValueError(f"mask_token_id {mask_token_id} is outside the model vocabulary of {vocab}")
+    if temperature > 0.0:
+        if uniforms_R is None:
+            if generator is None:
+                raise ValueError("sampling at a positive temperature needs a generator (or uniforms_R)")
+            uniforms_R = draw_uniforms(num_rows, generator)
+        if tuple(uniforms_R.shape) != (num_rows,):
+            raise ValueError(f"uniforms_R has shape {tuple(uniforms_R.shape)}, expected ({num_rows},): one per row")
     compute_dtype = torch.float64 if logits_RV.dtype == torch.float64 else torch.float32
-    logits_RV = logits_RV.detach().to(device="cpu", dtype=compute_dtype).clone()
-    if not 0 <= mask_token_id < logits_RV.shape[-1]:
-        raise ValueError(
-            f"mask_token_id {mask_token_id} is outside the model vocabulary of {logits_RV.shape[-1]}"
-        )
+    logits_RV = logits_RV.detach().to(dtype=compute_dtype, copy=True)
     logits_RV[:, mask_token_id] = float("-inf")
-    if torch.isnan(logits_RV).any() or torch.isposinf(logits_RV).any():  # -inf is a token ruled out
+    if bool((torch.isnan(logits_RV) | torch.isposinf(logits_RV)).any()):  # -inf is a token ruled out
         # torch.multinomial raised a RuntimeError traceback on them, and the greedy arg-max chose a NaN silently
         raise NonFiniteLogits(
             "the model's logits are not finite (NaN or inf): its weights diverged, so no token can be chosen "
@@ -84,12 +106,12 @@ def propose_tokens(
     if temperature == 0.0:
         probs_RV = torch.softmax(logits_RV, dim=-1)
         confidence_R, tokens_R = probs_RV.max(dim=-1)
-        return tokens_R, confidence_R
+        return tokens_R.cpu(), confidence_R.cpu()
     # Shift by the row maximum first (softmax is shift-invariant): the best tokens are 0 and stay 0,
     # the rest are < 0, so a tiny temperature (even one that underflows to 0 in the logits' dtype)
     # sends them to -inf instead of giving inf - inf = nan in the softmax: the arg-max limit.
     shifted_RV = logits_RV - logits_RV.max(dim=-1, keepdim=True).values
-    if top_k is not None and top_k < shifted_RV.shape[-1]:
+    if top_k is not None and top_k < vocab:
         # ranked by the logits: a temperature keeps their order, but one past the dtype's range makes
         # every tempered value 0, a tie that would keep every token
         kth_largest_R1 = torch.topk(shifted_RV, top_k, dim=-1).values[:, -1:]
@@ -101,9 +123,22 @@ def propose_tokens(
     if top_p < 1.0:
         scaled_RV = _nucleus(scaled_RV, top_p, ranking_RV=shifted_RV)
     probs_RV = torch.softmax(scaled_RV, dim=-1)
-    tokens_R = torch.multinomial(probs_RV, 1, generator=generator).squeeze(-1)
+    tokens_R = _invert_cdf(probs_RV, uniforms_R.to(device=probs_RV.device, dtype=torch.float64))
     confidence_R = probs_RV.gather(-1, tokens_R[:, None]).squeeze(-1)
-    return tokens_R, confidence_R
+    return tokens_R.cpu(), confidence_R.cpu()
+
+
+def _invert_cdf(probs_RV: Tensor, uniforms_R: Tensor) -> Tensor:
+    """Per row, the first token whose cumulative probability (float64) exceeds ``u`` times the row's
+    total: a draw from ``probs_RV``. A token of probability 0 is never the first to exceed a value, so
+    only where ``u * total`` rounds up to the total would the search run past the last possible token;
+    it is held at that token."""
+    cdf_RV = torch.cumsum(probs_RV, dim=-1, dtype=torch.float64)
+    targets_R1 = uniforms_R[:, None] * cdf_RV[:, -1:]
+    tokens_R = torch.searchsorted(cdf_RV, targets_R1, right=True).squeeze(-1)
+    vocab = probs_RV.shape[-1]
+    last_possible_R = (vocab - 1) - torch.argmax((probs_RV.flip(-1) > 0).to(torch.int8), dim=-1)
+    return torch.minimum(tokens_R, last_possible_R)
 
 
 def _nucleus(scaled_RV: Tensor, top_p: float, *, ranking_RV: Tensor | None = None) -> Tensor:
