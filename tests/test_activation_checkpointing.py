@@ -1,9 +1,10 @@
-"""Activation checkpointing (``train.activation_checkpointing: full``) is exact and saves memory.
+"""Activation checkpointing (``train.activation_checkpointing: full | selective``) is exact and saves memory.
 
 * On 2 gloo ranks (CSBP ``cp=2, bp=2``, collective transport) a checkpointed float64 step gives the
   plain step's loss and every local gradient bit for bit, for the decoder and for a DFlash drafter;
-  the recompute repeats exactly the forward's attention collectives, counted under
-  ``recompute.attention`` while ``attention`` is unchanged.
+  under ``full`` the recompute repeats exactly the forward's attention collectives, counted under
+  ``recompute.attention`` while ``attention`` is unchanged; under ``selective`` it replays the
+  attention's results and repeats none.
 * In one process the peak resident-memory growth of a step drops (the drop is printed).
 * The config key reaches the trainer: a checkpointed run logs the plain run's losses and validation
   losses bit for bit (float32, one process).
@@ -58,49 +59,60 @@ def _exactness_worker(rank: int, world: int) -> dict[str, object]:
     plain = Decoder(tiny_model_config(num_layers=3), dtype=torch.float64, seed=0)
     loss_plain, grads_plain, forward_bytes = _decoder_step(plain, ctx, plan, corrupted)
     plain_traffic = ctx.counter.snapshot()
-    checkpointed = Decoder(tiny_model_config(num_layers=3), dtype=torch.float64, seed=0)
-    assert checkpoint_layers(checkpointed.layers, "full", ctx.counter) == 3
-    loss_ckpt, grads_ckpt, _ = _decoder_step(checkpointed, ctx, plan, corrupted)
-    ckpt_traffic = ctx.counter.snapshot()
+    modes: dict[str, dict[str, object]] = {}
+    for mode in ("full", "selective"):
+        checkpointed = Decoder(tiny_model_config(num_layers=3), dtype=torch.float64, seed=0)
+        assert checkpoint_layers(checkpointed.layers, mode, ctx.counter) == 3  # type: ignore[arg-type]
+        loss_ckpt, grads_ckpt, _ = _decoder_step(checkpointed, ctx, plan, corrupted)
+        modes[mode] = {
+            "decoder_loss_equal": torch.equal(loss_plain, loss_ckpt),
+            "decoder_grads_equal": _same(grads_plain, grads_ckpt) and len(grads_plain) > 0,
+            "ckpt_traffic": ctx.counter.snapshot(),
+        }
 
     dcase = DFlashVerifyCase(Topology(cp=2, bp=2))
     batch = make_batch(dcase.samples, dcase.seq_len, seed=dcase.seed)
-    drafter_results = []
-    for mode in ("none", "full"):
+    drafter_results = {}
+    for mode in ("none", "full", "selective"):
         _, drafter = build_models(dcase)
         checkpoint_layers(drafter.layers, mode, ctx.counter)  # type: ignore[arg-type]
         ctx.counter.reset()
         step = DFlashStep(drafter, dcase.objective, build_dflash_rank_plan(ctx, dcase.objective))
         out = step(batch, anchor_generator(dcase, 0), selector_scale=0.0)
         out.loss.backward()
-        drafter_results.append((out.loss.detach(), _grads(drafter), ctx.counter.snapshot()))
-    (dloss_plain, dgrads_plain, dtraffic_plain), (dloss_ckpt, dgrads_ckpt, dtraffic_ckpt) = drafter_results
-    return {
-        "decoder_loss_equal": torch.equal(loss_plain, loss_ckpt),
-        "decoder_grads_equal": _same(grads_plain, grads_ckpt) and len(grads_plain) > 0,
-        "forward_bytes": forward_bytes,
-        "plain_traffic": plain_traffic,
-        "ckpt_traffic": ckpt_traffic,
-        "drafter_loss_equal": torch.equal(dloss_plain, dloss_ckpt),
-        "drafter_grads_equal": _same(dgrads_plain, dgrads_ckpt) and len(dgrads_plain) > 0,
-        "drafter_plain_traffic": dtraffic_plain,
-        "drafter_ckpt_traffic": dtraffic_ckpt,
-    }
+        drafter_results[mode] = (out.loss.detach(), _grads(drafter), ctx.counter.snapshot())
+    dloss_plain, dgrads_plain, dtraffic_plain = drafter_results["none"]
+    for mode in ("full", "selective"):
+        dloss_ckpt, dgrads_ckpt, dtraffic_ckpt = drafter_results[mode]
+        modes[mode].update({
+            "drafter_loss_equal": torch.equal(dloss_plain, dloss_ckpt),
+            "drafter_grads_equal": _same(dgrads_plain, dgrads_ckpt) and len(dgrads_plain) > 0,
+            "drafter_ckpt_traffic": dtraffic_ckpt,
+        })
+    return {"forward_bytes": forward_bytes, "plain_traffic": plain_traffic, "drafter_plain_traffic": dtraffic_plain,
+            "modes": modes}
 
 
 @pytest.mark.multiprocess
 def test_checkpointed_steps_are_bit_identical_and_count_the_recompute() -> None:
+    """``full`` repeats the forward's attention collectives in the recompute; ``selective`` replays the
+    attention's results and repeats none. Both give the plain step's loss and gradients bit for bit."""
     for rank, result in enumerate(run_local(_exactness_worker, 2, timeout_s=240)):
-        assert result["decoder_loss_equal"] and result["decoder_grads_equal"], rank
-        assert result["drafter_loss_equal"] and result["drafter_grads_equal"], rank
-        plain, ckpt = result["plain_traffic"], result["ckpt_traffic"]
+        plain, dplain = result["plain_traffic"], result["drafter_plain_traffic"]
         assert "recompute.attention" not in plain
-        assert ckpt["attention"] == plain["attention"]  # first forward + backward: unchanged
+        for mode, got in result["modes"].items():
+            assert got["decoder_loss_equal"] and got["decoder_grads_equal"], (rank, mode)
+            assert got["drafter_loss_equal"] and got["drafter_grads_equal"], (rank, mode)
+            ckpt, dckpt = got["ckpt_traffic"], got["drafter_ckpt_traffic"]
+            assert ckpt["attention"] == plain["attention"], mode  # first forward + backward: unchanged
+            assert dckpt["attention"] == dplain["attention"], mode
+        full, selective = result["modes"]["full"], result["modes"]["selective"]
         # the recompute repeats exactly the forward's collectives (one per layer)
-        assert ckpt["recompute.attention"]["bytes"] == result["forward_bytes"] > 0
-        assert ckpt["recompute.attention"]["calls"] == 3
-        dplain, dckpt = result["drafter_plain_traffic"], result["drafter_ckpt_traffic"]
-        assert dckpt["attention"] == dplain["attention"] and dckpt["recompute.attention"]["bytes"] > 0
+        assert full["ckpt_traffic"]["recompute.attention"]["bytes"] == result["forward_bytes"] > 0
+        assert full["ckpt_traffic"]["recompute.attention"]["calls"] == 3
+        assert full["drafter_ckpt_traffic"]["recompute.attention"]["bytes"] > 0
+        assert "recompute.attention" not in selective["ckpt_traffic"]
+        assert "recompute.attention" not in selective["drafter_ckpt_traffic"]
 
 
 def _memory_step(mode: str) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
@@ -125,31 +137,36 @@ def _memory_worker(rank: int, world: int) -> list[tuple[int, torch.Tensor, dict[
     # A discarded first step takes the one-time allocations (thread pools, kernel caches), which
     # would otherwise be charged to whichever mode runs first.
     _memory_step("full")
-    return [_memory_step(mode) for mode in ("none", "full")]
+    return [_memory_step(mode) for mode in ("none", "full", "selective")]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_checkpointing_cuts_the_peak_memory_of_a_step() -> None:
+    """``full`` keeps the least; ``selective`` keeps each layer's attention output and statistics on top
+    (here, one process: no gathered K/V), still well under a plain step."""
     with fixed_mmap_threshold():  # freed activations go back to the OS, so the RSS peak is the step's
-        plain, ckpt = run_local(_memory_worker, 1, timeout_s=240)[0]
+        plain, ckpt, selective = run_local(_memory_worker, 1, timeout_s=240)[0]
     assert torch.equal(plain[1], ckpt[1]) and _same(plain[2], ckpt[2])
+    assert torch.equal(plain[1], selective[1]) and _same(plain[2], selective[2])
     ratio = plain[0] / max(ckpt[0], 1)
     print(
         f"peak memory growth of a float64 step: plain {plain[0] / 2**20:.1f} MiB, "
-        f"checkpointed {ckpt[0] / 2**20:.1f} MiB ({ratio:.2f}x less)"
+        f"checkpointed {ckpt[0] / 2**20:.1f} MiB ({ratio:.2f}x less), selective {selective[0] / 2**20:.1f} MiB"
     )
     assert ratio > 2.5, (plain[0], ckpt[0])  # measured 4.2-4.3x with the warm-up step
+    assert ckpt[0] < selective[0] < plain[0] / 1.5, (plain[0], ckpt[0], selective[0])
 
 
 def test_a_checkpointed_run_logs_the_plain_runs_losses(tmp_path: Path) -> None:
     artifact = make_artifact(tmp_path / "art")
     plain = train(tiny_config(artifact), run_dir=tmp_path / "plain")
-    checkpointed = train(tiny_config(artifact, **{"train.activation_checkpointing": "full"}), run_dir=tmp_path / "ac")
-    assert checkpointed.losses == plain.losses and len(plain.losses) == 4
-    assert checkpointed.val_losses == plain.val_losses
+    for mode in ("full", "selective"):
+        checkpointed = train(tiny_config(artifact, **{"train.activation_checkpointing": mode}), run_dir=tmp_path / mode)
+        assert checkpointed.losses == plain.losses and len(plain.losses) == 4, mode
+        assert checkpointed.val_losses == plain.val_losses, mode
 
 
 def test_unknown_mode_is_rejected() -> None:
     with pytest.raises(ValueError, match="train.activation_checkpointing"):
-        checkpoint_layers([], "selective")  # type: ignore[arg-type]
+        checkpoint_layers([], "attention")  # type: ignore[arg-type]

@@ -50,6 +50,11 @@ def test_only_the_fixes_a_config_has_not_made_are_named(tmp_path: Path) -> None:
         "train.fsdp": True, "objective.ce_chunk_rows": 256,
     })
     assert memory_fixes(done) == ["more ranks per sample (topology.cp / topology.bp) to split each sequence"]
+    selective = tiny_config(tmp_path, **{
+        "train.micro_batch_size": 1, "train.activation_checkpointing": "selective", "topology.dp": 2,
+        "train.fsdp": True, "objective.ce_chunk_rows": 256,
+    })
+    assert memory_fixes(selective)[0].startswith("train.activation_checkpointing: full (recomputes the attention")
     one_replica = tiny_config(tmp_path, **{"train.micro_batch_size": 1, "train.activation_checkpointing": "full"})
     assert not any("fsdp" in fix for fix in memory_fixes(one_replica))  # nothing to shard over
     assert not any("ema_decay" in fix for fix in memory_fixes(one_replica))

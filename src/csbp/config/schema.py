@@ -392,10 +392,12 @@ class TrainSection(_Section):
     save_every: int = Field(0, ge=0, description="Steps between checkpoints; 0: only at the end.")
     keep_checkpoints: int = Field(2, gt=0, description="Most recent checkpoints kept on disk.")
     fsdp: bool = Field(False, description="Shard parameters and optimizer state (FSDP2).")
-    activation_checkpointing: Literal["none", "full"] = Field(
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
         "none",
         description="full: keep only each decoder (or drafter) layer's input and recompute the layer "
-        "in backward (exact; the recompute repeats the layer's attention collectives).",
+        "in backward (exact; the recompute repeats the layer's attention collectives). selective: also keep "
+        "each layer's attention output, log-sum-exp and gathered K/V, and recompute only the norms, "
+        "projections and MLP (no attention or collectives run twice; more memory than full).",
     )
     compile: Literal["none", "layers"] = Field(
         "none",

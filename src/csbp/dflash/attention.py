@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from csbp.attention.backends import PartialPlan, plan_block_diagonal, plan_partial
+from csbp.attention.kept_forwards import kept_or_computed
 from csbp.attention.kernel import DEFAULT_TILE_ROWS
 from csbp.attention.layouts import WindowPlan
 from csbp.attention.merge import accumulation_dtype, merge_partials, row_delta
@@ -208,6 +209,39 @@ def _ring(plan: DraftAttentionPlan) -> Comm | None:
     return plan.comm if plan.comm is not None and plan.comm.size > 1 else None
 
 
+def _attend(
+    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, plan: DraftAttentionPlan,
+    variant: DraftMaskVariant,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The drafter attention's forward: ``(kv_all [2, S, Hkv, keys, d], out [S, Hq, N, d], lse)``, the
+    context K/V it attended to (its own and the ring's) and the merged result."""
+    ring = _ring(plan)
+    pending = None
+    if variant.exchange is not None:
+        assert ring is not None
+        pending = send_halo(k_ctx, v_ctx, variant.exchange, ring)
+    else:
+        gathered = torch.stack((k_ctx, v_ctx)).permute(3, 0, 1, 2, 4).contiguous()  # [M, 2, S, Hkv, d]
+        if ring is not None:
+            gathered, pending = ring.all_gather(gathered, async_op=True)
+    out_blk, lse_blk = variant.block_plan.forward(q, k_blk, v_blk)  # overlaps the collective
+    live = plan.live.to(q.device)
+    out_blk = torch.where(live[:, None], out_blk, 0.0)
+    lse_blk = torch.where(live, lse_blk, float("-inf"))
+    if variant.exchange is not None:  # [2, S, Hkv, M + n_recv, d]: my rows, then the received ones
+        assert pending is not None
+        kv_all = torch.cat((torch.stack((k_ctx, v_ctx)), pending.wait()), dim=3)
+        pending = None  # free the received rows: kv_all holds them
+    else:
+        if pending is not None:
+            gathered = pending.wait()
+        kv_all = gathered.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, P*M, d]
+    out_ctx, lse_ctx = variant.context_plan.forward(q, kv_all[0], kv_all[1])
+    out, lse = merge_partials(out_blk, lse_blk, out_ctx, lse_ctx)
+    out = out.to(q.dtype)  # kept as returned, like the transports' (csbp.attention.transports.function)
+    return kv_all, out, lse
+
+
 class _ShardedDraftAttention(torch.autograd.Function):
     """Forward and backward run with autocast off, so both compute in the accumulation dtype (fp32
     for bf16 inputs), as ``csbp.attention.transports.function.TransportFunction`` does."""
@@ -243,30 +277,8 @@ class _ShardedDraftAttention(torch.autograd.Function):
         layer_index: int,
     ) -> Tensor:
         variant = plan.variants[plan.layer_variant[layer_index]]
-        ring = _ring(plan)
-        pending = None
-        if variant.exchange is not None:
-            assert ring is not None
-            pending = send_halo(k_ctx, v_ctx, variant.exchange, ring)
-        else:
-            gathered = torch.stack((k_ctx, v_ctx)).permute(3, 0, 1, 2, 4).contiguous()  # [M, 2, S, Hkv, d]
-            if ring is not None:
-                gathered, pending = ring.all_gather(gathered, async_op=True)
-        out_blk, lse_blk = variant.block_plan.forward(q, k_blk, v_blk)  # overlaps the collective
-        live = plan.live.to(q.device)
-        out_blk = torch.where(live[:, None], out_blk, 0.0)
-        lse_blk = torch.where(live, lse_blk, float("-inf"))
-        if variant.exchange is not None:  # [2, S, Hkv, M + n_recv, d]: my rows, then the received ones
-            assert pending is not None
-            kv_all = torch.cat((torch.stack((k_ctx, v_ctx)), pending.wait()), dim=3)
-            pending = None  # free the received rows: kv_all holds them
-        else:
-            if pending is not None:
-                gathered = pending.wait()
-            kv_all = gathered.permute(1, 2, 3, 0, 4)  # [2, S, Hkv, P*M, d]
-        out_ctx, lse_ctx = variant.context_plan.forward(q, kv_all[0], kv_all[1])
-        out, lse = merge_partials(out_blk, lse_blk, out_ctx, lse_ctx)
-        out = out.to(q.dtype)  # kept as returned, like the transports' (csbp.attention.transports.function)
+        # under train.activation_checkpointing: selective, a recompute replays the first forward's results
+        kv_all, out, lse = kept_or_computed(lambda: _attend(q, k_ctx, v_ctx, k_blk, v_blk, plan, variant))
         ctx.save_for_backward(q, k_blk, v_blk, kv_all, out, lse)
         ctx.plan, ctx.variant, ctx.num_own = plan, variant, k_ctx.shape[2]
         return out

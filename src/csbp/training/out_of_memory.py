@@ -55,6 +55,9 @@ def memory_fixes(cfg: RunConfig) -> list[str]:
     fixes = []
     if train.activation_checkpointing == "none":
         fixes.append("train.activation_checkpointing: full (keeps one layer's activations, not all)")
+    elif train.activation_checkpointing == "selective":
+        fixes.append("train.activation_checkpointing: full (recomputes the attention instead of keeping its "
+                     "output and gathered K/V per layer)")
     lambda_loss = objective.name == "dflash" and objective.dflash is not None and objective.dflash.lk_loss_type == "lambda"
     if train.micro_batch_size > 1 and not lambda_loss:
         # the largest smaller divisor keeps the rows per step exactly (3 -> 1 x 3, not 1 x 2)

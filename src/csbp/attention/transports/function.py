@@ -5,7 +5,9 @@ A transport is a pair of plain functions over a prebuilt plan::
     forward(q, k, v, plan) -> (out, lse, *saved)              # saved: e.g. the received K/V
     backward(q, k, v, out, lse, *saved, dout, plan) -> (dq, dk, dv)
 
-``TransportFunction`` saves ``q, k, v, out, lse`` and the extras, calls the backward with the
+``TransportFunction`` saves ``q, k, v, out, lse`` and the extras (under selective activation
+checkpointing a layer's recompute takes ``out, lse`` and the extras from its first forward instead
+of running the transport again, :mod:`csbp.attention.kept_forwards`), calls the backward with the
 final merged ``(out, lse)`` (csbp.md §9.2) and casts results back to the input dtypes; the
 backward runs the transport's mirror collective. ``out`` is kept as returned, in q's dtype (bf16
 in training), as FlashAttention keeps it: the merge ran in fp32, and the backward needs ``out`` only
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from csbp.attention.kept_forwards import kept_or_computed
 
 TransportForward = Callable[..., tuple[Tensor, ...]]
 TransportBackward = Callable[..., tuple[Tensor, Tensor, Tensor]]
@@ -53,9 +57,13 @@ class TransportFunction(torch.autograd.Function):
         forward_fn: TransportForward,
         backward_fn: TransportBackward,
     ) -> Tensor:
-        with exact_attention_precision(q.device):
-            out, lse, *saved = forward_fn(q, k, v, plan)
-        out = out.to(q.dtype)  # the same tensor when q is in the accumulation dtype
+        def compute() -> tuple[Tensor, ...]:
+            with exact_attention_precision(q.device):
+                out, lse, *saved = forward_fn(q, k, v, plan)
+            return out.to(q.dtype), lse, *saved  # out: the same tensor when q is in the accumulation dtype
+
+        # under train.activation_checkpointing: selective, a recompute replays the first forward's results
+        out, lse, *saved = kept_or_computed(compute)
         ctx.save_for_backward(q, k, v, out, lse, *saved)
         ctx.plan, ctx.backward_fn = plan, backward_fn
         return out

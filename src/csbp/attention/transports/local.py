@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from csbp.attention import kept_forwards
 from csbp.attention.backends import PartialPlan, plan_block_diagonal, plan_partial, resolve_backend
 from csbp.attention.diagonal import resolve_diagonal
 from csbp.attention.flex import FlexPartial, flex_autograd_attention
@@ -180,7 +181,10 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, plan: LocalAttentionPlan) -
     mixed mask: nothing to merge) on CUDA, that call under torch's own autograd, whose backward reuses
     the ``out``/``lse`` its forward saved (on the CPU, where FlexAttention's autograd refuses inputs that
     need gradients, ``csbp verify`` runs it through the explicit backward instead)."""
-    if plan.block_size is None and isinstance(plan.interval_plan, FlexPartial) and _flex_autograd_runs_on(q.device):
+    if (
+        plan.block_size is None and isinstance(plan.interval_plan, FlexPartial) and _flex_autograd_runs_on(q.device)
+        and not kept_forwards.is_active()  # selective checkpointing replays only through TransportFunction
+    ):
         with exact_attention_precision(q.device):
             return flex_autograd_attention(q, k, v, plan.interval_plan, scale=plan.scale)
     return local_attention_function(q, k, v, plan)
