@@ -369,3 +369,22 @@ def test_topology_auto_in_the_config_file(tmp_path: Path, capsys) -> None:
     resolved = resolve_auto_topology(str(path), ["model.vocab_size=512"], nproc=2)
     assert "topology: auto -> " in capsys.readouterr().out
     assert load_run_config(str(path), resolved).world_size == 2
+
+
+def test_plan_prices_selective_checkpointing_between_full_and_none(tmp_path: Path, capsys) -> None:
+    """``--checkpointing selective`` (``train.activation_checkpointing: selective``): less memory than none
+    and a shorter step than full, which recomputes the attention and re-sends its K/V."""
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "--model", "nemotron-3b", "--seq-len", "64K", "--gpus", "8", "--gpu", "h200",
+            "--topology", "dp1/cp8/bp8", "--json", str(out_json)]
+    rows = {}
+    for mode in ("none", "full", "selective"):
+        code, out, _ = run(capsys, *argv, "--checkpointing", mode)
+        assert code == 0, out
+        report = json.loads(out_json.read_text())
+        (row,) = [r for r in report["feasible"] + report["infeasible"] if r["transport"] == "collective"]
+        rows[mode] = row
+    assert rows["selective"]["activation_checkpointing"] == "selective" and " sel " in out
+    assert rows["full"]["mem_gib"] < rows["selective"]["mem_gib"] < rows["none"]["mem_gib"]
+    assert rows["none"]["step_s"] < rows["selective"]["step_s"] < rows["full"]["step_s"]
+    assert rows["selective"]["kv_bytes_per_gpu"] == rows["none"]["kv_bytes_per_gpu"] < rows["full"]["kv_bytes_per_gpu"]

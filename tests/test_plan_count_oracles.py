@@ -253,3 +253,29 @@ def test_the_search_offers_every_fused_ring_and_no_transport_a_windowed_csbp_ign
     assert fused == {(2, 8), (4, 8), (8, 8)}
     assert transports_for(workload.with_options(window=512), Layout(1, 4, 8)) == ("collective",)
     assert transports_for(workload, Layout(1, 4, 8)) == ("collective", "streaming")
+
+
+def test_selective_checkpointing_recomputes_the_dense_part_only_and_keeps_the_attention() -> None:
+    """``selective`` (``train.activation_checkpointing``): its backward adds the forward's dense FLOPs
+    (``full`` adds the attention's too); the ring moves no recompute pass of K/V (``none``'s bytes); it
+    holds ``full``'s checkpoints plus, per layer, the attention output (compute dtype) and its fp32
+    log-sum-exp for every row, and ``none``'s gathered K/V of every layer."""
+    workload, hw, seq_len = preset_workload("nemotron-3b"), hardware("h200", gpus=8), 32768
+    model, p = workload.model, workload.dtype_bytes
+    one = {mode: predict(workload, Layout(1, checkpointing=mode), seq_len, hardware("h200", gpus=1), CAL)
+           for mode in ("none", "full", "selective")}
+    rows = 2 * seq_len  # a data layout holds both streams of its sample
+    dense = 2 * model.body_params * rows + 2 * model.vocab * model.d_model * seq_len
+    gemm = hw.peak_tflops * 1e12 * CAL.gemm_eff
+    assert one["selective"].bwd_s - one["none"].bwd_s == pytest.approx(dense / gemm)
+    assert one["full"].bwd_s - one["selective"].bwd_s == pytest.approx(one["full"].fwd_s - dense / gemm)
+    ring = {mode: predict(workload, Layout(2, 4, 4, checkpointing=mode), seq_len, hw, CAL)
+            for mode in ("none", "full", "selective")}
+    assert ring["selective"].kv_bytes == ring["none"].kv_bytes < ring["full"].kv_bytes
+    terms = ring["selective"].mem_terms
+    assert terms["checkpoints"] == ring["full"].mem_terms["checkpoints"]
+    assert terms["gathered K/V"] == ring["none"].mem_terms["gathered K/V"]
+    held_rows = ring["full"].mem_terms["checkpoints"] / (model.num_layers * model.d_model * p)
+    per_row = sum(g.count * g.n_heads * (g.head_dim * p + 4) for g in model.groups)
+    assert terms["kept attention"] == pytest.approx(held_rows * per_row)
+    assert ring["full"].mem_bytes < ring["selective"].mem_bytes < ring["none"].mem_bytes

@@ -161,9 +161,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--global-batch", type=positive_int, default=None, help="samples per optimizer step (default dp)"
     )
     parser.add_argument(
-        "--checkpointing", choices=("full", "none", "both"), default=None,
-        help="activation checkpointing of the layouts planned (default: both; a DFlash drafter is planned "
-        "without, the only setting its cost model prices)",
+        "--checkpointing", choices=("full", "selective", "none", "both"), default=None,
+        help="activation checkpointing of the layouts planned (default: both, full and none; selective keeps "
+        "each layer's attention results and recomputes the rest; a DFlash drafter is planned without, the "
+        "only setting its cost model prices)",
     )
     parser.add_argument(
         "--placement",

@@ -16,6 +16,9 @@ from csbp.plan.search import Plan, describe
 from csbp.plan.target_pass import describe_target_pass
 from csbp.plan.workload import Workload
 
+CKPT_LABELS = {"none": "none", "full": "full", "selective": "sel"}
+"""The table's ``ckpt`` column (``sel``: selective checkpointing, which fits its 5 characters)."""
+
 
 def exchange_label(workload: Workload, layout: Layout, seq_len: int) -> str:
     """Which K/V rows a ring exchanges: every row (CP-only), the clean rows (CSBP, full attention),
@@ -43,7 +46,7 @@ def _row(index: str, p: Prediction, workload: Workload, seq_len: int) -> str:
     exchange = exchange_label(workload, lay, seq_len)
     return (
         f"{index:>3} {lay.name + (' bal' if lay.schedule == 'balanced' else ''):<18} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
-        f"{lay.checkpointing:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
+        f"{CKPT_LABELS[lay.checkpointing]:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
         f"{p.mem_bytes / GIB:>7.1f}/{p.capacity_bytes / GIB:<6.1f} {p.kv_bytes / GIB:>8.2f} {p.exposed_comm_s:>8.3f}"
     )
 

@@ -323,7 +323,7 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
         bp,
         transport={"cp-aware": "halo", "csbp-gather": "streaming"}.get(  # dflash's all-gather baseline
             str(record.get("layout")), record.get("transport") or "collective"),
-        checkpointing="full" if record.get("activation_checkpointing") == "full" else "none",
+        checkpointing={"full": "full", "selective": "selective"}.get(str(record.get("activation_checkpointing")), "none"),
         micro_batch=max(samples // dp, 1) if kind == "dflash" else samples,
         sharding="ddp",
         schedule="balanced" if str(record.get("layout", "")).endswith("-balanced") else "dual_end",
@@ -332,7 +332,7 @@ def _record_observations(record: dict, where: str, fastest: bool) -> list[Observ
     # the bench builds its model in the record's dtype: no master weights (state_bytes = p)
     workload = Workload(model, objective, p, state_bytes=p).with_options(doc_length=record.get("doc_length"))
     label = f"bench {kind} {record.get('objective', '')} L={record['seq_len']} {record.get('layout', layout.name)}"
-    label += " ac=full" if layout.checkpointing == "full" else ""
+    label += f" ac={layout.checkpointing}" if layout.checkpointing != "none" else ""
     label += f" doc={record['doc_length']}" if record.get("doc_length") else ""
     seconds = Observation(
         label + " step_s",
@@ -379,7 +379,7 @@ def fit_bench(observations: Sequence[Observation], *, source: str) -> Calibratio
         memory = [o for o in decoder if o.metric == "mem_gib"]
         cal = fit_factors(times, cal, ["gemm_eff", "attn_eff", "intra_eff", "step_overhead_s"], source=source)
         factors = ["act_factor", "mem_fixed_gib"]
-        if any(o.layout.checkpointing == "full" for o in memory):
+        if any(o.layout.checkpointing != "none" for o in memory):
             factors.append("ws_factor")
         cal = fit_factors(memory, cal, factors, source=source)
     if drafter:

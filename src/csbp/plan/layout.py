@@ -15,7 +15,7 @@ from typing import Literal
 from csbp.topology import Topology
 
 Transport = Literal["collective", "streaming", "halo"]
-Checkpointing = Literal["full", "none"]
+Checkpointing = Literal["full", "none", "selective"]
 Placement = Literal["packed", "striped"]
 Sharding = Literal["fsdp2", "zero2", "ddp"]
 
@@ -47,7 +47,8 @@ class Layout:
         dp, cp, bp: the csbp degrees (``csbp.topology.Topology``).
         transport: clean K/V transport of CP rings (``collective`` or ``streaming``; ``halo``: the
             mask-aware CP-only baseline ``cp-aware``, considered with packed documents).
-        checkpointing: ``full`` (recompute every layer in backward) or ``none``.
+        checkpointing: ``full`` (recompute every layer in backward), ``selective`` (recompute all but
+            the attention, whose results are kept) or ``none``.
         micro_batch: samples per data-parallel replica per micro-step.
         placement: ``packed`` rings (csbp's rank order: a sample's ranks are consecutive, so a ring
             stays inside a node when it fits) or ``striped`` across nodes (the published recipe).

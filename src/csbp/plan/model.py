@@ -8,20 +8,22 @@ Everything that decides a layout is counted with csbp's own torch-free arithmeti
 (``csbp.plan.calibration``) turns FLOPs, bytes and rows into seconds and GiB:
 
 * compute: dense ``2·params·rows`` per pass plus the LM head on loss rows; attention ``4·hd·H``
-  per allowed pair; backward = 2x dense, 2.5x attention; full checkpointing adds one forward.
+  per allowed pair; backward = 2x dense, 2.5x attention; full checkpointing adds one forward,
+  selective checkpointing its dense part only (the attention's results are kept).
   CP-only attention runs at ``attn_eff``, the interval kernel of CSBP/BP/data layouts at
   ``attn_eff·interval_fwd|bwd``.
 * K/V bytes per GPU (sent, what csbp's traffic counter records): per pass and layer
   ``(P-1)·shard·2·Hkv·hd·bytes`` with shard = ``2L/cp`` rows (CP-only: noisy and clean) or
   ``L/cp`` (CSBP: clean only); a CSBP window layer moves only its halo. Passes: forward,
-  recompute (checkpointing), dK/dV, plus the K/V re-circulation of the streaming backward.
+  recompute (full checkpointing), dK/dV, plus the K/V re-circulation of the streaming backward.
 * bandwidth: intra-node when the ring sits inside a node (``placement``), else the network; a
   halo all-to-all takes as long as its busiest member's larger direction (sent or received).
   Exposure: ``(1-overlap)`` of collective traffic (``collective_overlap``: ``overlap_cp`` for the
   generic CP-only all-gather, ``overlap_csbp`` for csbp's other async collectives, all-to-all
   included); streaming hides up to ``overlap_stream`` of the ring's attention time.
 * step = micro-steps x (compute + exposed K/V) + exposed gradient sync + optimizer + overhead.
-* memory: model states (by sharding), activations (checkpoints plus one layer's working set, or all
+* memory: model states (by sharding), activations (checkpoints plus one layer's working set, with
+  selective checkpointing also every layer's attention output, log-sum-exp and gathered K/V; or all
   layers' activations), gathered K/V (+ fp32 dK/dV), one logits chunk, a fitted constant.
 
 With packed documents (``Workload.doc_length``, ``csbp.plan.documents``) the rows and pairs are
@@ -268,7 +270,7 @@ def predict(
     accum = batch // per_micro
     samples = obj.views * layout.micro_batch  # sample views one rank holds per micro-step
     peak = hw.peak_tflops * 1e12
-    ckpt = layout.checkpointing == "full"
+    ckpt = layout.checkpointing != "none"
     generic_cp = layout.kind == "cp" and layout.transport != "halo"  # cp-aware runs the interval kernel
     attn_fwd_rate = peak * cal.attn_eff * (1.0 if generic_cp else cal.interval_fwd)
     attn_bwd_rate = peak * cal.attn_eff * (1.0 if generic_cp else cal.interval_bwd)
@@ -286,7 +288,8 @@ def predict(
         attn = sum(g.count * counts[g.window][r].pairs * 4 * g.head_dim * g.n_heads for g in model.groups)
         fwd = samples * (dense / gemm_rate + attn / attn_fwd_rate)
         attn_s = samples * (attn / attn_fwd_rate + 2.5 * attn / attn_bwd_rate)
-        bwd = samples * (2 * dense / gemm_rate + 2.5 * attn / attn_bwd_rate) + (fwd if ckpt else 0.0)
+        recompute = {"full": fwd, "selective": samples * dense / gemm_rate}.get(layout.checkpointing, 0.0)
+        bwd = samples * (2 * dense / gemm_rate + 2.5 * attn / attn_bwd_rate) + recompute
         if fwd + bwd > best[0] + best[1]:
             best = (fwd, bwd, attn_s, float(rows))
     fwd_c, bwd_c, attn_s, max_rows = best
@@ -356,8 +359,15 @@ def predict(
     if ckpt:
         terms["checkpoints"] = model.num_layers * rows * model.d_model * p
         working = cal.ws_factor * rows * act_row
-        gathered = kv_held * (1 + 4 / p)
-        terms["layer working set" if working >= gathered else "gathered K/V"] = max(working, gathered)
+        if layout.checkpointing == "full":
+            gathered = kv_held * (1 + 4 / p)
+            terms["layer working set" if working >= gathered else "gathered K/V"] = max(working, gathered)
+        else:  # selective: every layer keeps its attention's output (p), lse (fp32) and gathered K/V
+            terms["layer working set"] = working
+            terms["kept attention"] = rows * sum(g.count * g.n_heads * (g.head_dim * p + 4) for g in model.groups)
+            if kv_held:
+                kept = 1 if layout.transport == "streaming" else model.num_layers
+                terms["gathered K/V"] = kv_held * (kept + 4 / p)
     else:
         terms["activations"] = cal.act_factor * model.num_layers * rows * act_row
         if kv_held:

@@ -208,7 +208,7 @@ def describe(layout: Layout) -> str:
         text += " halo (cp-aware)" if layout.transport == "halo" and layout.kind == "cp" else f" {layout.transport}"
     if layout.schedule != "dual_end":
         text += f" {layout.schedule}"
-    text += f", {'full' if layout.checkpointing == 'full' else 'no'} checkpointing"
+    text += f", {'no' if layout.checkpointing == 'none' else layout.checkpointing} checkpointing"
     return text + (f", micro-batch {layout.micro_batch}" if layout.micro_batch > 1 else "")
 
 

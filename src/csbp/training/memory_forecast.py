@@ -119,7 +119,7 @@ def _fix(cfg: RunConfig, workload: Workload, nproc: int, preset: str) -> str:
     hw = hardware(preset, gpus=gpus, gpus_per_node=nproc)
     cal = packaged_calibration(preset)
     layout = run_layout(cfg)
-    if layout.checkpointing == "none" and "full" in search.checkpointing and not workload.objective.is_drafter:
+    if layout.checkpointing != "full" and "full" in search.checkpointing and not workload.objective.is_drafter:
         batch = layout.dp * layout.micro_batch * search.grad_accum
         recomputed = predict(workload, replace(layout, checkpointing="full"), seq_len, hw, cal, global_batch=batch)
         if recomputed.fits:
