@@ -28,7 +28,8 @@ agree across layouts (a cheap sanity check that the timed steps compute the same
 ``--activation-checkpointing none full`` runs every layout twice in the same processes, plain and
 with every decoder layer checkpointed (:mod:`csbp.training.activation_checkpointing`), and adds a
 table of the peak memory per rank with and without it (the cut) and the step-time cost; the bytes
-the recompute sends again are reported as ``recompute MiB/rank``. ``--compile none layers`` likewise
+the recompute sends again are reported as ``recompute MiB/rank``; ``selective`` (keep each layer's
+attention results, recompute the rest) adds its rows and its step time against ``full``'s. ``--compile none layers`` likewise
 runs every layout eagerly and with ``train.compile: layers`` (:mod:`csbp.training.compile_regions`;
 the compilation falls in the untimed warmup step) and adds a table of the step time of each.
 

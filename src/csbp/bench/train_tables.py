@@ -63,30 +63,41 @@ def format_compile_table(records: list[TrainRecord]) -> str:
 
 
 def format_checkpointing_table(records: list[TrainRecord]) -> str:
-    """Peak memory per rank and step time without and with activation checkpointing, per layout
-    (empty when the records do not hold both modes)."""
+    """Peak memory per rank and step time without and with activation checkpointing, per layout and
+    checkpointing mode (``full``, ``selective``), with ``selective``'s step time against ``full``'s
+    when both ran (empty when the records hold no mode besides ``none``)."""
     by_key = {(r.objective, r.seq_len, r.layout, r.activation_checkpointing): r
               for r in records if r.compile == records[0].compile}  # one compile mode: the first run
     header = (
-        f"{'objective':<13} {'seq_len':>7} {'layout':<13} {'peak MiB none':>13} {'peak MiB full':>13} "
-        f"{'mem cut':>7} {'step s none':>11} {'step s full':>11} {'time x':>6} {'recompute MiB/rank':>18}"
+        f"{'objective':<13} {'seq_len':>7} {'layout':<13} {'ac':<9} {'peak MiB none':>13} {'peak MiB ac':>11} "
+        f"{'mem cut':>7} {'step s none':>11} {'step s ac':>9} {'time x':>6} {'recompute MiB/rank':>18} {'vs full':>7}"
     )
     lines, marked = [], False
     for (objective, seq_len, layout, mode), plain in by_key.items():
-        full = by_key.get((objective, seq_len, layout, "full"))
-        if mode != "none" or full is None:
+        if mode != "none":
             continue
-        cut = plain.peak_mem_bytes / full.peak_mem_bytes if full.peak_mem_bytes else float("nan")
-        noisy = within_noise(plain.step_times_s, full.step_times_s)
-        marked |= noisy
-        lines.append(
-            f"{objective:<13} {seq_len:>7} {layout:<13} {plain.peak_mem_bytes / 2**20:>13.1f} "
-            f"{full.peak_mem_bytes / 2**20:>13.1f} {cut:>6.2f}x {plain.step_time_s:>11.3f} "
-            f"{full.step_time_s:>11.3f} {full.step_time_s / plain.step_time_s:>5.2f}{NOISE_MARK if noisy else ' '}"
-            f"{full.recompute_bytes_per_rank / 2**20:>18.2f}"
-        )
+        full = by_key.get((objective, seq_len, layout, "full"))
+        for ac in ("full", "selective"):
+            kept = by_key.get((objective, seq_len, layout, ac))
+            if kept is None:
+                continue
+            cut = plain.peak_mem_bytes / kept.peak_mem_bytes if kept.peak_mem_bytes else float("nan")
+            noisy = within_noise(plain.step_times_s, kept.step_times_s)
+            versus = ""
+            if ac != "full" and full is not None:
+                versus_noisy = within_noise(full.step_times_s, kept.step_times_s)
+                versus = f"{kept.step_time_s / full.step_time_s:.2f}{NOISE_MARK if versus_noisy else ' '}"
+                noisy |= versus_noisy
+            marked |= noisy
+            lines.append(
+                f"{objective:<13} {seq_len:>7} {layout:<13} {ac:<9} {plain.peak_mem_bytes / 2**20:>13.1f} "
+                f"{kept.peak_mem_bytes / 2**20:>11.1f} {cut:>6.2f}x {plain.step_time_s:>11.3f} "
+                f"{kept.step_time_s:>9.3f} {kept.step_time_s / plain.step_time_s:>5.2f}"
+                f"{NOISE_MARK if within_noise(plain.step_times_s, kept.step_times_s) else ' '}"
+                f"{kept.recompute_bytes_per_rank / 2**20:>18.2f} {versus:>7}"
+            )
     if not lines:
         return ""
-    title = "activation checkpointing: peak memory per rank and step time, none vs full"
+    title = "activation checkpointing: peak memory per rank and step time, none vs each mode (vs full: selective's step time / full's)"
     return "\n".join([title, header, "-" * len(header), *lines, *([NOISE_NOTE] if marked else [])])
 
