@@ -61,11 +61,6 @@ def format_row(r: KernelRecord) -> str:
     )
 
 
-def format_table(records: list[KernelRecord]) -> str:
-    noted = [NOISE_NOTE] if noisy_records(records) else []
-    return "\n".join([format_header()] + [format_row(r) for r in records] + noted)
-
-
 def plot_rates(records: list[KernelRecord], path: Path) -> None:
     """TFLOP/s on useful pairs against L, one panel per block size, one line per backend and form; the
     ``--layouts`` rows in one more panel, as bars of each busiest rank's rate against dense over its shapes."""
