@@ -36,7 +36,7 @@ from csbp.dflash.target_shard import TARGET_CATEGORY
 from csbp.dflash.teacher_rows import TEACHER_CATEGORY
 from csbp.engine.context import build_parallel_context
 from csbp.engine.grads import average_gradients
-from csbp.engine.verify import TOLERANCES, dtype_of, gradient_error
+from csbp.engine.verify import TOLERANCES, dtype_of, gradient_error, loss_error
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.parallel.groups import release_process_groups
@@ -249,7 +249,7 @@ def compare_dflash(
         case=case,
         loss=loss,
         loss_ref=loss_ref,
-        loss_rel_err=abs(loss - loss_ref) / abs(loss_ref) if loss_ref else abs(loss - loss_ref),
+        loss_rel_err=loss_error(loss, loss_ref),
         grad_rel_err=worst,
         worst_param=worst_name,
         attention_bytes_per_rank=[r[2] for r in results],

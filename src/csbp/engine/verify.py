@@ -377,6 +377,11 @@ gradient through its softmax, e.g. ``window=1`` with ``block_size=1``) is round-
 and dividing by its own round-off-sized scale reported a false failure of order 1."""
 
 
+def loss_error(loss: float, loss_ref: float) -> float:
+    """``|loss - loss_ref| / |loss_ref|``, the absolute difference where the reference is zero."""
+    return abs(loss - loss_ref) / abs(loss_ref) if loss_ref else abs(loss - loss_ref)
+
+
 def gradient_error(grads: dict[str, torch.Tensor], grads_ref: dict[str, torch.Tensor]) -> tuple[str, float]:
     """``(worst parameter, its error)`` with error ``max|g - g_ref| / max(max|g_ref|, GRADIENT_FLOOR * G)``,
     ``G`` the largest ``|g_ref|`` of any parameter; a non-finite gradient on either side is an infinite error."""
@@ -416,7 +421,7 @@ def compare(
         case=case,
         loss=loss,
         loss_ref=loss_ref,
-        loss_rel_err=abs(loss - loss_ref) / abs(loss_ref) if loss_ref else abs(loss - loss_ref),
+        loss_rel_err=loss_error(loss, loss_ref),
         grad_rel_err=worst,
         worst_param=worst_name,
         tolerance=TOLERANCES[dtype_of(case.dtype)],
