@@ -98,7 +98,7 @@ class ModelSection(_Section):
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelSection:
         """Head and RoPE shape consistency (which fields are required depends on the objective:
-        :func:`csbp.config.rules.model_rules`)."""
+        :func:`csbp.config.rules._model_rules`)."""
         violations = []
         if (
             self.num_heads is not None
