@@ -85,11 +85,11 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
-    def silent_ranks(self, *, older_than_s: float | None = None) -> list[SilentRank]:
-        """Peers whose last heartbeat is older than ``older_than_s`` (default three intervals)."""
+    def silent_ranks(self) -> list[SilentRank]:
+        """Peers whose last heartbeat is older than three intervals."""
         if self._store is None:
             return []
-        limit = older_than_s if older_than_s is not None else 3 * self.interval_s
+        limit = 3 * self.interval_s
         now, silent = time.time(), []
         for rank in range(self.world_size):
             if rank == self.rank:
