@@ -335,25 +335,24 @@ class Decoder(nn.Module):
 
     def layer_outputs(
         self,
-        input_ids: Tensor | None,
+        input_ids: Tensor,
         positions: Tensor,
         attention: AttentionFn,
         layer_ids: Sequence[int],
-        *,
-        input_embeds: Tensor | None = None,
     ) -> Tensor:
         """Residual-stream outputs of the listed layers, concatenated: ``[S, N, len(layer_ids) * D]``.
 
         Layer ``i``'s output is HF's ``hidden_states[i + 1]`` (before the final norm; HF applies the
-        final norm to its last entry only). Layers after ``max(layer_ids)`` are not run. This is
-        how DFlash target features are captured.
+        final norm to its last entry only). Layers after ``max(layer_ids)`` are not run. The
+        whole-batch reference that DFlash's per-sample capture
+        (``csbp.dflash.features.capture_target_features``) is tested against.
         """
         if not layer_ids:
             raise ValueError("layer_ids must name at least one layer")
         for i in layer_ids:
             if not 0 <= i < self.config.num_layers:
                 raise ValueError(f"layer id {i} is outside [0, {self.config.num_layers})")
-        h_SND = self._embed_inputs(input_ids, input_embeds)
+        h_SND = self._embed_inputs(input_ids, None)
         rotary = self._rotary_for(positions, h_SND)
         captured: dict[int, Tensor] = {}
         for layer in self.layers[: max(layer_ids) + 1]:
