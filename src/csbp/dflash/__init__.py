@@ -16,7 +16,13 @@ Module map:
 * ``reference``: the dense single-process oracle used by the tests.
 * ``rank_plan`` / ``step``: ``build_dflash_rank_plan`` (what a rank holds, its communicators) and
   ``DFlashStep``, the trainer's entry points.
-* ``export``: ``export_dflash`` / ``load_dflash``.
+* ``target_shard`` / ``teacher_rows``: the context-sharded online target pass and the KL teacher
+  rows it sends each rank.
+* ``verify``: a parallel layout against one process.
+* ``speculative`` / ``target_cache`` / ``evaluate``: lossless speculative decoding with the target's
+  K/V cache, and the acceptance-length evaluation over prompts.
+* ``export``: ``export_dflash`` / ``load_dflash``; ``target_record``: which target an export was
+  trained against.
 """
 
 from csbp.dflash.anchors import sample_anchors, segment_starts, valid_anchor_mask, validate_anchor_coverage

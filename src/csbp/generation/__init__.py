@@ -1,6 +1,8 @@
 """Block-diffusion sampling from a trained csbp model (``csbp generate``).
 
 * :mod:`~csbp.generation.sampler`: the block-by-block loop (:func:`generate`);
+* :mod:`~csbp.generation.block_denoising`: one block for a batch of sequences (per-sequence state,
+  the denoising steps);
 * :mod:`~csbp.generation.token_choice`: proposals (greedy / temperature, top-k, top-p; mask logit
   excluded) and confidence-based unmasking;
 * :mod:`~csbp.generation.forward`: the model calls, with the clean-prefix KV cache or by

@@ -15,6 +15,8 @@ list.
   dK/dV to owners. Exchanging all rows is the CP-only baseline; exchanging clean rows is CSBP.
 * ``streaming``: CSBP over ``CP-1`` ring steps with bounded memory and query-row skipping.
 * ``window``: CSBP sliding-window layers, one variable-split all-to-all of the needed clean rows.
+* ``exchange``: what the ring transports that exchange K/V rows share (``ExchangeSpec``, the packed
+  ``kv_shard`` wire format).
 * ``factory``: ``build_attention`` picks the transport of a topology.
 * ``function``: the autograd Function shared by all of them.
 """
