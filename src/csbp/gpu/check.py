@@ -139,38 +139,41 @@ def _kernels_json(env: CheckEnv) -> Path:
     return env.out_dir / "gpu-kernels.json"
 
 
-def _kernels(env: CheckEnv) -> list[str]:
-    _kernels_json(env).unlink(missing_ok=True)  # rows of an earlier run must not pass for this one's
-    return [sys.executable, "-m", "csbp", "bench", "kernels", *env.profile.kernels, "--json", str(_kernels_json(env)),
-            "--flex-backward", env.args.flex_backward]
-
-
-def _kernels_report(env: CheckEnv, result: StageResult, output: str) -> StageResult:
-    path = _kernels_json(env)
-    rows = json.loads(path.read_text()) if path.exists() else []
-    summary = summarize_kernel_rows(rows, targets=env.profile.device == "cuda")
-    if result.status != "ok":
-        summary = f"{result.summary}; {summary} before that"
-    return dataclasses.replace(result, summary=summary, details={**result.details, "json": str(path), "rows": rows})
-
-
 def _layouts_json(env: CheckEnv) -> Path:
     return env.out_dir / "gpu-layouts.json"
 
 
-def _layouts(env: CheckEnv) -> list[str]:
-    _layouts_json(env).unlink(missing_ok=True)
-    return [sys.executable, "-m", "csbp", "bench", "kernels", *env.profile.layouts, "--json", str(_layouts_json(env)),
+def _bench_kernels(env: CheckEnv, options: Sequence[str], path: Path) -> list[str]:
+    """``csbp bench kernels`` with ``options``, its rows kept in ``path`` as they are measured."""
+    path.unlink(missing_ok=True)  # rows of an earlier run must not pass for this one's
+    return [sys.executable, "-m", "csbp", "bench", "kernels", *options, "--json", str(path),
             "--flex-backward", env.args.flex_backward]
 
 
-def _layouts_report(env: CheckEnv, result: StageResult, output: str) -> StageResult:
-    path = _layouts_json(env)
+def _kernels(env: CheckEnv) -> list[str]:
+    return _bench_kernels(env, env.profile.kernels, _kernels_json(env))
+
+
+def _layouts(env: CheckEnv) -> list[str]:
+    return _bench_kernels(env, env.profile.layouts, _layouts_json(env))
+
+
+def _rows_report(result: StageResult, path: Path, summarize: Callable[[list[dict[str, object]]], str]) -> StageResult:
+    """``result`` with the rows ``path`` holds (those measured before a cut-off too) and their summary."""
     rows = json.loads(path.read_text()) if path.exists() else []
-    summary = summarize_rank_rows(rows)
+    summary = summarize(rows)
     if result.status != "ok":
         summary = f"{result.summary}; {summary} before that"
     return dataclasses.replace(result, summary=summary, details={**result.details, "json": str(path), "rows": rows})
+
+
+def _kernels_report(env: CheckEnv, result: StageResult, output: str) -> StageResult:
+    targets = env.profile.device == "cuda"
+    return _rows_report(result, _kernels_json(env), lambda rows: summarize_kernel_rows(rows, targets=targets))
+
+
+def _layouts_report(env: CheckEnv, result: StageResult, output: str) -> StageResult:
+    return _rows_report(result, _layouts_json(env), summarize_rank_rows)
 
 
 def _train_table(env: CheckEnv) -> StageResult:
