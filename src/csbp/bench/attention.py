@@ -41,6 +41,7 @@ from csbp.bench.common import (
     add_overlap_ablation_option,
     add_transport_option,
     bench_documents,
+    check_cell_sequence,
     check_device_option,
     check_head_options,
     format_ratio_table,
@@ -63,7 +64,7 @@ from csbp.cli.options import add_clean_option, add_diagonal_option, positive_int
 from csbp.engine.block_diffusion import build_rank_plan
 from csbp.engine.context import build_parallel_context
 from csbp.models.decoder import AttentionFn, RMSNorm
-from csbp.topology import Topology, sequence_error_in_flags
+from csbp.topology import Topology
 from csbp.wording import counted
 
 
@@ -236,11 +237,7 @@ def run_attention_bench(
     for cfg in configs:  # fail closed before any process starts
         if cfg.warmup < 0 or cfg.repeats < 1:
             raise ValueError(f"warmup must be >= 0 and repeats >= 1, got {cfg.warmup} and {cfg.repeats}")
-        for topology in cell:
-            try:
-                topology.validate_sequence(cfg.seq_len, cfg.block_size)
-            except ValueError as error:
-                raise ValueError(sequence_error_in_flags(str(error), seq_len="--seq-lens")) from None
+        check_cell_sequence(cell, cfg.seq_len, cfg.block_size)
     print_header(header)
     records: list[AttentionRecord] = []
     for cfg in configs:

@@ -43,7 +43,7 @@ from csbp.cli.options import int_at_least, output_file, positive_int
 from csbp.devices import DEVICE_KINDS, backend_device, resolve_device
 from csbp.parallel.comm import serialized_collectives
 from csbp.parallel.launch import run_local
-from csbp.topology import Topology
+from csbp.topology import Topology, sequence_error_in_flags
 
 LAYOUTS: tuple[str, ...] = ("cp", "cp-aware", "bp", "csbp")
 LAYOUT_TRANSPORTS = {"cp-aware": "halo"}
@@ -110,6 +110,15 @@ def select_topologies(
     if unknown or not layouts:
         raise ValueError(f"unknown or no layout(s) {unknown}: choose from {sorted(topologies)}")
     return [topologies[name] for name in layouts]
+
+
+def check_cell_sequence(cell: Sequence[Topology], seq_len: int, block_size: int) -> None:
+    """Every topology of ``cell`` takes one ``--seq-lens`` length (errors in the command's flags)."""
+    for topology in cell:
+        try:
+            topology.validate_sequence(seq_len, block_size)
+        except ValueError as error:
+            raise ValueError(sequence_error_in_flags(str(error), seq_len="--seq-lens")) from None
 
 
 def launch_cell(

@@ -53,6 +53,7 @@ from csbp.bench.common import (
     BENCH_DTYPES,
     StepSeries,
     bench_documents,
+    check_cell_sequence,
     check_run_options,
     launch_cell,
     layout_schedule,
@@ -72,7 +73,7 @@ from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.objectives import CorruptedBatch, build_objective, corruption_generator
 from csbp.parallel.comm import RECOMPUTE_PREFIX
-from csbp.topology import Topology, sequence_error_in_flags
+from csbp.topology import Topology
 from csbp.training.activation_checkpointing import ACTIVATION_CHECKPOINTING_MODES, checkpoint_layers
 from csbp.training.compile_regions import COMPILE_MODES, compile_layers
 
@@ -315,11 +316,7 @@ def run_train_bench(
         for n in seq_lens
     ]
     for cfg in configs:  # fail closed before any process starts
-        for topology in cell:
-            try:
-                topology.validate_sequence(cfg.seq_len, cfg.block_size)
-            except ValueError as error:
-                raise ValueError(sequence_error_in_flags(str(error), seq_len="--seq-lens")) from None
+        check_cell_sequence(cell, cfg.seq_len, cfg.block_size)
     print_header(header)
     records: list[TrainRecord] = []
     for cfg in configs:
