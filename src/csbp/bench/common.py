@@ -121,6 +121,14 @@ def check_cell_sequence(cell: Sequence[Topology], seq_len: int, block_size: int)
             raise ValueError(sequence_error_in_flags(str(error), seq_len="--seq-lens")) from None
 
 
+def check_zigzag_lengths(seq_lens: Sequence[int], nproc: int) -> None:
+    """Every ``--seq-lens`` length splits into ``2·nproc`` zigzag shards, checked before any runs (a bad
+    last one was refused after the others ran)."""
+    for seq_len in seq_lens:
+        if seq_len % (2 * nproc):
+            raise ValueError(f"--seq-lens {seq_len} must be a multiple of 2·nproc={2 * nproc} (zigzag shards)")
+
+
 def launch_cell(
     worker: Callable[..., list[dict[str, float]]],
     nproc: int,

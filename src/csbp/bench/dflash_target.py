@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from csbp.atomic import write_json_atomic
-from csbp.bench.common import BENCH_DTYPES
+from csbp.bench.common import BENCH_DTYPES, check_zigzag_lengths
 from csbp.bench.measure import PeakMemory, attention_flops
 from csbp.bench.spread import NOISE_MARK, NOISE_NOTE, format_spread, within_noise
 from csbp.devices import backend_device
@@ -143,9 +143,7 @@ def run_target_pass_bench(
     """Both passes at every length (one launch of ``nproc`` processes per length)."""
     if nproc < 2:
         raise ValueError(f"--target-pass compares the sharded pass over a CP ring: nproc={nproc} must be >= 2")
-    for seq_len in seq_lens:  # every length before any runs (a bad last one was refused after the others ran)
-        if seq_len % (2 * nproc):
-            raise ValueError(f"--seq-lens {seq_len} must be a multiple of 2·nproc={2 * nproc} (zigzag shards)")
+    check_zigzag_lengths(seq_lens, nproc)
     records = []
     for seq_len in seq_lens:
         ranks = run_local(_worker, nproc, (config, seq_len, dtype, warmup, repeats), device=device)

@@ -21,7 +21,7 @@ import torch
 
 from csbp.atomic import write_json_atomic
 from csbp.attention.documents import packed_doc_ids
-from csbp.bench.common import bench_documents
+from csbp.bench.common import bench_documents, check_zigzag_lengths
 from csbp.dflash.anchors import sample_anchors, segment_starts
 from csbp.dflash.layouts import DFlashLayout, context_positions
 from csbp.dflash.teacher_rows import TEACHER_CATEGORY, exchange_teacher_rows, ring_teacher_needs
@@ -90,9 +90,7 @@ def run_teacher_rows_bench(
     """Both layouts at every length and anchor count (one launch of ``nproc`` processes each)."""
     if nproc < 2:
         raise ValueError(f"--teacher-rows exchanges over a CP ring: nproc={nproc} must be >= 2")
-    for seq_len in seq_lens:  # every length before any runs (a bad last one was refused after the others ran)
-        if seq_len % (2 * nproc):
-            raise ValueError(f"--seq-lens {seq_len} must be a multiple of 2·nproc={2 * nproc} (zigzag shards)")
+    check_zigzag_lengths(seq_lens, nproc)
     records = []
     for seq_len in seq_lens:
         for count in anchor_counts:
