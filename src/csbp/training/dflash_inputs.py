@@ -35,6 +35,7 @@ from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
 from csbp.models.hf_io import decoder_config_from_hf, read_json_object
 from csbp.training.input_hints import checkpoint_directory_fix
+from csbp.training.mask_data import run_mask_token
 
 T = TypeVar("T")
 _TARGET_FIX = (
@@ -113,10 +114,7 @@ def check_dflash_inputs(
         )
     _field("objective.dflash.target", lambda: check_target_tokenizer(target_dir, artifact),
            "prepare the data with the target's tokenizer")
-    mask_token_id = cfg.objective.mask_token_id
-    source = "objective.mask_token_id"
-    if mask_token_id is None:
-        mask_token_id, source = artifact.mask_token_id, f"the mask token of {artifact.directory}"
+    mask_token_id, source = run_mask_token(cfg, artifact)
     if mask_token_id >= target_config.vocab_size:
         raise ValueError(
             f"objective.mask_token_id: {source} is {mask_token_id}, outside the target vocabulary "

@@ -25,6 +25,14 @@ MASKING_OBJECTIVES = ("bd3", "mdlm", "fast_dllm_v2")
 DEFAULT_MASK_TOKEN = "<|mask|>"
 
 
+def run_mask_token(cfg: RunConfig, artifact: Artifact) -> tuple[int, str]:
+    """``(mask id, where it came from)``: ``objective.mask_token_id``, else the mask token of the
+    training data ``artifact``."""
+    if cfg.objective.mask_token_id is None:
+        return artifact.mask_token_id, f"the mask token of {artifact.directory}"
+    return cfg.objective.mask_token_id, "objective.mask_token_id"
+
+
 def check_mask_token_data(cfg: RunConfig, mask_token_id: int | None, *, read_files: bool = False) -> None:
     """``ValueError`` (one line, with the fix) if ``mask_token_id`` is another special token of
     ``data.train``/``data.val`` or occurs at a supervised position of them (see the module docstring)."""

@@ -55,7 +55,7 @@ from csbp.training.dflash_inputs import DFlashInputs, check_dflash_inputs
 from csbp.training.dflash_layers import check_resumed_layer_ids
 from csbp.training.export_tokenizer import ExportTokenizer, check_data_tokenizer, export_tokenizer_for_run
 from csbp.training.input_hints import is_artifact, missing_artifact_problem
-from csbp.training.mask_data import check_mask_token_data
+from csbp.training.mask_data import check_mask_token_data, run_mask_token
 from csbp.training.model_factory import check_position_limit, check_yarn_context, decoder_config_for_run
 from csbp.training.resume_config import resume_changes, resume_restart_for
 from csbp.training.run_dir_checks import check_run_dir, check_steps_left
@@ -236,10 +236,7 @@ def _val_split(cfg: RunConfig, artifact: Artifact, warn: Callable[[str], None] |
 def _mask_token_id(cfg: RunConfig, artifact: Artifact, decoder_config: DecoderConfig) -> int | None:
     if cfg.objective.name == "ar":
         return None
-    mask_id = cfg.objective.mask_token_id
-    source = "objective.mask_token_id"
-    if mask_id is None:
-        mask_id, source = artifact.mask_token_id, f"the mask token of {artifact.directory}"
+    mask_id, source = run_mask_token(cfg, artifact)
     if mask_id >= decoder_config.vocab_size:
         raise ValueError(
             f"objective.mask_token_id: {source} is {mask_id}, outside the model vocabulary "
