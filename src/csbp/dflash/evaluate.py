@@ -157,7 +157,6 @@ def evaluate_drafter(
     max_new_tokens: int,
     eos_id: StopIds = None,
     check_lossless: bool = True,
-    progress: Callable[[PromptEval], None] | None = None,
 ) -> EvalSummary:
     """Speculative decoding (and plain greedy with ``check_lossless``) of every prompt."""
     if not prompts:
@@ -186,8 +185,6 @@ def evaluate_drafter(
             greedy_seconds,
         )
         results.append(result)
-        if progress is not None:
-            progress(result)
     return EvalSummary(drafter.config.block_size, results)
 
 
