@@ -51,10 +51,11 @@ def test_dry_run_walks_every_stage_on_the_cpu_and_writes_the_report(
     assert stages["kernels"]["summary"].startswith(f"{len(rows)} rows, best ")
     table = stages["train-table"]["details"]["rows"]
     assert [(row["kind"], row["status"]) for row in table] == [("bd3", "ok (1 timed)")] * 2 + [
-        ("bd3 decomposed", "ok (1 timed)"), ("bd3 compiled", "ok (1 timed)"),
+        ("bd3 decomposed", "ok (1 timed)"), ("bd3 compiled", "ok (1 timed)"), ("bd3 selective", "ok (1 timed)"),
         ("dflash a=4", "ok (1 timed)")
     ]
-    assert stages["train-table"]["summary"] == "5 of 5 rows measured (tiles backend)"
+    assert [row["checkpointing"] for row in table if row["kind"] == "bd3 selective"] == ["selective"]
+    assert stages["train-table"]["summary"] == "6 of 6 rows measured (tiles backend)"
     # the kernels resolved on the device: auto is matmul on the dry run's tiles at B = 4 (flex on CUDA)
     assert stages["train-table"]["details"]["decomposed_attention"] == {"diagonal": "matmul", "clean": "pieces"}
     assert "CPU dry run" in out and "dflash a=4" in out

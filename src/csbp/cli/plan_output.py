@@ -10,14 +10,11 @@ from csbp.plan.calibration import Calibration
 from csbp.plan.documents import document_count
 from csbp.plan.drafter import context_exchange_counts
 from csbp.plan.hardware import Hardware
-from csbp.plan.layout import Layout
+from csbp.plan.layout import SHORT_LABELS, Layout
 from csbp.plan.model import GIB, Prediction, halo_used, overlap_note
 from csbp.plan.search import Plan, describe
 from csbp.plan.target_pass import describe_target_pass
 from csbp.plan.workload import Workload
-
-CKPT_LABELS = {"none": "none", "full": "full", "selective": "sel"}
-"""The table's ``ckpt`` column (``sel``: selective checkpointing, which fits its 5 characters)."""
 
 
 def exchange_label(workload: Workload, layout: Layout, seq_len: int) -> str:
@@ -46,7 +43,7 @@ def _row(index: str, p: Prediction, workload: Workload, seq_len: int) -> str:
     exchange = exchange_label(workload, lay, seq_len)
     return (
         f"{index:>3} {lay.name + (' bal' if lay.schedule == 'balanced' else ''):<18} {lay.transport if lay.cp > 1 else '-':<10} {exchange:<10} "
-        f"{CKPT_LABELS[lay.checkpointing]:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
+        f"{SHORT_LABELS[lay.checkpointing]:<5} {lay.micro_batch:>2} {p.step_s:>9.3f} {p.tokens_per_s:>11,.0f} "
         f"{p.mem_bytes / GIB:>7.1f}/{p.capacity_bytes / GIB:<6.1f} {p.kv_bytes / GIB:>8.2f} {p.exposed_comm_s:>8.3f}"
     )
 

@@ -194,6 +194,7 @@ def _train_table(env: CheckEnv) -> StageResult:
         clean=args.clean,
         decomposed_seq_lens=tuple(args.decomposed_seq_lens),
         compiled_seq_lens=tuple(args.compiled_seq_lens),
+        selective_seq_lens=tuple(args.selective_seq_lens),
         profile_seq_lens=tuple(args.profile_seq_lens),
         dflash_seq_len=args.dflash_seq_len or None,
         dflash_anchors=args.dflash_anchors,
@@ -295,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compiled-seq-lens", type=int, nargs="*", default=[8192, 32768],
                         help="lengths of the table's 'bd3 compiled' rows (train.compile: layers), after the "
                         "decomposed rows as the budget allows; none: no such rows")
+    parser.add_argument("--selective-seq-lens", type=int, nargs="*", default=[32768, 65536],
+                        help="lengths of the table's 'bd3 selective' rows (train.activation_checkpointing: selective), "
+                        "after the compiled rows as the budget allows; none: no such rows")
     parser.add_argument("--profile-seq-lens", type=int, nargs="*", default=[8192],
                         help="lengths whose BD3 rows (plain, decomposed, compiled) are profiled after their timed steps "
                         "(three more steps: syncs counted, wall time, the profiler): launches, busy against wall time, "

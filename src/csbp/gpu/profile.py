@@ -109,7 +109,7 @@ CPU_DRY_RUN = CheckProfile(
     ),
     table={
         "seq_lens": (32, 64), "decomposed_seq_lens": (64,), "decomposed_clean": "pieces",
-        "compiled_seq_lens": (64,), "profile_seq_lens": (64,),
+        "compiled_seq_lens": (64,), "selective_seq_lens": (64,), "profile_seq_lens": (64,),
         "block_size": 4, "model": DRY_RUN_MODEL, "dflash_seq_len": 64, "dflash_anchors": 4,
         "dflash_draft_layers": 1, "warmup": 1, "repeats": 1,
     },

@@ -26,6 +26,9 @@ a training step. Then ``bd3 compiled`` rows (``compiled_seq_lens``) train the BD
 ``train.compile: layers`` (``csbp.training.compile_regions``: the layers' norms, projections with RoPE
 and MLP compiled; the attention as in the BD3 rows): the first H200 table's MFU was 14-20%, and these
 rows say how much of the rest the eager elementwise work was. The compilation falls in the warmup step.
+Then ``bd3 selective`` rows (``selective_seq_lens``) train it with ``train.activation_checkpointing:
+selective`` (each layer's attention results kept, the rest recomputed): against the BD3 rows' ``full``,
+what not running the attention twice saves in a step, and what keeping its results costs in memory.
 
 A BD3 row (plain, decomposed or compiled) at one of ``profile_seq_lens`` then runs its step three more
 times after its timed steps (``csbp.bench.kernel_profile.profile_step``: one counting the synchronising
@@ -68,6 +71,7 @@ from csbp.gpu.flops import QWEN3_0_6B, bd3_step_flops, model_flop_utilisation
 from csbp.models.config import DecoderConfig
 from csbp.models.decoder import Decoder
 from csbp.objectives import build_objective, corruption_generator
+from csbp.plan.layout import SHORT_LABELS
 from csbp.training.activation_checkpointing import checkpoint_layers
 from csbp.training.compile_regions import check_compile_runs_on, compile_layers
 from csbp.training.step import autocast_for
@@ -97,6 +101,7 @@ class TableConfig:
     decomposed_clean: str = "pieces-cudnn"
     compiled_seq_lens: tuple[int, ...] = ()  # the device check asks for 8K (non-attention work weighs most) and 32K
     compile: str = "none"  # train.compile of the BD3 rows ("bd3 compiled" rows: layers)
+    selective_seq_lens: tuple[int, ...] = ()  # "bd3 selective" rows (the device check: 32K and 64K)
     profile_seq_lens: tuple[int, ...] = ()  # BD3 rows profiled after timing (the device check: 8K)
     profile_top: int = 8
     dflash_seq_len: int | None = 65536
@@ -364,6 +369,10 @@ def run_train_table(
     for seq_len in sorted(cfg.compiled_seq_lens):
         previous = plain.get(seq_len, previous)  # as above, plus the compilation in the warmup step
         run("bd3 compiled", seq_len, bd3_row("bd3 compiled", compiled, seq_len), extra_s=COMPILE_ALLOWANCE_S)
+    selective = dataclasses.replace(cfg, activation_checkpointing="selective")
+    for seq_len in sorted(cfg.selective_seq_lens):
+        previous = plain.get(seq_len, previous)  # the same model; at most the plain row's time
+        run("bd3 selective", seq_len, bd3_row("bd3 selective", selective, seq_len))
     if cfg.dflash_seq_len:
         def dflash() -> TableRow:
             step, checkpointing, flops = dflash_step_fn(cfg, device)
@@ -399,7 +408,7 @@ def format_train_table(rows: list[TableRow]) -> str:
     for row in rows:
         tokens = f"{row.seq_len // 1024}K" if row.seq_len % 1024 == 0 else str(row.seq_len)
         lines.append(
-            f"{row.kind:<14} {tokens:>7} {row.checkpointing:<5} {_cell(row.step_time_s, '8.3f')} "
+            f"{row.kind:<14} {tokens:>7} {SHORT_LABELS.get(row.checkpointing, row.checkpointing):<5} {_cell(row.step_time_s, '8.3f')} "
             f"{format_spread(row.step_times_s or ())} "
             f"{_cell(row.tokens_per_s, '9.0f')} {_cell(row.tflops, '8.1f')} {_percent(row.mfu):>6} "
             f"{_cell(row.peak_mem_bytes, '9.2f', 2.0**-30)}  {row.status}"

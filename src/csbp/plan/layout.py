@@ -16,6 +16,8 @@ from csbp.topology import Topology
 
 Transport = Literal["collective", "streaming", "halo"]
 Checkpointing = Literal["full", "none", "selective"]
+SHORT_LABELS: dict[str, str] = {"none": "none", "full": "full", "selective": "sel"}
+"""Checkpointing modes in a table's five-character column."""
 Placement = Literal["packed", "striped"]
 Sharding = Literal["fsdp2", "zero2", "ddp"]
 
