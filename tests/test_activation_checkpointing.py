@@ -170,3 +170,23 @@ def test_a_checkpointed_run_logs_the_plain_runs_losses(tmp_path: Path) -> None:
 def test_unknown_mode_is_rejected() -> None:
     with pytest.raises(ValueError, match="train.activation_checkpointing"):
         checkpoint_layers([], "attention")  # type: ignore[arg-type]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "case",
+    [
+        VerifyCase(Topology(dp=2), fsdp=True, activation_checkpointing="selective", micro_batches=2),
+        VerifyCase(Topology(cp=2, bp=2), transport="streaming", activation_checkpointing="selective", doc_length=9),
+        VerifyCase(Topology(cp=2), window=5, activation_checkpointing="selective"),
+    ],
+    ids=["fsdp-accumulation", "csbp-streaming-documents", "cp-window"],
+)
+def test_selective_checkpointing_passes_verification_on_other_layouts(case: VerifyCase) -> None:
+    """Beyond the collective CSBP ring above: FSDP2 with gradient accumulation (a fresh store per micro-step
+    and the recompute's parameter all-gathers), the streaming ring over packed documents (its backward
+    re-circulates K/V instead of keeping them), a sliding-window halo exchange."""
+    from csbp.engine.verify import verify
+
+    result = verify(case, timeout_s=300)
+    assert result.ok, result

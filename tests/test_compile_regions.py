@@ -118,7 +118,7 @@ def test_compiled_steps_match_eager_and_compile_each_region_once() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_compiled_fsdp_layout_passes_verification_against_the_dense_reference() -> None:
-    result = verify(VerifyCase(Topology(dp=2), fsdp=True, activation_checkpointing=True, compile=True),
+    result = verify(VerifyCase(Topology(dp=2), fsdp=True, activation_checkpointing="full", compile=True),
                     timeout_s=400)
     assert result.ok, result
 

@@ -76,6 +76,12 @@ def _pick(rng: random.Random, weighted: dict[Any, float]) -> Any:
     return rng.choices(list(weighted), weights=list(weighted.values()))[0]
 
 
+def _checkpointing(draw: float) -> str:
+    """``train.activation_checkpointing`` of a case from one uniform draw: 15% checkpointed, half of
+    them ``selective`` (one draw, as when it was on/off, so the draws after it stay the same)."""
+    return "full" if draw < 0.075 else "selective" if draw < 0.15 else "none"
+
+
 def draw_documents(rng: random.Random, seq_len: int, block_size: int, chunk: int) -> tuple[int, ...]:
     """The doc ids of one packed row: a document-length style, then maybe trailing padding (-1).
 
@@ -186,7 +192,7 @@ def draw_case(seed: int, max_nproc: int = 4) -> FuzzCase:
         supervision=supervision,
         micro_batches=micro_batches,
         reset_positions=documents and rng.random() < 0.3,
-        activation_checkpointing=rng.random() < 0.15,
+        activation_checkpointing=_checkpointing(rng.random()),
         fsdp=topology.dp > 1 and rng.random() < 0.2,
         grad_buckets=rng.choice([None, 2048, 16384, 2**25]) if rng.random() < 0.5 else None,
         ce_chunk_rows=rng.choice([1024, 1024, 3, 7]),

@@ -87,7 +87,7 @@ class VerifyCase:
     supervision: tuple[float, ...] | None = None
     micro_batches: int = 1  # gradient accumulation: micro-batches summed against one global denominator
     reset_positions: bool = False  # RoPE positions restart at each document (data.reset_positions)
-    activation_checkpointing: bool = False  # train.activation_checkpointing: full
+    activation_checkpointing: str = "none"  # train.activation_checkpointing: none | full | selective
     compile: bool = False  # train.compile: layers (regional torch.compile, csbp.training.compile_regions)
     fsdp: bool = False  # train.fsdp: FSDP2 (HSDP when local > 1) over the dp group
     # average gradients as the trainer does, in buckets of at most this many bytes all-reduced during the
@@ -231,7 +231,7 @@ def _model(case: VerifyCase, ctx: ParallelContext) -> Decoder:
     """The case's decoder on this rank: plain, or built on ``meta``, compiled, checkpointed and FSDP-sharded from
     outside and then filled with the same initial weights (as the trainer builds it)."""
     dtype = dtype_of(case.dtype)
-    if not (case.activation_checkpointing or case.fsdp or case.compile):
+    if not (case.activation_checkpointing != "none" or case.fsdp or case.compile):
         return Decoder(tiny_model_config(), dtype=dtype, seed=case.seed, device=ctx.device)
     from csbp.training.activation_checkpointing import checkpoint_layers
     from csbp.training.compile_regions import compile_layers
@@ -240,7 +240,7 @@ def _model(case: VerifyCase, ctx: ParallelContext) -> Decoder:
 
     model = Decoder(tiny_model_config(), dtype=dtype, device="meta")
     compile_layers(model.layers, "layers" if case.compile else "none")
-    checkpoint_layers(model.layers, "full" if case.activation_checkpointing else "none", ctx.counter)
+    checkpoint_layers(model.layers, case.activation_checkpointing, ctx.counter)  # type: ignore[arg-type]
     if case.fsdp:
         apply_fsdp(model, ctx, ctx.device)
     model.to_empty(device=ctx.device)
@@ -328,7 +328,7 @@ def reference(case: VerifyCase) -> tuple[float, dict[str, torch.Tensor]]:
     # the CPU reference: the plan only orders the rows (its kernels are replaced by the oracle)
     ref_case = replace(
         case, topology=Topology(), device="cpu", backend="tiles", diagonal="matmul", clean="generic",
-        activation_checkpointing=False, fsdp=False, compile=False, grad_buckets=None,
+        activation_checkpointing="none", fsdp=False, compile=False, grad_buckets=None,
     )
     return _forward_backward(ref_case, single_process_context(), num_replicas=case.topology.dp, oracle=True)
 
