@@ -178,6 +178,19 @@ def test_an_init_from_overwritten_in_place_is_refused(artifact: Path, tmp_path: 
     assert "\n" not in str(caught.value)
 
 
+def test_model_arch_next_to_init_from_is_no_change(artifact: Path, tmp_path: Path) -> None:
+    """With ``model.init_from`` the architecture comes from the checkpoint (``model.arch`` is not
+    read): a run of a Qwen2 checkpoint under the default ``arch: qwen3``, resumed with ``arch: qwen2``
+    (what it trains), was refused as 'trained with model.arch=qwen3'."""
+    _qwen2_checkpoint(tmp_path / "hf", open_artifact(artifact).vocab_size)
+    run_dir = tmp_path / "run"
+    train(tiny_config(artifact, **_from(tmp_path / "hf", **{"model.arch": "qwen3"})), run_dir=run_dir, max_steps=1)
+    notes: list[str] = []
+    check_run(tiny_config(artifact, **_from(tmp_path / "hf", **{"model.arch": "qwen2"})), run_dir=run_dir,
+              resume=True, warn=notes.append)
+    assert notes == []
+
+
 def test_a_directory_fingerprint_reads_only_both_ends_of_each_file(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
     directory.mkdir()

@@ -144,6 +144,10 @@ def resume_changes(
         return []  # nothing recorded to compare against
     before = _effective(flat_config(loaded))
     after = _effective(flat_config(cfg.model_dump(mode="json")))
+    if before.get("model.init_from") is not None and after.get("model.init_from") is not None:
+        # the checkpoint gives the architecture (model.arch is never read) and init_from is compared by contents
+        before.pop("model.arch", None)
+        after.pop("model.arch", None)
     notes: list[str] = []
     # the objective first: other fields' defaults follow it (loss weights, the document mask)
     order = {"objective.name": 0, "data.document_mask": 2}
