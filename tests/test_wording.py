@@ -38,6 +38,8 @@ def test_a_one_step_config_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert dict(summary_rows(one_layer))["model"].startswith("qwen3, 1 layer, hidden 128")
     drafter = load_run_config("dflash-demo", ["objective.dflash.num_draft_layers=1"])
     assert dict(summary_rows(drafter))["model"].startswith("DFlash drafter, 1 draft layer, shape from target")
+    one_warmup = load_run_config("demo", ["optim.warmup_steps=1"])
+    assert dict(summary_rows(one_warmup))["optim"] == "lr 0.003 (cosine, 1 warm-up step)"
     assert main(["config", "validate", "demo"]) == 0
     assert "  train      600 steps, 32 sequences per step, " in capsys.readouterr().out
 

@@ -160,7 +160,7 @@ def summary_rows(cfg: RunConfig) -> list[tuple[str, str]]:
             f"{counted(cfg.train.max_steps, 'step')}, {counted(global_batch, 'sequence')} per step, "
             f"{cfg.train.precision}",
         ),
-        ("optim", f"lr {cfg.optim.lr:g} ({cfg.optim.schedule}, {cfg.optim.warmup_steps} warm-up steps)"
+        ("optim", f"lr {cfg.optim.lr:g} ({cfg.optim.schedule}, {counted(cfg.optim.warmup_steps, 'warm-up step')})"
          + ("" if cfg.optim.ema_decay is None else f", weight average {cfg.optim.ema_decay:g} for validation and export")),
     ]
 
