@@ -52,3 +52,14 @@ def test_a_one_process_launch_mismatch(tmp_path: Path) -> None:
     single = load_run_config("mdlm-demo", ["topology.dp=1"])  # world size 1
     with pytest.raises(ValueError, match=r"\(fix: launch 1 process in all, or change the topology\)"):
         check_process_count(single, 2, LaunchOptions(nproc=2))
+
+
+def test_a_one_token_completion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`csbp generate` printed "[bd3, 1 tokens, 1 block of 4, ...]"."""
+    from test_generate_cli import export_tiny_run  # noqa: PLC0415
+
+    final = export_tiny_run(tmp_path / "run")
+    argv = ["generate", "--model", str(final), "--prompt", "the", "--device", "cpu", "--max-new-tokens", "1",
+            "--block-size", "4"]
+    assert main(argv) == 0
+    assert "[bd3, 1 token, 1 block of 4, " in capsys.readouterr().out

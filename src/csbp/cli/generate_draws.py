@@ -88,7 +88,7 @@ def draw_all(
             print(f"completion{f' (seed {seed})' if len(seeds) > 1 else ''}: {completion}")
             stop = "EOS" if result.stopped_at_eos else "max-new-tokens"
             print(
-                f"[{objective}, {len(result.token_ids)} tokens, {counted(len(result.block_starts), 'block')} of "
+                f"[{objective}, {counted(len(result.token_ids), 'token')}, {counted(len(result.block_starts), 'block')} of "
                 f"{config.block_size}, {counted(len(result.unmask_steps), 'denoising step')}, "
                 f"{'window ' + str(config.window) + ', ' if config.window else ''}stopped at {stop}, "
                 f"{timing} on {device}]"
