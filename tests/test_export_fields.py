@@ -118,3 +118,32 @@ def test_tokenizer_dir_and_tokenizer_files_together_are_refused(artifact: Path, 
     with pytest.raises(ValueError, match="pass tokenizer_dir or tokenizer_files, not both"):
         export_hf_checkpoint(model, model.config, tmp_path / "x", tokenizer_dir=artifact, tokenizer_files=files)
     assert not (tmp_path / "x").exists()
+
+
+def test_an_export_whose_training_inputs_are_gone_says_what_it_needs(artifact: Path, tmp_path: Path) -> None:
+    """``csbp export`` reads the run's data artifact (tokenizer, special ids) and ``model.init_from``
+    (config and generation config). Gone, it was refused with ``csbp train``'s line (fix: "run from the
+    directory holding your artifacts, or set data.train"), which no ``csbp export`` flag can follow."""
+    import shutil  # noqa: PLC0415
+
+    from test_rope_config import _from, _qwen2_checkpoint  # noqa: PLC0415
+
+    data = tmp_path / "art"
+    shutil.copytree(artifact, data)
+    _qwen2_checkpoint(tmp_path / "hf", open_artifact(data).vocab_size)
+    train(tiny_config(data, **_from(tmp_path / "hf")), run_dir=tmp_path / "run", max_steps=1)
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000001"
+    shutil.move(tmp_path / "hf", tmp_path / "hf-moved")
+    with pytest.raises(ValueError, match=r"^model\.init_from: .*/hf, which the run was trained from, is gone; csbp "
+                       r"export reads .* \(fix: restore it at .*/hf .*\)$") as caught:
+        export_checkpoint(checkpoint, tmp_path / "out")
+    assert "\n" not in str(caught.value)
+    shutil.move(tmp_path / "hf-moved", tmp_path / "hf")
+    shutil.move(data, tmp_path / "art-moved")
+    with pytest.raises(ValueError, match=r"^data\.train: .*/art, which the run was trained on, is gone; csbp export "
+                       r"reads .* \(fix: restore it at .*/art .*\)$"):
+        export_checkpoint(checkpoint, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    shutil.move(tmp_path / "art-moved", data)
+    export_checkpoint(checkpoint, tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").is_file()

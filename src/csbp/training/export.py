@@ -178,6 +178,7 @@ def _export_checkpoint(
     if weights == "ema" and not averaged:
         raise ValueError(f"--weights ema: {checkpoint} has no weight average (its run had no optim.ema_decay) "
                          "(fix: drop --weights, or pass --weights raw)")
+    _check_inputs_exist(cfg)
     inputs = check_run(cfg, check_device=False, warn=warn)
     model = Decoder(inputs.decoder_config, device="meta")
     metadata = read_metadata(checkpoint).state_dict_metadata
@@ -212,6 +213,24 @@ def _template(checkpoint: Path, metadata: Any, prefix: str, tensors: dict[str, t
             )
         template[name] = torch.empty(tuple(size), dtype=stored.properties.dtype)
     return template
+
+
+def _check_inputs_exist(cfg: RunConfig) -> None:
+    """One line naming a recorded input that is gone: the export reads the data artifact (tokenizer files,
+    special and mask ids) and ``model.init_from`` (config fields, generation config), and no export flag
+    can point it elsewhere (``csbp train``'s own line names fixes for a config)."""
+    needed = (
+        ("model.init_from", cfg.model.init_from, "trained from", "its config.json fields and generation_config.json"),
+        ("data.train", cfg.data.train, "trained on", "the tokenizer and special token ids of its data"),
+        ("data.val", cfg.data.val, "validated on", "the validation split it checks with the run's other inputs"),
+        ("data.tokenizer", cfg.data.tokenizer, "tokenized with", "the tokenizer files it ships"),
+    )
+    for field, path, verb, what in needed:
+        if path is not None and not Path(path).exists():
+            raise ValueError(
+                f"{field}: {path}, which the run was {verb}, is gone; csbp export reads {what} from it "
+                f"(fix: restore it at {path} (a copy with the same contents will do), then export again)"
+            )
 
 
 def checkpoints_dir_of(checkpoint: Path) -> Path:
