@@ -12,6 +12,7 @@ pre-tokenizer gives other ids. Small tokenizers are built here; nothing is downl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from csbp.data.artifact import open_artifact
 from csbp.data.prepare import PrepareConfig, prepare_artifact
 from csbp.models.decoder import Decoder
 from csbp.models.hf_io import export_hf_checkpoint
@@ -256,3 +258,20 @@ def test_generation_stops_at_the_chat_tokenizers_eos_and_at_the_data_eos(importe
     # a list that already holds both is kept as it is
     (init / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     assert json.loads((export_of(cfg, tmp_path / "kept") / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+
+
+def test_a_mask_token_past_the_checkpoints_embedding_names_a_fix_that_works(
+    imported: dict[str, Path], tmp_path: Path
+) -> None:
+    """A checkpoint whose embedding has no row for the ``<|mask|>`` the docs tell users to add: the fix
+    was "prepare the data with the checkpoint's tokenizer", which has no mask token, so ``csbp data
+    prepare`` refused that in turn. It names the mask token and ``--mask-token`` now."""
+    artifact = open_artifact(imported["art"])
+    assert artifact.mask_token_id == artifact.vocab_size - 1
+    shape = dataclasses.replace(check_run(tiny_config(imported["art"])).decoder_config, vocab_size=artifact.mask_token_id)
+    init = export_hf_checkpoint(Decoder(shape, seed=1), shape, tmp_path / "init", tokenizer_dir=imported["base"])
+    cfg = tiny_config(imported["art"], **SHAPE_FREE, **{"model.init_from": str(init)})
+    with pytest.raises(ValueError, match=rf"^model\.init_from: .* the data's mask token '<\|mask\|>' is id "
+                       rf"{artifact.mask_token_id}, past the embedding: .*\(fix: .*--mask-token") as caught:
+        check_run(cfg)
+    assert "\n" not in str(caught.value)

@@ -110,6 +110,16 @@ def decoder_config_for_run(cfg: RunConfig, artifact: Artifact) -> DecoderConfig:
             fix = "" if "(fix:" in str(exc) else " (fix: change model.arch or model.qk_norm)"
             raise ValueError(f"model.arch: {exc}{fix}") from None
     if artifact.vocab_size > config.vocab_size:
+        mask_id = artifact.special_ids.get("mask")
+        if model.init_from is not None and mask_id is not None and mask_id >= config.vocab_size:
+            # the mask token the docs say to add after the checkpoint's ids: its own tokenizer has none to prepare with
+            name = artifact.manifest.get("tokenizer", {}).get("special_names", {}).get("mask", "<|mask|>")
+            raise ValueError(
+                f"model.init_from: the checkpoint {model.init_from} embeds {config.vocab_size} ids, and the data's mask "
+                f"token {name!r} is id {mask_id}, past the embedding: the model has no row for it (fix: prepare the "
+                f"data naming a token of the checkpoint's tokenizer that the data never holds, such as an unused "
+                f"reserved token, as the mask: csbp data prepare --tokenizer {model.init_from} --mask-token TOKEN)"
+            )
         if model.init_from is not None:
             raise ValueError(
                 f"model.init_from: the data artifact {artifact.directory} has token ids up to "
