@@ -90,6 +90,10 @@ def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.Cap
     (tmp_path / "artifacts" / "demo-4k-64").mkdir(parents=True)  # exists, so it is checked like `csbp train` does
     code, out, err = run(capsys, "config", "validate", str(config))
     assert code == 2 and "note:" not in out and "demo-4k-64 is not a prepared data artifact" in err
+    # a tokenizer directory is not made by `csbp data prepare`: its note told users to prepare it with that
+    (tmp_path / "artifacts" / "demo-4k-64").rmdir()
+    code, out, _ = run(capsys, "config", "validate", str(config), "--set", f"data.tokenizer={tmp_path / 'tok'}")
+    assert code == 0 and f"note: data.tokenizer does not exist yet: {tmp_path / 'tok'}\n" in out, out
 
 
 def test_config_validate_print_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -209,6 +209,6 @@ def missing_path_notes(cfg: RunConfig) -> list[str]:
     notes = []
     for field, value in inputs.items():
         if value is not None and not Path(value).exists():
-            hint = missing_input_hint(Path(value)) if field.startswith("data.") else ""
+            hint = missing_input_hint(Path(value)) if field in ("data.train", "data.val") else ""  # artifacts only
             notes.append(f"{field} does not exist yet: {value}{hint}")
     return notes
