@@ -34,7 +34,8 @@ factor than the one trained with.
 
 A ``model_type`` other than the family's (``llama`` with ``LlamaForCausalLM``, ...) is a
 ``ValueError``: ``AutoModelForCausalLM`` builds its class from ``model_type`` (a ``mistral`` one with
-``LlamaForCausalLM`` runs as Mistral, sliding window included), so csbp would load another model.
+``LlamaForCausalLM`` runs as Mistral, sliding window included), so csbp would load another model; the one
+exception is a Fast-dLLM v2 release (``Fast_dLLM_Qwen``), read as the Qwen2 it patches (``hf_release``).
 Sliding-window layers, non-SiLU activations, partial rotary embeddings, per-layer-type RoPE and a
 ``quantization_config`` are rejected with a ``ValueError`` naming the field. Which Qwen layers slide is
 read as transformers' ``Qwen2Config``/``Qwen3Config`` read it (``hf_families.qwen_layer_types``): ``layer_types``
@@ -65,6 +66,7 @@ import torch
 
 from csbp.models.config import DecoderConfig
 from csbp.models.hf_families import attention_shape, check_exportable, flag, positive_int
+from csbp.models.hf_release import as_qwen2, is_fast_dllm_release
 from csbp.models.rope import RopeScaling
 
 HF_CLASS_BY_ARCH: dict[str, str] = {
@@ -87,7 +89,10 @@ _ROPE_KEYS_ELSEWHERE = ("rope_theta", "partial_rotary_factor")
 
 
 def decoder_config_from_hf(hf_config: dict[str, Any]) -> DecoderConfig:
-    """Map a HF ``config.json`` dict onto ``DecoderConfig``; unsupported features raise ``ValueError``."""
+    """Map a HF ``config.json`` dict onto ``DecoderConfig``; unsupported features raise ``ValueError``.
+    A Fast-dLLM v2 release's is read as the Qwen2 one it patches (``csbp.models.hf_release``)."""
+    if is_fast_dllm_release(hf_config):
+        hf_config = as_qwen2(hf_config)
     architectures = hf_config.get("architectures") or []
     if (
         not isinstance(architectures, list) or len(architectures) != 1 or not isinstance(architectures[0], str)
