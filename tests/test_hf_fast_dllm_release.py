@@ -25,9 +25,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
+from csbp.cli import generate_cmd  # noqa: E402
+from csbp.cli.main import main  # noqa: E402
 from csbp.data import open_artifact  # noqa: E402
 from csbp.data.prepare import PrepareConfig, prepare_artifact  # noqa: E402
 from csbp.data.tokenizer import SpecialTokens  # noqa: E402
+from csbp.evaluation.settings import resolve_settings  # noqa: E402
 from csbp.models import load_hf_checkpoint  # noqa: E402
 from csbp.models.hf_config import decoder_config_from_hf  # noqa: E402
 from test_hf_rope import csbp_logits, hf_logits, perturb_  # noqa: E402
@@ -141,6 +144,62 @@ def test_init_from_a_release_trains(release: tuple[Path, Any], artifact: Path, t
     assert not (release[0] / SENTINEL).exists()
 
 
+def test_generate_samples_a_release_as_fast_dllm_v2_at_its_bd_size(
+    release: tuple[Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = release[0]
+    mask_ids = []
+    draw_all = generate_cmd.draw_all
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        mask_ids.append(kwargs["mask_token_id"])
+        return draw_all(*args, **kwargs)
+
+    monkeypatch.setattr(generate_cmd, "draw_all", recording)
+    args = ["generate", "--model", str(directory), "--prompt", "the quick", "--max-new-tokens", "8", "--device", "cpu"]
+    assert main([*args, "--json", str(tmp_path / "out.json")]) == 0
+    printed = capsys.readouterr()
+    assert "records no training settings" not in printed.err and MASK not in printed.out
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert (report["objective"], report["settings"]["block_size"], report["settings"]["token_shift"]) == (
+        "fast_dllm_v2", 32, True)
+    assert mask_ids == [Tokenizer.from_file(str(directory / "tokenizer.json")).token_to_id(MASK)]  # |<MASK>|
+    assert main([*args, "--mask-token", MASK, "--objective", "fast_dllm_v2", "--block-size", "32"]) == 0  # its own
+    capsys.readouterr()
+    config_file = directory / "config.json"
+    assert main([*args, "--block-size", "16"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"csbp: error: --block-size 16: the model was trained with block size 32 ({config_file}) "
+        "(fix: drop --block-size, or add --allow-block-size-change to sample with another block size)"
+    )
+    assert main([*args, "--block-size", "16", "--allow-block-size-change"]) == 0
+    assert (
+        f"csbp generate: sampling with block size 16, not the trained 32 ({config_file}; --allow-block-size-change)"
+        in capsys.readouterr().err
+    )
+
+
+def test_eval_scores_a_release_as_fast_dllm_v2_at_its_bd_size(
+    release: tuple[Path, Any], artifact: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    directory = release[0]
+    config = decoder_config_from_hf(json.loads((directory / "config.json").read_text()))
+    settings = resolve_settings(directory, config, open_artifact(artifact))
+    assert (settings.objective, settings.block_size, settings.mask_token_id, settings.document_mask) == (
+        "fast_dllm_v2", 32, open_artifact(artifact).mask_token_id, True)
+    args = ["eval", "--model", str(directory), "--data", str(artifact), "--samples", "1", "--no-ltr", "--max-batches",
+            "1", "--micro-batch-size", "2"]
+    assert main([*args, "--json", str(tmp_path / "eval.json")]) == 0
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert (report["objective"], report["block_size"], report["document_mask"]) == ("fast_dllm_v2", 32, True)
+    capsys.readouterr()
+    assert main([*args, "--block-size", "16"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"csbp: error: --block-size 16: the model was trained with block size 32 ({directory / 'config.json'}) "
+        "(fix: drop --block-size, or add --allow-block-size-change to evaluate with another block size)"
+    )
+
+
 @pytest.mark.parametrize(
     ("edits", "message"),
     [
@@ -154,11 +213,14 @@ def test_init_from_a_release_trains(release: tuple[Path, Any], artifact: Path, t
     ],
 )
 def test_a_bad_release_config_is_refused_in_one_line(
-    transformers: ModuleType, tmp_path: Path, edits: dict[str, Any], message: str
+    transformers: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str], edits: dict[str, Any], message: str
 ) -> None:
     make_release(transformers, tmp_path / "rel", **edits)
     config_file = tmp_path / "rel" / "config.json"
     with pytest.raises(ValueError, match=re.escape(message)) as refused:
         decoder_config_from_hf(json.loads(config_file.read_text()))
     assert str(refused.value).startswith("config.json ")
+    assert main(["generate", "--model", str(tmp_path / "rel"), "--prompt", "the", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"csbp: error: {config_file} ") and message in err[0], err
     assert not (tmp_path / "rel" / SENTINEL).exists()

@@ -13,14 +13,16 @@ Qwen3/Qwen2/Llama/Mistral checkpoint ``csbp.models.hf_io.load_hf_checkpoint`` re
 from the same directory unless ``--tokenizer`` names another one. The mask token is the recorded
 ``mask_token_id`` (``csbp.generation.run_settings.trained_mask_token``, which ``csbp eval`` reads too:
 the export's ``csbp_training``, then the run's ``config.yaml``, then ``config.json``'s
-``mask_token_id``; records that disagree are refused), else the tokenizer's ``<|mask|>``;
+``mask_token_id``, then a Fast-dLLM v2 release's ``|<MASK>|``; records that disagree are refused), else the
+tokenizer's ``<|mask|>``;
 ``--mask-token`` names another for a checkpoint that records none, and one that is not the recorded
 id is refused.
 
 The sampler must use the block size and label alignment the model was trained with. For a run's
 ``final/`` export they default to ``objective.name``/``block_size`` of the run's
 ``config.yaml`` (one directory up), for an export moved elsewhere to the same fields its
-``config.json`` records (``csbp_training``); otherwise to ``bd3`` with ``B = 16``. ``--objective`` or ``--block-size`` other than the run's is refused unless
+``config.json`` records (``csbp_training``), for a Fast-dLLM v2 release to ``fast_dllm_v2`` at its
+``bd_size`` (``csbp.models.hf_release``); otherwise to ``bd3`` with ``B = 16``. ``--objective`` or ``--block-size`` other than the run's is refused unless
 ``--allow-objective-change`` / ``--allow-block-size-change`` (an experiment: the model never saw
 that attention pattern or block grid), which then notes the change on stderr
 (``csbp.cli.trained_settings``, shared with ``csbp eval``).
@@ -69,6 +71,7 @@ from csbp.cli.options import (
 from csbp.cli.trained_settings import add_override_flags, check_trained_overrides, print_notes
 from csbp.generation.run_settings import (
     TOKEN_SHIFT_OBJECTIVES,
+    NotBlockDiffusionError,
     beyond_training_note,
     run_objective_settings,
     trained_mask_token,
@@ -279,7 +282,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model_dir: Path = check_model_directory(args.model)
     try:
         run_settings = run_objective_settings(model_dir)
-    except ValueError as error:
+    except NotBlockDiffusionError as error:
         raise ValueError(f"{error}, which csbp generate samples (fix: --model the export of a block-diffusion run)") from None
     notes = check_trained_overrides("generate", args, model_dir, run_settings)
     trained_window = run_settings.get("window")

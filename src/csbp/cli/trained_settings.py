@@ -7,8 +7,8 @@ pattern or label alignment), so both commands refuse it with one line naming the
 and the fix, unless the matching ``--allow-...-change`` flag marks it as a deliberate experiment
 (e.g. scoring a bd3-trained model as mdlm, or sampling it with another block size); the command
 then notes the change on stderr (:func:`print_notes`, once every other check has passed, so a
-refused command still prints one line). Checkpoints without a run config have nothing to compare
-against.
+refused command still prints one line). A Fast-dLLM v2 release compares against its ``bd_size``
+(``csbp.models.hf_release``); other checkpoints without a run config have nothing to compare against.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ run's ``config.yaml`` (the same file ``csbp generate`` reads, via
 ``block_size``, ``mask_token_id``, ``topology.window`` and ``data.document_mask`` /
 ``reset_positions``. ``--objective`` / ``--block-size`` other than the run's are refused before this
 runs unless ``--allow-objective-change`` / ``--allow-block-size-change`` (``csbp.cli.trained_settings``,
-shared with ``csbp generate``); a checkpoint without a run config needs ``--objective`` and
+shared with ``csbp generate``); a Fast-dLLM v2 release is ``fast_dllm_v2`` at its ``bd_size``
+(``csbp.models.hf_release``); any other checkpoint without a run config needs ``--objective`` and
 ``--block-size``. The mask token is the one the model was trained with
 (:func:`csbp.generation.run_settings.trained_mask_token`, as ``csbp generate`` takes it: the export's
 ``csbp_training`` record, then the run config, then ``config.json``'s ``mask_token_id``; records that
@@ -27,7 +28,12 @@ from typing import Any
 
 from csbp.data.artifact import Artifact
 from csbp.data.tokenizer import fingerprint_bytes
-from csbp.generation.run_settings import run_objective_settings, trained_mask_token, training_record
+from csbp.generation.run_settings import (
+    NotBlockDiffusionError,
+    run_objective_settings,
+    trained_mask_token,
+    training_record,
+)
 from csbp.models.config import DecoderConfig
 from csbp.objectives import build_objective
 from csbp.objectives.base import Objective
@@ -76,7 +82,7 @@ def run_config_settings(model_dir: Path) -> dict[str, Any]:
     """The run's settings when ``model_dir`` is ``RUN/final`` (empty for any other directory)."""
     try:
         settings = run_objective_settings(model_dir)
-    except ValueError as error:
+    except NotBlockDiffusionError as error:
         raise ValueError(
             f"{error}, which csbp eval scores (fix: --model the export of a block-diffusion run; an ar run's val_loss "
             "is already its exact NLL)"

@@ -5,8 +5,10 @@ A run's Hugging Face export is ``RUN/final``; the run config sits one directory 
 records the same fields in its ``config.json`` under ``csbp_training`` (the run config's shape:
 ``objective``, ``topology.window``, ``data.document_mask``/``reset_positions``), so an export copied
 or moved away from its run directory samples and scores as trained. A checkpoint with neither (a
-model csbp did not train) has nothing known about its training. The mask token is read apart
-(:func:`trained_mask_token`): a run config may leave ``objective.mask_token_id`` to the data
+model csbp did not train) has nothing known about its training, except a Fast-dLLM v2 release, whose
+``config.json`` ``bd_size`` stands for such a record (``fast_dllm_v2`` at block size ``bd_size``;
+``csbp.models.hf_release``) and whose mask token is the ``|<MASK>|`` its ``tokenizer.json`` adds.
+The mask token is read apart (:func:`trained_mask_token`): a run config may leave ``objective.mask_token_id`` to the data
 artifact's manifest, so the export's record, which holds the id the run used, comes first there.
 
 The export's ``generation_config.json`` describes, for other readers, how ``csbp generate`` samples
@@ -22,6 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from csbp.config.loading import read_yaml_file
+from csbp.models.hf_release import (
+    RELEASE_MASK_TOKEN,
+    is_fast_dllm_release,
+    release_mask_id,
+    release_training_record,
+)
 
 if TYPE_CHECKING:
     from csbp.config.schema import RunConfig
@@ -29,6 +37,10 @@ if TYPE_CHECKING:
 #: the block-diffusion objectives a model can be sampled and scored as, and whether each predicts
 #: position ``i`` from row ``i - 1`` (token shift)
 TOKEN_SHIFT_OBJECTIVES = {"bd3": False, "mdlm": False, "fast_dllm_v2": True}
+
+
+class NotBlockDiffusionError(ValueError):
+    """A training record whose objective is not one ``csbp generate`` samples or ``csbp eval`` scores."""
 
 
 #: the ``config.json`` key of an export that records how it was trained
@@ -101,9 +113,12 @@ def training_record(model_dir: Path) -> tuple[dict[str, Any], Path] | None:
         return (loaded, config_file) if isinstance(loaded, dict) else None
     exported = model_dir / "config.json"
     try:
-        record = json.loads(exported.read_text(encoding="utf-8")).get(EXPORT_KEY)
+        config = json.loads(exported.read_text(encoding="utf-8"))
+        record = config.get(EXPORT_KEY)
     except (OSError, ValueError, AttributeError):
         return None
+    if record is None:  # a Fast-dLLM v2 release records its block size as bd_size
+        record = release_training_record(config, str(exported))
     return (record, exported) if isinstance(record, dict) else None
 
 
@@ -123,7 +138,7 @@ def run_objective_settings(model_dir: Path) -> dict[str, Any]:
         return {}
     name = str(objective["name"])
     if name not in TOKEN_SHIFT_OBJECTIVES:
-        raise ValueError(
+        raise NotBlockDiffusionError(
             f"{config_file} trained objective {name!r}, not a block-diffusion model ({', '.join(TOKEN_SHIFT_OBJECTIVES)})"
         )
     settings: dict[str, Any] = {"objective": name, "source": config_file}
@@ -163,6 +178,8 @@ def trained_mask_token(model_dir: Path) -> tuple[int, Path] | None:
         loaded = read_yaml_file(run_config)
         records.append((_mask_field(loaded), run_config, "objective.mask_token_id"))
     records.append((config.get("mask_token_id"), exported, "mask_token_id"))
+    if record is None and is_fast_dllm_release(config):  # the release's tokenizer adds |<MASK>|
+        records.append((release_mask_id(model_dir), model_dir / "tokenizer.json", f"added token {RELEASE_MASK_TOKEN}"))
     found: tuple[int, Path, str] | None = None
     for value, where, field in records:
         if value is None:
@@ -230,6 +247,7 @@ HF_DEFAULT_POSITIONS = {
     "qwen2": ("Qwen2Config", 32768),
     "llama": ("LlamaConfig", 2048),
     "mistral": ("MistralConfig", 131072),
+    "Fast_dLLM_Qwen": ("Qwen2Config", 32768),  # a Fast-dLLM v2 release: a patched Qwen2Config
 }
 """``max_position_embeddings`` transformers reads for a config.json that sets none (its config class's
 default, by ``model_type``); csbp's exports always write one."""
