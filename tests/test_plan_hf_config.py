@@ -101,6 +101,18 @@ def test_a_csbp_export_is_planned_with_the_objective_block_and_window_it_trained
     assert "bd3, block 32)" in plan(capsys, path)[1].splitlines()[0]  # no record: the defaults
 
 
+def test_a_fast_dllm_v2_release_is_planned_as_fast_dllm_v2_at_its_bd_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A Fast-dLLM v2 release (``csbp.models.hf_release``) records no ``csbp_training``; its ``bd_size`` is
+    the block size it trained with, and it was planned as bd3 with blocks of 32 whatever that was."""
+    path = tmp_path / "config.json"
+    release = {"model_type": "Fast_dLLM_Qwen", "architectures": ["Fast_dLLM_QwenForCausalLM"], "bd_size": 16}
+    path.write_text(json.dumps({**CONFIG, **release}), encoding="utf-8")
+    code, out, err = plan(capsys, path)
+    assert (code, err) == (0, "") and "fast_dllm_v2, block 16)" in out.splitlines()[0], out
+
+
 @pytest.mark.parametrize("topology", [[512], "window: 512", 3])
 def test_a_record_whose_topology_is_no_mapping_plans_without_a_window(tmp_path: Path, capsys, topology) -> None:
     """``(trained.get("topology") or {}).get("window")`` raised AttributeError (a traceback) on such a record."""

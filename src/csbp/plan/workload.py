@@ -281,8 +281,8 @@ def hf_workload(
 ) -> Workload:
     """A decoder from a Hugging Face ``config.json`` (or a folder holding one), bf16. ``source``
     names where the path came from (a flag or a config field) in the error when it holds none. The
-    objective, block size and attention window default to those a csbp export records (``csbp_training``),
-    else bd3, 32 and the config's own."""
+    objective, block size and attention window default to those a csbp export records (``csbp_training``;
+    a Fast-dLLM v2 release: ``fast_dllm_v2`` at its ``bd_size``), else bd3, 32 and the config's own."""
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         fix = "train the target first, or point it at a folder holding one" if source == "objective.dflash.target" else (
@@ -336,6 +336,8 @@ def hf_workload(
         tied_embeddings=_flag(cfg, "tie_word_embeddings", file),
     )
     trained = cfg.get("csbp_training")
+    if trained is None and cfg.get("model_type") == "Fast_dLLM_Qwen":  # a Fast-dLLM v2 release (models.hf_release)
+        trained = {"objective": {"name": "fast_dllm_v2", "block_size": cfg.get("bd_size")}}
     recorded = trained.get("objective") if isinstance(trained, dict) else None
     recorded = recorded if isinstance(recorded, dict) else {}
     if objective is None:
