@@ -66,8 +66,8 @@ def test_the_constant_schedule_holds_the_peak_after_warmup() -> None:
 
 
 def test_an_unknown_schedule_is_refused() -> None:
-    with pytest.raises(ValueError, match="optim.schedule='linear'"):
-        lr_multiplier(5, warmup_steps=2, max_steps=10, schedule="linear", min_lr_ratio=0.1)
+    with pytest.raises(ValueError, match="optim.schedule='step'"):
+        lr_multiplier(5, warmup_steps=2, max_steps=10, schedule="step", min_lr_ratio=0.1)
 
 
 def test_the_optimizer_takes_the_configs_hyperparameters_and_no_frozen_parameter() -> None:

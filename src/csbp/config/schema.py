@@ -356,12 +356,16 @@ class OptimSection(_Section):
     """AdamW and the learning-rate schedule."""
 
     lr: float = Field(gt=0.0, description="Peak learning rate.")
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of lr (cosine).")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of lr (cosine, linear, wsd).")
     weight_decay: float = Field(0.01, ge=0.0, description="Decoupled weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
-    schedule: Literal["cosine", "constant"] = Field("cosine", description="Decay after warm-up.")
+    schedule: Literal["cosine", "constant", "linear", "wsd"] = Field(
+        "cosine", description="Decay after warm-up: cosine or linear to min_lr_ratio, constant, or wsd "
+        "(warm-up-stable-decay: constant, then linear to min_lr_ratio over the last decay_fraction).")
+    decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="wsd: the share of the steps after warm-up "
+                                  "that decays (the rest hold the peak lr).")
     grad_clip: float | None = Field(1.0, gt=0.0, description="Global gradient-norm clip; null disables.")
     ema_decay: float | None = Field(
         None, gt=0.0, lt=1.0, description="Exponential moving average of the weights (bd3lms: 0.9999), used by "
