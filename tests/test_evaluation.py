@@ -284,7 +284,7 @@ def test_csbp_eval_fails_closed(trained: tuple[Path, Path, str], tmp_path: Path,
     message = _error(capsys, ["eval", "--model", str(bare), "--data", str(artifact), "--objective", "bd3", "--block-size", "4"])
     assert "embeds 64" in message and "fix:" in message
     other = make_artifact(tmp_path / "other", seed=5, num_docs=30)  # another trained tokenizer
-    assert "another tokenizer" in _error(capsys, ["eval", "--model", model, "--data", str(other)])
+    assert "but the tokenizer of the data" in _error(capsys, ["eval", "--model", model, "--data", str(other)])
 
 
 def test_csbp_eval_refuses_a_silent_objective_or_block_size_change(

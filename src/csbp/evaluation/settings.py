@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from csbp.data.artifact import Artifact
-from csbp.data.tokenizer import fingerprint_bytes
 from csbp.generation.run_settings import (
     NotBlockDiffusionError,
     run_objective_settings,
@@ -162,9 +161,18 @@ def resolve_settings(
 
 
 def _check_vocabulary(model_dir: Path, config: DecoderConfig, artifact: Artifact, mask_token_id: int) -> None:
+    """Every id the data uses (its mask token included) must be an embedding row, and the model's
+    tokenizer (if it has one) must give each of its tokens the data's id: as training takes a
+    ``model.init_from`` checkpoint, the data's tokenizer may add tokens (the ``<|mask|>`` the docs say
+    to add) after the model's ids but not renumber them."""
+    from csbp.training.model_factory import check_checkpoint_tokenizer, mask_past_embedding  # noqa: PLC0415
+
     vocab = config.vocab_size
     largest = artifact.max_token_id()
     if largest >= vocab or artifact.vocab_size > vocab:
+        past = mask_past_embedding("--model", model_dir, vocab, artifact) if largest < vocab else None
+        if past is not None:
+            raise ValueError(past)
         raise ValueError(
             f"--data {artifact.directory}: its tokenizer has {artifact.vocab_size} ids (largest stored {largest}) "
             f"but the model {model_dir} embeds {vocab} (fix: evaluate on data prepared with the model's tokenizer)"
@@ -174,9 +182,4 @@ def _check_vocabulary(model_dir: Path, config: DecoderConfig, artifact: Artifact
             f"mask token id {mask_token_id} is outside the model vocabulary [0, {vocab}) of {model_dir} (fix: evaluate "
             "on data prepared with the model's tokenizer, or a checkpoint whose recorded mask_token_id it embeds)"
         )
-    tokenizer_file = model_dir / "tokenizer.json"
-    if tokenizer_file.is_file() and fingerprint_bytes(tokenizer_file.read_bytes()) != artifact.tokenizer_fingerprint:
-        raise ValueError(
-            f"--data {artifact.directory} was prepared with another tokenizer than {tokenizer_file} "
-            "(fingerprints differ) (fix: evaluate on data prepared with the model's tokenizer)"
-        )
+    check_checkpoint_tokenizer(model_dir, artifact, label="--model")

@@ -110,16 +110,10 @@ def decoder_config_for_run(cfg: RunConfig, artifact: Artifact) -> DecoderConfig:
             fix = "" if "(fix:" in str(exc) else " (fix: change model.arch or model.qk_norm)"
             raise ValueError(f"model.arch: {exc}{fix}") from None
     if artifact.vocab_size > config.vocab_size:
-        mask_id = artifact.special_ids.get("mask")
-        if model.init_from is not None and mask_id is not None and mask_id >= config.vocab_size:
-            # the mask token the docs say to add after the checkpoint's ids: its own tokenizer has none to prepare with
-            name = artifact.manifest.get("tokenizer", {}).get("special_names", {}).get("mask", "<|mask|>")
-            raise ValueError(
-                f"model.init_from: the checkpoint {model.init_from} embeds {config.vocab_size} ids, and the data's mask "
-                f"token {name!r} is id {mask_id}, past the embedding: the model has no row for it (fix: prepare the "
-                f"data naming a token of the checkpoint's tokenizer that the data never holds, such as an unused "
-                f"reserved token, as the mask: csbp data prepare --tokenizer {model.init_from} --mask-token TOKEN)"
-            )
+        if model.init_from is not None:
+            past = mask_past_embedding("model.init_from", Path(str(model.init_from)), config.vocab_size, artifact)
+            if past is not None:
+                raise ValueError(past)
         if model.init_from is not None:
             raise ValueError(
                 f"model.init_from: the data artifact {artifact.directory} has token ids up to "
@@ -141,10 +135,27 @@ def _yaml(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else repr(value)
 
 
-def check_checkpoint_tokenizer(directory: Path, artifact: Artifact) -> None:
+def mask_past_embedding(label: str, directory: Path, vocab_size: int, artifact: Artifact) -> str | None:
+    """The refusal when the data's mask token (the ``<|mask|>`` the docs say to add after a checkpoint's
+    ids) is past the ``vocab_size`` rows ``directory`` embeds, else None. Its fix names ``--mask-token``:
+    the checkpoint's own tokenizer has no mask token for ``csbp data prepare`` to take."""
+    mask_id = artifact.special_ids.get("mask")
+    if mask_id is None or mask_id < vocab_size:
+        return None
+    name = artifact.manifest.get("tokenizer", {}).get("special_names", {}).get("mask", "<|mask|>")
+    return (
+        f"{label}: the checkpoint {directory} embeds {vocab_size} ids, and the data's mask "
+        f"token {name!r} is id {mask_id}, past the embedding: the model has no row for it (fix: prepare the "
+        f"data naming a token of the checkpoint's tokenizer that the data never holds, such as an unused "
+        f"reserved token, as the mask: csbp data prepare --tokenizer {directory} --mask-token TOKEN)"
+    )
+
+
+def check_checkpoint_tokenizer(directory: Path, artifact: Artifact, label: str = "model.init_from") -> None:
     """``ValueError`` when the checkpoint's ``tokenizer.json`` (if it has one) maps a token to another
     id than the data's tokenizer does: its embeddings were trained for its own ids. The data's
-    tokenizer may add tokens (a ``<|mask|>`` for block diffusion) but not renumber them."""
+    tokenizer may add tokens (a ``<|mask|>`` for block diffusion) but not renumber them. ``label``
+    names the option that gave ``directory`` (``--model`` for ``csbp eval``)."""
     from tokenizers import Tokenizer  # noqa: PLC0415
 
     ckpt_file, data_file = directory / "tokenizer.json", artifact.directory / "tokenizer.json"
@@ -160,7 +171,7 @@ def check_checkpoint_tokenizer(directory: Path, artifact: Artifact) -> None:
         found = ours.get(token)
         where = "lacks it" if found is None else f"has it as id {found}"
         raise ValueError(
-            f"model.init_from: {ckpt_file} has token {token!r} as id {index} but the tokenizer of the data "
+            f"{label}: {ckpt_file} has token {token!r} as id {index} but the tokenizer of the data "
             f"{artifact.directory} {where} ({len(moved)} of {len(theirs)} tokens differ) (fix: prepare the data with "
             f"the checkpoint's tokenizer, csbp data prepare --tokenizer {directory}, adding tokens only after its ids)"
         )
