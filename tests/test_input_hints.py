@@ -151,3 +151,33 @@ def test_a_directory_of_artifacts_names_them(tmp_path: Path) -> None:
         f"data.train: {tmp_path / 'artifacts'} is a directory of artifacts, not one (demo, demo-4k-64) "
         f"(fix: set data.train: {first}, or the one you mean)"
     )
+
+
+def test_a_config_in_a_subdirectory_names_the_init_from_checkpoint_under_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model.init_from: hf-base`` in ``configs/run.yaml`` run from the directory holding ``hf-base``
+    said "point it at a local directory with config.json"; ``data.train`` already named the path
+    under the working directory."""
+    import yaml
+
+    from csbp.config import load_config
+
+    artifact = make_artifact(tmp_path / "art")
+    found = tmp_path / "hf-base"
+    found.mkdir()
+    (found / "config.json").write_text("{}", encoding="utf-8")
+    data = config_dict(artifact)
+    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        data["model"].pop(name, None)
+    data["model"]["init_from"] = "hf-base"
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "run.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as info:
+        check_run(load_config(tmp_path / "configs" / "run.yaml"), check_device=False)
+    assert str(info.value) == (
+        f"model.init_from: {tmp_path / 'configs' / 'hf-base'} is not a HF checkpoint directory (no config.json) "
+        f"(fix: {found} is a HF checkpoint directory (relative paths in a config file resolve against the file's "
+        "directory): set model.init_from: " + str(found) + ")"
+    )

@@ -20,6 +20,7 @@ data a run reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from csbp.data.corpus import demo_prepare_command
@@ -40,13 +41,19 @@ def artifacts_inside(path: Path) -> list[Path]:
         return []
 
 
-def artifact_under_cwd(path: Path) -> Path | None:
-    """An artifact in the working directory at one of ``path``'s last few components (``artifacts/x``
-    for ``/elsewhere/configs/artifacts/x``), the usual result of a copied config in another directory."""
+def is_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a directory holding a HF checkpoint's ``config.json``."""
+    return (path / "config.json").is_file()
+
+
+def artifact_under_cwd(path: Path, wanted: Callable[[Path], bool] = is_artifact) -> Path | None:
+    """An artifact (``wanted``: else what it accepts) in the working directory at one of ``path``'s last
+    few components (``artifacts/x`` for ``/elsewhere/configs/artifacts/x``), the usual result of a copied
+    config in another directory or a config in a subdirectory naming a path of the working directory."""
     parts = path.parts
     for count in range(1, min(len(parts) - 1, 4) + 1):
         candidate = Path.cwd() / Path(*parts[-count:])
-        if candidate != path and is_artifact(candidate):
+        if candidate != path and wanted(candidate):
             return candidate
     return None
 
@@ -137,12 +144,20 @@ def _inside_cwd(path: Path) -> bool:
     return True
 
 
-def checkpoint_directory_fix(directory: Path, fallback: str) -> str:
+def checkpoint_directory_fix(directory: Path, fallback: str, field: str | None = None) -> str:
     """The fix for a ``directory`` given where a HF checkpoint directory (``config.json``) belongs: the
-    export of a run directory, the way to export a training checkpoint, else ``fallback``."""
+    export of a run directory, the way to export a training checkpoint, for a config ``field`` a
+    checkpoint at the same relative path under the working directory (as for ``data.train``,
+    :func:`missing_artifact_problem`), else ``fallback``."""
     directory = Path(directory)
     if (directory / "final" / "config.json").is_file():
         return f"it is a run directory: use its export, {directory / 'final'}"
     if (directory / "trainer_state.json").is_file() or (directory / "checkpoints").is_dir():
         return f"it holds training checkpoints: export one first (csbp export {directory} --out DIR) and use DIR"
+    nearby = artifact_under_cwd(directory, is_checkpoint) if field is not None else None
+    if nearby is not None:
+        return (
+            f"{nearby} is a HF checkpoint directory (relative paths in a config file resolve against the file's "
+            f"directory): set {field}: {nearby}"
+        )
     return fallback

@@ -188,7 +188,9 @@ def _config_from_checkpoint(model: ModelSection) -> DecoderConfig:
     directory = Path(str(model.init_from))
     config_file = directory / "config.json"
     if not config_file.is_file():
-        fix = checkpoint_directory_fix(directory, "point it at a local directory with config.json and model.safetensors")
+        fix = checkpoint_directory_fix(
+            directory, "point it at a local directory with config.json and model.safetensors", "model.init_from"
+        )
         raise ValueError(f"model.init_from: {directory} is not a HF checkpoint directory (no config.json) (fix: {fix})")
     hf_config = read_json_object(config_file)  # a damaged file is named
     try:
