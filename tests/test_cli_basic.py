@@ -93,7 +93,10 @@ def test_config_validate_notes_missing_inputs(tmp_path: Path, capsys: pytest.Cap
     # a tokenizer directory is not made by `csbp data prepare`: its note told users to prepare it with that
     (tmp_path / "artifacts" / "demo-4k-64").rmdir()
     code, out, _ = run(capsys, "config", "validate", str(config), "--set", f"data.tokenizer={tmp_path / 'tok'}")
-    assert code == 0 and f"note: data.tokenizer does not exist yet: {tmp_path / 'tok'}\n" in out, out
+    assert code == 0 and f"note: data.tokenizer does not exist: {tmp_path / 'tok'}\n" in out, out
+    # an input checkpoint is not to come: "does not exist yet" fits the data csbp data prepare may still make
+    code, out, _ = run(capsys, "config", "validate", str(config), "--set", f"model.init_from={tmp_path / 'hf'}")
+    assert code == 0 and f"note: model.init_from does not exist: {tmp_path / 'hf'}\n" in out, out
 
 
 def test_config_validate_print_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -3,7 +3,7 @@
 
 ``CONFIG`` is a YAML file or a packaged recipe name. Validation needs no GPU and no data: it
 checks the schema, the topology and the cross-section rules, prints a short summary, and notes
-paths that do not exist yet (not an error: the data may be prepared later). When every input
+input paths that do not exist (not an error: the data may be prepared later). When every input
 exists it also runs the checks ``csbp train`` runs against them (seq_len, vocabulary, mask token,
 rows per step; not the run directory or this machine's devices), and prints to stderr the
 warnings ``csbp train`` prints for them. ``--print`` writes
@@ -196,7 +196,7 @@ def _document_mask_change(cfg: RunConfig) -> str:
 
 
 def missing_path_notes(cfg: RunConfig) -> list[str]:
-    """Notes for configured input paths that do not exist (yet)."""
+    """Notes for configured input paths that do not exist ("yet" only for the data artifacts)."""
     inputs = {
         "data.train": cfg.data.train,
         "data.val": cfg.data.val,
@@ -209,6 +209,8 @@ def missing_path_notes(cfg: RunConfig) -> list[str]:
     notes = []
     for field, value in inputs.items():
         if value is not None and not Path(value).exists():
-            hint = missing_input_hint(Path(value)) if field in ("data.train", "data.val") else ""  # artifacts only
-            notes.append(f"{field} does not exist yet: {value}{hint}")
+            if field in ("data.train", "data.val"):  # artifacts, which csbp data prepare may still make
+                notes.append(f"{field} does not exist yet: {value}{missing_input_hint(Path(value))}")
+            else:  # inputs csbp does not make here: "yet" would say they are to come
+                notes.append(f"{field} does not exist: {value}")
     return notes
