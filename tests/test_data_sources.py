@@ -181,16 +181,19 @@ def test_expand_inputs(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"holds c\.JSONL, whose suffix is not lower case: .*rename it to c\.jsonl"):
         expand_inputs([tmp_path])
     (tmp_path / "c.JSONL").unlink()
-    with pytest.raises(ValueError, match="unsupported suffix '.md'"):
+    with pytest.raises(ValueError, match=r"unsupported suffix '.md'.* \(fix: rename a plain-text file to \.txt, "):
         expand_inputs([tmp_path / "skip.md"])
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match=r"missing\.jsonl does not exist \(fix: check the path; a relative one is read "):
         expand_inputs([tmp_path / "missing.jsonl"])
+    (tmp_path / "empty").mkdir()  # these three had no fix clause
+    with pytest.raises(ValueError, match=r"empty holds no \.jsonl/\.txt/\.parquet files \(fix: pass the directory"):
+        expand_inputs([tmp_path / "empty"])
     # these were all "does not exist"; a pipe is what <(zcat data.jsonl.gz) passes
     os.mkfifo(tmp_path / "pipe.jsonl")
     with pytest.raises(ValueError, match=r"pipe\.jsonl is neither a regular file nor a directory: .*more than once"):
         expand_inputs([tmp_path / "pipe.jsonl"])
     (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "gone.jsonl")
-    with pytest.raises(ValueError, match=r"dangling\.jsonl is a symbolic link to .*gone\.jsonl, which does not exist"):
+    with pytest.raises(ValueError, match=r"dangling\.jsonl is a symbolic link to .*gone\.jsonl, which does not exist \(fix: "):
         expand_inputs([tmp_path / "dangling.jsonl"])
 
 

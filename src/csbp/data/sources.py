@@ -104,13 +104,14 @@ def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
                                  f"{Path(odd_case[0]).suffix.lower()})")
             found = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUPPORTED_SUFFIXES)
             if not found:
-                raise ValueError(f"input directory {path} holds no {'/'.join(SUPPORTED_SUFFIXES)} files")
+                raise ValueError(
+                    f"input directory {path} holds no {'/'.join(SUPPORTED_SUFFIXES)} files (fix: pass the directory "
+                    f"or files holding the data, each a {'/'.join(SUPPORTED_SUFFIXES)} file; other files are skipped)"
+                )
             files.extend(found)
         elif path.is_file():
             if path.suffix not in SUPPORTED_SUFFIXES:
-                raise ValueError(
-                    f"input {path}: unsupported suffix {path.suffix!r}; use one of {SUPPORTED_SUFFIXES}"
-                )
+                raise ValueError(unsupported_suffix(path))
             files.append(path)
         elif path.exists():  # a pipe (``<(zcat data.jsonl.gz)``), a device
             raise ValueError(
@@ -118,11 +119,19 @@ def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
                 "more than once (fix: write it to a .jsonl/.txt/.parquet file first)"
             )
         elif path.is_symlink():
-            raise ValueError(f"input {path} is a symbolic link to {os.readlink(path)}, which does not exist")
+            raise ValueError(
+                f"input {path} is a symbolic link to {os.readlink(path)}, which does not exist (fix: pass the file "
+                "itself, or point the link at it)"
+            )
         else:
-            raise ValueError(f"input {path} does not exist")
+            raise ValueError(
+                f"input {path} does not exist (fix: check the path; a relative one is read from the working "
+                f"directory, {Path.cwd()})"
+            )
     if not files:
-        raise ValueError("no input files given")
+        raise ValueError(
+            f"no input files given (fix: name one or more {'/'.join(SUPPORTED_SUFFIXES)} files or directories)"
+        )
     first_named: dict[Path, Path] = {}
     for path in files:
         earlier = first_named.setdefault(path.resolve(), path)
@@ -134,6 +143,17 @@ def expand_inputs(inputs: Sequence[str | Path]) -> list[Path]:
     return files
 
 
+_RECORD_FIX = "(fix: repair or drop the record)"
+
+
+def unsupported_suffix(path: Path) -> str:
+    """The refusal of an input file ``path`` whose suffix csbp data prepare does not read."""
+    return (
+        f"input {path}: unsupported suffix {path.suffix!r}; use one of {SUPPORTED_SUFFIXES} (fix: rename a "
+        "plain-text file to .txt, or convert the data to .jsonl, one {\"text\": ...} object a line)"
+    )
+
+
 def iter_documents(files: Sequence[Path], *, txt_mode: TxtMode = "file") -> Iterator[Document]:
     """Yield every document of ``files`` in order, empty ones included (check ``is_empty``)."""
     for path in files:
@@ -141,7 +161,7 @@ def iter_documents(files: Sequence[Path], *, txt_mode: TxtMode = "file") -> Iter
             yield from _read_file(path, txt_mode)
         except UnicodeDecodeError as exc:
             where, reason = _undecodable_line(path) or (str(path), exc.reason)
-            raise ValueError(f"{where}: not UTF-8 text ({reason}); re-encode it as UTF-8") from None
+            raise ValueError(f"{where}: not UTF-8 text ({reason}) (fix: re-encode the file as UTF-8)") from None
 
 
 def _undecodable_line(path: Path) -> tuple[str, str] | None:
@@ -170,7 +190,7 @@ def _read_file(path: Path, txt_mode: TxtMode) -> Iterator[Document]:
     elif path.suffix == ".txt":
         yield from _read_txt(path, txt_mode)
     else:
-        raise ValueError(f"input {path}: unsupported suffix {path.suffix!r}; use one of {SUPPORTED_SUFFIXES}")
+        raise ValueError(unsupported_suffix(path))
 
 
 def record_to_document(record: Any, where: str) -> Document:
@@ -190,7 +210,7 @@ def record_to_document(record: Any, where: str) -> Document:
 def _record_to_document(record: Any, where: str) -> Document:
     if not isinstance(record, dict):
         raise ValueError(
-            f"{where}: expected a JSON object with {ACCEPTED_FIELDS}, got {type(record).__name__}"
+            f"{where}: expected a JSON object with {ACCEPTED_FIELDS}, got {type(record).__name__} {_RECORD_FIX}"
         )
     if record.get("messages") is not None:
         for key in UNRENDERED_RECORD_FIELDS:
@@ -204,29 +224,29 @@ def _record_to_document(record: Any, where: str) -> Document:
         prompt, completion = record.get("prompt"), record.get("completion")
         if not isinstance(prompt, str) or not isinstance(completion, str):
             raise ValueError(
-                f"{where}: 'prompt' and 'completion' must both be strings; accepted: {ACCEPTED_FIELDS}"
+                f"{where}: 'prompt' and 'completion' must both be strings; accepted: {ACCEPTED_FIELDS} {_RECORD_FIX}"
             )
         segments = (Segment(prompt, supervised=False), Segment(completion, supervised=True))
         return Document(segments, eos_supervised=True, where=where)
     if record.get("text") is not None:
         text = record["text"]
         if not isinstance(text, str):
-            raise ValueError(f"{where}: 'text' must be a string, got {type(text).__name__}")
+            raise ValueError(f"{where}: 'text' must be a string, got {type(text).__name__} {_RECORD_FIX}")
         return Document((Segment(text, supervised=True),), eos_supervised=True, where=where)
     present = sorted(key for key, value in record.items() if value is not None)
     raise ValueError(
-        f"{where}: no usable field among the non-null fields {present}; accepted: {ACCEPTED_FIELDS}"
+        f"{where}: no usable field among the non-null fields {present}; accepted: {ACCEPTED_FIELDS} {_RECORD_FIX}"
     )
 
 
 def _chat_document(messages: Any, where: str) -> Document:
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects {_RECORD_FIX}")
     segments: list[Segment] = []
     reasoning: list[str] = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"{where}: messages[{index}] must be an object with 'role' and 'content'")
+            raise ValueError(f"{where}: messages[{index}] must be an object with 'role' and 'content' {_RECORD_FIX}")
         role, content = message["role"], message["content"]
         dropped = next((key for key, value in message.items() if key not in MESSAGE_FIELDS and _is_set(value)), None)
         if dropped is not None:  # tool_calls, a per-turn training weight: never silently lost
@@ -236,9 +256,9 @@ def _chat_document(messages: Any, where: str) -> Document:
                 "write it into the content)"
             )
         if role not in CHAT_ROLES:
-            raise ValueError(f"{where}: messages[{index}].role is {role!r}; use one of {CHAT_ROLES}")
+            raise ValueError(f"{where}: messages[{index}].role is {role!r}; use one of {CHAT_ROLES} {_RECORD_FIX}")
         if not isinstance(content, str):
-            raise ValueError(f"{where}: messages[{index}].content must be a string")
+            raise ValueError(f"{where}: messages[{index}].content must be a string {_RECORD_FIX}")
         thought = message.get("reasoning_content")
         if _is_set(thought) and role != "assistant":
             raise ValueError(
@@ -246,7 +266,7 @@ def _chat_document(messages: Any, where: str) -> Document:
                 "carries reasoning (fix: remove the field, or write it into the content)"
             )
         if _is_set(thought) and not isinstance(thought, str):
-            raise ValueError(f"{where}: messages[{index}].reasoning_content must be a string, got {type(thought).__name__}")
+            raise ValueError(f"{where}: messages[{index}].reasoning_content must be a string, got {type(thought).__name__} {_RECORD_FIX}")
         reasoning.append(thought if _is_set(thought) else "")
         segments.append(Segment("", supervised=False, role=role))
         segments.append(Segment(content, supervised=role == "assistant"))
