@@ -275,3 +275,24 @@ def test_a_mask_token_past_the_checkpoints_embedding_names_a_fix_that_works(
                        rf"{artifact.mask_token_id}, past the embedding: .*\(fix: .*--mask-token") as caught:
         check_run(cfg)
     assert "\n" not in str(caught.value)
+
+
+def test_the_sample_after_training_stops_where_csbp_generate_stops(
+    imported: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.generate_after`` stopped at the data's EOS alone, so a chat model's sample ran past the
+    end of its turn (``<|im_end|>``, the tokenizer's ``eos_token``) where ``csbp generate`` stops."""
+    from csbp.models.hf_io import stop_token_ids
+    from csbp.training import sample
+
+    cfg = tiny_config(imported["art"], **SHAPE_FREE, **{"model.init_from": str(imported["init"])})
+    inputs = check_run(cfg)
+    model = Decoder(inputs.decoder_config, dtype=torch.float32, seed=0)
+    out = export_decoder(cfg, inputs, model, tmp_path / "out", overwrite=False)
+    used: list[Any] = []
+    real = sample.generate
+    monkeypatch.setattr(sample, "generate", lambda *a, **k: used.append(k["eos_id"]) or real(*a, **k))
+    assert " => " in sample.sample_after_training(cfg, inputs, model, out)
+    data_eos = inputs.artifact.special_ids["eos"]
+    assert used == [stop_token_ids(out, data_eos, inputs.decoder_config.vocab_size, inputs.mask_token_id)]
+    assert sorted(used[0]) == [0, 2]  # <|endoftext|> and <|im_end|>

@@ -201,17 +201,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run_generate)
 
 
-def stop_token_ids(model_dir: Path, eos_id: int | None, vocab_size: int, mask_token_id: int) -> list[int]:
-    """The ids that end a completion: the tokenizer's EOS and every ``eos_token_id`` of the model's
-    ``generation_config.json`` (where a chat export lists its end of turn, ``<|im_end|>``), as
-    Hugging Face ``generate`` stops; an id there outside the vocabulary or equal to the mask token
-    is refused naming the file."""
-    from csbp.models.hf_io import generation_stop_ids
-
-    stops = [] if eos_id is None else [eos_id]
-    return stops + [t for t in generation_stop_ids(model_dir, vocab_size, mask_token_id=mask_token_id) if t not in stops]
-
-
 def chat_prompt(tokenizer_dir: Path, prompt: str, where: str = "--prompt") -> str:
     """``prompt`` as the one user turn of ``tokenizer_dir``'s chat template, assistant turn opened."""
     from csbp.data.chat_template import resolve_chat_template
@@ -258,7 +247,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from csbp.evaluation.sample_scores import KnownWords, SampleScorer
     from csbp.evaluation.sample_scores import pooled as pooled_scores
     from csbp.generation.sampler import GenerationConfig, positions_used
-    from csbp.models.hf_io import generation_stop_ids, load_hf_checkpoint, read_hf_config
+    from csbp.models.hf_io import generation_stop_ids, load_hf_checkpoint, read_hf_config, stop_token_ids
 
     if args.threshold is not None and args.unmask_order != "confidence":
         raise ValueError(

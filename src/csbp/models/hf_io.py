@@ -124,6 +124,15 @@ def generation_stop_ids(path: str | os.PathLike[str], vocab_size: int, *, mask_t
     return ids
 
 
+def stop_token_ids(model_dir: Path, eos_id: int | None, vocab_size: int, mask_token_id: int) -> list[int]:
+    """The ids that end a completion (``csbp generate``'s, and the sample a run prints when it ends):
+    the tokenizer's EOS and every ``eos_token_id`` of the model's ``generation_config.json`` (where a
+    chat export lists its end of turn, ``<|im_end|>``), as Hugging Face ``generate`` stops; an id there
+    outside the vocabulary or equal to the mask token is refused naming the file."""
+    stops = [] if eos_id is None else [eos_id]
+    return stops + [t for t in generation_stop_ids(model_dir, vocab_size, mask_token_id=mask_token_id) if t not in stops]
+
+
 # ----------------------------------------------------------------------------- loading
 
 

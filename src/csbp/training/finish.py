@@ -41,7 +41,7 @@ def finish_on_rank0(
         cpu_model = unwrapped_copy(state, inputs.decoder_config)
         path = export_decoder(cfg, inputs, cpu_model, run_dir / FINAL_DIR, overwrite=True, weights=weights)
         if cfg.train.generate_after:
-            sample = sample_after_training(cfg, inputs, cpu_model)
+            sample = sample_after_training(cfg, inputs, cpu_model, path)
     if dist.is_initialized():
         dist.barrier()
     return path, sample

@@ -4,15 +4,20 @@ The prompt is the start of the first validation row (the first training row when
 validation data): up to one block for BD3-LM and Fast-dLLM v2, 8 tokens for MDLM. The model then
 fills two blocks (BD3-LM, Fast-dLLM v2) or the rest of its single ``seq_len`` block (MDLM) with
 :func:`csbp.generation.sampler.generate`, greedily. ``ar`` models are not block-diffusion samplers
-and get no sample (the summary says so).
+and get no sample (the summary says so). It stops where ``csbp generate`` on the run's export stops
+(:func:`csbp.models.hf_io.stop_token_ids`): at the data's EOS and at every ``eos_token_id`` of the
+export's ``generation_config.json``, a chat tokenizer's ``eos_token`` (``<|im_end|>``) among them.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from csbp.config.schema import RunConfig
 from csbp.generation.sampler import GenerationConfig, generate
 from csbp.generation.token_choice import NonFiniteLogits
 from csbp.models.decoder import Decoder
+from csbp.models.hf_io import stop_token_ids
 from csbp.training.preflight import RunInputs
 
 MDLM_PROMPT_TOKENS = 8
@@ -24,8 +29,9 @@ SAMPLE_TEMPERATURE = 0.8
 SAMPLE_TOP_K = 40
 
 
-def sample_after_training(cfg: RunConfig, inputs: RunInputs, model: Decoder) -> str:
-    """``"<prompt> => <completion>"`` decoded with the artifact's tokenizer (or why there is none)."""
+def sample_after_training(cfg: RunConfig, inputs: RunInputs, model: Decoder, export_dir: Path) -> str:
+    """``"<prompt> => <completion>"`` decoded with the artifact's tokenizer (or why there is none);
+    ``export_dir``: the run's export, whose ``generation_config.json`` lists the stop tokens."""
     name = cfg.objective.name
     if name == "ar" or inputs.mask_token_id is None:
         return "(no sample: ar models are not sampled by block diffusion; use a causal decoder)"
@@ -47,10 +53,9 @@ def sample_after_training(cfg: RunConfig, inputs: RunInputs, model: Decoder) -> 
         token_shift=name == "fast_dllm_v2",
         window=cfg.topology.window,
     )
+    stops = stop_token_ids(export_dir, tokenizer.eos_id, model.config.vocab_size, inputs.mask_token_id)
     try:
-        result = generate(
-            model.eval(), prompt, mask_token_id=inputs.mask_token_id, eos_id=tokenizer.eos_id, config=config
-        )
+        result = generate(model.eval(), prompt, mask_token_id=inputs.mask_token_id, eos_id=stops, config=config)
     except NonFiniteLogits:  # a run whose weights diverged under train.nan_policy: skip still ends normally
         return "(no sample: the model's logits are not finite, its weights diverged; lower optim.lr)"
     return f"{tokenizer.decode(prompt)!r} => {tokenizer.decode(result.token_ids)!r}"
