@@ -191,6 +191,24 @@ def test_model_arch_next_to_init_from_is_no_change(artifact: Path, tmp_path: Pat
     assert notes == []
 
 
+def test_the_run_records_the_init_from_checkpoints_arch(artifact: Path, tmp_path: Path) -> None:
+    """RUN/config.yaml (and each checkpoint's config) recorded the recipe's ``model.arch: qwen3`` for a
+    run of a Qwen2 checkpoint, misstating the model it trains; it records ``qwen2`` now, and the run
+    still resumes from the config as written and from the recorded one."""
+    from csbp.config import load_config
+
+    _qwen2_checkpoint(tmp_path / "hf", open_artifact(artifact).vocab_size)
+    run_dir = tmp_path / "run"
+    written = tiny_config(artifact, **_from(tmp_path / "hf", **{"model.arch": "qwen3"}))
+    train(written, run_dir=run_dir, max_steps=1)
+    recorded = load_config(run_dir / "config.yaml")
+    assert (recorded.model.arch, recorded.model.init_from) == ("qwen2", written.model.init_from)
+    for cfg, steps in ((written, 2), (recorded, 3)):
+        train(cfg, run_dir=run_dir, resume=True, max_steps=steps)
+        assert load_config(run_dir / "config.yaml").model.arch == "qwen2"
+    assert "arch: qwen2" in (run_dir / "checkpoints" / "step_0000003" / "trainer_state.json").read_text()
+
+
 def test_a_directory_fingerprint_reads_only_both_ends_of_each_file(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
     directory.mkdir()

@@ -77,6 +77,17 @@ def master_dtype(cfg: RunConfig) -> torch.dtype:
     return torch.float64 if cfg.train.precision == "fp64" else torch.float32
 
 
+def with_trained_arch(cfg: RunConfig, config: DecoderConfig) -> RunConfig:
+    """``cfg`` with ``model.arch`` the family of the ``model.init_from`` checkpoint it trains
+    (``config``), as the run records it (``RUN/config.yaml``, each checkpoint): the recipe's arch is
+    never read there and would misstate the model (``qwen3`` for a Qwen2 checkpoint). Resuming ignores
+    ``model.arch`` next to ``model.init_from`` (:mod:`csbp.training.resume_config`), so a run resumes
+    from the recipe as written as well as from its record."""
+    if cfg.model.init_from is None or cfg.model.arch == config.arch:
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"arch": config.arch})})
+
+
 def export_dtype(cfg: RunConfig) -> torch.dtype:
     """Dtype of the exported HF checkpoint (``model.dtype``)."""
     return _DTYPES[cfg.model.dtype]

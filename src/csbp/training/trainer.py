@@ -61,7 +61,7 @@ from csbp.training.drafter import build_drafter, dflash_eval_hint
 from csbp.training.finish import finish_on_rank0
 from csbp.training.lr_schedule import build_lr_scheduler
 from csbp.training.metrics import METRICS_FILE, MetricsWriter, read_metrics
-from csbp.training.model_factory import build_model
+from csbp.training.model_factory import build_model, with_trained_arch
 from csbp.training.model_flops import corrupted_flops
 from csbp.training.nan_policy import MAX_SKIPPED_STEPS, NonFiniteTraining, SkipStreak
 from csbp.training.optim import apply_optim_config, build_optimizer
@@ -190,6 +190,8 @@ def _train(
 ) -> TrainSummary:
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
+    if inputs.dflash is None:  # record the arch of the model trained (an init_from checkpoint's own)
+        cfg = with_trained_arch(cfg, inputs.decoder_config)
     started = time.perf_counter()
     backend = check_backend_trains_on(cfg.attention.backend, device, float64=cfg.train.precision == "fp64")
     check_diagonal_backend(cfg.attention.diagonal, backend, where="attention.diagonal")  # auto resolved here
