@@ -154,7 +154,7 @@ def test_a_directory_of_artifacts_names_them(tmp_path: Path) -> None:
 
 
 def test_a_config_in_a_subdirectory_names_the_init_from_checkpoint_under_the_working_directory(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``model.init_from: hf-base`` in ``configs/run.yaml`` run from the directory holding ``hf-base``
     said "point it at a local directory with config.json"; ``data.train`` already named the path
@@ -174,6 +174,9 @@ def test_a_config_in_a_subdirectory_names_the_init_from_checkpoint_under_the_wor
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "run.yaml").write_text(yaml.safe_dump(data), encoding="utf-8")
     monkeypatch.chdir(tmp_path)
+    assert main(["config", "validate", str(tmp_path / "configs" / "run.yaml")]) == 0
+    assert (f"note: model.init_from does not exist: {tmp_path / 'configs' / 'hf-base'} (but {found} is a HF "
+            "checkpoint directory: relative paths resolve against the config file's directory)\n") in capsys.readouterr().out
     with pytest.raises(ValueError) as info:
         check_run(load_config(tmp_path / "configs" / "run.yaml"), check_device=False)
     assert str(info.value) == (

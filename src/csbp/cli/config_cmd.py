@@ -204,13 +204,18 @@ def missing_path_notes(cfg: RunConfig) -> list[str]:
         "model.init_from": cfg.model.init_from,
         "objective.dflash.target": cfg.objective.dflash.target if cfg.objective.dflash else None,
     }
-    from csbp.training.input_hints import missing_input_hint
+    from csbp.training.input_hints import artifact_under_cwd, is_checkpoint, missing_input_hint
 
     notes = []
     for field, value in inputs.items():
         if value is not None and not Path(value).exists():
             if field in ("data.train", "data.val"):  # artifacts, which csbp data prepare may still make
                 notes.append(f"{field} does not exist yet: {value}{missing_input_hint(Path(value))}")
-            else:  # inputs csbp does not make here: "yet" would say they are to come
-                notes.append(f"{field} does not exist: {value}")
+                continue
+            nearby = artifact_under_cwd(Path(value), is_checkpoint) if field == "model.init_from" else None
+            hint = "" if nearby is None else (
+                f" (but {nearby} is a HF checkpoint directory: relative paths resolve against the config file's "
+                "directory)"
+            )
+            notes.append(f"{field} does not exist: {value}{hint}")  # not made by csbp here: no "yet"
     return notes
