@@ -83,9 +83,13 @@ SigintHandler = Callable[[int, "FrameType | None"], object]
 
 
 @contextlib.contextmanager
-def children_hold_sigint(handler: SigintHandler = signal.default_int_handler) -> Iterator[None]:
+def children_hold_sigint(
+    handler: SigintHandler = signal.default_int_handler, *, also: tuple[int, ...] = ()
+) -> Iterator[None]:
     """Processes this thread starts within the block begin with ``SIGINT`` blocked (a signal mask is
-    inherited through fork and exec; a handler is not, so ignoring it here would lose the Ctrl-C).
+    inherited through fork and exec; a handler is not, so ignoring it here would lose the Ctrl-C), and
+    the signals ``also`` names (``SIGUSR1``: :mod:`csbp.training.stop_request`) too; this process keeps
+    its own handlers for those.
 
     This process still takes Ctrl-C at once, through ``handler`` (``KeyboardInterrupt`` by default;
     unless a library it calls installs its own): a helper thread started before the mask receives the signal and
@@ -102,7 +106,7 @@ def children_hold_sigint(handler: SigintHandler = signal.default_int_handler) ->
     receiver = threading.Thread(target=done.wait, name="csbp-sigint-receiver", daemon=True)
     receiver.start()
     outside = signal.signal(signal.SIGINT, handler)  # also when this process started ignoring it
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *also})
     # Nested so that a KeyboardInterrupt raised inside this exit (the handler runs between any two
     # statements) skips no step after it: a skipped unmask left every later Ctrl-C pending, unseen.
     try:

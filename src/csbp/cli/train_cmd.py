@@ -39,6 +39,7 @@ from csbp.training.launcher import (
     launch_training,
     node_flag_problem,
 )
+from csbp.training.stop_request import STOPPED_EXIT_CODE
 from csbp.training.worker import skip_teardown_at_exit
 
 TRAIN_EXAMPLES = """\
@@ -118,6 +119,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(summary.format())
     if inside_torchrun():
         skip_teardown_at_exit()  # this rank succeeded: a gloo teardown abort must not fail the launch
+    if summary is not None and summary.stopped_by_signal:
+        return STOPPED_EXIT_CODE  # checkpointed on SIGUSR1, not finished (csbp.training.stop_request)
     return 0
 
 

@@ -70,6 +70,7 @@ from csbp.training.memory_forecast import forecast_line
 from csbp.training.preflight import check_run, verify_data
 from csbp.training.run_dir_checks import check_new_run_dir, check_writable_directory
 from csbp.training.run_lock import run_dir_lock
+from csbp.training.stop_request import STOP_SIGNAL, request_stop_of_workers
 from csbp.training.trainer import TrainSummary, default_run_dir, stop_step_of, train
 from csbp.training.worker import elastic_worker, train_in_process_group
 from csbp.wording import counted
@@ -259,7 +260,8 @@ def _launch_workers(
     try:
         with (
             _environment(env), _private_tempdir(log_dir), _quiet_elastic_logs(), watcher,
-            children_hold_sigint(_ctrl_c), _rendezvous_ends_on_signals(options, log_dir),
+            children_hold_sigint(_ctrl_c, also=(STOP_SIGNAL,)), _relays_stop_requests(log_dir),
+            _rendezvous_ends_on_signals(options, log_dir),
         ):
             results: dict[int, Any] = elastic_launch(config, elastic_worker)(
                 cfg, str(run_dir), resume, max_steps, options.nnodes > 1, verified_files(), os.getpid()
@@ -279,6 +281,27 @@ def _launch_workers(
 
 
 _TRACKER_QUIET = "ignore:resource_tracker:UserWarning"
+
+
+@contextlib.contextmanager
+def _relays_stop_requests(log_dir: Path) -> Iterator[None]:
+    """Within the block a ``SIGUSR1`` to this process asks its workers to checkpoint after their current
+    step and stop (:mod:`csbp.training.stop_request`); they start with it blocked, so one sent to them
+    all while they start waits for their handler instead of ending them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def relay(signum: int, frame: FrameType | None) -> None:
+        request_stop_of_workers(log_dir)
+        print("csbp: SIGUSR1: the workers checkpoint after their current step and stop", file=sys.stderr, flush=True)
+
+    previous = signal.signal(STOP_SIGNAL, relay)
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(STOP_SIGNAL, previous)
 
 
 @contextlib.contextmanager

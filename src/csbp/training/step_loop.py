@@ -5,7 +5,9 @@ Each step loads ``train.grad_accum`` micro-batches, runs them (:mod:`csbp.traini
 the schedule's step, unless the loss or gradient norm is not finite (``train.nan_policy``,
 :mod:`csbp.training.nan_policy`). It logs the step, validates every ``train.eval_every`` steps and
 at the invocation's last step, and checkpoints every ``train.save_every`` steps and at the last step.
-A :class:`StepHook` may stop the loop after any step (``csbp compare``'s time budget).
+A :class:`StepHook` may stop the loop after any step (``csbp compare``'s time budget), and so may a
+``SIGUSR1`` (:mod:`csbp.training.stop_request`: the loop checkpoints that step and ``stopped_by_signal``
+is set).
 
 Everything that decides what a later step does is either a pure function of the step (corruption,
 the lr multiplier, the validation and checkpoint schedule) or part of the checkpoint
@@ -43,6 +45,7 @@ from csbp.training.parallelize import gradient_shard_comm, synchronize_gradients
 from csbp.training.preflight import RunInputs
 from csbp.training.resume_config import flat_config
 from csbp.training.step import EvalResult, StepRunner
+from csbp.training.stop_request import StopRequest
 from csbp.training.weight_average import WeightAverage
 
 
@@ -80,6 +83,9 @@ class StepLoop:
     """``train.nan_policy`` and its skip streak (restored from the checkpoint on resume)."""
     average: WeightAverage | None = None
     """``optim.ema_decay``'s weight average: updated after each applied step, validated with, checkpointed."""
+    stop_request: StopRequest | None = None
+    """A ``SIGUSR1`` stop request, checked by every rank after every step (None: not listened to)."""
+    stopped_by_signal: bool = False
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     val_nelbos: list[tuple[int, float]] = field(default_factory=list)
@@ -178,6 +184,8 @@ class StepLoop:
                 self.writer.message(step_line(record))
             self.last_step = step
             stop = self.hook is not None and self.hook.after_step(self, step, step_seconds)
+            if self.stop_request is not None and self.stop_request.agreed(self.ctx):  # every rank, every step
+                stop = self.stopped_by_signal = True
             if (train_cfg.save_every > 0 and step % train_cfg.save_every == 0) or step == stop_step or stop:
                 checkpoint = self._save(step)
             if stop:

@@ -61,6 +61,8 @@ class TrainSummary:
     """``optim.ema_decay``: validation and ``final/`` used the weight average (None: the trained weights)."""
     speeds: list[dict[str, float]] = field(default_factory=list)
     """Each updating step's ``tokens_per_s`` and, where counted, ``tflops_per_device`` and ``mfu``."""
+    stopped_by_signal: bool = False
+    """Stopped after ``end_step`` on ``SIGUSR1`` (checkpointed there, no ``final/``: not finished)."""
 
     @property
     def first_loss(self) -> float | None:
@@ -126,6 +128,8 @@ class TrainSummary:
             )
         if self.checkpoint is not None:
             lines.append(f"checkpoint  {self.checkpoint}")
+        if self.stopped_by_signal:
+            lines.append(f"stopped     after step {self.end_step} on SIGUSR1, not finished (--resume continues it)")
         if self.final_dir is not None:
             lines.append(f"export      {self.final_dir}" + averaged)
         if self.sample is not None:

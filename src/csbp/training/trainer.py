@@ -70,6 +70,7 @@ from csbp.training.parallelize import apply_fsdp, gradient_sync_for
 from csbp.training.preflight import RunInputs, check_run
 from csbp.training.step import StepRunner
 from csbp.training.step_loop import StepHook, StepLoop
+from csbp.training.stop_request import StopRequest, stop_on_sigusr1, stopped_line
 from csbp.training.summary import RunHistory, TrainSummary
 from csbp.training.train_lock import train_run_dir_lock
 from csbp.training.weight_average import WeightAverage, weights_record
@@ -255,18 +256,24 @@ def _train(
         if note is not None:
             writer.message(note)
     streak = SkipStreak(cfg.train.nan_policy, in_a_row=skips_in_a_row)
+    request = StopRequest()
     loop = StepLoop(
-        cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook, streak, average
+        cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook, streak, average,
+        request,
     )
     try:
         with collective_timeout(cfg.train.collective_timeout_s), named_out_of_memory(
             cfg, rank=ctx.coords.rank, device=device, step=lambda: loop.last_step
-        ):
+        ), stop_on_sigusr1(request):
             last_checkpoint = loop.run(start_step, stop_step, started)
         stop_step = loop.last_step
-        weights = None if average is None else weights_record(True, average.decay, average.updates)
-        with average.swapped_in() if average is not None else contextlib.nullcontext():  # export the average
-            final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0, weights=weights)
+        final_dir, sample = None, None
+        if loop.stopped_by_signal:  # checkpointed, not finished: no final/ (csbp.training.stop_request)
+            writer.message(stopped_line(stop_step, last_checkpoint, run_dir))
+        else:
+            weights = None if average is None else weights_record(True, average.decay, average.updates)
+            with average.swapped_in() if average is not None else contextlib.nullcontext():  # export the average
+                final_dir, sample = finish_on_rank0(cfg, inputs, model, run_dir, is_rank0=is_rank0, weights=weights)
         if ctx.groups is not None and not cfg.train.fsdp:  # every rank is past finish's barrier
             # FSDP's groups stay: torch's DTensor caches key meshes by their ranks, not their groups,
             # so a later FSDP run in this process over the same ranks would reach the destroyed ones
@@ -294,6 +301,7 @@ def _train(
         ema_decay=cfg.optim.ema_decay,
         earlier=RunHistory.from_records(read_metrics(run_dir / METRICS_FILE), up_to_step=start_step)
         if is_rank0 and start_step > 0 else RunHistory(),
+        stopped_by_signal=loop.stopped_by_signal,
     )
 
 
