@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from csbp.generation.token_choice import _invert_cdf, draw_uniforms, propose_tokens
+from csbp.generation.token_choice import draw_uniforms, invert_cdf, propose_tokens
 
 U_BELOW_ONE = 1.0 - 2.0**-53  # the largest float64 uniform torch.rand can return
 
@@ -25,21 +25,21 @@ def test_a_grid_of_uniforms_lands_on_each_token_in_proportion_to_its_probability
     probs_V = torch.tensor([0.0, 0.125, 0.0, 0.5, 0.375, 0.0], dtype=dtype)
     grid = 1024
     uniforms_R = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
-    tokens_R = _invert_cdf(probs_V.repeat(grid, 1), uniforms_R)
+    tokens_R = invert_cdf(probs_V.repeat(grid, 1), uniforms_R)
     counts = torch.bincount(tokens_R, minlength=6).tolist()
     assert counts == [0, 128, 0, 512, 384, 0]
     # an unnormalised row (a float32 softmax sums to 1 only up to rounding) is scaled, not cut short
-    scaled = _invert_cdf((probs_V * 0.75).repeat(grid, 1), uniforms_R)
+    scaled = invert_cdf((probs_V * 0.75).repeat(grid, 1), uniforms_R)
     assert torch.equal(scaled, tokens_R)
 
 
 def test_the_ends_of_the_unit_interval_draw_the_first_and_last_possible_tokens() -> None:
     probs_RV = torch.tensor([[0.0, 0.25, 0.75, 0.0, 0.0]] * 3, dtype=torch.float64)
-    tokens_R = _invert_cdf(probs_RV, torch.tensor([0.0, U_BELOW_ONE, 1.0], dtype=torch.float64))
+    tokens_R = invert_cdf(probs_RV, torch.tensor([0.0, U_BELOW_ONE, 1.0], dtype=torch.float64))
     assert tokens_R.tolist() == [1, 2, 2]  # 1.0 cannot be drawn; it stands for a u * total rounded up
     one_token = torch.zeros(2, 7, dtype=torch.float32)
     one_token[:, 6] = 1.0
-    assert _invert_cdf(one_token, torch.tensor([0.0, U_BELOW_ONE], dtype=torch.float64)).tolist() == [6, 6]
+    assert invert_cdf(one_token, torch.tensor([0.0, U_BELOW_ONE], dtype=torch.float64)).tolist() == [6, 6]
 
 
 def test_seeded_draws_follow_the_tempered_truncated_softmax() -> None:

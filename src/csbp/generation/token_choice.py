@@ -107,11 +107,21 @@ def propose_tokens(
         probs_RV = torch.softmax(logits_RV, dim=-1)
         confidence_R, tokens_R = probs_RV.max(dim=-1)
         return tokens_R.cpu(), confidence_R.cpu()
+    probs_RV = tempered_probs(logits_RV, temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens_R = invert_cdf(probs_RV, uniforms_R.to(device=probs_RV.device, dtype=torch.float64))
+    confidence_R = probs_RV.gather(-1, tokens_R[:, None]).squeeze(-1)
+    return tokens_R.cpu(), confidence_R.cpu()
+
+
+def tempered_probs(logits_RV: Tensor, *, temperature: float, top_k: int | None = None, top_p: float = 1.0) -> Tensor:
+    """The distribution a positive ``temperature`` samples from (module docstring): ``softmax(logits / T)``
+    cut to the ``top_k`` largest logits and to the ``top_p`` nucleus, renormalised; ``[R, V]`` in the
+    logits' dtype. Logits of ``-inf`` (tokens ruled out) keep probability 0."""
     # Shift by the row maximum first (softmax is shift-invariant): the best tokens are 0 and stay 0,
     # the rest are < 0, so a tiny temperature (even one that underflows to 0 in the logits' dtype)
     # sends them to -inf instead of giving inf - inf = nan in the softmax: the arg-max limit.
     shifted_RV = logits_RV - logits_RV.max(dim=-1, keepdim=True).values
-    if top_k is not None and top_k < vocab:
+    if top_k is not None and top_k < logits_RV.shape[-1]:
         # ranked by the logits: a temperature keeps their order, but one past the dtype's range makes
         # every tempered value 0, a tie that would keep every token
         kth_largest_R1 = torch.topk(shifted_RV, top_k, dim=-1).values[:, -1:]
@@ -122,13 +132,10 @@ def propose_tokens(
     scaled_RV = torch.where(tempered_RV, shifted_RV / temperature, shifted_RV)
     if top_p < 1.0:
         scaled_RV = _nucleus(scaled_RV, top_p, ranking_RV=shifted_RV)
-    probs_RV = torch.softmax(scaled_RV, dim=-1)
-    tokens_R = _invert_cdf(probs_RV, uniforms_R.to(device=probs_RV.device, dtype=torch.float64))
-    confidence_R = probs_RV.gather(-1, tokens_R[:, None]).squeeze(-1)
-    return tokens_R.cpu(), confidence_R.cpu()
+    return torch.softmax(scaled_RV, dim=-1)
 
 
-def _invert_cdf(probs_RV: Tensor, uniforms_R: Tensor) -> Tensor:
+def invert_cdf(probs_RV: Tensor, uniforms_R: Tensor) -> Tensor:
     """Per row, the first token whose cumulative probability (float64) exceeds ``u`` times the row's
     total: a draw from ``probs_RV``. A token of probability 0 is never the first to exceed a value, so
     only where ``u * total`` rounds up to the total would the search run past the last possible token;
