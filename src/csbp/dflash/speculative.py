@@ -1,5 +1,5 @@
 """Lossless greedy speculative decoding with a DFlash drafter, and the plain greedy baseline
-(objectives.md §7).
+(objectives.md §7); speculative sampling at a positive temperature (below).
 
 ::
 
@@ -18,6 +18,14 @@ equals :func:`greedy_generate` token for token, whatever the drafter proposes (a
 only lowers τ). The draft cache holds context K/V of verified positions only (the block rows are
 never cached), so it never holds a rejected position; it is cropped to ``start`` each round to keep
 that invariant explicit.
+
+With ``sampling`` (a temperature > 0, optionally ``top_k``/``top_p``) the same loop runs lossless
+speculative *sampling* (:mod:`csbp.dflash.sampling`): the prefill's token is drawn from the target's
+distribution, each draft ``j`` from the drafter's distribution ``q_j`` of slot ``j``, and the verify
+forward's distributions ``p_j`` accept draft ``j`` with probability ``min(1, p_j/q_j)``; the first
+rejection commits a token drawn from ``normalize(max(0, p_j − q_j))``, a fully accepted block one
+drawn from ``p`` of the last row. The output is then distributed as the target's own sampling, and
+``τ`` counts the same way. Without ``sampling`` (temperature 0) nothing of it runs.
 
 Stopping: after the first EOS (kept; ``eos_id`` may list several stop ids, e.g. a chat model's end
 of turn and end of text) or ``max_new_tokens`` new tokens; a last round may verify more tokens than
@@ -40,6 +48,7 @@ from torch import Tensor
 
 from csbp.dflash.attention import DenseDraftAttention, DraftAttentionFn, UnmaskedDraftAttention
 from csbp.dflash.drafter import DFlashDrafter, DraftContextCache
+from csbp.dflash.sampling import Sampling, accept_drafts, draw_tokens
 from csbp.dflash.target_cache import CachedTarget
 from csbp.models.decoder import Decoder
 
@@ -171,19 +180,14 @@ def inference_draft_attention(drafter: DFlashDrafter, block_start: int) -> Draft
     )
 
 
-@torch.no_grad()
-def draft_block(
+def _draft_hidden(
     drafter: DFlashDrafter,
     bonus_token: int,
     block_start: int,
     new_context_features_MF: Tensor,
     cache: DraftContextCache,
-) -> list[int]:
-    """The ``B−1`` greedy drafts after ``bonus_token`` at ``block_start``.
-
-    ``new_context_features_MF`` are the target features of positions ``len(cache) … block_start−1``
-    (appended to ``cache``), so the drafter sees every committed position strictly before the block.
-    """
+) -> Tensor:
+    """The drafter's last hidden states ``[B, D]`` of the block ``[bonus, M, …, M]`` at ``block_start``."""
     cfg = drafter.config
     device = drafter.fc.weight.device
     cached = len(cache)
@@ -202,11 +206,52 @@ def draft_block(
         cache=cache,
     )
     cache.crop(block_start)  # only verified context rows are ever cached (module docstring)
+    return hidden_1BD[0]
+
+
+@torch.no_grad()
+def draft_block(
+    drafter: DFlashDrafter,
+    bonus_token: int,
+    block_start: int,
+    new_context_features_MF: Tensor,
+    cache: DraftContextCache,
+) -> list[int]:
+    """The ``B−1`` greedy drafts after ``bonus_token`` at ``block_start``.
+
+    ``new_context_features_MF`` are the target features of positions ``len(cache) … block_start−1``
+    (appended to ``cache``), so the drafter sees every committed position strictly before the block.
+    """
+    hidden_BD = _draft_hidden(drafter, bonus_token, block_start, new_context_features_MF, cache)
     if drafter.selector is not None:
-        drafts = drafter.selector.greedy_decode(hidden_1BD[0], drafter.lm_head_weight, bonus_token)
+        drafts = drafter.selector.greedy_decode(hidden_BD, drafter.lm_head_weight, bonus_token)
     else:
-        drafts = drafter.logits(hidden_1BD[0, 1:]).argmax(dim=-1)
+        drafts = drafter.logits(hidden_BD[1:]).argmax(dim=-1)
     return [int(t) for t in drafts]
+
+
+@torch.no_grad()
+def draft_distributions(
+    drafter: DFlashDrafter,
+    bonus_token: int,
+    block_start: int,
+    new_context_features_MF: Tensor,
+    cache: DraftContextCache,
+    sampling: Sampling,
+) -> Tensor:
+    """``q [B−1, V]`` (float64): the drafter's distribution of each draft slot under ``sampling``, as
+    :func:`draft_block` reads its arguments. DFlash2's selector re-scores slot ``j`` given draft
+    ``j−1`` (a greedy walk), which has no per-slot distribution here: refused."""
+    if drafter.selector is not None:
+        raise ValueError(SELECTOR_SAMPLING_ERROR)
+    hidden_BD = _draft_hidden(drafter, bonus_token, block_start, new_context_features_MF, cache)
+    return sampling.probs(drafter.logits(hidden_BD[1:]))
+
+
+SELECTOR_SAMPLING_ERROR = (
+    "speculative sampling (temperature > 0) drafts each slot from the drafter's own logits, but a DFlash2 "
+    "drafter with a candidate selector drafts by a greedy walk (fix: temperature 0)"
+)
 
 
 @torch.no_grad()
@@ -217,11 +262,18 @@ def speculative_generate(
     *,
     max_new_tokens: int,
     eos_id: StopIds = None,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
 ) -> SpeculativeResult:
-    """Greedy DFlash speculative decoding of one prompt (module docstring); lossless."""
+    """DFlash speculative decoding of one prompt; lossless. Greedy (module docstring) without
+    ``sampling``; with it, speculative sampling (:mod:`csbp.dflash.sampling`) drawing from ``generator``."""
     _check_budget(max_new_tokens)
     if drafter.target is not target:
         raise ValueError("the drafter is attached to another target: call drafter.attach_target(target)")
+    if sampling is not None and generator is None:
+        raise ValueError("speculative sampling needs a generator (torch.Generator().manual_seed(seed))")
+    if sampling is not None and drafter.selector is not None:
+        raise ValueError(SELECTOR_SAMPLING_ERROR)
     stops = _stop_ids(eos_id, target.config.vocab_size)
     prompt = _prompt_tensor(prompt_ids, target.config.vocab_size)
     cfg = drafter.config
@@ -229,20 +281,32 @@ def speculative_generate(
     draft_cache = DraftContextCache()
     prefill = runner.forward(prompt)
     assert prefill.features is not None
-    tokens = [int(prefill.next_tokens[-1])]
+    if sampling is None:
+        tokens = [int(prefill.next_tokens[-1])]
+    else:
+        assert generator is not None
+        tokens = draw_tokens(sampling.probs(prefill.logits[-1:]), generator)
     pending_features_MF = prefill.features  # committed positions not yet in the draft cache
     start = int(prompt.shape[0])  # position of the bonus token tokens[-1]
     acceptance: list[int] = []
     while not _finished(tokens, max_new_tokens, stops):
         bonus = tokens[-1]
-        drafts = draft_block(drafter, bonus, start, pending_features_MF, draft_cache)
-        verified = runner.forward(torch.tensor([bonus, *drafts]))
+        if sampling is None:
+            drafts = draft_block(drafter, bonus, start, pending_features_MF, draft_cache)
+            verified = runner.forward(torch.tensor([bonus, *drafts]))
+            target_choice = [int(t) for t in verified.next_tokens]
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == target_choice[accepted]:
+                accepted += 1
+            after = target_choice[accepted]
+        else:
+            assert generator is not None
+            q_KV = draft_distributions(drafter, bonus, start, pending_features_MF, draft_cache, sampling)
+            drafts = draw_tokens(q_KV, generator)
+            verified = runner.forward(torch.tensor([bonus, *drafts]))
+            accepted, after = accept_drafts(sampling.probs(verified.logits), q_KV, drafts, generator)
         assert verified.features is not None
-        target_choice = [int(t) for t in verified.next_tokens]
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == target_choice[accepted]:
-            accepted += 1
-        tokens += drafts[:accepted] + [target_choice[accepted]]
+        tokens += drafts[:accepted] + [after]
         acceptance.append(accepted + 1)
         runner.crop(start + accepted + 1)
         pending_features_MF = verified.features[: accepted + 1]

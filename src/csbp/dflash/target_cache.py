@@ -8,7 +8,7 @@ K/V. Cached keys are stored already rotated at their absolute positions, so noth
 :meth:`TargetKVCache.crop` rolls the cache back to a committed length (rejected drafts).
 
 :class:`CachedTarget` runs the target on the next rows of one sequence (positions continue after
-the cached ones) and returns, per row, the greedy next token and the fused features of the
+the cached ones) and returns, per row, the greedy next token, the logits and the fused features of the
 drafter's ``target_layer_ids`` (``csbp.dflash.features`` convention: layer ``i``'s residual output,
 before the final norm), counting its forward passes.
 
@@ -84,11 +84,13 @@ class CachedCausalAttention:
 
 @dataclass(frozen=True)
 class TargetPass:
-    """One cached target forward: ``next_tokens [N]`` (greedy argmax of each row's logits) and
-    ``features [N, F]`` (None when no layers are captured)."""
+    """One cached target forward: ``next_tokens [N]`` (greedy argmax of each row's logits),
+    ``features [N, F]`` (None when no layers are captured) and the rows' ``logits [N, V]`` (what
+    speculative *sampling* tempers into the target's distributions)."""
 
     next_tokens: Tensor
     features: Tensor | None
+    logits: Tensor
 
 
 class CachedTarget:
@@ -134,4 +136,4 @@ class CachedTarget:
         logits_NV = target.logits(target.norm(h_1ND))[0]
         self.forward_passes += 1
         features = torch.cat([captured[i] for i in self.layer_ids], dim=-1)[0] if self.layer_ids else None
-        return TargetPass(logits_NV.argmax(dim=-1), features)
+        return TargetPass(logits_NV.argmax(dim=-1), features, logits_NV)
