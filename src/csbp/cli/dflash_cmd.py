@@ -18,12 +18,21 @@ acceptance length and the lossless check); :mod:`csbp.cli.dflash_common` holds w
 from __future__ import annotations
 
 import argparse
+import math
 
 from csbp.cli.dflash_common import DTYPES
 from csbp.cli.dflash_eval_cmd import run_eval
 from csbp.cli.dflash_export_cmd import run_export
 from csbp.cli.dflash_features_cmd import FEATURE_DTYPES, run_prepare_features
-from csbp.cli.options import add_deprecated_alias, device_option, path_option, positive_int
+from csbp.cli.options import (
+    add_deprecated_alias,
+    device_option,
+    float_in,
+    int_at_least,
+    output_file,
+    path_option,
+    positive_int,
+)
 from csbp.dflash.evaluate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_NUM_PROMPTS, DEFAULT_PROMPT_LEN
 
 #: help of ``dflash export``'s checkpoint flags
@@ -86,7 +95,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="acceptance length and lossless check of speculative decoding",
         description="Greedy speculative decoding of the target with the drafter: the acceptance length "
         "(tokens committed per verify round), the target forwards saved and, unless --no-check-lossless, "
-        "a check that every output equals the target's own greedy output.",
+        "a check that every output equals the target's own greedy output. --temperature T > 0 measures "
+        "lossless speculative sampling instead (seeded by --seed).",
     )
     ev.add_argument("--target", type=path_option, required=True, help="HF checkpoint directory of the target")
     ev.add_argument("--drafter", type=path_option, required=True, help="drafter directory (csbp dflash export)")
@@ -131,9 +141,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument(
         "--check-lossless",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also run plain greedy and require identical outputs (exit 1 otherwise)",
+        default=None,
+        help="also run plain greedy and require identical outputs (exit 1 otherwise); default on at --temperature 0, "
+        "off above (sampled outputs equal the target's in distribution, not token for token)",
     )
+    ev.add_argument(
+        "--temperature", type=float_in(0, math.inf), default=0.0,
+        help="0 (default): greedy speculative decoding; above 0: lossless speculative sampling at this temperature "
+        "(accept draft x with probability min(1, p(x)/q(x)), resample a rejection from max(0, p - q))",
+    )
+    ev.add_argument(
+        "--top-k", type=positive_int, default=None,
+        help="sample both models among their k most likely tokens (needs --temperature > 0)",
+    )
+    ev.add_argument(
+        "--top-p", type=float_in(0, 1, low_open=True), default=1.0,
+        help="nucleus mass both models keep, in (0, 1] (default 1; below 1 needs --temperature > 0)",
+    )
+    ev.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the sampling generator (--temperature > 0)")
+    ev.add_argument("--json", type=output_file, default=None, help="also write the report to this JSON file")
     _device_args(ev)
     ev.set_defaults(func=run_eval)
 

@@ -2,7 +2,9 @@
 
 It runs lossless speculative decoding (``csbp.dflash.speculative``) over held-out prompts (``--data``:
 rows of an artifact split; ``--prompts``: a JSONL file) and, unless ``--no-check-lossless``, plain
-greedy decoding too: a prompt whose outputs differ makes the command exit 1. Its last output line is
+greedy decoding too: a prompt whose outputs differ makes the command exit 1. ``--temperature T > 0``
+runs lossless speculative sampling instead (``csbp.dflash.sampling``, seeded by ``--seed``; lossless in
+distribution, so no token-for-token check). Its last output line is
 ``acceptance_length: <value>``. ``--prompts`` also stops at every ``eos_token_id`` of the target's
 ``generation_config.json`` (a chat model's end of turn). Every check reads configs, the data and the
 prompts only; the models load once they all pass.
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from csbp.dflash.evaluate import EvalPrompt
+    from csbp.dflash.sampling import Sampling
 
 
 def _check_eval_positions(target_dir: Path, prompts: Sequence[EvalPrompt], max_new_tokens: int) -> None:
@@ -124,7 +127,8 @@ def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalP
 
 def run_eval(args: argparse.Namespace) -> int:
     """Evaluate ``--drafter`` against ``--target`` on the prompts (module docstring); 1 on a lossless mismatch."""
-    from csbp.dflash.evaluate import evaluate_drafter, format_report
+    from csbp.atomic import write_json_atomic
+    from csbp.dflash.evaluate import evaluate_drafter, format_report, sampling_label, summary_json
     from csbp.dflash.export import drafter_context, load_dflash, read_drafter_config
     from csbp.dflash.target_record import check_trained_target
 
@@ -148,9 +152,14 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError("--max-new-tokens, --num-prompts and --prompt-len must be >= 1")
     if args.context_lengths is not None and (args.data is None or min(args.context_lengths) < 1):
         raise ValueError("--context-lengths: needs --data and lengths >= 1 (e.g. --context-lengths 32 128 255)")
+    sampling = _eval_sampling(args)
     target_config = read_target_config(args.target)
     require_drafter_directory(args.drafter)
-    read_drafter_config(args.drafter, target_config)
+    if read_drafter_config(args.drafter, target_config).selector_rank and sampling is not None:
+        raise ValueError(
+            f"--temperature {args.temperature:g}: {args.drafter} is a DFlash2 drafter with a candidate selector, "
+            "which drafts by a greedy walk with no per-slot distribution to sample (fix: --temperature 0)"
+        )
     other_target = check_trained_target(args.drafter, args.target, any_target=args.any_target)
     prompts, eos_id = _eval_prompts(args, target_config.vocab_size)
     _check_eval_positions(args.target, prompts, args.max_new_tokens)
@@ -164,10 +173,12 @@ def run_eval(args: argparse.Namespace) -> int:
     if drafter_context(args.drafter) == "inclusive":
         print(INCLUSIVE_NOTE.format(drafter=args.drafter), file=sys.stderr)
     cfg = drafter.config
+    check_lossless = args.check_lossless
     print(
         f"csbp dflash eval: {counted(len(prompts), 'prompt')}, max {args.max_new_tokens} new tokens, "
         f"block_size {cfg.block_size}, target layers {list(cfg.target_layer_ids or ())}, eos {eos_id}, "
-        f"lossless check {'on' if args.check_lossless else 'off'}",
+        f"lossless check {'on' if check_lossless else 'off'}"
+        + ("" if sampling is None else f", speculative sampling at {sampling_label(sampling)}, seed {args.seed}"),
         flush=True,
     )
     summary = evaluate_drafter(
@@ -176,7 +187,9 @@ def run_eval(args: argparse.Namespace) -> int:
         prompts,
         max_new_tokens=args.max_new_tokens,
         eos_id=eos_id,
-        check_lossless=args.check_lossless,
+        check_lossless=check_lossless,
+        sampling=sampling,
+        seed=args.seed,
     )
     for mismatch in summary.mismatches:
         print(
@@ -185,4 +198,30 @@ def run_eval(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     print(format_report(summary))
+    if args.json is not None:
+        record = {"target": str(args.target), "drafter": str(args.drafter), **summary_json(summary)}
+        write_json_atomic(args.json, {**record, "seed": args.seed})  # the seed given, used or not
     return 1 if summary.mismatches else 0
+
+
+def _eval_sampling(args: argparse.Namespace) -> Sampling | None:
+    """The :class:`Sampling` of ``--temperature/--top-k/--top-p`` (None: greedy), and
+    ``args.check_lossless`` resolved (on at temperature 0 unless turned off; refused above it)."""
+    from csbp.dflash.sampling import Sampling
+
+    cuts = [f"--top-k {args.top_k}"] * (args.top_k is not None) + [f"--top-p {args.top_p:g}"] * (args.top_p < 1)
+    if args.temperature == 0:
+        if cuts:  # greedy takes the arg-max: a truncation would be silently ignored
+            raise ValueError(
+                f"{' and '.join(cuts)} only shape sampled drafts, but --temperature 0 is greedy (fix: --temperature "
+                "above 0, e.g. --temperature 1, or drop them)"
+            )
+        args.check_lossless = args.check_lossless is not False
+        return None
+    if args.check_lossless:
+        raise ValueError(
+            f"--check-lossless compares with plain greedy decoding token for token, but --temperature "
+            f"{args.temperature:g} samples (fix: drop --check-lossless, or --temperature 0)"
+        )
+    args.check_lossless = False
+    return Sampling(args.temperature, args.top_k, args.top_p)

@@ -20,6 +20,9 @@ The same numbers are what training validation reports for a DFlash run (``val_ac
 evaluation on the first rows of a split with the defaults of ``csbp dflash eval``
 (:data:`DEFAULT_NUM_PROMPTS` prompts of :data:`DEFAULT_PROMPT_LEN` tokens, :data:`DEFAULT_MAX_NEW_TOKENS`
 new tokens, the artifact's EOS), so a run's last validation equals ``csbp dflash eval`` of its export.
+Training validation stays greedy (temperature 0): deterministic, so two validations differ only by
+the weights, and comparable with ``csbp dflash eval``'s default. ``csbp dflash eval --temperature T``
+measures speculative sampling (``sampling``; :mod:`csbp.dflash.sampling`) with a seeded generator.
 
 Prompts come from a prepared artifact (:func:`artifact_prompts`: the first ``P`` tokens of rows of
 a split; one group per context length with ``csbp dflash eval --context-lengths``) or a JSONL file of ``{"prompt": text, "group": name}`` lines (:func:`jsonl_prompts`; the
@@ -35,9 +38,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from csbp.data.artifact import ArtifactSplit
 from csbp.dflash.drafter import DFlashDrafter
+from csbp.dflash.sampling import Sampling
 from csbp.dflash.speculative import StopIds, greedy_generate, speculative_generate
 from csbp.models.decoder import Decoder
 from csbp.wording import counted
@@ -101,6 +106,8 @@ class EvalSummary:
 
     block_size: int
     prompts: list[PromptEval]
+    sampling: Sampling | None = None  # None: greedy speculative decoding
+    seed: int | None = None  # of the generator that sampling drew from
 
     @property
     def acceptance_length(self) -> float:
@@ -157,15 +164,28 @@ def evaluate_drafter(
     max_new_tokens: int,
     eos_id: StopIds = None,
     check_lossless: bool = True,
+    sampling: Sampling | None = None,
+    seed: int = 0,
 ) -> EvalSummary:
-    """Speculative decoding (and plain greedy with ``check_lossless``) of every prompt."""
+    """Speculative decoding (and plain greedy with ``check_lossless``) of every prompt; with
+    ``sampling``, speculative sampling drawing from one generator seeded with ``seed``, the prompts in
+    order (no token-for-token check: a sampled output equals the target's only in distribution)."""
     if not prompts:
         raise ValueError("no prompts to evaluate: pass at least one prompt")
+    if sampling is not None and check_lossless:
+        raise ValueError("check_lossless compares with plain greedy decoding: it needs sampling=None")
+    generator = None if sampling is None else torch.Generator().manual_seed(seed)
     results = []
     for prompt in prompts:
         started = time.perf_counter()
         spec = speculative_generate(
-            target, drafter, prompt.token_ids, max_new_tokens=max_new_tokens, eos_id=eos_id
+            target,
+            drafter,
+            prompt.token_ids,
+            max_new_tokens=max_new_tokens,
+            eos_id=eos_id,
+            sampling=sampling,
+            generator=generator,
         )
         spec_seconds = time.perf_counter() - started
         greedy_tokens, greedy_seconds = None, None
@@ -185,7 +205,7 @@ def evaluate_drafter(
             greedy_seconds,
         )
         results.append(result)
-    return EvalSummary(drafter.config.block_size, results)
+    return EvalSummary(drafter.config.block_size, results, sampling, None if sampling is None else seed)
 
 
 def split_acceptance(
@@ -315,10 +335,11 @@ def format_report(summary: EvalSummary) -> str:
             f"  tau={tau:<3} {count:>6}  {100.0 * count / total:5.1f}%  {'#' * round(40 * count / total)}"
         )
     rates = summary.position_acceptance
+    plain = "greedy" if summary.sampling is None else "sampling"  # one target forward per token either way
     lines.append("acceptance rate per draft position (fraction of rounds accepting draft k):")
     lines.append("  " + "  ".join(f"k={k}: {_fmt(rate)}" for k, rate in enumerate(rates, start=1)))
     lines.append(
-        f"target forwards: speculative {summary.target_forwards} vs plain greedy {summary.greedy_forwards} "
+        f"target forwards: speculative {summary.target_forwards} vs plain {plain} {summary.greedy_forwards} "
         f"(reduction {summary.reduction:.2f}x)"
     )
     spec_s = sum(p.spec_seconds for p in summary.prompts)
@@ -333,5 +354,52 @@ def format_report(summary: EvalSummary) -> str:
         lines.append(f"lossless check {verdict}: {identical}/{len(summary.prompts)} identical")
     else:
         lines.append(f"wall time: speculative {spec_s:.2f} s (lossless check skipped)")
+    if summary.sampling is not None:
+        lines.append(
+            f"speculative sampling at {sampling_label(summary.sampling)}, seed {summary.seed}: lossless in "
+            "distribution (the target's own sampling), so no token-for-token check"
+        )
     lines.append(f"acceptance_length: {_fmt(summary.acceptance_length)}")
     return "\n".join(lines)
+
+
+def sampling_label(sampling: Sampling | None) -> str:
+    """``temperature 1`` (``, top_k 50, top_p 0.9`` where set); ``temperature 0`` for greedy."""
+    if sampling is None:
+        return "temperature 0"
+    cuts = [f"top_k {sampling.top_k}"] * (sampling.top_k is not None) + [f"top_p {sampling.top_p:g}"] * (sampling.top_p < 1)
+    return ", ".join([f"temperature {sampling.temperature:g}", *cuts])
+
+
+def _number(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def summary_json(summary: EvalSummary) -> dict[str, object]:
+    """The ``--json`` record of an evaluation: the sampling settings, the metrics and each prompt's."""
+    sampling = summary.sampling
+    return {
+        "temperature": 0.0 if sampling is None else sampling.temperature,
+        "top_k": None if sampling is None else sampling.top_k,
+        "top_p": 1.0 if sampling is None else sampling.top_p,
+        "seed": summary.seed,
+        "block_size": summary.block_size,
+        "acceptance_length": _number(summary.acceptance_length),
+        "accept_rates": [_number(rate) for rate in summary.position_acceptance],
+        "histogram": summary.histogram,
+        "target_forwards": summary.target_forwards,
+        "plain_forwards": summary.greedy_forwards,
+        "reduction": _number(summary.reduction),
+        "lossless": None if any(p.lossless is None for p in summary.prompts) else not summary.mismatches,
+        "prompts": [
+            {
+                "name": p.prompt.name,
+                "group": p.prompt.group,
+                "prompt_len": len(p.prompt.token_ids),
+                "new_tokens": len(p.tokens),
+                "acceptance_lengths": p.acceptance_lengths,
+                "lossless": p.lossless,
+            }
+            for p in summary.prompts
+        ],
+    }
