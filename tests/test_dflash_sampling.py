@@ -11,7 +11,8 @@ from the target alone.
 * Mutants must fail that check: resampling a rejection from ``p`` instead of ``max(0, p − q)``, and
   accepting every draft (checked here through ``monkeypatch``; source mutants were also run by hand:
   accept always, accept with ``p/q`` swapped or with ``p`` alone, residual ``max(0, q − p)``, the bonus
-  from the last draft's row instead of the bonus row; each fails).
+  from the last draft's row instead of the bonus row; in the loop, a greedy first token or greedy
+  drafts scored with ``q``; each fails).
 * The whole loop (:func:`speculative_generate` with a ``Sampling``) on the tiny target and an untrained
   drafter, ``top_k = 2`` so both support two tokens per position (and mostly different ones): the
   first three tokens' law, enumerated with target forwards, against 1500 seeded runs.
