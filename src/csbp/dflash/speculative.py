@@ -287,6 +287,7 @@ def speculative_generate(
         assert generator is not None
         tokens = draw_tokens(sampling.probs(prefill.logits[-1:]), generator)
     pending_features_MF = prefill.features  # committed positions not yet in the draft cache
+    del prefill  # its [P, V] logits: not held through the whole generation
     start = int(prompt.shape[0])  # position of the bonus token tokens[-1]
     acceptance: list[int] = []
     while not _finished(tokens, max_new_tokens, stops):
