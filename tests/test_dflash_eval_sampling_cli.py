@@ -75,8 +75,9 @@ def test_contradicting_sampling_flags_are_refused_before_loading(
     (dflash2 / "config.json").write_text(json.dumps(config))
     cases = [
         (["--temperature", "-1"], "argument --temperature: -1 must be a finite number >= 0"),
-        (["--top-p", "0.9"], "--top-p 0.9 only shape sampled drafts, but --temperature 0 is greedy (fix: --temperature"),
-        (["--top-k", "5"], "--top-k 5 only shape sampled drafts"),
+        (["--top-p", "0.9"], "--top-p 0.9 only shapes sampled tokens, but --temperature 0 is greedy (fix: --temperature"),
+        (["--top-k", "5"], "--top-k 5 only shapes sampled tokens"),
+        (["--top-k", "5", "--top-p", "0.5"], "--top-k 5 and --top-p 0.5 only shape sampled tokens"),
         (["--temperature", "1", "--check-lossless"], "--check-lossless compares with plain greedy decoding"),
     ]
     for extra, message in cases:

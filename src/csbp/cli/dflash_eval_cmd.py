@@ -212,9 +212,10 @@ def _eval_sampling(args: argparse.Namespace) -> Sampling | None:
     cuts = [f"--top-k {args.top_k}"] * (args.top_k is not None) + [f"--top-p {args.top_p:g}"] * (args.top_p < 1)
     if args.temperature == 0:
         if cuts:  # greedy takes the arg-max: a truncation would be silently ignored
+            one = len(cuts) == 1
             raise ValueError(
-                f"{' and '.join(cuts)} only shape sampled drafts, but --temperature 0 is greedy (fix: --temperature "
-                "above 0, e.g. --temperature 1, or drop them)"
+                f"{' and '.join(cuts)} only shape{'s' * one} sampled tokens, but --temperature 0 is greedy (fix: "
+                f"--temperature above 0, e.g. --temperature 1, or drop {'it' if one else 'them'})"
             )
         args.check_lossless = args.check_lossless is not False
         return None
