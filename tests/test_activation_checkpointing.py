@@ -190,3 +190,36 @@ def test_selective_checkpointing_passes_verification_on_other_layouts(case: Veri
 
     result = verify(case, timeout_s=300)
     assert result.ok, result
+
+
+def test_selective_keeps_nothing_alive_once_a_graph_is_dropped_without_its_backward() -> None:
+    """A forward with gradients whose graph is dropped unused (an out-of-memory error mid-step, a loss
+    never backpropagated) frees what selective kept. The kept ``out`` is the attention Function's
+    output, whose ``grad_fn`` leads back to the checkpoint frame that holds the store: keeping it as
+    returned made a cycle through the C++ autograd graph that no garbage collection breaks, so the
+    layer's kept results, and the whole graph behind them, leaked with every such forward."""
+    import gc
+    import weakref
+
+    from csbp.attention import kept_forwards
+
+    model = Decoder(tiny_model_config(num_layers=2), dtype=torch.float64, seed=0)
+    checkpoint_layers(model.layers, "selective")
+    case = VerifyCase(Topology())
+    ctx = single_process_context()
+    plan = build_rank_plan(ctx, case.seq_len, case.block_size)
+    corrupted = corrupted_batch(case)
+    stores: list[weakref.ref] = []
+
+    class WatchedStore(kept_forwards.KeptForwards):
+        def __init__(self) -> None:
+            super().__init__()
+            stores.append(weakref.ref(self))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("csbp.training.activation_checkpointing.KeptForwards", WatchedStore)
+        loss, _ = rank_loss(model, corrupted, plan, global_denominator=corrupted.denominator(), world_size=1)
+    assert len(stores) == 2 and all(len(ref().results) == 1 for ref in stores)
+    del loss, _
+    gc.collect()
+    assert [ref for ref in stores if ref() is not None] == []

@@ -85,7 +85,11 @@ def kept_or_computed(compute: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor,
         return compute()
     if mode == "keep":
         results = compute()
-        store.results.append(results)
+        # detached aliases (same storage, no copy): the returned output gets the Function's grad_fn,
+        # which leads back to the checkpoint that holds this store; keeping it as returned made a cycle
+        # through the autograd graph that garbage collection cannot break (a graph dropped without its
+        # backward leaked)
+        store.results.append(tuple(tensor.detach() for tensor in results))
         return results
     if not store.results:
         raise RuntimeError(
