@@ -88,3 +88,19 @@ def test_one_uniform_per_row_is_drawn() -> None:
     reference = torch.Generator().manual_seed(5)
     draw_uniforms(6, reference)
     assert math.isclose(float(torch.rand(1, generator=generator)), float(torch.rand(1, generator=reference)))
+
+
+def test_the_cumulative_sum_and_the_uniforms_resolve_below_float32s_rounding() -> None:
+    """The draw is exact where float32 is not: a token of probability 2**-30 next to one of 1/2 is lost in
+    a float32 cumulative sum (0.5 + 2**-30 rounds to 0.5), and a float32 uniform (24 bits) cannot land in
+    its interval; the float64 sum and uniforms keep it drawable."""
+    probs_RV = torch.tensor([[0.5, 2.0**-30, 0.25, 0.25]], dtype=torch.float32)
+    assert _invert_cdf(probs_RV, torch.tensor([0.5], dtype=torch.float64)).tolist() == [1]
+    uniforms_R = draw_uniforms(64, torch.Generator().manual_seed(0))
+    assert uniforms_R.dtype == torch.float64
+    assert not torch.equal(uniforms_R, uniforms_R.float().double())  # finer than float32's grid
+    # through propose_tokens too: token 1's interval of uniforms holds no float32 number
+    probs_V = torch.tensor([0.5 + 2.0**-27, 2.0**-30, 0.5 - 2.0**-27 - 2.0**-30, 0.5], dtype=torch.float64)
+    u_R = torch.tensor([0.5 + 2.0**-27 + 2.0**-31], dtype=torch.float64)
+    tokens_R, _ = propose_tokens(probs_V.log()[None], mask_token_id=3, temperature=1.0, uniforms_R=u_R)
+    assert tokens_R.tolist() == [1]
