@@ -197,3 +197,14 @@ def test_a_mistral_config_is_planned_as_transformers_reads_it(tmp_path: Path, fi
         path.write_text(json.dumps({**read, **fields}))
         (group,) = hf_workload(path).model.groups
         assert (group.count, group.n_kv_heads, group.window, group.head_dim) == (12, kv_heads, window, 96)
+
+
+def test_a_release_with_a_bad_bd_size_is_refused_as_generate_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bd_size: "16"`` was planned as block 32 without a word, while generate and eval refuse it."""
+    path = tmp_path / "config.json"
+    release = {"model_type": "Fast_dLLM_Qwen", "architectures": ["Fast_dLLM_QwenForCausalLM"], "bd_size": "16"}
+    path.write_text(json.dumps({**CONFIG, **release}), encoding="utf-8")
+    code, out, err = plan(capsys, path)
+    assert code == 2 and f"{path} bd_size is '16'" in err, (code, out, err)

@@ -337,7 +337,13 @@ def hf_workload(
     )
     trained = cfg.get("csbp_training")
     if trained is None and cfg.get("model_type") == "Fast_dLLM_Qwen":  # a Fast-dLLM v2 release (models.hf_release)
-        trained = {"objective": {"name": "fast_dllm_v2", "block_size": cfg.get("bd_size")}}
+        bd_size = cfg.get("bd_size")
+        if type(bd_size) is not int or bd_size < 1:  # refused as generate and eval refuse it (hf_release is not
+            raise ValueError(  # imported: csbp.models imports torch, which the planner does not need)
+                f"{file} bd_size is {bd_size!r}: a Fast-dLLM v2 release's bd_size is the block size it was trained "
+                "with, a positive integer (fix: set bd_size to that block size, 32 for NVlabs' releases)"
+            )
+        trained = {"objective": {"name": "fast_dllm_v2", "block_size": bd_size}}
     recorded = trained.get("objective") if isinstance(trained, dict) else None
     recorded = recorded if isinstance(recorded, dict) else {}
     if objective is None:
