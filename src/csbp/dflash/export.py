@@ -410,6 +410,28 @@ def read_drafter_config(directory: Path, target_config: DecoderConfig) -> DFlash
     return config
 
 
+def drafter_tensors(stored: Mapping[str, Any], config: DFlashConfig, directory: Path) -> dict[str, Any]:
+    """``stored`` (name -> tensor, or anything with a ``shape``: a safetensors header) under csbp's names,
+    checked to be exactly the parameters of a ``config`` drafter, shape for shape (one-line ``ValueError``)."""
+    tensors = {csbp_name(name): t for name, t in stored.items()}
+    if len(tensors) != len(stored):
+        raise ValueError(f"drafter checkpoint {directory} stores some DFlash2 tensors under two names")
+    expected = {name: tuple(t.shape) for name, t in DFlashDrafter(config, device="meta").state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"drafter checkpoint {directory} does not match its config: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"drafter tensor '{name}' has shape {tuple(tensors[name].shape)}, config implies {shape}"
+            )
+    return tensors
+
+
 def load_dflash(
     path: str | os.PathLike[str],
     target: Decoder,
@@ -423,24 +445,8 @@ def load_dflash(
     weights_file = directory / "model.safetensors"
     if not weights_file.is_file():
         raise ValueError(f"{directory} has no model.safetensors")
-    stored = read_safetensors_file(weights_file)
-    tensors = {csbp_name(name): t for name, t in stored.items()}
-    if len(tensors) != len(stored):
-        raise ValueError(f"drafter checkpoint {directory} stores some DFlash2 tensors under two names")
+    tensors = drafter_tensors(read_safetensors_file(weights_file), config, directory)
     drafter = DFlashDrafter(config, device="meta")
-    expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"drafter checkpoint {directory} does not match its config: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )
-    for name, shape in expected.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(
-                f"drafter tensor '{name}' has shape {tuple(tensors[name].shape)}, config implies {shape}"
-            )
     load_dtype = dtype if dtype is not None else tensors["fc.weight"].dtype
     if load_dtype not in DTYPE_NAMES:  # as load_hf_checkpoint: csbp computes in float64, float32 or bfloat16
         what = "stores" if dtype is None else "was asked for"
