@@ -17,7 +17,8 @@ class DFlashSection(_Section):
 
     The drafter's width, heads, RoPE and vocabulary come from the target (``DFlashConfig.from_target``);
     its block size is ``objective.block_size`` and its ``[M]`` token ``objective.mask_token_id`` (unset:
-    the data artifact's mask token).
+    the data artifact's mask token). ``init_from`` starts it from a drafter directory in the public format
+    (:mod:`csbp.training.dflash_init`), which must have that architecture.
     """
 
     target: str = path_field(description="Local HF checkpoint directory of the frozen target model.")
@@ -26,6 +27,12 @@ class DFlashSection(_Section):
         description="Offline target-feature store of data.train (`csbp dflash prepare-features`); it must "
         "match the target's weights (sha256 fingerprint) and the data's tokens, or the run is refused; "
         "unset: capture the target's features online in every step.",
+    )
+    init_from: str | None = path_field(
+        None,
+        description="Drafter directory to start from instead of a random drafter: a `csbp dflash export` or a "
+        "published DFlash/DFlash2 drafter (config.json + model.safetensors; safetensors only, no remote code). Its "
+        "architecture must be the one this section, objective.block_size and the target give, or the run is refused.",
     )
     num_draft_layers: int = Field(1, gt=0, description="Decoder layers of the drafter.")
     intermediate_size: int | None = Field(

@@ -176,7 +176,9 @@ def _model_rules(cfg: RunConfig) -> list[Violation]:
                 "model",
                 f"{', '.join(shaped)} do not apply to a dflash drafter, which is shaped by "
                 "objective.dflash.target and objective.dflash",
-                "remove them; for dflash only model.dtype (the exported drafter's dtype) applies",
+                "remove them; for dflash only model.dtype (the exported drafter's dtype) applies"
+                + ("; a drafter starts from a drafter directory with objective.dflash.init_from"
+                   if "init_from" in shaped else ""),
             )
         )
     if model.arch != "qwen3":

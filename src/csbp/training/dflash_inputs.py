@@ -9,6 +9,8 @@ target's ``config.json`` only (no weights) and checks, with one-line ``ValueErro
 * the ``[M]`` id (``objective.mask_token_id``, else the artifact's mask token) is a target row;
 * the drafter (``DFlashConfig.from_target``: ``objective.block_size``, ``objective.dflash``) and the
   target agree (``validate_drafter_target``), and the loss options form a ``DFlashObjectiveConfig``;
+* a drafter to start from (``objective.dflash.init_from``) has that drafter's architecture and readable
+  safetensors weights (:mod:`csbp.training.dflash_init`);
 * every row of the training (and validation) split has a valid anchor (``validate_anchor_coverage``);
 * an offline feature store (``objective.dflash.features``) belongs to this target (its config and
   the fingerprint of its weight files, read in full once per process), these layers and the
@@ -34,6 +36,7 @@ from csbp.dflash.features import FeatureStore, open_features, recorded_layer_ids
 from csbp.dflash.target_fingerprint import checkpoint_fingerprint
 from csbp.models.config import DecoderConfig
 from csbp.models.hf_io import decoder_config_from_hf, read_json_object
+from csbp.training.dflash_init import check_init_drafter
 from csbp.training.input_hints import checkpoint_directory_fix
 from csbp.training.mask_data import run_mask_token
 
@@ -54,6 +57,8 @@ class DFlashInputs:
         drafter_config: the drafter's architecture.
         objective: the DFlash loss options.
         features_dir: the offline feature store of the training split, or None (online capture).
+        init_dir: the drafter directory the weights start from (``objective.dflash.init_from``), or None
+            (a seeded random drafter).
         layer_ids_configured: the config names ``target_layer_ids`` (False: the drafter's are the default).
     """
 
@@ -63,6 +68,7 @@ class DFlashInputs:
     objective: DFlashObjectiveConfig
     features_dir: Path | None
     layer_ids_configured: bool = False
+    init_dir: Path | None = None
 
     def feature_store(self, train_split: ArtifactSplit) -> FeatureStore | None:
         """The opened, validated feature store of ``train_split`` (None without one)."""
@@ -137,6 +143,7 @@ def check_dflash_inputs(
         lambda: validate_drafter_target(drafter_config, target_config),
         "train the drafter against the target it was configured for",
     )
+    init_dir = check_init_drafter(cfg, drafter_config, target_dir)
     objective = _field(
         "objective.dflash",
         lambda: objective_config_for(section, cfg.objective.ce_chunk_rows),
@@ -158,6 +165,7 @@ def check_dflash_inputs(
         objective=objective,
         features_dir=Path(section.features) if section.features is not None else None,
         layer_ids_configured=section.target_layer_ids is not None,
+        init_dir=init_dir,
     )
     inputs.feature_store(artifact.split("train"))
     return inputs

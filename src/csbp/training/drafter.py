@@ -3,7 +3,9 @@
 The target is loaded from its local checkpoint directory (``load_hf_checkpoint``; safetensors only)
 in the run's master dtype and frozen; the drafter holds it by reference, so the drafter's
 ``parameters()`` (what AdamW, gradient averaging and the checkpoints see) are the drafter's own.
-The drafter's weights are drawn by ``DFlashDrafter(..., seed=run.seed)``.
+The drafter's weights are drawn by ``DFlashDrafter(..., seed=run.seed)``, or, with
+``objective.dflash.init_from``, are that drafter directory's (:mod:`csbp.training.dflash_init`; a resume
+then restores its checkpoint's over them).
 
 ``final/`` is the public DFlash drafter format (``export_dflash``: ``config.json`` with
 ``architectures: ["DFlashDraftModel"]`` and the run's context convention under ``csbp_training``,
@@ -23,13 +25,17 @@ from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.export import export_dflash, recorded_max_positions
 from csbp.dflash.target_record import target_record
 from csbp.models.hf_io import load_hf_checkpoint
+from csbp.training.dflash_init import load_init_weights
 from csbp.training.dflash_inputs import DFlashInputs
 from csbp.training.export_tokenizer import ExportTokenizer
 from csbp.training.model_factory import export_dtype, master_dtype
 
 
-def build_drafter(cfg: RunConfig, inputs: DFlashInputs, *, device: torch.device) -> DFlashDrafter:
-    """The seeded drafter in its master dtype on ``device``, attached to the frozen target."""
+def build_drafter(
+    cfg: RunConfig, inputs: DFlashInputs, *, device: torch.device, resume: bool = False
+) -> DFlashDrafter:
+    """The seeded drafter in its master dtype on ``device``, attached to the frozen target; with
+    ``objective.dflash.init_from`` (and not ``resume``, whose checkpoint replaces them) its weights."""
     dtype = master_dtype(cfg)
     target, loaded = load_hf_checkpoint(inputs.target_dir, dtype=dtype, device=device)
     if loaded != inputs.target_config:
@@ -38,7 +44,10 @@ def build_drafter(cfg: RunConfig, inputs: DFlashInputs, *, device: torch.device)
             "(fix: do not modify the target during training)"
         )
     target.eval()
-    return DFlashDrafter(inputs.drafter_config, target=target, dtype=dtype, device=device, seed=cfg.run.seed)
+    drafter = DFlashDrafter(inputs.drafter_config, target=target, dtype=dtype, device=device, seed=cfg.run.seed)
+    if inputs.init_dir is not None and not resume:
+        load_init_weights(drafter, inputs.init_dir)
+    return drafter
 
 
 def export_drafter(

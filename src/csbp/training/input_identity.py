@@ -1,6 +1,6 @@
 """Content fingerprints of the directories a run reads by path (``model.init_from``,
-``objective.dflash.target``, ``objective.dflash.features``), so ``--resume`` recognises a moved
-copy and refuses a different one, at another path or overwritten in place at the same path.
+``objective.dflash.target``, ``objective.dflash.features``, ``objective.dflash.init_from``), so
+``--resume`` recognises a moved copy and refuses a different one, at another path or overwritten in place at the same path.
 
 A checkpoint records ``{field: fingerprint}`` in ``trainer_state.json`` (``input_fingerprints``);
 a resume whose config names another path for that field is accepted when the new directory has
@@ -24,7 +24,9 @@ from typing import Any
 #: bytes read from each end of every file
 SAMPLE_BYTES = 1 << 20
 #: the dotted config fields naming a directory whose contents define the run
-IDENTIFIED_BY_CONTENT = ("model.init_from", "objective.dflash.target", "objective.dflash.features")
+IDENTIFIED_BY_CONTENT = (
+    "model.init_from", "objective.dflash.target", "objective.dflash.features", "objective.dflash.init_from"
+)
 
 
 def directory_fingerprint(directory: Path) -> str | None:

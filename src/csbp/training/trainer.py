@@ -209,7 +209,7 @@ def _train(
 
     model: torch.nn.Module
     if inputs.dflash is not None:
-        model = build_drafter(cfg, inputs.dflash, device=device)
+        model = build_drafter(cfg, inputs.dflash, device=device, resume=resume)
         compile_layers(model.layers, cfg.train.compile)
         compile_layers(model.target.layers, cfg.train.compile)  # the frozen target's feature pass
         checkpoint_layers(model.layers, cfg.train.activation_checkpointing, ctx.counter)
