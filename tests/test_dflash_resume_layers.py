@@ -113,8 +113,9 @@ def test_resume_refuses_other_ids_than_the_checkpoint_recorded(
     assert message == (
         f"{LAYER_IDS_FIELD}: checkpoint {checkpoint} (step 2) was trained with target_layer_ids [1, 3, 4], this "
         "run resolves [1, 2, 4] (the default for 7 target layers x 3 draft layers); the drafter's fc weights would "
-        f"read other target layers (fix: set {LAYER_IDS_FIELD}: [1, 3, 4] to resume, or start a new run directory "
-        "(a DFlash drafter always trains from its own initialisation))"
+        f"read other target layers (fix: set {LAYER_IDS_FIELD}: [1, 3, 4] to resume, or start a new run directory, "
+        "from scratch or, for the same drafter architecture, from an export of this one: csbp dflash export "
+        "--run-dir RUN --out DIR, then objective.dflash.init_from: DIR)"
     )
     check_run(resumed(inputs, **{LAYER_IDS_FIELD: OLD}), run_dir=run_dir, resume=True)
     message = one_line_error(lambda: check_run(resumed(inputs, **{LAYER_IDS_FIELD: [0, 2, 4]}), run_dir=run_dir,

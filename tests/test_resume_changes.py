@@ -229,9 +229,10 @@ def test_a_directory_fingerprint_reads_only_both_ends_of_each_file(tmp_path: Pat
     assert directory_fingerprint(tmp_path / "none") is None
 
 
-def test_a_refused_dflash_resume_does_not_offer_model_init_from() -> None:
+def test_a_refused_dflash_resume_offers_objective_dflash_init_from() -> None:
     # The fix line offered `csbp export RUN --out DIR, then model.init_from: DIR`, but csbp export
-    # refuses a drafter checkpoint and a dflash config refuses model.init_from: a dead end.
+    # refuses a drafter checkpoint and a dflash config refuses model.init_from: a dead end. A drafter
+    # export starts a new run through objective.dflash.init_from (tests/test_dflash_init_from.py).
     import yaml
 
     from csbp.config import config_from_dict
@@ -241,9 +242,11 @@ def test_a_refused_dflash_resume_does_not_offer_model_init_from() -> None:
     saved = config_from_dict(with_changes(dflash_changes()))
     changed = config_from_dict(with_changes(dflash_changes() | {"objective.dflash.conv_kernel_size": 2}))
     with pytest.raises(ValueError, match=r"objective\.dflash\.conv_kernel_size: .*fix: set objective\.dflash\."
-                       r"conv_kernel_size: 0 to resume, or start a new run directory \(a DFlash") as caught:
+                       r"conv_kernel_size: 0 to resume, or start a new run directory, from scratch or, for the same drafter "
+                       r"architecture, from an export of this one: "
+                       r"csbp dflash export --run-dir RUN --out DIR, then objective\.dflash\.init_from: DIR\)$") as caught:
         resume_changes(yaml.safe_dump(saved.model_dump(mode="json")), changed, Path("ckpt"), 2)
-    assert "init_from" not in str(caught.value)
+    assert "model.init_from" not in str(caught.value)
 
 
 def test_chunking_capture_and_validation_size_may_change_on_resume() -> None:

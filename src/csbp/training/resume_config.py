@@ -7,7 +7,7 @@ process starts (:func:`resume_changes`):
 * **layout and bookkeeping** (every ``topology`` field but ``window``, ``attention``, process
   counts, FSDP, activation checkpointing, logging/evaluation/checkpoint cadence, timeouts, the run's
   name and directory, where the data and tokenizer files live (their contents are fingerprinted),
-  where ``model.init_from`` and the DFlash target and feature store live when the moved directory
+  where ``model.init_from``, the DFlash target, feature store and ``init_from`` drafter live when the moved directory
   has the fingerprint the checkpoint recorded (:mod:`csbp.training.input_identity`; the same path
   is fingerprinted too, so a directory overwritten in place is refused),
   ``data.val``, ``model.dtype`` of the export): free. A layout change is exact (every layout
@@ -77,8 +77,11 @@ APPLIED = (
 TRAIN_RESTART = (
     "start a new run directory from an export of it: csbp export RUN --out DIR, then model.init_from: DIR"
 )
-#: the same for a dflash run, whose drafter cannot start from an export (model.init_from is refused there)
-DFLASH_TRAIN_RESTART = "start a new run directory (a DFlash drafter always trains from its own initialisation)"
+#: the same for a dflash run, whose drafter starts from an export through objective.dflash.init_from
+DFLASH_TRAIN_RESTART = (
+    "start a new run directory, from scratch or, for the same drafter architecture, from an export of this one: "
+    "csbp dflash export --run-dir RUN --out DIR, then objective.dflash.init_from: DIR"
+)
 
 #: fields compared as the run resolves them, not as configured (unset: a default that may have changed)
 COMPARED_RESOLVED = ("objective.dflash.target_layer_ids",)  # csbp.training.dflash_layers
