@@ -19,6 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from csbp.cli.config_cmd import missing_path_notes
 from csbp.cli.main import main
 from csbp.data import open_artifact
 from csbp.dflash.config import DFlashConfig
@@ -222,3 +223,9 @@ def test_model_init_from_points_a_dflash_run_at_objective_dflash_init_from(
     message = one_line_error(lambda: dflash_config(*inputs, **{"model.init_from": str(exported[1])}))
     assert "init_from do not apply to a dflash drafter" in message
     assert message.endswith("; a drafter starts from a drafter directory with objective.dflash.init_from)")
+
+
+def test_config_validate_notes_a_missing_init_from_directory(inputs: tuple[Path, Path], tmp_path: Path) -> None:
+    """``csbp config validate`` notes a missing ``init_from`` as it notes a missing target."""
+    cfg = dflash_config(*inputs, **{INIT: str(tmp_path / "gone")})
+    assert f"{INIT} does not exist: {tmp_path / 'gone'}" in missing_path_notes(cfg)

@@ -203,6 +203,7 @@ def missing_path_notes(cfg: RunConfig) -> list[str]:
         "data.tokenizer": cfg.data.tokenizer,
         "model.init_from": cfg.model.init_from,
         "objective.dflash.target": cfg.objective.dflash.target if cfg.objective.dflash else None,
+        "objective.dflash.init_from": cfg.objective.dflash.init_from if cfg.objective.dflash else None,
     }
     from csbp.training.input_hints import artifact_under_cwd, is_checkpoint, missing_input_hint
 
