@@ -229,3 +229,21 @@ def test_config_validate_notes_a_missing_init_from_directory(inputs: tuple[Path,
     """``csbp config validate`` notes a missing ``init_from`` as it notes a missing target."""
     cfg = dflash_config(*inputs, **{INIT: str(tmp_path / "gone")})
     assert f"{INIT} does not exist: {tmp_path / 'gone'}" in missing_path_notes(cfg)
+
+
+def test_a_bfloat16_drafter_with_remote_code_fields_starts_upcast(
+    inputs: tuple[Path, Path], exported: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """As released drafters are stored: bfloat16 weights, and an ``auto_map`` naming a modeling file that is
+    not there (it is never imported); the step-0 weights are the stored ones in float32."""
+    artifact, target = inputs
+    out = tmp_path / "bf16"
+    assert main(["dflash", "export", "--drafter", str(exported[1]), "--target", str(target), "--out", str(out),
+                 "--dtype", "bfloat16"]) == 0  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "dflash.DFlashDraftModel"}
+    (out / "config.json").write_text(json.dumps(config))
+    start, stored = step0_weights(dflash_config(artifact, target, **{INIT: str(out)})), stored_weights(out)
+    assert all(t.dtype == torch.bfloat16 for t in stored.values())
+    for name, tensor in stored.items():
+        assert start[name].dtype == torch.float32 and torch.equal(start[name], tensor.float()), name
