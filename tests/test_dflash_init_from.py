@@ -26,10 +26,19 @@ from csbp.dflash.config import DFlashConfig
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.export import csbp_name, export_dflash
 from csbp.models.hf_io import load_hf_checkpoint
+from csbp.parallel.launch import run_local
 from csbp.training import train
 from csbp.training.drafter import build_drafter
 from csbp.training.preflight import check_run
-from test_training_dflash import dflash_config, dflash_dict, export_target, one_line_error
+from test_training_dflash import (
+    ALL_ANCHORS,
+    LAYOUTS,
+    ONE_STEP,
+    dflash_config,
+    dflash_dict,
+    export_target,
+    one_line_error,
+)
 from test_training_run import make_artifact, metric_rows
 
 INIT = "objective.dflash.init_from"
@@ -247,3 +256,22 @@ def test_a_bfloat16_drafter_with_remote_code_fields_starts_upcast(
     assert all(t.dtype == torch.bfloat16 for t in stored.values())
     for name, tensor in stored.items():
         assert start[name].dtype == torch.float32 and torch.equal(start[name], tensor.float()), name
+
+
+def _fused_run(rank: int, world: int, artifact: Path, target: Path, drafter_dir: Path, root: Path) -> float | None:
+    layout = LAYOUTS["dp2_cp2_bp2"]
+    summary = train(dflash_config(artifact, target, **ONE_STEP, **layout, **{INIT: str(drafter_dir)}), run_dir=root)
+    return summary.first_loss if rank == 0 else None
+
+
+def test_every_rank_of_a_fused_layout_starts_from_the_drafter(
+    inputs: tuple[Path, Path], exported: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """dp2 x cp2 x bp2 on 4 gloo processes takes the first step of one process from the same drafter."""
+    artifact, target = inputs
+    parallel = run_local(_fused_run, 4, (artifact, target, exported[1], tmp_path / "fused"), timeout_s=240)[0]
+    single = train(dflash_config(artifact, target, **ONE_STEP, **ALL_ANCHORS, **{INIT: str(exported[1])}),
+                   run_dir=tmp_path / "single")  # fmt: skip
+    scratch = train(dflash_config(artifact, target, **ONE_STEP, **ALL_ANCHORS), run_dir=tmp_path / "scratch")
+    assert parallel == pytest.approx(single.first_loss, abs=1e-5)
+    assert abs(single.first_loss - scratch.first_loss) > 1e-3  # the drafter's loss, not a seeded one
