@@ -95,7 +95,7 @@ def test_the_cumulative_sum_and_the_uniforms_resolve_below_float32s_rounding() -
     a float32 cumulative sum (0.5 + 2**-30 rounds to 0.5), and a float32 uniform (24 bits) cannot land in
     its interval; the float64 sum and uniforms keep it drawable."""
     probs_RV = torch.tensor([[0.5, 2.0**-30, 0.25, 0.25]], dtype=torch.float32)
-    assert _invert_cdf(probs_RV, torch.tensor([0.5], dtype=torch.float64)).tolist() == [1]
+    assert invert_cdf(probs_RV, torch.tensor([0.5], dtype=torch.float64)).tolist() == [1]
     uniforms_R = draw_uniforms(64, torch.Generator().manual_seed(0))
     assert uniforms_R.dtype == torch.float64
     assert not torch.equal(uniforms_R, uniforms_R.float().double())  # finer than float32's grid
