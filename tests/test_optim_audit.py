@@ -95,3 +95,29 @@ def test_the_clipping_norm_of_float32_gradients_is_summed_in_float64() -> None:
     assert clip_gradients([param], None) == pytest.approx(exact, rel=1e-12)
     reference = float(torch.linalg.vector_norm(grad.to(torch.float64)))
     assert clip_gradients([param], None) == pytest.approx(reference, rel=1e-12)
+
+
+def test_lr_multiplier_linear_and_warmup_stable_decay() -> None:
+    """``linear`` falls in equal steps to ``min_lr_ratio``; ``wsd`` holds the peak rate until the last
+    ``decay_fraction`` of the post-warm-up steps, then falls linearly to the same end."""
+    kwargs = {"warmup_steps": 2, "max_steps": 12, "min_lr_ratio": 0.1}
+    linear = [lr_multiplier(k, schedule="linear", **kwargs) for k in range(2, 13)]
+    assert linear == pytest.approx([1.0 - 0.09 * i for i in range(11)], abs=1e-12)
+    wsd = [lr_multiplier(k, schedule="wsd", decay_fraction=0.3, **kwargs) for k in range(13)]
+    # progress p = (k - 2) / 10: stable while 1 - p >= 0.3 (k <= 9), then 0.1 + 0.9 * (1 - p) / 0.3
+    assert wsd[:2] == [0.5, 1.0] and wsd[2:10] == [1.0] * 8
+    assert wsd[10:] == pytest.approx([0.1 + 0.9 * (0.2 / 0.3), 0.1 + 0.9 * (0.1 / 0.3), 0.1], abs=1e-12)
+    assert lr_multiplier(100, schedule="wsd", decay_fraction=0.3, **kwargs) == pytest.approx(0.1, abs=1e-12)
+    assert lr_multiplier(2, schedule="wsd", decay_fraction=1.0, **kwargs) == 1.0  # all decay: linear
+    assert lr_multiplier(7, schedule="wsd", decay_fraction=1.0, **kwargs) == pytest.approx(
+        lr_multiplier(7, schedule="linear", **kwargs), abs=1e-12)
+    with pytest.raises(ValueError, match="decay_fraction"):
+        lr_multiplier(5, schedule="wsd", decay_fraction=0.0, **kwargs)
+    with pytest.raises(ValueError, match="optim.schedule='step'"):
+        lr_multiplier(5, schedule="step", **kwargs)
+
+
+def test_the_config_carries_the_wsd_decay_fraction_to_the_scheduler() -> None:
+    optim = OptimSection(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.5)
+    # p = 0, 1/4, 1/2, 3/4: decays over the last half
+    assert learning_rates(optim, max_steps=4) == pytest.approx([1.0, 1.0, 1.0, 0.5])
