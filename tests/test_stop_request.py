@@ -111,3 +111,11 @@ def test_csbp_train_on_two_processes_stops_on_sigusr1_and_resumes(artifact: Path
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
     assert f"steps       {step} -> {step + 1} of 100000" in resumed.stdout
+
+
+def test_sigusr1_during_the_last_step_finishes_the_run(artifact: Path, tmp_path: Path) -> None:
+    # nothing is left to resume after the last step: a stop there would refuse its own --resume
+    summary = train(tiny_config(artifact, **{"train.max_steps": 3, "train.save_every": 0, "train.eval_every": 0}),
+                    run_dir=tmp_path / "run", hook=_SignalDuring(3))
+    assert not summary.stopped_by_signal and summary.end_step == 3
+    assert summary.final_dir is not None and (tmp_path / "run" / "final").is_dir()

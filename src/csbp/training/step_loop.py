@@ -184,7 +184,9 @@ class StepLoop:
                 self.writer.message(step_line(record))
             self.last_step = step
             stop = self.hook is not None and self.hook.after_step(self, step, step_seconds)
-            if self.stop_request is not None and self.stop_request.agreed(self.ctx):  # every rank, every step
+            # agreed() on every rank, every step; a request during the last step stops nothing: the run
+            # finishes (final/, exit 0) rather than calling itself unfinished with nothing left to resume
+            if self.stop_request is not None and self.stop_request.agreed(self.ctx) and step < stop_step:
                 stop = self.stopped_by_signal = True
             if (train_cfg.save_every > 0 and step % train_cfg.save_every == 0) or step == stop_step or stop:
                 checkpoint = self._save(step)
