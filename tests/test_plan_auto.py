@@ -131,7 +131,7 @@ def test_topology_auto_under_your_own_torchrun_plans_for_its_processes(
 
     launched, teardown_skipped = [], []
     monkeypatch.setattr(train_cmd, "launch_training", lambda cfg, **kwargs: launched.append(cfg))
-    monkeypatch.setattr(train_cmd, "skip_teardown_at_exit", lambda: teardown_skipped.append(True))
+    monkeypatch.setattr(train_cmd, "skip_teardown_at_exit", lambda code=0: teardown_skipped.append(code == 0))
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_WORLD_SIZE", "2")):
         monkeypatch.setenv(name, value)
     argv = ["train", "demo", "--set", "topology=auto", "--set", "model.vocab_size=512", "--run-dir", str(tmp_path / "r")]

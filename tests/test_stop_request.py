@@ -119,3 +119,28 @@ def test_sigusr1_during_the_last_step_finishes_the_run(artifact: Path, tmp_path:
                     run_dir=tmp_path / "run", hook=_SignalDuring(3))
     assert not summary.stopped_by_signal and summary.end_step == 3
     assert summary.final_dir is not None and (tmp_path / "run" / "final").is_dir()
+
+
+def test_a_rank_under_your_own_torchrun_exits_75_after_a_stop(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torchrun rank registers an exit hook against gloo's teardown abort; it forced status 0, so
+    torchrun reported a SIGUSR1 stop as a finished run (exit 0) and a job script did not requeue it."""
+    from types import SimpleNamespace
+
+    from csbp.cli import train_cmd
+    from csbp.cli.main import main
+    from csbp.training.launcher import TORCHRUN_ENV
+
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps(config_dict(artifact)), encoding="utf-8")
+    codes: list[int] = []
+    stopped = SimpleNamespace(stopped_by_signal=True, format=lambda: "stopped")
+    monkeypatch.setattr(train_cmd, "launch_training", lambda cfg, **kwargs: stopped)
+    monkeypatch.setattr(train_cmd, "skip_teardown_at_exit", lambda code=0: codes.append(code))
+    for name in TORCHRUN_ENV:
+        monkeypatch.setenv(name, "0" if "RANK" in name else "1")
+    assert main(["train", str(config), "--run-dir", str(tmp_path / "r")]) == STOPPED_EXIT_CODE
+    assert codes == [STOPPED_EXIT_CODE]
+    code = f"from csbp.training.worker import skip_teardown_at_exit\nskip_teardown_at_exit({STOPPED_EXIT_CODE})\n"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == STOPPED_EXIT_CODE

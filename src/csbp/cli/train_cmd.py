@@ -117,11 +117,12 @@ def run_train(args: argparse.Namespace) -> int:
         return 1
     if summary is not None:
         print(summary.format())
+    # STOPPED_EXIT_CODE: checkpointed on SIGUSR1, not finished (csbp.training.stop_request)
+    code = STOPPED_EXIT_CODE if summary is not None and summary.stopped_by_signal else 0
     if inside_torchrun():
-        skip_teardown_at_exit()  # this rank succeeded: a gloo teardown abort must not fail the launch
-    if summary is not None and summary.stopped_by_signal:
-        return STOPPED_EXIT_CODE  # checkpointed on SIGUSR1, not finished (csbp.training.stop_request)
-    return 0
+        # this rank succeeded: a gloo teardown abort must not fail the launch (nor turn a stop's 75 into 0)
+        skip_teardown_at_exit(code)
+    return code
 
 
 def check_process_count_flags(args: argparse.Namespace) -> None:

@@ -101,14 +101,14 @@ def _leave_now(code: int) -> None:
     os._exit(code)
 
 
-def skip_teardown_at_exit() -> None:
-    """End this process with exit code 0 as soon as the interpreter starts to exit.
+def skip_teardown_at_exit(code: int = 0) -> None:
+    """End this process with exit code ``code`` (0; 75 for a ``SIGUSR1`` stop) as soon as the interpreter starts to exit.
 
     A known PyTorch bug aborts a fraction of gloo processes during interpreter teardown after a
     clean ``destroy_process_group`` (see ``csbp.parallel.launch``); torch elastic or torchrun would
     report that abort as a failed worker. Call it only after a successful run, in a process whose
     exit code must be 0 (an elastic worker whose result the agent has read, or ``csbp train`` under
-    torchrun): the atexit hook flushes the standard streams and calls ``os._exit(0)``.
+    torchrun): the atexit hook flushes the standard streams and calls ``os._exit(code)``.
     """
 
-    atexit.register(_leave_now, 0)
+    atexit.register(_leave_now, code)
