@@ -121,3 +121,17 @@ def test_the_config_carries_the_wsd_decay_fraction_to_the_scheduler() -> None:
     optim = OptimSection(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.5)
     # p = 0, 1/4, 1/2, 3/4: decays over the last half
     assert learning_rates(optim, max_steps=4) == pytest.approx([1.0, 1.0, 1.0, 0.5])
+
+
+def test_a_schedule_setting_the_schedule_never_reads_is_refused() -> None:
+    """``optim.decay_fraction`` without ``wsd`` (or ``min_lr_ratio`` with ``constant``) trained on a schedule
+    that ignores it, silently; csbp refuses such settings (``objective.clip_search_delta`` without widths)."""
+    from csbp.config import ConfigError, config_from_dict
+
+    with pytest.raises((ConfigError, ValueError), match="decay_fraction: has no effect with schedule cosine"):
+        config_from_dict({"model": {}, "optim": {"lr": 1e-3, "decay_fraction": 0.5}, "train": {"max_steps": 4}})
+    with pytest.raises((ConfigError, ValueError), match="min_lr_ratio: has no effect with schedule constant"):
+        config_from_dict({"model": {}, "optim": {"lr": 1e-3, "schedule": "constant", "min_lr_ratio": 0.0},
+                          "train": {"max_steps": 4}})
+    assert OptimSection(lr=1e-3, schedule="wsd", decay_fraction=0.5).decay_fraction == 0.5
+    assert OptimSection(lr=1e-3, schedule="linear", min_lr_ratio=0.0).min_lr_ratio == 0.0

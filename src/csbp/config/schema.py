@@ -380,6 +380,21 @@ class OptimSection(_Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_inert(self) -> OptimSection:
+        # a setting the schedule never reads is refused, as objective.clip_search_delta without widths is:
+        # a decay_fraction with cosine (or a floor with constant) silently trained on another schedule
+        violations = []
+        if self.schedule != "wsd" and self.decay_fraction != 0.2:
+            violations.append(("decay_fraction", f"has no effect with schedule {self.schedule} (wsd reads it)",
+                               "set optim.schedule: wsd, or remove optim.decay_fraction"))
+        if self.schedule == "constant" and self.min_lr_ratio != 0.1:
+            violations.append(("min_lr_ratio", "has no effect with schedule constant (the lr never decays)",
+                               "set optim.schedule: cosine, linear or wsd, or remove optim.min_lr_ratio"))
+        if violations:
+            raise ConfigRuleError(violations)
+        return self
+
 
 class TrainSection(_Section):
     """Training loop: steps, batch, precision, logging, evaluation and checkpoints."""
