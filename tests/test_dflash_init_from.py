@@ -275,3 +275,21 @@ def test_every_rank_of_a_fused_layout_starts_from_the_drafter(
     scratch = train(dflash_config(artifact, target, **ONE_STEP, **ALL_ANCHORS), run_dir=tmp_path / "scratch")
     assert parallel == pytest.approx(single.first_loss, abs=1e-5)
     assert abs(single.first_loss - scratch.first_loss) > 1e-3  # the drafter's loss, not a seeded one
+
+
+def test_a_run_directory_or_a_drafter_under_the_working_directory_is_named(
+    inputs: tuple[Path, Path], exported: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dflash run directory names its final/; a relative init_from in a config in a subdirectory names the
+    drafter at that path under the working directory (model.init_from's fix and note do; this one said only
+    'point it at a csbp dflash export directory')."""
+    run_dir, drafter_dir = exported
+    message = one_line_error(lambda: check_run(dflash_config(*inputs, **{INIT: str(run_dir)})))
+    assert message.endswith(f"(fix: it is a run directory: use its export, {run_dir / 'final'})")
+    shutil.copytree(drafter_dir, tmp_path / "drafter")
+    monkeypatch.chdir(tmp_path)
+    written = tmp_path / "configs" / "drafter"  # what `init_from: drafter` in configs/run.yaml resolves to
+    message = one_line_error(lambda: check_run(dflash_config(*inputs, **{INIT: str(written)})))
+    assert message.endswith(f"set {INIT}: {tmp_path / 'drafter'})")
+    notes = missing_path_notes(dflash_config(*inputs, **{INIT: str(written)}))
+    assert f"{INIT} does not exist: {written} (but {tmp_path / 'drafter'} is a drafter directory" in notes[0]

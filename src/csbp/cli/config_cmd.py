@@ -213,10 +213,11 @@ def missing_path_notes(cfg: RunConfig) -> list[str]:
             if field in ("data.train", "data.val"):  # artifacts, which csbp data prepare may still make
                 notes.append(f"{field} does not exist yet: {value}{missing_input_hint(Path(value))}")
                 continue
-            nearby = artifact_under_cwd(Path(value), is_checkpoint) if field == "model.init_from" else None
+            checkpoint = field in ("model.init_from", "objective.dflash.init_from")
+            nearby = artifact_under_cwd(Path(value), is_checkpoint) if checkpoint else None
+            what = "a HF checkpoint" if field == "model.init_from" else "a drafter"
             hint = "" if nearby is None else (
-                f" (but {nearby} is a HF checkpoint directory: relative paths resolve against the config file's "
-                "directory)"
+                f" (but {nearby} is {what} directory: relative paths resolve against the config file's directory)"
             )
             notes.append(f"{field} does not exist: {value}{hint}")  # not made by csbp here: no "yet"
     return notes

@@ -31,6 +31,7 @@ from csbp.dflash.config import DFlashConfig, describe_rope, same_rope
 from csbp.dflash.drafter import DFlashDrafter
 from csbp.dflash.export import dflash_config_from_hf, drafter_tensors
 from csbp.models.hf_io import read_json_object, read_safetensors_file
+from csbp.training.input_hints import checkpoint_directory_fix
 
 FIELD = "objective.dflash.init_from"
 WEIGHTS = "model.safetensors"
@@ -75,10 +76,13 @@ def check_init_drafter(cfg: RunConfig, run: DFlashConfig, target_dir: Path) -> P
         return None
     directory = Path(section.init_from)
     config_file = directory / "config.json"
+    # the fix names a run's final/ or a drafter at the same relative path under the working directory
+    # (a config in a subdirectory), as model.init_from's does
     if not directory.is_dir():
-        raise ValueError(f"{FIELD}: {directory} does not exist (fix: {_FIX})")
+        raise ValueError(f"{FIELD}: {directory} does not exist (fix: {checkpoint_directory_fix(directory, _FIX, FIELD)})")
     if not config_file.is_file():
-        raise ValueError(f"{FIELD}: {directory} is not a DFlash drafter directory (no config.json) (fix: {_FIX})")
+        raise ValueError(f"{FIELD}: {directory} is not a DFlash drafter directory (no config.json) "
+                         f"(fix: {checkpoint_directory_fix(directory, _FIX, FIELD)})")
     try:
         drafter = dflash_config_from_hf(read_json_object(config_file))
     except ValueError as exc:
