@@ -144,3 +144,27 @@ def test_a_rank_under_your_own_torchrun_exits_75_after_a_stop(
     assert codes == [STOPPED_EXIT_CODE]
     code = f"from csbp.training.worker import skip_teardown_at_exit\nskip_teardown_at_exit({STOPPED_EXIT_CODE})\n"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == STOPPED_EXIT_CODE
+
+
+def test_sigusr1_during_start_up_or_the_export_does_not_end_the_process(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside the step loop SIGUSR1 had its default action: the process died silently (status 138), at
+    start-up (a resume's load) or during the final export, which it left unwritten."""
+    from csbp.training import trainer
+
+    def signalled(function):
+        def wrapper(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.05)
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(trainer, "finish_on_rank0", signalled(trainer.finish_on_rank0))
+    changes = {"train.max_steps": 2, "train.save_every": 0, "train.eval_every": 0}
+    finished = train(tiny_config(artifact, **changes), run_dir=tmp_path / "run")
+    assert not finished.stopped_by_signal and finished.final_dir is not None  # the export was written
+    monkeypatch.setattr(trainer, "check_run", signalled(trainer.check_run))
+    stopped = train(tiny_config(artifact, **{**changes, "train.max_steps": 4}), run_dir=tmp_path / "run", resume=True)
+    assert stopped.stopped_by_signal and stopped.end_step == 3  # the first step after the resume, checkpointed
+    assert stopped.checkpoint is not None and stopped.checkpoint.name == "step_0000003"

@@ -182,12 +182,16 @@ def train(
     ``lock_run_dir`` is False because the caller holds it (``csbp train``'s launcher does)."""
     run_dir = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
     device = training_device()  # selected before any process group is created
-    with train_run_dir_lock(run_dir, resume=resume, enabled=lock_run_dir):
-        return _train(cfg, run_dir, device, resume=resume, max_steps=max_steps, hook=hook)
+    request = StopRequest()
+    # SIGUSR1 is noted from start-up (a resume's load can take minutes) through the export: outside the
+    # step loop it ended the process by the signal's default action, silently, with no final/
+    with train_run_dir_lock(run_dir, resume=resume, enabled=lock_run_dir), stop_on_sigusr1(request):
+        return _train(cfg, run_dir, device, request, resume=resume, max_steps=max_steps, hook=hook)
 
 
 def _train(
-    cfg: RunConfig, run_dir: Path, device: torch.device, *, resume: bool, max_steps: int | None, hook: StepHook | None
+    cfg: RunConfig, run_dir: Path, device: torch.device, request: StopRequest, *, resume: bool, max_steps: int | None,
+    hook: StepHook | None,
 ) -> TrainSummary:
     stop_step = stop_step_of(cfg, max_steps)
     inputs = check_run(cfg, run_dir=run_dir, resume=resume, stop_step=stop_step)
@@ -256,7 +260,6 @@ def _train(
         if note is not None:
             writer.message(note)
     streak = SkipStreak(cfg.train.nan_policy, in_a_row=skips_in_a_row)
-    request = StopRequest()
     loop = StepLoop(
         cfg, inputs, ctx, runner, model, optimizer, scheduler, loader, writer, run_dir, device, hook, streak, average,
         request,
@@ -264,7 +267,7 @@ def _train(
     try:
         with collective_timeout(cfg.train.collective_timeout_s), named_out_of_memory(
             cfg, rank=ctx.coords.rank, device=device, step=lambda: loop.last_step
-        ), stop_on_sigusr1(request):
+        ):
             last_checkpoint = loop.run(start_step, stop_step, started)
         stop_step = loop.last_step
         final_dir, sample = None, None
