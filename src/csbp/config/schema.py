@@ -384,11 +384,11 @@ class OptimSection(_Section):
     def _check_inert(self) -> OptimSection:
         # a setting the schedule never reads is refused, as objective.clip_search_delta without widths is:
         # a decay_fraction with cosine (or a floor with constant) silently trained on another schedule
-        violations = []
-        if self.schedule != "wsd" and self.decay_fraction != 0.2:
+        violations, fields = [], type(self).model_fields
+        if self.schedule != "wsd" and self.decay_fraction != fields["decay_fraction"].default:
             violations.append(("decay_fraction", f"has no effect with schedule {self.schedule} (wsd reads it)",
                                "set optim.schedule: wsd, or remove optim.decay_fraction"))
-        if self.schedule == "constant" and self.min_lr_ratio != 0.1:
+        if self.schedule == "constant" and self.min_lr_ratio != fields["min_lr_ratio"].default:
             violations.append(("min_lr_ratio", "has no effect with schedule constant (the lr never decays)",
                                "set optim.schedule: cosine, linear or wsd, or remove optim.min_lr_ratio"))
         if violations:
