@@ -39,6 +39,9 @@ def test_temperature_zero_is_the_greedy_evaluation_unchanged(
     record = json.loads((tmp_path / "t0.json").read_text())
     assert (record["temperature"], record["top_k"], record["top_p"], record["seed"]) == (0.0, None, 1.0, 0)
     assert record["lossless"] is True and f"acceptance_length: {record['acceptance_length']:.3f}" == default[-1]
+    inputs = record["inputs"]  # what chose the prompts, so the record says how to run it again
+    assert inputs["data"] == str(workspace["artifact"]) and inputs["prompts"] is None and inputs["ignore_eos"]
+    assert (inputs["num_prompts"], inputs["prompt_len"], inputs["max_new_tokens"]) == (2, 8, 12)
 
 
 def test_a_positive_temperature_samples_reproducibly_and_records_its_settings(

@@ -158,7 +158,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--top-p", type=float_in(0, 1, low_open=True), default=1.0,
         help="nucleus mass both models keep, in (0, 1] (default 1; below 1 needs --temperature > 0)",
     )
-    ev.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the sampling generator (--temperature > 0)")
+    ev.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the sampling generator (--temperature > "
+                    "0); its low 32 bits seed it, so S and S + 2^32 draw alike, as in csbp generate")
     ev.add_argument("--json", type=output_file, default=None, help="also write the report to this JSON file")
     _device_args(ev)
     ev.set_defaults(func=run_eval)

@@ -57,6 +57,17 @@ def _check_eval_positions(target_dir: Path, prompts: Sequence[EvalPrompt], max_n
     )
 
 
+def _inputs_record(args: argparse.Namespace, eos_id: int | None) -> dict[str, object]:
+    """What chose the prompts and their length (with the target, drafter and settings, the run again)."""
+    return {
+        "data": None if args.data is None else str(args.data), "split": args.split,
+        "prompts": None if args.prompts is None else str(args.prompts),
+        "tokenizer": None if args.tokenizer is None else str(args.tokenizer),
+        "num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "context_lengths": args.context_lengths,
+        "max_new_tokens": args.max_new_tokens, "eos_id": eos_id, "ignore_eos": args.ignore_eos,
+    }
+
+
 def _eval_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[EvalPrompt], int | list[int] | None]:
     """The prompts of ``--data`` or ``--prompts`` and the stop id(s): ``--eos-id``; else the artifact's
     EOS for ``--data`` (what training validation stops at); else the tokenizer's EOS and every
@@ -200,7 +211,7 @@ def run_eval(args: argparse.Namespace) -> int:
     print(format_report(summary))
     if args.json is not None:
         record = {"target": str(args.target), "drafter": str(args.drafter), **summary_json(summary)}
-        write_json_atomic(args.json, {**record, "seed": args.seed})  # the seed given, used or not
+        write_json_atomic(args.json, {**record, "seed": args.seed, "inputs": _inputs_record(args, eos_id)})
     return 1 if summary.mismatches else 0
 
 
