@@ -48,6 +48,10 @@ examples:
   csbp train run.yaml --set optim.lr=1e-3 --max-steps 50
   csbp train run.yaml --run-dir runs/mine --resume        # continue from the latest checkpoint
   torchrun --nproc-per-node 8 -m csbp train run.yaml      # under your own launcher: this rank
+
+signals:
+  SIGUSR1 (a preemption notice, e.g. SLURM --signal=USR1@120): checkpoint after the current step and
+  exit 75, not finished (--resume continues it); SIGTERM and Ctrl-C end the run at once (143, 130)
 """
 
 
