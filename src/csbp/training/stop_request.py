@@ -11,8 +11,11 @@ they do ``SIGINT``: :func:`csbp.interrupts.children_hold_sigint`) relays it thro
 workers' private directory (:func:`request_stop_of_workers`); a rank that receives it itself (one
 process, a rank under your own ``torchrun``, a job scheduler signalling every process) notes it
 through the handler :func:`stop_on_sigusr1` installs. A step ends in one collective on every rank
-(:meth:`StopRequest.agreed`: the maximum of the ranks' notes), so they all stop after the same step,
-wherever the signal landed.
+(:meth:`StopRequest.agreed`: whether any rank noted one), so they all stop after the same step,
+wherever the signal landed. A rank listens from the start of :func:`csbp.training.trainer.train` (a
+request during start-up stops the run after its first step) through its export; a request during
+the last step lets the run finish (``final/``, exit 0), since nothing would be left to resume. Under
+your own ``torchrun`` every rank exits 75 (torchrun itself then reports a failed launch, 1).
 """
 
 from __future__ import annotations
